@@ -1,0 +1,215 @@
+"""One decode step of one MLA layer at long context: what the QK-norm scalar cache costs.
+
+Variants (all QK-normed ones use blockwise RMS):
+
+    full-key-qknorm      cache of normalized full keys and values, SDPA over them (the naive cache)
+    expand-qknorm        latent cache, every key re-expanded with W_UK each step (HF-style)
+    absorbed-mla         plain MLA, absorbed (the baseline every ratio is taken against)
+    absorbed-mla-qknorm  QK-normed MLA, absorbed, latent cache + one scalar per token and group
+
+A step is ``MLA.forward`` on one new token: projections, cache write, attention over the
+context, W_UV and o_proj. The context-dependent part alone is also timed (core-*): for the
+absorbed paths ``latent_attention``, for the expand path the re-expansion of every cached
+latent plus SDPA over the keys. At short contexts the projections' weights dominate a step
+and would hide any overhead in the core.
+
+Timing: every variant runs once per round, rounds interleave the variants (so drift hits all
+alike), and the median over rounds is reported. The cache is filled with random rows, and
+its lengths are restored after every step so each step sees the same context.
+
+    python benchmarks/bench_decode.py [--quick] [--preset deepseek-v3-tp8] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qkmla import MLA, FullKVCache, LatentCache, mla_preset
+from qkmla.attention.functional import latent_attention, sdpa
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("full-key-qknorm", "expand-qknorm", "absorbed-mla", "absorbed-mla-qknorm",
+            "core-expand-qknorm", "core-mla", "core-mla-qknorm")
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def filled(cache, context: int, rows: dict):
+    """Append ``context`` random tokens, as a prefill would, without running the model."""
+    cache.append(cache.plan(1, context), **rows)
+    return cache
+
+
+def setup(preset: str, context: int, dtype: torch.dtype, device: str):
+    """Modules and caches for every variant at one context length."""
+    torch.manual_seed(0)
+    cfg = mla_preset(preset)
+    qk = MLA(cfg).to(device=device, dtype=dtype).eval()
+    plain = MLA(cfg.replace(qk_norm=None)).to(device=device, dtype=dtype).eval()
+    capacity = context + 1
+    d_c, d_r, G = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_groups
+    latent = torch.randn(1, context, d_c + d_r, dtype=dtype, device=device)
+    inv_rms = torch.rand(1, context, G, dtype=dtype, device=device) + 0.5
+    kw = dict(dtype=dtype, device=device)
+    caches = {
+        "full-key-qknorm": filled(FullKVCache.from_config(cfg, 1, capacity, **kw), context, {
+            "k": torch.randn(1, context, G * cfg.qk_head_dim, dtype=dtype, device=device),
+            "v": torch.randn(1, context, G * cfg.v_head_dim, dtype=dtype, device=device)}),
+        "expand-qknorm": filled(LatentCache.from_config(cfg, 1, capacity, **kw), context,
+                                {"latent": latent, "inv_rms": inv_rms}),
+        "absorbed-mla": filled(LatentCache.from_config(plain.config, 1, capacity, **kw), context, {"latent": latent}),
+    }
+    caches["absorbed-mla-qknorm"] = caches["expand-qknorm"]  # same cache object, different path
+    x = torch.randn(1, 1, cfg.hidden_size, dtype=dtype, device=device)
+    q_lat = torch.randn(1, 1, cfg.num_heads, d_c, dtype=dtype, device=device)
+    q_rope = torch.randn(1, 1, cfg.num_heads, d_r, dtype=dtype, device=device)
+    q_full = torch.randn(1, 1, cfg.num_heads, cfg.qk_head_dim, dtype=dtype, device=device)
+
+    def step(module, cache, path="auto"):
+        lengths, max_len, uniform = cache.seqlens, cache.max_len, cache.uniform
+
+        def run():
+            module(x, cache, path=path)
+            cache.seqlens, cache.max_len, cache.uniform = lengths, max_len, uniform  # keep the context fixed
+        return run
+
+    lat = caches["expand-qknorm"].fields["latent"].read(context)
+    scal = caches["expand-qknorm"].fields["inv_rms"].read(context)
+    fns = {
+        "full-key-qknorm": step(qk, caches["full-key-qknorm"]),
+        "expand-qknorm": step(qk, caches["expand-qknorm"], "expand"),
+        "absorbed-mla": step(plain, caches["absorbed-mla"], "absorbed"),
+        "absorbed-mla-qknorm": step(qk, caches["absorbed-mla-qknorm"], "absorbed"),
+        "core-expand-qknorm": lambda: sdpa(q_full, *qk.expand_cache(lat, scal), cfg.scale),
+        "core-mla": lambda: latent_attention(q_lat, q_rope, lat, None, cfg.scale),
+        "core-mla-qknorm": lambda: latent_attention(q_lat, q_rope, lat, scal, cfg.scale),
+    }
+    for name in ("full-key-qknorm", "expand-qknorm", "absorbed-mla"):
+        c = caches[name]
+        assert c.nbytes == c.bytes_per_token * c.capacity  # measured allocation == formula
+    cache_of = {**caches, "core-mla": caches["absorbed-mla"], "core-mla-qknorm": caches["absorbed-mla-qknorm"],
+                "core-expand-qknorm": caches["expand-qknorm"]}
+    cache_bytes = {name: cache_of[name].bytes_per_token * context for name in VARIANTS}
+    return fns, cache_bytes
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> dict:
+    """Median seconds per call, variants interleaved round by round.
+
+    In every round each variant gets one untimed call first (a variant that follows one
+    that freed hundreds of MB would otherwise pay for page faults and cold caches), then
+    a few timed calls: as many as fit in ~30 ms, at least one. A slow variant stops after
+    3 rounds once it has spent ``budget_s``.
+    """
+    samples = {name: [] for name in fns}
+    per_call = {}
+    with torch.inference_mode():
+        for name, fn in fns.items():  # warm-up, and a first estimate of the cost
+            fn()
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            per_call[name] = time.perf_counter() - t0
+        for r in range(rounds):
+            for name, fn in fns.items():
+                if r >= 3 and sum(samples[name]) > budget_s:
+                    continue
+                fn()
+                for _ in range(max(1, min(20, int(0.03 / per_call[name])))):
+                    sync(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    sync(device)
+                    samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="contexts 1k and 4k, few rounds (a smoke run)")
+    p.add_argument("--preset", default="deepseek-v3-tp8")
+    p.add_argument("--contexts", type=int, nargs="*", help="context lengths (default 1k..32k)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/results/bench_decode_<device>.json)")
+    args = p.parse_args(argv)
+    contexts = args.contexts or ([1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768])
+    rounds = args.rounds or (5 if args.quick else 21)
+    dtype = getattr(torch, args.dtype)
+    info = machine()
+    print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads)"
+          f"{', ' + info['gpu'] if 'gpu' in info else ''}, torch {info['torch']}, {args.preset}, {args.dtype}")
+    print(f"{'context':>8} {'variant':<21}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
+    rows = []
+    for context in contexts:
+        fns, cache_bytes = setup(args.preset, context, dtype, args.device)
+        seconds = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
+        for name in VARIANTS:
+            base = "core-mla" if name.startswith("core") else "absorbed-mla"  # like against like
+            row = {"context": context, "variant": name, "seconds": seconds[name], "cache_bytes": cache_bytes[name],
+                   "ratio_to_mla": seconds[name] / seconds[base]}
+            rows.append(row)
+            print(f"{context:>8} {name:<21}{row['seconds']:>12.6f}{row['cache_bytes']:>14,}{row['ratio_to_mla']:>14.3f}")
+        del fns
+
+    def ratio(ctx, a, b):
+        by = {(r["context"], r["variant"]): r["seconds"] for r in rows}
+        return by[(ctx, a)] / by[(ctx, b)]
+
+    summary = {
+        "qknorm_over_mla_step": {c: ratio(c, "absorbed-mla-qknorm", "absorbed-mla") for c in contexts},
+        "qknorm_over_mla_core": {c: ratio(c, "core-mla-qknorm", "core-mla") for c in contexts},
+        "expand_over_absorbed_qknorm_step": {c: ratio(c, "expand-qknorm", "absorbed-mla-qknorm") for c in contexts},
+        "expand_over_absorbed_qknorm_core": {c: ratio(c, "core-expand-qknorm", "core-mla-qknorm") for c in contexts},
+        "full_key_cache_over_qknorm_latent_cache": rows[0]["cache_bytes"] / next(
+            r["cache_bytes"] for r in rows if r["variant"] == "absorbed-mla-qknorm"),
+    }
+    print("QK-norm / plain MLA, decode step:", {c: round(v, 3) for c, v in summary["qknorm_over_mla_step"].items()})
+    print("QK-norm / plain MLA, attention core:", {c: round(v, 3) for c, v in summary["qknorm_over_mla_core"].items()})
+    print("re-expanding keys / absorbed QK-norm, step:",
+          {c: round(v, 1) for c, v in summary["expand_over_absorbed_qknorm_step"].items()})
+    print("re-expanding keys / absorbed QK-norm, core:",
+          {c: round(v, 1) for c, v in summary["expand_over_absorbed_qknorm_core"].items()})
+    print(f"full-key cache / QK-normed latent cache bytes: {summary['full_key_cache_over_qknorm_latent_cache']:.2f}x")
+    out = args.out or HERE / "results" / f"bench_decode_{args.device}{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    out.write_text(json.dumps({"command": command.strip(), "machine": info, "preset": args.preset,
+                               "dtype": args.dtype, "device": args.device, "rounds": rounds,
+                               "rows": rows, "summary": summary}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

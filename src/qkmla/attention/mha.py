@@ -1,0 +1,83 @@
+"""MHA / GQA / MQA baselines with optional per-head QK norm (Qwen3 / OLMo 2 placement).
+
+q = x W_Q, k = x W_K, v = x W_V split into heads; with ``qk_norm`` each head's q and k go
+through one :class:`~qkmla.norms.ScalarNorm` (weights shared across heads) after the
+projection and before RoPE, as in Qwen3. Decoding caches the normalized, rotated keys and
+the values in a :class:`~qkmla.cache.FullKVCache`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..cache.full import FullKVCache
+from ..config import AttentionConfig
+from ..norms import ScalarNorm
+from ..rope import RotaryEmbedding
+from .functional import check_hidden, default_positions, sdpa
+
+
+class MultiHeadAttention(nn.Module):
+    """MHA (num_kv_heads = num_heads), GQA (between) or MQA (num_kv_heads = 1).
+
+    Examples:
+        >>> import torch
+        >>> from qkmla import AttentionConfig, FullKVCache, MultiHeadAttention
+        >>> cfg = AttentionConfig(num_heads=4, num_kv_heads=2, qk_norm="rms")
+        >>> attn = MultiHeadAttention(cfg)
+        >>> y = attn(torch.randn(1, 5, cfg.hidden_size))  # [1, 5, 64]
+    """
+
+    def __init__(self, config: AttentionConfig):
+        super().__init__()
+        if not isinstance(config, AttentionConfig):
+            raise ValueError(f"config: expected an AttentionConfig, got {type(config).__name__}")
+        self.config = c = config
+        d = c.dim_per_head
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
+        if c.qk_norm is not None:
+            self.q_norm = ScalarNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
+            self.k_norm = ScalarNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
+        self.rotary = RotaryEmbedding(d, c.rope_theta, c.rope_interleave)
+
+    @property
+    def scale(self):
+        return self.logit_scale if self.logit_scale is not None else self.config.scale
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """Normalized, rotated q [B, T, h, d], k [B, T, G, d] and v [B, T, G, d]."""
+        c = self.config
+        B, T = x.shape[:2]
+        q = self.q_proj(x).view(B, T, c.num_heads, -1)
+        k = self.k_proj(x).view(B, T, c.num_kv_heads, -1)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, -1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rotary(q, positions), self.rotary(k, positions), v
+
+    def forward(self, x: torch.Tensor, cache: Optional[FullKVCache] = None, *,
+                positions: Optional[torch.Tensor] = None, input_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T, hidden_size] -> [B, T, hidden_size]; arguments as in :meth:`qkmla.MLA.forward`."""
+        c = self.config
+        check_hidden(x, c.hidden_size, self.o_proj.weight.dtype)
+        if cache is None:
+            if input_lengths is not None:
+                raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
+            q, k, v = self.qkv(x, default_positions(x, positions))
+            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
+        if not isinstance(cache, FullKVCache):
+            raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")
+        cache.check_shape(c.num_kv_heads, c.dim_per_head, c.dim_per_head)
+        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        q, k, v = self.qkv(x, slot.positions)
+        k, v = cache.update(slot, k, v)
+        return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))

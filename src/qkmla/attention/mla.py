@@ -1,0 +1,344 @@
+"""Multi-head Latent Attention with post-up-projection QK normalization.
+
+One module, three ways to attend (MATH.md names throughout):
+
+* **explicit** (training, prefill): materialize q and k, normalize them, one
+  ``scaled_dot_product_attention`` call. Parameter names are DeepSeek's/HF's
+  (``q_a_proj``, ``kv_b_proj``, ...), so an HF state dict loads as is.
+* **absorbed** (decode): the query moves into latent space with both norm weights folded
+  in, q_lat = rho(q^C) (q^C ⊙ gamma_q^C ⊙ gamma_k^C) W_UK^T (gamma_k^C moves to the query
+  side because gamma_k ⊙ (c W_UK) = c W_UK diag(gamma_k)); the content score is
+  q_lat . c_j scaled by the cached key scalar r_{j,g}; values go through W_UV after
+  the softmax. The cache holds [c ; kh^R] and G scalars per token (:class:`LatentCache`).
+* **expand** (the HF-style baseline): read the latent cache and re-expand every key with
+  W_UK at every step.
+
+Absorbed weights are derived from ``kv_b_proj`` and the norm weights on first use and
+kept; they are recomputed whenever one of those parameters changes. The check uses each
+tensor's version counter (bumped by every in-place update: optimizer steps,
+``load_state_dict``, ``copy_``) and storage pointer (bumped by ``.to()``), so training
+then decoding needs no manual step. Call :meth:`MLA.refresh_absorbed` after changing a
+weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.full import FullKVCache
+from ..cache.latent import LatentCache
+from ..config import MLAConfig
+from ..norms import make_qk_norms
+from ..rope import RotaryEmbedding
+from .functional import check_hidden, default_positions, latent_attention, latent_scores, per_head, sdpa
+
+PATHS = ("auto", "explicit", "absorbed", "expand")
+
+
+@dataclass
+class AbsorbedWeights:
+    """Weights of the absorbed path, derived from ``kv_b_proj`` and the QK-norm weights.
+
+    w_uk: [G, d_n, d_c], W_UK^(g)^T per group (contiguous). It serves both GEMMs of a decode
+        step: the query's, q_lat = rho(q^C) · (q^C ⊙ gamma_qk) @ w_uk[g], and the cache
+        writer's, every group's content key of a token as c @ w_uk.view(G * d_n, d_c).T.
+        One copy of these weights is read per step, not two.
+    gamma_qk: [d_n], gamma_q^C ⊙ gamma_k^C, folded into the query before the GEMM
+        (O(h d_n) work); None for plain MLA.
+    w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
+    """
+
+    w_uk: torch.Tensor
+    gamma_qk: Optional[torch.Tensor]
+    w_uv: torch.Tensor
+
+
+class MLA(nn.Module):
+    """MLA attention layer with optional QK-norm (config: :class:`~qkmla.config.MLAConfig`).
+
+    Examples:
+        >>> import torch
+        >>> from qkmla import MLA, MLAConfig, LatentCache
+        >>> cfg = MLAConfig()                          # tiny, QK RMSNorm, blockwise
+        >>> mla = MLA(cfg).eval()
+        >>> x = torch.randn(2, 10, cfg.hidden_size)
+        >>> y = mla(x)                                 # explicit path, causal
+        >>> cache = LatentCache.from_config(cfg, batch_size=2, capacity=16)
+        >>> y_pre = mla(x[:, :9], cache)               # prefill writes the latent cache
+        >>> y_dec = mla(x[:, 9:], cache)               # absorbed decode step
+        >>> torch.allclose(y_dec, y[:, 9:], atol=1e-5)
+        True
+    """
+
+    def __init__(self, config: MLAConfig):
+        super().__init__()
+        if not isinstance(config, MLAConfig):
+            raise ValueError(f"config: expected an MLAConfig, got {type(config).__name__}")
+        self.config = c = config
+        bias = c.attention_bias
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = nn.RMSNorm(c.q_lora_rank, eps=c.latent_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = nn.RMSNorm(c.kv_lora_rank, eps=c.latent_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_kv_groups * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=bias)
+        self.q_norm, self.k_norm = make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                                 c.qk_norm_p, c.qk_norm_eps, c.qk_norm_mode)
+        self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
+        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave)
+        self._absorbed: Optional[AbsorbedWeights] = None
+        self._absorbed_key: Optional[tuple] = None
+
+    # -- shared pieces ----------------------------------------------------------------------
+
+    @property
+    def scale(self):
+        """tau: a float, or the learnable per-head scale [h]."""
+        return self.logit_scale if self.logit_scale is not None else self.config.scale
+
+    def _raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q^C [B, T, h, d_n], q~^R [B, T, h, d_r]) before any norm or RoPE."""
+        c = self.config
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
+        return q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c [B, T, d_c] after kv_a_layernorm, k~^R [B, T, 1, d_r] before norm and RoPE)."""
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], -1)
+        return self.kv_a_layernorm(c_kv), k_rope.unsqueeze(2)
+
+    # -- explicit path ----------------------------------------------------------------------
+
+    def explicit_query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Normalized, rotated q [B, T, h, d_n + d_r]."""
+        q_c, q_r = self._raw_query(x)
+        if self.q_norm is not None:
+            q_c, q_r = self.q_norm(q_c, q_r)
+        return torch.cat((q_c, self.rotary(q_r, positions)), dim=-1)
+
+    def explicit_qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """Materialized, normalized, rotated q [B, T, h, d_n + d_r], k [B, T, G, d_n + d_r], v [B, T, G, d_v]."""
+        c = self.config
+        q = self.explicit_query(x, positions)
+        c_kv, k_r = self._latent(x)
+        kv = self.kv_b_proj(c_kv).view(*x.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
+        k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        if self.k_norm is not None:
+            k_c, k_r = self.k_norm(k_c, k_r)  # unified: k_r picks up each group's scalar
+        k_r = self.rotary(k_r, positions).expand(*k_c.shape[:3], c.qk_rope_head_dim)
+        return q, torch.cat((k_c, k_r), dim=-1), v
+
+    # -- absorbed path ----------------------------------------------------------------------
+
+    def _absorb_sources(self) -> list[torch.Tensor]:
+        sources = [self.kv_b_proj.weight]
+        if self.q_norm is not None:
+            sources += [self.q_norm.content.weight, self.k_norm.content.weight]
+        return sources
+
+    def refresh_absorbed(self) -> AbsorbedWeights:
+        """Derive the absorbed weights from the current parameters (no autograd)."""
+        c = self.config
+        with torch.no_grad():
+            w = self.kv_b_proj.weight.detach().view(c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+            gamma_qk = None
+            if self.q_norm is not None:
+                gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
+            self._absorbed = AbsorbedWeights(w[:, :c.qk_nope_head_dim].contiguous(), gamma_qk,
+                                             w[:, c.qk_nope_head_dim:].contiguous())
+        self._absorbed_key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in self._absorb_sources())
+        return self._absorbed
+
+    @property
+    def absorbed(self) -> AbsorbedWeights:
+        """The absorbed weights, re-derived if a source parameter changed since last use."""
+        key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in self._absorb_sources())
+        if self._absorbed is None or key != self._absorbed_key:
+            return self.refresh_absorbed()
+        return self._absorbed
+
+    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""
+        return self._absorbed_query(*self._raw_query(x), positions)
+
+    def _absorbed_query(self, q_c, q_r, positions):
+        c = self.config
+        B, T = q_c.shape[:2]
+        absorbed = self.absorbed
+        q_w = q_c if absorbed.gamma_qk is None else q_c * absorbed.gamma_qk.to(q_c.dtype)  # both norm weights
+        # Each group's heads share one W_UK^(g): [B, T, G, h/G, d_n] x [G, d_n, d_c].
+        q_lat = torch.einsum("btgnd,gdc->btgnc", q_w.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1), absorbed.w_uk)
+        q_lat = q_lat.reshape(B, T, c.num_heads, c.kv_lora_rank)
+        if self.q_norm is not None:
+            sigma_c, sigma_r = self.q_norm.statistics(q_c, q_r)
+            q_lat = (q_lat * sigma_c).to(q_c.dtype)  # the query scalar rides on q_lat
+            q_r = self.q_norm.rope.scaled(q_r, sigma_r)
+        return q_lat, self.rotary(q_r, positions)
+
+    def cache_rows(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a :class:`LatentCache` stores for tokens x: ``latent`` [B, T, d_c + d_r] and,
+        with a QK norm, ``inv_rms`` [B, T, G].
+
+        The content keys c W_UK of these tokens are formed (one GEMM for all groups), reduced
+        to one scalar per group, and discarded.
+        """
+        return self._cache_rows(*self._latent(x), positions)
+
+    def _cache_rows(self, c_kv, k_r, positions):
+        c = self.config
+        rows = {}
+        if self.k_norm is not None:
+            w_uk = self.absorbed.w_uk
+            k_c = F.linear(c_kv, w_uk.view(-1, c.kv_lora_rank)).view(*c_kv.shape[:2], c.num_kv_groups, -1)
+            if self.k_norm.mode == "blockwise":
+                r = self.k_norm.content.statistic(k_c)
+                k_r = self.k_norm.rope(k_r)
+            else:  # one scalar for [k^C; k^R]; the RoPE key keeps only its weight
+                r, _ = self.k_norm.statistics(k_c, k_r)
+                k_r = k_r * self.k_norm.rope.weight.to(k_r.dtype)
+            rows["inv_rms"] = r.squeeze(-1)
+        k_r = self.rotary(k_r, positions).squeeze(2)
+        rows["latent"] = torch.cat((c_kv, k_r), dim=-1)
+        return rows
+
+    def _values_out(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o = o_lat W_UV^(g) per head, then o_proj. [B, T, h, d_c] -> [B, T, hidden]."""
+        c = self.config
+        B, T = o_lat.shape[:2]
+        o_lat = o_lat.reshape(B, T, c.num_kv_groups, c.heads_per_group, c.kv_lora_rank)
+        o = torch.einsum("btgnc,gvc->btgnv", o_lat, self.absorbed.w_uv.to(o_lat.dtype))
+        return self.o_proj(o.reshape(B, T, c.num_heads * c.v_head_dim))
+
+    # -- logits (the Appendix E test) --------------------------------------------------------
+
+    def logits(self, x: torch.Tensor, path: str = "explicit", positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal pre-softmax logits [B, h, T, T] of one sequence chunk (masked entries -inf).
+
+        ``path="explicit"`` dots materialized normalized keys; ``path="absorbed"`` writes the
+        chunk's cache rows and uses latent dot products scaled by the scalars.
+        """
+        check_hidden(x, self.config.hidden_size, self.o_proj.weight.dtype)
+        positions = default_positions(x, positions)
+        T = x.shape[1]
+        if path == "explicit":
+            q, k, _ = self.explicit_qkv(x, positions)
+            k = k.repeat_interleave(self.config.heads_per_group, dim=2)
+            acc = torch.promote_types(q.dtype, torch.float32)
+            s = torch.einsum("bthd,bshd->bths", q, k).to(acc) * per_head(self.scale, 1)
+        elif path == "absorbed":
+            q_lat, q_rope = self.absorbed_query(x, positions)
+            rows = self.cache_rows(x, positions)
+            s = latent_scores(q_lat, q_rope, rows["latent"], rows.get("inv_rms"), self.config.qk_norm_mode)
+            s = s * per_head(self.scale, 1)
+        else:
+            raise ValueError(f"path: expected 'explicit' or 'absorbed', got {path!r}")
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        return s.masked_fill(~causal[:, None, :], float("-inf")).transpose(1, 2)
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _check_cache(self, cache) -> None:
+        c = self.config
+        if isinstance(cache, LatentCache):
+            want_groups = c.num_kv_groups if c.qk_norm is not None else 0
+            got = (cache.kv_lora_rank, cache.qk_rope_head_dim, cache.num_kv_groups)
+            if got != (c.kv_lora_rank, c.qk_rope_head_dim, want_groups):
+                raise ValueError(
+                    f"cache: LatentCache(kv_lora_rank, qk_rope_head_dim, num_kv_groups)={got} does not match this "
+                    f"layer, which needs {(c.kv_lora_rank, c.qk_rope_head_dim, want_groups)}; "
+                    f"build it with LatentCache.from_config(config, ...)")
+        elif isinstance(cache, FullKVCache):
+            cache.check_shape(c.num_kv_groups, c.qk_head_dim, c.v_head_dim)
+        elif cache is not None:
+            raise ValueError(f"cache: expected a LatentCache, a FullKVCache or None, got {type(cache).__name__}")
+
+    def forward(self, x: torch.Tensor, cache=None, *, positions: Optional[torch.Tensor] = None,
+                input_lengths: Optional[torch.Tensor] = None, path: str = "auto") -> torch.Tensor:
+        """Attend over x (and the cache), writing x's tokens into the cache.
+
+        Args:
+            x: [B, T, hidden_size] in the module's dtype.
+            cache: None (causal attention within x), a :class:`LatentCache` or a :class:`FullKVCache`.
+            positions: [B, T] or [T]. Without a cache, defaults to 0..T-1; with one, it may be
+                passed only to assert where the tokens go (each sequence's cached length on).
+            input_lengths: [B], with a cache: only the first input_lengths[b] tokens of
+                sequence b are real (right padding); their outputs are meaningful, the rest are not.
+            path: "auto" (explicit without a cache or for a prefill into an empty latent cache,
+                absorbed otherwise), "explicit", "absorbed" or "expand" (re-expand cached keys).
+
+        Returns:
+            [B, T, hidden_size]
+        """
+        check_hidden(x, self.config.hidden_size, self.o_proj.weight.dtype)
+        if path not in PATHS:
+            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+        self._check_cache(cache)
+        if cache is None:
+            if path not in ("auto", "explicit"):
+                raise ValueError(f"path: {path!r} reads a latent cache; pass cache=LatentCache(...) or use 'explicit'")
+            if input_lengths is not None:
+                raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
+            q, k, v = self.explicit_qkv(x, default_positions(x, positions))
+            o = sdpa(q, k, v, self.scale, causal=True)
+            return self.o_proj(o.flatten(2))
+
+        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        if isinstance(cache, FullKVCache):
+            if path not in ("auto", "explicit"):
+                raise ValueError(f"path: a FullKVCache holds materialized keys, so only 'auto'/'explicit' apply, got {path!r}")
+            q, k, v = self.explicit_qkv(x, slot.positions)
+            k, v = cache.update(slot, k, v)
+            o = sdpa(q, k, v, self.scale, mask=slot.key_mask())
+            return self.o_proj(o.flatten(2))
+
+        if path == "auto":
+            path = "explicit" if cache.max_len == 0 and x.shape[1] > 1 else "absorbed"
+        if path == "explicit":
+            if cache.max_len != 0:
+                raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
+                                 "use 'absorbed' or 'expand' to attend over cached tokens")
+            cache.append(slot, **self.cache_rows(x, slot.positions))
+            q, k, v = self.explicit_qkv(x, slot.positions)
+            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
+
+        if path == "expand":
+            cache.append(slot, **self.cache_rows(x, slot.positions))
+            k, v = self.expand_cache(cache.read("latent"), cache.read("inv_rms") if "inv_rms" in cache.fields else None)
+            q = self.explicit_query(x, slot.positions)
+            return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
+        # Both large projections first, then the two GEMMs with W_UK back to back: the cache
+        # writer's and the query's, so the second finds the weights still in cache.
+        q_c, q_r = self._raw_query(x)
+        rows = self._cache_rows(*self._latent(x), slot.positions)
+        q_lat, q_rope = self._absorbed_query(q_c, q_r, slot.positions)
+        cache.append(slot, **rows)
+        latent = cache.read("latent")
+        inv_rms = cache.read("inv_rms") if "inv_rms" in cache.fields else None
+        o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(), self.config.qk_norm_mode)
+        return self._values_out(o_lat)
+
+    def expand_cache(self, latent: torch.Tensor, inv_rms: Optional[torch.Tensor]):
+        """HF-style: up-project every cached latent [B, S, d_c + d_r] to normalized keys
+        [B, S, G, d_n + d_r] and values [B, S, G, d_v] (the work the absorbed path avoids)."""
+        c = self.config
+        dtype = self.kv_b_proj.weight.dtype
+        c_kv, k_r = latent.to(dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
+        k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k_r = k_r.unsqueeze(2).expand(*k_c.shape[:3], c.qk_rope_head_dim)
+        if self.k_norm is not None:
+            r = inv_rms.to(dtype).unsqueeze(-1)  # [B, S, G, 1]: the cached scalars
+            k_c = k_c * self.k_norm.content.weight.to(dtype) * r
+            if self.k_norm.mode == "unified":
+                k_r = k_r * r
+        return torch.cat((k_c, k_r), dim=-1), v

@@ -1,0 +1,167 @@
+"""Per-sequence bookkeeping shared by every cache: lengths, positions, masks, bytes.
+
+A cache holds a batch of B sequences, each with its own length (``seqlens`` [B]). A
+forward pass with T new tokens per sequence asks :meth:`SequenceCache.plan` where they
+go; the plan checks capacity and any positions the caller passed, then the module
+computes its rows and calls :meth:`SequenceCache.append`. Right-padded batches pass
+``input_lengths`` [B]: only the first ``input_lengths[b]`` of sequence b's T tokens are
+stored, so prompts of different lengths share one prefill call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .storage import ContiguousLayout, Layout, TokenBuffer
+
+
+@dataclass
+class WriteSlot:
+    """Where T new tokens of each sequence go.
+
+    positions: [B, T] absolute positions of the new tokens (also their RoPE positions).
+    valid: [B, T] bool, False for right padding; None when every token is real.
+    seqlens: [B] lengths after the write.
+    max_len: max(seqlens), as a Python int.
+    uniform: whether every sequence has the same length after the write.
+    """
+
+    positions: torch.Tensor
+    valid: Optional[torch.Tensor]
+    seqlens: torch.Tensor
+    max_len: int
+    uniform: bool
+
+    def key_mask(self) -> Optional[torch.Tensor]:
+        """[B, T, max_len] bool: key j is visible to new token t of sequence b.
+
+        None when no mask is needed: a single new token per sequence and equal lengths,
+        which is the steady state of batched decoding.
+        """
+        T = self.positions.shape[1]
+        if T == 1 and self.uniform:
+            return None
+        j = torch.arange(self.max_len, device=self.positions.device)
+        return (j <= self.positions[..., None]) & (j < self.seqlens[:, None, None])
+
+
+class SequenceCache:
+    """Base of every cache: B sequences of at most ``capacity`` tokens, named fields."""
+
+    def __init__(self, batch_size: int, capacity: int, device=None, layout: Optional[Layout] = None):
+        for name, value in (("batch_size", batch_size), ("capacity", capacity)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.batch_size, self.capacity = batch_size, capacity
+        self.layout = layout if layout is not None else ContiguousLayout()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.fields: dict[str, TokenBuffer] = {}
+        self.seqlens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.max_len = 0
+        self.uniform = True
+
+    def _add_field(self, name: str, width: int, dtype: torch.dtype, fill: float) -> None:
+        self.fields[name] = self.layout.buffer(self.batch_size, self.capacity, width, dtype, self.device, fill)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def plan(self, batch_size: int, num_tokens: int, positions: Optional[torch.Tensor] = None,
+             input_lengths: Optional[torch.Tensor] = None) -> WriteSlot:
+        """Check and place ``num_tokens`` new tokens of each of ``batch_size`` sequences."""
+        if batch_size != self.batch_size:
+            raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
+                             f"which holds batch_size={self.batch_size}")
+        start = self.seqlens
+        expected = start[:, None] + torch.arange(num_tokens, device=self.device)
+        if positions is not None:
+            positions = positions.to(self.device)
+            if positions.shape == (num_tokens,):
+                positions = positions.expand(batch_size, num_tokens)
+            if positions.shape != expected.shape or not torch.equal(positions, expected):
+                raise ValueError(
+                    f"positions: a cached forward must continue each sequence at its cached length "
+                    f"(cache lengths {start.tolist()}), so positions must be seqlens[:, None] + arange(T); "
+                    f"got positions starting at {positions[..., :1].flatten().tolist()}"
+                )
+        valid = None
+        if input_lengths is None:
+            seqlens = start + num_tokens
+            uniform = self.uniform
+        else:
+            input_lengths = torch.as_tensor(input_lengths, device=self.device)
+            if input_lengths.shape != (batch_size,) or input_lengths.dtype.is_floating_point:
+                raise ValueError(f"input_lengths: expected an integer tensor of shape [{batch_size}], "
+                                 f"got {input_lengths.dtype} {tuple(input_lengths.shape)}")
+            lo, hi = int(input_lengths.min()), int(input_lengths.max())
+            if lo < 0 or hi > num_tokens:
+                raise ValueError(f"input_lengths: expected values in [0, T={num_tokens}], got {input_lengths.tolist()}")
+            input_lengths = input_lengths.long()
+            valid = torch.arange(num_tokens, device=self.device) < input_lengths[:, None]
+            seqlens = start + input_lengths
+            uniform = bool((seqlens == seqlens[0]).all())
+        max_len = self.max_len + num_tokens if input_lengths is None else int(seqlens.max())
+        if max_len > self.capacity:
+            raise ValueError(
+                f"positions: writing {num_tokens} tokens would reach position {max_len - 1}, past the cache "
+                f"capacity={self.capacity} (allowed positions 0..{self.capacity - 1}); allocate a larger cache"
+            )
+        return WriteSlot(expected, valid, seqlens, max_len, uniform)
+
+    def append(self, slot: WriteSlot, **rows: torch.Tensor) -> None:
+        """Store rows [B, T, width] of every field and move the lengths forward."""
+        if set(rows) != set(self.fields):
+            raise ValueError(f"rows: expected fields {sorted(self.fields)}, got {sorted(rows)}")
+        B, T = slot.positions.shape
+        if slot.valid is None:
+            batch_idx = torch.arange(B, device=self.device).repeat_interleave(T)
+            positions = slot.positions.reshape(-1)
+            for name, value in rows.items():
+                self.fields[name].write(batch_idx, positions, value.reshape(B * T, -1))
+        else:
+            batch_idx, t_idx = slot.valid.nonzero(as_tuple=True)
+            positions = slot.positions[batch_idx, t_idx]
+            for name, value in rows.items():
+                self.fields[name].write(batch_idx, positions, value[batch_idx, t_idx])
+        self.seqlens = slot.seqlens
+        self.max_len, self.uniform = slot.max_len, slot.uniform
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(self, name: str) -> torch.Tensor:
+        """Field ``name`` for the first S = max(seqlens) positions, [B, S, width].
+
+        Slots past a shorter sequence's own length are returned as zeros: they may hold stale
+        or never-written data (NaN, inf), and a masked softmax weight of 0 times NaN is still
+        NaN in ``p @ v``. With equal lengths every slot is valid and nothing is copied.
+        """
+        data = self.fields[name].read(self.max_len)
+        if not self.uniform:
+            valid = torch.arange(self.max_len, device=self.device) < self.seqlens[:, None]
+            data = data.masked_fill(~valid[..., None], 0)
+        return data
+
+    def reset(self) -> None:
+        """Forget every sequence (the storage is reused, not cleared)."""
+        self.seqlens = torch.zeros_like(self.seqlens)
+        self.max_len, self.uniform = 0, True
+
+    # -- size --------------------------------------------------------------------------------
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token occupies (one layer), summed over fields."""
+        return sum(buf.width * buf.element_size for buf in self.fields.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated by the storage of every field."""
+        return sum(buf.nbytes for buf in self.fields.values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}[{b.width}]" for n, b in self.fields.items())
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, capacity={self.capacity}, "
+                f"fields=({fields}), bytes_per_token={self.bytes_per_token}, layout={self.layout!r})")
+

@@ -1,0 +1,50 @@
+"""The cache the paper avoids: materialized (normalized) keys and values per KV head.
+
+Used by MHA/GQA/MQA, and by MLA when a user wants the naive full-key QK-norm cache
+for comparison. Per token: G heads of keys (k_dim) and values (v_dim).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .base import SequenceCache, WriteSlot
+from .storage import Layout
+
+
+class FullKVCache(SequenceCache):
+    """Keys [B, S, G * k_dim] and values [B, S, G * v_dim] of one layer.
+
+    Keys are stored after normalization and RoPE, so reading them needs no more work.
+    """
+
+    def __init__(self, batch_size: int, capacity: int, num_kv_heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype = torch.float32, device=None, layout: Optional[Layout] = None,
+                 fill: float = 0.0):
+        super().__init__(batch_size, capacity, device, layout)
+        self.num_kv_heads, self.k_dim, self.v_dim = num_kv_heads, k_dim, v_dim
+        self._add_field("k", num_kv_heads * k_dim, dtype, fill)
+        self._add_field("v", num_kv_heads * v_dim, dtype, fill)
+
+    def check_shape(self, num_kv_heads: int, k_dim: int, v_dim: int) -> None:
+        """Raise ValueError unless this cache fits a layer of that shape."""
+        got = (self.num_kv_heads, self.k_dim, self.v_dim)
+        if got != (num_kv_heads, k_dim, v_dim):
+            raise ValueError(f"cache: FullKVCache(num_kv_heads, k_dim, v_dim)={got} does not match this layer, "
+                             f"which needs {(num_kv_heads, k_dim, v_dim)}; build it with FullKVCache.from_config")
+
+    def update(self, slot: WriteSlot, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k [B, T, G, k_dim] and v [B, T, G, v_dim]; return every cached key and value,
+        [B, S, G, k_dim] and [B, S, G, v_dim], in k's dtype."""
+        self.append(slot, k=k.flatten(2), v=v.flatten(2))
+        unflat = (self.num_kv_heads, -1)
+        return (self.read("k").unflatten(-1, unflat).to(k.dtype), self.read("v").unflatten(-1, unflat).to(k.dtype))
+
+    @classmethod
+    def from_config(cls, config, batch_size: int, capacity: int, **kwargs) -> "FullKVCache":
+        """Shaped for an :class:`~qkmla.config.MLAConfig` or :class:`~qkmla.config.AttentionConfig`."""
+        if hasattr(config, "kv_lora_rank"):
+            return cls(batch_size, capacity, config.num_kv_groups, config.qk_head_dim, config.v_head_dim, **kwargs)
+        return cls(batch_size, capacity, config.num_kv_heads, config.dim_per_head, config.dim_per_head, **kwargs)

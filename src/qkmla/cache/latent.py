@@ -1,0 +1,56 @@
+"""The QK-normed MLA decode cache: latent, normalized RoPE key, one scalar per KV group.
+
+Per token j and layer (MATH.md, "The absorbed form"):
+
+    latent[j]  = [c_j ; kh_j^R]          d_c + d_r values, one buffer (FlashMLA's layout)
+    inv_rms[j] = r_{j,g}, g < G          G scalars, a separate buffer
+
+r is never folded into c: it differs per group, so folding would multiply the cache by G.
+For "l2"/"lp" the scalar is that norm's sigma; the field keeps the name ``inv_rms``.
+Plain MLA (``num_kv_groups=0``) has no scalar buffer. In unified mode the stored RoPE key
+carries its weight but not the scalar, which applies to the whole logit.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import MLAConfig
+from .base import SequenceCache
+from .storage import Layout
+
+
+class LatentCache(SequenceCache):
+    """Preallocated latent cache of one layer for ``batch_size`` sequences.
+
+    Args:
+        batch_size: B.
+        capacity: most tokens per sequence.
+        kv_lora_rank: d_c.
+        qk_rope_head_dim: d_r.
+        num_kv_groups: G scalars per token; 0 for plain MLA.
+        dtype: dtype of the latent and RoPE key.
+        scalar_dtype: dtype of the scalars (default: ``dtype``).
+        layout: :class:`~qkmla.cache.storage.ContiguousLayout` (default) or ``PagedLayout``.
+        fill: value of never-written slots (tests use NaN so a stray read shows).
+
+    Fields: ``latent`` [B, S, d_c + d_r], ``inv_rms`` [B, S, G].
+    """
+
+    def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                 num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
+                 scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
+                 fill: float = 0.0):
+        super().__init__(batch_size, capacity, device, layout)
+        self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
+        self._add_field("latent", kv_lora_rank + qk_rope_head_dim, dtype, fill)
+        if num_kv_groups:
+            self._add_field("inv_rms", num_kv_groups, scalar_dtype or dtype, fill)
+
+    @classmethod
+    def from_config(cls, config: MLAConfig, batch_size: int, capacity: int, **kwargs) -> "LatentCache":
+        """A cache shaped for ``config``: scalars only when it has a QK norm."""
+        groups = config.num_kv_groups if config.qk_norm is not None else 0
+        return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, groups, **kwargs)

@@ -1,0 +1,147 @@
+"""Cache bytes per token and per request, from MATH.md "Cache size per token and layer":
+
+    MHA / GQA / MQA:         2 · kv_heads · d_head · bytes
+    MLA:                     (d_c + d_r) · bytes
+    QK-normed MLA:           MLA + G · scalar_bytes
+    full-key QK-norm MLA:    G · (d_n + d_r + d_v) · bytes     (the naive cache the paper avoids)
+
+The per-layer figures are exactly what :class:`~qkmla.cache.LatentCache` and
+:class:`~qkmla.cache.FullKVCache` allocate per token (tests check both against each other).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import MLA_PRESETS, PRESET_NUM_LAYERS
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What the cache size of a model depends on.
+
+    The MHA/GQA/MQA rows use ``num_heads`` query heads of ``head_dim``, GQA with
+    ``num_kv_heads``. The MLA rows need ``kv_lora_rank`` and ``qk_rope_head_dim``; the
+    full-key row also needs ``qk_nope_head_dim`` and ``v_head_dim``.
+    """
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    kv_lora_rank: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    num_kv_groups: Optional[int] = None  # G; None means num_heads (DeepSeek)
+    dtype: str = "bf16"
+    scalar_dtype: Optional[str] = None  # None means dtype
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("dtype", "scalar_dtype"):
+                if v is not None and v not in DTYPE_BYTES:
+                    raise ValueError(f"{f.name}: expected one of {sorted(DTYPE_BYTES)}, got {v!r}")
+            elif v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
+
+    @property
+    def has_mla(self) -> bool:
+        return self.kv_lora_rank is not None and self.qk_rope_head_dim is not None
+
+    @property
+    def groups(self) -> int:
+        return self.num_kv_groups or self.num_heads
+
+    def replace(self, **changes) -> "CacheShape":
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _from_mla_preset(name: str, dtype: str = "bf16") -> CacheShape:
+    cfg = MLA_PRESETS[name]
+    return CacheShape(
+        num_layers=PRESET_NUM_LAYERS[name], num_heads=cfg.num_heads, head_dim=cfg.qk_nope_head_dim,
+        num_kv_heads=min(8, cfg.num_heads), kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim, num_kv_groups=cfg.num_kv_groups, dtype=dtype,
+    )
+
+
+# MLA presets compare against an MHA of their head count with d_head = d_n (DeepSeek-V2's
+# "128 heads x 128" baseline) and a GQA with 8 KV heads; Llama-3-70B has no MLA rows.
+CACHE_PRESETS: dict[str, CacheShape] = {
+    **{name: _from_mla_preset(name) for name in MLA_PRESETS},
+    "llama-3-70b": CacheShape(num_layers=80, num_heads=64, head_dim=128, num_kv_heads=8, dtype="fp16"),
+    "llama-3-70b-mha": CacheShape(num_layers=80, num_heads=64, head_dim=128, num_kv_heads=64, dtype="fp16"),
+}
+
+
+def cache_rows(shape: CacheShape, tokens: int) -> list[dict]:
+    """One dict per cache variant: values and bytes per token (one layer, all layers) and per request."""
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+    b = DTYPE_BYTES[shape.dtype]
+    b_s = DTYPE_BYTES[shape.scalar_dtype or shape.dtype]
+    variants = [
+        ("mha", 2 * shape.num_heads * shape.head_dim, 0),
+        ("gqa", 2 * shape.num_kv_heads * shape.head_dim, 0),
+        ("mqa", 2 * shape.head_dim, 0),
+    ]
+    if shape.has_mla:
+        latent = shape.kv_lora_rank + shape.qk_rope_head_dim
+        variants += [("mla", latent, 0), ("mla-qknorm", latent, shape.groups)]
+        if shape.qk_nope_head_dim and shape.v_head_dim:
+            full = shape.groups * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
+            variants.append(("mla-qknorm-full-key", full, 0))
+    rows = []
+    for name, values, scalars in variants:
+        per_layer = values * b + scalars * b_s
+        rows.append({
+            "variant": name, "values_per_token_layer": values, "scalars_per_token_layer": scalars,
+            "bytes_per_token_layer": per_layer, "bytes_per_token": per_layer * shape.num_layers,
+            "tokens": tokens, "bytes_per_request": per_layer * shape.num_layers * tokens,
+        })
+    mla = next((r for r in rows if r["variant"] == "mla"), None)
+    for r in rows:
+        r["ratio_to_mla"] = r["bytes_per_token_layer"] / mla["bytes_per_token_layer"] if mla else None
+    return rows
+
+
+def format_bytes(n: int) -> str:
+    """Decimal units, as the published figures use (10.5 GB = 10.5e9 bytes)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_table(shape: CacheShape, rows: list[dict], title: str) -> str:
+    """The text table ``qkmla cache-size`` prints."""
+    head = (f"{title}: {shape.num_layers} layers, {shape.num_heads} heads x {shape.head_dim}, "
+            f"GQA {shape.num_kv_heads} KV heads, {shape.dtype} (scalars {shape.scalar_dtype or shape.dtype}), "
+            f"{rows[0]['tokens']:,} tokens")
+    lines = [head, f"{'variant':<22}{'values/tok/layer':>18}{'B/tok/layer':>13}{'B/tok':>12}"
+                   f"{'B/request':>18}{'':>10}{'vs MLA':>8}"]
+    for r in rows:
+        values = f"{r['values_per_token_layer']:,}" + (f" + {r['scalars_per_token_layer']}s" if r["scalars_per_token_layer"] else "")
+        ratio = f"{r['ratio_to_mla']:.3f}x" if r["ratio_to_mla"] else "-"
+        lines.append(f"{r['variant']:<22}{values:>18}{r['bytes_per_token_layer']:>13,}{r['bytes_per_token']:>12,}"
+                     f"{r['bytes_per_request']:>18,}{format_bytes(r['bytes_per_request']):>10}{ratio:>8}")
+    by = {r["variant"]: r for r in rows}
+    if "mla-qknorm" in by:
+        extra = by["mla-qknorm"]["bytes_per_token_layer"] - by["mla"]["bytes_per_token_layer"]
+        lines.append(f"QK-norm scalars add {extra} bytes to {by['mla']['bytes_per_token_layer']:,} per token and layer "
+                     f"({100 * extra / by['mla']['bytes_per_token_layer']:.2f}%); the full-key QK-norm cache is "
+                     f"{by['mla-qknorm-full-key']['bytes_per_token_layer'] / by['mla-qknorm']['bytes_per_token_layer']:.1f}x "
+                     "the QK-normed latent cache." if "mla-qknorm-full-key" in by else
+                     f"QK-norm scalars add {extra} bytes per token and layer.")
+        keys_only = shape.num_heads * shape.head_dim
+        lines.append(f"MLA caches {by['mla']['values_per_token_layer']:,} values per token and layer vs "
+                     f"{keys_only:,} for {shape.num_heads}x{shape.head_dim} MHA keys "
+                     f"({keys_only / by['mla']['values_per_token_layer']:.1f}x) and {2 * keys_only:,} for keys and values "
+                     f"({2 * keys_only / by['mla']['values_per_token_layer']:.1f}x).")
+    return "\n".join(lines)

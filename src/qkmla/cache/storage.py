@@ -1,0 +1,140 @@
+"""Where a cache keeps its per-token rows: contiguous or paged.
+
+Attention code never touches storage directly: a cache writes rows at (sequence,
+position) pairs and reads back a dense [B, S, width] view. A layout decides how the
+rows sit in memory:
+
+* :class:`ContiguousLayout`: one [B, capacity, width] tensor per field (gpt-fast style).
+* :class:`PagedLayout`: a pool [num_blocks, block_size, width] per field plus one block
+  table [B, blocks_per_seq] shared by every field of the cache (vLLM / FlashMLA style),
+  so a fused kernel can walk the same table for the latent and the scalar pools.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+
+
+class TokenBuffer(ABC):
+    """One field of a cache: a row of ``width`` values for each (sequence, position)."""
+
+    width: int
+    capacity: int
+    element_size: int
+
+    @abstractmethod
+    def write(self, batch_idx: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store rows [N, width] at (batch_idx[n], positions[n]) for n < N."""
+
+    @abstractmethod
+    def read(self, length: int) -> torch.Tensor:
+        """The first ``length`` positions of every sequence, [B, length, width]."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes allocated for this field."""
+
+
+class ContiguousBuffer(TokenBuffer):
+    def __init__(self, batch_size: int, capacity: int, width: int, dtype: torch.dtype,
+                 device=None, fill: float = 0.0):
+        self.width, self.capacity = width, capacity
+        self.data = torch.full((batch_size, capacity, width), fill, dtype=dtype, device=device)
+        self.element_size = self.data.element_size()
+
+    def write(self, batch_idx, positions, rows):
+        self.data[batch_idx, positions] = rows.to(self.data.dtype)
+
+    def read(self, length):
+        return self.data[:, :length]
+
+    @property
+    def nbytes(self):
+        return self.data.numel() * self.data.element_size()
+
+
+class PagedBuffer(TokenBuffer):
+    """A pool of blocks [num_blocks, block_size, width] addressed through a block table."""
+
+    def __init__(self, block_table: torch.Tensor, num_blocks: int, block_size: int, width: int,
+                 dtype: torch.dtype, device=None, fill: float = 0.0):
+        self.width, self.block_size = width, block_size
+        self.block_table = block_table
+        self.capacity = block_table.shape[1] * block_size
+        self.pool = torch.full((num_blocks, block_size, width), fill, dtype=dtype, device=device)
+        self.element_size = self.pool.element_size()
+
+    def write(self, batch_idx, positions, rows):
+        blocks = self.block_table[batch_idx, positions // self.block_size]
+        self.pool[blocks, positions % self.block_size] = rows.to(self.pool.dtype)
+
+    def read(self, length):
+        n = -(-length // self.block_size)
+        blocks = self.pool[self.block_table[:, :n]]  # [B, n, block_size, width]
+        return blocks.flatten(1, 2)[:, :length]
+
+    @property
+    def nbytes(self):
+        return self.pool.numel() * self.pool.element_size()
+
+
+class Layout(ABC):
+    """Makes the buffers of one cache; all buffers of a cache share one layout object."""
+
+    @abstractmethod
+    def buffer(self, batch_size: int, capacity: int, width: int, dtype: torch.dtype, device=None,
+               fill: float = 0.0) -> TokenBuffer:
+        ...
+
+
+class ContiguousLayout(Layout):
+    def buffer(self, batch_size, capacity, width, dtype, device=None, fill=0.0):
+        return ContiguousBuffer(batch_size, capacity, width, dtype, device, fill)
+
+    def __repr__(self) -> str:
+        return "ContiguousLayout()"
+
+
+class PagedLayout(Layout):
+    """Paged storage with a fixed block table.
+
+    Args:
+        block_size: tokens per block.
+        block_table: [B, blocks_per_seq] block ids; by default sequence b owns blocks
+            b * blocks_per_seq ... in order. Pass a permuted table to place blocks anywhere.
+        num_blocks: pool size; by default one more than the largest id in the table.
+    """
+
+    def __init__(self, block_size: int = 64, block_table: Optional[torch.Tensor] = None,
+                 num_blocks: Optional[int] = None):
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+        self.block_size, self.block_table, self.num_blocks = block_size, block_table, num_blocks
+
+    def _table(self, batch_size: int, capacity: int, device) -> torch.Tensor:
+        if self.block_table is None:
+            per_seq = -(-capacity // self.block_size)
+            self.block_table = torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq)
+        table = self.block_table
+        if table.dim() != 2 or table.shape[0] != batch_size:
+            raise ValueError(f"block_table: expected shape [batch_size={batch_size}, blocks_per_seq], "
+                             f"got {tuple(table.shape)}")
+        if table.shape[1] * self.block_size < capacity:
+            raise ValueError(f"block_table: {table.shape[1]} blocks of {self.block_size} tokens hold fewer "
+                             f"than capacity={capacity} tokens")
+        if self.num_blocks is None:
+            self.num_blocks = int(table.max()) + 1
+        elif int(table.max()) >= self.num_blocks:
+            raise ValueError(f"block_table: holds block id {int(table.max())}, but num_blocks={self.num_blocks}")
+        return table.to(device=device, dtype=torch.long)
+
+    def buffer(self, batch_size, capacity, width, dtype, device=None, fill=0.0):
+        table = self._table(batch_size, capacity, device)
+        return PagedBuffer(table, self.num_blocks, self.block_size, width, dtype, device, fill)
+
+    def __repr__(self) -> str:
+        return f"PagedLayout(block_size={self.block_size}, num_blocks={self.num_blocks})"

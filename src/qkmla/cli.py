@@ -1,0 +1,90 @@
+"""The ``qkmla`` command: ``verify`` (Appendix E equivalence) and ``cache-size``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Optional, Sequence
+
+from .cache.size import CACHE_PRESETS, DTYPE_BYTES, cache_rows, format_table
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from . import verify
+
+    names = args.variant or list(verify.VARIANTS)
+    unknown = [n for n in names if n not in verify.VARIANTS]
+    if unknown:
+        raise SystemExit(f"qkmla verify: --variant: unknown {unknown}; allowed: {list(verify.VARIANTS)}")
+    rows = [row for n in names for row in verify.verify_variant(n, verify.VARIANTS[n], seed=args.seed)]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+    else:
+        print(verify.format_rows(rows))
+    failed = [f"{r.variant}/{r.dtype}" for r in rows if not r.ok]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_SHAPE_FLAGS = ("num_layers", "num_heads", "head_dim", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim",
+                "qk_nope_head_dim", "v_head_dim", "num_kv_groups")
+
+
+def _cache_size(args: argparse.Namespace) -> int:
+    from .cache.size import CacheShape
+
+    flags = {f: getattr(args, f) for f in _SHAPE_FLAGS}
+    flags.update(dtype=args.dtype, scalar_dtype=args.scalar_dtype)
+    if args.preset is not None:
+        shape, title = CACHE_PRESETS[args.preset].replace(**flags), args.preset
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_heads", "head_dim") if flags[f] is None]
+        if missing:
+            raise SystemExit(f"qkmla cache-size: give --preset (one of {sorted(CACHE_PRESETS)}) or {', '.join(missing)}")
+        flags["num_kv_heads"] = flags["num_kv_heads"] or flags["num_heads"]
+        flags["dtype"] = flags["dtype"] or "bf16"
+        shape, title = CacheShape(**{k: v for k, v in flags.items() if v is not None}), "custom"
+    try:
+        rows = cache_rows(shape, args.tokens)
+    except ValueError as e:
+        raise SystemExit(f"qkmla cache-size: {e}")
+    if args.json:
+        print(json.dumps({"preset": title, "shape": dataclasses.asdict(shape), "rows": rows}, indent=1))
+    else:
+        print(format_table(shape, rows, title))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E)")
+    v.add_argument("--json", action="store_true", help="one JSON object per row")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--variant", action="append", help="run only this variant (repeatable)")
+    v.set_defaults(func=_verify)
+
+    c = sub.add_parser("cache-size", help="KV-cache bytes per token and per request for MHA/GQA/MQA/MLA/QK-normed MLA")
+    c.add_argument("--preset", choices=sorted(CACHE_PRESETS))
+    c.add_argument("--tokens", type=int, default=32000, help="tokens per request (default 32,000)")
+    c.add_argument("--json", action="store_true")
+    for f in _SHAPE_FLAGS:
+        c.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
+    c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
+    c.add_argument("--scalar-dtype", choices=sorted(DTYPE_BYTES), default=None)
+    c.set_defaults(func=_cache_size)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Attention configs with DeepSeek names, their validation, and named presets.
+
+Every field name of :class:`MLAConfig` matches the Hugging Face
+``DeepseekV2Config`` / ``DeepseekV3Config`` field it stands for, so a config maps
+one to one (see :func:`qkmla.interop.hf.mla_config_from_hf`). The QK-norm fields
+are ours; ``MATH.md`` defines what each one means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+QK_NORMS = (None, "rms", "l2", "lp")
+QK_NORM_MODES = ("blockwise", "unified")
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name}: expected {allowed}, got {value!r}")
+
+
+def _check_qk_norm(qk_norm, qk_norm_p, qk_norm_eps, softmax_scale) -> None:
+    """Validation shared by every config that carries the QK-norm family."""
+    if qk_norm not in QK_NORMS:
+        raise ValueError(f"qk_norm: expected one of {QK_NORMS}, got {qk_norm!r}")
+    if not isinstance(qk_norm_p, (int, float)) or not math.isfinite(qk_norm_p) or qk_norm_p < 1:
+        raise ValueError(f"qk_norm_p: expected a finite number >= 1 (a norm needs p >= 1), got {qk_norm_p!r}")
+    if not isinstance(qk_norm_eps, (int, float)) or not math.isfinite(qk_norm_eps) or qk_norm_eps < 0:
+        raise ValueError(f"qk_norm_eps: expected a finite number >= 0, got {qk_norm_eps!r}")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0):
+        raise ValueError(f"softmax_scale: expected a positive number or None, got {softmax_scale!r}")
+
+
+def _check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
+    if rope_dim % 2:
+        raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
+    if not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
+        raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head Latent Attention with optional post-up-projection QK normalization.
+
+    Shapes (MATH.md names): d = ``hidden_size``, h = ``num_heads``, G = ``num_kv_groups``,
+    d_cq = ``q_lora_rank``, d_c = ``kv_lora_rank``, d_n = ``qk_nope_head_dim``,
+    d_r = ``qk_rope_head_dim``, d_v = ``v_head_dim``. Head i reads KV group i // (h / G).
+
+    Args:
+        qk_norm: None (plain MLA), "rms", "l2" or "lp": the scalar statistic of the norm.
+        qk_norm_p: p of the Lp norm (only read when ``qk_norm == "lp"``), p >= 1.
+        qk_norm_mode: "blockwise" normalizes content and RoPE blocks separately (default);
+            "unified" uses one statistic over the concatenated [content; rope] vector.
+        qk_norm_eps: the eps inside the statistic, >= 0.
+        softmax_scale: tau, the logit scale; None means (d_n + d_r) ** -0.5.
+        learnable_logit_scale: learn one logit scale per head (Henry et al. QKNorm),
+            initialized to ``softmax_scale``.
+        latent_norm_eps: eps of the latent RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``).
+        rope_interleave: DeepSeek's layout, rotating pairs (x0, x1), (x2, x3), ...;
+            False rotates the halves (GPT-NeoX / Llama layout).
+        attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` as in HF.
+    """
+
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_groups: int = 4
+    q_lora_rank: Optional[int] = 32
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    rope_theta: float = 10000.0
+    rope_interleave: bool = True
+    qk_norm: Optional[str] = "rms"
+    qk_norm_p: float = 2.0
+    qk_norm_mode: str = "blockwise"
+    qk_norm_eps: float = 1e-6
+    softmax_scale: Optional[float] = None
+    learnable_logit_scale: bool = False
+    latent_norm_eps: float = 1e-6
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_groups", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
+        if self.num_heads % self.num_kv_groups:
+            raise ValueError(
+                f"num_kv_groups: must divide num_heads={self.num_heads} "
+                f"(allowed: {[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}), "
+                f"got {self.num_kv_groups}"
+            )
+        _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, self.rope_theta)
+        _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
+        if self.qk_norm_mode not in QK_NORM_MODES:
+            raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {self.qk_norm_mode!r}")
+        if not self.latent_norm_eps >= 0:
+            raise ValueError(f"latent_norm_eps: expected a number >= 0, got {self.latent_norm_eps!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """d_n + d_r, the per-head query/key width of the explicit path."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_groups
+
+    @property
+    def scale(self) -> float:
+        """tau: the logit scale (initial value when learnable)."""
+        return self.softmax_scale if self.softmax_scale is not None else self.qk_head_dim ** -0.5
+
+    def replace(self, **changes) -> "MLAConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """MHA / GQA / MQA with optional per-head QK norm (Qwen3 / OLMo 2 placement).
+
+    ``num_kv_heads == num_heads`` is MHA, ``1`` is MQA, anything between is GQA.
+    The QK-norm fields mean what they mean in :class:`MLAConfig`; the norm is applied
+    per head after the projections and before RoPE, with weights shared across heads.
+    """
+
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: Optional[int] = None
+    rope_theta: float = 10000.0
+    rope_interleave: bool = False
+    qk_norm: Optional[str] = None
+    qk_norm_p: float = 2.0
+    qk_norm_eps: float = 1e-6
+    softmax_scale: Optional[float] = None
+    learnable_logit_scale: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_heads"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("head_dim", self.head_dim, allow_none=True)
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"head_dim: None needs num_heads={self.num_heads} to divide hidden_size={self.hidden_size}; "
+                "pass head_dim explicitly"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: must divide num_heads={self.num_heads} "
+                f"(allowed: {[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}), "
+                f"got {self.num_kv_heads}"
+            )
+        _check_rope("head_dim", self.dim_per_head, self.rope_theta)
+        _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.dim_per_head ** -0.5
+
+    def replace(self, **changes) -> "AttentionConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# DeepSeek-V2-Lite and V3 values from their published configs. "deepseek-v3-tp8" is the
+# local view of one GPU at tensor parallelism 8: 16 of the 128 heads (and KV groups).
+MLA_PRESETS: dict[str, MLAConfig] = {
+    "tiny": MLAConfig(),
+    "deepseek-v2-lite": MLAConfig(
+        hidden_size=2048, num_heads=16, num_kv_groups=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ),
+    "deepseek-v2": MLAConfig(
+        hidden_size=5120, num_heads=128, num_kv_groups=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ),
+    "deepseek-v3": MLAConfig(
+        hidden_size=7168, num_heads=128, num_kv_groups=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ),
+    "deepseek-v3-tp8": MLAConfig(
+        hidden_size=7168, num_heads=16, num_kv_groups=16, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    ),
+}
+
+# Number of layers of each preset's full model, for per-request cache sizes.
+PRESET_NUM_LAYERS: dict[str, int] = {
+    "tiny": 2, "deepseek-v2-lite": 27, "deepseek-v2": 60, "deepseek-v3": 61, "deepseek-v3-tp8": 61,
+}
+
+
+def mla_preset(name: str, **overrides) -> MLAConfig:
+    """The named :class:`MLAConfig`, with any field overridden."""
+    if name not in MLA_PRESETS:
+        raise ValueError(f"preset: expected one of {sorted(MLA_PRESETS)}, got {name!r}")
+    return MLA_PRESETS[name].replace(**overrides) if overrides else MLA_PRESETS[name]

@@ -1,0 +1,131 @@
+"""The scalar-statistic normalization family: gamma ⊙ v · sigma(v).
+
+Every member is a static weight gamma and one dynamic scalar sigma(v) per vector
+(MATH.md, "Any scalar-statistic norm absorbs"):
+
+    rms:  sigma(v) = (sum(v²) / n + eps) ** -1/2       (RMSNorm; rho in MATH.md)
+    l2:   sigma(v) = (sum(v²) + eps) ** -1/2           (Henry et al. QKNorm)
+    lp:   sigma(v) = (sum(|v|^p) + eps) ** -1/p        (Lp QKNorm, p >= 1)
+
+Each sigma is a function of one *moment* (a sum over the vector) and the vector's
+length n. Splitting it that way is what lets the unified mode reuse the blockwise
+code: the unified statistic of [v_c; v_r] is the same function of
+moment(v_c) + moment(v_r) and n_c + n_r.
+
+Statistics are computed in at least float32, whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import QK_NORM_MODES, QK_NORMS
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def moment(v: torch.Tensor, kind: str, p: float = 2.0) -> torch.Tensor:
+    """sum(|v|^q) over the last dim, q = 2 for rms/l2 and p for lp. [..., n] -> [..., 1]."""
+    v = v.to(_acc_dtype(v.dtype))
+    if kind == "lp" and p != 2:
+        return v.abs().pow(p).sum(-1, keepdim=True)
+    return v.square().sum(-1, keepdim=True)
+
+
+def statistic_from_moment(m: torch.Tensor, n: int, kind: str, p: float, eps: float) -> torch.Tensor:
+    """sigma from a moment of a vector of length n (see module docstring)."""
+    if kind == "rms":
+        return torch.rsqrt(m / n + eps)
+    if kind == "l2" or (kind == "lp" and p == 2):
+        return torch.rsqrt(m + eps)
+    if kind == "lp":
+        return (m + eps).pow(-1.0 / p)
+    raise ValueError(f"qk_norm: expected one of {QK_NORMS[1:]}, got {kind!r}")
+
+
+def statistic(v: torch.Tensor, kind: str, p: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
+    """sigma(v) for one vector per row. [..., n] -> [..., 1], float32 or wider."""
+    return statistic_from_moment(moment(v, kind, p), v.shape[-1], kind, p, eps)
+
+
+class ScalarNorm(nn.Module):
+    """gamma ⊙ v · sigma(v) over the last dim, gamma initialized to ones.
+
+    Args:
+        dim: n, the normalized width.
+        kind: "rms", "l2" or "lp".
+        p: the p of "lp".
+        eps: eps inside the statistic.
+    """
+
+    def __init__(self, dim: int, kind: str = "rms", p: float = 2.0, eps: float = 1e-6):
+        super().__init__()
+        if kind not in QK_NORMS[1:]:
+            raise ValueError(f"kind: expected one of {QK_NORMS[1:]}, got {kind!r}")
+        self.dim, self.kind, self.p, self.eps = dim, kind, float(p), float(eps)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def statistic(self, v: torch.Tensor) -> torch.Tensor:
+        return statistic(v, self.kind, self.p, self.eps)
+
+    def scaled(self, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        """gamma ⊙ v · sigma, given sigma (so callers can reuse or replace the statistic)."""
+        acc = _acc_dtype(v.dtype)
+        return (v.to(acc) * sigma * self.weight.to(acc)).to(v.dtype)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        if self.kind == "rms":  # the same arithmetic, one fused op
+            return F.rms_norm(v, (self.dim,), self.weight.to(v.dtype), self.eps)
+        return self.scaled(v, self.statistic(v))
+
+    def extra_repr(self) -> str:
+        p = f", p={self.p:g}" if self.kind == "lp" else ""
+        return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}"
+
+
+class QKNorm(nn.Module):
+    """Normalizes one head's query or key split into a content block and a RoPE block.
+
+    ``blockwise``: each block has its own statistic (MATH.md default).
+    ``unified``: one statistic over the concatenation; the weights are still stored per
+    block (their concatenation is the unified weight), so both modes share parameter names.
+
+    Inputs broadcast against each other in unified mode: a key's content block
+    [B, T, G, d_n] and its shared RoPE block [B, T, 1, d_r] give a statistic [B, T, G, 1].
+    """
+
+    def __init__(self, content_dim: int, rope_dim: int, kind: str = "rms", p: float = 2.0,
+                 eps: float = 1e-6, mode: str = "blockwise"):
+        super().__init__()
+        if mode not in QK_NORM_MODES:
+            raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {mode!r}")
+        self.mode = mode
+        self.content = ScalarNorm(content_dim, kind, p, eps)
+        self.rope = ScalarNorm(rope_dim, kind, p, eps)
+
+    def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified mode."""
+        if self.mode == "blockwise":
+            return self.content.statistic(v_c), self.rope.statistic(v_r)
+        c = self.content
+        m = moment(v_c, c.kind, c.p) + moment(v_r, c.kind, c.p)
+        sigma = statistic_from_moment(m, self.content.dim + self.rope.dim, c.kind, c.p, c.eps)
+        return sigma, sigma
+
+    def forward(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sigma_c, sigma_r = self.statistics(v_c, v_r)
+        return self.content.scaled(v_c, sigma_c), self.rope.scaled(v_r, sigma_r)
+
+
+def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float, eps: float,
+                  mode: str) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
+    """(q_norm, k_norm) for an MLA config, or (None, None) for plain MLA."""
+    if kind is None:
+        return None, None
+    return tuple(QKNorm(content_dim, rope_dim, kind, p, eps, mode) for _ in range(2))

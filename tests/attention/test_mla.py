@@ -1,0 +1,277 @@
+import copy
+
+import pytest
+import torch
+
+from qkmla import MLA, FullKVCache, LatentCache, MLAConfig, PagedLayout
+from qkmla.verify import VARIANTS, perturb_vectors, verify_variant
+
+NORM_VARIANTS = {
+    "rms": dict(qk_norm="rms"),
+    "rms-unified": dict(qk_norm="rms", qk_norm_mode="unified"),
+    "l2-learnable": dict(qk_norm="l2", learnable_logit_scale=True, softmax_scale=5.0),
+    "lp1.5": dict(qk_norm="lp", qk_norm_p=1.5),
+    "lp3-unified": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified"),
+    "none": dict(qk_norm=None),
+    "gqa": dict(qk_norm="rms", num_kv_groups=2),
+    "no-q-lora": dict(qk_norm="rms", q_lora_rank=None),
+}
+
+
+def make(overrides=None, dtype=torch.float64, **kw) -> MLA:
+    cfg = MLAConfig(**{**(overrides or {}), **kw})
+    return perturb_vectors(MLA(cfg)).to(dtype)
+
+
+# -- Appendix E: explicit == absorbed --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_float64_logits_and_outputs_agree_to_roundoff(name):
+    row = next(r for r in verify_variant(name, VARIANTS[name]) if r.dtype == "float64")
+    assert row.max_abs_logit > 1.0  # logits of a useful size, so the relative bound is not vacuous
+    assert row.max_abs_logit_diff <= 1e-10 * row.max_abs_logit
+    assert row.max_abs_output_diff <= 1e-10 * row.max_abs_output
+    assert row.ok
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_low_precision_absorbed_error_at_most_twice_explicit_error(name, dtype):
+    """FlashAttention's rule against a float64 reference, for logits and outputs."""
+    row = next(r for r in verify_variant(name, VARIANTS[name]) if r.dtype == dtype)
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    assert row.explicit_logit_err > 0  # the rule is only meaningful if low precision shows error
+    assert row.absorbed_logit_err <= 2 * row.explicit_logit_err + eps * row.max_abs_logit
+    assert row.absorbed_output_err <= 2 * row.explicit_output_err + eps * row.max_abs_output
+    assert row.ok
+
+
+def test_absorbed_logits_differ_if_key_scalar_is_dropped():
+    """The test above can fail: ignoring r (plain MLA math on QK-normed weights) is caught."""
+    mla = make(qk_norm="rms")
+    x = torch.randn(1, 9, mla.config.hidden_size, dtype=torch.float64)
+    rows = mla.cache_rows(x, torch.arange(9).expand(1, 9))
+    q_lat, q_rope = mla.absorbed_query(x, torch.arange(9).expand(1, 9))
+    from qkmla.attention.functional import latent_scores
+
+    right = latent_scores(q_lat, q_rope, rows["latent"], rows["inv_rms"])
+    wrong = latent_scores(q_lat, q_rope, rows["latent"], torch.ones_like(rows["inv_rms"]))
+    assert (right - wrong).abs().max() > 1e-2
+
+
+# -- cache consistency: prefill then decode == full sequence ---------------------------------
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(NORM_VARIANTS))
+def test_prefill_then_decode_matches_full_sequence(name, layout):
+    mla = make(NORM_VARIANTS[name]).eval()
+    B, T, prompt = 3, 13, 5
+    x = torch.randn(B, T, mla.config.hidden_size, dtype=torch.float64)
+    full = mla(x)
+    kw = {}
+    if layout == "paged":  # shuffled blocks: sequence b's tokens land anywhere in the pool
+        table = torch.randperm(B * 4).view(B, 4)
+        kw["layout"] = PagedLayout(block_size=4, block_table=table)
+    # Never-written slots hold NaN: any read past a sequence's length poisons the output.
+    cache = LatentCache.from_config(mla.config, B, 16, dtype=torch.float64, fill=float("nan"), **kw)
+    outs = [mla(x[:, :prompt], cache)]
+    for t in range(prompt, T):
+        outs.append(mla(x[:, t:t + 1], cache))
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-10)
+    assert cache.seqlens.tolist() == [T] * B
+
+
+@pytest.mark.parametrize("path", ["absorbed", "expand"])
+def test_chunked_prefill_paths(path):
+    mla = make(qk_norm="rms", num_kv_groups=2).eval()
+    x = torch.randn(2, 12, mla.config.hidden_size, dtype=torch.float64)
+    cache = LatentCache.from_config(mla.config, 2, 12, dtype=torch.float64, fill=float("nan"))
+    got = torch.cat([mla(x[:, :4], cache, path=path), mla(x[:, 4:9], cache, path=path), mla(x[:, 9:], cache, path=path)], 1)
+    torch.testing.assert_close(got, mla(x), rtol=1e-10, atol=1e-10)
+
+
+def test_full_key_cache_matches_too():
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(2, 10, mla.config.hidden_size, dtype=torch.float64)
+    cache = FullKVCache.from_config(mla.config, 2, 10, dtype=torch.float64, fill=float("nan"))
+    got = torch.cat([mla(x[:, :6], cache)] + [mla(x[:, t:t + 1], cache) for t in range(6, 10)], 1)
+    torch.testing.assert_close(got, mla(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["rms", "rms-unified", "none"])
+def test_batch_of_different_lengths(name):
+    """Right-padded prompts of lengths 7, 3, 0 and 5 in one prefill, then decode together."""
+    mla = make(NORM_VARIANTS[name]).eval()
+    lengths = [7, 3, 0, 5]
+    B, T, steps = len(lengths), max(lengths), 4
+    d = mla.config.hidden_size
+    prompts = [torch.randn(1, n, d, dtype=torch.float64) for n in lengths]
+    new = torch.randn(B, steps, d, dtype=torch.float64)
+    padded = torch.zeros(B, T, d, dtype=torch.float64)
+    for b, p in enumerate(prompts):
+        padded[b, :lengths[b]] = p[0]
+    cache = LatentCache.from_config(mla.config, B, T + steps, dtype=torch.float64, fill=float("nan"))
+    pre = mla(padded, cache, input_lengths=torch.tensor(lengths))
+    dec = [mla(new[:, t:t + 1], cache) for t in range(steps)]
+    assert cache.seqlens.tolist() == [n + steps for n in lengths]
+    for b, n in enumerate(lengths):
+        ref = mla(torch.cat((prompts[b], new[b:b + 1]), dim=1))  # this sequence alone, no cache
+        torch.testing.assert_close(pre[b, :n], ref[0, :n], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(torch.cat([o[b] for o in dec]), ref[0, n:], rtol=1e-10, atol=1e-10)
+    assert not torch.isnan(pre).any()
+
+
+def test_float32_decode_close_to_explicit():
+    mla = make(qk_norm="rms", dtype=torch.float32).eval()
+    x = torch.randn(2, 20, mla.config.hidden_size)
+    cache = LatentCache.from_config(mla.config, 2, 20)
+    got = torch.cat([mla(x[:, :10], cache)] + [mla(x[:, t:t + 1], cache) for t in range(10, 20)], 1)
+    torch.testing.assert_close(got, mla(x), rtol=1e-4, atol=1e-5)
+
+
+# -- training path -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(NORM_VARIANTS))
+def test_gradients_reach_every_weight(name):
+    mla = make(NORM_VARIANTS[name])
+    x = torch.randn(2, 7, mla.config.hidden_size, dtype=torch.float64)
+    mla(x).square().sum().backward()
+    for pname, p in mla.named_parameters():
+        assert p.grad is not None, pname
+        assert p.grad.abs().sum() > 0, pname
+    names = dict(mla.named_parameters())
+    if mla.config.qk_norm is not None:
+        assert {"q_norm.content.weight", "q_norm.rope.weight", "k_norm.content.weight", "k_norm.rope.weight"} <= set(names)
+
+
+def test_gradcheck_explicit_path():
+    mla = make(qk_norm="lp", qk_norm_p=3.0, hidden_size=16, num_heads=2, num_kv_groups=1, q_lora_rank=8,
+               kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    x = torch.randn(1, 4, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda inp: mla(inp), (x,))
+
+
+def test_absorbed_weights_refresh_after_optimizer_step_and_load():
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
+
+    def decode_last():
+        cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
+        mla(x[:, :5], cache)
+        return mla(x[:, 5:], cache)
+
+    before = decode_last()
+    old = mla.absorbed
+    opt = torch.optim.SGD(mla.parameters(), lr=0.1)
+    mla(x).sum().backward()
+    opt.step()
+    assert mla.absorbed is not old  # version counters moved: re-derived on next use
+    after = decode_last()
+    torch.testing.assert_close(after, mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
+    assert (after - before).abs().max() > 1e-6
+
+    other = make(qk_norm="rms").eval()
+    mla.load_state_dict(other.state_dict())
+    torch.testing.assert_close(decode_last(), other(x)[:, 5:], rtol=1e-10, atol=1e-10)
+
+
+def test_absorbed_weights_are_cached_while_weights_are_unchanged():
+    mla = make(qk_norm="rms")
+    assert mla.absorbed is mla.absorbed
+
+
+def test_absorbed_weights_fold_both_norm_weights():
+    mla = make(qk_norm="rms")
+    c = mla.config
+    w = mla.kv_b_proj.weight.view(c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    torch.testing.assert_close(mla.absorbed.w_uk, w[:, :c.qk_nope_head_dim])
+    torch.testing.assert_close(mla.absorbed.w_uv, w[:, c.qk_nope_head_dim:])
+    torch.testing.assert_close(mla.absorbed.gamma_qk, mla.q_norm.content.weight * mla.k_norm.content.weight)
+    assert make(qk_norm=None).absorbed.gamma_qk is None
+
+
+def test_latent_cache_write_discards_content_keys():
+    """A cache write stores d_c + d_r values and G scalars per token, nothing of size G * d_n."""
+    mla = make(qk_norm="rms")
+    cache = LatentCache.from_config(mla.config, 1, 8, dtype=torch.float64)
+    mla(torch.randn(1, 3, mla.config.hidden_size, dtype=torch.float64), cache)
+    c = mla.config
+    assert {n: b.width for n, b in cache.fields.items()} == {"latent": c.kv_lora_rank + c.qk_rope_head_dim,
+                                                            "inv_rms": c.num_kv_groups}
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_value_errors_naming_the_argument():
+    mla = make(qk_norm="rms", dtype=torch.float32)
+    d = mla.config.hidden_size
+    with pytest.raises(ValueError, match=r"x: expected shape"):
+        mla(torch.randn(2, 5, d + 1))
+    with pytest.raises(ValueError, match=r"x: expected shape"):
+        mla(torch.randn(5, d))
+    with pytest.raises(ValueError, match=r"x: dtype torch.float64"):
+        mla(torch.randn(2, 5, d, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x: expected a torch.Tensor"):
+        mla([[0.0] * d])
+    with pytest.raises(ValueError, match="path"):
+        mla(torch.randn(1, 2, d), path="fast")
+    with pytest.raises(ValueError, match="path"):
+        mla(torch.randn(1, 2, d), path="absorbed")  # no cache to read
+    with pytest.raises(ValueError, match="positions"):
+        mla(torch.randn(1, 2, d), positions=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="positions"):
+        mla(torch.randn(1, 2, d), positions=torch.tensor([0, 1, 2]))
+
+
+def test_positions_past_capacity():
+    mla = make(qk_norm="rms", dtype=torch.float32)
+    cache = LatentCache.from_config(mla.config, 2, 8)
+    mla(torch.randn(2, 6, mla.config.hidden_size), cache)
+    with pytest.raises(ValueError, match=r"positions: .*past the cache capacity=8"):
+        mla(torch.randn(2, 3, mla.config.hidden_size), cache)
+    assert cache.seqlens.tolist() == [6, 6]  # the failed call wrote nothing
+
+
+def test_batch_not_matching_cache():
+    mla = make(qk_norm="rms", dtype=torch.float32)
+    d = mla.config.hidden_size
+    cache = LatentCache.from_config(mla.config, 2, 8)
+    with pytest.raises(ValueError, match="batch_size=2"):
+        mla(torch.randn(3, 1, d), cache)
+    mla(torch.randn(2, 3, d), cache)
+    with pytest.raises(ValueError, match=r"positions: .*cache lengths \[3, 3\]"):
+        mla(torch.randn(2, 1, d), cache, positions=torch.tensor([[5], [3]]))
+    with pytest.raises(ValueError, match="input_lengths"):
+        mla(torch.randn(2, 2, d), cache, input_lengths=torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="input_lengths"):
+        mla(torch.randn(2, 2, d), cache, input_lengths=torch.tensor([1]))
+    mla(torch.randn(2, 1, d), cache, positions=torch.tensor([[3], [3]]))  # correct positions are accepted
+
+
+def test_cache_of_wrong_shape():
+    mla = make(qk_norm="rms", dtype=torch.float32)
+    plain = LatentCache.from_config(mla.config.replace(qk_norm=None), 1, 4)
+    with pytest.raises(ValueError, match="cache: LatentCache"):
+        mla(torch.randn(1, 1, mla.config.hidden_size), plain)
+    with pytest.raises(ValueError, match="cache: expected"):
+        mla(torch.randn(1, 1, mla.config.hidden_size), cache={"k": 1})
+    full = FullKVCache(1, 4, num_kv_heads=1, k_dim=3, v_dim=3)
+    with pytest.raises(ValueError, match="cache: FullKVCache"):
+        mla(torch.randn(1, 1, mla.config.hidden_size), full)
+
+
+def test_explicit_path_with_filled_latent_cache_is_refused():
+    mla = make(qk_norm="rms", dtype=torch.float32)
+    cache = LatentCache.from_config(mla.config, 1, 8)
+    mla(torch.randn(1, 3, mla.config.hidden_size), cache)
+    with pytest.raises(ValueError, match="path: 'explicit'"):
+        mla(torch.randn(1, 2, mla.config.hidden_size), cache, path="explicit")
+
+
+def test_config_type_checked():
+    with pytest.raises(ValueError, match="config"):
+        MLA({"hidden_size": 64})

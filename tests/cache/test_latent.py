@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from qkmla import FullKVCache, LatentCache, MLAConfig, PagedLayout, mla_preset
+from qkmla.cache.size import CACHE_PRESETS, cache_rows
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "deepseek-v3-tp8"])
+def test_allocated_bytes_equal_the_formula(preset):
+    """Measured cache bytes per token equal cache_rows' formula, for all three caches."""
+    cfg = mla_preset(preset)
+    rows = {r["variant"]: r for r in cache_rows(CACHE_PRESETS[preset], 1)}
+    capacity = 64
+    caches = {
+        "mla": LatentCache.from_config(cfg.replace(qk_norm=None), 1, capacity, dtype=torch.bfloat16),
+        "mla-qknorm": LatentCache.from_config(cfg, 1, capacity, dtype=torch.bfloat16),
+        "mla-qknorm-full-key": FullKVCache.from_config(cfg, 1, capacity, dtype=torch.bfloat16),
+    }
+    for name, cache in caches.items():
+        assert cache.nbytes == capacity * cache.bytes_per_token
+        assert cache.bytes_per_token == rows[name]["bytes_per_token_layer"], name
+    ratio = caches["mla-qknorm-full-key"].nbytes / caches["mla-qknorm"].nbytes
+    expected = {"deepseek-v3": 58.18, "deepseek-v3-tp8": 8.65}[preset]
+    assert ratio == pytest.approx(expected, abs=0.01)
+
+
+def test_scalar_dtype_separate():
+    cfg = mla_preset("deepseek-v3-tp8")
+    cache = LatentCache.from_config(cfg, 2, 8, dtype=torch.bfloat16, scalar_dtype=torch.float32)
+    assert cache.bytes_per_token == 576 * 2 + 16 * 4
+    assert cache.fields["inv_rms"].width == 16
+
+
+def test_paged_cache_bytes():
+    cache = LatentCache.from_config(MLAConfig(), 2, 10, layout=PagedLayout(block_size=4))
+    assert cache.nbytes == 2 * 3 * 4 * cache.bytes_per_token  # 3 blocks of 4 per sequence
+
+
+def test_plan_checks_capacity_and_reset():
+    cache = LatentCache.from_config(MLAConfig(), 1, 4)
+    slot = cache.plan(1, 3)
+    cache.append(slot, latent=torch.zeros(1, 3, 40), inv_rms=torch.ones(1, 3, 4))
+    assert cache.seqlens.tolist() == [3] and cache.max_len == 3
+    with pytest.raises(ValueError, match="capacity=4"):
+        cache.plan(1, 2)
+    with pytest.raises(ValueError, match="rows"):
+        cache.append(cache.plan(1, 1), latent=torch.zeros(1, 1, 40))
+    cache.reset()
+    assert cache.seqlens.tolist() == [0] and cache.max_len == 0
+
+
+def test_read_zeroes_slots_past_each_length():
+    cache = LatentCache(2, 4, kv_lora_rank=2, qk_rope_head_dim=2, fill=float("nan"))
+    cache.append(cache.plan(2, 3, input_lengths=torch.tensor([3, 1])), latent=torch.ones(2, 3, 4))
+    got = cache.read("latent")
+    assert got.shape == (2, 3, 4)
+    assert got[0].eq(1).all() and got[1, 0].eq(1).all() and got[1, 1:].eq(0).all()
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="capacity"):
+        LatentCache(1, 0, 4, 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        LatentCache(-1, 4, 4, 2)

@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from qkmla.cache.storage import ContiguousLayout, PagedLayout
+
+
+def write_some(buf):
+    batch_idx = torch.tensor([0, 0, 1, 2, 2, 2])
+    positions = torch.tensor([0, 1, 0, 0, 1, 2])
+    rows = torch.arange(6, dtype=torch.float32)[:, None].expand(6, 3) + 1
+    buf.write(batch_idx, positions, rows)
+    return rows
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+def test_paged_reads_like_contiguous(block_size):
+    contiguous = ContiguousLayout().buffer(3, 8, 3, torch.float32, fill=float("nan"))
+    table = torch.randperm(3 * (8 // block_size)).view(3, -1)
+    paged = PagedLayout(block_size, block_table=table).buffer(3, 8, 3, torch.float32, fill=float("nan"))
+    write_some(contiguous)
+    write_some(paged)
+    torch.testing.assert_close(paged.read(3), contiguous.read(3), equal_nan=True)
+    assert paged.read(3)[0, 1, 0] == 2 and torch.isnan(paged.read(3)[1, 1]).all()
+
+
+def test_paged_block_table_is_checked():
+    with pytest.raises(ValueError, match="block_table"):
+        PagedLayout(4, block_table=torch.zeros(2, 1, dtype=torch.long)).buffer(2, 8, 3, torch.float32)
+    with pytest.raises(ValueError, match="block_table"):
+        PagedLayout(4, block_table=torch.zeros(3, 2, dtype=torch.long)).buffer(2, 8, 3, torch.float32)
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedLayout(4, block_table=torch.arange(4).view(2, 2), num_blocks=3).buffer(2, 8, 3, torch.float32)
+    with pytest.raises(ValueError, match="block_size"):
+        PagedLayout(0)
+
+
+def test_bytes():
+    buf = ContiguousLayout().buffer(2, 10, 5, torch.bfloat16)
+    assert buf.nbytes == 2 * 10 * 5 * 2
+    paged = PagedLayout(4).buffer(2, 10, 5, torch.float32)  # 3 blocks of 4 per sequence
+    assert paged.nbytes == 6 * 4 * 5 * 4

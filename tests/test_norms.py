@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from qkmla.norms import QKNorm, ScalarNorm, statistic
+
+
+def test_rms_matches_torch_rmsnorm():
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    ours = ScalarNorm(16, "rms", eps=1e-6).double()
+    ref = torch.nn.RMSNorm(16, eps=1e-6).double()
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_l2_is_henry_qknorm_and_lp2():
+    x = torch.randn(4, 10, dtype=torch.float64)
+    l2 = ScalarNorm(10, "l2", eps=0.0).double()
+    torch.testing.assert_close(l2(x), torch.nn.functional.normalize(x, dim=-1), rtol=1e-12, atol=1e-12)
+    lp2 = ScalarNorm(10, "lp", p=2.0, eps=0.0).double()
+    torch.testing.assert_close(lp2(x), l2(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("p", [1.0, 1.5, 3.0, 4.0])
+def test_lp_has_unit_p_norm(p):
+    x = torch.randn(6, 12, dtype=torch.float64)
+    y = ScalarNorm(12, "lp", p=p, eps=0.0).double()(x)
+    torch.testing.assert_close(torch.linalg.vector_norm(y, ord=p, dim=-1), torch.ones(6, dtype=torch.float64))
+
+
+def test_statistic_is_scale_inverse():
+    """sigma(a v) = sigma(v) / a for every member (eps = 0): what makes the logit scale-free."""
+    v = torch.randn(8, 9, dtype=torch.float64)
+    for kind, p in [("rms", 2), ("l2", 2), ("lp", 3.0), ("lp", 1.0)]:
+        torch.testing.assert_close(statistic(5 * v, kind, p, 0.0), statistic(v, kind, p, 0.0) / 5)
+
+
+def test_unified_is_one_statistic_over_concatenation():
+    q_c, q_r = torch.randn(2, 3, 16, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    norm = QKNorm(16, 8, "rms", mode="unified").double()
+    with torch.no_grad():
+        norm.content.weight.uniform_(0.5, 1.5)
+        norm.rope.weight.uniform_(0.5, 1.5)
+    ref = torch.nn.RMSNorm(24, eps=1e-6).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.cat((norm.content.weight, norm.rope.weight)))
+    got = torch.cat(norm(q_c, q_r), dim=-1)
+    torch.testing.assert_close(got, ref(torch.cat((q_c, q_r), dim=-1)), rtol=1e-12, atol=1e-12)
+
+
+def test_unified_broadcasts_shared_rope_key_per_group():
+    k_c, k_r = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 1, 8)
+    sigma_c, sigma_r = QKNorm(16, 8, "rms", mode="unified").statistics(k_c, k_r)
+    assert sigma_c.shape == (2, 5, 4, 1) and sigma_r is sigma_c
+
+
+def test_bf16_statistic_is_computed_in_float32():
+    x = torch.randn(4, 64).to(torch.bfloat16) * 300
+    assert statistic(x, "rms").dtype == torch.float32
+    assert ScalarNorm(64)(x).dtype == torch.bfloat16
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="kind"):
+        ScalarNorm(4, "batch")
+    with pytest.raises(ValueError, match="qk_norm_mode"):
+        QKNorm(4, 2, mode="joint")
