@@ -59,34 +59,34 @@ def machine() -> dict:
 
 def filled(cache, context: int, rows: dict):
     """Append ``context`` random tokens, as a prefill would, without running the model."""
-    cache.append(cache.plan(1, context), **rows)
+    cache.append(cache.plan(cache.batch_size, context), **rows)
     return cache
 
 
-def setup(preset: str, context: int, dtype: torch.dtype, device: str):
+def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int = 1):
     """Modules and caches for every variant at one context length."""
     torch.manual_seed(0)
     cfg = mla_preset(preset)
     qk = MLA(cfg).to(device=device, dtype=dtype).eval()
     plain = MLA(cfg.replace(qk_norm=None)).to(device=device, dtype=dtype).eval()
-    capacity = context + 1
+    capacity, B = context + 1, batch
     d_c, d_r, G = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_groups
-    latent = torch.randn(1, context, d_c + d_r, dtype=dtype, device=device)
-    inv_rms = torch.rand(1, context, G, dtype=dtype, device=device) + 0.5
+    latent = torch.randn(B, context, d_c + d_r, dtype=dtype, device=device)
+    inv_rms = torch.rand(B, context, G, dtype=dtype, device=device) + 0.5
     kw = dict(dtype=dtype, device=device)
     caches = {
-        "full-key-qknorm": filled(FullKVCache.from_config(cfg, 1, capacity, **kw), context, {
-            "k": torch.randn(1, context, G * cfg.qk_head_dim, dtype=dtype, device=device),
-            "v": torch.randn(1, context, G * cfg.v_head_dim, dtype=dtype, device=device)}),
-        "expand-qknorm": filled(LatentCache.from_config(cfg, 1, capacity, **kw), context,
+        "full-key-qknorm": filled(FullKVCache.from_config(cfg, B, capacity, **kw), context, {
+            "k": torch.randn(B, context, G * cfg.qk_head_dim, dtype=dtype, device=device),
+            "v": torch.randn(B, context, G * cfg.v_head_dim, dtype=dtype, device=device)}),
+        "expand-qknorm": filled(LatentCache.from_config(cfg, B, capacity, **kw), context,
                                 {"latent": latent, "inv_rms": inv_rms}),
-        "absorbed-mla": filled(LatentCache.from_config(plain.config, 1, capacity, **kw), context, {"latent": latent}),
+        "absorbed-mla": filled(LatentCache.from_config(plain.config, B, capacity, **kw), context, {"latent": latent}),
     }
     caches["absorbed-mla-qknorm"] = caches["expand-qknorm"]  # same cache object, different path
-    x = torch.randn(1, 1, cfg.hidden_size, dtype=dtype, device=device)
-    q_lat = torch.randn(1, 1, cfg.num_heads, d_c, dtype=dtype, device=device)
-    q_rope = torch.randn(1, 1, cfg.num_heads, d_r, dtype=dtype, device=device)
-    q_full = torch.randn(1, 1, cfg.num_heads, cfg.qk_head_dim, dtype=dtype, device=device)
+    x = torch.randn(B, 1, cfg.hidden_size, dtype=dtype, device=device)
+    q_lat = torch.randn(B, 1, cfg.num_heads, d_c, dtype=dtype, device=device)
+    q_rope = torch.randn(B, 1, cfg.num_heads, d_r, dtype=dtype, device=device)
+    q_full = torch.randn(B, 1, cfg.num_heads, cfg.qk_head_dim, dtype=dtype, device=device)
 
     def step(module, cache, path="auto"):
         lengths, max_len, uniform = cache.seqlens, cache.max_len, cache.uniform
@@ -109,10 +109,10 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str):
     }
     for name in ("full-key-qknorm", "expand-qknorm", "absorbed-mla"):
         c = caches[name]
-        assert c.nbytes == c.bytes_per_token * c.capacity  # measured allocation == formula
+        assert c.nbytes == c.bytes_per_token * c.capacity * c.batch_size  # measured allocation == formula
     cache_of = {**caches, "core-mla": caches["absorbed-mla"], "core-mla-qknorm": caches["absorbed-mla-qknorm"],
                 "core-expand-qknorm": caches["expand-qknorm"]}
-    cache_bytes = {name: cache_of[name].bytes_per_token * context for name in VARIANTS}
+    cache_bytes = {name: cache_of[name].bytes_per_token * context * batch for name in VARIANTS}
     return fns, cache_bytes
 
 
@@ -126,7 +126,7 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> d
 
     In every round each variant gets one untimed call first (a variant that follows one
     that freed hundreds of MB would otherwise pay for page faults and cold caches), then
-    a few timed calls: as many as fit in ~30 ms, at least one. A slow variant stops after
+    a few timed calls: as many as fit in ~100 ms, at least one. A slow variant stops after
     3 rounds once it has spent ``budget_s``.
     """
     samples = {name: [] for name in fns}
@@ -144,7 +144,7 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> d
                 if r >= 3 and sum(samples[name]) > budget_s:
                     continue
                 fn()
-                for _ in range(max(1, min(20, int(0.03 / per_call[name])))):
+                for _ in range(max(1, min(50, int(0.1 / per_call[name])))):
                     sync(device)
                     t0 = time.perf_counter()
                     fn()
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/results/bench_decode_<device>.json)")
     args = p.parse_args(argv)
     contexts = args.contexts or ([1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768])
@@ -168,11 +169,12 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     info = machine()
     print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads)"
-          f"{', ' + info['gpu'] if 'gpu' in info else ''}, torch {info['torch']}, {args.preset}, {args.dtype}")
+          f"{', ' + info['gpu'] if 'gpu' in info else ''}, torch {info['torch']}, {args.preset}, {args.dtype}, "
+          f"batch {args.batch}")
     print(f"{'context':>8} {'variant':<21}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
     rows = []
     for context in contexts:
-        fns, cache_bytes = setup(args.preset, context, dtype, args.device)
+        fns, cache_bytes = setup(args.preset, context, dtype, args.device, args.batch)
         seconds = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
         for name in VARIANTS:
             base = "core-mla" if name.startswith("core") else "absorbed-mla"  # like against like
@@ -201,11 +203,12 @@ def main(argv=None) -> int:
     print("re-expanding keys / absorbed QK-norm, core:",
           {c: round(v, 1) for c, v in summary["expand_over_absorbed_qknorm_core"].items()})
     print(f"full-key cache / QK-normed latent cache bytes: {summary['full_key_cache_over_qknorm_latent_cache']:.2f}x")
-    out = args.out or HERE / "results" / f"bench_decode_{args.device}{'_quick' if args.quick else ''}.json"
+    suffix = ("_quick" if args.quick else "") + (f"_batch{args.batch}" if args.batch != 1 else "")
+    out = args.out or HERE / "results" / f"bench_decode_{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out.write_text(json.dumps({"command": command.strip(), "machine": info, "preset": args.preset,
-                               "dtype": args.dtype, "device": args.device, "rounds": rounds,
+                               "dtype": args.dtype, "device": args.device, "batch": args.batch, "rounds": rounds,
                                "rows": rows, "summary": summary}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

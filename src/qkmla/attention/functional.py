@@ -84,6 +84,31 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
     return out
 
 
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256) -> torch.Tensor:
+    """Per-head max causal pre-softmax logit [h], in chunks of ``chunk`` queries.
+
+    Never holds more than [B, h, chunk, S] logits at once, so measuring does not
+    materialize the full attention matrix.
+
+    Args:
+        q: [B, T, h, D]; k: [B, T, G, D] (keys of the same T tokens, causal); scale: float or [h].
+    """
+    B, T, h, _ = q.shape
+    G = k.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kk = k.repeat_interleave(h // G, dim=2).transpose(1, 2).to(acc)  # [B, h, T, D]
+    qq = (q.to(acc) * per_head(scale, 1)).transpose(1, 2)  # [B, h, T, D]
+    best = torch.full((h,), float("-inf"), dtype=acc, device=q.device)
+    for start in range(0, T, chunk):
+        stop = min(T, start + chunk)
+        s = qq[:, :, start:stop] @ kk[:, :, :stop].transpose(-1, -2)  # [B, h, c, stop]
+        causal = torch.arange(stop, device=q.device) <= torch.arange(start, stop, device=q.device)[:, None]
+        s = s.masked_fill(~causal, float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    return best
+
+
 def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                       inv_rms: Optional[torch.Tensor], mode: str) -> torch.Tensor:
     """Logits laid out key-major, [B, S, T, h].

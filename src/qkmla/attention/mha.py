@@ -8,6 +8,7 @@ the values in a :class:`~qkmla.cache.FullKVCache`.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -17,7 +18,7 @@ from ..cache.full import FullKVCache
 from ..config import AttentionConfig
 from ..norms import ScalarNorm
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, sdpa
+from .functional import check_hidden, default_positions, max_logits, sdpa
 
 
 class MultiHeadAttention(nn.Module):
@@ -48,6 +49,9 @@ class MultiHeadAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
         self.rotary = RotaryEmbedding(d, c.rope_theta, c.rope_interleave)
+        self.track_max_logits = False  # as in MLA: per-head max logit of each explicit forward
+        self.last_max_logits: Optional[torch.Tensor] = None
+        self.max_logit_seconds = 0.0
 
     @property
     def scale(self):
@@ -73,6 +77,10 @@ class MultiHeadAttention(nn.Module):
             if input_lengths is not None:
                 raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
             q, k, v = self.qkv(x, default_positions(x, positions))
+            if self.track_max_logits:
+                t0 = time.perf_counter()
+                self.last_max_logits = max_logits(q, k, self.scale.detach() if isinstance(self.scale, torch.Tensor) else self.scale)
+                self.max_logit_seconds = time.perf_counter() - t0
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         if not isinstance(cache, FullKVCache):
             raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")

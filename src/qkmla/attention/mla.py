@@ -23,6 +23,7 @@ weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,7 +36,7 @@ from ..cache.latent import LatentCache
 from ..config import MLAConfig
 from ..norms import make_qk_norms
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, latent_attention, latent_scores, per_head, sdpa
+from .functional import check_hidden, default_positions, max_logits, latent_attention, latent_scores, per_head, sdpa
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
 
@@ -97,6 +98,11 @@ class MLA(nn.Module):
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave)
         self._absorbed: Optional[AbsorbedWeights] = None
         self._absorbed_key: Optional[tuple] = None
+        # Set track_max_logits to record each head's max logit of every explicit forward
+        # (for QK-Clip and diagnostics), in chunks, with the seconds it took.
+        self.track_max_logits = False
+        self.last_max_logits: Optional[torch.Tensor] = None
+        self.max_logit_seconds = 0.0
 
     # -- shared pieces ----------------------------------------------------------------------
 
@@ -247,6 +253,11 @@ class MLA(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
 
+    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.last_max_logits = max_logits(q, k, self.scale.detach() if isinstance(self.scale, torch.Tensor) else self.scale)
+        self.max_logit_seconds = time.perf_counter() - t0
+
     def _check_cache(self, cache) -> None:
         c = self.config
         if isinstance(cache, LatentCache):
@@ -289,6 +300,8 @@ class MLA(nn.Module):
             if input_lengths is not None:
                 raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
+            if self.track_max_logits:
+                self._record_max_logits(q, k)
             o = sdpa(q, k, v, self.scale, causal=True)
             return self.o_proj(o.flatten(2))
 

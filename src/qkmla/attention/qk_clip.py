@@ -1,0 +1,88 @@
+"""QK-Clip (MuonClip, Kimi K2): the logit-clipping baseline, and per-head max logits.
+
+After an optimizer step, every head h whose largest pre-softmax logit in the step, S_h,
+exceeds tau gets gamma_h = tau / S_h (heads under tau: gamma_h = 1), and its weights are
+rescaled so that every logit of that head is multiplied by exactly gamma_h:
+
+* MLA: content query rows (W_UQ, head h) and content key rows (W_UK, head h) by
+  sqrt(gamma_h); RoPE query rows of head h by gamma_h; the shared RoPE key untouched.
+* MHA / GQA: query rows by gamma_h^alpha and key rows by gamma_h^(1 - alpha).
+
+Shared key heads (GQA, or MLA with G < h): a key head serves several query heads, so it
+takes the smallest gamma among them, b = min_h gamma_h^(1-alpha) (MLA: sqrt(min gamma_h)),
+and each query head gets gamma_h / b on the part of its logit that the key scales. Every
+head's logits are then multiplied by exactly its own gamma_h, clipped or not (unclipped
+heads: 1), which is the property the tests check. With G = h this is Kimi's rule.
+
+Clipping a QK-normed layer would be undone by the norm, so it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from .functional import max_logits  # noqa: F401  (re-exported: measured where QK-Clip needs it)
+from .mha import MultiHeadAttention
+from .mla import MLA
+
+Attention = Union[MLA, MultiHeadAttention]
+
+
+def clip_factors(max_logit: torch.Tensor, tau: float) -> torch.Tensor:
+    """gamma_h = min(1, tau / S_h), per head."""
+    if not tau > 0:
+        raise ValueError(f"tau: expected a positive threshold, got {tau!r}")
+    return torch.clamp(tau / max_logit.clamp_min(torch.finfo(max_logit.dtype).tiny), max=1.0)
+
+
+def _group_key_factor(gamma: torch.Tensor, groups: int, power: float) -> torch.Tensor:
+    """Per key head: (smallest gamma of its query heads) ** power. [h] -> [G]."""
+    return gamma.view(groups, -1).amin(dim=1).pow(power)
+
+
+@torch.no_grad()
+def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alpha: float = 0.5) -> torch.Tensor:
+    """Rescale ``module``'s Q/K weights in place so each head's logits shrink by gamma_h.
+
+    Args:
+        module: an :class:`MLA` or :class:`MultiHeadAttention` without QK norm.
+        max_logit: [h], each head's largest pre-softmax logit in the step.
+        tau: the threshold (Kimi K2: 100).
+        alpha: the query's share of the exponent for MHA/GQA (0.5). MLA's split is fixed
+            (content sqrt(gamma) on both sides, RoPE query gamma).
+
+    Returns:
+        gamma [h], the factor each head's logits were multiplied by (1 where not clipped).
+    """
+    c = module.config
+    if c.qk_norm is not None:
+        raise ValueError(f"module: QK-Clip is for layers without QK norm (got qk_norm={c.qk_norm!r}); "
+                         "a norm would undo the rescaling")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha: expected a number in [0, 1], got {alpha!r}")
+    if max_logit.shape != (c.num_heads,):
+        raise ValueError(f"max_logit: expected shape [{c.num_heads}], got {tuple(max_logit.shape)}")
+    gamma = clip_factors(max_logit.float(), tau)
+    if bool((gamma == 1).all()):
+        return gamma
+    if isinstance(module, MLA):
+        G, hg = c.num_kv_groups, c.heads_per_group
+        key = _group_key_factor(gamma, G, 0.5)  # content key rows of each group
+        query_content = gamma / key.repeat_interleave(hg)
+        w_q = module.q_proj.weight if c.q_lora_rank is None else module.q_b_proj.weight
+        w_q = w_q.view(c.num_heads, c.qk_head_dim, -1)
+        w_q[:, :c.qk_nope_head_dim].mul_(query_content.to(w_q.dtype)[:, None, None])
+        w_q[:, c.qk_nope_head_dim:].mul_(gamma.to(w_q.dtype)[:, None, None])
+        w_kv = module.kv_b_proj.weight.view(G, c.qk_nope_head_dim + c.v_head_dim, -1)
+        w_kv[:, :c.qk_nope_head_dim].mul_(key.to(w_kv.dtype)[:, None, None])
+    else:
+        G = c.num_kv_heads
+        key = _group_key_factor(gamma, G, 1.0 - alpha)
+        query = gamma / key.repeat_interleave(c.num_heads // G)
+        w_q = module.q_proj.weight.view(c.num_heads, c.dim_per_head, -1)
+        w_q.mul_(query.to(w_q.dtype)[:, None, None])
+        w_k = module.k_proj.weight.view(G, c.dim_per_head, -1)
+        w_k.mul_(key.to(w_k.dtype)[:, None, None])
+    return gamma

@@ -1,0 +1,205 @@
+"""A small decoder-only LM whose attention is chosen by name (nanoGPT-sized, pre-norm, RoPE).
+
+    tokens -> embedding -> [RMSNorm -> attention -> + ; RMSNorm -> MLP -> +] x n_layer
+           -> RMSNorm -> lm_head (tied to the embedding by default)
+
+No biases anywhere; positions come from RoPE inside attention. The attention variants:
+
+    mha, gqa, mqa                       MultiHeadAttention, no QK norm
+    mha-qknorm, gqa-qknorm              ... with per-head QK RMSNorm (Qwen3 placement)
+    mha-l2, gqa-l2, mha-lp, gqa-lp      ... with L2 / Lp QK norm (learnable logit scale)
+    mla                                 plain MLA
+    mla-qknorm                          MLA, blockwise QK RMSNorm (the paper's method)
+    mla-qknorm-unified                  MLA, unified QK RMSNorm (ablation)
+    mla-l2, mla-lp                      MLA with L2 / Lp QK norm (learnable logit scale)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.mha import MultiHeadAttention
+from ..attention.mla import MLA
+from ..cache.full import FullKVCache
+from ..cache.latent import LatentCache
+from ..config import AttentionConfig, MLAConfig
+
+ATTENTION_VARIANTS = (
+    "mha", "gqa", "mqa", "mha-qknorm", "gqa-qknorm", "mha-l2", "gqa-l2", "mha-lp", "gqa-lp",
+    "mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp",
+)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model shape and the attention variant.
+
+    MLA dims by default follow DeepSeek's proportions at this width: with head_dim =
+    n_embd / n_head, d_r = head_dim / 3 (even), d_n = head_dim - d_r, d_v = head_dim,
+    d_c = 2 x head_dim, and a direct q_proj (``q_lora_rank`` None) unless set.
+    """
+
+    vocab_size: int = 65
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    attn: str = "mla-qknorm"
+    n_kv_head: Optional[int] = None  # GQA groups (default n_head // 2 for gqa, n_head for MLA)
+    qk_norm_p: float = 3.0  # p of the "-lp" variants
+    kv_lora_rank: Optional[int] = None  # MLA d_c (default 2 x head_dim)
+    q_lora_rank: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    mlp_ratio: float = 4.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.attn not in ATTENTION_VARIANTS:
+            raise ValueError(f"attn: expected one of {ATTENTION_VARIANTS}, got {self.attn!r}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
+        self.attention_config()  # validates the derived attention config
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attn.startswith("mla")
+
+    def attention_config(self):
+        """The :class:`MLAConfig` or :class:`AttentionConfig` of every layer."""
+        kind, _, norm = self.attn.partition("-")
+        qk_norm = {"": None, "qknorm": "rms", "qknorm-unified": "rms", "l2": "l2", "lp": "lp"}[norm]
+        # Unit-L2/Lp vectors have small dot products: learn the logit scale (Henry et al.),
+        # starting where an RMS-normalized head of the same width would be.
+        learnable = qk_norm in ("l2", "lp")
+        if kind == "mla":
+            d_r = self.qk_rope_head_dim or max(2, (self.head_dim // 3) // 2 * 2)
+            d_n = self.head_dim - d_r if self.head_dim - d_r > 0 else self.head_dim
+            init = math.sqrt(d_n + d_r) if learnable else None
+            return MLAConfig(
+                hidden_size=self.n_embd, num_heads=self.n_head, num_kv_groups=self.n_kv_head or self.n_head,
+                q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank or 2 * self.head_dim,
+                qk_nope_head_dim=d_n, qk_rope_head_dim=d_r, v_head_dim=self.head_dim, rope_theta=self.rope_theta,
+                qk_norm=qk_norm, qk_norm_p=self.qk_norm_p,
+                qk_norm_mode="unified" if norm == "qknorm-unified" else "blockwise",
+                softmax_scale=init, learnable_logit_scale=learnable,
+            )
+        kv = {"mha": self.n_head, "mqa": 1, "gqa": self.n_kv_head or max(1, self.n_head // 2)}[kind]
+        init = math.sqrt(self.head_dim) if learnable else None
+        return AttentionConfig(
+            hidden_size=self.n_embd, num_heads=self.n_head, num_kv_heads=kv, head_dim=self.head_dim,
+            rope_theta=self.rope_theta, qk_norm=qk_norm, qk_norm_p=self.qk_norm_p, softmax_scale=init,
+            learnable_logit_scale=learnable,
+        )
+
+    def replace(self, **changes) -> "GPTConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# From seconds on a CPU (debug) to the seed paper's 400M shape (it only has to build and step).
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "debug": GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64),
+    "cpu": GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128),  # nanoGPT's CPU config
+    "shakespeare": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),  # nanoGPT's GPU config
+    "paper-400m": GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=16, n_embd=1536,
+                            q_lora_rank=768, kv_lora_rank=256, qk_rope_head_dim=32),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, ratio: float, dropout: float):
+        super().__init__()
+        hidden = int(ratio * n_embd)
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        attn_cfg = config.attention_config()
+        self.ln_1 = nn.RMSNorm(config.n_embd)
+        self.attn = MLA(attn_cfg) if isinstance(attn_cfg, MLAConfig) else MultiHeadAttention(attn_cfg)
+        self.ln_2 = nn.RMSNorm(config.n_embd)
+        self.mlp = MLP(config.n_embd, config.mlp_ratio, config.dropout)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cache=None, **kw):
+        x = x + self.dropout(self.attn(self.ln_1(x), cache, **kw))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only LM. ``forward(idx [B, T], targets=None, caches=None) -> (logits [B, T, V], loss)``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.RMSNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
+            if name.endswith(("o_proj.weight", "down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def make_caches(self, batch_size: int, capacity: int, **kwargs) -> list:
+        """One cache per layer: a :class:`LatentCache` for MLA variants, a :class:`FullKVCache` otherwise."""
+        caches = []
+        dtype = kwargs.pop("dtype", None) or self.wte.weight.dtype
+        for block in self.blocks:
+            cfg = block.attn.config
+            cls = LatentCache if isinstance(cfg, MLAConfig) else FullKVCache
+            caches.append(cls.from_config(cfg, batch_size, capacity, dtype=dtype, device=self.wte.weight.device, **kwargs))
+        return caches
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, caches: Optional[list] = None,
+                input_lengths: Optional[torch.Tensor] = None):
+        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {idx.dtype} {tuple(idx.shape)}")
+        B, T = idx.shape
+        if caches is None and T > self.config.block_size:
+            raise ValueError(f"idx: sequence of {T} tokens is longer than block_size={self.config.block_size}")
+        x = self.drop(self.wte(idx))
+        kw = {} if input_lengths is None else {"input_lengths": input_lengths}
+        for i, block in enumerate(self.blocks):
+            x = block(x, caches[i] if caches is not None else None, **kw)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss

@@ -1,0 +1,95 @@
+"""Checkpoints in safetensors: weights, optimizer state, RNG state and the run's config.
+
+``DIR/checkpoint.safetensors`` holds every tensor (``model.*``, ``optim.*``, ``rng.*``) and,
+in its string metadata, the JSON of the configs, the step and the optimizer's non-tensor
+state. It is written to a temporary file and renamed, so a crash mid-write keeps the
+previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FILENAME = "checkpoint.safetensors"
+
+
+def _flatten(prefix: str, obj: Any, tensors: dict, skeleton: Any = None):
+    """Split a nested state (dicts, lists, tensors, scalars) into tensors and a JSON skeleton."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().cpu().contiguous()
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        return {"__dict__": [[str(k), type(k).__name__, _flatten(f"{prefix}.{k}", v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__": [_flatten(f"{prefix}.{i}", v, tensors) for i, v in enumerate(obj)],
+                "tuple": isinstance(obj, tuple)}
+    return {"__value__": obj}
+
+
+def _unflatten(node: Any, tensors: dict):
+    if "__tensor__" in node:
+        return tensors[node["__tensor__"]]
+    if "__dict__" in node:
+        return {(int(k) if kind == "int" else k): _unflatten(v, tensors) for k, kind, v in node["__dict__"]}
+    if "__list__" in node:
+        items = [_unflatten(v, tensors) for v in node["__list__"]]
+        return tuple(items) if node.get("tuple") else items
+    return node["__value__"]
+
+
+def save_checkpoint(out_dir: Path, model: torch.nn.Module, optimizer, step: int, config: dict,
+                    generator: torch.Generator) -> Path:
+    """Write ``out_dir/checkpoint.safetensors`` atomically."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    aliases = {}
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # tied weights are stored once
+            aliases[name] = seen[t.data_ptr()]
+            continue
+        seen[t.data_ptr()] = f"model.{name}"
+        tensors[f"model.{name}"] = t.detach().cpu().contiguous()
+    optim_skeleton = _flatten("optim", optimizer.state_dict(), tensors)
+    tensors["rng.generator"] = generator.get_state()
+    tensors["rng.torch"] = torch.get_rng_state()
+    metadata = {"config": json.dumps(config), "step": str(step), "optim": json.dumps(optim_skeleton),
+                "aliases": json.dumps(aliases)}
+    tmp = out_dir / (FILENAME + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, out_dir / FILENAME)
+    return out_dir / FILENAME
+
+
+def read_metadata(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, generator: torch.Generator) -> int:
+    """Restore model, optimizer and RNG state; returns the step the checkpoint was taken after."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / FILENAME
+    if not path.is_file():
+        raise ValueError(f"resume: no checkpoint at {path}")
+    tensors = load_file(str(path))
+    meta = read_metadata(path)
+    aliases = json.loads(meta["aliases"])
+    state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    for name, target in aliases.items():
+        state[name] = tensors[target]
+    model.load_state_dict(state)
+    optimizer.load_state_dict(_unflatten(json.loads(meta["optim"]), tensors))
+    generator.set_state(tensors["rng.generator"])
+    torch.set_rng_state(tensors["rng.torch"])
+    return int(meta["step"])

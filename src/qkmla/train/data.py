@@ -1,0 +1,94 @@
+"""Text corpora, tokenizers and batches.
+
+The embedded default is tiny Shakespeare (public domain, Project Gutenberg) with a
+character vocabulary and nanoGPT's split: the first 90% trains, the last 10% validates, so
+losses compare with nanoGPT's published figures. ``shakespeare`` (40 plays and poems,
+4.8M characters) is also shipped. Any text file works, with a char or a byte vocabulary.
+"""
+
+from __future__ import annotations
+
+import lzma
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+EMBEDDED = {"tiny_shakespeare": "tiny_shakespeare.txt.xz", "shakespeare": "shakespeare.txt.xz"}
+TOKENIZERS = ("char", "byte")
+
+
+def load_text(source: str = "tiny_shakespeare") -> str:
+    """An embedded corpus by name, or the text of a file path."""
+    if source in EMBEDDED:
+        data = resources.files("qkmla").joinpath("data", EMBEDDED[source]).read_bytes()
+        return lzma.decompress(data).decode("utf-8")
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"data: expected one of {sorted(EMBEDDED)} or a path to a text file, got {source!r}")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+class Tokenizer:
+    """Char-level (vocabulary = the characters of the corpus) or byte-level (256 ids)."""
+
+    def __init__(self, kind: str = "char", chars: Optional[str] = None):
+        if kind not in TOKENIZERS:
+            raise ValueError(f"tokenizer: expected one of {TOKENIZERS}, got {kind!r}")
+        if kind == "char" and not chars:
+            raise ValueError("chars: a char tokenizer needs its vocabulary")
+        self.kind, self.chars = kind, chars
+        self.stoi = {c: i for i, c in enumerate(chars)} if kind == "char" else None
+
+    @classmethod
+    def fit(cls, text: str, kind: str = "char") -> "Tokenizer":
+        return cls(kind, "".join(sorted(set(text))) if kind == "char" else None)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) if self.kind == "char" else 256
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "byte":
+            return list(text.encode("utf-8"))
+        unknown = set(text) - set(self.stoi)
+        if unknown:
+            raise ValueError(f"text: characters outside the vocabulary: {sorted(unknown)[:10]}")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids) -> str:
+        if self.kind == "byte":
+            return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def state(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+@dataclass
+class Corpus:
+    """Token ids split into train (first 90%) and validation (last 10%)."""
+
+    tokenizer: Tokenizer
+    train: torch.Tensor
+    val: torch.Tensor
+
+    @classmethod
+    def load(cls, source: str = "tiny_shakespeare", tokenizer: str = "char", train_fraction: float = 0.9) -> "Corpus":
+        text = load_text(source)
+        tok = Tokenizer.fit(text, tokenizer)
+        ids = torch.tensor(tok.encode(text), dtype=torch.long)
+        n = int(train_fraction * len(ids))
+        return cls(tok, ids[:n], ids[n:])
+
+
+def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator):
+    """Random windows (nanoGPT style): x [B, T], y [B, T] shifted by one token."""
+    if len(data) <= block_size + 1:
+        raise ValueError(f"data: {len(data)} tokens are too few for block_size={block_size}")
+    ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
+    x = torch.stack([data[i:i + block_size] for i in ix.tolist()])
+    y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix.tolist()])
+    return x, y
