@@ -1,4 +1,4 @@
-"""The ``qkmla`` command: ``verify`` (Appendix E equivalence) and ``cache-size``."""
+"""The ``qkmla`` command: verify, cache-size, train, plot, generate and demo."""
 
 from __future__ import annotations
 
@@ -59,6 +59,51 @@ def _cache_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from .train.cli import train_config_from_args
+    from .train.trainer import train
+
+    status = train(train_config_from_args(args))
+    print(json.dumps(status))
+    return 0 if status["status"] in ("done", "time limit") else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .train.plot import plot_runs
+
+    try:
+        path = plot_runs(args.runs, args.out)
+    except ValueError as e:
+        raise SystemExit(f"qkmla plot: {e}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .model.generate import generate
+    from .train.trainer import load_model
+
+    try:
+        model, tok = load_model(args.run)
+        prompts = [tok.encode(p) for p in args.prompt]
+    except ValueError as e:
+        raise SystemExit(f"qkmla generate: {e}")
+    gen = torch.Generator().manual_seed(args.seed)
+    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen)
+    for p, o in zip(args.prompt, outs):
+        print(p + tok.decode(o))
+        print("-" * 40)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(out=args.out, steps=args.steps, preset=args.preset)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,11 +123,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
     c.add_argument("--scalar-dtype", choices=sorted(DTYPE_BYTES), default=None)
     c.set_defaults(func=_cache_size)
+
+    from .train.cli import add_train_arguments
+
+    t = sub.add_parser("train", help="train a small LM with any attention variant (see --attn)")
+    add_train_arguments(t)
+    t.set_defaults(func=_train)
+
+    pl = sub.add_parser("plot", help="loss, max-logit and grad-norm curves of runs on one PNG")
+    pl.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl)")
+    pl.add_argument("--out", default="runs/compare.png")
+    pl.set_defaults(func=_plot)
+
+    g = sub.add_parser("generate", help="sample from a trained run through its decode cache")
+    g.add_argument("run", help="run directory (with checkpoint.safetensors)")
+    g.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable: one batch)")
+    g.add_argument("--tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=_generate)
+
+    d = sub.add_parser("demo", help="the main job: QK-normed MLA vs plain MLA on tiny Shakespeare (~3 min on 2 cores)")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--steps", type=int, default=None, help="steps per model (default: sized for ~3 minutes)")
+    d.add_argument("--preset", default="cpu")
+    d.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "func", None) is _generate and not args.prompt:
+        args.prompt = ["\n"]
     return args.func(args)
 
 

@@ -1,0 +1,59 @@
+"""Arguments of ``qkmla train`` (also ``torchrun -m qkmla.train``), mapped onto TrainConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
+from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
+from .trainer import TrainConfig
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--preset", default=d.preset, choices=sorted(GPT_PRESETS))
+    p.add_argument("--attn", default=d.attn, choices=ATTENTION_VARIANTS)
+    p.add_argument("--qk-norm-p", type=float, default=None, help="p of the -lp variants (>= 1)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
+    p.add_argument("--muon-adjust-lr", default=d.muon_adjust_lr, choices=MUON_ADJUST)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="0 disables clipping")
+    p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip threshold (Kimi K2: 100)")
+    p.add_argument("--qk-clip-alpha", type=float, default=d.qk_clip_alpha)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (split over ranks)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--eval-interval", type=int, default=d.eval_interval)
+    p.add_argument("--eval-iters", type=int, default=d.eval_iters)
+    p.add_argument("--ckpt-interval", type=int, default=d.ckpt_interval)
+    p.add_argument("--log-heads", action="store_true", help="also log every head's max logit")
+    p.add_argument("--data", default=d.data, help="tiny_shakespeare, shakespeare, or a text file")
+    p.add_argument("--tokenizer", default=d.tokenizer, choices=("char", "byte"))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.safetensors")
+    p.add_argument("--max-seconds", type=float, default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP under torchrun")
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    for name in ("steps", "batch_size", "eval_interval", "eval_iters", "ckpt_interval"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"qkmla train: --{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
+    if args.qk_norm_p is not None and args.qk_norm_p < 1:
+        raise SystemExit(f"qkmla train: --qk-norm-p: expected p >= 1, got {args.qk_norm_p}")
+    return TrainConfig(
+        preset=args.preset, attn=args.attn, qk_norm_p=args.qk_norm_p, steps=args.steps, lr=args.lr,
+        optimizer=args.optimizer, muon_adjust_lr=args.muon_adjust_lr, weight_decay=args.weight_decay,
+        schedule=args.schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
+        grad_clip=args.grad_clip, qk_clip=args.qk_clip, qk_clip_alpha=args.qk_clip_alpha,
+        batch_size=args.batch_size, block_size=args.block_size, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, ckpt_interval=args.ckpt_interval, log_heads=args.log_heads, data=args.data,
+        tokenizer=args.tokenizer, seed=args.seed, out=args.out, resume=args.resume, max_seconds=args.max_seconds,
+        progress=not args.no_progress, fsdp=args.fsdp,
+    )
