@@ -1,0 +1,90 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkmla.train.trainer import TrainConfig, load_model, train
+
+FAST = dict(preset="debug", batch_size=4, block_size=16, eval_interval=3, eval_iters=2, progress=False,
+            warmup_steps=2)
+
+
+def read(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_gives_the_same_losses(tmp_path, optimizer):
+    full = train(TrainConfig(**FAST, steps=8, optimizer=optimizer, out=str(tmp_path / "full"), ckpt_interval=8))
+    assert full["status"] == "done"
+    part = TrainConfig(**FAST, steps=8, optimizer=optimizer, out=str(tmp_path / "part"), ckpt_interval=4)
+    train(TrainConfig(**{**part.__dict__, "max_seconds": 0.0}))  # stops after its first step, checkpointed
+    assert json.loads((tmp_path / "part" / "status.json").read_text())["status"] == "time limit"
+    train(TrainConfig(**{**part.__dict__, "resume": True}))
+    a, b = read(tmp_path / "full"), read(tmp_path / "part")
+    assert [r["step"] for r in b] == list(range(1, 9))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+
+
+def test_metrics_rows(tmp_path):
+    train(TrainConfig(**FAST, steps=3, attn="mla", log_heads=True, out=str(tmp_path)))
+    rows = read(tmp_path)
+    assert len(rows) == 3
+    for r in rows:
+        assert {"step", "loss", "lr", "grad_norm", "max_logit", "tokens_per_s", "max_logit_seconds"} <= set(r)
+        assert len(r["max_logit_per_layer"]) == 2 and len(r["max_logit_per_head"][0]) == 4
+        assert r["max_logit"] == pytest.approx(max(max(h) for h in r["max_logit_per_head"]), abs=1e-3)
+    assert "val_loss" in rows[2]
+    model, tok = load_model(tmp_path)
+    assert model.config.attn == "mla" and tok.vocab_size == 65
+
+
+def test_qk_clip_in_training_holds_logits_down(tmp_path):
+    """tau below the initial logits: every step clips, and the max logits stay far
+    below those of the same run without QK-Clip."""
+    cfg = dict(FAST, steps=6, attn="mla", lr=3e-2)
+    free = train(TrainConfig(**cfg, out=str(tmp_path / "free")))
+    clipped = train(TrainConfig(**cfg, qk_clip=0.05, out=str(tmp_path / "clip")))
+    assert free["status"] == clipped["status"] == "done"
+    rows, free_rows = read(tmp_path / "clip"), read(tmp_path / "free")
+    assert all(r["clipped_heads"] > 0 for r in rows)
+    assert rows[-1]["max_logit"] < 0.5 * free_rows[-1]["max_logit"]
+
+
+def test_qk_clip_refused_for_qk_norm(tmp_path):
+    with pytest.raises(ValueError, match="qk_clip"):
+        train(TrainConfig(**FAST, steps=1, attn="mla-qknorm", qk_clip=100.0, out=str(tmp_path)))
+
+
+def test_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path):
+    status = train(TrainConfig(**{**FAST, "warmup_steps": 0}, steps=50, lr=1e6, grad_clip=0.0, attn="mha",
+                               ckpt_interval=1, out=str(tmp_path)))
+    assert status["status"] == "non-finite"
+    assert status["last_checkpoint"] is not None and Path(status["last_checkpoint"]).is_file()
+    saved = json.loads((tmp_path / "status.json").read_text())
+    assert saved["step"] == status["step"] < 50
+    assert len(read(tmp_path)) == status["step"]  # every finished step was logged
+
+
+def test_ddp_two_processes_match_one(tmp_path):
+    """torchrun --nproc_per_node 2 on gloo gives the losses of one process with the same global batch."""
+    args = ["--preset", "debug", "--batch-size", "4", "--block-size", "16", "--steps", "3", "--eval-interval", "3",
+            "--eval-iters", "1", "--no-progress", "--attn", "mla-qknorm"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "qkmla.train", *args, "--out", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29517", "-m", "qkmla.train", *args, "--out", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = read(tmp_path / "one"), read(tmp_path / "two")
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
