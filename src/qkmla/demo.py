@@ -92,6 +92,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     corpus = Corpus.load("tiny_shakespeare")
     base = TrainConfig(preset=preset, attn="mla-qknorm", lr=2e-3, batch_size=12, warmup_steps=50,
                        eval_interval=100, eval_iters=20, ckpt_interval=100)
+    steps_given = steps is not None
     if steps is None:
         per_step = _seconds_per_step(base, corpus)
         steps = max(100, min(5000, int(BUDGET_SECONDS / 2 / (per_step * 1.15)) // 50 * 50))
@@ -127,7 +128,8 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
         print(f"  {r['dtype']:<5}{r['variant']:<12}{r['bytes_per_token_layer']:>7,} / {r['bytes_per_token']:,}")
     print("sample through the latent cache:")
     print("ROMEO:\n" + tok.decode(sample))
-    summary = {"steps": steps, "val_loss": {a: s["val_loss"] for a, s in results.items()}, "check": check,
+    summary = {"command": f"qkmla demo --out {out} --preset {preset}" + (f" --steps {steps}" if steps_given else ""),
+               "steps": steps, "val_loss": {a: s["val_loss"] for a, s in results.items()}, "check": check,
                "cache_bytes": sizes, "sample": tok.decode(sample), "seconds": time.perf_counter() - t_start}
     (out / "demo.json").write_text(json.dumps(summary, indent=1))
     ok = max(check["attention_logit_max_abs_diff_per_layer"]) < 1e-3 and check["lm_logit_max_abs_diff"] < 1e-3

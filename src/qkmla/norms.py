@@ -119,8 +119,10 @@ class QKNorm(nn.Module):
         return sigma, sigma
 
     def forward(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        sigma_c, sigma_r = self.statistics(v_c, v_r)
-        return self.content.scaled(v_c, sigma_c), self.rope.scaled(v_r, sigma_r)
+        if self.mode == "blockwise":  # each block on its own (fused where the kind allows)
+            return self.content(v_c), self.rope(v_r)
+        sigma, _ = self.statistics(v_c, v_r)
+        return self.content.scaled(v_c, sigma), self.rope.scaled(v_r, sigma)
 
 
 def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float, eps: float,

@@ -69,6 +69,8 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, wei
         groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
         opts = [torch.optim.AdamW(groups, lr=lr, betas=betas)]
     else:
+        if not hasattr(torch.optim, "Muon"):
+            raise ValueError(f"optimizer: 'muon' needs torch.optim.Muon (PyTorch >= 2.9), this is {torch.__version__}")
         if muon_adjust_lr not in MUON_ADJUST:
             raise ValueError(f"muon_adjust_lr: expected one of {MUON_ADJUST}, got {muon_adjust_lr!r}")
         hidden = [p for n, p in named if _is_hidden_matrix(n, p)]
