@@ -69,3 +69,29 @@ def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "qkmla", "cache-size", "--preset", "deepseek-v3"],
                          capture_output=True, text=True, check=True).stdout
     assert "mla-qknorm" in out
+
+
+def test_train_plot_generate(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--attn", "mla-lp", "--qk-norm-p", "3", "--steps", "4",
+                 "--batch-size", "4", "--block-size", "16", "--eval-interval", "2", "--eval-iters", "1",
+                 "--optimizer", "muon", "--no-progress", "--out", str(run)]) == 0
+    status = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status["status"] == "done" and status["step"] == 4
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "ROMEO:", "--prompt", "A", "--tokens", "5", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and out.count("-" * 40) == 2
+
+
+def test_train_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["train", "--attn", "linear"])
+    with pytest.raises(SystemExit, match="--steps"):
+        main(["train", "--steps", "0", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="qk-norm-p"):
+        main(["train", "--qk-norm-p", "0.5", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="run_dir"):
+        main(["generate", str(tmp_path / "nothing")])

@@ -71,16 +71,20 @@ def test_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path):
     assert len(read(tmp_path)) == status["step"]  # every finished step was logged
 
 
-def test_ddp_two_processes_match_one(tmp_path):
-    """torchrun --nproc_per_node 2 on gloo gives the losses of one process with the same global batch."""
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_processes_match_one(tmp_path, mode):
+    """torchrun --nproc_per_node 2 on gloo (DDP, or FSDP2) gives the losses of one process with
+    the same global batch."""
     args = ["--preset", "debug", "--batch-size", "4", "--block-size", "16", "--steps", "3", "--eval-interval", "3",
             "--eval-iters", "1", "--no-progress", "--attn", "mla-qknorm"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "qkmla.train", *args, "--out", str(tmp_path / "one")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
+    extra = ["--fsdp"] if mode == "fsdp" else []
+    port = "29517" if mode == "ddp" else "29518"
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29517", "-m", "qkmla.train", *args, "--out", str(tmp_path / "two")],
+                          port, "-m", "qkmla.train", *args, *extra, "--out", str(tmp_path / "two")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = read(tmp_path / "one"), read(tmp_path / "two")
@@ -88,3 +92,4 @@ def test_ddp_two_processes_match_one(tmp_path):
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
+    assert (tmp_path / "two" / "checkpoint.safetensors").is_file()

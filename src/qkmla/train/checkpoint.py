@@ -43,21 +43,21 @@ def _unflatten(node: Any, tensors: dict):
     return node["__value__"]
 
 
-def save_checkpoint(out_dir: Path, model: torch.nn.Module, optimizer, step: int, config: dict,
+def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: int, config: dict,
                     generator: torch.Generator) -> Path:
-    """Write ``out_dir/checkpoint.safetensors`` atomically."""
+    """Write ``out_dir/checkpoint.safetensors`` atomically, from full (unsharded) state dicts."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
     aliases = {}
-    for name, t in model.state_dict().items():
+    for name, t in model_state.items():
         if t.data_ptr() in seen:  # tied weights are stored once
             aliases[name] = seen[t.data_ptr()]
             continue
         seen[t.data_ptr()] = f"model.{name}"
         tensors[f"model.{name}"] = t.detach().cpu().contiguous()
-    optim_skeleton = _flatten("optim", optimizer.state_dict(), tensors)
+    optim_skeleton = _flatten("optim", optim_state, tensors)
     tensors["rng.generator"] = generator.get_state()
     tensors["rng.torch"] = torch.get_rng_state()
     metadata = {"config": json.dumps(config), "step": str(step), "optim": json.dumps(optim_skeleton),
@@ -75,21 +75,24 @@ def read_metadata(path: Path) -> dict:
         return f.metadata()
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, generator: torch.Generator) -> int:
-    """Restore model, optimizer and RNG state; returns the step the checkpoint was taken after."""
+def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    """(model state dict, all tensors, metadata) of a checkpoint file or run directory."""
     path = Path(path)
     if path.is_dir():
         path = path / FILENAME
     if not path.is_file():
-        raise ValueError(f"resume: no checkpoint at {path}")
+        raise ValueError(f"run_dir: no checkpoint at {path}")
     tensors = load_file(str(path))
     meta = read_metadata(path)
-    aliases = json.loads(meta["aliases"])
     state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    for name, target in aliases.items():
+    for name, target in json.loads(meta["aliases"]).items():
         state[name] = tensors[target]
-    model.load_state_dict(state)
-    optimizer.load_state_dict(_unflatten(json.loads(meta["optim"]), tensors))
+    return state, tensors, meta
+
+
+def load_checkpoint(path: Path, generator: torch.Generator) -> tuple[dict, dict, int]:
+    """Restore the RNG state; returns (model state dict, optimizer state dict, step)."""
+    state, tensors, meta = read_checkpoint(path)
     generator.set_state(tensors["rng.generator"])
     torch.set_rng_state(tensors["rng.torch"])
-    return int(meta["step"])
+    return state, _unflatten(json.loads(meta["optim"]), tensors), int(meta["step"])

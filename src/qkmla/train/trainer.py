@@ -91,6 +91,34 @@ def _dist_info() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
+def _save(out, model, optimizer, step, run_config, generator, fsdp: bool, rank: int) -> None:
+    """Every rank takes part in gathering sharded state; rank 0 writes the file."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(model, options=opts)
+        optim_state = get_optimizer_state_dict(model, optimizer.optimizers, options=opts)
+    else:
+        model_state, optim_state = model.state_dict(), optimizer.state_dict()
+    if rank == 0:
+        save_checkpoint(out, model_state, optim_state, step, run_config, generator)
+
+
+def _load_states(model, optimizer, model_state: dict, optim_state: dict, fsdp: bool) -> None:
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, model_state, options=opts)
+        set_optimizer_state_dict(model, optimizer.optimizers, optim_state, options=opts)
+    else:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+
+
 @torch.no_grad()
 def evaluate(model: GPT, data: torch.Tensor, config: TrainConfig, block_size: int) -> float:
     """Mean loss over ``eval_iters`` fixed batches (the same batches at every evaluation)."""
@@ -114,12 +142,20 @@ def train(config: TrainConfig) -> dict:
     corpus = Corpus.load(config.data, config.tokenizer)
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
     model = GPT(model_cfg)
+    fsdp = world > 1 and config.fsdp
+    if fsdp:  # shard before the optimizer sees the parameters: fully_shard replaces them
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     optimizer = build_optimizer(model, config.optimizer, config.lr, config.weight_decay,
                                 muon_adjust_lr=config.muon_adjust_lr)
     generator = torch.Generator().manual_seed(config.seed)
     start = 0
     if config.resume and (out / FILENAME).is_file():
-        start = load_checkpoint(out / FILENAME, model, optimizer, generator)
+        model_state, optim_state, start = load_checkpoint(out / FILENAME, generator)
+        _load_states(model, optimizer, model_state, optim_state, fsdp)
     elif config.resume:
         raise ValueError(f"resume: no checkpoint in {out}")
     run_config = {"train": dataclasses.asdict(config), "model": dataclasses.asdict(model_cfg),
@@ -128,15 +164,8 @@ def train(config: TrainConfig) -> dict:
         (out / "config.json").write_text(json.dumps(run_config, indent=1))
 
     wrapped = model
-    if world > 1:
-        if config.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block)
-            wrapped = fully_shard(model)
-        else:
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    if world > 1 and not fsdp:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
     attns = attention_modules(model)
     for a in attns:
         a.track_max_logits = True
@@ -203,12 +232,11 @@ def train(config: TrainConfig) -> dict:
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", max_logit=f"{row['max_logit']:.1f}",
                                     **({"val": f"{row['val_loss']:.3f}"} if "val_loss" in row else {}))
-            if rank == 0 and ((step + 1) % config.ckpt_interval == 0 or step + 1 == config.steps):
-                save_checkpoint(out, model, optimizer, step + 1, run_config, generator)
+            if (step + 1) % config.ckpt_interval == 0 or step + 1 == config.steps:
+                _save(out, model, optimizer, step + 1, run_config, generator, fsdp, rank)
             status.update(step=step + 1, loss=row["loss"], val_loss=row.get("val_loss", status.get("val_loss")))
             if config.max_seconds is not None and time.perf_counter() - t_start > config.max_seconds:
-                if rank == 0:
-                    save_checkpoint(out, model, optimizer, step + 1, run_config, generator)
+                _save(out, model, optimizer, step + 1, run_config, generator, fsdp, rank)
                 status["status"] = "time limit"
                 break
         else:
@@ -229,21 +257,12 @@ def train(config: TrainConfig) -> dict:
 
 def load_model(run_dir: str | Path) -> tuple[GPT, "Tokenizer"]:  # noqa: F821
     """The trained model and tokenizer of a run directory."""
-    from safetensors.torch import load_file
-
-    from .checkpoint import read_metadata
+    from .checkpoint import read_checkpoint
     from .data import Tokenizer
 
-    path = Path(run_dir) / FILENAME
-    if not path.is_file():
-        raise ValueError(f"run_dir: no checkpoint at {path}")
-    meta = read_metadata(path)
+    state, _, meta = read_checkpoint(run_dir)
     cfg = json.loads(meta["config"])
     model = GPT(GPTConfig(**cfg["model"]))
-    tensors = load_file(str(path))
-    state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    for name, target in json.loads(meta["aliases"]).items():
-        state[name] = tensors[target]
     model.load_state_dict(state)
     tok = cfg["tokenizer"]
     return model.eval(), Tokenizer(tok["kind"], tok["chars"])
