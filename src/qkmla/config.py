@@ -37,6 +37,13 @@ def _check_qk_norm(qk_norm, qk_norm_p, qk_norm_eps, softmax_scale) -> None:
         raise ValueError(f"softmax_scale: expected a positive number or None, got {softmax_scale!r}")
 
 
+def _check_groups(name: str, groups: int, num_heads: int) -> None:
+    """KV groups (heads) must split the query heads evenly."""
+    if num_heads % groups:
+        allowed = [g for g in range(1, num_heads + 1) if num_heads % g == 0]
+        raise ValueError(f"{name}: must divide num_heads={num_heads} (allowed: {allowed}), got {groups}")
+
+
 def _check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
@@ -91,12 +98,7 @@ class MLAConfig:
                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check_positive_int(name, getattr(self, name))
         _check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
-        if self.num_heads % self.num_kv_groups:
-            raise ValueError(
-                f"num_kv_groups: must divide num_heads={self.num_heads} "
-                f"(allowed: {[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}), "
-                f"got {self.num_kv_groups}"
-            )
+        _check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
         _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, self.rope_theta)
         _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
         if self.qk_norm_mode not in QK_NORM_MODES:
@@ -152,12 +154,7 @@ class AttentionConfig:
                 f"head_dim: None needs num_heads={self.num_heads} to divide hidden_size={self.hidden_size}; "
                 "pass head_dim explicitly"
             )
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: must divide num_heads={self.num_heads} "
-                f"(allowed: {[g for g in range(1, self.num_heads + 1) if self.num_heads % g == 0]}), "
-                f"got {self.num_kv_heads}"
-            )
+        _check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
         _check_rope("head_dim", self.dim_per_head, self.rope_theta)
         _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
 

@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from qkmla.train.trainer import TrainConfig, load_model, train
 
@@ -82,9 +81,8 @@ def test_two_processes_match_one(tmp_path, mode):
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     extra = ["--fsdp"] if mode == "fsdp" else []
-    port = "29517" if mode == "ddp" else "29518"
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          port, "-m", "qkmla.train", *args, *extra, "--out", str(tmp_path / "two")],
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "qkmla.train", *args, *extra, "--out", str(tmp_path / "two")],
                          capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = read(tmp_path / "one"), read(tmp_path / "two")

@@ -7,6 +7,7 @@ G KV groups (head i reads group i // (h / G)).
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Union
 
 import torch
@@ -107,6 +108,15 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256)
         s = s.masked_fill(~causal, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best
+
+
+def record_max_logits(module, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Store ``module``'s per-head max logits of this forward and the seconds measuring took
+    (``last_max_logits`` [h], ``max_logit_seconds``), for QK-Clip and diagnostics."""
+    t0 = time.perf_counter()
+    scale = module.scale.detach() if isinstance(module.scale, torch.Tensor) else module.scale
+    module.last_max_logits = max_logits(q, k, scale)
+    module.max_logit_seconds = time.perf_counter() - t0
 
 
 def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,

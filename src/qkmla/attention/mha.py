@@ -8,7 +8,6 @@ the values in a :class:`~qkmla.cache.FullKVCache`.
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
@@ -18,7 +17,7 @@ from ..cache.full import FullKVCache
 from ..config import AttentionConfig
 from ..norms import ScalarNorm
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, max_logits, sdpa
+from .functional import check_hidden, default_positions, record_max_logits, sdpa
 
 
 class MultiHeadAttention(nn.Module):
@@ -78,9 +77,7 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
             q, k, v = self.qkv(x, default_positions(x, positions))
             if self.track_max_logits:
-                t0 = time.perf_counter()
-                self.last_max_logits = max_logits(q, k, self.scale.detach() if isinstance(self.scale, torch.Tensor) else self.scale)
-                self.max_logit_seconds = time.perf_counter() - t0
+                record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         if not isinstance(cache, FullKVCache):
             raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")

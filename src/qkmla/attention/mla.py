@@ -23,7 +23,6 @@ weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,7 +35,8 @@ from ..cache.latent import LatentCache
 from ..config import MLAConfig
 from ..norms import make_qk_norms
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, max_logits, latent_attention, latent_scores, per_head, sdpa
+from .functional import (check_hidden, default_positions, latent_attention, latent_scores, per_head,
+                         record_max_logits, sdpa)
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
 
@@ -253,11 +253,6 @@ class MLA(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
 
-    def _record_max_logits(self, q: torch.Tensor, k: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        self.last_max_logits = max_logits(q, k, self.scale.detach() if isinstance(self.scale, torch.Tensor) else self.scale)
-        self.max_logit_seconds = time.perf_counter() - t0
-
     def _check_cache(self, cache) -> None:
         c = self.config
         if isinstance(cache, LatentCache):
@@ -301,7 +296,7 @@ class MLA(nn.Module):
                 raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
-                self._record_max_logits(q, k)
+                record_max_logits(self, q, k)
             o = sdpa(q, k, v, self.scale, causal=True)
             return self.o_proj(o.flatten(2))
 
