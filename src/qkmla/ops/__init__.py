@@ -1,0 +1,1 @@
+"""Fused operators with their torch references beside them."""

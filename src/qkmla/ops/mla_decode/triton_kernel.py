@@ -1,0 +1,176 @@
+"""Triton MLA decode over a paged latent cache, with the QK-norm key scalars.
+
+Split-K (flash-decoding): grid (B * S_q, head blocks, splits). Each program runs an online
+softmax over its share of the visible keys and writes an unnormalized partial output and
+its log-sum-exp; a combine kernel merges the splits. Within a key tile:
+
+    s = q_lat @ c^T                  latent dot products           [BLOCK_H, BLOCK_N]
+    s = s * r[j, g(h)]               the key scalars (USE_SCALE)   before the RoPE score
+    s = s + q_rope @ k_rope^T        RoPE scores
+    s = s * softmax_scale            then the online max/sum update
+
+Plain MLA is the same kernel compiled with USE_SCALE=False. Masked loads never touch slots
+past a sequence's visible length, so unused cache slots may hold anything (tests use NaN).
+The reference is ``naive.py`` beside this file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_lat_ptr, q_rope_ptr, kv_ptr, scale_ptr, block_table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+    softmax_scale,
+    stride_qb, stride_qt, stride_qh,
+    stride_rb, stride_rt, stride_rh,
+    stride_kv_blk, stride_kv_tok,
+    stride_s_blk, stride_s_tok,
+    stride_bt,
+    stride_ob, stride_ot, stride_oh, stride_os,
+    stride_lb, stride_lt, stride_lh,
+    S_Q: tl.constexpr, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    i_bt, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_t = i_bt // S_Q, i_bt % S_Q
+    seqlen = tl.load(seqlens_ptr + i_b)
+    n_visible = tl.maximum(seqlen - S_Q + i_t + 1, 0)  # causal among the S_Q new tokens
+    tiles = tl.cdiv(n_visible, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    start = i_s * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, n_visible)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_c = tl.arange(0, D_C)
+    o_r = tl.arange(0, D_R)
+    g_h = o_h // HEADS_PER_GROUP
+    p_q = q_lat_ptr + i_b * stride_qb + i_t * stride_qt + o_h[:, None] * stride_qh + o_c[None, :]
+    b_q = tl.load(p_q, mask=m_h[:, None], other=0.0)
+    p_qr = q_rope_ptr + i_b * stride_rb + i_t * stride_rt + o_h[:, None] * stride_rh + o_r[None, :]
+    b_qr = tl.load(p_qr, mask=m_h[:, None], other=0.0)
+    if DOT_FP32:  # the CPU interpreter computes bf16 dots wrongly; GPUs keep bf16 inputs
+        b_q, b_qr = b_q.to(tl.float32), b_qr.to(tl.float32)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, D_C], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < end
+        i_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
+        i_slot = o_n % PAGE
+        p_row = kv_ptr + i_blk * stride_kv_blk + i_slot * stride_kv_tok
+        b_c = tl.load(p_row[:, None] + o_c[None, :], mask=m_n[:, None], other=0.0)
+        b_kr = tl.load(p_row[:, None] + D_C + o_r[None, :], mask=m_n[:, None], other=0.0)
+        if DOT_FP32:
+            b_c, b_kr = b_c.to(tl.float32), b_kr.to(tl.float32)
+        b_s = tl.dot(b_q, tl.trans(b_c))
+        if USE_SCALE:
+            p_r = scale_ptr + (i_blk * stride_s_blk + i_slot * stride_s_tok)[None, :] + g_h[:, None]
+            b_r = tl.load(p_r, mask=m_h[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+            b_s = b_s * b_r
+        b_s = (b_s + tl.dot(b_qr, tl.trans(b_kr))) * softmax_scale
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # finite: every tile holds a visible key
+        b_alpha = tl.exp(b_m - b_m_new)
+        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
+        b_m = b_m_new
+
+    has_keys = b_l > 0
+    b_o = b_acc / tl.where(has_keys, b_l, 1.0)[:, None]
+    b_lse = tl.where(has_keys, b_m + tl.log(tl.where(has_keys, b_l, 1.0)), float("-inf"))
+    p_o = o_part_ptr + i_b * stride_ob + i_t * stride_ot + o_h[:, None] * stride_oh + i_s * stride_os + o_c[None, :]
+    tl.store(p_o, b_o, mask=m_h[:, None])
+    p_lse = lse_part_ptr + i_b * stride_lb + i_t * stride_lt + o_h * stride_lh + i_s
+    tl.store(p_lse, b_lse, mask=m_h)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr,
+    stride_ob, stride_ot, stride_oh, stride_os,
+    stride_lb, stride_lt, stride_lh,
+    stride_fb, stride_ft, stride_fh,
+    stride_gb, stride_gt,
+    S_Q: tl.constexpr, D_C: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    i_bt, i_h = tl.program_id(0), tl.program_id(1)
+    i_b, i_t = i_bt // S_Q, i_bt % S_Q
+    o_s = tl.arange(0, SPLITS_P2)
+    m_s = o_s < NUM_SPLITS
+    b_lse = tl.load(lse_part_ptr + i_b * stride_lb + i_t * stride_lt + i_h * stride_lh + o_s, mask=m_s,
+                    other=float("-inf"))
+    b_max = tl.max(b_lse, axis=0)
+    safe_max = tl.where(b_max == float("-inf"), 0.0, b_max)
+    b_w = tl.exp(b_lse - safe_max)  # 0 for splits without keys
+    b_sum = tl.sum(b_w, axis=0)
+    o_c = tl.arange(0, D_C)
+    p_o = o_part_ptr + i_b * stride_ob + i_t * stride_ot + i_h * stride_oh + o_s[:, None] * stride_os + o_c[None, :]
+    b_o = tl.load(p_o, mask=m_s[:, None] & (b_w[:, None] > 0), other=0.0)
+    b_out = tl.sum(b_o * b_w[:, None], axis=0) / tl.where(b_sum > 0, b_sum, 1.0)
+    tl.store(out_ptr + i_b * stride_fb + i_t * stride_ft + i_h * stride_fh + o_c, b_out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + i_b * stride_gb + i_t * stride_gt + i_h,
+             tl.where(b_sum > 0, safe_max + tl.log(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf")))
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, block_n: int, device) -> int:
+    """Enough programs to fill the GPU (about two waves), never more splits than key tiles."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles = max(1, math.ceil(max_tokens / block_n))
+    return max(1, min(tiles, math.ceil(2 * sms / max(1, batch_tokens * head_blocks)), 64))
+
+
+def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
+                   num_splits: int = 0, block_n: int = 64):
+    """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32)."""
+    B, S_q, H, d_c = q_lat.shape
+    d_r = q_rope.shape[-1]
+    page = kv_cache.shape[1]
+    G = scale_cache.shape[-1] if scale_cache is not None else 1
+    block_h = max(16, min(64, triton.next_power_of_2(H)))
+    head_blocks = triton.cdiv(H, block_h)
+    if num_splits <= 0:
+        num_splits = default_num_splits(B * S_q, head_blocks, block_table.shape[1] * page, block_n, q_lat.device)
+    o_part = torch.empty(B, S_q, H, num_splits, d_c, dtype=torch.float32, device=q_lat.device)
+    lse_part = torch.empty(B, S_q, H, num_splits, dtype=torch.float32, device=q_lat.device)
+    scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
+    _mla_decode_split_kernel[(B * S_q, head_blocks, num_splits)](
+        q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, o_part, lse_part, softmax_scale,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
+        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        scales.stride(0), scales.stride(1),
+        block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, USE_SCALE=scale_cache is not None, DOT_FP32=interpreting(),
+    )
+    out = torch.empty(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device)
+    lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q_lat.device)
+    _mla_decode_combine_kernel[(B * S_q, H)](
+        o_part, lse_part, out, lse,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        S_Q=S_q, D_C=d_c, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+    )
+    return out, lse

@@ -1,0 +1,113 @@
+"""The Triton MLA decode kernel against its float32 reference (interpreter on CPU, or a GPU)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode  # noqa: E402
+from qkmla.ops.mla_decode.interface import _mla_decode_op  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LENGTHS = (1, 97, 1025, 0)  # odd lengths and a zero-length sequence, in one batch
+H, D_C, D_R = 8, 32, 16  # small shapes for the interpreter (GPU: the same kernel, same code path)
+
+
+def paged_inputs(block_size: int, G: int, S_q: int, scaled: bool, seed: int = 0, dtype=torch.bfloat16):
+    """A paged cache with a shuffled block table; every slot no sequence owns is NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(LENGTHS)
+    per_seq = -(-max(LENGTHS) // block_size) + 1
+    n_blocks = B * per_seq + 3  # a few blocks nobody owns
+    table = torch.randperm(n_blocks, generator=gen)[:B * per_seq].view(B, per_seq).to(torch.int32)
+    kv = torch.full((n_blocks, block_size, D_C + D_R), float("nan"), dtype=dtype)
+    scales = torch.full((n_blocks, block_size, G), float("nan"), dtype=dtype)
+    for b, n in enumerate(LENGTHS):
+        pos = torch.arange(n)
+        blk = table[b, pos // block_size].long()
+        kv[blk, pos % block_size] = torch.randn(n, D_C + D_R, generator=gen).to(dtype)
+        scales[blk, pos % block_size] = (0.5 + torch.rand(n, G, generator=gen)).to(dtype)
+    q_lat = (torch.randn(B, S_q, H, D_C, generator=gen) * 0.3).to(dtype)
+    q_rope = (torch.randn(B, S_q, H, D_R, generator=gen) * 0.3).to(dtype)
+    lens = torch.tensor(LENGTHS, dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (q_lat, q_rope, kv, table, lens)]
+    return args, (scales.to(DEVICE) if scaled else None)
+
+
+CASES = [  # (block_size, G, S_q, scaled)
+    (16, 1, 1, True), (16, 4, 2, True), (16, H, 1, False), (16, H, 2, True),
+    (64, 1, 2, False), (64, 4, 1, True), (64, H, 2, True), (64, 4, 2, False),
+]
+
+
+@pytest.mark.parametrize("block_size,G,S_q,scaled", CASES,
+                         ids=[f"page{p}-G{g}-Sq{s}-{'scaled' if c else 'plain'}" for p, g, s, c in CASES])
+def test_kernel_matches_reference(block_size, G, S_q, scaled):
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(block_size, G, S_q, scaled)
+    scale = 0.3
+    ref, ref_lse = naive_mla_decode(q_lat, q_rope, kv, table, lens, scales, scale)  # float32
+    bf16, _ = naive_mla_decode(q_lat, q_rope, kv, table, lens, scales, scale, compute_dtype=torch.bfloat16)
+    out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, scale, num_splits=3, backend="triton")
+    assert out.dtype == q_lat.dtype and lse.dtype == torch.float32
+    assert not torch.isnan(out).any()  # no stray read of a NaN slot
+    torch_err = (bf16.float() - ref).abs().max()
+    kernel_err = (out.float() - ref).abs().max()
+    assert torch_err > 0
+    assert kernel_err <= 2 * torch_err + 1e-6, (kernel_err, torch_err)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=1e-3, atol=1e-3)
+    assert torch.equal(torch.isfinite(lse), seen)  # -inf exactly where no key is visible
+    assert out[3].abs().max() == 0  # the zero-length sequence
+
+
+def test_splits_do_not_change_the_result():
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
+    one, lse1 = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.2, num_splits=1, backend="triton")
+    many, lse7 = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.2, num_splits=7, backend="triton")
+    torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse7, lse1, rtol=1e-5, atol=1e-5)
+
+
+def test_scaling_is_applied_before_the_rope_score():
+    """Scales of 1 give plain MLA; scales of 2 on the content score differ from scaling both."""
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
+    ones = torch.ones_like(scales)
+    a, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, ones, 0.2, backend="triton")
+    b, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, None, 0.2, backend="triton")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    twos, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, 2 * ones, 0.2, backend="triton")
+    both, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, None, 0.4, backend="triton")
+    ref, _ = naive_mla_decode(q_lat, q_rope, kv, table, lens, 2 * ones, 0.2)
+    torch.testing.assert_close(twos, ref, rtol=1e-4, atol=1e-4)
+    assert (twos - both).abs().max() > 1e-3
+
+
+def test_custom_op_traces_under_torch_compile_and_opcheck():
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
+
+    def step(q, r):
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, scales, 0.2, num_splits=2, backend="triton")
+        return out * 2, lse
+
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    out, lse = compiled(q_lat, q_rope)
+    ref, ref_lse = step(q_lat, q_rope)
+    torch.testing.assert_close(out, ref)
+    torch.library.opcheck(_mla_decode_op, (q_lat, q_rope, kv, scales, table, lens, 0.2, 2),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bad_inputs():
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, backend="cuda")
+    with pytest.raises(ValueError, match="kv_cache"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv[..., :-1], table, lens, scales)
+    with pytest.raises(ValueError, match="block_table"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table.float(), lens, scales)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens[:2], scales)
+    with pytest.raises(ValueError, match="scale_cache"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales[..., :3])
+    with pytest.raises(ValueError, match="powers of two"):
+        mla_decode_with_kvcache(q_lat[..., :24], q_rope, kv[..., 8:], table, lens, scales, backend="triton")
