@@ -111,3 +111,24 @@ def test_bad_inputs():
         mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales[..., :3])
     with pytest.raises(ValueError, match="powers of two"):
         mla_decode_with_kvcache(q_lat[..., :24], q_rope, kv[..., 8:], table, lens, scales, backend="triton")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("qk_norm", ["rms", None])
+def test_mla_layer_decodes_through_the_kernel(layout, qk_norm):
+    """MLA with decode_backend="triton" gives the explicit path's outputs token by token."""
+    from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
+
+    cfg = MLAConfig(hidden_size=64, num_heads=4, num_kv_groups=2, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=16, v_head_dim=16, qk_norm=qk_norm, learnable_logit_scale=True)
+    mla = MLA(cfg).to(DEVICE).eval()
+    mla.decode_backend = "triton"
+    x = torch.randn(2, 12, 64, device=DEVICE)
+    kw = {"layout": PagedLayout(block_size=16, block_table=torch.tensor([[2], [0]]))} if layout == "paged" else {}
+    cache = LatentCache.from_config(cfg, 2, 16, device=DEVICE, fill=float("nan"), **kw)
+    with torch.no_grad():
+        got = torch.cat([mla(x[:, :8], cache)] + [mla(x[:, t:t + 1], cache) for t in range(8, 12)], 1)
+        torch.testing.assert_close(got, mla(x), rtol=1e-4, atol=1e-4)
+        mla.decode_backend = "fast"
+        with pytest.raises(ValueError, match="decode_backend"):
+            mla(x[:, :1], cache)

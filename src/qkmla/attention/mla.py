@@ -23,6 +23,7 @@ weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +40,7 @@ from .functional import (check_hidden, default_positions, latent_attention, late
                          record_max_logits, sdpa)
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
+DECODE_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -100,6 +102,9 @@ class MLA(nn.Module):
         self._absorbed_key: Optional[tuple] = None
         # Set track_max_logits to record each head's max logit of every explicit forward
         # (for QK-Clip and diagnostics), in chunks, with the seconds it took.
+        # The absorbed path's attention: "triton" (the fused kernel, qkmla.ops.mla_decode),
+        # "torch" (latent_attention), or "auto": the kernel on CUDA when Triton is installed.
+        self.decode_backend = "auto"
         self.track_max_logits = False
         self.last_max_logits: Optional[torch.Tensor] = None
         self.max_logit_seconds = 0.0
@@ -330,10 +335,39 @@ class MLA(nn.Module):
         rows = self._cache_rows(*self._latent(x), slot.positions)
         q_lat, q_rope = self._absorbed_query(q_c, q_r, slot.positions)
         cache.append(slot, **rows)
-        latent = cache.read("latent")
-        inv_rms = cache.read("inv_rms") if "inv_rms" in cache.fields else None
-        o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(), self.config.qk_norm_mode)
+        if self._use_kernel(x, input_lengths):
+            o_lat = self._kernel_attention(q_lat, q_rope, cache)
+        else:
+            latent = cache.read("latent")
+            inv_rms = cache.read("inv_rms") if "inv_rms" in cache.fields else None
+            o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(), self.config.qk_norm_mode)
         return self._values_out(o_lat)
+
+    def _use_kernel(self, x: torch.Tensor, input_lengths) -> bool:
+        """The fused kernel covers blockwise and plain MLA without padded inputs."""
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
+        if self.decode_backend == "torch":
+            return False
+        supported = input_lengths is None and (self.k_norm is None or self.k_norm.mode == "blockwise")
+        if self.decode_backend == "triton":
+            if not supported:
+                raise ValueError("decode_backend: 'triton' covers blockwise/plain MLA without input_lengths; "
+                                 "use 'torch' or 'auto' for unified norms or padded batches")
+            return True
+        return supported and x.is_cuda and importlib.util.find_spec("triton") is not None
+
+    def _kernel_attention(self, q_lat, q_rope, cache: LatentCache) -> torch.Tensor:
+        from ..ops.mla_decode import mla_decode_with_kvcache
+
+        kv, scales, table = cache.kernel_view()
+        scale = self.scale
+        if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
+            q_lat, q_rope = q_lat * per_head(scale, 1).to(q_lat.dtype), q_rope * per_head(scale, 1).to(q_lat.dtype)
+            scale = 1.0
+        out, _ = mla_decode_with_kvcache(q_lat.to(kv.dtype).contiguous(), q_rope.to(kv.dtype).contiguous(), kv, table,
+                                         cache.seqlens, scales, float(scale), backend="triton")
+        return out.to(q_lat.dtype)
 
     def expand_cache(self, latent: torch.Tensor, inv_rms: Optional[torch.Tensor]):
         """HF-style: up-project every cached latent [B, S, d_c + d_r] to normalized keys

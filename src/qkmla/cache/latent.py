@@ -19,7 +19,7 @@ import torch
 
 from ..config import MLAConfig
 from .base import SequenceCache
-from .storage import Layout
+from .storage import Layout, PagedBuffer
 
 
 class LatentCache(SequenceCache):
@@ -48,6 +48,17 @@ class LatentCache(SequenceCache):
         self._add_field("latent", kv_lora_rank + qk_rope_head_dim, dtype, fill)
         if num_kv_groups:
             self._add_field("inv_rms", num_kv_groups, scalar_dtype or dtype, fill)
+
+    def kernel_view(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(kv_cache [num_blocks, block_size, d_c + d_r], scale_cache [num_blocks, block_size, G]
+        or None, block_table [B, max_blocks]) as the fused decode kernel reads them. A contiguous
+        cache is one block per sequence."""
+        latent = self.fields["latent"]
+        scales = self.fields.get("inv_rms")
+        if isinstance(latent, PagedBuffer):
+            return latent.pool, scales.pool if scales is not None else None, latent.block_table
+        table = torch.arange(self.batch_size, device=self.device)[:, None]
+        return latent.data, scales.data if scales is not None else None, table
 
     @classmethod
     def from_config(cls, config: MLAConfig, batch_size: int, capacity: int, **kwargs) -> "LatentCache":
