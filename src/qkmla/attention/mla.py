@@ -137,11 +137,14 @@ class MLA(nn.Module):
             q_c, q_r = self.q_norm(q_c, q_r)
         return torch.cat((q_c, self.rotary(q_r, positions)), dim=-1)
 
-    def explicit_qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """Materialized, normalized, rotated q [B, T, h, d_n + d_r], k [B, T, G, d_n + d_r], v [B, T, G, d_v]."""
+    def explicit_qkv(self, x: torch.Tensor, positions: torch.Tensor, latent=None):
+        """Materialized, normalized, rotated q [B, T, h, d_n + d_r], k [B, T, G, d_n + d_r], v [B, T, G, d_v].
+
+        ``latent``: x's (c, k~^R) when the caller already projected them.
+        """
         c = self.config
         q = self.explicit_query(x, positions)
-        c_kv, k_r = self._latent(x)
+        c_kv, k_r = latent if latent is not None else self._latent(x)
         kv = self.kv_b_proj(c_kv).view(*x.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
         k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         if self.k_norm is not None:
@@ -320,8 +323,9 @@ class MLA(nn.Module):
             if cache.max_len != 0:
                 raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
                                  "use 'absorbed' or 'expand' to attend over cached tokens")
-            cache.append(slot, **self.cache_rows(x, slot.positions))
-            q, k, v = self.explicit_qkv(x, slot.positions)
+            latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
+            cache.append(slot, **self._cache_rows(*latent, slot.positions))
+            q, k, v = self.explicit_qkv(x, slot.positions, latent)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
 
         if path == "expand":

@@ -23,7 +23,6 @@ from typing import Union
 
 import torch
 
-from .functional import max_logits  # noqa: F401  (re-exported: measured where QK-Clip needs it)
 from .mha import MultiHeadAttention
 from .mla import MLA
 
