@@ -23,6 +23,7 @@ weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Optional
@@ -41,6 +42,12 @@ from .functional import (check_hidden, default_positions, latent_attention, late
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
 DECODE_BACKENDS = ("auto", "torch", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    """Looked up once per process, not on every decode step."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -100,11 +107,11 @@ class MLA(nn.Module):
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave)
         self._absorbed: Optional[AbsorbedWeights] = None
         self._absorbed_key: Optional[tuple] = None
-        # Set track_max_logits to record each head's max logit of every explicit forward
-        # (for QK-Clip and diagnostics), in chunks, with the seconds it took.
         # The absorbed path's attention: "triton" (the fused kernel, qkmla.ops.mla_decode),
         # "torch" (latent_attention), or "auto": the kernel on CUDA when Triton is installed.
         self.decode_backend = "auto"
+        # Set track_max_logits to record each head's max logit of every explicit forward
+        # (for QK-Clip and diagnostics), in chunks, with the seconds it took.
         self.track_max_logits = False
         self.last_max_logits: Optional[torch.Tensor] = None
         self.max_logit_seconds = 0.0
@@ -359,7 +366,7 @@ class MLA(nn.Module):
                 raise ValueError("decode_backend: 'triton' covers blockwise/plain MLA without input_lengths; "
                                  "use 'torch' or 'auto' for unified norms or padded batches")
             return True
-        return supported and x.is_cuda and importlib.util.find_spec("triton") is not None
+        return supported and x.is_cuda and _triton_installed()
 
     def _kernel_attention(self, q_lat, q_rope, cache: LatentCache) -> torch.Tensor:
         from ..ops.mla_decode import mla_decode_with_kvcache
@@ -367,8 +374,8 @@ class MLA(nn.Module):
         kv, scales, table = cache.kernel_view()
         scale = self.scale
         if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
-            q_lat, q_rope = q_lat * per_head(scale, 1).to(q_lat.dtype), q_rope * per_head(scale, 1).to(q_lat.dtype)
-            scale = 1.0
+            head_scale = per_head(scale, 1).to(q_lat.dtype)
+            q_lat, q_rope, scale = q_lat * head_scale, q_rope * head_scale, 1.0
         out, _ = mla_decode_with_kvcache(q_lat.to(kv.dtype).contiguous(), q_rope.to(kv.dtype).contiguous(), kv, table,
                                          cache.seqlens, scales, float(scale), backend="triton")
         return out.to(q_lat.dtype)
