@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
@@ -47,13 +48,6 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise SystemExit(f"qkmla train: --{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
     if args.qk_norm_p is not None and args.qk_norm_p < 1:
         raise SystemExit(f"qkmla train: --qk-norm-p: expected p >= 1, got {args.qk_norm_p}")
-    return TrainConfig(
-        preset=args.preset, attn=args.attn, qk_norm_p=args.qk_norm_p, steps=args.steps, lr=args.lr,
-        optimizer=args.optimizer, muon_adjust_lr=args.muon_adjust_lr, weight_decay=args.weight_decay,
-        schedule=args.schedule, warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio,
-        grad_clip=args.grad_clip, qk_clip=args.qk_clip, qk_clip_alpha=args.qk_clip_alpha,
-        batch_size=args.batch_size, block_size=args.block_size, eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters, ckpt_interval=args.ckpt_interval, log_heads=args.log_heads, data=args.data,
-        tokenizer=args.tokenizer, seed=args.seed, out=args.out, resume=args.resume, max_seconds=args.max_seconds,
-        progress=not args.no_progress, fsdp=args.fsdp,
-    )
+    # Every option's dest is the TrainConfig field of the same name; only --no-progress is inverted.
+    names = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(args))
+    return TrainConfig(**{n: getattr(args, n) for n in names}, progress=not args.no_progress)
