@@ -74,15 +74,21 @@ class ScalarNorm(nn.Module):
     def statistic(self, v: torch.Tensor) -> torch.Tensor:
         return statistic(v, self.kind, self.p, self.eps)
 
-    def scaled(self, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        """gamma ⊙ v · sigma, given sigma (so callers can reuse or replace the statistic)."""
-        acc = _acc_dtype(v.dtype)
-        return (v.to(acc) * sigma * self.weight.to(acc)).to(v.dtype)
+    def scaled(self, v: torch.Tensor, sigma: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """gamma ⊙ v · sigma, given sigma (so callers can reuse or replace the statistic).
 
-    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        ``weight`` replaces gamma (the absorbed query passes gamma_q ⊙ gamma_k).
+        """
+        acc = _acc_dtype(v.dtype)
+        weight = self.weight if weight is None else weight
+        return (v.to(acc) * sigma * weight.to(acc)).to(v.dtype)
+
+    def forward(self, v: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """gamma ⊙ v · sigma(v); ``weight`` replaces gamma."""
+        weight = self.weight if weight is None else weight
         if self.kind == "rms":  # the same arithmetic, one fused op
-            return F.rms_norm(v, (self.dim,), self.weight.to(v.dtype), self.eps)
-        return self.scaled(v, self.statistic(v))
+            return F.rms_norm(v, (self.dim,), weight.to(v.dtype), self.eps)
+        return self.scaled(v, self.statistic(v), weight)
 
     def extra_repr(self) -> str:
         p = f", p={self.p:g}" if self.kind == "lp" else ""
@@ -118,11 +124,13 @@ class QKNorm(nn.Module):
         sigma = statistic_from_moment(m, self.content.dim + self.rope.dim, c.kind, c.p, c.eps)
         return sigma, sigma
 
-    def forward(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, v_c: torch.Tensor, v_r: torch.Tensor,
+                content_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gamma^C ⊙ v_c · sigma_c, gamma^R ⊙ v_r · sigma_r); ``content_weight`` replaces gamma^C."""
         if self.mode == "blockwise":  # each block on its own (fused where the kind allows)
-            return self.content(v_c), self.rope(v_r)
+            return self.content(v_c, content_weight), self.rope(v_r)
         sigma, _ = self.statistics(v_c, v_r)
-        return self.content.scaled(v_c, sigma), self.rope.scaled(v_r, sigma)
+        return self.content.scaled(v_c, sigma, content_weight), self.rope.scaled(v_r, sigma)
 
 
 def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float, eps: float,

@@ -138,10 +138,11 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     s_r = torch.bmm(latent[..., d_c:], q_rope.reshape(B, T * h, -1).transpose(1, 2)).to(acc)
     s_c, s_r = s_c.view(B, S, T, G, h // G), s_r.view(B, S, T, G, h // G)
     r = inv_rms.to(acc)[:, :, None, :, None]  # [B, S, 1, G, 1]
+    # In place on the fresh GEMM outputs: no new [B, S, T, h] buffer per step.
     if mode == "blockwise":
-        s = torch.addcmul(s_r, s_c, r)  # r scales the content score before the RoPE score joins
+        s = s_r.addcmul_(s_c, r)  # r scales the content score before the RoPE score joins
     else:
-        s = (s_c + s_r) * r
+        s = s_c.add_(s_r).mul_(r)
     return s.view(B, S, T, h)
 
 

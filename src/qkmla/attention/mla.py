@@ -190,21 +190,21 @@ class MLA(nn.Module):
 
     def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""
-        return self._absorbed_query(*self._raw_query(x), positions)
+        q_lat, q_r = self._latent_query(*self._raw_query(x))
+        return q_lat, self.rotary(q_r, positions)
 
-    def _absorbed_query(self, q_c, q_r, positions):
+    def _latent_query(self, q_c, q_r):
+        """(q_lat [B, T, h, d_c], normalized q~^R [B, T, h, d_r] not yet rotated)."""
         c = self.config
         B, T = q_c.shape[:2]
         absorbed = self.absorbed
-        q_w = q_c if absorbed.gamma_qk is None else q_c * absorbed.gamma_qk.to(q_c.dtype)  # both norm weights
-        # Each group's heads share one W_UK^(g): [B, T, G, h/G, d_n] x [G, d_n, d_c].
-        q_lat = torch.einsum("btgnd,gdc->btgnc", q_w.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1), absorbed.w_uk)
-        q_lat = q_lat.reshape(B, T, c.num_heads, c.kv_lora_rank)
         if self.q_norm is not None:
-            sigma_c, sigma_r = self.q_norm.statistics(q_c, q_r)
-            q_lat = (q_lat * sigma_c).to(q_c.dtype)  # the query scalar rides on q_lat
-            q_r = self.q_norm.rope.scaled(q_r, sigma_r)
-        return q_lat, self.rotary(q_r, positions)
+            # Normalized with gamma_q^C ⊙ gamma_k^C in place of gamma_q^C: the query scalar
+            # and both weights ride into q_lat through one norm (one fused op for RMS).
+            q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
+        # Each group's heads share one W_UK^(g): [B, T, G, h/G, d_n] x [G, d_n, d_c].
+        q_lat = torch.einsum("btgnd,gdc->btgnc", q_c.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1), absorbed.w_uk)
+        return q_lat.reshape(B, T, c.num_heads, c.kv_lora_rank), q_r
 
     def cache_rows(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """What a :class:`LatentCache` stores for tokens x: ``latent`` [B, T, d_c + d_r] and,
@@ -213,23 +213,30 @@ class MLA(nn.Module):
         The content keys c W_UK of these tokens are formed (one GEMM for all groups), reduced
         to one scalar per group, and discarded.
         """
-        return self._cache_rows(*self._latent(x), positions)
+        c_kv, k_r = self._latent(x)
+        k_r, inv_rms = self._key_scalars(c_kv, k_r)
+        return self._rows(c_kv, self.rotary(k_r, positions), inv_rms)
 
-    def _cache_rows(self, c_kv, k_r, positions):
+    def _key_scalars(self, c_kv, k_r):
+        """(normalized k~^R [B, T, 1, d_r] not yet rotated, key scalars [B, T, G] or None)."""
+        if self.k_norm is None:
+            return k_r, None
         c = self.config
-        rows = {}
-        if self.k_norm is not None:
-            w_uk = self.absorbed.w_uk
-            k_c = F.linear(c_kv, w_uk.view(-1, c.kv_lora_rank)).view(*c_kv.shape[:2], c.num_kv_groups, -1)
-            if self.k_norm.mode == "blockwise":
-                r = self.k_norm.content.statistic(k_c)
-                k_r = self.k_norm.rope(k_r)
-            else:  # one scalar for [k^C; k^R]; the RoPE key keeps only its weight
-                r, _ = self.k_norm.statistics(k_c, k_r)
-                k_r = k_r * self.k_norm.rope.weight.to(k_r.dtype)
-            rows["inv_rms"] = r.squeeze(-1)
-        k_r = self.rotary(k_r, positions).squeeze(2)
-        rows["latent"] = torch.cat((c_kv, k_r), dim=-1)
+        k_c = F.linear(c_kv, self.absorbed.w_uk.view(-1, c.kv_lora_rank)).view(*c_kv.shape[:2], c.num_kv_groups, -1)
+        if self.k_norm.mode == "blockwise":
+            r = self.k_norm.content.statistic(k_c)
+            k_r = self.k_norm.rope(k_r)
+        else:  # one scalar for [k^C; k^R]; the RoPE key keeps only its weight
+            r, _ = self.k_norm.statistics(k_c, k_r)
+            k_r = k_r * self.k_norm.rope.weight.to(k_r.dtype)
+        return k_r, r.squeeze(-1)
+
+    @staticmethod
+    def _rows(c_kv, k_rope, inv_rms) -> dict[str, torch.Tensor]:
+        """Cache rows from c [B, T, d_c], the rotated k^R [B, T, 1, d_r] and the scalars."""
+        rows = {"latent": torch.cat((c_kv, k_rope.squeeze(2)), dim=-1)}
+        if inv_rms is not None:
+            rows["inv_rms"] = inv_rms
         return rows
 
     def _values_out(self, o_lat: torch.Tensor) -> torch.Tensor:
@@ -331,7 +338,8 @@ class MLA(nn.Module):
                 raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
                                  "use 'absorbed' or 'expand' to attend over cached tokens")
             latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
-            cache.append(slot, **self._cache_rows(*latent, slot.positions))
+            k_r, inv_rms = self._key_scalars(*latent)
+            cache.append(slot, **self._rows(latent[0], self.rotary(k_r, slot.positions), inv_rms))
             q, k, v = self.explicit_qkv(x, slot.positions, latent)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
 
@@ -340,12 +348,15 @@ class MLA(nn.Module):
             k, v = self.expand_cache(cache.read("latent"), cache.read("inv_rms") if "inv_rms" in cache.fields else None)
             q = self.explicit_query(x, slot.positions)
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
-        # Both large projections first, then the two GEMMs with W_UK back to back: the cache
-        # writer's and the query's, so the second finds the weights still in cache.
+        # Both large projections first, then the two products with W_UK back to back (the
+        # query's GEMM, then the new keys' GEMV, which finds the weights still in cache), then
+        # one RoPE call for the query and key heads together.
         q_c, q_r = self._raw_query(x)
-        rows = self._cache_rows(*self._latent(x), slot.positions)
-        q_lat, q_rope = self._absorbed_query(q_c, q_r, slot.positions)
-        cache.append(slot, **rows)
+        c_kv, k_r = self._latent(x)
+        q_lat, q_r = self._latent_query(q_c, q_r)
+        k_r, inv_rms = self._key_scalars(c_kv, k_r)
+        q_rope, k_rope = self.rotary(torch.cat((q_r, k_r), dim=2), slot.positions).split([q_r.shape[2], 1], dim=2)
+        cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
         if self._use_kernel(x, input_lengths):
             o_lat = self._kernel_attention(q_lat, q_rope, cache)
         else:
