@@ -121,15 +121,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> dict:
-    """Median seconds per call, variants interleaved round by round.
+def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> tuple[dict, dict]:
+    """Median seconds per call, variants interleaved round by round, and each round's median.
 
     In every round each variant gets one untimed call first (a variant that follows one
     that freed hundreds of MB would otherwise pay for page faults and cold caches), then
     a few timed calls: as many as fit in ~100 ms, at least one. A slow variant stops after
-    3 rounds once it has spent ``budget_s``.
+    3 rounds once it has spent ``budget_s``. The per-round medians let a ratio be taken
+    round by round, between calls made seconds apart, which shows how much of a ratio is
+    the machine's drift.
     """
     samples = {name: [] for name in fns}
+    per_round = {name: [] for name in fns}
     per_call = {}
     with torch.inference_mode():
         for name, fn in fns.items():  # warm-up, and a first estimate of the cost
@@ -144,13 +147,22 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> d
                 if r >= 3 and sum(samples[name]) > budget_s:
                     continue
                 fn()
+                this_round = []
                 for _ in range(max(1, min(50, int(0.1 / per_call[name])))):
                     sync(device)
                     t0 = time.perf_counter()
                     fn()
                     sync(device)
-                    samples[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(s) for name, s in samples.items()}
+                    this_round.append(time.perf_counter() - t0)
+                samples[name] += this_round
+                per_round[name].append(statistics.median(this_round))
+    return {name: statistics.median(s) for name, s in samples.items()}, per_round
+
+
+def round_ratios(per_round: dict, a: str, b: str) -> list[float]:
+    """[25th, 50th, 75th] percentiles of a's time over b's, round by round."""
+    ratios = [x / y for x, y in zip(per_round[a], per_round[b], strict=True)]
+    return [float(q) for q in statistics.quantiles(ratios, n=4, method="inclusive")] if len(ratios) > 1 else ratios * 3
 
 
 def main(argv=None) -> int:
@@ -172,10 +184,12 @@ def main(argv=None) -> int:
           f"{', ' + info['gpu'] if 'gpu' in info else ''}, torch {info['torch']}, {args.preset}, {args.dtype}, "
           f"batch {args.batch}")
     print(f"{'context':>8} {'variant':<21}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
-    rows = []
+    rows, spread = [], {"step": {}, "core": {}}
     for context in contexts:
         fns, cache_bytes = setup(args.preset, context, dtype, args.device, args.batch)
-        seconds = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
+        seconds, per_round = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
+        spread["step"][context] = round_ratios(per_round, "absorbed-mla-qknorm", "absorbed-mla")
+        spread["core"][context] = round_ratios(per_round, "core-mla-qknorm", "core-mla")
         for name in VARIANTS:
             base = "core-mla" if name.startswith("core") else "absorbed-mla"  # like against like
             row = {"context": context, "variant": name, "seconds": seconds[name], "cache_bytes": cache_bytes[name],
@@ -191,6 +205,9 @@ def main(argv=None) -> int:
     summary = {
         "qknorm_over_mla_step": {c: ratio(c, "absorbed-mla-qknorm", "absorbed-mla") for c in contexts},
         "qknorm_over_mla_core": {c: ratio(c, "core-mla-qknorm", "core-mla") for c in contexts},
+        # The same ratios taken round by round: [25th, 50th, 75th] percentiles over rounds.
+        "qknorm_over_mla_step_per_round_quartiles": spread["step"],
+        "qknorm_over_mla_core_per_round_quartiles": spread["core"],
         "expand_over_absorbed_qknorm_step": {c: ratio(c, "expand-qknorm", "absorbed-mla-qknorm") for c in contexts},
         "expand_over_absorbed_qknorm_core": {c: ratio(c, "core-expand-qknorm", "core-mla-qknorm") for c in contexts},
         "full_key_cache_over_qknorm_latent_cache": rows[0]["cache_bytes"] / next(
@@ -198,6 +215,9 @@ def main(argv=None) -> int:
     }
     print("QK-norm / plain MLA, decode step:", {c: round(v, 3) for c, v in summary["qknorm_over_mla_step"].items()})
     print("QK-norm / plain MLA, attention core:", {c: round(v, 3) for c, v in summary["qknorm_over_mla_core"].items()})
+    for part in ("step", "core"):
+        print(f"  {part}, round by round (25th/50th/75th percentile):",
+              {c: "/".join(f"{v:.3f}" for v in q) for c, q in spread[part].items()})
     print("re-expanding keys / absorbed QK-norm, step:",
           {c: round(v, 1) for c, v in summary["expand_over_absorbed_qknorm_step"].items()})
     print("re-expanding keys / absorbed QK-norm, core:",

@@ -190,14 +190,13 @@ class MLA(nn.Module):
 
     def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""
-        q_lat, q_r = self._latent_query(*self._raw_query(x))
+        q_lat, q_r = self._latent_query(*self._raw_query(x), self.absorbed)
         return q_lat, self.rotary(q_r, positions)
 
-    def _latent_query(self, q_c, q_r):
+    def _latent_query(self, q_c, q_r, absorbed: AbsorbedWeights):
         """(q_lat [B, T, h, d_c], normalized q~^R [B, T, h, d_r] not yet rotated)."""
         c = self.config
         B, T = q_c.shape[:2]
-        absorbed = self.absorbed
         if self.q_norm is not None:
             # Normalized with gamma_q^C ⊙ gamma_k^C in place of gamma_q^C: the query scalar
             # and both weights ride into q_lat through one norm (one fused op for RMS).
@@ -214,15 +213,15 @@ class MLA(nn.Module):
         to one scalar per group, and discarded.
         """
         c_kv, k_r = self._latent(x)
-        k_r, inv_rms = self._key_scalars(c_kv, k_r)
+        k_r, inv_rms = self._key_scalars(c_kv, k_r, self.absorbed)
         return self._rows(c_kv, self.rotary(k_r, positions), inv_rms)
 
-    def _key_scalars(self, c_kv, k_r):
+    def _key_scalars(self, c_kv, k_r, absorbed: AbsorbedWeights):
         """(normalized k~^R [B, T, 1, d_r] not yet rotated, key scalars [B, T, G] or None)."""
         if self.k_norm is None:
             return k_r, None
         c = self.config
-        k_c = F.linear(c_kv, self.absorbed.w_uk.view(-1, c.kv_lora_rank)).view(*c_kv.shape[:2], c.num_kv_groups, -1)
+        k_c = F.linear(c_kv, absorbed.w_uk.view(-1, c.kv_lora_rank)).view(*c_kv.shape[:2], c.num_kv_groups, -1)
         if self.k_norm.mode == "blockwise":
             r = self.k_norm.content.statistic(k_c)
             k_r = self.k_norm.rope(k_r)
@@ -239,12 +238,12 @@ class MLA(nn.Module):
             rows["inv_rms"] = inv_rms
         return rows
 
-    def _values_out(self, o_lat: torch.Tensor) -> torch.Tensor:
+    def _values_out(self, o_lat: torch.Tensor, absorbed: AbsorbedWeights) -> torch.Tensor:
         """o = o_lat W_UV^(g) per head, then o_proj. [B, T, h, d_c] -> [B, T, hidden]."""
         c = self.config
         B, T = o_lat.shape[:2]
         o_lat = o_lat.reshape(B, T, c.num_kv_groups, c.heads_per_group, c.kv_lora_rank)
-        o = torch.einsum("btgnc,gvc->btgnv", o_lat, self.absorbed.w_uv.to(o_lat.dtype))
+        o = torch.einsum("btgnc,gvc->btgnv", o_lat, absorbed.w_uv.to(o_lat.dtype))
         return self.o_proj(o.reshape(B, T, c.num_heads * c.v_head_dim))
 
     # -- logits (the Appendix E test) --------------------------------------------------------
@@ -338,7 +337,7 @@ class MLA(nn.Module):
                 raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
                                  "use 'absorbed' or 'expand' to attend over cached tokens")
             latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
-            k_r, inv_rms = self._key_scalars(*latent)
+            k_r, inv_rms = self._key_scalars(*latent, self.absorbed)
             cache.append(slot, **self._rows(latent[0], self.rotary(k_r, slot.positions), inv_rms))
             q, k, v = self.explicit_qkv(x, slot.positions, latent)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
@@ -353,8 +352,9 @@ class MLA(nn.Module):
         # one RoPE call for the query and key heads together.
         q_c, q_r = self._raw_query(x)
         c_kv, k_r = self._latent(x)
-        q_lat, q_r = self._latent_query(q_c, q_r)
-        k_r, inv_rms = self._key_scalars(c_kv, k_r)
+        absorbed = self.absorbed  # looked up once per step: the staleness check is not free
+        q_lat, q_r = self._latent_query(q_c, q_r, absorbed)
+        k_r, inv_rms = self._key_scalars(c_kv, k_r, absorbed)
         q_rope, k_rope = self.rotary(torch.cat((q_r, k_r), dim=2), slot.positions).split([q_r.shape[2], 1], dim=2)
         cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
         if self._use_kernel(x, input_lengths):
@@ -363,7 +363,7 @@ class MLA(nn.Module):
             latent = cache.read("latent")
             inv_rms = cache.read("inv_rms") if "inv_rms" in cache.fields else None
             o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(), self.config.qk_norm_mode)
-        return self._values_out(o_lat)
+        return self._values_out(o_lat, absorbed)
 
     def _use_kernel(self, x: torch.Tensor, input_lengths) -> bool:
         """The fused kernel covers blockwise and plain MLA without padded inputs."""

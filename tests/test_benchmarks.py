@@ -1,0 +1,45 @@
+"""Smoke runs of the benchmark scripts on a tiny layer: they run end to end and write the
+JSON the README documents (the timings themselves are not asserted; see benchmarks/README.md)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_decode_writes_rows_for_every_variant(tmp_path):
+    bench = load("bench_decode")
+    out = tmp_path / "decode.json"
+    assert bench.main(["--preset", "tiny", "--contexts", "32", "64", "--rounds", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python benchmarks/bench_decode.py")
+    assert "cpu" in result["machine"]
+    rows = result["rows"]
+    assert {(r["context"], r["variant"]) for r in rows} == {(c, v) for c in (32, 64) for v in bench.VARIANTS}
+    for r in rows:
+        assert set(r) == {"context", "variant", "seconds", "cache_bytes", "ratio_to_mla"}
+        assert r["seconds"] > 0 and r["cache_bytes"] > 0
+    by = {(r["context"], r["variant"]): r for r in rows}
+    assert by[(64, "absorbed-mla")]["ratio_to_mla"] == 1.0
+    # Cache bytes double with the context and the QK-normed latent cache is the plain one plus G scalars.
+    assert by[(64, "absorbed-mla-qknorm")]["cache_bytes"] == 2 * by[(32, "absorbed-mla-qknorm")]["cache_bytes"]
+    assert by[(64, "absorbed-mla-qknorm")]["cache_bytes"] > by[(64, "absorbed-mla")]["cache_bytes"]
+    quartiles = result["summary"]["qknorm_over_mla_step_per_round_quartiles"]
+    assert all(q[0] <= q[1] <= q[2] for q in quartiles.values())
+
+
+def test_bench_decode_rejects_an_unknown_dtype(capsys):
+    bench = load("bench_decode")
+    with pytest.raises(SystemExit):
+        bench.main(["--preset", "tiny", "--dtype", "float8"])
+    assert "--dtype" in capsys.readouterr().err
