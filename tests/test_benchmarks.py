@@ -43,3 +43,14 @@ def test_bench_decode_rejects_an_unknown_dtype(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--preset", "tiny", "--dtype", "float8"])
     assert "--dtype" in capsys.readouterr().err
+
+
+def test_bench_decode_parts_times_every_part(tmp_path):
+    bench = load("bench_decode_parts")
+    out = tmp_path / "parts.json"
+    assert bench.main(["--contexts", "64", "--rounds", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    parts = {r["part"] for r in result["rows"]}
+    assert {"key-gemv", "scores-plain", "scores-split", "scores-blockdiag", "rms-norm-cold"} <= parts
+    assert all(r["seconds"] > 0 for r in result["rows"])
+    assert result["square_sgemm_gflops_per_s"] > 0

@@ -1,0 +1,154 @@
+"""Where QK-norm's decode overhead goes on this machine: the parts, timed one by one.
+
+`bench_decode.py` times whole decode steps; this script times the pieces that QK-norm adds
+or changes, at the DeepSeek-V3 TP=8 width (16 heads, G = 16, d_n 128, d_c 512, d_r 64),
+float32, batch 1, so the step-level ratio can be explained:
+
+    key-gemv              c [1, 512] x W_UK^T [512, 2048]: the new token's content keys
+    query-gemm            q [16, 128] x W_UK [G, 128, 512] per group (both paths do this)
+    query-gemm+key-gemv   both back to back, as the decode step runs them
+    scores-plain          [S, 576] x [576, 16]: plain MLA's one score GEMM
+    scores-split          [S, 512] x [512, 16] and [S, 64] x [64, 16] over the same strided
+                          rows, combined s_r += r * s_c: what one scalar per key and group needs
+    scores-blockdiag      [S, 576] x [576, 32] with a block-diagonal query: both scores from
+                          one read of the rows, at twice the GEMM width
+    rms-norm-cold/-warm   F.rms_norm of [1, 1, 16, 128] right after a 58 MB GEMM / warm
+    square-sgemm          [2048, 2048] x [2048, 2048], for the machine's GEMM peak (GFLOP/s)
+
+Every part runs "cold" (a 64 MB buffer is read before each call, as a decode step's other
+weights would evict the caches) unless named warm. Parts alternate call by call; medians.
+
+    python benchmarks/bench_decode_parts.py [--contexts 4096 16384] [--rounds 40] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_decode import machine  # noqa: E402
+
+H, G, D_N, D_C, D_R = 16, 16, 128, 512, 64
+
+
+def parts(context: int) -> dict:
+    """The callables to time at one context length (fresh random tensors)."""
+    torch.manual_seed(0)
+    w_uk = torch.randn(G, D_N, D_C)
+    c = torch.randn(1, 1, D_C)
+    q_c = torch.randn(G, 1, D_N)
+    latent = torch.randn(1, context, D_C + D_R)
+    r = torch.rand(1, context, H) + 0.5
+    q_lat, q_rope = torch.randn(1, H, D_C), torch.randn(1, H, D_R)
+    q = torch.cat((q_lat, q_rope), dim=-1)
+    q_blockdiag = torch.block_diag(q_lat[0], q_rope[0])  # [2h, d_c + d_r]
+    big = torch.randn(7168, 2048)  # o_proj's size at this width: 58 MB
+    x_big = torch.randn(1, 2048)
+    v = torch.randn(1, 1, H, D_N)
+    w = torch.ones(D_N)
+
+    def key_gemv():
+        return F.linear(c, w_uk.view(-1, D_C))
+
+    def query_gemm():
+        return torch.bmm(q_c, w_uk)
+
+    def scores_split():
+        s_c = torch.bmm(latent[..., :D_C], q_lat.transpose(1, 2))
+        return torch.bmm(latent[..., D_C:], q_rope.transpose(1, 2)).addcmul_(s_c, r)
+
+    def scores_blockdiag():
+        s = torch.mm(latent[0], q_blockdiag.T)
+        return s[:, H:].addcmul_(s[:, :H], r[0])
+
+    def rms_norm_cold():
+        F.linear(x_big, big)
+        t0 = time.perf_counter()
+        F.rms_norm(v, (D_N,), w, 1e-6)
+        return time.perf_counter() - t0
+
+    return {
+        "key-gemv": key_gemv,
+        "query-gemm": query_gemm,
+        "query-gemm+key-gemv": lambda: (query_gemm(), key_gemv()),
+        "scores-plain": lambda: torch.bmm(latent, q.transpose(1, 2)),
+        "scores-split": scores_split,
+        "scores-blockdiag": scores_blockdiag,
+        "rms-norm-cold": rms_norm_cold,  # times itself: the GEMM before it is not counted
+        "rms-norm-warm": lambda: F.rms_norm(v, (D_N,), w, 1e-6),
+    }
+
+
+def measure(fns: dict, rounds: int) -> dict:
+    flush = torch.randn(16 * 2**20)  # 64 MB, read (not written) before every cold call
+    samples = {name: [] for name in fns}
+    with torch.inference_mode():
+        for fn in fns.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                warm = name.endswith("-warm")
+                if warm:
+                    fn()
+                else:
+                    flush.sum()
+                t0 = time.perf_counter()
+                out = fn()
+                elapsed = time.perf_counter() - t0
+                samples[name].append(out if isinstance(out, float) else elapsed)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def square_sgemm_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int, nargs="*", default=[4096, 16384])
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "bench_decode_parts_cpu.json")
+    args = p.parse_args(argv)
+    if any(c < 1 for c in args.contexts) or args.rounds < 1:
+        p.error("--contexts and --rounds must be positive")
+    info = machine()
+    peak = square_sgemm_gflops()
+    print(f"# {info['cpu']} ({info['cores']} cores), torch {info['torch']}; square sgemm {peak:.1f} GFLOP/s")
+    rows = []
+    for context in args.contexts:
+        seconds = measure(parts(context), args.rounds)
+        flops = {"scores-plain": 2 * context * (D_C + D_R) * H, "scores-split": 2 * context * (D_C + D_R) * H,
+                 "scores-blockdiag": 4 * context * (D_C + D_R) * H}
+        for name, sec in seconds.items():
+            row = {"context": context, "part": name, "seconds": sec}
+            if name in flops:
+                row["gflops_per_s"] = flops[name] / sec / 1e9
+            rows.append(row)
+            rate = f"{row['gflops_per_s']:8.1f} GFLOP/s" if "gflops_per_s" in row else ""
+            print(f"{context:>8} {name:<22}{sec * 1e6:10.1f} us {rate}")
+        print(f"{context:>8} scores-split / scores-plain = {seconds['scores-split'] / seconds['scores-plain']:.3f}, "
+              f"scores-blockdiag / scores-plain = {seconds['scores-blockdiag'] / seconds['scores-plain']:.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/bench_decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    args.out.write_text(json.dumps({"command": command.strip(), "machine": info, "square_sgemm_gflops_per_s": peak,
+                                    "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
