@@ -202,7 +202,8 @@ class MLA(nn.Module):
             # and both weights ride into q_lat through one norm (one fused op for RMS).
             q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
         # Each group's heads share one W_UK^(g): [B, T, G, h/G, d_n] x [G, d_n, d_c].
-        q_lat = torch.einsum("btgnd,gdc->btgnc", q_c.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1), absorbed.w_uk)
+        q_c = q_c.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1)
+        q_lat = torch.einsum("btgnd,gdc->btgnc", q_c, absorbed.w_uk)
         return q_lat.reshape(B, T, c.num_heads, c.kv_lora_rank), q_r
 
     def cache_rows(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
