@@ -57,9 +57,10 @@ class AbsorbedWeights:
     w_uk: [G, d_n, d_c], W_UK^(g)^T per group (contiguous). It serves both GEMMs of a decode
         step: the query's, q_lat = rho(q^C) · (q^C ⊙ gamma_qk) @ w_uk[g], and the cache
         writer's, every group's content key of a token as c @ w_uk.view(G * d_n, d_c).T.
-        One copy of these weights is read per step, not two.
-    gamma_qk: [d_n], gamma_q^C ⊙ gamma_k^C, folded into the query before the GEMM
-        (O(h d_n) work); None for plain MLA.
+        One stored copy serves both (a decode step runs them back to back).
+    gamma_qk: [d_n], gamma_q^C ⊙ gamma_k^C: the weight the query's content norm uses in
+        the absorbed path, so both weights reach q_lat in that one norm (O(h d_n) work);
+        None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
     """
 
