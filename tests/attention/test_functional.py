@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from qkmla.attention import functional
+
+
+@pytest.mark.parametrize("scalars, mode", [(False, "blockwise"), (True, "blockwise"), (True, "unified")])
+def test_latent_attention_is_the_same_in_chunks_of_keys(monkeypatch, scalars, mode):
+    """Scores go through the cache in chunks of SCORE_CHUNK keys; a chunk boundary (and a
+    last, shorter chunk) must not change anything."""
+    torch.manual_seed(0)
+    B, T, h, G, d_c, d_r, S = 2, 3, 8, 4, 16, 8, 23
+    q_lat, q_rope = torch.randn(B, T, h, d_c, dtype=torch.float64), torch.randn(B, T, h, d_r, dtype=torch.float64)
+    latent = torch.randn(B, S, d_c + d_r, dtype=torch.float64)
+    inv_rms = torch.rand(B, S, G, dtype=torch.float64) + 0.5 if scalars else None
+    mask = torch.rand(B, T, S) > 0.3
+    args = (q_lat, q_rope, latent, inv_rms, 0.3, mask, mode)
+    whole, whole_lse = functional.latent_attention(*args, return_lse=True)
+    monkeypatch.setattr(functional, "SCORE_CHUNK", 5)
+    chunked, chunked_lse = functional.latent_attention(*args, return_lse=True)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-13)
+    torch.testing.assert_close(chunked_lse, whole_lse, rtol=0, atol=1e-13)
+    # and the chunked scores are the definition: r * (q_lat . c) + q_rope . k_rope (blockwise)
+    s = functional.latent_scores(q_lat, q_rope, latent, inv_rms, mode)
+    s_c = torch.einsum("bthc,bsc->bths", q_lat, latent[..., :d_c])
+    s_r = torch.einsum("bthr,bsr->bths", q_rope, latent[..., d_c:])
+    if inv_rms is None:
+        want = s_c + s_r
+    else:
+        r = inv_rms.repeat_interleave(h // G, dim=-1).permute(0, 2, 1)[:, None]  # [B, 1, h, S]
+        want = r * s_c + s_r if mode == "blockwise" else r * (s_c + s_r)
+    torch.testing.assert_close(s, want, rtol=0, atol=1e-12)
