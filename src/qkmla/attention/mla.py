@@ -214,7 +214,10 @@ class MLA(nn.Module):
         The content keys c W_UK of these tokens are formed (one GEMM for all groups), reduced
         to one scalar per group, and discarded.
         """
-        c_kv, k_r = self._latent(x)
+        return self._cache_rows(*self._latent(x), positions)
+
+    def _cache_rows(self, c_kv, k_r, positions):
+        """cache_rows from x's already projected (c, k~^R)."""
         k_r, inv_rms = self._key_scalars(c_kv, k_r, self.absorbed)
         return self._rows(c_kv, self.rotary(k_r, positions), inv_rms)
 
@@ -339,8 +342,7 @@ class MLA(nn.Module):
                 raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
                                  "use 'absorbed' or 'expand' to attend over cached tokens")
             latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
-            k_r, inv_rms = self._key_scalars(*latent, self.absorbed)
-            cache.append(slot, **self._rows(latent[0], self.rotary(k_r, slot.positions), inv_rms))
+            cache.append(slot, **self._cache_rows(*latent, slot.positions))
             q, k, v = self.explicit_qkv(x, slot.positions, latent)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
 
