@@ -8,10 +8,15 @@ float32, batch 1, so the step-level ratio can be explained:
     query-gemm            q [16, 128] x W_UK [G, 128, 512] per group (both paths do this)
     query-gemm+key-gemv   both back to back, as the decode step runs them
     scores-plain          [S, 576] x [576, 16]: plain MLA's one score GEMM
-    scores-split          [S, 512] x [512, 16] and [S, 64] x [64, 16] over the same strided
-                          rows, combined s_r += r * s_c: what one scalar per key and group needs
+    scores-split          [S, 512] x [512, 16] over the strided rows, scaled by r in place,
+                          then the [S, 64] x [64, 16] RoPE GEMM accumulated into it (beta = 1):
+                          what one scalar per key and group needs, as the library computes it
+    scores-split-addcmul  the same two GEMMs into two buffers, combined s_r += r * s_c (the
+                          library's formulation before the in-place one)
     scores-blockdiag      [S, 576] x [576, 32] with a block-diagonal query: both scores from
                           one read of the rows, at twice the GEMM width
+    latent-scores-mla     the library's score function (chunked keys), plain MLA
+    latent-scores-qknorm  the same with the key scalars, blockwise
     rms-norm-cold/-warm   F.rms_norm of [1, 1, 16, 128] right after a 58 MB GEMM / warm
     square-sgemm          [2048, 2048] x [2048, 2048], for the machine's GEMM peak (GFLOP/s)
 
@@ -36,6 +41,8 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_decode import machine  # noqa: E402
+
+from qkmla.attention.functional import latent_scores  # noqa: E402
 
 H, G, D_N, D_C, D_R = 16, 16, 128, 512, 64
 
@@ -63,6 +70,10 @@ def parts(context: int) -> dict:
         return torch.bmm(q_c, w_uk)
 
     def scores_split():
+        s = torch.bmm(latent[..., :D_C], q_lat.transpose(1, 2)).mul_(r)
+        return s.baddbmm_(latent[..., D_C:], q_rope.transpose(1, 2))
+
+    def scores_split_addcmul():
         s_c = torch.bmm(latent[..., :D_C], q_lat.transpose(1, 2))
         return torch.bmm(latent[..., D_C:], q_rope.transpose(1, 2)).addcmul_(s_c, r)
 
@@ -82,7 +93,10 @@ def parts(context: int) -> dict:
         "query-gemm+key-gemv": lambda: (query_gemm(), key_gemv()),
         "scores-plain": lambda: torch.bmm(latent, q.transpose(1, 2)),
         "scores-split": scores_split,
+        "scores-split-addcmul": scores_split_addcmul,
         "scores-blockdiag": scores_blockdiag,
+        "latent-scores-mla": lambda: latent_scores(q_lat[:, None], q_rope[:, None], latent, None),
+        "latent-scores-qknorm": lambda: latent_scores(q_lat[:, None], q_rope[:, None], latent, r),
         "rms-norm-cold": rms_norm_cold,  # times itself: the GEMM before it is not counted
         "rms-norm-warm": lambda: F.rms_norm(v, (D_N,), w, 1e-6),
     }
@@ -131,8 +145,10 @@ def main(argv=None) -> int:
     rows = []
     for context in args.contexts:
         seconds = measure(parts(context), args.rounds)
-        flops = {"scores-plain": 2 * context * (D_C + D_R) * H, "scores-split": 2 * context * (D_C + D_R) * H,
-                 "scores-blockdiag": 4 * context * (D_C + D_R) * H}
+        one_pass = 2 * context * (D_C + D_R) * H
+        flops = {name: one_pass for name in ("scores-plain", "scores-split", "scores-split-addcmul",
+                                             "latent-scores-mla", "latent-scores-qknorm")}
+        flops["scores-blockdiag"] = 2 * one_pass
         for name, sec in seconds.items():
             row = {"context": context, "part": name, "seconds": sec}
             if name in flops:
@@ -140,8 +156,10 @@ def main(argv=None) -> int:
             rows.append(row)
             rate = f"{row['gflops_per_s']:8.1f} GFLOP/s" if "gflops_per_s" in row else ""
             print(f"{context:>8} {name:<22}{sec * 1e6:10.1f} us {rate}")
-        print(f"{context:>8} scores-split / scores-plain = {seconds['scores-split'] / seconds['scores-plain']:.3f}, "
-              f"scores-blockdiag / scores-plain = {seconds['scores-blockdiag'] / seconds['scores-plain']:.3f}")
+        over = {name: seconds[name] / seconds["scores-plain"]
+                for name in ("scores-split", "scores-split-addcmul", "scores-blockdiag")}
+        print(f"{context:>8} over scores-plain: " + ", ".join(f"{k} {v:.3f}" for k, v in over.items())
+              + f"; latent-scores-qknorm / -mla = {seconds['latent-scores-qknorm'] / seconds['latent-scores-mla']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.write_text(json.dumps({"command": command.strip(), "machine": info, "square_sgemm_gflops_per_s": peak,

@@ -24,15 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import QK_NORM_MODES, QK_NORMS
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+from .dtypes import accumulate_dtype, cast
 
 
 def moment(v: torch.Tensor, kind: str, p: float = 2.0) -> torch.Tensor:
     """sum(|v|^q) over the last dim, q = 2 for rms/l2 and p for lp. [..., n] -> [..., 1]."""
-    v = v.to(_acc_dtype(v.dtype))
+    v = cast(v, accumulate_dtype(v.dtype))
     if kind == "lp" and p != 2:
         return v.abs().pow(p).sum(-1, keepdim=True)
     return v.square().sum(-1, keepdim=True)
@@ -79,15 +76,15 @@ class ScalarNorm(nn.Module):
 
         ``weight`` replaces gamma (the absorbed query passes gamma_q ⊙ gamma_k).
         """
-        acc = _acc_dtype(v.dtype)
+        acc = accumulate_dtype(v.dtype)
         weight = self.weight if weight is None else weight
-        return (v.to(acc) * sigma * weight.to(acc)).to(v.dtype)
+        return cast(cast(v, acc) * sigma * cast(weight, acc), v.dtype)
 
     def forward(self, v: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """gamma ⊙ v · sigma(v); ``weight`` replaces gamma."""
         weight = self.weight if weight is None else weight
         if self.kind == "rms":  # the same arithmetic, one fused op
-            return F.rms_norm(v, (self.dim,), weight.to(v.dtype), self.eps)
+            return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
         return self.scaled(v, self.statistic(v), weight)
 
     def extra_repr(self) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dtypes import accumulate_dtype, cast
+
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to x [..., T, H, dim] at integer positions [..., T].
@@ -30,17 +32,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        acc = torch.promote_types(x.dtype, torch.float32)
-        angles = positions.to(acc)[..., None] * self.inv_freq.to(acc)  # [..., T, dim/2]
+        acc = accumulate_dtype(x.dtype)
+        angles = positions.to(acc)[..., None] * cast(self.inv_freq, acc)  # [..., T, dim/2]
         cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]  # [..., T, 1, dim/2]
-        xa = x.to(acc)
+        xa = cast(x, acc)
         if self.interleave:
             x1, x2 = xa[..., 0::2], xa[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:
             x1, x2 = xa.chunk(2, dim=-1)
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        return cast(out, x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, theta={self.theta:g}, interleave={self.interleave}"

@@ -4,12 +4,14 @@ import torch
 from qkmla.attention import functional
 
 
+@pytest.mark.parametrize("T, h, G", [(3, 8, 4), (1, 4, 4)], ids=["grouped", "decode-head-per-group"])
 @pytest.mark.parametrize("scalars, mode", [(False, "blockwise"), (True, "blockwise"), (True, "unified")])
-def test_latent_attention_is_the_same_in_chunks_of_keys(monkeypatch, scalars, mode):
+def test_latent_attention_is_the_same_in_chunks_of_keys(monkeypatch, scalars, mode, T, h, G):
     """Scores go through the cache in chunks of SCORE_CHUNK keys; a chunk boundary (and a
-    last, shorter chunk) must not change anything."""
+    last, shorter chunk) must not change anything. One token with one head per group is
+    the decode step's shape, where the scalars line up with the GEMM output unreshaped."""
     torch.manual_seed(0)
-    B, T, h, G, d_c, d_r, S = 2, 3, 8, 4, 16, 8, 23
+    B, d_c, d_r, S = 2, 16, 8, 23
     q_lat, q_rope = torch.randn(B, T, h, d_c, dtype=torch.float64), torch.randn(B, T, h, d_r, dtype=torch.float64)
     latent = torch.randn(B, S, d_c + d_r, dtype=torch.float64)
     inv_rms = torch.rand(B, S, G, dtype=torch.float64) + 0.5 if scalars else None

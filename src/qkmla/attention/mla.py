@@ -35,6 +35,7 @@ from torch import nn
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import MLAConfig
+from ..dtypes import cast
 from ..norms import make_qk_norms
 from ..rope import RotaryEmbedding
 from .functional import (check_hidden, default_positions, latent_attention, latent_scores, per_head,
@@ -232,7 +233,7 @@ class MLA(nn.Module):
             k_r = self.k_norm.rope(k_r)
         else:  # one scalar for [k^C; k^R]; the RoPE key keeps only its weight
             r, _ = self.k_norm.statistics(k_c, k_r)
-            k_r = k_r * self.k_norm.rope.weight.to(k_r.dtype)
+            k_r = k_r * cast(self.k_norm.rope.weight, k_r.dtype)
         return k_r, r.squeeze(-1)
 
     @staticmethod
@@ -248,7 +249,7 @@ class MLA(nn.Module):
         c = self.config
         B, T = o_lat.shape[:2]
         o_lat = o_lat.reshape(B, T, c.num_kv_groups, c.heads_per_group, c.kv_lora_rank)
-        o = torch.einsum("btgnc,gvc->btgnv", o_lat, absorbed.w_uv.to(o_lat.dtype))
+        o = torch.einsum("btgnc,gvc->btgnv", o_lat, cast(absorbed.w_uv, o_lat.dtype))
         return self.o_proj(o.reshape(B, T, c.num_heads * c.v_head_dim))
 
     # -- logits (the Appendix E test) --------------------------------------------------------
@@ -329,7 +330,8 @@ class MLA(nn.Module):
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         if isinstance(cache, FullKVCache):
             if path not in ("auto", "explicit"):
-                raise ValueError(f"path: a FullKVCache holds materialized keys, so only 'auto'/'explicit' apply, got {path!r}")
+                raise ValueError("path: a FullKVCache holds materialized keys, so only 'auto'/'explicit' apply, "
+                                 f"got {path!r}")
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)
             o = sdpa(q, k, v, self.scale, mask=slot.key_mask())
@@ -366,7 +368,8 @@ class MLA(nn.Module):
         else:
             latent = cache.read("latent")
             inv_rms = cache.read("inv_rms") if "inv_rms" in cache.fields else None
-            o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(), self.config.qk_norm_mode)
+            o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(),
+                                     self.config.qk_norm_mode)
         return self._values_out(o_lat, absorbed)
 
     def _use_kernel(self, x: torch.Tensor, input_lengths) -> bool:
