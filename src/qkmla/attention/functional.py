@@ -173,7 +173,7 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
             continue
         # r scales the content score before the RoPE score joins, both in place on the
         # content GEMM's output: the RoPE GEMM accumulates into it (beta = 1), so no second
-        # [B, n, T h] buffer is written and read back (3-8% of the score time on a CPU).
+        # [B, n, T h] buffer is written and read back.
         s = cast(torch.bmm(content[:, start:stop], q_c_t), acc)
         grouped(s).mul_(r[:, start:stop])
         if s.dtype == rope.dtype:
