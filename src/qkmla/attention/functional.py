@@ -99,7 +99,7 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256)
     """
     B, T, h, _ = q.shape
     G = k.shape[2]
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = accumulate_dtype(q.dtype)
     kk = k.repeat_interleave(h // G, dim=2).transpose(1, 2).to(acc)  # [B, h, T, D]
     qq = (q.to(acc) * per_head(scale, 1)).transpose(1, 2)  # [B, h, T, D]
     best = torch.full((h,), float("-inf"), dtype=acc, device=q.device)

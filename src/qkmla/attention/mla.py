@@ -35,7 +35,7 @@ from torch import nn
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import MLAConfig
-from ..dtypes import cast
+from ..dtypes import accumulate_dtype, cast
 from ..norms import make_qk_norms
 from ..rope import RotaryEmbedding
 from .functional import (check_hidden, default_positions, latent_attention, latent_scores, per_head,
@@ -266,7 +266,7 @@ class MLA(nn.Module):
         if path == "explicit":
             q, k, _ = self.explicit_qkv(x, positions)
             k = k.repeat_interleave(self.config.heads_per_group, dim=2)
-            acc = torch.promote_types(q.dtype, torch.float32)
+            acc = accumulate_dtype(q.dtype)
             s = torch.einsum("bthd,bshd->bths", q, k).to(acc) * per_head(self.scale, 1)
         elif path == "absorbed":
             q_lat, q_rope = self.absorbed_query(x, positions)
@@ -354,7 +354,8 @@ class MLA(nn.Module):
             q = self.explicit_query(x, slot.positions)
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
         # Both large projections first, then the two products with W_UK back to back (the
-        # query's GEMM, then the new keys' GEMV, which finds the weights still in cache), then
+        # query's GEMM, then the new keys' GEMV, so the second can find the weights in cache;
+        # on a 2-core CPU VM it mostly reads them from DRAM again, benchmarks/README.md), then
         # one RoPE call for the query and key heads together.
         q_c, q_r = self._raw_query(x)
         c_kv, k_r = self._latent(x)

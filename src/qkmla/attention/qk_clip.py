@@ -23,6 +23,7 @@ from typing import Union
 
 import torch
 
+from ..dtypes import accumulate_dtype
 from .mha import MultiHeadAttention
 from .mla import MLA
 
@@ -63,7 +64,7 @@ def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alp
         raise ValueError(f"alpha: expected a number in [0, 1], got {alpha!r}")
     if max_logit.shape != (c.num_heads,):
         raise ValueError(f"max_logit: expected shape [{c.num_heads}], got {tuple(max_logit.shape)}")
-    gamma = clip_factors(max_logit.detach().to(torch.promote_types(max_logit.dtype, torch.float32)), tau)
+    gamma = clip_factors(max_logit.detach().to(accumulate_dtype(max_logit.dtype)), tau)
     if bool((gamma == 1).all()):
         return gamma
     if isinstance(module, MLA):
