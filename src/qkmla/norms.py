@@ -17,6 +17,7 @@ Statistics are computed in at least float32, whatever the input dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -32,15 +33,24 @@ def moment(v: torch.Tensor, kind: str, p: float = 2.0) -> torch.Tensor:
     v = cast(v, accumulate_dtype(v.dtype))
     if kind == "lp" and p != 2:
         return v.abs().pow(p).sum(-1, keepdim=True)
-    return v.square().sum(-1, keepdim=True)
+    return torch.linalg.vecdot(v, v).unsqueeze(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar(value: float) -> torch.Tensor:
+    """A 0-dim float64 CPU tensor: usable as an operand on any device, and it does not
+    change the dtype of the result."""
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def statistic_from_moment(m: torch.Tensor, n: int, kind: str, p: float, eps: float) -> torch.Tensor:
     """sigma from a moment of a vector of length n (see module docstring)."""
+    # Fewest kernels: a decode step computes these on a few hundred values, where each
+    # dispatched op costs more than its arithmetic. eps + m / n is one add (alpha = 1/n).
     if kind == "rms":
-        return torch.rsqrt(m / n + eps)
+        return torch.add(_scalar(eps), m, alpha=1.0 / n).rsqrt_()
     if kind == "l2" or (kind == "lp" and p == 2):
-        return torch.rsqrt(m + eps)
+        return torch.add(_scalar(eps), m).rsqrt_()
     if kind == "lp":
         return (m + eps).pow(-1.0 / p)
     raise ValueError(f"qk_norm: expected one of {QK_NORMS[1:]}, got {kind!r}")
@@ -81,10 +91,13 @@ class ScalarNorm(nn.Module):
         return cast(cast(v, acc) * sigma * cast(weight, acc), v.dtype)
 
     def forward(self, v: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """gamma ⊙ v · sigma(v); ``weight`` replaces gamma."""
+        """gamma ⊙ v · sigma(v); ``weight`` replaces gamma: [n], or one row per vector
+        (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
         weight = self.weight if weight is None else weight
         if self.kind == "rms":  # the same arithmetic, one fused op
-            return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
+            if weight.dim() == 1:
+                return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
+            return F.rms_norm(v, (self.dim,), None, self.eps) * cast(weight, v.dtype)
         return self.scaled(v, self.statistic(v), weight)
 
     def extra_repr(self) -> str:

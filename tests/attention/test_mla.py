@@ -189,7 +189,33 @@ def test_absorbed_weights_fold_both_norm_weights():
     torch.testing.assert_close(mla.absorbed.w_uk, w[:, :c.qk_nope_head_dim])
     torch.testing.assert_close(mla.absorbed.w_uv, w[:, c.qk_nope_head_dim:])
     torch.testing.assert_close(mla.absorbed.gamma_qk, mla.q_norm.content.weight * mla.k_norm.content.weight)
+    gamma_r = mla.absorbed.gamma_r  # the query heads' RoPE weight, then the key's
+    assert gamma_r.shape == (c.num_heads + 1, c.qk_rope_head_dim)
+    torch.testing.assert_close(gamma_r[:-1], mla.q_norm.rope.weight.expand(c.num_heads, -1))
+    torch.testing.assert_close(gamma_r[-1], mla.k_norm.rope.weight)
     assert make(qk_norm=None).absorbed.gamma_qk is None
+
+
+@pytest.mark.parametrize("which", ["q_norm", "k_norm"])
+def test_decode_follows_a_rope_norm_weight_change(which):
+    """The decode step reads the RoPE norm weights from the absorbed weights: changing one
+    in place must re-derive them (the cache is refilled: it holds normalized RoPE keys)."""
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
+
+    def decode_last():
+        cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
+        mla(x[:, :5], cache)
+        return mla(x[:, 5:], cache)
+
+    before = decode_last()
+    stale = mla.absorbed
+    with torch.no_grad():
+        getattr(mla, which).rope.weight.mul_(1.5)
+    assert mla.absorbed is not stale
+    after = decode_last()
+    torch.testing.assert_close(after, mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
+    assert (after - before).abs().max() > 1e-6
 
 
 def test_latent_cache_write_discards_content_keys():

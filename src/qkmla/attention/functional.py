@@ -159,30 +159,57 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
         return s if by_head else s.view(B, -1, T, G, h // G)
 
     # Equal chunks of about SCORE_CHUNK keys: a context of 4096 k + 1 tokens should not
-    # pay a whole chunk's worth of calls for its last key.
+    # pay a whole chunk's worth of calls for its last key. Every chunk's GEMM writes straight
+    # into one logit buffer: a list of chunk outputs joined by torch.cat would allocate and
+    # copy the logits a second time (at 16k keys a fresh MB, page faults included).
     n_chunks = max(1, round(S / SCORE_CHUNK))
     size = max(1, -(-S // n_chunks))
-    chunks = []
-    for start in range(0, max(S, 1), size):  # one (empty) chunk when S = 0
+    s = torch.empty(B, S, T * h, dtype=acc, device=q_lat.device)
+    for start in range(0, S, size):
         stop = start + size
+        s_chunk = s[:, start:stop]
         if not split:
-            s = cast(torch.bmm(latent[:, start:stop], q_t), acc)
+            _bmm_into(s_chunk, latent[:, start:stop], q_t)
             if inv_rms is not None:  # unified: s = r[j, g] * (q_lat . c_j + q_rope . k_rope_j)
-                grouped(s).mul_(r[:, start:stop])
-            chunks.append(s)
+                grouped(s_chunk).mul_(r[:, start:stop])
             continue
-        # r scales the content score before the RoPE score joins, both in place on the
-        # content GEMM's output: the RoPE GEMM accumulates into it (beta = 1), so no second
-        # [B, n, T h] buffer is written and read back.
-        s = cast(torch.bmm(content[:, start:stop], q_c_t), acc)
-        grouped(s).mul_(r[:, start:stop])
+        # r scales the content score before the RoPE score joins, both in place: the RoPE
+        # GEMM accumulates into the content GEMM's output (beta = 1).
+        _bmm_into(s_chunk, content[:, start:stop], q_c_t)
+        grouped(s_chunk).mul_(r[:, start:stop])
         if s.dtype == rope.dtype:
-            s.baddbmm_(rope[:, start:stop], q_r_t)
+            s_chunk.baddbmm_(rope[:, start:stop], q_r_t)
         else:  # a half-precision GEMM, summed in float32
-            s.add_(torch.bmm(rope[:, start:stop], q_r_t))
-        chunks.append(s)
-    s = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+            s_chunk.add_(torch.bmm(rope[:, start:stop], q_r_t))
     return s.view(B, S, T, h)
+
+
+def _amax_over_keys(s: torch.Tensor) -> torch.Tensor:
+    """max over dim 1 of s [B, S, N], as [B, 1, N].
+
+    Reduced directly, the CPU kernel is slow when the rows are short: 814 us for
+    [1, 16384, 16] against 28 us for the same values as [1, 1024, 256] (2-core AVX2).
+    So k consecutive key rows are first folded into one row of k N values (a view), and the
+    k partial maxima reduced after; the S mod k rows left over are reduced on their own.
+    """
+    B, S, N = s.shape
+    k = max(1, 256 // N)
+    main = S - S % k
+    if main == 0:
+        return s.amax(dim=1, keepdim=True)
+    m = s[:, :main].reshape(B, main // k, k * N).amax(dim=1).view(B, k, N).amax(dim=1, keepdim=True)
+    if main < S:
+        m = torch.maximum(m, s[:, main:].amax(dim=1, keepdim=True))
+    return m
+
+
+def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a @ b, written in place (out may be wider than a @ b's dtype)."""
+    recording = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if out.dtype == a.dtype and not recording:  # out= is not differentiable; copy_ is
+        torch.bmm(a, b, out=out)
+    else:
+        out.copy_(torch.bmm(a, b))
 
 
 def latent_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
@@ -231,16 +258,22 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     s = _key_major_scores(q_lat * q_scale, q_rope * q_scale, latent, inv_rms, mode)  # [B, S, T, h]
     S = s.shape[1]
     if mask is not None:
-        s = s.masked_fill(~mask.transpose(1, 2)[..., None], float("-inf"))
-    if return_lse:
-        lse = torch.logsumexp(s, dim=1)  # [B, T, h]
-        p = torch.exp(s - lse[:, None])
-    else:
-        p = torch.softmax(s, dim=1)
-    if mask is not None:
-        p = p.masked_fill(~mask.any(-1)[:, None, :, None], 0.0)
+        s.masked_fill_(~mask.transpose(1, 2)[..., None], float("-inf"))
+    # The softmax runs in place and is normalized after the value GEMM, as flash attention
+    # does: no second [B, S, T, h] buffer, and the division touches T h d_c values, not S T h.
+    m = _amax_over_keys(s.view(B, S, T * h)).view(B, 1, T, h)
+    if mask is not None:  # a row with no visible key has m = -inf: keep exp(s - m) = 0 there
+        m = m.clamp_min(torch.finfo(m.dtype).min)
+    p = s.sub_(m).exp_()
+    # The row sum is >= 1 where a key is visible (the max contributes exp(0) = 1) and 0
+    # where none is, so clamping at 1 turns only the latter's 0 / 0 into 0.
+    row_sum = p.sum(dim=1)  # [B, T, h]
+    denom = row_sum.clamp_min(1.0) if mask is not None else row_sum
     c = cast(latent[..., :d_c], q_lat.dtype)
     # c^T [d_c, S] @ p [S, T h]: the cache-streaming orientation again.
-    o_lat = torch.bmm(c.transpose(1, 2), cast(p, q_lat.dtype).view(B, S, T * h)).transpose(1, 2)
-    o_lat = o_lat.reshape(B, T, h, d_c)
+    o = torch.bmm(c.transpose(1, 2), cast(p, q_lat.dtype).view(B, S, T * h))  # [B, d_c, T h]
+    o.div_(denom.view(B, 1, T * h))
+    o_lat = o.transpose(1, 2).reshape(B, T, h, d_c)
+    if return_lse:
+        lse = m.squeeze(1) + torch.log(row_sum)  # [B, T, h]; -inf where no key is visible
     return (o_lat, lse) if return_lse else o_lat

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.full import FullKVCache
@@ -63,11 +62,15 @@ class AbsorbedWeights:
         the absorbed path, so both weights reach q_lat in that one norm (O(h d_n) work);
         None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
+    gamma_r: [h + 1, d_r], gamma_q^R for each query head, then gamma_k^R: a decode step
+        normalizes the query's and the new key's RoPE parts, stacked as they are rotated,
+        in one norm (blockwise mode); None for plain MLA.
     """
 
     w_uk: torch.Tensor
     gamma_qk: Optional[torch.Tensor]
     w_uv: torch.Tensor
+    gamma_r: Optional[torch.Tensor] = None
 
 
 class MLA(nn.Module):
@@ -164,9 +167,14 @@ class MLA(nn.Module):
     # -- absorbed path ----------------------------------------------------------------------
 
     def _absorb_sources(self) -> list[torch.Tensor]:
-        sources = [self.kv_b_proj.weight]
+        """The parameters the absorbed weights derive from, looked up afresh (a parameter
+        may be replaced). This runs on every decode step: it reads the modules' own dicts,
+        since each ``nn.Module.__getattr__`` level costs about a microsecond."""
+        modules = self._modules
+        sources = [modules["kv_b_proj"]._parameters["weight"]]
         if self.q_norm is not None:
-            sources += [self.q_norm.content.weight, self.k_norm.content.weight]
+            for norm in (modules["q_norm"]._modules, modules["k_norm"]._modules):
+                sources += [norm["content"]._parameters["weight"], norm["rope"]._parameters["weight"]]
         return sources
 
     def refresh_absorbed(self) -> AbsorbedWeights:
@@ -174,11 +182,13 @@ class MLA(nn.Module):
         c = self.config
         with torch.no_grad():
             w = self.kv_b_proj.weight.detach().view(c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-            gamma_qk = None
+            gamma_qk = gamma_r = None
             if self.q_norm is not None:
                 gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
+                gamma_r = torch.cat((self.q_norm.rope.weight.detach().expand(c.num_heads, -1),
+                                     self.k_norm.rope.weight.detach()[None]))
             self._absorbed = AbsorbedWeights(w[:, :c.qk_nope_head_dim].contiguous(), gamma_qk,
-                                             w[:, c.qk_nope_head_dim:].contiguous())
+                                             w[:, c.qk_nope_head_dim:].contiguous(), gamma_r)
         self._absorbed_key = tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in self._absorb_sources())
         return self._absorbed
 
@@ -195,14 +205,18 @@ class MLA(nn.Module):
         q_lat, q_r = self._latent_query(*self._raw_query(x), self.absorbed)
         return q_lat, self.rotary(q_r, positions)
 
-    def _latent_query(self, q_c, q_r, absorbed: AbsorbedWeights):
-        """(q_lat [B, T, h, d_c], normalized q~^R [B, T, h, d_r] not yet rotated)."""
+    def _latent_query(self, q_c, q_r, absorbed: AbsorbedWeights, norm_rope: bool = True):
+        """(q_lat [B, T, h, d_c], q~^R [B, T, h, d_r] not yet rotated: normalized unless
+        ``norm_rope`` is False, which only blockwise mode allows)."""
         c = self.config
         B, T = q_c.shape[:2]
         if self.q_norm is not None:
             # Normalized with gamma_q^C ⊙ gamma_k^C in place of gamma_q^C: the query scalar
             # and both weights ride into q_lat through one norm (one fused op for RMS).
-            q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
+            if norm_rope:
+                q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
+            else:
+                q_c = self.q_norm.content(q_c, absorbed.gamma_qk)
         # Each group's heads share one W_UK^(g): [B, T, G, h/G, d_n] x [G, d_n, d_c].
         q_c = q_c.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1)
         q_lat = torch.einsum("btgnd,gdc->btgnc", q_c, absorbed.w_uk)
@@ -222,15 +236,22 @@ class MLA(nn.Module):
         k_r, inv_rms = self._key_scalars(c_kv, k_r, self.absorbed)
         return self._rows(c_kv, self.rotary(k_r, positions), inv_rms)
 
-    def _key_scalars(self, c_kv, k_r, absorbed: AbsorbedWeights):
-        """(normalized k~^R [B, T, 1, d_r] not yet rotated, key scalars [B, T, G] or None)."""
+    def _key_scalars(self, c_kv, k_r, absorbed: AbsorbedWeights, norm_rope: bool = True):
+        """(k~^R [B, T, 1, d_r] not yet rotated, normalized unless ``norm_rope`` is False
+        (blockwise only); key scalars [B, T, G] or None)."""
         if self.k_norm is None:
             return k_r, None
         c = self.config
-        k_c = F.linear(c_kv, absorbed.w_uk.view(-1, c.kv_lora_rank)).view(*c_kv.shape[:2], c.num_kv_groups, -1)
+        B, T, d_c = c_kv.shape
+        # Every group's content key, c W_UK^(g), as one GEMM batched over groups: at decode
+        # (B T = 1) it is a 4 MB GEMV at the deepseek-v3-tp8 width, which MKL runs on one
+        # thread as F.linear but splits across threads as a batch (benchmarks/README.md).
+        k_c = torch.bmm(c_kv.reshape(1, B * T, d_c).expand(c.num_kv_groups, B * T, d_c),
+                        absorbed.w_uk.transpose(1, 2))  # [G, B T, d_n]
+        k_c = k_c.view(c.num_kv_groups, B, T, -1).permute(1, 2, 0, 3)  # [B, T, G, d_n]
         if self.k_norm.mode == "blockwise":
             r = self.k_norm.content.statistic(k_c)
-            k_r = self.k_norm.rope(k_r)
+            k_r = self.k_norm.rope(k_r) if norm_rope else k_r
         else:  # one scalar for [k^C; k^R]; the RoPE key keeps only its weight
             r, _ = self.k_norm.statistics(k_c, k_r)
             k_r = k_r * cast(self.k_norm.rope.weight, k_r.dtype)
@@ -356,13 +377,18 @@ class MLA(nn.Module):
         # Both large projections first, then the two products with W_UK back to back (the
         # query's GEMM, then the new keys' GEMV, so the second can find the weights in cache;
         # on a 2-core CPU VM it mostly reads them from DRAM again, benchmarks/README.md), then
-        # one RoPE call for the query and key heads together.
+        # the query and key RoPE heads together: one norm (blockwise: both use the same
+        # statistic, with their own weights) and one RoPE call.
         q_c, q_r = self._raw_query(x)
         c_kv, k_r = self._latent(x)
         absorbed = self.absorbed  # looked up once per step: the staleness check is not free
-        q_lat, q_r = self._latent_query(q_c, q_r, absorbed)
-        k_r, inv_rms = self._key_scalars(c_kv, k_r, absorbed)
-        q_rope, k_rope = self.rotary(torch.cat((q_r, k_r), dim=2), slot.positions).split([q_r.shape[2], 1], dim=2)
+        joint = self.k_norm is not None and self.k_norm.mode == "blockwise"
+        q_lat, q_r = self._latent_query(q_c, q_r, absorbed, norm_rope=not joint)
+        k_r, inv_rms = self._key_scalars(c_kv, k_r, absorbed, norm_rope=not joint)
+        qk_r = torch.cat((q_r, k_r), dim=2)  # [B, T, h + 1, d_r]
+        if joint:
+            qk_r = self.k_norm.rope(qk_r, weight=absorbed.gamma_r)
+        q_rope, k_rope = self.rotary(qk_r, slot.positions).split([q_r.shape[2], 1], dim=2)
         cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
         if self._use_kernel(x, input_lengths):
             o_lat = self._kernel_attention(q_lat, q_rope, cache)

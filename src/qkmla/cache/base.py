@@ -115,7 +115,10 @@ class SequenceCache:
         if set(rows) != set(self.fields):
             raise ValueError(f"rows: expected fields {sorted(self.fields)}, got {sorted(rows)}")
         B, T = slot.positions.shape
-        if slot.valid is None:
+        if slot.valid is None and self.uniform:  # every sequence writes at the same positions
+            for name, value in rows.items():
+                self.fields[name].write_span(self.max_len, value.reshape(B, T, -1))
+        elif slot.valid is None:
             batch_idx = torch.arange(B, device=self.device).repeat_interleave(T)
             positions = slot.positions.reshape(-1)
             for name, value in rows.items():

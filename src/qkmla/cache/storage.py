@@ -29,6 +29,13 @@ class TokenBuffer(ABC):
     def write(self, batch_idx: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [N, width] at (batch_idx[n], positions[n]) for n < N."""
 
+    def write_span(self, start: int, rows: torch.Tensor) -> None:
+        """Store rows [B, T, width] at positions start..start+T-1 of every sequence."""
+        B, T = rows.shape[:2]
+        batch_idx = torch.arange(B, device=rows.device).repeat_interleave(T)
+        positions = torch.arange(start, start + T, device=rows.device).repeat(B)
+        self.write(batch_idx, positions, rows.reshape(B * T, -1))
+
     @abstractmethod
     def read(self, length: int) -> torch.Tensor:
         """The first ``length`` positions of every sequence, [B, length, width]."""
@@ -48,6 +55,9 @@ class ContiguousBuffer(TokenBuffer):
 
     def write(self, batch_idx, positions, rows):
         self.data[batch_idx, positions] = rows.to(self.data.dtype)
+
+    def write_span(self, start, rows):  # one strided copy, no index tensors
+        self.data[:, start:start + rows.shape[1]] = rows
 
     def read(self, length):
         return self.data[:, :length]
