@@ -33,16 +33,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         acc = accumulate_dtype(x.dtype)
-        angles = positions.to(acc)[..., None] * cast(self.inv_freq, acc)  # [..., T, dim/2]
-        cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]  # [..., T, 1, dim/2]
+        angles = positions.to(acc)[..., None, None] * cast(self.inv_freq, acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)
         if self.interleave:
-            x1, x2 = xa[..., 0::2], xa[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            x1, x2 = xa.chunk(2, dim=-1)
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return cast(out, x.dtype)
+            # Pairs (x0, x1) as complex numbers x0 + i x1, rotated by e^(i angle): one complex
+            # product in place of a dozen real ops (DeepSeek's reference code does the same).
+            pairs = torch.view_as_complex(xa.unflatten(-1, (-1, 2)).contiguous())
+            out = torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+            return cast(out, x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        x1, x2 = xa.chunk(2, dim=-1)
+        return cast(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1), x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, theta={self.theta:g}, interleave={self.interleave}"

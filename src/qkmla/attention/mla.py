@@ -56,7 +56,7 @@ class AbsorbedWeights:
 
     w_uk: [G, d_n, d_c], W_UK^(g)^T per group (contiguous). It serves both GEMMs of a decode
         step: the query's, q_lat = rho(q^C) · (q^C ⊙ gamma_qk) @ w_uk[g], and the cache
-        writer's, every group's content key of a token as c @ w_uk.view(G * d_n, d_c).T.
+        writer's, every group's content key of a token as c @ w_uk[g].T (one GEMM batched over groups).
         One stored copy serves both (a decode step runs them back to back).
     gamma_qk: [d_n], gamma_q^C ⊙ gamma_k^C: the weight the query's content norm uses in
         the absorbed path, so both weights reach q_lat in that one norm (O(h d_n) work);
@@ -71,6 +71,21 @@ class AbsorbedWeights:
     gamma_qk: Optional[torch.Tensor]
     w_uv: torch.Tensor
     gamma_r: Optional[torch.Tensor] = None
+
+
+def _per_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head times its group's matrix: x [B, T, h, d_in], w [G, d_in, d_out] (head i
+    uses w[i // (h / G)]) -> [B, T, h, d_out].
+
+    One bmm over groups, with every token's heads of a group as its rows. The same as
+    einsum("btgnd,gdc->btgnc"), without einsum's per-call planning (about half the
+    Python time of a decode step's two products on a small CPU).
+    """
+    B, T, h, d_in = x.shape
+    G = w.shape[0]
+    rows = x.reshape(B * T, G, h // G, d_in).transpose(0, 1).reshape(G, B * T * (h // G), d_in)
+    y = torch.bmm(rows, w)  # [G, B T h/G, d_out]
+    return y.view(G, B * T, h // G, -1).transpose(0, 1).reshape(B, T, h, -1)
 
 
 class MLA(nn.Module):
@@ -208,8 +223,6 @@ class MLA(nn.Module):
     def _latent_query(self, q_c, q_r, absorbed: AbsorbedWeights, norm_rope: bool = True):
         """(q_lat [B, T, h, d_c], q~^R [B, T, h, d_r] not yet rotated: normalized unless
         ``norm_rope`` is False, which only blockwise mode allows)."""
-        c = self.config
-        B, T = q_c.shape[:2]
         if self.q_norm is not None:
             # Normalized with gamma_q^C ⊙ gamma_k^C in place of gamma_q^C: the query scalar
             # and both weights ride into q_lat through one norm (one fused op for RMS).
@@ -217,10 +230,8 @@ class MLA(nn.Module):
                 q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
             else:
                 q_c = self.q_norm.content(q_c, absorbed.gamma_qk)
-        # Each group's heads share one W_UK^(g): [B, T, G, h/G, d_n] x [G, d_n, d_c].
-        q_c = q_c.reshape(B, T, c.num_kv_groups, c.heads_per_group, -1)
-        q_lat = torch.einsum("btgnd,gdc->btgnc", q_c, absorbed.w_uk)
-        return q_lat.reshape(B, T, c.num_heads, c.kv_lora_rank), q_r
+        # Each group's heads share one W_UK^(g).
+        return _per_group(q_c, absorbed.w_uk), q_r
 
     def cache_rows(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """What a :class:`LatentCache` stores for tokens x: ``latent`` [B, T, d_c + d_r] and,
@@ -267,11 +278,8 @@ class MLA(nn.Module):
 
     def _values_out(self, o_lat: torch.Tensor, absorbed: AbsorbedWeights) -> torch.Tensor:
         """o = o_lat W_UV^(g) per head, then o_proj. [B, T, h, d_c] -> [B, T, hidden]."""
-        c = self.config
-        B, T = o_lat.shape[:2]
-        o_lat = o_lat.reshape(B, T, c.num_kv_groups, c.heads_per_group, c.kv_lora_rank)
-        o = torch.einsum("btgnc,gvc->btgnv", o_lat, cast(absorbed.w_uv, o_lat.dtype))
-        return self.o_proj(o.reshape(B, T, c.num_heads * c.v_head_dim))
+        o = _per_group(o_lat, cast(absorbed.w_uv, o_lat.dtype).transpose(1, 2))  # [B, T, h, d_v]
+        return self.o_proj(o.flatten(2))
 
     # -- logits (the Appendix E test) --------------------------------------------------------
 
