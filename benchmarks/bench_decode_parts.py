@@ -4,7 +4,10 @@
 or changes, at the DeepSeek-V3 TP=8 width (16 heads, G = 16, d_n 128, d_c 512, d_r 64),
 float32, batch 1, so the step-level ratio can be explained:
 
-    key-gemv              c [1, 512] x W_UK^T [512, 2048]: the new token's content keys
+    key-gemv              c [1, 512] x W_UK^(g)^T [512, 128], one bmm over the G groups: the
+                          new token's content keys, as the library computes them
+    key-gemv-linear       the same product as one F.linear, c [1, 512] x [512, 2048] (MKL's
+                          GEMV, which runs on one thread)
     query-gemm            q [16, 128] x W_UK [G, 128, 512] per group (both paths do this)
     query-gemm+key-gemv   both back to back, as the decode step runs them
     scores-plain          [S, 576] x [576, 16]: plain MLA's one score GEMM
@@ -64,6 +67,9 @@ def parts(context: int) -> dict:
     w = torch.ones(D_N)
 
     def key_gemv():
+        return torch.bmm(c.view(1, 1, D_C).expand(G, 1, D_C), w_uk.transpose(1, 2))
+
+    def key_gemv_linear():
         return F.linear(c, w_uk.view(-1, D_C))
 
     def query_gemm():
@@ -89,6 +95,7 @@ def parts(context: int) -> dict:
 
     return {
         "key-gemv": key_gemv,
+        "key-gemv-linear": key_gemv_linear,
         "query-gemm": query_gemm,
         "query-gemm+key-gemv": lambda: (query_gemm(), key_gemv()),
         "scores-plain": lambda: torch.bmm(latent, q.transpose(1, 2)),

@@ -51,7 +51,7 @@ def test_bench_decode_parts_times_every_part(tmp_path):
     assert bench.main(["--contexts", "64", "--rounds", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     parts = {r["part"] for r in result["rows"]}
-    assert {"key-gemv", "scores-plain", "scores-split", "scores-split-addcmul", "scores-blockdiag",
+    assert {"key-gemv", "key-gemv-linear", "scores-plain", "scores-split", "scores-split-addcmul", "scores-blockdiag",
             "latent-scores-mla", "latent-scores-qknorm", "rms-norm-cold"} <= parts
     assert all(r["seconds"] > 0 for r in result["rows"])
     assert result["square_sgemm_gflops_per_s"] > 0
