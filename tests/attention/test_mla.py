@@ -153,28 +153,30 @@ def test_gradcheck_explicit_path():
     assert torch.autograd.gradcheck(lambda inp: mla(inp), (x,))
 
 
+def decode_last(mla: MLA, x: torch.Tensor) -> torch.Tensor:
+    """Prefill all but x's last token into a fresh latent cache, then decode the last one."""
+    cache = LatentCache.from_config(mla.config, 1, x.shape[1], dtype=torch.float64)
+    mla(x[:, :-1], cache)
+    return mla(x[:, -1:], cache)
+
+
 def test_absorbed_weights_refresh_after_optimizer_step_and_load():
     mla = make(qk_norm="rms").eval()
     x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
 
-    def decode_last():
-        cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
-        mla(x[:, :5], cache)
-        return mla(x[:, 5:], cache)
-
-    before = decode_last()
+    before = decode_last(mla, x)
     old = mla.absorbed
     opt = torch.optim.SGD(mla.parameters(), lr=0.1)
     mla(x).sum().backward()
     opt.step()
     assert mla.absorbed is not old  # version counters moved: re-derived on next use
-    after = decode_last()
+    after = decode_last(mla, x)
     torch.testing.assert_close(after, mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
     assert (after - before).abs().max() > 1e-6
 
     other = make(qk_norm="rms").eval()
     mla.load_state_dict(other.state_dict())
-    torch.testing.assert_close(decode_last(), other(x)[:, 5:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(decode_last(mla, x), other(x)[:, 5:], rtol=1e-10, atol=1e-10)
 
 
 def test_absorbed_weights_are_cached_while_weights_are_unchanged():
@@ -203,17 +205,12 @@ def test_decode_follows_a_rope_norm_weight_change(which):
     mla = make(qk_norm="rms").eval()
     x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
 
-    def decode_last():
-        cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
-        mla(x[:, :5], cache)
-        return mla(x[:, 5:], cache)
-
-    before = decode_last()
+    before = decode_last(mla, x)
     stale = mla.absorbed
     with torch.no_grad():
         getattr(mla, which).rope.weight.mul_(1.5)
     assert mla.absorbed is not stale
-    after = decode_last()
+    after = decode_last(mla, x)
     torch.testing.assert_close(after, mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
     assert (after - before).abs().max() > 1e-6
 
