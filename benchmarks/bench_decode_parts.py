@@ -6,10 +6,11 @@ float32, batch 1, so the step-level ratio can be explained:
 
     key-gemv              c [1, 512] x W_UK^(g)^T [512, 128], one bmm over the G groups: the
                           new token's content keys, as the library computes them
-    key-gemv-linear       the same product as one F.linear, c [1, 512] x [512, 2048] (MKL's
-                          GEMV, which runs on one thread)
+    key-gemv-split        the same product with the groups stacked, [512, 2048], through
+                          qkmla.ops.linear.split_linear (one block of rows per thread)
+    key-gemv-linear       the same product as one F.linear (MKL's GEMV, which runs on one thread)
     query-gemm            q [16, 128] x W_UK [G, 128, 512] per group (both paths do this)
-    query-gemm+key-gemv   both back to back, as the decode step runs them
+    key-gemv+query-gemm   both back to back, as the decode step runs them
     scores-plain          [S, 576] x [576, 16]: plain MLA's one score GEMM
     scores-split          [S, 512] x [512, 16] over the strided rows, scaled by r in place,
                           then the [S, 64] x [64, 16] RoPE GEMM accumulated into it (beta = 1):
@@ -21,6 +22,9 @@ float32, batch 1, so the step-level ratio can be explained:
     latent-scores-mla     the library's score function (chunked keys), plain MLA
     latent-scores-qknorm  the same with the key scalars, blockwise
     rms-norm-cold/-warm   F.rms_norm of [1, 1, 16, 128] right after a 58 MB GEMM / warm
+    proj-linear-rN        F.linear of N rows (1, 4, 32) through q_a_proj's weight [1536, 7168]
+    proj-split-rN         the same through split_linear (one bmm over a block per thread),
+                          as the library runs every projection of a decode step on the CPU
     square-sgemm          [2048, 2048] x [2048, 2048], for the machine's GEMM peak (GFLOP/s)
 
 Every part runs "cold" (a 64 MB buffer is read before each call, as a decode step's other
@@ -32,6 +36,7 @@ weights would evict the caches) unless named warm. Parts alternate call by call;
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -46,8 +51,10 @@ sys.path.insert(0, str(HERE))
 from bench_decode import machine  # noqa: E402
 
 from qkmla.attention.functional import latent_scores  # noqa: E402
+from qkmla.ops.linear import split_linear  # noqa: E402
 
 H, G, D_N, D_C, D_R = 16, 16, 128, 512, 64
+PROJ_ROWS = (1, 4, 32)
 
 
 def parts(context: int) -> dict:
@@ -64,6 +71,7 @@ def parts(context: int) -> dict:
     big = torch.randn(7168, 2048)  # o_proj's size at this width: 58 MB
     x_big = torch.randn(1, 2048)
     v = torch.randn(1, 1, H, D_N)
+    w_proj, x_proj = torch.randn(1536, 7168), torch.randn(max(PROJ_ROWS), 7168)  # q_a_proj's size: 44 MB
     w = torch.ones(D_N)
 
     def key_gemv():
@@ -95,9 +103,10 @@ def parts(context: int) -> dict:
 
     return {
         "key-gemv": key_gemv,
+        "key-gemv-split": lambda: split_linear(c, w_uk.view(-1, D_C)),
         "key-gemv-linear": key_gemv_linear,
         "query-gemm": query_gemm,
-        "query-gemm+key-gemv": lambda: (query_gemm(), key_gemv()),
+        "key-gemv+query-gemm": lambda: (key_gemv(), query_gemm()),
         "scores-plain": lambda: torch.bmm(latent, q.transpose(1, 2)),
         "scores-split": scores_split,
         "scores-split-addcmul": scores_split_addcmul,
@@ -106,6 +115,8 @@ def parts(context: int) -> dict:
         "latent-scores-qknorm": lambda: latent_scores(q_lat[:, None], q_rope[:, None], latent, r),
         "rms-norm-cold": rms_norm_cold,  # times itself: the GEMM before it is not counted
         "rms-norm-warm": lambda: F.rms_norm(v, (D_N,), w, 1e-6),
+        **{f"proj-{how}-r{n}": functools.partial(fn, x_proj[:n], w_proj)
+           for n in PROJ_ROWS for how, fn in (("linear", F.linear), ("split", split_linear))},
     }
 
 
@@ -167,6 +178,9 @@ def main(argv=None) -> int:
                 for name in ("scores-split", "scores-split-addcmul", "scores-blockdiag")}
         print(f"{context:>8} over scores-plain: " + ", ".join(f"{k} {v:.3f}" for k, v in over.items())
               + f"; latent-scores-qknorm / -mla = {seconds['latent-scores-qknorm'] / seconds['latent-scores-mla']:.3f}")
+        print(f"{context:>8} F.linear / split_linear: "
+              + ", ".join(f"{n} rows {seconds[f'proj-linear-r{n}'] / seconds[f'proj-split-r{n}']:.2f}x"
+                          for n in PROJ_ROWS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.out.write_text(json.dumps({"command": command.strip(), "machine": info, "square_sgemm_gflops_per_s": peak,

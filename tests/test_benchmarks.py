@@ -52,6 +52,7 @@ def test_bench_decode_parts_times_every_part(tmp_path):
     result = json.loads(out.read_text())
     parts = {r["part"] for r in result["rows"]}
     assert {"key-gemv", "key-gemv-linear", "scores-plain", "scores-split", "scores-split-addcmul", "scores-blockdiag",
-            "latent-scores-mla", "latent-scores-qknorm", "rms-norm-cold"} <= parts
+            "latent-scores-mla", "latent-scores-qknorm", "rms-norm-cold", "key-gemv-split",
+            "proj-linear-r1", "proj-split-r1", "proj-split-r32"} <= parts
     assert all(r["seconds"] > 0 for r in result["rows"])
     assert result["square_sgemm_gflops_per_s"] > 0

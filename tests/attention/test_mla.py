@@ -198,6 +198,25 @@ def test_absorbed_weights_fold_both_norm_weights():
     assert make(qk_norm=None).absorbed.gamma_qk is None
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["rms", "l2", "lp"])
+def test_decode_step_norms_equal_the_separate_query_and_key_norms(kind, groups):
+    """The decode step stacks the query's and the new keys' content rows for one statistic;
+    it must give what the query and key norms give on their own (batch 2, 3 tokens, G <= h)."""
+    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=groups)
+    x = torch.randn(2, 3, mla.config.hidden_size, dtype=torch.float64)
+    q_c, q_r = mla._raw_query(x)
+    c_kv, k_r = mla._latent(x)
+    absorbed = mla.absorbed
+    q_lat, qk_r, inv_rms = mla._decode_blockwise(q_c, q_r, c_kv, k_r, absorbed)
+    want_q_lat, want_q_r = mla._latent_query(q_c, q_r, absorbed)
+    want_k_r, want_inv_rms = mla._key_scalars(c_kv, k_r, absorbed)
+    torch.testing.assert_close(q_lat, want_q_lat, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(qk_r, torch.cat((want_q_r, want_k_r), dim=2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(inv_rms, want_inv_rms, rtol=1e-12, atol=1e-12)
+    assert inv_rms.shape == (2, 3, groups) and inv_rms.std() > 1e-3  # per-group scalars that differ
+
+
 @pytest.mark.parametrize("which", ["q_norm", "k_norm"])
 def test_decode_follows_a_rope_norm_weight_change(which):
     """The decode step reads the RoPE norm weights from the absorbed weights: changing one

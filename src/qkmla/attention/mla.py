@@ -36,6 +36,7 @@ from ..cache.latent import LatentCache
 from ..config import MLAConfig
 from ..dtypes import accumulate_dtype, cast
 from ..norms import make_qk_norms
+from ..ops.linear import linear
 from ..rope import RotaryEmbedding
 from .functional import (check_hidden, default_positions, latent_attention, latent_scores, per_head,
                          record_max_logits, sdpa)
@@ -146,13 +147,17 @@ class MLA(nn.Module):
     def _raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q^C [B, T, h, d_n], q~^R [B, T, h, d_r]) before any norm or RoPE."""
         c = self.config
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if c.q_lora_rank is None:
+            q = linear(x, self.q_proj)
+        else:
+            q = linear(self.q_a_layernorm(linear(x, self.q_a_proj)), self.q_b_proj)
         q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
         return q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
 
     def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(c [B, T, d_c] after kv_a_layernorm, k~^R [B, T, 1, d_r] before norm and RoPE)."""
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.config.kv_lora_rank, self.config.qk_rope_head_dim], -1)
+        c = self.config
+        c_kv, k_rope = linear(x, self.kv_a_proj_with_mqa).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         return self.kv_a_layernorm(c_kv), k_rope.unsqueeze(2)
 
     # -- explicit path ----------------------------------------------------------------------
@@ -172,7 +177,7 @@ class MLA(nn.Module):
         c = self.config
         q = self.explicit_query(x, positions)
         c_kv, k_r = latent if latent is not None else self._latent(x)
-        kv = self.kv_b_proj(c_kv).view(*x.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
+        kv = linear(c_kv, self.kv_b_proj).view(*x.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
         k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         if self.k_norm is not None:
             k_c, k_r = self.k_norm(k_c, k_r)  # unified: k_r picks up each group's scalar
@@ -220,16 +225,12 @@ class MLA(nn.Module):
         q_lat, q_r = self._latent_query(*self._raw_query(x), self.absorbed)
         return q_lat, self.rotary(q_r, positions)
 
-    def _latent_query(self, q_c, q_r, absorbed: AbsorbedWeights, norm_rope: bool = True):
-        """(q_lat [B, T, h, d_c], q~^R [B, T, h, d_r] not yet rotated: normalized unless
-        ``norm_rope`` is False, which only blockwise mode allows)."""
+    def _latent_query(self, q_c, q_r, absorbed: AbsorbedWeights):
+        """(q_lat [B, T, h, d_c], q~^R [B, T, h, d_r] normalized, not yet rotated)."""
         if self.q_norm is not None:
             # Normalized with gamma_q^C ⊙ gamma_k^C in place of gamma_q^C: the query scalar
-            # and both weights ride into q_lat through one norm (one fused op for RMS).
-            if norm_rope:
-                q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
-            else:
-                q_c = self.q_norm.content(q_c, absorbed.gamma_qk)
+            # and both weights ride into q_lat through one norm.
+            q_c, q_r = self.q_norm(q_c, q_r, content_weight=absorbed.gamma_qk)
         # Each group's heads share one W_UK^(g).
         return _per_group(q_c, absorbed.w_uk), q_r
 
@@ -247,26 +248,58 @@ class MLA(nn.Module):
         k_r, inv_rms = self._key_scalars(c_kv, k_r, self.absorbed)
         return self._rows(c_kv, self.rotary(k_r, positions), inv_rms)
 
-    def _key_scalars(self, c_kv, k_r, absorbed: AbsorbedWeights, norm_rope: bool = True):
-        """(k~^R [B, T, 1, d_r] not yet rotated, normalized unless ``norm_rope`` is False
-        (blockwise only); key scalars [B, T, G] or None)."""
+    def _key_content(self, c_kv: torch.Tensor, absorbed: AbsorbedWeights) -> torch.Tensor:
+        """Every group's content key c W_UK^(g): c [B, T, d_c] -> [G, B T, d_n].
+
+        One GEMM batched over groups: at decode (B T = 1) a 4 MB GEMV at the deepseek-v3-tp8
+        width, which torch spreads over the CPU's threads by group; cold, it beats both one
+        F.linear (MKL's GEMV, one thread) and split_linear over the stacked [G d_n, d_c]
+        (`key-gemv*` in benchmarks/results/bench_decode_parts_cpu.json).
+        """
+        B, T, d_c = c_kv.shape
+        G = absorbed.w_uk.shape[0]
+        return torch.bmm(c_kv.reshape(1, B * T, d_c).expand(G, B * T, d_c), absorbed.w_uk.transpose(1, 2))
+
+    def _key_scalars(self, c_kv, k_r, absorbed: AbsorbedWeights):
+        """(k~^R [B, T, 1, d_r] normalized, not yet rotated; key scalars [B, T, G] or None)."""
         if self.k_norm is None:
             return k_r, None
-        c = self.config
-        B, T, d_c = c_kv.shape
-        # Every group's content key, c W_UK^(g), as one GEMM batched over groups: at decode
-        # (B T = 1) it is a 4 MB GEMV at the deepseek-v3-tp8 width, which MKL runs on one
-        # thread as F.linear but splits across threads as a batch (benchmarks/README.md).
-        k_c = torch.bmm(c_kv.reshape(1, B * T, d_c).expand(c.num_kv_groups, B * T, d_c),
-                        absorbed.w_uk.transpose(1, 2))  # [G, B T, d_n]
-        k_c = k_c.view(c.num_kv_groups, B, T, -1).permute(1, 2, 0, 3)  # [B, T, G, d_n]
+        B, T, _ = c_kv.shape
+        k_c = self._key_content(c_kv, absorbed)
+        k_c = k_c.view(k_c.shape[0], B, T, -1).permute(1, 2, 0, 3)  # [B, T, G, d_n]
         if self.k_norm.mode == "blockwise":
             r = self.k_norm.content.statistic(k_c)
-            k_r = self.k_norm.rope(k_r) if norm_rope else k_r
+            k_r = self.k_norm.rope(k_r)
         else:  # one scalar for [k^C; k^R]; the RoPE key keeps only its weight
             r, _ = self.k_norm.statistics(k_c, k_r)
             k_r = k_r * cast(self.k_norm.rope.weight, k_r.dtype)
         return k_r, r.squeeze(-1)
+
+    def _decode_blockwise(self, q_c, q_r, c_kv, k_r, absorbed: AbsorbedWeights):
+        """A decode step's blockwise QK norm of the queries and the new keys, in few ops.
+
+        Args: q^C [B, T, h, d_n], q~^R [B, T, h, d_r], c [B, T, d_c], k~^R [B, T, 1, d_r].
+
+        Returns:
+            q_lat [B, T, h, d_c]; [q^R ; k^R] normalized, not yet rotated [B, T, h + 1, d_r];
+            the key scalars [B, T, G].
+
+        The same numbers as :meth:`_latent_query` and :meth:`_key_scalars`, arranged for a
+        small CPU, where each dispatched op costs more than its arithmetic: the query's content
+        rows and the new keys' c W_UK^(g) rows are stacked, so one moment and one statistic
+        serve both (q_norm and k_norm share kind, p and eps: one config builds both), and the
+        query's and the key's RoPE rows are normalized together with stacked weights.
+        """
+        B, T, h, d_n = q_c.shape
+        G = absorbed.w_uk.shape[0]
+        rows = torch.cat((q_c.reshape(B * T * h, d_n), self._key_content(c_kv, absorbed).view(G * B * T, d_n)))
+        sigma = self.k_norm.content.statistic(rows)  # [B T h + G B T, 1]
+        q_c = self.q_norm.content.scaled(rows[:B * T * h].view(B, T, h, d_n), sigma[:B * T * h].view(B, T, h, 1),
+                                         absorbed.gamma_qk)
+        inv_rms = sigma[B * T * h:].view(G, B, T).permute(1, 2, 0)
+        qk_r = torch.cat((q_r, k_r), dim=2)
+        qk_r = self.k_norm.rope.scaled(qk_r, self.k_norm.rope.statistic(qk_r), absorbed.gamma_r)
+        return _per_group(q_c, absorbed.w_uk), qk_r, inv_rms
 
     @staticmethod
     def _rows(c_kv, k_rope, inv_rms) -> dict[str, torch.Tensor]:
@@ -279,7 +312,7 @@ class MLA(nn.Module):
     def _values_out(self, o_lat: torch.Tensor, absorbed: AbsorbedWeights) -> torch.Tensor:
         """o = o_lat W_UV^(g) per head, then o_proj. [B, T, h, d_c] -> [B, T, hidden]."""
         o = _per_group(o_lat, cast(absorbed.w_uv, o_lat.dtype).transpose(1, 2))  # [B, T, h, d_v]
-        return self.o_proj(o.flatten(2))
+        return linear(o.flatten(2), self.o_proj)
 
     # -- logits (the Appendix E test) --------------------------------------------------------
 
@@ -354,7 +387,7 @@ class MLA(nn.Module):
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             o = sdpa(q, k, v, self.scale, causal=True)
-            return self.o_proj(o.flatten(2))
+            return linear(o.flatten(2), self.o_proj)
 
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         if isinstance(cache, FullKVCache):
@@ -364,7 +397,7 @@ class MLA(nn.Module):
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)
             o = sdpa(q, k, v, self.scale, mask=slot.key_mask())
-            return self.o_proj(o.flatten(2))
+            return linear(o.flatten(2), self.o_proj)
 
         if path == "auto":
             path = "explicit" if cache.max_len == 0 and x.shape[1] > 1 else "absorbed"
@@ -375,28 +408,28 @@ class MLA(nn.Module):
             latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
             cache.append(slot, **self._cache_rows(*latent, slot.positions))
             q, k, v = self.explicit_qkv(x, slot.positions, latent)
-            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
+            return linear(sdpa(q, k, v, self.scale, causal=True).flatten(2), self.o_proj)
 
         if path == "expand":
             cache.append(slot, **self.cache_rows(x, slot.positions))
             k, v = self.expand_cache(cache.read("latent"), cache.read("inv_rms") if "inv_rms" in cache.fields else None)
             q = self.explicit_query(x, slot.positions)
-            return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
-        # Both large projections first, then the two products with W_UK back to back (the
-        # query's GEMM, then the new keys' GEMV, so the second can find the weights in cache;
-        # on a 2-core CPU VM it mostly reads them from DRAM again, benchmarks/README.md), then
-        # the query and key RoPE heads together: one norm (blockwise: both use the same
-        # statistic, with their own weights) and one RoPE call.
+            return linear(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2), self.o_proj)
+        # Both large projections first, then the two products with W_UK back to back (the new
+        # keys' GEMV, then the query's GEMM, which finds part of the weights in cache), then
+        # the query and key RoPE heads rotated together in one call (blockwise: normalized
+        # together too, each row with its own weight).
         q_c, q_r = self._raw_query(x)
         c_kv, k_r = self._latent(x)
         absorbed = self.absorbed  # looked up once per step: the staleness check is not free
         joint = self.k_norm is not None and self.k_norm.mode == "blockwise"
-        q_lat, q_r = self._latent_query(q_c, q_r, absorbed, norm_rope=not joint)
-        k_r, inv_rms = self._key_scalars(c_kv, k_r, absorbed, norm_rope=not joint)
-        qk_r = torch.cat((q_r, k_r), dim=2)  # [B, T, h + 1, d_r]
         if joint:
-            qk_r = self.k_norm.rope(qk_r, weight=absorbed.gamma_r)
-        q_rope, k_rope = self.rotary(qk_r, slot.positions).split([q_r.shape[2], 1], dim=2)
+            q_lat, qk_r, inv_rms = self._decode_blockwise(q_c, q_r, c_kv, k_r, absorbed)
+        else:
+            q_lat, q_r = self._latent_query(q_c, q_r, absorbed)
+            k_r, inv_rms = self._key_scalars(c_kv, k_r, absorbed)
+            qk_r = torch.cat((q_r, k_r), dim=2)  # [B, T, h + 1, d_r]
+        q_rope, k_rope = self.rotary(qk_r, slot.positions).split([q_c.shape[2], 1], dim=2)
         cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
         if self._use_kernel(x, input_lengths):
             o_lat = self._kernel_attention(q_lat, q_rope, cache)
@@ -439,7 +472,7 @@ class MLA(nn.Module):
         c = self.config
         dtype = self.kv_b_proj.weight.dtype
         c_kv, k_r = latent.to(dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
+        kv = linear(c_kv, self.kv_b_proj).view(*c_kv.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
         k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_r = k_r.unsqueeze(2).expand(*k_c.shape[:3], c.qk_rope_head_dim)
         if self.k_norm is not None:

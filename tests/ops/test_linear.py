@@ -1,0 +1,105 @@
+"""The batch-1 projection split across CPU threads against F.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qkmla.ops.linear import MAX_ROWS, linear, split_blocks, split_linear
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def threads():
+    """Run with a given number of intra-op threads, restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def ops_of(fn) -> list[str]:
+    with OpCounter() as counter:
+        fn()
+    return counter.ops
+
+
+def test_split_blocks_is_largest_divisor_up_to_threads():
+    assert split_blocks(576, 16) == 16
+    assert split_blocks(6, 4) == 3
+    assert split_blocks(7, 4) == 1
+    assert split_blocks(3, 8) == 3
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_matches_linear_and_runs_as_bmm(rows, bias, threads):
+    threads(2)
+    gen = torch.Generator().manual_seed(rows)
+    layer = nn.Linear(40, 36, bias=bias).double()
+    x = torch.randn(rows, 1, 40, generator=gen, dtype=torch.float64)
+    got = linear(x, layer)
+    assert got.shape == (rows, 1, 36)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-13, atol=1e-13)
+    ops = ops_of(lambda: linear(x, layer))
+    assert "bmm" in ops and not {"mm", "addmm"} & set(ops)
+
+
+def test_float32_and_bfloat16_agree_with_linear(threads):
+    threads(2)
+    x = torch.randn(1, 1, 256)
+    w = torch.randn(64, 256)
+    torch.testing.assert_close(split_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    torch.testing.assert_close(split_linear(xb, wb).float(), F.linear(xb, wb).float(), rtol=2e-2, atol=2e-1)
+
+
+def test_falls_back_to_linear_where_the_split_does_not_apply(threads):
+    threads(2)
+    w = torch.randn(36, 40)
+    many = torch.randn(MAX_ROWS + 1, 40)
+    assert "bmm" not in ops_of(lambda: split_linear(many, w))  # MKL threads a taller product itself
+    assert "bmm" not in ops_of(lambda: split_linear(torch.randn(1, 40), torch.randn(7, 40)))  # 7 rows: no split
+    assert "bmm" not in ops_of(lambda: split_linear(torch.randn(1, 36), w.t()))  # not contiguous
+    threads(1)
+    assert "bmm" not in ops_of(lambda: split_linear(torch.randn(1, 40), w))
+    torch.testing.assert_close(split_linear(many, w), F.linear(many, w))
+
+
+def test_hooked_or_wrapped_layer_keeps_its_own_forward(threads):
+    threads(2)
+    layer = nn.Linear(8, 4)
+    calls = []
+    layer.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
+    linear(torch.randn(1, 8), layer)
+    assert calls == [torch.Size([1, 4])]
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = Scaled(8, 4)
+    x = torch.randn(1, 8)
+    torch.testing.assert_close(linear(x, scaled), 2 * F.linear(x, scaled.weight, scaled.bias))
+
+
+def test_gradients_match_linear(threads):
+    threads(2)
+    layer = nn.Linear(12, 8).double()
+    x = torch.randn(2, 12, dtype=torch.float64, requires_grad=True)
+    linear(x, layer).square().sum().backward()
+    grads = [t.grad.clone() for t in (x, layer.weight, layer.bias)]
+    for t in (x, layer.weight, layer.bias):
+        t.grad = None
+    F.linear(x, layer.weight, layer.bias).square().sum().backward()
+    for got, t in zip(grads, (x, layer.weight, layer.bias)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
