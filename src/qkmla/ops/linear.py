@@ -2,16 +2,16 @@
 
 torch's CPU ``F.linear`` hands a product with a handful of input rows to MKL's GEMV (or a
 skinny GEMM), which runs on one thread: a decode step's projections then stream their
-weights (about 130 MB per layer at the DeepSeek-V3 TP=8 width in float32) at one core's
+weights (138 MB per layer at the DeepSeek-V3 TP=8 width in float32) at one core's
 memory bandwidth. Cutting the weight's output rows into one block per thread and running
 the blocks as one ``bmm``, which torch parallelizes over the batch, streams them with every
 core (``proj-linear`` against ``proj-split`` in benchmarks/bench_decode_parts.py).
 
 Each output element is the same dot product as ``F.linear``'s; only the order of the
 additions inside it may differ, so results agree to the dtype's roundoff. Everything else
-(CUDA tensors, more rows than :data:`MAX_ROWS`, one thread, a weight whose rows do not split
-evenly or that is not contiguous, a layer that is not a plain ``nn.Linear`` or has hooks)
-goes through the layer itself, unchanged.
+(CUDA tensors, more rows than :data:`MAX_ROWS`, one thread, a weight whose rows split into
+no 2 to ``threads`` equal blocks or that is not contiguous, a layer that is not a plain
+``nn.Linear`` or has forward hooks of its own) goes through the layer or ``F.linear``.
 """
 
 from __future__ import annotations
