@@ -217,33 +217,18 @@ def test_decode_step_norms_equal_the_separate_query_and_key_norms(kind, groups):
     assert inv_rms.shape == (2, 3, groups) and inv_rms.std() > 1e-3  # per-group scalars that differ
 
 
-def test_cpu_decode_step_runs_every_projection_across_threads():
+def test_cpu_decode_step_runs_every_projection_across_threads(threads, ops_of):
     """On a CPU with 2+ threads a decode step's projections take split_linear's bmm, never
     MKL's one-thread GEMV (aten mm/addmm); the output still equals the explicit path's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        mla = make(qk_norm="rms").eval()
-        x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
-        cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
-        mla(x[:, :-1], cache)
-        with Ops() as ops:
-            y = mla(x[:, -1:], cache)
-    finally:
-        torch.set_num_threads(threads)
-    assert not {"mm", "addmm"} & set(ops.seen) and "bmm" in ops.seen
-    torch.testing.assert_close(y, mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
+    threads(2)
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
+    cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
+    mla(x[:, :-1], cache)
+    out = []
+    ops = ops_of(lambda: out.append(mla(x[:, -1:], cache)))
+    assert not {"mm", "addmm"} & set(ops) and "bmm" in ops
+    torch.testing.assert_close(out[0], mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("which", ["q_norm", "k_norm"])

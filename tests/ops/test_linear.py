@@ -1,36 +1,12 @@
-"""The batch-1 projection split across CPU threads against F.linear."""
+"""The batch-1 projection split across CPU threads against F.linear (fixtures ``threads``
+and ``ops_of``: tests/conftest.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qkmla.ops.linear import MAX_ROWS, linear, split_blocks, split_linear
-
-
-class OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def threads():
-    """Run with a given number of intra-op threads, restored afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
-def ops_of(fn) -> list[str]:
-    with OpCounter() as counter:
-        fn()
-    return counter.ops
 
 
 def test_split_blocks_is_largest_divisor_up_to_threads():
@@ -42,7 +18,7 @@ def test_split_blocks_is_largest_divisor_up_to_threads():
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_split_matches_linear_and_runs_as_bmm(rows, bias, threads):
+def test_split_matches_linear_and_runs_as_bmm(rows, bias, threads, ops_of):
     threads(2)
     gen = torch.Generator().manual_seed(rows)
     layer = nn.Linear(40, 36, bias=bias).double()
@@ -63,7 +39,7 @@ def test_float32_and_bfloat16_agree_with_linear(threads):
     torch.testing.assert_close(split_linear(xb, wb).float(), F.linear(xb, wb).float(), rtol=2e-2, atol=2e-1)
 
 
-def test_falls_back_to_linear_where_the_split_does_not_apply(threads):
+def test_falls_back_to_linear_where_the_split_does_not_apply(threads, ops_of):
     threads(2)
     w = torch.randn(36, 40)
     many = torch.randn(MAX_ROWS + 1, 40)
