@@ -28,16 +28,9 @@ from .config import QK_NORM_MODES, QK_NORMS
 from .dtypes import accumulate_dtype, cast
 
 
-# Dtypes a statistic is computed in as they are (accumulate_dtype of each is itself).
-# The checks against it keep the decode step's few-hundred-value norms to as few Python
-# calls as ops: with cold caches each call costs microseconds there.
-_WIDE = (torch.float32, torch.float64)
-
-
 def moment(v: torch.Tensor, kind: str, p: float = 2.0) -> torch.Tensor:
     """sum(|v|^q) over the last dim, q = 2 for rms/l2 and p for lp. [..., n] -> [..., 1]."""
-    if v.dtype not in _WIDE:
-        v = v.to(accumulate_dtype(v.dtype))
+    v = cast(v, accumulate_dtype(v.dtype))
     if kind == "lp" and p != 2:
         return v.abs().pow(p).sum(-1, keepdim=True)
     return torch.linalg.vecdot(v, v).unsqueeze(-1)
@@ -95,8 +88,6 @@ class ScalarNorm(nn.Module):
         ``weight`` replaces gamma (the absorbed query passes gamma_q ⊙ gamma_k).
         """
         weight = self.weight if weight is None else weight
-        if v.dtype in _WIDE and v.dtype == sigma.dtype == weight.dtype:
-            return v * sigma * weight
         acc = accumulate_dtype(v.dtype)
         return cast(cast(v, acc) * sigma * cast(weight, acc), v.dtype)
 
