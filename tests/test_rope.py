@@ -1,7 +1,11 @@
+import dataclasses
+import math
+
 import pytest
 import torch
 
-from qkmla.rope import RotaryEmbedding
+from qkmla import MLA, MLAConfig
+from qkmla.rope import RotaryEmbedding, YarnScaling, yarn_get_mscale
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -30,3 +34,81 @@ def test_interleaved_matches_complex_rotation():
 def test_odd_dim_rejected():
     with pytest.raises(ValueError, match="dim"):
         RotaryEmbedding(7)
+
+
+# -- YaRN ---------------------------------------------------------------------------------------
+
+DEEPSEEK_V3_YARN = {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+
+
+def test_yarn_frequencies_blend_along_the_ramp():
+    """Pairs that turn more than beta_fast times over L0 keep w_k, fewer than beta_slow get w_k / s,
+    a linear ramp over k in between (the ramp's ends rounded outwards with truncate)."""
+    y = YarnScaling(factor=40.0, original_max_position_embeddings=4096)
+    base = 1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    ratio = y.inv_freq(64, 10000.0) / base  # 1 (kept) ... 1/40 (interpolated)
+    low = math.floor(64 * math.log(4096 / (32 * 2 * math.pi)) / (2 * math.log(10000.0)))   # 10
+    high = math.ceil(64 * math.log(4096 / (1 * 2 * math.pi)) / (2 * math.log(10000.0)))   # 23
+    ramp = ((torch.arange(32, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    torch.testing.assert_close(ratio, (1 - ramp) + ramp / 40, rtol=1e-15, atol=0)
+    assert (low, high) == (10, 23) and ratio[:low + 1].eq(1).all() and torch.allclose(ratio[high:], torch.tensor(1 / 40.0).double())
+
+
+def test_yarn_factors():
+    """cos/sin factor mscale(s, mscale) / mscale(s, mscale_all_dim), or 0.1 ln s + 1 without them;
+    softmax factor mscale(s, mscale_all_dim)^2; s <= 1 changes nothing."""
+    ds = YarnScaling.from_dict(DEEPSEEK_V3_YARN)
+    assert ds.cos_sin_factor == 1.0 and ds.softmax_scale_factor == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    v2 = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707)
+    assert v2.cos_sin_factor == 1.0 and v2.softmax_scale_factor == pytest.approx((0.0707 * math.log(40) + 1) ** 2)
+    plain = YarnScaling(factor=8.0, original_max_position_embeddings=16)
+    assert plain.cos_sin_factor == pytest.approx(0.1 * math.log(8) + 1) and plain.softmax_scale_factor == 1.0
+    mixed = YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=0.5, mscale_all_dim=2.0)
+    assert mixed.cos_sin_factor == pytest.approx((0.05 * math.log(4) + 1) / (0.2 * math.log(4) + 1))
+    assert YarnScaling(factor=4.0, original_max_position_embeddings=16, attention_factor=0.5).cos_sin_factor == 0.5
+    assert yarn_get_mscale(1.0, 5.0) == 1.0 and yarn_get_mscale(0.5) == 1.0
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_yarn_rope_is_relative_and_scales_norms(interleave):
+    """Still a rotation per pair (scores depend on m - n), times the cos/sin factor."""
+    y = YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=0.5, mscale_all_dim=1.0)
+    rope = RotaryEmbedding(16, interleave=interleave, scaling=y)
+    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+
+    def dot(m, n):
+        return (rope(q, torch.tensor([[m]])) * rope(k, torch.tensor([[n]]))).sum()
+
+    torch.testing.assert_close(dot(70, 3), dot(167, 100))
+    torch.testing.assert_close(rope(q, torch.tensor([[50]])).norm(), q.norm() * y.cos_sin_factor)
+    plain = RotaryEmbedding(16, interleave=interleave)
+    assert not torch.allclose(rope(q, torch.tensor([[50]])) / y.cos_sin_factor, plain(q, torch.tensor([[50]])))
+
+
+def test_mla_config_yarn_scale_and_dict_round_trip():
+    cfg = MLAConfig(rope_scaling=DEEPSEEK_V3_YARN)
+    assert isinstance(cfg.rope_scaling, YarnScaling) and cfg.rope_scaling.factor == 40
+    assert cfg.scale == pytest.approx(24 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+    assert MLAConfig(rope_scaling=DEEPSEEK_V3_YARN, softmax_scale=0.5).scale == 0.5  # an explicit tau is used as is
+    assert MLAConfig(**dataclasses.asdict(cfg)) == cfg  # a saved config (asdict) loads back
+    assert MLAConfig(rope_scaling={"rope_type": "default"}).rope_scaling is None
+    assert MLA(cfg).rotary.scaling == cfg.rope_scaling
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"type": "linear", "factor": 2.0}, r"rope_scaling: rope_type 'linear' is not supported; allowed: \('default', 'yarn'\)"),
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling: YaRN needs 'original_max_position_embeddings'"),
+    ({"rope_type": "yarn", "original_max_position_embeddings": 16}, "rope_scaling: YaRN needs 'factor'"),
+    ({"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 16}, "rope_scaling.factor: expected a finite number >= 1"),
+    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}, "rope_scaling.original_max_position_embeddings"),
+    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 0.5}, "rope_scaling.beta_fast"),
+    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "mscale": -1.0}, "rope_scaling.mscale"),
+    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "scale": 1.0}, "unknown YaRN keys"),
+    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor"),
+    ("yarn", "rope_scaling: expected None, a YarnScaling or a dict"),
+])
+def test_mla_config_rejects_bad_rope_scaling(bad, match):
+    with pytest.raises(ValueError, match=match):
+        MLAConfig(rope_scaling=bad)

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .rope import YarnScaling, rope_scaling_from
+
 QK_NORMS = (None, "rms", "l2", "lp")
 QK_NORM_MODES = ("blockwise", "unified")
 
@@ -65,12 +67,16 @@ class MLAConfig:
         qk_norm_mode: "blockwise" normalizes content and RoPE blocks separately (default);
             "unified" uses one statistic over the concatenated [content; rope] vector.
         qk_norm_eps: the eps inside the statistic, >= 0.
-        softmax_scale: tau, the logit scale; None means (d_n + d_r) ** -0.5.
+        softmax_scale: tau, the logit scale, used as given; None means (d_n + d_r) ** -0.5, times
+            DeepSeek's YaRN correction ``rope_scaling.softmax_scale_factor`` when that is set.
         learnable_logit_scale: learn one logit scale per head (Henry et al. QKNorm),
             initialized to ``softmax_scale``.
         latent_norm_eps: eps of the latent RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``).
         rope_interleave: DeepSeek's layout, rotating pairs (x0, x1), (x2, x3), ...;
             False rotates the halves (GPT-NeoX / Llama layout).
+        rope_scaling: None (plain RoPE) or YaRN: a :class:`~qkmla.rope.YarnScaling`, or an HF /
+            DeepSeek dict (``{"type": "yarn", "factor": 40, ...}``; rope_type "default" means None),
+            converted when the config is built.
         attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` as in HF.
     """
 
@@ -84,6 +90,7 @@ class MLAConfig:
     v_head_dim: int = 16
     rope_theta: float = 10000.0
     rope_interleave: bool = True
+    rope_scaling: Optional[YarnScaling] = None
     qk_norm: Optional[str] = "rms"
     qk_norm_p: float = 2.0
     qk_norm_mode: str = "blockwise"
@@ -100,6 +107,8 @@ class MLAConfig:
         _check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
         _check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
         _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, self.rope_theta)
+        # A dict (HF's spelling, or dataclasses.asdict of a saved config) becomes a YarnScaling.
+        object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
         if self.qk_norm_mode not in QK_NORM_MODES:
             raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {self.qk_norm_mode!r}")
@@ -117,8 +126,17 @@ class MLAConfig:
 
     @property
     def scale(self) -> float:
-        """tau: the logit scale (initial value when learnable)."""
-        return self.softmax_scale if self.softmax_scale is not None else self.qk_head_dim ** -0.5
+        """tau: the logit scale (initial value when learnable).
+
+        Default: (d_n + d_r) ** -0.5, times mscale(s, mscale_all_dim)² under DeepSeek YaRN
+        (MATH.md "RoPE and YaRN"), as HF's DeepseekV2/V3Attention set ``self.scaling``.
+        """
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        tau = self.qk_head_dim ** -0.5
+        if self.rope_scaling is not None:
+            tau *= self.rope_scaling.softmax_scale_factor
+        return tau
 
     def replace(self, **changes) -> "MLAConfig":
         return dataclasses.replace(self, **changes)

@@ -1,16 +1,177 @@
-"""Rotary position embedding (Su et al.), in DeepSeek's interleaved or the NeoX half layout.
+"""Rotary position embedding (Su et al.), in DeepSeek's interleaved or the NeoX half layout,
+with optional YaRN scaling as DeepSeek-V2/V3 and Hugging Face transformers define it.
 
-The angle of pair k at position t is t * theta ** (-2k / dim). Interleaved rotates pairs
-(x0, x1), (x2, x3), ... as DeepSeek-V2/V3 checkpoints expect; the half layout rotates
-(x_k, x_{k + dim/2}) as Llama/NeoX do. The rotation is computed in at least float32.
+The angle of pair k at position t is t * w_k, with w_k = theta ** (-2k / dim) for plain RoPE.
+Interleaved rotates pairs (x0, x1), (x2, x3), ... as DeepSeek-V2/V3 checkpoints expect; the half
+layout rotates (x_k, x_{k + dim/2}) as Llama/NeoX do. The rotation is computed in at least
+float32, the frequencies in float64.
+
+YaRN (Peng et al., arXiv 2309.00071; MATH.md "RoPE and YaRN") changes two things here: the
+frequencies w_k blend interpolated (w_k / factor) and original ones along a ramp between the
+beta_fast and beta_slow rotation counts, and the rotated vectors are multiplied by
+``attention_factor`` (HF multiplies its cos/sin tables by it). The third change, the
+softmax-scale correction from ``mscale_all_dim``, lives in :attr:`MLAConfig.scale`.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
+
+ROPE_TYPES = ("default", "yarn")
+# Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
+# pre-transformers-4.45 spelling of "rope_type"; rope_theta lives in MLAConfig).
+_HF_EXTRA_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """DeepSeek's / HF's ``yarn_get_mscale``: 0.1 · mscale · ln(scale) + 1, or 1 for scale <= 1."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _number(name: str, value, low: float, allow_none: bool = False, strict: bool = False):
+    if value is None and allow_none:
+        return
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+    if bad or value < low or (strict and value == low):
+        rel = ">" if strict else ">="
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{name}: expected a finite number {rel} {low:g}{none}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN parameters under their Hugging Face ``rope_parameters`` / DeepSeek ``rope_scaling`` names.
+
+    Args:
+        factor: context extension factor s (DeepSeek-V2/V3: 40), >= 1.
+        original_max_position_embeddings: the pre-extension context L (DeepSeek: 4096).
+        beta_fast, beta_slow: rotation counts bounding the ramp (32 and 1).
+        mscale, mscale_all_dim: DeepSeek's temperature coefficients (V3: 1.0 and 1.0; V2: 0.707
+            and 0.707). None or 0 means absent, as in HF.
+        attention_factor: the cos/sin factor; None derives it from factor, mscale, mscale_all_dim.
+        truncate: round the ramp's ends outwards to integers (HF's default, DeepSeek's code).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        _number("rope_scaling.factor", self.factor, 1.0)
+        L = self.original_max_position_embeddings
+        if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, got {L!r}")
+        _number("rope_scaling.beta_slow", self.beta_slow, 0.0, strict=True)
+        _number("rope_scaling.beta_fast", self.beta_fast, self.beta_slow)
+        _number("rope_scaling.mscale", self.mscale, 0.0, allow_none=True)
+        _number("rope_scaling.mscale_all_dim", self.mscale_all_dim, 0.0, allow_none=True)
+        _number("rope_scaling.attention_factor", self.attention_factor, 0.0, allow_none=True, strict=True)
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"rope_scaling.truncate: expected a bool, got {self.truncate!r}")
+
+    @classmethod
+    def from_dict(cls, params: Mapping, name: str = "rope_scaling") -> "YarnScaling":
+        """From an HF / DeepSeek dict such as ``{"type": "yarn", "factor": 40, "mscale": 1.0, ...}``.
+
+        Raises:
+            ValueError (naming ``name``): a rope type other than "yarn", an unknown key, a missing
+            factor or original_max_position_embeddings, or a partial_rotary_factor other than 1.
+        """
+        rope_type = params.get("rope_type", params.get("type", "yarn"))
+        if rope_type != "yarn":
+            raise ValueError(f"{name}: rope_type {rope_type!r} is not supported here; allowed: 'yarn' "
+                             f"(or no scaling, rope_type 'default')")
+        ours = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - ours - set(_HF_EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"{name}: unknown YaRN keys {unknown}; allowed: {sorted(ours | set(_HF_EXTRA_KEYS))}")
+        if (params.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"{name}: partial_rotary_factor must be 1 (DeepSeek rotates all of qk_rope_head_dim), "
+                             f"got {params['partial_rotary_factor']!r}")
+        for key in ("factor", "original_max_position_embeddings"):
+            if params.get(key) is None:
+                raise ValueError(f"{name}: YaRN needs {key!r}, got {dict(params)!r}")
+        # HF reads beta_fast / beta_slow as `value or default`, so None and 0 mean the default.
+        kw = {k: params[k] for k in ours if params.get(k) is not None and k not in ("beta_fast", "beta_slow")}
+        kw.update(beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0)
+        if isinstance(kw["original_max_position_embeddings"], float) and kw["original_max_position_embeddings"].is_integer():
+            kw["original_max_position_embeddings"] = int(kw["original_max_position_embeddings"])
+        return cls(**kw)
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """m_rope: the factor on the cos/sin tables (HF's ``attention_factor``).
+
+        mscale and mscale_all_dim both set: mscale(s, mscale) / mscale(s, mscale_all_dim)
+        (DeepSeek-V2/V3: 1, the two are equal); otherwise 0.1 ln(s) + 1 (plain YaRN).
+        """
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        return yarn_get_mscale(self.factor)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """m_tau: DeepSeek's factor on tau, mscale(s, mscale_all_dim)²; 1 without mscale_all_dim.
+
+        (HF's ``yarn_apply_mscale``; DeepSeek-V3 at s = 40: (0.1 ln 40 + 1)² = 1.8739.)
+        """
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
+
+    def inv_freq(self, dim: int, theta: float) -> torch.Tensor:
+        """The YaRN frequencies w_k, k < dim/2, in float64 [dim/2] (HF's ``_compute_yarn_parameters``).
+
+        Pair k completes L·w_k / 2π rotations over the original context L. Pairs with more
+        than beta_fast rotations keep w_k (extrapolate), pairs with fewer than beta_slow use
+        w_k / s (interpolate); a linear ramp over k blends the two in between.
+        """
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        L = self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:  # the k at which pair k turns `rotations` times
+            return dim * math.log(L / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # HF's guard against a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1: keep the original frequency
+        return (1 / (self.factor * base)) * (1 - extrapolate) + (1 / base) * extrapolate
+
+
+def rope_scaling_from(value, name: str = "rope_scaling") -> Optional[YarnScaling]:
+    """None (plain RoPE), a :class:`YarnScaling`, or one from an HF dict (rope_type "default" means None)."""
+    if value is None or isinstance(value, YarnScaling):
+        return value
+    if isinstance(value, Mapping):
+        rope_type = value.get("rope_type", value.get("type", "yarn"))
+        if rope_type == "default":
+            return None
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"{name}: rope_type {rope_type!r} is not supported; allowed: {ROPE_TYPES}")
+        return YarnScaling.from_dict(value, name)
+    raise ValueError(f"{name}: expected None, a YarnScaling or a dict with rope_type in {ROPE_TYPES}, "
+                     f"got {type(value).__name__}")
 
 
 class RotaryEmbedding(nn.Module):
@@ -20,14 +181,21 @@ class RotaryEmbedding(nn.Module):
         dim: rotated width (even).
         theta: base of the frequencies.
         interleave: True for pairs (x0, x1), False for halves.
+        scaling: None for plain RoPE, or a :class:`YarnScaling`.
     """
 
-    def __init__(self, dim: int, theta: float = 10000.0, interleave: bool = True):
+    def __init__(self, dim: int, theta: float = 10000.0, interleave: bool = True,
+                 scaling: Optional[YarnScaling] = None):
         super().__init__()
         if dim % 2:
             raise ValueError(f"dim: RoPE rotates pairs, so it must be even, got {dim}")
-        self.dim, self.theta, self.interleave = dim, float(theta), interleave
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        self.dim, self.theta, self.interleave, self.scaling = dim, float(theta), interleave, scaling
+        if scaling is None:
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            self.attention_factor = 1.0
+        else:
+            inv_freq = scaling.inv_freq(dim, self.theta)
+            self.attention_factor = scaling.cos_sin_factor
         # Kept in float64 and cast per call, so float64 verification is not limited by it.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -35,15 +203,19 @@ class RotaryEmbedding(nn.Module):
         acc = accumulate_dtype(x.dtype)
         angles = positions.to(acc)[..., None, None] * cast(self.inv_freq, acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)
+        m = self.attention_factor
         if self.interleave:
-            # Pairs (x0, x1) as complex numbers x0 + i x1, rotated by e^(i angle): one complex
+            # Pairs (x0, x1) as complex numbers x0 + i x1, rotated by m e^(i angle): one complex
             # product in place of a dozen real ops (DeepSeek's reference code does the same).
             pairs = torch.view_as_complex(xa.unflatten(-1, (-1, 2)).contiguous())
-            out = torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
-            return cast(out, x.dtype)
+            rot = torch.polar(torch.ones_like(angles) if m == 1.0 else torch.full_like(angles, m), angles)
+            return cast(torch.view_as_real(pairs * rot).flatten(-2), x.dtype)
         cos, sin = angles.cos(), angles.sin()
+        if m != 1.0:
+            cos, sin = cos * m, sin * m
         x1, x2 = xa.chunk(2, dim=-1)
         return cast(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1), x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, theta={self.theta:g}, interleave={self.interleave}"
+        yarn = "" if self.scaling is None else f", yarn(factor={self.scaling.factor:g}, m={self.attention_factor:.6g})"
+        return f"{self.dim}, theta={self.theta:g}, interleave={self.interleave}{yarn}"

@@ -125,7 +125,7 @@ class MLA(nn.Module):
         self.q_norm, self.k_norm = make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                                  c.qk_norm_p, c.qk_norm_eps, c.qk_norm_mode)
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
-        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave)
+        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave, c.rope_scaling)
         self._absorbed: Optional[AbsorbedWeights] = None
         self._absorbed_key: Optional[tuple] = None
         # The absorbed path's attention: "triton" (the fused kernel, qkmla.ops.mla_decode),
