@@ -13,43 +13,81 @@ tensors of the state dict, so they also work on a checkpoint opened with safeten
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 
 from ..attention.mla import MLA
 from ..config import MLAConfig
+from ..rope import ROPE_TYPES, YarnScaling
 
 _OURS = ("q_norm.", "k_norm.", "logit_scale")
 
 
+_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+_MISSING = object()
+
+
+def _get(hf_config, name: str, default=_MISSING):
+    """An attribute of an HF config object, or a key of a config.json dict."""
+    value = hf_config.get(name, default) if isinstance(hf_config, Mapping) else getattr(hf_config, name, default)
+    if value is _MISSING:
+        raise ValueError(f"hf_config: a DeepSeek-V2/V3 config needs {name!r}, which is missing")
+    return value
+
+
+def hf_rope(hf_config) -> tuple[float, Optional[YarnScaling]]:
+    """(rope_theta, YaRN scaling or None) as transformers reads them.
+
+    transformers 5.x keeps them in ``rope_parameters`` (``rope_theta`` included); 4.x configs
+    and DeepSeek's own config.json have ``rope_scaling`` (``type`` for ``rope_type``) and a
+    top-level ``rope_theta``. As in HF's standardization, a top-level
+    ``original_max_position_embeddings`` wins, and max_position_embeddings stands in for a
+    missing one.
+    """
+    rope = _get(hf_config, "rope_parameters", None) or _get(hf_config, "rope_scaling", None) or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"hf_config: rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
+    rope = dict(rope)
+    theta = rope.get("rope_theta") or _get(hf_config, "rope_theta", 10000.0)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"hf_config: rope_type {rope_type!r} is not supported; allowed: {ROPE_TYPES}")
+    if rope_type == "default":
+        return float(theta), None
+    top = _get(hf_config, "original_max_position_embeddings", None)
+    if top is not None:
+        rope["original_max_position_embeddings"] = top
+    elif rope.get("original_max_position_embeddings") is None:
+        rope["original_max_position_embeddings"] = _get(hf_config, "max_position_embeddings")
+    return float(theta), YarnScaling.from_dict(rope, "hf_config.rope_scaling")
+
+
 def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
-    """An :class:`MLAConfig` from an HF ``DeepseekV2Config`` or ``DeepseekV3Config``.
+    """An :class:`MLAConfig` from an HF ``DeepseekV2Config`` / ``DeepseekV3Config``, or a config.json dict.
 
     Args:
-        hf_config: the HF config (any object with its attributes).
+        hf_config: the HF config (any object with its attributes), or the parsed config.json.
         overrides: MLAConfig fields to set, e.g. ``qk_norm="rms"``; by default ``qk_norm=None``,
             which reproduces the HF layer.
 
     Raises:
-        ValueError: for a RoPE scaling type other than the default (YaRN is not supported yet).
+        ValueError: a model_type other than deepseek_v2 / deepseek_v3, a RoPE type other than
+            "default" or "yarn", bad YaRN parameters, or a missing field.
     """
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"hf_config: rope_type {rope_type!r} is not supported; allowed: 'default'")
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    model_type = getattr(hf_config, "model_type", "deepseek_v3")
-    if model_type not in ("deepseek_v2", "deepseek_v3"):
-        raise ValueError(f"hf_config: model_type must be 'deepseek_v2' or 'deepseek_v3', got {model_type!r}")
+    model_type = _get(hf_config, "model_type", None)
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"hf_config: model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
+    theta, scaling = hf_rope(hf_config)
     # V2 always rotates interleaved pairs; V3 does unless rope_interleave is False.
-    interleave = True if model_type == "deepseek_v2" else bool(getattr(hf_config, "rope_interleave", True))
+    interleave = True if model_type == "deepseek_v2" else bool(_get(hf_config, "rope_interleave", True))
+    heads = _get(hf_config, "num_attention_heads")
     fields = dict(
-        hidden_size=hf_config.hidden_size, num_heads=hf_config.num_attention_heads,
-        num_kv_groups=hf_config.num_attention_heads, q_lora_rank=hf_config.q_lora_rank,
-        kv_lora_rank=hf_config.kv_lora_rank, qk_nope_head_dim=hf_config.qk_nope_head_dim,
-        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim, rope_theta=float(theta),
-        rope_interleave=interleave, attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        hidden_size=_get(hf_config, "hidden_size"), num_heads=heads, num_kv_groups=heads,
+        q_lora_rank=_get(hf_config, "q_lora_rank", None), kv_lora_rank=_get(hf_config, "kv_lora_rank"),
+        qk_nope_head_dim=_get(hf_config, "qk_nope_head_dim"), qk_rope_head_dim=_get(hf_config, "qk_rope_head_dim"),
+        v_head_dim=_get(hf_config, "v_head_dim"), rope_theta=theta, rope_interleave=interleave,
+        rope_scaling=scaling, attention_bias=bool(_get(hf_config, "attention_bias", False)),
         latent_norm_eps=1e-6,  # HF builds q_a_layernorm / kv_a_layernorm with their default eps
         qk_norm=None,
     )
