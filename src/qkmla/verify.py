@@ -10,6 +10,9 @@ exercised) and random inputs are run through
 in float64, float32 and bfloat16. Tolerances:
 
 * float64: max |explicit - absorbed| <= 1e-10 relative to the largest reference value.
+
+The ``*-yarn`` rows use DeepSeek's YaRN RoPE (MATH.md "RoPE and YaRN") at positions past its
+original context, so the absorbed path must apply the same cos/sin factor and corrected tau.
 * float32 / bfloat16 (FlashAttention's rule): the absorbed path's error against the
   float64 explicit reference is at most twice the explicit path's own error in that
   dtype, plus one unit of roundoff of that dtype at the reference's largest magnitude.
@@ -44,6 +47,12 @@ VARIANTS: dict[str, dict] = {
     "rms-gqa-G2": dict(qk_norm="rms", num_kv_groups=2),
     "rms-mqa-G1": dict(qk_norm="rms", num_kv_groups=1),
     "rms-no-q-lora": dict(qk_norm="rms", q_lora_rank=None),
+    # DeepSeek's YaRN with L0 = 8, so most of the 33 positions lie past it; mscale != mscale_all_dim
+    # scales the cos/sin tables (x 0.9507) as well as tau (x 1.2651), and both paths must see both.
+    "rms-yarn": dict(qk_norm="rms", rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                      mscale=0.5, mscale_all_dim=0.9)),
+    "none-yarn": dict(qk_norm=None, rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                      mscale=0.5, mscale_all_dim=0.9)),
     "rms-odd-sizes": dict(qk_norm="rms", hidden_size=37, num_heads=6, num_kv_groups=3, q_lora_rank=19,
                           kv_lora_rank=23, qk_nope_head_dim=13, qk_rope_head_dim=6, v_head_dim=11),
 }
