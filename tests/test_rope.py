@@ -112,3 +112,17 @@ def test_mla_config_yarn_scale_and_dict_round_trip():
 def test_mla_config_rejects_bad_rope_scaling(bad, match):
     with pytest.raises(ValueError, match=match):
         MLAConfig(rope_scaling=bad)
+
+
+def test_frequencies_survive_dtype_changes():
+    """.to(bfloat16) keeps the frequencies in float32 (not 3 digits), and .double() restores them exactly."""
+    y = YarnScaling(factor=4.0, original_max_position_embeddings=16)
+    rope = RotaryEmbedding(16, scaling=y)
+    exact = y.inv_freq(16, 10000.0)
+    assert rope.to(torch.bfloat16).inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rope.inv_freq, exact.float(), rtol=0, atol=0)
+    assert torch.equal(rope.float().double().inv_freq, exact)
+    x = torch.randn(1, 1, 1, 16, dtype=torch.bfloat16)
+    torch.testing.assert_close(rope(x, torch.tensor([[4000]])).float(),
+                               RotaryEmbedding(16, scaling=y).double()(x.double(), torch.tensor([[4000]])).float(),
+                               rtol=1e-2, atol=1e-2)  # bfloat16 output rounding only

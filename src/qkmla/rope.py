@@ -196,8 +196,16 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq = scaling.inv_freq(dim, self.theta)
             self.attention_factor = scaling.cos_sin_factor
-        # Kept in float64 and cast per call, so float64 verification is not limited by it.
+        # The buffer follows the module's device and dtype, but never below float32: _apply
+        # rebuilds it from this float64 copy, so .to(torch.bfloat16) does not round the
+        # frequencies to 3 digits and a float64 module gets them exact, whatever came before.
+        self._inv_freq64 = inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq64.to(self.inv_freq.device, accumulate_dtype(self.inv_freq.dtype))
+        return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         acc = accumulate_dtype(x.dtype)
