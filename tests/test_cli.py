@@ -93,5 +93,16 @@ def test_train_bad_arguments(tmp_path):
         main(["train", "--steps", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="qk-norm-p"):
         main(["train", "--qk-norm-p", "0.5", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--softmax-scale"):
+        main(["train", "--softmax-scale", "0", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="run_dir"):
         main(["generate", str(tmp_path / "nothing")])
+
+
+def test_train_learnable_logit_scale_flag(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--attn", "mla-qknorm", "--learnable-logit-scale", "--steps", "2",
+                 "--batch-size", "2", "--block-size", "8", "--eval-interval", "2", "--eval-iters", "1",
+                 "--no-progress", "--out", str(run)]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["logit_scale"] > 0 and rows[-1]["logit_bound"] > 0

@@ -98,6 +98,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from .experiments import EXPERIMENTS, Options, run_experiment
+
+    if args.list or args.name is None:
+        for e in EXPERIMENTS.values():
+            print(f"{e.name:<12} {e.description}")
+        return 0 if args.list else 2
+    if args.name not in EXPERIMENTS:
+        raise SystemExit(f"qkmla experiment: NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
+    if args.seeds is not None and args.seeds < 1:
+        raise SystemExit(f"qkmla experiment: --seeds: expected a positive int, got {args.seeds}")
+    if args.workers < 0:
+        raise SystemExit(f"qkmla experiment: --workers: expected 0 (one per core) or a positive int, got {args.workers}")
+    if args.sweep is not None and not Path(args.sweep).is_file():
+        raise SystemExit(f"qkmla experiment: --sweep: no such results file: {args.sweep}")
+    out = Path(args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}")
+    options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
+                      sweep=Path(args.sweep) if args.sweep else None)
+    command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))
+    try:
+        report = run_experiment(EXPERIMENTS[args.name], options, progress=not args.no_progress, command=command)
+    except ValueError as e:
+        raise SystemExit(f"qkmla experiment {args.name}: {e}")
+    print(report.table)
+    print(f"results: {out / 'results.jsonl'}; figures: {', '.join(str(f) for f in report.figures)}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -144,16 +175,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=_generate)
 
-    d = sub.add_parser("demo", help="the main job: QK-normed MLA vs plain MLA on tiny Shakespeare (~3 min on 2 cores)")
+    e = sub.add_parser("experiment", help="run an experiment grid (see --list), resumable, with results and figures")
+    e.add_argument("name", nargs="?", help="the experiment (qkmla experiment --list)")
+    e.add_argument("--list", action="store_true", help="name the experiments and exit")
+    e.add_argument("--quick", action="store_true", help="the test-sized grid (seconds)")
+    e.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the experiment's)")
+    e.add_argument("--out", default=None, help="directory (default runs/experiments/NAME)")
+    e.add_argument("--workers", type=int, default=0, help="processes, one thread each (default: one per core)")
+    e.add_argument("--sweep", default=None, help="lr-sweep results.jsonl giving each variant's best lr "
+                                                 "(default: OUT/../lr-sweep/results.jsonl)")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=_experiment)
+
+    d = sub.add_parser("demo", help="the main job: QK-normed vs plain MLA at a moderate and a high lr (~3 min on 2 cores)")
     d.add_argument("--out", default="runs/demo")
-    d.add_argument("--steps", type=int, default=None, help="steps per model (default: sized for ~3 minutes)")
+    d.add_argument("--steps", type=int, default=None, help="steps per run (default 750: fixed, so results reproduce)")
     d.add_argument("--preset", default="cpu")
     d.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
     return args.func(args)

@@ -43,3 +43,16 @@ def test_bad_config_and_input():
         model(torch.randn(2, 4))
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 100, dtype=torch.long))
+
+
+def test_logit_scale_options():
+    """RMS QK-norm variants can learn a per-head logit scale (the temperature-cap remedy);
+    softmax_scale sets tau (its initial value when learned)."""
+    from qkmla.model.gpt import GPT, GPTConfig
+
+    plain = GPT(GPTConfig(attn="mla-qknorm")).blocks[0].attn
+    assert plain.logit_scale is None
+    learned = GPT(GPTConfig(attn="mla-qknorm", learnable_logit_scale=True, softmax_scale=0.5)).blocks[0].attn
+    assert learned.logit_scale.shape == (4,) and bool((learned.logit_scale == 0.5).all())
+    mha = GPT(GPTConfig(attn="mha-lp", learnable_logit_scale=False, softmax_scale=2.0)).blocks[0].attn
+    assert mha.logit_scale is None and mha.scale == 2.0

@@ -53,6 +53,23 @@ def test_qk_clip_in_training_holds_logits_down(tmp_path):
     rows, free_rows = read(tmp_path / "clip"), read(tmp_path / "free")
     assert all(r["clipped_heads"] > 0 for r in rows)
     assert rows[-1]["max_logit"] < 0.5 * free_rows[-1]["max_logit"]
+    # Each step logs the max logit its forward saw and the one left after the clip: tau.
+    assert all(r["max_logit"] > 0.05 and r["max_logit_post_clip"] == pytest.approx(0.05, rel=1e-5) for r in rows)
+
+
+def test_validation_windows_do_not_depend_on_the_seed(tmp_path):
+    """Runs with different seeds are scored on the same windows: one model, two seeds' configs,
+    one loss; and a seed-1 run's reported val loss is that model's loss on those windows."""
+    from qkmla.train.data import Corpus
+    from qkmla.train.trainer import evaluate
+
+    run = TrainConfig(**FAST, steps=3, seed=1, out=str(tmp_path))
+    train(run)
+    model, _ = load_model(tmp_path)
+    val = Corpus.load().val
+    a = evaluate(model, val, run, 16)
+    assert a == evaluate(model, val, TrainConfig(**{**run.__dict__, "seed": 2}), 16)
+    assert read(tmp_path)[-1]["val_loss"] == pytest.approx(a, rel=1e-6)
 
 
 def test_qk_clip_refused_for_qk_norm(tmp_path):

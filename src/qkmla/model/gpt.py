@@ -61,6 +61,10 @@ class GPTConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     rope_theta: float = 10000.0
+    # None: the variant's default (learned for l2/lp, fixed otherwise). True on an RMS
+    # QK-norm variant lifts the temperature cap of unit norm weights (Henry et al.).
+    learnable_logit_scale: Optional[bool] = None
+    softmax_scale: Optional[float] = None  # tau (initial value when learned); None: the variant's default
 
     def __post_init__(self) -> None:
         if self.attn not in ATTENTION_VARIANTS:
@@ -89,11 +93,12 @@ class GPTConfig:
         qk_norm = {"": None, "qknorm": "rms", "qknorm-unified": "rms", "l2": "l2", "lp": "lp"}[norm]
         # Unit-L2/Lp vectors have small dot products: learn the logit scale (Henry et al.),
         # starting where an RMS-normalized head of the same width would be.
-        learnable = qk_norm in ("l2", "lp")
+        learnable = qk_norm in ("l2", "lp") if self.learnable_logit_scale is None else self.learnable_logit_scale
+        unit_vectors = qk_norm in ("l2", "lp")
         if kind == "mla":
             d_r = self.qk_rope_head_dim or max(2, (self.head_dim // 3) // 2 * 2)
             d_n = self.head_dim - d_r if self.head_dim - d_r > 0 else self.head_dim
-            init = math.sqrt(d_n + d_r) if learnable else None
+            init = self.softmax_scale or (math.sqrt(d_n + d_r) if unit_vectors else None)
             return MLAConfig(
                 hidden_size=self.n_embd, num_heads=self.n_head, num_kv_groups=self.n_kv_head or self.n_head,
                 q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank or 2 * self.head_dim,
@@ -103,7 +108,7 @@ class GPTConfig:
                 softmax_scale=init, learnable_logit_scale=learnable,
             )
         kv = {"mha": self.n_head, "mqa": 1, "gqa": self.n_kv_head or max(1, self.n_head // 2)}[kind]
-        init = math.sqrt(self.head_dim) if learnable else None
+        init = self.softmax_scale or (math.sqrt(self.head_dim) if unit_vectors else None)
         return AttentionConfig(
             hidden_size=self.n_embd, num_heads=self.n_head, num_kv_heads=kv, head_dim=self.head_dim,
             rope_theta=self.rope_theta, qk_norm=qk_norm, qk_norm_p=self.qk_norm_p, softmax_scale=init,
@@ -188,11 +193,13 @@ class GPT(nn.Module):
         return caches
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, caches: Optional[list] = None,
-                input_lengths: Optional[torch.Tensor] = None):
+                input_lengths: Optional[torch.Tensor] = None, allow_longer: bool = False):
+        """``allow_longer`` evaluates sequences past ``block_size`` (length extrapolation: RoPE
+        has no table to run out of, but the model never saw those positions in training)."""
         if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {idx.dtype} {tuple(idx.shape)}")
         B, T = idx.shape
-        if caches is None and T > self.config.block_size:
+        if caches is None and T > self.config.block_size and not allow_longer:
             raise ValueError(f"idx: sequence of {T} tokens is longer than block_size={self.config.block_size}")
         x = self.drop(self.wte(idx))
         kw = {} if input_lengths is None else {"input_lengths": input_lengths}

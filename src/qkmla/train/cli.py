@@ -15,6 +15,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=d.preset, choices=sorted(GPT_PRESETS))
     p.add_argument("--attn", default=d.attn, choices=ATTENTION_VARIANTS)
     p.add_argument("--qk-norm-p", type=float, default=None, help="p of the -lp variants (>= 1)")
+    p.add_argument("--learnable-logit-scale", action="store_const", const=True, default=None,
+                   help="learn one logit scale per head (always on for -l2/-lp; lifts the temperature cap of RMS QK norm)")
+    p.add_argument("--softmax-scale", type=float, default=None, metavar="TAU",
+                   help="logit scale tau (initial value when learned); default (d_n + d_r)^-1/2, sqrt(d) for -l2/-lp")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
@@ -48,6 +52,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
             raise SystemExit(f"qkmla train: --{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
     if args.qk_norm_p is not None and args.qk_norm_p < 1:
         raise SystemExit(f"qkmla train: --qk-norm-p: expected p >= 1, got {args.qk_norm_p}")
+    if args.softmax_scale is not None and not args.softmax_scale > 0:
+        raise SystemExit(f"qkmla train: --softmax-scale: expected a positive number, got {args.softmax_scale}")
     # Every option's dest is the TrainConfig field of the same name; only --no-progress is inverted.
     names = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(args))
     return TrainConfig(**{n: getattr(args, n) for n in names}, progress=not args.no_progress)

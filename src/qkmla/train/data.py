@@ -84,6 +84,19 @@ class Corpus:
         return cls(tok, ids[:n], ids[n:])
 
 
+def fixed_windows(data: torch.Tensor, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` windows spread evenly over ``data``, with no random draw: every run and every
+    seed sees the same ones, so validation losses compare across runs. x [count, T], y [count, T]."""
+    if count < 1:
+        raise ValueError(f"count: expected a positive number of windows, got {count}")
+    if len(data) <= block_size + 1:
+        raise ValueError(f"data: {len(data)} tokens are too few for block_size={block_size}")
+    starts = torch.linspace(0, len(data) - block_size - 1, count).long().tolist()
+    x = torch.stack([data[i:i + block_size] for i in starts])
+    y = torch.stack([data[i + 1:i + 1 + block_size] for i in starts])
+    return x, y
+
+
 def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator):
     """Random windows (nanoGPT style): x [B, T], y [B, T] shifted by one token."""
     if len(data) <= block_size + 1:

@@ -2,7 +2,11 @@
 
 Per step it logs train loss, learning rate, gradient norm, the max pre-softmax attention
 logit of every layer (and of every head with ``log_heads``), tokens/s and the seconds spent
-measuring the max logits; validation loss every ``eval_interval`` steps. Rows go to
+measuring the max logits; with QK-Clip also the number of clipped heads and the max logit
+after the clip (``max_logit`` is the one the step's forward saw). Every ``eval_interval``
+steps: validation loss over fixed windows (the same for every seed, so runs compare), and
+for QK-normed layers the bound their norm weights put on the logits (``logit_bound``, see
+``diagnostics.py``) and the mean learned logit scale. Rows go to
 ``out/metrics.jsonl`` as they happen. Checkpoints (safetensors) are written every
 ``ckpt_interval`` steps and at the end; a run that reaches a NaN/inf loss or gradient stops,
 records the step in ``out/status.json`` and keeps its last good checkpoint.
@@ -29,7 +33,8 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..model.gpt import GPT, GPT_PRESETS, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, save_checkpoint
-from .data import Corpus, get_batch
+from .data import Corpus, fixed_windows, get_batch
+from .diagnostics import logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 
 
@@ -38,6 +43,8 @@ class TrainConfig:
     preset: str = "debug"
     attn: str = "mla-qknorm"
     qk_norm_p: Optional[float] = None
+    learnable_logit_scale: Optional[bool] = None  # None: the variant's default (see GPTConfig)
+    softmax_scale: Optional[float] = None
     steps: int = 200
     batch_size: int = 12
     block_size: Optional[int] = None
@@ -71,8 +78,9 @@ class TrainConfig:
         changes = dict(self.model_overrides, attn=self.attn, vocab_size=vocab_size)
         if self.block_size is not None:
             changes["block_size"] = self.block_size
-        if self.qk_norm_p is not None:
-            changes["qk_norm_p"] = self.qk_norm_p
+        for name in ("qk_norm_p", "learnable_logit_scale", "softmax_scale"):
+            if getattr(self, name) is not None:
+                changes[name] = getattr(self, name)
         return GPT_PRESETS[self.preset].replace(**changes)
 
 
@@ -121,12 +129,25 @@ def _load_states(model, optimizer, model_state: dict, optim_state: dict, fsdp: b
 
 @torch.no_grad()
 def evaluate(model: GPT, data: torch.Tensor, config: TrainConfig, block_size: int) -> float:
-    """Mean loss over ``eval_iters`` fixed batches (the same batches at every evaluation)."""
+    """Mean loss over ``eval_iters`` batches of windows spread evenly over ``data``: the same
+    windows at every evaluation, for every seed and every run of this size."""
     model.eval()
-    gen = torch.Generator().manual_seed(config.seed + 1)
-    losses = [model(*get_batch(data, config.batch_size, block_size, gen))[1].item() for _ in range(config.eval_iters)]
+    x, y = fixed_windows(data, config.eval_iters * config.batch_size, block_size)
+    losses = [model(xb, yb)[1].item() for xb, yb in zip(x.split(config.batch_size), y.split(config.batch_size))]
     model.train()
     return sum(losses) / len(losses)
+
+
+def _weight_diagnostics(attns: list) -> dict:
+    """The logit bound of the QK-normed layers and their mean learned logit scale, if any."""
+    row = {}
+    bounds = [b for b in map(logit_bound, attns) if b is not None]
+    if bounds:
+        row["logit_bound"] = max(bounds)
+    scales = [s for s in map(logit_scale, attns) if s is not None]
+    if scales:
+        row["logit_scale"] = sum(scales) / len(scales)
+    return row
 
 
 def train(config: TrainConfig) -> dict:
@@ -209,10 +230,9 @@ def train(config: TrainConfig) -> dict:
             heads = torch.stack([a.last_max_logits.float() for a in attns])  # [layers, h]
             if world > 1:
                 dist.all_reduce(heads, op=dist.ReduceOp.MAX)
-            clipped = 0
+            gammas = None
             if config.qk_clip is not None:
-                for a, m in zip(attns, heads):
-                    clipped += int((qk_clip_(a, m, config.qk_clip, config.qk_clip_alpha) < 1).sum())
+                gammas = torch.stack([qk_clip_(a, m, config.qk_clip, config.qk_clip_alpha) for a, m in zip(attns, heads)])
             dt = time.perf_counter() - t0
             row = {"step": step + 1, "loss": loss_value.item(), "lr": optimizer.param_groups[0]["lr"],
                    "grad_norm": float(grad_norm), "max_logit": float(heads.max()),
@@ -221,10 +241,12 @@ def train(config: TrainConfig) -> dict:
                    "max_logit_seconds": sum(a.max_logit_seconds for a in attns), "step_seconds": dt}
             if config.log_heads:
                 row["max_logit_per_head"] = [[round(float(v), 4) for v in layer] for layer in heads]
-            if config.qk_clip is not None:
-                row["clipped_heads"] = clipped
+            if gammas is not None:  # each head's logits were multiplied by exactly its gamma
+                row["clipped_heads"] = int((gammas < 1).sum())
+                row["max_logit_post_clip"] = float((heads * gammas.to(heads.dtype)).max())
             if (step + 1) % config.eval_interval == 0 or step + 1 == config.steps:
                 row["val_loss"] = evaluate(model, corpus.val, config, block_size)
+                row.update(_weight_diagnostics(attns))
             if rank == 0:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")

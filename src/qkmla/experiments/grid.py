@@ -1,0 +1,133 @@
+"""Run a grid of training runs, in parallel worker processes, skipping finished ones.
+
+Each run trains into ``OUT/runs/NAME`` with :func:`qkmla.train.trainer.train`. A run counts
+as finished when its ``status.json`` says ``done`` (or ``non-finite``: a divergence is a
+result) and its stored config equals the planned one; an unfinished run with a checkpoint
+resumes from it (resumed runs reproduce the uninterrupted losses), so an interrupted
+experiment re-runs nothing it already has. Tiny models use a core badly with several
+threads, so each worker runs one thread and the pool runs one worker per core.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+FINISHED = ("done", "non-finite")
+# TrainConfig fields that say where and how a run is shown, not what it trains.
+_NOT_COMPARED = ("out", "resume", "progress", "max_seconds")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of an experiment.
+
+    name: directory under ``OUT/runs``; variant: the row label in tables and figures;
+    train: TrainConfig fields; labels: extra result columns (optimizer, lr, seed, p, ...).
+    """
+
+    name: str
+    variant: str
+    train: dict
+    labels: dict = field(default_factory=dict)
+
+
+def run_dir(out: Path, run: Run) -> Path:
+    return Path(out) / "runs" / run.name
+
+
+def _stored_status(path: Path) -> Optional[str]:
+    try:
+        return json.loads((path / "status.json").read_text()).get("status")
+    except (OSError, ValueError):
+        return None
+
+
+def _same_config(path: Path, train: dict) -> bool:
+    try:
+        stored = json.loads((path / "config.json").read_text())["train"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all(stored.get(k) == v for k, v in train.items() if k not in _NOT_COMPARED)
+
+
+def is_finished(out: Path, run: Run) -> bool:
+    path = run_dir(out, run)
+    return _stored_status(path) in FINISHED and _same_config(path, run.train)
+
+
+def _init_worker() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
+    """In a worker: train (resuming a compatible checkpoint) and run the experiment's
+    measurement; errors come back as a status instead of killing the grid."""
+    from ..train.checkpoint import FILENAME
+    from ..train.trainer import TrainConfig, train as train_run
+
+    try:
+        path_ = Path(path)
+        if _stored_status(path_) in FINISHED and _same_config(path_, train):  # trained, not yet measured
+            status = json.loads((path_ / "status.json").read_text())
+        else:
+            resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
+            status = train_run(TrainConfig(**{**train, "out": path, "progress": False, "resume": resume}))
+        if measure is not None and status["status"] in FINISHED:
+            (path_ / "measure.json").write_text(json.dumps(measure(path_)))
+        return status
+    except Exception as e:  # noqa: BLE001 - reported per run, the grid goes on
+        return {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Callable] = None,
+             progress: bool = True) -> dict[str, dict]:
+    """Train every unfinished run; returns {run name: status} of the runs trained now.
+
+    Args:
+        workers: processes (0: one per CPU core).
+        measure: ``measure(run_dir) -> dict``, run after training, stored as ``measure.json``.
+    """
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError("runs: run names must be unique")
+    todo = [r for r in runs if not is_finished(out, r)]
+    # A finished run whose measurement is missing (interrupted after training) measures again.
+    todo += [r for r in runs if measure is not None and r not in todo
+             and not (run_dir(out, r) / "measure.json").is_file()]
+    statuses: dict[str, dict] = {}
+    if not todo:
+        return statuses
+    workers = min(len(todo), workers or os.cpu_count() or 1)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs", unit="run", dynamic_ncols=True)
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker) as pool:
+        futures = {pool.submit(_train_one, r.train, str(run_dir(out, r)), measure): r for r in todo}
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                run = futures[fut]
+                statuses[run.name] = status = fut.result()
+                if status["status"] == "error":
+                    print(f"run {run.name} failed: {status['error']}")
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{run.name}: {status['status']}")
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+    return statuses

@@ -1,0 +1,110 @@
+"""One results row per run, and the aggregates every experiment's report uses.
+
+A row (``results.jsonl``): the run's labels (variant, optimizer, lr, seed, ...), its status,
+final and best validation loss, peak max logit (before and, with QK-Clip, after the clip),
+the step of a divergence or null, the seconds it took, the median step time, the last logit
+bound / learned logit scale of QK-normed layers, and anything the experiment measured.
+Non-finite numbers are written as null, so the file is strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..train.plot import read_metrics
+from .grid import Run, run_dir
+
+
+def finite(v) -> Optional[float]:
+    return float(v) if v is not None and math.isfinite(v) else None
+
+
+def _clean(obj):
+    if isinstance(obj, float):
+        return finite(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def curve(rows: list[dict], key: str, every: int) -> list:
+    """[[step, value], ...] of ``key`` at every ``every``-th logged step (and the last one)."""
+    pts = [(r["step"], r[key]) for r in rows if key in r]
+    return [list(p) for i, p in enumerate(pts) if i % every == 0 or i == len(pts) - 1]
+
+
+def summarize(experiment: str, run: Run, out: Path) -> dict:
+    """The results row of one run (see the module docstring)."""
+    path = run_dir(out, run)
+    status = json.loads((path / "status.json").read_text()) if (path / "status.json").is_file() else {"status": "missing"}
+    rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    vals = [finite(r["val_loss"]) for r in rows if "val_loss" in r]
+    last = {k: r[k] for r in rows for k in ("logit_bound", "logit_scale") if k in r}
+    post = [r["max_logit_post_clip"] for r in rows if "max_logit_post_clip" in r]
+    done = status["status"] == "done"
+    row = {
+        "experiment": experiment, "run": run.name, "variant": run.variant, **run.labels,
+        "status": status["status"], "steps": status.get("step"),
+        "initial_loss": math.log(config["model"]["vocab_size"]) if config else None,
+        "final_val_loss": vals[-1] if done and vals else None,
+        "best_val_loss": min((v for v in vals if v is not None), default=None),
+        "peak_max_logit": max((r["max_logit"] for r in rows), default=None),
+        "peak_max_logit_post_clip": max(post) if post else None,
+        "clipped_steps": sum(1 for r in rows if r.get("clipped_heads", 0) > 0) if post else None,
+        "nan_step": status.get("step") if status["status"] == "non-finite" else None,
+        "seconds": status.get("seconds"),
+        "median_step_seconds": statistics.median(r["step_seconds"] for r in rows) if rows else None,
+        **last,
+    }
+    if (path / "measure.json").is_file():
+        row.update(json.loads((path / "measure.json").read_text()))
+    if "error" in status:
+        row["error"] = status["error"]
+    return _clean(row)
+
+
+def write_results(rows: list[dict], path: Path) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def effective_loss(row: dict) -> float:
+    """The final validation loss, or the initial loss ln(V) for a run that diverged (or ended
+    above it): what the run is worth at the end, capped at knowing nothing."""
+    loss = row["final_val_loss"]
+    return row["initial_loss"] if loss is None else min(loss, row["initial_loss"])
+
+
+def mean_std(values: Iterable[float]) -> tuple[Optional[float], Optional[float]]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    """Rows grouped by the values of ``keys``, in first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    return groups
+
+
+def best_lr(rows: list[dict], variant: str, optimizer: str) -> tuple[float, float]:
+    """(lr, mean effective loss over seeds) of the variant's best learning rate in a sweep."""
+    by_lr = group([r for r in rows if r["variant"] == variant and r["optimizer"] == optimizer], "lr")
+    if not by_lr:
+        raise ValueError(f"sweep: no runs of variant {variant!r} with optimizer {optimizer!r}")
+    scored = [(statistics.fmean(map(effective_loss, rs)), lr) for (lr,), rs in by_lr.items()]
+    loss, lr = min(scored)
+    return lr, loss

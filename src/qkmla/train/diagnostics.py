@@ -1,0 +1,66 @@
+"""What bounds a QK-normed layer's logits: the temperature cap of its norm weights.
+
+A QK norm fixes each block's query and key length, so the dot product of a block of width
+n is at most ``max_i |gamma_q,i gamma_k,i|`` times a constant c(n) of the norm:
+
+    rms:  ||v||_2 = sqrt(n)            ->  c(n) = n
+    l2:   ||v||_2 = 1                  ->  c(n) = 1
+    lp:   ||v||_p = 1, ||v||_2 <= n^max(0, 1/2 - 1/p)  ->  c(n) = n^max(0, 1 - 2/p)
+
+and a head's logit is at most tau_h x the sum over its blocks (content and RoPE blockwise,
+one block of width d_n + d_r unified; eps ignored). With unit weights and the default
+tau = (d_n + d_r)^-1/2, a blockwise-RMS MLA head can never exceed sqrt(d_n + d_r): a low
+learning rate that leaves the weights near one leaves the softmax that soft.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..attention.mha import MultiHeadAttention
+from ..attention.mla import MLA
+
+
+def _block_constant(kind: str, p: float, n: int) -> float:
+    if kind == "rms":
+        return float(n)
+    if kind == "l2":
+        return 1.0
+    return float(n) ** max(0.0, 1.0 - 2.0 / p)
+
+
+def _gain(q_weight: torch.Tensor, k_weight: torch.Tensor) -> float:
+    return float((q_weight.detach().float() * k_weight.detach().float()).abs().max())
+
+
+@torch.no_grad()
+def logit_bound(attn) -> Optional[float]:
+    """The largest |logit| any input can give ``attn`` (an MLA or MHA layer) with its current
+    norm weights and logit scale; None without a QK norm (unbounded)."""
+    c = attn.config
+    if c.qk_norm is None:
+        return None
+    kind, p = c.qk_norm, c.qk_norm_p
+    if isinstance(attn, MLA):
+        qn, kn = attn.q_norm, attn.k_norm
+        if c.qk_norm_mode == "unified":
+            gain = max(_gain(qn.content.weight, kn.content.weight), _gain(qn.rope.weight, kn.rope.weight))
+            dot = _block_constant(kind, p, c.qk_head_dim) * gain
+        else:
+            dot = (_block_constant(kind, p, c.qk_nope_head_dim) * _gain(qn.content.weight, kn.content.weight)
+                   + _block_constant(kind, p, c.qk_rope_head_dim) * _gain(qn.rope.weight, kn.rope.weight))
+    elif isinstance(attn, MultiHeadAttention):
+        dot = _block_constant(kind, p, c.dim_per_head) * _gain(attn.q_norm.weight, attn.k_norm.weight)
+    else:
+        raise ValueError(f"attn: expected an MLA or MultiHeadAttention, got {type(attn).__name__}")
+    scale = attn.scale
+    tau = float(scale.detach().abs().max()) if isinstance(scale, torch.Tensor) else float(scale)
+    return tau * dot
+
+
+def logit_scale(attn) -> Optional[float]:
+    """The mean learned logit scale of a layer, or None when the scale is fixed."""
+    s = getattr(attn, "logit_scale", None)
+    return None if s is None else float(s.detach().float().mean())

@@ -1,0 +1,100 @@
+"""Every experiment at its --quick size: well-formed results, figures, and resumption."""
+
+import json
+import os
+
+import pytest
+
+from qkmla.cli import main
+from qkmla.experiments import EXPERIMENTS, Options, run_experiment
+from qkmla.experiments.grid import Run, run_dir, run_grid
+
+ROW_KEYS = {"experiment", "run", "variant", "seed", "lr", "status", "steps", "final_val_loss", "best_val_loss",
+            "peak_max_logit", "peak_max_logit_post_clip", "nan_step", "seconds", "median_step_seconds"}
+FIGURES = {"lr-sweep": "lr_sweep.png", "qk-clip": "qk_clip.png", "norm-mode": "norm_mode.png",
+           "lp-sweep": "lp_sweep.png", "length": "length.png"}
+
+
+@pytest.fixture(scope="module")
+def quick_dir(tmp_path_factory):
+    """All five quick experiments in one parent directory (the later ones read lr-sweep's
+    best learning rates from the sibling lr-sweep directory, as the full ones do)."""
+    root = tmp_path_factory.mktemp("experiments")
+    for name in FIGURES:
+        run_experiment(EXPERIMENTS[name], Options(root / name, quick=True, workers=2), progress=False,
+                       command=f"qkmla experiment {name} --quick")
+    return root
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_quick_experiment_writes_results_and_figure(quick_dir, name):
+    out = quick_dir / name
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    planned = EXPERIMENTS[name].plan(Options(out, quick=True))
+    assert [r["run"] for r in rows] == [r.name for r in planned]
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["experiment"] == name and r["status"] in ("done", "non-finite")
+        assert r["seconds"] > 0 and r["peak_max_logit"] > 0
+        assert (r["final_val_loss"] is None) == (r["status"] == "non-finite")
+    assert (out / FIGURES[name]).read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["command"] == f"qkmla experiment {name} --quick" and summary["runs"] == len(rows)
+    assert summary["errors"] == [] and "|---|" in (out / "summary.md").read_text()
+
+
+def test_experiment_specific_columns(quick_dir):
+    lr = {r["run"]: r for r in map(json.loads, (quick_dir / "lr-sweep" / "results.jsonl").read_text().splitlines())}
+    clipped = [r for r in lr.values() if r["variant"].startswith("mla-qkclip")]
+    assert clipped and all(r["peak_max_logit_post_clip"] is not None for r in clipped)
+    assert all(r["logit_bound"] > 0 for r in lr.values() if "qknorm" in r["variant"])
+    clip = [json.loads(x) for x in (quick_dir / "qk-clip" / "results.jsonl").read_text().splitlines()]
+    assert all(len(r["curves"]["max_logit"]) > 1 for r in clip)
+    length = [json.loads(x) for x in (quick_dir / "length" / "results.jsonl").read_text().splitlines()]
+    for r in length:
+        assert len(r["position_loss_4x"]) == 4 * r["train_length"] and r["loss_4x_past_train"] > 0
+    lp = [json.loads(x) for x in (quick_dir / "lp-sweep" / "results.jsonl").read_text().splitlines()]
+    matched = [r for r in lp if r["matched"]]
+    assert matched and all(r["initial_scale"] > 0 and r["logit_scale"] > 0 for r in matched)
+
+
+def test_resume_reruns_nothing_finished(quick_dir):
+    out = quick_dir / "norm-mode"
+    runs = EXPERIMENTS["norm-mode"].plan(Options(out, quick=True))
+    stamps = {r.name: os.stat(run_dir(out, r) / "metrics.jsonl").st_mtime_ns for r in runs}
+    assert run_grid(runs, out, workers=1, progress=False) == {}
+    # An interrupted run (no final status) is the only one trained again.
+    (run_dir(out, runs[0]) / "status.json").unlink()
+    trained = run_grid(runs, out, workers=1, progress=False)
+    assert list(trained) == [runs[0].name] and trained[runs[0].name]["status"] == "done"
+    assert all(os.stat(run_dir(out, r) / "metrics.jsonl").st_mtime_ns == stamps[r.name] for r in runs[1:])
+
+
+def test_a_changed_plan_trains_again(quick_dir):
+    out = quick_dir / "norm-mode"
+    run = EXPERIMENTS["norm-mode"].plan(Options(out, quick=True))[1]
+    changed = Run(run.name, run.variant, {**run.train, "steps": run.train["steps"] + 1}, run.labels)
+    assert list(run_grid([changed], out, workers=1, progress=False)) == [run.name]
+
+
+def test_a_failing_run_is_reported_and_the_grid_goes_on(tmp_path, capsys):
+    good = EXPERIMENTS["norm-mode"].plan(Options(tmp_path, quick=True))[0]
+    bad = Run("bad", "bad", {**good.train, "attn": "mla-qknorm", "qk_clip": 10.0})
+    statuses = run_grid([bad, good], tmp_path, workers=1, progress=False)
+    assert statuses["bad"]["status"] == "error" and "qk_clip" in statuses["bad"]["error"]
+    assert statuses[good.name]["status"] == "done"
+    assert "run bad failed" in capsys.readouterr().out
+
+
+def test_cli_list_and_bad_arguments(tmp_path, capsys):
+    assert main(["experiment", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in FIGURES)
+    with pytest.raises(SystemExit, match="NAME: unknown 'lr-swep'; allowed: lr-sweep"):
+        main(["experiment", "lr-swep"])
+    with pytest.raises(SystemExit, match="--seeds"):
+        main(["experiment", "lr-sweep", "--seeds", "0"])
+    with pytest.raises(SystemExit, match="--sweep: no such results file"):
+        main(["experiment", "qk-clip", "--sweep", str(tmp_path / "none.jsonl")])
+    with pytest.raises(SystemExit, match="run `qkmla experiment lr-sweep --quick"):
+        main(["experiment", "qk-clip", "--quick", "--out", str(tmp_path / "alone" / "qk-clip")])

@@ -1,0 +1,66 @@
+import math
+
+import pytest
+import torch
+
+from qkmla import MLA, AttentionConfig, MLAConfig, MultiHeadAttention
+from qkmla.attention.functional import max_logits
+from qkmla.train.diagnostics import logit_bound, logit_scale
+
+
+def test_unit_weights_cap_an_rms_head_at_sqrt_of_its_width():
+    """The temperature cap of the paper's default: blockwise RMS, unit weights, tau = (d_n + d_r)^-1/2."""
+    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8)
+    assert logit_bound(MLA(cfg)) == pytest.approx(math.sqrt(24))
+    assert logit_bound(MLA(cfg.replace(qk_norm_mode="unified"))) == pytest.approx(math.sqrt(24))
+    assert logit_bound(MLA(cfg.replace(qk_norm="l2"))) == pytest.approx(2 / math.sqrt(24))
+    assert logit_bound(MLA(cfg.replace(qk_norm="lp", qk_norm_p=4.0))) == pytest.approx(
+        (16 ** 0.5 + 8 ** 0.5) / math.sqrt(24))
+    assert logit_bound(MLA(cfg.replace(qk_norm=None))) is None
+    assert logit_bound(MultiHeadAttention(AttentionConfig(head_dim=16, qk_norm="rms"))) == pytest.approx(4.0)
+
+
+def test_bound_follows_the_weights_and_the_learned_scale():
+    mla = MLA(MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, learnable_logit_scale=True))
+    base = logit_bound(mla)
+    with torch.no_grad():
+        mla.q_norm.content.weight.fill_(2.0)
+        mla.k_norm.content.weight[3] = 3.0  # the largest product decides: 2 x 3
+        mla.logit_scale[1] *= 2
+    assert logit_bound(mla) == pytest.approx(2 * base * (16 * 6 + 8) / 24)
+    assert logit_scale(mla) == pytest.approx(mla.config.scale * 5 / 4)
+
+
+@pytest.mark.parametrize("kind,mode,p", [("rms", "blockwise", 2.0), ("rms", "unified", 2.0), ("l2", "blockwise", 2.0),
+                                         ("lp", "blockwise", 4.0), ("lp", "unified", 1.5)])
+def test_bound_holds_and_is_nearly_reached(kind, mode, p):
+    """Random weights: measured logits stay under the bound. Keys equal to queries with
+    flat content and RoPE blocks reach it (up to eps)."""
+    torch.manual_seed(0)
+    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_norm=kind, qk_norm_mode=mode, qk_norm_p=p,
+                    qk_norm_eps=0.0)
+    mla = MLA(cfg).double()
+    with torch.no_grad():
+        for norm in (mla.q_norm, mla.k_norm):
+            for w in (norm.content.weight, norm.rope.weight):
+                w.uniform_(0.5, 2.0)
+    x = torch.randn(2, 12, cfg.hidden_size, dtype=torch.float64) * 3
+    q, k, _ = mla.explicit_qkv(x, torch.arange(12).expand(2, 12))
+    assert float(max_logits(q, k, mla.scale).max()) <= logit_bound(mla) * (1 + 1e-9)
+    # The bound's own extreme, q = k with constant norm weights: flat vectors for p >= 2,
+    # one-hot for p < 2 (unified: one nonzero in the whole vector).
+    qn, kn = mla.q_norm, mla.k_norm
+    flat_c, flat_r = torch.ones(1, 1, 1, 16, dtype=torch.float64), torch.ones(1, 1, 1, 8, dtype=torch.float64)
+    if p < 2:
+        flat_c, flat_r = torch.zeros_like(flat_c), torch.zeros_like(flat_r)
+        flat_c[..., 0] = 1.0
+        if mode == "blockwise":
+            flat_r[..., 0] = 1.0
+    with torch.no_grad():
+        for norm in (qn, kn):
+            norm.content.weight.fill_(1.5)
+            norm.rope.weight.fill_(1.5)
+        qc, qr = qn(flat_c, flat_r)
+        kc, kr = kn(flat_c, flat_r)
+    reached = float((qc * kc).sum() + (qr * kr).sum()) * mla.scale
+    assert reached == pytest.approx(logit_bound(mla), rel=1e-9)
