@@ -98,6 +98,27 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .interop.convert import CONVERTED_CONFIG, CONVERTED_WEIGHTS, convert_hf_dir
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    try:
+        reports = convert_hf_dir(args.hf_dir, args.out, layers=args.layer, qk_norm=args.qk_norm,
+                                 warm_start=args.warm_start, calibration_tokens=args.calibration_tokens, dtype=dtype)
+    except ValueError as e:
+        raise SystemExit(f"qkmla convert: {e}")
+    for layer, report in reports.items():
+        print(f"layer {layer}: " + "; ".join(
+            f"{block} gamma_q {r['gamma_q']:.4g} gamma_k {r['gamma_k']:.4g}, logit RMS {r['rms_unit_weights']:.3g} "
+            f"(unit weights) -> {r['rms_warm']:.3g} (source {r['rms_source']:.3g})" for block, r in report.items()))
+    print(f"wrote {Path(args.out) / CONVERTED_WEIGHTS} and {CONVERTED_CONFIG}")
+    return 0
+
+
 def _experiment(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
@@ -174,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=_generate)
+
+    cv = sub.add_parser("convert", help="HF DeepSeek-V2/V3 checkpoint directory -> MLA layers in safetensors, "
+                                        "optionally QK-normed")
+    cv.add_argument("hf_dir", help="directory with config.json and safetensors weights (sharded or not)")
+    cv.add_argument("--out", required=True, help="output directory (model.safetensors, qkmla_config.json)")
+    cv.add_argument("--qk-norm", choices=["rms", "l2", "lp"], default=None, help="add this QK norm (weights at ones)")
+    cv.add_argument("--layer", type=int, action="append", default=None, help="layer index (repeatable; default all)")
+    cv.add_argument("--warm-start", action="store_true",
+                    help="set the norm weights so the logits keep the source's scale (proxy calibration inputs)")
+    cv.add_argument("--calibration-tokens", type=int, default=512)
+    cv.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
+                    help="default: the stored dtype (bfloat16 for FP8 weights)")
+    cv.set_defaults(func=_convert)
 
     e = sub.add_parser("experiment", help="run an experiment grid (see --list), resumable, with results and figures")
     e.add_argument("name", nargs="?", help="the experiment (qkmla experiment --list)")

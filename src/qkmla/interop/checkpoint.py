@@ -187,6 +187,27 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
     return modules
 
 
+def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Named tensors of a checkpoint directory (e.g. ``model.layers.3.input_layernorm.weight``), read lazily.
+
+    Raises:
+        ValueError: naming the index (a key is not listed) or the shard (missing or unreadable).
+    """
+    root = Path(hf_dir)
+    weight_map, listing = _weight_map(root)
+    keys = list(keys)
+    missing = [k for k in keys if k not in weight_map]
+    if missing:
+        raise ValueError(f"{listing}: {missing} are not listed")
+    out = {}
+    for file in sorted({weight_map[k] for k in keys}):
+        if not (root / file).is_file():
+            raise ValueError(f"{listing} names shard file {file}, which is not in {root}")
+        with _open(root / file) as f:
+            out.update({k: f.get_tensor(k) for k in keys if weight_map[k] == file})
+    return out
+
+
 def mla_from_hf_dir(hf_dir: Union[str, Path], layer: int, **kwargs) -> MLA:
     """Layer ``layer``'s attention of an HF DeepSeek checkpoint directory (see :func:`mla_layers_from_hf_dir`)."""
     if not isinstance(layer, int) or isinstance(layer, bool):
