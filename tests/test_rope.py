@@ -52,7 +52,8 @@ def test_yarn_frequencies_blend_along_the_ramp():
     high = math.ceil(64 * math.log(4096 / (1 * 2 * math.pi)) / (2 * math.log(10000.0)))   # 23
     ramp = ((torch.arange(32, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     torch.testing.assert_close(ratio, (1 - ramp) + ramp / 40, rtol=1e-15, atol=0)
-    assert (low, high) == (10, 23) and ratio[:low + 1].eq(1).all() and torch.allclose(ratio[high:], torch.tensor(1 / 40.0).double())
+    assert (low, high) == (10, 23) and ratio[:low + 1].eq(1).all()
+    torch.testing.assert_close(ratio[high:], torch.full((32 - high,), 1 / 40, dtype=torch.float64))
 
 
 def test_yarn_factors():
@@ -96,17 +97,20 @@ def test_mla_config_yarn_scale_and_dict_round_trip():
     assert MLA(cfg).rotary.scaling == cfg.rope_scaling
 
 
+YARN = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}
+
+
 @pytest.mark.parametrize("bad,match", [
-    ({"type": "linear", "factor": 2.0}, r"rope_scaling: rope_type 'linear' is not supported; allowed: \('default', 'yarn'\)"),
+    ({"type": "linear", "factor": 2.0}, r"rope_scaling: rope_type 'linear' is not supported; "
+                                        r"allowed: \('default', 'yarn'\)"),
     ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling: YaRN needs 'original_max_position_embeddings'"),
     ({"rope_type": "yarn", "original_max_position_embeddings": 16}, "rope_scaling: YaRN needs 'factor'"),
-    ({"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 16}, "rope_scaling.factor: expected a finite number >= 1"),
-    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}, "rope_scaling.original_max_position_embeddings"),
-    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 0.5}, "rope_scaling.beta_fast"),
-    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "mscale": -1.0}, "rope_scaling.mscale"),
-    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "scale": 1.0}, "unknown YaRN keys"),
-    ({"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "partial_rotary_factor": 0.5},
-     "partial_rotary_factor"),
+    (dict(YARN, factor=0.5), "rope_scaling.factor: expected a finite number >= 1"),
+    (dict(YARN, original_max_position_embeddings=0), "rope_scaling.original_max_position_embeddings"),
+    (dict(YARN, beta_fast=0.5), "rope_scaling.beta_fast"),
+    (dict(YARN, mscale=-1.0), "rope_scaling.mscale"),
+    (dict(YARN, scale=1.0), "unknown YaRN keys"),
+    (dict(YARN, partial_rotary_factor=0.5), "partial_rotary_factor"),
     ("yarn", "rope_scaling: expected None, a YarnScaling or a dict"),
 ])
 def test_mla_config_rejects_bad_rope_scaling(bad, match):

@@ -108,8 +108,9 @@ class YarnScaling:
         # HF reads beta_fast / beta_slow as `value or default`, so None and 0 mean the default.
         kw = {k: params[k] for k in ours if params.get(k) is not None and k not in ("beta_fast", "beta_slow")}
         kw.update(beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0)
-        if isinstance(kw["original_max_position_embeddings"], float) and kw["original_max_position_embeddings"].is_integer():
-            kw["original_max_position_embeddings"] = int(kw["original_max_position_embeddings"])
+        L = kw["original_max_position_embeddings"]
+        if isinstance(L, float) and L.is_integer():  # JSON configs may spell 4096 as 4096.0
+            kw["original_max_position_embeddings"] = int(L)
         return cls(**kw)
 
     @property

@@ -169,7 +169,8 @@ def test_single_file_checkpoint_and_fp8_blocks(saved, tmp_path):
     want = (tensors[key].float() * blocks).to(torch.bfloat16)
     assert torch.equal(mla.kv_b_proj.weight, want)
     # e4m3 keeps 3 mantissa bits: 2^-4 relative, and absolute below its smallest normal
-    torch.testing.assert_close(mla.kv_b_proj.weight.double(), ref.kv_b_proj.weight, rtol=2 ** -4, atol=1e-3 * float(w.abs().amax()))
+    torch.testing.assert_close(mla.kv_b_proj.weight.double(), ref.kv_b_proj.weight, rtol=2 ** -4,
+                               atol=1e-3 * float(w.abs().amax()))
     torch.testing.assert_close(mla.q_b_proj.weight.float(), ref.q_b_proj.weight.float(), rtol=4e-3, atol=0)
     del tensors[key + "_scale_inv"]
     save_file(tensors, str(flat / "model.safetensors"))

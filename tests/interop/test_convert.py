@@ -10,8 +10,7 @@ transformers = pytest.importorskip("transformers")
 v3 = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
 
 from qkmla.cli import main  # noqa: E402
-from qkmla.interop import (load_converted, mla_from_hf, mla_layers_from_hf_dir, save_converted,  # noqa: E402
-                           warm_start_qk_norm)
+from qkmla.interop import load_converted, mla_from_hf, mla_layers_from_hf_dir, save_converted, warm_start_qk_norm  # noqa: E402
 from qkmla.interop.convert import CONVERTED_CONFIG, _block_scores, _rms, plain_copy  # noqa: E402
 
 T = 48
@@ -74,7 +73,7 @@ def test_warm_start_matches_the_source_logit_scale(saved, qk_norm, mode):
         report = warm_start_qk_norm(mla, source, cal[i][0])
         for block in ("content", "rope"):  # exact on the calibration batch, per block
             assert report[block]["rms_warm"] == pytest.approx(report[block]["rms_source"], rel=1e-10)
-            assert torch.all(mla.q_norm.__getattr__(block).weight == report[block]["gamma_q"])
+            assert torch.all(getattr(mla.q_norm, block).weight == report[block]["gamma_q"])
         ratio, err = logit_stats(mla, source, *test[i])
         assert 0.9 < ratio < 1.1 and not 0.8 < unit_ratio < 1.25, (ratio, unit_ratio)
         assert err < 0.9 * unit_err, (err, unit_err)  # closer to the source function, though not equal
@@ -86,7 +85,7 @@ def test_warm_start_bad_input(saved):
     plain = mla_layers_from_hf_dir(path, 0)[0]
     with pytest.raises(ValueError, match="mla: has no QK norm"):
         warm_start_qk_norm(plain, plain, torch.randn(1, 4, 64))
-    other = mla_from_hf(transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(
+    other = mla_from_hf(v3.DeepseekV3Attention(
         transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
                                       q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16), 0))
     with pytest.raises(ValueError, match="source: its shape"):

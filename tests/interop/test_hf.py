@@ -27,7 +27,6 @@ v2 = pytest.importorskip("transformers.models.deepseek_v2.modeling_deepseek_v2")
 
 from qkmla import LatentCache  # noqa: E402
 from qkmla.interop import load_hf_attention_weights, mla_config_from_hf, mla_from_hf  # noqa: E402
-from qkmla.rope import YarnScaling  # noqa: E402
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, attn_implementation="eager")
@@ -135,7 +134,7 @@ CASES = [pytest.param(layer, q, rope, id=f"{layer}-q{q}-{rope}")
 def test_outputs_match_hf(layer_name, q_lora_rank, rope, monkeypatch):
     """Explicit path and prefill-then-absorbed-decode against transformers, past L0 for YaRN."""
     version, extra = LAYERS[layer_name]
-    cfg, layer, rotary = hf_layer(version, q_lora_rank, ROPES[rope], **extra)
+    _, layer, rotary = hf_layer(version, q_lora_rank, ROPES[rope], **extra)
     x = torch.randn(2, T, 64, dtype=torch.float64)
     pos = torch.arange(T)[None].expand(2, T)
     mla = mla_from_hf(layer).eval()
@@ -186,7 +185,7 @@ def test_yarn_frequencies_and_scales_match_hf(layer_name):
     deepseek = dict(rope_type="yarn", factor=40.0, mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
                     original_max_position_embeddings=4096)
     for rope in (deepseek, ROPES["yarn"], ROPES["yarn-plain"], dict(deepseek, truncate=False, mscale=1.0)):
-        cfg, layer, rotary = hf_layer(version, 32, rope, qk_rope_head_dim=64, rope_theta=10000.0, **extra)
+        _, layer, rotary = hf_layer(version, 32, rope, qk_rope_head_dim=64, rope_theta=10000.0, **extra)
         mla = mla_from_hf(layer)
         ours = mla.rotary.inv_freq
         # HF's float32 ramp r carries 2^-24-sized errors, which w = (1 - r) w / s + r w scales by up to s
@@ -212,7 +211,7 @@ def test_triton_kernel_path_matches_hf(layer_name):
     """Absorbed decode through the fused kernel (Triton's interpreter on CPU), YaRN past L0."""
     pytest.importorskip("triton")
     version, extra = LAYERS[layer_name]
-    cfg, layer, rotary = hf_layer(version, 32, ROPES["yarn"], **extra)
+    _, layer, rotary = hf_layer(version, 32, ROPES["yarn"], **extra)
     x = torch.randn(2, 40, 64, dtype=torch.float64)
     pos = torch.arange(40)[None].expand(2, 40)
     ref = hf_forward(version, layer, x, rotary(x, pos))
@@ -242,7 +241,7 @@ def test_qk_norm_can_start_from_hf_weights():
 
 
 def test_whole_model_state_dict_with_prefix_and_errors():
-    cfg, layer, _ = hf_layer(3, 32)
+    _, layer, _ = hf_layer(3, 32)
     sd = {f"model.layers.5.self_attn.{k}": v for k, v in layer.state_dict().items()}
     mla = mla_from_hf(layer)
     other = type(mla)(mla.config).double()
