@@ -5,7 +5,12 @@
 ``o_proj``), so an HF attention state dict loads without renaming. Only the QK-norm
 weights (``q_norm.*``, ``k_norm.*``) and a learnable ``logit_scale`` are ours; an HF
 layer has none, so they keep their initial values (ones: the norm starts as a pure
-statistic).
+statistic, which changes the layer's function; see :mod:`qkmla.interop.convert` for what it
+computes then and for the warm start).
+
+RoPE is read as transformers reads it: the default, or YaRN (``rope_parameters`` in
+transformers 5, ``rope_scaling`` in 4.x and DeepSeek's config.json), which becomes
+``MLAConfig.rope_scaling``; any other type is refused.
 
 Nothing here imports ``transformers``: these functions read attributes of the config and
 tensors of the state dict, so they also work on a checkpoint opened with safetensors.
