@@ -44,3 +44,21 @@ def threads():
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def refused(capsys):
+    """refused(argv, pattern): ``qkmla argv`` refuses with exit status 2 and one stderr line
+    ``qkmla COMMAND: ...`` matching ``pattern`` (a regex), and no traceback."""
+    import re
+
+    from qkmla.cli import main
+
+    def run(argv, pattern):
+        capsys.readouterr()
+        assert main(list(argv)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"qkmla {argv[0]}: ") and "Traceback" not in err, err
+        assert re.search(pattern, err), err
+        return err
+    return run

@@ -33,9 +33,8 @@ def test_verify_exits_non_zero_on_failure(monkeypatch, capsys):
     assert "FAILED: rms-blockwise/float64" in capsys.readouterr().err
 
 
-def test_verify_unknown_variant():
-    with pytest.raises(SystemExit, match="--variant"):
-        main(["verify", "--variant", "rms-fast"])
+def test_verify_unknown_variant(refused):
+    refused(["verify", "--variant", "rms-fast"], "--variant")
 
 
 def test_cache_size_presets(capsys):
@@ -58,11 +57,9 @@ def test_cache_size_from_flags(capsys):
     assert rows["mla-qknorm"]["bytes_per_request"] == (20 * 4 + 4 * 4) * 2 * 10
 
 
-def test_cache_size_needs_a_shape():
-    with pytest.raises(SystemExit, match="--preset"):
-        main(["cache-size"])
-    with pytest.raises(SystemExit, match="tokens"):
-        main(["cache-size", "--preset", "tiny", "--tokens", "0"])
+def test_cache_size_needs_a_shape(refused):
+    refused(["cache-size"], "--preset")
+    refused(["cache-size", "--preset", "tiny", "--tokens", "0"], "tokens")
 
 
 def test_console_entry_point_runs():
@@ -86,17 +83,13 @@ def test_train_plot_generate(tmp_path, capsys):
     assert out.startswith("ROMEO:") and out.count("-" * 40) == 2
 
 
-def test_train_bad_arguments(tmp_path):
+def test_train_bad_arguments(tmp_path, refused):
     with pytest.raises(SystemExit):
         main(["train", "--attn", "linear"])
-    with pytest.raises(SystemExit, match="--steps"):
-        main(["train", "--steps", "0", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="qk-norm-p"):
-        main(["train", "--qk-norm-p", "0.5", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--softmax-scale"):
-        main(["train", "--softmax-scale", "0", "--out", str(tmp_path)])
-    with pytest.raises(SystemExit, match="run_dir"):
-        main(["generate", str(tmp_path / "nothing")])
+    refused(["train", "--steps", "0", "--out", str(tmp_path)], "--steps")
+    refused(["train", "--qk-norm-p", "0.5", "--out", str(tmp_path)], "qk-norm-p")
+    refused(["train", "--softmax-scale", "0", "--out", str(tmp_path)], "--softmax-scale")
+    refused(["generate", str(tmp_path / "nothing")], "run_dir")
 
 
 def test_train_learnable_logit_scale_flag(tmp_path, capsys):
@@ -106,3 +99,75 @@ def test_train_learnable_logit_scale_flag(tmp_path, capsys):
                  "--no-progress", "--out", str(run)]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["logit_scale"] > 0 and rows[-1]["logit_bound"] > 0
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--grad-clip", "-1", r"--grad-clip: expected a finite number >= 0, got -1.0"),
+    ("--min-lr-ratio", "-0.5", r"--min-lr-ratio: expected a finite number >= 0 and <= 1"),
+    ("--warmup-steps", "-3", r"--warmup-steps: expected an int >= 0"),
+    ("--qk-clip", "0", r"--qk-clip: expected a finite number > 0"),
+    ("--qk-clip-alpha", "1.5", r"--qk-clip-alpha: expected a finite number >= 0 and <= 1"),
+    ("--lr", "nan", r"--lr: expected a finite number > 0, got nan"),
+    ("--lr", "inf", r"--lr: expected a finite number > 0, got inf"),
+    ("--qk-norm-p", "inf", r"--qk-norm-p: expected a finite number >= 1"),
+    ("--weight-decay", "nan", r"--weight-decay: expected a finite number >= 0"),
+    ("--block-size", "1", r"--block-size: expected an int >= 2"),
+    ("--dist-timeout", "0", r"--dist-timeout: expected a finite number > 0"),
+])
+def test_train_ranges_are_checked_at_parse_time(tmp_path, refused, flag, value, message):
+    refused(["train", flag, value, "--out", str(tmp_path / "run")], message)
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_train_qk_clip_with_a_norm_and_batch_over_ranks(tmp_path, refused, monkeypatch):
+    refused(["train", "--attn", "mla-qknorm", "--qk-clip", "100", "--out", str(tmp_path)], "--qk-clip: applies to")
+    refused(["train", "--resume", "--overwrite", "--out", str(tmp_path)], "--overwrite: cannot be combined")
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--tokens", "0", "--tokens: expected a positive int"), ("--temperature", "-1", "--temperature: expected a finite"),
+    ("--temperature", "nan", "--temperature: expected a finite"), ("--top-k", "0", "--top-k: expected a positive int"),
+])
+def test_generate_ranges_are_checked_before_loading(tmp_path, refused, flag, value, message):
+    refused(["generate", str(tmp_path / "no-run"), flag, value], message)
+
+
+def test_generate_lists_unknown_characters(tmp_path, refused):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--steps", "1", "--batch-size", "2", "--block-size", "8",
+                 "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
+    refused(["generate", str(run), "--prompt", "héllo€"], r"characters outside the vocabulary: \['é', '€'\]")
+
+
+def test_cache_size_refuses_impossible_shapes(refused):
+    base = ["cache-size", "--num-layers", "2", "--num-heads", "4", "--head-dim", "8"]
+    refused(base + ["--num-kv-heads", "8"], r"--num-kv-heads: must divide num_heads=4 \(allowed: \[1, 2, 4\]\)")
+    refused(base + ["--num-kv-heads", "3"], "--num-kv-heads: must divide")
+    refused(base + ["--kv-lora-rank", "16", "--qk-rope-head-dim", "5"], "--qk-rope-head-dim: RoPE rotates pairs")
+    refused(base + ["--kv-lora-rank", "16", "--qk-rope-head-dim", "4", "--num-kv-groups", "3"], "--num-kv-groups")
+
+
+def test_an_internal_error_prints_its_traceback_and_asks_for_a_report(monkeypatch, capsys):
+    """Not a refused argument but a bug: the traceback stays, with a request to report it."""
+    from qkmla.cache import size
+
+    def broken(shape, tokens):
+        raise RuntimeError("something qkmla did not expect")
+
+    monkeypatch.setattr(size, "cache_rows", broken)
+    monkeypatch.setattr("qkmla.cli.cache_rows", broken)
+    assert main(["cache-size", "--preset", "tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: something qkmla did not expect" in err
+    assert "internal error: this is a bug in qkmla; please report it" in err
+
+
+def test_plot_refuses_empty_metrics_and_writes_exactly_the_named_file(tmp_path, refused, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    refused(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")], "no metrics rows in")
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--block-size", "8",
+                 "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves")]) == 0
+    assert (tmp_path / "curves").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "curves.png").exists()

@@ -17,6 +17,9 @@ from qkmla import MLA_PRESETS, AttentionConfig, MLAConfig, mla_preset
         (dict(hidden_size=64.0), "hidden_size"),
         (dict(softmax_scale=0.0), "softmax_scale"),
         (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(softmax_scale=float("inf")), "softmax_scale: expected a finite positive number"),
+        (dict(latent_norm_eps=float("inf")), "latent_norm_eps: expected a finite number"),
+        (dict(rope_theta=float("inf")), "rope_theta"),
     ],
 )
 def test_invalid_mla_config_names_the_argument(kwargs, argument):

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from .cache.size import CACHE_PRESETS, DTYPE_BYTES, cache_rows, format_table
@@ -17,7 +18,7 @@ def _verify(args: argparse.Namespace) -> int:
     names = args.variant or list(verify.VARIANTS)
     unknown = [n for n in names if n not in verify.VARIANTS]
     if unknown:
-        raise SystemExit(f"qkmla verify: --variant: unknown {unknown}; allowed: {list(verify.VARIANTS)}")
+        raise ValueError(f"--variant: unknown {unknown}; allowed: {list(verify.VARIANTS)}")
     rows = [row for n in names for row in verify.verify_variant(n, verify.VARIANTS[n], seed=args.seed)]
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
@@ -44,14 +45,11 @@ def _cache_size(args: argparse.Namespace) -> int:
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_heads", "head_dim") if flags[f] is None]
         if missing:
-            raise SystemExit(f"qkmla cache-size: give --preset (one of {sorted(CACHE_PRESETS)}) or {', '.join(missing)}")
+            raise ValueError(f"give --preset (one of {sorted(CACHE_PRESETS)}) or {', '.join(missing)}")
         flags["num_kv_heads"] = flags["num_kv_heads"] or flags["num_heads"]
         flags["dtype"] = flags["dtype"] or "bf16"
         shape, title = CacheShape(**{k: v for k, v in flags.items() if v is not None}), "custom"
-    try:
-        rows = cache_rows(shape, args.tokens)
-    except ValueError as e:
-        raise SystemExit(f"qkmla cache-size: {e}")
+    rows = cache_rows(shape, args.tokens)
     if args.json:
         print(json.dumps({"preset": title, "shape": dataclasses.asdict(shape), "rows": rows}, indent=1))
     else:
@@ -71,10 +69,7 @@ def _train(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from .train.plot import plot_runs
 
-    try:
-        path = plot_runs(args.runs, args.out)
-    except ValueError as e:
-        raise SystemExit(f"qkmla plot: {e}")
+    path = plot_runs(args.runs, args.out)
     print(f"wrote {path}")
     return 0
 
@@ -82,16 +77,15 @@ def _plot(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .model.generate import generate
+    from .model.generate import check_sampling, generate
     from .train.trainer import load_model
 
-    try:
-        model, tok = load_model(args.run)
-        prompts = [tok.encode(p) for p in args.prompt]
-    except ValueError as e:
-        raise SystemExit(f"qkmla generate: {e}")
+    check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
+
+    model, tok = load_model(args.run)
+    prompts = [tok.encode(p) for p in args.prompt]
     gen = torch.Generator().manual_seed(args.seed)
-    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen)
+    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=True)
     for p, o in zip(args.prompt, outs):
         print(p + tok.decode(o))
         print("-" * 40)
@@ -106,11 +100,8 @@ def _convert(args: argparse.Namespace) -> int:
     from .interop.convert import CONVERTED_CONFIG, CONVERTED_WEIGHTS, convert_hf_dir
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    try:
-        reports = convert_hf_dir(args.hf_dir, args.out, layers=args.layer, qk_norm=args.qk_norm,
-                                 warm_start=args.warm_start, calibration_tokens=args.calibration_tokens, dtype=dtype)
-    except ValueError as e:
-        raise SystemExit(f"qkmla convert: {e}")
+    reports = convert_hf_dir(args.hf_dir, args.out, layers=args.layer, qk_norm=args.qk_norm,
+                             warm_start=args.warm_start, calibration_tokens=args.calibration_tokens, dtype=dtype)
     for layer, report in reports.items():
         print(f"layer {layer}: " + "; ".join(
             f"{block} gamma_q {r['gamma_q']:.4g} gamma_k {r['gamma_k']:.4g}, logit RMS {r['rms_unit_weights']:.3g} "
@@ -130,21 +121,18 @@ def _experiment(args: argparse.Namespace) -> int:
             print(f"{e.name:<12} {e.description}")
         return 0 if args.list else 2
     if args.name not in EXPERIMENTS:
-        raise SystemExit(f"qkmla experiment: NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
+        raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
     if args.seeds is not None and args.seeds < 1:
-        raise SystemExit(f"qkmla experiment: --seeds: expected a positive int, got {args.seeds}")
+        raise ValueError(f"--seeds: expected a positive int, got {args.seeds}")
     if args.workers < 0:
-        raise SystemExit(f"qkmla experiment: --workers: expected 0 (one per core) or a positive int, got {args.workers}")
+        raise ValueError(f"--workers: expected 0 (one per core) or a positive int, got {args.workers}")
     if args.sweep is not None and not Path(args.sweep).is_file():
-        raise SystemExit(f"qkmla experiment: --sweep: no such results file: {args.sweep}")
+        raise ValueError(f"--sweep: no such results file: {args.sweep}")
     out = Path(args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}")
     options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
                       sweep=Path(args.sweep) if args.sweep else None)
     command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))
-    try:
-        report = run_experiment(EXPERIMENTS[args.name], options, progress=not args.no_progress, command=command)
-    except ValueError as e:
-        raise SystemExit(f"qkmla experiment {args.name}: {e}")
+    report = run_experiment(EXPERIMENTS[args.name], options, progress=not args.no_progress, command=command)
     print(report.table)
     print(f"results: {out / 'results.jsonl'}; figures: {', '.join(str(f) for f in report.figures)}")
     return 0
@@ -221,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_experiment)
 
-    d = sub.add_parser("demo", help="the main job: QK-normed vs plain MLA at a moderate and a high lr (~3 min on 2 cores)")
+    d = sub.add_parser("demo", help="the main job: QK-normed vs plain MLA at a moderate and a high lr "
+                                    "(~3 min on 2 cores)")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--steps", type=int, default=None, help="steps per run (default 750: fixed, so results reproduce)")
     d.add_argument("--preset", default="cpu")
@@ -230,12 +219,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command. qkmla's own errors (a refused argument, run directory or file) print
+    one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; anything else is a bug and
+    prints its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        from .train.cli import flag_message
+
+        message = str(e)
+        if args.command == "train":
+            message = flag_message(message)
+        elif args.command == "cache-size":
+            message = flag_message(message, _SHAPE_FLAGS + ("dtype", "scalar_dtype", "tokens"))
+        print(f"qkmla {args.command}: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"qkmla {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "
+              "line and the traceback above", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ def _check_qk_norm(qk_norm, qk_norm_p, qk_norm_eps, softmax_scale) -> None:
         raise ValueError(f"qk_norm_p: expected a finite number >= 1 (a norm needs p >= 1), got {qk_norm_p!r}")
     if not isinstance(qk_norm_eps, (int, float)) or not math.isfinite(qk_norm_eps) or qk_norm_eps < 0:
         raise ValueError(f"qk_norm_eps: expected a finite number >= 0, got {qk_norm_eps!r}")
-    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0):
-        raise ValueError(f"softmax_scale: expected a positive number or None, got {softmax_scale!r}")
+    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
+                                      or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
 
 
 def _check_groups(name: str, groups: int, num_heads: int) -> None:
@@ -49,7 +50,7 @@ def _check_groups(name: str, groups: int, num_heads: int) -> None:
 def _check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
+    if not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
         raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
 
 
@@ -112,8 +113,8 @@ class MLAConfig:
         _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
         if self.qk_norm_mode not in QK_NORM_MODES:
             raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {self.qk_norm_mode!r}")
-        if not self.latent_norm_eps >= 0:
-            raise ValueError(f"latent_norm_eps: expected a number >= 0, got {self.latent_norm_eps!r}")
+        if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
+            raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
 
     @property
     def qk_head_dim(self) -> int:

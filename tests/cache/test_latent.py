@@ -62,3 +62,25 @@ def test_bad_sizes():
         LatentCache(1, 0, 4, 2)
     with pytest.raises(ValueError, match="batch_size"):
         LatentCache(-1, 4, 4, 2)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype=torch.int32), "dtype: expected a floating-point torch.dtype"),
+    (dict(scalar_dtype=torch.int8), "scalar_dtype: expected a floating-point"),
+    (dict(kv_lora_rank=0), "kv_lora_rank: expected an int >= 1"),
+    (dict(qk_rope_head_dim=-2), "qk_rope_head_dim: expected an int >= 1"),
+    (dict(num_kv_groups=-1), "num_kv_groups: expected an int >= 0"),
+])
+def test_latent_cache_refuses_bad_construction(kwargs, message):
+    args = dict(batch_size=1, capacity=4, kv_lora_rank=8, qk_rope_head_dim=4, num_kv_groups=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        LatentCache(**args)
+
+
+def test_full_cache_refuses_bad_construction():
+    from qkmla import FullKVCache
+
+    with pytest.raises(ValueError, match="dtype: expected a floating-point"):
+        FullKVCache(1, 4, 2, 8, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="k_dim: expected an int >= 1"):
+        FullKVCache(1, 4, 2, 0, 8)

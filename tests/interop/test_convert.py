@@ -114,7 +114,7 @@ def test_save_and_load_converted(saved, tmp_path):
         save_converted({}, tmp_path / "empty")
 
 
-def test_cli_convert(saved, tmp_path, capsys):
+def test_cli_convert(saved, tmp_path, capsys, refused):
     path, model = saved
     assert main(["convert", str(path), "--out", str(tmp_path / "plain"), "--dtype", "float64"]) == 0
     plain = load_converted(tmp_path / "plain")
@@ -129,10 +129,8 @@ def test_cli_convert(saved, tmp_path, capsys):
     qk = load_converted(tmp_path / "qk")
     assert list(qk) == [1] and qk[1].config.qk_norm == "rms" and qk[1].kv_b_proj.weight.dtype == torch.float32
     assert not torch.all(qk[1].q_norm.content.weight == 1)
-    with pytest.raises(SystemExit, match=r"qkmla convert: layers: expected layer indices in \[0, 3\)"):
-        main(["convert", str(path), "--out", str(tmp_path / "bad"), "--layer", "3"])
-    with pytest.raises(SystemExit, match="qkmla convert: warm_start: only meaningful with a QK norm"):
-        main(["convert", str(path), "--out", str(tmp_path / "bad"), "--warm-start"])
-    with pytest.raises(SystemExit, match="qkmla convert: hf_dir: .* is not a directory"):
-        main(["convert", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")])
+    bad = str(tmp_path / "bad")
+    refused(["convert", str(path), "--out", bad, "--layer", "3"], r"qkmla convert: layers: expected layer indices in \[0, 3\)")
+    refused(["convert", str(path), "--out", bad, "--warm-start"], "qkmla convert: warm_start: only meaningful with a QK norm")
+    refused(["convert", str(tmp_path / "nowhere"), "--out", bad], "qkmla convert: hf_dir: .* is not a directory")
     assert not (tmp_path / "bad").exists()

@@ -108,3 +108,87 @@ def test_two_processes_match_one(tmp_path, mode):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
     assert (tmp_path / "two" / "checkpoint.safetensors").is_file()
+
+
+def test_resume_refuses_a_different_model_and_lists_the_differences(tmp_path):
+    train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"(?s)trained differently.*attn: stored 'mla-qknorm', now "
+                                         r"'mla-qknorm-unified'.*block_size: stored 16, now 32"):
+        train(TrainConfig(**{**FAST, "block_size": 32}, steps=4, attn="mla-qknorm-unified", out=str(tmp_path),
+                          resume=True))
+    # What may change on resume does: more steps, another lr and eval interval.
+    status = train(TrainConfig(**{**FAST, "eval_interval": 2}, steps=4, lr=2e-3, out=str(tmp_path), resume=True))
+    assert status["status"] == "done" and status["step"] == 4
+
+
+def test_a_corrupt_checkpoint_is_one_clear_error(tmp_path):
+    from qkmla.train.checkpoint import FILENAME, CheckpointError, read_checkpoint
+
+    train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))
+    path = tmp_path / FILENAME
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte inside the last tensor's data
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path} is corrupt: 1 tensor"):
+        read_checkpoint(tmp_path)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CheckpointError, match=f"{path} is truncated or corrupt"):
+        train(TrainConfig(**FAST, steps=4, out=str(tmp_path), resume=True))
+
+
+def test_data_too_short_for_a_block_is_refused_before_training(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("abcdefghij" * 10)  # 100 characters: 10 in the validation split
+    with pytest.raises(ValueError, match="validation split has 10 tokens, too few for one block of block_size=16"):
+        train(TrainConfig(**FAST, steps=2, data=str(text), out=str(tmp_path / "run")))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="empty.txt is empty"):
+        train(TrainConfig(**FAST, steps=2, data=str(tmp_path / "empty.txt"), out=str(tmp_path / "run2")))
+
+
+def test_collective_timeout_ends_a_torchrun_job_with_a_clear_message(tmp_path):
+    """Two gloo ranks; rank 1 is stopped (SIGSTOP) mid-run. Rank 0 gives up after
+    --dist-timeout seconds with a one-line reason, status.json says the same, and the last
+    checkpoint stays."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    args = ["--preset", "debug", "--batch-size", "4", "--block-size", "16", "--steps", "10000", "--eval-interval",
+            "10000", "--eval-iters", "1", "--no-progress", "--attn", "mla", "--ckpt-interval", "1",
+            "--dist-timeout", "3", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "qkmla.train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env)
+
+    def rank_pid(rank):
+        for d in Path("/proc").iterdir():
+            try:
+                cmd, environ = (d / "cmdline").read_bytes(), (d / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(out).encode() in cmd and b"torch.distributed.run" not in cmd and f"RANK={rank}".encode() in environ:
+                return int(d.name)
+
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        while len(read(out)) < 3 if (out / "metrics.jsonl").is_file() else True:
+            assert time.time() < deadline and job.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        stopped = rank_pid(1)
+        os.kill(stopped, signal.SIGSTOP)
+        while json.loads((out / "status.json").read_text())["status"] == "running":
+            assert time.time() < deadline, "rank 0 did not time out"
+            time.sleep(0.2)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
+        _, err = job.communicate(timeout=120)
+    assert job.returncode != 0
+    status = json.loads((out / "status.json").read_text())
+    assert status["status"] == "failed" and "waited more than dist_timeout=3 s" in status["error"]
+    assert "qkmla train: rank 0: a collective waited more than dist_timeout=3 s" in err
+    assert status["last_checkpoint"] and Path(status["last_checkpoint"]).is_file()

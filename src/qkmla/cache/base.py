@@ -48,6 +48,20 @@ class WriteSlot:
         return (j <= self.positions[..., None]) & (j < self.seqlens[:, None, None])
 
 
+def check_dims(allow_zero: tuple = (), **dims) -> None:
+    """Every width is a positive int (or >= 0 for the names in ``allow_zero``)."""
+    for name, v in dims.items():
+        low = 0 if name in allow_zero else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+
+
+def check_dtype(name: str, dtype) -> None:
+    """Cached rows are floating point (an integer buffer would truncate them silently)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+
+
 class SequenceCache:
     """Base of every cache: B sequences of at most ``capacity`` tokens, named fields."""
 

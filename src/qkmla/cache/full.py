@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .base import SequenceCache, WriteSlot
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from .storage import Layout
 
 
@@ -23,6 +23,8 @@ class FullKVCache(SequenceCache):
     def __init__(self, batch_size: int, capacity: int, num_kv_heads: int, k_dim: int, v_dim: int,
                  dtype: torch.dtype = torch.float32, device=None, layout: Optional[Layout] = None,
                  fill: float = 0.0):
+        check_dims(num_kv_heads=num_kv_heads, k_dim=k_dim, v_dim=v_dim)
+        check_dtype("dtype", dtype)
         super().__init__(batch_size, capacity, device, layout)
         self.num_kv_heads, self.k_dim, self.v_dim = num_kv_heads, k_dim, v_dim
         self._add_field("k", num_kv_heads * k_dim, dtype, fill)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..config import MLAConfig
-from .base import SequenceCache
+from .base import SequenceCache, check_dims, check_dtype
 from .storage import Layout, PagedBuffer
 
 
@@ -43,6 +43,11 @@ class LatentCache(SequenceCache):
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
                  fill: float = 0.0):
+        check_dims(("num_kv_groups",), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+                   num_kv_groups=num_kv_groups)
+        check_dtype("dtype", dtype)
+        if scalar_dtype is not None:
+            check_dtype("scalar_dtype", scalar_dtype)
         super().__init__(batch_size, capacity, device, layout)
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
         self._add_field("latent", kv_lora_rank + qk_rope_head_dim, dtype, fill)

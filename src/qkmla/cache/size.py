@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import MLA_PRESETS, PRESET_NUM_LAYERS
+from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, _check_groups, _check_positive_int, _check_rope
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -42,13 +42,19 @@ class CacheShape:
     scalar_dtype: Optional[str] = None  # None means dtype
 
     def __post_init__(self) -> None:
+        """The configs' own checks: a shape no model could have is refused."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name in ("dtype", "scalar_dtype"):
                 if v is not None and v not in DTYPE_BYTES:
                     raise ValueError(f"{f.name}: expected one of {sorted(DTYPE_BYTES)}, got {v!r}")
-            elif v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
+            else:
+                _check_positive_int(f.name, v, allow_none=True)
+        _check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
+        if self.num_kv_groups is not None:
+            _check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
+        if self.qk_rope_head_dim is not None:
+            _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, 10000.0)
 
     @property
     def has_mla(self) -> bool:

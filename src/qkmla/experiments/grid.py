@@ -80,7 +80,9 @@ def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
             status = json.loads((path_ / "status.json").read_text())
         else:
             resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
-            status = train_run(TrainConfig(**{**train, "out": path, "progress": False, "resume": resume}))
+            # Not resumable (none or another config's checkpoint): what is there is replaced.
+            status = train_run(TrainConfig(**{**train, "out": path, "progress": False, "resume": resume,
+                                              "overwrite": not resume}))
         if measure is not None and status["status"] in FINISHED:
             (path_ / "measure.json").write_text(json.dumps(measure(path_)))
         return status

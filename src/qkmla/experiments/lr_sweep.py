@@ -116,8 +116,8 @@ def report(rows: list[dict], options: Options) -> Report:
                   for opt in OPTIMIZERS for v, s in summary[opt].items()]
     bound_lines = [[opt, v] + [fmt(e["logit_bound"], ".1f") for e in s["per_lr"]]
                    for opt in OPTIMIZERS for v, s in summary[opt].items() if s["per_lr"][0]["logit_bound"] is not None]
-    text = table(header, lines) + "\nFinal validation loss by learning rate (mean ± std over seeds; diverged = ln V):\n\n" + \
-        table(loss_header, loss_lines) + "\nLogit bound of the QK-normed layers at the end (the most any input " \
+    text = table(header, lines) + "\nFinal validation loss by learning rate (mean ± std over seeds; " \
+        "diverged = ln V):\n\n" + table(loss_header, loss_lines) + "\nLogit bound of the QK-normed layers at the end (the most any input " \
         "could reach with the learned norm weights and scale; mean over seeds):\n\n" + table(loss_header, bound_lines)
     return Report(summary, text, figures)
 

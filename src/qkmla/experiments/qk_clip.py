@@ -15,7 +15,7 @@ from .base import Experiment, Options, Report, train_settings
 from .figures import fmt, pyplot, save, table
 from .grid import Run
 from .lr_sweep import TIGHT_TAU, VARIANTS
-from .results import best_lr, curve, group, mean_std, read_results
+from .results import best_lr, curve, group, mean_std, read_results, values
 from ..train.plot import read_metrics
 
 OPTIMIZER = "muon"
@@ -54,8 +54,8 @@ def measure(path: Path) -> dict:
     if any("max_logit_post_clip" in r for r in rows):
         out["curves"]["max_logit_post_clip"] = curve(rows, "max_logit_post_clip", CURVE_EVERY)
     n = len(rows)
-    mid = [r["max_logit"] for r in rows[int(0.4 * n):int(0.5 * n)]]
-    late = [r["max_logit"] for r in rows[int(0.9 * n):]]
+    mid = values(rows[int(0.4 * n):int(0.5 * n)], "max_logit")
+    late = values(rows[int(0.9 * n):], "max_logit")
     if mid and late:  # a plateau keeps the late max logit near the mid-training one
         out["max_logit_mid"] = sum(mid) / len(mid)
         out["max_logit_late"] = sum(late) / len(late)

@@ -35,19 +35,26 @@ def _clean(obj):
 
 def curve(rows: list[dict], key: str, every: int) -> list:
     """[[step, value], ...] of ``key`` at every ``every``-th logged step (and the last one)."""
-    pts = [(r["step"], r[key]) for r in rows if key in r]
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
     return [list(p) for i, p in enumerate(pts) if i % every == 0 or i == len(pts) - 1]
+
+
+def values(rows: list[dict], key: str) -> list[float]:
+    """The numbers logged under ``key`` (null marks a non-finite value: skipped)."""
+    return [r[key] for r in rows if r.get(key) is not None]
 
 
 def summarize(experiment: str, run: Run, out: Path) -> dict:
     """The results row of one run (see the module docstring)."""
     path = run_dir(out, run)
-    status = json.loads((path / "status.json").read_text()) if (path / "status.json").is_file() else {"status": "missing"}
+    status = {"status": "missing"}
+    if (path / "status.json").is_file():
+        status = json.loads((path / "status.json").read_text())
     rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     vals = [finite(r["val_loss"]) for r in rows if "val_loss" in r]
     last = {k: r[k] for r in rows for k in ("logit_bound", "logit_scale") if k in r}
-    post = [r["max_logit_post_clip"] for r in rows if "max_logit_post_clip" in r]
+    post = values(rows, "max_logit_post_clip")
     done = status["status"] == "done"
     row = {
         "experiment": experiment, "run": run.name, "variant": run.variant, **run.labels,
@@ -55,12 +62,12 @@ def summarize(experiment: str, run: Run, out: Path) -> dict:
         "initial_loss": math.log(config["model"]["vocab_size"]) if config else None,
         "final_val_loss": vals[-1] if done and vals else None,
         "best_val_loss": min((v for v in vals if v is not None), default=None),
-        "peak_max_logit": max((r["max_logit"] for r in rows), default=None),
+        "peak_max_logit": max(values(rows, "max_logit"), default=None),
         "peak_max_logit_post_clip": max(post) if post else None,
         "clipped_steps": sum(1 for r in rows if r.get("clipped_heads", 0) > 0) if post else None,
         "nan_step": status.get("step") if status["status"] == "non-finite" else None,
         "seconds": status.get("seconds"),
-        "median_step_seconds": statistics.median(r["step_seconds"] for r in rows) if rows else None,
+        "median_step_seconds": statistics.median(values(rows, "step_seconds")) if rows else None,
         **last,
     }
     if (path / "measure.json").is_file():

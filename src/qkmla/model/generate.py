@@ -2,10 +2,16 @@
 
 Prompts of different lengths share one batch: they are right-padded, prefilled in one call
 with ``input_lengths``, and each sequence then continues from its own last token.
+
+The model never saw positions past its ``block_size``, so generation slides a window: when
+a sequence fills the context, every sequence's last ``block_size // 2`` tokens are
+prefilled into fresh caches (positions from 0 again) and decoding goes on from there. A
+prompt longer than the context keeps its last ``block_size - 1`` tokens.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -13,13 +19,20 @@ import torch
 from .gpt import GPT
 
 
+def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", "temperature", "top_k")) -> None:
+    """The sampling arguments' ranges (``names``: how the caller spells them)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{names[0]}: expected a positive int, got {max_new_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"{names[1]}: expected a finite number >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"{names[2]}: expected a positive int or None, got {top_k!r}")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row of logits [B, V]; temperature 0 is greedy."""
-    if temperature < 0:
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
+    check_sampling(1, temperature, top_k)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -29,28 +42,53 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
+def _prefill(model: GPT, windows: list[list[int]], capacity: int) -> tuple[list, torch.Tensor]:
+    """Fresh caches holding ``windows`` (right-padded); returns them and each window's last logits."""
+    device = model.wte.weight.device
+    lengths = torch.tensor([len(w) for w in windows], device=device)
+    idx = torch.zeros(len(windows), int(lengths.max()), dtype=torch.long, device=device)
+    for b, w in enumerate(windows):
+        idx[b, :len(w)] = torch.as_tensor(w, device=device)
+    caches = model.make_caches(len(windows), capacity)
+    logits, _ = model(idx, caches=caches, input_lengths=lengths)
+    return caches, logits[torch.arange(len(windows), device=device), lengths - 1]
+
+
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
-             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None) -> list[list[int]]:
-    """Continue every prompt by ``max_new_tokens`` tokens; returns the new tokens per prompt."""
+             top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             progress: bool = False) -> list[list[int]]:
+    """Continue every prompt by ``max_new_tokens`` tokens, sliding the context window (module
+    docstring); returns the new tokens per prompt. ``progress`` shows a bar (on a terminal)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: expected one or more non-empty token lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    check_sampling(max_new_tokens, temperature, top_k)
     model.eval()
-    device = model.wte.weight.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    B, T = len(prompts), int(lengths.max())
-    idx = torch.zeros(B, T, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        idx[b, :len(p)] = torch.as_tensor(list(p), device=device)
-    caches = model.make_caches(B, T + max_new_tokens)
-    logits, _ = model(idx, caches=caches, input_lengths=lengths)
-    last = logits[torch.arange(B, device=device), lengths - 1]  # each prompt's own last token
+    context = model.config.block_size
+    history = [list(p)[-(context - 1):] if context > 1 else list(p)[-1:] for p in prompts]
+    caches, last = _prefill(model, history, context)
+    filled = max(len(h) for h in history)
     out = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=None, leave=False)
     for _ in range(max_new_tokens):
         nxt = sample_next(last, temperature, top_k, generator)
         out.append(nxt)
-        logits, _ = model(nxt[:, None], caches=caches)
-        last = logits[:, -1]
+        for h, t in zip(history, nxt.tolist()):
+            h.append(t)
+        if filled == context:  # the context is full: slide
+            keep = max(1, context // 2)
+            caches, last = _prefill(model, [h[-keep:] for h in history], context)
+            filled = min(keep, max(len(h) for h in history))
+        else:
+            logits, _ = model(nxt[:, None], caches=caches)
+            last = logits[:, -1]
+            filled += 1
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     return torch.stack(out, dim=1).tolist()

@@ -4,14 +4,21 @@ import argparse
 import json
 import sys
 
-from .cli import add_train_arguments, train_config_from_args
-from .trainer import train
+from .cli import add_train_arguments, flag_message, train_config_from_args
+from .trainer import CollectiveTimeout, train
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qkmla.train")
     add_train_arguments(p)
-    status = train(train_config_from_args(p.parse_args(argv)))
+    try:
+        status = train(train_config_from_args(p.parse_args(argv)))
+    except ValueError as e:  # a refused argument or run directory: one line, no traceback
+        print(f"qkmla train: {flag_message(str(e))}", file=sys.stderr)
+        return 2
+    except CollectiveTimeout as e:  # status.json says the same
+        print(f"qkmla train: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(status))
     return 0 if status["status"] in ("done", "time limit") else 1
 

@@ -1,15 +1,17 @@
 """Checkpoints in safetensors: weights, optimizer state, RNG state and the run's config.
 
 ``DIR/checkpoint.safetensors`` holds every tensor (``model.*``, ``optim.*``, ``rng.*``) and,
-in its string metadata, the JSON of the configs, the step and the optimizer's non-tensor
-state. It is written to a temporary file and renamed, so a crash mid-write keeps the
-previous checkpoint.
+in its string metadata, the JSON of the configs, the step, the optimizer's non-tensor
+state and a CRC-32 of every tensor's bytes. It is written to a temporary file and renamed,
+so a crash mid-write keeps the previous checkpoint. Reading checks the file's structure and
+every checksum, so a truncated file or flipped tensor bytes give one error naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,15 @@ def _unflatten(node: Any, tensors: dict):
     return node["__value__"]
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be trusted (truncated, corrupt, or not ours)."""
+
+
+def checksum(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes (any dtype)."""
+    return zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
 def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: int, config: dict,
                     generator: torch.Generator) -> Path:
     """Write ``out_dir/checkpoint.safetensors`` atomically, from full (unsharded) state dicts."""
@@ -61,8 +72,8 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
     tensors["rng.generator"] = generator.get_state()
     tensors["rng.torch"] = torch.get_rng_state()
     metadata = {"config": json.dumps(config), "step": str(step), "optim": json.dumps(optim_skeleton),
-                "aliases": json.dumps(aliases)}
-    tmp = out_dir / (FILENAME + ".tmp")
+                "aliases": json.dumps(aliases), "crc32": json.dumps({k: checksum(t) for k, t in tensors.items()})}
+    tmp = out_dir / (FILENAME + f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, out_dir / FILENAME)
     return out_dir / FILENAME
@@ -71,8 +82,11 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
 def read_metadata(path: Path) -> dict:
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        return f.metadata()
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception as e:  # safetensors' own error types differ across versions
+        raise CheckpointError(f"checkpoint: {path} is truncated or corrupt and cannot be read ({e})") from None
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
@@ -82,8 +96,19 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         path = path / FILENAME
     if not path.is_file():
         raise ValueError(f"run_dir: no checkpoint at {path}")
-    tensors = load_file(str(path))
     meta = read_metadata(path)
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"checkpoint: {path} is truncated or corrupt and cannot be read ({e})") from None
+    missing = [k for k in ("config", "step", "optim", "aliases") if k not in (meta or {})]
+    if missing:
+        raise CheckpointError(f"checkpoint: {path} is not a qkmla training checkpoint (metadata lacks {missing})")
+    sums = json.loads(meta.get("crc32", "{}"))  # absent in checkpoints written before checksums
+    bad = [k for k, crc in sums.items() if k not in tensors or checksum(tensors[k]) != crc]
+    if bad:
+        raise CheckpointError(f"checkpoint: {path} is corrupt: {len(bad)} tensor(s) fail their checksum "
+                              f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     for name, target in json.loads(meta["aliases"]).items():
         state[name] = tensors[target]

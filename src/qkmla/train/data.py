@@ -28,7 +28,10 @@ def load_text(source: str = "tiny_shakespeare") -> str:
     path = Path(source)
     if not path.is_file():
         raise ValueError(f"data: expected one of {sorted(EMBEDDED)} or a path to a text file, got {source!r}")
-    return path.read_text(encoding="utf-8", errors="replace")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text:
+        raise ValueError(f"data: {source} is empty")
+    return text
 
 
 class Tokenizer:
@@ -82,6 +85,14 @@ class Corpus:
         ids = torch.tensor(tok.encode(text), dtype=torch.long)
         n = int(train_fraction * len(ids))
         return cls(tok, ids[:n], ids[n:])
+
+    def check_block(self, block_size: int) -> None:
+        """Both splits must hold one block plus its target token (checked before training)."""
+        for name, ids in (("training", self.train), ("validation", self.val)):
+            if len(ids) < block_size + 2:
+                raise ValueError(f"data: the {name} split has {len(ids)} tokens, too few for one block of "
+                                 f"block_size={block_size} (needs {block_size + 2}); use more text or a smaller "
+                                 "--block-size")
 
 
 def fixed_windows(data: torch.Tensor, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

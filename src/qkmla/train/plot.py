@@ -2,36 +2,53 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` (up to a last line cut short by a kill)."""
+    from .rundir import read_rows
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"run_dir: no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_rows(path)
+
+
+def _points(rows: list[dict], key: str) -> tuple[list, list]:
+    """(steps, values) of the rows where ``key`` is a number (null: non-finite, skipped)."""
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
-    """Draw train/val loss, max logit and grad norm against step; returns the PNG path."""
+    """Draw train/val loss, max logit and grad norm against step into exactly the file
+    ``out`` names (PNG unless its suffix names another format matplotlib writes).
+
+    Raises:
+        ValueError: a run without metrics rows, or labels that do not match the runs.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if labels is not None and len(labels) != len(run_dirs):
+        raise ValueError(f"labels: expected one per run ({len(run_dirs)}), got {len(labels)}")
+    runs = [(run, read_metrics(run)) for run in run_dirs]
+    empty = [str(run) for run, rows in runs if not rows]
+    if empty:
+        raise ValueError(f"runs: no metrics rows in {', '.join(empty)} (has the run logged a step yet?)")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for i, run in enumerate(run_dirs):
-        rows = read_metrics(run)
+    for i, (run, rows) in enumerate(runs):
         label = labels[i] if labels else Path(run).name
-        steps = [r["step"] for r in rows]
-        line, = axes[0].plot(steps, [r["loss"] for r in rows], lw=0.8, alpha=0.8, label=f"{label} train")
-        val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-        if val:
-            axes[0].plot(*zip(*val), "o-", color=line.get_color(), ms=3, label=f"{label} val")
-        axes[1].plot(steps, [r["max_logit"] for r in rows], color=line.get_color(), lw=0.8, label=label)
-        axes[2].plot(steps, [r["grad_norm"] for r in rows], color=line.get_color(), lw=0.8, label=label)
+        line, = axes[0].plot(*_points(rows, "loss"), lw=0.8, alpha=0.8, label=f"{label} train")
+        val = _points(rows, "val_loss")
+        if val[0]:
+            axes[0].plot(*val, "o-", color=line.get_color(), ms=3, label=f"{label} val")
+        axes[1].plot(*_points(rows, "max_logit"), color=line.get_color(), lw=0.8, label=label)
+        axes[2].plot(*_points(rows, "grad_norm"), color=line.get_color(), lw=0.8, label=label)
     for ax, title in zip(axes, ("loss", "max attention logit", "gradient norm (before clipping)")):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -41,6 +58,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    suffix = out.suffix[1:].lower()
+    fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"  # no suffix appended
+    fig.savefig(out, dpi=110, format=fmt)
     plt.close(fig)
     return out

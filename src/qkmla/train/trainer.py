@@ -8,80 +8,44 @@ steps: validation loss over fixed windows (the same for every seed, so runs comp
 for QK-normed layers the bound their norm weights put on the logits (``logit_bound``, see
 ``diagnostics.py``) and the mean learned logit scale. Rows go to
 ``out/metrics.jsonl`` as they happen. Checkpoints (safetensors) are written every
-``ckpt_interval`` steps and at the end; a run that reaches a NaN/inf loss or gradient stops,
-records the step in ``out/status.json`` and keeps its last good checkpoint.
+``ckpt_interval`` steps and at the end, only from finite weights and optimizer state; a run
+that reaches a NaN/inf loss, gradient or weight stops, records the step in
+``out/status.json`` and keeps its last good checkpoint. The run directory is locked while
+training and a run already in it is refused unless resumed or overwritten; a resumed run
+must define the same model and data (``rundir.py``, ``config.py``). Ctrl-C checkpoints and
+stops; any other exception leaves status ``failed`` with the error before it propagates.
 
 Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DDP (or sharded with FSDP2 when
 ``fsdp``): every rank draws the same global batch and trains on its slice, so the losses
-equal a single process with the same global batch.
+equal a single process with the same global batch. A collective that waits longer than
+``dist_timeout`` seconds for a rank (one that died or hangs) fails the job with that
+message instead of hanging it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..attention.qk_clip import qk_clip_
-from ..model.gpt import GPT, GPT_PRESETS, GPTConfig
-from .checkpoint import FILENAME, load_checkpoint, save_checkpoint
+from ..model.gpt import GPT, GPTConfig
+from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
+from .config import TrainConfig
 from .data import Corpus, fixed_windows, get_batch
 from .diagnostics import logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
+from .rundir import (RunLock, fresh_out, metrics_line, prepare, resume_mismatches, truncate_metrics,
+                     write_status)
 
-
-@dataclass
-class TrainConfig:
-    preset: str = "debug"
-    attn: str = "mla-qknorm"
-    qk_norm_p: Optional[float] = None
-    learnable_logit_scale: Optional[bool] = None  # None: the variant's default (see GPTConfig)
-    softmax_scale: Optional[float] = None
-    steps: int = 200
-    batch_size: int = 12
-    block_size: Optional[int] = None
-    lr: float = 1e-3
-    optimizer: str = "adamw"
-    muon_adjust_lr: str = "match_rms_adamw"
-    weight_decay: float = 0.1
-    schedule: str = "cosine"
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    qk_clip: Optional[float] = None
-    qk_clip_alpha: float = 0.5
-    eval_interval: int = 50
-    eval_iters: int = 10
-    ckpt_interval: int = 100
-    log_heads: bool = False
-    data: str = "tiny_shakespeare"
-    tokenizer: str = "char"
-    seed: int = 1337
-    out: str = "runs/default"
-    resume: bool = False
-    max_seconds: Optional[float] = None
-    progress: bool = True
-    fsdp: bool = False
-    model_overrides: dict = field(default_factory=dict)
-
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        if self.preset not in GPT_PRESETS:
-            raise ValueError(f"preset: expected one of {sorted(GPT_PRESETS)}, got {self.preset!r}")
-        changes = dict(self.model_overrides, attn=self.attn, vocab_size=vocab_size)
-        if self.block_size is not None:
-            changes["block_size"] = self.block_size
-        for name in ("qk_norm_p", "learnable_logit_scale", "softmax_scale"):
-            if getattr(self, name) is not None:
-                changes[name] = getattr(self, name)
-        return GPT_PRESETS[self.preset].replace(**changes)
+__all__ = ["TrainConfig", "evaluate", "load_model", "train"]
 
 
 def attention_modules(model: torch.nn.Module) -> list:
@@ -92,11 +56,26 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-def _dist_info() -> tuple[int, int]:
+class CollectiveTimeout(RuntimeError):
+    """Under torchrun: a collective waited ``dist_timeout`` seconds for a rank that died or hangs."""
+
+
+def _dist_info(timeout: float) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout))
     return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _finite(model: torch.nn.Module, optimizer, world: int) -> bool:
+    """Every parameter and optimizer-state tensor this rank holds is finite, on every rank."""
+    tensors = list(model.parameters()) + [v for opt in optimizer.optimizers for st in opt.state.values()
+                                          for v in st.values() if isinstance(v, torch.Tensor)]
+    ok = torch.tensor(float(all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())))
+    if world > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok)
 
 
 def _save(out, model, optimizer, step, run_config, generator, fsdp: bool, rank: int) -> None:
@@ -151,17 +130,40 @@ def _weight_diagnostics(attns: list) -> dict:
 
 
 def train(config: TrainConfig) -> dict:
-    """Run (or resume) a training run; returns a summary dict (also in ``out/status.json``)."""
-    rank, world = _dist_info()
+    """Run (or resume) a training run; returns a summary dict (also in ``out/status.json``).
+
+    Raises:
+        ValueError: before any training, for a run directory that is in use or already holds
+            a run (without ``resume``/``overwrite``), a resume whose stored run defines another
+            model or data, an unreadable checkpoint, or data too short for one block.
+    """
+    rank, world = _dist_info(config.dist_timeout)
     if config.batch_size % world:
         raise ValueError(f"batch_size: the global batch {config.batch_size} must split evenly over {world} ranks")
-    if config.qk_clip is not None and config.attn not in ("mla", "mha", "gqa", "mqa"):
-        raise ValueError(f"qk_clip: applies to attention without QK norm (mla, mha, gqa, mqa), got attn={config.attn!r}")
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(config.seed)
     corpus = Corpus.load(config.data, config.tokenizer)
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
+    corpus.check_block(model_cfg.block_size)
+    if config.out is None:
+        if world > 1:
+            raise ValueError("out: required under torchrun (every rank must write to the same directory)")
+        config = config.replace(out=str(fresh_out(config.preset, config.attn)))
+        if rank == 0:
+            print(f"writing the run to {config.out} (pass --out to choose)")
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if rank != 0:
+        return _train_locked(config, corpus, model_cfg, out, rank, world)
+    with RunLock(out) as lock:
+        note = prepare(out, config.resume, config.overwrite)
+        if lock.stale is not None and note is None:
+            note = f"took over the lock of process {lock.stale.get('pid')}, which is gone"
+        if note:
+            print(f"{out}: {note}")
+        return _train_locked(config, corpus, model_cfg, out, rank, world)
+
+
+def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out: Path, rank: int, world: int) -> dict:
+    torch.manual_seed(config.seed)
     model = GPT(model_cfg)
     fsdp = world > 1 and config.fsdp
     if fsdp:  # shard before the optimizer sees the parameters: fully_shard replaces them
@@ -173,16 +175,23 @@ def train(config: TrainConfig) -> dict:
     optimizer = build_optimizer(model, config.optimizer, config.lr, config.weight_decay,
                                 muon_adjust_lr=config.muon_adjust_lr)
     generator = torch.Generator().manual_seed(config.seed)
+    run_config = json.loads(json.dumps({"train": dataclasses.asdict(config), "model": dataclasses.asdict(model_cfg),
+                                        "tokenizer": corpus.tokenizer.state()}))
     start = 0
-    if config.resume and (out / FILENAME).is_file():
+    if config.resume:
+        if not (out / FILENAME).is_file():
+            raise ValueError(f"resume: no checkpoint in {out}")
+        stored = json.loads(read_metadata(out / FILENAME).get("config", "{}"))
+        diffs = resume_mismatches(stored, run_config["train"], run_config["model"], run_config["tokenizer"])
+        if diffs:
+            raise ValueError(f"resume: the run in {out} was trained differently; these must match:\n  "
+                             + "\n  ".join(diffs) + "\n(steps, the lr schedule, logging and intervals may change; "
+                             "see qkmla.train.config.RESUMABLE)")
         model_state, optim_state, start = load_checkpoint(out / FILENAME, generator)
         _load_states(model, optimizer, model_state, optim_state, fsdp)
-    elif config.resume:
-        raise ValueError(f"resume: no checkpoint in {out}")
-    run_config = {"train": dataclasses.asdict(config), "model": dataclasses.asdict(model_cfg),
-                  "tokenizer": corpus.tokenizer.state()}
     if rank == 0:
         (out / "config.json").write_text(json.dumps(run_config, indent=1))
+        truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
 
     wrapped = model
     if world > 1 and not fsdp:
@@ -194,37 +203,43 @@ def train(config: TrainConfig) -> dict:
     block_size = model_cfg.block_size
     local = config.batch_size // world
     metrics_path = out / "metrics.jsonl"
-    if rank == 0:  # a resumed run drops rows logged after its checkpoint, so no step repeats
-        kept = []
-        if config.resume and metrics_path.is_file():
-            kept = [ln for ln in metrics_path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
-        metrics_path.write_text("".join(ln + "\n" for ln in kept))
-    status = {"status": "running", "step": start, "out": str(out)}
+    status = {"status": "running", "step": start, "out": str(out), "pid": os.getpid(), "checkpoint_step": start}
+    if rank == 0:
+        write_status(out, status)
     bar = None
     if rank == 0 and config.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=config.steps, initial=start, desc=f"{config.attn}", unit="step", dynamic_ncols=True)
     t_start = time.perf_counter()
-    step = start
+    step = start  # steps finished and logged
+    between_steps = True  # the weights are those of `step` (no update half-way through)
+
+    def checkpoint(done_steps: int) -> None:
+        if not _finite(model, optimizer, world):
+            raise NonFiniteError(f"weights or optimizer state are not finite after step {done_steps}")
+        _save(out, model, optimizer, done_steps, run_config, generator, fsdp, rank)
+        status["checkpoint_step"] = done_steps
+
     try:
-        for step in range(start, config.steps):
-            mult = lr_multiplier(step, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio)
+        for i in range(start, config.steps):
+            mult = lr_multiplier(i, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio)
             set_lr(optimizer, mult)
             x, y = get_batch(corpus.train, config.batch_size, block_size, generator)
             x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
             t0 = time.perf_counter()
+            between_steps = False
             _, loss = wrapped(x, y)
             loss_value = loss.detach()
             if world > 1:
                 dist.all_reduce(loss_value)
                 loss_value /= world
             if not math.isfinite(loss_value.item()):
-                raise NonFiniteError(f"loss is {loss_value.item()} at step {step}")
+                raise NonFiniteError(f"loss is {loss_value.item()} at step {i + 1}")
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or float("inf"))
             if not math.isfinite(float(grad_norm)):
-                raise NonFiniteError(f"gradient norm is {float(grad_norm)} at step {step}")
+                raise NonFiniteError(f"gradient norm is {float(grad_norm)} at step {i + 1}")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             heads = torch.stack([a.last_max_logits.float() for a in attns])  # [layers, h]
@@ -232,9 +247,10 @@ def train(config: TrainConfig) -> dict:
                 dist.all_reduce(heads, op=dist.ReduceOp.MAX)
             gammas = None
             if config.qk_clip is not None:
-                gammas = torch.stack([qk_clip_(a, m, config.qk_clip, config.qk_clip_alpha) for a, m in zip(attns, heads)])
+                gammas = torch.stack([qk_clip_(a, m, config.qk_clip, config.qk_clip_alpha)
+                                      for a, m in zip(attns, heads)])
             dt = time.perf_counter() - t0
-            row = {"step": step + 1, "loss": loss_value.item(), "lr": optimizer.param_groups[0]["lr"],
+            row = {"step": i + 1, "loss": loss_value.item(), "lr": optimizer.param_groups[0]["lr"],
                    "grad_norm": float(grad_norm), "max_logit": float(heads.max()),
                    "max_logit_per_layer": [round(float(v), 4) for v in heads.amax(dim=1)],
                    "tokens_per_s": config.batch_size * block_size / dt,
@@ -244,36 +260,54 @@ def train(config: TrainConfig) -> dict:
             if gammas is not None:  # each head's logits were multiplied by exactly its gamma
                 row["clipped_heads"] = int((gammas < 1).sum())
                 row["max_logit_post_clip"] = float((heads * gammas.to(heads.dtype)).max())
-            if (step + 1) % config.eval_interval == 0 or step + 1 == config.steps:
+            if (i + 1) % config.eval_interval == 0 or i + 1 == config.steps:
                 row["val_loss"] = evaluate(model, corpus.val, config, block_size)
                 row.update(_weight_diagnostics(attns))
             if rank == 0:
                 with metrics_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+                    f.write(metrics_line(row))
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", max_logit=f"{row['max_logit']:.1f}",
                                     **({"val": f"{row['val_loss']:.3f}"} if "val_loss" in row else {}))
-            if (step + 1) % config.ckpt_interval == 0 or step + 1 == config.steps:
-                _save(out, model, optimizer, step + 1, run_config, generator, fsdp, rank)
-            status.update(step=step + 1, loss=row["loss"], val_loss=row.get("val_loss", status.get("val_loss")))
+            step, between_steps = i + 1, True
+            status.update(step=step, loss=row["loss"], val_loss=row.get("val_loss", status.get("val_loss")))
+            if step % config.ckpt_interval == 0 or step == config.steps:
+                checkpoint(step)
             if config.max_seconds is not None and time.perf_counter() - t_start > config.max_seconds:
-                _save(out, model, optimizer, step + 1, run_config, generator, fsdp, rank)
+                if status["checkpoint_step"] != step:
+                    checkpoint(step)
                 status["status"] = "time limit"
                 break
         else:
             status["status"] = "done"
     except NonFiniteError as e:
-        status.update(status="non-finite", step=step, error=str(e),
-                      last_checkpoint=str(out / FILENAME) if (out / FILENAME).is_file() else None)
+        status.update(status="non-finite", step=step, error=str(e))
+    except KeyboardInterrupt:  # checkpointed where the weights match the log; else the last one stands
+        status.update(status="interrupted", step=step)
+        try:
+            if between_steps and status["checkpoint_step"] != step:
+                checkpoint(step)
+        except NonFiniteError as e:
+            status["error"] = str(e)
+    except BaseException as e:
+        status.update(status="failed", step=step, error=f"{type(e).__name__}: {e}")
+        if world > 1 and isinstance(e, RuntimeError) and "timed out" in str(e).lower():
+            status["error"] = (f"rank {rank}: a collective waited more than dist_timeout={config.dist_timeout:g} s for "
+                               f"another rank (it died or hangs) at step {step + 1}; the last checkpoint (step "
+                               f"{status['checkpoint_step']}) is kept in {out}")
+            raise CollectiveTimeout(status["error"]) from e
+        raise
     finally:
         if bar is not None:
             bar.close()
         for a in attns:
             a.track_max_logits = False
         status["seconds"] = time.perf_counter() - t_start
+        status["last_checkpoint"] = str(out / FILENAME) if (out / FILENAME).is_file() else None
+        status.pop("pid", None)
         if rank == 0:
-            (out / "status.json").write_text(json.dumps(status, indent=1))
+            write_status(out, status)
     return status
 
 

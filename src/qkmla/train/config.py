@@ -1,0 +1,124 @@
+"""The configuration of a training run, every field checked before any work starts.
+
+Fields that may change when a run is resumed (``RESUMABLE``): the length and shape of the
+schedule and what is logged (``steps``, ``lr``, ``schedule``, ``warmup_steps``,
+``min_lr_ratio``, ``weight_decay``, ``grad_clip``, ``qk_clip``, ``qk_clip_alpha``,
+``batch_size``, ``eval_interval``, ``eval_iters``, ``ckpt_interval``, ``log_heads``,
+``max_seconds``, ``progress``, ``seed``: the data order comes from the checkpoint's RNG
+state). Every other field defines the model or the data and must match the stored run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
+from .data import TOKENIZERS
+from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
+
+RESUMABLE = ("steps", "lr", "schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "qk_clip",
+             "qk_clip_alpha", "batch_size", "eval_interval", "eval_iters", "ckpt_interval", "log_heads",
+             "max_seconds", "progress", "seed", "out", "resume", "overwrite", "dist_timeout")
+QK_CLIP_ATTN = ("mla", "mha", "gqa", "mqa")
+
+
+def _number(name: str, value, low: float, high: float = math.inf, low_open: bool = False,
+            integer: bool = False, allow_none: bool = False) -> None:
+    """value in [low, high] (or (low, high] with low_open), finite unless high is inf."""
+    if value is None and allow_none:
+        return
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high and math.isfinite(value)
+    if not ok:
+        what = "an int" if integer else "a finite number"
+        rng = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+        raise ValueError(f"{name}: expected {what} {rng}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "debug"
+    attn: str = "mla-qknorm"
+    qk_norm_p: Optional[float] = None
+    learnable_logit_scale: Optional[bool] = None  # None: the variant's default (see GPTConfig)
+    softmax_scale: Optional[float] = None
+    steps: int = 200
+    batch_size: int = 12
+    block_size: Optional[int] = None
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    muon_adjust_lr: str = "match_rms_adamw"
+    weight_decay: float = 0.1
+    schedule: str = "cosine"
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    qk_clip: Optional[float] = None
+    qk_clip_alpha: float = 0.5
+    eval_interval: int = 50
+    eval_iters: int = 10
+    ckpt_interval: int = 100
+    log_heads: bool = False
+    data: str = "tiny_shakespeare"
+    tokenizer: str = "char"
+    seed: int = 1337
+    out: Optional[str] = None  # None: a fresh directory runs/<preset>-<attn>-<time>, printed at start
+    resume: bool = False
+    overwrite: bool = False  # replace a run already in ``out`` (without it, such a run is refused)
+    max_seconds: Optional[float] = None
+    progress: bool = True
+    fsdp: bool = False
+    dist_timeout: float = 600.0  # seconds a collective may wait for a rank under torchrun
+    model_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _choice("preset", self.preset, sorted(GPT_PRESETS))
+        _choice("attn", self.attn, ATTENTION_VARIANTS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("muon_adjust_lr", self.muon_adjust_lr, MUON_ADJUST)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("tokenizer", self.tokenizer, TOKENIZERS)
+        for name in ("steps", "batch_size", "eval_interval", "eval_iters", "ckpt_interval"):
+            _number(name, getattr(self, name), 1, integer=True)
+        _number("block_size", self.block_size, 2, integer=True, allow_none=True)
+        _number("warmup_steps", self.warmup_steps, 0, integer=True)
+        _number("seed", self.seed, 0, integer=True)
+        _number("lr", self.lr, 0, low_open=True)
+        _number("weight_decay", self.weight_decay, 0)
+        _number("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        _number("grad_clip", self.grad_clip, 0)
+        _number("qk_clip", self.qk_clip, 0, low_open=True, allow_none=True)
+        _number("qk_clip_alpha", self.qk_clip_alpha, 0, 1)
+        _number("qk_norm_p", self.qk_norm_p, 1, allow_none=True)
+        _number("softmax_scale", self.softmax_scale, 0, low_open=True, allow_none=True)
+        _number("max_seconds", self.max_seconds, 0, allow_none=True)
+        _number("dist_timeout", self.dist_timeout, 0, low_open=True)
+        if self.learnable_logit_scale not in (None, True, False):
+            raise ValueError(f"learnable_logit_scale: expected True, False or None, got {self.learnable_logit_scale!r}")
+        if self.qk_clip is not None and self.attn not in QK_CLIP_ATTN:
+            raise ValueError(f"qk_clip: applies to attention without QK norm {QK_CLIP_ATTN} (a norm would undo "
+                             f"the rescaling), got attn={self.attn!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("overwrite: cannot be combined with resume (one continues the run, the other replaces it)")
+        self.model_config(65)  # the model's own checks (e.g. n_head vs block size), before any work
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        changes = dict(self.model_overrides, attn=self.attn, vocab_size=vocab_size)
+        if self.block_size is not None:
+            changes["block_size"] = self.block_size
+        for name in ("qk_norm_p", "learnable_logit_scale", "softmax_scale"):
+            if getattr(self, name) is not None:
+                changes[name] = getattr(self, name)
+        return GPT_PRESETS[self.preset].replace(**changes)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
