@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from qkmla import verify
 from qkmla.cli import main
@@ -166,8 +167,31 @@ def test_plot_refuses_empty_metrics_and_writes_exactly_the_named_file(tmp_path, 
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     refused(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")], "no metrics rows in")
+    (tmp_path / "empty" / "metrics.jsonl").write_text('null\n{"loss": 1.0}\n')  # no rows either
+    refused(["plot", str(tmp_path / "empty"), "--out", str(tmp_path / "x.png")], "no metrics rows in")
     run = tmp_path / "run"
     assert main(["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--block-size", "8",
                  "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
     assert main(["plot", str(run), "--out", str(tmp_path / "curves")]) == 0
     assert (tmp_path / "curves").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "curves.png").exists()
+    (tmp_path / "adir").mkdir()
+    refused(["plot", str(run), "--out", str(tmp_path / "adir")], "--out: cannot write")
+
+
+def test_tiny_temperature_samples_the_argmax(tmp_path, capsys):
+    from qkmla.model.generate import sample_next
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0 - 1e-9]])
+    assert int(sample_next(logits, 1e-300)) == 1
+
+
+def test_experiment_needs_a_name_and_a_usable_out(tmp_path, refused):
+    refused(["experiment"], "NAME: missing; one of lr-sweep")
+    (tmp_path / "afile").write_text("x")
+    refused(["experiment", "norm-mode", "--quick", "--out", str(tmp_path / "afile")],
+            "--out: cannot make the experiment directory")
+
+
+def test_cache_size_zero_kv_heads_is_refused(refused):
+    refused(["cache-size", "--num-layers", "2", "--num-heads", "4", "--head-dim", "8", "--num-kv-heads", "0"],
+            "--num-kv-heads: expected a positive int")

@@ -46,7 +46,8 @@ def _cache_size(args: argparse.Namespace) -> int:
         missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_heads", "head_dim") if flags[f] is None]
         if missing:
             raise ValueError(f"give --preset (one of {sorted(CACHE_PRESETS)}) or {', '.join(missing)}")
-        flags["num_kv_heads"] = flags["num_kv_heads"] or flags["num_heads"]
+        if flags["num_kv_heads"] is None:
+            flags["num_kv_heads"] = flags["num_heads"]
         flags["dtype"] = flags["dtype"] or "bf16"
         shape, title = CacheShape(**{k: v for k, v in flags.items() if v is not None}), "custom"
     rows = cache_rows(shape, args.tokens)
@@ -81,6 +82,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .train.trainer import load_model
 
     check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
 
     model, tok = load_model(args.run)
     prompts = [tok.encode(p) for p in args.prompt]
@@ -116,10 +119,12 @@ def _experiment(args: argparse.Namespace) -> int:
 
     from .experiments import EXPERIMENTS, Options, run_experiment
 
-    if args.list or args.name is None:
+    if args.list:
         for e in EXPERIMENTS.values():
             print(f"{e.name:<12} {e.description}")
-        return 0 if args.list else 2
+        return 0
+    if args.name is None:
+        raise ValueError(f"NAME: missing; one of {', '.join(EXPERIMENTS)} (qkmla experiment --list)")
     if args.name not in EXPERIMENTS:
         raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
     if args.seeds is not None and args.seeds < 1:
@@ -142,6 +147,12 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(out=args.out, steps=args.steps, preset=args.preset)
+
+
+def _option_dests(command: str) -> set:
+    """The names of the options of ``command`` (an error naming one names the option)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices[command]._actions if a.option_strings}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,11 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         from .train.cli import flag_message
 
-        message = str(e)
-        if args.command == "train":
-            message = flag_message(message)
-        elif args.command == "cache-size":
-            message = flag_message(message, _SHAPE_FLAGS + ("dtype", "scalar_dtype", "tokens"))
+        message = flag_message(str(e), _option_dests(args.command))
         print(f"qkmla {args.command}: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

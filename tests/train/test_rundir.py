@@ -26,7 +26,7 @@ def dead_pid() -> int:
 def test_a_run_directory_is_not_silently_reused(tmp_path):
     first = train(TrainConfig(**FAST, steps=3, out=str(tmp_path)))
     rows = (tmp_path / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match=r"already holds a run \(status 'done' at step 3\); pass --resume .* "
+    with pytest.raises(ValueError, match=r"already holds a run with status 'done' at step 3; pass --resume .* "
                                          r"--overwrite .* new --out"):
         train(TrainConfig(**FAST, steps=5, out=str(tmp_path)))
     assert (tmp_path / "metrics.jsonl").read_text() == rows and first["status"] == "done"
@@ -34,33 +34,93 @@ def test_a_run_directory_is_not_silently_reused(tmp_path):
     assert again["status"] == "done" and len(read_rows(tmp_path / "metrics.jsonl")) == 2
 
 
+HOLD_LOCK = """
+import sys, time
+from qkmla.train.rundir import RunLock
+with RunLock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(60)
+"""
+
+
 def test_a_second_process_on_the_same_directory_is_refused(tmp_path):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
-        (tmp_path / "lock").write_text(json.dumps({"pid": sleeper.pid, "host": os.uname().nodename}))
-        with pytest.raises(ValueError, match=f"in use by process {sleeper.pid}"):
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=f"in use by process {holder.pid} on .*lock file"):
             train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))
         assert not (tmp_path / "metrics.jsonl").exists()
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        holder.kill()
+        holder.wait()
+    # The kernel freed the killed holder's lock: the directory is usable at once.
+    assert train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))["status"] == "done"
 
 
-def test_a_killed_run_is_recognized_and_its_stale_lock_and_leftovers_cleared(tmp_path, capsys):
+def _take(path, barrier, results):
+    from qkmla.train.rundir import RunLock
+
+    barrier.wait()
+    try:
+        with RunLock(path):
+            results.put("got")
+            barrier.wait()  # hold it until both have tried
+    except ValueError:
+        results.put("refused")
+        barrier.wait()
+
+
+def test_two_processes_racing_for_one_directory_never_both_get_it(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for trial in range(20):
+        path = tmp_path / str(trial)
+        path.mkdir()
+        barrier, results = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_take, args=(path, barrier, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        assert sorted(results.get(timeout=5) for _ in range(2)) == ["got", "refused"]
+
+
+def test_a_killed_run_is_recognized_and_its_leftovers_cleared(tmp_path, capsys):
     train(TrainConfig(**FAST, steps=4, ckpt_interval=2, out=str(tmp_path)))
     # What kill -9 in the middle of a checkpoint write leaves behind:
     pid = dead_pid()
-    (tmp_path / "lock").write_text(json.dumps({"pid": pid, "host": os.uname().nodename}))
+    (tmp_path / "lock").write_text(json.dumps({"pid": pid, "host": os.uname().nodename}))  # not flock-ed any more
     (tmp_path / "status.json").write_text(json.dumps({"status": "running", "pid": pid, "step": 4,
                                                       "checkpoint_step": 4}))
     (tmp_path / (FILENAME + ".tmp123")).write_bytes(b"half a checkpoint")
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "loss": 3.')  # the last row, cut short
+    with pytest.raises(ValueError, match=f"holds a run that was killed \\(pid {pid}\\) after logging step 4, with "
+                                         "its last checkpoint at step 4; pass --resume"):
+        train(TrainConfig(**FAST, steps=6, out=str(tmp_path)))
     status = train(TrainConfig(**FAST, steps=6, out=str(tmp_path), resume=True))
     out = capsys.readouterr().out
     assert "removed 1 unfinished checkpoint write" in out and f"was killed (pid {pid}, last logged step 4)" in out
     assert status["status"] == "done" and not list(tmp_path.glob("*.tmp*")) and not (tmp_path / "lock").exists()
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_status_says_how_far_a_running_run_got(tmp_path, monkeypatch):
+    """status.json is rewritten at every checkpoint, so a run killed later says where it was."""
+    from qkmla.train import trainer
+
+    seen = []
+    real = trainer.write_status
+
+    def spy(out, status):
+        real(out, status)
+        seen.append(json.loads((out / "status.json").read_text()))
+
+    monkeypatch.setattr(trainer, "write_status", spy)
+    train(TrainConfig(**FAST, steps=4, ckpt_interval=2, out=str(tmp_path)))
+    assert [(s["status"], s["step"], s["checkpoint_step"]) for s in seen] == [
+        ("running", 0, 0), ("running", 2, 2), ("running", 4, 4), ("done", 4, 4)]
 
 
 def test_without_out_a_fresh_directory_is_made_and_named(tmp_path, monkeypatch, capsys):
@@ -88,27 +148,45 @@ def test_status_says_failed_with_the_error_step_and_checkpoint(tmp_path, monkeyp
     assert status["step"] == 2 and status["checkpoint_step"] == 2 and status["last_checkpoint"].endswith(FILENAME)
 
 
-def test_interrupt_checkpoints_and_resumes_with_the_same_losses(tmp_path, monkeypatch):
-    """Ctrl-C between steps 3 and 4 checkpoints step 3; the resumed run equals an uninterrupted one."""
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch):
+    """Ctrl-C in the middle of step 4 finishes that step, checkpoints it and stops; the
+    resumed run equals an uninterrupted one. A second Ctrl-C stops at once."""
+    import signal
+
     from qkmla.train import trainer
 
-    full = train(TrainConfig(**FAST, steps=6, ckpt_interval=100, out=str(tmp_path / "full")))
+    full = train(TrainConfig(**FAST, steps=7, ckpt_interval=100, out=str(tmp_path / "full")))
     real, calls = trainer.get_batch, []
 
-    def interrupt_fourth(*args):
+    def ctrl_c_in_step_four(*args):
         calls.append(1)
+        batch = real(*args)
         if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(*args)
+            signal.raise_signal(signal.SIGINT)
+        return batch
 
-    monkeypatch.setattr(trainer, "get_batch", interrupt_fourth)
-    part = TrainConfig(**FAST, steps=6, ckpt_interval=100, out=str(tmp_path / "part"))
+    monkeypatch.setattr(trainer, "get_batch", ctrl_c_in_step_four)
+    part = TrainConfig(**FAST, steps=7, ckpt_interval=100, out=str(tmp_path / "part"))
     status = train(part)
-    assert status["status"] == "interrupted" and status["step"] == 3 and status["checkpoint_step"] == 3
+    assert status["status"] == "interrupted" and status["step"] == 4 and status["checkpoint_step"] == 4
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     monkeypatch.setattr(trainer, "get_batch", real)
     assert train(part.replace(resume=True))["status"] == full["status"] == "done"
     losses = [[r["loss"] for r in read_rows(tmp_path / d / "metrics.jsonl")] for d in ("full", "part")]
-    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert losses[0] == losses[1] and len(losses[0]) == 7
+
+    calls.clear()
+
+    def twice(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(trainer, "get_batch", twice)
+    now = train(TrainConfig(**FAST, steps=7, ckpt_interval=1, out=str(tmp_path / "now")))
+    assert now["status"] == "interrupted" and now["step"] == 1 and now["checkpoint_step"] == 1
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
@@ -136,6 +214,11 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
     assert status["status"] == "non-finite" and "not finite after step 2" in status["error"]
     state, _, meta = read_checkpoint(tmp_path)
     assert meta["step"] == "1" and all(bool(v.isfinite().all()) for v in state.values())
+
+
+def test_damaged_lines_are_skipped_and_the_rows_around_them_kept(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnull\n{"step": 2, "lo\n{"loss": 1}\n{"step": 3}\n')
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 3]
 
 
 def test_metrics_lines_are_strict_json():

@@ -192,3 +192,52 @@ def test_collective_timeout_ends_a_torchrun_job_with_a_clear_message(tmp_path):
     assert status["status"] == "failed" and "waited more than dist_timeout=3 s" in status["error"]
     assert "qkmla train: rank 0: a collective waited more than dist_timeout=3 s" in err
     assert status["last_checkpoint"] and Path(status["last_checkpoint"]).is_file()
+
+
+def test_resume_compares_the_model_and_the_data_not_how_they_were_spelled(tmp_path, monkeypatch):
+    """The preset's own block size given explicitly, or the same data file by another path,
+    resumes; a data file whose text changed under the same path does not."""
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    train(TrainConfig(**{**FAST, "block_size": None}, steps=2, data="text.txt", out=str(run)))
+    status = train(TrainConfig(**{**FAST, "block_size": 32}, steps=3, data=str(data), out=str(run), resume=True))
+    assert status["status"] == "done"
+    data.write_text("the quick brown fox jumps over the lazy cat. " * 40)
+    with pytest.raises(ValueError, match="data: the text differs from the stored run's"):
+        train(TrainConfig(**{**FAST, "block_size": 32}, steps=4, data=str(data), out=str(run), resume=True))
+    with pytest.raises(ValueError, match="steps: the run in .* is already at step 3"):
+        data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+        train(TrainConfig(**{**FAST, "block_size": 32}, steps=3, data=str(data), out=str(run), resume=True))
+
+
+def test_a_flipped_metadata_byte_is_caught(tmp_path):
+    from qkmla.train.checkpoint import FILENAME, CheckpointError, read_checkpoint
+
+    train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))
+    path = tmp_path / FILENAME
+    data = bytearray(path.read_bytes())
+    i = data.find(b"dropout")
+    data[i + 2] ^= 1  # "dropout" -> "drnpout": still valid JSON, a different config
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path} is corrupt: its metadata .* fails its checksum"):
+        read_checkpoint(tmp_path)
+
+
+def test_out_that_cannot_be_a_directory_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="out: cannot make the run directory .*afile"):
+        train(TrainConfig(**FAST, steps=1, out=str(tmp_path / "afile")))
+    with pytest.raises(ValueError, match="out: expected a directory path or None"):
+        TrainConfig(**FAST, out="")
+    (tmp_path / "d" / FILENAME_DIR).mkdir(parents=True)
+    with pytest.raises(ValueError, match="is a directory where the run's file goes"):
+        train(TrainConfig(**FAST, steps=1, out=str(tmp_path / "d"), overwrite=True))
+    with pytest.raises(ValueError, match="qk_norm_p: only the -lp variants use p"):
+        TrainConfig(**FAST, qk_norm_p=3.0, attn="mla-qknorm")
+    with pytest.raises(ValueError, match="seed: expected an int >= 0 and <= "):
+        TrainConfig(**FAST, seed=10**23)
+
+
+FILENAME_DIR = "checkpoint.safetensors"

@@ -89,7 +89,10 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     """Plan, train what is not finished, write ``results.jsonl``, figures and summaries.
     ``command`` (the command line that ran it) is recorded in ``summary.json``."""
     out = options.out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out: cannot make the experiment directory {out} ({e.strerror})") from None
     runs = experiment.plan(options)
     t0 = time.perf_counter()
     statuses = run_grid(runs, out, options.workers, experiment.measure, progress)

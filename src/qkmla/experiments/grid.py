@@ -66,12 +66,19 @@ def _init_worker() -> None:
     import torch
 
     torch.set_num_threads(1)
+    try:  # Linux: end with the parent, even one killed with SIGKILL, instead of waiting on its pipe
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
     """In a worker: train (resuming a compatible checkpoint) and run the experiment's
     measurement; errors come back as a status instead of killing the grid."""
-    from ..train.checkpoint import FILENAME
+    from ..train.checkpoint import FILENAME, read_metadata
     from ..train.trainer import TrainConfig, train as train_run
 
     try:
@@ -80,6 +87,8 @@ def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
             status = json.loads((path_ / "status.json").read_text())
         else:
             resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
+            if resume and int(read_metadata(path_ / FILENAME)["step"]) >= train["steps"]:
+                resume = False  # trained to the end but its status was lost: its seconds too, so again
             # Not resumable (none or another config's checkpoint): what is there is replaced.
             status = train_run(TrainConfig(**{**train, "out": path, "progress": False, "resume": resume,
                                               "overwrite": not resume}))

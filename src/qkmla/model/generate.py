@@ -35,7 +35,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     check_sampling(1, temperature, top_k)
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Shifted by the max first, so that a tiny temperature gives -inf, never inf - inf = NaN.
+    logits = (logits.double() - logits.double().amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -54,6 +54,11 @@ def checksum(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def _metadata_checksum(metadata: dict) -> int:
+    text = json.dumps({k: v for k, v in metadata.items() if k != "crc32_metadata"}, sort_keys=True)
+    return zlib.crc32(text.encode())
+
+
 def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: int, config: dict,
                     generator: torch.Generator) -> Path:
     """Write ``out_dir/checkpoint.safetensors`` atomically, from full (unsharded) state dicts."""
@@ -73,6 +78,7 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
     tensors["rng.torch"] = torch.get_rng_state()
     metadata = {"config": json.dumps(config), "step": str(step), "optim": json.dumps(optim_skeleton),
                 "aliases": json.dumps(aliases), "crc32": json.dumps({k: checksum(t) for k, t in tensors.items()})}
+    metadata["crc32_metadata"] = str(_metadata_checksum(metadata))
     tmp = out_dir / (FILENAME + f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, out_dir / FILENAME)
@@ -84,9 +90,16 @@ def read_metadata(path: Path) -> dict:
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.metadata() or {}
+            meta = f.metadata() or {}
     except Exception as e:  # safetensors' own error types differ across versions
         raise CheckpointError(f"checkpoint: {path} is truncated or corrupt and cannot be read ({e})") from None
+    missing = [k for k in ("config", "step", "optim", "aliases") if k not in meta]
+    if missing:
+        raise CheckpointError(f"checkpoint: {path} is not a qkmla training checkpoint (metadata lacks {missing})")
+    if "crc32_metadata" in meta and meta["crc32_metadata"] != str(_metadata_checksum(meta)):
+        raise CheckpointError(f"checkpoint: {path} is corrupt: its metadata (config, step, optimizer layout) "
+                              "fails its checksum")
+    return meta
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
@@ -101,9 +114,6 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         tensors = load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"checkpoint: {path} is truncated or corrupt and cannot be read ({e})") from None
-    missing = [k for k in ("config", "step", "optim", "aliases") if k not in (meta or {})]
-    if missing:
-        raise CheckpointError(f"checkpoint: {path} is not a qkmla training checkpoint (metadata lacks {missing})")
     sums = json.loads(meta.get("crc32", "{}"))  # absent in checkpoints written before checksums
     bad = [k for k, crc in sums.items() if k not in tensors or checksum(tensors[k]) != crc]
     if bad:

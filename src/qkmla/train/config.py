@@ -91,7 +91,7 @@ class TrainConfig:
             _number(name, getattr(self, name), 1, integer=True)
         _number("block_size", self.block_size, 2, integer=True, allow_none=True)
         _number("warmup_steps", self.warmup_steps, 0, integer=True)
-        _number("seed", self.seed, 0, integer=True)
+        _number("seed", self.seed, 0, 2**63 - 1, integer=True)
         _number("lr", self.lr, 0, low_open=True)
         _number("weight_decay", self.weight_decay, 0)
         _number("min_lr_ratio", self.min_lr_ratio, 0, 1)
@@ -102,6 +102,10 @@ class TrainConfig:
         _number("softmax_scale", self.softmax_scale, 0, low_open=True, allow_none=True)
         _number("max_seconds", self.max_seconds, 0, allow_none=True)
         _number("dist_timeout", self.dist_timeout, 0, low_open=True)
+        if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):
+            raise ValueError(f"out: expected a directory path or None (a fresh one), got {self.out!r}")
+        if self.qk_norm_p is not None and not self.attn.endswith("-lp"):
+            raise ValueError(f"qk_norm_p: only the -lp variants use p, got attn={self.attn!r}")
         if self.learnable_logit_scale not in (None, True, False):
             raise ValueError(f"learnable_logit_scale: expected True, False or None, got {self.learnable_logit_scale!r}")
         if self.qk_clip is not None and self.attn not in QK_CLIP_ATTN:

@@ -9,6 +9,7 @@ losses compare with nanoGPT's published figures. ``shakespeare`` (40 plays and p
 from __future__ import annotations
 
 import lzma
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -70,13 +71,20 @@ class Tokenizer:
         return {"kind": self.kind, "chars": self.chars}
 
 
+def data_fingerprint(text: str) -> dict:
+    """What identifies a corpus whatever path it was read from: its length and CRC-32."""
+    return {"chars": len(text), "crc32": zlib.crc32(text.encode("utf-8", errors="replace"))}
+
+
 @dataclass
 class Corpus:
-    """Token ids split into train (first 90%) and validation (last 10%)."""
+    """Token ids split into train (first 90%) and validation (last 10%); ``fingerprint``
+    identifies the text (resuming a run checks it)."""
 
     tokenizer: Tokenizer
     train: torch.Tensor
     val: torch.Tensor
+    fingerprint: Optional[dict] = None
 
     @classmethod
     def load(cls, source: str = "tiny_shakespeare", tokenizer: str = "char", train_fraction: float = 0.9) -> "Corpus":
@@ -84,7 +92,7 @@ class Corpus:
         tok = Tokenizer.fit(text, tokenizer)
         ids = torch.tensor(tok.encode(text), dtype=torch.long)
         n = int(train_fraction * len(ids))
-        return cls(tok, ids[:n], ids[n:])
+        return cls(tok, ids[:n], ids[n:], data_fingerprint(text))
 
     def check_block(self, block_size: int) -> None:
         """Both splits must hold one block plus its target token (checked before training)."""

@@ -57,9 +57,18 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     axes[2].set_yscale("log")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        plt.close(fig)
+        raise ValueError(f"out: cannot make the directory of {out} ({e.strerror})") from None
     suffix = out.suffix[1:].lower()
     fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"  # no suffix appended
-    fig.savefig(out, dpi=110, format=fmt)
+    try:
+        fig.savefig(out, dpi=110, format=fmt)
+    except OSError as e:  # a directory by that name, no permission
+        raise ValueError(f"out: cannot write {out} ({e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     plt.close(fig)
     return out

@@ -1,8 +1,8 @@
 """A training run's directory: who owns it, what it holds, and what is written there.
 
-``DIR/lock`` holds the owning process's pid and host while a run trains; a second process
-on the same directory is refused, and a lock whose process is gone (killed) is stale and
-taken over. ``DIR/status.json`` says ``running`` (with the pid) while training and what
+``DIR/lock`` is flock-ed by the process that trains there (its pid and host inside); a
+second process on the same directory is refused, and the kernel frees the lock of a
+process that dies, so a killed run never blocks the next one. ``DIR/status.json`` says ``running`` (with the pid) while training and what
 happened at the end: ``done``, ``time limit``, ``non-finite`` (a NaN/inf loss, gradient or
 weight: the last good checkpoint is kept), ``interrupted`` (Ctrl-C: checkpointed) or
 ``failed`` (an exception: the error, the step and the last checkpoint). A ``running``
@@ -38,16 +38,6 @@ def fresh_out(preset: str, attn: str) -> Path:
     return path
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def read_status(out: Path) -> Optional[dict]:
     try:
         return json.loads((Path(out) / "status.json").read_text())
@@ -63,38 +53,54 @@ def write_status(out: Path, status: dict) -> None:
 
 class RunLock:
     """``with RunLock(out):`` owns ``out`` for this process, or raises ValueError naming the
-    process that does. A lock left by a dead process on this host is taken over."""
+    process that does.
+
+    The lock is an exclusive ``flock`` on ``DIR/lock``: the kernel releases it when its
+    process ends, however it ends, so a killed run never leaves a lock that blocks the next
+    one, and two processes can never both hold it. The file's text (pid and host) only says
+    who holds it.
+    """
 
     def __init__(self, out: Path):
         self.path = Path(out) / "lock"
-        self.stale: Optional[dict] = None  # the dead owner's lock, when one was taken over
+        self._fd: Optional[int] = None
 
-    def _owner(self) -> Optional[dict]:
+    def _owner(self) -> str:
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
+            owner = json.loads(self.path.read_text())
+            return f"process {owner.get('pid')} on {owner.get('host')}"
+        except (OSError, ValueError, AttributeError):
+            return "another process"
 
     def __enter__(self) -> "RunLock":
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
-        for _ in range(2):
+        import fcntl
+
+        while True:
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                owner = self._owner()
-                if owner is not None and (owner.get("host") != me["host"] or _alive(int(owner.get("pid", -1)))):
-                    raise ValueError(f"out: {self.path.parent} is in use by process {owner.get('pid')} on "
-                                     f"{owner.get('host')} (lock file {self.path}); wait for it, or use another --out")
-                self.stale = owner or {}
-                self.path.unlink(missing_ok=True)  # its owner is gone
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            return self
-        raise ValueError(f"out: could not take the lock {self.path}: another process keeps taking it")
+                fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            except OSError as e:  # e.g. a directory named lock
+                raise ValueError(f"out: cannot use the lock file {self.path} ({e.strerror}); remove it") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ValueError(f"out: {self.path.parent} is in use by {self._owner()} (lock file {self.path}); "
+                                 "wait for it, or use another --out") from None
+            try:  # the holder we waited on may have removed the file: lock the one at the path now
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        self._fd = fd
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)  # before unlocking, so no one locks a removed file
+        os.close(self._fd)
 
 
 def holds_run(out: Path) -> bool:
@@ -110,22 +116,32 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
     """
     out = Path(out)
     notes = []
-    leftovers = sorted(out.glob(FILENAME + ".tmp*"))  # a checkpoint write that was killed
-    for p in leftovers:
-        p.unlink()
-    if leftovers:
-        notes.append(f"removed {len(leftovers)} unfinished checkpoint write(s) ({leftovers[0].name})")
+    for name in RUN_FILES:
+        if (out / name).is_dir():
+            raise ValueError(f"out: {out / name} is a directory where the run's file goes; "
+                             "remove it or use another --out")
     status = read_status(out)
-    if status is not None and status.get("status") == "running":
+    killed = status is not None and status.get("status") == "running"  # and its lock is free: it died
+    if killed:
+        what = (f"a run that was killed (pid {status.get('pid')}) after logging step {last_logged_step(out)}, "
+                f"with its last checkpoint at step {status.get('checkpoint_step', 0)}")
         notes.append(f"the previous run in {out} was killed (pid {status.get('pid')}, last logged step "
                      f"{last_logged_step(out)}); its last checkpoint is step {status.get('checkpoint_step', 0)}")
+    elif status is not None:
+        what = f"a run with status {status.get('status')!r} at step {status.get('step')}"
+    else:
+        what = "the files of a run"
     if holds_run(out) and not (resume or overwrite):
-        what = f"status {status.get('status')!r} at step {status.get('step')}" if status else "files of a run"
-        raise ValueError(f"out: {out} already holds a run ({what}); pass --resume to continue it, --overwrite "
+        raise ValueError(f"out: {out} already holds {what}; pass --resume to continue it, --overwrite "
                          "to replace it, or choose a new --out")
     if overwrite:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
+    leftovers = sorted(out.glob(FILENAME + ".tmp*"))  # a checkpoint write that was killed
+    for p in leftovers:
+        p.unlink()
+    if leftovers:
+        notes.insert(0, f"removed {len(leftovers)} unfinished checkpoint write(s) ({leftovers[0].name})")
     return "; ".join(notes) or None
 
 
@@ -152,19 +168,20 @@ def metrics_line(row: dict) -> str:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a metrics file up to its first unreadable line (a write cut short by a kill)."""
+    """The rows of a metrics file; a line that is not a row (a write cut short by a kill,
+    or damage) is skipped, and the rows around it kept."""
     rows = []
     try:
         text = Path(path).read_text()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return rows
     for line in text.splitlines():
-        if not line.strip():
-            continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
-            break
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
     return rows
 
 
@@ -174,23 +191,34 @@ def last_logged_step(out: Path) -> int:
 
 
 def truncate_metrics(out: Path, step: int) -> None:
-    """Keep the rows up to ``step`` (a resumed run logs the later ones again), dropping a
-    partial last line."""
+    """Keep the rows up to ``step`` (a resumed run logs the later ones again), dropping lines
+    that are not rows."""
     path = Path(out) / "metrics.jsonl"
     kept = [r for r in read_rows(path) if r.get("step", 0) <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
-def resume_mismatches(stored: dict, config_train: dict, model: dict, tokenizer: dict) -> list[str]:
-    """What differs between a stored run (its config.json) and the run now asked for, in the
-    fields that define the model or the data."""
-    from .config import RESUMABLE
+# TrainConfig fields that define the model or data beyond what the model config and the
+# data fingerprint record (block size, p, logit scale, overrides are in the model config).
+MUST_MATCH = ("preset", "attn", "tokenizer", "optimizer", "muon_adjust_lr")
 
-    diffs = [f"{k}: stored {v!r}, now {config_train.get(k)!r}" for k, v in stored.get("train", {}).items()
-             if k not in RESUMABLE and k in config_train and config_train[k] != v]
-    stored_model = stored.get("model", {})
-    diffs += [f"model.{k}: stored {v!r}, now {model.get(k)!r}" for k, v in stored_model.items()
-              if model.get(k) != v and not any(d.startswith(f"{k}:") for d in diffs)]
-    if stored.get("tokenizer") not in (None, tokenizer):
+
+def resume_mismatches(stored: dict, now: dict) -> list[str]:
+    """What differs between a stored run (its config.json) and the run now asked for, in
+    what defines the model or the data. Both are run configs: {"train", "model",
+    "tokenizer", "data"}; the data is compared by content (a file read from another path,
+    or by another relative path, is the same data)."""
+    st, nt = stored.get("train", {}), now["train"]
+    diffs = [f"{k}: stored {st[k]!r}, now {nt[k]!r}" for k in MUST_MATCH if k in st and st[k] != nt[k]]
+    named = {d.split(":")[0] for d in diffs}
+    diffs += [f"model.{k}: stored {v!r}, now {now['model'].get(k)!r}" for k, v in stored.get("model", {}).items()
+              if now["model"].get(k) != v and k not in named]
+    if "data" in stored:
+        if stored["data"] != now["data"]:
+            diffs.append(f"data: the text differs from the stored run's (stored {stored['data']}, now {now['data']} "
+                         f"from {nt['data']!r})")
+    elif st.get("data") != nt["data"]:  # a run from before fingerprints: compare the names
+        diffs.append(f"data: stored {st.get('data')!r}, now {nt['data']!r}")
+    if stored.get("tokenizer") not in (None, now["tokenizer"]):
         diffs.append("tokenizer vocabulary: differs from the stored run's")
     return diffs

@@ -68,6 +68,41 @@ def _dist_info(timeout: float) -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
+class _StopRequest:
+    """The first Ctrl-C asks the loop to stop after the current step (checkpointed there); a
+    second one interrupts at once. Under torchrun every rank stops at the same step."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.requested = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        import signal
+
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+        print("\nstopping after this step with a checkpoint (Ctrl-C again to stop now)", flush=True)
+
+    def agreed(self, world: int) -> bool:
+        if world == 1:
+            return self.requested
+        flag = torch.tensor(float(self.requested))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def _finite(model: torch.nn.Module, optimizer, world: int) -> bool:
     """Every parameter and optimizer-state tensor this rank holds is finite, on every rank."""
     tensors = list(model.parameters()) + [v for opt in optimizer.optimizers for st in opt.state.values()
@@ -150,13 +185,14 @@ def train(config: TrainConfig) -> dict:
         if rank == 0:
             print(f"writing the run to {config.out} (pass --out to choose)")
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a read-only file system
+        raise ValueError(f"out: cannot make the run directory {out} ({e.strerror})") from None
     if rank != 0:
         return _train_locked(config, corpus, model_cfg, out, rank, world)
-    with RunLock(out) as lock:
+    with RunLock(out):
         note = prepare(out, config.resume, config.overwrite)
-        if lock.stale is not None and note is None:
-            note = f"took over the lock of process {lock.stale.get('pid')}, which is gone"
         if note:
             print(f"{out}: {note}")
         return _train_locked(config, corpus, model_cfg, out, rank, world)
@@ -176,18 +212,21 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
                                 muon_adjust_lr=config.muon_adjust_lr)
     generator = torch.Generator().manual_seed(config.seed)
     run_config = json.loads(json.dumps({"train": dataclasses.asdict(config), "model": dataclasses.asdict(model_cfg),
-                                        "tokenizer": corpus.tokenizer.state()}))
+                                        "tokenizer": corpus.tokenizer.state(), "data": corpus.fingerprint}))
     start = 0
     if config.resume:
         if not (out / FILENAME).is_file():
             raise ValueError(f"resume: no checkpoint in {out}")
-        stored = json.loads(read_metadata(out / FILENAME).get("config", "{}"))
-        diffs = resume_mismatches(stored, run_config["train"], run_config["model"], run_config["tokenizer"])
+        stored = json.loads(read_metadata(out / FILENAME)["config"])
+        diffs = resume_mismatches(stored, run_config)
         if diffs:
             raise ValueError(f"resume: the run in {out} was trained differently; these must match:\n  "
                              + "\n  ".join(diffs) + "\n(steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
         model_state, optim_state, start = load_checkpoint(out / FILENAME, generator)
+        if start >= config.steps:
+            raise ValueError(f"steps: the run in {out} is already at step {start}; pass --steps above it to "
+                             "train further")
         _load_states(model, optimizer, model_state, optim_state, fsdp)
     if rank == 0:
         (out / "config.json").write_text(json.dumps(run_config, indent=1))
@@ -214,12 +253,15 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
     t_start = time.perf_counter()
     step = start  # steps finished and logged
     between_steps = True  # the weights are those of `step` (no update half-way through)
+    stop = _StopRequest()
 
     def checkpoint(done_steps: int) -> None:
         if not _finite(model, optimizer, world):
             raise NonFiniteError(f"weights or optimizer state are not finite after step {done_steps}")
         _save(out, model, optimizer, done_steps, run_config, generator, fsdp, rank)
         status["checkpoint_step"] = done_steps
+        if rank == 0:  # so that a killed run's status says how far it got
+            write_status(out, status)
 
     try:
         for i in range(start, config.steps):
@@ -274,10 +316,11 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             status.update(step=step, loss=row["loss"], val_loss=row.get("val_loss", status.get("val_loss")))
             if step % config.ckpt_interval == 0 or step == config.steps:
                 checkpoint(step)
-            if config.max_seconds is not None and time.perf_counter() - t_start > config.max_seconds:
+            out_of_time = config.max_seconds is not None and time.perf_counter() - t_start > config.max_seconds
+            if out_of_time or stop.agreed(world):
                 if status["checkpoint_step"] != step:
                     checkpoint(step)
-                status["status"] = "time limit"
+                status["status"] = "time limit" if out_of_time else "interrupted"
                 break
         else:
             status["status"] = "done"
@@ -299,6 +342,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             raise CollectiveTimeout(status["error"]) from e
         raise
     finally:
+        stop.restore()
         if bar is not None:
             bar.close()
         for a in attns:
