@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
-from qkmla.attention.functional import latent_attention, sdpa
+from qkmla.attention.functional import sdpa
+from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("full-key-qknorm", "expand-qknorm", "absorbed-mla", "absorbed-mla-qknorm",

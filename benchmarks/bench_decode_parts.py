@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_decode import machine  # noqa: E402
 
-from qkmla.attention.functional import latent_scores  # noqa: E402
+from qkmla.ops.mla_decode.torch_impl import latent_scores  # noqa: E402
 from qkmla.ops.linear import split_linear  # noqa: E402
 
 H, G, D_N, D_C, D_R = 16, 16, 128, 512, 64

@@ -52,7 +52,7 @@ def test_absorbed_logits_differ_if_key_scalar_is_dropped():
     x = torch.randn(1, 9, mla.config.hidden_size, dtype=torch.float64)
     rows = mla.cache_rows(x, torch.arange(9).expand(1, 9))
     q_lat, q_rope = mla.absorbed_query(x, torch.arange(9).expand(1, 9))
-    from qkmla.attention.functional import latent_scores
+    from qkmla.ops.mla_decode.torch_impl import latent_scores
 
     right = latent_scores(q_lat, q_rope, rows["latent"], rows["inv_rms"])
     wrong = latent_scores(q_lat, q_rope, rows["latent"], torch.ones_like(rows["inv_rms"]))

@@ -23,8 +23,6 @@ weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,18 +35,12 @@ from ..config import MLAConfig
 from ..dtypes import accumulate_dtype, cast
 from ..norms import make_qk_norms
 from ..ops.linear import linear
+from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
+from ..ops.mla_decode.torch_impl import latent_scores
 from ..rope import RotaryEmbedding
-from .functional import (check_hidden, default_positions, latent_attention, latent_scores, per_head,
-                         record_max_logits, sdpa)
+from .functional import check_hidden, default_positions, per_head, record_max_logits, sdpa
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
-DECODE_BACKENDS = ("auto", "torch", "triton")
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_installed() -> bool:
-    """Looked up once per process, not on every decode step."""
-    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass
@@ -128,9 +120,6 @@ class MLA(nn.Module):
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave, c.rope_scaling)
         self._absorbed: Optional[AbsorbedWeights] = None
         self._absorbed_key: Optional[tuple] = None
-        # The absorbed path's attention: "triton" (the fused kernel, qkmla.ops.mla_decode),
-        # "torch" (latent_attention), or "auto": the kernel on CUDA when Triton is installed.
-        self.decode_backend = "auto"
         # Set track_max_logits to record each head's max logit of every explicit forward
         # (for QK-Clip and diagnostics), in chunks, with the seconds it took.
         self.track_max_logits = False
@@ -138,6 +127,16 @@ class MLA(nn.Module):
         self.max_logit_seconds = 0.0
 
     # -- shared pieces ----------------------------------------------------------------------
+
+    @property
+    def decode_backend(self) -> str:
+        """The decode op's backend, ``config.decode_backend`` (read-only here)."""
+        return self.config.decode_backend
+
+    @decode_backend.setter
+    def decode_backend(self, value) -> None:
+        raise ValueError(f"decode_backend: set it in the config, MLA(config.replace(decode_backend={value!r})), "
+                         f"or mla.config = mla.config.replace(decode_backend={value!r})")
 
     @property
     def scale(self):
@@ -421,6 +420,7 @@ class MLA(nn.Module):
         # together too, each row with its own weight).
         q_c, q_r = self._raw_query(x)
         c_kv, k_r = self._latent(x)
+        c = self.config
         absorbed = self.absorbed  # looked up once per step: the staleness check is not free
         joint = self.k_norm is not None and self.k_norm.mode == "blockwise"
         if joint:
@@ -430,41 +430,24 @@ class MLA(nn.Module):
             k_r, inv_rms = self._key_scalars(c_kv, k_r, absorbed)
             qk_r = torch.cat((q_r, k_r), dim=2)  # [B, T, h + 1, d_r]
         q_rope, k_rope = self.rotary(qk_r, slot.positions).split([q_c.shape[2], 1], dim=2)
+        # Settled before the cache is written: a backend that cannot run must not leave the
+        # new token in the cache (a retry would attend to it twice).
+        backend = select_backend(c.decode_backend, x.device, c.kv_lora_rank, c.qk_rope_head_dim)
         cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
-        if self._use_kernel(x, input_lengths):
-            o_lat = self._kernel_attention(q_lat, q_rope, cache)
-        else:
-            latent = cache.read("latent")
-            inv_rms = cache.read("inv_rms") if "inv_rms" in cache.fields else None
-            o_lat = latent_attention(q_lat, q_rope, latent, inv_rms, self.scale, slot.key_mask(),
-                                     self.config.qk_norm_mode)
-        return self._values_out(o_lat, absorbed)
+        return self._values_out(self._decode_attention(q_lat, q_rope, cache, slot, backend), absorbed)
 
-    def _use_kernel(self, x: torch.Tensor, input_lengths) -> bool:
-        """The fused kernel covers blockwise and plain MLA without padded inputs."""
-        if self.decode_backend not in DECODE_BACKENDS:
-            raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
-        if self.decode_backend == "torch":
-            return False
-        supported = input_lengths is None and (self.k_norm is None or self.k_norm.mode == "blockwise")
-        if self.decode_backend == "triton":
-            if not supported:
-                raise ValueError("decode_backend: 'triton' covers blockwise/plain MLA without input_lengths; "
-                                 "use 'torch' or 'auto' for unified norms or padded batches")
-            return True
-        return supported and x.is_cuda and _triton_installed()
-
-    def _kernel_attention(self, q_lat, q_rope, cache: LatentCache) -> torch.Tensor:
-        from ..ops.mla_decode import mla_decode_with_kvcache
-
-        kv, scales, table = cache.kernel_view()
+    def _decode_attention(self, q_lat, q_rope, cache: LatentCache, slot, backend: str) -> torch.Tensor:
+        """The decode op over the cache: q_lat [B, T, h, d_c], q_rope [B, T, h, d_r] -> o_lat [B, T, h, d_c]."""
         scale = self.scale
         if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
             head_scale = per_head(scale, 1).to(q_lat.dtype)
             q_lat, q_rope, scale = q_lat * head_scale, q_rope * head_scale, 1.0
-        out, _ = mla_decode_with_kvcache(q_lat.to(kv.dtype).contiguous(), q_rope.to(kv.dtype).contiguous(), kv, table,
-                                         cache.seqlens, scales, float(scale), backend="triton")
-        return out.to(q_lat.dtype)
+        # A padded batch: each query sees the slots up to its own (the padding's are unused).
+        visible = slot.positions + 1 if slot.valid is not None else None
+        mode = self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
+        out, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=float(scale),
+                                         backend=backend, mode=mode, visible_lens=visible)
+        return out
 
     def expand_cache(self, latent: torch.Tensor, inv_rms: Optional[torch.Tensor]):
         """HF-style: up-project every cached latent [B, S, d_c + d_r] to normalized keys

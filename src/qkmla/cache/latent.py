@@ -54,16 +54,19 @@ class LatentCache(SequenceCache):
         if num_kv_groups:
             self._add_field("inv_rms", num_kv_groups, scalar_dtype or dtype, fill)
 
-    def kernel_view(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """(kv_cache [num_blocks, block_size, d_c + d_r], scale_cache [num_blocks, block_size, G]
-        or None, block_table [B, max_blocks]) as the fused decode kernel reads them. A contiguous
-        cache is one block per sequence."""
+    def decode_view(self) -> dict:
+        """What the decode op (``qkmla.ops.mla_decode.mla_decode_with_kvcache``) reads, by its
+        argument names: ``kv_cache`` [num_blocks, block_size, d_c + d_r] with ``block_table``
+        [B, max_blocks] (paged), or [B, capacity, d_c + d_r] with ``block_table=None``
+        (contiguous); ``scale_cache`` of the same layout with width G, or None;
+        ``cache_seqlens`` [B]; ``max_seqlen`` (a Python int)."""
         latent = self.fields["latent"]
         scales = self.fields.get("inv_rms")
         if isinstance(latent, PagedBuffer):
-            return latent.pool, scales.pool if scales is not None else None, latent.block_table
-        table = torch.arange(self.batch_size, device=self.device)[:, None]
-        return latent.data, scales.data if scales is not None else None, table
+            kv, s, table = latent.pool, scales.pool if scales is not None else None, latent.block_table
+        else:
+            kv, s, table = latent.data, scales.data if scales is not None else None, None
+        return dict(kv_cache=kv, scale_cache=s, block_table=table, cache_seqlens=self.seqlens, max_seqlen=self.max_len)
 
     @classmethod
     def from_config(cls, config: MLAConfig, batch_size: int, capacity: int, **kwargs) -> "LatentCache":
