@@ -330,3 +330,66 @@ def test_explicit_path_with_filled_latent_cache_is_refused():
 def test_config_type_checked():
     with pytest.raises(ValueError, match="config"):
         MLA({"hidden_size": 64})
+
+
+# -- a decode step is a transaction ------------------------------------------------------
+
+
+def cache_state(cache: LatentCache) -> dict:
+    """Lengths and every stored value (NaN included) of a cache, copied."""
+    return {"seqlens": cache.seqlens.clone(), "max_len": cache.max_len,
+            **{name: buf.data.clone() for name, buf in cache.fields.items()}}
+
+
+def assert_same_state(cache: LatentCache, before: dict) -> None:
+    for key, value in cache_state(cache).items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True, msg=key)
+        else:
+            assert value == before[key], key
+
+
+def test_a_backend_that_cannot_run_fails_before_the_cache_is_written(monkeypatch):
+    """decode_backend="triton" on CPU tensors without Triton's interpreter (or with widths the
+    kernel does not take) is refused before the token is appended, so a retry on a backend
+    that runs attends to the token once and gives the explicit path's output."""
+    kernel_widths = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, kv_lora_rank=32, decode_backend="triton")
+    mla = make(kernel_widths, dtype=torch.float32).eval()
+    x = torch.randn(2, 6, mla.config.hidden_size)
+    cache = LatentCache.from_config(mla.config, 2, 8, fill=float("nan"))
+    mla(x[:, :5], cache)  # an explicit prefill: no decode op involved
+    before = cache_state(cache)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend: 'triton' runs on CUDA tensors"):
+        mla(x[:, 5:], cache)
+    assert_same_state(cache, before)
+    monkeypatch.undo()
+    narrow = make(dict(kernel_widths, qk_rope_head_dim=8), dtype=torch.float32).eval()
+    narrow_cache = LatentCache.from_config(narrow.config, 2, 8, fill=float("nan"))
+    narrow(x[:, :5], narrow_cache)
+    narrow_before = cache_state(narrow_cache)
+    with pytest.raises(ValueError, match="powers of two"):
+        narrow(x[:, 5:], narrow_cache)
+    assert_same_state(narrow_cache, narrow_before)
+    mla.config = mla.config.replace(decode_backend="torch")
+    with torch.no_grad():
+        torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_fails_while_attending_takes_its_token_out_again(monkeypatch):
+    import qkmla.attention.mla as mla_module
+
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(2, 6, mla.config.hidden_size, dtype=torch.float64)
+    cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64, fill=float("nan"))
+    mla(x[:, :5], cache)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(mla_module, "mla_decode_with_kvcache", broken)
+        with pytest.raises(RuntimeError, match="kernel launch failed"):
+            mla(x[:, 5:], cache)
+    assert cache.seqlens.tolist() == [5, 5] and cache.max_len == 5
+    torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], rtol=1e-10, atol=1e-10)

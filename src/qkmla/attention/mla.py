@@ -433,8 +433,10 @@ class MLA(nn.Module):
         # Settled before the cache is written: a backend that cannot run must not leave the
         # new token in the cache (a retry would attend to it twice).
         backend = select_backend(c.decode_backend, x.device, c.kv_lora_rank, c.qk_rope_head_dim)
-        cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
-        return self._values_out(self._decode_attention(q_lat, q_rope, cache, slot, backend), absorbed)
+        with cache.transaction():  # and anything that fails later takes the token out again
+            cache.append(slot, **self._rows(c_kv, k_rope, inv_rms))
+            o_lat = self._decode_attention(q_lat, q_rope, cache, slot, backend)
+        return self._values_out(o_lat, absorbed)
 
     def _decode_attention(self, q_lat, q_rope, cache: LatentCache, slot, backend: str) -> torch.Tensor:
         """The decode op over the cache: q_lat [B, T, h, d_c], q_rope [B, T, h, d_r] -> o_lat [B, T, h, d_c]."""

@@ -10,8 +10,9 @@ stored, so prompts of different lengths share one prefill call.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -144,6 +145,21 @@ class SequenceCache:
                 self.fields[name].write(batch_idx, positions, value[batch_idx, t_idx])
         self.seqlens = slot.seqlens
         self.max_len, self.uniform = slot.max_len, slot.uniform
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo the appends made inside the block if it raises.
+
+        Appends only write slots past each sequence's length, so restoring the lengths is a
+        complete undo: the rows written are unused slots again. A decode step appends its
+        token and then attends; if attending fails, a retry must not see the token twice.
+        """
+        saved = (self.seqlens, self.max_len, self.uniform)
+        try:
+            yield
+        except BaseException:
+            self.seqlens, self.max_len, self.uniform = saved
+            raise
 
     # -- reading -----------------------------------------------------------------------------
 
