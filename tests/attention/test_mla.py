@@ -191,37 +191,39 @@ def test_absorbed_weights_fold_both_norm_weights():
     torch.testing.assert_close(mla.absorbed.w_uk, w[:, :c.qk_nope_head_dim])
     torch.testing.assert_close(mla.absorbed.w_uv, w[:, c.qk_nope_head_dim:])
     torch.testing.assert_close(mla.absorbed.gamma_qk, mla.q_norm.content.weight * mla.k_norm.content.weight)
-    gamma_r = mla.absorbed.gamma_r  # the query heads' RoPE weight, then the key's
-    assert gamma_r.shape == (c.num_heads + 1, c.qk_rope_head_dim)
-    torch.testing.assert_close(gamma_r[:-1], mla.q_norm.rope.weight.expand(c.num_heads, -1))
-    torch.testing.assert_close(gamma_r[-1], mla.k_norm.rope.weight)
     assert make(qk_norm=None).absorbed.gamma_qk is None
 
 
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["rms", "l2", "lp"])
-def test_decode_step_norms_equal_the_separate_query_and_key_norms(kind, groups):
-    """The decode step stacks the query's and the new keys' content rows for one statistic;
-    it must give what the query and key norms give on their own (batch 2, 3 tokens, G <= h)."""
-    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=groups)
-    x = torch.randn(2, 3, mla.config.hidden_size, dtype=torch.float64)
-    q_c, q_r = mla._raw_query(x)
+def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
+    """The absorbed form's key scalar of each group is the k_norm statistic of that group's
+    explicit content key c W_UK^(g) (with the RoPE block's moment in unified mode), for
+    batch 2, 3 tokens, G <= h; the stored RoPE key is the explicit one before RoPE (blockwise)."""
+    from qkmla.attention.absorbed import key_scalars
+
+    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=groups, qk_norm_mode=mode)
+    c = mla.config
+    x = torch.randn(2, 3, c.hidden_size, dtype=torch.float64)
     c_kv, k_r = mla._latent(x)
-    absorbed = mla.absorbed
-    q_lat, qk_r, inv_rms = mla._decode_blockwise(q_c, q_r, c_kv, k_r, absorbed)
-    want_q_lat, want_q_r = mla._latent_query(q_c, q_r, absorbed)
-    want_k_r, want_inv_rms = mla._key_scalars(c_kv, k_r, absorbed)
-    torch.testing.assert_close(q_lat, want_q_lat, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(qk_r, torch.cat((want_q_r, want_k_r), dim=2), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(inv_rms, want_inv_rms, rtol=1e-12, atol=1e-12)
-    assert inv_rms.shape == (2, 3, groups) and inv_rms.std() > 1e-3  # per-group scalars that differ
+    k_rope, key_scale = key_scalars(c_kv, k_r, mla.k_norm, mla.absorbed)
+    k_c = mla.kv_b_proj(c_kv).view(2, 3, groups, -1)[..., :c.qk_nope_head_dim]
+    want, _ = mla.k_norm.statistics(k_c, k_r)
+    torch.testing.assert_close(key_scale, want.squeeze(-1), rtol=1e-12, atol=1e-12)
+    if mode == "blockwise":
+        torch.testing.assert_close(k_rope, mla.k_norm.rope(k_r), rtol=1e-12, atol=1e-12)
+    assert key_scale.shape == (2, 3, groups) and key_scale.std() > 1e-3  # per-group scalars that differ
 
 
 def test_cpu_decode_step_runs_every_projection_across_threads(threads, ops_of):
-    """On a CPU with 2+ threads a decode step's projections take split_linear's bmm, never
-    MKL's one-thread GEMV (aten mm/addmm); the output still equals the explicit path's."""
+    """With the opt-in qkmla.cpu.optimize_for_decode, on a CPU with 2+ threads a decode step's
+    projections take split_linear's bmm, never MKL's one-thread GEMV (aten mm/addmm); the
+    output still equals the explicit path's."""
+    from qkmla.cpu import optimize_for_decode
+
     threads(2)
-    mla = make(qk_norm="rms").eval()
+    mla = optimize_for_decode(make(qk_norm="rms")).eval()
     x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
     cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
     mla(x[:, :-1], cache)

@@ -68,6 +68,14 @@ class LatentCache(SequenceCache):
             kv, s, table = latent.data, scales.data if scales is not None else None, None
         return dict(kv_cache=kv, scale_cache=s, block_table=table, cache_seqlens=self.seqlens, max_seqlen=self.max_len)
 
+    def check_config(self, config: MLAConfig) -> None:
+        """Raise ValueError unless this cache holds the rows of a layer built from ``config``."""
+        want = (config.kv_lora_rank, config.qk_rope_head_dim, config.num_kv_groups if config.qk_norm is not None else 0)
+        got = (self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups)
+        if got != want:
+            raise ValueError(f"cache: LatentCache(kv_lora_rank, qk_rope_head_dim, num_kv_groups)={got} does not match "
+                             f"this layer, which needs {want}; build it with LatentCache.from_config(config, ...)")
+
     @classmethod
     def from_config(cls, config: MLAConfig, batch_size: int, capacity: int, **kwargs) -> "LatentCache":
         """A cache shaped for ``config``: scalars only when it has a QK norm."""
