@@ -54,8 +54,9 @@ def test_absorbed_logits_differ_if_key_scalar_is_dropped():
     q_lat, q_rope = mla.absorbed_query(x, torch.arange(9).expand(1, 9))
     from qkmla.ops.mla_decode.torch_impl import latent_scores
 
-    right = latent_scores(q_lat, q_rope, rows["latent"], rows["inv_rms"])
-    wrong = latent_scores(q_lat, q_rope, rows["latent"], torch.ones_like(rows["inv_rms"]))
+    latent = torch.cat((rows["c_kv"], rows["k_rope"]), dim=-1)
+    right = latent_scores(q_lat, q_rope, latent, rows["key_scale"])
+    wrong = latent_scores(q_lat, q_rope, latent, torch.ones_like(rows["key_scale"]))
     assert (right - wrong).abs().max() > 1e-2
 
 
@@ -257,7 +258,7 @@ def test_latent_cache_write_discards_content_keys():
     mla(torch.randn(1, 3, mla.config.hidden_size, dtype=torch.float64), cache)
     c = mla.config
     assert {n: b.width for n, b in cache.fields.items()} == {"latent": c.kv_lora_rank + c.qk_rope_head_dim,
-                                                            "inv_rms": c.num_kv_groups}
+                                                            "key_scale": c.num_kv_groups}
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -393,5 +394,21 @@ def test_a_step_that_fails_while_attending_takes_its_token_out_again(monkeypatch
         m.setattr(mla_module, "mla_decode_with_kvcache", broken)
         with pytest.raises(RuntimeError, match="kernel launch failed"):
             mla(x[:, 5:], cache)
-    assert cache.seqlens.tolist() == [5, 5] and cache.max_len == 5
+    assert cache.seqlens.tolist() == [5, 5] and cache.max_len == 5 and cache.next_positions.tolist() == [5, 5]
     torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["absorbed", "expand"])
+def test_a_new_token_is_rotated_at_its_position_and_stored_at_its_slot(path):
+    """Five cached tokens at positions 0..4, then a token at position 7 (as if positions 5
+    and 6 had been dropped) lands in slot 5 and equals the explicit path over positions
+    [0, 1, 2, 3, 4, 7]."""
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
+    cache = LatentCache.from_config(mla.config, 1, 8, dtype=torch.float64, fill=float("nan"))
+    mla(x[:, :5], cache)
+    cache.next_positions = cache.next_positions + 2
+    got = mla(x[:, 5:], cache, path=path)
+    want = mla(x, positions=torch.tensor([0, 1, 2, 3, 4, 7]))[:, 5:]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert cache.seqlens.tolist() == [6] and cache.next_positions.tolist() == [8]

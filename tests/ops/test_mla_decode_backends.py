@@ -149,3 +149,16 @@ def test_backend_choice_and_refusals(monkeypatch):
         mla_decode_with_kvcache(**{**args, "mode": "joint"})
     with pytest.raises(ValueError, match="visible_lens"):
         mla_decode_with_kvcache(**{**args, "visible_lens": args["cache_seqlens"]})
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch"])
+def test_per_head_softmax_scale_is_each_heads_logit_scale(backend):
+    args = decode_inputs("paged", 4, 2, "blockwise", "causal")
+    scales = torch.linspace(0.1, 0.8, H, device=DEVICE)
+    out, lse = mla_decode_with_kvcache(**{**args, "softmax_scale": scales}, backend=backend)
+    for h in (0, H - 1):
+        want, want_lse = mla_decode_with_kvcache(**{**args, "softmax_scale": float(scales[h])}, backend=backend)
+        torch.testing.assert_close(out[:, :, h], want[:, :, h], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:, :, h], want_lse[:, :, h], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"softmax_scale: expected a float or a tensor \[H=8\]"):
+        mla_decode_with_kvcache(**{**args, "softmax_scale": scales[:3]}, backend=backend)

@@ -7,7 +7,8 @@ Because gamma_k^C ⊙ (c W_UK) = c W_UK diag(gamma_k^C), a QK-normed content sco
 
 so the query moves into latent space (:func:`latent_query`) and each cached token keeps
 one scalar per KV group, r_{j,g} = sigma(c_j W_UK^(g)) (:func:`key_scalars`). Values need
-no change: o = (sum_j p_j c_j) W_UV^(g) (:func:`values_out`).
+no change: o = (sum_j p_j c_j) W_UV^(g) (:func:`values_out`). :func:`expand_keys` is the
+baseline the absorbed form avoids: re-expanding every cached key at every step.
 
 The weights these use (:class:`AbsorbedWeights`) are derived from ``kv_b_proj`` and the
 norm weights. :class:`DerivedWeights` keeps them and re-derives them when a source
@@ -124,3 +125,21 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
 def values_out(o_lat: torch.Tensor, w: AbsorbedWeights) -> torch.Tensor:
     """o = o_lat W_UV^(g) per head: [B, T, h, d_c] -> [B, T, h, d_v]."""
     return per_group(o_lat, cast(w.w_uv, o_lat.dtype).transpose(1, 2))
+
+
+def expand_keys(latent: torch.Tensor, key_scale: Optional[torch.Tensor], kv_b_proj: torch.nn.Module,
+                k_norm: Optional[QKNorm], config) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-style: cached latents [B, S, d_c + d_r] (and key scalars [B, S, G]) up-projected to
+    normalized keys [B, S, G, d_n + d_r] and values [B, S, G, d_v] with ``kv_b_proj``."""
+    c = config
+    dtype = kv_b_proj.weight.dtype
+    c_kv, k_r = latent.to(dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+    kv = kv_b_proj(c_kv).view(*c_kv.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
+    k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k_r = k_r.unsqueeze(2).expand(*k_c.shape[:3], c.qk_rope_head_dim)
+    if k_norm is not None:
+        r = key_scale.to(dtype).unsqueeze(-1)  # [B, S, G, 1]: the cached scalars
+        k_c = k_c * k_norm.content.weight.to(dtype) * r
+        if k_norm.mode == "unified":
+            k_r = k_r * r
+    return torch.cat((k_c, k_r), dim=-1), v

@@ -81,7 +81,7 @@ class MultiHeadAttention(nn.Module):
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         if not isinstance(cache, FullKVCache):
             raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")
-        cache.check_shape(c.num_kv_heads, c.dim_per_head, c.dim_per_head)
+        cache.check_config(c)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         q, k, v = self.qkv(x, slot.positions)
         k, v = cache.update(slot, k, v)

@@ -33,7 +33,7 @@ from ..norms import make_qk_norms
 from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
 from ..ops.mla_decode.torch_impl import latent_scores
 from ..rope import RotaryEmbedding
-from .absorbed import AbsorbedWeights, DerivedWeights, absorb, key_scalars, latent_query, values_out
+from .absorbed import AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, values_out
 from .functional import check_hidden, default_positions, per_head, record_max_logits, sdpa
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
@@ -165,14 +165,12 @@ class MLA(nn.Module):
         return q_lat, self.rotary(q_r, positions)
 
     def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None) -> dict[str, torch.Tensor]:
-        """What a :class:`LatentCache` stores for tokens x: ``latent`` [B, T, d_c + d_r] and,
-        with a QK norm, ``inv_rms`` [B, T, G]. ``latent``: x's (c, k~^R) if already projected."""
+        """What :meth:`LatentCache.append` takes for tokens x: ``c_kv`` [B, T, d_c], the normalized,
+        rotated ``k_rope`` [B, T, d_r] and ``key_scale`` [B, T, G] (None without a QK norm).
+        ``latent``: x's (c, k~^R) if already projected."""
         c_kv, k_r = latent if latent is not None else self._latent(x)
         k_r, key_scale = key_scalars(c_kv, k_r, self.k_norm, self.absorbed)
-        rows = {"latent": torch.cat((c_kv, self.rotary(k_r, positions).squeeze(2)), dim=-1)}
-        if key_scale is not None:
-            rows["inv_rms"] = key_scale
-        return rows
+        return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
 
     # -- logits (the Appendix E test) --------------------------------------------------------
 
@@ -192,7 +190,8 @@ class MLA(nn.Module):
         elif path == "absorbed":
             q_lat, q_rope = self.absorbed_query(x, positions)
             rows = self.cache_rows(x, positions)
-            s = latent_scores(q_lat, q_rope, rows["latent"], rows.get("inv_rms"), self.config.qk_norm_mode)
+            latent = torch.cat((rows["c_kv"], rows["k_rope"]), dim=-1)
+            s = latent_scores(q_lat, q_rope, latent, rows["key_scale"], self.config.qk_norm_mode)
             s = s * per_head(self.scale, 1)
         else:
             raise ValueError(f"path: expected 'explicit' or 'absorbed', got {path!r}")
@@ -236,7 +235,7 @@ class MLA(nn.Module):
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         if path == "expand":
             cache.append(slot, **self.cache_rows(x, slot.positions))
-            k, v = self.expand_cache(cache.read("latent"), cache.read("inv_rms") if "inv_rms" in cache.fields else None)
+            k, v = self.expand_cache(*cache.load())
             q = self.explicit_query(x, slot.positions)
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
@@ -244,9 +243,11 @@ class MLA(nn.Module):
         # Settled before the cache is written: a backend that cannot run must not leave the
         # new token in the cache (a retry would attend to it twice).
         backend = select_backend(self.config.decode_backend, x.device, q_lat.shape[-1], q_rope.shape[-1])
+        mode = self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
         with cache.transaction():  # and anything that fails later takes the token out again
             cache.append(slot, **rows)
-            o_lat = self._decode_attention(q_lat, q_rope, cache, slot, backend)
+            o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
+                                               backend=backend, mode=mode, visible_lens=slot.visible_lens())
         return self.o_proj(values_out(o_lat, self.absorbed).flatten(2))
 
     def _check_call(self, x, cache, path: str, input_lengths) -> str:
@@ -255,17 +256,16 @@ class MLA(nn.Module):
         check_hidden(x, c.hidden_size, self.o_proj.weight.dtype)
         if path not in PATHS:
             raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
-        if cache is None or isinstance(cache, FullKVCache):
+        if cache is not None and not isinstance(cache, (LatentCache, FullKVCache)):
+            raise ValueError(f"cache: expected a LatentCache, a FullKVCache or None, got {type(cache).__name__}")
+        if cache is not None:
+            cache.check_config(c)
+        if not isinstance(cache, LatentCache):
             if path not in ("auto", "explicit"):
                 raise ValueError(f"path: {path!r} reads a latent cache; pass cache=LatentCache(...) or use 'explicit'")
             if cache is None and input_lengths is not None:
                 raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
-            if cache is not None:
-                cache.check_shape(c.num_kv_groups, c.qk_head_dim, c.v_head_dim)
             return "explicit"
-        if not isinstance(cache, LatentCache):
-            raise ValueError(f"cache: expected a LatentCache, a FullKVCache or None, got {type(cache).__name__}")
-        cache.check_config(c)
         if path == "auto":
             return "explicit" if cache.max_len == 0 and x.shape[1] > 1 else "absorbed"
         if path == "explicit" and cache.max_len != 0:
@@ -273,31 +273,7 @@ class MLA(nn.Module):
                              "use 'absorbed' or 'expand' to attend over cached tokens")
         return path
 
-    def _decode_attention(self, q_lat, q_rope, cache: LatentCache, slot, backend: str) -> torch.Tensor:
-        """The decode op over the cache: q_lat [B, T, h, d_c], q_rope [B, T, h, d_r] -> o_lat [B, T, h, d_c]."""
-        scale = self.scale
-        if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
-            head_scale = per_head(scale, 1).to(q_lat.dtype)
-            q_lat, q_rope, scale = q_lat * head_scale, q_rope * head_scale, 1.0
-        # A padded batch: each query sees the slots up to its own (the padding's are unused).
-        visible = slot.positions + 1 if slot.valid is not None else None
-        mode = self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
-        out, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=float(scale),
-                                         backend=backend, mode=mode, visible_lens=visible)
-        return out
-
-    def expand_cache(self, latent: torch.Tensor, inv_rms: Optional[torch.Tensor]):
-        """HF-style: up-project every cached latent [B, S, d_c + d_r] to normalized keys
-        [B, S, G, d_n + d_r] and values [B, S, G, d_v] (the work the absorbed path avoids)."""
-        c = self.config
-        dtype = self.kv_b_proj.weight.dtype
-        c_kv, k_r = latent.to(dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
-        k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k_r = k_r.unsqueeze(2).expand(*k_c.shape[:3], c.qk_rope_head_dim)
-        if self.k_norm is not None:
-            r = inv_rms.to(dtype).unsqueeze(-1)  # [B, S, G, 1]: the cached scalars
-            k_c = k_c * self.k_norm.content.weight.to(dtype) * r
-            if self.k_norm.mode == "unified":
-                k_r = k_r * r
-        return torch.cat((k_c, k_r), dim=-1), v
+    def expand_cache(self, latent: torch.Tensor, key_scale: Optional[torch.Tensor]):
+        """HF-style: every cached latent [B, S, d_c + d_r] up-projected to normalized keys
+        [B, S, G, d_n + d_r] and values [B, S, G, d_v] (see :func:`absorbed.expand_keys`)."""
+        return expand_keys(latent, key_scale, self.kv_b_proj, self.k_norm, self.config)

@@ -135,7 +135,7 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
 
 def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
-                            scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0,
+                            scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0,
                             num_splits: int = 0, backend: str = "auto", *, mode: str = "blockwise",
                             visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None):
     """Absorbed MLA decode attention over a latent cache, with optional key scalars.
@@ -150,7 +150,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         cache_seqlens: [B], slots filled in each sequence, the S_q new tokens included.
         scale_cache: [num_blocks, block_size, G] (or [B, capacity, G]) key scalars r, or None
             for plain MLA.
-        softmax_scale: logit scale.
+        softmax_scale: logit scale, a float or one per head [H] (then folded into the queries).
         num_splits: split-K factor of the Triton kernel; 0 picks one that fills the GPU.
         backend: one of :data:`DECODE_BACKENDS` (see the module docstring).
         mode: "blockwise" (r scales the content score) or "unified" (r scales the whole logit).
@@ -171,6 +171,12 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
     check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens)
     backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1])
+    if isinstance(softmax_scale, torch.Tensor):  # per-head scales ride on the queries (O(H d) work)
+        if softmax_scale.shape != (q_lat.shape[2],):
+            raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
+                             f"got {tuple(softmax_scale.shape)}")
+        head_scale = softmax_scale.to(q_lat.dtype)[:, None]
+        q_lat, q_rope, softmax_scale = q_lat * head_scale, q_rope * head_scale, 1.0
     if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
                                 mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen)
