@@ -163,6 +163,11 @@ class SequenceCache:
             slots = slot.slots[batch_idx, t_idx]
             for name, value in rows.items():
                 self.fields[name].write(batch_idx, slots, value[batch_idx, t_idx])
+        self.advance(slot)
+
+    def advance(self, slot: WriteSlot) -> None:
+        """Move the lengths and positions on to ``slot``'s, its rows already stored (by
+        :meth:`write_rows`, or in place by a compiled decode step)."""
         self.seqlens, self.next_positions = slot.seqlens, slot.next_positions
         self.max_len, self.uniform = slot.max_len, slot.uniform
 
