@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
-from qkmla.attention.functional import latent_attention, sdpa
+from qkmla.attention.functional import sdpa
+from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("full-key-qknorm", "expand-qknorm", "absorbed-mla", "absorbed-mla-qknorm",
@@ -59,7 +60,7 @@ def machine() -> dict:
 
 def filled(cache, context: int, rows: dict):
     """Append ``context`` random tokens, as a prefill would, without running the model."""
-    cache.append(cache.plan(cache.batch_size, context), **rows)
+    cache.write_rows(cache.plan(cache.batch_size, context), rows)
     return cache
 
 
@@ -77,14 +78,14 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int
     capacity, B = context + 1, batch
     d_c, d_r, G = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_groups
     latent = torch.randn(B, context, d_c + d_r, dtype=dtype, device=device)
-    inv_rms = torch.rand(B, context, G, dtype=dtype, device=device) + 0.5
+    key_scale = torch.rand(B, context, G, dtype=dtype, device=device) + 0.5
     kw = dict(dtype=dtype, device=device)
     caches = {
         "full-key-qknorm": filled(FullKVCache.from_config(cfg, B, capacity, **kw), context, {
             "k": torch.randn(B, context, G * cfg.qk_head_dim, dtype=dtype, device=device),
             "v": torch.randn(B, context, G * cfg.v_head_dim, dtype=dtype, device=device)}),
         "expand-qknorm": filled(LatentCache.from_config(cfg, B, capacity, **kw), context,
-                                {"latent": latent, "inv_rms": inv_rms}),
+                                {"latent": latent, "key_scale": key_scale}),
         "absorbed-mla": filled(LatentCache.from_config(plain.config, B, capacity, **kw), context, {"latent": latent}),
     }
     caches["absorbed-mla-qknorm"] = caches["expand-qknorm"]  # same cache object, different path
@@ -97,15 +98,15 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int
     q_full = torch.randn(B, 1, cfg.num_heads, cfg.qk_head_dim, dtype=dtype, device=device)
 
     def step(module, cache, path="auto"):
-        lengths, max_len, uniform = cache.seqlens, cache.max_len, cache.uniform
+        saved = cache.bookkeeping()
 
         def run():
             module(x, cache, path=path)
-            cache.seqlens, cache.max_len, cache.uniform = lengths, max_len, uniform  # keep the context fixed
+            cache.restore(saved)  # keep the context fixed
         return run
 
     lat = caches["expand-qknorm"].fields["latent"].read(context)
-    scal = caches["expand-qknorm"].fields["inv_rms"].read(context)
+    scal = caches["expand-qknorm"].fields["key_scale"].read(context)
     fns = {
         "full-key-qknorm": step(qk, caches["full-key-qknorm"]),
         "expand-qknorm": step(qk, caches["expand-qknorm"], "expand"),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from qkmla.attention.functional import latent_attention
+from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

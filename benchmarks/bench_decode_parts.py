@@ -7,7 +7,7 @@ float32, batch 1, so the step-level ratio can be explained:
     key-gemv              c [1, 512] x W_UK^(g)^T [512, 128], one bmm over the G groups: the
                           new token's content keys, as the library computes them
     key-gemv-split        the same product with the groups stacked, [512, 2048], through
-                          qkmla.ops.linear.split_linear (one block of rows per thread)
+                          qkmla.cpu.split_linear (one block of rows per thread)
     key-gemv-linear       the same product as one F.linear (MKL's GEMV, which runs on one thread)
     query-gemm            q [16, 128] x W_UK [G, 128, 512] per group (both paths do this)
     key-gemv+query-gemm   both back to back, as the decode step runs them
@@ -50,8 +50,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_decode import machine  # noqa: E402
 
-from qkmla.attention.functional import latent_scores  # noqa: E402
-from qkmla.ops.linear import split_linear  # noqa: E402
+from qkmla.ops.mla_decode.torch_impl import latent_scores  # noqa: E402
+from qkmla.cpu import split_linear  # noqa: E402
 
 H, G, D_N, D_C, D_R = 16, 16, 128, 512, 64
 PROJ_ROWS = (1, 4, 32)

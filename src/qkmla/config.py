@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .ops.mla_decode.interface import DECODE_BACKENDS
 from .rope import YarnScaling, rope_scaling_from
 
 QK_NORMS = (None, "rms", "l2", "lp")
@@ -79,6 +80,9 @@ class MLAConfig:
             DeepSeek dict (``{"type": "yarn", "factor": 40, ...}``; rope_type "default" means None),
             converted when the config is built.
         attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` as in HF.
+        decode_backend: the backend of the absorbed decode attention (``qkmla.ops.mla_decode``):
+            "auto" (the Triton kernel on CUDA when it is installed and fits the widths, else
+            "torch"), "naive" (the float32 reference loop), "torch" or "triton".
     """
 
     hidden_size: int = 64
@@ -100,6 +104,7 @@ class MLAConfig:
     learnable_logit_scale: bool = False
     latent_norm_eps: float = 1e-6
     attention_bias: bool = False
+    decode_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_groups", "kv_lora_rank",
@@ -115,6 +120,8 @@ class MLAConfig:
             raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {self.qk_norm_mode!r}")
         if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
 
     @property
     def qk_head_dim(self) -> int:

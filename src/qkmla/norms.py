@@ -17,7 +17,6 @@ Statistics are computed in at least float32, whatever the input dtype.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -36,22 +35,12 @@ def moment(v: torch.Tensor, kind: str, p: float = 2.0) -> torch.Tensor:
     return torch.linalg.vecdot(v, v).unsqueeze(-1)
 
 
-@functools.lru_cache(maxsize=None)
-def _scalar(value: float, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-dim CPU tensor: usable as an operand on any device, and it does not change the
-    dtype of the result. Given in the moment's own dtype, since a float64 operand against a
-    float32 tensor costs the op a type conversion (4.0 against 2.6 us on the CPU)."""
-    return torch.tensor(value, dtype=dtype)
-
-
 def statistic_from_moment(m: torch.Tensor, n: int, kind: str, p: float, eps: float) -> torch.Tensor:
     """sigma from a moment of a vector of length n (see module docstring)."""
-    # Fewest kernels: a decode step computes these on a few hundred values, where each
-    # dispatched op costs more than its arithmetic. eps + m / n is one add (alpha = 1/n).
     if kind == "rms":
-        return torch.add(_scalar(eps, m.dtype), m, alpha=1.0 / n).rsqrt_()
+        return (m / n + eps).rsqrt()
     if kind == "l2" or (kind == "lp" and p == 2):
-        return torch.add(_scalar(eps, m.dtype), m).rsqrt_()
+        return (m + eps).rsqrt()
     if kind == "lp":
         return (m + eps).pow(-1.0 / p)
     raise ValueError(f"qk_norm: expected one of {QK_NORMS[1:]}, got {kind!r}")

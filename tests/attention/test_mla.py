@@ -52,10 +52,11 @@ def test_absorbed_logits_differ_if_key_scalar_is_dropped():
     x = torch.randn(1, 9, mla.config.hidden_size, dtype=torch.float64)
     rows = mla.cache_rows(x, torch.arange(9).expand(1, 9))
     q_lat, q_rope = mla.absorbed_query(x, torch.arange(9).expand(1, 9))
-    from qkmla.attention.functional import latent_scores
+    from qkmla.ops.mla_decode.torch_impl import latent_scores
 
-    right = latent_scores(q_lat, q_rope, rows["latent"], rows["inv_rms"])
-    wrong = latent_scores(q_lat, q_rope, rows["latent"], torch.ones_like(rows["inv_rms"]))
+    latent = torch.cat((rows["c_kv"], rows["k_rope"]), dim=-1)
+    right = latent_scores(q_lat, q_rope, latent, rows["key_scale"])
+    wrong = latent_scores(q_lat, q_rope, latent, torch.ones_like(rows["key_scale"]))
     assert (right - wrong).abs().max() > 1e-2
 
 
@@ -191,37 +192,39 @@ def test_absorbed_weights_fold_both_norm_weights():
     torch.testing.assert_close(mla.absorbed.w_uk, w[:, :c.qk_nope_head_dim])
     torch.testing.assert_close(mla.absorbed.w_uv, w[:, c.qk_nope_head_dim:])
     torch.testing.assert_close(mla.absorbed.gamma_qk, mla.q_norm.content.weight * mla.k_norm.content.weight)
-    gamma_r = mla.absorbed.gamma_r  # the query heads' RoPE weight, then the key's
-    assert gamma_r.shape == (c.num_heads + 1, c.qk_rope_head_dim)
-    torch.testing.assert_close(gamma_r[:-1], mla.q_norm.rope.weight.expand(c.num_heads, -1))
-    torch.testing.assert_close(gamma_r[-1], mla.k_norm.rope.weight)
     assert make(qk_norm=None).absorbed.gamma_qk is None
 
 
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["rms", "l2", "lp"])
-def test_decode_step_norms_equal_the_separate_query_and_key_norms(kind, groups):
-    """The decode step stacks the query's and the new keys' content rows for one statistic;
-    it must give what the query and key norms give on their own (batch 2, 3 tokens, G <= h)."""
-    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=groups)
-    x = torch.randn(2, 3, mla.config.hidden_size, dtype=torch.float64)
-    q_c, q_r = mla._raw_query(x)
+def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
+    """The absorbed form's key scalar of each group is the k_norm statistic of that group's
+    explicit content key c W_UK^(g) (with the RoPE block's moment in unified mode), for
+    batch 2, 3 tokens, G <= h; the stored RoPE key is the explicit one before RoPE (blockwise)."""
+    from qkmla.attention.absorbed import key_scalars
+
+    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=groups, qk_norm_mode=mode)
+    c = mla.config
+    x = torch.randn(2, 3, c.hidden_size, dtype=torch.float64)
     c_kv, k_r = mla._latent(x)
-    absorbed = mla.absorbed
-    q_lat, qk_r, inv_rms = mla._decode_blockwise(q_c, q_r, c_kv, k_r, absorbed)
-    want_q_lat, want_q_r = mla._latent_query(q_c, q_r, absorbed)
-    want_k_r, want_inv_rms = mla._key_scalars(c_kv, k_r, absorbed)
-    torch.testing.assert_close(q_lat, want_q_lat, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(qk_r, torch.cat((want_q_r, want_k_r), dim=2), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(inv_rms, want_inv_rms, rtol=1e-12, atol=1e-12)
-    assert inv_rms.shape == (2, 3, groups) and inv_rms.std() > 1e-3  # per-group scalars that differ
+    k_rope, key_scale = key_scalars(c_kv, k_r, mla.k_norm, mla.absorbed)
+    k_c = mla.kv_b_proj(c_kv).view(2, 3, groups, -1)[..., :c.qk_nope_head_dim]
+    want, _ = mla.k_norm.statistics(k_c, k_r)
+    torch.testing.assert_close(key_scale, want.squeeze(-1), rtol=1e-12, atol=1e-12)
+    if mode == "blockwise":
+        torch.testing.assert_close(k_rope, mla.k_norm.rope(k_r), rtol=1e-12, atol=1e-12)
+    assert key_scale.shape == (2, 3, groups) and key_scale.std() > 1e-3  # per-group scalars that differ
 
 
 def test_cpu_decode_step_runs_every_projection_across_threads(threads, ops_of):
-    """On a CPU with 2+ threads a decode step's projections take split_linear's bmm, never
-    MKL's one-thread GEMV (aten mm/addmm); the output still equals the explicit path's."""
+    """With the opt-in qkmla.cpu.optimize_for_decode, on a CPU with 2+ threads a decode step's
+    projections take split_linear's bmm, never MKL's one-thread GEMV (aten mm/addmm); the
+    output still equals the explicit path's."""
+    from qkmla.cpu import optimize_for_decode
+
     threads(2)
-    mla = make(qk_norm="rms").eval()
+    mla = optimize_for_decode(make(qk_norm="rms")).eval()
     x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
     cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
     mla(x[:, :-1], cache)
@@ -255,7 +258,7 @@ def test_latent_cache_write_discards_content_keys():
     mla(torch.randn(1, 3, mla.config.hidden_size, dtype=torch.float64), cache)
     c = mla.config
     assert {n: b.width for n, b in cache.fields.items()} == {"latent": c.kv_lora_rank + c.qk_rope_head_dim,
-                                                            "inv_rms": c.num_kv_groups}
+                                                            "key_scale": c.num_kv_groups}
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -330,3 +333,82 @@ def test_explicit_path_with_filled_latent_cache_is_refused():
 def test_config_type_checked():
     with pytest.raises(ValueError, match="config"):
         MLA({"hidden_size": 64})
+
+
+# -- a decode step is a transaction ------------------------------------------------------
+
+
+def cache_state(cache: LatentCache) -> dict:
+    """Lengths and every stored value (NaN included) of a cache, copied."""
+    return {"seqlens": cache.seqlens.clone(), "max_len": cache.max_len,
+            **{name: buf.data.clone() for name, buf in cache.fields.items()}}
+
+
+def assert_same_state(cache: LatentCache, before: dict) -> None:
+    for key, value in cache_state(cache).items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, before[key], rtol=0, atol=0, equal_nan=True, msg=key)
+        else:
+            assert value == before[key], key
+
+
+def test_a_backend_that_cannot_run_fails_before_the_cache_is_written(monkeypatch):
+    """decode_backend="triton" on CPU tensors without Triton's interpreter (or with widths the
+    kernel does not take) is refused before the token is appended, so a retry on a backend
+    that runs attends to the token once and gives the explicit path's output."""
+    kernel_widths = dict(qk_rope_head_dim=16, qk_nope_head_dim=16, kv_lora_rank=32, decode_backend="triton")
+    mla = make(kernel_widths, dtype=torch.float32).eval()
+    x = torch.randn(2, 6, mla.config.hidden_size)
+    cache = LatentCache.from_config(mla.config, 2, 8, fill=float("nan"))
+    mla(x[:, :5], cache)  # an explicit prefill: no decode op involved
+    before = cache_state(cache)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend: 'triton' runs on CUDA tensors"):
+        mla(x[:, 5:], cache)
+    assert_same_state(cache, before)
+    monkeypatch.undo()
+    narrow = make(dict(kernel_widths, qk_rope_head_dim=8), dtype=torch.float32).eval()
+    narrow_cache = LatentCache.from_config(narrow.config, 2, 8, fill=float("nan"))
+    narrow(x[:, :5], narrow_cache)
+    narrow_before = cache_state(narrow_cache)
+    with pytest.raises(ValueError, match="powers of two"):
+        narrow(x[:, 5:], narrow_cache)
+    assert_same_state(narrow_cache, narrow_before)
+    mla.config = mla.config.replace(decode_backend="torch")
+    with torch.no_grad():
+        torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_fails_while_attending_takes_its_token_out_again(monkeypatch):
+    import qkmla.attention.mla as mla_module
+
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(2, 6, mla.config.hidden_size, dtype=torch.float64)
+    cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64, fill=float("nan"))
+    mla(x[:, :5], cache)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(mla_module, "mla_decode_with_kvcache", broken)
+        with pytest.raises(RuntimeError, match="kernel launch failed"):
+            mla(x[:, 5:], cache)
+    assert cache.seqlens.tolist() == [5, 5] and cache.max_len == 5 and cache.next_positions.tolist() == [5, 5]
+    torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("path", ["absorbed", "expand"])
+def test_a_new_token_is_rotated_at_its_position_and_stored_at_its_slot(path):
+    """Five cached tokens at positions 0..4, then a token at position 7 (as if positions 5
+    and 6 had been dropped) lands in slot 5 and equals the explicit path over positions
+    [0, 1, 2, 3, 4, 7]."""
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
+    cache = LatentCache.from_config(mla.config, 1, 8, dtype=torch.float64, fill=float("nan"))
+    mla(x[:, :5], cache)
+    cache.next_positions = cache.next_positions + 2
+    got = mla(x[:, 5:], cache, path=path)
+    want = mla(x, positions=torch.tensor([0, 1, 2, 3, 4, 7]))[:, 5:]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert cache.seqlens.tolist() == [6] and cache.next_positions.tolist() == [8]

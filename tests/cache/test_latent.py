@@ -28,7 +28,7 @@ def test_scalar_dtype_separate():
     cfg = mla_preset("deepseek-v3-tp8")
     cache = LatentCache.from_config(cfg, 2, 8, dtype=torch.bfloat16, scalar_dtype=torch.float32)
     assert cache.bytes_per_token == 576 * 2 + 16 * 4
-    assert cache.fields["inv_rms"].width == 16
+    assert cache.fields["key_scale"].width == 16
 
 
 def test_paged_cache_bytes():
@@ -39,19 +39,20 @@ def test_paged_cache_bytes():
 def test_plan_checks_capacity_and_reset():
     cache = LatentCache.from_config(MLAConfig(), 1, 4)
     slot = cache.plan(1, 3)
-    cache.append(slot, latent=torch.zeros(1, 3, 40), inv_rms=torch.ones(1, 3, 4))
+    cache.append(slot, c_kv=torch.zeros(1, 3, 32), k_rope=torch.zeros(1, 3, 8), key_scale=torch.ones(1, 3, 4))
     assert cache.seqlens.tolist() == [3] and cache.max_len == 3
     with pytest.raises(ValueError, match="capacity=4"):
         cache.plan(1, 2)
-    with pytest.raises(ValueError, match="rows"):
-        cache.append(cache.plan(1, 1), latent=torch.zeros(1, 1, 40))
+    with pytest.raises(ValueError, match="key_scale"):
+        cache.append(cache.plan(1, 1), c_kv=torch.zeros(1, 1, 32), k_rope=torch.zeros(1, 1, 8))
     cache.reset()
     assert cache.seqlens.tolist() == [0] and cache.max_len == 0
 
 
 def test_read_zeroes_slots_past_each_length():
     cache = LatentCache(2, 4, kv_lora_rank=2, qk_rope_head_dim=2, fill=float("nan"))
-    cache.append(cache.plan(2, 3, input_lengths=torch.tensor([3, 1])), latent=torch.ones(2, 3, 4))
+    slot = cache.plan(2, 3, input_lengths=torch.tensor([3, 1]))
+    cache.append(slot, c_kv=torch.ones(2, 3, 2), k_rope=torch.ones(2, 3, 2))
     got = cache.read("latent")
     assert got.shape == (2, 3, 4)
     assert got[0].eq(1).all() and got[1, 0].eq(1).all() and got[1, 1:].eq(0).all()
@@ -84,3 +85,27 @@ def test_full_cache_refuses_bad_construction():
         FullKVCache(1, 4, 2, 8, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="k_dim: expected an int >= 1"):
         FullKVCache(1, 4, 2, 0, 8)
+
+
+def test_a_tokens_slot_and_its_position_are_tracked_apart():
+    """Slots say where rows are stored and what attention reads; positions say which RoPE
+    position a new token gets. With positions ahead of the slots (as after dropping cached
+    tokens), a write goes to the next free slots and the positions keep counting."""
+    cache = LatentCache(2, 8, kv_lora_rank=2, qk_rope_head_dim=2, fill=float("nan"))
+    cache.append(cache.plan(2, 3), c_kv=torch.zeros(2, 3, 2), k_rope=torch.zeros(2, 3, 2))
+    cache.next_positions = cache.next_positions + torch.tensor([4, 1])  # as a policy that dropped tokens would
+    slot = cache.plan(2, 2, positions=torch.tensor([[7, 8], [4, 5]]))
+    assert slot.slots.tolist() == [[3, 4], [3, 4]] and slot.positions.tolist() == [[7, 8], [4, 5]]
+    cache.append(slot, c_kv=torch.ones(2, 2, 2), k_rope=torch.ones(2, 2, 2))
+    assert cache.seqlens.tolist() == [5, 5] and cache.next_positions.tolist() == [9, 6]
+    latent, key_scale = cache.load()
+    assert key_scale is None and latent.shape == (2, 5, 4)
+    assert latent[:, :3].eq(0).all() and latent[:, 3:].eq(1).all()
+
+
+def test_append_checks_the_row_parts():
+    cache = LatentCache.from_config(MLAConfig(), 2, 4)
+    slot = cache.plan(2, 1)
+    with pytest.raises(ValueError, match=r"k_rope: expected a tensor \[B=2, T=1, 8\]"):
+        cache.append(slot, c_kv=torch.zeros(2, 1, 32), k_rope=torch.zeros(2, 1, 7), key_scale=torch.ones(2, 1, 4))
+    assert cache.seqlens.tolist() == [0, 0]

@@ -215,16 +215,15 @@ def test_triton_kernel_path_matches_hf(layer_name):
     x = torch.randn(2, 40, 64, dtype=torch.float64)
     pos = torch.arange(40)[None].expand(2, 40)
     ref = hf_forward(version, layer, x, rotary(x, pos))
-    mla = mla_from_hf(layer).float().eval()
-    mla.decode_backend = "triton"
+    mla = mla_from_hf(layer, decode_backend="triton").float().eval()
     cache = LatentCache.from_config(mla.config, 2, 48, fill=float("nan"))
     xf = x.float()
     with torch.no_grad():
         got = torch.cat([mla(xf[:, :34], cache)] + [mla(xf[:, t:t + 1], cache) for t in range(34, 40)], 1)
     err = rel(got.double()[:, 34:], ref[:, 34:])
     assert err <= 1e-5, err  # float32 kernel and weights
-    mla_plain_tau = mla_from_hf(layer, softmax_scale=mla.config.qk_head_dim ** -0.5).float().eval()
-    mla_plain_tau.decode_backend = "triton"
+    mla_plain_tau = mla_from_hf(layer, softmax_scale=mla.config.qk_head_dim ** -0.5,
+                                decode_backend="triton").float().eval()
     cache = LatentCache.from_config(mla.config, 2, 48, fill=float("nan"))
     with torch.no_grad():
         bad = torch.cat([mla_plain_tau(xf[:, :34], cache)] + [mla_plain_tau(xf[:, t:t + 1], cache)

@@ -120,15 +120,16 @@ def test_mla_layer_decodes_through_the_kernel(layout, qk_norm):
     from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 
     cfg = MLAConfig(hidden_size=64, num_heads=4, num_kv_groups=2, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=16, v_head_dim=16, qk_norm=qk_norm, learnable_logit_scale=True)
+                    qk_rope_head_dim=16, v_head_dim=16, qk_norm=qk_norm, learnable_logit_scale=True,
+                    decode_backend="triton")
     mla = MLA(cfg).to(DEVICE).eval()
-    mla.decode_backend = "triton"
     x = torch.randn(2, 12, 64, device=DEVICE)
     kw = {"layout": PagedLayout(block_size=16, block_table=torch.tensor([[2], [0]]))} if layout == "paged" else {}
     cache = LatentCache.from_config(cfg, 2, 16, device=DEVICE, fill=float("nan"), **kw)
     with torch.no_grad():
         got = torch.cat([mla(x[:, :8], cache)] + [mla(x[:, t:t + 1], cache) for t in range(8, 12)], 1)
         torch.testing.assert_close(got, mla(x), rtol=1e-4, atol=1e-4)
-        mla.decode_backend = "fast"
-        with pytest.raises(ValueError, match="decode_backend"):
-            mla(x[:, :1], cache)
+    with pytest.raises(ValueError, match="decode_backend"):
+        cfg.replace(decode_backend="fast")  # refused when the config is built
+    with pytest.raises(ValueError, match="decode_backend: set it in the config"):
+        mla.decode_backend = "torch"  # the backend is the config's, not a mutable attribute

@@ -1,6 +1,7 @@
 """Attention layers: MLA (explicit, absorbed, expand paths) and MHA/GQA/MQA baselines."""
 
 from .mha import MultiHeadAttention
-from .mla import MLA, AbsorbedWeights
+from .absorbed import AbsorbedWeights
+from .mla import MLA
 
 __all__ = ["MLA", "AbsorbedWeights", "MultiHeadAttention"]

@@ -16,7 +16,6 @@ from torch import nn
 from ..cache.full import FullKVCache
 from ..config import AttentionConfig
 from ..norms import ScalarNorm
-from ..ops.linear import linear
 from ..rope import RotaryEmbedding
 from .functional import check_hidden, default_positions, record_max_logits, sdpa
 
@@ -61,9 +60,9 @@ class MultiHeadAttention(nn.Module):
         """Normalized, rotated q [B, T, h, d], k [B, T, G, d] and v [B, T, G, d]."""
         c = self.config
         B, T = x.shape[:2]
-        q = linear(x, self.q_proj).view(B, T, c.num_heads, -1)
-        k = linear(x, self.k_proj).view(B, T, c.num_kv_heads, -1)
-        v = linear(x, self.v_proj).view(B, T, c.num_kv_heads, -1)
+        q = self.q_proj(x).view(B, T, c.num_heads, -1)
+        k = self.k_proj(x).view(B, T, c.num_kv_heads, -1)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, -1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary(q, positions), self.rotary(k, positions), v
@@ -79,11 +78,11 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self.qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
-            return linear(sdpa(q, k, v, self.scale, causal=True).flatten(2), self.o_proj)
+            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         if not isinstance(cache, FullKVCache):
             raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")
-        cache.check_shape(c.num_kv_heads, c.dim_per_head, c.dim_per_head)
+        cache.check_config(c)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         q, k, v = self.qkv(x, slot.positions)
         k, v = cache.update(slot, k, v)
-        return linear(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2), self.o_proj)
+        return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))

@@ -1,17 +1,25 @@
-"""Per-sequence bookkeeping shared by every cache: lengths, positions, masks, bytes.
+"""Per-sequence bookkeeping shared by every cache: lengths, slots, positions, masks, bytes.
 
-A cache holds a batch of B sequences, each with its own length (``seqlens`` [B]). A
-forward pass with T new tokens per sequence asks :meth:`SequenceCache.plan` where they
+A cache holds a batch of B sequences. Each token has a *slot* (where its row is stored;
+sequence b fills slots 0..seqlens[b]-1 in order, and attention reads slots) and a
+*position* (its RoPE position, already applied to a cached key). Today a token's slot is
+its position; they are tracked apart (``seqlens`` and ``next_positions``, both [B]) so a
+policy that drops cached tokens can compact the slots while new tokens keep counting
+positions, without touching attention code.
+
+A forward pass with T new tokens per sequence asks :meth:`SequenceCache.plan` where they
 go; the plan checks capacity and any positions the caller passed, then the module
-computes its rows and calls :meth:`SequenceCache.append`. Right-padded batches pass
-``input_lengths`` [B]: only the first ``input_lengths[b]`` of sequence b's T tokens are
-stored, so prompts of different lengths share one prefill call.
+computes its rows and the cache stores them (``LatentCache.append``,
+``FullKVCache.update``). Right-padded batches pass ``input_lengths`` [B]: only the first
+``input_lengths[b]`` of sequence b's T tokens are stored, so prompts of different lengths
+share one prefill call.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -22,30 +30,39 @@ from .storage import ContiguousLayout, Layout, TokenBuffer
 class WriteSlot:
     """Where T new tokens of each sequence go.
 
-    positions: [B, T] absolute positions of the new tokens (also their RoPE positions).
+    slots: [B, T] the slots the new tokens' rows are written to.
+    positions: [B, T] the new tokens' RoPE positions.
     valid: [B, T] bool, False for right padding; None when every token is real.
-    seqlens: [B] lengths after the write.
+    seqlens: [B] filled slots after the write.
+    next_positions: [B] the position of each sequence's next token after the write.
     max_len: max(seqlens), as a Python int.
     uniform: whether every sequence has the same length after the write.
     """
 
+    slots: torch.Tensor
     positions: torch.Tensor
     valid: Optional[torch.Tensor]
     seqlens: torch.Tensor
+    next_positions: torch.Tensor
     max_len: int
     uniform: bool
 
     def key_mask(self) -> Optional[torch.Tensor]:
-        """[B, T, max_len] bool: key j is visible to new token t of sequence b.
+        """[B, T, max_len] bool: slot j is visible to new token t of sequence b.
 
         None when no mask is needed: a single new token per sequence and equal lengths,
         which is the steady state of batched decoding.
         """
-        T = self.positions.shape[1]
+        T = self.slots.shape[1]
         if T == 1 and self.uniform:
             return None
-        j = torch.arange(self.max_len, device=self.positions.device)
-        return (j <= self.positions[..., None]) & (j < self.seqlens[:, None, None])
+        j = torch.arange(self.max_len, device=self.slots.device)
+        return (j <= self.slots[..., None]) & (j < self.seqlens[:, None, None])
+
+    def visible_lens(self) -> Optional[torch.Tensor]:
+        """[B, T]: slots new token t of sequence b sees, as the decode op's ``visible_lens``;
+        None where the op's default (causal among the new tokens) is the same."""
+        return self.slots + 1 if self.valid is not None else None
 
 
 def check_dims(allow_zero: tuple = (), **dims) -> None:
@@ -74,6 +91,7 @@ class SequenceCache:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.fields: dict[str, TokenBuffer] = {}
         self.seqlens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.max_len = 0
         self.uniform = True
 
@@ -89,7 +107,8 @@ class SequenceCache:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
         start = self.seqlens
-        expected = start[:, None] + torch.arange(num_tokens, device=self.device)
+        steps = torch.arange(num_tokens, device=self.device)
+        expected = self.next_positions[:, None] + steps
         if positions is not None:
             positions = positions.to(self.device)
             if positions.shape == (num_tokens,):
@@ -97,12 +116,12 @@ class SequenceCache:
             if positions.shape != expected.shape or not torch.equal(positions, expected):
                 raise ValueError(
                     f"positions: a cached forward must continue each sequence at its cached length "
-                    f"(cache lengths {start.tolist()}), so positions must be seqlens[:, None] + arange(T); "
-                    f"got positions starting at {positions[..., :1].flatten().tolist()}"
+                    f"(cache lengths {self.next_positions.tolist()}), so positions must be seqlens[:, None] + "
+                    f"arange(T); got positions starting at {positions[..., :1].flatten().tolist()}"
                 )
         valid = None
         if input_lengths is None:
-            seqlens = start + num_tokens
+            added = torch.full_like(start, num_tokens)
             uniform = self.uniform
         else:
             input_lengths = torch.as_tensor(input_lengths, device=self.device)
@@ -112,38 +131,67 @@ class SequenceCache:
             lo, hi = int(input_lengths.min()), int(input_lengths.max())
             if lo < 0 or hi > num_tokens:
                 raise ValueError(f"input_lengths: expected values in [0, T={num_tokens}], got {input_lengths.tolist()}")
-            input_lengths = input_lengths.long()
-            valid = torch.arange(num_tokens, device=self.device) < input_lengths[:, None]
-            seqlens = start + input_lengths
-            uniform = bool((seqlens == seqlens[0]).all())
+            added = input_lengths.long()
+            valid = steps < added[:, None]
+            uniform = bool((start + added == start[0] + added[0]).all())
+        seqlens = start + added
         max_len = self.max_len + num_tokens if input_lengths is None else int(seqlens.max())
         if max_len > self.capacity:
             raise ValueError(
                 f"positions: writing {num_tokens} tokens would reach position {max_len - 1}, past the cache "
                 f"capacity={self.capacity} (allowed positions 0..{self.capacity - 1}); allocate a larger cache"
             )
-        return WriteSlot(expected, valid, seqlens, max_len, uniform)
+        return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
+                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
 
-    def append(self, slot: WriteSlot, **rows: torch.Tensor) -> None:
-        """Store rows [B, T, width] of every field and move the lengths forward."""
+    def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
+        """Store rows [B, T, width] of every field at the slot's slots and move the lengths on
+        (the storage step under each cache's own ``append``/``update``)."""
         if set(rows) != set(self.fields):
             raise ValueError(f"rows: expected fields {sorted(self.fields)}, got {sorted(rows)}")
-        B, T = slot.positions.shape
-        if slot.valid is None and self.uniform:  # every sequence writes at the same positions
+        B, T = slot.slots.shape
+        if slot.valid is None and self.uniform:  # every sequence writes at the same slots
             for name, value in rows.items():
                 self.fields[name].write_span(self.max_len, value.reshape(B, T, -1))
         elif slot.valid is None:
             batch_idx = torch.arange(B, device=self.device).repeat_interleave(T)
-            positions = slot.positions.reshape(-1)
+            slots = slot.slots.reshape(-1)
             for name, value in rows.items():
-                self.fields[name].write(batch_idx, positions, value.reshape(B * T, -1))
+                self.fields[name].write(batch_idx, slots, value.reshape(B * T, -1))
         else:
             batch_idx, t_idx = slot.valid.nonzero(as_tuple=True)
-            positions = slot.positions[batch_idx, t_idx]
+            slots = slot.slots[batch_idx, t_idx]
             for name, value in rows.items():
-                self.fields[name].write(batch_idx, positions, value[batch_idx, t_idx])
-        self.seqlens = slot.seqlens
+                self.fields[name].write(batch_idx, slots, value[batch_idx, t_idx])
+        self.advance(slot)
+
+    def advance(self, slot: WriteSlot) -> None:
+        """Move the lengths and positions on to ``slot``'s, its rows already stored (by
+        :meth:`write_rows`, or in place by a compiled decode step)."""
+        self.seqlens, self.next_positions = slot.seqlens, slot.next_positions
         self.max_len, self.uniform = slot.max_len, slot.uniform
+
+    def bookkeeping(self) -> tuple:
+        """The lengths and positions, for :meth:`restore` (tensors are replaced, never written in place)."""
+        return self.seqlens, self.next_positions, self.max_len, self.uniform
+
+    def restore(self, bookkeeping: tuple) -> None:
+        self.seqlens, self.next_positions, self.max_len, self.uniform = bookkeeping
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo the appends made inside the block if it raises.
+
+        Appends only write slots past each sequence's length, so restoring the lengths is a
+        complete undo: the rows written are unused slots again. A decode step appends its
+        token and then attends; if attending fails, a retry must not see the token twice.
+        """
+        saved = self.bookkeeping()
+        try:
+            yield
+        except BaseException:
+            self.restore(saved)
+            raise
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -162,7 +210,7 @@ class SequenceCache:
 
     def reset(self) -> None:
         """Forget every sequence (the storage is reused, not cleared)."""
-        self.seqlens = torch.zeros_like(self.seqlens)
+        self.seqlens, self.next_positions = torch.zeros_like(self.seqlens), torch.zeros_like(self.next_positions)
         self.max_len, self.uniform = 0, True
 
     # -- size --------------------------------------------------------------------------------

@@ -37,16 +37,25 @@ class FullKVCache(SequenceCache):
             raise ValueError(f"cache: FullKVCache(num_kv_heads, k_dim, v_dim)={got} does not match this layer, "
                              f"which needs {(num_kv_heads, k_dim, v_dim)}; build it with FullKVCache.from_config")
 
+    def check_config(self, config) -> None:
+        """Raise ValueError unless this cache fits a layer built from ``config`` (an
+        :class:`~qkmla.config.MLAConfig` or :class:`~qkmla.config.AttentionConfig`)."""
+        self.check_shape(*self._shape(config))
+
+    @staticmethod
+    def _shape(config) -> tuple[int, int, int]:
+        if hasattr(config, "kv_lora_rank"):
+            return config.num_kv_groups, config.qk_head_dim, config.v_head_dim
+        return config.num_kv_heads, config.dim_per_head, config.dim_per_head
+
     def update(self, slot: WriteSlot, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k [B, T, G, k_dim] and v [B, T, G, v_dim]; return every cached key and value,
         [B, S, G, k_dim] and [B, S, G, v_dim], in k's dtype."""
-        self.append(slot, k=k.flatten(2), v=v.flatten(2))
+        self.write_rows(slot, {"k": k.flatten(2), "v": v.flatten(2)})
         unflat = (self.num_kv_heads, -1)
         return (self.read("k").unflatten(-1, unflat).to(k.dtype), self.read("v").unflatten(-1, unflat).to(k.dtype))
 
     @classmethod
     def from_config(cls, config, batch_size: int, capacity: int, **kwargs) -> "FullKVCache":
         """Shaped for an :class:`~qkmla.config.MLAConfig` or :class:`~qkmla.config.AttentionConfig`."""
-        if hasattr(config, "kv_lora_rank"):
-            return cls(batch_size, capacity, config.num_kv_groups, config.qk_head_dim, config.v_head_dim, **kwargs)
-        return cls(batch_size, capacity, config.num_kv_heads, config.dim_per_head, config.dim_per_head, **kwargs)
+        return cls(batch_size, capacity, *cls._shape(config), **kwargs)

@@ -1,44 +1,110 @@
-"""Public MLA decode op: validation, the ``torch.library`` custom op and backend choice.
+"""The MLA decode op: argument checks, backend choice, and the ``torch.library`` custom op.
 
-``qkmla::mla_decode`` is a custom op with a fake (meta) implementation, so it traces under
-``torch.compile`` and can be captured in CUDA graphs. Its number of splits is a static
-argument, so a captured graph never syncs with the host.
+One op, three implementations of the same specification (``naive.py``):
+
+* ``"naive"``: ``naive.py`` itself, a float32 loop. Slow; it is the reference.
+* ``"torch"``: ``torch_impl.py``, dense latent attention in a few large GEMMs (any device).
+* ``"triton"``: ``triton_kernel.py``, a fused split-K kernel over the paged cache (CUDA, or
+  Triton's CPU interpreter when ``TRITON_INTERPRET=1``), registered as the custom op
+  ``qkmla::mla_decode`` with a fake (meta) implementation, so it traces under
+  ``torch.compile`` and can be captured in CUDA graphs. Its number of splits is a static
+  argument, so a captured graph never syncs with the host.
+
+``"auto"`` picks ``"triton"`` for CUDA tensors when Triton is installed and the widths suit
+the kernel, ``"torch"`` otherwise. :func:`select_backend` makes that choice from the device
+and the widths alone, so a caller can settle it (and fail) before it writes anything.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Optional
 
 import torch
 
 from .naive import naive_mla_decode
+from .torch_impl import torch_mla_decode
 
-BACKENDS = ("auto", "triton", "naive")
-
-
-@torch.library.custom_op("qkmla::mla_decode", mutates_args=())
-def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, scale_cache: Optional[torch.Tensor],
-                   block_table: torch.Tensor, cache_seqlens: torch.Tensor, softmax_scale: float,
-                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from .triton_kernel import mla_decode_fwd  # Triton is imported only when the kernel runs
-
-    return mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits)
+DECODE_BACKENDS = ("auto", "naive", "torch", "triton")
+MODES = ("blockwise", "unified")
 
 
-@_mla_decode_op.register_fake
-def _(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits):
-    B, S_q, H, _ = q_lat.shape
-    return torch.empty_like(q_lat), q_lat.new_empty((B, S_q, H), dtype=torch.float32)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once, without importing it
+
+
+def triton_installed() -> bool:
+    return _TRITON_INSTALLED
+
+
+def interpreting() -> bool:
+    """Triton runs kernels on CPU tensors only in its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache) -> None:
-    """ValueErrors naming the argument, before anything reaches a kernel."""
-    for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table),
-                    ("cache_seqlens", cache_seqlens)):
+def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str]:
+    """Why the Triton kernel cannot run here (a message naming the argument), or None."""
+    if not triton_installed():
+        return "backend: 'triton' needs the triton package, which is not installed; use 'torch' or 'auto'"
+    if torch.device(device).type != "cuda" and not interpreting():
+        return (f"backend: 'triton' runs on CUDA tensors (or in Triton's interpreter, TRITON_INTERPRET=1), "
+                f"got {torch.device(device).type} tensors; use 'torch' or 'auto'")
+    if not (_is_pow2(d_c) and _is_pow2(d_r) and d_c >= 16 and d_r >= 16):
+        return f"q_lat, q_rope: the Triton kernel needs d_c and d_r powers of two >= 16, got {d_c}, {d_r}"
+    return None
+
+
+def select_backend(backend: str, device, d_c: int, d_r: int) -> str:
+    """The backend that will run: ``backend`` itself, or what ``"auto"`` stands for.
+
+    Raises ValueError for an unknown name, or for ``"triton"`` where the kernel cannot run.
+    """
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        ok = torch.device(device).type == "cuda" and triton_unsupported(device, d_c, d_r) is None
+        return "triton" if ok else "torch"
+    if backend == "triton":
+        reason = triton_unsupported(device, d_c, d_r)
+        if reason is not None:
+            raise ValueError(reason)
+    return backend
+
+
+@torch.library.custom_op("qkmla::mla_decode", mutates_args=())
+def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, scale_cache: Optional[torch.Tensor],
+                   block_table: torch.Tensor, cache_seqlens: torch.Tensor, softmax_scale: float,
+                   num_splits: int, unified: bool = False,
+                   visible_lens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton_kernel import mla_decode_fwd  # Triton is imported only when the kernel runs
+
+    return mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits,
+                          unified=unified, visible_lens=visible_lens)
+
+
+@_mla_decode_op.register_fake
+def _(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits, unified=False,
+      visible_lens=None):
+    B, S_q, H, _ = q_lat.shape
+    return torch.empty_like(q_lat), q_lat.new_empty((B, S_q, H), dtype=torch.float32)
+
+
+def _check_int(name: str, t, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != len(shape) or t.dtype not in (torch.int32, torch.int64) \
+            or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected an int32/int64 tensor [{want}], got {got}")
+
+
+def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode: str = "blockwise",
+                 visible_lens=None) -> None:
+    """ValueErrors naming the argument, before anything reaches a backend."""
+    for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if q_lat.dim() != 4 or q_rope.dim() != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
@@ -47,58 +113,83 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != d_c + d_r:
-        raise ValueError(f"kv_cache: expected [num_blocks, block_size, d_c + d_r = {d_c + d_r}], got {tuple(kv_cache.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table: expected an int32/int64 tensor [B={B}, max_blocks], got "
-                         f"{block_table.dtype} {tuple(block_table.shape)}")
-    if cache_seqlens.shape != (B,) or cache_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cache_seqlens: expected an int32/int64 tensor [B={B}], got "
-                         f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+        raise ValueError(f"kv_cache: expected [num_blocks, block_size, d_c + d_r = {d_c + d_r}] (or [B, capacity, "
+                         f"d_c + d_r] without a block table), got {tuple(kv_cache.shape)}")
+    if block_table is None:
+        if kv_cache.shape[0] != B:
+            raise ValueError(f"kv_cache: without a block_table, expected [B={B}, capacity, d_c + d_r], "
+                             f"got {tuple(kv_cache.shape)}")
+    else:
+        _check_int("block_table", block_table, (B, None))
+    _check_int("cache_seqlens", cache_seqlens, (B,))
     if scale_cache is not None:
-        if scale_cache.dim() != 3 or scale_cache.shape[:2] != kv_cache.shape[:2] or H % scale_cache.shape[-1]:
+        if not isinstance(scale_cache, torch.Tensor) or scale_cache.dim() != 3 \
+                or scale_cache.shape[:2] != kv_cache.shape[:2] or H % scale_cache.shape[-1]:
             raise ValueError(f"scale_cache: expected [num_blocks, block_size, G] with G dividing H={H}, got "
-                             f"{tuple(scale_cache.shape)}")
-    for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: the last dimension must be contiguous")
+                             f"{tuple(getattr(scale_cache, 'shape', ()))}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if visible_lens is not None:
+        _check_int("visible_lens", visible_lens, (B, S_q))
 
 
 def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                            block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-                            scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0,
-                            num_splits: int = 0, backend: str = "auto"):
-    """Absorbed MLA decode attention over a paged latent cache, with optional key scalars.
+                            block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
+                            scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0,
+                            num_splits: int = 0, backend: str = "auto", *, mode: str = "blockwise",
+                            visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None):
+    """Absorbed MLA decode attention over a latent cache, with optional key scalars.
 
     Args:
-        q_lat: [B, S_q, H, d_c], latent queries with the query's inverse RMS and both norm
+        q_lat: [B, S_q, H, d_c], latent queries with the query's norm scalar and both norm
             weights folded in.
         q_rope: [B, S_q, H, d_r], normalized, rotated RoPE queries.
-        kv_cache: [num_blocks, block_size, d_c + d_r], rows [c ; k_rope] (bf16/fp16/fp32).
-        block_table: [B, max_blocks] int32/int64.
-        cache_seqlens: [B], tokens in each sequence, the S_q new ones included.
-        scale_cache: [num_blocks, block_size, G] key scalars r, or None for plain MLA.
-        softmax_scale: logit scale.
-        num_splits: split-K factor; 0 picks one that fills the GPU.
-        backend: "triton", "naive" (the float32 reference) or "auto" (Triton on CUDA).
+        kv_cache: [num_blocks, block_size, d_c + d_r] rows [c ; k_rope] (bf16/fp16/fp32), or
+            [B, capacity, d_c + d_r] when ``block_table`` is None (a contiguous cache).
+        block_table: [B, max_blocks] int32/int64, or None for a contiguous cache.
+        cache_seqlens: [B], slots filled in each sequence, the S_q new tokens included.
+        scale_cache: [num_blocks, block_size, G] (or [B, capacity, G]) key scalars r, or None
+            for plain MLA.
+        softmax_scale: logit scale, a float or one per head [H] (then folded into the queries).
+        num_splits: split-K factor of the Triton kernel; 0 picks one that fills the GPU.
+        backend: one of :data:`DECODE_BACKENDS` (see the module docstring).
+        mode: "blockwise" (r scales the content score) or "unified" (r scales the whole logit).
+        visible_lens: [B, S_q] int, slots query t of sequence b sees (capped at its seqlen);
+            None: causal among the S_q new tokens.
+        max_seqlen: max(cache_seqlens) if the caller knows it (spares the torch backend a
+            device-to-host read).
 
     Returns:
         out [B, S_q, H, d_c] (q_lat's dtype) = softmax(s) @ c per head, and lse [B, S_q, H]
-        (float32; -inf with out = 0 where no key is visible). Query t sees the first
-        seqlen - S_q + t + 1 keys. The layouts are drawn in ``naive.py``.
+        (float32; -inf with out = 0 where no slot is visible). The layouts and the
+        visibility rule are drawn in ``naive.py``.
 
     Examples:
         >>> out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.07)  # doctest: +SKIP
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache)
-    if backend == "auto":
-        backend = "triton" if q_lat.is_cuda else "naive"
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
+    check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens)
+    backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1])
+    if isinstance(softmax_scale, torch.Tensor):  # per-head scales ride on the queries (O(H d) work)
+        if softmax_scale.shape != (q_lat.shape[2],):
+            raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
+                             f"got {tuple(softmax_scale.shape)}")
+        head_scale = softmax_scale.to(q_lat.dtype)[:, None]
+        q_lat, q_rope, softmax_scale = q_lat * head_scale, q_rope * head_scale, 1.0
+    if backend == "torch":
+        return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
+                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen)
+    if block_table is None:  # a contiguous cache is one block per sequence
+        block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":
-        out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale)
+        out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
+                                    mode=mode, visible_lens=visible_lens)
         return out.to(q_lat.dtype), lse
-    d_c, d_r = q_lat.shape[-1], q_rope.shape[-1]
-    if not (_is_pow2(d_c) and _is_pow2(d_r) and d_c >= 16 and d_r >= 16):
-        raise ValueError(f"q_lat, q_rope: the Triton kernel needs d_c and d_r powers of two >= 16, got {d_c}, {d_r}")
-    return _mla_decode_op(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, float(softmax_scale),
-                          int(num_splits))
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
+    # The kernel's dots take both operands in the cache's dtype.
+    q, r = (t.to(kv_cache.dtype).contiguous() for t in (q_lat, q_rope))
+    out, lse = _mla_decode_op(q, r, kv_cache, scale_cache, block_table, cache_seqlens, float(softmax_scale),
+                              int(num_splits), mode == "unified", visible_lens)
+    return out.to(q_lat.dtype), lse

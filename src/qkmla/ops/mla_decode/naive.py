@@ -1,24 +1,34 @@
 """The specification of the MLA decode op, as a readable float32 loop.
 
+Every backend (``torch_impl.py``, ``triton_kernel.py``) is tested against this file.
+
 Paged latent cache (FlashMLA layout) plus a paged scalar cache:
 
     kv_cache     [num_blocks, block_size, d_c + d_r]   rows [c ; k_rope]
     scale_cache  [num_blocks, block_size, G]           key scalars r (None: plain MLA)
-    block_table  [B, max_blocks]                       token j of sequence b lives in block
-                                                       block_table[b, j // block_size], slot j % block_size
-    cache_seqlens [B]                                  tokens cached, the S_q new ones included
+    block_table  [B, max_blocks]                       slot j of sequence b lives in block
+                                                       block_table[b, j // block_size], row j % block_size
+    cache_seqlens [B]                                  slots filled, the S_q new tokens included
 
-Query t of S_q (the last S_q tokens of the sequence) sees keys j < seqlen - S_q + t + 1:
+A contiguous cache [B, capacity, d] is the same thing with one block per sequence.
 
-    keys:     0 1 2 ... n-3 n-2 n-1          (n = seqlen, S_q = 2)
+Visibility. By default query t of S_q (the last S_q tokens of the sequence) sees slots
+j < seqlen - S_q + t + 1, causal among the new tokens:
+
+    slots:    0 1 2 ... n-3 n-2 n-1          (n = seqlen, S_q = 2)
     query 0:  x x x ...  x   x   .
     query 1:  x x x ...  x   x   x
 
-For head h in group g = h // (H / G):
+``visible_lens`` [B, S_q] replaces that rule: query t of sequence b sees slots
+j < min(visible_lens[b, t], seqlen). A right-padded batch uses it (a padding query sees
+what the last real one sees; its output is not used), and so can any per-query prefix.
 
-    s_j = scale * (r[j, g] * (q_lat . c_j) + q_rope . k_rope_j)      (r = 1 without scales)
+For head h in group g = h // (H / G), over the visible slots j:
+
+    blockwise: s_j = scale * (r[j, g] * (q_lat . c_j) + q_rope . k_rope_j)     (r = 1 without scales)
+    unified:   s_j = scale * r[j, g] * (q_lat . c_j + q_rope . k_rope_j)
     out = softmax(s) @ c          (latent output; W_UV is applied afterwards)
-    lse = logsumexp(s)            (-inf, with out = 0, when no key is visible)
+    lse = logsumexp(s)            (-inf, with out = 0, when no slot is visible)
 """
 
 from __future__ import annotations
@@ -28,36 +38,50 @@ from typing import Optional
 import torch
 
 
+def default_visible_lens(cache_seqlens: torch.Tensor, S_q: int) -> torch.Tensor:
+    """[B, S_q]: query t sees seqlen - S_q + t + 1 slots (causal among the new tokens), at least 0."""
+    t = torch.arange(S_q, device=cache_seqlens.device)
+    return (cache_seqlens.long()[:, None] - S_q + 1 + t).clamp_min(0)
+
+
 def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, scale_cache: Optional[torch.Tensor] = None,
-                     softmax_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32):
+                     softmax_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32, *,
+                     mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None):
     """Returns (out [B, S_q, H, d_c] in ``compute_dtype``, lse [B, S_q, H] float32).
 
     ``compute_dtype=torch.bfloat16`` gives "a plain bf16 PyTorch implementation", the
-    baseline of the kernel's error budget.
+    baseline of the kernel's error budget. ``mode`` is "blockwise" or "unified" (see above).
     """
     B, S_q, H, d_c = q_lat.shape
     G = scale_cache.shape[-1] if scale_cache is not None else 1
     page = kv_cache.shape[1]
+    if visible_lens is None:
+        visible_lens = default_visible_lens(cache_seqlens, S_q)
     out = torch.zeros(B, S_q, H, d_c, dtype=compute_dtype, device=q_lat.device)
     lse = torch.full((B, S_q, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
     for b in range(B):
         n = int(cache_seqlens[b])
-        pos = torch.arange(n, device=q_lat.device)
-        blocks = block_table[b, pos // page].long()
-        rows = kv_cache[blocks, pos % page].to(compute_dtype)  # [n, d_c + d_r]
+        slot = torch.arange(n, device=q_lat.device)
+        blocks = block_table[b, slot // page].long()
+        rows = kv_cache[blocks, slot % page].to(compute_dtype)  # [n, d_c + d_r]
         c, k_rope = rows[:, :d_c], rows[:, d_c:]
-        r = scale_cache[blocks, pos % page].to(compute_dtype) if scale_cache is not None else None
+        r = scale_cache[blocks, slot % page].to(compute_dtype) if scale_cache is not None else None
         for t in range(S_q):
-            visible = n - S_q + t + 1
+            visible = min(int(visible_lens[b, t]), n)
             if visible <= 0:
                 continue
             for h in range(H):
                 g = h // (H // G)
                 s_content = c[:visible] @ q_lat[b, t, h].to(compute_dtype)
-                if r is not None:
-                    s_content = s_content * r[:visible, g]
-                s = (s_content + k_rope[:visible] @ q_rope[b, t, h].to(compute_dtype)) * softmax_scale
+                s_rope = k_rope[:visible] @ q_rope[b, t, h].to(compute_dtype)
+                if r is None:
+                    s = s_content + s_rope
+                elif mode == "blockwise":
+                    s = r[:visible, g] * s_content + s_rope
+                else:
+                    s = r[:visible, g] * (s_content + s_rope)
+                s = s * softmax_scale
                 lse[b, t, h] = torch.logsumexp(s.float(), dim=0)
                 out[b, t, h] = torch.softmax(s.float(), dim=0).to(compute_dtype) @ c[:visible]
     return out, lse

@@ -5,44 +5,51 @@ softmax over its share of the visible keys and writes an unnormalized partial ou
 its log-sum-exp; a combine kernel merges the splits. Within a key tile:
 
     s = q_lat @ c^T                  latent dot products           [BLOCK_H, BLOCK_N]
-    s = s * r[j, g(h)]               the key scalars (USE_SCALE)   before the RoPE score
+    s = s * r[j, g(h)]               the key scalars (USE_SCALE)   before the RoPE score (blockwise)
     s = s + q_rope @ k_rope^T        RoPE scores
+    s = s * r[j, g(h)]               the key scalars (USE_SCALE)   after it (UNIFIED)
     s = s * softmax_scale            then the online max/sum update
 
-Plain MLA is the same kernel compiled with USE_SCALE=False. Masked loads never touch slots
-past a sequence's visible length, so unused cache slots may hold anything (tests use NaN).
-The reference is ``naive.py`` beside this file.
+Plain MLA is the same kernel compiled with USE_SCALE=False. Each query's visible length is
+causal among the new tokens, or read from ``visible_lens`` (HAS_VISIBLE). Masked loads never
+touch slots past a query's visible length, so unused cache slots may hold anything (tests
+use NaN). The reference is ``naive.py`` beside this file.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .interface import interpreting
+
 
 @triton.jit
 def _mla_decode_split_kernel(
-    q_lat_ptr, q_rope_ptr, kv_ptr, scale_ptr, block_table_ptr, seqlens_ptr, o_part_ptr, lse_part_ptr,
+    q_lat_ptr, q_rope_ptr, kv_ptr, scale_ptr, block_table_ptr, seqlens_ptr, visible_ptr, o_part_ptr, lse_part_ptr,
     softmax_scale,
     stride_qb, stride_qt, stride_qh,
     stride_rb, stride_rt, stride_rh,
     stride_kv_blk, stride_kv_tok,
     stride_s_blk, stride_s_tok,
     stride_bt,
+    stride_vb, stride_vt,
     stride_ob, stride_ot, stride_oh, stride_os,
     stride_lb, stride_lt, stride_lh,
     S_Q: tl.constexpr, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    USE_SCALE: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_SCALE: tl.constexpr, UNIFIED: tl.constexpr, HAS_VISIBLE: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     i_bt, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_t = i_bt // S_Q, i_bt % S_Q
     seqlen = tl.load(seqlens_ptr + i_b)
-    n_visible = tl.maximum(seqlen - S_Q + i_t + 1, 0)  # causal among the S_Q new tokens
+    if HAS_VISIBLE:  # a per-query prefix (padded batches), never past the sequence's length
+        n_visible = tl.maximum(tl.minimum(tl.load(visible_ptr + i_b * stride_vb + i_t * stride_vt), seqlen), 0)
+    else:  # causal among the S_Q new tokens
+        n_visible = tl.maximum(seqlen - S_Q + i_t + 1, 0)
     tiles = tl.cdiv(n_visible, BLOCK_N)
     tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
     start = i_s * tiles_per_split * BLOCK_N
@@ -77,8 +84,13 @@ def _mla_decode_split_kernel(
         if USE_SCALE:
             p_r = scale_ptr + (i_blk * stride_s_blk + i_slot * stride_s_tok)[None, :] + g_h[:, None]
             b_r = tl.load(p_r, mask=m_h[:, None] & m_n[None, :], other=0.0).to(tl.float32)
-            b_s = b_s * b_r
-        b_s = (b_s + tl.dot(b_qr, tl.trans(b_kr))) * softmax_scale
+            if not UNIFIED:
+                b_s = b_s * b_r
+        b_s = b_s + tl.dot(b_qr, tl.trans(b_kr))
+        if USE_SCALE:
+            if UNIFIED:
+                b_s = b_s * b_r
+        b_s = b_s * softmax_scale
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # finite: every tile holds a visible key
         b_alpha = tl.exp(b_m - b_m_new)
@@ -124,10 +136,6 @@ def _mla_decode_combine_kernel(
              tl.where(b_sum > 0, safe_max + tl.log(tl.where(b_sum > 0, b_sum, 1.0)), float("-inf")))
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, block_n: int, device) -> int:
     """Enough programs to fill the GPU (about two waves), never more splits than key tiles."""
     if device.type != "cuda":
@@ -138,7 +146,7 @@ def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, blo
 
 
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
-                   num_splits: int = 0, block_n: int = 64):
+                   num_splits: int = 0, block_n: int = 64, unified: bool = False, visible_lens=None):
     """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32)."""
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
@@ -151,17 +159,20 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
     o_part = torch.empty(B, S_q, H, num_splits, d_c, dtype=torch.float32, device=q_lat.device)
     lse_part = torch.empty(B, S_q, H, num_splits, dtype=torch.float32, device=q_lat.device)
     scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
+    visible = visible_lens if visible_lens is not None else cache_seqlens[:, None]  # never read without HAS_VISIBLE
     _mla_decode_split_kernel[(B * S_q, head_blocks, num_splits)](
-        q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, o_part, lse_part, softmax_scale,
+        q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, softmax_scale,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
         q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         scales.stride(0), scales.stride(1),
         block_table.stride(0),
+        visible.stride(0), visible.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, USE_SCALE=scale_cache is not None, DOT_FP32=interpreting(),
+        NUM_SPLITS=num_splits, USE_SCALE=scale_cache is not None, UNIFIED=unified,
+        HAS_VISIBLE=visible_lens is not None, DOT_FP32=interpreting(),
     )
     out = torch.empty(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q_lat.device)

@@ -1,12 +1,12 @@
-"""The batch-1 projection split across CPU threads against F.linear (fixtures ``threads``
-and ``ops_of``: tests/conftest.py)."""
+"""The opt-in CPU decode projections (qkmla.cpu): the few-row split across CPU threads against
+F.linear, and what optimize_for_decode swaps (fixtures ``threads`` and ``ops_of``: tests/conftest.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qkmla.ops.linear import MAX_ROWS, linear, split_blocks, split_linear
+from qkmla.cpu import MAX_ROWS, DecodeLinear, optimize_for_decode, split_blocks, split_linear
 
 
 def test_split_blocks_is_largest_divisor_up_to_threads():
@@ -22,12 +22,17 @@ def test_split_matches_linear_and_runs_as_bmm(rows, bias, threads, ops_of):
     threads(2)
     gen = torch.Generator().manual_seed(rows)
     layer = nn.Linear(40, 36, bias=bias).double()
+    model = optimize_for_decode(nn.Sequential(layer)).eval()
+    assert type(model[0]) is DecodeLinear and model[0].weight is layer.weight  # the same parameters
     x = torch.randn(rows, 1, 40, generator=gen, dtype=torch.float64)
-    got = linear(x, layer)
+    got = model(x)
     assert got.shape == (rows, 1, 36)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-13, atol=1e-13)
-    ops = ops_of(lambda: linear(x, layer))
+    ops = ops_of(lambda: model(x))
     assert "bmm" in ops and not {"mm", "addmm"} & set(ops)
+    model.train()  # training never takes the split
+    assert "bmm" not in ops_of(lambda: model(x))
+    assert set(model.state_dict()) == {"0.weight"} | ({"0.bias"} if bias else set())
 
 
 def test_float32_and_bfloat16_agree_with_linear(threads):
@@ -56,7 +61,9 @@ def test_hooked_or_wrapped_layer_keeps_its_own_forward(threads):
     layer = nn.Linear(8, 4)
     calls = []
     layer.register_forward_hook(lambda mod, inp, out: calls.append(out.shape))
-    linear(torch.randn(1, 8), layer)
+    model = optimize_for_decode(nn.Sequential(layer)).eval()
+    assert model[0] is layer
+    model(torch.randn(1, 8))
     assert calls == [torch.Size([1, 4])]
 
     class Scaled(nn.Linear):
@@ -65,14 +72,17 @@ def test_hooked_or_wrapped_layer_keeps_its_own_forward(threads):
 
     scaled = Scaled(8, 4)
     x = torch.randn(1, 8)
-    torch.testing.assert_close(linear(x, scaled), 2 * F.linear(x, scaled.weight, scaled.bias))
+    model = optimize_for_decode(nn.Sequential(scaled)).eval()
+    torch.testing.assert_close(model(x), 2 * F.linear(x, scaled.weight, scaled.bias))
+    with pytest.raises(ValueError, match="model: expected an nn.Module"):
+        optimize_for_decode([layer])
 
 
 def test_gradients_match_linear(threads):
     threads(2)
     layer = nn.Linear(12, 8).double()
     x = torch.randn(2, 12, dtype=torch.float64, requires_grad=True)
-    linear(x, layer).square().sum().backward()
+    split_linear(x, layer.weight, layer.bias).square().sum().backward()
     grads = [t.grad.clone() for t in (x, layer.weight, layer.bias)]
     for t in (x, layer.weight, layer.bias):
         t.grad = None

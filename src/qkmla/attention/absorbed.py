@@ -1,0 +1,145 @@
+"""The absorbed form (MATH.md, "The absorbed form"): what decoding over a latent cache computes.
+
+Because gamma_k^C ⊙ (c W_UK) = c W_UK diag(gamma_k^C), a QK-normed content score is
+
+    qh_i^C . kh_{j,g}^C = rho(q_i^C) · rho(k_{j,g}^C) · (q_lat_i . c_j)
+    q_lat_i = (gamma_q^C ⊙ gamma_k^C ⊙ q_i^C) W_UK^(g(i))^T                  (d_c)
+
+so the query moves into latent space (:func:`latent_query`) and each cached token keeps
+one scalar per KV group, r_{j,g} = sigma(c_j W_UK^(g)) (:func:`key_scalars`). Values need
+no change: o = (sum_j p_j c_j) W_UV^(g) (:func:`values_out`). :func:`expand_keys` is the
+baseline the absorbed form avoids: re-expanding every cached key at every step.
+
+The weights these use (:class:`AbsorbedWeights`) are derived from ``kv_b_proj`` and the
+norm weights. :class:`DerivedWeights` keeps them and re-derives them when a source
+parameter changes: the check reads each tensor's version counter (bumped by every in-place
+update: optimizer steps, ``load_state_dict``, ``copy_``) and storage (changed by ``.to()``).
+
+Shapes follow [B, T, H, D]; head i reads KV group g(i) = i // (h / G).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..dtypes import cast
+from ..norms import QKNorm
+
+
+@dataclass
+class AbsorbedWeights:
+    """Weights of the absorbed form.
+
+    w_uk: [G, d_n, d_c], W_UK^(g)^T per group: q_lat = (q^C ⊙ gamma_qk) rho(q^C) @ w_uk[g], and
+        every group's content key of a token is c @ w_uk[g].T.
+    gamma_qk: [d_n], gamma_q^C ⊙ gamma_k^C, the weight the query's content norm uses, so
+        both weights reach q_lat in that one norm; None for plain MLA.
+    w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
+    """
+
+    w_uk: torch.Tensor
+    gamma_qk: Optional[torch.Tensor]
+    w_uv: torch.Tensor
+
+
+def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional[QKNorm],
+           num_kv_groups: int, qk_nope_head_dim: int) -> AbsorbedWeights:
+    """Split ``kv_b_proj.weight`` [G (d_n + d_v), d_c] into W_UK and W_UV per group and fold
+    the content norm weights together (no autograd)."""
+    with torch.no_grad():
+        w = kv_b_weight.detach().view(num_kv_groups, -1, kv_b_weight.shape[-1])  # [G, d_n + d_v, d_c]
+        gamma_qk = None
+        if q_norm is not None:
+            gamma_qk = q_norm.content.weight.detach() * k_norm.content.weight.detach()
+        return AbsorbedWeights(w[:, :qk_nope_head_dim].contiguous(), gamma_qk, w[:, qk_nope_head_dim:].contiguous())
+
+
+def _version(sources: list[torch.Tensor]) -> tuple:
+    return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in sources)
+
+
+class DerivedWeights:
+    """Absorbed weights kept between calls and re-derived when a source parameter changes.
+
+    ``get(sources, derive)`` returns the kept weights while every tensor in ``sources``
+    has the version counter, storage, dtype and device it had when they were derived, and
+    ``derive()`` otherwise. A change PyTorch cannot see (through ``.data`` of a detached
+    alias) needs ``get(..., force=True)``.
+    """
+
+    def __init__(self):
+        self.weights: Optional[AbsorbedWeights] = None
+        self.key: Optional[tuple] = None
+
+    def get(self, sources: list[torch.Tensor], derive: Callable[[], AbsorbedWeights],
+            force: bool = False) -> AbsorbedWeights:
+        key = _version(sources)
+        if force or self.weights is None or key != self.key:
+            self.weights, self.key = derive(), key
+        return self.weights
+
+
+def per_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head times its group's matrix: x [B, T, h, d_in], w [G, d_in, d_out] -> [B, T, h, d_out]."""
+    B, T, h, d_in = x.shape
+    G = w.shape[0]
+    y = torch.einsum("btgnd,gde->btgne", x.view(B, T, G, h // G, d_in), w)
+    return y.reshape(B, T, h, w.shape[-1])
+
+
+def latent_query(q_c: torch.Tensor, q_r: torch.Tensor, q_norm: Optional[QKNorm],
+                 w: AbsorbedWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """q^C [B, T, h, d_n], q~^R [B, T, h, d_r] -> (q_lat [B, T, h, d_c], q~^R normalized, not yet rotated).
+
+    The content norm runs with gamma_q^C ⊙ gamma_k^C in place of gamma_q^C, so the query's
+    scalar and both weights ride into q_lat through one norm.
+    """
+    if q_norm is not None:
+        q_c, q_r = q_norm(q_c, q_r, content_weight=w.gamma_qk)
+    return per_group(q_c, w.w_uk), q_r
+
+
+def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
+                w: AbsorbedWeights) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """c [B, T, d_c], k~^R [B, T, 1, d_r] -> (k~^R normalized, not yet rotated; key scalars [B, T, G] or None).
+
+    Every group's content key c W_UK^(g) is formed (one product for all groups), reduced to
+    its scalar and discarded: only the new tokens pay for it, whatever the context length.
+    Unified mode has one scalar for [k^C; k^R], which scales the whole logit at decode time;
+    the stored RoPE key then keeps only its weight.
+    """
+    if k_norm is None:
+        return k_r, None
+    G = w.w_uk.shape[0]
+    B, T, d_c = c_kv.shape
+    k_c = per_group(c_kv[:, :, None].expand(B, T, G, d_c), w.w_uk.transpose(1, 2))  # [B, T, G, d_n]
+    if k_norm.mode == "blockwise":
+        return k_norm.rope(k_r), k_norm.content.statistic(k_c).squeeze(-1)
+    sigma, _ = k_norm.statistics(k_c, k_r)
+    return k_r * cast(k_norm.rope.weight, k_r.dtype), sigma.squeeze(-1)
+
+
+def values_out(o_lat: torch.Tensor, w: AbsorbedWeights) -> torch.Tensor:
+    """o = o_lat W_UV^(g) per head: [B, T, h, d_c] -> [B, T, h, d_v]."""
+    return per_group(o_lat, cast(w.w_uv, o_lat.dtype).transpose(1, 2))
+
+
+def expand_keys(latent: torch.Tensor, key_scale: Optional[torch.Tensor], kv_b_proj: torch.nn.Module,
+                k_norm: Optional[QKNorm], config) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-style: cached latents [B, S, d_c + d_r] (and key scalars [B, S, G]) up-projected to
+    normalized keys [B, S, G, d_n + d_r] and values [B, S, G, d_v] with ``kv_b_proj``."""
+    c = config
+    dtype = kv_b_proj.weight.dtype
+    c_kv, k_r = latent.to(dtype).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+    kv = kv_b_proj(c_kv).view(*c_kv.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
+    k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+    k_r = k_r.unsqueeze(2).expand(*k_c.shape[:3], c.qk_rope_head_dim)
+    if k_norm is not None:
+        r = key_scale.to(dtype).unsqueeze(-1)  # [B, S, G, 1]: the cached scalars
+        k_c = k_c * k_norm.content.weight.to(dtype) * r
+        if k_norm.mode == "unified":
+            k_r = k_r * r
+    return torch.cat((k_c, k_r), dim=-1), v

@@ -1,0 +1,80 @@
+"""One absorbed decode step as a plain function that ``torch.compile(fullgraph=True)`` captures.
+
+gpt-fast's ``decode_one_token``, for one MLA layer over a contiguous :class:`LatentCache`:
+:func:`mla_decode_step` takes only tensors (and the module), writes the new token's row into
+the cache buffers in place and attends over the whole capacity with a mask, so its shapes
+never change from one step to the next and nothing in it reads a tensor's value on the host.
+:func:`decode_one_token` is the eager wrapper: it plans the write (capacity and position
+checks), runs the step and moves the cache's lengths on.
+
+    step = torch.compile(mla_decode_step, fullgraph=True)
+    y = decode_one_token(mla, x, cache, step=step)          # x [B, 1, hidden] -> [B, 1, hidden]
+
+Unused slots are read with a softmax weight of 0, so they must hold finite values: build the
+cache with the default ``fill=0``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..cache.latent import LatentCache
+from ..cache.storage import ContiguousBuffer
+from ..ops.mla_decode.torch_impl import latent_attention
+from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
+from .mla import MLA
+
+
+def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent: torch.Tensor,
+                    key_scale: Optional[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One new token per sequence through ``mla``'s absorbed path.
+
+    Args:
+        x: [B, 1, hidden_size].
+        absorbed: ``mla.absorbed`` (looked up by the caller: the refresh check reads version
+            counters, which a compiled graph does not).
+        latent: [B, capacity, d_c + d_r], the cache's ``latent`` buffer, written in place.
+        key_scale: [B, capacity, G], the cache's ``key_scale`` buffer (written in place), or None.
+        slots: [B] the slot each new token is written to; positions: [B] its RoPE position.
+
+    Returns:
+        [B, 1, hidden_size]
+    """
+    B, capacity = latent.shape[:2]
+    rows = torch.arange(B, device=x.device)
+    pos = positions[:, None]
+    q_lat, q_r = latent_query(*mla._raw_query(x), mla.q_norm, absorbed)
+    c_kv, k_r = mla._latent(x)
+    k_r, r = key_scalars(c_kv, k_r, mla.k_norm, absorbed)
+    latent[rows, slots] = torch.cat((c_kv, mla.rotary(k_r, pos).squeeze(2)), dim=-1)[:, 0].to(latent.dtype)
+    if key_scale is not None:
+        key_scale[rows, slots] = r[:, 0].to(key_scale.dtype)
+    visible = torch.arange(capacity, device=x.device) <= slots[:, None]  # [B, capacity]
+    scale = mla.scale
+    q_rope = mla.rotary(q_r, pos)
+    if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
+        q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
+    mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
+    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode)
+    return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
+
+
+def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
+                     step: Callable[..., torch.Tensor] = mla_decode_step) -> torch.Tensor:
+    """``mla(x, cache)`` for one new token per sequence, through ``step`` (e.g. compiled).
+
+    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous.
+    """
+    if not isinstance(cache, LatentCache) or not isinstance(cache.fields["latent"], ContiguousBuffer):
+        raise ValueError("cache: decode_one_token needs a contiguous LatentCache (the default layout)")
+    if x.dim() != 3 or x.shape[1] != 1:
+        raise ValueError(f"x: expected one new token per sequence, [B, 1, hidden_size], got {tuple(x.shape)}")
+    cache.check_config(mla.config)
+    slot = cache.plan(x.shape[0], 1)
+    scales = cache.fields.get("key_scale")
+    out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
+               slot.slots[:, 0], slot.positions[:, 0])
+    cache.advance(slot)
+    return out

@@ -1,0 +1,62 @@
+"""The decode step as a plain function: torch.compile(fullgraph=True) captures it on the CPU, and
+compiled, eager step function and MLA.forward agree on a tiny config."""
+
+import pytest
+import torch
+
+from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
+from qkmla.attention.decode import decode_one_token, mla_decode_step
+from qkmla.verify import perturb_vectors
+
+CONFIGS = {
+    "rms-learnable-scale": dict(qk_norm="rms", learnable_logit_scale=True),
+    "unified-gqa": dict(qk_norm="rms", qk_norm_mode="unified", num_kv_groups=2),
+    "lp3": dict(qk_norm="lp", qk_norm_p=3.0),
+    "plain": dict(qk_norm=None),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_decode_step_equals_eager(name):
+    torch._dynamo.reset()
+    cfg = MLAConfig(**CONFIGS[name])
+    mla = perturb_vectors(MLA(cfg)).eval()
+    x = torch.randn(2, 8, cfg.hidden_size)
+    # fullgraph=True: any graph break is an error. aot_eager traces through AOTAutograd (the
+    # in-place cache writes are functionalized) without the minutes of C++ codegen inductor
+    # needs on a small CPU; inductor compiles the same graph.
+    step = torch.compile(mla_decode_step, fullgraph=True, backend="aot_eager")
+    caches = {how: LatentCache.from_config(cfg, 2, 12) for how in ("compiled", "function", "forward")}
+    outs = {how: [] for how in caches}
+    with torch.no_grad():
+        for cache in caches.values():
+            mla(x[:, :5], cache)  # prefill through the explicit path
+        for t in range(5, 8):
+            outs["compiled"].append(decode_one_token(mla, x[:, t:t + 1], caches["compiled"], step=step))
+            outs["function"].append(decode_one_token(mla, x[:, t:t + 1], caches["function"]))
+            outs["forward"].append(mla(x[:, t:t + 1], caches["forward"]))
+        want = mla(x)[:, 5:]
+    got = {how: torch.cat(o, dim=1) for how, o in outs.items()}
+    torch.testing.assert_close(got["compiled"], got["function"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["function"], got["forward"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["forward"], want, rtol=1e-4, atol=1e-5)
+    for cache in caches.values():
+        assert cache.seqlens.tolist() == [8, 8] and cache.next_positions.tolist() == [8, 8] and cache.max_len == 8
+    for field in caches["forward"].fields:
+        torch.testing.assert_close(caches["compiled"].fields[field].data, caches["forward"].fields[field].data,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_decode_one_token_refuses_what_it_does_not_cover():
+    cfg = MLAConfig()
+    mla = MLA(cfg).eval()
+    paged = LatentCache.from_config(cfg, 1, 8, layout=PagedLayout(block_size=4))
+    with pytest.raises(ValueError, match="cache: decode_one_token needs a contiguous LatentCache"):
+        decode_one_token(mla, torch.randn(1, 1, cfg.hidden_size), paged)
+    cache = LatentCache.from_config(cfg, 1, 8)
+    with pytest.raises(ValueError, match=r"x: expected one new token per sequence"):
+        decode_one_token(mla, torch.randn(1, 2, cfg.hidden_size), cache)
+    full = LatentCache.from_config(cfg, 1, 1)
+    decode_one_token(mla, torch.randn(1, 1, cfg.hidden_size), full)
+    with pytest.raises(ValueError, match="capacity=1"):
+        decode_one_token(mla, torch.randn(1, 1, cfg.hidden_size), full)
