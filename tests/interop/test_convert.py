@@ -131,6 +131,6 @@ def test_cli_convert(saved, tmp_path, capsys, refused):
     assert not torch.all(qk[1].q_norm.content.weight == 1)
     bad = str(tmp_path / "bad")
     refused(["convert", str(path), "--out", bad, "--layer", "3"], r"qkmla convert: layers: expected layer indices in \[0, 3\)")
-    refused(["convert", str(path), "--out", bad, "--warm-start"], "qkmla convert: warm_start: only meaningful with a QK norm")
+    refused(["convert", str(path), "--out", bad, "--warm-start"], "qkmla convert: --warm-start: only meaningful with a QK norm")
     refused(["convert", str(tmp_path / "nowhere"), "--out", bad], "qkmla convert: hf_dir: .* is not a directory")
     assert not (tmp_path / "bad").exists()
