@@ -195,3 +195,15 @@ def test_experiment_needs_a_name_and_a_usable_out(tmp_path, refused):
 def test_cache_size_zero_kv_heads_is_refused(refused):
     refused(["cache-size", "--num-layers", "2", "--num-heads", "4", "--head-dim", "8", "--num-kv-heads", "0"],
             "--num-kv-heads: expected a positive int")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--steps", "abc"], "qkmla train: --steps: invalid int value: 'abc'"),
+    (["train", "--attn", "linear"], "qkmla train: --attn: invalid choice: 'linear'"),
+    (["generate"], "qkmla generate: the following arguments are required: run"),
+])
+def test_argparse_errors_are_one_line_too(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1

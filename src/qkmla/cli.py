@@ -149,6 +149,19 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(out=args.out, steps=args.steps, preset=args.preset)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with qkmla's error format: one line, ``qkmla COMMAND: ARGUMENT: message``,
+    exit status 2 (``--help`` shows the usage)."""
+
+    def error(self, message: str):
+        import re
+
+        m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message, flags=re.S)
+        if m:
+            message = f"{m.group(1)}: {m.group(2)}"
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def _option_dests(command: str) -> set:
     """The names of the options of ``command`` (an error naming one names the option)."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -156,8 +169,8 @@ def _option_dests(command: str) -> set:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E)")
     v.add_argument("--json", action="store_true", help="one JSON object per row")

@@ -87,9 +87,8 @@ def report(rows: list[dict], options: Options) -> Report:
             axes[0, col].fill_between(lrs, [e["min"] for e in s["per_lr"]], [e["max"] for e in s["per_lr"]],
                                       color=line.get_color(), alpha=0.15)
             axes[1, col].plot(lrs, [e["peak_max_logit"] for e in s["per_lr"]], color=line.get_color(), **style)
-        initial = next((r["initial_loss"] for r in rows if r["initial_loss"]), None)
-        if initial is not None:
-            axes[0, col].axhline(initial, color="k", ls="--", lw=0.7, label="ln V (no learning)")
+        if any(effective_loss(r) == r["initial_loss"] for r in rows if r["optimizer"] == opt):
+            axes[0, col].axhline(rows[0]["initial_loss"], color="k", ls="--", lw=0.7, label="ln V (no learning)")
         for tau in (100.0, TIGHT_TAU):
             axes[1, col].axhline(tau, color="gray", ls=":", lw=0.7)
         axes[0, col].set_title(f"{opt}: final validation loss (diverged = ln V), seed min-max band")

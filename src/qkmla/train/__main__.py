@@ -1,15 +1,15 @@
 """``torchrun --nproc_per_node N -m qkmla.train ...``: the same arguments as ``qkmla train``."""
 
-import argparse
 import json
 import sys
 
+from ..cli import Parser
 from .cli import add_train_arguments, flag_message, train_config_from_args
 from .trainer import CollectiveTimeout, train
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qkmla.train")
+    p = Parser(prog="qkmla train")
     add_train_arguments(p)
     try:
         status = train(train_config_from_args(p.parse_args(argv)))
