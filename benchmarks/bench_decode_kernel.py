@@ -32,7 +32,7 @@ from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_decode import machine  # noqa: E402
+from qkmla.machine import machine  # noqa: E402
 
 H, D_C, D_R, G, PAGE = 16, 512, 64, 16, 64
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "H800": 3.35e12, "A100": 2.0e12}  # bytes/s, SXM parts

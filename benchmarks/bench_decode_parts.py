@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_decode import machine  # noqa: E402
+from qkmla.machine import machine  # noqa: E402
 
 from qkmla.ops.mla_decode.torch_impl import latent_scores  # noqa: E402
 from qkmla.cpu import split_linear  # noqa: E402

@@ -26,3 +26,22 @@ def saved(tmp_path_factory):
     model.save_pretrained(path, max_shard_size="60KB")
     model.set_experts_implementation("eager")  # the default grouped_mm has no float64
     return path, model.double().eval()
+
+
+def _attention_io(model, ids):
+    """{layer: (attention input hidden states, attention output)} from one transformers forward."""
+    io = {}
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda mod, args, kwargs, out, i=i: io.__setitem__(i, (kwargs["hidden_states"], out[0])), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return io
+
+
+@pytest.fixture
+def attention_io():
+    """attention_io(model, ids) -> {layer: (attention input, attention output)} of a transformers model."""
+    return _attention_io

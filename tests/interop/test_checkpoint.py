@@ -15,26 +15,13 @@ from qkmla.interop.checkpoint import mla_from_hf_dir, mla_layers_from_hf_dir  # 
 T = 48  # runs past the YaRN original context L0 = 32 of the `saved` checkpoint (conftest.py)
 
 
-def hf_attention_io(model, ids):
-    """Every layer's attention input hidden states and output, from one transformers forward."""
-    io = {}
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda mod, args, kwargs, out, i=i: io.__setitem__(i, (kwargs["hidden_states"], out[0])), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    return io
-
-
-def test_every_layer_matches_transformers(saved):
+def test_every_layer_matches_transformers(saved, attention_io):
     path, model = saved
     shards = list(path.glob("model-*.safetensors"))
     assert len(shards) >= 4
     layers = mla_layers_from_hf_dir(path, dtype=torch.float64)
     assert list(layers) == [0, 1, 2] and layers[0].config.rope_scaling.factor == 4.0
-    io = hf_attention_io(model, torch.randint(0, 100, (2, T)))
+    io = attention_io(model, torch.randint(0, 100, (2, T)))
     for i, mla in layers.items():
         x, ref = io[i]
         with torch.no_grad():

@@ -16,19 +16,6 @@ from qkmla.interop.convert import CONVERTED_CONFIG, _block_scores, _rms, plain_c
 T = 48
 
 
-def hf_io(model, ids):
-    """{layer: (attention input, attention output)} from one transformers forward."""
-    io = {}
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda mod, args, kwargs, out, i=i: io.__setitem__(i, (kwargs["hidden_states"], out[0])), with_kwargs=True)
-        for i, layer in enumerate(model.model.layers)]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    return io
-
-
 def logit_stats(mla, source, x, ref):
     """(RMS of mla's causal logits / source's, relative output error against ref) on x."""
     pos = torch.arange(x.shape[1]).expand(x.shape[0], -1)
@@ -39,13 +26,13 @@ def logit_stats(mla, source, x, ref):
         return ratio, float((mla(x) - ref).norm() / ref.norm())
 
 
-def test_converted_layer_computes_normalized_logits(saved):
+def test_converted_layer_computes_normalized_logits(saved, attention_io):
     """With qk_norm="rms" and unit weights, logits are tau (RMSNorm(q^C).RMSNorm(k^C) + RoPE(RMSNorm(q^R))
     .RoPE(RMSNorm(k^R))), computed here from transformers' own modules: not the source function."""
     _, model = saved
     hf = model.model.layers[1].self_attn
     mla = mla_from_hf(hf, qk_norm="rms")
-    x = hf_io(model, torch.randint(0, 100, (2, T)))[1][0]
+    x = attention_io(model, torch.randint(0, 100, (2, T)))[1][0]
     with torch.no_grad():
         q = hf.q_b_proj(hf.q_a_layernorm(hf.q_a_proj(x))).view(2, T, 4, 32).transpose(1, 2)
         q_c, q_r = q.split([16, 16], -1)
@@ -64,9 +51,9 @@ def test_converted_layer_computes_normalized_logits(saved):
 
 
 @pytest.mark.parametrize("qk_norm,mode", [("rms", "blockwise"), ("rms", "unified"), ("l2", "blockwise")])
-def test_warm_start_matches_the_source_logit_scale(saved, qk_norm, mode):
+def test_warm_start_matches_the_source_logit_scale(saved, qk_norm, mode, attention_io):
     path, model = saved
-    cal, test = hf_io(model, torch.randint(0, 100, (4, T))), hf_io(model, torch.randint(0, 100, (4, T)))
+    cal, test = attention_io(model, torch.randint(0, 100, (4, T))), attention_io(model, torch.randint(0, 100, (4, T)))
     for i, mla in mla_layers_from_hf_dir(path, dtype=torch.float64, qk_norm=qk_norm, qk_norm_mode=mode).items():
         source = plain_copy(mla)
         unit_ratio, unit_err = logit_stats(mla, source, *test[i])
@@ -114,11 +101,11 @@ def test_save_and_load_converted(saved, tmp_path):
         save_converted({}, tmp_path / "empty")
 
 
-def test_cli_convert(saved, tmp_path, capsys, refused):
+def test_cli_convert(saved, tmp_path, capsys, refused, attention_io):
     path, model = saved
     assert main(["convert", str(path), "--out", str(tmp_path / "plain"), "--dtype", "float64"]) == 0
     plain = load_converted(tmp_path / "plain")
-    io = hf_io(model, torch.randint(0, 100, (2, T)))
+    io = attention_io(model, torch.randint(0, 100, (2, T)))
     with torch.no_grad():
         for i, mla in plain.items():  # qk_norm None: transformers' function, all layers
             assert float((mla(io[i][0]) - io[i][1]).abs().max() / io[i][1].abs().max()) < 5e-6

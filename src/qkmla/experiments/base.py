@@ -9,13 +9,12 @@ for ``summary.json`` and a Markdown table for ``summary.md``) computed from the 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..machine import machine
 from .grid import Run, run_grid
 from .results import read_results, summarize, write_results
 
@@ -68,20 +67,6 @@ def train_settings(quick: bool, steps: int, **changes) -> dict:
         base = dict(preset="cpu", batch_size=12, steps=steps, warmup_steps=max(1, steps // 10),
                     eval_interval=100, eval_iters=20, ckpt_interval=100)
     return {**base, **changes}
-
-
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} x {cpu}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
 def run_experiment(experiment: Experiment, options: Options, progress: bool = True,
