@@ -13,32 +13,77 @@ absorbed paths ``latent_attention``, for the expand path the re-expansion of eve
 latent plus SDPA over the keys. At short contexts the projections' weights dominate a step
 and would hide any overhead in the core.
 
+The absorbed steps also run in other modes of this code, side by side with the rows above
+(which are the eager mode):
+
+    eager       plain ``MLA.forward``, no opt-in, no compile (no suffix)
+    optimized   after ``qkmla.cpu.optimize_for_decode(model)`` (suffix ``-optimized``)
+    compiled    ``attention.decode.decode_one_token`` with ``torch.compile(mla_decode_step,
+                fullgraph=True)`` (suffix ``-compiled``)
+    compiled-optimized  both: the compiled step of the opt-in's model (suffix
+                ``-compiled-optimized``; only with ``--modes``, see DEFAULT_MODES)
+
+A compile failure is recorded in the JSON (``compile.per_context``) and the run goes on
+without that mode's rows at that context. Every mode's step reads the same cache, and the
+optimized and compiled modules hold the eager modules' weight tensors. The expand step runs
+eager only (its re-expansion is nearly all of it); ratios to it are given per mode.
+
+With ``--old-commit REV`` or ``--old-src DIR`` the step also runs as another commit's code
+runs it (``old-absorbed-mla``, ``old-absorbed-mla-qknorm``, mode ``old``): a worker process
+(bench_decode_old.py) imports that checkout's package and times its step when told, in the
+same rounds as everything else. ``--old-commit`` checks the commit out into a temporary git
+worktree and removes it at the end; without either flag no git is needed.
+
 Timing: every variant runs once per round, rounds interleave the variants (so drift hits all
 alike), and the median over rounds is reported. The cache is filled with random rows, and
 its lengths are restored after every step so each step sees the same context.
 
     python benchmarks/bench_decode.py [--quick] [--preset deepseek-v3-tp8] [--out FILE.json]
+        [--old-commit REV | --old-src DIR] [--modes eager optimized compiled]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
+from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
+from qkmla.cpu import optimize_for_decode
 from qkmla.machine import machine
 from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("full-key-qknorm", "expand-qknorm", "absorbed-mla", "absorbed-mla-qknorm",
             "core-expand-qknorm", "core-mla", "core-mla-qknorm")
+MODES = ("eager", "optimized", "compiled", "compiled-optimized")
+# compiled-optimized is opt-in: with torch 2.13, fullgraph capture refuses split_linear's
+# torch.get_num_threads() ("torch.* op returned non-Tensor"), so it only records that error.
+DEFAULT_MODES = ("eager", "optimized", "compiled")
+OLD = "old"  # the mode name of the other commit's rows
+
+
+def step_variant(mode: str, qk_norm: bool) -> str:
+    """The row name of the absorbed step of plain (qk_norm=False) or QK-normed MLA in a mode."""
+    name = "absorbed-mla-qknorm" if qk_norm else "absorbed-mla"
+    return {"eager": name, OLD: f"old-{name}"}.get(mode, f"{name}-{mode}")
+
+
+def mode_variants(modes) -> tuple:
+    """Every row name of a run with these modes, in the order they are timed and written."""
+    extra = tuple(step_variant(m, q) for m in modes if m != "eager" for q in (False, True))
+    return VARIANTS + extra
 
 
 def filled(cache, context: int, rows: dict):
@@ -47,17 +92,28 @@ def filled(cache, context: int, rows: dict):
     return cache
 
 
-def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int = 1):
-    """Modules and caches for every variant at one context length."""
+def twin(module: MLA, config=None) -> MLA:
+    """Another MLA holding ``module``'s parameter tensors (not copies of them)."""
+    other = MLA(config or module.config).to(device=module.o_proj.weight.device, dtype=module.o_proj.weight.dtype)
+    other.load_state_dict(module.state_dict(), strict=False, assign=True)
+    return other.eval()
+
+
+def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int = 1, modes=("eager",),
+          compile_info: dict | None = None, compile_backend: str = "inductor"):
+    """Modules and caches for every variant at one context length.
+
+    ``compile_info`` (a dict) receives, for each compiled mode, the seconds of the first call
+    (the compile), the largest difference between the compiled and the eager step's outputs,
+    or the compile error (and the mode's rows are then left out)."""
     torch.manual_seed(0)
     cfg = mla_preset(preset)
     qk = MLA(cfg).to(device=device, dtype=dtype).eval()
-    plain = MLA(cfg.replace(qk_norm=None)).to(device=device, dtype=dtype).eval()
+    plain = twin(qk, cfg.replace(qk_norm=None))
     # Plain MLA reads the QK-normed layer's own projection weights (the same tensors), and
     # its cache's latent rows are the same buffer: the step ratio then measures the
     # attention arithmetic, not where the allocator placed 140 MB of weights (two separately
     # allocated pairs differ by up to ±3% on the 2-core CPU VM from placement alone).
-    plain.load_state_dict(qk.state_dict(), strict=False, assign=True)
     capacity, B = context + 1, batch
     d_c, d_r, G = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_groups
     latent = torch.randn(B, context, d_c + d_r, dtype=dtype, device=device)
@@ -88,6 +144,14 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int
             cache.restore(saved)  # keep the context fixed
         return run
 
+    def compiled_step(module, cache, compiled):
+        saved = cache.bookkeeping()
+
+        def run():
+            decode_one_token(module, x, cache, step=compiled)
+            cache.restore(saved)
+        return run
+
     lat = caches["expand-qknorm"].fields["latent"].read(context)
     scal = caches["expand-qknorm"].fields["key_scale"].read(context)
     fns = {
@@ -99,19 +163,91 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int
         "core-mla": lambda: latent_attention(q_lat, q_rope, lat, None, cfg.scale),
         "core-mla-qknorm": lambda: latent_attention(q_lat, q_rope, lat, scal, cfg.scale),
     }
+    if "optimized" in modes or "compiled-optimized" in modes:  # twins sharing the weights, with the CPU opt-in
+        qk_opt, plain_opt = optimize_for_decode(twin(qk)), optimize_for_decode(twin(plain))
+    if "optimized" in modes:
+        fns["absorbed-mla-optimized"] = step(plain_opt, caches["absorbed-mla"], "absorbed")
+        fns["absorbed-mla-qknorm-optimized"] = step(qk_opt, caches["absorbed-mla-qknorm"], "absorbed")
+    if any(m.startswith("compiled") for m in modes):
+        torch._dynamo.reset()  # one compile per module and context, none left from the last context
+    for mode in (m for m in modes if m.startswith("compiled")):
+        pair = (plain, qk) if mode == "compiled" else (plain_opt, qk_opt)
+        info = compile_info.setdefault(mode, {}) if compile_info is not None else {}
+        try:
+            compiled = torch.compile(mla_decode_step, fullgraph=True, backend=compile_backend)
+            runs, diff = {}, {}
+            for module, qk_norm in zip(pair, (False, True)):
+                name = step_variant("eager", qk_norm)
+                cache, saved = caches[name], caches[name].bookkeeping()
+                t0 = time.perf_counter()
+                with torch.inference_mode():  # compiled here, under the mode the timing runs in
+                    y_compiled = decode_one_token(module, x, cache, step=compiled)
+                    cache.restore(saved)
+                    info.setdefault("compile_seconds", {})[name] = time.perf_counter() - t0
+                    y_eager = module(x, cache, path="absorbed")
+                    cache.restore(saved)
+                diff[name] = float((y_compiled - y_eager).abs().max())
+                runs[step_variant(mode, qk_norm)] = compiled_step(module, cache, compiled)
+            info["max_abs_diff_to_eager"] = diff
+            fns.update(runs)
+        except Exception as e:  # noqa: BLE001 -- any failure to compile is a result, recorded
+            info["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     assert all(p.data_ptr() == qk.get_parameter(n).data_ptr() for n, p in plain.named_parameters())
     for name in ("full-key-qknorm", "expand-qknorm", "absorbed-mla"):
         c = caches[name]
         assert c.nbytes == c.bytes_per_token * c.capacity * c.batch_size  # measured allocation == formula
     cache_of = {**caches, "core-mla": caches["absorbed-mla"], "core-mla-qknorm": caches["absorbed-mla-qknorm"],
                 "core-expand-qknorm": caches["expand-qknorm"]}
-    cache_bytes = {name: cache_of[name].bytes_per_token * context * batch for name in VARIANTS}
+    for name in fns:
+        if name not in cache_of:  # every mode's step reads the eager step's cache
+            cache_of[name] = caches["absorbed-mla-qknorm" if "qknorm" in name else "absorbed-mla"]
+    cache_bytes = {name: cache_of[name].bytes_per_token * context * batch for name in fns}
     return fns, cache_bytes
 
 
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+class OldWorker:
+    """bench_decode_old.py in a child process that imports the qkmla under ``src``."""
+
+    def __init__(self, src: Path):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "bench_decode_old.py")], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(self, **msg) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the old-commit worker exited (status {self.proc.wait()}); its stderr is above")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"old-commit worker: {answer['error']}")
+        return answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+class Remote:
+    """A variant timed by the worker: ``warm()`` is one timed call after an untimed one,
+    ``round(n)`` one untimed call and n timed ones, as time_side_by_side does locally."""
+
+    def __init__(self, worker: OldWorker, name: str):
+        self.worker, self.name = worker, name
+
+    def warm(self) -> float:
+        return self.worker.ask(cmd="warm", name=self.name)["seconds"]
+
+    def round(self, n: int) -> list[float]:
+        return self.worker.ask(cmd="round", name=self.name, n=n)["samples"]
 
 
 def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> tuple[dict, dict]:
@@ -122,13 +258,17 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> t
     a few timed calls: as many as fit in ~100 ms, at least one. A slow variant stops after
     3 rounds once it has spent ``budget_s``. The per-round medians let a ratio be taken
     round by round, between calls made seconds apart, which shows how much of a ratio is
-    the machine's drift.
+    the machine's drift. A :class:`Remote` variant is timed the same way by the old-commit
+    worker while this process waits.
     """
     samples = {name: [] for name in fns}
     per_round = {name: [] for name in fns}
     per_call = {}
     with torch.inference_mode():
         for name, fn in fns.items():  # warm-up, and a first estimate of the cost
+            if isinstance(fn, Remote):
+                per_call[name] = fn.warm()
+                continue
             fn()
             sync(device)
             t0 = time.perf_counter()
@@ -139,9 +279,14 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> t
             for name, fn in fns.items():
                 if r >= 3 and sum(samples[name]) > budget_s:
                     continue
+                calls = max(1, min(50, int(0.1 / per_call[name])))
+                if isinstance(fn, Remote):  # the worker times its own calls, the same way
+                    samples[name] += (this_round := fn.round(calls))
+                    per_round[name].append(statistics.median(this_round))
+                    continue
                 fn()
                 this_round = []
-                for _ in range(max(1, min(50, int(0.1 / per_call[name])))):
+                for _ in range(calls):
                     sync(device)
                     t0 = time.perf_counter()
                     fn()
@@ -158,6 +303,17 @@ def round_ratios(per_round: dict, a: str, b: str) -> list[float]:
     return [float(q) for q in statistics.quantiles(ratios, n=4, method="inclusive")] if len(ratios) > 1 else ratios * 3
 
 
+def mode_of(name: str) -> str:
+    """The mode a step row runs in ("eager" for every row without a mode's suffix)."""
+    if name.startswith("old-"):
+        return OLD
+    return next((m for m in sorted(MODES, key=len, reverse=True) if m != "eager" and name.endswith(f"-{m}")), "eager")
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="contexts 1k and 4k, few rounds (a smoke run)")
@@ -167,35 +323,123 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                   help=f"modes of the absorbed step to time (default: {' '.join(DEFAULT_MODES)}; eager always runs)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled modes (default inductor; aot_eager for a fast smoke run)")
+    old_from = p.add_mutually_exclusive_group()
+    old_from.add_argument("--old-commit", metavar="REV",
+                          help="also time this commit's step (checked out into a temporary git worktree)")
+    old_from.add_argument("--old-src", type=Path, metavar="DIR",
+                          help="also time the step of the qkmla package under DIR (a checkout's src/)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/results/bench_decode_<device>.json)")
     args = p.parse_args(argv)
     contexts = args.contexts or ([1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768])
     rounds = args.rounds or (5 if args.quick else 21)
     dtype = getattr(torch, args.dtype)
+    modes = ["eager"] + [m for m in MODES if m in args.modes and m != "eager"]
+    if args.old_src is not None and not (args.old_src / "qkmla" / "__init__.py").is_file():
+        p.error(f"--old-src: {args.old_src} holds no qkmla package (expected {args.old_src}/qkmla/__init__.py)")
+    if any(m.startswith("compiled") for m in modes):
+        # A compiled step per module and context; the default limit would fall back to eager.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     info = machine()
     print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads)"
           f"{', ' + info['gpu'] if 'gpu' in info else ''}, torch {info['torch']}, {args.preset}, {args.dtype}, "
-          f"batch {args.batch}")
-    print(f"{'context':>8} {'variant':<21}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
-    rows, spread = [], {"step": {}, "core": {}}
-    for context in contexts:
-        fns, cache_bytes = setup(args.preset, context, dtype, args.device, args.batch)
-        seconds, per_round = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
-        spread["step"][context] = round_ratios(per_round, "absorbed-mla-qknorm", "absorbed-mla")
-        spread["core"][context] = round_ratios(per_round, "core-mla-qknorm", "core-mla")
-        for name in VARIANTS:
-            base = "core-mla" if name.startswith("core") else "absorbed-mla"  # like against like
-            row = {"context": context, "variant": name, "seconds": seconds[name], "cache_bytes": cache_bytes[name],
-                   "ratio_to_mla": seconds[name] / seconds[base]}
-            rows.append(row)
-            print(f"{context:>8} {name:<21}{row['seconds']:>12.6f}{row['cache_bytes']:>14,}{row['ratio_to_mla']:>14.3f}")
-        del fns
+          f"batch {args.batch}, modes {' '.join(modes)}")
+
+    old, worker, tmp = None, None, None
+    try:
+        if args.old_commit or args.old_src:
+            if args.old_commit:
+                repo = HERE.parent
+                rev = git("rev-parse", "--verify", f"{args.old_commit}^{{commit}}", cwd=repo)
+                tmp = Path(tempfile.mkdtemp(prefix="qkmla-old-"))
+                git("worktree", "add", "--detach", str(tmp / "tree"), rev, cwd=repo)
+                src = tmp / "tree" / "src"
+            else:
+                src = args.old_src.resolve()
+                try:
+                    rev = git("rev-parse", "HEAD", cwd=src)
+                except (subprocess.CalledProcessError, OSError):
+                    rev = None
+            worker = OldWorker(src)
+            old = {"rev": rev, "src": str(src)}
+            print(f"# old step: commit {rev} from {src}")
+        rows, spread, compile_record = [], {"step": {}, "core": {}}, {}
+        spread_by_mode = {m: {} for m in modes + ([OLD] if worker else [])}
+        print(f"{'context':>8} {'variant':<31}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
+        for context in contexts:
+            compile_info = {}
+            fns, cache_bytes = setup(args.preset, context, dtype, args.device, args.batch, modes, compile_info,
+                                     args.compile_backend)
+            if compile_info:
+                compile_record[context] = compile_info
+                for mode, got in compile_info.items():
+                    if "error" in got:
+                        print(f"# {context}: mode {mode} failed to compile, left out: {got['error']}")
+            if worker:
+                answer = worker.ask(cmd="setup", preset=args.preset, context=context, dtype=args.dtype,
+                                    device=args.device, batch=args.batch)
+                old.update(qkmla=answer["qkmla"], torch_threads=answer["torch_threads"])
+                if not answer["qkmla"].startswith(str(old["src"])):
+                    raise RuntimeError(f"the old-commit worker imported {answer['qkmla']}, not the package under {old['src']}")
+                for qk_norm in (False, True):
+                    fns[step_variant(OLD, qk_norm)] = Remote(worker, step_variant(OLD, qk_norm))
+                    cache_bytes[step_variant(OLD, qk_norm)] = cache_bytes[step_variant("eager", qk_norm)]
+            seconds, per_round = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
+            spread["step"][context] = round_ratios(per_round, "absorbed-mla-qknorm", "absorbed-mla")
+            spread["core"][context] = round_ratios(per_round, "core-mla-qknorm", "core-mla")
+            for m, spread_m in spread_by_mode.items():
+                if step_variant(m, True) in per_round:
+                    spread_m[context] = round_ratios(per_round, step_variant(m, True), step_variant(m, False))
+            for name in fns:
+                if name.startswith("core"):
+                    base = "core-mla"  # like against like
+                elif name.startswith(("absorbed", "old-")):
+                    base = step_variant(mode_of(name), False)  # against plain MLA in the same mode
+                else:
+                    base = "absorbed-mla"
+                row = {"context": context, "variant": name, "seconds": seconds[name],
+                       "cache_bytes": cache_bytes[name], "ratio_to_mla": seconds[name] / seconds[base]}
+                rows.append(row)
+                print(f"{context:>8} {name:<31}{row['seconds']:>12.6f}{row['cache_bytes']:>14,}"
+                      f"{row['ratio_to_mla']:>14.3f}")
+            del fns
+    finally:
+        if worker:
+            worker.close()
+        if tmp is not None:
+            subprocess.run(["git", "-C", str(HERE.parent), "worktree", "remove", "--force", str(tmp / "tree")],
+                           check=False)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    by = {(r["context"], r["variant"]): r["seconds"] for r in rows}
 
     def ratio(ctx, a, b):
-        by = {(r["context"], r["variant"]): r["seconds"] for r in rows}
-        return by[(ctx, a)] / by[(ctx, b)]
+        return by[(ctx, a)] / by[(ctx, b)] if (ctx, a) in by and (ctx, b) in by else None
 
+    def per_context(fn) -> dict:
+        """{context: fn(context)} where fn has a value."""
+        return {c: v for c in contexts if (v := fn(c)) is not None}
+
+    all_modes = modes + ([OLD] if worker else [])
+    step_by_mode = {m: per_context(lambda c, m=m: ratio(c, step_variant(m, True), step_variant(m, False)))
+                    for m in all_modes}
+    expand_by_mode = {m: per_context(lambda c, m=m: ratio(c, "expand-qknorm", step_variant(m, True))) for m in modes}
+
+    def fastest(c):  # the new code's mode with the shortest QK-normed step at context c
+        timed = [m for m in modes if (c, step_variant(m, True)) in by]
+        return min(timed, key=lambda m: by[(c, step_variant(m, True))])
+
+    def against(c, mode, other) -> dict | None:
+        both = {"mla": ratio(c, step_variant(mode, False), step_variant(other, False)),
+                "mla-qknorm": ratio(c, step_variant(mode, True), step_variant(other, True))}
+        return None if None in both.values() else both
+
+    fastest_mode = {c: fastest(c) for c in contexts}
     summary = {
+        # The eager rows (plain MLA.forward), as before the modes existed:
         "qknorm_over_mla_step": {c: ratio(c, "absorbed-mla-qknorm", "absorbed-mla") for c in contexts},
         "qknorm_over_mla_core": {c: ratio(c, "core-mla-qknorm", "core-mla") for c in contexts},
         # The same ratios taken round by round: [25th, 50th, 75th] percentiles over rounds.
@@ -205,23 +449,66 @@ def main(argv=None) -> int:
         "expand_over_absorbed_qknorm_core": {c: ratio(c, "core-expand-qknorm", "core-mla-qknorm") for c in contexts},
         "full_key_cache_over_qknorm_latent_cache": rows[0]["cache_bytes"] / next(
             r["cache_bytes"] for r in rows if r["variant"] == "absorbed-mla-qknorm"),
+        # Every mode (and the old commit's step as mode "old"):
+        "qknorm_over_mla_step_by_mode": step_by_mode,
+        "qknorm_over_mla_step_per_round_quartiles_by_mode": spread_by_mode,
+        # The expand step runs eager in every mode (its re-expansion dominates it).
+        "expand_over_absorbed_qknorm_step_by_mode": expand_by_mode,
+        # What each mode (and the old commit) buys: its step over the eager step, plain and QK-normed.
+        "step_over_eager_by_mode": {m: per_context(lambda c, m=m: against(c, m, "eager")) for m in all_modes
+                                    if m != "eager"},
+        "fastest_mode": fastest_mode,
+        "qknorm_over_mla_step_fastest": per_context(lambda c: step_by_mode[fastest_mode[c]].get(c)),
+        "expand_over_absorbed_qknorm_step_fastest": per_context(lambda c: expand_by_mode[fastest_mode[c]].get(c)),
     }
-    print("QK-norm / plain MLA, decode step:", {c: round(v, 3) for c, v in summary["qknorm_over_mla_step"].items()})
-    print("QK-norm / plain MLA, attention core:", {c: round(v, 3) for c, v in summary["qknorm_over_mla_core"].items()})
+    if worker:
+        summary["fastest_over_old_step"] = per_context(
+            lambda c: {"mode": fastest_mode[c], **against(c, fastest_mode[c], OLD)})
+        summary["eager_over_old_step"] = per_context(lambda c: against(c, "eager", OLD))
+    long = [v for c, v in summary["qknorm_over_mla_step_fastest"].items() if c >= 4096]
+    at16k = summary["expand_over_absorbed_qknorm_step_fastest"].get(16384)
+    vs_old = [v for c in (4096, 16384) if worker and c in contexts
+              for v in summary["fastest_over_old_step"][c].values() if not isinstance(v, str)]
+    summary["targets"] = {  # None: not measured in this run
+        "qknorm_over_mla_step_fastest_le_1.05_from_4k": all(v <= 1.05 for v in long) if long else None,
+        "expand_over_absorbed_qknorm_step_fastest_ge_50_at_16k": at16k >= 50 if at16k is not None else None,
+        "fastest_no_slower_than_old_at_4k_and_16k": all(v <= 1.0 for v in vs_old) if vs_old else None,
+    }
+
+    def show(d: dict, digits: int = 3) -> dict:
+        return {c: round(v, digits) for c, v in d.items()}
+
+    print("QK-norm / plain MLA, decode step (eager):", show(summary["qknorm_over_mla_step"]))
+    print("QK-norm / plain MLA, attention core:", show(summary["qknorm_over_mla_core"]))
     for part in ("step", "core"):
         print(f"  {part}, round by round (25th/50th/75th percentile):",
               {c: "/".join(f"{v:.3f}" for v in q) for c, q in spread[part].items()})
-    print("re-expanding keys / absorbed QK-norm, step:",
-          {c: round(v, 1) for c, v in summary["expand_over_absorbed_qknorm_step"].items()})
-    print("re-expanding keys / absorbed QK-norm, core:",
-          {c: round(v, 1) for c, v in summary["expand_over_absorbed_qknorm_core"].items()})
+    print("re-expanding keys / absorbed QK-norm, step (eager):", show(summary["expand_over_absorbed_qknorm_step"], 1))
+    print("re-expanding keys / absorbed QK-norm, core:", show(summary["expand_over_absorbed_qknorm_core"], 1))
     print(f"full-key cache / QK-normed latent cache bytes: {summary['full_key_cache_over_qknorm_latent_cache']:.2f}x")
+    for m in all_modes:
+        print(f"QK-norm / plain MLA, step, {m}:", show(step_by_mode[m]),
+              "round by round:", {c: "/".join(f"{v:.3f}" for v in q) for c, q in spread_by_mode[m].items()})
+    for m in modes:
+        print(f"re-expanding keys (eager) / absorbed QK-norm, step, {m}:", show(expand_by_mode[m], 1))
+    for m, d in summary["step_over_eager_by_mode"].items():
+        print(f"{m} step / eager step (mla, mla-qknorm):",
+              {c: f"{v['mla']:.3f}, {v['mla-qknorm']:.3f}" for c, v in d.items()})
+    print("fastest mode:", fastest_mode)
+    if worker:
+        for key, label in (("fastest_over_old_step", "fastest mode"), ("eager_over_old_step", "eager")):
+            print(f"{label} step / old commit's step (mla, mla-qknorm):",
+                  {c: f"{v['mla']:.3f}, {v['mla-qknorm']:.3f}" for c, v in summary[key].items()})
+    print("targets:", summary["targets"])
     suffix = ("_quick" if args.quick else "") + (f"_batch{args.batch}" if args.batch != 1 else "")
     out = args.out or HERE / "results" / f"bench_decode_{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    compiled = {"function": "qkmla.attention.decode.mla_decode_step", "fullgraph": True, "backend": args.compile_backend,
+                "per_context": compile_record} if compile_record else None
     out.write_text(json.dumps({"command": command.strip(), "machine": info, "preset": args.preset,
                                "dtype": args.dtype, "device": args.device, "batch": args.batch, "rounds": rounds,
+                               "modes": all_modes, "compile": compiled, "old": old,
                                "rows": rows, "summary": summary}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -20,22 +20,50 @@ def load(name: str):
 def test_bench_decode_writes_rows_for_every_variant(tmp_path):
     bench = load("bench_decode")
     out = tmp_path / "decode.json"
-    assert bench.main(["--preset", "tiny", "--contexts", "32", "64", "--rounds", "2", "--out", str(out)]) == 0
+    # aot_eager: the compiled mode's path without inductor's C++ build (the timing run uses inductor).
+    assert bench.main(["--preset", "tiny", "--contexts", "32", "64", "--rounds", "2", "--out", str(out),
+                       "--compile-backend", "aot_eager"]) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("python benchmarks/bench_decode.py")
     assert "cpu" in result["machine"]
+    assert result["modes"] == list(bench.DEFAULT_MODES) and result["old"] is None
     rows = result["rows"]
-    assert {(r["context"], r["variant"]) for r in rows} == {(c, v) for c in (32, 64) for v in bench.VARIANTS}
+    variants = bench.mode_variants(bench.DEFAULT_MODES)
+    assert {(r["context"], r["variant"]) for r in rows} == {(c, v) for c in (32, 64) for v in variants}
     for r in rows:
         assert set(r) == {"context", "variant", "seconds", "cache_bytes", "ratio_to_mla"}
         assert r["seconds"] > 0 and r["cache_bytes"] > 0
     by = {(r["context"], r["variant"]): r for r in rows}
     assert by[(64, "absorbed-mla")]["ratio_to_mla"] == 1.0
+    assert by[(64, "absorbed-mla-compiled")]["ratio_to_mla"] == 1.0  # each mode against plain MLA in that mode
     # Cache bytes double with the context and the QK-normed latent cache is the plain one plus G scalars.
     assert by[(64, "absorbed-mla-qknorm")]["cache_bytes"] == 2 * by[(32, "absorbed-mla-qknorm")]["cache_bytes"]
     assert by[(64, "absorbed-mla-qknorm")]["cache_bytes"] > by[(64, "absorbed-mla")]["cache_bytes"]
-    quartiles = result["summary"]["qknorm_over_mla_step_per_round_quartiles"]
+    summary = result["summary"]
+    quartiles = summary["qknorm_over_mla_step_per_round_quartiles"]
     assert all(q[0] <= q[1] <= q[2] for q in quartiles.values())
+    assert set(summary["qknorm_over_mla_step_by_mode"]) == set(bench.DEFAULT_MODES)
+    assert set(summary["step_over_eager_by_mode"]) == {"optimized", "compiled"}
+    assert set(summary["fastest_mode"].values()) <= set(bench.DEFAULT_MODES)
+    assert set(summary["targets"].values()) == {None}  # no context reaches 4k, no old step
+    for got in result["compile"]["per_context"].values():  # the compiled step computes the eager step's output
+        assert max(got["compiled"]["max_abs_diff_to_eager"].values()) < 1e-4
+
+
+def test_bench_decode_times_another_checkout_in_a_worker(tmp_path):
+    """--old-src: a child process imports the package under that directory (here this checkout's
+    own src/, which exercises the protocol without git) and times its step in the same rounds."""
+    bench = load("bench_decode")
+    out = tmp_path / "decode.json"
+    src = Path(__file__).resolve().parents[1] / "src"
+    assert bench.main(["--preset", "tiny", "--contexts", "32", "--rounds", "2", "--modes", "eager",
+                       "--old-src", str(src), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["modes"] == ["eager", "old"]
+    assert result["old"]["qkmla"].startswith(str(src))
+    assert {r["variant"] for r in result["rows"]} >= {"old-absorbed-mla", "old-absorbed-mla-qknorm"}
+    assert result["summary"]["fastest_over_old_step"]["32"]["mode"] == "eager"
+    assert result["summary"]["eager_over_old_step"]["32"]["mla-qknorm"] > 0
 
 
 def test_bench_decode_rejects_an_unknown_dtype(capsys):
