@@ -54,6 +54,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    axes[1].set_yscale("log")  # bounded and exploding runs differ by orders of magnitude
     axes[2].set_yscale("log")
     fig.tight_layout()
     out = Path(out)
