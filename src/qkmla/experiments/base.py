@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from ..machine import machine
 from .grid import Run, run_grid
-from .results import read_results, summarize, write_results
+from .results import best_lr, read_results, summarize, write_results
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,18 @@ def train_settings(quick: bool, steps: int, **changes) -> dict:
         base = dict(preset="cpu", batch_size=12, steps=steps, warmup_steps=max(1, steps // 10),
                     eval_interval=100, eval_iters=20, ckpt_interval=100)
     return {**base, **changes}
+
+
+DEFAULT_LR = 3e-3  # when no lr-sweep results are there to pick from
+
+
+def sweep_lr(options: Options, variant: str = "mla-qknorm", optimizer: str = "adamw") -> tuple[float, str]:
+    """The variant's best lr from the lr-sweep results if present, else DEFAULT_LR; and where
+    it came from (recorded in the results)."""
+    path = options.sweep_results
+    if Path(path).is_file():
+        return best_lr(read_results(path), variant, optimizer)[0], f"best {optimizer} lr of {variant} in {path}"
+    return DEFAULT_LR, f"default {DEFAULT_LR:g} (no lr-sweep results at {path})"
 
 
 def run_experiment(experiment: Experiment, options: Options, progress: bool = True,

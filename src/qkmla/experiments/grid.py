@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..train.rundir import read_status
+
 FINISHED = ("done", "non-finite")
 # TrainConfig fields that say where and how a run is shown, not what it trains.
 _NOT_COMPARED = ("out", "resume", "progress", "max_seconds")
@@ -42,13 +44,6 @@ def run_dir(out: Path, run: Run) -> Path:
     return Path(out) / "runs" / run.name
 
 
-def _stored_status(path: Path) -> Optional[str]:
-    try:
-        return json.loads((path / "status.json").read_text()).get("status")
-    except (OSError, ValueError):
-        return None
-
-
 def _same_config(path: Path, train: dict) -> bool:
     try:
         stored = json.loads((path / "config.json").read_text())["train"]
@@ -57,9 +52,12 @@ def _same_config(path: Path, train: dict) -> bool:
     return all(stored.get(k) == v for k, v in train.items() if k not in _NOT_COMPARED)
 
 
+def _finished(path: Path, train: dict) -> bool:
+    return (read_status(path) or {}).get("status") in FINISHED and _same_config(path, train)
+
+
 def is_finished(out: Path, run: Run) -> bool:
-    path = run_dir(out, run)
-    return _stored_status(path) in FINISHED and _same_config(path, run.train)
+    return _finished(run_dir(out, run), run.train)
 
 
 def _init_worker() -> None:
@@ -83,8 +81,8 @@ def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
 
     try:
         path_ = Path(path)
-        if _stored_status(path_) in FINISHED and _same_config(path_, train):  # trained, not yet measured
-            status = json.loads((path_ / "status.json").read_text())
+        if _finished(path_, train):  # trained, not yet measured
+            status = read_status(path_)
         else:
             resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
             if resume and int(read_metadata(path_ / FILENAME)["step"]) >= train["steps"]:

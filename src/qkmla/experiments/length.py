@@ -15,10 +15,9 @@ import torch
 
 from ..train.data import Corpus, fixed_windows
 from ..train.trainer import load_model
-from .base import Experiment, Options, Report, train_settings
+from .base import Experiment, Options, Report, sweep_lr, train_settings
 from .figures import fmt, pyplot, save, table
 from .grid import Run
-from .norm_mode import sweep_lr
 from .results import group, mean_std
 
 VARIANTS = ("mla", "mla-qknorm", "mla-qknorm-unified")

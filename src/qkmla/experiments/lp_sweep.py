@@ -17,10 +17,9 @@ import torch
 
 from ..model.gpt import GPT_PRESETS
 from ..norms import statistic
-from .base import Experiment, Options, Report, train_settings
+from .base import Experiment, Options, Report, sweep_lr, train_settings
 from .figures import fmt, pyplot, save, table
 from .grid import Run
-from .norm_mode import sweep_lr
 from .results import group, mean_std
 
 PS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0)

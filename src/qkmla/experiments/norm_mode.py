@@ -3,25 +3,13 @@ validation loss over seeds and the training step time, side by side in one grid.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .base import Experiment, Options, Report, train_settings
+from .base import Experiment, Options, Report, sweep_lr, train_settings
 from .figures import fmt, pyplot, save, table
 from .grid import Run
-from .results import best_lr, group, mean_std, read_results
+from .results import group, mean_std
 
 STEPS = 600
-DEFAULT_LR = 3e-3
 MODES = {"blockwise": "mla-qknorm", "unified": "mla-qknorm-unified"}
-
-
-def sweep_lr(options: Options, variant: str = "mla-qknorm", optimizer: str = "adamw") -> tuple[float, str]:
-    """The variant's best lr from the lr-sweep results if present, else DEFAULT_LR; and where
-    it came from (recorded in the results)."""
-    path = options.sweep_results
-    if Path(path).is_file():
-        return best_lr(read_results(path), variant, optimizer)[0], f"best {optimizer} lr of {variant} in {path}"
-    return DEFAULT_LR, f"default {DEFAULT_LR:g} (no lr-sweep results at {path})"
 
 
 def plan(options: Options) -> list[Run]:

@@ -16,21 +16,12 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..train.plot import read_metrics
+from ..train.rundir import clean_json, read_status
 from .grid import Run, run_dir
 
 
 def finite(v) -> Optional[float]:
     return float(v) if v is not None and math.isfinite(v) else None
-
-
-def _clean(obj):
-    if isinstance(obj, float):
-        return finite(obj)
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def curve(rows: list[dict], key: str, every: int) -> list:
@@ -47,9 +38,7 @@ def values(rows: list[dict], key: str) -> list[float]:
 def summarize(experiment: str, run: Run, out: Path) -> dict:
     """The results row of one run (see the module docstring)."""
     path = run_dir(out, run)
-    status = {"status": "missing"}
-    if (path / "status.json").is_file():
-        status = json.loads((path / "status.json").read_text())
+    status = read_status(path) or {"status": "missing"}
     rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     vals = [finite(r["val_loss"]) for r in rows if "val_loss" in r]
@@ -74,7 +63,7 @@ def summarize(experiment: str, run: Run, out: Path) -> dict:
         row.update(json.loads((path / "measure.json").read_text()))
     if "error" in status:
         row["error"] = status["error"]
-    return _clean(row)
+    return clean_json(row)
 
 
 def write_results(rows: list[dict], path: Path) -> None:

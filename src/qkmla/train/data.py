@@ -110,7 +110,11 @@ def fixed_windows(data: torch.Tensor, count: int, block_size: int) -> tuple[torc
         raise ValueError(f"count: expected a positive number of windows, got {count}")
     if len(data) <= block_size + 1:
         raise ValueError(f"data: {len(data)} tokens are too few for block_size={block_size}")
-    starts = torch.linspace(0, len(data) - block_size - 1, count).long().tolist()
+    return _windows(data, torch.linspace(0, len(data) - block_size - 1, count).long().tolist(), block_size)
+
+
+def _windows(data: torch.Tensor, starts: list, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [len(starts), T] from each start, y the same shifted by one token."""
     x = torch.stack([data[i:i + block_size] for i in starts])
     y = torch.stack([data[i + 1:i + 1 + block_size] for i in starts])
     return x, y
@@ -121,6 +125,4 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: t
     if len(data) <= block_size + 1:
         raise ValueError(f"data: {len(data)} tokens are too few for block_size={block_size}")
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
-    x = torch.stack([data[i:i + block_size] for i in ix.tolist()])
-    y = torch.stack([data[i + 1:i + 1 + block_size] for i in ix.tolist()])
-    return x, y
+    return _windows(data, ix.tolist(), block_size)
