@@ -83,9 +83,10 @@ def _train_all(out: Path, preset: str, steps: int) -> list[dict]:
                               ckpt_interval=steps, out=str(run))
             status = train(cfg)
             rows = read_metrics(run)
+            peaks = [r["max_logit"] for r in rows if r.get("max_logit") is not None]  # null: non-finite
             runs.append({"attn": attn, "lr": lr, "lr_name": name, "dir": str(run), "status": status["status"],
                          "step": status["step"], "val_loss": status.get("val_loss") if status["status"] == "done"
-                         else None, "peak_max_logit": max(r["max_logit"] for r in rows) if rows else None,
+                         else None, "peak_max_logit": max(peaks, default=None),
                          "final_max_logit": rows[-1]["max_logit"] if rows else None, "seconds": status["seconds"]})
             if status["status"] not in ("done", "non-finite"):
                 raise RuntimeError(f"{attn} at lr {lr:g}: training stopped: {status}")
@@ -119,7 +120,8 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     print(f"  {'model':<11} {'lr':>6}  {'val loss':>8}  {'peak max logit':>14}")
     for r in runs:
         loss = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else f"diverged at step {r['step']}"
-        print(f"  {r['attn']:<11} {r['lr']:>6g}  {loss:>8}  {r['peak_max_logit']:>14.1f}")
+        peak = "-" if r["peak_max_logit"] is None else f"{r['peak_max_logit']:.1f}"
+        print(f"  {r['attn']:<11} {r['lr']:>6g}  {loss:>8}  {peak:>14}")
     print(f"curves: {png}")
     print("absorbed decode path vs explicit path on the trained QK-normed model:")
     print("  attention logits, max |diff| per layer: " + ", ".join(f"{d:.2e}" for d in check["attention_logit_max_abs_diff_per_layer"]))
