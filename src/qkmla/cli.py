@@ -10,6 +10,7 @@ import traceback
 from typing import Optional, Sequence
 
 from .cache.size import CACHE_PRESETS, DTYPE_BYTES, cache_rows, format_table
+from .cli_errors import Parser, flag_message
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -149,19 +150,6 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(out=args.out, steps=args.steps, preset=args.preset)
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with qkmla's error format: one line, ``qkmla COMMAND: ARGUMENT: message``,
-    exit status 2 (``--help`` shows the usage)."""
-
-    def error(self, message: str):
-        import re
-
-        m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message, flags=re.S)
-        if m:
-            message = f"{m.group(1)}: {m.group(2)}"
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 def _option_dests(command: str) -> set:
     """The names of the options of ``command`` (an error naming one names the option)."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -254,8 +242,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
-        from .train.cli import flag_message
-
         message = flag_message(str(e), _option_dests(args.command))
         print(f"qkmla {args.command}: {message}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 import json
 import sys
 
-from ..cli import Parser
-from .cli import add_train_arguments, flag_message, train_config_from_args
+from ..cli_errors import Parser
+from .cli import add_train_arguments, train_config_from_args, train_flag_message
 from .trainer import CollectiveTimeout, train
 
 
@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     try:
         status = train(train_config_from_args(p.parse_args(argv)))
     except ValueError as e:  # a refused argument or run directory: one line, no traceback
-        print(f"qkmla train: {flag_message(str(e))}", file=sys.stderr)
+        print(f"qkmla train: {train_flag_message(str(e))}", file=sys.stderr)
         return 2
     except CollectiveTimeout as e:  # status.json says the same
         print(f"qkmla train: {e}", file=sys.stderr)

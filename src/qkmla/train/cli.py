@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 
+from ..cli_errors import flag_message
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from .config import TrainConfig
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
@@ -56,14 +56,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a collective waits for a rank under torchrun before the job fails (> 0)")
 
 
-def flag_message(message: str, fields=None) -> str:
-    """An error naming a field as the option that sets it: 'grad_clip: ...' -> '--grad-clip: ...'
-    (``fields``: the names that are options; default TrainConfig's)."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} if fields is None else set(fields)
-    m = re.match(r"(\w+): ", message)
-    if m and m.group(1) in fields:
-        return f"--{m.group(1).replace('_', '-')}: " + message[m.end():]
-    return message
+def train_flag_message(message: str) -> str:
+    """A TrainConfig error with its field named as the ``qkmla train`` option."""
+    return flag_message(message, (f.name for f in dataclasses.fields(TrainConfig)))
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -73,4 +68,4 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     try:
         return TrainConfig(**{n: getattr(args, n) for n in names}, progress=not args.no_progress)
     except ValueError as e:
-        raise ValueError(flag_message(str(e))) from None
+        raise ValueError(train_flag_message(str(e))) from None

@@ -83,7 +83,7 @@ def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     from .triton_kernel import mla_decode_fwd  # Triton is imported only when the kernel runs
 
     return mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits,
-                          unified=unified, visible_lens=visible_lens)
+                          unified=unified, visible_lens=visible_lens, dot_fp32=interpreting())
 
 
 @_mla_decode_op.register_fake

@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .interface import interpreting
-
 
 @triton.jit
 def _mla_decode_split_kernel(
@@ -146,8 +144,10 @@ def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, blo
 
 
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
-                   num_splits: int = 0, block_n: int = 64, unified: bool = False, visible_lens=None):
-    """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32)."""
+                   num_splits: int = 0, block_n: int = 64, unified: bool = False, visible_lens=None,
+                   dot_fp32: bool = False):
+    """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
+    ``dot_fp32``: run the tile dots in fp32 (Triton's CPU interpreter needs it)."""
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     page = kv_cache.shape[1]
@@ -172,7 +172,7 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, USE_SCALE=scale_cache is not None, UNIFIED=unified,
-        HAS_VISIBLE=visible_lens is not None, DOT_FP32=interpreting(),
+        HAS_VISIBLE=visible_lens is not None, DOT_FP32=dot_fp32,
     )
     out = torch.empty(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q_lat.device)
