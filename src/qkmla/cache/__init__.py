@@ -1,8 +1,9 @@
-"""Decode caches: the latent cache (+ scalars), the naive full-key cache, and their sizes."""
+"""Decode caches: the latent cache (+ scalars, dense or quantized), the naive full-key cache, and their sizes."""
 
+from ..kv_formats import KV_FORMATS
 from .base import SequenceCache, WriteSlot
 from .full import FullKVCache
 from .latent import LatentCache
 from .storage import ContiguousLayout, PagedLayout
 
-__all__ = ["ContiguousLayout", "FullKVCache", "LatentCache", "PagedLayout", "SequenceCache", "WriteSlot"]
+__all__ = ["KV_FORMATS", "ContiguousLayout", "FullKVCache", "LatentCache", "PagedLayout", "SequenceCache", "WriteSlot"]

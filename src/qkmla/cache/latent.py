@@ -13,10 +13,12 @@ the whole logit.
 
 The cache owns this row format. Attention code hands it the row's parts
 (:meth:`LatentCache.append`) and hands the decode op what :meth:`LatentCache.decode_view`
-returns. Between the parts and the stored fields sits a codec (:class:`LatentCodec`:
-``fields``, ``store``, ``load``), where another storage format (a quantized latent with
-per-tile scales, say) plugs in; such a format also overrides ``decode_view`` for an op
-backend that reads it.
+returns. Between the parts and the stored fields sits a codec (``codecs.py``: ``fields``,
+``store``, ``load``) of a row format (``qkmla.kv_formats``), chosen by ``kv_format``: "dense" (the row in ``dtype``), or a quantized
+latent with its scales and a bfloat16 RoPE key in one byte row ("fp8", FlashMLA's 656-byte
+layout; "int8"; "int4"). The decode op reads either through :meth:`LatentCache.decode_view`,
+which names the format; the key scalars are computed from the latent as stored
+(:meth:`LatentCache.stored_latent`).
 """
 
 from __future__ import annotations
@@ -27,31 +29,11 @@ import torch
 
 from ..config import MLAConfig
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
+from ..kv_formats import check_kv_format
+from .codecs import LatentCodec
 from .storage import Layout, PagedBuffer
 
-
-class LatentCodec:
-    """The stored form of a latent-cache row: the latent and RoPE key as one row, the
-    scalars as another, each in its field's dtype (the buffer casts on write)."""
-
-    def fields(self, kv_lora_rank: int, qk_rope_head_dim: int, num_kv_groups: int, dtype: torch.dtype,
-               scalar_dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
-        """{field name: (width, dtype)} of the stored rows."""
-        fields = {"latent": (kv_lora_rank + qk_rope_head_dim, dtype)}
-        if num_kv_groups:
-            fields["key_scale"] = (num_kv_groups, scalar_dtype)
-        return fields
-
-    def store(self, c_kv: torch.Tensor, k_rope: torch.Tensor, key_scale: Optional[torch.Tensor]) -> dict:
-        """Rows [B, T, width] of every field from c [B, T, d_c], k^R [B, T, d_r], r [B, T, G] or None."""
-        rows = {"latent": torch.cat((c_kv, k_rope.to(c_kv.dtype)), dim=-1)}
-        if key_scale is not None:
-            rows["key_scale"] = key_scale
-        return rows
-
-    def load(self, rows: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(latent [B, S, d_c + d_r], key scalars [B, S, G] or None) from stored rows [B, S, width]."""
-        return rows["latent"], rows.get("key_scale")
+__all__ = ["LatentCache", "LatentCodec"]
 
 
 class LatentCache(SequenceCache):
@@ -63,30 +45,42 @@ class LatentCache(SequenceCache):
         kv_lora_rank: d_c.
         qk_rope_head_dim: d_r.
         num_kv_groups: G scalars per token; 0 for plain MLA.
-        dtype: dtype of the latent and RoPE key.
+        dtype: dtype of the latent and RoPE key ("dense"); with a quantized ``kv_format``,
+            the dtype :meth:`load` returns the dequantized latent in.
         scalar_dtype: dtype of the scalars (default: ``dtype``).
         layout: :class:`~qkmla.cache.storage.ContiguousLayout` (default) or ``PagedLayout``.
-        fill: value of never-written slots (tests use NaN so a stray read shows).
+        fill: value of never-written slots (tests use NaN so a stray read shows); a quantized
+            format takes 0 or NaN (stored as 0x00 or 0xFF bytes, read as 0 or NaN).
+        kv_format: one of :data:`~qkmla.kv_formats.KV_FORMATS`: "dense" (default), "fp8"
+            (float8 e4m3 latent, a float32 scale per 128 values, bfloat16 RoPE key: 656 bytes
+            at d_c 512, d_r 64), "int8" (a float32 scale per token) or "int4" (two per byte,
+            a float32 scale per 32 values). See ``qkmla.kv_formats``.
 
-    Fields (default codec): ``latent`` [B, S, d_c + d_r], ``key_scale`` [B, S, G].
+    Fields: ``latent`` [B, S, d_c + d_r] in ``dtype`` ("dense") or uint8 [B, S, row bytes]
+    (quantized), ``key_scale`` [B, S, G] in ``scalar_dtype``.
     """
-
-    codec = LatentCodec()
 
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
-                 fill: float = 0.0):
+                 fill: float = 0.0, kv_format: str = "dense"):
         check_dims(("num_kv_groups",), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                    num_kv_groups=num_kv_groups)
         check_dtype("dtype", dtype)
         if scalar_dtype is not None:
             check_dtype("scalar_dtype", scalar_dtype)
+        check_kv_format(kv_format, device if device is not None else "cpu")
+        latent_fill = fill
+        if kv_format != "dense":  # a byte row: 0x00 reads as 0 and 0xFF as NaN in every format
+            if not (fill == 0 or fill != fill):  # NaN is the one value unequal to itself
+                raise ValueError(f"fill: a {kv_format!r} cache fills never-written slots with 0 or NaN, got {fill!r}")
+            latent_fill = 0 if fill == 0 else 0xFF
         super().__init__(batch_size, capacity, device, layout)
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
-        for name, (width, field_dtype) in self.codec.fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype,
-                                                            scalar_dtype or dtype).items():
-            self._add_field(name, width, field_dtype, fill)
+        self.kv_format, self.dtype = kv_format, dtype
+        self.codec = LatentCodec(kv_lora_rank, qk_rope_head_dim, kv_format)
+        for name, (width, field_dtype) in self.codec.fields(num_kv_groups, dtype, scalar_dtype or dtype).items():
+            self._add_field(name, width, field_dtype, latent_fill if name == "latent" else fill)
 
     def append(self, slot: WriteSlot, *, c_kv: torch.Tensor, k_rope: torch.Tensor,
                key_scale: Optional[torch.Tensor] = None) -> None:
@@ -106,22 +100,31 @@ class LatentCache(SequenceCache):
 
     def load(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Every sequence's first max(seqlens) slots: (latent [B, S, d_c + d_r], key scalars
-        [B, S, G] or None), slots past a shorter sequence's length zeroed."""
-        return self.codec.load({name: self.read(name) for name in self.fields})
+        [B, S, G] or None), slots past a shorter sequence's length zeroed; a quantized latent
+        comes back dequantized, in ``dtype``."""
+        return self.codec.load({name: self.read(name) for name in self.fields}, self.dtype)
+
+    def stored_latent(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """c [..., d_c] as this cache reads it back: c itself ("dense"), or quantized and
+        dequantized. The key scalars of a new token are computed from it, so a cached key is
+        the normalized key of the latent the decoder sees."""
+        return self.codec.rows.stored_latent(c_kv)
 
     def decode_view(self) -> dict:
         """What the decode op (``qkmla.ops.mla_decode.mla_decode_with_kvcache``) reads, by its
-        argument names: ``kv_cache`` [num_blocks, block_size, d_c + d_r] with ``block_table``
-        [B, max_blocks] (paged), or [B, capacity, d_c + d_r] with ``block_table=None``
-        (contiguous); ``scale_cache`` of the same layout with width G, or None;
-        ``cache_seqlens`` [B]; ``max_seqlen`` (a Python int)."""
+        argument names: ``kv_cache`` [num_blocks, block_size, width] with ``block_table``
+        [B, max_blocks] (paged), or [B, capacity, width] with ``block_table=None``
+        (contiguous), width d_c + d_r ("dense") or the quantized row's bytes; ``kv_format``;
+        ``scale_cache`` of the same layout with width G, or None; ``cache_seqlens`` [B];
+        ``max_seqlen`` (a Python int)."""
         latent = self.fields["latent"]
         scales = self.fields.get("key_scale")
         if isinstance(latent, PagedBuffer):
             kv, s, table = latent.pool, scales.pool if scales is not None else None, latent.block_table
         else:
             kv, s, table = latent.data, scales.data if scales is not None else None, None
-        return dict(kv_cache=kv, scale_cache=s, block_table=table, cache_seqlens=self.seqlens, max_seqlen=self.max_len)
+        return dict(kv_cache=kv, scale_cache=s, block_table=table, cache_seqlens=self.seqlens, max_seqlen=self.max_len,
+                    kv_format=self.kv_format)
 
     def check_config(self, config: MLAConfig) -> None:
         """Raise ValueError unless this cache holds the rows of a layer built from ``config``."""

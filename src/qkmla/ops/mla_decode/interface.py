@@ -10,6 +10,11 @@ One op, three implementations of the same specification (``naive.py``):
   ``torch.compile`` and can be captured in CUDA graphs. Its number of splits is a static
   argument, so a captured graph never syncs with the host.
 
+Every backend reads every row format of ``qkmla.kv_formats`` (``kv_format``): "dense" rows
+[c ; k_rope], or uint8 rows of a quantized latent with its scales and a bfloat16 RoPE key,
+which ``naive`` dequantizes before attending, ``torch`` per chunk of keys and the kernel per
+tile, in registers.
+
 ``"auto"`` picks ``"triton"`` for CUDA tensors when Triton is installed and the widths suit
 the kernel, ``"torch"`` otherwise. :func:`select_backend` makes that choice from the device
 and the widths alone, so a caller can settle it (and fail) before it writes anything.
@@ -23,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from ...kv_formats import check_kv_format, row_format
 from .naive import naive_mla_decode
 from .torch_impl import torch_mla_decode
 
@@ -78,17 +84,17 @@ def select_backend(backend: str, device, d_c: int, d_r: int) -> str:
 @torch.library.custom_op("qkmla::mla_decode", mutates_args=())
 def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, scale_cache: Optional[torch.Tensor],
                    block_table: torch.Tensor, cache_seqlens: torch.Tensor, softmax_scale: float,
-                   num_splits: int, unified: bool = False,
-                   visible_lens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_splits: int, unified: bool = False, visible_lens: Optional[torch.Tensor] = None,
+                   kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
     from .triton_kernel import mla_decode_fwd  # Triton is imported only when the kernel runs
 
     return mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits,
-                          unified=unified, visible_lens=visible_lens, dot_fp32=interpreting())
+                          unified=unified, visible_lens=visible_lens, dot_fp32=interpreting(), kv_format=kv_format)
 
 
 @_mla_decode_op.register_fake
 def _(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits, unified=False,
-      visible_lens=None):
+      visible_lens=None, kv_format="dense"):
     B, S_q, H, _ = q_lat.shape
     return torch.empty_like(q_lat), q_lat.new_empty((B, S_q, H), dtype=torch.float32)
 
@@ -102,19 +108,25 @@ def _check_int(name: str, t, shape: tuple) -> None:
 
 
 def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode: str = "blockwise",
-                 visible_lens=None) -> None:
+                 visible_lens=None, kv_format: str = "dense") -> None:
     """ValueErrors naming the argument, before anything reaches a backend."""
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_kv_format(kv_format, kv_cache.device)
     if q_lat.dim() != 4 or q_rope.dim() != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
         raise ValueError(f"q_lat, q_rope: expected [B, S_q, H, d_c] and [B, S_q, H, d_r], got "
                          f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != d_c + d_r:
-        raise ValueError(f"kv_cache: expected [num_blocks, block_size, d_c + d_r = {d_c + d_r}] (or [B, capacity, "
-                         f"d_c + d_r] without a block table), got {tuple(kv_cache.shape)}")
+    rows = row_format(kv_format, d_c, d_r)
+    width = "d_c + d_r" if kv_format == "dense" else f"the {kv_format} row's bytes"
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != rows.width:
+        raise ValueError(f"kv_cache: expected [num_blocks, block_size, {width} = {rows.width}] for d_c={d_c}, d_r={d_r} "
+                         f"(or [B, capacity, {width}] without a block table), got {tuple(kv_cache.shape)}")
+    if kv_format != "dense" and kv_cache.dtype != torch.uint8:
+        raise ValueError(f"kv_cache: kv_format={kv_format!r} rows are uint8 bytes, got {kv_cache.dtype}; "
+                         f"pass kv_format='dense' for rows of values")
     if block_table is None:
         if kv_cache.shape[0] != B:
             raise ValueError(f"kv_cache: without a block_table, expected [B={B}, capacity, d_c + d_r], "
@@ -137,7 +149,8 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
                             block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                             scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0,
                             num_splits: int = 0, backend: str = "auto", *, mode: str = "blockwise",
-                            visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None):
+                            visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                            kv_format: str = "dense"):
     """Absorbed MLA decode attention over a latent cache, with optional key scalars.
 
     Args:
@@ -145,7 +158,8 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
             weights folded in.
         q_rope: [B, S_q, H, d_r], normalized, rotated RoPE queries.
         kv_cache: [num_blocks, block_size, d_c + d_r] rows [c ; k_rope] (bf16/fp16/fp32), or
-            [B, capacity, d_c + d_r] when ``block_table`` is None (a contiguous cache).
+            [B, capacity, d_c + d_r] when ``block_table`` is None (a contiguous cache); with a
+            quantized ``kv_format``, uint8 [..., row bytes] rows (layout drawn in ``naive.py``).
         block_table: [B, max_blocks] int32/int64, or None for a contiguous cache.
         cache_seqlens: [B], slots filled in each sequence, the S_q new tokens included.
         scale_cache: [num_blocks, block_size, G] (or [B, capacity, G]) key scalars r, or None
@@ -158,6 +172,8 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
             None: causal among the S_q new tokens.
         max_seqlen: max(cache_seqlens) if the caller knows it (spares the torch backend a
             device-to-host read).
+        kv_format: one of ``qkmla.kv_formats.KV_FORMATS``: "dense", "fp8" (FlashMLA's
+            656-byte rows at d_c 512, d_r 64), "int8" or "int4".
 
     Returns:
         out [B, S_q, H, d_c] (q_lat's dtype) = softmax(s) @ c per head, and lse [B, S_q, H]
@@ -169,7 +185,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     """
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
-    check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens)
+    check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens, kv_format)
     backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1])
     if isinstance(softmax_scale, torch.Tensor):  # per-head scales ride on the queries (O(H d) work)
         if softmax_scale.shape != (q_lat.shape[2],):
@@ -179,17 +195,20 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         q_lat, q_rope, softmax_scale = q_lat * head_scale, q_rope * head_scale, 1.0
     if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
-                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen)
+                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, kv_format=kv_format)
     if block_table is None:  # a contiguous cache is one block per sequence
         block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":
         out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
-                                    mode=mode, visible_lens=visible_lens)
+                                    mode=mode, visible_lens=visible_lens, kv_format=kv_format)
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
-    # The kernel's dots take both operands in the cache's dtype.
-    q, r = (t.to(kv_cache.dtype).contiguous() for t in (q_lat, q_rope))
+    # The kernel's dots take both operands in the cache's dtype; a quantized tile is
+    # dequantized to the queries' own dtype (bf16/fp16, else float32).
+    dot_dtype = kv_cache.dtype if kv_format == "dense" else \
+        q_lat.dtype if q_lat.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    q, r = (t.to(dot_dtype).contiguous() for t in (q_lat, q_rope))
     out, lse = _mla_decode_op(q, r, kv_cache, scale_cache, block_table, cache_seqlens, float(softmax_scale),
-                              int(num_splits), mode == "unified", visible_lens)
+                              int(num_splits), mode == "unified", visible_lens, kv_format)
     return out.to(q_lat.dtype), lse

@@ -12,6 +12,19 @@ Paged latent cache (FlashMLA layout) plus a paged scalar cache:
 
 A contiguous cache [B, capacity, d] is the same thing with one block per sequence.
 
+Quantized rows (``kv_format`` "fp8", "int8", "int4"; ``qkmla.kv_formats``): kv_cache is
+uint8 [num_blocks, block_size, row_bytes], one byte row per slot, dequantized here before
+anything else (the other backends do it per chunk or per tile):
+
+    byte 0          code_bytes         scale_offset               rope_offset        row_bytes
+    | codes of c    | pad | float32 scales, one per group | pad | k_rope bfloat16 x d_r | pad |
+
+    fp8:  codes float8_e4m3fn x d_c, a scale per 128 values    (d_c 512, d_r 64: 656 bytes, FlashMLA)
+    int8: codes int8 x d_c,          one scale per token
+    int4: codes in [-7, 7] + 8, two per byte (value 2i low nibble), a scale per 32 values
+
+    c[i] = code[i] * scale[i // group]          (float32; the last group may be shorter)
+
 Visibility. By default query t of S_q (the last S_q tokens of the sequence) sees slots
 j < seqlen - S_q + t + 1, causal among the new tokens:
 
@@ -37,6 +50,8 @@ from typing import Optional
 
 import torch
 
+from ...kv_formats import row_format
+
 
 def default_visible_lens(cache_seqlens: torch.Tensor, S_q: int) -> torch.Tensor:
     """[B, S_q]: query t sees seqlen - S_q + t + 1 slots (causal among the new tokens), at least 0."""
@@ -47,13 +62,16 @@ def default_visible_lens(cache_seqlens: torch.Tensor, S_q: int) -> torch.Tensor:
 def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, scale_cache: Optional[torch.Tensor] = None,
                      softmax_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32, *,
-                     mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None):
+                     mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
+                     kv_format: str = "dense"):
     """Returns (out [B, S_q, H, d_c] in ``compute_dtype``, lse [B, S_q, H] float32).
 
     ``compute_dtype=torch.bfloat16`` gives "a plain bf16 PyTorch implementation", the
     baseline of the kernel's error budget. ``mode`` is "blockwise" or "unified" (see above).
+    ``kv_format``: how kv_cache's rows are stored (see above).
     """
     B, S_q, H, d_c = q_lat.shape
+    rows_format = row_format(kv_format, d_c, q_rope.shape[-1])
     G = scale_cache.shape[-1] if scale_cache is not None else 1
     page = kv_cache.shape[1]
     if visible_lens is None:
@@ -64,7 +82,7 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         n = int(cache_seqlens[b])
         slot = torch.arange(n, device=q_lat.device)
         blocks = block_table[b, slot // page].long()
-        rows = kv_cache[blocks, slot % page].to(compute_dtype)  # [n, d_c + d_r]
+        rows = rows_format.decode(kv_cache[blocks, slot % page]).to(compute_dtype)  # [n, d_c + d_r], dequantized
         c, k_rope = rows[:, :d_c], rows[:, d_c:]
         r = scale_cache[blocks, slot % page].to(compute_dtype) if scale_cache is not None else None
         for t in range(S_q):

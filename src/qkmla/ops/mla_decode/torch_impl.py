@@ -1,8 +1,10 @@
 """The torch backend of the MLA decode op: dense absorbed latent attention in a few large GEMMs.
 
 :func:`torch_mla_decode` reads the paged or contiguous cache the op takes, gathers the
-visible rows into a dense [B, S, d_c + d_r] view (a contiguous cache is sliced, not
-copied) and runs :func:`latent_attention`. The arithmetic is ordered for CPUs and
+visible rows into a dense [B, S, width] view (a contiguous cache is sliced, not
+copied) and runs :func:`latent_attention`. Quantized rows (``qkmla.kv_formats``) stay
+bytes until a chunk of keys is read: each chunk is dequantized for its score GEMMs and
+again for its value GEMM, so the float cache is never held whole. The arithmetic is ordered for CPUs and
 eager mode: scores key-major in cache-sized chunks, the softmax in place, normalized after
 the value GEMM. The specification is ``naive.py`` beside this file.
 
@@ -17,13 +19,30 @@ from typing import Optional
 import torch
 
 from ...dtypes import accumulate_dtype, cast
+from ...kv_formats import DenseRows, row_format
 from .naive import default_visible_lens
 
 SCORE_CHUNK = 4096  # keys per score GEMM: 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
 
 
+def _chunks(S: int) -> list[tuple[int, int]]:
+    """(start, stop) of equal chunks of about SCORE_CHUNK keys: a context of 4096 k + 1
+    tokens should not pay a whole chunk's worth of calls for its last key."""
+    size = max(1, -(-S // max(1, round(S / SCORE_CHUNK))))
+    return [(start, min(start + size, S)) for start in range(0, S, size)]
+
+
+def _rows_reader(latent: torch.Tensor, rows: Optional[DenseRows], dtype: torch.dtype):
+    """read(start, stop) -> keys start..stop-1 as [B, n, d_c + d_r] in ``dtype``: a slice of a
+    dense cache (cast once, whole), or a chunk of quantized rows dequantized on its own."""
+    if rows is None:
+        latent = cast(latent, dtype)
+        return lambda start, stop: latent[:, start:stop]
+    return lambda start, stop: cast(rows.decode(latent[:, start:stop]), dtype)
+
+
 def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                      key_scale: Optional[torch.Tensor], mode: str) -> torch.Tensor:
+                      key_scale: Optional[torch.Tensor], mode: str, rows: Optional[DenseRows] = None) -> torch.Tensor:
     """Logits laid out key-major, [B, S, T, h].
 
     Key-major is the faster orientation for CPU BLAS: latent [S, d] @ q^T [d, T h] streams the
@@ -32,17 +51,17 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     QK norm the content (K = d_c) and RoPE (K = d_r) GEMMs read the same rows, and the
     second finds them there instead of in DRAM; plain MLA's single GEMM is chunked alike,
     so the two paths compare like with like. Unified mode scales the whole logit, so it
-    needs plain MLA's one GEMM and a multiply.
+    needs plain MLA's one GEMM and a multiply. ``rows``: the format of quantized rows
+    (None: ``latent`` holds values), dequantized chunk by chunk.
     """
     B, T, h, d_c = q_lat.shape
     S = latent.shape[1]
     acc = accumulate_dtype(q_lat.dtype)
-    latent = cast(latent, q_lat.dtype)
+    read = _rows_reader(latent, rows, q_lat.dtype)
     split = key_scale is not None and mode == "blockwise"
     if split:  # r scales only the content score
         q_c_t = q_lat.reshape(B, T * h, d_c).transpose(1, 2)
         q_r_t = q_rope.reshape(B, T * h, -1).transpose(1, 2)
-        content, rope = latent[..., :d_c], latent[..., d_c:]
     else:
         q_t = torch.cat((q_lat, q_rope), dim=-1).reshape(B, T * h, -1).transpose(1, 2)
     if key_scale is not None:
@@ -56,29 +75,26 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     def grouped(s: torch.Tensor) -> torch.Tensor:
         return s if by_head else s.view(B, -1, T, G, h // G)
 
-    # Equal chunks of about SCORE_CHUNK keys: a context of 4096 k + 1 tokens should not
-    # pay a whole chunk's worth of calls for its last key. Every chunk's GEMM writes straight
-    # into one logit buffer: a list of chunk outputs joined by torch.cat would allocate and
-    # copy the logits a second time (at 16k keys a fresh MB, page faults included).
-    n_chunks = max(1, round(S / SCORE_CHUNK))
-    size = max(1, -(-S // n_chunks))
+    # Every chunk's GEMM writes straight into one logit buffer: a list of chunk outputs
+    # joined by torch.cat would allocate and copy the logits a second time (at 16k keys a
+    # fresh MB, page faults included).
     s = torch.empty(B, S, T * h, dtype=acc, device=q_lat.device)
-    for start in range(0, S, size):
-        stop = start + size
-        s_chunk = s[:, start:stop]
+    for start, stop in _chunks(S):
+        keys, s_chunk = read(start, stop), s[:, start:stop]
         if not split:
-            _bmm_into(s_chunk, latent[:, start:stop], q_t)
+            _bmm_into(s_chunk, keys, q_t)
             if key_scale is not None:  # unified: s = r[j, g] * (q_lat . c_j + q_rope . k_rope_j)
                 grouped(s_chunk).mul_(r[:, start:stop])
             continue
         # r scales the content score before the RoPE score joins, both in place: the RoPE
         # GEMM accumulates into the content GEMM's output (beta = 1).
-        _bmm_into(s_chunk, content[:, start:stop], q_c_t)
+        _bmm_into(s_chunk, keys[..., :d_c], q_c_t)
         grouped(s_chunk).mul_(r[:, start:stop])
+        rope = keys[..., d_c:]
         if s.dtype == rope.dtype:
-            s_chunk.baddbmm_(rope[:, start:stop], q_r_t)
+            s_chunk.baddbmm_(rope, q_r_t)
         else:  # a half-precision GEMM, summed in float32
-            s_chunk.add_(torch.bmm(rope[:, start:stop], q_r_t))
+            s_chunk.add_(torch.bmm(rope, q_r_t))
     return s.view(B, S, T, h)
 
 
@@ -132,24 +148,27 @@ def latent_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tenso
 
 def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                      key_scale: Optional[torch.Tensor], softmax_scale: float, mask: Optional[torch.Tensor] = None,
-                     mode: str = "blockwise", return_lse: bool = False):
-    """Absorbed MLA attention over a dense latent cache.
+                     mode: str = "blockwise", return_lse: bool = False, kv_format: str = "dense"):
+    """Absorbed MLA attention over a dense (gathered) latent cache.
 
     Args:
         q_lat: [B, T, h, d_c] latent queries (query scalar and both norm weights folded in).
         q_rope: [B, T, h, d_r] normalized, rotated RoPE queries.
-        latent: [B, S, d_c + d_r] cached [c ; k_rope].
+        latent: [B, S, d_c + d_r] cached [c ; k_rope], or uint8 [B, S, row bytes] rows of a
+            quantized ``kv_format`` (dequantized a chunk of keys at a time).
         key_scale: [B, S, G] key scalars, or None for plain MLA.
         softmax_scale: logit scale, folded into the queries (O(h d) work, not O(h S)).
         mask: [B, T, S] bool or None; rows with no visible key give 0.
         mode: "blockwise" or "unified".
+        kv_format: one of ``qkmla.kv_formats.KV_FORMATS``.
 
     Returns:
         o_lat [B, T, h, d_c] = softmax(s) @ c, and with ``return_lse`` the log-sum-exp
         [B, T, h] (float32) of the scaled logits, so W_UV can be applied afterwards.
     """
     B, T, h, d_c = q_lat.shape
-    s = _key_major_scores(q_lat * softmax_scale, q_rope * softmax_scale, latent, key_scale, mode)  # [B, S, T, h]
+    rows = None if kv_format == "dense" else row_format(kv_format, d_c, q_rope.shape[-1])
+    s = _key_major_scores(q_lat * softmax_scale, q_rope * softmax_scale, latent, key_scale, mode, rows)  # [B, S, T, h]
     S = s.shape[1]
     if mask is not None:
         s.masked_fill_(~mask.transpose(1, 2)[..., None], float("-inf"))
@@ -163,9 +182,14 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     # where none is, so clamping at 1 turns only the latter's 0 / 0 into 0.
     row_sum = p.sum(dim=1)  # [B, T, h]
     denom = row_sum.clamp_min(1.0) if mask is not None else row_sum
-    c = cast(latent[..., :d_c], q_lat.dtype)
     # c^T [d_c, S] @ p [S, T h]: the cache-streaming orientation again.
-    o = torch.bmm(c.transpose(1, 2), cast(p, q_lat.dtype).view(B, S, T * h))  # [B, d_c, T h]
+    p = cast(p, q_lat.dtype).view(B, S, T * h)
+    if rows is None:
+        o = torch.bmm(cast(latent[..., :d_c], q_lat.dtype).transpose(1, 2), p)  # [B, d_c, T h]
+    else:  # summed over chunks, each dequantized again, as for the scores
+        read, o = _rows_reader(latent, rows, q_lat.dtype), p.new_zeros(B, d_c, T * h)
+        for start, stop in _chunks(S):
+            o.baddbmm_(read(start, stop)[..., :d_c].transpose(1, 2), p[:, start:stop])
     o.div_(denom.view(B, 1, T * h))
     o_lat = o.transpose(1, 2).reshape(B, T, h, d_c)
     if return_lse:
@@ -186,7 +210,7 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                      block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                      scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     max_seqlen: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     max_seqlen: Optional[int] = None, kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
     """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked).
 
     Returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
@@ -205,9 +229,11 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         shorter = torch.arange(S, device=q_lat.device) >= cache_seqlens[:, None]  # [B, S]
         if bool(shorter.any()):
             # Slots past a shorter sequence's length may hold anything (NaN, stale rows), and
-            # a softmax weight of 0 times NaN is still NaN in p @ c: zero them first.
+            # a softmax weight of 0 times NaN is still NaN in p @ c: zero them first (zero
+            # bytes read as 0 in every quantized format too).
             latent = latent.masked_fill(shorter[..., None], 0)
             if key_scale is not None:
                 key_scale = key_scale.masked_fill(shorter[..., None], 0)
-    out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True)
+    out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
+                                kv_format=kv_format)
     return out, lse.float()

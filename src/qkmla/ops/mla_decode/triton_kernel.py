@@ -10,7 +10,11 @@ its log-sum-exp; a combine kernel merges the splits. Within a key tile:
     s = s * r[j, g(h)]               the key scalars (USE_SCALE)   after it (UNIFIED)
     s = s * softmax_scale            then the online max/sum update
 
-Plain MLA is the same kernel compiled with USE_SCALE=False. Each query's visible length is
+Plain MLA is the same kernel compiled with USE_SCALE=False. A quantized cache
+(``qkmla.kv_formats``; KV_FORMAT 1 fp8, 2 int8, 3 int4, 0 dense) is read as bytes: a tile's
+codes are loaded and dequantized in registers, c = code * scale[value // GROUP], with the
+float32 scales and the bfloat16 RoPE key read at their byte offsets in the row
+(:func:`_load_key_tile`); the dots then run in the queries' dtype. Each query's visible length is
 causal among the new tokens, or read from ``visible_lens`` (HAS_VISIBLE). Masked loads never
 touch slots past a query's visible length, so unused cache slots may hold anything (tests
 use NaN). The reference is ``naive.py`` beside this file.
@@ -23,6 +27,37 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from ...kv_formats import row_format
+
+
+FORMAT_IDS = {"dense": 0, "fp8": 1, "int8": 2, "int4": 3}
+
+
+@triton.jit
+def _load_key_tile(p_row, m_n, o_c, o_r, D_C: tl.constexpr, KV_FORMAT: tl.constexpr, GROUP: tl.constexpr,
+                   SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr):
+    """(c [BLOCK_N, D_C], k_rope [BLOCK_N, D_R]) of the rows at p_row [BLOCK_N] (masked rows: 0);
+    quantized rows come back dequantized, in float32."""
+    if KV_FORMAT == 0:
+        b_c = tl.load(p_row[:, None] + o_c[None, :], mask=m_n[:, None], other=0.0)
+        b_kr = tl.load(p_row[:, None] + D_C + o_r[None, :], mask=m_n[:, None], other=0.0)
+    else:
+        if KV_FORMAT == 3:  # two codes per byte: value i in byte i // 2, low nibble first
+            b_byte = tl.load(p_row[:, None] + (o_c // 2)[None, :], mask=m_n[:, None], other=0)
+            b_code = ((b_byte >> ((o_c % 2) * 4)[None, :].to(tl.uint8)) & 0xF).to(tl.float32) - 8.0
+        else:
+            b_byte = tl.load(p_row[:, None] + o_c[None, :], mask=m_n[:, None], other=0)
+            if KV_FORMAT == 1:
+                b_code = b_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                b_code = b_byte.to(tl.int8, bitcast=True).to(tl.float32)
+        p_scale = (p_row + SCALE_OFF).to(tl.pointer_type(tl.float32))
+        b_scale = tl.load(p_scale[:, None] + (o_c // GROUP)[None, :], mask=m_n[:, None], other=0.0)
+        b_c = b_code * b_scale
+        p_kr = (p_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))
+        b_kr = tl.load(p_kr[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0).to(tl.float32)
+    return b_c, b_kr
 
 
 @triton.jit
@@ -40,6 +75,7 @@ def _mla_decode_split_kernel(
     S_Q: tl.constexpr, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_SCALE: tl.constexpr, UNIFIED: tl.constexpr, HAS_VISIBLE: tl.constexpr, DOT_FP32: tl.constexpr,
+    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
 ):
     i_bt, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_t = i_bt // S_Q, i_bt % S_Q
@@ -74,10 +110,11 @@ def _mla_decode_split_kernel(
         i_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
         i_slot = o_n % PAGE
         p_row = kv_ptr + i_blk * stride_kv_blk + i_slot * stride_kv_tok
-        b_c = tl.load(p_row[:, None] + o_c[None, :], mask=m_n[:, None], other=0.0)
-        b_kr = tl.load(p_row[:, None] + D_C + o_r[None, :], mask=m_n[:, None], other=0.0)
+        b_c, b_kr = _load_key_tile(p_row, m_n, o_c, o_r, D_C, KV_FORMAT, GROUP, SCALE_OFF, ROPE_OFF)
         if DOT_FP32:
             b_c, b_kr = b_c.to(tl.float32), b_kr.to(tl.float32)
+        else:  # a dequantized tile joins the queries' dtype (a no-op for a dense cache)
+            b_c, b_kr = b_c.to(b_q.dtype), b_kr.to(b_q.dtype)
         b_s = tl.dot(b_q, tl.trans(b_c))
         if USE_SCALE:
             p_r = scale_ptr + (i_blk * stride_s_blk + i_slot * stride_s_tok)[None, :] + g_h[:, None]
@@ -145,11 +182,16 @@ def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, blo
 
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
                    num_splits: int = 0, block_n: int = 64, unified: bool = False, visible_lens=None,
-                   dot_fp32: bool = False):
+                   dot_fp32: bool = False, kv_format: str = "dense"):
     """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
-    ``dot_fp32``: run the tile dots in fp32 (Triton's CPU interpreter needs it)."""
+    ``dot_fp32``: run the tile dots in fp32 (Triton's CPU interpreter needs it). ``kv_format``:
+    the rows' format (a quantized one's kv_cache is uint8 bytes)."""
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
+    group, scale_off, rope_off = 1, 0, 0
+    if kv_format != "dense":
+        fmt = row_format(kv_format, d_c, d_r)
+        group, scale_off, rope_off = fmt.group_size, fmt.layout.scale_offset, fmt.layout.rope_offset
     page = kv_cache.shape[1]
     G = scale_cache.shape[-1] if scale_cache is not None else 1
     block_h = max(16, min(64, triton.next_power_of_2(H)))
@@ -173,6 +215,7 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
         S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, USE_SCALE=scale_cache is not None, UNIFIED=unified,
         HAS_VISIBLE=visible_lens is not None, DOT_FP32=dot_fp32,
+        KV_FORMAT=FORMAT_IDS[kv_format], GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off,
     )
     out = torch.empty(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q_lat.device)
