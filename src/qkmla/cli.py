@@ -9,7 +9,7 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
-from .cache.size import CACHE_PRESETS, DTYPE_BYTES, cache_rows, format_table
+from .cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
 from .cli_errors import Parser, flag_message
 
 
@@ -41,6 +41,13 @@ def _cache_size(args: argparse.Namespace) -> int:
 
     flags = {f: getattr(args, f) for f in _SHAPE_FLAGS}
     flags.update(dtype=args.dtype, scalar_dtype=args.scalar_dtype)
+    if args.kv_dtype in DENSE_KV_DTYPES:  # a dense cache in that dtype: --dtype by another name
+        if args.dtype not in (None, args.kv_dtype):
+            raise ValueError(f"--kv-dtype: {args.kv_dtype} is a dense cache in that dtype, which contradicts "
+                             f"--dtype {args.dtype}; give one of them")
+        flags["dtype"] = args.kv_dtype
+    elif args.kv_dtype is not None:
+        flags["kv_format"] = args.kv_dtype
     if args.preset is not None:
         shape, title = CACHE_PRESETS[args.preset].replace(**flags), args.preset
     else:
@@ -174,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
     c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
     c.add_argument("--scalar-dtype", choices=sorted(DTYPE_BYTES), default=None)
+    c.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how cached keys, values and latents are stored: bf16/fp16/fp32 dense (as --dtype); "
+                        "fp8 = e4m3 with a float32 scale per 128 values (MLA at DeepSeek-V3 width: FlashMLA's "
+                        "656 B); int8 = a float32 scale per vector; int4 = two per byte, a float32 scale per 32 "
+                        "values; RoPE keys kept apart stay bf16, QK-norm scalars in --scalar-dtype")
     c.set_defaults(func=_cache_size)
 
     from .train.cli import add_train_arguments

@@ -111,13 +111,15 @@ class QuantizedRows(DenseRows):
     code_max: float  # a group's amax maps here
     values_per_byte = 1
 
-    @property
-    def group_size(self) -> int:
-        return self.group or self.kv_lora_rank
-
-    @property
-    def layout(self) -> RowLayout:
-        return row_layout(self.name, self.kv_lora_rank, self.qk_rope_head_dim)
+    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int):
+        super().__init__(kv_lora_rank, qk_rope_head_dim)
+        self.group_size = self.group or kv_lora_rank
+        code_bytes = -(-kv_lora_rank // self.values_per_byte)
+        num_scales = -(-kv_lora_rank // self.group_size)
+        scale_offset = _align(code_bytes, 4)
+        rope_offset = scale_offset + 4 * num_scales
+        self.layout = RowLayout(code_bytes, num_scales, qk_rope_head_dim, scale_offset, rope_offset,
+                                _align(rope_offset + 2 * qk_rope_head_dim, 4))
 
     @property
     def width(self) -> int:
@@ -208,18 +210,6 @@ class Int4Rows(QuantizedRows):
 
 
 ROW_FORMATS = {"dense": DenseRows, "fp8": Fp8Rows, "int8": Int8Rows, "int4": Int4Rows}
-
-
-@functools.lru_cache(maxsize=None)
-def row_layout(kv_format: str, kv_lora_rank: int, qk_rope_head_dim: int) -> RowLayout:
-    """The byte layout of a quantized format's row (see the module docstring)."""
-    fmt = ROW_FORMATS[kv_format](kv_lora_rank, qk_rope_head_dim)
-    code_bytes = -(-kv_lora_rank // fmt.values_per_byte)
-    num_scales = -(-kv_lora_rank // fmt.group_size)
-    scale_offset = _align(code_bytes, 4)
-    rope_offset = scale_offset + 4 * num_scales
-    row_bytes = _align(rope_offset + 2 * qk_rope_head_dim, 4)
-    return RowLayout(code_bytes, num_scales, qk_rope_head_dim, scale_offset, rope_offset, row_bytes)
 
 
 def check_kv_format(kv_format, device=None) -> None:

@@ -11,7 +11,9 @@ checks), runs the step and moves the cache's lengths on.
     y = decode_one_token(mla, x, cache, step=step)          # x [B, 1, hidden] -> [B, 1, hidden]
 
 Unused slots are read with a softmax weight of 0, so they must hold finite values: build the
-cache with the default ``fill=0``.
+cache with the default ``fill=0``. A quantized cache (``kv_format``) works the same way: the
+step encodes the new row in the cache's format (key scalars from the stored latent) and
+the attention dequantizes a chunk of keys at a time.
 """
 
 from __future__ import annotations
@@ -22,22 +24,26 @@ import torch
 
 from ..cache.latent import LatentCache
 from ..cache.storage import ContiguousBuffer
+from ..kv_formats import row_format
 from ..ops.mla_decode.torch_impl import latent_attention
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
 from .mla import MLA
 
 
 def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent: torch.Tensor,
-                    key_scale: Optional[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                    key_scale: Optional[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor,
+                    kv_format: str = "dense") -> torch.Tensor:
     """One new token per sequence through ``mla``'s absorbed path.
 
     Args:
         x: [B, 1, hidden_size].
         absorbed: ``mla.absorbed`` (looked up by the caller: the refresh check reads version
             counters, which a compiled graph does not).
-        latent: [B, capacity, d_c + d_r], the cache's ``latent`` buffer, written in place.
+        latent: [B, capacity, d_c + d_r], the cache's ``latent`` buffer, written in place
+            (uint8 [B, capacity, row bytes] for a quantized ``kv_format``).
         key_scale: [B, capacity, G], the cache's ``key_scale`` buffer (written in place), or None.
         slots: [B] the slot each new token is written to; positions: [B] its RoPE position.
+        kv_format: the cache's row format (``qkmla.kv_formats``).
 
     Returns:
         [B, 1, hidden_size]
@@ -47,8 +53,9 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     pos = positions[:, None]
     q_lat, q_r = latent_query(*mla._raw_query(x), mla.q_norm, absorbed)
     c_kv, k_r = mla._latent(x)
-    k_r, r = key_scalars(c_kv, k_r, mla.k_norm, absorbed)
-    latent[rows, slots] = torch.cat((c_kv, mla.rotary(k_r, pos).squeeze(2)), dim=-1)[:, 0].to(latent.dtype)
+    fmt = row_format(kv_format, c_kv.shape[-1], k_r.shape[-1])
+    k_r, r = key_scalars(fmt.stored_latent(c_kv), k_r, mla.k_norm, absorbed)
+    latent[rows, slots] = fmt.encode(c_kv, mla.rotary(k_r, pos).squeeze(2))[:, 0].to(latent.dtype)
     if key_scale is not None:
         key_scale[rows, slots] = r[:, 0].to(key_scale.dtype)
     visible = torch.arange(capacity, device=x.device) <= slots[:, None]  # [B, capacity]
@@ -57,7 +64,7 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
         q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
     mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
-    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode)
+    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode, kv_format=kv_format)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 
 
@@ -75,6 +82,6 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     slot = cache.plan(x.shape[0], 1)
     scales = cache.fields.get("key_scale")
     out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
-               slot.slots[:, 0], slot.positions[:, 0])
+               slot.slots[:, 0], slot.positions[:, 0], cache.kv_format)
     cache.advance(slot)
     return out

@@ -164,12 +164,14 @@ class MLA(nn.Module):
         q_lat, q_r = latent_query(*self._raw_query(x), self.q_norm, self.absorbed)
         return q_lat, self.rotary(q_r, positions)
 
-    def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None) -> dict[str, torch.Tensor]:
+    def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None, cache=None) -> dict[str, torch.Tensor]:
         """What :meth:`LatentCache.append` takes for tokens x: ``c_kv`` [B, T, d_c], the normalized,
         rotated ``k_rope`` [B, T, d_r] and ``key_scale`` [B, T, G] (None without a QK norm).
-        ``latent``: x's (c, k~^R) if already projected."""
+        ``latent``: x's (c, k~^R) if already projected. ``cache``: the cache the rows go to; r
+        is computed from c as it reads c back (``stored_latent``: dequantized, if quantized)."""
         c_kv, k_r = latent if latent is not None else self._latent(x)
-        k_r, key_scale = key_scalars(c_kv, k_r, self.k_norm, self.absorbed)
+        c_read = cache.stored_latent(c_kv) if cache is not None else c_kv
+        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.absorbed)
         return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
 
     # -- logits (the Appendix E test) --------------------------------------------------------
@@ -230,16 +232,16 @@ class MLA(nn.Module):
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
         if path == "explicit":  # a prefill into an empty latent cache
             latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
-            cache.append(slot, **self.cache_rows(x, slot.positions, latent))
+            cache.append(slot, **self.cache_rows(x, slot.positions, latent, cache))
             q, k, v = self.explicit_qkv(x, slot.positions, latent)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         if path == "expand":
-            cache.append(slot, **self.cache_rows(x, slot.positions))
+            cache.append(slot, **self.cache_rows(x, slot.positions, cache=cache))
             k, v = self.expand_cache(*cache.load())
             q = self.explicit_query(x, slot.positions)
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
-        rows = self.cache_rows(x, slot.positions)
+        rows = self.cache_rows(x, slot.positions, cache=cache)
         # Settled before the cache is written: a backend that cannot run must not leave the
         # new token in the cache (a retry would attend to it twice).
         backend = select_backend(self.config.decode_backend, x.device, q_lat.shape[-1], q_rope.shape[-1])

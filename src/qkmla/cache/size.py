@@ -5,8 +5,16 @@
     QK-normed MLA:           MLA + G · scalar_bytes
     full-key QK-norm MLA:    G · (d_n + d_r + d_v) · bytes     (the naive cache the paper avoids)
 
+A quantized ``kv_format`` (``qkmla.kv_formats``: "fp8", "int8", "int4") stores each cached
+vector as codes plus float32 scales, and keeps RoPE values in bfloat16 where the cache holds
+them apart: the MLA latent is one vector of d_c with its d_r RoPE key beside it (fp8 at
+DeepSeek-V3 width: 512 + 4 x 4 + 64 x 2 = 656 bytes, FlashMLA's row), an MHA/GQA head's key
+and value are one vector of d_head each, a full key is d_n quantized plus d_r RoPE values.
+The QK-norm scalars stay in ``scalar_dtype``.
+
 The per-layer figures are exactly what :class:`~qkmla.cache.LatentCache` and
-:class:`~qkmla.cache.FullKVCache` allocate per token (tests check both against each other).
+:class:`~qkmla.cache.FullKVCache` allocate per token (tests check both against each other,
+and LatentCache's for every format).
 """
 
 from __future__ import annotations
@@ -16,8 +24,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, _check_groups, _check_positive_int, _check_rope
+from ..kv_formats import KV_FORMATS, row_format
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# ``qkmla cache-size --kv-dtype``: a dense dtype, or a quantized format (with its scales).
+DENSE_KV_DTYPES = ("bf16", "fp16", "fp32")
+KV_DTYPES = DENSE_KV_DTYPES + tuple(f for f in KV_FORMATS if f != "dense")
 
 
 @dataclass(frozen=True)
@@ -40,11 +52,16 @@ class CacheShape:
     num_kv_groups: Optional[int] = None  # G; None means num_heads (DeepSeek)
     dtype: str = "bf16"
     scalar_dtype: Optional[str] = None  # None means dtype
+    kv_format: str = "dense"  # or a quantized format of qkmla.kv_formats: cached vectors as codes + scales
 
     def __post_init__(self) -> None:
         """The configs' own checks: a shape no model could have is refused."""
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format: expected one of {KV_FORMATS}, got {self.kv_format!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "kv_format":
+                continue
             if f.name in ("dtype", "scalar_dtype"):
                 if v is not None and v not in DTYPE_BYTES:
                     raise ValueError(f"{f.name}: expected one of {sorted(DTYPE_BYTES)}, got {v!r}")
@@ -86,26 +103,38 @@ CACHE_PRESETS: dict[str, CacheShape] = {
 }
 
 
+def vector_bytes(shape: CacheShape, values: int, rope: int = 0) -> int:
+    """Bytes of one cached vector of ``values`` values and ``rope`` RoPE values beside them:
+    all in ``dtype`` (dense), or the values quantized and the RoPE values in bfloat16 (the
+    row of :mod:`qkmla.kv_formats`, alignment included)."""
+    if shape.kv_format == "dense":
+        return (values + rope) * DTYPE_BYTES[shape.dtype]
+    return row_format(shape.kv_format, values, rope).width
+
+
 def cache_rows(shape: CacheShape, tokens: int) -> list[dict]:
     """One dict per cache variant: values and bytes per token (one layer, all layers) and per request."""
     if not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
-    b = DTYPE_BYTES[shape.dtype]
     b_s = DTYPE_BYTES[shape.scalar_dtype or shape.dtype]
-    variants = [
-        ("mha", 2 * shape.num_heads * shape.head_dim, 0),
-        ("gqa", 2 * shape.num_kv_heads * shape.head_dim, 0),
-        ("mqa", 2 * shape.head_dim, 0),
+    d = shape.head_dim
+    variants = [  # (name, values, scalars, bytes of the values)
+        ("mha", 2 * shape.num_heads * d, 0, 2 * shape.num_heads * vector_bytes(shape, d)),
+        ("gqa", 2 * shape.num_kv_heads * d, 0, 2 * shape.num_kv_heads * vector_bytes(shape, d)),
+        ("mqa", 2 * d, 0, 2 * vector_bytes(shape, d)),
     ]
     if shape.has_mla:
         latent = shape.kv_lora_rank + shape.qk_rope_head_dim
-        variants += [("mla", latent, 0), ("mla-qknorm", latent, shape.groups)]
+        latent_bytes = vector_bytes(shape, shape.kv_lora_rank, shape.qk_rope_head_dim)
+        variants += [("mla", latent, 0, latent_bytes), ("mla-qknorm", latent, shape.groups, latent_bytes)]
         if shape.qk_nope_head_dim and shape.v_head_dim:
             full = shape.groups * (shape.qk_nope_head_dim + shape.qk_rope_head_dim + shape.v_head_dim)
-            variants.append(("mla-qknorm-full-key", full, 0))
+            full_bytes = shape.groups * (vector_bytes(shape, shape.qk_nope_head_dim, shape.qk_rope_head_dim)
+                                         + vector_bytes(shape, shape.v_head_dim))
+            variants.append(("mla-qknorm-full-key", full, 0, full_bytes))
     rows = []
-    for name, values, scalars in variants:
-        per_layer = values * b + scalars * b_s
+    for name, values, scalars, value_bytes in variants:
+        per_layer = value_bytes + scalars * b_s
         rows.append({
             "variant": name, "values_per_token_layer": values, "scalars_per_token_layer": scalars,
             "bytes_per_token_layer": per_layer, "bytes_per_token": per_layer * shape.num_layers,
@@ -127,8 +156,9 @@ def format_bytes(n: int) -> str:
 
 def format_table(shape: CacheShape, rows: list[dict], title: str) -> str:
     """The text table ``qkmla cache-size`` prints."""
+    stored = shape.dtype if shape.kv_format == "dense" else f"{shape.kv_format} + float32 scales, RoPE bf16"
     head = (f"{title}: {shape.num_layers} layers, {shape.num_heads} heads x {shape.head_dim}, "
-            f"GQA {shape.num_kv_heads} KV heads, {shape.dtype} (scalars {shape.scalar_dtype or shape.dtype}), "
+            f"GQA {shape.num_kv_heads} KV heads, {stored} (scalars {shape.scalar_dtype or shape.dtype}), "
             f"{rows[0]['tokens']:,} tokens")
     lines = [head, f"{'variant':<22}{'values/tok/layer':>18}{'B/tok/layer':>13}{'B/tok':>12}"
                    f"{'B/request':>18}{'':>10}{'vs MLA':>8}"]
