@@ -14,18 +14,25 @@ from .cli_errors import Parser, flag_message
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from . import verify
+    from . import verify, verify_quantized
 
     names = args.variant or list(verify.VARIANTS)
     unknown = [n for n in names if n not in verify.VARIANTS]
     if unknown:
         raise ValueError(f"--variant: unknown {unknown}; allowed: {list(verify.VARIANTS)}")
-    rows = [row for n in names for row in verify.verify_variant(n, verify.VARIANTS[n], seed=args.seed)]
+    # --variant alone: the Appendix E rows; --kv-format alone: the quantized-cache rows; neither: both.
+    rows = [] if args.kv_format and not args.variant else \
+        [row for n in names for row in verify.verify_variant(n, verify.VARIANTS[n], seed=args.seed)]
+    formats = args.kv_format or ([] if args.variant else list(verify_quantized.FORMATS))
+    quant_names = args.variant or verify_quantized.QUANT_VARIANTS
+    quant = [verify_quantized.verify_quantized(n, f, seed=args.seed) for f in formats for n in quant_names]
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        print(json.dumps([dataclasses.asdict(r) for r in rows + quant], indent=1))
     else:
-        print(verify.format_rows(rows))
-    failed = [f"{r.variant}/{r.dtype}" for r in rows if not r.ok]
+        print("\n\n".join(table for table, shown in ((verify.format_rows(rows), rows),
+                                                     (verify_quantized.format_rows(quant), quant)) if shown))
+    failed = [f"{r.variant}/{r.dtype}" for r in rows if not r.ok] + \
+        [f"{r.variant}/{r.kv_format}" for r in quant if not r.ok]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
@@ -167,10 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
-    v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E)")
+    v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E), "
+                                      "and over quantized latent caches")
     v.add_argument("--json", action="store_true", help="one JSON object per row")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--variant", action="append", help="run only this variant (repeatable)")
+    v.add_argument("--kv-format", action="append", choices=["fp8", "int8", "int4"],
+                   help="the quantized-cache rows of this format (repeatable): absorbed over the quantized cache == "
+                        "explicit over its dequantized latent, and the quantization error")
     v.set_defaults(func=_verify)
 
     c = sub.add_parser("cache-size", help="KV-cache bytes per token and per request for MHA/GQA/MQA/MLA/QK-normed MLA")
