@@ -133,3 +133,45 @@ def test_mla_layer_decodes_through_the_kernel(layout, qk_norm):
         cfg.replace(decode_backend="fast")  # refused when the config is built
     with pytest.raises(ValueError, match="decode_backend: set it in the config"):
         mla.decode_backend = "torch"  # the backend is the config's, not a mutable attribute
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "int4"])
+def test_kernel_reads_bf16_queries_over_quantized_rows_within_the_bf16_budget(kv_format):
+    """bf16 queries over a quantized cache: the tile is dequantized to bf16 for the dots (on a
+    GPU; fp32 in the interpreter). Error against the float32 spec over the same rows: at most
+    twice a plain bf16 implementation's, plus one bf16 ulp at the largest output (dequantized
+    values are not bf16 numbers, and Triton's CPU interpreter truncates float32 to bf16 where
+    a GPU rounds to nearest)."""
+    from qkmla.kv_formats import row_format
+
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 2, True)
+    rows = row_format(kv_format, D_C, D_R)
+    packed = rows.encode(kv[..., :D_C].float(), kv[..., D_C:].float())
+    packed[torch.isnan(kv[..., 0])] = 0xFF  # the unused slots stay poisoned
+    ref, _ = naive_mla_decode(q_lat, q_rope, packed, table, lens, scales, 0.3, kv_format=kv_format)
+    bf16, _ = naive_mla_decode(q_lat, q_rope, packed, table, lens, scales, 0.3, compute_dtype=torch.bfloat16,
+                               kv_format=kv_format)
+    out, lse = mla_decode_with_kvcache(q_lat, q_rope, packed, table, lens, scales, 0.3, num_splits=3,
+                                       backend="triton", kv_format=kv_format)
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    torch_err, kernel_err = (bf16.float() - ref).abs().max(), (out.float() - ref).abs().max()
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs().max()
+    assert 0 < kernel_err <= 2 * torch_err + ulp, (kernel_err, torch_err, ulp)
+    assert out[3].abs().max() == 0  # the zero-length sequence
+
+
+def test_custom_op_with_a_quantized_cache_traces_and_opchecks():
+    from qkmla.kv_formats import row_format
+
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
+    packed = row_format("fp8", D_C, D_R).encode(kv[..., :D_C].nan_to_num(), kv[..., D_C:].nan_to_num())
+
+    def step(q, r):
+        return mla_decode_with_kvcache(q, r, packed, table, lens, scales, 0.2, num_splits=2, backend="triton",
+                                       kv_format="fp8")
+
+    out, lse = torch.compile(step, backend="eager", fullgraph=True)(q_lat, q_rope)
+    ref, ref_lse = step(q_lat, q_rope)
+    torch.testing.assert_close(out, ref)
+    torch.library.opcheck(_mla_decode_op, (q_lat, q_rope, packed, scales, table, lens, 0.2, 2, False, None, "fp8"),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -9,6 +9,9 @@ causal visibility or a per-query prefix (``visible_lens``, what padded batches p
 The torch backend runs the whole grid. The Triton backend runs in Triton's interpreter on
 the CPU, so it runs a subset that still covers every value of every axis; it supports every
 case of the grid (no case is left out for lack of support).
+
+Quantized caches (``kv_format`` fp8, int8, int4) run the same grid: rows encoded by
+``qkmla.kv_formats``, 0xFF bytes (NaN in every format) in every slot no sequence owns.
 """
 
 import itertools
@@ -16,6 +19,7 @@ import itertools
 import pytest
 import torch
 
+from qkmla.kv_formats import row_format
 from qkmla.norms import statistic
 from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode
 
@@ -31,26 +35,30 @@ NORMS = {  # name: (qk_norm kind, p, mode, softmax_scale); None: plain MLA
 }
 
 
-def decode_inputs(layout: str, G: int, S_q: int, norm: str, visibility: str, seed: int = 0):
+def decode_inputs(layout: str, G: int, S_q: int, norm: str, visibility: str, seed: int = 0,
+                  kv_format: str = "dense", d_c: int = D_C):
     """Keyword arguments of ``mla_decode_with_kvcache`` for one case (float32)."""
     gen = torch.Generator().manual_seed(seed)
     kind, p, mode, scale = NORMS[norm]
     B, n_max = len(LENGTHS), max(LENGTHS)
+    rows = row_format(kv_format, d_c, D_R)
+    dtype, nan = (torch.float32, float("nan")) if kv_format == "dense" else (torch.uint8, 0xFF)
     if layout == "paged":
         page = 16
         per_seq = -(-n_max // page) + 1
         n_blocks = B * per_seq + 3  # a few blocks nobody owns
         table = torch.randperm(n_blocks, generator=gen)[:B * per_seq].view(B, per_seq).to(torch.int32)
-        kv = torch.full((n_blocks, page, D_C + D_R), float("nan"))
+        kv = torch.full((n_blocks, page, rows.width), nan, dtype=dtype)
         scales = torch.full((n_blocks, page, G), float("nan"))
     else:
         table = None
-        kv = torch.full((B, n_max + 5, D_C + D_R), float("nan"))
+        kv = torch.full((B, n_max + 5, rows.width), nan, dtype=dtype)
         scales = torch.full((B, n_max + 5, G), float("nan"))
     for b, n in enumerate(LENGTHS):
         slot = torch.arange(n)
         where = (table[b, slot // page].long(), slot % page) if table is not None else (b, slot)
-        kv[where] = torch.randn(n, D_C + D_R, generator=gen)
+        values = torch.randn(n, d_c + D_R, generator=gen)
+        kv[where] = rows.encode(values[:, :d_c], values[:, d_c:])
         if kind is not None:  # the key scalars of content keys c W_UK, one per group
             k_c = torch.randn(n, G, D_N, generator=gen) * (0.5 + torch.rand(n, G, 1, generator=gen))
             scales[where] = statistic(k_c, kind, p).squeeze(-1)
@@ -58,12 +66,12 @@ def decode_inputs(layout: str, G: int, S_q: int, norm: str, visibility: str, see
     if visibility == "prefix":  # any prefix of each sequence, one value past its length included
         visible = torch.stack([torch.randint(0, n + 2, (S_q,), generator=gen) for n in LENGTHS]).to(torch.int32)
     lens = torch.tensor(LENGTHS, dtype=torch.int32)
-    q_lat = torch.randn(B, S_q, H, D_C, generator=gen) * 0.3
+    q_lat = torch.randn(B, S_q, H, d_c, generator=gen) * 0.3
     q_rope = torch.randn(B, S_q, H, D_R, generator=gen) * 0.3
     dev = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
     return dict(q_lat=dev(q_lat), q_rope=dev(q_rope), kv_cache=dev(kv), block_table=dev(table),
                 cache_seqlens=dev(lens), scale_cache=dev(scales) if kind is not None else None,
-                softmax_scale=scale, mode=mode, visible_lens=dev(visible))
+                softmax_scale=scale, mode=mode, visible_lens=dev(visible), kv_format=kv_format)
 
 
 def check_against_naive(backend: str, args: dict) -> None:
@@ -104,6 +112,43 @@ TRITON_CASES = [
 def test_triton_backend_matches_naive(layout, G, S_q, norm, visibility):
     pytest.importorskip("triton")
     check_against_naive("triton", decode_inputs(layout, G, S_q, norm, visibility))
+
+
+QUANT_GRID = [(kv_format, *case) for kv_format in ("fp8", "int8", "int4") for case in GRID]
+
+
+@pytest.mark.parametrize("kv_format,layout,G,S_q,norm,visibility", QUANT_GRID,
+                         ids=[f"{c[0]}-{case_id(c[1:])}" for c in QUANT_GRID])
+def test_torch_backend_reads_quantized_caches_as_naive_does(kv_format, layout, G, S_q, norm, visibility):
+    check_against_naive("torch", decode_inputs(layout, G, S_q, norm, visibility, kv_format=kv_format))
+
+
+# Every format, and every value of every axis under a quantized format, in few interpreter runs;
+# d_c = 256 spans two fp8 tiles and eight int4 groups (the others: one fp8 tile of 32 values).
+TRITON_QUANT_CASES = [
+    ("fp8", "paged", 4, 2, "blockwise", "prefix", D_C), ("fp8", "contiguous", H, 1, "unified", "causal", D_C),
+    ("int8", "paged", 1, 1, "plain", "causal", D_C), ("int8", "contiguous", 4, 2, "l2", "prefix", D_C),
+    ("int4", "paged", H, 2, "lp", "causal", D_C), ("int4", "contiguous", 1, 1, "blockwise", "prefix", D_C),
+    ("fp8", "paged", 4, 1, "blockwise", "causal", 256), ("int4", "paged", 4, 1, "unified", "causal", 256),
+]
+
+
+@pytest.mark.parametrize("kv_format,layout,G,S_q,norm,visibility,d_c", TRITON_QUANT_CASES,
+                         ids=[f"{c[0]}-{case_id(c[1:6])}-dc{c[6]}" for c in TRITON_QUANT_CASES])
+def test_triton_backend_reads_quantized_caches_as_naive_does(kv_format, layout, G, S_q, norm, visibility, d_c):
+    pytest.importorskip("triton")
+    check_against_naive("triton", decode_inputs(layout, G, S_q, norm, visibility, kv_format=kv_format, d_c=d_c))
+
+
+def test_naive_dequantizes_each_row_as_the_format_defines():
+    """The spec over a quantized cache is the spec over the dequantized rows in a dense cache."""
+    args = decode_inputs("paged", 4, 2, "blockwise", "prefix", kv_format="fp8")
+    out, lse = mla_decode_with_kvcache(**args, backend="naive")
+    dense = row_format("fp8", D_C, D_R).decode(args["kv_cache"])  # NaN where the bytes are 0xFF
+    want, want_lse = mla_decode_with_kvcache(**{**args, "kv_cache": dense, "kv_format": "dense"}, backend="naive")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert torch.isnan(dense).any()  # the unused slots really are poisoned
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])
@@ -149,6 +194,18 @@ def test_backend_choice_and_refusals(monkeypatch):
         mla_decode_with_kvcache(**{**args, "mode": "joint"})
     with pytest.raises(ValueError, match="visible_lens"):
         mla_decode_with_kvcache(**{**args, "visible_lens": args["cache_seqlens"]})
+
+
+def test_quantized_cache_refusals():
+    """Unknown formats and rows of another width or dtype: ValueErrors naming the argument
+    and the allowed values, before any backend runs."""
+    args = decode_inputs("paged", 4, 1, "blockwise", "causal", kv_format="int4")
+    with pytest.raises(ValueError, match=r"kv_format: expected one of \('dense', 'fp8', 'int8', 'int4'\), got 'nf4'"):
+        mla_decode_with_kvcache(**{**args, "kv_format": "nf4"})
+    with pytest.raises(ValueError, match=r"kv_cache: expected \[num_blocks, block_size, the fp8 row's bytes = 68\]"):
+        mla_decode_with_kvcache(**{**args, "kv_format": "fp8"})  # int4 rows are 52 bytes at d_c 32, d_r 16
+    with pytest.raises(ValueError, match="kv_cache: kv_format='int4' rows are uint8 bytes, got torch.float32"):
+        mla_decode_with_kvcache(**{**args, "kv_cache": args["kv_cache"].float()})
 
 
 @pytest.mark.parametrize("backend", ["naive", "torch"])

@@ -113,7 +113,7 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    check_kv_format(kv_format, kv_cache.device)
+    check_kv_format(kv_format)  # whether the device stores float8 is the cache's check, made once
     if q_lat.dim() != 4 or q_rope.dim() != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
         raise ValueError(f"q_lat, q_rope: expected [B, S_q, H, d_c] and [B, S_q, H, d_r], got "
                          f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
