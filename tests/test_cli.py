@@ -207,3 +207,33 @@ def test_argparse_errors_are_one_line_too(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith(message) and err.count("\n") == 1
+
+
+def test_cache_size_kv_dtype(capsys, refused):
+    """--kv-dtype fp8 reproduces FlashMLA's 656 B per token at DeepSeek-V3 width; a dense name
+    is --dtype by another name, and may not contradict it."""
+    assert main(["cache-size", "--preset", "deepseek-v3", "--kv-dtype", "fp8", "--tokens", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert rows["mla"]["bytes_per_token_layer"] == 656 and rows["mla-qknorm"]["bytes_per_token_layer"] == 656 + 256
+    assert data["shape"]["kv_format"] == "fp8"
+    assert main(["cache-size", "--preset", "deepseek-v3-tp8", "--kv-dtype", "int4", "--tokens", "1"]) == 0
+    assert "int4 + float32 scales, RoPE bf16" in capsys.readouterr().out
+    assert main(["cache-size", "--preset", "deepseek-v3-tp8", "--kv-dtype", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shape"]["dtype"] == "fp32"
+    refused(["cache-size", "--preset", "tiny", "--kv-dtype", "fp32", "--dtype", "bf16"], "--kv-dtype: fp32 is a dense")
+    with pytest.raises(SystemExit):
+        main(["cache-size", "--preset", "tiny", "--kv-dtype", "nf4"])
+    assert "--kv-dtype: invalid choice: 'nf4' (choose from 'bf16', 'fp16', 'fp32', 'fp8', 'int8', 'int4')" \
+        in capsys.readouterr().err
+
+
+def test_verify_kv_format_rows(capsys):
+    assert main(["verify", "--json", "--kv-format", "int8", "--variant", "rms-unified"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["variant"], r.get("dtype"), r.get("kv_format")) for r in rows] == [
+        ("rms-unified", d, None) for d in ("float64", "float32", "bfloat16")] + [("rms-unified", None, "int8")]
+    assert rows[-1]["ok"] and rows[-1]["max_abs_logit_diff"] <= rows[-1]["tolerance"]
+    assert main(["verify", "--kv-format", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "kv_format" in out and "rms-blockwise  fp8" in out and "\nrms-blockwise  float64" not in out

@@ -45,3 +45,25 @@ def test_bad_shape_and_tokens():
         CacheShape(num_layers=1, num_heads=0, head_dim=1, num_kv_heads=1)
     with pytest.raises(ValueError, match="tokens"):
         cache_rows(CACHE_PRESETS["tiny"], 0)
+
+
+def test_flashmla_656_bytes_per_token_at_deepseek_v3_width():
+    """fp8: 512 e4m3 + 4 float32 scales + 64 bf16 RoPE values = 656 B for MLA; the QK-norm
+    scalars add G of their own dtype (bf16 here: 128 groups at full width, 16 at TP=8)."""
+    for preset, groups in (("deepseek-v3", 128), ("deepseek-v3-tp8", 16)):
+        r = {row["variant"]: row for row in cache_rows(CACHE_PRESETS[preset].replace(kv_format="fp8"), 1)}
+        assert r["mla"]["bytes_per_token_layer"] == 656
+        assert r["mla-qknorm"]["bytes_per_token_layer"] == 656 + 2 * groups
+        assert r["mla"]["values_per_token_layer"] == 576  # the values are the same; their bytes are not
+    shape = CACHE_PRESETS["deepseek-v3"]
+    rows_of = {f: {row["variant"]: row for row in cache_rows(shape.replace(kv_format=f), 1)} for f in ("int8", "int4")}
+    assert rows_of["int8"]["mla"]["bytes_per_token_layer"] == 512 + 4 + 128
+    assert rows_of["int4"]["mla"]["bytes_per_token_layer"] == 256 + 16 * 4 + 128
+    # an MHA head's key and value are one quantized vector each: 128 codes + a scale (fp8)
+    mha = {row["variant"]: row for row in cache_rows(shape.replace(kv_format="fp8"), 1)}["mha"]
+    assert mha["bytes_per_token_layer"] == 2 * 128 * (128 + 4)
+
+
+def test_unknown_kv_format_is_refused():
+    with pytest.raises(ValueError, match=r"kv_format: expected one of \('dense', 'fp8', 'int8', 'int4'\)"):
+        CACHE_PRESETS["tiny"].replace(kv_format="nf4")
