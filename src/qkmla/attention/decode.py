@@ -11,7 +11,8 @@ checks), runs the step and moves the cache's lengths on.
     y = decode_one_token(mla, x, cache, step=step)          # x [B, 1, hidden] -> [B, 1, hidden]
 
 Unused slots are read with a softmax weight of 0, so they must hold finite values: build the
-cache with the default ``fill=0``.
+cache with the default ``fill=0``. The step is for inference (run it under ``torch.no_grad()``
+or ``torch.inference_mode()``): it writes the cache in place and has no backward.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from ..cache.latent import LatentCache
 from ..cache.storage import ContiguousBuffer
-from ..ops.mla_decode.torch_impl import latent_attention
+from ..ops.mla_decode.torch_impl import latent_attention_op
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
 from .mla import MLA
 
@@ -57,7 +58,8 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
         q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
     mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
-    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode)
+    # One opaque op: compiled, only the code around it is traced (see latent_attention_op).
+    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), visible[:, None], mode)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 
 
