@@ -56,8 +56,7 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     q_rope = mla.rotary(q_r, pos)
     if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
         q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
-    mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
-    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode)
+    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mla.score_mode)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 
 
@@ -65,7 +64,8 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
                      step: Callable[..., torch.Tensor] = mla_decode_step) -> torch.Tensor:
     """``mla(x, cache)`` for one new token per sequence, through ``step`` (e.g. compiled).
 
-    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous.
+    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous. A cache with an
+    eviction policy runs it after the step, as ``mla(x, cache)`` does (outside the compiled step).
     """
     if not isinstance(cache, LatentCache) or not isinstance(cache.fields["latent"], ContiguousBuffer):
         raise ValueError("cache: decode_one_token needs a contiguous LatentCache (the default layout)")
@@ -77,4 +77,6 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
                slot.slots[:, 0], slot.positions[:, 0])
     cache.advance(slot)
+    cache.after_attention(slot, lambda: mla.absorbed_query(x, slot.positions), scale=mla.scale,
+                          mode=mla.score_mode, rotary=mla.rotary)
     return out
