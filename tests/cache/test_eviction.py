@@ -168,6 +168,28 @@ def check_decode_over_kept_tokens(mla: MLA, policy, layout: str, path: str = "au
     assert cache.next_positions.tolist() == [n + extra for n in lengths]
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_padded_chunk_after_eviction_sees_the_kept_slots(layout):
+    """After evictions, a right-padded chunk (real lengths 2, 0, 3 of 3): each real token sees
+    its sequence's kept slots and the chunk's earlier real tokens (visible_lens by slot)."""
+    mla = make("rms-unified")
+    d = mla.config.hidden_size
+    streams = [torch.randn(14, d, dtype=torch.float64) for _ in range(3)]
+    cache = new_cache(mla, 3, 16, H2O(budget=5, window=2), layout)
+    with torch.no_grad():
+        mla(torch.stack([s[:8] for s in streams]), cache, input_lengths=torch.tensor([8, 6, 7]))
+        mla(torch.stack([s[int(p)] for s, p in zip(streams, cache.next_positions)])[:, None], cache)
+        kept, lens, start = cache.slot_positions(), cache.seqlens.clone(), cache.next_positions.clone()
+        assert lens.tolist() == [5, 5, 5] and start.tolist() == [9, 7, 8]
+        chunk = torch.stack([s[int(p):int(p) + 3] for s, p in zip(streams, start)])
+        out = mla(chunk, cache, input_lengths=torch.tensor([2, 0, 3]))
+        for b, n in enumerate([2, 0, 3]):
+            idx = kept[b, :lens[b]].tolist() + list(range(int(start[b]), int(start[b]) + n))
+            want = mla(streams[b][idx][None], positions=torch.tensor(idx))[0, len(idx) - n:]
+            torch.testing.assert_close(out[b, :n], want, rtol=1e-10, atol=1e-10)
+    assert cache.next_positions.tolist() == [11, 7, 11] and cache.seqlens.tolist() == [5, 5, 5]
+
+
 @pytest.mark.parametrize("policy", ["streaming-llm", "h2o", "snapkv"])
 def test_a_policy_that_keeps_everything_changes_nothing(policy):
     make_policy = {"streaming-llm": lambda: StreamingLLM(sinks=1, kept_fraction=1.0),
