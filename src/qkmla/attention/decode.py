@@ -56,7 +56,8 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     q_rope = mla.rotary(q_r, pos)
     if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
         q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
-    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mla.score_mode)
+    mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
+    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 
 
@@ -77,6 +78,5 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
                slot.slots[:, 0], slot.positions[:, 0])
     cache.advance(slot)
-    cache.after_attention(slot, lambda: mla.absorbed_query(x, slot.positions), scale=mla.scale,
-                          mode=mla.score_mode, rotary=mla.rotary)
+    cache.after_attention(mla, slot, lambda: mla.absorbed_query(x, slot.positions))
     return out

@@ -233,7 +233,7 @@ class MLA(nn.Module):
             out, queries = self._attend_latent(x, cache, slot, path)
             # The cache's eviction policy, if it has one, may drop tokens now; it reads
             # queries() only if it ranks tokens by attention.
-            cache.after_attention(slot, queries, scale=self.scale, mode=self.score_mode, rotary=self.rotary)
+            cache.after_attention(self, slot, queries)
         return self.o_proj(out.flatten(2))
 
     def _attend_latent(self, x: torch.Tensor, cache: LatentCache, slot, path: str):

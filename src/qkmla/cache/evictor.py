@@ -3,7 +3,7 @@
 The attention layer calls ``LatentCache.after_attention`` once per forward that wrote the
 cache, after attending; a cache built with a policy hands the call to its :class:`Eviction`:
 
-    forward writes T tokens ──> attention over the cache ──> after_attention(slot, queries, ...)
+    forward writes T tokens ──> attention over the cache ──> after_attention(layer, slot, queries)
                                                                │ policy reads attention? score the slots
                                                                │ prefill, or every `interval` steps?
                                                                └─> keep_mask ─> cache.keep ─> (reposition)
@@ -41,7 +41,7 @@ class Eviction:
         self.evicted = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
 
     @torch.no_grad()
-    def after_attention(self, cache, slot, queries: Callable[[], tuple], scale, mode: str, rotary) -> None:
+    def after_attention(self, cache, layer, slot, queries: Callable[[], tuple]) -> None:
         """Observe the forward that wrote ``slot`` and evict if one is due (see
         ``LatentCache.after_attention`` for the arguments)."""
         policy = self.policy
@@ -50,7 +50,7 @@ class Eviction:
         observed = policy.observed(slot, prefill)
         if observed is not None:
             latent, key_scale = cache.load()
-            received = attention_received(latent, key_scale, slot, observed, *queries(), scale, mode)
+            received = attention_received(latent, key_scale, slot, observed, *queries(), layer.scale, layer.score_mode)
             scores = policy.accumulate(scores, received)
         if prefill or (policy.interval is not None and steps % policy.interval == 0):
             keep = policy.keep_mask(scores, cache.seqlens, cache.seqlens + evicted)
@@ -60,7 +60,7 @@ class Eviction:
                 evicted = evicted + before - cache.seqlens
                 scores = policy.compacted(scores, order, cache.seqlens)
                 if policy.reposition:
-                    reposition(cache, rotary)
+                    reposition(cache, layer.rotary)
             if not policy.keeps_scores:  # SnapKV: the next eviction observes anew
                 scores = None
         self.steps, self.scores, self.evicted = steps, scores, evicted

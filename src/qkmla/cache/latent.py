@@ -143,16 +143,16 @@ class LatentCache(SequenceCache):
         groups = config.num_kv_groups if config.qk_norm is not None else 0
         return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, groups, **kwargs)
 
-    def after_attention(self, slot: WriteSlot, queries: Callable[[], tuple], *, scale, mode: str, rotary) -> None:
+    def after_attention(self, layer, slot: WriteSlot, queries: Callable[[], tuple]) -> None:
         """The attention layer's call after each forward that wrote ``slot`` and attended: the
         eviction policy, if any, scores the cached slots with the layer's real logits and may
-        drop tokens (``evictor.py``). Without a policy it returns at once.
+        drop tokens (``evictor.py``). Without a policy it returns at once, reading nothing.
 
         Args:
+            layer: the MLA module; a policy reads its ``scale`` (a float or one per head [h]),
+                ``score_mode`` ("blockwise" or "unified") and ``rotary`` (for re-positioning).
             queries: returns the new tokens' (q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]) as
                 the decode op takes them; called only when the policy reads attention.
-            scale: the softmax scale, a float or one per head [h]; mode: "blockwise" or "unified".
-            rotary: the layer's RotaryEmbedding, for StreamingLLM's re-positioning.
         """
         if self.eviction is not None:
-            self.eviction.after_attention(self, slot, queries, scale, mode, rotary)
+            self.eviction.after_attention(self, layer, slot, queries)
