@@ -67,7 +67,8 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
                      step: Callable[..., torch.Tensor] = mla_decode_step) -> torch.Tensor:
     """``mla(x, cache)`` for one new token per sequence, through ``step`` (e.g. compiled).
 
-    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous.
+    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous. A cache with an
+    eviction policy runs it after the step, as ``mla(x, cache)`` does (outside the compiled step).
     """
     if not isinstance(cache, LatentCache) or not isinstance(cache.fields["latent"], ContiguousBuffer):
         raise ValueError("cache: decode_one_token needs a contiguous LatentCache (the default layout)")
@@ -79,4 +80,5 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
                slot.slots[:, 0], slot.positions[:, 0])
     cache.advance(slot)
+    cache.after_attention(mla, slot, lambda: mla.absorbed_query(x, slot.positions))
     return out

@@ -21,12 +21,14 @@ backend that reads it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..config import MLAConfig
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
+from .eviction import EvictionPolicy
+from .evictor import Eviction
 from .storage import Layout, PagedBuffer
 
 
@@ -67,6 +69,8 @@ class LatentCache(SequenceCache):
         scalar_dtype: dtype of the scalars (default: ``dtype``).
         layout: :class:`~qkmla.cache.storage.ContiguousLayout` (default) or ``PagedLayout``.
         fill: value of never-written slots (tests use NaN so a stray read shows).
+        policy: an :class:`~qkmla.cache.eviction.EvictionPolicy` that drops cached tokens
+            (StreamingLLM, H2O, SnapKV), or None to keep every token.
 
     Fields (default codec): ``latent`` [B, S, d_c + d_r], ``key_scale`` [B, S, G].
     """
@@ -76,13 +80,15 @@ class LatentCache(SequenceCache):
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
-                 fill: float = 0.0):
+                 fill: float = 0.0, policy: Optional[EvictionPolicy] = None):
         check_dims(("num_kv_groups",), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                    num_kv_groups=num_kv_groups)
         check_dtype("dtype", dtype)
         if scalar_dtype is not None:
             check_dtype("scalar_dtype", scalar_dtype)
         super().__init__(batch_size, capacity, device, layout)
+        if policy is not None:
+            self.eviction = Eviction(policy, batch_size, self.device)
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
         for name, (width, field_dtype) in self.codec.fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype,
                                                             scalar_dtype or dtype).items():
@@ -136,3 +142,17 @@ class LatentCache(SequenceCache):
         """A cache shaped for ``config``: scalars only when it has a QK norm."""
         groups = config.num_kv_groups if config.qk_norm is not None else 0
         return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, groups, **kwargs)
+
+    def after_attention(self, layer, slot: WriteSlot, queries: Callable[[], tuple]) -> None:
+        """The attention layer's call after each forward that wrote ``slot`` and attended: the
+        eviction policy, if any, scores the cached slots with the layer's real logits and may
+        drop tokens (``evictor.py``). Without a policy it returns at once, reading nothing.
+
+        Args:
+            layer: the MLA module; a policy reads its ``scale`` (a float or one per head [h]),
+                ``score_mode`` ("blockwise" or "unified") and ``rotary`` (for re-positioning).
+            queries: returns the new tokens' (q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]) as
+                the decode op takes them; called only when the policy reads attention.
+        """
+        if self.eviction is not None:
+            self.eviction.after_attention(self, layer, slot, queries)
