@@ -21,7 +21,7 @@ The absorbed steps also run in other modes of this code, side by side with the r
     compiled    ``attention.decode.decode_one_token`` with ``torch.compile(mla_decode_step,
                 fullgraph=True)`` (suffix ``-compiled``)
     compiled-optimized  both: the compiled step of the opt-in's model (suffix
-                ``-compiled-optimized``; only with ``--modes``, see DEFAULT_MODES)
+                ``-compiled-optimized``)
 
 A compile failure is recorded in the JSON (``compile.per_context``) and the run goes on
 without that mode's rows at that context. Every mode's step reads the same cache, and the
@@ -68,9 +68,7 @@ HERE = Path(__file__).resolve().parent
 VARIANTS = ("full-key-qknorm", "expand-qknorm", "absorbed-mla", "absorbed-mla-qknorm",
             "core-expand-qknorm", "core-mla", "core-mla-qknorm")
 MODES = ("eager", "optimized", "compiled", "compiled-optimized")
-# compiled-optimized is opt-in: with torch 2.13, fullgraph capture refuses split_linear's
-# torch.get_num_threads() ("torch.* op returned non-Tensor"), so it only records that error.
-DEFAULT_MODES = ("eager", "optimized", "compiled")
+DEFAULT_MODES = MODES
 OLD = "old"  # the mode name of the other commit's rows
 
 

@@ -89,3 +89,41 @@ def test_gradients_match_linear(threads):
     F.linear(x, layer.weight, layer.bias).square().sum().backward()
     for got, t in zip(grads, (x, layer.weight, layer.bias)):
         torch.testing.assert_close(got, t.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_threads_are_fixed_when_swapped_and_updated_by_a_second_call(threads):
+    threads(2)
+    model = optimize_for_decode(nn.Sequential(nn.Linear(8, 12), nn.Linear(12, 7))).eval()
+    assert [layer.blocks for layer in model] == [2, 1]  # 7 rows: no 2-way split
+    threads(1)
+    assert model[0].blocks == 2  # fixed at the swap, not read at every call
+    optimize_for_decode(model, threads=4)
+    assert [layer.blocks for layer in model] == [4, 1]
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="threads: expected a positive int"):
+            optimize_for_decode(model, threads=bad)
+
+
+def test_split_matmul_op_is_a_well_formed_custom_op():
+    x, w = torch.randn(3, 40), torch.randn(36, 40)
+    torch.library.opcheck(torch.ops.qkmla.split_matmul, (x, w, 4))
+    torch.testing.assert_close(torch.ops.qkmla.split_matmul(x, w, 4), F.linear(x, w))
+
+
+def test_fullgraph_compile_runs_the_split_as_one_op(threads):
+    """A compiled step can use the opt-in: the product is traced as ``qkmla::split_matmul``."""
+    threads(2)
+    torch._dynamo.reset()
+    layer = nn.Linear(40, 36)
+    model = optimize_for_decode(nn.Sequential(layer)).eval()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x = torch.randn(1, 1, 40)
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True, backend=backend)(x)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    assert len(graphs) == 1 and "qkmla.split_matmul" in graphs[0]

@@ -130,3 +130,18 @@ def test_frequencies_survive_dtype_changes():
     torch.testing.assert_close(rope(x, torch.tensor([[4000]])).float(),
                                RotaryEmbedding(16, scaling=y).double()(x.double(), torch.tensor([[4000]])).float(),
                                rtol=1e-2, atol=1e-2)  # bfloat16 output rounding only
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["plain", "yarn"])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_shift_moves_rotated_keys_to_new_positions(interleave, yarn):
+    """Keys rotated at positions p and shifted by o equal keys rotated at p + o directly:
+    the shift is a pure rotation, since YaRN's cos/sin factor (here 0.87) was applied at p."""
+    y = YarnScaling(factor=4.0, original_max_position_embeddings=16, mscale=0.5, mscale_all_dim=1.0) if yarn else None
+    rope = RotaryEmbedding(16, interleave=interleave, scaling=y).double()
+    assert (rope.attention_factor != 1.0) == yarn
+    v = torch.randn(2, 5, 1, 16, dtype=torch.float64)
+    p = torch.tensor([[0, 7, 9, 40, 41], [3, 4, 100, 101, 5000]])
+    new = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 6000]])
+    torch.testing.assert_close(rope.shift(rope(v, p), new - p), rope(v, new), rtol=1e-12, atol=1e-12)
+    assert torch.equal(rope.shift(rope(v, p), torch.zeros_like(p)), rope(v, p))

@@ -209,10 +209,20 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._rotate(x, positions, self.attention_factor)
+
+    def shift(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Move vectors x [..., T, H, dim] that this module already rotated by ``offsets``
+        [..., T] positions (negative: earlier): RoPE_{p + o}(v) = R(o w) RoPE_p(v), a pure
+        rotation, because YaRN's factor m was applied once, at p. Rounding aside, equal to
+        rotating the unrotated v to p + o directly."""
+        return self._rotate(x, offsets, 1.0)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, m: float) -> torch.Tensor:
+        """x rotated by the angles of ``positions`` and multiplied by m."""
         acc = accumulate_dtype(x.dtype)
         angles = positions.to(acc)[..., None, None] * cast(self.inv_freq, acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)
-        m = self.attention_factor
         if self.interleave:
             # Pairs (x0, x1) as complex numbers x0 + i x1, rotated by m e^(i angle): one complex
             # product in place of a dozen real ops (DeepSeek's reference code does the same).

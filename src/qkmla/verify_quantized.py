@@ -88,8 +88,7 @@ def absorbed_over_quantized(mla: MLA, x: torch.Tensor, kv_format: str) -> tuple[
     cache = LatentCache.from_config(mla.config, B, T, dtype=x.dtype, kv_format=kv_format, fill=float("nan"))
     out = mla(x, cache, path="absorbed")
     q_lat, q_rope = mla.absorbed_query(x, default_positions(x, None))
-    mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
-    s = latent_scores(q_lat, q_rope, *cache.load(), mode)
+    s = latent_scores(q_lat, q_rope, *cache.load(), mla.score_mode)
     s = s * (mla.scale[:, None] if isinstance(mla.scale, torch.Tensor) else mla.scale)
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     return {"logits": s.masked_fill(~causal[:, None, :], float("-inf")).transpose(1, 2), "out": out}, cache
@@ -140,9 +139,8 @@ def _decode_last(mla: MLA, x: torch.Tensor, cache: LatentCache, queries: int) ->
     T = x.shape[1]
     positions = torch.arange(T - queries, T).expand(x.shape[0], queries)
     q_lat, q_rope = mla.absorbed_query(x[:, -queries:], positions)
-    mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
-    o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=mla.scale, mode=mode,
-                                       backend="torch")
+    o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=mla.scale,
+                                       mode=mla.score_mode, backend="torch")
     return mla.o_proj(values_out(o_lat, mla.absorbed).flatten(2))
 
 

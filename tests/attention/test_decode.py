@@ -6,6 +6,8 @@ import torch
 
 from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
+from qkmla.cpu import optimize_for_decode
+from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op
 from qkmla.verify import perturb_vectors
 
 CONFIGS = {
@@ -16,11 +18,14 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "cpu-opt-in"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_compiled_decode_step_equals_eager(name):
+def test_compiled_decode_step_equals_eager(name, optimized):
     torch._dynamo.reset()
     cfg = MLAConfig(**CONFIGS[name])
     mla = perturb_vectors(MLA(cfg)).eval()
+    if optimized:  # the compiled step of the CPU opt-in's model (qkmla.cpu)
+        optimize_for_decode(mla, threads=2)
     x = torch.randn(2, 8, cfg.hidden_size)
     # fullgraph=True: any graph break is an error. aot_eager traces through AOTAutograd (the
     # in-place cache writes are functionalized) without the minutes of C++ codegen inductor
@@ -45,6 +50,22 @@ def test_compiled_decode_step_equals_eager(name):
     for field in caches["forward"].fields:
         torch.testing.assert_close(caches["compiled"].fields[field].data, caches["forward"].fields[field].data,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_latent_attention_op_is_latent_attention_as_a_custom_op(mode):
+    """The compiled step calls the torch backend's core as one opaque op; it is the same function."""
+    gen = torch.Generator().manual_seed(0)
+    q_lat, q_rope = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 1, 4, 8, generator=gen)
+    latent, key_scale = torch.randn(2, 9, 24, generator=gen), torch.rand(2, 9, 2, generator=gen) + 0.5
+    mask = torch.arange(9) < torch.tensor([[[9]], [[4]]])
+    args = (q_lat, q_rope, latent, key_scale, 0.3, mask, mode)
+    torch.library.opcheck(torch.ops.qkmla.latent_attention, args)
+    out, lse = latent_attention_op(*args)
+    want_out, want_lse = latent_attention(*args, return_lse=True)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    assert out.is_contiguous()
 
 
 def test_decode_one_token_refuses_what_it_does_not_cover():

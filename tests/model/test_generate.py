@@ -70,3 +70,57 @@ def test_generation_past_the_context_slides_the_window(attn):
         unbounded_differs |= seq[len(p):] != got
     assert unbounded_differs, "the test model is too flat to tell sliding from not sliding"
     assert all(len(g) == 21 for g in generate(model, prompts, 21, temperature=0))
+
+
+def greedy_streaming_without_cache(model, prompt, n, sinks, budget):
+    """StreamingLLM with re-positioning spelled out with full forwards: every step the model
+    sees the sinks and the newest tokens, budget + 1 in all, at positions 0, 1, ..."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        window = seq if len(seq) <= budget + 1 else seq[:sinks] + seq[-(budget + 1 - sinks):]
+        out.append(int(model(torch.tensor([window]))[0][0, -1].argmax()))
+        seq.append(out[-1])
+    return out
+
+
+def test_generation_with_streaming_llm_repositioning_never_slides():
+    """One layer (so a cached row depends on its token and position only): StreamingLLM(2 sinks,
+    budget 5, re-positioned) keeps generating past block_size = 8 without sliding, and equals
+    the model run on the sinks + the newest tokens at positions 0..5; evicting changes the text."""
+    from qkmla.cache import StreamingLLM
+
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["debug"].replace(attn="mla-qknorm", block_size=8, n_layer=1)).double().eval()
+    with torch.no_grad():  # a sharper model, so that greedy paths depend on the context
+        for p in model.parameters():
+            p.mul_(4)
+    policy = StreamingLLM(sinks=2, budget=5, reposition=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9]]
+    got = generate(model, prompts, 20, temperature=0, policy=policy)
+    for p, g in zip(prompts, got):
+        assert g == greedy_streaming_without_cache(model, p, 20, sinks=2, budget=5)
+    assert got != generate(model, prompts, 20, temperature=0)
+
+
+@pytest.mark.parametrize("attn", ["mla-qknorm", "mla"])
+def test_generation_with_a_policy_that_keeps_everything_is_unchanged(attn):
+    from qkmla.cache import H2O, SnapKV
+
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["debug"].replace(attn=attn, block_size=12)).double().eval()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8], [9, 10, 11]]
+    want = generate(model, prompts, 16, temperature=0)  # slides past 12 positions
+    assert generate(model, prompts, 16, temperature=0, policy=H2O(kept_fraction=1.0, window=1)) == want
+    assert generate(model, prompts, 16, temperature=0, policy=SnapKV(kept_fraction=1.0, window=2)) == want
+    evicting = generate(model, prompts, 16, temperature=0, policy=H2O(budget=4, window=2))
+    assert [len(g) for g in evicting] == [16, 16, 16]
+
+
+def test_a_policy_needs_an_mla_model():
+    from qkmla.cache import H2O
+
+    model = GPT(GPT_PRESETS["debug"].replace(attn="gqa"))
+    with pytest.raises(ValueError, match="policy: eviction runs on latent caches, so on MLA variants only"):
+        generate(model, [[1, 2]], 2, policy=H2O(budget=4, window=1))
+    with pytest.raises(ValueError, match="policy: expected an EvictionPolicy"):
+        GPT(GPT_PRESETS["debug"]).make_caches(1, 8, policy="h2o")

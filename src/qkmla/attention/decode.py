@@ -11,9 +11,10 @@ checks), runs the step and moves the cache's lengths on.
     y = decode_one_token(mla, x, cache, step=step)          # x [B, 1, hidden] -> [B, 1, hidden]
 
 Unused slots are read with a softmax weight of 0, so they must hold finite values: build the
-cache with the default ``fill=0``. A quantized cache (``kv_format``) works the same way: the
-step encodes the new row in the cache's format (key scalars from the stored latent) and
-the attention dequantizes a chunk of keys at a time.
+cache with the default ``fill=0``. The step is for inference (run it under ``torch.no_grad()``
+or ``torch.inference_mode()``): it writes the cache in place and has no backward. A quantized
+cache (``kv_format``) works the same way: the step encodes the new row in the cache's format
+(key scalars from the stored latent) and the attention dequantizes a chunk of keys at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from ..cache.latent import LatentCache
 from ..cache.storage import ContiguousBuffer
 from ..kv_formats import row_format
-from ..ops.mla_decode.torch_impl import latent_attention
+from ..ops.mla_decode.torch_impl import latent_attention_op
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
 from .mla import MLA
 
@@ -64,7 +65,9 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
         q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
     mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
-    o_lat = latent_attention(q_lat, q_rope, latent, key_scale, scale, visible[:, None], mode, kv_format=kv_format)
+    # One opaque op: compiled, only the code around it is traced (see latent_attention_op).
+    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), visible[:, None], mode,
+                                   kv_format)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 
 
@@ -72,7 +75,8 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
                      step: Callable[..., torch.Tensor] = mla_decode_step) -> torch.Tensor:
     """``mla(x, cache)`` for one new token per sequence, through ``step`` (e.g. compiled).
 
-    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous.
+    x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous. A cache with an
+    eviction policy runs it after the step, as ``mla(x, cache)`` does (outside the compiled step).
     """
     if not isinstance(cache, LatentCache) or not isinstance(cache.fields["latent"], ContiguousBuffer):
         raise ValueError("cache: decode_one_token needs a contiguous LatentCache (the default layout)")
@@ -84,4 +88,5 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
                slot.slots[:, 0], slot.positions[:, 0], cache.kv_format)
     cache.advance(slot)
+    cache.after_attention(mla, slot, lambda: mla.absorbed_query(x, slot.positions))
     return out

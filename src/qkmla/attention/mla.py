@@ -9,6 +9,7 @@ One module, three ways to attend (MATH.md names throughout):
   in, each new token is reduced to its cache row (latent, RoPE key, G key scalars), the
   row is appended to a :class:`LatentCache`, the decode op (``qkmla.ops.mla_decode``)
   attends over the cache, and W_UV and ``o_proj`` finish. The math is in ``absorbed.py``.
+  A cache with an eviction policy may then drop tokens (``LatentCache.after_attention``).
 * **expand** (the HF-style baseline): read the latent cache and re-expand every key with
   W_UK at every step.
 
@@ -230,27 +231,40 @@ class MLA(nn.Module):
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
-        if path == "explicit":  # a prefill into an empty latent cache
+        with cache.transaction():  # a failure after the write takes x's tokens out again
+            out, queries = self._attend_latent(x, cache, slot, path)
+            # The cache's eviction policy, if it has one, may drop tokens now; it reads
+            # queries() only if it ranks tokens by attention.
+            cache.after_attention(self, slot, queries)
+        return self.o_proj(out.flatten(2))
+
+    def _attend_latent(self, x: torch.Tensor, cache: LatentCache, slot, path: str):
+        """Write x's rows into the latent cache and attend along ``path``. Returns the heads'
+        outputs [B, T, h, d_v] and a function giving x's latent queries (q_lat, q_rope)."""
+        if path in ("explicit", "expand"):
             latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
             cache.append(slot, **self.cache_rows(x, slot.positions, latent, cache))
-            q, k, v = self.explicit_qkv(x, slot.positions, latent)
-            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
-        if path == "expand":
-            cache.append(slot, **self.cache_rows(x, slot.positions, cache=cache))
-            k, v = self.expand_cache(*cache.load())
-            q = self.explicit_query(x, slot.positions)
-            return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
+            if path == "explicit":  # a prefill into an empty latent cache
+                q, k, v = self.explicit_qkv(x, slot.positions, latent)
+                out = sdpa(q, k, v, self.scale, causal=True)
+            else:
+                k, v = self.expand_cache(*cache.load())
+                out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=slot.key_mask())
+            return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
         # Settled before the cache is written: a backend that cannot run must not leave the
         # new token in the cache (a retry would attend to it twice).
         backend = select_backend(self.config.decode_backend, x.device, q_lat.shape[-1], q_rope.shape[-1])
-        mode = self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
-        with cache.transaction():  # and anything that fails later takes the token out again
-            cache.append(slot, **rows)
-            o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
-                                               backend=backend, mode=mode, visible_lens=slot.visible_lens())
-        return self.o_proj(values_out(o_lat, self.absorbed).flatten(2))
+        cache.append(slot, **rows)
+        o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
+                                           backend=backend, mode=self.score_mode, visible_lens=slot.visible_lens())
+        return values_out(o_lat, self.absorbed), lambda: (q_lat, q_rope)
+
+    @property
+    def score_mode(self) -> str:
+        """How the key scalar enters a logit (the decode op's ``mode``): "blockwise" without a QK norm."""
+        return self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
 
     def _check_call(self, x, cache, path: str, input_lengths) -> str:
         """Check the arguments of a forward call; return the path it takes ("auto" resolved)."""

@@ -2,10 +2,11 @@
 
 A cache holds a batch of B sequences. Each token has a *slot* (where its row is stored;
 sequence b fills slots 0..seqlens[b]-1 in order, and attention reads slots) and a
-*position* (its RoPE position, already applied to a cached key). Today a token's slot is
-its position; they are tracked apart (``seqlens`` and ``next_positions``, both [B]) so a
+*position* (its RoPE position, already applied to a cached key). Until tokens are dropped a
+token's slot is its position; they are tracked apart (``seqlens`` and ``next_positions``, both [B]) so a
 policy that drops cached tokens can compact the slots while new tokens keep counting
-positions, without touching attention code.
+positions, without touching attention code. :meth:`SequenceCache.keep` is that compaction;
+:meth:`SequenceCache.slot_positions` says which position each slot's token has.
 
 A forward pass with T new tokens per sequence asks :meth:`SequenceCache.plan` where they
 go; the plan checks capacity and any positions the caller passed, then the module
@@ -94,6 +95,11 @@ class SequenceCache:
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.max_len = 0
         self.uniform = True
+        # Positions of the first kept_lens[b] slots, recorded by the last keep() (allocated by the
+        # first); every later slot was appended since and sits at slot + next_positions - seqlens.
+        self._kept_positions: Optional[torch.Tensor] = None
+        self._kept_lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.eviction = None  # a cache that evicts (LatentCache(policy=...)) holds its policy's state here
 
     def _add_field(self, name: str, width: int, dtype: torch.dtype, fill: float) -> None:
         self.fields[name] = self.layout.buffer(self.batch_size, self.capacity, width, dtype, self.device, fill)
@@ -185,6 +191,8 @@ class SequenceCache:
         Appends only write slots past each sequence's length, so restoring the lengths is a
         complete undo: the rows written are unused slots again. A decode step appends its
         token and then attends; if attending fails, a retry must not see the token twice.
+        A :meth:`keep` moves rows and is not undone: an eviction policy runs it as the last
+        step of the block, after everything that may fail.
         """
         saved = self.bookkeeping()
         try:
@@ -192,6 +200,62 @@ class SequenceCache:
         except BaseException:
             self.restore(saved)
             raise
+
+    # -- dropping tokens ----------------------------------------------------------------------
+
+    def keep(self, mask: torch.Tensor) -> torch.Tensor:
+        """Keep the cached tokens where ``mask`` [B, max_len] (bool) is True and drop the rest.
+
+        Sequence b's kept tokens move, in order, to its first k_b = mask[b].sum() slots; the
+        rows of every field move together, copied as stored (a codec's quantized fields bit
+        for bit). ``seqlens`` becomes k while ``next_positions`` keeps counting, so new tokens
+        get the next RoPE positions and kept tokens keep theirs (their rotated keys stay valid).
+
+        Paged layout: the compaction happens in place, within each sequence's own blocks (the
+        block table is fixed); the slots freed at the end are the ones its next tokens fill.
+
+        Returns:
+            order [B, max_len]: order[b, i] is the slot whose row slot i now holds (i < k_b),
+            for state kept per slot beside the cache (an eviction policy's scores).
+        """
+        B, S = self.batch_size, self.max_len
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (B, S):
+            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask: expected a bool tensor [batch_size={B}, max_len={S}], got {got}")
+        slots = torch.arange(S, device=self.device)
+        mask = mask.to(self.device)
+        if bool((mask & (slots >= self.seqlens[:, None])).any()):
+            raise ValueError(f"mask: keeps a slot past its sequence's length (seqlens {self.seqlens.tolist()})")
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # kept slots first, in order
+        lengths = mask.sum(dim=1)
+        moved = (order != slots) & (slots < lengths[:, None])  # a kept prefix stays where it is
+        batch_idx, dst = moved.nonzero(as_tuple=True)
+        src = order[batch_idx, dst]
+        rows = {name: buf.gather(batch_idx, src) for name, buf in self.fields.items()}  # all read before any write
+        for name, value in rows.items():
+            self.fields[name].write(batch_idx, dst, value)
+        if self._kept_positions is None:
+            self._kept_positions = torch.zeros(B, self.capacity, dtype=torch.long, device=self.device)
+        self._kept_positions[:, :S] = self.slot_positions().gather(1, order)
+        self._kept_lens = lengths
+        self.seqlens, self.max_len = lengths, int(lengths.max())
+        self.uniform = bool((lengths == lengths[0]).all())
+        return order
+
+    def slot_positions(self) -> torch.Tensor:
+        """[B, max_len]: the RoPE position of the token in each slot (meaningless past a
+        sequence's length). Equal to the slot until a :meth:`keep` drops tokens."""
+        slots = torch.arange(self.max_len, device=self.device)
+        appended = slots + (self.next_positions - self.seqlens)[:, None]
+        if self._kept_positions is None:
+            return appended
+        return torch.where(slots < self._kept_lens[:, None], self._kept_positions[:, :self.max_len], appended)
+
+    def restart_positions(self) -> None:
+        """Number the cached tokens 0..seqlens-1 again and continue from there: for a caller
+        that has just re-rotated every cached key to its slot (StreamingLLM's re-positioning)."""
+        self.next_positions = self.seqlens.clone()
+        self._kept_lens = torch.zeros_like(self._kept_lens)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -212,6 +276,9 @@ class SequenceCache:
         """Forget every sequence (the storage is reused, not cleared)."""
         self.seqlens, self.next_positions = torch.zeros_like(self.seqlens), torch.zeros_like(self.next_positions)
         self.max_len, self.uniform = 0, True
+        self._kept_lens = torch.zeros_like(self._kept_lens)
+        if self.eviction is not None:
+            self.eviction.reset()
 
     # -- size --------------------------------------------------------------------------------
 

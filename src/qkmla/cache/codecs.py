@@ -36,7 +36,8 @@ class LatentCodec:
             rows["key_scale"] = key_scale
         return rows
 
-    def load(self, rows: dict, dtype: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(latent [B, S, d_c + d_r] in ``dtype`` (a quantized one dequantized), key scalars
-        [B, S, G] or None) from stored rows [B, S, width]."""
-        return self.rows.decode(rows["latent"]).to(dtype), rows.get("key_scale")
+    def load(self, rows: dict, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(latent [B, S, d_c + d_r] (a quantized one dequantized, in float32 or ``dtype``), key
+        scalars [B, S, G] or None) from stored rows [B, S, width]."""
+        latent = self.rows.decode(rows["latent"])
+        return (latent if dtype is None else latent.to(dtype)), rows.get("key_scale")

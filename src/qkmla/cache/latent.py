@@ -14,23 +14,25 @@ the whole logit.
 The cache owns this row format. Attention code hands it the row's parts
 (:meth:`LatentCache.append`) and hands the decode op what :meth:`LatentCache.decode_view`
 returns. Between the parts and the stored fields sits a codec (``codecs.py``: ``fields``,
-``store``, ``load``) of a row format (``qkmla.kv_formats``), chosen by ``kv_format``: "dense" (the row in ``dtype``), or a quantized
-latent with its scales and a bfloat16 RoPE key in one byte row ("fp8", FlashMLA's 656-byte
-layout; "int8"; "int4"). The decode op reads either through :meth:`LatentCache.decode_view`,
-which names the format; the key scalars are computed from the latent as stored
-(:meth:`LatentCache.stored_latent`).
+``store``, ``load``) of a row format (``qkmla.kv_formats``), chosen by ``kv_format``: "dense"
+(the row in ``dtype``), or a quantized latent with its scales and a bfloat16 RoPE key in one
+byte row ("fp8", FlashMLA's 656-byte layout; "int8"; "int4"). The decode op reads either
+through :meth:`LatentCache.decode_view`, which names the format; the key scalars are computed
+from the latent as stored (:meth:`LatentCache.stored_latent`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..config import MLAConfig
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from ..kv_formats import check_kv_format
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from .codecs import LatentCodec
+from .eviction import EvictionPolicy
+from .evictor import Eviction
 from .storage import Layout, PagedBuffer
 
 __all__ = ["LatentCache", "LatentCodec"]
@@ -55,6 +57,8 @@ class LatentCache(SequenceCache):
             (float8 e4m3 latent, a float32 scale per 128 values, bfloat16 RoPE key: 656 bytes
             at d_c 512, d_r 64), "int8" (a float32 scale per token) or "int4" (two per byte,
             a float32 scale per 32 values). See ``qkmla.kv_formats``.
+        policy: an :class:`~qkmla.cache.eviction.EvictionPolicy` that drops cached tokens
+            (StreamingLLM, H2O, SnapKV), or None to keep every token.
 
     Fields: ``latent`` [B, S, d_c + d_r] in ``dtype`` ("dense") or uint8 [B, S, row bytes]
     (quantized), ``key_scale`` [B, S, G] in ``scalar_dtype``.
@@ -63,7 +67,7 @@ class LatentCache(SequenceCache):
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
-                 fill: float = 0.0, kv_format: str = "dense"):
+                 fill: float = 0.0, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None):
         check_dims(("num_kv_groups",), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                    num_kv_groups=num_kv_groups)
         check_dtype("dtype", dtype)
@@ -76,6 +80,8 @@ class LatentCache(SequenceCache):
                 raise ValueError(f"fill: a {kv_format!r} cache fills never-written slots with 0 or NaN, got {fill!r}")
             latent_fill = 0 if fill == 0 else 0xFF
         super().__init__(batch_size, capacity, device, layout)
+        if policy is not None:
+            self.eviction = Eviction(policy, batch_size, self.device)
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
         self.kv_format, self.dtype = kv_format, dtype
         self.codec = LatentCodec(kv_lora_rank, qk_rope_head_dim, kv_format)
@@ -139,3 +145,17 @@ class LatentCache(SequenceCache):
         """A cache shaped for ``config``: scalars only when it has a QK norm."""
         groups = config.num_kv_groups if config.qk_norm is not None else 0
         return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, groups, **kwargs)
+
+    def after_attention(self, layer, slot: WriteSlot, queries: Callable[[], tuple]) -> None:
+        """The attention layer's call after each forward that wrote ``slot`` and attended: the
+        eviction policy, if any, scores the cached slots with the layer's real logits and may
+        drop tokens (``evictor.py``). Without a policy it returns at once, reading nothing.
+
+        Args:
+            layer: the MLA module; a policy reads its ``scale`` (a float or one per head [h]),
+                ``score_mode`` ("blockwise" or "unified") and ``rotary`` (for re-positioning).
+            queries: returns the new tokens' (q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]) as
+                the decode op takes them; called only when the policy reads attention.
+        """
+        if self.eviction is not None:
+            self.eviction.after_attention(self, layer, slot, queries)

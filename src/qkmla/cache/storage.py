@@ -29,6 +29,10 @@ class TokenBuffer(ABC):
     def write(self, batch_idx: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Store rows [N, width] at (batch_idx[n], positions[n]) for n < N."""
 
+    @abstractmethod
+    def gather(self, batch_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows [N, width] at (batch_idx[n], positions[n]), copied, in the stored dtype."""
+
     def write_span(self, start: int, rows: torch.Tensor) -> None:
         """Store rows [B, T, width] at positions start..start+T-1 of every sequence."""
         B, T = rows.shape[:2]
@@ -56,6 +60,9 @@ class ContiguousBuffer(TokenBuffer):
     def write(self, batch_idx, positions, rows):
         self.data[batch_idx, positions] = rows.to(self.data.dtype)
 
+    def gather(self, batch_idx, positions):
+        return self.data[batch_idx, positions]
+
     def write_span(self, start, rows):  # one strided copy, no index tensors
         self.data[:, start:start + rows.shape[1]] = rows
 
@@ -78,9 +85,15 @@ class PagedBuffer(TokenBuffer):
         self.pool = torch.full((num_blocks, block_size, width), fill, dtype=dtype, device=device)
         self.element_size = self.pool.element_size()
 
+    def _locate(self, batch_idx, positions):
+        """(block id, row within the block) of each (sequence, slot)."""
+        return self.block_table[batch_idx, positions // self.block_size], positions % self.block_size
+
     def write(self, batch_idx, positions, rows):
-        blocks = self.block_table[batch_idx, positions // self.block_size]
-        self.pool[blocks, positions % self.block_size] = rows.to(self.pool.dtype)
+        self.pool[self._locate(batch_idx, positions)] = rows.to(self.pool.dtype)
+
+    def gather(self, batch_idx, positions):
+        return self.pool[self._locate(batch_idx, positions)]
 
     def read(self, length):
         n = -(-length // self.block_size)

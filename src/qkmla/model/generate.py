@@ -7,6 +7,11 @@ The model never saw positions past its ``block_size``, so generation slides a wi
 a sequence fills the context, every sequence's last ``block_size // 2`` tokens are
 prefilled into fresh caches (positions from 0 again) and decoding goes on from there. A
 prompt longer than the context keeps its last ``block_size - 1`` tokens.
+
+An eviction ``policy`` (MLA variants) bounds every layer's cache; kept tokens keep their
+positions, so the window still slides at ``block_size`` positions, unless the policy
+re-positions them (``StreamingLLM(reposition=True)``): then positions stay within its budget
+and generation never slides.
 """
 
 from __future__ import annotations
@@ -43,14 +48,14 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _prefill(model: GPT, windows: list[list[int]], capacity: int) -> tuple[list, torch.Tensor]:
+def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None) -> tuple[list, torch.Tensor]:
     """Fresh caches holding ``windows`` (right-padded); returns them and each window's last logits."""
     device = model.wte.weight.device
     lengths = torch.tensor([len(w) for w in windows], device=device)
     idx = torch.zeros(len(windows), int(lengths.max()), dtype=torch.long, device=device)
     for b, w in enumerate(windows):
         idx[b, :len(w)] = torch.as_tensor(w, device=device)
-    caches = model.make_caches(len(windows), capacity)
+    caches = model.make_caches(len(windows), capacity, policy=policy)
     logits, _ = model(idx, caches=caches, input_lengths=lengths)
     return caches, logits[torch.arange(len(windows), device=device), lengths - 1]
 
@@ -58,17 +63,17 @@ def _prefill(model: GPT, windows: list[list[int]], capacity: int) -> tuple[list,
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             progress: bool = False) -> list[list[int]]:
+             progress: bool = False, policy=None) -> list[list[int]]:
     """Continue every prompt by ``max_new_tokens`` tokens, sliding the context window (module
-    docstring); returns the new tokens per prompt. ``progress`` shows a bar (on a terminal)."""
+    docstring); returns the new tokens per prompt. ``progress`` shows a bar (on a terminal);
+    ``policy`` is an eviction policy for the latent caches (``qkmla.cache.eviction``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: expected one or more non-empty token lists")
     check_sampling(max_new_tokens, temperature, top_k)
     model.eval()
     context = model.config.block_size
     history = [list(p)[-(context - 1):] if context > 1 else list(p)[-1:] for p in prompts]
-    caches, last = _prefill(model, history, context)
-    filled = max(len(h) for h in history)
+    caches, last = _prefill(model, history, context, policy)
     out = []
     bar = None
     if progress:
@@ -80,14 +85,12 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         out.append(nxt)
         for h, t in zip(history, nxt.tolist()):
             h.append(t)
-        if filled == context:  # the context is full: slide
+        if int(caches[0].next_positions.max()) == context:  # the positions are used up: slide
             keep = max(1, context // 2)
-            caches, last = _prefill(model, [h[-keep:] for h in history], context)
-            filled = min(keep, max(len(h) for h in history))
+            caches, last = _prefill(model, [h[-keep:] for h in history], context, policy)
         else:
             logits, _ = model(nxt[:, None], caches=caches)
             last = logits[:, -1]
-            filled += 1
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -182,10 +182,18 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def make_caches(self, batch_size: int, capacity: int, **kwargs) -> list:
-        """One cache per layer: a :class:`LatentCache` for MLA variants, a :class:`FullKVCache` otherwise."""
+    def make_caches(self, batch_size: int, capacity: int, policy=None, **kwargs) -> list:
+        """One cache per layer: a :class:`LatentCache` for MLA variants, a :class:`FullKVCache` otherwise.
+
+        ``policy``: an eviction policy (``qkmla.cache.eviction``) every layer's latent cache runs
+        on its own tokens and scores; MLA variants only."""
+        if policy is not None and not self.config.is_mla:
+            raise ValueError(f"policy: eviction runs on latent caches, so on MLA variants only; "
+                             f"attn={self.config.attn!r}")
         caches = []
         dtype = kwargs.pop("dtype", None) or self.wte.weight.dtype
+        if policy is not None:
+            kwargs["policy"] = policy
         for block in self.blocks:
             cfg = block.attn.config
             cls = LatentCache if isinstance(cfg, MLAConfig) else FullKVCache

@@ -197,6 +197,26 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     return (o_lat, lse) if return_lse else o_lat
 
 
+@torch.library.custom_op("qkmla::latent_attention", mutates_args=())
+def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                        key_scale: Optional[torch.Tensor], softmax_scale: float, mask: Optional[torch.Tensor],
+                        mode: str, kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`latent_attention` (with the log-sum-exp) as one opaque op for ``torch.compile``.
+
+    Its arithmetic is ordered for the CPU's BLAS (chunks the last-level cache holds, in-place
+    softmax); traced op by op, inductor would reorder it into a form that reads the cache
+    more often. A compiled decode step calls this op and compiles everything around it.
+    """
+    out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
+                                kv_format=kv_format)
+    return out.contiguous(), lse.float()  # a custom op's outputs have the strides its fake gives
+
+
+@latent_attention_op.register_fake
+def _(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, kv_format="dense"):
+    return torch.empty_like(q_lat), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
+
+
 def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int) -> torch.Tensor:
     """The first ``length`` slots of every sequence, [B, length, width]: a slice of a
     contiguous cache [B, capacity, width], or the table's blocks of a paged pool gathered."""

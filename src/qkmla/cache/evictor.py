@@ -1,0 +1,89 @@
+"""An eviction policy at work on one latent cache, and StreamingLLM's re-positioning.
+
+The attention layer calls ``LatentCache.after_attention`` once per forward that wrote the
+cache, after attending; a cache built with a policy hands the call to its :class:`Eviction`:
+
+    forward writes T tokens ──> attention over the cache ──> after_attention(layer, slot, queries)
+                                                               │ policy reads attention? score the slots
+                                                               │ prefill, or every `interval` steps?
+                                                               └─> keep_mask ─> cache.keep ─> (reposition)
+
+Without a policy the cache returns at once: no query is formed, nothing is scored.
+
+Everything the step computes is committed at its end, after the cache compacts: a failure
+before that (inside the layer's ``cache.transaction()``) leaves the scores, the step count
+and the cache as they were, and the transaction takes the new tokens out again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .eviction import EvictionPolicy
+from .scores import attention_received
+
+
+class Eviction:
+    """A policy's state on one cache of B sequences: decode steps since the last reset, per-head
+    scores [B, h, S] (or None), and the tokens each sequence has had evicted [B]."""
+
+    def __init__(self, policy: EvictionPolicy, batch_size: int, device):
+        if not isinstance(policy, EvictionPolicy):
+            raise ValueError(f"policy: expected an EvictionPolicy (StreamingLLM, H2O, SnapKV, or "
+                             f"make_policy(name, ...)) or None, got {policy!r:.80}")
+        self.policy, self.batch_size, self.device = policy, batch_size, device
+        self.reset()
+
+    def reset(self) -> None:
+        self.steps, self.scores = 0, None
+        self.evicted = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def after_attention(self, cache, layer, slot, queries: Callable[[], tuple]) -> None:
+        """Observe the forward that wrote ``slot`` and evict if one is due (see
+        ``LatentCache.after_attention`` for the arguments)."""
+        policy = self.policy
+        prefill = slot.slots.shape[1] > 1
+        steps, scores, evicted = self.steps + (not prefill), self.scores, self.evicted
+        observed = policy.observed(slot, prefill)
+        if observed is not None:
+            latent, key_scale = cache.load()
+            received = attention_received(latent, key_scale, slot, observed, *queries(), layer.scale, layer.score_mode)
+            scores = policy.accumulate(scores, received)
+        if prefill or (policy.interval is not None and steps % policy.interval == 0):
+            keep = policy.keep_mask(scores, cache.seqlens, cache.seqlens + evicted)
+            if not bool((keep.sum(dim=1) == cache.seqlens).all()):
+                before = cache.seqlens
+                order = cache.keep(keep)
+                evicted = evicted + before - cache.seqlens
+                scores = policy.compacted(scores, order, cache.seqlens)
+                if policy.reposition:
+                    reposition(cache, layer.rotary)
+            if not policy.keeps_scores:  # SnapKV: the next eviction observes anew
+                scores = None
+        self.steps, self.scores, self.evicted = steps, scores, evicted
+
+
+@torch.no_grad()
+def reposition(cache, rotary) -> None:
+    """Move every cached token to the RoPE position of its slot; new tokens continue from seqlens.
+
+    Only the small RoPE key turns, by (slot - position) with ``rotary.shift``: the latent and
+    the key scalars carry no position. Rows go through the cache's codec (load, turn, store),
+    so a codec gets its own format back (a quantized latent is re-quantized from its
+    dequantized values); rows already at their slot's position are not touched.
+    """
+    positions = cache.slot_positions()  # [B, S]
+    slots = torch.arange(cache.max_len, device=positions.device)
+    batch_idx, slot_idx = ((positions != slots) & (slots < cache.seqlens[:, None])).nonzero(as_tuple=True)
+    if len(batch_idx):
+        rows = {name: buf.gather(batch_idx, slot_idx)[None] for name, buf in cache.fields.items()}  # [1, N, width]
+        latent, key_scale = cache.codec.load(rows)
+        c_kv, k_rope = latent.split([cache.kv_lora_rank, cache.qk_rope_head_dim], dim=-1)
+        offsets = (slot_idx - positions[batch_idx, slot_idx])[None]  # [1, N], <= 0
+        k_rope = rotary.shift(k_rope[:, :, None], offsets).squeeze(2)
+        for name, value in cache.codec.store(c_kv, k_rope, key_scale).items():
+            cache.fields[name].write(batch_idx, slot_idx, value[0])
+    cache.restart_positions()
