@@ -5,24 +5,27 @@ import torch
 
 from qkmla import LatentCache, MLAConfig, PagedLayout, kv_formats, mla_preset
 from qkmla.cache import KV_FORMATS
-from qkmla.cache.codecs import LatentCodec
+from qkmla.cache.codecs import LatentCodec, QuantizedCodec
 from qkmla.cache.size import CACHE_PRESETS, cache_rows
 from qkmla.kv_formats import row_format
 
 
 @pytest.mark.parametrize("kv_format", KV_FORMATS)
 def test_fields_store_load(kv_format):
-    codec = LatentCodec(32, 8, kv_format)
-    fields = codec.fields(4, torch.bfloat16, torch.float32)
+    codec = LatentCodec() if kv_format == "dense" else QuantizedCodec(kv_format, 32, 8)
+    fields = codec.fields(32, 8, 4, torch.bfloat16, torch.float32)
     width, dtype = fields["latent"]
     assert (width, dtype) == ((40, torch.bfloat16) if kv_format == "dense" else (row_format(kv_format, 32, 8).width,
                                                                                   torch.uint8))
-    assert fields["key_scale"] == (4, torch.float32) and "key_scale" not in codec.fields(0, torch.float32, torch.float32)
+    assert fields["key_scale"] == (4, torch.float32) and "key_scale" not in codec.fields(32, 8, 0, torch.float32,
+                                                                                         torch.float32)
     c, k_rope, r = torch.randn(2, 3, 32), torch.randn(2, 3, 8), torch.rand(2, 3, 4)
     rows = codec.store(c, k_rope, r)
-    latent, key_scale = codec.load(rows, torch.float64)
-    assert latent.dtype == torch.float64 and latent.shape == (2, 3, 40) and key_scale is r  # scalars never quantized
-    torch.testing.assert_close(latent[..., 32:].float(), k_rope, rtol=2 ** -8, atol=0)  # RoPE: bf16 at worst
+    assert rows["latent"].shape == (2, 3, width)
+    latent, key_scale = codec.load(rows)
+    assert latent.dtype == torch.float32 and latent.shape == (2, 3, 40) and key_scale is r  # scalars never quantized
+    torch.testing.assert_close(latent[..., 32:], k_rope, rtol=2 ** -8, atol=0)  # RoPE: bf16 at worst
+    assert torch.equal(latent[..., :32], codec.stored_latent(c))
 
 
 @pytest.mark.parametrize("kv_format", KV_FORMATS)

@@ -1,9 +1,13 @@
-"""The codec of a latent cache: a row's parts <-> the cache's stored fields.
+"""The codecs of a latent cache: a row's parts <-> the cache's stored fields.
 
 A :class:`LatentCache` stores two fields per token: ``latent``, the row of a format from
-``qkmla.kv_formats`` ([c ; k^R] in the cache's dtype for "dense", or a uint8 row of a
-quantized latent, its scales and a bfloat16 k^R), and ``key_scale``, the G key scalars
-r in ``scalar_dtype`` (QK-normed layers only), never quantized with the latent.
+``qkmla.kv_formats``, and ``key_scale``, the G key scalars r in ``scalar_dtype``
+(QK-normed layers only), never quantized with the latent.
+
+* :class:`LatentCodec` (the default, ``kv_format="dense"``): ``latent`` = [c ; k^R] in the
+  cache's dtype.
+* :class:`QuantizedCodec` (``kv_format`` "fp8", "int8", "int4"): ``latent`` is a uint8 row
+  of a quantized latent, its float32 scales and a bfloat16 k^R; ``load`` dequantizes.
 """
 
 from __future__ import annotations
@@ -12,32 +16,61 @@ from typing import Optional
 
 import torch
 
-from ..kv_formats import DenseRows, row_format
+from ..kv_formats import row_format
 
 
 class LatentCodec:
-    """fields / store / load of a latent cache whose latent rows have format ``rows``
-    (default: dense; the buffers cast rows to their field's dtype on write)."""
+    """The stored form of a latent-cache row: the latent and RoPE key as one row, the
+    scalars as another, each in its field's dtype (the buffer casts on write)."""
 
-    def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int, kv_format: str = "dense"):
-        self.rows: DenseRows = row_format(kv_format, kv_lora_rank, qk_rope_head_dim)
+    kv_format = "dense"
 
-    def fields(self, num_kv_groups: int, dtype: torch.dtype, scalar_dtype: torch.dtype) -> dict[str, tuple]:
+    def fields(self, kv_lora_rank: int, qk_rope_head_dim: int, num_kv_groups: int, dtype: torch.dtype,
+               scalar_dtype: torch.dtype) -> dict[str, tuple[int, torch.dtype]]:
         """{field name: (width, dtype)} of the stored rows."""
-        fields = {"latent": (self.rows.width, self.rows.storage_dtype(dtype))}
+        fields = {"latent": (kv_lora_rank + qk_rope_head_dim, dtype)}
         if num_kv_groups:
             fields["key_scale"] = (num_kv_groups, scalar_dtype)
         return fields
 
     def store(self, c_kv: torch.Tensor, k_rope: torch.Tensor, key_scale: Optional[torch.Tensor]) -> dict:
         """Rows [B, T, width] of every field from c [B, T, d_c], k^R [B, T, d_r], r [B, T, G] or None."""
-        rows = {"latent": self.rows.encode(c_kv, k_rope)}
+        rows = {"latent": self.encode(c_kv, k_rope)}
         if key_scale is not None:
             rows["key_scale"] = key_scale
         return rows
 
-    def load(self, rows: dict, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(latent [B, S, d_c + d_r] (a quantized one dequantized, in float32 or ``dtype``), key
-        scalars [B, S, G] or None) from stored rows [B, S, width]."""
-        latent = self.rows.decode(rows["latent"])
-        return (latent if dtype is None else latent.to(dtype)), rows.get("key_scale")
+    def encode(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """The ``latent`` field's rows [..., width] from c [..., d_c] and k^R [..., d_r]."""
+        return torch.cat((c_kv, k_rope.to(c_kv.dtype)), dim=-1)
+
+    def load(self, rows: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(latent [B, S, d_c + d_r], key scalars [B, S, G] or None) from stored rows [B, S, width]."""
+        return rows["latent"], rows.get("key_scale")
+
+    def stored_latent(self, c_kv: torch.Tensor) -> torch.Tensor:
+        """c [..., d_c] as the cache reads it back (dense: c itself); the key scalars are
+        computed from it."""
+        return c_kv
+
+
+class QuantizedCodec(LatentCodec):
+    """``latent`` as one uint8 row of ``kv_format`` (``qkmla.kv_formats``: codes, float32
+    scales, bfloat16 k^R); ``load`` returns it dequantized, in float32."""
+
+    def __init__(self, kv_format: str, kv_lora_rank: int, qk_rope_head_dim: int):
+        self.kv_format = kv_format
+        self.rows = row_format(kv_format, kv_lora_rank, qk_rope_head_dim)
+
+    def fields(self, kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype, scalar_dtype):
+        fields = super().fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype, scalar_dtype)
+        return {**fields, "latent": (self.rows.width, torch.uint8)}
+
+    def encode(self, c_kv, k_rope):
+        return self.rows.encode(c_kv, k_rope)
+
+    def load(self, rows):
+        return self.rows.decode(rows["latent"]), rows.get("key_scale")
+
+    def stored_latent(self, c_kv):
+        return self.rows.stored_latent(c_kv)

@@ -28,14 +28,15 @@ from typing import Callable, Optional
 import torch
 
 from ..config import MLAConfig
+from ..dtypes import cast
 from ..kv_formats import check_kv_format
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
-from .codecs import LatentCodec
+from .codecs import LatentCodec, QuantizedCodec
 from .eviction import EvictionPolicy
 from .evictor import Eviction
 from .storage import Layout, PagedBuffer
 
-__all__ = ["LatentCache", "LatentCodec"]
+__all__ = ["LatentCache", "LatentCodec", "QuantizedCodec"]
 
 
 class LatentCache(SequenceCache):
@@ -64,6 +65,8 @@ class LatentCache(SequenceCache):
     (quantized), ``key_scale`` [B, S, G] in ``scalar_dtype``.
     """
 
+    codec = LatentCodec()  # "dense"; another kv_format gives the cache a QuantizedCodec
+
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
@@ -84,8 +87,10 @@ class LatentCache(SequenceCache):
             self.eviction = Eviction(policy, batch_size, self.device)
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
         self.kv_format, self.dtype = kv_format, dtype
-        self.codec = LatentCodec(kv_lora_rank, qk_rope_head_dim, kv_format)
-        for name, (width, field_dtype) in self.codec.fields(num_kv_groups, dtype, scalar_dtype or dtype).items():
+        if kv_format != "dense":
+            self.codec = QuantizedCodec(kv_format, kv_lora_rank, qk_rope_head_dim)
+        for name, (width, field_dtype) in self.codec.fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype,
+                                                            scalar_dtype or dtype).items():
             self._add_field(name, width, field_dtype, latent_fill if name == "latent" else fill)
 
     def append(self, slot: WriteSlot, *, c_kv: torch.Tensor, k_rope: torch.Tensor,
@@ -108,13 +113,14 @@ class LatentCache(SequenceCache):
         """Every sequence's first max(seqlens) slots: (latent [B, S, d_c + d_r], key scalars
         [B, S, G] or None), slots past a shorter sequence's length zeroed; a quantized latent
         comes back dequantized, in ``dtype``."""
-        return self.codec.load({name: self.read(name) for name in self.fields}, self.dtype)
+        latent, key_scale = self.codec.load({name: self.read(name) for name in self.fields})
+        return cast(latent, self.dtype), key_scale
 
     def stored_latent(self, c_kv: torch.Tensor) -> torch.Tensor:
         """c [..., d_c] as this cache reads it back: c itself ("dense"), or quantized and
         dequantized. The key scalars of a new token are computed from it, so a cached key is
         the normalized key of the latent the decoder sees."""
-        return self.codec.rows.stored_latent(c_kv)
+        return self.codec.stored_latent(c_kv)
 
     def decode_view(self) -> dict:
         """What the decode op (``qkmla.ops.mla_decode.mla_decode_with_kvcache``) reads, by its
