@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from qkmla import mla_preset
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -27,6 +29,7 @@ def test_bench_decode_writes_rows_for_every_variant(tmp_path):
     assert result["command"].startswith("python benchmarks/bench_decode.py")
     assert "cpu" in result["machine"]
     assert result["modes"] == list(bench.DEFAULT_MODES) and result["old"] is None
+    assert result["kv_formats"] == [] and "kv_format_over_bf16_step" not in result["summary"]  # only on request
     rows = result["rows"]
     variants = bench.mode_variants(bench.DEFAULT_MODES)
     assert {(r["context"], r["variant"]) for r in rows} == {(c, v) for c in (32, 64) for v in variants}
@@ -49,6 +52,54 @@ def test_bench_decode_writes_rows_for_every_variant(tmp_path):
     for got in result["compile"]["per_context"].values():  # the compiled step computes the eager step's output
         for mode in ("compiled", "compiled-optimized"):
             assert max(got[mode]["max_abs_diff_to_eager"].values()) < 1e-4
+
+
+def test_bench_decode_times_every_kv_format_against_bf16(tmp_path):
+    """--kv-formats: the absorbed step over a bf16, fp8, int8 and int4 cache, eager and compiled,
+    in the same rounds; bytes and step times over bf16's in the summary."""
+    bench = load("bench_decode")
+    out = tmp_path / "decode.json"
+    formats = ["bf16", "fp8", "int8", "int4"]
+    assert bench.main(["--preset", "tiny", "--contexts", "32", "64", "--rounds", "2", "--modes", "eager", "compiled",
+                       "--kv-formats", *formats, "--compile-backend", "aot_eager", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["kv_formats"] == formats
+    variants = bench.mode_variants(["eager", "compiled"], formats)
+    assert {"absorbed-mla-fp8", "absorbed-mla-qknorm-fp8", "absorbed-mla-qknorm-int4-compiled"} <= set(variants)
+    by = {(r["context"], r["variant"]): r for r in result["rows"]}
+    assert set(by) == {(c, v) for c in (32, 64) for v in variants}
+    tiny = mla_preset("tiny")  # d_c 32, d_r 8, G 4
+    rope_bytes, scalar_bytes = 2 * tiny.qk_rope_head_dim, 2 * tiny.num_kv_groups  # both bfloat16
+    per_token = {"bf16": 2 * (tiny.kv_lora_rank + tiny.qk_rope_head_dim),
+                 "fp8": tiny.kv_lora_rank + 4 + rope_bytes, "int8": tiny.kv_lora_rank + 4 + rope_bytes,
+                 "int4": tiny.kv_lora_rank // 2 + 4 + rope_bytes}
+    qk_per_token = {f: n + scalar_bytes for f, n in per_token.items()}
+    for f in formats:
+        for suffix in ("", "-compiled"):  # bytes read per step: bytes per token x context, in both modes
+            assert by[(64, f"absorbed-mla-{f}{suffix}")]["cache_bytes"] == 64 * per_token[f]
+            assert by[(64, f"absorbed-mla-qknorm-{f}{suffix}")]["cache_bytes"] == 64 * qk_per_token[f]
+            assert by[(64, f"absorbed-mla-{f}{suffix}")]["ratio_to_mla"] == 1.0  # plain MLA, same format and mode
+    summary = result["summary"]
+    assert summary["kv_format_bytes_per_token"]["fp8"] == {"mla": per_token["fp8"], "mla-qknorm": qk_per_token["fp8"]}
+    bytes_over_bf16 = summary["kv_format_over_bf16_bytes"]
+    assert set(bytes_over_bf16) == {"fp8", "int8", "int4"}
+    assert bytes_over_bf16["int4"]["mla"] < bytes_over_bf16["fp8"]["mla"] == bytes_over_bf16["int8"]["mla"] < 1
+    assert bytes_over_bf16["fp8"]["mla-qknorm"] == qk_per_token["fp8"] / qk_per_token["bf16"]
+    step_over_bf16 = summary["kv_format_over_bf16_step"]
+    assert set(step_over_bf16) == {"eager", "compiled"}
+    for m, d in step_over_bf16.items():
+        assert set(d) == {"fp8", "int8", "int4"}
+        for f, per_context in d.items():
+            assert set(per_context) == {"32", "64"}
+            seconds = {g: by[(32, bench.step_variant(m, True, g))]["seconds"] for g in (f, "bf16")}
+            assert per_context["32"]["mla-qknorm"] == pytest.approx(seconds[f] / seconds["bf16"])
+    assert summary["targets"]["gpu_fp8_faster_and_fewer_bytes_than_bf16_from_32k"] is None
+    for got in result["compile"]["per_context"].values():  # each compiled step computes its eager step's output
+        assert set(got) == {"compiled", *(f"{f}-compiled" for f in formats)}
+        for f in formats:
+            diff = got[f"{f}-compiled"]["max_abs_diff_to_eager"]
+            assert set(diff) == {f"absorbed-mla-{f}", f"absorbed-mla-qknorm-{f}"}
+            assert max(diff.values()) < 1e-4
 
 
 def test_bench_decode_times_another_checkout_in_a_worker(tmp_path):
