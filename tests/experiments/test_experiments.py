@@ -12,7 +12,8 @@ from qkmla.experiments.grid import Run, run_dir, run_grid
 ROW_KEYS = {"experiment", "run", "variant", "seed", "lr", "status", "steps", "final_val_loss", "best_val_loss",
             "peak_max_logit", "peak_max_logit_post_clip", "nan_step", "seconds", "median_step_seconds"}
 FIGURES = {"lr-sweep": "lr_sweep.png", "qk-clip": "qk_clip.png", "norm-mode": "norm_mode.png",
-           "lp-sweep": "lp_sweep.png", "length": "length.png"}
+           "lp-sweep": "lp_sweep.png", "length": "length.png",
+           "compression": "compression.png"}
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,31 @@ def test_experiment_specific_columns(quick_dir):
     lp = [json.loads(x) for x in (quick_dir / "lp-sweep" / "results.jsonl").read_text().splitlines()]
     matched = [r for r in lp if r["matched"]]
     assert matched and all(r["initial_scale"] > 0 and r["logit_scale"] > 0 for r in matched)
+
+
+def test_compression_measures_every_setting_against_the_uncompressed_cache(quick_dir):
+    from qkmla.experiments.compression import settings
+
+    rows = [json.loads(x) for x in (quick_dir / "compression" / "results.jsonl").read_text().splitlines()]
+    assert {r["variant"] for r in rows} == {"mla", "mla-qknorm"}
+    for r in rows:
+        got = r["settings"]
+        assert [(s["format"], s["policy"], s["fraction"]) for s in got] == \
+            [(s["format"], s["policy"], s["fraction"]) for s in settings(r["context"])]
+        by = {(s["format"], s["policy"], s["fraction"]): s for s in got}
+        dense = by[("dense", None, 1.0)]
+        # The dense fp32 cache is the reference itself: nothing may change.
+        assert dense["loss_delta_rel"] == 0 and dense["top1_agreement"] == 1 and dense["kept"] == 1
+        assert dense["bytes_per_token"] == r["reference_bytes_per_token"]
+        assert by[("fp8", None, 1.0)]["bytes_per_token"] < by[("bf16", None, 1.0)]["bytes_per_token"] \
+            < dense["bytes_per_token"]
+        for (fmt, policy, fraction), s in by.items():
+            assert 0 <= s["top1_agreement"] <= 1 and 0 <= s["passkey_accuracy"] <= 1
+            if policy is not None:  # evicted: fewer tokens than seen, bytes scale with them
+                assert s["kept"] < 1
+                assert s["effective_bytes_per_token"] == pytest.approx(s["bytes_per_token"] * s["kept"])
+    summary = json.loads((quick_dir / "compression" / "summary.json").read_text())
+    assert set(summary["targets"]) == {f"{m} {f}" for m in ("mla", "mla-qknorm") for f in ("fp8", "int8")}
 
 
 def test_resume_reruns_nothing_finished(quick_dir):

@@ -8,12 +8,13 @@ size for tests. It writes ``OUT/results.jsonl`` (one row per run), PNG figures,
 from __future__ import annotations
 
 from .base import Experiment, Options, Report, run_experiment
+from .compression import EXPERIMENT as COMPRESSION
 from .length import EXPERIMENT as LENGTH
 from .lp_sweep import EXPERIMENT as LP_SWEEP
 from .lr_sweep import EXPERIMENT as LR_SWEEP
 from .norm_mode import EXPERIMENT as NORM_MODE
 from .qk_clip import EXPERIMENT as QK_CLIP
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (LR_SWEEP, QK_CLIP, NORM_MODE, LP_SWEEP, LENGTH)}
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (LR_SWEEP, QK_CLIP, NORM_MODE, LP_SWEEP, LENGTH, COMPRESSION)}
 
 __all__ = ["EXPERIMENTS", "Experiment", "Options", "Report", "run_experiment"]

@@ -1,0 +1,78 @@
+"""A long-range check a compressed cache can fail: passkey records woven into Shakespeare.
+
+The training text is tiny Shakespeare cut into passages of ``MIN_FILLER`` to ``MAX_FILLER``
+characters, each wrapped as one record::
+
+    #418207:<passage of Shakespeare>#418207\n
+
+The key (``KEY_DIGITS`` random digits) is unpredictable where it opens a record and fully
+predictable where it closes it, but only by attending back over the whole passage, 40 to
+500 characters. The short passages teach copying (an induction head) quickly; the long ones
+are where a compressed cache is tested (``key_targets(..., min_distance=)``). A model trained on this text learns to copy the key; a cache that
+has dropped the key's tokens (eviction) or blurred them (quantization) cannot. The rest of
+the text is ordinary Shakespeare, so the same model serves the validation-loss check.
+
+The records keep the corpus's order, so nanoGPT's split (first 90% train, last 10%
+validation) still puts unseen passages and keys in validation.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from ..train.data import Tokenizer, load_text
+
+KEY_DIGITS = 6
+MIN_FILLER, MAX_FILLER = 40, 500
+SEED = 0
+OPEN, CLOSE = "#", "#"
+
+
+def passkey_text(source: str = "tiny_shakespeare", seed: int = SEED) -> str:
+    """The whole record text (deterministic for a seed)."""
+    text = load_text(source).replace(OPEN, " ")  # '#' only ever marks a key
+    rng = random.Random(seed)
+    records, i = [], 0
+    while i < len(text):
+        n = rng.randint(MIN_FILLER, MAX_FILLER)
+        key = "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
+        records.append(f"{OPEN}{key}:{text[i:i + n]}{CLOSE}{key}\n")
+        i += n
+    return "".join(records)
+
+
+def write_passkey_corpus(path: Path, source: str = "tiny_shakespeare") -> Path:
+    """Write the record text to ``path`` (once; the same bytes every time) and return it."""
+    text = passkey_text(source)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def record_starts(ids: torch.Tensor, tok: Tokenizer) -> list[int]:
+    """Offsets in ``ids`` [N] where a record opens (a '#' at the start or after a newline)."""
+    mark, newline = tok.encode(OPEN)[0], tok.encode("\n")[0]
+    opens = (ids == mark).nonzero().flatten().tolist()
+    return [i for i in opens if i == 0 or int(ids[i - 1]) == newline]
+
+
+def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0) -> torch.Tensor:
+    """[N] bool: token i is a digit of a closing key (predictable only from its record's start).
+
+    A closing key follows a '#' that is not at a record's start; its KEY_DIGITS digits are
+    the tokens to predict. ``min_distance``: only keys that close at least that many tokens
+    after their record opened.
+    """
+    mark, newline = tok.encode(OPEN)[0], tok.encode("\n")[0]
+    out = torch.zeros(len(ids), dtype=torch.bool)
+    opened = None
+    for i in (ids == mark).nonzero().flatten().tolist():
+        if i == 0 or int(ids[i - 1]) == newline:
+            opened = i
+        elif opened is not None and i - opened >= min_distance:
+            out[i + 1:i + 1 + KEY_DIGITS] = True
+    return out

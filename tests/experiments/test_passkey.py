@@ -1,0 +1,38 @@
+"""The passkey records of the compression experiment: layout, determinism, and which tokens are keys."""
+
+import re
+
+import torch
+
+from qkmla.experiments.passkey import (KEY_DIGITS, MAX_FILLER, MIN_FILLER, key_targets, passkey_text,
+                                       record_starts)
+from qkmla.train.data import Tokenizer, load_text
+
+
+def test_records_wrap_the_whole_corpus_in_order_with_a_repeated_key():
+    text = passkey_text()
+    assert text == passkey_text()  # the same bytes every time
+    records = re.findall(rf"#(\d{{{KEY_DIGITS}}}):([^#]*)#(\d{{{KEY_DIGITS}}})\n", text)
+    assert "".join(f"#{k}:{f}#{k2}\n" for k, f, k2 in records) == text  # nothing but records
+    assert all(k == k2 for k, _, k2 in records)
+    assert all(MIN_FILLER <= len(f) <= MAX_FILLER for _, f, _ in records[:-1])
+    assert "".join(f for _, f, _ in records) == load_text().replace("#", " ")
+    assert len({k for k, _, _ in records}) > 0.9 * len(records)  # keys are not one repeated string
+
+
+def test_key_targets_mark_only_closing_key_digits():
+    text = "#123456:to be#123456\n#654321:or not#654321\n"
+    tok = Tokenizer.fit(text)
+    ids = torch.tensor(tok.encode(text))
+    marked = "".join(c for c, m in zip(text, key_targets(ids, tok).tolist()) if m)
+    assert marked == "123456654321"
+    assert [text[i] for i in record_starts(ids, tok)] == ["#", "#"] and record_starts(ids, tok)[0] == 0
+    assert len(record_starts(ids, tok)) == 2
+
+
+def test_key_targets_can_keep_only_long_range_keys():
+    text = "#111111:ab#111111\n#222222:" + "x" * 20 + "#222222\n"
+    tok = Tokenizer.fit(text)
+    ids = torch.tensor(tok.encode(text))
+    marked = "".join(c for c, m in zip(text, key_targets(ids, tok, min_distance=15).tolist()) if m)
+    assert marked == "222222"
