@@ -98,3 +98,17 @@ def test_bad_formats(monkeypatch):
     with pytest.raises(ValueError, match=r"kv_format: 'fp8' needs torch.float8_e4m3fn.*on device cpu; "
                                          r"allowed here: \('dense', 'int8', 'int4'\)"):
         kv_formats.check_kv_format("fp8", "cpu")
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_latent_reads_back_as_nan_not_as_finite_codes(kv_format, bad):
+    from qkmla.kv_formats import row_format
+
+    rows = row_format(kv_format, 256, 16)
+    c = torch.randn(2, 256)
+    c[0, 5] = bad
+    back = rows.dequantize(*rows.quantize(c))
+    group = 256 if kv_format == "int8" else rows.group_size
+    assert back[0, :group].isnan().all()  # the group holding it (the whole row for int8's one scale)
+    assert back[1].isfinite().all() and back[0, group:].isfinite().all()

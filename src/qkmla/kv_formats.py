@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -98,9 +99,10 @@ class DenseRows:
         quantized: float32)."""
         return rows
 
-    def stored_latent(self, c_kv: torch.Tensor) -> torch.Tensor:
-        """c [..., d_c] as a cache of this format reads it back (dense: c itself)."""
-        return c_kv
+    def stored_latent(self, c_kv: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """c [..., d_c] as a cache of this format reads it back: dense rows stored in ``dtype``
+        are c rounded to it (None: c itself)."""
+        return c_kv if dtype is None else c_kv.to(dtype).to(c_kv.dtype)
 
 
 class QuantizedRows(DenseRows):
@@ -135,6 +137,9 @@ class QuantizedRows(DenseRows):
         c = torch.nn.functional.pad(c_kv.float(), (0, n * g - d_c)).unflatten(-1, (n, g))  # [..., n, g]
         amax = c.abs().amax(dim=-1, keepdim=True)
         scale = torch.where(amax > 0, amax / self.code_max, torch.ones_like(amax))
+        # A NaN or inf in a group makes its scale NaN, so the group reads back as NaN (as a
+        # dense cache would pass it on), never as finite codes of a meaningless scale.
+        scale = torch.where(torch.isfinite(amax), scale, torch.full_like(amax, float("nan")))
         return self.to_codes((c / scale).flatten(-2)[..., :d_c]), scale.squeeze(-1)
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -166,7 +171,7 @@ class QuantizedRows(DenseRows):
         codes, scales, k_rope = self.layout.split(rows)
         return torch.cat((self.dequantize(codes, scales), k_rope.float()), dim=-1)
 
-    def stored_latent(self, c_kv):
+    def stored_latent(self, c_kv, dtype=None):  # the rows are bytes: ``dtype`` plays no part
         return self.dequantize(*self.quantize(c_kv)).to(c_kv.dtype)
 
 

@@ -167,3 +167,10 @@ BAD = [
 def test_bad_arguments_are_refused_at_construction(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_make_policy_names_a_mistyped_argument():
+    from qkmla.cache.eviction import make_policy
+
+    with pytest.raises(ValueError, match="policy 'h2o': .*bugdet"):
+        make_policy("h2o", bugdet=8)

@@ -109,3 +109,18 @@ def test_append_checks_the_row_parts():
     with pytest.raises(ValueError, match=r"k_rope: expected a tensor \[B=2, T=1, 8\]"):
         cache.append(slot, c_kv=torch.zeros(2, 1, 32), k_rope=torch.zeros(2, 1, 7), key_scale=torch.ones(2, 1, 4))
     assert cache.seqlens.tolist() == [0, 0]
+
+
+def test_an_unscaled_float8_cache_is_refused():
+    import pytest
+
+    for kw in (dict(dtype=torch.float8_e4m3fn), dict(scalar_dtype=torch.float8_e5m2)):
+        with pytest.raises(ValueError, match="2 bytes or more.*kv_format='fp8'"):
+            LatentCache(1, 8, 16, 8, 2, **kw)
+
+
+def test_a_dense_cache_below_the_model_precision_reads_back_the_rounded_latent():
+    """The key scalars come from the latent as stored: for a bfloat16 cache, c rounded to it."""
+    c = torch.randn(3, 16, dtype=torch.float64)
+    assert torch.equal(LatentCache(1, 8, 16, 8, 2, dtype=torch.bfloat16).stored_latent(c), c.bfloat16().double())
+    assert LatentCache(1, 8, 16, 8, 2, dtype=torch.float64).stored_latent(c) is c

@@ -30,6 +30,23 @@ def test_key_targets_mark_only_closing_key_digits():
     assert len(record_starts(ids, tok)) == 2
 
 
+def test_a_closing_key_at_the_start_of_a_line_is_still_a_closing_key():
+    text = "ab#111111\n#222222:line\n#222222\n#333333:x#333333\n"  # starts mid-record, as a split does
+    tok = Tokenizer.fit(text)
+    ids = torch.tensor(tok.encode(text))
+    marked = "".join(c for c, m in zip(text, key_targets(ids, tok).tolist()) if m)
+    assert marked == "222222333333"  # not the first record's key: its opening is not in the text
+    assert [text[i + 1] for i in record_starts(ids, tok)] == ["2", "3"]
+
+
+def test_every_record_of_the_validation_split_is_scored():
+    text = passkey_text()
+    tok = Tokenizer.fit(text)
+    val = torch.tensor(tok.encode(text[int(0.9 * len(text)):]))
+    closes = int(key_targets(val, tok).sum()) // KEY_DIGITS
+    assert closes == len(record_starts(val, tok)) >= 400
+
+
 def test_key_targets_can_keep_only_long_range_keys():
     text = "#111111:ab#111111\n#222222:" + "x" * 20 + "#222222\n"
     tok = Tokenizer.fit(text)

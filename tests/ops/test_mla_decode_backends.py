@@ -219,3 +219,15 @@ def test_per_head_softmax_scale_is_each_heads_logit_scale(backend):
         torch.testing.assert_close(lse[:, :, h], want_lse[:, :, h], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"softmax_scale: expected a float or a tensor \[H=8\]"):
         mla_decode_with_kvcache(**{**args, "softmax_scale": scales[:3]}, backend=backend)
+
+
+def test_byte_rows_passed_as_dense_are_refused():
+    """int4 rows at d_c 64, d_r 24 are 88 bytes, as wide as a dense row: the dtype tells them apart."""
+    from qkmla.kv_formats import row_format
+
+    d_c, d_r = 64, 24
+    assert row_format("int4", d_c, d_r).width == d_c + d_r
+    q_lat, q_rope = torch.randn(1, 1, 2, d_c), torch.randn(1, 1, 2, d_r)
+    rows = torch.zeros(1, 4, d_c + d_r, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="kv_cache: kv_format='dense' rows are floating-point values, got torch.uint8"):
+        mla_decode_with_kvcache(q_lat, q_rope, rows, None, torch.tensor([4]), backend="torch")

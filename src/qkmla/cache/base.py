@@ -78,6 +78,9 @@ def check_dtype(name: str, dtype) -> None:
     """Cached rows are floating point (an integer buffer would truncate them silently)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating-point torch.dtype (e.g. torch.bfloat16), got {dtype!r}")
+    if dtype.itemsize == 1:  # float8 without a scale: a silent loss of everything below 2^-6 or past 448
+        raise ValueError(f"{name}: expected a floating-point dtype of 2 bytes or more, got {dtype}; an fp8 latent "
+                         f"needs its per-tile scales: LatentCache(..., kv_format='fp8')")
 
 
 class SequenceCache:

@@ -36,6 +36,7 @@ instead, so positions never outgrow the budget.
 
 from __future__ import annotations
 
+import inspect
 import math
 from fractions import Fraction
 from typing import Optional
@@ -272,4 +273,8 @@ def make_policy(name: str, **kwargs) -> EvictionPolicy:
     """A policy by name (``POLICIES``: "streaming-llm", "h2o", "snapkv") and its arguments."""
     if name not in POLICIES:
         raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {name!r}")
+    try:
+        inspect.signature(POLICIES[name]).bind(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"policy {name!r}: {e}") from None
     return POLICIES[name](**kwargs)

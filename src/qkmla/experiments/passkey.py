@@ -53,26 +53,35 @@ def write_passkey_corpus(path: Path, source: str = "tiny_shakespeare") -> Path:
     return path
 
 
+def _opens_closes(ids: torch.Tensor, tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """Offsets of the '#' that open records and of those that close them. A '#' opens when
+    its key is followed by ':' and closes when it is followed by a newline (a passage may
+    end in a newline, so a line's first '#' can close a record too)."""
+    colon = tok.encode(":")[0]
+    opens, closes = [], []
+    for i in (ids == tok.encode(OPEN)[0]).nonzero().flatten().tolist():
+        after = i + 1 + KEY_DIGITS
+        (opens if after < len(ids) and int(ids[after]) == colon else closes).append(i)
+    return opens, closes
+
+
 def record_starts(ids: torch.Tensor, tok: Tokenizer) -> list[int]:
-    """Offsets in ``ids`` [N] where a record opens (a '#' at the start or after a newline)."""
-    mark, newline = tok.encode(OPEN)[0], tok.encode("\n")[0]
-    opens = (ids == mark).nonzero().flatten().tolist()
-    return [i for i in opens if i == 0 or int(ids[i - 1]) == newline]
+    """Offsets in ``ids`` [N] where a record opens."""
+    return _opens_closes(ids, tok)[0]
 
 
 def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0) -> torch.Tensor:
     """[N] bool: token i is a digit of a closing key (predictable only from its record's start).
 
-    A closing key follows a '#' that is not at a record's start; its KEY_DIGITS digits are
-    the tokens to predict. ``min_distance``: only keys that close at least that many tokens
-    after their record opened.
+    ``min_distance``: only keys that close at least that many tokens after their record
+    opened (a key whose opening lies before ``ids`` starts is never marked).
     """
-    mark, newline = tok.encode(OPEN)[0], tok.encode("\n")[0]
+    opens, closes = _opens_closes(ids, tok)
     out = torch.zeros(len(ids), dtype=torch.bool)
-    opened = None
-    for i in (ids == mark).nonzero().flatten().tolist():
-        if i == 0 or int(ids[i - 1]) == newline:
-            opened = i
-        elif opened is not None and i - opened >= min_distance:
-            out[i + 1:i + 1 + KEY_DIGITS] = True
+    j = -1
+    for c in closes:
+        while j + 1 < len(opens) and opens[j + 1] < c:
+            j += 1
+        if j >= 0 and c - opens[j] >= min_distance:
+            out[c + 1:c + 1 + KEY_DIGITS] = True
     return out

@@ -124,6 +124,9 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != rows.width:
         raise ValueError(f"kv_cache: expected [num_blocks, block_size, {width} = {rows.width}] for d_c={d_c}, d_r={d_r} "
                          f"(or [B, capacity, {width}] without a block table), got {tuple(kv_cache.shape)}")
+    if kv_format == "dense" and not kv_cache.dtype.is_floating_point:
+        raise ValueError(f"kv_cache: kv_format='dense' rows are floating-point values, got {kv_cache.dtype}; "
+                         f"pass the cache's own kv_format (LatentCache.decode_view() names it) for byte rows")
     if kv_format != "dense" and kv_cache.dtype != torch.uint8:
         raise ValueError(f"kv_cache: kv_format={kv_format!r} rows are uint8 bytes, got {kv_cache.dtype}; "
                          f"pass kv_format='dense' for rows of values")
