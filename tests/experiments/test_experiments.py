@@ -80,6 +80,7 @@ def test_compression_measures_every_setting_against_the_uncompressed_cache(quick
             if policy is not None:  # evicted: fewer tokens than seen, bytes scale with them
                 assert s["kept"] < 1
                 assert s["effective_bytes_per_token"] == pytest.approx(s["bytes_per_token"] * s["kept"])
+        assert r["loss_first_copy"] > 0 and r["loss_second_copy"] > 0 and r["copy_length"] == 28
     summary = json.loads((quick_dir / "compression" / "summary.json").read_text())
     assert set(summary["targets"]) == {f"{m} {f}" for m in ("mla", "mla-qknorm") for f in ("fp8", "int8")}
 

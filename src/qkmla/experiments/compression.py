@@ -154,7 +154,25 @@ def measure(path: Path) -> dict:
                      "kept": kept, "bytes_per_token": nbytes, "effective_bytes_per_token": nbytes * kept})
     return {"reference_loss": float(ref_loss), "reference_bytes_per_token": ref_bytes,
             "reference_passkey_accuracy": ref_passkey, "key_digits": int(is_key.sum()),
-            "decoded_positions": int(y_val.numel()), "settings": rows}
+            "decoded_positions": int(y_val.numel()), **copy_losses(model, corpus.val, windows, context),
+            "settings": rows}
+
+
+@torch.no_grad()
+def copy_losses(model, val: torch.Tensor, count: int, context: int) -> dict:
+    """Does the model use far context at all? Loss on a passage and on the same passage
+    repeated right after it, in windows of one context (no cache). A model that copies (an
+    induction head) predicts the repeat far better; one that does not cannot lose much to an
+    evicted cache, whatever the policy."""
+    n = context * 7 // 16  # each copy; the window opens with context - 2n tokens of other text
+    starts = torch.linspace(0, len(val) - context - n - 1, count).long().tolist()
+    x = torch.stack([torch.cat((val[s:s + context - 2 * n], val[s + context:s + context + n].repeat(2)))
+                     for s in starts])
+    logits, _ = model(x[:, :-1])
+    loss = F.cross_entropy(logits.transpose(1, 2).float(), x[:, 1:], reduction="none")
+    first, second = context - 2 * n, context - n  # the copies start at these tokens of x
+    return {"copy_length": n, "loss_first_copy": float(loss[:, first:second - 1].mean()),
+            "loss_second_copy": float(loss[:, second:].mean())}
 
 
 def _label(s: dict) -> str:
@@ -169,7 +187,8 @@ def report(rows: list[dict], options: Options) -> Report:
             continue
         model = r["variant"]
         summary[model] = {k: r[k] for k in ("reference_loss", "reference_bytes_per_token",
-                                           "reference_passkey_accuracy", "key_digits", "decoded_positions")}
+                                           "reference_passkey_accuracy", "key_digits", "decoded_positions",
+                                           "copy_length", "loss_first_copy", "loss_second_copy")}
         summary[model]["settings"] = r["settings"]
         for s in r["settings"]:
             lines.append([model, s["format"], s["policy"] or "–", f"{s['fraction']:g}", f"{s['kept']:.3f}",
@@ -196,7 +215,9 @@ def report(rows: list[dict], options: Options) -> Report:
               "loss change", "top-1 agreement", "passkey accuracy"]
     text = "Reference (uncompressed cache): " + "; ".join(
         f"{m}: loss {v['reference_loss']:.4f}, passkey accuracy {v['reference_passkey_accuracy']:.3f} over "
-        f"{v['key_digits']} digits, {v['reference_bytes_per_token']} B/token" for m, v in summary.items()) + "\n\n"
+        f"{v['key_digits']} digits, {v['reference_bytes_per_token']} B/token; loss on a {v['copy_length']}-token "
+        f"passage {v['loss_first_copy']:.4f}, on its verbatim repeat {v['loss_second_copy']:.4f}"
+        for m, v in summary.items()) + "\n\n"
     text += table(header, lines) + "\nTargets (relative loss change of a quantized latent, all tokens kept):\n\n"
     text += "".join(f"- {k}: {100 * v['loss_delta_rel']:+.3f}% against <= {100 * v['bound']:g}%: "
                     f"{'holds' if v['holds'] else 'does not hold'}\n" for k, v in verdict.items())
