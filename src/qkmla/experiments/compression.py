@@ -199,12 +199,16 @@ def report(rows: list[dict], options: Options) -> Report:
                 verdict[f"{model} {s['format']}"] = {"loss_delta_rel": s["loss_delta_rel"], "bound": bound,
                                                      "holds": s["loss_delta_rel"] <= bound}
     plt = pyplot()
+    import matplotlib.ticker  # after pyplot(), which picks the Agg backend
+
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
     for ax, (model, m) in zip(axes, summary.items()):
         for i, (name, group_) in enumerate(_groups(m["settings"]).items()):
             ax.plot([s["effective_bytes_per_token"] for s in group_], [100 * s["loss_delta_rel"] for s in group_],
                     "o-" if len(group_) > 1 else "s", color=f"C{i}", label=name, ms=5)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 20, 50, 100: no 10^x labels
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("bytes per token and layer (format x kept fraction)")
         ax.set_title(f"{model}: validation loss change against the uncompressed cache")
         ax.grid(alpha=0.3)
