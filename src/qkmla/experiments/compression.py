@@ -24,9 +24,7 @@ key, key scalars), also times the kept fraction.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +33,7 @@ from ..cache.eviction import H2O, SnapKV, StreamingLLM
 from ..train.data import Corpus, fixed_windows
 from ..train.trainer import load_model
 from .base import Experiment, Options, Report, train_settings
-from .figures import fmt, pyplot, save, table
+from .figures import pyplot, save, table
 from .grid import Run
 from .passkey import key_targets, write_passkey_corpus
 
