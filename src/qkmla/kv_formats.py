@@ -90,7 +90,8 @@ class DenseRows:
         """The dtype rows are stored in, for a cache of ``dtype``."""
         return dtype
 
-    def encode(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def encode(c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """Rows [..., width] from c [..., d_c] and k^R [..., d_r]."""
         return torch.cat((c_kv, k_rope.to(c_kv.dtype)), dim=-1)
 
@@ -99,7 +100,8 @@ class DenseRows:
         quantized: float32)."""
         return rows
 
-    def stored_latent(self, c_kv: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    @staticmethod
+    def stored_latent(c_kv: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """c [..., d_c] as a cache of this format reads it back: dense rows stored in ``dtype``
         are c rounded to it (None: c itself)."""
         return c_kv if dtype is None else c_kv.to(dtype).to(c_kv.dtype)

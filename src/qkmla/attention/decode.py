@@ -26,7 +26,7 @@ import torch
 from ..cache.latent import LatentCache
 from ..cache.storage import ContiguousBuffer
 from ..kv_formats import row_format
-from ..ops.mla_decode.torch_impl import latent_attention_op
+from ..ops.mla_decode.torch_impl import fold_head_scale, latent_attention_op
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
 from .mla import MLA
 
@@ -60,13 +60,9 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     if key_scale is not None:
         key_scale[rows, slots] = r[:, 0].to(key_scale.dtype)
     visible = torch.arange(capacity, device=x.device) <= slots[:, None]  # [B, capacity]
-    scale = mla.scale
-    q_rope = mla.rotary(q_r, pos)
-    if isinstance(scale, torch.Tensor):  # per-head scales ride on the queries
-        q_lat, q_rope, scale = q_lat * scale[:, None].to(q_lat.dtype), q_rope * scale[:, None].to(q_lat.dtype), 1.0
-    mode = mla.config.qk_norm_mode if mla.k_norm is not None else "blockwise"
+    q_lat, q_rope, scale = fold_head_scale(q_lat, mla.rotary(q_r, pos), mla.scale)
     # One opaque op: compiled, only the code around it is traced (see latent_attention_op).
-    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), visible[:, None], mode,
+    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), visible[:, None], mla.score_mode,
                                    kv_format)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 

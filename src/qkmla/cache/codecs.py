@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..kv_formats import row_format
+from ..kv_formats import DenseRows, row_format
 
 
 class LatentCodec:
@@ -42,16 +42,16 @@ class LatentCodec:
 
     def encode(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """The ``latent`` field's rows [..., width] from c [..., d_c] and k^R [..., d_r]."""
-        return torch.cat((c_kv, k_rope.to(c_kv.dtype)), dim=-1)
+        return DenseRows.encode(c_kv, k_rope)
 
     def load(self, rows: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(latent [B, S, d_c + d_r], key scalars [B, S, G] or None) from stored rows [B, S, width]."""
         return rows["latent"], rows.get("key_scale")
 
-    def stored_latent(self, c_kv: torch.Tensor) -> torch.Tensor:
-        """c [..., d_c] as the cache reads it back (dense: c itself); the key scalars are
-        computed from it."""
-        return c_kv
+    def stored_latent(self, c_kv: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """c [..., d_c] as a cache storing the ``latent`` field in ``dtype`` reads it back
+        (dense: c rounded to ``dtype``; None: c itself); the key scalars are computed from it."""
+        return DenseRows.stored_latent(c_kv, dtype)
 
 
 class QuantizedCodec(LatentCodec):
@@ -72,5 +72,5 @@ class QuantizedCodec(LatentCodec):
     def load(self, rows):
         return self.rows.decode(rows["latent"]), rows.get("key_scale")
 
-    def stored_latent(self, c_kv):
-        return self.rows.stored_latent(c_kv)
+    def stored_latent(self, c_kv, dtype=None):
+        return self.rows.stored_latent(c_kv, dtype)

@@ -29,7 +29,7 @@ import torch
 
 from ..config import MLAConfig
 from ..dtypes import cast
-from ..kv_formats import check_kv_format, row_format
+from ..kv_formats import check_kv_format
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from .codecs import LatentCodec, QuantizedCodec
 from .eviction import EvictionPolicy
@@ -127,7 +127,7 @@ class LatentCache(SequenceCache):
         """c [..., d_c] as this cache reads it back: rounded to ``dtype`` ("dense"), or
         quantized and dequantized. The key scalars of a new token are computed from it, so a
         cached key is the normalized key of the latent the decoder sees."""
-        return row_format(self.kv_format, self.kv_lora_rank, self.qk_rope_head_dim).stored_latent(c_kv, self.dtype)
+        return self.codec.stored_latent(c_kv, self.dtype)
 
     def decode_view(self) -> dict:
         """What the decode op (``qkmla.ops.mla_decode.mla_decode_with_kvcache``) reads, by its

@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from ..dtypes import accumulate_dtype
-from ..ops.mla_decode.torch_impl import latent_scores
+from ..ops.mla_decode.torch_impl import fold_head_scale, latent_scores
 from .base import WriteSlot
 
 PROBS_PER_CHUNK = 1 << 22  # probabilities held at once (16 MB of float32) while summing over queries
@@ -47,9 +47,9 @@ def attention_probs(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
     """
     acc = accumulate_dtype(q_lat.dtype)
     q_lat, q_rope = q_lat.to(acc), q_rope.to(acc)
-    if isinstance(softmax_scale, torch.Tensor):  # one scale per head rides on the queries
-        head = softmax_scale.detach().to(acc)[:, None]
-        q_lat, q_rope, softmax_scale = q_lat * head, q_rope * head, 1.0
+    if isinstance(softmax_scale, torch.Tensor):  # scores for a policy: no gradient to the scale
+        softmax_scale = softmax_scale.detach()
+    q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     s = latent_scores(q_lat, q_rope, latent, key_scale, mode) * softmax_scale
     if mask is not None:
         s = s.masked_fill(~mask[:, :, None, :], float("-inf"))

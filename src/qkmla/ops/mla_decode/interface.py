@@ -30,7 +30,7 @@ import torch
 
 from ...kv_formats import check_kv_format, row_format
 from .naive import naive_mla_decode
-from .torch_impl import torch_mla_decode
+from .torch_impl import fold_head_scale, torch_mla_decode
 
 DECODE_BACKENDS = ("auto", "naive", "torch", "triton")
 MODES = ("blockwise", "unified")
@@ -190,12 +190,11 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
     check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens, kv_format)
     backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1])
-    if isinstance(softmax_scale, torch.Tensor):  # per-head scales ride on the queries (O(H d) work)
+    if isinstance(softmax_scale, torch.Tensor):
         if softmax_scale.shape != (q_lat.shape[2],):
             raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
                              f"got {tuple(softmax_scale.shape)}")
-        head_scale = softmax_scale.to(q_lat.dtype)[:, None]
-        q_lat, q_rope, softmax_scale = q_lat * head_scale, q_rope * head_scale, 1.0
+    q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
                                 mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, kv_format=kv_format)

@@ -41,6 +41,15 @@ def _rows_reader(latent: torch.Tensor, rows: Optional[DenseRows], dtype: torch.d
     return lambda start, stop: cast(rows.decode(latent[:, start:stop]), dtype)
 
 
+def fold_head_scale(q_lat: torch.Tensor, q_rope: torch.Tensor, softmax_scale) -> tuple:
+    """(q_lat, q_rope, scale) with a per-head scale [h] folded into the queries and 1.0 left
+    (O(h d) work, not O(h S)); a float scale is returned as it is."""
+    if not isinstance(softmax_scale, torch.Tensor):
+        return q_lat, q_rope, softmax_scale
+    head = softmax_scale.to(q_lat.dtype)[:, None]
+    return q_lat * head, q_rope * head, 1.0
+
+
 def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                       key_scale: Optional[torch.Tensor], mode: str, rows: Optional[DenseRows] = None) -> torch.Tensor:
     """Logits laid out key-major, [B, S, T, h].
