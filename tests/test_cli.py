@@ -82,6 +82,11 @@ def test_train_plot_generate(tmp_path, capsys):
     assert main(["generate", str(run), "--prompt", "ROMEO:", "--prompt", "A", "--tokens", "5", "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ROMEO:") and out.count("-" * 40) == 2
+    # A compressed cache: fp8 latents and StreamingLLM keeping half the tokens (sinks 4 of them).
+    assert main(["generate", str(run), "--prompt", "ROMEO: a long prompt", "--tokens", "5", "--temperature", "0",
+                 "--kv-format", "fp8", "--policy", "streaming-llm", "--kept-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO: a long prompt") and len(out.splitlines()[0]) >= len("ROMEO: a long prompt") + 1
 
 
 def test_train_bad_arguments(tmp_path, refused):
@@ -133,11 +138,36 @@ def test_generate_ranges_are_checked_before_loading(tmp_path, refused, flag, val
     refused(["generate", str(tmp_path / "no-run"), flag, value], message)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--kv-format", "fp16"], r"--kv-format: expected one of \('dense', 'fp8', 'int8', 'int4'\), got 'fp16'"),
+    (["--policy", "lru", "--budget", "64"], r"--policy: expected one of \('streaming-llm', 'h2o', 'snapkv'\)"),
+    (["--policy", "h2o"], "--kept-fraction: --policy needs exactly one of --kept-fraction or --budget, got neither"),
+    (["--policy", "h2o", "--budget", "64", "--kept-fraction", "0.5"], "got both"),
+    (["--kept-fraction", "0.5"], "--kept-fraction: sizes an eviction policy; give --policy too"),
+    (["--budget", "64"], "--budget: sizes an eviction policy"),
+    (["--policy", "h2o", "--kept-fraction", "1.5"], r"--kept-fraction: expected a number in \(0, 1\], got 1.5"),
+    (["--policy", "h2o", "--budget", "8"], r"--budget: expected an int >= 32"),
+])
+def test_generate_compression_flags_are_checked_before_loading(tmp_path, refused, flags, message):
+    refused(["generate", str(tmp_path / "no-run")] + flags, message)
+
+
+def test_generate_help_names_every_format_and_policy():
+    from qkmla.cache.eviction import POLICIES
+    from qkmla.cli import GENERATE_KV_FORMATS, GENERATE_POLICIES
+    from qkmla.kv_formats import KV_FORMATS
+
+    assert GENERATE_KV_FORMATS == KV_FORMATS and GENERATE_POLICIES == tuple(POLICIES)
+
+
 def test_generate_lists_unknown_characters(tmp_path, refused):
     run = tmp_path / "run"
-    assert main(["train", "--preset", "debug", "--steps", "1", "--batch-size", "2", "--block-size", "8",
+    assert main(["train", "--preset", "debug", "--attn", "mha", "--steps", "1", "--batch-size", "2", "--block-size", "8",
                  "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
     refused(["generate", str(run), "--prompt", "héllo€"], r"characters outside the vocabulary: \['é', '€'\]")
+    # a model without a latent cache refuses to compress one
+    refused(["generate", str(run), "--kv-format", "int8"], r"--kv-format: 'int8' stores latents, so MLA variants only")
+    refused(["generate", str(run), "--policy", "snapkv", "--budget", "40"], r"--policy: eviction runs on latent caches")
 
 
 def test_cache_size_refuses_impossible_shapes(refused):

@@ -12,6 +12,11 @@ from typing import Optional, Sequence
 from .cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
 from .cli_errors import Parser, flag_message
 
+# Named here for --help without importing torch; tests check them against
+# qkmla.kv_formats.KV_FORMATS and qkmla.cache.eviction.POLICIES.
+GENERATE_KV_FORMATS = ("dense", "fp8", "int8", "int4")
+GENERATE_POLICIES = ("streaming-llm", "h2o", "snapkv")
+
 
 def _verify(args: argparse.Namespace) -> int:
     from . import verify, verify_quantized
@@ -93,6 +98,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .kv_formats import check_kv_format
     from .model.generate import check_sampling, generate
     from .train.trainer import load_model
 
@@ -100,10 +106,26 @@ def _generate(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
 
+    from .cache.eviction import POLICIES, make_policy
+
+    policy = None
+    if args.policy is not None and args.policy not in POLICIES:
+        raise ValueError(f"--policy: expected one of {tuple(POLICIES)}, got {args.policy!r}")
+    if args.policy is not None and (args.budget is None) == (args.kept_fraction is None):
+        raise ValueError("--kept-fraction: --policy needs exactly one of --kept-fraction or --budget, got "
+                         f"{'both' if args.budget is not None else 'neither'}")
+    if args.policy is not None:
+        policy = make_policy(args.policy, **{k: v for k, v in (("budget", args.budget),
+                                                               ("kept_fraction", args.kept_fraction)) if v is not None})
+    elif args.budget is not None or args.kept_fraction is not None:
+        raise ValueError(f"--{'budget' if args.budget is not None else 'kept-fraction'}: sizes an eviction "
+                         f"policy; give --policy too (one of {GENERATE_POLICIES})")
+    check_kv_format(args.kv_format)
     model, tok = load_model(args.run)
     prompts = [tok.encode(p) for p in args.prompt]
     gen = torch.Generator().manual_seed(args.seed)
-    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=True)
+    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=True,
+                    policy=policy, kv_format=args.kv_format)
     for p, o in zip(args.prompt, outs):
         print(p + tok.decode(o))
         print("-" * 40)
@@ -217,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-format", default="dense",
+                   help=f"latent cache storage, MLA variants: one of {GENERATE_KV_FORMATS} (default dense)")
+    g.add_argument("--policy", default=None,
+                   help=f"eviction policy of the latent caches, MLA variants: one of {GENERATE_POLICIES}")
+    g.add_argument("--kept-fraction", type=float, default=None,
+                   help="with --policy: fraction of the tokens seen that each cache keeps, in (0, 1]")
+    g.add_argument("--budget", type=int, default=None, help="with --policy: tokens each cache keeps")
     g.set_defaults(func=_generate)
 
     cv = sub.add_parser("convert", help="HF DeepSeek-V2/V3 checkpoint directory -> MLA layers in safetensors, "

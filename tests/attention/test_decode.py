@@ -7,7 +7,7 @@ import torch
 from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.cpu import optimize_for_decode
-from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op
+from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op, visible_prefix
 from qkmla.verify import perturb_vectors
 
 CONFIGS = {
@@ -66,6 +66,26 @@ def test_latent_attention_op_is_latent_attention_as_a_custom_op(mode):
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
     assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("lengths", [(9, 4), (9, 9), (0, 0)])
+def test_latent_attention_op_reads_only_the_visible_prefix(lengths):
+    """Handed a capacity of 12 slots, the op reads only up to the last visible one: slots past
+    it may hold NaN, and the result is the core's over the prefix (no mask when none hides)."""
+    gen = torch.Generator().manual_seed(1)
+    q_lat, q_rope = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 1, 4, 8, generator=gen)
+    latent, key_scale = torch.randn(2, 12, 24, generator=gen), torch.rand(2, 12, 2, generator=gen) + 0.5
+    n = max(max(lengths), 1)
+    latent[:, n:], key_scale[:, n:] = float("nan"), float("nan")
+    mask = torch.arange(12) < torch.tensor(lengths)[:, None, None]
+    out, lse = latent_attention_op(q_lat, q_rope, latent, key_scale, 0.3, mask, "blockwise")
+    cut = None if min(lengths) == max(lengths) > 0 else mask[..., :n]
+    want_out, want_lse = latent_attention(q_lat, q_rope, latent[:, :n], key_scale[:, :n], 0.3, cut, "blockwise",
+                                          return_lse=True)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    assert not out.isnan().any()
+    assert visible_prefix(latent, key_scale, mask)[0].shape[1] == n
 
 
 def test_decode_one_token_refuses_what_it_does_not_cover():

@@ -272,7 +272,7 @@ def cache_state(cache: LatentCache) -> dict:
     ev = cache.eviction
     return {"seqlens": cache.seqlens.clone(), "next_positions": cache.next_positions.clone(),
             "max_len": cache.max_len, "positions": cache.slot_positions().clone(), "steps": ev.steps,
-            "scores": ev.scores.clone(), "evicted": ev.evicted.clone(),
+            "scores": None if ev.scores is None else ev.scores.clone(), "evicted": ev.evicted.clone(),
             **{name: cache.read(name).clone() for name in cache.fields}}  # the rows within each length
 
 
@@ -285,17 +285,23 @@ def assert_same_state(cache: LatentCache, before: dict) -> None:
             assert value == before[key], key
 
 
-@pytest.mark.parametrize("where", ["attending", "scoring"])
-def test_a_step_that_fails_leaves_cache_and_policy_as_they_were(where, monkeypatch):
-    """After evictions, a decode step that fails while attending, or while the policy scores the
-    slots, takes its token out again and leaves the scores and the step count as they were; the
-    retry then decodes as a step that never failed."""
+@pytest.mark.parametrize("step", ["forward", "decode_one_token"])
+@pytest.mark.parametrize("where", ["attending", "scoring", "compacting", "re-positioning"])
+def test_a_step_that_fails_leaves_cache_and_policy_as_they_were(where, step, monkeypatch):
+    """After evictions, a decode step that fails while attending, while the policy scores the
+    slots, compacts its scores or turns the kept RoPE keys (all before a row moves), takes its
+    token out again and leaves the rows, the scores and the step count as they were; the retry
+    then decodes as a step that never failed. Through ``MLA.forward`` and ``decode_one_token``."""
+    import qkmla.attention.decode as decode_module
     import qkmla.attention.mla as mla_module
     import qkmla.cache.evictor as evictor_module
 
     mla = make("rms")
     x = torch.randn(2, 10, mla.config.hidden_size, dtype=torch.float64)
-    caches = [new_cache(mla, 2, 10, H2O(budget=5, window=2)) for _ in range(2)]
+    policy = (StreamingLLM(sinks=1, budget=5, reposition=True) if where == "re-positioning"
+              else H2O(budget=5, window=2))
+    caches = [new_cache(mla, 2, 10, policy) for _ in range(2)]
+    run = mla if step == "forward" else (lambda x_, cache: decode_one_token(mla, x_, cache))
     with torch.no_grad():
         for cache in caches:
             mla(x[:, :7], cache)
@@ -308,13 +314,19 @@ def test_a_step_that_fails_leaves_cache_and_policy_as_they_were(where, monkeypat
         with monkeypatch.context() as m:
             if where == "attending":
                 m.setattr(mla_module, "mla_decode_with_kvcache", broken)
-            else:
+                m.setattr(decode_module, "latent_attention_op", broken)
+            elif where == "scoring":
                 m.setattr(evictor_module, "attention_received", broken)
+            elif where == "compacting":
+                m.setattr(H2O, "compacted", broken)
+            else:
+                m.setattr(mla.rotary, "shift", broken)
             with pytest.raises(RuntimeError, match="out of memory"):
-                mla(x[:, 8:9], caches[0])
+                run(x[:, 8:9], caches[0])
         assert_same_state(caches[0], before)
-        outs = [mla(x[:, 8:9], cache) for cache in caches]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0].eviction.scores, caches[1].eviction.scores)
+        outs = [run(x[:, 8:9], cache) for cache in caches]
+        assert_same_state(caches[0], cache_state(caches[1]))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_reset_forgets_the_policys_state():

@@ -2,16 +2,17 @@
 
 gpt-fast's ``decode_one_token``, for one MLA layer over a contiguous :class:`LatentCache`:
 :func:`mla_decode_step` takes only tensors (and the module), writes the new token's row into
-the cache buffers in place and attends over the whole capacity with a mask, so its shapes
-never change from one step to the next and nothing in it reads a tensor's value on the host.
+the cache buffers in place and hands the attention op the whole capacity with a mask, so its
+shapes never change from one step to the next and nothing traced reads a tensor's value on
+the host (the opaque op then reads only the slots up to the last visible one).
 :func:`decode_one_token` is the eager wrapper: it plans the write (capacity and position
 checks), runs the step and moves the cache's lengths on.
 
     step = torch.compile(mla_decode_step, fullgraph=True)
     y = decode_one_token(mla, x, cache, step=step)          # x [B, 1, hidden] -> [B, 1, hidden]
 
-Unused slots are read with a softmax weight of 0, so they must hold finite values: build the
-cache with the default ``fill=0``. The step is for inference (run it under ``torch.no_grad()``
+A shorter sequence's unused slots below the batch's longest one are read with a softmax
+weight of 0, so they must hold finite values: build the cache with the default ``fill=0``. The step is for inference (run it under ``torch.no_grad()``
 or ``torch.inference_mode()``): it writes the cache in place and has no backward. A quantized
 cache (``kv_format``) works the same way: the step encodes the new row in the cache's format
 (key scalars from the stored latent) and the attention dequantizes a chunk of keys at a time.
@@ -81,8 +82,9 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     cache.check_config(mla.config)
     slot = cache.plan(x.shape[0], 1)
     scales = cache.fields.get("key_scale")
-    out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
-               slot.slots[:, 0], slot.positions[:, 0], cache.kv_format)
-    cache.advance(slot)
-    cache.after_attention(mla, slot, lambda: mla.absorbed_query(x, slot.positions))
+    with cache.transaction():  # as MLA.forward: a failure after the write takes the token out again
+        out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
+                   slot.slots[:, 0], slot.positions[:, 0], cache.kv_format)
+        cache.advance(slot)
+        cache.after_attention(mla, slot, lambda: mla.absorbed_query(x, slot.positions))
     return out

@@ -222,15 +222,8 @@ class SequenceCache:
             for state kept per slot beside the cache (an eviction policy's scores).
         """
         B, S = self.batch_size, self.max_len
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (B, S):
-            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ValueError(f"mask: expected a bool tensor [batch_size={B}, max_len={S}], got {got}")
+        order, lengths = self.keep_order(mask)
         slots = torch.arange(S, device=self.device)
-        mask = mask.to(self.device)
-        if bool((mask & (slots >= self.seqlens[:, None])).any()):
-            raise ValueError(f"mask: keeps a slot past its sequence's length (seqlens {self.seqlens.tolist()})")
-        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # kept slots first, in order
-        lengths = mask.sum(dim=1)
         moved = (order != slots) & (slots < lengths[:, None])  # a kept prefix stays where it is
         batch_idx, dst = moved.nonzero(as_tuple=True)
         src = order[batch_idx, dst]
@@ -244,6 +237,19 @@ class SequenceCache:
         self.seqlens, self.max_len = lengths, int(lengths.max())
         self.uniform = bool((lengths == lengths[0]).all())
         return order
+
+    def keep_order(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`keep` would do with ``mask``, changing nothing: (order [B, max_len] as
+        keep returns it, the kept lengths [B]). For a caller that prepares everything that
+        may fail before the rows move (an eviction policy's compacted state)."""
+        B, S = self.batch_size, self.max_len
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (B, S):
+            got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"mask: expected a bool tensor [batch_size={B}, max_len={S}], got {got}")
+        mask = mask.to(self.device)
+        if bool((mask & (torch.arange(S, device=self.device) >= self.seqlens[:, None])).any()):
+            raise ValueError(f"mask: keeps a slot past its sequence's length (seqlens {self.seqlens.tolist()})")
+        return torch.argsort((~mask).to(torch.int8), dim=1, stable=True), mask.sum(dim=1)  # kept slots first
 
     def slot_positions(self) -> torch.Tensor:
         """[B, max_len]: the RoPE position of the token in each slot (meaningless past a

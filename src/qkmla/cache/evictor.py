@@ -10,9 +10,11 @@ cache, after attending; a cache built with a policy hands the call to its :class
 
 Without a policy the cache returns at once: no query is formed, nothing is scored.
 
-Everything the step computes is committed at its end, after the cache compacts: a failure
-before that (inside the layer's ``cache.transaction()``) leaves the scores, the step count
-and the cache as they were, and the transaction takes the new tokens out again.
+Everything that may fail runs before the first row moves: the scores, the compacted scores
+and the re-positioned RoPE keys are computed against the cache as it is, then ``cache.keep``
+moves the rows, the turned keys are written and the policy's state is committed. A failure
+before the move (inside the layer's ``cache.transaction()``) leaves the scores, the step
+count and the cache as they were, and the transaction takes the new tokens out again.
 """
 
 from __future__ import annotations
@@ -55,35 +57,44 @@ class Eviction:
         if prefill or (policy.interval is not None and steps % policy.interval == 0):
             keep = policy.keep_mask(scores, cache.seqlens, cache.seqlens + evicted)
             if not bool((keep.sum(dim=1) == cache.seqlens).all()):
-                before = cache.seqlens
-                order = cache.keep(keep)
-                evicted = evicted + before - cache.seqlens
-                scores = policy.compacted(scores, order, cache.seqlens)
-                if policy.reposition:
-                    reposition(cache, layer.rotary)
+                order, lengths = cache.keep_order(keep)
+                evicted = evicted + cache.seqlens - lengths
+                scores = policy.compacted(scores, order, lengths)
+                turned = turned_rope_keys(cache, layer.rotary, order, lengths) if policy.reposition else None
+                cache.keep(keep)  # rows move: nothing after this may fail
+                if turned is not None:
+                    batch_idx, slot_idx, rows = turned
+                    for name, value in rows.items():
+                        cache.fields[name].write(batch_idx, slot_idx, value)
+                    cache.restart_positions()
             if not policy.keeps_scores:  # SnapKV: the next eviction observes anew
                 scores = None
         self.steps, self.scores, self.evicted = steps, scores, evicted
 
 
 @torch.no_grad()
-def reposition(cache, rotary) -> None:
-    """Move every cached token to the RoPE position of its slot; new tokens continue from seqlens.
+def turned_rope_keys(cache, rotary, order: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """StreamingLLM's re-positioning, prepared before ``cache.keep(mask)`` moves the rows: the
+    token that slot i will hold (old slot order[b, i], i < lengths[b]) gets RoPE position i.
 
-    Only the small RoPE key turns, by (slot - position) with ``rotary.shift``: the latent and
+    Only the small RoPE key turns, by (i - its position) with ``rotary.shift``: the latent and
     the key scalars carry no position. Rows go through the cache's codec (load, turn, store),
     so a codec gets its own format back (a quantized latent is re-quantized from its
-    dequantized values); rows already at their slot's position are not touched.
+    dequantized values); a token already at its new slot's position is not touched.
+
+    Returns (batch_idx [N], slot_idx [N], {field: rows [N, width]}): what to write after the
+    keep, followed by ``cache.restart_positions()``.
     """
-    positions = cache.slot_positions()  # [B, S]
-    slots = torch.arange(cache.max_len, device=positions.device)
-    batch_idx, slot_idx = ((positions != slots) & (slots < cache.seqlens[:, None])).nonzero(as_tuple=True)
-    if len(batch_idx):
-        rows = {name: buf.gather(batch_idx, slot_idx)[None] for name, buf in cache.fields.items()}  # [1, N, width]
-        latent, key_scale = cache.codec.load(rows)
-        c_kv, k_rope = latent.split([cache.kv_lora_rank, cache.qk_rope_head_dim], dim=-1)
-        offsets = (slot_idx - positions[batch_idx, slot_idx])[None]  # [1, N], <= 0
-        k_rope = rotary.shift(k_rope[:, :, None], offsets).squeeze(2)
-        for name, value in cache.codec.store(c_kv, k_rope, key_scale).items():
-            cache.fields[name].write(batch_idx, slot_idx, value[0])
-    cache.restart_positions()
+    positions = cache.slot_positions().gather(1, order)  # [B, S]: each new slot's token's position
+    slots = torch.arange(order.shape[1], device=positions.device)
+    batch_idx, slot_idx = ((positions != slots) & (slots < lengths[:, None])).nonzero(as_tuple=True)
+    if not len(batch_idx):
+        return batch_idx, slot_idx, {}
+    src = order[batch_idx, slot_idx]
+    rows = {name: buf.gather(batch_idx, src)[None] for name, buf in cache.fields.items()}  # [1, N, width]
+    latent, key_scale = cache.codec.load(rows)
+    c_kv, k_rope = latent.split([cache.kv_lora_rank, cache.qk_rope_head_dim], dim=-1)
+    offsets = (slot_idx - positions[batch_idx, slot_idx])[None]  # [1, N], <= 0
+    k_rope = rotary.shift(k_rope[:, :, None], offsets).squeeze(2)
+    stored = {name: value[0] for name, value in cache.codec.store(c_kv, k_rope, key_scale).items()}
+    return batch_idx, slot_idx, stored

@@ -8,7 +8,8 @@ a sequence fills the context, every sequence's last ``block_size // 2`` tokens a
 prefilled into fresh caches (positions from 0 again) and decoding goes on from there. A
 prompt longer than the context keeps its last ``block_size - 1`` tokens.
 
-An eviction ``policy`` (MLA variants) bounds every layer's cache; kept tokens keep their
+An eviction ``policy`` (MLA variants) bounds every layer's cache, and ``kv_format`` stores
+its latents quantized (``qkmla.kv_formats``); the two compose. Kept tokens keep their
 positions, so the window still slides at ``block_size`` positions, unless the policy
 re-positions them (``StreamingLLM(reposition=True)``): then positions stay within its budget
 and generation never slides.
@@ -21,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..kv_formats import check_kv_format
 from .gpt import GPT
 
 
@@ -48,14 +50,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None) -> tuple[list, torch.Tensor]:
+def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None,
+             kv_format: str = "dense") -> tuple[list, torch.Tensor]:
     """Fresh caches holding ``windows`` (right-padded); returns them and each window's last logits."""
     device = model.wte.weight.device
     lengths = torch.tensor([len(w) for w in windows], device=device)
     idx = torch.zeros(len(windows), int(lengths.max()), dtype=torch.long, device=device)
     for b, w in enumerate(windows):
         idx[b, :len(w)] = torch.as_tensor(w, device=device)
-    caches = model.make_caches(len(windows), capacity, policy=policy)
+    caches = model.make_caches(len(windows), capacity, policy=policy,
+                               **({} if kv_format == "dense" else {"kv_format": kv_format}))
     logits, _ = model(idx, caches=caches, input_lengths=lengths)
     return caches, logits[torch.arange(len(windows), device=device), lengths - 1]
 
@@ -63,17 +67,21 @@ def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None) -
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             progress: bool = False, policy=None) -> list[list[int]]:
+             progress: bool = False, policy=None, kv_format: str = "dense") -> list[list[int]]:
     """Continue every prompt by ``max_new_tokens`` tokens, sliding the context window (module
     docstring); returns the new tokens per prompt. ``progress`` shows a bar (on a terminal);
-    ``policy`` is an eviction policy for the latent caches (``qkmla.cache.eviction``)."""
+    ``policy`` is an eviction policy for the latent caches (``qkmla.cache.eviction``) and
+    ``kv_format`` their latents' storage (``qkmla.kv_formats.KV_FORMATS``), MLA variants only."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: expected one or more non-empty token lists")
     check_sampling(max_new_tokens, temperature, top_k)
+    check_kv_format(kv_format)
+    if kv_format != "dense" and not model.config.is_mla:
+        raise ValueError(f"kv_format: {kv_format!r} stores latents, so MLA variants only; attn={model.config.attn!r}")
     model.eval()
     context = model.config.block_size
     history = [list(p)[-(context - 1):] if context > 1 else list(p)[-1:] for p in prompts]
-    caches, last = _prefill(model, history, context, policy)
+    caches, last = _prefill(model, history, context, policy, kv_format)
     out = []
     bar = None
     if progress:
@@ -87,7 +95,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             h.append(t)
         if int(caches[0].next_positions.max()) == context:  # the positions are used up: slide
             keep = max(1, context // 2)
-            caches, last = _prefill(model, [h[-keep:] for h in history], context, policy)
+            caches, last = _prefill(model, [h[-keep:] for h in history], context, policy, kv_format)
         else:
             logits, _ = model(nxt[:, None], caches=caches)
             last = logits[:, -1]

@@ -206,6 +206,19 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     return (o_lat, lse) if return_lse else o_lat
 
 
+def visible_prefix(latent: torch.Tensor, key_scale: Optional[torch.Tensor], mask: torch.Tensor) -> tuple:
+    """(latent, key_scale, mask) cut to the slots up to the last one any query sees, [B, S', ...];
+    the mask becomes None when every query sees every one of those slots. mask: [B, T, S] bool.
+
+    Reads the mask on the host: a helper of the opaque op, not for traced code."""
+    seen = mask.any(dim=1).any(dim=0)  # [S]
+    length = int(seen.nonzero().max()) + 1 if bool(seen.any()) else 1
+    mask = mask[..., :length]
+    if key_scale is not None:
+        key_scale = key_scale[:, :length]
+    return latent[:, :length], key_scale, None if bool(mask.all()) else mask
+
+
 @torch.library.custom_op("qkmla::latent_attention", mutates_args=())
 def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                         key_scale: Optional[torch.Tensor], softmax_scale: float, mask: Optional[torch.Tensor],
@@ -215,7 +228,13 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
     Its arithmetic is ordered for the CPU's BLAS (chunks the last-level cache holds, in-place
     softmax); traced op by op, inductor would reorder it into a form that reads the cache
     more often. A compiled decode step calls this op and compiles everything around it.
+
+    The step hands it the cache's whole capacity and a mask, so that its shapes never
+    change; here, outside the graph, only the slots some query can see are read (a cache
+    built for 32k tokens that holds 2k costs 2k), and a mask that hides nothing is dropped.
     """
+    if mask is not None:
+        latent, key_scale, mask = visible_prefix(latent, key_scale, mask)
     out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
                                 kv_format=kv_format)
     return out.contiguous(), lse.float()  # a custom op's outputs have the strides its fake gives
