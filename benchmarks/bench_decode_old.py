@@ -9,16 +9,23 @@ main process only waits on the pipe while the worker times.
 Protocol: one JSON object per line on stdin, one JSON answer per line on stdout (everything
 else the worker prints goes to stderr):
 
-    {"cmd": "setup", "preset": P, "context": S, "dtype": "float32", "device": "cpu", "batch": B}
+    {"cmd": "setup", "preset": P, "context": S, "dtype": "float32", "device": "cpu", "batch": B,
+     "prefix": "old", "modes": ["eager"], "backend": "inductor"}
         -> {"qkmla": <path of the imported package>, "variants": [...], "torch_threads": N}
     {"cmd": "warm", "name": V}            -> {"seconds": one call after an untimed one}
     {"cmd": "round", "name": V, "n": N}   -> {"samples": [N timings, after one untimed call]}
     {"cmd": "quit"}
 
-The variants are ``old-absorbed-mla`` and ``old-absorbed-mla-qknorm``: ``MLA.forward`` on
-one new token over a latent cache of S random rows, set up as bench_decode.py set it up at
+The variants are ``<prefix>-absorbed-mla`` and ``<prefix>-absorbed-mla-qknorm``: ``MLA.forward``
+on one new token over a latent cache of S random rows, set up as bench_decode.py set it up at
 the old commit (plain MLA shares the QK-normed layer's weights and latent rows). The code
 below only uses what both the old and the new cache API have, or tries each.
+
+bench_decode.py also starts a second worker on the current tree (prefix ``worker``), so that
+the new code is timed in the same harness as the old: a process holding only these two
+layers, not the main process's many variants and caches. Its ``modes`` may add
+``compiled`` and ``compiled-optimized`` (suffixes as bench_decode.py's), which a package
+without ``qkmla.attention.decode`` refuses.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ def keeper(cache):
     return restore
 
 
-def setup(preset: str, context: int, dtype: str, device: str, batch: int) -> dict:
+def setup(preset: str, context: int, dtype: str, device: str, batch: int, prefix: str = "old",
+          modes=("eager",), backend: str = "inductor") -> dict:
     from qkmla import MLA, LatentCache, mla_preset
 
     torch.manual_seed(0)
@@ -80,7 +88,43 @@ def setup(preset: str, context: int, dtype: str, device: str, batch: int) -> dic
             restore()
         return run
 
-    return {"old-absorbed-mla": step(plain, plain_cache), "old-absorbed-mla-qknorm": step(qk, qk_cache)}
+    fns = {}
+    if "eager" in modes:
+        fns.update({f"{prefix}-absorbed-mla": step(plain, plain_cache), f"{prefix}-absorbed-mla-qknorm": step(qk, qk_cache)})
+    compiled_modes = [m for m in modes if m != "eager"]
+    if compiled_modes:
+        from qkmla.attention.decode import decode_one_token, mla_decode_step
+        from qkmla.cpu import optimize_for_decode
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.reset()
+
+        def compiled_step(module, cache):
+            restore, compiled = keeper(cache), torch.compile(mla_decode_step, fullgraph=True, backend=backend)
+
+            def run():
+                decode_one_token(module, x, cache, step=compiled)
+                restore()
+            return run
+
+        for mode in compiled_modes:
+            if mode not in ("compiled", "compiled-optimized"):
+                raise ValueError(f"modes: expected eager, compiled or compiled-optimized, got {mode!r}")
+            pair = (plain, qk)
+            if mode == "compiled-optimized":  # twins holding the same weights, with the CPU opt-in
+                pair = tuple(optimize_for_decode(twin(m)) for m in pair)
+            fns[f"{prefix}-absorbed-mla-{mode}"] = compiled_step(pair[0], plain_cache)
+            fns[f"{prefix}-absorbed-mla-qknorm-{mode}"] = compiled_step(pair[1], qk_cache)
+    return fns
+
+
+def twin(module):
+    """Another MLA holding ``module``'s parameter tensors (as bench_decode.py's twin)."""
+    from qkmla import MLA
+
+    other = MLA(module.config).to(device=module.o_proj.weight.device, dtype=module.o_proj.weight.dtype)
+    other.load_state_dict(module.state_dict(), strict=False, assign=True)
+    return other.eval()
 
 
 def timed(fn) -> float:
@@ -99,7 +143,8 @@ def main() -> int:
         msg = json.loads(line)
         if msg["cmd"] == "setup":  # outside inference mode, as bench_decode.py builds its modules
             fns.clear()
-            fns = setup(msg["preset"], msg["context"], msg["dtype"], msg["device"], msg["batch"])
+            fns = setup(msg["preset"], msg["context"], msg["dtype"], msg["device"], msg["batch"],
+                        msg.get("prefix", "old"), msg.get("modes", ["eager"]), msg.get("backend", "inductor"))
             import qkmla
             answer = {"qkmla": qkmla.__file__, "variants": list(fns), "torch_threads": torch.get_num_threads()}
         elif msg["cmd"] == "quit":

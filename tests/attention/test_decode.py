@@ -7,7 +7,7 @@ import torch
 from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.cpu import optimize_for_decode
-from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op, visible_prefix
+from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op
 from qkmla.verify import perturb_vectors
 
 CONFIGS = {
@@ -53,39 +53,31 @@ def test_compiled_decode_step_equals_eager(name, optimized):
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])
-def test_latent_attention_op_is_latent_attention_as_a_custom_op(mode):
-    """The compiled step calls the torch backend's core as one opaque op; it is the same function."""
-    gen = torch.Generator().manual_seed(0)
-    q_lat, q_rope = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 1, 4, 8, generator=gen)
-    latent, key_scale = torch.randn(2, 9, 24, generator=gen), torch.rand(2, 9, 2, generator=gen) + 0.5
-    mask = torch.arange(9) < torch.tensor([[[9]], [[4]]])
-    args = (q_lat, q_rope, latent, key_scale, 0.3, mask, mode)
-    torch.library.opcheck(torch.ops.qkmla.latent_attention, args)
-    out, lse = latent_attention_op(*args)
-    want_out, want_lse = latent_attention(*args, return_lse=True)
-    torch.testing.assert_close(out, want_out)
-    torch.testing.assert_close(lse, want_lse)
-    assert out.is_contiguous()
-
-
-@pytest.mark.parametrize("lengths", [(9, 4), (9, 9), (0, 0)])
-def test_latent_attention_op_reads_only_the_visible_prefix(lengths):
-    """Handed a capacity of 12 slots, the op reads only up to the last visible one: slots past
-    it may hold NaN, and the result is the core's over the prefix (no mask when none hides)."""
+@pytest.mark.parametrize("lengths", [(9, 4), (9, 9), (0, 0), (0, 3)])
+def test_latent_attention_op_is_the_core_over_the_visible_prefix(mode, lengths):
+    """The compiled step calls the torch backend's core as one opaque op, handing it buffers of
+    12 slots and each sequence's visible length: the op reads only up to the longest one
+    (slots past it may hold NaN, and so may a shorter sequence's unused slots) and equals
+    the core over that prefix with a mask (none when every query sees every slot)."""
     gen = torch.Generator().manual_seed(1)
     q_lat, q_rope = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 1, 4, 8, generator=gen)
     latent, key_scale = torch.randn(2, 12, 24, generator=gen), torch.rand(2, 12, 2, generator=gen) + 0.5
-    n = max(max(lengths), 1)
-    latent[:, n:], key_scale[:, n:] = float("nan"), float("nan")
-    mask = torch.arange(12) < torch.tensor(lengths)[:, None, None]
-    out, lse = latent_attention_op(q_lat, q_rope, latent, key_scale, 0.3, mask, "blockwise")
-    cut = None if min(lengths) == max(lengths) > 0 else mask[..., :n]
-    want_out, want_lse = latent_attention(q_lat, q_rope, latent[:, :n], key_scale[:, :n], 0.3, cut, "blockwise",
-                                          return_lse=True)
+    for b, n in enumerate(lengths):
+        latent[b, n:], key_scale[b, n:] = float("nan"), float("nan")
+    visible = torch.tensor(lengths)[:, None]
+    args = (q_lat, q_rope, latent, key_scale, 0.3, visible, mode)
+    torch.library.opcheck(torch.ops.qkmla.latent_attention, args)
+    out, lse = latent_attention_op(*args)
+    assert out.is_contiguous() and not out.isnan().any()
+    n = max(lengths)
+    if n == 0:
+        assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+        return
+    mask = None if min(lengths) == n else torch.arange(n) < visible[..., None]
+    clean = latent[:, :n].nan_to_num(0.0), key_scale[:, :n].nan_to_num(0.0)
+    want_out, want_lse = latent_attention(q_lat, q_rope, *clean, 0.3, mask, mode, return_lse=True)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
-    assert not out.isnan().any()
-    assert visible_prefix(latent, key_scale, mask)[0].shape[1] == n
 
 
 def test_decode_one_token_refuses_what_it_does_not_cover():

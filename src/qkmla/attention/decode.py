@@ -2,9 +2,10 @@
 
 gpt-fast's ``decode_one_token``, for one MLA layer over a contiguous :class:`LatentCache`:
 :func:`mla_decode_step` takes only tensors (and the module), writes the new token's row into
-the cache buffers in place and hands the attention op the whole capacity with a mask, so its
-shapes never change from one step to the next and nothing traced reads a tensor's value on
-the host (the opaque op then reads only the slots up to the last visible one).
+the cache buffers in place and hands the attention op the whole buffers with each
+sequence's visible length, so its shapes never change from one step to the next and nothing
+traced reads a tensor's value on the host (the opaque op then reads only the slots up to
+the longest sequence's last).
 :func:`decode_one_token` is the eager wrapper: it plans the write (capacity and position
 checks), runs the step and moves the cache's lengths on.
 
@@ -50,8 +51,7 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     Returns:
         [B, 1, hidden_size]
     """
-    B, capacity = latent.shape[:2]
-    rows = torch.arange(B, device=x.device)
+    rows = torch.arange(latent.shape[0], device=x.device)
     pos = positions[:, None]
     q_lat, q_r = latent_query(*mla._raw_query(x), mla.q_norm, absorbed)
     c_kv, k_r = mla._latent(x)
@@ -60,10 +60,10 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     latent[rows, slots] = fmt.encode(c_kv, mla.rotary(k_r, pos).squeeze(2))[:, 0].to(latent.dtype)
     if key_scale is not None:
         key_scale[rows, slots] = r[:, 0].to(key_scale.dtype)
-    visible = torch.arange(capacity, device=x.device) <= slots[:, None]  # [B, capacity]
     q_lat, q_rope, scale = fold_head_scale(q_lat, mla.rotary(q_r, pos), mla.scale)
     # One opaque op: compiled, only the code around it is traced (see latent_attention_op).
-    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), visible[:, None], mla.score_mode,
+    # Each sequence sees its slots up to the new token's.
+    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), slots[:, None] + 1, mla.score_mode,
                                    kv_format)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 

@@ -206,22 +206,9 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     return (o_lat, lse) if return_lse else o_lat
 
 
-def visible_prefix(latent: torch.Tensor, key_scale: Optional[torch.Tensor], mask: torch.Tensor) -> tuple:
-    """(latent, key_scale, mask) cut to the slots up to the last one any query sees, [B, S', ...];
-    the mask becomes None when every query sees every one of those slots. mask: [B, T, S] bool.
-
-    Reads the mask on the host: a helper of the opaque op, not for traced code."""
-    seen = mask.any(dim=1).any(dim=0)  # [S]
-    length = int(seen.nonzero().max()) + 1 if bool(seen.any()) else 1
-    mask = mask[..., :length]
-    if key_scale is not None:
-        key_scale = key_scale[:, :length]
-    return latent[:, :length], key_scale, None if bool(mask.all()) else mask
-
-
 @torch.library.custom_op("qkmla::latent_attention", mutates_args=())
 def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                        key_scale: Optional[torch.Tensor], softmax_scale: float, mask: Optional[torch.Tensor],
+                        key_scale: Optional[torch.Tensor], softmax_scale: float, visible_lens: torch.Tensor,
                         mode: str, kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` (with the log-sum-exp) as one opaque op for ``torch.compile``.
 
@@ -229,19 +216,23 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
     softmax); traced op by op, inductor would reorder it into a form that reads the cache
     more often. A compiled decode step calls this op and compiles everything around it.
 
-    The step hands it the cache's whole capacity and a mask, so that its shapes never
-    change; here, outside the graph, only the slots some query can see are read (a cache
-    built for 32k tokens that holds 2k costs 2k), and a mask that hides nothing is dropped.
+    The step hands it the cache's whole buffers, [B, capacity, ...], so that its shapes never
+    change, and how many slots each query sees, visible_lens [B, T] (sequence b has filled
+    max_t visible_lens[b, t] slots). Here, outside the graph, only the slots up to the
+    longest sequence's last are read (a cache built for 32k tokens that holds 2k costs 2k),
+    and a batch whose queries all see every one of them needs no mask.
     """
-    if mask is not None:
-        latent, key_scale, mask = visible_prefix(latent, key_scale, mask)
-    out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
-                                kv_format=kv_format)
-    return out.contiguous(), lse.float()  # a custom op's outputs have the strides its fake gives
+    lengths = visible_lens.amax(dim=1)
+    S = int(lengths.max())
+    if S == 0:  # nothing visible anywhere: out = 0 and lse = -inf
+        return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+    out, lse = _attend_visible(q_lat, q_rope, latent[:, :S], None if key_scale is None else key_scale[:, :S],
+                               visible_lens, lengths, softmax_scale, mode, kv_format)
+    return out.contiguous(), lse  # a custom op's outputs have the strides its fake gives
 
 
 @latent_attention_op.register_fake
-def _(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, kv_format="dense"):
+def _(q_lat, q_rope, latent, key_scale, softmax_scale, visible_lens, mode, kv_format="dense"):
     return torch.empty_like(q_lat), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
 
 
@@ -269,12 +260,22 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     latent = _dense(kv_cache, block_table, S)
     key_scale = _dense(scale_cache, block_table, S) if scale_cache is not None else None
-    visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens.long()
-    visible = torch.minimum(visible, cache_seqlens.long()[:, None])
+    visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
+    return _attend_visible(q_lat, q_rope, latent, key_scale, visible, cache_seqlens, softmax_scale, mode, kv_format)
+
+
+def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_scale: Optional[torch.Tensor],
+                    visible: torch.Tensor, lengths: torch.Tensor, softmax_scale: float, mode: str,
+                    kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`latent_attention` over S slots, latent [B, S, width] and key_scale [B, S, G], where
+    query t of sequence b sees its first visible[b, t] slots and sequence b has filled
+    lengths[b] of them. Returns (out [B, T, h, d_c], lse [B, T, h] float32)."""
+    S = latent.shape[1]
+    visible = torch.minimum(visible.long(), lengths.long()[:, None])
     mask = None
     if not bool((visible >= S).all()):  # the steady state of batched decoding needs no mask
-        mask = torch.arange(S, device=q_lat.device) < visible[..., None]  # [B, S_q, S]
-        shorter = torch.arange(S, device=q_lat.device) >= cache_seqlens[:, None]  # [B, S]
+        mask = torch.arange(S, device=q_lat.device) < visible[..., None]  # [B, T, S]
+        shorter = torch.arange(S, device=q_lat.device) >= lengths[:, None]  # [B, S]
         if bool(shorter.any()):
             # Slots past a shorter sequence's length may hold anything (NaN, stale rows), and
             # a softmax weight of 0 times NaN is still NaN in p @ c: zero them first (zero
