@@ -284,7 +284,8 @@ def sync(device: str) -> None:
 class OldWorker:
     """bench_decode_old.py in a child process that imports the qkmla under ``src``."""
 
-    def __init__(self, src: Path):
+    def __init__(self, src: Path, label: str = "old-commit worker"):
+        self.label = label
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.proc = subprocess.Popen([sys.executable, str(HERE / "bench_decode_old.py")], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -294,10 +295,10 @@ class OldWorker:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the old-commit worker exited (status {self.proc.wait()}); its stderr is above")
+            raise RuntimeError(f"the {self.label} exited (status {self.proc.wait()}); its stderr is above")
         answer = json.loads(line)
         if "error" in answer:
-            raise RuntimeError(f"old-commit worker: {answer['error']}")
+            raise RuntimeError(f"{self.label}: {answer['error']}")
         return answer
 
     def close(self) -> None:
@@ -437,7 +438,7 @@ def main(argv=None) -> int:
           f"batch {args.batch}, modes {' '.join(modes)}"
           + (f", kv formats {' '.join(kv_formats)}" if kv_formats else ""))
 
-    old, worker, same_harness, tmp = None, None, None, None
+    old, worker, same_harness, tmp, worker_modes = None, None, None, None, []
     try:
         if args.old_commit or args.old_src:
             if args.old_commit:
@@ -455,8 +456,9 @@ def main(argv=None) -> int:
             worker = OldWorker(src)
             old = {"rev": rev, "src": str(src)}
             print(f"# old step: commit {rev} from {src}")
-            same_harness = OldWorker(HERE.parent / "src")
-        rows, spread, compile_record = [], {"step": {}, "core": {}}, {}
+            same_harness = OldWorker(HERE.parent / "src", label="same-harness worker")
+            worker_modes = [m for m in WORKER_MODES if m in modes]
+        rows, spread, compile_record, worker_spread = [], {"step": {}, "core": {}}, {}, {}
         spread_by_mode = {m: {} for m in modes + ([OLD] if worker else [])}
         print(f"{'context':>8} {'variant':<40}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
         for context in contexts:
@@ -478,17 +480,22 @@ def main(argv=None) -> int:
                     fns[step_variant(OLD, qk_norm)] = Remote(worker, step_variant(OLD, qk_norm))
                     cache_bytes[step_variant(OLD, qk_norm)] = cache_bytes[step_variant("eager", qk_norm)]
                 answer = same_harness.ask(cmd="setup", preset=args.preset, context=context, dtype=args.dtype,
-                                          device=args.device, batch=args.batch, prefix=WORKER, modes=list(WORKER_MODES),
+                                          device=args.device, batch=args.batch, prefix=WORKER, modes=worker_modes,
                                           backend=args.compile_backend)
                 if not answer["qkmla"].startswith(str(HERE.parent / "src")):
                     raise RuntimeError(f"the same-harness worker imported {answer['qkmla']}, not this tree's package")
-                for m in WORKER_MODES:
-                    for qk_norm in (False, True):
-                        fns[worker_variant(m, qk_norm)] = Remote(same_harness, worker_variant(m, qk_norm))
-                        cache_bytes[worker_variant(m, qk_norm)] = cache_bytes[step_variant("eager", qk_norm)]
+                for m, error in answer["compile_errors"].items():
+                    compile_record.setdefault(context, {})[f"{WORKER}-{m}"] = {"error": error}
+                    print(f"# {context}: the {WORKER}-{m} rows failed to compile, left out: {error}")
+                for name in answer["variants"]:
+                    fns[name] = Remote(same_harness, name)
+                    cache_bytes[name] = cache_bytes[step_variant("eager", "-qknorm" in name)]
             seconds, per_round = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
             spread["step"][context] = round_ratios(per_round, "absorbed-mla-qknorm", "absorbed-mla")
             spread["core"][context] = round_ratios(per_round, "core-mla-qknorm", "core-mla")
+            worker_spread[context] = {(m, q): round_ratios(per_round, worker_variant(m, q), step_variant(OLD, q))
+                                      for m in worker_modes for q in (False, True)
+                                      if worker_variant(m, q) in per_round}
             for m, spread_m in spread_by_mode.items():
                 if step_variant(m, True) in per_round:
                     spread_m[context] = round_ratios(per_round, step_variant(m, True), step_variant(m, False))
@@ -573,11 +580,19 @@ def main(argv=None) -> int:
         summary["eager_over_old_step"] = per_context(lambda c: against(c, "eager", OLD))
 
         def worker_fastest(c):  # the worker mode with the shortest QK-normed step, both steps over old
-            m = min(WORKER_MODES, key=lambda m: by[(c, worker_variant(m, True))])
+            timed = [m for m in worker_modes if all((c, worker_variant(m, q)) in by for q in (False, True))]
+            if not timed:
+                return None
+            m = min(timed, key=lambda m: by[(c, worker_variant(m, True))])
             return {"mode": m, **plain_and_qk(lambda q: ratio(c, worker_variant(m, q), step_variant(OLD, q)))}
         summary["worker_fastest_over_old_step"] = per_context(worker_fastest)
-        summary["worker_over_old_step_by_mode"] = {m: per_context(lambda c, m=m: plain_and_qk(
-            lambda q: ratio(c, worker_variant(m, q), step_variant(OLD, q)))) for m in WORKER_MODES}
+        # The same ratios taken round by round, [25th, 50th, 75th] percentiles: how much is drift.
+        summary["worker_fastest_over_old_step_per_round_quartiles"] = {
+            c: plain_and_qk(lambda q, c=c, m=v["mode"]: worker_spread[c][(m, q)])
+            for c, v in summary["worker_fastest_over_old_step"].items()}
+        summary["worker_over_old_step_by_mode"] = {m: per_context(lambda c, m=m: (lambda d: None if None in d.values()
+                                                                                  else d)(plain_and_qk(
+            lambda q: ratio(c, worker_variant(m, q), step_variant(OLD, q))))) for m in worker_modes}
     quantized = [f for f in kv_formats if f != "bf16"]
     if kv_formats:  # bytes per token are those of the first context's rows (bytes_per_token x context)
         cache_bytes_of = {(r["context"], r["variant"]): r["cache_bytes"] for r in rows}
@@ -595,7 +610,7 @@ def main(argv=None) -> int:
     at16k = summary["expand_over_absorbed_qknorm_step_fastest"].get(16384)
     vs_old = [v for c in (4096, 16384) if worker and c in contexts
               for v in summary["fastest_over_old_step"][c].values() if not isinstance(v, str)]
-    vs_old_same = [v for c in (4096, 16384) if worker and c in contexts
+    vs_old_same = [v for c in (4096, 16384) if worker and c in summary["worker_fastest_over_old_step"]
                    for v in summary["worker_fastest_over_old_step"][c].values() if not isinstance(v, str)]
     fp8_step = summary.get("kv_format_over_bf16_step", {}).get("eager", {}).get("fp8", {})
     fp8_long = [v for c, d in fp8_step.items() if c >= 32768 for v in d.values()] if args.device == "cuda" else []

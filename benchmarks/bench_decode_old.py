@@ -11,7 +11,8 @@ else the worker prints goes to stderr):
 
     {"cmd": "setup", "preset": P, "context": S, "dtype": "float32", "device": "cpu", "batch": B,
      "prefix": "old", "modes": ["eager"], "backend": "inductor"}
-        -> {"qkmla": <path of the imported package>, "variants": [...], "torch_threads": N}
+        -> {"qkmla": <path of the imported package>, "variants": [...], "torch_threads": N,
+            "compile_errors": {mode: message}}
     {"cmd": "warm", "name": V}            -> {"seconds": one call after an untimed one}
     {"cmd": "round", "name": V, "n": N}   -> {"samples": [N timings, after one untimed call]}
     {"cmd": "quit"}
@@ -60,7 +61,10 @@ def keeper(cache):
 
 
 def setup(preset: str, context: int, dtype: str, device: str, batch: int, prefix: str = "old",
-          modes=("eager",), backend: str = "inductor") -> dict:
+          modes=("eager",), backend: str = "inductor", errors: dict | None = None) -> dict:
+    """The variants' step functions by name; a compiled mode that fails to compile is left out
+    and its error put in ``errors`` (by mode)."""
+    errors = {} if errors is None else errors
     from qkmla import MLA, LatentCache, mla_preset
 
     torch.manual_seed(0)
@@ -113,8 +117,16 @@ def setup(preset: str, context: int, dtype: str, device: str, batch: int, prefix
             pair = (plain, qk)
             if mode == "compiled-optimized":  # twins holding the same weights, with the CPU opt-in
                 pair = tuple(optimize_for_decode(twin(m)) for m in pair)
-            fns[f"{prefix}-absorbed-mla-{mode}"] = compiled_step(pair[0], plain_cache)
-            fns[f"{prefix}-absorbed-mla-qknorm-{mode}"] = compiled_step(pair[1], qk_cache)
+            try:  # compiled here, under the mode the timing runs in; a failure leaves the mode out
+                both = {f"{prefix}-absorbed-mla-{mode}": compiled_step(pair[0], plain_cache),
+                        f"{prefix}-absorbed-mla-qknorm-{mode}": compiled_step(pair[1], qk_cache)}
+                with torch.inference_mode():
+                    for fn in both.values():
+                        fn()
+            except Exception as e:  # noqa: BLE001 - reported to bench_decode.py, which goes on
+                errors[mode] = f"{type(e).__name__}: {e}"[:500]
+                continue
+            fns.update(both)
     return fns
 
 
@@ -143,10 +155,12 @@ def main() -> int:
         msg = json.loads(line)
         if msg["cmd"] == "setup":  # outside inference mode, as bench_decode.py builds its modules
             fns.clear()
+            errors: dict = {}
             fns = setup(msg["preset"], msg["context"], msg["dtype"], msg["device"], msg["batch"],
-                        msg.get("prefix", "old"), msg.get("modes", ["eager"]), msg.get("backend", "inductor"))
+                        msg.get("prefix", "old"), msg.get("modes", ["eager"]), msg.get("backend", "inductor"), errors)
             import qkmla
-            answer = {"qkmla": qkmla.__file__, "variants": list(fns), "torch_threads": torch.get_num_threads()}
+            answer = {"qkmla": qkmla.__file__, "variants": list(fns), "torch_threads": torch.get_num_threads(),
+                      "compile_errors": errors}
         elif msg["cmd"] == "quit":
             return 0
         else:

@@ -109,19 +109,24 @@ def test_bench_decode_times_another_checkout_in_a_worker(tmp_path):
     bench = load("bench_decode")
     out = tmp_path / "decode.json"
     src = Path(__file__).resolve().parents[1] / "src"
-    assert bench.main(["--preset", "tiny", "--contexts", "32", "--rounds", "2", "--modes", "eager",
+    assert bench.main(["--preset", "tiny", "--contexts", "32", "--rounds", "2", "--modes", "eager", "compiled",
                        "--compile-backend", "aot_eager", "--old-src", str(src), "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["modes"] == ["eager", "old"]
+    assert result["modes"] == ["eager", "compiled", "old"]
     assert result["old"]["qkmla"].startswith(str(src))
-    worker_rows = {bench.worker_variant(m, q) for m in bench.WORKER_MODES for q in (False, True)}
-    assert {r["variant"] for r in result["rows"]} >= {"old-absorbed-mla", "old-absorbed-mla-qknorm"} | worker_rows
-    assert result["summary"]["fastest_over_old_step"]["32"]["mode"] == "eager"
-    assert result["summary"]["eager_over_old_step"]["32"]["mla-qknorm"] > 0
-    same = result["summary"]["worker_fastest_over_old_step"]["32"]
-    assert same["mode"] in bench.WORKER_MODES and same["mla"] > 0 and same["mla-qknorm"] > 0
-    assert set(result["summary"]["worker_over_old_step_by_mode"]) == set(bench.WORKER_MODES)
-    assert result["summary"]["targets"]["fastest_no_slower_than_old_at_4k_and_16k_same_harness"] is None  # no 4k
+    worker_rows = {bench.worker_variant(m, q) for m in ("eager", "compiled") for q in (False, True)}
+    variants = {r["variant"] for r in result["rows"]}
+    assert variants >= {"old-absorbed-mla", "old-absorbed-mla-qknorm"} | worker_rows
+    assert not any(v.startswith("worker-") and v.endswith("-compiled-optimized") for v in variants)  # not asked
+    summary = result["summary"]
+    assert summary["fastest_over_old_step"]["32"]["mode"] in ("eager", "compiled")
+    assert summary["eager_over_old_step"]["32"]["mla-qknorm"] > 0
+    same = summary["worker_fastest_over_old_step"]["32"]
+    assert same["mode"] in ("eager", "compiled") and same["mla"] > 0 and same["mla-qknorm"] > 0
+    assert set(summary["worker_over_old_step_by_mode"]) == {"eager", "compiled"}
+    quartiles = summary["worker_fastest_over_old_step_per_round_quartiles"]["32"]
+    assert set(quartiles) == {"mla", "mla-qknorm"} and all(len(q) == 3 for q in quartiles.values())
+    assert summary["targets"]["fastest_no_slower_than_old_at_4k_and_16k_same_harness"] is None  # no 4k
 
 
 def test_bench_decode_rejects_an_unknown_dtype(capsys):

@@ -7,6 +7,7 @@ import torch
 
 from qkmla import verify
 from qkmla.cli import main
+from qkmla.model.gpt import GPT
 
 
 def test_verify_json_rows(capsys):
@@ -83,10 +84,21 @@ def test_train_plot_generate(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("ROMEO:") and out.count("-" * 40) == 2
     # A compressed cache: fp8 latents and StreamingLLM keeping half the tokens (sinks 4 of them).
-    assert main(["generate", str(run), "--prompt", "ROMEO: a long prompt", "--tokens", "5", "--temperature", "0",
-                 "--kv-format", "fp8", "--policy", "streaming-llm", "--kept-fraction", "0.5"]) == 0
+    made = []
+    make_caches = GPT.make_caches
+
+    def spy(self, *args, **kwargs):
+        made.append(make_caches(self, *args, **kwargs))
+        return made[-1]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(GPT, "make_caches", spy)
+        assert main(["generate", str(run), "--prompt", "ROMEO: a long prompt", "--tokens", "5", "--temperature",
+                     "0", "--kv-format", "fp8", "--policy", "streaming-llm", "--kept-fraction", "0.5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("ROMEO: a long prompt") and len(out.splitlines()[0]) >= len("ROMEO: a long prompt") + 1
+    caches = made[-1]
+    assert all(c.kv_format == "fp8" and c.eviction.policy.name == "streaming-llm" for c in caches)
+    assert all(int(c.eviction.evicted.sum()) > 0 for c in caches)  # tokens were dropped
 
 
 def test_train_bad_arguments(tmp_path, refused):
@@ -141,7 +153,7 @@ def test_generate_ranges_are_checked_before_loading(tmp_path, refused, flag, val
 @pytest.mark.parametrize("flags,message", [
     (["--kv-format", "fp16"], r"--kv-format: expected one of \('dense', 'fp8', 'int8', 'int4'\), got 'fp16'"),
     (["--policy", "lru", "--budget", "64"], r"--policy: expected one of \('streaming-llm', 'h2o', 'snapkv'\)"),
-    (["--policy", "h2o"], "--kept-fraction: --policy needs exactly one of --kept-fraction or --budget, got neither"),
+    (["--policy", "h2o"], "--policy: needs exactly one of --kept-fraction or --budget, got neither"),
     (["--policy", "h2o", "--budget", "64", "--kept-fraction", "0.5"], "got both"),
     (["--kept-fraction", "0.5"], "--kept-fraction: sizes an eviction policy; give --policy too"),
     (["--budget", "64"], "--budget: sizes an eviction policy"),

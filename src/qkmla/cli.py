@@ -112,7 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.policy is not None and args.policy not in POLICIES:
         raise ValueError(f"--policy: expected one of {tuple(POLICIES)}, got {args.policy!r}")
     if args.policy is not None and (args.budget is None) == (args.kept_fraction is None):
-        raise ValueError("--kept-fraction: --policy needs exactly one of --kept-fraction or --budget, got "
+        raise ValueError("--policy: needs exactly one of --kept-fraction or --budget, got "
                          f"{'both' if args.budget is not None else 'neither'}")
     if args.policy is not None:
         policy = make_policy(args.policy, **{k: v for k, v in (("budget", args.budget),

@@ -80,6 +80,17 @@ def test_latent_attention_op_is_the_core_over_the_visible_prefix(mode, lengths):
     torch.testing.assert_close(lse, want_lse)
 
 
+@pytest.mark.parametrize("visible", [torch.tensor([3, 4]), torch.tensor([[3]]), torch.tensor([[3], [13]]),
+                                     torch.tensor([[3], [-1]]), torch.tensor([[3.0], [4.0]])])
+def test_latent_attention_op_refuses_bad_visible_lens(visible):
+    """[B] or [1, T] lengths, counts past the capacity or below 0, or floats: a ValueError naming
+    the argument, not an index error or a silent broadcast."""
+    q_lat, q_rope = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8)
+    latent, key_scale = torch.randn(2, 12, 24), torch.rand(2, 12, 2)
+    with pytest.raises(ValueError, match=r"visible_lens: expected an integer tensor \[B=2, T=1\] of slot counts in \[0, 12\]"):
+        latent_attention_op(q_lat, q_rope, latent, key_scale, 0.3, visible, "blockwise")
+
+
 def test_decode_one_token_refuses_what_it_does_not_cover():
     cfg = MLAConfig()
     mla = MLA(cfg).eval()

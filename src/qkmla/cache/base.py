@@ -221,22 +221,29 @@ class SequenceCache:
             order [B, max_len]: order[b, i] is the slot whose row slot i now holds (i < k_b),
             for state kept per slot beside the cache (an eviction policy's scores).
         """
-        B, S = self.batch_size, self.max_len
         order, lengths = self.keep_order(mask)
+        self.apply_keep(order, lengths)
+        return order
+
+    def apply_keep(self, order: torch.Tensor, lengths: torch.Tensor) -> None:
+        """:meth:`keep` given :meth:`keep_order`'s answer (order [B, max_len], lengths [B]),
+        for a caller that asked it first. Everything is read and allocated before the first
+        row is written."""
+        B, S = self.batch_size, self.max_len
         slots = torch.arange(S, device=self.device)
         moved = (order != slots) & (slots < lengths[:, None])  # a kept prefix stays where it is
         batch_idx, dst = moved.nonzero(as_tuple=True)
         src = order[batch_idx, dst]
-        rows = {name: buf.gather(batch_idx, src) for name, buf in self.fields.items()}  # all read before any write
-        for name, value in rows.items():
-            self.fields[name].write(batch_idx, dst, value)
+        rows = {name: buf.gather(batch_idx, src) for name, buf in self.fields.items()}
+        positions = self.slot_positions().gather(1, order)
         if self._kept_positions is None:
             self._kept_positions = torch.zeros(B, self.capacity, dtype=torch.long, device=self.device)
-        self._kept_positions[:, :S] = self.slot_positions().gather(1, order)
+        max_len, uniform = int(lengths.max()), bool((lengths == lengths[0]).all())
+        for name, value in rows.items():
+            self.fields[name].write(batch_idx, dst, value)
+        self._kept_positions[:, :S] = positions
         self._kept_lens = lengths
-        self.seqlens, self.max_len = lengths, int(lengths.max())
-        self.uniform = bool((lengths == lengths[0]).all())
-        return order
+        self.seqlens, self.max_len, self.uniform = lengths, max_len, uniform
 
     def keep_order(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`keep` would do with ``mask``, changing nothing: (order [B, max_len] as

@@ -11,10 +11,11 @@ cache, after attending; a cache built with a policy hands the call to its :class
 Without a policy the cache returns at once: no query is formed, nothing is scored.
 
 Everything that may fail runs before the first row moves: the scores, the compacted scores
-and the re-positioned RoPE keys are computed against the cache as it is, then ``cache.keep``
-moves the rows, the turned keys are written and the policy's state is committed. A failure
-before the move (inside the layer's ``cache.transaction()``) leaves the scores, the step
-count and the cache as they were, and the transaction takes the new tokens out again.
+and the re-positioned RoPE keys are computed against the cache as it is (``cache.keep_order``
+says where each row will go), then ``cache.apply_keep`` moves the rows, the turned keys are
+written and the policy's state is committed. A failure before the move (inside the layer's
+``cache.transaction()``) leaves the scores, the step count and the cache as they were, and
+the transaction takes the new tokens out again.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Eviction:
                 evicted = evicted + cache.seqlens - lengths
                 scores = policy.compacted(scores, order, lengths)
                 turned = turned_rope_keys(cache, layer.rotary, order, lengths) if policy.reposition else None
-                cache.keep(keep)  # rows move: nothing after this may fail
+                cache.apply_keep(order, lengths)  # rows move: what follows writes what was computed above
                 if turned is not None:
                     batch_idx, slot_idx, rows = turned
                     for name, value in rows.items():
@@ -74,7 +75,7 @@ class Eviction:
 
 @torch.no_grad()
 def turned_rope_keys(cache, rotary, order: torch.Tensor, lengths: torch.Tensor) -> tuple:
-    """StreamingLLM's re-positioning, prepared before ``cache.keep(mask)`` moves the rows: the
+    """StreamingLLM's re-positioning, prepared before ``cache.apply_keep`` moves the rows: the
     token that slot i will hold (old slot order[b, i], i < lengths[b]) gets RoPE position i.
 
     Only the small RoPE key turns, by (i - its position) with ``rotary.shift``: the latent and

@@ -75,7 +75,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: expected one or more non-empty token lists")
     check_sampling(max_new_tokens, temperature, top_k)
-    check_kv_format(kv_format)
+    check_kv_format(kv_format, model.wte.weight.device)
     if kv_format != "dense" and not model.config.is_mla:
         raise ValueError(f"kv_format: {kv_format!r} stores latents, so MLA variants only; attn={model.config.attn!r}")
     model.eval()

@@ -220,8 +220,15 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
     change, and how many slots each query sees, visible_lens [B, T] (sequence b has filled
     max_t visible_lens[b, t] slots). Here, outside the graph, only the slots up to the
     longest sequence's last are read (a cache built for 32k tokens that holds 2k costs 2k),
-    and a batch whose queries all see every one of them needs no mask.
+    and a batch whose queries all see every one of them needs no mask. Reading the lengths
+    on the host costs a device sync per call on a GPU, where the Triton backend is the path.
     """
+    B, T = q_lat.shape[:2]
+    if (visible_lens.dtype.is_floating_point or visible_lens.dtype == torch.bool or visible_lens.shape != (B, T)
+            or bool((visible_lens < 0).any()) or bool((visible_lens > latent.shape[1]).any())):
+        raise ValueError(f"visible_lens: expected an integer tensor [B={B}, T={T}] of slot counts in "
+                         f"[0, {latent.shape[1]}] (the cache's capacity), got {visible_lens.dtype} "
+                         f"{tuple(visible_lens.shape)}")
     lengths = visible_lens.amax(dim=1)
     S = int(lengths.max())
     if S == 0:  # nothing visible anywhere: out = 0 and lse = -inf
