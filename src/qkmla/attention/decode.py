@@ -13,8 +13,9 @@ checks), runs the step and moves the cache's lengths on.
     y = decode_one_token(mla, x, cache, step=step)          # x [B, 1, hidden] -> [B, 1, hidden]
 
 A shorter sequence's unused slots are zeroed before they are read (they may hold anything,
-NaN included), so a batch of uneven lengths works as ``MLA.forward`` does. The step is for inference (run it under ``torch.no_grad()``
-or ``torch.inference_mode()``): it writes the cache in place and has no backward. A quantized
+NaN included), so a batch of uneven lengths works as ``MLA.forward`` does. The step is for
+inference (run it under ``torch.no_grad()`` or ``torch.inference_mode()``): it writes the
+cache in place and has no backward. A quantized
 cache (``kv_format``) works the same way: the step encodes the new row in the cache's format
 (key scalars from the stored latent) and the attention dequantizes a chunk of keys at a time.
 """
