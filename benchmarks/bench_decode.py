@@ -579,20 +579,23 @@ def main(argv=None) -> int:
             lambda c: {"mode": fastest_mode[c], **against(c, fastest_mode[c], OLD)})
         summary["eager_over_old_step"] = per_context(lambda c: against(c, "eager", OLD))
 
-        def worker_fastest(c):  # the worker mode with the shortest QK-normed step, both steps over old
-            timed = [m for m in worker_modes if all((c, worker_variant(m, q)) in by for q in (False, True))]
+        def worker_over_old(c, m) -> dict | None:  # worker mode m's steps over the old ones (None: not timed)
+            both = plain_and_qk(lambda q: ratio(c, worker_variant(m, q), step_variant(OLD, q)))
+            return None if None in both.values() else both
+
+        def worker_fastest(c):  # the worker mode with the shortest QK-normed step
+            timed = [m for m in worker_modes if worker_over_old(c, m) is not None]
             if not timed:
                 return None
             m = min(timed, key=lambda m: by[(c, worker_variant(m, True))])
-            return {"mode": m, **plain_and_qk(lambda q: ratio(c, worker_variant(m, q), step_variant(OLD, q)))}
+            return {"mode": m, **worker_over_old(c, m)}
         summary["worker_fastest_over_old_step"] = per_context(worker_fastest)
         # The same ratios taken round by round, [25th, 50th, 75th] percentiles: how much is drift.
         summary["worker_fastest_over_old_step_per_round_quartiles"] = {
             c: plain_and_qk(lambda q, c=c, m=v["mode"]: worker_spread[c][(m, q)])
             for c, v in summary["worker_fastest_over_old_step"].items()}
-        summary["worker_over_old_step_by_mode"] = {m: per_context(lambda c, m=m: (lambda d: None if None in d.values()
-                                                                                  else d)(plain_and_qk(
-            lambda q: ratio(c, worker_variant(m, q), step_variant(OLD, q))))) for m in worker_modes}
+        summary["worker_over_old_step_by_mode"] = {m: per_context(lambda c, m=m: worker_over_old(c, m))
+                                                   for m in worker_modes}
     quantized = [f for f in kv_formats if f != "bf16"]
     if kv_formats:  # bytes per token are those of the first context's rows (bytes_per_token x context)
         cache_bytes_of = {(r["context"], r["variant"]): r["cache_bytes"] for r in rows}

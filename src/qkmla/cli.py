@@ -109,17 +109,17 @@ def _generate(args: argparse.Namespace) -> int:
     from .cache.eviction import POLICIES, make_policy
 
     policy = None
-    if args.policy is not None and args.policy not in POLICIES:
-        raise ValueError(f"--policy: expected one of {tuple(POLICIES)}, got {args.policy!r}")
-    if args.policy is not None and (args.budget is None) == (args.kept_fraction is None):
-        raise ValueError("--policy: needs exactly one of --kept-fraction or --budget, got "
-                         f"{'both' if args.budget is not None else 'neither'}")
     if args.policy is not None:
-        policy = make_policy(args.policy, **{k: v for k, v in (("budget", args.budget),
-                                                               ("kept_fraction", args.kept_fraction)) if v is not None})
+        if args.policy not in POLICIES:
+            raise ValueError(f"--policy: expected one of {tuple(POLICIES)}, got {args.policy!r}")
+        if (args.budget is None) == (args.kept_fraction is None):
+            raise ValueError("--policy: needs exactly one of --kept-fraction or --budget, got "
+                             f"{'both' if args.budget is not None else 'neither'}")
+        size = {"budget": args.budget} if args.budget is not None else {"kept_fraction": args.kept_fraction}
+        policy = make_policy(args.policy, **size)
     elif args.budget is not None or args.kept_fraction is not None:
         raise ValueError(f"--{'budget' if args.budget is not None else 'kept-fraction'}: sizes an eviction "
-                         f"policy; give --policy too (one of {GENERATE_POLICIES})")
+                         f"policy; give --policy too (one of {tuple(POLICIES)})")
     check_kv_format(args.kv_format)
     model, tok = load_model(args.run)
     prompts = [tok.encode(p) for p in args.prompt]

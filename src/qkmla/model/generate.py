@@ -22,7 +22,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..kv_formats import check_kv_format
 from .gpt import GPT
 
 
@@ -58,8 +57,7 @@ def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None,
     idx = torch.zeros(len(windows), int(lengths.max()), dtype=torch.long, device=device)
     for b, w in enumerate(windows):
         idx[b, :len(w)] = torch.as_tensor(w, device=device)
-    caches = model.make_caches(len(windows), capacity, policy=policy,
-                               **({} if kv_format == "dense" else {"kv_format": kv_format}))
+    caches = model.make_caches(len(windows), capacity, policy=policy, kv_format=kv_format)
     logits, _ = model(idx, caches=caches, input_lengths=lengths)
     return caches, logits[torch.arange(len(windows), device=device), lengths - 1]
 
@@ -75,9 +73,6 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts: expected one or more non-empty token lists")
     check_sampling(max_new_tokens, temperature, top_k)
-    check_kv_format(kv_format, model.wte.weight.device)
-    if kv_format != "dense" and not model.config.is_mla:
-        raise ValueError(f"kv_format: {kv_format!r} stores latents, so MLA variants only; attn={model.config.attn!r}")
     model.eval()
     context = model.config.block_size
     history = [list(p)[-(context - 1):] if context > 1 else list(p)[-1:] for p in prompts]

@@ -30,6 +30,7 @@ from ..attention.mla import MLA
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import AttentionConfig, MLAConfig
+from ..kv_formats import check_kv_format
 
 ATTENTION_VARIANTS = (
     "mha", "gqa", "mqa", "mha-qknorm", "gqa-qknorm", "mha-l2", "gqa-l2", "mha-lp", "gqa-lp",
@@ -182,18 +183,24 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def make_caches(self, batch_size: int, capacity: int, policy=None, **kwargs) -> list:
+    def make_caches(self, batch_size: int, capacity: int, policy=None, kv_format: str = "dense", **kwargs) -> list:
         """One cache per layer: a :class:`LatentCache` for MLA variants, a :class:`FullKVCache` otherwise.
 
         ``policy``: an eviction policy (``qkmla.cache.eviction``) every layer's latent cache runs
-        on its own tokens and scores; MLA variants only."""
+        on its own tokens and scores; ``kv_format``: how the latent caches store their latents
+        (``qkmla.kv_formats.KV_FORMATS``). Both MLA variants only."""
+        check_kv_format(kv_format, self.wte.weight.device)
         if policy is not None and not self.config.is_mla:
             raise ValueError(f"policy: eviction runs on latent caches, so on MLA variants only; "
                              f"attn={self.config.attn!r}")
+        if kv_format != "dense" and not self.config.is_mla:
+            raise ValueError(f"kv_format: {kv_format!r} stores latents, so MLA variants only; attn={self.config.attn!r}")
         caches = []
         dtype = kwargs.pop("dtype", None) or self.wte.weight.dtype
         if policy is not None:
             kwargs["policy"] = policy
+        if kv_format != "dense":  # only latent caches take it, and then every layer's is one
+            kwargs["kv_format"] = kv_format
         for block in self.blocks:
             cfg = block.attn.config
             cls = LatentCache if isinstance(cfg, MLAConfig) else FullKVCache
