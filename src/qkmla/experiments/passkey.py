@@ -31,6 +31,15 @@ SEED = 0
 OPEN, CLOSE = "#", "#"
 
 
+def random_key(rng: random.Random, digits: int = KEY_DIGITS) -> str:
+    return "".join(rng.choice("0123456789") for _ in range(digits))
+
+
+def record(key: str, filler: str) -> str:
+    """One record: ``#KEY:filler#KEY`` and a newline."""
+    return f"{OPEN}{key}:{filler}{CLOSE}{key}\n"
+
+
 def passkey_text(source: str = "tiny_shakespeare", seed: int = SEED) -> str:
     """The whole record text (deterministic for a seed)."""
     text = load_text(source).replace(OPEN, " ")  # '#' only ever marks a key
@@ -38,50 +47,54 @@ def passkey_text(source: str = "tiny_shakespeare", seed: int = SEED) -> str:
     records, i = [], 0
     while i < len(text):
         n = rng.randint(MIN_FILLER, MAX_FILLER)
-        key = "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
-        records.append(f"{OPEN}{key}:{text[i:i + n]}{CLOSE}{key}\n")
+        records.append(record(random_key(rng), text[i:i + n]))
         i += n
     return "".join(records)
 
 
-def write_passkey_corpus(path: Path, source: str = "tiny_shakespeare") -> Path:
-    """Write the record text to ``path`` (once; the same bytes every time) and return it."""
-    text = passkey_text(source)
+def write_corpus(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` unless it already holds exactly that, and return the path."""
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return path
 
 
-def _opens_closes(ids: torch.Tensor, tok: Tokenizer) -> tuple[list[int], list[int]]:
+def write_passkey_corpus(path: Path, source: str = "tiny_shakespeare") -> Path:
+    """Write the record text to ``path`` (once; the same bytes every time) and return it."""
+    return write_corpus(path, passkey_text(source))
+
+
+def _opens_closes(ids: torch.Tensor, tok: Tokenizer, digits: int) -> tuple[list[int], list[int]]:
     """Offsets of the '#' that open records and of those that close them. A '#' opens when
     its key is followed by ':' and closes when it is followed by a newline (a passage may
     end in a newline, so a line's first '#' can close a record too)."""
     colon = tok.encode(":")[0]
     opens, closes = [], []
     for i in (ids == tok.encode(OPEN)[0]).nonzero().flatten().tolist():
-        after = i + 1 + KEY_DIGITS
+        after = i + 1 + digits
         (opens if after < len(ids) and int(ids[after]) == colon else closes).append(i)
     return opens, closes
 
 
-def record_starts(ids: torch.Tensor, tok: Tokenizer) -> list[int]:
-    """Offsets in ``ids`` [N] where a record opens."""
-    return _opens_closes(ids, tok)[0]
+def record_starts(ids: torch.Tensor, tok: Tokenizer, digits: int = KEY_DIGITS) -> list[int]:
+    """Offsets in ``ids`` [N] where a record (keys of ``digits`` digits) opens."""
+    return _opens_closes(ids, tok, digits)[0]
 
 
-def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0) -> torch.Tensor:
+def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0, digits: int = KEY_DIGITS) -> torch.Tensor:
     """[N] bool: token i is a digit of a closing key (predictable only from its record's start).
 
     ``min_distance``: only keys that close at least that many tokens after their record
-    opened (a key whose opening lies before ``ids`` starts is never marked).
+    opened (a key whose opening lies before ``ids`` starts is never marked); ``digits``: the
+    key length of the records.
     """
-    opens, closes = _opens_closes(ids, tok)
+    opens, closes = _opens_closes(ids, tok, digits)
     out = torch.zeros(len(ids), dtype=torch.bool)
     j = -1
     for c in closes:
         while j + 1 < len(opens) and opens[j + 1] < c:
             j += 1
         if j >= 0 and c - opens[j] >= min_distance:
-            out[c + 1:c + 1 + KEY_DIGITS] = True
+            out[c + 1:c + 1 + digits] = True
     return out
