@@ -13,12 +13,12 @@ ROW_KEYS = {"experiment", "run", "variant", "seed", "lr", "status", "steps", "fi
             "peak_max_logit", "peak_max_logit_post_clip", "nan_step", "seconds", "median_step_seconds"}
 FIGURES = {"lr-sweep": "lr_sweep.png", "qk-clip": "qk_clip.png", "norm-mode": "norm_mode.png",
            "lp-sweep": "lp_sweep.png", "length": "length.png",
-           "compression": "compression.png"}
+           "compression": "compression.png", "retrieval": "retrieval.png"}
 
 
 @pytest.fixture(scope="module")
 def quick_dir(tmp_path_factory):
-    """All five quick experiments in one parent directory (the later ones read lr-sweep's
+    """Every quick experiment in one parent directory (the later ones read lr-sweep's
     best learning rates from the sibling lr-sweep directory, as the full ones do)."""
     root = tmp_path_factory.mktemp("experiments")
     for name in FIGURES:
@@ -54,6 +54,9 @@ def test_experiment_specific_columns(quick_dir):
     length = [json.loads(x) for x in (quick_dir / "length" / "results.jsonl").read_text().splitlines()]
     for r in length:
         assert len(r["position_loss_4x"]) == 4 * r["train_length"] and r["loss_4x_past_train"] > 0
+    retrieval = [json.loads(x) for x in (quick_dir / "retrieval" / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in retrieval] == ["mha", "mha-qknorm", "mla", "mla-qknorm", "mla-qknorm-unified"]
+    assert all(0 <= r["key_accuracy"] <= 1 and r["key_loss"] > 0 and r["key_windows"] == 8 for r in retrieval)
     lp = [json.loads(x) for x in (quick_dir / "lp-sweep" / "results.jsonl").read_text().splitlines()]
     matched = [r for r in lp if r["matched"]]
     assert matched and all(r["initial_scale"] > 0 and r["logit_scale"] > 0 for r in matched)

@@ -10,7 +10,9 @@ go below ln 26). Chance on the key is 1/10, a loss of ln 10 = 2.303 nats.
 Why it exists: the compression experiment's long-range check needs a model that retrieves,
 and its 800-step Shakespeare models never did (``docs/results.md``). This asks, on the
 smallest such task, which variants learn retrieval at all at the ``cpu`` preset's width
-(here 2 layers of 128 with 4 heads, a 128-token context) in a few CPU minutes.
+(here 2 layers of 128 with 4 heads, a 128-token context) in a few CPU minutes: plain and
+QK-normed MHA beside plain and QK-normed MLA, so that an MLA failure can be told apart from
+a QK-norm one.
 
 Measured on each trained model: accuracy and loss on the key digit over ``WINDOWS``
 validation windows, each ending at a closing ``#`` (every record fits in one window, so the
@@ -36,7 +38,7 @@ from .grid import Run
 from .passkey import key_targets, random_key, record, write_corpus
 from .results import group, mean_std
 
-VARIANTS = ("mha", "mla", "mla-qknorm")
+VARIANTS = ("mha", "mha-qknorm", "mla", "mla-qknorm", "mla-qknorm-unified")
 STEPS = 3000
 CONTEXT = 128
 BATCH = 32

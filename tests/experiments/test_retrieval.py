@@ -1,0 +1,76 @@
+"""The retrieval experiment's records, windows and scoring (the training grid runs in test_experiments)."""
+
+import math
+import re
+
+import pytest
+import torch
+
+from qkmla.experiments.passkey import key_targets
+from qkmla.experiments.retrieval import (MAX_FILLER, MIN_FILLER, TEXT_CHARS, key_scores, key_windows,
+                                         retrieval_text)
+from qkmla.train.data import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def text():
+    return retrieval_text()
+
+
+def test_records_are_one_digit_keys_around_random_letters(text):
+    assert text == retrieval_text() and text != retrieval_text(seed=1)
+    records = re.findall(r"#(\d):([a-z]*)#(\d)\n", text)
+    assert "".join(f"#{k}:{f}#{k2}\n" for k, f, k2 in records) == text  # nothing but records
+    assert all(k == k2 for k, _, k2 in records)
+    assert all(MIN_FILLER <= len(f) <= MAX_FILLER for _, f, _ in records)
+    assert TEXT_CHARS <= len(text) < TEXT_CHARS + MAX_FILLER + 8
+    counts = torch.bincount(torch.tensor([int(k) for k, _, _ in records]), minlength=10).float() / len(records)
+    assert counts.min() > 0.08 and counts.max() < 0.12  # keys are uniform: chance is 1/10
+
+
+def test_key_targets_mark_the_closing_digit_of_one_digit_keys():
+    text = "#3:abc#3\n#7:de#7\n"
+    tok = Tokenizer.fit(text)
+    ids = torch.tensor(tok.encode(text))
+    assert "".join(c for c, m in zip(text, key_targets(ids, tok, digits=1).tolist()) if m) == "37"
+
+
+def test_windows_end_at_a_closing_hash_with_the_answer_in_view(text):
+    tok = Tokenizer.fit(text)
+    val = torch.tensor(tok.encode(text[-20_000:]))
+    x, y = key_windows(val, tok, 32, 128)
+    assert x.shape == (32, 128) and y.shape == (32,)
+    for row, answer in zip(x.tolist(), y.tolist()):
+        s = tok.decode(row)
+        assert s.endswith("#") and s[-2] in "abcdefghijklmnopqrstuvwxyz"  # a closing '#'
+        assert re.findall(r"#(\d):", s)[-1] == tok.decode([answer])  # its record opened inside the window
+    with pytest.raises(ValueError, match="count"):
+        key_windows(val, tok, 10_000, 128)
+
+
+class _LastDigit(torch.nn.Module):
+    """Predicts the most recent digit in its input (the right answer) or always `constant`."""
+
+    def __init__(self, tok, constant=None):
+        super().__init__()
+        self.digits = torch.tensor(tok.encode("0123456789"))
+        self.vocab, self.constant = tok.vocab_size, constant
+
+    def forward(self, x):
+        logits = torch.zeros(*x.shape, self.vocab)
+        for b, row in enumerate(x):
+            pos = torch.isin(row, self.digits).nonzero().flatten()
+            guess = self.constant if self.constant is not None else row[pos[-1]]
+            logits[b, -1, guess] = 20.0
+        return logits, None
+
+
+def test_scores_separate_a_retriever_from_a_guesser(text):
+    tok = Tokenizer.fit(text)
+    val = torch.tensor(tok.encode(text[-40_000:]))
+    x, y = key_windows(val, tok, 200, 128)
+    good = key_scores(_LastDigit(tok), x, y, batch=16)
+    assert good["key_accuracy"] == 1.0 and good["key_loss"] < 1e-3 and good["key_windows"] == 200
+    guess = key_scores(_LastDigit(tok, constant=tok.encode("4")[0]), x, y)
+    assert 0.03 < guess["key_accuracy"] < 0.2
+    assert guess["key_loss"] > math.log(10)  # confidently wrong nine times in ten
