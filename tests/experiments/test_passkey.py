@@ -53,3 +53,12 @@ def test_key_targets_can_keep_only_long_range_keys():
     ids = torch.tensor(tok.encode(text))
     marked = "".join(c for c, m in zip(text, key_targets(ids, tok, min_distance=15).tolist()) if m)
     assert marked == "222222"
+
+
+def test_key_targets_can_keep_only_keys_within_a_distance():
+    text = "#1:ab#1\n#2:" + "x" * 20 + "#2\n"
+    tok = Tokenizer.fit(text)
+    ids = torch.tensor(tok.encode(text))
+    marked = "".join(c for c, m in zip(text, key_targets(ids, tok, digits=1, max_distance=10).tolist()) if m)
+    assert marked == "1"  # the second record's closing '#' lies 23 tokens after its opening
+    assert "".join(c for c, m in zip(text, key_targets(ids, tok, digits=1, max_distance=23).tolist()) if m) == "12"

@@ -74,3 +74,35 @@ def test_scores_separate_a_retriever_from_a_guesser(text):
     guess = key_scores(_LastDigit(tok, constant=tok.encode("4")[0]), x, y)
     assert 0.03 < guess["key_accuracy"] < 0.2
     assert guess["key_loss"] > math.log(10)  # confidently wrong nine times in ten
+
+
+def test_windows_that_cannot_hold_the_record_are_skipped(text):
+    tok = Tokenizer.fit(text)
+    val = torch.tensor(tok.encode(text[-20_000:]))
+    x, y = key_windows(val, tok, 8, 16)  # only records with 10-12 filler letters fit 16 tokens
+    for row, answer in zip(x.tolist(), y.tolist()):
+        assert re.findall(r"(\d):", tok.decode(row))[-1] == tok.decode([answer])  # the key digit is in view
+
+
+def test_report_averages_measured_seeds_and_skips_failed_runs(tmp_path):
+    from qkmla.experiments import Options
+    from qkmla.experiments.retrieval import report
+
+    def compressed(acc):
+        return [{"format": "dense", "policy": None, "fraction": 1.0, "bytes_per_token": 312, "key_accuracy": acc,
+                 "key_loss": 0.1, "kept": 1.0},
+                {"format": "dense", "policy": "h2o", "fraction": 0.5, "bytes_per_token": 312, "key_accuracy": acc / 2,
+                 "key_loss": 2.0, "kept": 0.52}]
+    rows = [{"variant": "mha", "steps": 10, "key_accuracy": 0.1, "key_loss": 2.3, "final_val_loss": 3.0},
+            {"variant": "mla", "steps": 10, "key_accuracy": 1.0, "key_loss": 0.1, "final_val_loss": 3.0,
+             "compressed": compressed(1.0)},
+            {"variant": "mla", "steps": 10, "key_accuracy": 0.5, "key_loss": 1.0, "final_val_loss": 3.1,
+             "compressed": compressed(0.5)},
+            {"variant": "mla", "steps": None, "status": "failed"}]
+    out = report(rows, Options(tmp_path))
+    mla = out.summary["mla"]
+    assert (mla["seeds"], mla["runs"], mla["compressed_seeds"]) == (2, 3, 2)
+    assert mla["key_accuracy"] == 0.75 and mla["key_accuracy_per_seed"] == [1.0, 0.5]
+    assert [c["key_accuracy"] for c in mla["compressed"]] == [0.75, 0.375]
+    assert "compressed" not in out.summary["mha"]
+    assert "| h2o 0.5 | 0.520 | 0.375 |" in out.table and (tmp_path / "retrieval.png").is_file()

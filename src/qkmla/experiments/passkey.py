@@ -18,6 +18,7 @@ validation) still puts unseen passages and keys in validation.
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
@@ -82,12 +83,13 @@ def record_starts(ids: torch.Tensor, tok: Tokenizer, digits: int = KEY_DIGITS) -
     return _opens_closes(ids, tok, digits)[0]
 
 
-def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0, digits: int = KEY_DIGITS) -> torch.Tensor:
+def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0, digits: int = KEY_DIGITS,
+                max_distance: float = math.inf) -> torch.Tensor:
     """[N] bool: token i is a digit of a closing key (predictable only from its record's start).
 
-    ``min_distance``: only keys that close at least that many tokens after their record
-    opened (a key whose opening lies before ``ids`` starts is never marked); ``digits``: the
-    key length of the records.
+    ``min_distance`` / ``max_distance``: only keys whose closing '#' lies at least / at most
+    that many tokens after their opening '#' (a key whose opening lies before ``ids`` starts
+    is never marked); ``digits``: the key length of the records.
     """
     opens, closes = _opens_closes(ids, tok, digits)
     out = torch.zeros(len(ids), dtype=torch.bool)
@@ -95,6 +97,6 @@ def key_targets(ids: torch.Tensor, tok: Tokenizer, min_distance: int = 0, digits
     for c in closes:
         while j + 1 < len(opens) and opens[j + 1] < c:
             j += 1
-        if j >= 0 and c - opens[j] >= min_distance:
+        if j >= 0 and min_distance <= c - opens[j] <= max_distance:
             out[c + 1:c + 1 + digits] = True
     return out
