@@ -23,18 +23,16 @@ key, key scalars), also times the kept fraction.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.eviction import H2O, SnapKV, StreamingLLM
-from ..train.data import Corpus, fixed_windows
-from ..train.trainer import load_model
+from ..train.data import fixed_windows
 from .base import Experiment, Options, Report, train_settings
 from .figures import pyplot, save, table
-from .grid import Run
+from .grid import Run, trained_run
 from .passkey import key_targets, write_passkey_corpus
 
 VARIANTS = ("mla", "mla-qknorm")
@@ -121,9 +119,7 @@ def measure(path: Path) -> dict:
     Loss change and top-1 agreement are measured on validation windows spread evenly over
     the split (``fixed_windows``, as the training's validation loss), passkey accuracy on
     windows that end at a long-range passkey; both kinds go through the same caches."""
-    model, _ = load_model(path)
-    cfg = json.loads((path / "config.json").read_text())["train"]
-    corpus = Corpus.load(cfg["data"], cfg["tokenizer"])
+    model, corpus = trained_run(path)
     context = model.config.block_size
     quick = context < CONTEXT
     decode = context // 4 if quick else DECODE

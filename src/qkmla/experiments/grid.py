@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..train.data import Corpus
 from ..train.rundir import read_status
+from ..train.trainer import load_model
 
 FINISHED = ("done", "non-finite")
 # TrainConfig fields that say where and how a run is shown, not what it trains.
@@ -42,6 +44,13 @@ class Run:
 
 def run_dir(out: Path, run: Run) -> Path:
     return Path(out) / "runs" / run.name
+
+
+def trained_run(path: Path) -> tuple:
+    """(model, corpus) of a finished run directory: the trained GPT and the
+    :class:`~qkmla.train.data.Corpus` its config says it trained on, for an experiment's measure."""
+    cfg = json.loads((Path(path) / "config.json").read_text())["train"]
+    return load_model(path)[0], Corpus.load(cfg["data"], cfg["tokenizer"])
 
 
 def _same_config(path: Path, train: dict) -> bool:

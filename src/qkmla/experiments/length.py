@@ -8,16 +8,14 @@ training length alone.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from ..train.data import Corpus, fixed_windows
-from ..train.trainer import load_model
+from ..train.data import fixed_windows
 from .base import Experiment, Options, Report, sweep_lr, train_settings
 from .figures import fmt, pyplot, save, table
-from .grid import Run
+from .grid import Run, trained_run
 from .results import group, mean_std
 
 VARIANTS = ("mla", "mla-qknorm", "mla-qknorm-unified")
@@ -39,9 +37,8 @@ def position_losses(model, data: torch.Tensor, length: int, windows: int = WINDO
 
 
 def measure(path: Path) -> dict:
-    model, _ = load_model(path)
-    cfg = json.loads((path / "config.json").read_text())["train"]
-    val = Corpus.load(cfg["data"], cfg["tokenizer"]).val
+    model, corpus = trained_run(path)
+    val = corpus.val
     trained = model.config.block_size
     out = {"train_length": trained}
     for f in FACTORS:

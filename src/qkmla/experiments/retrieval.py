@@ -29,7 +29,6 @@ smoke test of the plumbing (a 16-token context that few records fit, six trainin
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import string
@@ -39,12 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.eviction import H2O, SnapKV, StreamingLLM
-from ..train.data import Corpus, Tokenizer
-from ..train.trainer import load_model
+from ..train.data import Tokenizer
 from .base import Experiment, Options, Report, train_settings
 from .compression import decode_logits
 from .figures import fmt, pyplot, save, table
-from .grid import Run
+from .grid import Run, trained_run
 from .passkey import key_targets, random_key, record, write_corpus
 from .results import group, mean_std
 
@@ -117,9 +115,7 @@ def compressed_key_scores(model, x: torch.Tensor, y: torch.Tensor, decode: int =
 
 
 def measure(path: Path) -> dict:
-    model, _ = load_model(path)
-    cfg = json.loads((path / "config.json").read_text())["train"]
-    corpus = Corpus.load(cfg["data"], cfg["tokenizer"])
+    model, corpus = trained_run(path)
     context = model.config.block_size
     x, y = key_windows(corpus.val, corpus.tokenizer, WINDOWS if context >= CONTEXT else 8, context)
     out = key_scores(model, x, y)
