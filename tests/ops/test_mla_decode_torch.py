@@ -1,4 +1,4 @@
-"""The torch backend's dense core: chunked scores, in-place softmax, folded amax."""
+"""The torch backend's dense core: chunked scores and values, in-place softmax, folded amax."""
 
 import pytest
 import torch
@@ -9,8 +9,8 @@ from qkmla.ops.mla_decode import torch_impl
 @pytest.mark.parametrize("T, h, G", [(3, 8, 4), (1, 4, 4)], ids=["grouped", "decode-head-per-group"])
 @pytest.mark.parametrize("scalars, mode", [(False, "blockwise"), (True, "blockwise"), (True, "unified")])
 def test_latent_attention_is_the_same_in_chunks_of_keys(monkeypatch, scalars, mode, T, h, G):
-    """Scores go through the cache in chunks of SCORE_CHUNK keys; a chunk boundary (and a
-    last, shorter chunk) must not change anything. One token with one head per group is
+    """Scores and values go through the cache in chunks of SCORE_CHUNK keys; a chunk
+    boundary (and a last, shorter chunk) must not change anything. One token with one head per group is
     the decode step's shape, where the scalars line up with the GEMM output unreshaped."""
     torch.manual_seed(0)
     B, d_c, d_r, S = 2, 16, 8, 23

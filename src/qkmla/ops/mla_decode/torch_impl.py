@@ -191,16 +191,16 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     # where none is, so clamping at 1 turns only the latter's 0 / 0 into 0.
     row_sum = p.sum(dim=1)  # [B, T, h]
     denom = row_sum.clamp_min(1.0) if mask is not None else row_sum
-    # c^T [d_c, S] @ p [S, T h]: the cache-streaming orientation again.
-    p = cast(p, q_lat.dtype).view(B, S, T * h)
-    if rows is None:
-        o = torch.bmm(cast(latent[..., :d_c], q_lat.dtype).transpose(1, 2), p)  # [B, d_c, T h]
-    else:  # summed over chunks, each dequantized again, as for the scores
-        read, o = _rows_reader(latent, rows, q_lat.dtype), p.new_zeros(B, d_c, T * h)
-        for start, stop in _chunks(S):
-            o.baddbmm_(read(start, stop)[..., :d_c].transpose(1, 2), p[:, start:stop])
-    o.div_(denom.view(B, 1, T * h))
-    o_lat = o.transpose(1, 2).reshape(B, T, h, d_c)
+    # p^T [T h, S] @ c [S, d_c], summed over the score chunks: BLAS streams c's rows into a
+    # small [T h, d_c] output, where c^T @ p (a [d_c, T h] output) reduces over a long
+    # transposed operand; quantized rows are dequantized again chunk by chunk, as for the scores.
+    p_t = cast(p, q_lat.dtype).view(B, S, T * h).transpose(1, 2)
+    read, o = _rows_reader(latent, rows, q_lat.dtype), None
+    for start, stop in _chunks(S):
+        values, weights = read(start, stop)[..., :d_c], p_t[..., start:stop]
+        o = torch.bmm(weights, values) if o is None else o.baddbmm_(weights, values)
+    o.div_(denom.view(B, T * h, 1))
+    o_lat = o.view(B, T, h, d_c)
     if return_lse:
         lse = m.squeeze(1) + torch.log(row_sum)  # [B, T, h]; -inf where no key is visible
     return (o_lat, lse) if return_lse else o_lat
