@@ -29,15 +29,13 @@ from torch import nn
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import MLAConfig
-from ..dtypes import accumulate_dtype
 from ..norms import make_qk_norms
 from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
-from ..ops.mla_decode.torch_impl import latent_scores
 from ..rope import RotaryEmbedding
 from .absorbed import AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, values_out
-from .functional import check_hidden, default_positions, per_head, record_max_logits, sdpa
-
-PATHS = ("auto", "explicit", "absorbed", "expand")
+from .functional import default_positions, record_max_logits, sdpa
+from .logits import causal_logits
+from .paths import resolve_path
 
 
 class MLA(nn.Module):
@@ -175,31 +173,10 @@ class MLA(nn.Module):
         k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.absorbed)
         return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
 
-    # -- logits (the Appendix E test) --------------------------------------------------------
-
     def logits(self, x: torch.Tensor, path: str = "explicit", positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Causal pre-softmax logits [B, h, T, T] of one sequence chunk (masked entries -inf).
-
-        ``path="explicit"`` dots materialized normalized keys; ``path="absorbed"`` forms the
-        chunk's cache rows and uses latent dot products scaled by the scalars.
-        """
-        check_hidden(x, self.config.hidden_size, self.o_proj.weight.dtype)
-        positions = default_positions(x, positions)
-        T = x.shape[1]
-        if path == "explicit":
-            q, k, _ = self.explicit_qkv(x, positions)
-            k = k.repeat_interleave(self.config.heads_per_group, dim=2)
-            s = torch.einsum("bthd,bshd->bths", q, k).to(accumulate_dtype(q.dtype)) * per_head(self.scale, 1)
-        elif path == "absorbed":
-            q_lat, q_rope = self.absorbed_query(x, positions)
-            rows = self.cache_rows(x, positions)
-            latent = torch.cat((rows["c_kv"], rows["k_rope"]), dim=-1)
-            s = latent_scores(q_lat, q_rope, latent, rows["key_scale"], self.config.qk_norm_mode)
-            s = s * per_head(self.scale, 1)
-        else:
-            raise ValueError(f"path: expected 'explicit' or 'absorbed', got {path!r}")
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        return s.masked_fill(~causal[:, None, :], float("-inf")).transpose(1, 2)
+        """Causal pre-softmax logits [B, h, T, T] (masked entries -inf), ``path`` "explicit" or
+        "absorbed": the Appendix E test (:func:`.logits.causal_logits`)."""
+        return causal_logits(self, x, path, positions)
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -220,7 +197,7 @@ class MLA(nn.Module):
         Returns:
             [B, T, hidden_size]
         """
-        path = self._check_call(x, cache, path, input_lengths)
+        path = resolve_path(self, x, cache, path, input_lengths)
         if cache is None:
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
@@ -265,29 +242,6 @@ class MLA(nn.Module):
     def score_mode(self) -> str:
         """How the key scalar enters a logit (the decode op's ``mode``): "blockwise" without a QK norm."""
         return self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
-
-    def _check_call(self, x, cache, path: str, input_lengths) -> str:
-        """Check the arguments of a forward call; return the path it takes ("auto" resolved)."""
-        c = self.config
-        check_hidden(x, c.hidden_size, self.o_proj.weight.dtype)
-        if path not in PATHS:
-            raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
-        if cache is not None and not isinstance(cache, (LatentCache, FullKVCache)):
-            raise ValueError(f"cache: expected a LatentCache, a FullKVCache or None, got {type(cache).__name__}")
-        if cache is not None:
-            cache.check_config(c)
-        if not isinstance(cache, LatentCache):
-            if path not in ("auto", "explicit"):
-                raise ValueError(f"path: {path!r} reads a latent cache; pass cache=LatentCache(...) or use 'explicit'")
-            if cache is None and input_lengths is not None:
-                raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
-            return "explicit"
-        if path == "auto":
-            return "explicit" if cache.max_len == 0 and x.shape[1] > 1 else "absorbed"
-        if path == "explicit" and cache.max_len != 0:
-            raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
-                             "use 'absorbed' or 'expand' to attend over cached tokens")
-        return path
 
     def expand_cache(self, latent: torch.Tensor, key_scale: Optional[torch.Tensor]):
         """HF-style: every cached latent [B, S, d_c + d_r] up-projected to normalized keys
