@@ -92,7 +92,7 @@ from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
 from qkmla.cache import KV_FORMATS
 from qkmla.cpu import optimize_for_decode
-from qkmla.machine import machine
+from qkmla.machine import env_prefix, machine
 from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
@@ -436,7 +436,8 @@ def main(argv=None) -> int:
     print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads)"
           f"{', ' + info['gpu'] if 'gpu' in info else ''}, torch {info['torch']}, {args.preset}, {args.dtype}, "
           f"batch {args.batch}, modes {' '.join(modes)}"
-          + (f", kv formats {' '.join(kv_formats)}" if kv_formats else ""))
+          + (f", kv formats {' '.join(kv_formats)}" if kv_formats else "")
+          + f", allocator env {info['allocator_env'] or 'none (C library defaults)'}")
 
     old, worker, same_harness, tmp, worker_modes = None, None, None, None, []
     try:
@@ -665,7 +666,7 @@ def main(argv=None) -> int:
     suffix = ("_quick" if args.quick else "") + (f"_batch{args.batch}" if args.batch != 1 else "")
     out = args.out or HERE / "results" / f"bench_decode_{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = env_prefix() + "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     compiled = {"function": "qkmla.attention.decode.mla_decode_step", "fullgraph": True, "backend": args.compile_backend,
                 "per_context": compile_record} if compile_record else None
     out.write_text(json.dumps({"command": command.strip(), "machine": info, "preset": args.preset,

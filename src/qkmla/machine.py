@@ -8,9 +8,26 @@ from pathlib import Path
 
 import torch
 
+# Environment variables that change how the C allocator hands out large blocks. With glibc's
+# defaults every allocation over its mmap threshold is fresh pages, faulted in on first
+# touch; a step that allocates hundreds of MB pays that every call, more on some VMs than
+# on others, so a timing is only comparable with the allocator it ran under.
+ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def allocator_env() -> dict:
+    """The :data:`ALLOCATOR_ENV` variables set in this process ({}: the C library's defaults)."""
+    return {name: os.environ[name] for name in ALLOCATOR_ENV if name in os.environ}
+
+
+def env_prefix() -> str:
+    """:func:`allocator_env` as a shell prefix ("NAME=value ... "), so a recorded command reruns as it ran."""
+    return "".join(f"{name}={value} " for name, value in allocator_env().items())
+
 
 def machine() -> dict:
-    """CPU model and core count, torch threads and version, Python, platform, and the GPU if any."""
+    """CPU model and core count, torch threads and version, Python, platform, the allocator's
+    environment (:func:`allocator_env`), and the GPU if any."""
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -20,7 +37,8 @@ def machine() -> dict:
     except OSError:
         pass
     info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "allocator_env": allocator_env()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -1,0 +1,20 @@
+"""What every results file records about the machine, the allocator's environment included."""
+
+from qkmla.machine import ALLOCATOR_ENV, allocator_env, env_prefix, machine
+
+
+def test_the_allocator_environment_is_recorded_and_reruns_as_a_command_prefix(monkeypatch):
+    for name in ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert allocator_env() == {} and env_prefix() == "" and machine()["allocator_env"] == {}
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "17179869184")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "17179869184")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # not an allocator setting
+    assert machine()["allocator_env"] == {"MALLOC_MMAP_THRESHOLD_": "17179869184",
+                                          "MALLOC_TRIM_THRESHOLD_": "17179869184"}
+    assert env_prefix() == "MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 "
+
+
+def test_machine_names_the_cpu_and_torch():
+    info = machine()
+    assert info["cores"] >= 1 and info["torch_threads"] >= 1 and info["cpu"] and info["torch"]
