@@ -87,6 +87,11 @@ from pathlib import Path
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not on Windows: no page-fault counts there
+    resource = None
+
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
@@ -322,8 +327,17 @@ class Remote:
         return self.worker.ask(cmd="round", name=self.name, n=n)["samples"]
 
 
-def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> tuple[dict, dict]:
-    """Median seconds per call, variants interleaved round by round, and each round's median.
+def minor_faults() -> int | None:
+    """Page faults this process has taken so far without reading the disk (None where the OS
+    does not report them): first touches of freshly mapped memory, the cost of allocating
+    hundreds of MB per call."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else None
+
+
+def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> tuple[dict, dict, dict]:
+    """Median seconds per call, variants interleaved round by round, each round's median, and
+    the median over rounds of the page faults per timed call (None for a :class:`Remote`
+    variant, which runs in another process).
 
     In every round each variant gets one untimed call first (a variant that follows one
     that freed hundreds of MB would otherwise pay for page faults and cold caches), then
@@ -335,6 +349,7 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> t
     """
     samples = {name: [] for name in fns}
     per_round = {name: [] for name in fns}
+    faults = {name: [] for name in fns}
     per_call = {}
     with torch.inference_mode():
         for name, fn in fns.items():  # warm-up, and a first estimate of the cost
@@ -357,16 +372,19 @@ def time_side_by_side(fns: dict, rounds: int, device: str, budget_s: float) -> t
                     per_round[name].append(statistics.median(this_round))
                     continue
                 fn()
-                this_round = []
+                this_round, faults_before = [], minor_faults()
                 for _ in range(calls):
                     sync(device)
                     t0 = time.perf_counter()
                     fn()
                     sync(device)
                     this_round.append(time.perf_counter() - t0)
+                if faults_before is not None:
+                    faults[name].append((minor_faults() - faults_before) / calls)
                 samples[name] += this_round
                 per_round[name].append(statistics.median(this_round))
-    return {name: statistics.median(s) for name, s in samples.items()}, per_round
+    return ({name: statistics.median(s) for name, s in samples.items()}, per_round,
+            {name: statistics.median(f) if f else None for name, f in faults.items()})
 
 
 def round_ratios(per_round: dict, a: str, b: str) -> list[float]:
@@ -461,7 +479,7 @@ def main(argv=None) -> int:
             worker_modes = [m for m in WORKER_MODES if m in modes]
         rows, spread, compile_record, worker_spread = [], {"step": {}, "core": {}}, {}, {}
         spread_by_mode = {m: {} for m in modes + ([OLD] if worker else [])}
-        print(f"{'context':>8} {'variant':<40}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}")
+        print(f"{'context':>8} {'variant':<40}{'seconds':>12}{'cache bytes':>14}{'ratio to mla':>14}{'page faults':>14}")
         for context in contexts:
             compile_info = {}
             fns, cache_bytes = setup(args.preset, context, dtype, args.device, args.batch, modes, compile_info,
@@ -491,7 +509,7 @@ def main(argv=None) -> int:
                 for name in answer["variants"]:
                     fns[name] = Remote(same_harness, name)
                     cache_bytes[name] = cache_bytes[step_variant("eager", "-qknorm" in name)]
-            seconds, per_round = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
+            seconds, per_round, faults = time_side_by_side(fns, rounds, args.device, budget_s=20.0)
             spread["step"][context] = round_ratios(per_round, "absorbed-mla-qknorm", "absorbed-mla")
             spread["core"][context] = round_ratios(per_round, "core-mla-qknorm", "core-mla")
             worker_spread[context] = {(m, q): round_ratios(per_round, worker_variant(m, q), step_variant(OLD, q))
@@ -510,10 +528,11 @@ def main(argv=None) -> int:
                 else:
                     base = "absorbed-mla"
                 row = {"context": context, "variant": name, "seconds": seconds[name],
-                       "cache_bytes": cache_bytes[name], "ratio_to_mla": seconds[name] / seconds[base]}
+                       "cache_bytes": cache_bytes[name], "ratio_to_mla": seconds[name] / seconds[base],
+                       "page_faults_per_call": faults[name]}
                 rows.append(row)
                 print(f"{context:>8} {name:<40}{row['seconds']:>12.6f}{row['cache_bytes']:>14,}"
-                      f"{row['ratio_to_mla']:>14.3f}")
+                      f"{row['ratio_to_mla']:>14.3f}" + ("" if faults[name] is None else f"{faults[name]:>14,.0f}"))
             del fns
     finally:
         for w in (worker, same_harness):

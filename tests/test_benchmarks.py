@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from qkmla import mla_preset
 
@@ -17,6 +18,15 @@ def load(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_bench_decode_counts_the_page_faults_of_a_fresh_allocation():
+    bench = load("bench_decode")
+    if bench.resource is None:
+        pytest.skip("the OS does not report page faults")
+    before = bench.minor_faults()
+    torch.empty(64 << 20, dtype=torch.uint8).fill_(1)  # 64 MB of fresh pages, touched
+    assert bench.minor_faults() - before >= 16  # 4 KB pages: 16384; 2 MB huge pages: 32
 
 
 def test_bench_decode_writes_rows_for_every_variant(tmp_path):
@@ -34,8 +44,10 @@ def test_bench_decode_writes_rows_for_every_variant(tmp_path):
     variants = bench.mode_variants(bench.DEFAULT_MODES)
     assert {(r["context"], r["variant"]) for r in rows} == {(c, v) for c in (32, 64) for v in variants}
     for r in rows:
-        assert set(r) == {"context", "variant", "seconds", "cache_bytes", "ratio_to_mla"}
+        assert set(r) == {"context", "variant", "seconds", "cache_bytes", "ratio_to_mla", "page_faults_per_call"}
         assert r["seconds"] > 0 and r["cache_bytes"] > 0
+        if bench.resource is not None:  # every row is timed in this process here (no worker)
+            assert r["page_faults_per_call"] >= 0
     by = {(r["context"], r["variant"]): r for r in rows}
     assert by[(64, "absorbed-mla")]["ratio_to_mla"] == 1.0
     assert by[(64, "absorbed-mla-compiled")]["ratio_to_mla"] == 1.0  # each mode against plain MLA in that mode
