@@ -66,7 +66,12 @@ of the GPU kernel: ``targets`` evaluates it on the eager rows on a GPU only.
 
 Timing: every variant runs once per round, rounds interleave the variants (so drift hits all
 alike), and the median over rounds is reported. The cache is filled with random rows, and
-its lengths are restored after every step so each step sees the same context.
+its lengths are restored after every step so each step sees the same context. Each row also
+records its minor page faults per timed call (``page_faults_per_call``): under glibc's
+default allocator the expand step's hundreds of MB per call are fresh pages every time,
+which a caching allocator (jemalloc, tcmalloc, ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` set high) avoids; ``machine.allocator_env`` and the recorded
+command name the allocator settings a run had.
 
     python benchmarks/bench_decode.py [--quick] [--preset deepseek-v3-tp8] [--out FILE.json]
         [--old-commit REV | --old-src DIR] [--modes eager optimized compiled] [--kv-formats bf16 fp8 int8 int4]
