@@ -420,6 +420,17 @@ def git(*args: str, cwd: Path) -> str:
     return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
+def source_commit() -> str | None:
+    """The commit this tree is at ("+dirty" when tracked files differ from it), or None outside
+    a git checkout: the code a result file's rows came from."""
+    try:
+        rev = git("rev-parse", "HEAD", cwd=HERE.parent)
+        dirty = git("status", "--porcelain", "--untracked-files=no", cwd=HERE.parent)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="contexts 1k and 4k, few rounds (a smoke run)")
@@ -693,7 +704,8 @@ def main(argv=None) -> int:
     command = env_prefix() + "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
     compiled = {"function": "qkmla.attention.decode.mla_decode_step", "fullgraph": True, "backend": args.compile_backend,
                 "per_context": compile_record} if compile_record else None
-    out.write_text(json.dumps({"command": command.strip(), "machine": info, "preset": args.preset,
+    out.write_text(json.dumps({"command": command.strip(), "commit": source_commit(), "machine": info,
+                               "preset": args.preset,
                                "dtype": args.dtype, "device": args.device, "batch": args.batch, "rounds": rounds,
                                "modes": all_modes, "kv_formats": kv_formats, "compile": compiled, "old": old,
                                "rows": rows, "summary": summary}, indent=1) + "\n")

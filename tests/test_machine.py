@@ -1,11 +1,14 @@
 """What every results file records about the machine, the allocator's environment included."""
 
+import os
+
 from qkmla.machine import ALLOCATOR_ENV, allocator_env, env_prefix, machine
 
 
 def test_the_allocator_environment_is_recorded_and_reruns_as_a_command_prefix(monkeypatch):
-    for name in ALLOCATOR_ENV:
-        monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        if name.startswith(ALLOCATOR_ENV):
+            monkeypatch.delenv(name)
     assert allocator_env() == {} and env_prefix() == "" and machine()["allocator_env"] == {}
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "17179869184")
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "17179869184")
@@ -13,6 +16,10 @@ def test_the_allocator_environment_is_recorded_and_reruns_as_a_command_prefix(mo
     assert machine()["allocator_env"] == {"MALLOC_MMAP_THRESHOLD_": "17179869184",
                                           "MALLOC_TRIM_THRESHOLD_": "17179869184"}
     assert env_prefix() == "MALLOC_MMAP_THRESHOLD_=17179869184 MALLOC_TRIM_THRESHOLD_=17179869184 "
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so.2 /opt/extra.so")  # a space-separated list
+    monkeypatch.setenv("MALLOC_CONF", "background_thread:true")  # jemalloc's
+    assert env_prefix().startswith("LD_PRELOAD='/usr/lib/libjemalloc.so.2 /opt/extra.so' "
+                                   "MALLOC_CONF=background_thread:true MALLOC_MMAP_THRESHOLD_=")
 
 
 def test_machine_names_the_cpu_and_torch():

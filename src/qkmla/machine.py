@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 from pathlib import Path
 
 import torch
@@ -11,18 +12,21 @@ import torch
 # Environment variables that change how the C allocator hands out large blocks. With glibc's
 # defaults every allocation over its mmap threshold is fresh pages, faulted in on first
 # touch; a step that allocates hundreds of MB pays that every call, more on some VMs than
-# on others, so a timing is only comparable with the allocator it ran under.
-ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES", "LD_PRELOAD")
+# on others, so a timing is only comparable with the allocator it ran under. glibc's
+# MALLOC_* tunables, jemalloc's MALLOC_CONF and tcmalloc's TCMALLOC_* all match these.
+ALLOCATOR_ENV = ("MALLOC_", "TCMALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
 def allocator_env() -> dict:
-    """The :data:`ALLOCATOR_ENV` variables set in this process ({}: the C library's defaults)."""
-    return {name: os.environ[name] for name in ALLOCATOR_ENV if name in os.environ}
+    """The environment variables named by (or starting with) an :data:`ALLOCATOR_ENV` entry
+    that are set in this process, sorted by name ({}: the C library's defaults)."""
+    return {name: os.environ[name] for name in sorted(os.environ) if name.startswith(ALLOCATOR_ENV)}
 
 
 def env_prefix() -> str:
-    """:func:`allocator_env` as a shell prefix ("NAME=value ... "), so a recorded command reruns as it ran."""
-    return "".join(f"{name}={value} " for name, value in allocator_env().items())
+    """:func:`allocator_env` as a shell prefix ("NAME=value ... ", values quoted), so a recorded
+    command reruns as it ran."""
+    return "".join(f"{name}={shlex.quote(value)} " for name, value in allocator_env().items())
 
 
 def machine() -> dict:

@@ -35,7 +35,7 @@ from ..rope import RotaryEmbedding
 from .absorbed import AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, values_out
 from .functional import default_positions, record_max_logits, sdpa
 from .logits import causal_logits
-from .paths import resolve_path
+from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 
 
 class MLA(nn.Module):

@@ -194,13 +194,18 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
     # p^T [T h, S] @ c [S, d_c], summed over the score chunks: BLAS streams c's rows into a
     # small [T h, d_c] output, where c^T @ p (a [d_c, T h] output) reduces over a long
     # transposed operand; quantized rows are dequantized again chunk by chunk, as for the scores.
+    # Half-precision chunks are summed in float32, as one GEMM over all keys would accumulate.
     p_t = cast(p, q_lat.dtype).view(B, S, T * h).transpose(1, 2)
     read, o = _rows_reader(latent, rows, q_lat.dtype), None
     for start, stop in _chunks(S):
         values, weights = read(start, stop)[..., :d_c], p_t[..., start:stop]
-        o = torch.bmm(weights, values) if o is None else o.baddbmm_(weights, values)
-    o.div_(denom.view(B, T * h, 1))
-    o_lat = o.view(B, T, h, d_c)
+        if o is None:
+            o = cast(torch.bmm(weights, values), accumulate_dtype(q_lat.dtype))
+        elif o.dtype == values.dtype:
+            o.baddbmm_(weights, values)
+        else:
+            o.add_(torch.bmm(weights, values))
+    o_lat = cast(o.div_(denom.view(B, T * h, 1)), q_lat.dtype).view(B, T, h, d_c)
     if return_lse:
         lse = m.squeeze(1) + torch.log(row_sum)  # [B, T, h]; -inf where no key is visible
     return (o_lat, lse) if return_lse else o_lat
