@@ -94,7 +94,7 @@ import torch
 
 try:
     import resource
-except ImportError:  # not on Windows: no page-fault counts there
+except ImportError:  # Windows has no resource module: its rows carry no page-fault counts
     resource = None
 
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
