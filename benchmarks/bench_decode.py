@@ -102,7 +102,7 @@ from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
 from qkmla.cache import KV_FORMATS
 from qkmla.cpu import optimize_for_decode
-from qkmla.machine import env_prefix, machine
+from qkmla.machine import machine, recorded_command
 from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
@@ -701,10 +701,10 @@ def main(argv=None) -> int:
     suffix = ("_quick" if args.quick else "") + (f"_batch{args.batch}" if args.batch != 1 else "")
     out = args.out or HERE / "results" / f"bench_decode_{args.device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = env_prefix() + "python benchmarks/bench_decode.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = recorded_command("benchmarks/bench_decode.py", argv)
     compiled = {"function": "qkmla.attention.decode.mla_decode_step", "fullgraph": True, "backend": args.compile_backend,
                 "per_context": compile_record} if compile_record else None
-    out.write_text(json.dumps({"command": command.strip(), "commit": source_commit(), "machine": info,
+    out.write_text(json.dumps({"command": command, "commit": source_commit(), "machine": info,
                                "preset": args.preset,
                                "dtype": args.dtype, "device": args.device, "batch": args.batch, "rounds": rounds,
                                "modes": all_modes, "kv_formats": kv_formats, "compile": compiled, "old": old,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from qkmla.machine import machine  # noqa: E402
+from qkmla.machine import machine, recorded_command  # noqa: E402
 
 from qkmla.ops.mla_decode.torch_impl import latent_scores  # noqa: E402
 from qkmla.cpu import split_linear  # noqa: E402
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
               + ", ".join(f"{n} rows {seconds[f'proj-linear-r{n}'] / seconds[f'proj-split-r{n}']:.2f}x"
                           for n in PROJ_ROWS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/bench_decode_parts.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    args.out.write_text(json.dumps({"command": command.strip(), "machine": info, "square_sgemm_gflops_per_s": peak,
+    command = recorded_command("benchmarks/bench_decode_parts.py", argv)
+    args.out.write_text(json.dumps({"command": command, "machine": info, "square_sgemm_gflops_per_s": peak,
                                     "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

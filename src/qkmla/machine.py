@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,6 +29,14 @@ def env_prefix() -> str:
     """:func:`allocator_env` as a shell prefix ("NAME=value ... ", values quoted), so a recorded
     command reruns as it ran."""
     return "".join(f"{name}={shlex.quote(value)} " for name, value in allocator_env().items())
+
+
+def recorded_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
+    """The command a results file records: ``python script`` and its arguments (``sys.argv[1:]``
+    when ``argv`` is None), quoted, after the allocator's environment (:func:`env_prefix`), so
+    it reruns as it ran."""
+    args = sys.argv[1:] if argv is None else argv
+    return env_prefix() + " ".join(["python", script, *map(shlex.quote, args)])
 
 
 def machine() -> dict:
