@@ -6,12 +6,21 @@ Variants (all QK-normed ones use blockwise RMS):
     expand-qknorm        latent cache, every key re-expanded with W_UK each step (HF-style)
     absorbed-mla         plain MLA, absorbed (the baseline every ratio is taken against)
     absorbed-mla-qknorm  QK-normed MLA, absorbed, latent cache + one scalar per token and group
+    floor-absorbed       no step: the bytes an absorbed QK-norm step must read (every weight
+                         matrix and the cache), each read once by BLAS products of one token
 
 A step is ``MLA.forward`` on one new token: projections, cache write, attention over the
 context, W_UV and o_proj. The context-dependent part alone is also timed (core-*): for the
 absorbed paths ``latent_attention``, for the expand path the re-expansion of every cached
 latent plus SDPA over the keys. At short contexts the projections' weights dominate a step
 and would hide any overhead in the core.
+
+A decode step of one token reads far more bytes than it computes with, so the machine's
+speed at streaming them bounds every absorbed step from below: floor-absorbed times just
+that (``byte_floor``). Its ratio to the expand step (``expand_over_floor``) is the highest
+expand / absorbed ratio an absorbed step could show on this machine, where the BLAS
+streams bytes as fast as it can; the fastest step over it (``fastest_over_floor``) is how far
+the step is from it.
 
 The absorbed steps also run in other modes of this code, side by side with the rows above
 (which are the eager mode):
@@ -101,13 +110,13 @@ from qkmla import MLA, FullKVCache, LatentCache, mla_preset
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
 from qkmla.cache import KV_FORMATS
-from qkmla.cpu import optimize_for_decode
+from qkmla.cpu import optimize_for_decode, split_linear
 from qkmla.machine import machine, recorded_command
 from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("full-key-qknorm", "expand-qknorm", "absorbed-mla", "absorbed-mla-qknorm",
-            "core-expand-qknorm", "core-mla", "core-mla-qknorm")
+            "core-expand-qknorm", "core-mla", "core-mla-qknorm", "floor-absorbed")
 MODES = ("eager", "optimized", "compiled", "compiled-optimized")
 DEFAULT_MODES = MODES
 OLD = "old"  # the mode name of the other commit's rows
@@ -157,6 +166,25 @@ def appended(cache: LatentCache, latent: torch.Tensor, key_scale: torch.Tensor |
     slot = cache.plan(cache.batch_size, latent.shape[1])
     cache.append(slot, c_kv=latent[..., :d_c], k_rope=latent[..., d_c:], key_scale=key_scale)
     return cache
+
+
+def byte_floor(module: MLA, latent: torch.Tensor, key_scale: torch.Tensor):
+    """A call that reads what every absorbed decode step of ``module`` reads, each byte once, and
+    computes nothing else: one token through every weight matrix (the projections; kv_b_proj
+    holds the bytes of W_UK and W_UV), as ``split_linear`` (the CPU opt-in's product, the
+    faster way this library streams a weight; ``F.linear`` elsewhere), and one product over the
+    cache's rows latent [B, S, d_c + d_r] and a sum of its key scalars [B, S, G]."""
+    weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    B, heads = latent.shape[0], module.config.num_heads
+    tokens = [w.new_ones(B, 1, w.shape[1]) for w in weights]
+    query = latent.new_ones(B, latent.shape[-1], heads)
+
+    def run():
+        for x, w in zip(tokens, weights):
+            split_linear(x, w)
+        torch.bmm(latent, query)
+        key_scale.sum()
+    return run
 
 
 def twin(module: MLA, config=None) -> MLA:
@@ -235,6 +263,7 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int
         "core-expand-qknorm": lambda: sdpa(q_full, *qk.expand_cache(lat, scal), cfg.scale),
         "core-mla": lambda: latent_attention(q_lat, q_rope, lat, None, cfg.scale),
         "core-mla-qknorm": lambda: latent_attention(q_lat, q_rope, lat, scal, cfg.scale),
+        "floor-absorbed": byte_floor(qk, lat, scal),
     }
     for fmt in kv_formats:
         for module, qk_norm in ((plain, False), (qk, True)):
@@ -278,7 +307,7 @@ def setup(preset: str, context: int, dtype: torch.dtype, device: str, batch: int
         c = caches[name]
         assert c.nbytes == c.bytes_per_token * c.capacity * c.batch_size  # measured allocation == formula
     cache_of = {**caches, "core-mla": caches["absorbed-mla"], "core-mla-qknorm": caches["absorbed-mla-qknorm"],
-                "core-expand-qknorm": caches["expand-qknorm"]}
+                "core-expand-qknorm": caches["expand-qknorm"], "floor-absorbed": caches["absorbed-mla-qknorm"]}
     for name in fns:
         if name not in cache_of:  # every mode's step reads the eager step's cache
             cache_of[name] = caches[step_variant("eager", "qknorm" in name, kv_format_of(name))]
@@ -609,6 +638,10 @@ def main(argv=None) -> int:
         "fastest_mode": fastest_mode,
         "qknorm_over_mla_step_fastest": per_context(lambda c: step_by_mode[fastest_mode[c]].get(c)),
         "expand_over_absorbed_qknorm_step_fastest": per_context(lambda c: expand_by_mode[fastest_mode[c]].get(c)),
+        # The bytes an absorbed step reads, streamed once (floor-absorbed): the highest expand /
+        # absorbed ratio this machine allows, and how far the fastest QK-normed step is from it.
+        "expand_over_floor": per_context(lambda c: ratio(c, "expand-qknorm", "floor-absorbed")),
+        "fastest_over_floor": per_context(lambda c: ratio(c, step_variant(fastest_mode[c], True), "floor-absorbed")),
     }
     if worker:
         summary["fastest_over_old_step"] = per_context(
@@ -678,6 +711,9 @@ def main(argv=None) -> int:
               {c: "/".join(f"{v:.3f}" for v in q) for c, q in spread[part].items()})
     print("re-expanding keys / absorbed QK-norm, step (eager):", show(summary["expand_over_absorbed_qknorm_step"], 1))
     print("re-expanding keys / absorbed QK-norm, core:", show(summary["expand_over_absorbed_qknorm_core"], 1))
+    print("re-expanding keys / the absorbed step's bytes read once (the highest ratio here):",
+          show(summary["expand_over_floor"], 1))
+    print("fastest absorbed QK-norm step / its bytes read once:", show(summary["fastest_over_floor"]))
     print(f"full-key cache / QK-normed latent cache bytes: {summary['full_key_cache_over_qknorm_latent_cache']:.2f}x")
     for m in all_modes:
         print(f"QK-norm / plain MLA, step, {m}:", show(step_by_mode[m]),

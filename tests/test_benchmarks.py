@@ -68,6 +68,14 @@ def test_bench_decode_writes_rows_for_every_variant(tmp_path):
     assert set(summary["step_over_eager_by_mode"]) == {"optimized", "compiled", "compiled-optimized"}
     assert set(summary["fastest_mode"].values()) <= set(bench.DEFAULT_MODES)
     assert set(summary["targets"].values()) == {None}  # no context reaches 4k, no old step
+    # The byte floor reads what the QK-normed step reads (the same cache) and is no step itself.
+    assert by[(64, "floor-absorbed")]["cache_bytes"] == by[(64, "absorbed-mla-qknorm")]["cache_bytes"]
+    for c in (32, 64):
+        assert summary["expand_over_floor"][str(c)] == pytest.approx(
+            by[(c, "expand-qknorm")]["seconds"] / by[(c, "floor-absorbed")]["seconds"])
+        fastest = bench.step_variant(summary["fastest_mode"][str(c)], True)
+        assert summary["fastest_over_floor"][str(c)] == pytest.approx(
+            by[(c, fastest)]["seconds"] / by[(c, "floor-absorbed")]["seconds"])
     for got in result["compile"]["per_context"].values():  # the compiled step computes the eager step's output
         for mode in ("compiled", "compiled-optimized"):
             assert max(got[mode]["max_abs_diff_to_eager"].values()) < 1e-4
