@@ -110,7 +110,7 @@ from qkmla import MLA, FullKVCache, LatentCache, mla_preset
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
 from qkmla.cache import KV_FORMATS
-from qkmla.cpu import optimize_for_decode, split_linear
+from qkmla.cpu import optimize_for_decode
 from qkmla.machine import machine, recorded_command
 from qkmla.ops.mla_decode.torch_impl import latent_attention
 
@@ -170,10 +170,9 @@ def appended(cache: LatentCache, latent: torch.Tensor, key_scale: torch.Tensor |
 
 def byte_floor(module: MLA, latent: torch.Tensor, key_scale: torch.Tensor):
     """A call that reads what every absorbed decode step of ``module`` reads, each byte once, and
-    computes nothing else: one token through every weight matrix (the projections; kv_b_proj
-    holds the bytes of W_UK and W_UV), as ``split_linear`` (the CPU opt-in's product, the
-    faster way this library streams a weight; ``F.linear`` elsewhere), and one product over the
-    cache's rows latent [B, S, d_c + d_r] and a sum of its key scalars [B, S, G]."""
+    computes nothing else: one token through every weight matrix with ``F.linear`` (the
+    projections; kv_b_proj holds the bytes of W_UK and W_UV), one product over the cache's rows
+    latent [B, S, d_c + d_r] and a sum of its key scalars [B, S, G]."""
     weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)]
     B, heads = latent.shape[0], module.config.num_heads
     tokens = [w.new_ones(B, 1, w.shape[1]) for w in weights]
@@ -181,7 +180,7 @@ def byte_floor(module: MLA, latent: torch.Tensor, key_scale: torch.Tensor):
 
     def run():
         for x, w in zip(tokens, weights):
-            split_linear(x, w)
+            torch.nn.functional.linear(x, w)
         torch.bmm(latent, query)
         key_scale.sum()
     return run
