@@ -24,7 +24,8 @@ float32, batch 1, so the step-level ratio can be explained:
     rms-norm-cold/-warm   F.rms_norm of [1, 1, 16, 128] right after a 58 MB GEMM / warm
     proj-linear-rN        F.linear of N rows (1, 4, 32) through q_a_proj's weight [1536, 7168]
     proj-split-rN         the same through split_linear (one bmm over a block per thread),
-                          as the library runs every projection of a decode step on the CPU
+                          as the CPU opt-in (qkmla.cpu.optimize_for_decode) runs a decode
+                          step's projections
     square-sgemm          [2048, 2048] x [2048, 2048], for the machine's GEMM peak (GFLOP/s)
 
 Every part runs "cold" (a 64 MB buffer is read before each call, as a decode step's other
