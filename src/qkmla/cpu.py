@@ -11,7 +11,9 @@ skinny GEMM), which runs on one thread: a decode step's projections then stream 
 weights (138 MB per layer at the DeepSeek-V3 TP=8 width in float32) at one core's
 memory bandwidth. Cutting the weight's output rows into one block per thread and running
 the blocks as one ``bmm``, which torch parallelizes over the batch, streams them with every
-core (``proj-linear`` against ``proj-split`` in benchmarks/bench_decode_parts.py).
+core (``proj-linear`` against ``proj-split`` in benchmarks/bench_decode_parts.py). That pays
+only where one core cannot use the memory bandwidth alone: benchmarks/README.md has a
+machine where it does and one where it does not, hence an opt-in.
 
 Each output element is the same dot product as ``F.linear``'s; only the order of the
 additions inside it may differ, so results agree to the dtype's roundoff. Everything else
