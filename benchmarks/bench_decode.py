@@ -7,7 +7,7 @@ Variants (all QK-normed ones use blockwise RMS):
     absorbed-mla         plain MLA, absorbed (the baseline every ratio is taken against)
     absorbed-mla-qknorm  QK-normed MLA, absorbed, latent cache + one scalar per token and group
     floor-absorbed       no step: the bytes an absorbed QK-norm step must read (every weight
-                         matrix and the cache), each read once by BLAS products of one token
+                         matrix and the cache), each read once by matrix-vector products
 
 A step is ``MLA.forward`` on one new token: projections, cache write, attention over the
 context, W_UV and o_proj. The context-dependent part alone is also timed (core-*): for the
@@ -15,12 +15,12 @@ absorbed paths ``latent_attention``, for the expand path the re-expansion of eve
 latent plus SDPA over the keys. At short contexts the projections' weights dominate a step
 and would hide any overhead in the core.
 
-A decode step of one token reads far more bytes than it computes with, so the machine's
-speed at streaming them bounds every absorbed step from below: floor-absorbed times just
-that (``byte_floor``). Its ratio to the expand step (``expand_over_floor``) is the highest
-expand / absorbed ratio an absorbed step could show on this machine, where the BLAS
-streams bytes as fast as it can; the fastest step over it (``fastest_over_floor``) is how far
-the step is from it.
+No absorbed step can avoid reading the layer's weights and the cache: floor-absorbed times
+just that, each byte read once (``byte_floor``). It is a measured floor, not a proof: a step
+that reads faster than these matrix-vector products could beat it, and the attention's GEMMs
+do h (2 d_c + d_r) / (d_c + d_r) times the floor's arithmetic per cached row (30 at the
+DeepSeek-V3 width), so a real step also pays for its flops. ``expand_over_floor`` is the expand / absorbed ratio of a step that cost only its
+reads; ``fastest_over_floor`` is how far the fastest QK-normed step is from that.
 
 The absorbed steps also run in other modes of this code, side by side with the rows above
 (which are the eager mode):
@@ -169,19 +169,22 @@ def appended(cache: LatentCache, latent: torch.Tensor, key_scale: torch.Tensor |
 
 
 def byte_floor(module: MLA, latent: torch.Tensor, key_scale: torch.Tensor):
-    """A call that reads what every absorbed decode step of ``module`` reads, each byte once, and
-    computes nothing else: one token through every weight matrix with ``F.linear`` (the
-    projections; kv_b_proj holds the bytes of W_UK and W_UV), one product over the cache's rows
-    latent [B, S, d_c + d_r] and a sum of its key scalars [B, S, G]."""
+    """A call that reads what every absorbed decode step of ``module`` must read, each byte once,
+    as matrix-vector products (the least arithmetic a full read through BLAS does): one token through every weight matrix with ``F.linear`` (the projections;
+    kv_b_proj holds the bytes of W_UK and W_UV), each sequence's cache rows latent[b]
+    [S, d_c + d_r] times one vector, and a sum of the key scalars [B, S, G].
+
+    It computes far less than a step: per cached row the attention's score and value GEMMs
+    do 2 h (2 d_c + d_r) flops, this read 2 (d_c + d_r)."""
     weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)]
-    B, heads = latent.shape[0], module.config.num_heads
-    tokens = [w.new_ones(B, 1, w.shape[1]) for w in weights]
-    query = latent.new_ones(B, latent.shape[-1], heads)
+    tokens = [w.new_ones(latent.shape[0], 1, w.shape[1]) for w in weights]
+    vector = latent.new_ones(latent.shape[-1])
 
     def run():
         for x, w in zip(tokens, weights):
             torch.nn.functional.linear(x, w)
-        torch.bmm(latent, query)
+        for rows in latent:  # [S, d_c + d_r] each, contiguous rows of the cache
+            torch.mv(rows, vector)
         key_scale.sum()
     return run
 
@@ -637,8 +640,8 @@ def main(argv=None) -> int:
         "fastest_mode": fastest_mode,
         "qknorm_over_mla_step_fastest": per_context(lambda c: step_by_mode[fastest_mode[c]].get(c)),
         "expand_over_absorbed_qknorm_step_fastest": per_context(lambda c: expand_by_mode[fastest_mode[c]].get(c)),
-        # The bytes an absorbed step reads, streamed once (floor-absorbed): the highest expand /
-        # absorbed ratio this machine allows, and how far the fastest QK-normed step is from it.
+        # The bytes an absorbed step must read, read once (floor-absorbed): the expand / absorbed
+        # ratio of a step that cost only that, and how far the fastest QK-normed step is from it.
         "expand_over_floor": per_context(lambda c: ratio(c, "expand-qknorm", "floor-absorbed")),
         "fastest_over_floor": per_context(lambda c: ratio(c, step_variant(fastest_mode[c], True), "floor-absorbed")),
     }
@@ -710,7 +713,7 @@ def main(argv=None) -> int:
               {c: "/".join(f"{v:.3f}" for v in q) for c, q in spread[part].items()})
     print("re-expanding keys / absorbed QK-norm, step (eager):", show(summary["expand_over_absorbed_qknorm_step"], 1))
     print("re-expanding keys / absorbed QK-norm, core:", show(summary["expand_over_absorbed_qknorm_core"], 1))
-    print("re-expanding keys / the absorbed step's bytes read once (the highest ratio here):",
+    print("re-expanding keys / the absorbed step's bytes read once (floor-absorbed):",
           show(summary["expand_over_floor"], 1))
     print("fastest absorbed QK-norm step / its bytes read once:", show(summary["fastest_over_floor"]))
     print(f"full-key cache / QK-normed latent cache bytes: {summary['full_key_cache_over_qknorm_latent_cache']:.2f}x")

@@ -81,6 +81,26 @@ def test_bench_decode_writes_rows_for_every_variant(tmp_path):
             assert max(got[mode]["max_abs_diff_to_eager"].values()) < 1e-4
 
 
+def test_bench_decode_byte_floor_reads_every_weight_and_every_cached_row_once(monkeypatch):
+    import torch
+
+    from qkmla import MLA
+
+    bench = load("bench_decode")
+    module = MLA(mla_preset("tiny")).eval()
+    latent, key_scale = torch.randn(3, 40, 24), torch.rand(3, 40, 2)
+    reads = []
+    linear, mv = torch.nn.functional.linear, torch.mv
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: reads.append(w) or linear(x, w))
+    monkeypatch.setattr(torch, "mv", lambda rows, v: reads.append(rows) or mv(rows, v))
+    bench.byte_floor(module, latent, key_scale)()
+    weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(weights) >= 4 and len(reads) == len(weights) + 3  # each weight once, then each sequence's rows
+    assert all(r is w for r, w in zip(reads, weights))
+    for b, rows in enumerate(reads[len(weights):]):
+        assert rows.data_ptr() == latent[b].data_ptr() and rows.shape == latent[b].shape
+
+
 def test_bench_decode_times_every_kv_format_against_bf16(tmp_path):
     """--kv-formats: the absorbed step over a bf16, fp8, int8 and int4 cache, eager and compiled,
     in the same rounds; bytes and step times over bf16's in the summary."""
