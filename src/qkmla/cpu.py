@@ -7,13 +7,14 @@ through :func:`split_linear`. Training (``model.train()``) and every larger prod
 through ``F.linear`` as before. Nothing in the model code depends on it.
 
 Why: torch's CPU ``F.linear`` hands a product with a handful of input rows to MKL's GEMV (or a
-skinny GEMM), which runs on one thread: a decode step's projections then stream their
-weights (138 MB per layer at the DeepSeek-V3 TP=8 width in float32) at one core's
-memory bandwidth. Cutting the weight's output rows into one block per thread and running
-the blocks as one ``bmm``, which torch parallelizes over the batch, streams them with every
-core (``proj-linear`` against ``proj-split`` in benchmarks/bench_decode_parts.py). That pays
-only where one core cannot use the memory bandwidth alone: benchmarks/README.md has a
-machine where it does and one where it does not, hence an opt-in.
+skinny GEMM), which may run it on one thread: a decode step's projections then stream their
+weights (138 MB per layer at the DeepSeek-V3 TP=8 width in float32) at one core's memory
+bandwidth. Cutting the weight's output rows into one block per thread and running the
+blocks as one ``bmm``, which torch parallelizes over the batch, streams them with every
+core (``proj-linear`` against ``proj-split`` in benchmarks/bench_decode_parts.py). Whether
+that pays depends on the machine: benchmarks/README.md has one where the split is faster
+(a 2-core AMD EPYC) and one where ``F.linear`` alone is faster for one row (a 2-core Intel
+Xeon), hence an opt-in.
 
 Each output element is the same dot product as ``F.linear``'s; only the order of the
 additions inside it may differ, so results agree to the dtype's roundoff. Everything else
@@ -30,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# With more input rows than this, MKL's GEMM threads itself and the split gains nothing
-# (benchmarks/bench_decode_parts.py times 1, 4 and 32 rows).
+# Products of up to this many rows (a decode step's) are split; larger ones (prefill, big
+# batches) keep F.linear's threaded GEMM (benchmarks/bench_decode_parts.py times 1, 4 and 32 rows).
 MAX_ROWS = 32
 
 
