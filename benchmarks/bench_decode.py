@@ -111,7 +111,7 @@ from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.attention.functional import sdpa
 from qkmla.cache import KV_FORMATS
 from qkmla.cpu import optimize_for_decode
-from qkmla.machine import machine, recorded_command
+from qkmla.machine import machine, recorded_command, source_commit
 from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
@@ -451,17 +451,6 @@ def git(*args: str, cwd: Path) -> str:
     return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def source_commit() -> str | None:
-    """The commit this tree is at ("+dirty" when tracked files differ from it), or None outside
-    a git checkout: the code a result file's rows came from."""
-    try:
-        rev = git("rev-parse", "HEAD", cwd=HERE.parent)
-        dirty = git("status", "--porcelain", "--untracked-files=no", cwd=HERE.parent)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return rev + ("+dirty" if dirty else "")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="contexts 1k and 4k, few rounds (a smoke run)")
@@ -742,7 +731,7 @@ def main(argv=None) -> int:
     command = recorded_command("benchmarks/bench_decode.py", argv)
     compiled = {"function": "qkmla.attention.decode.mla_decode_step", "fullgraph": True, "backend": args.compile_backend,
                 "per_context": compile_record} if compile_record else None
-    out.write_text(json.dumps({"command": command, "commit": source_commit(), "machine": info,
+    out.write_text(json.dumps({"command": command, "commit": source_commit(HERE), "machine": info,
                                "preset": args.preset,
                                "dtype": args.dtype, "device": args.device, "batch": args.batch, "rounds": rounds,
                                "modes": all_modes, "kv_formats": kv_formats, "compile": compiled, "old": old,

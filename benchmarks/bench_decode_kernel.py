@@ -32,7 +32,7 @@ from qkmla.ops.mla_decode.torch_impl import latent_attention
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from qkmla.machine import machine, recorded_command  # noqa: E402
+from qkmla.machine import machine, recorded_command, source_commit  # noqa: E402
 
 H, D_C, D_R, G, PAGE = 16, 512, 64, 16, 64
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "H800": 3.35e12, "A100": 2.0e12}  # bytes/s, SXM parts
@@ -145,7 +145,8 @@ def main(argv=None) -> int:
                 print(f"{context:>7} x{batch:<4} {name:<16}{r['us']:>12.1f} us{r['gb_per_s']:>10.1f} GB/s {roof}{extra}")
     out = args.out or HERE / "results" / f"bench_decode_kernel_{device}{'_quick' if args.quick else ''}.json"
     command = recorded_command("benchmarks/bench_decode_kernel.py", argv)
-    out.write_text(json.dumps({"command": command, "machine": info, "dtype": str(dtype), "peak_bytes_per_s": peak,
+    out.write_text(json.dumps({"command": command, "commit": source_commit(HERE),
+                               "machine": info, "dtype": str(dtype), "peak_bytes_per_s": peak,
                                "peak_source": peak_source, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

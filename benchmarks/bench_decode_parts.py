@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from qkmla.machine import machine, recorded_command  # noqa: E402
+from qkmla.machine import machine, recorded_command, source_commit  # noqa: E402
 
 from qkmla.ops.mla_decode.torch_impl import latent_scores  # noqa: E402
 from qkmla.cpu import split_linear  # noqa: E402
@@ -184,7 +184,8 @@ def main(argv=None) -> int:
                           for n in PROJ_ROWS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = recorded_command("benchmarks/bench_decode_parts.py", argv)
-    args.out.write_text(json.dumps({"command": command, "machine": info, "square_sgemm_gflops_per_s": peak,
+    args.out.write_text(json.dumps({"command": command, "commit": source_commit(HERE),
+                                    "machine": info, "square_sgemm_gflops_per_s": peak,
                                     "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -24,7 +24,7 @@ from qkmla.train.optim import build_optimizer
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from qkmla.machine import machine, recorded_command  # noqa: E402
+from qkmla.machine import machine, recorded_command, source_commit  # noqa: E402
 
 VARIANTS = ("mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp", "mha", "gqa", "gqa-qknorm")
 
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
         print(f"{name:<40}{s * 1000:>9.1f} ms{tokens / s:>12,.0f} tok/s{s / base:>8.3f}x")
     out = args.out or HERE / "results" / f"bench_train_cpu{'_quick' if args.quick else ''}.json"
     command = recorded_command("benchmarks/bench_train.py", argv)
-    out.write_text(json.dumps({"command": command, "machine": info, "preset": args.preset, "batch": args.batch,
+    out.write_text(json.dumps({"command": command, "commit": source_commit(HERE),
+                               "machine": info, "preset": args.preset, "batch": args.batch,
                                "rounds": rounds, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

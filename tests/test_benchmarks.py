@@ -188,6 +188,8 @@ def test_bench_decode_parts_times_every_part(tmp_path):
     out = tmp_path / "parts.json"
     assert bench.main(["--contexts", "64", "--rounds", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["command"].startswith("python benchmarks/bench_decode_parts.py")
+    assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", result["commit"])
     parts = {r["part"] for r in result["rows"]}
     assert {"key-gemv", "key-gemv-linear", "scores-plain", "scores-split", "scores-split-addcmul", "scores-blockdiag",
             "latent-scores-mla", "latent-scores-qknorm", "rms-norm-cold", "key-gemv-split",

@@ -1,8 +1,13 @@
 """What every results file records about the machine, the allocator's environment included."""
 
 import os
+import re
+import shutil
+import subprocess
 
-from qkmla.machine import ALLOCATOR_ENV, allocator_env, env_prefix, machine, recorded_command
+import pytest
+
+from qkmla.machine import ALLOCATOR_ENV, allocator_env, env_prefix, machine, recorded_command, source_commit
 
 
 def test_the_allocator_environment_is_recorded_and_reruns_as_a_command_prefix(monkeypatch):
@@ -37,3 +42,23 @@ def test_the_recorded_command_reruns_as_it_ran(monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     monkeypatch.setattr("sys.argv", ["bench_train.py", "--quick"])
     assert recorded_command("benchmarks/bench_train.py") == "MALLOC_ARENA_MAX=2 python benchmarks/bench_train.py --quick"
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_the_source_commit_names_the_checkout_and_whether_it_was_edited(tmp_path):
+    assert source_commit(tmp_path) is None  # not a checkout
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, env=env)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "first")
+    clean = source_commit(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{40}", clean)
+    (tmp_path / "results.json").write_text("{}")  # an untracked file leaves it clean
+    assert source_commit(tmp_path) == clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert source_commit(tmp_path) == clean + "+dirty"

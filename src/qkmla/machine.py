@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -37,6 +38,20 @@ def recorded_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     it reruns as it ran."""
     args = sys.argv[1:] if argv is None else argv
     return env_prefix() + " ".join(["python", script, *map(shlex.quote, args)])
+
+
+def source_commit(path) -> Optional[str]:
+    """The commit of the git checkout that holds ``path`` ("+dirty" when tracked files differ
+    from it), or None outside a checkout or without git: the code a results file came from."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+    try:
+        rev = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
 
 
 def machine() -> dict:
