@@ -19,8 +19,9 @@ No absorbed step can avoid reading the layer's weights and the cache: floor-abso
 just that, each byte read once (``byte_floor``). It is a measured floor, not a proof: a step
 that reads faster than these matrix-vector products could beat it, and the attention's GEMMs
 do h (2 d_c + d_r) / (d_c + d_r) times the floor's arithmetic per cached row (30 at the
-DeepSeek-V3 width), so a real step also pays for its flops. ``expand_over_floor`` is the expand / absorbed ratio of a step that cost only its
-reads; ``fastest_over_floor`` is how far the fastest QK-normed step is from that.
+DeepSeek-V3 width), so a real step also pays for its flops. ``expand_over_floor`` is the
+expand / absorbed ratio of a step that cost only its reads; ``fastest_over_floor`` is how
+far the fastest QK-normed step is from that.
 
 The absorbed steps also run in other modes of this code, side by side with the rows above
 (which are the eager mode):
@@ -170,9 +171,10 @@ def appended(cache: LatentCache, latent: torch.Tensor, key_scale: torch.Tensor |
 
 def byte_floor(module: MLA, latent: torch.Tensor, key_scale: torch.Tensor):
     """A call that reads what every absorbed decode step of ``module`` must read, each byte once,
-    as matrix-vector products (the least arithmetic a full read through BLAS does): one token through every weight matrix with ``F.linear`` (the projections;
-    kv_b_proj holds the bytes of W_UK and W_UV), each sequence's cache rows latent[b]
-    [S, d_c + d_r] times one vector, and a sum of the key scalars [B, S, G].
+    as matrix-vector products (the least arithmetic a full read through BLAS does): one token
+    through every weight matrix with ``F.linear`` (the projections; kv_b_proj holds the bytes
+    of W_UK and W_UV), each sequence's cache rows latent[b] [S, d_c + d_r] times one vector,
+    and a sum of the key scalars [B, S, G].
 
     It computes far less than a step: per cached row the attention's score and value GEMMs
     do 2 h (2 d_c + d_r) flops, this read 2 (d_c + d_r)."""
