@@ -10,7 +10,7 @@ from qkmla.experiments import EXPERIMENTS, Options, run_experiment
 from qkmla.experiments.grid import Run, run_dir, run_grid
 
 ROW_KEYS = {"experiment", "run", "variant", "seed", "lr", "status", "steps", "final_val_loss", "best_val_loss",
-            "peak_max_logit", "peak_max_logit_post_clip", "nan_step", "seconds", "median_step_seconds"}
+            "peak_max_logit", "peak_max_logit_after_clip", "nan_step", "seconds", "median_step_seconds"}
 FIGURES = {"lr-sweep": "lr_sweep.png", "qk-clip": "qk_clip.png", "norm-mode": "norm_mode.png",
            "lp-sweep": "lp_sweep.png", "length": "length.png",
            "compression": "compression.png", "retrieval": "retrieval.png"}
@@ -47,7 +47,9 @@ def test_quick_experiment_writes_results_and_figure(quick_dir, name):
 def test_experiment_specific_columns(quick_dir):
     lr = {r["run"]: r for r in map(json.loads, (quick_dir / "lr-sweep" / "results.jsonl").read_text().splitlines())}
     clipped = [r for r in lr.values() if r["variant"].startswith("mla-qkclip")]
-    assert clipped and all(r["peak_max_logit_post_clip"] is not None for r in clipped)
+    assert clipped and all(r["clipped_steps"] is not None for r in clipped)
+    assert all((r["peak_max_logit_after_clip"] is not None) == (r["clipped_steps"] > 0) for r in clipped)
+    assert any(r["clipped_steps"] > 0 for r in clipped)
     assert all(r["logit_bound"] > 0 for r in lr.values() if "qknorm" in r["variant"])
     clip = [json.loads(x) for x in (quick_dir / "qk-clip" / "results.jsonl").read_text().splitlines()]
     assert all(len(r["curves"]["max_logit"]) > 1 for r in clip)

@@ -64,3 +64,23 @@ def test_bound_holds_and_is_nearly_reached(kind, mode, p):
         kc, kr = kn(flat_c, flat_r)
     reached = float((qc * kc).sum() + (qr * kr).sum()) * mla.scale
     assert reached == pytest.approx(logit_bound(mla), rel=1e-9)
+
+
+def test_forward_max_logits_restores_mode_and_tracking():
+    import torch
+
+    from qkmla.attention.functional import max_logits
+    from qkmla.model.gpt import GPT, GPT_PRESETS
+    from qkmla.train.diagnostics import forward_max_logits
+
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["debug"].replace(attn="mla", dropout=0.1)).train()
+    x = torch.randint(0, 65, (2, 12))
+    got = forward_max_logits(model, x)
+    assert got.shape == (2, 4) and model.training
+    assert not any(b.attn.track_max_logits for b in model.blocks)
+    # layer 0's logits by hand: the same queries and keys the module makes from its input
+    attn = model.blocks[0].attn
+    h = model.blocks[0].ln_1(model.wte(x))
+    q, k, _ = attn.explicit_qkv(h, torch.arange(12).expand(2, -1))
+    torch.testing.assert_close(got[0], max_logits(q, k, attn.scale).float())

@@ -3,8 +3,9 @@ learning rate from ``lr-sweep``, in longer runs with several seeds (the seed pap
 and Appendix C/D, at small scale, with Muon as the paper and MuonClip use).
 
 Questions: does QK-norm's max logit plateau (the late-training max logit against the
-mid-training one), does QK-Clip hold tau (its max logit after the clip, and how often it
-clips), and what do the losses and gradient norms do.
+mid-training one), does QK-Clip hold tau (its max logit measured after each clip, the
+training forwards' max logit, and how often it clips), and what do the losses and gradient
+norms do.
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ def plan(options: Options) -> list[Run]:
 
 
 def measure(path: Path) -> dict:
-    """The max-logit (before and after the clip), gradient-norm and loss curves, thinned."""
+    """The max-logit (of the training forwards, and measured after each clip), gradient-norm
+    and loss curves, thinned."""
     rows = read_metrics(path)
     out = {"curves": {k: curve(rows, k, CURVE_EVERY) for k in ("max_logit", "grad_norm", "loss")}}
     out["curves"]["val_loss"] = curve(rows, "val_loss", 1)
-    if any("max_logit_post_clip" in r for r in rows):
-        out["curves"]["max_logit_post_clip"] = curve(rows, "max_logit_post_clip", CURVE_EVERY)
+    if any("max_logit_after_clip" in r for r in rows):
+        out["curves"]["max_logit_after_clip"] = curve(rows, "max_logit_after_clip", CURVE_EVERY)
     n = len(rows)
     mid = values(rows[int(0.4 * n):int(0.5 * n)], "max_logit")
     late = values(rows[int(0.9 * n):], "max_logit")
@@ -75,8 +77,8 @@ def report(rows: list[dict], options: Options) -> Report:
                 axes[0].plot(*zip(*c["val_loss"]), "o-", color=color, ms=2, lw=0.8, label=label)
             if c.get("max_logit"):
                 axes[1].plot(*zip(*c["max_logit"]), color=color, lw=0.7, alpha=0.8, label=label)
-            if c.get("max_logit_post_clip"):
-                axes[1].plot(*zip(*c["max_logit_post_clip"]), color=color, lw=0.7, ls=":", alpha=0.8)
+            if c.get("max_logit_after_clip"):
+                axes[1].plot(*zip(*c["max_logit_after_clip"]), color=color, lw=0.7, ls=":", alpha=0.8)
             if c.get("grad_norm"):
                 axes[2].plot(*zip(*c["grad_norm"]), color=color, lw=0.6, alpha=0.7, label=label)
         loss, loss_std = mean_std(r["final_val_loss"] for r in rs)
@@ -85,13 +87,13 @@ def report(rows: list[dict], options: Options) -> Report:
             "peak_max_logit": max((r["peak_max_logit"] for r in rs if r["peak_max_logit"] is not None), default=None),
             "max_logit_mid": mean_std(r.get("max_logit_mid") for r in rs)[0],
             "max_logit_late": mean_std(r.get("max_logit_late") for r in rs)[0],
-            "peak_max_logit_post_clip": max((r["peak_max_logit_post_clip"] for r in rs
-                                             if r["peak_max_logit_post_clip"] is not None), default=None),
+            "peak_max_logit_after_clip": max((r["peak_max_logit_after_clip"] for r in rs
+                                              if r.get("peak_max_logit_after_clip") is not None), default=None),
             "clipped_step_fraction": mean_std(r["clipped_steps"] / r["steps"] for r in rs
                                               if r["clipped_steps"] is not None)[0],
             "diverged": [r["nan_step"] for r in rs if r["nan_step"] is not None],
         }
-    for ax, title in zip(axes, ("validation loss", "max attention logit (dotted: after QK-Clip)",
+    for ax, title in zip(axes, ("validation loss", "max attention logit (dotted: measured after QK-Clip)",
                                 "gradient norm (before clipping)")):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -101,10 +103,10 @@ def report(rows: list[dict], options: Options) -> Report:
     axes[2].set_yscale("log")
     figures = [save(fig, options.out / "qk_clip.png")]
     header = ["variant", "lr", "final val loss (mean ± std)", "max logit, steps 40-50%", "max logit, last 10%",
-              "peak max logit", "peak after clip", "steps clipped", "diverged"]
+              "peak max logit", "peak measured after a clip", "steps clipped", "diverged"]
     lines = [[v, f"{s['lr']:g}", f"{fmt(s['final_val_loss'])} ± {fmt(s['final_val_loss_std'])}",
               fmt(s["max_logit_mid"], ".1f"), fmt(s["max_logit_late"], ".1f"), fmt(s["peak_max_logit"], ".1f"),
-              fmt(s["peak_max_logit_post_clip"], ".1f"), fmt(s["clipped_step_fraction"], ".1%"),
+              fmt(s["peak_max_logit_after_clip"], ".1f"), fmt(s["clipped_step_fraction"], ".1%"),
               len(s["diverged"])] for v, s in summary.items()]
     return Report(summary, table(header, lines), figures)
 

@@ -1,7 +1,8 @@
 """One results row per run, and the aggregates every experiment's report uses.
 
 A row (``results.jsonl``): the run's labels (variant, optimizer, lr, seed, ...), its status,
-final and best validation loss, peak max logit (before and, with QK-Clip, after the clip),
+final and best validation loss, peak max logit (of the training forwards and, with QK-Clip,
+the peak measured after a clip, with the number of steps that clipped),
 the step of a divergence or null, the seconds it took, the median step time, the last logit
 bound / learned logit scale of QK-normed layers, and anything the experiment measured.
 Non-finite numbers are written as null, so the file is strict JSON.
@@ -43,7 +44,8 @@ def summarize(experiment: str, run: Run, out: Path) -> dict:
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
     vals = [finite(r["val_loss"]) for r in rows if "val_loss" in r]
     last = {k: r[k] for r in rows for k in ("logit_bound", "logit_scale") if k in r}
-    post = values(rows, "max_logit_post_clip")
+    after = values(rows, "max_logit_after_clip")
+    clip_run = any("clipped_heads" in r for r in rows)
     done = status["status"] == "done"
     row = {
         "experiment": experiment, "run": run.name, "variant": run.variant, **run.labels,
@@ -52,8 +54,8 @@ def summarize(experiment: str, run: Run, out: Path) -> dict:
         "final_val_loss": vals[-1] if done and vals else None,
         "best_val_loss": min((v for v in vals if v is not None), default=None),
         "peak_max_logit": max(values(rows, "max_logit"), default=None),
-        "peak_max_logit_post_clip": max(post) if post else None,
-        "clipped_steps": sum(1 for r in rows if r.get("clipped_heads", 0) > 0) if post else None,
+        "peak_max_logit_after_clip": max(after) if after else None,
+        "clipped_steps": sum(1 for r in rows if r.get("clipped_heads", 0) > 0) if clip_run else None,
         "nan_step": status.get("step") if status["status"] == "non-finite" else None,
         "seconds": status.get("seconds"),
         "median_step_seconds": statistics.median(values(rows, "step_seconds")) if rows else None,

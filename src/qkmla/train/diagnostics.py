@@ -60,6 +60,28 @@ def logit_bound(attn) -> Optional[float]:
     return tau * dot
 
 
+@torch.no_grad()
+def forward_max_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[layers, h]: each head's largest pre-softmax logit in one no-grad forward of ``x``
+    [B, T] through ``model``'s current weights (a GPT: ``model.blocks[i].attn``).
+
+    What QK-Clip's clipped weights really produce on a batch: run it after the clip on the
+    batch the clip was computed from. Eval mode (no dropout draws, so the training RNG
+    stream is untouched); the model's mode and tracking flags are restored afterwards."""
+    attns = [block.attn for block in model.blocks]
+    training, tracked = model.training, [a.track_max_logits for a in attns]
+    model.eval()
+    for a in attns:
+        a.track_max_logits = True
+    try:
+        model(x)
+        return torch.stack([a.last_max_logits.float() for a in attns])
+    finally:
+        model.train(training)
+        for a, t in zip(attns, tracked):
+            a.track_max_logits = t
+
+
 def logit_scale(attn) -> Optional[float]:
     """The mean learned logit scale of a layer, or None when the scale is fixed."""
     s = getattr(attn, "logit_scale", None)

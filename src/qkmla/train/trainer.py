@@ -2,8 +2,10 @@
 
 Per step it logs train loss, learning rate, gradient norm, the max pre-softmax attention
 logit of every layer (and of every head with ``log_heads``), tokens/s and the seconds spent
-measuring the max logits; with QK-Clip also the number of clipped heads and the max logit
-after the clip (``max_logit`` is the one the step's forward saw). Every ``eval_interval``
+measuring the max logits; with QK-Clip also the number of clipped heads and, on a step that
+clipped, ``max_logit_after_clip``: the max logit of a no-grad forward of the same batch
+through the updated, clipped weights, measured (``max_logit`` is the one the step's forward
+saw, before the update). Every ``eval_interval``
 steps: validation loss over fixed windows (the same for every seed, so runs compare), and
 for QK-normed layers the bound their norm weights put on the logits (``logit_bound``, see
 ``diagnostics.py``) and the mean learned logit scale. Rows go to
@@ -40,7 +42,7 @@ from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
 from .config import TrainConfig
 from .data import Corpus, fixed_windows, get_batch
-from .diagnostics import logit_bound, logit_scale
+from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rundir import (RunLock, fresh_out, metrics_line, prepare, resume_mismatches, truncate_metrics,
                      write_status)
@@ -299,9 +301,18 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
                    "max_logit_seconds": sum(a.max_logit_seconds for a in attns), "step_seconds": dt}
             if config.log_heads:
                 row["max_logit_per_head"] = [[round(float(v), 4) for v in layer] for layer in heads]
-            if gammas is not None:  # each head's logits were multiplied by exactly its gamma
+            if gammas is not None:
                 row["clipped_heads"] = int((gammas < 1).sum())
-                row["max_logit_post_clip"] = float((heads * gammas.to(heads.dtype)).max())
+                if row["clipped_heads"]:
+                    # Measured, not min(S_h, tau): the optimizer step moved the weights after
+                    # S_h was seen, so the clip's factor need not bring the logits to tau.
+                    t1 = time.perf_counter()
+                    after = forward_max_logits(model, x)
+                    if world > 1:
+                        dist.all_reduce(after, op=dist.ReduceOp.MAX)
+                    row["max_logit_after_clip"] = float(after.max())
+                    row["max_logit_after_clip_per_layer"] = [round(float(v), 4) for v in after.amax(dim=1)]
+                    row["after_clip_seconds"] = time.perf_counter() - t1
             if (i + 1) % config.eval_interval == 0 or i + 1 == config.steps:
                 row["val_loss"] = evaluate(model, corpus.val, config, block_size)
                 row.update(_weight_diagnostics(attns))
