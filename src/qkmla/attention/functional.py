@@ -79,9 +79,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
         else:
             k, v = (t.repeat_interleave(h // G, dim=1) for t in (k, v))
     attn_mask = mask[:, None] if mask is not None else None
+    # The fused kernels (flash on the CPU and on CUDA) need one head width for q, k and v; without them
+    # SDPA stores every score ([B, h, T, S]: 64 GiB at 32k tokens and 16 heads). MLA's are unequal
+    # (d_n + d_r against d_v), so the narrower side gets zero columns, which change no dot product.
+    D, Dv = q.shape[-1], v.shape[-1]
+    if Dv < D:
+        v = F.pad(v, (0, D - Dv))
+    elif D < Dv:
+        q, k = F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and mask is None,
                                          scale=scale, **kwargs)
-    out = out.transpose(1, 2)  # [B, T, h, Dv]
+    out = out[..., :Dv].transpose(1, 2)  # [B, T, h, Dv]
     if mask is not None:
         out = out.masked_fill(~mask.any(-1)[:, :, None, None], 0.0)
     return out

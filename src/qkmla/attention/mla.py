@@ -38,6 +38,49 @@ from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 
 
+def projection_shapes(c: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """The weight shape of every projection and latent norm of an MLA layer, by (HF's) name."""
+    shapes = {"q_proj": (c.num_heads * c.qk_head_dim, c.hidden_size)} if c.q_lora_rank is None else {
+        "q_a_proj": (c.q_lora_rank, c.hidden_size), "q_a_layernorm": (c.q_lora_rank,),
+        "q_b_proj": (c.num_heads * c.qk_head_dim, c.q_lora_rank)}
+    return {**shapes, "kv_a_proj_with_mqa": (c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
+            "kv_a_layernorm": (c.kv_lora_rank,),
+            "kv_b_proj": (c.num_kv_groups * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+            "o_proj": (c.hidden_size, c.num_heads * c.v_head_dim)}
+
+
+_BIASED = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")  # the projections attention_bias gives a bias
+
+
+def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
+    """Freshly initialized projections and latent norms for ``c``."""
+    modules = {}
+    for name, shape in projection_shapes(c).items():
+        if name.endswith("layernorm"):
+            modules[name] = nn.RMSNorm(shape[0], eps=c.latent_norm_eps)
+        else:
+            modules[name] = nn.Linear(shape[1], shape[0], bias=c.attention_bias and name in _BIASED)
+    return modules
+
+
+def check_projections(c: MLAConfig, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """``modules`` if it holds every projection ``c`` needs with the right weight shapes and biases."""
+    wanted = projection_shapes(c)
+    missing = sorted(set(wanted) - set(modules))
+    if missing:
+        raise ValueError(f"projections: missing {missing}; this config needs {sorted(wanted)}")
+    for name, shape in wanted.items():
+        weight = getattr(modules[name], "weight", None)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+            raise ValueError(f"projections: {name}.weight has shape {got}, this config needs {shape}")
+        has_bias = getattr(modules[name], "bias", None) is not None
+        if not name.endswith("layernorm") and has_bias != (c.attention_bias and name in _BIASED):
+            raise ValueError(f"projections: {name} {'has' if has_bias else 'lacks'} a bias, but the config says "
+                             f"attention_bias={c.attention_bias}")
+    return {name: modules[name] for name in wanted}
+
+
 class MLA(nn.Module):
     """MLA attention layer with optional QK-norm (config: :class:`~qkmla.config.MLAConfig`).
 
@@ -55,22 +98,17 @@ class MLA(nn.Module):
         True
     """
 
-    def __init__(self, config: MLAConfig):
+    def __init__(self, config: MLAConfig, projections: Optional[dict[str, nn.Module]] = None):
+        """``projections``: existing modules to use as the projections and latent norms, by
+        name (another library's layer, adopted without a copy); their weights must have the
+        shapes ``config`` gives (:func:`projection_shapes`). By default new ones are made."""
         super().__init__()
         if not isinstance(config, MLAConfig):
             raise ValueError(f"config: expected an MLAConfig, got {type(config).__name__}")
         self.config = c = config
-        bias = c.attention_bias
-        if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.qk_head_dim, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
-            self.q_a_layernorm = nn.RMSNorm(c.q_lora_rank, eps=c.latent_norm_eps)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * c.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = nn.RMSNorm(c.kv_lora_rank, eps=c.latent_norm_eps)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_kv_groups * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=bias)
+        modules = new_projections(c) if projections is None else check_projections(c, projections)
+        for name, module in modules.items():
+            setattr(self, name, module)
         self.q_norm, self.k_norm = make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim,
                                                  c.qk_norm_p, c.qk_norm_eps, c.qk_norm_mode)
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .storage import ContiguousLayout, Layout, TokenBuffer
+from .storage import ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer
 
 
 @dataclass
@@ -272,6 +272,60 @@ class SequenceCache:
         that has just re-rotated every cached key to its slot (StreamingLLM's re-positioning)."""
         self.next_positions = self.seqlens.clone()
         self._kept_lens = torch.zeros_like(self._kept_lens)
+
+    # -- the batch and the capacity (generation utilities: beam search, growth, rollback) -----
+
+    def _contiguous_buffers(self, what: str) -> list[ContiguousBuffer]:
+        buffers = list(self.fields.values())
+        if not all(isinstance(b, ContiguousBuffer) for b in buffers):
+            raise ValueError(f"layout: {what} needs the contiguous layout (a paged cache's block table belongs to "
+                             f"its allocator), got {self.layout!r}")
+        return buffers
+
+    def select_sequences(self, indices: torch.Tensor) -> None:
+        """Keep sequences ``indices`` [B'] in that order; an index may repeat (beam search's
+        reorder, ``num_return_sequences``' repeat). Every field and per-sequence state moves
+        together; the batch size becomes B'."""
+        buffers = self._contiguous_buffers("select_sequences")
+        indices = torch.as_tensor(indices, device=self.device).long()
+        if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+            raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
+                             f"got {indices.tolist()}")
+        for buf in buffers:
+            buf.select(indices)
+        self.seqlens, self.next_positions = self.seqlens[indices], self.next_positions[indices]
+        self._kept_lens = self._kept_lens[indices]
+        if self._kept_positions is not None:
+            self._kept_positions = self._kept_positions[indices]
+        if self.eviction is not None:
+            self.eviction.select(indices)
+        self.batch_size = len(indices)
+
+    def grow(self, capacity: int) -> None:
+        """Raise the capacity to ``capacity`` slots per sequence, keeping every cached row."""
+        buffers = self._contiguous_buffers("grow")
+        if capacity > self.capacity:
+            for buf in buffers:
+                buf.resize(capacity, self.max_len)
+            if self._kept_positions is not None:
+                kept = torch.zeros(self.batch_size, capacity, dtype=torch.long, device=self.device)
+                kept[:, :self.capacity] = self._kept_positions
+                self._kept_positions = kept
+            self.capacity = capacity
+
+    def drop_last(self, counts: torch.Tensor) -> None:
+        """Forget the last ``counts[b]`` tokens of each sequence b (a rollback: speculative
+        decoding's rejected tokens). Refused once an eviction policy has moved tokens."""
+        counts = torch.as_tensor(counts, device=self.device).long()
+        if counts.shape != (self.batch_size,) or bool((counts < 0).any()) or bool((counts > self.seqlens).any()):
+            raise ValueError(f"counts: expected [{self.batch_size}] non-negative counts no larger than the cached "
+                             f"lengths {self.seqlens.tolist()}, got {counts.tolist()}")
+        if self.eviction is not None:
+            raise ValueError("counts: a cache with an eviction policy cannot roll tokens back (the dropped tokens "
+                             "may be the ones it evicted instead)")
+        self.seqlens, self.next_positions = self.seqlens - counts, self.next_positions - counts
+        self.max_len = int(self.seqlens.max())
+        self.uniform = bool((self.seqlens == self.seqlens[0]).all())
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -43,6 +43,11 @@ class Eviction:
         self.steps, self.scores = 0, None
         self.evicted = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
 
+    def select(self, indices: torch.Tensor) -> None:
+        """Follow the cache's ``select_sequences``: keep sequences ``indices`` [B'] in that order."""
+        self.scores = self.scores[indices] if self.scores is not None else None
+        self.evicted, self.batch_size = self.evicted[indices], len(indices)
+
     @torch.no_grad()
     def after_attention(self, cache, layer, slot, queries: Callable[[], tuple]) -> None:
         """Observe the forward that wrote ``slot`` and evict if one is due (see

@@ -53,9 +53,20 @@ class TokenBuffer(ABC):
 class ContiguousBuffer(TokenBuffer):
     def __init__(self, batch_size: int, capacity: int, width: int, dtype: torch.dtype,
                  device=None, fill: float = 0.0):
-        self.width, self.capacity = width, capacity
+        self.width, self.capacity, self.fill = width, capacity, fill
         self.data = torch.full((batch_size, capacity, width), fill, dtype=dtype, device=device)
         self.element_size = self.data.element_size()
+
+    def select(self, batch_idx: torch.Tensor) -> None:
+        """Keep sequences ``batch_idx`` [B'] in that order (a sequence may repeat): beam search's reorder."""
+        self.data = self.data.index_select(0, batch_idx.to(self.data.device))
+
+    def resize(self, capacity: int, length: int) -> None:
+        """A new buffer of ``capacity`` slots holding the first ``length`` slots of each sequence."""
+        data = torch.full((self.data.shape[0], capacity, self.width), self.fill, dtype=self.data.dtype,
+                          device=self.data.device)
+        data[:, :length] = self.data[:, :length]
+        self.data, self.capacity = data, capacity
 
     def write(self, batch_idx, positions, rows):
         self.data[batch_idx, positions] = rows.to(self.data.dtype)

@@ -1,9 +1,30 @@
-"""Interop with other libraries' weights (Hugging Face transformers checkpoints)."""
+"""Interop with other libraries' weights and models (Hugging Face transformers).
+
+The transformers integration (``apply_latent_attention``, ``LatentAttentionCache``) is imported
+on first use, so ``import qkmla.interop`` works without transformers installed.
+"""
 
 from .checkpoint import mla_from_hf_dir, mla_layers_from_hf_dir, read_hf_config, read_hf_tensors
 from .convert import convert_hf_dir, load_converted, save_converted, warm_start_qk_norm
 from .hf import load_hf_attention_weights, mla_config_from_hf, mla_from_hf
 
-__all__ = ["convert_hf_dir", "load_converted", "load_hf_attention_weights", "mla_config_from_hf", "mla_from_hf",
+_LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_model", "LatentAttentionCache": "hf_cache",
+         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        try:
+            module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        except ImportError as e:
+            raise ImportError(f"qkmla.interop.{name} needs transformers>=5.0: pip install 'qkmla[hf]' ({e})") from e
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["LatentAttention", "LatentAttentionCache", "LatentCacheLayer", "apply_latent_attention", "convert_hf_dir",
+           "latent_layers", "load_converted", "load_hf_attention_weights", "mla_config_from_hf", "mla_from_hf",
            "mla_from_hf_dir", "mla_layers_from_hf_dir", "read_hf_config", "read_hf_tensors", "save_converted",
            "warm_start_qk_norm"]

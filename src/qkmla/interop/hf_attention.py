@@ -1,0 +1,148 @@
+"""A transformers DeepSeek-V2/V3 attention layer served by qkmla's :class:`~qkmla.MLA`.
+
+:class:`LatentAttention` is an :class:`~qkmla.MLA` that takes transformers' attention call
+(``hidden_states``, ``attention_mask``, ``position_embeddings``, the cache under any of the
+names transformers versions use) and adopts the HF layer's own projection modules, so its
+``state_dict()`` keys are transformers' own and nothing is copied. What it computes is MLA's:
+
+    no cache      the explicit path (training, scoring a batch), positions and padding as
+                  transformers gives them
+    a cache       the cache layer's :class:`~qkmla.LatentCache`: an explicit prefill into an
+                  empty cache, the absorbed decode op otherwise (``MLA.forward``)
+
+transformers passes the attention layer a mask already expanded for its own attention
+functions (4-D, or None, or a flex ``BlockMask``), which says nothing the latent cache can
+use; the 2-D padding mask the caller gave the model is what it needs. The model-level hook of
+``apply_latent_attention`` puts it, with the caller's ``position_ids``, in a
+:class:`ForwardContext` that every patched layer of the model shares.
+
+Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
+(left padding becomes right padding), cached with ``input_lengths``, and numbered 0, 1, 2, ...
+as transformers' ``generate`` numbers them from the mask; their outputs are moved back and
+padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
+alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..attention.functional import sdpa
+from ..attention.mla import MLA
+from ..config import MLAConfig
+from ..cache.eviction import EvictionPolicy
+from .hf_cache import adopt_layer
+
+
+@dataclass
+class ForwardContext:
+    """Shared by a patched model's attention layers: the cache settings ``apply_latent_attention``
+    was given, and what the caller gave the model in the current forward (set by the model's
+    hook, cleared after it).
+
+    kv_format, policy: how the caches this model makes for itself store and evict tokens.
+    attention_mask: [B, past + T] (1 for a real token, 0 for padding), or None (all real).
+    position_ids: [B, T] or [1, T] as the caller passed them, or None.
+    """
+
+    kv_format: str = "dense"
+    policy: Optional[EvictionPolicy] = None
+    attention_mask: Optional[torch.Tensor] = None
+    position_ids: Optional[torch.Tensor] = None
+
+    def new_tokens(self, batch_size: int, num_tokens: int) -> Optional[torch.Tensor]:
+        """[B, T] bool, True for the real tokens among this forward's T, or None when all are real."""
+        mask = self.attention_mask
+        if mask is None:
+            return None
+        if mask.shape[-1] < num_tokens or mask.shape[0] != batch_size:
+            raise ValueError(f"attention_mask: shape {tuple(mask.shape)} does not cover the batch of {batch_size} "
+                             f"sequences of {num_tokens} new tokens")
+        valid = mask[:, -num_tokens:].bool()
+        return None if bool(valid.all()) else valid
+
+
+class LatentAttention(MLA):
+    """transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention``, computed by qkmla.
+
+    Args:
+        config: the layer's :class:`~qkmla.MLAConfig` (``qkmla.interop.mla_config_from_hf``).
+        layer_idx: the decoder layer's index, as transformers numbers cache layers.
+        projections: the HF layer's projection and latent-norm modules by name, adopted as they are.
+        context: the model's shared :class:`ForwardContext` (None: every token is real and
+            transformers' ``position_ids`` are used).
+    """
+
+    def __init__(self, config: MLAConfig, layer_idx: int, projections: Optional[dict] = None,
+                 context: Optional[ForwardContext] = None):
+        super().__init__(config, projections)
+        self.layer_idx = layer_idx
+        self.context = context if context is not None else ForwardContext()
+        self.is_causal = True  # read by some transformers utilities
+
+    @classmethod
+    def from_hf(cls, hf_attention, context: Optional[ForwardContext] = None, **overrides) -> "LatentAttention":
+        """The qkmla layer for an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``, sharing its weights.
+
+        ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
+        """
+        from .hf import mla_config_from_hf
+
+        config = mla_config_from_hf(hf_attention.config, **overrides)
+        params = list(hf_attention.parameters())
+        if len({(p.device, p.dtype) for p in params}) != 1:
+            raise ValueError("hf_attention: its parameters must share one device and dtype, got "
+                             f"{sorted({f'{p.device}/{p.dtype}' for p in params})}")
+        projections = {name: getattr(hf_attention, name, None) for name in
+                       ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                        "kv_b_proj", "o_proj")}
+        projections = {k: v for k, v in projections.items() if v is not None}
+        layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, context)
+        return layer.to(device=params[0].device, dtype=params[0].dtype)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
+        """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).
+
+        ``attention_mask`` and ``position_embeddings`` are transformers' own and are not read
+        (see the module docstring); the cache comes as ``cache``, ``past_key_values`` or
+        ``past_key_value``, whichever this transformers version uses.
+        """
+        cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
+                     None)
+        x = hidden_states
+        valid = self.context.new_tokens(x.shape[0], x.shape[1])
+        if cache is None:
+            return self._uncached(x, valid, kwargs.get("position_ids")), None
+        layer = adopt_layer(cache, self.layer_idx, self.config, self.context.kv_format, self.context.policy)
+        latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
+        layer.check_positions(self.context.position_ids, valid, x.shape[1])
+        if valid is None:
+            out = MLA.forward(self, x, latent)
+        else:
+            out = self._compacted(x, valid, latent)
+        layer.advance(valid, x.shape[0], x.shape[1])
+        return out, None
+
+    def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids) -> torch.Tensor:
+        """The explicit path over x alone, at transformers' positions, padding masked."""
+        B, T = x.shape[:2]
+        positions = position_ids if position_ids is not None else self.context.position_ids
+        positions = (positions if positions is not None else torch.arange(T, device=x.device)).expand(B, T)
+        q, k, v = self.explicit_qkv(x, positions.to(x.device))
+        mask = None
+        if valid is not None:  # causal and not padding; a padded query sees itself, so no row is empty
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+        out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
+        return self.o_proj(out.flatten(2))
+
+    def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent) -> torch.Tensor:
+        """``MLA.forward`` over each sequence's real tokens moved to the front (right padding)."""
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # [B, T]: real tokens first, in order
+        index = order[..., None].expand_as(x)
+        out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1))
+        out = torch.empty_like(out).scatter_(1, index, out)
+        return out.masked_fill(~valid[..., None], 0.0)
