@@ -9,13 +9,14 @@ for ``summary.json`` and a Markdown table for ``summary.md``) computed from the 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from ..machine import machine
-from .grid import Run, run_grid
+from .grid import Run, is_finished, run_dir, run_grid, worker_pool
 from .results import best_lr, read_results, summarize, write_results
 
 
@@ -50,11 +51,17 @@ class Report:
 
 @dataclass(frozen=True)
 class Experiment:
+    """``adaptive``: later runs depend on earlier results (a learning rate chosen from a
+    bracket, a threshold from a run's max logit), so the driver trains the first unfinished
+    runs of the plan, plans again, and rewrites the results after every batch of runs; the
+    plan lists runs in the order they should finish."""
+
     name: str
     description: str
     plan: Callable[[Options], list[Run]]
     report: Callable[[list[dict], Options], Report]
     measure: Optional[Callable[[Path], dict]] = None
+    adaptive: bool = False
 
 
 def train_settings(quick: bool, steps: int, **changes) -> dict:
@@ -90,16 +97,43 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out: cannot make the experiment directory {out} ({e.strerror})") from None
-    runs = experiment.plan(options)
     t0 = time.perf_counter()
-    statuses = run_grid(runs, out, options.workers, experiment.measure, progress)
+    if not experiment.adaptive:
+        runs = experiment.plan(options)
+        statuses = run_grid(runs, out, options.workers, experiment.measure, progress)
+        return _write_report(experiment, options, runs, statuses, command, t0)
+    statuses: dict[str, dict] = {}
+    failed: set[str] = set()  # errors of this invocation are not retried until the next one
+    batch = options.workers or os.cpu_count() or 1
+    with worker_pool(options.workers) as pool:
+        while True:
+            runs = experiment.plan(options)
+            todo = [r for r in runs if r.same_as is None and r.name not in failed
+                    and _pending(out, r, experiment.measure)]
+            if not todo:
+                break
+            now = run_grid(todo[:batch], out, options.workers, experiment.measure, progress, pool=pool)
+            statuses.update(now)
+            failed |= {name for name, st in now.items() if st["status"] not in ("done", "non-finite")}
+            _write_report(experiment, options, runs, statuses, command, t0)
+    return _write_report(experiment, options, runs, statuses, command, t0)
+
+
+def _pending(out: Path, run: Run, measure) -> bool:
+    """Not trained yet, or trained and not yet measured."""
+    return not is_finished(out, run) or (measure is not None and not (run_dir(out, run) / "measure.json").is_file())
+
+
+def _write_report(experiment: Experiment, options: Options, runs: list[Run], statuses: dict, command, t0) -> Report:
+    """``results.jsonl`` (one row per planned run, trained or not), figures and summaries."""
+    out = options.out
     rows = [summarize(experiment.name, r, out) for r in runs]
     write_results(rows, out / "results.jsonl")
     report = experiment.report(read_results(out / "results.jsonl"), options)
     meta = {"experiment": experiment.name, "command": command, "machine": machine(), "runs": len(runs),
             "runs_trained_now": len(statuses), "wall_seconds_now": time.perf_counter() - t0,
-            "cpu_seconds_of_runs": sum(r["seconds"] or 0 for r in rows),
-            "errors": [r["run"] for r in rows if r["status"] not in ("done", "non-finite")]}
+            "cpu_seconds_of_runs": sum(r["seconds"] or 0 for r in rows if not r.get("same_as")),
+            "errors": [r["run"] for r in rows if r["status"] not in ("done", "non-finite", "missing")]}
     (out / "summary.json").write_text(json.dumps({**meta, **report.summary}, indent=1))
     (out / "summary.md").write_text(report.table)
     return report

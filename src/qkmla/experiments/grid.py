@@ -33,13 +33,17 @@ class Run:
     """One training run of an experiment.
 
     name: directory under ``OUT/runs``; variant: the row label in tables and figures;
-    train: TrainConfig fields; labels: extra result columns (optimizer, lr, seed, p, ...).
+    train: TrainConfig fields; labels: extra result columns (optimizer, lr, seed, p, ...);
+    same_as: the name of another run of the grid that this one provably repeats step for
+    step (e.g. QK-Clip whose threshold the plain run never reached): it is not trained, and
+    its results row is that run's.
     """
 
     name: str
     variant: str
     train: dict
     labels: dict = field(default_factory=dict)
+    same_as: Optional[str] = None
 
 
 def run_dir(out: Path, run: Run) -> Path:
@@ -50,7 +54,7 @@ def trained_run(path: Path) -> tuple:
     """(model, corpus) of a finished run directory: the trained GPT and the
     :class:`~qkmla.train.data.Corpus` its config says it trained on, for an experiment's measure."""
     cfg = json.loads((Path(path) / "config.json").read_text())["train"]
-    return load_model(path)[0], Corpus.load(cfg["data"], cfg["tokenizer"])
+    return load_model(path)[0], Corpus.load(cfg["data"], cfg["tokenizer"], split=cfg.get("split", "tail"))
 
 
 def _same_config(path: Path, train: dict) -> bool:
@@ -106,17 +110,27 @@ def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
         return {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
+def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
+    """The pool ``run_grid`` trains in: ``workers`` spawned processes (0: one per CPU core) of
+    one thread each. Pass one to several ``run_grid`` calls to start its processes once."""
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
+    return concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count() or 1, mp_context=ctx,
+                                                  initializer=_init_worker)
+
+
 def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Callable] = None,
-             progress: bool = True) -> dict[str, dict]:
+             progress: bool = True, pool: Optional[concurrent.futures.ProcessPoolExecutor] = None) -> dict[str, dict]:
     """Train every unfinished run; returns {run name: status} of the runs trained now.
 
     Args:
         workers: processes (0: one per CPU core).
         measure: ``measure(run_dir) -> dict``, run after training, stored as ``measure.json``.
+        pool: a :func:`worker_pool` to train in (kept open); default: one made for this call.
     """
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError("runs: run names must be unique")
+    runs = [r for r in runs if r.same_as is None]  # repeats of another run: nothing to train
     todo = [r for r in runs if not is_finished(out, r)]
     # A finished run whose measurement is missing (interrupted after training) measures again.
     todo += [r for r in runs if measure is not None and r not in todo
@@ -130,22 +144,25 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         from tqdm import tqdm
 
         bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc="runs", unit="run", dynamic_ncols=True)
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker) as pool:
+    own = pool is None
+    if own:
+        pool = worker_pool(workers)
+    try:
         futures = {pool.submit(_train_one, r.train, str(run_dir(out, r)), measure): r for r in todo}
-        try:
-            for fut in concurrent.futures.as_completed(futures):
-                run = futures[fut]
-                statuses[run.name] = status = fut.result()
-                if status["status"] == "error":
-                    print(f"run {run.name} failed: {status['error']}")
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix_str(f"{run.name}: {status['status']}")
-        except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        finally:
+        for fut in concurrent.futures.as_completed(futures):
+            run = futures[fut]
+            statuses[run.name] = status = fut.result()
+            if status["status"] == "error":
+                print(f"run {run.name} failed: {status['error']}", flush=True)
             if bar is not None:
-                bar.close()
+                bar.update(1)
+                bar.set_postfix_str(f"{run.name}: {status['status']}")
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if own:
+            pool.shutdown()
     return statuses

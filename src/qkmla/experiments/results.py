@@ -37,8 +37,9 @@ def values(rows: list[dict], key: str) -> list[float]:
 
 
 def summarize(experiment: str, run: Run, out: Path) -> dict:
-    """The results row of one run (see the module docstring)."""
-    path = run_dir(out, run)
+    """The results row of one run (see the module docstring). A run ``same_as`` another
+    reads that run's directory and records ``same_as``."""
+    path = Path(out) / "runs" / run.same_as if run.same_as else run_dir(out, run)
     status = read_status(path) or {"status": "missing"}
     rows = read_metrics(path) if (path / "metrics.jsonl").is_file() else []
     config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
@@ -65,6 +66,8 @@ def summarize(experiment: str, run: Run, out: Path) -> dict:
         row.update(json.loads((path / "measure.json").read_text()))
     if "error" in status:
         row["error"] = status["error"]
+    if run.same_as:
+        row["same_as"] = run.same_as
     return clean_json(row)
 
 

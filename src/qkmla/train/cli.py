@@ -12,6 +12,7 @@ import dataclasses
 from ..cli_errors import flag_message
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from .config import TrainConfig
+from .data import SPLITS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
 
@@ -45,6 +46,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-heads", action="store_true", help="also log every head's max logit")
     p.add_argument("--data", default=d.data, help="tiny_shakespeare, shakespeare, or a text file")
     p.add_argument("--tokenizer", default=d.tokenizer, choices=("char", "byte"))
+    p.add_argument("--split", default=d.split, choices=SPLITS,
+                   help="tail: the last 10%% validates; plays: whole plays held out for validation and test "
+                        "(--data shakespeare)")
     p.add_argument("--seed", type=int, default=d.seed, help=">= 0")
     p.add_argument("--out", default=None, help="run directory (default: a new runs/<preset>-<attn>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
-from .data import TOKENIZERS
+from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
 RESUMABLE = ("steps", "lr", "schedule", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "qk_clip",
@@ -70,6 +70,7 @@ class TrainConfig:
     log_heads: bool = False
     data: str = "tiny_shakespeare"
     tokenizer: str = "char"
+    split: str = "tail"  # "tail": the last 10% validates; "plays": held-out plays (shakespeare only)
     seed: int = 1337
     out: Optional[str] = None  # None: a fresh directory runs/<preset>-<attn>-<time>, printed at start
     resume: bool = False
@@ -87,6 +88,10 @@ class TrainConfig:
         _choice("muon_adjust_lr", self.muon_adjust_lr, MUON_ADJUST)
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("tokenizer", self.tokenizer, TOKENIZERS)
+        _choice("split", self.split, SPLITS)
+        if self.split == "plays" and self.data != "shakespeare":
+            raise ValueError(f"split: 'plays' holds out whole plays of the embedded 'shakespeare' corpus, "
+                             f"got data={self.data!r}")
         for name in ("steps", "batch_size", "eval_interval", "eval_iters", "ckpt_interval"):
             _number(name, getattr(self, name), 1, integer=True)
         _number("block_size", self.block_size, 2, integer=True, allow_none=True)

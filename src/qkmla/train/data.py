@@ -4,11 +4,18 @@ The embedded default is tiny Shakespeare (public domain, Project Gutenberg) with
 character vocabulary and nanoGPT's split: the first 90% trains, the last 10% validates, so
 losses compare with nanoGPT's published figures. ``shakespeare`` (40 plays and poems,
 4.8M characters) is also shipped. Any text file works, with a char or a byte vocabulary.
+
+Splits (``split``): ``"tail"`` (the default) is the 90/10 split above. ``"plays"`` splits
+the full ``shakespeare`` corpus by work: whole plays are held out for validation
+(``VALIDATION_PLAYS``) and for testing (``TEST_PLAYS``), one comedy and one tragedy each,
+about 4.8% and 4.7% of the text, and every other work (plays and poems) trains. In that
+corpus each work opens with its title line followed by "by William Shakespeare".
 """
 
 from __future__ import annotations
 
 import lzma
+import re
 import zlib
 from dataclasses import dataclass
 from importlib import resources
@@ -19,6 +26,10 @@ import torch
 
 EMBEDDED = {"tiny_shakespeare": "tiny_shakespeare.txt.xz", "shakespeare": "shakespeare.txt.xz"}
 TOKENIZERS = ("char", "byte")
+SPLITS = ("tail", "plays")
+VALIDATION_PLAYS = ("TWELFTH NIGHT; OR, WHAT YOU WILL", "JULIUS CAESAR")
+TEST_PLAYS = ("MUCH ADO ABOUT NOTHING", "MACBETH")
+_WORK_TITLE = re.compile(r"^([^\n]+)\n\n?by William Shakespeare\n", re.M)
 
 
 def load_text(source: str = "tiny_shakespeare") -> str:
@@ -76,20 +87,56 @@ def data_fingerprint(text: str) -> dict:
     return {"chars": len(text), "crc32": zlib.crc32(text.encode("utf-8", errors="replace"))}
 
 
+def works(text: str) -> list[tuple[str, int, int]]:
+    """(title, start, end) of every work in the ``shakespeare`` corpus, in order: a work runs
+    from its title line to the next work's title line (the end of the text for the last)."""
+    found = list(_WORK_TITLE.finditer(text))
+    ends = [m.start() for m in found[1:]] + [len(text)]
+    return [(m.group(1).strip(), m.start(), end) for m, end in zip(found, ends)]
+
+
+def split_by_play(text: str) -> dict[str, str]:
+    """{"train", "val", "test"}: the text of the works in each split, concatenated in corpus
+    order. Raises ValueError if a held-out play is missing or the text before the first
+    title is not empty (not the embedded ``shakespeare`` corpus)."""
+    parts = works(text)
+    titles = [t for t, _, _ in parts]
+    missing = [t for t in VALIDATION_PLAYS + TEST_PLAYS if t not in titles]
+    if missing or not parts or parts[0][1] != 0:
+        raise ValueError(f"split: 'plays' needs the embedded 'shakespeare' corpus (works opening with a title and "
+                         f"'by William Shakespeare'); missing held-out plays: {missing or 'none'}")
+    out = {"train": [], "val": [], "test": []}
+    for title, start, end in parts:
+        name = "val" if title in VALIDATION_PLAYS else "test" if title in TEST_PLAYS else "train"
+        out[name].append(text[start:end])
+    return {k: "".join(v) for k, v in out.items()}
+
+
 @dataclass
 class Corpus:
-    """Token ids split into train (first 90%) and validation (last 10%); ``fingerprint``
-    identifies the text (resuming a run checks it)."""
+    """Token ids split into train and validation (and, split by play, test); ``fingerprint``
+    identifies the text (resuming a run checks it). The char vocabulary is fitted on the
+    whole text, so every split encodes with it."""
 
     tokenizer: Tokenizer
     train: torch.Tensor
     val: torch.Tensor
     fingerprint: Optional[dict] = None
+    test: Optional[torch.Tensor] = None
 
     @classmethod
-    def load(cls, source: str = "tiny_shakespeare", tokenizer: str = "char", train_fraction: float = 0.9) -> "Corpus":
+    def load(cls, source: str = "tiny_shakespeare", tokenizer: str = "char", train_fraction: float = 0.9,
+             split: str = "tail") -> "Corpus":
+        """``split``: "tail" (the first ``train_fraction`` trains, the rest validates) or
+        "plays" (see the module docstring; the ``shakespeare`` corpus only)."""
+        if split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
         text = load_text(source)
         tok = Tokenizer.fit(text, tokenizer)
+        if split == "plays":
+            parts = split_by_play(text)
+            ids = {k: torch.tensor(tok.encode(v), dtype=torch.long) for k, v in parts.items()}
+            return cls(tok, ids["train"], ids["val"], data_fingerprint(text), ids["test"])
         ids = torch.tensor(tok.encode(text), dtype=torch.long)
         n = int(train_fraction * len(ids))
         return cls(tok, ids[:n], ids[n:], data_fingerprint(text))

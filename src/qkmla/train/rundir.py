@@ -200,7 +200,7 @@ def truncate_metrics(out: Path, step: int) -> None:
 
 # TrainConfig fields that define the model or data beyond what the model config and the
 # data fingerprint record (block size, p, logit scale, overrides are in the model config).
-MUST_MATCH = ("preset", "attn", "tokenizer", "optimizer", "muon_adjust_lr")
+MUST_MATCH = ("preset", "attn", "tokenizer", "split", "optimizer", "muon_adjust_lr")
 
 
 def resume_mismatches(stored: dict, now: dict) -> list[str]:

@@ -177,7 +177,7 @@ def train(config: TrainConfig) -> dict:
     rank, world = _dist_info(config.dist_timeout)
     if config.batch_size % world:
         raise ValueError(f"batch_size: the global batch {config.batch_size} must split evenly over {world} ranks")
-    corpus = Corpus.load(config.data, config.tokenizer)
+    corpus = Corpus.load(config.data, config.tokenizer, split=config.split)
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
     corpus.check_block(model_cfg.block_size)
     if config.out is None:

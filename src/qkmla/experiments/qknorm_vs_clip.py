@@ -1,0 +1,502 @@
+"""``qknorm-vs-clip``: the seed paper's central comparison (its 5.1-5.4) as a reviewer would
+run it: QK-normed MLA against plain MLA and a QK-Clip that actually clips, each at a
+learning rate tuned at the horizon reported, on whole held-out plays, with paired seeds.
+
+Design:
+
+* Data: the embedded full ``shakespeare`` corpus split by play (``split="plays"``: two plays
+  validate, two others test, none seen in training), one token per character.
+* Model: 4 layers, 3 heads of width 64 (embedding 192; MLA d_n 44, d_r 20, d_c 128, direct
+  q_proj), a 128-token context, 1.77M parameters; batch 32, 4,096 tokens a step. A
+  unit-gain QK-normed head's logits are capped at sqrt(64) = 8, not 5.66 as at width 32.
+* Variants: plain MLA; QK-Clip at tau = 100 (Kimi K2, the paper); QK-Clip at a tau that
+  clips transiently (``transient_tau``: between plain MLA's late-run max logit and its peak,
+  at most 0.8 of the peak, from plain MLA's seed-0 run at its chosen rate); blockwise
+  QK-normed MLA (the paper's method); the same with a learnable per-head logit scale.
+* Optimizer: Muon for the hidden matrices, AdamW for the embedding and the gains
+  (``optimizer="muon"``); WSD: linear warmup over the first 5% of the steps, constant, then
+  1 - sqrt decay to zero over the last 20%; weight decay 0.1; gradient clipping at 1.0.
+  Every variant sees the same tokens: a seed fixes the initial weights (the QK norm gains and
+  logit scales are extra parameters that start at constants) and the batch order.
+
+Stages, in the order the runs are planned (and so finish; the plan is made again after
+every run, since later stages depend on earlier results):
+
+1. Learning-rate bracket, seed 0: each variant at 3 rates a factor 2 apart around its best
+   Muon rate in the 300-step lr-sweep; when the best (lowest loss over every validation
+   window) is at an end of the bracket, the next rate out is added (at most
+   ``MAX_EXTENSIONS`` times). Plain MLA's bracket comes first: the transient tau needs it.
+2. Seeds 1 and 2 of every variant at its chosen rate: the main comparison.
+3. Stress test (the paper's 5.4): every variant at 3x and 10x its chosen rate, seed 0,
+   gradient clipping off.
+4. Extra seeds (up to ``MAX_SEEDS``) for the headline pairs whose per-seed differences
+   spread by more than a third of their mean.
+
+A QK-Clip run whose plain MLA twin (same rate, seed and clipping) finished without any
+logit above tau is not trained: the clip never fires, so it is that run step for step
+(``Run.same_as``; tested in ``tests/experiments/test_qknorm_vs_clip.py``).
+
+Each run is scored after training (``measure``): validation loss over every window of the
+validation plays, test loss, perplexity and next-character accuracy over every window of
+the test plays, last-word-of-line accuracy on the test plays (``heldout.py``), loss spikes,
+when QK-Clip clipped, and thinned per-step curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Optional
+
+from ..train.data import Corpus
+from ..train.plot import read_metrics
+from ..train.rundir import read_status
+from .base import Experiment, Options, Report
+from .figures import fmt, pyplot, save, table
+from .grid import FINISHED, Run, is_finished, run_dir, trained_run
+from .heldout import last_word_accuracy, split_scores
+from .results import curve, summarize, values
+
+STEPS = 600
+QUICK_STEPS = 8
+BATCH, CONTEXT = 32, 128
+MODEL = {"n_head": 3, "n_embd": 192}  # on the `cpu` preset: 4 layers
+SEEDS = (0, 1, 2)
+MAX_SEEDS = 5
+LR_GRID = (6.25e-4, 1.25e-3, 2.5e-3, 5e-3, 1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1)
+MAX_EXTENSIONS = 2
+STRESS = (3, 10)
+KIMI_TAU = 100.0
+TRANSIENT = "mla-qkclip-transient"
+# variant -> (TrainConfig fields, the first bracket). The brackets centre on each variant's
+# best Muon rate in the 300-step lr-sweep (docs/results.md), on LR_GRID.
+VARIANTS = {
+    "mla": ({"attn": "mla"}, (5e-3, 1e-2, 2e-2)),
+    "mla-qknorm": ({"attn": "mla-qknorm"}, (1e-2, 2e-2, 4e-2)),
+    "mla-qknorm-scale": ({"attn": "mla-qknorm", "learnable_logit_scale": True}, (5e-3, 1e-2, 2e-2)),
+    "mla-qkclip-100": ({"attn": "mla", "qk_clip": KIMI_TAU}, (5e-3, 1e-2, 2e-2)),
+    TRANSIENT: ({"attn": "mla"}, (5e-3, 1e-2, 2e-2)),  # qk_clip: transient_tau(...)
+}
+QUICK_BRACKET = (1e-2, 2e-2)
+# (a, b): a - b is reported; QK-normed MLA first, so a negative difference favours it.
+PAIRS = (("mla-qknorm", "mla"), ("mla-qknorm", TRANSIENT), ("mla-qknorm", "mla-qkclip-100"),
+         ("mla-qknorm-scale", "mla-qknorm"), (TRANSIENT, "mla"))
+METRICS = (("test_loss", "test loss"), ("val_loss_all", "val loss (all windows)"),
+           ("test_accuracy", "next-char accuracy"), ("last_word_accuracy", "last-word accuracy"))
+SPIKE_WINDOW, SPIKE_NATS = 50, 0.5
+CURVE_EVERY = 5
+LAST_WORDS = 2048
+QUICK_EVAL_TOKENS = 4096  # --quick (debug preset) scores a prefix of each split
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+def settings(options: Options, variant: str, lr: float, seed: int, tau: Optional[float] = None,
+             grad_clip: float = 1.0) -> dict:
+    """TrainConfig fields of one run."""
+    fields = dict(VARIANTS[variant][0])
+    if variant == TRANSIENT:
+        fields["qk_clip"] = tau
+    common = dict(data="shakespeare", split="plays", optimizer="muon", schedule="wsd", min_lr_ratio=0.0, lr=lr,
+                  seed=seed, grad_clip=grad_clip)
+    if options.quick:
+        size = dict(preset="debug", batch_size=4, block_size=16, steps=QUICK_STEPS, warmup_steps=1, eval_interval=4,
+                    eval_iters=2, ckpt_interval=4)
+    else:
+        size = dict(preset="cpu", model_overrides=dict(MODEL), batch_size=BATCH, block_size=CONTEXT, steps=STEPS,
+                    warmup_steps=STEPS // 20, eval_interval=100, eval_iters=8, ckpt_interval=100)
+    return {**common, **size, **fields}
+
+
+def _name(variant: str, lr: float, seed: int, stress: Optional[int] = None) -> str:
+    return f"{variant}_lr{lr:g}_s{seed}" + (f"_stress{stress}x" if stress else "")
+
+
+def _neighbour(lr: float, step: int) -> Optional[float]:
+    i = min(range(len(LR_GRID)), key=lambda j: abs(math.log(LR_GRID[j] / lr))) + step
+    return LR_GRID[i] if 0 <= i < len(LR_GRID) else None
+
+
+def choose_rate(losses: dict[float, Optional[float]], extensions_left: int) -> tuple[Optional[float], Optional[float]]:
+    """(chosen rate, rate to add) from a bracket's losses (None: not finished yet). The
+    lowest loss wins; at an end of the bracket the next rate out is asked for first."""
+    if not losses or any(v is None for v in losses.values()):
+        return None, None
+    best = min(losses, key=losses.get)
+    rates = sorted(losses)
+    if extensions_left > 0:
+        step = -1 if best == rates[0] else 1 if best == rates[-1] and len(rates) > 1 else 0
+        nxt = _neighbour(best, step) if step else None
+        if nxt is not None and nxt not in losses:
+            return None, nxt
+    return best, None
+
+
+def transient_tau(peak: float, late: float) -> float:
+    """A threshold plain MLA's logits cross only for a while: halfway between its late-run
+    level and its peak, and at most 0.8 of the peak; two significant figures."""
+    tau = min(0.5 * (peak + late), 0.8 * peak)
+    return float(f"{tau:.2g}")
+
+
+# -- what is finished -------------------------------------------------------------------------
+
+def _row(options: Options, run: Run) -> Optional[dict]:
+    """The results row of a finished and measured run (its twin's if ``same_as``, which was
+    checked against the twin's config when it was set), else None."""
+    if run.same_as:
+        path = Path(options.out) / "runs" / run.same_as
+        finished = (read_status(path) or {}).get("status") in FINISHED
+    else:
+        path, finished = run_dir(options.out, run), is_finished(options.out, run)
+    if not finished or not (path / "measure.json").is_file():
+        return None
+    return summarize("qknorm-vs-clip", run, options.out)
+
+
+def _score(row: dict) -> float:
+    """What a bracket run is worth: the loss over every validation window; ln V if it diverged."""
+    v = row.get("val_loss_all")
+    return row["initial_loss"] if v is None or row["status"] != "done" else min(v, row["initial_loss"])
+
+
+def _with_twin(options: Options, run: Run, variant: str, lr: float, seed: int, grad_clip: float,
+               stress: Optional[int], tau: Optional[float]) -> Run:
+    """A QK-Clip run becomes ``same_as`` its plain MLA twin when the twin never exceeded tau."""
+    if tau is None:
+        return run
+    twin = Run(_name("mla", lr, seed, stress), "mla", settings(options, "mla", lr, seed, grad_clip=grad_clip))
+    row = _row(options, twin)
+    if row is not None and row["status"] == "done" and row["peak_max_logit"] is not None \
+            and row["peak_max_logit"] <= tau:
+        return Run(run.name, run.variant, run.train, run.labels, same_as=twin.name)
+    return run
+
+
+def _tau(variant: str, transient: Optional[float]) -> Optional[float]:
+    return transient if variant == TRANSIENT else VARIANTS[variant][0].get("qk_clip")
+
+
+def _run(options: Options, variant: str, lr: float, seed: int, stage: str, transient: Optional[float],
+         stress: Optional[int] = None, base_lr: Optional[float] = None) -> Run:
+    grad_clip = 0.0 if stress else 1.0
+    tau = _tau(variant, transient)
+    labels = {"stage": stage, "optimizer": "muon", "lr": lr, "seed": seed, "grad_clip": grad_clip, "tau": tau,
+              "lr_multiple": stress, "chosen_lr": base_lr}
+    run = Run(_name(variant, lr, seed, stress), variant, settings(options, variant, lr, seed, tau, grad_clip), labels)
+    return _with_twin(options, run, variant, lr, seed, grad_clip, stress, tau)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+def _bracket(options: Options, variant: str, transient: Optional[float]) -> tuple[list[Run], Optional[float]]:
+    """The variant's seed-0 bracket runs so far and its chosen rate (None until settled)."""
+    first = QUICK_BRACKET if options.quick else VARIANTS[variant][1]
+    extensions = 0 if options.quick else MAX_EXTENSIONS
+    rates = list(first)
+    while True:
+        runs = [_run(options, variant, lr, SEEDS[0], "bracket", transient) for lr in rates]
+        rows = {lr: _row(options, r) for lr, r in zip(rates, runs)}
+        chosen, extra = choose_rate({lr: (_score(r) if r else None) for lr, r in rows.items()},
+                                    extensions - (len(rates) - len(first)))
+        if extra is None:
+            return runs, chosen
+        rates.append(extra)
+
+
+def _transient_from(options: Options, plain_lr: float) -> Optional[float]:
+    run = Run(_name("mla", plain_lr, SEEDS[0]), "mla", settings(options, "mla", plain_lr, SEEDS[0]))
+    path = run_dir(options.out, run)
+    if _row(options, run) is None:
+        return None
+    rows = read_metrics(path)
+    logits = values(rows, "max_logit")
+    late = logits[int(0.9 * len(logits)):]
+    return transient_tau(max(logits), statistics.fmean(late))
+
+
+def chosen_rates(options: Options) -> tuple[list[Run], dict[str, float], Optional[float]]:
+    """The bracket runs planned so far, each variant's chosen rate where settled, and the
+    transient tau once plain MLA's bracket has settled."""
+    runs, chosen, transient = [], {}, None
+    for variant in VARIANTS:
+        if variant == TRANSIENT:
+            if "mla" not in chosen:
+                continue
+            transient = _transient_from(options, chosen["mla"])
+            if transient is None:
+                continue
+        r, lr = _bracket(options, variant, transient)
+        runs += r
+        if lr is not None:
+            chosen[variant] = lr
+    return runs, chosen, transient
+
+
+def _paired(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str) -> Optional[dict]:
+    seeds = sorted(s for s in rows_a if s in rows_b and rows_a[s].get(key) is not None
+                   and rows_b[s].get(key) is not None)
+    return paired_difference([rows_a[s][key] - rows_b[s][key] for s in seeds]) if seeds else None
+
+
+def plan(options: Options) -> list[Run]:
+    runs, chosen, transient = chosen_rates(options)
+    seeds = SEEDS[:2] if options.quick else SEEDS
+    for seed in seeds[1:]:
+        runs += [_run(options, v, chosen[v], seed, "seed", transient) for v in VARIANTS if v in chosen]
+    for mult in (STRESS[-1:] if options.quick else STRESS):
+        runs += [_run(options, v, mult * chosen[v], SEEDS[0], "stress", transient, stress=mult, base_lr=chosen[v])
+                 for v in VARIANTS if v in chosen]
+    if options.quick or len(chosen) < len(VARIANTS):
+        return runs
+    # Stage 4: more seeds where the paired spread is over a third of the difference.
+    main = _main_rows(options, runs, chosen)
+    wanted = set()
+    for a, b in PAIRS:
+        p = _paired(main.get(a, {}), main.get(b, {}), "test_loss")
+        if p and p["n"] >= len(SEEDS) and p["sd"] > abs(p["mean"]) / 3:
+            wanted |= {a, b}
+    for seed in range(len(SEEDS), MAX_SEEDS):
+        runs += [_run(options, v, chosen[v], seed, "extra seed", transient) for v in VARIANTS if v in wanted]
+    return runs
+
+
+def _main_rows(options: Options, runs: list[Run], chosen: dict[str, float]) -> dict[str, dict[int, dict]]:
+    """{variant: {seed: row}} of the finished runs at each variant's chosen rate, clipping on."""
+    out: dict[str, dict[int, dict]] = {}
+    for r in runs:
+        if r.labels.get("lr_multiple") is None and chosen.get(r.variant) == r.labels["lr"]:
+            row = _row(options, r)
+            if row is not None:
+                out.setdefault(r.variant, {})[r.labels["seed"]] = row
+    return out
+
+
+# -- measuring a run --------------------------------------------------------------------------
+
+def spikes(losses: list[tuple[int, float]], window: int = SPIKE_WINDOW, nats: float = SPIKE_NATS) -> list[int]:
+    """Steps whose training loss exceeds the median of the previous ``window`` steps' by
+    more than ``nats``."""
+    out = []
+    for i in range(window, len(losses)):
+        if losses[i][1] > statistics.median(v for _, v in losses[i - window:i]) + nats:
+            out.append(losses[i][0])
+    return out
+
+
+def measure(path: Path) -> dict:
+    """Held-out scores (skipped for a run that ended non-finite: its checkpoint is the last
+    good one, not the end of training), spikes, clipping and thinned curves."""
+    rows = read_metrics(path)
+    out: dict = {"curves": {k: curve(rows, k, CURVE_EVERY) for k in ("loss", "max_logit", "grad_norm", "lr")}}
+    out["curves"]["val_loss"] = curve(rows, "val_loss", 1)
+    if any("max_logit_after_clip" in r for r in rows):
+        out["curves"]["max_logit_after_clip"] = curve(rows, "max_logit_after_clip", 1)
+    losses = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    out["spike_steps"] = spikes(losses)
+    out["spikes"] = len(out["spike_steps"])
+    out["peak_grad_norm"] = max(values(rows, "grad_norm"), default=None)
+    logits = values(rows, "max_logit")
+    out["max_logit_late"] = statistics.fmean(logits[int(0.9 * len(logits)):]) if logits else None
+    clipped = [r["step"] for r in rows if r.get("clipped_heads", 0) > 0]
+    if any("clipped_heads" in r for r in rows):
+        tail = [r for r in rows if r["step"] > 0.8 * len(rows)]
+        out.update(first_clip_step=clipped[0] if clipped else None, last_clip_step=clipped[-1] if clipped else None,
+                   clipped_fraction_last_20pct=sum(r.get("clipped_heads", 0) > 0 for r in tail) / max(1, len(tail)))
+    if (read_status(path) or {}).get("status") != "done":
+        return out
+    model, corpus = trained_run(path)
+    cfg = json.loads((Path(path) / "config.json").read_text())["train"]
+    block = model.config.block_size
+    val, test = corpus.val, corpus.test
+    if cfg["preset"] == "debug":
+        val, test = val[:QUICK_EVAL_TOKENS], test[:QUICK_EVAL_TOKENS]
+    v = split_scores(model, val, block)
+    t = split_scores(model, test, block)
+    words = last_word_accuracy(model, test, corpus.tokenizer.decode(test), corpus.tokenizer, block,
+                               limit=64 if cfg["preset"] == "debug" else LAST_WORDS)
+    out.update(val_loss_all=v["loss"], val_tokens=v["tokens"], val_accuracy=v["accuracy"],
+               test_loss=t["loss"], test_perplexity=t["perplexity"], test_accuracy=t["accuracy"],
+               test_tokens=t["tokens"], last_word_accuracy=words["accuracy"], last_words=words["words"],
+               params=sum(p.numel() for p in model.parameters()))
+    return out
+
+
+# -- statistics and the report ----------------------------------------------------------------
+
+# Student t quantiles (two-sided 5% and one-sided 20%) by degrees of freedom, for the smallest
+# difference a paired design detects with 80% power at the 5% level.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+_T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883}
+
+
+def paired_difference(diffs: list[float]) -> dict:
+    """Mean, standard deviation and standard error of per-seed differences, how many are
+    positive and negative, t, and the smallest difference detectable with 80% power at the
+    two-sided 5% level given this spread and number of seeds ((t_0.975 + t_0.8) x se)."""
+    n = len(diffs)
+    mean = statistics.fmean(diffs)
+    sd = statistics.stdev(diffs) if n > 1 else None
+    se = sd / math.sqrt(n) if sd is not None else None
+    df = n - 1
+    mde = (_T975[df] + _T80[df]) * se if se is not None and df in _T975 else None
+    return {"n": n, "diffs": diffs, "mean": mean, "sd": sd, "se": se, "t": mean / se if se else None,
+            "positive": sum(d > 0 for d in diffs), "negative": sum(d < 0 for d in diffs), "detectable": mde}
+
+
+def _rows_by(rows: list[dict], stage: Optional[str] = None) -> list[dict]:
+    return [r for r in rows if stage is None or r.get("stage") == stage]
+
+
+def _chosen_from_rows(rows: list[dict]) -> dict[str, float]:
+    """Each variant's chosen rate as the plan settles it: the lowest validation loss of its
+    finished seed-0 bracket (while a bracket is unsettled, its current best)."""
+    out = {}
+    for variant in VARIANTS:
+        bracket = [r for r in rows if r["variant"] == variant and r.get("stage") == "bracket"
+                   and (r.get("val_loss_all") is not None or r["status"] == "non-finite")]
+        if bracket:
+            out[variant] = min(bracket, key=_score)["lr"]
+    return out
+
+
+def report(rows: list[dict], options: Options) -> Report:
+    chosen = _chosen_from_rows(rows)
+    summary: dict = {"design": _design(rows, options), "chosen_lr": chosen}
+    summary["tau_transient"] = next((r["tau"] for r in rows if r["variant"] == TRANSIENT), None)
+    summary["brackets"] = {v: {f"{r['lr']:g}": r.get("val_loss_all") if r["status"] == "done" else None
+                               for r in sorted(_rows_by(rows, "bracket"), key=lambda r: r["lr"]) if r["variant"] == v}
+                           for v in VARIANTS}
+    main: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        if r.get("lr_multiple") is None and chosen.get(r["variant"]) == r["lr"] and r.get("test_loss") is not None:
+            main.setdefault(r["variant"], {})[r["seed"]] = r
+    summary["main"] = {v: {"lr": chosen[v], "seeds": sorted(ms),
+                           **{k: statistics.fmean(m[k] for m in ms.values() if m.get(k) is not None)
+                              for k, _ in METRICS + (("peak_max_logit", ""), ("max_logit_late", ""))
+                              if any(m.get(k) is not None for m in ms.values())},
+                           "clipped_steps": [0 if ms[s].get("same_as") else ms[s].get("clipped_steps")
+                                             for s in sorted(ms)],
+                           "peak_max_logit_after_clip": max((m["peak_max_logit_after_clip"] for m in ms.values()
+                                                             if m.get("peak_max_logit_after_clip") is not None),
+                                                            default=None),
+                           "same_as": {s: ms[s].get("same_as") for s in sorted(ms) if ms[s].get("same_as")}}
+                       for v, ms in main.items()}
+    summary["paired"] = {f"{a} - {b}": {k: _paired(main.get(a, {}), main.get(b, {}), k) for k, _ in METRICS}
+                         for a, b in PAIRS}
+    stress = [r for r in rows if r.get("lr_multiple")]
+    summary["stress"] = [{k: r.get(k) for k in ("variant", "lr_multiple", "lr", "status", "nan_step", "spikes",
+                                                 "peak_max_logit", "peak_grad_norm", "val_loss_all", "test_loss",
+                                                 "clipped_steps", "same_as")} for r in stress]
+    figures = _figures(rows, main, stress, chosen, options)
+    return Report(summary, _tables(summary), figures)
+
+
+def _design(rows: list[dict], options: Options) -> dict:
+    params = next((r["params"] for r in rows if r.get("params")), None)
+    steps, per_step = (QUICK_STEPS, 4 * 16) if options.quick else (STEPS, BATCH * CONTEXT)
+    return {"steps": steps, "tokens_per_step": per_step, "tokens": steps * per_step, "params": params,
+            "tokens_per_param": steps * per_step / params if params else None, "seeds": list(SEEDS),
+            "schedule": "wsd: warmup 5%, constant, 1 - sqrt decay to 0 over the last 20%",
+            "stress_multiples": list(STRESS), "spike": f"loss > median of the previous {SPIKE_WINDOW} steps + "
+                                                       f"{SPIKE_NATS} nats"}
+
+
+def _tables(s: dict) -> str:
+    d = s["design"]
+    text = (f"Design: {d['steps']} steps of {d['tokens_per_step']} tokens ({d['tokens']:,} tokens), "
+            f"{d['params'] or 0:,} parameters, {fmt(d['tokens_per_param'], '.2f')} tokens per parameter; "
+            f"transient tau {fmt(s['tau_transient'], 'g')}.\n\n")
+    rates = sorted({lr for b in s["brackets"].values() for lr in b}, key=float)
+    text += "Learning-rate bracket (seed 0, loss over every validation window; * chosen):\n\n" + table(
+        ["variant"] + [f"lr {lr}" for lr in rates],
+        [[v] + [(fmt(b.get(lr)) + ("*" if s["chosen_lr"].get(v) == float(lr) else "")) if lr in b else ""
+                for lr in rates] for v, b in s["brackets"].items() if b])
+    header = ["variant", "lr", "seeds"] + [name for _, name in METRICS] + ["peak max logit", "steps clipped"]
+    lines = [[v, f"{m['lr']:g}", len(m["seeds"])] + [fmt(m.get(k)) for k, _ in METRICS] +
+             [fmt(m.get("peak_max_logit"), ".1f"), ", ".join("–" if c is None else str(c) for c in m["clipped_steps"])]
+             for v, m in s["main"].items()]
+    text += "\nAt each variant's chosen rate (means over seeds):\n\n" + table(header, lines)
+    plines = []
+    for pair, by in s["paired"].items():
+        for k, name in METRICS:
+            p = by.get(k)
+            if p:
+                plines.append([pair, name, p["n"], f"{p['mean']:+.4f}", fmt(p["se"]),
+                               f"{p['negative']} / {p['positive']}", fmt(p["detectable"])])
+    text += "\nPaired differences (a - b, per seed; mean, standard error, seeds below / above zero, smallest " \
+            "difference detectable with 80% power):\n\n" + table(
+                ["a - b", "metric", "seeds", "mean", "se", "- / +", "detectable"], plines)
+    slines = [[r["variant"], f"{r['lr_multiple']}x", f"{r['lr']:g}", r["status"], r["nan_step"] or "–", r["spikes"],
+               fmt(r["peak_max_logit"], ".1f"), fmt(r["peak_grad_norm"], ".2f"), fmt(r["val_loss_all"])]
+              for r in s["stress"]]
+    text += "\nStress test (seed 0, gradient clipping off):\n\n" + table(
+        ["variant", "multiple", "lr", "status", "non-finite at step", "loss spikes", "peak max logit",
+         "peak grad norm", "val loss"], slines)
+    return text
+
+
+def _figures(rows, main, stress, chosen, options) -> list:
+    plt = pyplot()
+    colors = {v: f"C{i}" for i, v in enumerate(VARIANTS)}
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for v, by_seed in main.items():
+        for seed, r in sorted(by_seed.items()):
+            c = r.get("curves", {})
+            kw = dict(color=colors[v], lw=1.0 if seed == SEEDS[0] else 0.6, alpha=1.0 if seed == SEEDS[0] else 0.45,
+                      label=f"{v} ({chosen[v]:g})" if seed == SEEDS[0] else None)
+            if c.get("val_loss"):
+                axes[0].plot(*zip(*c["val_loss"]), marker="o", ms=2, **kw)
+            if c.get("max_logit"):
+                axes[1].plot(*zip(*c["max_logit"]), **kw)
+            if c.get("grad_norm"):
+                axes[2].plot(*zip(*c["grad_norm"]), **kw)
+    for ax, title in zip(axes, ("validation loss (held-out plays, fixed windows)", "max attention logit",
+                                "gradient norm (before clipping)")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if main:
+            ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    figures = [save(fig, options.out / "curves.png")]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for v in VARIANTS:
+        pts = sorted((r["lr"], r["val_loss_all"]) for r in rows if r["variant"] == v and r.get("stage") == "bracket"
+                     and r.get("val_loss_all") is not None)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=colors[v], label=v)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate (Muon)")
+    ax.set_title("seed 0: loss over every validation window")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    figures.append(save(fig, options.out / "brackets.png"))
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for r in stress:
+        c = r.get("curves", {})
+        kw = dict(color=colors[r["variant"]], lw=0.8, ls="-" if r["lr_multiple"] == STRESS[-1] else "--",
+                  label=f"{r['variant']} {r['lr_multiple']}x")
+        for ax, key in zip(axes, ("loss", "max_logit", "grad_norm")):
+            if c.get(key):
+                ax.plot(*zip(*c[key]), **kw)
+    for ax, title in zip(axes, ("training loss", "max attention logit", "gradient norm (no clipping)")):
+        ax.set_title(f"stress test: {title}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if stress:
+            ax.legend(fontsize=6)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    figures.append(save(fig, options.out / "stress.png"))
+    return figures
+
+
+EXPERIMENT = Experiment("qknorm-vs-clip", "QK-norm vs QK-Clip vs plain MLA on held-out plays: lr brackets at the "
+                        "horizon, paired seeds, stress test", plan, report, measure, adaptive=True)
