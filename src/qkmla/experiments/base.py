@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..machine import machine
+from ..machine import machine, source_commit
 from .grid import Run, is_finished, run_dir, run_grid, worker_pool
 from .results import best_lr, read_results, summarize, write_results
 
@@ -130,7 +130,8 @@ def _write_report(experiment: Experiment, options: Options, runs: list[Run], sta
     rows = [summarize(experiment.name, r, out) for r in runs]
     write_results(rows, out / "results.jsonl")
     report = experiment.report(read_results(out / "results.jsonl"), options)
-    meta = {"experiment": experiment.name, "command": command, "machine": machine(), "runs": len(runs),
+    meta = {"experiment": experiment.name, "command": command, "commit": source_commit(Path(__file__).parent),
+            "machine": machine(), "runs": len(runs),
             "runs_trained_now": len(statuses), "wall_seconds_now": time.perf_counter() - t0,
             "cpu_seconds_of_runs": sum(r["seconds"] or 0 for r in rows if not r.get("same_as")),
             "errors": [r["run"] for r in rows if r["status"] not in ("done", "non-finite", "missing")]}

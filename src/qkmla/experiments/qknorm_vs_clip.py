@@ -50,7 +50,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from ..train.data import Corpus
+from ..machine import source_commit
 from ..train.plot import read_metrics
 from ..train.rundir import read_status
 from .base import Experiment, Options, Report
@@ -290,7 +290,8 @@ def measure(path: Path) -> dict:
     """Held-out scores (skipped for a run that ended non-finite: its checkpoint is the last
     good one, not the end of training), spikes, clipping and thinned curves."""
     rows = read_metrics(path)
-    out: dict = {"curves": {k: curve(rows, k, CURVE_EVERY) for k in ("loss", "max_logit", "grad_norm", "lr")}}
+    out: dict = {"commit": source_commit(Path(__file__).parent),  # the code that measured it (and trained it)
+                 "curves": {k: curve(rows, k, CURVE_EVERY) for k in ("loss", "max_logit", "grad_norm", "lr")}}
     out["curves"]["val_loss"] = curve(rows, "val_loss", 1)
     if any("max_logit_after_clip" in r for r in rows):
         out["curves"]["max_logit_after_clip"] = curve(rows, "max_logit_after_clip", 1)
