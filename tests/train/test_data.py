@@ -31,3 +31,36 @@ def test_batches_are_shifted_and_reproducible():
     assert torch.equal(y, x + 1)
     x2, _ = get_batch(data, 4, 8, torch.Generator().manual_seed(0))
     assert torch.equal(x, x2)
+
+
+def test_split_by_play_holds_out_whole_plays():
+    from qkmla.train.data import TEST_PLAYS, VALIDATION_PLAYS, split_by_play, works
+
+    text = load_text("shakespeare")
+    parts = works(text)
+    assert len(parts) == 40 and parts[0][1] == 0 and parts[-1][2] == len(text)
+    assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))  # the works tile the text
+    split = split_by_play(text)
+    assert sum(len(v) for v in split.values()) == len(text)
+    for name, titles in (("val", VALIDATION_PLAYS), ("test", TEST_PLAYS)):
+        held = [text[s:e] for t, s, e in parts if t in titles]
+        assert split[name] == "".join(held)
+        for play in held:  # no line of a held-out play's opening speeches is in training
+            assert play[2000:2400] not in split["train"]
+    corpus = Corpus.load("shakespeare", split="plays")
+    assert corpus.tokenizer.vocab_size == 84
+    assert (len(corpus.train), len(corpus.val), len(corpus.test)) == tuple(len(split[k]) for k in
+                                                                            ("train", "val", "test"))
+    assert corpus.tokenizer.decode(corpus.test[:7]) == "MACBETH"  # in corpus order, before Much Ado
+    assert Corpus.load("tiny_shakespeare").test is None
+
+
+def test_split_by_play_refuses_other_text(tmp_path):
+    from qkmla.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="split: 'plays' needs the embedded 'shakespeare'"):
+        Corpus.load("tiny_shakespeare", split="plays")
+    with pytest.raises(ValueError, match="split: expected one of"):
+        Corpus.load("tiny_shakespeare", split="middle")
+    with pytest.raises(ValueError, match="split: 'plays' holds out whole plays"):
+        TrainConfig(data="tiny_shakespeare", split="plays")

@@ -242,6 +242,25 @@ def _paired(rows_a: dict[int, dict], rows_b: dict[int, dict], key: str) -> Optio
 
 
 def plan(options: Options) -> list[Run]:
+    return _wait_for_twins(options, _plan(options))
+
+
+def _twin_name(run: Run) -> Optional[str]:
+    """The plain MLA run a QK-Clip run would repeat if the clip never fired."""
+    if run.train.get("qk_clip") is None:
+        return None
+    return _name("mla", run.labels["lr"], run.labels["seed"], run.labels["lr_multiple"])
+
+
+def _wait_for_twins(options: Options, runs: list[Run]) -> list[Run]:
+    """QK-Clip runs whose plain twin is planned but not finished yet are left out until it
+    is: the twin may show that they need no training (several workers would otherwise
+    start both at once)."""
+    pending = {r.name for r in runs if _row(options, r) is None}
+    return [r for r in runs if r.same_as or _twin_name(r) not in pending]
+
+
+def _plan(options: Options) -> list[Run]:
     runs, chosen, transient = chosen_rates(options)
     seeds = SEEDS[:2] if options.quick else SEEDS
     for seed in seeds[1:]:
@@ -459,7 +478,7 @@ def _figures(rows, main, stress, chosen, options) -> list:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if main:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     axes[1].set_yscale("log")
     axes[2].set_yscale("log")
@@ -491,7 +510,7 @@ def _figures(rows, main, stress, chosen, options) -> list:
         ax.set_title(f"stress test: {title}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if stress:
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=6)
     axes[1].set_yscale("log")
     axes[2].set_yscale("log")
