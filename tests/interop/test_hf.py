@@ -28,6 +28,7 @@ v2 = pytest.importorskip("transformers.models.deepseek_v2.modeling_deepseek_v2")
 from qkmla import LatentCache  # noqa: E402
 from qkmla.interop import load_hf_attention_weights, mla_config_from_hf, mla_from_hf  # noqa: E402
 
+OLD_V2_YARN = tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 16)
 SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, attn_implementation="eager")
 # A small theta puts YaRN's ramp (between beta_fast and beta_slow rotations over L0) inside the 8
@@ -55,6 +56,10 @@ def hf_layer(version, q_lora_rank, rope=None, **kw):
     cls, mod = (transformers.DeepseekV3Config, v3) if version == 3 else (transformers.DeepseekV2Config, v2)
     cfg = cls(**{**SHAPE, **kw}, q_lora_rank=q_lora_rank)
     attn = (mod.DeepseekV3Attention if version == 3 else mod.DeepseekV2Attention)(cfg, 0).double().eval()
+    if version == 2 and rope is not None and OLD_V2_YARN:
+        # transformers before 5.16 leaves DeepSeek's YaRN softmax correction out of DeepseekV2Attention
+        # (DeepSeek's own code, V3 and qkmla apply it): the reference gets it back.
+        attn.scaling = mla_config_from_hf(cfg).scale
     with torch.no_grad():
         for p in attn.parameters():
             p.add_(0.05 * torch.randn_like(p))  # norms away from ones

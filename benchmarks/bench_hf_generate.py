@@ -1,0 +1,183 @@
+"""A whole transformers DeepSeek-V3-architecture model: unpatched against ``apply_latent_attention``.
+
+    python benchmarks/bench_hf_generate.py [--contexts 1024 4096 16384 32768] [--dtypes float32 bfloat16]
+                                           [--out FILE.json] [--overwrite] [--quick]
+
+The model: DeepSeek-V3's attention at tensor parallelism 8 (16 heads, q_lora_rank 1536,
+kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128, hidden 7168), 2 layers, a small dense
+MLP, random weights. Variants, side by side in one run:
+
+    transformers   the model as transformers runs it (its DeepSeek attention caches the latent
+                   and re-expands every cached latent through kv_b_proj at every step)
+    qkmla          apply_latent_attention(model): the absorbed path over qkmla's latent cache
+    qkmla-fp8      the same, latents stored as fp8 (FlashMLA's 656-byte row)
+    qkmla-snapkv   the same, SnapKV keeping 25% of the prompt
+
+Each (dtype, context, variant) runs in a fresh process, so its peak memory (the process's
+max RSS: weights, cache and every temporary) is its own. A cell prefills a random prompt of
+``context`` tokens, then times single-token decode steps (median after warm-up). A one-shot
+transformers prefill whose score matrix ([heads, T, T] floats: its attention falls back to
+storing every score, because query/key and value head sizes differ) would exceed
+``--score-budget-gib`` is filled in chunks of ``--chunk`` tokens instead, and the cell says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("transformers", "qkmla", "qkmla-fp8", "qkmla-snapkv")
+SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2, first_k_dense_replace=2,
+             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+             qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=65536, n_routed_experts=8,
+             num_experts_per_tok=2, n_group=1, topk_group=1)
+
+
+def build_model(dtype: torch.dtype, variant: str):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**SHAPE, attn_implementation="sdpa")).to(dtype).eval()
+    if variant != "transformers":
+        from qkmla.cache import SnapKV
+        from qkmla.interop import apply_latent_attention
+
+        policy = SnapKV(kept_fraction=0.25) if variant == "qkmla-snapkv" else None
+        apply_latent_attention(model, kv_format="fp8" if variant == "qkmla-fp8" else "dense", policy=policy)
+    return model
+
+
+def cache_bytes(cache, tokens: int) -> dict:
+    """The cache's bytes per cached token (its row, summed over layers) and the bytes it stores
+    per token of context (below the row where an eviction policy dropped tokens)."""
+    if hasattr(cache, "bytes_per_token"):  # qkmla's
+        stored = sum(int(layer.latent.seqlens.sum()) * layer.bytes_per_token for layer in cache.layers)
+        return {"cache_bytes_per_token": cache.bytes_per_token, "cache_bytes_per_context_token": stored / tokens}
+    stored = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return {"cache_bytes_per_token": stored / tokens, "cache_bytes_per_context_token": stored / tokens}
+
+
+def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: int, chunk: int,
+             score_budget_gib: float) -> dict:
+    from qkmla.interop import LatentAttentionCache
+
+    dtype = getattr(torch, dtype_name)
+    model = build_model(dtype, variant)
+    prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1))
+    score_gib = SHAPE["num_attention_heads"] * context * context * 4 / 2**30
+    one_shot = variant != "transformers" or score_gib <= score_budget_gib
+    if variant == "transformers":
+        from transformers import DynamicCache
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = LatentAttentionCache(model)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 renamed it
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        pieces = [prompt] if one_shot else prompt.split(chunk, dim=1)
+        for piece in pieces:
+            logits = model(input_ids=piece, use_cache=True, **{name: cache}).logits
+        prefill_s = time.perf_counter() - t0
+        times = []
+        token = logits[:, -1:].argmax(-1)
+        for _ in range(warmup + steps):
+            t0 = time.perf_counter()
+            logits = model(input_ids=token, use_cache=True, **{name: cache}).logits
+            times.append(time.perf_counter() - t0)
+            token = logits[:, -1:].argmax(-1)
+    step = statistics.median(times[warmup:])
+    return {"dtype": dtype_name, "context": context, "variant": variant, "prefill_s": round(prefill_s, 3),
+            "prefill": "one-shot" if one_shot else f"chunks of {chunk} (one-shot scores: {score_gib:.1f} GiB)",
+            "decode_step_ms": round(step * 1e3, 3), "decode_tokens_per_s": round(1 / step, 3),
+            "decode_steps_timed": steps, **cache_bytes(cache, context + warmup + steps),
+            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+
+
+def summarize(rows: list) -> list:
+    """Per (dtype, context): each qkmla variant's decode speed-up over transformers and byte ratio."""
+    out = []
+    for row in rows:
+        base = next((r for r in rows if r["variant"] == "transformers" and r["dtype"] == row["dtype"]
+                     and r["context"] == row["context"] and "error" not in r), None)
+        if row["variant"] == "transformers" or base is None or "error" in row:
+            continue
+        out.append({"dtype": row["dtype"], "context": row["context"], "variant": row["variant"],
+                    "decode_speedup": round(base["decode_step_ms"] / row["decode_step_ms"], 2),
+                    "cache_bytes_ratio": round(row["cache_bytes_per_context_token"]
+                                               / base["cache_bytes_per_context_token"], 4)})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--steps", type=int, default=5, help="decode steps timed per cell (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=1024, help="chunk size of a transformers prefill that cannot run at once")
+    p.add_argument("--score-budget-gib", type=float, default=4.0)
+    p.add_argument("--quick", action="store_true", help="1k context, float32, 2 steps")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one cell, in a fresh process
+    args = p.parse_args(argv)
+    if args.cell:
+        print(json.dumps(run_cell(**json.loads(args.cell))))
+        return 0
+    for name in ("steps", "chunk"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}: expected a positive int, got {getattr(args, name)}")
+    if any(c < 2 for c in args.contexts):
+        p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
+    if args.quick:
+        args.contexts, args.dtypes, args.steps, args.warmup = [1024], ["float32"], 2, 1
+    if args.out is not None and args.out.exists() and not args.overwrite:
+        p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
+
+    import transformers
+
+    from qkmla.machine import machine, recorded_command, source_commit
+
+    rows = []
+    for dtype in args.dtypes:
+        for context in args.contexts:
+            for variant in args.variants:
+                cell = dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
+                            chunk=args.chunk, score_budget_gib=args.score_budget_gib)
+                proc = subprocess.run([sys.executable, __file__, "--cell", json.dumps(cell)], capture_output=True,
+                                      text=True, env=os.environ)
+                if proc.returncode == 0:
+                    row = json.loads(proc.stdout.strip().splitlines()[-1])
+                else:  # recorded, not fatal: the other cells still run
+                    row = {"dtype": dtype, "context": context, "variant": variant,
+                           "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {"command": recorded_command("benchmarks/bench_hf_generate.py", argv), "commit": source_commit(HERE),
+              "machine": machine(), "transformers": transformers.__version__, "shape": SHAPE, "rows": rows,
+              "summary": summarize(rows)}
+    text = json.dumps(result, indent=1)
+    if args.out is None:
+        print(text)
+    else:
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
