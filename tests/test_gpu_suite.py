@@ -1,0 +1,231 @@
+"""The GPU suite (benchmarks/gpu/) on the CPU: its dry run goes through every part's code at
+tiny shapes (the kernel in Triton's interpreter) and writes result files of the shape the
+real run writes; a part that fails or runs out of time keeps its rows and the next part runs;
+results are never replaced without --overwrite. The figures themselves are not asserted."""
+
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+def load(name: str):
+    if str(GPU) not in sys.path:
+        sys.path.insert(0, str(GPU))
+    spec = importlib.util.spec_from_file_location(f"gpu_suite_{name}", GPU / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run of every part, shared by the tests that read its files."""
+    run = load("run")
+    out = tmp_path_factory.mktemp("gpu") / "dry"
+    rc = run.main(["--dry-run", "--out", str(out)])
+    return rc, out, {p.name: json.loads((out / f"{i}_{p.name}.json").read_text()) for i, p in enumerate(run.PARTS, 1)}
+
+
+def test_dry_run_runs_every_part_and_writes_the_summary(dry_run):
+    rc, out, records = dry_run
+    assert rc == 0, {name: (r["status"], r.get("error")) for name, r in records.items()}
+    for name, r in records.items():
+        assert r["status"] == "ok", (name, r.get("error"), r.get("log_tail"))
+        assert r["part"] == name and r["dry_run"] is True and r["seconds"] > 0 and r["wall_seconds"] > 0
+        assert r["command"].startswith("python benchmarks/gpu/run.py --dry-run --out ")
+        assert r["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", r["commit"])
+        assert {"torch", "torch_cuda", "triton", "python", "cpu"} <= set(r["environment"])
+        assert (out / f"{list(records).index(name) + 1}_{name}.log").is_file()
+    index = json.loads((out / "suite.json").read_text())["parts"]
+    assert {name: p["status"] for name, p in index.items()} == {name: "ok" for name in records}
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith("# qkmla GPU suite: CPU") and "**Dry run**" in summary
+    assert "- commit: " in summary and "Triton " in summary and "torch " in summary
+    for i, name in enumerate(records, 1):
+        assert f"## {i}. {name}" in summary
+    assert not list(out.glob(".*.tmp"))  # every file was renamed into place
+
+
+def test_dry_run_correctness_checks_every_value_of_every_axis(dry_run):
+    _, out, records = dry_run
+    r = records["correctness"]
+    part = load("part_correctness")
+    assert r["checks_failed"] == 0
+    tests = r["tests"]
+    assert tests["status"] == "ok" and tests["counts"]["tests"] >= 1 and tests["counts"]["failures"] == 0
+    assert set(tests["files"]) == set(part.cuda_test_files()) and "tests/ops/test_mla_decode.py" in tests["files"]
+    assert (out / "1_correctness_pytest.xml").is_file()
+    rows = r["kernel"]["rows"]
+    assert r["kernel"]["passed"] == len(rows) == r["kernel"]["cases"] and r["kernel"]["not_run"] == 0
+    axes = {"heads": part.DRY["heads"], "page": part.DRY["pages"], "s_q": (1, 2), "kv_format": part.FORMATS,
+            "norm": tuple(part.NORMS)}
+    for axis, values in axes.items():
+        assert {row[axis] for row in rows} == set(values), axis
+    for row in rows:
+        assert row["nan_free"] and row["kernel_err"] <= row["err_budget"] and row["lse_err"] <= row["lse_budget"]
+    steps = r["compiled_step"]["rows"]
+    assert [s["batch"] for s in steps] == [1, 4] and all(s["passed"] for s in steps)
+
+
+def test_dry_run_kernel_rows_and_bytes(dry_run):
+    _, _, records = dry_run
+    r = records["kernel"]
+    part = load("part_kernel")
+    shape = part.DRY
+    variants = {v for v, _, _ in part.KERNEL_VARIANTS} | {v for v, _ in part.COMPILE_VARIANTS}
+    by = {(x["heads"], x["context"], x["batch"], x["variant"]): x for x in r["rows"]}
+    assert set(by) == {c + (v,) for c in part.configs(shape) for v in variants}
+    assert any(batch > 1 for _, _, batch in part.configs(shape))  # the many-token batch is in the dry run too
+    fp8_row = shape["d_c"] + 4 + 2 * shape["d_r"]  # codes, one float32 scale (d_c < 128), the bf16 RoPE key
+    for (H, context, batch), tokens in {c: c[1] * c[2] for c in part.configs(shape)}.items():
+        row = lambda v: by[(H, context, batch, v)]  # noqa: E731
+        assert row("kernel-mla")["bytes"] == tokens * 2 * (shape["d_c"] + shape["d_r"])
+        assert row("kernel-qknorm")["bytes"] == row("kernel-mla")["bytes"] + tokens * 2 * H
+        assert row("kernel-mla-fp8")["bytes"] == tokens * fp8_row
+        assert row("compile-qknorm")["bytes"] == row("kernel-qknorm")["bytes"]
+        assert row("kernel-qknorm")["launch"]["num_splits"] == 1 and row("kernel-qknorm")["timing"] == "eager"
+        for v in variants:
+            assert row(v)["us"] > 0 and math.isclose(row(v)["gb_per_s"], row(v)["bytes"] / row(v)["us"] / 1e3)
+            assert row(v)["roofline_pct"] is None  # no datasheet peak off a GPU
+    for d in r["derived"]:
+        assert math.isclose(d["byte_bound_pct"], 100 * d["heads"] / (shape["d_c"] + shape["d_r"]))
+        q, p = by[(d["heads"], d["context"], d["batch"], "kernel-qknorm")], by[(d["heads"], d["context"], d["batch"],
+                                                                               "kernel-mla")]
+        assert math.isclose(d["qknorm_overhead_pct"], 100 * (q["us"] / p["us"] - 1))
+        assert d["kernel_over_compile_qknorm"] > 0 and d["fp8_over_bf16_bytes_qknorm"] < 1
+    assert r["kernel_autotuned"] is False and r["copy_bytes_per_s"] > 0
+    assert {t["met"] for t in r["targets"].values()} == {None}  # evaluated only on a GPU
+
+
+def test_dry_run_model_decode_training_and_qk_clip_rows(dry_run):
+    _, _, records = dry_run
+    rows = records["model_decode"]["rows"]
+    variants = {r["variant"] for r in rows}
+    assert {"latent-compiled", "latent-eager", "fullkv-eager", "hf-unpatched", "hf-latent"} == variants
+    for r in rows:
+        assert r.get("tokens_per_s", 0) > 0 or r.get("skipped"), r  # hf-latent: a recorded reason while it is missing
+    compiled = [r for r in rows if r["variant"] == "latent-compiled"]
+    assert compiled and all(r["max_abs_diff_to_eager"] < 1e-3 for r in compiled)
+
+    train = records["training"]["rows"]
+    assert {(r["mode"], r["variant"]) for r in train} == {(m, v) for m in ("eager", "compiled")
+                                                          for v in ("mla", "mla-qknorm")}
+    for r in train:
+        assert r["tokens_per_s"] > 0 and any("scaled_dot_product" in k for k in r["sdpa_kernels"])
+        if r["variant"] == "mla":
+            assert r["ratio_to_mla"] == 1.0
+
+    clip = records["qk_clip"]
+    part = load("part_qk_clip")
+    names = set(part.variants(part.DRY["tau"]))
+    assert {r["variant"] for r in clip["rows"]} == names and "mla-qkclip-0.05" in names
+    for r in clip["rows"]:
+        assert r["steps"] == part.DRY["max_steps"] and math.isfinite(r["val_loss"]) and r["error"] is None
+        if r["variant"] == "mla-qkclip-0.05":  # the dry run's tau is reached: the clip and its measurement ran
+            assert r["clipped_steps"] >= 1 and r["peak_max_logit_after_clip"] > 0
+        else:
+            assert r["clipped_steps"] is None and r["peak_max_logit_after_clip"] is None
+    assert set(clip["best_lr_at_horizon"]) == names
+
+
+def test_the_covering_subset_comes_first():
+    suite = load("suite")
+    axes = {"a": [1, 2], "b": ["x", "y", "z"], "c": [True]}
+    cases = suite.covering_first(axes)
+    assert len(cases) == 6 and len({tuple(c.values()) for c in cases}) == 6  # every combination, once
+    first = cases[:3]
+    assert first == suite.covering(axes)
+    for name, values in axes.items():
+        assert {c[name] for c in first} == set(values)
+
+
+FAKE_PARTS = {
+    "crash": "import os\ndef run(ctx):\n    ctx.record['rows'] = [1]\n    ctx.save()\n    os._exit(3)\n",
+    "boom": "def run(ctx):\n    ctx.record['rows'] = [1, 2]\n    ctx.save()\n    raise ValueError('boom')\n",
+    "slow": "import time\ndef run(ctx):\n    ctx.record['rows'] = [1]\n    ctx.save()\n    time.sleep(600)\n",
+    "fine": "def run(ctx):\n    ctx.record['rows'] = ['done']\n",
+}
+
+
+def fake_parts(run, tmp_path):
+    parts = []
+    for name, code in FAKE_PARTS.items():
+        module = tmp_path / f"part_{name}.py"
+        module.write_text(code + "def summarize(record):\n    return [f'rows: {record.get(\"rows\")}']\n")
+        parts.append(run.Part(name, module, 1.0))
+    return tuple(parts)
+
+
+def test_a_failing_or_late_part_keeps_its_rows_and_the_suite_goes_on(tmp_path):
+    run = load("run")
+    out = tmp_path / "out"
+    parts = fake_parts(run, tmp_path)
+    # 0.2 min over 4 parts: about 3 s each, and 6 s of grace for the slow one before it is killed
+    assert run.main(["--dry-run", "--out", str(out), "--budget-min", "0.2"], parts=parts, grace_s=6.0) == 1
+    got = {p.name: json.loads((out / f"{i}_{p.name}.json").read_text()) for i, p in enumerate(parts, 1)}
+    assert got["crash"]["status"] == "failed" and "exited with code 3" in got["crash"]["error"]
+    assert got["crash"]["rows"] == [1]
+    assert got["boom"]["status"] == "failed" and got["boom"]["error"] == "ValueError: boom"
+    assert got["boom"]["rows"] == [1, 2] and "Traceback" in got["boom"]["traceback"]
+    assert got["slow"]["status"] == "timeout" and got["slow"]["rows"] == [1]
+    assert got["fine"]["status"] == "ok" and got["fine"]["rows"] == ["done"]
+    summary = (out / "summary.md").read_text()
+    for name, status in (("crash", "failed"), ("boom", "failed"), ("slow", "timeout"), ("fine", "ok")):
+        assert re.search(rf"\| \d {name} \| {status} \|", summary), (name, summary)
+    assert "rows: ['done']" in summary and "ValueError: boom" in summary
+
+
+def test_a_part_s_results_are_refused_without_overwrite_and_others_are_kept(tmp_path, capsys):
+    """Parts may be run by several commands into one directory (a machine that allows 10 minutes
+    per command); results of the chosen parts are replaced only with --overwrite, others never."""
+    run = load("run")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "1_fine.json").write_text('{"part": "fine", "status": "ok", "rows": ["earlier"]}\n')
+    (out / "notes.txt").write_text("not ours\n")
+    parts = fake_parts(run, tmp_path)[-1:] + (run.Part("also", tmp_path / "part_fine.py", 1.0),)
+    with pytest.raises(SystemExit) as e:
+        run.main(["--dry-run", "--out", str(out), "--parts", "fine"], parts=parts)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "--overwrite" in err and "1_fine.json" in err
+    assert "earlier" in (out / "1_fine.json").read_text() and not (out / "summary.md").exists()
+
+    assert run.main(["--dry-run", "--out", str(out), "--parts", "also", "--budget-min", "0.2"], parts=parts) == 0
+    assert "earlier" in (out / "1_fine.json").read_text()  # another part's results: untouched
+    summary = (out / "summary.md").read_text()
+    assert "## 1. fine" in summary and "## 2. also" in summary and "rows: ['earlier']" in summary
+
+    assert run.main(["--dry-run", "--out", str(out), "--parts", "fine", "--overwrite", "--budget-min", "0.2"],
+                    parts=parts) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["1_fine.json", "1_fine.log", "2_also.json", "2_also.log",
+                                                     "notes.txt", "suite.json", "summary.md"]
+    assert "earlier" not in (out / "1_fine.json").read_text()
+    (out / "summary.md").unlink()
+    assert run.main(["--summarize", str(out)], parts=parts) == 0  # rebuilt from the part files alone
+    assert (out / "summary.md").read_text().count("rows: ['done']") == 2
+    assert json.loads((out / "suite.json").read_text())["parts"]["also"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--budget-min", "0"], "--budget-min: expected a positive number"),
+    (["--budget-min", "nan"], "--budget-min: expected a positive number"),
+    (["--parts", "kernel", "speed"], r"--parts: expected distinct names of \['correctness'"),
+    (["--parts", "kernel", "kernel"], "--parts: expected distinct names"),
+    (["--wheels", "/nonexistent/wheels"], "--wheels: /nonexistent/wheels is not a directory"),
+    (["--summarize", "/nonexistent/results"], "--summarize: no part results"),
+])
+def test_bad_arguments_are_refused_before_any_work(argv, pattern, tmp_path, capsys):
+    run = load("run")
+    with pytest.raises(SystemExit) as e:
+        run.main(["--dry-run", "--out", str(tmp_path / "out"), *argv])
+    assert e.value.code == 2 and re.search(pattern, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
