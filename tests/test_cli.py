@@ -242,7 +242,7 @@ def test_cache_size_zero_kv_heads_is_refused(refused):
 @pytest.mark.parametrize("argv,message", [
     (["train", "--steps", "abc"], "qkmla train: --steps: invalid int value: 'abc'"),
     (["train", "--attn", "linear"], "qkmla train: --attn: invalid choice: 'linear'"),
-    (["generate"], "qkmla generate: the following arguments are required: run"),
+    (["generate", "--tokens", "x"], "qkmla generate: --tokens: invalid int value: 'x'"),
 ])
 def test_argparse_errors_are_one_line_too(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

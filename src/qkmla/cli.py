@@ -95,20 +95,10 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from .kv_formats import check_kv_format
-    from .model.generate import check_sampling, generate
-    from .train.trainer import load_model
-
-    check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
-
+def _policy(args: argparse.Namespace):
+    """The eviction policy ``--policy`` with ``--budget`` / ``--kept-fraction`` names, or None."""
     from .cache.eviction import POLICIES, make_policy
 
-    policy = None
     if args.policy is not None:
         if args.policy not in POLICIES:
             raise ValueError(f"--policy: expected one of {tuple(POLICIES)}, got {args.policy!r}")
@@ -116,11 +106,42 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError("--policy: needs exactly one of --kept-fraction or --budget, got "
                              f"{'both' if args.budget is not None else 'neither'}")
         size = {"budget": args.budget} if args.budget is not None else {"kept_fraction": args.kept_fraction}
-        policy = make_policy(args.policy, **size)
-    elif args.budget is not None or args.kept_fraction is not None:
+        return make_policy(args.policy, **size)
+    if args.budget is not None or args.kept_fraction is not None:
         raise ValueError(f"--{'budget' if args.budget is not None else 'kept-fraction'}: sizes an eviction "
                          f"policy; give --policy too (one of {tuple(POLICIES)})")
+    return None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .kv_formats import check_kv_format
+    from .model.generate import check_sampling, generate
+
+    check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    if (args.run is None) == (args.hf is None):
+        raise ValueError("run: give either a qkmla run directory or --hf DIR (a transformers checkpoint); got "
+                         f"{'both' if args.run else 'neither'}")
+    policy = _policy(args)
     check_kv_format(args.kv_format)
+    if args.hf is not None:
+        from .interop.hf_generate import generate_hf
+
+        try:
+            texts = generate_hf(args.hf, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                                args.kv_format, policy, args.dtype)
+        except ValueError as e:  # the Python API's argument names, as this command's options
+            name, _, rest = str(e).partition(": ")
+            raise ValueError(f"{ {'hf_dir': '--hf', 'max_new_tokens': '--tokens'}.get(name, name)}: {rest}") from None
+        for text in texts:
+            print(text)
+            print("-" * 40)
+        return 0
+    from .train.trainer import load_model
+
     model, tok = load_model(args.run)
     prompts = [tok.encode(p) for p in args.prompt]
     gen = torch.Generator().manual_seed(args.seed)
@@ -232,8 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default="runs/compare.png")
     pl.set_defaults(func=_plot)
 
-    g = sub.add_parser("generate", help="sample from a trained run through its decode cache")
-    g.add_argument("run", help="run directory (with checkpoint.safetensors)")
+    g = sub.add_parser("generate", help="sample from a trained run, or a transformers DeepSeek-V2/V3 checkpoint "
+                                        "(--hf), through the latent cache")
+    g.add_argument("run", nargs="?", default=None, help="run directory (with checkpoint.safetensors)")
+    g.add_argument("--hf", default=None, metavar="DIR",
+                   help="a transformers DeepSeek-V2/V3 checkpoint directory (config, weights, tokenizer) instead of "
+                        "a run: decoded through qkmla.interop.apply_latent_attention")
+    g.add_argument("--dtype", default="float32", help="with --hf: float32, bfloat16 or float64")
     g.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable: one batch)")
     g.add_argument("--tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)

@@ -367,3 +367,11 @@ def test_masks_and_options_the_latent_path_cannot_serve_are_refused():
 def test_a_cache_needs_a_patched_model():
     with pytest.raises(ValueError, match="apply_latent_attention"):
         LatentAttentionCache(hf_model("v3"))
+
+
+def test_a_layer_whose_weights_disagree_with_the_config_is_refused():
+    model = hf_model("v3")
+    model.model.layers[2].self_attn.kv_b_proj = torch.nn.Linear(32, 7, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"projections: kv_b_proj.weight has shape \(7, 32\), this config needs "
+                                         r"\(128, 32\)"):
+        apply_latent_attention(model)

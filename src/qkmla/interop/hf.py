@@ -18,6 +18,7 @@ tensors of the state dict, so they also work on a checkpoint opened with safeten
 
 from __future__ import annotations
 
+import copy
 from typing import Mapping, Optional
 
 import torch
@@ -126,8 +127,20 @@ def load_hf_attention_weights(mla: MLA, state_dict: Mapping[str, torch.Tensor], 
     return mla
 
 
+HF_PROJECTIONS = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                  "kv_b_proj", "o_proj")
+
+
+def hf_projections(hf_attention) -> dict:
+    """The projection and latent-norm modules an HF DeepSeek attention layer has, by name."""
+    found = {name: getattr(hf_attention, name, None) for name in HF_PROJECTIONS}
+    return {name: module for name, module in found.items() if module is not None}
+
+
 def mla_from_hf(hf_attention, **overrides) -> MLA:
-    """A new :class:`MLA` holding the weights of an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``.
+    """A standalone :class:`MLA` with copies of an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``'s
+    projections: the per-layer step of ``apply_latent_attention`` (which adopts the modules
+    instead of copying them), with MLA's own call signature.
 
     Examples:
         >>> mla = mla_from_hf(hf_model.model.layers[0].self_attn)             # doctest: +SKIP
@@ -135,5 +148,5 @@ def mla_from_hf(hf_attention, **overrides) -> MLA:
     """
     config = mla_config_from_hf(hf_attention.config, **overrides)
     weight = next(hf_attention.parameters())
-    mla = MLA(config).to(device=weight.device, dtype=weight.dtype)
-    return load_hf_attention_weights(mla, hf_attention.state_dict())
+    mla = MLA(config, copy.deepcopy(hf_projections(hf_attention)))
+    return mla.to(device=weight.device, dtype=weight.dtype)

@@ -89,18 +89,14 @@ class LatentAttention(MLA):
 
         ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
         """
-        from .hf import mla_config_from_hf
+        from .hf import hf_projections, mla_config_from_hf
 
         config = mla_config_from_hf(hf_attention.config, **overrides)
         params = list(hf_attention.parameters())
         if len({(p.device, p.dtype) for p in params}) != 1:
             raise ValueError("hf_attention: its parameters must share one device and dtype, got "
                              f"{sorted({f'{p.device}/{p.dtype}' for p in params})}")
-        projections = {name: getattr(hf_attention, name, None) for name in
-                       ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-                        "kv_b_proj", "o_proj")}
-        projections = {k: v for k, v in projections.items() if v is not None}
-        layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, context)
+        layer = cls(config, getattr(hf_attention, "layer_idx", 0), hf_projections(hf_attention), context)
         return layer.to(device=params[0].device, dtype=params[0].dtype)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):

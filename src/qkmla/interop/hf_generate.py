@@ -1,0 +1,76 @@
+"""Text from a transformers DeepSeek-V2/V3 checkpoint directory, decoded through the latent cache
+(what ``qkmla generate --hf DIR`` runs).
+
+The directory is read as transformers reads it (``config.json``, safetensors weights, the
+tokenizer files), offline. Its config is checked first, so another architecture is refused
+before any weight is read; prompts are left-padded into one batch, as transformers batches
+them, and ``generate`` runs after ``apply_latent_attention``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ..cache.eviction import EvictionPolicy
+from ..model.generate import check_sampling
+from .hf_model import SUPPORTED, apply_latent_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def load_hf_dir(hf_dir, dtype: str = "float32"):
+    """(model in eval mode, tokenizer) from a checkpoint directory, both offline."""
+    import transformers
+
+    root = Path(hf_dir)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
+    try:
+        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"hf_dir: {root / 'config.json'} cannot be read: {e}") from None
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
+                         f"({', '.join(SUPPORTED[:2])})")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
+    except (OSError, RuntimeError, ValueError) as e:  # missing files, or tensors that disagree with the config
+        raise ValueError(f"hf_dir: {root} does not load as its config describes it: {str(e).strip()[:500]}") from None
+    return model.eval(), tokenizer
+
+
+def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                top_k: Optional[int] = None, seed: int = 0, kv_format: str = "dense",
+                policy: Optional[EvictionPolicy] = None, dtype: str = "float32") -> list[str]:
+    """Each prompt followed by its continuation (temperature 0: greedy)."""
+    check_sampling(max_new_tokens, temperature, top_k)
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt")
+    model, tokenizer = load_hf_dir(hf_dir, dtype)
+    apply_latent_attention(model, kv_format=kv_format, policy=policy)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    limit = model.config.max_position_embeddings
+    if batch["input_ids"].shape[1] + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: the longest prompt ({batch['input_ids'].shape[1]} tokens) plus "
+                         f"{max_new_tokens} new tokens passes the model's max_position_embeddings={limit}")
+    torch.manual_seed(seed)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or 0) if temperature > 0 else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    new = out[:, batch["input_ids"].shape[1]:]
+    return [p + tokenizer.decode(t, skip_special_tokens=True) for p, t in zip(prompts, new)]
