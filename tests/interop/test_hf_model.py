@@ -286,6 +286,16 @@ def test_crop_rolls_each_sequence_back():
     assert max_rel(got, want) <= 1e-12
 
 
+def test_prompt_lookup_decoding_crops_and_matches_greedy():
+    ref = hf_model("v3")
+    model = patched(ref)
+    ids = torch.stack(prompts([12]))
+    ids = torch.cat([ids, ids], dim=1)  # repeats, so prompt lookup proposes tokens and rejected ones are cropped
+    kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=VOCAB - 1)  # transformers 5.0's lookup needs an eos id
+    want = ref.generate(ids, **kw)
+    assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, **kw), want)
+
+
 # -- kv formats, eviction, the cache's size --------------------------------------------------------
 
 def test_cache_bytes_per_token_are_the_latent_row():

@@ -28,6 +28,7 @@ import math
 from typing import Optional
 
 import torch
+import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..cache.eviction import EvictionPolicy
@@ -36,6 +37,8 @@ from ..config import MLAConfig
 from ..kv_formats import KV_FORMATS, check_kv_format
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
+# transformers 5.15 changed Cache.crop(n): a length to keep (n >= 0) became a count to remove (n <= 0).
+CROP_TAKES_A_COUNT = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 15)
 
 
 def check_cache_settings(kv_format, policy, max_cache_len) -> None:
@@ -130,9 +133,13 @@ class LatentCacheLayer(CacheLayerMixin):
             self._select(torch.arange(self.latent.batch_size, device=self.latent.device).repeat_interleave(repeats))
 
     def crop(self, tokens: int) -> None:
-        """Drop the last ``-tokens`` columns (tokens < 0), or keep the first ``tokens`` (>= 0, the
-        meaning before 5.24); each sequence loses the real tokens among them."""
-        remove = -tokens if tokens < 0 else self.columns - tokens
+        """Drop the last ``-tokens`` columns (tokens <= 0); a positive ``tokens`` keeps the first
+        ``tokens`` columns before transformers 5.15 and is refused since, as transformers' own
+        layers do (``crop(0)`` removes nothing there). Each sequence loses the real tokens among
+        the dropped columns."""
+        if tokens > 0 and CROP_TAKES_A_COUNT:
+            raise ValueError(f"tokens: crop takes minus the number of tokens to remove, got {tokens}")
+        remove = -tokens if tokens < 0 or CROP_TAKES_A_COUNT else self.columns - tokens
         remove = min(remove, self.columns)
         if remove <= 0 or self.latent is None:
             return
