@@ -104,3 +104,21 @@ def test_quick_grid_resumes_run_by_run(quick):
     (quick.out / "runs" / victim["run"] / "status.json").unlink()
     run_experiment(EXPERIMENTS["qknorm-vs-clip"], quick, progress=False)
     assert json.loads((quick.out / "summary.json").read_text())["runs_trained_now"] == 1
+
+
+def test_redraw_publishes_a_copy_of_the_results(quick, tmp_path):
+    from qkmla.experiments.base import redraw
+
+    report = redraw(EXPERIMENTS["qknorm-vs-clip"], quick.out, tmp_path / "copy", quick=True)
+    assert (tmp_path / "copy" / "results.jsonl").read_text() == (quick.out / "results.jsonl").read_text()
+    summary = json.loads((tmp_path / "copy" / "summary.json").read_text())
+    source = json.loads((quick.out / "summary.json").read_text())
+    assert summary["command"] == source["command"] and summary["chosen_lr"] == report.summary["chosen_lr"]
+    assert (tmp_path / "copy" / "curves.png").is_file()
+    # A bracket that is not finished chooses nothing yet.
+    from qkmla.experiments.qknorm_vs_clip import _chosen_from_rows
+
+    rows = _rows(quick)
+    first = next(r for r in rows if r["variant"] == "mla-qknorm" and r["stage"] == "bracket")
+    assert "mla-qknorm" not in _chosen_from_rows([{**r, "status": "running", "val_loss_all": None}
+                                                   if r is first else r for r in rows], quick=True)

@@ -119,6 +119,27 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     return _write_report(experiment, options, runs, statuses, command, t0)
 
 
+def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) -> Report:
+    """Copy an experiment's ``results.jsonl`` from ``src`` to ``dst`` and draw its report
+    there with this code (figures, ``summary.md``, and ``summary.json`` with ``src``'s
+    command, commit and machine): to publish a grid that is still running, or to redraw a
+    committed one, without touching its runs."""
+    src, dst = Path(src), Path(dst)
+    if not (src / "results.jsonl").is_file():
+        raise ValueError(f"src: no results.jsonl in {src}")
+    dst.mkdir(parents=True, exist_ok=True)
+    rows = read_results(src / "results.jsonl")
+    write_results(rows, dst / "results.jsonl")
+    report = experiment.report(rows, Options(out=dst, quick=quick))
+    meta = json.loads((src / "summary.json").read_text()) if (src / "summary.json").is_file() else {}
+    keep = ("experiment", "command", "commit", "machine", "runs", "cpu_seconds_of_runs", "errors")
+    meta = {k: meta[k] for k in keep if k in meta}
+    meta["redrawn_at_commit"] = source_commit(Path(__file__).parent)
+    (dst / "summary.json").write_text(json.dumps({**meta, **report.summary}, indent=1))
+    (dst / "summary.md").write_text(report.table)
+    return report
+
+
 def _pending(out: Path, run: Run, measure) -> bool:
     """Not trained yet, or trained and not yet measured."""
     return not is_finished(out, run) or (measure is not None and not (run_dir(out, run) / "measure.json").is_file())

@@ -370,20 +370,23 @@ def _rows_by(rows: list[dict], stage: Optional[str] = None) -> list[dict]:
     return [r for r in rows if stage is None or r.get("stage") == stage]
 
 
-def _chosen_from_rows(rows: list[dict]) -> dict[str, float]:
-    """Each variant's chosen rate as the plan settles it: the lowest validation loss of its
-    finished seed-0 bracket (while a bracket is unsettled, its current best)."""
+def _chosen_from_rows(rows: list[dict], quick: bool) -> dict[str, float]:
+    """Each variant's chosen rate, as the plan settles it, from the results rows of its
+    seed-0 bracket; a variant whose bracket is still running has none."""
     out = {}
     for variant in VARIANTS:
-        bracket = [r for r in rows if r["variant"] == variant and r.get("stage") == "bracket"
-                   and (r.get("val_loss_all") is not None or r["status"] == "non-finite")]
-        if bracket:
-            out[variant] = min(bracket, key=_score)["lr"]
+        bracket = [r for r in rows if r["variant"] == variant and r.get("stage") == "bracket"]
+        first = QUICK_BRACKET if quick else VARIANTS[variant][1]
+        finished = lambda r: r.get("val_loss_all") is not None or r["status"] == "non-finite"  # noqa: E731
+        losses = {r["lr"]: (_score(r) if finished(r) else None) for r in bracket}
+        lr, _ = choose_rate(losses, (0 if quick else MAX_EXTENSIONS) - (len(losses) - len(first)))
+        if lr is not None:
+            out[variant] = lr
     return out
 
 
 def report(rows: list[dict], options: Options) -> Report:
-    chosen = _chosen_from_rows(rows)
+    chosen = _chosen_from_rows(rows, options.quick)
     summary: dict = {"design": _design(rows, options), "chosen_lr": chosen}
     summary["tau_transient"] = next((r["tau"] for r in rows if r["variant"] == TRANSIENT), None)
     summary["brackets"] = {v: {f"{r['lr']:g}": r.get("val_loss_all") if r["status"] == "done" else None
