@@ -54,10 +54,9 @@ from ..machine import source_commit
 from ..train.plot import read_metrics
 from ..train.rundir import read_status
 from .base import Experiment, Options, Report
-from .figures import fmt, pyplot, save, table
 from .grid import FINISHED, Run, is_finished, run_dir, trained_run
 from .heldout import last_word_accuracy, split_scores
-from .results import curve, summarize, values
+from .results import curve, paired_difference, spikes, summarize, values
 
 STEPS = 600
 QUICK_STEPS = 8
@@ -119,7 +118,8 @@ def _neighbour(lr: float, step: int) -> Optional[float]:
     return LR_GRID[i] if 0 <= i < len(LR_GRID) else None
 
 
-def choose_rate(losses: dict[float, Optional[float]], extensions_left: int) -> tuple[Optional[float], Optional[float]]:
+def choose_rate(losses: dict[float, Optional[float]],
+                extensions_left: int) -> tuple[Optional[float], Optional[float]]:
     """(chosen rate, rate to add) from a bracket's losses (None: not finished yet). The
     lowest loss wins; at an end of the bracket the next rate out is asked for first."""
     if not losses or any(v is None for v in losses.values()):
@@ -295,16 +295,6 @@ def _main_rows(options: Options, runs: list[Run], chosen: dict[str, float]) -> d
 
 # -- measuring a run --------------------------------------------------------------------------
 
-def spikes(losses: list[tuple[int, float]], window: int = SPIKE_WINDOW, nats: float = SPIKE_NATS) -> list[int]:
-    """Steps whose training loss exceeds the median of the previous ``window`` steps' by
-    more than ``nats``."""
-    out = []
-    for i in range(window, len(losses)):
-        if losses[i][1] > statistics.median(v for _, v in losses[i - window:i]) + nats:
-            out.append(losses[i][0])
-    return out
-
-
 def measure(path: Path) -> dict:
     """Held-out scores (skipped for a run that ended non-finite: its checkpoint is the last
     good one, not the end of training), spikes, clipping and thinned curves."""
@@ -315,7 +305,7 @@ def measure(path: Path) -> dict:
     if any("max_logit_after_clip" in r for r in rows):
         out["curves"]["max_logit_after_clip"] = curve(rows, "max_logit_after_clip", 1)
     losses = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
-    out["spike_steps"] = spikes(losses)
+    out["spike_steps"] = spikes(losses, SPIKE_WINDOW, SPIKE_NATS)
     out["spikes"] = len(out["spike_steps"])
     out["peak_grad_norm"] = max(values(rows, "grad_norm"), default=None)
     logits = values(rows, "max_logit")
@@ -344,181 +334,11 @@ def measure(path: Path) -> dict:
     return out
 
 
-# -- statistics and the report ----------------------------------------------------------------
-
-# Student t quantiles (two-sided 5% and one-sided 20%) by degrees of freedom, for the smallest
-# difference a paired design detects with 80% power at the 5% level.
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-_T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883}
-
-
-def paired_difference(diffs: list[float]) -> dict:
-    """Mean, standard deviation and standard error of per-seed differences, how many are
-    positive and negative, t, and the smallest difference detectable with 80% power at the
-    two-sided 5% level given this spread and number of seeds ((t_0.975 + t_0.8) x se)."""
-    n = len(diffs)
-    mean = statistics.fmean(diffs)
-    sd = statistics.stdev(diffs) if n > 1 else None
-    se = sd / math.sqrt(n) if sd is not None else None
-    df = n - 1
-    mde = (_T975[df] + _T80[df]) * se if se is not None and df in _T975 else None
-    return {"n": n, "diffs": diffs, "mean": mean, "sd": sd, "se": se, "t": mean / se if se else None,
-            "positive": sum(d > 0 for d in diffs), "negative": sum(d < 0 for d in diffs), "detectable": mde}
-
-
-def _rows_by(rows: list[dict], stage: Optional[str] = None) -> list[dict]:
-    return [r for r in rows if stage is None or r.get("stage") == stage]
-
-
-def _chosen_from_rows(rows: list[dict], quick: bool) -> dict[str, float]:
-    """Each variant's chosen rate, as the plan settles it, from the results rows of its
-    seed-0 bracket; a variant whose bracket is still running has none."""
-    out = {}
-    for variant in VARIANTS:
-        bracket = [r for r in rows if r["variant"] == variant and r.get("stage") == "bracket"]
-        first = QUICK_BRACKET if quick else VARIANTS[variant][1]
-        finished = lambda r: r.get("val_loss_all") is not None or r["status"] == "non-finite"  # noqa: E731
-        losses = {r["lr"]: (_score(r) if finished(r) else None) for r in bracket}
-        lr, _ = choose_rate(losses, (0 if quick else MAX_EXTENSIONS) - (len(losses) - len(first)))
-        if lr is not None:
-            out[variant] = lr
-    return out
-
-
 def report(rows: list[dict], options: Options) -> Report:
-    chosen = _chosen_from_rows(rows, options.quick)
-    summary: dict = {"design": _design(rows, options), "chosen_lr": chosen}
-    summary["tau_transient"] = next((r["tau"] for r in rows if r["variant"] == TRANSIENT), None)
-    summary["brackets"] = {v: {f"{r['lr']:g}": r.get("val_loss_all") if r["status"] == "done" else None
-                               for r in sorted(_rows_by(rows, "bracket"), key=lambda r: r["lr"]) if r["variant"] == v}
-                           for v in VARIANTS}
-    main: dict[str, dict[int, dict]] = {}
-    for r in rows:
-        if r.get("lr_multiple") is None and chosen.get(r["variant"]) == r["lr"] and r.get("test_loss") is not None:
-            main.setdefault(r["variant"], {})[r["seed"]] = r
-    summary["main"] = {v: {"lr": chosen[v], "seeds": sorted(ms),
-                           **{k: statistics.fmean(m[k] for m in ms.values() if m.get(k) is not None)
-                              for k, _ in METRICS + (("peak_max_logit", ""), ("max_logit_late", ""))
-                              if any(m.get(k) is not None for m in ms.values())},
-                           "clipped_steps": [0 if ms[s].get("same_as") else ms[s].get("clipped_steps")
-                                             for s in sorted(ms)],
-                           "peak_max_logit_after_clip": max((m["peak_max_logit_after_clip"] for m in ms.values()
-                                                             if m.get("peak_max_logit_after_clip") is not None),
-                                                            default=None),
-                           "same_as": {s: ms[s].get("same_as") for s in sorted(ms) if ms[s].get("same_as")}}
-                       for v, ms in main.items()}
-    summary["paired"] = {f"{a} - {b}": {k: _paired(main.get(a, {}), main.get(b, {}), k) for k, _ in METRICS}
-                         for a, b in PAIRS}
-    stress = [r for r in rows if r.get("lr_multiple")]
-    summary["stress"] = [{k: r.get(k) for k in ("variant", "lr_multiple", "lr", "status", "nan_step", "spikes",
-                                                 "peak_max_logit", "peak_grad_norm", "val_loss_all", "test_loss",
-                                                 "clipped_steps", "same_as")} for r in stress]
-    figures = _figures(rows, main, stress, chosen, options)
-    return Report(summary, _tables(summary), figures)
+    """See ``qknorm_vs_clip_report``."""
+    from .qknorm_vs_clip_report import report as draw
 
-
-def _design(rows: list[dict], options: Options) -> dict:
-    params = next((r["params"] for r in rows if r.get("params")), None)
-    steps, per_step = (QUICK_STEPS, 4 * 16) if options.quick else (STEPS, BATCH * CONTEXT)
-    return {"steps": steps, "tokens_per_step": per_step, "tokens": steps * per_step, "params": params,
-            "tokens_per_param": steps * per_step / params if params else None, "seeds": list(SEEDS),
-            "schedule": "wsd: warmup 5%, constant, 1 - sqrt decay to 0 over the last 20%",
-            "stress_multiples": list(STRESS), "spike": f"loss > median of the previous {SPIKE_WINDOW} steps + "
-                                                       f"{SPIKE_NATS} nats"}
-
-
-def _tables(s: dict) -> str:
-    d = s["design"]
-    text = (f"Design: {d['steps']} steps of {d['tokens_per_step']} tokens ({d['tokens']:,} tokens), "
-            f"{d['params'] or 0:,} parameters, {fmt(d['tokens_per_param'], '.2f')} tokens per parameter; "
-            f"transient tau {fmt(s['tau_transient'], 'g')}.\n\n")
-    rates = sorted({lr for b in s["brackets"].values() for lr in b}, key=float)
-    text += "Learning-rate bracket (seed 0, loss over every validation window; * chosen):\n\n" + table(
-        ["variant"] + [f"lr {lr}" for lr in rates],
-        [[v] + [(fmt(b.get(lr)) + ("*" if s["chosen_lr"].get(v) == float(lr) else "")) if lr in b else ""
-                for lr in rates] for v, b in s["brackets"].items() if b])
-    header = ["variant", "lr", "seeds"] + [name for _, name in METRICS] + ["peak max logit", "steps clipped"]
-    lines = [[v, f"{m['lr']:g}", len(m["seeds"])] + [fmt(m.get(k)) for k, _ in METRICS] +
-             [fmt(m.get("peak_max_logit"), ".1f"), ", ".join("–" if c is None else str(c) for c in m["clipped_steps"])]
-             for v, m in s["main"].items()]
-    text += "\nAt each variant's chosen rate (means over seeds):\n\n" + table(header, lines)
-    plines = []
-    for pair, by in s["paired"].items():
-        for k, name in METRICS:
-            p = by.get(k)
-            if p:
-                plines.append([pair, name, p["n"], f"{p['mean']:+.4f}", fmt(p["se"]),
-                               f"{p['negative']} / {p['positive']}", fmt(p["detectable"])])
-    text += "\nPaired differences (a - b, per seed; mean, standard error, seeds below / above zero, smallest " \
-            "difference detectable with 80% power):\n\n" + table(
-                ["a - b", "metric", "seeds", "mean", "se", "- / +", "detectable"], plines)
-    slines = [[r["variant"], f"{r['lr_multiple']}x", f"{r['lr']:g}", r["status"], r["nan_step"] or "–", r["spikes"],
-               fmt(r["peak_max_logit"], ".1f"), fmt(r["peak_grad_norm"], ".2f"), fmt(r["val_loss_all"])]
-              for r in s["stress"]]
-    text += "\nStress test (seed 0, gradient clipping off):\n\n" + table(
-        ["variant", "multiple", "lr", "status", "non-finite at step", "loss spikes", "peak max logit",
-         "peak grad norm", "val loss"], slines)
-    return text
-
-
-def _figures(rows, main, stress, chosen, options) -> list:
-    plt = pyplot()
-    colors = {v: f"C{i}" for i, v in enumerate(VARIANTS)}
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for v, by_seed in main.items():
-        for seed, r in sorted(by_seed.items()):
-            c = r.get("curves", {})
-            kw = dict(color=colors[v], lw=1.0 if seed == SEEDS[0] else 0.6, alpha=1.0 if seed == SEEDS[0] else 0.45,
-                      label=f"{v} ({chosen[v]:g})" if seed == SEEDS[0] else None)
-            if c.get("val_loss"):
-                axes[0].plot(*zip(*c["val_loss"]), marker="o", ms=2, **kw)
-            if c.get("max_logit"):
-                axes[1].plot(*zip(*c["max_logit"]), **kw)
-            if c.get("grad_norm"):
-                axes[2].plot(*zip(*c["grad_norm"]), **kw)
-    for ax, title in zip(axes, ("validation loss (held-out plays, fixed windows)", "max attention logit",
-                                "gradient norm (before clipping)")):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
-    figures = [save(fig, options.out / "curves.png")]
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for v in VARIANTS:
-        pts = sorted((r["lr"], r["val_loss_all"]) for r in rows if r["variant"] == v and r.get("stage") == "bracket"
-                     and r.get("val_loss_all") is not None)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", color=colors[v], label=v)
-    ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate (Muon)")
-    ax.set_title("seed 0: loss over every validation window")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    figures.append(save(fig, options.out / "brackets.png"))
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    for r in stress:
-        c = r.get("curves", {})
-        kw = dict(color=colors[r["variant"]], lw=0.8, ls="-" if r["lr_multiple"] == STRESS[-1] else "--",
-                  label=f"{r['variant']} {r['lr_multiple']}x")
-        for ax, key in zip(axes, ("loss", "max_logit", "grad_norm")):
-            if c.get(key):
-                ax.plot(*zip(*c[key]), **kw)
-    for ax, title in zip(axes, ("training loss", "max attention logit", "gradient norm (no clipping)")):
-        ax.set_title(f"stress test: {title}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
-    figures.append(save(fig, options.out / "stress.png"))
-    return figures
+    return draw(rows, options)
 
 
 EXPERIMENT = Experiment("qknorm-vs-clip", "QK-norm vs QK-Clip vs plain MLA on held-out plays: lr brackets at the "

@@ -5,7 +5,8 @@ final and best validation loss, peak max logit (of the training forwards and, wi
 the peak measured after a clip, with the number of steps that clipped),
 the step of a divergence or null, the seconds it took, the median step time, the last logit
 bound / learned logit scale of QK-normed layers, and anything the experiment measured.
-Non-finite numbers are written as null, so the file is strict JSON.
+Non-finite numbers are written as null, so the file is strict JSON. Also here: paired
+differences across seeds and loss spikes.
 """
 
 from __future__ import annotations
@@ -109,3 +110,33 @@ def best_lr(rows: list[dict], variant: str, optimizer: str) -> tuple[float, floa
     scored = [(statistics.fmean(map(effective_loss, rs)), lr) for (lr,), rs in by_lr.items()]
     loss, lr = min(scored)
     return lr, loss
+
+
+# Student t quantiles (two-sided 5% and one-sided 20%) by degrees of freedom, for the smallest
+# difference a paired design detects with 80% power at the 5% level.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+_T80 = {1: 1.376, 2: 1.061, 3: 0.978, 4: 0.941, 5: 0.920, 6: 0.906, 7: 0.896, 8: 0.889, 9: 0.883}
+
+
+def paired_difference(diffs: list[float]) -> dict:
+    """Mean, standard deviation and standard error of per-seed differences, how many are
+    positive and negative, t, and the smallest difference detectable with 80% power at the
+    two-sided 5% level given this spread and number of seeds ((t_0.975 + t_0.8) x se)."""
+    n = len(diffs)
+    mean = statistics.fmean(diffs)
+    sd = statistics.stdev(diffs) if n > 1 else None
+    se = sd / math.sqrt(n) if sd is not None else None
+    df = n - 1
+    mde = (_T975[df] + _T80[df]) * se if se is not None and df in _T975 else None
+    return {"n": n, "diffs": diffs, "mean": mean, "sd": sd, "se": se, "t": mean / se if se else None,
+            "positive": sum(d > 0 for d in diffs), "negative": sum(d < 0 for d in diffs), "detectable": mde}
+
+
+def spikes(losses: list[tuple[int, float]], window: int = 50, nats: float = 0.5) -> list[int]:
+    """Steps whose training loss exceeds the median of the previous ``window`` steps' by
+    more than ``nats``."""
+    out = []
+    for i in range(window, len(losses)):
+        if losses[i][1] > statistics.median(v for _, v in losses[i - window:i]) + nats:
+            out.append(losses[i][0])
+    return out
