@@ -266,9 +266,11 @@ def run(ctx: PartContext) -> None:
     kernel, steps = ctx.record["kernel"], ctx.record["compiled_step"]["rows"]
     ctx.record["checks_failed"] = (kernel["failed"] + sum(not r["passed"] for r in steps)
                                    + (ctx.record["tests"]["status"] == "failed"))
-    if kernel["not_run"] or len(steps) < len(batches):
+    tests_timed_out = ctx.record["tests"]["status"] == "timeout"
+    if kernel["not_run"] or len(steps) < len(batches) or tests_timed_out:
         ctx.record["status"] = "partial"
-        ctx.record["not_run"] = {"kernel_cases": kernel["not_run"], "compiled_step_batches": len(batches) - len(steps)}
+        ctx.record["not_run"] = {"kernel_cases": kernel["not_run"], "compiled_step_batches": len(batches) - len(steps),
+                                 "tests_timed_out": tests_timed_out}
 
 
 def summarize(record: dict) -> list[str]:

@@ -64,9 +64,10 @@ def read_bytes(batch: int, context: int, H: int, kv_format: str, qknorm: bool, s
     return batch * context * (row_bytes(kv_format, shape) + (2 * H if qknorm else 0))
 
 
-def make_inputs(shape: dict, H: int, context: int, batch: int, device, paged: bool = True, dense: bool = False):
-    """bf16 queries, a paged bf16 cache with a shuffled table and its scalars, and (``paged``)
-    the same rows as fp8, or (``dense``) gathered into the contiguous cache the torch path reads."""
+def make_inputs(shape: dict, H: int, context: int, batch: int, device, fp8: bool = True, dense: bool = False):
+    """bf16 queries, a paged bf16 cache with a shuffled table and its scalars; with ``fp8`` the
+    same rows in FlashMLA's fp8 format, with ``dense`` gathered into the contiguous cache the
+    torch path reads."""
     from qkmla.kv_formats import row_format
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -78,9 +79,9 @@ def make_inputs(shape: dict, H: int, context: int, batch: int, device, paged: bo
          "q_lat": torch.randn(batch, 1, H, d_c, generator=gen, device=device, dtype=torch.bfloat16),
          "q_rope": torch.randn(batch, 1, H, d_r, generator=gen, device=device, dtype=torch.bfloat16),
          "lens": torch.full((batch,), context, dtype=torch.int32, device=device)}
-    if paged:
-        fp8 = row_format("fp8", d_c, d_r)
-        t["kv_fp8"] = torch.cat([fp8.encode(part[..., :d_c].float(), part[..., d_c:].float())
+    if fp8:
+        rows = row_format("fp8", d_c, d_r)
+        t["kv_fp8"] = torch.cat([rows.encode(part[..., :d_c].float(), part[..., d_c:].float())
                                  for part in t["kv"].split(1024)])  # 1024 blocks at a time: bounded float32 copies
     if dense:
         order = t["table"].long()
@@ -148,7 +149,7 @@ def kernel_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int)
 def compile_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int) -> list[dict]:
     from qkmla.ops.mla_decode.torch_impl import latent_attention
 
-    t = make_inputs(shape, H, context, batch, ctx.device, paged=False, dense=True)
+    t = make_inputs(shape, H, context, batch, ctx.device, fp8=False, dense=True)
     scale = (3 * shape["d_r"]) ** -0.5
     reset_compiler()
     options = {"backend": "aot_eager"} if ctx.dry_run else {"mode": COMPILE_MODE}
@@ -249,7 +250,8 @@ def run(ctx: PartContext) -> None:
 
 def summarize(record: dict) -> list[str]:
     rows = {(r["heads"], r["context"], r["batch"], r["variant"]): r for r in record.get("rows", [])}
-    lines = [f"Peak HBM {fmt((record.get('peak_bytes_per_s') or 0) / 1e9, 0)} GB/s ({record.get('peak_source')}); "
+    peak = record.get("peak_bytes_per_s")
+    lines = [f"Peak HBM {fmt(peak / 1e9 if peak else None, 0)} GB/s ({record.get('peak_source')}); "
              f"measured copy {fmt(record.get('copy_bytes_per_s', 0) / 1e9, 0)} GB/s. Compiled path: "
              f"{record.get('compile_mode')}. Times in microseconds.", ""]
     for H in record.get("shape", {}).get("heads", []):

@@ -142,6 +142,8 @@ def qkmla_rows(ctx: PartContext) -> list[dict]:
             for name, (step, make) in variants.items():
                 if ctx.out_of_time(reserve_s=30):
                     break
+                if isinstance(samples[name], str):  # it failed in an earlier round: its error stands
+                    continue
                 try:
                     rate, first[name] = tokens_per_s(ctx, step, make(batch, capacity, dtype), prompt, cfg["steps"],
                                                      cfg["warmup"])

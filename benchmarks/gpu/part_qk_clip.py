@@ -141,6 +141,8 @@ def run(ctx: PartContext) -> None:
                                                                 for r in live))
             ctx.record["rows"] = [r.row() for r in runs]
             ctx.save()
+    if not runs[0].losses:
+        ctx.record.update(status="skipped", reason="no time was left for one round of steps")
     rows = []
     for r in runs:
         row = r.row()

@@ -135,6 +135,8 @@ def run_part(part: Part, index: int, out: Path, budget_s: float, grace_s: float,
             _kill_group(proc)
             rc = proc.wait()
         reader.join(timeout=10)
+    for tmp in out.glob(f".{path.name}.*.tmp"):  # a save the kill interrupted; the renamed file is whole
+        tmp.unlink()
     record = json.loads(path.read_text()) if path.is_file() else {"part": part.name, "status": "running"}
     tail = log_path.read_text()[-3000:] if log_path.is_file() else ""
     if timed_out:
@@ -189,8 +191,8 @@ def render_summary(found: list[tuple[int, Part, dict]]) -> str:
     lines += suite.table(["part", "status", "seconds", "budget (s)", "device", "started", "file"], rows)
     for i, part, record in found:
         lines += ["", f"## {i}. {part.name}", ""]
-        if record.get("error"):
-            lines += [f"**{record.get('status')}**: {record['error']}", ""]
+        if record.get("error") or record.get("reason"):
+            lines += [f"**{record.get('status')}**: {record.get('error') or record.get('reason')}", ""]
         try:
             lines += load(part.module).summarize(record)
         except Exception as e:  # a summary must never hide the results file
