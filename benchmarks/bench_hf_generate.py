@@ -69,9 +69,11 @@ def cache_bytes(cache, tokens: int) -> dict:
 
 
 def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: int, chunk: int,
-             score_budget_gib: float) -> dict:
+             score_budget_gib: float, threads: int) -> dict:
     from qkmla.interop import LatentAttentionCache
 
+    if threads:
+        torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     model = build_model(dtype, variant)
     prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1))
@@ -101,7 +103,8 @@ def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: in
             "prefill": "one-shot" if one_shot else f"chunks of {chunk} (one-shot scores: {score_gib:.1f} GiB)",
             "decode_step_ms": round(step * 1e3, 3), "decode_tokens_per_s": round(1 / step, 3),
             "decode_steps_timed": steps, **cache_bytes(cache, context + warmup + steps),
-            "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+            "torch_threads": torch.get_num_threads(), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+            "load_average_1min_at_end": round(os.getloadavg()[0], 2)}  # other work on the machine, if any
 
 
 def summarize(rows: list) -> list:
@@ -128,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk", type=int, default=1024, help="chunk size of a transformers prefill that cannot run at once")
     p.add_argument("--score-budget-gib", type=float, default=4.0)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per cell (default: torch's, one per core); 1 holds up on a shared machine")
     p.add_argument("--quick", action="store_true", help="1k context, float32, 2 steps")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--overwrite", action="store_true")
@@ -136,6 +141,8 @@ def main(argv=None) -> int:
     if args.cell:
         print(json.dumps(run_cell(**json.loads(args.cell))))
         return 0
+    if args.threads < 0:
+        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
     for name in ("steps", "chunk"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected a positive int, got {getattr(args, name)}")
@@ -150,12 +157,22 @@ def main(argv=None) -> int:
 
     from qkmla.machine import machine, recorded_command, source_commit
 
+    def write(rows: list) -> None:  # after every cell, so an interrupted run keeps what it measured
+        result = {"command": recorded_command("benchmarks/bench_hf_generate.py", argv), "commit": source_commit(HERE),
+                  "machine": machine(), "transformers": transformers.__version__, "shape": SHAPE, "rows": rows,
+                  "summary": summarize(rows)}
+        if args.out is not None:
+            tmp = args.out.with_name(args.out.name + ".tmp")
+            tmp.write_text(json.dumps(result, indent=1) + "\n")
+            tmp.replace(args.out)
+        return result
+
     rows = []
     for dtype in args.dtypes:
         for context in args.contexts:
             for variant in args.variants:
                 cell = dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
-                            chunk=args.chunk, score_budget_gib=args.score_budget_gib)
+                            chunk=args.chunk, score_budget_gib=args.score_budget_gib, threads=args.threads)
                 proc = subprocess.run([sys.executable, __file__, "--cell", json.dumps(cell)], capture_output=True,
                                       text=True, env=os.environ)
                 if proc.returncode == 0:
@@ -165,17 +182,9 @@ def main(argv=None) -> int:
                            "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    result = {"command": recorded_command("benchmarks/bench_hf_generate.py", argv), "commit": source_commit(HERE),
-              "machine": machine(), "transformers": transformers.__version__, "shape": SHAPE, "rows": rows,
-              "summary": summarize(rows)}
-    text = json.dumps(result, indent=1)
-    if args.out is None:
-        print(text)
-    else:
-        tmp = args.out.with_name(args.out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(args.out)
-        print(f"wrote {args.out}")
+                write(rows)
+    result = write(rows)
+    print(json.dumps(result["summary"], indent=1) if args.out is not None else json.dumps(result, indent=1))
     return 0
 
 
