@@ -196,3 +196,31 @@ def test_bench_decode_parts_times_every_part(tmp_path):
             "proj-linear-r1", "proj-split-r1", "proj-split-r32"} <= parts
     assert all(r["seconds"] > 0 for r in result["rows"])
     assert result["square_sgemm_gflops_per_s"] > 0
+
+
+def test_bench_hf_generate_times_every_variant_on_a_tiny_model(monkeypatch):
+    pytest.importorskip("transformers")
+    bench = load("bench_hf_generate")
+    monkeypatch.setattr(bench, "SHAPE", dict(bench.SHAPE, hidden_size=64, intermediate_size=64, q_lora_rank=32,
+                                             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                             num_attention_heads=4, num_key_value_heads=4, vocab_size=64))
+    rows = [bench.run_cell("float32", 200, v, steps=2, warmup=1, chunk=64, score_budget_gib=0.0, threads=1)
+            for v in bench.VARIANTS]
+    assert [r["variant"] for r in rows] == list(bench.VARIANTS)
+    assert rows[0]["prefill"].startswith("chunks of 64")  # a zero score budget chunks transformers' prefill
+    row_bytes = 2 * (32 + 8) * 4  # two layers of [c; k_rope] in float32
+    assert rows[0]["cache_bytes_per_token"] == rows[1]["cache_bytes_per_token"] == row_bytes
+    assert rows[2]["cache_bytes_per_token"] < row_bytes  # fp8 latents
+    assert rows[3]["cache_bytes_per_context_token"] < 0.5 * row_bytes  # SnapKV kept a quarter of the prompt
+    summary = bench.summarize(rows)
+    assert [s["variant"] for s in summary] == ["qkmla", "qkmla-fp8", "qkmla-snapkv"]
+    assert all(s["decode_speedup"] > 0 for s in summary)
+
+
+def test_bench_hf_generate_refuses_to_replace_a_results_file(tmp_path, capsys):
+    bench = load("bench_hf_generate")
+    out = tmp_path / "r.json"
+    out.write_text("{}")
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(out)])
+    assert "--out: " in capsys.readouterr().err and out.read_text() == "{}"
