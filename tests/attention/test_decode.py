@@ -104,3 +104,29 @@ def test_decode_one_token_refuses_what_it_does_not_cover():
     decode_one_token(mla, torch.randn(1, 1, cfg.hidden_size), full)
     with pytest.raises(ValueError, match="capacity=1"):
         decode_one_token(mla, torch.randn(1, 1, cfg.hidden_size), full)
+
+
+@pytest.mark.parametrize("kv_format", ["dense", "fp8", "int8", "int4"])
+def test_compiled_decode_step_with_inductor_at_batch_sizes_1_2_3(kv_format):
+    """torch.compile's default backend (inductor), as the README writes the step, at batch sizes
+    3, 2 and 1 through one compiled function: 3 is a static graph whose absorbed query is not
+    contiguous (inductor checks the op's outputs against the strides its fake promises), 2
+    recompiles with a dynamic batch and 1 specializes again. Each equals MLA.forward over an
+    uneven batch. Caches are off, so a graph compiled by an earlier version cannot stand in."""
+    torch._dynamo.reset()
+    cfg = MLAConfig(hidden_size=32, num_heads=2, num_kv_groups=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=8, v_head_dim=8, qk_norm="rms")
+    mla = perturb_vectors(MLA(cfg)).eval()
+    step = torch.compile(mla_decode_step, fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True), torch.no_grad():
+        for B in (3, 2, 1):
+            x = torch.randn(B, 6, cfg.hidden_size)
+            caches = [LatentCache.from_config(cfg, B, 8, kv_format=kv_format, fill=float("nan")) for _ in range(2)]
+            lengths = torch.arange(B) + 2  # uneven prompts, right-padded to 5 tokens
+            for cache in caches:
+                mla(x[:, :5], cache, input_lengths=lengths)
+            got = decode_one_token(mla, x[:, 5:6], caches[0], step=step)
+            want = mla(x[:, 5:6], caches[1])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert not got.isnan().any()
+            assert torch.equal(caches[0].seqlens, lengths + 1)

@@ -62,6 +62,10 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     if key_scale is not None:
         key_scale[rows, slots] = r[:, 0].to(key_scale.dtype)
     q_lat, q_rope, scale = fold_head_scale(q_lat, mla.rotary(q_r, pos), mla.scale)
+    # The op reads the queries as [B, T h, d] rows, and per_group's einsum may hand q_lat back
+    # with its batch and group dimensions swapped (the bmm runs group-major): lay both out
+    # here, inside the graph, where inductor fuses the copy, not in the opaque op.
+    q_lat, q_rope = q_lat.contiguous(), q_rope.contiguous()
     # One opaque op: compiled, only the code around it is traced (see latent_attention_op).
     # Each sequence sees its slots up to the new token's.
     o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), slots[:, None] + 1, mla.score_mode,

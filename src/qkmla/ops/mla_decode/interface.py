@@ -96,7 +96,8 @@ def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
 def _(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits, unified=False,
       visible_lens=None, kv_format="dense"):
     B, S_q, H, _ = q_lat.shape
-    return torch.empty_like(q_lat), q_lat.new_empty((B, S_q, H), dtype=torch.float32)
+    # Contiguous, as mla_decode_fwd allocates its outputs (empty_like would keep q_lat's strides).
+    return q_lat.new_empty(q_lat.shape), q_lat.new_empty((B, S_q, H), dtype=torch.float32)
 
 
 def _check_int(name: str, t, shape: tuple) -> None:

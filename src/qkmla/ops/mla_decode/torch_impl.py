@@ -237,15 +237,19 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
     lengths = visible_lens.amax(dim=1)
     S = int(lengths.max())
     if S == 0:  # nothing visible anywhere: out = 0 and lse = -inf
-        return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+        return q_lat.new_zeros(q_lat.shape), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     out, lse = _attend_visible(q_lat, q_rope, latent[:, :S], None if key_scale is None else key_scale[:, :S],
                                visible_lens, lengths, softmax_scale, mode, kv_format)
-    return out.contiguous(), lse  # a custom op's outputs have the strides its fake gives
+    # Both outputs contiguous, whatever q_lat's strides: inductor checks a custom op's outputs
+    # against the strides of its fake, and the fake below promises contiguous ones.
+    return out.contiguous(), lse.contiguous()
 
 
 @latent_attention_op.register_fake
 def _(q_lat, q_rope, latent, key_scale, softmax_scale, visible_lens, mode, kv_format="dense"):
-    return torch.empty_like(q_lat), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
+    # Not empty_like(q_lat): that keeps q_lat's strides (a transposed query in a compiled
+    # step), which the real op's output does not have.
+    return q_lat.new_empty(q_lat.shape), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
 
 
 def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int) -> torch.Tensor:
