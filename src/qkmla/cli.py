@@ -127,12 +127,14 @@ def _generate(args: argparse.Namespace) -> int:
                          f"{'both' if args.run else 'neither'}")
     policy = _policy(args)
     check_kv_format(args.kv_format)
+    if args.dtype is not None and args.hf is None:
+        raise ValueError("--dtype: sets the dtype a --hf checkpoint is loaded in; a qkmla run keeps its own")
     if args.hf is not None:
         from .interop.hf_generate import generate_hf
 
         try:
             texts = generate_hf(args.hf, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
-                                args.kv_format, policy, args.dtype)
+                                args.kv_format, policy, args.dtype or "float32")
         except ValueError as e:  # the Python API's argument names, as this command's options
             name, _, rest = str(e).partition(": ")
             raise ValueError(f"{ {'hf_dir': '--hf', 'max_new_tokens': '--tokens'}.get(name, name)}: {rest}") from None
@@ -259,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf", default=None, metavar="DIR",
                    help="a transformers DeepSeek-V2/V3 checkpoint directory (config, weights, tokenizer) instead of "
                         "a run: decoded through qkmla.interop.apply_latent_attention")
-    g.add_argument("--dtype", default="float32", help="with --hf: float32, bfloat16 or float64")
+    g.add_argument("--dtype", default=None, help="with --hf: float32 (default), bfloat16 or float64")
     g.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable: one batch)")
     g.add_argument("--tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)

@@ -185,7 +185,14 @@ class MLA(nn.Module):
 
     def _derive(self) -> AbsorbedWeights:
         c = self.config
-        return absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, c.num_kv_groups, c.qk_nope_head_dim)
+        if not isinstance(self.kv_b_proj, nn.Linear):  # e.g. a PEFT LoRA wrapper: its output is not x @ weight.T
+            raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
+                             f"{type(self.kv_b_proj).__name__}, whose output is not x @ weight.T; merge its adapters "
+                             f"into the weight first (PEFT: model.merge_and_unload())")
+        # Derived outside inference mode even when first needed inside it (generate under
+        # torch.inference_mode()), so a later training step can still use them.
+        with torch.inference_mode(False):
+            return absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, c.num_kv_groups, c.qk_nope_head_dim)
 
     def refresh_absorbed(self) -> AbsorbedWeights:
         """Derive the absorbed weights from the current parameters (no autograd)."""

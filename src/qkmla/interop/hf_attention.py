@@ -13,8 +13,8 @@ names transformers versions use) and adopts the HF layer's own projection module
 transformers passes the attention layer a mask already expanded for its own attention
 functions (4-D, or None, or a flex ``BlockMask``), which says nothing the latent cache can
 use; the 2-D padding mask the caller gave the model is what it needs. The model-level hook of
-``apply_latent_attention`` puts it, with the caller's ``position_ids``, in a
-:class:`ForwardContext` that every patched layer of the model shares.
+``apply_latent_attention`` reads it and passes each call's new real tokens down as a
+:class:`LatentCall`, with transformers' own keyword arguments.
 
 Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
 (left padding becomes right padding), cached with ``input_lengths``, and numbered 0, 1, 2, ...
@@ -38,31 +38,25 @@ from .hf_cache import adopt_layer
 
 
 @dataclass
-class ForwardContext:
-    """Shared by a patched model's attention layers: the cache settings ``apply_latent_attention``
-    was given, and what the caller gave the model in the current forward (set by the model's
-    hook, cleared after it).
-
-    kv_format, policy: how the caches this model makes for itself store and evict tokens.
-    attention_mask: [B, past + T] (1 for a real token, 0 for padding), or None (all real).
-    position_ids: [B, T] or [1, T] as the caller passed them, or None.
-    """
+class LatentSettings:
+    """Shared by a patched model's attention layers: how the caches the model makes for itself
+    store (``kv_format``) and evict (``policy``) tokens. ``apply_latent_attention`` sets them."""
 
     kv_format: str = "dense"
     policy: Optional[EvictionPolicy] = None
-    attention_mask: Optional[torch.Tensor] = None
-    position_ids: Optional[torch.Tensor] = None
 
-    def new_tokens(self, batch_size: int, num_tokens: int) -> Optional[torch.Tensor]:
-        """[B, T] bool, True for the real tokens among this forward's T, or None when all are real."""
-        mask = self.attention_mask
-        if mask is None:
-            return None
-        if mask.shape[-1] < num_tokens or mask.shape[0] != batch_size:
-            raise ValueError(f"attention_mask: shape {tuple(mask.shape)} does not cover the batch of {batch_size} "
-                             f"sequences of {num_tokens} new tokens")
-        valid = mask[:, -num_tokens:].bool()
-        return None if bool(valid.all()) else valid
+
+@dataclass
+class LatentCall:
+    """What one forward call of the model tells its attention layers, passed down the call with
+    transformers' own keyword arguments (``qkmla_call=``), so gradient checkpointing's recompute,
+    a nested call and another thread each see their own.
+
+    valid: [B, T] bool, True for the real tokens among the call's T new ones (from the caller's
+        2-D ``attention_mask``), or None when every token is real.
+    """
+
+    valid: Optional[torch.Tensor] = None
 
 
 class LatentAttention(MLA):
@@ -72,19 +66,18 @@ class LatentAttention(MLA):
         config: the layer's :class:`~qkmla.MLAConfig` (``qkmla.interop.mla_config_from_hf``).
         layer_idx: the decoder layer's index, as transformers numbers cache layers.
         projections: the HF layer's projection and latent-norm modules by name, adopted as they are.
-        context: the model's shared :class:`ForwardContext` (None: every token is real and
-            transformers' ``position_ids`` are used).
+        settings: the model's shared :class:`LatentSettings`.
     """
 
     def __init__(self, config: MLAConfig, layer_idx: int, projections: Optional[dict] = None,
-                 context: Optional[ForwardContext] = None):
+                 settings: Optional[LatentSettings] = None):
         super().__init__(config, projections)
         self.layer_idx = layer_idx
-        self.context = context if context is not None else ForwardContext()
+        self.settings = settings if settings is not None else LatentSettings()
         self.is_causal = True  # read by some transformers utilities
 
     @classmethod
-    def from_hf(cls, hf_attention, context: Optional[ForwardContext] = None, **overrides) -> "LatentAttention":
+    def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, **overrides) -> "LatentAttention":
         """The qkmla layer for an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``, sharing its weights.
 
         ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
@@ -93,40 +86,41 @@ class LatentAttention(MLA):
 
         config = mla_config_from_hf(hf_attention.config, **overrides)
         params = list(hf_attention.parameters())
-        if len({(p.device, p.dtype) for p in params}) != 1:
-            raise ValueError("hf_attention: its parameters must share one device and dtype, got "
-                             f"{sorted({f'{p.device}/{p.dtype}' for p in params})}")
-        layer = cls(config, getattr(hf_attention, "layer_idx", 0), hf_projections(hf_attention), context)
+        if any(p.is_meta for p in params):
+            raise ValueError("hf_attention: its weights are on the meta device (offloaded, or not loaded yet); load "
+                             "the model's weights onto a real device first")
+        kinds = sorted({f"{p.device}/{p.dtype}" for p in params})
+        if len(kinds) != 1 or not params[0].dtype.is_floating_point or params[0].dtype.itemsize < 2:
+            raise ValueError(f"hf_attention: its parameters must share one device and a floating dtype of 2 bytes or "
+                             f"more, got {kinds} (FP8 weights: load them dequantized, e.g. dtype=torch.bfloat16)")
+        layer = cls(config, getattr(hf_attention, "layer_idx", 0), hf_projections(hf_attention), settings)
         return layer.to(device=params[0].device, dtype=params[0].dtype)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
         """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).
 
         ``attention_mask`` and ``position_embeddings`` are transformers' own and are not read
-        (see the module docstring); the cache comes as ``cache``, ``past_key_values`` or
+        (see the module docstring); which tokens are padding comes as ``qkmla_call`` (a
+        :class:`LatentCall`; absent: none are); the cache as ``cache``, ``past_key_values`` or
         ``past_key_value``, whichever this transformers version uses.
         """
         cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
                      None)
         x = hidden_states
-        valid = self.context.new_tokens(x.shape[0], x.shape[1])
+        call = kwargs.get("qkmla_call")
+        valid = call.valid.to(x.device) if call is not None and call.valid is not None else None
         if cache is None:
             return self._uncached(x, valid, kwargs.get("position_ids")), None
-        layer = adopt_layer(cache, self.layer_idx, self.config, self.context.kv_format, self.context.policy)
+        layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
-        layer.check_positions(self.context.position_ids, valid, x.shape[1])
-        if valid is None:
-            out = MLA.forward(self, x, latent)
-        else:
-            out = self._compacted(x, valid, latent)
+        out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
         layer.advance(valid, x.shape[0], x.shape[1])
         return out, None
 
     def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids) -> torch.Tensor:
         """The explicit path over x alone, at transformers' positions, padding masked."""
         B, T = x.shape[:2]
-        positions = position_ids if position_ids is not None else self.context.position_ids
-        positions = (positions if positions is not None else torch.arange(T, device=x.device)).expand(B, T)
+        positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
         mask = None
         if valid is not None:  # causal and not padding; a padded query sees itself, so no row is empty

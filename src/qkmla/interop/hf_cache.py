@@ -19,7 +19,7 @@ transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`
 default): its layers are replaced by latent layers. A layer that already holds transformers'
 keys and values, or a static, sliding or quantized transformers layer, is refused.
 
-Supported transformers: 5.0 to 5.24 (the cache-layer API took its present shape in 5.0).
+Supported transformers: 5.0 to 5.24 (the cache-layer API took its present form in 5.0).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import math
 from typing import Optional
 
 import torch
-import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from ..cache.eviction import EvictionPolicy
@@ -37,8 +36,6 @@ from ..config import MLAConfig
 from ..kv_formats import KV_FORMATS, check_kv_format
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
-# transformers 5.15 changed Cache.crop(n): a length to keep (n >= 0) became a count to remove (n <= 0).
-CROP_TAKES_A_COUNT = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 15)
 
 
 def check_cache_settings(kv_format, policy, max_cache_len) -> None:
@@ -100,8 +97,8 @@ class LatentCacheLayer(CacheLayerMixin):
         return self.columns
 
     def get_mask_sizes(self, query_length) -> tuple[int, int]:
-        """(kv_length, kv_offset) for transformers' mask utilities; ``query_length`` is an int
-        (5.19 on) or the ``cache_position`` tensor (5.0 to 5.18)."""
+        """(kv_length, kv_offset) for transformers' mask utilities; ``query_length`` is an int, or
+        the ``cache_position`` tensor in older transformers."""
         if isinstance(query_length, torch.Tensor):
             query_length = query_length.shape[0]
         return self.columns + int(query_length), 0
@@ -109,12 +106,11 @@ class LatentCacheLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.max_cache_len if self.max_cache_len is not None else -1
 
-    get_max_cache_shape = get_max_length  # the name before 5.19
+    get_max_cache_shape = get_max_length  # the older name
 
     def reset(self) -> None:
-        if self.latent is not None:
-            self.latent.reset()
-        self.columns, self.stored = 0, None
+        """Forget everything, batch size included: the next forward allocates anew."""
+        self.latent, self.stored, self.columns, self.is_initialized = None, None, 0, False
 
     def offload(self) -> None:  # the rows stay where the attention reads them
         pass
@@ -133,13 +129,10 @@ class LatentCacheLayer(CacheLayerMixin):
             self._select(torch.arange(self.latent.batch_size, device=self.latent.device).repeat_interleave(repeats))
 
     def crop(self, tokens: int) -> None:
-        """Drop the last ``-tokens`` columns (tokens <= 0); a positive ``tokens`` keeps the first
-        ``tokens`` columns before transformers 5.15 and is refused since, as transformers' own
-        layers do (``crop(0)`` removes nothing there). Each sequence loses the real tokens among
-        the dropped columns."""
-        if tokens > 0 and CROP_TAKES_A_COUNT:
-            raise ValueError(f"tokens: crop takes minus the number of tokens to remove, got {tokens}")
-        remove = -tokens if tokens < 0 or CROP_TAKES_A_COUNT else self.columns - tokens
+        """Drop the last ``-tokens`` columns (tokens < 0), or keep the first ``tokens`` (> 0: the
+        meaning before transformers 5.15, deprecated since); 0 removes nothing. Each sequence
+        loses the real tokens among the dropped columns."""
+        remove = -tokens if tokens <= 0 else self.columns - tokens
         remove = min(remove, self.columns)
         if remove <= 0 or self.latent is None:
             return
@@ -177,9 +170,7 @@ class LatentCacheLayer(CacheLayerMixin):
             self.device, self.is_initialized = self.latent.device, True
             return self.latent
         latent = self.latent
-        if batch_size != latent.batch_size:
-            raise ValueError(f"cache: it holds {latent.batch_size} sequences and this input has {batch_size}; a cache "
-                             f"serves one batch (pass a new cache, or call cache.reset() first)")
+        self.check_batch(batch_size)
         if torch.device(device) != latent.device or dtype != latent.dtype:
             raise ValueError(f"cache: it holds {latent.dtype} rows on {latent.device}, the model now runs "
                              f"{dtype} on {device}; pass a new cache")
@@ -189,31 +180,16 @@ class LatentCacheLayer(CacheLayerMixin):
             latent.grow(GROW * math.ceil(max(needed, 2 * latent.capacity) / GROW))
         return latent
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a batch of another size than the one this cache holds."""
+        if self.latent is not None and batch_size != self.latent.batch_size:
+            raise ValueError(f"cache: it holds {self.latent.batch_size} sequences and this input has {batch_size}; a "
+                             f"cache serves one batch (pass a new cache, or call cache.reset() first)")
+
     def _check_capacity(self, needed: int, capacity: int) -> None:
         if needed > capacity:
             raise ValueError(f"max_cache_len: this cache holds {capacity} tokens per sequence, and the prompt and "
                              f"new tokens need {needed}; build it with a larger max_cache_len, or None to grow")
-
-    def check_positions(self, position_ids: Optional[torch.Tensor], valid: Optional[torch.Tensor],
-                        num_tokens: int) -> None:
-        """Refuse ``position_ids`` other than the positions the cache gives the new real tokens
-        (each sequence's real tokens numbered 0, 1, 2, ... as ``generate`` numbers them)."""
-        if position_ids is None or getattr(self.policy, "reposition", False):
-            return
-        latent = self.latent
-        steps = (valid.long().cumsum(dim=1) - 1) if valid is not None else torch.arange(num_tokens, device=latent.device)
-        expected = latent.next_positions[:, None] + steps
-        given = position_ids.to(latent.device)
-        if given.dim() != 2 or given.shape[-1] != num_tokens:
-            raise ValueError(f"position_ids: expected [batch, {num_tokens}], got {tuple(given.shape)}")
-        wrong = given.expand_as(expected) != expected
-        if valid is not None:
-            wrong &= valid
-        if bool(wrong.any()):
-            b = int(wrong.any(dim=1).nonzero()[0])
-            raise ValueError(f"position_ids: qkmla's latent cache numbers each sequence's real tokens 0, 1, 2, ... "
-                             f"(padding takes no position, as in generate); sequence {b} needs "
-                             f"{expected[b].tolist()[:8]}..., got {given.expand_as(expected)[b].tolist()[:8]}...")
 
     def advance(self, valid: Optional[torch.Tensor], batch_size: int, num_tokens: int) -> None:
         """Count this forward's columns (``valid`` [B, T], or None when all were real)."""
@@ -226,6 +202,30 @@ class LatentCacheLayer(CacheLayerMixin):
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies in this layer (0 before the first forward)."""
         return self.latent.bytes_per_token if self.latent is not None else 0
+
+
+def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: Optional[torch.Tensor],
+                    batch_size: int, num_tokens: int) -> None:
+    """Refuse ``position_ids`` other than the positions ``layer``'s cache gives the new real tokens
+    (each sequence's real tokens numbered 0, 1, 2, ... as ``generate`` numbers them)."""
+    layer.check_batch(batch_size)
+    if getattr(layer.policy, "reposition", False):
+        return  # StreamingLLM's re-positioning renumbers the cache; generate's positions keep counting
+    device = position_ids.device
+    start = layer.latent.next_positions.to(device) if layer.latent is not None else \
+        torch.zeros(batch_size, dtype=torch.long, device=device)
+    steps = valid.long().cumsum(dim=1) - 1 if valid is not None else torch.arange(num_tokens, device=device)
+    expected = start[:, None] + steps.to(device)
+    if position_ids.dim() != 2 or position_ids.shape[-1] != num_tokens or position_ids.shape[0] not in (1, batch_size):
+        raise ValueError(f"position_ids: expected [batch, {num_tokens}], got {tuple(position_ids.shape)}")
+    wrong = position_ids.expand_as(expected) != expected
+    if valid is not None:
+        wrong &= valid.to(device)
+    if bool(wrong.any()):
+        b = int(wrong.any(dim=1).nonzero()[0])
+        raise ValueError(f"position_ids: qkmla's latent cache numbers each sequence's real tokens 0, 1, 2, ... "
+                         f"(padding takes no position, as in generate); sequence {b} needs "
+                         f"{expected[b].tolist()[:8]}..., got {position_ids.expand_as(expected)[b].tolist()[:8]}...")
 
 
 def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str = "dense",
@@ -252,13 +252,16 @@ def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str 
     return layers[layer_idx]
 
 
+_MODEL_SETTING = object()  # "the model's setting", where None is a setting of its own
+
+
 class LatentAttentionCache(Cache):
     """A transformers ``Cache`` of qkmla latent layers for a model patched by ``apply_latent_attention``.
 
     Args:
         model: the patched model (``*ForCausalLM`` or ``*Model``).
         kv_format, policy: the latent's storage and eviction policy; by default the ones
-            ``apply_latent_attention`` was given.
+            ``apply_latent_attention`` was given (``policy=None`` turns eviction off).
         max_cache_len: a fixed capacity per sequence (transformers' static cache), or None to grow.
 
     Examples:
@@ -266,13 +269,12 @@ class LatentAttentionCache(Cache):
         >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
     """
 
-    def __init__(self, model, *, kv_format: Optional[str] = None, policy: Optional[EvictionPolicy] = None,
-                 max_cache_len: Optional[int] = None):
-        from .hf_model import latent_layers, model_context
+    def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None):
+        from .hf_model import latent_layers, model_settings
 
-        context = model_context(model)
-        kv_format = kv_format if kv_format is not None else context.kv_format
-        policy = policy if policy is not None else context.policy
+        settings = model_settings(model)
+        kv_format = kv_format if kv_format is not None else settings.kv_format
+        policy = settings.policy if policy is _MODEL_SETTING else policy
         check_cache_settings(kv_format, policy, max_cache_len)
         super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len)
                                  for attn in latent_layers(model)])

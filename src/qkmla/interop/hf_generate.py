@@ -54,23 +54,32 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
                 top_k: Optional[int] = None, seed: int = 0, kv_format: str = "dense",
                 policy: Optional[EvictionPolicy] = None, dtype: str = "float32") -> list[str]:
     """Each prompt followed by its continuation (temperature 0: greedy)."""
+    import transformers
+
     check_sampling(max_new_tokens, temperature, top_k)
     if not prompts:
         raise ValueError("prompts: expected at least one prompt")
     model, tokenizer = load_hf_dir(hf_dir, dtype)
     apply_latent_attention(model, kv_format=kv_format, policy=policy)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+    if tokenizer.pad_token is None:  # left padding is masked out, so any token will do
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer.pad_token is None and len(prompts) > 1:
+            raise ValueError("prompts: batching them needs a padding token, and this tokenizer has no pad, eos or unk "
+                             "token; give one prompt at a time")
     tokenizer.padding_side = "left"
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
     limit = model.config.max_position_embeddings
     if batch["input_ids"].shape[1] + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens: the longest prompt ({batch['input_ids'].shape[1]} tokens) plus "
                          f"{max_new_tokens} new tokens passes the model's max_position_embeddings={limit}")
+    # Exactly what was asked: none of the checkpoint's own sampling defaults (top_p, repetition
+    # penalty, ...) applies; its end-of-sequence token does.
+    generation = transformers.GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+        top_k=top_k or 0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=model.generation_config.eos_token_id, bos_token_id=model.generation_config.bos_token_id)
     torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or 0) if temperature > 0 else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+        out = model.generate(**batch, generation_config=generation)
     new = out[:, batch["input_ids"].shape[1]:]
     return [p + tokenizer.decode(t, skip_special_tokens=True) for p, t in zip(prompts, new)]

@@ -9,11 +9,17 @@
 modules (no copy: ``state_dict()`` keys and tensors stay transformers' own) and registers two
 hooks on the inner ``*Model``:
 
-* before its forward: the caller's 2-D ``attention_mask`` and ``position_ids`` go into the
-  layers' shared :class:`~qkmla.interop.hf_attention.ForwardContext`; a forward that caches
-  gets a :class:`~qkmla.interop.hf_cache.LatentAttentionCache` (or its empty ``DynamicCache``
-  becomes one); a training forward with no cache passed caches nothing;
-* after it: the context is cleared, so nothing of one call reaches the next.
+* before its forward: the caller's 2-D ``attention_mask`` says which of the call's new tokens
+  are real; that goes down to the layers with transformers' own keyword arguments
+  (``qkmla_call=``, a :class:`~qkmla.interop.hf_attention.LatentCall`), so nothing of one call
+  is kept on the model for the next (gradient checkpointing's recompute, a nested call and
+  another thread see their own). A forward that caches gets a
+  :class:`~qkmla.interop.hf_cache.LatentAttentionCache` (or its empty ``DynamicCache`` becomes
+  one); a training forward with no cache passed caches nothing; ``position_ids`` that disagree
+  with the cache's positions are refused.
+* the mask transformers builds for its own attention functions is not needed, so the model's
+  attention implementation becomes ``"qkmla_latent"``, whose mask function builds none (a
+  padded 32k prompt would otherwise get a [B, 1, T, T] mask).
 
 Embeddings, MLP and MoE, the final norm, the LM head and the generation utilities stay
 transformers' own. transformers' attention-function registry is not used: it only ever
@@ -29,9 +35,10 @@ import torch
 
 from ..cache.eviction import EvictionPolicy
 from ..ops.mla_decode.interface import DECODE_BACKENDS
-from .hf_attention import ForwardContext, LatentAttention
-from .hf_cache import LatentAttentionCache, adopt_layer, check_cache_settings
+from .hf_attention import LatentAttention, LatentCall, LatentSettings
+from .hf_cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
 
+LATENT_IMPLEMENTATION = "qkmla_latent"
 SUPPORTED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2Model", "DeepseekV3Model")
 
 
@@ -41,23 +48,23 @@ def _inner(model):
 
     classes = tuple(getattr(transformers, name) for name in SUPPORTED)
     if not isinstance(model, classes):
-        raise ValueError(f"model: expected one of {SUPPORTED} (DeepSeek-V2/V3 architecture: DeepSeek-V2, V2-Lite, V3, "
-                         f"Kimi K2, Moonlight), got {type(model).__name__}")
+        raise ValueError(f"model: expected one of {SUPPORTED} (the DeepSeek-V2/V3 architecture), got "
+                         f"{type(model).__name__}")
     return model.model if hasattr(model, "lm_head") else model
 
 
-def model_context(model) -> ForwardContext:
-    """The shared context of a patched model; ValueError if it was not patched."""
-    context = getattr(_inner(model), "_qkmla_context", None)
-    if context is None:
+def model_settings(model) -> LatentSettings:
+    """The shared settings of a patched model; ValueError if it was not patched."""
+    settings = getattr(_inner(model), "_qkmla_settings", None)
+    if settings is None:
         raise ValueError("model: its attention is transformers' own; call qkmla.interop.apply_latent_attention(model) "
                          "first")
-    return context
+    return settings
 
 
 def latent_layers(model) -> list[LatentAttention]:
     """Every decoder layer's patched attention module, in order."""
-    model_context(model)
+    model_settings(model)
     return [layer.self_attn for layer in _inner(model).layers]
 
 
@@ -82,30 +89,48 @@ def apply_latent_attention(model, *, kv_format: str = "dense", policy: Optional[
     check_cache_settings(kv_format, policy, None)
     if decode_backend not in DECODE_BACKENDS:
         raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
-    context = getattr(inner, "_qkmla_context", None)
-    if context is not None:  # already patched: new settings only
-        context.kv_format, context.policy = kv_format, policy
+    settings = getattr(inner, "_qkmla_settings", None)
+    if settings is not None:  # already patched: new settings only
+        settings.kv_format, settings.policy = kv_format, policy
         for layer in inner.layers:
             layer.self_attn.config = layer.self_attn.config.replace(decode_backend=decode_backend)
         return model
-    context = ForwardContext(kv_format=kv_format, policy=policy)
-    patched = [LatentAttention.from_hf(layer.self_attn, context, decode_backend=decode_backend) for layer in inner.layers]
+    settings = LatentSettings(kv_format=kv_format, policy=policy)
+    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend) for layer in inner.layers]
     for layer, attn in zip(inner.layers, patched):
         layer.self_attn = attn
-    inner._qkmla_context = context
+    inner._qkmla_settings = settings
+    inner._qkmla_signature = inspect.signature(inner.forward)
     inner.register_forward_pre_hook(_before_forward, with_kwargs=True)
-    inner.register_forward_hook(_after_forward, always_call=True)
+    _no_transformers_mask(model)
     return model
+
+
+def _no_transformers_mask(model) -> None:
+    """Register and select the ``"qkmla_latent"`` attention implementation: its mask function
+    builds nothing, and its attention function (never called: the layers are qkmla's) refuses."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(*args, **kwargs):
+        raise ValueError("attn_implementation: 'qkmla_latent' is qkmla's latent attention, which only "
+                         "qkmla.interop.LatentAttention layers compute")
+
+    AttentionInterface.register(LATENT_IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(LATENT_IMPLEMENTATION, lambda *args, **kwargs: None)
+    for config in {id(c): c for c in (model.config, _inner(model).config)}.values():
+        config._attn_implementation = LATENT_IMPLEMENTATION
 
 
 def _call_arguments(module, args, kwargs) -> dict:
     """The forward call's arguments by name (positional ones included)."""
+    signature = module._qkmla_signature
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs)
     except TypeError:
-        return dict(kwargs) if not args else None
+        raise ValueError("model: pass its inputs by name (input_ids=..., attention_mask=...)") from None
     arguments = dict(bound.arguments)
-    for name, param in inspect.signature(module.forward).parameters.items():
+    for name, param in signature.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             arguments.update(arguments.pop(name, {}))
     return arguments
@@ -113,9 +138,7 @@ def _call_arguments(module, args, kwargs) -> dict:
 
 def _before_forward(module, args, kwargs):
     arguments = _call_arguments(module, args, kwargs)
-    if arguments is None:
-        raise ValueError("model: pass its inputs by name (input_ids=..., attention_mask=...)")
-    context: ForwardContext = module._qkmla_context
+    settings: LatentSettings = module._qkmla_settings
     mask, position_ids = arguments.get("attention_mask"), arguments.get("position_ids")
     if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         got = f"{mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
@@ -124,25 +147,38 @@ def _before_forward(module, args, kwargs):
     if arguments.get("output_attentions"):
         raise ValueError("output_attentions: qkmla's latent attention never forms transformers' attention "
                          "weights (the absorbed path attends in latent space); call without it")
+    inputs = next((arguments[k] for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
+    if inputs is None:
+        raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
+    batch_size, num_tokens = inputs.shape[:2]
     names = [n for n in ("cache", "past_key_values") if arguments.get(n) is not None]
     cache = arguments.get(names[0]) if names else None
-    name = names[0] if names else ("cache" if "cache" in inspect.signature(module.forward).parameters
-                                   else "past_key_values")
+    name = names[0] if names else ("cache" if "cache" in module._qkmla_signature.parameters else "past_key_values")
     use_cache = arguments.get("use_cache")
     use_cache = module.config.use_cache if use_cache is None else use_cache
     if cache is None and use_cache:
         if module.training:  # a training step caches nothing (transformers would make a DynamicCache)
             arguments["use_cache"] = False
         else:
-            arguments[name] = LatentAttentionCache(module)
-    elif cache is not None:
-        for layer in module.layers:  # an empty transformers cache becomes a latent one, before any work
-            adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, context.kv_format, context.policy)
-    context.attention_mask, context.position_ids = mask, position_ids
+            cache = arguments[name] = LatentAttentionCache(module)
+    elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
+        for layer in module.layers:
+            adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, settings.kv_format, settings.policy)
+    valid = _new_tokens(mask, batch_size, num_tokens, cache.get_seq_length() if cache is not None else 0)
+    if cache is not None and position_ids is not None:
+        first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
+        check_positions(first, position_ids, valid, batch_size, num_tokens)
+    arguments["qkmla_call"] = LatentCall(valid)
     return (), arguments
 
 
-def _after_forward(module, args, output):
-    context: ForwardContext = module._qkmla_context
-    context.attention_mask = context.position_ids = None
-    return output
+def _new_tokens(mask: Optional[torch.Tensor], batch_size: int, num_tokens: int, past: int) -> Optional[torch.Tensor]:
+    """[B, T] bool, True for the real tokens among the call's T new ones (mask columns past..past+T-1,
+    as transformers reads them), or None when all are real."""
+    if mask is None:
+        return None
+    if mask.shape[0] != batch_size or mask.shape[1] < past + num_tokens:
+        raise ValueError(f"attention_mask: expected [batch={batch_size}, at least {past + num_tokens}] (the "
+                         f"{past} cached columns and {num_tokens} new tokens), got {tuple(mask.shape)}")
+    valid = mask[:, past:past + num_tokens].bool()
+    return None if bool(valid.all()) else valid
