@@ -519,3 +519,23 @@ def test_bfloat16_error_is_no_larger_than_transformers_own():
     ours, _ = stepwise_logits(ours16, ids, steps=4, tokens=fed, cache=LatentAttentionCache(ours16))
     for w, t, o in zip(want, theirs, ours):
         assert max_rel(o.double(), w) <= 2 * max_rel(t.double(), w) + 1e-3
+
+
+def test_threads_generating_on_one_model_each_get_their_own_answer():
+    import threading
+
+    model = patched(hf_model("v3"))
+    batches = [left_padded(prompts([3, 9], seed=s)) for s in range(4)]
+    kw = dict(max_new_tokens=4, do_sample=False)
+    want = [model.generate(ids, attention_mask=mask, **kw) for ids, mask in batches]
+    got = [None] * len(batches)
+
+    def run(i):
+        got[i] = model.generate(batches[i][0], attention_mask=batches[i][1], **kw)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
