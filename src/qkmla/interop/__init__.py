@@ -8,7 +8,7 @@ from .checkpoint import mla_from_hf_dir, mla_layers_from_hf_dir, read_hf_config,
 from .convert import convert_hf_dir, load_converted, save_converted, warm_start_qk_norm
 from .hf import load_hf_attention_weights, mla_config_from_hf, mla_from_hf
 
-_LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_model", "LatentAttentionCache": "hf_cache",
+_LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_patched", "LatentAttentionCache": "hf_cache",
          "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention"}
 
 

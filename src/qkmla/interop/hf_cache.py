@@ -34,6 +34,7 @@ from ..cache.eviction import EvictionPolicy
 from ..cache.latent import LatentCache
 from ..config import MLAConfig
 from ..kv_formats import KV_FORMATS, check_kv_format
+from .hf_patched import latent_layers, model_settings
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
 
@@ -270,8 +271,6 @@ class LatentAttentionCache(Cache):
     """
 
     def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None):
-        from .hf_model import latent_layers, model_settings
-
         settings = model_settings(model)
         kv_format = kv_format if kv_format is not None else settings.kv_format
         policy = settings.policy if policy is _MODEL_SETTING else policy

@@ -17,7 +17,8 @@ import torch
 
 from ..cache.eviction import EvictionPolicy
 from ..model.generate import check_sampling
-from .hf_model import SUPPORTED, apply_latent_attention
+from .hf_model import apply_latent_attention
+from .hf_patched import SUPPORTED
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _MODEL_TYPES = ("deepseek_v2", "deepseek_v3")

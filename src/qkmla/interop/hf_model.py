@@ -37,35 +37,9 @@ from ..cache.eviction import EvictionPolicy
 from ..ops.mla_decode.interface import DECODE_BACKENDS
 from .hf_attention import LatentAttention, LatentCall, LatentSettings
 from .hf_cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
+from .hf_patched import inner_model
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
-SUPPORTED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2Model", "DeepseekV3Model")
-
-
-def _inner(model):
-    """The ``*Model`` holding the decoder layers, after checking the model's class."""
-    import transformers
-
-    classes = tuple(getattr(transformers, name) for name in SUPPORTED)
-    if not isinstance(model, classes):
-        raise ValueError(f"model: expected one of {SUPPORTED} (the DeepSeek-V2/V3 architecture), got "
-                         f"{type(model).__name__}")
-    return model.model if hasattr(model, "lm_head") else model
-
-
-def model_settings(model) -> LatentSettings:
-    """The shared settings of a patched model; ValueError if it was not patched."""
-    settings = getattr(_inner(model), "_qkmla_settings", None)
-    if settings is None:
-        raise ValueError("model: its attention is transformers' own; call qkmla.interop.apply_latent_attention(model) "
-                         "first")
-    return settings
-
-
-def latent_layers(model) -> list[LatentAttention]:
-    """Every decoder layer's patched attention module, in order."""
-    model_settings(model)
-    return [layer.self_attn for layer in _inner(model).layers]
 
 
 def apply_latent_attention(model, *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
@@ -85,7 +59,7 @@ def apply_latent_attention(model, *, kv_format: str = "dense", policy: Optional[
     Returns:
         ``model``.
     """
-    inner = _inner(model)
+    inner = inner_model(model)
     check_cache_settings(kv_format, policy, None)
     if decode_backend not in DECODE_BACKENDS:
         raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
@@ -118,7 +92,7 @@ def _no_transformers_mask(model) -> None:
 
     AttentionInterface.register(LATENT_IMPLEMENTATION, attention)
     AttentionMaskInterface.register(LATENT_IMPLEMENTATION, lambda *args, **kwargs: None)
-    for config in {id(c): c for c in (model.config, _inner(model).config)}.values():
+    for config in {id(c): c for c in (model.config, inner_model(model).config)}.values():
         config._attn_implementation = LATENT_IMPLEMENTATION
 
 
