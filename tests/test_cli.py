@@ -279,3 +279,57 @@ def test_verify_kv_format_rows(capsys):
     assert main(["verify", "--kv-format", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "kv_format" in out and "rms-blockwise  fp8" in out and "\nrms-blockwise  float64" not in out
+
+
+@pytest.fixture(scope="module")
+def mla_run(tmp_path_factory):
+    """A 2-step debug MLA run with block_size 32."""
+    run = tmp_path_factory.mktemp("mla") / "run"
+    assert main(["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1",
+                 "--no-progress", "--out", str(run)]) == 0
+    return run
+
+
+def test_a_kept_fraction_is_honoured_or_refused_and_what_was_kept_is_said(mla_run, refused, capsys):
+    """Issue 27, class 3: every policy keeps its sinks and window whatever the fraction; a
+    fraction they make impossible in this run is refused (it evicted nothing before), the
+    window can be set, and the output says what was kept."""
+    refused(["generate", str(mla_run), "--tokens", "30", "--policy", "h2o", "--kept-fraction", "0.1"],
+            r"--kept-fraction: 0.1 of the at most 31 tokens a cache holds in this run is 4, fewer than the sinks \+ "
+            r"window = 0 \+ 32 that h2o always keeps; lower --window")
+    refused(["generate", str(mla_run), "--tokens", "30", "--policy", "snapkv", "--kept-fraction", "0.5", "--window", "4"],
+            r"--kept-fraction: 0.5 of the at most 1 tokens a cache holds when it evicts \(after each prefill\)")
+    refused(["generate", str(mla_run), "--policy", "streaming-llm", "--budget", "8", "--window", "2"],
+            "--window: streaming-llm keeps the newest tokens by definition")
+    refused(["generate", str(mla_run), "--window", "2"], "--window: sizes an eviction policy; give --policy too")
+    refused(["generate", str(mla_run), "--policy", "h2o", "--kept-fraction", "0.5", "--window", "-1"],
+            "--window: expected an int >= 0")
+    capsys.readouterr()
+    assert main(["generate", str(mla_run), "--tokens", "30", "--policy", "h2o", "--kept-fraction", "0.1",
+                 "--window", "2", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "h2o (--kept-fraction 0.1, sinks 0, window 2) kept 4 of 31 tokens seen per cache at the end (13%)" in err
+
+
+def test_one_prompt_is_printed_as_it_is_generated(mla_run, capsys, monkeypatch):
+    """The text of a single prompt appears token by token (a long run shows its progress) and
+    equals what the batch path prints; a byte tokenizer's characters come out whole."""
+    from qkmla import cli
+
+    printed = []
+    real_print = print
+    monkeypatch.setattr("builtins.print", lambda *a, **k: (printed.append(a), real_print(*a, **k)))
+    assert main(["generate", str(mla_run), "--tokens", "12", "--prompt", "ROMEO:", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert len(printed) >= 12 and out.startswith("ROMEO:") and out.count("-" * 40) == 1
+    monkeypatch.setattr("builtins.print", real_print)
+    assert main(["generate", str(mla_run), "--tokens", "12", "--prompt", "ROMEO:", "--prompt", "ROMEO:",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.split("-" * 40)[0] == out.split("-" * 40)[0]
+
+    class Byte:
+        kind = "byte"
+    stream = cli._text_stream(Byte())
+    text = "é€x".encode()
+    assert "".join(stream(b) for b in text) + stream(None) == "é€x"
+    assert [stream(b) for b in "é".encode()] == ["", "é"]

@@ -112,3 +112,18 @@ def test_a_non_finite_latent_reads_back_as_nan_not_as_finite_codes(kv_format, ba
     group = 256 if kv_format == "int8" else rows.group_size
     assert back[0, :group].isnan().all()  # the group holding it (the whole row for int8's one scale)
     assert back[1].isfinite().all() and back[0, group:].isfinite().all()
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-44, 3e-38])
+def test_latents_too_small_for_their_scale_read_back_finite(kv_format, magnitude):
+    """Issue 27, class 3: amax / code_max underflows (or is subnormal) for latents this small;
+    they read back finite and within float32's smallest normal number of what was stored."""
+    fmt = row_format(kv_format, 64, 8)
+    c = torch.full((2, 64), magnitude)
+    c[0, ::3] *= -1
+    c[1, 0] = 1.0  # a group of ordinary size beside tiny ones (int8 scales the whole row)
+    back = fmt.decode(fmt.encode(c, torch.zeros(2, 8)))[:, :64]
+    assert torch.isfinite(back).all()
+    tiny = torch.finfo(torch.float32).tiny
+    assert (back[0] - c[0]).abs().max() <= tiny

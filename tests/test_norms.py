@@ -66,3 +66,14 @@ def test_unknown_kind():
         ScalarNorm(4, "batch")
     with pytest.raises(ValueError, match="qk_norm_mode"):
         QKNorm(4, 2, mode="joint")
+
+
+def test_the_state_dict_records_the_variant():
+    """Issue 27, class 3: RMS and L2, blockwise and unified have the same shapes; the record
+    tells them apart."""
+    state = QKNorm(8, 4, "rms").state_dict()
+    assert bytes(state["_extra_state"].tolist()).decode() == "rms blockwise"
+    assert bytes(QKNorm(8, 4, "lp", p=3.0, mode="unified").state_dict()["_extra_state"].tolist()).decode() == \
+        "lp(p=3) unified"
+    with pytest.raises(ValueError, match="belong to a rms blockwise QK norm, but this module's is rms unified"):
+        QKNorm(8, 4, "rms", mode="unified").load_state_dict(state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import traceback
 from typing import Optional, Sequence
@@ -106,11 +107,55 @@ def _policy(args: argparse.Namespace):
             raise ValueError("--policy: needs exactly one of --kept-fraction or --budget, got "
                              f"{'both' if args.budget is not None else 'neither'}")
         size = {"budget": args.budget} if args.budget is not None else {"kept_fraction": args.kept_fraction}
+        if args.window is not None:
+            if args.policy == "streaming-llm":
+                raise ValueError("--window: streaming-llm keeps the newest tokens by definition (its window is "
+                                 "the budget less the sinks); --window sets h2o's and snapkv's protected window")
+            size["window"] = args.window
+        if args.sinks is not None:
+            size["sinks"] = args.sinks
         return make_policy(args.policy, **size)
-    if args.budget is not None or args.kept_fraction is not None:
-        raise ValueError(f"--{'budget' if args.budget is not None else 'kept-fraction'}: sizes an eviction "
-                         f"policy; give --policy too (one of {tuple(POLICIES)})")
+    for flag in ("budget", "kept_fraction", "window", "sinks"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: sizes an eviction policy; give --policy too "
+                             f"(one of {tuple(POLICIES)})")
     return None
+
+
+def _text_stream(tok):
+    """stream(id) -> the text that token adds (a byte tokenizer's multi-byte characters come out
+    whole, once their last byte is in); stream(None) -> what is left at the end."""
+    if tok.kind != "byte":
+        return lambda i: "" if i is None else tok.decode([i])
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return lambda i: decoder.decode(b"", final=True) if i is None else decoder.decode(bytes([i]))
+
+
+def _check_kept_fraction(policy, seen: int) -> None:
+    """A --kept-fraction that no cache of this run could be held to (every policy keeps its
+    sinks and window whatever the fraction) is refused, not run as a policy that evicts nothing."""
+    if policy.kept_fraction is None:
+        return
+    floor = policy.sinks + policy.window
+    if math.ceil(policy.kept_fraction * seen) < floor:
+        when = "when it evicts (after each prefill)" if policy.interval is None else "in this run"
+        knobs = "--sinks" if policy.name == "streaming-llm" else "--window" + (" or --sinks" if policy.sinks else "")
+        fix = f"raise --kept-fraction to at least {floor / seen:.3g}" if floor < seen else \
+            "no fraction can evict anything here"
+        raise ValueError(f"--kept-fraction: {policy.kept_fraction:g} of the at most {seen} tokens a cache holds {when} "
+                         f"is {math.ceil(policy.kept_fraction * seen)}, fewer than the sinks + window = "
+                         f"{policy.sinks} + {policy.window} that {policy.name} always keeps; lower {knobs} ({fix})")
+
+
+def _kept_line(policy, report: dict) -> str:
+    """What the policy really kept, per sequence, at the end of generation."""
+    kept, seen = report["kept"], report["seen"]
+    pairs = ", ".join(f"{k} of {n}" for k, n in zip(kept, seen))
+    asked = f"--budget {policy.budget}" if policy.budget is not None else f"--kept-fraction {policy.kept_fraction:g}"
+    return (f"{policy.name} ({asked}, sinks {policy.sinks}, window {policy.window}) kept {pairs} tokens seen "
+            f"per cache at the end ({sum(kept) / max(1, sum(seen)):.0%})")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -142,16 +187,38 @@ def _generate(args: argparse.Namespace) -> int:
             print(text)
             print("-" * 40)
         return 0
+    from .limits import check_fits
+    from .model.generate import max_tokens_seen
     from .train.trainer import load_model
 
+    # Every generated token is held until it is printed (its id, the Python int and the text):
+    # 48 bytes is a lower bound per token.
+    check_fits("--tokens", 48 * args.tokens * len(args.prompt),
+               f"{args.tokens} new tokens for each of {len(args.prompt)} prompt(s)")
     model, tok = load_model(args.run)
-    prompts = [tok.encode(p) for p in args.prompt]
+    try:
+        prompts = [tok.encode(p) for p in args.prompt]
+    except ValueError as e:
+        raise ValueError(f"--prompt: {str(e).partition(': ')[2]}") from None
+    if policy is not None:
+        _check_kept_fraction(policy, max_tokens_seen(model, prompts, args.tokens, policy.interval is None))
     gen = torch.Generator().manual_seed(args.seed)
-    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=True,
-                    policy=policy, kv_format=args.kv_format)
-    for p, o in zip(args.prompt, outs):
+    report = {}
+    stream = None
+    if len(prompts) == 1:  # one prompt: its text is printed as it comes, so a long run shows its progress
+        stream = _text_stream(tok)
+        print(args.prompt[0], end="", flush=True)
+    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=stream is None,
+                    policy=policy, kv_format=args.kv_format, report=report,
+                    on_token=None if stream is None else lambda ids: print(stream(ids[0]), end="", flush=True))
+    if stream is not None:
+        print(stream(None))
+        print("-" * 40)
+    for p, o in zip(args.prompt, outs) if stream is None else ():
         print(p + tok.decode(o))
         print("-" * 40)
+    if policy is not None:
+        print(_kept_line(policy, report), file=sys.stderr)
     return 0
 
 
@@ -274,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kept-fraction", type=float, default=None,
                    help="with --policy: fraction of the tokens seen that each cache keeps, in (0, 1]")
     g.add_argument("--budget", type=int, default=None, help="with --policy: tokens each cache keeps")
+    g.add_argument("--window", type=int, default=None,
+                   help="with --policy h2o or snapkv: the newest tokens always kept (default 32), part of the budget")
+    g.add_argument("--sinks", type=int, default=None,
+                   help="with --policy: the first tokens always kept (default 4 for streaming-llm, else 0)")
     g.set_defaults(func=_generate)
 
     cv = sub.add_parser("convert", help="HF DeepSeek-V2/V3 checkpoint directory -> MLA layers in safetensors, "

@@ -20,6 +20,36 @@ QK_NORMS = (None, "rms", "l2", "lp")
 QK_NORM_MODES = ("blockwise", "unified")
 
 
+def fixed_config(mutable: tuple = ()) -> property:
+    """A module's ``config`` attribute, fixed once the module is built.
+
+    The config decides the module's parameters and its arithmetic (which norm, which mode,
+    which widths), so a later ``module.config = other`` that changes any of that would leave
+    the weights and the paths disagreeing without a word; it is refused, naming the fields.
+    Only the ``mutable`` fields (settings of how the same function runs, e.g. MLA's
+    ``decode_backend``) may change by assignment.
+    """
+
+    def get(module):
+        return module.__dict__["_config"]
+
+    def set_(module, value) -> None:
+        current = module.__dict__.get("_config")
+        if current is not None:
+            if type(value) is not type(current):
+                raise ValueError(f"config: expected a {type(current).__name__}, got {type(value).__name__}")
+            changed = [f.name for f in dataclasses.fields(current)
+                       if f.name not in mutable and getattr(value, f.name) != getattr(current, f.name)]
+            if changed:
+                allowed = f"; only {list(mutable)} may change on a built module" if mutable else ""
+                raise ValueError(f"config: {changed} are fixed when the module is built (they decide its weights "
+                                 f"and arithmetic){allowed}; build a new {type(module).__name__} from "
+                                 f"config.replace(...) and load the weights into it")
+        module.__dict__["_config"] = value
+
+    return property(get, set_, doc="The module's config; structural fields are fixed after construction.")
+
+
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return

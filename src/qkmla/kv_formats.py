@@ -29,7 +29,8 @@ same way, so every width has every format.
 Dequantization is ``c[i] = code[i] * scale[i // group]`` in float32. Scales are float32
 (exact; a bfloat16 scale would add up to 2^-9 relative error for 2 bytes) and equal to
 amax / code_max, so a group's largest value maps to the largest code; a group of zeros
-stores scale 1. fp8 codes round to nearest even (torch's cast); int codes round half to even.
+stores scale 1, and a group so small that amax / code_max is below float32's smallest
+normal number (1.2e-38) stores that number (its codes then stay below code_max). fp8 codes round to nearest even (torch's cast); int codes round half to even.
 A zero byte reads as 0 in every part, and a 0xFF byte as NaN (a NaN scale, code or RoPE
 value), so zeroed rows read as zeros and NaN-filled ones poison any stray read.
 
@@ -138,7 +139,11 @@ class QuantizedRows(DenseRows):
         n = -(-d_c // g)
         c = torch.nn.functional.pad(c_kv.float(), (0, n * g - d_c)).unflatten(-1, (n, g))  # [..., n, g]
         amax = c.abs().amax(dim=-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / self.code_max, torch.ones_like(amax))
+        # A scale below float32's smallest normal number would lose its precision, and amax /
+        # code_max may underflow to 0 (codes c / 0 = NaN): a group that small is scaled by
+        # that smallest normal instead, which keeps its codes within range (|c| / tiny < code_max).
+        tiny = torch.finfo(torch.float32).tiny
+        scale = torch.where(amax > 0, (amax / self.code_max).clamp_min(tiny), torch.ones_like(amax))
         # A NaN or inf in a group makes its scale NaN, so the group reads back as NaN (as a
         # dense cache would pass it on), never as finite codes of a meaningless scale.
         scale = torch.where(torch.isfinite(amax), scale, torch.full_like(amax, float("nan")))

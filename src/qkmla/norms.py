@@ -95,7 +95,47 @@ class ScalarNorm(nn.Module):
         return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}"
 
 
-class QKNorm(nn.Module):
+class RecordsVariant:
+    """Mixin: the state dict records which norm made it (``variant()``, as ASCII bytes under
+    ``_extra_state``, so safetensors holds it), and loading a state recorded by another
+    variant is refused. Shapes alone cannot tell RMS from L2 or blockwise from unified, and
+    the same weights mean a different function under each. A state without the record
+    (saved before it existed, or by another library) loads as it always did."""
+
+    def variant(self) -> str:
+        raise NotImplementedError
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(list(self.variant().encode()), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:  # checked in _load_from_state_dict, which knows the key
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            saved = state_dict[key]
+            saved = bytes(saved.tolist()).decode("ascii", "replace") if isinstance(saved, torch.Tensor) else str(saved)
+            if saved != self.variant():
+                raise ValueError(f"state_dict: {key} says these weights belong to a {saved} QK norm, but this "
+                                 f"module's is {self.variant()}; build the module with the config they were "
+                                 f"saved with")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if key in missing_keys:
+            missing_keys.remove(key)
+
+
+class HeadNorm(RecordsVariant, ScalarNorm):
+    """A :class:`ScalarNorm` that records its kind (and p) in the state dict: the per-head QK
+    norm of ``MultiHeadAttention``."""
+
+    def variant(self) -> str:
+        return f"{self.kind}" + (f"(p={self.p:g})" if self.kind == "lp" else "")
+
+
+class QKNorm(RecordsVariant, nn.Module):
     """Normalizes one head's query or key split into a content block and a RoPE block.
 
     ``blockwise``: each block has its own statistic (MATH.md default).
@@ -114,6 +154,10 @@ class QKNorm(nn.Module):
         self.mode = mode
         self.content = ScalarNorm(content_dim, kind, p, eps)
         self.rope = ScalarNorm(rope_dim, kind, p, eps)
+
+    def variant(self) -> str:
+        c = self.content
+        return f"{c.kind}" + (f"(p={c.p:g})" if c.kind == "lp" else "") + f" {self.mode}"
 
     def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified mode."""

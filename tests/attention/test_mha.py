@@ -70,3 +70,28 @@ def test_bad_inputs():
         attn(torch.randn(1, 1, 32), cache="kv")
     with pytest.raises(ValueError, match="config"):
         MultiHeadAttention({"hidden_size": 32})
+
+
+def test_what_the_padding_holds_never_reaches_a_real_token():
+    """Issue 27, class 3: NaN right padding leaves every real output as zero padding leaves it."""
+    attn = make(VARIANTS["gqa-rms"])
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    lengths = torch.tensor([5, 2])
+    outs = []
+    for fill in (0.0, float("nan")):
+        xp = x.clone()
+        xp[1, 2:] = fill
+        cache = FullKVCache.from_config(attn.config, 2, 8, dtype=torch.float64)
+        pre = attn(xp, cache, input_lengths=lengths)
+        outs.append(torch.cat([pre[0], pre[1, :2], attn(x[:, :1], cache).flatten(0, 1)]))
+    assert not outs[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+def test_the_structure_of_a_built_module_is_fixed():
+    attn = make(VARIANTS["gqa-rms"])
+    with pytest.raises(ValueError, match=r"config: \['qk_norm'\] are fixed when the module is built"):
+        attn.config = attn.config.replace(qk_norm="l2")
+    with pytest.raises(ValueError, match=r"state_dict: q_norm\._extra_state says these weights belong to a rms QK "
+                                         r"norm, but this module's is l2"):
+        make(dict(VARIANTS["gqa-rms"], qk_norm="l2")).load_state_dict(attn.state_dict())

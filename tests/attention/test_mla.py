@@ -412,3 +412,66 @@ def test_a_new_token_is_rotated_at_its_position_and_stored_at_its_slot(path):
     want = mla(x, positions=torch.tensor([0, 1, 2, 3, 4, 7]))[:, 5:]
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert cache.seqlens.tolist() == [6] and cache.next_positions.tolist() == [8]
+
+
+# -- issue 27, class 3: no silent wrong answers -----------------------------------------------
+
+@pytest.mark.parametrize("kv_format", ["dense", "int8"])
+@pytest.mark.parametrize("path", ["auto", "absorbed", "expand"])
+@pytest.mark.parametrize("cache_kind", ["latent", "full"])
+def test_what_the_padding_holds_never_reaches_a_real_token(path, kv_format, cache_kind):
+    """Right padding (past input_lengths) full of NaN, inf or huge values: every real token's
+    output, and the decode step after it, equal those with zero padding, on every path."""
+    if cache_kind == "full" and (path != "auto" or kv_format != "dense"):
+        pytest.skip("a FullKVCache has one path and one format")
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(3, 6, mla.config.hidden_size, dtype=torch.float64)
+    lengths = torch.tensor([6, 2, 4])
+    outs = []
+    for fill in (0.0, float("nan"), float("inf"), 1e300):
+        xp = x.clone()
+        for b, n in enumerate(lengths.tolist()):
+            xp[b, n:] = fill
+        if cache_kind == "latent":
+            cache = LatentCache.from_config(mla.config, 3, 8, dtype=torch.float64, kv_format=kv_format)
+        else:
+            cache = FullKVCache.from_config(mla.config, 3, 8, dtype=torch.float64)
+        pre = mla(xp, cache, input_lengths=lengths, path=path)
+        dec = mla(x[:, :1], cache, path="auto" if path == "auto" else "expand" if path == "expand" else "absorbed")
+        real = torch.cat([pre[b, :n] for b, n in enumerate(lengths.tolist())] + [dec.flatten(0, 1)])
+        assert not real.isnan().any(), fill
+        outs.append(real)
+    for got in outs[1:]:
+        torch.testing.assert_close(got, outs[0], rtol=0, atol=0)
+
+
+def test_the_structure_of_a_built_module_is_fixed():
+    """Assigning a config that changes the norm, its mode or a width is refused (the weights and
+    the absorbed path would silently disagree); decode_backend, a setting of how the same
+    function runs, may change."""
+    mla = make(qk_norm="rms").eval()
+    x = torch.randn(1, 4, mla.config.hidden_size, dtype=torch.float64)
+    before = mla(x)
+    for change in (dict(qk_norm_mode="unified"), dict(qk_norm="l2"), dict(qk_norm_eps=1e-3),
+                   dict(softmax_scale=0.5), dict(rope_theta=500.0)):
+        with pytest.raises(ValueError, match=rf"config: \['{next(iter(change))}'\] are fixed when the module is built"):
+            mla.config = mla.config.replace(**change)
+    mla.config = mla.config.replace(decode_backend="naive")
+    assert mla.decode_backend == "naive" and mla.config.qk_norm_mode == "blockwise"
+    torch.testing.assert_close(mla(x), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    (dict(qk_norm="rms"), dict(qk_norm="rms", qk_norm_mode="unified")),
+    (dict(qk_norm="rms", qk_norm_mode="unified"), dict(qk_norm="rms")),
+    (dict(qk_norm="rms"), dict(qk_norm="l2")),
+    (dict(qk_norm="lp", qk_norm_p=3.0), dict(qk_norm="lp", qk_norm_p=4.0)),
+])
+def test_a_state_of_another_norm_variant_is_refused_though_the_shapes_match(saved, loaded):
+    state = make(**saved).state_dict()
+    target = make(**loaded)
+    with pytest.raises(ValueError, match=r"state_dict: q_norm\._extra_state says these weights belong to a .* QK norm"):
+        target.load_state_dict(state)
+    make(**saved).load_state_dict(state)  # its own variant loads
+    # A state saved before the record existed (or by another library) loads as it always did.
+    target.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})

@@ -39,3 +39,27 @@ def test_bytes():
     assert buf.nbytes == 2 * 10 * 5 * 2
     paged = PagedLayout(4).buffer(2, 10, 5, torch.float32)  # 3 blocks of 4 per sequence
     assert paged.nbytes == 6 * 4 * 5 * 4
+
+
+@pytest.mark.parametrize("table,message", [
+    (torch.tensor([[0, 1], [1, 2]]), r"block\(s\) \[1\] are listed more than once"),
+    (torch.tensor([[0, 0], [1, 2]]), r"block\(s\) \[0\] are listed more than once"),
+    (torch.tensor([[0, -1], [2, 3]]), "block ids must be >= 0, got -1"),
+    (torch.tensor([[0.0, 1.0], [2.0, 3.0]]), "expected an integer tensor of block ids"),
+])
+def test_a_block_table_that_would_mix_sequences_is_refused(table, message):
+    """Issue 27, class 3: a block two sequences share, or a negative id (which would index from
+    the pool's end), would let one sequence's writes land in another's rows."""
+    with pytest.raises(ValueError, match=message):
+        PagedLayout(4, block_table=table).buffer(2, 8, 3, torch.float32)
+
+
+def test_the_decode_op_refuses_block_ids_outside_the_pool():
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    q_lat, q_rope = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8)
+    pool = torch.randn(4, 4, 24)
+    for backend in ("torch", "naive"):
+        for table in (torch.tensor([[0, 1], [-1, 3]]), torch.tensor([[0, 1], [2, 4]])):
+            with pytest.raises(ValueError, match="block_table: "):
+                mla_decode_with_kvcache(q_lat, q_rope, pool, table, torch.tensor([8, 8]), backend=backend)

@@ -163,3 +163,29 @@ def test_single_file_checkpoint_and_fp8_blocks(saved, tmp_path):
     save_file(tensors, str(flat / "model.safetensors"))
     with pytest.raises(ValueError, match="FP8 tensor .*kv_b_proj.weight needs .*kv_b_proj.weight_scale_inv"):
         mla_from_hf_dir(flat, 0)
+
+
+def test_integer_weights_and_a_null_index_entry_are_refused(saved, tmp_path, spy):
+    """Issue 27, classes 2 and 3: an index that maps a tensor to null, and integer attention
+    weights (cast silently or a traceback before), each give one error naming the file."""
+    from safetensors import safe_open
+
+    path = _copy(saved, tmp_path)
+    index = json.loads((path / checkpoint.INDEX).read_text())
+    good = dict(index["weight_map"])
+    index["weight_map"]["model.layers.1.self_attn.o_proj.weight"] = None
+    (path / checkpoint.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json: 'weight_map' must map tensor names to shard file names; "
+                                         r"'model.layers.1.self_attn.o_proj.weight' maps to None"):
+        mla_layers_from_hf_dir(path)
+    index["weight_map"] = good
+    (path / checkpoint.INDEX).write_text(json.dumps(index))
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    shard = path / good[key]
+    with safe_open(str(shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key] = tensors[key].round().to(torch.int32)
+    save_file(tensors, str(shard))
+    with pytest.raises(ValueError, match=rf"{good[key]}: {key} is stored as I32; attention weights are floating point"):
+        mla_layers_from_hf_dir(path)
+    assert spy.read == []

@@ -124,3 +124,36 @@ def test_a_policy_needs_an_mla_model():
         generate(model, [[1, 2]], 2, policy=H2O(budget=4, window=1))
     with pytest.raises(ValueError, match="policy: expected an EvictionPolicy"):
         GPT(GPT_PRESETS["debug"]).make_caches(1, 8, policy="h2o")
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([[1.7, 2.0]], r"prompts: prompt 0 holds 1.7; token ids are ints in \[0, 65\)"),
+    ([[1, 2], [3, 65]], r"prompts: prompt 1 holds 65"),
+    ([[-1]], r"prompts: prompt 0 holds -1"),
+    ([[True, 2]], r"prompts: prompt 0 holds True"),
+    ([torch.tensor([1.0, 2.0])], r"prompts: prompt 0 holds 1.0"),
+    ([[]], "prompts: expected one or more non-empty lists"),
+    ("abc", "prompts: expected one or more non-empty lists"),
+])
+def test_token_ids_are_what_they_claim_to_be(prompts, message):
+    """Issue 27, class 3: a float id is refused, not truncated to another token; so is one
+    outside the vocabulary (an index error deep in the embedding before)."""
+    model = GPT(GPT_PRESETS["debug"])
+    with pytest.raises(ValueError, match=message):
+        generate(model, prompts, 2)
+
+
+def test_the_model_refuses_ids_outside_its_vocabulary():
+    model = GPT(GPT_PRESETS["debug"])
+    with pytest.raises(ValueError, match=r"idx: token ids must lie in \[0, vocab_size=65\), got 0..65"):
+        model(torch.tensor([[0, 65]]))
+
+
+def test_generation_reports_what_a_policy_kept():
+    from qkmla.cache import H2O
+
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["debug"].replace(block_size=16)).eval()
+    report = {}
+    generate(model, [[1, 2, 3], [4]], 10, temperature=0, policy=H2O(kept_fraction=0.5, window=2), report=report)
+    assert report["seen"] == [13, 11] and report["kept"] == [7, 6]

@@ -64,3 +64,22 @@ def test_split_by_play_refuses_other_text(tmp_path):
         Corpus.load("tiny_shakespeare", split="middle")
     with pytest.raises(ValueError, match="split: 'plays' holds out whole plays"):
         TrainConfig(data="tiny_shakespeare", split="plays")
+
+
+def test_a_byte_tokenizer_trains_on_the_files_bytes_and_a_char_one_refuses_non_utf8(tmp_path):
+    """Issue 27, class 3: bytes that are not UTF-8 (Latin-1 text, binary) are the data, as they
+    are, for --tokenizer byte; a char vocabulary would turn them into replacement characters,
+    so it is refused naming the file and the byte."""
+    raw = ("café " * 40).encode("latin-1") + bytes(range(256))
+    f = tmp_path / "latin1.txt"
+    f.write_bytes(raw)
+    c = Corpus.load(str(f), tokenizer="byte")
+    assert torch.equal(torch.cat([c.train, c.val]), torch.tensor(list(raw)))
+    assert 0xE9 in c.train.tolist() and 0xFFFD not in c.train.tolist()
+    with pytest.raises(ValueError, match=r"data: .*latin1.txt is not UTF-8 text \(byte 3 is b'\\xe9'\)"):
+        Corpus.load(str(f), tokenizer="char")
+    # UTF-8 text keeps the fingerprint it had (a resumed run's data check compares it).
+    g = tmp_path / "utf8.txt"
+    g.write_text("héllo wörld " * 50)
+    from qkmla.train.data import data_fingerprint
+    assert Corpus.load(str(g), tokenizer="byte").fingerprint == data_fingerprint(g.read_text())

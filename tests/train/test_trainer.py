@@ -266,3 +266,20 @@ def test_out_that_cannot_be_a_directory_is_refused(tmp_path):
 
 
 FILENAME_DIR = "checkpoint.safetensors"
+
+
+def test_integer_weights_in_a_checkpoint_are_refused(tmp_path):
+    """Issue 27, class 3: load_state_dict would cast them to float silently."""
+    import torch
+
+    from qkmla.train.checkpoint import read_checkpoint, read_metadata, save_checkpoint
+
+    train(TrainConfig(**FAST, steps=1, out=str(tmp_path)))
+    state, tensors, meta = read_checkpoint(tmp_path)
+    state = {k: (v.round().long() if k == "lm_head.weight" else v) for k, v in state.items()}
+    optim = {}
+    save_checkpoint(tmp_path / "ints", state, optim, 1, json.loads(read_metadata(tmp_path / FILENAME_DIR)["config"]),
+                    torch.Generator())
+    with pytest.raises(ValueError, match=r"checkpoint .*ints: holds integer weights where the model has "
+                                         r"floating-point ones: (lm_head|wte)\.weight \(torch.int64\)"):
+        load_model(tmp_path / "ints")

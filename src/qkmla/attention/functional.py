@@ -48,6 +48,16 @@ def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor]) -> tor
     return positions.to(x.device)
 
 
+def zero_padding(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [B, T, d] with the right padding (``valid`` [B, T] False) set to 0, or x itself.
+
+    A padded token is never attended to, but its keys and values still enter the attention
+    products, where a softmax weight of 0 times a NaN or inf is NaN: zeroed first, the
+    padding cannot reach a real token's output, whatever it held.
+    """
+    return x if valid is None else x.masked_fill(~valid[..., None], 0)
+
+
 def per_head(scale: Scale, ndim_after: int) -> Scale:
     """Broadcast a per-head scale [h] over ``ndim_after`` trailing dims."""
     if isinstance(scale, torch.Tensor):

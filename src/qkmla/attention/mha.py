@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ..cache.full import FullKVCache
-from ..config import AttentionConfig
-from ..norms import ScalarNorm
+from ..config import AttentionConfig, fixed_config
+from ..norms import HeadNorm
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, record_max_logits, sdpa
+from .functional import check_hidden, default_positions, record_max_logits, sdpa, zero_padding
 
 
 class MultiHeadAttention(nn.Module):
@@ -31,6 +31,8 @@ class MultiHeadAttention(nn.Module):
         >>> y = attn(torch.randn(1, 5, cfg.hidden_size))  # [1, 5, 64]
     """
 
+    config = fixed_config()
+
     def __init__(self, config: AttentionConfig):
         super().__init__()
         if not isinstance(config, AttentionConfig):
@@ -42,8 +44,8 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
         if c.qk_norm is not None:
-            self.q_norm = ScalarNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
-            self.k_norm = ScalarNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
+            self.q_norm = HeadNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
+            self.k_norm = HeadNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
@@ -83,6 +85,6 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")
         cache.check_config(c)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
-        q, k, v = self.qkv(x, slot.positions)
+        q, k, v = self.qkv(zero_padding(x, slot.valid), slot.positions)
         k, v = cache.update(slot, k, v)
         return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))

@@ -28,12 +28,12 @@ from torch import nn
 
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
-from ..config import MLAConfig
+from ..config import MLAConfig, fixed_config
 from ..norms import make_qk_norms
 from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
 from ..rope import RotaryEmbedding
 from .absorbed import AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, values_out
-from .functional import default_positions, record_max_logits, sdpa
+from .functional import default_positions, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 
@@ -97,6 +97,8 @@ class MLA(nn.Module):
         >>> torch.allclose(y_dec, y[:, 9:], atol=1e-5)
         True
     """
+
+    config = fixed_config(mutable=("decode_backend",))
 
     def __init__(self, config: MLAConfig, projections: Optional[dict[str, nn.Module]] = None):
         """``projections``: existing modules to use as the projections and latent norms, by
@@ -249,6 +251,7 @@ class MLA(nn.Module):
                 record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        x = zero_padding(x, slot.valid)  # on every path: padding never reaches a real token
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)

@@ -154,12 +154,25 @@ class PagedLayout(Layout):
             per_seq = -(-capacity // self.block_size)
             self.block_table = torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq)
         table = self.block_table
+        if not isinstance(table, torch.Tensor) or table.dtype.is_floating_point or table.dtype.is_complex \
+                or table.dtype == torch.bool:
+            got = table.dtype if isinstance(table, torch.Tensor) else type(table).__name__
+            raise ValueError(f"block_table: expected an integer tensor of block ids, got {got}")
         if table.dim() != 2 or table.shape[0] != batch_size:
             raise ValueError(f"block_table: expected shape [batch_size={batch_size}, blocks_per_seq], "
                              f"got {tuple(table.shape)}")
         if table.shape[1] * self.block_size < capacity:
             raise ValueError(f"block_table: {table.shape[1]} blocks of {self.block_size} tokens hold fewer "
                              f"than capacity={capacity} tokens")
+        # Every block is written by the one sequence that owns it: a negative id would index
+        # from the pool's end, and a block listed twice would hold two sequences' rows.
+        if int(table.min()) < 0:
+            raise ValueError(f"block_table: block ids must be >= 0, got {int(table.min())}")
+        ids, counts = table.flatten().unique(return_counts=True)
+        if bool((counts > 1).any()):
+            shared = ids[counts > 1][:4].tolist()
+            raise ValueError(f"block_table: each block belongs to one sequence slot, but block(s) {shared} are "
+                             f"listed more than once")
         if self.num_blocks is None:
             self.num_blocks = int(table.max()) + 1
         elif int(table.max()) >= self.num_blocks:

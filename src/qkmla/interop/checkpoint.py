@@ -67,6 +67,13 @@ def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: expected a JSON object with a 'weight_map' ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names, got a "
+                             f"{type(weight_map).__name__}")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names; {bad[0]!r} maps "
+                             f"to {bad[1]!r}")
         return weight_map, index
     single = root / SINGLE
     if single.is_file():
@@ -157,6 +164,9 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
             if shape != shapes[name]:
                 raise ValueError(f"{root / weight_map[key]}: {key} has shape {shape}, the config in "
                                  f"{root / CONFIG} needs {shapes[name]}")
+            if not (kind.startswith("F") or kind == "BF16"):  # integer weights would be cast silently
+                raise ValueError(f"{root / weight_map[key]}: {key} is stored as {kind}; attention weights are "
+                                 f"floating point (or FP8 with a scale)")
             scale_key = key + "_scale_inv" if kind in _FP8 else None
             if scale_key is not None:
                 want = tuple(math.ceil(n / b) for n, b in zip(shape, block))

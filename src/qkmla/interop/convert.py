@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from ..attention.functional import default_positions, per_head
 from ..attention.mla import MLA
 from ..config import MLAConfig
+from ..dtypes import check_float_state
 from .checkpoint import mla_layers_from_hf_dir, read_hf_tensors
 from .hf import _OURS
 
@@ -158,7 +159,11 @@ def load_converted(out_dir: Union[str, Path]) -> dict[int, MLA]:
         for i in indices:
             prefix = f"model.layers.{i}.self_attn."
             state = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-            mla = MLA(config).to(next(iter(state.values())).dtype)
+            if "kv_b_proj.weight" not in state:
+                raise ValueError(f"{weights}: layer {i} (listed in {meta_path}) has no {prefix}kv_b_proj.weight")
+            mla = MLA(config)
+            check_float_state(state, mla, str(weights))
+            mla = mla.to(state["kv_b_proj.weight"].dtype)
             try:
                 mla.load_state_dict(state)
             except RuntimeError as e:

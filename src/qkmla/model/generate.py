@@ -17,8 +17,9 @@ and generation never slides.
 
 from __future__ import annotations
 
+import collections
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +34,19 @@ def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", 
         raise ValueError(f"{names[1]}: expected a finite number >= 0 (0 is greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"{names[2]}: expected a positive int or None, got {top_k!r}")
+
+
+def check_prompts(prompts, vocab_size: int) -> None:
+    """One or more non-empty lists of token ids, each an int in [0, vocab_size): a float id is
+    refused, not truncated to another token."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or not len(prompts) \
+            or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or not len(p) for p in prompts):
+        raise ValueError("prompts: expected one or more non-empty lists of token ids")
+    for i, p in enumerate(prompts):
+        ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts: prompt {i} holds {bad[0]!r}; token ids are ints in [0, {vocab_size})")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -62,35 +76,60 @@ def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None,
     return caches, logits[torch.arange(len(windows), device=device), lengths - 1]
 
 
+def max_tokens_seen(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    prefills_only: bool = False) -> int:
+    """The most tokens one sequence's cache has seen when :func:`generate` lets a policy evict
+    (without a policy that re-positions): its prompt (at most block_size - 1 tokens) and the
+    new tokens, until the window slides at block_size. ``prefills_only``: a policy that evicts
+    after prefills only (SnapKV's default): the prompt, or the block_size // 2 tokens
+    prefilled again when the window slides."""
+    context = model.config.block_size
+    longest = max(min(len(p), max(1, context - 1)) for p in prompts)
+    if not prefills_only:
+        return min(context, longest + max_new_tokens)
+    slides = longest + max_new_tokens > context
+    return max(longest, max(1, context // 2) if slides else 0)
+
+
 @torch.no_grad()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             progress: bool = False, policy=None, kv_format: str = "dense") -> list[list[int]]:
+             progress: bool = False, policy=None, kv_format: str = "dense",
+             report: Optional[dict] = None, on_token: Optional[Callable[[list], None]] = None) -> list[list[int]]:
     """Continue every prompt by ``max_new_tokens`` tokens, sliding the context window (module
     docstring); returns the new tokens per prompt. ``progress`` shows a bar (on a terminal);
     ``policy`` is an eviction policy for the latent caches (``qkmla.cache.eviction``) and
-    ``kv_format`` their latents' storage (``qkmla.kv_formats.KV_FORMATS``), MLA variants only."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: expected one or more non-empty token lists")
+    ``kv_format`` their latents' storage (``qkmla.kv_formats.KV_FORMATS``), MLA variants only.
+    ``report``: a dict to fill with what the first layer's caches hold at the end, per
+    sequence: ``kept`` (tokens cached) and ``seen`` (tokens written since the last slide,
+    evicted ones included), so a caller can say what a policy really kept. ``on_token``: called
+    with each step's new token ids (one per prompt), e.g. to print them as they come."""
+    check_prompts(prompts, model.config.vocab_size)
     check_sampling(max_new_tokens, temperature, top_k)
     model.eval()
     context = model.config.block_size
-    history = [list(p)[-(context - 1):] if context > 1 else list(p)[-1:] for p in prompts]
-    caches, last = _prefill(model, history, context, policy, kv_format)
-    out = []
+    # Only the last block_size tokens are ever prefilled again, so that is all the history
+    # kept: memory grows with the output alone (8 bytes a token), however long the run.
+    history = [collections.deque(list(p)[-(context - 1):] if context > 1 else list(p)[-1:], maxlen=context)
+               for p in prompts]
+    caches, last = _prefill(model, [list(h) for h in history], context, policy, kv_format)
+    out = torch.empty(len(prompts), max_new_tokens, dtype=torch.long)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=None, leave=False)
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         nxt = sample_next(last, temperature, top_k, generator)
-        out.append(nxt)
-        for h, t in zip(history, nxt.tolist()):
+        out[:, i] = nxt.cpu()
+        ids = nxt.tolist()
+        for h, t in zip(history, ids):
             h.append(t)
+        if on_token is not None:
+            on_token(ids)
         if int(caches[0].next_positions.max()) == context:  # the positions are used up: slide
             keep = max(1, context // 2)
-            caches, last = _prefill(model, [h[-keep:] for h in history], context, policy, kv_format)
+            caches, last = _prefill(model, [list(h)[-keep:] for h in history], context, policy, kv_format)
         else:
             logits, _ = model(nxt[:, None], caches=caches)
             last = logits[:, -1]
@@ -98,4 +137,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             bar.update(1)
     if bar is not None:
         bar.close()
-    return torch.stack(out, dim=1).tolist()
+    if report is not None:
+        cache = caches[0]
+        evicted = cache.eviction.evicted if cache.eviction is not None else torch.zeros_like(cache.seqlens)
+        report.update(kept=cache.seqlens.tolist(), seen=(cache.seqlens + evicted).tolist())
+    return out.tolist()

@@ -29,7 +29,7 @@ from ..attention.mha import MultiHeadAttention
 from ..attention.mla import MLA
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
-from ..config import AttentionConfig, MLAConfig
+from ..config import AttentionConfig, MLAConfig, fixed_config
 from ..kv_formats import check_kv_format
 
 ATTENTION_VARIANTS = (
@@ -160,6 +160,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only LM. ``forward(idx [B, T], targets=None, caches=None) -> (logits [B, T, V], loss)``."""
 
+    config = fixed_config()
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -214,6 +216,12 @@ class GPT(nn.Module):
         if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {idx.dtype} {tuple(idx.shape)}")
         B, T = idx.shape
+        # An id past the vocabulary is an index error deep in the embedding (a device assert
+        # on a GPU); checked here, outside a compiled graph (where the read would break it).
+        if not torch.compiler.is_compiling() and idx.numel() and \
+                (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
+            raise ValueError(f"idx: token ids must lie in [0, vocab_size={self.config.vocab_size}), got "
+                             f"{int(idx.min())}..{int(idx.max())}")
         if caches is None and T > self.config.block_size and not allow_longer:
             raise ValueError(f"idx: sequence of {T} tokens is longer than block_size={self.config.block_size}")
         x = self.drop(self.wte(idx))

@@ -32,18 +32,31 @@ TEST_PLAYS = ("MUCH ADO ABOUT NOTHING", "MACBETH")
 _WORK_TITLE = re.compile(r"^([^\n]+)\n\n?by William Shakespeare\n", re.M)
 
 
-def load_text(source: str = "tiny_shakespeare") -> str:
-    """An embedded corpus by name, or the text of a file path."""
+def load_bytes(source: str = "tiny_shakespeare") -> bytes:
+    """The bytes of an embedded corpus by name, or of a file path."""
     if source in EMBEDDED:
-        data = resources.files("qkmla").joinpath("data", EMBEDDED[source]).read_bytes()
-        return lzma.decompress(data).decode("utf-8")
+        return lzma.decompress(resources.files("qkmla").joinpath("data", EMBEDDED[source]).read_bytes())
     path = Path(source)
     if not path.is_file():
         raise ValueError(f"data: expected one of {sorted(EMBEDDED)} or a path to a text file, got {source!r}")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"data: cannot read {source} ({e.strerror})") from None
+    if not data:
         raise ValueError(f"data: {source} is empty")
-    return text
+    return data
+
+
+def load_text(source: str = "tiny_shakespeare") -> str:
+    """An embedded corpus by name, or the text of a UTF-8 file path (any other file is refused:
+    a char vocabulary of replacement characters would be a silent change of the data)."""
+    data = load_bytes(source)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data: {source} is not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); "
+                         f"--tokenizer byte trains on a file's bytes, whatever they are") from None
 
 
 class Tokenizer:
@@ -82,9 +95,13 @@ class Tokenizer:
         return {"kind": self.kind, "chars": self.chars}
 
 
-def data_fingerprint(text: str) -> dict:
-    """What identifies a corpus whatever path it was read from: its length and CRC-32."""
-    return {"chars": len(text), "crc32": zlib.crc32(text.encode("utf-8", errors="replace"))}
+def data_fingerprint(text) -> dict:
+    """What identifies a corpus whatever path it was read from: its length in characters and
+    the CRC-32 of its bytes (``text`` a str, or the bytes a byte tokenizer reads; for UTF-8
+    text both give the same fingerprint)."""
+    data = text if isinstance(text, bytes) else text.encode("utf-8", errors="replace")
+    chars = len(data.decode("utf-8", errors="replace")) if isinstance(text, bytes) else len(text)
+    return {"chars": chars, "crc32": zlib.crc32(data)}
 
 
 def works(text: str) -> list[tuple[str, int, int]]:
@@ -131,6 +148,11 @@ class Corpus:
         "plays" (see the module docstring; the ``shakespeare`` corpus only)."""
         if split not in SPLITS:
             raise ValueError(f"split: expected one of {SPLITS}, got {split!r}")
+        if tokenizer == "byte" and split == "tail":  # the file's bytes as they are, UTF-8 or not
+            data = load_bytes(source)
+            ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+            n = int(train_fraction * len(ids))
+            return cls(Tokenizer("byte"), ids[:n], ids[n:], data_fingerprint(data))
         text = load_text(source)
         tok = Tokenizer.fit(text, tokenizer)
         if split == "plays":

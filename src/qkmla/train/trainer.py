@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.qk_clip import qk_clip_
+from ..dtypes import check_float_state
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
 from .config import TrainConfig
@@ -226,6 +227,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
                              + "\n  ".join(diffs) + "\n(steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
         model_state, optim_state, start = load_checkpoint(out / FILENAME, generator)
+        check_float_state(model_state, model, f"resume: checkpoint {out / FILENAME}")
         if start >= config.steps:
             raise ValueError(f"steps: the run in {out} is already at step {start}; pass --steps above it to "
                              "train further")
@@ -374,6 +376,7 @@ def load_model(run_dir: str | Path) -> tuple[GPT, "Tokenizer"]:  # noqa: F821
     state, _, meta = read_checkpoint(run_dir)
     cfg = json.loads(meta["config"])
     model = GPT(GPTConfig(**cfg["model"]))
+    check_float_state(state, model, f"checkpoint {run_dir}")
     model.load_state_dict(state)
     tok = cfg["tokenizer"]
     return model.eval(), Tokenizer(tok["kind"], tok["chars"])

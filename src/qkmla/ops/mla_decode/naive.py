@@ -82,6 +82,8 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         n = int(cache_seqlens[b])
         slot = torch.arange(n, device=q_lat.device)
         blocks = block_table[b, slot // page].long()
+        if bool((blocks < 0).any()) or bool((blocks >= kv_cache.shape[0]).any()):
+            raise ValueError(f"block_table: sequence {b} reads block ids outside [0, num_blocks={kv_cache.shape[0]})")
         rows = rows_format.decode(kv_cache[blocks, slot % page]).to(compute_dtype)  # [n, d_c + d_r], dequantized
         c, k_rope = rows[:, :d_c], rows[:, d_c:]
         r = scale_cache[blocks, slot % page].to(compute_dtype) if scale_cache is not None else None

@@ -258,7 +258,13 @@ def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int)
     if block_table is None:
         return pool[:, :length]
     n = -(-length // pool.shape[1])
-    return pool[block_table[:, :n].long()].flatten(1, 2)[:, :length]
+    ids = block_table[:, :n].long()
+    # A negative id would index from the pool's end: another sequence's rows, read silently.
+    if n > ids.shape[1] or bool((ids < 0).any()) or bool((ids >= pool.shape[0]).any()):
+        raise ValueError(f"block_table: the first {n} block ids of every sequence must lie in [0, num_blocks="
+                         f"{pool.shape[0]}), got ids {ids.min().item() if ids.numel() else None}.."
+                         f"{ids.max().item() if ids.numel() else None} over {ids.shape[1]} blocks")
+    return pool[ids].flatten(1, 2)[:, :length]
 
 
 def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,

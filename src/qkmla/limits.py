@@ -1,0 +1,57 @@
+"""Sizes that drive an allocation, checked against the memory this machine has before any work.
+
+An option such as ``--tokens 100000000`` or ``--batch-size 10000000`` is accepted by every
+range check and then fails minutes later with an out-of-memory error (or a machine that
+swaps until it is killed). :func:`check_fits` refuses it up front, naming the option, when
+a lower bound of what it needs exceeds the memory available now: it never refuses a size
+that could run, and the bound is stated in the message.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_bytes() -> Optional[int]:
+    """Memory this process can still allocate, in bytes: Linux's MemAvailable, lowered to what
+    the cgroup's limit leaves (a container's), or None where neither can be read."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        avail = limit - used if avail is None else min(avail, limit - used)
+    return avail
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**27 else f"{n / 2**20:.3g} MiB"
+
+
+def check_fits(name: str, needed: int, what: str) -> None:
+    """ValueError naming ``name`` if ``needed`` bytes (a lower bound of what ``what`` takes)
+    exceed the memory available now; nothing where the available memory is unknown."""
+    avail = available_bytes()
+    if avail is not None and needed > avail:
+        raise ValueError(f"{name}: {what} need at least {gib(needed)}, more than the {gib(avail)} of memory "
+                         f"available; use a smaller value")
