@@ -26,7 +26,7 @@ def test_demo_default_step_count_is_the_fixed_constant(tmp_path, monkeypatch, ca
     """No timing decides the length of the runs: without --steps every run trains demo.STEPS."""
     seen = []
 
-    def fake_train_all(out, preset, steps):
+    def fake_train_all(out, preset, steps, overwrite=False):
         seen.append(steps)
         raise RuntimeError("stopped by the test")
 

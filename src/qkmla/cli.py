@@ -11,7 +11,7 @@ import traceback
 from typing import Optional, Sequence
 
 from .cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from .cli_errors import Parser, flag_message
+from .cli_errors import Parser, environment_message, flag_message, quiet_broken_pipe
 
 # Named here for --help without importing torch; tests check them against
 # qkmla.kv_formats.KV_FORMATS and qkmla.cache.eviction.POLICIES.
@@ -89,8 +89,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .files import check_output
     from .train.plot import plot_runs
 
+    inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
+    check_output("--out", [args.out], inputs, args.overwrite, "figure")
     path = plot_runs(args.runs, args.out)
     print(f"wrote {path}")
     return 0
@@ -230,8 +235,11 @@ def _convert(args: argparse.Namespace) -> int:
     from .interop.convert import CONVERTED_CONFIG, CONVERTED_WEIGHTS, convert_hf_dir
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    if args.calibration_tokens is not None and not args.warm_start:
+        raise ValueError("--calibration-tokens: sizes the warm start's calibration batch; give --warm-start too")
     reports = convert_hf_dir(args.hf_dir, args.out, layers=args.layer, qk_norm=args.qk_norm,
-                             warm_start=args.warm_start, calibration_tokens=args.calibration_tokens, dtype=dtype)
+                             warm_start=args.warm_start, calibration_tokens=args.calibration_tokens or 512,
+                             dtype=dtype, overwrite=args.overwrite)
     for layer, report in reports.items():
         print(f"layer {layer}: " + "; ".join(
             f"{block} gamma_q {r['gamma_q']:.4g} gamma_k {r['gamma_k']:.4g}, logit RMS {r['rms_unit_weights']:.3g} "
@@ -273,7 +281,7 @@ def _experiment(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(out=args.out, steps=args.steps, preset=args.preset)
+    return run_demo(out=args.out, steps=args.steps, preset=args.preset, overwrite=args.overwrite)
 
 
 def _option_dests(command: str) -> set:
@@ -320,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="loss, max-logit and grad-norm curves of runs on one PNG")
     pl.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl)")
     pl.add_argument("--out", default="runs/compare.png")
+    pl.add_argument("--overwrite", action="store_true", help="replace the file OUT if it exists")
     pl.set_defaults(func=_plot)
 
     g = sub.add_parser("generate", help="sample from a trained run, or a transformers DeepSeek-V2/V3 checkpoint "
@@ -355,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--layer", type=int, action="append", default=None, help="layer index (repeatable; default all)")
     cv.add_argument("--warm-start", action="store_true",
                     help="set the norm weights so the logits keep the source's scale (proxy calibration inputs)")
-    cv.add_argument("--calibration-tokens", type=int, default=512)
+    cv.add_argument("--calibration-tokens", type=int, default=None, help="with --warm-start (default 512)")
+    cv.add_argument("--overwrite", action="store_true", help="replace a conversion already in OUT")
     cv.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
                     help="default: the stored dtype (bfloat16 for FP8 weights)")
     cv.set_defaults(func=_convert)
@@ -377,21 +387,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--steps", type=int, default=None, help="steps per run (default 750: fixed, so results reproduce)")
     d.add_argument("--preset", default="cpu")
+    d.add_argument("--overwrite", action="store_true", help="replace a demo already in OUT")
     d.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. qkmla's own errors (a refused argument, run directory or file) print
-    one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; anything else is a bug and
-    prints its traceback."""
+    one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; the machine's (a full disk,
+    a read-only file, memory run out) one line naming the path, and return 1; a closed
+    stdout (``| head``) ends quietly with 141; anything else is a bug and prints its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return status
+    except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
+        quiet_broken_pipe()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
     except ValueError as e:
         message = flag_message(str(e), _option_dests(args.command))
         print(f"qkmla {args.command}: {message}", file=sys.stderr)
@@ -399,7 +416,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"qkmla {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except Exception as e:
+        message = environment_message(e)
+        if message is not None:  # the machine's problem, not qkmla's: one line naming the path
+            print(f"qkmla {args.command}: {message}", file=sys.stderr)
+            return 1
         traceback.print_exc()
         print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "
               "line and the traceback above", file=sys.stderr)

@@ -24,3 +24,30 @@ def flag_message(message: str, fields) -> str:
     if m and m.group(1) in set(fields):
         return f"--{m.group(1).replace('_', '-')}: " + message[m.end():]
     return message
+
+
+def environment_message(e: BaseException):
+    """One line for an error of the machine rather than of qkmla (a full disk, a read-only or
+    missing file, no permission, memory run out), naming the path; None for anything else."""
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        also = f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
+        return f"{where}{e.strerror or e}{also}"
+    if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
+            "can't allocate memory" in str(e) or type(e).__name__ == "OutOfMemoryError")):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"out of memory ({first[:200]}); use smaller sizes or free memory"
+    return None
+
+
+def quiet_broken_pipe() -> None:
+    """The reader of stdout went away (``qkmla ... | head``): stop without a traceback, and keep
+    Python's own flush at exit from failing on the closed pipe."""
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass

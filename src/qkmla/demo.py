@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .cache.size import CacheShape, cache_rows
+from .files import write_text
 from .model.generate import generate
 from .model.gpt import GPT
 from .train.data import Corpus, get_batch
@@ -73,28 +74,39 @@ def cache_report(model: GPT) -> list[dict]:
     return rows
 
 
-def _train_all(out: Path, preset: str, steps: int) -> list[dict]:
+def _run_dirs(out: Path) -> list[tuple[str, float, str, Path]]:
+    """(lr name, lr, attn, run directory) of every demo run."""
+    return [(name, lr, attn, out / f"{attn}_lr{lr:g}") for name, lr in LEARNING_RATES.items() for attn in MODELS]
+
+
+def _train_all(out: Path, preset: str, steps: int, overwrite: bool = False) -> list[dict]:
     runs = []
-    for name, lr in LEARNING_RATES.items():
-        for attn in MODELS:
-            run = out / f"{attn}_lr{lr:g}"
-            cfg = TrainConfig(preset=preset, attn=attn, lr=lr, steps=steps, batch_size=12,
-                              warmup_steps=max(1, steps // 15), eval_interval=max(1, steps // 6), eval_iters=20,
-                              ckpt_interval=steps, out=str(run))
-            status = train(cfg)
-            rows = read_metrics(run)
-            peaks = [r["max_logit"] for r in rows if r.get("max_logit") is not None]  # null: non-finite
-            runs.append({"attn": attn, "lr": lr, "lr_name": name, "dir": str(run), "status": status["status"],
-                         "step": status["step"], "val_loss": status.get("val_loss") if status["status"] == "done"
-                         else None, "peak_max_logit": max(peaks, default=None),
-                         "final_max_logit": rows[-1]["max_logit"] if rows else None, "seconds": status["seconds"]})
-            if status["status"] not in ("done", "non-finite"):
-                raise RuntimeError(f"{attn} at lr {lr:g}: training stopped: {status}")
+    for name, lr, attn, run in _run_dirs(out):
+        cfg = TrainConfig(preset=preset, attn=attn, lr=lr, steps=steps, batch_size=12,
+                          warmup_steps=max(1, steps // 15), eval_interval=max(1, steps // 6), eval_iters=20,
+                          ckpt_interval=steps, out=str(run), overwrite=overwrite)
+        status = train(cfg)
+        rows = read_metrics(run)
+        peaks = [r["max_logit"] for r in rows if r.get("max_logit") is not None]  # null: non-finite
+        runs.append({"attn": attn, "lr": lr, "lr_name": name, "dir": str(run), "status": status["status"],
+                     "step": status["step"], "val_loss": status.get("val_loss") if status["status"] == "done"
+                     else None, "peak_max_logit": max(peaks, default=None),
+                     "final_max_logit": rows[-1]["max_logit"] if rows else None, "seconds": status["seconds"]})
+        if status["status"] not in ("done", "non-finite"):
+            raise RuntimeError(f"{attn} at lr {lr:g}: training stopped: {status}")
     return runs
 
 
-def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = "cpu") -> int:
+def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = "cpu", overwrite: bool = False) -> int:
+    """The demo into ``out``; a demo already there is replaced only with ``overwrite`` (refused
+    before any training otherwise)."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {out} is a file; it names the demo's directory")
+    held = [p for p in [run for *_, run in _run_dirs(out)] + [out / "curves.png", out / "demo.json"] if p.exists()]
+    if held and not overwrite:
+        raise ValueError(f"out: {out} already holds a demo ({', '.join(p.name for p in held[:3])}"
+                         f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it, or choose another --out")
     t_start = time.perf_counter()
     corpus = Corpus.load("tiny_shakespeare")
     steps_given = steps is not None
@@ -102,7 +114,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     print(f"training {len(MODELS) * len(LEARNING_RATES)} models x {steps} steps ({preset} preset: about 2.5 minutes "
           "on a 2-core CPU at the default steps; each bar shows the time left)")
     try:
-        runs = _train_all(out, preset, steps)
+        runs = _train_all(out, preset, steps, overwrite)
     except RuntimeError as e:
         print(e)
         return 1
@@ -135,7 +147,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     summary = {"command": f"qkmla demo --out {out} --preset {preset}" + (f" --steps {steps}" if steps_given else ""),
                "steps": steps, "runs": runs, "check": check, "cache_bytes": sizes, "sample": tok.decode(sample),
                "seconds": time.perf_counter() - t_start}
-    (out / "demo.json").write_text(json.dumps(summary, indent=1))
+    write_text(out / "demo.json", json.dumps(summary, indent=1))
     ok = max(check["attention_logit_max_abs_diff_per_layer"]) < 1e-3 and check["lm_logit_max_abs_diff"] < 1e-3
     print(f"total {summary['seconds']:.0f} s; absorbed == explicit: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1

@@ -121,3 +121,32 @@ def test_cli_convert(saved, tmp_path, capsys, refused, attention_io):
     refused(["convert", str(path), "--out", bad, "--warm-start"], "qkmla convert: --warm-start: only meaningful with a QK norm")
     refused(["convert", str(tmp_path / "nowhere"), "--out", bad], "qkmla convert: hf_dir: .* is not a directory")
     assert not (tmp_path / "bad").exists()
+
+
+def test_convert_never_writes_over_its_input_or_an_existing_conversion(saved, tmp_path, refused, capsys):
+    """Issue 27, class 1: --out the source directory is refused, with --overwrite too (it replaced
+    the source's weights before); an existing conversion needs --overwrite; --out a file, and
+    --calibration-tokens beyond memory or without --warm-start, are refused before any work."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(saved[0], src)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for out in (src, src / ".." / "src"):
+        refused(["convert", str(src), "--out", str(out), "--overwrite"], "--out: .* is the checkpoint being converted")
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    out = tmp_path / "out"
+    assert main(["convert", str(src), "--out", str(out), "--layer", "0"]) == 0
+    first = (out / "model.safetensors").read_bytes()
+    refused(["convert", str(src), "--out", str(out), "--layer", "1"],
+            r"--out: .*model.safetensors, .*qkmla_config.json already exist; pass --overwrite to replace them")
+    assert (out / "model.safetensors").read_bytes() == first
+    assert main(["convert", str(src), "--out", str(out), "--layer", "1", "--overwrite"]) == 0
+    assert list(load_converted(out)) == [1] and not [p for p in out.iterdir() if ".tmp" in p.name]
+    (tmp_path / "afile").write_text("x")
+    refused(["convert", str(src), "--out", str(tmp_path / "afile")], "--out: .*afile is a file")
+    refused(["convert", str(src), "--out", str(tmp_path / "o2"), "--calibration-tokens", "64"],
+            "--calibration-tokens: sizes the warm start's calibration batch; give --warm-start too")
+    refused(["convert", str(src), "--out", str(tmp_path / "o2"), "--qk-norm", "rms", "--warm-start",
+             "--calibration-tokens", "1000000000"], r"--calibration-tokens: .* need at least .* GiB, more than the")
+    assert not (tmp_path / "o2").exists()

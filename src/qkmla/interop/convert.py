@@ -38,13 +38,14 @@ from typing import Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..attention.functional import default_positions, per_head
 from ..attention.mla import MLA
 from ..config import MLAConfig
 from ..dtypes import check_float_state
-from .checkpoint import mla_layers_from_hf_dir, read_hf_tensors
+from ..files import check_output, same_file, save_safetensors, write_text
+from ..limits import check_fits
+from .checkpoint import mla_layers_from_hf_dir, read_hf_config, read_hf_tensors
 from .hf import _OURS
 
 CONVERTED_CONFIG = "qkmla_config.json"
@@ -115,25 +116,54 @@ def warm_start_qk_norm(mla: MLA, source: MLA, x: torch.Tensor, positions: Option
     return report
 
 
-def save_converted(layers: Mapping[int, MLA], out_dir: Union[str, Path], source: str = "") -> Path:
+def check_converted_out(out_dir: Union[str, Path], overwrite: bool = False, source: Union[str, Path, None] = None,
+                        name: str = "out") -> Path:
+    """Before any work: ``out_dir`` can take a conversion. Refused (ValueError naming ``name``):
+    the source directory itself or any file in it, a path that is a file, and a directory
+    that already holds a conversion unless ``overwrite``."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{name}: {out} is a file; it names the directory the conversion is written to")
+    inputs = []
+    if source is not None and Path(source).is_dir():
+        if same_file(out, source):
+            raise ValueError(f"{name}: {out} is the checkpoint being converted; writing there would replace its own "
+                             f"files, so write elsewhere")
+        inputs = [p for p in Path(source).iterdir() if p.is_file()]
+    check_output(name, [out / CONVERTED_WEIGHTS, out / CONVERTED_CONFIG], inputs, overwrite, "conversion's")
+    return out
+
+
+def save_converted(layers: Mapping[int, MLA], out_dir: Union[str, Path], source: str = "",
+                   overwrite: bool = False) -> Path:
     """Write converted layers: ``model.safetensors`` (HF names, ``model.layers.{i}.self_attn.*``,
     plus the QK-norm weights) and ``qkmla_config.json`` (the MLAConfig, the layer indices, the source).
+    Each file is written to a temporary name and renamed (``qkmla.files``), so a crash or a full
+    disk leaves what was there. A conversion already in ``out_dir`` is replaced only with
+    ``overwrite``; the source directory ``source`` never is.
 
     Raises:
-        ValueError: no layers, or layers with different configs.
+        ValueError: no layers, layers with different configs, or an ``out_dir`` refused by
+            :func:`check_converted_out`.
+        OSError: naming the file that could not be written.
     """
     if not layers:
         raise ValueError("layers: nothing to save")
     configs = {m.config for m in layers.values()}
     if len(configs) != 1:
         raise ValueError("layers: every layer must share one MLAConfig")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_converted_out(out_dir, overwrite, source or None)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot make the directory {out} ({e.strerror})") from None
     tensors = {f"model.layers.{i}.self_attn.{k}": v.detach().cpu().contiguous()
                for i, m in layers.items() for k, v in m.state_dict().items()}
-    save_file(tensors, str(out / CONVERTED_WEIGHTS), metadata={"format": "pt", "producer": "qkmla convert"})
     meta = {"mla_config": dataclasses.asdict(configs.pop()), "layers": sorted(layers), "source": str(source)}
-    (out / CONVERTED_CONFIG).write_text(json.dumps(meta, indent=1) + "\n")
+    # The weights first: a config beside weights it does not describe would load as garbage,
+    # while new weights beside an old config fail load_converted's shape check.
+    save_safetensors(tensors, out / CONVERTED_WEIGHTS, metadata={"format": "pt", "producer": "qkmla convert"})
+    write_text(out / CONVERTED_CONFIG, json.dumps(meta, indent=1) + "\n")
     return out
 
 
@@ -191,7 +221,7 @@ def proxy_calibration(input_norm_weight: torch.Tensor, tokens: int, seed: int = 
 
 def convert_hf_dir(hf_dir: Union[str, Path], out_dir: Union[str, Path], *, layers=None,
                    qk_norm: Optional[str] = None, warm_start: bool = False, calibration_tokens: int = 512,
-                   seed: int = 0, dtype: Optional[torch.dtype] = None) -> dict:
+                   seed: int = 0, dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> dict:
     """``qkmla convert``: an HF DeepSeek checkpoint directory's attention layers, optionally with a
     QK norm, written with :func:`save_converted`.
 
@@ -200,14 +230,21 @@ def convert_hf_dir(hf_dir: Union[str, Path], out_dir: Union[str, Path], *, layer
         qk_norm: None (plain MLA, the source function) or "rms", "l2", "lp".
         warm_start: set the norm weights with :func:`warm_start_qk_norm` on
             :func:`proxy_calibration` inputs built from each block's ``input_layernorm.weight``.
+        overwrite: replace a conversion already in ``out_dir`` (the source is never written).
 
     Returns:
         {layer: warm-start report} (empty without ``warm_start``).
     """
     if warm_start and qk_norm is None:
         raise ValueError("warm_start: only meaningful with a QK norm (pass qk_norm='rms')")
-    if not isinstance(calibration_tokens, int) or calibration_tokens < 2:
+    if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 2:
         raise ValueError(f"calibration_tokens: expected an int >= 2, got {calibration_tokens!r}")
+    check_converted_out(out_dir, overwrite, hf_dir)
+    if warm_start:  # the causal scores of every head over the calibration tokens are held at once
+        heads = read_hf_config(hf_dir).get("num_attention_heads")
+        if isinstance(heads, int) and heads > 0:
+            check_fits("calibration_tokens", heads * calibration_tokens ** 2 * 2,
+                       f"the warm start's scores of {heads} heads over {calibration_tokens} calibration tokens")
     mlas = mla_layers_from_hf_dir(hf_dir, layers, dtype=dtype, qk_norm=qk_norm)
     reports = {}
     if warm_start:
@@ -216,5 +253,5 @@ def convert_hf_dir(hf_dir: Union[str, Path], out_dir: Union[str, Path], *, layer
             gamma = gammas[f"model.layers.{i}.input_layernorm.weight"].to(mla.kv_b_proj.weight)
             x = proxy_calibration(gamma, calibration_tokens, seed + i)
             reports[i] = warm_start_qk_norm(mla, plain_copy(mla), x)
-    save_converted(mlas, out_dir, source=str(hf_dir))
+    save_converted(mlas, out_dir, source=str(hf_dir), overwrite=overwrite)
     return reports

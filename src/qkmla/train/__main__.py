@@ -3,7 +3,7 @@
 import json
 import sys
 
-from ..cli_errors import Parser
+from ..cli_errors import Parser, environment_message
 from .cli import add_train_arguments, train_config_from_args, train_flag_message
 from .trainer import CollectiveTimeout, train
 
@@ -18,6 +18,12 @@ def main(argv=None) -> int:
         return 2
     except CollectiveTimeout as e:  # status.json says the same
         print(f"qkmla train: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a full disk, a read-only file: one line naming the path (status.json says it too)
+        message = environment_message(e)
+        if message is None:
+            raise
+        print(f"qkmla train: {message}", file=sys.stderr)
         return 1
     print(json.dumps(status))
     return 0 if status["status"] in ("done", "time limit") else 1

@@ -10,13 +10,14 @@ every checksum, so a truncated file or flipped tensor bytes give one error namin
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from ..files import save_safetensors
 
 FILENAME = "checkpoint.safetensors"
 
@@ -79,10 +80,7 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
     metadata = {"config": json.dumps(config), "step": str(step), "optim": json.dumps(optim_skeleton),
                 "aliases": json.dumps(aliases), "crc32": json.dumps({k: checksum(t) for k, t in tensors.items()})}
     metadata["crc32_metadata"] = str(_metadata_checksum(metadata))
-    tmp = out_dir / (FILENAME + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, out_dir / FILENAME)
-    return out_dir / FILENAME
+    return save_safetensors(tensors, out_dir / FILENAME, metadata)  # a temporary name, then renamed
 
 
 def read_metadata(path: Path) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from ..files import write_atomically
+
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The rows of ``run_dir/metrics.jsonl`` (up to a last line cut short by a kill)."""
@@ -65,11 +67,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         raise ValueError(f"out: cannot make the directory of {out} ({e.strerror})") from None
     suffix = out.suffix[1:].lower()
     fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"  # no suffix appended
-    try:
-        fig.savefig(out, dpi=110, format=fmt)
-    except OSError as e:  # a directory by that name, no permission
+    try:  # to a temporary name, then renamed: an interrupted write leaves the old figure
+        write_atomically(out, lambda tmp: fig.savefig(tmp, dpi=110, format=fmt))
+    except IsADirectoryError as e:  # a directory by that name
         raise ValueError(f"out: cannot write {out} ({e.strerror or e})") from None
     finally:
         plt.close(fig)
-    plt.close(fig)
     return out

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..files import write_text
 from .checkpoint import FILENAME
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
@@ -46,9 +47,7 @@ def read_status(out: Path) -> Optional[dict]:
 
 
 def write_status(out: Path, status: dict) -> None:
-    tmp = Path(out) / "status.json.tmp"
-    tmp.write_text(json.dumps(clean_json(status), indent=1))
-    os.replace(tmp, Path(out) / "status.json")
+    write_text(Path(out) / "status.json", json.dumps(clean_json(status), indent=1))
 
 
 class RunLock:
@@ -195,7 +194,7 @@ def truncate_metrics(out: Path, step: int) -> None:
     that are not rows."""
     path = Path(out) / "metrics.jsonl"
     kept = [r for r in read_rows(path) if r.get("step", 0) <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 # TrainConfig fields that define the model or data beyond what the model config and the

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
+from ..files import write_text
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
 from .config import TrainConfig
@@ -233,7 +234,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
                              "train further")
         _load_states(model, optimizer, model_state, optim_state, fsdp)
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(run_config, indent=1))
+        write_text(out / "config.json", json.dumps(run_config, indent=1))
         truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
 
     wrapped = model
@@ -364,7 +365,11 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
         status["last_checkpoint"] = str(out / FILENAME) if (out / FILENAME).is_file() else None
         status.pop("pid", None)
         if rank == 0:
-            write_status(out, status)
+            try:
+                write_status(out, status)
+            except OSError:  # a full disk: the error that stopped the run is the one to report
+                if status["status"] != "failed":
+                    raise
     return status
 
 
