@@ -333,3 +333,62 @@ def test_one_prompt_is_printed_as_it_is_generated(mla_run, capsys, monkeypatch):
     text = "é€x".encode()
     assert "".join(stream(b) for b in text) + stream(None) == "é€x"
     assert [stream(b) for b in "é".encode()] == ["", "é"]
+
+
+# -- issue 27, class 2: a user's mistake is reported as the user's mistake --------------------
+
+def test_an_error_of_the_machine_is_one_line_naming_the_path(monkeypatch, capsys):
+    """A read-only file, no permission, a full disk, memory run out: one line, exit 1, no
+    "internal error" (those are for qkmla's bugs)."""
+    from qkmla.cache import size
+
+    for error, line in [(PermissionError(13, "Permission denied", "/runs/a/metrics.jsonl"),
+                         "qkmla cache-size: /runs/a/metrics.jsonl: Permission denied"),
+                        (OSError(28, "No space left on device", "/runs/a/checkpoint.safetensors"),
+                         "qkmla cache-size: /runs/a/checkpoint.safetensors: No space left on device"),
+                        (RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate "
+                                      "memory: you tried to allocate 4294967296 bytes"),
+                         "qkmla cache-size: out of memory ([enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator")]:
+        def broken(shape, tokens, error=error):
+            raise error
+
+        monkeypatch.setattr("qkmla.cli.cache_rows", broken)
+        assert main(["cache-size", "--preset", "tiny"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(line) and len(err.strip().splitlines()) == 1 and "internal error" not in err, err
+
+
+def test_sizes_that_drive_an_allocation_are_checked_first(tmp_path, refused, monkeypatch):
+    """--eval-iters beyond the validation split's distinct windows (it ran out of memory at the
+    first evaluation), a batch no memory holds, --tokens no memory holds: refused before work."""
+    refused(["train", "--steps", "2", "--eval-iters", "1000000", "--no-progress", "--out", str(tmp_path / "a")],
+            r"--eval-iters: 1000000 evaluation batches of 12 windows are 12000000 windows, but the validation split "
+            r"\(111540 tokens\) holds 111508 distinct windows of block_size=32; use at most 9292")
+    refused(["train", "--steps", "2", "--batch-size", "200000", "--no-progress", "--out", str(tmp_path / "a")],
+            "--batch-size: an evaluation batch of 200000 windows is more than the validation split")
+    monkeypatch.setattr("qkmla.limits.available_bytes", lambda: 2**20)
+    refused(["train", "--steps", "2", "--batch-size", "64", "--no-progress", "--out", str(tmp_path / "a")],
+            r"--batch-size: a training step's logits, their gradient and the layers' inputs for 64 windows of 32 "
+            r"tokens need at least 2.02 MiB, more than the 1 MiB of memory available")
+    refused(["generate", str(tmp_path / "no-run"), "--tokens", "100000"],
+            r"--tokens: 100000 new tokens for each of 1 prompt\(s\) need at least")
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["verify", "--seed", "99999999999999999999"], r"--seed: expected an int >= 0 and < 2\*\*63"),
+    (["generate", "RUN", "--prompt", ""], "--prompt: expected text to continue, got an empty prompt"),
+])
+def test_more_mistakes_name_their_option(argv, message, refused, tmp_path):
+    refused([a if a != "RUN" else str(tmp_path) for a in argv], message)
+
+
+def test_a_pipe_closed_by_head_ends_quietly(mla_run):
+    """`qkmla generate ... | head -c 5`: the reader goes away; no BrokenPipe traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "qkmla", "generate", str(mla_run), "--tokens", "100000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**__import__("os").environ,
+                                                                              "OMP_NUM_THREADS": "1"})
+    assert len(p.stdout.read(5)) == 5
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err

@@ -22,6 +22,8 @@ GENERATE_POLICIES = ("streaming-llm", "h2o", "snapkv")
 def _verify(args: argparse.Namespace) -> int:
     from . import verify, verify_quantized
 
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
     names = args.variant or list(verify.VARIANTS)
     unknown = [n for n in names if n not in verify.VARIANTS]
     if unknown:
@@ -200,6 +202,8 @@ def _generate(args: argparse.Namespace) -> int:
     # 48 bytes is a lower bound per token.
     check_fits("--tokens", 48 * args.tokens * len(args.prompt),
                f"{args.tokens} new tokens for each of {len(args.prompt)} prompt(s)")
+    if any(not p for p in args.prompt):
+        raise ValueError("--prompt: expected text to continue, got an empty prompt")
     model, tok = load_model(args.run)
     try:
         prompts = [tok.encode(p) for p in args.prompt]

@@ -31,11 +31,13 @@ def write_atomically(path: PathLike, write: Callable[[Path], None]) -> Path:
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.filename in (str(tmp), tmp):  # the user named path, not tmp
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise
     return path
 

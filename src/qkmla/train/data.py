@@ -175,14 +175,19 @@ class Corpus:
 def fixed_windows(data: torch.Tensor, count: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` windows spread evenly over ``data``, with no random draw: every run and every
     seed sees the same ones, so validation losses compare across runs. x [count, T], y [count, T]."""
+    return windows_at(data, fixed_starts(data, count, block_size), block_size)
+
+
+def fixed_starts(data: torch.Tensor, count: int, block_size: int) -> list[int]:
+    """Where :func:`fixed_windows`' windows start (so a caller can build them a batch at a time)."""
     if count < 1:
         raise ValueError(f"count: expected a positive number of windows, got {count}")
     if len(data) <= block_size + 1:
         raise ValueError(f"data: {len(data)} tokens are too few for block_size={block_size}")
-    return _windows(data, torch.linspace(0, len(data) - block_size - 1, count).long().tolist(), block_size)
+    return torch.linspace(0, len(data) - block_size - 1, count).long().tolist()
 
 
-def _windows(data: torch.Tensor, starts: list, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def windows_at(data: torch.Tensor, starts: list, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [len(starts), T] from each start, y the same shifted by one token."""
     x = torch.stack([data[i:i + block_size] for i in starts])
     y = torch.stack([data[i + 1:i + 1 + block_size] for i in starts])
@@ -194,4 +199,4 @@ def get_batch(data: torch.Tensor, batch_size: int, block_size: int, generator: t
     if len(data) <= block_size + 1:
         raise ValueError(f"data: {len(data)} tokens are too few for block_size={block_size}")
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
-    return _windows(data, ix.tolist(), block_size)
+    return windows_at(data, ix.tolist(), block_size)

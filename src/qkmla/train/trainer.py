@@ -40,10 +40,11 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..files import write_text
+from ..limits import check_fits
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
 from .config import TrainConfig
-from .data import Corpus, fixed_windows, get_batch
+from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rundir import (RunLock, fresh_out, metrics_line, prepare, resume_mismatches, truncate_metrics,
@@ -150,8 +151,11 @@ def evaluate(model: GPT, data: torch.Tensor, config: TrainConfig, block_size: in
     """Mean loss over ``eval_iters`` batches of windows spread evenly over ``data``: the same
     windows at every evaluation, for every seed and every run of this size."""
     model.eval()
-    x, y = fixed_windows(data, config.eval_iters * config.batch_size, block_size)
-    losses = [model(xb, yb)[1].item() for xb, yb in zip(x.split(config.batch_size), y.split(config.batch_size))]
+    starts = fixed_starts(data, config.eval_iters * config.batch_size, block_size)
+    losses = []
+    for i in range(0, len(starts), config.batch_size):  # a batch of windows at a time, not all at once
+        xb, yb = windows_at(data, starts[i:i + config.batch_size], block_size)
+        losses.append(model(xb, yb)[1].item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -168,6 +172,25 @@ def _weight_diagnostics(attns: list) -> dict:
     return row
 
 
+def check_sizes(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, world: int = 1) -> None:
+    """Before any work, the sizes that drive an allocation against what the data and the memory
+    allow: more evaluation windows than the validation split holds distinct ones measure
+    nothing more (and were all built at once), and a step's batch must fit in memory."""
+    T, V = model_cfg.block_size, model_cfg.vocab_size
+    local = config.batch_size // world
+    # Every step holds at least its logits and their gradient (float32) and each layer's input.
+    check_fits("batch_size", 4 * local * T * (2 * V + model_cfg.n_layer * model_cfg.n_embd),
+               f"a training step's logits, their gradient and the layers' inputs for {local} windows of {T} tokens")
+    windows, distinct = config.eval_iters * config.batch_size, len(corpus.val) - T
+    split = f"the validation split ({len(corpus.val)} tokens) holds {distinct} distinct windows of block_size={T}"
+    if config.batch_size > distinct:
+        raise ValueError(f"batch_size: an evaluation batch of {config.batch_size} windows is more than {split}; "
+                         f"use at most {distinct}, or more validation data")
+    if windows > distinct:
+        raise ValueError(f"eval_iters: {config.eval_iters} evaluation batches of {config.batch_size} windows are "
+                         f"{windows} windows, but {split}; use at most {distinct // config.batch_size}")
+
+
 def train(config: TrainConfig) -> dict:
     """Run (or resume) a training run; returns a summary dict (also in ``out/status.json``).
 
@@ -182,6 +205,7 @@ def train(config: TrainConfig) -> dict:
     corpus = Corpus.load(config.data, config.tokenizer, split=config.split)
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
     corpus.check_block(model_cfg.block_size)
+    check_sizes(config, corpus, model_cfg, world)
     if config.out is None:
         if world > 1:
             raise ValueError("out: required under torchrun (every rank must write to the same directory)")
@@ -379,9 +403,16 @@ def load_model(run_dir: str | Path) -> tuple[GPT, "Tokenizer"]:  # noqa: F821
     from .data import Tokenizer
 
     state, _, meta = read_checkpoint(run_dir)
-    cfg = json.loads(meta["config"])
-    model = GPT(GPTConfig(**cfg["model"]))
+    try:
+        cfg = json.loads(meta["config"])
+        model = GPT(GPTConfig(**cfg["model"]))
+        tok = cfg["tokenizer"]
+    except (ValueError, TypeError, KeyError) as e:  # another version's config, or not one at all
+        raise ValueError(f"run_dir: the checkpoint in {run_dir} describes a model this qkmla cannot build ({e})") from None
     check_float_state(state, model, f"checkpoint {run_dir}")
-    model.load_state_dict(state)
-    tok = cfg["tokenizer"]
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # missing or misshapen weights: not the model its config describes
+        raise ValueError(f"run_dir: the weights in {run_dir} do not fit the model its config describes "
+                         f"({str(e).splitlines()[0]} ...)") from None
     return model.eval(), Tokenizer(tok["kind"], tok["chars"])
