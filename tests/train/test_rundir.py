@@ -230,3 +230,45 @@ def test_metrics_lines_are_strict_json():
 
     row = json.loads(line, parse_constant=refuse)
     assert row == {"step": 1, "loss": 2.0, "grad_norm": None, "per": [1.0, None], "non_finite": ["grad_norm", "per"]}
+
+
+def test_sigterm_stops_like_ctrl_c_with_status_stopped_and_resumes_exactly(tmp_path, monkeypatch):
+    """Issue 27, class 4: SIGTERM (Slurm, Kubernetes, docker stop) in step 3 finishes the step,
+    checkpoints it, restores the handlers and records "stopped"; the resumed run's losses are
+    the uninterrupted run's. A second SIGTERM stops at once."""
+    import signal
+
+    from qkmla.train import trainer
+
+    full = train(TrainConfig(**FAST, steps=6, ckpt_interval=100, out=str(tmp_path / "full")))
+    real, calls = trainer.get_batch, []
+
+    def sigterm_in_step_three(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(trainer, "get_batch", sigterm_in_step_three)
+    before = signal.getsignal(signal.SIGTERM)
+    part = TrainConfig(**FAST, steps=6, ckpt_interval=100, out=str(tmp_path / "part"))
+    status = train(part)
+    assert status["status"] == "stopped" and status["step"] == 3 and status["checkpoint_step"] == 3
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.setattr(trainer, "get_batch", real)
+    assert train(part.replace(resume=True))["status"] == full["status"] == "done"
+    losses = [[r["loss"] for r in read_rows(tmp_path / d / "metrics.jsonl")] for d in ("full", "part")]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+
+    calls.clear()
+
+    def twice(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+        return real(*args)
+
+    monkeypatch.setattr(trainer, "get_batch", twice)
+    now = train(TrainConfig(**FAST, steps=6, ckpt_interval=1, out=str(tmp_path / "now")))
+    assert now["status"] == "stopped" and now["step"] == 1 and now["checkpoint_step"] == 1

@@ -283,3 +283,55 @@ def test_integer_weights_in_a_checkpoint_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint .*ints: holds integer weights where the model has "
                                          r"floating-point ones: (lm_head|wte)\.weight \(torch.int64\)"):
         load_model(tmp_path / "ints")
+
+
+def test_a_sigterm_sent_to_qkmla_train_checkpoints_and_a_new_process_resumes_exactly(tmp_path):
+    """Issue 27, class 4: `kill -TERM` on a running `qkmla train` (as Slurm, Kubernetes and docker
+    stop do): status "stopped" at the step it finished, checkpointed, the lock released, no
+    traceback; resumed in another process, its losses equal an uninterrupted run's (one thread:
+    deterministic arithmetic, the case the README's guarantee covers)."""
+    import signal
+    import time
+
+    args = ["--preset", "debug", "--batch-size", "4", "--block-size", "16", "--eval-interval", "50",
+            "--eval-iters", "1", "--ckpt-interval", "1000", "--steps", "400", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda out, *extra: subprocess.run([sys.executable, "-m", "qkmla", "train", *args, "--out", str(out), *extra],
+                                             capture_output=True, text=True, env=env, timeout=600)
+    assert run(tmp_path / "full").returncode == 0
+    p = subprocess.Popen([sys.executable, "-m", "qkmla", "train", *args, "--out", str(tmp_path / "part")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "part" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "Traceback" not in err, err
+    status = json.loads((tmp_path / "part" / "status.json").read_text())
+    assert status["status"] == "stopped" and 5 <= status["step"] < 400, status
+    assert status["checkpoint_step"] == status["step"] and not (tmp_path / "part" / "lock").exists()
+    assert len(read(tmp_path / "part")) == status["step"]
+    assert run(tmp_path / "part", "--resume").returncode == 0
+    assert [r["loss"] for r in read(tmp_path / "part")] == [r["loss"] for r in read(tmp_path / "full")]
+
+
+def test_train_shuts_down_the_process_group_it_started(tmp_path):
+    """Issue 27, class 4: under torchrun's environment (two ranks started by hand here), train()
+    ends with the process group destroyed on every rank, so nothing is left to fail at exit."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("import json, torch.distributed as dist; from qkmla.train.trainer import TrainConfig, train; "
+            f"s = train(TrainConfig(preset='debug', batch_size=4, block_size=16, steps=2, eval_iters=1, progress=False, "
+            f"out={str(tmp_path / 'run')!r})); print(json.dumps([s['status'], dist.is_initialized()]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert json.loads(out.strip().splitlines()[-1]) == ["done", False]

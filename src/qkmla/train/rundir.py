@@ -4,7 +4,8 @@
 second process on the same directory is refused, and the kernel frees the lock of a
 process that dies, so a killed run never blocks the next one. ``DIR/status.json`` says ``running`` (with the pid) while training and what
 happened at the end: ``done``, ``time limit``, ``non-finite`` (a NaN/inf loss, gradient or
-weight: the last good checkpoint is kept), ``interrupted`` (Ctrl-C: checkpointed) or
+weight: the last good checkpoint is kept), ``interrupted`` (Ctrl-C: checkpointed),
+``stopped`` (SIGTERM: checkpointed) or
 ``failed`` (an exception: the error, the step and the last checkpoint). A ``running``
 status whose process is gone was killed; the next start says so.
 

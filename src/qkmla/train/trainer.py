@@ -14,14 +14,17 @@ for QK-normed layers the bound their norm weights put on the logits (``logit_bou
 that reaches a NaN/inf loss, gradient or weight stops, records the step in
 ``out/status.json`` and keeps its last good checkpoint. The run directory is locked while
 training and a run already in it is refused unless resumed or overwritten; a resumed run
-must define the same model and data (``rundir.py``, ``config.py``). Ctrl-C checkpoints and
-stops; any other exception leaves status ``failed`` with the error before it propagates.
+must define the same model and data (``rundir.py``, ``config.py``). Ctrl-C (status
+``interrupted``) and SIGTERM (``stopped``: what Slurm, Kubernetes and ``docker stop`` send)
+checkpoint after the current step and stop; a second one stops at once. Any other exception
+leaves status ``failed`` with the error before it propagates.
 
 Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DDP (or sharded with FSDP2 when
 ``fsdp``): every rank draws the same global batch and trains on its slice, so the losses
 equal a single process with the same global batch. A collective that waits longer than
 ``dist_timeout`` seconds for a rank (one that died or hangs) fails the job with that
-message instead of hanging it.
+message instead of hanging it. The process group this module starts, it also shuts down
+(every rank together after a finished run), so no rank fails at exit.
 """
 
 from __future__ import annotations
@@ -65,33 +68,48 @@ class CollectiveTimeout(RuntimeError):
     """Under torchrun: a collective waited ``dist_timeout`` seconds for a rank that died or hangs."""
 
 
-def _dist_info(timeout: float) -> tuple[int, int]:
+def _dist_info(timeout: float) -> tuple[int, int, bool]:
+    """(rank, world size, whether this call started the process group, so must end it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    started = world > 1 and not dist.is_initialized()
+    if started:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout))
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
+    return ((dist.get_rank(), world) if world > 1 else (0, 1)) + (started,)
+
+
+class StopSignal(KeyboardInterrupt):
+    """A second SIGTERM: stop now (as a second Ctrl-C does), without finishing the step."""
 
 
 class _StopRequest:
-    """The first Ctrl-C asks the loop to stop after the current step (checkpointed there); a
-    second one interrupts at once. Under torchrun every rank stops at the same step."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what Slurm, Kubernetes and ``docker stop`` send)
+    asks the loop to stop after the current step, checkpointed there; a second one stops at
+    once. Under torchrun every rank stops at the same step. ``signal`` names the first."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self):
         import signal
         import threading
 
-        self.requested = False
-        self._previous = None
+        self.requested, self.signal = False, None
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for name in self.SIGNALS:
+                self._previous[name] = signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame):
         import signal
 
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-        print("\nstopping after this step with a checkpoint (Ctrl-C again to stop now)", flush=True)
+        name = signal.Signals(signum).name
+        if self.requested:  # the second request
+            if name == "SIGINT" and callable(self._previous.get("SIGINT")):
+                self._previous["SIGINT"](signum, frame)  # Python's own: KeyboardInterrupt
+            raise StopSignal(name)
+        self.requested, self.signal = True, name
+        again = "Ctrl-C" if name == "SIGINT" else name
+        print(f"\nstopping after this step with a checkpoint ({name}; {again} again to stop now)", flush=True)
 
     def agreed(self, world: int) -> bool:
         if world == 1:
@@ -100,12 +118,16 @@ class _StopRequest:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag)
 
-    def restore(self) -> None:
-        if self._previous is not None:
-            import signal
+    def status(self) -> str:
+        """The run's status once stopped: "interrupted" (Ctrl-C) or "stopped" (SIGTERM)."""
+        return "stopped" if self.signal == "SIGTERM" else "interrupted"
 
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+    def restore(self) -> None:
+        import signal
+
+        for name, previous in self._previous.items():
+            signal.signal(getattr(signal, name), previous)
+        self._previous = {}
 
 
 def _finite(model: torch.nn.Module, optimizer, world: int) -> bool:
@@ -199,7 +221,20 @@ def train(config: TrainConfig) -> dict:
             a run (without ``resume``/``overwrite``), a resume whose stored run defines another
             model or data, an unreadable checkpoint, or data too short for one block.
     """
-    rank, world = _dist_info(config.dist_timeout)
+    rank, world, started = _dist_info(config.dist_timeout)
+    try:
+        status = _train(config, rank, world)
+    except BaseException:
+        if started:  # other ranks may be gone: no barrier, only this rank's side
+            dist.destroy_process_group()
+        raise
+    if started:  # every rank is here: shut the group down together, so none fails at exit
+        dist.barrier()
+        dist.destroy_process_group()
+    return status
+
+
+def _train(config: TrainConfig, rank: int, world: int) -> dict:
     if config.batch_size % world:
         raise ValueError(f"batch_size: the global batch {config.batch_size} must split evenly over {world} ranks")
     corpus = Corpus.load(config.data, config.tokenizer, split=config.split)
@@ -355,17 +390,18 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             if step % config.ckpt_interval == 0 or step == config.steps:
                 checkpoint(step)
             out_of_time = config.max_seconds is not None and time.perf_counter() - t_start > config.max_seconds
-            if out_of_time or stop.agreed(world):
+            stopping = stop.agreed(world)
+            if out_of_time or stopping:
                 if status["checkpoint_step"] != step:
                     checkpoint(step)
-                status["status"] = "time limit" if out_of_time else "interrupted"
+                status["status"] = stop.status() if stopping else "time limit"
                 break
         else:
             status["status"] = "done"
     except NonFiniteError as e:
         status.update(status="non-finite", step=step, error=str(e))
     except KeyboardInterrupt:  # checkpointed where the weights match the log; else the last one stands
-        status.update(status="interrupted", step=step)
+        status.update(status=stop.status() if stop.signal else "interrupted", step=step)
         try:
             if between_steps and status["checkpoint_step"] != step:
                 checkpoint(step)
