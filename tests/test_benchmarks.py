@@ -224,3 +224,18 @@ def test_bench_hf_generate_refuses_to_replace_a_results_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--out", str(out)])
     assert "--out: " in capsys.readouterr().err and out.read_text() == "{}"
+
+
+def test_bench_threads_times_both_choices_with_and_without_a_held_core(tmp_path):
+    """The four cells run and auto records how many threads it used (a debug-sized run)."""
+    bench = load("bench_threads")
+    out = tmp_path / "t.json"
+    assert bench.main(["--preset", "debug", "--steps", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["another_process_holds_a_core"], r["threads_option"] == "auto") for r in rows] == [
+        (False, False), (False, True), (True, False), (True, True)]
+    assert all(r["seconds"] > 0 and r["threads"] >= 1 for r in rows)
+    held_auto = rows[3]
+    assert held_auto["threads"] <= max(1, rows[2]["threads"] - 1)  # a held core is left to its holder
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(out)])

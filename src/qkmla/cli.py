@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from .cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
 from .cli_errors import Parser, environment_message, flag_message, quiet_broken_pipe
+from .threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
 # qkmla.kv_formats.KV_FORMATS and qkmla.cache.eviction.POLICIES.
@@ -82,10 +83,13 @@ def _cache_size(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .threads import apply_threads
     from .train.cli import train_config_from_args
     from .train.trainer import train
 
-    status = train(train_config_from_args(args))
+    config = train_config_from_args(args)  # every option checked before the threads are measured
+    apply_threads(args.threads, "train")
+    status = train(config)
     print(json.dumps(status))
     return 0 if status["status"] in ("done", "time limit") else 1
 
@@ -170,6 +174,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .kv_formats import check_kv_format
     from .model.generate import check_sampling, generate
+    from .threads import apply_threads
 
     check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
     if not 0 <= args.seed < 2**63:
@@ -179,6 +184,7 @@ def _generate(args: argparse.Namespace) -> int:
                          f"{'both' if args.run else 'neither'}")
     policy = _policy(args)
     check_kv_format(args.kv_format)
+    apply_threads(args.threads, "generate")
     if args.dtype is not None and args.hf is None:
         raise ValueError("--dtype: sets the dtype a --hf checkpoint is loaded in; a qkmla run keeps its own")
     if args.hf is not None:
@@ -238,9 +244,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     from .interop.convert import CONVERTED_CONFIG, CONVERTED_WEIGHTS, convert_hf_dir
 
+    from .threads import apply_threads
+
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     if args.calibration_tokens is not None and not args.warm_start:
         raise ValueError("--calibration-tokens: sizes the warm start's calibration batch; give --warm-start too")
+    apply_threads(args.threads, "convert")
     reports = convert_hf_dir(args.hf_dir, args.out, layers=args.layer, qk_norm=args.qk_norm,
                              warm_start=args.warm_start, calibration_tokens=args.calibration_tokens or 512,
                              dtype=dtype, overwrite=args.overwrite)
@@ -284,7 +293,9 @@ def _experiment(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from .threads import apply_threads
 
+    apply_threads(args.threads, "demo")
     return run_demo(out=args.out, steps=args.steps, preset=args.preset, overwrite=args.overwrite)
 
 
@@ -358,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --policy h2o or snapkv: the newest tokens always kept (default 32), part of the budget")
     g.add_argument("--sinks", type=int, default=None,
                    help="with --policy: the first tokens always kept (default 4 for streaming-llm, else 0)")
+    add_threads_argument(g)
     g.set_defaults(func=_generate)
 
     cv = sub.add_parser("convert", help="HF DeepSeek-V2/V3 checkpoint directory -> MLA layers in safetensors, "
@@ -372,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--overwrite", action="store_true", help="replace a conversion already in OUT")
     cv.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
                     help="default: the stored dtype (bfloat16 for FP8 weights)")
+    add_threads_argument(cv)
     cv.set_defaults(func=_convert)
 
     e = sub.add_parser("experiment", help="run an experiment grid (see --list), resumable, with results and figures")
@@ -392,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=None, help="steps per run (default 750: fixed, so results reproduce)")
     d.add_argument("--preset", default="cpu")
     d.add_argument("--overwrite", action="store_true", help="replace a demo already in OUT")
+    add_threads_argument(d)
     d.set_defaults(func=_demo)
     return parser
 
@@ -406,6 +420,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.argv = argv[1:]
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
@@ -429,6 +445,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "
               "line and the traceback above", file=sys.stderr)
         return 1
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import json
 import sys
 
 from ..cli_errors import Parser, environment_message
+from ..threads import apply_threads
 from .cli import add_train_arguments, train_config_from_args, train_flag_message
 from .trainer import CollectiveTimeout, train
 
@@ -11,8 +12,11 @@ from .trainer import CollectiveTimeout, train
 def main(argv=None) -> int:
     p = Parser(prog="qkmla train")
     add_train_arguments(p)
+    args = p.parse_args(argv)
     try:
-        status = train(train_config_from_args(p.parse_args(argv)))
+        config = train_config_from_args(args)
+        apply_threads(args.threads, "train")
+        status = train(config)
     except ValueError as e:  # a refused argument or run directory: one line, no traceback
         print(f"qkmla train: {train_flag_message(str(e))}", file=sys.stderr)
         return 2

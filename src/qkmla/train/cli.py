@@ -11,6 +11,7 @@ import dataclasses
 
 from ..cli_errors import flag_message
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
+from ..threads import add_threads_argument
 from .config import TrainConfig
 from .data import SPLITS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
@@ -58,6 +59,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP under torchrun")
     p.add_argument("--dist-timeout", type=float, default=d.dist_timeout,
                    help="seconds a collective waits for a rank under torchrun before the job fails (> 0)")
+    add_threads_argument(p)
 
 
 def train_flag_message(message: str) -> str:
