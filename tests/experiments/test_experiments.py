@@ -134,3 +134,23 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     refused(["experiment", "qk-clip", "--sweep", str(tmp_path / "none.jsonl")], "--sweep: no such results file")
     refused(["experiment", "qk-clip", "--quick", "--out", str(tmp_path / "alone" / "qk-clip")],
             "run `qkmla experiment lr-sweep --quick")
+
+
+def test_finished_runs_archived_by_redraw_are_restored_and_not_trained_again(tmp_path):
+    from qkmla.experiments.grid import ARCHIVED, archive_runs, restore_runs
+
+    out = tmp_path / "grid"
+    for name, status in (("a", "done"), ("b", "running")):
+        run = out / "runs" / name
+        run.mkdir(parents=True)
+        (run / "status.json").write_text(json.dumps({"status": status}))
+        for f in ("config.json", "metrics.jsonl", "measure.json"):
+            (run / f).write_text(f"{name} {f}")
+        (run / "checkpoint.safetensors").write_bytes(b"x" * 10)
+    published = tmp_path / "published"
+    assert archive_runs(out, published) == ["a"]
+    assert sorted(p.name for p in (published / "runs" / "a").iterdir()) == sorted(ARCHIVED)
+    fresh = tmp_path / "next-session"
+    assert restore_runs(published, fresh) == ["a"]
+    assert (fresh / "runs" / "a" / "metrics.jsonl").read_text() == "a metrics.jsonl"
+    assert restore_runs(published, fresh) == []  # an existing directory is never replaced

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..machine import machine, source_commit
-from .grid import Run, is_finished, run_dir, run_grid, worker_pool
+from .grid import Run, archive_runs, is_finished, run_dir, run_grid, worker_pool
 from .results import best_lr, read_results, summarize, write_results
 
 
@@ -123,11 +123,14 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     """Copy an experiment's ``results.jsonl`` from ``src`` to ``dst`` and draw its report
     there with this code (figures, ``summary.md``, and ``summary.json`` with ``src``'s
     command, commit and machine): to publish a grid that is still running, or to redraw a
-    committed one, without touching its runs."""
+    committed one, without touching its runs. ``src``'s finished runs are archived in
+    ``dst/runs`` (``grid.archive_runs``), so that a later session can restore them
+    (``grid.restore_runs``) and go on with the rest of the grid."""
     src, dst = Path(src), Path(dst)
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
     dst.mkdir(parents=True, exist_ok=True)
+    archive_runs(src, dst)
     rows = read_results(src / "results.jsonl")
     write_results(rows, dst / "results.jsonl")
     report = experiment.report(rows, Options(out=dst, quick=quick))

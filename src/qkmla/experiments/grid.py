@@ -73,6 +73,48 @@ def is_finished(out: Path, run: Run) -> bool:
     return _finished(run_dir(out, run), run.train)
 
 
+# What a finished run needs to count as finished and be reported (its checkpoint is not among
+# them): a grid longer than one session is resumed in the next from these, committed.
+ARCHIVED = ("config.json", "status.json", "metrics.jsonl", "measure.json")
+
+
+def archive_runs(out: Path, dst: Path) -> list[str]:
+    """Copy every finished run of the grid in ``out`` to ``dst/runs/NAME`` (only :data:`ARCHIVED`
+    files, each written to a temporary name and renamed); returns the runs copied."""
+    copied = []
+    for path in sorted((Path(out) / "runs").glob("*")):
+        if (read_status(path) or {}).get("status") not in FINISHED:
+            continue
+        target = Path(dst) / "runs" / path.name
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ARCHIVED:
+            if (path / name).is_file():
+                tmp = target / (name + ".tmp")
+                tmp.write_bytes((path / name).read_bytes())
+                tmp.replace(target / name)
+        copied.append(path.name)
+    return copied
+
+
+def restore_runs(src: Path, out: Path) -> list[str]:
+    """Put the archived finished runs of ``src/runs`` (:func:`archive_runs`) into the grid at
+    ``out`` where it has no directory of that name, so the grid goes on from them instead of
+    training them again; returns the runs restored."""
+    restored = []
+    for path in sorted((Path(src) / "runs").glob("*")):
+        target = Path(out) / "runs" / path.name
+        if target.exists() or not (path / "status.json").is_file():
+            continue
+        tmp = target.with_name(target.name + ".restoring")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name in ARCHIVED:
+            if (path / name).is_file():
+                (tmp / name).write_bytes((path / name).read_bytes())
+        tmp.replace(target)
+        restored.append(path.name)
+    return restored
+
+
 def _init_worker() -> None:
     import torch
 
