@@ -91,3 +91,28 @@ def test_training_that_meets_a_full_disk_keeps_its_checkpoint_metrics_and_status
     assert status["status"] == "failed" and status["checkpoint_step"] == 2 and "File too large" in status["error"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert not [p for p in os.listdir(run) if ".tmp" in p]
+
+
+def test_training_never_replaces_files_that_are_not_its_own(tmp_path, refused):
+    """A transformers checkpoint's config.json, a user's `lock` file, the training data itself:
+    refused with --overwrite too (--overwrite replaces a run, not whatever shares its names)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    for flags in ([], ["--overwrite"], ["--resume"]):
+        refused(["train", "--steps", "1", "--no-progress", "--out", str(hf)] + flags,
+                r"--out: .*config.json is not a qkmla run's file \(a JSON file without the 'train' a run writes\)")
+    assert json.loads((hf / "config.json").read_text()) == {"model_type": "deepseek_v3"}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "lock").write_text("my notes")
+    refused(["train", "--steps", "1", "--no-progress", "--out", str(mine)], r"--out: .*lock is not a qkmla lock file")
+    assert (mine / "lock").read_text() == "my notes"
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--steps", "1", "--batch-size", "2", "--block-size", "8",
+                 "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
+    (run / "metrics.jsonl").write_text("x" * 2000)  # as if it were the user's text
+    refused(["train", "--steps", "1", "--no-progress", "--tokenizer", "byte", "--block-size", "8", "--out", str(run),
+             "--data", str(run / "metrics.jsonl"), "--overwrite"], r"--data: .*metrics.jsonl is a file of the run "
+                                                                     r"directory")
+    assert (run / "metrics.jsonl").read_text() == "x" * 2000

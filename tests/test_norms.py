@@ -77,3 +77,13 @@ def test_the_state_dict_records_the_variant():
         "lp(p=3) unified"
     with pytest.raises(ValueError, match="belong to a rms blockwise QK norm, but this module's is rms unified"):
         QKNorm(8, 4, "rms", mode="unified").load_state_dict(state)
+
+
+def test_the_statistic_of_a_built_norm_cannot_be_reassigned():
+    """Issue 27, class 3: the kind, p, eps and mode are the norm's function, read-only."""
+    q = QKNorm(8, 4, "lp", p=3.0)
+    for obj, name, value in ((q, "mode", "unified"), (q.content, "kind", "rms"), (q.content, "p", 2.0),
+                             (q.rope, "eps", 0.1)):
+        with pytest.raises(AttributeError):
+            setattr(obj, name, value)
+    assert (q.mode, q.content.kind, q.content.p, q.rope.eps) == ("blockwise", "lp", 3.0, 1e-6)

@@ -65,8 +65,15 @@ class ScalarNorm(nn.Module):
         super().__init__()
         if kind not in QK_NORMS[1:]:
             raise ValueError(f"kind: expected one of {QK_NORMS[1:]}, got {kind!r}")
-        self.dim, self.kind, self.p, self.eps = dim, kind, float(p), float(eps)
+        self._fixed = (dim, kind, float(p), float(eps))
         self.weight = nn.Parameter(torch.ones(dim))
+
+    # Read-only: the statistic is part of the layer's function (and of the absorbed weights
+    # derived from it); another one is another module, not a setting.
+    dim = property(lambda self: self._fixed[0])
+    kind = property(lambda self: self._fixed[1])
+    p = property(lambda self: self._fixed[2])
+    eps = property(lambda self: self._fixed[3])
 
     def statistic(self, v: torch.Tensor) -> torch.Tensor:
         return statistic_from_moment(moment(v, self.kind, self.p), v.shape[-1], self.kind, self.p, self.eps)
@@ -151,9 +158,11 @@ class QKNorm(RecordsVariant, nn.Module):
         super().__init__()
         if mode not in QK_NORM_MODES:
             raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {mode!r}")
-        self.mode = mode
+        self._mode = mode
         self.content = ScalarNorm(content_dim, kind, p, eps)
         self.rope = ScalarNorm(rope_dim, kind, p, eps)
+
+    mode = property(lambda self: self._mode, doc="'blockwise' or 'unified' (read-only, as the kind is)")
 
     def variant(self) -> str:
         c = self.content

@@ -174,3 +174,13 @@ def test_make_policy_names_a_mistyped_argument():
 
     with pytest.raises(ValueError, match="policy 'h2o': .*bugdet"):
         make_policy("h2o", bugdet=8)
+
+
+def test_a_tiny_kept_fraction_keeps_at_least_one_token():
+    """Issue 27, class 3: 1e-300 of a few tokens is ceil(...) = 1 token, not 0 (the fraction's
+    rational approximation had rounded it to 0, and the cache kept nothing)."""
+    from qkmla.cache import H2O
+
+    policy = H2O(kept_fraction=1e-300, window=0)
+    assert policy.targets(torch.tensor([1, 4, 1000])).tolist() == [1, 1, 1]
+    assert H2O(kept_fraction=0.1, window=0).targets(torch.tensor([30, 31])).tolist() == [3, 4]

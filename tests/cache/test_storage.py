@@ -63,3 +63,10 @@ def test_the_decode_op_refuses_block_ids_outside_the_pool():
         for table in (torch.tensor([[0, 1], [-1, 3]]), torch.tensor([[0, 1], [2, 4]])):
             with pytest.raises(ValueError, match="block_table: "):
                 mla_decode_with_kvcache(q_lat, q_rope, pool, table, torch.tensor([8, 8]), backend=backend)
+
+
+def test_the_cache_keeps_its_own_copy_of_the_block_table():
+    table = torch.tensor([[0, 1], [2, 3]])
+    buf = PagedLayout(4, block_table=table).buffer(2, 8, 3, torch.float32)
+    table[0, 0] = 3  # an edit afterwards would make sequence 0 write into sequence 1's block
+    assert buf.block_table.tolist() == [[0, 1], [2, 3]]

@@ -157,3 +157,14 @@ def test_generation_reports_what_a_policy_kept():
     report = {}
     generate(model, [[1, 2, 3], [4]], 10, temperature=0, policy=H2O(kept_fraction=0.5, window=2), report=report)
     assert report["seen"] == [13, 11] and report["kept"] == [7, 6]
+
+
+def test_integer_ids_of_any_integer_type_are_accepted():
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["debug"]).eval()
+    want = generate(model, [[1, 2, 3]], 3, temperature=0)
+    assert generate(model, [np.array([1, 2, 3])], 3, temperature=0) == want
+    assert generate(model, [[np.int64(1), np.int32(2), 3]], 3, temperature=0) == want
+    assert generate(model, [torch.tensor([1, 2, 3])], 3, temperature=0) == want

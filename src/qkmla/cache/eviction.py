@@ -15,7 +15,7 @@ k tokens in all, and the policies differ in the score of a token in the middle:
                    prompt tokens), pooled over neighbouring slots (Li et al.)
 
 Budget: ``budget`` tokens per sequence, or ``kept_fraction`` f of the tokens the sequence has
-seen (cached or evicted): k = max(ceil(f * seen), sinks + window). f = 1 keeps everything.
+seen (cached or evicted): k = max(ceil(f * seen), sinks + window, 1). f = 1 keeps everything.
 
 Scores come from the logits the layer really uses (``scores.attention_received``: latent
 query, latent + RoPE key, key scalars, softmax scale). One latent is shared by every head of
@@ -102,7 +102,8 @@ class EvictionPolicy:
             bad = isinstance(kept_fraction, bool) or not isinstance(kept_fraction, (int, float))
             if bad or not math.isfinite(kept_fraction) or not 0 < kept_fraction <= 1:
                 raise ValueError(f"kept_fraction: expected a number in (0, 1], got {kept_fraction!r}")
-            self.fraction = Fraction(kept_fraction).limit_denominator(1 << 20)  # ceil(0.1 * 30) is 3, not 4
+            # ceil(0.1 * 30) is 3, not 4; a fraction too small for the denominator stays above 0
+            self.fraction = max(Fraction(kept_fraction).limit_denominator(1 << 20), Fraction(1, 1 << 20))
         if interval is not None:
             _check_int("interval", interval, 1, " (decode steps between evictions) or None (after prefills only)")
         _check_choice("head_reduce", head_reduce, HEAD_REDUCTIONS)
@@ -136,7 +137,8 @@ class EvictionPolicy:
         if self.fraction is None:
             return torch.full_like(seen, self.budget)
         f = self.fraction
-        return ((seen * f.numerator + f.denominator - 1) // f.denominator).clamp_min(self.sinks + self.window)
+        # At least one token, as a budget is: a fraction of a few tokens is never "keep none".
+        return ((seen * f.numerator + f.denominator - 1) // f.denominator).clamp_min(max(1, self.sinks + self.window))
 
     def token_scores(self, scores: Optional[torch.Tensor], seqlens: torch.Tensor) -> torch.Tensor:
         """[B, max(seqlens)] one score per token, higher kept first; ``scores`` [B, h, S] or None."""

@@ -177,7 +177,7 @@ class PagedLayout(Layout):
             self.num_blocks = int(table.max()) + 1
         elif int(table.max()) >= self.num_blocks:
             raise ValueError(f"block_table: holds block id {int(table.max())}, but num_blocks={self.num_blocks}")
-        return table.to(device=device, dtype=torch.long)
+        return table.to(device=device, dtype=torch.long, copy=True)  # the cache's own: a later edit cannot move it
 
     def buffer(self, batch_size, capacity, width, dtype, device=None, fill=0.0):
         table = self._table(batch_size, capacity, device)

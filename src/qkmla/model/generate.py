@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..limits import check_fits
 from .gpt import GPT
 
 
@@ -44,7 +46,7 @@ def check_prompts(prompts, vocab_size: int) -> None:
         raise ValueError("prompts: expected one or more non-empty lists of token ids")
     for i, p in enumerate(prompts):
         ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompts: prompt {i} holds {bad[0]!r}; token ids are ints in [0, {vocab_size})")
 
@@ -106,6 +108,8 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     with each step's new token ids (one per prompt), e.g. to print them as they come."""
     check_prompts(prompts, model.config.vocab_size)
     check_sampling(max_new_tokens, temperature, top_k)
+    check_fits("max_new_tokens", 8 * len(prompts) * max_new_tokens, f"{max_new_tokens} new token ids for each of "
+               f"{len(prompts)} prompt(s)")
     model.eval()
     context = model.config.block_size
     # Only the last block_size tokens are ever prefilled again, so that is all the history

@@ -72,9 +72,22 @@ class RunLock:
         except (OSError, ValueError, AttributeError):
             return "another process"
 
+    def _foreign(self) -> bool:
+        """A non-empty ``lock`` that is not one of ours ({"pid", "host"}): the user's own file."""
+        try:
+            if not self.path.is_file() or self.path.stat().st_size == 0:
+                return False
+            owner = json.loads(self.path.read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return True
+        return not (isinstance(owner, dict) and "pid" in owner)
+
     def __enter__(self) -> "RunLock":
         import fcntl
 
+        if self._foreign():  # it would be truncated, then removed at the end
+            raise ValueError(f"out: {self.path} is not a qkmla lock file, and the run would replace it; "
+                             "use another --out")
         while True:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -120,6 +133,10 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
         if (out / name).is_dir():
             raise ValueError(f"out: {out / name} is a directory where the run's file goes; "
                              "remove it or use another --out")
+        foreign = _not_a_run_file(out / name)
+        if foreign:  # someone else's config.json (a transformers checkpoint's, say): never replaced
+            raise ValueError(f"out: {out / name} is not a qkmla run's file ({foreign}); --resume and --overwrite "
+                             "leave it alone too: use another --out")
     status = read_status(out)
     killed = status is not None and status.get("status") == "running"  # and its lock is free: it died
     if killed:
@@ -143,6 +160,36 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
     if leftovers:
         notes.insert(0, f"removed {len(leftovers)} unfinished checkpoint write(s) ({leftovers[0].name})")
     return "; ".join(notes) or None
+
+
+def _not_a_run_file(path: Path) -> Optional[str]:
+    """Why ``path`` (one of RUN_FILES) is not what a qkmla run writes there, or None (it is,
+    or it does not exist). Files a killed run may have cut short still count as the run's."""
+    if not path.is_file():
+        return None
+    if path.name == FILENAME:
+        from .checkpoint import CheckpointError, read_metadata
+
+        try:
+            read_metadata(path)
+        except CheckpointError as e:
+            return None if "truncated or corrupt" in str(e) else "a safetensors file of another program"
+        return None
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return "not text"
+    if path.name == "metrics.jsonl":  # rows, nothing, or one row cut short by a kill
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines or read_rows(path) or (len(lines) == 1 and lines[0].lstrip().startswith("{")):
+            return None
+        return "lines that are not metrics rows"
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None  # a write cut short by a kill; status and config are rewritten whole
+    key = {"config.json": "train", "status.json": "status"}[path.name]
+    return None if isinstance(obj, dict) and key in obj else f"a JSON file without the {key!r} a run writes"
 
 
 def clean_json(obj, flagged: Optional[list] = None, key: str = ""):

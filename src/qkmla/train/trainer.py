@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
-from ..files import write_text
+from ..files import same_file, write_text
 from ..limits import check_fits
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
@@ -50,7 +50,7 @@ from .config import TrainConfig
 from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
-from .rundir import (RunLock, fresh_out, metrics_line, prepare, resume_mismatches, truncate_metrics,
+from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, prepare, resume_mismatches, truncate_metrics,
                      write_status)
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
@@ -248,6 +248,10 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
         if rank == 0:
             print(f"writing the run to {config.out} (pass --out to choose)")
     out = Path(config.out)
+    data = Path(config.data)
+    if data.is_file() and any(same_file(data, out / name) for name in RUN_FILES):
+        raise ValueError(f"data: {data} is a file of the run directory {out}, which training writes; "
+                         f"copy it elsewhere first")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, a read-only file system
