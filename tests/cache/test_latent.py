@@ -124,3 +124,13 @@ def test_a_dense_cache_below_the_model_precision_reads_back_the_rounded_latent()
     c = torch.randn(3, 16, dtype=torch.float64)
     assert torch.equal(LatentCache(1, 8, 16, 8, 2, dtype=torch.bfloat16).stored_latent(c), c.bfloat16().double())
     assert LatentCache(1, 8, 16, 8, 2, dtype=torch.float64).stored_latent(c) is c
+
+
+def test_boolean_input_lengths_are_refused():
+    """Issue 27, class 3: True/False read as lengths 1/0 silently."""
+    from qkmla import MLA
+
+    mla = MLA(MLAConfig())
+    cache = LatentCache.from_config(mla.config, 2, 8)
+    with pytest.raises(ValueError, match=r"input_lengths: expected an integer tensor of shape \[2\], got torch.bool"):
+        mla(torch.randn(2, 3, mla.config.hidden_size), cache, input_lengths=torch.tensor([True, False]))

@@ -70,3 +70,16 @@ def test_the_cache_keeps_its_own_copy_of_the_block_table():
     buf = PagedLayout(4, block_table=table).buffer(2, 8, 3, torch.float32)
     table[0, 0] = 3  # an edit afterwards would make sequence 0 write into sequence 1's block
     assert buf.block_table.tolist() == [[0, 1], [2, 3]]
+
+
+def test_the_decode_op_refuses_lengths_past_the_capacity():
+    """Issue 27, class 3: a slice past the capacity held fewer slots than the lengths claimed,
+    and the op attended over those silently."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    q_lat, q_rope = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8)
+    for backend in ("torch", "naive"):
+        for lengths in ([6, 9], [3, -1]):
+            with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths in \[0, 6\]"):
+                mla_decode_with_kvcache(q_lat, q_rope, torch.randn(2, 6, 24), None, torch.tensor(lengths),
+                                        backend=backend)

@@ -134,7 +134,8 @@ class SequenceCache:
             uniform = self.uniform
         else:
             input_lengths = torch.as_tensor(input_lengths, device=self.device)
-            if input_lengths.shape != (batch_size,) or input_lengths.dtype.is_floating_point:
+            if input_lengths.shape != (batch_size,) or input_lengths.dtype.is_floating_point \
+                    or input_lengths.dtype in (torch.bool, torch.complex64, torch.complex128):
                 raise ValueError(f"input_lengths: expected an integer tensor of shape [{batch_size}], "
                                  f"got {input_lengths.dtype} {tuple(input_lengths.shape)}")
             lo, hi = int(input_lengths.min()), int(input_lengths.max())

@@ -72,6 +72,10 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     """
     B, S_q, H, d_c = q_lat.shape
     rows_format = row_format(kv_format, d_c, q_rope.shape[-1])
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    if bool((cache_seqlens < 0).any()) or bool((cache_seqlens > capacity).any()):
+        raise ValueError(f"cache_seqlens: expected lengths in [0, {capacity}] (the cache's capacity), got "
+                         f"{cache_seqlens.tolist()}")
     G = scale_cache.shape[-1] if scale_cache is not None else 1
     page = kv_cache.shape[1]
     if visible_lens is None:

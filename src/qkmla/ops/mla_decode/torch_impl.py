@@ -278,6 +278,11 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     """
     B, S_q = q_lat.shape[:2]
     S = int(cache_seqlens.max()) if max_seqlen is None else max_seqlen
+    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    if S > capacity or (max_seqlen is None and int(cache_seqlens.min()) < 0):
+        # Past the capacity the slice would silently hold fewer slots than the lengths claim.
+        raise ValueError(f"cache_seqlens: expected lengths in [0, {capacity}] (the cache's capacity), got "
+                         f"{cache_seqlens.tolist()}")
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     latent = _dense(kv_cache, block_table, S)
