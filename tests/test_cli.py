@@ -298,7 +298,7 @@ def test_a_kept_fraction_is_honoured_or_refused_and_what_was_kept_is_said(mla_ru
             r"--kept-fraction: 0.1 of the at most 31 tokens a cache holds in this run is 4, fewer than the sinks \+ "
             r"window = 0 \+ 32 that h2o always keeps; lower --window")
     refused(["generate", str(mla_run), "--tokens", "30", "--policy", "snapkv", "--kept-fraction", "0.5", "--window", "4"],
-            r"--kept-fraction: 0.5 of the at most 1 tokens a cache holds when it evicts \(after each prefill\)")
+            r"--kept-fraction: 0.5 of the at most 1 token a cache holds when it evicts \(after each prefill\)")
     refused(["generate", str(mla_run), "--policy", "streaming-llm", "--budget", "8", "--window", "2"],
             "--window: streaming-llm keeps the newest tokens by definition")
     refused(["generate", str(mla_run), "--window", "2"], "--window: sizes an eviction policy; give --policy too")

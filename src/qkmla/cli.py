@@ -155,7 +155,8 @@ def _check_kept_fraction(policy, seen: int) -> None:
         knobs = "--sinks" if policy.name == "streaming-llm" else "--window" + (" or --sinks" if policy.sinks else "")
         fix = f"raise --kept-fraction to at least {floor / seen:.3g}" if floor < seen else \
             "no fraction can evict anything here"
-        raise ValueError(f"--kept-fraction: {policy.kept_fraction:g} of the at most {seen} tokens a cache holds {when} "
+        raise ValueError(f"--kept-fraction: {policy.kept_fraction:g} of the at most {seen} token{'s' * (seen != 1)} a "
+                         f"cache holds {when} "
                          f"is {math.ceil(policy.kept_fraction * seen)}, fewer than the sinks + window = "
                          f"{policy.sinks} + {policy.window} that {policy.name} always keeps; lower {knobs} ({fix})")
 
