@@ -2,7 +2,6 @@ import os
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this
 # when it is first imported, and other packages (transformers) may import it during
@@ -14,36 +13,6 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-class _OpNames(TorchDispatchMode):
-    """Records the name of every aten op dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def ops_of():
-    """ops_of(fn) -> the aten op names (e.g. "bmm", "addmm") fn dispatches, in order."""
-    def run(fn) -> list[str]:
-        with _OpNames() as names:
-            fn()
-        return names.ops
-    return run
-
-
-@pytest.fixture
-def threads():
-    """threads(n) sets the intra-op thread count for the test; restored afterwards."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import torch
 
 from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
-from qkmla.cpu import optimize_for_decode
 from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op
 from qkmla.verify import perturb_vectors
 
@@ -18,14 +17,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "cpu-opt-in"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_compiled_decode_step_equals_eager(name, optimized):
+def test_compiled_decode_step_equals_eager(name):
     torch._dynamo.reset()
     cfg = MLAConfig(**CONFIGS[name])
     mla = perturb_vectors(MLA(cfg)).eval()
-    if optimized:  # the compiled step of the CPU opt-in's model (qkmla.cpu)
-        optimize_for_decode(mla, threads=2)
     x = torch.randn(2, 8, cfg.hidden_size)
     # fullgraph=True: any graph break is an error. aot_eager traces through AOTAutograd (the
     # in-place cache writes are functionalized) without the minutes of C++ codegen inductor

@@ -217,23 +217,6 @@ def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
     assert key_scale.shape == (2, 3, groups) and key_scale.std() > 1e-3  # per-group scalars that differ
 
 
-def test_cpu_decode_step_runs_every_projection_across_threads(threads, ops_of):
-    """With the opt-in qkmla.cpu.optimize_for_decode, on a CPU with 2+ threads a decode step's
-    projections take split_linear's bmm, never MKL's one-thread GEMV (aten mm/addmm); the
-    output still equals the explicit path's."""
-    from qkmla.cpu import optimize_for_decode
-
-    threads(2)
-    mla = optimize_for_decode(make(qk_norm="rms")).eval()
-    x = torch.randn(1, 6, mla.config.hidden_size, dtype=torch.float64)
-    cache = LatentCache.from_config(mla.config, 1, 6, dtype=torch.float64)
-    mla(x[:, :-1], cache)
-    out = []
-    ops = ops_of(lambda: out.append(mla(x[:, -1:], cache)))
-    assert not {"mm", "addmm"} & set(ops) and "bmm" in ops
-    torch.testing.assert_close(out[0], mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
-
-
 @pytest.mark.parametrize("which", ["q_norm", "k_norm"])
 def test_decode_follows_a_rope_norm_weight_change(which):
     """The decode step reads the RoPE norm weights from the absorbed weights: changing one
