@@ -2,8 +2,9 @@
 
     python benchmarks/bench_decode.py [--contexts 1024 ... 32768] [--threads N] [--out FILE.json] [--overwrite]
 
-Rows, timed side by side (every round calls each row in turn, so drift hits all alike; the
-median over rounds is reported):
+Rows, timed side by side: every round calls each row in turn, ``ms`` is a row's median call, and
+a ratio is the median over rounds of that round's ratio, so a burst of other work on the
+machine, which hits neighbouring rows alike, moves it little:
 
     mla                    plain MLA, the absorbed step: MLA.forward on one token over a LatentCache
     mla-qknorm             QK-normed MLA (blockwise RMS), the same step; its cache adds one scalar per token and group
@@ -99,8 +100,9 @@ def hf_rows(layer, rotary, longest: int, device: str) -> tuple:
 
 
 def time_rows(fns: dict, rounds: int, device: str, budget_s: float = 2.0) -> dict:
-    """Median seconds per call, rows interleaved round by round: in each round a row gets an
-    untimed call, then as many timed calls as fit in about 50 ms (at least one). A row slower
+    """Each row's calls, round by round: {row: [[seconds, ...] per round]}. Rows take turns, so a
+    burst of other work on the machine hits neighbours alike. In each round a row gets an
+    untimed call, then as many timed calls as fit in about 30 ms (at least one). A row slower
     than 0.1 s a call skips the untimed call and stops once it has 3 samples and ``budget_s``."""
     samples = {name: [] for name in fns}
 
@@ -118,19 +120,24 @@ def time_rows(fns: dict, rounds: int, device: str, budget_s: float = 2.0) -> dic
             per_call[name] = timed(fn)
         for _ in range(rounds):
             for name, fn in fns.items():
-                if len(samples[name]) >= 3 and sum(samples[name]) > budget_s:
+                if sum(len(r) for r in samples[name]) >= 3 and sum(map(sum, samples[name])) > budget_s:
                     continue
                 if per_call[name] < 0.1:  # the row before may have left the caches cold or freed a lot of memory
                     fn()
-                samples[name] += [timed(fn) for _ in range(max(1, min(20, int(0.05 / per_call[name]))))]
-    return {name: statistics.median(s) for name, s in samples.items()}
+                samples[name].append([timed(fn) for _ in range(max(1, min(20, int(0.03 / per_call[name]))))])
+    return samples
+
+
+def ratio(per_round: dict, a: str, b: str) -> float:
+    """a's time over b's: the median over rounds of each round's ratio of medians (rounds both ran)."""
+    return statistics.median(statistics.median(x) / statistics.median(y) for x, y in zip(per_round[a], per_round[b]))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="deepseek-v3-tp8", help="MLA widths (qkmla cache-size --help lists presets)")
     p.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's, one per core)")
@@ -227,22 +234,22 @@ def run(args, argv) -> int:
                 diffs[name] = {"max_abs_diff_to_eager": float((got - want).abs().max()),
                                "first_call_s": round(time.perf_counter() - t0, 2)}
         compile_record[context] = diffs
-        seconds = time_rows(fns, args.rounds, device)
-        for name, s in seconds.items():
-            by[context, name] = s
+        by[context] = per_round = time_rows(fns, args.rounds, device)
+        for name, rounds in per_round.items():
             base = "mla-compiled" if name.endswith("-compiled") else "mla"
-            row = {"context": context, "row": name, "ms": round(s * 1e3, 3), "ratio_to_mla": round(s / seconds[base], 3),
+            row = {"context": context, "row": name, "ms": round(statistics.median(sum(rounds, [])) * 1e3, 3),
+                   "ratio_to_mla": round(ratio(per_round, name, base), 3), "calls": sum(map(len, rounds)),
                    "cache_bytes_per_token": bytes_per_token[name]}
             results.append(row)
             print(f"{context:>8} {name:<22}{row['ms']:>10.2f}{row['ratio_to_mla']:>8.3f}{row['cache_bytes_per_token']:>13,}")
 
-    summary = {
-        "qknorm_over_mla": {c: round(by[c, "mla-qknorm"] / by[c, "mla"], 3) for c in contexts},
-        "qknorm_over_mla_compiled": {c: round(by[c, "mla-qknorm-compiled"] / by[c, "mla-compiled"], 3) for c in contexts},
-        "expand_over_qknorm_compiled": {c: round(by[c, "expand-qknorm"] / by[c, "mla-qknorm-compiled"], 2)
+    summary = {  # ratios taken round by round (see ``ratio``)
+        "qknorm_over_mla": {c: round(ratio(by[c], "mla-qknorm", "mla"), 3) for c in contexts},
+        "qknorm_over_mla_compiled": {c: round(ratio(by[c], "mla-qknorm-compiled", "mla-compiled"), 3) for c in contexts},
+        "expand_over_qknorm_compiled": {c: round(ratio(by[c], "expand-qknorm", "mla-qknorm-compiled"), 2)
                                         for c in contexts},
-        "transformers_over_qknorm_compiled": {c: round(by[c, "transformers"] / by[c, "mla-qknorm-compiled"], 2)
-                                              for c in contexts if (c, "transformers") in by},
+        "transformers_over_qknorm_compiled": {c: round(ratio(by[c], "transformers", "mla-qknorm-compiled"), 2)
+                                              for c in contexts if "transformers" in by[c]},
         "full_key_cache_bytes_per_token": bytes_per_token["full-key-qknorm"],
         "full_key_cache_over_qknorm_latent_cache": round(bytes_per_token["full-key-qknorm"]
                                                          / bytes_per_token["mla-qknorm"], 2),
