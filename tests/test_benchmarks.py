@@ -1,5 +1,5 @@
 """Smoke runs of the benchmark scripts on a tiny layer: they run end to end and write the
-JSON the README documents (the timings themselves are not asserted; see benchmarks/README.md)."""
+JSON docs/benchmarks.md documents (the timings themselves are not asserted)."""
 
 import importlib.util
 import json

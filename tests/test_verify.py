@@ -23,3 +23,12 @@ def test_yarn_row_fails_when_the_absorbed_path_drops_the_cos_sin_factor(monkeypa
     monkeypatch.setattr(MLA, "absorbed_query", dropped)
     rows = verify.verify_variant("rms-yarn", verify.VARIANTS["rms-yarn"])
     assert not rows[0].ok and rows[0].max_abs_logit_diff > 1e-3 * rows[0].max_abs_logit
+
+
+def test_in_float64_the_two_paths_agree_to_roundoff():
+    """The README's parity figure: in float64 every variant's explicit and absorbed logits differ
+    by at most 1e-14 of the largest logit (a verify row fails only above 1e-10)."""
+    rows = [r for r in verify.run(seed=0) if r.dtype == "float64"]
+    assert len(rows) == len(verify.VARIANTS)
+    assert all(r.max_abs_logit_diff <= 1e-14 * r.max_abs_logit for r in rows), [
+        (r.variant, r.max_abs_logit_diff / r.max_abs_logit) for r in rows]

@@ -70,7 +70,7 @@ def run_tests(ctx: PartContext, timeout_s: float) -> dict:
     result = {"files": files}
     if importlib.util.find_spec("pytest") is None:
         return {**result, "status": "skipped",
-                "reason": "pytest is not installed here: bring its wheels and pass --wheels DIR (benchmarks/README.md)"}
+                "reason": "pytest is not installed here: bring its wheels and pass --wheels DIR (docs/benchmarks.md)"}
     junit = ctx.out / f"{ctx.stem}_pytest.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     if ctx.dry_run:
