@@ -34,6 +34,7 @@ def test_the_docs_site_builds_in_strict_mode_with_api_pages_from_the_docstrings(
     assert done.returncode == 0, done.stderr
     home = text(site / "index.html")
     assert "QK normalization" in home and 'href="guide/' in home  # the README, its links into docs/ made site links
+    assert "cdnjs" not in home  # nothing the page loads comes from the network
     mla = text(site / "api" / "layers" / "index.html")
     assert "absorbed" in mla and ":func:" not in mla and ":class:" not in mla  # docstrings, roles as code
     assert "mla_decode_with_kvcache" in text(site / "api" / "decode" / "index.html")
