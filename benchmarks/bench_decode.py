@@ -79,10 +79,10 @@ def hf_step(layer, rotary, rows: tuple, context: int, device: str):
     cos_sin = rotary(x, torch.tensor([[context]], device=device))
     name = "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"  # 5.24 renamed it
 
-    def run():
+    def call():
         layer(x, position_embeddings=cos_sin, attention_mask=None, **{name: cache})
         cache.crop(-1)  # n < 0 removes the newest token in every supported transformers version
-    return run
+    return call
 
 
 def hf_rows(layer, rotary, longest: int, device: str) -> tuple:
@@ -142,14 +142,16 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's, one per core)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: a fast smoke run)")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "bench_decode_cpu.json")
+    p.add_argument("--out", type=Path, default=None, help="JSON file (default results/bench_decode_<device>.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
     if any(c < 1 for c in args.contexts):
         p.error(f"--contexts: expected ints >= 1, got {args.contexts}")
-    for name in ("rounds", "threads"):
-        if getattr(args, name) < (1 if name == "rounds" else 0):
-            p.error(f"--{name}: expected an int >= {1 if name == 'rounds' else 0}, got {getattr(args, name)}")
+    if args.rounds < 1:
+        p.error(f"--rounds: expected an int >= 1, got {args.rounds}")
+    if args.threads < 0:
+        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
+    args.out = args.out or HERE / "results" / f"bench_decode_{args.device}.json"
     try:
         check_output("--out", [args.out], [], args.overwrite)
     except ValueError as e:
@@ -194,14 +196,14 @@ def run(args, argv) -> int:
     def step(name, module, path="auto"):
         cache, saved = caches[name], caches[name].bookkeeping()
         if name.endswith("-compiled"):
-            def run():
+            def call():
                 decode_one_token(module, x, cache, step=compiled)
                 cache.restore(saved)
         else:
-            def run():
+            def call():
                 module(x, cache, path=path)
                 cache.restore(saved)  # the same context every call
-        return run
+        return call
 
     info = machine()
     print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads), torch {info['torch']}, "
@@ -241,11 +243,13 @@ def run(args, argv) -> int:
                    "ratio_to_mla": round(ratio(per_round, name, base), 3), "calls": sum(map(len, rounds)),
                    "cache_bytes_per_token": bytes_per_token[name]}
             results.append(row)
-            print(f"{context:>8} {name:<22}{row['ms']:>10.2f}{row['ratio_to_mla']:>8.3f}{row['cache_bytes_per_token']:>13,}")
+            print(f"{context:>8} {name:<22}{row['ms']:>10.2f}{row['ratio_to_mla']:>8.3f}"
+                  f"{row['cache_bytes_per_token']:>13,}")
 
     summary = {  # ratios taken round by round (see ``ratio``)
         "qknorm_over_mla": {c: round(ratio(by[c], "mla-qknorm", "mla"), 3) for c in contexts},
-        "qknorm_over_mla_compiled": {c: round(ratio(by[c], "mla-qknorm-compiled", "mla-compiled"), 3) for c in contexts},
+        "qknorm_over_mla_compiled": {c: round(ratio(by[c], "mla-qknorm-compiled", "mla-compiled"), 3)
+                                     for c in contexts},
         "expand_over_qknorm_compiled": {c: round(ratio(by[c], "expand-qknorm", "mla-qknorm-compiled"), 2)
                                         for c in contexts},
         "transformers_over_qknorm_compiled": {c: round(ratio(by[c], "transformers", "mla-qknorm-compiled"), 2)
@@ -261,7 +265,8 @@ def run(args, argv) -> int:
         import transformers
         transformers_version = transformers.__version__
     result = {"command": recorded_command("benchmarks/bench_decode.py", argv), "commit": source_commit(HERE),
-              "machine": info, "load_average_1min": {"start": round(load_at_start, 2), "end": round(os.getloadavg()[0], 2)},
+              "machine": info,
+              "load_average_1min": {"start": round(load_at_start, 2), "end": round(os.getloadavg()[0], 2)},
               "transformers": transformers_version, "preset": args.preset, "dtype": args.dtype, "device": device,
               "rounds": args.rounds, "compile": {"backend": args.compile_backend, "per_context": compile_record},
               "rows": results, "summary": summary}

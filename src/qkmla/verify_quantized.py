@@ -18,7 +18,8 @@ so every cached key is the normalized key of c^, and the Appendix E identity car
   format is judged on trained models).
 
 :func:`key_scalar_choice` measures the alternative, r from the full-precision c: the
-output error against the unquantized cache with each choice (README, "Quantized latent cache").
+output error against the unquantized cache with each choice (docs/cache.md, "The key scalar
+is computed from the stored latent").
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_decode_one_token_refuses_what_it_does_not_cover():
 
 @pytest.mark.parametrize("kv_format", ["dense", "fp8", "int8", "int4"])
 def test_compiled_decode_step_with_inductor_at_batch_sizes_1_2_3(kv_format):
-    """torch.compile's default backend (inductor), as the README writes the step, at batch sizes
+    """torch.compile's default backend (inductor), as docs/guide.md writes the step, at batch sizes
     3, 2 and 1 through one compiled function: 3 is a static graph whose absorbed query is not
     contiguous (inductor checks the op's outputs against the strides its fake promises), 2
     recompiles with a dynamic batch and 1 specializes again. Each equals MLA.forward over an
