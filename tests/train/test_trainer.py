@@ -289,7 +289,7 @@ def test_a_sigterm_sent_to_qkmla_train_checkpoints_and_a_new_process_resumes_exa
     """Issue 27, class 4: `kill -TERM` on a running `qkmla train` (as Slurm, Kubernetes and docker
     stop do): status "stopped" at the step it finished, checkpointed, the lock released, no
     traceback; resumed in another process, its losses equal an uninterrupted run's (one thread:
-    deterministic arithmetic, the case the README's guarantee covers)."""
+    deterministic arithmetic, the case the resume guarantee in docs/training.md covers)."""
     import signal
     import time
 

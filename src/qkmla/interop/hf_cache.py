@@ -261,8 +261,9 @@ class LatentAttentionCache(Cache):
 
     Args:
         model: the patched model (``*ForCausalLM`` or ``*Model``).
-        kv_format, policy: the latent's storage and eviction policy; by default the ones
-            ``apply_latent_attention`` was given (``policy=None`` turns eviction off).
+        kv_format: the latent's storage; by default the one ``apply_latent_attention`` was given.
+        policy: the eviction policy; by default the one ``apply_latent_attention`` was given
+            (``policy=None`` turns eviction off).
         max_cache_len: a fixed capacity per sequence (transformers' static cache), or None to grow.
 
     Examples:
