@@ -148,29 +148,34 @@ def test_status_says_failed_with_the_error_step_and_checkpoint(tmp_path, monkeyp
     assert status["step"] == 2 and status["checkpoint_step"] == 2 and status["last_checkpoint"].endswith(FILENAME)
 
 
-def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch):
-    """Ctrl-C in the middle of step 4 finishes that step, checkpoints it and stops; the
-    resumed run equals an uninterrupted one. A second Ctrl-C stops at once."""
+@pytest.mark.parametrize("signame, status", [("SIGINT", "interrupted"), ("SIGTERM", "stopped")])
+def test_a_stop_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_path, monkeypatch, signame,
+                                                                                   status):
+    """Ctrl-C (SIGINT), or SIGTERM as Slurm, Kubernetes and docker stop send it (issue 27, class 4),
+    in the middle of step 4 finishes that step, checkpoints it, restores the handler and stops
+    with its status ("interrupted", "stopped"); the resumed run equals an uninterrupted one. A
+    second signal stops at once."""
     import signal
 
     from qkmla.train import trainer
 
+    sig = getattr(signal, signame)
     full = train(TrainConfig(**FAST, steps=7, ckpt_interval=100, out=str(tmp_path / "full")))
     real, calls = trainer.get_batch, []
 
-    def ctrl_c_in_step_four(*args):
+    def signal_in_step_four(*args):
         calls.append(1)
         batch = real(*args)
         if len(calls) == 4:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(sig)
         return batch
 
-    monkeypatch.setattr(trainer, "get_batch", ctrl_c_in_step_four)
+    monkeypatch.setattr(trainer, "get_batch", signal_in_step_four)
     part = TrainConfig(**FAST, steps=7, ckpt_interval=100, out=str(tmp_path / "part"))
-    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a background job
-    status = train(part)
-    assert status["status"] == "interrupted" and status["step"] == 4 and status["checkpoint_step"] == 4
-    assert signal.getsignal(signal.SIGINT) is before  # restored
+    before = signal.getsignal(sig)  # Python's default, or SIG_IGN in a background job
+    stopped = train(part)
+    assert stopped["status"] == status and stopped["step"] == 4 and stopped["checkpoint_step"] == 4
+    assert signal.getsignal(sig) is before  # restored
     monkeypatch.setattr(trainer, "get_batch", real)
     assert train(part.replace(resume=True))["status"] == full["status"] == "done"
     losses = [[r["loss"] for r in read_rows(tmp_path / d / "metrics.jsonl")] for d in ("full", "part")]
@@ -181,13 +186,13 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(tmp_p
     def twice(*args):
         calls.append(1)
         if len(calls) == 2:
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(sig)
+            signal.raise_signal(sig)
         return real(*args)
 
     monkeypatch.setattr(trainer, "get_batch", twice)
     now = train(TrainConfig(**FAST, steps=7, ckpt_interval=1, out=str(tmp_path / "now")))
-    assert now["status"] == "interrupted" and now["step"] == 1 and now["checkpoint_step"] == 1
+    assert now["status"] == status and now["step"] == 1 and now["checkpoint_step"] == 1
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
@@ -230,45 +235,3 @@ def test_metrics_lines_are_strict_json():
 
     row = json.loads(line, parse_constant=refuse)
     assert row == {"step": 1, "loss": 2.0, "grad_norm": None, "per": [1.0, None], "non_finite": ["grad_norm", "per"]}
-
-
-def test_sigterm_stops_like_ctrl_c_with_status_stopped_and_resumes_exactly(tmp_path, monkeypatch):
-    """Issue 27, class 4: SIGTERM (Slurm, Kubernetes, docker stop) in step 3 finishes the step,
-    checkpoints it, restores the handlers and records "stopped"; the resumed run's losses are
-    the uninterrupted run's. A second SIGTERM stops at once."""
-    import signal
-
-    from qkmla.train import trainer
-
-    full = train(TrainConfig(**FAST, steps=6, ckpt_interval=100, out=str(tmp_path / "full")))
-    real, calls = trainer.get_batch, []
-
-    def sigterm_in_step_three(*args):
-        calls.append(1)
-        if len(calls) == 3:
-            signal.raise_signal(signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(trainer, "get_batch", sigterm_in_step_three)
-    before = signal.getsignal(signal.SIGTERM)
-    part = TrainConfig(**FAST, steps=6, ckpt_interval=100, out=str(tmp_path / "part"))
-    status = train(part)
-    assert status["status"] == "stopped" and status["step"] == 3 and status["checkpoint_step"] == 3
-    assert signal.getsignal(signal.SIGTERM) is before
-    monkeypatch.setattr(trainer, "get_batch", real)
-    assert train(part.replace(resume=True))["status"] == full["status"] == "done"
-    losses = [[r["loss"] for r in read_rows(tmp_path / d / "metrics.jsonl")] for d in ("full", "part")]
-    assert losses[0] == losses[1] and len(losses[0]) == 6
-
-    calls.clear()
-
-    def twice(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            signal.raise_signal(signal.SIGTERM)
-            signal.raise_signal(signal.SIGTERM)
-        return real(*args)
-
-    monkeypatch.setattr(trainer, "get_batch", twice)
-    now = train(TrainConfig(**FAST, steps=6, ckpt_interval=1, out=str(tmp_path / "now")))
-    assert now["status"] == "stopped" and now["step"] == 1 and now["checkpoint_step"] == 1

@@ -126,15 +126,8 @@ def _figures(rows, main, stress, chosen, options) -> list:
                 axes[1].plot(*zip(*c["max_logit"]), **kw)
             if c.get("grad_norm"):
                 axes[2].plot(*zip(*c["grad_norm"]), **kw)
-    for ax, title in zip(axes, ("validation loss (held-out plays, fixed windows)", "max attention logit",
-                                "gradient norm (before clipping)")):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+    _finish_curves(axes, ("validation loss (held-out plays, fixed windows)", "max attention logit",
+                          "gradient norm (before clipping)"), legend_size=7)
     figures = [save(fig, options.out / "curves.png")]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -159,13 +152,19 @@ def _figures(rows, main, stress, chosen, options) -> list:
         for ax, key in zip(axes, ("loss", "max_logit", "grad_norm")):
             if c.get(key):
                 ax.plot(*zip(*c[key]), **kw)
-    for ax, title in zip(axes, ("training loss", "max attention logit", "gradient norm (no clipping)")):
-        ax.set_title(f"stress test: {title}")
+    _finish_curves(axes, ("stress test: training loss", "stress test: max attention logit",
+                          "stress test: gradient norm (no clipping)"), legend_size=6)
+    figures.append(save(fig, options.out / "stress.png"))
+    return figures
+
+
+def _finish_curves(axes, titles, legend_size: int) -> None:
+    """Titles, step axes, grids and legends of a loss / max-logit / grad-norm row (the last two log-scaled)."""
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=legend_size)
     axes[1].set_yscale("log")
     axes[2].set_yscale("log")
-    figures.append(save(fig, options.out / "stress.png"))
-    return figures
