@@ -243,22 +243,36 @@ def _convert(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .interop.convert import CONVERTED_CONFIG, CONVERTED_WEIGHTS, convert_hf_dir
-
+    from .interop.convert import DEFAULT_CALIBRATION_TOKENS, convert_checkpoint
     from .threads import apply_threads
 
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    if args.calibration_tokens is not None and not args.warm_start:
-        raise ValueError("--calibration-tokens: sizes the warm start's calibration batch; give --warm-start too")
     apply_threads(args.threads, "convert")
-    reports = convert_hf_dir(args.hf_dir, args.out, layers=args.layer, qk_norm=args.qk_norm,
-                             warm_start=args.warm_start, calibration_tokens=args.calibration_tokens or 512,
-                             dtype=dtype, overwrite=args.overwrite)
-    for layer, report in reports.items():
+    tokens = args.calibration_tokens
+    if tokens is None:
+        tokens = DEFAULT_CALIBRATION_TOKENS if args.qk_norm else 0
+    text = None
+    if args.calibration_text is not None:
+        try:
+            text = Path(args.calibration_text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"calibration_text: cannot read {args.calibration_text} as UTF-8 text ({e})") from None
+    try:
+        report = convert_checkpoint(args.hf, args.out, qk_norm=args.qk_norm, qk_norm_mode=args.qk_norm_mode,
+                                    qk_norm_p=args.qk_norm_p, calibration_tokens=tokens, calibration_text=text,
+                                    dtype=dtype, overwrite=args.overwrite)
+    except ValueError as e:  # the loader's argument name, as this command's option
+        name, _, rest = str(e).partition(": ")
+        raise ValueError(f"{'--hf' if name == 'hf_dir' else name}: {rest}") from None
+    for layer, blocks in (report.get("layers") or {}).items():
         print(f"layer {layer}: " + "; ".join(
-            f"{block} gamma_q {r['gamma_q']:.4g} gamma_k {r['gamma_k']:.4g}, logit RMS {r['rms_unit_weights']:.3g} "
-            f"(unit weights) -> {r['rms_warm']:.3g} (source {r['rms_source']:.3g})" for block, r in report.items()))
-    print(f"wrote {Path(args.out) / CONVERTED_WEIGHTS} and {CONVERTED_CONFIG}")
+            f"{block} logit RMS {r['rms_source']:.4g} (source), {r['rms_unit_weights']:.4g} (norm, unit weights) -> "
+            f"{r['rms_calibrated']:.4g} (calibrated)" for block, r in blocks.items()))
+    loss = report.get("loss")
+    if loss:
+        print(f"held-out loss: source {loss['source']:.4f}, norm at unit weights {loss['unit_weights']:.4f}, "
+              f"calibrated {loss['calibrated']:.4f} ({loss['calibrated'] - loss['source']:+.4f})")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -373,18 +387,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(g)
     g.set_defaults(func=_generate)
 
-    cv = sub.add_parser("convert", help="HF DeepSeek-V2/V3 checkpoint directory -> MLA layers in safetensors, "
-                                        "optionally QK-normed")
-    cv.add_argument("hf_dir", help="directory with config.json and safetensors weights (sharded or not)")
-    cv.add_argument("--out", required=True, help="output directory (model.safetensors, qkmla_config.json)")
-    cv.add_argument("--qk-norm", choices=["rms", "l2", "lp"], default=None, help="add this QK norm (weights at ones)")
-    cv.add_argument("--layer", type=int, action="append", default=None, help="layer index (repeatable; default all)")
-    cv.add_argument("--warm-start", action="store_true",
-                    help="set the norm weights so the logits keep the source's scale (proxy calibration inputs)")
-    cv.add_argument("--calibration-tokens", type=int, default=None, help="with --warm-start (default 512)")
-    cv.add_argument("--overwrite", action="store_true", help="replace a conversion already in OUT")
+    cv = sub.add_parser("convert", help="a transformers DeepSeek-V2/V3 checkpoint directory, given a QK norm "
+                                        "calibrated on real text, as a new checkpoint directory")
+    cv.add_argument("--hf", required=True, metavar="SRC", help="the checkpoint directory (config.json, safetensors, "
+                                                               "tokenizer); never written")
+    cv.add_argument("--out", required=True, metavar="DST", help="the new checkpoint directory")
+    cv.add_argument("--qk-norm", choices=["rms", "l2", "lp"], default=None, help="the QK norm to add")
+    cv.add_argument("--qk-norm-mode", choices=["blockwise", "unified"], default="blockwise")
+    cv.add_argument("--qk-norm-p", type=float, default=2.0, help="p of --qk-norm lp")
+    cv.add_argument("--calibration-tokens", type=int, default=None,
+                    help="tokens the norm is calibrated on (default 4096 with --qk-norm; 0: weights at ones)")
+    cv.add_argument("--calibration-text", default=None, metavar="FILE",
+                    help="UTF-8 text to calibrate on (default: the embedded Shakespeare)")
+    cv.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     cv.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
-                    help="default: the stored dtype (bfloat16 for FP8 weights)")
+                    help="default: the stored dtype")
     add_threads_argument(cv)
     cv.set_defaults(func=_convert)
 

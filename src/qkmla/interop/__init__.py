@@ -5,11 +5,12 @@ on first use, so ``import qkmla.interop`` works without transformers installed.
 """
 
 from .checkpoint import mla_from_hf_dir, mla_layers_from_hf_dir, read_hf_config, read_hf_tensors
-from .convert import convert_hf_dir, load_converted, save_converted, warm_start_qk_norm
+from .calibrate import warm_start_qk_norm
+from .convert import convert_checkpoint
 from .hf import load_hf_attention_weights, mla_config_from_hf, mla_from_hf
 
 _LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_patched", "LatentAttentionCache": "hf_cache",
-         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention"}
+         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention", "from_pretrained": "hf_qknorm"}
 
 
 def __getattr__(name: str):
@@ -24,7 +25,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LatentAttention", "LatentAttentionCache", "LatentCacheLayer", "apply_latent_attention", "convert_hf_dir",
-           "latent_layers", "load_converted", "load_hf_attention_weights", "mla_config_from_hf", "mla_from_hf",
-           "mla_from_hf_dir", "mla_layers_from_hf_dir", "read_hf_config", "read_hf_tensors", "save_converted",
-           "warm_start_qk_norm"]
+__all__ = ["LatentAttention", "LatentAttentionCache", "LatentCacheLayer", "apply_latent_attention", "convert_checkpoint",
+           "from_pretrained", "latent_layers", "load_hf_attention_weights", "mla_config_from_hf", "mla_from_hf",
+           "mla_from_hf_dir", "mla_layers_from_hf_dir", "read_hf_config", "read_hf_tensors", "warm_start_qk_norm"]

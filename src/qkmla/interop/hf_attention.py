@@ -94,7 +94,16 @@ class LatentAttention(MLA):
             raise ValueError(f"hf_attention: its parameters must share one device and a floating dtype of 2 bytes or "
                              f"more, got {kinds} (FP8 weights: load them dequantized, e.g. dtype=torch.bfloat16)")
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), hf_projections(hf_attention), settings)
-        return layer.to(device=params[0].device, dtype=params[0].dtype)
+        return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
+
+    def with_norm(self, norm: dict) -> "LatentAttention":
+        """This layer with a QK norm added (``norm``: the QK-norm fields of its config), sharing
+        its projection modules; the norm weights start at ones."""
+        from .hf import hf_projections
+
+        weight = self.kv_b_proj.weight
+        layer = type(self)(self.config.replace(**norm), self.layer_idx, hf_projections(self), self.settings)
+        return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
         """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).

@@ -18,6 +18,7 @@ import torch
 from ..cache.eviction import EvictionPolicy
 from ..model.generate import check_sampling
 from .hf_model import apply_latent_attention
+from .hf_qknorm import from_pretrained
 from .hf_patched import SUPPORTED
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -25,7 +26,8 @@ _MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 def load_hf_dir(hf_dir, dtype: str = "float32"):
-    """(model in eval mode, tokenizer) from a checkpoint directory, both offline."""
+    """(model in eval mode, patched by qkmla with the QK norm it records; tokenizer) from a
+    checkpoint directory, both offline."""
     import transformers
 
     root = Path(hf_dir)
@@ -45,7 +47,7 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
     except (OSError, ValueError) as e:
         raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
+        model = from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
     except (OSError, RuntimeError, ValueError) as e:  # missing files, or tensors that disagree with the config
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: {str(e).strip()[:500]}") from None
     return model.eval(), tokenizer

@@ -38,23 +38,36 @@ from ..ops.mla_decode.interface import DECODE_BACKENDS
 from .hf_attention import LatentAttention, LatentCall, LatentSettings
 from .hf_cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
 from .hf_patched import inner_model
+from .hf_qknorm import describe, norm_settings, record_norm, recorded_norm
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
 
 
-def apply_latent_attention(model, *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
+def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise",
+                           qk_norm_p: float = 2.0, qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False,
+                           kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
                            decode_backend: str = "auto"):
     """Make a transformers DeepSeek-V2/V3 model attend and decode through qkmla, in place.
 
     Args:
         model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` or the inner ``*Model``.
+        qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
+            attention layer: "rms" (the paper's), "l2" or "lp"; ``qk_norm_mode`` "blockwise" or
+            "unified", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``: the
+            :class:`~qkmla.MLAConfig` fields of the same names. The norm weights start at ones,
+            which changes the model's function (calibrate them with
+            ``qkmla.interop.warm_start_qk_norm``); they are recorded in the model's config, so
+            ``save_pretrained`` writes them and ``qkmla.interop.from_pretrained`` restores them
+            (``qkmla.interop.hf_qknorm``).
         kv_format: how the caches the model makes for itself store the latent
             (``qkmla.kv_formats.KV_FORMATS``: "dense", "fp8", "int8", "int4").
         policy: an eviction policy those caches run (``qkmla.cache.StreamingLLM``, ``H2O``,
             ``SnapKV``), or None to keep every token.
         decode_backend: the decode op's backend ("auto", "torch", "triton", "naive").
 
-    Calling it again on a patched model changes these settings and nothing else.
+    Calling it again on a patched model changes ``kv_format``, ``policy`` and ``decode_backend``;
+    it adds a QK norm to a model that has none, and refuses to change one the model has (its
+    weights were trained for it): ``qk_norm=None`` keeps it.
 
     Returns:
         ``model``.
@@ -63,21 +76,39 @@ def apply_latent_attention(model, *, kv_format: str = "dense", policy: Optional[
     check_cache_settings(kv_format, policy, None)
     if decode_backend not in DECODE_BACKENDS:
         raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
+    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p, qk_norm_eps, learnable_logit_scale)
     settings = getattr(inner, "_qkmla_settings", None)
-    if settings is not None:  # already patched: new settings only
+    if settings is not None:  # already patched: new settings, and a norm if it has none
+        current = recorded_norm(inner.config)
+        if norm and current and norm != current:
+            raise ValueError(f"qk_norm: this model already has the QK norm {describe(current)} (its weights are "
+                             f"trained for it), so it cannot become {describe(norm)}; pass qk_norm=None to keep it, "
+                             f"or start from the model without a norm")
         settings.kv_format, settings.policy = kv_format, policy
         for layer in inner.layers:
+            if norm and not current:
+                layer.self_attn = layer.self_attn.with_norm(norm)
             layer.self_attn.config = layer.self_attn.config.replace(decode_backend=decode_backend)
+        if norm and not current:
+            _record(model, norm)
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
-    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend) for layer in inner.layers]
+    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, **norm)
+               for layer in inner.layers]
     for layer, attn in zip(inner.layers, patched):
         layer.self_attn = attn
     inner._qkmla_settings = settings
+    _record(model, norm)
     inner._qkmla_signature = inspect.signature(inner.forward)
     inner.register_forward_pre_hook(_before_forward, with_kwargs=True)
     _no_transformers_mask(model)
     return model
+
+
+def _record(model, norm: dict) -> None:
+    """Record the norm in every config object the model has (``save_pretrained`` writes it)."""
+    for config in {id(c): c for c in (model.config, inner_model(model).config)}.values():
+        record_norm(config, norm)
 
 
 def _no_transformers_mask(model) -> None:

@@ -1,0 +1,228 @@
+"""QK-norm on a whole transformers DeepSeek model: what is recorded in its config, the names of its
+weights, and loading it back (:func:`from_pretrained`).
+
+``apply_latent_attention(model, qk_norm="rms")`` gives every attention layer qkmla's
+post-up-projection QK norm and records it in the model's config, so that ``save_pretrained``
+writes it to ``config.json``:
+
+    "qkmla": {"qk_norm": "rms", "qk_norm_mode": "blockwise", "qk_norm_p": 2.0,
+              "qk_norm_eps": 1e-06, "learnable_logit_scale": false}
+    "attn_implementation": "qkmla.interop.from_pretrained"
+
+The norm weights are saved as transformers names QK-norm weights (Qwen3's and OLMo 2's
+``self_attn.q_norm.weight``), one level deeper because qkmla's norm has one weight per block:
+
+    model.layers.{i}.self_attn.q_norm.content.weight   [d_n]   gamma_q^C
+    model.layers.{i}.self_attn.q_norm.rope.weight      [d_r]   gamma_q^R
+    model.layers.{i}.self_attn.k_norm.content.weight   [d_n]   gamma_k^C
+    model.layers.{i}.self_attn.k_norm.rope.weight      [d_r]   gamma_k^R
+    model.layers.{i}.self_attn.logit_scale             [h]     with learnable_logit_scale
+
+Every other tensor is transformers' own, under its own name. The ``attn_implementation`` entry
+is what stops transformers without qkmla from loading the directory as a plain DeepSeek model
+(which would drop the norm weights with a note that they "can be ignored", and compute another
+function): transformers refuses it, quoting the entry, which names the loader to call.
+
+Nothing here imports transformers at module level.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ..cache.eviction import EvictionPolicy
+from ..config import MLAConfig
+from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
+
+RECORD = "qkmla"  # the config.json entry
+LOADER = "qkmla.interop.from_pretrained"  # written as attn_implementation: transformers alone refuses it
+NORM_FIELDS = ("qk_norm", "qk_norm_mode", "qk_norm_p", "qk_norm_eps", "learnable_logit_scale")
+_DEFAULTS = {f: getattr(MLAConfig, f) for f in NORM_FIELDS} | {"qk_norm": None}
+_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def norm_settings(qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
+                  qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False) -> dict:
+    """The QK-norm fields of :class:`~qkmla.MLAConfig`, checked (ValueError naming the field), as
+    the dict recorded in a model's config; {} for no norm and no learnable logit scale."""
+    fields = dict(qk_norm=qk_norm, qk_norm_mode=qk_norm_mode, qk_norm_p=qk_norm_p, qk_norm_eps=qk_norm_eps,
+                  learnable_logit_scale=learnable_logit_scale)
+    if not isinstance(learnable_logit_scale, bool):
+        raise ValueError(f"learnable_logit_scale: expected True or False, got {learnable_logit_scale!r}")
+    MLAConfig(**fields)  # validates each field by name
+    if qk_norm is None and not learnable_logit_scale:
+        return {}
+    return {**fields, "qk_norm_p": float(qk_norm_p), "qk_norm_eps": float(qk_norm_eps)}
+
+
+def recorded_norm(hf_config, where: str = "model.config") -> dict:
+    """The QK-norm settings recorded in an HF config (object or config.json dict), checked; {} if none."""
+    record = hf_config.get(RECORD) if isinstance(hf_config, dict) else getattr(hf_config, RECORD, None)
+    if record is None:
+        return {}
+    if not isinstance(record, dict) or set(record) - set(NORM_FIELDS):
+        extra = sorted(set(record) - set(NORM_FIELDS)) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: its {RECORD!r} entry must be a dict of {NORM_FIELDS}, got {extra}")
+    try:
+        return norm_settings(**{**_DEFAULTS, **record})
+    except ValueError as e:
+        raise ValueError(f"{where}: its {RECORD!r} entry is not valid: {e}") from None
+
+
+def record_norm(hf_config, norm: dict) -> None:
+    """Write (or clear, for {}) the record of ``norm`` in an HF config object."""
+    if norm:
+        setattr(hf_config, RECORD, dict(norm))
+        hf_config.attn_implementation = LOADER
+    else:
+        for name in (RECORD, "attn_implementation"):
+            if name in hf_config.__dict__:
+                delattr(hf_config, name)
+
+
+def norm_tensor_names(config: MLAConfig) -> list[str]:
+    """The names, under ``self_attn.``, of the weights a layer with ``config``'s norm adds."""
+    names = [f"{side}.{block}.weight" for side in ("q_norm", "k_norm") for block in ("content", "rope")] \
+        if config.qk_norm is not None else []
+    return names + (["logit_scale"] if config.learnable_logit_scale else [])
+
+
+def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    widths = {"content": (config.qk_nope_head_dim,), "rope": (config.qk_rope_head_dim,)}
+    return {n: (config.num_heads,) if n == "logit_scale" else widths[n.split(".")[1]] for n in norm_tensor_names(config)}
+
+
+def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) -> dict[str, str]:
+    """Before any weight is read: the checkpoint holds exactly the norm weights its config records,
+    with the right shapes (from the safetensors headers). Returns {tensor name: shard file}.
+
+    Raises:
+        ValueError: naming the file, for a norm recorded whose weights are missing, norm weights
+            whose norm is not recorded, or a weight of the wrong shape.
+    """
+    from .hf import mla_config_from_hf
+
+    root = Path(hf_dir)
+    weight_map, listing = _weight_map(root)
+    ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
+    found = {k for k in weight_map if any(o in k for o in ours)}
+    config = mla_config_from_hf(hf_config, **norm)
+    layers = hf_config.get("num_hidden_layers")
+    shapes = {f"model.layers.{i}.self_attn.{n}": s for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
+    if not norm and found:
+        raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
+                         f"{root / CONFIG} records no norm (its {RECORD!r} entry is missing); the config and the "
+                         f"weights are from different models")
+    records = {k for k in found if k.endswith("._extra_state")}  # the variant record of each norm (optional)
+    found -= records
+    missing, extra = sorted(set(shapes) - found), sorted(found - set(shapes))
+    if missing or extra:
+        raise ValueError(f"hf_dir: {root / CONFIG} records the norm {norm} but {listing} "
+                         + (f"lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)"
+                            if missing else f"also holds {extra[:3]} ({len(extra)} not of that norm)"))
+    files = {}
+    for name, shape in shapes.items():
+        file = weight_map[name]
+        if not (root / file).is_file():
+            raise ValueError(f"hf_dir: {listing} names shard file {file}, which is not in {root}")
+        with _open(root / file) as f:
+            got = tuple(f.get_slice(name).get_shape())
+        if got != shape:
+            raise ValueError(f"hf_dir: {root / file}: {name} has shape {got}; the config in {root / CONFIG} needs "
+                             f"{shape}")
+        files[name] = file
+    if records:
+        from ..norms import QKNorm
+
+        want = QKNorm(1, 2, norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_eps"], norm["qk_norm_mode"]).variant() \
+            if norm.get("qk_norm") else None
+        for name in sorted(records):
+            with _open(root / weight_map[name]) as f:
+                got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
+            if got != want:
+                raise ValueError(f"hf_dir: {root / weight_map[name]}: {name} says its weights belong to a {got} QK "
+                                 f"norm, but {root / CONFIG} records {describe(norm)}")
+    return files
+
+
+def _quiet_class(base):
+    """``base`` whose loading does not report qkmla's norm weights as unexpected (they are
+    loaded by :func:`from_pretrained` once the norm exists). Same name, so a later
+    ``save_pretrained`` records transformers' architecture."""
+    cached = getattr(base, "_qkmla_loading_class", None)
+    if cached is None or cached.__dict__.get("_qkmla_base") is not base:
+        patterns = [r"self_attn\.q_norm\.", r"self_attn\.k_norm\.", r"self_attn\.logit_scale"]
+        ignore = list(base._keys_to_ignore_on_load_unexpected or []) + patterns
+        cached = type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "_qkmla_base": base,
+                                               "__module__": base.__module__, "__qualname__": base.__qualname__})
+        base._qkmla_loading_class = cached
+    return cached
+
+
+def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
+                    decode_backend: str = "auto", **kwargs):
+    """A transformers DeepSeek-V2/V3 checkpoint directory loaded by transformers and patched by
+    qkmla as its config records (:func:`~qkmla.interop.apply_latent_attention` with the saved QK
+    norm, its weights loaded); a directory transformers wrote itself loads as plain latent MLA.
+
+    Args:
+        hf_dir: a directory ``save_pretrained`` wrote (config.json, safetensors weights).
+        kv_format, policy, decode_backend: as in ``apply_latent_attention``.
+        kwargs: passed to transformers' ``from_pretrained`` (``dtype=``, ``device_map=``, ...).
+
+    Returns:
+        the model, in eval mode as transformers returns it.
+
+    Raises:
+        ValueError, before any weight is read: no config.json, a model type other than
+        DeepSeek-V2/V3, a recorded norm that is not valid, norm weights that disagree with the
+        record (see :func:`check_norm_tensors`), or an ``attn_implementation`` argument.
+    """
+    import transformers
+
+    from .hf_model import apply_latent_attention
+
+    root = Path(hf_dir)
+    if not root.is_dir():
+        raise ValueError(f"hf_dir: {root} is not a directory")
+    hf_config = read_hf_config(root)
+    model_type = hf_config.get("model_type")
+    if model_type not in _CLASSES:
+        raise ValueError(f"hf_dir: {root / CONFIG} describes a {model_type!r} model; qkmla loads {tuple(_CLASSES)}")
+    if "attn_implementation" in kwargs:
+        raise ValueError("attn_implementation: qkmla's latent attention replaces transformers' attention; "
+                         "leave it out")
+    norm = recorded_norm(hf_config, str(root / CONFIG))
+    files = check_norm_tensors(root, hf_config, norm)
+    base = getattr(transformers, _CLASSES[model_type])
+    model = _quiet_class(base).from_pretrained(root, attn_implementation="eager", **kwargs)
+    apply_latent_attention(model, **norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for file in sorted(set(files.values())):
+            with _open(root / file) as f:
+                for name in (n for n, fl in files.items() if fl == file):
+                    params[name].copy_(f.get_tensor(name))
+    return model
+
+
+def saved_norm(hf_dir: Union[str, Path]) -> dict:
+    """The QK norm a checkpoint directory's config.json records ({} for none)."""
+    root = Path(hf_dir)
+    return recorded_norm(read_hf_config(root), str(root / CONFIG))
+
+
+def describe(norm: dict) -> str:
+    """One line naming a recorded norm, e.g. ``rms blockwise``."""
+    if not norm:
+        return "no QK norm"
+    text = "no QK norm" if norm["qk_norm"] is None else f"{norm['qk_norm']}" + (
+        f"(p={norm['qk_norm_p']:g})" if norm["qk_norm"] == "lp" else "") + f" {norm['qk_norm_mode']}"
+    return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
+
+
+__all__ = ["LOADER", "NORM_FIELDS", "RECORD", "check_norm_tensors", "describe", "from_pretrained", "norm_settings",
+           "recorded_norm", "saved_norm"]
