@@ -10,7 +10,8 @@ from .convert import convert_checkpoint
 from .hf import load_hf_attention_weights, mla_config_from_hf, mla_from_hf
 
 _LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_patched", "LatentAttentionCache": "hf_cache",
-         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention", "from_pretrained": "hf_qknorm"}
+         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention", "from_pretrained": "hf_qknorm",
+         "attention_lora_config": "hf_lora", "merge_lora": "hf_lora"}
 
 
 def __getattr__(name: str):
@@ -25,6 +26,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LatentAttention", "LatentAttentionCache", "LatentCacheLayer", "apply_latent_attention", "convert_checkpoint",
-           "from_pretrained", "latent_layers", "load_hf_attention_weights", "mla_config_from_hf", "mla_from_hf",
-           "mla_from_hf_dir", "mla_layers_from_hf_dir", "read_hf_config", "read_hf_tensors", "warm_start_qk_norm"]
+__all__ = ["LatentAttention", "LatentAttentionCache", "LatentCacheLayer", "apply_latent_attention",
+           "attention_lora_config", "convert_checkpoint", "from_pretrained", "latent_layers",
+           "load_hf_attention_weights", "merge_lora", "mla_config_from_hf", "mla_from_hf", "mla_from_hf_dir",
+           "mla_layers_from_hf_dir", "read_hf_config", "read_hf_tensors", "warm_start_qk_norm"]
