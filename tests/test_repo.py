@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,12 +26,14 @@ def test_ci_runs_the_readme_test_command():
     assert ci[-1] == test_command
 
 
-def test_ci_tests_the_oldest_transformers_the_hf_extra_admits():
+@pytest.mark.parametrize("package", ["transformers", "peft", "accelerate"])
+def test_ci_tests_the_oldest_versions_the_hf_extra_admits(package):
     pyproject = (ROOT / "pyproject.toml").read_text()
-    lower = re.search(r'hf = \["transformers>=([0-9.]+)', pyproject).group(1)
+    extra = re.search(r"^hf = \[(.*)\]", pyproject, flags=re.M).group(1)
+    lower = re.search(rf'"{package}>=([0-9.]+)', extra).group(1)
     ci = (ROOT / ".ci" / "run").read_text()
-    pinned = re.search(r'"transformers==([0-9.]+)"', ci).group(1)
-    assert pinned.split(".")[:2] == lower.split(".")[:2], (pinned, lower)
+    pinned = re.search(rf'"{package}==([0-9.]+)"', ci).group(1)
+    assert pinned.split(".")[:2] == lower.split(".")[:2], (package, pinned, lower)
 
 
 def test_readme_cache_table_is_what_qkmla_cache_size_computes():
