@@ -155,7 +155,8 @@ def merge_lora(peft_model, **kwargs):
             module = getattr(layer, name)
             if not isinstance(module, nn.Linear):
                 raise ValueError(f"peft_model: after merge_and_unload, layer {i}'s {name} is still a "
-                                 f"{type(module).__name__}, not an nn.Linear; the absorbed path needs plain projections")
+                                 f"{type(module).__name__}, not an nn.Linear; the absorbed path needs plain "
+                                 f"projections")
         for name in ("q_norm", "k_norm"):
             module = getattr(layer, name)
             if module is not None and not isinstance(module, QKNorm):
