@@ -181,8 +181,42 @@ def test_absorbed_weights_refresh_after_optimizer_step_and_load():
 
 
 def test_absorbed_weights_are_cached_while_weights_are_unchanged():
-    mla = make(qk_norm="rms")
+    mla = make(qk_norm="rms").eval()
     assert mla.absorbed is mla.absorbed
+
+
+def test_absorbed_weights_follow_a_fused_optimizer_and_a_swapped_projection():
+    """Fused AdamW updates weights without bumping their version counters: in train mode the
+    absorbed weights are derived at every use, and a train()/eval() switch drops the kept ones.
+    Swapping kv_b_proj (an adapter wrapping it, or merged back) drops them too."""
+    mla = make(qk_norm="rms")
+    x = torch.randn(2, 6, mla.config.hidden_size, dtype=torch.float64)
+
+    def gap() -> float:
+        e, a = mla.logits(x, "explicit"), mla.logits(x, "absorbed")
+        finite = torch.isfinite(e)
+        return float((e[finite] - a[finite]).abs().max() / e[finite].abs().max())
+
+    for mode in (True, False):
+        mla.train(mode)
+        assert gap() < 1e-10  # derived (and in eval mode kept)
+        mla.train()
+        mla(x).square().mean().backward()
+        torch.optim.AdamW(mla.parameters(), lr=0.1, fused=True).step()
+        mla.zero_grad()
+        mla.train(mode)
+        assert gap() < 1e-10
+    mla.eval()
+    gap()
+    old = mla.kv_b_proj
+    wrapper = torch.nn.Sequential(old)
+    mla.kv_b_proj = wrapper  # what an adapter does: refused, not the weights kept from before
+    with pytest.raises(ValueError, match="kv_b_proj: the absorbed path reads kv_b_proj.weight"):
+        gap()
+    with torch.no_grad():
+        old.weight.data.mul_(1.5)  # merged through .data, which no version counter sees
+    mla.kv_b_proj = old
+    assert gap() < 1e-10
 
 
 def test_absorbed_weights_fold_both_norm_weights():

@@ -9,9 +9,9 @@ and each layer's absorbed attention logits equal its explicit ones (MATH.md's Ap
 to 1e-5 of the largest.
 
 Where a model decodes before it trains, the absorbed weights that decode derived are stale
-afterwards, so the check after training also shows that they were derived again. Two ways in
-which they were not (in MLA's absorbed-weight cache, qkmla/attention/mla.py) are marked xfail,
-not strict, while that fix is under way: drop the marks once it is in.
+afterwards, so the check after training also shows that they were derived again: after
+Trainer's fused AdamW (which bumps no version counter), and after an adapter wraps kv_b_proj
+(MLA drops its kept absorbed weights at every train()/eval() switch and module swap).
 """
 
 from __future__ import annotations
@@ -187,11 +187,6 @@ def test_trainer_trains_and_saves_a_checkpoint_from_pretrained_loads(tmp_path):
     assert torch.equal(decode(loaded, ids[:2, :PROMPT]).sequences, decode(model, ids[:2, :PROMPT]).sequences)
 
 
-@pytest.mark.xfail(strict=False, raises=AssertionError,
-                   reason="fused AdamW (Trainer's default optimizer since torch 2.8) updates the weights without "
-                          "bumping their version counters, so DerivedWeights (qkmla/attention/absorbed.py) keeps the "
-                          "absorbed weights a decode before training derived: the decode after it reads the weights "
-                          "from before")
 def test_trainer_after_a_decode_rederives_the_absorbed_weights(tmp_path):
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
     model = tiny_model()
@@ -265,11 +260,6 @@ def test_decoding_through_an_unmerged_adapter_on_kv_b_proj_is_refused():
         peft_model.generate(input_ids=batch()[:1, :PROMPT], max_new_tokens=2, do_sample=False)
 
 
-@pytest.mark.xfail(strict=False, raises=pytest.fail.Exception,
-                   reason="MLA.absorbed keeps the weights derived before the adapter was added: its cache key is "
-                          "kv_b_proj.weight's version, and PEFT's wrapper hands out the base weight, so "
-                          "MLA._derive's refusal never runs and the decode leaves the adapter out "
-                          "(qkmla/attention/mla.py)")
 def test_an_adapter_added_after_a_decode_is_refused_too():
     peft = pytest.importorskip("peft")
     model = tiny_model()

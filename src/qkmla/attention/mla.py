@@ -13,10 +13,12 @@ One module, three ways to attend (MATH.md names throughout):
 * **expand** (the HF-style baseline): read the latent cache and re-expand every key with
   W_UK at every step.
 
-Absorbed weights are derived from ``kv_b_proj`` and the norm weights on first use and
-re-derived whenever one of those parameters changes (``absorbed.DerivedWeights``), so
-training then decoding needs no manual step. Call :meth:`MLA.refresh_absorbed` after
-changing a weight in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
+Absorbed weights are derived from ``kv_b_proj`` and the norm weights: in eval mode on first
+use, kept, and re-derived whenever one of those parameters changes (``absorbed.DerivedWeights``);
+in train mode at every use; and afresh after every ``train()`` / ``eval()`` switch. So training
+then decoding needs no manual step, whatever the optimizer (fused AdamW changes weights
+without bumping their version counters). Call :meth:`MLA.refresh_absorbed` after changing a
+weight in eval mode in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
 """
 
 from __future__ import annotations
@@ -185,12 +187,15 @@ class MLA(nn.Module):
             sources += [norm.weight for qk in (self.q_norm, self.k_norm) for norm in (qk.content, qk.rope)]
         return sources
 
-    def _derive(self) -> AbsorbedWeights:
-        c = self.config
+    def _check_kv_b_proj(self) -> None:
         if not isinstance(self.kv_b_proj, nn.Linear):  # e.g. a PEFT LoRA wrapper: its output is not x @ weight.T
             raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
                              f"{type(self.kv_b_proj).__name__}, whose output is not x @ weight.T; merge its adapters "
-                             f"into the weight first (PEFT: model.merge_and_unload())")
+                             f"into the weight first (qkmla.interop.merge_lora(model), PEFT's merge_and_unload())")
+
+    def _derive(self) -> AbsorbedWeights:
+        c = self.config
+        self._check_kv_b_proj()
         # Derived outside inference mode even when first needed inside it (generate under
         # torch.inference_mode()), so a later training step can still use them.
         with torch.inference_mode(False):
@@ -202,8 +207,26 @@ class MLA(nn.Module):
 
     @property
     def absorbed(self) -> AbsorbedWeights:
-        """The absorbed weights, re-derived if a source parameter changed since last use."""
+        """The absorbed weights: in eval mode kept, and re-derived when a source parameter changed
+        since last use; in train mode derived at every use, because an optimizer may change the
+        weights in place without bumping their version counters (fused AdamW does)."""
+        self._check_kv_b_proj()  # an adapter may have wrapped it since the weights were kept
+        if self.training:
+            return self._derive()
         return self._absorbed.get(self._absorb_sources(), self._derive)
+
+    def __setattr__(self, name: str, value) -> None:
+        # A module the absorbed weights are derived from, swapped (an adapter wrapping kv_b_proj,
+        # or merged back into it through .data): what was kept no longer describes it.
+        if name in ("kv_b_proj", "q_norm", "k_norm") and "_absorbed" in self.__dict__:
+            self.__dict__["_absorbed"] = DerivedWeights()
+        super().__setattr__(name, value)
+
+    def train(self, mode: bool = True) -> "MLA":
+        """``nn.Module.train``; the kept absorbed weights are dropped at every switch, so a model
+        trained (however its optimizer updates the weights) decodes with weights derived after."""
+        self._absorbed = DerivedWeights()
+        return super().train(mode)
 
     def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""

@@ -21,7 +21,7 @@ def __getattr__(name: str):
         try:
             module = importlib.import_module(f".{_LAZY[name]}", __name__)
         except ImportError as e:
-            raise ImportError(f"qkmla.interop.{name} needs transformers>=5.0: pip install 'qkmla[hf]' ({e})") from e
+            raise ImportError(f"qkmla.interop.{name} needs transformers>=5.4: pip install 'qkmla[hf]' ({e})") from e
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

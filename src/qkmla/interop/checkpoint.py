@@ -118,7 +118,8 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
         dtype: the modules' dtype; None keeps the stored one (bfloat16 for FP8 weights).
         device: where the modules live.
         overrides: MLAConfig fields, e.g. ``qk_norm="rms"`` to start QK-norm training
-            (norm weights start at ones; see :func:`qkmla.interop.warm_start_qk_norm`).
+            (norm weights start at ones; for a whole model, ``apply_latent_attention(model,
+            qk_norm="rms")`` and :func:`qkmla.interop.warm_start_qk_norm` calibrate them).
 
     Returns:
         {layer index: MLA}, in layer order.

@@ -102,7 +102,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
         raise ValueError(f"qk_norm: {src / CONFIG} already records a QK norm ({existing}); it cannot be replaced")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         if calibration_tokens:
             raise ValueError(f"hf: {src} has no tokenizer transformers can load, which calibration needs "
                              f"({str(e).splitlines()[0]}); pass calibration_tokens=0 (--calibration-tokens 0) to "

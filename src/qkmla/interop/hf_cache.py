@@ -19,7 +19,8 @@ transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`
 default): its layers are replaced by latent layers. A layer that already holds transformers'
 keys and values, or a static, sliding or quantized transformers layer, is refused.
 
-Supported transformers: 5.0 to 5.24 (the cache-layer API took its present form in 5.0).
+Supported transformers: 5.4 to 5.24 (the cache-layer API took its present form in 5.0; a
+QK-normed checkpoint is refused by transformers alone from 5.4 on, see hf_qknorm).
 """
 
 from __future__ import annotations

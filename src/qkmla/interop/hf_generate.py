@@ -44,7 +44,7 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
                          f"({', '.join(SUPPORTED[:2])})")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(root, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
     try:
         model = from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
