@@ -80,3 +80,20 @@ def test_run_and_hf_are_exclusive_and_length_is_checked(checkpoint, capsys):
         capsys.readouterr().err
     assert main(["generate", "--hf", str(checkpoint), "--tokens", "1000"]) == 2
     assert "--tokens: the longest prompt" in capsys.readouterr().err
+
+
+def test_prompts_get_the_beginning_token_a_tokenizer_adds_but_never_an_end_token():
+    """T5-style tokenizers append </s> by default; a continuation must not start after it.
+    Llama-style ones prepend <s>, which the model was trained to see first."""
+    from qkmla.interop.hf_generate import prompt_ids
+
+    byt5 = transformers.ByT5Tokenizer()
+    assert byt5("ROMEO:")["input_ids"][-1] == byt5.eos_token_id
+    assert prompt_ids(byt5, "ROMEO:") == [b + 3 for b in b"ROMEO:"]
+    with_bos = byte_tokenizer()
+    with_bos.bos_token = "<pad>"
+    with_bos._tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<pad> $A", special_tokens=[("<pad>", with_bos.pad_token_id)])
+    plain = with_bos("abc", add_special_tokens=False)["input_ids"]
+    assert prompt_ids(with_bos, "abc") == [with_bos.bos_token_id] + plain
+    assert prompt_ids(byte_tokenizer(), "abc") == plain

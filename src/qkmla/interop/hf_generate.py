@@ -53,6 +53,17 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
     return model.eval(), tokenizer
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's token ids as a continuation starts from them: the tokenizer's beginning-of-text
+    token if it adds one, never the end-of-sequence token T5-style tokenizers append (the model
+    would continue after an end of text)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer(prompt)["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
+
+
 def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                 top_k: Optional[int] = None, seed: int = 0, kv_format: str = "dense",
                 policy: Optional[EvictionPolicy] = None, dtype: str = "float32") -> list[str]:
@@ -70,7 +81,8 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
             raise ValueError("prompts: batching them needs a padding token, and this tokenizer has no pad, eos or unk "
                              "token; give one prompt at a time")
     tokenizer.padding_side = "left"
-    batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    batch = tokenizer.pad({"input_ids": [prompt_ids(tokenizer, p) for p in prompts]}, padding=True,
+                          return_tensors="pt")
     limit = model.config.max_position_embeddings
     if batch["input_ids"].shape[1] + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens: the longest prompt ({batch['input_ids'].shape[1]} tokens) plus "
