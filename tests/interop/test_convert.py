@@ -59,7 +59,8 @@ def test_convert_keeps_every_tensor_adds_a_calibrated_norm_and_generates(source,
     old, new = tensors(source), tensors(out)
     added = sorted(set(new) - set(old))
     assert not set(old) - set(new) and all(torch.equal(old[k], new[k]) for k in old)
-    assert added == sorted(f"model.layers.{i}.self_attn.{side}.{what}" for i in range(3) for side in ("q_norm", "k_norm")
+    assert added == sorted(f"model.layers.{i}.self_attn.{side}.{what}"
+                           for i in range(3) for side in ("q_norm", "k_norm")
                            for what in ("content.weight", "rope.weight", "_extra_state"))
     assert not any(torch.all(new[k] == 1) for k in added if k.endswith("weight"))  # calibrated, not ones
     assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"] == "rms"
@@ -112,7 +113,8 @@ def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused):
         if p.suffix in (".safetensors", ".json") and "token" not in p.name:
             shutil.copy(p, no_tokenizer / p.name)
     qk = tmp_path / "qk"
-    assert main(["convert", "--hf", str(source), "--out", str(qk), "--qk-norm", "rms", "--calibration-tokens", "0"]) == 0
+    assert main(["convert", "--hf", str(source), "--out", str(qk), "--qk-norm", "rms",
+                 "--calibration-tokens", "0"]) == 0
     cases = [
         (["--hf", str(tmp_path / "nowhere")], "--hf: .* is not a directory"),
         (["--hf", str(tmp_path)], "--hf: .*config.json does not exist"),

@@ -10,7 +10,7 @@ from .convert import convert_checkpoint
 from .hf import load_hf_attention_weights, mla_config_from_hf, mla_from_hf
 
 _LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_patched", "LatentAttentionCache": "hf_cache",
-         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention", "from_pretrained": "hf_qknorm",
+         "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention", "from_pretrained": "hf_load",
          "attention_lora_config": "hf_lora", "merge_lora": "hf_lora"}
 
 

@@ -87,7 +87,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
 
     from .calibrate import warm_start_qk_norm
     from .hf_model import apply_latent_attention
-    from .hf_qknorm import from_pretrained, norm_settings, saved_norm
+    from .hf_load import from_pretrained
+    from .hf_qknorm import norm_settings, saved_norm
 
     src, out = check_convert_paths(src, out, overwrite)
     norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p)

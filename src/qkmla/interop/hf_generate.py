@@ -18,7 +18,7 @@ import torch
 from ..cache.eviction import EvictionPolicy
 from ..model.generate import check_sampling
 from .hf_model import apply_latent_attention
-from .hf_qknorm import from_pretrained
+from .hf_load import from_pretrained
 from .hf_patched import SUPPORTED
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}

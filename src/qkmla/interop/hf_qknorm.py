@@ -1,5 +1,6 @@
 """QK-norm on a whole transformers DeepSeek model: what is recorded in its config, the names of its
-weights, and loading it back (:func:`from_pretrained`).
+weights, and the checks that a saved checkpoint's record and tensors agree (loading it back:
+``hf_load.from_pretrained``).
 
 ``apply_latent_attention(model, qk_norm="rms")`` gives every attention layer qkmla's
 post-up-projection QK norm and records it in the model's config, so that ``save_pretrained``
@@ -31,9 +32,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-import torch
-
-from ..cache.eviction import EvictionPolicy
 from ..config import MLAConfig
 from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
 
@@ -41,7 +39,6 @@ RECORD = "qkmla"  # the config.json entry
 LOADER = "qkmla.interop.from_pretrained"  # written as attn_implementation: transformers alone refuses it
 NORM_FIELDS = ("qk_norm", "qk_norm_mode", "qk_norm_p", "qk_norm_eps", "learnable_logit_scale")
 _DEFAULTS = {f: getattr(MLAConfig, f) for f in NORM_FIELDS} | {"qk_norm": None}
-_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def norm_settings(qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
@@ -92,7 +89,8 @@ def norm_tensor_names(config: MLAConfig) -> list[str]:
 
 def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     widths = {"content": (config.qk_nope_head_dim,), "rope": (config.qk_rope_head_dim,)}
-    return {n: (config.num_heads,) if n == "logit_scale" else widths[n.split(".")[1]] for n in norm_tensor_names(config)}
+    return {n: (config.num_heads,) if n == "logit_scale" else widths[n.split(".")[1]]
+            for n in norm_tensor_names(config)}
 
 
 def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) -> dict[str, str]:
@@ -111,7 +109,8 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
     found = {k for k in weight_map if any(o in k for o in ours)}
     config = mla_config_from_hf(hf_config, **norm)
     layers = hf_config.get("num_hidden_layers")
-    shapes = {f"model.layers.{i}.self_attn.{n}": s for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
+    shapes = {f"model.layers.{i}.self_attn.{n}": s
+              for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
     if not norm and found:
         raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
                          f"{root / CONFIG} records no norm (its {RECORD!r} entry is missing); the config and the "
@@ -148,67 +147,6 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
     return files
 
 
-def _quiet_class(base):
-    """``base`` whose loading does not report qkmla's norm weights as unexpected (they are
-    loaded by :func:`from_pretrained` once the norm exists). Same name, so a later
-    ``save_pretrained`` records transformers' architecture."""
-    cached = getattr(base, "_qkmla_loading_class", None)
-    if cached is None or cached.__dict__.get("_qkmla_base") is not base:
-        patterns = [r"self_attn\.q_norm\.", r"self_attn\.k_norm\.", r"self_attn\.logit_scale"]
-        ignore = list(base._keys_to_ignore_on_load_unexpected or []) + patterns
-        cached = type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "_qkmla_base": base,
-                                               "__module__": base.__module__, "__qualname__": base.__qualname__})
-        base._qkmla_loading_class = cached
-    return cached
-
-
-def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
-                    decode_backend: str = "auto", **kwargs):
-    """A transformers DeepSeek-V2/V3 checkpoint directory loaded by transformers and patched by
-    qkmla as its config records (:func:`~qkmla.interop.apply_latent_attention` with the saved QK
-    norm, its weights loaded); a directory transformers wrote itself loads as plain latent MLA.
-
-    Args:
-        hf_dir: a directory ``save_pretrained`` wrote (config.json, safetensors weights).
-        kv_format, policy, decode_backend: as in ``apply_latent_attention``.
-        kwargs: passed to transformers' ``from_pretrained`` (``dtype=``, ``device_map=``, ...).
-
-    Returns:
-        the model, in eval mode as transformers returns it.
-
-    Raises:
-        ValueError, before any weight is read: no config.json, a model type other than
-        DeepSeek-V2/V3, a recorded norm that is not valid, norm weights that disagree with the
-        record (see :func:`check_norm_tensors`), or an ``attn_implementation`` argument.
-    """
-    import transformers
-
-    from .hf_model import apply_latent_attention
-
-    root = Path(hf_dir)
-    if not root.is_dir():
-        raise ValueError(f"hf_dir: {root} is not a directory")
-    hf_config = read_hf_config(root)
-    model_type = hf_config.get("model_type")
-    if model_type not in _CLASSES:
-        raise ValueError(f"hf_dir: {root / CONFIG} describes a {model_type!r} model; qkmla loads {tuple(_CLASSES)}")
-    if "attn_implementation" in kwargs:
-        raise ValueError("attn_implementation: qkmla's latent attention replaces transformers' attention; "
-                         "leave it out")
-    norm = recorded_norm(hf_config, str(root / CONFIG))
-    files = check_norm_tensors(root, hf_config, norm)
-    base = getattr(transformers, _CLASSES[model_type])
-    model = _quiet_class(base).from_pretrained(root, attn_implementation="eager", **kwargs)
-    apply_latent_attention(model, **norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for file in sorted(set(files.values())):
-            with _open(root / file) as f:
-                for name in (n for n, fl in files.items() if fl == file):
-                    params[name].copy_(f.get_tensor(name))
-    return model
-
-
 def saved_norm(hf_dir: Union[str, Path]) -> dict:
     """The QK norm a checkpoint directory's config.json records ({} for none)."""
     root = Path(hf_dir)
@@ -224,5 +162,5 @@ def describe(norm: dict) -> str:
     return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
 
 
-__all__ = ["LOADER", "NORM_FIELDS", "RECORD", "check_norm_tensors", "describe", "from_pretrained", "norm_settings",
-           "recorded_norm", "saved_norm"]
+__all__ = ["LOADER", "NORM_FIELDS", "RECORD", "check_norm_tensors", "describe", "norm_settings", "recorded_norm",
+           "saved_norm"]
