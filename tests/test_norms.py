@@ -55,6 +55,22 @@ def test_unified_broadcasts_shared_rope_key_per_group():
     assert sigma_c.shape == (2, 5, 4, 1) and sigma_r is sigma_c
 
 
+def test_content_mode_takes_the_statistic_from_the_content_block_alone():
+    """Content mode: a head whose content block holds a whole vector v (a converted GQA head,
+    RoPE dims included) is normalized as RMSNorm(v) would, and the RoPE block is scaled by the
+    same statistic; the RoPE block's values do not enter it."""
+    v, k_r = torch.randn(2, 3, 4, 16, dtype=torch.float64), torch.randn(2, 3, 1, 8, dtype=torch.float64)
+    norm = QKNorm(16, 8, "rms", mode="content").double()
+    with torch.no_grad():
+        norm.content.weight.uniform_(0.5, 1.5)
+        norm.rope.weight.uniform_(0.5, 1.5)
+    got_c, got_r = norm(v, k_r)
+    torch.testing.assert_close(got_c, torch.nn.functional.rms_norm(v, (16,), norm.content.weight, eps=1e-6))
+    sigma = (v.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+    torch.testing.assert_close(got_r, norm.rope.weight * k_r * sigma)
+    assert torch.equal(norm(v, 100 * k_r)[0], got_c)
+
+
 def test_bf16_statistic_is_computed_in_float32():
     x = torch.randn(4, 64).to(torch.bfloat16) * 300
     assert statistic(x, "rms").dtype == torch.float32

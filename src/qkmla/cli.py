@@ -393,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "tokenizer); never written")
     cv.add_argument("--out", required=True, metavar="DST", help="the new checkpoint directory")
     cv.add_argument("--qk-norm", choices=["rms", "l2", "lp"], default=None, help="the QK norm to add")
-    cv.add_argument("--qk-norm-mode", choices=["blockwise", "unified"], default="blockwise")
+    cv.add_argument("--qk-norm-mode", choices=["blockwise", "unified", "content"], default="blockwise")
     cv.add_argument("--qk-norm-p", type=float, default=2.0, help="p of --qk-norm lp")
     cv.add_argument("--calibration-tokens", type=int, default=None,
                     help="tokens the norm is calibrated on (default 4096 with --qk-norm; 0: weights at ones)")

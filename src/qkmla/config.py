@@ -17,7 +17,7 @@ from .ops.mla_decode.interface import DECODE_BACKENDS
 from .rope import YarnScaling, rope_scaling_from
 
 QK_NORMS = (None, "rms", "l2", "lp")
-QK_NORM_MODES = ("blockwise", "unified")
+QK_NORM_MODES = ("blockwise", "unified", "content")
 
 
 def fixed_config(mutable: tuple = ()) -> property:
@@ -97,7 +97,10 @@ class MLAConfig:
         qk_norm: None (plain MLA), "rms", "l2" or "lp": the scalar statistic of the norm.
         qk_norm_p: p of the Lp norm (only read when ``qk_norm == "lp"``), p >= 1.
         qk_norm_mode: "blockwise" normalizes content and RoPE blocks separately (default);
-            "unified" uses one statistic over the concatenated [content; rope] vector.
+            "unified" uses one statistic over the concatenated [content; rope] vector;
+            "content" takes one statistic from the content block alone and applies it to both
+            blocks (what a converted GQA model needs when its content block holds the whole
+            original head, so its RoPE dims are counted there: MATH.md).
         qk_norm_eps: the eps inside the statistic, >= 0.
         softmax_scale: tau, the logit scale, used as given; None means (d_n + d_r) ** -0.5, times
             DeepSeek's YaRN correction ``rope_scaling.softmax_scale_factor`` when that is set.

@@ -147,7 +147,8 @@ class QKNorm(RecordsVariant, nn.Module):
 
     ``blockwise``: each block has its own statistic (MATH.md default).
     ``unified``: one statistic over the concatenation; the weights are still stored per
-    block (their concatenation is the unified weight), so both modes share parameter names.
+    block (their concatenation is the unified weight), so the modes share parameter names.
+    ``content``: one statistic from the content block alone, applied to both blocks.
 
     Inputs broadcast against each other in unified mode: a key's content block
     [B, T, G, d_n] and its shared RoPE block [B, T, 1, d_r] give a statistic [B, T, G, 1].
@@ -162,16 +163,19 @@ class QKNorm(RecordsVariant, nn.Module):
         self.content = ScalarNorm(content_dim, kind, p, eps)
         self.rope = ScalarNorm(rope_dim, kind, p, eps)
 
-    mode = property(lambda self: self._mode, doc="'blockwise' or 'unified' (read-only, as the kind is)")
+    mode = property(lambda self: self._mode, doc="'blockwise', 'unified' or 'content' (read-only, as the kind is)")
 
     def variant(self) -> str:
         c = self.content
         return f"{c.kind}" + (f"(p={c.p:g})" if c.kind == "lp" else "") + f" {self.mode}"
 
     def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified mode."""
+        """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified and content modes."""
         if self.mode == "blockwise":
             return self.content.statistic(v_c), self.rope.statistic(v_r)
+        if self.mode == "content":
+            sigma = self.content.statistic(v_c)
+            return sigma, sigma
         c = self.content
         m = moment(v_c, c.kind, c.p) + moment(v_r, c.kind, c.p)
         sigma = statistic_from_moment(m, self.content.dim + self.rope.dim, c.kind, c.p, c.eps)

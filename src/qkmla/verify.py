@@ -43,6 +43,8 @@ VARIANTS: dict[str, dict] = {
     "lp-3": dict(qk_norm="lp", qk_norm_p=3.0, softmax_scale=10.0),
     "lp-4": dict(qk_norm="lp", qk_norm_p=4.0, softmax_scale=5.0),
     "lp-3-unified": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified", softmax_scale=10.0),
+    "rms-content": dict(qk_norm="rms", qk_norm_mode="content"),
+    "rms-content-G2": dict(qk_norm="rms", qk_norm_mode="content", num_kv_groups=2),
     "none": dict(qk_norm=None),
     "rms-gqa-G2": dict(qk_norm="rms", num_kv_groups=2),
     "rms-mqa-G1": dict(qk_norm="rms", num_kv_groups=1),

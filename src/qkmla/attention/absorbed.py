@@ -108,8 +108,8 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
 
     Every group's content key c W_UK^(g) is formed (one product for all groups), reduced to
     its scalar and discarded: only the new tokens pay for it, whatever the context length.
-    Unified mode has one scalar for [k^C; k^R], which scales the whole logit at decode time;
-    the stored RoPE key then keeps only its weight.
+    Unified mode has one scalar for [k^C; k^R] (content mode one from k^C alone), which scales
+    the whole logit at decode time; the stored RoPE key then keeps only its weight.
     """
     if k_norm is None:
         return k_r, None
@@ -140,6 +140,6 @@ def expand_keys(latent: torch.Tensor, key_scale: Optional[torch.Tensor], kv_b_pr
     if k_norm is not None:
         r = key_scale.to(dtype).unsqueeze(-1)  # [B, S, G, 1]: the cached scalars
         k_c = k_c * k_norm.content.weight.to(dtype) * r
-        if k_norm.mode == "unified":
+        if k_norm.mode != "blockwise":  # the scalar scales the whole key
             k_r = k_r * r
     return torch.cat((k_c, k_r), dim=-1), v

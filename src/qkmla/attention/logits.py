@@ -38,7 +38,7 @@ def causal_logits(mla, x: torch.Tensor, path: str = "explicit", positions: Optio
         q_lat, q_rope = mla.absorbed_query(x, positions)
         rows = mla.cache_rows(x, positions)
         latent = torch.cat((rows["c_kv"], rows["k_rope"]), dim=-1)
-        s = latent_scores(q_lat, q_rope, latent, rows["key_scale"], mla.config.qk_norm_mode)
+        s = latent_scores(q_lat, q_rope, latent, rows["key_scale"], mla.score_mode)
     s = s * per_head(mla.scale, 1)
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     return s.masked_fill(~causal[:, None, :], float("-inf")).transpose(1, 2)

@@ -174,7 +174,7 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(c_kv).view(*x.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
         k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         if self.k_norm is not None:
-            k_c, k_r = self.k_norm(k_c, k_r)  # unified: k_r picks up each group's scalar
+            k_c, k_r = self.k_norm(k_c, k_r)  # unified, content: k_r picks up each group's scalar
         k_r = self.rotary(k_r, positions).expand(*k_c.shape[:3], c.qk_rope_head_dim)
         return q, torch.cat((k_c, k_r), dim=-1), v
 
@@ -311,8 +311,11 @@ class MLA(nn.Module):
 
     @property
     def score_mode(self) -> str:
-        """How the key scalar enters a logit (the decode op's ``mode``): "blockwise" without a QK norm."""
-        return self.config.qk_norm_mode if self.k_norm is not None else "blockwise"
+        """How the key scalar enters a logit (the decode op's ``mode``): "blockwise" without a QK norm,
+        "unified" (the whole logit) for the unified and content norms."""
+        if self.k_norm is None or self.config.qk_norm_mode == "blockwise":
+            return "blockwise"
+        return "unified"
 
     def expand_cache(self, latent: torch.Tensor, key_scale: Optional[torch.Tensor]):
         """HF-style: every cached latent [B, S, d_c + d_r] up-projected to normalized keys

@@ -52,8 +52,8 @@ def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode
     Args:
         model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` or the inner ``*Model``.
         qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
-            attention layer: "rms" (the paper's), "l2" or "lp"; ``qk_norm_mode`` "blockwise" or
-            "unified", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``: the
+            attention layer: "rms" (the paper's), "l2" or "lp"; ``qk_norm_mode`` "blockwise",
+            "unified" or "content", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``: the
             :class:`~qkmla.MLAConfig` fields of the same names. The norm weights start at ones,
             which changes the model's function (calibrate them with
             ``qkmla.interop.warm_start_qk_norm``); they are recorded in the model's config, so
