@@ -21,6 +21,12 @@ Padding is never cached. Each sequence's real tokens are moved to the front of t
 as transformers' ``generate`` numbers them from the mask; their outputs are moved back and
 padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
 alone.
+
+Fewer KV groups than heads (a converted GQA model, ``qkmla.interop.gqa``): transformers' layer
+has one ``kv_b_proj`` group per head, so such a model stores each group's rows repeated for its
+heads. The layer keeps one copy per group (and caches G key scalars per token); its state dict
+repeats them again, so ``save_pretrained`` writes transformers' shapes, and loading a state dict
+takes either form (repeats checked).
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class LatentAttention(MLA):
         self.layer_idx = layer_idx
         self.settings = settings if settings is not None else LatentSettings()
         self.is_causal = True  # read by some transformers utilities
+        if config.num_kv_groups < config.num_heads:  # state dicts in transformers' shapes (module docstring)
+            self.register_state_dict_post_hook(_repeat_kv_b_proj)
+            self.register_load_state_dict_pre_hook(_unrepeat_kv_b_proj)
 
     @classmethod
     def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, **overrides) -> "LatentAttention":
@@ -93,7 +102,14 @@ class LatentAttention(MLA):
         if len(kinds) != 1 or not params[0].dtype.is_floating_point or params[0].dtype.itemsize < 2:
             raise ValueError(f"hf_attention: its parameters must share one device and a floating dtype of 2 bytes or "
                              f"more, got {kinds} (FP8 weights: load them dequantized, e.g. dtype=torch.bfloat16)")
-        layer = cls(config, getattr(hf_attention, "layer_idx", 0), hf_projections(hf_attention), settings)
+        projections = hf_projections(hf_attention)
+        if config.num_kv_groups < config.num_heads:  # one copy of each group's rows (module docstring)
+            repeated = projections["kv_b_proj"].weight
+            weight = unrepeat_groups(repeated.detach(), config, "hf_attention: kv_b_proj.weight")
+            kv_b_proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
+            projections["kv_b_proj"] = kv_b_proj
+        layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
         return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
 
     def with_norm(self, norm: dict) -> "LatentAttention":
@@ -145,3 +161,38 @@ class LatentAttention(MLA):
         out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1))
         out = torch.empty_like(out).scatter_(1, index, out)
         return out.masked_fill(~valid[..., None], 0.0)
+
+
+def repeat_groups(weight: torch.Tensor, config: MLAConfig) -> torch.Tensor:
+    """kv_b_proj.weight [G (d_n + d_v), d_c] with each group's rows repeated for its heads: [h (d_n + d_v), d_c]."""
+    rows = config.qk_nope_head_dim + config.v_head_dim
+    per_group = weight.view(config.num_kv_groups, rows, -1)
+    return per_group.repeat_interleave(config.heads_per_group, dim=0).reshape(config.num_heads * rows, -1)
+
+
+def unrepeat_groups(weight: torch.Tensor, config: MLAConfig, where: str) -> torch.Tensor:
+    """The inverse of :func:`repeat_groups`: [h (d_n + d_v), d_c] -> [G (d_n + d_v), d_c], refused
+    (naming ``where``) unless every head's rows equal its group's first head's exactly."""
+    rows = config.qk_nope_head_dim + config.v_head_dim
+    G, h = config.num_kv_groups, config.num_heads
+    if tuple(weight.shape) != (h * rows, config.kv_lora_rank):
+        raise ValueError(f"{where}: has shape {tuple(weight.shape)}; {G} KV groups repeated for {h} heads need "
+                         f"{(h * rows, config.kv_lora_rank)}")
+    per_head = weight.reshape(G, config.heads_per_group, rows, -1)
+    if not bool((per_head == per_head[:, :1]).all()):
+        raise ValueError(f"{where}: the config records {G} KV groups, but the rows of the heads of a group are not "
+                         f"equal (not a GQA conversion's repeated rows)")
+    return per_head[:, 0].reshape(G * rows, -1).clone()
+
+
+def _repeat_kv_b_proj(module: "LatentAttention", state_dict, prefix: str, local_metadata) -> None:
+    key = prefix + "kv_b_proj.weight"
+    if key in state_dict:
+        state_dict[key] = repeat_groups(state_dict[key], module.config)
+
+
+def _unrepeat_kv_b_proj(module: "LatentAttention", state_dict, prefix: str, local_metadata, strict, missing_keys,
+                        unexpected_keys, error_msgs) -> None:
+    key, c = prefix + "kv_b_proj.weight", module.config
+    if key in state_dict and state_dict[key].shape[0] == c.num_heads * (c.qk_nope_head_dim + c.v_head_dim):
+        state_dict[key] = unrepeat_groups(state_dict[key], c, f"state_dict: {key}")

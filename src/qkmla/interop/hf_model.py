@@ -38,7 +38,7 @@ from ..ops.mla_decode.interface import DECODE_BACKENDS
 from .hf_attention import LatentAttention, LatentCall, LatentSettings
 from .hf_cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
 from .hf_patched import inner_model
-from .hf_qknorm import describe, norm_settings, record_norm, recorded_norm
+from .hf_qknorm import describe, norm_settings, record_norm, recorded_groups, recorded_norm
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
 
@@ -93,7 +93,9 @@ def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode
             _record(model, norm)
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
-    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, **norm)
+    groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hf_qknorm, hf_attention)
+    overrides = {"num_kv_groups": groups} if groups is not None else {}
+    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, **norm, **overrides)
                for layer in inner.layers]
     for layer, attn in zip(inner.layers, patched):
         layer.self_attn = attn

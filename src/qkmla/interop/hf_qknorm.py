@@ -19,7 +19,13 @@ The norm weights are saved as transformers names QK-norm weights (Qwen3's and OL
     model.layers.{i}.self_attn.k_norm.rope.weight      [d_r]   gamma_k^R
     model.layers.{i}.self_attn.logit_scale             [h]     with learnable_logit_scale
 
-Every other tensor is transformers' own, under its own name. The ``attn_implementation`` entry
+Every other tensor is transformers' own, under its own name.
+
+A model converted from a GQA model (``qkmla.interop.gqa``) has G < h KV groups, which
+transformers' DeepSeek attention cannot express (it builds ``kv_b_proj`` with one group per
+head). Its record then also holds ``"num_kv_groups": G``: ``kv_b_proj`` is saved with each
+group's rows repeated for each of its heads, as transformers' shapes need, and the patched
+layers keep (and cache) G groups (``hf_attention.LatentAttention``). The ``attn_implementation`` entry
 is what stops transformers without qkmla from loading the directory as a plain DeepSeek model
 (which would drop the norm weights with a note that they "can be ignored", and compute another
 function): transformers refuses it, quoting the entry, which names the loader to call.
@@ -38,6 +44,7 @@ from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
 RECORD = "qkmla"  # the config.json entry
 LOADER = "qkmla.interop.from_pretrained"  # written as attn_implementation: transformers alone refuses it
 NORM_FIELDS = ("qk_norm", "qk_norm_mode", "qk_norm_p", "qk_norm_eps", "learnable_logit_scale")
+GROUPS = "num_kv_groups"  # recorded beside the norm by a GQA conversion: G < h KV groups
 _DEFAULTS = {f: getattr(MLAConfig, f) for f in NORM_FIELDS} | {"qk_norm": None}
 
 
@@ -60,24 +67,53 @@ def recorded_norm(hf_config, where: str = "model.config") -> dict:
     record = hf_config.get(RECORD) if isinstance(hf_config, dict) else getattr(hf_config, RECORD, None)
     if record is None:
         return {}
-    if not isinstance(record, dict) or set(record) - set(NORM_FIELDS):
-        extra = sorted(set(record) - set(NORM_FIELDS)) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{where}: its {RECORD!r} entry must be a dict of {NORM_FIELDS}, got {extra}")
+    if not isinstance(record, dict) or set(record) - set(NORM_FIELDS) - {GROUPS}:
+        extra = sorted(set(record) - set(NORM_FIELDS) - {GROUPS}) if isinstance(record, dict) \
+            else type(record).__name__
+        raise ValueError(f"{where}: its {RECORD!r} entry must be a dict of {NORM_FIELDS + (GROUPS,)}, got {extra}")
+    record = {k: v for k, v in record.items() if k != GROUPS}
+    if not record:
+        return {}
     try:
         return norm_settings(**{**_DEFAULTS, **record})
     except ValueError as e:
         raise ValueError(f"{where}: its {RECORD!r} entry is not valid: {e}") from None
 
 
+def recorded_groups(hf_config, where: str = "model.config") -> Optional[int]:
+    """The KV group count G a GQA conversion recorded in an HF config (object or config.json
+    dict), checked against its num_attention_heads; None if none is recorded."""
+    record = hf_config.get(RECORD) if isinstance(hf_config, dict) else getattr(hf_config, RECORD, None)
+    groups = record.get(GROUPS) if isinstance(record, dict) else None
+    if groups is None:
+        return None
+    heads = hf_config.get("num_attention_heads") if isinstance(hf_config, dict) else hf_config.num_attention_heads
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or heads % groups:
+        raise ValueError(f"{where}: its {RECORD!r} entry records {GROUPS}={groups!r}, which must be a positive int "
+                         f"dividing num_attention_heads={heads}")
+    return groups
+
+
 def record_norm(hf_config, norm: dict) -> None:
-    """Write (or clear, for {}) the record of ``norm`` in an HF config object."""
+    """Write (or clear, for {}) the record of ``norm`` in an HF config object; a recorded
+    ``num_kv_groups`` is kept."""
+    groups = recorded_groups(hf_config)
+    kept = {GROUPS: groups} if groups is not None else {}
     if norm:
-        setattr(hf_config, RECORD, dict(norm))
+        setattr(hf_config, RECORD, {**norm, **kept})
         hf_config.attn_implementation = LOADER
     else:
         for name in (RECORD, "attn_implementation"):
             if name in hf_config.__dict__:
                 delattr(hf_config, name)
+        if kept:  # a GQA conversion without a norm: transformers alone computes the same function
+            setattr(hf_config, RECORD, kept)
+
+
+def record_groups(hf_config, groups: int) -> None:
+    """Record that a model's layers have ``groups`` KV groups (GQA conversions), beside any norm."""
+    setattr(hf_config, RECORD, {**(getattr(hf_config, RECORD, None) or {}), GROUPS: groups})
+    recorded_groups(hf_config)
 
 
 def norm_tensor_names(config: MLAConfig) -> list[str]:
@@ -162,5 +198,5 @@ def describe(norm: dict) -> str:
     return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
 
 
-__all__ = ["LOADER", "NORM_FIELDS", "RECORD", "check_norm_tensors", "describe", "norm_settings", "recorded_norm",
-           "saved_norm"]
+__all__ = ["GROUPS", "LOADER", "NORM_FIELDS", "RECORD", "check_norm_tensors", "describe", "norm_settings",
+           "record_groups", "recorded_groups", "recorded_norm", "saved_norm"]

@@ -1,0 +1,319 @@
+"""A QK-normed GQA model (transformers' ``Qwen3ForCausalLM``) converted to a DeepSeek-V3-architecture
+model with qkmla's QK norm, which decodes through the latent cache (MATH.md, "Content variant").
+
+    model, report = convert_gqa(qwen3)                          # G = 1: exact up to the bound in report
+    model, report = convert_gqa(qwen3, kv_lora_rank=256, rope_dim=32, rope_pairs="high")
+
+Per layer, with the source's H query heads, G KV heads of width D, weights W_Q, W_K, W_V, W_O
+and its per-head RMSNorm weights gamma_q, gamma_k (before NeoX RoPE, logit scale D^-1/2):
+
+    q_proj              head i: [W_Q^i (D rows: the content block) ; W_Q^i's rows of the kept RoPE pairs (d_r)]
+    q_norm              content: gamma_q, zero on the kept pairs' dims; rope: gamma_q on them;
+                        both times sqrt((D + d_r) / D), so qkmla's tau = (D + d_r)^-1/2 is the source's D^-1/2
+    k_norm              content: gamma_k; rope: gamma_k on the kept pairs' dims
+    kv_a_proj_with_mqa  [V_r^T (r rows) ; 0 (the constant channel, bias M) ; the kept pairs' rows of W_K
+                        (the mean over the G groups when G > 1)]
+    kv_a_layernorm      M / sqrt(r + 1) on the r real channels, 0 on the constant one
+    kv_b_proj           group g: [W_K^g ; W_V^g] ≈ U_r S_r, from the SVD [W_K ; W_V] = U S V^T over all groups
+                        (the constant channel's column 0), rows repeated per head as transformers stores them
+    o_proj              W_O (bias 0)
+
+qk_norm "rms", mode "content": each query's and each group's key statistic is taken over the whole
+source head (d_n = D), as the source's is. The kept RoPE pairs move into the RoPE block (DeepSeek's
+layout: pairs (k, k + d_r/2)), the others stay in the content block without rotation.
+
+What is exact (to roundoff and the constant-channel bound): the query projection and statistic,
+every group's key statistic, the latent when r >= rank [W_K ; W_V], values, and the rotated part when
+G = 1 and the RoPE block keeps every pair. What is not: a smaller rank (a truncated SVD), pairs left
+out of the RoPE block (they lose their rotation), a RoPE key shared by G > 1 groups (the mean of the
+groups' rows), and DeepSeek's kv_a_layernorm, which scales each token's latent by
+alpha = (1 + (|u|² + (r+1) eps) / M²)^-1/2: the constant channel M makes 1 - alpha at most ``scale_bound``.
+
+Embeddings, MLP (every layer dense: ``first_k_dense_replace`` = the layer count), norms and the LM head
+are the source's tensors. The model's config records ``num_kv_groups`` = G beside the norm, so
+``qkmla.interop.from_pretrained`` restores G groups (the cache holds G key scalars per token).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+ROPE_PAIRS = ("uniform", "high")
+SOURCES = ("Qwen3ForCausalLM",)
+SCALE_MARGIN = 2.0 ** 20  # M = SCALE_MARGIN x the bound on |u|: 1 - alpha <= 2^-41 (4.5e-13)
+FLOAT32_MAX_M = 1e18  # M^2 (and the latent norm's mean of squares) must stay well inside float32
+
+
+@dataclass
+class GQAConversionReport:
+    """What :func:`convert_gqa` did and what it left approximate.
+
+    rank: r, the rank of the latent factorization; kv_lora_rank: the latent width cached per token
+    (r + 1: the constant channel); max_rank: min(2 G D, hidden_size), the rank that is always exact.
+    kept_pairs: the source RoPE pair indices j (frequency theta^(-2j/D)) kept rotated; rope_theta: the
+    converted model's theta for them. latent_error[l]: |[W_K ; W_V] - its rank-r part|_F / |[W_K ; W_V]|_F.
+    constant[l]: M of layer l; scale_bound: the largest bound on 1 - alpha over the layers.
+    """
+
+    num_kv_groups: int
+    head_dim: int
+    rank: int
+    max_rank: int
+    kv_lora_rank: int
+    rope_dim: int
+    rope_pairs: str
+    rope_theta: float
+    kept_pairs: list[int]
+    keep_norm: bool
+    latent_error: list[float] = field(default_factory=list)
+    constant: list[float] = field(default_factory=list)
+    scale_bound: float = 0.0
+    exact: list[str] = field(default_factory=list)
+    approximate: list[str] = field(default_factory=list)
+
+    def cache_values_per_token(self) -> tuple[int, int]:
+        """(latent + RoPE key values, key scalars) cached per token and layer."""
+        return self.kv_lora_rank + self.rope_dim, self.num_kv_groups if self.keep_norm else 0
+
+    def lines(self) -> list[str]:
+        values, scalars = self.cache_values_per_token()
+        return [f"latent rank {self.rank} of at most {self.max_rank} (kv_lora_rank {self.kv_lora_rank} with the "
+                f"constant channel), RoPE {self.rope_dim} dims ({self.rope_pairs} pairs {self.kept_pairs[:4]}"
+                f"{' ...' if len(self.kept_pairs) > 4 else ''}, theta {self.rope_theta:g}), {self.num_kv_groups} KV "
+                f"groups of {self.head_dim}",
+                f"cache per token and layer: {values} values + {scalars} key scalars",
+                f"latent factorization error per layer: {', '.join(f'{e:.3g}' for e in self.latent_error)}",
+                f"constant channel: 1 - alpha <= {self.scale_bound:.3g}",
+                "exact: " + "; ".join(self.exact),
+                "approximate: " + ("; ".join(self.approximate) or "nothing")]
+
+
+def source_attention_shape(model) -> tuple[int, int, int, int]:
+    """(hidden_size, H, G, D) of a ``Qwen3ForCausalLM``, refused (naming ``model``) unless the
+    conversion takes it: another class, attention biases, RoPE other than the default, sliding windows."""
+    name = type(model).__name__
+    if name not in SOURCES:
+        raise ValueError(f"model: expected one of {SOURCES} (a transformers model with a per-head QK norm), got "
+                         f"{name}")
+    c = model.config
+    if getattr(c, "attention_bias", False):
+        raise ValueError("model: its attention projections have biases (attention_bias=True), which the latent "
+                         "factorization does not carry")
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"model: its RoPE is {rope.get('rope_type', rope.get('type'))!r}; only the default RoPE "
+                         f"converts (its frequencies must be those of qkmla's rotary embedding)")
+    if getattr(c, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(c, "layer_types", None)
+                                                     or ()):
+        raise ValueError("model: it has sliding-window layers, which MLA's latent cache does not express")
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if D % 2:
+        raise ValueError(f"model: head_dim {D} is odd; RoPE rotates pairs")
+    return c.hidden_size, c.num_attention_heads, c.num_key_value_heads, D
+
+
+def rope_theta_of(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+
+
+def kept_rope_pairs(head_dim: int, rope_dim: int, rope_pairs: str, theta: float) -> tuple[list[int], float]:
+    """(the source pairs j kept rotated, theta') so that qkmla's RoPE of width ``rope_dim`` gives pair k
+    the source's frequency of pair j_k: theta'^(-2k/rope_dim) = theta^(-2 j_k / head_dim).
+
+    "high": the first rope_dim/2 pairs (the highest frequencies), theta' = theta^(rope_dim/head_dim);
+    "uniform": every (head_dim/rope_dim)-th pair from 0, theta' = theta. ValueError naming the argument.
+    """
+    if rope_pairs not in ROPE_PAIRS:
+        raise ValueError(f"rope_pairs: expected one of {ROPE_PAIRS}, got {rope_pairs!r}")
+    if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or rope_dim < 2 or rope_dim > head_dim \
+            or rope_dim % 2:
+        raise ValueError(f"rope_dim: expected an even int from 2 to head_dim={head_dim}, got {rope_dim!r}")
+    m, half = rope_dim // 2, head_dim // 2
+    if rope_pairs == "high":
+        return list(range(m)), theta ** (rope_dim / head_dim)
+    if half % m:
+        allowed = [2 * k for k in range(1, half + 1) if half % k == 0]
+        raise ValueError(f"rope_dim: {rope_pairs!r} pairs keep every (head_dim/rope_dim)-th pair, so rope_dim must "
+                         f"divide head_dim={head_dim} into a whole step (allowed: {allowed}); got {rope_dim}")
+    return list(range(0, half, half // m)), theta
+
+
+def _check_rank(kv_lora_rank, max_rank: int) -> None:
+    if kv_lora_rank is None:
+        return
+    if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool) or not 1 <= kv_lora_rank <= max_rank:
+        raise ValueError(f"kv_lora_rank: expected an int from 1 to min(2 x KV heads x head_dim, hidden_size) = "
+                         f"{max_rank} (the rank [W_K ; W_V] can have), got {kv_lora_rank!r}")
+
+
+def _latent_factors(model, G: int, D: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer, the SVD (U, S, V^T) of [W_K^0 ; W_V^0 ; W_K^1 ; ...] [2 G D, hidden] in float64."""
+    out = []
+    for layer in model.model.layers:
+        a = layer.self_attn
+        k = a.k_proj.weight.detach().double().view(G, D, -1)
+        v = a.v_proj.weight.detach().double().view(G, D, -1)
+        out.append(torch.linalg.svd(torch.cat((k, v), dim=1).flatten(0, 1), full_matrices=False))
+    return out
+
+
+def _numerical_rank(s: torch.Tensor, shape) -> int:
+    return int((s > s[0] * max(shape) * torch.finfo(s.dtype).eps).sum()) if s[0] > 0 else 1
+
+
+def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
+    """The ``DeepseekV3Config`` of the converted model: every layer dense, no query latent, NeoX RoPE
+    layout, attention biases (the constant channel), one kv_b_proj group per head (transformers' layout)."""
+    import transformers
+
+    c = src.config
+    _, H, _, D = source_attention_shape(src)
+    keep = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "hidden_act", "max_position_embeddings", "rms_norm_eps", "initializer_range",
+                                       "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                                       "attention_dropout", "use_cache") if hasattr(c, k)}
+    return transformers.DeepseekV3Config(
+        **keep, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None, kv_lora_rank=rank + 1,
+        qk_nope_head_dim=D, qk_rope_head_dim=rope_dim, v_head_dim=D, rope_interleave=False, attention_bias=True,
+        first_k_dense_replace=c.num_hidden_layers, moe_intermediate_size=c.intermediate_size, n_routed_experts=1,
+        num_experts_per_tok=1, n_shared_experts=1, n_group=1, topk_group=1,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+
+
+def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
+                rope_pairs: str = "uniform", keep_norm: bool = True):
+    """A ``Qwen3ForCausalLM`` as a ``DeepseekV3ForCausalLM`` patched by qkmla (module docstring).
+
+    Args:
+        model: the source, a transformers ``Qwen3ForCausalLM`` (dense), not modified.
+        kv_lora_rank: r, the rank of the latent factorization of [W_K ; W_V], 1 to min(2 G D, hidden_size);
+            None: the largest numerical rank over the layers (exact). The cached latent is r + 1 wide.
+        rope_dim: d_r, the RoPE dims kept rotated (an even number up to D); None: D (every pair).
+        rope_pairs: which pairs: "uniform" (every (D/d_r)-th) or "high" (the first d_r/2, highest frequencies).
+        keep_norm: True (qkmla's QK RMSNorm, content mode, carrying the source's norm); False drops the norm
+            (its statistic and weights, as TransMLA and CARE conversions do: another function).
+
+    Returns:
+        (model, :class:`GQAConversionReport`): the converted model in eval mode, in the source's dtype and
+        device, with its generation config.
+
+    Raises:
+        ValueError before any work, naming the argument: another architecture or a source the conversion
+        cannot take (model), a rank out of range (kv_lora_rank), a RoPE width the head cannot give
+        (rope_dim, rope_pairs).
+    """
+    import transformers
+
+    from .hf_model import apply_latent_attention
+    from .hf_qknorm import record_groups
+
+    hidden, H, G, D = source_attention_shape(model)
+    max_rank = min(2 * G * D, hidden)
+    _check_rank(kv_lora_rank, max_rank)
+    rope_dim = D if rope_dim is None else rope_dim
+    pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
+    if not isinstance(keep_norm, bool):
+        raise ValueError(f"keep_norm: expected True or False, got {keep_norm!r}")
+    weight = next(model.parameters())
+    if weight.dtype == torch.float16:
+        raise ValueError("model: float16 cannot hold the constant latent channel (its size is far above 65504); "
+                         "convert a float32 or bfloat16 model")
+
+    factors = _latent_factors(model, G, D)
+    full_rank = max(_numerical_rank(s, (2 * G * D, hidden)) for _, s, _ in factors)
+    r = full_rank if kv_lora_rank is None else kv_lora_rank
+    dst = transformers.DeepseekV3ForCausalLM(deepseek_config(model, r, rope_dim, theta))
+    dst = dst.to(device=weight.device, dtype=weight.dtype).eval()
+    others = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
+    missing, unexpected = dst.load_state_dict(others, strict=False)
+    left = [k for k in missing if ".self_attn." not in k]
+    if left or unexpected:
+        raise ValueError(f"model: its tensors do not map onto the DeepSeek model (missing {left[:3]}, unexpected "
+                         f"{unexpected[:3]})")
+    dst.generation_config = copy.deepcopy(model.generation_config)
+
+    idx = torch.tensor(pairs + [j + D // 2 for j in pairs], device=weight.device)  # source dims, DeepSeek's order
+    fold = math.sqrt((D + rope_dim) / D)  # tau (D + d_r)^-1/2 -> the source's D^-1/2
+    report = GQAConversionReport(num_kv_groups=G, head_dim=D, rank=r, max_rank=max_rank, kv_lora_rank=r + 1,
+                                 rope_dim=rope_dim, rope_pairs=rope_pairs, rope_theta=theta, kept_pairs=pairs,
+                                 keep_norm=keep_norm)
+    eps = dst.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon
+    norms = []
+    with torch.no_grad():
+        for src_layer, dst_layer, (U, S, Vh) in zip(model.model.layers, dst.model.layers, factors):
+            s, d = src_layer.self_attn, dst_layer.self_attn
+            f64 = dict(dtype=torch.float64)
+            wq = s.q_proj.weight.to(**f64).view(H, D, hidden)
+            wk = s.k_proj.weight.to(**f64).view(G, D, hidden)
+            gq, gk = s.q_norm.weight.to(**f64), s.k_norm.weight.to(**f64)
+            q_content = wq if keep_norm else wq.index_fill(1, idx, 0.0) * fold
+            q_rope = wq[:, idx] if keep_norm else wq[:, idx] * fold
+            d.q_proj.weight.copy_(torch.cat((q_content, q_rope), dim=1).flatten(0, 1))
+
+            # the constant channel: |u| = |V_r^T x| <= |x| <= max|input_layernorm| sqrt(hidden)
+            u_bound = float(src_layer.input_layernorm.weight.abs().max()) * math.sqrt(hidden)
+            M = SCALE_MARGIN * max(u_bound, 1.0)
+            if M > FLOAT32_MAX_M:
+                raise ValueError(f"model: layer {len(report.constant)}'s input_layernorm weights are too large for "
+                                 f"the constant latent channel ({M:.3g} > {FLOAT32_MAX_M:g})")
+            report.constant.append(M)
+            report.scale_bound = max(report.scale_bound, (u_bound ** 2 + (r + 1) * eps) / (2 * M * M))
+            zero = torch.zeros(1, hidden, **f64)
+            k_rope = wk[:, idx].mean(dim=0)  # exact for G = 1
+            d.kv_a_proj_with_mqa.weight.copy_(torch.cat((Vh[:r], zero, k_rope)))
+            d.kv_a_proj_with_mqa.bias.zero_()
+            d.kv_a_proj_with_mqa.bias[r] = M
+            d.kv_a_layernorm.weight.copy_(torch.cat((torch.full((r,), M / math.sqrt(r + 1), **f64),
+                                                     torch.zeros(1, **f64))))
+            up = torch.cat((U[:, :r] * S[:r], torch.zeros(U.shape[0], 1, **f64)), dim=1).view(G, 2 * D, r + 1)
+            d.kv_b_proj.weight.copy_(up.repeat_interleave(H // G, dim=0).flatten(0, 1))
+            d.o_proj.weight.copy_(s.o_proj.weight)
+            d.o_proj.bias.zero_()
+            report.latent_error.append(float(S[r:].square().sum().sqrt() / S.square().sum().sqrt()))
+            norms.append((gq, gk))
+
+    record_groups(dst.config, G)
+    eps_qk = float(model.config.rms_norm_eps)
+    apply_latent_attention(dst, **(dict(qk_norm="rms", qk_norm_mode="content", qk_norm_eps=eps_qk) if keep_norm
+                                   else {}))
+    if keep_norm:
+        with torch.no_grad():
+            for layer, (gq, gk) in zip(dst.model.layers, norms):
+                a = layer.self_attn
+                a.q_norm.content.weight.copy_(gq.index_fill(0, idx, 0.0) * fold)
+                a.q_norm.rope.weight.copy_(gq[idx] * fold)
+                a.k_norm.content.weight.copy_(gk)
+                a.k_norm.rope.weight.copy_(gk[idx])
+    _describe(report, r >= full_rank)
+    return dst.eval(), report
+
+
+def _describe(report: GQAConversionReport, full_rank: bool) -> None:
+    """Fill the report's lists of exact and approximate parts."""
+    exact, approx = report.exact, report.approximate
+    G, D, r = report.num_kv_groups, report.head_dim, report.rank
+    exact += ["embeddings, MLP, norms and LM head (the source's tensors)", "o_proj", "the query projection"]
+    if report.keep_norm:
+        exact += ["the query statistic (the content block holds the whole head)",
+                  "every KV group's key statistic (content mode)"]
+    else:
+        approx.append("the QK norm is dropped (its statistic and weights): another function")
+    if full_rank:
+        exact.append(f"the latent (rank {r} holds [W_K ; W_V])")
+    else:
+        approx.append(f"the latent: rank {r} of [W_K ; W_V] (relative error per layer "
+                      f"{', '.join(f'{e:.3g}' for e in report.latent_error)})")
+    if report.rope_dim < D:
+        approx.append(f"{(D - report.rope_dim) // 2} of {D // 2} RoPE pairs are not rotated (partial RoPE)")
+    if G > 1:
+        approx.append(f"the RoPE key is shared by the {G} KV groups (the mean of their rows)")
+    else:
+        exact.append("the RoPE key (G = 1)" + ("" if report.rope_dim == D else ", for the kept pairs"))
+    approx.append(f"kv_a_layernorm scales each token's values and k^R by alpha, 1 - alpha <= {report.scale_bound:.2g} "
+                  f"(the constant channel)")
