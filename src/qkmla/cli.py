@@ -1,4 +1,4 @@
-"""The ``qkmla`` command: verify, cache-size, train, plot, generate and demo."""
+"""The ``qkmla`` command: verify, cache-size, train, plot, generate, convert, convert-gqa and demo."""
 
 from __future__ import annotations
 
@@ -276,6 +276,27 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert_gqa(args: argparse.Namespace) -> int:
+    import torch
+
+    from .interop.gqa import convert_gqa_checkpoint
+    from .threads import apply_threads
+
+    apply_threads(args.threads, "convert-gqa")
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    try:
+        report = convert_gqa_checkpoint(args.hf, args.out, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
+                                        rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
+                                        overwrite=args.overwrite)
+    except ValueError as e:  # the source model is --hf here (the other names are options: main's flag_message)
+        name, _, rest = str(e).partition(": ")
+        raise ValueError(f"{'hf' if name == 'model' else name}: {rest}") from None
+    for line in report.lines():
+        print(line)
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _experiment(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
@@ -404,6 +425,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: the stored dtype")
     add_threads_argument(cv)
     cv.set_defaults(func=_convert)
+
+    cg = sub.add_parser("convert-gqa", help="a transformers Qwen3 checkpoint directory converted to a DeepSeek-V3-"
+                                            "architecture model with qkmla's QK norm (latent cache), as a new "
+                                            "checkpoint directory")
+    cg.add_argument("--hf", required=True, metavar="SRC", help="the Qwen3 checkpoint directory; never written")
+    cg.add_argument("--out", required=True, metavar="DST", help="the new checkpoint directory")
+    cg.add_argument("--kv-lora-rank", type=int, default=None, metavar="N",
+                    help="rank of the latent factorization of the keys and values (default: exact; the cached "
+                         "latent is N + 1 wide)")
+    cg.add_argument("--rope-dim", type=int, default=None, metavar="N",
+                    help="RoPE dims kept rotated, even, up to head_dim (default: head_dim, every pair)")
+    cg.add_argument("--rope-pairs", choices=["uniform", "high"], default="uniform",
+                    help="which RoPE pairs --rope-dim keeps: every (head_dim/N)-th, or the highest frequencies")
+    cg.add_argument("--drop-norm", action="store_true",
+                    help="drop the QK norm instead of carrying it (what TransMLA/CARE conversions do)")
+    cg.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
+                    help="default: the stored dtype")
+    cg.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    add_threads_argument(cg)
+    cg.set_defaults(func=_convert_gqa)
 
     e = sub.add_parser("experiment", help="run an experiment grid (see --list), resumable, with results and figures")
     e.add_argument("name", nargs="?", help="the experiment (qkmla experiment --list)")

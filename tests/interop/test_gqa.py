@@ -9,7 +9,7 @@ what remains is float64 roundoff plus the constant latent channel's bound (repor
 
 from __future__ import annotations
 
-import math
+import json
 
 import pytest
 import torch
@@ -19,10 +19,11 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
 
-from qkmla.interop import from_pretrained, latent_layers  # noqa: E402
+from qkmla.cli import main  # noqa: E402
+from qkmla.interop import LatentAttentionCache, from_pretrained, latent_layers  # noqa: E402
 from qkmla.interop.gqa import convert_gqa  # noqa: E402
 
-from .test_hf_model import max_rel, stepwise_logits  # noqa: E402
+from .test_hf_model import CACHE, max_rel, stepwise_logits  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              head_dim=16, max_position_embeddings=128, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
@@ -104,3 +105,162 @@ def test_one_kv_head_full_rank_is_the_source_to_roundoff(exact_float64, rope_dim
             want = src.generate(ids, max_new_tokens=8, do_sample=False)
             got = dst.generate(ids, max_new_tokens=8, do_sample=False)
         assert torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b():
+    """A random float64 Qwen3 with Qwen3-0.6B's attention widths (two layers, 128 tokens)."""
+    return qwen3_model(**QWEN3_06B)
+
+
+def test_real_shape_several_kv_heads_keeps_every_statistic_and_reports_the_shared_rope_key(exact_float64, qwen3_06b):
+    """Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads of 128): rank min(2 G D, hidden) = 1024 is
+    exact; each group's normalized content key is Qwen3's k_norm(k_proj(x)) to roundoff (its statistic
+    is exact); the RoPE key shared by 8 groups is not, and the report says so. The logit error is
+    measured for the full RoPE width and for half the pairs (printed with -s)."""
+    src = qwen3_06b
+    ids = prompt(src, T=10)
+    want = logits(src, ids)
+    errors = {}
+    for rope_dim, pairs in ((None, "uniform"), (64, "uniform"), (64, "high")):
+        dst, report = convert_gqa(src, rope_dim=rope_dim, rope_pairs=pairs)
+        assert (report.num_kv_groups, report.rank, report.max_rank, report.kv_lora_rank) == (8, 1024, 1024, 1025)
+        assert "the latent (rank 1024 holds [W_K ; W_V])" in report.exact
+        assert "every KV group's key statistic (content mode)" in report.exact
+        assert any("shared by the 8 KV groups" in a for a in report.approximate)
+        errors[(rope_dim, pairs)] = max_rel(logits(dst, ids), want)
+    print("G=8 real shape, max |logit error| / max |logit|:", {k: f"{v:.3g}" for k, v in errors.items()})
+    assert all(e > 1e-3 for e in errors.values())
+
+    layer, src_layer = latent_layers(dst)[1], src.model.layers[1].self_attn
+    assert layer.config.num_kv_groups == 8 and tuple(layer.kv_b_proj.weight.shape) == (8 * 256, 1025)
+    x = torch.randn(2, 7, 1024, dtype=torch.float64)
+    with torch.no_grad():
+        _, k, _ = layer.explicit_qkv(x, torch.arange(7))
+        source = src_layer.k_norm(src_layer.k_proj(x).view(2, 7, 8, 128))
+    assert max_rel(k[..., :128], source) < 1e-11
+
+
+def test_reduced_rank_and_rope_width_run_and_their_error_grows(exact_float64):
+    """G = 2: smaller latents give larger logit errors, each reported as approximate."""
+    src = qwen3_model(num_key_value_heads=2)
+    ids = prompt(src)
+    want = logits(src, ids)
+    errors = []
+    for rank in (64, 32, 16, 8):
+        dst, report = convert_gqa(src, kv_lora_rank=rank, rope_dim=8, rope_pairs="high")
+        assert report.rank == rank and report.kv_lora_rank == rank + 1 and report.max_rank == 64
+        assert (report.latent_error[0] == 0.0 if rank == 64 else report.latent_error[0] > 0.05)
+        assert any(f"rank {rank} of [W_K ; W_V]" in a for a in report.approximate) == (rank < 64)
+        errors.append(max_rel(logits(dst, ids), want))
+        steps, _ = stepwise_logits(dst, ids, 3)  # the latent cache decodes what the explicit path computes
+        full = logits(dst, ids)
+        assert max_rel(steps[0], full[:, -1]) < 1e-12
+    print("G=2 rope_dim=8 high, rank 64/32/16/8: max |logit error| / max |logit| =", [f"{e:.3g}" for e in errors])
+    assert errors == sorted(errors) and errors[-1] > errors[0]
+
+
+def test_save_and_load_round_trip_and_the_cache_holds_latent_rope_key_and_group_scalars(tmp_path):
+    """save_pretrained writes kv_b_proj in transformers' shape (rows repeated per head) and records
+    num_kv_groups beside the norm; from_pretrained gives the same logits; the cache per token and layer
+    is the latent (r + 1) + the RoPE key (d_r) + G scalars."""
+    src = qwen3_model(num_key_value_heads=2, dtype=torch.float32)
+    dst, report = convert_gqa(src, kv_lora_rank=20, rope_dim=8)
+    dst.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["qkmla"] == {"qk_norm": "rms", "qk_norm_mode": "content", "qk_norm_p": 2.0,
+                               "qk_norm_eps": 1e-6, "learnable_logit_scale": False, "num_kv_groups": 2}
+    assert config["kv_lora_rank"] == 21 and config["qk_rope_head_dim"] == 8
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("model.layers.0.self_attn.kv_b_proj.weight").get_shape()) == (4 * 32, 21)
+    loaded = from_pretrained(tmp_path)
+    assert [layer.config.num_kv_groups for layer in latent_layers(loaded)] == [2, 2]
+    ids = prompt(src)
+    assert torch.equal(logits(loaded, ids), logits(dst, ids))
+    cache = LatentAttentionCache(loaded)
+    with torch.no_grad():
+        loaded(input_ids=ids, use_cache=True, **{CACHE: cache})
+    assert report.cache_values_per_token() == (21 + 8, 2)
+    assert cache.bytes_per_token == 2 * (21 + 8 + 2) * 4
+
+    sd = loaded.state_dict()  # a state dict that does not repeat the group rows is refused on load
+    sd["model.layers.0.self_attn.kv_b_proj.weight"][0, 0] += 1.0
+    with pytest.raises(ValueError, match="rows of the heads of a group are not equal"):
+        loaded.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"kv_lora_rank": 65}, r"kv_lora_rank: expected an int from 1 to .* = 64"),
+    ({"kv_lora_rank": 0}, "kv_lora_rank: expected an int from 1"),
+    ({"rope_dim": 7}, "rope_dim: expected an even int from 2 to head_dim=16"),
+    ({"rope_dim": 18}, "rope_dim: expected an even int from 2 to head_dim=16"),
+    ({"rope_dim": 6}, r"rope_dim: 'uniform' pairs .* \(allowed: \[2, 4, 8, 16\]\)"),
+    ({"rope_pairs": "low"}, "rope_pairs: expected one of"),
+], ids=["rank-too-large", "rank-zero", "rope-odd", "rope-wider-than-head", "rope-not-uniform", "rope-pairs"])
+def test_bad_arguments_are_refused_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert_gqa(qwen3_model(num_key_value_heads=2, dtype=torch.float32), **kwargs)
+
+
+def test_rope_dim_not_a_divisor_is_taken_with_high_pairs():
+    _, report = convert_gqa(qwen3_model(num_key_value_heads=2, dtype=torch.float32), rope_dim=6, rope_pairs="high")
+    assert report.kept_pairs == [0, 1, 2] and report.rope_theta == pytest.approx(1000.0 ** (6 / 16))
+
+
+@pytest.mark.parametrize("change,match", [
+    ("deepseek", "model: expected one of"),
+    ("bias", "model: its attention projections have biases"),
+    ("yarn", "model: its RoPE is 'yarn'"),
+    ("sliding", "model: it has sliding-window layers"),
+])
+def test_sources_it_cannot_convert_are_refused_naming_model(change, match):
+    if change == "deepseek":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            kv_lora_rank=8, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8))
+    else:
+        extra = {"bias": {"attention_bias": True},
+                 "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1000.0,
+                                              "original_max_position_embeddings": 64}},
+                 "sliding": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}}[change]
+        model = qwen3_model(num_key_value_heads=2, dtype=torch.float32, **extra)
+    with pytest.raises(ValueError, match=match):
+        convert_gqa(model)
+
+
+def test_without_the_norm_the_model_changes_and_nothing_caches_a_scalar():
+    src = qwen3_model(num_key_value_heads=1, dtype=torch.float32)
+    dst, report = convert_gqa(src, keep_norm=False)
+    assert all(layer.q_norm is None for layer in latent_layers(dst))
+    assert report.cache_values_per_token() == (33 + 16, 0)
+    assert any("QK norm is dropped" in a for a in report.approximate)
+    ids = prompt(src)
+    assert max_rel(logits(dst, ids), logits(src, ids)) > 1e-2
+
+
+def test_cli_converts_a_checkpoint_directory_that_loads_and_generates(tmp_path, capsys):
+    src = qwen3_model(num_key_value_heads=2, dtype=torch.float32, vocab_size=384)
+    src.save_pretrained(tmp_path / "src")
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path / "src")
+    out = tmp_path / "dst"
+    argv = ["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(out), "--kv-lora-rank", "24",
+            "--rope-dim", "8", "--rope-pairs", "high"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "latent rank 24 of at most 64 (kv_lora_rank 25" in printed and f"wrote {out}" in printed
+    want, _ = convert_gqa(src, kv_lora_rank=24, rope_dim=8, rope_pairs="high")
+    ids = prompt(src)
+    assert torch.equal(logits(from_pretrained(out), ids), logits(want, ids))
+    assert main(["generate", "--hf", str(out), "--prompt", "To be", "--tokens", "4"]) == 0
+    capsys.readouterr()
+
+    assert main(argv) == 2  # an existing DST is replaced only with --overwrite
+    assert "--out: " in capsys.readouterr().err
+    assert main(argv + ["--overwrite", "--rope-dim", "6", "--rope-pairs", "uniform"]) == 2
+    assert "qkmla convert-gqa: --rope-dim: 'uniform' pairs" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["convert-gqa", "--hf", str(tmp_path / "other"), "--out", str(tmp_path / "x")]) == 2
+    assert "--hf: " in capsys.readouterr().err

@@ -317,3 +317,55 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
         exact.append("the RoPE key (G = 1)" + ("" if report.rope_dim == D else ", for the kept pairs"))
     approx.append(f"kv_a_layernorm scales each token's values and k^R by alpha, 1 - alpha <= {report.scale_bound:.2g} "
                   f"(the constant channel)")
+
+
+def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
+                           rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
+                           overwrite: bool = False) -> GQAConversionReport:
+    """``qkmla convert-gqa``: the Qwen3 checkpoint directory ``src`` converted (:func:`convert_gqa`)
+    and written to ``out`` with its tokenizer and generation config, for
+    ``qkmla.interop.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as
+    ``qkmla convert`` does (:func:`~qkmla.interop.convert.check_convert_paths`).
+
+    Raises:
+        ValueError before any weight is read: the paths (hf, out), a config.json that is not a Qwen3
+        model's (hf), and the arguments as :func:`convert_gqa` names them.
+    """
+    import shutil
+
+    import transformers
+
+    from ..files import temporary_name
+    from .checkpoint import CONFIG, read_hf_config
+    from .convert import check_convert_paths
+
+    src, out = check_convert_paths(src, out, overwrite)
+    model_type = read_hf_config(src).get("model_type")
+    if model_type != "qwen3":
+        raise ValueError(f"hf: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts 'qwen3' models")
+    model = transformers.Qwen3ForCausalLM.from_pretrained(src, local_files_only=True,
+                                                          **({"dtype": dtype} if dtype is not None else {}))
+    converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
+                                    keep_norm=keep_norm)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
+        tokenizer = None
+    tmp = temporary_name(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        converted.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():  # overwrite: the old directory goes only once the new one is complete
+            old = out.with_name(out.name + ".replaced")
+            shutil.rmtree(old, ignore_errors=True)
+            out.replace(old)
+            tmp.replace(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
