@@ -107,6 +107,19 @@ def test_one_kv_head_full_rank_is_the_source_to_roundoff(exact_float64, rope_dim
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 5e-2)], ids=["float32", "bfloat16"])
+def test_one_kv_head_in_float32_and_bfloat16_is_the_source_to_its_roundoff(dtype, tol):
+    """transformers' own arithmetic (its float32 casts kept) in both models; the constant channel M
+    (1.2e7 here) stays far inside float32's and bfloat16's range. Measured: 5.0e-7 (float32), 1.2e-2
+    (bfloat16), the same greedy tokens."""
+    src = qwen3_model(num_key_value_heads=1, dtype=dtype)
+    dst, report = convert_gqa(src)
+    ids = prompt(src)
+    got, want = logits(dst, ids).double(), logits(src, ids).double()
+    assert max_rel(got, want) < tol
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 @pytest.fixture(scope="module")
 def qwen3_06b():
     """A random float64 Qwen3 with Qwen3-0.6B's attention widths (two layers, 128 tokens)."""
