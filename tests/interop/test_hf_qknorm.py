@@ -162,7 +162,7 @@ def test_a_norm_is_added_to_a_patched_model_and_then_fixed():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(qk_norm="layer"), r"qk_norm: expected one of \(None, 'rms', 'l2', 'lp'\)"),
-    (dict(qk_norm="rms", qk_norm_mode="joint"), r"qk_norm_mode: expected one of \('blockwise', 'unified'\)"),
+    (dict(qk_norm="rms", qk_norm_mode="joint"), r"qk_norm_mode: expected one of \('blockwise', 'unified', 'content'\)"),
     (dict(qk_norm="lp", qk_norm_p=0.5), "qk_norm_p: expected a finite number >= 1"),
     (dict(qk_norm="rms", learnable_logit_scale="yes"), "learnable_logit_scale: expected True or False"),
 ])

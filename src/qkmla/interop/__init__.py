@@ -11,7 +11,7 @@ from .hf import load_hf_attention_weights, mla_config_from_hf, mla_from_hf
 
 _LAZY = {"apply_latent_attention": "hf_model", "latent_layers": "hf_patched", "LatentAttentionCache": "hf_cache",
          "LatentCacheLayer": "hf_cache", "LatentAttention": "hf_attention", "from_pretrained": "hf_load",
-         "attention_lora_config": "hf_lora", "merge_lora": "hf_lora"}
+         "attention_lora_config": "hf_lora", "merge_lora": "hf_lora", "convert_gqa": "gqa"}
 
 
 def __getattr__(name: str):
@@ -27,6 +27,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["LatentAttention", "LatentAttentionCache", "LatentCacheLayer", "apply_latent_attention",
-           "attention_lora_config", "convert_checkpoint", "from_pretrained", "latent_layers",
+           "attention_lora_config", "convert_checkpoint", "convert_gqa", "from_pretrained", "latent_layers",
            "load_hf_attention_weights", "merge_lora", "mla_config_from_hf", "mla_from_hf", "mla_from_hf_dir",
            "mla_layers_from_hf_dir", "read_hf_config", "read_hf_tensors", "warm_start_qk_norm"]
