@@ -64,6 +64,29 @@ def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: 
     return cal, rest[:rest.numel() // row * row].view(-1, row)
 
 
+def write_checkpoint(model, tokenizer, out: Path) -> None:
+    """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, written under a
+    temporary name and renamed when complete; an existing ``out`` (checked by
+    :func:`check_convert_paths`) goes only once the new one is complete."""
+    tmp = temporary_name(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            old = out.with_name(out.name + ".replaced")
+            shutil.rmtree(old, ignore_errors=True)
+            out.replace(old)
+            tmp.replace(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm: Optional[str] = "rms",
                        qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, calibration_text: Optional[str] = None,
@@ -121,21 +144,5 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
     apply_latent_attention(model, **norm)
     report = warm_start_qk_norm(model, batches[0], held_out_ids=batches[1]) if batches else {}
 
-    tmp = temporary_name(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if out.exists():  # --overwrite: the old directory goes only once the new one is complete
-            old = out.with_name(out.name + ".replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            out.replace(old)
-            tmp.replace(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.replace(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_checkpoint(model, tokenizer, out)
     return report

@@ -331,13 +331,10 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         ValueError before any weight is read: the paths (hf, out), a config.json that is not a Qwen3
         model's (hf), and the arguments as :func:`convert_gqa` names them.
     """
-    import shutil
-
     import transformers
 
-    from ..files import temporary_name
     from .checkpoint import CONFIG, read_hf_config
-    from .convert import check_convert_paths
+    from .convert import check_convert_paths, write_checkpoint
 
     src, out = check_convert_paths(src, out, overwrite)
     model_type = read_hf_config(src).get("model_type")
@@ -351,21 +348,5 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
         tokenizer = None
-    tmp = temporary_name(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        converted.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if out.exists():  # overwrite: the old directory goes only once the new one is complete
-            old = out.with_name(out.name + ".replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            out.replace(old)
-            tmp.replace(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.replace(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_checkpoint(converted, tokenizer, out)
     return report
