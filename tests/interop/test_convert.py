@@ -103,22 +103,32 @@ def test_convert_never_writes_over_its_source_or_an_existing_conversion(source, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
     (tmp_path / "afile").write_text("x")
     refused(["convert", "--hf", str(src), "--out", str(tmp_path / "afile")], "--out: .*afile is a file")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    refused(["convert", "--hf", str(src), "--out", str(tmp_path / "notes"), "--overwrite"],
+            "--out: .*notes is not empty and holds no config.json, so it is not a checkpoint directory")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
 
 
-def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused):
+def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused, capsys):
     bad = str(tmp_path / "bad")
     no_tokenizer = tmp_path / "bare"
     no_tokenizer.mkdir()
     for p in source.iterdir():
         if p.suffix in (".safetensors", ".json") and "token" not in p.name:
             shutil.copy(p, no_tokenizer / p.name)
+    small_vocab = tmp_path / "small-vocab"  # the text's byte ids (ASCII + 3) pass vocab_size
+    shutil.copytree(source, small_vocab)
+    config = json.loads((small_vocab / "config.json").read_text())
+    (small_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
     qk = tmp_path / "qk"
     assert main(["convert", "--hf", str(source), "--out", str(qk), "--qk-norm", "rms",
                  "--calibration-tokens", "0"]) == 0
     cases = [
         (["--hf", str(tmp_path / "nowhere")], "--hf: .* is not a directory"),
         (["--hf", str(tmp_path)], "--hf: .*config.json does not exist"),
-        (["--hf", str(source), "--calibration-tokens", "64"], "--calibration-tokens: calibrates a QK norm; give "),
+        (["--hf", str(source), "--calibration-tokens", "64"],
+         "--calibration-tokens: calibrates a QK norm being added; name the norm too"),
         (["--hf", str(source), "--qk-norm", "rms", "--calibration-tokens", "8"],
          "--calibration-tokens: expected 0 .* or at least 16, got 8"),
         (["--hf", str(source), "--qk-norm", "rms", "--calibration-tokens", "-1"], "--calibration-tokens: expected an "),
@@ -128,11 +138,20 @@ def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused):
          "--calibration-text: cannot read"),
         (["--hf", str(no_tokenizer), "--qk-norm", "rms"],
          "--hf: .* has no tokenizer .*; pass calibration_tokens=0 \\(--calibration-tokens 0\\)"),
-        (["--hf", str(qk), "--qk-norm", "l2"], "--qk-norm: .* already records a QK norm"),
+        (["--hf", str(qk), "--qk-norm", "l2"], "--qk-norm: .* already records the QK norm rms blockwise"),
+        (["--hf", str(qk), "--qk-norm", "rms"], "--qk-norm: .* with trained weights that adding and calibrating a "
+                                                "norm would replace; leave qk_norm out to re-save it"),
+        (["--hf", str(source), "--qk-norm-mode", "unified"], "--qk-norm-mode: only read with a qk_norm"),
+        (["--hf", str(small_vocab), "--qk-norm", "rms"], "--hf: .*'s tokenizer gives token ids up to .*, beyond the "
+                                                         "model's vocab_size 100"),
         (["--hf", str(source), "--qk-norm", "lp", "--qk-norm-p", "0.5"], "--qk-norm-p: expected a finite number >= 1"),
     ]
     for extra, match in cases:
         refused(["convert", "--out", bad, *extra], match)
+    capsys.readouterr()  # tensors that disagree with the config: transformers prints its load report first
+    assert main(["convert", "--hf", str(small_vocab), "--out", bad, "--qk-norm", "rms",
+                 "--calibration-tokens", "0"]) == 2
+    assert "qkmla convert: --hf: " in capsys.readouterr().err and not (tmp_path / "bad").exists()
     with pytest.raises(SystemExit):  # argparse's choices
         main(["convert", "--hf", str(source), "--out", bad, "--qk-norm", "rmsnorm"])
     assert not (tmp_path / "bad").exists()

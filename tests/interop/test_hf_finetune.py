@@ -196,6 +196,20 @@ def test_trainer_after_a_decode_rederives_the_absorbed_weights(tmp_path):
     check_absorbed_matches_explicit(model, ids[:2, :PROMPT])
 
 
+def test_fused_adamw_in_eval_mode_after_a_decode_rederives_the_absorbed_weights():
+    """A model from from_pretrained is in eval mode, and DeepSeek has no dropout, so it may be
+    trained there without a mode switch; fused AdamW bumps no version counter."""
+    model = tiny_model().eval()
+    ids = batch(n=4)
+    decode(model, ids[:2, :PROMPT])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    check_absorbed_matches_explicit(model, ids[:2, :PROMPT])
+
+
 # -- PEFT LoRA -----------------------------------------------------------------------------------------------
 
 

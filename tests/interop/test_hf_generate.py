@@ -97,3 +97,6 @@ def test_prompts_get_the_beginning_token_a_tokenizer_adds_but_never_an_end_token
     plain = with_bos("abc", add_special_tokens=False)["input_ids"]
     assert prompt_ids(with_bos, "abc") == [with_bos.bos_token_id] + plain
     assert prompt_ids(byte_tokenizer(), "abc") == plain
+    assert prompt_ids(byt5, "") == [byt5.eos_token_id]  # an empty prompt: what marks an empty text
+    with pytest.raises(ValueError, match="prompts: '' has no tokens and this tokenizer adds none"):
+        prompt_ids(byte_tokenizer(), "")

@@ -85,6 +85,8 @@ def test_the_normalized_logits_are_computed_from_transformers_own_modules():
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         for path in ("explicit", "absorbed"):  # transformers' RoPE tables are float32
             torch.testing.assert_close(layer.logits(x, path)[..., causal], want[..., causal], rtol=1e-6, atol=1e-6)
+        explicit, absorbed = layer.logits(x, "explicit")[..., causal], layer.logits(x, "absorbed")[..., causal]
+        assert max_rel(absorbed, explicit) < 1e-14  # qkmla's two paths: roundoff (measured 5e-16)
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
@@ -106,7 +108,12 @@ def test_save_pretrained_and_from_pretrained_give_the_same_model(norm, tmp_path)
         assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)
     assert torch.equal(back.generate(ids, max_new_tokens=5, do_sample=False),
                        model.generate(ids, max_new_tokens=5, do_sample=False))
-    assert isinstance(back, transformers.DeepseekV3ForCausalLM)
+    assert type(back) is transformers.DeepseekV3ForCausalLM  # the loading class does not leak
+    import pickle
+
+    again = pickle.loads(pickle.dumps(back))
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
 def test_a_checkpoint_transformers_wrote_loads_as_plain_latent_mla(tmp_path):
@@ -165,6 +172,7 @@ def test_a_norm_is_added_to_a_patched_model_and_then_fixed():
     (dict(qk_norm="rms", qk_norm_mode="joint"), r"qk_norm_mode: expected one of \('blockwise', 'unified', 'content'\)"),
     (dict(qk_norm="lp", qk_norm_p=0.5), "qk_norm_p: expected a finite number >= 1"),
     (dict(qk_norm="rms", learnable_logit_scale="yes"), "learnable_logit_scale: expected True or False"),
+    (dict(qk_norm_mode="unified"), "qk_norm_mode: only read with a qk_norm; give qk_norm too"),
 ])
 def test_a_norm_that_does_not_exist_is_refused_before_any_change(kwargs, match):
     model = hf_model("v3")
@@ -217,7 +225,7 @@ def test_a_checkpoint_whose_record_and_tensors_disagree_is_refused_before_loadin
         from_pretrained(qk_dir)
 
 
-def test_from_pretrained_bad_arguments(qk_dir, tmp_path):
+def test_from_pretrained_bad_arguments(qk_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="attn_implementation: qkmla's latent attention replaces"):
         from_pretrained(qk_dir, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="hf_dir: .* is not a directory"):
@@ -227,8 +235,12 @@ def test_from_pretrained_bad_arguments(qk_dir, tmp_path):
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match=r"describes a 'llama' model; qkmla loads \('deepseek_v2', 'deepseek_v3'\)"):
         from_pretrained(other)
+    monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
     with pytest.raises(ValueError, match="kv_format: expected one of"):
         from_pretrained(qk_dir, kv_format="fp4")
+    with pytest.raises(ValueError, match="decode_backend: expected one of"):
+        from_pretrained(qk_dir, decode_backend="cuda")
 
 
 def test_a_reused_cache_of_a_loaded_model_decodes_with_the_norm(qk_dir):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
 from ..norms import QKNorm
@@ -57,17 +58,30 @@ def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional
         return AbsorbedWeights(w[:, :qk_nope_head_dim].contiguous(), gamma_qk, w[:, qk_nope_head_dim:].contiguous())
 
 
+_optimizer_steps = 0
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# Fused optimizers (AdamW(fused=True), Trainer's default) write the weights without bumping
+# their version counters; any optimizer step, anywhere, therefore invalidates kept weights.
+register_optimizer_step_post_hook(_count_step)
+
+
 def _version(sources: list[torch.Tensor]) -> tuple:
-    return tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in sources)
+    return (_optimizer_steps,) + tuple((p._version, p.data_ptr(), p.dtype, p.device) for p in sources)
 
 
 class DerivedWeights:
     """Absorbed weights kept between calls and re-derived when a source parameter changes.
 
     ``get(sources, derive)`` returns the kept weights while every tensor in ``sources``
-    has the version counter, storage, dtype and device it had when they were derived, and
-    ``derive()`` otherwise. A change PyTorch cannot see (through ``.data`` of a detached
-    alias) needs ``get(..., force=True)``.
+    has the version counter, storage, dtype and device it had when they were derived and no
+    ``torch.optim`` optimizer has stepped since, and ``derive()`` otherwise. A change PyTorch
+    cannot see (through ``.data`` of a detached alias) needs ``get(..., force=True)``.
     """
 
     def __init__(self):

@@ -13,12 +13,13 @@ One module, three ways to attend (MATH.md names throughout):
 * **expand** (the HF-style baseline): read the latent cache and re-expand every key with
   W_UK at every step.
 
-Absorbed weights are derived from ``kv_b_proj`` and the norm weights: in eval mode on first
-use, kept, and re-derived whenever one of those parameters changes (``absorbed.DerivedWeights``);
-in train mode at every use; and afresh after every ``train()`` / ``eval()`` switch. So training
-then decoding needs no manual step, whatever the optimizer (fused AdamW changes weights
-without bumping their version counters). Call :meth:`MLA.refresh_absorbed` after changing a
-weight in eval mode in a way PyTorch cannot see (e.g. through ``.data`` of a detached alias).
+Absorbed weights are derived from ``kv_b_proj`` and the norm weights on first use, kept, and
+re-derived whenever one of those parameters changes, any ``torch.optim`` optimizer steps
+(fused AdamW changes weights without bumping their version counters), the module switches
+between ``train()`` and ``eval()``, or ``kv_b_proj`` or a norm module is swapped
+(``absorbed.DerivedWeights``). So training then decoding needs no manual step. Call
+:meth:`MLA.refresh_absorbed` after changing a weight in a way PyTorch cannot see (through
+``.data``, or an update outside ``torch.optim``'s step).
 """
 
 from __future__ import annotations
@@ -207,12 +208,10 @@ class MLA(nn.Module):
 
     @property
     def absorbed(self) -> AbsorbedWeights:
-        """The absorbed weights: in eval mode kept, and re-derived when a source parameter changed
-        since last use; in train mode derived at every use, because an optimizer may change the
-        weights in place without bumping their version counters (fused AdamW does)."""
+        """The absorbed weights, kept and re-derived when a source parameter changed since last
+        use or any ``torch.optim`` optimizer stepped (fused AdamW changes weights without bumping
+        their version counters)."""
         self._check_kv_b_proj()  # an adapter may have wrapped it since the weights were kept
-        if self.training:
-            return self._derive()
         return self._absorbed.get(self._absorb_sources(), self._derive)
 
     def __setattr__(self, name: str, value) -> None:

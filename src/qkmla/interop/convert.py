@@ -17,6 +17,7 @@ and renamed when complete, and replaces an existing directory only with ``overwr
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Optional, Union
@@ -45,9 +46,13 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
         raise ValueError(f"out: {out} is the checkpoint being converted (or inside it); write elsewhere")
     if resolved_out in resolved_src.parents:
         raise ValueError(f"out: {out} holds the checkpoint being converted; replacing it would destroy the source")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
-                         f"elsewhere")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
+                             f"elsewhere")
+        if not (out / CONFIG).is_file():
+            raise ValueError(f"out: {out} is not empty and holds no {CONFIG}, so it is not a checkpoint directory "
+                             f"--overwrite may replace; write elsewhere")
     return src, out
 
 
@@ -75,8 +80,7 @@ def write_checkpoint(model, tokenizer, out: Path) -> None:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if out.exists():
-            old = out.with_name(out.name + ".replaced")
-            shutil.rmtree(old, ignore_errors=True)
+            old = out.with_name(f"{out.name}.replaced{os.getpid()}")
             out.replace(old)
             tmp.replace(out)
             shutil.rmtree(old, ignore_errors=True)
@@ -111,19 +115,21 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
     from .calibrate import warm_start_qk_norm
     from .hf_model import apply_latent_attention
     from .hf_load import from_pretrained
-    from .hf_qknorm import norm_settings, saved_norm
+    from .hf_qknorm import describe, norm_settings, saved_norm
 
     src, out = check_convert_paths(src, out, overwrite)
     norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p)
     if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 0:
         raise ValueError(f"calibration_tokens: expected an int >= 0, got {calibration_tokens!r}")
     if calibration_tokens and not norm:
-        raise ValueError("calibration_tokens: calibrates a QK norm; give qk_norm too (or calibration_tokens=0)")
+        raise ValueError("calibration_tokens: calibrates a QK norm being added; name the norm too "
+                         "(qk_norm, --qk-norm), or pass 0")
     if calibration_tokens and calibration_tokens < 16:
         raise ValueError(f"calibration_tokens: expected 0 (no calibration) or at least 16, got {calibration_tokens}")
     existing = saved_norm(src)
-    if existing and norm and existing != norm:
-        raise ValueError(f"qk_norm: {src / CONFIG} already records a QK norm ({existing}); it cannot be replaced")
+    if existing and norm:
+        raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
+                         f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
@@ -139,6 +145,10 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
     context = read_hf_config(src).get("max_position_embeddings") or ROW
     batches = calibration_batches(tokenizer, calibration_text, calibration_tokens, context) \
         if calibration_tokens else None
+    vocab = read_hf_config(src).get("vocab_size")
+    if batches is not None and isinstance(vocab, int) and int(max(b.max() for b in batches)) >= vocab:
+        raise ValueError(f"hf: {src}'s tokenizer gives token ids up to {int(max(b.max() for b in batches))}, "
+                         f"beyond the model's vocab_size {vocab}; the tokenizer is not this model's")
 
     model = from_pretrained(src, **({"dtype": dtype} if dtype is not None else {}))
     apply_latent_attention(model, **norm)

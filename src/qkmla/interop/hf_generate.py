@@ -58,9 +58,14 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     token if it adds one, never the end-of-sequence token T5-style tokenizers append (the model
     would continue after an end of text)."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    default = tokenizer(prompt)["input_ids"]
     bos = tokenizer.bos_token_id
-    if bos is not None and tokenizer(prompt)["input_ids"][:1] == [bos] and ids[:1] != [bos]:
+    if bos is not None and default[:1] == [bos] and ids[:1] != [bos]:
         ids = [bos] + ids
+    if not ids:  # an empty prompt: whatever the tokenizer marks an empty text with
+        ids = default
+    if not ids:
+        raise ValueError(f"prompts: {prompt!r} has no tokens and this tokenizer adds none; give a non-empty prompt")
     return ids
 
 

@@ -10,7 +10,9 @@ from typing import Optional, Union
 import torch
 
 from ..cache.eviction import EvictionPolicy
+from ..ops.mla_decode.interface import DECODE_BACKENDS
 from .checkpoint import CONFIG, _open, read_hf_config
+from .hf_cache import check_cache_settings
 from .hf_model import apply_latent_attention
 from .hf_qknorm import check_norm_tensors, recorded_norm
 
@@ -62,10 +64,18 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     if "attn_implementation" in kwargs:
         raise ValueError("attn_implementation: qkmla's latent attention replaces transformers' attention; "
                          "leave it out")
+    check_cache_settings(kv_format, policy, None)
+    if decode_backend not in DECODE_BACKENDS:
+        raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
     norm = recorded_norm(hf_config, str(root / CONFIG))
     files = check_norm_tensors(root, hf_config, norm)
     base = getattr(transformers, _CLASSES[model_type])
-    model = _quiet_class(base).from_pretrained(root, attn_implementation="eager", **kwargs)
+    try:
+        model = _quiet_class(base).from_pretrained(root, attn_implementation="eager", **kwargs)
+    except RuntimeError as e:  # tensors whose shapes disagree with the config (transformers' load report)
+        raise ValueError(f"hf_dir: {root} does not load as its config describes it: "
+                         f"{str(e).strip().splitlines()[0][:300]}") from None
+    model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
     apply_latent_attention(model, **norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
     params = dict(model.named_parameters())
     with torch.no_grad():

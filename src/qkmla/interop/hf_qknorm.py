@@ -57,6 +57,10 @@ def norm_settings(qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise"
     if not isinstance(learnable_logit_scale, bool):
         raise ValueError(f"learnable_logit_scale: expected True or False, got {learnable_logit_scale!r}")
     MLAConfig(**fields)  # validates each field by name
+    if qk_norm is None:
+        given = [f for f in ("qk_norm_mode", "qk_norm_p", "qk_norm_eps") if fields[f] != _DEFAULTS[f]]
+        if given:
+            raise ValueError(f"{given[0]}: only read with a qk_norm; give qk_norm too (e.g. qk_norm='rms')")
     if qk_norm is None and not learnable_logit_scale:
         return {}
     return {**fields, "qk_norm_p": float(qk_norm_p), "qk_norm_eps": float(qk_norm_eps)}
