@@ -187,7 +187,12 @@ def hf_generate_rate(ctx: PartContext, model, batch: int, prompt_len: int, new_t
         ctx.sync()
         return time.perf_counter() - t0
     run(2)  # warm-up
-    return batch * (new_tokens - 1) / (run(new_tokens) - run(1))
+    # The fastest of three runs each: one run's noise on a busy machine can exceed the decode
+    # time itself and make the difference negative.
+    decode_s = min(run(new_tokens) for _ in range(3)) - min(run(1) for _ in range(3))
+    if decode_s <= 0:
+        raise RuntimeError(f"timing noise exceeded the decode time of {new_tokens - 1} tokens; raise new_tokens")
+    return batch * (new_tokens - 1) / decode_s
 
 
 def hf_rows(ctx: PartContext) -> list[dict]:
