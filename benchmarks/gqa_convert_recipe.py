@@ -13,7 +13,8 @@ weights are not committed). Then, for each cache budget (the source's cache divi
 (a) source      the model as trained (one row per source, not per budget).
 (b) keep_norm   ``qkmla.interop.convert_gqa(keep_norm=True)``: DeepSeek-V3 architecture, qkmla's
                 content-mode QK RMSNorm, latent rank r and d_r RoPE dims ("uniform" pairs), chosen so
-                that (r + 1) + d_r + G = the budget (d_r = budget / 4).
+                that (r + 1) + d_r + G = the budget, d_r = each of ``--rope-shares`` of the budget
+                (0.25 and 0.5: two (r, d_r) settings per budget).
 (c) drop_norm   the same conversion with ``keep_norm=False`` (what TransMLA and CARE do): same r, d_r,
                 G fewer cached values.
 (d) full_keys   MHA2MLA's choice: the source Qwen3 with k_proj and v_proj replaced by the same rank-r
@@ -239,9 +240,10 @@ def latent_cache_bytes(model, prompt: torch.Tensor) -> int:
     return sum(layer.bytes_per_token for layer in gen.past_key_values.layers)
 
 
-def budget_settings(G: int, D: int, budget: int) -> dict:
-    """(b)-(e)'s settings for a cache budget of ``budget`` values per token and layer."""
-    rope_dim = max(2, 2 * round(budget / 8))
+def budget_settings(G: int, D: int, budget: int, rope_share: float) -> dict:
+    """(b)-(e)'s settings for a cache budget of ``budget`` values per token and layer, about
+    ``rope_share`` of it (even, at most D) for the RoPE key of (b)-(d)."""
+    rope_dim = min(D, max(2, 2 * round(budget * rope_share / 2)))
     while (D // 2) % (rope_dim // 2):  # "uniform" pairs: rope_dim / 2 must divide D / 2
         rope_dim -= 2
     return {"kv_lora_rank": budget - rope_dim - G - 1, "rope_dim": rope_dim, "r_k": budget // 2,
@@ -260,6 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, nargs="+", default=[2, 1], help="G of each source (H = 4 query heads)")
     p.add_argument("--compressions", type=int, nargs="+", default=[2, 4],
                    help="cache budgets: the source's cache bytes divided by each")
+    p.add_argument("--rope-shares", type=float, nargs="+", default=[0.25, 0.5],
+                   help="the fractions of each budget given to the RoPE key in (b)-(d): one setting each")
     p.add_argument("--block", type=int, default=256, help="tokens per training and validation window")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--source-steps", type=int, default=400)
@@ -284,15 +288,18 @@ def main(argv=None) -> int:
     H, D = shape["num_attention_heads"], shape["head_dim"]
     if any(G < 1 or H % G for G in args.kv_heads):
         p.error(f"--kv-heads: each must divide the {H} query heads, got {args.kv_heads}")
+    if not all(0 < x < 1 for x in args.rope_shares):
+        p.error(f"--rope-shares: expected fractions between 0 and 1, got {args.rope_shares}")
     settings = {}
     for G in args.kv_heads:
         for f in args.compressions:
-            budget = 2 * G * D // f if f >= 2 else 0
-            s = budget_settings(G, D, budget) if budget else {}
-            if not s or not 1 <= s["kv_lora_rank"] <= min(2 * G * D, shape["hidden_size"]) or 2 * G * D % f:
-                p.error(f"--compressions: {f} leaves no valid setting for G = {G}, D = {D} (budget "
-                        f"{2 * G * D / max(f, 1):g} values: needs (r + 1) + d_r + G with r >= 1)")
-            settings[(G, f)] = s | {"budget_values": budget}
+            for share in args.rope_shares:
+                budget = 2 * G * D // f if f >= 2 else 0
+                s = budget_settings(G, D, budget, share) if budget else {}
+                if not s or not 1 <= s["kv_lora_rank"] <= min(2 * G * D, shape["hidden_size"]) or 2 * G * D % f:
+                    p.error(f"--compressions: {f} leaves no valid setting for G = {G}, D = {D}, RoPE share {share} "
+                            f"(budget {2 * G * D / max(f, 1):g} values: needs (r + 1) + d_r + G with r >= 1)")
+                settings[(G, f, share)] = s | {"budget_values": budget}
     if args.block > shape["max_position_embeddings"]:
         p.error(f"--block: at most max_position_embeddings={shape['max_position_embeddings']}, got {args.block}")
     for name, path in (("--out", args.out), ("--plot", args.plot)):
@@ -391,7 +398,7 @@ def main(argv=None) -> int:
                          "tokens": args.source_steps * args.batch * args.block, "lr": args.source_lr,
                          "schedule": "linear warmup (5%), cosine to 0.1 x lr",
                          "optimizer": "AdamW (0.9, 0.95), weight decay 0.1, clip 1.0"} | training}
-        row = {"source": tag, "variant": "source", "letter": "a", "G": G, "compression": 1, "settings": {},
+        row = {"source": tag, "variant": "source", "letter": "a", "G": G, "compression": 1, "rope_share": None, "settings": {},
                "cache_values_per_token_per_layer": values, "cache_bytes_per_token": values * BYTES * L,
                "before": measured}
 
@@ -414,49 +421,51 @@ def main(argv=None) -> int:
         del converted
         write()
 
-        for f in args.compressions:
-            s = settings[(G, f)]
+        for f, share, kind in [(f, share, kind) for f in args.compressions for share in args.rope_shares
+                               for kind in VARIANTS[1:] if kind != "svd_cache" or share == args.rope_shares[0]]:
+            s = settings[(G, f, share)]
             r, d_r = s["kv_lora_rank"], s["rope_dim"]
-            for kind in VARIANTS[1:]:
-                row = {"source": tag, "variant": kind, "letter": LETTERS[kind], "G": G, "compression": f,
-                       "budget_values_per_token_per_layer": s["budget_values"]}
-                if kind in ("keep_norm", "drop_norm"):
-                    keep = kind == "keep_norm"
+            row = {"source": tag, "variant": kind, "letter": LETTERS[kind], "G": G, "compression": f,
+                   "rope_share": None if kind == "svd_cache" else share,
+                   "budget_values_per_token_per_layer": s["budget_values"]}
+            if kind in ("keep_norm", "drop_norm"):
+                keep = kind == "keep_norm"
 
-                    def make(keep=keep):
-                        model, _ = convert_gqa(source, kv_lora_rank=r, rope_dim=d_r, keep_norm=keep)
-                        return model
-                    model, report = convert_gqa(source, kv_lora_rank=r, rope_dim=d_r, keep_norm=keep)
-                    row["settings"] = {"kv_lora_rank": r, "rope_dim": d_r, "rope_pairs": "uniform",
-                                       "cached_latent": report.kv_lora_rank}
-                    row["report"] = report.lines()
-                    values = cache_values(kind, G, D, r, d_r)
-                    assert sum(report.cache_values_per_token()) == values, (report.cache_values_per_token(), values)
-                    row["latent_cache_bytes_per_token"] = latent_cache_bytes(model, prompt)
-                elif kind == "full_keys":
-                    def make():
-                        return full_keys_variant(source, r, d_r)
-                    model = make()
-                    row["settings"] = {"kv_lora_rank": r, "rope_dim": d_r, "rope_pairs": "uniform"}
-                    values = cache_values(kind, G, D, r, d_r)
-                else:
-                    def make():
-                        return svd_cache_variant(source, calibration_rows, eval_batch, s["r_k"], s["r_v"])[0]
-                    model, kept = svd_cache_variant(source, calibration_rows, eval_batch, s["r_k"], s["r_v"])
-                    row["settings"] = {"r_k": s["r_k"], "r_v": s["r_v"], "centered": True,
-                                       "variance_kept_per_layer": kept}
-                    values = cache_values(kind, G, D, r_k=s["r_k"], r_v=s["r_v"])
-                row["cache_values_per_token_per_layer"] = values
-                row["cache_bytes_per_token"] = values * BYTES * L
-                row["before"], _ = evaluate(model, val_rows, eval_batch, reference)
-                del model
-                heal_all(make, row, reference)
-                result["variants"].append(row)
-                write()
+                def make(keep=keep):
+                    model, _ = convert_gqa(source, kv_lora_rank=r, rope_dim=d_r, keep_norm=keep)
+                    return model
+                model, report = convert_gqa(source, kv_lora_rank=r, rope_dim=d_r, keep_norm=keep)
+                row["settings"] = {"kv_lora_rank": r, "rope_dim": d_r, "rope_pairs": "uniform",
+                                   "cached_latent": report.kv_lora_rank}
+                row["report"] = report.lines()
+                values = cache_values(kind, G, D, r, d_r)
+                assert sum(report.cache_values_per_token()) == values, (report.cache_values_per_token(), values)
+                row["latent_cache_bytes_per_token"] = latent_cache_bytes(model, prompt)
+            elif kind == "full_keys":
+                def make():
+                    return full_keys_variant(source, r, d_r)
+                model = make()
+                row["settings"] = {"kv_lora_rank": r, "rope_dim": d_r, "rope_pairs": "uniform"}
+                values = cache_values(kind, G, D, r, d_r)
+            else:
+                def make():
+                    return svd_cache_variant(source, calibration_rows, eval_batch, s["r_k"], s["r_v"])[0]
+                model, kept = svd_cache_variant(source, calibration_rows, eval_batch, s["r_k"], s["r_v"])
+                row["settings"] = {"r_k": s["r_k"], "r_v": s["r_v"], "centered": True,
+                                   "variance_kept_per_layer": kept}
+                values = cache_values(kind, G, D, r_k=s["r_k"], r_v=s["r_v"])
+            row["cache_values_per_token_per_layer"] = values
+            row["cache_bytes_per_token"] = values * BYTES * L
+            row["before"], _ = evaluate(model, val_rows, eval_batch, reference)
+            del model
+            heal_all(make, row, reference)
+            result["variants"].append(row)
+            write()
         del source, source_state
 
     result["table"] = [
         {"source": v["source"], "variant": f"({v['letter']}) {v['variant']}", "compression": v["compression"],
+         "settings": {k: x for k, x in v["settings"].items() if k in ("kv_lora_rank", "rope_dim", "r_k", "r_v")},
          "cache_bytes_per_token": v["cache_bytes_per_token"], "loss_before": v["before"]["loss"],
          "agreement_before": v["before"]["agreement"]}
         | {f"loss_healed_lr{lr}": h["loss"] for lr, h in v["healed"].items()}

@@ -39,9 +39,11 @@ def check_result(result: dict, recipe) -> None:
         config = source["config"]
         G, D, L = config["num_key_value_heads"], config["head_dim"], config["num_hidden_layers"]
         rows = [v for v in result["variants"] if v["source"] == tag]
-        # (a) once, (b)-(e) once per compression
-        assert sorted((v["variant"], v["compression"]) for v in rows) == sorted(
-            [("source", 1)] + [(k, f) for k in recipe.VARIANTS[1:] for f in settings["compressions"]])
+        # (a) once, (b)-(d) once per compression and RoPE share, (e) once per compression
+        assert sorted((v["variant"], v["compression"], v["rope_share"] or 0) for v in rows) == sorted(
+            [("source", 1, 0)] + [(k, f, x) for k in recipe.VARIANTS[1:4] for f in settings["compressions"]
+                                  for x in settings["rope_shares"]]
+            + [("svd_cache", f, 0) for f in settings["compressions"]])
         full = source["full_rank_conversion"]
         assert full["latent_cache_bytes_per_token"] == full["cache_bytes_per_token"]
         check_measures(full["not_healed"])
@@ -92,7 +94,8 @@ def test_quick_run_writes_every_variant_consistently(tmp_path):
 @pytest.mark.parametrize("argv, option", [(["--batch", "0"], "--batch"), (["--threads", "-1"], "--threads"),
                                           (["--block", "100000"], "--block"), (["--kv-heads", "3"], "--kv-heads"),
                                           (["--compressions", "64"], "--compressions"),
-                                          (["--heal-lrs", "0"], "--heal-lrs")])
+                                          (["--heal-lrs", "0"], "--heal-lrs"),
+                                          (["--rope-shares", "1.5"], "--rope-shares")])
 def test_refuses_bad_arguments_naming_them(argv, option, tmp_path, capsys):
     with pytest.raises(SystemExit):
         load().main(argv + ["--work", str(tmp_path)])
