@@ -45,8 +45,6 @@ import argparse
 import copy
 import json
 import math
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,6 +52,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
 
 # vocab_size 384: ByT5's 256 bytes + 3 specials (pad 0, eos 1, unk 2) + its 125 extra ids.
@@ -306,40 +305,24 @@ def main(argv=None) -> int:
         if path is not None and path.exists() and not args.overwrite:
             p.error(f"{name}: {path} exists; pass --overwrite to replace it")
     dirs = {G: args.work / f"source-G{G}" for G in args.kv_heads}
-    taken = [str(d) for d in dirs.values() if d.exists()]
-    if taken and not args.overwrite:
-        p.error(f"--work: {', '.join(taken)} exist; pass --overwrite to replace them, or give another --work")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     import transformers
     from transformers import ByT5Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from qkmla.files import write_atomically, write_text
+    from qkmla.files import write_atomically
     from qkmla.interop import convert_gqa
-    from qkmla.machine import machine, recorded_command, source_commit
-    from qkmla.train.data import VALIDATION_PLAYS, load_text, split_by_play
+    from qkmla.train.data import VALIDATION_PLAYS
+    from recipe_common import byte_plays, claim_work_dirs, start_record
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    for d in dirs.values():
-        shutil.rmtree(d, ignore_errors=True)
-    t_start = time.perf_counter()
-    result = {"command": recorded_command("benchmarks/gqa_convert_recipe.py", argv), "commit": source_commit(HERE),
-              "machine": machine(), "transformers": transformers.__version__, "status": "running",
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-
-    def write() -> None:  # after every stage, so an interrupted run keeps what it measured
-        result["wall_s"] = round(time.perf_counter() - t_start, 1)
-        result["load_average_1min"] = round(os.getloadavg()[0], 2)
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_text(args.out, json.dumps(result, indent=1) + "\n")
+    claim_work_dirs(p, dirs.values(), args.overwrite)
+    result, write = start_record("benchmarks/gqa_convert_recipe.py", argv, HERE, args, transformers.__version__)
 
     tokenizer = ByT5Tokenizer()
-    splits = split_by_play(load_text("shakespeare"))
-    train_ids, val_ids = (torch.tensor(tokenizer(splits[s], add_special_tokens=False)["input_ids"]) for s in
-                          ("train", "val"))
+    train_ids, val_ids = byte_plays(tokenizer)
     val_rows = spaced_windows(val_ids, args.block, args.val_windows)
     calibration_rows = random_windows(train_ids, args.block, args.calibration_windows,
                                       torch.Generator().manual_seed(args.seed + 1))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
 
 # The model. vocab_size 384: ByT5's 256 bytes + 3 specials (pad 0, eos 1, unk 2) + its 125
@@ -223,41 +223,24 @@ def main(argv=None) -> int:
     if args.out is not None and args.out.exists() and not args.overwrite:
         p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
     dirs = {name: args.work / name for name in ("source", "qknorm", "trainer")}
-    taken = [str(d) for d in dirs.values() if d.exists()]
-    if taken and not args.overwrite:
-        p.error(f"--work: {', '.join(taken)} exist; pass --overwrite to replace them, or give another --work")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     import transformers
     from transformers import ByT5Tokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Trainer
 
-    from qkmla.files import write_text
     from qkmla.interop import apply_latent_attention, from_pretrained, warm_start_qk_norm
-    from qkmla.machine import machine, recorded_command, source_commit
-    from qkmla.train.data import VALIDATION_PLAYS, load_text, split_by_play
+    from qkmla.train.data import VALIDATION_PLAYS
+    from recipe_common import byte_plays, claim_work_dirs, start_record
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    for d in dirs.values():
-        shutil.rmtree(d, ignore_errors=True)
-    t_start = time.perf_counter()
-    result = {"command": recorded_command("benchmarks/hf_qknorm_recipe.py", argv), "commit": source_commit(HERE),
-              "machine": machine(), "transformers": transformers.__version__, "status": "running",
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-
-    def write() -> None:  # after every stage, so an interrupted run keeps what it measured
-        result["wall_s"] = round(time.perf_counter() - t_start, 1)
-        result["load_average_1min"] = round(os.getloadavg()[0], 2)
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            write_text(args.out, json.dumps(result, indent=1) + "\n")
+    claim_work_dirs(p, dirs.values(), args.overwrite)
+    result, write = start_record("benchmarks/hf_qknorm_recipe.py", argv, HERE, args, transformers.__version__)
 
     # Data: byte tokens of the training plays and the validation plays.
     tokenizer = ByT5Tokenizer()
-    splits = split_by_play(load_text("shakespeare"))
-    train_ids, val_ids = (torch.tensor(tokenizer(splits[s], add_special_tokens=False)["input_ids"]) for s in
-                          ("train", "val"))
+    train_ids, val_ids = byte_plays(tokenizer)
     val_rows = spaced_windows(val_ids, args.block, args.val_windows)
     g = torch.Generator().manual_seed(args.seed + 1)
     starts = torch.randint(0, train_ids.numel() - args.block, (args.calibration_windows,), generator=g).tolist()

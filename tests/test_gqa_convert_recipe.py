@@ -2,22 +2,20 @@
 results file is complete and consistent, and the committed results file states a full run's command
 and every variant."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 
+from tests.test_benchmarks import load as load_benchmark
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results" / "gqa_convert_recipe_cpu.json"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("gqa_convert_recipe", BENCHMARKS / "gqa_convert_recipe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gqa_convert_recipe")
 
 
 def check_measures(m: dict) -> None:

@@ -1,12 +1,13 @@
 """benchmarks/hf_qknorm_recipe.py: a --quick run end to end (tiny model, a few steps), and the
 committed results file states its command and every stage."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+
+from tests.test_benchmarks import load as load_benchmark
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results" / "hf_qknorm_recipe_cpu.json"
@@ -14,10 +15,7 @@ STAGES = ("source", "unit_weights", "calibrated", "fine_tuned", "reloaded")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("hf_qknorm_recipe", BENCHMARKS / "hf_qknorm_recipe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hf_qknorm_recipe")
 
 
 def check_result(result: dict) -> None:
