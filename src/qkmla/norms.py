@@ -102,6 +102,11 @@ class ScalarNorm(nn.Module):
         return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}"
 
 
+def variant_name(kind: str, p: float, mode: str) -> str:
+    """How a QK norm is named in state dicts and messages, e.g. ``rms blockwise``, ``lp(p=3) unified``."""
+    return f"{kind}" + (f"(p={p:g})" if kind == "lp" else "") + f" {mode}"
+
+
 class RecordsVariant:
     """Mixin: the state dict records which norm made it (``variant()``, as ASCII bytes under
     ``_extra_state``, so safetensors holds it), and loading a state recorded by another
@@ -166,8 +171,7 @@ class QKNorm(RecordsVariant, nn.Module):
     mode = property(lambda self: self._mode, doc="'blockwise', 'unified' or 'content' (read-only, as the kind is)")
 
     def variant(self) -> str:
-        c = self.content
-        return f"{c.kind}" + (f"(p={c.p:g})" if c.kind == "lp" else "") + f" {self.mode}"
+        return variant_name(self.content.kind, self.content.p, self.mode)
 
     def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified and content modes."""

@@ -63,6 +63,17 @@ def without_norm(layers: list):
             layer.q_norm, layer.k_norm, layer.logit_scale = q_norm, k_norm, logit_scale
 
 
+def unit_weights(layer: MLA) -> None:
+    """The layer's QK-norm weights at ones and its learnable logit scale (if any) at tau: the
+    norm as a pure statistic, where calibration starts."""
+    with torch.no_grad():
+        for norm in (layer.q_norm, layer.k_norm):
+            norm.content.weight.fill_(1.0)
+            norm.rope.weight.fill_(1.0)
+        if layer.logit_scale is not None:
+            layer.logit_scale.fill_(layer.config.scale)
+
+
 def _blocks(q: torch.Tensor, k: torch.Tensor, d_n: int) -> dict:
     return {"content": (q[..., :d_n], k[..., :d_n]), "rope": (q[..., d_n:], k[..., d_n:])}
 
@@ -75,11 +86,7 @@ def calibrate_layer(layer: MLA, x: torch.Tensor, positions: torch.Tensor) -> dic
     (``rms_calibrated``)."""
     c, hpg = layer.config, layer.config.heads_per_group
     with torch.no_grad():
-        for norm in (layer.q_norm, layer.k_norm):
-            norm.content.weight.fill_(1.0)
-            norm.rope.weight.fill_(1.0)
-        if layer.logit_scale is not None:
-            layer.logit_scale.fill_(c.scale)
+        unit_weights(layer)
         with without_norm([layer]):
             q_src, k_src, _ = layer.explicit_qkv(x, positions)
         q_new, k_new, _ = layer.explicit_qkv(x, positions)  # unit weights: the statistic alone
@@ -168,9 +175,7 @@ def warm_start_qk_norm(model, input_ids: torch.Tensor, *, held_out_ids: Optional
                 with without_norm(layers):
                     loss["source"] = _loss(model, held_out_ids)
                 for layer in layers:
-                    for norm in (layer.q_norm, layer.k_norm):
-                        norm.content.weight.fill_(1.0)
-                        norm.rope.weight.fill_(1.0)
+                    unit_weights(layer)
                 loss["unit_weights"] = _loss(model, held_out_ids)
             hooks = [layer.register_forward_pre_hook(calibrate, with_kwargs=True) for layer in layers]
             try:  # one forward: each layer is calibrated on what the calibrated layers before it give

@@ -107,9 +107,14 @@ def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode
     return model
 
 
+def _configs(model) -> list:
+    """The model's config objects: the causal LM's and the inner model's, once each (usually one)."""
+    return list({id(c): c for c in (model.config, inner_model(model).config)}.values())
+
+
 def _record(model, norm: dict) -> None:
     """Record the norm in every config object the model has (``save_pretrained`` writes it)."""
-    for config in {id(c): c for c in (model.config, inner_model(model).config)}.values():
+    for config in _configs(model):
         record_norm(config, norm)
 
 
@@ -125,7 +130,7 @@ def _no_transformers_mask(model) -> None:
 
     AttentionInterface.register(LATENT_IMPLEMENTATION, attention)
     AttentionMaskInterface.register(LATENT_IMPLEMENTATION, lambda *args, **kwargs: None)
-    for config in {id(c): c for c in (model.config, inner_model(model).config)}.values():
+    for config in _configs(model):
         config._attn_implementation = LATENT_IMPLEMENTATION
 
 

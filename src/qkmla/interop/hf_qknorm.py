@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..config import MLAConfig
+from ..norms import variant_name
 from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
 
 RECORD = "qkmla"  # the config.json entry
@@ -174,10 +175,7 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
                              f"{shape}")
         files[name] = file
     if records:
-        from ..norms import QKNorm
-
-        want = QKNorm(1, 2, norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_eps"], norm["qk_norm_mode"]).variant() \
-            if norm.get("qk_norm") else None
+        want = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"]) if norm.get("qk_norm") else None
         for name in sorted(records):
             with _open(root / weight_map[name]) as f:
                 got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
@@ -197,8 +195,8 @@ def describe(norm: dict) -> str:
     """One line naming a recorded norm, e.g. ``rms blockwise``."""
     if not norm:
         return "no QK norm"
-    text = "no QK norm" if norm["qk_norm"] is None else f"{norm['qk_norm']}" + (
-        f"(p={norm['qk_norm_p']:g})" if norm["qk_norm"] == "lp" else "") + f" {norm['qk_norm_mode']}"
+    text = "no QK norm" if norm["qk_norm"] is None else variant_name(norm["qk_norm"], norm["qk_norm_p"],
+                                                                      norm["qk_norm_mode"])
     return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
 
 
