@@ -142,13 +142,15 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
         from ..train.data import load_text
 
         calibration_text = load_text("shakespeare")
-    context = read_hf_config(src).get("max_position_embeddings") or ROW
+    hf_config = read_hf_config(src)
+    context = hf_config.get("max_position_embeddings") or ROW
     batches = calibration_batches(tokenizer, calibration_text, calibration_tokens, context) \
         if calibration_tokens else None
-    vocab = read_hf_config(src).get("vocab_size")
-    if batches is not None and isinstance(vocab, int) and int(max(b.max() for b in batches)) >= vocab:
-        raise ValueError(f"hf: {src}'s tokenizer gives token ids up to {int(max(b.max() for b in batches))}, "
-                         f"beyond the model's vocab_size {vocab}; the tokenizer is not this model's")
+    vocab = hf_config.get("vocab_size")
+    top = int(max(b.max() for b in batches)) if batches is not None else -1
+    if isinstance(vocab, int) and top >= vocab:
+        raise ValueError(f"hf: {src}'s tokenizer gives token ids up to {top}, beyond the model's vocab_size {vocab}; "
+                         f"the tokenizer is not this model's")
 
     model = from_pretrained(src, **({"dtype": dtype} if dtype is not None else {}))
     apply_latent_attention(model, **norm)
