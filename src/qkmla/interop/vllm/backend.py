@@ -1,0 +1,123 @@
+"""The attention backend of QK-normed layers: vLLM's MLA backends with a wider cache row.
+
+Each cache row is [c (d_c) | k_rope (d_r) | r (G)] in the cache's dtype. The layer
+(``attention.py``) hands the backend the RoPE key with the scalars appended, [T, 1, d_r + G],
+where vLLM's plumbing expects the RoPE key [T, 1, d_r]; the three methods that read it are
+the ones :class:`QKNormImpl` overrides:
+
+* ``do_kv_cache_update`` writes whole rows (vLLM's CPU write views the cache as
+  [slots, d_c + d_r], which a wider row breaks);
+* ``_concat_k_nope_k_pe`` builds the prefill keys [k^C · r ; k^R] (blockwise) or
+  [k^C ; k^R] · r (unified, content): vLLM's prefill then runs unchanged;
+* ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the
+  paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:]``, no copy).
+
+The query already carries both norm weights and its own statistic (``attention.py``), so the
+content score is (q_lat . c) · r and vLLM's W_UK absorption of the query is the right one.
+
+Backends: on the CPU, vLLM's reference CPU_MLA (its prefill is plain SDPA) with qkmla's torch
+decode; on CUDA, vLLM's TRITON_MLA prefill with qkmla's Triton decode kernel (the scalars
+multiply each score tile before the online softmax). The CUDA path has not run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...ops.mla_decode import mla_decode_with_kvcache
+
+
+class QKNormImpl:
+    """Mixin over a vLLM ``MLACommonImpl``: the cache row, prefill keys and decode of a QK-normed layer."""
+
+    def __init__(self, *args, num_key_scalars: int, score_mode: str, decode_backend: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_key_scalars, self.score_mode, self.decode_backend = num_key_scalars, score_mode, decode_backend
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+        """Rows [c | k_rope | r] for c [T, d_c] and k_pe [T, 1, d_r + G] into the slots of slot_mapping [T]."""
+        if kv_cache.numel() == 0:
+            return
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        slots = slot_mapping.flatten().long()
+        rows = torch.cat((kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]), dim=-1).to(flat.dtype)
+        valid = slots >= 0  # padding slots are -1
+        flat.index_copy_(0, slots[valid], rows[valid])
+
+    def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] -> [T, h, d_n + d_r]."""
+        k_r, r = k_pe.split([self.qk_rope_head_dim, self.num_key_scalars], dim=-1)
+        r = r.transpose(-1, -2).to(k_nope.dtype)  # [T, G = h, 1]
+        if self.score_mode == "unified":  # one scalar for [k^C ; k^R]
+            return super()._concat_k_nope_k_pe(k_nope * r, k_r * r)
+        return super()._concat_k_nope_k_pe(k_nope * r, k_r)
+
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None) -> None:
+        if attn_metadata.prefill is not None and attn_metadata.prefill.chunked_context is not None:
+            # checks.py refuses the settings that lead here; this guards against a vLLM that enables them anyway.
+            raise NotImplementedError("qkmla's vLLM backend does not attend over cached context in a prefill "
+                                      "(chunked prefill, prefix caching); turn both off")
+        return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                                   output_scale)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
+        """One query per decoding sequence: q (q_lat [B, h, d_c], q_rope [B, h, d_r]) -> ([B, h, d_c], None)."""
+        q_lat, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        decode = attn_metadata.decode
+        out, _ = mla_decode_with_kvcache(
+            q_lat.unsqueeze(1), q_rope.unsqueeze(1), kv_c_and_k_pe_cache[..., :width], decode.block_table,
+            decode.seq_lens, scale_cache=kv_c_and_k_pe_cache[..., width:], softmax_scale=self.scale,
+            backend=self.decode_backend, mode=self.score_mode)
+        return out[:, 0], None
+
+
+@functools.cache  # one class for every layer: vLLM groups layers by backend
+def cpu_backend() -> type:
+    """vLLM's CPU_MLA with :class:`QKNormImpl` (and any head size: the row is d_c + d_r + G wide)."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+    class QKNormCPUMLAImpl(QKNormImpl, CPUMLAImpl):
+        pass
+
+    class QKNormCPUMLABackend(CPUMLABackend):
+        @classmethod
+        def get_supported_head_sizes(cls) -> list[int]:
+            return []
+
+        @staticmethod
+        def get_name() -> str:
+            return "QKMLA_CPU"
+
+        @staticmethod
+        def get_impl_cls() -> type:
+            return QKNormCPUMLAImpl
+
+    return QKNormCPUMLABackend
+
+
+@functools.cache
+def cuda_backend() -> type:
+    """vLLM's TRITON_MLA with :class:`QKNormImpl` (qkmla's Triton decode kernel). Not yet run on a GPU."""
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
+
+    class QKNormTritonMLAImpl(QKNormImpl, TritonMLAImpl):
+        can_return_lse_for_decode = False
+
+    class QKNormTritonMLABackend(TritonMLABackend):
+        @staticmethod
+        def get_name() -> str:
+            return "QKMLA_TRITON"
+
+        @staticmethod
+        def get_impl_cls() -> type:
+            return QKNormTritonMLAImpl
+
+    return QKNormTritonMLABackend
+
+
+BACKENDS = {"cpu": (cpu_backend, "torch"), "cuda": (cuda_backend, "auto")}

@@ -1,0 +1,58 @@
+"""What the vLLM plugin can serve, checked before vLLM builds a layer (no vLLM import here).
+
+A checkpoint is served with its QK norm when its ``config.json`` holds a ``"qkmla"`` record
+(``interop.hf_qknorm``); without one it is vLLM's own model. Everything the QK-normed path
+does not do is refused here, naming the setting, rather than served wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..hf_qknorm import RECORD, recorded_groups, recorded_norm
+
+PLATFORMS = ("cpu", "cuda")
+KV_CACHE_DTYPES = ("auto",)
+LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata accepts (MLACommonBackend)
+
+
+def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization: Optional[str],
+                  chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1) -> dict:
+    """The recorded QK norm of ``hf_config`` ({} for a plain checkpoint), after checking that the
+    plugin can serve it with these engine settings. ValueError naming the field otherwise."""
+    norm = recorded_norm(hf_config, where="config.json")
+    recorded_groups(hf_config, where="config.json")  # G < h: kv_b_proj holds each group's rows per head
+    if not norm:
+        return {}
+    what = f"a QK-normed checkpoint (config.json's {RECORD!r} record)"
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform: qkmla's vLLM backend serves {what} on {PLATFORMS}, got {platform!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: qkmla's vLLM backend serves {what} with kv_cache_dtype in "
+                         f"{KV_CACHE_DTYPES} (the key scalars ride in the cache row, in the model's dtype), "
+                         f"got {kv_cache_dtype!r}")
+    if quantization is not None:
+        raise ValueError(f"quantization: qkmla's vLLM backend serves {what} with unquantized weights (it derives "
+                         f"the key scalars from kv_b_proj.weight), got {quantization!r}")
+    for name, on, flag in (("enable_chunked_prefill", chunked_prefill, "--no-enable-chunked-prefill"),
+                           ("enable_prefix_caching", prefix_caching, "--no-enable-prefix-caching")):
+        if on:
+            raise ValueError(f"{name}: qkmla's vLLM backend does not yet attend over cached context in a prefill, "
+                             f"which {name} needs; start vLLM with {flag} ({name}=False)")
+    if decode_context_parallel_size != 1:
+        raise ValueError(f"decode_context_parallel_size: qkmla's vLLM backend serves {what} with 1, "
+                         f"got {decode_context_parallel_size}")
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
+    if get("model_type") == "deepseek" or not get("qk_rope_head_dim") or not get("qk_nope_head_dim"):
+        raise ValueError(f"config.json: {what} must be an MLA model with a content and a RoPE block "
+                         f"(qk_nope_head_dim, qk_rope_head_dim > 0), got model_type={get('model_type')!r}, "
+                         f"qk_nope_head_dim={get('qk_nope_head_dim')!r}, qk_rope_head_dim={get('qk_rope_head_dim')!r}")
+    width = get("kv_lora_rank", 0) + get("qk_rope_head_dim")
+    if width not in LATENT_WIDTHS:
+        raise ValueError(f"config.json: kv_lora_rank + qk_rope_head_dim = {width}; vLLM's MLA serves latent rows of "
+                         f"{LATENT_WIDTHS} values (DeepSeek-V2/V3: 512 + 64)")
+    for field in ("index_topk", "llama_4_scaling"):
+        if get(field) is not None:
+            raise ValueError(f"config.json: {field}: qkmla's vLLM backend does not serve {what} with "
+                             f"{field} (sparse indexer, Llama-4 query scaling)")
+    return norm

@@ -1,0 +1,39 @@
+"""One vLLM engine on one checkpoint, in its own process (vLLM's tests/plugins pattern): greedy
+tokens and their logprobs as JSON on the last line of stdout.
+
+    python run_engine.py '{"model": DIR, "dtype": "float32", "prompts": [[5, 6, 7]], "max_tokens": 12}'
+
+``"ignore_key_scalars": true`` is the negative control: decode as if every cached key scalar
+were 1 (the prefill still uses them), which must break the match with qkmla's generation.
+``"engine"``: more ``vllm.LLM`` arguments.
+"""
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    # The engine core and its worker in this process: the negative control's patch reaches them.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    if args.get("ignore_key_scalars"):
+        from qkmla.interop.vllm import backend
+
+        decode = backend.mla_decode_with_kvcache
+        backend.mla_decode_with_kvcache = lambda *a, scale_cache=None, **kw: decode(*a, scale_cache=None, **kw)
+    llm = LLM(args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True, gpu_memory_utilization=0.2,
+              max_model_len=args.get("max_model_len", 128), skip_tokenizer_init=True, seed=0,
+              distributed_executor_backend="uni", **args.get("engine", {}))
+    params = SamplingParams(max_tokens=args.get("max_tokens", 12), temperature=0, logprobs=0,
+                            ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

