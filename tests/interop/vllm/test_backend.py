@@ -1,0 +1,97 @@
+"""The QK-normed backend's three methods on vLLM's paged layout, without an engine (vLLM's
+``test_cpu_mla_backend.py`` pattern): the cache write, the prefill keys and the decode."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from qkmla.interop.vllm.backend import cpu_backend  # noqa: E402
+
+H, D_N, D_V, D_C, D_R, BLOCK = 4, 16, 16, 512, 64, 16
+
+
+def impl(score_mode: str = "blockwise"):
+    kv_b = torch.nn.Linear(D_C, H * (D_N + D_V), bias=False)
+    return cpu_backend().get_impl_cls()(
+        num_heads=H, head_size=D_C + D_R, scale=0.07, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+        kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+        q_lora_rank=None, kv_lora_rank=D_C, qk_nope_head_dim=D_N, qk_rope_head_dim=D_R, qk_head_dim=D_N + D_R,
+        v_head_dim=D_V, kv_b_proj=kv_b, indexer=None, num_key_scalars=H, score_mode=score_mode,
+        decode_backend="torch")
+
+
+def paged(lengths: list[int], seed: int = 0):
+    """A paged cache holding random rows [c | k_rope | r] for sequences of ``lengths``, written through
+    ``do_kv_cache_update`` in one batch; returns (cache, block_table, rows per sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK) for n in lengths]
+    order = torch.randperm(sum(blocks_per_seq) + 3, generator=g)  # scattered blocks, some unused
+    table = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
+    rows, slots, start = [], [], 0
+    for b, (n, nb) in enumerate(zip(lengths, blocks_per_seq)):
+        table[b, :nb] = order[start:start + nb].to(torch.int32)
+        start += nb
+        rows.append(torch.cat((torch.randn(n, D_C + D_R, generator=g, dtype=torch.float64),
+                               torch.rand(n, H, generator=g, dtype=torch.float64) + 0.5), dim=-1))
+        slots.append(table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK)
+    cache = torch.full((len(order), BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
+    every = torch.cat(rows)
+    padded_slots = torch.cat(slots + [torch.tensor([-1, -1])])  # padding tokens: slot -1, never written
+    padded = torch.cat((every, torch.zeros(2, every.shape[1], dtype=torch.float64)))
+    impl().do_kv_cache_update(padded[:, :D_C], padded[:, None, D_C:], cache, padded_slots, "auto", None)
+    return cache, table, rows
+
+
+def test_the_cache_write_puts_each_row_in_its_slot_and_skips_padding():
+    cache, table, rows = paged([5, 37])
+    flat = cache.view(-1, cache.shape[-1])
+    for b, r in enumerate(rows):
+        n = len(r)
+        slots = table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK
+        assert torch.equal(flat[slots], r)
+    assert int((~flat.isnan().any(-1)).sum()) == 5 + 37  # nothing else written
+
+
+def reference_decode(q_lat, q_rope, rows, scale, mode, use_scalars=True):
+    """softmax(scale · s) @ c per head, s = (q_lat·c) r + q_rope·k_r (blockwise) or (q_lat·c + q_rope·k_r) r."""
+    out = []
+    for b, r in enumerate(rows):
+        c, k_r, s_k = r[:, :D_C], r[:, D_C:D_C + D_R], r[:, D_C + D_R:]  # [S, d_c], [S, d_r], [S, H]
+        s_k = s_k if use_scalars else torch.ones_like(s_k)
+        content, rope = q_lat[b] @ c.T, q_rope[b] @ k_r.T  # [H, S]
+        s = content * s_k.T + rope if mode == "blockwise" else (content + rope) * s_k.T
+        out.append(torch.softmax(scale * s, dim=-1) @ c)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode):
+    lengths = [3, 40, 17]  # uneven, across block boundaries
+    cache, table, rows = paged(lengths)
+    q_lat = torch.randn(3, H, D_C, dtype=torch.float64)
+    q_rope = torch.randn(3, H, D_R, dtype=torch.float64)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    layer = impl(mode)
+    out, lse = layer.forward_mqa((q_lat, q_rope), cache, meta, None)
+    want = reference_decode(q_lat, q_rope, rows, layer.scale, mode)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    assert lse is None
+    ignored = reference_decode(q_lat, q_rope, rows, layer.scale, mode, use_scalars=False)
+    assert (out - ignored).abs().max() > 1e-2  # the scalars matter: the negative control differs
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_the_prefill_keys_carry_each_heads_scalar(mode):
+    T = 6
+    k_nope = torch.randn(T, H, D_N, dtype=torch.float64)
+    k_r, r = torch.randn(T, 1, D_R, dtype=torch.float64), torch.rand(T, 1, H, dtype=torch.float64) + 0.5
+    k = impl(mode)._concat_k_nope_k_pe(k_nope, torch.cat((k_r, r), dim=-1))
+    assert k.shape == (T, H, D_N + D_R)
+    torch.testing.assert_close(k[..., :D_N], k_nope * r.transpose(1, 2))
+    want_rope = k_r.expand(T, H, D_R) * (r.transpose(1, 2) if mode == "unified" else 1)
+    torch.testing.assert_close(k[..., D_N:], want_rope)

@@ -1,0 +1,48 @@
+"""What the vLLM plugin refuses to serve, and the message that names why (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qkmla.interop.vllm.checks import servable_norm
+
+CONFIG = dict(model_type="deepseek_v3", num_attention_heads=4, kv_lora_rank=512, qk_nope_head_dim=16,
+              qk_rope_head_dim=64, qkmla={"qk_norm": "rms", "qk_norm_mode": "blockwise"})
+OK = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False, prefix_caching=False)
+
+
+def test_a_recorded_norm_is_returned_with_its_defaults_filled_in():
+    norm = servable_norm(CONFIG, **OK)
+    assert norm["qk_norm"] == "rms" and norm["qk_norm_p"] == 2.0 and norm["learnable_logit_scale"] is False
+
+
+def test_a_plain_checkpoint_is_not_checked_further():
+    plain = {k: v for k, v in CONFIG.items() if k != "qkmla"}
+    assert servable_norm(plain, **{**OK, "platform": "tpu", "kv_cache_dtype": "fp8", "chunked_prefill": True}) == {}
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("platform", "tpu", "platform: qkmla's vLLM backend serves"),
+    ("kv_cache_dtype", "fp8", "kv_cache_dtype: qkmla's vLLM backend serves"),
+    ("quantization", "fp8", "quantization: qkmla's vLLM backend serves"),
+    ("chunked_prefill", True, "enable_chunked_prefill: qkmla's vLLM backend does not yet"),
+    ("prefix_caching", True, "--no-enable-prefix-caching"),
+    ("decode_context_parallel_size", 2, "decode_context_parallel_size: qkmla's vLLM backend serves"),
+])
+def test_each_engine_setting_the_backend_cannot_serve_is_refused_by_name(setting, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        servable_norm(CONFIG, **{**OK, setting: value})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kv_lora_rank": 32}, r"kv_lora_rank \+ qk_rope_head_dim = 96"),
+    ({"qk_rope_head_dim": 0}, "qk_rope_head_dim > 0"),
+    ({"model_type": "deepseek"}, "model_type='deepseek'"),
+    ({"index_topk": 2048}, "index_topk"),
+    ({"llama_4_scaling": {"beta": 0.1}}, "llama_4_scaling"),
+    ({"qkmla": {"qk_norm": "rms", "qk_norm_mode": "sideways"}}, "config.json: its 'qkmla' entry is not valid"),
+    ({"qkmla": {"qk_norm": "rms", "num_kv_groups": 3}}, "num_kv_groups=3"),
+])
+def test_a_layout_the_backend_cannot_serve_is_refused_naming_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        servable_norm({**CONFIG, **change}, **OK)
