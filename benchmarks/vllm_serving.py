@@ -1,18 +1,24 @@
 """vLLM serving on the CPU: QK-normed MLA through qkmla's plugin, side by side with plain MLA.
 
-Two parts, one results file (``benchmarks/results/vllm_serving_cpu.json``):
+Three parts, one results file (``benchmarks/results/vllm_serving_cpu.json``):
 
 * ``drift``: greedy tokens and the logprob of every sampled token against qkmla's own
   generation (transformers + latent cache, float32), for a tiny QK-normed model served in
   float32 and bfloat16, and for a plain model served by stock vLLM (rotary custom op off,
   ``custom_ops=["none"]``, see docs/serving.md) in float32 and bfloat16 against transformers.
+* ``trained``: the same comparison for a model trained here: a DeepSeek-V3-architecture model
+  with RMS QK-norm (d_c + d_r = 320, vLLM's smallest latent width) trained from scratch for a
+  few CPU minutes on the embedded Shakespeare's byte tokens (ByT5's ids), greedy-decoded from
+  lines of the held-out plays.
 * ``decode``: decode tokens/s and KV bytes per token at each context length and batch, for
   three one-layer models of DeepSeek's attention widths (16 heads, d_c 512, d_r 64) served
   the same way: ``stock`` (a plain checkpoint: vLLM's CPU_MLA with its C++ decode kernel),
   ``plain-qkmla`` (plain MLA through qkmla's backend: a checkpoint whose record holds only a
   per-head logit scale, set to vLLM's tau, so the same function as plain) and ``qknorm``
-  (RMS blockwise QK norm, 16 key scalars per token). Decode time is the difference between
-  a run generating 1 + N tokens and one generating 1 (the same prompts, prefill in both).
+  (RMS blockwise QK norm, 16 key scalars per token). Decode time per token is the median
+  engine step once every sequence has its first token (each such step decodes one token for
+  every sequence; the prefill steps are not timed), in the fastest of ``--rounds`` engines per
+  variant, the variants taking turns.
 
 Each engine runs in its own process. Timings are wall-clock on whatever machine runs this;
 compare them only within one run.
@@ -40,20 +46,20 @@ DECODE_SHAPE = dict(vocab_size=384, hidden_size=256, intermediate_size=512, num_
                     num_key_value_heads=16, q_lora_rank=96, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
                     v_head_dim=32)
 DRIFT_PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21]]
+TRAINED_SHAPE = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=64,
+                     v_head_dim=32)
+TRAINED_PROMPTS = ["ROMEO:\nBut soft, what light", "First Citizen:\nWe are accounted poor", "KING"]
 
 
 def checkpoint(path: Path, shape: dict, **record) -> Path:
     """A random DeepSeek-V3 checkpoint (dense MLPs) saved by qkmla; ``record``: apply_latent_attention's norm."""
     import torch
-    import transformers
 
     from qkmla.interop import apply_latent_attention
 
-    cfg = transformers.DeepseekV3Config(**shape, n_routed_experts=4, first_k_dense_replace=shape["num_hidden_layers"],
-                                        max_position_embeddings=32768, pad_token_id=0, eos_token_id=1,
-                                        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    model = _untrained(shape)[1].eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -84,6 +90,8 @@ def engine(spec: dict) -> dict:
         outs = generate(spec["prompts"], spec["max_tokens"])
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
+    import statistics
+
     import torch
 
     rows = []
@@ -91,16 +99,32 @@ def engine(spec: dict) -> dict:
     for context, batch in spec["grid"]:
         prompts = [torch.randint(2, 384, (context,), generator=g).tolist() for _ in range(batch)]
         generate([prompts[0][:16]], 2)  # warm
-        times = {}
-        for tokens in (1, 1 + spec["new_tokens"]):
-            start = time.perf_counter()
-            generate(prompts, tokens)
-            times[tokens] = time.perf_counter() - start
-        decode_s = times[1 + spec["new_tokens"]] - times[1]
-        rows.append({"context": context, "batch": batch, "prefill_s": round(times[1], 3),
-                     "decode_s": round(decode_s, 3), "decode_tokens_per_s": round(batch * spec["new_tokens"] / decode_s, 2)})
+        steps = decode_steps(llm, prompts, spec["new_tokens"], SamplingParams)
+        step_s = statistics.median(steps)
+        rows.append({"context": context, "batch": batch, "decode_steps_timed": len(steps),
+                     "median_step_ms": round(1e3 * step_s, 3), "decode_tokens_per_s": round(batch / step_s, 2)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {"rows": rows}
+
+
+def decode_steps(llm, prompts, new_tokens: int, sampling_params) -> list:
+    """Seconds of each engine step after every prompt has its first token: each such step is one
+    decode token for every sequence (the prefill steps before are not timed)."""
+    engine = llm.llm_engine
+    params = sampling_params(max_tokens=1 + new_tokens, temperature=0, ignore_eos=True)
+    tag = f"{time.monotonic_ns()}"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": p}, params)
+    started, times = set(), []
+    while engine.has_unfinished_requests():
+        all_started = len(started) == len(prompts)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if all_started and any(o.outputs and not o.finished for o in outs):
+            times.append(dt)
+        started.update(o.request_id for o in outs if o.outputs and o.outputs[0].token_ids)
+    return times
 
 
 def run_engine(spec: dict) -> dict:
@@ -112,7 +136,7 @@ def run_engine(spec: dict) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def reference(model_dir: Path, plain: bool) -> dict:
+def reference(model_dir: Path, plain: bool, prompts=DRIFT_PROMPTS, tokens: int = 12) -> dict:
     """qkmla's generation in float32 (transformers + latent cache), or transformers' own for a plain model."""
     import torch
     import transformers
@@ -122,8 +146,8 @@ def reference(model_dir: Path, plain: bool) -> dict:
     model = (transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if plain
              else from_pretrained(model_dir)).eval()
     tokens, logprobs = [], []
-    for p in DRIFT_PROMPTS:
-        out = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, output_scores=True,
+    for p in prompts:
+        out = model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
         new = out.sequences[0, len(p):].tolist()
         tokens.append(new)
@@ -161,12 +185,79 @@ def drift(work: Path, result: dict, write) -> None:
             write()
 
 
+def trained(work: Path, result: dict, write, steps: int) -> None:
+    """Train a QK-normed model here, then serve it: tokens and logprob drift against qkmla's generation."""
+    import torch
+    import transformers
+
+    from qkmla.interop import apply_latent_attention
+    from recipe_common import byte_plays
+
+    tokenizer = transformers.ByT5Tokenizer()
+    train_ids, val_ids = byte_plays(tokenizer)
+    model_dir = work / "trained-qknorm"
+    _, model = _untrained(TRAINED_SHAPE)
+    apply_latent_attention(model, qk_norm="rms")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    block, batch = 128, 16
+    val = torch.stack([val_ids[i:i + block] for i in range(0, 32 * block, block)])
+
+    def val_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            loss = model(input_ids=val, labels=val, use_cache=False).loss.item()
+        model.train()
+        return round(loss, 4)
+
+    start, t0 = val_loss(), time.perf_counter()
+    for step in range(steps):
+        lr = 3e-3 * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * (1 - step / steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        starts = torch.randint(0, train_ids.numel() - block, (batch,), generator=g)
+        x = torch.stack([train_ids[s:s + block] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+    model.save_pretrained(model_dir)
+    result["trained"] = {"shape": TRAINED_SHAPE, "steps": steps, "batch": batch, "block": block,
+                         "optimizer": "AdamW lr 3e-3 (20 warmup steps, linear to 0.1x), wd 0.1, clip 1.0",
+                         "val_loss_before": start, "val_loss_after": val_loss(),
+                         "train_wall_s": round(time.perf_counter() - t0, 1), "rows": []}
+    write()
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in TRAINED_PROMPTS]
+    want = reference(model_dir, plain=False, prompts=prompts, tokens=24)
+    for dtype in ("float32", "bfloat16"):
+        got = run_engine({"model": str(model_dir), "dtype": dtype, "max_model_len": 128, "prompts": prompts,
+                          "max_tokens": 24})
+        row = {"dtype": dtype, **compare(got, want),
+               "text": [tokenizer.decode(t, skip_special_tokens=True) for t in got["tokens"]]}
+        result["trained"]["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        write()
+
+
+def _untrained(shape: dict):
+    """(config, a freshly initialized DeepSeek-V3 model with dense MLPs) of ``shape``."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**shape, n_routed_experts=4, first_k_dense_replace=shape["num_hidden_layers"],
+                                        max_position_embeddings=32768, pad_token_id=0, eos_token_id=1,
+                                        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return cfg, transformers.DeepseekV3ForCausalLM(cfg)
+
+
 def kv_bytes_per_token(shape: dict, scalars: int, dtype_bytes: int) -> int:
     """One layer's cache row: d_c + d_r (+ G key scalars) values."""
     return (shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + scalars) * dtype_bytes
 
 
-def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str) -> None:
+def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, rounds: int) -> None:
     tau = DECODE_SHAPE["qk_nope_head_dim"] + DECODE_SHAPE["qk_rope_head_dim"]
     models = {"stock": (checkpoint(work / "decode-plain", DECODE_SHAPE), 0),
               "plain-qkmla": (checkpoint(work / "decode-plain-qkmla", DECODE_SHAPE, learnable_logit_scale=True), 0),
@@ -174,14 +265,21 @@ def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str) -
     _set_logit_scale(models["plain-qkmla"][0], tau ** -0.5)  # the same function as plain MLA
     longest = max(c for c, _ in grid) + new_tokens + 1
     size = 2 if dtype == "bfloat16" else 4
-    for name, (model, scalars) in models.items():
-        spec = {"model": str(model), "dtype": dtype, "max_model_len": longest, "grid": grid, "new_tokens": new_tokens,
-                "max_num_batched_tokens": longest * max(b for _, b in grid)}
-        rows = run_engine(spec)["rows"]
-        for row in rows:
-            result["decode"].append({"variant": name, "kv_bytes_per_token_per_layer": kv_bytes_per_token(
-                DECODE_SHAPE, scalars, size), **row})
-        write()
+    for round_ in range(rounds):  # variants in turn, each round: a slow spell of the machine hits all of them
+        for name, (model, scalars) in models.items():
+            spec = {"model": str(model), "dtype": dtype, "max_model_len": longest, "grid": grid,
+                    "new_tokens": new_tokens, "max_num_batched_tokens": longest * max(b for _, b in grid)}
+            for row in run_engine(spec)["rows"]:
+                result["decode_runs"].append({"variant": name, "round": round_, **row})
+            write()
+    best = {}
+    for row in result["decode_runs"]:  # each point's fastest round
+        key = (row["variant"], row["context"], row["batch"])
+        if key not in best or row["median_step_ms"] < best[key]["median_step_ms"]:
+            best[key] = row
+    result["decode"] = [{"variant": v, "kv_bytes_per_token_per_layer": kv_bytes_per_token(DECODE_SHAPE, models[v][1], size),
+                         "context": c, "batch": b, "median_step_ms": r["median_step_ms"],
+                         "decode_tokens_per_s": r["decode_tokens_per_s"]} for (v, c, b), r in best.items()]
 
 
 def _set_logit_scale(model_dir: Path, tau: float) -> None:
@@ -207,6 +305,9 @@ def ratios(result: dict) -> list:
         out.append({"context": c, "batch": b,
                     "qknorm_over_plain_qkmla_time": round(plain["decode_tokens_per_s"] / r["decode_tokens_per_s"], 3),
                     "extra_bytes": round(r["kv_bytes_per_token_per_layer"] / plain["kv_bytes_per_token_per_layer"] - 1, 4),
+                    # the issue's target: QK-normed decode within its extra bytes plus 2% of plain's time
+                    "within_target": plain["decode_tokens_per_s"] / r["decode_tokens_per_s"]
+                    <= r["kv_bytes_per_token_per_layer"] / plain["kv_bytes_per_token_per_layer"] + 0.02,
                     "qknorm_over_stock_time": round(stock["decode_tokens_per_s"] / r["decode_tokens_per_s"], 3)
                     if stock else None})
     return out
@@ -217,11 +318,16 @@ def main(argv=None) -> None:
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written after every engine)")
     parser.add_argument("--work", type=Path, default=Path("runs/vllm_serving"), help="checkpoints go here")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    # 16k does not fit: vLLM's CPU prefill (CPU_SDPA_MLA) materializes [h, S, S] float32 scores,
+    # 17 GB at 16 heads and S = 16384, beyond a 24 GiB machine.
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="engines per variant, in turn; each point's fastest counts")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--parts", nargs="+", choices=["drift", "decode"], default=["drift", "decode"])
+    parser.add_argument("--parts", nargs="+", choices=["drift", "trained", "decode"],
+                        default=["drift", "trained", "decode"])
+    parser.add_argument("--train-steps", type=int, default=600, help="the trained part's optimizer steps")
     parser.add_argument("--overwrite", action="store_true", help="replace --out and --work if they exist")
     args = parser.parse_args(argv)
     if args.engine:
@@ -232,8 +338,9 @@ def main(argv=None) -> None:
     for name in ("contexts", "batches"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name}: expected positive integers, got {getattr(args, name)}")
-    if args.new_tokens < 1:
-        parser.error(f"--new-tokens: expected a positive integer, got {args.new_tokens}")
+    for name in ("new_tokens", "rounds", "train_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     import transformers
     import vllm
 
@@ -242,12 +349,14 @@ def main(argv=None) -> None:
     claim_work_dirs(parser, [args.work], args.overwrite)
     args.work.mkdir(parents=True)
     result, write = start_record("benchmarks/vllm_serving.py", argv, HERE, args, transformers.__version__)
-    result.update(vllm=vllm.__version__, drift=[], decode=[])
+    result.update(vllm=vllm.__version__, drift=[], decode_runs=[], decode=[])
     if "drift" in args.parts:
         drift(args.work, result, write)
+    if "trained" in args.parts:
+        trained(args.work, result, write, args.train_steps)
     if "decode" in args.parts:
         grid = [(c, b) for c in args.contexts for b in args.batches]
-        decode(args.work, result, write, grid, args.new_tokens, args.dtype)
+        decode(args.work, result, write, grid, args.new_tokens, args.dtype, args.rounds)
         result["ratios"] = ratios(result)
     result["status"] = "done"
     write()
