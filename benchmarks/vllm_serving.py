@@ -136,7 +136,7 @@ def run_engine(spec: dict) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def reference(model_dir: Path, plain: bool, prompts=DRIFT_PROMPTS, tokens: int = 12) -> dict:
+def reference(model_dir: Path, plain: bool, prompts=DRIFT_PROMPTS, new_tokens: int = 12) -> dict:
     """qkmla's generation in float32 (transformers + latent cache), or transformers' own for a plain model."""
     import torch
     import transformers
@@ -147,7 +147,7 @@ def reference(model_dir: Path, plain: bool, prompts=DRIFT_PROMPTS, tokens: int =
              else from_pretrained(model_dir)).eval()
     tokens, logprobs = [], []
     for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=tokens, do_sample=False, output_scores=True,
+        out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, output_scores=True,
                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
         new = out.sequences[0, len(p):].tolist()
         tokens.append(new)
@@ -231,7 +231,7 @@ def trained(work: Path, result: dict, write, steps: int) -> None:
                          "train_wall_s": round(time.perf_counter() - t0, 1), "rows": []}
     write()
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in TRAINED_PROMPTS]
-    want = reference(model_dir, plain=False, prompts=prompts, tokens=24)
+    want = reference(model_dir, plain=False, prompts=prompts, new_tokens=24)
     for dtype in ("float32", "bfloat16"):
         got = run_engine({"model": str(model_dir), "dtype": dtype, "max_model_len": 128, "prompts": prompts,
                           "max_tokens": 24})

@@ -24,13 +24,23 @@ def main() -> None:
 
         decode = backend.mla_decode_with_kvcache
         backend.mla_decode_with_kvcache = lambda *a, scale_cache=None, **kw: decode(*a, scale_cache=None, **kw)
+    # CPU_MLA on every CPU: on one with AMX vLLM would pick AMX_MLA (bfloat16 only, 128-token blocks,
+    # chunked prefill and prefix caching on, which qkmla's backend refuses), on one without it picks
+    # CPU_MLA anyway; so the same path runs on every CI machine.
+    engine = {"attention_backend": "CPU_MLA", **args.get("engine", {})}
     llm = LLM(args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True, gpu_memory_utilization=0.2,
               max_model_len=args.get("max_model_len", 128), skip_tokenizer_init=True, seed=0,
-              distributed_executor_backend="uni", **args.get("engine", {}))
+              distributed_executor_backend="uni", **engine)
     params = SamplingParams(max_tokens=args.get("max_tokens", 12), temperature=0, logprobs=0,
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+    import torch
+
+    from qkmla.interop.vllm.attention import QKNormLatentAttention
+
+    layers = llm.apply_model(lambda model: sum(isinstance(m, QKNormLatentAttention) for m in model.modules()))
+    result = {"amx": bool(torch.cpu._is_amx_tile_supported()), "qk_layers": layers[0],
+              "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
     print(json.dumps(result))
 

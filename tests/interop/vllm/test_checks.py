@@ -28,10 +28,40 @@ def test_a_plain_checkpoint_is_not_checked_further():
     ("chunked_prefill", True, "enable_chunked_prefill: qkmla's vLLM backend does not yet"),
     ("prefix_caching", True, "--no-enable-prefix-caching"),
     ("decode_context_parallel_size", 2, "decode_context_parallel_size: qkmla's vLLM backend serves"),
+    ("speculative", True, "speculative_config: qkmla's vLLM backend does not serve"),
+    ("lora", True, "enable_lora: qkmla's vLLM backend does not serve"),
 ])
 def test_each_engine_setting_the_backend_cannot_serve_is_refused_by_name(setting, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         servable_norm(CONFIG, **{**OK, setting: value})
+
+
+def test_on_cuda_float32_and_cuda_graphs_are_refused():
+    with pytest.raises(ValueError, match="dtype: on CUDA"):
+        servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "float32"})
+    with pytest.raises(ValueError, match="enforce_eager"):
+        servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16", "cuda_graphs": True})
+    assert servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16"})["qk_norm"] == "rms"
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"rope_interleave": False}, "rope_interleave=False"),
+    ({"rope_parameters": {**YARN, "mscale_all_dim": 1.0}}, "gives mscale_all_dim without mscale"),
+    ({"rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0, "attention_factor": 1.2}}, "attention_factor"),
+    # a GQA conversion's record without a norm is checked too: vLLM would serve it as a plain model
+    ({"attention_bias": True, "qkmla": {"num_kv_groups": 2}}, "attention_bias=True"),
+])
+def test_what_vllms_deepseek_classes_would_read_differently_is_refused(change, message):
+    with pytest.raises(ValueError, match=message):
+        servable_norm({**CONFIG, **change}, **OK)
+
+
+def test_yarn_with_both_mscales_is_served():
+    assert servable_norm({**CONFIG, "rope_parameters": {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}}, **OK)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -24,7 +24,8 @@ import torch
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from qkmla.interop import apply_latent_attention, from_pretrained  # noqa: E402
+from qkmla.interop import apply_latent_attention  # noqa: E402
+from tests.test_benchmarks import load as load_benchmark  # noqa: E402
 
 RUNNER = Path(__file__).with_name("run_engine.py")
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21]]  # a batch of uneven lengths
@@ -73,15 +74,7 @@ def served(model: Path, **args) -> dict:
 
 def reference(model_dir: Path) -> dict:
     """qkmla's generation: transformers + the latent cache, float32, one prompt at a time."""
-    model = from_pretrained(model_dir)
-    tokens, logprobs = [], []
-    for p in PROMPTS:
-        out = model.generate(torch.tensor([p]), max_new_tokens=TOKENS, do_sample=False, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-        new = out.sequences[0, len(p):].tolist()
-        tokens.append(new)
-        logprobs.append([torch.log_softmax(s[0].double(), -1)[t].item() for s, t in zip(out.scores, new)])
-    return {"tokens": tokens, "logprobs": logprobs}
+    return load_benchmark("vllm_serving").reference(model_dir, plain=False, prompts=PROMPTS, new_tokens=TOKENS)
 
 
 def drift(a: dict, b: dict) -> float:
@@ -89,10 +82,11 @@ def drift(a: dict, b: dict) -> float:
 
 
 NORMED = {  # name: checkpoint arguments
-    "v3-rms-blockwise": dict(version=3, qk_norm="rms"),
-    "v2-yarn-no-q-lora-lp3-unified-learned-scale": dict(version=2, q_lora_rank=None, rope=YARN, qk_norm="lp",
-                                                        qk_norm_p=3.0, qk_norm_mode="unified",
-                                                        learnable_logit_scale=True),
+    "v3-rms-blockwise-learned-scale": dict(version=3, qk_norm="rms", learnable_logit_scale=True),
+    # YaRN without a learned scale: vLLM's softmax scale (mscale^2) is the one in use
+    "v2-yarn-no-q-lora-lp3-unified": dict(version=2, q_lora_rank=None, rope=YARN, qk_norm="lp", qk_norm_p=3.0,
+                                          qk_norm_mode="unified"),
+    "v3-l2-content": dict(version=3, qk_norm="l2", qk_norm_mode="content"),
 }
 
 
@@ -105,6 +99,7 @@ def normed(request, tmp_path_factory):
 def test_served_tokens_equal_qkmla_generation_in_float32(normed):
     path, want = normed
     got = served(path)
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
     assert got["tokens"] == want["tokens"]
     assert drift(got, want) < BOUND, drift(got, want)
 
@@ -127,7 +122,16 @@ def test_a_plain_checkpoint_is_served_by_vllms_own_model(tmp_path):
     path = tiny_checkpoint(tmp_path)
     got = served(path, engine={"compilation_config": {"custom_ops": ["none"]}})
     want = reference(path)
+    assert got["qk_layers"] == 0  # vLLM's own layers
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
+def test_without_the_plugin_vllm_refuses_a_qk_normed_checkpoint(tmp_path):
+    """vLLM 0.32 alone has no parameter for the norm tensors: it stops while loading, never serving without them."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms")
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS})],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_PLUGINS": "none"})
+    assert run.returncode != 0 and "KeyError: 'layers.0.self_attn." in run.stdout + run.stderr
 
 
 def test_an_unsupported_kv_cache_dtype_is_refused_at_load(tmp_path):

@@ -38,7 +38,7 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import MLAAttention
 
-from ...attention.absorbed import AbsorbedWeights, absorb, key_scalars
+from ...attention.absorbed import AbsorbedWeights, key_scalars
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
 
@@ -84,8 +84,10 @@ class QKNormLatentAttention(nn.Module):
         self.q_norm, self.k_norm = make_qk_norms(norm["qk_norm"], self.qk_nope_head_dim, self.qk_rope_head_dim,
                                                  norm["qk_norm_p"], norm["qk_norm_eps"], norm["qk_norm_mode"])
         self.scale = wrapper.mla_attn.scale
-        self.logit_scale = (nn.Parameter(torch.full((self.num_heads,), self.scale), requires_grad=False)
-                            if norm["learnable_logit_scale"] else None)
+        self.logit_scale = None
+        if norm["learnable_logit_scale"]:
+            self.logit_scale = nn.Parameter(torch.full((self.num_heads,), self.scale), requires_grad=False)
+            self.logit_scale.weight_loader = _this_ranks_heads
         self.absorbed: Optional[AbsorbedWeights] = None  # derived after loading (prepare)
         old = wrapper.mla_attn
         # vLLM finds attention layers by name in the forward context; this one takes the name of
@@ -100,9 +102,13 @@ class QKNormLatentAttention(nn.Module):
             decode_backend=decode_backend)
 
     def prepare(self) -> None:
-        """Derive W_UK per head and gamma_q^C ⊙ gamma_k^C once the weights are loaded."""
-        self.absorbed = absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, self.num_heads,
-                               self.qk_nope_head_dim)
+        """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded: ``MLAAttention`` has
+        derived W_UK already (``W_UK_T`` [h, d_n, d_c], what ``absorb`` gives), so it is shared, not copied."""
+        gamma_qk = None
+        if self.q_norm is not None:
+            gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
+        self.absorbed = AbsorbedWeights(w_uk=self.mla_attn.W_UK_T, gamma_qk=gamma_qk,
+                                        w_uv=self.mla_attn.W_UV.transpose(1, 2))
 
     def _projections(self, x: torch.Tensor):
         """x [T, hidden] -> (q [T, h, d_n + d_r], c [T, d_c] after kv_a_layernorm, k~^R [T, d_r])."""
@@ -137,3 +143,14 @@ class QKNormLatentAttention(nn.Module):
 
 def _cache_config():
     return get_current_vllm_config().cache_config
+
+
+def _this_ranks_heads(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Load the per-head logit scale [h] into this tensor-parallel rank's heads [h / TP]."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    n = param.numel()
+    rank = get_tensor_model_parallel_rank()
+    if loaded.numel() != n * get_tensor_model_parallel_world_size():
+        raise ValueError(f"logit_scale: expected {n} heads per rank, the checkpoint has {loaded.numel()}")
+    param.data.copy_(loaded[rank * n:(rank + 1) * n])

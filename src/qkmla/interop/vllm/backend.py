@@ -35,6 +35,9 @@ class QKNormImpl:
     def __init__(self, *args, num_key_scalars: int, score_mode: str, decode_backend: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_key_scalars, self.score_mode, self.decode_backend = num_key_scalars, score_mode, decode_backend
+        # FlashInfer's fused concat (vLLM takes it at 128 heads on CUDA) reads one shared RoPE key
+        # [T, 1, d_r]; ours carries the scalars, or is per head in unified mode.
+        self._use_flashinfer_concat_mla_k = False
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
@@ -44,7 +47,7 @@ class QKNormImpl:
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         slots = slot_mapping.flatten().long()
         rows = torch.cat((kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]), dim=-1).to(flat.dtype)
-        valid = slots >= 0  # padding slots are -1
+        valid = slots >= 0  # padding slots are -1; the mask syncs with the host (checks.py refuses CUDA graphs)
         flat.index_copy_(0, slots[valid], rows[valid])
 
     def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -82,6 +85,7 @@ class QKNormImpl:
 @functools.cache  # one class for every layer: vLLM groups layers by backend
 def cpu_backend() -> type:
     """vLLM's CPU_MLA with :class:`QKNormImpl` (and any head size: the row is d_c + d_r + G wide)."""
+    from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
     class QKNormCPUMLAImpl(QKNormImpl, CPUMLAImpl):
@@ -91,6 +95,16 @@ def cpu_backend() -> type:
         @classmethod
         def get_supported_head_sizes(cls) -> list[int]:
             return []
+
+        # qkmla's decode reads blocks of any size through the block table; vLLM picks 16 for CPU_MLA
+        # and 128 where the CPU has AMX.
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+            return [MultipleOf(16)]
+
+        @classmethod
+        def supports_block_size(cls, block_size) -> bool:
+            return block_size is None or block_size % 16 == 0
 
         @staticmethod
         def get_name() -> str:

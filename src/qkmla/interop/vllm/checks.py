@@ -17,11 +17,16 @@ LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata acce
 
 
 def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization: Optional[str],
-                  chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1) -> dict:
+                  chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1,
+                  dtype: str = "float32", speculative: bool = False, lora: bool = False,
+                  cuda_graphs: bool = False) -> dict:
     """The recorded QK norm of ``hf_config`` ({} for a plain checkpoint), after checking that the
     plugin can serve it with these engine settings. ValueError naming the field otherwise."""
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
     norm = recorded_norm(hf_config, where="config.json")
-    recorded_groups(hf_config, where="config.json")  # G < h: kv_b_proj holds each group's rows per head
+    groups = recorded_groups(hf_config, where="config.json")
+    if groups is not None or norm:
+        _check_layout_vllm_reads(get)
     if not norm:
         return {}
     what = f"a QK-normed checkpoint (config.json's {RECORD!r} record)"
@@ -38,11 +43,22 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
                            ("enable_prefix_caching", prefix_caching, "--no-enable-prefix-caching")):
         if on:
             raise ValueError(f"{name}: qkmla's vLLM backend does not yet attend over cached context in a prefill, "
-                             f"which {name} needs; start vLLM with {flag} ({name}=False)")
+                             f"which {name} needs; start vLLM with {flag} ({name}=False), or on a CPU with "
+                             f"AMX (where vLLM turns both on for MLA) with --attention-backend CPU_MLA")
     if decode_context_parallel_size != 1:
         raise ValueError(f"decode_context_parallel_size: qkmla's vLLM backend serves {what} with 1, "
                          f"got {decode_context_parallel_size}")
-    get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
+    for name, on in (("speculative_config", speculative), ("enable_lora", lora)):
+        if on:
+            raise ValueError(f"{name}: qkmla's vLLM backend does not serve {what} with {name} (the draft layers "
+                             f"and LoRA adapters would run without the key scalars' W_UK)")
+    if platform == "cuda":
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"dtype: on CUDA qkmla's vLLM backend (vLLM's TRITON_MLA) serves float16 or bfloat16, "
+                             f"got {dtype!r}")
+        if cuda_graphs:
+            raise ValueError("enforce_eager: qkmla's vLLM backend has not run on a GPU yet and its cache write "
+                             "syncs with the host, which CUDA graphs cannot capture; start vLLM with --enforce-eager")
     if get("model_type") == "deepseek" or not get("qk_rope_head_dim") or not get("qk_nope_head_dim"):
         raise ValueError(f"config.json: {what} must be an MLA model with a content and a RoPE block "
                          f"(qk_nope_head_dim, qk_rope_head_dim > 0), got model_type={get('model_type')!r}, "
@@ -56,3 +72,26 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
             raise ValueError(f"config.json: {field}: qkmla's vLLM backend does not serve {what} with "
                              f"{field} (sparse indexer, Llama-4 query scaling)")
     return norm
+
+
+def _check_layout_vllm_reads(get) -> None:
+    """Refuse what vLLM's DeepSeek classes would read differently from transformers: they build the
+    projections without biases (and drop any bias a checkpoint holds), always rotate interleaved
+    pairs, and read YaRN's mscale settings their own way."""
+    if get("attention_bias"):
+        raise ValueError("config.json: attention_bias=True: vLLM's DeepSeek classes have no attention biases and "
+                         "would drop them (a GQA conversion, qkmla convert-gqa, writes them); not servable by vLLM")
+    if get("rope_interleave", True) is False:
+        raise ValueError("config.json: rope_interleave=False: vLLM's DeepSeek classes rotate interleaved pairs only "
+                         "(a GQA conversion, qkmla convert-gqa, writes half-split RoPE); not servable by vLLM")
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        given = [k for k in ("mscale", "mscale_all_dim") if rope.get(k) is not None]
+        if len(given) == 1:
+            raise ValueError(f"config.json: rope_parameters gives {given[0]} without "
+                             f"{({'mscale', 'mscale_all_dim'} - set(given)).pop()}: transformers and vLLM then scale "
+                             f"YaRN's cos/sin differently; give both")
+        for k in ("attention_factor", "truncate"):
+            if rope.get(k) is not None:
+                raise ValueError(f"config.json: rope_parameters.{k}: vLLM's DeepSeek YaRN ignores it, transformers "
+                                 f"reads it; not servable by vLLM as recorded")

@@ -34,10 +34,13 @@ _NORM_TENSORS = (".self_attn.q_norm.", ".self_attn.k_norm.", ".self_attn.logit_s
 
 def _settings(vllm_config) -> dict:
     c = vllm_config
+    graphs = c.compilation_config.cudagraph_mode
     return dict(platform=current_platform.device_type, kv_cache_dtype=c.cache_config.cache_dtype,
                 quantization=c.model_config.quantization, chunked_prefill=bool(c.scheduler_config.enable_chunked_prefill),
                 prefix_caching=bool(c.cache_config.enable_prefix_caching),
-                decode_context_parallel_size=c.parallel_config.decode_context_parallel_size)
+                decode_context_parallel_size=c.parallel_config.decode_context_parallel_size,
+                dtype=str(c.model_config.dtype).removeprefix("torch."), speculative=c.speculative_config is not None,
+                lora=c.lora_config is not None, cuda_graphs=graphs is not None and graphs.name != "NONE")
 
 
 class QKNormMixin:
