@@ -123,16 +123,28 @@ def test_two_processes_match_one(tmp_path, mode):
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     extra = ["--fsdp"] if mode == "fsdp" else []
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "qkmla.train", *args, *extra, "--out", str(tmp_path / "two")],
-                         capture_output=True, text=True, env=env, timeout=300)
+
+    def run_two(out: Path):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "-m", "qkmla.train", *args, *extra, "--out", str(out)],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    out = tmp_path / "two"
+    two = run_two(out)
+    if two.returncode != 0 and "terminate called without an active exception" in two.stderr:
+        # A rank aborted by std::terminate from a C++ thread (seen once in seven runs on a loaded
+        # 2-core machine, in the FSDP case, and not in six reruns; pytorch/pytorch#190489 and
+        # #179291 show gloo's threads doing this around process-group teardown): one more run,
+        # which must succeed.
+        out = tmp_path / "two-again"
+        two = run_two(out)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = read(tmp_path / "one"), read(tmp_path / "two")
+    a, b = read(tmp_path / "one"), read(out)
     assert len(a) == len(b) == 3
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
-    assert (tmp_path / "two" / "checkpoint.safetensors").is_file()
+    assert (out / "checkpoint.safetensors").is_file()
 
 
 def test_resume_refuses_a_different_model_and_lists_the_differences(tmp_path):
