@@ -52,14 +52,14 @@ TRAINED_SHAPE = dict(vocab_size=384, hidden_size=128, intermediate_size=384, num
 TRAINED_PROMPTS = ["ROMEO:\nBut soft, what light", "First Citizen:\nWe are accounted poor", "KING"]
 
 
-def checkpoint(path: Path, shape: dict, **record) -> Path:
-    """A random DeepSeek-V3 checkpoint (dense MLPs) saved by qkmla; ``record``: apply_latent_attention's norm."""
+def randomize(model, **record):
+    """Weights drawn large enough that attention is far from uniform, then ``record`` (apply_latent_attention's
+    norm arguments; none: plain) applied, its norm weights drawn from [0.5, 1.5] and any logit scale spread over
+    0.8 to 1.6 times tau. The draws continue torch's global generator: seed it before building the model."""
     import torch
 
     from qkmla.interop import apply_latent_attention
 
-    torch.manual_seed(0)
-    model = _untrained(shape)[1].eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -68,7 +68,17 @@ def checkpoint(path: Path, shape: dict, **record) -> Path:
             for name, p in model.named_parameters():
                 if "q_norm" in name or "k_norm" in name:
                     p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
+                elif name.endswith("logit_scale"):
+                    p.mul_(torch.linspace(0.8, 1.6, p.numel()))
+    return model.eval()
+
+
+def checkpoint(path: Path, shape: dict, **record) -> Path:
+    """A random DeepSeek-V3 checkpoint (dense MLPs) saved by qkmla; ``record``: apply_latent_attention's norm."""
+    import torch
+
+    torch.manual_seed(0)
+    randomize(_untrained(shape)[1], **record).save_pretrained(path)
     return path
 
 

@@ -24,7 +24,6 @@ import torch
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from qkmla.interop import apply_latent_attention  # noqa: E402
 from tests.test_benchmarks import load as load_benchmark  # noqa: E402
 
 RUNNER = Path(__file__).with_name("run_engine.py")
@@ -48,18 +47,7 @@ def tiny_checkpoint(path: Path, version: int = 3, q_lora_rank=48, rope=None, **n
     cfg = cls(**SHAPE, **extra, q_lora_rank=q_lora_rank,
               rope_parameters=rope or {"rope_type": "default", "rope_theta": 100.0})
     torch.manual_seed(0)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # weights large enough that attention is far from uniform
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-        if norm:
-            apply_latent_attention(model, **norm)
-            for name, p in model.named_parameters():
-                if "q_norm" in name or "k_norm" in name:
-                    p.uniform_(0.5, 1.5)
-                elif name.endswith("logit_scale"):
-                    p.mul_(torch.linspace(0.8, 1.6, p.numel()))
-    model.save_pretrained(path)
+    load_benchmark("vllm_serving").randomize(model_cls(cfg), **norm).save_pretrained(path)
     return path
 
 
