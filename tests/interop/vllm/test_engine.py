@@ -51,6 +51,32 @@ def tiny_checkpoint(path: Path, version: int = 3, q_lora_rank=48, rope=None, **n
     return path
 
 
+def byte_tokenizer(path: Path):
+    """A fast byte-level tokenizer (ids 0-255 are the bytes, 256 is </s>): vLLM needs a fast one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_of = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: _byte(c)))}
+    tok = Tokenizer(models.BPE(vocab={**byte_of, "</s>": 256}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def _byte(c: str) -> int:
+    """The byte GPT-2's byte-level alphabet maps to the printable character c."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[c]
+
+
 def served(model: Path, **args) -> dict:
     """Greedy tokens and logprobs of PROMPTS from one engine (its own process)."""
     run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(model), "prompts": PROMPTS,
@@ -120,6 +146,23 @@ def test_without_the_plugin_vllm_refuses_a_qk_normed_checkpoint(tmp_path):
     run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS})],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_PLUGINS": "none"})
     assert run.returncode != 0 and "KeyError: 'layers.0.self_attn." in run.stdout + run.stderr
+
+
+def test_a_checkpoint_qkmla_convert_wrote_is_served_exactly(tmp_path):
+    """``qkmla convert --qk-norm rms``: the norm added and calibrated on the embedded Shakespeare
+    (weights away from 1), written by qkmla's own writer; vLLM serves what from_pretrained loads."""
+    from qkmla.interop import convert_checkpoint
+
+    src = tiny_checkpoint(tmp_path / "src")
+    byte_tokenizer(src)
+    convert_checkpoint(src, tmp_path / "dst", qk_norm="rms", calibration_tokens=512)
+    from safetensors.torch import load_file
+
+    norms = [t for f in (tmp_path / "dst").glob("*.safetensors") for k, t in load_file(f).items() if "_norm.content" in k]
+    assert norms and not all(bool((t == 1).all()) for t in norms)  # calibrated, not left at ones
+    got, want = served(tmp_path / "dst"), reference(tmp_path / "dst")
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
 
 
 def test_an_unsupported_kv_cache_dtype_is_refused_at_load(tmp_path):

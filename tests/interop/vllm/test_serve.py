@@ -23,35 +23,9 @@ transformers = pytest.importorskip("transformers")
 from qkmla.interop import from_pretrained  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import tiny_checkpoint  # noqa: E402
+from test_engine import byte_tokenizer, tiny_checkpoint  # noqa: E402
 
 STARTUP_S = 420
-
-
-def byte_tokenizer(path: Path):
-    """A fast byte-level tokenizer (ids 0-255 are the bytes, 256 is </s>): vLLM needs a fast one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_of = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: _byte(c)))}
-    tok = Tokenizer(models.BPE(vocab={**byte_of, "</s>": 256}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    fast.save_pretrained(path)
-    return fast
-
-
-def _byte(c: str) -> int:
-    """The byte GPT-2's byte-level alphabet maps to the printable character c."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(map(chr, cs), bs))[c]
 
 
 def stop(server: subprocess.Popen) -> None:
