@@ -78,7 +78,7 @@ def checkpoint(path: Path, shape: dict, **record) -> Path:
     import torch
 
     torch.manual_seed(0)
-    randomize(_untrained(shape)[1], **record).save_pretrained(path)
+    randomize(_untrained(shape), **record).save_pretrained(path)
     return path
 
 
@@ -218,7 +218,7 @@ def trained(work: Path, result: dict, write, steps: int) -> None:
     tokenizer = transformers.ByT5Tokenizer()
     train_ids, val_ids = byte_plays(tokenizer)
     model_dir = work / "trained-qknorm"
-    _, model = _untrained(TRAINED_SHAPE)
+    model = _untrained(TRAINED_SHAPE)
     apply_latent_attention(model, qk_norm="rms")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -265,13 +265,13 @@ def trained(work: Path, result: dict, write, steps: int) -> None:
 
 
 def _untrained(shape: dict):
-    """(config, a freshly initialized DeepSeek-V3 model with dense MLPs) of ``shape``."""
+    """A freshly initialized DeepSeek-V3 model with dense MLPs, of ``shape``."""
     import transformers
 
     cfg = transformers.DeepseekV3Config(**shape, n_routed_experts=4, first_k_dense_replace=shape["num_hidden_layers"],
                                         max_position_embeddings=32768, pad_token_id=0, eos_token_id=1,
                                         bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
-    return cfg, transformers.DeepseekV3ForCausalLM(cfg)
+    return transformers.DeepseekV3ForCausalLM(cfg)
 
 
 def kv_bytes_per_token(shape: dict, scalars: int, dtype_bytes: int) -> int:

@@ -136,6 +136,12 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     return k_r * cast(k_norm.rope.weight, k_r.dtype), sigma.squeeze(-1)
 
 
+def score_mode(k_norm: Optional[QKNorm]) -> str:
+    """How a key scalar enters a logit (the decode op's ``mode``): "blockwise" without a QK norm
+    or with a blockwise one, "unified" (the whole logit) for the unified and content norms."""
+    return "blockwise" if k_norm is None or k_norm.mode == "blockwise" else "unified"
+
+
 def values_out(o_lat: torch.Tensor, w: AbsorbedWeights) -> torch.Tensor:
     """o = o_lat W_UV^(g) per head: [B, T, h, d_c] -> [B, T, h, d_v]."""
     return per_group(o_lat, cast(w.w_uv, o_lat.dtype).transpose(1, 2))

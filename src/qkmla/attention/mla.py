@@ -35,7 +35,8 @@ from ..config import MLAConfig, fixed_config
 from ..norms import make_qk_norms
 from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
 from ..rope import RotaryEmbedding
-from .absorbed import AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, values_out
+from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
+                       values_out)
 from .functional import default_positions, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
@@ -310,11 +311,8 @@ class MLA(nn.Module):
 
     @property
     def score_mode(self) -> str:
-        """How the key scalar enters a logit (the decode op's ``mode``): "blockwise" without a QK norm,
-        "unified" (the whole logit) for the unified and content norms."""
-        if self.k_norm is None or self.config.qk_norm_mode == "blockwise":
-            return "blockwise"
-        return "unified"
+        """How the key scalar enters a logit (the decode op's ``mode``): :func:`absorbed.score_mode`."""
+        return score_mode(self.k_norm)
 
     def expand_cache(self, latent: torch.Tensor, key_scale: Optional[torch.Tensor]):
         """HF-style: every cached latent [B, S, d_c + d_r] up-projected to normalized keys

@@ -38,14 +38,9 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import MLAAttention
 
-from ...attention.absorbed import AbsorbedWeights, key_scalars
+from ...attention.absorbed import AbsorbedWeights, key_scalars, score_mode
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
-
-
-def score_mode(norm: dict) -> str:
-    """The decode op's mode: "blockwise" (r scales the content score, or no QK norm) or "unified" (the whole logit)."""
-    return "blockwise" if norm["qk_norm"] is None or norm["qk_norm_mode"] == "blockwise" else "unified"
 
 
 class QKNormMLAAttention(MLAAttention):
@@ -98,7 +93,7 @@ class QKNormLatentAttention(nn.Module):
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=_cache_config(),
             quant_config=None, prefix=old.layer_name, attn_backend=backend,
-            num_key_scalars=self.num_heads if self.k_norm is not None else 0, score_mode=score_mode(norm),
+            num_key_scalars=self.num_heads if self.k_norm is not None else 0, score_mode=score_mode(self.k_norm),
             decode_backend=decode_backend)
 
     def prepare(self) -> None:
