@@ -57,7 +57,8 @@ def test_experiment_specific_columns(quick_dir):
     for r in length:
         assert len(r["position_loss_4x"]) == 4 * r["train_length"] and r["loss_4x_past_train"] > 0
     retrieval = [json.loads(x) for x in (quick_dir / "retrieval" / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in retrieval] == ["mha", "mha-qknorm", "mla", "mla-qknorm", "mla-qknorm-unified"]
+    variants = ["mha", "mha-qknorm", "mla", "mla-qknorm", "mla-qknorm-unified"]  # each at both bracket rates
+    assert [(r["variant"], r["lr"]) for r in retrieval] == [(v, 3e-3) for v in variants] + [(v, 1e-3) for v in variants]
     assert all(r["key_windows"] == 8 for r in retrieval)
     for r in retrieval:  # MLA variants are also read through compressed latent caches
         assert ("compressed" in r) == r["variant"].startswith("mla")

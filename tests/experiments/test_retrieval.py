@@ -84,7 +84,44 @@ def test_windows_that_cannot_hold_the_record_are_skipped(text):
         assert re.findall(r"(\d):", tok.decode(row))[-1] == tok.decode([answer])  # the key digit is in view
 
 
-def test_report_averages_measured_seeds_and_skips_failed_runs(tmp_path):
+def _row(variant, lr, seed, acc, loss, stage="bracket", status="done", compressed=None):
+    row = {"variant": variant, "lr": lr, "seed": seed, "stage": stage, "status": status, "steps": 10}
+    if status == "done":
+        row.update(key_accuracy=acc, key_loss=loss, final_val_loss=3.0 + loss / 100)
+    if compressed is not None:
+        row["compressed"] = compressed
+    return row
+
+
+def test_chosen_rate_is_the_lowest_key_loss_and_an_end_asks_for_the_next_rate_out():
+    from qkmla.experiments.retrieval import chosen_rates
+
+    rows = [_row("mla", 3e-4, 1, 0.1, 2.30), _row("mla", 1e-3, 1, 0.5, 1.2), _row("mla", 3e-3, 1, 0.1, 2.31),
+            _row("mha", 3e-4, 1, 0.1, 2.31), _row("mha", 1e-3, 1, 0.1, 2.30), _row("mha", 3e-3, 1, 0.9, 0.3),
+            _row("mha-qknorm", 3e-4, 1, 0.1, 2.3), _row("mha-qknorm", 1e-3, 1, 1.0, 0.0),
+            _row("mha-qknorm", 3e-3, 1, None, None, status="non-finite")]
+    chosen = chosen_rates(rows)
+    assert chosen == {"mla": 1e-3, "mha-qknorm": 1e-3}  # mha's best is at the end: 1e-2 is asked for first
+    rows += [_row("mha", 1e-2, 1, 0.95, 0.2)]
+    assert "mha" not in chosen_rates(rows)  # 1e-2 is the best and at the end again: 3e-2 is asked for
+    rows += [_row("mha", 3e-2, 1, 0.1, 2.3)]
+    assert chosen_rates(rows)["mha"] == 1e-2
+
+
+def test_plan_tries_the_new_rates_first_and_keeps_the_first_runs_names(tmp_path):
+    from qkmla.experiments import Options
+    from qkmla.experiments.retrieval import BRACKET, LR, VARIANTS, plan
+
+    runs = plan(Options(tmp_path))
+    assert len(runs) == len(VARIANTS) * len(BRACKET)  # no rate is chosen before its bracket is measured
+    assert [r.labels["lr"] == LR for r in runs] == [False] * (len(runs) - len(VARIANTS)) + [True] * len(VARIANTS)
+    assert {r.name for r in runs if r.labels["lr"] == LR} == {f"{v}_s1" for v in VARIANTS}
+    assert {r.name for r in runs if r.labels["lr"] != LR} == {f"{v}_lr{lr:g}_s1" for v in VARIANTS
+                                                             for lr in BRACKET if lr != LR}
+    assert all(r.train["lr"] == r.labels["lr"] and r.train["seed"] == 1 for r in runs)
+
+
+def test_report_reads_each_variant_at_its_chosen_rate_and_skips_failed_runs(tmp_path):
     from qkmla.experiments import Options
     from qkmla.experiments.retrieval import report
 
@@ -93,16 +130,18 @@ def test_report_averages_measured_seeds_and_skips_failed_runs(tmp_path):
                  "key_loss": 0.1, "kept": 1.0},
                 {"format": "dense", "policy": "h2o", "fraction": 0.5, "bytes_per_token": 312, "key_accuracy": acc / 2,
                  "key_loss": 2.0, "kept": 0.52}]
-    rows = [{"variant": "mha", "steps": 10, "key_accuracy": 0.1, "key_loss": 2.3, "final_val_loss": 3.0},
-            {"variant": "mla", "steps": 10, "key_accuracy": 1.0, "key_loss": 0.1, "final_val_loss": 3.0,
-             "compressed": compressed(1.0)},
-            {"variant": "mla", "steps": 10, "key_accuracy": 0.5, "key_loss": 1.0, "final_val_loss": 3.1,
-             "compressed": compressed(0.5)},
-            {"variant": "mla", "steps": None, "status": "failed"}]
-    out = report(rows, Options(tmp_path))
-    mla = out.summary["mla"]
-    assert (mla["seeds"], mla["runs"], mla["compressed_seeds"]) == (2, 3, 2)
+    rows = [_row("mha", 3e-3, 1, 0.1, 2.3), _row("mha", 1e-3, 1, 0.1, 2.31),
+            _row("mla", 3e-3, 1, 0.2, 2.0, compressed=compressed(0.2)),
+            _row("mla", 1e-3, 1, 1.0, 0.1, compressed=compressed(1.0)),
+            _row("mla", 1e-3, 2, 0.5, 1.0, stage="seed", compressed=compressed(0.5)),
+            _row("mla", 1e-3, 3, None, None, stage="seed", status="failed")]
+    out = report(rows, Options(tmp_path, quick=True))
+    mla, mha = out.summary["mla"], out.summary["mha"]
+    assert out.summary["chosen_lr"] == {"mha": 3e-3, "mla": 1e-3}
+    assert (mla["seeds"], mla["runs"], mla["compressed_seeds"]) == (2, 3, 2)  # the 3e-3 run is not averaged in
     assert mla["key_accuracy"] == 0.75 and mla["key_accuracy_per_seed"] == [1.0, 0.5]
     assert [c["key_accuracy"] for c in mla["compressed"]] == [0.75, 0.375]
-    assert "compressed" not in out.summary["mha"]
+    assert mla["bracket"]["0.003"]["key_accuracy"] == 0.2 and mha["seeds"] == 1 and "compressed" not in mha
+    assert out.summary["mha-qknorm"]["lr"] is None  # no bracket yet
+    assert "| mla | 1.000, 0.100* | 0.200, 2.000 |" in out.table
     assert "| h2o 0.5 | 0.520 | 0.375 |" in out.table and (tmp_path / "retrieval.png").is_file()

@@ -45,7 +45,6 @@ when QK-Clip clipped, and thinned per-step curves.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 from typing import Optional
@@ -53,6 +52,7 @@ from typing import Optional
 from ..machine import source_commit
 from ..train.plot import read_metrics
 from ..train.rundir import read_status
+from . import bracket
 from .base import Experiment, Options, Report
 from .grid import FINISHED, Run, is_finished, run_dir, trained_run
 from .heldout import last_word_accuracy, split_scores
@@ -113,25 +113,10 @@ def _name(variant: str, lr: float, seed: int, stress: Optional[int] = None) -> s
     return f"{variant}_lr{lr:g}_s{seed}" + (f"_stress{stress}x" if stress else "")
 
 
-def _neighbour(lr: float, step: int) -> Optional[float]:
-    i = min(range(len(LR_GRID)), key=lambda j: abs(math.log(LR_GRID[j] / lr))) + step
-    return LR_GRID[i] if 0 <= i < len(LR_GRID) else None
-
-
 def choose_rate(losses: dict[float, Optional[float]],
                 extensions_left: int) -> tuple[Optional[float], Optional[float]]:
-    """(chosen rate, rate to add) from a bracket's losses (None: not finished yet). The
-    lowest loss wins; at an end of the bracket the next rate out is asked for first."""
-    if not losses or any(v is None for v in losses.values()):
-        return None, None
-    best = min(losses, key=losses.get)
-    rates = sorted(losses)
-    if extensions_left > 0:
-        step = -1 if best == rates[0] else 1 if best == rates[-1] and len(rates) > 1 else 0
-        nxt = _neighbour(best, step) if step else None
-        if nxt is not None and nxt not in losses:
-            return None, nxt
-    return best, None
+    """:func:`.bracket.choose_rate` on this experiment's :data:`LR_GRID`."""
+    return bracket.choose_rate(losses, extensions_left, LR_GRID)
 
 
 def transient_tau(peak: float, late: float) -> float:

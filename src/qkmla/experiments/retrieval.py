@@ -13,7 +13,13 @@ smallest such task, which variants learn retrieval at all at the ``cpu`` preset'
 (here 2 layers of 128 with 4 heads, a 128-token context; about ten CPU-minutes a run): plain
 and QK-normed MHA beside plain, QK-normed (blockwise, the paper's) and unified QK-normed
 MLA, so that an MLA failure can be told apart from a QK-norm one. Every variant trains at
-the same fixed learning rate (``LR``; ``--sweep`` is not read).
+its own learning rate, chosen at the 3,000-step horizon reported: a bracket of AdamW rates a
+factor of about 3 apart around ``LR`` on the first seed (``BRACKET``, extended by up to
+``MAX_EXTENSIONS`` rates on ``LR_GRID`` while the best is at an end), scored by the loss on
+the key digit over the validation windows; the other seeds train at the chosen rate. The
+first runs of this experiment trained every variant at ``LR`` alone, so that a variant that
+stayed at chance could have failed for its rate rather than for its attention; the bracket
+tells the two apart (``--sweep`` is not read).
 
 Measured on each trained model: accuracy and loss on the key digit over ``WINDOWS``
 validation windows, each ending at a closing ``#`` whose record opened inside the window, so
@@ -24,7 +30,8 @@ kept, and StreamingLLM, H2O and SnapKV at kept fractions 1/2, 1/4 and 1/8 (the m
 compresses the prompt only). The key digit sits 12 to 102 tokens before the prediction, so
 an eviction policy that drops it turns a model that retrieves back into a guesser: this is
 the long-range check the compression experiment could not run. The ``--quick`` size is a
-smoke test of the plumbing (a 16-token context that few records fit, six training steps).
+smoke test of the plumbing (a 16-token context that few records fit, six training steps, a
+two-rate bracket without extensions, one seed).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import math
 import random
 import string
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,17 +48,22 @@ import torch.nn.functional as F
 from ..cache.eviction import H2O, SnapKV, StreamingLLM
 from ..train.data import Tokenizer
 from .base import Experiment, Options, Report, train_settings
+from .bracket import choose_rate
 from .compression import decode_logits
 from .figures import fmt, pyplot, save, table
-from .grid import Run, trained_run
+from .grid import FINISHED, Run, is_finished, run_dir, trained_run
 from .passkey import key_targets, random_key, record, write_corpus
-from .results import group, mean_std
+from .results import mean_std, summarize
 
 VARIANTS = ("mha", "mha-qknorm", "mla", "mla-qknorm", "mla-qknorm-unified")
 STEPS = 3000
 CONTEXT = 128
 BATCH = 32
-LR = 1e-3
+LR = 1e-3  # the rate every variant first trained at; runs at it keep their first names
+LR_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+BRACKET = (3e-4, 1e-3, 3e-3)
+QUICK_BRACKET = (1e-3, 3e-3)
+MAX_EXTENSIONS = 2
 N_LAYER = 2
 MIN_FILLER, MAX_FILLER = 10, 100
 TEXT_CHARS = 1_500_000
@@ -124,13 +137,56 @@ def measure(path: Path) -> dict:
     return out
 
 
-def plan(options: Options) -> list[Run]:
-    data = str(write_corpus(options.out / "retrieval.txt", retrieval_text()))
+def _run(options: Options, data: str, variant: str, lr: float, seed: int, stage: str) -> Run:
     full = {} if options.quick else {"block_size": CONTEXT, "batch_size": BATCH, "model_overrides": {"n_layer": N_LAYER},
                                      "eval_interval": 500, "ckpt_interval": 500, "eval_iters": 10}
-    return [Run(f"{v}_s{seed}", v, train_settings(options.quick, STEPS, attn=v, lr=LR, seed=seed, data=data, **full),
-                {"lr": LR, "seed": seed})
-            for seed in options.seed_list(1) for v in VARIANTS]
+    name = f"{variant}_s{seed}" if lr == LR else f"{variant}_lr{lr:g}_s{seed}"
+    return Run(name, variant, train_settings(options.quick, STEPS, attn=variant, lr=lr, seed=seed, data=data, **full),
+               {"lr": lr, "seed": seed, "stage": stage})
+
+
+def score(row: dict) -> Optional[float]:
+    """What a bracket run is worth: its key loss (lower is better); None until it is trained
+    and measured; infinite for a run that ended non-finite."""
+    if row.get("status") not in FINISHED:
+        return None
+    if row["status"] != "done":
+        return math.inf
+    return row.get("key_loss")
+
+
+def _measured_row(options: Options, run: Run) -> dict:
+    return summarize("retrieval", run, options.out) if is_finished(options.out, run) else {}
+
+
+def _settle(first: tuple, quick: bool, losses_of) -> tuple[list[float], Optional[float]]:
+    """The rates of a variant's bracket so far and its chosen rate (None until settled);
+    ``losses_of(rates)`` scores the rates (None: not finished)."""
+    extensions = 0 if quick else MAX_EXTENSIONS
+    rates = list(first)
+    while True:
+        chosen, extra = choose_rate(losses_of(rates), extensions - (len(rates) - len(first)), LR_GRID)
+        if extra is None:
+            return rates, chosen
+        rates.append(extra)
+
+
+def plan(options: Options) -> list[Run]:
+    data = str(write_corpus(options.out / "retrieval.txt", retrieval_text()))
+    seeds = options.seed_list(2)
+    first = QUICK_BRACKET if options.quick else BRACKET
+    bracket, chosen = [], {}
+    for v in VARIANTS:
+        runs_of = lambda rates: [_run(options, data, v, lr, seeds[0], "bracket") for lr in rates]  # noqa: E731
+        rates, lr = _settle(first, options.quick, lambda rates: {
+            r.labels["lr"]: score(_measured_row(options, r)) for r in runs_of(rates)})
+        bracket += runs_of(rates)
+        if lr is not None:
+            chosen[v] = lr
+    # The rates not tried before go first: they are what the bracket adds to the first runs.
+    bracket.sort(key=lambda r: r.labels["lr"] == LR)
+    return bracket + [_run(options, data, v, chosen[v], seed, "seed") for seed in seeds[1:] for v in VARIANTS
+                      if v in chosen]
 
 
 def _label(s: dict) -> str:
@@ -149,27 +205,90 @@ def _compressed(rs: list[dict]) -> tuple[list[dict], int]:
     return out, len(per_seed)
 
 
+def chosen_rates(rows: list[dict], quick: bool = False) -> dict[str, float]:
+    """Each variant's chosen rate, as the plan settles it, from the rows of its bracket; a
+    variant whose bracket is still running has none."""
+    out = {}
+    for v in VARIANTS:
+        by_lr = {r["lr"]: score(r) for r in rows if r["variant"] == v and r.get("stage") == "bracket"}
+        _, lr = _settle(QUICK_BRACKET if quick else BRACKET, quick, lambda rates: {lr: by_lr.get(lr) for lr in rates})
+        if lr is not None:
+            out[v] = lr
+    return out
+
+
 def report(rows: list[dict], options: Options) -> Report:
-    summary = {"chance_accuracy": CHANCE, "chance_loss": math.log(1 / CHANCE)}
-    for (variant,), rs in group(rows, "variant").items():
-        measured = [r for r in rs if r.get("key_accuracy") is not None]
-        s = {"seeds": len(measured), "runs": len(rs), "steps": rs[0].get("steps")}
+    chosen = chosen_rates(rows, options.quick)
+    summary: dict = {"chance_accuracy": CHANCE, "chance_loss": math.log(1 / CHANCE), "chosen_lr": chosen,
+                     "bracket_seed": min((r["seed"] for r in rows if r.get("stage") == "bracket"), default=None)}
+    for v in VARIANTS:
+        bracket = sorted((r for r in rows if r["variant"] == v and r.get("stage") == "bracket"), key=lambda r: r["lr"])
+        lr = chosen.get(v)
+        at_lr = [r for r in rows if r["variant"] == v and r["lr"] == lr]
+        measured = [r for r in at_lr if r.get("key_accuracy") is not None]
+        s = {"lr": lr, "seeds": len(measured), "runs": len(at_lr), "steps": next((r.get("steps") for r in measured), None),
+             "bracket": {f"{r['lr']:g}": {k: r.get(k) for k in ("status", "key_accuracy", "key_loss", "final_val_loss")}
+                         for r in bracket}}
         for key in ("key_accuracy", "key_loss", "final_val_loss"):
             s[key], s[f"{key}_std"] = mean_std(r.get(key) for r in measured)
         s["key_accuracy_per_seed"] = [r["key_accuracy"] for r in measured]
-        if any(r.get("compressed") for r in rs):
-            s["compressed"], s["compressed_seeds"] = _compressed(rs)
-        summary[variant] = s
-    variants = {v: s for v, s in summary.items() if isinstance(s, dict)}
+        if any(r.get("compressed") for r in measured):
+            s["compressed"], s["compressed_seeds"] = _compressed(measured)
+        summary[v] = s
+    variants = {v: summary[v] for v in VARIANTS}
+    figures = [_figure(variants, options.out / "retrieval.png")]
+    rates = sorted({r["lr"] for r in rows if r.get("stage") == "bracket"})
+    text = f"Learning-rate bracket (seed {summary['bracket_seed']}; key accuracy, key loss; * chosen: lowest key loss):\n\n"
+    text += table(["variant"] + [f"lr {lr:g}" for lr in rates],
+                  [[v] + [_bracket_cell(s["bracket"].get(f"{lr:g}"), lr == s["lr"]) for lr in rates]
+                   for v, s in variants.items()])
+    text += "\nAt each variant's chosen rate (mean ± std over seeds):\n\n"
+    header = ["variant", "lr", "seeds", "steps", "key accuracy (chance 0.1)", "key loss (chance 2.303)", "final val loss"]
+    text += table(header, [[v, fmt(s["lr"], "g"), s["seeds"], fmt(s["steps"], "d")]
+                           + [f"{fmt(s[k], '.3f')} ± {fmt(s[f'{k}_std'], '.3f')}"
+                              for k in ("key_accuracy", "key_loss", "final_val_loss")]
+                           for v, s in variants.items()])
+    compressed = {v: s["compressed"] for v, s in variants.items() if "compressed" in s}
+    if compressed:
+        first = next(iter(compressed.values()))
+        by_label = {v: {_label(c): c for c in cs} for v, cs in compressed.items()}
+        text += "\nKey accuracy through compressed latent caches, at each variant's chosen rate (mean over the seeds " \
+            "measured: " + ", ".join(f"{v} {variants[v]['compressed_seeds']}" for v in compressed) + "; kept: the " \
+            "fraction of the tokens seen that the decoded positions attended to, mean over them):\n\n"
+        text += table(["cache", "kept"] + list(compressed),
+                      [[_label(c), f"{c['kept']:.3f}"] + [fmt(by_label[v].get(_label(c), {}).get("key_accuracy"), ".3f")
+                                                         for v in compressed] for c in first])
+    return Report(summary, text, figures)
+
+
+def _bracket_cell(r: Optional[dict], chosen: bool) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "done" or r.get("key_accuracy") is None:
+        return r["status"]
+    return f"{r['key_accuracy']:.3f}, {r['key_loss']:.3f}" + ("*" if chosen else "")
+
+
+def _figure(variants: dict[str, dict], path: Path) -> Path:
     plt = pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax0, ax, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
+    for i, (v, s) in enumerate(variants.items()):
+        pts = sorted((float(lr), b["key_accuracy"]) for lr, b in s["bracket"].items() if b.get("key_accuracy") is not None)
+        if pts:
+            ax0.plot(*zip(*pts), "o-", color=f"C{i}", label=v, ms=4)
+    ax0.set_xscale("log")
+    ax0.axhline(CHANCE, color="k", ls="--", lw=0.8)
+    ax0.set_ylim(0, 1.02)
+    ax0.set_xlabel("AdamW learning rate")
+    ax0.set_ylabel("key-digit accuracy")
+    ax0.set_title("learning-rate bracket (first seed)")
+    ax0.legend(fontsize=7)
     ax.bar(list(variants), [s["key_accuracy"] or 0.0 for s in variants.values()],
            color=[f"C{i}" for i in range(len(variants))])
     ax.axhline(CHANCE, color="k", ls="--", lw=0.8, label="chance (1/10)")
     ax.set_ylim(0, 1)
-    ax.set_ylabel("key-digit accuracy")
-    ax.set_title("after training, full context (mean over seeds)")
-    ax.tick_params(axis="x", labelsize=8)
+    ax.set_title("at each variant's chosen rate (mean over seeds)")
+    ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=8)
     for i, (v, s) in enumerate(variants.items()):
         for j, policy in enumerate(POLICIES):
@@ -183,23 +302,8 @@ def report(rows: list[dict], options: Options) -> Report:
     ax2.set_title("MLA variants: key accuracy through an evicting latent cache")
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=6)
-    figures = [save(fig, options.out / "retrieval.png")]
-    header = ["variant", "seeds", "steps", "key accuracy (chance 0.1)", "key loss (chance 2.303)", "final val loss"]
-    text = table(header, [[v, s["seeds"], fmt(s["steps"], "d")] + [f"{fmt(s[k], '.3f')} ± {fmt(s[f'{k}_std'], '.3f')}"
-                                                          for k in ("key_accuracy", "key_loss", "final_val_loss")]
-                          for v, s in variants.items()])
-    compressed = {v: s["compressed"] for v, s in variants.items() if "compressed" in s}
-    if compressed:
-        first = next(iter(compressed.values()))
-        by_label = {v: {_label(c): c for c in cs} for v, cs in compressed.items()}
-        text += "\nKey accuracy through compressed latent caches (mean over the seeds measured: " + ", ".join(
-            f"{v} {variants[v]['compressed_seeds']}" for v in compressed) + "; kept: the fraction of the tokens " \
-            "seen that the decoded positions attended to, mean over them):\n\n"
-        text += table(["cache", "kept"] + list(compressed),
-                      [[_label(c), f"{c['kept']:.3f}"] + [fmt(by_label[v].get(_label(c), {}).get("key_accuracy"), ".3f")
-                                                         for v in compressed] for c in first])
-    return Report(summary, text, figures)
+    return save(fig, path)
 
 
-EXPERIMENT = Experiment("retrieval", "one-hop in-context retrieval (a 1-digit passkey): which variants learn it",
-                        plan, report, measure)
+EXPERIMENT = Experiment("retrieval", "one-hop in-context retrieval (a 1-digit passkey): which variants learn it, "
+                        "each at its own learning rate", plan, report, measure, adaptive=True)
