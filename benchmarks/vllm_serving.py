@@ -18,7 +18,11 @@ Three parts, one results file (``benchmarks/results/vllm_serving_cpu.json``):
   (RMS blockwise QK norm, 16 key scalars per token). Decode time per token is the median
   engine step once every sequence has its first token (each such step decodes one token for
   every sequence; the prefill steps are not timed), in the fastest of ``--rounds`` engines per
-  variant, the variants taking turns.
+  variant, the variants taking turns. Engines run as ``vllm serve`` does, under vLLM's default
+  compilation (``--eager``: ``enforce_eager=True`` instead). Every engine prefills through
+  qkmla's fused-SDPA prefill (``backend.cpu_prefill_backend``; for ``stock`` by overriding
+  vLLM's CPU prefill in its process): vLLM's own materializes [h, T, T] float32 scores, 17 GB
+  at 16k tokens. Only decode steps are timed, and stock's decode is its own C++ kernel.
 
 Each engine runs in its own process. Timings are wall-clock on whatever machine runs this;
 compare them only within one run.
@@ -87,7 +91,12 @@ def engine(spec: dict) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(spec["model"], dtype=spec["dtype"], enforce_eager=True, gpu_memory_utilization=0.2,
+    if spec.get("qkmla_prefill"):  # a plain model's prefill in O(T) memory; its decode stays vLLM's
+        from vllm.v1.attention.backends.mla.prefill.registry import (MLAPrefillBackendEnum,
+                                                                     register_mla_prefill_backend)
+
+        register_mla_prefill_backend(MLAPrefillBackendEnum.CPU, "qkmla.interop.vllm.backend.QKMLACPUPrefillBackend")
+    llm = LLM(spec["model"], dtype=spec["dtype"], enforce_eager=spec.get("eager", True), gpu_memory_utilization=0.2,
               max_model_len=spec["max_model_len"], skip_tokenizer_init=True, seed=0,
               distributed_executor_backend="uni", max_num_batched_tokens=spec.get("max_num_batched_tokens"),
               max_num_seqs=spec.get("max_num_seqs", 8), **spec.get("engine", {}))
@@ -279,7 +288,7 @@ def kv_bytes_per_token(shape: dict, scalars: int, dtype_bytes: int) -> int:
     return (shape["kv_lora_rank"] + shape["qk_rope_head_dim"] + scalars) * dtype_bytes
 
 
-def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, rounds: int) -> None:
+def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, rounds: int, eager: bool) -> None:
     tau = DECODE_SHAPE["qk_nope_head_dim"] + DECODE_SHAPE["qk_rope_head_dim"]
     models = {"stock": (checkpoint(work / "decode-plain", DECODE_SHAPE), 0),
               "plain-qkmla": (checkpoint(work / "decode-plain-qkmla", DECODE_SHAPE, learnable_logit_scale=True), 0),
@@ -289,8 +298,9 @@ def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, r
     size = 2 if dtype == "bfloat16" else 4
     for round_ in range(rounds):  # variants in turn, each round: a slow spell of the machine hits all of them
         for name, (model, scalars) in models.items():
-            spec = {"model": str(model), "dtype": dtype, "max_model_len": longest, "grid": grid,
-                    "new_tokens": new_tokens, "max_num_batched_tokens": longest * max(b for _, b in grid)}
+            spec = {"model": str(model), "dtype": dtype, "max_model_len": longest, "grid": grid, "eager": eager,
+                    "new_tokens": new_tokens, "max_num_batched_tokens": longest * max(b for _, b in grid),
+                    "qkmla_prefill": name == "stock"}
             for row in run_engine(spec)["rows"]:
                 result["decode_runs"].append({"variant": name, "round": round_, **row})
             write()
@@ -341,13 +351,13 @@ def main(argv=None) -> None:
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help="results JSON (written after every engine)")
     parser.add_argument("--work", type=Path, default=Path("runs/vllm_serving"), help="checkpoints go here")
-    # 16k does not fit: vLLM's CPU prefill (CPU_SDPA_MLA) materializes [h, S, S] float32 scores,
-    # 17 GB at 16 heads and S = 16384, beyond a 24 GiB machine.
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2, help="engines per variant, in turn; each point's fastest counts")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--eager", action="store_true",
+                        help="decode engines with enforce_eager=True (default: vLLM's default compilation, as served)")
     parser.add_argument("--parts", nargs="+", choices=["drift", "trained", "decode"],
                         default=["drift", "trained", "decode"])
     parser.add_argument("--train-steps", type=int, default=600, help="the trained part's optimizer steps")
@@ -379,7 +389,7 @@ def main(argv=None) -> None:
         trained(args.work, result, write, args.train_steps)
     if "decode" in args.parts:
         grid = [(c, b) for c in args.contexts for b in args.batches]
-        decode(args.work, result, write, grid, args.new_tokens, args.dtype, args.rounds)
+        decode(args.work, result, write, grid, args.new_tokens, args.dtype, args.rounds, args.eager)
         result["ratios"] = ratios(result)
     result["status"] = "done"
     write()

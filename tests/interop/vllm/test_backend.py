@@ -95,3 +95,28 @@ def test_the_prefill_keys_carry_each_heads_scalar(mode):
     torch.testing.assert_close(k[..., :D_N], k_nope * r.transpose(1, 2))
     want_rope = k_r.expand(T, H, D_R) * (r.transpose(1, 2) if mode == "unified" else 1)
     torch.testing.assert_close(k[..., D_N:], want_rope)
+
+
+def test_the_prefill_attends_causally_per_request_like_vllms():
+    """The CPU prefill (qkmla's fused SDPA) equals vLLM's dense per-request attention on a ragged
+    batch of uneven lengths, with V narrower than Q and K."""
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    from qkmla.interop.vllm.backend import cpu_backend, cpu_prefill_backend
+
+    assert cpu_backend().prefill_backend_cls is cpu_prefill_backend()
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 1, 40]
+    cu = torch.tensor([0, 7, 8, 48], dtype=torch.int32)
+    q, k = (torch.randn(sum(lengths), H, D_N + D_R, generator=g) for _ in range(2))
+    v = torch.randn(sum(lengths), H, D_V, generator=g)
+    ours, stock = cpu_prefill_backend().__new__(cpu_prefill_backend()), CPUSDPAMLAPrefillBackend.__new__(
+        CPUSDPAMLAPrefillBackend)
+    ours.scale = stock.scale = 0.11
+    got = ours._ragged_sdpa(q, k, v, cu, cu, causal=True, return_softmax_lse=False)
+    want = stock._ragged_sdpa(q, k, v, cu, cu, causal=True, return_softmax_lse=False)
+    assert got.shape == (48, H, D_V)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    changed = v.clone()
+    changed[7:] += 1  # a later request's values do not reach an earlier one's output
+    assert torch.equal(ours._ragged_sdpa(q, k, changed, cu, cu, causal=True, return_softmax_lse=False)[:7], got[:7])

@@ -46,10 +46,12 @@ from ...ops.mla_decode.torch_impl import fold_head_scale
 class QKNormMLAAttention(MLAAttention):
     """vLLM's ``MLAAttention`` whose cache row is ``num_key_scalars`` values wider: [c | k_rope | r]."""
 
-    def __init__(self, *, num_key_scalars: int, score_mode: str, decode_backend: str, **kwargs):
-        # The impl (backend.py) takes the three after vLLM's own arguments (extra_impl_args).
-        super().__init__(**kwargs, num_key_scalars=num_key_scalars, score_mode=score_mode,
-                         decode_backend=decode_backend)
+    def __init__(self, *, num_key_scalars: int, score_mode: str, decode_backend: str, attn_backend: type, **kwargs):
+        # The impl (backend.py) takes the three after vLLM's own arguments (extra_impl_args); a
+        # backend may bring its own prefill (the CPU one does: backend.cpu_prefill_backend).
+        super().__init__(**kwargs, attn_backend=attn_backend,
+                         prefill_backend_cls=getattr(attn_backend, "prefill_backend_cls", None),
+                         num_key_scalars=num_key_scalars, score_mode=score_mode, decode_backend=decode_backend)
         self.num_key_scalars = num_key_scalars
 
     def get_kv_cache_spec(self, vllm_config):

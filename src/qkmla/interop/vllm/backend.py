@@ -15,8 +15,9 @@ the ones :class:`QKNormImpl` overrides:
 The query already carries both norm weights and its own statistic (``attention.py``), so the
 content score is (q_lat . c) · r and vLLM's W_UK absorption of the query is the right one.
 
-Backends: on the CPU, vLLM's reference CPU_MLA (its prefill is plain SDPA) with qkmla's torch
-decode; on CUDA, vLLM's TRITON_MLA prefill with qkmla's Triton decode kernel (the scalars
+Backends: on the CPU, vLLM's reference CPU_MLA with qkmla's torch decode and a prefill through
+PyTorch's fused SDPA (:func:`cpu_prefill_backend`: vLLM's CPU prefill materializes every
+[h, T, T] score matrix, 17 GB at 16k tokens and 16 heads); on CUDA, vLLM's TRITON_MLA prefill with qkmla's Triton decode kernel (the scalars
 multiply each score tile before the online softmax). The CUDA path has not run on a GPU yet.
 """
 
@@ -114,7 +115,43 @@ def cpu_backend() -> type:
         def get_impl_cls() -> type:
             return QKNormCPUMLAImpl
 
+        prefill_backend_cls = cpu_prefill_backend()  # read by QKNormMLAAttention
+
     return QKNormCPUMLABackend
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's causal attention through PyTorch's fused SDPA: q, k [T, h, d_qk], v [T, h, d_v]
+    -> [T, h, d_v]. V is zero-padded to d_qk when narrower: the CPU's flash kernel needs equal
+    head sizes and otherwise falls back to the math path, which materializes [h, T, T]."""
+    d_v = v.shape[-1]
+    if d_v < q.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - d_v))
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                           v.transpose(0, 1)[None], is_causal=True, scale=scale)
+    return out[0, ..., :d_v].transpose(0, 1)
+
+
+@functools.cache
+def cpu_prefill_backend() -> type:
+    """vLLM's CPU_SDPA_MLA prefill with new tokens attended through :func:`causal_attention`, one
+    request at a time in its own dtype: memory O(T) instead of O(h T^2). Context chunks (which need
+    the log-sum-exp) stay vLLM's; checks.py refuses the settings that make them."""
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    class QKMLACPUPrefillBackend(CPUSDPAMLAPrefillBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "QKMLA_CPU_SDPA"
+
+        def _ragged_sdpa(self, q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse):
+            if return_softmax_lse or not causal or not torch.equal(q_cu_seq_lens, kv_cu_seq_lens):
+                return super()._ragged_sdpa(q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse)
+            bounds = q_cu_seq_lens.tolist()
+            return torch.cat([causal_attention(q[a:b], k[a:b], v[a:b], self.scale)
+                              for a, b in zip(bounds[:-1], bounds[1:])])
+
+    return QKMLACPUPrefillBackend
 
 
 @functools.cache
@@ -138,3 +175,10 @@ def cuda_backend() -> type:
 
 
 BACKENDS = {"cpu": (cpu_backend, "torch"), "cuda": (cuda_backend, "auto")}
+
+
+def __getattr__(name: str):
+    # The prefill class by name, for vLLM's registry (register_mla_prefill_backend takes a class path).
+    if name == "QKMLACPUPrefillBackend":
+        return cpu_prefill_backend()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
