@@ -100,6 +100,58 @@ def test_torch_backend_matches_naive(layout, G, S_q, norm, visibility):
     check_against_naive("torch", decode_inputs(layout, G, S_q, norm, visibility))
 
 
+# The paged torch backend reads a chunk of blocks at a time and folds each into a running
+# softmax; at its default chunk (SCORE_CHUNK keys) the grid above fits one chunk, so here the
+# chunk is 48 keys (3 blocks): 1025 slots take 22 chunks, the last one partly past the length.
+CHUNKED = [("paged", G, S_q, norm, visibility) for G, S_q, norm, visibility in
+           [(1, 1, "plain", "causal"), (4, 2, "blockwise", "prefix"), (H, 1, "blockwise", "causal"),
+            (H, 2, "unified", "prefix"), (4, 1, "lp", "causal")]]
+
+
+@pytest.mark.parametrize("layout,G,S_q,norm,visibility", CHUNKED, ids=[case_id(c) for c in CHUNKED])
+def test_torch_backend_over_many_chunks_matches_naive(monkeypatch, layout, G, S_q, norm, visibility):
+    from qkmla.ops.mla_decode import torch_impl
+
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48)
+    check_against_naive("torch", decode_inputs(layout, G, S_q, norm, visibility))
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 40)  # not a whole number of blocks: rounded down to 2
+    check_against_naive("torch", decode_inputs(layout, G, S_q, norm, visibility, kv_format="int8"))
+
+
+@pytest.mark.parametrize("chunk", [4096, 32])
+def test_paged_sequences_of_one_length_ending_inside_a_block(monkeypatch, chunk):
+    """Every sequence 37 slots long in blocks of 16: no query needs a mask, yet the last block
+    is read whole; its 11 unfilled slots (NaN here) must not enter the softmax."""
+    from qkmla.ops.mla_decode import torch_impl
+
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", chunk)
+    monkeypatch.setitem(globals(), "LENGTHS", (37, 37, 37))
+    for norm in ("plain", "blockwise"):
+        check_against_naive("torch", decode_inputs("paged", H, 1, norm, "causal"))
+
+
+@pytest.mark.parametrize("norm", ["plain", "blockwise", "unified"])
+def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm):
+    """bfloat16 queries and cache through the torch backend (the blockwise content and RoPE
+    scores then come from one GEMM against a block-diagonal query), many chunks: as close to
+    the float32 spec as the spec computed in bfloat16 is, give or take a factor 2."""
+    from qkmla.ops.mla_decode import torch_impl
+
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48)
+    args = decode_inputs("paged", H, 1, norm, "causal")
+    ref, _ = mla_decode_with_kvcache(**args, backend="naive")
+    half = {k: (v.to(torch.bfloat16) if k in ("q_lat", "q_rope", "kv_cache", "scale_cache") and v is not None
+                else v) for k, v in args.items()}
+    spec_bf16, _ = naive_mla_decode(half["q_lat"], half["q_rope"], half["kv_cache"], half["block_table"],
+                                    half["cache_seqlens"], half["scale_cache"], half["softmax_scale"],
+                                    compute_dtype=torch.bfloat16, mode=half["mode"])
+    out, _ = mla_decode_with_kvcache(**half, backend="torch")
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    spec_err = (spec_bf16.float() - ref).abs().max()
+    err = (out.float() - ref).abs().max()
+    assert 0 < err <= 2 * spec_err, (err, spec_err)
+
+
 # Every value of every axis at least once, in few interpreter runs.
 TRITON_CASES = [
     ("paged", 1, 1, "plain", "causal"), ("paged", 4, 2, "blockwise", "causal"), ("paged", H, 2, "unified", "prefix"),

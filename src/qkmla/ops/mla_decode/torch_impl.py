@@ -68,7 +68,17 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     acc = accumulate_dtype(q_lat.dtype)
     read = _rows_reader(latent, rows, q_lat.dtype)
     split = key_scale is not None and mode == "blockwise"
-    if split:  # r scales only the content score
+    # A half-precision batched GEMM on the CPU takes oneDNN's fast path only over whole
+    # contiguous rows, and the content and RoPE blocks of a row are strided slices of it
+    # (several times slower at batch > 1). There both blocks go through one GEMM over the
+    # whole row against a block-diagonal query [[q_c, 0], [0, q_r]]: twice the (cheap,
+    # memory-bound) flops, one read of the keys.
+    joint = split and q_lat.dtype in (torch.float16, torch.bfloat16) and q_lat.device.type == "cpu"
+    if joint:
+        q_blk = q_lat.new_zeros(B, d_c + q_rope.shape[-1], 2 * T * h)
+        q_blk[:, :d_c, :T * h] = q_lat.reshape(B, T * h, d_c).transpose(1, 2)
+        q_blk[:, d_c:, T * h:] = q_rope.reshape(B, T * h, -1).transpose(1, 2)
+    elif split:  # r scales only the content score
         q_c_t = q_lat.reshape(B, T * h, d_c).transpose(1, 2)
         q_r_t = q_rope.reshape(B, T * h, -1).transpose(1, 2)
     else:
@@ -90,6 +100,11 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     s = torch.empty(B, S, T * h, dtype=acc, device=q_lat.device)
     for start, stop in _chunks(S):
         keys, s_chunk = read(start, stop), s[:, start:stop]
+        if joint:  # s = r * (q_c . c) + q_r . k_r from one GEMM's two halves
+            both = torch.bmm(keys, q_blk)
+            s_chunk.copy_(both[..., T * h:])
+            grouped(s_chunk).addcmul_(grouped(both[..., :T * h]), r[:, start:stop])
+            continue
         if not split:
             _bmm_into(s_chunk, keys, q_t)
             if key_scale is not None:  # unified: s = r[j, g] * (q_lat . c_j + q_rope . k_rope_j)
@@ -252,9 +267,11 @@ def _(q_lat, q_rope, latent, key_scale, softmax_scale, visible_lens, mode, kv_fo
     return q_lat.new_empty(q_lat.shape), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
 
 
-def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int) -> torch.Tensor:
+def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int,
+           check_only: bool = False) -> Optional[torch.Tensor]:
     """The first ``length`` slots of every sequence, [B, length, width]: a slice of a
-    contiguous cache [B, capacity, width], or the table's blocks of a paged pool gathered."""
+    contiguous cache [B, capacity, width], or the table's blocks of a paged pool gathered
+    (``check_only``: only the block ids checked)."""
     if block_table is None:
         return pool[:, :length]
     n = -(-length // pool.shape[1])
@@ -264,7 +281,59 @@ def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int)
         raise ValueError(f"block_table: the first {n} block ids of every sequence must lie in [0, num_blocks="
                          f"{pool.shape[0]}), got ids {ids.min().item() if ids.numel() else None}.."
                          f"{ids.max().item() if ids.numel() else None} over {ids.shape[1]} blocks")
-    return pool[ids].flatten(1, 2)[:, :length]
+    return None if check_only else pool[ids].flatten(1, 2)[:, :length]
+
+
+def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
+                  block_table: torch.Tensor, S: int, visible: torch.Tensor, lengths: torch.Tensor,
+                  softmax_scale: float, mode: str, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`latent_attention` over a paged cache in one pass, a chunk of blocks at a time:
+    each chunk's rows are gathered (about SCORE_CHUNK keys per sequence, a size the last-level
+    cache holds), scored, and folded into a running softmax (max m, sum l, output o, as flash
+    decoding does), so the context is read once and never copied whole.
+
+    pool [num_blocks, block, width] (values, or uint8 rows of ``kv_format``), scale_pool
+    [num_blocks, block, G] or None, block_table [B, max_blocks], visible [B, T] slots seen by
+    each query, lengths [B] slots filled. Returns (out [B, T, h, d_c], lse [B, T, h] float32).
+    """
+    B, T, h, d_c = q_lat.shape
+    block = pool.shape[1]
+    rows = None if kv_format == "dense" else row_format(kv_format, d_c, q_rope.shape[-1])
+    q_lat, q_rope = q_lat * softmax_scale, q_rope * softmax_scale
+    acc = accumulate_dtype(q_lat.dtype)
+    visible = torch.minimum(visible.long(), lengths.long()[:, None])
+    masked = not bool((visible >= S).all())  # the steady state of batched decoding needs no mask
+    m = q_lat.new_full((B, 1, T * h), float("-inf"), dtype=acc)
+    l = q_lat.new_zeros((B, T * h), dtype=acc)  # noqa: E741 (flash attention's name)
+    o = q_lat.new_zeros((B, T * h, d_c), dtype=acc)
+    per_chunk = max(1, SCORE_CHUNK // block)
+    for first in range(0, -(-S // block), per_chunk):
+        ids = block_table[:, first:first + per_chunk].long()
+        ids = ids[:, :-(-S // block) - first]
+        slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
+        keys = pool[ids].flatten(1, 2)  # [B, n, width], gathered: ours to overwrite
+        r = None if scale_pool is None else scale_pool[ids].flatten(1, 2)
+        beyond = slots >= lengths[:, None]  # [B, n]: slots a sequence has not filled may hold anything
+        if bool(beyond.any()):  # (NaN, stale rows), and 0 weight times NaN is still NaN in p @ c
+            keys.masked_fill_(beyond[..., None], 0)
+            r = None if r is None else r.masked_fill(beyond[..., None], 0)
+        s = _key_major_scores(q_lat, q_rope, keys, r, mode, rows).view(B, -1, T, h)  # [B, n, T, h]
+        if masked or slots[-1] >= S:  # the last chunk ends with the last block, past slot S - 1
+            s.masked_fill_((slots >= visible[..., None]).transpose(1, 2)[..., None], float("-inf"))
+        s = s.view(B, -1, T * h)
+        m_new = torch.maximum(m, _amax_over_keys(s))
+        m_safe = m_new.clamp_min(torch.finfo(acc).min)  # no key seen yet: keep exp(-inf - m) = 0
+        alpha = torch.exp(m - m_safe)  # [B, 1, T h]
+        p = s.sub_(m_safe).exp_()
+        l.mul_(alpha[:, 0]).add_(p.sum(dim=1))
+        # p^T @ [c ; k_rope] over whole rows (a contiguous operand), the c columns kept.
+        values = _rows_reader(keys, rows, q_lat.dtype)(0, keys.shape[1])
+        o.mul_(alpha.transpose(1, 2)).add_(torch.bmm(cast(p, q_lat.dtype).transpose(1, 2), values)[..., :d_c])
+        m = m_new
+    # l >= 1 wherever a key is visible (the max contributes exp(0)), 0 where none is.
+    out = cast(o.div_(l.clamp_min(1.0)[..., None]), q_lat.dtype).view(B, T, h, d_c)
+    lse = (m[:, 0] + torch.log(l)).view(B, T, h)  # -inf where no key is visible
+    return out, lse.float()
 
 
 def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
@@ -285,9 +354,13 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                          f"{cache_seqlens.tolist()}")
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+    visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
+    if block_table is not None:
+        _dense(kv_cache, block_table, S, check_only=True)
+        return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
+                             softmax_scale, mode, kv_format)
     latent = _dense(kv_cache, block_table, S)
     key_scale = _dense(scale_cache, block_table, S) if scale_cache is not None else None
-    visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
     return _attend_visible(q_lat, q_rope, latent, key_scale, visible, cache_seqlens, softmax_scale, mode, kv_format)
 
 
