@@ -1,8 +1,9 @@
 """The torch backend of the MLA decode op: dense absorbed latent attention in a few large GEMMs.
 
-:func:`torch_mla_decode` reads the paged or contiguous cache the op takes, gathers the
-visible rows into a dense [B, S, width] view (a contiguous cache is sliced, not
-copied) and runs :func:`latent_attention`. Quantized rows (``qkmla.kv_formats``) stay
+:func:`torch_mla_decode` reads the paged or contiguous cache the op takes. A contiguous
+cache is sliced to its visible rows (no copy) and read by :func:`latent_attention`; a paged
+one is read in one pass by :func:`_paged_attend`, a chunk of blocks at a time folded into a
+running softmax, so the context is never gathered whole. Quantized rows (``qkmla.kv_formats``) stay
 bytes until a chunk of keys is read: each chunk is dequantized for its score GEMMs and
 again for its value GEMM, so the float cache is never held whole. The arithmetic is ordered for CPUs and
 eager mode: scores key-major in cache-sized chunks, the softmax in place, normalized after
