@@ -21,6 +21,10 @@ once with random rows to the longest context; a shorter context is the same cach
 lengths, so the compiled step compiles once and every context reads the same rows. The
 compiled rows' largest difference to the eager step is recorded (``compile``).
 
+``--batch B --paged BLOCK``: B sequences over a paged cache (blocks of BLOCK tokens, shuffled
+block table), the layout a serving engine's cache has; only the two eager rows run (mla and
+mla-qknorm: the compiled step and transformers' layer read contiguous caches).
+
 On a machine other jobs share, ``--threads 1``: torch's default of one thread per core stalls
 whenever another process holds a core, and the load average is recorded at the start and end.
 """
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
+from qkmla.cache.storage import PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.files import check_output, write_text
 from qkmla.machine import machine, recorded_command, source_commit
@@ -141,6 +146,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's, one per core)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    p.add_argument("--paged", type=int, default=0, metavar="BLOCK",
+                   help="a paged cache with blocks of BLOCK tokens (default 0: contiguous)")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (aot_eager: a fast smoke run)")
     p.add_argument("--out", type=Path, default=None, help="JSON file (default results/bench_decode_<device>.json)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -149,6 +157,10 @@ def main(argv=None) -> int:
         p.error(f"--contexts: expected ints >= 1, got {args.contexts}")
     if args.rounds < 1:
         p.error(f"--rounds: expected an int >= 1, got {args.rounds}")
+    if args.batch < 1:
+        p.error(f"--batch: expected an int >= 1, got {args.batch}")
+    if args.paged < 0:
+        p.error(f"--paged: expected a block size >= 1, or 0 for a contiguous cache, got {args.paged}")
     if args.threads < 0:
         p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
     args.out = args.out or HERE / "results" / f"bench_decode_{args.device}.json"
@@ -171,7 +183,9 @@ def run(args, argv) -> int:
 
     torch.manual_seed(0)
     cfg = mla_preset(args.preset)
-    hf = hf_attention(cfg, dtype, device)
+    B, paged = args.batch, args.paged
+    eager_only = paged > 0 or B > 1
+    hf = None if eager_only else hf_attention(cfg, dtype, device)
     if hf is not None:  # plain MLA is transformers' layer, copied
         from qkmla.interop import mla_from_hf
         plain = mla_from_hf(hf[0]).to(device=device, dtype=dtype).eval()
@@ -182,16 +196,27 @@ def run(args, argv) -> int:
     cfg = qk.config
     longest = contexts[-1]
     d_c, d_r, G = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_groups
-    rows = {"latent": torch.randn(1, longest, d_c + d_r, device=device, dtype=dtype),
-            "key_scale": torch.rand(1, longest, G, device=device, dtype=dtype) + 0.5}
+    rows = {"latent": torch.randn(B, longest, d_c + d_r, device=device, dtype=dtype),
+            "key_scale": torch.rand(B, longest, G, device=device, dtype=dtype) + 0.5}
+
+    def layout() -> dict:
+        if not paged:
+            return {}
+        per_seq = -(-(longest + 1) // paged)
+        table = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(0)).view(B, per_seq)
+        return {"layout": PagedLayout(block_size=paged, block_table=table.to(device))}
+
     caches = {}
-    for name, module in (("mla", plain), ("mla-qknorm", qk), ("mla-compiled", plain), ("mla-qknorm-compiled", qk)):
-        caches[name] = LatentCache.from_config(module.config, 1, longest + 1, dtype=dtype, device=device)
-    caches["expand-qknorm"] = caches["mla-qknorm"]  # the same cache, re-expanded
+    names = (("mla", plain), ("mla-qknorm", qk)) + (() if eager_only else (("mla-compiled", plain),
+                                                                          ("mla-qknorm-compiled", qk)))
+    for name, module in names:
+        caches[name] = LatentCache.from_config(module.config, B, longest + 1, dtype=dtype, device=device, **layout())
+    if not eager_only:
+        caches["expand-qknorm"] = caches["mla-qknorm"]  # the same cache, re-expanded
     bytes_per_token = {name: c.bytes_per_token for name, c in caches.items()}
     bytes_per_token["full-key-qknorm"] = FullKVCache.from_config(cfg, 1, 1, dtype=dtype, device=device).bytes_per_token
     compiled = torch.compile(mla_decode_step, fullgraph=True, backend=args.compile_backend)
-    x = torch.randn(1, 1, cfg.hidden_size, device=device, dtype=dtype)
+    x = torch.randn(B, 1, cfg.hidden_size, device=device, dtype=dtype)
 
     def step(name, module, path="auto"):
         cache, saved = caches[name], caches[name].bookkeeping()
@@ -207,25 +232,28 @@ def run(args, argv) -> int:
 
     info = machine()
     print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads), torch {info['torch']}, "
-          f"{args.preset}, {args.dtype}, load average {load_at_start:.2f}"
+          f"{args.preset}, {args.dtype}, batch {B}, {f'paged ({paged}-token blocks)' if paged else 'contiguous'}, "
+          f"load average {load_at_start:.2f}"
           + ("" if hf is None else ", transformers' DeepseekV3Attention"))
     print(f"{'context':>8} {'row':<22}{'ms':>10}{'/ mla':>8}{'bytes/token':>13}")
     results, compile_record, filled, by = [], {}, 0, {}
     hf_cache_rows = hf_rows(*hf, longest, device) if hf is not None else None
     for context in contexts:
         for cache in {id(c): c for c in caches.values()}.values():  # grow every cache to this context
-            plan = cache.plan(1, context - filled)
+            plan = cache.plan(B, context - filled)
             cache.write_rows(plan, {f: v[:, filled:context] for f, v in rows.items() if f in cache.fields})
         filled = context
-        fns = {"mla": step("mla", plain), "mla-qknorm": step("mla-qknorm", qk),
-               "mla-compiled": step("mla-compiled", plain), "mla-qknorm-compiled": step("mla-qknorm-compiled", qk),
-               "expand-qknorm": step("expand-qknorm", qk, path="expand")}
+        fns = {"mla": step("mla", plain), "mla-qknorm": step("mla-qknorm", qk)}
+        if not eager_only:
+            fns.update({"mla-compiled": step("mla-compiled", plain),
+                        "mla-qknorm-compiled": step("mla-qknorm-compiled", qk),
+                        "expand-qknorm": step("expand-qknorm", qk, path="expand")})
         if hf is not None:
             fns["transformers"] = hf_step(*hf, hf_cache_rows, context, device)
             bytes_per_token["transformers"] = sum(t.shape[1] * t.shape[3] * t.element_size() for t in hf_cache_rows)
         with torch.inference_mode():  # the compiled step computes the eager step's output (and compiles here)
             diffs = {}
-            for name, module in (("mla", plain), ("mla-qknorm", qk)):
+            for name, module in () if eager_only else (("mla", plain), ("mla-qknorm", qk)):
                 t0 = time.perf_counter()
                 eager, fast = caches[name], caches[f"{name}-compiled"]
                 saved = eager.bookkeeping()  # the two caches hold the same rows and lengths
@@ -249,9 +277,9 @@ def run(args, argv) -> int:
     summary = {  # ratios taken round by round (see ``ratio``)
         "qknorm_over_mla": {c: round(ratio(by[c], "mla-qknorm", "mla"), 3) for c in contexts},
         "qknorm_over_mla_compiled": {c: round(ratio(by[c], "mla-qknorm-compiled", "mla-compiled"), 3)
-                                     for c in contexts},
+                                     for c in contexts if "mla-compiled" in by[c]},
         "expand_over_qknorm_compiled": {c: round(ratio(by[c], "expand-qknorm", "mla-qknorm-compiled"), 2)
-                                        for c in contexts},
+                                        for c in contexts if "expand-qknorm" in by[c]},
         "transformers_over_qknorm_compiled": {c: round(ratio(by[c], "transformers", "mla-qknorm-compiled"), 2)
                                               for c in contexts if "transformers" in by[c]},
         "full_key_cache_bytes_per_token": bytes_per_token["full-key-qknorm"],
@@ -268,6 +296,7 @@ def run(args, argv) -> int:
               "machine": info,
               "load_average_1min": {"start": round(load_at_start, 2), "end": round(os.getloadavg()[0], 2)},
               "transformers": transformers_version, "preset": args.preset, "dtype": args.dtype, "device": device,
+              "batch": B, "cache_layout": f"paged, {paged}-token blocks" if paged else "contiguous",
               "rounds": args.rounds, "compile": {"backend": args.compile_backend, "per_context": compile_record},
               "rows": results, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)

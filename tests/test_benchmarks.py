@@ -55,8 +55,20 @@ def test_bench_decode_times_every_row_over_one_cache_per_row(tmp_path):
         bench.main(["--preset", "tiny", "--contexts", "32", "--out", str(out)])
 
 
+def test_bench_decode_on_a_paged_batch_times_the_two_eager_rows(tmp_path):
+    bench = load("bench_decode")
+    out = tmp_path / "paged.json"
+    assert bench.main(["--preset", "tiny", "--contexts", "40", "--rounds", "2", "--threads", "1", "--batch", "3",
+                       "--paged", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["batch"], result["cache_layout"]) == (3, "paged, 16-token blocks")
+    assert {r["row"] for r in result["rows"]} == {"mla", "mla-qknorm"} and result["transformers"] is None
+    assert set(result["summary"]["qknorm_over_mla"]) == {"40"} and result["summary"]["qknorm_over_mla_compiled"] == {}
+
+
 @pytest.mark.parametrize("argv, option", [(["--contexts", "0"], "--contexts"), (["--rounds", "0"], "--rounds"),
-                                          (["--threads", "-1"], "--threads"), (["--dtype", "float8"], "--dtype")])
+                                          (["--threads", "-1"], "--threads"), (["--dtype", "float8"], "--dtype"),
+                                          (["--batch", "0"], "--batch"), (["--paged", "-1"], "--paged")])
 def test_bench_decode_refuses_bad_arguments_naming_them(argv, option, capsys):
     bench = load("bench_decode")
     with pytest.raises(SystemExit):
