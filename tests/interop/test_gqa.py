@@ -222,6 +222,20 @@ def test_rope_dim_not_a_divisor_is_taken_with_high_pairs():
     assert report.kept_pairs == [0, 1, 2] and report.rope_theta == pytest.approx(1000.0 ** (6 / 16))
 
 
+@pytest.mark.parametrize("family,match", [
+    ("Olmo2", "OLMo 2 normalizes each sublayer's output"),
+    ("Olmoe", "one statistic over the whole projection"),
+    ("Qwen3Moe", "norm_topk_prob=False"),
+])
+def test_other_qk_normed_families_are_refused_saying_why(family, match):
+    config = getattr(transformers, f"{family}Config")(vocab_size=50, hidden_size=32, intermediate_size=32,
+                                                      num_hidden_layers=1, num_attention_heads=2,
+                                                      num_key_value_heads=2)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with pytest.raises(ValueError, match=f"model: expected one of .* got {family}ForCausalLM: .*{match}"):
+        convert_gqa(model)
+
+
 @pytest.mark.parametrize("change,match", [
     ("deepseek", "model: expected one of"),
     ("bias", "model: its attention projections have biases"),

@@ -45,6 +45,19 @@ import torch
 
 ROPE_PAIRS = ("uniform", "high")
 SOURCES = ("Qwen3ForCausalLM",)
+_POST_NORM = ("normalizes each sublayer's output before the residual add (post-norm), which DeepSeek's "
+              "pre-norm layer cannot express")
+# Other QK-normed families users ask for, and why each is refused (read from transformers' source).
+NOT_CONVERTED = {
+    "Olmo2ForCausalLM": "OLMo 2 " + _POST_NORM,
+    "Olmo3ForCausalLM": "OLMo 3 " + _POST_NORM,
+    "Gemma3ForCausalLM": "Gemma 3 normalizes around each sublayer (sandwich norms), which DeepSeek's layer cannot "
+                         "express, and has sliding-window layers",
+    "OlmoeForCausalLM": "OLMoE's QK norm takes one statistic over the whole projection (all heads together), and "
+                        "qkmla's statistic is per head or group: not supported yet",
+    "Qwen3MoeForCausalLM": "Qwen3-MoE's MoE layers do not convert yet (its router maps exactly onto DeepSeek-V2's "
+                           "only with norm_topk_prob=False)",
+}
 SCALE_MARGIN = 2.0 ** 20  # M = SCALE_MARGIN x the bound on |u|: 1 - alpha <= 2^-41 (4.5e-13)
 FLOAT32_MAX_M = 1e18  # M^2 (and the latent norm's mean of squares) must stay well inside float32
 
@@ -98,8 +111,9 @@ def source_attention_shape(model) -> tuple[int, int, int, int]:
     conversion takes it: another class, attention biases, RoPE other than the default, sliding windows."""
     name = type(model).__name__
     if name not in SOURCES:
+        why = f": {NOT_CONVERTED[name]}" if name in NOT_CONVERTED else ""
         raise ValueError(f"model: expected one of {SOURCES} (a transformers model with a per-head QK norm), got "
-                         f"{name}")
+                         f"{name}{why}")
     c = model.config
     if getattr(c, "attention_bias", False):
         raise ValueError("model: its attention projections have biases (attention_bias=True), which the latent "
