@@ -307,10 +307,9 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     m = q_lat.new_full((B, 1, T * h), float("-inf"), dtype=acc)
     l = q_lat.new_zeros((B, T * h), dtype=acc)  # noqa: E741 (flash attention's name)
     o = q_lat.new_zeros((B, T * h, d_c), dtype=acc)
-    per_chunk = max(1, SCORE_CHUNK // block)
-    for first in range(0, -(-S // block), per_chunk):
-        ids = block_table[:, first:first + per_chunk].long()
-        ids = ids[:, :-(-S // block) - first]
+    per_chunk, n_blocks = max(1, SCORE_CHUNK // block), -(-S // block)
+    for first in range(0, n_blocks, per_chunk):
+        ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
         keys = pool[ids].flatten(1, 2)  # [B, n, width], gathered: ours to overwrite
         r = None if scale_pool is None else scale_pool[ids].flatten(1, 2)
