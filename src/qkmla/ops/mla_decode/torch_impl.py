@@ -268,13 +268,8 @@ def _(q_lat, q_rope, latent, key_scale, softmax_scale, visible_lens, mode, kv_fo
     return q_lat.new_empty(q_lat.shape), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
 
 
-def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int,
-           check_only: bool = False) -> Optional[torch.Tensor]:
-    """The first ``length`` slots of every sequence, [B, length, width]: a slice of a
-    contiguous cache [B, capacity, width], or the table's blocks of a paged pool gathered
-    (``check_only``: only the block ids checked)."""
-    if block_table is None:
-        return pool[:, :length]
+def _check_block_table(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> None:
+    """Refuse a table whose first blocks for ``length`` slots are missing or outside the pool."""
     n = -(-length // pool.shape[1])
     ids = block_table[:, :n].long()
     # A negative id would index from the pool's end: another sequence's rows, read silently.
@@ -282,7 +277,6 @@ def _dense(pool: torch.Tensor, block_table: Optional[torch.Tensor], length: int,
         raise ValueError(f"block_table: the first {n} block ids of every sequence must lie in [0, num_blocks="
                          f"{pool.shape[0]}), got ids {ids.min().item() if ids.numel() else None}.."
                          f"{ids.max().item() if ids.numel() else None} over {ids.shape[1]} blocks")
-    return None if check_only else pool[ids].flatten(1, 2)[:, :length]
 
 
 def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
@@ -356,11 +350,11 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
     if block_table is not None:
-        _dense(kv_cache, block_table, S, check_only=True)
+        _check_block_table(kv_cache, block_table, S)
         return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
                              softmax_scale, mode, kv_format)
-    latent = _dense(kv_cache, block_table, S)
-    key_scale = _dense(scale_cache, block_table, S) if scale_cache is not None else None
+    latent = kv_cache[:, :S]  # a contiguous cache: its first S slots, no copy
+    key_scale = scale_cache[:, :S] if scale_cache is not None else None
     return _attend_visible(q_lat, q_rope, latent, key_scale, visible, cache_seqlens, softmax_scale, mode, kv_format)
 
 
