@@ -228,9 +228,14 @@ def test_rope_dim_not_a_divisor_is_taken_with_high_pairs():
     ("Qwen3Moe", "norm_topk_prob=False"),
 ])
 def test_other_qk_normed_families_are_refused_saying_why(family, match):
-    config = getattr(transformers, f"{family}Config")(vocab_size=50, hidden_size=32, intermediate_size=32,
-                                                      num_hidden_layers=1, num_attention_heads=2,
-                                                      num_key_value_heads=2)
+    config_class = getattr(transformers, f"{family}Config")
+    # transformers 5.4 declares OLMo 2's and OLMoE's tie_word_embeddings an int yet defaults it to
+    # False, which its own strict validation rejects; give the field the type its class declares.
+    declared = next((c.__annotations__["tie_word_embeddings"] for c in config_class.__mro__
+                     if "tie_word_embeddings" in getattr(c, "__annotations__", {})), bool)
+    config = config_class(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=2,
+                          tie_word_embeddings=declared(False) if declared in (int, bool) else False)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     with pytest.raises(ValueError, match=f"model: expected one of .* got {family}ForCausalLM: .*{match}"):
         convert_gqa(model)
