@@ -103,3 +103,55 @@ def test_the_statistic_of_a_built_norm_cannot_be_reassigned():
         with pytest.raises(AttributeError):
             setattr(obj, name, value)
     assert (q.mode, q.content.kind, q.content.p, q.rope.eps) == ("blockwise", "lp", 3.0, 1e-6)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified", "content"])
+def test_projection_scope_is_one_rmsnorm_over_the_whole_projection(mode):
+    """With the projection scope a token's heads share one statistic and each channel has its own
+    weight: exactly torch's RMSNorm over the flattened [H d] projection (OLMoE's q_norm), per block
+    in blockwise mode, over [content; rope] of every head in unified mode, from the content blocks
+    in content mode."""
+    H, d_c, d_r = 4, 16, 8
+    q_c, q_r = torch.randn(2, 3, H, d_c, dtype=torch.float64), torch.randn(2, 3, H, d_r, dtype=torch.float64)
+    norm = QKNorm(d_c, d_r, "rms", mode=mode, scope="projection", heads=H, rope_heads=H).double()
+    assert norm.content.weight.shape == (H, d_c) and norm.rope.weight.shape == (H, d_r)
+    with torch.no_grad():
+        norm.content.weight.uniform_(0.5, 1.5)
+        norm.rope.weight.uniform_(0.5, 1.5)
+    got_c, got_r = norm(q_c, q_r)
+
+    def rmsnorm(v, weight):
+        ref = torch.nn.RMSNorm(v.shape[-2] * v.shape[-1], eps=1e-6).double()
+        with torch.no_grad():
+            ref.weight.copy_(weight.flatten())
+        return ref(v.flatten(-2)).view(v.shape)
+
+    if mode == "blockwise":
+        want_c, want_r = rmsnorm(q_c, norm.content.weight), rmsnorm(q_r, norm.rope.weight)
+    elif mode == "unified":
+        both = rmsnorm(torch.cat((q_c, q_r), -1), torch.cat((norm.content.weight, norm.rope.weight), -1))
+        want_c, want_r = both.split([d_c, d_r], dim=-1)
+    else:
+        sigma = (q_c.square().mean(dim=(-2, -1), keepdim=True) + 1e-6).rsqrt()
+        want_c, want_r = q_c * sigma * norm.content.weight, q_r * sigma * norm.rope.weight
+    torch.testing.assert_close(got_c, want_c, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_r, want_r, rtol=1e-12, atol=1e-12)
+
+
+def test_projection_scope_counts_a_shared_rope_key_once_per_group():
+    """A key's RoPE block [.., 1, d_r] is shared by its G groups: the pooled statistic is the one
+    of the materialized keys [k_c^g; k_r] of every group, one scalar per token."""
+    G, d_c, d_r = 3, 16, 8
+    k_c, k_r = torch.randn(2, 5, G, d_c, dtype=torch.float64), torch.randn(2, 5, 1, d_r, dtype=torch.float64)
+    norm = QKNorm(d_c, d_r, "l2", mode="unified", scope="projection", heads=G).double()
+    sigma, _ = norm.statistics(k_c, k_r)
+    whole = torch.cat((k_c, k_r.expand(2, 5, G, d_r)), dim=-1).flatten(-2)
+    assert sigma.shape == (2, 5, 1, 1)
+    torch.testing.assert_close(sigma[..., 0, 0], (whole.square().sum(-1) + 1e-6).rsqrt(), rtol=1e-12, atol=0)
+
+
+def test_scope_is_checked_and_recorded():
+    with pytest.raises(ValueError, match="qk_norm_scope: expected one of"):
+        QKNorm(8, 4, scope="model")
+    assert QKNorm(8, 4, scope="projection", heads=2).variant() == "rms blockwise over the projection"
+    assert QKNorm(8, 4).variant() == "rms blockwise"

@@ -18,6 +18,7 @@ from .rope import YarnScaling, rope_scaling_from
 
 QK_NORMS = (None, "rms", "l2", "lp")
 QK_NORM_MODES = ("blockwise", "unified", "content")
+QK_NORM_SCOPES = ("head", "projection")
 
 
 def fixed_config(mutable: tuple = ()) -> property:
@@ -102,6 +103,11 @@ class MLAConfig:
             blocks (what a converted GQA model needs when its content block holds the whole
             original head, so its RoPE dims are counted there: MATH.md).
         qk_norm_eps: the eps inside the statistic, >= 0.
+        qk_norm_scope: what one statistic covers. "head" (default): each query head and each KV
+            group's key has its own, and the norm weights are shared by the heads (the paper,
+            Qwen3). "projection": one per token over all query heads, and one over all KV groups'
+            keys, with a weight per head (OLMoE's RMSNorm over the whole projection: MATH.md,
+            "Statistic scope"); the cache then holds one key scalar per token.
         softmax_scale: tau, the logit scale, used as given; None means (d_n + d_r) ** -0.5, times
             DeepSeek's YaRN correction ``rope_scaling.softmax_scale_factor`` when that is set.
         learnable_logit_scale: learn one logit scale per head (Henry et al. QKNorm),
@@ -133,6 +139,7 @@ class MLAConfig:
     qk_norm_p: float = 2.0
     qk_norm_mode: str = "blockwise"
     qk_norm_eps: float = 1e-6
+    qk_norm_scope: str = "head"
     softmax_scale: Optional[float] = None
     learnable_logit_scale: bool = False
     latent_norm_eps: float = 1e-6
@@ -151,6 +158,8 @@ class MLAConfig:
         _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
         if self.qk_norm_mode not in QK_NORM_MODES:
             raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {self.qk_norm_mode!r}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope: expected one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
         if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         if self.decode_backend not in DECODE_BACKENDS:
@@ -164,6 +173,14 @@ class MLAConfig:
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_groups
+
+    @property
+    def num_key_scalars(self) -> int:
+        """Key scalars cached per token: G (one per KV group), 1 with ``qk_norm_scope="projection"``,
+        0 for plain MLA."""
+        if self.qk_norm is None:
+            return 0
+        return 1 if self.qk_norm_scope == "projection" else self.num_kv_groups
 
     @property
     def scale(self) -> float:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import QK_NORM_MODES, QK_NORMS
+from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS
 from .dtypes import accumulate_dtype, cast
 
 
@@ -59,14 +59,16 @@ class ScalarNorm(nn.Module):
         kind: "rms", "l2" or "lp".
         p: the p of "lp".
         eps: eps inside the statistic.
+        heads: None: one weight [n] for every vector; an int H: one row per head, weight [H, n],
+            for inputs [..., H, n] (a norm over a whole projection has a weight per channel).
     """
 
-    def __init__(self, dim: int, kind: str = "rms", p: float = 2.0, eps: float = 1e-6):
+    def __init__(self, dim: int, kind: str = "rms", p: float = 2.0, eps: float = 1e-6, heads: Optional[int] = None):
         super().__init__()
         if kind not in QK_NORMS[1:]:
             raise ValueError(f"kind: expected one of {QK_NORMS[1:]}, got {kind!r}")
         self._fixed = (dim, kind, float(p), float(eps))
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
     # Read-only: the statistic is part of the layer's function (and of the absorbed weights
     # derived from it); another one is another module, not a setting.
@@ -99,12 +101,15 @@ class ScalarNorm(nn.Module):
 
     def extra_repr(self) -> str:
         p = f", p={self.p:g}" if self.kind == "lp" else ""
-        return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}"
+        heads = f", heads={self.weight.shape[0]}" if self.weight.dim() == 2 else ""
+        return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}{heads}"
 
 
-def variant_name(kind: str, p: float, mode: str) -> str:
-    """How a QK norm is named in state dicts and messages, e.g. ``rms blockwise``, ``lp(p=3) unified``."""
-    return f"{kind}" + (f"(p={p:g})" if kind == "lp" else "") + f" {mode}"
+def variant_name(kind: str, p: float, mode: str, scope: str = "head") -> str:
+    """How a QK norm is named in state dicts and messages, e.g. ``rms blockwise``, ``lp(p=3) unified``,
+    ``rms content over the projection``."""
+    return f"{kind}" + (f"(p={p:g})" if kind == "lp" else "") + f" {mode}" + \
+        (" over the projection" if scope == "projection" else "")
 
 
 class RecordsVariant:
@@ -157,46 +162,74 @@ class QKNorm(RecordsVariant, nn.Module):
 
     Inputs broadcast against each other in unified mode: a key's content block
     [B, T, G, d_n] and its shared RoPE block [B, T, 1, d_r] give a statistic [B, T, G, 1].
+
+    ``scope="projection"`` pools the moments over the heads axis (dim -2, after broadcasting the
+    two blocks: a shared RoPE key counts once per group) before the statistic, so every head of
+    a token shares one statistic [..., 1, 1] (MATH.md, "Statistic scope"); the weights then have
+    a row per head: ``heads`` rows for the content block, ``rope_heads`` (None: one shared row)
+    for the RoPE block.
     """
 
     def __init__(self, content_dim: int, rope_dim: int, kind: str = "rms", p: float = 2.0,
-                 eps: float = 1e-6, mode: str = "blockwise"):
+                 eps: float = 1e-6, mode: str = "blockwise", scope: str = "head", heads: Optional[int] = None,
+                 rope_heads: Optional[int] = None):
         super().__init__()
         if mode not in QK_NORM_MODES:
             raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {mode!r}")
-        self._mode = mode
-        self.content = ScalarNorm(content_dim, kind, p, eps)
-        self.rope = ScalarNorm(rope_dim, kind, p, eps)
+        if scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
+        self._mode, self._scope = mode, scope
+        per_head = scope == "projection"
+        self.content = ScalarNorm(content_dim, kind, p, eps, heads if per_head else None)
+        self.rope = ScalarNorm(rope_dim, kind, p, eps, rope_heads if per_head else None)
 
     mode = property(lambda self: self._mode, doc="'blockwise', 'unified' or 'content' (read-only, as the kind is)")
+    scope = property(lambda self: self._scope, doc="'head' or 'projection' (read-only)")
 
     def variant(self) -> str:
-        return variant_name(self.content.kind, self.content.p, self.mode)
+        return variant_name(self.content.kind, self.content.p, self.mode, self.scope)
+
+    def _statistic(self, moments: list[torch.Tensor], n: int) -> torch.Tensor:
+        """sigma from the sum of ``moments`` ([..., H, 1] each, broadcastable) over vectors of total
+        width n; pooled over the heads axis with the projection scope."""
+        c = self.content
+        m = moments[0] if len(moments) == 1 else moments[0] + moments[1]
+        if self.scope == "projection":
+            heads = m.shape[-2]
+            m, n = m.sum(dim=-2, keepdim=True), n * heads
+        return statistic_from_moment(m, n, c.kind, c.p, c.eps)
 
     def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified and content modes."""
-        if self.mode == "blockwise":
-            return self.content.statistic(v_c), self.rope.statistic(v_r)
-        if self.mode == "content":
-            sigma = self.content.statistic(v_c)
-            return sigma, sigma
         c = self.content
-        m = moment(v_c, c.kind, c.p) + moment(v_r, c.kind, c.p)
-        sigma = statistic_from_moment(m, self.content.dim + self.rope.dim, c.kind, c.p, c.eps)
+        if self.scope == "projection":  # a shared RoPE key is one vector per group
+            heads = torch.broadcast_shapes(v_c.shape[:-1], v_r.shape[:-1])
+            v_c, v_r = v_c.expand(*heads, v_c.shape[-1]), v_r.expand(*heads, v_r.shape[-1])
+        if self.mode == "blockwise":
+            return (self._statistic([moment(v_c, c.kind, c.p)], self.content.dim),
+                    self._statistic([moment(v_r, c.kind, c.p)], self.rope.dim))
+        if self.mode == "content":
+            sigma = self._statistic([moment(v_c, c.kind, c.p)], self.content.dim)
+            return sigma, sigma
+        sigma = self._statistic([moment(v_c, c.kind, c.p), moment(v_r, c.kind, c.p)], self.content.dim + self.rope.dim)
         return sigma, sigma
 
     def forward(self, v_c: torch.Tensor, v_r: torch.Tensor,
                 content_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gamma^C ⊙ v_c · sigma_c, gamma^R ⊙ v_r · sigma_r); ``content_weight`` replaces gamma^C."""
-        if self.mode == "blockwise":  # each block on its own (fused where the kind allows)
+        if self.mode == "blockwise" and self.scope == "head":  # each block on its own (fused where the kind allows)
             return self.content(v_c, content_weight), self.rope(v_r)
-        sigma, _ = self.statistics(v_c, v_r)
-        return self.content.scaled(v_c, sigma, content_weight), self.rope.scaled(v_r, sigma)
+        sigma_c, sigma_r = self.statistics(v_c, v_r)
+        return self.content.scaled(v_c, sigma_c, content_weight), self.rope.scaled(v_r, sigma_r)
 
 
 def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float, eps: float,
-                  mode: str) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
-    """(q_norm, k_norm) for an MLA config, or (None, None) for plain MLA."""
+                  mode: str, scope: str = "head", heads: Optional[int] = None,
+                  groups: Optional[int] = None) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
+    """(q_norm, k_norm) for an MLA config, or (None, None) for plain MLA. With the projection scope
+    the query's weights have a row per head (``heads``), the key's content weight one per KV group
+    (``groups``) and its RoPE weight one row (MLA's RoPE key is shared by the groups)."""
     if kind is None:
         return None, None
-    return tuple(QKNorm(content_dim, rope_dim, kind, p, eps, mode) for _ in range(2))
+    return (QKNorm(content_dim, rope_dim, kind, p, eps, mode, scope, heads, heads),
+            QKNorm(content_dim, rope_dim, kind, p, eps, mode, scope, groups, None))

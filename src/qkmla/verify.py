@@ -28,6 +28,7 @@ import torch
 from .attention.mla import MLA
 from .cache.latent import LatentCache
 from .config import MLAConfig
+from .norms import ScalarNorm
 
 BASE = MLAConfig(hidden_size=96, num_heads=8, num_kv_groups=8, q_lora_rank=48, kv_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
@@ -45,6 +46,12 @@ VARIANTS: dict[str, dict] = {
     "lp-3-unified": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified", softmax_scale=10.0),
     "rms-content": dict(qk_norm="rms", qk_norm_mode="content"),
     "rms-content-G2": dict(qk_norm="rms", qk_norm_mode="content", num_kv_groups=2),
+    # one statistic per token over all heads (OLMoE's norm), weights per head: one cached key scalar
+    "rms-projection-G2": dict(qk_norm="rms", qk_norm_scope="projection", num_kv_groups=2),
+    "rms-content-projection-G2": dict(qk_norm="rms", qk_norm_mode="content", qk_norm_scope="projection",
+                                      num_kv_groups=2),
+    "lp-3-unified-projection": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified", qk_norm_scope="projection",
+                                    softmax_scale=10.0),
     "none": dict(qk_norm=None),
     "rms-gqa-G2": dict(qk_norm="rms", num_kv_groups=2),
     "rms-mqa-G1": dict(qk_norm="rms", num_kv_groups=1),
@@ -80,11 +87,13 @@ class Row:
 
 
 def perturb_vectors(module: torch.nn.Module, scale: float = 0.3) -> torch.nn.Module:
-    """Move every 1-D parameter (norm weights, logit scales) randomly away from its initial
-    value, so that folding them into other weights is actually exercised."""
+    """Move every 1-D parameter (norm weights, logit scales) and every QK-norm weight (a row per
+    head with the projection scope) randomly away from its initial value, so that folding them
+    into other weights is actually exercised."""
+    norm_weights = {id(m.weight) for m in module.modules() if isinstance(m, ScalarNorm)}
     with torch.no_grad():
         for p in module.parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or id(p) in norm_weights:
                 p.mul_(1 + scale * torch.randn_like(p))
     return module
 
@@ -147,11 +156,12 @@ def run(seed: int = 0) -> list[Row]:
 
 
 def format_rows(rows: list[Row]) -> str:
-    head = (f"{'variant':<15}{'dtype':<10}{'|E-A| logit':>12}{'|E-A| out':>11}{'E err':>10}{'A err':>10}"
+    w = max([len("variant")] + [len(r.variant) for r in rows]) + 2
+    head = (f"{'variant':<{w}}{'dtype':<10}{'|E-A| logit':>12}{'|E-A| out':>11}{'E err':>10}{'A err':>10}"
             f"{'tolerance':>11}  ok")
     lines = [head]
     for r in rows:
-        lines.append(f"{r.variant:<15}{r.dtype:<10}{r.max_abs_logit_diff:>12.2e}{r.max_abs_output_diff:>11.2e}"
+        lines.append(f"{r.variant:<{w}}{r.dtype:<10}{r.max_abs_logit_diff:>12.2e}{r.max_abs_output_diff:>11.2e}"
                      f"{r.explicit_logit_err:>10.2e}{r.absorbed_logit_err:>10.2e}{r.tolerance:>11.2e}  "
                      f"{'ok' if r.ok else 'FAIL'}")
     lines.append("float64: |E-A| <= 1e-10 x max|logit| (and the same for outputs). float32/bfloat16: the absorbed "

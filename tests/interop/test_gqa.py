@@ -224,7 +224,6 @@ def test_rope_dim_not_a_divisor_is_taken_with_high_pairs():
 
 @pytest.mark.parametrize("family,match", [
     ("Olmo2", "OLMo 2 normalizes each sublayer's output"),
-    ("Olmoe", "one statistic over the whole projection"),
     ("Qwen3Moe", "norm_topk_prob=False"),
 ])
 def test_other_qk_normed_families_are_refused_saying_why(family, match):

@@ -36,8 +36,9 @@ class AbsorbedWeights:
 
     w_uk: [G, d_n, d_c], W_UK^(g)^T per group: q_lat = (q^C ⊙ gamma_qk) rho(q^C) @ w_uk[g], and
         every group's content key of a token is c @ w_uk[g].T.
-    gamma_qk: [d_n], gamma_q^C ⊙ gamma_k^C, the weight the query's content norm uses, so
-        both weights reach q_lat in that one norm; None for plain MLA.
+    gamma_qk: [d_n] (or [h, d_n], a row per head, with the projection scope's per-head weights),
+        gamma_q^C ⊙ gamma_k^C, the weight the query's content norm uses, so both weights reach q_lat
+        in that one norm; None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
     """
 
@@ -54,7 +55,10 @@ def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional
         w = kv_b_weight.detach().view(num_kv_groups, -1, kv_b_weight.shape[-1])  # [G, d_n + d_v, d_c]
         gamma_qk = None
         if q_norm is not None:
-            gamma_qk = q_norm.content.weight.detach() * k_norm.content.weight.detach()
+            gamma_q, gamma_k = q_norm.content.weight.detach(), k_norm.content.weight.detach()
+            if gamma_k.dim() == 2:  # a row per KV group: head i takes group i // (h / G)'s
+                gamma_k = gamma_k.repeat_interleave(gamma_q.shape[0] // gamma_k.shape[0], dim=0)
+            gamma_qk = gamma_q * gamma_k
         return AbsorbedWeights(w[:, :qk_nope_head_dim].contiguous(), gamma_qk, w[:, qk_nope_head_dim:].contiguous())
 
 
@@ -118,7 +122,7 @@ def latent_query(q_c: torch.Tensor, q_r: torch.Tensor, q_norm: Optional[QKNorm],
 
 def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
                 w: AbsorbedWeights) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """c [B, T, d_c], k~^R [B, T, 1, d_r] -> (k~^R normalized, not yet rotated; key scalars [B, T, G] or None).
+    """c [B, T, d_c], k~^R [B, T, 1, d_r] -> (k~^R normalized, not yet rotated; key scalars [B, T, G] or None; [B, T, 1] with the projection scope).
 
     Every group's content key c W_UK^(g) is formed (one product for all groups), reduced to
     its scalar and discarded: only the new tokens pay for it, whatever the context length.
@@ -130,9 +134,11 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     G = w.w_uk.shape[0]
     B, T, d_c = c_kv.shape
     k_c = per_group(c_kv[:, :, None].expand(B, T, G, d_c), w.w_uk.transpose(1, 2))  # [B, T, G, d_n]
-    if k_norm.mode == "blockwise":
+    if k_norm.mode == "blockwise" and k_norm.scope == "head":
         return k_norm.rope(k_r), k_norm.content.statistic(k_c).squeeze(-1)
-    sigma, _ = k_norm.statistics(k_c, k_r)
+    sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope
+    if k_norm.mode == "blockwise":
+        return k_norm.rope.scaled(k_r, sigma_r), sigma.squeeze(-1)
     return k_r * cast(k_norm.rope.weight, k_r.dtype), sigma.squeeze(-1)
 
 

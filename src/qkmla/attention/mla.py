@@ -116,7 +116,8 @@ class MLA(nn.Module):
         for name, module in modules.items():
             setattr(self, name, module)
         self.q_norm, self.k_norm = make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                                                 c.qk_norm_p, c.qk_norm_eps, c.qk_norm_mode)
+                                                 c.qk_norm_p, c.qk_norm_eps, c.qk_norm_mode, c.qk_norm_scope,
+                                                 c.num_heads, c.num_kv_groups)
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave, c.rope_scaling)
         self._absorbed = DerivedWeights()

@@ -147,7 +147,7 @@ class LatentCache(SequenceCache):
 
     def check_config(self, config: MLAConfig) -> None:
         """Raise ValueError unless this cache holds the rows of a layer built from ``config``."""
-        want = (config.kv_lora_rank, config.qk_rope_head_dim, config.num_kv_groups if config.qk_norm is not None else 0)
+        want = (config.kv_lora_rank, config.qk_rope_head_dim, config.num_key_scalars)
         got = (self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups)
         if got != want:
             raise ValueError(f"cache: LatentCache(kv_lora_rank, qk_rope_head_dim, num_kv_groups)={got} does not match "
@@ -155,9 +155,9 @@ class LatentCache(SequenceCache):
 
     @classmethod
     def from_config(cls, config: MLAConfig, batch_size: int, capacity: int, **kwargs) -> "LatentCache":
-        """A cache shaped for ``config``: scalars only when it has a QK norm."""
-        groups = config.num_kv_groups if config.qk_norm is not None else 0
-        return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, groups, **kwargs)
+        """A cache shaped for ``config``: scalars only when it has a QK norm (``config.num_key_scalars``)."""
+        return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, config.num_key_scalars,
+                   **kwargs)
 
     def after_attention(self, layer, slot: WriteSlot, queries: Callable[[], tuple]) -> None:
         """The attention layer's call after each forward that wrote ``slot`` and attended: the

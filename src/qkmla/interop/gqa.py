@@ -44,7 +44,10 @@ from typing import Optional
 import torch
 
 ROPE_PAIRS = ("uniform", "high")
-SOURCES = ("Qwen3ForCausalLM",)
+# The source classes, and what their QK norm's statistic covers (MLAConfig.qk_norm_scope): Qwen3
+# normalizes each head, OLMoE the whole q and k projections (one statistic per token, a weight per channel).
+SCOPES = {"Qwen3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
+SOURCES = tuple(SCOPES)
 _POST_NORM = ("normalizes each sublayer's output before the residual add (post-norm), which DeepSeek's "
               "pre-norm layer cannot express")
 # Other QK-normed families users ask for, and why each is refused (read from transformers' source).
@@ -53,8 +56,6 @@ NOT_CONVERTED = {
     "Olmo3ForCausalLM": "OLMo 3 " + _POST_NORM,
     "Gemma3ForCausalLM": "Gemma 3 normalizes around each sublayer (sandwich norms), which DeepSeek's layer cannot "
                          "express, and has sliding-window layers",
-    "OlmoeForCausalLM": "OLMoE's QK norm takes one statistic over the whole projection (all heads together), and "
-                        "qkmla's statistic is per head or group: not supported yet",
     "Qwen3MoeForCausalLM": "Qwen3-MoE's MoE layers do not convert yet (its router maps exactly onto DeepSeek-V2's "
                            "only with norm_topk_prob=False)",
 }
@@ -75,6 +76,7 @@ class GQAConversionReport:
 
     num_kv_groups: int
     head_dim: int
+    scope: str  # the norm's statistic scope: "head" (G key scalars per token) or "projection" (one)
     rank: int
     max_rank: int
     kv_lora_rank: int
@@ -91,7 +93,9 @@ class GQAConversionReport:
 
     def cache_values_per_token(self) -> tuple[int, int]:
         """(latent + RoPE key values, key scalars) cached per token and layer."""
-        return self.kv_lora_rank + self.rope_dim, self.num_kv_groups if self.keep_norm else 0
+        if not self.keep_norm:
+            return self.kv_lora_rank + self.rope_dim, 0
+        return self.kv_lora_rank + self.rope_dim, 1 if self.scope == "projection" else self.num_kv_groups
 
     def lines(self) -> list[str]:
         values, scalars = self.cache_values_per_token()
@@ -107,8 +111,9 @@ class GQAConversionReport:
 
 
 def source_attention_shape(model) -> tuple[int, int, int, int]:
-    """(hidden_size, H, G, D) of a ``Qwen3ForCausalLM``, refused (naming ``model``) unless the
-    conversion takes it: another class, attention biases, RoPE other than the default, sliding windows."""
+    """(hidden_size, H, G, D) of a ``Qwen3ForCausalLM`` or ``OlmoeForCausalLM``, refused (naming ``model``)
+    unless the conversion takes it: another class, attention biases, RoPE other than the default, sliding
+    windows, OLMoE's QKV clipping or renormalized top-k routing."""
     name = type(model).__name__
     if name not in SOURCES:
         why = f": {NOT_CONVERTED[name]}" if name in NOT_CONVERTED else ""
@@ -125,6 +130,12 @@ def source_attention_shape(model) -> tuple[int, int, int, int]:
     if getattr(c, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(c, "layer_types", None)
                                                      or ()):
         raise ValueError("model: it has sliding-window layers, which MLA's latent cache does not express")
+    if getattr(c, "clip_qkv", None) is not None:
+        raise ValueError(f"model: it clips q, k and v to +-{c.clip_qkv} (clip_qkv), which the latent factorization "
+                         f"does not carry")
+    if name == "OlmoeForCausalLM" and c.norm_topk_prob:
+        raise ValueError("model: its router renormalizes the top-k probabilities (norm_topk_prob=True), which "
+                         "DeepSeek-V2's greedy router does not")
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if D % 2:
         raise ValueError(f"model: head_dim {D} is odd; RoPE rotates pairs")
@@ -182,8 +193,11 @@ def _numerical_rank(s: torch.Tensor, shape) -> int:
 
 
 def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
-    """The ``DeepseekV3Config`` of the converted model: every layer dense, no query latent, NeoX RoPE
-    layout, attention biases (the constant channel), one kv_b_proj group per head (transformers' layout)."""
+    """The config of the converted model: no query latent, attention biases (the constant channel), one
+    kv_b_proj group per head (transformers' layout). A dense Qwen3 becomes a ``DeepseekV3Config`` with
+    every layer dense and the NeoX RoPE layout; OLMoE a ``DeepseekV2Config`` (V2's softmax router is
+    OLMoE's: greedy top-k, no renormalization, routed_scaling_factor 1) with every layer MoE, no shared
+    expert and V2's interleaved RoPE layout."""
     import transformers
 
     c = src.config
@@ -192,20 +206,31 @@ def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
                                        "hidden_act", "max_position_embeddings", "rms_norm_eps", "initializer_range",
                                        "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
                                        "attention_dropout", "use_cache") if hasattr(c, k)}
+    attention = dict(num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None, kv_lora_rank=rank + 1,
+                     qk_nope_head_dim=D, qk_rope_head_dim=rope_dim, v_head_dim=D, attention_bias=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    if type(src).__name__ == "OlmoeForCausalLM":
+        return transformers.DeepseekV2Config(
+            **keep, **attention, first_k_dense_replace=0, moe_intermediate_size=c.intermediate_size,
+            n_routed_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok, n_shared_experts=0,
+            topk_method="greedy", routed_scaling_factor=1.0, n_group=1, topk_group=1,
+            # the source's choice of expert kernels (e.g. "eager": grouped_mm takes no float64)
+            **({"experts_implementation": c._experts_implementation}
+               if getattr(c, "_experts_implementation", None) else {}))
     return transformers.DeepseekV3Config(
-        **keep, num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None, kv_lora_rank=rank + 1,
-        qk_nope_head_dim=D, qk_rope_head_dim=rope_dim, v_head_dim=D, rope_interleave=False, attention_bias=True,
-        first_k_dense_replace=c.num_hidden_layers, moe_intermediate_size=c.intermediate_size, n_routed_experts=1,
-        num_experts_per_tok=1, n_shared_experts=1, n_group=1, topk_group=1,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+        **keep, **attention, rope_interleave=False, first_k_dense_replace=c.num_hidden_layers,
+        moe_intermediate_size=c.intermediate_size, n_routed_experts=1, num_experts_per_tok=1, n_shared_experts=1,
+        n_group=1, topk_group=1)
 
 
 def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                 rope_pairs: str = "uniform", keep_norm: bool = True):
-    """A ``Qwen3ForCausalLM`` as a ``DeepseekV3ForCausalLM`` patched by qkmla (module docstring).
+    """A ``Qwen3ForCausalLM`` as a ``DeepseekV3ForCausalLM``, or an ``OlmoeForCausalLM`` as a
+    ``DeepseekV2ForCausalLM``, patched by qkmla (module docstring).
 
     Args:
-        model: the source, a transformers ``Qwen3ForCausalLM`` (dense), not modified.
+        model: the source, a transformers ``Qwen3ForCausalLM`` (dense) or ``OlmoeForCausalLM`` (MoE), not
+            modified.
         kv_lora_rank: r, the rank of the latent factorization of [W_K ; W_V], 1 to min(2 G D, hidden_size);
             None: the largest numerical rank over the layers (exact). The cached latent is r + 1 wide.
         rope_dim: d_r, the RoPE dims kept rotated (an even number up to D); None: D (every pair).
@@ -239,22 +264,30 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
         raise ValueError("model: float16 cannot hold the constant latent channel (its size is far above 65504); "
                          "convert a float32 or bfloat16 model")
 
+    scope = SCOPES[type(model).__name__]
     factors = _latent_factors(model, G, D)
     full_rank = max(_numerical_rank(s, (2 * G * D, hidden)) for _, s, _ in factors)
     r = full_rank if kv_lora_rank is None else kv_lora_rank
-    dst = transformers.DeepseekV3ForCausalLM(deepseek_config(model, r, rope_dim, theta))
+    config = deepseek_config(model, r, rope_dim, theta)
+    dst = (transformers.DeepseekV2ForCausalLM if config.model_type == "deepseek_v2"
+           else transformers.DeepseekV3ForCausalLM)(config)
     dst = dst.to(device=weight.device, dtype=weight.dtype).eval()
     others = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
     missing, unexpected = dst.load_state_dict(others, strict=False)
-    left = [k for k in missing if ".self_attn." not in k]
+    # A DeepSeek-V2 MoE layer without a shared expert still has its (empty) module.
+    left = [k for k in missing if ".self_attn." not in k and dst.state_dict()[k].numel()]
     if left or unexpected:
         raise ValueError(f"model: its tensors do not map onto the DeepSeek model (missing {left[:3]}, unexpected "
                          f"{unexpected[:3]})")
     dst.generation_config = copy.deepcopy(model.generation_config)
 
-    idx = torch.tensor(pairs + [j + D // 2 for j in pairs], device=weight.device)  # source dims, DeepSeek's order
+    # The kept pairs' source dims (j, j + D/2) in the converted model's RoPE order: V3's NeoX halves, or
+    # V2's interleaved pairs (2k, 2k + 1).
+    order = [d for j in pairs for d in (j, j + D // 2)] if config.model_type == "deepseek_v2" \
+        else pairs + [j + D // 2 for j in pairs]
+    idx = torch.tensor(order, device=weight.device)
     fold = math.sqrt((D + rope_dim) / D)  # tau (D + d_r)^-1/2 -> the source's D^-1/2
-    report = GQAConversionReport(num_kv_groups=G, head_dim=D, rank=r, max_rank=max_rank, kv_lora_rank=r + 1,
+    report = GQAConversionReport(num_kv_groups=G, head_dim=D, scope=scope, rank=r, max_rank=max_rank, kv_lora_rank=r + 1,
                                  rope_dim=rope_dim, rope_pairs=rope_pairs, rope_theta=theta, kept_pairs=pairs,
                                  keep_norm=keep_norm)
     eps = dst.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon
@@ -265,7 +298,9 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             f64 = dict(dtype=torch.float64)
             wq = s.q_proj.weight.to(**f64).view(H, D, hidden)
             wk = s.k_proj.weight.to(**f64).view(G, D, hidden)
-            gq, gk = s.q_norm.weight.to(**f64), s.k_norm.weight.to(**f64)
+            # A row per head: Qwen3's weight is shared by the heads, OLMoE's has one per channel.
+            gq = s.q_norm.weight.to(**f64).expand(H, D) if scope == "head" else s.q_norm.weight.to(**f64).view(H, D)
+            gk = s.k_norm.weight.to(**f64).expand(G, D) if scope == "head" else s.k_norm.weight.to(**f64).view(G, D)
             q_content = wq if keep_norm else wq.index_fill(1, idx, 0.0) * fold
             q_rope = wq[:, idx] if keep_norm else wq[:, idx] * fold
             d.q_proj.weight.copy_(torch.cat((q_content, q_rope), dim=1).flatten(0, 1))
@@ -279,7 +314,9 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             report.constant.append(M)
             report.scale_bound = max(report.scale_bound, (u_bound ** 2 + (r + 1) * eps) / (2 * M * M))
             zero = torch.zeros(1, hidden, **f64)
-            k_rope = wk[:, idx].mean(dim=0)  # exact for G = 1
+            # exact for G = 1. A weight per channel (OLMoE) differs between the dims of a rotated pair, so
+            # it cannot move to the query past the rotation: it goes into the RoPE key's rows.
+            k_rope = (wk[:, idx] if scope == "head" else wk[:, idx] * gk[:, idx, None]).mean(dim=0)
             d.kv_a_proj_with_mqa.weight.copy_(torch.cat((Vh[:r], zero, k_rope)))
             d.kv_a_proj_with_mqa.bias.zero_()
             d.kv_a_proj_with_mqa.bias[r] = M
@@ -294,16 +331,23 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
 
     record_groups(dst.config, G)
     eps_qk = float(model.config.rms_norm_eps)
-    apply_latent_attention(dst, **(dict(qk_norm="rms", qk_norm_mode="content", qk_norm_eps=eps_qk) if keep_norm
-                                   else {}))
+    apply_latent_attention(dst, **(dict(qk_norm="rms", qk_norm_mode="content", qk_norm_eps=eps_qk,
+                                        qk_norm_scope=scope) if keep_norm else {}))
     if keep_norm:
         with torch.no_grad():
             for layer, (gq, gk) in zip(dst.model.layers, norms):
                 a = layer.self_attn
-                a.q_norm.content.weight.copy_(gq.index_fill(0, idx, 0.0) * fold)
-                a.q_norm.rope.weight.copy_(gq[idx] * fold)
+                if scope == "head":  # one weight for every head
+                    a.q_norm.content.weight.copy_(gq[0].index_fill(0, idx, 0.0) * fold)
+                    a.q_norm.rope.weight.copy_(gq[0, idx] * fold)
+                    a.k_norm.content.weight.copy_(gk[0])
+                    a.k_norm.rope.weight.copy_(gk[0, idx])
+                    continue
+                # A row per head; the key's RoPE weight is in kv_a_proj_with_mqa's rows (above).
+                a.q_norm.content.weight.copy_(gq.index_fill(1, idx, 0.0) * fold)
+                a.q_norm.rope.weight.copy_(gq[:, idx] * fold)
                 a.k_norm.content.weight.copy_(gk)
-                a.k_norm.rope.weight.copy_(gk[idx])
+                a.k_norm.rope.weight.fill_(1.0)
     _describe(report, r >= full_rank)
     return dst.eval(), report
 
@@ -314,8 +358,12 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
     G, D, r = report.num_kv_groups, report.head_dim, report.rank
     exact += ["embeddings, MLP, norms and LM head (the source's tensors)", "o_proj", "the query projection"]
     if report.keep_norm:
-        exact += ["the query statistic (the content block holds the whole head)",
-                  "every KV group's key statistic (content mode)"]
+        if report.scope == "projection":
+            exact += ["the query statistic (one per token over every head's content block, each the whole "
+                      "source head)", "the key statistic (one per token over every KV group, content mode)"]
+        else:
+            exact += ["the query statistic (the content block holds the whole head)",
+                      "every KV group's key statistic (content mode)"]
     else:
         approx.append("the QK norm is dropped (its statistic and weights): another function")
     if full_rank:

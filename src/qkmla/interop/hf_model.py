@@ -45,15 +45,16 @@ LATENT_IMPLEMENTATION = "qkmla_latent"
 
 def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise",
                            qk_norm_p: float = 2.0, qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False,
-                           kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
-                           decode_backend: str = "auto"):
+                           qk_norm_scope: str = "head", kv_format: str = "dense",
+                           policy: Optional[EvictionPolicy] = None, decode_backend: str = "auto"):
     """Make a transformers DeepSeek-V2/V3 model attend and decode through qkmla, in place.
 
     Args:
         model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` or the inner ``*Model``.
         qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
             attention layer: "rms" (the paper's), "l2" or "lp"; ``qk_norm_mode`` "blockwise",
-            "unified" or "content", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``: the
+            "unified" or "content", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``,
+            ``qk_norm_scope`` ("head", or "projection": one statistic over all heads): the
             :class:`~qkmla.MLAConfig` fields of the same names. The norm weights start at ones,
             which changes the model's function (calibrate them with
             ``qkmla.interop.warm_start_qk_norm``); they are recorded in the model's config, so
@@ -76,7 +77,7 @@ def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode
     check_cache_settings(kv_format, policy, None)
     if decode_backend not in DECODE_BACKENDS:
         raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {decode_backend!r}")
-    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p, qk_norm_eps, learnable_logit_scale)
+    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p, qk_norm_eps, learnable_logit_scale, qk_norm_scope)
     settings = getattr(inner, "_qkmla_settings", None)
     if settings is not None:  # already patched: new settings, and a norm if it has none
         current = recorded_norm(inner.config)

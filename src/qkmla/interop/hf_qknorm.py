@@ -8,6 +8,7 @@ writes it to ``config.json``:
 
     "qkmla": {"qk_norm": "rms", "qk_norm_mode": "blockwise", "qk_norm_p": 2.0,
               "qk_norm_eps": 1e-06, "learnable_logit_scale": false}
+    (and "qk_norm_scope": "projection" for a norm over the whole projection)
     "attn_implementation": "qkmla.interop.from_pretrained"
 
 The norm weights are saved as transformers names QK-norm weights (Qwen3's and OLMo 2's
@@ -44,26 +45,31 @@ from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
 
 RECORD = "qkmla"  # the config.json entry
 LOADER = "qkmla.interop.from_pretrained"  # written as attn_implementation: transformers alone refuses it
-NORM_FIELDS = ("qk_norm", "qk_norm_mode", "qk_norm_p", "qk_norm_eps", "learnable_logit_scale")
+NORM_FIELDS = ("qk_norm", "qk_norm_mode", "qk_norm_p", "qk_norm_eps", "learnable_logit_scale", "qk_norm_scope")
 GROUPS = "num_kv_groups"  # recorded beside the norm by a GQA conversion: G < h KV groups
 _DEFAULTS = {f: getattr(MLAConfig, f) for f in NORM_FIELDS} | {"qk_norm": None}
 
 
 def norm_settings(qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
-                  qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False) -> dict:
+                  qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False, qk_norm_scope: str = "head") -> dict:
     """The QK-norm fields of :class:`~qkmla.MLAConfig`, checked (ValueError naming the field), as
-    the dict recorded in a model's config; {} for no norm and no learnable logit scale."""
+    the dict recorded in a model's config; {} for no norm and no learnable logit scale.
+    ``qk_norm_scope`` is recorded only when it is not the default "head", so that checkpoints with
+    a per-head norm keep the record earlier qkmla versions read."""
     fields = dict(qk_norm=qk_norm, qk_norm_mode=qk_norm_mode, qk_norm_p=qk_norm_p, qk_norm_eps=qk_norm_eps,
-                  learnable_logit_scale=learnable_logit_scale)
+                  learnable_logit_scale=learnable_logit_scale, qk_norm_scope=qk_norm_scope)
     if not isinstance(learnable_logit_scale, bool):
         raise ValueError(f"learnable_logit_scale: expected True or False, got {learnable_logit_scale!r}")
     MLAConfig(**fields)  # validates each field by name
     if qk_norm is None:
-        given = [f for f in ("qk_norm_mode", "qk_norm_p", "qk_norm_eps") if fields[f] != _DEFAULTS[f]]
+        given = [f for f in ("qk_norm_mode", "qk_norm_p", "qk_norm_eps", "qk_norm_scope")
+                 if fields[f] != _DEFAULTS[f]]
         if given:
             raise ValueError(f"{given[0]}: only read with a qk_norm; give qk_norm too (e.g. qk_norm='rms')")
     if qk_norm is None and not learnable_logit_scale:
         return {}
+    if qk_norm_scope == "head":
+        del fields["qk_norm_scope"]
     return {**fields, "qk_norm_p": float(qk_norm_p), "qk_norm_eps": float(qk_norm_eps)}
 
 
@@ -129,9 +135,20 @@ def norm_tensor_names(config: MLAConfig) -> list[str]:
 
 
 def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
-    widths = {"content": (config.qk_nope_head_dim,), "rope": (config.qk_rope_head_dim,)}
-    return {n: (config.num_heads,) if n == "logit_scale" else widths[n.split(".")[1]]
-            for n in norm_tensor_names(config)}
+    """{name under ``self_attn.``: shape}; with the projection scope a norm weight has a row per
+    query head (q_norm), per KV group (k_norm.content), and one for the shared RoPE key."""
+    widths = {"content": config.qk_nope_head_dim, "rope": config.qk_rope_head_dim}
+    rows = {"q_norm.content": config.num_heads, "q_norm.rope": config.num_heads,
+            "k_norm.content": config.num_kv_groups} if config.qk_norm_scope == "projection" else {}
+
+    def shape(name: str) -> tuple[int, ...]:
+        if name == "logit_scale":
+            return (config.num_heads,)
+        side, block = name.split(".")[:2]
+        head = rows.get(f"{side}.{block}")
+        return (widths[block],) if head is None else (head, widths[block])
+
+    return {n: shape(n) for n in norm_tensor_names(config)}
 
 
 def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) -> dict[str, str]:
@@ -148,7 +165,8 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
     weight_map, listing = _weight_map(root)
     ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
     found = {k for k in weight_map if any(o in k for o in ours)}
-    config = mla_config_from_hf(hf_config, **norm)
+    groups = recorded_groups(hf_config, str(root / CONFIG))
+    config = mla_config_from_hf(hf_config, **norm, **({GROUPS: groups} if groups is not None else {}))
     layers = hf_config.get("num_hidden_layers")
     shapes = {f"model.layers.{i}.self_attn.{n}": s
               for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
@@ -175,7 +193,8 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
                              f"{shape}")
         files[name] = file
     if records:
-        want = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"]) if norm.get("qk_norm") else None
+        want = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"],
+                            norm.get("qk_norm_scope", "head")) if norm.get("qk_norm") else None
         for name in sorted(records):
             with _open(root / weight_map[name]) as f:
                 got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
@@ -195,8 +214,8 @@ def describe(norm: dict) -> str:
     """One line naming a recorded norm, e.g. ``rms blockwise``."""
     if not norm:
         return "no QK norm"
-    text = "no QK norm" if norm["qk_norm"] is None else variant_name(norm["qk_norm"], norm["qk_norm_p"],
-                                                                      norm["qk_norm_mode"])
+    text = "no QK norm" if norm["qk_norm"] is None else variant_name(
+        norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"], norm.get("qk_norm_scope", "head"))
     return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
 
 
