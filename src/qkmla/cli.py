@@ -426,10 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(cv)
     cv.set_defaults(func=_convert)
 
-    cg = sub.add_parser("convert-gqa", help="a transformers Qwen3 checkpoint directory converted to a DeepSeek-V3-"
-                                            "architecture model with qkmla's QK norm (latent cache), as a new "
-                                            "checkpoint directory")
-    cg.add_argument("--hf", required=True, metavar="SRC", help="the Qwen3 checkpoint directory; never written")
+    cg = sub.add_parser("convert-gqa", help="a transformers Qwen3 (or OLMoE) checkpoint directory converted to a "
+                                            "DeepSeek-V3 (V2) architecture model with qkmla's QK norm (latent "
+                                            "cache), as a new checkpoint directory")
+    cg.add_argument("--hf", required=True, metavar="SRC",
+                    help="the Qwen3 or OLMoE checkpoint directory; never written")
     cg.add_argument("--out", required=True, metavar="DST", help="the new checkpoint directory")
     cg.add_argument("--kv-lora-rank", type=int, default=None, metavar="N",
                     help="rank of the latent factorization of the keys and values (default: exact; the cached "

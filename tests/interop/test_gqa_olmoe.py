@@ -159,3 +159,19 @@ def test_several_kv_heads_keep_both_statistics_and_round_trip_with_one_scalar_pe
 def test_what_deepseek_v2_cannot_express_is_refused_naming_model(change, match):
     with pytest.raises(ValueError, match=match):
         convert_gqa(olmoe_model(dtype=torch.float32, **change))
+
+
+def test_cli_converts_an_olmoe_checkpoint_that_loads_and_generates(tmp_path, capsys):
+    from qkmla.cli import main
+
+    src = olmoe_model(num_key_value_heads=2, dtype=torch.float32, vocab_size=384)
+    src.save_pretrained(tmp_path / "src")
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path / "src")
+    out = tmp_path / "dst"
+    assert main(["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(out), "--rope-dim", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "+ 1 key scalars" in printed and f"wrote {out}" in printed
+    want, _ = convert_gqa(src, rope_dim=8)
+    ids = prompt(src)
+    assert max_rel(logits(from_pretrained(out), ids), logits(want, ids)) < 1e-6
+    assert main(["generate", "--hf", str(out), "--prompt", "To be", "--tokens", "4"]) == 0

@@ -48,6 +48,7 @@ ROPE_PAIRS = ("uniform", "high")
 # normalizes each head, OLMoE the whole q and k projections (one statistic per token, a weight per channel).
 SCOPES = {"Qwen3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
 SOURCES = tuple(SCOPES)
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "olmoe": "OlmoeForCausalLM"}  # config.json's model_type: the class
 _POST_NORM = ("normalizes each sublayer's output before the residual add (post-norm), which DeepSeek's "
               "pre-norm layer cannot express")
 # Other QK-normed families users ask for, and why each is refused (read from transformers' source).
@@ -384,14 +385,14 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
                            overwrite: bool = False) -> GQAConversionReport:
-    """``qkmla convert-gqa``: the Qwen3 checkpoint directory ``src`` converted (:func:`convert_gqa`)
+    """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
     and written to ``out`` with its tokenizer and generation config, for
     ``qkmla.interop.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as
     ``qkmla convert`` does (:func:`~qkmla.interop.convert.check_convert_paths`).
 
     Raises:
-        ValueError before any weight is read: the paths (hf, out), a config.json that is not a Qwen3
-        model's (hf), and the arguments as :func:`convert_gqa` names them.
+        ValueError before any weight is read: the paths (hf, out), a config.json that is not a Qwen3 or
+        OLMoE model's (hf), and the arguments as :func:`convert_gqa` names them.
     """
     import transformers
 
@@ -400,10 +401,11 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
 
     src, out = check_convert_paths(src, out, overwrite)
     model_type = read_hf_config(src).get("model_type")
-    if model_type != "qwen3":
-        raise ValueError(f"hf: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts 'qwen3' models")
-    model = transformers.Qwen3ForCausalLM.from_pretrained(src, local_files_only=True,
-                                                          **({"dtype": dtype} if dtype is not None else {}))
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"hf: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts "
+                         f"{sorted(MODEL_TYPES)} models")
+    model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
+        src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
     converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
                                     keep_norm=keep_norm)
     try:

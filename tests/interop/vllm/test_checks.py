@@ -72,6 +72,7 @@ def test_yarn_with_both_mscales_is_served():
     ({"llama_4_scaling": {"beta": 0.1}}, "llama_4_scaling"),
     ({"qkmla": {"qk_norm": "rms", "qk_norm_mode": "sideways"}}, "config.json: its 'qkmla' entry is not valid"),
     ({"qkmla": {"qk_norm": "rms", "num_kv_groups": 3}}, "num_kv_groups=3"),
+    ({"qkmla": {"qk_norm": "rms", "qk_norm_scope": "projection"}}, "qk_norm_scope='projection': qkmla's vLLM"),
 ])
 def test_a_layout_the_backend_cannot_serve_is_refused_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):
