@@ -295,3 +295,39 @@ def test_cli_converts_a_checkpoint_directory_that_loads_and_generates(tmp_path, 
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert main(["convert-gqa", "--hf", str(tmp_path / "other"), "--out", str(tmp_path / "x")]) == 2
     assert "--hf: " in capsys.readouterr().err
+
+
+def test_a_converted_model_with_fewer_kv_groups_fine_tunes_with_lora_and_its_adapter_reloads(tmp_path):
+    """G = 2 < h = 4: PEFT LoRA on q_proj, kv_b_proj (G groups inside, repeated rows on disk) and o_proj
+    with the norm weights trained; the adapter saved and loaded onto the checkpoint read back by
+    from_pretrained scores what the trained model scores; merged, it decodes through the latent cache."""
+    peft = pytest.importorskip("peft")
+    from qkmla.interop import attention_lora_config, merge_lora
+
+    src = qwen3_model(num_key_value_heads=2, dtype=torch.float32)
+    dst, _ = convert_gqa(src, kv_lora_rank=20, rope_dim=8)
+    dst.save_pretrained(tmp_path / "base")
+    tuned = peft.get_peft_model(dst, attention_lora_config(dst, targets=("q_proj", "kv_b_proj", "o_proj"), r=4,
+                                                           train_qk_norm=True))
+    optimizer = torch.optim.AdamW([p for p in tuned.parameters() if p.requires_grad], lr=1e-2)
+    ids = prompt(src)
+    tuned.train()
+    losses = []
+    for _ in range(4):
+        loss = tuned(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    tuned.eval()
+    want = logits(tuned, ids)
+    tuned.save_pretrained(tmp_path / "adapter")
+    reloaded = peft.PeftModel.from_pretrained(from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    assert max_rel(logits(reloaded, ids), want) < 1e-6
+    merged = merge_lora(tuned).eval()
+    assert max_rel(logits(merged, ids), want) < 1e-5
+    steps, fed = stepwise_logits(merged, ids, 4)
+    full = logits(merged, torch.cat((ids, fed), dim=1))
+    for i, step in enumerate(steps):
+        assert max_rel(step, full[:, ids.shape[1] - 1 + i]) < 1e-4
