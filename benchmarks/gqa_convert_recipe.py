@@ -25,6 +25,10 @@ weights are not committed). Then, for each cache budget (the source's cache divi
                 per layer onto their top principal subspaces (r_K = r_V = budget / 2, centered, from
                 calibration activations on training plays) by forward hooks on k_norm and v_proj.
 
+(f) keep_norm_principal  (b) with ``rope_key="principal"`` (for G > 1): each kept RoPE pair's shared key
+                is the mix of the groups' rows that best fits every group's key on the calibration
+                windows (TransMLA's RoRoPE), in place of their mean; the same cache.
+
 Every variant is measured before and after the same healing budget: ``--heal-steps`` steps of AdamW
 (constant lr after a short warmup, no weight decay, clip 1.0, the same batches of training-play
 windows), once at each of ``--heal-lrs``. The converted DeepSeek models train through qkmla's patched
@@ -61,8 +65,8 @@ SHAPE = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 384, "num_h
 QUICK_SHAPE = SHAPE | {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 16,
                        "max_position_embeddings": 64}
 SPECIAL_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}  # ByT5Tokenizer's
-VARIANTS = ("source", "keep_norm", "drop_norm", "full_keys", "svd_cache")
-LETTERS = dict(zip(VARIANTS, "abcde"))
+VARIANTS = ("source", "keep_norm", "drop_norm", "full_keys", "svd_cache", "keep_norm_principal")
+LETTERS = dict(zip(VARIANTS, "abcdef"))
 BYTES = 4  # float32
 FORMULAS = {
     "source": "2 G D (keys and values of every KV head)",
@@ -71,12 +75,14 @@ FORMULAS = {
     "drop_norm": "(kv_lora_rank + 1) + rope_dim (latent with its constant channel, RoPE key)",
     "full_keys": "G D + kv_lora_rank (the full normalized, partially rotated keys; the latent for the values)",
     "svd_cache": "r_K + r_V (the coordinates of k and v in their principal subspaces)",
+    "keep_norm_principal": "as keep_norm (only the RoPE key's rows differ)",
 }
 
 
 def cache_values(kind: str, G: int, D: int, rank: int = 0, rope_dim: int = 0, r_k: int = 0, r_v: int = 0) -> int:
     """Values one token caches in one layer (:data:`FORMULAS`)."""
-    return {"source": 2 * G * D, "keep_norm": rank + 1 + rope_dim + G, "drop_norm": rank + 1 + rope_dim,
+    return {"source": 2 * G * D, "keep_norm": rank + 1 + rope_dim + G,
+            "keep_norm_principal": rank + 1 + rope_dim + G, "drop_norm": rank + 1 + rope_dim,
             "full_keys": G * D + rank, "svd_cache": r_k + r_v}[kind]
 
 
@@ -334,7 +340,8 @@ def main(argv=None) -> int:
                       "train_tokens": train_ids.numel(), "val_plays": list(VALIDATION_PLAYS),
                       "val_play_tokens": val_ids.numel(), "val_windows": list(val_rows.shape),
                       "calibration_windows": list(calibration_rows.shape),
-                      "calibration_source": "training plays, random windows (for (e)'s subspaces)"}
+                      "calibration_source": "training plays, random windows (for (e)'s subspaces and (f)'s "
+                                            "RoPE key, and (b)'s measured RoPE key energy)"}
     result["measures"] = {
         "loss": "mean next-token cross-entropy, nats per byte, over every position of the validation windows",
         "ppl": "exp(loss)",
@@ -393,33 +400,40 @@ def main(argv=None) -> int:
         result["variants"].append(row)
         write()
 
-        # The full-rank, every-pair conversion: exact for G = 1, the shared RoPE key's error alone for G > 1.
-        converted, report = convert_gqa(source, keep_norm=True)
-        measured, _ = evaluate(converted, val_rows, eval_batch, reference)
-        values = cache_values("keep_norm", G, D, report.rank, report.rope_dim)
-        result["sources"][tag]["full_rank_conversion"] = {
-            "kv_lora_rank": report.rank, "rope_dim": report.rope_dim, "cache_values_per_token_per_layer": values,
-            "cache_bytes_per_token": values * BYTES * L, "latent_cache_bytes_per_token":
-            latent_cache_bytes(converted, prompt), "not_healed": measured, "report": report.lines()}
-        del converted
-        write()
+        # The full-rank, every-pair conversion: exact for G = 1, the shared RoPE key's error alone for G > 1
+        # (with the mean of the groups' RoPE rows, and with the principal mix for G > 1).
+        for rope_key in ("mean", "principal") if G > 1 else ("mean",):
+            converted, report = convert_gqa(source, keep_norm=True, rope_key=rope_key, calibration=calibration_rows)
+            measured, _ = evaluate(converted, val_rows, eval_batch, reference)
+            values = cache_values("keep_norm", G, D, report.rank, report.rope_dim)
+            result["sources"][tag]["full_rank_conversion" + ("" if rope_key == "mean" else "_principal")] = {
+                "kv_lora_rank": report.rank, "rope_dim": report.rope_dim, "rope_key": rope_key,
+                "rope_key_energy_per_layer": report.rope_key_energy, "cache_values_per_token_per_layer": values,
+                "cache_bytes_per_token": values * BYTES * L, "latent_cache_bytes_per_token":
+                latent_cache_bytes(converted, prompt), "not_healed": measured, "report": report.lines()}
+            del converted
+            write()
 
         for f, share, kind in [(f, share, kind) for f in args.compressions for share in args.rope_shares
-                               for kind in VARIANTS[1:] if kind != "svd_cache" or share == args.rope_shares[0]]:
+                               for kind in VARIANTS[1:] if (kind != "svd_cache" or share == args.rope_shares[0])
+                               and (kind != "keep_norm_principal" or G > 1)]:
             s = settings[(G, f, share)]
             r, d_r = s["kv_lora_rank"], s["rope_dim"]
             row = {"source": tag, "variant": kind, "letter": LETTERS[kind], "G": G, "compression": f,
                    "rope_share": None if kind == "svd_cache" else share,
                    "budget_values_per_token_per_layer": s["budget_values"]}
-            if kind in ("keep_norm", "drop_norm"):
-                keep = kind == "keep_norm"
+            if kind in ("keep_norm", "drop_norm", "keep_norm_principal"):
+                options = dict(kv_lora_rank=r, rope_dim=d_r, keep_norm=kind != "drop_norm",
+                               rope_key="principal" if kind == "keep_norm_principal" else "mean",
+                               calibration=calibration_rows)
 
-                def make(keep=keep):
-                    model, _ = convert_gqa(source, kv_lora_rank=r, rope_dim=d_r, keep_norm=keep)
+                def make(options=options):
+                    model, _ = convert_gqa(source, **options)
                     return model
-                model, report = convert_gqa(source, kv_lora_rank=r, rope_dim=d_r, keep_norm=keep)
+                model, report = convert_gqa(source, **options)
                 row["settings"] = {"kv_lora_rank": r, "rope_dim": d_r, "rope_pairs": "uniform",
-                                   "cached_latent": report.kv_lora_rank}
+                                   "cached_latent": report.kv_lora_rank, "rope_key": options["rope_key"],
+                                   "rope_key_energy_per_layer": report.rope_key_energy}
                 row["report"] = report.lines()
                 values = cache_values(kind, G, D, r, d_r)
                 assert sum(report.cache_values_per_token()) == values, (report.cache_values_per_token(), values)
@@ -477,7 +491,7 @@ def plot(result: dict, path: Path, write_atomically) -> None:
 
     tags = list(result["sources"])
     fig, axes = plt.subplots(1, len(tags), figsize=(5.5 * len(tags), 4.2), squeeze=False)
-    colors = dict(zip(VARIANTS, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red")))
+    colors = dict(zip(VARIANTS, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     for ax, tag in zip(axes[0], tags):
         for kind in VARIANTS:
             rows = [v for v in result["variants"] if v["source"] == tag and v["variant"] == kind]

@@ -37,11 +37,17 @@ def check_result(result: dict, recipe) -> None:
         config = source["config"]
         G, D, L = config["num_key_value_heads"], config["head_dim"], config["num_hidden_layers"]
         rows = [v for v in result["variants"] if v["source"] == tag]
-        # (a) once, (b)-(d) once per compression and RoPE share, (e) once per compression
+        # (a) once, (b)-(d) once per compression and RoPE share, (e) once per compression, (f) as (b) for G > 1
+        converted = recipe.VARIANTS[1:4] + (("keep_norm_principal",) if G > 1 else ())
         assert sorted((v["variant"], v["compression"], v["rope_share"] or 0) for v in rows) == sorted(
-            [("source", 1, 0)] + [(k, f, x) for k in recipe.VARIANTS[1:4] for f in settings["compressions"]
+            [("source", 1, 0)] + [(k, f, x) for k in converted for f in settings["compressions"]
                                   for x in settings["rope_shares"]]
             + [("svd_cache", f, 0) for f in settings["compressions"]])
+        if G > 1:  # the principal mix is the best single RoPE key per pair: at least the mean's energy
+            mean, principal = source["full_rank_conversion"], source["full_rank_conversion_principal"]
+            assert all(p >= m - 1e-9 for p, m in zip(principal["rope_key_energy_per_layer"],
+                                                      mean["rope_key_energy_per_layer"]))
+            check_measures(principal["not_healed"])
         full = source["full_rank_conversion"]
         assert full["latent_cache_bytes_per_token"] == full["cache_bytes_per_token"]
         check_measures(full["not_healed"])
@@ -55,9 +61,9 @@ def check_result(result: dict, recipe) -> None:
                                          s.get("r_k", 0), s.get("r_v", 0))
             assert v["cache_values_per_token_per_layer"] == values
             assert v["cache_bytes_per_token"] == values * recipe.BYTES * L
-            if v["variant"] in ("keep_norm", "svd_cache"):  # at the budget exactly
+            if v["variant"] in ("keep_norm", "keep_norm_principal", "svd_cache"):  # at the budget exactly
                 assert v["cache_bytes_per_token"] * v["compression"] == source_bytes
-            if v["variant"] in ("keep_norm", "drop_norm"):  # the latent cache generate fills
+            if v["variant"] in ("keep_norm", "keep_norm_principal", "drop_norm"):  # the latent cache generate fills
                 assert v["latent_cache_bytes_per_token"] == v["cache_bytes_per_token"]
             if v["variant"] == "full_keys":  # its keys alone are half the source's cache
                 assert v["cache_bytes_per_token"] > source_bytes // 2

@@ -287,7 +287,9 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     try:
         report = convert_gqa_checkpoint(args.hf, args.out, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
                                         rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
-                                        overwrite=args.overwrite)
+                                        overwrite=args.overwrite, rope_key=args.rope_key,
+                                        calibration_text=args.calibration_text,
+                                        calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here (the other names are options: main's flag_message)
         name, _, rest = str(e).partition(": ")
         raise ValueError(f"{'hf' if name == 'model' else name}: {rest}") from None
@@ -439,6 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="RoPE dims kept rotated, even, up to head_dim (default: head_dim, every pair)")
     cg.add_argument("--rope-pairs", choices=["uniform", "high"], default="uniform",
                     help="which RoPE pairs --rope-dim keeps: every (head_dim/N)-th, or the highest frequencies")
+    cg.add_argument("--rope-key", choices=["mean", "principal"], default="mean",
+                    help="how several KV heads' RoPE rows become the one shared RoPE key: their mean, or per kept "
+                         "pair the mix that best fits every head's key on --calibration-text (TransMLA's RoRoPE)")
+    cg.add_argument("--calibration-text", default=None, metavar="FILE",
+                    help="text like the model's data, tokenized by the checkpoint's tokenizer: what --rope-key "
+                         "principal fits its mix to (and what the report measures the RoPE key's share on)")
+    cg.add_argument("--calibration-tokens", type=int, default=16384, metavar="N",
+                    help="the first N tokens of --calibration-text (default 16384)")
     cg.add_argument("--drop-norm", action="store_true",
                     help="drop the QK norm instead of carrying it (what TransMLA/CARE conversions do)")
     cg.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,

@@ -331,3 +331,73 @@ def test_a_converted_model_with_fewer_kv_groups_fine_tunes_with_lora_and_its_ada
     full = logits(merged, torch.cat((ids, fed), dim=1))
     for i, step in enumerate(steps):
         assert max_rel(step, full[:, ids.shape[1] - 1 + i]) < 1e-4
+
+
+def proportional_kv_heads(**shape):
+    """A Qwen3 whose second KV head's key rows are twice the first's (values independent): at every
+    frequency the two groups' keys are multiples of one vector, the case one shared RoPE key can hold."""
+    src = qwen3_model(num_key_value_heads=2, **shape)
+    with torch.no_grad():
+        for layer in src.model.layers:
+            k = layer.self_attn.k_proj.weight.view(2, -1, layer.self_attn.k_proj.weight.shape[-1])
+            k[1].copy_(2.0 * k[0])
+    return src
+
+
+def test_the_principal_rope_key_holds_groups_whose_keys_are_proportional_where_the_mean_does_not(exact_float64):
+    """G = 2, full rank, every pair kept. The mean of the groups' RoPE rows gives group 0 1.5x its key and
+    group 1 0.75x; the principal mix u = (1, 2)/sqrt(5) per pair gives each its own: the logits are the
+    source's to roundoff, and the report says the mix holds all of the key energy."""
+    src = proportional_kv_heads()
+    ids = prompt(src)
+    calibration = prompt(src, B=4, T=16, seed=3)
+    mean, mean_report = convert_gqa(src, calibration=calibration)
+    principal, report = convert_gqa(src, rope_key="principal", calibration=calibration)
+    err_mean, err_principal = max_rel(logits(mean, ids), logits(src, ids)), max_rel(logits(principal, ids),
+                                                                                  logits(src, ids))
+    print(f"proportional keys: mean {err_mean:.3g}, principal {err_principal:.3g}; energy "
+          f"{mean_report.rope_key_energy} / {report.rope_key_energy}")
+    assert err_principal < 1e-10 < 1e-2 < err_mean
+    assert all(e == pytest.approx(1.0, abs=1e-12) for e in report.rope_key_energy)
+    assert all(e < 0.95 for e in mean_report.rope_key_energy)
+    assert any("principal mix" in a and "of the kept pairs' key energy" in a for a in report.approximate)
+
+
+def test_on_unrelated_kv_heads_the_principal_mix_holds_at_least_the_means_energy(qwen3_06b):
+    """Random weights at Qwen3-0.6B's widths (G = 8): the principal mix is the best single key per pair,
+    so it holds at least the mean's share of the key energy on the same calibration tokens."""
+    calibration = prompt(qwen3_06b, B=2, T=16, seed=3)
+    _, mean = convert_gqa(qwen3_06b, kv_lora_rank=64, rope_dim=16, calibration=calibration)
+    _, principal = convert_gqa(qwen3_06b, kv_lora_rank=64, rope_dim=16, rope_key="principal", calibration=calibration)
+    print(f"Qwen3-0.6B widths, random: mean {mean.rope_key_energy}, principal {principal.rope_key_energy}")
+    assert all(p >= m - 1e-12 for p, m in zip(principal.rope_key_energy, mean.rope_key_energy))
+    assert len(principal.rope_key_energy) == 2
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"rope_key": "principal"}, "calibration: rope_key='principal' takes its mix"),
+    ({"rope_key": "pca"}, "rope_key: expected one of"),
+    ({"calibration": torch.zeros(4)}, r"calibration: expected a \[B, T\] int64 tensor"),
+    ({"calibration": torch.full((1, 4), 97)}, r"calibration: token ids must lie in \[0, vocab_size=97\)"),
+])
+def test_bad_rope_key_settings_are_refused_naming_them(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert_gqa(qwen3_model(num_key_value_heads=2, dtype=torch.float32), **kwargs)
+
+
+def test_cli_fits_the_principal_rope_key_to_calibration_text(tmp_path, capsys):
+    src = proportional_kv_heads(dtype=torch.float32, vocab_size=384)
+    src.save_pretrained(tmp_path / "src")
+    transformers.ByT5Tokenizer().save_pretrained(tmp_path / "src")
+    text = tmp_path / "calibration.txt"
+    text.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer\n" * 8)
+    argv = ["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "dst"), "--rope-key", "principal"]
+    assert main(argv) == 2
+    assert "--calibration-text: rope_key 'principal' fits its mix" in capsys.readouterr().err
+    assert main(argv + ["--calibration-text", str(tmp_path / "missing.txt")]) == 2
+    assert "--calibration-text: " in capsys.readouterr().err and not (tmp_path / "dst").exists()
+    assert main(argv + ["--calibration-text", str(text), "--calibration-tokens", "512"]) == 0
+    printed = capsys.readouterr().out
+    assert "principal mix of their rows; it holds 1, 1 of the kept pairs' key energy" in printed
+    ids = prompt(src)
+    assert max_rel(logits(from_pretrained(tmp_path / "dst"), ids), logits(src, ids)) < 1e-4

@@ -175,3 +175,15 @@ def test_cli_converts_an_olmoe_checkpoint_that_loads_and_generates(tmp_path, cap
     ids = prompt(src)
     assert max_rel(logits(from_pretrained(out), ids), logits(want, ids)) < 1e-6
     assert main(["generate", "--hf", str(out), "--prompt", "To be", "--tokens", "4"]) == 0
+
+
+def test_the_principal_rope_key_mixes_the_weighted_rows_and_holds_at_least_the_means_energy():
+    """G = 2: the principal mix is fitted to the keys times the norm's weight per channel (what the
+    RoPE key's rows carry), so it holds at least the mean's share of that energy."""
+    src = olmoe_model(num_key_value_heads=2, dtype=torch.float32)
+    calibration = prompt(src, B=4, T=16, seed=3)
+    _, mean = convert_gqa(src, rope_dim=8, calibration=calibration)
+    dst, principal = convert_gqa(src, rope_dim=8, rope_key="principal", calibration=calibration)
+    assert all(p >= m - 1e-9 for p, m in zip(principal.rope_key_energy, mean.rope_key_energy))
+    assert principal.rope_key_energy != mean.rope_key_energy
+    assert torch.isfinite(logits(dst, prompt(src))).all()

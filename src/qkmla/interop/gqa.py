@@ -39,11 +39,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 ROPE_PAIRS = ("uniform", "high")
+ROPE_KEYS = ("mean", "principal")  # how the G groups' kept RoPE rows become the one shared RoPE key
 # The source classes, and what their QK norm's statistic covers (MLAConfig.qk_norm_scope): Qwen3
 # normalizes each head, OLMoE the whole q and k projections (one statistic per token, a weight per channel).
 SCOPES = {"Qwen3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
@@ -86,6 +88,11 @@ class GQAConversionReport:
     rope_theta: float
     kept_pairs: list[int]
     keep_norm: bool
+    rope_key: str = "mean"
+    # per layer, the fraction of the kept pairs' (normalized) key energy over the calibration tokens that
+    # the shared RoPE key's mix holds (1.0: every group's RoPE key is a multiple of it); empty without
+    # calibration tokens
+    rope_key_energy: list[float] = field(default_factory=list)
     latent_error: list[float] = field(default_factory=list)
     constant: list[float] = field(default_factory=list)
     scale_bound: float = 0.0
@@ -189,6 +196,77 @@ def _latent_factors(model, G: int, D: int) -> list[tuple[torch.Tensor, torch.Ten
     return out
 
 
+def _check_calibration(calibration, rope_key: str, vocab_size: int) -> None:
+    if rope_key not in ROPE_KEYS:
+        raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
+    if calibration is None:
+        if rope_key == "principal":
+            raise ValueError("calibration: rope_key='principal' takes its mix from the keys of calibration tokens; "
+                             "pass calibration=input_ids ([B, T] token ids of text like the model's)")
+        return
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype not in (
+            torch.int32, torch.int64) or calibration.numel() == 0:
+        raise ValueError(f"calibration: expected a [B, T] int64 tensor of token ids, got "
+                         f"{type(calibration).__name__} {getattr(calibration, 'dtype', '')} "
+                         f"{tuple(getattr(calibration, 'shape', ()))}")
+    if int(calibration.min()) < 0 or int(calibration.max()) >= vocab_size:
+        raise ValueError(f"calibration: token ids must lie in [0, vocab_size={vocab_size}), got "
+                         f"{int(calibration.min())}..{int(calibration.max())}")
+
+
+def _pair_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, scope: str,
+                  batch: int = 8) -> list[torch.Tensor]:
+    """Per layer, C [m, G, G] (float64): for each kept pair j, the second moment over the calibration tokens
+    of the G groups' raw keys at the pair's dims (j, j + D/2) (with the projection scope times the norm's
+    weight per channel, which goes into the RoPE key's rows). Each token's keys are divided by one RMS
+    over all its groups, so that tokens count alike while the groups' keys keep their ratios: the shared
+    key is mixed from raw rows, and each group's statistic then scales its heads' whole score. A G x G
+    moment of 2-vectors rotated alike is unchanged by RoPE, so it holds at every position."""
+    dims = torch.tensor([[j, j + D // 2] for j in pairs])
+    moments = [torch.zeros(len(pairs), G, G, dtype=torch.float64) for _ in model.model.layers]
+    counts = [0] * len(moments)
+
+    def grab(module, inputs, output, i):
+        k = output.detach().to(torch.float64).reshape(-1, G, D)
+        k = k * (k.square().mean((-2, -1), keepdim=True) + 1e-12).rsqrt()
+        if scope == "projection":
+            k = k * model.model.layers[i].self_attn.k_norm.weight.detach().to(torch.float64).view(G, D)
+        k = k[:, :, dims.to(k.device)].cpu()  # [N, G, m, 2]
+        moments[i] += torch.einsum("ngmc,nhmc->mgh", k, k)
+        counts[i] += k.shape[0]
+
+    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, o, i=i: grab(m, a, o, i))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            for chunk in calibration.split(batch):
+                model(input_ids=chunk.to(next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [m / c for m, c in zip(moments, counts)]
+
+
+def _rope_key_mix(moment: Optional[torch.Tensor], rope_key: str, m: int, G: int) -> tuple:
+    """(key weights [m, G], query scales [m, G], energy or None) of each kept pair's shared RoPE key
+    k^R = sum_g w_g k_g, read by a head of group g as s_g q . k^R. "mean": w = 1/G, s = 1 (equivalently
+    the unit mix 1/sqrt(G) on both sides). "principal": w = s = u, the unit top eigenvector of the pair's
+    moment, so that s_g k^R = u_g (u . k) is the least-squares fit of every group's key from one vector
+    (exact when the groups' keys at that pair are multiples of one another): TransMLA's RoRoPE, one
+    rotation across groups per frequency, keeping its first component."""
+    if rope_key == "mean":
+        w, q = torch.full((m, G), 1.0 / G, dtype=torch.float64), torch.ones(m, G, dtype=torch.float64)
+        u = torch.full((m, G), G ** -0.5, dtype=torch.float64)
+    else:
+        u = torch.linalg.eigh(moment).eigenvectors[..., -1]  # [m, G], unit, the largest eigenvalue's
+        u = u * torch.where(u.sum(-1, keepdim=True) < 0, -1.0, 1.0)  # a sign convention (either fits)
+        w, q = u, u
+    energy = None
+    if moment is not None:
+        energy = float(torch.einsum("mg,mgh,mh->", u, moment, u) / moment.diagonal(dim1=-2, dim2=-1).sum())
+    return w, q, energy
+
+
 def _numerical_rank(s: torch.Tensor, shape) -> int:
     return int((s > s[0] * max(shape) * torch.finfo(s.dtype).eps).sum()) if s[0] > 0 else 1
 
@@ -225,7 +303,8 @@ def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
 
 
 def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
-                rope_pairs: str = "uniform", keep_norm: bool = True):
+                rope_pairs: str = "uniform", keep_norm: bool = True, rope_key: str = "mean",
+                calibration: Optional[torch.Tensor] = None):
     """A ``Qwen3ForCausalLM`` as a ``DeepseekV3ForCausalLM``, or an ``OlmoeForCausalLM`` as a
     ``DeepseekV2ForCausalLM``, patched by qkmla (module docstring).
 
@@ -238,6 +317,11 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
         rope_pairs: which pairs: "uniform" (every (D/d_r)-th) or "high" (the first d_r/2, highest frequencies).
         keep_norm: True (qkmla's QK RMSNorm, content mode, carrying the source's norm); False drops the norm
             (its statistic and weights, as TransMLA and CARE conversions do: another function).
+        rope_key: how G > 1 groups' kept RoPE rows become DeepSeek's one shared RoPE key: "mean" (their
+            mean) or "principal" (per kept pair, the mix that best fits every group's key over
+            ``calibration``'s tokens: MATH.md, "Content variant"). Both are exact for G = 1.
+        calibration: [B, T] token ids run through the source to measure its keys; needed by "principal",
+            optional with "mean" (then the report measures how much key energy the mean holds).
 
     Returns:
         (model, :class:`GQAConversionReport`): the converted model in eval mode, in the source's dtype and
@@ -246,7 +330,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     Raises:
         ValueError before any work, naming the argument: another architecture or a source the conversion
         cannot take (model), a rank out of range (kv_lora_rank), a RoPE width the head cannot give
-        (rope_dim, rope_pairs).
+        (rope_dim, rope_pairs), an unknown rope_key, calibration that is not token ids of the model.
     """
     import transformers
 
@@ -260,12 +344,15 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
     if not isinstance(keep_norm, bool):
         raise ValueError(f"keep_norm: expected True or False, got {keep_norm!r}")
+    _check_calibration(calibration, rope_key, model.config.vocab_size)
     weight = next(model.parameters())
     if weight.dtype == torch.float16:
         raise ValueError("model: float16 cannot hold the constant latent channel (its size is far above 65504); "
                          "convert a float32 or bfloat16 model")
 
     scope = SCOPES[type(model).__name__]
+    moments = _pair_moments(model, calibration, pairs, G, D, scope) if calibration is not None else [None] * len(
+        model.model.layers)
     factors = _latent_factors(model, G, D)
     full_rank = max(_numerical_rank(s, (2 * G * D, hidden)) for _, s, _ in factors)
     r = full_rank if kv_lora_rank is None else kv_lora_rank
@@ -287,23 +374,30 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     order = [d for j in pairs for d in (j, j + D // 2)] if config.model_type == "deepseek_v2" \
         else pairs + [j + D // 2 for j in pairs]
     idx = torch.tensor(order, device=weight.device)
+    pair_of = torch.tensor([pairs.index(d if d < D // 2 else d - D // 2) for d in order])  # [d_r]: its kept pair
+    group_of = torch.arange(H) // (H // G)  # [H]: each query head's KV group
     fold = math.sqrt((D + rope_dim) / D)  # tau (D + d_r)^-1/2 -> the source's D^-1/2
     report = GQAConversionReport(num_kv_groups=G, head_dim=D, scope=scope, rank=r, max_rank=max_rank, kv_lora_rank=r + 1,
                                  rope_dim=rope_dim, rope_pairs=rope_pairs, rope_theta=theta, kept_pairs=pairs,
-                                 keep_norm=keep_norm)
+                                 keep_norm=keep_norm, rope_key=rope_key)
     eps = dst.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon
     norms = []
     with torch.no_grad():
-        for src_layer, dst_layer, (U, S, Vh) in zip(model.model.layers, dst.model.layers, factors):
+        for src_layer, dst_layer, (U, S, Vh), moment in zip(model.model.layers, dst.model.layers, factors, moments):
             s, d = src_layer.self_attn, dst_layer.self_attn
             f64 = dict(dtype=torch.float64)
+            w_key, s_query, energy = _rope_key_mix(moment, rope_key, len(pairs), G)
+            if energy is not None:
+                report.rope_key_energy.append(energy)
+            w_key = w_key[pair_of].T.to(weight.device)[:, :, None]  # [G, d_r, 1]: each group's rows' weight
+            s_query = s_query[pair_of][:, group_of].T.to(weight.device)[:, :, None]  # [H, d_r, 1]
             wq = s.q_proj.weight.to(**f64).view(H, D, hidden)
             wk = s.k_proj.weight.to(**f64).view(G, D, hidden)
             # A row per head: Qwen3's weight is shared by the heads, OLMoE's has one per channel.
             gq = s.q_norm.weight.to(**f64).expand(H, D) if scope == "head" else s.q_norm.weight.to(**f64).view(H, D)
             gk = s.k_norm.weight.to(**f64).expand(G, D) if scope == "head" else s.k_norm.weight.to(**f64).view(G, D)
             q_content = wq if keep_norm else wq.index_fill(1, idx, 0.0) * fold
-            q_rope = wq[:, idx] if keep_norm else wq[:, idx] * fold
+            q_rope = (wq[:, idx] if keep_norm else wq[:, idx] * fold) * s_query
             d.q_proj.weight.copy_(torch.cat((q_content, q_rope), dim=1).flatten(0, 1))
 
             # the constant channel: |u| = |V_r^T x| <= |x| <= max|input_layernorm| sqrt(hidden)
@@ -317,7 +411,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             zero = torch.zeros(1, hidden, **f64)
             # exact for G = 1. A weight per channel (OLMoE) differs between the dims of a rotated pair, so
             # it cannot move to the query past the rotation: it goes into the RoPE key's rows.
-            k_rope = (wk[:, idx] if scope == "head" else wk[:, idx] * gk[:, idx, None]).mean(dim=0)
+            k_rope = ((wk[:, idx] if scope == "head" else wk[:, idx] * gk[:, idx, None]) * w_key).sum(dim=0)
             d.kv_a_proj_with_mqa.weight.copy_(torch.cat((Vh[:r], zero, k_rope)))
             d.kv_a_proj_with_mqa.bias.zero_()
             d.kv_a_proj_with_mqa.bias[r] = M
@@ -375,24 +469,33 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
     if report.rope_dim < D:
         approx.append(f"{(D - report.rope_dim) // 2} of {D // 2} RoPE pairs are not rotated (partial RoPE)")
     if G > 1:
-        approx.append(f"the RoPE key is shared by the {G} KV groups (the mean of their rows)")
+        how = "the mean of their rows" if report.rope_key == "mean" else "each kept pair's principal mix of their rows"
+        held = (f"; it holds {', '.join(f'{e:.3g}' for e in report.rope_key_energy)} of the kept pairs' key energy "
+                f"per layer on the calibration tokens") if report.rope_key_energy else ""
+        approx.append(f"the RoPE key is shared by the {G} KV groups ({how}{held})")
     else:
         exact.append("the RoPE key (G = 1)" + ("" if report.rope_dim == D else ", for the kept pairs"))
     approx.append(f"kv_a_layernorm scales each token's values and k^R by alpha, 1 - alpha <= {report.scale_bound:.2g} "
                   f"(the constant channel)")
 
 
+CALIBRATION_WINDOW = 256  # tokens per calibration window (fewer if the model's context is shorter)
+
+
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
-                           overwrite: bool = False) -> GQAConversionReport:
+                           overwrite: bool = False, rope_key: str = "mean", calibration_text=None,
+                           calibration_tokens: int = 16384) -> GQAConversionReport:
     """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
     and written to ``out`` with its tokenizer and generation config, for
     ``qkmla.interop.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as
-    ``qkmla convert`` does (:func:`~qkmla.interop.convert.check_convert_paths`).
+    ``qkmla convert`` does (:func:`~qkmla.interop.convert.check_convert_paths`). ``calibration_text``: a
+    text file whose first ``calibration_tokens`` tokens (through the checkpoint's tokenizer, in windows of
+    up to 256) are :func:`convert_gqa`'s calibration.
 
     Raises:
-        ValueError before any weight is read: the paths (hf, out), a config.json that is not a Qwen3 or
-        OLMoE model's (hf), and the arguments as :func:`convert_gqa` names them.
+        ValueError before any weight is read: the paths (hf, out, calibration_text), a config.json that is not a
+        Qwen3 or OLMoE model's (hf), and the arguments as :func:`convert_gqa` names them.
     """
     import transformers
 
@@ -400,17 +503,37 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     from .convert import check_convert_paths, write_checkpoint
 
     src, out = check_convert_paths(src, out, overwrite)
-    model_type = read_hf_config(src).get("model_type")
+    hf_config = read_hf_config(src)
+    model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"hf: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts "
                          f"{sorted(MODEL_TYPES)} models")
-    model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
-        src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
-    converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
-                                    keep_norm=keep_norm)
+    if rope_key not in ROPE_KEYS:
+        raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
+    if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 2:
+        raise ValueError(f"calibration_tokens: expected an int >= 2, got {calibration_tokens!r}")
+    if calibration_text is not None and not Path(calibration_text).is_file():
+        raise ValueError(f"calibration_text: {calibration_text} is not a file")
+    if rope_key == "principal" and calibration_text is None:
+        raise ValueError("calibration_text: rope_key 'principal' fits its mix to the keys of calibration text; give "
+                         "a text file like the model's data")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
         tokenizer = None
+    calibration = None
+    if calibration_text is not None:
+        if tokenizer is None:
+            raise ValueError(f"calibration_text: {src} has no tokenizer to read {calibration_text} with")
+        ids = tokenizer(Path(calibration_text).read_text(encoding="utf-8", errors="replace")[:64 * calibration_tokens],
+                        add_special_tokens=False, return_tensors="pt")["input_ids"][0, :calibration_tokens]
+        window = min(CALIBRATION_WINDOW, int(hf_config.get("max_position_embeddings") or CALIBRATION_WINDOW), len(ids))
+        if window < 2:
+            raise ValueError(f"calibration_text: {calibration_text} gives {len(ids)} tokens; at least 2 are needed")
+        calibration = ids[:len(ids) - len(ids) % window].view(-1, window)
+    model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
+        src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
+    converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
+                                    keep_norm=keep_norm, rope_key=rope_key, calibration=calibration)
     write_checkpoint(converted, tokenizer, out)
     return report
