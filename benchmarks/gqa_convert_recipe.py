@@ -28,6 +28,9 @@ weights are not committed). Then, for each cache budget (the source's cache divi
 (f) keep_norm_principal  (b) with ``rope_key="principal"`` (for G > 1): each kept RoPE pair's shared key
                 is the mix of the groups' rows that best fits every group's key on the calibration
                 windows (TransMLA's RoRoPE), in place of their mean; the same cache.
+(g) keep_norm_calibrated  (b) with both calibration fits: the latent factorization weighted by the
+                calibration windows' attention inputs (``latent="activations"``, activation-aware SVD)
+                and, for G > 1, (f)'s RoPE key; the same cache.
 
 Every variant is measured before and after the same healing budget: ``--heal-steps`` steps of AdamW
 (constant lr after a short warmup, no weight decay, clip 1.0, the same batches of training-play
@@ -65,8 +68,9 @@ SHAPE = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 384, "num_h
 QUICK_SHAPE = SHAPE | {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 16,
                        "max_position_embeddings": 64}
 SPECIAL_IDS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": None}  # ByT5Tokenizer's
-VARIANTS = ("source", "keep_norm", "drop_norm", "full_keys", "svd_cache", "keep_norm_principal")
-LETTERS = dict(zip(VARIANTS, "abcdef"))
+VARIANTS = ("source", "keep_norm", "drop_norm", "full_keys", "svd_cache", "keep_norm_principal",
+            "keep_norm_calibrated")
+LETTERS = dict(zip(VARIANTS, "abcdefg"))
 BYTES = 4  # float32
 FORMULAS = {
     "source": "2 G D (keys and values of every KV head)",
@@ -76,13 +80,15 @@ FORMULAS = {
     "full_keys": "G D + kv_lora_rank (the full normalized, partially rotated keys; the latent for the values)",
     "svd_cache": "r_K + r_V (the coordinates of k and v in their principal subspaces)",
     "keep_norm_principal": "as keep_norm (only the RoPE key's rows differ)",
+    "keep_norm_calibrated": "as keep_norm (only the latent's and the RoPE key's rows differ)",
 }
 
 
 def cache_values(kind: str, G: int, D: int, rank: int = 0, rope_dim: int = 0, r_k: int = 0, r_v: int = 0) -> int:
     """Values one token caches in one layer (:data:`FORMULAS`)."""
     return {"source": 2 * G * D, "keep_norm": rank + 1 + rope_dim + G,
-            "keep_norm_principal": rank + 1 + rope_dim + G, "drop_norm": rank + 1 + rope_dim,
+            "keep_norm_principal": rank + 1 + rope_dim + G, "keep_norm_calibrated": rank + 1 + rope_dim + G,
+            "drop_norm": rank + 1 + rope_dim,
             "full_keys": G * D + rank, "svd_cache": r_k + r_v}[kind]
 
 
@@ -340,8 +346,8 @@ def main(argv=None) -> int:
                       "train_tokens": train_ids.numel(), "val_plays": list(VALIDATION_PLAYS),
                       "val_play_tokens": val_ids.numel(), "val_windows": list(val_rows.shape),
                       "calibration_windows": list(calibration_rows.shape),
-                      "calibration_source": "training plays, random windows (for (e)'s subspaces and (f)'s "
-                                            "RoPE key, and (b)'s measured RoPE key energy)"}
+                      "calibration_source": "training plays, random windows (for (e)'s subspaces, (f)'s and (g)'s "
+                                            "fits, and (b)'s measured RoPE key energy)"}
     result["measures"] = {
         "loss": "mean next-token cross-entropy, nats per byte, over every position of the validation windows",
         "ppl": "exp(loss)",
@@ -422,9 +428,11 @@ def main(argv=None) -> int:
             row = {"source": tag, "variant": kind, "letter": LETTERS[kind], "G": G, "compression": f,
                    "rope_share": None if kind == "svd_cache" else share,
                    "budget_values_per_token_per_layer": s["budget_values"]}
-            if kind in ("keep_norm", "drop_norm", "keep_norm_principal"):
+            if kind in ("keep_norm", "drop_norm", "keep_norm_principal", "keep_norm_calibrated"):
+                principal = kind == "keep_norm_principal" or (kind == "keep_norm_calibrated" and G > 1)
                 options = dict(kv_lora_rank=r, rope_dim=d_r, keep_norm=kind != "drop_norm",
-                               rope_key="principal" if kind == "keep_norm_principal" else "mean",
+                               rope_key="principal" if principal else "mean",
+                               latent="activations" if kind == "keep_norm_calibrated" else "weights",
                                calibration=calibration_rows)
 
                 def make(options=options):
@@ -433,6 +441,7 @@ def main(argv=None) -> int:
                 model, report = convert_gqa(source, **options)
                 row["settings"] = {"kv_lora_rank": r, "rope_dim": d_r, "rope_pairs": "uniform",
                                    "cached_latent": report.kv_lora_rank, "rope_key": options["rope_key"],
+                                   "latent": options["latent"],
                                    "rope_key_energy_per_layer": report.rope_key_energy}
                 row["report"] = report.lines()
                 values = cache_values(kind, G, D, r, d_r)
@@ -491,7 +500,8 @@ def plot(result: dict, path: Path, write_atomically) -> None:
 
     tags = list(result["sources"])
     fig, axes = plt.subplots(1, len(tags), figsize=(5.5 * len(tags), 4.2), squeeze=False)
-    colors = dict(zip(VARIANTS, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    colors = dict(zip(VARIANTS, ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                                 "tab:brown")))
     for ax, tag in zip(axes[0], tags):
         for kind in VARIANTS:
             rows = [v for v in result["variants"] if v["source"] == tag and v["variant"] == kind]

@@ -37,8 +37,9 @@ def check_result(result: dict, recipe) -> None:
         config = source["config"]
         G, D, L = config["num_key_value_heads"], config["head_dim"], config["num_hidden_layers"]
         rows = [v for v in result["variants"] if v["source"] == tag]
-        # (a) once, (b)-(d) once per compression and RoPE share, (e) once per compression, (f) as (b) for G > 1
-        converted = recipe.VARIANTS[1:4] + (("keep_norm_principal",) if G > 1 else ())
+        # (a) once, (b)-(d) and (g) once per compression and RoPE share, (e) once per compression, (f) as (b)
+        # for G > 1
+        converted = recipe.VARIANTS[1:4] + ("keep_norm_calibrated",) + (("keep_norm_principal",) if G > 1 else ())
         assert sorted((v["variant"], v["compression"], v["rope_share"] or 0) for v in rows) == sorted(
             [("source", 1, 0)] + [(k, f, x) for k in converted for f in settings["compressions"]
                                   for x in settings["rope_shares"]]
@@ -61,9 +62,9 @@ def check_result(result: dict, recipe) -> None:
                                          s.get("r_k", 0), s.get("r_v", 0))
             assert v["cache_values_per_token_per_layer"] == values
             assert v["cache_bytes_per_token"] == values * recipe.BYTES * L
-            if v["variant"] in ("keep_norm", "keep_norm_principal", "svd_cache"):  # at the budget exactly
+            if v["variant"] in ("keep_norm", "keep_norm_principal", "keep_norm_calibrated", "svd_cache"):  # the budget
                 assert v["cache_bytes_per_token"] * v["compression"] == source_bytes
-            if v["variant"] in ("keep_norm", "keep_norm_principal", "drop_norm"):  # the latent cache generate fills
+            if v["variant"] not in ("source", "full_keys", "svd_cache"):  # the latent cache generate fills
                 assert v["latent_cache_bytes_per_token"] == v["cache_bytes_per_token"]
             if v["variant"] == "full_keys":  # its keys alone are half the source's cache
                 assert v["cache_bytes_per_token"] > source_bytes // 2

@@ -287,7 +287,7 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     try:
         report = convert_gqa_checkpoint(args.hf, args.out, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
                                         rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
-                                        overwrite=args.overwrite, rope_key=args.rope_key,
+                                        overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
                                         calibration_text=args.calibration_text,
                                         calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here (the other names are options: main's flag_message)
@@ -444,9 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
     cg.add_argument("--rope-key", choices=["mean", "principal"], default="mean",
                     help="how several KV heads' RoPE rows become the one shared RoPE key: their mean, or per kept "
                          "pair the mix that best fits every head's key on --calibration-text (TransMLA's RoRoPE)")
+    cg.add_argument("--latent", choices=["weights", "activations"], default="weights",
+                    help="the rank --kv-lora-rank factorization of the keys and values: best for any input (SVD of "
+                         "the weights), or for the attention inputs of --calibration-text (activation-aware SVD)")
     cg.add_argument("--calibration-text", default=None, metavar="FILE",
                     help="text like the model's data, tokenized by the checkpoint's tokenizer: what --rope-key "
-                         "principal fits its mix to (and what the report measures the RoPE key's share on)")
+                         "principal and --latent activations fit to (and what the report measures the RoPE key's "
+                         "share on)")
     cg.add_argument("--calibration-tokens", type=int, default=16384, metavar="N",
                     help="the first N tokens of --calibration-text (default 16384)")
     cg.add_argument("--drop-norm", action="store_true",

@@ -46,6 +46,7 @@ import torch
 
 ROPE_PAIRS = ("uniform", "high")
 ROPE_KEYS = ("mean", "principal")  # how the G groups' kept RoPE rows become the one shared RoPE key
+LATENTS = ("weights", "activations")  # what the rank-r factorization of [W_K ; W_V] is best for
 # The source classes, and what their QK norm's statistic covers (MLAConfig.qk_norm_scope): Qwen3
 # normalizes each head, OLMoE the whole q and k projections (one statistic per token, a weight per channel).
 SCOPES = {"Qwen3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
@@ -89,6 +90,7 @@ class GQAConversionReport:
     kept_pairs: list[int]
     keep_norm: bool
     rope_key: str = "mean"
+    latent: str = "weights"
     # per layer, the fraction of the kept pairs' (normalized) key energy over the calibration tokens that
     # the shared RoPE key's mix holds (1.0: every group's RoPE key is a multiple of it); empty without
     # calibration tokens
@@ -185,24 +187,51 @@ def _check_rank(kv_lora_rank, max_rank: int) -> None:
                          f"{max_rank} (the rank [W_K ; W_V] can have), got {kv_lora_rank!r}")
 
 
-def _latent_factors(model, G: int, D: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer, the SVD (U, S, V^T) of [W_K^0 ; W_V^0 ; W_K^1 ; ...] [2 G D, hidden] in float64."""
+def _latent_factors(model, G: int, D: int, inputs: Optional[list[torch.Tensor]] = None) -> list[tuple]:
+    """Per layer, (U, S, B) in float64 with [W_K^0 ; W_V^0 ; W_K^1 ; ...] = U diag(S) B [2 G D, hidden]:
+    the latent is B[:r] x and the keys and values U[:, :r] S[:r] times it.
+
+    Without ``inputs``, the SVD of the weights (B = V^T, orthonormal rows): the rank-r truncation is the
+    best for every input alike. With ``inputs`` (per layer the second moment Sigma [hidden, hidden] of
+    the attention's input over calibration tokens), the SVD of M Sigma^(1/2) = U S V^T and
+    B = V^T Sigma^(-1/2): the truncation minimizes the error of the keys and values on those inputs,
+    E|M x - U_r S_r B_r x|^2 (activation-aware SVD), and the full rank is M again.
+    """
     out = []
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         a = layer.self_attn
         k = a.k_proj.weight.detach().double().view(G, D, -1)
         v = a.v_proj.weight.detach().double().view(G, D, -1)
-        out.append(torch.linalg.svd(torch.cat((k, v), dim=1).flatten(0, 1), full_matrices=False))
+        m = torch.cat((k, v), dim=1).flatten(0, 1)
+        if inputs is None:
+            out.append(torch.linalg.svd(m, full_matrices=False))
+            continue
+        sigma = inputs[i].to(m.device)
+        # a ridge of 1e-8 of the mean eigenvalue keeps Sigma^(-1/2) finite where the inputs span less
+        lam, Q = torch.linalg.eigh(sigma + 1e-8 * sigma.diagonal().mean() * torch.eye(len(sigma), **_f64(m)))
+        lam = lam.clamp_min(1e-8 * float(lam.max()))
+        U, S, Vh = torch.linalg.svd(m @ (Q * lam.sqrt()) @ Q.T, full_matrices=False)
+        out.append((U, S, Vh @ (Q * lam.rsqrt()) @ Q.T))
     return out
 
 
-def _check_calibration(calibration, rope_key: str, vocab_size: int) -> None:
+def _f64(t: torch.Tensor) -> dict:
+    return dict(dtype=torch.float64, device=t.device)
+
+
+def _check_calibration(calibration, rope_key: str, latent: str, vocab_size: int) -> None:
     if rope_key not in ROPE_KEYS:
         raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
+    if latent not in LATENTS:
+        raise ValueError(f"latent: expected one of {LATENTS}, got {latent!r}")
     if calibration is None:
         if rope_key == "principal":
             raise ValueError("calibration: rope_key='principal' takes its mix from the keys of calibration tokens; "
                              "pass calibration=input_ids ([B, T] token ids of text like the model's)")
+        if latent == "activations":
+            raise ValueError("calibration: latent='activations' weights the factorization by the attention inputs of "
+                             "calibration tokens; pass calibration=input_ids ([B, T] token ids of text like the "
+                             "model's)")
         return
     if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype not in (
             torch.int32, torch.int64) or calibration.numel() == 0:
@@ -214,9 +243,11 @@ def _check_calibration(calibration, rope_key: str, vocab_size: int) -> None:
                          f"{int(calibration.min())}..{int(calibration.max())}")
 
 
-def _pair_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, scope: str,
-                  batch: int = 8) -> list[torch.Tensor]:
-    """Per layer, C [m, G, G] (float64): for each kept pair j, the second moment over the calibration tokens
+def _calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, scope: str,
+                         batch: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, (C [m, G, G], Sigma [hidden, hidden]) in float64 over the calibration tokens: Sigma the
+    second moment of the attention's input (what k_proj and v_proj read: :func:`_latent_factors`), and
+    C, for each kept pair j, the second moment
     of the G groups' raw keys at the pair's dims (j, j + D/2) (with the projection scope times the norm's
     weight per channel, which goes into the RoPE key's rows). Each token's keys are divided by one RMS
     over all its groups, so that tokens count alike while the groups' keys keep their ratios: the shared
@@ -224,9 +255,13 @@ def _pair_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D:
     moment of 2-vectors rotated alike is unchanged by RoPE, so it holds at every position."""
     dims = torch.tensor([[j, j + D // 2] for j in pairs])
     moments = [torch.zeros(len(pairs), G, G, dtype=torch.float64) for _ in model.model.layers]
+    hidden = model.config.hidden_size
+    inputs = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in model.model.layers]
     counts = [0] * len(moments)
 
-    def grab(module, inputs, output, i):
+    def grab(module, args, output, i):
+        x = args[0].detach().to(torch.float64).reshape(-1, hidden).cpu()
+        inputs[i] += x.T @ x
         k = output.detach().to(torch.float64).reshape(-1, G, D)
         k = k * (k.square().mean((-2, -1), keepdim=True) + 1e-12).rsqrt()
         if scope == "projection":
@@ -244,7 +279,7 @@ def _pair_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D:
     finally:
         for h in hooks:
             h.remove()
-    return [m / c for m, c in zip(moments, counts)]
+    return [m / c for m, c in zip(moments, counts)], [x / c for x, c in zip(inputs, counts)]
 
 
 def _rope_key_mix(moment: Optional[torch.Tensor], rope_key: str, m: int, G: int) -> tuple:
@@ -304,7 +339,7 @@ def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
 
 def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                 rope_pairs: str = "uniform", keep_norm: bool = True, rope_key: str = "mean",
-                calibration: Optional[torch.Tensor] = None):
+                latent: str = "weights", calibration: Optional[torch.Tensor] = None):
     """A ``Qwen3ForCausalLM`` as a ``DeepseekV3ForCausalLM``, or an ``OlmoeForCausalLM`` as a
     ``DeepseekV2ForCausalLM``, patched by qkmla (module docstring).
 
@@ -320,8 +355,12 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
         rope_key: how G > 1 groups' kept RoPE rows become DeepSeek's one shared RoPE key: "mean" (their
             mean) or "principal" (per kept pair, the mix that best fits every group's key over
             ``calibration``'s tokens: MATH.md, "Content variant"). Both are exact for G = 1.
-        calibration: [B, T] token ids run through the source to measure its keys; needed by "principal",
-            optional with "mean" (then the report measures how much key energy the mean holds).
+        latent: what the rank-r factorization is best for: "weights" (the SVD of [W_K ; W_V], any input
+            alike) or "activations" (weighted by the attention inputs of ``calibration``'s tokens:
+            activation-aware SVD, :func:`_latent_factors`). Both are exact at full rank.
+        calibration: [B, T] token ids run through the source to measure its keys and attention inputs;
+            needed by "principal" and "activations", optional otherwise (then the report measures how much
+            key energy the RoPE key's mix holds).
 
     Returns:
         (model, :class:`GQAConversionReport`): the converted model in eval mode, in the source's dtype and
@@ -344,17 +383,22 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
     if not isinstance(keep_norm, bool):
         raise ValueError(f"keep_norm: expected True or False, got {keep_norm!r}")
-    _check_calibration(calibration, rope_key, model.config.vocab_size)
+    _check_calibration(calibration, rope_key, latent, model.config.vocab_size)
     weight = next(model.parameters())
     if weight.dtype == torch.float16:
         raise ValueError("model: float16 cannot hold the constant latent channel (its size is far above 65504); "
                          "convert a float32 or bfloat16 model")
 
     scope = SCOPES[type(model).__name__]
-    moments = _pair_moments(model, calibration, pairs, G, D, scope) if calibration is not None else [None] * len(
-        model.model.layers)
-    factors = _latent_factors(model, G, D)
-    full_rank = max(_numerical_rank(s, (2 * G * D, hidden)) for _, s, _ in factors)
+    moments, inputs = _calibration_moments(model, calibration, pairs, G, D, scope) if calibration is not None \
+        else ([None] * len(model.model.layers), None)
+    factors = _latent_factors(model, G, D, inputs if latent == "activations" else None)
+    # the rank of [W_K ; W_V] itself: weighted by inputs of full rank (the ridge), its factorization is
+    # exact at that rank too
+    full_rank = max(_numerical_rank(torch.linalg.svdvals(torch.cat((
+        a.self_attn.k_proj.weight.detach().double().view(G, D, -1),
+        a.self_attn.v_proj.weight.detach().double().view(G, D, -1)), dim=1).flatten(0, 1)), (2 * G * D, hidden))
+        for a in model.model.layers)
     r = full_rank if kv_lora_rank is None else kv_lora_rank
     config = deepseek_config(model, r, rope_dim, theta)
     dst = (transformers.DeepseekV2ForCausalLM if config.model_type == "deepseek_v2"
@@ -379,11 +423,11 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     fold = math.sqrt((D + rope_dim) / D)  # tau (D + d_r)^-1/2 -> the source's D^-1/2
     report = GQAConversionReport(num_kv_groups=G, head_dim=D, scope=scope, rank=r, max_rank=max_rank, kv_lora_rank=r + 1,
                                  rope_dim=rope_dim, rope_pairs=rope_pairs, rope_theta=theta, kept_pairs=pairs,
-                                 keep_norm=keep_norm, rope_key=rope_key)
+                                 keep_norm=keep_norm, rope_key=rope_key, latent=latent)
     eps = dst.model.layers[0].self_attn.kv_a_layernorm.variance_epsilon
     norms = []
     with torch.no_grad():
-        for src_layer, dst_layer, (U, S, Vh), moment in zip(model.model.layers, dst.model.layers, factors, moments):
+        for src_layer, dst_layer, (U, S, B), moment in zip(model.model.layers, dst.model.layers, factors, moments):
             s, d = src_layer.self_attn, dst_layer.self_attn
             f64 = dict(dtype=torch.float64)
             w_key, s_query, energy = _rope_key_mix(moment, rope_key, len(pairs), G)
@@ -401,7 +445,9 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             d.q_proj.weight.copy_(torch.cat((q_content, q_rope), dim=1).flatten(0, 1))
 
             # the constant channel: |u| = |V_r^T x| <= |x| <= max|input_layernorm| sqrt(hidden)
-            u_bound = float(src_layer.input_layernorm.weight.abs().max()) * math.sqrt(hidden)
+            # times |B_r|_2, which is 1 for the weights' orthonormal rows
+            u_bound = float(src_layer.input_layernorm.weight.abs().max()) * math.sqrt(hidden) * float(
+                torch.linalg.matrix_norm(B[:r], ord=2))
             M = SCALE_MARGIN * max(u_bound, 1.0)
             if M > FLOAT32_MAX_M:
                 raise ValueError(f"model: layer {len(report.constant)}'s input_layernorm weights are too large for "
@@ -412,7 +458,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             # exact for G = 1. A weight per channel (OLMoE) differs between the dims of a rotated pair, so
             # it cannot move to the query past the rotation: it goes into the RoPE key's rows.
             k_rope = ((wk[:, idx] if scope == "head" else wk[:, idx] * gk[:, idx, None]) * w_key).sum(dim=0)
-            d.kv_a_proj_with_mqa.weight.copy_(torch.cat((Vh[:r], zero, k_rope)))
+            d.kv_a_proj_with_mqa.weight.copy_(torch.cat((B[:r], zero, k_rope)))
             d.kv_a_proj_with_mqa.bias.zero_()
             d.kv_a_proj_with_mqa.bias[r] = M
             d.kv_a_layernorm.weight.copy_(torch.cat((torch.full((r,), M / math.sqrt(r + 1), **f64),
@@ -464,7 +510,8 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
     if full_rank:
         exact.append(f"the latent (rank {r} holds [W_K ; W_V])")
     else:
-        approx.append(f"the latent: rank {r} of [W_K ; W_V] (relative error per layer "
+        weighted = ", weighted by the calibration tokens' attention inputs" if report.latent == "activations" else ""
+        approx.append(f"the latent: rank {r} of [W_K ; W_V] (relative error per layer{weighted} "
                       f"{', '.join(f'{e:.3g}' for e in report.latent_error)})")
     if report.rope_dim < D:
         approx.append(f"{(D - report.rope_dim) // 2} of {D // 2} RoPE pairs are not rotated (partial RoPE)")
@@ -484,8 +531,8 @@ CALIBRATION_WINDOW = 256  # tokens per calibration window (fewer if the model's 
 
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
-                           overwrite: bool = False, rope_key: str = "mean", calibration_text=None,
-                           calibration_tokens: int = 16384) -> GQAConversionReport:
+                           overwrite: bool = False, rope_key: str = "mean", latent: str = "weights",
+                           calibration_text=None, calibration_tokens: int = 16384) -> GQAConversionReport:
     """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
     and written to ``out`` with its tokenizer and generation config, for
     ``qkmla.interop.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as
@@ -510,13 +557,16 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
                          f"{sorted(MODEL_TYPES)} models")
     if rope_key not in ROPE_KEYS:
         raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
+    if latent not in LATENTS:
+        raise ValueError(f"latent: expected one of {LATENTS}, got {latent!r}")
     if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 2:
         raise ValueError(f"calibration_tokens: expected an int >= 2, got {calibration_tokens!r}")
     if calibration_text is not None and not Path(calibration_text).is_file():
         raise ValueError(f"calibration_text: {calibration_text} is not a file")
-    if rope_key == "principal" and calibration_text is None:
-        raise ValueError("calibration_text: rope_key 'principal' fits its mix to the keys of calibration text; give "
-                         "a text file like the model's data")
+    if calibration_text is None and (rope_key == "principal" or latent == "activations"):
+        what = "rope_key 'principal' fits its mix to the keys" if rope_key == "principal" else \
+            "latent 'activations' weights the factorization by the attention inputs"
+        raise ValueError(f"calibration_text: {what} of calibration text; give a text file like the model's data")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
     except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
@@ -534,6 +584,6 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
         src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
     converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
-                                    keep_norm=keep_norm, rope_key=rope_key, calibration=calibration)
+                                    keep_norm=keep_norm, rope_key=rope_key, latent=latent, calibration=calibration)
     write_checkpoint(converted, tokenizer, out)
     return report
