@@ -55,18 +55,23 @@ def exact_float64(monkeypatch):
     monkeypatch.setattr(qwen3.Qwen3RotaryEmbedding, "forward", _rotary64)
 
 
-def qwen3_model(seed: int = 0, dtype=torch.float64, **shape):
-    """A random Qwen3ForCausalLM with its QK-norm and layer-norm weights away from ones."""
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**{**SMALL, **shape}, attn_implementation="sdpa")
-    model = transformers.Qwen3ForCausalLM(config).to(dtype).eval()
+def away_from_init(model, attention_gain: float = 3.0):
+    """``model`` with its norm weights moved away from ones (a random factor per channel) and its
+    attention projections scaled by ``attention_gain`` (larger logits than at initialization)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.mul_(0.5 + torch.rand_like(p))
             elif "self_attn" in name:
-                p.mul_(3.0)
+                p.mul_(attention_gain)
     return model
+
+
+def qwen3_model(seed: int = 0, dtype=torch.float64, **shape):
+    """A random Qwen3ForCausalLM with its QK-norm and layer-norm weights away from ones."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**{**SMALL, **shape}, attn_implementation="sdpa")
+    return away_from_init(transformers.Qwen3ForCausalLM(config).to(dtype).eval())
 
 
 def prompt(model, B: int = 2, T: int = 12, seed: int = 1):

@@ -18,7 +18,7 @@ from transformers.models.olmoe import modeling_olmoe as olmoe  # noqa: E402
 from qkmla.interop import LatentAttentionCache, from_pretrained, latent_layers  # noqa: E402
 from qkmla.interop.gqa import convert_gqa  # noqa: E402
 
-from .test_gqa import _rms_norm64, logits, prompt  # noqa: E402
+from .test_gqa import _rms_norm64, away_from_init, logits, prompt  # noqa: E402
 from .test_hf_model import CACHE, max_rel, stepwise_logits  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -64,15 +64,7 @@ def olmoe_model(seed: int = 0, dtype=torch.float64, **shape):
     torch.manual_seed(seed)
     # eager experts: torch's grouped_mm takes no float64
     config = transformers.OlmoeConfig(**{**SMALL, **shape}, attn_implementation="sdpa", experts_implementation="eager")
-    model = transformers.OlmoeForCausalLM(config)
-    model = model.to(dtype).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.mul_(0.5 + torch.rand_like(p))
-            elif "self_attn" in name:
-                p.mul_(3.0)
-    return model
+    return away_from_init(transformers.OlmoeForCausalLM(config).to(dtype).eval())
 
 
 def test_one_kv_head_full_rank_is_the_source_to_roundoff_and_caches_one_scalar(exact_float64):
@@ -103,11 +95,7 @@ def test_one_kv_head_in_float32_with_the_default_expert_kernels_is_the_source_to
     """transformers' own arithmetic (float32 casts, its default grouped-GEMM experts) in both models."""
     torch.manual_seed(0)
     config = transformers.OlmoeConfig(**SMALL, num_key_value_heads=1)
-    src = transformers.OlmoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in src.named_parameters():
-            if name.endswith("norm.weight"):
-                p.mul_(0.5 + torch.rand_like(p))
+    src = away_from_init(transformers.OlmoeForCausalLM(config).eval(), attention_gain=1.0)
     dst, _ = convert_gqa(src)
     ids = prompt(src)
     got, want = logits(dst, ids).double(), logits(src, ids).double()
