@@ -44,9 +44,9 @@ from typing import Optional
 
 import torch
 
+from .gqa_fit import LATENTS, ROPE_KEYS, calibration_moments, check_calibration, kv_rank, latent_factors, rope_key_mix
+
 ROPE_PAIRS = ("uniform", "high")
-ROPE_KEYS = ("mean", "principal")  # how the G groups' kept RoPE rows become the one shared RoPE key
-LATENTS = ("weights", "activations")  # what the rank-r factorization of [W_K ; W_V] is best for
 # The source classes, and what their QK norm's statistic covers (MLAConfig.qk_norm_scope): Qwen3
 # normalizes each head, OLMoE the whole q and k projections (one statistic per token, a weight per channel).
 SCOPES = {"Qwen3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
@@ -187,125 +187,6 @@ def _check_rank(kv_lora_rank, max_rank: int) -> None:
                          f"{max_rank} (the rank [W_K ; W_V] can have), got {kv_lora_rank!r}")
 
 
-def _latent_factors(model, G: int, D: int, inputs: Optional[list[torch.Tensor]] = None) -> list[tuple]:
-    """Per layer, (U, S, B) in float64 with [W_K^0 ; W_V^0 ; W_K^1 ; ...] = U diag(S) B [2 G D, hidden]:
-    the latent is B[:r] x and the keys and values U[:, :r] S[:r] times it.
-
-    Without ``inputs``, the SVD of the weights (B = V^T, orthonormal rows): the rank-r truncation is the
-    best for every input alike. With ``inputs`` (per layer the second moment Sigma [hidden, hidden] of
-    the attention's input over calibration tokens), the SVD of M Sigma^(1/2) = U S V^T and
-    B = V^T Sigma^(-1/2): the truncation minimizes the error of the keys and values on those inputs,
-    E|M x - U_r S_r B_r x|^2 (activation-aware SVD), and the full rank is M again.
-    """
-    out = []
-    for i, layer in enumerate(model.model.layers):
-        a = layer.self_attn
-        k = a.k_proj.weight.detach().double().view(G, D, -1)
-        v = a.v_proj.weight.detach().double().view(G, D, -1)
-        m = torch.cat((k, v), dim=1).flatten(0, 1)
-        if inputs is None:
-            out.append(torch.linalg.svd(m, full_matrices=False))
-            continue
-        sigma = inputs[i].to(m.device)
-        # a ridge of 1e-8 of the mean eigenvalue keeps Sigma^(-1/2) finite where the inputs span less
-        lam, Q = torch.linalg.eigh(sigma + 1e-8 * sigma.diagonal().mean() * torch.eye(len(sigma), **_f64(m)))
-        lam = lam.clamp_min(1e-8 * float(lam.max()))
-        U, S, Vh = torch.linalg.svd(m @ (Q * lam.sqrt()) @ Q.T, full_matrices=False)
-        out.append((U, S, Vh @ (Q * lam.rsqrt()) @ Q.T))
-    return out
-
-
-def _f64(t: torch.Tensor) -> dict:
-    return dict(dtype=torch.float64, device=t.device)
-
-
-def _check_calibration(calibration, rope_key: str, latent: str, vocab_size: int) -> None:
-    if rope_key not in ROPE_KEYS:
-        raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
-    if latent not in LATENTS:
-        raise ValueError(f"latent: expected one of {LATENTS}, got {latent!r}")
-    if calibration is None:
-        if rope_key == "principal":
-            raise ValueError("calibration: rope_key='principal' takes its mix from the keys of calibration tokens; "
-                             "pass calibration=input_ids ([B, T] token ids of text like the model's)")
-        if latent == "activations":
-            raise ValueError("calibration: latent='activations' weights the factorization by the attention inputs of "
-                             "calibration tokens; pass calibration=input_ids ([B, T] token ids of text like the "
-                             "model's)")
-        return
-    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype not in (
-            torch.int32, torch.int64) or calibration.numel() == 0:
-        raise ValueError(f"calibration: expected a [B, T] int64 tensor of token ids, got "
-                         f"{type(calibration).__name__} {getattr(calibration, 'dtype', '')} "
-                         f"{tuple(getattr(calibration, 'shape', ()))}")
-    if int(calibration.min()) < 0 or int(calibration.max()) >= vocab_size:
-        raise ValueError(f"calibration: token ids must lie in [0, vocab_size={vocab_size}), got "
-                         f"{int(calibration.min())}..{int(calibration.max())}")
-
-
-def _calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, scope: str,
-                         batch: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer, (C [m, G, G], Sigma [hidden, hidden]) in float64 over the calibration tokens: Sigma the
-    second moment of the attention's input (what k_proj and v_proj read: :func:`_latent_factors`), and
-    C, for each kept pair j, the second moment
-    of the G groups' raw keys at the pair's dims (j, j + D/2) (with the projection scope times the norm's
-    weight per channel, which goes into the RoPE key's rows). Each token's keys are divided by one RMS
-    over all its groups, so that tokens count alike while the groups' keys keep their ratios: the shared
-    key is mixed from raw rows, and each group's statistic then scales its heads' whole score. A G x G
-    moment of 2-vectors rotated alike is unchanged by RoPE, so it holds at every position."""
-    dims = torch.tensor([[j, j + D // 2] for j in pairs])
-    moments = [torch.zeros(len(pairs), G, G, dtype=torch.float64) for _ in model.model.layers]
-    hidden = model.config.hidden_size
-    inputs = [torch.zeros(hidden, hidden, dtype=torch.float64) for _ in model.model.layers]
-    counts = [0] * len(moments)
-
-    def grab(module, args, output, i):
-        x = args[0].detach().to(torch.float64).reshape(-1, hidden).cpu()
-        inputs[i] += x.T @ x
-        k = output.detach().to(torch.float64).reshape(-1, G, D)
-        k = k * (k.square().mean((-2, -1), keepdim=True) + 1e-12).rsqrt()
-        if scope == "projection":
-            k = k * model.model.layers[i].self_attn.k_norm.weight.detach().to(torch.float64).view(G, D)
-        k = k[:, :, dims.to(k.device)].cpu()  # [N, G, m, 2]
-        moments[i] += torch.einsum("ngmc,nhmc->mgh", k, k)
-        counts[i] += k.shape[0]
-
-    hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, o, i=i: grab(m, a, o, i))
-             for i, layer in enumerate(model.model.layers)]
-    try:
-        with torch.no_grad():
-            for chunk in calibration.split(batch):
-                model(input_ids=chunk.to(next(model.parameters()).device), use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [m / c for m, c in zip(moments, counts)], [x / c for x, c in zip(inputs, counts)]
-
-
-def _rope_key_mix(moment: Optional[torch.Tensor], rope_key: str, m: int, G: int) -> tuple:
-    """(key weights [m, G], query scales [m, G], energy or None) of each kept pair's shared RoPE key
-    k^R = sum_g w_g k_g, read by a head of group g as s_g q . k^R. "mean": w = 1/G, s = 1 (equivalently
-    the unit mix 1/sqrt(G) on both sides). "principal": w = s = u, the unit top eigenvector of the pair's
-    moment, so that s_g k^R = u_g (u . k) is the least-squares fit of every group's key from one vector
-    (exact when the groups' keys at that pair are multiples of one another): TransMLA's RoRoPE, one
-    rotation across groups per frequency, keeping its first component."""
-    if rope_key == "mean":
-        w, q = torch.full((m, G), 1.0 / G, dtype=torch.float64), torch.ones(m, G, dtype=torch.float64)
-        u = torch.full((m, G), G ** -0.5, dtype=torch.float64)
-    else:
-        u = torch.linalg.eigh(moment).eigenvectors[..., -1]  # [m, G], unit, the largest eigenvalue's
-        u = u * torch.where(u.sum(-1, keepdim=True) < 0, -1.0, 1.0)  # a sign convention (either fits)
-        w, q = u, u
-    energy = None
-    if moment is not None:
-        energy = float(torch.einsum("mg,mgh,mh->", u, moment, u) / moment.diagonal(dim1=-2, dim2=-1).sum())
-    return w, q, energy
-
-
-def _numerical_rank(s: torch.Tensor, shape) -> int:
-    return int((s > s[0] * max(shape) * torch.finfo(s.dtype).eps).sum()) if s[0] > 0 else 1
-
-
 def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
     """The config of the converted model: no query latent, attention biases (the constant channel), one
     kv_b_proj group per head (transformers' layout). A dense Qwen3 becomes a ``DeepseekV3Config`` with
@@ -357,7 +238,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             ``calibration``'s tokens: MATH.md, "Content variant"). Both are exact for G = 1.
         latent: what the rank-r factorization is best for: "weights" (the SVD of [W_K ; W_V], any input
             alike) or "activations" (weighted by the attention inputs of ``calibration``'s tokens:
-            activation-aware SVD, :func:`_latent_factors`). Both are exact at full rank.
+            activation-aware SVD, :func:`~qkmla.interop.gqa_fit.latent_factors`). Both are exact at full rank.
         calibration: [B, T] token ids run through the source to measure its keys and attention inputs;
             needed by "principal" and "activations", optional otherwise (then the report measures how much
             key energy the RoPE key's mix holds).
@@ -383,22 +264,17 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
     if not isinstance(keep_norm, bool):
         raise ValueError(f"keep_norm: expected True or False, got {keep_norm!r}")
-    _check_calibration(calibration, rope_key, latent, model.config.vocab_size)
+    check_calibration(calibration, rope_key, latent, model.config.vocab_size)
     weight = next(model.parameters())
     if weight.dtype == torch.float16:
         raise ValueError("model: float16 cannot hold the constant latent channel (its size is far above 65504); "
                          "convert a float32 or bfloat16 model")
 
     scope = SCOPES[type(model).__name__]
-    moments, inputs = _calibration_moments(model, calibration, pairs, G, D, scope) if calibration is not None \
+    moments, inputs = calibration_moments(model, calibration, pairs, G, D, scope) if calibration is not None \
         else ([None] * len(model.model.layers), None)
-    factors = _latent_factors(model, G, D, inputs if latent == "activations" else None)
-    # the rank of [W_K ; W_V] itself: weighted by inputs of full rank (the ridge), its factorization is
-    # exact at that rank too
-    full_rank = max(_numerical_rank(torch.linalg.svdvals(torch.cat((
-        a.self_attn.k_proj.weight.detach().double().view(G, D, -1),
-        a.self_attn.v_proj.weight.detach().double().view(G, D, -1)), dim=1).flatten(0, 1)), (2 * G * D, hidden))
-        for a in model.model.layers)
+    factors = latent_factors(model, G, D, inputs if latent == "activations" else None)
+    full_rank = kv_rank(model, G, D)
     r = full_rank if kv_lora_rank is None else kv_lora_rank
     config = deepseek_config(model, r, rope_dim, theta)
     dst = (transformers.DeepseekV2ForCausalLM if config.model_type == "deepseek_v2"
@@ -430,7 +306,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
         for src_layer, dst_layer, (U, S, B), moment in zip(model.model.layers, dst.model.layers, factors, moments):
             s, d = src_layer.self_attn, dst_layer.self_attn
             f64 = dict(dtype=torch.float64)
-            w_key, s_query, energy = _rope_key_mix(moment, rope_key, len(pairs), G)
+            w_key, s_query, energy = rope_key_mix(moment, rope_key, len(pairs), G)
             if energy is not None:
                 report.rope_key_energy.append(energy)
             w_key = w_key[pair_of].T.to(weight.device)[:, :, None]  # [G, d_r, 1]: each group's rows' weight
