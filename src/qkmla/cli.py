@@ -290,9 +290,10 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
                                         calibration_text=args.calibration_text,
                                         calibration_tokens=args.calibration_tokens)
-    except ValueError as e:  # the source model is --hf here (the other names are options: main's flag_message)
-        name, _, rest = str(e).partition(": ")
-        raise ValueError(f"{'hf' if name == 'model' else name}: {rest}") from None
+    except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
+        name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
+        name = {"model": "hf", "calibration": "calibration_text"}.get(name, name)
+        raise ValueError(f"{name}: {rest}") from None
     for line in report.lines():
         print(line)
     print(f"wrote {args.out}")

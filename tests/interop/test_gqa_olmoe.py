@@ -105,8 +105,8 @@ def test_one_kv_head_in_float32_with_the_default_expert_kernels_is_the_source_to
 
 
 def test_a_per_head_statistic_would_be_another_function(exact_float64):
-    """The control: the same conversion read with a statistic per head (the projection's norm
-    weights averaged into one row) is not the source: the scope is what makes it exact."""
+    """The control: the same converted layers with their statistic taken per head instead of over the
+    projection (the same per-head weights) are not the source: the scope is what makes it exact."""
     src = olmoe_model(num_key_value_heads=1)
     dst, _ = convert_gqa(src)
     ids = prompt(src)
@@ -175,3 +175,38 @@ def test_the_principal_rope_key_mixes_the_weighted_rows_and_holds_at_least_the_m
     assert all(p >= m - 1e-9 for p, m in zip(principal.rope_key_energy, mean.rope_key_energy))
     assert principal.rope_key_energy != mean.rope_key_energy
     assert torch.isfinite(logits(dst, prompt(src))).all()
+
+
+def test_dropping_the_norm_drops_its_weights_from_the_rope_key_too(exact_float64):
+    """keep_norm=False (what TransMLA and CARE do) is the source with q_norm and k_norm removed: the
+    key norm's weight per channel must not stay in the RoPE key's rows."""
+    import copy
+
+    src = olmoe_model(num_key_value_heads=1)
+    bare = copy.deepcopy(src)
+    for layer in bare.model.layers:
+        layer.self_attn.q_norm = layer.self_attn.k_norm = torch.nn.Identity()
+    dst, report = convert_gqa(src, keep_norm=False)
+    ids = prompt(src)
+    err = max_rel(logits(dst, ids), logits(bare, ids))
+    print(f"OLMoE keep_norm=False against the source without its norm: {err:.3g}")
+    assert err < 1e-10 and max_rel(logits(dst, ids), logits(src, ids)) > 1e-3
+
+
+def test_the_principal_rope_key_is_exact_for_proportional_kv_heads_with_equal_norm_rows(exact_float64):
+    """G = 2 whose second KV head's key rows are twice the first's and whose k_norm rows are equal:
+    the groups' weighted keys are multiples of one vector, which the principal mix holds exactly and
+    the mean does not."""
+    src = olmoe_model(num_key_value_heads=2)
+    with torch.no_grad():
+        for layer in src.model.layers:
+            a = layer.self_attn
+            k = a.k_proj.weight.view(2, 16, -1)
+            k[1].copy_(2.0 * k[0])
+            gamma = a.k_norm.weight.view(2, 16)
+            gamma[1].copy_(gamma[0])
+    ids, calibration = prompt(src), prompt(src, B=4, T=16, seed=3)
+    errors = {key: max_rel(logits(convert_gqa(src, rope_key=key, calibration=calibration)[0], ids), logits(src, ids))
+              for key in ("mean", "principal")}
+    print(f"OLMoE proportional KV heads: {errors}")
+    assert errors["principal"] < 1e-10 < 1e-3 < errors["mean"]

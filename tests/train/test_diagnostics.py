@@ -84,3 +84,31 @@ def test_forward_max_logits_restores_mode_and_tracking():
     h = model.blocks[0].ln_1(model.wte(x))
     q, k, _ = attn.explicit_qkv(h, torch.arange(12).expand(2, -1))
     torch.testing.assert_close(got[0], max_logits(q, k, attn.scale).float())
+
+
+def test_a_statistic_over_the_projection_lets_one_head_hold_it_all_and_the_bound_says_so():
+    """qk_norm_scope='projection', RMS, h = 4 heads, G = 2 groups: a query whose whole length is in
+    head 0 and a key whose content is all in group 0 reach d_n sqrt(h G) gain + d_r sqrt(h) gain, the
+    bound; random inputs stay under it. Content mode has no bound (its RoPE block is not normalized)."""
+    torch.manual_seed(0)
+    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, num_heads=4, num_kv_groups=2, qk_norm="rms",
+                    qk_norm_scope="projection", qk_norm_eps=0.0)
+    mla = MLA(cfg).double()
+    with torch.no_grad():
+        for w in (mla.q_norm.content.weight, mla.q_norm.rope.weight, mla.k_norm.content.weight, mla.k_norm.rope.weight):
+            w.fill_(1.5)
+    bound = logit_bound(mla)
+    assert bound == pytest.approx(mla.scale * 2.25 * (16 * (4 * 2) ** 0.5 + 8 * 4 ** 0.5))
+    q_c, q_r = torch.zeros(1, 1, 4, 16, dtype=torch.float64), torch.zeros(1, 1, 4, 8, dtype=torch.float64)
+    q_c[..., 0, :], q_r[..., 0, :] = 1.0, 1.0
+    k_c, k_r = torch.zeros(1, 1, 2, 16, dtype=torch.float64), torch.ones(1, 1, 1, 8, dtype=torch.float64)
+    k_c[..., 0, :] = 1.0
+    with torch.no_grad():
+        qc, qr = mla.q_norm(q_c, q_r)
+        kc, kr = mla.k_norm(k_c, k_r)
+    reached = float((qc[0, 0, 0] * kc[0, 0, 0]).sum() + (qr[0, 0, 0] * kr[0, 0, 0]).sum()) * mla.scale
+    assert reached == pytest.approx(bound, rel=1e-9)
+    x = torch.randn(2, 12, cfg.hidden_size, dtype=torch.float64) * 3
+    q, k, _ = mla.explicit_qkv(x, torch.arange(12).expand(2, 12))
+    assert float(max_logits(q, k, mla.scale).max()) <= bound * (1 + 1e-9)
+    assert logit_bound(MLA(cfg.replace(qk_norm_mode="content"))) is None

@@ -80,7 +80,6 @@ class GQAConversionReport:
 
     num_kv_groups: int
     head_dim: int
-    scope: str  # the norm's statistic scope: "head" (G key scalars per token) or "projection" (one)
     rank: int
     max_rank: int
     kv_lora_rank: int
@@ -89,6 +88,7 @@ class GQAConversionReport:
     rope_theta: float
     kept_pairs: list[int]
     keep_norm: bool
+    scope: str = "head"  # the norm's statistic scope: "head" (G key scalars per token) or "projection" (one)
     rope_key: str = "mean"
     latent: str = "weights"
     # per layer, the fraction of the kept pairs' (normalized) key energy over the calibration tokens that
@@ -271,7 +271,9 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
                          "convert a float32 or bfloat16 model")
 
     scope = SCOPES[type(model).__name__]
-    moments, inputs = calibration_moments(model, calibration, pairs, G, D, scope) if calibration is not None \
+    # A weight per channel (OLMoE's) goes into the RoPE key's rows when the norm is kept (below).
+    weighted_rows = keep_norm and scope == "projection"
+    moments, inputs = calibration_moments(model, calibration, pairs, G, D, weighted_rows) if calibration is not None \
         else ([None] * len(model.model.layers), None)
     factors = latent_factors(model, G, D, inputs if latent == "activations" else None)
     full_rank = kv_rank(model, G, D)
@@ -321,7 +323,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             d.q_proj.weight.copy_(torch.cat((q_content, q_rope), dim=1).flatten(0, 1))
 
             # the constant channel: |u| = |V_r^T x| <= |x| <= max|input_layernorm| sqrt(hidden)
-            # times |B_r|_2, which is 1 for the weights' orthonormal rows
+            # times |B_r|_2: 1 for the weights' orthonormal rows, at most sqrt(r) for unit rows
             u_bound = float(src_layer.input_layernorm.weight.abs().max()) * math.sqrt(hidden) * float(
                 torch.linalg.matrix_norm(B[:r], ord=2))
             M = SCALE_MARGIN * max(u_bound, 1.0)
@@ -333,7 +335,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             zero = torch.zeros(1, hidden, **f64)
             # exact for G = 1. A weight per channel (OLMoE) differs between the dims of a rotated pair, so
             # it cannot move to the query past the rotation: it goes into the RoPE key's rows.
-            k_rope = ((wk[:, idx] if scope == "head" else wk[:, idx] * gk[:, idx, None]) * w_key).sum(dim=0)
+            k_rope = ((wk[:, idx] * gk[:, idx, None] if weighted_rows else wk[:, idx]) * w_key).sum(dim=0)
             d.kv_a_proj_with_mqa.weight.copy_(torch.cat((B[:r], zero, k_rope)))
             d.kv_a_proj_with_mqa.bias.zero_()
             d.kv_a_proj_with_mqa.bias[r] = M

@@ -23,8 +23,9 @@ def latent_factors(model, G: int, D: int, inputs: Optional[list[torch.Tensor]] =
     Without ``inputs``, the SVD of the weights (B = V^T, orthonormal rows): the rank-r truncation is the
     best for every input alike. With ``inputs`` (per layer the second moment Sigma [hidden, hidden] of
     the attention's input over calibration tokens), the SVD of M Sigma^(1/2) = U S V^T and
-    B = V^T Sigma^(-1/2): the truncation minimizes the error of the keys and values on those inputs,
-    E|M x - U_r S_r B_r x|^2 (activation-aware SVD), and the full rank is M again.
+    B = V^T Sigma^(-1/2) (its rows scaled to unit length, U's columns by the inverse): the truncation
+    minimizes the error of the keys and values on those inputs, E|M x - U_r S_r B_r x|^2
+    (activation-aware SVD), and the full rank is M again.
     """
     out = []
     for i, layer in enumerate(model.model.layers):
@@ -38,7 +39,11 @@ def latent_factors(model, G: int, D: int, inputs: Optional[list[torch.Tensor]] =
         lam, Q = torch.linalg.eigh(sigma + ridge)
         lam = lam.clamp_min(1e-8 * float(lam.max()))
         U, S, Vh = torch.linalg.svd(m @ (Q * lam.sqrt()) @ Q.T, full_matrices=False)
-        out.append((U, S, Vh @ (Q * lam.rsqrt()) @ Q.T))
+        B = Vh @ (Q * lam.rsqrt()) @ Q.T
+        # unit rows, their lengths moved into U's columns (U S B unchanged): Sigma^(-1/2) can be large
+        # where the inputs barely vary, and the constant latent channel is sized by |B_r|_2 <= sqrt(r)
+        lengths = B.norm(dim=1)
+        out.append((U * lengths, S, B / lengths[:, None]))
     return out
 
 
@@ -81,13 +86,13 @@ def check_calibration(calibration, rope_key: str, latent: str, vocab_size: int) 
                          f"{int(calibration.min())}..{int(calibration.max())}")
 
 
-def calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, scope: str,
-                         batch: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, weighted_rows: bool,
+                        batch: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, (C [m, G, G], Sigma [hidden, hidden]) in float64 over the calibration tokens: Sigma the
     second moment of the attention's input (what k_proj and v_proj read: :func:`latent_factors`), and
-    C, for each kept pair j, the second moment
-    of the G groups' raw keys at the pair's dims (j, j + D/2) (with the projection scope times the norm's
-    weight per channel, which goes into the RoPE key's rows). Each token's keys are divided by one RMS
+    C, for each kept pair j, the second moment of the G groups' raw keys at the pair's dims (j, j + D/2)
+    (``weighted_rows``: times the key norm's weight per channel, which a kept norm over the projection
+    puts into the RoPE key's rows). Each token's keys are divided by one RMS
     over all its groups, so that tokens count alike while the groups' keys keep their ratios: the shared
     key is mixed from raw rows, and each group's statistic then scales its heads' whole score. A G x G
     moment of 2-vectors rotated alike is unchanged by RoPE, so it holds at every position."""
@@ -102,7 +107,7 @@ def calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: i
         inputs[i] += x.T @ x
         k = output.detach().to(torch.float64).reshape(-1, G, D)
         k = k * (k.square().mean((-2, -1), keepdim=True) + 1e-12).rsqrt()
-        if scope == "projection":
+        if weighted_rows:
             k = k * model.model.layers[i].self_attn.k_norm.weight.detach().to(torch.float64).view(G, D)
         k = k[:, :, dims.to(k.device)].cpu()  # [N, G, m, 2]
         moments[i] += torch.einsum("ngmc,nhmc->mgh", k, k)

@@ -20,6 +20,9 @@ The norm weights are saved as transformers names QK-norm weights (Qwen3's and OL
     model.layers.{i}.self_attn.k_norm.rope.weight      [d_r]   gamma_k^R
     model.layers.{i}.self_attn.logit_scale             [h]     with learnable_logit_scale
 
+With ``qk_norm_scope="projection"`` the weights have a row per head: q_norm's [h, d_n] and [h, d_r],
+k_norm.content's [G, d_n] (k_norm.rope's stays [d_r]: the RoPE key is one vector).
+
 Every other tensor is transformers' own, under its own name.
 
 A model converted from a GQA model (``qkmla.interop.gqa``) has G < h KV groups, which

@@ -11,6 +11,11 @@ and a head's logit is at most tau_h x the sum over its blocks (content and RoPE 
 one block of width d_n + d_r unified; eps ignored). With unit weights and the default
 tau = (d_n + d_r)^-1/2, a blockwise-RMS MLA head can never exceed sqrt(d_n + d_r): a low
 learning rate that leaves the weights near one leaves the softmax that soft.
+
+With ``qk_norm_scope="projection"`` the statistic is pooled over a token's h query heads (G key
+groups), so one head may hold the whole projection's length: RMS's per-block constant grows by
+sqrt(h G) (sqrt(h) for the RoPE block, whose G key copies are one vector); the l2 and lp constants
+hold for any sub-vector of a unit vector and do not change.
 """
 
 from __future__ import annotations
@@ -32,25 +37,42 @@ def _block_constant(kind: str, p: float, n: int) -> float:
 
 
 def _gain(q_weight: torch.Tensor, k_weight: torch.Tensor) -> float:
-    return float((q_weight.detach().float() * k_weight.detach().float()).abs().max())
+    """max |gamma_q gamma_k| over the channels a head's query meets its key in (weights [n], or a row
+    per head [h, n] and per KV group [G, n] with the projection scope)."""
+    q, k = q_weight.detach().float(), k_weight.detach().float()
+    if q.dim() == 2 and k.dim() == 2:  # head i meets group i // (h / G)
+        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
+    return float((q * k).abs().max())
+
+
+def _pooled(kind: str, c, key_vectors: int) -> float:
+    """How much longer than one vector's a head's normalized block can be when the statistic is pooled
+    over the projection (module docstring): sqrt(h x key_vectors) for RMS, 1 otherwise."""
+    if kind != "rms" or getattr(c, "qk_norm_scope", "head") != "projection":
+        return 1.0
+    return (c.num_heads * key_vectors) ** 0.5
 
 
 @torch.no_grad()
 def logit_bound(attn) -> Optional[float]:
     """The largest |logit| any input can give ``attn`` (an MLA or MHA layer) with its current
-    norm weights and logit scale; None without a QK norm (unbounded)."""
+    norm weights and logit scale; None without a QK norm, and in MLA's content mode, whose RoPE
+    block takes the content block's statistic and so has no fixed length (unbounded)."""
     c = attn.config
-    if c.qk_norm is None:
+    if c.qk_norm is None or getattr(c, "qk_norm_mode", None) == "content":
         return None
     kind, p = c.qk_norm, c.qk_norm_p
     if isinstance(attn, MLA):
         qn, kn = attn.q_norm, attn.k_norm
+        G = c.num_kv_groups
         if c.qk_norm_mode == "unified":
             gain = max(_gain(qn.content.weight, kn.content.weight), _gain(qn.rope.weight, kn.rope.weight))
-            dot = _block_constant(kind, p, c.qk_head_dim) * gain
+            dot = _block_constant(kind, p, c.qk_head_dim) * _pooled(kind, c, G) * gain
         else:
-            dot = (_block_constant(kind, p, c.qk_nope_head_dim) * _gain(qn.content.weight, kn.content.weight)
-                   + _block_constant(kind, p, c.qk_rope_head_dim) * _gain(qn.rope.weight, kn.rope.weight))
+            dot = (_block_constant(kind, p, c.qk_nope_head_dim) * _pooled(kind, c, G)
+                   * _gain(qn.content.weight, kn.content.weight)
+                   + _block_constant(kind, p, c.qk_rope_head_dim) * _pooled(kind, c, 1)
+                   * _gain(qn.rope.weight, kn.rope.weight))
     elif isinstance(attn, MultiHeadAttention):
         dot = _block_constant(kind, p, c.dim_per_head) * _gain(attn.q_norm.weight, attn.k_norm.weight)
     else:

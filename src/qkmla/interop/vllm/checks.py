@@ -30,6 +30,10 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     if not norm:
         return {}
     what = f"a QK-normed checkpoint (config.json's {RECORD!r} record)"
+    if norm.get("qk_norm_scope", "head") != "head":
+        raise ValueError(f"config.json: qk_norm_scope={norm['qk_norm_scope']!r}: qkmla's vLLM backend serves a "
+                         f"statistic per head and KV group (qk_norm_scope='head'); a statistic over the whole "
+                         f"projection spans the heads a tensor-parallel rank splits")
     if platform not in PLATFORMS:
         raise ValueError(f"platform: qkmla's vLLM backend serves {what} on {PLATFORMS}, got {platform!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -67,10 +71,6 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     if width not in LATENT_WIDTHS:
         raise ValueError(f"config.json: kv_lora_rank + qk_rope_head_dim = {width}; vLLM's MLA serves latent rows of "
                          f"{LATENT_WIDTHS} values (DeepSeek-V2/V3: 512 + 64)")
-    if norm.get("qk_norm_scope", "head") != "head":
-        raise ValueError(f"config.json: qk_norm_scope={norm['qk_norm_scope']!r}: qkmla's vLLM backend serves a "
-                         f"statistic per head and KV group (qk_norm_scope='head'); a statistic over the whole "
-                         f"projection spans the heads a tensor-parallel rank splits")
     for field in ("index_topk", "llama_4_scaling"):
         if get(field) is not None:
             raise ValueError(f"config.json: {field}: qkmla's vLLM backend does not serve {what} with "
