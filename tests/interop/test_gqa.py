@@ -227,19 +227,24 @@ def test_rope_dim_not_a_divisor_is_taken_with_high_pairs():
     assert report.kept_pairs == [0, 1, 2] and report.rope_theta == pytest.approx(1000.0 ** (6 / 16))
 
 
+def family_config(family: str, tie_word_embeddings: bool = False, **kwargs):
+    """transformers' ``{family}Config(**kwargs)``. transformers 5.4 declares OLMo 2's and OLMoE's
+    tie_word_embeddings an int yet defaults it to False, which its own strict validation rejects:
+    the field gets the type its class declares."""
+    config_class = getattr(transformers, f"{family}Config")
+    declared = next((c.__annotations__["tie_word_embeddings"] for c in config_class.__mro__
+                     if "tie_word_embeddings" in getattr(c, "__annotations__", {})), bool)
+    tie = declared(tie_word_embeddings) if declared in (int, bool) else tie_word_embeddings
+    return config_class(tie_word_embeddings=tie, **kwargs)
+
+
 @pytest.mark.parametrize("family,match", [
     ("Olmo2", "OLMo 2 normalizes each sublayer's output"),
     ("Qwen3Moe", "norm_topk_prob=False"),
 ])
 def test_other_qk_normed_families_are_refused_saying_why(family, match):
-    config_class = getattr(transformers, f"{family}Config")
-    # transformers 5.4 declares OLMo 2's and OLMoE's tie_word_embeddings an int yet defaults it to
-    # False, which its own strict validation rejects; give the field the type its class declares.
-    declared = next((c.__annotations__["tie_word_embeddings"] for c in config_class.__mro__
-                     if "tie_word_embeddings" in getattr(c, "__annotations__", {})), bool)
-    config = config_class(vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=2,
-                          tie_word_embeddings=declared(False) if declared in (int, bool) else False)
+    config = family_config(family, vocab_size=50, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=2)
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     with pytest.raises(ValueError, match=f"model: expected one of .* got {family}ForCausalLM: .*{match}"):
         convert_gqa(model)

@@ -18,11 +18,11 @@ from transformers.models.olmoe import modeling_olmoe as olmoe  # noqa: E402
 from qkmla.interop import LatentAttentionCache, from_pretrained, latent_layers  # noqa: E402
 from qkmla.interop.gqa import convert_gqa  # noqa: E402
 
-from .test_gqa import _rms_norm64, away_from_init, logits, prompt  # noqa: E402
+from .test_gqa import _rms_norm64, away_from_init, family_config, logits, prompt  # noqa: E402
 from .test_hf_model import CACHE, max_rel, stepwise_logits  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False,
+             num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
              rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
 
 
@@ -49,6 +49,15 @@ def _v2_router64(self, hidden_states):
     return logits, top * self.routed_scaling_factor, index
 
 
+def _v2_moe64(self, hidden_states):
+    """DeepseekV2Moe.forward of transformers < 5.5 (its router inline, greedy) in the input's dtype."""
+    flat = hidden_states.view(-1, hidden_states.shape[-1])
+    logits = torch.nn.functional.linear(flat, self.gate.weight.to(flat.dtype))
+    top, index = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1, sorted=False)
+    routed = self.experts(flat, index, top * self.routed_scaling_factor).view(*hidden_states.shape)
+    return routed + self.shared_experts(hidden_states)
+
+
 @pytest.fixture
 def exact_float64(monkeypatch):
     """Both models' float32 casts lifted (norms, RoPE tables, routers), as test_gqa's fixture does."""
@@ -56,14 +65,17 @@ def exact_float64(monkeypatch):
         monkeypatch.setattr(norm, "forward", _rms_norm64)
     monkeypatch.setattr(olmoe.OlmoeRotaryEmbedding, "forward", _rotary64)
     monkeypatch.setattr(olmoe.OlmoeTopKRouter, "forward", _olmoe_router64)
-    monkeypatch.setattr(v2.DeepseekV2TopkRouter, "forward", _v2_router64)
+    if hasattr(v2, "DeepseekV2TopkRouter"):  # transformers >= 5.5 (a router module)
+        monkeypatch.setattr(v2.DeepseekV2TopkRouter, "forward", _v2_router64)
+    else:
+        monkeypatch.setattr(v2.DeepseekV2Moe, "forward", _v2_moe64)
 
 
 def olmoe_model(seed: int = 0, dtype=torch.float64, **shape):
     """A random OlmoeForCausalLM with its norm weights away from ones (a different one per channel)."""
     torch.manual_seed(seed)
     # eager experts: torch's grouped_mm takes no float64
-    config = transformers.OlmoeConfig(**{**SMALL, **shape}, attn_implementation="sdpa", experts_implementation="eager")
+    config = family_config("Olmoe", **{**SMALL, **shape}, attn_implementation="sdpa", experts_implementation="eager")
     return away_from_init(transformers.OlmoeForCausalLM(config).to(dtype).eval())
 
 
@@ -85,16 +97,21 @@ def test_one_kv_head_full_rank_is_the_source_to_roundoff_and_caches_one_scalar(e
     full = logits(src, torch.cat((ids, fed), dim=1))
     for i, step in enumerate(steps):
         assert max_rel(step, full[:, ids.shape[1] - 1 + i]) < 1e-11
+    # the source's greedy tokens by hand: transformers 5.4's generate() on OLMoE trips over its own
+    # config validation (tie_word_embeddings declared an int)
+    want = ids
+    for _ in range(8):
+        want = torch.cat((want, logits(src, want)[:, -1:].argmax(-1)), dim=1)
     with torch.no_grad():
-        assert torch.equal(dst.generate(ids, max_new_tokens=8, do_sample=False),
-                           src.generate(ids, max_new_tokens=8, do_sample=False))
+        got = dst.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, want)  # (an explicit mask: OLMoE's pad id 1 is also a token of these prompts)
     assert report.cache_values_per_token() == (report.kv_lora_rank + 16, 1)
 
 
 def test_one_kv_head_in_float32_with_the_default_expert_kernels_is_the_source_to_its_roundoff():
     """transformers' own arithmetic (float32 casts, its default grouped-GEMM experts) in both models."""
     torch.manual_seed(0)
-    config = transformers.OlmoeConfig(**SMALL, num_key_value_heads=1)
+    config = family_config("Olmoe", **SMALL, num_key_value_heads=1)
     src = away_from_init(transformers.OlmoeForCausalLM(config).eval(), attention_gain=1.0)
     dst, _ = convert_gqa(src)
     ids = prompt(src)
@@ -153,7 +170,13 @@ def test_cli_converts_an_olmoe_checkpoint_that_loads_and_generates(tmp_path, cap
     from qkmla.cli import main
 
     src = olmoe_model(num_key_value_heads=2, dtype=torch.float32, vocab_size=384)
-    src.save_pretrained(tmp_path / "src")
+    try:
+        src.save_pretrained(tmp_path / "src")
+    except Exception as e:  # huggingface_hub's StrictDataclassFieldValidationError
+        if "tie_word_embeddings" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__} cannot save an OLMoE model: its OlmoeConfig declares "
+                    f"tie_word_embeddings an int and rejects its own default False")
     transformers.ByT5Tokenizer().save_pretrained(tmp_path / "src")
     out = tmp_path / "dst"
     assert main(["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(out), "--rope-dim", "8"]) == 0

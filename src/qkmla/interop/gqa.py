@@ -201,6 +201,8 @@ def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
                                        "hidden_act", "max_position_embeddings", "rms_norm_eps", "initializer_range",
                                        "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
                                        "attention_dropout", "use_cache") if hasattr(c, k)}
+    if "tie_word_embeddings" in keep:  # transformers 5.4 types OLMoE's as an int, DeepSeek's as a bool
+        keep["tie_word_embeddings"] = bool(keep["tie_word_embeddings"])
     attention = dict(num_attention_heads=H, num_key_value_heads=H, q_lora_rank=None, kv_lora_rank=rank + 1,
                      qk_nope_head_dim=D, qk_rope_head_dim=rope_dim, v_head_dim=D, attention_bias=True,
                      rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
