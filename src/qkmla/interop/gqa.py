@@ -1,5 +1,9 @@
-"""A QK-normed GQA model (transformers' ``Qwen3ForCausalLM``) converted to a DeepSeek-V3-architecture
-model with qkmla's QK norm, which decodes through the latent cache (MATH.md, "Content variant").
+"""A QK-normed GQA model (transformers' ``Qwen3ForCausalLM``; ``OlmoeForCausalLM``) converted to a
+DeepSeek-V3 (V2 for OLMoE) architecture model with qkmla's QK norm, which decodes through the latent
+cache (MATH.md, "Content variant" and "Statistic scope"). The layout below is Qwen3's; OLMoE's differs
+in its norm (over the whole projection: ``qk_norm_scope="projection"``, a weight row per head, the
+key's RoPE weight in kv_a_proj_with_mqa's rows), its MoE layers (DeepSeek-V2's greedy router) and
+V2's interleaved RoPE rows.
 
     model, report = convert_gqa(qwen3)                          # G = 1: exact up to the bound in report
     model, report = convert_gqa(qwen3, kv_lora_rank=256, rope_dim=32, rope_pairs="high")
