@@ -328,8 +328,8 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
             q_rope = (wq[:, idx] if keep_norm else wq[:, idx] * fold) * s_query
             d.q_proj.weight.copy_(torch.cat((q_content, q_rope), dim=1).flatten(0, 1))
 
-            # the constant channel: |u| = |V_r^T x| <= |x| <= max|input_layernorm| sqrt(hidden)
-            # times |B_r|_2: 1 for the weights' orthonormal rows, at most sqrt(r) for unit rows
+            # the constant channel: |u| = |B_r x| <= |B_r|_2 |x|, |x| <= max|input_layernorm| sqrt(hidden), and
+            # |B_r|_2 is 1 for the weights' orthonormal rows, at most sqrt(r) for the activation fit's unit rows
             u_bound = float(src_layer.input_layernorm.weight.abs().max()) * math.sqrt(hidden) * float(
                 torch.linalg.matrix_norm(B[:r], ord=2))
             M = SCALE_MARGIN * max(u_bound, 1.0)
