@@ -189,11 +189,10 @@ class QKNorm(RecordsVariant, nn.Module):
     def variant(self) -> str:
         return variant_name(self.content.kind, self.content.p, self.mode, self.scope)
 
-    def _statistic(self, moments: list[torch.Tensor], n: int) -> torch.Tensor:
-        """sigma from the sum of ``moments`` ([..., H, 1] each, broadcastable) over vectors of total
-        width n; pooled over the heads axis with the projection scope."""
+    def _statistic(self, m: torch.Tensor, n: int) -> torch.Tensor:
+        """sigma from a moment m [..., H, 1] of vectors of width n; pooled over the heads axis with
+        the projection scope."""
         c = self.content
-        m = moments[0] if len(moments) == 1 else moments[0] + moments[1]
         if self.scope == "projection":
             heads = m.shape[-2]
             m, n = m.sum(dim=-2, keepdim=True), n * heads
@@ -206,12 +205,12 @@ class QKNorm(RecordsVariant, nn.Module):
             heads = torch.broadcast_shapes(v_c.shape[:-1], v_r.shape[:-1])
             v_c, v_r = v_c.expand(*heads, v_c.shape[-1]), v_r.expand(*heads, v_r.shape[-1])
         if self.mode == "blockwise":
-            return (self._statistic([moment(v_c, c.kind, c.p)], self.content.dim),
-                    self._statistic([moment(v_r, c.kind, c.p)], self.rope.dim))
+            return (self._statistic(moment(v_c, c.kind, c.p), self.content.dim),
+                    self._statistic(moment(v_r, c.kind, c.p), self.rope.dim))
         if self.mode == "content":
-            sigma = self._statistic([moment(v_c, c.kind, c.p)], self.content.dim)
+            sigma = self._statistic(moment(v_c, c.kind, c.p), self.content.dim)
             return sigma, sigma
-        sigma = self._statistic([moment(v_c, c.kind, c.p), moment(v_r, c.kind, c.p)], self.content.dim + self.rope.dim)
+        sigma = self._statistic(moment(v_c, c.kind, c.p) + moment(v_r, c.kind, c.p), self.content.dim + self.rope.dim)
         return sigma, sigma
 
     def forward(self, v_c: torch.Tensor, v_r: torch.Tensor,
@@ -221,6 +220,12 @@ class QKNorm(RecordsVariant, nn.Module):
             return self.content(v_c, content_weight), self.rope(v_r)
         sigma_c, sigma_r = self.statistics(v_c, v_r)
         return self.content.scaled(v_c, sigma_c, content_weight), self.rope.scaled(v_r, sigma_r)
+
+
+def rows_per_head(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """A norm weight with a row per KV group [G, n] as a row per head [heads, n] (head i reads group
+    i // (heads / G)); a weight shared by the heads [n] as it is."""
+    return weight if weight.dim() == 1 else weight.repeat_interleave(heads // weight.shape[0], dim=0)
 
 
 def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float, eps: float,
@@ -233,3 +238,10 @@ def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float
         return None, None
     return (QKNorm(content_dim, rope_dim, kind, p, eps, mode, scope, heads, heads),
             QKNorm(content_dim, rope_dim, kind, p, eps, mode, scope, groups, None))
+
+
+def qk_norms_of(config) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
+    """(q_norm, k_norm) of an :class:`~qkmla.MLAConfig`'s layer (:func:`make_qk_norms`)."""
+    c = config
+    return make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim, c.qk_norm_p, c.qk_norm_eps,
+                         c.qk_norm_mode, c.qk_norm_scope, c.num_heads, c.num_kv_groups)

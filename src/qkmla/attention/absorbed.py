@@ -27,7 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
-from ..norms import QKNorm
+from ..norms import QKNorm, rows_per_head
 
 
 @dataclass
@@ -55,10 +55,8 @@ def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional
         w = kv_b_weight.detach().view(num_kv_groups, -1, kv_b_weight.shape[-1])  # [G, d_n + d_v, d_c]
         gamma_qk = None
         if q_norm is not None:
-            gamma_q, gamma_k = q_norm.content.weight.detach(), k_norm.content.weight.detach()
-            if gamma_k.dim() == 2:  # a row per KV group: head i takes group i // (h / G)'s
-                gamma_k = gamma_k.repeat_interleave(gamma_q.shape[0] // gamma_k.shape[0], dim=0)
-            gamma_qk = gamma_q * gamma_k
+            gamma_q = q_norm.content.weight.detach()
+            gamma_qk = gamma_q * rows_per_head(k_norm.content.weight.detach(), gamma_q.shape[0])
         return AbsorbedWeights(w[:, :qk_nope_head_dim].contiguous(), gamma_qk, w[:, qk_nope_head_dim:].contiguous())
 
 

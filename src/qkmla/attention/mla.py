@@ -32,7 +32,7 @@ from torch import nn
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import MLAConfig, fixed_config
-from ..norms import make_qk_norms
+from ..norms import qk_norms_of
 from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
 from ..rope import RotaryEmbedding
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
@@ -115,9 +115,7 @@ class MLA(nn.Module):
         modules = new_projections(c) if projections is None else check_projections(c, projections)
         for name, module in modules.items():
             setattr(self, name, module)
-        self.q_norm, self.k_norm = make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                                                 c.qk_norm_p, c.qk_norm_eps, c.qk_norm_mode, c.qk_norm_scope,
-                                                 c.num_heads, c.num_kv_groups)
+        self.q_norm, self.k_norm = qk_norms_of(c)
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave, c.rope_scaling)
         self._absorbed = DerivedWeights()

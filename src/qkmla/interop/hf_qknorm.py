@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..config import MLAConfig
-from ..norms import variant_name
+from ..norms import qk_norms_of, variant_name
 from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
 
 RECORD = "qkmla"  # the config.json entry
@@ -130,28 +130,14 @@ def record_groups(hf_config, groups: int) -> None:
     recorded_groups(hf_config)
 
 
-def norm_tensor_names(config: MLAConfig) -> list[str]:
-    """The names, under ``self_attn.``, of the weights a layer with ``config``'s norm adds."""
-    names = [f"{side}.{block}.weight" for side in ("q_norm", "k_norm") for block in ("content", "rope")] \
-        if config.qk_norm is not None else []
-    return names + (["logit_scale"] if config.learnable_logit_scale else [])
-
-
 def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
-    """{name under ``self_attn.``: shape}; with the projection scope a norm weight has a row per
-    query head (q_norm), per KV group (k_norm.content), and one for the shared RoPE key."""
-    widths = {"content": config.qk_nope_head_dim, "rope": config.qk_rope_head_dim}
-    rows = {"q_norm.content": config.num_heads, "q_norm.rope": config.num_heads,
-            "k_norm.content": config.num_kv_groups} if config.qk_norm_scope == "projection" else {}
-
-    def shape(name: str) -> tuple[int, ...]:
-        if name == "logit_scale":
-            return (config.num_heads,)
-        side, block = name.split(".")[:2]
-        head = rows.get(f"{side}.{block}")
-        return (widths[block],) if head is None else (head, widths[block])
-
-    return {n: shape(n) for n in norm_tensor_names(config)}
+    """{name under ``self_attn.``: shape} of the weights a layer with ``config``'s norm adds, read from
+    the norms it builds (with the projection scope a weight has a row per query head or KV group)."""
+    q_norm, k_norm = qk_norms_of(config)
+    shapes = {f"{side}.{block}.weight": tuple(getattr(norm, block).weight.shape)
+              for side, norm in (("q_norm", q_norm), ("k_norm", k_norm)) if norm is not None
+              for block in ("content", "rope")}
+    return shapes | ({"logit_scale": (config.num_heads,)} if config.learnable_logit_scale else {})
 
 
 def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) -> dict[str, str]:
@@ -196,8 +182,7 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
                              f"{shape}")
         files[name] = file
     if records:
-        want = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"],
-                            norm.get("qk_norm_scope", "head")) if norm.get("qk_norm") else None
+        want = _variant(norm) if norm.get("qk_norm") else None
         for name in sorted(records):
             with _open(root / weight_map[name]) as f:
                 got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
@@ -213,12 +198,16 @@ def saved_norm(hf_dir: Union[str, Path]) -> dict:
     return recorded_norm(read_hf_config(root), str(root / CONFIG))
 
 
+def _variant(norm: dict) -> str:
+    """The variant name (``qkmla.norms.variant_name``) of a recorded norm with a qk_norm."""
+    return variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"], norm.get("qk_norm_scope", "head"))
+
+
 def describe(norm: dict) -> str:
     """One line naming a recorded norm, e.g. ``rms blockwise``."""
     if not norm:
         return "no QK norm"
-    text = "no QK norm" if norm["qk_norm"] is None else variant_name(
-        norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"], norm.get("qk_norm_scope", "head"))
+    text = "no QK norm" if norm["qk_norm"] is None else _variant(norm)
     return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
 
 

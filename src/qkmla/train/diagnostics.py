@@ -26,6 +26,7 @@ import torch
 
 from ..attention.mha import MultiHeadAttention
 from ..attention.mla import MLA
+from ..norms import rows_per_head
 
 
 def _block_constant(kind: str, p: float, n: int) -> float:
@@ -39,10 +40,8 @@ def _block_constant(kind: str, p: float, n: int) -> float:
 def _gain(q_weight: torch.Tensor, k_weight: torch.Tensor) -> float:
     """max |gamma_q gamma_k| over the channels a head's query meets its key in (weights [n], or a row
     per head [h, n] and per KV group [G, n] with the projection scope)."""
-    q, k = q_weight.detach().float(), k_weight.detach().float()
-    if q.dim() == 2 and k.dim() == 2:  # head i meets group i // (h / G)
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
-    return float((q * k).abs().max())
+    q = q_weight.detach().float()
+    return float((q * rows_per_head(k_weight.detach().float(), q.shape[0])).abs().max())
 
 
 def _pooled(kind: str, c, key_vectors: int) -> float:
