@@ -132,8 +132,8 @@ def test_paged_sequences_of_one_length_ending_inside_a_block(monkeypatch, chunk)
 
 @pytest.mark.parametrize("norm", ["plain", "blockwise", "unified"])
 def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm):
-    """bfloat16 queries and cache through the torch backend (the blockwise content and RoPE
-    scores then come from one GEMM against a block-diagonal query), many chunks: as close to
+    """bfloat16 queries and cache through the paged torch backend (two half-precision GEMMs
+    per chunk, joined in float32), many chunks: as close to
     the float32 spec as the spec computed in bfloat16 is, give or take a factor 2."""
     from qkmla.ops.mla_decode import torch_impl
 

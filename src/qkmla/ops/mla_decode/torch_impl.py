@@ -23,7 +23,7 @@ from ...dtypes import accumulate_dtype, cast
 from ...kv_formats import DenseRows, row_format
 from .naive import default_visible_lens
 
-SCORE_CHUNK = 4096  # keys per score GEMM: 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
+SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
 
 
 def _chunks(S: int) -> list[tuple[int, int]]:
@@ -279,13 +279,44 @@ def _check_block_table(pool: torch.Tensor, block_table: torch.Tensor, length: in
                          f"{ids.max().item() if ids.numel() else None} over {ids.shape[1]} blocks")
 
 
+def _block_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor,
+                  key_scale: Optional[torch.Tensor], mode: str) -> torch.Tensor:
+    """Logits [B, n, T h] (at least float32) from the two blocks of n keys held apart, each
+    contiguous: c [B, n, d_c], k_rope [B, n, d_r], key_scale [B, n, G] or None.
+
+    Two GEMMs whose depths add up to plain MLA's one (d_c + d_r) and one pass that joins them:
+    plain s = q_c . c + q_r . k_r, blockwise s = r (q_c . c) + q_r . k_r, unified s = r (q_c . c + q_r . k_r).
+    """
+    B, T, h, d_c = q_lat.shape
+    acc = accumulate_dtype(q_lat.dtype)
+    content = torch.bmm(c, q_lat.reshape(B, T * h, d_c).transpose(1, 2))  # [B, n, T h]
+    rope = torch.bmm(k_rope, q_rope.reshape(B, T * h, -1).transpose(1, 2))
+    if key_scale is None:
+        return cast(content, acc).add_(rope)
+    G = key_scale.shape[-1]
+    r = cast(key_scale, acc)
+    # One query token and one head per group: the GEMM's [B, n, h] already lines up with r.
+    shape = (B, -1, h) if T == 1 and G == h else (B, -1, T, G, h // G)
+    r = r if T == 1 and G == h else r[:, :, None, :, None]
+    if mode == "unified":
+        return cast(content, acc).add_(rope).view(shape).mul_(r).view(B, -1, T * h)
+    # r is float32 or wider, so addcmul computes (and returns) the sum in that precision.
+    return torch.addcmul(rope.view(shape), content.view(shape), r).view(B, -1, T * h)
+
+
 def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
                   block_table: torch.Tensor, S: int, visible: torch.Tensor, lengths: torch.Tensor,
                   softmax_scale: float, mode: str, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` over a paged cache in one pass, a chunk of blocks at a time:
-    each chunk's rows are gathered (about SCORE_CHUNK keys per sequence, a size the last-level
-    cache holds), scored, and folded into a running softmax (max m, sum l, output o, as flash
-    decoding does), so the context is read once and never copied whole.
+    each chunk's rows are gathered (about SCORE_CHUNK keys over the whole batch, a size the
+    last-level cache holds and the allocator reuses), scored, and folded into a running softmax
+    (max m, sum l, output o, as flash decoding does), so the context is read once and never
+    copied whole.
+
+    Dense rows are gathered as two contiguous blocks, c [B, n, d_c] and k_rope [B, n, d_r]:
+    contiguous GEMM operands (a half-precision GEMM over strided rows leaves oneDNN's fast
+    path), and the value GEMM reads c alone. Plain MLA takes the same two GEMMs, so a
+    QK-normed decode differs from a plain one only by its key scalars' gather and multiply.
 
     pool [num_blocks, block, width] (values, or uint8 rows of ``kv_format``), scale_pool
     [num_blocks, block, G] or None, block_table [B, max_blocks], visible [B, T] slots seen by
@@ -301,27 +332,39 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     m = q_lat.new_full((B, 1, T * h), float("-inf"), dtype=acc)
     l = q_lat.new_zeros((B, T * h), dtype=acc)  # noqa: E741 (flash attention's name)
     o = q_lat.new_zeros((B, T * h, d_c), dtype=acc)
-    per_chunk, n_blocks = max(1, SCORE_CHUNK // block), -(-S // block)
+    # Chunks are sized over the batch, not per sequence: B times as many keys would be B
+    # times the bytes, past the last-level cache and into fresh pages on every call.
+    per_chunk, n_blocks = max(1, SCORE_CHUNK // (block * B)), -(-S // block)
     for first in range(0, n_blocks, per_chunk):
         ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
-        keys = pool[ids].flatten(1, 2)  # [B, n, width], gathered: ours to overwrite
-        r = None if scale_pool is None else scale_pool[ids].flatten(1, 2)
+        flat = ids.flatten()
+
+        def gather(table: torch.Tensor) -> torch.Tensor:  # [B, n, width], ours to overwrite
+            return table.index_select(0, flat).view(B, slots.numel(), table.shape[-1])
+
+        keys = [gather(pool[..., :d_c]), gather(pool[..., d_c:])] if rows is None else [gather(pool)]
+        r = None if scale_pool is None else gather(scale_pool)
         beyond = slots >= lengths[:, None]  # [B, n]: slots a sequence has not filled may hold anything
         if bool(beyond.any()):  # (NaN, stale rows), and 0 weight times NaN is still NaN in p @ c
-            keys.masked_fill_(beyond[..., None], 0)
-            r = None if r is None else r.masked_fill(beyond[..., None], 0)
-        s = _key_major_scores(q_lat, q_rope, keys, r, mode, rows).view(B, -1, T, h)  # [B, n, T, h]
+            for block_keys in keys:
+                block_keys.masked_fill_(beyond[..., None], 0)
+            r = None if r is None else r.masked_fill_(beyond[..., None], 0)
+        if rows is None:
+            s = _block_scores(q_lat, q_rope, *keys, r, mode)  # [B, n, T h]
+            values = keys[0]
+        else:
+            s = _key_major_scores(q_lat, q_rope, keys[0], r, mode, rows).view(B, -1, T * h)
+            # p^T @ [c ; k_rope] over whole rows (a contiguous operand), the c columns kept.
+            values = _rows_reader(keys[0], rows, q_lat.dtype)(0, slots.numel())
         if masked or slots[-1] >= S:  # the last chunk ends with the last block, past slot S - 1
-            s.masked_fill_((slots >= visible[..., None]).transpose(1, 2)[..., None], float("-inf"))
-        s = s.view(B, -1, T * h)
+            hidden = (slots >= visible[..., None]).transpose(1, 2)[..., None]  # [B, n, T, 1]
+            s.view(B, -1, T, h).masked_fill_(hidden, float("-inf"))
         m_new = torch.maximum(m, _amax_over_keys(s))
         m_safe = m_new.clamp_min(torch.finfo(acc).min)  # no key seen yet: keep exp(-inf - m) = 0
         alpha = torch.exp(m - m_safe)  # [B, 1, T h]
         p = s.sub_(m_safe).exp_()
         l.mul_(alpha[:, 0]).add_(p.sum(dim=1))
-        # p^T @ [c ; k_rope] over whole rows (a contiguous operand), the c columns kept.
-        values = _rows_reader(keys, rows, q_lat.dtype)(0, keys.shape[1])
         o.mul_(alpha.transpose(1, 2)).add_(torch.bmm(cast(p, q_lat.dtype).transpose(1, 2), values)[..., :d_c])
         m = m_new
     # l >= 1 wherever a key is visible (the max contributes exp(0)), 0 where none is.
