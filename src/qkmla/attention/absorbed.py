@@ -129,9 +129,11 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     """
     if k_norm is None:
         return k_r, None
-    G = w.w_uk.shape[0]
-    B, T, d_c = c_kv.shape
-    k_c = per_group(c_kv[:, :, None].expand(B, T, G, d_c), w.w_uk.transpose(1, 2))  # [B, T, G, d_n]
+    G, d_n, d_c = w.w_uk.shape
+    B, T = c_kv.shape[:2]
+    # Every group reads the same c: one GEMM against all groups' W_UK rows [G d_n, d_c], a view
+    # both of qkmla's [G, d_n, d_c] and of vLLM's W_UK_T (a permuted [d_c, h, d_n]), so no copy.
+    k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
     if k_norm.mode == "blockwise" and k_norm.scope == "head":
         return k_norm.rope(k_r), k_norm.content.statistic(k_c).squeeze(-1)
     sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope

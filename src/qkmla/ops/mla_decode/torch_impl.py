@@ -345,11 +345,13 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
 
         keys = [gather(pool[..., :d_c]), gather(pool[..., d_c:])] if rows is None else [gather(pool)]
         r = None if scale_pool is None else gather(scale_pool)
-        beyond = slots >= lengths[:, None]  # [B, n]: slots a sequence has not filled may hold anything
-        if bool(beyond.any()):  # (NaN, stale rows), and 0 weight times NaN is still NaN in p @ c
-            for block_keys in keys:
-                block_keys.masked_fill_(beyond[..., None], 0)
-            r = None if r is None else r.masked_fill_(beyond[..., None], 0)
+        # Slots a sequence has not filled may hold anything (NaN, stale rows), and 0 weight times
+        # NaN is still NaN in p @ c: they are zeroed, from the first one in any sequence on.
+        unfilled = max(0, int(lengths.min()) - first * block)
+        if unfilled < slots.numel():
+            beyond = (slots >= lengths[:, None])[:, unfilled:, None]  # [B, n - unfilled, 1]
+            for rows_read in keys + ([] if r is None else [r]):
+                rows_read[:, unfilled:].masked_fill_(beyond, 0)
         if rows is None:
             s = _block_scores(q_lat, q_rope, *keys, r, mode)  # [B, n, T h]
             values = keys[0]
