@@ -60,5 +60,14 @@ def test_the_source_commit_names_the_checkout_and_whether_it_was_edited(tmp_path
     assert re.fullmatch(r"[0-9a-f]{40}", clean)
     (tmp_path / "results.json").write_text("{}")  # an untracked file leaves it clean
     assert source_commit(tmp_path) == clean
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "bench.json").write_text("{}")
+    git("add", "benchmarks")
+    git("commit", "-q", "-m", "results")
+    clean = source_commit(results)  # asked from inside a subfolder, as the benchmarks do
+    (results / "bench.json").write_text('{"rewritten": true}')  # its own results: still clean
+    assert source_commit(results) == clean and source_commit(tmp_path) == clean
     (tmp_path / "a.py").write_text("x = 2\n")
     assert source_commit(tmp_path) == clean + "+dirty"
+    assert source_commit(results) == clean + "+dirty"

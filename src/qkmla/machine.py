@@ -40,15 +40,22 @@ def recorded_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return env_prefix() + " ".join(["python", script, *map(shlex.quote, args)])
 
 
+RESULTS_DIR = "benchmarks/results"  # data, not code: rewriting a results file leaves the code clean
+
+
 def source_commit(path) -> Optional[str]:
-    """The commit of the git checkout that holds ``path`` ("+dirty" when tracked files differ
-    from it), or None outside a checkout or without git: the code a results file came from."""
+    """The commit of the git checkout that holds ``path`` ("+dirty" when tracked files other
+    than those under ``RESULTS_DIR`` differ from it), or None outside a checkout or without
+    git: the code a results file came from. A benchmark that rewrites its own committed
+    results file as it runs (or runs beside another that does) is still at a clean commit."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True,
                               text=True).stdout.strip()
     try:
         rev = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        # Paths relative to the checkout's top, whatever folder ``path`` is in.
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ":/",
+                    f":(top,exclude){RESULTS_DIR}")
     except (OSError, subprocess.CalledProcessError):
         return None
     return rev + ("+dirty" if dirty else "")
