@@ -5,12 +5,16 @@ tokens and their logprobs as JSON on the last line of stdout.
 
 ``"ignore_key_scalars": true`` is the negative control: decode as if every cached key scalar
 were 1 (the prefill still uses them), which must break the match with qkmla's generation.
-``"engine"``: more ``vllm.LLM`` arguments.
+``"engine"``: more ``vllm.LLM`` arguments. ``"cached_context": true`` keeps chunked prefill and
+prefix caching on (``engine`` gives ``max_num_batched_tokens``) and serves the prompts twice, the
+second time from the prefix cache.
 """
 
 import json
 import os
 import sys
+
+CONTEXT_CALLS: list = []  # prefills that attended over cached context (with "cached_context")
 
 
 def main() -> None:
@@ -24,9 +28,31 @@ def main() -> None:
 
         decode = backend.mla_decode_with_kvcache
         backend.mla_decode_with_kvcache = lambda *a, scale_cache=None, **kw: decode(*a, scale_cache=None, **kw)
-    # CPU_MLA on every CPU: on one with AMX vLLM would pick AMX_MLA (bfloat16 only, 128-token blocks,
-    # chunked prefill and prefix caching on, which qkmla's backend refuses), on one without it picks
-    # CPU_MLA anyway; so the same path runs on every CI machine.
+    if args.get("cached_context"):
+        # vLLM turns chunked prefill and prefix caching off for CPU_MLA (it turns them on only
+        # where AMX_MLA runs); this keeps what the engine arguments ask for, so that the prefill's
+        # attention over cached context runs on any CPU.
+        from vllm.platforms.cpu import CpuPlatform
+
+        update = CpuPlatform.check_and_update_config.__func__
+
+        def keep_cached_context(cls, vllm_config):
+            update(cls, vllm_config)
+            vllm_config.scheduler_config.enable_chunked_prefill = True
+            vllm_config.scheduler_config.max_num_batched_tokens = args["engine"]["max_num_batched_tokens"]
+            vllm_config.cache_config.enable_prefix_caching = True
+        CpuPlatform.check_and_update_config = classmethod(keep_cached_context)
+        # Count the prefills that attend over cached context, so the test knows the path ran.
+        from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+
+        context = MLACommonImpl._compute_prefill_context
+
+        def counted(self, *a, **kw):
+            CONTEXT_CALLS.append(1)
+            return context(self, *a, **kw)
+        MLACommonImpl._compute_prefill_context = counted
+    # CPU_MLA on every CPU: on one with AMX vLLM would pick AMX_MLA (bfloat16 only, 128-token blocks),
+    # on one without it picks CPU_MLA anyway; so the same path runs on every CI machine.
     engine = {"attention_backend": "CPU_MLA", **args.get("engine", {})}
     llm = LLM(args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True, gpu_memory_utilization=0.2,
               max_model_len=args.get("max_model_len", 128), skip_tokenizer_init=True, seed=0,
@@ -34,12 +60,18 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.get("max_tokens", 12), temperature=0, logprobs=0,
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
+    if args.get("cached_context"):  # again: every prompt's blocks are now in the prefix cache
+        first = outs
+        outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
+        if [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in first]:
+            raise SystemExit("a prompt served again from the prefix cache generated other tokens")
     import torch
 
     from qkmla.interop.vllm.attention import QKNormLatentAttention
 
     layers = llm.apply_model(lambda model: sum(isinstance(m, QKNormLatentAttention) for m in model.modules()))
     result = {"amx": bool(torch.cpu._is_amx_tile_supported()), "qk_layers": layers[0],
+              "context_prefills": len(CONTEXT_CALLS),
               "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
     print(json.dumps(result))

@@ -25,8 +25,6 @@ def test_a_plain_checkpoint_is_not_checked_further():
     ("platform", "tpu", "platform: qkmla's vLLM backend serves"),
     ("kv_cache_dtype", "fp8", "kv_cache_dtype: qkmla's vLLM backend serves"),
     ("quantization", "fp8", "quantization: qkmla's vLLM backend serves"),
-    ("chunked_prefill", True, "enable_chunked_prefill: qkmla's vLLM backend does not yet"),
-    ("prefix_caching", True, "--no-enable-prefix-caching"),
     ("decode_context_parallel_size", 2, "decode_context_parallel_size: qkmla's vLLM backend serves"),
     ("speculative", True, "speculative_config: qkmla's vLLM backend does not serve"),
     ("lora", True, "enable_lora: qkmla's vLLM backend does not serve"),
@@ -34,6 +32,17 @@ def test_a_plain_checkpoint_is_not_checked_further():
 def test_each_engine_setting_the_backend_cannot_serve_is_refused_by_name(setting, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         servable_norm(CONFIG, **{**OK, setting: value})
+
+
+@pytest.mark.parametrize("setting, flag", [("chunked_prefill", "--no-enable-chunked-prefill"),
+                                           ("prefix_caching", "--no-enable-prefix-caching")])
+def test_cached_context_in_a_prefill_is_served_on_the_cpu_and_refused_on_cuda(setting, flag):
+    """The CPU's context gather into the wide workspace is tested end to end (test_engine.py);
+    CUDA's gather kernel has not run on the wider row."""
+    assert servable_norm(CONFIG, **{**OK, setting: True})
+    cuda = {**OK, "platform": "cuda", "dtype": "bfloat16", setting: True}
+    with pytest.raises(ValueError, match=f"{setting.replace('chunked_prefill', 'enable_chunked_prefill').replace('prefix_caching', 'enable_prefix_caching')}: .*only on the CPU.*{flag}"):
+        servable_norm(CONFIG, **cuda)
 
 
 def test_on_cuda_float32_and_cuda_graphs_are_refused():

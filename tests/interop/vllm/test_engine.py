@@ -124,6 +124,20 @@ def test_decoding_without_the_key_scalars_breaks_the_match(normed):
     assert got["tokens"] != want["tokens"] or drift(got, want) > 100 * BOUND
 
 
+def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactly(tmp_path):
+    """Prompts longer than the step's token budget (32) prefill in chunks, each attending over
+    the rows the earlier chunks cached; served again, they hit the prefix cache. The context's
+    keys come from the cached rows, scalars included (the wide workspace of backend.py), and
+    the tokens still equal qkmla's own generation in float32."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    prompts = [list(range(5, 75)), list(range(100, 145)), [20, 21]]
+    want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
+    got = served(path, prompts=prompts, cached_context=True,
+                 engine={"enable_chunked_prefill": True, "enable_prefix_caching": True, "max_num_batched_tokens": 32})
+    assert got["context_prefills"] > 0  # the path ran
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
 def test_a_learned_logit_scale_without_a_norm_is_served_through_the_plain_latent_row(tmp_path):
     """Plain MLA with a per-head logit scale: qkmla's layer with no key scalars (stock vLLM has no such model)."""
     path = tiny_checkpoint(tmp_path, learnable_logit_scale=True)

@@ -12,6 +12,10 @@ the ones :class:`QKNormImpl` overrides:
 * ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the
   paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:]``, no copy).
 
+A prefill over cached context (chunked prefill, prefix-cache hits) gathers whole rows into a
+workspace as wide as the row (:func:`wide_workspace_builder`), so the context's keys are built
+by ``_concat_k_nope_k_pe`` from the scalars cached for them, as a new token's are.
+
 The query already carries both norm weights and its own statistic (``attention.py``), so the
 content score is (q_lat . c) · r and vLLM's W_UK absorption of the query is the right one.
 
@@ -61,15 +65,6 @@ class QKNormImpl:
             return super()._concat_k_nope_k_pe(k_nope * r, k_r * r)
         return super()._concat_k_nope_k_pe(k_nope * r, k_r)
 
-    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                    output_scale=None) -> None:
-        if attn_metadata.prefill is not None and attn_metadata.prefill.chunked_context is not None:
-            # checks.py refuses the settings that lead here; this guards against a vLLM that enables them anyway.
-            raise NotImplementedError("qkmla's vLLM backend does not attend over cached context in a prefill "
-                                      "(chunked prefill, prefix caching); turn both off")
-        return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
-                                   output_scale)
-
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
         """One query per decoding sequence: q (q_lat [B, h, d_c], q_rope [B, h, d_r]) -> ([B, h, d_c], None)."""
         q_lat, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -115,9 +110,34 @@ def cpu_backend() -> type:
         def get_impl_cls() -> type:
             return QKNormCPUMLAImpl
 
+        @staticmethod
+        def get_builder_cls() -> type:
+            return wide_workspace_builder(CPUMLABackend.get_builder_cls())
+
         prefill_backend_cls = cpu_prefill_backend()  # read by QKNormMLAAttention
 
     return QKNormCPUMLABackend
+
+
+@functools.cache
+def wide_workspace_builder(base: type) -> type:
+    """vLLM's MLA metadata builder ``base`` with a context workspace as wide as the cache row.
+
+    A prefill that attends over cached context (chunked prefill, prefix-cache hits) gathers
+    the context's rows into a workspace [rows, d_c + d_r] and splits it into c and the RoPE
+    key (``MLACommonImpl._compute_prefill_context``). A row [c | k_rope | r] fits only a
+    wider one; then the RoPE key it splits off carries the scalars, as a new token's does, and
+    ``_concat_k_nope_k_pe`` scales the context's keys with the scalars cached for them.
+    """
+
+    class QKNormMLAMetadataBuilder(base):
+        def __init__(self, kv_cache_spec, *args, **kwargs):
+            super().__init__(kv_cache_spec, *args, **kwargs)
+            workspace = self.chunked_prefill_workspace
+            if workspace.shape[-1] != kv_cache_spec.head_size:
+                self.chunked_prefill_workspace = workspace.new_empty(workspace.shape[0], kv_cache_spec.head_size)
+
+    return QKNormMLAMetadataBuilder
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -136,7 +156,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def cpu_prefill_backend() -> type:
     """vLLM's CPU_SDPA_MLA prefill with new tokens attended through :func:`causal_attention`, one
     request at a time in its own dtype: memory O(T) instead of O(h T^2). Context chunks (which need
-    the log-sum-exp) stay vLLM's; checks.py refuses the settings that make them."""
+    the log-sum-exp) stay vLLM's."""
     from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
 
     class QKMLACPUPrefillBackend(CPUSDPAMLAPrefillBackend):
