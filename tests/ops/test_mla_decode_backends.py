@@ -101,8 +101,9 @@ def test_torch_backend_matches_naive(layout, G, S_q, norm, visibility):
 
 
 # The paged torch backend reads a chunk of blocks at a time and folds each into a running
-# softmax; at its default chunk (SCORE_CHUNK keys) the grid above fits one chunk, so here the
-# chunk is 48 keys (3 blocks): 1025 slots take 22 chunks, the last one partly past the length.
+# softmax; a chunk holds about SCORE_CHUNK keys over the batch, so at its default the grid above
+# takes two chunks. Here it holds 3 blocks per sequence (48 keys each, 192 over the batch of
+# 4): 1025 slots take 22 chunks, the last one partly past the length.
 CHUNKED = [("paged", G, S_q, norm, visibility) for G, S_q, norm, visibility in
            [(1, 1, "plain", "causal"), (4, 2, "blockwise", "prefix"), (H, 1, "blockwise", "causal"),
             (H, 2, "unified", "prefix"), (4, 1, "lp", "causal")]]
@@ -112,13 +113,13 @@ CHUNKED = [("paged", G, S_q, norm, visibility) for G, S_q, norm, visibility in
 def test_torch_backend_over_many_chunks_matches_naive(monkeypatch, layout, G, S_q, norm, visibility):
     from qkmla.ops.mla_decode import torch_impl
 
-    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48)
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48 * len(LENGTHS))
     check_against_naive("torch", decode_inputs(layout, G, S_q, norm, visibility))
-    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 40)  # not a whole number of blocks: rounded down to 2
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 40 * len(LENGTHS))  # not a whole number of blocks: 2
     check_against_naive("torch", decode_inputs(layout, G, S_q, norm, visibility, kv_format="int8"))
 
 
-@pytest.mark.parametrize("chunk", [4096, 32])
+@pytest.mark.parametrize("chunk", [4096, 96])  # one chunk; two blocks per sequence in each
 def test_paged_sequences_of_one_length_ending_inside_a_block(monkeypatch, chunk):
     """Every sequence 37 slots long in blocks of 16: no query needs a mask, yet the last block
     is read whole; its 11 unfilled slots (NaN here) must not enter the softmax."""
@@ -130,6 +131,17 @@ def test_paged_sequences_of_one_length_ending_inside_a_block(monkeypatch, chunk)
         check_against_naive("torch", decode_inputs("paged", H, 1, norm, "causal"))
 
 
+@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def test_float32_queries_read_a_bfloat16_cache_in_float32(monkeypatch, layout):
+    """A bfloat16 cache (vLLM's rows, a LatentCache's) serves float32 queries: its rows are read
+    in the queries' dtype, so the answer is the float32 spec on the cached bfloat16 values."""
+    from qkmla.ops.mla_decode import torch_impl
+
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48 * len(LENGTHS))
+    args = decode_inputs(layout, 4, 1, "blockwise", "causal")
+    check_against_naive("torch", {**args, "kv_cache": args["kv_cache"].to(torch.bfloat16)})
+
+
 @pytest.mark.parametrize("norm", ["plain", "blockwise", "unified"])
 def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm):
     """bfloat16 queries and cache through the paged torch backend (two half-precision GEMMs
@@ -137,7 +149,7 @@ def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm
     the float32 spec as the spec computed in bfloat16 is, give or take a factor 2."""
     from qkmla.ops.mla_decode import torch_impl
 
-    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48)
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48 * len(LENGTHS))
     args = decode_inputs("paged", H, 1, norm, "causal")
     ref, _ = mla_decode_with_kvcache(**args, backend="naive")
     half = {k: (v.to(torch.bfloat16) if k in ("q_lat", "q_rope", "kv_cache", "scale_cache") and v is not None

@@ -61,8 +61,9 @@ def main() -> None:
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
     if args.get("cached_context"):  # again: every prompt's blocks are now in the prefix cache
-        first = outs
+        first, before = outs, len(CONTEXT_CALLS)
         outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
+        again = len(CONTEXT_CALLS) - before
         if [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in first]:
             raise SystemExit("a prompt served again from the prefix cache generated other tokens")
     import torch
@@ -72,6 +73,8 @@ def main() -> None:
     layers = llm.apply_model(lambda model: sum(isinstance(m, QKNormLatentAttention) for m in model.modules()))
     result = {"amx": bool(torch.cpu._is_amx_tile_supported()), "qk_layers": layers[0],
               "context_prefills": len(CONTEXT_CALLS),
+              "context_prefills_again": again if args.get("cached_context") else None,
+              "cached_tokens_again": [o.num_cached_tokens for o in outs] if args.get("cached_context") else None,
               "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
     print(json.dumps(result))

@@ -134,7 +134,9 @@ def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactl
     want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
     got = served(path, prompts=prompts, cached_context=True,
                  engine={"enable_chunked_prefill": True, "enable_prefix_caching": True, "max_num_batched_tokens": 32})
-    assert got["context_prefills"] > 0  # the path ran
+    # the path ran: chunked prefills in the first pass, prefix-cache hits in the second
+    assert got["context_prefills"] > got["context_prefills_again"] > 0
+    assert got["cached_tokens_again"][:2] == [64, 32], got["cached_tokens_again"]  # whole 16-token blocks
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
 
 

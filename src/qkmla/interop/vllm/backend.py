@@ -65,6 +65,18 @@ class QKNormImpl:
             return super()._concat_k_nope_k_pe(k_nope * r, k_r * r)
         return super()._concat_k_nope_k_pe(k_nope * r, k_r)
 
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None) -> None:
+        context = None if attn_metadata.prefill is None else attn_metadata.prefill.chunked_context
+        if context is not None and context.workspace.shape[-1] != kv_c_and_k_pe_cache.shape[-1]:
+            # checks.py refuses the settings that lead here without wide_workspace_builder (CUDA);
+            # this guards against a vLLM that enables them anyway.
+            raise NotImplementedError(f"qkmla's vLLM backend attends over cached context in a prefill only "
+                                      f"through a workspace as wide as the cache row ({kv_c_and_k_pe_cache.shape[-1]}), "
+                                      f"got {context.workspace.shape[-1]}; turn chunked prefill and prefix caching off")
+        return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                                   output_scale)
+
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
         """One query per decoding sequence: q (q_lat [B, h, d_c], q_rope [B, h, d_r]) -> ([B, h, d_c], None)."""
         q_lat, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)

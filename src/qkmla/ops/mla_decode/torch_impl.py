@@ -335,6 +335,7 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     # Chunks are sized over the batch, not per sequence: B times as many keys would be B
     # times the bytes, past the last-level cache and into fresh pages on every call.
     per_chunk, n_blocks = max(1, SCORE_CHUNK // (block * B)), -(-S // block)
+    shortest = int(lengths.min())  # read once: on a GPU each read is a sync
     for first in range(0, n_blocks, per_chunk):
         ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
@@ -343,11 +344,13 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
         def gather(table: torch.Tensor) -> torch.Tensor:  # [B, n, width], ours to overwrite
             return table.index_select(0, flat).view(B, slots.numel(), table.shape[-1])
 
-        keys = [gather(pool[..., :d_c]), gather(pool[..., d_c:])] if rows is None else [gather(pool)]
+        # Values are read in the queries' dtype (a bf16 cache may serve float32 queries), bytes as bytes.
+        keys = [cast(gather(pool[..., :d_c]), q_lat.dtype), cast(gather(pool[..., d_c:]), q_lat.dtype)] \
+            if rows is None else [gather(pool)]
         r = None if scale_pool is None else gather(scale_pool)
         # Slots a sequence has not filled may hold anything (NaN, stale rows), and 0 weight times
         # NaN is still NaN in p @ c: they are zeroed, from the first one in any sequence on.
-        unfilled = max(0, int(lengths.min()) - first * block)
+        unfilled = max(0, shortest - first * block)
         if unfilled < slots.numel():
             beyond = (slots >= lengths[:, None])[:, unfilled:, None]  # [B, n - unfilled, 1]
             for rows_read in keys + ([] if r is None else [r]):
