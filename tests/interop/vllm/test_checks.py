@@ -34,14 +34,15 @@ def test_each_engine_setting_the_backend_cannot_serve_is_refused_by_name(setting
         servable_norm(CONFIG, **{**OK, setting: value})
 
 
-@pytest.mark.parametrize("setting, flag", [("chunked_prefill", "--no-enable-chunked-prefill"),
-                                           ("prefix_caching", "--no-enable-prefix-caching")])
-def test_cached_context_in_a_prefill_is_served_on_the_cpu_and_refused_on_cuda(setting, flag):
+@pytest.mark.parametrize("setting, name", [("chunked_prefill", "enable_chunked_prefill"),
+                                           ("prefix_caching", "enable_prefix_caching")])
+def test_cached_context_in_a_prefill_is_served_on_the_cpu_and_refused_on_cuda(setting, name):
     """The CPU's context gather into the wide workspace is tested end to end (test_engine.py);
     CUDA's gather kernel has not run on the wider row."""
     assert servable_norm(CONFIG, **{**OK, setting: True})
     cuda = {**OK, "platform": "cuda", "dtype": "bfloat16", setting: True}
-    with pytest.raises(ValueError, match=f"{setting.replace('chunked_prefill', 'enable_chunked_prefill').replace('prefix_caching', 'enable_prefix_caching')}: .*only on the CPU.*{flag}"):
+    flag = "--no-" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{name}: .*only on the CPU.*{flag}"):
         servable_norm(CONFIG, **cuda)
 
 

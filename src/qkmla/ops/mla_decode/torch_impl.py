@@ -85,15 +85,7 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     else:
         q_t = torch.cat((q_lat, q_rope), dim=-1).reshape(B, T * h, -1).transpose(1, 2)
     if key_scale is not None:
-        G = key_scale.shape[-1]
-        # [B, S, G] -> broadcastable against a chunk's [B, n, T, G, h/G] logits; with one
-        # query token and one head per group the GEMM output [B, n, h] already lines up.
-        by_head = T == 1 and G == h
-        r = cast(key_scale, acc)
-        r = r if by_head else r[:, :, None, :, None]
-
-    def grouped(s: torch.Tensor) -> torch.Tensor:
-        return s if by_head else s.view(B, -1, T, G, h // G)
+        r, grouped = _by_group(key_scale, acc, T, h)
 
     # Every chunk's GEMM writes straight into one logit buffer: a list of chunk outputs
     # joined by torch.cat would allocate and copy the logits a second time (at 16k keys a
@@ -121,6 +113,17 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
         else:  # a half-precision GEMM, summed in float32
             s_chunk.add_(torch.bmm(rope, q_r_t))
     return s.view(B, S, T, h)
+
+
+def _by_group(key_scale: torch.Tensor, acc: torch.dtype, T: int, h: int):
+    """(r, grouped): key scalars [B, S, G] in ``acc``, shaped to broadcast against
+    ``grouped(s)``, a view of logits s [B, n, T h] as [B, n, T, G, h/G] (n keys, any slice of
+    the S). With one query token and one head per group, [B, n, h] already lines up with r."""
+    G = key_scale.shape[-1]
+    r = cast(key_scale, acc)
+    if T == 1 and G == h:
+        return r, lambda s: s
+    return r[:, :, None, :, None], lambda s: s.view(s.shape[0], -1, T, G, h // G)
 
 
 def _amax_over_keys(s: torch.Tensor) -> torch.Tensor:
@@ -293,15 +296,11 @@ def _block_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_
     rope = torch.bmm(k_rope, q_rope.reshape(B, T * h, -1).transpose(1, 2))
     if key_scale is None:
         return cast(content, acc).add_(rope)
-    G = key_scale.shape[-1]
-    r = cast(key_scale, acc)
-    # One query token and one head per group: the GEMM's [B, n, h] already lines up with r.
-    shape = (B, -1, h) if T == 1 and G == h else (B, -1, T, G, h // G)
-    r = r if T == 1 and G == h else r[:, :, None, :, None]
+    r, grouped = _by_group(key_scale, acc, T, h)
     if mode == "unified":
-        return cast(content, acc).add_(rope).view(shape).mul_(r).view(B, -1, T * h)
+        return grouped(cast(content, acc).add_(rope)).mul_(r).view(B, -1, T * h)
     # r is float32 or wider, so addcmul computes (and returns) the sum in that precision.
-    return torch.addcmul(rope.view(shape), content.view(shape), r).view(B, -1, T * h)
+    return torch.addcmul(grouped(rope), grouped(content), r).view(B, -1, T * h)
 
 
 def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
