@@ -13,7 +13,7 @@ ROW_KEYS = {"experiment", "run", "variant", "seed", "lr", "status", "steps", "fi
             "peak_max_logit", "peak_max_logit_after_clip", "nan_step", "seconds", "median_step_seconds"}
 FIGURES = {"lr-sweep": "lr_sweep.png", "qk-clip": "qk_clip.png", "norm-mode": "norm_mode.png",
            "lp-sweep": "lp_sweep.png", "length": "length.png",
-           "compression": "compression.png", "retrieval": "retrieval.png"}
+           "compression": "compression.png", "retrieval": "retrieval.png", "lp-paper": "lp_paper.png"}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,12 @@ def test_experiment_specific_columns(quick_dir):
     lp = [json.loads(x) for x in (quick_dir / "lp-sweep" / "results.jsonl").read_text().splitlines()]
     matched = [r for r in lp if r["matched"]]
     assert matched and all(r["initial_scale"] > 0 and r["logit_scale"] > 0 for r in matched)
+    paper = [json.loads(x) for x in (quick_dir / "lp-paper" / "results.jsonl").read_text().splitlines()]
+    assert [(r["p"], r["lr"]) for r in paper] == [(2.0, 1e-3), (2.0, 3e-3), (4.0, 1e-3), (4.0, 3e-3)]
+    for r in paper:  # the validation curve is kept with the row; the scale is learned in log space
+        assert [step for step, _ in r["val_curve"]] == [3, 6] and r["val_curve"][-1][1] == r["final_val_loss"]
+        config = json.loads((quick_dir / "lp-paper" / "runs" / r["run"] / "config.json").read_text())
+        assert config["model"]["logit_scale_param"] == "log" and r["logit_scale"] > 0
 
 
 def test_compression_measures_every_setting_against_the_uncompressed_cache(quick_dir):

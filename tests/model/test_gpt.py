@@ -56,3 +56,40 @@ def test_logit_scale_options():
     assert learned.logit_scale.shape == (4,) and bool((learned.logit_scale == 0.5).all())
     mha = GPT(GPTConfig(attn="mha-lp", learnable_logit_scale=False, softmax_scale=2.0)).blocks[0].attn
     assert mha.logit_scale is None and mha.scale == 2.0
+
+
+@pytest.mark.parametrize("attn", ["mha-lp", "mla-qknorm"])
+def test_a_log_parameterized_logit_scale_trains_its_log(attn):
+    """logit_scale_param="log": the stored parameter is log(scale), the attention reads the
+    same scale (same logits at initialization), and an AdamW step moves the scale by a
+    fraction of itself, where the linear parameter moves it by about lr in absolute terms."""
+    cfg = GPTConfig(attn=attn, learnable_logit_scale=True, softmax_scale=20.0)
+    torch.manual_seed(0)
+    linear = GPT(cfg)
+    torch.manual_seed(0)
+    log = GPT(cfg.replace(logit_scale_param="log"))
+    stored = dict(log.named_parameters())["blocks.0.attn.parametrizations.logit_scale.original"]
+    assert torch.allclose(stored, torch.full_like(stored, 20.0).log())
+    assert torch.allclose(log.blocks[0].attn.logit_scale, torch.full((4,), 20.0))
+    x = torch.randint(0, 65, (2, 16))
+    linear.eval(), log.eval()
+    assert torch.allclose(linear(x)[0], log(x)[0], atol=1e-5)
+    moved = {}
+    for name, model in (("linear", linear), ("log", log)):
+        opt = torch.optim.AdamW([p for n, p in model.named_parameters() if "logit_scale" in n], lr=0.1, weight_decay=0.0, eps=1e-30)
+        model(x, x)[1].backward()
+        opt.step()
+        moved[name] = model.blocks[0].attn.logit_scale.detach()
+    assert torch.allclose((moved["linear"] - 20.0).abs(), torch.full((4,), 0.1), rtol=1e-3)  # Adam's first step: lr
+    assert torch.allclose((moved["log"] / 20.0).log().abs(), torch.full((4,), 0.1), rtol=1e-3)  # a factor e^(+-0.1)
+    state = log.state_dict()  # saved and loaded as the log
+    again = GPT(cfg.replace(logit_scale_param="log"))
+    again.load_state_dict(state)
+    assert torch.equal(again.blocks[0].attn.logit_scale, log.blocks[0].attn.logit_scale)
+
+
+def test_logit_scale_param_is_checked():
+    with pytest.raises(ValueError, match="logit_scale_param: expected one of"):
+        GPTConfig(attn="mha-lp", logit_scale_param="sqrt")
+    with pytest.raises(ValueError, match="logit_scale_param: 'log' needs a learned logit scale"):
+        GPTConfig(attn="mla-qknorm", logit_scale_param="log")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .base import Experiment, Options, Report, run_experiment
 from .compression import EXPERIMENT as COMPRESSION
 from .length import EXPERIMENT as LENGTH
+from .lp_paper import EXPERIMENT as LP_PAPER
 from .lp_sweep import EXPERIMENT as LP_SWEEP
 from .lr_sweep import EXPERIMENT as LR_SWEEP
 from .norm_mode import EXPERIMENT as NORM_MODE
@@ -18,6 +19,6 @@ from .qknorm_vs_clip import EXPERIMENT as QKNORM_VS_CLIP
 from .retrieval import EXPERIMENT as RETRIEVAL
 
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (LR_SWEEP, QK_CLIP, NORM_MODE, LP_SWEEP, LENGTH, COMPRESSION,
-                                                           RETRIEVAL, QKNORM_VS_CLIP)}
+                                                           RETRIEVAL, QKNORM_VS_CLIP, LP_PAPER)}
 
 __all__ = ["EXPERIMENTS", "Experiment", "Options", "Report", "run_experiment"]

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..attention.mha import MultiHeadAttention
 from ..attention.mla import MLA
@@ -32,6 +33,7 @@ from ..cache.latent import LatentCache
 from ..config import AttentionConfig, MLAConfig, fixed_config
 from ..kv_formats import check_kv_format
 
+LOGIT_SCALE_PARAMS = ("linear", "log")
 ATTENTION_VARIANTS = (
     "mha", "gqa", "mqa", "mha-qknorm", "gqa-qknorm", "mha-l2", "gqa-l2", "mha-lp", "gqa-lp",
     "mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp",
@@ -66,6 +68,10 @@ class GPTConfig:
     # QK-norm variant lifts the temperature cap of unit norm weights (Henry et al.).
     learnable_logit_scale: Optional[bool] = None
     softmax_scale: Optional[float] = None  # tau (initial value when learned); None: the variant's default
+    # How a learned logit scale is trained: "linear" (the parameter is the scale) or "log"
+    # (the parameter is its log: an optimizer step changes the scale by a fraction of itself,
+    # so a temperature moves as far from 1 as from 20).
+    logit_scale_param: str = "linear"
 
     def __post_init__(self) -> None:
         if self.attn not in ATTENTION_VARIANTS:
@@ -78,7 +84,12 @@ class GPTConfig:
             raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
-        self.attention_config()  # validates the derived attention config
+        if self.logit_scale_param not in LOGIT_SCALE_PARAMS:
+            raise ValueError(f"logit_scale_param: expected one of {LOGIT_SCALE_PARAMS}, got {self.logit_scale_param!r}")
+        cfg = self.attention_config()  # validates the derived attention config
+        if self.logit_scale_param == "log" and not cfg.learnable_logit_scale:
+            raise ValueError(f"logit_scale_param: 'log' needs a learned logit scale, which attn={self.attn!r} does not "
+                             "have; set learnable_logit_scale=True or use an -l2/-lp variant")
 
     @property
     def head_dim(self) -> int:
@@ -157,6 +168,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class LogParametrization(nn.Module):
+    """value = exp(theta): a positive parameter trained in log space
+    (``torch.nn.utils.parametrize``; the stored tensor is theta = log value)."""
+
+    def forward(self, theta: torch.Tensor) -> torch.Tensor:
+        return theta.exp()
+
+    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
+        return value.log()
+
+
 class GPT(nn.Module):
     """Decoder-only LM. ``forward(idx [B, T], targets=None, caches=None) -> (logits [B, T, V], loss)``."""
 
@@ -176,6 +198,9 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith(("o_proj.weight", "down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.logit_scale_param == "log":
+            for block in self.blocks:
+                parametrize.register_parametrization(block.attn, "logit_scale", LogParametrization())
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
