@@ -29,3 +29,16 @@ def choose_rate(losses: dict[float, Optional[float]], extensions_left: int,
         if nxt is not None and nxt not in losses:
             return None, nxt
     return best, None
+
+
+def settle(first: Sequence[float], max_extensions: int, grid: Sequence[float],
+           losses_of) -> tuple[list[float], Optional[float]]:
+    """The rates of a bracket that starts at ``first``, with the extensions its scores have
+    asked for so far, and its chosen rate (None until settled). ``losses_of(rates)`` scores
+    the rates ({rate: loss}, None for a run not finished)."""
+    rates = list(first)
+    while True:
+        chosen, extra = choose_rate(losses_of(rates), max_extensions - (len(rates) - len(first)), grid)
+        if extra is None:
+            return rates, chosen
+        rates.append(extra)

@@ -25,9 +25,9 @@ import statistics
 from typing import Optional
 
 from .base import Experiment, Options, Report, train_settings
-from .bracket import choose_rate
+from .bracket import settle
 from .figures import fmt, pyplot, save, table
-from .grid import FINISHED, Run, is_finished, run_dir
+from .grid import FINISHED, Run, is_finished
 from .results import curve, mean_std, paired_difference, summarize
 
 VARIANT = "mha-lp"
@@ -62,14 +62,8 @@ def score(row: dict) -> Optional[float]:
 
 
 def _settle(first: tuple, quick: bool, losses_of) -> tuple[list[float], Optional[float]]:
-    """The rates of a bracket so far and its chosen rate (None until settled)."""
-    extensions = 0 if quick else MAX_EXTENSIONS
-    rates = list(first)
-    while True:
-        chosen, extra = choose_rate(losses_of(rates), extensions - (len(rates) - len(first)), LR_GRID)
-        if extra is None:
-            return rates, chosen
-        rates.append(extra)
+    """:func:`.bracket.settle` with this experiment's extensions and grid of rates."""
+    return settle(first, 0 if quick else MAX_EXTENSIONS, LR_GRID, losses_of)
 
 
 def plan(options: Options) -> list[Run]:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from ..cache.eviction import H2O, SnapKV, StreamingLLM
 from ..train.data import Tokenizer
 from .base import Experiment, Options, Report, train_settings
-from .bracket import choose_rate
+from .bracket import settle
 from .compression import decode_logits
 from .figures import fmt, pyplot, save, table
 from .grid import FINISHED, Run, is_finished, run_dir, trained_run
@@ -160,15 +160,8 @@ def _measured_row(options: Options, run: Run) -> dict:
 
 
 def _settle(first: tuple, quick: bool, losses_of) -> tuple[list[float], Optional[float]]:
-    """The rates of a variant's bracket so far and its chosen rate (None until settled);
-    ``losses_of(rates)`` scores the rates (None: not finished)."""
-    extensions = 0 if quick else MAX_EXTENSIONS
-    rates = list(first)
-    while True:
-        chosen, extra = choose_rate(losses_of(rates), extensions - (len(rates) - len(first)), LR_GRID)
-        if extra is None:
-            return rates, chosen
-        rates.append(extra)
+    """:func:`.bracket.settle` with this experiment's extensions and grid of rates."""
+    return settle(first, 0 if quick else MAX_EXTENSIONS, LR_GRID, losses_of)
 
 
 def plan(options: Options) -> list[Run]:
@@ -301,7 +294,8 @@ def _figure(variants: dict[str, dict], path: Path) -> Path:
     ax2.set_xlabel("kept: fraction of the tokens seen that the decoded positions attended to (mean)")
     ax2.set_title("MLA variants: key accuracy through an evicting latent cache")
     ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=6)
+    if ax2.get_legend_handles_labels()[0]:  # nothing measured through an evicting cache yet: no legend
+        ax2.legend(fontsize=6)
     return save(fig, path)
 
 
