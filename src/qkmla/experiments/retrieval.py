@@ -51,7 +51,7 @@ from .base import Experiment, Options, Report, train_settings
 from .bracket import settle
 from .compression import decode_logits
 from .figures import fmt, pyplot, save, table
-from .grid import FINISHED, Run, is_finished, run_dir, trained_run
+from .grid import FINISHED, Run, is_finished, trained_run
 from .passkey import key_targets, random_key, record, write_corpus
 from .results import mean_std, summarize
 
