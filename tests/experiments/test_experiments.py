@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+from safetensors.torch import load_file
 
 from qkmla.cli import main
 from qkmla.experiments import EXPERIMENTS, Options, run_experiment
@@ -74,8 +75,11 @@ def test_experiment_specific_columns(quick_dir):
     assert [(r["p"], r["lr"]) for r in paper] == [(2.0, 1e-3), (2.0, 3e-3), (4.0, 1e-3), (4.0, 3e-3)]
     for r in paper:  # the validation curve is kept with the row; the scale is learned in log space
         assert [step for step, _ in r["val_curve"]] == [3, 6] and r["val_curve"][-1][1] == r["final_val_loss"]
-        config = json.loads((quick_dir / "lp-paper" / "runs" / r["run"] / "config.json").read_text())
-        assert config["model"]["logit_scale_param"] == "log" and r["logit_scale"] > 0
+        run = quick_dir / "lp-paper" / "runs" / r["run"]
+        assert json.loads((run / "config.json").read_text())["model"]["logit_scale_param"] == "log"
+        logs = [t for k, t in load_file(run / "checkpoint.safetensors").items()
+                if k.endswith("parametrizations.logit_scale.original")]
+        assert len(logs) == 2 and r["logit_scale"] == pytest.approx(float(sum(t.exp().mean() for t in logs) / 2))
 
 
 def test_compression_measures_every_setting_against_the_uncompressed_cache(quick_dir):

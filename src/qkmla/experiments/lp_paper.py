@@ -103,33 +103,49 @@ def _min_step(row: dict) -> Optional[int]:
     return min(pts, key=lambda pt: pt[1])[0] if pts else None
 
 
+def _loss(row: dict, key: str) -> float:
+    """A finished run's loss; a run that ended non-finite counts at the initial loss ln V."""
+    return row[key] if row["status"] == "done" else row["initial_loss"]
+
+
+def _paired(at_chosen: dict, seeds=None) -> dict:
+    """p - 2 per seed (of ``seeds``, or all) on the minimum and the final validation loss."""
+    out = {}
+    base = {r["seed"]: r for r in at_chosen.get(2.0, [])}
+    for p, rs in at_chosen.items():
+        both = [(r, base[r["seed"]]) for r in rs if r["seed"] in base and (seeds is None or r["seed"] in seeds)]
+        if p != 2.0 and len(both) >= 2:
+            out[f"p{p:g} - p2"] = {key: paired_difference([_loss(a, key) - _loss(b, key) for a, b in both])
+                                   for key in ("best_val_loss", "final_val_loss")}
+    return out
+
+
 def report(rows: list[dict], options: Options) -> Report:
     ps = QUICK_PS if options.quick else PS
     chosen = chosen_rates(rows, options.quick)
-    at_chosen = {p: sorted((r for r in rows if r["p"] == p and r["lr"] == lr and r["status"] == "done"),
+    at_chosen = {p: sorted((r for r in rows if r["p"] == p and r["lr"] == lr and r["status"] in FINISHED),
                            key=lambda r: r["seed"]) for p, lr in chosen.items()}
     by_p = {}
     for p, rs in at_chosen.items():
-        entry = {"lr": chosen[p], "seeds": [r["seed"] for r in rs]}
-        for key in ("best_val_loss", "final_val_loss", "logit_scale"):
-            entry[key], entry[f"{key}_std"] = mean_std(r.get(key) for r in rs)
+        entry = {"lr": chosen[p], "seeds": [r["seed"] for r in rs],
+                 "non_finite": [r["seed"] for r in rs if r["status"] != "done"]}
+        for key in ("best_val_loss", "final_val_loss"):
+            entry[key], entry[f"{key}_std"] = mean_std(_loss(r, key) for r in rs)
+        entry["logit_scale"], entry["logit_scale_std"] = mean_std(r.get("logit_scale") for r in rs)
         steps = [s for s in map(_min_step, rs) if s is not None]
         entry["min_step"] = statistics.median(steps) if steps else None
         by_p[f"{p:g}"] = entry
-    paired = {}
-    base = {r["seed"]: r for r in at_chosen.get(2.0, [])}
-    for p, rs in at_chosen.items():
-        if p == 2.0:
-            continue
-        both = [(r, base[r["seed"]]) for r in rs if r["seed"] in base]
-        if len(both) >= 2:
-            paired[f"p{p:g} - p2"] = {key: paired_difference([a[key] - b[key] for a, b in both])
-                                      for key in ("best_val_loss", "final_val_loss")}
+    # The bracket's seed chose each rate on the very loss reported, which favours it; the
+    # other seeds did not, so they are also paired on their own.
+    bracket_seed = min((r["seed"] for r in rows if r.get("stage") == "bracket"), default=None)
+    paired = _paired(at_chosen)
+    unselected = _paired(at_chosen, {r["seed"] for r in rows if r["seed"] != bracket_seed})
     bracket = {f"{p:g}": {f"{r['lr']:g}": r.get("best_val_loss") for r in sorted(rows, key=lambda r: r["lr"])
                           if r["p"] == p and r.get("stage") == "bracket"} for p in ps}
     summary = {"shape": SHAPE, "context": CONTEXT, "batch": BATCH, "steps": STEPS, "chosen_lr": {f"{p:g}": lr for p, lr
                                                                                                     in chosen.items()},
-               "bracket_min_val_loss": bracket, "by_p": by_p, "paired": paired}
+               "bracket_seed": bracket_seed, "bracket_min_val_loss": bracket, "by_p": by_p, "paired": paired,
+               "paired_without_bracket_seed": unselected}
     text = "Bracket (first seed; minimum validation loss; * chosen):\n\n"
     rates = sorted({r["lr"] for r in rows if r.get("stage") == "bracket"})
     text += table(["p"] + [f"lr {lr:g}" for lr in rates],
@@ -141,12 +157,15 @@ def report(rows: list[dict], options: Options) -> Report:
                   [[p, fmt(e["lr"], "g"), len(e["seeds"]), f"{fmt(e['best_val_loss'])} ± {fmt(e['best_val_loss_std'])}",
                     f"{fmt(e['final_val_loss'])} ± {fmt(e['final_val_loss_std'])}", fmt(e["min_step"], "g"),
                     fmt(e["logit_scale"], ".2f")] for p, e in by_p.items()])
-    if paired:
-        text += "\nPaired by seed (mean ± standard error, seeds below / above zero, detectable with 80% power):\n\n"
-        text += table(["a - b", "metric", "per seed", "mean ± se", "- / +", "detectable"],
-                      [[pair, key, ", ".join(f"{d:+.4f}" for d in s["diffs"]), f"{s['mean']:+.4f} ± {fmt(s['se'])}",
-                        f"{s['negative']} / {s['positive']}", fmt(s["detectable"])]
-                       for pair, stats in paired.items() for key, s in stats.items()])
+    for title, pairs in (("every seed", paired), (f"the seeds that did not choose the rates (not {bracket_seed})",
+                                                    unselected)):
+        if pairs:
+            text += (f"\nPaired by seed, {title} (mean ± standard error, seeds below / above zero, detectable with "
+                     "80% power):\n\n")
+            text += table(["a - b", "metric", "per seed", "mean ± se", "- / +", "detectable"],
+                          [[pair, key, ", ".join(f"{d:+.4f}" for d in s["diffs"]),
+                            f"{s['mean']:+.4f} ± {fmt(s['se'])}", f"{s['negative']} / {s['positive']}",
+                            fmt(s["detectable"])] for pair, stats in pairs.items() for key, s in stats.items()])
     return Report(summary, text, [_figure(at_chosen, rows, ps, chosen, options.out / "lp_paper.png")])
 
 
