@@ -173,10 +173,11 @@ def _figure(at_chosen, rows, ps, chosen, path):
     plt = pyplot()
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.3))
     for i, p in enumerate(ps):
-        for r in rows:
-            if r["p"] == p and r.get("stage") == "bracket" and r.get("best_val_loss") is not None:
-                ax0.plot(r["lr"], r["best_val_loss"], "o", color=f"C{i}", mfc="C%d" % i if chosen.get(p) == r["lr"]
-                         else "none")
+        tried = sorted((r for r in rows if r["p"] == p and r.get("stage") == "bracket" and r.get("best_val_loss")
+                        is not None), key=lambda r: r["lr"])
+        ax0.plot([r["lr"] for r in tried], [r["best_val_loss"] for r in tried], ":", color=f"C{i}", label=f"p = {p:g}")
+        for r in tried:
+            ax0.plot(r["lr"], r["best_val_loss"], "o", color=f"C{i}", mfc=f"C{i}" if chosen.get(p) == r["lr"] else "none")
         for j, r in enumerate(at_chosen.get(p, [])):
             pts = [pt for pt in r.get("val_curve") or [] if pt[1] is not None]
             ax1.plot([s for s, _ in pts], [v for _, v in pts], color=f"C{i}", alpha=0.6,
@@ -188,8 +189,9 @@ def _figure(at_chosen, rows, ps, chosen, path):
     ax1.set_title("validation loss at each p's chosen rate, every seed")
     for ax in (ax0, ax1):
         ax.grid(alpha=0.3)
-    if ax1.get_legend_handles_labels()[0]:
-        ax1.legend(fontsize=7)
+    for ax in (ax0, ax1):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     return save(fig, path)
 
 
