@@ -177,7 +177,8 @@ def _figure(at_chosen, rows, ps, chosen, path):
                         is not None), key=lambda r: r["lr"])
         ax0.plot([r["lr"] for r in tried], [r["best_val_loss"] for r in tried], ":", color=f"C{i}", label=f"p = {p:g}")
         for r in tried:
-            ax0.plot(r["lr"], r["best_val_loss"], "o", color=f"C{i}", mfc=f"C{i}" if chosen.get(p) == r["lr"] else "none")
+            filled = f"C{i}" if chosen.get(p) == r["lr"] else "none"
+            ax0.plot(r["lr"], r["best_val_loss"], "o", color=f"C{i}", mfc=filled)
         for j, r in enumerate(at_chosen.get(p, [])):
             pts = [pt for pt in r.get("val_curve") or [] if pt[1] is not None]
             ax1.plot([s for s, _ in pts], [v for _, v in pts], color=f"C{i}", alpha=0.6,
@@ -195,6 +196,6 @@ def _figure(at_chosen, rows, ps, chosen, path):
     return save(fig, path)
 
 
-EXPERIMENT = Experiment("lp-paper", "the Lp-QKNorm paper's claim in its own shape (6 x 6 x 192, dropout 0.2), p = 2, 3, 4, "
-                                    "each at its own learning rate, log-parameterized logit scale",
+EXPERIMENT = Experiment("lp-paper", "the Lp-QKNorm paper's claim in its own shape (6 x 6 x 192, dropout 0.2), "
+                                    "p = 2, 3, 4, each at its own learning rate, log-parameterized logit scale",
                         plan, report, measure, adaptive=True)
