@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from .grid import FINISHED
+
 
 def neighbour(lr: float, step: int, grid: Sequence[float]) -> Optional[float]:
     """The rate ``step`` places from ``lr`` on ``grid`` (ascending); None past either end."""
@@ -29,6 +31,14 @@ def choose_rate(losses: dict[float, Optional[float]], extensions_left: int,
         if nxt is not None and nxt not in losses:
             return None, nxt
     return best, None
+
+
+def run_score(row: dict, key: str) -> Optional[float]:
+    """What a bracket run is worth: its results row's ``key`` (lower is better); None until the
+    run is finished, infinite when it ended non-finite (it loses to every finite score)."""
+    if row.get("status") not in FINISHED:
+        return None
+    return row.get(key) if row["status"] == "done" else math.inf
 
 
 def settle(first: Sequence[float], max_extensions: int, grid: Sequence[float],

@@ -20,12 +20,11 @@ paper's shape at half the width and context (6 x 6 heads x 192, 128 characters, 
 
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Optional
 
 from .base import Experiment, Options, Report, train_settings
-from .bracket import settle
+from .bracket import run_score, settle
 from .figures import fmt, pyplot, save, table
 from .grid import FINISHED, Run, is_finished
 from .results import curve, mean_std, paired_difference, summarize
@@ -56,9 +55,7 @@ def _run(options: Options, p: float, lr: float, seed: int, stage: str) -> Run:
 def score(row: dict) -> Optional[float]:
     """A bracket run's worth: its minimum validation loss (lower is better; None until it is
     finished, infinite when it ended non-finite)."""
-    if row.get("status") not in FINISHED:
-        return None
-    return row.get("best_val_loss") if row["status"] == "done" else math.inf
+    return run_score(row, "best_val_loss")
 
 
 def _settle(first: tuple, quick: bool, losses_of) -> tuple[list[float], Optional[float]]:

@@ -48,10 +48,10 @@ import torch.nn.functional as F
 from ..cache.eviction import H2O, SnapKV, StreamingLLM
 from ..train.data import Tokenizer
 from .base import Experiment, Options, Report, train_settings
-from .bracket import settle
+from .bracket import run_score, settle
 from .compression import decode_logits
 from .figures import fmt, pyplot, save, table
-from .grid import FINISHED, Run, is_finished, trained_run
+from .grid import Run, is_finished, trained_run
 from .passkey import key_targets, random_key, record, write_corpus
 from .results import mean_std, summarize
 
@@ -148,11 +148,7 @@ def _run(options: Options, data: str, variant: str, lr: float, seed: int, stage:
 def score(row: dict) -> Optional[float]:
     """What a bracket run is worth: its key loss (lower is better); None until it is trained
     and measured; infinite for a run that ended non-finite."""
-    if row.get("status") not in FINISHED:
-        return None
-    if row["status"] != "done":
-        return math.inf
-    return row.get("key_loss")
+    return run_score(row, "key_loss")
 
 
 def _measured_row(options: Options, run: Run) -> dict:
