@@ -131,6 +131,31 @@ def test_paged_sequences_of_one_length_ending_inside_a_block(monkeypatch, chunk)
         check_against_naive("torch", decode_inputs("paged", H, 1, norm, "causal"))
 
 
+@pytest.mark.parametrize("spacing", ["row", "padded-block"])
+@pytest.mark.parametrize("norm", ["plain", "blockwise"])
+def test_paged_views_of_one_wide_row_read_as_separate_caches(monkeypatch, spacing, norm):
+    """vLLM's layout: one row [c | k_rope | r] per slot, the op given column views of it
+    (``cache[..., :d_c + d_r]``, ``cache[..., d_c + d_r:]``), read a slot at a time; and blocks
+    padded past their last slot ([n, 20, width][:, :16]), which no flat slot view spans, read a
+    block at a time. Both equal the same rows held in two contiguous caches, exactly."""
+    from qkmla.ops.mla_decode import torch_impl
+
+    monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48 * len(LENGTHS))  # several chunks
+    args = decode_inputs("paged", 4, 2, norm, "prefix")
+    kv, scales = args["kv_cache"], args["scale_cache"]
+    G = 0 if scales is None else scales.shape[-1]
+    n_blocks, page, width = kv.shape
+    wide = torch.full((n_blocks, page + (4 if spacing == "padded-block" else 0), width + G), float("nan"),
+                      device=kv.device)[:, :page]
+    wide[..., :width] = kv
+    if G:
+        wide[..., width:] = scales
+    want = mla_decode_with_kvcache(**args, backend="torch")
+    got = mla_decode_with_kvcache(**{**args, "kv_cache": wide[..., :width],
+                                     "scale_cache": wide[..., width:] if G else None}, backend="torch")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
 def test_float32_queries_read_a_bfloat16_cache_in_float32(monkeypatch, layout):
     """A bfloat16 cache (vLLM's rows, a LatentCache's) serves float32 queries: its rows are read

@@ -303,6 +303,21 @@ def _block_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_
     return torch.addcmul(grouped(rope), grouped(content), r).view(B, -1, T * h)
 
 
+def _gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """table [num_blocks, block, width] (a slice of a wider cache row, say) -> the rows [n, width]
+    at flat slot indices ``rows``.
+
+    Indexing slots of a [num_blocks * block, width] view copies one contiguous run per slot;
+    indexing whole blocks of a column slice goes through PyTorch's generic strided copy, about
+    twice as slow for narrow slices (the key scalars, the RoPE key). A table whose blocks are
+    not evenly spaced rows has no such view and is read a block at a time.
+    """
+    num_blocks, block, width = table.shape
+    if table.stride(0) == block * table.stride(1):
+        return table.flatten(0, 1).index_select(0, rows)  # a view: the condition above
+    return table.index_select(0, rows[::block] // block).view(-1, width)
+
+
 def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
                   block_table: torch.Tensor, S: int, visible: torch.Tensor, lengths: torch.Tensor,
                   softmax_scale: float, mode: str, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,13 +350,15 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     # times the bytes, past the last-level cache and into fresh pages on every call.
     per_chunk, n_blocks = max(1, SCORE_CHUNK // (block * B)), -(-S // block)
     shortest = int(lengths.min())  # read once: on a GPU each read is a sync
+    in_block = torch.arange(block, device=q_lat.device)
     for first in range(0, n_blocks, per_chunk):
         ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
-        flat = ids.flatten()
+        # The rows of the chunk's blocks, in table order: the cache's row index of each slot.
+        cache_rows = (ids[..., None] * block + in_block).flatten()
 
         def gather(table: torch.Tensor) -> torch.Tensor:  # [B, n, width], ours to overwrite
-            return table.index_select(0, flat).view(B, slots.numel(), table.shape[-1])
+            return _gather_rows(table, cache_rows).view(B, slots.numel(), table.shape[-1])
 
         # Values are read in the queries' dtype (a bf16 cache may serve float32 queries), bytes as bytes.
         keys = [cast(gather(pool[..., :d_c]), q_lat.dtype), cast(gather(pool[..., d_c:]), q_lat.dtype)] \
