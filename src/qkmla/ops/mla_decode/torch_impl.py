@@ -312,7 +312,7 @@ def _gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     twice as slow for narrow slices (the key scalars, the RoPE key). A table whose blocks are
     not evenly spaced rows has no such view and is read a block at a time.
     """
-    num_blocks, block, width = table.shape
+    block, width = table.shape[1:]
     if table.stride(0) == block * table.stride(1):
         return table.flatten(0, 1).index_select(0, rows)  # a view: the condition above
     return table.index_select(0, rows[::block] // block).view(-1, width)
