@@ -144,10 +144,11 @@ def engine(spec: dict) -> dict:
         prompts = [torch.randint(2, 384, (context,), generator=g).tolist() for _ in range(batch)]
         steps, attention = decode_steps(llm, prompts, spec["new_tokens"], SamplingParams)
         step_s = statistics.median(steps)
-        print(RESULT_TAG + json.dumps({"context": context, "batch": batch, "kv_bytes_per_token_per_layer": bytes_per_token,
-                                       "decode_steps_timed": len(steps), "median_step_ms": round(1e3 * step_s, 3),
-                                       "median_attention_ms": round(1e3 * statistics.median(attention), 3),
-                                       "decode_tokens_per_s": round(batch / step_s, 2)}), flush=True)
+        row = {"context": context, "batch": batch, "kv_bytes_per_token_per_layer": bytes_per_token,
+               "decode_steps_timed": len(steps), "median_step_ms": round(1e3 * step_s, 3),
+               "median_attention_ms": round(1e3 * statistics.median(attention), 3),
+               "decode_tokens_per_s": round(batch / step_s, 2)}
+        print(RESULT_TAG + json.dumps(row), flush=True)
     return {}
 
 
@@ -366,7 +367,8 @@ def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, r
     tau = DECODE_SHAPE["qk_nope_head_dim"] + DECODE_SHAPE["qk_rope_head_dim"]
     models = {"stock": (checkpoint(work / "decode-plain", DECODE_SHAPE), 0),
               "plain-qkmla": (checkpoint(work / "decode-plain-qkmla", DECODE_SHAPE, learnable_logit_scale=True), 0),
-              "qknorm": (checkpoint(work / "decode-qknorm", DECODE_SHAPE, qk_norm="rms"), DECODE_SHAPE["num_attention_heads"])}
+              "qknorm": (checkpoint(work / "decode-qknorm", DECODE_SHAPE, qk_norm="rms"),
+                         DECODE_SHAPE["num_attention_heads"])}
     _set_logit_scale(models["plain-qkmla"][0], tau ** -0.5)  # the same function as plain MLA
     longest = max(c for c, _ in grid) + new_tokens + 1
     size = 2 if dtype == "bfloat16" else 4
@@ -403,14 +405,17 @@ def summarize_decode(result: dict, models: dict, size: int) -> None:
     runs = {}
     for row in result["decode_runs"]:
         runs.setdefault((row["variant"], row["context"], row["batch"]), {})[row["round"]] = row
-    result["decode"] = [{"variant": v, "kv_bytes_per_token_per_layer": next(iter(by.values()))["kv_bytes_per_token_per_layer"],
+
+    def median(by: dict, field: str) -> float:
+        return statistics.median(r[field] for r in by.values())
+
+    result["decode"] = [{"variant": v, "kv_bytes_per_token_per_layer": min(r["kv_bytes_per_token_per_layer"]
+                                                                            for r in by.values()),
                          "kv_bytes_expected": kv_bytes_per_token(DECODE_SHAPE, models[v][1], size), "context": c,
-                         "batch": b, "rounds": len(by),
-                         "median_step_ms": round(statistics.median(r["median_step_ms"] for r in by.values()), 3),
+                         "batch": b, "rounds": len(by), "median_step_ms": round(median(by, "median_step_ms"), 3),
                          "fastest_step_ms": min(r["median_step_ms"] for r in by.values()),
-                         "median_attention_ms": round(statistics.median(r["median_attention_ms"] for r in by.values()), 3),
-                         "decode_tokens_per_s": round(b / statistics.median(r["median_step_ms"] for r in by.values())
-                                                      * 1e3, 2)}
+                         "median_attention_ms": round(median(by, "median_attention_ms"), 3),
+                         "decode_tokens_per_s": round(b / median(by, "median_step_ms") * 1e3, 2)}
                         for (v, c, b), by in runs.items()]
     result["ratios"] = ratios(runs)
 
