@@ -117,3 +117,36 @@ def test_bench_threads_times_both_choices_with_and_without_a_held_core(tmp_path)
     assert held_auto["threads"] <= max(1, rows[2]["threads"] - 1)  # a held core is left to its holder
     with pytest.raises(SystemExit):
         bench.main(["--out", str(out)])
+
+
+def test_vllm_serving_pairs_each_round_and_takes_the_median_ratio():
+    """The decode summary of vllm_serving.py (no vLLM needed): ratios pair the variants' measurements
+    of one round, so a slow round slows both sides of its pair; the target is judged on their median."""
+    bench = load("vllm_serving")
+    runs = []
+    for context, first_qk in ((64, 2.08), (128, 2.2)):
+        for round_, (plain, qk, stock) in enumerate([(2.0, first_qk, 1.0), (4.0, 4.0, 2.0), (2.0, 3.0, 1.0)]):
+            for variant, ms, row_bytes in (("plain-qkmla", plain, 1152), ("qknorm", qk, 1184), ("stock", stock, 1152)):
+                runs.append({"variant": variant, "session": 0, "round": round_, "context": context, "batch": 2,
+                             "kv_bytes_per_token_per_layer": row_bytes, "median_step_ms": ms,
+                             "median_attention_ms": ms / 2, "decode_tokens_per_s": 2e3 / ms})
+    result = {"decode_runs": runs}
+    bench.summarize_decode(result, {"stock": (None, 0), "plain-qkmla": (None, 0), "qknorm": (None, 16)}, 2)
+    within, beyond = sorted(result["ratios"], key=lambda r: r["context"])
+    assert within["qknorm_over_plain_qkmla_time_by_round"] == [1.04, 1.0, 1.5]
+    assert within["qknorm_over_plain_qkmla_time"] == 1.04 and within["extra_bytes"] == 0.0278
+    assert within["within_target"] and within["attention_within_target"]  # 1.04 <= 1184 / 1152 + 0.02
+    assert within["qknorm_over_stock_time"] == 2.08 and within["qknorm_over_plain_qkmla_attention_time"] == 1.04
+    assert beyond["qknorm_over_plain_qkmla_time"] == 1.1 and not beyond["within_target"]
+    plain = next(r for r in result["decode"] if r["variant"] == "plain-qkmla" and r["context"] == 64)
+    assert (plain["median_step_ms"], plain["fastest_step_ms"], plain["rounds"]) == (2.0, 2.0, 3)
+    assert plain["kv_bytes_expected"] == (512 + 64) * 2
+
+
+@pytest.mark.parametrize("argv, option", [(["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"],
+                                                                             "--sessions")])
+def test_vllm_serving_refuses_bad_arguments_naming_them(argv, option, capsys):
+    bench = load("vllm_serving")
+    with pytest.raises(SystemExit):
+        bench.main(["--parts", "decode", *argv])
+    assert option in capsys.readouterr().err
