@@ -305,12 +305,12 @@ def _block_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_
 
 def _gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """table [num_blocks, block, width] (a slice of a wider cache row, say) -> the rows [n, width]
-    at flat slot indices ``rows``.
+    at flat slot indices ``rows``, which cover whole blocks in order (block id * block + 0..block-1).
 
     Indexing slots of a [num_blocks * block, width] view copies one contiguous run per slot;
-    indexing whole blocks of a column slice goes through PyTorch's generic strided copy, about
-    twice as slow for narrow slices (the key scalars, the RoPE key). A table whose blocks are
-    not evenly spaced rows has no such view and is read a block at a time.
+    indexing whole blocks of a column slice goes through PyTorch's generic strided copy, slower
+    for narrow slices (the key scalars, the RoPE key). A table whose blocks are not evenly
+    spaced rows has no such view and is read a block at a time.
     """
     block, width = table.shape[1:]
     if table.stride(0) == block * table.stride(1):
