@@ -225,14 +225,14 @@ class DecodeWorker:
         try:
             self.proc.stdin.write(json.dumps([context, batch]) + "\n")
             self.proc.stdin.flush()
-        except OSError:  # the engine has exited: reply() says so, naming its log
+        except (OSError, ValueError):  # the engine has exited (or was closed): reply() says so, naming its log
             pass
         return self.reply(f"measuring context {context}, batch {batch}")
 
     def reply(self, doing: str):
         """The next tagged line: "ready" once the engine is up and warm, then a row per point
         (the tag is looked for anywhere in a line: output without a newline may precede it)."""
-        for line in self.proc.stdout:
+        for line in () if self.proc.stdout.closed else self.proc.stdout:
             if RESULT_TAG in line:
                 return json.loads(line[line.index(RESULT_TAG) + len(RESULT_TAG):])
         self.close()

@@ -150,3 +150,20 @@ def test_vllm_serving_refuses_bad_arguments_naming_them(argv, option, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--parts", "decode", *argv])
     assert option in capsys.readouterr().err
+
+
+def test_vllm_serving_reports_an_engine_that_exits_with_its_log(tmp_path):
+    """A decode worker whose engine cannot start (here: no checkpoint; without vLLM, no vLLM) is
+    reported by name with the log it left, not left waiting on its pipe."""
+    bench = load("vllm_serving")
+    spec = {"model": str(tmp_path / "missing"), "dtype": "float32", "max_model_len": 64, "new_tokens": 2,
+            "warm_batch": 1}
+    starting = bench.DecodeWorker(spec, tmp_path / "starting.log")
+    with pytest.raises(RuntimeError, match="exited .* before starting; its log: .*starting.log"):
+        starting.reply("starting")
+    assert (tmp_path / "starting.log").read_text()  # the engine's traceback stays in the log
+    assert starting.proc.returncode not in (None, 0)
+    gone = bench.DecodeWorker(spec, tmp_path / "gone.log")
+    gone.proc.wait()  # an engine that died between two measurements: its stdin is a broken pipe
+    with pytest.raises(RuntimeError, match="before measuring context 8, batch 1; its log: .*gone.log"):
+        gone.measure(8, 1)
