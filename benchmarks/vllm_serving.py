@@ -94,7 +94,9 @@ def checkpoint(path: Path, shape: dict, **record) -> Path:
 
 
 def engine(spec: dict) -> dict:
-    """Run one engine (in this process) as ``spec`` says; see :func:`run_engine`."""
+    """Run one engine (in this process) as ``spec`` says: with ``"prompts"``, generate them and return
+    tokens and logprobs (:func:`run_engine`); without, serve decode points read from stdin until it
+    closes (:class:`DecodeWorker`), returning nothing more."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -422,8 +424,7 @@ def summarize_decode(result: dict, models: dict, size: int) -> None:
     def median(by: dict, field: str) -> float:
         return statistics.median(r[field] for r in by.values())
 
-    result["decode"] = [{"variant": v, "kv_bytes_per_token_per_layer": min(r["kv_bytes_per_token_per_layer"]
-                                                                            for r in by.values()),
+    result["decode"] = [{"variant": v, "kv_bytes_per_token_per_layer": _row_bytes(by),
                          "kv_bytes_expected": kv_bytes_per_token(DECODE_SHAPE, models[v][1], size), "context": c,
                          "batch": b, "rounds": len(by), "median_step_ms": round(median(by, "median_step_ms"), 3),
                          "fastest_step_ms": min(r["median_step_ms"] for r in by.values()),
@@ -445,6 +446,11 @@ def _set_logit_scale(model_dir: Path, tau: float) -> None:
             save_file({**tensors, **hit}, f, metadata={"format": "pt"})
 
 
+def _row_bytes(by_round: dict) -> int:
+    """The cache row's bytes per token and layer of one variant's rounds (the same in every round)."""
+    return next(iter(by_round.values()))["kv_bytes_per_token_per_layer"]
+
+
 def ratios(runs: dict) -> list:
     """qknorm / plain-qkmla and qknorm / stock decode time at each point, paired by round:
     runs[(variant, context, batch)][round] is a row of ``decode_runs``."""
@@ -461,8 +467,7 @@ def ratios(runs: dict) -> list:
 
         plain, stock = paired("plain-qkmla"), paired("stock")
         attention = paired("plain-qkmla", "median_attention_ms")
-        row_ratio = next(iter(qk.values()))["kv_bytes_per_token_per_layer"] / \
-            next(iter(runs[("plain-qkmla", c, b)].values()))["kv_bytes_per_token_per_layer"]
+        row_ratio = _row_bytes(qk) / _row_bytes(runs[("plain-qkmla", c, b)])
         out.append({"context": c, "batch": b, "qknorm_over_plain_qkmla_time_by_round": plain,
                     "qknorm_over_plain_qkmla_time": round(statistics.median(plain), 3),
                     "extra_bytes": round(row_ratio - 1, 4),
