@@ -167,11 +167,13 @@ def test_float32_queries_read_a_bfloat16_cache_in_float32(monkeypatch, layout):
     check_against_naive("torch", {**args, "kv_cache": args["kv_cache"].to(torch.bfloat16)})
 
 
-@pytest.mark.parametrize("norm", ["plain", "blockwise", "unified"])
-def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm):
+@pytest.mark.parametrize("norm, rows", [("plain", "apart"), ("blockwise", "apart"), ("unified", "apart"),
+                                        ("blockwise", "one-row"), ("unified", "one-row")])
+def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm, rows):
     """bfloat16 queries and cache through the paged torch backend (two half-precision GEMMs
     per chunk, joined in float32), many chunks: as close to
-    the float32 spec as the spec computed in bfloat16 is, give or take a factor 2."""
+    the float32 spec as the spec computed in bfloat16 is, give or take a factor 2. The
+    scalars in a cache of their own, or in vLLM's row [c | k_rope | r] (column views of one row)."""
     from qkmla.ops.mla_decode import torch_impl
 
     monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48 * len(LENGTHS))
@@ -179,6 +181,10 @@ def test_torch_backend_in_bfloat16_stays_within_bf16s_roundoff(monkeypatch, norm
     ref, _ = mla_decode_with_kvcache(**args, backend="naive")
     half = {k: (v.to(torch.bfloat16) if k in ("q_lat", "q_rope", "kv_cache", "scale_cache") and v is not None
                 else v) for k, v in args.items()}
+    if rows == "one-row":
+        wide = torch.cat((half["kv_cache"], half["scale_cache"]), dim=-1)
+        width = half["kv_cache"].shape[-1]
+        half.update(kv_cache=wide[..., :width], scale_cache=wide[..., width:])
     spec_bf16, _ = naive_mla_decode(half["q_lat"], half["q_rope"], half["kv_cache"], half["block_table"],
                                     half["cache_seqlens"], half["scale_cache"], half["softmax_scale"],
                                     compute_dtype=torch.bfloat16, mode=half["mode"])
