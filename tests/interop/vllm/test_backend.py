@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,14 +17,17 @@ from qkmla.interop.vllm.backend import cpu_backend  # noqa: E402
 H, D_N, D_V, D_C, D_R, BLOCK = 4, 16, 16, 512, 64, 16
 
 
-def impl(score_mode: str = "blockwise"):
+def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str = "torch"):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     kv_b = torch.nn.Linear(D_C, H * (D_N + D_V), bias=False)
-    return cpu_backend().get_impl_cls()(
-        num_heads=H, head_size=D_C + D_R, scale=0.07, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
-        kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
-        q_lora_rank=None, kv_lora_rank=D_C, qk_nope_head_dim=D_N, qk_rope_head_dim=D_R, qk_head_dim=D_N + D_R,
-        v_head_dim=D_V, kv_b_proj=kv_b, indexer=None, num_key_scalars=H, score_mode=score_mode,
-        decode_backend="torch")
+    with set_current_vllm_config(VllmConfig()):  # TRITON_MLA's impl reads it
+        return backend().get_impl_cls()(
+            num_heads=H, head_size=D_C + D_R, scale=0.07, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+            kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+            q_lora_rank=None, kv_lora_rank=D_C, qk_nope_head_dim=D_N, qk_rope_head_dim=D_R, qk_head_dim=D_N + D_R,
+            v_head_dim=D_V, kv_b_proj=kv_b, indexer=None, num_key_scalars=H, score_mode=score_mode,
+            decode_backend=decode_backend)
 
 
 def paged(lengths: list[int], seed: int = 0):
@@ -83,6 +88,28 @@ def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode
     assert lse is None
     ignored = reference_decode(q_lat, q_rope, rows, layer.scale, mode, use_scalars=False)
     assert (out - ignored).abs().max() > 1e-2  # the scalars matter: the negative control differs
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="runs the Triton kernel in Triton's interpreter")
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode):
+    """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows through
+    qkmla's Triton kernel, here in Triton's interpreter on the CPU (not yet run on a GPU)."""
+    from qkmla.interop.vllm.backend import cuda_backend
+
+    lengths = [3, 40, 17]
+    cache, table, rows = paged(lengths)
+    g = torch.Generator().manual_seed(1)
+    q_lat, q_rope = torch.randn(3, H, D_C, generator=g), torch.randn(3, H, D_R, generator=g)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    layer = impl(mode, cuda_backend, "triton")
+    assert cuda_backend().get_name() == "QKMLA_TRITON" and not layer.can_return_lse_for_decode
+    out, lse = layer.forward_mqa((q_lat, q_rope), cache.float(), meta, None)
+    want = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    ignored = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode, use_scalars=False)
+    assert (out.double() - ignored).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])
