@@ -7,7 +7,8 @@ tokens and their logprobs as JSON on the last line of stdout.
 were 1 (the prefill still uses them), which must break the match with qkmla's generation.
 ``"engine"``: more ``vllm.LLM`` arguments. ``"cached_context": true`` keeps chunked prefill and
 prefix caching on (``engine`` gives ``max_num_batched_tokens``) and serves the prompts twice, the
-second time from the prefix cache. ``"parallel"``: ``tensor_parallel_size`` and
+second time from the prefix cache; ``"amx_configuration": true`` serves them twice in the
+configuration vLLM gives a CPU with AMX (faked on one without). ``"parallel"``: ``tensor_parallel_size`` and
 ``pipeline_parallel_size``, each rank in its own worker process (vLLM's multiprocessing executor),
 one CPU each (``VLLM_CPU_OMP_THREADS_BIND``); ``"eager": false`` compiles the model.
 """
@@ -37,6 +38,15 @@ def main() -> None:
 
         decode = backend.mla_decode_with_kvcache
         backend.mla_decode_with_kvcache = lambda *a, scale_cache=None, **kw: decode(*a, scale_cache=None, **kw)
+    import torch
+
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    if args.get("amx_configuration"):
+        # What vLLM sets up where the CPU has AMX: AMX_MLA as the platform's MLA backend (qkmla's
+        # layers keep their own), 128-token blocks, chunked prefill and prefix caching on. Faked
+        # where it has none, in float32 only: in bfloat16 vLLM's other CPU kernels would then run
+        # AMX instructions.
+        torch.cpu._is_amx_tile_supported = lambda: True
     if args.get("cached_context"):
         # vLLM turns chunked prefill and prefix caching off for CPU_MLA (it turns them on only
         # where AMX_MLA runs); this keeps what the engine arguments ask for, so that the prefill's
@@ -51,6 +61,8 @@ def main() -> None:
             vllm_config.scheduler_config.max_num_batched_tokens = args["engine"]["max_num_batched_tokens"]
             vllm_config.cache_config.enable_prefix_caching = True
         CpuPlatform.check_and_update_config = classmethod(keep_cached_context)
+    repeat = args.get("cached_context") or args.get("amx_configuration")
+    if repeat:
         # Count the prefills that attend over cached context, so the test knows the path ran.
         from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 
@@ -60,9 +72,10 @@ def main() -> None:
             CONTEXT_CALLS.append(1)
             return context(self, *a, **kw)
         MLACommonImpl._compute_prefill_context = counted
-    # CPU_MLA on every CPU: on one with AMX vLLM would pick AMX_MLA (bfloat16 only, 128-token blocks),
-    # on one without it picks CPU_MLA anyway; so the same path runs on every CI machine.
-    engine = {"attention_backend": "CPU_MLA", **args.get("engine", {})}
+    # CPU_MLA on every CPU unless asked for vLLM's AMX configuration: on one with AMX vLLM would pick
+    # AMX_MLA (128-token blocks, chunked prefill and prefix caching on), on one without it picks
+    # CPU_MLA anyway; so the same path runs on every CI machine.
+    engine = {**({} if args.get("amx_configuration") else {"attention_backend": "CPU_MLA"}), **args.get("engine", {})}
     parallel = args.get("parallel", {})
     ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
     if ranks > 1:  # one CPU per rank: vLLM binds ranks to NUMA nodes by default, and a small machine has one
@@ -73,19 +86,21 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.get("max_tokens", 12), temperature=0, logprobs=0,
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
-    if args.get("cached_context"):  # again: every prompt's blocks are now in the prefix cache
+    if repeat:  # again: every prompt's blocks are now in the prefix cache
         first, before = outs, len(CONTEXT_CALLS)
         outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
         again = len(CONTEXT_CALLS) - before
         if [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in first]:
             raise SystemExit("a prompt served again from the prefix cache generated other tokens")
-    import torch
-
     layers = llm.apply_model(count_qk_layers)
-    result = {"amx": bool(torch.cpu._is_amx_tile_supported()), "qk_layers": layers[0], "qk_layers_by_rank": layers,
+    config = llm.llm_engine.vllm_config
+    result = {"amx": amx, "qk_layers": layers[0], "qk_layers_by_rank": layers,
+              "block_size": config.cache_config.block_size,
+              "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+              "prefix_caching": bool(config.cache_config.enable_prefix_caching),
               "context_prefills": len(CONTEXT_CALLS),
-              "context_prefills_again": again if args.get("cached_context") else None,
-              "cached_tokens_again": [o.num_cached_tokens for o in outs] if args.get("cached_context") else None,
+              "context_prefills_again": again if repeat else None,
+              "cached_tokens_again": [o.num_cached_tokens for o in outs] if repeat else None,
               "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
     print(json.dumps(result))

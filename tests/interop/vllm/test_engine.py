@@ -141,6 +141,22 @@ def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactl
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
 
 
+def test_vllms_configuration_for_a_cpu_with_amx_is_served_exactly(tmp_path):
+    """Where the CPU has AMX, vLLM picks AMX_MLA as the platform's MLA backend and with it 128-token
+    blocks, chunked prefill and prefix caching, unasked; qkmla's layers keep their own backend and
+    serve that configuration. On a CPU without AMX the engine is told it has one (float32 only)."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    prompts = [list(range(5, 75)), list(range(100, 245)), [20, 21]]  # the second spans a whole 128-token block
+    want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
+    got = served(path, prompts=prompts, amx_configuration=True, max_model_len=256,
+                 engine={"max_num_batched_tokens": 64})
+    assert (got["block_size"], got["chunked_prefill"], got["prefix_caching"]) == (128, True, True)
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    assert got["context_prefills"] > 0  # the 145-token prompt prefilled in 64-token chunks
+    assert got["cached_tokens_again"][1] == 128  # served again from the prefix cache
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
 PARALLEL = {  # name: (vLLM arguments, QK layers on each rank)
     # each rank serves 2 of the 4 heads: 2 key scalars per cached row, and its half of logit_scale
     "tensor-parallel-2": (dict(parallel={"tensor_parallel_size": 2}), [2, 2]),
