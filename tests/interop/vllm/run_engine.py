@@ -1,5 +1,5 @@
 """One vLLM engine on one checkpoint, in its own process (vLLM's tests/plugins pattern): greedy
-tokens and their logprobs as JSON on the last line of stdout.
+tokens and their logprobs as JSON on the stdout line that starts with RESULT_TAG.
 
     python run_engine.py '{"model": DIR, "dtype": "float32", "prompts": [[5, 6, 7]], "max_tokens": 12}'
 
@@ -10,7 +10,8 @@ prefix caching on (``engine`` gives ``max_num_batched_tokens``) and serves the p
 second time from the prefix cache; ``"amx_configuration": true`` serves them twice in the
 configuration vLLM gives a CPU with AMX (faked on one without). ``"parallel"``: ``tensor_parallel_size`` and
 ``pipeline_parallel_size``, each rank in its own worker process (vLLM's multiprocessing executor),
-one CPU each (``VLLM_CPU_OMP_THREADS_BIND``); ``"eager": false`` compiles the model.
+one CPU each (``VLLM_CPU_OMP_THREADS_BIND``, unless already set); the patches above reach only
+this process, so they are refused with more than one rank. ``"eager": false`` compiles the model.
 """
 
 import json
@@ -18,18 +19,26 @@ import os
 import sys
 
 CONTEXT_CALLS: list = []  # prefills that attended over cached context (with "cached_context")
+RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after the result
+PATCHES = ("ignore_key_scalars", "cached_context", "amx_configuration")  # patch this process only
 
 
-def count_qk_layers(model) -> int:
-    """QK-normed attention layers in one rank's model (a module-level function: ranks in other processes get it by name)."""
+def qk_layers(model) -> list:
+    """[local heads, key scalars per cached row] of each QK-normed attention layer in one rank's
+    model (a module-level function: ranks in other processes get it by name)."""
     from qkmla.interop.vllm.attention import QKNormLatentAttention
 
-    return sum(isinstance(m, QKNormLatentAttention) for m in model.modules())
+    return [[m.num_heads, m.mla_attn.num_key_scalars] for m in model.modules() if isinstance(m, QKNormLatentAttention)]
 
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    # The engine core and its worker in this process: the negative control's patch reaches them.
+    parallel = args.get("parallel", {})
+    ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
+    if ranks > 1 and any(args.get(name) for name in PATCHES):
+        raise SystemExit(f"{', '.join(n for n in PATCHES if args.get(n))}: patches this process, not the "
+                         f"worker processes of {ranks} ranks")
+    # The engine core (and with one rank its worker) in this process, so that the patches reach them.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -76,10 +85,8 @@ def main() -> None:
     # AMX_MLA (128-token blocks, chunked prefill and prefix caching on), on one without it picks
     # CPU_MLA anyway; so the same path runs on every CI machine.
     engine = {**({} if args.get("amx_configuration") else {"attention_backend": "CPU_MLA"}), **args.get("engine", {})}
-    parallel = args.get("parallel", {})
-    ranks = parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1)
     if ranks > 1:  # one CPU per rank: vLLM binds ranks to NUMA nodes by default, and a small machine has one
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, sorted(os.sched_getaffinity(0))[:ranks]))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, sorted(os.sched_getaffinity(0))[:ranks])))
     llm = LLM(args["model"], dtype=args.get("dtype", "float32"), enforce_eager=args.get("eager", True),
               gpu_memory_utilization=0.2, max_model_len=args.get("max_model_len", 128), skip_tokenizer_init=True,
               seed=0, distributed_executor_backend="mp" if ranks > 1 else "uni", **parallel, **engine)
@@ -92,9 +99,9 @@ def main() -> None:
         again = len(CONTEXT_CALLS) - before
         if [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in first]:
             raise SystemExit("a prompt served again from the prefix cache generated other tokens")
-    layers = llm.apply_model(count_qk_layers)
+    layers = llm.apply_model(qk_layers)  # one list per rank
     config = llm.llm_engine.vllm_config
-    result = {"amx": amx, "qk_layers": layers[0], "qk_layers_by_rank": layers,
+    result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size,
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
@@ -103,7 +110,7 @@ def main() -> None:
               "cached_tokens_again": [o.num_cached_tokens for o in outs] if repeat else None,
               "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
-    print(json.dumps(result))
+    print(RESULT_TAG + json.dumps(result))
 
 
 if __name__ == "__main__":
