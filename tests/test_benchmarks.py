@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from qkmla import mla_preset
 
@@ -117,6 +118,44 @@ def test_bench_threads_times_both_choices_with_and_without_a_held_core(tmp_path)
     assert held_auto["threads"] <= max(1, rows[2]["threads"] - 1)  # a held core is left to its holder
     with pytest.raises(SystemExit):
         bench.main(["--out", str(out)])
+
+
+def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
+    bench = load("bench_paged_layouts")
+    out = tmp_path / "layouts.json"
+    assert bench.main(["--points", "32x2", "48x1", "--reps", "3", "--profile", "32x1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python benchmarks/bench_paged_layouts.py")
+    assert result["machine"]["torch_threads"] == 1 and result["target"] == round(1 + 16 / 576 + 0.02, 4)
+    assert [(r["layout"], r["context"], r["batch"]) for r in result["rows"]] == [
+        ("row", 32, 2), ("block", 32, 2), ("row", 48, 1), ("block", 48, 1)]
+    assert all(r["plain_ms"] > 0 and r["qknorm_ms"] > 0 and r["qknorm_over_plain"] > 0 for r in result["rows"])
+    profile = result["profile"]
+    assert (profile["layout"], profile["context"], profile["batch"]) == ("row", 32, 1)
+    assert "aten::bmm" in {op["op"] for op in profile["ops_us"]} and profile["total_us"]["qknorm"] > 0
+
+
+def test_bench_paged_layouts_caches_hold_the_same_values_in_both_layouts():
+    """Each layout's views read back the rows and scalars it was given: the two calls of a point
+    decode the same cache, and the block layout puts a block's scalars after its rows."""
+    bench = load("bench_paged_layouts")
+    for layout in bench.LAYOUTS:
+        plain, rows, scalars, table = bench.caches(layout, 32, 2, torch.Generator().manual_seed(0))
+        assert rows.shape[1:] == (16, 576) and scalars.shape[1:] == (16, 16) and table.shape == (2, 2)
+        assert plain.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+        assert bool((scalars > 0).all())
+        if layout == "block":  # rows then scalars, per block
+            assert scalars.storage_offset() == 16 * 576 and rows.stride(0) == 16 * 592
+        else:
+            assert scalars.storage_offset() == 576 and rows.stride(1) == 592
+
+
+@pytest.mark.parametrize("argv, option", [(["--points", "100x1"], "--points"), (["--points", "4096"], "--points"),
+                                          (["--reps", "0"], "--reps"), (["--profile", "32x0"], "--profile")])
+def test_bench_paged_layouts_refuses_bad_arguments_naming_them(argv, option, capsys):
+    with pytest.raises(SystemExit):
+        load("bench_paged_layouts").main(argv)
+    assert option in capsys.readouterr().err
 
 
 def test_vllm_serving_pairs_each_round_and_takes_the_median_ratio():

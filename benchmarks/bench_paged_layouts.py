@@ -1,0 +1,175 @@
+"""Where a QK-normed paged decode spends its extra time on the CPU: the torch backend of
+``mla_decode_with_kvcache`` over two layouts of one bfloat16 paged cache, plain MLA and the QK
+norm reading the same memory.
+
+    python benchmarks/bench_paged_layouts.py [--points 1024x1 4096x8 ...] [--reps 20]
+        [--profile 4096x8] [--out FILE.json] [--overwrite]
+
+Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars per token):
+
+* ``row``: vLLM's, one row [c | k_rope | r] per token (1,184 bytes), the op given its column
+  views, as ``qkmla.interop.vllm`` hands them over;
+* ``block``: a block's 16 rows [c | k_rope] (1,152 bytes each, so every row starts on a
+  64-byte boundary), then its 16 x G scalars in one run.
+
+Plain MLA reads vLLM's plain layout (rows [c | k_rope] of 1,152 bytes, back to back) over the
+same buffer, so both variants of a point read one allocation: on a shared VM where a buffer
+lands moves a read's speed by more than the difference sought.
+Times are the CPU time of one thread (``time.thread_time``, torch on one thread), the two
+variants called in turn, the order alternating; a point's ratio is the median of the per-pair
+ratios. ``--profile CONTEXTxBATCH`` adds the self CPU time of each aten op per call for both
+variants on the row layout (``torch.profiler``, six interleaved blocks of calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+HEADS, D_C, D_R, G, BLOCK = 16, 512, 64, 16, 16
+LAYOUTS = ("row", "block")
+DEFAULT_POINTS = ["1024x1", "4096x1", "16384x1", "1024x8", "4096x8", "16384x8"]
+
+
+def point(text: str) -> tuple[int, int]:
+    """'CONTEXTxBATCH' -> (context, batch): a context that fills whole blocks, a positive batch."""
+    try:
+        context, batch = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CONTEXTxBATCH such as 4096x8, got {text!r}") from None
+    if context < BLOCK or context % BLOCK or batch < 1:
+        raise argparse.ArgumentTypeError(f"expected a context that is a positive multiple of {BLOCK} and a "
+                                         f"positive batch, got {text!r}")
+    return context, batch
+
+
+def caches(layout: str, context: int, batch: int, gen: torch.Generator):
+    """(plain rows, rows [num_blocks, BLOCK, D_C + D_R], scalars [num_blocks, BLOCK, G], block_table
+    [batch, blocks]): views of one bfloat16 buffer, the QK-normed ones laid out as ``layout``, the
+    plain ones as plain MLA's cache; the blocks scattered, a few unused."""
+    n_blocks = batch * context // BLOCK + 8
+    width = D_C + D_R
+    buf = torch.randn(n_blocks * BLOCK * (width + G), generator=gen).to(torch.bfloat16)
+    plain = buf[:n_blocks * BLOCK * width].view(n_blocks, BLOCK, width)
+    if layout == "row":
+        full = buf.view(n_blocks, BLOCK, width + G)
+        rows, scalars = full[..., :width], full[..., width:]
+    else:
+        per_block = buf.view(n_blocks, BLOCK * (width + G))
+        rows = per_block[:, :BLOCK * width].view(n_blocks, BLOCK, width)
+        scalars = per_block[:, BLOCK * width:].view(n_blocks, BLOCK, G)
+    scalars.copy_(scalars.abs() + 0.5)  # a statistic: positive
+    table = torch.randperm(n_blocks, generator=gen)[:batch * context // BLOCK].view(batch, -1).to(torch.int32)
+    return plain, rows, scalars, table
+
+
+def calls(layout: str, context: int, batch: int, seed: int = 0):
+    """(plain, qknorm): the two decode calls of one point over one cache."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    gen = torch.Generator().manual_seed(seed)
+    plain, rows, scalars, table = caches(layout, context, batch, gen)
+    q_lat = torch.randn(batch, 1, HEADS, D_C, generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn(batch, 1, HEADS, D_R, generator=gen).to(torch.bfloat16)
+    lengths = torch.full((batch,), context, dtype=torch.int32)
+    scale = (D_C + D_R) ** -0.5
+    return (lambda: mla_decode_with_kvcache(q_lat, q_rope, plain, table, lengths, softmax_scale=scale, backend="torch"),
+            lambda: mla_decode_with_kvcache(q_lat, q_rope, rows, table, lengths, scale_cache=scalars,
+                                            softmax_scale=scale, backend="torch"))
+
+
+def paired(plain, qknorm, reps: int) -> dict:
+    """Thread CPU time of both calls, in turn (order alternating), after one warm-up call each."""
+    plain(), qknorm()
+    times = {"plain": [], "qknorm": []}
+    for i in range(reps):
+        for name, f in (("plain", plain), ("qknorm", qknorm))[:: 1 if i % 2 == 0 else -1]:
+            start = time.thread_time()
+            f()
+            times[name].append(time.thread_time() - start)
+    ratios = [q / p for p, q in zip(times["plain"], times["qknorm"])]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"plain_ms": round(statistics.median(times["plain"]) * 1e3, 3),
+            "qknorm_ms": round(statistics.median(times["qknorm"]) * 1e3, 3),
+            "qknorm_over_plain": round(statistics.median(ratios), 4),
+            "qknorm_over_plain_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)]}
+
+
+def profile(plain, qknorm, calls_per_block: int, blocks: int = 6) -> dict:
+    """Self CPU time per call of each aten op, µs, for both variants (blocks of calls, interleaved)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    plain(), qknorm()
+    per_op = {"plain": collections.Counter(), "qknorm": collections.Counter()}
+    for i in range(blocks):
+        for name, f in (("plain", plain), ("qknorm", qknorm))[:: 1 if i % 2 == 0 else -1]:
+            with profiler(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(calls_per_block):
+                    f()
+            for event in prof.key_averages():
+                per_op[name][event.key] += event.self_cpu_time_total / (blocks * calls_per_block)
+    ops = sorted(set(per_op["plain"]) | set(per_op["qknorm"]), key=lambda k: -max(per_op["plain"][k],
+                                                                                per_op["qknorm"][k]))
+    return {"total_us": {name: round(sum(c.values()), 1) for name, c in per_op.items()},
+            "ops_us": [{"op": op, "plain": round(per_op["plain"][op], 1), "qknorm": round(per_op["qknorm"][op], 1),
+                        "difference": round(per_op["qknorm"][op] - per_op["plain"][op], 1)} for op in ops[:16]]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", nargs="+", type=point, default=[point(v) for v in DEFAULT_POINTS],
+                   metavar="CONTEXTxBATCH")
+    p.add_argument("--reps", type=int, default=20, help="pairs of calls per point and layout (default 20)")
+    p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps: expected a positive int, got {args.reps}")
+    if args.out is not None and args.out.exists() and not args.overwrite:
+        p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from qkmla.files import write_text
+    from qkmla.machine import machine, recorded_command, source_commit
+
+    torch.set_num_threads(1)  # thread_time then counts all the op's work
+    extra = G / (D_C + D_R)
+    rows = []
+    for context, batch in args.points:
+        for layout in LAYOUTS:
+            row = {"layout": layout, "context": context, "batch": batch, **paired(*calls(layout, context, batch),
+                                                                                  args.reps)}
+            rows.append(row)
+            print(f"{layout:5s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
+                  f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} "
+                  f"(quartiles {row['qknorm_over_plain_quartiles'][0]:.3f} {row['qknorm_over_plain_quartiles'][1]:.3f})",
+                  flush=True)
+    result = {"command": recorded_command("benchmarks/bench_paged_layouts.py", argv), "commit": source_commit(HERE),
+              "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,
+              "extra_bytes": round(extra, 4), "target": round(1 + extra + 0.02, 4), "rows": rows}
+    if args.profile is not None:
+        context, batch = args.profile
+        result["profile"] = {"layout": "row", "context": context, "batch": batch,
+                             **profile(*calls("row", context, batch), min(50, max(2, 200_000 // (context * batch))))}
+        total = result["profile"]["total_us"]
+        print(f"profile row {context} x {batch}: plain {total['plain']} µs, qknorm {total['qknorm']} µs per call")
+        for op in result["profile"]["ops_us"][:8]:
+            print(f"  {op['op']:28s} {op['plain']:10.1f} {op['qknorm']:10.1f} {op['difference']:+9.1f}")
+    if args.out is not None:
+        write_text(args.out, json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
