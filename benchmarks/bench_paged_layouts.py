@@ -150,9 +150,9 @@ def main(argv=None) -> int:
             row = {"layout": layout, "context": context, "batch": batch, **paired(*calls(layout, context, batch),
                                                                                   args.reps)}
             rows.append(row)
+            low, high = row["qknorm_over_plain_quartiles"]
             print(f"{layout:5s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
-                  f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} "
-                  f"(quartiles {row['qknorm_over_plain_quartiles'][0]:.3f} {row['qknorm_over_plain_quartiles'][1]:.3f})",
+                  f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} (quartiles {low:.3f} {high:.3f})",
                   flush=True)
     result = {"command": recorded_command("benchmarks/bench_paged_layouts.py", argv), "commit": source_commit(HERE),
               "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,

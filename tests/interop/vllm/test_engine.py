@@ -214,7 +214,8 @@ def test_a_checkpoint_qkmla_convert_wrote_is_served_exactly(tmp_path):
     convert_checkpoint(src, tmp_path / "dst", qk_norm="rms", calibration_tokens=512)
     from safetensors.torch import load_file
 
-    norms = [t for f in (tmp_path / "dst").glob("*.safetensors") for k, t in load_file(f).items() if "_norm.content" in k]
+    norms = [t for f in (tmp_path / "dst").glob("*.safetensors")
+             for k, t in load_file(f).items() if "_norm.content" in k]
     assert norms and not all(bool((t == 1).all()) for t in norms)  # calibrated, not left at ones
     got, want = served(tmp_path / "dst"), reference(tmp_path / "dst")
     assert got["qk_layers"] == SHAPE["num_hidden_layers"]

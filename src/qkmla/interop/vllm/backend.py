@@ -21,8 +21,8 @@ content score is (q_lat . c) · r and vLLM's W_UK absorption of the query is the
 
 Backends: on the CPU, vLLM's reference CPU_MLA with qkmla's torch decode and a prefill through
 PyTorch's fused SDPA (:func:`cpu_prefill_backend`: vLLM's CPU prefill materializes every
-[h, T, T] score matrix, 17 GB at 16k tokens and 16 heads); on CUDA, vLLM's TRITON_MLA prefill with qkmla's Triton decode kernel (the scalars
-multiply each score tile before the online softmax). The CUDA path has not run on a GPU yet;
+[h, T, T] score matrix, 17 GB at 16k tokens and 16 heads); on CUDA, vLLM's TRITON_MLA prefill
+with qkmla's Triton decode kernel (the scalars multiply each score tile before the online softmax). The CUDA path has not run on a GPU yet;
 its decode kernel has run in Triton's interpreter on the CPU.
 """
 
