@@ -125,24 +125,10 @@ def profile(plain, qknorm, calls_per_block: int, blocks: int = 6) -> dict:
                         "difference": round(per_op["qknorm"][op] - per_op["plain"][op], 1)} for op in ops[:16]]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--points", nargs="+", type=point, default=[point(v) for v in DEFAULT_POINTS],
-                   metavar="CONTEXTxBATCH")
-    p.add_argument("--reps", type=int, default=20, help="pairs of calls per point and layout (default 20)")
-    p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--overwrite", action="store_true")
-    args = p.parse_args(argv)
-    if args.reps < 1:
-        p.error(f"--reps: expected a positive int, got {args.reps}")
-    if args.out is not None and args.out.exists() and not args.overwrite:
-        p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from qkmla.files import write_text
+def measure(args, argv) -> dict:
+    """The results record: every point on both layouts, and the profile if asked (on one thread)."""
     from qkmla.machine import machine, recorded_command, source_commit
 
-    torch.set_num_threads(1)  # thread_time then counts all the op's work
     extra = G / (D_C + D_R)
     rows = []
     for context, batch in args.points:
@@ -165,6 +151,31 @@ def main(argv=None) -> int:
         print(f"profile row {context} x {batch}: plain {total['plain']} µs, qknorm {total['qknorm']} µs per call")
         for op in result["profile"]["ops_us"][:8]:
             print(f"  {op['op']:28s} {op['plain']:10.1f} {op['qknorm']:10.1f} {op['difference']:+9.1f}")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", nargs="+", type=point, default=[point(v) for v in DEFAULT_POINTS],
+                   metavar="CONTEXTxBATCH")
+    p.add_argument("--reps", type=int, default=20, help="pairs of calls per point and layout (default 20)")
+    p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps: expected a positive int, got {args.reps}")
+    if args.out is not None and args.out.exists() and not args.overwrite:
+        p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
+    sys.path.insert(0, str(HERE.parent / "src"))
+    from qkmla.files import write_text
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thread_time then counts all the op's work
+    try:
+        result = measure(args, argv)
+    finally:  # a caller in the same process (the tests) keeps its threads
+        torch.set_num_threads(threads)
     if args.out is not None:
         write_text(args.out, json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -67,13 +67,22 @@ def test_bench_decode_on_a_paged_batch_times_the_two_eager_rows(tmp_path):
     assert set(result["summary"]["qknorm_over_mla"]) == {"40"} and result["summary"]["qknorm_over_mla_compiled"] == {}
 
 
-@pytest.mark.parametrize("argv, option", [(["--contexts", "0"], "--contexts"), (["--rounds", "0"], "--rounds"),
-                                          (["--threads", "-1"], "--threads"), (["--dtype", "float8"], "--dtype"),
-                                          (["--batch", "0"], "--batch"), (["--paged", "-1"], "--paged")])
-def test_bench_decode_refuses_bad_arguments_naming_them(argv, option, capsys):
-    bench = load("bench_decode")
+BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal must name)
+    *[("bench_decode", ["--preset", "tiny", *argv], option) for argv, option in [
+        (["--contexts", "0"], "--contexts"), (["--rounds", "0"], "--rounds"), (["--threads", "-1"], "--threads"),
+        (["--dtype", "float8"], "--dtype"), (["--batch", "0"], "--batch"), (["--paged", "-1"], "--paged")]],
+    *[("bench_paged_layouts", argv, option) for argv, option in [
+        (["--points", "100x1"], "--points"), (["--points", "4096"], "--points"), (["--reps", "0"], "--reps"),
+        (["--profile", "32x0"], "--profile")]],
+    *[("vllm_serving", ["--parts", "decode", *argv], option) for argv, option in [
+        (["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"], "--sessions")]],
+]
+
+
+@pytest.mark.parametrize("script, argv, option", BAD_ARGUMENTS)
+def test_benchmarks_refuse_bad_arguments_naming_them(script, argv, option, capsys):
     with pytest.raises(SystemExit):
-        bench.main(["--preset", "tiny", *argv])
+        load(script).main(argv)
     assert option in capsys.readouterr().err
 
 
@@ -122,8 +131,9 @@ def test_bench_threads_times_both_choices_with_and_without_a_held_core(tmp_path)
 
 def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
     bench = load("bench_paged_layouts")
-    out = tmp_path / "layouts.json"
+    out, threads = tmp_path / "layouts.json", torch.get_num_threads()
     assert bench.main(["--points", "32x2", "48x1", "--reps", "3", "--profile", "32x1", "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads  # measured on one thread, the caller's count given back
     result = json.loads(out.read_text())
     assert result["command"].startswith("python benchmarks/bench_paged_layouts.py")
     assert result["machine"]["torch_threads"] == 1 and result["target"] == round(1 + 16 / 576 + 0.02, 4)
@@ -150,14 +160,6 @@ def test_bench_paged_layouts_caches_hold_the_same_values_in_both_layouts():
             assert scalars.storage_offset() == 576 and rows.stride(1) == 592
 
 
-@pytest.mark.parametrize("argv, option", [(["--points", "100x1"], "--points"), (["--points", "4096"], "--points"),
-                                          (["--reps", "0"], "--reps"), (["--profile", "32x0"], "--profile")])
-def test_bench_paged_layouts_refuses_bad_arguments_naming_them(argv, option, capsys):
-    with pytest.raises(SystemExit):
-        load("bench_paged_layouts").main(argv)
-    assert option in capsys.readouterr().err
-
-
 def test_vllm_serving_pairs_each_round_and_takes_the_median_ratio():
     """The decode summary of vllm_serving.py (no vLLM needed): ratios pair the variants' measurements
     of one round, so a slow round slows both sides of its pair; the target is judged on their median."""
@@ -180,15 +182,6 @@ def test_vllm_serving_pairs_each_round_and_takes_the_median_ratio():
     plain = next(r for r in result["decode"] if r["variant"] == "plain-qkmla" and r["context"] == 64)
     assert (plain["median_step_ms"], plain["fastest_step_ms"], plain["rounds"]) == (2.0, 2.0, 3)
     assert plain["kv_bytes_expected"] == (512 + 64) * 2
-
-
-@pytest.mark.parametrize("argv, option", [(["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"],
-                                                                             "--sessions")])
-def test_vllm_serving_refuses_bad_arguments_naming_them(argv, option, capsys):
-    bench = load("vllm_serving")
-    with pytest.raises(SystemExit):
-        bench.main(["--parts", "decode", *argv])
-    assert option in capsys.readouterr().err
 
 
 def test_vllm_serving_reports_an_engine_that_exits_with_its_log(tmp_path):

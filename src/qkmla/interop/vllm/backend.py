@@ -22,8 +22,9 @@ content score is (q_lat . c) · r and vLLM's W_UK absorption of the query is the
 Backends: on the CPU, vLLM's reference CPU_MLA with qkmla's torch decode and a prefill through
 PyTorch's fused SDPA (:func:`cpu_prefill_backend`: vLLM's CPU prefill materializes every
 [h, T, T] score matrix, 17 GB at 16k tokens and 16 heads); on CUDA, vLLM's TRITON_MLA prefill
-with qkmla's Triton decode kernel (the scalars multiply each score tile before the online softmax). The CUDA path has not run on a GPU yet;
-its decode kernel has run in Triton's interpreter on the CPU.
+with qkmla's Triton decode kernel (the scalars multiply each score tile before the online
+softmax). The CUDA path has not run on a GPU yet; its decode kernel has run in Triton's
+interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class QKNormImpl:
             # checks.py refuses the settings that lead here without wide_workspace_builder (CUDA);
             # this guards against a vLLM that enables them anyway.
             raise NotImplementedError(f"qkmla's vLLM backend attends over cached context in a prefill only "
-                                      f"through a workspace as wide as the cache row ({kv_c_and_k_pe_cache.shape[-1]}), "
+                                      f"through a workspace as wide as the cache row "
+                                      f"({kv_c_and_k_pe_cache.shape[-1]}), "
                                       f"got {context.workspace.shape[-1]}; turn chunked prefill and prefix caching off")
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                                    output_scale)
