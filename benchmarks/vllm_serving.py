@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -118,8 +119,6 @@ def engine(spec: dict) -> dict:
         outs = generate(spec["prompts"], spec["max_tokens"])
         return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
-    import statistics
-
     import torch
 
     config = llm.llm_engine.vllm_config
@@ -415,8 +414,6 @@ def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, r
 def summarize_decode(result: dict, models: dict, size: int) -> None:
     """Per variant and point: the median over rounds of each engine's median step; the paired
     ratios (qknorm over plain-qkmla and over stock, each round's measurements taken in turn)."""
-    import statistics
-
     runs = {}
     for row in result["decode_runs"]:
         runs.setdefault((row["variant"], row["context"], row["batch"]), {})[row["round"]] = row
@@ -454,8 +451,6 @@ def _row_bytes(by_round: dict) -> int:
 def ratios(runs: dict) -> list:
     """qknorm / plain-qkmla and qknorm / stock decode time at each point, paired by round:
     runs[(variant, context, batch)][round] is a row of ``decode_runs``."""
-    import statistics
-
     out = []
     for (v, c, b), qk in runs.items():
         if v != "qknorm" or ("plain-qkmla", c, b) not in runs:
