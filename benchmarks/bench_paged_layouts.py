@@ -3,7 +3,7 @@
 norm reading the same memory.
 
     python benchmarks/bench_paged_layouts.py [--points 1024x1 4096x8 ...] [--reps 20]
-        [--layouts row block] [--backends torch compiled] [--profile 4096x8] [--out FILE.json] [--overwrite]
+        [--profile 4096x8] [--out FILE.json] [--overwrite]
 
 Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars per token):
 
@@ -11,10 +11,6 @@ Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars pe
   views, as ``qkmla.interop.vllm`` hands them over;
 * ``block``: a block's 16 rows [c | k_rope] (1,152 bytes each, so every row starts on a
   64-byte boundary), then its 16 x G scalars in one run.
-
-Backends: ``torch`` (eager) and ``compiled`` (each chunk's scoring and softmax fold compiled
-by ``torch.compile``, where the key scalars are read inside the pass that scales the scores);
-the compiled graphs are built in each point's warm-up calls, outside the timing.
 
 Plain MLA reads vLLM's plain layout (rows [c | k_rope] of 1,152 bytes, back to back) over the
 same buffer, so both variants of a point read one allocation: on a shared VM where a buffer
@@ -41,7 +37,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 HEADS, D_C, D_R, G, BLOCK = 16, 512, 64, 16, 16
 LAYOUTS = ("row", "block")
-BACKENDS = ("torch", "compiled")
 DEFAULT_POINTS = ["1024x1", "4096x1", "16384x1", "1024x8", "4096x8", "16384x8"]
 
 
@@ -77,8 +72,8 @@ def caches(layout: str, context: int, batch: int, gen: torch.Generator):
     return plain, rows, scalars, table
 
 
-def calls(layout: str, context: int, batch: int, seed: int = 0, backend: str = "torch"):
-    """(plain, qknorm): the two decode calls of one point over one cache, through ``backend``."""
+def calls(layout: str, context: int, batch: int, seed: int = 0):
+    """(plain, qknorm): the two decode calls of one point over one cache."""
     from qkmla.ops.mla_decode import mla_decode_with_kvcache
 
     gen = torch.Generator().manual_seed(seed)
@@ -87,9 +82,9 @@ def calls(layout: str, context: int, batch: int, seed: int = 0, backend: str = "
     q_rope = torch.randn(batch, 1, HEADS, D_R, generator=gen).to(torch.bfloat16)
     lengths = torch.full((batch,), context, dtype=torch.int32)
     scale = (D_C + D_R) ** -0.5
-    return (lambda: mla_decode_with_kvcache(q_lat, q_rope, plain, table, lengths, softmax_scale=scale, backend=backend),
+    return (lambda: mla_decode_with_kvcache(q_lat, q_rope, plain, table, lengths, softmax_scale=scale, backend="torch"),
             lambda: mla_decode_with_kvcache(q_lat, q_rope, rows, table, lengths, scale_cache=scalars,
-                                            softmax_scale=scale, backend=backend))
+                                            softmax_scale=scale, backend="torch"))
 
 
 def paired(plain, qknorm, reps: int) -> dict:
@@ -131,32 +126,29 @@ def profile(plain, qknorm, calls_per_block: int, blocks: int = 6) -> dict:
 
 
 def measure(args, argv) -> dict:
-    """The results record: every point on each layout and backend, and the profile if asked (on one thread)."""
+    """The results record: every point on both layouts, and the profile if asked (on one thread)."""
     from qkmla.machine import machine, recorded_command, source_commit
 
     extra = G / (D_C + D_R)
     rows = []
     for context, batch in args.points:
-        for layout in args.layouts:
-            for backend in args.backends:
-                row = {"layout": layout, "backend": backend, "context": context, "batch": batch,
-                       **paired(*calls(layout, context, batch, backend=backend), args.reps)}
-                rows.append(row)
-                low, high = row["qknorm_over_plain_quartiles"]
-                print(f"{layout:5s} {backend:8s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
-                      f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} "
-                      f"(quartiles {low:.3f} {high:.3f})", flush=True)
+        for layout in LAYOUTS:
+            row = {"layout": layout, "context": context, "batch": batch, **paired(*calls(layout, context, batch),
+                                                                                  args.reps)}
+            rows.append(row)
+            low, high = row["qknorm_over_plain_quartiles"]
+            print(f"{layout:5s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
+                  f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} (quartiles {low:.3f} {high:.3f})",
+                  flush=True)
     result = {"command": recorded_command("benchmarks/bench_paged_layouts.py", argv), "commit": source_commit(HERE),
               "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,
               "extra_bytes": round(extra, 4), "target": round(1 + extra + 0.02, 4), "rows": rows}
     if args.profile is not None:
         context, batch = args.profile
-        backend = args.backends[0]
-        result["profile"] = {"layout": "row", "backend": backend, "context": context, "batch": batch,
-                             **profile(*calls("row", context, batch, backend=backend),
-                                       min(50, max(2, 200_000 // (context * batch))))}
+        result["profile"] = {"layout": "row", "context": context, "batch": batch,
+                             **profile(*calls("row", context, batch), min(50, max(2, 200_000 // (context * batch))))}
         total = result["profile"]["total_us"]
-        print(f"profile row {backend} {context} x {batch}: plain {total['plain']} µs, qknorm {total['qknorm']} µs per call")
+        print(f"profile row {context} x {batch}: plain {total['plain']} µs, qknorm {total['qknorm']} µs per call")
         for op in result["profile"]["ops_us"][:8]:
             print(f"  {op['op']:28s} {op['plain']:10.1f} {op['qknorm']:10.1f} {op['difference']:+9.1f}")
     return result
@@ -167,11 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--points", nargs="+", type=point, default=[point(v) for v in DEFAULT_POINTS],
                    metavar="CONTEXTxBATCH")
     p.add_argument("--reps", type=int, default=20, help="pairs of calls per point and layout (default 20)")
-    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
-                   help="decode backends, each timed on its own pairs (default: both)")
-    p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH",
-                   help="per-op profile of the first backend on the row layout at this point")
+    p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)

@@ -4,11 +4,6 @@ One op, three implementations of the same specification (``naive.py``):
 
 * ``"naive"``: ``naive.py`` itself, a float32 loop. Slow; it is the reference.
 * ``"torch"``: ``torch_impl.py``, dense latent attention in a few large GEMMs (any device).
-* ``"compiled"``: the same, with each chunk of a paged read (a contiguous cache is read as
-  pages of itself) compiled by ``torch.compile``: the key scalars' gather, the masks and the
-  softmax steps fuse into the passes around the GEMMs. Graphs are built on first use (seconds
-  each, per dtype, score mode and mask case); the path for the CPU when a process decodes
-  many times (a server), where eager ``"torch"`` suits a few calls.
 * ``"triton"``: ``triton_kernel.py``, a fused split-K kernel over the paged cache (CUDA, or
   Triton's CPU interpreter when ``TRITON_INTERPRET=1``), registered as the custom op
   ``qkmla::mla_decode`` with a fake (meta) implementation, so it traces under
@@ -37,7 +32,7 @@ from ...kv_formats import check_kv_format, row_format
 from .naive import naive_mla_decode
 from .torch_impl import fold_head_scale, torch_mla_decode
 
-DECODE_BACKENDS = ("auto", "naive", "torch", "compiled", "triton")
+DECODE_BACKENDS = ("auto", "naive", "torch", "triton")
 MODES = ("blockwise", "unified")
 
 
@@ -201,10 +196,9 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
             raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
                              f"got {tuple(softmax_scale.shape)}")
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
-    if backend in ("torch", "compiled"):
+    if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
-                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, kv_format=kv_format,
-                                compiled=backend == "compiled")
+                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, kv_format=kv_format)
     if block_table is None:  # a contiguous cache is one block per sequence
         block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":

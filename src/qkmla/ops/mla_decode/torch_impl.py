@@ -15,8 +15,6 @@ G KV groups (head i reads group i // (h / G)).
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Optional
 
 import torch
@@ -25,7 +23,6 @@ from ...dtypes import accumulate_dtype, cast
 from ...kv_formats import DenseRows, row_format
 from .naive import default_visible_lens
 
-RECOMPILE_LIMIT = 64  # graphs of the compiled chunk step per process (see compiled_fold_chunk)
 SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
 
 
@@ -137,8 +134,6 @@ def _amax_over_keys(s: torch.Tensor) -> torch.Tensor:
     k partial maxima reduced after; the S mod k rows left over are reduced on their own.
     """
     B, S, N = s.shape
-    if torch.compiler.is_compiling():  # inductor's reduction has no such weakness
-        return s.amax(dim=1, keepdim=True)
     k = max(1, 256 // N)
     main = S - S % k
     if main == 0:
@@ -325,12 +320,12 @@ def _gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
                   block_table: torch.Tensor, S: int, visible: torch.Tensor, lengths: torch.Tensor,
-                  softmax_scale: float, mode: str, kv_format: str, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax_scale: float, mode: str, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` over a paged cache in one pass, a chunk of blocks at a time:
     each chunk's rows are gathered (about SCORE_CHUNK keys over the whole batch, a size the
     last-level cache holds and the allocator reuses), scored, and folded into a running softmax
-    (max m, sum l, output o, as flash decoding does) by :func:`_fold_chunk`, so the context is
-    read once and never copied whole. ``compiled``: the folds run compiled (:func:`compiled_fold_chunk`).
+    (max m, sum l, output o, as flash decoding does), so the context is read once and never
+    copied whole.
 
     Dense rows are gathered as two contiguous blocks, c [B, n, d_c] and k_rope [B, n, d_r]:
     contiguous GEMM operands (a half-precision GEMM over strided rows leaves oneDNN's fast
@@ -343,6 +338,7 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     """
     B, T, h, d_c = q_lat.shape
     block = pool.shape[1]
+    rows = None if kv_format == "dense" else row_format(kv_format, d_c, q_rope.shape[-1])
     q_lat, q_rope = q_lat * softmax_scale, q_rope * softmax_scale
     acc = accumulate_dtype(q_lat.dtype)
     visible = torch.minimum(visible.long(), lengths.long()[:, None])
@@ -355,99 +351,55 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     per_chunk, n_blocks = max(1, SCORE_CHUNK // (block * B)), -(-S // block)
     shortest = int(lengths.min())  # read once: on a GPU each read is a sync
     in_block = torch.arange(block, device=q_lat.device)
-    fold = compiled_fold_chunk() if compiled else _fold_chunk
     for first in range(0, n_blocks, per_chunk):
         ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
         # The rows of the chunk's blocks, in table order: the cache's row index of each slot.
         cache_rows = (ids[..., None] * block + in_block).flatten()
+
+        def gather(table: torch.Tensor) -> torch.Tensor:  # [B, n, width], ours to overwrite
+            return _gather_rows(table, cache_rows).view(B, slots.numel(), table.shape[-1])
+
         # Values are read in the queries' dtype (a bf16 cache may serve float32 queries), bytes as bytes.
-        keys = [cast(_gather_rows(pool[..., :d_c], cache_rows), q_lat.dtype),
-                cast(_gather_rows(pool[..., d_c:], cache_rows), q_lat.dtype)] if kv_format == "dense" \
-            else [_gather_rows(pool, cache_rows)]
-        keys = [k.view(B, slots.numel(), k.shape[-1]) for k in keys]
+        keys = [cast(gather(pool[..., :d_c]), q_lat.dtype), cast(gather(pool[..., d_c:]), q_lat.dtype)] \
+            if rows is None else [gather(pool)]
+        r = None if scale_pool is None else gather(scale_pool)
         # Slots a sequence has not filled may hold anything (NaN, stale rows), and 0 weight times
         # NaN is still NaN in p @ c: they are zeroed, from the first one in any sequence on.
         unfilled = max(0, shortest - first * block)
-        beyond = None
         if unfilled < slots.numel():
             beyond = (slots >= lengths[:, None])[:, unfilled:, None]  # [B, n - unfilled, 1]
-            for rows_read in keys:
+            for rows_read in keys + ([] if r is None else [r]):
                 rows_read[:, unfilled:].masked_fill_(beyond, 0)
-        hide = masked or slots[-1] >= S  # the last chunk ends with the last block, past slot S - 1
-        m = fold(q_lat, q_rope, keys, scale_pool, cache_rows, slots, visible if hide else None, m, l, o, mode,
-                 kv_format)
+        if rows is None:
+            s = _block_scores(q_lat, q_rope, *keys, r, mode)  # [B, n, T h]
+            values = keys[0]
+        else:
+            s = _key_major_scores(q_lat, q_rope, keys[0], r, mode, rows).view(B, -1, T * h)
+            # p^T @ [c ; k_rope] over whole rows (a contiguous operand), the c columns kept.
+            values = _rows_reader(keys[0], rows, q_lat.dtype)(0, slots.numel())
+        if masked or slots[-1] >= S:  # the last chunk ends with the last block, past slot S - 1
+            hidden = (slots >= visible[..., None]).transpose(1, 2)[..., None]  # [B, n, T, 1]
+            s.view(B, -1, T, h).masked_fill_(hidden, float("-inf"))
+        m_new = torch.maximum(m, _amax_over_keys(s))
+        m_safe = m_new.clamp_min(torch.finfo(acc).min)  # no key seen yet: keep exp(-inf - m) = 0
+        alpha = torch.exp(m - m_safe)  # [B, 1, T h]
+        p = s.sub_(m_safe).exp_()
+        l.mul_(alpha[:, 0]).add_(p.sum(dim=1))
+        o.mul_(alpha.transpose(1, 2)).add_(torch.bmm(cast(p, q_lat.dtype).transpose(1, 2), values)[..., :d_c])
+        m = m_new
     # l >= 1 wherever a key is visible (the max contributes exp(0)), 0 where none is.
     out = cast(o.div_(l.clamp_min(1.0)[..., None]), q_lat.dtype).view(B, T, h, d_c)
     lse = (m[:, 0] + torch.log(l)).view(B, T, h)  # -inf where no key is visible
     return out, lse.float()
 
 
-def _fold_chunk(q_lat: torch.Tensor, q_rope: torch.Tensor, keys: list[torch.Tensor], scale_pool: Optional[torch.Tensor],
-                cache_rows: torch.Tensor, slots: torch.Tensor, visible: Optional[torch.Tensor],
-                m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, mode: str, kv_format: str) -> torch.Tensor:  # noqa: E741
-    """One chunk of n keys per sequence scored and folded into the running softmax: l [B, T h]
-    and o [B, T h, d_c] in place, the new max m [B, 1, T h] returned.
-
-    keys: the chunk's rows, [c [B, n, d_c], k_rope [B, n, d_r]] (dense) or [rows [B, n, bytes]];
-    its key scalars are read here from scale_pool [num_blocks, block, G] at cache_rows [B n]
-    (so that, compiled, the read fuses into the pass that scales the scores). slots [n]: the
-    chunk's slot numbers; visible [B, T] slots each query sees, or None where all are seen.
-    """
-    B, T, h, d_c = q_lat.shape
-    n = slots.numel()
-    acc = accumulate_dtype(q_lat.dtype)
-    r = None if scale_pool is None else _gather_rows(scale_pool, cache_rows).view(B, n, -1)
-    if kv_format == "dense":
-        s = _block_scores(q_lat, q_rope, *keys, r, mode)  # [B, n, T h]
-        values = keys[0]
-    else:
-        rows = row_format(kv_format, d_c, q_rope.shape[-1])
-        s = _key_major_scores(q_lat, q_rope, keys[0], r, mode, rows).view(B, -1, T * h)
-        # p^T @ [c ; k_rope] over whole rows (a contiguous operand), the c columns kept.
-        values = _rows_reader(keys[0], rows, q_lat.dtype)(0, n)
-    if visible is not None:  # (NaN scores of unfilled slots are hidden too: they are never visible)
-        hidden = (slots >= visible[..., None]).transpose(1, 2)[..., None]  # [B, n, T, 1]
-        s.view(B, -1, T, h).masked_fill_(hidden, float("-inf"))
-    m_new = torch.maximum(m, _amax_over_keys(s))
-    m_safe = m_new.clamp_min(torch.finfo(acc).min)  # no key seen yet: keep exp(-inf - m) = 0
-    alpha = torch.exp(m - m_safe)  # [B, 1, T h]
-    p = s.sub_(m_safe).exp_()
-    l.mul_(alpha[:, 0]).add_(p.sum(dim=1))
-    o.mul_(alpha.transpose(1, 2)).add_(torch.bmm(cast(p, q_lat.dtype).transpose(1, 2), values)[..., :d_c])
-    return m_new
-
-
-@functools.cache
-def compiled_fold_chunk():
-    """:func:`_fold_chunk` compiled by ``torch.compile`` (inductor, dynamic shapes), built once.
-
-    Eager, the key scalars' gather is a copy of its own and each elementwise step a pass over
-    the chunk's logits; compiled, the scalars are read inside the pass that scales the scores
-    and the softmax steps fuse, so a QK-normed chunk costs little more than a plain one. The
-    keys' gathers stay outside (eager index_select copies rows at memory speed). Graphs are
-    built per dtype, score mode and mask case, on first use.
-    """
-    step = torch.compile(_fold_chunk, dynamic=True)
-
-    def fold(*args):
-        # Every (dtype, score mode, cache layout) a process decodes with is a graph or a few (a
-        # batch or chunk of one is specialized): more than dynamo's default limit of 8 per
-        # function, past which it would run the chunk eagerly without a word.
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return step(*args)
-
-    return fold
-
-
 def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                      block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                      scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     max_seqlen: Optional[int] = None, kv_format: str = "dense",
-                     compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     max_seqlen: Optional[int] = None, kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
     """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked).
-    ``compiled``: a paged cache's chunks go through :func:`compiled_fold_chunk`.
 
     Returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
     """
@@ -464,30 +416,10 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     if block_table is not None:
         _check_block_table(kv_cache, block_table, S)
         return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
-                             softmax_scale, mode, kv_format, compiled)
-    if compiled:  # a contiguous cache read as pages of itself, so that the compiled chunks read it
-        pages = _as_pages(kv_cache, S), None if scale_cache is None else _as_pages(scale_cache, S)
-        if pages[0] is not None and (scale_cache is None or pages[1] is not None):
-            (pool, table), scale_pool = pages[0], None if scale_cache is None else pages[1][0]
-            return _paged_attend(q_lat, q_rope, pool, scale_pool, table, S, visible, cache_seqlens, softmax_scale,
-                                 mode, kv_format, compiled)
+                             softmax_scale, mode, kv_format)
     latent = kv_cache[:, :S]  # a contiguous cache: its first S slots, no copy
     key_scale = scale_cache[:, :S] if scale_cache is not None else None
     return _attend_visible(q_lat, q_rope, latent, key_scale, visible, cache_seqlens, softmax_scale, mode, kv_format)
-
-
-def _as_pages(cache: torch.Tensor, S: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """A contiguous cache [B, capacity, width] as (pool [B capacity / b, b, width], block_table
-    [B, capacity / b]), a view with blocks of b = gcd(capacity, 64) slots, or None where the
-    sequences' rows are not evenly spaced."""
-    B, capacity, width = cache.shape
-    block = math.gcd(capacity, 64)
-    if B > 1 and cache.stride(0) != capacity * cache.stride(1):
-        return None
-    pool = cache.as_strided((B * capacity // block, block, width),
-                            (block * cache.stride(1), cache.stride(1), cache.stride(2)), cache.storage_offset())
-    table = torch.arange(B * capacity // block, device=cache.device).view(B, capacity // block)
-    return pool, table
 
 
 def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_scale: Optional[torch.Tensor],
