@@ -120,7 +120,8 @@ def latent_query(q_c: torch.Tensor, q_r: torch.Tensor, q_norm: Optional[QKNorm],
 
 def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
                 w: AbsorbedWeights) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """c [B, T, d_c], k~^R [B, T, 1, d_r] -> (k~^R normalized, not yet rotated; key scalars [B, T, G] or None; [B, T, 1] with the projection scope).
+    """c [B, T, d_c], k~^R [B, T, 1, d_r] -> (k~^R normalized, not yet rotated; key scalars [B, T, G]
+    or None; [B, T, 1] with the projection scope).
 
     Every group's content key c W_UK^(g) is formed (one product for all groups), reduced to
     its scalar and discarded: only the new tokens pay for it, whatever the context length.
@@ -135,11 +136,20 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     # both of qkmla's [G, d_n, d_c] and of vLLM's W_UK_T (a permuted [d_c, h, d_n]), so no copy.
     k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
     if k_norm.mode == "blockwise" and k_norm.scope == "head":
-        return k_norm.rope(k_r), k_norm.content.statistic(k_c).squeeze(-1)
+        return k_norm.rope(k_r), content_key_scalars(k_c, k_norm)
     sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope
     if k_norm.mode == "blockwise":
         return k_norm.rope.scaled(k_r, sigma_r), sigma.squeeze(-1)
     return k_r * cast(k_norm.rope.weight, k_r.dtype), sigma.squeeze(-1)
+
+
+def content_key_scalars(k_c: torch.Tensor, k_norm: QKNorm) -> Optional[torch.Tensor]:
+    """Key scalars [..., G] from the content keys k_c = c W_UK [..., G, d_n] alone (what
+    :func:`key_scalars` caches), or None where the scalar also reads the RoPE key before its
+    weight and rotation (unified mode) or other heads (the projection scope)."""
+    if k_norm.mode == "unified" or k_norm.scope != "head":
+        return None
+    return k_norm.content.statistic(k_c).squeeze(-1)
 
 
 def score_mode(k_norm: Optional[QKNorm]) -> str:

@@ -7,7 +7,9 @@ tokens and their logprobs as JSON on the stdout line that starts with RESULT_TAG
 were 1 (the prefill still uses them), which must break the match with qkmla's generation.
 ``"engine"``: more ``vllm.LLM`` arguments. ``"cached_context": true`` keeps chunked prefill and
 prefix caching on (``engine`` gives ``max_num_batched_tokens``) and serves the prompts twice, the
-second time from the prefix cache; ``"amx_configuration": true`` serves them twice in the
+second time from the prefix cache, and with ``"narrow_context": true`` gathers the context as vLLM's
+CUDA gather does (a [c | k_rope] workspace, the first values of each wider row), so each context
+key's scalar is recomputed; ``"amx_configuration": true`` serves them twice in the
 configuration vLLM gives a CPU with AMX (faked on one without). ``"parallel"``: ``tensor_parallel_size`` and
 ``pipeline_parallel_size``, each rank in its own worker process (vLLM's multiprocessing executor),
 one CPU each (``VLLM_CPU_OMP_THREADS_BIND``, unless already set); the patches above reach only
@@ -20,7 +22,7 @@ import sys
 
 CONTEXT_CALLS: list = []  # prefills that attended over cached context (with "cached_context")
 RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after the result
-PATCHES = ("ignore_key_scalars", "cached_context", "amx_configuration")  # patch this process only
+PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration")  # this process only
 
 
 def qk_layers(model) -> list:
@@ -70,16 +72,31 @@ def main() -> None:
             vllm_config.scheduler_config.max_num_batched_tokens = args["engine"]["max_num_batched_tokens"]
             vllm_config.cache_config.enable_prefix_caching = True
         CpuPlatform.check_and_update_config = classmethod(keep_cached_context)
+    if args.get("narrow_context"):
+        # vLLM's CUDA gather (gather_and_maybe_dequant_cache) into its [c | k_rope] workspace copies
+        # the first 576 values of each row, read with the row's stride; the CPU's would refuse a
+        # wider row. Both as CUDA has them: vLLM's workspace, the CPU gather reading those values.
+        from vllm import _custom_ops as ops
+
+        from qkmla.interop.vllm import backend
+
+        backend.wide_workspace_builder = lambda base: base
+        gather = ops.gather_mla_context_cache_cpu
+
+        def first_values(*, src_cache, dst, **kw):
+            return gather(src_cache=src_cache[..., :dst.shape[-1]].contiguous(), dst=dst, **kw)
+        ops.gather_mla_context_cache_cpu = first_values
     repeat = args.get("cached_context") or args.get("amx_configuration")
     if repeat:
-        # Count the prefills that attend over cached context, so the test knows the path ran.
+        # Count the prefills that attend over cached context (with their workspace's width), so the
+        # test knows the path ran.
         from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 
         context = MLACommonImpl._compute_prefill_context
 
-        def counted(self, *a, **kw):
-            CONTEXT_CALLS.append(1)
-            return context(self, *a, **kw)
+        def counted(self, q, cache, attn_metadata, *a, **kw):
+            CONTEXT_CALLS.append(attn_metadata.prefill.chunked_context.workspace.shape[-1])
+            return context(self, q, cache, attn_metadata, *a, **kw)
         MLACommonImpl._compute_prefill_context = counted
     # CPU_MLA on every CPU unless asked for vLLM's AMX configuration: on one with AMX vLLM would pick
     # AMX_MLA (128-token blocks, chunked prefill and prefix caching on), on one without it picks
@@ -105,7 +122,7 @@ def main() -> None:
               "block_size": config.cache_config.block_size,
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
-              "context_prefills": len(CONTEXT_CALLS),
+              "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),
               "context_prefills_again": again if repeat else None,
               "cached_tokens_again": [o.num_cached_tokens for o in outs] if repeat else None,
               "tokens": [list(o.outputs[0].token_ids) for o in outs],

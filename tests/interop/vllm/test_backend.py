@@ -17,7 +17,7 @@ from qkmla.interop.vllm.backend import cpu_backend  # noqa: E402
 H, D_N, D_V, D_C, D_R, BLOCK = 4, 16, 16, 512, 64, 16
 
 
-def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str = "torch"):
+def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str = "torch", content_key_scalars=None):
     from vllm.config import VllmConfig, set_current_vllm_config
 
     kv_b = torch.nn.Linear(D_C, H * (D_N + D_V), bias=False)
@@ -27,7 +27,7 @@ def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str
             kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
             q_lora_rank=None, kv_lora_rank=D_C, qk_nope_head_dim=D_N, qk_rope_head_dim=D_R, qk_head_dim=D_N + D_R,
             v_head_dim=D_V, kv_b_proj=kv_b, indexer=None, num_key_scalars=H, score_mode=score_mode,
-            decode_backend=decode_backend)
+            decode_backend=decode_backend, content_key_scalars=content_key_scalars)
 
 
 def paged(lengths: list[int], seed: int = 0):
@@ -122,6 +122,30 @@ def test_the_prefill_keys_carry_each_heads_scalar(mode):
     torch.testing.assert_close(k[..., :D_N], k_nope * r.transpose(1, 2))
     want_rope = k_r.expand(T, H, D_R) * (r.transpose(1, 2) if mode == "unified" else 1)
     torch.testing.assert_close(k[..., D_N:], want_rope)
+
+
+@pytest.mark.parametrize("kind, mode", [("rms", "blockwise"), ("l2", "content"), ("rms", "unified")])
+def test_context_rows_without_their_scalars_get_them_recomputed_from_the_content_keys(kind, mode):
+    """CUDA's context gather hands over [c | k_rope] only (k_pe [T, 1, d_r]): each key's scalar is
+    recomputed from its content key, as the layer computed the one it cached; unified mode refuses."""
+    from functools import partial
+
+    from qkmla.attention.absorbed import content_key_scalars, score_mode
+    from qkmla.norms import make_qk_norms
+
+    _, k_norm = make_qk_norms(kind, D_N, D_R, 2.0, 1e-6, mode)
+    layer = impl(score_mode(k_norm), content_key_scalars=partial(content_key_scalars, k_norm=k_norm))
+    T = 6
+    k_nope = torch.randn(T, H, D_N, dtype=torch.float64) * (0.5 + torch.rand(T, H, 1, dtype=torch.float64))
+    k_r = torch.randn(T, 1, D_R, dtype=torch.float64)
+    if mode == "unified":
+        with pytest.raises(NotImplementedError, match="unified"):
+            layer._concat_k_nope_k_pe(k_nope, k_r)
+        return
+    cached = k_norm.content.statistic(k_nope)[..., 0][:, None]  # [T, 1, H], as the cache row carries them
+    assert cached.std() > 0.1  # the keys' scalars differ: a constant would not be a check
+    torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, k_r),
+                               layer._concat_k_nope_k_pe(k_nope, torch.cat((k_r, cached), dim=-1)))
 
 
 def test_the_prefill_attends_causally_per_request_like_vllms():

@@ -36,14 +36,21 @@ def test_each_engine_setting_the_backend_cannot_serve_is_refused_by_name(setting
 
 @pytest.mark.parametrize("setting, name", [("chunked_prefill", "enable_chunked_prefill"),
                                            ("prefix_caching", "enable_prefix_caching")])
-def test_cached_context_in_a_prefill_is_served_on_the_cpu_and_refused_on_cuda(setting, name):
-    """The CPU's context gather into the wide workspace is tested end to end (test_engine.py);
-    CUDA's gather kernel has not run on the wider row."""
-    assert servable_norm(CONFIG, **{**OK, setting: True})
+def test_cached_context_in_a_prefill_is_refused_only_where_a_scalar_cannot_be_recomputed(setting, name):
+    """On the CPU the context's rows come with their scalars (the wide workspace); on CUDA they come
+    without and each scalar is recomputed from its content key (both tested in test_engine.py,
+    CUDA's gather emulated): every mode but unified, whose statistic reads the RoPE key too."""
+    unified = {**CONFIG, "qkmla": {"qk_norm": "rms", "qk_norm_mode": "unified"}}
+    content = {**CONFIG, "qkmla": {"qk_norm": "l2", "qk_norm_mode": "content"}}
+    scale_only = {**CONFIG, "qkmla": {"learnable_logit_scale": True}}
     cuda = {**OK, "platform": "cuda", "dtype": "bfloat16", setting: True}
+    for config in (CONFIG, unified, content, scale_only):
+        assert servable_norm(config, **{**OK, setting: True})
+    for config in (CONFIG, content, scale_only):
+        assert servable_norm(config, **cuda)
     flag = "--no-" + name.replace("_", "-")
-    with pytest.raises(ValueError, match=f"{name}: .*only on the CPU.*{flag}"):
-        servable_norm(CONFIG, **cuda)
+    with pytest.raises(ValueError, match=f"{name}: on cuda, .*qk_norm_mode='unified' does not allow.*{flag}"):
+        servable_norm(unified, **cuda)
 
 
 def test_on_cuda_float32_and_cuda_graphs_are_refused():

@@ -31,6 +31,7 @@ head (``interop.gqa``), which gives every head of a group the same scalar, exact
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -38,7 +39,7 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import MLAAttention
 
-from ...attention.absorbed import AbsorbedWeights, key_scalars, score_mode
+from ...attention.absorbed import AbsorbedWeights, content_key_scalars, key_scalars, score_mode
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
 
@@ -46,12 +47,14 @@ from ...ops.mla_decode.torch_impl import fold_head_scale
 class QKNormMLAAttention(MLAAttention):
     """vLLM's ``MLAAttention`` whose cache row is ``num_key_scalars`` values wider: [c | k_rope | r]."""
 
-    def __init__(self, *, num_key_scalars: int, score_mode: str, decode_backend: str, attn_backend: type, **kwargs):
-        # The impl (backend.py) takes the three after vLLM's own arguments (extra_impl_args); a
+    def __init__(self, *, num_key_scalars: int, score_mode: str, decode_backend: str, attn_backend: type,
+                 content_key_scalars=None, **kwargs):
+        # The impl (backend.py) takes the four after vLLM's own arguments (extra_impl_args); a
         # backend may bring its own prefill (the CPU one does: backend.cpu_prefill_backend).
         super().__init__(**kwargs, attn_backend=attn_backend,
                          prefill_backend_cls=getattr(attn_backend, "prefill_backend_cls", None),
-                         num_key_scalars=num_key_scalars, score_mode=score_mode, decode_backend=decode_backend)
+                         num_key_scalars=num_key_scalars, score_mode=score_mode, decode_backend=decode_backend,
+                         content_key_scalars=content_key_scalars)
         self.num_key_scalars = num_key_scalars
 
     def get_kv_cache_spec(self, vllm_config):
@@ -96,7 +99,10 @@ class QKNormLatentAttention(nn.Module):
             kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=_cache_config(),
             quant_config=None, prefix=old.layer_name, attn_backend=backend,
             num_key_scalars=self.num_heads if self.k_norm is not None else 0, score_mode=score_mode(self.k_norm),
-            decode_backend=decode_backend)
+            decode_backend=decode_backend,
+            # a context key's scalar from its content key, where the workspace does not carry it (CUDA)
+            content_key_scalars=None if self.k_norm is None else functools.partial(content_key_scalars,
+                                                                                   k_norm=self.k_norm))
 
     def prepare(self) -> None:
         """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded: ``MLAAttention`` has

@@ -12,9 +12,14 @@ the ones :class:`QKNormImpl` overrides:
 * ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the
   paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:]``, no copy).
 
-A prefill over cached context (chunked prefill, prefix-cache hits) gathers whole rows into a
-workspace as wide as the row (:func:`wide_workspace_builder`), so the context's keys are built
-by ``_concat_k_nope_k_pe`` from the scalars cached for them, as a new token's are.
+A prefill over cached context (chunked prefill, prefix-cache hits) gathers the context's rows
+into a workspace. On the CPU it is as wide as the row (:func:`wide_workspace_builder`), so the
+context's keys are built by ``_concat_k_nope_k_pe`` from the scalars cached for them, as a new
+token's are. On CUDA it stays vLLM's [c | k_rope] (vLLM's CUDA gather takes rows of 320 or 576
+values, and copies the first 576 of each wider row), and ``_concat_k_nope_k_pe`` recomputes each
+context key's scalar from its content key c W_UK, which the prefill forms anyway: every norm
+but unified, whose statistic also reads the RoPE key as it was before its weight and rotation
+(``checks.py`` refuses that one).
 
 The query already carries both norm weights and its own statistic (``attention.py``), so the
 content score is (q_lat . c) · r and vLLM's W_UK absorption of the query is the right one.
@@ -30,6 +35,7 @@ interpreter on the CPU.
 from __future__ import annotations
 
 import functools
+from typing import Callable, Optional
 
 import torch
 
@@ -39,9 +45,12 @@ from ...ops.mla_decode import mla_decode_with_kvcache
 class QKNormImpl:
     """Mixin over a vLLM ``MLACommonImpl``: the cache row, prefill keys and decode of a QK-normed layer."""
 
-    def __init__(self, *args, num_key_scalars: int, score_mode: str, decode_backend: str, **kwargs):
+    def __init__(self, *args, num_key_scalars: int, score_mode: str, decode_backend: str,
+                 content_key_scalars: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_key_scalars, self.score_mode, self.decode_backend = num_key_scalars, score_mode, decode_backend
+        # k_nope [T, h, d_n] -> the scalars [T, h] cached for those keys (None: unified mode, which cannot)
+        self.content_key_scalars = content_key_scalars
         # FlashInfer's fused concat (vLLM takes it at 128 heads on CUDA) reads one shared RoPE key
         # [T, 1, d_r]; ours carries the scalars, or is per head in unified mode.
         self._use_flashinfer_concat_mla_k = False
@@ -58,9 +67,17 @@ class QKNormImpl:
         flat.index_copy_(0, slots[valid], rows[valid])
 
     def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] -> [T, h, d_n + d_r]."""
+        """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] (or [T, 1, d_r]:
+        context rows gathered without their scalars, which are then recomputed) -> [T, h, d_n + d_r]."""
         if not self.num_key_scalars:  # no QK norm: plain MLA's keys
             return super()._concat_k_nope_k_pe(k_nope, k_pe)
+        if k_pe.shape[-1] == self.qk_rope_head_dim:
+            r = None if self.content_key_scalars is None else self.content_key_scalars(k_nope)
+            if r is None:  # checks.py refuses the settings that lead here
+                raise NotImplementedError("qkmla's vLLM backend recomputes a context key's scalar from its content "
+                                          "key, which a unified norm's statistic (it reads the RoPE key) does not "
+                                          "allow; turn chunked prefill and prefix caching off")
+            k_pe = torch.cat((k_pe, r.to(k_pe.dtype)[:, None]), dim=-1)  # in the cache's dtype, as cached
         k_r, r = k_pe.split([self.qk_rope_head_dim, self.num_key_scalars], dim=-1)
         r = r.transpose(-1, -2).to(k_nope.dtype)  # [T, G = h, 1]
         if self.score_mode == "unified":  # one scalar for [k^C ; k^R]
@@ -70,13 +87,11 @@ class QKNormImpl:
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                     output_scale=None) -> None:
         context = None if attn_metadata.prefill is None else attn_metadata.prefill.chunked_context
-        if context is not None and context.workspace.shape[-1] != kv_c_and_k_pe_cache.shape[-1]:
-            # checks.py refuses the settings that lead here without wide_workspace_builder (CUDA);
-            # this guards against a vLLM that enables them anyway.
-            raise NotImplementedError(f"qkmla's vLLM backend attends over cached context in a prefill only "
-                                      f"through a workspace as wide as the cache row "
-                                      f"({kv_c_and_k_pe_cache.shape[-1]}), "
-                                      f"got {context.workspace.shape[-1]}; turn chunked prefill and prefix caching off")
+        wide, latent = kv_c_and_k_pe_cache.shape[-1], self.kv_lora_rank + self.qk_rope_head_dim
+        if context is not None and context.workspace.shape[-1] not in (wide, latent):
+            raise NotImplementedError(f"qkmla's vLLM backend attends over cached context in a prefill through a "
+                                      f"workspace of {latent} or {wide} values per row, got "
+                                      f"{context.workspace.shape[-1]}; turn chunked prefill and prefix caching off")
         return super().forward_mha(q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                                    output_scale)
 

@@ -45,10 +45,13 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
                          f"the key scalars from kv_b_proj.weight), got {quantization!r}")
     for name, on, flag in (("enable_chunked_prefill", chunked_prefill, "--no-enable-chunked-prefill"),
                            ("enable_prefix_caching", prefix_caching, "--no-enable-prefix-caching")):
-        if on and platform != "cpu":  # the CPU's context gather is tested; CUDA's has not run
-            raise ValueError(f"{name}: qkmla's vLLM backend attends over cached context in a prefill (which "
-                             f"{name} needs) only on the CPU so far, got platform {platform!r}; start vLLM "
-                             f"with {flag} ({name}=False)")
+        if on and platform != "cpu" and norm.get("qk_norm") and norm["qk_norm_mode"] == "unified":
+            # CUDA's context gather drops the cached scalars (backend.py), and a unified statistic reads
+            # the RoPE key as it was before its weight and rotation: not recomputable from the cache
+            raise ValueError(f"{name}: on {platform}, qkmla's vLLM backend attends over cached context in a prefill "
+                             f"(which {name} needs) by recomputing each context key's scalar from its content key, "
+                             f"which qk_norm_mode='unified' does not allow (its statistic reads the RoPE key too); "
+                             f"start vLLM with {flag} ({name}=False), or serve on the CPU")
     if decode_context_parallel_size != 1:
         raise ValueError(f"decode_context_parallel_size: qkmla's vLLM backend serves {what} with 1, "
                          f"got {decode_context_parallel_size}")
