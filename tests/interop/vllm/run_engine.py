@@ -84,6 +84,9 @@ def main() -> None:
         gather = ops.gather_mla_context_cache_cpu
 
         def first_values(*, src_cache, dst, **kw):
+            # what CUDA's kernel checks or needs: a workspace of 320 or 576 values a row, rows loaded
+            # 16 bytes at a time (checks.py refuses the configurations that would fail these)
+            assert dst.shape[-1] in (320, 576) and src_cache.stride(1) * src_cache.element_size() % 16 == 0
             return gather(src_cache=src_cache[..., :dst.shape[-1]].contiguous(), dst=dst, **kw)
         ops.gather_mla_context_cache_cpu = first_values
     repeat = args.get("cached_context") or args.get("amx_configuration")

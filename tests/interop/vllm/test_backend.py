@@ -127,22 +127,26 @@ def test_the_prefill_keys_carry_each_heads_scalar(mode):
 @pytest.mark.parametrize("kind, mode", [("rms", "blockwise"), ("l2", "content"), ("rms", "unified")])
 def test_context_rows_without_their_scalars_get_them_recomputed_from_the_content_keys(kind, mode):
     """CUDA's context gather hands over [c | k_rope] only (k_pe [T, 1, d_r]): each key's scalar is
-    recomputed from its content key, as the layer computed the one it cached; unified mode refuses."""
+    recomputed from its content key c W_UK, and equals the one the layer cached for that token
+    (``key_scalars``, as attention.py calls it); unified mode refuses."""
     from functools import partial
 
-    from qkmla.attention.absorbed import content_key_scalars, score_mode
+    from qkmla.attention.absorbed import AbsorbedWeights, content_key_scalars, key_scalars, score_mode
     from qkmla.norms import make_qk_norms
 
     _, k_norm = make_qk_norms(kind, D_N, D_R, 2.0, 1e-6, mode)
     layer = impl(score_mode(k_norm), content_key_scalars=partial(content_key_scalars, k_norm=k_norm))
     T = 6
-    k_nope = torch.randn(T, H, D_N, dtype=torch.float64) * (0.5 + torch.rand(T, H, 1, dtype=torch.float64))
+    c = torch.randn(T, D_C, dtype=torch.float64) * (0.5 + torch.rand(T, 1, dtype=torch.float64))
+    w_uk = torch.randn(H, D_N, D_C, dtype=torch.float64) / D_C ** 0.5
+    k_nope = torch.einsum("tc,hnc->thn", c, w_uk)  # what vLLM's kv_b_proj forms for the context
     k_r = torch.randn(T, 1, D_R, dtype=torch.float64)
     if mode == "unified":
         with pytest.raises(NotImplementedError, match="unified"):
             layer._concat_k_nope_k_pe(k_nope, k_r)
         return
-    cached = k_norm.content.statistic(k_nope)[..., 0][:, None]  # [T, 1, H], as the cache row carries them
+    _, cached = key_scalars(c[None], k_r[None], k_norm, AbsorbedWeights(w_uk=w_uk, gamma_qk=None, w_uv=w_uk))
+    cached = cached[0][:, None]  # [T, 1, H], as the cache row carries them
     assert cached.std() > 0.1  # the keys' scalars differ: a constant would not be a check
     torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, k_r),
                                layer._concat_k_nope_k_pe(k_nope, torch.cat((k_r, cached), dim=-1)))

@@ -36,21 +36,29 @@ def test_each_engine_setting_the_backend_cannot_serve_is_refused_by_name(setting
 
 @pytest.mark.parametrize("setting, name", [("chunked_prefill", "enable_chunked_prefill"),
                                            ("prefix_caching", "enable_prefix_caching")])
-def test_cached_context_in_a_prefill_is_refused_only_where_a_scalar_cannot_be_recomputed(setting, name):
-    """On the CPU the context's rows come with their scalars (the wide workspace); on CUDA they come
-    without and each scalar is recomputed from its content key (both tested in test_engine.py,
-    CUDA's gather emulated): every mode but unified, whose statistic reads the RoPE key too."""
-    unified = {**CONFIG, "qkmla": {"qk_norm": "rms", "qk_norm_mode": "unified"}}
-    content = {**CONFIG, "qkmla": {"qk_norm": "l2", "qk_norm_mode": "content"}}
-    scale_only = {**CONFIG, "qkmla": {"learnable_logit_scale": True}}
+def test_cached_context_in_a_prefill_on_cuda_is_refused_where_vllms_gather_cannot_serve_it(setting, name):
+    """On the CPU the context's rows come with their scalars (the wide workspace); on CUDA vLLM's
+    gather fills rows of 320 or 576 values, loaded 16 bytes at a time, and each scalar is recomputed
+    from its content key (both tested in test_engine.py, CUDA's gather emulated): refused for a
+    unified norm, another latent width, or a row that is not a multiple of 8 values."""
+    heads16 = {**CONFIG, "num_attention_heads": 16}  # 576 + 16 scalars: 592 values a row
+    unified = {**heads16, "qkmla": {"qk_norm": "rms", "qk_norm_mode": "unified"}}
+    content = {**heads16, "qkmla": {"qk_norm": "l2", "qk_norm_mode": "content"}}
+    scale_only = {**CONFIG, "qkmla": {"learnable_logit_scale": True}}  # plain MLA's 576-value row
+    width_512 = {**heads16, "kv_lora_rank": 448}
     cuda = {**OK, "platform": "cuda", "dtype": "bfloat16", setting: True}
-    for config in (CONFIG, unified, content, scale_only):
+    for config in (CONFIG, unified, content, scale_only, width_512):
         assert servable_norm(config, **{**OK, setting: True})
-    for config in (CONFIG, content, scale_only):
+    for config in (heads16, content, scale_only):
         assert servable_norm(config, **cuda)
     flag = "--no-" + name.replace("_", "-")
-    with pytest.raises(ValueError, match=f"{name}: on cuda, .*qk_norm_mode='unified' does not allow.*{flag}"):
-        servable_norm(unified, **cuda)
+    for config, settings, message in [
+            (unified, {}, "qk_norm_mode='unified' does not allow"),
+            (width_512, {}, "rows of 320 or 576 values, and config.json's kv_lora_rank \\+ qk_rope_head_dim is 512"),
+            (CONFIG, {}, "a multiple of 8 values; .* = 4 / 1\\) is 580"),
+            (heads16, {"tensor_parallel_size": 8}, "= 16 / 8\\) is 578")]:
+        with pytest.raises(ValueError, match=f"{name}: on CUDA .*{message}.*{flag}"):
+            servable_norm(config, **{**cuda, **settings})
 
 
 def test_on_cuda_float32_and_cuda_graphs_are_refused():

@@ -15,8 +15,8 @@ the ones :class:`QKNormImpl` overrides:
 A prefill over cached context (chunked prefill, prefix-cache hits) gathers the context's rows
 into a workspace. On the CPU it is as wide as the row (:func:`wide_workspace_builder`), so the
 context's keys are built by ``_concat_k_nope_k_pe`` from the scalars cached for them, as a new
-token's are. On CUDA it stays vLLM's [c | k_rope] (vLLM's CUDA gather takes rows of 320 or 576
-values, and copies the first 576 of each wider row), and ``_concat_k_nope_k_pe`` recomputes each
+token's are. On CUDA it stays vLLM's [c | k_rope] (vLLM's CUDA gather fills only workspaces of 320
+or 576 values a row, the first that many of each cache row), and ``_concat_k_nope_k_pe`` recomputes each
 context key's scalar from its content key c W_UK, which the prefill forms anyway: every norm
 but unified, whose statistic also reads the RoPE key as it was before its weight and rotation
 (``checks.py`` refuses that one).

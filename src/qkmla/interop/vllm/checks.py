@@ -19,7 +19,7 @@ LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata acce
 def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization: Optional[str],
                   chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1,
                   dtype: str = "float32", speculative: bool = False, lora: bool = False,
-                  cuda_graphs: bool = False) -> dict:
+                  cuda_graphs: bool = False, tensor_parallel_size: int = 1) -> dict:
     """The recorded QK norm of ``hf_config`` ({} for a plain checkpoint), after checking that the
     plugin can serve it with these engine settings. ValueError naming the field otherwise."""
     get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
@@ -43,15 +43,6 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     if quantization is not None:
         raise ValueError(f"quantization: qkmla's vLLM backend serves {what} with unquantized weights (it derives "
                          f"the key scalars from kv_b_proj.weight), got {quantization!r}")
-    for name, on, flag in (("enable_chunked_prefill", chunked_prefill, "--no-enable-chunked-prefill"),
-                           ("enable_prefix_caching", prefix_caching, "--no-enable-prefix-caching")):
-        if on and platform != "cpu" and norm.get("qk_norm") and norm["qk_norm_mode"] == "unified":
-            # CUDA's context gather drops the cached scalars (backend.py), and a unified statistic reads
-            # the RoPE key as it was before its weight and rotation: not recomputable from the cache
-            raise ValueError(f"{name}: on {platform}, qkmla's vLLM backend attends over cached context in a prefill "
-                             f"(which {name} needs) by recomputing each context key's scalar from its content key, "
-                             f"which qk_norm_mode='unified' does not allow (its statistic reads the RoPE key too); "
-                             f"start vLLM with {flag} ({name}=False), or serve on the CPU")
     if decode_context_parallel_size != 1:
         raise ValueError(f"decode_context_parallel_size: qkmla's vLLM backend serves {what} with 1, "
                          f"got {decode_context_parallel_size}")
@@ -74,11 +65,42 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     if width not in LATENT_WIDTHS:
         raise ValueError(f"config.json: kv_lora_rank + qk_rope_head_dim = {width}; vLLM's MLA serves latent rows of "
                          f"{LATENT_WIDTHS} values (DeepSeek-V2/V3: 512 + 64)")
+    if platform != "cpu":
+        _check_cuda_context_gather(norm, width, get("num_attention_heads"), tensor_parallel_size,
+                                   chunked_prefill, prefix_caching)
     for field in ("index_topk", "llama_4_scaling"):
         if get(field) is not None:
             raise ValueError(f"config.json: {field}: qkmla's vLLM backend does not serve {what} with "
                              f"{field} (sparse indexer, Llama-4 query scaling)")
     return norm
+
+
+def _check_cuda_context_gather(norm: dict, width: int, heads: int, tensor_parallel_size: int,
+                               chunked_prefill: bool, prefix_caching: bool) -> None:
+    """A prefill over cached context on CUDA reads it through vLLM's gather kernel
+    (``gather_and_maybe_dequant_cache``): into a workspace of 320 or 576 values per row only, the
+    first values of each cache row, loaded 16 bytes at a time (so rows of a multiple of 8 half-precision
+    values). The scalars stay behind and are recomputed from the content keys (``backend.py``),
+    which a unified statistic does not allow: it reads the RoPE key before its weight and rotation."""
+    scalars = heads // tensor_parallel_size if norm.get("qk_norm") else 0  # one per local head
+    for name, on, flag in (("enable_chunked_prefill", chunked_prefill, "--no-enable-chunked-prefill"),
+                           ("enable_prefix_caching", prefix_caching, "--no-enable-prefix-caching")):
+        if not on:
+            continue
+        off = f"start vLLM with {flag} ({name}=False)"
+        if scalars and norm["qk_norm_mode"] == "unified":
+            raise ValueError(f"{name}: on CUDA qkmla's vLLM backend attends over cached context in a prefill "
+                             f"(which {name} needs) by recomputing each context key's scalar from its content key, "
+                             f"which qk_norm_mode='unified' does not allow (its statistic reads the RoPE key too); "
+                             f"{off}, or serve on the CPU")
+        if width not in (320, 576):
+            raise ValueError(f"{name}: on CUDA vLLM gathers cached context into rows of 320 or 576 values, and "
+                             f"config.json's kv_lora_rank + qk_rope_head_dim is {width}; {off}")
+        if (width + scalars) % 8:
+            raise ValueError(f"{name}: on CUDA vLLM's context gather loads 16 bytes at a time, so a cache row needs "
+                             f"a multiple of 8 values; kv_lora_rank + qk_rope_head_dim = {width} plus one key scalar "
+                             f"per local head (num_attention_heads / tensor_parallel_size = {heads} / "
+                             f"{tensor_parallel_size}) is {width + scalars}; {off}")
 
 
 def _check_layout_vllm_reads(get) -> None:

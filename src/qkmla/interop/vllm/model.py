@@ -36,11 +36,13 @@ def _settings(vllm_config) -> dict:
     c = vllm_config
     graphs = c.compilation_config.cudagraph_mode
     return dict(platform=current_platform.device_type, kv_cache_dtype=c.cache_config.cache_dtype,
-                quantization=c.model_config.quantization, chunked_prefill=bool(c.scheduler_config.enable_chunked_prefill),
+                quantization=c.model_config.quantization,
+                chunked_prefill=bool(c.scheduler_config.enable_chunked_prefill),
                 prefix_caching=bool(c.cache_config.enable_prefix_caching),
                 decode_context_parallel_size=c.parallel_config.decode_context_parallel_size,
                 dtype=str(c.model_config.dtype).removeprefix("torch."), speculative=c.speculative_config is not None,
-                lora=c.lora_config is not None, cuda_graphs=graphs is not None and graphs.name != "NONE")
+                lora=c.lora_config is not None, cuda_graphs=graphs is not None and graphs.name != "NONE",
+                tensor_parallel_size=c.parallel_config.tensor_parallel_size)
 
 
 class QKNormMixin:
@@ -63,7 +65,9 @@ class QKNormMixin:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         norm = self.qk_norm_record
-        variant = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"]) if norm.get("qk_norm") else None
+        variant = None
+        if norm.get("qk_norm"):
+            variant = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"])
 
         def renamed():
             for name, tensor in weights:
