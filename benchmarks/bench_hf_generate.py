@@ -150,8 +150,12 @@ def main(argv=None) -> int:
         p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [1024], ["float32"], 2, 1
-    if args.out is not None and args.out.exists() and not args.overwrite:
-        p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
+    from qkmla.files import check_output
+
+    try:  # before any work: an existing result is not replaced without --overwrite
+        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
+    except ValueError as e:
+        p.error(str(e))
 
     import transformers
 

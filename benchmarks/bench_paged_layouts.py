@@ -165,10 +165,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps: expected a positive int, got {args.reps}")
-    if args.out is not None and args.out.exists() and not args.overwrite:
-        p.error(f"--out: {args.out} exists; pass --overwrite to replace it")
     sys.path.insert(0, str(HERE.parent / "src"))
-    from qkmla.files import write_text
+    from qkmla.files import check_output, write_text
+
+    try:  # before any work: an existing result is not replaced without --overwrite
+        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
+    except ValueError as e:
+        p.error(str(e))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thread_time then counts all the op's work

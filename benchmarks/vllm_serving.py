@@ -500,8 +500,12 @@ def main(argv=None) -> None:
     if args.engine:
         print(json.dumps(engine(json.loads(args.engine))))
         return
-    if args.out is not None and args.out.exists() and not args.overwrite:
-        parser.error(f"--out: {args.out} exists; pass --overwrite to replace it")
+    from qkmla.files import check_output
+
+    try:  # before any work: an existing result is not replaced without --overwrite
+        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
+    except ValueError as e:
+        parser.error(str(e))
     for name in ("contexts", "batches"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name}: expected positive integers, got {getattr(args, name)}")
