@@ -70,6 +70,11 @@ def test_dry_run_correctness_checks_every_value_of_every_axis(dry_run):
             "norm": tuple(part.NORMS)}
     for axis, values in axes.items():
         assert {row[axis] for row in rows} == set(values), axis
+    vllm_rows = [row for row in rows if row["layout"] == "row"]  # the scalars inside vLLM's cache rows
+    assert {(row["heads"], row["norm"]) for row in vllm_rows} == {(H, n) for H in part.DRY["heads"]
+                                                                  for n in ("blockwise", "unified")}
+    assert {row["page"] for row in vllm_rows} == set(part.DRY["pages"])
+    assert {row["kv_format"] for row in vllm_rows} == {"dense"} and {row["layout"] for row in rows} == {"apart", "row"}
     for row in rows:
         assert row["nan_free"] and row["kernel_err"] <= row["err_budget"] and row["lse_err"] <= row["lse_budget"]
     steps = r["compiled_step"]["rows"]
@@ -81,7 +86,7 @@ def test_dry_run_kernel_rows_and_bytes(dry_run):
     r = records["kernel"]
     part = load("part_kernel")
     shape = part.DRY
-    variants = {v for v, _, _ in part.KERNEL_VARIANTS} | {v for v, _ in part.COMPILE_VARIANTS}
+    variants = {v for v, *_ in part.KERNEL_VARIANTS} | {v for v, _ in part.COMPILE_VARIANTS}
     by = {(x["heads"], x["context"], x["batch"], x["variant"]): x for x in r["rows"]}
     assert set(by) == {c + (v,) for c in part.configs(shape) for v in variants}
     assert any(batch > 1 for _, _, batch in part.configs(shape))  # the many-token batch is in the dry run too
@@ -92,6 +97,8 @@ def test_dry_run_kernel_rows_and_bytes(dry_run):
         assert row("kernel-qknorm")["bytes"] == row("kernel-mla")["bytes"] + tokens * 2 * H
         assert row("kernel-mla-fp8")["bytes"] == tokens * fp8_row
         assert row("compile-qknorm")["bytes"] == row("kernel-qknorm")["bytes"]
+        assert row("kernel-qknorm-vllm-row")["bytes"] == row("kernel-qknorm")["bytes"]  # the same bytes, one tensor
+        assert row("kernel-qknorm-vllm-row")["layout"] == "row" and row("kernel-qknorm")["layout"] == "apart"
         assert row("kernel-qknorm")["launch"]["num_splits"] == 1 and row("kernel-qknorm")["timing"] == "eager"
         for v in variants:
             assert row(v)["us"] > 0 and math.isclose(row(v)["gb_per_s"], row(v)["bytes"] / row(v)["us"] / 1e3)
@@ -101,9 +108,12 @@ def test_dry_run_kernel_rows_and_bytes(dry_run):
         q, p = by[(d["heads"], d["context"], d["batch"], "kernel-qknorm")], by[(d["heads"], d["context"], d["batch"],
                                                                                "kernel-mla")]
         assert math.isclose(d["qknorm_overhead_pct"], 100 * (q["us"] / p["us"] - 1))
+        v = by[(d["heads"], d["context"], d["batch"], "kernel-qknorm-vllm-row")]
+        assert math.isclose(d["qknorm_overhead_pct_vllm_row"], 100 * (v["us"] / p["us"] - 1))
         assert d["kernel_over_compile_qknorm"] > 0 and d["fp8_over_bf16_bytes_qknorm"] < 1
     assert r["kernel_autotuned"] is False and r["copy_bytes_per_s"] > 0
     assert {t["met"] for t in r["targets"].values()} == {None}  # evaluated only on a GPU
+    assert "vllm_row_qknorm_within_extra_bytes_plus_2pct" in r["targets"]
 
 
 def test_dry_run_model_decode_training_and_qk_clip_rows(dry_run):
@@ -135,6 +145,28 @@ def test_dry_run_model_decode_training_and_qk_clip_rows(dry_run):
         else:
             assert r["clipped_steps"] is None and r["peak_max_logit_after_clip"] is None
     assert set(clip["best_lr_at_horizon"]) == names
+
+
+def test_the_kernel_targets_on_a_gpu_name_the_shapes_that_miss():
+    """On a GPU each target is met or missed with the shapes that miss it; the serving target
+    reads the QK-norm kernel over vLLM's rows against plain with 2% beside the byte bound."""
+    part = load("part_kernel")
+
+    def shape(context, plain_us, apart_us, row_us):
+        base = dict(heads=16, context=context, batch=1, tokens=context, roofline_pct=90.0)
+        rows = [dict(base, variant="kernel-mla", us=plain_us, bytes=1152 * context),
+                dict(base, variant="kernel-qknorm", us=apart_us, bytes=1184 * context),
+                dict(base, variant="kernel-qknorm-vllm-row", us=row_us, bytes=1184 * context)]
+        return rows
+
+    rows = shape(4096, 100.0, 103.0, 104.0) + shape(8192, 200.0, 205.0, 210.0)
+    t = part.targets(rows, part.derived(rows), fill_tokens=8192, on_gpu=True)
+    # byte bound 2.78%: +3% is within it plus 1%, +2.5% too; +4% is within it plus 2%, +5% is not
+    assert t["qknorm_overhead_within_byte_bound_plus_1pct"] == {"met": True, "misses": []}
+    assert t["vllm_row_qknorm_within_extra_bytes_plus_2pct"] == {"met": False, "misses": ["16h 8192 x1"]}
+    assert t["roofline_80pct_at_1M_tokens"]["met"] is True
+    assert part.targets(rows, part.derived(rows), 8192, on_gpu=False)["vllm_row_qknorm_within_extra_bytes_plus_2pct"] \
+        == {"met": None, "misses": []}
 
 
 def test_the_covering_subset_comes_first():

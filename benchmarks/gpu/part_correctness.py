@@ -6,7 +6,9 @@
   sizes: d_c 512, d_r 64; 16 and 128 heads (one key scalar per head); bf16 queries; a paged
   cache with block sizes 16 and 64, a shuffled block table, NaN (0xFF bytes) in every slot
   no sequence owns; lengths 1 to 64k and 0 in one batch; 1 and 2 query tokens; dense bf16,
-  fp8 and int8 rows; plain MLA, blockwise and unified QK norm. A case passes when the
+  fp8 and int8 rows; plain MLA, blockwise and unified QK norm; and the dense cases with the
+  key scalars inside each cache row, read through column views (vLLM's layout, as
+  qkmla.interop.vllm hands it to the kernel on CUDA). A case passes when the
   kernel's largest error against the float32 spec is at most twice that of the spec run in
   bf16 plus one bf16 ulp of the largest output (the bar tests/ops/test_mla_decode.py sets),
   the same for the log-sum-exp, no output is NaN and lse is -inf exactly where no slot is
@@ -97,9 +99,12 @@ def run_tests(ctx: PartContext, timeout_s: float) -> dict:
 
 # -- the kernel against the spec ------------------------------------------------------------
 
-def kernel_inputs(shape: dict, H: int, page: int, S_q: int, kv_format: str, scaled: bool, device, seed: int = 0):
+def kernel_inputs(shape: dict, H: int, page: int, S_q: int, kv_format: str, scaled: bool, device, seed: int = 0,
+                  layout: str = "apart"):
     """Keyword arguments of ``mla_decode_with_kvcache`` for one case: bf16 queries, a paged
-    cache (shuffled table; NaN, or 0xFF bytes, in every slot no sequence owns), G = H."""
+    cache (shuffled table; NaN, or 0xFF bytes, in every slot no sequence owns), G = H; with
+    ``layout="row"`` (dense rows only) the scalars end each cache row [c | k_rope | r], the
+    cache and the scalars column views of it."""
     from qkmla.kv_formats import row_format
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -109,11 +114,17 @@ def kernel_inputs(shape: dict, H: int, page: int, S_q: int, kv_format: str, scal
     per_seq = -(-max(lengths) // page) + 1
     n_blocks = B * per_seq + 3  # a few blocks nobody owns
     table_ = torch.randperm(n_blocks, generator=gen, device=device)[:B * per_seq].view(B, per_seq).to(torch.int32)
-    if kv_format == "dense":
+    if layout not in ("apart", "row") or (layout == "row" and kv_format != "dense"):
+        raise ValueError(f"layout: expected 'apart', or 'row' with dense rows, got {layout!r} with {kv_format!r}")
+    if layout == "row":
+        both = torch.full((n_blocks, page, rows.width + H), float("nan"), dtype=torch.bfloat16, device=device)
+        kv, scales = both[..., :rows.width], both[..., rows.width:]
+    elif kv_format == "dense":
         kv = torch.full((n_blocks, page, rows.width), float("nan"), dtype=torch.bfloat16, device=device)
     else:
         kv = torch.full((n_blocks, page, rows.width), 0xFF, dtype=torch.uint8, device=device)
-    scales = torch.full((n_blocks, page, H), float("nan"), dtype=torch.bfloat16, device=device)
+    if layout == "apart":
+        scales = torch.full((n_blocks, page, H), float("nan"), dtype=torch.bfloat16, device=device)
     for b, n in enumerate(lengths):
         slot = torch.arange(n, device=device)
         where = (table_[b, slot // page].long(), slot % page)
@@ -160,7 +171,10 @@ def run_kernel_checks(ctx: PartContext, deadline_s: float) -> dict:
     shape = DRY if ctx.dry_run else REAL
     axes = dict(heads=list(shape["heads"]), page=list(shape["pages"]), s_q=[1, 2], kv_format=list(FORMATS),
                 norm=list(NORMS))
-    cases = covering(axes) if ctx.dry_run else covering_first(axes)
+    cases = [{**case, "layout": "apart"} for case in (covering(axes) if ctx.dry_run else covering_first(axes))]
+    # vLLM's rows (dense, QK norm): every head count, both block sizes, both score modes
+    cases += [dict(heads=H, page=shape["pages"][(i + k) % 2], s_q=1, kv_format="dense", norm=norm, layout="row")
+              for k, norm in enumerate(("blockwise", "unified")) for i, H in enumerate(shape["heads"])]
     result = {"shape": {k: shape[k] for k in ("d_c", "d_r", "lengths")}, "cases": len(cases), "rows": []}
     ctx.record["kernel"] = result
     for case in cases:
@@ -170,7 +184,7 @@ def run_kernel_checks(ctx: PartContext, deadline_s: float) -> dict:
         t0, args = time.monotonic(), None
         try:
             args = kernel_inputs(shape, case["heads"], case["page"], case["s_q"], case["kv_format"], scaled,
-                                 ctx.device)
+                                 ctx.device, layout=case["layout"])
             row = {**case, **check_kernel_case(args, mode)}
         except Exception as e:  # one case's failure is recorded; the others still run
             row = {**case, "passed": False, "error": f"{type(e).__name__}: {e}"}
