@@ -33,6 +33,13 @@ def qk_layers(model) -> list:
     return [[m.num_heads, m.mla_attn.num_key_scalars] for m in model.modules() if isinstance(m, QKNormLatentAttention)]
 
 
+def cache_row_widths(model) -> list:
+    """The values per cached token of each QK-normed layer's paged cache in one rank's model."""
+    from qkmla.interop.vllm.attention import QKNormLatentAttention
+
+    return [m.mla_attn.kv_cache.shape[-1] for m in model.modules() if isinstance(m, QKNormLatentAttention)]
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     parallel = args.get("parallel", {})
@@ -81,12 +88,14 @@ def main() -> None:
         from qkmla.interop.vllm import backend
 
         backend.wide_workspace_builder = lambda base: base
+        backend.cpu_backend().row_alignment = backend.CUDA_ROW_ALIGNMENT  # rows padded as on CUDA
         gather = ops.gather_mla_context_cache_cpu
 
         def first_values(*, src_cache, dst, **kw):
-            # what CUDA's kernel checks or needs: a workspace of 320 or 576 values a row, rows loaded
-            # 16 bytes at a time (checks.py refuses the configurations that would fail these)
-            assert dst.shape[-1] in (320, 576) and src_cache.stride(1) * src_cache.element_size() % 16 == 0
+            # what CUDA's kernel checks or needs: a workspace of 320 or 576 values a row (checks.py
+            # refuses other widths), rows loaded 16 bytes at a time: a multiple of 8 values in the
+            # half-precision caches CUDA serves (the row's padding), whatever the dtype here
+            assert dst.shape[-1] in (320, 576) and src_cache.stride(1) % 8 == 0
             return gather(src_cache=src_cache[..., :dst.shape[-1]].contiguous(), dst=dst, **kw)
         ops.gather_mla_context_cache_cpu = first_values
     repeat = args.get("cached_context") or args.get("amx_configuration")
@@ -120,9 +129,10 @@ def main() -> None:
         if [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in first]:
             raise SystemExit("a prompt served again from the prefix cache generated other tokens")
     layers = llm.apply_model(qk_layers)  # one list per rank
+    widths = llm.apply_model(cache_row_widths)
     config = llm.llm_engine.vllm_config
     result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
-              "block_size": config.cache_config.block_size,
+              "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
               "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),

@@ -30,9 +30,10 @@ def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str
             decode_backend=decode_backend, content_key_scalars=content_key_scalars)
 
 
-def paged(lengths: list[int], seed: int = 0):
-    """A paged cache holding random rows [c | k_rope | r] for sequences of ``lengths``, written through
-    ``do_kv_cache_update`` in one batch; returns (cache, block_table, rows per sequence)."""
+def paged(lengths: list[int], seed: int = 0, padding: int = 0):
+    """A paged cache holding random rows [c | k_rope | r] for sequences of ``lengths`` (then
+    ``padding`` values, as CUDA's rows have), written through ``do_kv_cache_update`` in one batch;
+    returns (cache, block_table, rows per sequence)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // BLOCK) for n in lengths]
     order = torch.randperm(sum(blocks_per_seq) + 3, generator=g)  # scattered blocks, some unused
@@ -44,7 +45,7 @@ def paged(lengths: list[int], seed: int = 0):
         rows.append(torch.cat((torch.randn(n, D_C + D_R, generator=g, dtype=torch.float64),
                                torch.rand(n, H, generator=g, dtype=torch.float64) + 0.5), dim=-1))
         slots.append(table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK)
-    cache = torch.full((len(order), BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
+    cache = torch.full((len(order), BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.float64)
     every = torch.cat(rows)
     padded_slots = torch.cat(slots + [torch.tensor([-1, -1])])  # padding tokens: slot -1, never written
     padded = torch.cat((every, torch.zeros(2, every.shape[1], dtype=torch.float64)))
@@ -60,6 +61,28 @@ def test_the_cache_write_puts_each_row_in_its_slot_and_skips_padding():
         slots = table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK
         assert torch.equal(flat[slots], r)
     assert int((~flat.isnan().any(-1)).sum()) == 5 + 37  # nothing else written
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_a_padded_row_is_written_and_read_without_its_padding(mode):
+    """On CUDA a row is padded to a multiple of 8 values (vLLM's context gather loads 16 bytes at a
+    time): the write leaves the padding as it was (NaN here), decode and the prefill keys of a
+    workspace as wide as the row read past it."""
+    lengths = [5, 37, 16]
+    cache, table, rows = paged(lengths, padding=4)
+    flat = cache.view(-1, cache.shape[-1])
+    for b, r in enumerate(rows):
+        slots = table[b, torch.arange(len(r)) // BLOCK].long() * BLOCK + torch.arange(len(r)) % BLOCK
+        assert torch.equal(flat[slots, :-4], r) and bool(flat[slots, -4:].isnan().all())
+    q_lat, q_rope = torch.randn(3, H, D_C, dtype=torch.float64), torch.randn(3, H, D_R, dtype=torch.float64)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    layer = impl(mode)
+    out, _ = layer.forward_mqa((q_lat, q_rope), cache, meta, None)
+    torch.testing.assert_close(out, reference_decode(q_lat, q_rope, rows, layer.scale, mode), rtol=1e-10, atol=1e-10)
+    k_nope, row = torch.randn(6, H, D_N, dtype=torch.float64), torch.cat(rows)[:6]
+    wide = torch.cat((row[:, D_C:], torch.full((6, 4), float("nan"), dtype=torch.float64)), -1)[:, None]
+    narrow = layer._concat_k_nope_k_pe(k_nope, wide[..., :-4])
+    torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, wide), narrow)
 
 
 def reference_decode(q_lat, q_rope, rows, scale, mode, use_scalars=True):
@@ -92,14 +115,15 @@ def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs the Triton kernel in Triton's interpreter")
-@pytest.mark.parametrize("mode", ["blockwise", "unified"])
-def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode):
-    """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows through
-    qkmla's Triton kernel, here in Triton's interpreter on the CPU (not yet run on a GPU)."""
+@pytest.mark.parametrize("mode, padding", [("blockwise", 0), ("unified", 0), ("blockwise", 4)])
+def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding):
+    """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows (padded as
+    on CUDA where 576 + h is not a multiple of 8) through qkmla's Triton kernel, here in Triton's
+    interpreter on the CPU (not yet run on a GPU)."""
     from qkmla.interop.vllm.backend import cuda_backend
 
     lengths = [3, 40, 17]
-    cache, table, rows = paged(lengths)
+    cache, table, rows = paged(lengths, padding=padding)
     g = torch.Generator().manual_seed(1)
     q_lat, q_rope = torch.randn(3, H, D_C, generator=g), torch.randn(3, H, D_R, generator=g)
     meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))

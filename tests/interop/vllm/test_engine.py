@@ -140,6 +140,7 @@ def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactl
     # the path ran: chunked prefills in the first pass, prefix-cache hits in the second
     assert got["context_prefills"] > got["context_prefills_again"] > 0
     assert got["context_workspace_widths"] == [SHAPE["kv_lora_rank"] + SHAPE["qk_rope_head_dim"] + 4]  # h scalars
+    assert got["cache_row_widths"] == [576 + 4]  # not padded on the CPU
     assert got["cached_tokens_again"][:2] == [64, 32], got["cached_tokens_again"]  # whole 16-token blocks
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
 
@@ -147,8 +148,9 @@ def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactl
 @pytest.mark.parametrize("norm", ["v3-rms-blockwise-learned-scale", "v3-l2-content"])
 def test_context_gathered_as_on_cuda_has_its_scalars_recomputed_exactly(norm, tmp_path):
     """CUDA's context gather fills vLLM's [c | k_rope] workspace (the first 576 values of each
-    row, emulated here on the CPU): the prefill recomputes each context key's scalar from its
-    content key, and the tokens still equal qkmla's generation in float32."""
+    row, emulated here on the CPU, rows padded to 8 values as on CUDA): the prefill recomputes each
+    context key's scalar from its content key, and the tokens still equal qkmla's generation in
+    float32."""
     path = tiny_checkpoint(tmp_path, **NORMED[norm])
     prompts = [list(range(5, 75)), list(range(100, 145)), [20, 21]]
     want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
@@ -156,6 +158,7 @@ def test_context_gathered_as_on_cuda_has_its_scalars_recomputed_exactly(norm, tm
                  engine={"enable_chunked_prefill": True, "enable_prefix_caching": True, "max_num_batched_tokens": 32})
     assert got["context_prefills"] > got["context_prefills_again"] > 0
     assert got["context_workspace_widths"] == [SHAPE["kv_lora_rank"] + SHAPE["qk_rope_head_dim"]]  # no scalars
+    assert got["cache_row_widths"] == [576 + 4 + 4]  # 4 scalars, then padding to a multiple of 8 values
     assert got["cached_tokens_again"][:2] == [64, 32], got["cached_tokens_again"]
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
 

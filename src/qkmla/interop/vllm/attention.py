@@ -18,7 +18,8 @@ that division of work and adds qkmla's norm between the up-projections and RoPE:
 * the key scalars travel to ``MLAAttention`` appended to the RoPE key, [T, 1, d_r + G],
   so vLLM's plumbing carries them untouched to the backend (``backend.py``), which writes
   the row [c | k_rope | r] and reads it back. The row is G values wider
-  (:meth:`QKNormMLAAttention.get_kv_cache_spec`).
+  (:meth:`QKNormMLAAttention.get_kv_cache_spec`), padded to the backend's ``row_alignment``
+  where it has one (CUDA: 8 values).
 
 A record with only a learnable logit scale (no QK norm) is served by the same layer with no
 key scalars: plain MLA's 576-value row, the per-head scale folded into the query.
@@ -45,21 +46,22 @@ from ...ops.mla_decode.torch_impl import fold_head_scale
 
 
 class QKNormMLAAttention(MLAAttention):
-    """vLLM's ``MLAAttention`` whose cache row is ``num_key_scalars`` values wider: [c | k_rope | r]."""
+    """vLLM's ``MLAAttention`` whose cache row is ``num_key_scalars`` values wider, [c | k_rope | r],
+    then ``row_padding`` values that are never written nor read."""
 
     def __init__(self, *, num_key_scalars: int, score_mode: str, decode_backend: str, attn_backend: type,
-                 content_key_scalars=None, **kwargs):
+                 content_key_scalars=None, row_padding: int = 0, **kwargs):
         # The impl (backend.py) takes the four after vLLM's own arguments (extra_impl_args); a
         # backend may bring its own prefill (the CPU one does: backend.cpu_prefill_backend).
         super().__init__(**kwargs, attn_backend=attn_backend,
                          prefill_backend_cls=getattr(attn_backend, "prefill_backend_cls", None),
                          num_key_scalars=num_key_scalars, score_mode=score_mode, decode_backend=decode_backend,
                          content_key_scalars=content_key_scalars)
-        self.num_key_scalars = num_key_scalars
+        self.num_key_scalars, self.row_padding = num_key_scalars, row_padding
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
-        return dataclasses.replace(spec, head_size=spec.head_size + self.num_key_scalars)
+        return dataclasses.replace(spec, head_size=spec.head_size + self.num_key_scalars + self.row_padding)
 
 
 class QKNormLatentAttention(nn.Module):
@@ -90,6 +92,10 @@ class QKNormLatentAttention(nn.Module):
             self.logit_scale.weight_loader = _this_ranks_heads
         self.absorbed: Optional[AbsorbedWeights] = None  # derived after loading (prepare)
         old = wrapper.mla_attn
+        scalars = self.num_heads if self.k_norm is not None else 0
+        row = self.kv_lora_rank + self.qk_rope_head_dim + scalars
+        # a plain row (no scalars) is vLLM's own, aligned as vLLM needs it
+        padding = -row % getattr(backend, "row_alignment", 1) if scalars else 0
         # vLLM finds attention layers by name in the forward context; this one takes the name of
         # the layer it replaces, which must leave first.
         get_current_vllm_config().compilation_config.static_forward_context.pop(old.layer_name)
@@ -98,7 +104,7 @@ class QKNormLatentAttention(nn.Module):
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
             kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=_cache_config(),
             quant_config=None, prefix=old.layer_name, attn_backend=backend,
-            num_key_scalars=self.num_heads if self.k_norm is not None else 0, score_mode=score_mode(self.k_norm),
+            num_key_scalars=scalars, row_padding=padding, score_mode=score_mode(self.k_norm),
             decode_backend=decode_backend,
             # a context key's scalar from its content key, where the workspace does not carry it (CUDA)
             content_key_scalars=None if self.k_norm is None else functools.partial(content_key_scalars,

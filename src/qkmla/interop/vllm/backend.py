@@ -1,6 +1,8 @@
 """The attention backend of QK-normed layers: vLLM's MLA backends with a wider cache row.
 
-Each cache row is [c (d_c) | k_rope (d_r) | r (G)] in the cache's dtype. The layer
+Each cache row is [c (d_c) | k_rope (d_r) | r (G)] in the cache's dtype, on CUDA padded to a
+multiple of 8 values (:func:`cuda_backend`: vLLM's context gather loads rows 16 bytes at a time;
+the padding is never written nor read). The layer
 (``attention.py``) hands the backend the RoPE key with the scalars appended, [T, 1, d_r + G],
 where vLLM's plumbing expects the RoPE key [T, 1, d_r]; the three methods that read it are
 the ones :class:`QKNormImpl` overrides:
@@ -10,7 +12,7 @@ the ones :class:`QKNormImpl` overrides:
 * ``_concat_k_nope_k_pe`` builds the prefill keys [k^C · r ; k^R] (blockwise) or
   [k^C ; k^R] · r (unified, content): vLLM's prefill then runs unchanged;
 * ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the
-  paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:]``, no copy).
+  paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:d_c + d_r + G]``, no copy).
 
 A prefill over cached context (chunked prefill, prefix-cache hits) gathers the context's rows
 into a workspace. On the CPU it is as wide as the row (:func:`wide_workspace_builder`), so the
@@ -41,6 +43,11 @@ import torch
 
 from ...ops.mla_decode import mla_decode_with_kvcache
 
+# Values a cache row is padded to a multiple of on CUDA: vLLM's context gather (chunked prefill,
+# prefix caching) loads each row 16 bytes at a time at the row's stride, 8 values of fp16/bf16,
+# the only dtypes served there (checks.py).
+CUDA_ROW_ALIGNMENT = 8
+
 
 class QKNormImpl:
     """Mixin over a vLLM ``MLACommonImpl``: the cache row, prefill keys and decode of a QK-normed layer."""
@@ -60,9 +67,9 @@ class QKNormImpl:
         """Rows [c | k_rope | r] for c [T, d_c] and k_pe [T, 1, d_r + G] into the slots of slot_mapping [T]."""
         if kv_cache.numel() == 0:
             return
-        flat = kv_cache.view(-1, kv_cache.shape[-1])
         slots = slot_mapping.flatten().long()
-        rows = torch.cat((kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]), dim=-1).to(flat.dtype)
+        rows = torch.cat((kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]), dim=-1).to(kv_cache.dtype)
+        flat = kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]]  # a padded row's padding left alone
         valid = slots >= 0  # padding slots are -1; the mask syncs with the host (checks.py refuses CUDA graphs)
         flat.index_copy_(0, slots[valid], rows[valid])
 
@@ -78,7 +85,9 @@ class QKNormImpl:
                                           "key, which a unified norm's statistic (it reads the RoPE key) does not "
                                           "allow; turn chunked prefill and prefix caching off")
             k_pe = torch.cat((k_pe, r.to(k_pe.dtype)[:, None]), dim=-1)  # in the cache's dtype, as cached
-        k_r, r = k_pe.split([self.qk_rope_head_dim, self.num_key_scalars], dim=-1)
+        # a workspace as wide as a padded row brings the padding along
+        k_r, r = k_pe[..., :self.qk_rope_head_dim + self.num_key_scalars].split(
+            [self.qk_rope_head_dim, self.num_key_scalars], dim=-1)
         r = r.transpose(-1, -2).to(k_nope.dtype)  # [T, G = h, 1]
         if self.score_mode == "unified":  # one scalar for [k^C ; k^R]
             return super()._concat_k_nope_k_pe(k_nope * r, k_r * r)
@@ -102,7 +111,8 @@ class QKNormImpl:
         decode = attn_metadata.decode
         out, _ = mla_decode_with_kvcache(
             q_lat.unsqueeze(1), q_rope.unsqueeze(1), kv_c_and_k_pe_cache[..., :width], decode.block_table,
-            decode.seq_lens, scale_cache=kv_c_and_k_pe_cache[..., width:] if self.num_key_scalars else None,
+            decode.seq_lens,
+            scale_cache=kv_c_and_k_pe_cache[..., width:width + self.num_key_scalars] if self.num_key_scalars else None,
             softmax_scale=self.scale,
             backend=self.decode_backend, mode=self.score_mode)
         return out[:, 0], None
@@ -213,6 +223,8 @@ def cuda_backend() -> type:
         can_return_lse_for_decode = False
 
     class QKNormTritonMLABackend(TritonMLABackend):
+        row_alignment = CUDA_ROW_ALIGNMENT  # read by QKNormMLAAttention
+
         @staticmethod
         def get_name() -> str:
             return "QKMLA_TRITON"

@@ -12,6 +12,9 @@ from typing import Optional
 from ..hf_qknorm import RECORD, recorded_groups, recorded_norm
 
 PLATFORMS = ("cpu", "cuda")
+# The scalars ride in the row in the model's dtype. A quantized cache would also take vLLM's fp8
+# context gather (cp_gather_cache), which copies whole source rows: past its workspace's width
+# for a row with scalars and padding.
 KV_CACHE_DTYPES = ("auto",)
 LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata accepts (MLACommonBackend)
 
@@ -19,7 +22,7 @@ LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata acce
 def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization: Optional[str],
                   chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1,
                   dtype: str = "float32", speculative: bool = False, lora: bool = False,
-                  cuda_graphs: bool = False, tensor_parallel_size: int = 1) -> dict:
+                  cuda_graphs: bool = False) -> dict:
     """The recorded QK norm of ``hf_config`` ({} for a plain checkpoint), after checking that the
     plugin can serve it with these engine settings. ValueError naming the field otherwise."""
     get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
@@ -66,8 +69,7 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
         raise ValueError(f"config.json: kv_lora_rank + qk_rope_head_dim = {width}; vLLM's MLA serves latent rows of "
                          f"{LATENT_WIDTHS} values (DeepSeek-V2/V3: 512 + 64)")
     if platform != "cpu":
-        _check_cuda_context_gather(norm, width, get("num_attention_heads"), tensor_parallel_size,
-                                   chunked_prefill, prefix_caching)
+        _check_cuda_context_gather(norm, width, chunked_prefill, prefix_caching)
     for field in ("index_topk", "llama_4_scaling"):
         if get(field) is not None:
             raise ValueError(f"config.json: {field}: qkmla's vLLM backend does not serve {what} with "
@@ -75,20 +77,19 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     return norm
 
 
-def _check_cuda_context_gather(norm: dict, width: int, heads: int, tensor_parallel_size: int,
-                               chunked_prefill: bool, prefix_caching: bool) -> None:
+def _check_cuda_context_gather(norm: dict, width: int, chunked_prefill: bool, prefix_caching: bool) -> None:
     """A prefill over cached context on CUDA reads it through vLLM's gather kernel
     (``gather_and_maybe_dequant_cache``): into a workspace of 320 or 576 values per row only, the
-    first values of each cache row, loaded 16 bytes at a time (so rows of a multiple of 8 half-precision
-    values). The scalars stay behind and are recomputed from the content keys (``backend.py``),
-    which a unified statistic does not allow: it reads the RoPE key before its weight and rotation."""
-    scalars = heads // tensor_parallel_size if norm.get("qk_norm") else 0  # one per local head
+    first values of each cache row, loaded 16 bytes at a time (the CUDA backend pads each row to a
+    multiple of 8 values for that: ``backend.cuda_backend``). The scalars stay behind and are
+    recomputed from the content keys (``backend.py``), which a unified statistic does not allow:
+    it reads the RoPE key before its weight and rotation."""
     for name, on, flag in (("enable_chunked_prefill", chunked_prefill, "--no-enable-chunked-prefill"),
                            ("enable_prefix_caching", prefix_caching, "--no-enable-prefix-caching")):
         if not on:
             continue
         off = f"start vLLM with {flag} ({name}=False)"
-        if scalars and norm["qk_norm_mode"] == "unified":
+        if norm.get("qk_norm") and norm["qk_norm_mode"] == "unified":
             raise ValueError(f"{name}: on CUDA qkmla's vLLM backend attends over cached context in a prefill "
                              f"(which {name} needs) by recomputing each context key's scalar from its content key, "
                              f"which qk_norm_mode='unified' does not allow (its statistic reads the RoPE key too); "
@@ -96,11 +97,6 @@ def _check_cuda_context_gather(norm: dict, width: int, heads: int, tensor_parall
         if width not in (320, 576):
             raise ValueError(f"{name}: on CUDA vLLM gathers cached context into rows of 320 or 576 values, and "
                              f"config.json's kv_lora_rank + qk_rope_head_dim is {width}; {off}")
-        if (width + scalars) % 8:
-            raise ValueError(f"{name}: on CUDA vLLM's context gather loads 16 bytes at a time, so a cache row needs "
-                             f"a multiple of 8 values; kv_lora_rank + qk_rope_head_dim = {width} plus one key scalar "
-                             f"per local head (num_attention_heads / tensor_parallel_size = {heads} / "
-                             f"{tensor_parallel_size}) is {width + scalars}; {off}")
 
 
 def _check_layout_vllm_reads(get) -> None:

@@ -41,8 +41,7 @@ def _settings(vllm_config) -> dict:
                 prefix_caching=bool(c.cache_config.enable_prefix_caching),
                 decode_context_parallel_size=c.parallel_config.decode_context_parallel_size,
                 dtype=str(c.model_config.dtype).removeprefix("torch."), speculative=c.speculative_config is not None,
-                lora=c.lora_config is not None, cuda_graphs=graphs is not None and graphs.name != "NONE",
-                tensor_parallel_size=c.parallel_config.tensor_parallel_size)
+                lora=c.lora_config is not None, cuda_graphs=graphs is not None and graphs.name != "NONE")
 
 
 class QKNormMixin:
