@@ -223,7 +223,7 @@ def cuda_backend() -> type:
         can_return_lse_for_decode = False
 
     class QKNormTritonMLABackend(TritonMLABackend):
-        row_alignment = CUDA_ROW_ALIGNMENT  # read by QKNormMLAAttention
+        row_alignment = CUDA_ROW_ALIGNMENT  # read by QKNormLatentAttention (attention.py)
 
         @staticmethod
         def get_name() -> str:
