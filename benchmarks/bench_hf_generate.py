@@ -150,12 +150,10 @@ def main(argv=None) -> int:
         p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [1024], ["float32"], 2, 1
-    from qkmla.files import check_output
+    sys.path.insert(0, str(HERE))  # recipe_common beside this script
+    from recipe_common import check_out
 
-    try:  # before any work: an existing result is not replaced without --overwrite
-        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
-    except ValueError as e:
-        p.error(str(e))
+    check_out(p, args.out, args.overwrite)  # before any work
 
     import transformers
 

@@ -165,13 +165,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps: expected a positive int, got {args.reps}")
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from qkmla.files import check_output, write_text
+    sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # qkmla; recipe_common beside this script
+    from recipe_common import check_out
 
-    try:  # before any work: an existing result is not replaced without --overwrite
-        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
-    except ValueError as e:
-        p.error(str(e))
+    from qkmla.files import write_text
+
+    check_out(p, args.out, args.overwrite)  # before any work
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thread_time then counts all the op's work

@@ -58,14 +58,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps: expected a positive int, got {args.steps}")
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from qkmla.files import check_output, write_text
+    sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # qkmla; recipe_common beside this script
+    from recipe_common import check_out
+
+    from qkmla.files import write_text
     from qkmla.machine import machine, recorded_command, source_commit
 
-    try:  # before any work: an existing result is not replaced without --overwrite
-        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
-    except ValueError as e:
-        p.error(str(e))
+    check_out(p, args.out, args.overwrite)  # before any work
 
     cores = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     with tempfile.TemporaryDirectory() as work:

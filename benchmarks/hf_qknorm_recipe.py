@@ -220,12 +220,9 @@ def main(argv=None) -> int:
                 f"{shape['max_position_embeddings']}")
     if args.block > shape["max_position_embeddings"]:
         p.error(f"--block: at most max_position_embeddings={shape['max_position_embeddings']}, got {args.block}")
-    from qkmla.files import check_output
+    from recipe_common import check_out
 
-    try:  # before any work: an existing result is not replaced without --overwrite
-        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
-    except ValueError as e:
-        p.error(str(e))
+    check_out(p, args.out, args.overwrite)  # before any work
     dirs = {name: args.work / name for name in ("source", "qknorm", "trainer")}
     if args.threads:
         torch.set_num_threads(args.threads)

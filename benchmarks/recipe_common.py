@@ -1,6 +1,7 @@
-"""What the transformers recipes (hf_qknorm_recipe.py, gqa_convert_recipe.py) share: the
-refusal to reuse work directories, the results record written after every stage, and the
-embedded Shakespeare's plays as byte tokens."""
+"""What the benchmark scripts share: the refusal of an existing --out (every script that writes
+one), and for the transformers recipes (hf_qknorm_recipe.py, gqa_convert_recipe.py) and
+vllm_serving.py the refusal to reuse work directories, the results record written after every
+stage, and the embedded Shakespeare's plays as byte tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,17 @@ import os
 import shutil
 import time
 from pathlib import Path
+
+
+def check_out(parser, out, overwrite: bool) -> None:
+    """Refuse (``parser.error``) an ``--out`` that is a directory, or exists without ``overwrite``
+    (``qkmla.files.check_output``), before any work; None: nothing is written."""
+    from qkmla.files import check_output
+
+    try:
+        check_output("--out", [out] if out is not None else [], [], overwrite)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def claim_work_dirs(parser, dirs, overwrite: bool) -> None:

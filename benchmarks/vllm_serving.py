@@ -500,12 +500,9 @@ def main(argv=None) -> None:
     if args.engine:
         print(json.dumps(engine(json.loads(args.engine))))
         return
-    from qkmla.files import check_output
+    from recipe_common import check_out
 
-    try:  # before any work: an existing result is not replaced without --overwrite
-        check_output("--out", [args.out] if args.out is not None else [], [], args.overwrite)
-    except ValueError as e:
-        parser.error(str(e))
+    check_out(parser, args.out, args.overwrite)  # before any work
     for name in ("contexts", "batches"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name}: expected positive integers, got {getattr(args, name)}")
