@@ -27,14 +27,14 @@ GB/s = bytes / time; the roofline is the datasheet HBM bandwidth (``suite.HBM_PE
 plain - 1) stands beside its byte bound (the scalars' share of the bytes: G / (d_c + d_r)), for
 the scalars in their own tensor and in vLLM's rows: the second is the serving issue's target
 (its extra bytes plus 2%) read at the op, on the GPU.
-The kernel does not autotune: its launch configuration (BLOCK_N, BLOCK_H, splits) is
-recorded per row so a later run can compare or pin it.
+The kernel does not autotune: its launch configuration (BLOCK_N, BLOCK_H, splits, warps, stages:
+the first of ``LAUNCH_CONFIGS`` that fits in the GPU's shared memory) is recorded per row so a
+later run can compare or pin it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 
 import torch
@@ -98,17 +98,14 @@ def make_inputs(shape: dict, H: int, context: int, batch: int, device, fp8: bool
     return t
 
 
-def launch_config(H: int, batch: int, table: torch.Tensor, page: int, device) -> dict:
-    """The kernel's launch configuration as ``mla_decode_fwd`` picks it (it does not autotune)."""
-    import triton
+def launch_config(t: dict, kv, scales, kv_format: str, page: int, device) -> dict:
+    """The split kernel's launch configuration as ``mla_decode_fwd`` last fitted it for these inputs
+    (the first of its ``LAUNCH_CONFIGS`` that fits in shared memory; it does not autotune)."""
+    from qkmla.ops.mla_decode.triton_kernel import fitting_config, launch_config as kernel_launch
 
-    from qkmla.ops.mla_decode.triton_kernel import default_num_splits, mla_decode_fwd
-
-    block_n = inspect.signature(mla_decode_fwd).parameters["block_n"].default
-    block_h = max(16, min(64, triton.next_power_of_2(H)))
-    head_blocks = triton.cdiv(H, block_h)
-    splits = default_num_splits(batch, head_blocks, table.shape[1] * page, block_n, torch.device(device))
-    return {"BLOCK_N": block_n, "BLOCK_H": block_h, "head_blocks": head_blocks, "num_splits": splits}
+    index = fitting_config(t["q_lat"], kv, scales, False, kv_format)
+    B, S_q, H, _ = t["q_lat"].shape
+    return {**kernel_launch(H, B * S_q, t["table"].shape[1] * page, torch.device(device), index), "config": index}
 
 
 @contextlib.contextmanager
@@ -138,7 +135,6 @@ def kernel_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int)
 
     t = make_inputs(shape, H, context, batch, ctx.device)
     scale = (3 * shape["d_r"]) ** -0.5
-    launch = launch_config(H, batch, t["table"], shape["page"], ctx.device)
     rows = []
     for name, kv_format, qknorm, layout in KERNEL_VARIANTS:
         kv, scales = t["kv"] if kv_format == "dense" else t["kv_fp8"], t["scales"]
@@ -153,8 +149,10 @@ def kernel_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int)
                                            scales if qknorm else None, scale, backend="triton",
                                            kv_format=kv_format)
         call, how = graphed(fn, ctx)
-        rows.append(_row(ctx, H, context, batch, name, kv_format, qknorm, bench(call, ctx, cpu_reps=1), how, shape,
-                         launch=launch, layout=layout))
+        timing = bench(call, ctx, cpu_reps=1)
+        launch = launch_config(t, kv, scales if qknorm else None, kv_format, shape["page"], ctx.device)
+        rows.append(_row(ctx, H, context, batch, name, kv_format, qknorm, timing, how, shape, launch=launch,
+                         layout=layout))
         del call, kv, scales
     return rows
 

@@ -111,6 +111,50 @@ def test_bad_inputs():
         mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales[..., :3])
     with pytest.raises(ValueError, match="powers of two"):
         mla_decode_with_kvcache(q_lat[..., :24], q_rope, kv[..., 8:], table, lens, scales, backend="triton")
+    with pytest.raises(ValueError, match=r"block_table: expected a tensor on q_lat's device \((cpu|cuda:0)\), got meta"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table.to("meta"), lens, scales)
+    with pytest.raises(ValueError, match="scale_cache: expected a tensor on q_lat's device"):
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales.to("meta"))
+
+
+def test_a_launch_that_does_not_fit_in_shared_memory_takes_the_next_configuration(monkeypatch):
+    """Triton refuses a launch whose tiles exceed the GPU's shared memory before it runs (an
+    H100 refused 128 heads at BLOCK_N 64): the launcher takes the next of LAUNCH_CONFIGS,
+    remembers it for the same inputs, and gives the same result."""
+    from triton.runtime.errors import OutOfResources
+
+    from qkmla.ops.mla_decode import triton_kernel
+
+    (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 2, True, dtype=torch.float32)
+    want, want_lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.3, num_splits=2,
+                                             backend="triton")
+    kernel, tried = triton_kernel._mla_decode_split_kernel, []
+
+    class SharedMemoryOf:  # refuses BLOCK_N above `most`, as Triton does when the tiles do not fit
+        def __init__(self, most):
+            self.most = most
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tried.append(kwargs["BLOCK_N"])
+                if kwargs["BLOCK_N"] > self.most:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_kernel, "_fitting", {})
+    monkeypatch.setattr(triton_kernel, "_mla_decode_split_kernel", SharedMemoryOf(32))
+    for _ in range(2):
+        out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.3, num_splits=2,
+                                           backend="triton")
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert tried == [64, 32, 32]  # the second call starts at the configuration that fitted
+    assert triton_kernel.fitting_config(q_lat, kv, scales, False, "dense") == 1
+    monkeypatch.setattr(triton_kernel, "_fitting", {})
+    monkeypatch.setattr(triton_kernel, "_mla_decode_split_kernel", SharedMemoryOf(8))
+    with pytest.raises(OutOfResources):  # nothing fits: Triton's own error, after every configuration
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.3, backend="triton")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

@@ -253,7 +253,7 @@ def test_naive_is_the_definition(mode):
     args = decode_inputs("contiguous", 4, 2, "blockwise", "prefix", seed=3)
     args["mode"] = mode
     out, lse = naive_mla_decode(args["q_lat"], args["q_rope"], args["kv_cache"],
-                                torch.arange(len(LENGTHS))[:, None], args["cache_seqlens"], args["scale_cache"],
+                                torch.arange(len(LENGTHS), device=DEVICE)[:, None], args["cache_seqlens"], args["scale_cache"],
                                 args["softmax_scale"], mode=mode, visible_lens=args["visible_lens"])
     kv, S = args["kv_cache"].nan_to_num(0.0), args["kv_cache"].shape[1]
     c, k_rope = kv[..., :D_C], kv[..., D_C:]
@@ -263,7 +263,7 @@ def test_naive_is_the_definition(mode):
     s = args["softmax_scale"] * (r * s_c + s_r if mode == "blockwise" else r * (s_c + s_r))
     lens = args["cache_seqlens"].long()
     visible = torch.minimum(args["visible_lens"].long(), lens[:, None])  # [B, S_q]
-    s = s.masked_fill(~(torch.arange(S) < visible[..., None])[:, :, None, :], float("-inf"))
+    s = s.masked_fill(~(torch.arange(S, device=DEVICE) < visible[..., None])[:, :, None, :], float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, torch.einsum("bths,bsc->bthc", torch.softmax(s, -1).nan_to_num(0.0), c),
                                rtol=1e-5, atol=1e-5)

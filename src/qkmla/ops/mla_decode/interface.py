@@ -147,6 +147,10 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if visible_lens is not None:
         _check_int("visible_lens", visible_lens, (B, S_q))
+    for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("cache_seqlens", cache_seqlens), ("scale_cache", scale_cache), ("visible_lens", visible_lens)):
+        if t is not None and t.device != q_lat.device:
+            raise ValueError(f"{name}: expected a tensor on q_lat's device ({q_lat.device}), got {t.device}")
 
 
 def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,

@@ -61,6 +61,14 @@ def _load_key_tile(p_row, m_n, o_c, o_r, D_C: tl.constexpr, KV_FORMAT: tl.conste
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b; IEEE: float32 inputs multiplied in float32 (Triton's default on CUDA is TF32, 10 mantissa bits)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, scale_ptr, block_table_ptr, seqlens_ptr, visible_ptr, o_part_ptr, lse_part_ptr,
     softmax_scale,
@@ -75,7 +83,8 @@ def _mla_decode_split_kernel(
     S_Q: tl.constexpr, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_SCALE: tl.constexpr, UNIFIED: tl.constexpr, HAS_VISIBLE: tl.constexpr, DOT_FP32: tl.constexpr,
-    KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr,
+    DOT_IEEE: tl.constexpr, KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_OFF: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
 ):
     i_bt, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_t = i_bt // S_Q, i_bt % S_Q
@@ -115,13 +124,13 @@ def _mla_decode_split_kernel(
             b_c, b_kr = b_c.to(tl.float32), b_kr.to(tl.float32)
         else:  # a dequantized tile joins the queries' dtype (a no-op for a dense cache)
             b_c, b_kr = b_c.to(b_q.dtype), b_kr.to(b_q.dtype)
-        b_s = tl.dot(b_q, tl.trans(b_c))
+        b_s = _dot(b_q, tl.trans(b_c), DOT_IEEE)
         if USE_SCALE:
             p_r = scale_ptr + (i_blk * stride_s_blk + i_slot * stride_s_tok)[None, :] + g_h[:, None]
             b_r = tl.load(p_r, mask=m_h[:, None] & m_n[None, :], other=0.0).to(tl.float32)
             if not UNIFIED:
                 b_s = b_s * b_r
-        b_s = b_s + tl.dot(b_qr, tl.trans(b_kr))
+        b_s = b_s + _dot(b_qr, tl.trans(b_kr), DOT_IEEE)
         if USE_SCALE:
             if UNIFIED:
                 b_s = b_s * b_r
@@ -131,7 +140,7 @@ def _mla_decode_split_kernel(
         b_alpha = tl.exp(b_m - b_m_new)
         b_p = tl.exp(b_s - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
+        b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_c.dtype), b_c, DOT_IEEE)
         b_m = b_m_new
 
     has_keys = b_l > 0
@@ -180,12 +189,45 @@ def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, blo
     return max(1, min(tiles, math.ceil(2 * sms / max(1, batch_tokens * head_blocks)), 64))
 
 
+# Launch configurations (BLOCK_H at most, BLOCK_N, num_warps, num_stages), preferred first. The
+# key and value tiles live in shared memory, so what fits depends on the heads per program, the
+# row format and the GPU (an H100 allows 227 KiB per program): a launch that does not fit is
+# refused by Triton before it runs, and the next configuration is tried.
+LAUNCH_CONFIGS = ((64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2))
+_fitting: dict = {}  # (what decides the kernel's shared memory) -> index into LAUNCH_CONFIGS that fit
+
+
+def launch_config(H: int, batch_tokens: int, max_tokens: int, device, index: int = 0, num_splits: int = 0) -> dict:
+    """The split kernel's launch for ``LAUNCH_CONFIGS[index]``: BLOCK_H, BLOCK_N, head blocks,
+    splits (``num_splits`` if positive, else :func:`default_num_splits`), warps and stages."""
+    cap, block_n, num_warps, num_stages = LAUNCH_CONFIGS[index]
+    block_h = max(16, min(cap, triton.next_power_of_2(H)))
+    head_blocks = triton.cdiv(H, block_h)
+    if num_splits <= 0:
+        num_splits = default_num_splits(batch_tokens, head_blocks, max_tokens, block_n, device)
+    return {"BLOCK_H": block_h, "BLOCK_N": block_n, "head_blocks": head_blocks, "num_splits": num_splits,
+            "num_warps": num_warps, "num_stages": num_stages}
+
+
+def fitting_config(q_lat, kv_cache, scale_cache, unified: bool, kv_format: str) -> int:
+    """The index into ``LAUNCH_CONFIGS`` that the last launch of this kind fitted (0 before any)."""
+    return _fitting.get(_config_key(q_lat, kv_cache, scale_cache, unified, kv_format), 0)
+
+
+def _config_key(q_lat, kv_cache, scale_cache, unified, kv_format) -> tuple:
+    return (q_lat.device, q_lat.shape[2], q_lat.shape[3], q_lat.dtype, kv_cache.dtype, kv_format,
+            scale_cache is not None, unified)
+
+
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
-                   num_splits: int = 0, block_n: int = 64, unified: bool = False, visible_lens=None,
+                   num_splits: int = 0, unified: bool = False, visible_lens=None,
                    dot_fp32: bool = False, kv_format: str = "dense"):
     """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
     ``dot_fp32``: run the tile dots in fp32 (Triton's CPU interpreter needs it). ``kv_format``:
-    the rows' format (a quantized one's kv_cache is uint8 bytes)."""
+    the rows' format (a quantized one's kv_cache is uint8 bytes). Float32 queries take IEEE
+    float32 dots, not TF32, so that a float32 decode matches the float32 reference."""
+    from triton.runtime.errors import OutOfResources
+
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     group, scale_off, rope_off = 1, 0, 0
@@ -194,29 +236,37 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
         group, scale_off, rope_off = fmt.group_size, fmt.layout.scale_offset, fmt.layout.rope_offset
     page = kv_cache.shape[1]
     G = scale_cache.shape[-1] if scale_cache is not None else 1
-    block_h = max(16, min(64, triton.next_power_of_2(H)))
-    head_blocks = triton.cdiv(H, block_h)
-    if num_splits <= 0:
-        num_splits = default_num_splits(B * S_q, head_blocks, block_table.shape[1] * page, block_n, q_lat.device)
-    o_part = torch.empty(B, S_q, H, num_splits, d_c, dtype=torch.float32, device=q_lat.device)
-    lse_part = torch.empty(B, S_q, H, num_splits, dtype=torch.float32, device=q_lat.device)
     scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
     visible = visible_lens if visible_lens is not None else cache_seqlens[:, None]  # never read without HAS_VISIBLE
-    _mla_decode_split_kernel[(B * S_q, head_blocks, num_splits)](
-        q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, softmax_scale,
-        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
-        q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        scales.stride(0), scales.stride(1),
-        block_table.stride(0),
-        visible.stride(0), visible.stride(1),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, USE_SCALE=scale_cache is not None, UNIFIED=unified,
-        HAS_VISIBLE=visible_lens is not None, DOT_FP32=dot_fp32,
-        KV_FORMAT=FORMAT_IDS[kv_format], GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off,
-    )
+    key = _config_key(q_lat, kv_cache, scale_cache, unified, kv_format)
+    for index in range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)):
+        launch = launch_config(H, B * S_q, block_table.shape[1] * page, q_lat.device, index, num_splits)
+        splits = launch["num_splits"]
+        o_part = torch.empty(B, S_q, H, splits, d_c, dtype=torch.float32, device=q_lat.device)
+        lse_part = torch.empty(B, S_q, H, splits, dtype=torch.float32, device=q_lat.device)
+        try:
+            _mla_decode_split_kernel[(B * S_q, launch["head_blocks"], splits)](
+                q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, softmax_scale,
+                q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
+                q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+                kv_cache.stride(0), kv_cache.stride(1),
+                scales.stride(0), scales.stride(1),
+                block_table.stride(0),
+                visible.stride(0), visible.stride(1),
+                o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+                lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+                S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=launch["BLOCK_H"],
+                BLOCK_N=launch["BLOCK_N"], NUM_SPLITS=splits, USE_SCALE=scale_cache is not None, UNIFIED=unified,
+                HAS_VISIBLE=visible_lens is not None, DOT_FP32=dot_fp32, DOT_IEEE=q_lat.dtype == torch.float32,
+                KV_FORMAT=FORMAT_IDS[kv_format], GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off,
+                num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+            )
+        except OutOfResources:
+            if index + 1 == len(LAUNCH_CONFIGS):
+                raise
+            continue
+        _fitting[key] = index
+        break
     out = torch.empty(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q_lat.device)
     _mla_decode_combine_kernel[(B * S_q, H)](
@@ -225,6 +275,6 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        S_Q=S_q, D_C=d_c, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        S_Q=S_q, D_C=d_c, NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
     )
     return out, lse
