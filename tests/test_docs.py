@@ -49,7 +49,11 @@ def docs_copy(tmp_path: Path) -> Path:
     repo = tmp_path / "repo"
     shutil.copytree(ROOT / "docs", repo / "docs", ignore=shutil.ignore_patterns("api"))
     shutil.copy(ROOT / "README.md", repo / "README.md")
-    shutil.copytree(ROOT / "benchmarks", repo / "benchmarks", ignore=shutil.ignore_patterns("*.py", "gpu", "runs"))
+    def scripts(folder, names):  # the benchmark scripts and their runs; results (with their scripts) stay
+        if "results" in Path(folder).relative_to(ROOT / "benchmarks").parts:
+            return []
+        return [n for n in names if n.endswith(".py") or n in ("gpu", "runs")]
+    shutil.copytree(ROOT / "benchmarks", repo / "benchmarks", ignore=scripts)
     for name in ("pyproject.toml", "mkdocs.yml"):
         shutil.copy(ROOT / name, repo / name)
     shutil.copytree(ROOT / ".ci", repo / ".ci", ignore=shutil.ignore_patterns("venv*"))

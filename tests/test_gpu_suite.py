@@ -82,8 +82,9 @@ def test_dry_run_correctness_checks_every_value_of_every_axis(dry_run):
 
 
 def test_dry_run_kernel_rows_and_bytes(dry_run):
-    _, _, records = dry_run
+    _, out, records = dry_run
     r = records["kernel"]
+    summary = (out / "summary.md").read_text()
     part = load("part_kernel")
     shape = part.DRY
     variants = {v for v, *_ in part.KERNEL_VARIANTS} | {v for v, _ in part.COMPILE_VARIANTS}
@@ -103,6 +104,17 @@ def test_dry_run_kernel_rows_and_bytes(dry_run):
         for v in variants:
             assert row(v)["us"] > 0 and math.isclose(row(v)["gb_per_s"], row(v)["bytes"] / row(v)["us"] / 1e3)
             assert row(v)["roofline_pct"] is None  # no datasheet peak off a GPU
+    # every distinct launch configuration, per head count, with the launcher's own kernel
+    from qkmla.ops.mla_decode.triton_kernel import LAUNCH_CONFIGS, launch_config
+
+    for H in shape["heads"]:
+        rows = [x for x in r["config_rows"] if x["heads"] == H]
+        launches = {tuple(launch_config(H, 1, 64, "cpu", i, 1)[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps",
+                                                                          "num_stages"))
+                    for i in range(len(LAUNCH_CONFIGS))}
+        assert len(rows) == 3 * len(launches) and all(x["us"] > 0 and "error" not in x for x in rows)
+        assert {x["variant"] for x in rows} == {"kernel-mla", "kernel-qknorm", "kernel-qknorm-fp8"}
+    assert "**Launch configurations**" in summary
     for d in r["derived"]:
         assert math.isclose(d["byte_bound_pct"], 100 * d["heads"] / (shape["d_c"] + shape["d_r"]))
         q, p = by[(d["heads"], d["context"], d["batch"], "kernel-qknorm")], by[(d["heads"], d["context"], d["batch"],
@@ -189,7 +201,8 @@ def test_parts_out_of_time_record_what_they_did_not_run(tmp_path):
     training = json.loads((out / "4_training.json").read_text())
     assert kernel["status"] == training["status"] == "partial"
     part = load("part_kernel")  # a 1-second budget: no shape fits (each needs 15 s in reserve)
-    assert kernel["rows"] == [] and len(kernel["not_run"]) == 2 * len(part.configs(part.DRY))
+    assert kernel["rows"] == [] and kernel["config_rows"] == []
+    assert len(kernel["not_run"]) == 2 * len(part.configs(part.DRY)) + len(part.DRY["heads"])
     assert kernel["copy_bytes_per_s"] > 0 and {t["met"] for t in kernel["targets"].values()} == {None}
     assert training["rows"] == [] and len(training["not_run"]) == 2
     summary = (out / "summary.md").read_text()

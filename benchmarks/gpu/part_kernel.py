@@ -184,6 +184,44 @@ def compile_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int
     return rows
 
 
+def config_rows(ctx: PartContext, shape: dict, H: int) -> list[dict]:
+    """Every one of the kernel's ``LAUNCH_CONFIGS`` at the batch of about ``fill_tokens`` cached
+    tokens of the longest context but two (65536 x 16 at full size), QK norm over bf16 and fp8
+    rows and plain over bf16: which configuration is fastest, for the launcher's order."""
+    from qkmla.ops.mla_decode.interface import interpreting
+    from qkmla.ops.mla_decode.triton_kernel import LAUNCH_CONFIGS, launch_config, mla_decode_fwd
+
+    context = shape["contexts"][-3] if len(shape["contexts"]) >= 3 else shape["contexts"][-1]
+    batch = max(1, shape["fill_tokens"] // context)
+    t = make_inputs(shape, H, context, batch, ctx.device)
+    scale = (3 * shape["d_r"]) ** -0.5
+    rows, seen = [], set()
+    for index in range(len(LAUNCH_CONFIGS)):
+        launch = launch_config(H, batch, t["table"].shape[1] * shape["page"], ctx.device, index)
+        same = tuple(launch[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages"))
+        if same in seen:  # at few heads the head-block caps coincide
+            continue
+        seen.add(same)
+        for name, kv_format, qknorm in (("kernel-mla", "dense", False), ("kernel-qknorm", "dense", True),
+                                        ("kernel-qknorm-fp8", "fp8", True)):
+            kv = t["kv"] if kv_format == "dense" else t["kv_fp8"]
+
+            def fn(kv=kv, kv_format=kv_format, qknorm=qknorm, index=index):
+                return mla_decode_fwd(t["q_lat"], t["q_rope"], kv, t["scales"] if qknorm else None, t["table"],
+                                      t["lens"], scale, dot_fp32=interpreting(), kv_format=kv_format,
+                                      launch_index=index)
+            try:
+                call, how = graphed(fn, ctx)
+                row = _row(ctx, H, context, batch, name, kv_format, qknorm, bench(call, ctx, cpu_reps=1), how, shape,
+                           launch={**launch, "config": index})
+                del call
+            except Exception as e:  # a configuration that does not fit this GPU's shared memory
+                row = {"heads": H, "context": context, "batch": batch, "variant": name, "kv_format": kv_format,
+                       "qknorm": qknorm, "launch": {**launch, "config": index}, "error": f"{type(e).__name__}: {e}"}
+            rows.append(row)
+    return rows
+
+
 def derived(rows: list[dict]) -> list[dict]:
     """Per (heads, context, batch): QK-norm overhead beside its byte bound, fp8 over bf16
     (time and bytes), kernel over the compiled path."""
@@ -234,28 +272,36 @@ def targets(rows: list[dict], derived_rows: list[dict], fill_tokens: int, on_gpu
             "vllm_row_qknorm_within_extra_bytes_plus_2pct": verdict(serving)}
 
 
+def label(kind: str, H: int, context, batch) -> str:
+    return f"{kind} {H}h" + (f" {context} x{batch}" if context is not None else "")
+
+
 def run(ctx: PartContext) -> None:
     shape = DRY if ctx.dry_run else REAL
     peak, source = hbm_peak(ctx.device)
     ctx.record.update(shape={k: shape[k] for k in ("d_c", "d_r", "page", "fill_tokens", "heads", "contexts")},
                       peak_bytes_per_s=peak, peak_source=source, copy_bytes_per_s=copy_bandwidth(ctx),
                       compile_mode=COMPILE_MODE if not ctx.dry_run else "aot_eager (dry run)",
-                      kernel_autotuned=False, rows=[], not_run=[])
+                      kernel_autotuned=False, rows=[], config_rows=[], not_run=[])
     ctx.log(f"peak {peak or 0:.3g} B/s ({source}), copy {ctx.record['copy_bytes_per_s']:.3g} B/s")
-    plan = [("kernel", c) for c in configs(shape)] + [("compile", c) for c in configs(shape)]
+    plan = ([("kernel", c) for c in configs(shape)] + [("configs", (H, None, None)) for H in shape["heads"]]
+            + [("compile", c) for c in configs(shape)])
     for i, (kind, (H, context, batch)) in enumerate(plan):
         if ctx.out_of_time(reserve_s=15):
-            ctx.record["not_run"] = [f"{k} {h}h {c} x{b}" for k, (h, c, b) in plan[i:]]
+            ctx.record["not_run"] = [label(k, h, c, b) for k, (h, c, b) in plan[i:]]
             ctx.record["status"] = "partial"
             break
         try:
-            make = kernel_rows if kind == "kernel" else compile_rows
-            ctx.record["rows"] += make(ctx, shape, H, context, batch)
+            if kind == "configs":
+                ctx.record["config_rows"] += config_rows(ctx, shape, H)
+            else:
+                make = kernel_rows if kind == "kernel" else compile_rows
+                ctx.record["rows"] += make(ctx, shape, H, context, batch)
         except Exception as e:  # e.g. out of memory at one shape: recorded, the next shape runs
-            ctx.record.setdefault("errors", []).append(f"{kind} {H}h {context} x{batch}: {type(e).__name__}: {e}")
+            ctx.record.setdefault("errors", []).append(f"{label(kind, H, context, batch)}: {type(e).__name__}: {e}")
             reset_compiler()
         free_memory()
-        ctx.log(f"{kind} {H} heads, context {context}, batch {batch} done")
+        ctx.log(f"{label(kind, H, context, batch)} done")
         ctx.record["derived"] = derived(ctx.record["rows"])
         ctx.save()
     ctx.record["derived"] = derived(ctx.record["rows"])
@@ -293,6 +339,21 @@ def summarize(record: dict) -> list[str]:
                             "QK-norm GB/s", "QK-norm % HBM peak", "fp8 / bf16 (QK-norm)", "compile QK-norm",
                             "kernel / compile (QK-norm)"], body)
             lines.append("")
+    by_config = {}
+    for r in record.get("config_rows", []):
+        key = (r["heads"], r["context"], r["batch"], r["launch"]["config"])
+        by_config.setdefault(key, {"launch": r["launch"]})[r["variant"]] = r
+    if by_config:
+        lines.append("**Launch configurations** (the launcher takes the first that fits; µs)")
+        lines.append("")
+        body = [[H, context, batch, config,
+                 "{BLOCK_H} / {BLOCK_N} / {num_warps} / {num_stages}".format(**v["launch"])]
+                + [fmt(v[name]["us"], 1) if "us" in v.get(name, {}) else "does not fit" if name in v else "–"
+                   for name in ("kernel-mla", "kernel-qknorm", "kernel-qknorm-fp8")]
+                for (H, context, batch, config), v in sorted(by_config.items())]
+        lines += table(["heads", "context", "batch", "config", "BLOCK_H / BLOCK_N / warps / stages", "plain",
+                        "QK-norm", "QK-norm fp8"], body)
+        lines.append("")
     for name, t in (record.get("targets") or {}).items():
         met = {True: "met", False: "**missed**", None: "not evaluated (no GPU or nothing measured)"}[t["met"]]
         lines.append(f"- {name}: {met}" + (f" ({len(t['misses'])} misses: {', '.join(t['misses'][:8])}"

@@ -23,6 +23,7 @@ use NaN). The reference is ``naive.py`` beside this file.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -52,9 +53,12 @@ def _load_key_tile(p_row, m_n, o_c, o_r, D_C: tl.constexpr, KV_FORMAT: tl.conste
                 b_code = b_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 b_code = b_byte.to(tl.int8, bitcast=True).to(tl.float32)
+        # one scale per GROUP values: loaded once per group, broadcast over the group's codes
+        block_n: tl.constexpr = b_code.shape[0]
+        o_g = tl.arange(0, D_C // GROUP)
         p_scale = (p_row + SCALE_OFF).to(tl.pointer_type(tl.float32))
-        b_scale = tl.load(p_scale[:, None] + (o_c // GROUP)[None, :], mask=m_n[:, None], other=0.0)
-        b_c = b_code * b_scale
+        b_scale = tl.load(p_scale[:, None] + o_g[None, :], mask=m_n[:, None], other=0.0)
+        b_c = tl.reshape(tl.reshape(b_code, (block_n, D_C // GROUP, GROUP)) * b_scale[:, :, None], (block_n, D_C))
         p_kr = (p_row + ROPE_OFF).to(tl.pointer_type(tl.bfloat16))
         b_kr = tl.load(p_kr[:, None] + o_r[None, :], mask=m_n[:, None], other=0.0).to(tl.float32)
     return b_c, b_kr
@@ -189,19 +193,21 @@ def default_num_splits(batch_tokens: int, head_blocks: int, max_tokens: int, blo
     return max(1, min(tiles, math.ceil(2 * sms / max(1, batch_tokens * head_blocks)), 64))
 
 
-# Launch configurations (BLOCK_H at most, BLOCK_N, num_warps, num_stages), preferred first. The
+# Launch configurations (BLOCK_H at most, BLOCK_N, num_stages), preferred first; a program of
+# more than 16 heads gets 8 warps (its [BLOCK_H, d_c] accumulator spills registers with 4). The
 # key and value tiles live in shared memory, so what fits depends on the heads per program, the
 # row format and the GPU (an H100 allows 227 KiB per program): a launch that does not fit is
 # refused by Triton before it runs, and the next configuration is tried.
-LAUNCH_CONFIGS = ((64, 64, 4, 3), (64, 32, 4, 3), (64, 16, 4, 2), (32, 16, 4, 2), (16, 16, 4, 2))
+LAUNCH_CONFIGS = ((64, 64, 3), (64, 32, 3), (64, 16, 2), (32, 16, 2), (16, 16, 2))
 _fitting: dict = {}  # (what decides the kernel's shared memory) -> index into LAUNCH_CONFIGS that fit
 
 
 def launch_config(H: int, batch_tokens: int, max_tokens: int, device, index: int = 0, num_splits: int = 0) -> dict:
     """The split kernel's launch for ``LAUNCH_CONFIGS[index]``: BLOCK_H, BLOCK_N, head blocks,
     splits (``num_splits`` if positive, else :func:`default_num_splits`), warps and stages."""
-    cap, block_n, num_warps, num_stages = LAUNCH_CONFIGS[index]
+    cap, block_n, num_stages = LAUNCH_CONFIGS[index]
     block_h = max(16, min(cap, triton.next_power_of_2(H)))
+    num_warps = 4 if block_h <= 16 else 8
     head_blocks = triton.cdiv(H, block_h)
     if num_splits <= 0:
         num_splits = default_num_splits(batch_tokens, head_blocks, max_tokens, block_n, device)
@@ -221,11 +227,13 @@ def _config_key(q_lat, kv_cache, scale_cache, unified, kv_format) -> tuple:
 
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
                    num_splits: int = 0, unified: bool = False, visible_lens=None,
-                   dot_fp32: bool = False, kv_format: str = "dense"):
+                   dot_fp32: bool = False, kv_format: str = "dense", launch_index: Optional[int] = None):
     """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
     ``dot_fp32``: run the tile dots in fp32 (Triton's CPU interpreter needs it). ``kv_format``:
     the rows' format (a quantized one's kv_cache is uint8 bytes). Float32 queries take IEEE
-    float32 dots, not TF32, so that a float32 decode matches the float32 reference."""
+    float32 dots, not TF32, so that a float32 decode matches the float32 reference.
+    ``launch_index``: run ``LAUNCH_CONFIGS[launch_index]`` only (benchmarks compare them; Triton's
+    OutOfResources if it does not fit); None: the first that fits."""
     from triton.runtime.errors import OutOfResources
 
     B, S_q, H, d_c = q_lat.shape
@@ -233,13 +241,15 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
     group, scale_off, rope_off = 1, 0, 0
     if kv_format != "dense":
         fmt = row_format(kv_format, d_c, d_r)
-        group, scale_off, rope_off = fmt.group_size, fmt.layout.scale_offset, fmt.layout.rope_offset
+        # a scale covers min(group, d_c) values: a latent narrower than a group has one scale
+        group, scale_off, rope_off = min(fmt.group_size, d_c), fmt.layout.scale_offset, fmt.layout.rope_offset
     page = kv_cache.shape[1]
     G = scale_cache.shape[-1] if scale_cache is not None else 1
     scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
     visible = visible_lens if visible_lens is not None else cache_seqlens[:, None]  # never read without HAS_VISIBLE
     key = _config_key(q_lat, kv_cache, scale_cache, unified, kv_format)
-    for index in range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)):
+    tried = range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)) if launch_index is None else [launch_index]
+    for index in tried:
         launch = launch_config(H, B * S_q, block_table.shape[1] * page, q_lat.device, index, num_splits)
         splits = launch["num_splits"]
         o_part = torch.empty(B, S_q, H, splits, d_c, dtype=torch.float32, device=q_lat.device)
@@ -262,10 +272,11 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
                 num_warps=launch["num_warps"], num_stages=launch["num_stages"],
             )
         except OutOfResources:
-            if index + 1 == len(LAUNCH_CONFIGS):
+            if launch_index is not None or index + 1 == len(LAUNCH_CONFIGS):
                 raise
             continue
-        _fitting[key] = index
+        if launch_index is None:
+            _fitting[key] = index
         break
     out = torch.empty(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device)
     lse = torch.empty(B, S_q, H, dtype=torch.float32, device=q_lat.device)
