@@ -252,9 +252,10 @@ def test_naive_is_the_definition(mode):
     or the whole logit (unified), per-query prefixes mask the rest, softmax, then @ c."""
     args = decode_inputs("contiguous", 4, 2, "blockwise", "prefix", seed=3)
     args["mode"] = mode
-    out, lse = naive_mla_decode(args["q_lat"], args["q_rope"], args["kv_cache"],
-                                torch.arange(len(LENGTHS), device=DEVICE)[:, None], args["cache_seqlens"], args["scale_cache"],
-                                args["softmax_scale"], mode=mode, visible_lens=args["visible_lens"])
+    table = torch.arange(len(LENGTHS), device=DEVICE)[:, None]  # one block per sequence
+    out, lse = naive_mla_decode(args["q_lat"], args["q_rope"], args["kv_cache"], table, args["cache_seqlens"],
+                                args["scale_cache"], args["softmax_scale"], mode=mode,
+                                visible_lens=args["visible_lens"])
     kv, S = args["kv_cache"].nan_to_num(0.0), args["kv_cache"].shape[1]
     c, k_rope = kv[..., :D_C], kv[..., D_C:]
     r = args["scale_cache"].nan_to_num(1.0).repeat_interleave(H // 4, dim=-1).permute(0, 2, 1)[:, None]  # [B, 1, H, S]
