@@ -6,8 +6,11 @@ no GPU: shared memory, registers and stack (spills) per thread.
 
 Triton compiles ``_mla_decode_split_kernel`` for ``sm_<arch>`` through its own ptxas (its
 NVIDIA backend needs no GPU nor CUDA install) at DeepSeek-V3's widths (d_c 512, d_r 64, one
-key scalar per head, bf16 queries, page 64); ``cuobjdump --dump-resource-usage`` (also
-shipped with Triton) reads registers and stack from the cubin. For each (heads, format) it
+key scalar per head, bf16 queries, page 64), with the arguments the launcher builds
+(``split_kernel_args``) for such tensors and Triton's specialization of them (an int or an
+address divisible by 16 is marked so: the 644-byte int8 row's stride is not);
+``cuobjdump --dump-resource-usage`` (also shipped with Triton) reads registers and stack
+from the cubin. For each (heads, format) it
 walks ``LAUNCH_CONFIGS`` as the launcher does, taking the first whose shared memory fits
 ``--shared-limit`` (an H100's 232,448 B a program by default), or every configuration with
 ``--all-configs``. Figures depend on the Triton version, which the output names. A stack of
@@ -31,56 +34,68 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
+import torch  # noqa: E402
 from recipe_common import check_out  # noqa: E402
 
 H100_SHARED_LIMIT = 232_448  # bytes a program may opt in to on an H100 (Triton's "Hardware limit")
 FORMATS = ("dense", "fp8", "int8", "int4")
 
 
-def kernel_signature(kernel, constexprs: dict, q_dtype: str, bytes_rows: bool) -> dict:
-    """Triton's signature of the split kernel: pointer and scalar types, constexprs marked."""
-    pointers = {"q_lat_ptr": q_dtype, "q_rope_ptr": q_dtype, "kv_ptr": "u8" if bytes_rows else q_dtype,
-                "scale_ptr": "bf16", "block_table_ptr": "i32", "seqlens_ptr": "i32", "visible_ptr": "i32",
-                "o_part_ptr": "fp32", "lse_part_ptr": "fp32"}
-    sig = {}
-    for name in kernel.arg_names:
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = "*" + pointers[name]
-        else:
-            sig[name] = "fp32" if name == "softmax_scale" else "i32"  # the strides
-    return sig
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+                torch.int32: "i32", torch.int64: "i64"}
 
 
-def compile_split_kernel(arch: int, heads: int, kv_format: str, index: int, q_dtype: str = "bf16") -> dict:
-    """Compile the split kernel for sm_<arch> with ``LAUNCH_CONFIGS[index]``; its resources."""
+def decode_inputs(heads: int, kv_format: str, q_dtype: torch.dtype, d_c: int = 512, d_r: int = 64, page: int = 64,
+                  blocks: int = 4) -> dict:
+    """Small CPU tensors of the real widths and layouts (one sequence, one query token, one key
+    scalar per head): what the launcher's arguments are built from."""
+    from qkmla.kv_formats import row_format
+
+    rows = row_format(kv_format, d_c, d_r)
+    kv_dtype = torch.bfloat16 if kv_format == "dense" else torch.uint8
+    return dict(q_lat=torch.zeros(1, 1, heads, d_c, dtype=q_dtype), q_rope=torch.zeros(1, 1, heads, d_r, dtype=q_dtype),
+                kv_cache=torch.zeros(blocks, page, rows.width, dtype=kv_dtype),
+                scale_cache=torch.zeros(blocks, page, heads, dtype=torch.bfloat16),
+                block_table=torch.arange(blocks, dtype=torch.int32)[None], cache_seqlens=torch.tensor([blocks * page],
+                                                                                                      dtype=torch.int32))
+
+
+def compile_split_kernel(arch: int, heads: int, kv_format: str, index: int, q_dtype: str = "bf16",
+                         num_splits: int = 4) -> dict:
+    """Compile the split kernel for sm_<arch> with ``LAUNCH_CONFIGS[index]``, specialized as a
+    launch over ``decode_inputs`` would be (Triton marks an int argument, or a tensor's address,
+    divisible by 16); its shared memory, registers and stack."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from qkmla.kv_formats import row_format
     from qkmla.ops.mla_decode import triton_kernel as tk
 
-    d_c, d_r, page = 512, 64, 64
-    launch = tk.launch_config(heads, 1, page, None, index, num_splits=4)
-    group, scale_off, rope_off = 1, 0, 0
-    if kv_format != "dense":
-        rows = row_format(kv_format, d_c, d_r)
-        group, scale_off, rope_off = min(rows.group_size, d_c), rows.layout.scale_offset, rows.layout.rope_offset
-    constexprs = dict(S_Q=1, H=heads, HEADS_PER_GROUP=1, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=launch["BLOCK_H"],
-                      BLOCK_N=launch["BLOCK_N"], NUM_SPLITS=4, USE_SCALE=True, UNIFIED=False, HAS_VISIBLE=False,
-                      DOT_FP32=False, DOT_IEEE=q_dtype == "fp32", KV_FORMAT=tk.FORMAT_IDS[kv_format], GROUP=group,
-                      SCALE_OFF=scale_off, ROPE_OFF=rope_off)
+    t = decode_inputs(heads, kv_format, torch.float32 if q_dtype == "fp32" else torch.bfloat16)
+    B, S_q, H, d_c = t["q_lat"].shape
+    launch = tk.launch_config(H, B * S_q, t["block_table"].shape[1] * t["kv_cache"].shape[1], None, index, num_splits)
+    o_part = torch.zeros(B, S_q, H, num_splits, d_c)
+    lse_part = torch.zeros(B, S_q, H, num_splits)
+    args, options = tk.split_kernel_args(t["q_lat"], t["q_rope"], t["kv_cache"], t["scale_cache"], t["block_table"],
+                                         t["cache_seqlens"], 0.1, o_part, lse_part, launch, kv_format=kv_format)
     kernel = tk._mla_decode_split_kernel
-    sig = kernel_signature(kernel, constexprs, q_dtype, kv_format != "dense")
-    # pointers and strides divisible by 16, as the launcher's real tensors are
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if sig[n] not in ("constexpr",
-                                                                                                       "fp32")}
+    num_warps, num_stages = options.pop("num_warps"), options.pop("num_stages")
+    names = kernel.arg_names
+    sig, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            sig[name], aligned = "*" + TRITON_TYPES[value.dtype], value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            sig[name], aligned = "fp32", False
+        else:
+            sig[name], aligned = ("i32" if abs(value) < 2 ** 31 else "i64"), value % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig.update({name: "constexpr" for name in options})
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
-                    constexprs={(kernel.arg_names.index(n),): v for n, v in constexprs.items()})
+                    constexprs={(names.index(n),): v for n, v in options.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -90,8 +105,8 @@ def compile_split_kernel(arch: int, heads: int, kv_format: str, index: int, q_dt
     found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     return {"heads": heads, "kv_format": kv_format, "q_dtype": q_dtype, "config": index,
             "launch": {k: launch[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")},
-            "shared_bytes": compiled.metadata.shared, "registers": int(found["REG"]),
-            "stack_bytes": int(found["STACK"])}
+            "row_stride": t["kv_cache"].stride(1), "shared_bytes": compiled.metadata.shared,
+            "registers": int(found["REG"]), "stack_bytes": int(found["STACK"])}
 
 
 def first_fitting(arch: int, heads: int, kv_format: str, limit: int, q_dtype: str = "bf16") -> dict:

@@ -112,8 +112,10 @@ def test_dry_run_kernel_rows_and_bytes(dry_run):
         launches = {tuple(launch_config(H, 1, 64, "cpu", i, 1)[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps",
                                                                           "num_stages"))
                     for i in range(len(LAUNCH_CONFIGS))}
-        assert len(rows) == 3 * len(launches) and all(x["us"] > 0 and "error" not in x for x in rows)
-        assert {x["variant"] for x in rows} == {"kernel-mla", "kernel-qknorm", "kernel-qknorm-fp8"}
+        assert len(rows) == len(part.CONFIG_VARIANTS) * len(launches)
+        assert all(x["us"] > 0 and not {"error", "does_not_fit", "not_run"} & set(x) for x in rows)
+        assert {x["variant"] for x in rows} == {v for v, *_ in part.CONFIG_VARIANTS}
+        assert {x["kv_format"] for x in rows} == {"dense", "fp8", "int8"}
     assert "**Launch configurations**" in summary
     for d in r["derived"]:
         assert math.isclose(d["byte_bound_pct"], 100 * d["heads"] / (shape["d_c"] + shape["d_r"]))
@@ -291,3 +293,40 @@ def test_bad_arguments_are_refused_before_any_work(argv, pattern, tmp_path, caps
         run.main(["--dry-run", "--out", str(tmp_path / "out"), *argv])
     assert e.value.code == 2 and re.search(pattern, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_configuration_sweep_records_what_does_not_fit_fails_or_runs_out_of_time(tmp_path, monkeypatch):
+    """A configuration Triton refuses is "does not fit", any other failure is an error, and with
+    no time left the rest are "not run"; the other configurations are still timed."""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from qkmla.ops.mla_decode import triton_kernel
+
+    suite, part = load("suite"), load("part_kernel")
+    real = triton_kernel.mla_decode_fwd
+
+    def some_refused(*args, launch_index=None, **kwargs):
+        if launch_index == 1:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        if launch_index == 2:
+            raise RuntimeError("a compile error")
+        return real(*args, launch_index=launch_index, **kwargs)
+    monkeypatch.setattr(triton_kernel, "mla_decode_fwd", some_refused)
+
+    def context(budget_s):
+        ctx = suite.PartContext("kernel", tmp_path / "k.json", True, budget_s, torch.device("cpu"))
+        ctx.record.update(peak_bytes_per_s=None, copy_bytes_per_s=1e9, config_rows=[], shape=part.DRY)
+        return ctx
+    rows = part.config_rows(context(600.0), part.DRY, 4)
+    by = {}
+    for r in rows:
+        by.setdefault(r["launch"]["config"], []).append(r)
+    assert all(r["us"] > 0 for r in by[0])
+    assert all("shared memory" in r["does_not_fit"] for r in by[1])
+    assert all(r["error"] == "RuntimeError: a compile error" for r in by[2])
+    lines = "\n".join(part.summarize({"config_rows": rows}))
+    assert "does not fit" in lines and "error" in lines
+    late = part.config_rows(context(0.0), part.DRY, 4)
+    assert late and all(r["not_run"] == "out of time" for r in late)
+    assert "not run" in "\n".join(part.summarize({"config_rows": late}))

@@ -50,6 +50,8 @@ KERNEL_VARIANTS = (("kernel-mla", "dense", False, "apart"), ("kernel-qknorm", "d
                    ("kernel-mla-fp8", "fp8", False, "apart"), ("kernel-qknorm-fp8", "fp8", True, "apart"),
                    ("kernel-qknorm-vllm-row", "dense", True, "row"))
 COMPILE_VARIANTS = (("compile-mla", False), ("compile-qknorm", True))
+CONFIG_VARIANTS = (("kernel-mla", "dense", False), ("kernel-qknorm", "dense", True), ("kernel-qknorm-fp8", "fp8", True),
+                   ("kernel-qknorm-int8", "int8", True))
 COMPILE_MODE = "reduce-overhead"
 
 
@@ -72,10 +74,11 @@ def read_bytes(batch: int, context: int, H: int, kv_format: str, qknorm: bool, s
     return batch * context * (row_bytes(kv_format, shape) + (2 * H if qknorm else 0))
 
 
-def make_inputs(shape: dict, H: int, context: int, batch: int, device, fp8: bool = True, dense: bool = False):
-    """bf16 queries, a paged bf16 cache with a shuffled table and its scalars; with ``fp8`` the
-    same rows in FlashMLA's fp8 format, with ``dense`` gathered into the contiguous cache the
-    torch path reads."""
+def make_inputs(shape: dict, H: int, context: int, batch: int, device, fp8: bool = True, dense: bool = False,
+                int8: bool = False):
+    """bf16 queries, a paged bf16 cache with a shuffled table and its scalars; with ``fp8`` (and
+    ``int8``) the same rows in FlashMLA's fp8 format (qkmla's int8 rows), with ``dense`` gathered
+    into the contiguous cache the torch path reads."""
     from qkmla.kv_formats import row_format
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -87,10 +90,10 @@ def make_inputs(shape: dict, H: int, context: int, batch: int, device, fp8: bool
          "q_lat": torch.randn(batch, 1, H, d_c, generator=gen, device=device, dtype=torch.bfloat16),
          "q_rope": torch.randn(batch, 1, H, d_r, generator=gen, device=device, dtype=torch.bfloat16),
          "lens": torch.full((batch,), context, dtype=torch.int32, device=device)}
-    if fp8:
-        rows = row_format("fp8", d_c, d_r)
-        t["kv_fp8"] = torch.cat([rows.encode(part[..., :d_c].float(), part[..., d_c:].float())
-                                 for part in t["kv"].split(1024)])  # 1024 blocks at a time: bounded float32 copies
+    for kv_format in ("fp8",) * fp8 + ("int8",) * int8:
+        rows = row_format(kv_format, d_c, d_r)
+        t[f"kv_{kv_format}"] = torch.cat([rows.encode(part[..., :d_c].float(), part[..., d_c:].float())
+                                          for part in t["kv"].split(1024)])  # 1024 blocks at a time: bounded copies
     if dense:
         order = t["table"].long()
         t["dense"] = t["kv"][order].flatten(1, 2)[:, :context].contiguous()
@@ -186,14 +189,18 @@ def compile_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int
 
 def config_rows(ctx: PartContext, shape: dict, H: int) -> list[dict]:
     """Every one of the kernel's ``LAUNCH_CONFIGS`` at the batch of about ``fill_tokens`` cached
-    tokens of the longest context but two (65536 x 16 at full size), QK norm over bf16 and fp8
-    rows and plain over bf16: which configuration is fastest, for the launcher's order."""
+    tokens of the longest context but two (65536 x 16 at full size), QK norm over bf16, fp8 and
+    int8 rows (int8's 644-byte rows are not 16-byte aligned) and plain over bf16: which
+    configuration is fastest, for the launcher's order. A configuration that does not fit the
+    GPU's shared memory is recorded as such; out of time, the rest are listed as not run."""
+    from triton.runtime.errors import OutOfResources
+
     from qkmla.ops.mla_decode.interface import interpreting
     from qkmla.ops.mla_decode.triton_kernel import LAUNCH_CONFIGS, launch_config, mla_decode_fwd
 
     context = shape["contexts"][-3] if len(shape["contexts"]) >= 3 else shape["contexts"][-1]
     batch = max(1, shape["fill_tokens"] // context)
-    t = make_inputs(shape, H, context, batch, ctx.device)
+    t = make_inputs(shape, H, context, batch, ctx.device, int8=True)
     scale = (3 * shape["d_r"]) ** -0.5
     rows, seen = [], set()
     for index in range(len(LAUNCH_CONFIGS)):
@@ -202,9 +209,13 @@ def config_rows(ctx: PartContext, shape: dict, H: int) -> list[dict]:
         if same in seen:  # at few heads the head-block caps coincide
             continue
         seen.add(same)
-        for name, kv_format, qknorm in (("kernel-mla", "dense", False), ("kernel-qknorm", "dense", True),
-                                        ("kernel-qknorm-fp8", "fp8", True)):
-            kv = t["kv"] if kv_format == "dense" else t["kv_fp8"]
+        for name, kv_format, qknorm in CONFIG_VARIANTS:
+            kv = t["kv"] if kv_format == "dense" else t[f"kv_{kv_format}"]
+            base = {"heads": H, "context": context, "batch": batch, "variant": name, "kv_format": kv_format,
+                    "qknorm": qknorm, "launch": {**launch, "config": index}}
+            if ctx.out_of_time(reserve_s=15):
+                rows.append({**base, "not_run": "out of time"})
+                continue
 
             def fn(kv=kv, kv_format=kv_format, qknorm=qknorm, index=index):
                 return mla_decode_fwd(t["q_lat"], t["q_rope"], kv, t["scales"] if qknorm else None, t["table"],
@@ -215,9 +226,10 @@ def config_rows(ctx: PartContext, shape: dict, H: int) -> list[dict]:
                 row = _row(ctx, H, context, batch, name, kv_format, qknorm, bench(call, ctx, cpu_reps=1), how, shape,
                            launch={**launch, "config": index})
                 del call
-            except Exception as e:  # a configuration that does not fit this GPU's shared memory
-                row = {"heads": H, "context": context, "batch": batch, "variant": name, "kv_format": kv_format,
-                       "qknorm": qknorm, "launch": {**launch, "config": index}, "error": f"{type(e).__name__}: {e}"}
+            except OutOfResources as e:  # Triton refuses it before it runs
+                row = {**base, "does_not_fit": str(e)}
+            except Exception as e:  # recorded; the other configurations still run
+                row = {**base, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
     return rows
 
@@ -311,6 +323,15 @@ def run(ctx: PartContext) -> None:
         ctx.record["status"] = "partial"
 
 
+def cell(row) -> str:
+    """A configuration's time, or why there is none."""
+    if row is None:
+        return "–"
+    if "us" in row:
+        return fmt(row["us"], 1)
+    return "does not fit" if "does_not_fit" in row else "not run" if "not_run" in row else "error"
+
+
 def summarize(record: dict) -> list[str]:
     rows = {(r["heads"], r["context"], r["batch"], r["variant"]): r for r in record.get("rows", [])}
     peak = record.get("peak_bytes_per_s")
@@ -348,11 +369,10 @@ def summarize(record: dict) -> list[str]:
         lines.append("")
         body = [[H, context, batch, config,
                  "{BLOCK_H} / {BLOCK_N} / {num_warps} / {num_stages}".format(**v["launch"])]
-                + [fmt(v[name]["us"], 1) if "us" in v.get(name, {}) else "does not fit" if name in v else "–"
-                   for name in ("kernel-mla", "kernel-qknorm", "kernel-qknorm-fp8")]
+                + [cell(v.get(name)) for name, *_ in CONFIG_VARIANTS]
                 for (H, context, batch, config), v in sorted(by_config.items())]
         lines += table(["heads", "context", "batch", "config", "BLOCK_H / BLOCK_N / warps / stages", "plain",
-                        "QK-norm", "QK-norm fp8"], body)
+                        "QK-norm", "QK-norm fp8", "QK-norm int8"], body)
         lines.append("")
     for name, t in (record.get("targets") or {}).items():
         met = {True: "met", False: "**missed**", None: "not evaluated (no GPU or nothing measured)"}[t["met"]]

@@ -221,8 +221,42 @@ def fitting_config(q_lat, kv_cache, scale_cache, unified: bool, kv_format: str) 
 
 
 def _config_key(q_lat, kv_cache, scale_cache, unified, kv_format) -> tuple:
-    return (q_lat.device, q_lat.shape[2], q_lat.shape[3], q_lat.dtype, kv_cache.dtype, kv_format,
-            scale_cache is not None, unified)
+    """What decides the split kernel's shared memory: heads, widths (the row's holds d_r), dtypes."""
+    return (q_lat.device, q_lat.shape[2], q_lat.shape[3], q_lat.dtype, kv_cache.shape[-1], kv_cache.dtype,
+            kv_format, None if scale_cache is None else scale_cache.dtype, unified)
+
+
+def split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, o_part,
+                      lse_part, launch: dict, unified: bool = False, visible_lens=None, dot_fp32: bool = False,
+                      kv_format: str = "dense") -> tuple[tuple, dict]:
+    """(positional arguments, constexprs and launch options) of ``_mla_decode_split_kernel`` for
+    these tensors and ``launch`` (:func:`launch_config`); o_part [B, S_q, H, splits, d_c] and
+    lse_part [B, S_q, H, splits] are its float32 outputs."""
+    B, S_q, H, d_c = q_lat.shape
+    d_r = q_rope.shape[-1]
+    group, scale_off, rope_off = 1, 0, 0
+    if kv_format != "dense":
+        fmt = row_format(kv_format, d_c, d_r)
+        # a scale covers min(group, d_c) values: a latent narrower than a group has one scale
+        group, scale_off, rope_off = min(fmt.group_size, d_c), fmt.layout.scale_offset, fmt.layout.rope_offset
+    G = scale_cache.shape[-1] if scale_cache is not None else 1
+    scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
+    visible = visible_lens if visible_lens is not None else cache_seqlens[:, None]  # never read without HAS_VISIBLE
+    args = (q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, softmax_scale,
+            q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
+            q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1),
+            scales.stride(0), scales.stride(1),
+            block_table.stride(0),
+            visible.stride(0), visible.stride(1),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2))
+    constexprs = dict(S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=kv_cache.shape[1],
+                      BLOCK_H=launch["BLOCK_H"], BLOCK_N=launch["BLOCK_N"], NUM_SPLITS=launch["num_splits"],
+                      USE_SCALE=scale_cache is not None, UNIFIED=unified, HAS_VISIBLE=visible_lens is not None,
+                      DOT_FP32=dot_fp32, DOT_IEEE=q_lat.dtype == torch.float32, KV_FORMAT=FORMAT_IDS[kv_format],
+                      GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off)
+    return args, {**constexprs, "num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
 
 
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
@@ -237,40 +271,18 @@ def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seql
     from triton.runtime.errors import OutOfResources
 
     B, S_q, H, d_c = q_lat.shape
-    d_r = q_rope.shape[-1]
-    group, scale_off, rope_off = 1, 0, 0
-    if kv_format != "dense":
-        fmt = row_format(kv_format, d_c, d_r)
-        # a scale covers min(group, d_c) values: a latent narrower than a group has one scale
-        group, scale_off, rope_off = min(fmt.group_size, d_c), fmt.layout.scale_offset, fmt.layout.rope_offset
-    page = kv_cache.shape[1]
-    G = scale_cache.shape[-1] if scale_cache is not None else 1
-    scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
-    visible = visible_lens if visible_lens is not None else cache_seqlens[:, None]  # never read without HAS_VISIBLE
     key = _config_key(q_lat, kv_cache, scale_cache, unified, kv_format)
     tried = range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)) if launch_index is None else [launch_index]
     for index in tried:
-        launch = launch_config(H, B * S_q, block_table.shape[1] * page, q_lat.device, index, num_splits)
+        launch = launch_config(H, B * S_q, block_table.shape[1] * kv_cache.shape[1], q_lat.device, index, num_splits)
         splits = launch["num_splits"]
         o_part = torch.empty(B, S_q, H, splits, d_c, dtype=torch.float32, device=q_lat.device)
         lse_part = torch.empty(B, S_q, H, splits, dtype=torch.float32, device=q_lat.device)
+        args, options = split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens,
+                                          softmax_scale, o_part, lse_part, launch, unified, visible_lens, dot_fp32,
+                                          kv_format)
         try:
-            _mla_decode_split_kernel[(B * S_q, launch["head_blocks"], splits)](
-                q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, softmax_scale,
-                q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
-                q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
-                kv_cache.stride(0), kv_cache.stride(1),
-                scales.stride(0), scales.stride(1),
-                block_table.stride(0),
-                visible.stride(0), visible.stride(1),
-                o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-                lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-                S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=page, BLOCK_H=launch["BLOCK_H"],
-                BLOCK_N=launch["BLOCK_N"], NUM_SPLITS=splits, USE_SCALE=scale_cache is not None, UNIFIED=unified,
-                HAS_VISIBLE=visible_lens is not None, DOT_FP32=dot_fp32, DOT_IEEE=q_lat.dtype == torch.float32,
-                KV_FORMAT=FORMAT_IDS[kv_format], GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off,
-                num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-            )
+            _mla_decode_split_kernel[(B * S_q, launch["head_blocks"], splits)](*args, **options)
         except OutOfResources:
             if launch_index is not None or index + 1 == len(LAUNCH_CONFIGS):
                 raise
