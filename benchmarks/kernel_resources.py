@@ -105,7 +105,8 @@ def compile_split_kernel(arch: int, heads: int, kv_format: str, index: int, q_dt
     found = dict(re.findall(r"(REG|STACK):(\d+)", usage))
     return {"heads": heads, "kv_format": kv_format, "q_dtype": q_dtype, "config": index,
             "launch": {k: launch[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")},
-            "row_stride": t["kv_cache"].stride(1), "shared_bytes": compiled.metadata.shared,
+            "row_bytes": t["kv_cache"].stride(1) * t["kv_cache"].element_size(),
+            "shared_bytes": compiled.metadata.shared,
             "registers": int(found["REG"]), "stack_bytes": int(found["STACK"])}
 
 
