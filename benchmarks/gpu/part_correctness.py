@@ -169,12 +169,17 @@ def check_kernel_case(args: dict, mode: str) -> dict:
 
 def run_kernel_checks(ctx: PartContext, deadline_s: float) -> dict:
     shape = DRY if ctx.dry_run else REAL
-    axes = dict(heads=list(shape["heads"]), page=list(shape["pages"]), s_q=[1, 2], kv_format=list(FORMATS),
-                norm=list(NORMS))
-    cases = [{**case, "layout": "apart"} for case in (covering(axes) if ctx.dry_run else covering_first(axes))]
-    # vLLM's rows (dense, QK norm): every head count, both block sizes, both score modes
-    cases += [dict(heads=H, page=shape["pages"][(i + k) % 2], s_q=1, kv_format="dense", norm=norm, layout="row")
-              for k, norm in enumerate(("blockwise", "unified")) for i, H in enumerate(shape["heads"])]
+    # the head count varies fastest after the covering cases, so that a run cut short at its
+    # deadline has checked both head counts at the formats and norms it reached
+    axes = dict(kv_format=list(FORMATS), norm=list(NORMS), page=list(shape["pages"]), s_q=[1, 2],
+                heads=list(shape["heads"]))
+    grid = [{**case, "layout": "apart"} for case in (covering(axes) if ctx.dry_run else covering_first(axes))]
+    covered = max(len(v) for v in axes.values())
+    # vLLM's rows (dense, QK norm): every head count, both block sizes, both score modes; right
+    # after the covering cases, since the serving plugin reads its cache this way
+    rows = [dict(heads=H, page=shape["pages"][(i + k) % 2], s_q=1, kv_format="dense", norm=norm, layout="row")
+            for k, norm in enumerate(("blockwise", "unified")) for i, H in enumerate(shape["heads"])]
+    cases = grid[:covered] + rows + grid[covered:]
     result = {"shape": {k: shape[k] for k in ("d_c", "d_r", "lengths")}, "cases": len(cases), "rows": []}
     ctx.record["kernel"] = result
     for case in cases:
