@@ -37,10 +37,9 @@ sys.path.insert(0, str(HERE.parent / "src"))
 import torch  # noqa: E402
 from recipe_common import check_out  # noqa: E402
 
+from qkmla.kv_formats import KV_FORMATS, row_format  # noqa: E402
+
 H100_SHARED_LIMIT = 232_448  # bytes a program may opt in to on an H100 (Triton's "Hardware limit")
-FORMATS = ("dense", "fp8", "int8", "int4")
-
-
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
                 torch.int32: "i32", torch.int64: "i64"}
 
@@ -49,15 +48,13 @@ def decode_inputs(heads: int, kv_format: str, q_dtype: torch.dtype, d_c: int = 5
                   blocks: int = 4) -> dict:
     """Small CPU tensors of the real widths and layouts (one sequence, one query token, one key
     scalar per head): what the launcher's arguments are built from."""
-    from qkmla.kv_formats import row_format
-
     rows = row_format(kv_format, d_c, d_r)
     kv_dtype = torch.bfloat16 if kv_format == "dense" else torch.uint8
     return dict(q_lat=torch.zeros(1, 1, heads, d_c, dtype=q_dtype), q_rope=torch.zeros(1, 1, heads, d_r, dtype=q_dtype),
                 kv_cache=torch.zeros(blocks, page, rows.width, dtype=kv_dtype),
                 scale_cache=torch.zeros(blocks, page, heads, dtype=torch.bfloat16),
-                block_table=torch.arange(blocks, dtype=torch.int32)[None], cache_seqlens=torch.tensor([blocks * page],
-                                                                                                      dtype=torch.int32))
+                block_table=torch.arange(blocks, dtype=torch.int32)[None],
+                cache_seqlens=torch.tensor([blocks * page], dtype=torch.int32))
 
 
 def compile_split_kernel(arch: int, heads: int, kv_format: str, index: int, q_dtype: str = "bf16",
@@ -125,7 +122,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability as one number (90: H100/H200)")
     p.add_argument("--heads", type=int, nargs="+", default=[16, 128])
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--formats", nargs="+", default=list(KV_FORMATS), choices=KV_FORMATS)
     p.add_argument("--q-dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--shared-limit", type=int, default=H100_SHARED_LIMIT)
     p.add_argument("--all-configs", action="store_true", help="every configuration, not only the first that fits")

@@ -1,5 +1,11 @@
 """The Triton MLA decode kernel against its float32 reference (interpreter on CPU, or a GPU)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -229,11 +235,6 @@ def test_the_launch_an_h100_takes_keeps_its_tiles_in_registers(tmp_path):
     5,480 B a thread at 32 registers (Triton 3.6; 7,056 B with 3.9), and fp8 rows ran 44x slower
     than bf16 rows on an H100. What is left is 0-600 B, and 1.0-1.4 KiB for int8 rows, whose
     644-byte stride is not 16-byte aligned (timed by the GPU suite's configuration sweep)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     triton = pytest.importorskip("triton")
     from triton.backends import backends
 
@@ -245,8 +246,6 @@ def test_the_launch_an_h100_takes_keeps_its_tiles_in_registers(tmp_path):
     r = subprocess.run([sys.executable, str(repo / "benchmarks" / "kernel_resources.py"), "--out", str(out)],
                        capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
     rows = json.loads(out.read_text())["rows"]
     assert {(r["heads"], r["kv_format"]) for r in rows} == {(h, f) for h in (16, 128)
                                                             for f in ("dense", "fp8", "int8", "int4")}
