@@ -3,7 +3,7 @@
 norm reading the same memory.
 
     python benchmarks/bench_paged_layouts.py [--points 1024x1 4096x8 ...] [--reps 20]
-        [--profile 4096x8] [--out FILE.json] [--overwrite]
+        [--profile 4096x8] [--baseline REV] [--out FILE.json] [--overwrite]
 
 Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars per token):
 
@@ -19,6 +19,9 @@ Times are the CPU time of one thread (``time.thread_time``, torch on one thread)
 variants called in turn, the order alternating; a point's ratio is the median of the per-pair
 ratios. ``--profile CONTEXTxBATCH`` adds the self CPU time of each aten op per call for both
 variants on the row layout (``torch.profiler``, six interleaved blocks of calls).
+``--baseline REV`` adds, at every point on the row layout, the torch backend as it is against
+the same backend at git revision REV (its ``torch_impl.py`` loaded beside the current one),
+both variants, timed in turn the same way: a change to the read measured side by side.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import collections
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -87,21 +92,54 @@ def calls(layout: str, context: int, batch: int, seed: int = 0):
                                             softmax_scale=scale, backend="torch"))
 
 
-def paired(plain, qknorm, reps: int) -> dict:
-    """Thread CPU time of both calls, in turn (order alternating), after one warm-up call each."""
+def paired(plain, qknorm, reps: int, names: tuple = ("plain", "qknorm")) -> dict:
+    """Thread CPU time of both calls, in turn (order alternating), after one warm-up call each:
+    the medians as ``<name>_ms`` and the median per-pair ratio second / first."""
+    first, second = names
     plain(), qknorm()
-    times = {"plain": [], "qknorm": []}
+    times = {first: [], second: []}
     for i in range(reps):
-        for name, f in (("plain", plain), ("qknorm", qknorm))[:: 1 if i % 2 == 0 else -1]:
+        for name, f in ((first, plain), (second, qknorm))[:: 1 if i % 2 == 0 else -1]:
             start = time.thread_time()
             f()
             times[name].append(time.thread_time() - start)
-    ratios = [q / p for p, q in zip(times["plain"], times["qknorm"])]
+    ratios = [b / a for a, b in zip(times[first], times[second])]
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    return {"plain_ms": round(statistics.median(times["plain"]) * 1e3, 3),
-            "qknorm_ms": round(statistics.median(times["qknorm"]) * 1e3, 3),
-            "qknorm_over_plain": round(statistics.median(ratios), 4),
-            "qknorm_over_plain_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)]}
+    return {f"{first}_ms": round(statistics.median(times[first]) * 1e3, 3),
+            f"{second}_ms": round(statistics.median(times[second]) * 1e3, 3),
+            f"{second}_over_{first}": round(statistics.median(ratios), 4),
+            f"{second}_over_{first}_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)]}
+
+
+def backend_at(rev: str):
+    """``torch_mla_decode`` of the torch backend at git revision ``rev``, loaded beside the current
+    one (its relative imports resolve against today's package). Raises ValueError naming
+    ``--baseline`` when git cannot show the file."""
+    path = "src/qkmla/ops/mla_decode/torch_impl.py"
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=HERE.parent, capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise ValueError(f"--baseline: git cannot show {path} at {rev!r}: {shown.stderr.strip()}")
+    module = types.ModuleType("qkmla.ops.mla_decode._baseline_torch_impl")
+    module.__package__ = "qkmla.ops.mla_decode"
+    exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
+    return module.torch_mla_decode
+
+
+def baseline_calls(decode_at_rev, context: int, batch: int, seed: int = 0) -> dict:
+    """{variant: (baseline call, current call)} over one row-layout cache: the torch backends
+    called directly (the op's argument checks are the same for both)."""
+    from qkmla.ops.mla_decode.torch_impl import torch_mla_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    plain, rows, scalars, table = caches("row", context, batch, gen)
+    q_lat = torch.randn(batch, 1, HEADS, D_C, generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn(batch, 1, HEADS, D_R, generator=gen).to(torch.bfloat16)
+    lengths = torch.full((batch,), context, dtype=torch.int32)
+    scale = (D_C + D_R) ** -0.5
+    reads = {"plain": (plain, None), "qknorm": (rows, scalars)}
+    return {variant: tuple((lambda f=f, kv=kv, sc=sc: f(q_lat, q_rope, kv, table, lengths, sc, scale))
+                           for f in (decode_at_rev, torch_mla_decode))
+            for variant, (kv, sc) in reads.items()}
 
 
 def profile(plain, qknorm, calls_per_block: int, blocks: int = 6) -> dict:
@@ -143,6 +181,15 @@ def measure(args, argv) -> dict:
     result = {"command": recorded_command("benchmarks/bench_paged_layouts.py", argv), "commit": source_commit(HERE),
               "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,
               "extra_bytes": round(extra, 4), "target": round(1 + extra + 0.02, 4), "rows": rows}
+    if args.baseline is not None:
+        decode_at_rev, result["baseline"] = backend_at(args.baseline), {"rev": args.baseline, "rows": []}
+        for context, batch in args.points:
+            for variant, (before, now) in baseline_calls(decode_at_rev, context, batch).items():
+                row = {"variant": variant, "context": context, "batch": batch,
+                       **paired(before, now, args.reps, names=("baseline", "current"))}
+                result["baseline"]["rows"].append(row)
+                print(f"{variant:6s} {context:6d} x {batch}: at {args.baseline} {row['baseline_ms']:9.3f} ms  now "
+                      f"{row['current_ms']:9.3f} ms  ratio {row['current_over_baseline']:.3f}", flush=True)
     if args.profile is not None:
         context, batch = args.profile
         result["profile"] = {"layout": "row", "context": context, "batch": batch,
@@ -160,6 +207,8 @@ def main(argv=None) -> int:
                    metavar="CONTEXTxBATCH")
     p.add_argument("--reps", type=int, default=20, help="pairs of calls per point and layout (default 20)")
     p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="also time the torch backend at this git revision against the current one")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
@@ -171,6 +220,11 @@ def main(argv=None) -> int:
     from qkmla.files import write_text
 
     check_out(p, args.out, args.overwrite)  # before any work
+    if args.baseline is not None:
+        try:
+            backend_at(args.baseline)
+        except ValueError as err:
+            p.error(str(err))
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # thread_time then counts all the op's work

@@ -73,7 +73,7 @@ BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal 
         (["--dtype", "float8"], "--dtype"), (["--batch", "0"], "--batch"), (["--paged", "-1"], "--paged")]],
     *[("bench_paged_layouts", argv, option) for argv, option in [
         (["--points", "100x1"], "--points"), (["--points", "4096"], "--points"), (["--reps", "0"], "--reps"),
-        (["--profile", "32x0"], "--profile")]],
+        (["--profile", "32x0"], "--profile"), (["--baseline", "no-such-revision"], "--baseline")]],
     *[("vllm_serving", ["--parts", "decode", *argv], option) for argv, option in [
         (["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"], "--sessions")]],
 ]
@@ -143,6 +143,25 @@ def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
     profile = result["profile"]
     assert (profile["layout"], profile["context"], profile["batch"]) == ("row", 32, 1)
     assert "aten::bmm" in {op["op"] for op in profile["ops_us"]} and profile["total_us"]["qknorm"] > 0
+
+
+def test_bench_paged_layouts_times_the_backend_against_a_git_revision(tmp_path):
+    """--baseline REV: the torch backend at REV, loaded from git beside the current one, decodes
+    the same cache to the same values, and both variants get a side-by-side row."""
+    bench = load("bench_paged_layouts")
+    try:
+        at_head = bench.backend_at("HEAD")
+    except ValueError:
+        pytest.skip("not a git checkout")
+    (before, now), _ = bench.baseline_calls(at_head, 32, 2).values()
+    assert torch.equal(before()[0], now()[0])
+    out = tmp_path / "baseline.json"
+    assert bench.main(["--points", "32x2", "--reps", "2", "--baseline", "HEAD", "--out", str(out)]) == 0
+    baseline = json.loads(out.read_text())["baseline"]
+    assert baseline["rev"] == "HEAD"
+    assert [(r["variant"], r["context"], r["batch"]) for r in baseline["rows"]] == [("plain", 32, 2), ("qknorm", 32, 2)]
+    assert all(r["baseline_ms"] > 0 and r["current_ms"] > 0 and r["current_over_baseline"] > 0
+               for r in baseline["rows"])
 
 
 def test_bench_paged_layouts_caches_hold_the_same_values_in_both_layouts():

@@ -344,7 +344,7 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
                   softmax_scale: float, mode: str, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` over a paged cache in one pass, a chunk of blocks at a time:
     each chunk's rows are gathered (about SCORE_CHUNK keys over the whole batch, a size the
-    last-level cache holds and the allocator reuses), scored, and folded into a running softmax
+    last-level cache holds), scored, and folded into a running softmax
     (max m, sum l, output o, as flash decoding does), so the context is read once and never
     copied whole.
 
