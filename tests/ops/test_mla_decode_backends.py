@@ -135,10 +135,9 @@ def test_paged_sequences_of_one_length_ending_inside_a_block(monkeypatch, chunk)
 @pytest.mark.parametrize("norm", ["plain", "blockwise"])
 def test_paged_views_of_one_wide_row_read_as_separate_caches(monkeypatch, spacing, norm):
     """vLLM's layout: one row [c | k_rope | r] per slot, the op given column views of it
-    (``cache[..., :d_c + d_r]``, ``cache[..., d_c + d_r:]``), whose blocks are copied whole with
-    the scalars in them; rows padded before and after the scalars, likewise; and blocks padded
-    past their last slot ([n, 20, width][:, :16]), which are not whole runs of memory, read as
-    the view they are. All equal the same rows held in two contiguous caches, exactly."""
+    (``cache[..., :d_c + d_r]``, ``cache[..., d_c + d_r:]``); rows padded before and after the
+    scalars; and blocks padded past their last slot ([n, 20, width][:, :16]). All read a block
+    of column slices at a time, and equal the same rows held in two contiguous caches, exactly."""
     from qkmla.ops.mla_decode import torch_impl
 
     monkeypatch.setattr(torch_impl, "SCORE_CHUNK", 48 * len(LENGTHS))  # several chunks
@@ -153,30 +152,9 @@ def test_paged_views_of_one_wide_row_read_as_separate_caches(monkeypatch, spacin
     if G:
         wide[..., width + gap:width + gap + G] = scales
     views = dict(kv_cache=wide[..., :width], scale_cache=wide[..., width + gap:width + gap + G] if G else None)
-    table, offset = torch_impl._memory_rows(views["kv_cache"], views["scale_cache"])
-    if spacing == "padded-block":  # read as the view it is
-        assert table is views["kv_cache"] and offset is None
-    else:  # whole rows, the scalars found in them
-        assert table.shape[-1] == wide.shape[-1] and table.is_contiguous()
-        assert offset == (width + gap if G else None)
     want = mla_decode_with_kvcache(**args, backend="torch")
     got = mla_decode_with_kvcache(**{**args, **views}, backend="torch")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-
-
-def test_memory_rows_stay_inside_the_storage_and_need_the_scalars_in_them():
-    """A view whose rows would run past the end of its storage, or whose scalars are not
-    columns of its rows (another tensor, another dtype), is not widened over them."""
-    from qkmla.ops.mla_decode.torch_impl import _memory_rows
-
-    flat = torch.zeros(4 * 16 * 10 - 2)  # the last row 2 short of 10
-    view = flat.as_strided((4, 16, 6), (160, 10, 1))
-    assert _memory_rows(view, None) == (view, None)
-    rows = torch.zeros(4, 16, 10)
-    assert _memory_rows(rows[..., :6], torch.zeros(4, 16, 2))[1] is None  # its own tensor
-    assert _memory_rows(rows[..., :6], rows[..., 6:8].clone())[1] is None
-    assert _memory_rows(rows[..., :6], rows[..., 4:6])[1] is None  # overlapping the row's own columns
-    assert _memory_rows(rows[..., :6], rows[..., 8:10])[1] == 8
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])

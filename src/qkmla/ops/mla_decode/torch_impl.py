@@ -304,36 +304,14 @@ def _block_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_
     return torch.addcmul(grouped(rope), grouped(content), r).view(B, -1, T * h)
 
 
-def _memory_rows(pool: torch.Tensor, scale_pool: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[int]]:
-    """(table, offset): ``pool``'s blocks as the whole rows memory holds, [num_blocks, block, P]
-    with P >= width, and where ``scale_pool``'s columns start in those rows (None when the key
-    scalars are a tensor of their own, or absent).
-
-    A column slice of a cache (vLLM hands over [..., :d_c + d_r] of its rows [c | k_rope | r])
-    is a strided view, and index_select over its blocks takes PyTorch's generic strided copy,
-    several times slower than copying whole blocks of contiguous memory. So blocks are copied
-    whole, as they lie in memory, and the columns taken from the copy; when the key scalars are
-    columns of the same rows, the one copy brings them too. A pool whose blocks are not evenly
-    spaced runs of rows is read as it is.
-    """
-    num_blocks, block, width = pool.shape
-    P = pool.stride(1)
-    whole = (pool.stride(-1) == 1 and P >= width and pool.stride(0) == block * P
-             and pool.storage_offset() + num_blocks * block * P <= pool.untyped_storage().nbytes() // pool.itemsize)
-    if not whole:
-        return pool, None
-    table = pool.as_strided((num_blocks, block, P), pool.stride())
-    if (scale_pool is not None and scale_pool.dtype == pool.dtype and scale_pool.stride() == pool.stride()
-            and scale_pool.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()):
-        offset = scale_pool.storage_offset() - pool.storage_offset()
-        if width <= offset and offset + scale_pool.shape[-1] <= P:
-            return table, offset
-    return table, None
-
-
 def _read_blocks(table: torch.Tensor, ids: torch.Tensor, role: str) -> torch.Tensor:
     """table [num_blocks, block, width] -> the blocks ``ids`` [B, k] as [B, k block, width],
-    copied into a buffer kept for ``role`` (``workspace.py``)."""
+    copied into a buffer kept for ``role`` (``workspace.py``).
+
+    Whole blocks, not slots: index_select copies a block of a column slice (vLLM hands over
+    [..., :d_c] of its rows [c | k_rope | r]) as block rows of contiguous values, where
+    indexing a [num_blocks * block, width] view by slot takes its generic strided copy, element
+    by element, several times slower for the same bytes."""
     B, k = ids.shape
     out = scratch(role, (B * k, *table.shape[1:]), table.dtype, table.device)
     return torch.index_select(table, 0, ids.flatten(), out=out).view(B, -1, table.shape[-1])
@@ -348,13 +326,12 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     (max m, sum l, output o, as flash decoding does), so the context is read once and never
     copied whole.
 
-    A chunk's blocks are copied whole (:func:`_memory_rows`), with the key scalars when they are
-    columns of the same rows (vLLM's layout), into buffers kept between calls
-    (``workspace.py``); dense rows are then split into two contiguous blocks, c [B, n, d_c] and
-    k_rope [B, n, d_r]: contiguous GEMM operands (a half-precision GEMM over strided rows leaves
+    A chunk's blocks are copied (:func:`_read_blocks`) into buffers kept between calls
+    (``workspace.py``), dense rows as two contiguous blocks, c [B, n, d_c] and k_rope
+    [B, n, d_r]: contiguous GEMM operands (a half-precision GEMM over strided rows leaves
     oneDNN's fast path), and the value GEMM reads c alone. Plain MLA takes the same copies and
-    the same two GEMMs, so a QK-normed decode differs from a plain one only by its scalars' wider
-    rows (or their own block copy) and their multiply.
+    the same two GEMMs, so a QK-normed decode differs from a plain one only by its key scalars'
+    copy and multiply.
 
     pool [num_blocks, block, width] (values, or uint8 rows of ``kv_format``), scale_pool
     [num_blocks, block, G] or None, block_table [B, max_blocks], visible [B, T] slots seen by
@@ -374,25 +351,15 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     # times the bytes, past the last-level cache and into fresh pages on every call.
     per_chunk, n_blocks = max(1, SCORE_CHUNK // (block * B)), -(-S // block)
     shortest = int(lengths.min())  # read once: on a GPU each read is a sync
-    table, scale_offset = _memory_rows(pool, scale_pool)
-    width = pool.shape[-1]
     for first in range(0, n_blocks, per_chunk):
         ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
-        got = _read_blocks(table, ids, "rows")  # [B, n, P]: the chunk's rows, whole
-        if rows is None:  # c and k_rope as contiguous GEMM operands, in the queries' dtype
-            keys = []
-            for role, (lo, hi) in (("c", (0, d_c)), ("k_rope", (d_c, width))):
-                keys.append(scratch(role, (B, got.shape[1], hi - lo), q_lat.dtype, q_lat.device))
-                keys[-1].copy_(got[..., lo:hi])
-        else:  # quantized rows stay bytes (a copy only where the pool's rows are wider than its view)
-            keys = [got[..., :width].contiguous()]
-        if scale_pool is None:
-            r = None
-        elif scale_offset is not None:
-            r = got[..., scale_offset:scale_offset + scale_pool.shape[-1]]
-        else:
-            r = _read_blocks(scale_pool, ids, "key_scale")
+        if rows is None:  # values read in the queries' dtype (a bf16 cache may serve float32 queries)
+            keys = [cast(_read_blocks(pool[..., :d_c], ids, "c"), q_lat.dtype),
+                    cast(_read_blocks(pool[..., d_c:], ids, "k_rope"), q_lat.dtype)]
+        else:  # quantized rows stay bytes
+            keys = [_read_blocks(pool, ids, "rows")]
+        r = None if scale_pool is None else _read_blocks(scale_pool, ids, "key_scale")
         # Slots a sequence has not filled may hold anything (NaN, stale rows), and 0 weight times
         # NaN is still NaN in p @ c: they are zeroed, from the first one in any sequence on.
         unfilled = max(0, shortest - first * block)
