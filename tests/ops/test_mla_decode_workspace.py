@@ -60,3 +60,17 @@ def test_a_paged_decode_reuses_its_buffers_and_reads_no_stale_rows():
     fresh = mla_decode_with_kvcache(**other)
     assert torch.equal(reused[0], fresh[0]) and torch.equal(reused[1], fresh[1])
     workspace.release()
+
+
+def test_a_cache_written_under_autograd_is_read_into_fresh_tensors():
+    """A model's forward in grad mode leaves its cache rows with a grad_fn; index_select refuses
+    out= buffers for such a tensor, so that read allocates: the same values as without autograd."""
+    torch.manual_seed(1)
+    kv = (torch.randn(6, 16, 44) * torch.ones(1, requires_grad=True))  # a non-leaf, as a written cache
+    args = dict(q_lat=torch.randn(2, 1, 8, 32), q_rope=torch.randn(2, 1, 8, 8), kv_cache=kv[..., :40],
+                scale_cache=kv[..., 40:].abs() + 0.5, block_table=torch.tensor([[3, 1], [0, 5]]).int(),
+                cache_seqlens=torch.tensor([20, 31]).int(), softmax_scale=0.3, backend="torch")
+    recorded = mla_decode_with_kvcache(**args)
+    with torch.no_grad():
+        plain = mla_decode_with_kvcache(**args)
+    assert torch.equal(recorded[0].detach(), plain[0]) and torch.equal(recorded[1].detach(), plain[1])

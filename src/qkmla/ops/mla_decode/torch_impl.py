@@ -313,6 +313,8 @@ def _read_blocks(table: torch.Tensor, ids: torch.Tensor, role: str) -> torch.Ten
     indexing a [num_blocks * block, width] view by slot takes its generic strided copy, element
     by element, several times slower for the same bytes."""
     B, k = ids.shape
+    if torch.is_grad_enabled() and table.requires_grad:  # a cache written under autograd: out= would refuse it
+        return table.index_select(0, ids.flatten()).view(B, -1, table.shape[-1])
     out = scratch(role, (B * k, *table.shape[1:]), table.dtype, table.device)
     return torch.index_select(table, 0, ids.flatten(), out=out).view(B, -1, table.shape[-1])
 
