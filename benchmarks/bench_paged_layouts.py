@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import types
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -121,8 +122,20 @@ def backend_at(rev: str):
         raise ValueError(f"--baseline: git cannot show {path} at {rev!r}: {shown.stderr.strip()}")
     module = types.ModuleType("qkmla.ops.mla_decode._baseline_torch_impl")
     module.__package__ = "qkmla.ops.mla_decode"
-    exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
+    # Its custom ops stay undecorated: registered again under their names, they would replace
+    # the current ones for the whole process.
+    with unittest.mock.patch.object(torch.library, "custom_op", _undecorated):
+        exec(compile(shown.stdout, f"{rev}:{path}", "exec"), module.__dict__)
     return module.torch_mla_decode
+
+
+def _undecorated(name, fn=None, /, **kwargs):
+    """A stand-in for ``torch.library.custom_op`` that leaves the function as it is (with a
+    ``register_fake`` that registers nothing)."""
+    def keep(f):
+        f.register_fake = lambda fake: fake
+        return f
+    return keep if fn is None else keep(fn)
 
 
 def baseline_calls(decode_at_rev, context: int, batch: int, seed: int = 0) -> dict:
@@ -182,7 +195,7 @@ def measure(args, argv) -> dict:
               "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,
               "extra_bytes": round(extra, 4), "target": round(1 + extra + 0.02, 4), "rows": rows}
     if args.baseline is not None:
-        decode_at_rev, result["baseline"] = backend_at(args.baseline), {"rev": args.baseline, "rows": []}
+        decode_at_rev, result["baseline"] = args.decode_at_rev, {"rev": args.baseline, "rows": []}
         for context, batch in args.points:
             for variant, (before, now) in baseline_calls(decode_at_rev, context, batch).items():
                 row = {"variant": variant, "context": context, "batch": batch,
@@ -222,7 +235,7 @@ def main(argv=None) -> int:
     check_out(p, args.out, args.overwrite)  # before any work
     if args.baseline is not None:
         try:
-            backend_at(args.baseline)
+            args.decode_at_rev = backend_at(args.baseline)
         except ValueError as err:
             p.error(str(err))
 

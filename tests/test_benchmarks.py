@@ -148,11 +148,15 @@ def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
 def test_bench_paged_layouts_times_the_backend_against_a_git_revision(tmp_path):
     """--baseline REV: the torch backend at REV, loaded from git beside the current one, decodes
     the same cache to the same values, and both variants get a side-by-side row."""
+    from torch._library.custom_ops import OPDEFS
+
     bench = load("bench_paged_layouts")
+    current_op = OPDEFS["qkmla::latent_attention"]
     try:
         at_head = bench.backend_at("HEAD")
     except ValueError:
         pytest.skip("not a git checkout")
+    assert OPDEFS["qkmla::latent_attention"] is current_op  # the old file's custom op not registered over it
     (before, now), _ = bench.baseline_calls(at_head, 32, 2).values()
     assert torch.equal(before()[0], now()[0])
     out = tmp_path / "baseline.json"

@@ -74,3 +74,20 @@ def test_a_cache_written_under_autograd_is_read_into_fresh_tensors():
     with torch.no_grad():
         plain = mla_decode_with_kvcache(**args)
     assert torch.equal(recorded[0].detach(), plain[0]) and torch.equal(recorded[1].detach(), plain[1])
+
+
+def test_decoding_under_inference_mode_leaves_buffers_the_next_no_grad_call_can_write():
+    """Generation often runs under inference_mode and evaluation under no_grad, in one thread:
+    a buffer first made under inference_mode must still take writes after it."""
+    torch.manual_seed(2)
+    kv = torch.randn(6, 16, 44)
+    args = dict(q_lat=torch.randn(2, 1, 8, 32), q_rope=torch.randn(2, 1, 8, 8), kv_cache=kv[..., :40],
+                scale_cache=kv[..., 40:].abs() + 0.5, block_table=torch.tensor([[3, 1], [0, 5]]).int(),
+                cache_seqlens=torch.tensor([20, 31]).int(), softmax_scale=0.3, backend="torch")
+    workspace.release()
+    with torch.inference_mode():
+        first = mla_decode_with_kvcache(**args)
+    with torch.no_grad():
+        second = mla_decode_with_kvcache(**args)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    workspace.release()

@@ -5,8 +5,8 @@ One op, three implementations of the same specification (``naive.py``):
 * ``"naive"``: ``naive.py`` itself, a float32 loop. Slow; it is the reference.
 * ``"torch"``: ``torch_impl.py``, dense latent attention in a few large GEMMs (any device).
   On the CPU its paged read keeps a chunk's buffers between calls (``workspace.py``: about
-  4,096 keys' rows per thread, 4.8 MB at d_c 512, d_r 64 and 16 scalars in bfloat16;
-  ``workspace.release()`` frees them).
+  4,096 keys' rows per thread, 4.8 MB at d_c 512, d_r 64 and 16 scalars in bfloat16, more when
+  batch x block size exceeds 4,096 keys, up to 64 MiB a buffer; ``workspace.release()`` frees them).
 * ``"triton"``: ``triton_kernel.py``, a fused split-K kernel over the paged cache (CUDA, or
   Triton's CPU interpreter when ``TRITON_INTERPRET=1``), registered as the custom op
   ``qkmla::mla_decode`` with a fake (meta) implementation, so it traces under

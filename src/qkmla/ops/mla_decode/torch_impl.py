@@ -308,10 +308,10 @@ def _read_blocks(table: torch.Tensor, ids: torch.Tensor, role: str) -> torch.Ten
     """table [num_blocks, block, width] -> the blocks ``ids`` [B, k] as [B, k block, width],
     copied into a buffer kept for ``role`` (``workspace.py``).
 
-    Whole blocks, not slots: index_select copies a block of a column slice (vLLM hands over
-    [..., :d_c] of its rows [c | k_rope | r]) as block rows of contiguous values, where
-    indexing a [num_blocks * block, width] view by slot takes its generic strided copy, element
-    by element, several times slower for the same bytes."""
+    Whole blocks, not slots: one index per block (block rows of a column slice, as vLLM hands
+    over [..., :d_c] of its rows [c | k_rope | r]) instead of one per slot of a
+    [num_blocks * block, width] view, which was several times slower for the same bytes on the
+    CPU measured (docs/benchmarks.md, bench_paged_layouts.py)."""
     B, k = ids.shape
     if torch.is_grad_enabled() and table.requires_grad:  # a cache written under autograd: out= would refuse it
         return table.index_select(0, ids.flatten()).view(B, -1, table.shape[-1])

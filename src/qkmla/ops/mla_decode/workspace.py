@@ -10,8 +10,11 @@ shapes, so the buffers are kept between calls instead.
 CUDA's caching allocator already keeps freed blocks: buffers are kept on the CPU only. Each
 thread has its own (a buffer in use by one call is never handed to another), a buffer grows to
 the largest request, and a request over :data:`MAX_KEPT_BYTES` is allocated fresh and not
-kept. Under tracing (``torch.compile``) every request is fresh. The decode op is not
-differentiable (its softmax runs in place), so no autograd graph holds on to a kept buffer.
+kept. Under tracing (``torch.compile``) every request is fresh. Buffers are made outside
+inference mode, so a thread that decodes under ``torch.inference_mode`` and later under
+``no_grad`` (generation, then evaluation) can write into them both times. The decode op is not
+differentiable (its softmax runs in place): an autograd graph recorded through it may hold
+views of a kept buffer, but no backward through it runs.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ def scratch(role: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor
     kept = _local.__dict__.setdefault("buffers", {})
     key = (role, dtype, device)
     if key not in kept or kept[key].numel() < numel:
-        kept[key] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # an inference tensor refuses writes outside inference mode
+            kept[key] = torch.empty(numel, dtype=dtype, device=device)
     return kept[key][:numel].view(shape)
 
 
