@@ -78,16 +78,22 @@ def caches(layout: str, context: int, batch: int, gen: torch.Generator):
     return plain, rows, scalars, table
 
 
-def calls(layout: str, context: int, batch: int, seed: int = 0):
-    """(plain, qknorm): the two decode calls of one point over one cache."""
-    from qkmla.ops.mla_decode import mla_decode_with_kvcache
-
+def point_inputs(layout: str, context: int, batch: int, seed: int = 0):
+    """(plain, rows, scalars, table, q_lat, q_rope, lengths, scale): one point's caches
+    (:func:`caches`) and the decode step's queries over them."""
     gen = torch.Generator().manual_seed(seed)
     plain, rows, scalars, table = caches(layout, context, batch, gen)
     q_lat = torch.randn(batch, 1, HEADS, D_C, generator=gen).to(torch.bfloat16)
     q_rope = torch.randn(batch, 1, HEADS, D_R, generator=gen).to(torch.bfloat16)
     lengths = torch.full((batch,), context, dtype=torch.int32)
-    scale = (D_C + D_R) ** -0.5
+    return plain, rows, scalars, table, q_lat, q_rope, lengths, (D_C + D_R) ** -0.5
+
+
+def calls(layout: str, context: int, batch: int, seed: int = 0):
+    """(plain, qknorm): the two decode calls of one point over one cache."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    plain, rows, scalars, table, q_lat, q_rope, lengths, scale = point_inputs(layout, context, batch, seed)
     return (lambda: mla_decode_with_kvcache(q_lat, q_rope, plain, table, lengths, softmax_scale=scale, backend="torch"),
             lambda: mla_decode_with_kvcache(q_lat, q_rope, rows, table, lengths, scale_cache=scalars,
                                             softmax_scale=scale, backend="torch"))
@@ -143,12 +149,7 @@ def baseline_calls(decode_at_rev, context: int, batch: int, seed: int = 0) -> di
     called directly (the op's argument checks are the same for both)."""
     from qkmla.ops.mla_decode.torch_impl import torch_mla_decode
 
-    gen = torch.Generator().manual_seed(seed)
-    plain, rows, scalars, table = caches("row", context, batch, gen)
-    q_lat = torch.randn(batch, 1, HEADS, D_C, generator=gen).to(torch.bfloat16)
-    q_rope = torch.randn(batch, 1, HEADS, D_R, generator=gen).to(torch.bfloat16)
-    lengths = torch.full((batch,), context, dtype=torch.int32)
-    scale = (D_C + D_R) ** -0.5
+    plain, rows, scalars, table, q_lat, q_rope, lengths, scale = point_inputs("row", context, batch, seed)
     reads = {"plain": (plain, None), "qknorm": (rows, scalars)}
     return {variant: tuple((lambda f=f, kv=kv, sc=sc: f(q_lat, q_rope, kv, table, lengths, sc, scale))
                            for f in (decode_at_rev, torch_mla_decode))

@@ -62,14 +62,19 @@ def test_a_paged_decode_reuses_its_buffers_and_reads_no_stale_rows():
     workspace.release()
 
 
+def two_sequences(kv: torch.Tensor) -> dict:
+    """Decode arguments for two sequences (20 and 31 slots) over kv [6, 16, 44]: rows of 40
+    values, then 4 key scalars (made positive)."""
+    return dict(q_lat=torch.randn(2, 1, 8, 32), q_rope=torch.randn(2, 1, 8, 8), kv_cache=kv[..., :40],
+                scale_cache=kv[..., 40:].abs() + 0.5, block_table=torch.tensor([[3, 1], [0, 5]]).int(),
+                cache_seqlens=torch.tensor([20, 31]).int(), softmax_scale=0.3, backend="torch")
+
+
 def test_a_cache_written_under_autograd_is_read_into_fresh_tensors():
     """A model's forward in grad mode leaves its cache rows with a grad_fn; index_select refuses
     out= buffers for such a tensor, so that read allocates: the same values as without autograd."""
     torch.manual_seed(1)
-    kv = (torch.randn(6, 16, 44) * torch.ones(1, requires_grad=True))  # a non-leaf, as a written cache
-    args = dict(q_lat=torch.randn(2, 1, 8, 32), q_rope=torch.randn(2, 1, 8, 8), kv_cache=kv[..., :40],
-                scale_cache=kv[..., 40:].abs() + 0.5, block_table=torch.tensor([[3, 1], [0, 5]]).int(),
-                cache_seqlens=torch.tensor([20, 31]).int(), softmax_scale=0.3, backend="torch")
+    args = two_sequences(torch.randn(6, 16, 44) * torch.ones(1, requires_grad=True))  # a non-leaf, as a written cache
     recorded = mla_decode_with_kvcache(**args)
     with torch.no_grad():
         plain = mla_decode_with_kvcache(**args)
@@ -80,10 +85,7 @@ def test_decoding_under_inference_mode_leaves_buffers_the_next_no_grad_call_can_
     """Generation often runs under inference_mode and evaluation under no_grad, in one thread:
     a buffer first made under inference_mode must still take writes after it."""
     torch.manual_seed(2)
-    kv = torch.randn(6, 16, 44)
-    args = dict(q_lat=torch.randn(2, 1, 8, 32), q_rope=torch.randn(2, 1, 8, 8), kv_cache=kv[..., :40],
-                scale_cache=kv[..., 40:].abs() + 0.5, block_table=torch.tensor([[3, 1], [0, 5]]).int(),
-                cache_seqlens=torch.tensor([20, 31]).int(), softmax_scale=0.3, backend="torch")
+    args = two_sequences(torch.randn(6, 16, 44))
     workspace.release()
     with torch.inference_mode():
         first = mla_decode_with_kvcache(**args)
