@@ -33,6 +33,21 @@ def qk_layers(model) -> list:
     return [[m.num_heads, m.mla_attn.num_key_scalars] for m in model.modules() if isinstance(m, QKNormLatentAttention)]
 
 
+def key_weights_read_in_place(model) -> list:
+    """For each QK-normed layer of one rank: whether the key scalars' GEMM reads its W_UK
+    [h, d_n, d_c] as one [h d_n, d_c] matrix without copying it (on every step otherwise)."""
+    from qkmla.interop.vllm.attention import QKNormLatentAttention
+
+    def in_place(w):
+        try:
+            return w.view(-1, w.shape[-1]).data_ptr() == w.data_ptr()
+        except RuntimeError:  # view: the strides allow no such matrix
+            return False
+
+    return [in_place(m.absorbed.w_uk) for m in model.modules()
+            if isinstance(m, QKNormLatentAttention) and m.k_norm is not None]
+
+
 def cache_row_widths(model) -> list:
     """The values per cached token of each QK-normed layer's paged cache in one rank's model."""
     from qkmla.interop.vllm.attention import QKNormLatentAttention
@@ -130,9 +145,11 @@ def main() -> None:
             raise SystemExit("a prompt served again from the prefix cache generated other tokens")
     layers = llm.apply_model(qk_layers)  # one list per rank
     widths = llm.apply_model(cache_row_widths)
+    key_weights = llm.apply_model(key_weights_read_in_place)
     config = llm.llm_engine.vllm_config
     result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
+              "key_weights_read_in_place": sum(key_weights, []),
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
               "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),

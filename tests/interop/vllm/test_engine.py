@@ -117,6 +117,8 @@ def test_served_tokens_equal_qkmla_generation_in_float32(normed):
     path, want = normed
     got = served(path)
     assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    # vLLM's W_UK_T is a strided view of kv_b_proj's weight: read as one matrix, it would be copied every step
+    assert got["key_weights_read_in_place"] == [True] * SHAPE["num_hidden_layers"]
     assert got["tokens"] == want["tokens"]
     assert drift(got, want) < BOUND, drift(got, want)
 

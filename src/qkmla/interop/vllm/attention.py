@@ -111,13 +111,20 @@ class QKNormLatentAttention(nn.Module):
                                                                                    k_norm=self.k_norm))
 
     def prepare(self) -> None:
-        """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded: ``MLAAttention`` has
-        derived W_UK already (``W_UK_T`` [h, d_n, d_c], what ``absorb`` gives), so it is shared, not copied."""
-        gamma_qk = None
+        """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded.
+
+        ``MLAAttention`` has derived W_UK already (``W_UK_T`` [h, d_n, d_c], what ``absorb``
+        gives), as a view of ``kv_b_proj``'s weight in which each head's W_UV rows lie between
+        its W_UK rows and the next head's. The key scalars' GEMM reads W_UK as one [h d_n, d_c]
+        matrix, which that view cannot be without a copy, made on every step: a QK-normed layer
+        keeps one contiguous copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight).
+        vLLM's own query absorption keeps reading its view, as a plain layer's does."""
+        gamma_qk, w_uk = None, self.mla_attn.W_UK_T
         if self.q_norm is not None:
             gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
-        self.absorbed = AbsorbedWeights(w_uk=self.mla_attn.W_UK_T, gamma_qk=gamma_qk,
-                                        w_uv=self.mla_attn.W_UV.transpose(1, 2))
+        if self.k_norm is not None:
+            w_uk = w_uk.detach().contiguous()
+        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2))
 
     def _projections(self, x: torch.Tensor):
         """x [T, hidden] -> (q [T, h, d_n + d_r], c [T, d_c] after kv_a_layernorm, k~^R [T, d_r])."""
