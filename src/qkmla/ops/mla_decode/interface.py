@@ -85,9 +85,10 @@ def select_backend(backend: str, device, d_c: int, d_r: int) -> str:
 
 
 @torch.library.custom_op("qkmla::mla_decode", mutates_args=())
-def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, scale_cache: Optional[torch.Tensor],
-                   block_table: torch.Tensor, cache_seqlens: torch.Tensor, softmax_scale: float,
-                   num_splits: int, unified: bool = False, visible_lens: Optional[torch.Tensor] = None,
+def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   scale_cache: Optional[torch.Tensor], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   softmax_scale: float, num_splits: int, unified: bool = False,
+                   visible_lens: Optional[torch.Tensor] = None,
                    kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
     from .triton_kernel import mla_decode_fwd  # Triton is imported only when the kernel runs
 
@@ -126,8 +127,8 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     rows = row_format(kv_format, d_c, d_r)
     width = "d_c + d_r" if kv_format == "dense" else f"the {kv_format} row's bytes"
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != rows.width:
-        raise ValueError(f"kv_cache: expected [num_blocks, block_size, {width} = {rows.width}] for d_c={d_c}, d_r={d_r} "
-                         f"(or [B, capacity, {width}] without a block table), got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache: expected [num_blocks, block_size, {width} = {rows.width}] for d_c={d_c}, "
+                         f"d_r={d_r} (or [B, capacity, {width}] without a block table), got {tuple(kv_cache.shape)}")
     if kv_format == "dense" and not kv_cache.dtype.is_floating_point:
         raise ValueError(f"kv_cache: kv_format='dense' rows are floating-point values, got {kv_cache.dtype}; "
                          f"pass the cache's own kv_format (LatentCache.decode_view() names it) for byte rows")
