@@ -3,7 +3,7 @@
 norm reading the same memory.
 
     python benchmarks/bench_paged_layouts.py [--points 1024x1 4096x8 ...] [--reps 20]
-        [--profile 4096x8] [--baseline REV] [--out FILE.json] [--overwrite]
+        [--backends torch cpu] [--profile 4096x8] [--baseline REV] [--out FILE.json] [--overwrite]
 
 Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars per token):
 
@@ -19,6 +19,9 @@ Times are the CPU time of one thread (``time.thread_time``, torch on one thread)
 variants called in turn, the order alternating; a point's ratio is the median of the per-pair
 ratios. ``--profile CONTEXTxBATCH`` adds the self CPU time of each aten op per call for both
 variants on the row layout (``torch.profiler``, six interleaved blocks of calls).
+``--backends``: the op's backends timed (``torch``, and ``cpu``, the fused C++ kernel, where it
+runs; both by default). With both, each variant also gets the kernel against the torch backend on
+the row layout, timed in turn the same way (``kernel_rows``).
 ``--baseline REV`` adds, at every point on the row layout, the torch backend as it is against
 the same backend at git revision REV (its ``torch_impl.py`` loaded beside the current one),
 both variants, timed in turn the same way: a change to the read measured side by side.
@@ -89,14 +92,20 @@ def point_inputs(layout: str, context: int, batch: int, seed: int = 0):
     return plain, rows, scalars, table, q_lat, q_rope, lengths, (D_C + D_R) ** -0.5
 
 
-def calls(layout: str, context: int, batch: int, seed: int = 0):
-    """(plain, qknorm): the two decode calls of one point over one cache."""
+def calls(layout: str, context: int, batch: int, seed: int = 0, backend: str = "torch"):
+    """(plain, qknorm): the two decode calls of one point over one cache, through ``backend``."""
     from qkmla.ops.mla_decode import mla_decode_with_kvcache
 
     plain, rows, scalars, table, q_lat, q_rope, lengths, scale = point_inputs(layout, context, batch, seed)
-    return (lambda: mla_decode_with_kvcache(q_lat, q_rope, plain, table, lengths, softmax_scale=scale, backend="torch"),
+    return (lambda: mla_decode_with_kvcache(q_lat, q_rope, plain, table, lengths, softmax_scale=scale, backend=backend),
             lambda: mla_decode_with_kvcache(q_lat, q_rope, rows, table, lengths, scale_cache=scalars,
-                                            softmax_scale=scale, backend="torch"))
+                                            softmax_scale=scale, backend=backend))
+
+
+def default_backends() -> list[str]:
+    from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+    return ["torch"] + (["cpu"] if cpu_unsupported_for("cpu", D_C, D_R, torch.bfloat16) is None else [])
 
 
 def paired(plain, qknorm, reps: int, names: tuple = ("plain", "qknorm")) -> dict:
@@ -183,18 +192,29 @@ def measure(args, argv) -> dict:
 
     extra = G / (D_C + D_R)
     rows = []
-    for context, batch in args.points:
-        for layout in LAYOUTS:
-            row = {"layout": layout, "context": context, "batch": batch, **paired(*calls(layout, context, batch),
-                                                                                  args.reps)}
-            rows.append(row)
-            low, high = row["qknorm_over_plain_quartiles"]
-            print(f"{layout:5s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
-                  f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} (quartiles {low:.3f} {high:.3f})",
-                  flush=True)
+    for backend in args.backends:
+        for context, batch in args.points:
+            for layout in LAYOUTS:
+                row = {"backend": backend, "layout": layout, "context": context, "batch": batch,
+                       **paired(*calls(layout, context, batch, backend=backend), args.reps)}
+                rows.append(row)
+                low, high = row["qknorm_over_plain_quartiles"]
+                print(f"{backend:5s} {layout:5s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
+                      f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} "
+                      f"(quartiles {low:.3f} {high:.3f})", flush=True)
     result = {"command": recorded_command("benchmarks/bench_paged_layouts.py", argv), "commit": source_commit(HERE),
               "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,
               "extra_bytes": round(extra, 4), "target": round(1 + extra + 0.02, 4), "rows": rows}
+    if set(args.backends) == {"torch", "cpu"}:
+        result["kernel_rows"] = []
+        for context, batch in args.points:
+            pairs = zip(calls("row", context, batch, backend="torch"), calls("row", context, batch, backend="cpu"))
+            for variant, (torch_call, cpu_call) in zip(("plain", "qknorm"), pairs):
+                row = {"variant": variant, "context": context, "batch": batch,
+                       **paired(torch_call, cpu_call, args.reps, names=("torch", "cpu"))}
+                result["kernel_rows"].append(row)
+                print(f"{variant:6s} {context:6d} x {batch}: torch {row['torch_ms']:9.3f} ms  cpu kernel "
+                      f"{row['cpu_ms']:9.3f} ms  ratio {row['cpu_over_torch']:.3f}", flush=True)
     if args.baseline is not None:
         decode_at_rev, result["baseline"] = args.decode_at_rev, {"rev": args.baseline, "rows": []}
         for context, batch in args.points:
@@ -220,6 +240,8 @@ def main(argv=None) -> int:
     p.add_argument("--points", nargs="+", type=point, default=[point(v) for v in DEFAULT_POINTS],
                    metavar="CONTEXTxBATCH")
     p.add_argument("--reps", type=int, default=20, help="pairs of calls per point and layout (default 20)")
+    p.add_argument("--backends", nargs="+", choices=("torch", "cpu"), default=None,
+                   help="the op's backends to time (default: torch, and cpu where the kernel runs)")
     p.add_argument("--profile", type=point, default=None, metavar="CONTEXTxBATCH")
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="also time the torch backend at this git revision against the current one")
@@ -234,6 +256,12 @@ def main(argv=None) -> int:
     from qkmla.files import write_text
 
     check_out(p, args.out, args.overwrite)  # before any work
+    if args.backends is None:
+        args.backends = default_backends()
+    elif "cpu" in args.backends and "cpu" not in default_backends():
+        from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+        p.error(f"--backends: {cpu_unsupported_for('cpu', D_C, D_R, torch.bfloat16)}")
     if args.baseline is not None:
         try:
             args.decode_at_rev = backend_at(args.baseline)

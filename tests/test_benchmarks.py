@@ -137,8 +137,14 @@ def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
     result = json.loads(out.read_text())
     assert result["command"].startswith("python benchmarks/bench_paged_layouts.py")
     assert result["machine"]["torch_threads"] == 1 and result["target"] == round(1 + 16 / 576 + 0.02, 4)
-    assert [(r["layout"], r["context"], r["batch"]) for r in result["rows"]] == [
+    assert [(r["layout"], r["context"], r["batch"]) for r in result["rows"] if r["backend"] == "torch"] == [
         ("row", 32, 2), ("block", 32, 2), ("row", 48, 1), ("block", 48, 1)]
+    backends = bench.default_backends()
+    assert [r["backend"] for r in result["rows"]] == [b for b in backends for _ in range(4)]
+    if backends == ["torch", "cpu"]:  # the kernel against the torch backend, both variants at each point
+        assert [(r["variant"], r["context"]) for r in result["kernel_rows"]] == [
+            ("plain", 32), ("qknorm", 32), ("plain", 48), ("qknorm", 48)]
+        assert all(r["torch_ms"] > 0 and r["cpu_ms"] > 0 for r in result["kernel_rows"])
     assert all(r["plain_ms"] > 0 and r["qknorm_ms"] > 0 and r["qknorm_over_plain"] > 0 for r in result["rows"])
     profile = result["profile"]
     assert (profile["layout"], profile["context"], profile["batch"]) == ("row", 32, 1)

@@ -120,8 +120,9 @@ class MLAConfig:
             converted when the config is built.
         attention_bias: biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj`` as in HF.
         decode_backend: the backend of the absorbed decode attention (``qkmla.ops.mla_decode``):
-            "auto" (the Triton kernel on CUDA when it is installed and fits the widths, else
-            "torch"), "naive" (the float32 reference loop), "torch" or "triton".
+            "auto" (the Triton kernel on CUDA when it is installed and fits the widths; the
+            C++ kernel on a CPU with AVX-512 BF16 for bfloat16 dense rows; else "torch"),
+            "naive" (the float32 reference loop), "torch", "cpu" or "triton".
     """
 
     hidden_size: int = 64

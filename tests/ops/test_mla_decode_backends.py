@@ -276,7 +276,7 @@ def test_backend_choice_and_refusals(monkeypatch):
 
     assert select_backend("auto", torch.device("cpu"), 512, 64) == "torch"
     assert select_backend("naive", torch.device("cpu"), 24, 8) == "naive"
-    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'naive', 'torch', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'naive', 'torch', 'cpu', 'triton'\)"):
         select_backend("cuda", torch.device("cpu"), 512, 64)
     monkeypatch.setattr(interface, "triton_installed", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -14,6 +14,8 @@ configuration vLLM gives a CPU with AMX (faked on one without). ``"parallel"``: 
 ``pipeline_parallel_size``, each rank in its own worker process (vLLM's multiprocessing executor),
 one CPU each (``VLLM_CPU_OMP_THREADS_BIND``, unless already set); the patches above reach only
 this process, so they are refused with more than one rank. ``"eager": false`` compiles the model.
+``"decode_backend"``: the decode op's backend in the QK-normed layers (the plugin's default:
+"auto"); the result counts the calls that reached the CPU kernel (``cpu_kernel_calls``).
 """
 
 import json
@@ -22,7 +24,9 @@ import sys
 
 CONTEXT_CALLS: list = []  # prefills that attended over cached context (with "cached_context")
 RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after the result
-PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration")  # this process only
+PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration",
+           "decode_backend")  # this process only
+KERNEL_CALLS: list = []  # decode calls that reached the CPU kernel
 
 
 def qk_layers(model) -> list:
@@ -71,6 +75,17 @@ def main() -> None:
 
         decode = backend.mla_decode_with_kvcache
         backend.mla_decode_with_kvcache = lambda *a, scale_cache=None, **kw: decode(*a, scale_cache=None, **kw)
+    from qkmla.interop.vllm import backend as qk_backend
+    from qkmla.ops.mla_decode import interface
+
+    if args.get("decode_backend"):
+        qk_backend.BACKENDS["cpu"] = (qk_backend.BACKENDS["cpu"][0], args["decode_backend"])
+    kernel = interface.cpu_mla_decode
+
+    def counted_kernel(*a, **kw):
+        KERNEL_CALLS.append(1)
+        return kernel(*a, **kw)
+    interface.cpu_mla_decode = counted_kernel
     import torch
 
     amx = bool(torch.cpu._is_amx_tile_supported())
@@ -149,7 +164,7 @@ def main() -> None:
     config = llm.llm_engine.vllm_config
     result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
-              "key_weights_read_in_place": sum(key_weights, []),
+              "key_weights_read_in_place": sum(key_weights, []), "cpu_kernel_calls": len(KERNEL_CALLS),
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
               "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),

@@ -123,6 +123,27 @@ def test_served_tokens_equal_qkmla_generation_in_float32(normed):
     assert drift(got, want) < BOUND, drift(got, want)
 
 
+def test_served_in_bfloat16_through_the_cpu_kernel_stays_within_bf16s_drift(normed):
+    """In bfloat16 the plugin's decode ("auto") is qkmla's C++ kernel, where the CPU has AVX-512
+    BF16: it runs on every decode step of every QK-normed layer, and while the greedy tokens
+    still equal qkmla's float32 generation, every token's logprob is within 0.1 of it (bf16's
+    drift; no exactness is claimed in bfloat16: the first differing token ends the comparison)."""
+    from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+    reason = cpu_unsupported_for("cpu", 512, 64, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    path, want = normed
+    got = served(path, dtype="bfloat16")
+    assert got["cpu_kernel_calls"] == (TOKENS - 1) * SHAPE["num_hidden_layers"]  # one call a layer and step
+    shared = 0
+    for tokens, ref, lp, ref_lp in zip(got["tokens"], want["tokens"], got["logprobs"], want["logprobs"]):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))
+        shared += same
+        assert all(abs(a - b) < 0.1 for a, b in zip(lp[:same], ref_lp[:same])), (lp[:same], ref_lp[:same])
+    assert shared >= len(PROMPTS)  # something was compared
+
+
 def test_decoding_without_the_key_scalars_breaks_the_match(normed):
     path, want = normed
     got = served(path, ignore_key_scalars=True)

@@ -236,7 +236,7 @@ def cuda_backend() -> type:
     return QKNormTritonMLABackend
 
 
-BACKENDS = {"cpu": (cpu_backend, "torch"), "cuda": (cuda_backend, "auto")}
+BACKENDS = {"cpu": (cpu_backend, "auto"), "cuda": (cuda_backend, "auto")}
 
 
 def __getattr__(name: str):

@@ -7,6 +7,9 @@ One op, three implementations of the same specification (``naive.py``):
   On the CPU its paged read keeps a chunk's buffers between calls (``workspace.py``: about
   4,096 keys' rows per thread, 4.8 MB at d_c 512, d_r 64 and 16 scalars in bfloat16, more when
   batch x block size exceeds 4,096 keys, up to 64 MiB a buffer; ``workspace.release()`` frees them).
+* ``"cpu"``: ``cpu_kernel.py``, a fused C++ kernel over dense bfloat16 rows on CPUs with
+  AVX-512 BF16, compiled on first use (a C++ compiler and ninja; about 10 s on 2 cores, then
+  cached): each row read once from its block, the key scalars multiplied into each score tile.
 * ``"triton"``: ``triton_kernel.py``, a fused split-K kernel over the paged cache (CUDA, or
   Triton's CPU interpreter when ``TRITON_INTERPRET=1``), registered as the custom op
   ``qkmla::mla_decode`` with a fake (meta) implementation, so it traces under
@@ -19,8 +22,10 @@ which ``naive`` dequantizes before attending, ``torch`` per chunk of keys and th
 tile, in registers.
 
 ``"auto"`` picks ``"triton"`` for CUDA tensors when Triton is installed and the widths suit
-the kernel, ``"torch"`` otherwise. :func:`select_backend` makes that choice from the device
-and the widths alone, so a caller can settle it (and fail) before it writes anything.
+the kernel; for CPU tensors ``"cpu"`` when the kernel runs here and takes the inputs (outside
+``torch.compile``, which traces the torch backend instead); ``"torch"`` otherwise.
+:func:`select_backend` makes that choice from the device, the widths and the dtype alone, so a
+caller can settle it (and fail) before it writes anything.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from typing import Optional
 import torch
 
 from ...kv_formats import check_kv_format, row_format
-from .naive import naive_mla_decode
-from .torch_impl import fold_head_scale, torch_mla_decode
+from .cpu_kernel import cpu_mla_decode, cpu_unsupported, cpu_unsupported_for
+from .naive import default_visible_lens, naive_mla_decode
+from .torch_impl import check_paged_reach, fold_head_scale, torch_mla_decode
 
-DECODE_BACKENDS = ("auto", "naive", "torch", "triton")
+DECODE_BACKENDS = ("auto", "naive", "torch", "cpu", "triton")
 MODES = ("blockwise", "unified")
 
 
@@ -67,20 +73,32 @@ def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str
     return None
 
 
-def select_backend(backend: str, device, d_c: int, d_r: int) -> str:
+def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
+                   kv_format: str = "dense") -> str:
     """The backend that will run: ``backend`` itself, or what ``"auto"`` stands for.
 
-    Raises ValueError for an unknown name, or for ``"triton"`` where the kernel cannot run.
+    ``dtype`` (the queries' and dense rows') and ``kv_format`` decide whether the CPU kernel
+    takes the inputs; without ``dtype``, ``"auto"`` does not pick it.
+    Raises ValueError for an unknown name, or for ``"triton"`` / ``"cpu"`` where the kernel cannot run.
     """
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
+    device = torch.device(device)
     if backend == "auto":
-        ok = torch.device(device).type == "cuda" and triton_unsupported(device, d_c, d_r) is None
-        return "triton" if ok else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_unsupported(device, d_c, d_r) is None else "torch"
+        ok = (device.type == "cpu" and dtype is not None and not torch.compiler.is_compiling()
+              and cpu_unsupported_for(device, d_c, d_r, dtype, kv_format) is None)
+        return "cpu" if ok else "torch"
+    reason = None
     if backend == "triton":
         reason = triton_unsupported(device, d_c, d_r)
-        if reason is not None:
-            raise ValueError(reason)
+    elif backend == "cpu":
+        reason = cpu_unsupported_for(device, d_c, d_r, dtype, kv_format)
+        if reason is None and torch.compiler.is_compiling():
+            reason = "backend: 'cpu' does not trace under torch.compile; use 'auto' (the torch backend there)"
+    if reason is not None:
+        raise ValueError(reason)
     return backend
 
 
@@ -198,12 +216,23 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
     check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens, kv_format)
-    backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1])
+    asked = backend
+    backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
+    if backend == "cpu":  # the strides and the scalars' dtype, which the choice above did not see
+        reason = cpu_unsupported(q_lat, kv_cache, scale_cache, kv_format, q_rope.shape[-1])
+        if reason is not None and asked == "cpu":
+            raise ValueError(reason)
+        backend = "torch" if reason is not None else backend
     if isinstance(softmax_scale, torch.Tensor):
         if softmax_scale.shape != (q_lat.shape[2],):
             raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
                              f"got {tuple(softmax_scale.shape)}")
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
+    if backend == "cpu":
+        S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
+        visible = default_visible_lens(cache_seqlens, q_lat.shape[1]) if visible_lens is None else visible_lens
+        visible = torch.minimum(visible.long(), cache_seqlens.long()[:, None]).clamp_(0, S)
+        return cpu_mla_decode(q_lat, q_rope, kv_cache, block_table, visible, scale_cache, float(softmax_scale), mode)
     if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
                                 mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, kv_format=kv_format)

@@ -392,6 +392,21 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     return out, lse.float()
 
 
+def check_paged_reach(kv_cache: torch.Tensor, block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
+                      max_seqlen: Optional[int]) -> int:
+    """S, the longest length, once the cache is known to hold it: every length within the
+    capacity and, when paged, the first blocks it needs inside the pool. Raises ValueError."""
+    S = int(cache_seqlens.max()) if max_seqlen is None else max_seqlen
+    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    if S > capacity or (max_seqlen is None and int(cache_seqlens.min()) < 0):
+        # Past the capacity the slice would silently hold fewer slots than the lengths claim.
+        raise ValueError(f"cache_seqlens: expected lengths in [0, {capacity}] (the cache's capacity), got "
+                         f"{cache_seqlens.tolist()}")
+    if block_table is not None and S > 0:
+        _check_block_table(kv_cache, block_table, S)
+    return S
+
+
 def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                      block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                      scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0, *,
@@ -401,18 +416,12 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
 
     Returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
     """
-    B, S_q = q_lat.shape[:2]
-    S = int(cache_seqlens.max()) if max_seqlen is None else max_seqlen
-    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    if S > capacity or (max_seqlen is None and int(cache_seqlens.min()) < 0):
-        # Past the capacity the slice would silently hold fewer slots than the lengths claim.
-        raise ValueError(f"cache_seqlens: expected lengths in [0, {capacity}] (the cache's capacity), got "
-                         f"{cache_seqlens.tolist()}")
+    S_q = q_lat.shape[1]
+    S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
     if block_table is not None:
-        _check_block_table(kv_cache, block_table, S)
         return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
                              softmax_scale, mode, kv_format)
     latent = kv_cache[:, :S]  # a contiguous cache: its first S slots, no copy

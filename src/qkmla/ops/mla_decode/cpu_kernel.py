@@ -1,0 +1,129 @@
+"""The ``"cpu"`` backend of the MLA decode op: a fused C++ kernel over a paged bfloat16 cache.
+
+``cpu_kernel.cpp`` reads every visible row once, straight from its block, and multiplies the key
+scalars into each chunk's score tile before the online softmax (what the Triton kernel does on a
+GPU), on AVX-512 BF16 dot products. The torch backend instead gathers each chunk's rows into
+contiguous buffers for its GEMMs and reads the scalars in passes of their own; here a QK-normed
+decode costs plain MLA's pass plus the scalars' bytes and one multiply per score.
+
+The kernel is compiled on first use with PyTorch's C++ extension loader (a C++ compiler and
+ninja on the machine; the build is cached under ``TORCH_EXTENSIONS_DIR``, about a minute the
+first time). :func:`cpu_unsupported` says why it cannot run (no AVX-512 BF16, no compiler, an
+input it does not take); ``"auto"`` then keeps the torch backend.
+
+What it takes: bfloat16 queries and dense bfloat16 rows with contiguous channels (the cache's
+own tensor or a column view of wider rows, as vLLM's), key scalars in bfloat16 or float32 at any
+row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_q >= 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
+MIN_KEYS_PER_SPLIT = 512  # below this a split's merge costs more than its parallelism gains
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+@functools.lru_cache(maxsize=None)
+def _build() -> Optional[str]:
+    """Compile and load the kernel once per process; the reason it cannot be, or None."""
+    if sys.platform != "linux":
+        return f"the CPU kernel is built on Linux only, this is {sys.platform}"
+    if not _cpu_has_avx512_bf16():
+        return "the CPU kernel needs AVX-512 BF16 (vdpbf16ps), which this CPU lacks"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "the CPU kernel is compiled on first use and needs a C++ compiler (c++, or $CXX)"
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+        verify_ninja_availability()
+        load(name="qkmla_cpu_decode", sources=[str(SOURCE)], is_python_module=False, verbose=False,
+             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+             extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # a failed build leaves the torch backend; the reason is reported
+        return f"the CPU kernel did not build: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+    return None
+
+
+def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
+                        kv_format: str = "dense") -> Optional[str]:
+    """Why the CPU kernel cannot decode on ``device`` at these widths, dtype (None: not checked)
+    and row format (a message naming the argument), or None. The cheap checks come first, so an
+    input the kernel does not take never triggers the build."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"backend: 'cpu' runs on CPU tensors, got {device.type} tensors; use 'torch' or 'auto'"
+    if kv_format != "dense" or (dtype is not None and dtype != torch.bfloat16):
+        return (f"kv_cache, q_lat: the CPU kernel reads dense bfloat16 rows with bfloat16 queries, got "
+                f"kv_format={kv_format!r}{'' if dtype is None else f', {dtype} queries'}; use 'torch' or 'auto'")
+    if d_c % 32 or d_r % 2:
+        return f"q_lat, q_rope: the CPU kernel needs d_c a multiple of 32 and d_r even, got {d_c}, {d_r}"
+    reason = _build()
+    return None if reason is None else f"backend: {reason}; use 'torch' or 'auto'"
+
+
+def cpu_unsupported(q_lat: torch.Tensor, kv_cache: torch.Tensor, scale_cache: Optional[torch.Tensor],
+                    kv_format: str, d_r: int) -> Optional[str]:
+    """:func:`cpu_unsupported_for` of these tensors, then what it could not see: the cache's
+    dtype and strides, the scalars' dtype, autograd."""
+    if kv_cache.dtype != torch.bfloat16 and kv_format == "dense":
+        return f"kv_cache: the CPU kernel reads dense bfloat16 rows, got {kv_cache.dtype}; use 'torch' or 'auto'"
+    if kv_cache.stride(-1) != 1 or (scale_cache is not None and scale_cache.stride(-1) != 1):
+        return "kv_cache, scale_cache: the CPU kernel needs each row's channels contiguous; use 'torch' or 'auto'"
+    if scale_cache is not None and scale_cache.dtype not in (torch.bfloat16, torch.float32):
+        return (f"scale_cache: the CPU kernel reads bfloat16 or float32 key scalars, got {scale_cache.dtype}; "
+                f"use 'torch' or 'auto'")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_lat, kv_cache, scale_cache)):
+        return "q_lat: the CPU kernel is not differentiable; decode under torch.no_grad() or use 'torch'"
+    return cpu_unsupported_for(q_lat.device, q_lat.shape[-1], d_r, q_lat.dtype, kv_format)
+
+
+def _splits(queries: int, longest: int) -> int:
+    """Key splits per query so that every thread has work, none shorter than MIN_KEYS_PER_SPLIT."""
+    threads = torch.get_num_threads()
+    if queries >= threads:
+        return 1
+    return max(1, min(-(-2 * threads // queries), longest // MIN_KEYS_PER_SPLIT))
+
+
+def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   block_table: Optional[torch.Tensor], visible: torch.Tensor, scale_cache: Optional[torch.Tensor],
+                   softmax_scale: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's CPU kernel (inputs already checked, :func:`cpu_unsupported` None).
+
+    Args:
+        q_lat: [B, S_q, H, d_c] bf16; q_rope: [B, S_q, H, d_r] bf16.
+        kv_cache: [num_blocks, block_size, d_c + d_r] bf16 rows (channels contiguous), or
+            [B, capacity, d_c + d_r] with ``block_table`` None.
+        visible: [B, S_q] keys each query sees, already capped at its sequence's length.
+        scale_cache: [num_blocks, block_size, G] key scalars, or None for plain MLA.
+        mode: "blockwise" or "unified" (ignored without key scalars).
+
+    Returns:
+        out [B, S_q, H, d_c] bf16, lse [B, S_q, H] float32 (-inf, out 0, where no key is visible).
+    """
+    reason = _build()
+    if reason is not None:
+        raise ValueError(f"backend: {reason}; use 'torch' or 'auto'")
+    B, S_q, H, d_c = q_lat.shape
+    if block_table is None:  # a contiguous cache is one block per sequence
+        block_table = torch.arange(B, dtype=torch.int32)[:, None]
+    q = torch.cat((q_lat, q_rope), dim=-1).contiguous()
+    visible = visible.to(torch.int64).contiguous()
+    groups = -(-H // 16)
+    longest = int(visible.max()) if visible.numel() else 0
+    code = 0 if scale_cache is None else MODE_CODES[mode]
+    return torch.ops.qkmla_cpu.mla_decode(q, kv_cache, scale_cache, block_table.to(torch.int32).contiguous(), visible,
+                                          d_c, float(softmax_scale), code, _splits(B * S_q * groups, longest))
