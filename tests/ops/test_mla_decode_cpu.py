@@ -122,14 +122,22 @@ def test_auto_picks_the_kernel_for_bfloat16_on_the_cpu_and_torch_otherwise():
     auto = mla_decode_with_kvcache(**args, backend="auto")
     cpu = mla_decode_with_kvcache(**args, backend="cpu")
     assert torch.equal(auto[0], cpu[0]) and torch.equal(auto[1], cpu[1])
+    # More query heads per sequence than AUTO_MAX_QUERY_HEADS (40 x 1): the torch backend's GEMMs
+    wide = in_bf16(paged_case((30, 9), 40, 8, 64, 16, 16))
+    assert 40 > cpu_kernel.AUTO_MAX_QUERY_HEADS
+    auto = mla_decode_with_kvcache(**wide, backend="auto")
+    torch_backend = mla_decode_with_kvcache(**wide, backend="torch")
+    assert torch.equal(auto[0], torch_backend[0]) and torch.equal(auto[1], torch_backend[1])
 
 
 @pytest.mark.parametrize("change, named", [
     (lambda a: {**a, "q_lat": a["q_lat"].float(), "q_rope": a["q_rope"].float()}, "kv_cache, q_lat"),
     (lambda a: {**a, "kv_cache": a["kv_cache"].float()}, "kv_cache"),
     (lambda a: {**a, "scale_cache": a["scale_cache"].half()}, "scale_cache"),
-    (lambda a: {**a, "kv_cache": a["kv_cache"].transpose(1, 2).contiguous().transpose(1, 2)}, "kv_cache, scale_cache"),
+    (lambda a: {**a, "kv_cache": a["kv_cache"].transpose(1, 2).contiguous().transpose(1, 2)}, "kv_cache"),
+    (lambda a: {**a, "scale_cache": a["scale_cache"].transpose(1, 2).contiguous().transpose(1, 2)}, "scale_cache"),
     (lambda a: {**a, "q_lat": a["q_lat"].requires_grad_()}, "q_lat"),
+    (lambda a: {**a, "q_rope": a["q_rope"].requires_grad_()}, "q_rope"),
 ])
 def test_explicit_cpu_refuses_inputs_it_does_not_take(change, named):
     """Asked for by name, the kernel refuses (naming the argument) what ``auto`` would hand the
@@ -153,3 +161,95 @@ def test_lengths_past_the_capacity_are_refused_before_any_read():
     with pytest.raises(ValueError, match="block_table"):
         mla_decode_with_kvcache(**{**args, "block_table": table}, backend="cpu")
     assert len(LENGTHS) == 4
+
+
+def paged_case(lengths, heads: int, G: int, d_c: int, d_r: int, block: int, S_q: int = 1, seed: int = 0) -> dict:
+    """Float32 arguments over a paged cache of ``block``-slot blocks (shuffled table, NaN in
+    every slot no sequence owns), blockwise key scalars, per-query prefixes."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = max(1, -(-max(lengths) // block))
+    n_blocks = len(lengths) * per_seq + 2
+    table = torch.randperm(n_blocks, generator=gen)[:len(lengths) * per_seq].view(len(lengths), per_seq)
+    kv = torch.full((n_blocks, block, d_c + d_r), float("nan"))
+    scales = torch.full((n_blocks, block, G), float("nan"))
+    for b, n in enumerate(lengths):
+        slot = torch.arange(n)
+        where = (table[b, slot // block], slot % block)
+        kv[where] = torch.randn(n, d_c + d_r, generator=gen)
+        scales[where] = 0.5 + torch.rand(n, G, generator=gen)
+    visible = torch.stack([torch.randint(0, n + 2, (S_q,), generator=gen) for n in lengths])
+    return dict(q_lat=torch.randn(len(lengths), S_q, heads, d_c, generator=gen) * 0.3,
+                q_rope=torch.randn(len(lengths), S_q, heads, d_r, generator=gen) * 0.3, kv_cache=kv,
+                block_table=table.to(torch.int64), cache_seqlens=torch.tensor(lengths), scale_cache=scales,
+                softmax_scale=0.3, mode="blockwise", visible_lens=visible, kv_format="dense")
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_odd_shapes_take_every_loop_of_the_kernel(mode):
+    """21 heads (a lane group of 16 and one of 5: value tiles of 4 heads and of 1), G 3 (7 heads a
+    group, spanning both lane groups), d_c 96 (value tiles of 4 and of 1 channel blocks), d_r 2,
+    blocks of 5 slots, an int64 table, three query tokens with their own prefixes."""
+    check_bf16_against_naive({**paged_case((0, 37, 70), 21, 3, 96, 2, 5, S_q=3), "mode": mode})
+
+
+def test_nan_in_a_visible_row_or_scalar_comes_out_as_nan(monkeypatch):
+    """As in the spec (and the torch backend), a NaN a query reads poisons its softmax: out and
+    lse NaN for that sequence, the others untouched."""
+    args = in_bf16(paged_case((40, 40), 16, 16, 64, 16, 16))
+    args["visible_lens"] = None
+    table = args["block_table"]
+    for field, where in (("kv_cache", (table[0, 1], 3, 70)), ("scale_cache", (table[0, 0], 5, 2))):
+        poisoned = {**args, field: args[field].clone()}
+        poisoned[field][where] = float("nan")
+        for splits in (1, 2):
+            monkeypatch.setattr(cpu_kernel, "_splits", lambda queries, longest: splits)
+            out, lse = mla_decode_with_kvcache(**poisoned, backend="cpu")
+            ref_out, ref_lse = mla_decode_with_kvcache(**poisoned, backend="torch")
+            assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)) and torch.isnan(lse[0]).any()
+            assert torch.isnan(out[0]).any() and not torch.isnan(out[1]).any() and not torch.isnan(lse[1]).any()
+
+
+def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    """The extension loader waits without a timeout on a lock a killed build left behind."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernel._clear_stale_lock("x")
+    assert lock.exists()
+    old = time.time() - cpu_kernel.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_kernel._clear_stale_lock("x")
+    assert not lock.exists()
+
+
+def test_a_failed_build_or_the_switch_leaves_the_torch_backend(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError()  # an exception without a message
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    cpu_kernel._build.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="did not build: RuntimeError"):
+            assert select_backend("auto", "cpu", 512, 64, torch.bfloat16) == "torch"
+        with pytest.raises(ValueError, match="did not build"):
+            select_backend("cpu", "cpu", 512, 64, torch.bfloat16)
+        cpu_kernel._build.cache_clear()
+        monkeypatch.setenv("QKMLA_CPU_KERNEL", "0")
+        assert select_backend("auto", "cpu", 512, 64, torch.bfloat16) == "torch"
+        with pytest.raises(ValueError, match="QKMLA_CPU_KERNEL=0"):
+            select_backend("cpu", "cpu", 512, 64, torch.bfloat16)
+    finally:
+        cpu_kernel._build.cache_clear()
+
+
+def test_queries_of_two_dtypes_are_refused_by_every_backend():
+    args = in_bf16(decode_inputs("paged", 4, 1, "blockwise", "causal"))
+    for backend in ("auto", "torch", "cpu"):
+        with pytest.raises(ValueError, match="q_lat, q_rope: expected one dtype"):
+            mla_decode_with_kvcache(**{**args, "q_rope": args["q_rope"].float()}, backend=backend)

@@ -302,7 +302,8 @@ class MLA(nn.Module):
         rows = self.cache_rows(x, slot.positions, cache=cache)
         # Settled before the cache is written: a backend that cannot run must not leave the
         # new token in the cache (a retry would attend to it twice).
-        select_backend(self.config.decode_backend, x.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype)
+        select_backend(self.config.decode_backend, x.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype,
+                       getattr(cache, "kv_format", "dense"))
         cache.append(slot, **rows)
         # The name as configured: "auto" settles on the cache's own dtype and row format there.
         o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,

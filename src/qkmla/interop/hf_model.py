@@ -64,7 +64,7 @@ def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode
             (``qkmla.kv_formats.KV_FORMATS``: "dense", "fp8", "int8", "int4").
         policy: an eviction policy those caches run (``qkmla.cache.StreamingLLM``, ``H2O``,
             ``SnapKV``), or None to keep every token.
-        decode_backend: the decode op's backend ("auto", "torch", "triton", "naive").
+        decode_backend: the decode op's backend ("auto", "torch", "cpu", "triton", "naive").
 
     Calling it again on a patched model changes ``kv_format``, ``policy`` and ``decode_backend``;
     it adds a QK norm to a model that has none, and refuses to change one the model has (its

@@ -7,9 +7,11 @@ contiguous buffers for its GEMMs and reads the scalars in passes of their own; h
 decode costs plain MLA's pass plus the scalars' bytes and one multiply per score.
 
 The kernel is compiled on first use with PyTorch's C++ extension loader (a C++ compiler and
-ninja on the machine; the build is cached under ``TORCH_EXTENSIONS_DIR``, about a minute the
-first time). :func:`cpu_unsupported` says why it cannot run (no AVX-512 BF16, no compiler, an
-input it does not take); ``"auto"`` then keeps the torch backend.
+ninja on the machine; 10 to 30 s on 2 cores, then cached under ``TORCH_EXTENSIONS_DIR`` in a
+directory named for this source, its flags and the torch version, so environments with other
+torch builds do not rebuild each other's). :func:`cpu_unsupported` says why it cannot run (no
+AVX-512 BF16, no compiler, an input it does not take); ``"auto"`` then keeps the torch backend
+(a failed build is reported once, as a warning). ``QKMLA_CPU_KERNEL=0`` turns the kernel off.
 
 What it takes: bfloat16 queries and dense bfloat16 rows with contiguous channels (the cache's
 own tensor or a column view of wider rows, as vLLM's), key scalars in bfloat16 or float32 at any
@@ -19,9 +21,12 @@ row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +34,14 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
+# "auto" takes the kernel up to this many query heads per sequence (S_q x H). Measured on a
+# 2-core AVX-512 BF16 EPYC against the torch backend (bench_paged_layouts.py; docs/benchmarks.md):
+# 0.61-0.89x its time at 16 heads and S_q <= 2, 0.89-0.93x at 32 heads and S_q = 1, but 1.04-1.28x
+# at 64 and 128 heads, where oneDNN's GEMMs over all heads beat the kernel's dot products.
+AUTO_MAX_QUERY_HEADS = 32
 MIN_KEYS_PER_SPLIT = 512  # below this a split's merge costs more than its parallelism gains
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+STALE_LOCK_S = 600  # a build lock older than this was left by a build that died (no build takes so long)
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -37,9 +49,31 @@ def _cpu_has_avx512_bf16() -> bool:
     return bool(check()) if check is not None else False
 
 
+def _extension_name() -> str:
+    """One build per source, flags and torch build: a name the loader keys its directory by."""
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    return f"qkmla_cpu_decode_{digest.hexdigest()[:12]}"
+
+
+def _clear_stale_lock(name: str) -> None:
+    """The loader waits without a timeout on a lock file that a killed build leaves behind."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:  # a private helper; without it a stale lock is the loader's to handle
+        return
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 @functools.lru_cache(maxsize=None)
 def _build() -> Optional[str]:
     """Compile and load the kernel once per process; the reason it cannot be, or None."""
+    if os.environ.get("QKMLA_CPU_KERNEL", "1") == "0":
+        return "the CPU kernel is turned off (QKMLA_CPU_KERNEL=0)"
     if sys.platform != "linux":
         return f"the CPU kernel is built on Linux only, this is {sys.platform}"
     if not _cpu_has_avx512_bf16():
@@ -49,11 +83,18 @@ def _build() -> Optional[str]:
     try:
         from torch.utils.cpp_extension import load, verify_ninja_availability
         verify_ninja_availability()
-        load(name="qkmla_cpu_decode", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"],
+    except Exception:  # RuntimeError: ninja is not installed
+        return "the CPU kernel is compiled on first use and needs ninja (pip install ninja)"
+    try:
+        name = _extension_name()
+        _clear_stale_lock(name)
+        load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False, extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"])
     except Exception as exc:  # a failed build leaves the torch backend; the reason is reported
-        return f"the CPU kernel did not build: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+        last = (str(exc).strip().splitlines() or [""])[-1][:300]
+        reason = f"the CPU kernel did not build: {type(exc).__name__}: {last}"
+        warnings.warn(f"qkmla: {reason}; decoding through the torch backend instead", RuntimeWarning, stacklevel=2)
+        return reason
     return None
 
 
@@ -74,20 +115,27 @@ def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype]
     return None if reason is None else f"backend: {reason}; use 'torch' or 'auto'"
 
 
-def cpu_unsupported(q_lat: torch.Tensor, kv_cache: torch.Tensor, scale_cache: Optional[torch.Tensor],
-                    kv_format: str, d_r: int) -> Optional[str]:
+def cpu_unsupported(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                    scale_cache: Optional[torch.Tensor], softmax_scale, kv_format: str) -> Optional[str]:
     """:func:`cpu_unsupported_for` of these tensors, then what it could not see: the cache's
     dtype and strides, the scalars' dtype, autograd."""
     if kv_cache.dtype != torch.bfloat16 and kv_format == "dense":
         return f"kv_cache: the CPU kernel reads dense bfloat16 rows, got {kv_cache.dtype}; use 'torch' or 'auto'"
-    if kv_cache.stride(-1) != 1 or (scale_cache is not None and scale_cache.stride(-1) != 1):
-        return "kv_cache, scale_cache: the CPU kernel needs each row's channels contiguous; use 'torch' or 'auto'"
+    if kv_cache.stride(-1) != 1:
+        return "kv_cache: the CPU kernel needs each row's channels contiguous; use 'torch' or 'auto'"
+    if scale_cache is not None and scale_cache.shape[-1] > 1 and scale_cache.stride(-1) != 1:
+        return "scale_cache: the CPU kernel needs each row's G scalars contiguous; use 'torch' or 'auto'"
     if scale_cache is not None and scale_cache.dtype not in (torch.bfloat16, torch.float32):
         return (f"scale_cache: the CPU kernel reads bfloat16 or float32 key scalars, got {scale_cache.dtype}; "
                 f"use 'torch' or 'auto'")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q_lat, kv_cache, scale_cache)):
-        return "q_lat: the CPU kernel is not differentiable; decode under torch.no_grad() or use 'torch'"
-    return cpu_unsupported_for(q_lat.device, q_lat.shape[-1], d_r, q_lat.dtype, kv_format)
+    if torch.is_grad_enabled():
+        tracked = [name for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache),
+                                        ("scale_cache", scale_cache), ("softmax_scale", softmax_scale))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tracked:
+            return (f"{', '.join(tracked)}: the CPU kernel is not differentiable; decode under torch.no_grad() "
+                    f"or use 'torch'")
+    return cpu_unsupported_for(q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
 
 
 def _splits(queries: int, longest: int) -> int:
@@ -122,8 +170,7 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
         block_table = torch.arange(B, dtype=torch.int32)[:, None]
     q = torch.cat((q_lat, q_rope), dim=-1).contiguous()
     visible = visible.to(torch.int64).contiguous()
-    groups = -(-H // 16)
     longest = int(visible.max()) if visible.numel() else 0
     code = 0 if scale_cache is None else MODE_CODES[mode]
     return torch.ops.qkmla_cpu.mla_decode(q, kv_cache, scale_cache, block_table.to(torch.int32).contiguous(), visible,
-                                          d_c, float(softmax_scale), code, _splits(B * S_q * groups, longest))
+                                          d_c, float(softmax_scale), code, _splits(B * S_q, longest))

@@ -22,8 +22,9 @@ which ``naive`` dequantizes before attending, ``torch`` per chunk of keys and th
 tile, in registers.
 
 ``"auto"`` picks ``"triton"`` for CUDA tensors when Triton is installed and the widths suit
-the kernel; for CPU tensors ``"cpu"`` when the kernel runs here and takes the inputs (outside
-``torch.compile``, which traces the torch backend instead); ``"torch"`` otherwise.
+the kernel; for CPU tensors ``"cpu"`` when the kernel runs here and takes the inputs, with at
+most ``AUTO_MAX_QUERY_HEADS`` query heads per sequence (S_q x H; outside ``torch.compile``,
+which traces the torch backend instead); ``"torch"`` otherwise.
 :func:`select_backend` makes that choice from the device, the widths and the dtype alone, so a
 caller can settle it (and fail) before it writes anything.
 """
@@ -37,7 +38,7 @@ from typing import Optional
 import torch
 
 from ...kv_formats import check_kv_format, row_format
-from .cpu_kernel import cpu_mla_decode, cpu_unsupported, cpu_unsupported_for
+from .cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_mla_decode, cpu_unsupported, cpu_unsupported_for
 from .naive import default_visible_lens, naive_mla_decode
 from .torch_impl import check_paged_reach, fold_head_scale, torch_mla_decode
 
@@ -140,6 +141,8 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     if q_lat.dim() != 4 or q_rope.dim() != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
         raise ValueError(f"q_lat, q_rope: expected [B, S_q, H, d_c] and [B, S_q, H, d_r], got "
                          f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
+    if q_lat.dtype != q_rope.dtype:
+        raise ValueError(f"q_lat, q_rope: expected one dtype, got {q_lat.dtype} and {q_rope.dtype}")
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     rows = row_format(kv_format, d_c, d_r)
@@ -219,10 +222,13 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     asked = backend
     backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
     if backend == "cpu":  # the strides and the scalars' dtype, which the choice above did not see
-        reason = cpu_unsupported(q_lat, kv_cache, scale_cache, kv_format, q_rope.shape[-1])
+        reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale, kv_format)
         if reason is not None and asked == "cpu":
             raise ValueError(reason)
-        backend = "torch" if reason is not None else backend
+        # Many query heads per sequence (a wide model, a multi-token append): the torch backend's
+        # GEMMs are faster there, so "auto" keeps it.
+        too_wide = asked == "auto" and q_lat.shape[1] * q_lat.shape[2] > AUTO_MAX_QUERY_HEADS
+        backend = "torch" if reason is not None or too_wide else backend
     if isinstance(softmax_scale, torch.Tensor):
         if softmax_scale.shape != (q_lat.shape[2],):
             raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
