@@ -74,6 +74,8 @@ BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal 
     *[("bench_paged_layouts", argv, option) for argv, option in [
         (["--points", "100x1"], "--points"), (["--points", "4096"], "--points"), (["--reps", "0"], "--reps"),
         (["--profile", "32x0"], "--profile"), (["--baseline", "no-such-revision"], "--baseline")]],
+    *[("bench_cpu_kernel", argv, option) for argv, option in [
+        (["--heads", "0"], "--heads"), (["--points", "100x1"], "--points"), (["--threads", "0"], "--threads")]],
     *[("vllm_serving", ["--parts", "decode", *argv], option) for argv, option in [
         (["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"], "--sessions")]],
 ]
@@ -228,3 +230,24 @@ def test_vllm_serving_reports_an_engine_that_exits_with_its_log(tmp_path):
     gone.proc.wait()  # an engine that died between two measurements: its stdin is a broken pipe
     with pytest.raises(RuntimeError, match="before measuring context 8, batch 1; its log: .*gone.log"):
         gone.measure(8, 1)
+
+
+def test_bench_cpu_kernel_times_the_kernel_beside_the_torch_backend(tmp_path):
+    from qkmla.ops.mla_decode.cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported_for
+
+    reason = cpu_unsupported_for("cpu", 512, 64, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    bench, out, threads = load("bench_cpu_kernel"), tmp_path / "kernel.json", torch.get_num_threads()
+    assert bench.main(["--heads", "16", "20", "--queries", "1", "2", "--points", "32x2", "--reps", "1",
+                       "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python benchmarks/bench_cpu_kernel.py")
+    assert result["auto_max_query_heads"] == AUTO_MAX_QUERY_HEADS and result["machine"]["torch_threads"] == 2
+    assert [(r["heads"], r["queries"]) for r in result["rows"]] == [(16, 1), (16, 2), (20, 1), (20, 2)]
+    assert all(r["torch_ms"] > 0 and r["cpu_ms"] > 0 for r in result["rows"])
+    calls = bench.calls(20, 2, 32, 2)  # both backends decode the same cache within bf16's roundoff
+    (t_out, t_lse), (c_out, c_lse) = calls["torch"](), calls["cpu"]()
+    torch.testing.assert_close(c_lse, t_lse, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(c_out.float(), t_out.float(), rtol=3e-2, atol=3e-2)

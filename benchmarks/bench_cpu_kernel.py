@@ -1,0 +1,119 @@
+"""Where the CPU decode kernel beats the torch backend: ``mla_decode_with_kvcache`` through
+``backend="cpu"`` and ``backend="torch"`` side by side, over head counts and query tokens.
+
+    python benchmarks/bench_cpu_kernel.py [--heads 16 32 64 128] [--queries 1 2 4 8]
+        [--points 4096x1 4096x4 16384x1] [--threads 2] [--reps 5] [--out FILE.json] [--overwrite]
+
+A QK-normed bfloat16 paged cache (blocks of 16 tokens, d_c 512, d_r 64, one key scalar per
+head, in vLLM's row [c | k_rope | r], the op given column views), S_q query tokens per sequence
+over the whole context. Wall-clock time on ``--threads`` threads (the kernel splits keys across
+threads, the torch backend's GEMMs use them), the two backends called in turn, the order
+alternating; a cell's ratio is the median of the per-pair ratios kernel / torch. This is what
+``AUTO_MAX_QUERY_HEADS`` (``qkmla/ops/mla_decode/cpu_kernel.py``) is set from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_paged_layouts import BLOCK, point  # noqa: E402 (blocks of 16 tokens, 'CONTEXTxBATCH' read alike)
+
+D_C, D_R = 512, 64
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
+
+
+def calls(heads: int, queries: int, context: int, batch: int, seed: int = 0) -> dict:
+    """{backend: call} over one cache: the same decode through both backends."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = batch * context // BLOCK + 4
+    rows = torch.randn(n_blocks, BLOCK, D_C + D_R + heads, generator=gen).to(torch.bfloat16)
+    rows[..., D_C + D_R:] = rows[..., D_C + D_R:].abs() + 0.5  # a statistic: positive
+    table = torch.randperm(n_blocks, generator=gen)[:batch * context // BLOCK].view(batch, -1).to(torch.int32)
+    lengths = torch.full((batch,), context, dtype=torch.int32)
+    q_lat = torch.randn(batch, queries, heads, D_C, generator=gen).to(torch.bfloat16)
+    q_rope = torch.randn(batch, queries, heads, D_R, generator=gen).to(torch.bfloat16)
+    kv, scalars = rows[..., :D_C + D_R], rows[..., D_C + D_R:]
+    return {backend: (lambda backend=backend: mla_decode_with_kvcache(
+        q_lat, q_rope, kv, table, lengths, scalars, (D_C + D_R) ** -0.5, backend=backend))
+        for backend in ("torch", "cpu")}
+
+
+def paired(torch_call, cpu_call, reps: int) -> dict:
+    torch_call(), cpu_call()
+    times = {"torch": [], "cpu": []}
+    for i in range(reps):
+        for name, f in (("torch", torch_call), ("cpu", cpu_call))[:: 1 if i % 2 == 0 else -1]:
+            start = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - start)
+    return {"torch_ms": round(statistics.median(times["torch"]) * 1e3, 3),
+            "cpu_ms": round(statistics.median(times["cpu"]) * 1e3, 3),
+            "cpu_over_torch": round(statistics.median(c / t for t, c in zip(times["torch"], times["cpu"])), 4)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", nargs="+", type=positive, default=[16, 32, 64, 128])
+    p.add_argument("--queries", nargs="+", type=positive, default=[1, 2, 4, 8], help="query tokens per sequence")
+    p.add_argument("--points", nargs="+", type=point, default=[point(v) for v in ("4096x1", "4096x4", "16384x1")],
+                   metavar="CONTEXTxBATCH")
+    p.add_argument("--threads", type=positive, default=2)
+    p.add_argument("--reps", type=positive, default=5, help="pairs of calls per cell (default 5)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args(argv)
+    sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
+    from recipe_common import check_out
+
+    from qkmla.files import write_text
+    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.ops.mla_decode.cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported_for
+
+    check_out(p, args.out, args.overwrite)  # before any work
+    reason = cpu_unsupported_for("cpu", D_C, D_R, torch.bfloat16)
+    if reason is not None:
+        p.error(f"the CPU kernel cannot run here: {reason}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    rows = []
+    try:
+        for heads in args.heads:
+            for context, batch in args.points:
+                for queries in args.queries:
+                    row = {"heads": heads, "queries": queries, "context": context, "batch": batch,
+                           **paired(*calls(heads, queries, context, batch).values(), args.reps)}
+                    rows.append(row)
+                    print(f"{heads:4d} heads, S_q {queries}, {context:6d} x {batch}: torch {row['torch_ms']:9.3f} ms  "
+                          f"kernel {row['cpu_ms']:9.3f} ms  kernel / torch {row['cpu_over_torch']:.3f}", flush=True)
+    finally:  # a caller in the same process (the tests) keeps its threads
+        torch.set_num_threads(threads)
+    result = {"command": recorded_command("benchmarks/bench_cpu_kernel.py", argv), "commit": source_commit(HERE),
+              "machine": {**machine(), "torch_threads": args.threads}, "reps": args.reps,
+              "load_average_1min": round(os.getloadavg()[0], 2), "auto_max_query_heads": AUTO_MAX_QUERY_HEADS,
+              "rows": rows}
+    if args.out is not None:
+        write_text(args.out, json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
