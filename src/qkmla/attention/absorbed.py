@@ -40,15 +40,11 @@ class AbsorbedWeights:
         gamma_q^C ⊙ gamma_k^C, the weight the query's content norm uses, so both weights reach q_lat
         in that one norm; None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
-    key_linear: c [..., d_c] -> c @ w_uk.reshape(G d_n, d_c).T [..., G d_n], the content keys'
-        product; None: ``torch.nn.functional.linear``. A serving engine may pass its own GEMM
-        for that weight (vLLM on the CPU: oneDNN with the weight prepacked once).
     """
 
     w_uk: torch.Tensor
     gamma_qk: Optional[torch.Tensor]
     w_uv: torch.Tensor
-    key_linear: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional[QKNorm],
@@ -138,8 +134,7 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     B, T = c_kv.shape[:2]
     # Every group reads the same c: one GEMM against all groups' W_UK rows [G d_n, d_c], a view
     # both of qkmla's [G, d_n, d_c] and of vLLM's W_UK_T (a permuted [d_c, h, d_n]), so no copy.
-    k_c = (torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)) if w.key_linear is None
-           else w.key_linear(c_kv)).view(B, T, G, d_n)
+    k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
     if k_norm.mode == "blockwise" and k_norm.scope == "head":
         return k_norm.rope(k_r), content_key_scalars(k_c, k_norm)
     sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope

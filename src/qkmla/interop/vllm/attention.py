@@ -118,16 +118,13 @@ class QKNormLatentAttention(nn.Module):
         its W_UK rows and the next head's. The key scalars' GEMM reads W_UK as one [h d_n, d_c]
         matrix, which that view cannot be without a copy, made on every step: a QK-normed layer
         keeps one contiguous copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight).
-        vLLM's own query absorption keeps reading its view, as a plain layer's does. On the CPU
-        that GEMM runs as vLLM's linear layers do (:func:`engine_linear`)."""
-        gamma_qk, w_uk, key_linear = None, self.mla_attn.W_UK_T, None
+        vLLM's own query absorption keeps reading its view, as a plain layer's does."""
+        gamma_qk, w_uk = None, self.mla_attn.W_UK_T
         if self.q_norm is not None:
             gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
         if self.k_norm is not None:
             w_uk = w_uk.detach().contiguous()
-            key_linear = engine_linear(w_uk.view(-1, w_uk.shape[-1]))
-        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2),
-                                        key_linear=key_linear)
+        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2))
 
     def _projections(self, x: torch.Tensor):
         """x [T, hidden] -> (q [T, h, d_n + d_r], c [T, d_c] after kv_a_layernorm, k~^R [T, d_r])."""
@@ -158,23 +155,6 @@ class QKNormLatentAttention(nn.Module):
         k_pe = k_r.view(T, 1, d_r) if r is None else torch.cat((k_r.view(T, 1, d_r), r.view(T, 1, h).to(k_r.dtype)), -1)
         out = self.mla_attn(q, c_kv, k_pe, output_shape=(T, h * self.v_head_dim))
         return self.o_proj(out)[0]
-
-
-def engine_linear(weight: torch.Tensor):
-    """x -> x @ weight.T through the GEMM vLLM gives its own linear layers on the CPU (oneDNN, or
-    its small-GEMM kernel, with the weight prepacked once), or None on other platforms (then
-    ``torch.nn.functional.linear``). Decoding one token, ``torch``'s GEMM sets up oneDNN for
-    this [h d_n, d_c] weight on every call, several times what the prepacked call costs."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    holder = nn.Module()
-    holder.weight = nn.Parameter(weight, requires_grad=False)
-    dispatch_cpu_unquantized_gemm(holder, remove_weight=False)
-    return lambda x: holder.cpu_linear(x, holder.weight, None)
 
 
 def _cache_config():

@@ -34,10 +34,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
-# "auto" takes the kernel up to this many query heads per sequence (S_q x H). Measured on a
-# 2-core AVX-512 BF16 EPYC against the torch backend (bench_paged_layouts.py; docs/benchmarks.md):
-# 0.61-0.89x its time at 16 heads and S_q <= 2, 0.89-0.93x at 32 heads and S_q = 1, but 1.04-1.28x
-# at 64 and 128 heads, where oneDNN's GEMMs over all heads beat the kernel's dot products.
+# "auto" takes the kernel up to this many query heads per sequence (S_q x H): it reads the keys
+# once per query token, where the torch backend's GEMMs take every query head of a sequence at
+# once, so past this the GEMMs are not reliably slower (benchmarks/bench_cpu_kernel.py).
 AUTO_MAX_QUERY_HEADS = 32
 MIN_KEYS_PER_SPLIT = 512  # below this a split's merge costs more than its parallelism gains
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]

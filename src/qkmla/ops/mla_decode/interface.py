@@ -8,7 +8,7 @@ One op, three implementations of the same specification (``naive.py``):
   4,096 keys' rows per thread, 4.8 MB at d_c 512, d_r 64 and 16 scalars in bfloat16, more when
   batch x block size exceeds 4,096 keys, up to 64 MiB a buffer; ``workspace.release()`` frees them).
 * ``"cpu"``: ``cpu_kernel.py``, a fused C++ kernel over dense bfloat16 rows on CPUs with
-  AVX-512 BF16, compiled on first use (a C++ compiler and ninja; about 10 s on 2 cores, then
+  AVX-512 BF16, compiled on first use (a C++ compiler and ninja; 9 s on 2 cores here, then
   cached): each row read once from its block, the key scalars multiplied into each score tile.
 * ``"triton"``: ``triton_kernel.py``, a fused split-K kernel over the paged cache (CUDA, or
   Triton's CPU interpreter when ``TRITON_INTERPRET=1``), registered as the custom op
