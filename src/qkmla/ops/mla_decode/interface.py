@@ -1,6 +1,6 @@
 """The MLA decode op: argument checks, backend choice, and the ``torch.library`` custom op.
 
-One op, three implementations of the same specification (``naive.py``):
+One op, four implementations of the same specification (``naive.py``):
 
 * ``"naive"``: ``naive.py`` itself, a float32 loop. Slow; it is the reference.
 * ``"torch"``: ``torch_impl.py``, dense latent attention in a few large GEMMs (any device).
