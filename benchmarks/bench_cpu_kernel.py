@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_paged_layouts import BLOCK, point  # noqa: E402 (blocks of 16 tokens, 'CONTEXTxBATCH' read alike)
+from bench_paged_layouts import BLOCK, paired, point  # noqa: E402 (blocks, points and pairs timed alike)
 
 D_C, D_R = 512, 64
 
@@ -56,19 +55,6 @@ def calls(heads: int, queries: int, context: int, batch: int, seed: int = 0) -> 
         for backend in ("torch", "cpu")}
 
 
-def paired(torch_call, cpu_call, reps: int) -> dict:
-    torch_call(), cpu_call()
-    times = {"torch": [], "cpu": []}
-    for i in range(reps):
-        for name, f in (("torch", torch_call), ("cpu", cpu_call))[:: 1 if i % 2 == 0 else -1]:
-            start = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - start)
-    return {"torch_ms": round(statistics.median(times["torch"]) * 1e3, 3),
-            "cpu_ms": round(statistics.median(times["cpu"]) * 1e3, 3),
-            "cpu_over_torch": round(statistics.median(c / t for t, c in zip(times["torch"], times["cpu"])), 4)}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", nargs="+", type=positive, default=[16, 32, 64, 128])
@@ -80,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
-    sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
+    sys.path.insert(0, str(HERE.parent / "src"))
     from recipe_common import check_out
 
     from qkmla.files import write_text
@@ -99,7 +85,8 @@ def main(argv=None) -> int:
             for context, batch in args.points:
                 for queries in args.queries:
                     row = {"heads": heads, "queries": queries, "context": context, "batch": batch,
-                           **paired(*calls(heads, queries, context, batch).values(), args.reps)}
+                           **paired(*calls(heads, queries, context, batch).values(), args.reps, names=("torch", "cpu"),
+                                   clock=time.perf_counter)}
                     rows.append(row)
                     print(f"{heads:4d} heads, S_q {queries}, {context:6d} x {batch}: torch {row['torch_ms']:9.3f} ms  "
                           f"kernel {row['cpu_ms']:9.3f} ms  kernel / torch {row['cpu_over_torch']:.3f}", flush=True)

@@ -108,17 +108,17 @@ def default_backends() -> list[str]:
     return ["torch"] + (["cpu"] if cpu_unsupported_for("cpu", D_C, D_R, torch.bfloat16) is None else [])
 
 
-def paired(plain, qknorm, reps: int, names: tuple = ("plain", "qknorm")) -> dict:
-    """Thread CPU time of both calls, in turn (order alternating), after one warm-up call each:
-    the medians as ``<name>_ms`` and the median per-pair ratio second / first."""
+def paired(plain, qknorm, reps: int, names: tuple = ("plain", "qknorm"), clock=time.thread_time) -> dict:
+    """Thread CPU time (or ``clock``) of both calls, in turn (order alternating), after one warm-up
+    call each: the medians as ``<name>_ms`` and the median per-pair ratio second / first."""
     first, second = names
     plain(), qknorm()
     times = {first: [], second: []}
     for i in range(reps):
         for name, f in ((first, plain), (second, qknorm))[:: 1 if i % 2 == 0 else -1]:
-            start = time.thread_time()
+            start = clock()
             f()
-            times[name].append(time.thread_time() - start)
+            times[name].append(clock() - start)
     ratios = [b / a for a, b in zip(times[first], times[second])]
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {f"{first}_ms": round(statistics.median(times[first]) * 1e3, 3),

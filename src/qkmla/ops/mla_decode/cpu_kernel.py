@@ -7,7 +7,7 @@ contiguous buffers for its GEMMs and reads the scalars in passes of their own; h
 decode costs plain MLA's pass plus the scalars' bytes and one multiply per score.
 
 The kernel is compiled on first use with PyTorch's C++ extension loader (a C++ compiler and
-ninja on the machine; 10 to 30 s on 2 cores, then cached under ``TORCH_EXTENSIONS_DIR`` in a
+ninja on the machine; 9 s on 2 idle cores here, longer under load; then cached under ``TORCH_EXTENSIONS_DIR`` in a
 directory named for this source, its flags and the torch version, so environments with other
 torch builds do not rebuild each other's). :func:`cpu_unsupported` says why it cannot run (no
 AVX-512 BF16, no compiler, an input it does not take); ``"auto"`` then keeps the torch backend
@@ -116,8 +116,9 @@ def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype]
 
 def cpu_unsupported(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                     scale_cache: Optional[torch.Tensor], softmax_scale, kv_format: str) -> Optional[str]:
-    """:func:`cpu_unsupported_for` of these tensors, then what it could not see: the cache's
-    dtype and strides, the scalars' dtype, autograd."""
+    """What :func:`cpu_unsupported_for` (which ``select_backend`` has asked already, with these
+    tensors' device, widths, dtype and format) could not see: the cache's dtype and strides, the
+    scalars' dtype, autograd. A message naming the argument, or None."""
     if kv_cache.dtype != torch.bfloat16 and kv_format == "dense":
         return f"kv_cache: the CPU kernel reads dense bfloat16 rows, got {kv_cache.dtype}; use 'torch' or 'auto'"
     if kv_cache.stride(-1) != 1:
@@ -134,7 +135,7 @@ def cpu_unsupported(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.T
         if tracked:
             return (f"{', '.join(tracked)}: the CPU kernel is not differentiable; decode under torch.no_grad() "
                     f"or use 'torch'")
-    return cpu_unsupported_for(q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
+    return None
 
 
 def _splits(queries: int, longest: int) -> int:

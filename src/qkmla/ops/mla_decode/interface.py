@@ -221,7 +221,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens, kv_format)
     asked = backend
     backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
-    if backend == "cpu":  # the strides and the scalars' dtype, which the choice above did not see
+    if backend == "cpu":  # the cache's dtype and strides, the scalars' dtype, autograd: unseen by the choice above
         reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale, kv_format)
         if reason is not None and asked == "cpu":
             raise ValueError(reason)
