@@ -76,6 +76,8 @@ BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal 
         (["--profile", "32x0"], "--profile"), (["--baseline", "no-such-revision"], "--baseline")]],
     *[("bench_cpu_kernel", argv, option) for argv, option in [
         (["--heads", "0"], "--heads"), (["--points", "100x1"], "--points"), (["--threads", "0"], "--threads")]],
+    *[("bench_small_linear", argv, option) for argv, option in [
+        (["--shapes", "64x33"], "--shapes"), (["--shapes", "64"], "--shapes"), (["--rows", "0"], "--rows")]],
     *[("vllm_serving", ["--parts", "decode", *argv], option) for argv, option in [
         (["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"], "--sessions")]],
 ]
@@ -251,3 +253,19 @@ def test_bench_cpu_kernel_times_the_kernel_beside_the_torch_backend(tmp_path):
     (t_out, t_lse), (c_out, c_lse) = calls["torch"](), calls["cpu"]()
     torch.testing.assert_close(c_lse, t_lse, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(c_out.float(), t_out.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_bench_small_linear_times_the_kernel_beside_f_linear(tmp_path):
+    from qkmla.ops.small_linear import _kernel_unavailable
+
+    if _kernel_unavailable() is not None:
+        pytest.skip(_kernel_unavailable())
+    bench, out, threads = load("bench_small_linear"), tmp_path / "linear.json", torch.get_num_threads()
+    assert bench.main(["--shapes", "128x64", "--rows", "1", "5", "--threads", "1", "--reps", "1", "--calls", "2",
+                       "--out", str(out)]) == 0
+    assert torch.get_num_threads() == threads
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python benchmarks/bench_small_linear.py")
+    assert [(r["N"], r["K"], r["rows"]) for r in result["rows"]] == [(128, 64, 1), (128, 64, 5)]
+    assert all(r["linear_us"] > 0 and r["kernel_us"] > 0 for r in result["rows"])
+    assert "amx" in result["machine"]

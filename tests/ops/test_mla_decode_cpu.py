@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode, select_backend
+from qkmla.ops import cpu_extension
 from qkmla.ops.mla_decode import cpu_kernel
 from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
 
@@ -219,11 +220,11 @@ def test_a_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatc
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     lock = tmp_path / "lock"
     lock.touch()
-    cpu_kernel._clear_stale_lock("x")
+    cpu_extension.clear_stale_lock("x")
     assert lock.exists()
-    old = time.time() - cpu_kernel.STALE_LOCK_S - 5
+    old = time.time() - cpu_extension.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
-    cpu_kernel._clear_stale_lock("x")
+    cpu_extension.clear_stale_lock("x")
     assert not lock.exists()
 
 
@@ -233,19 +234,19 @@ def test_a_failed_build_or_the_switch_leaves_the_torch_backend(monkeypatch):
     def broken(**kwargs):
         raise RuntimeError()  # an exception without a message
     monkeypatch.setattr(cpp_extension, "load", broken)
-    cpu_kernel._build.cache_clear()
+    cpu_extension.build.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="did not build: RuntimeError"):
             assert select_backend("auto", "cpu", 512, 64, torch.bfloat16) == "torch"
         with pytest.raises(ValueError, match="did not build"):
             select_backend("cpu", "cpu", 512, 64, torch.bfloat16)
-        cpu_kernel._build.cache_clear()
+        cpu_extension.build.cache_clear()
         monkeypatch.setenv("QKMLA_CPU_KERNEL", "0")
         assert select_backend("auto", "cpu", 512, 64, torch.bfloat16) == "torch"
         with pytest.raises(ValueError, match="QKMLA_CPU_KERNEL=0"):
             select_backend("cpu", "cpu", 512, 64, torch.bfloat16)
     finally:
-        cpu_kernel._build.cache_clear()
+        cpu_extension.build.cache_clear()
 
 
 def test_queries_of_two_dtypes_are_refused_by_every_backend():

@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
 from ..norms import QKNorm, rows_per_head
+from ..ops.small_linear import PackedWeight, pack_weight, small_linear
 
 
 @dataclass
@@ -40,11 +41,14 @@ class AbsorbedWeights:
         gamma_q^C ⊙ gamma_k^C, the weight the query's content norm uses, so both weights reach q_lat
         in that one norm; None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
+    w_uk_packed: w_uk as one [G d_n, d_c] matrix packed for the CPU kernel that forms the new
+        tokens' content keys (``ops.small_linear``), or None where that kernel does not run.
     """
 
     w_uk: torch.Tensor
     gamma_qk: Optional[torch.Tensor]
     w_uv: torch.Tensor
+    w_uk_packed: Optional[PackedWeight] = None
 
 
 def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional[QKNorm],
@@ -57,7 +61,10 @@ def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional
         if q_norm is not None:
             gamma_q = q_norm.content.weight.detach()
             gamma_qk = gamma_q * rows_per_head(k_norm.content.weight.detach(), gamma_q.shape[0])
-        return AbsorbedWeights(w[:, :qk_nope_head_dim].contiguous(), gamma_qk, w[:, qk_nope_head_dim:].contiguous())
+        w_uk = w[:, :qk_nope_head_dim].contiguous()
+        # packed where the key scalars' GEMM runs on the CPU kernel (bfloat16 on the CPU), None elsewhere
+        packed = pack_weight(w_uk.view(-1, w_uk.shape[-1])) if k_norm is not None else None
+        return AbsorbedWeights(w_uk, gamma_qk, w[:, qk_nope_head_dim:].contiguous(), packed)
 
 
 _optimizer_steps = 0
@@ -132,9 +139,12 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
         return k_r, None
     G, d_n, d_c = w.w_uk.shape
     B, T = c_kv.shape[:2]
-    # Every group reads the same c: one GEMM against all groups' W_UK rows [G d_n, d_c], a view
-    # both of qkmla's [G, d_n, d_c] and of vLLM's W_UK_T (a permuted [d_c, h, d_n]), so no copy.
-    k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
+    # Every group reads the same c: one GEMM against all groups' W_UK rows [G d_n, d_c]; for the
+    # few new tokens of a decode step in bfloat16 on a CPU, the kernel over its packed copy.
+    if w.w_uk_packed is not None:
+        k_c = small_linear(c_kv, w.w_uk_packed).view(B, T, G, d_n)
+    else:
+        k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
     if k_norm.mode == "blockwise" and k_norm.scope == "head":
         return k_norm.rope(k_r), content_key_scalars(k_c, k_norm)
     sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope

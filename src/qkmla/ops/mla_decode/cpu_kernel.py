@@ -6,12 +6,11 @@ GPU), on AVX-512 BF16 dot products. The torch backend instead gathers each chunk
 contiguous buffers for its GEMMs and reads the scalars in passes of their own; here a QK-normed
 decode costs plain MLA's pass plus the scalars' bytes and one multiply per score.
 
-The kernel is compiled on first use with PyTorch's C++ extension loader (a C++ compiler and
-ninja on the machine; 9 s on 2 idle cores here, longer under load; then cached under ``TORCH_EXTENSIONS_DIR`` in a
-directory named for this source, its flags and the torch version, so environments with other
-torch builds do not rebuild each other's). :func:`cpu_unsupported` says why it cannot run (no
-AVX-512 BF16, no compiler, an input it does not take); ``"auto"`` then keeps the torch backend
-(a failed build is reported once, as a warning). ``QKMLA_CPU_KERNEL=0`` turns the kernel off.
+The kernel is compiled on first use, with qkmla's other CPU kernels (``ops/cpu_extension.py``:
+a C++ compiler and ninja on the machine, 9 s here, then cached). :func:`cpu_unsupported` says
+why it cannot run (no AVX-512 BF16, no compiler, an input it does not take); ``"auto"`` then
+keeps the torch backend (a failed build is reported once, as a warning). ``QKMLA_CPU_KERNEL=0``
+turns the kernels off.
 
 What it takes: bfloat16 queries and dense bfloat16 rows with contiguous channels (the cache's
 own tensor or a column view of wider rows, as vLLM's), key scalars in bfloat16 or float32 at any
@@ -20,81 +19,18 @@ row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import shutil
-import sys
-import time
-import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+from ..cpu_extension import build
+
 MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
 # "auto" takes the kernel up to this many query heads per sequence (S_q x H): it reads the keys
 # once per query token, where the torch backend's GEMMs take every query head of a sequence at
 # once, so past this the GEMMs are not reliably slower (benchmarks/bench_cpu_kernel.py).
 AUTO_MAX_QUERY_HEADS = 32
 MIN_KEYS_PER_SPLIT = 512  # below this a split's merge costs more than its parallelism gains
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
-STALE_LOCK_S = 600  # a build lock older than this was left by a build that died (no build takes so long)
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(check()) if check is not None else False
-
-
-def _extension_name() -> str:
-    """One build per source, flags and torch build: a name the loader keys its directory by."""
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
-    return f"qkmla_cpu_decode_{digest.hexdigest()[:12]}"
-
-
-def _clear_stale_lock(name: str) -> None:
-    """The loader waits without a timeout on a lock file that a killed build leaves behind."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-    except ImportError:  # a private helper; without it a stale lock is the loader's to handle
-        return
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-
-
-@functools.lru_cache(maxsize=None)
-def _build() -> Optional[str]:
-    """Compile and load the kernel once per process; the reason it cannot be, or None."""
-    if os.environ.get("QKMLA_CPU_KERNEL", "1") == "0":
-        return "the CPU kernel is turned off (QKMLA_CPU_KERNEL=0)"
-    if sys.platform != "linux":
-        return f"the CPU kernel is built on Linux only, this is {sys.platform}"
-    if not _cpu_has_avx512_bf16():
-        return "the CPU kernel needs AVX-512 BF16 (vdpbf16ps), which this CPU lacks"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "the CPU kernel is compiled on first use and needs a C++ compiler (c++, or $CXX)"
-    try:
-        from torch.utils.cpp_extension import load, verify_ninja_availability
-        verify_ninja_availability()
-    except Exception:  # RuntimeError: ninja is not installed
-        return "the CPU kernel is compiled on first use and needs ninja (pip install ninja)"
-    try:
-        name = _extension_name()
-        _clear_stale_lock(name)
-        load(name=name, sources=[str(SOURCE)], is_python_module=False, verbose=False, extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # a failed build leaves the torch backend; the reason is reported
-        last = (str(exc).strip().splitlines() or [""])[-1][:300]
-        reason = f"the CPU kernel did not build: {type(exc).__name__}: {last}"
-        warnings.warn(f"qkmla: {reason}; decoding through the torch backend instead", RuntimeWarning, stacklevel=2)
-        return reason
-    return None
 
 
 def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
@@ -110,7 +46,7 @@ def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype]
                 f"kv_format={kv_format!r}{'' if dtype is None else f', {dtype} queries'}; use 'torch' or 'auto'")
     if d_c % 32 or d_r % 2:
         return f"q_lat, q_rope: the CPU kernel needs d_c a multiple of 32 and d_r even, got {d_c}, {d_r}"
-    reason = _build()
+    reason = build()
     return None if reason is None else f"backend: {reason}; use 'torch' or 'auto'"
 
 
@@ -162,7 +98,7 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     Returns:
         out [B, S_q, H, d_c] bf16, lse [B, S_q, H] float32 (-inf, out 0, where no key is visible).
     """
-    reason = _build()
+    reason = build()
     if reason is not None:
         raise ValueError(f"backend: {reason}; use 'torch' or 'auto'")
     B, S_q, H, d_c = q_lat.shape

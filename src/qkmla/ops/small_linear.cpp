@@ -1,0 +1,112 @@
+// x W^T for a few rows of bfloat16 x against a prepacked W: the decode step's new-token GEMMs
+// (a QK-normed layer's key scalars read every W_UK row for one to a few tokens), which are
+// matrix-vector products where a GEMM library's blocking and call overhead do not pay.
+//
+//   y[t, n] = sum_k x[t, k] W[n, k]      x [T, K], W [N, K], y [T, N]
+//
+// W is packed once (small_linear.py, pack_weight) as [ceil(N / 64)][K / 2][64][2]: a tile of 64
+// output columns, and for each pair of K the two values of each column side by side. A tile's
+// 64 sums are the lanes of 4 zmm registers, and each pair of x's row is broadcast to all lanes
+// for an AVX-512 BF16 dot product (vdpbf16ps: two bf16 products summed into a float32 lane), so
+// no horizontal sums are needed, W is read once whatever T is, and a tile stays in L2 across the
+// passes over x (4 rows of x at a time: 16 accumulators). Each output is summed in float32 and
+// rounded to bf16 once, as PyTorch's bf16 GEMMs do.
+//
+// Past max_rows rows of x (a prefill) the product goes to at::linear on the unpacked weight,
+// where a GEMM library has the better blocking and AMX tiles where the CPU has them.
+#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t TILE = 64;  // output columns per tile: 4 zmm of float32 sums
+constexpr int64_t ROWS = 4;   // rows of x per pass over a tile: 16 accumulators, 4 registers for W
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+inline uint16_t round_bf16(float v) {  // round to nearest even; NaN stays a (quiet) NaN
+  if (std::isnan(v)) return 0x7FC0u;
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// y[t0 .. t0 + R, tile columns] for one tile of packed W, [K / 2][TILE][2].
+template <int R>
+void tile_rows(const uint16_t* x, int64_t sx, const uint16_t* wt, int64_t pairs, uint16_t* y, int64_t sy,
+               int64_t cols) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* wp = wt + p * 2 * TILE;
+    const __m512bh w0 = as_bh(_mm512_loadu_si512(wp)), w1 = as_bh(_mm512_loadu_si512(wp + 32)),
+                   w2 = as_bh(_mm512_loadu_si512(wp + 64)), w3 = as_bh(_mm512_loadu_si512(wp + 96));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * sx + 2 * p, 4);
+      const __m512bh xv = as_bh(_mm512_set1_epi32(pair));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xv);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xv);
+    }
+  }
+  alignas(64) float out[TILE];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(out + 16 * c, acc[r][c]);
+    for (int64_t j = 0; j < cols; ++j) y[r * sy + j] = round_bf16(out[j]);
+  }
+}
+
+at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t max_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x: bf16 [T, K] with contiguous rows, K even");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+              packed.size(1) * 2 == x.size(1) && packed.size(2) == TILE && packed.size(3) == 2 &&
+              N > (packed.size(0) - 1) * TILE && N <= packed.size(0) * TILE,
+              "packed: contiguous bf16 [ceil(N / 64), K / 2, 64, 2] (pack_weight)");
+  if (max_rows >= 0 && x.size(0) > max_rows)
+    return at::linear(x, packed.permute({0, 2, 1, 3}).reshape({-1, x.size(1)}).narrow(0, 0, N));
+  const int64_t T = x.size(0), pairs = packed.size(1), tiles = packed.size(0);
+  at::Tensor y = at::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t sx = x.stride(0);
+  // a thread's share is worth the fork only past ~256k products
+  const int64_t grain = std::max<int64_t>(1, 262144 / (TILE * std::max<int64_t>(pairs, 1) * 2 * T));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const uint16_t* wt = wp + tile * pairs * 2 * TILE;
+      const int64_t cols = std::min(TILE, N - tile * TILE);
+      for (int64_t t = 0; t < T; t += ROWS) {
+        const uint16_t* xt = xp + t * sx;
+        uint16_t* yt = yp + t * N + tile * TILE;
+        switch (std::min(ROWS, T - t)) {
+          case 1: tile_rows<1>(xt, sx, wt, pairs, yt, N, cols); break;
+          case 2: tile_rows<2>(xt, sx, wt, pairs, yt, N, cols); break;
+          case 3: tile_rows<3>(xt, sx, wt, pairs, yt, N, cols); break;
+          default: tile_rows<4>(xt, sx, wt, pairs, yt, N, cols); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(qkmla_cpu, m) {
+  m.def("small_linear(Tensor x, Tensor packed, int N, int max_rows) -> Tensor");
+  m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear_cpu));
+}

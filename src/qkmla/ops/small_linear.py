@@ -1,0 +1,87 @@
+"""x W^T for a few rows of bfloat16 x on the CPU: ``small_linear.cpp``, with ``F.linear`` as its reference.
+
+A decode step multiplies a handful of new tokens by a weight; a QK-normed layer's key scalars
+need every head's content key c W_UK for each new token (``attention.absorbed.key_scalars``).
+At one to a few rows that product is a matrix-vector product, and oneDNN's bfloat16 GEMM (what
+``F.linear`` calls on a CPU without AMX) spends more on its call and its blocking than on the
+products. The kernel reads a weight packed once (:func:`pack_weight`), 64 output columns to a
+tile, with AVX-512 BF16 dot products, and sums in float32 with one rounding to bfloat16 at the
+end, as the GEMM does (``benchmarks/bench_small_linear.py`` times the two side by side).
+
+It is compiled with qkmla's other CPU kernels (``cpu_extension.py``). Where it cannot run (no
+AVX-512 BF16, no compiler, a weight that is not a CPU bfloat16 matrix with K even),
+:func:`pack_weight` returns None and callers keep ``F.linear``. The op has a fake
+implementation, so it traces under ``torch.compile`` (vLLM compiles the layer that calls it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+
+from .cpu_extension import build
+
+TILE = 64  # output columns per packed tile (small_linear.cpp)
+# Rows of x past which the product goes to a GEMM library on CPUs with AMX tiles, whose bf16
+# GEMMs then outrun vdpbf16ps; without AMX the kernel keeps pace with oneDNN at every T here
+# (bench_small_linear.py), so it takes them all. Not measured on an AMX machine.
+MAX_ROWS_WITH_AMX = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """W [N, K] packed for the kernel: ``packed`` [ceil(N / 64), K / 2, 64, 2] bf16, ``N`` its rows,
+    ``max_rows`` the rows of x up to which the kernel runs (-1: all), past which a GEMM does."""
+
+    packed: torch.Tensor
+    N: int
+    max_rows: int
+
+    def unpack(self) -> torch.Tensor:
+        """W [N, K] (a copy)."""
+        tiles, pairs = self.packed.shape[:2]
+        return self.packed.permute(0, 2, 1, 3).reshape(tiles * TILE, 2 * pairs)[:self.N]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_unavailable() -> Optional[str]:
+    """Why the kernel cannot run here, or None, with the op's fake registered once it can."""
+    reason = build()
+    if reason is None:
+        torch.library.register_fake("qkmla_cpu::small_linear")(_fake)
+    return reason
+
+
+def _fake(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], N)
+
+
+def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
+    """W [N, K] -> its packed copy for :func:`small_linear`, or None where the kernel cannot take it
+    (not a CPU bfloat16 matrix with K even, or the kernel does not run on this machine).
+
+    Call it outside ``torch.compile`` (it may build the kernel)."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        return None
+    if _kernel_unavailable() is not None:
+        return None
+    N, K = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -N % TILE))
+    packed = padded.view(-1, TILE, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return PackedWeight(packed, N, MAX_ROWS_WITH_AMX if amx else -1)
+
+
+def small_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N], with W packed by :func:`pack_weight`.
+
+    The kernel takes CPU bfloat16 x outside autograd; anything else (another dtype, x that
+    needs a gradient) goes through ``F.linear`` on the unpacked weight, the reference."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and x.requires_grad):
+        return torch.nn.functional.linear(x, w.unpack().to(x.dtype))
+    lead, K = x.shape[:-1], x.shape[-1]
+    y = torch.ops.qkmla_cpu.small_linear(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows)
+    return y.view(*lead, w.N)

@@ -1,0 +1,99 @@
+"""The CPU kernel for x W^T over a few rows (``ops/small_linear.cpp``) against float64 and ``F.linear``.
+
+The kernel sums each output's K products in float32 and rounds it to bfloat16 once, so every
+output is within half a bfloat16 step of the float64 product, plus float32 summation error.
+Skipped where the kernel cannot run (no AVX-512 BF16, no compiler), with the reason.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from qkmla.ops import small_linear as sl
+from qkmla.ops.cpu_extension import build
+
+REASON = build()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+
+
+def operands(T, N, K, lead=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, T, K, generator=g).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    return x, w
+
+
+def check_rounded_once(y, x, w):
+    """Each output within half a bf16 step of the float64 product, plus float32 summation error."""
+    ref = x.double() @ w.double().T
+    slack = ref.abs() * 2.0 ** -8 + x.shape[-1] * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T)
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert ((y.double() - ref).abs() <= slack).all(), (y.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("N,K", [(512, 512), (100, 96), (1, 2), (64, 34), (130, 512)])
+def test_the_kernel_rounds_the_float64_product_once(T, N, K):
+    x, w = operands(T, N, K)
+    packed = sl.pack_weight(w)
+    assert packed is not None and torch.equal(packed.unpack(), w)
+    check_rounded_once(sl.small_linear(x, packed), x, w)
+
+
+def test_leading_dimensions_and_strided_rows_are_taken():
+    x, w = operands(5, 96, 64, lead=(2, 3))
+    y = sl.small_linear(x, sl.pack_weight(w))
+    assert y.shape == (2, 3, 5, 96)
+    check_rounded_once(y, x, w)
+    wide = torch.randn(7, 80).bfloat16()  # rows of 64 channels inside rows of 80, as a split leaves them
+    check_rounded_once(sl.small_linear(wide[:, :64], sl.pack_weight(w)), wide[:, :64], w)
+
+
+def test_no_rows_gives_an_empty_product():
+    x, w = operands(0, 96, 64)
+    assert sl.small_linear(x, sl.pack_weight(w)).shape == (0, 96)
+
+
+def test_past_max_rows_the_product_is_the_gemm_librarys():
+    x, w = operands(7, 100, 96)
+    packed = dataclasses.replace(sl.pack_weight(w), max_rows=4)
+    assert torch.equal(sl.small_linear(x, packed), torch.nn.functional.linear(x, w))
+    check_rounded_once(sl.small_linear(x[:4], packed), x[:4], w)
+
+
+def test_a_nan_row_stays_in_its_row():
+    x, w = operands(3, 70, 64)
+    x[1, 5] = float("nan")
+    y = sl.small_linear(x, sl.pack_weight(w))
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+
+
+def test_other_dtypes_and_autograd_go_through_f_linear():
+    x, w = operands(3, 70, 64)
+    packed = sl.pack_weight(w)
+    xf = x.float().requires_grad_()
+    y = sl.small_linear(xf, packed)
+    assert y.dtype == torch.float32 and torch.equal(y, torch.nn.functional.linear(xf, w.float()))
+    y.sum().backward()
+    torch.testing.assert_close(xf.grad, w.float().sum(0).expand(3, 64))
+    xb = x.clone().requires_grad_()
+    sl.small_linear(xb, packed).sum().backward()
+    assert xb.grad is not None
+
+
+def test_what_the_kernel_cannot_take_is_not_packed(monkeypatch):
+    w = torch.randn(64, 32)
+    assert sl.pack_weight(w) is None  # float32
+    assert sl.pack_weight(w.bfloat16()[:, :31]) is None  # K odd
+    assert sl.pack_weight(w.bfloat16()[None]) is None  # not a matrix
+    monkeypatch.setattr(sl, "_kernel_unavailable", lambda: "off")
+    assert sl.pack_weight(w.bfloat16()) is None
+
+
+def test_compiled_with_dynamic_rows_equals_eager():
+    x, w = operands(9, 130, 96)
+    packed = sl.pack_weight(w)
+    f = torch.compile(lambda x: sl.small_linear(x, packed) * 2, fullgraph=True, dynamic=True)
+    for T in (1, 4, 9):
+        assert torch.equal(f(x[:T]), sl.small_linear(x[:T], packed) * 2)
