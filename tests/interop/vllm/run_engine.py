@@ -38,18 +38,21 @@ def qk_layers(model) -> list:
 
 
 def key_weights_read_in_place(model) -> list:
-    """For each QK-normed layer of one rank: whether the key scalars' GEMM reads its W_UK
-    [h, d_n, d_c] as one [h d_n, d_c] matrix without copying it (on every step otherwise)."""
+    """For each QK-normed layer of one rank, how the key scalars' GEMM reads W_UK: "packed" (the
+    CPU kernel's copy, ``ops.small_linear``), "in place" (W_UK [h, d_n, d_c] read as one
+    [h d_n, d_c] matrix without a copy) or "copied" (on every step)."""
     from qkmla.interop.vllm.attention import QKNormLatentAttention
 
-    def in_place(w):
+    def how(absorbed):
+        if absorbed.w_uk_packed is not None:
+            return "packed"
+        w = absorbed.w_uk
         try:
-            return w.view(-1, w.shape[-1]).data_ptr() == w.data_ptr()
+            return "in place" if w.view(-1, w.shape[-1]).data_ptr() == w.data_ptr() else "copied"
         except RuntimeError:  # view: the strides allow no such matrix
-            return False
+            return "copied"
 
-    return [in_place(m.absorbed.w_uk) for m in model.modules()
-            if isinstance(m, QKNormLatentAttention) and m.k_norm is not None]
+    return [how(m.absorbed) for m in model.modules() if isinstance(m, QKNormLatentAttention) and m.k_norm is not None]
 
 
 def cache_row_widths(model) -> list:

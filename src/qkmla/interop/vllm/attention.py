@@ -42,7 +42,6 @@ from vllm.model_executor.layers.attention import MLAAttention
 
 from ...attention.absorbed import AbsorbedWeights, content_key_scalars, key_scalars, score_mode
 from ...norms import make_qk_norms
-from ...ops.small_linear import pack_weight
 from ...ops.mla_decode.torch_impl import fold_head_scale
 
 
@@ -118,19 +117,14 @@ class QKNormLatentAttention(nn.Module):
         gives), as a view of ``kv_b_proj``'s weight in which each head's W_UV rows lie between
         its W_UK rows and the next head's. The key scalars' GEMM reads W_UK as one [h d_n, d_c]
         matrix, which that view cannot be without a copy, made on every step: a QK-normed layer
-        keeps one copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight), packed for
-        qkmla's CPU kernel where it runs (``ops.small_linear``: bfloat16 on a CPU with AVX-512
-        BF16; built here, before vLLM compiles the forward that calls it), contiguous elsewhere.
+        keeps one contiguous copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight).
         vLLM's own query absorption keeps reading its view, as a plain layer's does."""
-        gamma_qk, w_uk, packed = None, self.mla_attn.W_UK_T, None
+        gamma_qk, w_uk = None, self.mla_attn.W_UK_T
         if self.q_norm is not None:
             gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
         if self.k_norm is not None:
-            packed = pack_weight(w_uk.detach().reshape(-1, w_uk.shape[-1]))
-            if packed is None:
-                w_uk = w_uk.detach().contiguous()
-        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2),
-                                        w_uk_packed=packed)
+            w_uk = w_uk.detach().contiguous()
+        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2))
 
     def _projections(self, x: torch.Tensor):
         """x [T, hidden] -> (q [T, h, d_n + d_r], c [T, d_c] after kv_a_layernorm, k~^R [T, d_r])."""
