@@ -81,10 +81,10 @@ def main(argv=None) -> int:
 
     from qkmla.files import write_text
     from qkmla.machine import machine, recorded_command, source_commit
-    from qkmla.ops.small_linear import MAX_ROWS_WITH_AMX, _kernel_unavailable
+    from qkmla.ops.small_linear import MAX_ROWS_WITH_AMX, kernel_unavailable
 
     check_out(p, args.out, args.overwrite)  # before any work
-    reason = _kernel_unavailable()
+    reason = kernel_unavailable()
     if reason is not None:
         p.error(f"the CPU kernel cannot run here: {reason}")
     threads = torch.get_num_threads()

@@ -256,10 +256,10 @@ def test_bench_cpu_kernel_times_the_kernel_beside_the_torch_backend(tmp_path):
 
 
 def test_bench_small_linear_times_the_kernel_beside_f_linear(tmp_path):
-    from qkmla.ops.small_linear import _kernel_unavailable
+    from qkmla.ops.small_linear import kernel_unavailable
 
-    if _kernel_unavailable() is not None:
-        pytest.skip(_kernel_unavailable())
+    if kernel_unavailable() is not None:
+        pytest.skip(kernel_unavailable())
     bench, out, threads = load("bench_small_linear"), tmp_path / "linear.json", torch.get_num_threads()
     assert bench.main(["--shapes", "128x64", "--rows", "1", "5", "--threads", "1", "--reps", "1", "--calls", "2",
                        "--out", str(out)]) == 0

@@ -87,7 +87,7 @@ def test_what_the_kernel_cannot_take_is_not_packed(monkeypatch):
     assert sl.pack_weight(w) is None  # float32
     assert sl.pack_weight(w.bfloat16()[:, :31]) is None  # K odd
     assert sl.pack_weight(w.bfloat16()[None]) is None  # not a matrix
-    monkeypatch.setattr(sl, "_kernel_unavailable", lambda: "off")
+    monkeypatch.setattr(sl, "kernel_unavailable", lambda: "off")
     assert sl.pack_weight(w.bfloat16()) is None
 
 

@@ -30,6 +30,7 @@ import torch
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "mla_decode" / "cpu_kernel.cpp", HERE / "small_linear.cpp")
+HEADERS = (HERE / "bf16.h",)  # included by the sources; in the build's name, so a change rebuilds
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 STALE_LOCK_S = 600  # a build lock older than this was left by a build that died (no build takes so long)
 
@@ -40,8 +41,8 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def extension_name() -> str:
-    """One build per sources, flags and torch build: a name the loader keys its directory by."""
-    digest = hashlib.sha1(b"".join(source.read_bytes() for source in SOURCES) + " ".join(CFLAGS).encode()
+    """One build per sources (headers included), flags and torch build: a name the loader keys its directory by."""
+    digest = hashlib.sha1(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
                           + torch.__version__.encode())
     return f"qkmla_cpu_{digest.hexdigest()[:12]}"
 

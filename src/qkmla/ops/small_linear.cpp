@@ -24,20 +24,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int64_t TILE = 64;  // output columns per tile: 4 zmm of float32 sums
 constexpr int64_t ROWS = 4;   // rows of x per pass over a tile: 16 accumulators, 4 registers for W
-
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-inline uint16_t round_bf16(float v) {  // round to nearest even; NaN stays a (quiet) NaN
-  if (std::isnan(v)) return 0x7FC0u;
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // y[t0 .. t0 + R, tile columns] for one tile of packed W, [K / 2][TILE][2].
 template <int R>
@@ -51,9 +43,7 @@ void tile_rows(const uint16_t* x, int64_t sx, const uint16_t* wt, int64_t pairs,
     const __m512bh w0 = as_bh(_mm512_loadu_si512(wp)), w1 = as_bh(_mm512_loadu_si512(wp + 32)),
                    w2 = as_bh(_mm512_loadu_si512(wp + 64)), w3 = as_bh(_mm512_loadu_si512(wp + 96));
     for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * sx + 2 * p, 4);
-      const __m512bh xv = as_bh(_mm512_set1_epi32(pair));
+      const __m512bh xv = as_bh(_mm512_set1_epi32(pair_at(x + r * sx, p)));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xv);
@@ -63,7 +53,7 @@ void tile_rows(const uint16_t* x, int64_t sx, const uint16_t* wt, int64_t pairs,
   alignas(64) float out[TILE];
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < 4; ++c) _mm512_store_ps(out + 16 * c, acc[r][c]);
-    for (int64_t j = 0; j < cols; ++j) y[r * sy + j] = round_bf16(out[j]);
+    for (int64_t j = 0; j < cols; ++j) y[r * sy + j] = to_bf16(out[j]);
   }
 }
 

@@ -47,7 +47,7 @@ class PackedWeight:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_unavailable() -> Optional[str]:
+def kernel_unavailable() -> Optional[str]:
     """Why the kernel cannot run here, or None, with the op's fake registered once it can."""
     reason = build()
     if reason is None:
@@ -66,7 +66,7 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     Call it outside ``torch.compile`` (it may build the kernel)."""
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return None
-    if _kernel_unavailable() is not None:
+    if kernel_unavailable() is not None:
         return None
     N, K = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -N % TILE))

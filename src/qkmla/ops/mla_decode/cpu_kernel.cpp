@@ -35,28 +35,13 @@
 #include <limits>
 #include <vector>
 
+#include "../bf16.h"
+
 namespace {
 
 constexpr int LANES = 16;      // heads per work item (one zmm of float32 scores)
 constexpr int CHUNK = 32;      // keys per softmax fold: their interleaved rows stay in L1/L2
 constexpr int MODE_PLAIN = 0, MODE_BLOCKWISE = 1, MODE_UNIFIED = 2;
-
-inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-// Two bf16 values of a row as one 32-bit word (rows may start at any 2-byte boundary).
-inline int32_t pair_at(const uint16_t* row, int64_t p) {
-  int32_t v;
-  std::memcpy(&v, row + 2 * p, 4);
-  return v;
-}
-
-inline uint16_t to_bf16(float v) {  // round to nearest even; NaN stays a (quiet) NaN
-  if (std::isnan(v)) return 0x7FC0u;
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // exp(x) for 16 lanes: x = n ln2 + t with |t| <= ln2 / 2, exp(t) by a degree-6 polynomial,
 // 2^n applied by scalef (which gives 0 below the float range, so exp(-inf) = 0; NaN stays NaN).
