@@ -26,15 +26,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_paged_layouts import BLOCK, paired, point  # noqa: E402 (blocks, points and pairs timed alike)
+from recipe_common import positive  # noqa: E402
 
 D_C, D_R = 512, 64
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
 
 
 def calls(heads: int, queries: int, context: int, batch: int, seed: int = 0) -> dict:

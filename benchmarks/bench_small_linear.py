@@ -27,13 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_paged_layouts import paired  # noqa: E402 (pairs timed alike)
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
+from recipe_common import positive  # noqa: E402
 
 
 def shape(text: str) -> tuple[int, int]:

@@ -1,15 +1,24 @@
-"""What the benchmark scripts share: the refusal of an existing --out (every script that writes
-one), and for the transformers recipes (hf_qknorm_recipe.py, gqa_convert_recipe.py) and
+"""What the benchmark scripts share: a positive-int argument type, the refusal of an existing
+--out (every script that writes one), and for the transformers recipes (hf_qknorm_recipe.py, gqa_convert_recipe.py) and
 vllm_serving.py the refusal to reuse work directories, the results record written after every
 stage, and the embedded Shakespeare's plays as byte tokens."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import time
 from pathlib import Path
+
+
+def positive(text: str) -> int:
+    """An argparse type: an int >= 1, refused naming the value otherwise."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
 
 
 def check_out(parser, out, overwrite: bool) -> None:
