@@ -228,7 +228,7 @@ def test_absorbed_weights_fold_both_norm_weights():
     assert make(qk_norm=None).absorbed.gamma_qk is None
 
 
-@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+@pytest.mark.parametrize("mode", ["blockwise", "unified", "content"])
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["rms", "l2", "lp"])
 def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
@@ -247,7 +247,43 @@ def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
     torch.testing.assert_close(key_scale, want.squeeze(-1), rtol=1e-12, atol=1e-12)
     if mode == "blockwise":
         torch.testing.assert_close(k_rope, mla.k_norm.rope(k_r), rtol=1e-12, atol=1e-12)
+    else:  # the scalar scales the whole logit; the stored RoPE key keeps its weight only
+        torch.testing.assert_close(k_rope, k_r * mla.k_norm.rope.weight, rtol=1e-12, atol=1e-12)
     assert key_scale.shape == (2, 3, groups) and key_scale.std() > 1e-3  # per-group scalars that differ
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "content"])
+@pytest.mark.parametrize("kind", ["rms", "lp"])
+def test_key_scalars_from_the_latent_through_the_cpu_kernel_match_the_gemms(kind, mode):
+    """In bfloat16 on a CPU with the kernel, absorb() packs W_UK and the scalars come from the
+    kernel's group moments (``latent_key_scalars``); they equal the statistic of F.linear's
+    bfloat16 content keys to the two GEMMs' summation order."""
+    from qkmla.attention.absorbed import content_key_scalars, latent_key_scalars
+    from qkmla.ops.small_linear import kernel_unavailable
+
+    if kernel_unavailable() is not None:
+        pytest.skip(kernel_unavailable())
+    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=2, qk_norm_mode=mode, dtype=torch.bfloat16)
+    w = mla.absorbed
+    assert w.w_uk_packed is not None
+    c_kv = torch.randn(2, 5, mla.config.kv_lora_rank).bfloat16()
+    G, d_n, d_c = w.w_uk.shape
+    k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).unflatten(-1, (G, d_n))
+    got = latent_key_scalars(c_kv, mla.k_norm, w)
+    assert got.dtype == torch.float32 and got.shape == (2, 5, G)
+    torch.testing.assert_close(got, content_key_scalars(k_c, mla.k_norm), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("settings", [dict(qk_norm_mode="unified"), dict(qk_norm_scope="projection")])
+def test_key_scalars_that_read_more_than_the_latent_are_not_formed_from_it(settings):
+    """A unified statistic reads the RoPE key, a projection-scope one every head: the latent
+    alone does not give them (None), and key_scalars forms them from both keys."""
+    from qkmla.attention.absorbed import latent_key_scalars, reads_content_only
+
+    mla = make(qk_norm="rms", **settings)
+    assert not reads_content_only(mla.k_norm)
+    assert latent_key_scalars(torch.randn(1, 2, mla.config.kv_lora_rank, dtype=torch.float64), mla.k_norm,
+                              mla.absorbed) is None
 
 
 @pytest.mark.parametrize("which", ["q_norm", "k_norm"])

@@ -97,3 +97,61 @@ def test_compiled_with_dynamic_rows_equals_eager():
     f = torch.compile(lambda x: sl.small_linear(x, packed) * 2, fullgraph=True, dynamic=True)
     for T in (1, 4, 9):
         assert torch.equal(f(x[:T]), sl.small_linear(x[:T], packed) * 2)
+
+
+@pytest.mark.parametrize("p", [2.0, 3.0, 1.5])
+@pytest.mark.parametrize("T", [1, 4, 9])
+@pytest.mark.parametrize("N,K,group", [(512, 512, 32), (512, 96, 128), (100, 96, 20), (130, 64, 130)])
+def test_moments_are_each_groups_moment_of_the_rounded_product(p, T, N, K, group):
+    """sum |y|^p over each group of outputs (groups inside a tile, across tiles, one for all),
+    y as small_linear rounds it: to float32 summation order."""
+    from qkmla.norms import moment
+
+    x, w = operands(T, N, K, seed=1)
+    packed = sl.pack_weight(w)
+    m = sl.small_linear_moments(x, packed, group, p)
+    y = sl.small_linear(x, packed)
+    want = moment(y.unflatten(-1, (-1, group)), "lp", p).squeeze(-1)
+    assert m.dtype == torch.float32 and m.shape == (T, N // group)
+    torch.testing.assert_close(m, want, rtol=group * 2.0 ** -22, atol=0)
+    assert m.numel() == 1 or m.std() > 0  # groups that differ
+
+
+def test_moments_take_leading_dimensions_strided_rows_and_the_gemm_librarys_rows():
+    x, w = operands(5, 96, 64, lead=(2, 3))
+    packed = sl.pack_weight(w)
+    m = sl.small_linear_moments(x, packed, 32)
+    assert m.shape == (2, 3, 5, 3)
+    torch.testing.assert_close(m[1, 2], sl.small_linear_moments(x[1, 2].clone(), packed, 32))
+    wide = torch.randn(7, 80).bfloat16()
+    torch.testing.assert_close(sl.small_linear_moments(wide[:, :64], packed, 32),
+                               sl.small_linear_moments(wide[:, :64].contiguous(), packed, 32))
+    gemm = dataclasses.replace(packed, max_rows=2)
+    want = sl.small_linear(x[0, 0], gemm).float().unflatten(-1, (3, 32)).square().sum(-1)
+    torch.testing.assert_close(sl.small_linear_moments(x[0, 0], gemm, 32), want, rtol=1e-6, atol=0)
+
+
+def test_moments_of_other_dtypes_are_the_torch_reference():
+    x, w = operands(3, 96, 64)
+    m = sl.small_linear_moments(x.double(), sl.pack_weight(w), 32, 3.0)
+    want = (x.double() @ w.double().T).abs().pow(3).unflatten(-1, (3, 32)).sum(-1)
+    assert m.dtype == torch.float64
+    torch.testing.assert_close(m, want)
+
+
+def test_moments_refuse_a_group_that_does_not_divide_the_rows_and_p_not_positive():
+    x, w = operands(3, 96, 64)
+    packed = sl.pack_weight(w)
+    for group in (0, 5, 192):
+        with pytest.raises(ValueError, match="group: expected a positive divisor of the weight's 96 rows"):
+            sl.small_linear_moments(x, packed, group)
+    with pytest.raises(ValueError, match="p: expected p > 0"):
+        sl.small_linear_moments(x, packed, 32, 0.0)
+
+
+def test_moments_compiled_with_dynamic_rows_equal_eager():
+    x, w = operands(9, 128, 96)
+    packed = sl.pack_weight(w)
+    f = torch.compile(lambda x: sl.small_linear_moments(x, packed, 32).rsqrt(), fullgraph=True, dynamic=True)
+    for T in (1, 4, 9):
+        torch.testing.assert_close(f(x[:T]), sl.small_linear_moments(x[:T], packed, 32).rsqrt())

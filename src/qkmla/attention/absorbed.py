@@ -27,8 +27,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
-from ..norms import QKNorm, rows_per_head
-from ..ops.small_linear import PackedWeight, pack_weight, small_linear
+from ..norms import QKNorm, rows_per_head, statistic_from_moment
+from ..ops.small_linear import PackedWeight, pack_weight, small_linear, small_linear_moments
 
 
 @dataclass
@@ -137,6 +137,9 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     """
     if k_norm is None:
         return k_r, None
+    r = latent_key_scalars(c_kv, k_norm, w)
+    if r is not None:  # the scalar reads c alone
+        return rope_key(k_r, k_norm), r
     G, d_n, d_c = w.w_uk.shape
     B, T = c_kv.shape[:2]
     # Every group reads the same c: one GEMM against all groups' W_UK rows [G d_n, d_c]; for the
@@ -145,21 +148,52 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
         k_c = small_linear(c_kv, w.w_uk_packed).view(B, T, G, d_n)
     else:
         k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
-    if k_norm.mode == "blockwise" and k_norm.scope == "head":
-        return k_norm.rope(k_r), content_key_scalars(k_c, k_norm)
     sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope
     if k_norm.mode == "blockwise":
         return k_norm.rope.scaled(k_r, sigma_r), sigma.squeeze(-1)
     return k_r * cast(k_norm.rope.weight, k_r.dtype), sigma.squeeze(-1)
 
 
+def reads_content_only(k_norm: QKNorm) -> bool:
+    """Whether a key's scalar is a function of its own content key alone: every mode but unified
+    (whose statistic reads the RoPE key too), with one statistic per head (not the projection's)."""
+    return k_norm.mode != "unified" and k_norm.scope == "head"
+
+
 def content_key_scalars(k_c: torch.Tensor, k_norm: QKNorm) -> Optional[torch.Tensor]:
     """Key scalars [..., G] from the content keys k_c = c W_UK [..., G, d_n] alone (what
     :func:`key_scalars` caches), or None where the scalar also reads the RoPE key before its
     weight and rotation (unified mode) or other heads (the projection scope)."""
-    if k_norm.mode == "unified" or k_norm.scope != "head":
+    if not reads_content_only(k_norm):
         return None
     return k_norm.content.statistic(k_c).squeeze(-1)
+
+
+def latent_key_scalars(c_kv: torch.Tensor, k_norm: QKNorm, w: AbsorbedWeights) -> Optional[torch.Tensor]:
+    """c [..., d_c] -> the key scalars [..., G] of :func:`content_key_scalars`, from the latent (None
+    where it gives None).
+
+    Where W_UK is packed for the CPU kernel, the content keys never leave it: it returns each
+    group's moment (``ops.small_linear.small_linear_moments``), from which the norm's statistic
+    follows; elsewhere the keys are formed with one GEMM and reduced here."""
+    if not reads_content_only(k_norm):
+        return None
+    G, d_n, d_c = w.w_uk.shape
+    norm = k_norm.content
+    if w.w_uk_packed is not None:
+        p = norm.p if norm.kind == "lp" else 2.0
+        m = small_linear_moments(c_kv, w.w_uk_packed, d_n, p)
+        return statistic_from_moment(m, d_n, norm.kind, norm.p, norm.eps)
+    k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).unflatten(-1, (G, d_n))
+    return content_key_scalars(k_c, k_norm)
+
+
+def rope_key(k_r: torch.Tensor, k_norm: QKNorm) -> torch.Tensor:
+    """k~^R [..., d_r] as cached where the key scalar reads c alone (:func:`reads_content_only`): with
+    its own norm (blockwise) or only its weight (content mode, whose scalar scales the whole logit)."""
+    if k_norm.mode == "blockwise":
+        return k_norm.rope(k_r)
+    return k_r * cast(k_norm.rope.weight, k_r.dtype)
 
 
 def score_mode(k_norm: Optional[QKNorm]) -> str:

@@ -14,6 +14,13 @@
 //
 // Past max_rows rows of x (a prefill) the product goes to at::linear on the unpacked weight,
 // where a GEMM library has the better blocking and AMX tiles where the CPU has them.
+//
+// small_linear_moments reduces y further, to the moment of each group of consecutive outputs,
+//
+//   m[t, g] = sum_j |y[t, g group + j]|^p      (y as rounded to bf16; p = 2: y^2), float32,
+//
+// a QK norm's moment of each head's content key c W_UK^(g) (qkmla.norms.moment): the key
+// scalars of a decode step's new tokens in one call, with y never leaving the kernel's buffer.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -94,9 +101,36 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
+at::Tensor small_linear_moments_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t max_rows,
+                                    int64_t group, double p) {
+  TORCH_CHECK(group > 0 && N % group == 0, "group: a positive divisor of N = ", N, ", got ", group);
+  TORCH_CHECK(p > 0, "p: expected p > 0, got ", p);
+  const at::Tensor y = small_linear_cpu(x, packed, N, max_rows).contiguous();
+  const int64_t T = y.size(0), groups = N / group;
+  at::Tensor m = at::empty({T, groups}, x.options().dtype(at::kFloat));
+  const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
+  float* mp = m.data_ptr<float>();
+  const bool square = p == 2.0;
+  const float pf = static_cast<float>(p);
+  for (int64_t i = 0; i < T * groups; ++i) {  // T N values: a pass over y in cache
+    const uint16_t* v = yp + i * group;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < group; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(v[j]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      sum += square ? f * f : std::pow(std::fabs(f), pf);
+    }
+    mp[i] = sum;
+  }
+  return m;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(qkmla_cpu, m) {
   m.def("small_linear(Tensor x, Tensor packed, int N, int max_rows) -> Tensor");
   m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear_cpu));
+  m.def("small_linear_moments(Tensor x, Tensor packed, int N, int max_rows, int group, float p) -> Tensor");
+  m.impl("small_linear_moments", c10::DispatchKey::CPU, TORCH_FN(small_linear_moments_cpu));
 }

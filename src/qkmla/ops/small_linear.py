@@ -7,6 +7,8 @@ At one to a few rows that product is a matrix-vector product, and oneDNN's bfloa
 products. The kernel reads a weight packed once (:func:`pack_weight`), 64 output columns to a
 tile, with AVX-512 BF16 dot products, and sums in float32 with one rounding to bfloat16 at the
 end, as the GEMM does (``benchmarks/bench_small_linear.py`` times the two side by side).
+:func:`small_linear_moments` goes one step further for a QK norm's key scalars: the moment of
+each head's block of outputs (``qkmla.norms.moment``), with the outputs never leaving the kernel.
 
 It is compiled with qkmla's other CPU kernels (``cpu_extension.py``). Where it cannot run (no
 AVX-512 BF16, no compiler, a weight that is not a CPU bfloat16 matrix with K even),
@@ -22,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ..norms import moment
 from .cpu_extension import build
 
 TILE = 64  # output columns per packed tile (small_linear.cpp)
@@ -52,11 +55,16 @@ def kernel_unavailable() -> Optional[str]:
     reason = build()
     if reason is None:
         torch.library.register_fake("qkmla_cpu::small_linear")(_fake)
+        torch.library.register_fake("qkmla_cpu::small_linear_moments")(_fake_moments)
     return reason
 
 
 def _fake(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], N)
+
+
+def _fake_moments(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int, group: int, p: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], N // group, dtype=torch.float32)
 
 
 def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
@@ -75,13 +83,37 @@ def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
     return PackedWeight(packed, N, MAX_ROWS_WITH_AMX if amx else -1)
 
 
+def _kernel_takes(x: torch.Tensor) -> bool:
+    """CPU bfloat16 x outside autograd; anything else goes to the torch reference."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and x.requires_grad)
+
+
 def small_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N], with W packed by :func:`pack_weight`.
 
     The kernel takes CPU bfloat16 x outside autograd; anything else (another dtype, x that
     needs a gradient) goes through ``F.linear`` on the unpacked weight, the reference."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or (torch.is_grad_enabled() and x.requires_grad):
+    if not _kernel_takes(x):
         return torch.nn.functional.linear(x, w.unpack().to(x.dtype))
     lead, K = x.shape[:-1], x.shape[-1]
     y = torch.ops.qkmla_cpu.small_linear(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows)
     return y.view(*lead, w.N)
+
+
+def small_linear_moments(x: torch.Tensor, w: PackedWeight, group: int, p: float = 2.0) -> torch.Tensor:
+    """The moment sum_j |y_j|^p of each group of ``group`` consecutive outputs of y = x W^T:
+    x [..., K] -> [..., N / group], float32 (float64 for float64 x).
+
+    y is rounded to x's dtype first, as :func:`small_linear` returns it, so this equals
+    ``qkmla.norms.moment(small_linear(x, w).unflatten(-1, (-1, group)), "lp", p)`` to float32
+    summation order; that is also the path for inputs the kernel does not take."""
+    if group <= 0 or w.N % group:
+        raise ValueError(f"group: expected a positive divisor of the weight's {w.N} rows, got {group}")
+    if not p > 0:
+        raise ValueError(f"p: expected p > 0, got {p}")
+    if not _kernel_takes(x):
+        return moment(small_linear(x, w).unflatten(-1, (-1, group)), "lp", p).squeeze(-1)
+    lead, K = x.shape[:-1], x.shape[-1]
+    m = torch.ops.qkmla_cpu.small_linear_moments(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows,
+                                                 group, float(p))
+    return m.view(*lead, w.N // group)

