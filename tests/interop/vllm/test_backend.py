@@ -63,6 +63,30 @@ def test_the_cache_write_puts_each_row_in_its_slot_and_skips_padding():
     assert int((~flat.isnan().any(-1)).sum()) == 5 + 37  # nothing else written
 
 
+def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
+    """Where the scalar reads c alone the layer hands over [T, 1, d_r]: the write forms r with the
+    function the layer gave (latent_key_scalars) for the written rows only, and refuses to write
+    rows without it."""
+    layer = impl()
+    c, k_r = torch.randn(5, D_C, dtype=torch.float64), torch.randn(5, 1, D_R, dtype=torch.float64)
+    slots = torch.tensor([3, 17, 4, -1])  # one padding token, and a row past the slots (vLLM's padded batch)
+    cache = torch.full((4, BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="call prepare"):
+        layer.do_kv_cache_update(c, k_r, cache, slots, "auto", None)
+    seen = []
+
+    def scalars(latent):
+        seen.append(latent.shape[0])
+        return latent[:, :H].abs() + 0.5
+    layer.latent_key_scalars = scalars
+    layer.do_kv_cache_update(c, k_r, cache, slots, "auto", None)
+    flat = cache.view(-1, cache.shape[-1])
+    assert seen == [4]
+    for i, slot in enumerate([3, 17, 4]):
+        torch.testing.assert_close(flat[slot], torch.cat((c[i], k_r[i, 0], c[i, :H].abs() + 0.5)), rtol=0, atol=0)
+    assert int((~flat.isnan().any(-1)).sum()) == 3
+
+
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])
 def test_a_padded_row_is_written_and_read_without_its_padding(mode):
     """On CUDA a row is padded to a multiple of 8 values (vLLM's context gather loads 16 bytes at a
