@@ -155,3 +155,43 @@ def test_moments_compiled_with_dynamic_rows_equal_eager():
     f = torch.compile(lambda x: sl.small_linear_moments(x, packed, 32).rsqrt(), fullgraph=True, dynamic=True)
     for T in (1, 4, 9):
         torch.testing.assert_close(f(x[:T]), sl.small_linear_moments(x[:T], packed, 32).rsqrt())
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("kind,p", [("rms", 2.0), ("l2", 2.0), ("lp", 3.0), ("lp", 2.0), ("lp", 1.5)])
+def test_the_statistic_is_the_norms_statistic_of_the_moments(kind, p, T):
+    """One op call: statistic_from_moment of small_linear_moments (p for lp, else 2), to float32 rounding."""
+    from qkmla.norms import statistic_from_moment
+
+    x, w = operands(T, 512, 512, seed=2)
+    packed = sl.pack_weight(w)
+    got = sl.small_linear_statistic(x, packed, 32, kind, p, eps=1e-5)
+    want = statistic_from_moment(sl.small_linear_moments(x, packed, 32, p if kind == "lp" else 2.0), 32, kind, p, 1e-5)
+    assert got.dtype == torch.float32 and got.shape == (T, 16)
+    torch.testing.assert_close(got, want, rtol=4 * 2.0 ** -23, atol=0)
+    assert got.std() > 0
+
+
+def test_the_statistic_of_other_dtypes_and_bad_arguments():
+    from qkmla.norms import statistic
+
+    x, w = operands(3, 96, 64)
+    packed = sl.pack_weight(w)
+    got = sl.small_linear_statistic(x.double(), packed, 32, "rms", eps=1e-6)
+    want = statistic((x.double() @ w.double().T).unflatten(-1, (3, 32)), "rms", eps=1e-6).squeeze(-1)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        sl.small_linear_statistic(x, packed, 32, "max")
+    with pytest.raises(ValueError, match="group: expected a positive divisor"):
+        sl.small_linear_statistic(x, packed, 5, "rms")
+    with pytest.raises(ValueError, match="p: expected p > 0"):
+        sl.small_linear_statistic(x, packed, 32, "lp", p=-1.0)
+
+
+def test_the_statistic_compiled_equals_eager():
+    x, w = operands(9, 128, 96)
+    packed = sl.pack_weight(w)
+    f = torch.compile(lambda x: sl.small_linear_statistic(x, packed, 32, "rms") * 2, fullgraph=True, dynamic=True)
+    for T in (1, 9):
+        torch.testing.assert_close(f(x[:T]), sl.small_linear_statistic(x[:T], packed, 32, "rms") * 2)

@@ -27,8 +27,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
-from ..norms import QKNorm, rows_per_head, statistic_from_moment
-from ..ops.small_linear import PackedWeight, pack_weight, small_linear, small_linear_moments
+from ..norms import QKNorm, rows_per_head
+from ..ops.small_linear import PackedWeight, pack_weight, small_linear, small_linear_statistic
 
 
 @dataclass
@@ -174,16 +174,15 @@ def latent_key_scalars(c_kv: torch.Tensor, k_norm: QKNorm, w: AbsorbedWeights) -
     where it gives None).
 
     Where W_UK is packed for the CPU kernel, the content keys never leave it: it returns each
-    group's moment (``ops.small_linear.small_linear_moments``), from which the norm's statistic
-    follows; elsewhere the keys are formed with one GEMM and reduced here."""
+    group's statistic (``ops.small_linear.small_linear_statistic``), in one op call (the vLLM
+    plugin calls this outside a compiled graph); elsewhere the keys are formed with one GEMM and
+    reduced here."""
     if not reads_content_only(k_norm):
         return None
     G, d_n, d_c = w.w_uk.shape
     norm = k_norm.content
     if w.w_uk_packed is not None:
-        p = norm.p if norm.kind == "lp" else 2.0
-        m = small_linear_moments(c_kv, w.w_uk_packed, d_n, p)
-        return statistic_from_moment(m, d_n, norm.kind, norm.p, norm.eps)
+        return small_linear_statistic(c_kv, w.w_uk_packed, d_n, norm.kind, norm.p, norm.eps)
     k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).unflatten(-1, (G, d_n))
     return content_key_scalars(k_c, k_norm)
 

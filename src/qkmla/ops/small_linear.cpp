@@ -21,6 +21,9 @@
 //
 // a QK norm's moment of each head's content key c W_UK^(g) (qkmla.norms.moment): the key
 // scalars of a decode step's new tokens in one call, with y never leaving the kernel's buffer.
+// small_linear_statistic takes the last step too, the norm's statistic of each group (rms:
+// (m / group + eps)^-1/2, l2: (m + eps)^-1/2, lp: (m + eps)^-1/p; qkmla.norms.statistic_from_moment),
+// so that a key scalar costs one op call where it runs outside a compiled graph.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -30,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "bf16.h"
 
@@ -126,6 +130,21 @@ at::Tensor small_linear_moments_cpu(const at::Tensor& x, const at::Tensor& packe
   return m;
 }
 
+at::Tensor small_linear_statistic_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t max_rows,
+                                      int64_t group, c10::string_view kind, double p, double eps) {
+  const bool rms = kind == "rms", l2 = kind == "l2" || (kind == "lp" && p == 2.0), lp = kind == "lp" && !l2;
+  TORCH_CHECK(rms || l2 || lp, "kind: expected 'rms', 'l2' or 'lp', got '", std::string(kind), "'");
+  at::Tensor m = small_linear_moments_cpu(x, packed, N, max_rows, group, lp ? p : 2.0);
+  float* mp = m.data_ptr<float>();
+  // float32 throughout, as the torch reference computes it on float32 moments
+  const float n = static_cast<float>(group), e = static_cast<float>(eps), inv_p = static_cast<float>(-1.0 / p);
+  for (int64_t i = 0; i < m.numel(); ++i) {
+    const float v = mp[i];
+    mp[i] = lp ? std::pow(v + e, inv_p) : 1.0f / std::sqrt(rms ? v / n + e : v + e);
+  }
+  return m;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(qkmla_cpu, m) {
@@ -133,4 +152,7 @@ TORCH_LIBRARY_FRAGMENT(qkmla_cpu, m) {
   m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear_cpu));
   m.def("small_linear_moments(Tensor x, Tensor packed, int N, int max_rows, int group, float p) -> Tensor");
   m.impl("small_linear_moments", c10::DispatchKey::CPU, TORCH_FN(small_linear_moments_cpu));
+  m.def("small_linear_statistic(Tensor x, Tensor packed, int N, int max_rows, int group, str kind, float p, "
+        "float eps) -> Tensor");
+  m.impl("small_linear_statistic", c10::DispatchKey::CPU, TORCH_FN(small_linear_statistic_cpu));
 }

@@ -8,7 +8,8 @@ products. The kernel reads a weight packed once (:func:`pack_weight`), 64 output
 tile, with AVX-512 BF16 dot products, and sums in float32 with one rounding to bfloat16 at the
 end, as the GEMM does (``benchmarks/bench_small_linear.py`` times the two side by side).
 :func:`small_linear_moments` goes one step further for a QK norm's key scalars: the moment of
-each head's block of outputs (``qkmla.norms.moment``), with the outputs never leaving the kernel.
+each head's block of outputs (``qkmla.norms.moment``), with the outputs never leaving the kernel;
+:func:`small_linear_statistic` one more, to the norm's statistic of each block.
 
 It is compiled with qkmla's other CPU kernels (``cpu_extension.py``). Where it cannot run (no
 AVX-512 BF16, no compiler, a weight that is not a CPU bfloat16 matrix with K even),
@@ -24,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..norms import moment
+from ..norms import moment, statistic_from_moment
 from .cpu_extension import build
 
 TILE = 64  # output columns per packed tile (small_linear.cpp)
@@ -56,6 +57,7 @@ def kernel_unavailable() -> Optional[str]:
     if reason is None:
         torch.library.register_fake("qkmla_cpu::small_linear")(_fake)
         torch.library.register_fake("qkmla_cpu::small_linear_moments")(_fake_moments)
+        torch.library.register_fake("qkmla_cpu::small_linear_statistic")(_fake_statistic)
     return reason
 
 
@@ -64,6 +66,11 @@ def _fake(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int) -> torch
 
 
 def _fake_moments(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int, group: int, p: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], N // group, dtype=torch.float32)
+
+
+def _fake_statistic(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int, group: int, kind: str, p: float,
+                    eps: float) -> torch.Tensor:
     return x.new_empty(x.shape[0], N // group, dtype=torch.float32)
 
 
@@ -117,3 +124,22 @@ def small_linear_moments(x: torch.Tensor, w: PackedWeight, group: int, p: float 
     m = torch.ops.qkmla_cpu.small_linear_moments(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows,
                                                  group, float(p))
     return m.view(*lead, w.N // group)
+
+
+def small_linear_statistic(x: torch.Tensor, w: PackedWeight, group: int, kind: str, p: float = 2.0,
+                           eps: float = 1e-6) -> torch.Tensor:
+    """A norm's statistic sigma of each group of ``group`` consecutive outputs of y = x W^T (a QK
+    norm's key scalar of each head, for W = W_UK): x [..., K] -> [..., N / group], float32 (float64
+    for float64 x), in one op call.
+
+    Equals ``qkmla.norms.statistic_from_moment`` of :func:`small_linear_moments` (p for "lp", 2
+    otherwise) to float32 rounding; that is also the path for inputs the kernel does not take."""
+    if kind not in ("rms", "l2", "lp"):
+        raise ValueError(f"kind: expected one of ('rms', 'l2', 'lp'), got {kind!r}")
+    q = p if kind == "lp" else 2.0
+    if not _kernel_takes(x) or group <= 0 or w.N % group or not q > 0:  # the reference, which checks them
+        return statistic_from_moment(small_linear_moments(x, w, group, q), group, kind, p, eps)
+    lead, K = x.shape[:-1], x.shape[-1]
+    sigma = torch.ops.qkmla_cpu.small_linear_statistic(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows,
+                                                       group, kind, float(p), float(eps))
+    return sigma.view(*lead, w.N // group)

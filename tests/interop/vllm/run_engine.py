@@ -28,7 +28,7 @@ RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after 
 PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration",
            "decode_backend")  # this process only
 KERNEL_CALLS: list = []  # decode calls that reached the CPU kernel
-MOMENTS_CALLS: list = []  # key scalars formed through the CPU kernel (ops.small_linear), at the cache write
+STATISTIC_CALLS: list = []  # key scalars formed through the CPU kernel (ops.small_linear), at the cache write
 
 
 def qk_layers(model) -> list:
@@ -93,12 +93,12 @@ def main() -> None:
     interface.cpu_mla_decode = counted_kernel
     from qkmla.attention import absorbed
 
-    moments = absorbed.small_linear_moments
+    statistic = absorbed.small_linear_statistic
 
-    def counted_moments(*a, **kw):
-        MOMENTS_CALLS.append(1)
-        return moments(*a, **kw)
-    absorbed.small_linear_moments = counted_moments
+    def counted_statistic(*a, **kw):
+        STATISTIC_CALLS.append(1)
+        return statistic(*a, **kw)
+    absorbed.small_linear_statistic = counted_statistic
     import torch
 
     amx = bool(torch.cpu._is_amx_tile_supported())
@@ -178,7 +178,7 @@ def main() -> None:
     result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
               "key_weights_read_in_place": sum(key_weights, []), "cpu_kernel_calls": len(KERNEL_CALLS),
-              "key_scalar_kernel_calls": len(MOMENTS_CALLS),
+              "key_scalar_kernel_calls": len(STATISTIC_CALLS),
               "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
               "prefix_caching": bool(config.cache_config.enable_prefix_caching),
               "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),

@@ -78,14 +78,14 @@ class QKNormImpl:
         if kv_cache.numel() == 0:
             return
         slots = slot_mapping.flatten().long()
-        c, k_pe = kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]
+        parts = [kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]]
         if self.num_key_scalars and k_pe.shape[-1] == self.qk_rope_head_dim:
             if self.latent_key_scalars is None:
                 raise RuntimeError("qkmla's vLLM backend forms the key scalars at the cache write with the layer's "
                                    "weights, which it has not been given: call prepare() on the QK-normed layers "
                                    "after loading (model.py does)")
-            k_pe = torch.cat((k_pe, self.latent_key_scalars(c).to(k_pe.dtype)), dim=-1)
-        rows = torch.cat((c, k_pe), dim=-1).to(kv_cache.dtype)
+            parts.append(self.latent_key_scalars(parts[0]))  # float32: rounded once, to the cache's dtype
+        rows = torch.cat(parts, dim=-1).to(kv_cache.dtype)
         flat = kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]]  # a padded row's padding left alone
         valid = slots >= 0  # padding slots are -1; the mask syncs with the host (checks.py refuses CUDA graphs)
         flat.index_copy_(0, slots[valid], rows[valid])
