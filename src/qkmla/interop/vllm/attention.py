@@ -47,9 +47,9 @@ from vllm.model_executor.layers.attention import MLAAttention
 
 from ...attention.absorbed import (AbsorbedWeights, content_key_scalars, key_scalars, latent_key_scalars,
                                    reads_content_only, rope_key, score_mode)
-from ...ops.small_linear import pack_weight
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
+from ...ops.small_linear import pack_weight
 
 
 class QKNormMLAAttention(MLAAttention):
