@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from ..config import QK_NORMS
 from ..norms import moment, statistic_from_moment
 from .cpu_extension import build
 
@@ -107,6 +108,14 @@ def small_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return y.view(*lead, w.N)
 
 
+def _check_groups(w: PackedWeight, group: int, p: float) -> None:
+    """The arguments of a reduction over groups of outputs, before any work."""
+    if group <= 0 or w.N % group:
+        raise ValueError(f"group: expected a positive divisor of the weight's {w.N} rows, got {group}")
+    if not p > 0:
+        raise ValueError(f"p: expected p > 0, got {p}")
+
+
 def small_linear_moments(x: torch.Tensor, w: PackedWeight, group: int, p: float = 2.0) -> torch.Tensor:
     """The moment sum_j |y_j|^p of each group of ``group`` consecutive outputs of y = x W^T:
     x [..., K] -> [..., N / group], float32 (float64 for float64 x).
@@ -114,10 +123,7 @@ def small_linear_moments(x: torch.Tensor, w: PackedWeight, group: int, p: float 
     y is rounded to x's dtype first, as :func:`small_linear` returns it, so this equals
     ``qkmla.norms.moment(small_linear(x, w).unflatten(-1, (-1, group)), "lp", p)`` to float32
     summation order; that is also the path for inputs the kernel does not take."""
-    if group <= 0 or w.N % group:
-        raise ValueError(f"group: expected a positive divisor of the weight's {w.N} rows, got {group}")
-    if not p > 0:
-        raise ValueError(f"p: expected p > 0, got {p}")
+    _check_groups(w, group, p)
     if not _kernel_takes(x):
         return moment(small_linear(x, w).unflatten(-1, (-1, group)), "lp", p).squeeze(-1)
     lead, K = x.shape[:-1], x.shape[-1]
@@ -134,10 +140,11 @@ def small_linear_statistic(x: torch.Tensor, w: PackedWeight, group: int, kind: s
 
     Equals ``qkmla.norms.statistic_from_moment`` of :func:`small_linear_moments` (p for "lp", 2
     otherwise) to float32 rounding; that is also the path for inputs the kernel does not take."""
-    if kind not in ("rms", "l2", "lp"):
-        raise ValueError(f"kind: expected one of ('rms', 'l2', 'lp'), got {kind!r}")
+    if kind not in QK_NORMS[1:]:
+        raise ValueError(f"kind: expected one of {QK_NORMS[1:]}, got {kind!r}")
     q = p if kind == "lp" else 2.0
-    if not _kernel_takes(x) or group <= 0 or w.N % group or not q > 0:  # the reference, which checks them
+    _check_groups(w, group, q)
+    if not _kernel_takes(x):
         return statistic_from_moment(small_linear_moments(x, w, group, q), group, kind, p, eps)
     lead, K = x.shape[:-1], x.shape[-1]
     sigma = torch.ops.qkmla_cpu.small_linear_statistic(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows,
