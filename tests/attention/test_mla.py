@@ -255,17 +255,17 @@ def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
 @pytest.mark.parametrize("mode", ["blockwise", "content"])
 @pytest.mark.parametrize("kind", ["rms", "lp"])
 def test_key_scalars_from_the_latent_through_the_cpu_kernel_match_the_gemms(kind, mode):
-    """In bfloat16 on a CPU with the kernel, absorb() packs W_UK and the scalars come from the
-    kernel's group moments (``latent_key_scalars``); they equal the statistic of F.linear's
-    bfloat16 content keys to the two GEMMs' summation order."""
+    """In bfloat16 on a CPU with the kernel, the scalars come from the kernel's statistic of each
+    group over W_UK itself (``latent_key_scalars``, no packed copy); they equal the statistic of
+    F.linear's bfloat16 content keys to the two products' summation order."""
     from qkmla.attention.absorbed import content_key_scalars, latent_key_scalars
-    from qkmla.ops.small_linear import kernel_unavailable
+    from qkmla.ops.small_linear import group_kernel_takes, kernel_unavailable
 
     if kernel_unavailable() is not None:
         pytest.skip(kernel_unavailable())
     mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=2, qk_norm_mode=mode, dtype=torch.bfloat16)
     w = mla.absorbed
-    assert w.w_uk_packed is not None
+    assert w.w_uk_packed is None and group_kernel_takes(w.w_uk)
     c_kv = torch.randn(2, 5, mla.config.kv_lora_rank).bfloat16()
     G, d_n, d_c = w.w_uk.shape
     k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).unflatten(-1, (G, d_n))

@@ -99,99 +99,102 @@ def test_compiled_with_dynamic_rows_equals_eager():
         assert torch.equal(f(x[:T]), sl.small_linear(x[:T], packed) * 2)
 
 
-@pytest.mark.parametrize("p", [2.0, 3.0, 1.5])
-@pytest.mark.parametrize("T", [1, 4, 9])
-@pytest.mark.parametrize("N,K,group", [(512, 512, 32), (512, 96, 128), (100, 96, 20), (130, 64, 130)])
-def test_moments_are_each_groups_moment_of_the_rounded_product(p, T, N, K, group):
-    """sum |y|^p over each group of outputs (groups inside a tile, across tiles, one for all),
-    y as small_linear rounds it: to float32 summation order."""
-    from qkmla.norms import moment
-
-    x, w = operands(T, N, K, seed=1)
-    packed = sl.pack_weight(w)
-    m = sl.small_linear_moments(x, packed, group, p)
-    y = sl.small_linear(x, packed)
-    want = moment(y.unflatten(-1, (-1, group)), "lp", p).squeeze(-1)
-    assert m.dtype == torch.float32 and m.shape == (T, N // group)
-    torch.testing.assert_close(m, want, rtol=group * 2.0 ** -22, atol=0)
-    assert m.numel() == 1 or m.std() > 0  # groups that differ
-
-
-def test_moments_take_leading_dimensions_strided_rows_and_the_gemm_librarys_rows():
-    x, w = operands(5, 96, 64, lead=(2, 3))
-    packed = sl.pack_weight(w)
-    m = sl.small_linear_moments(x, packed, 32)
-    assert m.shape == (2, 3, 5, 3)
-    torch.testing.assert_close(m[1, 2], sl.small_linear_moments(x[1, 2].clone(), packed, 32))
-    wide = torch.randn(7, 80).bfloat16()
-    torch.testing.assert_close(sl.small_linear_moments(wide[:, :64], packed, 32),
-                               sl.small_linear_moments(wide[:, :64].contiguous(), packed, 32))
-    gemm = dataclasses.replace(packed, max_rows=2)
-    want = sl.small_linear(x[0, 0], gemm).float().unflatten(-1, (3, 32)).square().sum(-1)
-    torch.testing.assert_close(sl.small_linear_moments(x[0, 0], gemm, 32), want, rtol=1e-6, atol=0)
-
-
-def test_moments_of_other_dtypes_are_the_torch_reference():
-    x, w = operands(3, 96, 64)
-    m = sl.small_linear_moments(x.double(), sl.pack_weight(w), 32, 3.0)
-    want = (x.double() @ w.double().T).abs().pow(3).unflatten(-1, (3, 32)).sum(-1)
-    assert m.dtype == torch.float64
-    torch.testing.assert_close(m, want)
-
-
-def test_moments_refuse_a_group_that_does_not_divide_the_rows_and_p_not_positive():
-    x, w = operands(3, 96, 64)
-    packed = sl.pack_weight(w)
-    for group in (0, 5, 192):
-        with pytest.raises(ValueError, match="group: expected a positive divisor of the weight's 96 rows"):
-            sl.small_linear_moments(x, packed, group)
-    with pytest.raises(ValueError, match="p: expected p > 0"):
-        sl.small_linear_moments(x, packed, 32, 0.0)
-
-
-def test_moments_compiled_with_dynamic_rows_equal_eager():
-    x, w = operands(9, 128, 96)
-    packed = sl.pack_weight(w)
-    f = torch.compile(lambda x: sl.small_linear_moments(x, packed, 32).rsqrt(), fullgraph=True, dynamic=True)
-    for T in (1, 4, 9):
-        torch.testing.assert_close(f(x[:T]), sl.small_linear_moments(x[:T], packed, 32).rsqrt())
-
-
-@pytest.mark.parametrize("T", [1, 5])
-@pytest.mark.parametrize("kind,p", [("rms", 2.0), ("l2", 2.0), ("lp", 3.0), ("lp", 2.0), ("lp", 1.5)])
-def test_the_statistic_is_the_norms_statistic_of_the_moments(kind, p, T):
-    """One op call: statistic_from_moment of small_linear_moments (p for lp, else 2), to float32 rounding."""
-    from qkmla.norms import statistic_from_moment
-
-    x, w = operands(T, 512, 512, seed=2)
-    packed = sl.pack_weight(w)
-    got = sl.small_linear_statistic(x, packed, 32, kind, p, eps=1e-5)
-    want = statistic_from_moment(sl.small_linear_moments(x, packed, 32, p if kind == "lp" else 2.0), 32, kind, p, 1e-5)
-    assert got.dtype == torch.float32 and got.shape == (T, 16)
-    torch.testing.assert_close(got, want, rtol=4 * 2.0 ** -23, atol=0)
-    assert got.std() > 0
-
-
-def test_the_statistic_of_other_dtypes_and_bad_arguments():
+def rounded_statistic(x, w, kind, p, eps):
+    """The statistic of each group of float64 products rounded to bfloat16 (what a bf16 GEMM returns)."""
     from qkmla.norms import statistic
 
-    x, w = operands(3, 96, 64)
-    packed = sl.pack_weight(w)
-    got = sl.small_linear_statistic(x.double(), packed, 32, "rms", eps=1e-6)
-    want = statistic((x.double() @ w.double().T).unflatten(-1, (3, 32)), "rms", eps=1e-6).squeeze(-1)
+    G, group, K = w.shape
+    y = (x.double() @ w.reshape(G * group, K).double().T).bfloat16().float()
+    return statistic(y.unflatten(-1, (G, group)), kind, p, eps).squeeze(-1)
+
+
+def group_operands(T, G, group, K, lead=(), seed=0, rows_between=0):
+    """x [*lead, T, K] and w [G, group, K] bf16; with rows_between, w is a view with that many other
+    rows after each group's (as vLLM's W_UK_T lies in kv_b_proj's weight, W_UV rows between heads)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, T, K, generator=g).bfloat16()
+    w = torch.randn(G, group + rows_between, K, generator=g).bfloat16()
+    return x, w[:, :group]
+
+
+@pytest.mark.parametrize("T", [1, 4, 9])
+@pytest.mark.parametrize("G,group,K", [(16, 32, 512), (3, 6, 80), (2, 8, 96), (1, 128, 64)])
+@pytest.mark.parametrize("kind,p", [("rms", 2.0), ("l2", 2.0), ("lp", 3.0), ("lp", 2.0), ("lp", 1.5)])
+def test_group_statistic_is_the_norms_statistic_of_the_rounded_products(kind, p, T, G, group, K):
+    """Groups of four rows and of one (group 6), K in whole and part chunks of 32: each value is
+    the statistic of the products rounded to bf16, up to a product whose float32 sum rounds the
+    other way (one bf16 step of one value of the group)."""
+    x, w = group_operands(T, G, group, K, seed=T + G)
+    got = sl.group_statistic(x, w, kind, p, eps=1e-5)
+    want = rounded_statistic(x, w, kind, p, 1e-5)
+    assert got.dtype == torch.float32 and got.shape == (T, G)
+    torch.testing.assert_close(got, want, rtol=2.0 ** -8, atol=0)
+    assert (got - want).abs().div(want).median() < 1e-5  # most equal to float32 rounding
+    assert got.numel() == 1 or got.std() > 0  # groups that differ
+
+
+def test_group_statistic_reads_a_strided_weight_in_place_and_takes_leading_dims_and_strided_rows():
+    x, w = group_operands(5, 4, 32, 128, lead=(2, 3), rows_between=32)
+    assert not w.is_contiguous() and sl.group_kernel_takes(w)
+    got = sl.group_statistic(x, w, "rms")
+    assert got.shape == (2, 3, 5, 4)
+    assert torch.equal(got, sl.group_statistic(x, w.contiguous(), "rms"))  # the same sums, in the same order
+    assert torch.equal(got[1, 2], sl.group_statistic(x[1, 2].clone(), w, "rms"))
+    wide = torch.randn(7, 160).bfloat16()
+    assert torch.equal(sl.group_statistic(wide[:, :128], w, "l2"),
+                       sl.group_statistic(wide[:, :128].contiguous(), w, "l2"))
+    assert sl.group_statistic(x[0, 0, :0], w, "rms").shape == (0, 4)
+
+
+def test_group_statistic_of_other_dtypes_autograd_and_weights_it_does_not_take_is_the_torch_reference(monkeypatch):
+    from qkmla.norms import statistic
+
+    x, w = group_operands(3, 3, 32, 64)
+    got = sl.group_statistic(x.double(), w.double(), "lp", 3.0, eps=1e-6)
+    want = statistic((x.double() @ w.double().reshape(96, 64).T).unflatten(-1, (3, 32)), "lp", 3.0, 1e-6).squeeze(-1)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want)
+    xg = x.float().requires_grad_()
+    sl.group_statistic(xg, w, "rms").sum().backward()  # the reference path, differentiable
+    assert xg.grad is not None and xg.grad.abs().sum() > 0
+    assert not sl.group_kernel_takes(w.float()) and not sl.group_kernel_takes(w.transpose(1, 2))
+    assert not sl.group_kernel_takes(w[0])
+    monkeypatch.setattr(sl, "_KERNEL_READY", False)  # before the kernel has built: the reference
+    torch.testing.assert_close(sl.group_statistic(x, w, "rms"), rounded_statistic(x, w, "rms", 2.0, 1e-6),
+                               rtol=2.0 ** -8, atol=0)
+
+
+def test_group_statistic_refuses_bad_arguments_before_any_work():
+    x, w = group_operands(3, 3, 32, 64)
     with pytest.raises(ValueError, match="kind: expected one of"):
-        sl.small_linear_statistic(x, packed, 32, "max")
-    with pytest.raises(ValueError, match="group: expected a positive divisor"):
-        sl.small_linear_statistic(x, packed, 5, "rms")
+        sl.group_statistic(x, w, "max")
+    with pytest.raises(ValueError, match="p: expected p > 0, got -1.0"):
+        sl.group_statistic(x, w, "lp", p=-1.0)
+    with pytest.raises(ValueError, match=r"w: expected \[G, group, 64\] \(x's last dim\), got \(3, 32, 48\)"):
+        sl.group_statistic(x, w[..., :48], "rms")
+    with pytest.raises(ValueError, match=r"w: expected \[G, group, 64\]"):
+        sl.group_statistic(x, w.reshape(96, 64), "rms")
+
+
+def test_group_statistic_compiled_with_dynamic_rows_equals_eager():
+    x, w = group_operands(9, 4, 32, 96, rows_between=8)
+    f = torch.compile(lambda x: sl.group_statistic(x, w, "rms") * 2, fullgraph=True, dynamic=True)
+    for T in (1, 4, 9):
+        torch.testing.assert_close(f(x[:T]), sl.group_statistic(x[:T], w, "rms") * 2)
+
+
+def test_the_bound_group_statistic_equals_the_unbound_and_checks_once():
+    x, w = group_operands(5, 4, 32, 96, rows_between=8)
+    f = sl.bind_group_statistic(w, "lp", 3.0, 1e-5)
+    assert torch.equal(f(x), sl.group_statistic(x, w, "lp", 3.0, 1e-5))
+    wide = torch.randn(7, 120).bfloat16()
+    assert torch.equal(f(wide[:, :96]), sl.group_statistic(wide[:, :96], w, "lp", 3.0, 1e-5))  # strided rows
+    torch.testing.assert_close(f(x.double()), sl.group_statistic(x.double(), w, "lp", 3.0, 1e-5))  # the reference
+    g = sl.bind_group_statistic(w.float(), "rms")  # a weight the kernel does not take: the reference throughout
+    torch.testing.assert_close(g(x.float()), sl.group_statistic(x.float(), w.float(), "rms"))
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        sl.bind_group_statistic(w, "max")
     with pytest.raises(ValueError, match="p: expected p > 0"):
-        sl.small_linear_statistic(x, packed, 32, "lp", p=-1.0)
-
-
-def test_the_statistic_compiled_equals_eager():
-    x, w = operands(9, 128, 96)
-    packed = sl.pack_weight(w)
-    f = torch.compile(lambda x: sl.small_linear_statistic(x, packed, 32, "rms") * 2, fullgraph=True, dynamic=True)
-    for T in (1, 9):
-        torch.testing.assert_close(f(x[:T]), sl.small_linear_statistic(x[:T], packed, 32, "rms") * 2)
+        sl.bind_group_statistic(w, "lp", 0.0)
+    with pytest.raises(ValueError, match=r"w: expected \[G, group, 96\]"):
+        sl.bind_group_statistic(w[0], "rms")

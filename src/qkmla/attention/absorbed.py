@@ -28,7 +28,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
 from ..norms import QKNorm, rows_per_head
-from ..ops.small_linear import PackedWeight, pack_weight, small_linear, small_linear_statistic
+from ..ops.small_linear import (PackedWeight, bind_group_statistic, group_kernel_takes, group_statistic, pack_weight,
+                                small_linear)
 
 
 @dataclass
@@ -42,7 +43,8 @@ class AbsorbedWeights:
         in that one norm; None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
     w_uk_packed: w_uk as one [G d_n, d_c] matrix packed for the CPU kernel that forms the new
-        tokens' content keys (``ops.small_linear``), or None where that kernel does not run.
+        tokens' content keys where a unified norm needs them (``ops.small_linear``), or None
+        elsewhere (the other norms' key scalars read w_uk itself: ``latent_key_scalars``).
     """
 
     w_uk: torch.Tensor
@@ -62,8 +64,12 @@ def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional
             gamma_q = q_norm.content.weight.detach()
             gamma_qk = gamma_q * rows_per_head(k_norm.content.weight.detach(), gamma_q.shape[0])
         w_uk = w[:, :qk_nope_head_dim].contiguous()
-        # packed where the key scalars' GEMM runs on the CPU kernel (bfloat16 on the CPU), None elsewhere
-        packed = pack_weight(w_uk.view(-1, w_uk.shape[-1])) if k_norm is not None else None
+        packed = None
+        if k_norm is not None and not reads_content_only(k_norm):
+            # packed where the content keys' GEMM runs on the CPU kernel (bfloat16 on the CPU), None elsewhere
+            packed = pack_weight(w_uk.view(-1, w_uk.shape[-1]))
+        elif k_norm is not None:
+            group_kernel_takes(w_uk)  # builds the key statistic's kernel here, outside any compiled graph
         return AbsorbedWeights(w_uk, gamma_qk, w[:, qk_nope_head_dim:].contiguous(), packed)
 
 
@@ -171,20 +177,27 @@ def content_key_scalars(k_c: torch.Tensor, k_norm: QKNorm) -> Optional[torch.Ten
 
 def latent_key_scalars(c_kv: torch.Tensor, k_norm: QKNorm, w: AbsorbedWeights) -> Optional[torch.Tensor]:
     """c [..., d_c] -> the key scalars [..., G] of :func:`content_key_scalars`, from the latent (None
-    where it gives None).
+    where it gives None), float32 (float64 for float64 c).
 
-    Where W_UK is packed for the CPU kernel, the content keys never leave it: it returns each
-    group's statistic (``ops.small_linear.small_linear_statistic``), in one op call (the vLLM
-    plugin calls this outside a compiled graph); elsewhere the keys are formed with one GEMM and
-    reduced here."""
+    One op call (``ops.small_linear.group_statistic``): in bfloat16 on a CPU with qkmla's
+    kernel, the content keys never leave it and W_UK is read where it lies (the vLLM plugin
+    passes vLLM's own view of ``kv_b_proj``'s weight); elsewhere the keys are formed with one
+    GEMM and reduced."""
     if not reads_content_only(k_norm):
         return None
-    G, d_n, d_c = w.w_uk.shape
     norm = k_norm.content
-    if w.w_uk_packed is not None:
-        return small_linear_statistic(c_kv, w.w_uk_packed, d_n, norm.kind, norm.p, norm.eps)
-    k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).unflatten(-1, (G, d_n))
-    return content_key_scalars(k_c, k_norm)
+    return group_statistic(c_kv, w.w_uk, norm.kind, norm.p, norm.eps)
+
+
+def bind_latent_key_scalars(k_norm: QKNorm, w: AbsorbedWeights) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """:func:`latent_key_scalars` with the norm and weights bound and checked once, c [T, d_c] ->
+    [T, G] (``ops.small_linear.bind_group_statistic``), for a caller outside a compiled graph that
+    forms a decode step's key scalars on every step (the vLLM plugin's cache write); None where
+    :func:`latent_key_scalars` gives None."""
+    if not reads_content_only(k_norm):
+        return None
+    norm = k_norm.content
+    return bind_group_statistic(w.w_uk, norm.kind, norm.p, norm.eps)
 
 
 def rope_key(k_r: torch.Tensor, k_norm: QKNorm) -> torch.Tensor:

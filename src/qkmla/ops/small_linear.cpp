@@ -1,5 +1,5 @@
 // x W^T for a few rows of bfloat16 x against a prepacked W: the decode step's new-token GEMMs
-// (a QK-normed layer's key scalars read every W_UK row for one to a few tokens), which are
+// (a unified QK norm's key scalars read every W_UK row for one to a few tokens), which are
 // matrix-vector products where a GEMM library's blocking and call overhead do not pay.
 //
 //   y[t, n] = sum_k x[t, k] W[n, k]      x [T, K], W [N, K], y [T, N]
@@ -15,15 +15,16 @@
 // Past max_rows rows of x (a prefill) the product goes to at::linear on the unpacked weight,
 // where a GEMM library has the better blocking and AMX tiles where the CPU has them.
 //
-// small_linear_moments reduces y further, to the moment of each group of consecutive outputs,
+// group_statistic serves a QK norm's key scalars: for W given group by group, [G, group, K] with
+// contiguous rows and groups at any stride (vLLM's W_UK, a view of kv_b_proj's weight, is read in
+// place: no copy, and the query absorption that reads the same rows next finds them in cache),
 //
-//   m[t, g] = sum_j |y[t, g group + j]|^p      (y as rounded to bf16; p = 2: y^2), float32,
+//   m[t, g] = sum_n |y[t, g, n]|^q,   y[t, g, n] = x[t] . W[g, n] rounded to bf16 (as a GEMM returns it),
 //
-// a QK norm's moment of each head's content key c W_UK^(g) (qkmla.norms.moment): the key
-// scalars of a decode step's new tokens in one call, with y never leaving the kernel's buffer.
-// small_linear_statistic takes the last step too, the norm's statistic of each group (rms:
-// (m / group + eps)^-1/2, l2: (m + eps)^-1/2, lp: (m + eps)^-1/p; qkmla.norms.statistic_from_moment),
-// so that a key scalar costs one op call where it runs outside a compiled graph.
+// q = p for lp and 2 otherwise, then the norm's statistic of each group (rms: (m / group + eps)^-1/2,
+// l2: (m + eps)^-1/2, lp: (m + eps)^-1/p; qkmla.norms.statistic_from_moment), float32. Each dot
+// product runs along a row of W (vdpbf16ps over 32 values of K at a time, then one horizontal sum),
+// four rows of W against up to four rows of x at once, so each row of W is read once.
 #include <immintrin.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -105,43 +106,115 @@ at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64
   return y;
 }
 
-at::Tensor small_linear_moments_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t max_rows,
-                                    int64_t group, double p) {
-  TORCH_CHECK(group > 0 && N % group == 0, "group: a positive divisor of N = ", N, ", got ", group);
-  TORCH_CHECK(p > 0, "p: expected p > 0, got ", p);
-  const at::Tensor y = small_linear_cpu(x, packed, N, max_rows).contiguous();
-  const int64_t T = y.size(0), groups = N / group;
-  at::Tensor m = at::empty({T, groups}, x.options().dtype(at::kFloat));
-  const auto* yp = reinterpret_cast<const uint16_t*>(y.data_ptr());
+// A norm's statistic of each group from its moment m, in place (float32 throughout, as the torch
+// reference computes it on float32 moments): rms (m / group + eps)^-1/2, l2 (m + eps)^-1/2, lp (m + eps)^-1/p.
+void statistic_from_moment(at::Tensor& m, int64_t group, bool rms, bool lp, double p, double eps) {
   float* mp = m.data_ptr<float>();
-  const bool square = p == 2.0;
-  const float pf = static_cast<float>(p);
-  for (int64_t i = 0; i < T * groups; ++i) {  // T N values: a pass over y in cache
-    const uint16_t* v = yp + i * group;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < group; ++j) {
-      const uint32_t bits = static_cast<uint32_t>(v[j]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      sum += square ? f * f : std::pow(std::fabs(f), pf);
-    }
-    mp[i] = sum;
-  }
-  return m;
-}
-
-at::Tensor small_linear_statistic_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t max_rows,
-                                      int64_t group, c10::string_view kind, double p, double eps) {
-  const bool rms = kind == "rms", l2 = kind == "l2" || (kind == "lp" && p == 2.0), lp = kind == "lp" && !l2;
-  TORCH_CHECK(rms || l2 || lp, "kind: expected 'rms', 'l2' or 'lp', got '", std::string(kind), "'");
-  at::Tensor m = small_linear_moments_cpu(x, packed, N, max_rows, group, lp ? p : 2.0);
-  float* mp = m.data_ptr<float>();
-  // float32 throughout, as the torch reference computes it on float32 moments
   const float n = static_cast<float>(group), e = static_cast<float>(eps), inv_p = static_cast<float>(-1.0 / p);
   for (int64_t i = 0; i < m.numel(); ++i) {
     const float v = mp[i];
     mp[i] = lp ? std::pow(v + e, inv_p) : 1.0f / std::sqrt(rms ? v / n + e : v + e);
   }
+}
+
+struct Kind {
+  bool rms, lp;
+  double q;  // the moment's power
+};
+
+Kind parse_kind(c10::string_view kind, double p) {
+  const bool rms = kind == "rms", l2 = kind == "l2" || (kind == "lp" && p == 2.0), lp = kind == "lp" && !l2;
+  TORCH_CHECK(rms || l2 || lp, "kind: expected 'rms', 'l2' or 'lp', got '", std::string(kind), "'");
+  TORCH_CHECK(p > 0, "p: expected p > 0, got ", p);
+  return {rms, lp, lp ? p : 2.0};
+}
+
+// |v|^q summed, v rounded to bf16 first (as a bf16 GEMM returns it).
+inline float rounded_power(float v, bool square, float q) {
+  const uint32_t bits = static_cast<uint32_t>(to_bf16(v)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return square ? f * f : std::pow(std::fabs(f), q);
+}
+
+// m[t, g] += sum over R rows n0 .. n0 + R of group g of |x[t] . w[g, n]|^q, for TT rows of x from x.
+// Each row of w is read once for the TT rows of x; K in chunks of 32 (the last one masked).
+template <int R, int TT>
+void group_rows(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t sw, int64_t K, float* m, int64_t sm,
+                bool square, float q) {
+  __m512 acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = as_bh(_mm512_loadu_si512(w + r * sw + k));
+    for (int t = 0; t < TT; ++t) {
+      const __m512bh xv = as_bh(_mm512_loadu_si512(x + t * sx + k));
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+    }
+  }
+  if (k < K) {  // the last K % 32 values, masked
+    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = as_bh(_mm512_maskz_loadu_epi16(mask, w + r * sw + k));
+    for (int t = 0; t < TT; ++t) {
+      const __m512bh xv = as_bh(_mm512_maskz_loadu_epi16(mask, x + t * sx + k));
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+    }
+  }
+  for (int t = 0; t < TT; ++t) {
+    float sum = 0.0f;
+    for (int r = 0; r < R; ++r) sum += rounded_power(_mm512_reduce_add_ps(acc[r][t]), square, q);
+    m[t * sm] += sum;
+  }
+}
+
+// The moments of groups g0 .. g1 for every row of x: m [T, G].
+template <int R>
+void group_moments(const uint16_t* x, int64_t sx, int64_t T, const uint16_t* w, int64_t sg, int64_t sw,
+                   int64_t group, int64_t K, float* m, int64_t G, int64_t g0, int64_t g1, bool square, float q) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t n = 0; n < group; n += R) {
+      const uint16_t* wn = w + g * sg + n * sw;
+      for (int64_t t = 0; t < T; t += 4) {
+        const uint16_t* xt = x + t * sx;
+        float* mt = m + t * G + g;
+        switch (std::min<int64_t>(4, T - t)) {
+          case 1: group_rows<R, 1>(xt, sx, wn, sw, K, mt, G, square, q); break;
+          case 2: group_rows<R, 2>(xt, sx, wn, sw, K, mt, G, square, q); break;
+          case 3: group_rows<R, 3>(xt, sx, wn, sw, K, mt, G, square, q); break;
+          default: group_rows<R, 4>(xt, sx, wn, sw, K, mt, G, square, q); break;
+        }
+      }
+    }
+  }
+}
+
+at::Tensor group_statistic_cpu(const at::Tensor& x, const at::Tensor& w, c10::string_view kind, double p,
+                               double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "x: bf16 [T, K] with contiguous rows");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.stride(2) == 1 && w.size(2) == x.size(1),
+              "w: bf16 [G, group, K] with contiguous rows, K as x's");
+  const Kind k = parse_kind(kind, p);
+  const int64_t T = x.size(0), G = w.size(0), group = w.size(1), K = w.size(2);
+  at::Tensor m = at::zeros({T, G}, x.options().dtype(at::kFloat));
+  if (T == 0 || G == 0) return m;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  float* mp = m.data_ptr<float>();
+  const bool square = k.q == 2.0;
+  const float q = static_cast<float>(k.q);
+  // a thread's share is worth the fork only past ~256k products
+  const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, group * K * T));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    if (group % 4 == 0)
+      group_moments<4>(xp, x.stride(0), T, wp, w.stride(0), w.stride(1), group, K, mp, G, g0, g1, square, q);
+    else
+      group_moments<1>(xp, x.stride(0), T, wp, w.stride(0), w.stride(1), group, K, mp, G, g0, g1, square, q);
+  });
+  statistic_from_moment(m, group, k.rms, k.lp, p, eps);
   return m;
 }
 
@@ -150,9 +223,6 @@ at::Tensor small_linear_statistic_cpu(const at::Tensor& x, const at::Tensor& pac
 TORCH_LIBRARY_FRAGMENT(qkmla_cpu, m) {
   m.def("small_linear(Tensor x, Tensor packed, int N, int max_rows) -> Tensor");
   m.impl("small_linear", c10::DispatchKey::CPU, TORCH_FN(small_linear_cpu));
-  m.def("small_linear_moments(Tensor x, Tensor packed, int N, int max_rows, int group, float p) -> Tensor");
-  m.impl("small_linear_moments", c10::DispatchKey::CPU, TORCH_FN(small_linear_moments_cpu));
-  m.def("small_linear_statistic(Tensor x, Tensor packed, int N, int max_rows, int group, str kind, float p, "
-        "float eps) -> Tensor");
-  m.impl("small_linear_statistic", c10::DispatchKey::CPU, TORCH_FN(small_linear_statistic_cpu));
+  m.def("group_statistic(Tensor x, Tensor w, str kind, float p, float eps) -> Tensor");
+  m.impl("group_statistic", c10::DispatchKey::CPU, TORCH_FN(group_statistic_cpu));
 }

@@ -7,26 +7,28 @@ At one to a few rows that product is a matrix-vector product, and oneDNN's bfloa
 products. The kernel reads a weight packed once (:func:`pack_weight`), 64 output columns to a
 tile, with AVX-512 BF16 dot products, and sums in float32 with one rounding to bfloat16 at the
 end, as the GEMM does (``benchmarks/bench_small_linear.py`` times the two side by side).
-:func:`small_linear_moments` goes one step further for a QK norm's key scalars: the moment of
-each head's block of outputs (``qkmla.norms.moment``), with the outputs never leaving the kernel;
-:func:`small_linear_statistic` one more, to the norm's statistic of each block.
+:func:`group_statistic` serves a QK norm's key scalars: the norm's statistic of each head's block
+of outputs (``qkmla.norms.statistic``) in one op call, with the outputs never leaving the kernel.
+It reads the weight unpacked, row by row, where it lies (vLLM's W_UK is a view of
+``kv_b_proj``'s weight), so the layer keeps no copy of W_UK and the query absorption that reads
+the same rows next finds them in cache.
 
 It is compiled with qkmla's other CPU kernels (``cpu_extension.py``). Where it cannot run (no
 AVX-512 BF16, no compiler, a weight that is not a CPU bfloat16 matrix with K even),
-:func:`pack_weight` returns None and callers keep ``F.linear``. The op has a fake
-implementation, so it traces under ``torch.compile`` (vLLM compiles the layer that calls it).
+:func:`pack_weight` returns None (:func:`group_kernel_takes` False) and callers keep ``F.linear``.
+The ops have fake implementations, so they trace under ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..config import QK_NORMS
-from ..norms import moment, statistic_from_moment
+from ..norms import statistic
 from .cpu_extension import build
 
 TILE = 64  # output columns per packed tile (small_linear.cpp)
@@ -51,14 +53,20 @@ class PackedWeight:
         return self.packed.permute(0, 2, 1, 3).reshape(tiles * TILE, 2 * pairs)[:self.N]
 
 
+# Set once the kernel has built and its fakes are registered (kernel_unavailable): a plain global,
+# which group_statistic reads where torch.compile traces it (the build must not be traced).
+_KERNEL_READY = False
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_unavailable() -> Optional[str]:
     """Why the kernel cannot run here, or None, with the op's fake registered once it can."""
+    global _KERNEL_READY
     reason = build()
     if reason is None:
         torch.library.register_fake("qkmla_cpu::small_linear")(_fake)
-        torch.library.register_fake("qkmla_cpu::small_linear_moments")(_fake_moments)
-        torch.library.register_fake("qkmla_cpu::small_linear_statistic")(_fake_statistic)
+        torch.library.register_fake("qkmla_cpu::group_statistic")(_fake_group_statistic)
+        _KERNEL_READY = True
     return reason
 
 
@@ -66,13 +74,8 @@ def _fake(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int) -> torch
     return x.new_empty(x.shape[0], N)
 
 
-def _fake_moments(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int, group: int, p: float) -> torch.Tensor:
-    return x.new_empty(x.shape[0], N // group, dtype=torch.float32)
-
-
-def _fake_statistic(x: torch.Tensor, packed: torch.Tensor, N: int, max_rows: int, group: int, kind: str, p: float,
-                    eps: float) -> torch.Tensor:
-    return x.new_empty(x.shape[0], N // group, dtype=torch.float32)
+def _fake_group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
 
 def pack_weight(weight: torch.Tensor) -> Optional[PackedWeight]:
@@ -108,45 +111,64 @@ def small_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return y.view(*lead, w.N)
 
 
-def _check_groups(w: PackedWeight, group: int, p: float) -> None:
-    """The arguments of a reduction over groups of outputs, before any work."""
-    if group <= 0 or w.N % group:
-        raise ValueError(f"group: expected a positive divisor of the weight's {w.N} rows, got {group}")
-    if not p > 0:
-        raise ValueError(f"p: expected p > 0, got {p}")
+def group_kernel_takes(w: torch.Tensor) -> bool:
+    """Whether :func:`group_statistic` runs the kernel over ``w`` [G, group, K]: a CPU bfloat16
+    weight whose rows are contiguous (groups at any stride), on a machine where the kernel runs.
+
+    Call it outside ``torch.compile`` (it may build the kernel), as :func:`pack_weight`."""
+    if w.dim() != 3 or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.stride(-1) != 1:
+        return False
+    return kernel_unavailable() is None
 
 
-def small_linear_moments(x: torch.Tensor, w: PackedWeight, group: int, p: float = 2.0) -> torch.Tensor:
-    """The moment sum_j |y_j|^p of each group of ``group`` consecutive outputs of y = x W^T:
-    x [..., K] -> [..., N / group], float32 (float64 for float64 x).
-
-    y is rounded to x's dtype first, as :func:`small_linear` returns it, so this equals
-    ``qkmla.norms.moment(small_linear(x, w).unflatten(-1, (-1, group)), "lp", p)`` to float32
-    summation order; that is also the path for inputs the kernel does not take."""
-    _check_groups(w, group, p)
-    if not _kernel_takes(x):
-        return moment(small_linear(x, w).unflatten(-1, (-1, group)), "lp", p).squeeze(-1)
-    lead, K = x.shape[:-1], x.shape[-1]
-    m = torch.ops.qkmla_cpu.small_linear_moments(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows,
-                                                 group, float(p))
-    return m.view(*lead, w.N // group)
-
-
-def small_linear_statistic(x: torch.Tensor, w: PackedWeight, group: int, kind: str, p: float = 2.0,
-                           eps: float = 1e-6) -> torch.Tensor:
-    """A norm's statistic sigma of each group of ``group`` consecutive outputs of y = x W^T (a QK
-    norm's key scalar of each head, for W = W_UK): x [..., K] -> [..., N / group], float32 (float64
-    for float64 x), in one op call.
-
-    Equals ``qkmla.norms.statistic_from_moment`` of :func:`small_linear_moments` (p for "lp", 2
-    otherwise) to float32 rounding; that is also the path for inputs the kernel does not take."""
+def _check_group_statistic(K: int, w: torch.Tensor, kind: str, p: float) -> None:
+    """The arguments of :func:`group_statistic` for x [..., K], before any work."""
     if kind not in QK_NORMS[1:]:
         raise ValueError(f"kind: expected one of {QK_NORMS[1:]}, got {kind!r}")
-    q = p if kind == "lp" else 2.0
-    _check_groups(w, group, q)
-    if not _kernel_takes(x):
-        return statistic_from_moment(small_linear_moments(x, w, group, q), group, kind, p, eps)
-    lead, K = x.shape[:-1], x.shape[-1]
-    sigma = torch.ops.qkmla_cpu.small_linear_statistic(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows,
-                                                       group, kind, float(p), float(eps))
-    return sigma.view(*lead, w.N // group)
+    if not p > 0:
+        raise ValueError(f"p: expected p > 0, got {p}")
+    if w.dim() != 3 or w.shape[-1] != K:
+        raise ValueError(f"w: expected [G, group, {K}] (x's last dim), got {tuple(w.shape)}")
+
+
+def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
+    """A norm's statistic sigma of each group's outputs of x W^T, W given group by group (a QK
+    norm's key scalar of each head for W = W_UK): x [..., K], w [G, group, K] -> [..., G], float32
+    (float64 for float64 x), in one op call.
+
+    The outputs are rounded to x's dtype first, as ``F.linear`` returns them, so this equals
+    ``qkmla.norms.statistic`` of ``F.linear(x, w.reshape(G * group, K))`` per group to float32
+    summation order; that is also the path where the kernel does not run (another dtype, x that
+    needs a gradient, a weight :func:`group_kernel_takes` refuses or before it has been asked).
+
+    The kernel reads each row of w once, in place: vLLM's W_UK (a view of ``kv_b_proj``'s weight,
+    each head's rows followed by its W_UV rows) needs no copy, and a decode step's query
+    absorption then finds those rows in cache."""
+    _check_group_statistic(x.shape[-1], w, kind, p)
+    G, group, K = w.shape
+    if not (_KERNEL_READY and _kernel_takes(x) and w.dtype == torch.bfloat16 and w.stride(-1) == 1
+            and w.device.type == "cpu"):
+        y = torch.nn.functional.linear(x, w.reshape(G * group, K).to(x.dtype)).unflatten(-1, (G, group))
+        return statistic(y, kind, p, eps).squeeze(-1)
+    sigma = torch.ops.qkmla_cpu.group_statistic(x.reshape(-1, K).contiguous(), w, kind, float(p), float(eps))
+    return sigma.view(*x.shape[:-1], G)
+
+
+def bind_group_statistic(w: torch.Tensor, kind: str, p: float = 2.0,
+                         eps: float = 1e-6) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`group_statistic` over one weight and norm, its arguments checked once: x [T, K] -> [T, G].
+
+    For a caller outside a compiled graph that runs it on every decode step (the vLLM plugin's
+    cache write), where the per-call checks would cost a good part of the kernel's time. Rows
+    of x that the kernel does not take (another dtype, another shape) go to :func:`group_statistic`."""
+    _check_group_statistic(w.shape[-1] if w.dim() else 0, w, kind, p)
+    if not group_kernel_takes(w):
+        return functools.partial(group_statistic, w=w, kind=kind, p=p, eps=eps)
+    op, p, eps = torch.ops.qkmla_cpu.group_statistic.default, float(p), float(eps)
+
+    def bound(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and not x.requires_grad:
+            return op(x if x.stride(-1) == 1 else x.contiguous(), w, kind, p, eps)
+        return group_statistic(x, w, kind, p, eps)
+
+    return bound

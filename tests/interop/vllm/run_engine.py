@@ -16,7 +16,7 @@ one CPU each (``VLLM_CPU_OMP_THREADS_BIND``, unless already set); the patches ab
 this process, so they are refused with more than one rank. ``"eager": false`` compiles the model.
 ``"decode_backend"``: the decode op's backend in the QK-normed layers (the plugin's default:
 "auto"); the result counts the calls that reached the CPU kernel (``cpu_kernel_calls``), and
-those that formed key scalars through the CPU GEMM kernel (``key_scalar_kernel_calls``).
+those that formed key scalars through the CPU kernel (``key_scalar_kernel_calls``).
 """
 
 import json
@@ -28,7 +28,7 @@ RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after 
 PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration",
            "decode_backend")  # this process only
 KERNEL_CALLS: list = []  # decode calls that reached the CPU kernel
-STATISTIC_CALLS: list = []  # key scalars formed through the CPU kernel (ops.small_linear), at the cache write
+STATISTIC_CALLS: list = []  # key scalars formed through the CPU kernel (ops.small_linear.group_statistic)
 
 
 def qk_layers(model) -> list:
@@ -40,21 +40,22 @@ def qk_layers(model) -> list:
 
 
 def key_weights_read_in_place(model) -> list:
-    """For each QK-normed layer of one rank, how the key scalars' GEMM reads W_UK: "packed" (the
-    CPU kernel's copy, ``ops.small_linear``), "in place" (W_UK [h, d_n, d_c] read as one
-    [h d_n, d_c] matrix without a copy) or "copied" (on every step)."""
+    """For each QK-normed layer of one rank, how the key scalars read W_UK: "vLLM's view" (qkmla's
+    CPU kernel reads vLLM's W_UK_T, a strided view of kv_b_proj's weight, where it lies), "in
+    place" (a contiguous copy kept by the layer, read as one [h d_n, d_c] matrix by a GEMM) or
+    "copied" (on every step)."""
     from qkmla.interop.vllm.attention import QKNormLatentAttention
 
-    def how(absorbed):
-        if absorbed.w_uk_packed is not None:
-            return "packed"
-        w = absorbed.w_uk
+    def how(layer):
+        w = layer.absorbed.w_uk
+        if w.data_ptr() == layer.mla_attn.W_UK_T.data_ptr() and not w.is_contiguous():
+            return "vLLM's view"
         try:
             return "in place" if w.view(-1, w.shape[-1]).data_ptr() == w.data_ptr() else "copied"
         except RuntimeError:  # view: the strides allow no such matrix
             return "copied"
 
-    return [how(m.absorbed) for m in model.modules() if isinstance(m, QKNormLatentAttention) and m.k_norm is not None]
+    return [how(m) for m in model.modules() if isinstance(m, QKNormLatentAttention) and m.k_norm is not None]
 
 
 def cache_row_widths(model) -> list:
@@ -91,15 +92,21 @@ def main() -> None:
         KERNEL_CALLS.append(1)
         return kernel(*a, **kw)
     interface.cpu_mla_decode = counted_kernel
-    from qkmla.attention import absorbed
-
-    statistic = absorbed.small_linear_statistic
-
-    def counted_statistic(*a, **kw):
-        STATISTIC_CALLS.append(1)
-        return statistic(*a, **kw)
-    absorbed.small_linear_statistic = counted_statistic
     import torch
+    from qkmla.attention import absorbed
+    from qkmla.ops import small_linear
+
+    bind = absorbed.bind_group_statistic  # what the layers' prepare() binds for their cache writes
+
+    def counted_bind(w, *a, **kw):
+        bound = bind(w, *a, **kw)
+
+        def counted(x):
+            if x.dtype == torch.bfloat16 and small_linear.group_kernel_takes(w):  # the calls the kernel takes
+                STATISTIC_CALLS.append(1)
+            return bound(x)
+        return counted
+    absorbed.bind_group_statistic = counted_bind
 
     amx = bool(torch.cpu._is_amx_tile_supported())
     if args.get("amx_configuration"):

@@ -140,16 +140,17 @@ def test_served_in_bfloat16_through_the_cpu_kernel_stays_within_bf16s_drift(norm
     layers = SHAPE["num_hidden_layers"]
     assert got["cpu_kernel_calls"] == (TOKENS - 1) * layers  # one call a layer and step
     # Where the scalar reads c alone, the cache write forms it (outside vLLM's compiled graph) through
-    # the CPU GEMM kernel, at every step of every layer; a unified norm's layer forms it in the graph
-    # with F.linear over a contiguous W_UK. As an opaque op inside the graph (at d2870fe) the kernel
-    # changed how vLLM 0.32's compiled step ordered the MoE router against the onednn_mm that writes
-    # its input, which served other tokens: these models are MoE, so this test would see that again.
+    # the CPU kernel over vLLM's own W_UK (no copy), at every step of every layer; a unified norm's
+    # layer forms it in the graph with F.linear over a contiguous copy. As an opaque op inside the
+    # graph (at d2870fe) a GEMM kernel changed how vLLM 0.32's compiled step ordered the MoE router
+    # against the onednn_mm that writes its input, which served other tokens: these models are MoE,
+    # so this test would see that again.
     unified = json.loads((path / "config.json").read_text())["qkmla"]["qk_norm_mode"] == "unified"
     if unified or small_linear.kernel_unavailable() is not None:
         assert got["key_weights_read_in_place"] == ["in place"] * layers
         assert got["key_scalar_kernel_calls"] == 0
     else:
-        assert got["key_weights_read_in_place"] == ["packed"] * layers
+        assert got["key_weights_read_in_place"] == ["vLLM's view"] * layers
         assert got["key_scalar_kernel_calls"] >= TOKENS * layers  # each decode step and the prefill
     shared = 0
     for tokens, ref, lp, ref_lp in zip(got["tokens"], want["tokens"], got["logprobs"], want["logprobs"]):

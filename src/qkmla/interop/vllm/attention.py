@@ -17,7 +17,7 @@ that division of work and adds qkmla's norm between the up-projections and RoPE:
   embedding takes only 3-D ones;
 * where a key's scalar reads its content key alone (every norm but unified), the layer hands
   ``MLAAttention`` the RoPE key alone and the backend's cache write forms the scalars from c
-  (``latent_key_scalars``, on the CPU through qkmla's kernel over a packed W_UK), outside
+  (``latent_key_scalars``, on the CPU through qkmla's kernel over vLLM's own W_UK), outside
   vLLM's compiled graph (``backend.py`` says why). A unified statistic also reads the RoPE key
   before its weight and rotation, so there the layer forms them and they travel to
   ``MLAAttention`` appended to the RoPE key, [T, 1, d_r + G], which vLLM's plumbing carries
@@ -45,11 +45,11 @@ from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import MLAAttention
 
-from ...attention.absorbed import (AbsorbedWeights, content_key_scalars, key_scalars, latent_key_scalars,
+from ...attention.absorbed import (AbsorbedWeights, bind_latent_key_scalars, content_key_scalars, key_scalars,
                                    reads_content_only, rope_key, score_mode)
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
-from ...ops.small_linear import pack_weight
+from ...ops.small_linear import group_kernel_takes
 
 
 class QKNormMLAAttention(MLAAttention):
@@ -126,23 +126,20 @@ class QKNormLatentAttention(nn.Module):
 
         ``MLAAttention`` has derived W_UK already (``W_UK_T`` [h, d_n, d_c], what ``absorb``
         gives), as a view of ``kv_b_proj``'s weight in which each head's W_UV rows lie between
-        its W_UK rows and the next head's. The key scalars' GEMM reads W_UK as one [h d_n, d_c]
-        matrix, which that view cannot be without a copy, made on every step: a QK-normed layer
-        keeps one copy instead (h d_n d_c values, half of ``kv_b_proj``'s weight), packed for
-        qkmla's CPU kernel where it runs at the cache write (``ops.small_linear``), contiguous
-        elsewhere. vLLM's own query absorption keeps reading its view, as a plain layer's does."""
-        gamma_qk, w_uk, packed = None, self.mla_attn.W_UK_T, None
+        its W_UK rows and the next head's. qkmla's CPU kernel reads that view where it lies
+        (``ops.small_linear.group_statistic``), so the key scalars cost no copy of W_UK, and
+        vLLM's query absorption, which reads the same rows right after the cache write, finds
+        them in cache. Where the kernel does not run (float32, unified mode's GEMM in the
+        graph), the layer keeps one contiguous copy (h d_n d_c values, half of ``kv_b_proj``'s
+        weight), which the GEMM reads as one [h d_n, d_c] matrix without a copy on every step."""
+        gamma_qk, w_uk = None, self.mla_attn.W_UK_T.detach()
         if self.q_norm is not None:
             gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
+        if self.k_norm is not None and not (self.scalars_at_write and group_kernel_takes(w_uk)):
+            w_uk = w_uk.contiguous()
+        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2))
         if self.scalars_at_write:
-            packed = pack_weight(w_uk.detach().reshape(-1, w_uk.shape[-1]))
-        if self.k_norm is not None and packed is None:
-            w_uk = w_uk.detach().contiguous()
-        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2),
-                                        w_uk_packed=packed)
-        if self.scalars_at_write:
-            self.mla_attn.impl.latent_key_scalars = functools.partial(latent_key_scalars, k_norm=self.k_norm,
-                                                                      w=self.absorbed)
+            self.mla_attn.impl.latent_key_scalars = bind_latent_key_scalars(self.k_norm, self.absorbed)
 
     def _projections(self, x: torch.Tensor):
         """x [T, hidden] -> (q [T, h, d_n + d_r], c [T, d_c] after kv_a_layernorm, k~^R [T, d_r])."""

@@ -84,7 +84,7 @@ class QKNormImpl:
                 raise RuntimeError("qkmla's vLLM backend forms the key scalars at the cache write with the layer's "
                                    "weights, which it has not been given: call prepare() on the QK-normed layers "
                                    "after loading (model.py does)")
-            parts.append(self.latent_key_scalars(parts[0]))  # float32: rounded once, to the cache's dtype
+            parts.append(self.latent_key_scalars(parts[0]).to(kv_cache.dtype))  # float32, rounded once
         rows = torch.cat(parts, dim=-1).to(kv_cache.dtype)
         flat = kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]]  # a padded row's padding left alone
         valid = slots >= 0  # padding slots are -1; the mask syncs with the host (checks.py refuses CUDA graphs)
