@@ -77,7 +77,8 @@ BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal 
     *[("bench_cpu_kernel", argv, option) for argv, option in [
         (["--heads", "0"], "--heads"), (["--points", "100x1"], "--points"), (["--threads", "0"], "--threads")]],
     *[("bench_small_linear", argv, option) for argv, option in [
-        (["--shapes", "64x33"], "--shapes"), (["--shapes", "64"], "--shapes"), (["--rows", "0"], "--rows")]],
+        (["--shapes", "64x33"], "--shapes"), (["--shapes", "64"], "--shapes"), (["--rows", "0"], "--rows"),
+        (["--statistic", "--shapes", "64x32"], "--shapes"), (["--shapes", "2x32x64"], "--shapes")]],
     *[("vllm_serving", ["--parts", "decode", *argv], option) for argv, option in [
         (["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"], "--sessions")]],
 ]
@@ -268,4 +269,10 @@ def test_bench_small_linear_times_the_kernel_beside_f_linear(tmp_path):
     assert result["command"].startswith("python benchmarks/bench_small_linear.py")
     assert [(r["N"], r["K"], r["rows"]) for r in result["rows"]] == [(128, 64, 1), (128, 64, 5)]
     assert all(r["linear_us"] > 0 and r["kernel_us"] > 0 for r in result["rows"])
-    assert "amx" in result["machine"]
+    assert "amx" in result["machine"] and result["what"].startswith("product")
+    assert bench.main(["--statistic", "--shapes", "4x32x64", "--rows", "3", "--threads", "1", "--reps", "1",
+                       "--calls", "2", "--out", str(out), "--overwrite"]) == 0
+    result = json.loads(out.read_text())
+    assert result["what"].startswith("statistic")
+    assert [(r["G"], r["group"], r["N"], r["K"], r["rows"]) for r in result["rows"]] == [(4, 32, 128, 64, 3)]
+    assert all(r["linear_us"] > 0 and r["kernel_us"] > 0 for r in result["rows"])
