@@ -15,10 +15,11 @@ layer calls where the kernel does not run (oneDNN's bf16 GEMM on this kind of CP
 where ``MAX_ROWS_WITH_AMX`` comes from on CPUs without AMX (``qkmla/ops/small_linear.py``).
 
 With ``--statistic`` a shape GxgxK is W_UK as G groups (heads) of g rows of K: the RMS key
-scalar of each group for each row of x, through ``group_statistic`` over W as vLLM holds it (a
+scalar of each group for each row of x, through ``group_statistic``'s kernel over W as vLLM holds it (a
 strided view: each group's rows followed by as many others, its W_UV rows in ``kv_b_proj``'s
 weight), against ``qkmla.norms.statistic`` of ``F.linear`` over a contiguous copy (what the
 layers compute where the kernel does not run; a GEMM over the view would copy it every call).
+This is where ``GROUP_KERNEL_MAX_ROWS`` comes from.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ def statistic_calls(G: int, group: int, k: int, rows: int, repeat: int, seed: in
     groups of x [rows, k] @ W^T, W [G, group, k] (the kernel over a strided view, F.linear over a
     contiguous copy)."""
     from qkmla.norms import statistic
-    from qkmla.ops.small_linear import group_statistic
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(G, 2 * group, k, generator=gen).to(torch.bfloat16)[:, :group]
@@ -71,9 +71,9 @@ def statistic_calls(G: int, group: int, k: int, rows: int, repeat: int, seed: in
         for _ in range(repeat):
             statistic(torch.nn.functional.linear(x, flat).unflatten(-1, (G, group)), "rms")
 
-    def kernel():
+    def kernel():  # the op itself, at every row count (group_statistic hands many rows to F.linear)
         for _ in range(repeat):
-            group_statistic(x, w, "rms")
+            torch.ops.qkmla_cpu.group_statistic(x, w, "rms", 2.0, 1e-6)
     return gemm, kernel
 
 

@@ -134,12 +134,12 @@ def test_group_statistic_is_the_norms_statistic_of_the_rounded_products(kind, p,
 
 
 def test_group_statistic_reads_a_strided_weight_in_place_and_takes_leading_dims_and_strided_rows():
-    x, w = group_operands(5, 4, 32, 128, lead=(2, 3), rows_between=32)
+    x, w = group_operands(3, 4, 32, 128, lead=(2, 2), rows_between=32)  # 12 rows: the kernel's
     assert not w.is_contiguous() and sl.group_kernel_takes(w)
     got = sl.group_statistic(x, w, "rms")
-    assert got.shape == (2, 3, 5, 4)
+    assert got.shape == (2, 2, 3, 4)
     assert torch.equal(got, sl.group_statistic(x, w.contiguous(), "rms"))  # the same sums, in the same order
-    assert torch.equal(got[1, 2], sl.group_statistic(x[1, 2].clone(), w, "rms"))
+    assert torch.equal(got[1, 1], sl.group_statistic(x[1, 1].clone(), w, "rms"))
     wide = torch.randn(7, 160).bfloat16()
     assert torch.equal(sl.group_statistic(wide[:, :128], w, "l2"),
                        sl.group_statistic(wide[:, :128].contiguous(), w, "l2"))
@@ -198,3 +198,17 @@ def test_the_bound_group_statistic_equals_the_unbound_and_checks_once():
         sl.bind_group_statistic(w, "lp", 0.0)
     with pytest.raises(ValueError, match=r"w: expected \[G, group, 96\]"):
         sl.bind_group_statistic(w[0], "rms")
+
+
+def test_past_its_rows_the_group_statistic_is_the_gemms():
+    """More rows than GROUP_KERNEL_MAX_ROWS (a prefill) go to F.linear and the statistic in torch,
+    bound or not; the kernel itself gives the same values to one bf16 step of one product."""
+    n = sl.GROUP_KERNEL_MAX_ROWS + 3
+    x, w = group_operands(n, 4, 32, 96, rows_between=8)
+    want = sl.statistic(torch.nn.functional.linear(x, w.reshape(128, 96)).unflatten(-1, (4, 32)), "rms").squeeze(-1)
+    assert torch.equal(sl.group_statistic(x, w, "rms"), want)
+    assert torch.equal(sl.bind_group_statistic(w, "rms")(x), want)
+    kernel = torch.ops.qkmla_cpu.group_statistic(x, w, "rms", 2.0, 1e-6)
+    torch.testing.assert_close(kernel, want, rtol=2.0 ** -8, atol=0)
+    assert torch.equal(sl.group_statistic(x[:sl.GROUP_KERNEL_MAX_ROWS], w, "rms"),
+                       kernel[:sl.GROUP_KERNEL_MAX_ROWS])

@@ -53,6 +53,12 @@ class PackedWeight:
         return self.packed.permute(0, 2, 1, 3).reshape(tiles * TILE, 2 * pairs)[:self.N]
 
 
+# Rows of x up to which group_statistic runs its kernel: past them a GEMM library's blocking pays
+# more than the kernel's single pass over W (bench_small_linear.py --statistic, on an AVX-512 EPYC
+# without AMX: the kernel took at most 1.000x F.linear + the statistic's time up to 16 rows, and
+# 0.694x to 1.347x at 32). A prefill's many rows go to the reference.
+GROUP_KERNEL_MAX_ROWS = 16
+
 # Set once the kernel has built and its fakes are registered (kernel_unavailable): a plain global,
 # which group_statistic reads where torch.compile traces it (the build must not be traced).
 _KERNEL_READY = False
@@ -139,7 +145,8 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     The outputs are rounded to x's dtype first, as ``F.linear`` returns them, so this equals
     ``qkmla.norms.statistic`` of ``F.linear(x, w.reshape(G * group, K))`` per group to float32
     summation order; that is also the path where the kernel does not run (another dtype, x that
-    needs a gradient, a weight :func:`group_kernel_takes` refuses or before it has been asked).
+    needs a gradient, more than ``GROUP_KERNEL_MAX_ROWS`` rows, a weight :func:`group_kernel_takes`
+    refuses or before it has been asked).
 
     The kernel reads each row of w once, in place: vLLM's W_UK (a view of ``kv_b_proj``'s weight,
     each head's rows followed by its W_UV rows) needs no copy, and a decode step's query
@@ -147,7 +154,7 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     _check_group_statistic(x.shape[-1], w, kind, p)
     G, group, K = w.shape
     if not (_KERNEL_READY and _kernel_takes(x) and w.dtype == torch.bfloat16 and w.stride(-1) == 1
-            and w.device.type == "cpu"):
+            and w.device.type == "cpu" and x.numel() <= GROUP_KERNEL_MAX_ROWS * K):
         y = torch.nn.functional.linear(x, w.reshape(G * group, K).to(x.dtype)).unflatten(-1, (G, group))
         return statistic(y, kind, p, eps).squeeze(-1)
     sigma = torch.ops.qkmla_cpu.group_statistic(x.reshape(-1, K).contiguous(), w, kind, float(p), float(eps))
@@ -167,7 +174,8 @@ def bind_group_statistic(w: torch.Tensor, kind: str, p: float = 2.0,
     op, p, eps = torch.ops.qkmla_cpu.group_statistic.default, float(p), float(eps)
 
     def bound(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.device.type == "cpu" and not x.requires_grad:
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= GROUP_KERNEL_MAX_ROWS
+                and x.device.type == "cpu" and not x.requires_grad):
             return op(x if x.stride(-1) == 1 else x.contiguous(), w, kind, p, eps)
         return group_statistic(x, w, kind, p, eps)
 
