@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "bf16.h"
 
@@ -170,24 +171,29 @@ void group_rows(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t sw, in
   }
 }
 
-// The moments of groups g0 .. g1 for every row of x: m [T, G].
+// The moments of groups g0 .. g1 for every row of x: m [T, G]. Each group's are summed in a
+// buffer of the thread's own and written once: threads that shared the cache lines of m's rows
+// while summing would take turns owning them.
 template <int R>
 void group_moments(const uint16_t* x, int64_t sx, int64_t T, const uint16_t* w, int64_t sg, int64_t sw,
                    int64_t group, int64_t K, float* m, int64_t G, int64_t g0, int64_t g1, bool square, float q) {
+  std::vector<float> sums(static_cast<size_t>(T));
   for (int64_t g = g0; g < g1; ++g) {
+    std::fill(sums.begin(), sums.end(), 0.0f);
     for (int64_t n = 0; n < group; n += R) {
       const uint16_t* wn = w + g * sg + n * sw;
       for (int64_t t = 0; t < T; t += 4) {
         const uint16_t* xt = x + t * sx;
-        float* mt = m + t * G + g;
+        float* st = sums.data() + t;
         switch (std::min<int64_t>(4, T - t)) {
-          case 1: group_rows<R, 1>(xt, sx, wn, sw, K, mt, G, square, q); break;
-          case 2: group_rows<R, 2>(xt, sx, wn, sw, K, mt, G, square, q); break;
-          case 3: group_rows<R, 3>(xt, sx, wn, sw, K, mt, G, square, q); break;
-          default: group_rows<R, 4>(xt, sx, wn, sw, K, mt, G, square, q); break;
+          case 1: group_rows<R, 1>(xt, sx, wn, sw, K, st, 1, square, q); break;
+          case 2: group_rows<R, 2>(xt, sx, wn, sw, K, st, 1, square, q); break;
+          case 3: group_rows<R, 3>(xt, sx, wn, sw, K, st, 1, square, q); break;
+          default: group_rows<R, 4>(xt, sx, wn, sw, K, st, 1, square, q); break;
         }
       }
     }
+    for (int64_t t = 0; t < T; ++t) m[t * G + g] = sums[t];
   }
 }
 
@@ -199,7 +205,7 @@ at::Tensor group_statistic_cpu(const at::Tensor& x, const at::Tensor& w, c10::st
               "w: bf16 [G, group, K] with contiguous rows, K as x's");
   const Kind k = parse_kind(kind, p);
   const int64_t T = x.size(0), G = w.size(0), group = w.size(1), K = w.size(2);
-  at::Tensor m = at::zeros({T, G}, x.options().dtype(at::kFloat));
+  at::Tensor m = at::empty({T, G}, x.options().dtype(at::kFloat));
   if (T == 0 || G == 0) return m;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
