@@ -55,8 +55,8 @@ class PackedWeight:
 
 # Rows of x up to which group_statistic runs its kernel: past them a GEMM library's blocking pays
 # more than the kernel's single pass over W (bench_small_linear.py --statistic, on an AVX-512 EPYC
-# without AMX: the kernel took at most 1.000x F.linear + the statistic's time up to 16 rows, and
-# 0.694x to 1.347x at 32). A prefill's many rows go to the reference.
+# without AMX: the kernel took 0.158x to 0.963x the time of F.linear and the statistic up to 16
+# rows, 0.594x to 1.272x at 32). A prefill's many rows go to the reference.
 GROUP_KERNEL_MAX_ROWS = 16
 
 # Set once the kernel has built and its fakes are registered (kernel_unavailable): a plain global,
