@@ -3,8 +3,8 @@
 Two sources, each registering its ops in the ``qkmla_cpu`` namespace:
 
 * ``mla_decode/cpu_kernel.cpp``: the decode op's ``"cpu"`` backend (``mla_decode/cpu_kernel.py``);
-* ``small_linear.cpp``: x W^T for a few rows of x against a prepacked weight, and the moments of
-  its groups of outputs (a QK norm's key statistic) (``small_linear.py``).
+* ``small_linear.cpp``: x W^T for a few rows of x against a prepacked weight, and a QK norm's
+  key statistic of each group of rows of an unpacked one (``small_linear.py``).
 
 Both run on AVX-512 BF16 dot products (``vdpbf16ps``). They are compiled together by PyTorch's
 C++ extension loader, which needs a C++ compiler and ninja on the machine (9 s on 2 idle cores
