@@ -138,36 +138,38 @@ inline float rounded_power(float v, bool square, float q) {
   return square ? f * f : std::pow(std::fabs(f), q);
 }
 
-// m[t, g] += sum over R rows n0 .. n0 + R of group g of |x[t] . w[g, n]|^q, for TT rows of x from x.
-// Each row of w is read once for the TT rows of x; K in chunks of 32 (the last one masked).
+// acc[r][t] += the products of w's row r and x's row t over 32 values of K from k (MASKED: the
+// values of mask only, for the last K % 32).
+template <int R, int TT, bool MASKED>
+inline void dot_chunk(__m512 (&acc)[R][TT], const uint16_t* x, int64_t sx, const uint16_t* w, int64_t sw, int64_t k,
+                      __mmask32 mask) {
+  auto load = [&](const uint16_t* p) {
+    if constexpr (MASKED) return as_bh(_mm512_maskz_loadu_epi16(mask, p));
+    else return as_bh(_mm512_loadu_si512(p));
+  };
+  __m512bh wv[R];
+  for (int r = 0; r < R; ++r) wv[r] = load(w + r * sw + k);
+  for (int t = 0; t < TT; ++t) {
+    const __m512bh xv = load(x + t * sx + k);
+    for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+  }
+}
+
+// sums[t] += sum over R rows of w of |x[t] . w[n]|^q, for TT rows of x from x. Each row of w is
+// read once for the TT rows of x; K in chunks of 32, plain loads but for the last (masked).
 template <int R, int TT>
-void group_rows(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t sw, int64_t K, float* m, int64_t sm,
-                bool square, float q) {
+void group_rows(const uint16_t* x, int64_t sx, const uint16_t* w, int64_t sw, int64_t K, float* sums, bool square,
+                float q) {
   __m512 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = as_bh(_mm512_loadu_si512(w + r * sw + k));
-    for (int t = 0; t < TT; ++t) {
-      const __m512bh xv = as_bh(_mm512_loadu_si512(x + t * sx + k));
-      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
-    }
-  }
-  if (k < K) {  // the last K % 32 values, masked
-    const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1);
-    __m512bh wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = as_bh(_mm512_maskz_loadu_epi16(mask, w + r * sw + k));
-    for (int t = 0; t < TT; ++t) {
-      const __m512bh xv = as_bh(_mm512_maskz_loadu_epi16(mask, x + t * sx + k));
-      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
-    }
-  }
+  for (; k + 32 <= K; k += 32) dot_chunk<R, TT, false>(acc, x, sx, w, sw, k, 0);
+  if (k < K) dot_chunk<R, TT, true>(acc, x, sx, w, sw, k, static_cast<__mmask32>((1ull << (K - k)) - 1));
   for (int t = 0; t < TT; ++t) {
     float sum = 0.0f;
     for (int r = 0; r < R; ++r) sum += rounded_power(_mm512_reduce_add_ps(acc[r][t]), square, q);
-    m[t * sm] += sum;
+    sums[t] += sum;
   }
 }
 
@@ -186,10 +188,10 @@ void group_moments(const uint16_t* x, int64_t sx, int64_t T, const uint16_t* w, 
         const uint16_t* xt = x + t * sx;
         float* st = sums.data() + t;
         switch (std::min<int64_t>(4, T - t)) {
-          case 1: group_rows<R, 1>(xt, sx, wn, sw, K, st, 1, square, q); break;
-          case 2: group_rows<R, 2>(xt, sx, wn, sw, K, st, 1, square, q); break;
-          case 3: group_rows<R, 3>(xt, sx, wn, sw, K, st, 1, square, q); break;
-          default: group_rows<R, 4>(xt, sx, wn, sw, K, st, 1, square, q); break;
+          case 1: group_rows<R, 1>(xt, sx, wn, sw, K, st, square, q); break;
+          case 2: group_rows<R, 2>(xt, sx, wn, sw, K, st, square, q); break;
+          case 3: group_rows<R, 3>(xt, sx, wn, sw, K, st, square, q); break;
+          default: group_rows<R, 4>(xt, sx, wn, sw, K, st, square, q); break;
         }
       }
     }

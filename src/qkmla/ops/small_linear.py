@@ -122,9 +122,12 @@ def group_kernel_takes(w: torch.Tensor) -> bool:
     weight whose rows are contiguous (groups at any stride), on a machine where the kernel runs.
 
     Call it outside ``torch.compile`` (it may build the kernel), as :func:`pack_weight`."""
-    if w.dim() != 3 or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.stride(-1) != 1:
-        return False
-    return kernel_unavailable() is None
+    return w.dim() == 3 and _group_weight_fits(w) and kernel_unavailable() is None
+
+
+def _group_weight_fits(w: torch.Tensor) -> bool:
+    """A weight the group kernel reads: CPU bfloat16 with contiguous rows."""
+    return w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.stride(-1) == 1
 
 
 def _check_group_statistic(K: int, w: torch.Tensor, kind: str, p: float) -> None:
@@ -153,8 +156,7 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     absorption then finds those rows in cache."""
     _check_group_statistic(x.shape[-1], w, kind, p)
     G, group, K = w.shape
-    if not (_KERNEL_READY and _kernel_takes(x) and w.dtype == torch.bfloat16 and w.stride(-1) == 1
-            and w.device.type == "cpu" and x.numel() <= GROUP_KERNEL_MAX_ROWS * K):
+    if not (_KERNEL_READY and _kernel_takes(x) and _group_weight_fits(w) and x.numel() <= GROUP_KERNEL_MAX_ROWS * K):
         y = torch.nn.functional.linear(x, w.reshape(G * group, K).to(x.dtype)).unflatten(-1, (G, group))
         return statistic(y, kind, p, eps).squeeze(-1)
     sigma = torch.ops.qkmla_cpu.group_statistic(x.reshape(-1, K).contiguous(), w, kind, float(p), float(eps))
@@ -174,8 +176,7 @@ def bind_group_statistic(w: torch.Tensor, kind: str, p: float = 2.0,
     op, p, eps = torch.ops.qkmla_cpu.group_statistic.default, float(p), float(eps)
 
     def bound(x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= GROUP_KERNEL_MAX_ROWS
-                and x.device.type == "cpu" and not x.requires_grad):
+        if x.dim() == 2 and x.shape[0] <= GROUP_KERNEL_MAX_ROWS and _kernel_takes(x):
             return op(x if x.stride(-1) == 1 else x.contiguous(), w, kind, p, eps)
         return group_statistic(x, w, kind, p, eps)
 
