@@ -102,7 +102,8 @@ def main() -> None:
         bound = bind(w, *a, **kw)
 
         def counted(x):
-            if x.dtype == torch.bfloat16 and small_linear.group_kernel_takes(w):  # the calls the kernel takes
+            if (x.dtype == torch.bfloat16 and x.shape[0] <= small_linear.GROUP_KERNEL_MAX_ROWS
+                    and small_linear.group_kernel_takes(w)):  # the calls the kernel takes
                 STATISTIC_CALLS.append(1)
             return bound(x)
         return counted

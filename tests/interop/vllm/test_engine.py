@@ -151,7 +151,8 @@ def test_served_in_bfloat16_through_the_cpu_kernel_stays_within_bf16s_drift(norm
         assert got["key_scalar_kernel_calls"] == 0
     else:
         assert got["key_weights_read_in_place"] == ["vLLM's view"] * layers
-        assert got["key_scalar_kernel_calls"] >= TOKENS * layers  # each decode step and the prefill
+        # each decode step of each layer; the prefill's 17 rows go to F.linear (GROUP_KERNEL_MAX_ROWS)
+        assert got["key_scalar_kernel_calls"] == (TOKENS - 1) * layers
     shared = 0
     for tokens, ref, lp, ref_lp in zip(got["tokens"], want["tokens"], got["logprobs"], want["logprobs"]):
         same = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))
