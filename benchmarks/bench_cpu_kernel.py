@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE.parent / "src"))
     from recipe_common import check_out
 
-    from qkmla.files import write_text
-    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.utils.files import write_text
+    from qkmla.utils.machine import machine, recorded_command, source_commit
     from qkmla.ops.mla_decode.cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported_for
 
     check_out(p, args.out, args.overwrite)  # before any work

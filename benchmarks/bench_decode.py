@@ -45,8 +45,8 @@ import torch
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
 from qkmla.cache.storage import PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
-from qkmla.files import check_output, write_text
-from qkmla.machine import machine, recorded_command, source_commit
+from qkmla.utils.files import check_output, write_text
+from qkmla.utils.machine import machine, recorded_command, source_commit
 
 HERE = Path(__file__).resolve().parent
 CONTEXTS = (1024, 4096, 16384, 32768)
@@ -187,7 +187,7 @@ def run(args, argv) -> int:
     eager_only = paged > 0 or B > 1
     hf = None if eager_only else hf_attention(cfg, dtype, device)
     if hf is not None:  # plain MLA is transformers' layer, copied
-        from qkmla.interop import mla_from_hf
+        from qkmla.integrations.hub import mla_from_hf
         plain = mla_from_hf(hf[0]).to(device=device, dtype=dtype).eval()
     else:
         plain = MLA(cfg.replace(qk_norm=None)).to(device=device, dtype=dtype).eval()

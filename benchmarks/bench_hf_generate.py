@@ -51,7 +51,7 @@ def build_model(dtype: torch.dtype, variant: str):
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**SHAPE, attn_implementation="sdpa")).to(dtype).eval()
     if variant != "transformers":
         from qkmla.cache import SnapKV
-        from qkmla.interop import apply_latent_attention
+        from qkmla.integrations.transformers import apply_latent_attention
 
         policy = SnapKV(kept_fraction=0.25) if variant == "qkmla-snapkv" else None
         apply_latent_attention(model, kv_format="fp8" if variant == "qkmla-fp8" else "dense", policy=policy)
@@ -70,7 +70,7 @@ def cache_bytes(cache, tokens: int) -> dict:
 
 def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: int, chunk: int,
              score_budget_gib: float, threads: int) -> dict:
-    from qkmla.interop import LatentAttentionCache
+    from qkmla.integrations.transformers import LatentAttentionCache
 
     if threads:
         torch.set_num_threads(threads)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
 
     import transformers
 
-    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.utils.machine import machine, recorded_command, source_commit
 
     def write(rows: list) -> None:  # after every cell, so an interrupted run keeps what it measured
         result = {"command": recorded_command("benchmarks/bench_hf_generate.py", argv), "commit": source_commit(HERE),

@@ -8,7 +8,7 @@ norm reading the same memory.
 Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars per token):
 
 * ``row``: vLLM's, one row [c | k_rope | r] per token (1,184 bytes), the op given its column
-  views, as ``qkmla.interop.vllm`` hands them over;
+  views, as ``qkmla.integrations.vllm`` hands them over;
 * ``block``: a block's 16 rows [c | k_rope] (1,152 bytes each, so every row starts on a
   64-byte boundary), then its 16 x G scalars in one run.
 
@@ -188,7 +188,7 @@ def profile(plain, qknorm, calls_per_block: int, blocks: int = 6) -> dict:
 
 def measure(args, argv) -> dict:
     """The results record: every point on both layouts, and the profile if asked (on one thread)."""
-    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.utils.machine import machine, recorded_command, source_commit
 
     extra = G / (D_C + D_R)
     rows = []
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # qkmla; recipe_common beside this script
     from recipe_common import check_out
 
-    from qkmla.files import write_text
+    from qkmla.utils.files import write_text
 
     check_out(p, args.out, args.overwrite)  # before any work
     if args.backends is None:

@@ -17,7 +17,7 @@ where ``MAX_ROWS_WITH_AMX`` comes from on CPUs without AMX (``qkmla/ops/small_li
 With ``--statistic`` a shape GxgxK is W_UK as G groups (heads) of g rows of K: the RMS key
 scalar of each group for each row of x, through ``group_statistic``'s kernel over W as vLLM holds it (a
 strided view: each group's rows followed by as many others, its W_UV rows in ``kv_b_proj``'s
-weight), against ``qkmla.norms.statistic`` of ``F.linear`` over a contiguous copy (what the
+weight), against ``qkmla.ops.statistic.statistic`` of ``F.linear`` over a contiguous copy (what the
 layers compute where the kernel does not run; a GEMM over the view would copy it every call).
 This is where ``GROUP_KERNEL_MAX_ROWS`` comes from.
 """
@@ -60,7 +60,7 @@ def statistic_calls(G: int, group: int, k: int, rows: int, repeat: int, seed: in
     """(F.linear + statistic, kernel): each ``repeat`` calls of the RMS statistic of each of G
     groups of x [rows, k] @ W^T, W [G, group, k] (the kernel over a strided view, F.linear over a
     contiguous copy)."""
-    from qkmla.norms import statistic
+    from qkmla.ops.statistic import statistic
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(G, 2 * group, k, generator=gen).to(torch.bfloat16)[:, :group]
@@ -113,8 +113,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(HERE.parent / "src"))
     from recipe_common import check_out
 
-    from qkmla.files import write_text
-    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.utils.files import write_text
+    from qkmla.utils.machine import machine, recorded_command, source_commit
     from qkmla.ops.small_linear import MAX_ROWS_WITH_AMX, kernel_unavailable
 
     if args.shapes is None:
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     result = {"command": recorded_command("benchmarks/bench_small_linear.py", argv), "commit": source_commit(HERE),
               "machine": {**machine(), "amx": amx}, "reps": args.reps,
-              "what": "statistic: group_statistic over F.linear + norms.statistic" if args.statistic else
+              "what": "statistic: group_statistic over F.linear + ops.statistic.statistic" if args.statistic else
               "product: small_linear over F.linear",
               "load_average_1min": round(os.getloadavg()[0], 2), "max_rows_with_amx": MAX_ROWS_WITH_AMX,
               "rows": out_rows}

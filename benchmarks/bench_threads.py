@@ -61,8 +61,8 @@ def main(argv=None) -> int:
     sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # qkmla; recipe_common beside this script
     from recipe_common import check_out
 
-    from qkmla.files import write_text
-    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.utils.files import write_text
+    from qkmla.utils.machine import machine, recorded_command, source_commit
 
     check_out(p, args.out, args.overwrite)  # before any work
 

@@ -24,7 +24,7 @@ from qkmla.train.optim import build_optimizer
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from qkmla.machine import machine, recorded_command, source_commit  # noqa: E402
+from qkmla.utils.machine import machine, recorded_command, source_commit  # noqa: E402
 
 VARIANTS = ("mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp", "mha", "gqa", "gqa-qknorm")
 

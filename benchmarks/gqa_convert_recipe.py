@@ -11,7 +11,7 @@ weights are not committed). Then, for each cache budget (the source's cache divi
 ``--compressions``), these variants are built from it:
 
 (a) source      the model as trained (one row per source, not per budget).
-(b) keep_norm   ``qkmla.interop.convert_gqa(keep_norm=True)``: DeepSeek-V3 architecture, qkmla's
+(b) keep_norm   ``qkmla.convert.convert_gqa(keep_norm=True)``: DeepSeek-V3 architecture, qkmla's
                 content-mode QK RMSNorm, latent rank r and d_r RoPE dims ("uniform" pairs), chosen so
                 that (r + 1) + d_r + G = the budget, d_r = each of ``--rope-shares`` of the budget
                 (0.25 and 0.5: two (r, d_r) settings per budget).
@@ -159,7 +159,7 @@ def train(model, ids: torch.Tensor, *, steps: int, batch: int, block: int, lr: f
 
 def rope_dims(D: int, rope_dim: int, theta: float) -> torch.Tensor:
     """The source dims (j and j + D/2 for each kept pair j) that keep RoPE, as ``convert_gqa`` keeps them."""
-    from qkmla.interop.gqa import kept_rope_pairs
+    from qkmla.convert.gqa import kept_rope_pairs
 
     pairs, _ = kept_rope_pairs(D, rope_dim, "uniform", theta)
     return torch.tensor(pairs + [j + D // 2 for j in pairs])
@@ -185,7 +185,7 @@ def full_keys_variant(source, rank: int, rope_dim: int):
             up_k.weight.copy_(up[:, 0].flatten(0, 1))
             up_v.weight.copy_(up[:, 1].flatten(0, 1))
             a.k_proj, a.v_proj = torch.nn.Sequential(down, up_k), torch.nn.Sequential(down, up_v)
-    from qkmla.interop.gqa import rope_theta_of
+    from qkmla.convert.gqa import rope_theta_of
 
     unrotated = torch.ones(D, dtype=torch.bool)
     unrotated[rope_dims(D, rope_dim, rope_theta_of(c))] = False
@@ -323,8 +323,8 @@ def main(argv=None) -> int:
     import transformers
     from transformers import ByT5Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from qkmla.files import write_atomically
-    from qkmla.interop import convert_gqa
+    from qkmla.utils.files import write_atomically
+    from qkmla.convert import convert_gqa
     from qkmla.train.data import VALIDATION_PLAYS
     from recipe_common import byte_plays, claim_work_dirs, start_record
 

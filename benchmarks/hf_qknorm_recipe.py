@@ -15,7 +15,7 @@
                 stopped at the first evaluation within ``--target`` (1%) of the source's
                 validation loss, or at ``--ft-max-steps``; once from the calibrated model at
                 each of ``--ft-lrs``, and the one within the target in the fewest steps kept.
-5. reloaded     ``save_pretrained`` + tokenizer, ``qkmla.interop.from_pretrained``: the reloaded
+5. reloaded     ``save_pretrained`` + tokenizer, ``qkmla.integrations.transformers.from_pretrained``: the reloaded
                 model's loss is compared with the in-memory one, greedy samples are generated
                 through the latent cache (and checked against generation without a cache),
                 and ``qkmla generate --hf DIR --prompt "ROMEO:" --tokens 80`` runs as a
@@ -154,7 +154,7 @@ def fine_tune(model, args, train_data, eval_rows: torch.Tensor, target: float, s
 def greedy_samples(model, tokenizer, prompts, tokens: int) -> list:
     """Greedy continuations through the latent cache ``generate`` uses, each checked against
     greedy decoding that recomputes the whole sequence at every step (no cache)."""
-    from qkmla.interop import LatentCacheLayer
+    from qkmla.integrations.transformers.cache import LatentCacheLayer
 
     out = []
     for prompt in prompts:
@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     import transformers
     from transformers import ByT5Tokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Trainer
 
-    from qkmla.interop import apply_latent_attention, from_pretrained, warm_start_qk_norm
+    from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+    from qkmla.convert import warm_start_qk_norm
     from qkmla.train.data import VALIDATION_PLAYS
     from recipe_common import byte_plays, claim_work_dirs, start_record
 
@@ -325,7 +326,7 @@ def main(argv=None) -> int:
     del runs, calibrated, state
     write()
 
-    # 5. Saved, reloaded with qkmla.interop.from_pretrained, generated from through the latent cache.
+    # 5. Saved, reloaded with qkmla.integrations.transformers.from_pretrained, generated from through the latent cache.
     model.save_pretrained(dirs["qknorm"])
     tokenizer.save_pretrained(dirs["qknorm"])
     del model

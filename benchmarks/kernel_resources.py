@@ -143,8 +143,8 @@ def main(argv=None) -> int:
     if "nvidia" not in backends:
         p.error(f"Triton {triton.__version__} has no NVIDIA backend here")
 
-    from qkmla.files import write_text
-    from qkmla.machine import recorded_command, source_commit
+    from qkmla.utils.files import write_text
+    from qkmla.utils.machine import recorded_command, source_commit
     from qkmla.ops.mla_decode.triton_kernel import LAUNCH_CONFIGS
 
     rows = []

@@ -23,8 +23,8 @@ def positive(text: str) -> int:
 
 def check_out(parser, out, overwrite: bool) -> None:
     """Refuse (``parser.error``) an ``--out`` that is a directory, or exists without ``overwrite``
-    (``qkmla.files.check_output``), before any work; None: nothing is written."""
-    from qkmla.files import check_output
+    (``qkmla.utils.files.check_output``), before any work; None: nothing is written."""
+    from qkmla.utils.files import check_output
 
     try:
         check_output("--out", [out] if out is not None else [], [], overwrite)
@@ -45,8 +45,8 @@ def start_record(script: str, argv, here: Path, args, transformers_version: str)
     """(result, write): the results record of a run (command, commit, machine, settings) and the
     function that writes it to ``args.out`` atomically, called after every stage so that an
     interrupted run keeps what it measured."""
-    from qkmla.files import write_text
-    from qkmla.machine import machine, recorded_command, source_commit
+    from qkmla.utils.files import write_text
+    from qkmla.utils.machine import machine, recorded_command, source_commit
 
     t_start = time.perf_counter()
     result = {"command": recorded_command(script, argv), "commit": source_commit(here), "machine": machine(),

@@ -70,7 +70,7 @@ def randomize(model, **record):
     0.8 to 1.6 times tau. The draws continue torch's global generator: seed it before building the model."""
     import torch
 
-    from qkmla.interop import apply_latent_attention
+    from qkmla.integrations.transformers import apply_latent_attention
 
     with torch.no_grad():
         for p in model.parameters():
@@ -105,7 +105,8 @@ def engine(spec: dict) -> dict:
         from vllm.v1.attention.backends.mla.prefill.registry import (MLAPrefillBackendEnum,
                                                                      register_mla_prefill_backend)
 
-        register_mla_prefill_backend(MLAPrefillBackendEnum.CPU, "qkmla.interop.vllm.backend.QKMLACPUPrefillBackend")
+        register_mla_prefill_backend(MLAPrefillBackendEnum.CPU,
+                                     "qkmla.integrations.vllm.backend.QKMLACPUPrefillBackend")
     llm = LLM(spec["model"], dtype=spec["dtype"], enforce_eager=spec.get("eager", True), gpu_memory_utilization=0.2,
               max_model_len=spec["max_model_len"], skip_tokenizer_init=True, seed=0,
               distributed_executor_backend="uni", max_num_batched_tokens=spec.get("max_num_batched_tokens"),
@@ -260,7 +261,7 @@ def reference(model_dir: Path, plain: bool, prompts=DRIFT_PROMPTS, new_tokens: i
     import torch
     import transformers
 
-    from qkmla.interop import from_pretrained
+    from qkmla.integrations.transformers import from_pretrained
 
     model = (transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if plain
              else from_pretrained(model_dir)).eval()
@@ -309,7 +310,7 @@ def trained(work: Path, result: dict, write, steps: int) -> None:
     import torch
     import transformers
 
-    from qkmla.interop import apply_latent_attention
+    from qkmla.integrations.transformers import apply_latent_attention
     from recipe_common import byte_plays
 
     tokenizer = transformers.ByT5Tokenizer()

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from qkmla.norms import QKNorm, ScalarNorm, statistic
+from qkmla.norms import QKNorm, ScalarNorm
+from qkmla.ops.statistic import statistic
 
 
 def test_rms_matches_torch_rmsnorm():

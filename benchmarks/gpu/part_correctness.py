@@ -8,7 +8,7 @@
   no sequence owns; lengths 1 to 64k and 0 in one batch; 1 and 2 query tokens; dense bf16,
   fp8 and int8 rows; plain MLA, blockwise and unified QK norm; and the dense cases with the
   key scalars inside each cache row, read through column views (vLLM's layout, as
-  qkmla.interop.vllm hands it to the kernel on CUDA). A case passes when the
+  qkmla.integrations.vllm hands it to the kernel on CUDA). A case passes when the
   kernel's largest error against the float32 spec is at most twice that of the spec run in
   bf16 plus one bf16 ulp of the largest output (the bar tests/ops/test_mla_decode.py sets),
   the same for the log-sum-exp, no output is NaN and lse is -inf exactly where no slot is

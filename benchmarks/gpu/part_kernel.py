@@ -10,7 +10,7 @@ before every call):
     kernel-mla, kernel-qknorm            the Triton kernel over bf16 rows, plain / key scalars
     kernel-mla-fp8, kernel-qknorm-fp8    the same over FlashMLA's 656-byte fp8 rows
     kernel-qknorm-vllm-row               the QK-norm kernel over vLLM's cache as the plugin
-                                         (qkmla.interop.vllm) hands it over: one bf16 row
+                                         (qkmla.integrations.vllm) hands it over: one bf16 row
                                          [c | k_rope | r] per token, the op given its column views
     compile-mla, compile-qknorm          torch.compile(latent_attention, mode="reduce-overhead")
                                          over a contiguous bf16 cache: the paper's baseline
@@ -45,7 +45,7 @@ REAL = dict(d_c=512, d_r=64, heads=(16, 128), page=64, fill_tokens=1 << 20,
             contexts=(4096, 8192, 16384, 32768, 65536, 131072, 262144))
 DRY = dict(d_c=32, d_r=16, heads=(4, 8), page=16, fill_tokens=256, contexts=(64,))
 # (name, kv_format, QK norm, layout): the key scalars in a tensor of their own ("apart") or at
-# the end of each cache row ("row", vLLM's layout in qkmla.interop.vllm)
+# the end of each cache row ("row", vLLM's layout in qkmla.integrations.vllm)
 KERNEL_VARIANTS = (("kernel-mla", "dense", False, "apart"), ("kernel-qknorm", "dense", True, "apart"),
                    ("kernel-mla-fp8", "fp8", False, "apart"), ("kernel-qknorm-fp8", "fp8", True, "apart"),
                    ("kernel-qknorm-vllm-row", "dense", True, "row"))

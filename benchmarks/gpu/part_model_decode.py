@@ -15,7 +15,7 @@ A DeepSeek-V3-architecture transformers model (random weights, the attention of 
 TP=8 GPU: 16 heads, d_c 512, d_r 64; a small MoE) generating with ``generate``:
 
     hf-unpatched      transformers as it is (its dynamic cache)
-    hf-latent         after ``qkmla.interop.apply_latent_attention(model, kv_format="dense",
+    hf-latent         after ``qkmla.integrations.transformers.apply_latent_attention(model, kv_format="dense",
                       policy=None, decode_backend="auto")``; skipped, with the reason
                       recorded, while qkmla has no such function
 
@@ -200,7 +200,7 @@ def hf_rows(ctx: PartContext) -> list[dict]:
         from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     except ImportError as e:
         return [{"model": "transformers DeepseekV3", "variant": "hf-unpatched", "skipped": f"transformers: {e}"}]
-    import qkmla.interop
+    import qkmla.integrations.transformers
 
     shape, gen_cfg = (HF_DRY, HF_GENERATE_DRY) if ctx.dry_run else (HF_REAL, HF_GENERATE)
     dtype = torch.float32 if ctx.dry_run else torch.bfloat16
@@ -208,9 +208,10 @@ def hf_rows(ctx: PartContext) -> list[dict]:
     with torch.device(ctx.device):
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**shape)).to(dtype).eval()
     patched = None
-    if hasattr(qkmla.interop, "apply_latent_attention"):
+    if hasattr(qkmla.integrations.transformers, "apply_latent_attention"):
         patched = copy.deepcopy(model)
-        result = qkmla.interop.apply_latent_attention(patched, kv_format="dense", policy=None, decode_backend="auto")
+        result = qkmla.integrations.transformers.apply_latent_attention(patched, kv_format="dense", policy=None,
+                                                                        decode_backend="auto")
         patched = result if isinstance(result, torch.nn.Module) else patched
     variants = {"hf-unpatched": model, "hf-latent": patched}
     rows = []
@@ -220,7 +221,8 @@ def hf_rows(ctx: PartContext) -> list[dict]:
                             f"{shape['num_attention_heads']} heads)", "variant": name, "batch": batch,
                    "prompt": gen_cfg["prompt"], "new_tokens": gen_cfg["new_tokens"], "dtype": str(dtype)}
             if m is None:
-                row["skipped"] = ("qkmla.interop.apply_latent_attention does not exist in this checkout; "
+                row["skipped"] = ("qkmla.integrations.transformers.apply_latent_attention does not exist in this "
+                                  "checkout; "
                                   "this row runs once it does")
             elif ctx.out_of_time(reserve_s=15):
                 row["not_run"] = "out of time"

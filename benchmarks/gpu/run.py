@@ -49,7 +49,7 @@ sys.path.insert(0, str(HERE))
 import suite  # noqa: E402  (puts this checkout's src/ on the path)
 import torch  # noqa: E402
 
-from qkmla.machine import recorded_command  # noqa: E402
+from qkmla.utils.machine import recorded_command  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ use_checkout_src()
 
 import torch  # noqa: E402
 
-from qkmla.machine import machine, source_commit  # noqa: E402
+from qkmla.utils.machine import machine, source_commit  # noqa: E402
 
 # Datasheet HBM bandwidth (bytes/s). More specific names first: "H100 PCIe" before "H100".
 HBM_PEAK = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H200", 4.8e12), ("H100", 3.35e12), ("H800", 3.35e12),
@@ -67,7 +67,7 @@ def _version(dist: str) -> Optional[str]:
 
 
 def environment() -> dict:
-    """The machine (``qkmla.machine.machine``), the versions that decide what runs (torch,
+    """The machine (``qkmla.utils.machine.machine``), the versions that decide what runs (torch,
     CUDA, cuDNN, Triton, transformers), and the GPU: name, compute capability, SMs, memory,
     driver."""
     info = machine()

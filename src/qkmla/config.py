@@ -2,7 +2,7 @@
 
 Every field name of :class:`MLAConfig` matches the Hugging Face
 ``DeepseekV2Config`` / ``DeepseekV3Config`` field it stands for, so a config maps
-one to one (see :func:`qkmla.interop.hf.mla_config_from_hf`). The QK-norm fields
+one to one (see :func:`qkmla.integrations.hub.config.mla_config_from_hf`). The QK-norm fields
 are ours; ``MATH.md`` defines what each one means.
 """
 
@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .ops.mla_decode.interface import DECODE_BACKENDS
+from .ops.mla_decode.backends import check_backend
+from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
 
-QK_NORMS = (None, "rms", "l2", "lp")
+QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
 QK_NORM_SCOPES = ("head", "projection")
 
@@ -163,8 +164,7 @@ class MLAConfig:
             raise ValueError(f"qk_norm_scope: expected one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
         if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
-        if self.decode_backend not in DECODE_BACKENDS:
-            raise ValueError(f"decode_backend: expected one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
+        check_backend(self.decode_backend, "decode_backend")
 
     @property
     def qk_head_dim(self) -> int:

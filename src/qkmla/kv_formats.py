@@ -75,9 +75,14 @@ class RowLayout:
 
 
 class DenseRows:
-    """The dense format: one row [c ; k^R] of d_c + d_r values in the cache's dtype."""
+    """The dense format: one row [c ; k^R] of d_c + d_r values in the cache's dtype.
+
+    A row format is resolved once from its name and the widths (:func:`row_format`) and handed
+    down as this object: the cache stores through it and every decode backend reads through it,
+    asking ``quantized`` rather than comparing names."""
 
     name = "dense"
+    quantized = False  # rows of values in the cache's dtype; a quantized format's rows are uint8 bytes
 
     def __init__(self, kv_lora_rank: int, qk_rope_head_dim: int):
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
@@ -112,6 +117,7 @@ class QuantizedRows(DenseRows):
     """Codes and float32 scales (one per ``group`` values) of c, and a bfloat16 k^R, in one
     uint8 row; subclasses say how codes are made and read."""
 
+    quantized = True
     group = 0  # values per scale; 0: the whole latent (one scale per token)
     code_max: float  # a group's amax maps here
     values_per_byte = 1
@@ -249,7 +255,14 @@ def float8_supported(device) -> bool:
     return hasattr(torch, "float8_e4m3fn") and _float8_on(str(torch.device(device)))
 
 
-def row_format(kv_format: str, kv_lora_rank: int, qk_rope_head_dim: int) -> DenseRows:
-    """The row format ``kv_format`` (checked) for these widths."""
+def row_format(kv_format, kv_lora_rank: int, qk_rope_head_dim: int) -> DenseRows:
+    """The row format ``kv_format`` for these widths: a name of :data:`KV_FORMATS` (checked), or a
+    row format already resolved (checked against the widths), handed back as it is."""
+    if isinstance(kv_format, DenseRows):
+        if (kv_format.kv_lora_rank, kv_format.qk_rope_head_dim) != (kv_lora_rank, qk_rope_head_dim):
+            raise ValueError(f"kv_format: a {kv_format.name!r} row format of d_c={kv_format.kv_lora_rank}, "
+                             f"d_r={kv_format.qk_rope_head_dim}, but these rows have d_c={kv_lora_rank}, "
+                             f"d_r={qk_rope_head_dim}")
+        return kv_format
     check_kv_format(kv_format)
     return ROW_FORMATS[kv_format](kv_lora_rank, qk_rope_head_dim)

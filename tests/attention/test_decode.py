@@ -7,7 +7,7 @@ import torch
 from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op
-from qkmla.verify import perturb_vectors
+from qkmla.cli.verify import perturb_vectors
 
 CONFIGS = {
     "rms-learnable-scale": dict(qk_norm="rms", learnable_logit_scale=True),

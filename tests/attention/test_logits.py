@@ -5,7 +5,7 @@ import torch
 
 from qkmla import MLA, MLAConfig
 from qkmla.attention.logits import causal_logits
-from qkmla.verify import perturb_vectors
+from qkmla.cli.verify import perturb_vectors
 
 VARIANTS = {
     "rms": dict(qk_norm="rms"),

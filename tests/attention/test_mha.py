@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from qkmla import AttentionConfig, FullKVCache, MultiHeadAttention
-from qkmla.verify import perturb_vectors
+from qkmla.cli.verify import perturb_vectors
 
 VARIANTS = {
     "mha": dict(num_kv_heads=4),

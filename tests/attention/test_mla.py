@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from qkmla import MLA, FullKVCache, LatentCache, MLAConfig, PagedLayout
-from qkmla.verify import VARIANTS, perturb_vectors, verify_variant
+from qkmla.cli.verify import VARIANTS, perturb_vectors, verify_variant
 
 NORM_VARIANTS = {
     "rms": dict(qk_norm="rms"),

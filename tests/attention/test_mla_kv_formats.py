@@ -6,8 +6,8 @@ import torch
 
 from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
-from qkmla.norms import statistic
-from qkmla.verify import perturb_vectors
+from qkmla.ops.statistic import statistic
+from qkmla.cli.verify import perturb_vectors
 
 FORMATS = ("fp8", "int8", "int4")
 NORMS = {

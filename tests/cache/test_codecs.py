@@ -12,7 +12,7 @@ from qkmla.kv_formats import row_format
 
 @pytest.mark.parametrize("kv_format", KV_FORMATS)
 def test_fields_store_load(kv_format):
-    codec = LatentCodec() if kv_format == "dense" else QuantizedCodec(kv_format, 32, 8)
+    codec = LatentCodec() if kv_format == "dense" else QuantizedCodec(row_format(kv_format, 32, 8))
     fields = codec.fields(32, 8, 4, torch.bfloat16, torch.float32)
     width, dtype = fields["latent"]
     assert (width, dtype) == ((40, torch.bfloat16) if kv_format == "dense" else (row_format(kv_format, 32, 8).width,
@@ -68,14 +68,14 @@ def test_paged_and_contiguous_read_the_same_dequantized_rows(kv_format):
     assert lat0.dtype == torch.float64 and torch.equal(lat0, lat1) and torch.equal(r0, r1)
     assert lat0[1, 3:].eq(0).all() and not lat0.isnan().any()
     assert torch.equal(lat0[0, :, :24], caches[0].stored_latent(c[0]))
-    assert caches[1].decode_view()["kv_format"] == kv_format
+    assert caches[1].decode_view()["kv_format"].name == kv_format
     assert caches[0].fields["latent"].data.dtype == torch.uint8
     assert (caches[0].fields["latent"].data[:, 7:] == 0xFF).all()  # never written: NaN bytes
 
 
 def test_dense_cache_is_unchanged():
     cache = LatentCache.from_config(MLAConfig(), 2, 4)
-    assert cache.kv_format == "dense" and cache.decode_view()["kv_format"] == "dense"
+    assert cache.kv_format == "dense" and cache.decode_view()["kv_format"].name == "dense"
     c = torch.randn(1, 32)
     assert cache.stored_latent(c) is c
 

@@ -9,7 +9,7 @@ from qkmla.attention.decode import decode_one_token
 from qkmla.cache import H2O, SnapKV, StreamingLLM
 from qkmla.cache.scores import attention_probs
 from qkmla.rope import YarnScaling
-from qkmla.verify import perturb_vectors
+from qkmla.cli.verify import perturb_vectors
 
 VARIANTS = {
     "rms": dict(qk_norm="rms"),

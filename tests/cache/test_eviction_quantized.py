@@ -9,7 +9,7 @@ from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 from qkmla.attention.absorbed import values_out
 from qkmla.cache import H2O, SnapKV, StreamingLLM
 from qkmla.ops.mla_decode import mla_decode_with_kvcache
-from qkmla.verify import perturb_vectors
+from qkmla.cli.verify import perturb_vectors
 
 POLICIES = {
     "streaming-llm": lambda: StreamingLLM(sinks=2, budget=6),

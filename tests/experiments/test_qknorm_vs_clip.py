@@ -7,7 +7,7 @@ import math
 import pytest
 
 from qkmla.experiments import EXPERIMENTS, Options, run_experiment
-from qkmla.experiments.qknorm_vs_clip import LR_GRID, TRANSIENT, VARIANTS, choose_rate, transient_tau
+from qkmla.experiments.qknorm_vs_clip.design import LR_GRID, TRANSIENT, VARIANTS, choose_rate, transient_tau
 from qkmla.experiments.results import paired_difference, spikes
 from qkmla.train.trainer import TrainConfig, train
 
@@ -116,7 +116,7 @@ def test_redraw_publishes_a_copy_of_the_results(quick, tmp_path):
     assert summary["command"] == source["command"] and summary["chosen_lr"] == report.summary["chosen_lr"]
     assert (tmp_path / "copy" / "curves.png").is_file()
     # A bracket that is not finished chooses nothing yet.
-    from qkmla.experiments.qknorm_vs_clip_report import _chosen_from_rows
+    from qkmla.experiments.qknorm_vs_clip.report import _chosen_from_rows
 
     rows = _rows(quick)
     first = next(r for r in rows if r["variant"] == "mla-qknorm" and r["stage"] == "bracket")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from qkmla.kv_formats import row_format
-from qkmla.norms import statistic
+from qkmla.ops.statistic import statistic
 from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -272,17 +272,17 @@ def test_naive_is_the_definition(mode):
 
 
 def test_backend_choice_and_refusals(monkeypatch):
-    from qkmla.ops.mla_decode import interface, select_backend
+    from qkmla.ops.mla_decode import backends, select_backend
 
     assert select_backend("auto", torch.device("cpu"), 512, 64) == "torch"
     assert select_backend("naive", torch.device("cpu"), 24, 8) == "naive"
     with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'naive', 'torch', 'cpu', 'triton'\)"):
         select_backend("cuda", torch.device("cpu"), 512, 64)
-    monkeypatch.setattr(interface, "triton_installed", lambda: True)
+    monkeypatch.setattr(backends, "triton_installed", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend: 'triton' runs on CUDA tensors"):
         select_backend("triton", torch.device("cpu"), 512, 64)
-    monkeypatch.setattr(interface, "triton_installed", lambda: False)
+    monkeypatch.setattr(backends, "triton_installed", lambda: False)
     with pytest.raises(ValueError, match="not installed"):
         select_backend("triton", torch.device("cuda"), 512, 64)
     assert select_backend("auto", torch.device("cuda"), 512, 64) == "torch"

@@ -101,7 +101,7 @@ def test_compiled_with_dynamic_rows_equals_eager():
 
 def rounded_statistic(x, w, kind, p, eps):
     """The statistic of each group of float64 products rounded to bfloat16 (what a bf16 GEMM returns)."""
-    from qkmla.norms import statistic
+    from qkmla.ops.statistic import statistic
 
     G, group, K = w.shape
     y = (x.double() @ w.reshape(G * group, K).double().T).bfloat16().float()
@@ -147,7 +147,7 @@ def test_group_statistic_reads_a_strided_weight_in_place_and_takes_leading_dims_
 
 
 def test_group_statistic_of_other_dtypes_autograd_and_weights_it_does_not_take_is_the_torch_reference(monkeypatch):
-    from qkmla.norms import statistic
+    from qkmla.ops.statistic import statistic
 
     x, w = group_operands(3, 3, 32, 64)
     got = sl.group_statistic(x.double(), w.double(), "lp", 3.0, eps=1e-6)

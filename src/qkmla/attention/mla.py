@@ -33,7 +33,7 @@ from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import MLAConfig, fixed_config
 from ..norms import qk_norms_of
-from ..ops.mla_decode import mla_decode_with_kvcache, select_backend
+from ..ops.mla_decode import mla_decode_with_kvcache, resolve_backend
 from ..rope import RotaryEmbedding
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
@@ -192,7 +192,8 @@ class MLA(nn.Module):
         if not isinstance(self.kv_b_proj, nn.Linear):  # e.g. a PEFT LoRA wrapper: its output is not x @ weight.T
             raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
                              f"{type(self.kv_b_proj).__name__}, whose output is not x @ weight.T; merge its adapters "
-                             f"into the weight first (qkmla.interop.merge_lora(model), PEFT's merge_and_unload())")
+                             f"into the weight first (qkmla.integrations.transformers.merge_lora(model), PEFT's "
+                             f"merge_and_unload())")
 
     def _derive(self) -> AbsorbedWeights:
         c = self.config
@@ -300,15 +301,15 @@ class MLA(nn.Module):
             return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
-        # Settled before the cache is written: a backend that cannot run must not leave the
-        # new token in the cache (a retry would attend to it twice).
-        select_backend(self.config.decode_backend, x.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype,
-                       getattr(cache, "kv_format", "dense"))
+        # The backend is settled once, from the cache's own tensors and row format, before the
+        # cache is written: one that cannot run must not leave the new token in the cache (a
+        # retry would attend to it twice); the op then runs it as named.
+        view = cache.decode_view()
+        backend = resolve_backend(self.config.decode_backend, q_lat, q_rope, view["kv_cache"], view["scale_cache"],
+                                  self.scale, view["kv_format"])
         cache.append(slot, **rows)
-        # The name as configured: "auto" settles on the cache's own dtype and row format there.
         o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
-                                           backend=self.config.decode_backend, mode=self.score_mode,
-                                           visible_lens=slot.visible_lens())
+                                           backend=backend, mode=self.score_mode, visible_lens=slot.visible_lens())
         return values_out(o_lat, self.absorbed), lambda: (q_lat, q_rope)
 
     @property

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..kv_formats import DenseRows, row_format
+from ..kv_formats import DenseRows
 
 
 class LatentCodec:
@@ -55,12 +55,12 @@ class LatentCodec:
 
 
 class QuantizedCodec(LatentCodec):
-    """``latent`` as one uint8 row of ``kv_format`` (``qkmla.kv_formats``: codes, float32
+    """``latent`` as one uint8 row of a quantized row format (``qkmla.kv_formats``: codes, float32
     scales, bfloat16 k^R); ``load`` returns it dequantized, in float32."""
 
-    def __init__(self, kv_format: str, kv_lora_rank: int, qk_rope_head_dim: int):
-        self.kv_format = kv_format
-        self.rows = row_format(kv_format, kv_lora_rank, qk_rope_head_dim)
+    def __init__(self, rows: DenseRows):
+        self.rows = rows
+        self.kv_format = rows.name
 
     def fields(self, kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype, scalar_dtype):
         fields = super().fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype, scalar_dtype)

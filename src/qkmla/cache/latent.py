@@ -23,13 +23,13 @@ from the latent as stored (:meth:`LatentCache.stored_latent`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from ..config import MLAConfig
 from ..dtypes import cast
-from ..kv_formats import check_kv_format
+from ..kv_formats import DenseRows, check_kv_format, row_format
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from .codecs import LatentCodec, QuantizedCodec
 from .eviction import EvictionPolicy
@@ -70,32 +70,36 @@ class LatentCache(SequenceCache):
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
-                 fill: float = 0.0, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None):
+                 fill: float = 0.0, kv_format: Union[str, DenseRows] = "dense",
+                 policy: Optional[EvictionPolicy] = None):
         check_dims(("num_kv_groups",), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                    num_kv_groups=num_kv_groups)
         check_dtype("dtype", dtype)
         if scalar_dtype is not None:
             check_dtype("scalar_dtype", scalar_dtype)
-        check_kv_format(kv_format, device if device is not None else "cpu")
-        latent_fill = fill
-        if kv_format != "dense":  # a byte row: 0x00 reads as 0 and 0xFF as NaN in every format
+        # The format is resolved to its row object here, once: the codec stores through it and the
+        # decode op reads through it (decode_view hands it over).
+        rows = row_format(kv_format, kv_lora_rank, qk_rope_head_dim)
+        check_kv_format(rows.name, device if device is not None else "cpu")
+        kv_format, latent_fill = rows.name, fill
+        if rows.quantized:  # a byte row: 0x00 reads as 0 and 0xFF as NaN in every format
             if not (fill == 0 or fill != fill):  # NaN is the one value unequal to itself
                 raise ValueError(f"fill: a {kv_format!r} cache fills never-written slots with 0 or NaN, got {fill!r}")
             latent_fill = 0 if fill == 0 else 0xFF
         super().__init__(batch_size, capacity, device, layout)
         if policy is not None:
-            if getattr(policy, "reposition", False) and (kv_format != "dense" or dtype.itemsize < 4):
+            if getattr(policy, "reposition", False) and (rows.quantized or dtype.itemsize < 4):
                 # Every eviction re-rotates and re-stores the kept RoPE keys; rounded to 16
                 # bits each time, the error accumulates (2.6% after 600 steps in bf16).
                 raise ValueError(f"policy: reposition=True re-rotates the stored RoPE keys at every eviction, which "
                                  f"needs them in float32 or wider; this cache stores them in "
-                                 f"{'bfloat16' if kv_format != 'dense' else dtype} (kv_format={kv_format!r}). Use "
+                                 f"{'bfloat16' if rows.quantized else dtype} (kv_format={kv_format!r}). Use "
                                  f"a float32 dense cache or reposition=False")
             self.eviction = Eviction(policy, batch_size, self.device)
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
-        self.kv_format, self.dtype = kv_format, dtype
-        if kv_format != "dense":
-            self.codec = QuantizedCodec(kv_format, kv_lora_rank, qk_rope_head_dim)
+        self.rows, self.kv_format, self.dtype = rows, kv_format, dtype
+        if rows.quantized:
+            self.codec = QuantizedCodec(rows)
         for name, (width, field_dtype) in self.codec.fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype,
                                                             scalar_dtype or dtype).items():
             self._add_field(name, width, field_dtype, latent_fill if name == "latent" else fill)
@@ -133,7 +137,8 @@ class LatentCache(SequenceCache):
         """What the decode op (``qkmla.ops.mla_decode.mla_decode_with_kvcache``) reads, by its
         argument names: ``kv_cache`` [num_blocks, block_size, width] with ``block_table``
         [B, max_blocks] (paged), or [B, capacity, width] with ``block_table=None``
-        (contiguous), width d_c + d_r ("dense") or the quantized row's bytes; ``kv_format``;
+        (contiguous), width d_c + d_r ("dense") or the quantized row's bytes; ``kv_format``, the
+        row format object (``qkmla.kv_formats``) the cache resolved when it was built;
         ``scale_cache`` of the same layout with width G, or None; ``cache_seqlens`` [B];
         ``max_seqlen`` (a Python int)."""
         latent = self.fields["latent"]
@@ -143,7 +148,7 @@ class LatentCache(SequenceCache):
         else:
             kv, s, table = latent.data, scales.data if scales is not None else None, None
         return dict(kv_cache=kv, scale_cache=s, block_table=table, cache_seqlens=self.seqlens, max_seqlen=self.max_len,
-                    kv_format=self.kv_format)
+                    kv_format=self.rows)
 
     def check_config(self, config: MLAConfig) -> None:
         """Raise ValueError unless this cache holds the rows of a layer built from ``config``."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, _check_groups, _check_positive_int, _check_rope
-from ..kv_formats import KV_FORMATS, row_format
+from ..kv_formats import KV_FORMATS, check_kv_format, row_format
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # ``qkmla cache-size --kv-dtype``: a dense dtype, or a quantized format (with its scales).
@@ -56,8 +56,7 @@ class CacheShape:
 
     def __post_init__(self) -> None:
         """The configs' own checks: a shape no model could have is refused."""
-        if self.kv_format not in KV_FORMATS:
-            raise ValueError(f"kv_format: expected one of {KV_FORMATS}, got {self.kv_format!r}")
+        check_kv_format(self.kv_format)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "kv_format":
@@ -107,9 +106,8 @@ def vector_bytes(shape: CacheShape, values: int, rope: int = 0) -> int:
     """Bytes of one cached vector of ``values`` values and ``rope`` RoPE values beside them:
     all in ``dtype`` (dense), or the values quantized and the RoPE values in bfloat16 (the
     row of :mod:`qkmla.kv_formats`, alignment included)."""
-    if shape.kv_format == "dense":
-        return (values + rope) * DTYPE_BYTES[shape.dtype]
-    return row_format(shape.kv_format, values, rope).width
+    rows = row_format(shape.kv_format, values, rope)
+    return rows.width if rows.quantized else rows.width * DTYPE_BYTES[shape.dtype]
 
 
 def cache_rows(shape: CacheShape, tokens: int) -> list[dict]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..machine import machine, source_commit
+from ..utils.machine import machine, source_commit
 from .grid import Run, archive_runs, is_finished, run_dir, run_grid, worker_pool
 from .results import best_lr, read_results, summarize, write_results
 

@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..model.gpt import GPT_PRESETS
-from ..norms import statistic
+from ..ops.statistic import statistic
 from .base import Experiment, Options, Report, sweep_lr, train_settings
 from .figures import fmt, pyplot, save, table
 from .grid import Run

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..limits import check_fits
+from ..utils.limits import check_fits
 from .gpt import GPT
 
 

@@ -8,7 +8,7 @@ products. The kernel reads a weight packed once (:func:`pack_weight`), 64 output
 tile, with AVX-512 BF16 dot products, and sums in float32 with one rounding to bfloat16 at the
 end, as the GEMM does (``benchmarks/bench_small_linear.py`` times the two side by side).
 :func:`group_statistic` serves a QK norm's key scalars: the norm's statistic of each head's block
-of outputs (``qkmla.norms.statistic``) in one op call, with the outputs never leaving the kernel.
+of outputs (``ops.statistic.statistic``) in one op call, with the outputs never leaving the kernel.
 It reads the weight unpacked, row by row, where it lies (vLLM's W_UK is a view of
 ``kv_b_proj``'s weight), so the layer keeps no copy of W_UK and the query absorption that reads
 the same rows next finds them in cache.
@@ -27,9 +27,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import QK_NORMS
-from ..norms import statistic
 from .cpu_extension import build
+from .statistic import NORM_KINDS, statistic
 
 TILE = 64  # output columns per packed tile (small_linear.cpp)
 # Rows of x past which the product goes to a GEMM library on CPUs with AMX tiles, whose bf16
@@ -132,8 +131,8 @@ def _group_weight_fits(w: torch.Tensor) -> bool:
 
 def _check_group_statistic(K: int, w: torch.Tensor, kind: str, p: float) -> None:
     """The arguments of :func:`group_statistic` for x [..., K], before any work."""
-    if kind not in QK_NORMS[1:]:
-        raise ValueError(f"kind: expected one of {QK_NORMS[1:]}, got {kind!r}")
+    if kind not in NORM_KINDS:
+        raise ValueError(f"kind: expected one of {NORM_KINDS}, got {kind!r}")
     if not p > 0:
         raise ValueError(f"p: expected p > 0, got {p}")
     if w.dim() != 3 or w.shape[-1] != K:
@@ -146,7 +145,7 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     (float64 for float64 x), in one op call.
 
     The outputs are rounded to x's dtype first, as ``F.linear`` returns them, so this equals
-    ``qkmla.norms.statistic`` of ``F.linear(x, w.reshape(G * group, K))`` per group to float32
+    ``ops.statistic.statistic`` of ``F.linear(x, w.reshape(G * group, K))`` per group to float32
     summation order; that is also the path where the kernel does not run (another dtype, x that
     needs a gradient, more than ``GROUP_KERNEL_MAX_ROWS`` rows, a weight :func:`group_kernel_takes`
     refuses or before it has been asked).

@@ -3,8 +3,8 @@
 import json
 import sys
 
-from ..cli_errors import Parser, environment_message
-from ..threads import apply_threads
+from ..utils.errors import Parser, environment_message
+from ..utils.threads import apply_threads
 from .cli import add_train_arguments, train_config_from_args, train_flag_message
 from .trainer import CollectiveTimeout, train
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from ..files import save_safetensors
+from ..utils.files import save_safetensors
 
 FILENAME = "checkpoint.safetensors"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..cli_errors import flag_message
+from ..utils.errors import flag_message
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
-from ..threads import add_threads_argument
+from ..utils.threads import add_threads_argument
 from .config import TrainConfig
 from .data import SPLITS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES

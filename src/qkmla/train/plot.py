@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from ..files import write_atomically
+from ..utils.files import write_atomically
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

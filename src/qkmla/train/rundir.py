@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..files import write_text
+from ..utils.files import write_text
 from .checkpoint import FILENAME
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)

@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
-from ..files import same_file, write_text
-from ..limits import check_fits
+from ..utils.files import same_file, write_text
+from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
 from .config import TrainConfig

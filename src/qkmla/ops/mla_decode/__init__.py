@@ -1,6 +1,8 @@
-"""The MLA decode op over a latent cache: one interface, backends naive (the spec), torch and triton."""
+"""The MLA decode op over a latent cache: one interface, backends naive (the spec), torch, cpu and triton."""
 
-from .interface import DECODE_BACKENDS, mla_decode_with_kvcache, select_backend
+from .backends import DECODE_BACKENDS, check_backend, resolve_backend, select_backend
+from .interface import mla_decode_with_kvcache
 from .naive import naive_mla_decode
 
-__all__ = ["DECODE_BACKENDS", "mla_decode_with_kvcache", "naive_mla_decode", "select_backend"]
+__all__ = ["DECODE_BACKENDS", "check_backend", "mla_decode_with_kvcache", "naive_mla_decode", "resolve_backend",
+           "select_backend"]

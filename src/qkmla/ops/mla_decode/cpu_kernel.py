@@ -34,16 +34,17 @@ MIN_KEYS_PER_SPLIT = 512  # below this a split's merge costs more than its paral
 
 
 def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
-                        kv_format: str = "dense") -> Optional[str]:
+                        quantized: bool = False) -> Optional[str]:
     """Why the CPU kernel cannot decode on ``device`` at these widths, dtype (None: not checked)
-    and row format (a message naming the argument), or None. The cheap checks come first, so an
-    input the kernel does not take never triggers the build."""
+    and rows (``quantized``: a quantized row format's bytes) (a message naming the argument), or
+    None. The cheap checks come first, so an input the kernel does not take never triggers the build."""
     device = torch.device(device)
     if device.type != "cpu":
         return f"backend: 'cpu' runs on CPU tensors, got {device.type} tensors; use 'torch' or 'auto'"
-    if kv_format != "dense" or (dtype is not None and dtype != torch.bfloat16):
+    if quantized or (dtype is not None and dtype != torch.bfloat16):
         return (f"kv_cache, q_lat: the CPU kernel reads dense bfloat16 rows with bfloat16 queries, got "
-                f"kv_format={kv_format!r}{'' if dtype is None else f', {dtype} queries'}; use 'torch' or 'auto'")
+                f"{'quantized' if quantized else 'dense'} rows{'' if dtype is None else f', {dtype} queries'}; "
+                f"use 'torch' or 'auto'")
     if d_c % 32 or d_r % 2:
         return f"q_lat, q_rope: the CPU kernel needs d_c a multiple of 32 and d_r even, got {d_c}, {d_r}"
     reason = build()
@@ -51,11 +52,11 @@ def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype]
 
 
 def cpu_unsupported(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                    scale_cache: Optional[torch.Tensor], softmax_scale, kv_format: str) -> Optional[str]:
+                    scale_cache: Optional[torch.Tensor], softmax_scale) -> Optional[str]:
     """What :func:`cpu_unsupported_for` (which ``select_backend`` has asked already, with these
-    tensors' device, widths, dtype and format) could not see: the cache's dtype and strides, the
-    scalars' dtype, autograd. A message naming the argument, or None."""
-    if kv_cache.dtype != torch.bfloat16 and kv_format == "dense":
+    tensors' device, widths, dtype and format, so the rows are dense) could not see: the cache's
+    dtype and strides, the scalars' dtype, autograd. A message naming the argument, or None."""
+    if kv_cache.dtype != torch.bfloat16:
         return f"kv_cache: the CPU kernel reads dense bfloat16 rows, got {kv_cache.dtype}; use 'torch' or 'auto'"
     if kv_cache.stride(-1) != 1:
         return "kv_cache: the CPU kernel needs each row's channels contiguous; use 'torch' or 'auto'"

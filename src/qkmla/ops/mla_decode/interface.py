@@ -1,6 +1,8 @@
-"""The MLA decode op: argument checks, backend choice, and the ``torch.library`` custom op.
+"""The MLA decode op: argument checks, the backend that runs, and the ``torch.library`` custom op.
 
-One op, four implementations of the same specification (``naive.py``):
+One op, four implementations of the same specification (``naive.py``); which runs is decided
+once per call by ``backends.resolve_backend`` (the registry and the meaning of ``"auto"`` are in
+``backends.py``):
 
 * ``"naive"``: ``naive.py`` itself, a float32 loop. Slow; it is the reference.
 * ``"torch"``: ``torch_impl.py``, dense latent attention in a few large GEMMs (any device).
@@ -19,88 +21,23 @@ One op, four implementations of the same specification (``naive.py``):
 Every backend reads every row format of ``qkmla.kv_formats`` (``kv_format``): "dense" rows
 [c ; k_rope], or uint8 rows of a quantized latent with its scales and a bfloat16 RoPE key,
 which ``naive`` dequantizes before attending, ``torch`` per chunk of keys and the kernel per
-tile, in registers.
-
-``"auto"`` picks ``"triton"`` for CUDA tensors when Triton is installed and the widths suit
-the kernel; for CPU tensors ``"cpu"`` when the kernel runs here and takes the inputs, with at
-most ``AUTO_MAX_QUERY_HEADS`` query heads per sequence (S_q x H; outside ``torch.compile``,
-which traces the torch backend instead); ``"torch"`` otherwise.
-:func:`select_backend` makes that choice from the device, the widths and the dtype alone, so a
-caller can settle it (and fail) before it writes anything.
+tile, in registers. The format is resolved to its row object once, here (or by the cache,
+which hands the op its own), and handed down.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from ...kv_formats import check_kv_format, row_format
-from .cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_mla_decode, cpu_unsupported, cpu_unsupported_for
+from ...kv_formats import DenseRows, check_kv_format, row_format
+from .backends import check_backend, interpreting, resolve_backend
+from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
 from .torch_impl import check_paged_reach, fold_head_scale, torch_mla_decode
 
-DECODE_BACKENDS = ("auto", "naive", "torch", "cpu", "triton")
 MODES = ("blockwise", "unified")
-
-
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once, without importing it
-
-
-def triton_installed() -> bool:
-    return _TRITON_INSTALLED
-
-
-def interpreting() -> bool:
-    """Triton runs kernels on CPU tensors only in its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
-def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str]:
-    """Why the Triton kernel cannot run here (a message naming the argument), or None."""
-    if not triton_installed():
-        return "backend: 'triton' needs the triton package, which is not installed; use 'torch' or 'auto'"
-    if torch.device(device).type != "cuda" and not interpreting():
-        return (f"backend: 'triton' runs on CUDA tensors (or in Triton's interpreter, TRITON_INTERPRET=1), "
-                f"got {torch.device(device).type} tensors; use 'torch' or 'auto'")
-    if not (_is_pow2(d_c) and _is_pow2(d_r) and d_c >= 16 and d_r >= 16):
-        return f"q_lat, q_rope: the Triton kernel needs d_c and d_r powers of two >= 16, got {d_c}, {d_r}"
-    return None
-
-
-def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
-                   kv_format: str = "dense") -> str:
-    """The backend that will run: ``backend`` itself, or what ``"auto"`` stands for.
-
-    ``dtype`` (the queries' and dense rows') and ``kv_format`` decide whether the CPU kernel
-    takes the inputs; without ``dtype``, ``"auto"`` does not pick it.
-    Raises ValueError for an unknown name, or for ``"triton"`` / ``"cpu"`` where the kernel cannot run.
-    """
-    if backend not in DECODE_BACKENDS:
-        raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
-    device = torch.device(device)
-    if backend == "auto":
-        if device.type == "cuda":
-            return "triton" if triton_unsupported(device, d_c, d_r) is None else "torch"
-        ok = (device.type == "cpu" and dtype is not None and not torch.compiler.is_compiling()
-              and cpu_unsupported_for(device, d_c, d_r, dtype, kv_format) is None)
-        return "cpu" if ok else "torch"
-    reason = None
-    if backend == "triton":
-        reason = triton_unsupported(device, d_c, d_r)
-    elif backend == "cpu":
-        reason = cpu_unsupported_for(device, d_c, d_r, dtype, kv_format)
-        if reason is None and torch.compiler.is_compiling():
-            reason = "backend: 'cpu' does not trace under torch.compile; use 'auto' (the torch backend there)"
-    if reason is not None:
-        raise ValueError(reason)
-    return backend
 
 
 @torch.library.custom_op("qkmla::mla_decode", mutates_args=())
@@ -132,12 +69,13 @@ def _check_int(name: str, t, shape: tuple) -> None:
 
 
 def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode: str = "blockwise",
-                 visible_lens=None, kv_format: str = "dense") -> None:
-    """ValueErrors naming the argument, before anything reaches a backend."""
+                 visible_lens=None, kv_format: Union[str, DenseRows] = "dense") -> DenseRows:
+    """ValueErrors naming the argument, before anything reaches a backend; returns the row format."""
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache), ("cache_seqlens", cache_seqlens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    check_kv_format(kv_format)  # whether the device stores float8 is the cache's check, made once
+    if not isinstance(kv_format, DenseRows):  # whether the device stores float8 is the cache's check, made once
+        check_kv_format(kv_format)
     if q_lat.dim() != 4 or q_rope.dim() != 4 or q_lat.shape[:3] != q_rope.shape[:3]:
         raise ValueError(f"q_lat, q_rope: expected [B, S_q, H, d_c] and [B, S_q, H, d_r], got "
                          f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
@@ -146,15 +84,15 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     rows = row_format(kv_format, d_c, d_r)
-    width = "d_c + d_r" if kv_format == "dense" else f"the {kv_format} row's bytes"
+    width = f"the {rows.name} row's bytes" if rows.quantized else "d_c + d_r"
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != rows.width:
         raise ValueError(f"kv_cache: expected [num_blocks, block_size, {width} = {rows.width}] for d_c={d_c}, "
                          f"d_r={d_r} (or [B, capacity, {width}] without a block table), got {tuple(kv_cache.shape)}")
-    if kv_format == "dense" and not kv_cache.dtype.is_floating_point:
+    if not rows.quantized and not kv_cache.dtype.is_floating_point:
         raise ValueError(f"kv_cache: kv_format='dense' rows are floating-point values, got {kv_cache.dtype}; "
                          f"pass the cache's own kv_format (LatentCache.decode_view() names it) for byte rows")
-    if kv_format != "dense" and kv_cache.dtype != torch.uint8:
-        raise ValueError(f"kv_cache: kv_format={kv_format!r} rows are uint8 bytes, got {kv_cache.dtype}; "
+    if rows.quantized and kv_cache.dtype != torch.uint8:
+        raise ValueError(f"kv_cache: kv_format={rows.name!r} rows are uint8 bytes, got {kv_cache.dtype}; "
                          f"pass kv_format='dense' for rows of values")
     if block_table is None:
         if kv_cache.shape[0] != B:
@@ -176,6 +114,7 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
                     ("cache_seqlens", cache_seqlens), ("scale_cache", scale_cache), ("visible_lens", visible_lens)):
         if t is not None and t.device != q_lat.device:
             raise ValueError(f"{name}: expected a tensor on q_lat's device ({q_lat.device}), got {t.device}")
+    return rows
 
 
 def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
@@ -183,7 +122,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
                             scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0,
                             num_splits: int = 0, backend: str = "auto", *, mode: str = "blockwise",
                             visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                            kv_format: str = "dense"):
+                            kv_format: Union[str, DenseRows] = "dense"):
     """Absorbed MLA decode attention over a latent cache, with optional key scalars.
 
     Args:
@@ -199,14 +138,15 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
             for plain MLA.
         softmax_scale: logit scale, a float or one per head [H] (then folded into the queries).
         num_splits: split-K factor of the Triton kernel; 0 picks one that fills the GPU.
-        backend: one of :data:`DECODE_BACKENDS` (see the module docstring).
+        backend: one of ``backends.DECODE_BACKENDS``; "auto" is resolved here (``backends.py``).
         mode: "blockwise" (r scales the content score) or "unified" (r scales the whole logit).
         visible_lens: [B, S_q] int, slots query t of sequence b sees (capped at its seqlen);
             None: causal among the S_q new tokens.
         max_seqlen: max(cache_seqlens) if the caller knows it (spares the torch backend a
             device-to-host read).
         kv_format: one of ``qkmla.kv_formats.KV_FORMATS``: "dense", "fp8" (FlashMLA's
-            656-byte rows at d_c 512, d_r 64), "int8" or "int4".
+            656-byte rows at d_c 512, d_r 64), "int8" or "int4"; or the row format object
+            itself (``kv_formats.row_format``), as ``LatentCache.decode_view()`` hands it over.
 
     Returns:
         out [B, S_q, H, d_c] (q_lat's dtype) = softmax(s) @ c per head, and lse [B, S_q, H]
@@ -216,19 +156,10 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     Examples:
         >>> out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.07)  # doctest: +SKIP
     """
-    if backend not in DECODE_BACKENDS:
-        raise ValueError(f"backend: expected one of {DECODE_BACKENDS}, got {backend!r}")
-    check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens, kv_format)
-    asked = backend
-    backend = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
-    if backend == "cpu":  # the cache's dtype and strides, the scalars' dtype, autograd: unseen by the choice above
-        reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale, kv_format)
-        if reason is not None and asked == "cpu":
-            raise ValueError(reason)
-        # Many query heads per sequence (a wide model, a multi-token append): the torch backend's
-        # GEMMs are faster there, so "auto" keeps it.
-        too_wide = asked == "auto" and q_lat.shape[1] * q_lat.shape[2] > AUTO_MAX_QUERY_HEADS
-        backend = "torch" if reason is not None or too_wide else backend
+    check_backend(backend)
+    rows = check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens,
+                        kv_format)
+    backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
     if isinstance(softmax_scale, torch.Tensor):
         if softmax_scale.shape != (q_lat.shape[2],):
             raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
@@ -241,20 +172,20 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         return cpu_mla_decode(q_lat, q_rope, kv_cache, block_table, visible, scale_cache, float(softmax_scale), mode)
     if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
-                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, kv_format=kv_format)
+                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, rows=rows)
     if block_table is None:  # a contiguous cache is one block per sequence
         block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":
         out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
-                                    mode=mode, visible_lens=visible_lens, kv_format=kv_format)
+                                    mode=mode, visible_lens=visible_lens, kv_format=rows)
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
     # The kernel's dots take both operands in the cache's dtype; a quantized tile is
     # dequantized to the queries' own dtype (bf16/fp16, else float32).
-    dot_dtype = kv_cache.dtype if kv_format == "dense" else \
+    dot_dtype = kv_cache.dtype if not rows.quantized else \
         q_lat.dtype if q_lat.dtype in (torch.bfloat16, torch.float16) else torch.float32
     q, r = (t.to(dot_dtype).contiguous() for t in (q_lat, q_rope))
     out, lse = _mla_decode_op(q, r, kv_cache, scale_cache, block_table, cache_seqlens, float(softmax_scale),
-                              int(num_splits), mode == "unified", visible_lens, kv_format)
+                              int(num_splits), mode == "unified", visible_lens, rows.name)
     return out.to(q_lat.dtype), lse

@@ -63,12 +63,12 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                      cache_seqlens: torch.Tensor, scale_cache: Optional[torch.Tensor] = None,
                      softmax_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     kv_format: str = "dense"):
+                     kv_format="dense"):
     """Returns (out [B, S_q, H, d_c] in ``compute_dtype``, lse [B, S_q, H] float32).
 
     ``compute_dtype=torch.bfloat16`` gives "a plain bf16 PyTorch implementation", the
     baseline of the kernel's error budget. ``mode`` is "blockwise" or "unified" (see above).
-    ``kv_format``: how kv_cache's rows are stored (see above).
+    ``kv_format``: how kv_cache's rows are stored (see above): a name, or its row format object.
     """
     B, S_q, H, d_c = q_lat.shape
     rows_format = row_format(kv_format, d_c, q_rope.shape[-1])

@@ -15,7 +15,7 @@ G KV groups (head i reads group i // (h / G)).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -37,7 +37,7 @@ def _chunks(S: int) -> list[tuple[int, int]]:
 def _rows_reader(latent: torch.Tensor, rows: Optional[DenseRows], dtype: torch.dtype):
     """read(start, stop) -> keys start..stop-1 as [B, n, d_c + d_r] in ``dtype``: a slice of a
     dense cache (cast once, whole), or a chunk of quantized rows dequantized on its own."""
-    if rows is None:
+    if rows is None or not rows.quantized:
         latent = cast(latent, dtype)
         return lambda start, stop: latent[:, start:stop]
     return lambda start, stop: cast(rows.decode(latent[:, start:stop]), dtype)
@@ -63,7 +63,7 @@ def _key_major_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.T
     second finds them there instead of in DRAM; plain MLA's single GEMM is chunked alike,
     so the two paths compare like with like. Unified mode scales the whole logit, so it
     needs plain MLA's one GEMM and a multiply. ``rows``: the format of quantized rows
-    (None: ``latent`` holds values), dequantized chunk by chunk.
+    (None or dense: ``latent`` holds values), dequantized chunk by chunk.
     """
     B, T, h, d_c = q_lat.shape
     S = latent.shape[1]
@@ -177,7 +177,7 @@ def latent_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tenso
 
 def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                      key_scale: Optional[torch.Tensor], softmax_scale: float, mask: Optional[torch.Tensor] = None,
-                     mode: str = "blockwise", return_lse: bool = False, kv_format: str = "dense"):
+                     mode: str = "blockwise", return_lse: bool = False, kv_format: Union[str, DenseRows] = "dense"):
     """Absorbed MLA attention over a dense (gathered) latent cache.
 
     Args:
@@ -189,14 +189,14 @@ def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Te
         softmax_scale: logit scale, folded into the queries (O(h d) work, not O(h S)).
         mask: [B, T, S] bool or None; rows with no visible key give 0.
         mode: "blockwise" or "unified".
-        kv_format: one of ``qkmla.kv_formats.KV_FORMATS``.
+        kv_format: one of ``qkmla.kv_formats.KV_FORMATS``, or its row format object.
 
     Returns:
         o_lat [B, T, h, d_c] = softmax(s) @ c, and with ``return_lse`` the log-sum-exp
         [B, T, h] (float32) of the scaled logits, so W_UV can be applied afterwards.
     """
     B, T, h, d_c = q_lat.shape
-    rows = None if kv_format == "dense" else row_format(kv_format, d_c, q_rope.shape[-1])
+    rows = row_format(kv_format, d_c, q_rope.shape[-1])
     s = _key_major_scores(q_lat * softmax_scale, q_rope * softmax_scale, latent, key_scale, mode, rows)  # [B, S, T, h]
     S = s.shape[1]
     if mask is not None:
@@ -259,7 +259,8 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
     if S == 0:  # nothing visible anywhere: out = 0 and lse = -inf
         return q_lat.new_zeros(q_lat.shape), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     out, lse = _attend_visible(q_lat, q_rope, latent[:, :S], None if key_scale is None else key_scale[:, :S],
-                               visible_lens, lengths, softmax_scale, mode, kv_format)
+                               visible_lens, lengths, softmax_scale, mode,
+                               row_format(kv_format, q_lat.shape[-1], q_rope.shape[-1]))
     # Both outputs contiguous, whatever q_lat's strides: inductor checks a custom op's outputs
     # against the strides of its fake, and the fake below promises contiguous ones.
     return out.contiguous(), lse.contiguous()
@@ -321,7 +322,7 @@ def _read_blocks(table: torch.Tensor, ids: torch.Tensor, role: str) -> torch.Ten
 
 def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor, scale_pool: Optional[torch.Tensor],
                   block_table: torch.Tensor, S: int, visible: torch.Tensor, lengths: torch.Tensor,
-                  softmax_scale: float, mode: str, kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax_scale: float, mode: str, rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` over a paged cache in one pass, a chunk of blocks at a time:
     each chunk's rows are gathered (about SCORE_CHUNK keys over the whole batch, a size the
     last-level cache holds), scored, and folded into a running softmax
@@ -335,13 +336,12 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     the same two GEMMs, so a QK-normed decode differs from a plain one only by its key scalars'
     copy and multiply.
 
-    pool [num_blocks, block, width] (values, or uint8 rows of ``kv_format``), scale_pool
+    pool [num_blocks, block, width] (values, or uint8 rows of a quantized ``rows`` format), scale_pool
     [num_blocks, block, G] or None, block_table [B, max_blocks], visible [B, T] slots seen by
     each query, lengths [B] slots filled. Returns (out [B, T, h, d_c], lse [B, T, h] float32).
     """
     B, T, h, d_c = q_lat.shape
     block = pool.shape[1]
-    rows = None if kv_format == "dense" else row_format(kv_format, d_c, q_rope.shape[-1])
     q_lat, q_rope = q_lat * softmax_scale, q_rope * softmax_scale
     acc = accumulate_dtype(q_lat.dtype)
     visible = torch.minimum(visible.long(), lengths.long()[:, None])
@@ -356,7 +356,7 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     for first in range(0, n_blocks, per_chunk):
         ids = block_table[:, first:min(first + per_chunk, n_blocks)].long()
         slots = torch.arange(first * block, (first + ids.shape[1]) * block, device=q_lat.device)
-        if rows is None:  # values read in the queries' dtype (a bf16 cache may serve float32 queries)
+        if not rows.quantized:  # values read in the queries' dtype (a bf16 cache may serve float32 queries)
             keys = [cast(_read_blocks(pool[..., :d_c], ids, "c"), q_lat.dtype),
                     cast(_read_blocks(pool[..., d_c:], ids, "k_rope"), q_lat.dtype)]
         else:  # quantized rows stay bytes
@@ -369,7 +369,7 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
             beyond = (slots >= lengths[:, None])[:, unfilled:, None]  # [B, n - unfilled, 1]
             for rows_read in keys + ([] if r is None else [r]):
                 rows_read[:, unfilled:].masked_fill_(beyond, 0)
-        if rows is None:
+        if not rows.quantized:
             s = _block_scores(q_lat, q_rope, *keys, r, mode)  # [B, n, T h]
             values = keys[0]
         else:
@@ -411,27 +411,30 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                      block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                      scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     max_seqlen: Optional[int] = None, kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked).
+                     max_seqlen: Optional[int] = None,
+                     rows: Optional[DenseRows] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked), ``rows`` the
+    row format (None: dense).
 
     Returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
     """
     S_q = q_lat.shape[1]
+    rows = rows if rows is not None else row_format("dense", q_lat.shape[-1], q_rope.shape[-1])
     S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
     visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
     if block_table is not None:
         return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
-                             softmax_scale, mode, kv_format)
+                             softmax_scale, mode, rows)
     latent = kv_cache[:, :S]  # a contiguous cache: its first S slots, no copy
     key_scale = scale_cache[:, :S] if scale_cache is not None else None
-    return _attend_visible(q_lat, q_rope, latent, key_scale, visible, cache_seqlens, softmax_scale, mode, kv_format)
+    return _attend_visible(q_lat, q_rope, latent, key_scale, visible, cache_seqlens, softmax_scale, mode, rows)
 
 
 def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_scale: Optional[torch.Tensor],
                     visible: torch.Tensor, lengths: torch.Tensor, softmax_scale: float, mode: str,
-                    kv_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+                    rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` over S slots, latent [B, S, width] and key_scale [B, S, G], where
     query t of sequence b sees its first visible[b, t] slots and sequence b has filled
     lengths[b] of them. Returns (out [B, T, h, d_c], lse [B, T, h] float32)."""
@@ -449,5 +452,5 @@ def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
             if key_scale is not None:
                 key_scale = key_scale.masked_fill(shorter[..., None], 0)
     out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
-                                kv_format=kv_format)
+                                kv_format=rows)
     return out, lse.float()

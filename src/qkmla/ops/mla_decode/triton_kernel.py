@@ -235,8 +235,8 @@ def split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_s
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     group, scale_off, rope_off = 1, 0, 0
-    if kv_format != "dense":
-        fmt = row_format(kv_format, d_c, d_r)
+    fmt = row_format(kv_format, d_c, d_r)
+    if fmt.quantized:
         # a scale covers min(group, d_c) values: a latent narrower than a group has one scale
         group, scale_off, rope_off = min(fmt.group_size, d_c), fmt.layout.scale_offset, fmt.layout.rope_offset
     G = scale_cache.shape[-1] if scale_cache is not None else 1

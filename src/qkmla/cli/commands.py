@@ -1,0 +1,529 @@
+"""The ``qkmla`` command: verify, cache-size, train, plot, generate, convert, convert-gqa and demo."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import traceback
+from typing import Optional, Sequence
+
+from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
+from ..utils.errors import Parser, environment_message, flag_message, quiet_broken_pipe
+from ..utils.threads import add_threads_argument
+
+# Named here for --help without importing torch; tests check them against
+# qkmla.kv_formats.KV_FORMATS and qkmla.cache.eviction.POLICIES.
+GENERATE_KV_FORMATS = ("dense", "fp8", "int8", "int4")
+GENERATE_POLICIES = ("streaming-llm", "h2o", "snapkv")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from . import verify, verify_quantized
+
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    names = args.variant or list(verify.VARIANTS)
+    unknown = [n for n in names if n not in verify.VARIANTS]
+    if unknown:
+        raise ValueError(f"--variant: unknown {unknown}; allowed: {list(verify.VARIANTS)}")
+    # --variant alone: the Appendix E rows; --kv-format alone: the quantized-cache rows; neither: both.
+    rows = [] if args.kv_format and not args.variant else \
+        [row for n in names for row in verify.verify_variant(n, verify.VARIANTS[n], seed=args.seed)]
+    formats = args.kv_format or ([] if args.variant else list(verify_quantized.FORMATS))
+    quant_names = args.variant or verify_quantized.QUANT_VARIANTS
+    quant = [verify_quantized.verify_quantized(n, f, seed=args.seed) for f in formats for n in quant_names]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows + quant], indent=1))
+    else:
+        print("\n\n".join(table for table, shown in ((verify.format_rows(rows), rows),
+                                                     (verify_quantized.format_rows(quant), quant)) if shown))
+    failed = [f"{r.variant}/{r.dtype}" for r in rows if not r.ok] + \
+        [f"{r.variant}/{r.kv_format}" for r in quant if not r.ok]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_SHAPE_FLAGS = ("num_layers", "num_heads", "head_dim", "num_kv_heads", "kv_lora_rank", "qk_rope_head_dim",
+                "qk_nope_head_dim", "v_head_dim", "num_kv_groups")
+
+
+def _cache_size(args: argparse.Namespace) -> int:
+    from ..cache.size import CacheShape
+
+    flags = {f: getattr(args, f) for f in _SHAPE_FLAGS}
+    flags.update(dtype=args.dtype, scalar_dtype=args.scalar_dtype)
+    if args.kv_dtype in DENSE_KV_DTYPES:  # a dense cache in that dtype: --dtype by another name
+        if args.dtype not in (None, args.kv_dtype):
+            raise ValueError(f"--kv-dtype: {args.kv_dtype} is a dense cache in that dtype, which contradicts "
+                             f"--dtype {args.dtype}; give one of them")
+        flags["dtype"] = args.kv_dtype
+    elif args.kv_dtype is not None:
+        flags["kv_format"] = args.kv_dtype
+    if args.preset is not None:
+        shape, title = CACHE_PRESETS[args.preset].replace(**flags), args.preset
+    else:
+        missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_heads", "head_dim") if flags[f] is None]
+        if missing:
+            raise ValueError(f"give --preset (one of {sorted(CACHE_PRESETS)}) or {', '.join(missing)}")
+        if flags["num_kv_heads"] is None:
+            flags["num_kv_heads"] = flags["num_heads"]
+        flags["dtype"] = flags["dtype"] or "bf16"
+        shape, title = CacheShape(**{k: v for k, v in flags.items() if v is not None}), "custom"
+    rows = cache_rows(shape, args.tokens)
+    if args.json:
+        print(json.dumps({"preset": title, "shape": dataclasses.asdict(shape), "rows": rows}, indent=1))
+    else:
+        print(format_table(shape, rows, title))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ..utils.threads import apply_threads
+    from ..train.cli import train_config_from_args
+    from ..train.trainer import train
+
+    config = train_config_from_args(args)  # every option checked before the threads are measured
+    apply_threads(args.threads, "train")
+    status = train(config)
+    print(json.dumps(status))
+    return 0 if status["status"] in ("done", "time limit") else 1
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..utils.files import check_output
+    from ..train.plot import plot_runs
+
+    inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
+    check_output("--out", [args.out], inputs, args.overwrite, "figure")
+    path = plot_runs(args.runs, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def _policy(args: argparse.Namespace):
+    """The eviction policy ``--policy`` with ``--budget`` / ``--kept-fraction`` names, or None."""
+    from ..cache.eviction import POLICIES, make_policy
+
+    if args.policy is not None:
+        if args.policy not in POLICIES:
+            raise ValueError(f"--policy: expected one of {tuple(POLICIES)}, got {args.policy!r}")
+        if (args.budget is None) == (args.kept_fraction is None):
+            raise ValueError("--policy: needs exactly one of --kept-fraction or --budget, got "
+                             f"{'both' if args.budget is not None else 'neither'}")
+        size = {"budget": args.budget} if args.budget is not None else {"kept_fraction": args.kept_fraction}
+        if args.window is not None:
+            if args.policy == "streaming-llm":
+                raise ValueError("--window: streaming-llm keeps the newest tokens by definition (its window is "
+                                 "the budget less the sinks); --window sets h2o's and snapkv's protected window")
+            size["window"] = args.window
+        if args.sinks is not None:
+            size["sinks"] = args.sinks
+        return make_policy(args.policy, **size)
+    for flag in ("budget", "kept_fraction", "window", "sinks"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}: sizes an eviction policy; give --policy too "
+                             f"(one of {tuple(POLICIES)})")
+    return None
+
+
+def _text_stream(tok):
+    """stream(id) -> the text that token adds (a byte tokenizer's multi-byte characters come out
+    whole, once their last byte is in); stream(None) -> what is left at the end."""
+    if tok.kind != "byte":
+        return lambda i: "" if i is None else tok.decode([i])
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return lambda i: decoder.decode(b"", final=True) if i is None else decoder.decode(bytes([i]))
+
+
+def _check_kept_fraction(policy, seen: int) -> None:
+    """A --kept-fraction that no cache of this run could be held to (every policy keeps its
+    sinks and window whatever the fraction) is refused, not run as a policy that evicts nothing."""
+    if policy.kept_fraction is None:
+        return
+    floor = policy.sinks + policy.window
+    if math.ceil(policy.kept_fraction * seen) < floor:
+        when = "when it evicts (after each prefill)" if policy.interval is None else "in this run"
+        knobs = "--sinks" if policy.name == "streaming-llm" else "--window" + (" or --sinks" if policy.sinks else "")
+        fix = f"raise --kept-fraction to at least {floor / seen:.3g}" if floor < seen else \
+            "no fraction can evict anything here"
+        raise ValueError(f"--kept-fraction: {policy.kept_fraction:g} of the at most {seen} token{'s' * (seen != 1)} a "
+                         f"cache holds {when} "
+                         f"is {math.ceil(policy.kept_fraction * seen)}, fewer than the sinks + window = "
+                         f"{policy.sinks} + {policy.window} that {policy.name} always keeps; lower {knobs} ({fix})")
+
+
+def _kept_line(policy, report: dict) -> str:
+    """What the policy really kept, per sequence, at the end of generation."""
+    kept, seen = report["kept"], report["seen"]
+    pairs = ", ".join(f"{k} of {n}" for k, n in zip(kept, seen))
+    asked = f"--budget {policy.budget}" if policy.budget is not None else f"--kept-fraction {policy.kept_fraction:g}"
+    return (f"{policy.name} ({asked}, sinks {policy.sinks}, window {policy.window}) kept {pairs} tokens seen "
+            f"per cache at the end ({sum(kept) / max(1, sum(seen)):.0%})")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..kv_formats import check_kv_format
+    from ..model.generate import check_sampling, generate
+    from ..utils.threads import apply_threads
+
+    check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    if (args.run is None) == (args.hf is None):
+        raise ValueError("run: give either a qkmla run directory or --hf DIR (a transformers checkpoint); got "
+                         f"{'both' if args.run else 'neither'}")
+    policy = _policy(args)
+    check_kv_format(args.kv_format)
+    apply_threads(args.threads, "generate")
+    if args.dtype is not None and args.hf is None:
+        raise ValueError("--dtype: sets the dtype a --hf checkpoint is loaded in; a qkmla run keeps its own")
+    if args.hf is not None:
+        from ..integrations.transformers.generate import generate_hf
+
+        try:
+            texts = generate_hf(args.hf, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                                args.kv_format, policy, args.dtype or "float32")
+        except ValueError as e:  # the Python API's argument names, as this command's options
+            name, _, rest = str(e).partition(": ")
+            raise ValueError(f"{ {'hf_dir': '--hf', 'max_new_tokens': '--tokens'}.get(name, name)}: {rest}") from None
+        for text in texts:
+            print(text)
+            print("-" * 40)
+        return 0
+    from ..utils.limits import check_fits
+    from ..model.generate import max_tokens_seen
+    from ..train.trainer import load_model
+
+    # Every generated token is held until it is printed (its id, the Python int and the text):
+    # 48 bytes is a lower bound per token.
+    check_fits("--tokens", 48 * args.tokens * len(args.prompt),
+               f"{args.tokens} new tokens for each of {len(args.prompt)} prompt(s)")
+    if any(not p for p in args.prompt):
+        raise ValueError("--prompt: expected text to continue, got an empty prompt")
+    model, tok = load_model(args.run)
+    try:
+        prompts = [tok.encode(p) for p in args.prompt]
+    except ValueError as e:
+        raise ValueError(f"--prompt: {str(e).partition(': ')[2]}") from None
+    if policy is not None:
+        _check_kept_fraction(policy, max_tokens_seen(model, prompts, args.tokens, policy.interval is None))
+    gen = torch.Generator().manual_seed(args.seed)
+    report = {}
+    stream = None
+    if len(prompts) == 1:  # one prompt: its text is printed as it comes, so a long run shows its progress
+        stream = _text_stream(tok)
+        print(args.prompt[0], end="", flush=True)
+    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=stream is None,
+                    policy=policy, kv_format=args.kv_format, report=report,
+                    on_token=None if stream is None else lambda ids: print(stream(ids[0]), end="", flush=True))
+    if stream is not None:
+        print(stream(None))
+        print("-" * 40)
+    for p, o in zip(args.prompt, outs) if stream is None else ():
+        print(p + tok.decode(o))
+        print("-" * 40)
+    if policy is not None:
+        print(_kept_line(policy, report), file=sys.stderr)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ..convert.qk_norm import DEFAULT_CALIBRATION_TOKENS, convert_checkpoint
+    from ..utils.threads import apply_threads
+
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    apply_threads(args.threads, "convert")
+    tokens = args.calibration_tokens
+    if tokens is None:
+        tokens = DEFAULT_CALIBRATION_TOKENS if args.qk_norm else 0
+    text = None
+    if args.calibration_text is not None:
+        try:
+            text = Path(args.calibration_text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"calibration_text: cannot read {args.calibration_text} as UTF-8 text ({e})") from None
+    try:
+        report = convert_checkpoint(args.hf, args.out, qk_norm=args.qk_norm, qk_norm_mode=args.qk_norm_mode,
+                                    qk_norm_p=args.qk_norm_p, calibration_tokens=tokens, calibration_text=text,
+                                    dtype=dtype, overwrite=args.overwrite)
+    except ValueError as e:  # the loader's argument name, as this command's option
+        name, _, rest = str(e).partition(": ")
+        raise ValueError(f"{'--hf' if name == 'hf_dir' else name}: {rest}") from None
+    for layer, blocks in (report.get("layers") or {}).items():
+        print(f"layer {layer}: " + "; ".join(
+            f"{block} logit RMS {r['rms_source']:.4g} (source), {r['rms_unit_weights']:.4g} (norm, unit weights) -> "
+            f"{r['rms_calibrated']:.4g} (calibrated)" for block, r in blocks.items()))
+    loss = report.get("loss")
+    if loss:
+        print(f"held-out loss: source {loss['source']:.4f}, norm at unit weights {loss['unit_weights']:.4f}, "
+              f"calibrated {loss['calibrated']:.4f} ({loss['calibrated'] - loss['source']:+.4f})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _convert_gqa(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..convert.gqa import convert_gqa_checkpoint
+    from ..utils.threads import apply_threads
+
+    apply_threads(args.threads, "convert-gqa")
+    dtype = None if args.dtype is None else getattr(torch, args.dtype)
+    try:
+        report = convert_gqa_checkpoint(args.hf, args.out, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
+                                        rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
+                                        overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
+                                        calibration_text=args.calibration_text,
+                                        calibration_tokens=args.calibration_tokens)
+    except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
+        name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
+        name = {"model": "hf", "calibration": "calibration_text"}.get(name, name)
+        raise ValueError(f"{name}: {rest}") from None
+    for line in report.lines():
+        print(line)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from ..experiments import EXPERIMENTS, Options, run_experiment
+
+    if args.list:
+        for e in EXPERIMENTS.values():
+            print(f"{e.name:<12} {e.description}")
+        return 0
+    if args.name is None:
+        raise ValueError(f"NAME: missing; one of {', '.join(EXPERIMENTS)} (qkmla experiment --list)")
+    if args.name not in EXPERIMENTS:
+        raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds: expected a positive int, got {args.seeds}")
+    if args.workers < 0:
+        raise ValueError(f"--workers: expected 0 (one per core) or a positive int, got {args.workers}")
+    if args.sweep is not None and not Path(args.sweep).is_file():
+        raise ValueError(f"--sweep: no such results file: {args.sweep}")
+    out = Path(args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}")
+    options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
+                      sweep=Path(args.sweep) if args.sweep else None)
+    command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))
+    report = run_experiment(EXPERIMENTS[args.name], options, progress=not args.no_progress, command=command)
+    print(report.table)
+    print(f"results: {out / 'results.jsonl'}; figures: {', '.join(str(f) for f in report.figures)}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+    from ..utils.threads import apply_threads
+
+    apply_threads(args.threads, "demo")
+    return run_demo(out=args.out, steps=args.steps, preset=args.preset, overwrite=args.overwrite)
+
+
+def _option_dests(command: str) -> set:
+    """The names of the options of ``command`` (an error naming one names the option)."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest for a in sub.choices[command]._actions if a.option_strings}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E), "
+                                      "and over quantized latent caches")
+    v.add_argument("--json", action="store_true", help="one JSON object per row")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--variant", action="append", help="run only this variant (repeatable)")
+    v.add_argument("--kv-format", action="append", choices=["fp8", "int8", "int4"],
+                   help="the quantized-cache rows of this format (repeatable): absorbed over the quantized cache == "
+                        "explicit over its dequantized latent, and the quantization error")
+    v.set_defaults(func=_verify)
+
+    c = sub.add_parser("cache-size", help="KV-cache bytes per token and per request for MHA/GQA/MQA/MLA/QK-normed MLA")
+    c.add_argument("--preset", choices=sorted(CACHE_PRESETS))
+    c.add_argument("--tokens", type=int, default=32000, help="tokens per request (default 32,000)")
+    c.add_argument("--json", action="store_true")
+    for f in _SHAPE_FLAGS:
+        c.add_argument(f"--{f.replace('_', '-')}", type=int, default=None)
+    c.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
+    c.add_argument("--scalar-dtype", choices=sorted(DTYPE_BYTES), default=None)
+    c.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how cached keys, values and latents are stored: bf16/fp16/fp32 dense (as --dtype); "
+                        "fp8 = e4m3 with a float32 scale per 128 values (MLA at DeepSeek-V3 width: FlashMLA's "
+                        "656 B); int8 = a float32 scale per vector; int4 = two per byte, a float32 scale per 32 "
+                        "values; RoPE keys kept apart stay bf16, QK-norm scalars in --scalar-dtype")
+    c.set_defaults(func=_cache_size)
+
+    from ..train.cli import add_train_arguments
+
+    t = sub.add_parser("train", help="train a small LM with any attention variant (see --attn)")
+    add_train_arguments(t)
+    t.set_defaults(func=_train)
+
+    pl = sub.add_parser("plot", help="loss, max-logit and grad-norm curves of runs on one PNG")
+    pl.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl)")
+    pl.add_argument("--out", default="runs/compare.png")
+    pl.add_argument("--overwrite", action="store_true", help="replace the file OUT if it exists")
+    pl.set_defaults(func=_plot)
+
+    g = sub.add_parser("generate", help="sample from a trained run, or a transformers DeepSeek-V2/V3 checkpoint "
+                                        "(--hf), through the latent cache")
+    g.add_argument("run", nargs="?", default=None, help="run directory (with checkpoint.safetensors)")
+    g.add_argument("--hf", default=None, metavar="DIR",
+                   help="a transformers DeepSeek-V2/V3 checkpoint directory (config, weights, tokenizer) instead of "
+                        "a run: decoded through qkmla.integrations.transformers.apply_latent_attention")
+    g.add_argument("--dtype", default=None, help="with --hf: float32 (default), bfloat16 or float64")
+    g.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable: one batch)")
+    g.add_argument("--tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-format", default="dense",
+                   help=f"latent cache storage, MLA variants: one of {GENERATE_KV_FORMATS} (default dense)")
+    g.add_argument("--policy", default=None,
+                   help=f"eviction policy of the latent caches, MLA variants: one of {GENERATE_POLICIES}")
+    g.add_argument("--kept-fraction", type=float, default=None,
+                   help="with --policy: fraction of the tokens seen that each cache keeps, in (0, 1]")
+    g.add_argument("--budget", type=int, default=None, help="with --policy: tokens each cache keeps")
+    g.add_argument("--window", type=int, default=None,
+                   help="with --policy h2o or snapkv: the newest tokens always kept (default 32), part of the budget")
+    g.add_argument("--sinks", type=int, default=None,
+                   help="with --policy: the first tokens always kept (default 4 for streaming-llm, else 0)")
+    add_threads_argument(g)
+    g.set_defaults(func=_generate)
+
+    cv = sub.add_parser("convert", help="a transformers DeepSeek-V2/V3 checkpoint directory, given a QK norm "
+                                        "calibrated on real text, as a new checkpoint directory")
+    cv.add_argument("--hf", required=True, metavar="SRC", help="the checkpoint directory (config.json, safetensors, "
+                                                               "tokenizer); never written")
+    cv.add_argument("--out", required=True, metavar="DST", help="the new checkpoint directory")
+    cv.add_argument("--qk-norm", choices=["rms", "l2", "lp"], default=None, help="the QK norm to add")
+    cv.add_argument("--qk-norm-mode", choices=["blockwise", "unified", "content"], default="blockwise")
+    cv.add_argument("--qk-norm-p", type=float, default=2.0, help="p of --qk-norm lp")
+    cv.add_argument("--calibration-tokens", type=int, default=None,
+                    help="tokens the norm is calibrated on (default 4096 with --qk-norm; 0: weights at ones)")
+    cv.add_argument("--calibration-text", default=None, metavar="FILE",
+                    help="UTF-8 text to calibrate on (default: the embedded Shakespeare)")
+    cv.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    cv.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
+                    help="default: the stored dtype")
+    add_threads_argument(cv)
+    cv.set_defaults(func=_convert)
+
+    cg = sub.add_parser("convert-gqa", help="a transformers Qwen3 (or OLMoE) checkpoint directory converted to a "
+                                            "DeepSeek-V3 (V2) architecture model with qkmla's QK norm (latent "
+                                            "cache), as a new checkpoint directory")
+    cg.add_argument("--hf", required=True, metavar="SRC",
+                    help="the Qwen3 or OLMoE checkpoint directory; never written")
+    cg.add_argument("--out", required=True, metavar="DST", help="the new checkpoint directory")
+    cg.add_argument("--kv-lora-rank", type=int, default=None, metavar="N",
+                    help="rank of the latent factorization of the keys and values (default: exact; the cached "
+                         "latent is N + 1 wide)")
+    cg.add_argument("--rope-dim", type=int, default=None, metavar="N",
+                    help="RoPE dims kept rotated, even, up to head_dim (default: head_dim, every pair)")
+    cg.add_argument("--rope-pairs", choices=["uniform", "high"], default="uniform",
+                    help="which RoPE pairs --rope-dim keeps: every (head_dim/N)-th, or the highest frequencies")
+    cg.add_argument("--rope-key", choices=["mean", "principal"], default="mean",
+                    help="how several KV heads' RoPE rows become the one shared RoPE key: their mean, or per kept "
+                         "pair the mix that best fits every head's key on --calibration-text (TransMLA's RoRoPE)")
+    cg.add_argument("--latent", choices=["weights", "activations"], default="weights",
+                    help="the rank --kv-lora-rank factorization of the keys and values: best for any input (SVD of "
+                         "the weights), or for the attention inputs of --calibration-text (activation-aware SVD)")
+    cg.add_argument("--calibration-text", default=None, metavar="FILE",
+                    help="text like the model's data, tokenized by the checkpoint's tokenizer: what --rope-key "
+                         "principal and --latent activations fit to (and what the report measures the RoPE key's "
+                         "share on)")
+    cg.add_argument("--calibration-tokens", type=int, default=16384, metavar="N",
+                    help="the first N tokens of --calibration-text (default 16384)")
+    cg.add_argument("--drop-norm", action="store_true",
+                    help="drop the QK norm instead of carrying it (what TransMLA/CARE conversions do)")
+    cg.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
+                    help="default: the stored dtype")
+    cg.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    add_threads_argument(cg)
+    cg.set_defaults(func=_convert_gqa)
+
+    e = sub.add_parser("experiment", help="run an experiment grid (see --list), resumable, with results and figures")
+    e.add_argument("name", nargs="?", help="the experiment (qkmla experiment --list)")
+    e.add_argument("--list", action="store_true", help="name the experiments and exit")
+    e.add_argument("--quick", action="store_true", help="the test-sized grid (seconds)")
+    e.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the experiment's)")
+    e.add_argument("--out", default=None, help="directory (default runs/experiments/NAME)")
+    e.add_argument("--workers", type=int, default=0, help="processes, one thread each (default: one per core)")
+    e.add_argument("--sweep", default=None, help="lr-sweep results.jsonl giving each variant's best lr "
+                                                 "(default: OUT/../lr-sweep/results.jsonl)")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=_experiment)
+
+    d = sub.add_parser("demo", help="the main job: QK-normed vs plain MLA at a moderate and a high lr "
+                                    "(~3 min on 2 cores)")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--steps", type=int, default=None, help="steps per run (default 750: fixed, so results reproduce)")
+    d.add_argument("--preset", default="cpu")
+    d.add_argument("--overwrite", action="store_true", help="replace a demo already in OUT")
+    add_threads_argument(d)
+    d.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command. qkmla's own errors (a refused argument, run directory or file) print
+    one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; the machine's (a full disk,
+    a read-only file, memory run out) one line naming the path, and return 1; a closed
+    stdout (``| head``) ends quietly with 141; anything else is a bug and prints its traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv[1:]
+    if getattr(args, "func", None) is _generate and not args.prompt:
+        args.prompt = ["\n"]
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return status
+    except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
+        quiet_broken_pipe()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
+    except ValueError as e:
+        message = flag_message(str(e), _option_dests(args.command))
+        print(f"qkmla {args.command}: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"qkmla {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        message = environment_message(e)
+        if message is not None:  # the machine's problem, not qkmla's: one line naming the path
+            print(f"qkmla {args.command}: {message}", file=sys.stderr)
+            return 1
+        traceback.print_exc()
+        print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "
+              "line and the traceback above", file=sys.stderr)
+        return 1
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

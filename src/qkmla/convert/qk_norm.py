@@ -1,0 +1,160 @@
+"""``qkmla convert``: a whole transformers DeepSeek-V2/V3 checkpoint directory, given a QK norm
+and calibrated on real text, written as a new checkpoint directory.
+
+    convert_checkpoint("DeepSeek-V2-Lite", "V2-Lite-qknorm", qk_norm="rms")
+
+Every tensor of the source is kept (transformers loads and saves it: embeddings, MLP and
+experts, norms, LM head, under transformers' names); the norm weights are added and
+calibrated (:func:`~qkmla.convert.calibrate.warm_start_qk_norm`) on the first
+``calibration_tokens`` tokens of a text (by default the embedded Shakespeare, through the
+checkpoint's own tokenizer), and the next-token loss is measured on the tokens after them,
+before and after. The tokenizer and generation config are written beside the weights, so
+``qkmla generate --hf OUT`` and ``qkmla.integrations.transformers.from_pretrained(OUT)`` read the result.
+
+The output directory is never the source (nor inside it), is written under a temporary name
+and renamed when complete, and replaces an existing directory only with ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from ..utils.files import temporary_name
+from ..integrations.hub.checkpoint import CONFIG, read_hf_config
+
+DEFAULT_CALIBRATION_TOKENS = 4096
+HELD_OUT_TOKENS = 4096
+ROW = 512  # calibration tokens per row (fewer when the model's context is shorter)
+
+
+def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite: bool) -> tuple[Path, Path]:
+    """(src, out) if ``out`` can take a conversion of ``src``: not ``src`` or inside it, not a file,
+    not an existing non-empty directory unless ``overwrite``. ValueError naming --hf / --out."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise ValueError(f"hf: {src} is not a directory (expected a transformers checkpoint directory)")
+    read_hf_config(src)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out: {out} is a file; it names the directory the conversion is written to")
+    resolved_src, resolved_out = src.resolve(), out.resolve()
+    if resolved_out == resolved_src or resolved_src in resolved_out.parents:
+        raise ValueError(f"out: {out} is the checkpoint being converted (or inside it); write elsewhere")
+    if resolved_out in resolved_src.parents:
+        raise ValueError(f"out: {out} holds the checkpoint being converted; replacing it would destroy the source")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
+                             f"elsewhere")
+        if not (out / CONFIG).is_file():
+            raise ValueError(f"out: {out} is not empty and holds no {CONFIG}, so it is not a checkpoint directory "
+                             f"--overwrite may replace; write elsewhere")
+    return src, out
+
+
+def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: int) -> tuple:
+    """(calibration ids [B, T], held-out ids [B', T']): the first ``calibration_tokens`` tokens of
+    ``text`` and up to HELD_OUT_TOKENS after them, in rows of min(ROW, context) tokens."""
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    row = min(ROW, context, calibration_tokens)
+    if ids.numel() < calibration_tokens + 2 * row:
+        raise ValueError(f"calibration_tokens: the calibration text has {ids.numel()} tokens, too few for "
+                         f"{calibration_tokens} calibration tokens and two held-out rows of {row}")
+    cal = ids[:calibration_tokens // row * row].view(-1, row)
+    rest = ids[cal.numel():cal.numel() + HELD_OUT_TOKENS]
+    return cal, rest[:rest.numel() // row * row].view(-1, row)
+
+
+def write_checkpoint(model, tokenizer, out: Path) -> None:
+    """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, written under a
+    temporary name and renamed when complete; an existing ``out`` (checked by
+    :func:`check_convert_paths`) goes only once the new one is complete."""
+    tmp = temporary_name(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            old = out.with_name(f"{out.name}.replaced{os.getpid()}")
+            out.replace(old)
+            tmp.replace(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm: Optional[str] = "rms",
+                       qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
+                       calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, calibration_text: Optional[str] = None,
+                       dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> dict:
+    """Write ``src`` with a QK norm, calibrated, to ``out`` (see the module docstring).
+
+    Args:
+        qk_norm: the norm to add ("rms", "l2", "lp"; None re-saves the model as it is).
+        calibration_tokens: tokens of the calibration batch; 0 leaves the norm weights at ones.
+        calibration_text: the text to calibrate on; None reads the embedded Shakespeare.
+        dtype: the written dtype; None keeps the stored one.
+
+    Returns:
+        the calibration report (:func:`~qkmla.convert.calibrate.warm_start_qk_norm`), {} without one.
+
+    Raises:
+        ValueError, before the weights are read: the paths (:func:`check_convert_paths`), the norm,
+        ``calibration_tokens``, or a source without a tokenizer when calibrating.
+    """
+    import transformers
+
+    from .calibrate import warm_start_qk_norm
+    from ..integrations.transformers.model import apply_latent_attention
+    from ..integrations.transformers.load import from_pretrained
+    from ..integrations.hub.record import describe, norm_settings, saved_norm
+
+    src, out = check_convert_paths(src, out, overwrite)
+    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p)
+    if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 0:
+        raise ValueError(f"calibration_tokens: expected an int >= 0, got {calibration_tokens!r}")
+    if calibration_tokens and not norm:
+        raise ValueError("calibration_tokens: calibrates a QK norm being added; name the norm too "
+                         "(qk_norm, --qk-norm), or pass 0")
+    if calibration_tokens and calibration_tokens < 16:
+        raise ValueError(f"calibration_tokens: expected 0 (no calibration) or at least 16, got {calibration_tokens}")
+    existing = saved_norm(src)
+    if existing and norm:
+        raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
+                         f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+    except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
+        if calibration_tokens:
+            raise ValueError(f"hf: {src} has no tokenizer transformers can load, which calibration needs "
+                             f"({str(e).splitlines()[0]}); pass calibration_tokens=0 (--calibration-tokens 0) to "
+                             f"keep the norm weights at ones") from None
+        tokenizer = None
+    if calibration_text is None and calibration_tokens:
+        from ..train.data import load_text
+
+        calibration_text = load_text("shakespeare")
+    hf_config = read_hf_config(src)
+    context = hf_config.get("max_position_embeddings") or ROW
+    batches = calibration_batches(tokenizer, calibration_text, calibration_tokens, context) \
+        if calibration_tokens else None
+    vocab = hf_config.get("vocab_size")
+    top = int(max(b.max() for b in batches)) if batches is not None else -1
+    if isinstance(vocab, int) and top >= vocab:
+        raise ValueError(f"hf: {src}'s tokenizer gives token ids up to {top}, beyond the model's vocab_size {vocab}; "
+                         f"the tokenizer is not this model's")
+
+    model = from_pretrained(src, **({"dtype": dtype} if dtype is not None else {}))
+    apply_latent_attention(model, **norm)
+    report = warm_start_qk_norm(model, batches[0], held_out_ids=batches[1]) if batches else {}
+
+    write_checkpoint(model, tokenizer, out)
+    return report

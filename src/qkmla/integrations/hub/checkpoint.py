@@ -1,0 +1,226 @@
+"""Whole Hugging Face DeepSeek-V2/V3 checkpoint directories: one :class:`~qkmla.MLA` per layer.
+
+A checkpoint directory holds ``config.json`` and the weights, either sharded
+(``model.safetensors.index.json`` maps every tensor name to its shard file) or in one
+``model.safetensors``. Layer i's attention weights are ``model.layers.{i}.self_attn.<name>``
+with MLA's own parameter names.
+
+Only the attention tensors of the chosen layers are read: each shard that holds one is opened
+with safetensors' lazy ``safe_open`` (a header read and a memory map), and each tensor is
+read on its own, so a 671B-parameter model's attention layers load without its experts.
+Everything that can be checked before reading a tensor is: the config, the layer indices,
+every needed name in the index, the presence of every needed shard, and every shape (from
+the shard headers).
+
+Block-quantized FP8 weights (DeepSeek-V3's release: ``float8_e4m3fn`` with a
+``weight_scale_inv`` per 128 x 128 block) are dequantized to bfloat16, as transformers does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ...attention.mla import MLA
+from .config import _OURS, mla_config_from_hf
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_FP8 = ("F8_E4M3", "F8_E5M2")
+
+
+def attention_prefix(layer: int) -> str:
+    """The tensor-name prefix of layer ``layer``'s attention in an HF DeepSeek checkpoint."""
+    return f"model.layers.{layer}.self_attn."
+
+
+def read_hf_config(hf_dir: Union[str, Path]) -> dict:
+    """The parsed ``config.json`` of a checkpoint directory.
+
+    Raises:
+        ValueError: naming the file when it is missing or not a JSON object.
+    """
+    path = Path(hf_dir) / CONFIG
+    if not path.is_file():
+        raise ValueError(f"hf_dir: {path} does not exist; a Hugging Face checkpoint directory has a {CONFIG}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
+    """(tensor name -> shard file name, the file that says so)."""
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: expected a JSON object with a 'weight_map' ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names, got a "
+                             f"{type(weight_map).__name__}")
+        bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+        if bad is not None:
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names; {bad[0]!r} maps "
+                             f"to {bad[1]!r}")
+        return weight_map, index
+    single = root / SINGLE
+    if single.is_file():
+        with _open(single) as f:
+            return {k: SINGLE for k in f.keys()}, single
+    raise ValueError(f"hf_dir: {root} has neither {INDEX} nor {SINGLE}")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _check_layers(layers, num_layers: int, config_path: Path) -> list[int]:
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{config_path}: num_hidden_layers must be a positive int, got {num_layers!r}")
+    chosen = list(range(num_layers)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+    bad = [i for i in chosen if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    if bad or not chosen:
+        raise ValueError(f"layers: expected layer indices in [0, {num_layers}) (num_hidden_layers of "
+                         f"{config_path}), got {layers!r}")
+    return sorted(set(chosen))
+
+
+def _dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """FP8 weight [out, in] times its per-block scale [ceil(out / b0), ceil(in / b1)] -> bfloat16."""
+    b0, b1 = block
+    scale = scale_inv.float().repeat_interleave(b0, 0)[:w.shape[0]].repeat_interleave(b1, 1)[:, :w.shape[1]]
+    return (w.float() * scale).to(torch.bfloat16)
+
+
+def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int, Iterable[int]]] = None, *,
+                           dtype: Optional[torch.dtype] = None, device: Union[str, torch.device] = "cpu",
+                           **overrides) -> dict[int, MLA]:
+    """One :class:`MLA` per attention layer of an HF DeepSeek-V2/V3 checkpoint directory.
+
+    Args:
+        hf_dir: the directory (config.json and safetensors weights, sharded or not).
+        layers: None for every layer, a layer index, or several.
+        dtype: the modules' dtype; None keeps the stored one (bfloat16 for FP8 weights).
+        device: where the modules live.
+        overrides: MLAConfig fields, e.g. ``qk_norm="rms"`` to start QK-norm training
+            (norm weights start at ones; for a whole model, ``apply_latent_attention(model,
+            qk_norm="rms")`` and :func:`qkmla.convert.warm_start_qk_norm` calibrate them).
+
+    Returns:
+        {layer index: MLA}, in layer order.
+
+    Raises:
+        ValueError, before any tensor is read: naming the config file (not DeepSeek, unknown
+        RoPE type, bad fields), ``layers`` (out of range), the index file (a needed tensor is not
+        listed), a shard file (missing, unreadable, or a tensor of the wrong shape).
+
+    Examples:
+        >>> mla = mla_layers_from_hf_dir("DeepSeek-V2-Lite", layers=3)[3]             # doctest: +SKIP
+    """
+    root = Path(hf_dir)
+    if not root.is_dir():
+        raise ValueError(f"hf_dir: {root} is not a directory")
+    hf_config = read_hf_config(root)
+    try:
+        config = mla_config_from_hf(hf_config, **overrides)
+    except ValueError as e:
+        raise ValueError(f"{root / CONFIG}: {e}") from None
+    chosen = _check_layers(layers, hf_config.get("num_hidden_layers"), root / CONFIG)
+    weight_map, listing = _weight_map(root)
+    with torch.device("meta"):  # names and shapes without allocating anything
+        shapes = {k: tuple(v.shape) for k, v in MLA(config).state_dict().items() if not k.startswith(_OURS)}
+
+    needed = {(layer, name): attention_prefix(layer) + name for layer in chosen for name in shapes}
+    missing = [key for key in needed.values() if key not in weight_map]
+    if missing:
+        raise ValueError(f"{listing}: the attention tensors {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                         f"are not listed ({len(missing)} missing)")
+    files = sorted({weight_map[key] for key in needed.values()})
+    absent = [f for f in files if not (root / f).is_file()]
+    if absent:
+        raise ValueError(f"{listing} names shard files that are not in {root}: {absent}")
+
+    block = tuple((hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
+    with contextlib.ExitStack() as stack:
+        shards = {f: stack.enter_context(_open(root / f)) for f in files}
+        plan, stored = {}, None
+        for (layer, name), key in needed.items():
+            part = shards[weight_map[key]].get_slice(key)
+            shape, kind = tuple(part.get_shape()), part.get_dtype()
+            if shape != shapes[name]:
+                raise ValueError(f"{root / weight_map[key]}: {key} has shape {shape}, the config in "
+                                 f"{root / CONFIG} needs {shapes[name]}")
+            if not (kind.startswith("F") or kind == "BF16"):  # integer weights would be cast silently
+                raise ValueError(f"{root / weight_map[key]}: {key} is stored as {kind}; attention weights are "
+                                 f"floating point (or FP8 with a scale)")
+            scale_key = key + "_scale_inv" if kind in _FP8 else None
+            if scale_key is not None:
+                want = tuple(math.ceil(n / b) for n, b in zip(shape, block))
+                got = tuple(shards[weight_map[scale_key]].get_slice(scale_key).get_shape()) \
+                    if weight_map.get(scale_key) in shards else None
+                if got != want:
+                    raise ValueError(f"{listing}: FP8 tensor {key} needs {scale_key} of shape {want} in a listed "
+                                     f"shard, got {got}")
+            plan[layer, name] = (key, scale_key)
+            if name == "kv_b_proj.weight" and stored is None:
+                stored = torch.bfloat16 if kind in _FP8 else None
+        modules = {}
+        for layer in chosen:
+            tensors = {}
+            for name in shapes:
+                key, scale_key = plan[layer, name]
+                t = shards[weight_map[key]].get_tensor(key)
+                if scale_key is not None:
+                    t = _dequantize(t, shards[weight_map[scale_key]].get_tensor(scale_key), block)
+                tensors[name] = t
+            target = dtype or stored or tensors["kv_b_proj.weight"].dtype
+            mla = MLA(config).to(device=device, dtype=target)
+            with torch.no_grad():
+                for name, p in list(mla.named_parameters()) + list(mla.named_buffers()):
+                    if name in tensors:
+                        p.copy_(tensors[name])
+            modules[layer] = mla
+    return modules
+
+
+def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Named tensors of a checkpoint directory (e.g. ``model.layers.3.input_layernorm.weight``), read lazily.
+
+    Raises:
+        ValueError: naming the index (a key is not listed) or the shard (missing or unreadable).
+    """
+    root = Path(hf_dir)
+    weight_map, listing = _weight_map(root)
+    keys = list(keys)
+    missing = [k for k in keys if k not in weight_map]
+    if missing:
+        raise ValueError(f"{listing}: {missing} are not listed")
+    out = {}
+    for file in sorted({weight_map[k] for k in keys}):
+        if not (root / file).is_file():
+            raise ValueError(f"{listing} names shard file {file}, which is not in {root}")
+        with _open(root / file) as f:
+            out.update({k: f.get_tensor(k) for k in keys if weight_map[k] == file})
+    return out
+
+
+def mla_from_hf_dir(hf_dir: Union[str, Path], layer: int, **kwargs) -> MLA:
+    """Layer ``layer``'s attention of an HF DeepSeek checkpoint directory (see :func:`mla_layers_from_hf_dir`)."""
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise ValueError(f"layer: expected one layer index (an int), got {layer!r}")
+    return mla_layers_from_hf_dir(hf_dir, layer, **kwargs)[layer]

@@ -1,0 +1,198 @@
+"""A transformers DeepSeek-V2/V3 attention layer served by qkmla's :class:`~qkmla.MLA`.
+
+:class:`LatentAttention` is an :class:`~qkmla.MLA` that takes transformers' attention call
+(``hidden_states``, ``attention_mask``, ``position_embeddings``, the cache under any of the
+names transformers versions use) and adopts the HF layer's own projection modules, so its
+``state_dict()`` keys are transformers' own and nothing is copied. What it computes is MLA's:
+
+    no cache      the explicit path (training, scoring a batch), positions and padding as
+                  transformers gives them
+    a cache       the cache layer's :class:`~qkmla.LatentCache`: an explicit prefill into an
+                  empty cache, the absorbed decode op otherwise (``MLA.forward``)
+
+transformers passes the attention layer a mask already expanded for its own attention
+functions (4-D, or None, or a flex ``BlockMask``), which says nothing the latent cache can
+use; the 2-D padding mask the caller gave the model is what it needs. The model-level hook of
+``apply_latent_attention`` reads it and passes each call's new real tokens down as a
+:class:`LatentCall`, with transformers' own keyword arguments.
+
+Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
+(left padding becomes right padding), cached with ``input_lengths``, and numbered 0, 1, 2, ...
+as transformers' ``generate`` numbers them from the mask; their outputs are moved back and
+padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
+alone.
+
+Fewer KV groups than heads (a converted GQA model, ``qkmla.convert.gqa``): transformers' layer
+has one ``kv_b_proj`` group per head, so such a model stores each group's rows repeated for its
+heads. The layer keeps one copy per group (and caches G key scalars per token); its state dict
+repeats them again, so ``save_pretrained`` writes transformers' shapes, and loading a state dict
+takes either form (repeats checked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...attention.functional import sdpa
+from ...attention.mla import MLA
+from ...config import MLAConfig
+from ...cache.eviction import EvictionPolicy
+from .cache import adopt_layer
+
+
+@dataclass
+class LatentSettings:
+    """Shared by a patched model's attention layers: how the caches the model makes for itself
+    store (``kv_format``) and evict (``policy``) tokens. ``apply_latent_attention`` sets them."""
+
+    kv_format: str = "dense"
+    policy: Optional[EvictionPolicy] = None
+
+
+@dataclass
+class LatentCall:
+    """What one forward call of the model tells its attention layers, passed down the call with
+    transformers' own keyword arguments (``qkmla_call=``), so gradient checkpointing's recompute,
+    a nested call and another thread each see their own.
+
+    valid: [B, T] bool, True for the real tokens among the call's T new ones (from the caller's
+        2-D ``attention_mask``), or None when every token is real.
+    """
+
+    valid: Optional[torch.Tensor] = None
+
+
+class LatentAttention(MLA):
+    """transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention``, computed by qkmla.
+
+    Args:
+        config: the layer's :class:`~qkmla.MLAConfig` (``qkmla.integrations.hub.mla_config_from_hf``).
+        layer_idx: the decoder layer's index, as transformers numbers cache layers.
+        projections: the HF layer's projection and latent-norm modules by name, adopted as they are.
+        settings: the model's shared :class:`LatentSettings`.
+    """
+
+    def __init__(self, config: MLAConfig, layer_idx: int, projections: Optional[dict] = None,
+                 settings: Optional[LatentSettings] = None):
+        super().__init__(config, projections)
+        self.layer_idx = layer_idx
+        self.settings = settings if settings is not None else LatentSettings()
+        self.is_causal = True  # read by some transformers utilities
+        if config.num_kv_groups < config.num_heads:  # state dicts in transformers' shapes (module docstring)
+            self.register_state_dict_post_hook(_repeat_kv_b_proj)
+            self.register_load_state_dict_pre_hook(_unrepeat_kv_b_proj)
+
+    @classmethod
+    def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, **overrides) -> "LatentAttention":
+        """The qkmla layer for an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``, sharing its weights.
+
+        ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
+        """
+        from ..hub.config import hf_projections, mla_config_from_hf
+
+        config = mla_config_from_hf(hf_attention.config, **overrides)
+        params = list(hf_attention.parameters())
+        if any(p.is_meta for p in params):
+            raise ValueError("hf_attention: its weights are on the meta device (offloaded, or not loaded yet); load "
+                             "the model's weights onto a real device first")
+        kinds = sorted({f"{p.device}/{p.dtype}" for p in params})
+        if len(kinds) != 1 or not params[0].dtype.is_floating_point or params[0].dtype.itemsize < 2:
+            raise ValueError(f"hf_attention: its parameters must share one device and a floating dtype of 2 bytes or "
+                             f"more, got {kinds} (FP8 weights: load them dequantized, e.g. dtype=torch.bfloat16)")
+        projections = hf_projections(hf_attention)
+        if config.num_kv_groups < config.num_heads:  # one copy of each group's rows (module docstring)
+            repeated = projections["kv_b_proj"].weight
+            weight = unrepeat_groups(repeated.detach(), config, "hf_attention: kv_b_proj.weight")
+            kv_b_proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
+            projections["kv_b_proj"] = kv_b_proj
+        layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
+        return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
+
+    def with_norm(self, norm: dict) -> "LatentAttention":
+        """This layer with a QK norm added (``norm``: the QK-norm fields of its config), sharing
+        its projection modules; the norm weights start at ones."""
+        from ..hub.config import hf_projections
+
+        weight = self.kv_b_proj.weight
+        layer = type(self)(self.config.replace(**norm), self.layer_idx, hf_projections(self), self.settings)
+        return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
+        """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).
+
+        ``attention_mask`` and ``position_embeddings`` are transformers' own and are not read
+        (see the module docstring); which tokens are padding comes as ``qkmla_call`` (a
+        :class:`LatentCall`; absent: none are); the cache as ``cache``, ``past_key_values`` or
+        ``past_key_value``, whichever this transformers version uses.
+        """
+        cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
+                     None)
+        x = hidden_states
+        call = kwargs.get("qkmla_call")
+        valid = call.valid.to(x.device) if call is not None and call.valid is not None else None
+        if cache is None:
+            return self._uncached(x, valid, kwargs.get("position_ids")), None
+        layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
+        latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
+        out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
+        layer.advance(valid, x.shape[0], x.shape[1])
+        return out, None
+
+    def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids) -> torch.Tensor:
+        """The explicit path over x alone, at transformers' positions, padding masked."""
+        B, T = x.shape[:2]
+        positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
+        q, k, v = self.explicit_qkv(x, positions.to(x.device))
+        mask = None
+        if valid is not None:  # causal and not padding; a padded query sees itself, so no row is empty
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+        out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
+        return self.o_proj(out.flatten(2))
+
+    def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent) -> torch.Tensor:
+        """``MLA.forward`` over each sequence's real tokens moved to the front (right padding)."""
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # [B, T]: real tokens first, in order
+        index = order[..., None].expand_as(x)
+        out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1))
+        out = torch.empty_like(out).scatter_(1, index, out)
+        return out.masked_fill(~valid[..., None], 0.0)
+
+
+def repeat_groups(weight: torch.Tensor, config: MLAConfig) -> torch.Tensor:
+    """kv_b_proj.weight [G (d_n + d_v), d_c] with each group's rows repeated for its heads: [h (d_n + d_v), d_c]."""
+    rows = config.qk_nope_head_dim + config.v_head_dim
+    per_group = weight.view(config.num_kv_groups, rows, -1)
+    return per_group.repeat_interleave(config.heads_per_group, dim=0).reshape(config.num_heads * rows, -1)
+
+
+def unrepeat_groups(weight: torch.Tensor, config: MLAConfig, where: str) -> torch.Tensor:
+    """The inverse of :func:`repeat_groups`: [h (d_n + d_v), d_c] -> [G (d_n + d_v), d_c], refused
+    (naming ``where``) unless every head's rows equal its group's first head's exactly."""
+    rows = config.qk_nope_head_dim + config.v_head_dim
+    G, h = config.num_kv_groups, config.num_heads
+    if tuple(weight.shape) != (h * rows, config.kv_lora_rank):
+        raise ValueError(f"{where}: has shape {tuple(weight.shape)}; {G} KV groups repeated for {h} heads need "
+                         f"{(h * rows, config.kv_lora_rank)}")
+    per_head = weight.reshape(G, config.heads_per_group, rows, -1)
+    if not bool((per_head == per_head[:, :1]).all()):
+        raise ValueError(f"{where}: the config records {G} KV groups, but the rows of the heads of a group are not "
+                         f"equal (not a GQA conversion's repeated rows)")
+    return per_head[:, 0].reshape(G * rows, -1).clone()
+
+
+def _repeat_kv_b_proj(module: "LatentAttention", state_dict, prefix: str, local_metadata) -> None:
+    key = prefix + "kv_b_proj.weight"
+    if key in state_dict:
+        state_dict[key] = repeat_groups(state_dict[key], module.config)
+
+
+def _unrepeat_kv_b_proj(module: "LatentAttention", state_dict, prefix: str, local_metadata, strict, missing_keys,
+                        unexpected_keys, error_msgs) -> None:
+    key, c = prefix + "kv_b_proj.weight", module.config
+    if key in state_dict and state_dict[key].shape[0] == c.num_heads * (c.qk_nope_head_dim + c.v_head_dim):
+        state_dict[key] = unrepeat_groups(state_dict[key], c, f"state_dict: {key}")

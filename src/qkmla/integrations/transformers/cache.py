@@ -1,0 +1,285 @@
+"""qkmla's latent cache as a transformers ``Cache``.
+
+Each decoder layer's slot of a transformers ``Cache`` holds a :class:`LatentCacheLayer`: a
+transformers cache layer (``CacheLayerMixin``) around one :class:`~qkmla.LatentCache` (latent,
+RoPE key, key scalars; any ``kv_format``; an eviction ``policy``). transformers' generation
+utilities reach it through the layer interface they already use, so ``generate`` (greedy,
+sampling, beam search), ``reorder_cache``, ``crop``, ``batch_repeat_interleave`` and
+``batch_select_indices`` work on it, and a cache passed back to ``generate`` continues the
+conversation.
+
+Two lengths are kept apart. transformers counts *columns*: every input position seen so far,
+padding included (``get_seq_length``, the mask sizes, the slice of ``input_ids`` a continued
+``generate`` feeds). The latent cache stores only real tokens, so each sequence has its own
+length; ``stored`` [B, columns] records which columns were real, which is what a ``crop``
+needs to take the right number of tokens off each sequence.
+
+:class:`LatentAttentionCache` is the whole cache, one latent layer per decoder layer;
+transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`` makes one by
+default): its layers are replaced by latent layers. A layer that already holds transformers'
+keys and values, or a static, sliding or quantized transformers layer, is refused.
+
+Supported transformers: 5.4 to 5.24 (the cache-layer API took its present form in 5.0; a
+QK-normed checkpoint is refused by transformers alone from 5.4 on, see hf_qknorm).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from ...cache.eviction import EvictionPolicy
+from ...cache.latent import LatentCache
+from ...config import MLAConfig
+from ...kv_formats import check_kv_format
+from .patched import latent_layers, model_settings
+
+GROW = 256  # a growing cache's capacity is a multiple of this many tokens
+
+
+def check_cache_settings(kv_format, policy, max_cache_len) -> None:
+    """The arguments a latent cache is built from, checked before any work."""
+    check_kv_format(kv_format)
+    if policy is not None and not isinstance(policy, EvictionPolicy):
+        raise ValueError(f"policy: expected an EvictionPolicy (qkmla.cache.StreamingLLM, H2O, SnapKV, or "
+                         f"qkmla.cache.make_policy(name, ...)) or None, got {policy!r:.80}")
+    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                      or max_cache_len < 1):
+        raise ValueError(f"max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), "
+                         f"got {max_cache_len!r}")
+
+
+class LatentCacheLayer(CacheLayerMixin):
+    """One decoder layer's latent cache, as a transformers cache layer.
+
+    Args:
+        config: the attention layer's :class:`~qkmla.MLAConfig` (the cache's row shape).
+        kv_format: the latent's storage (``qkmla.kv_formats.KV_FORMATS``).
+        policy: an eviction policy, or None to keep every token.
+        max_cache_len: a fixed capacity in tokens per sequence; None grows as needed.
+
+    The :class:`~qkmla.LatentCache` is allocated by the first forward (which fixes the batch
+    size, device and dtype) and grown by reallocation when it fills.
+    """
+
+    is_compileable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, config: MLAConfig, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
+                 max_cache_len: Optional[int] = None):
+        super().__init__()
+        check_cache_settings(kv_format, policy, max_cache_len)
+        self.config, self.kv_format, self.policy, self.max_cache_len = config, kv_format, policy, max_cache_len
+        self.is_croppable = policy is None  # an evicted token cannot be put back
+        self.latent: Optional[LatentCache] = None
+        self.columns = 0
+        self.stored: Optional[torch.Tensor] = None  # [B, columns] bool
+
+    def __repr__(self) -> str:
+        return f"LatentCacheLayer(kv_format={self.kv_format!r}, columns={self.columns}, latent={self.latent!r})"
+
+    # -- transformers' cache-layer interface -----------------------------------------------
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise ValueError("cache: a LatentCacheLayer is allocated by qkmla's attention on its first forward, "
+                         "not from key/value shapes")
+
+    def update(self, *args, **kwargs):
+        raise ValueError("cache: this layer holds qkmla latent rows, written by qkmla's attention only; a "
+                         "transformers attention layer cannot use it (call "
+                         "qkmla.integrations.transformers.apply_latent_attention on the model)")
+
+    def get_seq_length(self, *args) -> int:
+        """Input columns seen so far, padding included (transformers' notion of the cache length)."""
+        return self.columns
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(kv_length, kv_offset) for transformers' mask utilities; ``query_length`` is an int, or
+        the ``cache_position`` tensor in older transformers."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        return self.columns + int(query_length), 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len if self.max_cache_len is not None else -1
+
+    get_max_cache_shape = get_max_length  # the older name
+
+    def reset(self) -> None:
+        """Forget everything, batch size included: the next forward allocates anew."""
+        self.latent, self.stored, self.columns, self.is_initialized = None, None, 0, False
+
+    def offload(self) -> None:  # the rows stay where the attention reads them
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.latent is not None:
+            self._select(torch.arange(self.latent.batch_size, device=self.latent.device).repeat_interleave(repeats))
+
+    def crop(self, tokens: int) -> None:
+        """Drop the last ``-tokens`` columns (tokens < 0), or keep the first ``tokens`` (> 0: the
+        meaning before transformers 5.15, deprecated since); 0 removes nothing. Each sequence
+        loses the real tokens among the dropped columns."""
+        remove = -tokens if tokens <= 0 else self.columns - tokens
+        remove = min(remove, self.columns)
+        if remove <= 0 or self.latent is None:
+            return
+        if self.policy is not None:
+            raise ValueError("cache: a latent cache with an eviction policy cannot be cropped (its evicted tokens "
+                             "are gone); use policy=None for assisted or speculative decoding")
+        self.latent.drop_last(self.stored[:, -remove:].sum(dim=1))
+        self.stored, self.columns = self.stored[:, :-remove], self.columns - remove
+
+    @property
+    def batch_size(self) -> int:
+        if self.latent is None:
+            raise AttributeError("batch_size: not allocated yet")  # hasattr() is False, as transformers expects
+        return self.latent.batch_size
+
+    def _select(self, indices: torch.Tensor) -> None:
+        if self.latent is None:
+            return
+        indices = indices.to(self.latent.device)
+        self.latent.select_sequences(indices)
+        self.stored = self.stored[indices]
+
+    # -- qkmla's side: what the attention layer calls --------------------------------------
+
+    def reserve(self, batch_size: int, num_tokens: int, device, dtype: torch.dtype) -> LatentCache:
+        """The latent cache, allocated or grown so that ``num_tokens`` more tokens of each of
+        ``batch_size`` sequences fit."""
+        if self.latent is None:
+            capacity = self.max_cache_len or GROW * math.ceil(num_tokens / GROW)
+            self._check_capacity(num_tokens, capacity)
+            self.latent = LatentCache.from_config(self.config, batch_size, capacity, dtype=dtype, device=device,
+                                                  kv_format=self.kv_format, policy=self.policy)
+            self.stored = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+            self.device, self.is_initialized = self.latent.device, True
+            return self.latent
+        latent = self.latent
+        self.check_batch(batch_size)
+        if torch.device(device) != latent.device or dtype != latent.dtype:
+            raise ValueError(f"cache: it holds {latent.dtype} rows on {latent.device}, the model now runs "
+                             f"{dtype} on {device}; pass a new cache")
+        needed = latent.max_len + num_tokens
+        if needed > latent.capacity:
+            self._check_capacity(needed, self.max_cache_len or needed)
+            latent.grow(GROW * math.ceil(max(needed, 2 * latent.capacity) / GROW))
+        return latent
+
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a batch of another size than the one this cache holds."""
+        if self.latent is not None and batch_size != self.latent.batch_size:
+            raise ValueError(f"cache: it holds {self.latent.batch_size} sequences and this input has {batch_size}; a "
+                             f"cache serves one batch (pass a new cache, or call cache.reset() first)")
+
+    def _check_capacity(self, needed: int, capacity: int) -> None:
+        if needed > capacity:
+            raise ValueError(f"max_cache_len: this cache holds {capacity} tokens per sequence, and the prompt and "
+                             f"new tokens need {needed}; build it with a larger max_cache_len, or None to grow")
+
+    def advance(self, valid: Optional[torch.Tensor], batch_size: int, num_tokens: int) -> None:
+        """Count this forward's columns (``valid`` [B, T], or None when all were real)."""
+        if valid is None:
+            valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=self.stored.device)
+        self.stored = torch.cat((self.stored, valid.to(self.stored.device)), dim=1)
+        self.columns += num_tokens
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token occupies in this layer (0 before the first forward)."""
+        return self.latent.bytes_per_token if self.latent is not None else 0
+
+
+def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: Optional[torch.Tensor],
+                    batch_size: int, num_tokens: int) -> None:
+    """Refuse ``position_ids`` other than the positions ``layer``'s cache gives the new real tokens
+    (each sequence's real tokens numbered 0, 1, 2, ... as ``generate`` numbers them)."""
+    layer.check_batch(batch_size)
+    if getattr(layer.policy, "reposition", False):
+        return  # StreamingLLM's re-positioning renumbers the cache; generate's positions keep counting
+    device = position_ids.device
+    start = layer.latent.next_positions.to(device) if layer.latent is not None else \
+        torch.zeros(batch_size, dtype=torch.long, device=device)
+    steps = valid.long().cumsum(dim=1) - 1 if valid is not None else torch.arange(num_tokens, device=device)
+    expected = start[:, None] + steps.to(device)
+    if position_ids.dim() != 2 or position_ids.shape[-1] != num_tokens or position_ids.shape[0] not in (1, batch_size):
+        raise ValueError(f"position_ids: expected [batch, {num_tokens}], got {tuple(position_ids.shape)}")
+    wrong = position_ids.expand_as(expected) != expected
+    if valid is not None:
+        wrong &= valid.to(device)
+    if bool(wrong.any()):
+        b = int(wrong.any(dim=1).nonzero()[0])
+        raise ValueError(f"position_ids: qkmla's latent cache numbers each sequence's real tokens 0, 1, 2, ... "
+                         f"(padding takes no position, as in generate); sequence {b} needs "
+                         f"{expected[b].tolist()[:8]}..., got {position_ids.expand_as(expected)[b].tolist()[:8]}...")
+
+
+def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str = "dense",
+                policy: Optional[EvictionPolicy] = None) -> LatentCacheLayer:
+    """``cache``'s latent layer ``layer_idx``; an empty transformers ``DynamicLayer`` in that slot
+    (or none yet) becomes one. Anything else is refused."""
+    if not isinstance(cache, Cache):
+        raise ValueError(f"cache: expected a transformers Cache (qkmla.integrations.transformers.LatentAttentionCache, "
+                         f"or an empty DynamicCache), got {type(cache).__name__}")
+    layers = cache.layers
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], LatentCacheLayer):
+        return layers[layer_idx]
+    while len(layers) <= layer_idx:
+        layers.append(DynamicLayer())
+    old = layers[layer_idx]
+    if type(old) is not DynamicLayer:
+        raise ValueError(f"cache: layer {layer_idx} is a transformers {type(old).__name__}, which stores keys and "
+                         f"values; qkmla's attention needs latent rows: pass "
+                         f"qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=...) for a fixed "
+                         f"capacity, or an empty DynamicCache")
+    if old.get_seq_length() > 0:
+        raise ValueError(f"cache: layer {layer_idx} already holds {old.get_seq_length()} tokens of transformers' "
+                         f"keys and values (filled by an unpatched model); start from an empty cache")
+    layers[layer_idx] = LatentCacheLayer(config, kv_format, policy)
+    return layers[layer_idx]
+
+
+_MODEL_SETTING = object()  # "the model's setting", where None is a setting of its own
+
+
+class LatentAttentionCache(Cache):
+    """A transformers ``Cache`` of qkmla latent layers for a model patched by ``apply_latent_attention``.
+
+    Args:
+        model: the patched model (``*ForCausalLM`` or ``*Model``).
+        kv_format: the latent's storage; by default the one ``apply_latent_attention`` was given.
+        policy: the eviction policy; by default the one ``apply_latent_attention`` was given
+            (``policy=None`` turns eviction off).
+        max_cache_len: a fixed capacity per sequence (transformers' static cache), or None to grow.
+
+    Examples:
+        >>> cache = LatentAttentionCache(model, kv_format="fp8")               # doctest: +SKIP
+        >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
+    """
+
+    def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None):
+        settings = model_settings(model)
+        kv_format = kv_format if kv_format is not None else settings.kv_format
+        policy = settings.policy if policy is _MODEL_SETTING else policy
+        check_cache_settings(kv_format, policy, max_cache_len)
+        super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len)
+                                 for attn in latent_layers(model)])
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token occupies, summed over layers (0 before the first forward)."""
+        return sum(layer.bytes_per_token for layer in self.layers)

@@ -1,0 +1,105 @@
+"""Text from a transformers DeepSeek-V2/V3 checkpoint directory, decoded through the latent cache
+(what ``qkmla generate --hf DIR`` runs).
+
+The directory is read as transformers reads it (``config.json``, safetensors weights, the
+tokenizer files), offline. Its config is checked first, so another architecture is refused
+before any weight is read; prompts are left-padded into one batch, as transformers batches
+them, and ``generate`` runs after ``apply_latent_attention``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ...cache.eviction import EvictionPolicy
+from ...model.generate import check_sampling
+from .model import apply_latent_attention
+from .load import from_pretrained
+from .patched import SUPPORTED
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def load_hf_dir(hf_dir, dtype: str = "float32"):
+    """(model in eval mode, patched by qkmla with the QK norm it records; tokenizer) from a
+    checkpoint directory, both offline."""
+    import transformers
+
+    root = Path(hf_dir)
+    if not (root / "config.json").is_file():
+        raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
+    try:
+        model_type = json.loads((root / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"hf_dir: {root / 'config.json'} cannot be read: {e}") from None
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
+                         f"({', '.join(SUPPORTED[:2])})")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
+        raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+    try:
+        model = from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
+    except (OSError, RuntimeError, ValueError) as e:  # missing files, or tensors that disagree with the config
+        raise ValueError(f"hf_dir: {root} does not load as its config describes it: {str(e).strip()[:500]}") from None
+    return model.eval(), tokenizer
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's token ids as a continuation starts from them: the tokenizer's beginning-of-text
+    token if it adds one, never the end-of-sequence token T5-style tokenizers append (the model
+    would continue after an end of text)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    default = tokenizer(prompt)["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is not None and default[:1] == [bos] and ids[:1] != [bos]:
+        ids = [bos] + ids
+    if not ids:  # an empty prompt: whatever the tokenizer marks an empty text with
+        ids = default
+    if not ids:
+        raise ValueError(f"prompts: {prompt!r} has no tokens and this tokenizer adds none; give a non-empty prompt")
+    return ids
+
+
+def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                top_k: Optional[int] = None, seed: int = 0, kv_format: str = "dense",
+                policy: Optional[EvictionPolicy] = None, dtype: str = "float32") -> list[str]:
+    """Each prompt followed by its continuation (temperature 0: greedy)."""
+    import transformers
+
+    check_sampling(max_new_tokens, temperature, top_k)
+    if not prompts:
+        raise ValueError("prompts: expected at least one prompt")
+    model, tokenizer = load_hf_dir(hf_dir, dtype)
+    apply_latent_attention(model, kv_format=kv_format, policy=policy)
+    if tokenizer.pad_token is None:  # left padding is masked out, so any token will do
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+        if tokenizer.pad_token is None and len(prompts) > 1:
+            raise ValueError("prompts: batching them needs a padding token, and this tokenizer has no pad, eos or unk "
+                             "token; give one prompt at a time")
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": [prompt_ids(tokenizer, p) for p in prompts]}, padding=True,
+                          return_tensors="pt")
+    limit = model.config.max_position_embeddings
+    if batch["input_ids"].shape[1] + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: the longest prompt ({batch['input_ids'].shape[1]} tokens) plus "
+                         f"{max_new_tokens} new tokens passes the model's max_position_embeddings={limit}")
+    # Exactly what was asked: none of the checkpoint's own sampling defaults (top_p, repetition
+    # penalty, ...) applies; its end-of-sequence token does.
+    generation = transformers.GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0,
+        top_k=top_k or 0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=model.generation_config.eos_token_id, bos_token_id=model.generation_config.bos_token_id)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(**batch, generation_config=generation)
+    new = out[:, batch["input_ids"].shape[1]:]
+    return [p + tokenizer.decode(t, skip_special_tokens=True) for p, t in zip(prompts, new)]

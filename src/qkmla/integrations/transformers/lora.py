@@ -1,0 +1,170 @@
+"""PEFT LoRA on the attention projections of a model ``apply_latent_attention`` patched.
+
+    model = apply_latent_attention(DeepseekV3ForCausalLM.from_pretrained(path), qk_norm="rms")
+    peft_model = peft.get_peft_model(model, attention_lora_config(model, r=16, train_qk_norm=True))
+    ...                                       # train peft_model: a plain loop or transformers' Trainer
+    model = merge_lora(peft_model)            # the patched model, its projections nn.Linear again
+    model.generate(ids, max_new_tokens=64)    # absorbed decode through the latent cache
+
+Training runs the explicit path, which calls every projection as a module, so an adapter on
+any of them trains. Decoding is another matter for one of them: the absorbed path folds
+``kv_b_proj.weight`` into the query and the output (W_UK, W_UV) instead of calling it, so an
+unmerged adapter there is refused at decode (``MLA._derive``); :func:`merge_lora` merges it.
+
+:func:`merge_lora` also re-derives every layer's absorbed weights. PEFT merges into the base
+weight in place through ``.data``, which the version counter that decides when they are
+re-derived does not see; without that, a layer whose absorbed weights were derived before the
+adapter was merged (a ``generate`` before training) would decode with the weight from before.
+
+peft is imported on first use: ``pip install 'qkmla[hf]'``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Union
+
+from torch import nn
+
+from ...attention.mla import projection_shapes
+from ...norms import QKNorm
+from .patched import inner_model, latent_layers, model_settings
+
+DEFAULT_TARGETS = ("q_b_proj", "kv_b_proj", "o_proj")
+NORMS = ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm", "logit_scale")  # named in the error for a norm
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError(f"qkmla.integrations.transformers' LoRA helpers need peft: pip install 'qkmla[hf]' "
+                          f"({e})") from e
+    return peft
+
+
+def lora_targets(config) -> tuple[str, ...]:
+    """The attention projections of a layer with :class:`~qkmla.MLAConfig` ``config`` that LoRA
+    can adapt: ``q_proj`` without a query latent (``q_lora_rank`` None), ``q_a_proj`` and
+    ``q_b_proj`` with one, then ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``."""
+    return tuple(name for name in projection_shapes(config) if not name.endswith("layernorm"))
+
+
+def _check_targets(targets: Union[str, Iterable[str]], config) -> tuple[str, ...]:
+    """``targets`` as a tuple of this config's projection names, in order, without repeats."""
+    allowed = lora_targets(config)
+    names = (targets,) if isinstance(targets, str) else targets
+    try:
+        names = tuple(dict.fromkeys(names))
+    except TypeError:
+        raise ValueError(f"targets: expected projection names such as {DEFAULT_TARGETS}, got "
+                         f"{type(targets).__name__}") from None
+    if not names:
+        raise ValueError(f"targets: expected at least one of this model's attention projections {allowed}")
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"targets: expected projection names (str), got {name!r}")
+        if name in allowed:
+            continue
+        if name in NORMS:
+            raise ValueError(f"targets: {name!r} is a norm, not a projection; LoRA adapts this model's attention "
+                             f"projections {allowed}. The QK norms (q_norm, k_norm), the latent norms "
+                             f"(q_a_layernorm, kv_a_layernorm) and the logit scale are not LoRA targets; "
+                             f"train_qk_norm=True trains the QK norms beside the adapters")
+        why = ""
+        if name in ("q_proj", "q_a_proj", "q_b_proj"):
+            why = (f" (q_lora_rank={config.q_lora_rank}: the query goes through q_a_proj and q_b_proj, there is no "
+                   f"q_proj)" if config.q_lora_rank is not None
+                   else " (q_lora_rank=None: the query is one q_proj, there is no q_a_proj or q_b_proj)")
+        raise ValueError(f"targets: {name!r} is not an attention projection of this model's layers{why}; expected "
+                         f"some of {allowed}")
+    return tuple(n for n in allowed if n in names)
+
+
+def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TARGETS, r: int = 8,
+                          lora_alpha: float = 16, lora_dropout: float = 0.0, train_qk_norm: bool = False, **kwargs):
+    """A ``peft.LoraConfig`` whose adapters sit on ``targets`` in every attention layer of a
+    patched model, and nowhere else.
+
+    Args:
+        model: a model ``apply_latent_attention`` patched (the ``*ForCausalLM`` or the inner ``*Model``).
+        targets: attention projections by name, a subset of :func:`lora_targets` of its layers:
+            ``q_a_proj``, ``q_b_proj`` (or ``q_proj`` for a model without ``q_lora_rank``),
+            ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``.
+        r, lora_alpha, lora_dropout: LoRA's rank, scale numerator and dropout (``peft.LoraConfig``).
+        train_qk_norm: also train the QK-norm weights (``q_norm``, ``k_norm``; a norm
+            ``apply_latent_attention(model, qk_norm=...)`` just added starts at ones), as PEFT's
+            ``modules_to_save``. A learnable logit scale is a parameter of the attention layer
+            itself, which PEFT cannot train beside adapters on its projections: it stays frozen.
+        kwargs: other ``peft.LoraConfig`` fields (``target_modules`` is set from ``targets``).
+
+    Returns:
+        the ``peft.LoraConfig``; ``target_modules`` is a regular expression over the layers'
+        module names, e.g. ``model\\.layers\\.\\d+\\.self_attn\\.(q_b_proj|kv_b_proj|o_proj)``.
+
+    Raises:
+        ValueError, before any work: a model not patched (naming ``model``), a target that is
+        not one of its attention projections, or a norm (naming ``targets``),
+        ``train_qk_norm`` on a model without a QK norm, ``target_modules`` passed.
+    """
+    model_settings(model)
+    config = latent_layers(model)[0].config
+    names = _check_targets(targets, config)
+    if not isinstance(train_qk_norm, bool):
+        raise ValueError(f"train_qk_norm: expected True or False, got {train_qk_norm!r}")
+    if train_qk_norm and config.qk_norm is None:
+        raise ValueError("train_qk_norm: this model has no QK norm; add one with "
+                         "apply_latent_attention(model, qk_norm='rms')")
+    if "target_modules" in kwargs:
+        raise ValueError("target_modules: attention_lora_config sets it from targets (attention projections by name)")
+    peft = _peft()
+    layers = next(name for name, module in model.named_modules() if module is inner_model(model).layers)
+    pattern = rf"{re.escape(layers)}\.\d+\.self_attn\.({'|'.join(names)})"
+    if train_qk_norm:
+        norms = ["self_attn.q_norm", "self_attn.k_norm"]
+        kwargs["modules_to_save"] = list(kwargs.get("modules_to_save") or []) + norms
+    return peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern, **kwargs)
+
+
+def merge_lora(peft_model, **kwargs):
+    """Merge a PEFT model's adapters into the patched model under it, ready for absorbed decode.
+
+    Args:
+        peft_model: ``peft.get_peft_model(model, attention_lora_config(model, ...))`` or any
+            ``peft.PeftModel`` over a model ``apply_latent_attention`` patched.
+        kwargs: passed to ``merge_and_unload`` (``safe_merge=``, ``adapter_names=``).
+
+    Returns:
+        the patched model, its attention projections plain ``nn.Linear`` and its QK norms
+        qkmla's again, every layer's absorbed weights derived from the merged weights.
+
+    Raises:
+        ValueError: ``peft_model`` is not a PEFT model over a patched model (before any work), or
+            a projection is still wrapped after merging (an adapter PEFT cannot merge).
+    """
+    peft = _peft()
+    if not isinstance(peft_model, peft.PeftModel):
+        raise ValueError(f"peft_model: expected a peft.PeftModel (peft.get_peft_model(model, "
+                         f"attention_lora_config(model))), got {type(peft_model).__name__}")
+    try:
+        model_settings(peft_model.get_base_model())
+    except ValueError as e:
+        raise ValueError(f"peft_model: its base model is not one apply_latent_attention patched ({e})") from None
+    model = peft_model.merge_and_unload(**kwargs)
+    for i, layer in enumerate(latent_layers(model)):
+        for name in lora_targets(layer.config):
+            module = getattr(layer, name)
+            if not isinstance(module, nn.Linear):
+                raise ValueError(f"peft_model: after merge_and_unload, layer {i}'s {name} is still a "
+                                 f"{type(module).__name__}, not an nn.Linear; the absorbed path needs plain "
+                                 f"projections")
+        for name in ("q_norm", "k_norm"):
+            module = getattr(layer, name)
+            if module is not None and not isinstance(module, QKNorm):
+                raise ValueError(f"peft_model: after merge_and_unload, layer {i}'s {name} is still a "
+                                 f"{type(module).__name__}, not qkmla's QKNorm")
+        layer.refresh_absorbed()
+    return model
+
+
+__all__ = ["DEFAULT_TARGETS", "attention_lora_config", "lora_targets", "merge_lora"]

@@ -1,0 +1,196 @@
+"""A whole transformers DeepSeek-V2/V3 model decoding through qkmla's latent cache.
+
+    model = DeepseekV3ForCausalLM.from_pretrained(path)
+    apply_latent_attention(model)                      # in place; returns the model
+    out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+
+:func:`apply_latent_attention` swaps every decoder layer's ``self_attn`` for a
+:class:`~qkmla.integrations.transformers.attention.LatentAttention` that adopts the layer's own projection
+modules (no copy: ``state_dict()`` keys and tensors stay transformers' own) and registers two
+hooks on the inner ``*Model``:
+
+* before its forward: the caller's 2-D ``attention_mask`` says which of the call's new tokens
+  are real; that goes down to the layers with transformers' own keyword arguments
+  (``qkmla_call=``, a :class:`~qkmla.integrations.transformers.attention.LatentCall`), so nothing of one call
+  is kept on the model for the next (gradient checkpointing's recompute, a nested call and
+  another thread see their own). A forward that caches gets a
+  :class:`~qkmla.integrations.transformers.cache.LatentAttentionCache` (or its empty ``DynamicCache`` becomes
+  one); a training forward with no cache passed caches nothing; ``position_ids`` that disagree
+  with the cache's positions are refused.
+* the mask transformers builds for its own attention functions is not needed, so the model's
+  attention implementation becomes ``"qkmla_latent"``, whose mask function builds none (a
+  padded 32k prompt would otherwise get a [B, 1, T, T] mask).
+
+Embeddings, MLP and MoE, the final norm, the LM head and the generation utilities stay
+transformers' own. transformers' attention-function registry is not used: it only ever
+receives expanded keys and values, which the absorbed path never forms.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from ...cache.eviction import EvictionPolicy
+from ...ops.mla_decode.backends import check_backend
+from .attention import LatentAttention, LatentCall, LatentSettings
+from .cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
+from .patched import inner_model
+from ..hub.record import describe, norm_settings, record_norm, recorded_groups, recorded_norm
+
+LATENT_IMPLEMENTATION = "qkmla_latent"
+
+
+def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise",
+                           qk_norm_p: float = 2.0, qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False,
+                           qk_norm_scope: str = "head", kv_format: str = "dense",
+                           policy: Optional[EvictionPolicy] = None, decode_backend: str = "auto"):
+    """Make a transformers DeepSeek-V2/V3 model attend and decode through qkmla, in place.
+
+    Args:
+        model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` or the inner ``*Model``.
+        qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
+            attention layer: "rms" (the paper's), "l2" or "lp"; ``qk_norm_mode`` "blockwise",
+            "unified" or "content", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``,
+            ``qk_norm_scope`` ("head", or "projection": one statistic over all heads): the
+            :class:`~qkmla.MLAConfig` fields of the same names. The norm weights start at ones,
+            which changes the model's function (calibrate them with
+            ``qkmla.convert.warm_start_qk_norm``); they are recorded in the model's config, so
+            ``save_pretrained`` writes them and ``qkmla.integrations.transformers.from_pretrained`` restores them
+            (``qkmla.integrations.hub.record``).
+        kv_format: how the caches the model makes for itself store the latent
+            (``qkmla.kv_formats.KV_FORMATS``: "dense", "fp8", "int8", "int4").
+        policy: an eviction policy those caches run (``qkmla.cache.StreamingLLM``, ``H2O``,
+            ``SnapKV``), or None to keep every token.
+        decode_backend: the decode op's backend ("auto", "torch", "cpu", "triton", "naive").
+
+    Calling it again on a patched model changes ``kv_format``, ``policy`` and ``decode_backend``;
+    it adds a QK norm to a model that has none, and refuses to change one the model has (its
+    weights were trained for it): ``qk_norm=None`` keeps it.
+
+    Returns:
+        ``model``.
+    """
+    inner = inner_model(model)
+    check_cache_settings(kv_format, policy, None)
+    check_backend(decode_backend, "decode_backend")
+    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p, qk_norm_eps, learnable_logit_scale, qk_norm_scope)
+    settings = getattr(inner, "_qkmla_settings", None)
+    if settings is not None:  # already patched: new settings, and a norm if it has none
+        current = recorded_norm(inner.config)
+        if norm and current and norm != current:
+            raise ValueError(f"qk_norm: this model already has the QK norm {describe(current)} (its weights are "
+                             f"trained for it), so it cannot become {describe(norm)}; pass qk_norm=None to keep it, "
+                             f"or start from the model without a norm")
+        settings.kv_format, settings.policy = kv_format, policy
+        for layer in inner.layers:
+            if norm and not current:
+                layer.self_attn = layer.self_attn.with_norm(norm)
+            layer.self_attn.config = layer.self_attn.config.replace(decode_backend=decode_backend)
+        if norm and not current:
+            _record(model, norm)
+        return model
+    settings = LatentSettings(kv_format=kv_format, policy=policy)
+    groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hf_qknorm, hf_attention)
+    overrides = {"num_kv_groups": groups} if groups is not None else {}
+    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, **norm, **overrides)
+               for layer in inner.layers]
+    for layer, attn in zip(inner.layers, patched):
+        layer.self_attn = attn
+    inner._qkmla_settings = settings
+    _record(model, norm)
+    inner._qkmla_signature = inspect.signature(inner.forward)
+    inner.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    _no_transformers_mask(model)
+    return model
+
+
+def _configs(model) -> list:
+    """The model's config objects: the causal LM's and the inner model's, once each (usually one)."""
+    return list({id(c): c for c in (model.config, inner_model(model).config)}.values())
+
+
+def _record(model, norm: dict) -> None:
+    """Record the norm in every config object the model has (``save_pretrained`` writes it)."""
+    for config in _configs(model):
+        record_norm(config, norm)
+
+
+def _no_transformers_mask(model) -> None:
+    """Register and select the ``"qkmla_latent"`` attention implementation: its mask function
+    builds nothing, and its attention function (never called: the layers are qkmla's) refuses."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(*args, **kwargs):
+        raise ValueError("attn_implementation: 'qkmla_latent' is qkmla's latent attention, which only "
+                         "qkmla.integrations.transformers.attention.LatentAttention layers compute")
+
+    AttentionInterface.register(LATENT_IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(LATENT_IMPLEMENTATION, lambda *args, **kwargs: None)
+    for config in _configs(model):
+        config._attn_implementation = LATENT_IMPLEMENTATION
+
+
+def _call_arguments(module, args, kwargs) -> dict:
+    """The forward call's arguments by name (positional ones included)."""
+    signature = module._qkmla_signature
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError:
+        raise ValueError("model: pass its inputs by name (input_ids=..., attention_mask=...)") from None
+    arguments = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
+    return arguments
+
+
+def _before_forward(module, args, kwargs):
+    arguments = _call_arguments(module, args, kwargs)
+    settings: LatentSettings = module._qkmla_settings
+    mask, position_ids = arguments.get("attention_mask"), arguments.get("position_ids")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        got = f"{mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask: qkmla's latent attention reads the 2-D padding mask [batch, length] "
+                         f"(1 = token, 0 = padding), got a {got}")
+    if arguments.get("output_attentions"):
+        raise ValueError("output_attentions: qkmla's latent attention never forms transformers' attention "
+                         "weights (the absorbed path attends in latent space); call without it")
+    inputs = next((arguments[k] for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
+    if inputs is None:
+        raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
+    batch_size, num_tokens = inputs.shape[:2]
+    names = [n for n in ("cache", "past_key_values") if arguments.get(n) is not None]
+    cache = arguments.get(names[0]) if names else None
+    name = names[0] if names else ("cache" if "cache" in module._qkmla_signature.parameters else "past_key_values")
+    use_cache = arguments.get("use_cache")
+    use_cache = module.config.use_cache if use_cache is None else use_cache
+    if cache is None and use_cache:
+        if module.training:  # a training step caches nothing (transformers would make a DynamicCache)
+            arguments["use_cache"] = False
+        else:
+            cache = arguments[name] = LatentAttentionCache(module)
+    elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
+        for layer in module.layers:
+            adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, settings.kv_format, settings.policy)
+    valid = _new_tokens(mask, batch_size, num_tokens, cache.get_seq_length() if cache is not None else 0)
+    if cache is not None and position_ids is not None:
+        first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
+        check_positions(first, position_ids, valid, batch_size, num_tokens)
+    arguments["qkmla_call"] = LatentCall(valid)
+    return (), arguments
+
+
+def _new_tokens(mask: Optional[torch.Tensor], batch_size: int, num_tokens: int, past: int) -> Optional[torch.Tensor]:
+    """[B, T] bool, True for the real tokens among the call's T new ones (mask columns past..past+T-1,
+    as transformers reads them), or None when all are real."""
+    if mask is None:
+        return None
+    if mask.shape[0] != batch_size or mask.shape[1] < past + num_tokens:
+        raise ValueError(f"attention_mask: expected [batch={batch_size}, at least {past + num_tokens}] (the "
+                         f"{past} cached columns and {num_tokens} new tokens), got {tuple(mask.shape)}")
+    valid = mask[:, past:past + num_tokens].bool()
+    return None if bool(valid.all()) else valid

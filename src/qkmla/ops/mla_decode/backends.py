@@ -1,0 +1,111 @@
+"""The decode op's backends, by name, and the one decision of which runs.
+
+:data:`DECODE_BACKENDS` is the registry every setting that names a backend is checked against
+(``MLAConfig.decode_backend``, ``apply_latent_attention``, the vLLM plugin): :func:`check_backend`.
+:func:`resolve_backend` turns a name into the backend that runs for a call's inputs, "auto"
+included, once; a caller that must fail before it writes its cache (``MLA``) resolves first and
+hands the op the result, which the op then runs as named.
+
+    "auto"     the Triton kernel for CUDA tensors when Triton is installed and the widths suit it;
+               for CPU tensors the C++ kernel when it runs here and takes the inputs, with at most
+               ``AUTO_MAX_QUERY_HEADS`` query heads per sequence (outside ``torch.compile``, which
+               traces the torch backend instead); "torch" otherwise
+    "naive"    the specification (``naive.py``), a float32 loop
+    "torch"    dense latent attention in a few GEMMs, any device (``torch_impl.py``)
+    "cpu"      the fused C++ kernel over dense bfloat16 rows (``cpu_kernel.py``)
+    "triton"   the fused split-K kernel over the paged cache (``triton_kernel.py``)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from ...kv_formats import DenseRows
+from .cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported, cpu_unsupported_for
+
+DECODE_BACKENDS = ("auto", "naive", "torch", "cpu", "triton")
+
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # looked up once, without importing it
+
+
+def check_backend(backend, name: str = "backend") -> None:
+    """ValueError naming ``name`` unless ``backend`` is one of :data:`DECODE_BACKENDS`."""
+    if not isinstance(backend, str) or backend not in DECODE_BACKENDS:
+        raise ValueError(f"{name}: expected one of {DECODE_BACKENDS}, got {backend!r}")
+
+
+def triton_installed() -> bool:
+    return _TRITON_INSTALLED
+
+
+def interpreting() -> bool:
+    """Triton runs kernels on CPU tensors only in its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str]:
+    """Why the Triton kernel cannot run here (a message naming the argument), or None."""
+    if not triton_installed():
+        return "backend: 'triton' needs the triton package, which is not installed; use 'torch' or 'auto'"
+    if torch.device(device).type != "cuda" and not interpreting():
+        return (f"backend: 'triton' runs on CUDA tensors (or in Triton's interpreter, TRITON_INTERPRET=1), "
+                f"got {torch.device(device).type} tensors; use 'torch' or 'auto'")
+    if not (_is_pow2(d_c) and _is_pow2(d_r) and d_c >= 16 and d_r >= 16):
+        return f"q_lat, q_rope: the Triton kernel needs d_c and d_r powers of two >= 16, got {d_c}, {d_r}"
+    return None
+
+
+def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
+                   kv_format="dense") -> str:
+    """The backend that will run, from the device, the widths, the queries' dtype and the row format
+    alone (no tensors): ``backend`` itself, or what ``"auto"`` stands for. Without ``dtype``,
+    ``"auto"`` does not pick the CPU kernel. :func:`resolve_backend` also reads the tensors.
+
+    Raises ValueError for an unknown name, or for ``"triton"`` / ``"cpu"`` where the kernel cannot run.
+    """
+    check_backend(backend)
+    device = torch.device(device)
+    quantized = kv_format.quantized if isinstance(kv_format, DenseRows) else kv_format != "dense"
+    if backend == "auto":
+        if device.type == "cuda":
+            return "triton" if triton_unsupported(device, d_c, d_r) is None else "torch"
+        ok = (device.type == "cpu" and dtype is not None and not torch.compiler.is_compiling()
+              and cpu_unsupported_for(device, d_c, d_r, dtype, quantized) is None)
+        return "cpu" if ok else "torch"
+    reason = None
+    if backend == "triton":
+        reason = triton_unsupported(device, d_c, d_r)
+    elif backend == "cpu":
+        reason = cpu_unsupported_for(device, d_c, d_r, dtype, quantized)
+        if reason is None and torch.compiler.is_compiling():
+            reason = "backend: 'cpu' does not trace under torch.compile; use 'auto' (the torch backend there)"
+    if reason is not None:
+        raise ValueError(reason)
+    return backend
+
+
+def resolve_backend(backend: str, q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                    scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0, kv_format="dense") -> str:
+    """The backend that runs for these inputs (shapes as ``mla_decode_with_kvcache`` takes them):
+    :func:`select_backend`, then what it could not see (the cache's dtype and strides, the scalars'
+    dtype, autograd, the query heads per sequence), which sends ``"auto"`` to ``"torch"`` and makes
+    a named ``"cpu"`` fail. The same inputs give the same answer, so resolving before a call and
+    passing the result changes nothing."""
+    chosen = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
+    if chosen != "cpu":
+        return chosen
+    reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale)
+    if reason is not None and backend == "cpu":
+        raise ValueError(reason)
+    # Many query heads per sequence (a wide model, a multi-token append): the torch backend's
+    # GEMMs are faster there, so "auto" keeps it.
+    too_wide = backend == "auto" and q_lat.shape[1] * q_lat.shape[2] > AUTO_MAX_QUERY_HEADS
+    return "torch" if reason is not None or too_wide else "cpu"

@@ -1,0 +1,160 @@
+"""``qkmla convert --hf SRC --out DST``: a whole checkpoint given a calibrated QK norm, every other
+tensor kept, written once, read back by ``from_pretrained`` and ``qkmla generate --hf``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+
+from qkmla.cli import main  # noqa: E402
+from qkmla.integrations.transformers import from_pretrained  # noqa: E402
+from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
+
+from tests.integrations.transformers.test_model import SHAPE  # noqa: E402
+
+
+def tensors(directory) -> dict:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A random DeepSeek-V3 checkpoint in several shards, with a byte-level tokenizer."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**SHAPE, "vocab_size": 300}, q_lora_rank=24,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 100.0})
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "self_attn" in name and p.dim() == 2:
+                p.mul_(3.0)
+    path = tmp_path_factory.mktemp("src")
+    model.save_pretrained(path, max_shard_size="60KB")
+    transformers.ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def snapshot(directory) -> dict:
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_convert_keeps_every_tensor_adds_a_calibrated_norm_and_generates(source, tmp_path, capsys):
+    before = snapshot(source)
+    out = tmp_path / "dst"
+    assert main(["convert", "--hf", str(source), "--out", str(out), "--qk-norm", "rms",
+                 "--calibration-tokens", "512"]) == 0
+    printed = capsys.readouterr().out
+    assert "layer 2: content logit RMS" in printed and "held-out loss: source" in printed
+    assert snapshot(source) == before
+    old, new = tensors(source), tensors(out)
+    added = sorted(set(new) - set(old))
+    assert not set(old) - set(new) and all(torch.equal(old[k], new[k]) for k in old)
+    assert added == sorted(f"model.layers.{i}.self_attn.{side}.{what}"
+                           for i in range(3) for side in ("q_norm", "k_norm")
+                           for what in ("content.weight", "rope.weight", "_extra_state"))
+    assert not any(torch.all(new[k] == 1) for k in added if k.endswith("weight"))  # calibrated, not ones
+    assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"] == "rms"
+    model = from_pretrained(out)
+    assert all(layer.config.qk_norm == "rms" for layer in latent_layers(model))
+    assert main(["generate", "--hf", str(out), "--prompt", "To be", "--tokens", "6"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+    assert not [p for p in tmp_path.iterdir() if p.name != "dst"]  # no temporary left
+
+
+def test_norm_variants_and_no_calibration(source, tmp_path):
+    out = tmp_path / "unified"
+    assert main(["convert", "--hf", str(source), "--out", str(out), "--qk-norm", "lp", "--qk-norm-p", "3",
+                 "--qk-norm-mode", "unified", "--calibration-tokens", "0", "--dtype", "bfloat16"]) == 0
+    model = from_pretrained(out)
+    layer = latent_layers(model)[0]
+    assert (layer.config.qk_norm, layer.config.qk_norm_p, layer.config.qk_norm_mode) == ("lp", 3.0, "unified")
+    assert torch.all(layer.q_norm.content.weight == 1) and layer.kv_b_proj.weight.dtype == torch.bfloat16
+
+
+def test_convert_never_writes_over_its_source_or_an_existing_conversion(source, tmp_path, refused):
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    before = snapshot(src)
+    for out in (src, src / ".." / "src", src / "inside"):
+        refused(["convert", "--hf", str(src), "--out", str(out), "--qk-norm", "rms", "--overwrite"],
+                "--out: .* is the checkpoint being converted")
+    refused(["convert", "--hf", str(src), "--out", str(tmp_path), "--qk-norm", "rms", "--overwrite"],
+            "--out: .* holds the checkpoint being converted")
+    assert snapshot(src) == before
+    out = tmp_path / "out"
+    assert main(["convert", "--hf", str(src), "--out", str(out), "--qk-norm", "rms", "--calibration-tokens", "0"]) == 0
+    first = snapshot(out)
+    refused(["convert", "--hf", str(src), "--out", str(out), "--qk-norm", "l2"],
+            "--out: .* already exists and is not empty; pass --overwrite to replace it")
+    assert snapshot(out) == first
+    assert main(["convert", "--hf", str(src), "--out", str(out), "--qk-norm", "l2", "--calibration-tokens", "0",
+                 "--overwrite"]) == 0
+    assert latent_layers(from_pretrained(out))[0].config.qk_norm == "l2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    (tmp_path / "afile").write_text("x")
+    refused(["convert", "--hf", str(src), "--out", str(tmp_path / "afile")], "--out: .*afile is a file")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    refused(["convert", "--hf", str(src), "--out", str(tmp_path / "notes"), "--overwrite"],
+            "--out: .*notes is not empty and holds no config.json, so it is not a checkpoint directory")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+
+
+def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused, capsys):
+    bad = str(tmp_path / "bad")
+    no_tokenizer = tmp_path / "bare"
+    no_tokenizer.mkdir()
+    for p in source.iterdir():
+        if p.suffix in (".safetensors", ".json") and "token" not in p.name:
+            shutil.copy(p, no_tokenizer / p.name)
+    small_vocab = tmp_path / "small-vocab"  # the text's byte ids (ASCII + 3) pass vocab_size
+    shutil.copytree(source, small_vocab)
+    config = json.loads((small_vocab / "config.json").read_text())
+    (small_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    qk = tmp_path / "qk"
+    assert main(["convert", "--hf", str(source), "--out", str(qk), "--qk-norm", "rms",
+                 "--calibration-tokens", "0"]) == 0
+    cases = [
+        (["--hf", str(tmp_path / "nowhere")], "--hf: .* is not a directory"),
+        (["--hf", str(tmp_path)], "--hf: .*config.json does not exist"),
+        (["--hf", str(source), "--calibration-tokens", "64"],
+         "--calibration-tokens: calibrates a QK norm being added; name the norm too"),
+        (["--hf", str(source), "--qk-norm", "rms", "--calibration-tokens", "8"],
+         "--calibration-tokens: expected 0 .* or at least 16, got 8"),
+        (["--hf", str(source), "--qk-norm", "rms", "--calibration-tokens", "-1"], "--calibration-tokens: expected an "),
+        (["--hf", str(source), "--qk-norm", "rms", "--calibration-tokens", "100000000"],
+         "--calibration-tokens: the calibration text has .* tokens, too few"),
+        (["--hf", str(source), "--qk-norm", "rms", "--calibration-text", str(tmp_path / "none.txt")],
+         "--calibration-text: cannot read"),
+        (["--hf", str(no_tokenizer), "--qk-norm", "rms"],
+         "--hf: .* has no tokenizer .*; pass calibration_tokens=0 \\(--calibration-tokens 0\\)"),
+        (["--hf", str(qk), "--qk-norm", "l2"], "--qk-norm: .* already records the QK norm rms blockwise"),
+        (["--hf", str(qk), "--qk-norm", "rms"], "--qk-norm: .* with trained weights that adding and calibrating a "
+                                                "norm would replace; leave qk_norm out to re-save it"),
+        (["--hf", str(source), "--qk-norm-mode", "unified"], "--qk-norm-mode: only read with a qk_norm"),
+        (["--hf", str(small_vocab), "--qk-norm", "rms"], "--hf: .*'s tokenizer gives token ids up to .*, beyond the "
+                                                         "model's vocab_size 100"),
+        (["--hf", str(source), "--qk-norm", "lp", "--qk-norm-p", "0.5"], "--qk-norm-p: expected a finite number >= 1"),
+    ]
+    for extra, match in cases:
+        refused(["convert", "--out", bad, *extra], match)
+    capsys.readouterr()  # tensors that disagree with the config: transformers prints its load report first
+    assert main(["convert", "--hf", str(small_vocab), "--out", bad, "--qk-norm", "rms",
+                 "--calibration-tokens", "0"]) == 2
+    assert "qkmla convert: --hf: " in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit):  # argparse's choices
+        main(["convert", "--hf", str(source), "--out", bad, "--qk-norm", "rmsnorm"])
+    assert not (tmp_path / "bad").exists()
+    assert main(["convert", "--hf", str(no_tokenizer), "--out", bad, "--qk-norm", "rms",
+                 "--calibration-tokens", "0"]) == 0  # no tokenizer needed without calibration

@@ -1,0 +1,191 @@
+"""A whole HF DeepSeek-V3 checkpoint directory (sharded safetensors) loads layer by layer into MLA."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+transformers = pytest.importorskip("transformers")
+
+from qkmla.integrations.hub import checkpoint  # noqa: E402
+from qkmla.integrations.hub.checkpoint import mla_from_hf_dir, mla_layers_from_hf_dir  # noqa: E402
+
+T = 48  # runs past the YaRN original context L0 = 32 of the `saved` checkpoint (conftest.py)
+
+
+def test_every_layer_matches_transformers(saved, attention_io):
+    path, model = saved
+    shards = list(path.glob("model-*.safetensors"))
+    assert len(shards) >= 4
+    layers = mla_layers_from_hf_dir(path, dtype=torch.float64)
+    assert list(layers) == [0, 1, 2] and layers[0].config.rope_scaling.factor == 4.0
+    io = attention_io(model, torch.randint(0, 100, (2, T)))
+    for i, mla in layers.items():
+        x, ref = io[i]
+        with torch.no_grad():
+            err = float((mla.eval()(x) - ref).abs().max() / ref.abs().max())
+        # transformers' float32 RoPE tables, RMSNorms and softmax set this bound (tests/integrations/hub/test_config.py)
+        assert err <= 5e-6, (i, err)
+    assert mla_from_hf_dir(path, 2).kv_b_proj.weight.dtype == torch.float32  # the stored dtype by default
+
+
+class Spy:
+    """safe_open that records which files are opened and which tensors are read."""
+    opened, read = [], []
+    real = staticmethod(checkpoint.safe_open)
+
+    def __init__(self, file, framework):
+        Spy.opened.append(file.rsplit("/", 1)[-1])
+        self.f = Spy.real(file, framework=framework)
+
+    def __enter__(self):
+        self.f.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_slice(self, key):
+        return self.f.get_slice(key)
+
+    def get_tensor(self, key):
+        Spy.read.append(key)
+        return self.f.get_tensor(key)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    Spy.opened, Spy.read = [], []
+    monkeypatch.setattr(checkpoint, "safe_open", Spy)
+    return Spy
+
+
+def test_reads_only_the_chosen_layers_attention_tensors(saved, spy):
+    path, _ = saved
+    mla_from_hf_dir(path, 1)
+    weight_map = json.loads((path / checkpoint.INDEX).read_text())["weight_map"]
+    wanted = {k for k in weight_map if k.startswith("model.layers.1.self_attn.")}
+    assert set(spy.read) == wanted and len(spy.read) == len(wanted) == 7
+    assert set(spy.opened) == {weight_map[k] for k in wanted} and len(spy.opened) < len(set(weight_map.values()))
+
+
+def _copy(saved, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(saved[0], dst)
+    return dst
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_bad_directories_fail_before_reading(saved, tmp_path, spy):
+    path = _copy(saved, tmp_path)
+    with pytest.raises(ValueError, match=r"layers: expected layer indices in \[0, 3\)"):
+        mla_layers_from_hf_dir(path, [0, 3])
+    with pytest.raises(ValueError, match="layer: expected one layer index"):
+        mla_from_hf_dir(path, [1])
+    with pytest.raises(ValueError, match="hf_dir: .* is not a directory"):
+        mla_layers_from_hf_dir(path / "nope")
+
+    weight_map = json.loads((path / checkpoint.INDEX).read_text())["weight_map"]
+    shard = weight_map["model.layers.2.self_attn.kv_b_proj.weight"]
+    (path / shard).rename(path / "moved.safetensors")
+    with pytest.raises(ValueError, match=f"model.safetensors.index.json names shard files .*{shard}"):
+        mla_layers_from_hf_dir(path)
+    (path / "moved.safetensors").rename(path / shard)
+
+    index = json.loads((path / checkpoint.INDEX).read_text())
+    del index["weight_map"]["model.layers.1.self_attn.o_proj.weight"]
+    (path / checkpoint.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json: the attention tensors \['model.layers.1.self_attn.o_proj"):
+        mla_layers_from_hf_dir(path)
+    shutil.copy(saved[0] / checkpoint.INDEX, path / checkpoint.INDEX)
+
+    _edit_config(path, kv_lora_rank=24)
+    with pytest.raises(ValueError, match=r"\.safetensors: model.layers.0.self_attn.kv_a_proj_with_mqa.weight has shape "
+                                         r"\(48, 64\), the config in .*config.json needs \(40, 64\)"):
+        mla_layers_from_hf_dir(path)
+    _edit_config(path, kv_lora_rank=32, rope_parameters={"rope_type": "longrope", "rope_theta": 100.0})
+    with pytest.raises(ValueError, match=r"config.json: hf_config: rope_type 'longrope' is not supported; "
+                                         r"allowed: \('default', 'yarn'\)"):
+        mla_layers_from_hf_dir(path)
+    shutil.copy(saved[0] / "config.json", path / "config.json")
+    _edit_config(path, model_type="llama")
+    with pytest.raises(ValueError, match=r"config.json: hf_config: model_type must be one of"):
+        mla_layers_from_hf_dir(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        mla_layers_from_hf_dir(path)
+    (path / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json does not exist"):
+        mla_layers_from_hf_dir(path)
+    shutil.copy(saved[0] / "config.json", path / "config.json")
+    (path / checkpoint.INDEX).unlink()
+    with pytest.raises(ValueError, match="has neither model.safetensors.index.json nor model.safetensors"):
+        mla_layers_from_hf_dir(path)
+    assert spy.read == []  # every failure came before a tensor was read
+
+
+def test_single_file_checkpoint_and_fp8_blocks(saved, tmp_path):
+    """One model.safetensors; FP8 weights with 128 x 128 block scales are dequantized as DeepSeek-V3 ships them."""
+    path, model = saved
+    ref = mla_from_hf_dir(path, 0, dtype=torch.float64)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    shutil.copy(path / "config.json", flat / "config.json")
+    tensors = {k: v.float().contiguous() for k, v in model.state_dict().items() if ".layers.0.self_attn." in k}
+    # kv_b_proj as FP8 in 2 x 1 blocks of 16 x 128 (the block size comes from quantization_config)
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    w = tensors[key]
+    scale = torch.tensor([[1.0], [3.0]]) * w.abs().amax() / 448  # e4m3 holds |x| <= 448
+    blocks = scale.repeat_interleave(w.shape[0] // 2, 0)
+    tensors[key] = (w / blocks).to(torch.float8_e4m3fn)
+    tensors[key + "_scale_inv"] = scale
+    save_file(tensors, str(flat / "model.safetensors"))
+    _edit_config(flat, quantization_config={"quant_method": "fp8", "weight_block_size": [w.shape[0] // 2, 128]})
+    mla = mla_from_hf_dir(flat, 0)
+    assert mla.kv_b_proj.weight.dtype == torch.bfloat16  # as transformers dequantizes
+    want = (tensors[key].float() * blocks).to(torch.bfloat16)
+    assert torch.equal(mla.kv_b_proj.weight, want)
+    # e4m3 keeps 3 mantissa bits: 2^-4 relative, and absolute below its smallest normal
+    torch.testing.assert_close(mla.kv_b_proj.weight.double(), ref.kv_b_proj.weight, rtol=2 ** -4,
+                               atol=1e-3 * float(w.abs().amax()))
+    torch.testing.assert_close(mla.q_b_proj.weight.float(), ref.q_b_proj.weight.float(), rtol=4e-3, atol=0)
+    del tensors[key + "_scale_inv"]
+    save_file(tensors, str(flat / "model.safetensors"))
+    with pytest.raises(ValueError, match="FP8 tensor .*kv_b_proj.weight needs .*kv_b_proj.weight_scale_inv"):
+        mla_from_hf_dir(flat, 0)
+
+
+def test_integer_weights_and_a_null_index_entry_are_refused(saved, tmp_path, spy):
+    """Issue 27, classes 2 and 3: an index that maps a tensor to null, and integer attention
+    weights (cast silently or a traceback before), each give one error naming the file."""
+    from safetensors import safe_open
+
+    path = _copy(saved, tmp_path)
+    index = json.loads((path / checkpoint.INDEX).read_text())
+    good = dict(index["weight_map"])
+    index["weight_map"]["model.layers.1.self_attn.o_proj.weight"] = None
+    (path / checkpoint.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json: 'weight_map' must map tensor names to shard file names; "
+                                         r"'model.layers.1.self_attn.o_proj.weight' maps to None"):
+        mla_layers_from_hf_dir(path)
+    index["weight_map"] = good
+    (path / checkpoint.INDEX).write_text(json.dumps(index))
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    shard = path / good[key]
+    with safe_open(str(shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key] = tensors[key].round().to(torch.int32)
+    save_file(tensors, str(shard))
+    with pytest.raises(ValueError, match=rf"{good[key]}: {key} is stored as I32; attention weights are floating point"):
+        mla_layers_from_hf_dir(path)
+    assert spy.read == []

