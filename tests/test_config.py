@@ -1,6 +1,8 @@
+import dataclasses
+
 import pytest
 
-from qkmla import MLA_PRESETS, AttentionConfig, MLAConfig, mla_preset
+from qkmla import AttentionConfig, MLAConfig, MLA_PRESETS, QKNormConfig, mla_preset
 
 
 @pytest.mark.parametrize(
@@ -8,10 +10,7 @@ from qkmla import MLA_PRESETS, AttentionConfig, MLAConfig, mla_preset
     [
         (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
         (dict(num_heads=6, num_kv_groups=4), "num_kv_groups"),
-        (dict(qk_norm="lp", qk_norm_p=0.5), "qk_norm_p"),
-        (dict(qk_norm_eps=-1e-6), "qk_norm_eps"),
         (dict(qk_norm="layernorm"), "qk_norm"),
-        (dict(qk_norm_mode="fused"), "qk_norm_mode"),
         (dict(kv_lora_rank=0), "kv_lora_rank"),
         (dict(q_lora_rank=-3), "q_lora_rank"),
         (dict(hidden_size=64.0), "hidden_size"),
@@ -27,6 +26,42 @@ def test_invalid_mla_config_names_the_argument(kwargs, argument):
         MLAConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        (dict(kind="lp", p=0.5), "p: expected a finite number >= 1"),
+        (dict(kind="lp", p=0.9), "p: expected a finite number >= 1"),
+        (dict(eps=-1e-6), "eps: expected a finite number >= 0"),
+        (dict(kind="layernorm"), r"kind: expected one of \(None, 'rms', 'l2', 'lp'\)"),
+        (dict(mode="fused"), r"mode: expected one of \('blockwise', 'unified', 'content'\)"),
+        (dict(scope="heads"), r"scope: expected one of \('head', 'projection'\)"),
+        (dict(learnable_logit_scale=1), "learnable_logit_scale: expected True or False"),
+        (dict(kind=None, p=3.0), "p: only read with a norm"),
+    ],
+)
+def test_invalid_qk_norm_config_names_the_field(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        QKNormConfig(**kwargs)
+
+
+def test_the_qk_norm_travels_as_one_value():
+    """A kind name, a dict of the fields (a saved config, a checkpoint's record) and the value itself
+    give the same QKNormConfig; no norm and a fixed scale is None."""
+    lp = QKNormConfig("lp", mode="unified", p=3.0)
+    assert MLAConfig(qk_norm="l2").qk_norm == QKNormConfig("l2") and MLAConfig().qk_norm == QKNormConfig()
+    assert QKNormConfig.of(lp.record()) == lp and MLAConfig(qk_norm=lp.record()).qk_norm == lp
+    assert MLAConfig(qk_norm=None).qk_norm is None and MLAConfig(qk_norm=QKNormConfig(None)).qk_norm is None
+    plain_learned = MLAConfig(qk_norm=QKNormConfig(None, learnable_logit_scale=True))
+    assert plain_learned.learnable_logit_scale and not plain_learned.has_qk_norm and plain_learned.num_key_scalars == 0
+    cfg = MLAConfig(qk_norm=lp, num_kv_groups=2)
+    assert MLAConfig(**dataclasses.asdict(cfg)) == cfg  # a config saved as a dict loads back
+    assert lp.name == "lp(p=3) unified" and QKNormConfig(scope="projection").name == "rms blockwise over the projection"
+    with pytest.raises(ValueError, match=r"qk_norm: unknown fields \['kind_'\]"):
+        MLAConfig(qk_norm={"kind_": "rms"})
+    with pytest.raises(ValueError, match="qk_norm: expected a QKNormConfig"):
+        MLAConfig(qk_norm=2.0)
+
+
 def test_invalid_norm_lists_allowed_values():
     with pytest.raises(ValueError, match=r"\(None, 'rms', 'l2', 'lp'\)"):
         MLAConfig(qk_norm="RMS")
@@ -38,7 +73,7 @@ def test_invalid_norm_lists_allowed_values():
         (dict(num_heads=4, num_kv_heads=3), "num_kv_heads"),
         (dict(hidden_size=60, num_heads=8), "head_dim"),
         (dict(head_dim=9), "head_dim"),
-        (dict(qk_norm="lp", qk_norm_p=0.9), "qk_norm_p"),
+        (dict(qk_norm=QKNormConfig(mode="unified")), "qk_norm: a head without content and RoPE blocks"),
     ],
 )
 def test_invalid_attention_config(kwargs, argument):
@@ -54,7 +89,7 @@ def test_presets_have_published_shapes():
     assert tp8.num_heads == 16 and tp8.num_kv_groups == 16
     assert mla_preset("deepseek-v2-lite").q_lora_rank is None
     assert set(MLA_PRESETS) >= {"tiny", "deepseek-v2-lite", "deepseek-v3", "deepseek-v3-tp8"}
-    assert mla_preset("tiny", qk_norm="l2").qk_norm == "l2"
+    assert mla_preset("tiny", qk_norm="l2").qk_norm == QKNormConfig("l2")
     with pytest.raises(ValueError, match="preset"):
         mla_preset("deepseek-v4")
 

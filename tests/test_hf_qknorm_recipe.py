@@ -72,7 +72,7 @@ def test_quick_run_writes_every_stage_consistently(tmp_path):
     assert (work / "source" / "config.json").is_file() and (work / "qknorm" / "config.json").is_file()
     assert not (work / "trainer").exists()
     saved = json.loads((work / "qknorm" / "config.json").read_text())
-    assert saved["qkmla"]["qk_norm"] == "rms"
+    assert saved["qkmla"]["qk_norm"]["kind"] == "rms"
     with pytest.raises(SystemExit):  # an existing result is not replaced without --overwrite
         recipe.main(argv[:-2] + ["--out", str(tmp_path / "other.json")])  # (the work dir is taken too)
     with pytest.raises(SystemExit):

@@ -81,7 +81,7 @@ def test_bf16_statistic_is_computed_in_float32():
 def test_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
         ScalarNorm(4, "batch")
-    with pytest.raises(ValueError, match="qk_norm_mode"):
+    with pytest.raises(ValueError, match="mode: expected one of"):
         QKNorm(4, 2, mode="joint")
 
 
@@ -152,7 +152,7 @@ def test_projection_scope_counts_a_shared_rope_key_once_per_group():
 
 
 def test_scope_is_checked_and_recorded():
-    with pytest.raises(ValueError, match="qk_norm_scope: expected one of"):
+    with pytest.raises(ValueError, match="scope: expected one of"):
         QKNorm(8, 4, scope="model")
     assert QKNorm(8, 4, scope="projection", heads=2).variant() == "rms blockwise over the projection"
     assert QKNorm(8, 4).variant() == "rms blockwise"

@@ -57,3 +57,32 @@ def test_readme_layer_example_runs():
     example = next(block for block in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
                    if "from qkmla import MLA" in block)
     exec(compile(example, "README.md", "exec"), {})  # noqa: S102 -- the README's own code, run as a user would
+
+
+# DeepSeek-V2-Lite's published config.json (deepseek-ai/DeepSeek-V2-Lite-Chat), the fields that
+# decide its size: the README's real-model example names it.
+V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+               num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+               n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+               q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+               tie_word_embeddings=False)
+
+
+def test_readme_real_model_figures_are_its_parameters_and_cache_bytes():
+    """The README's DeepSeek-V2-Lite-Chat: parameters and bf16 weight bytes counted from the
+    published config (built on the meta device), cache bytes from ``qkmla cache-size``."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from qkmla.cache.size import CACHE_PRESETS, cache_rows
+
+    with torch.device("meta"):
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**V2_LITE))
+    params = sum(p.numel() for p in model.parameters())
+    shape = CACHE_PRESETS["deepseek-v2-lite"].replace(dtype="bf16")
+    rows = {r["variant"]: r["bytes_per_token"] for r in cache_rows(shape, 1)}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"({params / 1e9:.1f}B parameters: {2 * params / 1e9:.1f} GB of weights; its latent cache holds "
+            f"{rows['mla']:,} bytes per token over all {V2_LITE['num_hidden_layers']} layers, where MHA's keys and "
+            f"values would take {rows['mha']:,})") in readme
+    assert f"({rows['mla-qknorm']:,} bytes per token then)" in readme

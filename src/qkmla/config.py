@@ -2,8 +2,10 @@
 
 Every field name of :class:`MLAConfig` matches the Hugging Face
 ``DeepseekV2Config`` / ``DeepseekV3Config`` field it stands for, so a config maps
-one to one (see :func:`qkmla.integrations.hub.config.mla_config_from_hf`). The QK-norm fields
-are ours; ``MATH.md`` defines what each one means.
+one to one (see :func:`qkmla.integrations.hub.config.mla_config_from_hf`). The QK norm is ours:
+one :class:`QKNormConfig` (``MATH.md`` defines what each of its fields means), the value that
+travels wherever a QK norm is set (``MLAConfig.qk_norm``, ``apply_latent_attention``,
+``convert_checkpoint``, a checkpoint's ``"qkmla"`` record, the vLLM plugin, ``qkmla convert``).
 """
 
 from __future__ import annotations
@@ -60,17 +62,104 @@ def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name}: expected {allowed}, got {value!r}")
 
 
-def _check_qk_norm(qk_norm, qk_norm_p, qk_norm_eps, softmax_scale) -> None:
-    """Validation shared by every config that carries the QK-norm family."""
-    if qk_norm not in QK_NORMS:
-        raise ValueError(f"qk_norm: expected one of {QK_NORMS}, got {qk_norm!r}")
-    if not isinstance(qk_norm_p, (int, float)) or not math.isfinite(qk_norm_p) or qk_norm_p < 1:
-        raise ValueError(f"qk_norm_p: expected a finite number >= 1 (a norm needs p >= 1), got {qk_norm_p!r}")
-    if not isinstance(qk_norm_eps, (int, float)) or not math.isfinite(qk_norm_eps) or qk_norm_eps < 0:
-        raise ValueError(f"qk_norm_eps: expected a finite number >= 0, got {qk_norm_eps!r}")
+def _check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
                                       or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
+
+
+@dataclass(frozen=True)
+class QKNormConfig:
+    """A post-up-projection QK norm: one value, checked once, wherever it is set.
+
+    ``MLAConfig(qk_norm=...)``, ``AttentionConfig(qk_norm=...)``, ``apply_latent_attention(model,
+    qk_norm=...)`` and ``convert_checkpoint(..., qk_norm=...)`` take it, or a shorthand for it
+    (:meth:`of`: a kind name such as ``"rms"``, a dict of these fields, or None for no norm); a
+    checkpoint records it as one dict (:meth:`record`), and the vLLM plugin reads it back.
+
+    Args:
+        kind: the statistic (``qkmla.ops.statistic``): "rms" (the paper's), "l2" or "lp"; None for
+            no norm, which a config keeps only to learn its logit scale.
+        mode: "blockwise" normalizes content and RoPE blocks separately (default);
+            "unified" uses one statistic over the concatenated [content; rope] vector;
+            "content" takes one statistic from the content block alone and applies it to both
+            blocks (what a converted GQA model needs when its content block holds the whole
+            original head, so its RoPE dims are counted there: MATH.md).
+        p: p of the Lp norm (read only when ``kind == "lp"``), p >= 1.
+        eps: the eps inside the statistic, >= 0.
+        scope: what one statistic covers. "head" (default): each query head and each KV group's
+            key has its own, and the norm weights are shared by the heads (the paper, Qwen3).
+            "projection": one per token over all query heads, and one over all KV groups' keys,
+            with a weight per head (OLMoE's RMSNorm over the whole projection: MATH.md,
+            "Statistic scope"); the cache then holds one key scalar per token.
+        learnable_logit_scale: learn one logit scale per head (Henry et al. QKNorm), initialized
+            to the layer's ``softmax_scale``.
+    """
+
+    kind: Optional[str] = "rms"
+    mode: str = "blockwise"
+    p: float = 2.0
+    eps: float = 1e-6
+    scope: str = "head"
+    learnable_logit_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in QK_NORMS:
+            raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
+        if self.mode not in QK_NORM_MODES:
+            raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {self.mode!r}")
+        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not math.isfinite(self.p) or self.p < 1:
+            raise ValueError(f"p: expected a finite number >= 1 (a norm needs p >= 1), got {self.p!r}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not math.isfinite(self.eps) \
+                or self.eps < 0:
+            raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
+        if self.scope not in QK_NORM_SCOPES:
+            raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {self.scope!r}")
+        if not isinstance(self.learnable_logit_scale, bool):
+            raise ValueError(f"learnable_logit_scale: expected True or False, got {self.learnable_logit_scale!r}")
+        if self.kind is None:
+            given = [f.name for f in dataclasses.fields(self) if f.name not in ("kind", "learnable_logit_scale")
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{given[0]}: only read with a norm; give kind too (e.g. kind='rms')")
+        object.__setattr__(self, "p", float(self.p))
+        object.__setattr__(self, "eps", float(self.eps))
+
+    @classmethod
+    def of(cls, value, name: str = "qk_norm") -> Optional["QKNormConfig"]:
+        """``value`` as a QKNormConfig: one itself, a kind name ("rms", "l2", "lp"), a dict of the
+        fields (a saved config or a checkpoint's record), or None; None (no norm, no learnable
+        scale) for None and for a norm of kind None with a fixed scale. ValueError naming ``name``."""
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise ValueError(f"{name}: unknown fields {unknown}; a QK norm has "
+                                 f"{[f.name for f in dataclasses.fields(cls)]}")
+            value = cls(**value)
+        elif value is None or isinstance(value, str):
+            if value not in QK_NORMS:
+                raise ValueError(f"{name}: expected one of {QK_NORMS} or a QKNormConfig, got {value!r}")
+            value = None if value is None else cls(kind=value)
+        elif not isinstance(value, cls):
+            raise ValueError(f"{name}: expected a QKNormConfig, one of {QK_NORMS} or a dict of its fields, "
+                             f"got {type(value).__name__}")
+        return None if value is None or (value.kind is None and not value.learnable_logit_scale) else value
+
+    @property
+    def name(self) -> str:
+        """How the norm is named in state dicts and messages, e.g. ``rms blockwise``, ``lp(p=3) unified``,
+        ``rms content over the projection``; ``no QK norm`` for kind None."""
+        if self.kind is None:
+            return "no QK norm"
+        return (f"{self.kind}" + (f"(p={self.p:g})" if self.kind == "lp" else "") + f" {self.mode}"
+                + (" over the projection" if self.scope == "projection" else ""))
+
+    def record(self) -> dict:
+        """The fields as one JSON-able dict (a checkpoint's record; :meth:`of` reads it back)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> "QKNormConfig":
+        return dataclasses.replace(self, **changes)
 
 
 def _check_groups(name: str, groups: int, num_heads: int) -> None:
@@ -96,23 +185,11 @@ class MLAConfig:
     d_r = ``qk_rope_head_dim``, d_v = ``v_head_dim``. Head i reads KV group i // (h / G).
 
     Args:
-        qk_norm: None (plain MLA), "rms", "l2" or "lp": the scalar statistic of the norm.
-        qk_norm_p: p of the Lp norm (only read when ``qk_norm == "lp"``), p >= 1.
-        qk_norm_mode: "blockwise" normalizes content and RoPE blocks separately (default);
-            "unified" uses one statistic over the concatenated [content; rope] vector;
-            "content" takes one statistic from the content block alone and applies it to both
-            blocks (what a converted GQA model needs when its content block holds the whole
-            original head, so its RoPE dims are counted there: MATH.md).
-        qk_norm_eps: the eps inside the statistic, >= 0.
-        qk_norm_scope: what one statistic covers. "head" (default): each query head and each KV
-            group's key has its own, and the norm weights are shared by the heads (the paper,
-            Qwen3). "projection": one per token over all query heads, and one over all KV groups'
-            keys, with a weight per head (OLMoE's RMSNorm over the whole projection: MATH.md,
-            "Statistic scope"); the cache then holds one key scalar per token.
+        qk_norm: the post-up-projection QK norm, a :class:`QKNormConfig` (default: the paper's RMS
+            norm, blockwise, per head), or its shorthand (:meth:`QKNormConfig.of`: "rms", "l2",
+            "lp", a dict of its fields); None for plain MLA.
         softmax_scale: tau, the logit scale, used as given; None means (d_n + d_r) ** -0.5, times
             DeepSeek's YaRN correction ``rope_scaling.softmax_scale_factor`` when that is set.
-        learnable_logit_scale: learn one logit scale per head (Henry et al. QKNorm),
-            initialized to ``softmax_scale``.
         latent_norm_eps: eps of the latent RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``).
         rope_interleave: DeepSeek's layout, rotating pairs (x0, x1), (x2, x3), ...;
             False rotates the halves (GPT-NeoX / Llama layout).
@@ -137,13 +214,8 @@ class MLAConfig:
     rope_theta: float = 10000.0
     rope_interleave: bool = True
     rope_scaling: Optional[YarnScaling] = None
-    qk_norm: Optional[str] = "rms"
-    qk_norm_p: float = 2.0
-    qk_norm_mode: str = "blockwise"
-    qk_norm_eps: float = 1e-6
-    qk_norm_scope: str = "head"
+    qk_norm: Optional[QKNormConfig] = QKNormConfig()
     softmax_scale: Optional[float] = None
-    learnable_logit_scale: bool = False
     latent_norm_eps: float = 1e-6
     attention_bias: bool = False
     decode_backend: str = "auto"
@@ -157,11 +229,8 @@ class MLAConfig:
         _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, self.rope_theta)
         # A dict (HF's spelling, or dataclasses.asdict of a saved config) becomes a YarnScaling.
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
-        _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
-        if self.qk_norm_mode not in QK_NORM_MODES:
-            raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {self.qk_norm_mode!r}")
-        if self.qk_norm_scope not in QK_NORM_SCOPES:
-            raise ValueError(f"qk_norm_scope: expected one of {QK_NORM_SCOPES}, got {self.qk_norm_scope!r}")
+        object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
+        _check_softmax_scale(self.softmax_scale)
         if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
@@ -176,12 +245,22 @@ class MLAConfig:
         return self.num_heads // self.num_kv_groups
 
     @property
+    def has_qk_norm(self) -> bool:
+        """Whether the layer normalizes q and k (``qk_norm`` of a kind, not just a learnable scale)."""
+        return self.qk_norm is not None and self.qk_norm.kind is not None
+
+    @property
+    def learnable_logit_scale(self) -> bool:
+        """Whether the logit scale is learned, one per head (``qk_norm.learnable_logit_scale``)."""
+        return self.qk_norm is not None and self.qk_norm.learnable_logit_scale
+
+    @property
     def num_key_scalars(self) -> int:
-        """Key scalars cached per token: G (one per KV group), 1 with ``qk_norm_scope="projection"``,
-        0 for plain MLA."""
-        if self.qk_norm is None:
+        """Key scalars cached per token: G (one per KV group), 1 with the projection scope, 0 for
+        plain MLA."""
+        if not self.has_qk_norm:
             return 0
-        return 1 if self.qk_norm_scope == "projection" else self.num_kv_groups
+        return 1 if self.qk_norm.scope == "projection" else self.num_kv_groups
 
     @property
     def scale(self) -> float:
@@ -206,8 +285,10 @@ class AttentionConfig:
     """MHA / GQA / MQA with optional per-head QK norm (Qwen3 / OLMo 2 placement).
 
     ``num_kv_heads == num_heads`` is MHA, ``1`` is MQA, anything between is GQA.
-    The QK-norm fields mean what they mean in :class:`MLAConfig`; the norm is applied
-    per head after the projections and before RoPE, with weights shared across heads.
+    ``qk_norm`` is a :class:`QKNormConfig` (or its shorthand) as in :class:`MLAConfig`, None by
+    default; the norm is applied per head after the projections and before RoPE, over the whole
+    head (no content and RoPE blocks, so its mode is "blockwise" and its scope "head"), with
+    weights shared across heads.
     """
 
     hidden_size: int = 64
@@ -216,11 +297,8 @@ class AttentionConfig:
     head_dim: Optional[int] = None
     rope_theta: float = 10000.0
     rope_interleave: bool = False
-    qk_norm: Optional[str] = None
-    qk_norm_p: float = 2.0
-    qk_norm_eps: float = 1e-6
+    qk_norm: Optional[QKNormConfig] = None
     softmax_scale: Optional[float] = None
-    learnable_logit_scale: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads"):
@@ -233,7 +311,14 @@ class AttentionConfig:
             )
         _check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
         _check_rope("head_dim", self.dim_per_head, self.rope_theta)
-        _check_qk_norm(self.qk_norm, self.qk_norm_p, self.qk_norm_eps, self.softmax_scale)
+        object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
+        if self.qk_norm is not None and (self.qk_norm.mode, self.qk_norm.scope) != ("blockwise", "head"):
+            raise ValueError(f"qk_norm: a head without content and RoPE blocks takes mode='blockwise' and "
+                             f"scope='head', got mode={self.qk_norm.mode!r}, scope={self.qk_norm.scope!r}")
+        _check_softmax_scale(self.softmax_scale)
+
+    has_qk_norm = MLAConfig.has_qk_norm
+    learnable_logit_scale = MLAConfig.learnable_logit_scale
 
     @property
     def dim_per_head(self) -> int:

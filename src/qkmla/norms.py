@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS
+from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS, QKNormConfig
 from .dtypes import accumulate_dtype, cast
 from .ops.statistic import moment, statistic_from_moment
 
@@ -71,13 +71,6 @@ class ScalarNorm(nn.Module):
         p = f", p={self.p:g}" if self.kind == "lp" else ""
         heads = f", heads={self.weight.shape[0]}" if self.weight.dim() == 2 else ""
         return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}{heads}"
-
-
-def variant_name(kind: str, p: float, mode: str, scope: str = "head") -> str:
-    """How a QK norm is named in state dicts and messages, e.g. ``rms blockwise``, ``lp(p=3) unified``,
-    ``rms content over the projection``."""
-    return f"{kind}" + (f"(p={p:g})" if kind == "lp" else "") + f" {mode}" + \
-        (" over the projection" if scope == "projection" else "")
 
 
 class RecordsVariant:
@@ -143,9 +136,9 @@ class QKNorm(RecordsVariant, nn.Module):
                  rope_heads: Optional[int] = None):
         super().__init__()
         if mode not in QK_NORM_MODES:
-            raise ValueError(f"qk_norm_mode: expected one of {QK_NORM_MODES}, got {mode!r}")
+            raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {mode!r}")
         if scope not in QK_NORM_SCOPES:
-            raise ValueError(f"qk_norm_scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
+            raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
         self._mode, self._scope = mode, scope
         per_head = scope == "projection"
         self.content = ScalarNorm(content_dim, kind, p, eps, heads if per_head else None)
@@ -155,7 +148,7 @@ class QKNorm(RecordsVariant, nn.Module):
     scope = property(lambda self: self._scope, doc="'head' or 'projection' (read-only)")
 
     def variant(self) -> str:
-        return variant_name(self.content.kind, self.content.p, self.mode, self.scope)
+        return QKNormConfig(self.content.kind, self.mode, self.content.p, scope=self.scope).name
 
     def _statistic(self, m: torch.Tensor, n: int) -> torch.Tensor:
         """sigma from a moment m [..., H, 1] of vectors of width n; pooled over the heads axis with
@@ -196,20 +189,18 @@ def rows_per_head(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight if weight.dim() == 1 else weight.repeat_interleave(heads // weight.shape[0], dim=0)
 
 
-def make_qk_norms(kind: Optional[str], content_dim: int, rope_dim: int, p: float, eps: float,
-                  mode: str, scope: str = "head", heads: Optional[int] = None,
+def make_qk_norms(norm: Optional[QKNormConfig], content_dim: int, rope_dim: int, heads: Optional[int] = None,
                   groups: Optional[int] = None) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
-    """(q_norm, k_norm) for an MLA config, or (None, None) for plain MLA. With the projection scope
-    the query's weights have a row per head (``heads``), the key's content weight one per KV group
-    (``groups``) and its RoPE weight one row (MLA's RoPE key is shared by the groups)."""
-    if kind is None:
+    """(q_norm, k_norm) of a layer with the QK norm ``norm``, or (None, None) without one. With the
+    projection scope the query's weights have a row per head (``heads``), the key's content weight
+    one per KV group (``groups``) and its RoPE weight one row (MLA's RoPE key is shared by the groups)."""
+    if norm is None or norm.kind is None:
         return None, None
-    return (QKNorm(content_dim, rope_dim, kind, p, eps, mode, scope, heads, heads),
-            QKNorm(content_dim, rope_dim, kind, p, eps, mode, scope, groups, None))
+    args = (content_dim, rope_dim, norm.kind, norm.p, norm.eps, norm.mode, norm.scope)
+    return QKNorm(*args, heads, heads), QKNorm(*args, groups, None)
 
 
 def qk_norms_of(config) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
     """(q_norm, k_norm) of an :class:`~qkmla.MLAConfig`'s layer (:func:`make_qk_norms`)."""
     c = config
-    return make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim, c.qk_norm_p, c.qk_norm_eps,
-                         c.qk_norm_mode, c.qk_norm_scope, c.num_heads, c.num_kv_groups)
+    return make_qk_norms(c.qk_norm, c.qk_nope_head_dim, c.qk_rope_head_dim, c.num_heads, c.num_kv_groups)

@@ -4,15 +4,15 @@ compiled, eager step function and MLA.forward agree on a tiny config."""
 import pytest
 import torch
 
-from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
+from qkmla import LatentCache, MLA, MLAConfig, PagedLayout, QKNormConfig
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.ops.mla_decode.torch_impl import latent_attention, latent_attention_op
 from qkmla.cli.verify import perturb_vectors
 
 CONFIGS = {
-    "rms-learnable-scale": dict(qk_norm="rms", learnable_logit_scale=True),
-    "unified-gqa": dict(qk_norm="rms", qk_norm_mode="unified", num_kv_groups=2),
-    "lp3": dict(qk_norm="lp", qk_norm_p=3.0),
+    "rms-learnable-scale": dict(qk_norm=QKNormConfig("rms", learnable_logit_scale=True)),
+    "unified-gqa": dict(qk_norm=QKNormConfig("rms", mode="unified"), num_kv_groups=2),
+    "lp3": dict(qk_norm=QKNormConfig("lp", p=3.0)),
     "plain": dict(qk_norm=None),
 }
 

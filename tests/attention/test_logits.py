@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from qkmla import MLA, MLAConfig
+from qkmla import MLA, MLAConfig, QKNormConfig
 from qkmla.attention.logits import causal_logits
 from qkmla.cli.verify import perturb_vectors
 
 VARIANTS = {
     "rms": dict(qk_norm="rms"),
-    "rms-unified": dict(qk_norm="rms", qk_norm_mode="unified"),
-    "l2-learnable-scale": dict(qk_norm="l2", learnable_logit_scale=True, softmax_scale=5.0),
+    "rms-unified": dict(qk_norm=QKNormConfig("rms", mode="unified")),
+    "l2-learnable-scale": dict(qk_norm=QKNormConfig("l2", learnable_logit_scale=True), softmax_scale=5.0),
     "gqa": dict(qk_norm="rms", num_kv_groups=2),
     "plain": dict(qk_norm=None),
 }

@@ -1,14 +1,14 @@
 import pytest
 import torch
 
-from qkmla import AttentionConfig, FullKVCache, MultiHeadAttention
+from qkmla import AttentionConfig, FullKVCache, MultiHeadAttention, QKNormConfig
 from qkmla.cli.verify import perturb_vectors
 
 VARIANTS = {
     "mha": dict(num_kv_heads=4),
     "gqa-rms": dict(num_kv_heads=2, qk_norm="rms"),
-    "mqa-l2": dict(num_kv_heads=1, qk_norm="l2", learnable_logit_scale=True, softmax_scale=10.0),
-    "gqa-lp3": dict(num_kv_heads=2, qk_norm="lp", qk_norm_p=3.0),
+    "mqa-l2": dict(num_kv_heads=1, qk_norm=QKNormConfig("l2", learnable_logit_scale=True), softmax_scale=10.0),
+    "gqa-lp3": dict(num_kv_heads=2, qk_norm=QKNormConfig("lp", p=3.0)),
 }
 
 
@@ -47,7 +47,7 @@ def test_logits_with_cache_equal_logits_without(name):
 
 
 def test_qk_norm_applied_per_head_before_rope():
-    attn = make(dict(num_kv_heads=2, qk_norm="rms", qk_norm_eps=0.0))
+    attn = make(dict(num_kv_heads=2, qk_norm=QKNormConfig("rms", eps=0.0)))
     x = torch.randn(1, 3, 32, dtype=torch.float64)
     q, _, _ = attn.qkv(x * 1000, torch.arange(3)[None])  # a scaled input gives the same normalized q
     q0, _, _ = attn.qkv(x, torch.arange(3)[None])
@@ -55,7 +55,7 @@ def test_qk_norm_applied_per_head_before_rope():
 
 
 def test_gradients_reach_every_weight():
-    attn = make(dict(num_kv_heads=2, qk_norm="rms", learnable_logit_scale=True))
+    attn = make(dict(num_kv_heads=2, qk_norm=QKNormConfig("rms", learnable_logit_scale=True)))
     attn(torch.randn(2, 5, 32, dtype=torch.float64)).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attn.parameters())
 

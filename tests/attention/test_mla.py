@@ -2,15 +2,15 @@
 import pytest
 import torch
 
-from qkmla import MLA, FullKVCache, LatentCache, MLAConfig, PagedLayout
+from qkmla import FullKVCache, LatentCache, MLA, MLAConfig, PagedLayout, QKNormConfig
 from qkmla.cli.verify import VARIANTS, perturb_vectors, verify_variant
 
 NORM_VARIANTS = {
     "rms": dict(qk_norm="rms"),
-    "rms-unified": dict(qk_norm="rms", qk_norm_mode="unified"),
-    "l2-learnable": dict(qk_norm="l2", learnable_logit_scale=True, softmax_scale=5.0),
-    "lp1.5": dict(qk_norm="lp", qk_norm_p=1.5),
-    "lp3-unified": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified"),
+    "rms-unified": dict(qk_norm=QKNormConfig("rms", mode="unified")),
+    "l2-learnable": dict(qk_norm=QKNormConfig("l2", learnable_logit_scale=True), softmax_scale=5.0),
+    "lp1.5": dict(qk_norm=QKNormConfig("lp", p=1.5)),
+    "lp3-unified": dict(qk_norm=QKNormConfig("lp", mode="unified", p=3.0)),
     "none": dict(qk_norm=None),
     "gqa": dict(qk_norm="rms", num_kv_groups=2),
     "no-q-lora": dict(qk_norm="rms", q_lora_rank=None),
@@ -143,12 +143,12 @@ def test_gradients_reach_every_weight(name):
         assert p.grad is not None, pname
         assert p.grad.abs().sum() > 0, pname
     names = dict(mla.named_parameters())
-    if mla.config.qk_norm is not None:
+    if mla.config.has_qk_norm:
         assert {"q_norm.content.weight", "q_norm.rope.weight", "k_norm.content.weight", "k_norm.rope.weight"} <= set(names)
 
 
 def test_gradcheck_explicit_path():
-    mla = make(qk_norm="lp", qk_norm_p=3.0, hidden_size=16, num_heads=2, num_kv_groups=1, q_lora_rank=8,
+    mla = make(qk_norm=QKNormConfig("lp", p=3.0), hidden_size=16, num_heads=2, num_kv_groups=1, q_lora_rank=8,
                kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
     x = torch.randn(1, 4, 16, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda inp: mla(inp), (x,))
@@ -237,7 +237,7 @@ def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
     batch 2, 3 tokens, G <= h; the stored RoPE key is the explicit one before RoPE (blockwise)."""
     from qkmla.attention.absorbed import key_scalars
 
-    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=groups, qk_norm_mode=mode)
+    mla = make(qk_norm=QKNormConfig(kind, mode=mode, p=3.0), num_kv_groups=groups)
     c = mla.config
     x = torch.randn(2, 3, c.hidden_size, dtype=torch.float64)
     c_kv, k_r = mla._latent(x)
@@ -263,7 +263,7 @@ def test_key_scalars_from_the_latent_through_the_cpu_kernel_match_the_gemms(kind
 
     if kernel_unavailable() is not None:
         pytest.skip(kernel_unavailable())
-    mla = make(qk_norm=kind, qk_norm_p=3.0, num_kv_groups=2, qk_norm_mode=mode, dtype=torch.bfloat16)
+    mla = make(qk_norm=QKNormConfig(kind, mode=mode, p=3.0), num_kv_groups=2, dtype=torch.bfloat16)
     w = mla.absorbed
     assert w.w_uk_packed is None and group_kernel_takes(w.w_uk)
     c_kv = torch.randn(2, 5, mla.config.kv_lora_rank).bfloat16()
@@ -274,13 +274,13 @@ def test_key_scalars_from_the_latent_through_the_cpu_kernel_match_the_gemms(kind
     torch.testing.assert_close(got, content_key_scalars(k_c, mla.k_norm), rtol=2e-3, atol=0)
 
 
-@pytest.mark.parametrize("settings", [dict(qk_norm_mode="unified"), dict(qk_norm_scope="projection")])
+@pytest.mark.parametrize("settings", [dict(mode="unified"), dict(scope="projection")])
 def test_key_scalars_that_read_more_than_the_latent_are_not_formed_from_it(settings):
     """A unified statistic reads the RoPE key, a projection-scope one every head: the latent
     alone does not give them (None), and key_scalars forms them from both keys."""
     from qkmla.attention.absorbed import latent_key_scalars, reads_content_only
 
-    mla = make(qk_norm="rms", **settings)
+    mla = make(qk_norm=QKNormConfig("rms", **settings))
     assert not reads_content_only(mla.k_norm)
     assert latent_key_scalars(torch.randn(1, 2, mla.config.kv_lora_rank, dtype=torch.float64), mla.k_norm,
                               mla.absorbed) is None
@@ -504,20 +504,21 @@ def test_the_structure_of_a_built_module_is_fixed():
     mla = make(qk_norm="rms").eval()
     x = torch.randn(1, 4, mla.config.hidden_size, dtype=torch.float64)
     before = mla(x)
-    for change in (dict(qk_norm_mode="unified"), dict(qk_norm="l2"), dict(qk_norm_eps=1e-3),
+    for change in (dict(qk_norm=QKNormConfig("rms", mode="unified")), dict(qk_norm="l2"),
+                   dict(qk_norm=QKNormConfig("rms", eps=1e-3)),
                    dict(softmax_scale=0.5), dict(rope_theta=500.0)):
         with pytest.raises(ValueError, match=rf"config: \['{next(iter(change))}'\] are fixed when the module is built"):
             mla.config = mla.config.replace(**change)
     mla.config = mla.config.replace(decode_backend="naive")
-    assert mla.decode_backend == "naive" and mla.config.qk_norm_mode == "blockwise"
+    assert mla.decode_backend == "naive" and mla.config.qk_norm.mode == "blockwise"
     torch.testing.assert_close(mla(x), before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("saved,loaded", [
-    (dict(qk_norm="rms"), dict(qk_norm="rms", qk_norm_mode="unified")),
-    (dict(qk_norm="rms", qk_norm_mode="unified"), dict(qk_norm="rms")),
+    (dict(qk_norm="rms"), dict(qk_norm=QKNormConfig("rms", mode="unified"))),
+    (dict(qk_norm=QKNormConfig("rms", mode="unified")), dict(qk_norm="rms")),
     (dict(qk_norm="rms"), dict(qk_norm="l2")),
-    (dict(qk_norm="lp", qk_norm_p=3.0), dict(qk_norm="lp", qk_norm_p=4.0)),
+    (dict(qk_norm=QKNormConfig("lp", p=3.0)), dict(qk_norm=QKNormConfig("lp", p=4.0))),
 ])
 def test_a_state_of_another_norm_variant_is_refused_though_the_shapes_match(saved, loaded):
     state = make(**saved).state_dict()

@@ -4,7 +4,7 @@ them; the key scalars come from the stored latent; batches, pages and NaN fill a
 import pytest
 import torch
 
-from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
+from qkmla import LatentCache, MLA, MLAConfig, PagedLayout, QKNormConfig
 from qkmla.attention.decode import decode_one_token, mla_decode_step
 from qkmla.ops.statistic import statistic
 from qkmla.cli.verify import perturb_vectors
@@ -12,8 +12,8 @@ from qkmla.cli.verify import perturb_vectors
 FORMATS = ("fp8", "int8", "int4")
 NORMS = {
     "rms": dict(qk_norm="rms"),
-    "rms-unified-gqa": dict(qk_norm="rms", qk_norm_mode="unified", num_kv_groups=2),
-    "l2": dict(qk_norm="l2", learnable_logit_scale=True, softmax_scale=5.0),
+    "rms-unified-gqa": dict(qk_norm=QKNormConfig("rms", mode="unified"), num_kv_groups=2),
+    "l2": dict(qk_norm=QKNormConfig("l2", learnable_logit_scale=True), softmax_scale=5.0),
     "none": dict(qk_norm=None),
 }
 

@@ -4,7 +4,7 @@ eviction equals decoding over a cache that only ever held the kept tokens at the
 import pytest
 import torch
 
-from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
+from qkmla import LatentCache, MLA, MLAConfig, PagedLayout, QKNormConfig
 from qkmla.attention.decode import decode_one_token
 from qkmla.cache import H2O, SnapKV, StreamingLLM
 from qkmla.cache.scores import attention_probs
@@ -13,10 +13,10 @@ from qkmla.cli.verify import perturb_vectors
 
 VARIANTS = {
     "rms": dict(qk_norm="rms"),
-    "rms-unified": dict(qk_norm="rms", qk_norm_mode="unified"),
+    "rms-unified": dict(qk_norm=QKNormConfig("rms", mode="unified")),
     "plain": dict(qk_norm=None),
-    "gqa-learnable-scale": dict(qk_norm="rms", num_kv_groups=2, learnable_logit_scale=True),
-    "lp3-unified": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified"),
+    "gqa-learnable-scale": dict(qk_norm=QKNormConfig("rms", learnable_logit_scale=True), num_kv_groups=2),
+    "lp3-unified": dict(qk_norm=QKNormConfig("lp", mode="unified", p=3.0)),
 }
 
 

@@ -5,7 +5,7 @@ over exactly those rows; re-positioning turns only the RoPE key."""
 import pytest
 import torch
 
-from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
+from qkmla import LatentCache, MLA, MLAConfig, PagedLayout, QKNormConfig
 from qkmla.attention.absorbed import values_out
 from qkmla.cache import H2O, SnapKV, StreamingLLM
 from qkmla.ops.mla_decode import mla_decode_with_kvcache
@@ -19,7 +19,7 @@ POLICIES = {
 
 
 def make(name: str = "rms") -> MLA:
-    kw = dict(qk_norm="rms") if name == "rms" else dict(qk_norm="rms", qk_norm_mode="unified", num_kv_groups=2)
+    kw = dict(qk_norm="rms") if name == "rms" else dict(qk_norm=QKNormConfig("rms", mode="unified"), num_kv_groups=2)
     return perturb_vectors(MLA(MLAConfig(**kw))).double().eval()
 
 

@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from qkmla import QKNormConfig  # noqa: E402
 from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
 from qkmla.convert import warm_start_qk_norm  # noqa: E402
 from qkmla.convert.calibrate import block_scores, without_norm  # noqa: E402
@@ -40,8 +41,9 @@ def logit_rms(layer, x, block: str) -> float:
     return float(block_scores(q[..., cols], k[..., cols], layer.scale, c.heads_per_group).pow(2).mean().sqrt())
 
 
-@pytest.mark.parametrize("norm", [dict(qk_norm="rms"), dict(qk_norm="rms", qk_norm_mode="unified"),
-                                  dict(qk_norm="l2"), dict(qk_norm="lp", qk_norm_p=3.0, learnable_logit_scale=True)])
+@pytest.mark.parametrize("norm", [dict(qk_norm="rms"), dict(qk_norm=QKNormConfig("rms", mode="unified")),
+                                  dict(qk_norm="l2"),
+                                  dict(qk_norm=QKNormConfig("lp", p=3.0, learnable_logit_scale=True))])
 def test_each_layer_matches_the_source_logit_scale_on_what_the_calibrated_layers_before_it_give(norm):
     """Exact on the calibration batch: every block's logit RMS equals the source layer's on the
     hidden states of the calibrated model (so layer i was calibrated after layers < i were)."""

@@ -187,8 +187,8 @@ def test_save_and_load_round_trip_and_the_cache_holds_latent_rope_key_and_group_
     dst, report = convert_gqa(src, kv_lora_rank=20, rope_dim=8)
     dst.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["qkmla"] == {"qk_norm": "rms", "qk_norm_mode": "content", "qk_norm_p": 2.0,
-                               "qk_norm_eps": 1e-6, "learnable_logit_scale": False, "num_kv_groups": 2}
+    assert config["qkmla"] == {"qk_norm": {"kind": "rms", "mode": "content", "p": 2.0, "eps": 1e-6, "scope": "head",
+                                           "learnable_logit_scale": False}, "num_kv_groups": 2}
     assert config["kv_lora_rank"] == 21 and config["qk_rope_head_dim"] == 8
     from safetensors import safe_open
 

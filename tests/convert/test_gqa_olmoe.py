@@ -1,5 +1,5 @@
 """``convert_gqa`` on OLMoE: a QK norm over the whole q and k projections (one statistic per token, a
-weight per channel: qkmla's ``qk_norm_scope="projection"``) and MoE layers, converted to a
+weight per channel: qkmla's ``QKNormConfig(scope="projection")``) and MoE layers, converted to a
 DeepSeek-V2-architecture model (V2's softmax router is OLMoE's) with one key scalar per token.
 """
 
@@ -88,7 +88,7 @@ def test_one_kv_head_full_rank_is_the_source_to_roundoff_and_caches_one_scalar(e
     dst, report = convert_gqa(src)
     assert isinstance(dst, transformers.DeepseekV2ForCausalLM) and report.scope == "projection"
     layer = latent_layers(dst)[0]
-    assert layer.config.qk_norm_scope == "projection" and layer.config.num_key_scalars == 1
+    assert layer.config.qk_norm.scope == "projection" and layer.config.num_key_scalars == 1
     assert layer.q_norm.content.weight.shape == (4, 16) and layer.k_norm.content.weight.shape == (1, 16)
     ids = prompt(src)
     err = max_rel(logits(dst, ids), logits(src, ids))
@@ -144,7 +144,7 @@ def test_several_kv_heads_keep_both_statistics_and_round_trip_with_one_scalar_pe
     assert any("RoPE key is shared by the 2 KV groups" in a for a in report.approximate)
     dst.save_pretrained(tmp_path)
     record = json.loads((tmp_path / "config.json").read_text())["qkmla"]
-    assert record["qk_norm_scope"] == "projection" and record["num_kv_groups"] == 2
+    assert record["qk_norm"]["scope"] == "projection" and record["num_kv_groups"] == 2
     loaded = from_pretrained(tmp_path)
     layer = latent_layers(loaded)[0]
     assert layer.q_norm.rope.weight.shape == (4, 8) and layer.k_norm.content.weight.shape == (2, 16)

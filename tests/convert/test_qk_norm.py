@@ -64,9 +64,9 @@ def test_convert_keeps_every_tensor_adds_a_calibrated_norm_and_generates(source,
                            for i in range(3) for side in ("q_norm", "k_norm")
                            for what in ("content.weight", "rope.weight", "_extra_state"))
     assert not any(torch.all(new[k] == 1) for k in added if k.endswith("weight"))  # calibrated, not ones
-    assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"] == "rms"
+    assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"]["kind"] == "rms"
     model = from_pretrained(out)
-    assert all(layer.config.qk_norm == "rms" for layer in latent_layers(model))
+    assert all(layer.config.qk_norm.kind == "rms" for layer in latent_layers(model))
     assert main(["generate", "--hf", str(out), "--prompt", "To be", "--tokens", "6"]) == 0
     assert capsys.readouterr().out.startswith("To be")
     assert not [p for p in tmp_path.iterdir() if p.name != "dst"]  # no temporary left
@@ -78,7 +78,7 @@ def test_norm_variants_and_no_calibration(source, tmp_path):
                  "--qk-norm-mode", "unified", "--calibration-tokens", "0", "--dtype", "bfloat16"]) == 0
     model = from_pretrained(out)
     layer = latent_layers(model)[0]
-    assert (layer.config.qk_norm, layer.config.qk_norm_p, layer.config.qk_norm_mode) == ("lp", 3.0, "unified")
+    assert (layer.config.qk_norm.kind, layer.config.qk_norm.p, layer.config.qk_norm.mode) == ("lp", 3.0, "unified")
     assert torch.all(layer.q_norm.content.weight == 1) and layer.kv_b_proj.weight.dtype == torch.bfloat16
 
 
@@ -100,7 +100,7 @@ def test_convert_never_writes_over_its_source_or_an_existing_conversion(source, 
     assert snapshot(out) == first
     assert main(["convert", "--hf", str(src), "--out", str(out), "--qk-norm", "l2", "--calibration-tokens", "0",
                  "--overwrite"]) == 0
-    assert latent_layers(from_pretrained(out))[0].config.qk_norm == "l2"
+    assert latent_layers(from_pretrained(out))[0].config.qk_norm.kind == "l2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
     (tmp_path / "afile").write_text("x")
     refused(["convert", "--hf", str(src), "--out", str(tmp_path / "afile")], "--out: .*afile is a file")

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from qkmla import QKNormConfig  # noqa: E402
 from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode  # noqa: E402
 from qkmla.ops.mla_decode.interface import _mla_decode_op  # noqa: E402
 
@@ -171,7 +172,7 @@ def test_mla_layer_decodes_through_the_kernel(layout, qk_norm):
     from qkmla import MLA, LatentCache, MLAConfig, PagedLayout
 
     cfg = MLAConfig(hidden_size=64, num_heads=4, num_kv_groups=2, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=16, v_head_dim=16, qk_norm=qk_norm, learnable_logit_scale=True,
+                    qk_rope_head_dim=16, v_head_dim=16, qk_norm=QKNormConfig(qk_norm, learnable_logit_scale=True),
                     decode_backend="triton")
     mla = MLA(cfg).to(DEVICE).eval()
     x = torch.randn(2, 12, 64, device=DEVICE)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from qkmla import MLA, AttentionConfig, MLAConfig, MultiHeadAttention
+from qkmla import AttentionConfig, MLA, MLAConfig, MultiHeadAttention, QKNormConfig
 from qkmla.attention.functional import max_logits
 from qkmla.train.diagnostics import logit_bound, logit_scale
 
@@ -12,16 +12,16 @@ def test_unit_weights_cap_an_rms_head_at_sqrt_of_its_width():
     """The temperature cap of the paper's default: blockwise RMS, unit weights, tau = (d_n + d_r)^-1/2."""
     cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8)
     assert logit_bound(MLA(cfg)) == pytest.approx(math.sqrt(24))
-    assert logit_bound(MLA(cfg.replace(qk_norm_mode="unified"))) == pytest.approx(math.sqrt(24))
+    assert logit_bound(MLA(cfg.replace(qk_norm=QKNormConfig("rms", mode="unified")))) == pytest.approx(math.sqrt(24))
     assert logit_bound(MLA(cfg.replace(qk_norm="l2"))) == pytest.approx(2 / math.sqrt(24))
-    assert logit_bound(MLA(cfg.replace(qk_norm="lp", qk_norm_p=4.0))) == pytest.approx(
+    assert logit_bound(MLA(cfg.replace(qk_norm=QKNormConfig("lp", p=4.0)))) == pytest.approx(
         (16 ** 0.5 + 8 ** 0.5) / math.sqrt(24))
     assert logit_bound(MLA(cfg.replace(qk_norm=None))) is None
     assert logit_bound(MultiHeadAttention(AttentionConfig(head_dim=16, qk_norm="rms"))) == pytest.approx(4.0)
 
 
 def test_bound_follows_the_weights_and_the_learned_scale():
-    mla = MLA(MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, learnable_logit_scale=True))
+    mla = MLA(MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_norm=QKNormConfig(learnable_logit_scale=True)))
     base = logit_bound(mla)
     with torch.no_grad():
         mla.q_norm.content.weight.fill_(2.0)
@@ -37,8 +37,7 @@ def test_bound_holds_and_is_nearly_reached(kind, mode, p):
     """Random weights: measured logits stay under the bound. Keys equal to queries with
     flat content and RoPE blocks reach it (up to eps)."""
     torch.manual_seed(0)
-    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_norm=kind, qk_norm_mode=mode, qk_norm_p=p,
-                    qk_norm_eps=0.0)
+    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, qk_norm=QKNormConfig(kind, mode=mode, p=p, eps=0.0))
     mla = MLA(cfg).double()
     with torch.no_grad():
         for norm in (mla.q_norm, mla.k_norm):
@@ -91,8 +90,8 @@ def test_a_statistic_over_the_projection_lets_one_head_hold_it_all_and_the_bound
     head 0 and a key whose content is all in group 0 reach d_n sqrt(h G) gain + d_r sqrt(h) gain, the
     bound; random inputs stay under it. Content mode has no bound (its RoPE block is not normalized)."""
     torch.manual_seed(0)
-    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, num_heads=4, num_kv_groups=2, qk_norm="rms",
-                    qk_norm_scope="projection", qk_norm_eps=0.0)
+    cfg = MLAConfig(qk_nope_head_dim=16, qk_rope_head_dim=8, num_heads=4, num_kv_groups=2,
+                    qk_norm=QKNormConfig("rms", eps=0.0, scope="projection"))
     mla = MLA(cfg).double()
     with torch.no_grad():
         for w in (mla.q_norm.content.weight, mla.q_norm.rope.weight, mla.k_norm.content.weight, mla.k_norm.rope.weight):
@@ -111,4 +110,4 @@ def test_a_statistic_over_the_projection_lets_one_head_hold_it_all_and_the_bound
     x = torch.randn(2, 12, cfg.hidden_size, dtype=torch.float64) * 3
     q, k, _ = mla.explicit_qkv(x, torch.arange(12).expand(2, 12))
     assert float(max_logits(q, k, mla.scale).max()) <= bound * (1 + 1e-9)
-    assert logit_bound(MLA(cfg.replace(qk_norm_mode="content"))) is None
+    assert logit_bound(MLA(cfg.replace(qk_norm=QKNormConfig("rms", mode="content")))) is None

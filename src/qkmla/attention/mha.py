@@ -43,9 +43,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
-        if c.qk_norm is not None:
-            self.q_norm = HeadNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
-            self.k_norm = HeadNorm(d, c.qk_norm, c.qk_norm_p, c.qk_norm_eps)
+        if c.has_qk_norm:
+            n = c.qk_norm
+            self.q_norm, self.k_norm = HeadNorm(d, n.kind, n.p, n.eps), HeadNorm(d, n.kind, n.p, n.eps)
         else:
             self.q_norm = self.k_norm = None
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None

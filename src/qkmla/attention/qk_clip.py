@@ -57,8 +57,8 @@ def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alp
         gamma [h], the factor each head's logits were multiplied by (1 where not clipped).
     """
     c = module.config
-    if c.qk_norm is not None:
-        raise ValueError(f"module: QK-Clip is for layers without QK norm (got qk_norm={c.qk_norm!r}); "
+    if c.has_qk_norm:
+        raise ValueError(f"module: QK-Clip is for layers without QK norm (got qk_norm={c.qk_norm.kind!r}); "
                          "a norm would undo the rescaling")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: expected a number in [0, 1], got {alpha!r}")

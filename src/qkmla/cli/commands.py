@@ -238,6 +238,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The flags that make one QKNormConfig, by its field names.
+QK_NORM_FLAGS = {"kind": "--qk-norm", "mode": "--qk-norm-mode", "p": "--qk-norm-p"}
+
+
+def _qk_norm_from_flags(args: argparse.Namespace):
+    """The QKNormConfig ``--qk-norm``, ``--qk-norm-mode`` and ``--qk-norm-p`` give (None without
+    ``--qk-norm``), checked; a refusal names the flag."""
+    from ..config import QKNormConfig
+
+    fields = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in QK_NORM_FLAGS.items()}
+    if fields["kind"] is None:
+        given = [QK_NORM_FLAGS[f] for f in ("mode", "p") if fields[f] != getattr(QKNormConfig, f)]
+        if given:
+            raise ValueError(f"{given[0]}: only read with a qk_norm; give --qk-norm too")
+        return None
+    try:
+        return QKNormConfig(**fields)
+    except ValueError as e:
+        field, _, rest = str(e).partition(": ")
+        raise ValueError(f"{QK_NORM_FLAGS.get(field, field)}: {rest}") from None
+
+
 def _convert(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -246,11 +268,12 @@ def _convert(args: argparse.Namespace) -> int:
     from ..convert.qk_norm import DEFAULT_CALIBRATION_TOKENS, convert_checkpoint
     from ..utils.threads import apply_threads
 
+    norm = _qk_norm_from_flags(args)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     apply_threads(args.threads, "convert")
     tokens = args.calibration_tokens
     if tokens is None:
-        tokens = DEFAULT_CALIBRATION_TOKENS if args.qk_norm else 0
+        tokens = DEFAULT_CALIBRATION_TOKENS if norm is not None else 0
     text = None
     if args.calibration_text is not None:
         try:
@@ -258,9 +281,8 @@ def _convert(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"calibration_text: cannot read {args.calibration_text} as UTF-8 text ({e})") from None
     try:
-        report = convert_checkpoint(args.hf, args.out, qk_norm=args.qk_norm, qk_norm_mode=args.qk_norm_mode,
-                                    qk_norm_p=args.qk_norm_p, calibration_tokens=tokens, calibration_text=text,
-                                    dtype=dtype, overwrite=args.overwrite)
+        report = convert_checkpoint(args.hf, args.out, qk_norm=norm, calibration_tokens=tokens,
+                                    calibration_text=text, dtype=dtype, overwrite=args.overwrite)
     except ValueError as e:  # the loader's argument name, as this command's option
         name, _, rest = str(e).partition(": ")
         raise ValueError(f"{'--hf' if name == 'hf_dir' else name}: {rest}") from None

@@ -27,7 +27,7 @@ import torch
 
 from ..attention.mla import MLA
 from ..cache.latent import LatentCache
-from ..config import MLAConfig
+from ..config import MLAConfig, QKNormConfig
 from ..norms import ScalarNorm
 
 BASE = MLAConfig(hidden_size=96, num_heads=8, num_kv_groups=8, q_lora_rank=48, kv_lora_rank=64,
@@ -37,20 +37,20 @@ BASE = MLAConfig(hidden_size=96, num_heads=8, num_kv_groups=8, q_lora_rank=48, k
 # larger logit scale, as Henry et al.'s learned g would be, to test at useful logit sizes.
 VARIANTS: dict[str, dict] = {
     "rms-blockwise": dict(qk_norm="rms"),
-    "rms-unified": dict(qk_norm="rms", qk_norm_mode="unified"),
-    "l2": dict(qk_norm="l2", learnable_logit_scale=True, softmax_scale=20.0),
-    "lp-1": dict(qk_norm="lp", qk_norm_p=1.0, softmax_scale=1000.0),
-    "lp-1.5": dict(qk_norm="lp", qk_norm_p=1.5, softmax_scale=100.0),
-    "lp-3": dict(qk_norm="lp", qk_norm_p=3.0, softmax_scale=10.0),
-    "lp-4": dict(qk_norm="lp", qk_norm_p=4.0, softmax_scale=5.0),
-    "lp-3-unified": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified", softmax_scale=10.0),
-    "rms-content": dict(qk_norm="rms", qk_norm_mode="content"),
-    "rms-content-G2": dict(qk_norm="rms", qk_norm_mode="content", num_kv_groups=2),
+    "rms-unified": dict(qk_norm=QKNormConfig("rms", mode="unified")),
+    "l2": dict(qk_norm=QKNormConfig("l2", learnable_logit_scale=True), softmax_scale=20.0),
+    "lp-1": dict(qk_norm=QKNormConfig("lp", p=1.0), softmax_scale=1000.0),
+    "lp-1.5": dict(qk_norm=QKNormConfig("lp", p=1.5), softmax_scale=100.0),
+    "lp-3": dict(qk_norm=QKNormConfig("lp", p=3.0), softmax_scale=10.0),
+    "lp-4": dict(qk_norm=QKNormConfig("lp", p=4.0), softmax_scale=5.0),
+    "lp-3-unified": dict(qk_norm=QKNormConfig("lp", mode="unified", p=3.0), softmax_scale=10.0),
+    "rms-content": dict(qk_norm=QKNormConfig("rms", mode="content")),
+    "rms-content-G2": dict(qk_norm=QKNormConfig("rms", mode="content"), num_kv_groups=2),
     # one statistic per token over all heads (OLMoE's norm), weights per head: one cached key scalar
-    "rms-projection-G2": dict(qk_norm="rms", qk_norm_scope="projection", num_kv_groups=2),
-    "rms-content-projection-G2": dict(qk_norm="rms", qk_norm_mode="content", qk_norm_scope="projection",
+    "rms-projection-G2": dict(qk_norm=QKNormConfig("rms", scope="projection"), num_kv_groups=2),
+    "rms-content-projection-G2": dict(qk_norm=QKNormConfig("rms", mode="content", scope="projection"),
                                       num_kv_groups=2),
-    "lp-3-unified-projection": dict(qk_norm="lp", qk_norm_p=3.0, qk_norm_mode="unified", qk_norm_scope="projection",
+    "lp-3-unified-projection": dict(qk_norm=QKNormConfig("lp", mode="unified", p=3.0, scope="projection"),
                                     softmax_scale=10.0),
     "none": dict(qk_norm=None),
     "rms-gqa-G2": dict(qk_norm="rms", num_kv_groups=2),

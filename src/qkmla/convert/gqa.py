@@ -1,7 +1,7 @@
 """A QK-normed GQA model (transformers' ``Qwen3ForCausalLM``; ``OlmoeForCausalLM``) converted to a
 DeepSeek-V3 (V2 for OLMoE) architecture model with qkmla's QK norm, which decodes through the latent
 cache (MATH.md, "Content variant" and "Statistic scope"). The layout below is Qwen3's; OLMoE's differs
-in its norm (over the whole projection: ``qk_norm_scope="projection"``, a weight row per head, the
+in its norm (over the whole projection: ``QKNormConfig(scope="projection")``, a weight row per head, the
 key's RoPE weight in kv_a_proj_with_mqa's rows), its MoE layers (DeepSeek-V2's greedy router) and
 V2's interleaved RoPE rows.
 
@@ -48,10 +48,11 @@ from typing import Optional
 
 import torch
 
+from ..config import QKNormConfig
 from .gqa_fit import LATENTS, ROPE_KEYS, calibration_moments, check_calibration, kv_rank, latent_factors, rope_key_mix
 
 ROPE_PAIRS = ("uniform", "high")
-# The source classes, and what their QK norm's statistic covers (MLAConfig.qk_norm_scope): Qwen3
+# The source classes, and what their QK norm's statistic covers (QKNormConfig.scope): Qwen3
 # normalizes each head, OLMoE the whole q and k projections (one statistic per token, a weight per channel).
 SCOPES = {"Qwen3ForCausalLM": "head", "OlmoeForCausalLM": "projection"}
 SOURCES = tuple(SCOPES)
@@ -356,8 +357,8 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
 
     record_groups(dst.config, G)
     eps_qk = float(model.config.rms_norm_eps)
-    apply_latent_attention(dst, **(dict(qk_norm="rms", qk_norm_mode="content", qk_norm_eps=eps_qk,
-                                        qk_norm_scope=scope) if keep_norm else {}))
+    apply_latent_attention(dst, qk_norm=QKNormConfig("rms", "content", eps=eps_qk, scope=scope) if keep_norm
+                           else None)
     if keep_norm:
         with torch.no_grad():
             for layer, (gq, gk) in zip(dst.model.layers, norms):

@@ -24,6 +24,7 @@ from typing import Optional, Union
 
 import torch
 
+from ..config import QKNormConfig
 from ..utils.files import temporary_name
 from ..integrations.hub.checkpoint import CONFIG, read_hf_config
 
@@ -91,14 +92,15 @@ def write_checkpoint(model, tokenizer, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm: Optional[str] = "rms",
-                       qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
+def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
+                       qk_norm: Union[None, str, QKNormConfig] = "rms",
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, calibration_text: Optional[str] = None,
                        dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> dict:
     """Write ``src`` with a QK norm, calibrated, to ``out`` (see the module docstring).
 
     Args:
-        qk_norm: the norm to add ("rms", "l2", "lp"; None re-saves the model as it is).
+        qk_norm: the norm to add, a :class:`~qkmla.QKNormConfig` or its shorthand ("rms", "l2", "lp");
+            None re-saves the model as it is.
         calibration_tokens: tokens of the calibration batch; 0 leaves the norm weights at ones.
         calibration_text: the text to calibrate on; None reads the embedded Shakespeare.
         dtype: the written dtype; None keeps the stored one.
@@ -115,19 +117,19 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
     from .calibrate import warm_start_qk_norm
     from ..integrations.transformers.model import apply_latent_attention
     from ..integrations.transformers.load import from_pretrained
-    from ..integrations.hub.record import describe, norm_settings, saved_norm
+    from ..integrations.hub.record import describe, saved_norm
 
     src, out = check_convert_paths(src, out, overwrite)
-    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p)
+    norm = QKNormConfig.of(qk_norm)
     if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 0:
         raise ValueError(f"calibration_tokens: expected an int >= 0, got {calibration_tokens!r}")
-    if calibration_tokens and not norm:
+    if calibration_tokens and norm is None:
         raise ValueError("calibration_tokens: calibrates a QK norm being added; name the norm too "
                          "(qk_norm, --qk-norm), or pass 0")
     if calibration_tokens and calibration_tokens < 16:
         raise ValueError(f"calibration_tokens: expected 0 (no calibration) or at least 16, got {calibration_tokens}")
     existing = saved_norm(src)
-    if existing and norm:
+    if existing is not None and norm is not None:
         raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
                          f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
     try:
@@ -153,7 +155,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *, qk_norm:
                          f"the tokenizer is not this model's")
 
     model = from_pretrained(src, **({"dtype": dtype} if dtype is not None else {}))
-    apply_latent_attention(model, **norm)
+    apply_latent_attention(model, qk_norm=norm)
     report = warm_start_qk_norm(model, batches[0], held_out_ids=batches[1]) if batches else {}
 
     write_checkpoint(model, tokenizer, out)

@@ -30,7 +30,7 @@ from ..attention.mha import MultiHeadAttention
 from ..attention.mla import MLA
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
-from ..config import AttentionConfig, MLAConfig, fixed_config
+from ..config import AttentionConfig, MLAConfig, QKNormConfig, fixed_config
 from ..kv_formats import check_kv_format
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
@@ -102,11 +102,13 @@ class GPTConfig:
     def attention_config(self):
         """The :class:`MLAConfig` or :class:`AttentionConfig` of every layer."""
         kind, _, norm = self.attn.partition("-")
-        qk_norm = {"": None, "qknorm": "rms", "qknorm-unified": "rms", "l2": "l2", "lp": "lp"}[norm]
+        norm_kind = {"": None, "qknorm": "rms", "qknorm-unified": "rms", "l2": "l2", "lp": "lp"}[norm]
         # Unit-L2/Lp vectors have small dot products: learn the logit scale (Henry et al.),
         # starting where an RMS-normalized head of the same width would be.
-        learnable = qk_norm in ("l2", "lp") if self.learnable_logit_scale is None else self.learnable_logit_scale
-        unit_vectors = qk_norm in ("l2", "lp")
+        unit_vectors = norm_kind in ("l2", "lp")
+        learnable = unit_vectors if self.learnable_logit_scale is None else self.learnable_logit_scale
+        qk_norm = QKNormConfig(norm_kind, "unified" if norm == "qknorm-unified" else "blockwise",
+                               self.qk_norm_p if norm_kind == "lp" else 2.0, learnable_logit_scale=learnable)
         if kind == "mla":
             d_r = self.qk_rope_head_dim or max(2, (self.head_dim // 3) // 2 * 2)
             d_n = self.head_dim - d_r if self.head_dim - d_r > 0 else self.head_dim
@@ -115,16 +117,13 @@ class GPTConfig:
                 hidden_size=self.n_embd, num_heads=self.n_head, num_kv_groups=self.n_kv_head or self.n_head,
                 q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank or 2 * self.head_dim,
                 qk_nope_head_dim=d_n, qk_rope_head_dim=d_r, v_head_dim=self.head_dim, rope_theta=self.rope_theta,
-                qk_norm=qk_norm, qk_norm_p=self.qk_norm_p,
-                qk_norm_mode="unified" if norm == "qknorm-unified" else "blockwise",
-                softmax_scale=init, learnable_logit_scale=learnable,
+                qk_norm=qk_norm, softmax_scale=init,
             )
         kv = {"mha": self.n_head, "mqa": 1, "gqa": self.n_kv_head or max(1, self.n_head // 2)}[kind]
         init = self.softmax_scale or (math.sqrt(self.head_dim) if unit_vectors else None)
         return AttentionConfig(
             hidden_size=self.n_embd, num_heads=self.n_head, num_kv_heads=kv, head_dim=self.head_dim,
-            rope_theta=self.rope_theta, qk_norm=qk_norm, qk_norm_p=self.qk_norm_p, softmax_scale=init,
-            learnable_logit_scale=learnable,
+            rope_theta=self.rope_theta, qk_norm=qk_norm, softmax_scale=init,
         )
 
     def replace(self, **changes) -> "GPTConfig":

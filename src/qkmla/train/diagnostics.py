@@ -12,7 +12,7 @@ one block of width d_n + d_r unified; eps ignored). With unit weights and the de
 tau = (d_n + d_r)^-1/2, a blockwise-RMS MLA head can never exceed sqrt(d_n + d_r): a low
 learning rate that leaves the weights near one leaves the softmax that soft.
 
-With ``qk_norm_scope="projection"`` the statistic is pooled over a token's h query heads (G key
+With the projection scope (``QKNormConfig.scope``) the statistic is pooled over a token's h query heads (G key
 groups), so one head may hold the whole projection's length: RMS's per-block constant grows by
 sqrt(h G) (sqrt(h) for the RoPE block, whose G key copies are one vector); the l2 and lp constants
 hold for any sub-vector of a unit vector and do not change.
@@ -47,7 +47,7 @@ def _gain(q_weight: torch.Tensor, k_weight: torch.Tensor) -> float:
 def _pooled(kind: str, c, key_vectors: int) -> float:
     """How much longer than one vector's a head's normalized block can be when the statistic is pooled
     over the projection (module docstring): sqrt(h x key_vectors) for RMS, 1 otherwise."""
-    if kind != "rms" or getattr(c, "qk_norm_scope", "head") != "projection":
+    if kind != "rms" or c.qk_norm.scope != "projection":
         return 1.0
     return (c.num_heads * key_vectors) ** 0.5
 
@@ -58,13 +58,13 @@ def logit_bound(attn) -> Optional[float]:
     norm weights and logit scale; None without a QK norm, and in MLA's content mode, whose RoPE
     block takes the content block's statistic and so has no fixed length (unbounded)."""
     c = attn.config
-    if c.qk_norm is None or getattr(c, "qk_norm_mode", None) == "content":
+    if not c.has_qk_norm or c.qk_norm.mode == "content":
         return None
-    kind, p = c.qk_norm, c.qk_norm_p
+    kind, p = c.qk_norm.kind, c.qk_norm.p
     if isinstance(attn, MLA):
         qn, kn = attn.q_norm, attn.k_norm
         G = c.num_kv_groups
-        if c.qk_norm_mode == "unified":
+        if c.qk_norm.mode == "unified":
             gain = max(_gain(qn.content.weight, kn.content.weight), _gain(qn.rope.weight, kn.rope.weight))
             dot = _block_constant(kind, p, c.qk_head_dim) * _pooled(kind, c, G) * gain
         else:

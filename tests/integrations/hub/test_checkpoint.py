@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 
 from qkmla.integrations.hub import checkpoint  # noqa: E402
-from qkmla.integrations.hub.checkpoint import mla_from_hf_dir, mla_layers_from_hf_dir  # noqa: E402
+from qkmla.integrations.hub import mla_layers_from_hf_dir  # noqa: E402
 
 T = 48  # runs past the YaRN original context L0 = 32 of the `saved` checkpoint (conftest.py)
 
@@ -28,7 +28,7 @@ def test_every_layer_matches_transformers(saved, attention_io):
             err = float((mla.eval()(x) - ref).abs().max() / ref.abs().max())
         # transformers' float32 RoPE tables, RMSNorms and softmax set this bound (tests/integrations/hub/test_config.py)
         assert err <= 5e-6, (i, err)
-    assert mla_from_hf_dir(path, 2).kv_b_proj.weight.dtype == torch.float32  # the stored dtype by default
+    assert mla_layers_from_hf_dir(path, 2)[2].kv_b_proj.weight.dtype == torch.float32  # the stored dtype by default
 
 
 class Spy:
@@ -67,7 +67,7 @@ def spy(monkeypatch):
 
 def test_reads_only_the_chosen_layers_attention_tensors(saved, spy):
     path, _ = saved
-    mla_from_hf_dir(path, 1)
+    mla_layers_from_hf_dir(path, 1)
     weight_map = json.loads((path / checkpoint.INDEX).read_text())["weight_map"]
     wanted = {k for k in weight_map if k.startswith("model.layers.1.self_attn.")}
     assert set(spy.read) == wanted and len(spy.read) == len(wanted) == 7
@@ -90,8 +90,6 @@ def test_bad_directories_fail_before_reading(saved, tmp_path, spy):
     path = _copy(saved, tmp_path)
     with pytest.raises(ValueError, match=r"layers: expected layer indices in \[0, 3\)"):
         mla_layers_from_hf_dir(path, [0, 3])
-    with pytest.raises(ValueError, match="layer: expected one layer index"):
-        mla_from_hf_dir(path, [1])
     with pytest.raises(ValueError, match="hf_dir: .* is not a directory"):
         mla_layers_from_hf_dir(path / "nope")
 
@@ -137,7 +135,7 @@ def test_bad_directories_fail_before_reading(saved, tmp_path, spy):
 def test_single_file_checkpoint_and_fp8_blocks(saved, tmp_path):
     """One model.safetensors; FP8 weights with 128 x 128 block scales are dequantized as DeepSeek-V3 ships them."""
     path, model = saved
-    ref = mla_from_hf_dir(path, 0, dtype=torch.float64)
+    ref = mla_layers_from_hf_dir(path, 0, dtype=torch.float64)[0]
     flat = tmp_path / "flat"
     flat.mkdir()
     shutil.copy(path / "config.json", flat / "config.json")
@@ -151,7 +149,7 @@ def test_single_file_checkpoint_and_fp8_blocks(saved, tmp_path):
     tensors[key + "_scale_inv"] = scale
     save_file(tensors, str(flat / "model.safetensors"))
     _edit_config(flat, quantization_config={"quant_method": "fp8", "weight_block_size": [w.shape[0] // 2, 128]})
-    mla = mla_from_hf_dir(flat, 0)
+    mla = mla_layers_from_hf_dir(flat, 0)[0]
     assert mla.kv_b_proj.weight.dtype == torch.bfloat16  # as transformers dequantizes
     want = (tensors[key].float() * blocks).to(torch.bfloat16)
     assert torch.equal(mla.kv_b_proj.weight, want)
@@ -162,7 +160,7 @@ def test_single_file_checkpoint_and_fp8_blocks(saved, tmp_path):
     del tensors[key + "_scale_inv"]
     save_file(tensors, str(flat / "model.safetensors"))
     with pytest.raises(ValueError, match="FP8 tensor .*kv_b_proj.weight needs .*kv_b_proj.weight_scale_inv"):
-        mla_from_hf_dir(flat, 0)
+        mla_layers_from_hf_dir(flat, 0)
 
 
 def test_integer_weights_and_a_null_index_entry_are_refused(saved, tmp_path, spy):

@@ -239,7 +239,7 @@ def test_triton_kernel_path_matches_hf(layer_name):
 def test_qk_norm_can_start_from_hf_weights():
     _, layer, _ = hf_layer(3, 32)
     mla = mla_from_hf(layer, qk_norm="rms")
-    assert mla.config.qk_norm == "rms"
+    assert mla.config.qk_norm.kind == "rms"
     torch.testing.assert_close(mla.kv_b_proj.weight, layer.kv_b_proj.weight)
     assert torch.equal(mla.q_norm.content.weight, torch.ones(16, dtype=torch.float64))
 

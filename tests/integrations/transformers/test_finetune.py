@@ -182,7 +182,7 @@ def test_trainer_trains_and_saves_a_checkpoint_from_pretrained_loads(tmp_path):
 
     run.save_model(str(tmp_path / "saved"))
     loaded = from_pretrained(tmp_path / "saved")
-    assert latent_layers(loaded)[0].config.qk_norm == "rms"
+    assert latent_layers(loaded)[0].config.qk_norm.kind == "rms"
     model.eval()
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits)

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from qkmla import QKNormConfig  # noqa: E402
 from qkmla.integrations.transformers import apply_latent_attention, from_pretrained  # noqa: E402
 from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
 from qkmla.integrations.hub.record import LOADER, RECORD  # noqa: E402
@@ -22,9 +23,9 @@ from .test_model import CACHE, hf_model, max_rel, patched, prompts, stepwise_log
 
 NORMS = {  # name: apply_latent_attention's QK-norm arguments
     "rms": dict(qk_norm="rms"),
-    "rms-unified": dict(qk_norm="rms", qk_norm_mode="unified"),
+    "rms-unified": dict(qk_norm=QKNormConfig("rms", mode="unified")),
     "l2": dict(qk_norm="l2"),
-    "lp3-learned-scale": dict(qk_norm="lp", qk_norm_p=3.0, learnable_logit_scale=True),
+    "lp3-learned-scale": dict(qk_norm=QKNormConfig("lp", p=3.0, learnable_logit_scale=True)),
 }
 
 
@@ -52,7 +53,7 @@ def test_norm_weights_take_transformers_names_and_the_cache_matches_the_explicit
     perturb_norms(qk)
     want = [f"model.layers.{i}.self_attn.{side}.{block}.weight" for i in range(3) for side in ("k_norm", "q_norm")
             for block in ("content", "rope")]
-    if NORMS[norm].get("learnable_logit_scale"):
+    if QKNormConfig.of(NORMS[norm]["qk_norm"]).learnable_logit_scale:
         want += [f"model.layers.{i}.self_attn.logit_scale" for i in range(3)]
     assert norm_names(qk) == sorted(want)
     ids = torch.stack(prompts([12, 12]))
@@ -97,7 +98,8 @@ def test_save_pretrained_and_from_pretrained_give_the_same_model(norm, tmp_path)
     model.save_pretrained(tmp_path, max_shard_size="40KB")  # several shards, norm weights among them
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved[RECORD]["qk_norm"] == NORMS[norm]["qk_norm"] and saved["attn_implementation"] == LOADER
+    assert QKNormConfig.of(saved[RECORD]["qk_norm"]) == QKNormConfig.of(NORMS[norm]["qk_norm"])
+    assert saved["attn_implementation"] == LOADER
     back = from_pretrained(tmp_path, kv_format="int8")
     assert not back.training and latent_layers(back)[0].settings.kv_format == "int8"
     params, loaded = dict(model.named_parameters()), dict(back.named_parameters())
@@ -160,30 +162,33 @@ def test_a_norm_is_added_to_a_patched_model_and_then_fixed():
     apply_latent_attention(model, qk_norm="rms", decode_backend="torch")
     layers = latent_layers(model)
     assert [layer.kv_b_proj for layer in layers] == projections  # the same modules, not copies
-    assert all(layer.config.qk_norm == "rms" and layer.config.decode_backend == "torch" for layer in layers)
-    assert getattr(model.config, RECORD)["qk_norm"] == "rms" and not layers[0].training
+    assert all(layer.config.qk_norm.kind == "rms" and layer.config.decode_backend == "torch" for layer in layers)
+    assert getattr(model.config, RECORD)["qk_norm"]["kind"] == "rms" and not layers[0].training
     apply_latent_attention(model, kv_format="int8")  # qk_norm=None keeps it
-    assert latent_layers(model)[0].config.qk_norm == "rms"
+    assert latent_layers(model)[0].config.qk_norm.kind == "rms"
     apply_latent_attention(model, qk_norm="rms")  # the same norm again: nothing changes
     with pytest.raises(ValueError, match=r"qk_norm: this model already has the QK norm rms blockwise .* cannot "
                                          r"become l2 blockwise"):
         apply_latent_attention(model, qk_norm="l2")
     with pytest.raises(ValueError, match="cannot become rms unified"):
-        apply_latent_attention(model, qk_norm="rms", qk_norm_mode="unified")
-    assert latent_layers(model)[0].config.qk_norm_mode == "blockwise"
+        apply_latent_attention(model, qk_norm=QKNormConfig("rms", mode="unified"))
+    assert latent_layers(model)[0].config.qk_norm.mode == "blockwise"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(qk_norm="layer"), r"qk_norm: expected one of \(None, 'rms', 'l2', 'lp'\)"),
-    (dict(qk_norm="rms", qk_norm_mode="joint"), r"qk_norm_mode: expected one of \('blockwise', 'unified', 'content'\)"),
-    (dict(qk_norm="lp", qk_norm_p=0.5), "qk_norm_p: expected a finite number >= 1"),
-    (dict(qk_norm="rms", learnable_logit_scale="yes"), "learnable_logit_scale: expected True or False"),
-    (dict(qk_norm_mode="unified"), "qk_norm_mode: only read with a qk_norm; give qk_norm too"),
+@pytest.mark.parametrize("norm, match", [
+    (lambda: "layer", r"qk_norm: expected one of \(None, 'rms', 'l2', 'lp'\)"),
+    (lambda: QKNormConfig("rms", mode="joint"), r"mode: expected one of \('blockwise', 'unified', 'content'\)"),
+    (lambda: QKNormConfig("lp", p=0.5), "p: expected a finite number >= 1"),
+    (lambda: QKNormConfig("rms", learnable_logit_scale="yes"), "learnable_logit_scale: expected True or False"),
+    (lambda: QKNormConfig(None, mode="unified"), "mode: only read with a norm; give kind too"),
+    (lambda: {"kind": "rms", "modes": "unified"}, r"qk_norm: unknown fields \['modes'\]"),
 ])
-def test_a_norm_that_does_not_exist_is_refused_before_any_change(kwargs, match):
+def test_a_norm_that_does_not_exist_is_refused_before_any_change(norm, match):
+    """A bad norm is refused by name, when it is made or when apply_latent_attention reads its
+    shorthand, before the model changes."""
     model = hf_model("v3")
     with pytest.raises(ValueError, match=match):
-        apply_latent_attention(model, **kwargs)
+        apply_latent_attention(model, qk_norm=norm())
     assert type(model.model.layers[0].self_attn).__name__ == "DeepseekV3Attention"
 
 

@@ -180,9 +180,10 @@ def test_context_rows_without_their_scalars_get_them_recomputed_from_the_content
     from functools import partial
 
     from qkmla.attention.absorbed import AbsorbedWeights, content_key_scalars, key_scalars, score_mode
+    from qkmla import QKNormConfig
     from qkmla.norms import make_qk_norms
 
-    _, k_norm = make_qk_norms(kind, D_N, D_R, 2.0, 1e-6, mode)
+    _, k_norm = make_qk_norms(QKNormConfig(kind, mode), D_N, D_R)
     layer = impl(score_mode(k_norm), content_key_scalars=partial(content_key_scalars, k_norm=k_norm))
     T = 6
     c = torch.randn(T, D_C, dtype=torch.float64) * (0.5 + torch.rand(T, 1, dtype=torch.float64))

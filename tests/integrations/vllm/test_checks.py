@@ -13,12 +13,12 @@ OK = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_pref
 
 def test_a_recorded_norm_is_returned_with_its_defaults_filled_in():
     norm = servable_norm(CONFIG, **OK)
-    assert norm["qk_norm"] == "rms" and norm["qk_norm_p"] == 2.0 and norm["learnable_logit_scale"] is False
+    assert norm.kind == "rms" and norm.p == 2.0 and norm.learnable_logit_scale is False
 
 
 def test_a_plain_checkpoint_is_not_checked_further():
     plain = {k: v for k, v in CONFIG.items() if k != "qkmla"}
-    assert servable_norm(plain, **{**OK, "platform": "tpu", "kv_cache_dtype": "fp8", "chunked_prefill": True}) == {}
+    assert servable_norm(plain, **{**OK, "platform": "tpu", "kv_cache_dtype": "fp8", "chunked_prefill": True}) is None
 
 
 @pytest.mark.parametrize("setting, value, message", [
@@ -53,7 +53,7 @@ def test_cached_context_in_a_prefill_on_cuda_is_refused_where_vllms_gather_canno
         assert servable_norm(config, **cuda)
     flag = "--no-" + name.replace("_", "-")
     for config, message in [
-            (unified, "qk_norm_mode='unified' does not allow"),
+            (unified, "mode='unified' does not allow"),
             (width_512, "rows of 320 or 576 values, and config.json's kv_lora_rank \\+ qk_rope_head_dim is 512")]:
         with pytest.raises(ValueError, match=f"{name}: on CUDA .*{message}.*{flag}"):
             servable_norm(config, **cuda)
@@ -64,7 +64,7 @@ def test_on_cuda_float32_and_cuda_graphs_are_refused():
         servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "float32"})
     with pytest.raises(ValueError, match="enforce_eager"):
         servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16", "cuda_graphs": True})
-    assert servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16"})["qk_norm"] == "rms"
+    assert servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16"}).kind == "rms"
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
@@ -95,7 +95,7 @@ def test_yarn_with_both_mscales_is_served():
     ({"llama_4_scaling": {"beta": 0.1}}, "llama_4_scaling"),
     ({"qkmla": {"qk_norm": "rms", "qk_norm_mode": "sideways"}}, "config.json: its 'qkmla' entry is not valid"),
     ({"qkmla": {"qk_norm": "rms", "num_kv_groups": 3}}, "num_kv_groups=3"),
-    ({"qkmla": {"qk_norm": "rms", "qk_norm_scope": "projection"}}, "qk_norm_scope='projection': qkmla's vLLM"),
+    ({"qkmla": {"qk_norm": "rms", "qk_norm_scope": "projection"}}, "scope='projection': qkmla's vLLM"),
 ])
 def test_a_layout_the_backend_cannot_serve_is_refused_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):

@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
+from qkmla import QKNormConfig  # noqa: E402
 from tests.integrations.vllm.run_engine import RESULT_TAG  # noqa: E402
 from tests.test_benchmarks import load as load_benchmark  # noqa: E402
 
@@ -99,11 +100,11 @@ def drift(a: dict, b: dict) -> float:
 
 
 NORMED = {  # name: checkpoint arguments
-    "v3-rms-blockwise-learned-scale": dict(version=3, qk_norm="rms", learnable_logit_scale=True),
+    "v3-rms-blockwise-learned-scale": dict(version=3, qk_norm=QKNormConfig("rms", learnable_logit_scale=True)),
     # YaRN without a learned scale: vLLM's softmax scale (mscale^2) is the one in use
-    "v2-yarn-no-q-lora-lp3-unified": dict(version=2, q_lora_rank=None, rope=YARN, qk_norm="lp", qk_norm_p=3.0,
-                                          qk_norm_mode="unified"),
-    "v3-l2-content": dict(version=3, qk_norm="l2", qk_norm_mode="content"),
+    "v2-yarn-no-q-lora-lp3-unified": dict(version=2, q_lora_rank=None, rope=YARN,
+                                          qk_norm=QKNormConfig("lp", mode="unified", p=3.0)),
+    "v3-l2-content": dict(version=3, qk_norm=QKNormConfig("l2", mode="content")),
 }
 
 
@@ -172,7 +173,7 @@ def test_chunked_prefill_and_prefix_cache_hits_attend_over_cached_context_exactl
     the rows the earlier chunks cached; served again, they hit the prefix cache. The context's
     keys come from the cached rows, scalars included (the wide workspace of backend.py), and
     the tokens still equal qkmla's own generation in float32."""
-    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    path = tiny_checkpoint(tmp_path, qk_norm=QKNormConfig("rms", learnable_logit_scale=True))
     prompts = [list(range(5, 75)), list(range(100, 145)), [20, 21]]
     want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
     got = served(path, prompts=prompts, cached_context=True,
@@ -207,7 +208,7 @@ def test_vllms_configuration_for_a_cpu_with_amx_is_served_exactly(tmp_path):
     """Where the CPU has AMX, vLLM picks AMX_MLA as the platform's MLA backend and with it 128-token
     blocks, chunked prefill and prefix caching, unasked; qkmla's layers keep their own backend and
     serve that configuration. On a CPU without AMX the engine is told it has one (float32 only)."""
-    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    path = tiny_checkpoint(tmp_path, qk_norm=QKNormConfig("rms", learnable_logit_scale=True))
     prompts = [list(range(5, 75)), list(range(100, 245)), [20, 21]]  # the second spans a whole 128-token block
     want = load_benchmark("vllm_serving").reference(path, plain=False, prompts=prompts, new_tokens=TOKENS)
     got = served(path, prompts=prompts, amx_configuration=True, max_model_len=256,
@@ -233,7 +234,7 @@ PARALLEL = {  # name: (vLLM arguments, [local heads, key scalars] of each QK lay
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs")
 @pytest.mark.parametrize("layout", list(PARALLEL))
 def test_tensor_and_pipeline_parallel_ranks_serve_qkmlas_tokens(layout, tmp_path):
-    path = tiny_checkpoint(tmp_path, qk_norm="rms", learnable_logit_scale=True)
+    path = tiny_checkpoint(tmp_path, qk_norm=QKNormConfig("rms", learnable_logit_scale=True))
     args, layers = PARALLEL[layout]
     got, want = served(path, **args), reference(path)
     assert got["qk_layers_by_rank"] == layers
@@ -242,7 +243,7 @@ def test_tensor_and_pipeline_parallel_ranks_serve_qkmlas_tokens(layout, tmp_path
 
 def test_a_learned_logit_scale_without_a_norm_is_served_through_the_plain_latent_row(tmp_path):
     """Plain MLA with a per-head logit scale: qkmla's layer with no key scalars (stock vLLM has no such model)."""
-    path = tiny_checkpoint(tmp_path, learnable_logit_scale=True)
+    path = tiny_checkpoint(tmp_path, qk_norm=QKNormConfig(None, learnable_logit_scale=True))
     got, want = served(path), reference(path)
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
 

@@ -217,10 +217,3 @@ def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, 
         with _open(root / file) as f:
             out.update({k: f.get_tensor(k) for k in keys if weight_map[k] == file})
     return out
-
-
-def mla_from_hf_dir(hf_dir: Union[str, Path], layer: int, **kwargs) -> MLA:
-    """Layer ``layer``'s attention of an HF DeepSeek checkpoint directory (see :func:`mla_layers_from_hf_dir`)."""
-    if not isinstance(layer, int) or isinstance(layer, bool):
-        raise ValueError(f"layer: expected one layer index (an int), got {layer!r}")
-    return mla_layers_from_hf_dir(hf_dir, layer, **kwargs)[layer]

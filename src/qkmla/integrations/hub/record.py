@@ -1,15 +1,17 @@
 """QK-norm on a whole transformers DeepSeek model: what is recorded in its config, the names of its
 weights, and the checks that a saved checkpoint's record and tensors agree (loading it back:
-``hf_load.from_pretrained``).
+``qkmla.integrations.transformers.from_pretrained``).
 
 ``apply_latent_attention(model, qk_norm="rms")`` gives every attention layer qkmla's
 post-up-projection QK norm and records it in the model's config, so that ``save_pretrained``
-writes it to ``config.json``:
+writes it to ``config.json``, as the one :class:`~qkmla.QKNormConfig` it is:
 
-    "qkmla": {"qk_norm": "rms", "qk_norm_mode": "blockwise", "qk_norm_p": 2.0,
-              "qk_norm_eps": 1e-06, "learnable_logit_scale": false}
-    (and "qk_norm_scope": "projection" for a norm over the whole projection)
+    "qkmla": {"qk_norm": {"kind": "rms", "mode": "blockwise", "p": 2.0, "eps": 1e-06,
+                          "scope": "head", "learnable_logit_scale": false}}
     "attn_implementation": "qkmla.integrations.transformers.from_pretrained"
+
+(Records written before ``QKNormConfig`` held the same fields flat, ``"qk_norm": "rms",
+"qk_norm_mode": ..., "qk_norm_p": ...``; they are read as they always were.)
 
 The norm weights are saved as transformers names QK-norm weights (Qwen3's and OLMo 2's
 ``self_attn.q_norm.weight``), one level deeper because qkmla's norm has one weight per block:
@@ -20,7 +22,7 @@ The norm weights are saved as transformers names QK-norm weights (Qwen3's and OL
     model.layers.{i}.self_attn.k_norm.rope.weight      [d_r]   gamma_k^R
     model.layers.{i}.self_attn.logit_scale             [h]     with learnable_logit_scale
 
-With ``qk_norm_scope="projection"`` the weights have a row per head: q_norm's [h, d_n] and [h, d_r],
+With the projection scope the weights have a row per head: q_norm's [h, d_n] and [h, d_r],
 k_norm.content's [G, d_n] (k_norm.rope's stays [d_r]: the RoPE key is one vector).
 
 Every other tensor is transformers' own, under its own name.
@@ -29,8 +31,8 @@ A model converted from a GQA model (``qkmla.convert.gqa``) has G < h KV groups, 
 transformers' DeepSeek attention cannot express (it builds ``kv_b_proj`` with one group per
 head). Its record then also holds ``"num_kv_groups": G``: ``kv_b_proj`` is saved with each
 group's rows repeated for each of its heads, as transformers' shapes need, and the patched
-layers keep (and cache) G groups (``hf_attention.LatentAttention``). The ``attn_implementation`` entry
-is what stops transformers without qkmla from loading the directory as a plain DeepSeek model
+layers keep (and cache) G groups (``integrations.transformers.attention``). The ``attn_implementation``
+entry is what stops transformers without qkmla from loading the directory as a plain DeepSeek model
 (which would drop the norm weights with a note that they "can be ignored", and compute another
 function): transformers refuses it, quoting the entry, which names the loader to call.
 
@@ -42,55 +44,45 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
-from ...config import MLAConfig
-from ...norms import qk_norms_of, variant_name
+from ...config import MLAConfig, QKNormConfig
+from ...norms import qk_norms_of
 from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
 
 RECORD = "qkmla"  # the config.json entry
 # written as attn_implementation: transformers alone refuses it
 LOADER = "qkmla.integrations.transformers.from_pretrained"
-NORM_FIELDS = ("qk_norm", "qk_norm_mode", "qk_norm_p", "qk_norm_eps", "learnable_logit_scale", "qk_norm_scope")
+NORM = "qk_norm"  # the record's QK norm: QKNormConfig.record()
 GROUPS = "num_kv_groups"  # recorded beside the norm by a GQA conversion: G < h KV groups
-_DEFAULTS = {f: getattr(MLAConfig, f) for f in NORM_FIELDS} | {"qk_norm": None}
+# A record written before QKNormConfig: the norm's fields, flat, by these names.
+FLAT_FIELDS = {"qk_norm": "kind", "qk_norm_mode": "mode", "qk_norm_p": "p", "qk_norm_eps": "eps",
+               "qk_norm_scope": "scope", "learnable_logit_scale": "learnable_logit_scale"}
+_FLAT_NAMES = {field: key for key, field in FLAT_FIELDS.items()}
 
 
-def norm_settings(qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise", qk_norm_p: float = 2.0,
-                  qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False, qk_norm_scope: str = "head") -> dict:
-    """The QK-norm fields of :class:`~qkmla.MLAConfig`, checked (ValueError naming the field), as
-    the dict recorded in a model's config; {} for no norm and no learnable logit scale.
-    ``qk_norm_scope`` is recorded only when it is not the default "head", so that checkpoints with
-    a per-head norm keep the record earlier qkmla versions read."""
-    fields = dict(qk_norm=qk_norm, qk_norm_mode=qk_norm_mode, qk_norm_p=qk_norm_p, qk_norm_eps=qk_norm_eps,
-                  learnable_logit_scale=learnable_logit_scale, qk_norm_scope=qk_norm_scope)
-    if not isinstance(learnable_logit_scale, bool):
-        raise ValueError(f"learnable_logit_scale: expected True or False, got {learnable_logit_scale!r}")
-    MLAConfig(**fields)  # validates each field by name
-    if qk_norm is None:
-        given = [f for f in ("qk_norm_mode", "qk_norm_p", "qk_norm_eps", "qk_norm_scope")
-                 if fields[f] != _DEFAULTS[f]]
-        if given:
-            raise ValueError(f"{given[0]}: only read with a qk_norm; give qk_norm too (e.g. qk_norm='rms')")
-    if qk_norm is None and not learnable_logit_scale:
-        return {}
-    if qk_norm_scope == "head":
-        del fields["qk_norm_scope"]
-    return {**fields, "qk_norm_p": float(qk_norm_p), "qk_norm_eps": float(qk_norm_eps)}
+def _record(hf_config):
+    return hf_config.get(RECORD) if isinstance(hf_config, dict) else getattr(hf_config, RECORD, None)
 
 
-def recorded_norm(hf_config, where: str = "model.config") -> dict:
-    """The QK-norm settings recorded in an HF config (object or config.json dict), checked; {} if none."""
-    record = hf_config.get(RECORD) if isinstance(hf_config, dict) else getattr(hf_config, RECORD, None)
+def recorded_norm(hf_config, where: str = "model.config") -> Optional[QKNormConfig]:
+    """The QK norm recorded in an HF config (object or config.json dict), checked; None if none."""
+    record = _record(hf_config)
     if record is None:
-        return {}
-    if not isinstance(record, dict) or set(record) - set(NORM_FIELDS) - {GROUPS}:
-        extra = sorted(set(record) - set(NORM_FIELDS) - {GROUPS}) if isinstance(record, dict) \
-            else type(record).__name__
-        raise ValueError(f"{where}: its {RECORD!r} entry must be a dict of {NORM_FIELDS + (GROUPS,)}, got {extra}")
-    record = {k: v for k, v in record.items() if k != GROUPS}
-    if not record:
-        return {}
+        return None
+    allowed = {NORM, GROUPS} if isinstance(record, dict) and isinstance(record.get(NORM), dict) \
+        else set(FLAT_FIELDS) | {GROUPS}
+    if not isinstance(record, dict) or set(record) - allowed:
+        extra = sorted(set(record) - allowed) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: its {RECORD!r} entry must be a dict of {NORM!r} (the QK norm's fields) and "
+                         f"{GROUPS!r}, got {extra}")
     try:
-        return norm_settings(**{**_DEFAULTS, **record})
+        if isinstance(record.get(NORM), dict):
+            return QKNormConfig.of(record[NORM])
+        flat = {FLAT_FIELDS[k]: v for k, v in record.items() if k in FLAT_FIELDS}
+        try:
+            return QKNormConfig.of(flat) if flat else None
+        except ValueError as e:  # named by the record's own key
+            field, _, rest = str(e).partition(": ")
+            raise ValueError(f"{_FLAT_NAMES.get(field, field)}: {rest}") from None
     except ValueError as e:
         raise ValueError(f"{where}: its {RECORD!r} entry is not valid: {e}") from None
 
@@ -98,7 +90,7 @@ def recorded_norm(hf_config, where: str = "model.config") -> dict:
 def recorded_groups(hf_config, where: str = "model.config") -> Optional[int]:
     """The KV group count G a GQA conversion recorded in an HF config (object or config.json
     dict), checked against its num_attention_heads; None if none is recorded."""
-    record = hf_config.get(RECORD) if isinstance(hf_config, dict) else getattr(hf_config, RECORD, None)
+    record = _record(hf_config)
     groups = record.get(GROUPS) if isinstance(record, dict) else None
     if groups is None:
         return None
@@ -109,13 +101,13 @@ def recorded_groups(hf_config, where: str = "model.config") -> Optional[int]:
     return groups
 
 
-def record_norm(hf_config, norm: dict) -> None:
-    """Write (or clear, for {}) the record of ``norm`` in an HF config object; a recorded
+def record_norm(hf_config, norm: Optional[QKNormConfig]) -> None:
+    """Write (or clear, for None) the record of ``norm`` in an HF config object; a recorded
     ``num_kv_groups`` is kept."""
     groups = recorded_groups(hf_config)
     kept = {GROUPS: groups} if groups is not None else {}
-    if norm:
-        setattr(hf_config, RECORD, {**norm, **kept})
+    if norm is not None:
+        setattr(hf_config, RECORD, {NORM: norm.record(), **kept})
         hf_config.attn_implementation = LOADER
     else:
         for name in (RECORD, "attn_implementation"):
@@ -141,7 +133,7 @@ def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     return shapes | ({"logit_scale": (config.num_heads,)} if config.learnable_logit_scale else {})
 
 
-def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) -> dict[str, str]:
+def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional[QKNormConfig]) -> dict[str, str]:
     """Before any weight is read: the checkpoint holds exactly the norm weights its config records,
     with the right shapes (from the safetensors headers). Returns {tensor name: shard file}.
 
@@ -156,11 +148,11 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
     ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
     found = {k for k in weight_map if any(o in k for o in ours)}
     groups = recorded_groups(hf_config, str(root / CONFIG))
-    config = mla_config_from_hf(hf_config, **norm, **({GROUPS: groups} if groups is not None else {}))
+    config = mla_config_from_hf(hf_config, qk_norm=norm, **({GROUPS: groups} if groups is not None else {}))
     layers = hf_config.get("num_hidden_layers")
     shapes = {f"model.layers.{i}.self_attn.{n}": s
               for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
-    if not norm and found:
+    if norm is None and found:
         raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
                          f"{root / CONFIG} records no norm (its {RECORD!r} entry is missing); the config and the "
                          f"weights are from different models")
@@ -168,7 +160,7 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
     found -= records
     missing, extra = sorted(set(shapes) - found), sorted(found - set(shapes))
     if missing or extra:
-        raise ValueError(f"hf_dir: {root / CONFIG} records the norm {norm} but {listing} "
+        raise ValueError(f"hf_dir: {root / CONFIG} records the norm {describe(norm)} but {listing} "
                          + (f"lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)"
                             if missing else f"also holds {extra[:3]} ({len(extra)} not of that norm)"))
     files = {}
@@ -183,7 +175,7 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
                              f"{shape}")
         files[name] = file
     if records:
-        want = _variant(norm) if norm.get("qk_norm") else None
+        want = norm.name if norm is not None and norm.kind is not None else None
         for name in sorted(records):
             with _open(root / weight_map[name]) as f:
                 got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
@@ -193,24 +185,18 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: dict) ->
     return files
 
 
-def saved_norm(hf_dir: Union[str, Path]) -> dict:
-    """The QK norm a checkpoint directory's config.json records ({} for none)."""
+def saved_norm(hf_dir: Union[str, Path]) -> Optional[QKNormConfig]:
+    """The QK norm a checkpoint directory's config.json records (None for none)."""
     root = Path(hf_dir)
     return recorded_norm(read_hf_config(root), str(root / CONFIG))
 
 
-def _variant(norm: dict) -> str:
-    """The variant name (``qkmla.norms.variant_name``) of a recorded norm with a qk_norm."""
-    return variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"], norm.get("qk_norm_scope", "head"))
-
-
-def describe(norm: dict) -> str:
+def describe(norm: Optional[QKNormConfig]) -> str:
     """One line naming a recorded norm, e.g. ``rms blockwise``."""
-    if not norm:
+    if norm is None:
         return "no QK norm"
-    text = "no QK norm" if norm["qk_norm"] is None else _variant(norm)
-    return text + (", learnable logit scale" if norm["learnable_logit_scale"] else "")
+    return norm.name + (", learnable logit scale" if norm.learnable_logit_scale else "")
 
 
-__all__ = ["GROUPS", "LOADER", "NORM_FIELDS", "RECORD", "check_norm_tensors", "describe", "norm_settings",
+__all__ = ["FLAT_FIELDS", "GROUPS", "LOADER", "NORM", "RECORD", "check_norm_tensors", "describe",
            "record_groups", "recorded_groups", "recorded_norm", "saved_norm"]

@@ -38,7 +38,7 @@ import torch
 
 from ...attention.functional import sdpa
 from ...attention.mla import MLA
-from ...config import MLAConfig
+from ...config import MLAConfig, QKNormConfig
 from ...cache.eviction import EvictionPolicy
 from .cache import adopt_layer
 
@@ -112,13 +112,13 @@ class LatentAttention(MLA):
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
         return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
 
-    def with_norm(self, norm: dict) -> "LatentAttention":
-        """This layer with a QK norm added (``norm``: the QK-norm fields of its config), sharing
-        its projection modules; the norm weights start at ones."""
+    def with_norm(self, norm: QKNormConfig) -> "LatentAttention":
+        """This layer with the QK norm ``norm`` added, sharing its projection modules; the norm
+        weights start at ones."""
         from ..hub.config import hf_projections
 
         weight = self.kv_b_proj.weight
-        layer = type(self)(self.config.replace(**norm), self.layer_idx, hf_projections(self), self.settings)
+        layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings)
         return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):

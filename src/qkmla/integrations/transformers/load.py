@@ -75,7 +75,7 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: "
                          f"{str(e).strip().splitlines()[0][:300]}") from None
     model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
-    apply_latent_attention(model, **norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
+    apply_latent_attention(model, qk_norm=norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for file in sorted(set(files.values())):

@@ -112,7 +112,7 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     names = _check_targets(targets, config)
     if not isinstance(train_qk_norm, bool):
         raise ValueError(f"train_qk_norm: expected True or False, got {train_qk_norm!r}")
-    if train_qk_norm and config.qk_norm is None:
+    if train_qk_norm and not config.has_qk_norm:
         raise ValueError("train_qk_norm: this model has no QK norm; add one with "
                          "apply_latent_attention(model, qk_norm='rms')")
     if "target_modules" in kwargs:

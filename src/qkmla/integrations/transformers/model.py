@@ -29,33 +29,30 @@ receives expanded keys and values, which the absorbed path never forms.
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ...cache.eviction import EvictionPolicy
+from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
 from .cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
 from .patched import inner_model
-from ..hub.record import describe, norm_settings, record_norm, recorded_groups, recorded_norm
+from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
 
 
-def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode: str = "blockwise",
-                           qk_norm_p: float = 2.0, qk_norm_eps: float = 1e-6, learnable_logit_scale: bool = False,
-                           qk_norm_scope: str = "head", kv_format: str = "dense",
+def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = None, kv_format: str = "dense",
                            policy: Optional[EvictionPolicy] = None, decode_backend: str = "auto"):
     """Make a transformers DeepSeek-V2/V3 model attend and decode through qkmla, in place.
 
     Args:
         model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` or the inner ``*Model``.
         qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
-            attention layer: "rms" (the paper's), "l2" or "lp"; ``qk_norm_mode`` "blockwise",
-            "unified" or "content", ``qk_norm_p`` (lp), ``qk_norm_eps``, ``learnable_logit_scale``,
-            ``qk_norm_scope`` ("head", or "projection": one statistic over all heads): the
-            :class:`~qkmla.MLAConfig` fields of the same names. The norm weights start at ones,
+            attention layer: a :class:`~qkmla.QKNormConfig` (kind, mode, p, eps, scope, learnable
+            logit scale) or its shorthand, "rms" (the paper's), "l2" or "lp". The norm weights start at ones,
             which changes the model's function (calibrate them with
             ``qkmla.convert.warm_start_qk_norm``); they are recorded in the model's config, so
             ``save_pretrained`` writes them and ``qkmla.integrations.transformers.from_pretrained`` restores them
@@ -76,26 +73,27 @@ def apply_latent_attention(model, *, qk_norm: Optional[str] = None, qk_norm_mode
     inner = inner_model(model)
     check_cache_settings(kv_format, policy, None)
     check_backend(decode_backend, "decode_backend")
-    norm = norm_settings(qk_norm, qk_norm_mode, qk_norm_p, qk_norm_eps, learnable_logit_scale, qk_norm_scope)
+    norm = QKNormConfig.of(qk_norm)
     settings = getattr(inner, "_qkmla_settings", None)
     if settings is not None:  # already patched: new settings, and a norm if it has none
         current = recorded_norm(inner.config)
-        if norm and current and norm != current:
+        if norm is not None and current is not None and norm != current:
             raise ValueError(f"qk_norm: this model already has the QK norm {describe(current)} (its weights are "
                              f"trained for it), so it cannot become {describe(norm)}; pass qk_norm=None to keep it, "
                              f"or start from the model without a norm")
         settings.kv_format, settings.policy = kv_format, policy
         for layer in inner.layers:
-            if norm and not current:
+            if norm is not None and current is None:
                 layer.self_attn = layer.self_attn.with_norm(norm)
             layer.self_attn.config = layer.self_attn.config.replace(decode_backend=decode_backend)
-        if norm and not current:
+        if norm is not None and current is None:
             _record(model, norm)
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hf_qknorm, hf_attention)
     overrides = {"num_kv_groups": groups} if groups is not None else {}
-    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, **norm, **overrides)
+    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, qk_norm=norm,
+                                       **overrides)
                for layer in inner.layers]
     for layer, attn in zip(inner.layers, patched):
         layer.self_attn = attn
@@ -112,7 +110,7 @@ def _configs(model) -> list:
     return list({id(c): c for c in (model.config, inner_model(model).config)}.values())
 
 
-def _record(model, norm: dict) -> None:
+def _record(model, norm: Optional[QKNormConfig]) -> None:
     """Record the norm in every config object the model has (``save_pretrained`` writes it)."""
     for config in _configs(model):
         record_norm(config, norm)

@@ -47,6 +47,7 @@ from vllm.model_executor.layers.attention import MLAAttention
 
 from ...attention.absorbed import (AbsorbedWeights, bind_latent_key_scalars, content_key_scalars, key_scalars,
                                    reads_content_only, rope_key, score_mode)
+from ...config import QKNormConfig
 from ...norms import make_qk_norms
 from ...ops.mla_decode.torch_impl import fold_head_scale
 from ...ops.small_linear import group_kernel_takes
@@ -80,7 +81,7 @@ class QKNormLatentAttention(nn.Module):
     ``self_attn.k_norm.*`` and ``self_attn.logit_scale`` (``model.py`` maps the names).
     """
 
-    def __init__(self, stock: nn.Module, norm: dict, backend: type, decode_backend: str):
+    def __init__(self, stock: nn.Module, norm: QKNormConfig, backend: type, decode_backend: str):
         super().__init__()
         wrapper = stock.mla_attn  # vLLM's MultiHeadLatentAttentionWrapper, replaced by this module
         self.num_heads = wrapper.num_heads  # local heads
@@ -90,11 +91,10 @@ class QKNormLatentAttention(nn.Module):
         for name in ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "q_b_proj", "q_proj",
                      "kv_a_layernorm", "kv_b_proj", "rotary_emb", "o_proj"):
             setattr(self, name, getattr(wrapper, name))
-        self.q_norm, self.k_norm = make_qk_norms(norm["qk_norm"], self.qk_nope_head_dim, self.qk_rope_head_dim,
-                                                 norm["qk_norm_p"], norm["qk_norm_eps"], norm["qk_norm_mode"])
+        self.q_norm, self.k_norm = make_qk_norms(norm, self.qk_nope_head_dim, self.qk_rope_head_dim)
         self.scale = wrapper.mla_attn.scale
         self.logit_scale = None
-        if norm["learnable_logit_scale"]:
+        if norm.learnable_logit_scale:
             self.logit_scale = nn.Parameter(torch.full((self.num_heads,), self.scale), requires_grad=False)
             self.logit_scale.weight_loader = _this_ranks_heads
         self.absorbed: Optional[AbsorbedWeights] = None  # derived after loading (prepare)

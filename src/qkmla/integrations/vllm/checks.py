@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ...config import QKNormConfig
 from ..hub.record import RECORD, recorded_groups, recorded_norm
 
 PLATFORMS = ("cpu", "cuda")
@@ -22,20 +23,20 @@ LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata acce
 def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization: Optional[str],
                   chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1,
                   dtype: str = "float32", speculative: bool = False, lora: bool = False,
-                  cuda_graphs: bool = False) -> dict:
-    """The recorded QK norm of ``hf_config`` ({} for a plain checkpoint), after checking that the
+                  cuda_graphs: bool = False) -> Optional[QKNormConfig]:
+    """The recorded QK norm of ``hf_config`` (None for a plain checkpoint), after checking that the
     plugin can serve it with these engine settings. ValueError naming the field otherwise."""
     get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
     norm = recorded_norm(hf_config, where="config.json")
     groups = recorded_groups(hf_config, where="config.json")
-    if groups is not None or norm:
+    if groups is not None or norm is not None:
         _check_layout_vllm_reads(get)
-    if not norm:
-        return {}
+    if norm is None:
+        return None
     what = f"a QK-normed checkpoint (config.json's {RECORD!r} record)"
-    if norm.get("qk_norm_scope", "head") != "head":
-        raise ValueError(f"config.json: qk_norm_scope={norm['qk_norm_scope']!r}: qkmla's vLLM backend serves a "
-                         f"statistic per head and KV group (qk_norm_scope='head'); a statistic over the whole "
+    if norm.scope != "head":
+        raise ValueError(f"config.json: the QK norm's scope={norm.scope!r}: qkmla's vLLM backend serves a "
+                         f"statistic per head and KV group (scope='head'); a statistic over the whole "
                          f"projection spans the heads a tensor-parallel rank splits")
     if platform not in PLATFORMS:
         raise ValueError(f"platform: qkmla's vLLM backend serves {what} on {PLATFORMS}, got {platform!r}")
@@ -77,7 +78,7 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     return norm
 
 
-def _check_cuda_context_gather(norm: dict, width: int, chunked_prefill: bool, prefix_caching: bool) -> None:
+def _check_cuda_context_gather(norm: QKNormConfig, width: int, chunked_prefill: bool, prefix_caching: bool) -> None:
     """A prefill over cached context on CUDA reads it through vLLM's gather kernel
     (``gather_and_maybe_dequant_cache``): into a workspace of 320 or 576 values per row only, the
     first values of each cache row, loaded 16 bytes at a time (the CUDA backend pads each row to a
@@ -89,10 +90,11 @@ def _check_cuda_context_gather(norm: dict, width: int, chunked_prefill: bool, pr
         if not on:
             continue
         off = f"start vLLM with {flag} ({name}=False)"
-        if norm.get("qk_norm") and norm["qk_norm_mode"] == "unified":
+        if norm.kind is not None and norm.mode == "unified":
             raise ValueError(f"{name}: on CUDA qkmla's vLLM backend attends over cached context in a prefill "
                              f"(which {name} needs) by recomputing each context key's scalar from its content key, "
-                             f"which qk_norm_mode='unified' does not allow (its statistic reads the RoPE key too); "
+                             f"which a QK norm of mode='unified' does not allow (its statistic reads the RoPE key "
+                             f"too); "
                              f"{off}, or serve on the CPU")
         if width not in (320, 576):
             raise ValueError(f"{name}: on CUDA vLLM gathers cached context into rows of 320 or 576 values, and "

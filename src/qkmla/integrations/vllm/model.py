@@ -23,7 +23,6 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, Deepse
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.platforms import current_platform
 
-from ...norms import variant_name
 from ..hub.record import RECORD
 from .attention import QKNormLatentAttention
 from .backend import BACKENDS
@@ -65,8 +64,8 @@ class QKNormMixin:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         norm = self.qk_norm_record
         variant = None
-        if norm.get("qk_norm"):
-            variant = variant_name(norm["qk_norm"], norm["qk_norm_p"], norm["qk_norm_mode"])
+        if norm is not None and norm.kind is not None:
+            variant = norm.name
 
         def renamed():
             for name, tensor in weights:
