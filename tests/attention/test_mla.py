@@ -240,7 +240,7 @@ def test_key_scalars_are_the_key_norms_statistic(kind, groups, mode):
     mla = make(qk_norm=QKNormConfig(kind, mode=mode, p=3.0), num_kv_groups=groups)
     c = mla.config
     x = torch.randn(2, 3, c.hidden_size, dtype=torch.float64)
-    c_kv, k_r = mla._latent(x)
+    c_kv, k_r = mla.latent(x)
     k_rope, key_scale = key_scalars(c_kv, k_r, mla.k_norm, mla.absorbed)
     k_c = mla.kv_b_proj(c_kv).view(2, 3, groups, -1)[..., :c.qk_nope_head_dim]
     want, _ = mla.k_norm.statistics(k_c, k_r)
@@ -265,7 +265,7 @@ def test_key_scalars_from_the_latent_through_the_cpu_kernel_match_the_gemms(kind
         pytest.skip(kernel_unavailable())
     mla = make(qk_norm=QKNormConfig(kind, mode=mode, p=3.0), num_kv_groups=2, dtype=torch.bfloat16)
     w = mla.absorbed
-    assert w.w_uk_packed is None and group_kernel_takes(w.w_uk)
+    assert w.uk.packed is None and group_kernel_takes(w.w_uk)
     c_kv = torch.randn(2, 5, mla.config.kv_lora_rank).bfloat16()
     G, d_n, d_c = w.w_uk.shape
     k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).unflatten(-1, (G, d_n))

@@ -50,7 +50,7 @@ def test_key_scalars_are_computed_from_the_stored_latent(kv_format):
     cache = LatentCache.from_config(mla.config, 1, 5, dtype=torch.float64, kv_format=kv_format)
     with torch.no_grad():
         mla(x, cache)  # prefill through the explicit path
-        c_kv = mla._latent(x)[0]
+        c_kv = mla.latent(x)[0]
         w_uk = mla.absorbed.w_uk  # [G, d_n, d_c]
         r_of = lambda c: statistic(torch.einsum("btc,gnc->btgn", c, w_uk), "rms").squeeze(-1)  # noqa: E731
         stored, full = r_of(cache.stored_latent(c_kv)), r_of(c_kv)

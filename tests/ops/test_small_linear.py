@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from qkmla.ops import small_linear as sl
+from qkmla.ops.small_linear import interface as sl
+from qkmla.ops.statistic import statistic
 from qkmla.ops.cpu_extension import build
 
 REASON = build()
@@ -205,10 +206,32 @@ def test_past_its_rows_the_group_statistic_is_the_gemms():
     bound or not; the kernel itself gives the same values to one bf16 step of one product."""
     n = sl.GROUP_KERNEL_MAX_ROWS + 3
     x, w = group_operands(n, 4, 32, 96, rows_between=8)
-    want = sl.statistic(torch.nn.functional.linear(x, w.reshape(128, 96)).unflatten(-1, (4, 32)), "rms").squeeze(-1)
+    want = statistic(torch.nn.functional.linear(x, w.reshape(128, 96)).unflatten(-1, (4, 32)), "rms").squeeze(-1)
     assert torch.equal(sl.group_statistic(x, w, "rms"), want)
     assert torch.equal(sl.bind_group_statistic(w, "rms")(x), want)
     kernel = torch.ops.qkmla_cpu.group_statistic(x, w, "rms", 2.0, 1e-6)
     torch.testing.assert_close(kernel, want, rtol=2.0 ** -8, atol=0)
     assert torch.equal(sl.group_statistic(x[:sl.GROUP_KERNEL_MAX_ROWS], w, "rms"),
                        kernel[:sl.GROUP_KERNEL_MAX_ROWS])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_grouped_linear_is_its_reference_per_group_wherever_the_kernel_does_not_run(dtype):
+    """GroupedLinear, the op a layer's W_UK is: each group's outputs and statistic equal the
+    references in naive.py (the kernels, where they run, are held against float64 above)."""
+    from qkmla.ops.small_linear import GroupedLinear, naive
+
+    x, w = torch.randn(2, 3, 64, dtype=dtype), torch.randn(4, 8, 64, dtype=dtype)
+    uk = GroupedLinear(w, pack=True)
+    want = torch.stack([torch.nn.functional.linear(x, w[g]) for g in range(4)], dim=-2)
+    if uk.packed is None or dtype != torch.bfloat16:  # the reference ran
+        assert torch.equal(uk(x), want)
+    else:
+        torch.testing.assert_close(uk(x), want, rtol=2.0 ** -8, atol=0)
+    for kind, p in (("rms", 2.0), ("l2", 2.0), ("lp", 3.0)):
+        reference = naive.group_statistic(x, w, kind, p, 1e-6)
+        assert torch.equal(reference, statistic(want, kind, p, 1e-6).squeeze(-1))
+        if dtype != torch.bfloat16:
+            assert torch.equal(uk.statistic(x, kind, p), reference)
+            assert torch.equal(uk.bind_statistic(kind, p)(x.reshape(-1, 64)), reference.reshape(-1, 4))
+    assert torch.equal(naive.small_linear(x, w[0]), torch.nn.functional.linear(x, w[0]))

@@ -28,8 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..dtypes import cast
 from ..norms import QKNorm, rows_per_head
-from ..ops.small_linear import (PackedWeight, bind_group_statistic, group_kernel_takes, group_statistic, pack_weight,
-                                small_linear)
+from ..ops.small_linear import GroupedLinear
 
 
 @dataclass
@@ -42,15 +41,19 @@ class AbsorbedWeights:
         gamma_q^C ⊙ gamma_k^C, the weight the query's content norm uses, so both weights reach q_lat
         in that one norm; None for plain MLA.
     w_uv: [G, d_v, d_c], the value rows: o = o_lat @ w_uv[g].T.
-    w_uk_packed: w_uk as one [G d_n, d_c] matrix packed for the CPU kernel that forms the new
-        tokens' content keys where a unified norm needs them (``ops.small_linear``), or None
-        elsewhere (the other norms' key scalars read w_uk itself: ``latent_key_scalars``).
+    uk: W_UK as the op that forms the new tokens' content keys c W_UK^(g) and their norm statistic
+        (``ops.small_linear.GroupedLinear`` over ``w_uk``, which picks the CPU kernel or the torch
+        reference); made from ``w_uk`` when not given.
     """
 
     w_uk: torch.Tensor
     gamma_qk: Optional[torch.Tensor]
     w_uv: torch.Tensor
-    w_uk_packed: Optional[PackedWeight] = None
+    uk: Optional[GroupedLinear] = None
+
+    def __post_init__(self) -> None:
+        if self.uk is None:
+            self.uk = GroupedLinear(self.w_uk)
 
 
 def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional[QKNorm],
@@ -64,13 +67,10 @@ def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional
             gamma_q = q_norm.content.weight.detach()
             gamma_qk = gamma_q * rows_per_head(k_norm.content.weight.detach(), gamma_q.shape[0])
         w_uk = w[:, :qk_nope_head_dim].contiguous()
-        packed = None
-        if k_norm is not None and not reads_content_only(k_norm):
-            # packed where the content keys' GEMM runs on the CPU kernel (bfloat16 on the CPU), None elsewhere
-            packed = pack_weight(w_uk.view(-1, w_uk.shape[-1]))
-        elif k_norm is not None:
-            group_kernel_takes(w_uk)  # builds the key statistic's kernel here, outside any compiled graph
-        return AbsorbedWeights(w_uk, gamma_qk, w[:, qk_nope_head_dim:].contiguous(), packed)
+        # The content keys themselves are formed only where the key scalar reads more than them
+        # (a unified norm's, the projection scope's): there the op keeps a copy for its kernel.
+        uk = GroupedLinear(w_uk, pack=k_norm is not None and not reads_content_only(k_norm), build=k_norm is not None)
+        return AbsorbedWeights(w_uk, gamma_qk, w[:, qk_nope_head_dim:].contiguous(), uk)
 
 
 _optimizer_steps = 0
@@ -146,14 +146,8 @@ def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
     r = latent_key_scalars(c_kv, k_norm, w)
     if r is not None:  # the scalar reads c alone
         return rope_key(k_r, k_norm), r
-    G, d_n, d_c = w.w_uk.shape
-    B, T = c_kv.shape[:2]
-    # Every group reads the same c: one GEMM against all groups' W_UK rows [G d_n, d_c]; for the
-    # few new tokens of a decode step in bfloat16 on a CPU, the kernel over its packed copy.
-    if w.w_uk_packed is not None:
-        k_c = small_linear(c_kv, w.w_uk_packed).view(B, T, G, d_n)
-    else:
-        k_c = torch.nn.functional.linear(c_kv, w.w_uk.reshape(G * d_n, d_c)).view(B, T, G, d_n)
+    # Every group reads the same c: one product against all groups' W_UK rows [G d_n, d_c].
+    k_c = w.uk(c_kv)  # [B, T, G, d_n]
     sigma, sigma_r = k_norm.statistics(k_c, k_r)  # [B, T, 1, 1] each with the projection scope
     if k_norm.mode == "blockwise":
         return k_norm.rope.scaled(k_r, sigma_r), sigma.squeeze(-1)
@@ -179,25 +173,24 @@ def latent_key_scalars(c_kv: torch.Tensor, k_norm: QKNorm, w: AbsorbedWeights) -
     """c [..., d_c] -> the key scalars [..., G] of :func:`content_key_scalars`, from the latent (None
     where it gives None), float32 (float64 for float64 c).
 
-    One op call (``ops.small_linear.group_statistic``): in bfloat16 on a CPU with qkmla's
-    kernel, the content keys never leave it and W_UK is read where it lies (the vLLM plugin
-    passes vLLM's own view of ``kv_b_proj``'s weight); elsewhere the keys are formed with one
-    GEMM and reduced."""
+    One op call (``w.uk.statistic``): in bfloat16 on a CPU with qkmla's kernel, the content keys
+    never leave it and W_UK is read where it lies (the vLLM plugin passes vLLM's own view of
+    ``kv_b_proj``'s weight); elsewhere the keys are formed with one GEMM and reduced."""
     if not reads_content_only(k_norm):
         return None
     norm = k_norm.content
-    return group_statistic(c_kv, w.w_uk, norm.kind, norm.p, norm.eps)
+    return w.uk.statistic(c_kv, norm.kind, norm.p, norm.eps)
 
 
 def bind_latent_key_scalars(k_norm: QKNorm, w: AbsorbedWeights) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """:func:`latent_key_scalars` with the norm and weights bound and checked once, c [T, d_c] ->
-    [T, G] (``ops.small_linear.bind_group_statistic``), for a caller outside a compiled graph that
+    [T, G] (``w.uk.bind_statistic``), for a caller outside a compiled graph that
     forms a decode step's key scalars on every step (the vLLM plugin's cache write); None where
     :func:`latent_key_scalars` gives None."""
     if not reads_content_only(k_norm):
         return None
     norm = k_norm.content
-    return bind_group_statistic(w.w_uk, norm.kind, norm.p, norm.eps)
+    return w.uk.bind_statistic(norm.kind, norm.p, norm.eps)
 
 
 def rope_key(k_r: torch.Tensor, k_norm: QKNorm) -> torch.Tensor:

@@ -54,8 +54,8 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     """
     rows = torch.arange(latent.shape[0], device=x.device)
     pos = positions[:, None]
-    q_lat, q_r = latent_query(*mla._raw_query(x), mla.q_norm, absorbed)
-    c_kv, k_r = mla._latent(x)
+    q_lat, q_r = latent_query(*mla.raw_query(x), mla.q_norm, absorbed)
+    c_kv, k_r = mla.latent(x)
     fmt = row_format(kv_format, c_kv.shape[-1], k_r.shape[-1])
     k_r, r = key_scalars(fmt.stored_latent(c_kv, latent.dtype), k_r, mla.k_norm, absorbed)
     latent[rows, slots] = fmt.encode(c_kv, mla.rotary(k_r, pos).squeeze(2))[:, 0].to(latent.dtype)

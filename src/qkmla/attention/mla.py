@@ -142,14 +142,14 @@ class MLA(nn.Module):
 
     # -- projections ------------------------------------------------------------------------
 
-    def _raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q^C [B, T, h, d_n], q~^R [B, T, h, d_r]) before any norm or RoPE."""
         c = self.config
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
         return q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
 
-    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(c [B, T, d_c] after kv_a_layernorm, k~^R [B, T, 1, d_r] before norm and RoPE)."""
         c = self.config
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
@@ -159,7 +159,7 @@ class MLA(nn.Module):
 
     def explicit_query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Normalized, rotated q [B, T, h, d_n + d_r]."""
-        q_c, q_r = self._raw_query(x)
+        q_c, q_r = self.raw_query(x)
         if self.q_norm is not None:
             q_c, q_r = self.q_norm(q_c, q_r)
         return torch.cat((q_c, self.rotary(q_r, positions)), dim=-1)
@@ -171,7 +171,7 @@ class MLA(nn.Module):
         """
         c = self.config
         q = self.explicit_query(x, positions)
-        c_kv, k_r = latent if latent is not None else self._latent(x)
+        c_kv, k_r = latent if latent is not None else self.latent(x)
         kv = self.kv_b_proj(c_kv).view(*x.shape[:2], c.num_kv_groups, c.qk_nope_head_dim + c.v_head_dim)
         k_c, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         if self.k_norm is not None:
@@ -230,7 +230,7 @@ class MLA(nn.Module):
 
     def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""
-        q_lat, q_r = latent_query(*self._raw_query(x), self.q_norm, self.absorbed)
+        q_lat, q_r = latent_query(*self.raw_query(x), self.q_norm, self.absorbed)
         return q_lat, self.rotary(q_r, positions)
 
     def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None, cache=None) -> dict[str, torch.Tensor]:
@@ -238,7 +238,7 @@ class MLA(nn.Module):
         rotated ``k_rope`` [B, T, d_r] and ``key_scale`` [B, T, G] (None without a QK norm).
         ``latent``: x's (c, k~^R) if already projected. ``cache``: the cache the rows go to; r
         is computed from c as it reads c back (``stored_latent``: dequantized, if quantized)."""
-        c_kv, k_r = latent if latent is not None else self._latent(x)
+        c_kv, k_r = latent if latent is not None else self.latent(x)
         c_read = cache.stored_latent(c_kv) if cache is not None else c_kv
         k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.absorbed)
         return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
@@ -290,7 +290,7 @@ class MLA(nn.Module):
         """Write x's rows into the latent cache and attend along ``path``. Returns the heads'
         outputs [B, T, h, d_v] and a function giving x's latent queries (q_lat, q_rope)."""
         if path in ("explicit", "expand"):
-            latent = self._latent(x)  # projected once: for the cache rows and the explicit keys
+            latent = self.latent(x)  # projected once: for the cache rows and the explicit keys
             cache.append(slot, **self.cache_rows(x, slot.positions, latent, cache))
             if path == "explicit":  # a prefill into an empty latent cache
                 q, k, v = self.explicit_qkv(x, slot.positions, latent)

@@ -70,7 +70,7 @@ def explicit_over_stored(mla: MLA, x: torch.Tensor, cache: LatentCache) -> dict[
     if mla.k_norm is not None and mla.k_norm.mode == "blockwise":
         k_c = mla.k_norm.content(k_c)  # the stored RoPE key is already normalized
     elif mla.k_norm is not None:  # one statistic over [k^C ; k~^R], k~^R as the writer had it
-        sigma, _ = mla.k_norm.statistics(k_c, mla._latent(x)[1])
+        sigma, _ = mla.k_norm.statistics(k_c, mla.latent(x)[1])
         k_c, k_r = mla.k_norm.content.scaled(k_c, sigma), k_r * sigma
     k = torch.cat((k_c, k_r), dim=-1)
     q = mla.explicit_query(x, positions)

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "mla_decode" / "cpu_kernel.cpp", HERE / "small_linear.cpp")
+SOURCES = (HERE / "mla_decode" / "cpu_kernel.cpp", HERE / "small_linear" / "small_linear.cpp")
 HEADERS = (HERE / "bf16.h",)  # included by the sources; in the build's name, so a change rebuilds
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 STALE_LOCK_S = 600  # a build lock older than this was left by a build that died (no build takes so long)

@@ -93,10 +93,9 @@ def main() -> None:
         return kernel(*a, **kw)
     interface.cpu_mla_decode = counted_kernel
     import torch
-    from qkmla.attention import absorbed
-    from qkmla.ops import small_linear
+    from qkmla.ops.small_linear import interface as small_linear
 
-    bind = absorbed.bind_group_statistic  # what the layers' prepare() binds for their cache writes
+    bind = small_linear.bind_group_statistic  # what the layers' prepare() binds for their cache writes
 
     def counted_bind(w, *a, **kw):
         bound = bind(w, *a, **kw)
@@ -107,7 +106,7 @@ def main() -> None:
                 STATISTIC_CALLS.append(1)
             return bound(x)
         return counted
-    absorbed.bind_group_statistic = counted_bind
+    small_linear.bind_group_statistic = counted_bind
 
     amx = bool(torch.cpu._is_amx_tile_supported())
     if args.get("amx_configuration"):

@@ -4,7 +4,7 @@
 //
 //   y[t, n] = sum_k x[t, k] W[n, k]      x [T, K], W [N, K], y [T, N]
 //
-// W is packed once (small_linear.py, pack_weight) as [ceil(N / 64)][K / 2][64][2]: a tile of 64
+// W is packed once (interface.py, pack_weight) as [ceil(N / 64)][K / 2][64][2]: a tile of 64
 // output columns, and for each pair of K the two values of each column side by side. A tile's
 // 64 sums are the lanes of 4 zmm registers, and each pair of x's row is broadcast to all lanes
 // for an AVX-512 BF16 dot product (vdpbf16ps: two bf16 products summed into a float32 lane), so
@@ -22,7 +22,7 @@
 //   m[t, g] = sum_n |y[t, g, n]|^q,   y[t, g, n] = x[t] . W[g, n] rounded to bf16 (as a GEMM returns it),
 //
 // q = p for lp and 2 otherwise, then the norm's statistic of each group (rms: (m / group + eps)^-1/2,
-// l2: (m + eps)^-1/2, lp: (m + eps)^-1/p; qkmla.norms.statistic_from_moment), float32. Each dot
+// l2: (m + eps)^-1/2, lp: (m + eps)^-1/p; qkmla.ops.statistic.statistic_from_moment), float32. Each dot
 // product runs along a row of W (vdpbf16ps over 32 values of K at a time, then one horizontal sum),
 // four rows of W against up to four rows of x at once, so each row of W is read once.
 #include <immintrin.h>
@@ -37,7 +37,7 @@
 #include <string>
 #include <vector>
 
-#include "bf16.h"
+#include "../bf16.h"
 
 namespace {
 

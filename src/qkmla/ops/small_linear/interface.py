@@ -1,4 +1,4 @@
-"""x W^T for a few rows of bfloat16 x on the CPU: ``small_linear.cpp``, with ``F.linear`` as its reference.
+"""x W^T for a few rows of bfloat16 x on the CPU: ``small_linear.cpp``, with its torch reference in ``naive.py``.
 
 A decode step multiplies a handful of new tokens by a weight; a QK-normed layer's key scalars
 need every head's content key c W_UK for each new token (``attention.absorbed.key_scalars``).
@@ -13,9 +13,14 @@ It reads the weight unpacked, row by row, where it lies (vLLM's W_UK is a view o
 ``kv_b_proj``'s weight), so the layer keeps no copy of W_UK and the query absorption that reads
 the same rows next finds them in cache.
 
-It is compiled with qkmla's other CPU kernels (``cpu_extension.py``). Where it cannot run (no
+:class:`GroupedLinear` is the one object a layer holds for its W_UK: the content keys c W_UK^(g)
+and their statistic, each through the kernel where it takes the inputs (over a packed copy made
+once, where asked) and through ``naive.py`` elsewhere, so the math that calls it
+(``attention.absorbed``) knows no kernel.
+
+It is compiled with qkmla's other CPU kernels (``ops/cpu_extension.py``). Where it cannot run (no
 AVX-512 BF16, no compiler, a weight that is not a CPU bfloat16 matrix with K even),
-:func:`pack_weight` returns None (:func:`group_kernel_takes` False) and callers keep ``F.linear``.
+:func:`pack_weight` returns None (:func:`group_kernel_takes` False) and the references run.
 The ops have fake implementations, so they trace under ``torch.compile``.
 """
 
@@ -27,8 +32,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .cpu_extension import build
-from .statistic import NORM_KINDS, statistic
+from ..cpu_extension import build
+from ..statistic import NORM_KINDS
+from . import naive
 
 TILE = 64  # output columns per packed tile (small_linear.cpp)
 # Rows of x past which the product goes to a GEMM library on CPUs with AMX tiles, whose bf16
@@ -108,9 +114,9 @@ def small_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N], with W packed by :func:`pack_weight`.
 
     The kernel takes CPU bfloat16 x outside autograd; anything else (another dtype, x that
-    needs a gradient) goes through ``F.linear`` on the unpacked weight, the reference."""
+    needs a gradient) goes through the reference (``naive.small_linear``) on the unpacked weight."""
     if not _kernel_takes(x):
-        return torch.nn.functional.linear(x, w.unpack().to(x.dtype))
+        return naive.small_linear(x, w.unpack())
     lead, K = x.shape[:-1], x.shape[-1]
     y = torch.ops.qkmla_cpu.small_linear(x.reshape(-1, K).contiguous(), w.packed, w.N, w.max_rows)
     return y.view(*lead, w.N)
@@ -145,7 +151,7 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     (float64 for float64 x), in one op call.
 
     The outputs are rounded to x's dtype first, as ``F.linear`` returns them, so this equals
-    ``ops.statistic.statistic`` of ``F.linear(x, w.reshape(G * group, K))`` per group to float32
+    ``naive.group_statistic`` (the statistic of ``F.linear(x, w.reshape(G * group, K))`` per group) to float32
     summation order; that is also the path where the kernel does not run (another dtype, x that
     needs a gradient, more than ``GROUP_KERNEL_MAX_ROWS`` rows, a weight :func:`group_kernel_takes`
     refuses or before it has been asked).
@@ -156,8 +162,7 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     _check_group_statistic(x.shape[-1], w, kind, p)
     G, group, K = w.shape
     if not (_KERNEL_READY and _kernel_takes(x) and _group_weight_fits(w) and x.numel() <= GROUP_KERNEL_MAX_ROWS * K):
-        y = torch.nn.functional.linear(x, w.reshape(G * group, K).to(x.dtype)).unflatten(-1, (G, group))
-        return statistic(y, kind, p, eps).squeeze(-1)
+        return naive.group_statistic(x, w, kind, p, eps)
     sigma = torch.ops.qkmla_cpu.group_statistic(x.reshape(-1, K).contiguous(), w, kind, float(p), float(eps))
     return sigma.view(*x.shape[:-1], G)
 
@@ -180,3 +185,37 @@ def bind_group_statistic(w: torch.Tensor, kind: str, p: float = 2.0,
         return group_statistic(x, w, kind, p, eps)
 
     return bound
+
+
+class GroupedLinear:
+    """A weight given group by group, w [G, n, K], as the op a decode step applies to its new tokens:
+    x [..., K] -> every group's outputs x W_g^T [..., G, n] (:meth:`__call__`), or each group's norm
+    statistic [..., G] (:meth:`statistic`, :meth:`bind_statistic`). A QK-normed MLA layer's W_UK
+    (the content keys c W_UK^(g) and the key scalars), wherever qkmla runs it.
+
+    ``pack=True`` packs a copy of w for :func:`small_linear` where the kernel takes it (a CPU
+    bfloat16 weight on a machine where it runs): what a layer asks for when its key scalars need
+    the content keys themselves (a unified norm's statistic reads the RoPE key too). Elsewhere the
+    outputs come from the reference, and the statistic from :func:`group_statistic` over w where it
+    lies; ``build=True`` builds that kernel now. Make it outside ``torch.compile`` (packing and
+    building may compile the kernel); calling it traces.
+    """
+
+    def __init__(self, w: torch.Tensor, pack: bool = False, build: bool = False):
+        self.w = w
+        self.packed = pack_weight(w.reshape(-1, w.shape[-1])) if pack else None
+        if build and not pack:
+            group_kernel_takes(w)  # builds the statistic's kernel here, outside any compiled graph
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        G, n, K = self.w.shape
+        y = small_linear(x, self.packed) if self.packed is not None else naive.small_linear(x, self.w.reshape(G * n, K))
+        return y.unflatten(-1, (G, n))
+
+    def statistic(self, x: torch.Tensor, kind: str, p: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
+        """:func:`group_statistic` of x over this weight: [..., K] -> [..., G]."""
+        return group_statistic(x, self.w, kind, p, eps)
+
+    def bind_statistic(self, kind: str, p: float = 2.0, eps: float = 1e-6) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:func:`bind_group_statistic` over this weight: x [T, K] -> [T, G], checked once."""
+        return bind_group_statistic(self.w, kind, p, eps)
