@@ -38,7 +38,8 @@ from qkmla.experiments.qknorm_vs_clip.design import CURVE_EVERY, SPIKE_NATS, SPI
 from qkmla.experiments.results import curve, spikes, values
 from qkmla.utils.files import write_text
 
-ROOT = Path(__file__).resolve().parents[1]
+from .common import ROOT
+
 KEEP = ("step", "loss", "lr", "grad_norm", "max_logit", "step_seconds", "clipped_heads", "max_logit_after_clip",
         "val_loss", "logit_bound", "logit_scale", "non_finite")
 DROPPED = ("max_logit_per_layer", "max_logit_per_head", "tokens_per_s", "max_logit_seconds",

@@ -1,7 +1,8 @@
-"""Smoke runs of the benchmark scripts on a tiny layer: they run end to end and write the
-JSON docs/benchmarks.md documents (the timings themselves are not asserted)."""
+"""Smoke runs of the benchmarks (modules of the ``benchmarks`` package, run from the repository
+root) on a tiny layer: they run end to end and write the JSON docs/benchmarks.md documents (the
+timings themselves are not asserted)."""
 
-import importlib.util
+import importlib
 import json
 import re
 from pathlib import Path
@@ -15,10 +16,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark ``benchmarks.<name>``."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_bench_decode_times_every_row_over_one_cache_per_row(tmp_path):
@@ -28,7 +27,7 @@ def test_bench_decode_times_every_row_over_one_cache_per_row(tmp_path):
     assert bench.main(["--preset", "tiny", "--contexts", "64", "32", "--rounds", "2", "--threads", "1",
                        "--compile-backend", "aot_eager", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_decode.py")
+    assert result["command"].startswith("python -m benchmarks.bench_decode ")
     assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", result["commit"])
     assert result["machine"]["torch_threads"] == 1 and set(result["load_average_1min"]) == {"start", "end"}
     names = {"mla", "mla-qknorm", "mla-compiled", "mla-qknorm-compiled", "expand-qknorm"}
@@ -140,7 +139,7 @@ def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
     assert bench.main(["--points", "32x2", "48x1", "--reps", "3", "--profile", "32x1", "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads  # measured on one thread, the caller's count given back
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_paged_layouts.py")
+    assert result["command"].startswith("python -m benchmarks.bench_paged_layouts ")
     assert result["machine"]["torch_threads"] == 1 and result["target"] == round(1 + 16 / 576 + 0.02, 4)
     assert [(r["layout"], r["context"], r["batch"]) for r in result["rows"] if r["backend"] == "torch"] == [
         ("row", 32, 2), ("block", 32, 2), ("row", 48, 1), ("block", 48, 1)]
@@ -246,7 +245,7 @@ def test_bench_cpu_kernel_times_the_kernel_beside_the_torch_backend(tmp_path):
                        "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_cpu_kernel.py")
+    assert result["command"].startswith("python -m benchmarks.bench_cpu_kernel ")
     assert result["auto_max_query_heads"] == AUTO_MAX_QUERY_HEADS and result["machine"]["torch_threads"] == 2
     assert [(r["heads"], r["queries"]) for r in result["rows"]] == [(16, 1), (16, 2), (20, 1), (20, 2)]
     assert all(r["torch_ms"] > 0 and r["cpu_ms"] > 0 for r in result["rows"])
@@ -266,7 +265,7 @@ def test_bench_small_linear_times_the_kernel_beside_f_linear(tmp_path):
                        "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_small_linear.py")
+    assert result["command"].startswith("python -m benchmarks.bench_small_linear ")
     assert [(r["N"], r["K"], r["rows"]) for r in result["rows"]] == [(128, 64, 1), (128, 64, 5)]
     assert all(r["linear_us"] > 0 and r["kernel_us"] > 0 for r in result["rows"])
     assert "amx" in result["machine"] and result["what"].startswith("product")
