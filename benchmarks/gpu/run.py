@@ -1,6 +1,7 @@
 """Every GPU figure qkmla needs, in one command, within a time budget. From the repository root,
 with this checkout installed (the device machine gets a copy of the working tree and no qkmla;
-``--no-deps``: torch and Triton are the machine's own):
+``--no-deps``: torch and Triton are the machine's own; where the install cannot build offline,
+setuptools older than 70.1 without ``wheel``, ``export PYTHONPATH=src`` instead):
 
     python -m pip install --no-deps --no-build-isolation -e .
     python -m benchmarks.gpu.run [--budget-min 20] [--out DIR] [--parts NAME ...] [--overwrite] [--wheels DIR]

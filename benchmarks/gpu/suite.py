@@ -42,13 +42,15 @@ def write_json(path: Path, obj) -> None:
 def foreign_qkmla() -> Optional[str]:
     """Why the qkmla imported here is not this checkout's (the code a results file names), or
     None: the suite runs with the checkout installed, ``python -m pip install --no-deps
-    --no-build-isolation -e .`` from the repository root (the device machine gets a copy of the
-    working tree, without qkmla installed)."""
+    --no-build-isolation -e .`` from the repository root, or where that cannot build offline
+    (setuptools older than 70.1 without ``wheel``) with ``PYTHONPATH=src`` in the environment
+    (the device machine gets a copy of the working tree, without qkmla installed)."""
     where = Path(qkmla.__file__).resolve().parent
     if where.is_relative_to(REPO / "src"):
         return None
     return (f"qkmla is imported from {where}, not from this checkout ({REPO / 'src'}): run "
-            "`python -m pip install --no-deps --no-build-isolation -e .` in the repository root first")
+            "`python -m pip install --no-deps --no-build-isolation -e .` in the repository root first "
+            "(or set PYTHONPATH=src)")
 
 
 def _version(dist: str) -> Optional[str]:
