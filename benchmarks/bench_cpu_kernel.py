@@ -1,7 +1,7 @@
 """Where the CPU decode kernel beats the torch backend: ``mla_decode_with_kvcache`` through
 ``backend="cpu"`` and ``backend="torch"`` side by side, over head counts and query tokens.
 
-    python benchmarks/bench_cpu_kernel.py [--heads 16 32 64 128] [--queries 1 2 4 8]
+    python -m benchmarks.bench_cpu_kernel [--heads 16 32 64 128] [--queries 1 2 4 8]
         [--points 4096x1 4096x4 16384x1] [--threads 2] [--reps 5] [--out FILE.json] [--overwrite]
 
 A QK-normed bfloat16 paged cache (blocks of 16 tokens, d_c 512, d_r 64, one key scalar per
@@ -15,18 +15,14 @@ alternating; a cell's ratio is the median of the per-pair ratios kernel / torch.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_paged_layouts import BLOCK, paired, point  # noqa: E402 (blocks, points and pairs timed alike)
-from recipe_common import positive  # noqa: E402
+from .bench_paged_layouts import BLOCK, paired, point  # blocks, points and pairs timed alike
+from .common import positive, start_record, torch_threads
 
 D_C, D_R = 512, 64
 
@@ -60,21 +56,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from recipe_common import check_out
-
-    from qkmla.utils.files import write_text
-    from qkmla.utils.machine import machine, recorded_command, source_commit
     from qkmla.ops.mla_decode.cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported_for
 
-    check_out(p, args.out, args.overwrite)  # before any work
-    reason = cpu_unsupported_for("cpu", D_C, D_R, torch.bfloat16)
-    if reason is not None:
-        p.error(f"the CPU kernel cannot run here: {reason}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
     rows = []
-    try:
+    with torch_threads(args.threads):
+        _, write = start_record(p, args, __spec__.name, argv, reps=args.reps,
+                                auto_max_query_heads=AUTO_MAX_QUERY_HEADS, rows=rows)
+        reason = cpu_unsupported_for("cpu", D_C, D_R, torch.bfloat16)
+        if reason is not None:
+            p.error(f"the CPU kernel cannot run here: {reason}")
         for heads in args.heads:
             for context, batch in args.points:
                 for queries in args.queries:
@@ -84,15 +74,7 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(f"{heads:4d} heads, S_q {queries}, {context:6d} x {batch}: torch {row['torch_ms']:9.3f} ms  "
                           f"kernel {row['cpu_ms']:9.3f} ms  kernel / torch {row['cpu_over_torch']:.3f}", flush=True)
-    finally:  # a caller in the same process (the tests) keeps its threads
-        torch.set_num_threads(threads)
-    result = {"command": recorded_command("benchmarks/bench_cpu_kernel.py", argv), "commit": source_commit(HERE),
-              "machine": {**machine(), "torch_threads": args.threads}, "reps": args.reps,
-              "load_average_1min": round(os.getloadavg()[0], 2), "auto_max_query_heads": AUTO_MAX_QUERY_HEADS,
-              "rows": rows}
-    if args.out is not None:
-        write_text(args.out, json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write()
     return 0
 
 

@@ -1,6 +1,6 @@
 """One decode step of one MLA layer at DeepSeek-V3 TP=8 widths, 1k to 32k tokens of context (CPU or GPU).
 
-    python benchmarks/bench_decode.py [--contexts 1024 ... 32768] [--threads N] [--out FILE.json] [--overwrite]
+    python -m benchmarks.bench_decode [--contexts 1024 ... 32768] [--threads N] [--out FILE.json] [--overwrite]
 
 Rows, timed side by side: every round calls each row in turn, ``ms`` is a row's median call, and
 a ratio is the median over rounds of that round's ratio, so a burst of other work on the
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -45,8 +44,8 @@ import torch
 from qkmla import MLA, FullKVCache, LatentCache, mla_preset
 from qkmla.cache.storage import PagedLayout
 from qkmla.attention.decode import decode_one_token, mla_decode_step
-from qkmla.utils.files import check_output, write_text
-from qkmla.utils.machine import machine, recorded_command, source_commit
+
+from .common import start_record, torch_threads
 
 HERE = Path(__file__).resolve().parent
 CONTEXTS = (1024, 4096, 16384, 32768)
@@ -164,20 +163,15 @@ def main(argv=None) -> int:
     if args.threads < 0:
         p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
     args.out = args.out or HERE / "results" / f"bench_decode_{args.device}.json"
-    try:
-        check_output("--out", [args.out], [], args.overwrite)
-    except ValueError as e:
-        p.error(str(e))
-    before = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        return run(args, argv)
-    finally:  # a caller in the same process keeps its thread count
-        torch.set_num_threads(before)
+    with torch_threads(args.threads):
+        result, write = start_record(p, args, __spec__.name, argv, load_at_start=True)
+        run(args, result)
+        write()
+    return 0
 
 
-def run(args, argv) -> int:
+def run(args, result: dict) -> None:
+    """Time every row at every context into ``result`` (the results record)."""
     contexts, dtype, device = sorted(set(args.contexts)), getattr(torch, args.dtype), args.device
     load_at_start = os.getloadavg()[0]
 
@@ -230,7 +224,7 @@ def run(args, argv) -> int:
                 cache.restore(saved)  # the same context every call
         return call
 
-    info = machine()
+    info = result["machine"]
     print(f"# {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch threads), torch {info['torch']}, "
           f"{args.preset}, {args.dtype}, batch {B}, {f'paged ({paged}-token blocks)' if paged else 'contiguous'}, "
           f"load average {load_at_start:.2f}"
@@ -292,17 +286,10 @@ def run(args, argv) -> int:
     if hf is not None:
         import transformers
         transformers_version = transformers.__version__
-    result = {"command": recorded_command("benchmarks/bench_decode.py", argv), "commit": source_commit(HERE),
-              "machine": info,
-              "load_average_1min": {"start": round(load_at_start, 2), "end": round(os.getloadavg()[0], 2)},
-              "transformers": transformers_version, "preset": args.preset, "dtype": args.dtype, "device": device,
-              "batch": B, "cache_layout": f"paged, {paged}-token blocks" if paged else "contiguous",
-              "rounds": args.rounds, "compile": {"backend": args.compile_backend, "per_context": compile_record},
-              "rows": results, "summary": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text(args.out, json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    return 0
+    result.update(transformers=transformers_version, preset=args.preset, dtype=args.dtype, device=device, batch=B,
+                  cache_layout=f"paged, {paged}-token blocks" if paged else "contiguous", rounds=args.rounds,
+                  compile={"backend": args.compile_backend, "per_context": compile_record}, rows=results,
+                  summary=summary)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A whole transformers DeepSeek-V3-architecture model: unpatched against ``apply_latent_attention``.
 
-    python benchmarks/bench_hf_generate.py [--contexts 1024 4096 16384 32768] [--dtypes float32 bfloat16]
+    python -m benchmarks.bench_hf_generate [--contexts 1024 4096 16384 32768] [--dtypes float32 bfloat16]
                                            [--out FILE.json] [--overwrite] [--quick]
 
 The model: DeepSeek-V3's attention at tensor parallelism 8 (16 heads, q_lora_rank 1536,
@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+from .common import start_record
+
 VARIANTS = ("transformers", "qkmla", "qkmla-fp8", "qkmla-snapkv")
 SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2, first_k_dense_replace=2,
              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -150,33 +151,19 @@ def main(argv=None) -> int:
         p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [1024], ["float32"], 2, 1
-    sys.path.insert(0, str(HERE))  # recipe_common beside this script
-    from recipe_common import check_out
-
-    check_out(p, args.out, args.overwrite)  # before any work
+    result, write = start_record(p, args, __spec__.name, argv)
 
     import transformers
 
-    from qkmla.utils.machine import machine, recorded_command, source_commit
-
-    def write(rows: list) -> None:  # after every cell, so an interrupted run keeps what it measured
-        result = {"command": recorded_command("benchmarks/bench_hf_generate.py", argv), "commit": source_commit(HERE),
-                  "machine": machine(), "transformers": transformers.__version__, "shape": SHAPE, "rows": rows,
-                  "summary": summarize(rows)}
-        if args.out is not None:
-            tmp = args.out.with_name(args.out.name + ".tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            tmp.replace(args.out)
-        return result
-
     rows = []
+    result.update(transformers=transformers.__version__, shape=SHAPE, rows=rows)
     for dtype in args.dtypes:
         for context in args.contexts:
             for variant in args.variants:
                 cell = dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
                             chunk=args.chunk, score_budget_gib=args.score_budget_gib, threads=args.threads)
-                proc = subprocess.run([sys.executable, __file__, "--cell", json.dumps(cell)], capture_output=True,
-                                      text=True, env=os.environ)
+                proc = subprocess.run([sys.executable, "-m", __spec__.name, "--cell", json.dumps(cell)],
+                                      capture_output=True, text=True, env=os.environ)
                 if proc.returncode == 0:
                     row = json.loads(proc.stdout.strip().splitlines()[-1])
                 else:  # recorded, not fatal: the other cells still run
@@ -184,8 +171,8 @@ def main(argv=None) -> int:
                            "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                write(rows)
-    result = write(rows)
+                result["summary"] = summarize(rows)
+                write()  # after every cell, so an interrupted run keeps what it measured
     print(json.dumps(result["summary"], indent=1) if args.out is not None else json.dumps(result, indent=1))
     return 0
 

@@ -2,7 +2,7 @@
 ``mla_decode_with_kvcache`` over two layouts of one bfloat16 paged cache, plain MLA and the QK
 norm reading the same memory.
 
-    python benchmarks/bench_paged_layouts.py [--points 1024x1 4096x8 ...] [--reps 20]
+    python -m benchmarks.bench_paged_layouts [--points 1024x1 4096x8 ...] [--reps 20]
         [--backends torch cpu] [--profile 4096x8] [--baseline REV] [--out FILE.json] [--overwrite]
 
 Layouts of blocks of 16 tokens (16 heads, d_c 512, d_r 64, G = 16 key scalars per token):
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+from .common import ROOT, start_record, torch_threads
+
 HEADS, D_C, D_R, G, BLOCK = 16, 512, 64, 16, 16
 LAYOUTS = ("row", "block")
 DEFAULT_POINTS = ["1024x1", "4096x1", "16384x1", "1024x8", "4096x8", "16384x8"]
@@ -132,7 +131,7 @@ def backend_at(rev: str):
     one (its relative imports resolve against today's package). Raises ValueError naming
     ``--baseline`` when git cannot show the file."""
     path = "src/qkmla/ops/mla_decode/torch_impl.py"
-    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=HERE.parent, capture_output=True, text=True)
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
     if shown.returncode != 0:
         raise ValueError(f"--baseline: git cannot show {path} at {rev!r}: {shown.stderr.strip()}")
     module = types.ModuleType("qkmla.ops.mla_decode._baseline_torch_impl")
@@ -186,10 +185,9 @@ def profile(plain, qknorm, calls_per_block: int, blocks: int = 6) -> dict:
                         "difference": round(per_op["qknorm"][op] - per_op["plain"][op], 1)} for op in ops[:16]]}
 
 
-def measure(args, argv) -> dict:
-    """The results record: every point on both layouts, and the profile if asked (on one thread)."""
-    from qkmla.utils.machine import machine, recorded_command, source_commit
-
+def measure(args, result: dict) -> None:
+    """Every point on both layouts, and the profile if asked (on one thread), into ``result``
+    (the results record)."""
     extra = G / (D_C + D_R)
     rows = []
     for backend in args.backends:
@@ -202,9 +200,7 @@ def measure(args, argv) -> dict:
                 print(f"{backend:5s} {layout:5s} {context:6d} x {batch}: plain {row['plain_ms']:9.3f} ms  qknorm "
                       f"{row['qknorm_ms']:9.3f} ms  ratio {row['qknorm_over_plain']:.3f} "
                       f"(quartiles {low:.3f} {high:.3f})", flush=True)
-    result = {"command": recorded_command("benchmarks/bench_paged_layouts.py", argv), "commit": source_commit(HERE),
-              "machine": machine(), "load_average_1min": round(os.getloadavg()[0], 2), "reps": args.reps,
-              "extra_bytes": round(extra, 4), "target": round(1 + extra + 0.02, 4), "rows": rows}
+    result.update(reps=args.reps, extra_bytes=round(extra, 4), target=round(1 + extra + 0.02, 4), rows=rows)
     if set(args.backends) == {"torch", "cpu"}:
         result["kernel_rows"] = []
         for context, batch in args.points:
@@ -232,7 +228,6 @@ def measure(args, argv) -> dict:
         print(f"profile row {context} x {batch}: plain {total['plain']} µs, qknorm {total['qknorm']} µs per call")
         for op in result["profile"]["ops_us"][:8]:
             print(f"  {op['op']:28s} {op['plain']:10.1f} {op['qknorm']:10.1f} {op['difference']:+9.1f}")
-    return result
 
 
 def main(argv=None) -> int:
@@ -250,33 +245,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps: expected a positive int, got {args.reps}")
-    sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # qkmla; recipe_common beside this script
-    from recipe_common import check_out
+    with torch_threads(1):  # thread_time then counts all the op's work
+        result, write = start_record(p, args, __spec__.name, argv)
+        if args.backends is None:
+            args.backends = default_backends()
+        elif "cpu" in args.backends and "cpu" not in default_backends():
+            from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
 
-    from qkmla.utils.files import write_text
-
-    check_out(p, args.out, args.overwrite)  # before any work
-    if args.backends is None:
-        args.backends = default_backends()
-    elif "cpu" in args.backends and "cpu" not in default_backends():
-        from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
-
-        p.error(f"--backends: {cpu_unsupported_for('cpu', D_C, D_R, torch.bfloat16)}")
-    if args.baseline is not None:
-        try:
-            args.decode_at_rev = backend_at(args.baseline)
-        except ValueError as err:
-            p.error(str(err))
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # thread_time then counts all the op's work
-    try:
-        result = measure(args, argv)
-    finally:  # a caller in the same process (the tests) keeps its threads
-        torch.set_num_threads(threads)
-    if args.out is not None:
-        write_text(args.out, json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+            p.error(f"--backends: {cpu_unsupported_for('cpu', D_C, D_R, torch.bfloat16)}")
+        if args.baseline is not None:
+            try:
+                args.decode_at_rev = backend_at(args.baseline)
+            except ValueError as err:
+                p.error(str(err))
+        measure(args, result)
+    write()
     return 0
 
 

@@ -2,9 +2,9 @@
 side by side, over weight shapes, rows of x and threads; with ``--statistic``, the kernel for
 the key scalars (``group_statistic``) against ``F.linear`` and the norm's statistic in torch.
 
-    python benchmarks/bench_small_linear.py [--shapes 512x512 2048x512 16384x512]
+    python -m benchmarks.bench_small_linear [--shapes 512x512 2048x512 16384x512]
         [--rows 1 2 4 8 16 32 64 256] [--threads 1 2] [--reps 7] [--out FILE.json] [--overwrite]
-    python benchmarks/bench_small_linear.py --statistic [--shapes 16x32x512 16x128x512 128x128x512] ...
+    python -m benchmarks.bench_small_linear --statistic [--shapes 16x32x512 16x128x512 128x128x512] ...
 
 A shape NxK is W [N, K] in bfloat16: N = h d_n, K = d_c, the key scalars' GEMM of a QK-normed
 layer (``attention.absorbed.key_scalars``): 16 heads of 32 (the vLLM decode benchmark's model),
@@ -25,18 +25,14 @@ This is where ``GROUP_KERNEL_MAX_ROWS`` comes from.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_paged_layouts import paired  # noqa: E402 (pairs timed alike)
-from recipe_common import positive  # noqa: E402
+from .bench_paged_layouts import paired  # pairs timed alike
+from .common import positive, start_record, torch_threads
 
 
 PRODUCT_SHAPES = [(512, 512), (2048, 512), (16384, 512)]  # N = h d_n: 16 heads of 32, 16 and 128 of 128
@@ -110,11 +106,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(HERE.parent / "src"))
-    from recipe_common import check_out
-
-    from qkmla.utils.files import write_text
-    from qkmla.utils.machine import machine, recorded_command, source_commit
     from qkmla.ops.small_linear import MAX_ROWS_WITH_AMX, kernel_unavailable
 
     if args.shapes is None:
@@ -123,13 +114,16 @@ def main(argv=None) -> int:
     if any(len(s) != wanted for s in args.shapes):
         p.error(f"--shapes: expected {'GxgxK with --statistic' if args.statistic else 'NxK'}, got "
                 f"{' '.join('x'.join(map(str, s)) for s in args.shapes)}")
-    check_out(p, args.out, args.overwrite)  # before any work
+    out_rows = []
+    result, write = start_record(
+        p, args, __spec__.name, argv, reps=args.reps,
+        what="statistic: group_statistic over F.linear + ops.statistic.statistic" if args.statistic else
+        "product: small_linear over F.linear", max_rows_with_amx=MAX_ROWS_WITH_AMX, rows=out_rows)
+    result["machine"]["amx"] = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     reason = kernel_unavailable()
     if reason is not None:
         p.error(f"the CPU kernel cannot run here: {reason}")
-    threads = torch.get_num_threads()
-    out_rows = []
-    try:
+    with torch_threads(0):  # each cell sets its own; the caller keeps its count
         for n_threads in args.threads:
             torch.set_num_threads(n_threads)
             for dims in args.shapes:
@@ -149,18 +143,7 @@ def main(argv=None) -> int:
                     print(f"{n_threads} threads, W {n}x{k}, {rows:4d} rows: F.linear {row['linear_us']:9.2f} us  "
                           f"kernel {row['kernel_us']:9.2f} us  kernel / F.linear {row['kernel_over_linear']:.3f}",
                           flush=True)
-    finally:  # a caller in the same process (the tests) keeps its threads
-        torch.set_num_threads(threads)
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    result = {"command": recorded_command("benchmarks/bench_small_linear.py", argv), "commit": source_commit(HERE),
-              "machine": {**machine(), "amx": amx}, "reps": args.reps,
-              "what": "statistic: group_statistic over F.linear + ops.statistic.statistic" if args.statistic else
-              "product: small_linear over F.linear",
-              "load_average_1min": round(os.getloadavg()[0], 2), "max_rows_with_amx": MAX_ROWS_WITH_AMX,
-              "rows": out_rows}
-    if args.out is not None:
-        write_text(args.out, json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write()
     return 0
 
 

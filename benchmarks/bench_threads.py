@@ -1,7 +1,7 @@
 """Training on a shared machine: one thread per core against ``--threads auto``, with and without
 another process holding a core.
 
-    python benchmarks/bench_threads.py [--steps 60] [--preset cpu] [--out FILE.json] [--overwrite]
+    python -m benchmarks.bench_threads [--steps 60] [--preset cpu] [--out FILE.json] [--overwrite]
 
 Each cell is a fresh ``qkmla train`` process (its own run directory, the same seed and steps);
 the time is the run's own ``seconds`` from status.json (the training loop, without start-up).
@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from .common import start_record
+
 SPIN = "import time\nwhile True:\n    pass\n"
 
 
@@ -58,14 +59,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps: expected a positive int, got {args.steps}")
-    sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]  # qkmla; recipe_common beside this script
-    from recipe_common import check_out
-
-    from qkmla.utils.files import write_text
-    from qkmla.utils.machine import machine, recorded_command, source_commit
-
-    check_out(p, args.out, args.overwrite)  # before any work
-
+    result, write = start_record(p, args, __spec__.name, argv, preset=args.preset, steps=args.steps)
     cores = str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     with tempfile.TemporaryDirectory() as work:
         rows = [cell(args.preset, args.steps, threads, held, Path(work))
@@ -73,11 +67,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{'held' if r['another_process_holds_a_core'] else 'free'}  --threads {r['threads_option']:>4} "
               f"({r['threads']} used)  {r['seconds']:8.2f} s  load {r['load_average_1min_at_end']}")
-    result = {"command": recorded_command("benchmarks/bench_threads.py", argv), "commit": source_commit(HERE),
-              "machine": machine(), "preset": args.preset, "steps": args.steps, "rows": rows}
-    if args.out is not None:
-        write_text(args.out, json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    result["rows"] = rows
+    write()
     return 0
 
 

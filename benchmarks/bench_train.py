@@ -1,6 +1,6 @@
 """Training step time of every attention variant, side by side (one run, interleaved rounds).
 
-    python benchmarks/bench_train.py [--quick] [--preset cpu] [--out FILE.json]
+    python -m benchmarks.bench_train [--quick] [--preset cpu] [--out FILE.json] [--overwrite]
 
 A step is forward + backward + AdamW step on one batch, with per-head max-logit tracking on
 (as ``qkmla train`` runs it) and, separately for mla-qknorm, with tracking off, so the cost
@@ -11,7 +11,6 @@ of measuring is visible. Reports seconds per step (median), tokens/s and the rat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,10 +21,9 @@ import torch
 from qkmla.model.gpt import GPT, GPT_PRESETS
 from qkmla.train.optim import build_optimizer
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from qkmla.utils.machine import machine, recorded_command, source_commit  # noqa: E402
+from .common import start_record
 
+HERE = Path(__file__).resolve().parent
 VARIANTS = ("mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp", "mha", "gqa", "gqa-qknorm")
 
 
@@ -52,9 +50,13 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="cpu", choices=sorted(GPT_PRESETS))
     p.add_argument("--batch", type=int, default=12)
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file (default results/bench_train_cpu.json, with --quick bench_train_cpu_quick.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
+    args.out = args.out or HERE / "results" / f"bench_train_cpu{'_quick' if args.quick else ''}.json"
     rounds = args.rounds or (3 if args.quick else 15)
+    result, write = start_record(p, args, __spec__.name, argv, preset=args.preset, batch=args.batch, rounds=rounds)
     variants = ("mla", "mla-qknorm") if args.quick else VARIANTS
     fns = {v: make_step(v, args.preset, args.batch, True) for v in variants}
     fns["mla-qknorm (no max-logit tracking)"] = make_step("mla-qknorm", args.preset, args.batch, False)
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 fn()
                 samples[name].append(time.perf_counter() - t0)
-    info = machine()
+    info = result["machine"]
     print(f"# {info['cpu']} ({info['cores']} cores), torch {info['torch']}, preset {args.preset}, batch {args.batch}")
     rows = []
     base = statistics.median(samples["mla"])
@@ -77,12 +79,8 @@ def main(argv=None) -> int:
         s = statistics.median(samples[name])
         rows.append({"variant": name, "seconds_per_step": s, "tokens_per_s": tokens / s, "ratio_to_mla": s / base})
         print(f"{name:<40}{s * 1000:>9.1f} ms{tokens / s:>12,.0f} tok/s{s / base:>8.3f}x")
-    out = args.out or HERE / "results" / f"bench_train_cpu{'_quick' if args.quick else ''}.json"
-    command = recorded_command("benchmarks/bench_train.py", argv)
-    out.write_text(json.dumps({"command": command, "commit": source_commit(HERE),
-                               "machine": info, "preset": args.preset, "batch": args.batch,
-                               "rounds": rounds, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {out}")
+    result["rows"] = rows
+    write()
     return 0
 
 

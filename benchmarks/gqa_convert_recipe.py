@@ -1,6 +1,6 @@
 """A QK-normed GQA model (Qwen3) trained here, converted to MLA five ways, measured at equal cache bytes.
 
-    python benchmarks/gqa_convert_recipe.py [--threads 1] [--work runs/gqa_convert_recipe]
+    python -m benchmarks.gqa_convert_recipe [--threads 1] [--work runs/gqa_convert_recipe]
                                             [--out FILE.json] [--plot FILE.png] [--overwrite] [--quick]
 
 For each source (``--kv-heads``: G = 2 and its G = 1 twin by default), a transformers
@@ -58,9 +58,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-ROOT = HERE.parent
+from .common import ROOT, byte_plays, check_out, start_recipe
 
 # vocab_size 384: ByT5's 256 bytes + 3 specials (pad 0, eos 1, unk 2) + its 125 extra ids.
 SHAPE = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
@@ -313,25 +311,15 @@ def main(argv=None) -> int:
                 settings[(G, f, share)] = s | {"budget_values": budget}
     if args.block > shape["max_position_embeddings"]:
         p.error(f"--block: at most max_position_embeddings={shape['max_position_embeddings']}, got {args.block}")
-    for name, path in (("--out", args.out), ("--plot", args.plot)):
-        if path is not None and path.exists() and not args.overwrite:
-            p.error(f"{name}: {path} exists; pass --overwrite to replace it")
+    check_out(p, args.plot, args.overwrite, "--plot")
     dirs = {G: args.work / f"source-G{G}" for G in args.kv_heads}
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    result, write = start_recipe(p, args, __spec__.name, argv, dirs.values())
 
-    import transformers
     from transformers import ByT5Tokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from qkmla.utils.files import write_atomically
     from qkmla.convert import convert_gqa
     from qkmla.train.data import VALIDATION_PLAYS
-    from recipe_common import byte_plays, claim_work_dirs, start_record
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    claim_work_dirs(p, dirs.values(), args.overwrite)
-    result, write = start_record("benchmarks/gqa_convert_recipe.py", argv, HERE, args, transformers.__version__)
 
     tokenizer = ByT5Tokenizer()
     train_ids, val_ids = byte_plays(tokenizer)

@@ -1,6 +1,6 @@
 """QK-norm added to a trained transformers DeepSeek-V3 model, end to end, on a CPU in minutes.
 
-    python benchmarks/hf_qknorm_recipe.py [--threads 1] [--work runs/hf_qknorm_recipe]
+    python -m benchmarks.hf_qknorm_recipe [--threads 1] [--work runs/hf_qknorm_recipe]
                                           [--out FILE.json] [--overwrite] [--quick]
 
 1. source       a small DeepSeek-V3-architecture model (MLA with q_lora_rank and kv_lora_rank,
@@ -40,9 +40,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-ROOT = HERE.parent
+from .common import ROOT, byte_plays, start_recipe
 
 # The model. vocab_size 384: ByT5's 256 bytes + 3 specials (pad 0, eos 1, unk 2) + its 125
 # extra ids, which the text never uses.
@@ -220,25 +218,14 @@ def main(argv=None) -> int:
                 f"{shape['max_position_embeddings']}")
     if args.block > shape["max_position_embeddings"]:
         p.error(f"--block: at most max_position_embeddings={shape['max_position_embeddings']}, got {args.block}")
-    from recipe_common import check_out
-
-    check_out(p, args.out, args.overwrite)  # before any work
     dirs = {name: args.work / name for name in ("source", "qknorm", "trainer")}
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    result, write = start_recipe(p, args, __spec__.name, argv, dirs.values())
 
-    import transformers
     from transformers import ByT5Tokenizer, DeepseekV3Config, DeepseekV3ForCausalLM, Trainer
 
     from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
     from qkmla.convert import warm_start_qk_norm
     from qkmla.train.data import VALIDATION_PLAYS
-    from recipe_common import byte_plays, claim_work_dirs, start_record
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    claim_work_dirs(p, dirs.values(), args.overwrite)
-    result, write = start_record("benchmarks/hf_qknorm_recipe.py", argv, HERE, args, transformers.__version__)
 
     # Data: byte tokens of the training plays and the validation plays.
     tokenizer = ByT5Tokenizer()

@@ -1,7 +1,7 @@
 """What the Triton decode kernel needs of a GPU, per launch configuration, compiled here with
 no GPU: shared memory, registers and stack (spills) per thread.
 
-    python benchmarks/kernel_resources.py [--arch 90] [--heads 16 128] [--formats dense fp8 int8 int4]
+    python -m benchmarks.kernel_resources [--arch 90] [--heads 16 128] [--formats dense fp8 int8 int4]
                                           [--all-configs] [--out FILE.json] [--overwrite]
 
 Triton compiles ``_mla_decode_split_kernel`` for ``sm_<arch>`` through its own ptxas (its
@@ -30,14 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "src"))
+import torch
 
-import torch  # noqa: E402
-from recipe_common import check_out  # noqa: E402
+from qkmla.kv_formats import KV_FORMATS, row_format
 
-from qkmla.kv_formats import KV_FORMATS, row_format  # noqa: E402
+from .common import start_record
 
 H100_SHARED_LIMIT = 232_448  # bytes a program may opt in to on an H100 (Triton's "Hardware limit")
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
@@ -134,7 +131,7 @@ def main(argv=None) -> int:
         p.error(f"--heads: expected positive ints, got {bad}")
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("TRITON_INTERPRET=1: the interpreter compiles nothing; unset it")
-    check_out(p, args.out, args.overwrite)
+    result, write = start_record(p, args, __spec__.name, argv)
     try:
         import triton
         from triton.backends import backends
@@ -143,8 +140,6 @@ def main(argv=None) -> int:
     if "nvidia" not in backends:
         p.error(f"Triton {triton.__version__} has no NVIDIA backend here")
 
-    from qkmla.utils.files import write_text
-    from qkmla.utils.machine import recorded_command, source_commit
     from qkmla.ops.mla_decode.triton_kernel import LAUNCH_CONFIGS
 
     rows = []
@@ -159,12 +154,9 @@ def main(argv=None) -> int:
                 row.setdefault("fits", row["shared_bytes"] <= args.shared_limit)
                 print(json.dumps(row), flush=True)
             rows += found
-    result = {"command": recorded_command("benchmarks/kernel_resources.py", argv),
-              "commit": source_commit(HERE), "triton": triton.__version__, "arch": f"sm_{args.arch}",
-              "shared_limit": args.shared_limit, "launch_configs": LAUNCH_CONFIGS, "rows": rows}
-    if args.out is not None:
-        write_text(args.out, json.dumps(result, indent=1) + "\n")
-        print(f"-> {args.out}")
+    result.update(triton=triton.__version__, arch=f"sm_{args.arch}", shared_limit=args.shared_limit,
+                  launch_configs=LAUNCH_CONFIGS, rows=rows)
+    write()
     return 0
 
 

@@ -34,7 +34,7 @@ Three parts, one results file (``benchmarks/results/vllm_serving_cpu.json``):
 Each engine runs in its own process. Timings are wall-clock on whatever machine runs this;
 compare them only within one run.
 
-    python benchmarks/vllm_serving.py --out benchmarks/results/vllm_serving_cpu.json
+    python -m benchmarks.vllm_serving --out benchmarks/results/vllm_serving_cpu.json
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from .common import byte_plays, claim_work_dirs, settings_of, start_record
 
 DRIFT_SHAPE = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64,
@@ -202,8 +201,8 @@ def decode_steps(llm, prompts, new_tokens: int, sampling_params) -> tuple[list, 
 
 def run_engine(spec: dict) -> dict:
     """:func:`engine` in a fresh process; the JSON it prints on its last line."""
-    run = subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec)], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())})
+    run = subprocess.run([sys.executable, "-m", __spec__.name, "--engine", json.dumps(spec)], capture_output=True,
+                         text=True, env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())})
     if run.returncode != 0:
         raise RuntimeError(f"engine {spec.get('model')} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -219,8 +218,8 @@ class DecodeWorker:
     def __init__(self, spec: dict, log: Path):
         self.name, self.log = spec["model"], log
         self.log_file = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log_file, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-m", __spec__.name, "--engine", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log_file, text=True,
                                      env={**os.environ, "OMP_NUM_THREADS": str(os.cpu_count())})
 
     def measure(self, context: int, batch: int) -> dict:
@@ -311,7 +310,6 @@ def trained(work: Path, result: dict, write, steps: int) -> None:
     import transformers
 
     from qkmla.integrations.transformers import apply_latent_attention
-    from recipe_common import byte_plays
 
     tokenizer = transformers.ByT5Tokenizer()
     train_ids, val_ids = byte_plays(tokenizer)
@@ -501,9 +499,6 @@ def main(argv=None) -> None:
     if args.engine:
         print(json.dumps(engine(json.loads(args.engine))))
         return
-    from recipe_common import check_out
-
-    check_out(parser, args.out, args.overwrite)  # before any work
     for name in ("contexts", "batches"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name}: expected positive integers, got {getattr(args, name)}")
@@ -512,15 +507,13 @@ def main(argv=None) -> None:
             parser.error(f"--{name.replace('_', '-')}: expected a positive integer, got {getattr(args, name)}")
     if args.sessions > args.rounds:
         parser.error(f"--sessions: expected at most --rounds ({args.rounds}) sessions, got {args.sessions}")
+    result, write = start_record(parser, args, __spec__.name, argv, status="running", settings=settings_of(args))
     import transformers
     import vllm
 
-    from recipe_common import claim_work_dirs, start_record
-
     claim_work_dirs(parser, [args.work], args.overwrite)
     args.work.mkdir(parents=True)
-    result, write = start_record("benchmarks/vllm_serving.py", argv, HERE, args, transformers.__version__)
-    result.update(vllm=vllm.__version__, drift=[], decode_runs=[], decode=[])
+    result.update(transformers=transformers.__version__, vllm=vllm.__version__, drift=[], decode_runs=[], decode=[])
     if "drift" in args.parts:
         drift(args.work, result, write)
     if "trained" in args.parts:

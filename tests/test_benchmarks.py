@@ -1,7 +1,8 @@
-"""Smoke runs of the benchmark scripts on a tiny layer: they run end to end and write the
-JSON docs/benchmarks.md documents (the timings themselves are not asserted)."""
+"""Smoke runs of the benchmarks (modules of the ``benchmarks`` package, run from the repository
+root) on a tiny layer: they run end to end and write the JSON docs/benchmarks.md documents (the
+timings themselves are not asserted)."""
 
-import importlib.util
+import importlib
 import json
 import re
 from pathlib import Path
@@ -15,10 +16,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark ``benchmarks.<name>``."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_bench_decode_times_every_row_over_one_cache_per_row(tmp_path):
@@ -28,7 +27,7 @@ def test_bench_decode_times_every_row_over_one_cache_per_row(tmp_path):
     assert bench.main(["--preset", "tiny", "--contexts", "64", "32", "--rounds", "2", "--threads", "1",
                        "--compile-backend", "aot_eager", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_decode.py")
+    assert result["command"].startswith("python -m benchmarks.bench_decode ")
     assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", result["commit"])
     assert result["machine"]["torch_threads"] == 1 and set(result["load_average_1min"]) == {"start", "end"}
     names = {"mla", "mla-qknorm", "mla-compiled", "mla-qknorm-compiled", "expand-qknorm"}
@@ -140,7 +139,7 @@ def test_bench_paged_layouts_pairs_plain_and_qknorm_on_both_layouts(tmp_path):
     assert bench.main(["--points", "32x2", "48x1", "--reps", "3", "--profile", "32x1", "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads  # measured on one thread, the caller's count given back
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_paged_layouts.py")
+    assert result["command"].startswith("python -m benchmarks.bench_paged_layouts ")
     assert result["machine"]["torch_threads"] == 1 and result["target"] == round(1 + 16 / 576 + 0.02, 4)
     assert [(r["layout"], r["context"], r["batch"]) for r in result["rows"] if r["backend"] == "torch"] == [
         ("row", 32, 2), ("block", 32, 2), ("row", 48, 1), ("block", 48, 1)]
@@ -246,7 +245,7 @@ def test_bench_cpu_kernel_times_the_kernel_beside_the_torch_backend(tmp_path):
                        "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_cpu_kernel.py")
+    assert result["command"].startswith("python -m benchmarks.bench_cpu_kernel ")
     assert result["auto_max_query_heads"] == AUTO_MAX_QUERY_HEADS and result["machine"]["torch_threads"] == 2
     assert [(r["heads"], r["queries"]) for r in result["rows"]] == [(16, 1), (16, 2), (20, 1), (20, 2)]
     assert all(r["torch_ms"] > 0 and r["cpu_ms"] > 0 for r in result["rows"])
@@ -266,7 +265,7 @@ def test_bench_small_linear_times_the_kernel_beside_f_linear(tmp_path):
                        "--out", str(out)]) == 0
     assert torch.get_num_threads() == threads
     result = json.loads(out.read_text())
-    assert result["command"].startswith("python benchmarks/bench_small_linear.py")
+    assert result["command"].startswith("python -m benchmarks.bench_small_linear ")
     assert [(r["N"], r["K"], r["rows"]) for r in result["rows"]] == [(128, 64, 1), (128, 64, 5)]
     assert all(r["linear_us"] > 0 and r["kernel_us"] > 0 for r in result["rows"])
     assert "amx" in result["machine"] and result["what"].startswith("product")
@@ -276,3 +275,79 @@ def test_bench_small_linear_times_the_kernel_beside_f_linear(tmp_path):
     assert result["what"].startswith("statistic")
     assert [(r["G"], r["group"], r["N"], r["K"], r["rows"]) for r in result["rows"]] == [(4, 32, 128, 64, 3)]
     assert all(r["linear_us"] > 0 and r["kernel_us"] > 0 for r in result["rows"])
+
+
+ROOT = BENCHMARKS.parent
+
+
+def test_committed_runs_are_thinned_as_their_manifests_record_and_recompute_every_results_row():
+    """The per-step metrics of the committed runs are thinned (benchmarks/thin_metrics.py), each file
+    the blob its directory's manifest names, and ``summarize`` over the run directories gives every
+    committed results row as it stands; the demo's peak and final max logits recompute too."""
+    from qkmla.experiments.grid import Run
+    from qkmla.experiments.results import read_results, summarize
+
+    thin = load("thin_metrics")
+    found = thin.targets(ROOT)
+    assert {where.name for where in found} == {"demo", "lp-paper", "qknorm-vs-clip", "retrieval-bracket"}
+    for where, files in found.items():
+        manifest = json.loads((where / thin.MANIFEST).read_text())["files"]
+        assert sorted(manifest) == [f.relative_to(ROOT).as_posix() for f in files]
+        assert all(thin.blob_id(f.read_bytes()) == manifest[f.relative_to(ROOT).as_posix()]["blob"] for f in files)
+        if where.name == "demo":
+            for run in json.loads((where / "demo.json").read_text())["runs"]:
+                rows = thin.read((where / Path(run["dir"]).name / "metrics.jsonl").read_bytes())
+                assert (max(r["max_logit"] for r in rows), rows[-1]["max_logit"]) == (run["peak_max_logit"],
+                                                                                     run["final_max_logit"])
+            continue
+        for row in read_results(where / "results.jsonl"):
+            got = summarize(row["experiment"], Run(row["run"], row["variant"], {}, same_as=row.get("same_as")), where)
+            assert got == {k: row.get(k) for k in got}, row["run"]
+
+
+def test_qknorm_vs_clip_measures_recompute_from_its_thinned_runs(monkeypatch):
+    """Its measure over the thinned files (the part that reads metrics: spikes, the late and peak
+    logits and gradient norm, clipping, and the curves but grad_norm and lr, whose points are kept
+    rows) gives each run's committed measure.json."""
+    from qkmla.experiments.qknorm_vs_clip import design
+
+    monkeypatch.setattr(design, "read_status", lambda path: None)  # stop before the checkpoint, not committed
+    monkeypatch.setattr(design, "source_commit", lambda path: None)
+    runs = sorted((BENCHMARKS / "results" / "experiments" / "qknorm-vs-clip" / "runs").iterdir())
+    assert len(runs) == 50
+    for run in runs:
+        committed, got = json.loads((run / "measure.json").read_text()), design.measure(run)
+        for measured in (committed, got):
+            del measured["commit"], measured["curves"]["grad_norm"], measured["curves"]["lr"]
+        assert got == {k: committed[k] for k in got}, run.name
+
+
+def test_thin_metrics_keeps_what_qkmla_reads_and_restores_the_full_file(tmp_path):
+    """A metrics file as the trainer writes it, committed: thinned to the rows and fields qkmla reads
+    (every derived value the same), left alone the second time, and given back byte for byte."""
+    import subprocess
+
+    thin = load("thin_metrics")
+    run = tmp_path / "benchmarks" / "results" / "experiments" / "grid" / "runs" / "a"
+    run.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"step": s, "loss": float(torch.rand(1, generator=gen)), "lr": 1e-3, "grad_norm": float(s % 7),
+             "max_logit": float(s % 13), "max_logit_per_layer": [1.0, 2.0], "tokens_per_s": 9.0,
+             "step_seconds": float(torch.rand(1, generator=gen)),
+             **({"val_loss": 2.0 - s / 1e3} if s % 50 == 0 else {})} for s in range(1, 301)]
+    full = thin.dump(rows)
+    (run / "metrics.jsonl").write_bytes(full)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "metrics"], check=True)
+    assert thin.main(["--root", str(tmp_path)]) == 0
+    small = thin.read((run / "metrics.jsonl").read_bytes())
+    assert len(small) < len(rows) // 5 and not any("max_logit_per_layer" in r or "tokens_per_s" in r for r in small)
+    assert thin.derived(small, dense=False) == thin.derived(rows, dense=False)
+    manifest = json.loads((run.parents[1] / thin.MANIFEST).read_text())
+    assert manifest["files"]["benchmarks/results/experiments/grid/runs/a/metrics.jsonl"]["original_rows"] == 300
+    thinned = (run / "metrics.jsonl").read_bytes()
+    assert thin.main(["--root", str(tmp_path)]) == 0 and (run / "metrics.jsonl").read_bytes() == thinned
+    assert thin.main(["--root", str(tmp_path), "--restore"]) == 0
+    assert (run / "metrics.jsonl").read_bytes() == full and not (run.parents[1] / thin.MANIFEST).exists()

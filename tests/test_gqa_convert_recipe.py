@@ -1,4 +1,4 @@
-"""benchmarks/gqa_convert_recipe.py: a --quick run end to end (tiny Qwen3 sources, a few steps) whose
+"""benchmarks.gqa_convert_recipe: a --quick run end to end (tiny Qwen3 sources, a few steps) whose
 results file is complete and consistent, and the committed results file states a full run's command
 and every variant."""
 
@@ -24,10 +24,10 @@ def check_measures(m: dict) -> None:
     assert 0 <= m["agreement"] <= 1 and 0 <= m["accuracy"] <= 1
 
 
-def check_result(result: dict, recipe) -> None:
-    """What every run's results file must hold, consistently."""
+def check_result(result: dict, recipe, command: str = "python -m benchmarks.gqa_convert_recipe ") -> None:
+    """What every run's results file must hold, consistently (``command``: how it was run)."""
     assert result["status"] == "done"
-    assert result["command"].startswith("python benchmarks/gqa_convert_recipe.py")
+    assert result["command"].startswith(command)
     assert {"cpu", "cores", "torch_threads", "torch"} <= set(result["machine"]) and "commit" in result
     settings, heal = result["settings"], result["healing"]
     assert heal["lrs"] == settings["heal_lrs"] and heal["steps"] == settings["heal_steps"]
@@ -112,6 +112,6 @@ def test_committed_result_states_its_command_and_every_variant():
         pytest.skip(f"{COMMITTED.name} is not committed yet")
     result = json.loads(COMMITTED.read_text())
     assert "--quick" not in result["command"] and not result["settings"]["quick"]
-    check_result(result, load())
+    check_result(result, load(), command="python benchmarks/gqa_convert_recipe.py")  # as it ran, before the package
     assert {v["variant"] for v in result["variants"]} == set(load().VARIANTS)
     assert any(source["config"]["num_key_value_heads"] > 1 for source in result["sources"].values())

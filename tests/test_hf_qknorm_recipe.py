@@ -1,4 +1,4 @@
-"""benchmarks/hf_qknorm_recipe.py: a --quick run end to end (tiny model, a few steps), and the
+"""benchmarks.hf_qknorm_recipe: a --quick run end to end (tiny model, a few steps), and the
 committed results file states its command and every stage."""
 
 import json
@@ -18,10 +18,10 @@ def load():
     return load_benchmark("hf_qknorm_recipe")
 
 
-def check_result(result: dict) -> None:
-    """What every run's results file must hold, consistently."""
+def check_result(result: dict, command: str = "python -m benchmarks.hf_qknorm_recipe ") -> None:
+    """What every run's results file must hold, consistently (``command``: how it was run)."""
     assert result["status"] == "done"
-    assert result["command"].startswith("python benchmarks/hf_qknorm_recipe.py")
+    assert result["command"].startswith(command)
     assert {"cpu", "cores", "torch_threads", "torch"} <= set(result["machine"])
     loss = result["loss"]
     assert set(STAGES) <= set(loss) and all(math.isfinite(loss[s]) and loss[s] > 0 for s in STAGES)
@@ -90,6 +90,6 @@ def test_refuses_bad_arguments_naming_them(argv, option, tmp_path, capsys):
 def test_committed_result_states_its_command_and_every_stage():
     result = json.loads(COMMITTED.read_text())
     assert "--quick" not in result["command"]
-    check_result(result)
+    check_result(result, command="python benchmarks/hf_qknorm_recipe.py")  # as it ran, before the package
     assert result["source_training"]["tokens"] > 0 and result["source_training"]["train_loss"]
     assert isinstance(result["control_plain_mla"], dict)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import subprocess
 import sys
 import time
@@ -36,7 +35,7 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-from suite import REPO, SRC, PartContext, covering, covering_first, free_memory, reset_compiler, sci, table
+from .suite import REPO, PartContext, covering, covering_first, free_memory, reset_compiler, sci, table
 
 REAL = dict(d_c=512, d_r=64, heads=(16, 128), pages=(16, 64), lengths=(1, 1000, 4097, 65536, 0))
 DRY = dict(d_c=32, d_r=16, heads=(4, 8), pages=(16, 64), lengths=(1, 37, 100, 0))
@@ -77,12 +76,11 @@ def run_tests(ctx: PartContext, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     if ctx.dry_run:
         cmd += ["-k", DRY_RUN_TESTS]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])))
     result["command"] = " ".join(cmd[1:])
     ctx.log(f"pytest on {len(files)} files, {timeout_s:.0f} s at most")
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=max(10.0, timeout_s), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=REPO, timeout=max(10.0, timeout_s), capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout or b"")[-3000:]
         return {**result, "status": "timeout", "seconds": round(time.monotonic() - t0, 1),

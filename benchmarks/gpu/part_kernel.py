@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from suite import PartContext, bench, copy_bandwidth, fmt, free_memory, graphed, hbm_peak, reset_compiler, table
+from .suite import PartContext, bench, copy_bandwidth, fmt, free_memory, graphed, hbm_peak, reset_compiler, table
 
 REAL = dict(d_c=512, d_r=64, heads=(16, 128), page=64, fill_tokens=1 << 20,
             contexts=(4096, 8192, 16384, 32768, 65536, 131072, 262144))

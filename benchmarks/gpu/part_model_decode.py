@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from suite import PartContext, fmt, free_memory, reset_compiler, table
+from .suite import PartContext, fmt, free_memory, reset_compiler, table
 
 REAL = dict(preset="paper-400m", batches=(1, 8), prompt=512, steps=64, warmup=3, rounds=2)
 DRY = dict(preset="debug", batches=(2,), prompt=8, steps=3, warmup=1, rounds=1)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from suite import PartContext, fmt, table
+from .suite import PartContext, fmt, table
 
 REAL = dict(preset="paper-400m", batch=12, lrs=(0.01, 0.02), warmup=20, eval_iters=10, max_steps=100000, tau=100.0)
 # The dry run clips at a tau its tiny model's logits reach, so the clip and its measurement run.

@@ -20,7 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from suite import PartContext, fmt, free_memory, reset_compiler, table
+from .suite import PartContext, fmt, free_memory, reset_compiler, table
 
 REAL = dict(presets=(("shakespeare", 64), ("paper-400m", 12)), rounds=5, steps_per_round=3)
 DRY = dict(presets=(("debug", 2),), rounds=1, steps_per_round=1)

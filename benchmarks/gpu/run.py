@@ -1,10 +1,15 @@
-"""Every GPU figure qkmla needs, in one command, within a time budget.
+"""Every GPU figure qkmla needs, in one command, within a time budget. From the repository root,
+with this checkout installed (the device machine gets a copy of the working tree and no qkmla;
+``--no-deps``: torch and Triton are the machine's own; where the install cannot build offline,
+setuptools older than 70.1 without ``wheel``, ``export PYTHONPATH=src`` instead):
 
-    python benchmarks/gpu/run.py [--budget-min 20] [--out DIR] [--parts NAME ...] [--overwrite] [--wheels DIR]
-    python benchmarks/gpu/run.py --dry-run [--out DIR]    # the same code, on the CPU, at tiny shapes
-    python benchmarks/gpu/run.py --summarize DIR          # rebuild DIR/summary.md from its part files
+    python -m pip install --no-deps --no-build-isolation -e .
+    python -m benchmarks.gpu.run [--budget-min 20] [--out DIR] [--parts NAME ...] [--overwrite] [--wheels DIR]
+    python -m benchmarks.gpu.run --dry-run [--out DIR]    # the same code, on the CPU, at tiny shapes
+    python -m benchmarks.gpu.run --summarize DIR          # rebuild DIR/summary.md from its part files
 
-Parts, in order of value (``PARTS``; each in a module ``part_<name>.py`` beside this file):
+A run refuses a qkmla imported from anywhere but this checkout's ``src/`` (the results name
+its commit). Parts, in order of value (``PARTS``; each a module ``part_<name>`` of this package):
 
     1 correctness    the CUDA tests; the Triton kernel against the spec at real sizes; the compiled step
     2 kernel         decode kernel timing: 16 and 128 heads, 4k-256k, batch 1 and ~1M tokens, fp8 vs bf16
@@ -29,6 +34,7 @@ bad arguments.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -42,35 +48,37 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import torch
 
-import suite  # noqa: E402  (puts this checkout's src/ on the path)
-import torch  # noqa: E402
+from qkmla.utils.files import write_text
 
-from qkmla.utils.machine import recorded_command  # noqa: E402
+from . import suite
+from ..common import command as recorded_command
 
 
 @dataclass(frozen=True)
 class Part:
     name: str
-    module: Path  # a module with run(ctx) and summarize(record)
+    module: Union[str, Path]  # a module with run(ctx) and summarize(record): its name, or a file of its own
     minutes: float  # its share of the default 20-minute budget (shares are rescaled to --budget-min)
 
 
-PARTS = (Part("correctness", HERE / "part_correctness.py", 5.0), Part("kernel", HERE / "part_kernel.py", 7.0),
-         Part("model_decode", HERE / "part_model_decode.py", 3.0), Part("training", HERE / "part_training.py", 3.0),
-         Part("qk_clip", HERE / "part_qk_clip.py", 2.0))
+PARTS = tuple(Part(name, f"{__package__}.part_{name}", minutes) for name, minutes in (
+    ("correctness", 5.0), ("kernel", 7.0), ("model_decode", 3.0), ("training", 3.0), ("qk_clip", 2.0)))
 GRACE_S = 60.0  # how long past its deadline a part may take to stop (a compile it had started) before it is killed
 
 
-def load(module_path: Path):
-    spec = importlib.util.spec_from_file_location(module_path.stem, module_path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def load(module: Union[str, Path]):
+    """A part's module: imported by name, or loaded from its file (a path ending in .py)."""
+    if not str(module).endswith(".py"):
+        return importlib.import_module(str(module))
+    spec = importlib.util.spec_from_file_location(Path(module).stem, module)
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loaded
+    spec.loader.exec_module(loaded)
+    return loaded
 
 
 def result_path(out: Path, index: int, part: Part) -> Path:
@@ -109,7 +117,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def run_part(part: Part, index: int, out: Path, budget_s: float, grace_s: float, dry_run: bool, command: str,
              env: dict) -> dict:
     path, log_path = result_path(out, index, part), out / f"{index}_{part.name}.log"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", part.name, "--worker-module", str(part.module),
+    cmd = [sys.executable, "-m", __spec__.name, "--worker", part.name, "--worker-module", str(part.module),
            "--worker-result", str(path), "--worker-budget-s", f"{budget_s:.1f}", "--worker-command", command]
     if dry_run:
         cmd.append("--dry-run")
@@ -135,7 +143,7 @@ def run_part(part: Part, index: int, out: Path, budget_s: float, grace_s: float,
             _kill_group(proc)
             rc = proc.wait()
         reader.join(timeout=10)
-    for tmp in out.glob(f".{path.name}.*.tmp"):  # a save the kill interrupted; the renamed file is whole
+    for tmp in out.glob(f"{path.name}.tmp*"):  # a save the kill interrupted; the renamed file is whole
         tmp.unlink()
     record = json.loads(path.read_text()) if path.is_file() else {"part": part.name, "status": "running"}
     tail = log_path.read_text()[-3000:] if log_path.is_file() else ""
@@ -207,7 +215,7 @@ def write_summary(out: Path, parts: tuple) -> list[tuple[int, Part, dict]]:
                       "commit": r.get("commit"), "device": r.get("environment", {}).get("gpu"),
                       "started_at": r.get("started_at"), "wall_seconds": r.get("wall_seconds")} for i, p, r in found}
     suite.write_json(out / "suite.json", {"parts": index})
-    suite.write_text(out / "summary.md", render_summary(found))
+    write_text(out / "summary.md", render_summary(found))
     return found
 
 
@@ -260,6 +268,8 @@ def parse_args(argv, parts: tuple = PARTS):
         p.error(f"--parts: expected distinct names of {names}, got {args.parts}")
     if args.wheels is not None and not args.wheels.is_dir():
         p.error(f"--wheels: {args.wheels} is not a directory")
+    if (foreign := suite.foreign_qkmla()) is not None:
+        p.error(foreign)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device here: the suite measures a GPU; --dry-run runs its code paths on the CPU")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -271,7 +281,7 @@ def main(argv=None, parts: tuple = PARTS, grace_s: float = GRACE_S) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p, args = parse_args(argv, parts)
     if args.worker:
-        part = Part(args.worker, Path(args.worker_module), 0.0)
+        part = Part(args.worker, args.worker_module, 0.0)
         return run_worker(part, Path(args.worker_result), float(args.worker_budget_s), args.dry_run,
                           args.worker_command)
     if args.summarize is not None:
@@ -287,15 +297,13 @@ def main(argv=None, parts: tuple = PARTS, grace_s: float = GRACE_S) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for f in existing:  # --overwrite: nothing of the earlier run of these parts is left to mix with this one
         f.unlink()
-    command = recorded_command("benchmarks/gpu/run.py", argv)
+    command = recorded_command(__spec__.name, argv)
     env = dict(os.environ, TRITON_INTERPRET="1" if args.dry_run else "0")
-    paths = [str(suite.SRC)]
     if args.wheels:
-        try:
-            paths.append(install_wheels(args.wheels))
+        try:  # pytest for the correctness part's tests, where the machine has none
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [install_wheels(args.wheels), env.get("PYTHONPATH")]))
         except (OSError, subprocess.CalledProcessError) as e:  # the tests are skipped with the reason; the rest runs
             print(f"--wheels: could not install pytest from {args.wheels}: {e}", file=sys.stderr)
-    env["PYTHONPATH"] = os.pathsep.join(paths + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     print(f"results -> {out}", flush=True)
     deadline = time.monotonic() + 60 * args.budget_min
     done = []

@@ -11,33 +11,21 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import json
-import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-SRC = REPO / "src"
+import torch
 
+import qkmla
+from qkmla.utils.files import write_text
+from qkmla.utils.machine import machine, source_commit
 
-def use_checkout_src() -> None:
-    """Import qkmla from this checkout (the code the results file names), not from whatever
-    else is installed: the device machine has no qkmla installed at all."""
-    if str(SRC) not in sys.path:
-        sys.path.insert(0, str(SRC))
-
-
-use_checkout_src()
-
-import torch  # noqa: E402
-
-from qkmla.utils.machine import machine, source_commit  # noqa: E402
+from ..common import ROOT as REPO
 
 # Datasheet HBM bandwidth (bytes/s). More specific names first: "H100 PCIe" before "H100".
 HBM_PEAK = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H200", 4.8e12), ("H100", 3.35e12), ("H800", 3.35e12),
@@ -46,17 +34,23 @@ PART_STATUSES = ("running", "ok", "partial", "skipped", "failed", "timeout")
 
 
 def write_json(path: Path, obj) -> None:
-    """Write ``obj`` as JSON to a temporary name beside ``path``, then rename it over ``path``:
-    a reader (or a kill) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    """``obj`` as JSON, atomically (``qkmla.utils.files.write_text``): a reader (or a kill)
+    never sees half a file."""
+    write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
-def write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def foreign_qkmla() -> Optional[str]:
+    """Why the qkmla imported here is not this checkout's (the code a results file names), or
+    None: the suite runs with the checkout installed, ``python -m pip install --no-deps
+    --no-build-isolation -e .`` from the repository root, or where that cannot build offline
+    (setuptools older than 70.1 without ``wheel``) with ``PYTHONPATH=src`` in the environment
+    (the device machine gets a copy of the working tree, without qkmla installed)."""
+    where = Path(qkmla.__file__).resolve().parent
+    if where.is_relative_to(REPO / "src"):
+        return None
+    return (f"qkmla is imported from {where}, not from this checkout ({REPO / 'src'}): run "
+            "`python -m pip install --no-deps --no-build-isolation -e .` in the repository root first "
+            "(or set PYTHONPATH=src)")
 
 
 def _version(dist: str) -> Optional[str]:

@@ -1,12 +1,20 @@
-"""Recheck on a GPU after the shared-memory and TF32 fixes (not a suite part)."""
-import json, os, sys, time
+"""Recheck on a GPU after the shared-memory and TF32 fixes (not a suite part); the script of
+benchmarks/results/gpu/nvidia-h100-80gb-hbm3/recheck/, its imports now the package's:
+
+    OUT=<dir> python -m benchmarks.gpu.recheck_verify
+"""
+import json
+import os
+import time
 from pathlib import Path
-sys.path.insert(0, "benchmarks/gpu")
-import suite  # noqa: E402  puts src/ on the path
-import torch  # noqa: E402
-import part_correctness as pc  # noqa: E402
-import part_kernel as pk  # noqa: E402
-from qkmla.ops.mla_decode import triton_kernel as tk  # noqa: E402
+
+import torch
+
+from qkmla.ops.mla_decode import triton_kernel as tk
+
+from . import part_correctness as pc
+from . import part_kernel as pk
+from . import suite
 
 out_dir = Path(os.environ["OUT"])
 res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "correctness": [], "kernel": [], "errors": []}
