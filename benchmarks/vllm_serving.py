@@ -377,9 +377,12 @@ def kv_bytes_per_token(shape: dict, scalars: int, dtype_bytes: int) -> int:
 
 def decode(work: Path, result: dict, write, grid, new_tokens: int, dtype: str, rounds: int, sessions: int,
            eager: bool) -> None:
+    from qkmla import QKNormConfig
+
     tau = DECODE_SHAPE["qk_nope_head_dim"] + DECODE_SHAPE["qk_rope_head_dim"]
     models = {"stock": (checkpoint(work / "decode-plain", DECODE_SHAPE), 0),
-              "plain-qkmla": (checkpoint(work / "decode-plain-qkmla", DECODE_SHAPE, learnable_logit_scale=True), 0),
+              "plain-qkmla": (checkpoint(work / "decode-plain-qkmla", DECODE_SHAPE,
+                                         qk_norm=QKNormConfig(None, learnable_logit_scale=True)), 0),
               "qknorm": (checkpoint(work / "decode-qknorm", DECODE_SHAPE, qk_norm="rms"),
                          DECODE_SHAPE["num_attention_heads"])}
     _set_logit_scale(models["plain-qkmla"][0], tau ** -0.5)  # the same function as plain MLA

@@ -244,8 +244,8 @@ def test_the_launch_an_h100_takes_keeps_its_tiles_in_registers(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter compiles nothing
     out = tmp_path / "resources.json"
-    r = subprocess.run([sys.executable, str(repo / "benchmarks" / "kernel_resources.py"), "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernel_resources", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=repo)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {(r["heads"], r["kv_format"]) for r in rows} == {(h, f) for h in (16, 128)

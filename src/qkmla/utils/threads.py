@@ -3,7 +3,7 @@
 Torch's default is one thread per core. Its parallel regions end in a barrier, so one thread
 that shares its core with another process makes every region wait for that thread's next
 time slice: on a 2-core machine where another process held a core, 60 training steps took
-114 s with 2 threads and 6.5 s with 1 (issue 27; ``benchmarks/bench_threads.py`` measures
+114 s with 2 threads and 6.5 s with 1 (issue 27; ``python -m benchmarks.bench_threads`` measures
 it on the machine at hand). ``auto`` therefore takes torch's count (which honours
 ``OMP_NUM_THREADS``) less the cores other processes keep busy, measured from ``/proc/stat``
 over a fraction of a second at the start, split between the ranks that share the machine

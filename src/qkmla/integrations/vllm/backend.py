@@ -14,7 +14,7 @@ the ones :class:`QKNormImpl` overrides:
   CPU through qkmla's kernel). vLLM runs the write as an opaque op outside its compiled graph,
   which keeps that GEMM out of the graph: a CPU kernel called inside it changed how inductor
   ordered the MoE router against vLLM's oneDNN GEMM, which served wrong tokens
-  (docs/benchmarks.md, "Tried and withdrawn");
+  (docs/benchmarks.md, "History of the decode part": 4ca6b9f, d2870fe);
 * ``_concat_k_nope_k_pe`` builds the prefill keys [k^C · r ; k^R] (blockwise) or
   [k^C ; k^R] · r (unified, content): vLLM's prefill then runs unchanged;
 * ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the

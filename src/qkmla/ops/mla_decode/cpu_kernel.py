@@ -28,7 +28,7 @@ from ..cpu_extension import build
 MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
 # "auto" takes the kernel up to this many query heads per sequence (S_q x H): it reads the keys
 # once per query token, where the torch backend's GEMMs take every query head of a sequence at
-# once, so past this the GEMMs are not reliably slower (benchmarks/bench_cpu_kernel.py).
+# once, so past this the GEMMs are not reliably slower (python -m benchmarks.bench_cpu_kernel).
 AUTO_MAX_QUERY_HEADS = 32
 MIN_KEYS_PER_SPLIT = 512  # below this a split's merge costs more than its parallelism gains
 

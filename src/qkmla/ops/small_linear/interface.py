@@ -6,7 +6,7 @@ At one to a few rows that product is a matrix-vector product, and oneDNN's bfloa
 ``F.linear`` calls on a CPU without AMX) spends more on its call and its blocking than on the
 products. The kernel reads a weight packed once (:func:`pack_weight`), 64 output columns to a
 tile, with AVX-512 BF16 dot products, and sums in float32 with one rounding to bfloat16 at the
-end, as the GEMM does (``benchmarks/bench_small_linear.py`` times the two side by side).
+end, as the GEMM does (``python -m benchmarks.bench_small_linear`` times the two side by side).
 :func:`group_statistic` serves a QK norm's key scalars: the norm's statistic of each head's block
 of outputs (``ops.statistic.statistic``) in one op call, with the outputs never leaving the kernel.
 It reads the weight unpacked, row by row, where it lies (vLLM's W_UK is a view of
