@@ -450,6 +450,39 @@ def test_a_step_that_fails_while_attending_takes_its_token_out_again(monkeypatch
     torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], rtol=1e-10, atol=1e-10)
 
 
+def test_auto_settles_on_torch_when_the_rows_written_carry_gradients(monkeypatch):
+    """MLA resolves "auto" before it writes the cache; the new token's rows carry autograd
+    (here only the latent projection trains, so the queries carry none), which the cache then
+    holds, so "auto" must settle on the torch backend rather than hand the CPU kernel a cache
+    it cannot differentiate. Under no_grad the same step picks the CPU kernel (made to look
+    available here)."""
+    import qkmla.attention.mla as mla_module
+    import qkmla.ops.mla_decode.backends as backends
+
+    monkeypatch.setattr(backends, "cpu_unsupported_for", lambda *args, **kwargs: None)
+    chosen = []
+    real = mla_module.mla_decode_with_kvcache
+
+    def recording(*args, backend, **kwargs):
+        chosen.append(backend)
+        return real(*args, backend="torch", **kwargs)
+
+    monkeypatch.setattr(mla_module, "mla_decode_with_kvcache", recording)
+    mla = make(dict(qk_norm="rms", qk_rope_head_dim=16, qk_nope_head_dim=16, kv_lora_rank=32),
+               dtype=torch.bfloat16)
+    for name, weight in mla.named_parameters():  # only the latent projection trains: the
+        weight.requires_grad_(name.startswith("kv_a_proj_with_mqa"))  # queries carry no autograd
+    x = torch.randn(2, 6, mla.config.hidden_size, dtype=torch.bfloat16)
+    for grad in (True, False):
+        cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.bfloat16)
+        with torch.no_grad():
+            mla(x[:, :5], cache)
+        with torch.set_grad_enabled(grad):
+            out = mla(x[:, 5:], cache)
+        assert out.requires_grad == grad and cache.decode_view()["kv_cache"].requires_grad == grad
+    assert chosen == ["torch", "cpu"]
+
+
 @pytest.mark.parametrize("path", ["absorbed", "expand"])
 def test_a_new_token_is_rotated_at_its_position_and_stored_at_its_slot(path):
     """Five cached tokens at positions 0..4, then a token at position 7 (as if positions 5

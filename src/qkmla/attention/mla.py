@@ -301,12 +301,13 @@ class MLA(nn.Module):
             return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
-        # The backend is settled once, from the cache's own tensors and row format, before the
-        # cache is written: one that cannot run must not leave the new token in the cache (a
-        # retry would attend to it twice); the op then runs it as named.
+        # The backend is settled once, from the cache's own tensors and row format and the rows
+        # about to be written (their autograd becomes the cache's), before the cache is written:
+        # one that cannot run must not leave the new token in the cache (a retry would attend to
+        # it twice); the op then runs it as named.
         view = cache.decode_view()
         backend = resolve_backend(self.config.decode_backend, q_lat, q_rope, view["kv_cache"], view["scale_cache"],
-                                  self.scale, view["kv_format"])
+                                  self.scale, view["kv_format"], written=rows)
         cache.append(slot, **rows)
         o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
                                            backend=backend, mode=self.score_mode, visible_lens=slot.visible_lens())

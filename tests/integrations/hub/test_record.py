@@ -29,6 +29,9 @@ def test_a_record_written_before_qk_norm_config_reads_as_it_did():
     assert recorded_norm({RECORD: {"qk_norm": "rms", "qk_norm_scope": "projection", "qk_norm_mode": "content"}}) \
         == NORMS[2]
     assert recorded_norm({RECORD: {"qk_norm": None, "learnable_logit_scale": True}}) == NORMS[3]
+    # a flat record without a norm kept the norm's other fields at whatever they were: no norm
+    assert recorded_norm({RECORD: {"qk_norm": None, "qk_norm_mode": "unified", "qk_norm_p": 3.0}}) is None
+    assert recorded_norm({RECORD: {"qk_norm_mode": "content", "learnable_logit_scale": True}}) == NORMS[3]
     assert recorded_norm({RECORD: {"num_kv_groups": 2}, "num_attention_heads": 4}) is None
     assert recorded_groups({RECORD: {"qk_norm": "rms", "num_kv_groups": 2}, "num_attention_heads": 4}) == 2
 

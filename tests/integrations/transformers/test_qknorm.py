@@ -236,6 +236,22 @@ def test_a_checkpoint_whose_record_and_tensors_disagree_is_refused_before_loadin
         from_pretrained(qk_dir)
 
 
+def test_a_checkpoint_saved_before_the_layered_layout_loads_with_its_norm(tmp_path):
+    """Saved before qkmla.integrations: the old loader's name and the norm's fields flat."""
+    model = patched(hf_model("v3", dtype=torch.float32), qk_norm="rms")
+    perturb_norms(model)
+    model.save_pretrained(tmp_path / "old")
+    _edit_config(tmp_path / "old", attn_implementation="qkmla.interop.from_pretrained",
+                 qkmla={"qk_norm": "rms", "qk_norm_mode": "blockwise", "qk_norm_p": 2.0, "qk_norm_eps": 1e-6})
+    back = from_pretrained(tmp_path / "old")
+    ids = torch.stack(prompts([9, 9]))
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+    back.save_pretrained(tmp_path / "new")
+    saved = json.loads((tmp_path / "new" / "config.json").read_text())
+    assert saved["attn_implementation"] == LOADER and saved[RECORD] == {"qk_norm": QKNormConfig().record()}
+
+
 def test_from_pretrained_bad_arguments(qk_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="attn_implementation: qkmla's latent attention replaces"):
         from_pretrained(qk_dir, attn_implementation="sdpa")

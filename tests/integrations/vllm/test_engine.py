@@ -146,7 +146,7 @@ def test_served_in_bfloat16_through_the_cpu_kernel_stays_within_bf16s_drift(norm
     # graph (at d2870fe) a GEMM kernel changed how vLLM 0.32's compiled step ordered the MoE router
     # against the onednn_mm that writes its input, which served other tokens: these models are MoE,
     # so this test would see that again.
-    unified = json.loads((path / "config.json").read_text())["qkmla"]["qk_norm_mode"] == "unified"
+    unified = json.loads((path / "config.json").read_text())["qkmla"]["qk_norm"]["mode"] == "unified"
     if unified or small_linear.kernel_unavailable() is not None:
         assert got["key_weights_read_in_place"] == ["in place"] * layers
         assert got["key_scalar_kernel_calls"] == 0

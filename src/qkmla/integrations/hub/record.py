@@ -78,6 +78,8 @@ def recorded_norm(hf_config, where: str = "model.config") -> Optional[QKNormConf
         if isinstance(record.get(NORM), dict):
             return QKNormConfig.of(record[NORM])
         flat = {FLAT_FIELDS[k]: v for k, v in record.items() if k in FLAT_FIELDS}
+        if flat.get("kind") is None:  # as flat records were read: no norm; only a learned scale counts
+            flat = {"kind": None, **{k: v for k, v in flat.items() if k == "learnable_logit_scale"}}
         try:
             return QKNormConfig.of(flat) if flat else None
         except ValueError as e:  # named by the record's own key

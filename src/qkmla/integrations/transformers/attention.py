@@ -69,7 +69,7 @@ class LatentAttention(MLA):
     """transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention``, computed by qkmla.
 
     Args:
-        config: the layer's :class:`~qkmla.MLAConfig` (``qkmla.integrations.hub.mla_config_from_hf``).
+        config: the layer's :class:`~qkmla.MLAConfig` (``qkmla.integrations.hub.config.mla_config_from_hf``).
         layer_idx: the decoder layer's index, as transformers numbers cache layers.
         projections: the HF layer's projection and latent-norm modules by name, adopted as they are.
         settings: the model's shared :class:`LatentSettings`.

@@ -90,7 +90,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
             _record(model, norm)
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
-    groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hf_qknorm, hf_attention)
+    groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
     overrides = {"num_kv_groups": groups} if groups is not None else {}
     patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, qk_norm=norm,
                                        **overrides)

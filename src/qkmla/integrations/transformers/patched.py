@@ -1,6 +1,6 @@
 """Finding the parts of a transformers DeepSeek model that ``apply_latent_attention`` patched.
 
-Kept apart from ``hf_model`` (which patches) so that the cache (``hf_cache``) can build itself
+Kept apart from ``model`` (which patches) so that the cache (``cache``) can build itself
 for a patched model without importing the patching code.
 """
 
@@ -21,7 +21,7 @@ def inner_model(model):
 
 
 def model_settings(model):
-    """The shared settings of a patched model (``hf_attention.LatentSettings``); ValueError if it
+    """The shared settings of a patched model (``attention.LatentSettings``); ValueError if it
     was not patched."""
     settings = getattr(inner_model(model), "_qkmla_settings", None)
     if settings is None:
@@ -31,6 +31,6 @@ def model_settings(model):
 
 
 def latent_layers(model) -> list:
-    """Every decoder layer's patched attention module (``hf_attention.LatentAttention``), in order."""
+    """Every decoder layer's patched attention module (``attention.LatentAttention``), in order."""
     model_settings(model)
     return [layer.self_attn for layer in inner_model(model).layers]

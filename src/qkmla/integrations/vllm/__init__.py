@@ -15,7 +15,7 @@ run the model with its QK norm. What the plugin adds (the math is qkmla's own, `
   weights folded into the query, ``latent_query``'s fold), the key scalars r = sigma(c W_UK)
   from the new tokens' latents (``key_scalars``), RoPE on 2-D tensors, and vLLM's
   ``MLAAttention`` over a cache row widened by G scalars: [c | k_rope | r].
-* ``backend.py``: the attention backend: decode through ``qkmla.ops.mla_decode_with_kvcache``
+* ``backend.py``: the attention backend: decode through ``qkmla.ops.mla_decode.mla_decode_with_kvcache``
   on strided views of vLLM's paged cache, prefill through vLLM's own with the keys scaled by r.
 
 Nothing here imports vLLM at module level: ``import qkmla`` never needs it.

@@ -17,7 +17,7 @@ the ones :class:`QKNormImpl` overrides:
   (docs/benchmarks.md, "History of the decode part": 4ca6b9f, d2870fe);
 * ``_concat_k_nope_k_pe`` builds the prefill keys [k^C · r ; k^R] (blockwise) or
   [k^C ; k^R] · r (unified, content): vLLM's prefill then runs unchanged;
-* ``forward_mqa`` decodes with ``qkmla.ops.mla_decode_with_kvcache`` on strided views of the
+* ``forward_mqa`` decodes with ``qkmla.ops.mla_decode.mla_decode_with_kvcache`` on strided views of the
   paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:d_c + d_r + G]``, no copy).
 
 A prefill over cached context (chunked prefill, prefix-cache hits) gathers the context's rows

@@ -93,16 +93,18 @@ def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[tor
 
 
 def resolve_backend(backend: str, q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                    scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0, kv_format="dense") -> str:
+                    scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0, kv_format="dense",
+                    written: Optional[dict] = None) -> str:
     """The backend that runs for these inputs (shapes as ``mla_decode_with_kvcache`` takes them):
     :func:`select_backend`, then what it could not see (the cache's dtype and strides, the scalars'
     dtype, autograd, the query heads per sequence), which sends ``"auto"`` to ``"torch"`` and makes
     a named ``"cpu"`` fail. The same inputs give the same answer, so resolving before a call and
-    passing the result changes nothing."""
+    passing the result changes nothing. ``written``: the rows (name -> tensor) a caller resolving
+    before it writes the cache will write, whose autograd the cache then carries."""
     chosen = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
     if chosen != "cpu":
         return chosen
-    reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale)
+    reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale, written)
     if reason is not None and backend == "cpu":
         raise ValueError(reason)
     # Many query heads per sequence (a wide model, a multi-token append): the torch backend's

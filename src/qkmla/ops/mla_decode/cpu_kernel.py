@@ -52,10 +52,13 @@ def cpu_unsupported_for(device, d_c: int, d_r: int, dtype: Optional[torch.dtype]
 
 
 def cpu_unsupported(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                    scale_cache: Optional[torch.Tensor], softmax_scale) -> Optional[str]:
+                    scale_cache: Optional[torch.Tensor], softmax_scale,
+                    written: Optional[dict] = None) -> Optional[str]:
     """What :func:`cpu_unsupported_for` (which ``select_backend`` has asked already, with these
     tensors' device, widths, dtype and format, so the rows are dense) could not see: the cache's
-    dtype and strides, the scalars' dtype, autograd. A message naming the argument, or None."""
+    dtype and strides, the scalars' dtype, autograd. ``written``: rows (name -> tensor) that will
+    be written into the cache before the call, so their autograd is the cache's. A message naming
+    the argument, or None."""
     if kv_cache.dtype != torch.bfloat16:
         return f"kv_cache: the CPU kernel reads dense bfloat16 rows, got {kv_cache.dtype}; use 'torch' or 'auto'"
     if kv_cache.stride(-1) != 1:
@@ -67,7 +70,8 @@ def cpu_unsupported(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.T
                 f"use 'torch' or 'auto'")
     if torch.is_grad_enabled():
         tracked = [name for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache),
-                                        ("scale_cache", scale_cache), ("softmax_scale", softmax_scale))
+                                        ("scale_cache", scale_cache), ("softmax_scale", softmax_scale),
+                                        *(written or {}).items())
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if tracked:
             return (f"{', '.join(tracked)}: the CPU kernel is not differentiable; decode under torch.no_grad() "
