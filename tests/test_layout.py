@@ -23,6 +23,7 @@ PARTS = [
     "qkmla.train",
     "qkmla.experiments",
     "qkmla.integrations.hub", "qkmla.integrations.transformers", "qkmla.integrations.vllm",
+    "qkmla.integrations.torchtitan",
     "qkmla.convert",
     "qkmla.cli", "qkmla.__main__",
 ]

@@ -8,7 +8,7 @@ G KV groups (head i reads group i // (h / G)).
 from __future__ import annotations
 
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +106,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
 
 
 @torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256) -> torch.Tensor:
+def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256,
+               allowed: Optional[Callable] = None) -> torch.Tensor:
     """Per-head max causal pre-softmax logit [h], in chunks of ``chunk`` queries.
 
     Never holds more than [B, h, chunk, S] logits at once, so measuring does not
@@ -114,6 +115,9 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256)
 
     Args:
         q: [B, T, h, D]; k: [B, T, G, D] (keys of the same T tokens, causal); scale: float or [h].
+        allowed: None (causal), or a function of (batch [B, 1, 1, 1], head [1, 1, 1, 1],
+            query [1, 1, c, 1], key [1, 1, 1, S]) indices giving which logits attention uses
+            (a FlexAttention ``mask_mod``: packed documents), ANDed with causality.
     """
     B, T, h, _ = q.shape
     G = k.shape[2]
@@ -124,8 +128,12 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256)
     for start in range(0, T, chunk):
         stop = min(T, start + chunk)
         s = qq[:, :, start:stop] @ kk[:, :, :stop].transpose(-1, -2)  # [B, h, c, stop]
-        causal = torch.arange(stop, device=q.device) <= torch.arange(start, stop, device=q.device)[:, None]
-        s = s.masked_fill(~causal, float("-inf"))
+        keys, queries = torch.arange(stop, device=q.device), torch.arange(start, stop, device=q.device)
+        keep = keys <= queries[:, None]
+        if allowed is not None:
+            batch = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+            keep = keep & allowed(batch, torch.zeros_like(batch[:1]), queries.view(1, 1, -1, 1), keys.view(1, 1, 1, -1))
+        s = s.masked_fill(~keep, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best
 

@@ -42,6 +42,22 @@ def _group_key_factor(gamma: torch.Tensor, groups: int, power: float) -> torch.T
     return gamma.view(groups, -1).amin(dim=1).pow(power)
 
 
+def mla_clip_row_factors(gamma: torch.Tensor, groups: int, d_n: int, d_r: int, d_v: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's QK-Clip as one factor per output row of the query up-projection W_Q [h (d_n + d_r), .]
+    and of the key/value up-projection W_KV [G (d_n + d_v), .]: the content query rows of head h by
+    gamma_h / b_g, its RoPE query rows by gamma_h, the content key rows of group g by
+    b_g = sqrt(min gamma over g's heads), the value rows by 1 (the shared RoPE key is untouched).
+    Every logit of head h is then multiplied by exactly gamma_h. gamma: [h] -> ([h (d_n + d_r)],
+    [G (d_n + d_v)]); a caller scales its weights' rows (local shards included) by them."""
+    heads = gamma.shape[0]
+    key = _group_key_factor(gamma, groups, 0.5)  # content key rows of each group
+    query_content = gamma / key.repeat_interleave(heads // groups)
+    w_q = torch.cat((query_content[:, None].expand(heads, d_n), gamma[:, None].expand(heads, d_r)), dim=1)
+    w_kv = torch.cat((key[:, None].expand(groups, d_n), torch.ones_like(key)[:, None].expand(groups, d_v)), dim=1)
+    return w_q.reshape(-1), w_kv.reshape(-1)
+
+
 @torch.no_grad()
 def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alpha: float = 0.5) -> torch.Tensor:
     """Rescale ``module``'s Q/K weights in place so each head's logits shrink by gamma_h.
@@ -68,15 +84,11 @@ def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alp
     if bool((gamma == 1).all()):
         return gamma
     if isinstance(module, MLA):
-        G, hg = c.num_kv_groups, c.heads_per_group
-        key = _group_key_factor(gamma, G, 0.5)  # content key rows of each group
-        query_content = gamma / key.repeat_interleave(hg)
         w_q = module.q_proj.weight if c.q_lora_rank is None else module.q_b_proj.weight
-        w_q = w_q.view(c.num_heads, c.qk_head_dim, -1)
-        w_q[:, :c.qk_nope_head_dim].mul_(query_content.to(w_q.dtype)[:, None, None])
-        w_q[:, c.qk_nope_head_dim:].mul_(gamma.to(w_q.dtype)[:, None, None])
-        w_kv = module.kv_b_proj.weight.view(G, c.qk_nope_head_dim + c.v_head_dim, -1)
-        w_kv[:, :c.qk_nope_head_dim].mul_(key.to(w_kv.dtype)[:, None, None])
+        w_q_rows, w_kv_rows = mla_clip_row_factors(gamma, c.num_kv_groups, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                                                   c.v_head_dim)
+        w_q.mul_(w_q_rows.to(w_q.dtype)[:, None])
+        module.kv_b_proj.weight.mul_(w_kv_rows.to(module.kv_b_proj.weight.dtype)[:, None])
     else:
         G = c.num_kv_heads
         key = _group_key_factor(gamma, G, 1.0 - alpha)

@@ -1,0 +1,223 @@
+"""torchtitan's DeepSeek-V3 MLA with qkmla's post-up-projection QK norm, QK-Clip's max logits, or
+neither: one subclass of torchtitan's ``Attention`` that its overrides put in place.
+
+The layer is torchtitan's own (the same projections, latent norms, RoPE, inner attention and
+parameter names); what it adds sits between the up-projections and RoPE, as in qkmla's
+:class:`~qkmla.MLA` (MATH.md, "QK-normalized MLA"):
+
+    q = [q^C | q^R] = W_Q x                    [B, T, h, d_n + d_r]
+    k^C = W_UK c,  k^R = W_KR x                [B, T, h, d_n], [B, T, 1, d_r]
+    q^C, q^R <- q_head_norm(q^C, q^R)         qkmla's QKNorm: RMS blockwise (the paper's),
+    k^C, k^R <- k_head_norm(k^C, k^R)         unified or content; L2; Lp
+    q^R, k^R <- RoPE(q^R), RoPE(k^R)
+    logits = tau_h q . k                       tau: torchtitan's softmax scale, or a learned one per head
+
+Its parameters say what they are: ``q_head_norm.{content,rope}.weight`` and
+``k_head_norm.{content,rope}.weight`` (torchtitan's ``q_norm`` / ``kv_norm`` are the latent
+norms), ``logit_scale`` [h] when the scale is learned. A checkpoint exported to Hugging Face
+(``checkpoint.export_hf``) names them as qkmla's transformers integration does.
+
+With ``track_max_logits`` (or a QK-Clip threshold) each forward in training also measures every
+head's largest pre-softmax logit over the logits attention uses (causal, within each packed
+document), an extra Q K^T in chunks without gradients: QK-Clip (``clip.py``) and the max-logit
+metric (``metrics.py``) read it.
+
+Shapes: B sequences, T tokens, h heads (the local heads under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .versions import check_torchtitan
+
+check_torchtitan()
+
+import spmd_types as spmd  # noqa: E402  (torchtitan's dependency)
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torchtitan.models.deepseek_v3.model import Attention  # noqa: E402
+
+from ...attention.functional import max_logits  # noqa: E402
+from ...config import QKNormConfig  # noqa: E402
+from ...norms import make_qk_norms  # noqa: E402
+
+
+def document_mask(positions: Optional[torch.Tensor]):
+    """Which logits attention uses beyond causality, as a FlexAttention-style ``mask_mod`` of
+    (batch, head, query, key) indices: within one packed document, documents starting where
+    ``positions`` [B, T] restarts at 0 (torchtitan's block-causal convention). None: causal only."""
+    if positions is None:
+        return None
+    document = torch.cumsum((positions == 0).to(torch.int32), dim=-1)  # [B or 1, T]
+
+    def same_document(b, h, q_idx, kv_idx):
+        rows = document if document.shape[0] > 1 else document.expand(b.shape[0], -1)
+        return rows[b, q_idx] == rows[b, kv_idx]
+
+    return same_document
+
+
+class QKAttention(Attention):
+    """torchtitan's DeepSeek-V3 ``Attention`` with qkmla's QK norm, or with QK-Clip, or plain with
+    its max logits measured (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Attention.Config):
+        qk_norm: Optional[QKNormConfig] = None
+        # tau_0 of a learned logit scale; None: torchtitan's softmax scale for RMS, sqrt(d_n + d_r)
+        # for L2/Lp (unit vectors: the logit an RMS-normalized head of the same width would give).
+        logit_scale_init: Optional[float] = None
+        qk_clip_tau: Optional[float] = None  # QK-Clip's threshold; the clip itself runs after the optimizer step
+        track_max_logits: bool = False
+
+        def __post_init__(self) -> None:
+            Attention.Config.__post_init__(self)  # slots=True: no zero-argument super()
+            norm = QKNormConfig.of(self.qk_norm, "qk_norm")
+            object.__setattr__(self, "qk_norm", norm)
+            if self.qk_clip_tau is not None:
+                if isinstance(self.qk_clip_tau, bool) or not isinstance(self.qk_clip_tau, (int, float)) \
+                        or not 0 < self.qk_clip_tau < math.inf:
+                    raise ValueError(f"qk_clip_tau: expected a finite positive threshold, got {self.qk_clip_tau!r}")
+                if norm is not None:
+                    raise ValueError(f"qk_clip_tau: QK-Clip and a QK norm ({norm.name}) cannot be combined: the norm "
+                                     "would undo the clip's rescaling; activate one of the two overrides")
+            if self.logit_scale_init is not None:
+                if norm is None or not norm.learnable_logit_scale:
+                    raise ValueError("logit_scale_init: only read with a learned logit scale "
+                                     "(qk_norm with learnable_logit_scale=True)")
+                if not isinstance(self.logit_scale_init, (int, float)) or not 0 < self.logit_scale_init < math.inf:
+                    raise ValueError(f"logit_scale_init: expected a finite positive number, got "
+                                     f"{self.logit_scale_init!r}")
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        norm = config.qk_norm
+        self.qk_norm_config = norm
+        self.q_head_norm, self.k_head_norm = make_qk_norms(
+            norm, config.qk_nope_head_dim, config.qk_rope_head_dim, config.n_heads, config.n_heads)
+        self.logit_scale = None
+        if norm is not None and norm.learnable_logit_scale:
+            unit = norm.kind in ("l2", "lp")
+            self.logit_scale_init = config.logit_scale_init or (math.sqrt(self.qk_head_dim) if unit
+                                                                else self.softmax_scale)
+            self.logit_scale = nn.Parameter(torch.full((config.n_heads,), float(self.logit_scale_init)))
+        per_head = (["logit_scale"] if self.logit_scale is not None else []) + \
+            (["q_head_norm, k_head_norm weights"] if norm is not None and norm.scope == "projection" else [])
+        self.per_head_weights = " and ".join(per_head)  # what tensor parallelism would have to shard
+        self.qk_clip_tau = config.qk_clip_tau
+        self.track_max_logits = config.track_max_logits or config.qk_clip_tau is not None
+        self.running_max_logits: Optional[torch.Tensor] = None  # [h] on this rank since the step was closed
+        self.step_max_logits: Optional[torch.Tensor] = None  # [h] of the last closed step
+        self.clipped_max_logits: Optional[torch.Tensor] = None  # [h] after the last clip: min(S_h, tau)
+
+    def _init_self_parameters(self) -> None:
+        """torchtitan builds on the meta device and initializes each ``Module``; qkmla's norms are
+        plain modules, so their weights (ones) and the logit scale are set here."""
+        with torch.no_grad():
+            for qk in (self.q_head_norm, self.k_head_norm):
+                if qk is not None:
+                    for weight in qk.parameters():
+                        weight.fill_(1.0)
+            if self.logit_scale is not None:
+                self.logit_scale.fill_(float(self.logit_scale_init))
+
+    def forward(self, x: torch.Tensor, attention_masks, positions: Optional[torch.Tensor] = None):
+        """x [B, T, dim] -> [B, T, dim]; ``attention_masks`` and ``positions`` as torchtitan passes them."""
+        bsz, seqlen, _ = x.size()
+        if self.q_lora_rank == 0:
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        with spmd.local():
+            q = q.view(bsz, seqlen, -1, self.qk_head_dim)
+        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_a(x)
+        kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(2)
+        kv = self.wkv_b(self.kv_norm(kv))
+        with spmd.local():
+            kv = kv.view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+            k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        if q.shape[2] != self.n_heads and self.per_head_weights:
+            raise ValueError(f"parallelism.tensor_parallel_degree: this layer has {q.shape[2]} of its {self.n_heads} "
+                             f"heads on this rank, and its {self.per_head_weights} have a row per head, which "
+                             "qkmla does not shard yet; use a QK norm with scope='head' and a fixed logit scale, or "
+                             "tensor_parallel_degree=1")
+        if self.q_head_norm is not None:  # before RoPE, as qkmla's MLA (the cache stores normalized rows)
+            q_nope, q_pe = self.q_head_norm(q_nope, q_pe)
+            k_nope, k_pe = self.k_head_norm(k_nope, k_pe)  # unified/content: k_pe takes each head's scalar
+        q_pe, k_pe = self.rope(q_pe, k_pe, positions)
+        scale = self.softmax_scale
+        with spmd.local():
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
+            if self.logit_scale is not None:  # per head: folded into q, the inner attention takes one scale
+                q, scale = q * self.logit_scale.to(q.dtype)[:, None], 1.0
+        if self.track_max_logits and self.training:
+            self._track(q, k, scale, positions)
+        output = self.inner_attention(q, k, v, attention_masks=attention_masks, scale=scale).contiguous()
+        return self.wo(output.view(bsz, seqlen, -1))
+
+    def _track(self, q: torch.Tensor, k: torch.Tensor, scale: float, positions: Optional[torch.Tensor]) -> None:
+        step = max_logits(q.detach(), k.detach(), scale, allowed=document_mask(positions))
+        running = self.running_max_logits
+        self.running_max_logits = step if running is None else torch.maximum(running, step)
+
+
+def qk_attention_layers(model_parts) -> list[tuple[str, QKAttention]]:
+    """(name, layer) of every :class:`QKAttention` in torchtitan's model parts (a module or a list)."""
+    parts = model_parts if isinstance(model_parts, (list, tuple)) else [model_parts]
+    return [(name, module) for part in parts for name, module in part.named_modules()
+            if isinstance(module, QKAttention)]
+
+
+def _layer_slot(name: str) -> tuple[int, int]:
+    """(table, row) of a layer named ``...layers.{i}.attention`` (table 0) or
+    ``...mtp_layers.{i}.attention`` (table 1)."""
+    parts = name.split(".")
+    i = max(k for k, part in enumerate(parts) if part in ("layers", "mtp_layers"))
+    return int(parts[i] == "mtp_layers"), int(parts[i + 1])
+
+
+def close_steps(model_parts) -> dict[str, torch.Tensor]:
+    """Close the step of every measuring :class:`QKAttention`: {name: per-head max logits [h]} over
+    every rank (one MAX all-reduce of a [layers, h] table when torch.distributed is initialized, so
+    data-parallel ranks, context-parallel shards and pipeline stages each holding other layers
+    all get the global figure), kept as each layer's ``step_max_logits``; running maxima restart.
+
+    Every rank must call it at the same steps (the trainer's optimizer hook and metrics logging
+    do). Raises ValueError under tensor parallelism (a rank's heads are a slice of the layer's)."""
+    layers = [(name, layer) for name, layer in qk_attention_layers(model_parts) if layer.track_max_logits]
+    if not layers:
+        return {}
+    heads = layers[0][1].n_heads
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    slots = {name: _layer_slot(name) for name, _ in layers}
+    rows = torch.tensor([max((r for (t, r) in slots.values() if t == table), default=-1) + 1 for table in (0, 1)])
+    if distributed:
+        torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX)
+    device = layers[0][1].wkv_a.weight.device
+    table = torch.full((int(rows.sum()), heads), float("-inf"), dtype=torch.float32, device=device)
+    for name, layer in layers:
+        running = layer.running_max_logits
+        if running is None:
+            continue
+        if running.numel() != heads:
+            raise ValueError(f"{name}: {running.numel()} of its {heads} heads on this rank: QK-Clip and the "
+                             "max-logit metric do not support tensor parallelism yet (parallelism."
+                             "tensor_parallel_degree must be 1 with qkmla's qk_clip and max_logits overrides)")
+        t, r = slots[name]
+        table[t * int(rows[0]) + r] = running.float()
+    if distributed:
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
+    closed = {}
+    for name, layer in layers:
+        t, r = slots[name]
+        row = table[t * int(rows[0]) + r]
+        layer.running_max_logits = None
+        if bool(torch.isfinite(row).all()):
+            layer.step_max_logits = closed[name] = row
+    return closed

@@ -1,0 +1,207 @@
+"""torchtitan DeepSeek-V3 <-> Hugging Face checkpoints (``integrations.torchtitan.checkpoint``): an exported
+model computes the same logits in transformers (qkmla's loader for a QK-normed one) and decodes the same
+greedy tokens through qkmla's latent cache; an import gives back every parameter bit for bit; what
+transformers cannot compute the same way, and checkpoints that do not fit the model, are refused."""
+
+import dataclasses
+import json
+from functools import partial
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
+from torchtitan.config import derive  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.attention import get_causal_mask_mod  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers  # noqa: E402
+
+from qkmla import QKNormConfig  # noqa: E402
+from qkmla.integrations.hub.checkpoint import SINGLE  # noqa: E402
+from qkmla.integrations.torchtitan.attention import QKAttention  # noqa: E402
+from qkmla.integrations.torchtitan.checkpoint import export_hf, import_hf  # noqa: E402
+from qkmla.integrations.torchtitan.inner import DenseMaskAttention  # noqa: E402
+
+VOCAB, DIM, T = 128, 64, 12
+NORMS = {"rms-blockwise": QKNormConfig(), "rms-unified": QKNormConfig("rms", "unified"),
+         "l2-learned-scale": QKNormConfig("l2", learnable_logit_scale=True), "lp3": QKNormConfig("lp", p=3.0),
+         "plain": None}
+
+
+class Float32Experts(GroupedExperts):
+    """torchtitan's grouped experts in the parameters' dtype (its own forward casts to bfloat16): the same
+    function and parameters, so that logits compare at float32 rounding."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD, num_tokens_per_expert_E):
+        """x [R, dim], tokens per expert [E] -> [R, dim]."""
+        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        mm = partial(torch._grouped_mm, offs=offsets)
+        h = nn.functional.silu(mm(x_RD, self.w1_EFD.transpose(-2, -1))) * mm(x_RD, self.w3_EFD.transpose(-2, -1))
+        return mm(h, self.w2_EDF.transpose(-2, -1))
+
+
+def build(norm=None, *, q_lora_rank=0, score_func="sigmoid", latent_eps=1e-6, groups=(2, 1), seed=0):
+    """A 3-layer torchtitan DeepSeek-V3 (one dense layer, then MoE with HF's routing), float32 on the CPU,
+    random weights with norms away from ones and a nonzero expert bias."""
+    init = {"weight": partial(nn.init.normal_, std=0.1)}
+    layers = build_mla_moe_layers(
+        n_layers=3, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=0.7, dense_hidden_dim=96, moe_hidden_dim=32,
+        num_experts=4, num_shared_experts=2, router_top_k=2, router_score_func=score_func,
+        router_num_expert_groups=groups[0], router_num_limited_groups=groups[1], router_route_scale=2.5,
+        router_route_norm=True, attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        linear_init=init, norm_init={"weight": nn.init.ones_}, depth_init=lambda i: init,
+        depth_experts_init=lambda i: {w: partial(nn.init.normal_, std=0.1) for w in ("w1_EFD", "w2_EDF", "w3_EFD")},
+        rope=ComplexRoPE.Config(dim=8, max_seq_len=256, theta=10000.0, scaling="yarn", rope_factor=4.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=64))
+    for layer in layers:
+        a = layer.attention
+        latent = dict(kv_norm=dataclasses.replace(a.kv_norm, eps=latent_eps),
+                      q_norm=dataclasses.replace(a.q_norm, eps=latent_eps),
+                      inner_attention=derive(a.inner_attention, DenseMaskAttention.Config))
+        layer.attention = derive(a, QKAttention.Config, qk_norm=norm, **latent) if norm is not None \
+            else dataclasses.replace(a, **latent)
+        if layer.moe is not None:
+            layer.moe.routed_experts.inner_experts = derive(layer.moe.routed_experts.inner_experts,
+                                                            Float32Experts.Config)
+    config = DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM, layers=layers, norm=RMSNorm.Config(normalized_shape=DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={"weight": nn.init.normal_}),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init))
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith("logit_scale"):  # norm weights, logit scales: not ones
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias_E"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model.eval()
+
+
+def tt_logits(model, tokens):
+    """torchtitan's logits [B, T, V] at positions 0..T-1 (one document: the causal mask the model builds, made
+    without ``get_attention_masks``' torch.compile, which recompiles for every length)."""
+    B, L = tokens.shape
+    positions = torch.arange(L).expand(B, -1)
+    mask = create_block_mask(get_causal_mask_mod(), B, None, L, L, device="cpu")
+    with torch.no_grad():
+        return model(tokens, positions=positions, attention_masks=mask)
+
+
+def loaded(path, norm):
+    """The exported directory in transformers: [qkmla's loader] for a QK-normed checkpoint, [transformers' own
+    loader, qkmla's] for a plain one (qkmla's computes with its latent cache)."""
+    from transformers import AutoModelForCausalLM
+
+    from qkmla.integrations.transformers import from_pretrained
+
+    plain = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()] if norm is None else []
+    return plain + [from_pretrained(path, dtype=torch.float32)]
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24], ids=["q-lora-0", "q-lora-24"])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_exported_model_computes_the_same_logits_and_greedy_tokens(tmp_path, name, q_lora_rank):
+    norm = NORMS[name]
+    model = build(norm, q_lora_rank=q_lora_rank)
+    path = export_hf(model, tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] == (q_lora_rank or None)
+    assert ("qkmla" in config) == (norm is not None)
+
+    tokens = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    want = tt_logits(model, tokens)
+    for hf in loaded(path, norm):
+        with torch.no_grad():
+            got = hf(tokens).logits
+        print(f"{name} q_lora_rank={q_lora_rank} {type(hf.model.layers[0].self_attn).__name__}: max |logit "
+              f"difference| = {(got - want).abs().max().item():.3g} (logits up to {want.abs().max().item():.3g})")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    prompt, new = tokens[:, :4], 6  # hf: qkmla's latent cache, whose decode steps take the absorbed path
+    with torch.no_grad():
+        out = hf.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    seq = prompt
+    for _ in range(new):  # torchtitan's forward re-run on the growing sequence
+        seq = torch.cat([seq, tt_logits(model, seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, seq)
+
+
+@pytest.mark.parametrize("name", ["rms-blockwise", "l2-learned-scale", "plain"])
+def test_import_of_an_export_gives_every_parameter_bit_for_bit(tmp_path, name):
+    model = build(NORMS[name], q_lora_rank=24)
+    path = export_hf(model, tmp_path / "hf")
+    fresh = build(NORMS[name], q_lora_rank=24, seed=1)
+    import_hf(path, fresh)
+    want, got = model.state_dict(), fresh.state_dict()
+    assert set(want) == set(got)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+
+
+def test_an_existing_out_dir_is_refused_unless_overwrite(tmp_path):
+    model = build()
+    (tmp_path / "hf").mkdir()
+    with pytest.raises(ValueError, match="out_dir: .* exists; pass overwrite=True"):
+        export_hf(model, tmp_path / "hf")
+    export_hf(model, tmp_path / "hf", overwrite=True)
+    assert (tmp_path / "hf" / SINGLE).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(score_func="softmax"), r"layers\.1\.moe\.router\.score_func: .* allowed: 'sigmoid', got 'softmax'"),
+    (dict(latent_eps=1e-5), r"layers\.0\.attention\.kv_norm\.eps: .* allowed: 1e-06, got 1e-05"),
+])
+def test_a_model_transformers_computes_otherwise_is_refused_before_writing(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        export_hf(build(**kwargs), tmp_path / "hf")
+    assert not list(tmp_path.iterdir())
+
+
+def test_layers_of_mixed_attention_kinds_are_refused(tmp_path):
+    model = build(QKNormConfig())
+    model.config.layers[2].attention = dataclasses.replace(model.config.layers[1].attention, qk_norm=None)
+    with pytest.raises(ValueError, match=r"mixed attention kinds: layers\.2\.attention has no QK norm"):
+        export_hf(model, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("saved, target", [("rms-blockwise", "plain"), ("plain", "rms-blockwise"),
+                                           ("rms-blockwise", "rms-unified")])
+def test_import_into_a_model_of_another_norm_is_refused(tmp_path, saved, target):
+    path = export_hf(build(NORMS[saved]), tmp_path / "hf")
+    fresh = build(NORMS[target], seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"records .* but model's attention layers have"):
+        import_hf(path, fresh)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def test_a_checkpoint_whose_record_and_tensors_disagree_is_refused_before_reading_weights(tmp_path, monkeypatch):
+    path = export_hf(build(NORMS["rms-blockwise"]), tmp_path / "hf")
+    config = json.loads((path / "config.json").read_text())
+    del config["qkmla"], config["attn_implementation"]  # the record gone, the norm tensors still there
+    (path / "config.json").write_text(json.dumps(config))
+    import safetensors
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(safetensors.safe_open, "get_tensor", no_reading, raising=False)
+    with pytest.raises(ValueError, match="holds QK-norm weights .* records no norm"):
+        import_hf(path, build(None))
