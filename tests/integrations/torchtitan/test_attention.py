@@ -186,3 +186,34 @@ def test_a_whole_model_trains_on_the_cpu_through_the_normed_layers(titan, tokens
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert masks is not None and set(close_steps(model)) == {"layers.0.attention", "layers.1.attention"}
+
+
+def test_torchtitans_block_compile_takes_the_normed_layer_whole(titan, tokens):
+    """torchtitan's apply_compile (each block, fullgraph=True, inductor) over a QK-normed layer that
+    measures its max logits: no graph break, the eager outputs, gradients and the measured maxima."""
+    import types
+
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    config = titan.config([("qk_norm", {"kind": "lp", "p": 3.0, "learnable_logit_scale": True,
+                                        "track_max_logits": True})], layers=1)
+    eager = titan.build(config.model_spec.model)
+    compiled = titan.build(config.model_spec.model)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled, compile_config=CompileConfig(enable=True, backend="inductor"),
+                  parallel_dims=types.SimpleNamespace(tp_enabled=False))
+    positions = titan.positions(2, [10, 14])
+    masks = eager.get_attention_masks(positions)
+    outputs = []
+    for model in (eager, compiled):
+        model.train()
+        out = model(tokens, positions=positions, attention_masks=masks)
+        out.float().logsumexp(-1).mean().backward()
+        outputs.append((out, model.layers["0"].attention))
+    (out_e, layer_e), (out_c, layer_c) = outputs
+    torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer_c.running_max_logits, layer_e.running_max_logits, rtol=1e-5, atol=1e-5)
+    for name in ("q_head_norm.content.weight", "k_head_norm.rope.weight", "logit_scale"):
+        torch.testing.assert_close(layer_c.get_parameter(name).grad, layer_e.get_parameter(name).grad,
+                                   rtol=1e-3, atol=1e-6)

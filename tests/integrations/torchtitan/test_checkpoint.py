@@ -49,19 +49,21 @@ class Float32Experts(GroupedExperts):
         return mm(h, self.w2_EDF.transpose(-2, -1))
 
 
-def build(norm=None, *, q_lora_rank=0, score_func="sigmoid", latent_eps=1e-6, groups=(2, 1), seed=0):
-    """A 3-layer torchtitan DeepSeek-V3 (one dense layer, then MoE with HF's routing), float32 on the CPU,
-    random weights with norms away from ones and a nonzero expert bias."""
+def build(norm=None, *, q_lora_rank=0, score_func="sigmoid", latent_eps=1e-6, groups=(2, 1), seed=0,
+          n_layers=3, kv_lora_rank=32, rope_dim=8, vocab=VOCAB):
+    """A torchtitan DeepSeek-V3 (one dense layer, then MoE with HF's routing), float32 on the CPU, random
+    weights with norms away from ones and a nonzero expert bias."""
     init = {"weight": partial(nn.init.normal_, std=0.1)}
     layers = build_mla_moe_layers(
-        n_layers=3, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, mscale=0.7, dense_hidden_dim=96, moe_hidden_dim=32,
+        n_layers=n_layers, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=16, mscale=0.7, dense_hidden_dim=96,
+        moe_hidden_dim=32,
         num_experts=4, num_shared_experts=2, router_top_k=2, router_score_func=score_func,
         router_num_expert_groups=groups[0], router_num_limited_groups=groups[1], router_route_scale=2.5,
         router_route_norm=True, attn_backend="flex", moe_comm_backend="standard", non_blocking_capacity_factor=None,
         linear_init=init, norm_init={"weight": nn.init.ones_}, depth_init=lambda i: init,
         depth_experts_init=lambda i: {w: partial(nn.init.normal_, std=0.1) for w in ("w1_EFD", "w2_EDF", "w3_EFD")},
-        rope=ComplexRoPE.Config(dim=8, max_seq_len=256, theta=10000.0, scaling="yarn", rope_factor=4.0,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=256, theta=10000.0, scaling="yarn", rope_factor=4.0,
                                 beta_fast=32.0, beta_slow=1.0, original_seq_len=64))
     for layer in layers:
         a = layer.attention
@@ -74,10 +76,10 @@ def build(norm=None, *, q_lora_rank=0, score_func="sigmoid", latent_eps=1e-6, gr
             layer.moe.routed_experts.inner_experts = derive(layer.moe.routed_experts.inner_experts,
                                                             Float32Experts.Config)
     config = DeepSeekV3Model.Config(
-        vocab_size=VOCAB, dim=DIM, layers=layers, norm=RMSNorm.Config(normalized_shape=DIM),
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+        vocab_size=vocab, dim=DIM, layers=layers, norm=RMSNorm.Config(normalized_shape=DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=DIM,
                                         param_init={"weight": nn.init.normal_}),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=init))
+        lm_head=Linear.Config(in_features=DIM, out_features=vocab, param_init=init))
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device="cpu")

@@ -217,7 +217,9 @@ def _moe_fields(cfg, problems: list[str]) -> dict:
                            n_group=r.num_expert_groups if grouped else 1,
                            topk_group=r.num_limited_groups if grouped else 1,
                            norm_topk_prob=bool(r.route_norm), routed_scaling_factor=float(r.route_scale))
-    fields = dict(first_k_dense_replace=first_k)
+    # DeepSeek-V3's own config.json names its router: vLLM reads these two (its gate has the
+    # score-correction bias only with "noaux_tc"), transformers computes that router whatever they say.
+    fields = dict(first_k_dense_replace=first_k, topk_method="noaux_tc", scoring_func="sigmoid")
     if moes:
         fields |= _uniform(moes, "MoE setting", problems)
     else:  # no MoE layer: HF reads none of these
