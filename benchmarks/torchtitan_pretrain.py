@@ -40,21 +40,23 @@ ARMS = {"plain": ["max_logits"], "qk_norm": [("qk_norm", {})], "qk_clip": ["qk_c
 TARGET = 1.05
 
 
-def build_arm(name: str, flavor: str, lr: float, tau: float, compile: bool):
-    """(model, optimizer container) of one arm, built through torchtitan's config and override mechanism."""
+def build_arm(name: str, flavor: str, lr: float, tau: float, compile: bool, device: str = "cpu", backend="inductor"):
+    """(model, optimizer container) of one arm, built through torchtitan's config and override mechanism,
+    on ``device`` (the CPU: the dense-mask inner attention; CUDA: torchtitan's FlexAttention)."""
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.config import CompileConfig, derive
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
-    from qkmla.integrations.torchtitan.flavors import model_config
+    from qkmla.integrations.torchtitan.flavors import materialize, model_config
     from qkmla.integrations.torchtitan.inner import DenseMaskAttention
 
     config = deepseek_v3_debugmodel()  # torchtitan's Trainer.Config: its optimizer and override fields
     config.model_spec.model = model_config(flavor)
     for layer in config.model_spec.model.layers:
-        layer.attention.inner_attention = derive(layer.attention.inner_attention, DenseMaskAttention.Config)
+        if torch.device(device).type == "cpu":
+            layer.attention.inner_attention = derive(layer.attention.inner_attention, DenseMaskAttention.Config)
     config.optimizer = default_adamw(lr=lr)
     prefix = "qkmla.integrations.torchtitan.overrides."
     imports = [prefix + o if isinstance(o, str) else (prefix + o[0], o[1]) for o in ARMS[name]]
@@ -62,14 +64,9 @@ def build_arm(name: str, flavor: str, lr: float, tau: float, compile: bool):
         imports[0] = (imports[0], {"tau": tau})
     config.override = OverrideConfig(imports=imports)
     apply_overrides(config.override, config)
-    with torch.device("meta"):
-        model = config.model_spec.model.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
+    model = materialize(config.model_spec.model, device, seed=0)
     if compile:
-        apply_compile(model, compile_config=CompileConfig(enable=True, backend="inductor"),
+        apply_compile(model, compile_config=CompileConfig(enable=True, backend=backend),
                       parallel_dims=types.SimpleNamespace(tp_enabled=False))
     return model, config.optimizer.build(model_parts=[model])
 
@@ -82,16 +79,17 @@ def share_weights(models: dict) -> None:
         assert not unexpected and all("head_norm" in k or "logit_scale" in k for k in missing), (name, missing)
 
 
-def masks_for(batch: int, seq: int):
+def masks_for(batch: int, seq: int, device: str = "cpu"):
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common.attention import get_causal_mask_mod
 
-    return create_block_mask(get_causal_mask_mod(), batch, None, seq, seq, device="cpu")
+    return create_block_mask(get_causal_mask_mod(), batch, None, seq, seq, device=device)
 
 
 def loss_of(model, tokens: torch.Tensor, masks) -> torch.Tensor:
     B, L = tokens.shape[0], tokens.shape[1] - 1
-    logits = model(tokens[:, :-1], positions=torch.arange(L).expand(B, -1), attention_masks=masks)
+    logits = model(tokens[:, :-1], positions=torch.arange(L, device=tokens.device).expand(B, -1),
+                   attention_masks=masks)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
@@ -191,8 +189,9 @@ def main(argv=None) -> int:
                   qk_clip_max_logits_after_clip=after_clip, status="complete", qk_norm_within_target=ratio <= TARGET)
     write()
     for name, s in summary.items():
-        print(f"{name:8s} {s['median_step_s']:.4f} s/step  {s['tokens_per_s']:8.1f} tok/s  x{s['median_step_ratio_to_plain']:.3f}"
-              f"  val {s['val_loss']:.4f}  max logit {s['max_logit_last_measured']}")
+        print(f"{name:8s} {s['median_step_s']:.4f} s/step  {s['tokens_per_s']:8.1f} tok/s  "
+              f"x{s['median_step_ratio_to_plain']:.3f}  val {s['val_loss']:.4f}  "
+              f"max logit {s['max_logit_last_measured']}")
     print(f"qk_norm / plain = {ratio:.4f} (target <= {TARGET}): {'met' if ratio <= TARGET else 'MISSED'}")
     return 0
 

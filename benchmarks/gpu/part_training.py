@@ -20,7 +20,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .suite import PartContext, fmt, free_memory, reset_compiler, table
+from .suite import PartContext, fmt, free_memory, reset_compiler, run_unit, table
 
 REAL = dict(presets=(("shakespeare", 64), ("paper-400m", 12)), rounds=5, steps_per_round=3)
 DRY = dict(presets=(("debug", 2),), rounds=1, steps_per_round=1)
@@ -124,14 +124,8 @@ def run(ctx: PartContext) -> None:
                                                         f"{max(0, ctx.time_left()):.0f} s left)")
             ctx.record["status"] = "partial"
             continue
-        try:
-            ctx.record["rows"] += time_pair(ctx, preset, batch, mode, cfg["rounds"], cfg["steps_per_round"])
-        except Exception as e:  # out of memory or a compile failure: recorded, the next one runs
-            ctx.record.setdefault("errors", []).append(f"{preset} {mode}: {type(e).__name__}: {e}")
-            ctx.record["status"] = "partial"
-            free_memory()
-        ctx.log(f"{preset} {mode} done")
-        ctx.save()
+        run_unit(ctx, f"{preset} {mode}",
+                 lambda: time_pair(ctx, preset, batch, mode, cfg["rounds"], cfg["steps_per_round"]))
 
 
 def summarize(record: dict) -> list[str]:

@@ -161,6 +161,20 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def run_unit(ctx: "PartContext", label: str, work: Callable[[], list]) -> None:
+    """One unit of a part's work: the rows ``work()`` returns join ``ctx.record["rows"]``; an exception
+    (out of memory, a compile failure) is recorded under "errors" with the part "partial", and the
+    next unit runs; then the record is saved."""
+    try:
+        ctx.record["rows"] += work()
+    except Exception as e:
+        ctx.record.setdefault("errors", []).append(f"{label}: {type(e).__name__}: {e}")
+        ctx.record["status"] = "partial"
+        free_memory()
+    ctx.log(f"{label} done")
+    ctx.save()
+
+
 def reset_compiler(recompile_limit: int = 64) -> None:
     """Forget every compiled graph (and the CUDA graphs they recorded), and allow enough
     recompiles that a shape change never falls back to eager silently."""

@@ -31,13 +31,9 @@ def trainer_config(overrides=(), layers: int = 2):
 
 def build(model_config, seed: int = 0):
     """A torchtitan model built as its Trainer builds one (meta device, then init_states), on the CPU."""
-    with torch.device("meta"):
-        model = model_config.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
-    return model
+    from qkmla.integrations.torchtitan.flavors import materialize
+
+    return materialize(model_config, "cpu", seed)
 
 
 def packed_positions(batch: int, lengths: list[int]) -> torch.Tensor:

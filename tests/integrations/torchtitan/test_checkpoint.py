@@ -25,6 +25,7 @@ from qkmla import QKNormConfig  # noqa: E402
 from qkmla.integrations.hub.checkpoint import SINGLE  # noqa: E402
 from qkmla.integrations.torchtitan.attention import QKAttention  # noqa: E402
 from qkmla.integrations.torchtitan.checkpoint import export_hf, import_hf  # noqa: E402
+from qkmla.integrations.torchtitan.flavors import materialize  # noqa: E402
 from qkmla.integrations.torchtitan.inner import DenseMaskAttention  # noqa: E402
 
 VOCAB, DIM, T = 128, 64, 12
@@ -80,12 +81,8 @@ def build(norm=None, *, q_lora_rank=0, score_func="sigmoid", latent_eps=1e-6, gr
         tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=DIM,
                                         param_init={"weight": nn.init.normal_}),
         lm_head=Linear.Config(in_features=DIM, out_features=vocab, param_init=init))
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
+    model = materialize(config, "cpu", seed)
     with torch.no_grad():
-        model.init_states(buffer_device=torch.device("cpu"))
         for name, p in model.named_parameters():
             if p.dim() == 1 or name.endswith("logit_scale"):  # norm weights, logit scales: not ones
                 p.mul_(1 + 0.3 * torch.randn_like(p))

@@ -134,7 +134,7 @@ def _ranks(rank: int, world: int, store: str, result: str) -> None:
         torch.nn.Module.__init__(layer)
         layer.wkv_a = torch.nn.Linear(1, 1)
         layer.n_heads, layer.track_max_logits = 4, True
-        layer.running_max_logits = torch.tensor([1.0, 5.0, 2.0, 0.0]) if rank == 0 else torch.tensor([3.0, 1.0, 2.5, -1.0])
+        layer.running_max_logits = torch.tensor([1.0, 5.0, 2.0, 0.0] if rank == 0 else [3.0, 1.0, 2.5, -1.0])
         layer.step_max_logits = layer.clipped_max_logits = None
         holder = Fake()
         holder.layers = torch.nn.ModuleDict({"3": Fake()})
@@ -155,3 +155,26 @@ def test_sharded_weights_are_clipped_on_each_ranks_rows_and_max_logits_reduce_ov
         got = torch.load(result)
     assert torch.equal(got["full"], got["want"])
     assert torch.equal(got["closed"]["layers.3.attention"], torch.tensor([3.0, 5.0, 2.5, 0.0]))
+
+
+def test_the_metrics_processor_hands_the_max_logits_to_torchtitans_log(titan, tokens, monkeypatch):
+    """MaxLogitMetricsProcessor.log adds the figures to the extra metrics torchtitan's own log writes
+    (its loggers: console, TensorBoard, W&B), beside what the trainer passed."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    from qkmla.integrations.torchtitan.metrics import MaxLogitMetricsProcessor
+
+    seen = {}
+    monkeypatch.setattr(MetricsProcessor, "log", lambda self, step, avg, mx, grad_norm, extra_metrics=None:
+                        seen.update(step=step, extra=extra_metrics))
+    model = titan.build(titan.config(["max_logits"]).model_spec.model)
+    model.train()
+    positions = titan.positions(2, [24])
+    with torch.no_grad():
+        model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+    processor = MaxLogitMetricsProcessor.__new__(MaxLogitMetricsProcessor)  # its loggers need a GPU's memory monitor
+    processor.model_parts = [model]
+    processor.log(7, 2.5, 2.6, 1.0, extra_metrics={"n_tokens_seen": 48})
+    assert seen["step"] == 7 and seen["extra"]["n_tokens_seen"] == 48
+    assert {"max_logit", "max_logit/layer_0", "max_logit/layer_1"} <= set(seen["extra"])
+    assert seen["extra"]["max_logit/layer_1"] == float(model.layers["1"].attention.step_max_logits.max())

@@ -21,6 +21,7 @@ from .versions import check_torchtitan
 
 check_torchtitan()
 
+import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.param_init import depth_scaled_std  # noqa: E402
@@ -76,3 +77,16 @@ def model_config(flavor: str = "cpu") -> DeepSeekV3Model.Config:
                                         param_init={"weight": partial(nn.init.normal_, std=1.0)}),
         lm_head=Linear.Config(in_features=dim, out_features=VOCAB,
                               param_init={"weight": partial(nn.init.trunc_normal_, std=s, a=-3 * s, b=3 * s)}))
+
+
+def materialize(config, device="cpu", seed: int = 0):
+    """A model built from a torchtitan model ``config`` as torchtitan's Trainer builds one: on the meta
+    device, then allocated on ``device`` and initialized by torchtitan's ``init_states`` (qkmla's
+    layers set their own weights there), from ``seed``."""
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device(device))
+    return model

@@ -2,8 +2,10 @@
 
     --override.imports qkmla.integrations.torchtitan.overrides.qk_norm
     --override.imports 'qkmla.integrations.torchtitan.overrides.qk_norm={"kind": "lp", "p": 3, "mode": "unified"}'
-    --override.imports qkmla.integrations.torchtitan.overrides.qk_clip,qkmla.integrations.torchtitan.overrides.qk_clip_optimizer
-    --override.imports qkmla.integrations.torchtitan.overrides.max_logits,qkmla.integrations.torchtitan.overrides.max_logit_metrics
+    --override.imports 'qkmla.integrations.torchtitan.overrides.qk_clip={"tau": 100}' \
+                       qkmla.integrations.torchtitan.overrides.qk_clip_optimizer
+    --override.imports qkmla.integrations.torchtitan.overrides.max_logits \
+                       qkmla.integrations.torchtitan.overrides.max_logit_metrics
 
 ``qk_norm``      every language-model attention layer (``*.attention``) becomes :class:`QKAttention`
                  with qkmla's QK norm: ``kind`` "rms" (the paper's) / "l2" / "lp", ``mode``
@@ -47,8 +49,8 @@ def _deepseek(cfg, override_name: str) -> None:
     """ValueError naming the override unless ``cfg`` is torchtitan's own DeepSeek-V3 attention config."""
     if type(cfg) is not Attention.Config:
         kind = type(cfg).__qualname__.removesuffix(".Config")
-        raise ValueError(f"{override_name}: qkmla replaces torchtitan's DeepSeek-V3 MLA Attention (--module deepseek_v3 "
-                         f"or kimi_k2_7), but this model's attention is {kind}"
+        raise ValueError(f"{override_name}: qkmla replaces torchtitan's DeepSeek-V3 MLA Attention (--module "
+                         f"deepseek_v3 or kimi_k2_7), but this model's attention is {kind}"
                          + ("; another override already replaced it, activate one of the two"
                             if isinstance(cfg, Attention.Config) else ""))
 
