@@ -7,7 +7,8 @@ dim 2048, 16 heads, d_c 512, 16 experts top-2; DeepSeek-V3's router), each arm b
 optimizer container and ``apply_compile``; FlexAttention), bf16 autocast over float32 weights,
 AdamW, batch 4 x 4096 tokens of the embedded Shakespeare's bytes. One arm at a time (three would
 not fit together): its first steps compile, then ``timed_steps`` are timed. Reports tokens/s, MFU
-(torchtitan's FLOPs per token for the model over the GPU's dense bf16 peak, torchtitan's table),
+(torchtitan's FLOPs per token for the model over the GPU's dense bf16 peak, torchtitan's table;
+only the QK-Clip arm measures its max logits, which is its cost),
 peak memory, the ratio to plain, and the loss after the same steps on the same batches. The loss
 comparison is a few hundred steps at one seed: descriptive, no claim.
 
@@ -31,6 +32,8 @@ ARMS = ("plain", "qk_norm", "qk_clip")
 def arm_row(ctx: PartContext, name: str, cfg: dict, data: torch.Tensor) -> dict:
     from torchtitan.tools.utils import get_peak_flops
 
+    from qkmla.integrations.torchtitan.attention import qk_attention_layers
+
     from .. import torchtitan_pretrain as recipe
 
     reset_compiler()
@@ -38,6 +41,8 @@ def arm_row(ctx: PartContext, name: str, cfg: dict, data: torch.Tensor) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     model, optimizer = recipe.build_arm(name, cfg["flavor"], cfg["lr"], cfg["tau"], compile=True,
                                         device=str(ctx.device), backend="aot_eager" if ctx.dry_run else "inductor")
+    for _, layer in qk_attention_layers(model):  # only QK-Clip measures: the others' cost is the model's
+        layer.track_max_logits = layer.qk_clip_tau is not None
     masks = recipe.masks_for(cfg["batch"], cfg["seq"], str(ctx.device))
     generator = torch.Generator().manual_seed(0)
     losses, seconds = [], []
@@ -68,6 +73,9 @@ def arm_row(ctx: PartContext, name: str, cfg: dict, data: torch.Tensor) -> dict:
            "mfu": tokens_per_s * flops_per_token / peak if peak else None,
            "peak_memory_gib": torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30 if ctx.device.type == "cuda"
            else None, "losses": losses, "steps": len(losses), "precision": "bf16 autocast, float32 weights"}
+    clipped = [float(layer.clipped_max_logits.max()) for _, layer in qk_attention_layers(model)
+               if layer.clipped_max_logits is not None]
+    row["max_logit_after_last_clip"] = max(clipped) if clipped else None
     del model, optimizer
     free_memory()
     return row

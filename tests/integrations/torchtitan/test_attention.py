@@ -151,7 +151,8 @@ def test_max_logits_are_measured_within_each_packed_document(titan, tokens):
     assert not torch.equal(want, logits.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), -math.inf)
                            .amax(dim=(0, 2, 3)))  # the documents matter for these inputs
     layer.train()
-    layer.running_max_logits = None
+    layer.running_max_logits.fill_(-math.inf)  # the spy's forward above measured too
+    buffer = layer.running_max_logits.data_ptr()
     layer(x, model.get_attention_masks(positions), positions)
     torch.testing.assert_close(layer.running_max_logits.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(max_logits(q, k, scale, allowed=document_mask(positions)).double(), want,
@@ -159,10 +160,14 @@ def test_max_logits_are_measured_within_each_packed_document(titan, tokens):
     layer(x * 0.5, model.get_attention_masks(positions), positions)  # a second micro-batch: the running max
     closed = close_steps(model)
     torch.testing.assert_close(closed["layers.0.attention"].double(), want, rtol=1e-5, atol=1e-5)
-    assert layer.running_max_logits is None and close_steps(model) == {}
+    assert bool((layer.running_max_logits == -math.inf).all()) and close_steps(model) == {}
+    # measured and restarted in place, in one buffer: what torchtitan's CUDA graphs replay
+    assert layer.running_max_logits.data_ptr() == buffer
+    assert model.get_buffer("layers.0.attention.max_logit_meter.running") is layer.running_max_logits
+    assert not any("max_logit_meter" in k for k in model.state_dict())  # not saved in checkpoints
     layer.eval()
     layer(x, model.get_attention_masks(positions), positions)  # not measured outside training
-    assert layer.running_max_logits is None
+    assert bool((layer.running_max_logits == -math.inf).all())
 
 
 def test_a_whole_model_trains_on_the_cpu_through_the_normed_layers(titan, tokens):
@@ -217,3 +222,20 @@ def test_torchtitans_block_compile_takes_the_normed_layer_whole(titan, tokens):
     for name in ("q_head_norm.content.weight", "k_head_norm.rope.weight", "logit_scale"):
         torch.testing.assert_close(layer_c.get_parameter(name).grad, layer_e.get_parameter(name).grad,
                                    rtol=1e-3, atol=1e-6)
+
+
+def test_torchtitans_state_distribution_finds_a_placement_for_every_parameter(titan):
+    """torchtitan's parallelize distributes each Module's own parameters by its sharding config
+    (DeepSeek-V3's names only torchtitan's): the learned logit scale gets one too. (Distributing
+    needs a device mesh, which torchtitan builds on CUDA: here only the declaration is checked,
+    with a mesh-less ParallelDims stand-in; the norms' weights sit in plain modules, which
+    torchtitan's parallelize leaves as they are.)"""
+    import types
+
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    config = titan.config([("qk_norm", {"kind": "l2", "learnable_logit_scale": True})], layers=1)
+    set_deepseek_v3_sharding_config(config.model_spec.model, enable_sp=False, enable_ep=False)
+    layer = titan.build(config.model_spec.model).layers["0"].attention
+    layer._distribute_states(types.SimpleNamespace(spmd_backend="full_dtensor", resolve_mesh=lambda axes: None))
+    assert "logit_scale" in layer._sharding_config.state_shardings

@@ -1,3 +1,4 @@
+import math
 import os
 import tempfile
 
@@ -65,11 +66,9 @@ def test_qk_clip_multiplies_each_heads_logits_by_exactly_its_factor(titan, q_lor
     assert clipped.any() and not clipped.all(), measured  # both kinds of head in this test
     torch.testing.assert_close(gamma[clipped], tau / measured[clipped])
     after = logits_of(model, x, positions)
-    mask = torch.isfinite(before)
     torch.testing.assert_close(after, before * gamma[None, :, None, None], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(layer.clipped_max_logits, torch.clamp(measured, max=tau))
     assert torch.equal(layer.wkv_a.weight[512:], k_rope_rows)
-    assert mask.all()
     layer(x, model.get_attention_masks(positions), positions)  # measured again: at most tau
     torch.testing.assert_close(layer.running_max_logits, torch.clamp(measured, max=tau), rtol=1e-4, atol=1e-5)
     assert set(gammas) == {"layers.0.attention"}  # layer 1 measured nothing this step: nothing to clip
@@ -85,7 +84,7 @@ def test_the_clip_runs_after_each_step_of_torchtitans_optimizer_container(titan,
     logits.float().logsumexp(-1).mean().backward()
     optimizer.step()
     layer = model.layers["0"].attention
-    assert layer.running_max_logits is None and layer.clipped_max_logits is not None
+    assert bool((layer.running_max_logits == -math.inf).all()) and layer.clipped_max_logits is not None
     assert float(layer.clipped_max_logits.max()) <= 0.5 + 1e-6
     assert layer.step_max_logits.max() > 0.5  # there was something to clip
 
@@ -134,7 +133,9 @@ def _ranks(rank: int, world: int, store: str, result: str) -> None:
         torch.nn.Module.__init__(layer)
         layer.wkv_a = torch.nn.Linear(1, 1)
         layer.n_heads, layer.track_max_logits = 4, True
-        layer.running_max_logits = torch.tensor([1.0, 5.0, 2.0, 0.0] if rank == 0 else [3.0, 1.0, 2.5, -1.0])
+        layer.max_logit_meter = torch.nn.Module()
+        layer.max_logit_meter.register_buffer("running", torch.tensor([1.0, 5.0, 2.0, 0.0] if rank == 0
+                                                                      else [3.0, 1.0, 2.5, -1.0]))
         layer.step_max_logits = layer.clipped_max_logits = None
         holder = Fake()
         holder.layers = torch.nn.ModuleDict({"3": Fake()})
@@ -178,3 +179,21 @@ def test_the_metrics_processor_hands_the_max_logits_to_torchtitans_log(titan, to
     assert seen["step"] == 7 and seen["extra"]["n_tokens_seen"] == 48
     assert {"max_logit", "max_logit/layer_0", "max_logit/layer_1"} <= set(seen["extra"])
     assert seen["extra"]["max_logit/layer_1"] == float(model.layers["1"].attention.step_max_logits.max())
+
+
+def test_a_max_logit_that_overflowed_is_refused_not_clipped(titan, tokens):
+    model = titan.build(titan.config([("qk_clip", {"tau": 1.0})]).model_spec.model)
+    layer = model.layers["0"].attention
+    layer.running_max_logits.copy_(torch.tensor([2.0] * 15 + [math.inf]))
+    before = layer.wq.weight.clone()
+    with pytest.raises(FloatingPointError, match=r"layers\.0\.attention: the step's max logit is inf"):
+        qk_clip_step(model)
+    assert torch.equal(layer.wq.weight, before)
+
+
+def test_measuring_refuses_a_rank_holding_a_slice_of_the_heads(titan):
+    """Tensor parallelism gives each rank h / tp heads: measured per rank they are not the layer's."""
+    model = titan.build(titan.config(["max_logits"]).model_spec.model)
+    q = torch.randn(1, 4, 8, 192)
+    with pytest.raises(ValueError, match="parallelism.tensor_parallel_degree: 8 of this layer's 16 heads"):
+        model.layers["0"].attention._track(q, q, 1.0, None)

@@ -20,4 +20,7 @@ def test_the_gpu_suites_torchtitan_part_runs_its_dry_run(tmp_path):
         assert r["tokens_per_s"] > 0 and r["steps"] == 3 and len(r["losses"]) == 3
         assert r["mfu"] is None and r["peak_memory_gib"] is None  # GPU figures: none on the CPU
     assert rows["plain"]["ratio_to_plain"] == 1.0
+    # the dry run's tau (0.1) binds: the clip ran, and left the last step's logits at most tau
+    assert rows["plain"]["max_logit_after_last_clip"] is None
+    assert 0 < rows["qk_clip"]["max_logit_after_last_clip"] <= 0.1 + 1e-6
     assert "## 6. torchtitan" in (out / "summary.md").read_text()

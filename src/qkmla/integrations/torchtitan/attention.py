@@ -27,6 +27,7 @@ Shapes: B sequences, T tokens, h heads (the local heads under tensor parallelism
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -60,6 +61,17 @@ def document_mask(positions: Optional[torch.Tensor]):
     return same_document
 
 
+class MaxLogitMeter(nn.Module):
+    """Each head's running max logit [h] (-inf: nothing measured), a buffer updated in place
+    (torchtitan's CUDA graphs replay kernels, not Python assignments). Not saved in checkpoints. A
+    plain module, as qkmla's norms are: torchtitan's ``parallelize`` distributes only its own
+    ``Module`` s' states, by their sharding configs."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.register_buffer("running", torch.full((heads,), -math.inf), persistent=False)
+
+
 class QKAttention(Attention):
     """torchtitan's DeepSeek-V3 ``Attention`` with qkmla's QK norm, or with QK-Clip, or plain with
     its max logits measured (see the module docstring)."""
@@ -84,11 +96,14 @@ class QKAttention(Attention):
                 if norm is not None:
                     raise ValueError(f"qk_clip_tau: QK-Clip and a QK norm ({norm.name}) cannot be combined: the norm "
                                      "would undo the clip's rescaling; activate one of the two overrides")
+            if not isinstance(self.track_max_logits, bool):
+                raise ValueError(f"track_max_logits: expected True or False, got {self.track_max_logits!r}")
             if self.logit_scale_init is not None:
                 if norm is None or not norm.learnable_logit_scale:
                     raise ValueError("logit_scale_init: only read with a learned logit scale "
                                      "(qk_norm with learnable_logit_scale=True)")
-                if not isinstance(self.logit_scale_init, (int, float)) or not 0 < self.logit_scale_init < math.inf:
+                if isinstance(self.logit_scale_init, bool) or not isinstance(self.logit_scale_init, (int, float)) \
+                        or not 0 < self.logit_scale_init < math.inf:
                     raise ValueError(f"logit_scale_init: expected a finite positive number, got "
                                      f"{self.logit_scale_init!r}")
 
@@ -109,9 +124,31 @@ class QKAttention(Attention):
         self.per_head_weights = " and ".join(per_head)  # what tensor parallelism would have to shard
         self.qk_clip_tau = config.qk_clip_tau
         self.track_max_logits = config.track_max_logits or config.qk_clip_tau is not None
-        self.running_max_logits: Optional[torch.Tensor] = None  # [h] on this rank since the step was closed
+        self.max_logit_meter = MaxLogitMeter(config.n_heads)
         self.step_max_logits: Optional[torch.Tensor] = None  # [h] of the last closed step
         self.clipped_max_logits: Optional[torch.Tensor] = None  # [h] after the last clip: min(S_h, tau)
+
+    def _distribute_states(self, parallel_dims) -> None:
+        """torchtitan's ``parallelize`` distributes a ``Module``'s own parameters by its sharding config,
+        which names only torchtitan's: the learned logit scale is declared replicated, as the latent
+        norms' weights are (tensor parallelism with per-head weights is refused in ``forward``)."""
+        config = self._sharding_config
+        if self.logit_scale is not None and config is not None and "logit_scale" not in config.state_shardings:
+            from torchtitan.models.common.decoder_sharding import dense_param_placement
+
+            self._sharding_config = dataclasses.replace(config, state_shardings={
+                **config.state_shardings, "logit_scale": dense_param_placement(tp=spmd.R)})
+        super()._distribute_states(parallel_dims)
+
+    @property
+    def running_max_logits(self) -> torch.Tensor:
+        """[h] on this rank since the step was last closed, -inf where nothing was measured."""
+        return self.max_logit_meter.running
+
+    def _init_self_buffers(self, *, buffer_device=None) -> None:
+        super()._init_self_buffers(buffer_device=buffer_device)
+        with torch.no_grad():
+            self.running_max_logits.fill_(-math.inf)
 
     def _init_self_parameters(self) -> None:
         """torchtitan builds on the meta device and initializes each ``Module``; qkmla's norms are
@@ -162,9 +199,13 @@ class QKAttention(Attention):
         return self.wo(output.view(bsz, seqlen, -1))
 
     def _track(self, q: torch.Tensor, k: torch.Tensor, scale: float, positions: Optional[torch.Tensor]) -> None:
-        step = max_logits(q.detach(), k.detach(), scale, allowed=document_mask(positions))
-        running = self.running_max_logits
-        self.running_max_logits = step if running is None else torch.maximum(running, step)
+        if q.shape[2] != self.n_heads:
+            raise ValueError(f"parallelism.tensor_parallel_degree: {q.shape[2]} of this layer's {self.n_heads} heads "
+                             "on this rank; QK-Clip and the max-logit metric do not support tensor parallelism yet "
+                             "(tensor_parallel_degree must be 1 with qkmla's qk_clip, max_logits or track_max_logits)")
+        with torch.autocast(q.device.type, enabled=False):  # the statistic in float32, not autocast's bf16
+            step = max_logits(q.detach().float(), k.detach().float(), scale, allowed=document_mask(positions))
+        torch.maximum(self.running_max_logits, step.to(self.running_max_logits.dtype), out=self.running_max_logits)
 
 
 def qk_attention_layers(model_parts) -> list[tuple[str, QKAttention]]:
@@ -185,39 +226,37 @@ def _layer_slot(name: str) -> tuple[int, int]:
 def close_steps(model_parts) -> dict[str, torch.Tensor]:
     """Close the step of every measuring :class:`QKAttention`: {name: per-head max logits [h]} over
     every rank (one MAX all-reduce of a [layers, h] table when torch.distributed is initialized, so
-    data-parallel ranks, context-parallel shards and pipeline stages each holding other layers
-    all get the global figure), kept as each layer's ``step_max_logits``; running maxima restart.
+    data-parallel ranks and pipeline stages each holding other layers all get the global figure),
+    kept as each layer's ``step_max_logits``; the running maxima restart (-inf). A layer that
+    measured nothing on any rank is left out. A non-finite figure (an overflowed logit) is kept as it
+    is, for the caller to see (QK-Clip refuses to clip with it).
 
-    Every rank must call it at the same steps (the trainer's optimizer hook and metrics logging
-    do). Raises ValueError under tensor parallelism (a rank's heads are a slice of the layer's)."""
+    Every rank must call it at the same steps (the trainer's optimizer hook and metrics logging do)
+    and hold at least one measuring layer. Context parallelism is not supported: each rank would
+    measure its own shard's queries against its own keys."""
     layers = [(name, layer) for name, layer in qk_attention_layers(model_parts) if layer.track_max_logits]
     if not layers:
         return {}
     heads = layers[0][1].n_heads
+    device = layers[0][1].running_max_logits.device  # NCCL reduces device tensors only
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     slots = {name: _layer_slot(name) for name, _ in layers}
-    rows = torch.tensor([max((r for (t, r) in slots.values() if t == table), default=-1) + 1 for table in (0, 1)])
+    rows = torch.tensor([max((r for (t, r) in slots.values() if t == table), default=-1) + 1 for table in (0, 1)],
+                        device=device)
     if distributed:
         torch.distributed.all_reduce(rows, op=torch.distributed.ReduceOp.MAX)
-    device = layers[0][1].wkv_a.weight.device
-    table = torch.full((int(rows.sum()), heads), float("-inf"), dtype=torch.float32, device=device)
+    offset = int(rows[0])
+    table = torch.full((int(rows.sum()), heads), -math.inf, dtype=torch.float32, device=device)
     for name, layer in layers:
-        running = layer.running_max_logits
-        if running is None:
-            continue
-        if running.numel() != heads:
-            raise ValueError(f"{name}: {running.numel()} of its {heads} heads on this rank: QK-Clip and the "
-                             "max-logit metric do not support tensor parallelism yet (parallelism."
-                             "tensor_parallel_degree must be 1 with qkmla's qk_clip and max_logits overrides)")
         t, r = slots[name]
-        table[t * int(rows[0]) + r] = running.float()
+        table[t * offset + r] = layer.running_max_logits
     if distributed:
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
     closed = {}
     for name, layer in layers:
         t, r = slots[name]
-        row = table[t * int(rows[0]) + r]
-        layer.running_max_logits = None
-        if bool(torch.isfinite(row).all()):
+        row = table[t * offset + r]
+        layer.running_max_logits.fill_(-math.inf)
+        if not bool((row == -math.inf).all()):
             layer.step_max_logits = closed[name] = row
     return closed

@@ -57,6 +57,9 @@ def qk_clip_step(model_parts) -> dict[str, torch.Tensor]:
         if layer.qk_clip_tau is None or name not in closed:
             continue
         max_logit = closed[name]
+        if not bool(torch.isfinite(max_logit).all()):  # tau / inf would zero the head's weights
+            raise FloatingPointError(f"{name}: the step's max logit is {float(max_logit.max())} (a logit overflowed); "
+                                     f"QK-Clip cannot rescale by tau / S, and training has diverged")
         gamma = clip_factors(max_logit, layer.qk_clip_tau)
         q_rows, kv_rows = mla_clip_row_factors(gamma, layer.n_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim,
                                                layer.v_head_dim)
