@@ -113,16 +113,31 @@ def main(argv=None) -> int:
         p.error("--lr: expected a number in (0, 1); --tau: > 0; --warmup: >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from qkmla.integrations.torchtitan.attention import close_steps, qk_attention_layers
-    from qkmla.train.data import load_text, split_by_play
-
     compiled = not args.no_compile
+    # Three arms' blocks share one compiled code object: train steps with and without measuring, then
+    # evaluation, each a graph per arm and block kind, which torchtitan's fullgraph compile must not
+    # run out of (dynamo's default allows 8).
+    torch._dynamo.config.recompile_limit = 64
     record, write = start_record(p, args, __spec__.name, argv, load_at_start=True, flavor=args.flavor,
                                 steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, tau=args.tau,
                                 compile=compiled, target_qk_norm_over_plain=TARGET, status="running")
     import torchtitan
 
     record["torchtitan"] = torchtitan.__version__
+    try:
+        return run(args, record, write)
+    except BaseException as e:  # the record keeps what was measured, and says what stopped it
+        record.update(status="failed", error=f"{type(e).__name__}: {e}")
+        write()
+        raise
+
+
+def run(args, record: dict, write) -> int:
+    """The three arms' training, then their validation; fills and writes ``record``."""
+    from qkmla.integrations.torchtitan.attention import close_steps, qk_attention_layers
+    from qkmla.train.data import load_text, split_by_play
+
+    compiled = not args.no_compile
     splits = split_by_play(load_text("shakespeare"))
     train, val = (torch.tensor(list(splits[s].encode())) for s in ("train", "val"))
     models = {name: build_arm(name, args.flavor, args.lr, args.tau, compiled) for name in ARMS}
@@ -165,7 +180,8 @@ def main(argv=None) -> int:
                 losses[name].append([step, round(loss.item(), 4)])
         if step % args.log_every == 0:
             print(f"step {step}: " + ", ".join(f"{n} {losses[n][-1][1]:.3f}" for n in names), flush=True)
-            record.update(losses=losses, max_logits_per_layer=max_logits, qk_clip_max_logits_after_clip=after_clip)
+            record.update(losses=losses, max_logits_per_layer=max_logits, qk_clip_max_logits_after_clip=after_clip,
+                          step_seconds={n: [round(t, 4) for t in times[n]] for n in names})
             write()
     summary = {}
     plain_times = times["plain"]

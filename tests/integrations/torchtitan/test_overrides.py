@@ -118,3 +118,17 @@ def test_torchtitan_versions_outside_the_tested_range_are_refused_in_one_line(ve
         with pytest.raises(ImportError, match=rf"supports torchtitan>=0.3.0,<0.4, found {version}; pip install"):
             check_torchtitan(version)
 
+
+
+def test_a_rank_holding_a_slice_of_the_heads_is_refused_for_per_head_weights(titan, tokens):
+    """Tensor parallelism gives each rank h / tp heads; a learned logit scale (or a projection-scope
+    norm) has a row per head, which qkmla does not shard yet: refused at the first forward. (The
+    slice is simulated: the layer is told it has twice the heads its projections give.)"""
+    import torch
+
+    model = titan.build(titan.config([("qk_norm", {"kind": "l2", "learnable_logit_scale": True})]).model_spec.model)
+    layer = model.layers["0"].attention
+    layer.n_heads = 32
+    with pytest.raises(ValueError, match=r"parallelism.tensor_parallel_degree: this layer has 16 of its 32 heads .* "
+                                         r"its logit_scale have a row per head"):
+        layer(torch.randn(1, 8, 256), None, None)

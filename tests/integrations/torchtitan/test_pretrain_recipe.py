@@ -35,3 +35,15 @@ def test_the_recipe_refuses_to_replace_a_result(tmp_path, capsys):
     with pytest.raises(SystemExit):
         torchtitan_pretrain.main(["--steps", "1", "--out", str(out)])
     assert "--overwrite" in capsys.readouterr().err
+
+
+def test_a_run_that_fails_keeps_its_record_and_says_what_stopped_it(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(torchtitan_pretrain, "build_arm", broken)
+    out = tmp_path / "r.json"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        torchtitan_pretrain.main(["--steps", "2", "--no-compile", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["status"] == "failed" and record["error"] == "RuntimeError: out of memory"
