@@ -84,10 +84,10 @@ class GPTConfig:
             raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
-        # Checked whatever the variant, so a bad value is refused even where only -lp reads it.
-        p = self.qk_norm_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or p < 1:
-            raise ValueError(f"qk_norm_p: expected a finite number >= 1 (a norm needs p >= 1), got {p!r}")
+        try:  # the norm's own check of p, whatever the variant: refused even where only -lp reads it
+            QKNormConfig("lp", p=self.qk_norm_p)
+        except ValueError as e:
+            raise ValueError(f"qk_norm_{e}") from None
         if self.logit_scale_param not in LOGIT_SCALE_PARAMS:
             raise ValueError(f"logit_scale_param: expected one of {LOGIT_SCALE_PARAMS}, got {self.logit_scale_param!r}")
         cfg = self.attention_config()  # validates the derived attention config
