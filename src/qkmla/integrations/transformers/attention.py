@@ -6,7 +6,8 @@ names transformers versions use) and adopts the HF layer's own projection module
 ``state_dict()`` keys are transformers' own and nothing is copied. What it computes is MLA's:
 
     no cache      the explicit path (training, scoring a batch), positions and padding as
-                  transformers gives them
+                  transformers gives them, and packed sequences (several in a batch row,
+                  padding-free training) each attending within itself
     a cache       the cache layer's :class:`~qkmla.LatentCache`: an explicit prefill into an
                   empty cache, the absorbed decode op otherwise (``MLA.forward``)
 
@@ -14,7 +15,9 @@ transformers passes the attention layer a mask already expanded for its own atte
 functions (4-D, or None, or a flex ``BlockMask``), which says nothing the latent cache can
 use; the 2-D padding mask the caller gave the model is what it needs. The model-level hook of
 ``apply_latent_attention`` reads it and passes each call's new real tokens down as a
-:class:`LatentCall`, with transformers' own keyword arguments.
+:class:`LatentCall`, with transformers' own keyword arguments; where the call packs several
+sequences into a row (``position_ids`` restarting and no mask, or ``cu_seq_lens_q``), the call
+says which sequence each token belongs to, and SDPA gets a block-diagonal causal mask.
 
 Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
 (left padding becomes right padding), cached with ``input_lengths``, and numbered 0, 1, 2, ...
@@ -60,9 +63,14 @@ class LatentCall:
 
     valid: [B, T] bool, True for the real tokens among the call's T new ones (from the caller's
         2-D ``attention_mask``), or None when every token is real.
+    documents: [B, T] int, which of the sequences packed into its row each token belongs to
+        (transformers' padding-free convention, read by ``apply_latent_attention``'s hook from
+        restarting ``position_ids`` or ``cu_seq_lens_q``), or None when each row is one sequence.
+        A token attends to the tokens of its own sequence only; such a call is never cached.
     """
 
     valid: Optional[torch.Tensor] = None
+    documents: Optional[torch.Tensor] = None
 
 
 class LatentAttention(MLA):
@@ -132,25 +140,42 @@ class LatentAttention(MLA):
         cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
                      None)
         x = hidden_states
-        call = kwargs.get("qkmla_call")
-        valid = call.valid.to(x.device) if call is not None and call.valid is not None else None
+        call = kwargs.get("qkmla_call") or LatentCall()
+        valid = call.valid.to(x.device) if call.valid is not None else None
+        documents = call.documents.to(x.device) if call.documents is not None else None
         if cache is None:
-            return self._uncached(x, valid, kwargs.get("position_ids")), None
+            return self._uncached(x, valid, kwargs.get("position_ids"), documents), None
+        if documents is not None:
+            raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
+                             "sequence per row) cannot hold; call without a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
         out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
         layer.advance(valid, x.shape[0], x.shape[1])
         return out, None
 
-    def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids) -> torch.Tensor:
-        """The explicit path over x alone, at transformers' positions, padding masked."""
+    def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids,
+                  documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The explicit path over x alone, at transformers' positions, padding masked, and each
+        packed sequence (``documents`` [B, T]) attending within itself: a block-diagonal causal mask.
+
+            documents  0 0 0 1 1        query t sees key s when s <= t and documents[s] == documents[t]
+                       x . . . .
+                       x x . . .
+                       x x x . .
+                       . . . x .
+                       . . . x x
+        """
         B, T = x.shape[:2]
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
         mask = None
-        if valid is not None:  # causal and not padding; a padded query sees itself, so no row is empty
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            mask = (causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+        if valid is not None or documents is not None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
+            if documents is not None:
+                mask = mask & (documents[:, :, None] == documents[:, None, :])
+            if valid is not None:  # not padding; a padded query sees itself, so no row is empty
+                mask = (mask & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
         out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
         return self.o_proj(out.flatten(2))
 

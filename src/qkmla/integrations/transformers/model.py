@@ -16,7 +16,10 @@ hooks on the inner ``*Model``:
   another thread see their own). A forward that caches gets a
   :class:`~qkmla.integrations.transformers.cache.LatentAttentionCache` (or its empty ``DynamicCache`` becomes
   one); a training forward with no cache passed caches nothing; ``position_ids`` that disagree
-  with the cache's positions are refused.
+  with the cache's positions are refused. A call that packs several sequences into a batch row
+  (transformers' padding-free format: ``position_ids`` restarting with no ``attention_mask``, or
+  the flash-attention kwargs ``cu_seq_lens_q/k``) attends within each sequence, caches nothing,
+  and is refused with a cache.
 * the mask transformers builds for its own attention functions is not needed, so the model's
   attention implementation becomes ``"qkmla_latent"``, whose mask function builds none (a
   padded 32k prompt would otherwise get a [B, 1, T, T] mask).
@@ -166,8 +169,14 @@ def _before_forward(module, args, kwargs):
     name = names[0] if names else ("cache" if "cache" in module._qkmla_signature.parameters else "past_key_values")
     use_cache = arguments.get("use_cache")
     use_cache = module.config.use_cache if use_cache is None else use_cache
+    documents, packed_by = _packed_documents(arguments, batch_size, num_tokens)
+    if documents is not None and cache is not None:
+        raise ValueError(f"{packed_by}: this call packs several sequences into a batch row (transformers' "
+                         f"padding-free format: {packed_by} mark where each starts, no attention_mask), and a "
+                         f"packed call cannot be cached: a cache row holds one sequence. Pass no {name} (a packed "
+                         f"call without one caches nothing), or give each sequence a row of its own")
     if cache is None and use_cache:
-        if module.training:  # a training step caches nothing (transformers would make a DynamicCache)
+        if module.training or documents is not None:  # caches nothing (transformers would make a DynamicCache)
             arguments["use_cache"] = False
         else:
             cache = arguments[name] = LatentAttentionCache(module)
@@ -178,8 +187,59 @@ def _before_forward(module, args, kwargs):
     if cache is not None and position_ids is not None:
         first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
         check_positions(first, position_ids, valid, batch_size, num_tokens)
-    arguments["qkmla_call"] = LatentCall(valid)
+    arguments["qkmla_call"] = LatentCall(valid, documents)
     return (), arguments
+
+
+def _packed_documents(arguments: dict, batch_size: int, num_tokens: int) -> tuple[Optional[torch.Tensor], str]:
+    """([B, T] which packed sequence each token belongs to, the argument that says so), or
+    (None, "") when each batch row is one sequence.
+
+    transformers' padding-free convention, read only without an ``attention_mask`` (a mask means
+    padding, never packing, there too): the flash-attention varlen kwargs ``cu_seq_lens_q`` /
+    ``cu_seq_lens_k`` when given (cumulative lengths over the flattened batch, as
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` writes them), otherwise
+    ``position_ids`` that do not count up by one (transformers' ``find_packed_sequence_indices``,
+    which its mask functions use).
+    """
+    if arguments.get("attention_mask") is not None:
+        return None, ""
+    cu_q, cu_k = arguments.get("cu_seq_lens_q"), arguments.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        return _documents_from_cu_seq_lens(cu_q, cu_k, batch_size, num_tokens), "cu_seq_lens_q"
+    position_ids = arguments.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or num_tokens < 2 \
+            or position_ids.shape[1] != num_tokens or position_ids.shape[0] not in (1, batch_size):
+        return None, ""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    return find_packed_sequence_indices(position_ids.expand(batch_size, -1)), "position_ids"
+
+
+def _documents_from_cu_seq_lens(cu_q, cu_k, batch_size: int, num_tokens: int) -> torch.Tensor:
+    """[B, T] sequence index of each token from cumulative sequence lengths over the B * T
+    flattened tokens, checked: from 0 to B * T, non-decreasing, no sequence across two rows."""
+    if cu_q is None:
+        cu_q, cu_k = cu_k, None
+    name = "cu_seq_lens_q"
+    if not isinstance(cu_q, torch.Tensor) or cu_q.dim() != 1 or cu_q.dtype.is_floating_point or cu_q.numel() < 2:
+        raise ValueError(f"{name}: expected a 1-D integer tensor of cumulative sequence lengths [0, l1, l1 + l2, "
+                         f"...], got {cu_q!r:.80}")
+    if cu_k is not None and (not isinstance(cu_k, torch.Tensor) or not torch.equal(cu_k.to(cu_q), cu_q)):
+        raise ValueError(f"cu_seq_lens_k: without a cache every query sees its own sequence's keys, so it must "
+                         f"equal cu_seq_lens_q ({cu_q.tolist()[:8]}), got {cu_k!r:.80}")
+    total = batch_size * num_tokens
+    bounds = cu_q.long()
+    shown = bounds.tolist()[:8]
+    if int(bounds[0]) != 0 or int(bounds[-1]) != total or bool((bounds.diff() < 0).any()):
+        raise ValueError(f"{name}: cumulative sequence lengths {shown} must start at 0, not decrease and end at "
+                         f"{total} (the {batch_size} x {num_tokens} tokens of this call)")
+    rows = torch.arange(0, total + 1, num_tokens, device=bounds.device)
+    if not bool(torch.isin(rows, bounds).all()):
+        raise ValueError(f"{name}: cumulative sequence lengths {shown} put a sequence across two batch rows of "
+                         f"{num_tokens} tokens; each row must hold whole sequences")
+    flat = torch.arange(total, device=bounds.device)
+    return (torch.searchsorted(bounds, flat, right=True) - 1).view(batch_size, num_tokens)
 
 
 def _new_tokens(mask: Optional[torch.Tensor], batch_size: int, num_tokens: int, past: int) -> Optional[torch.Tensor]:
