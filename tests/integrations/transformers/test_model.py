@@ -227,6 +227,25 @@ def test_padding_contents_do_not_reach_real_tokens():
                        model.generate(other, attention_mask=mask, **kw)[:, ids.shape[1]:])
 
 
+def test_a_row_of_padding_only_generates_as_transformers():
+    """generate numbers a row's padding 0 and counts on from its last position, so a row that is all
+    padding gets its first token at position 1, where qkmla's cache numbers it 0: the same relative
+    positions, so the same attention. The pad token's embedding is made nonzero (this random model's
+    is a zero padding_idx row), so the row's tokens say something."""
+    ref = hf_model("v3")
+    with torch.no_grad():
+        ref.model.embed_tokens.weight[0].normal_()
+    model = patched(ref)
+    ids, mask = left_padded(prompts([5, 1, 8]))
+    ids[1], mask[1] = 0, 0  # the middle row: all pad tokens, attention_mask all zeros
+    kw = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    want, got = ref.generate(ids, attention_mask=mask, **kw), model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(set(want.sequences[1, ids.shape[1]:].tolist())) > 1  # not a constant row
+    for a, b in zip(got.logits, want.logits):
+        assert max_rel(a, b) <= 1e-5
+
+
 @pytest.mark.parametrize("kw", [
     dict(num_beams=3, do_sample=False),
     dict(num_beams=3, num_return_sequences=2, do_sample=False),

@@ -78,6 +78,9 @@ class LatentCacheLayer(CacheLayerMixin):
         self.latent: Optional[LatentCache] = None
         self.columns = 0
         self.stored: Optional[torch.Tensor] = None  # [B, columns] bool
+        # [B]: transformers' position of each sequence's first real token, where the cache numbers it 0
+        # (``check_positions``); None: 0 for all.
+        self.offsets: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
         return f"LatentCacheLayer(kv_format={self.kv_format!r}, columns={self.columns}, latent={self.latent!r})"
@@ -111,7 +114,7 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget everything, batch size included: the next forward allocates anew."""
-        self.latent, self.stored, self.columns, self.is_initialized = None, None, 0, False
+        self.latent, self.stored, self.offsets, self.columns, self.is_initialized = None, None, None, 0, False
 
     def offload(self) -> None:  # the rows stay where the attention reads them
         pass
@@ -155,6 +158,8 @@ class LatentCacheLayer(CacheLayerMixin):
         indices = indices.to(self.latent.device)
         self.latent.select_sequences(indices)
         self.stored = self.stored[indices]
+        if self.offsets is not None:
+            self.offsets = self.offsets[indices.to(self.offsets.device)]
 
     # -- qkmla's side: what the attention layer calls --------------------------------------
 
@@ -207,25 +212,40 @@ class LatentCacheLayer(CacheLayerMixin):
 def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: Optional[torch.Tensor],
                     batch_size: int, num_tokens: int) -> None:
     """Refuse ``position_ids`` other than the positions ``layer``'s cache gives the new real tokens
-    (each sequence's real tokens numbered 0, 1, 2, ... as ``generate`` numbers them)."""
+    (each sequence's real tokens numbered 0, 1, 2, ... as ``generate`` numbers them).
+
+    One exception, also ``generate``'s: a sequence whose cached columns are all padding (a batch
+    row of padding only) has its padding numbered 0, and its first real token, in a later call,
+    gets the next position, 1. The cache numbers that token 0; RoPE sees only differences of
+    positions, so attention is the same. The first real token's position fixes the sequence's
+    offset (``layer.offsets``), which every later call must keep.
+    """
     layer.check_batch(batch_size)
     if getattr(layer.policy, "reposition", False):
         return  # StreamingLLM's re-positioning renumbers the cache; generate's positions keep counting
     device = position_ids.device
-    start = layer.latent.next_positions.to(device) if layer.latent is not None else \
-        torch.zeros(batch_size, dtype=torch.long, device=device)
-    steps = valid.long().cumsum(dim=1) - 1 if valid is not None else torch.arange(num_tokens, device=device)
-    expected = start[:, None] + steps.to(device)
     if position_ids.dim() != 2 or position_ids.shape[-1] != num_tokens or position_ids.shape[0] not in (1, batch_size):
         raise ValueError(f"position_ids: expected [batch, {num_tokens}], got {tuple(position_ids.shape)}")
-    wrong = position_ids.expand_as(expected) != expected
+    given = position_ids.expand(batch_size, num_tokens)
+    zeros = torch.zeros(batch_size, dtype=torch.long, device=device)
+    start = layer.latent.next_positions.to(device) if layer.latent is not None else zeros
+    steps = valid.long().cumsum(dim=1) - 1 if valid is not None else torch.arange(num_tokens, device=device)
+    offsets = layer.offsets.to(device) if layer.offsets is not None else zeros
+    if layer.stored is not None and layer.stored.shape[1] > 0:
+        only_padding = ~layer.stored.any(dim=1).to(device)
+        first = valid.long().argmax(dim=1).to(device) if valid is not None else zeros
+        offsets = torch.where(only_padding, given.gather(1, first[:, None])[:, 0].long(), offsets)
+    expected = start[:, None] + offsets[:, None] + steps.to(device)
+    wrong = given != expected
     if valid is not None:
         wrong &= valid.to(device)
     if bool(wrong.any()):
         b = int(wrong.any(dim=1).nonzero()[0])
         raise ValueError(f"position_ids: qkmla's latent cache numbers each sequence's real tokens 0, 1, 2, ... "
                          f"(padding takes no position, as in generate); sequence {b} needs "
-                         f"{expected[b].tolist()[:8]}..., got {position_ids.expand_as(expected)[b].tolist()[:8]}...")
+                         f"{expected[b].tolist()[:8]}..., got {given[b].tolist()[:8]}...")
+    if layer.stored is not None:
+        layer.offsets = offsets
 
 
 def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str = "dense",
