@@ -129,7 +129,12 @@ class QKNorm(RecordsVariant, nn.Module):
     a token shares one statistic [..., 1, 1] (MATH.md, "Statistic scope"); the weights then have
     a row per head: ``heads`` rows for the content block, ``rope_heads`` (None: one shared row)
     for the RoPE block.
+
+    ``scalar_norm``: the class of the two block norms (a host library's module base, as torchtitan's
+    integration sets it; the math stays :class:`ScalarNorm`'s).
     """
+
+    scalar_norm = ScalarNorm
 
     def __init__(self, content_dim: int, rope_dim: int, kind: str = "rms", p: float = 2.0,
                  eps: float = 1e-6, mode: str = "blockwise", scope: str = "head", heads: Optional[int] = None,
@@ -141,8 +146,8 @@ class QKNorm(RecordsVariant, nn.Module):
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
         self._mode, self._scope = mode, scope
         per_head = scope == "projection"
-        self.content = ScalarNorm(content_dim, kind, p, eps, heads if per_head else None)
-        self.rope = ScalarNorm(rope_dim, kind, p, eps, rope_heads if per_head else None)
+        self.content = self.scalar_norm(content_dim, kind, p, eps, heads if per_head else None)
+        self.rope = self.scalar_norm(rope_dim, kind, p, eps, rope_heads if per_head else None)
 
     mode = property(lambda self: self._mode, doc="'blockwise', 'unified' or 'content' (read-only, as the kind is)")
     scope = property(lambda self: self._scope, doc="'head' or 'projection' (read-only)")
@@ -190,14 +195,16 @@ def rows_per_head(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def make_qk_norms(norm: Optional[QKNormConfig], content_dim: int, rope_dim: int, heads: Optional[int] = None,
-                  groups: Optional[int] = None) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
+                  groups: Optional[int] = None, norm_class: type = None) -> tuple[Optional[QKNorm], Optional[QKNorm]]:
     """(q_norm, k_norm) of a layer with the QK norm ``norm``, or (None, None) without one. With the
     projection scope the query's weights have a row per head (``heads``), the key's content weight
-    one per KV group (``groups``) and its RoPE weight one row (MLA's RoPE key is shared by the groups)."""
+    one per KV group (``groups``) and its RoPE weight one row (MLA's RoPE key is shared by the groups).
+    ``norm_class``: a :class:`QKNorm` subclass to build (default :class:`QKNorm`)."""
     if norm is None or norm.kind is None:
         return None, None
+    norm_class = norm_class or QKNorm
     args = (content_dim, rope_dim, norm.kind, norm.p, norm.eps, norm.mode, norm.scope)
-    return QKNorm(*args, heads, heads), QKNorm(*args, groups, None)
+    return norm_class(*args, heads, heads), norm_class(*args, groups, None)
 
 
 def qk_norms_of(config) -> tuple[Optional[QKNorm], Optional[QKNorm]]:

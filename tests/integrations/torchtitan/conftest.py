@@ -41,6 +41,18 @@ def packed_positions(batch: int, lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths]).expand(batch, -1)
 
 
+def causal_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """torchtitan's logits [B, T, V] of one document per row at positions 0..T-1 (the causal mask the
+    model builds, made without ``get_attention_masks``' torch.compile, which recompiles per length)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common.attention import get_causal_mask_mod
+
+    B, L = tokens.shape
+    mask = create_block_mask(get_causal_mask_mod(), B, None, L, L, device="cpu")
+    with torch.no_grad():
+        return model(tokens, positions=torch.arange(L).expand(B, -1), attention_masks=mask)
+
+
 @pytest.fixture
 def tokens():
     torch.manual_seed(1)
@@ -52,4 +64,4 @@ def titan():
     """The builders above, for the tests (conftest modules are not imported by name)."""
     import types
 
-    return types.SimpleNamespace(config=trainer_config, build=build, positions=packed_positions)
+    return types.SimpleNamespace(config=trainer_config, build=build, positions=packed_positions, logits=causal_logits)

@@ -21,11 +21,14 @@ def commands() -> list[list[str]]:
     return [shlex.split(line.split("-m torchtitan.train", 1)[1]) for line in lines]
 
 
-def test_the_page_has_the_three_command_lines():
-    assert len(commands()) == 3
+IDS = ["qk_norm", "qk_norm l2", "qk_clip", "registry qk_norm", "registry qk_norm l2"]
 
 
-@pytest.mark.parametrize("args", commands(), ids=["qk_norm", "qk_norm l2", "qk_clip"])
+def test_the_page_has_its_five_command_lines():
+    assert len(commands()) == len(IDS)
+
+
+@pytest.mark.parametrize("args", commands(), ids=IDS)
 def test_each_documented_command_line_parses_and_applies_its_overrides(args):
     """The page's exact arguments through torchtitan's own CLI parser and override mechanism."""
     config = ConfigManager().parse_args(args)

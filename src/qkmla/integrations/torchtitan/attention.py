@@ -39,11 +39,15 @@ check_torchtitan()
 import spmd_types as spmd  # noqa: E402  (torchtitan's dependency)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.models.deepseek_v3.model import Attention  # noqa: E402
+from torchtitan.models.common.decoder_sharding import dense_param_placement  # noqa: E402
+from torchtitan.protocols.module import Module  # noqa: E402
+from torchtitan.protocols.sharding import ShardingConfig  # noqa: E402
 
 from ...attention.functional import max_logits  # noqa: E402
 from ...config import QKNormConfig  # noqa: E402
-from ...norms import make_qk_norms  # noqa: E402
+from ...norms import QKNorm, ScalarNorm, make_qk_norms  # noqa: E402
 
 
 def document_mask(positions: Optional[torch.Tensor]):
@@ -61,15 +65,37 @@ def document_mask(positions: Optional[torch.Tensor]):
     return same_document
 
 
-class MaxLogitMeter(nn.Module):
+class TitanScalarNorm(ScalarNorm, Module):
+    """qkmla's :class:`~qkmla.norms.ScalarNorm` (its math, unchanged) as a torchtitan ``Module``: its
+    Trainer refuses a model with plain ``nn.Module`` s in it (``verify_module_protocol``) and
+    initializes each ``Module``'s own weights (ones here) after building on the meta device. In a
+    parallelized layer its weight is declared replicated over tensor parallelism, as torchtitan
+    declares the latent norms' (:class:`QKAttention`): with scope "head" it is the same for every
+    head, so the heads a tensor-parallel rank holds use it as it is."""
+
+    def _init_self_parameters(self) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+
+class TitanQKNorm(QKNorm, Module):
+    """qkmla's :class:`~qkmla.norms.QKNorm` as a torchtitan ``Module`` (see :class:`TitanScalarNorm`)."""
+
+    scalar_norm = TitanScalarNorm
+
+
+class MaxLogitMeter(Module):
     """Each head's running max logit [h] (-inf: nothing measured), a buffer updated in place
     (torchtitan's CUDA graphs replay kernels, not Python assignments). Not saved in checkpoints. A
-    plain module, as qkmla's norms are: torchtitan's ``parallelize`` distributes only its own
-    ``Module`` s' states, by their sharding configs."""
+    torchtitan ``Module`` without a sharding config: ``parallelize`` leaves it on each rank."""
 
     def __init__(self, heads: int):
         super().__init__()
         self.register_buffer("running", torch.full((heads,), -math.inf), persistent=False)
+
+    def _init_self_buffers(self, *, buffer_device=None) -> None:
+        with torch.no_grad():
+            self.running.fill_(-math.inf)
 
 
 class QKAttention(Attention):
@@ -112,7 +138,11 @@ class QKAttention(Attention):
         norm = config.qk_norm
         self.qk_norm_config = norm
         self.q_head_norm, self.k_head_norm = make_qk_norms(
-            norm, config.qk_nope_head_dim, config.qk_rope_head_dim, config.n_heads, config.n_heads)
+            norm, config.qk_nope_head_dim, config.qk_rope_head_dim, config.n_heads, config.n_heads, TitanQKNorm)
+        if config.sharding_config is not None and norm is not None:  # set by torchtitan's update_from_config
+            replicated = ShardingConfig(state_shardings={"weight": dense_param_placement(tp=spmd.R)})
+            for qk in (self.q_head_norm, self.k_head_norm):
+                qk.content._sharding_config = qk.rope._sharding_config = replicated
         self.logit_scale = None
         if norm is not None and norm.learnable_logit_scale:
             unit = norm.kind in ("l2", "lp")
@@ -134,8 +164,6 @@ class QKAttention(Attention):
         norms' weights are (tensor parallelism with per-head weights is refused in ``forward``)."""
         config = self._sharding_config
         if self.logit_scale is not None and config is not None and "logit_scale" not in config.state_shardings:
-            from torchtitan.models.common.decoder_sharding import dense_param_placement
-
             self._sharding_config = dataclasses.replace(config, state_shardings={
                 **config.state_shardings, "logit_scale": dense_param_placement(tp=spmd.R)})
         super()._distribute_states(parallel_dims)
@@ -145,19 +173,10 @@ class QKAttention(Attention):
         """[h] on this rank since the step was last closed, -inf where nothing was measured."""
         return self.max_logit_meter.running
 
-    def _init_self_buffers(self, *, buffer_device=None) -> None:
-        super()._init_self_buffers(buffer_device=buffer_device)
-        with torch.no_grad():
-            self.running_max_logits.fill_(-math.inf)
-
     def _init_self_parameters(self) -> None:
-        """torchtitan builds on the meta device and initializes each ``Module``; qkmla's norms are
-        plain modules, so their weights (ones) and the logit scale are set here."""
+        """torchtitan builds on the meta device and initializes each ``Module``'s own parameters: the
+        norms set theirs (ones); the learned logit scale is set here."""
         with torch.no_grad():
-            for qk in (self.q_head_norm, self.k_head_norm):
-                if qk is not None:
-                    for weight in qk.parameters():
-                        weight.fill_(1.0)
             if self.logit_scale is not None:
                 self.logit_scale.fill_(float(self.logit_scale_init))
 
@@ -203,6 +222,9 @@ class QKAttention(Attention):
             raise ValueError(f"parallelism.tensor_parallel_degree: {q.shape[2]} of this layer's {self.n_heads} heads "
                              "on this rank; QK-Clip and the max-logit metric do not support tensor parallelism yet "
                              "(tensor_parallel_degree must be 1 with qkmla's qk_clip, max_logits or track_max_logits)")
+        # this rank's rows: under torchtitan's full_dtensor backend the batch (positions included) arrives as
+        # DTensors sharded over the data-parallel ranks; the max over ranks is taken when the step closes
+        q, k, positions = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, positions))
         with torch.autocast(q.device.type, enabled=False):  # the statistic in float32, not autocast's bf16
             step = max_logits(q.detach().float(), k.detach().float(), scale, allowed=document_mask(positions))
         torch.maximum(self.running_max_logits, step.to(self.running_max_logits.dtype), out=self.running_max_logits)

@@ -5,7 +5,7 @@ document) for their inner attention; FlexAttention has no CPU backward, and torc
 ``ScaledDotProductAttention`` takes no document mask. :class:`DenseMaskAttention` keeps
 FlexAttention's config type (so the model builds the same masks) and computes attention with
 PyTorch's ``scaled_dot_product_attention`` over the mask made dense [B, 1, T, S]: the same
-function, O(B T S) bytes of mask, for CPU runs and tests (the ``cpu_attention`` override).
+function, O(B T S) bytes of mask, for CPU runs and tests (``config_registry``'s ``cpu`` configs).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ logits (``QKAttention`` with ``track_max_logits`` or a QK-Clip threshold):
     max_logit                         the largest over the layers
 
 for plain, QK-normed and clipped runs alike, so the three arms of the paper's comparison report
-the same figure.
+the same figure. The console gets one line per logged step beside torchtitan's own:
+
+    max_logit step:  10  all: 41.2031  after clip: 30.0000  layers: 12.3906 41.2031 ...
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .versions import check_torchtitan
 check_torchtitan()
 
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.tools.logging import logger  # noqa: E402
 
 from .attention import _layer_slot, close_steps, qk_attention_layers  # noqa: E402
 
@@ -46,6 +49,14 @@ def max_logit_metrics(model_parts) -> dict[str, float]:
     return metrics
 
 
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    """The step's max logits as one console line (module docstring)."""
+    layers = " ".join(f"{v:.4f}" for k, v in metrics.items() if k.startswith("max_logit/"))
+    after = [v for k, v in metrics.items() if k.startswith("max_logit_after_clip/")]
+    clip = f"  after clip: {max(after):.4f}" if after else ""
+    return f"max_logit step: {step:3d}  all: {metrics['max_logit']:.4f}{clip}  layers: {layers}"
+
+
 class MaxLogitMetricsProcessor(MetricsProcessor):
     """torchtitan's metrics with each layer's max attention logit (module docstring)."""
 
@@ -57,5 +68,8 @@ class MaxLogitMetricsProcessor(MetricsProcessor):
             extra_metrics: dict[str, Any] | None = None):
         extra = dict(extra_metrics or {})
         if getattr(self, "model_parts", None):
-            extra.update(max_logit_metrics(self.model_parts))
+            measured = max_logit_metrics(self.model_parts)
+            extra.update(measured)
+            if measured:
+                logger.info(console_line(step, measured))
         return super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)

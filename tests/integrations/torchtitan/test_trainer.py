@@ -1,0 +1,165 @@
+"""torchtitan's own Trainer (``torchtitan.train``) with qkmla's config registry, on the CPU.
+
+Each run is ``torchrun ... cpu_trainer.py --module qkmla.integrations.torchtitan --config ...``:
+torchtitan's entry point behind the launcher that points its device at the CPU (its docstring
+says what it changes and why). The runs start from one seed checkpoint (torchtitan's
+``--checkpoint.create_seed_checkpoint``, its way of giving parallel runs the same weights), so a
+parallel run's step is compared with the one-process run's.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+HARNESS = Path(__file__).with_name("cpu_trainer.py")
+REGISTRY = ["--module", "qkmla.integrations.torchtitan"]
+SMALL = ["--training.seq_len", "64", "--validator.no-enable", "--debug.seed", "0"]
+STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def train(dump: Path, *args: str, nproc: int = 1, timeout: int = 900) -> str:
+    """torchtitan's Trainer on ``nproc`` CPU processes; its log (rank 0's lines first in each step)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(HARNESS), *args, "--dump_folder", str(dump)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(Path(__file__).resolve().parents[3] / "src"), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    log = ANSI.sub("", done.stdout + done.stderr)
+    assert done.returncode == 0, log[-6000:]
+    return log
+
+
+def steps(log: str) -> dict[int, tuple[float, float]]:
+    """{step: (loss, grad_norm)} as torchtitan logs them."""
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(log)}
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """A QK-normed seed checkpoint of the ``cpu`` flavor (step 0)."""
+    dump = tmp_path_factory.mktemp("seed")
+    train(dump, *REGISTRY, "--config", "qkmla_cpu_qk_norm", *SMALL, "--checkpoint.enable",
+          "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1")
+    return dump / "checkpoint" / "step-0"
+
+
+def from_seed(seed: Path) -> list[str]:
+    return [*REGISTRY, "--config", "qkmla_cpu_qk_norm", *SMALL, "--training.steps", "3", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0",
+            "--checkpoint.initial_load_path", str(seed)]
+
+
+@pytest.fixture(scope="module")
+def one_process(seed, tmp_path_factory) -> tuple[Path, dict]:
+    """Three QK-normed steps in one process, batch 4, checkpointed at steps 2 and 3."""
+    dump = tmp_path_factory.mktemp("one")
+    log = train(dump, *from_seed(seed), "--training.local_batch_size", "4")
+    return dump, steps(log)
+
+
+def test_trainer_trains_the_qk_normed_config_and_validates_on_the_held_out_plays(tmp_path):
+    """The registry's config as shipped (its validation on the held-out plays included), a few steps."""
+    log = train(tmp_path, *REGISTRY, "--config", "qkmla_cpu_qk_norm", "--training.steps", "4",
+                "--training.seq_len", "64", "--training.local_batch_size", "4", "--validator.freq", "4",
+                "--validator.steps", "2")
+    got = steps(log)
+    assert sorted(got) == [1, 2, 3, 4] and got[4][0] < got[1][0]
+    assert "Model qkmla_deepseek_v3 cpu" in log and re.search(r"validate step:\s+4\s+loss:", log)
+    assert "QKAttention" in log or "qk_norm" in log  # torchtitan logs the override it applied
+
+
+def test_fsdp2_on_two_processes_takes_the_one_process_steps(seed, one_process, tmp_path):
+    """Two ranks of half the batch each, FSDP2 through torchtitan's parallelize: the same gradient
+    norms step by step as one process on the whole batch (torchtitan logs the loss summed over the
+    ranks under ``full_dtensor``: twice the one-process mean here)."""
+    log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "2",
+                "--parallelism.spmd_backend", "full_dtensor", nproc=2)
+    got, want = steps(log), one_process[1]
+    assert sorted(got) == [1, 2, 3]
+    for s in want:
+        assert got[s][1] == pytest.approx(want[s][1], abs=2e-4)
+        assert got[s][0] == pytest.approx(2 * want[s][0], abs=4e-4)
+
+
+def test_tensor_parallel_on_two_processes_takes_the_one_process_steps(seed, one_process, tmp_path):
+    """TP 2 (the heads split over two ranks; qkmla's norm weights replicated, as the latent norms'):
+    the same losses and gradient norms as one process."""
+    log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "4",
+                "--parallelism.tensor_parallel_degree", "2", "--parallelism.spmd_backend", "full_dtensor", nproc=2)
+    got, want = steps(log), one_process[1]
+    for s in want:
+        assert got[s][0] == pytest.approx(want[s][0], abs=2e-4)
+        assert got[s][1] == pytest.approx(want[s][1], abs=2e-4)
+
+
+def test_a_run_resumed_from_its_dcp_checkpoint_takes_the_same_steps(seed, one_process, tmp_path):
+    """Step 3 of a run resumed from step 2's checkpoint (model, optimizer, scheduler, data position)
+    equals step 3 of the uninterrupted run."""
+    dump, want = one_process
+    (tmp_path / "checkpoint").mkdir()
+    os.symlink(dump / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
+    log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "4")
+    got = steps(log)
+    assert sorted(got) == [3], log[-3000:]
+    assert got[3] == pytest.approx(want[3], abs=1e-5)
+
+
+def test_qk_clip_on_two_processes_clips_and_logs_the_max_logits(seed, tmp_path):
+    """QK-Clip through torchtitan's Trainer, FSDP2 on 2 ranks, a threshold low enough to clip (the
+    freshly initialized model's logits are about 0.35): each logged step has every layer's max logit
+    over tau and the max after the clip, at most tau."""
+    clip = "qkmla.integrations.torchtitan.overrides."
+    log = train(tmp_path, *REGISTRY, "--config", "qkmla_cpu_qk_clip", *SMALL, "--training.steps", "2",
+                "--training.local_batch_size", "2", "--parallelism.spmd_backend", "full_dtensor",
+                "--override.imports", clip + 'qk_clip={"tau": 0.25}', clip + "qk_clip_optimizer",
+                clip + "max_logit_metrics", nproc=2)
+    lines = re.findall(r"max_logit step:\s+(\d+)\s+all: ([\d.]+)\s+after clip: ([\d.]+)\s+layers: ([\d. ]+)", log)
+    assert sorted({int(s) for s, *_ in lines}) == [1, 2]
+    for _, before, after, layers in lines:
+        assert len(layers.split()) == 4 and float(before) > 0.25 and float(after) <= 0.25 + 1e-4
+
+
+def test_a_trainer_checkpoint_exports_and_transformers_computes_torchtitans_logits(one_process, tmp_path, titan):
+    """``python -m qkmla.integrations.torchtitan.export`` on the run's step-3 checkpoint with the run's
+    arguments: the Hugging Face checkpoint's logits in transformers (qkmla's loader) equal those of
+    torchtitan's model holding the checkpoint, its routed experts computed in float32 as
+    transformers computes them (torchtitan's own cast to bfloat16); other runs' arguments are refused."""
+    from torchtitan.config import derive
+
+    from qkmla.integrations.torchtitan.export import config_from_args, load_dcp, main, model_from_args
+    from qkmla.integrations.torchtitan.flavors import materialize
+    from qkmla.integrations.transformers import from_pretrained
+    from tests.integrations.torchtitan.test_checkpoint import Float32Experts
+
+    dump, _ = one_process
+    step = dump / "checkpoint" / "step-3"
+    args = [*REGISTRY, "--config", "qkmla_cpu_qk_norm", "--training.seq_len", "64"]
+    assert main([str(step), str(tmp_path / "hf"), "--", *args]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["qkmla"]["qk_norm"]["kind"] == "rms"
+    config = config_from_args(args).model_spec.model
+    for layer in config.layers:
+        if layer.moe is not None:
+            experts = layer.moe.routed_experts
+            experts.inner_experts = derive(experts.inner_experts, Float32Experts.Config)
+    model = materialize(config)
+    load_dcp(step, model)
+    tokens = torch.tensor([list(b"O Romeo, Romeo! wherefore art thou Romeo?")])
+    want = titan.logits(model, tokens)
+    with torch.no_grad():
+        got = from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)(tokens).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    # a plain run's arguments, and another norm's, do not describe this checkpoint
+    assert main([str(step), str(tmp_path / "plain"), "--", *REGISTRY, "--config", "qkmla_cpu"]) == 2
+    l2 = 'qkmla.integrations.torchtitan.overrides.qk_norm={"kind": "l2"}'
+    with pytest.raises(ValueError, match=r"checkpoint: .*rms.*QK norm.*l2|checkpoint: .*l2.*QK norm.*rms"):
+        load_dcp(step, model_from_args([*REGISTRY, "--config", "qkmla_cpu_qk_norm", "--override.imports", l2]))
+    assert not (tmp_path / "plain").exists()
