@@ -41,7 +41,7 @@ def calls(heads: int, queries: int, context: int, batch: int, seed: int = 0) -> 
     q_rope = torch.randn(batch, queries, heads, D_R, generator=gen).to(torch.bfloat16)
     kv, scalars = rows[..., :D_C + D_R], rows[..., D_C + D_R:]
     return {backend: (lambda backend=backend: mla_decode_with_kvcache(
-        q_lat, q_rope, kv, table, lengths, scalars, (D_C + D_R) ** -0.5, backend=backend))
+        q_lat, q_rope, kv, table, lengths, scalars, softmax_scale=(D_C + D_R) ** -0.5, backend=backend))
         for backend in ("torch", "cpu")}
 
 

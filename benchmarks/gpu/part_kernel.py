@@ -149,7 +149,7 @@ def kernel_rows(ctx: PartContext, shape: dict, H: int, context: int, batch: int)
 
         def fn(kv=kv, scales=scales, kv_format=kv_format, qknorm=qknorm):
             return mla_decode_with_kvcache(t["q_lat"], t["q_rope"], kv, t["table"], t["lens"],
-                                           scales if qknorm else None, scale, backend="triton",
+                                           scales if qknorm else None, softmax_scale=scale, backend="triton",
                                            kv_format=kv_format)
         call, how = graphed(fn, ctx)
         timing = bench(call, ctx, cpu_reps=1)

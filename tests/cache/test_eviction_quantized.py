@@ -53,7 +53,8 @@ def test_decode_after_eviction_reads_the_kept_rows_as_stored(policy, kv_format, 
             q_lat, q_rope = mla.absorbed_query(x[:, t:t + 1], torch.tensor([[t]]))
             o_lat, _ = mla_decode_with_kvcache(
                 q_lat, q_rope, twin.read("latent")[:, idx].contiguous(), None, torch.tensor([len(idx)]),
-                twin.read("key_scale")[:, idx].contiguous(), mla.scale, mode=mla.score_mode, kv_format=kv_format)
+                twin.read("key_scale")[:, idx].contiguous(), softmax_scale=mla.scale, mode=mla.score_mode,
+                kv_format=kv_format)
             want = mla.o_proj(values_out(o_lat, mla.absorbed).flatten(2))
             torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
     assert evicted and not out.isnan().any()

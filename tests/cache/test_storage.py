@@ -62,7 +62,8 @@ def test_the_decode_op_refuses_block_ids_outside_the_pool():
     for backend in ("torch", "naive"):
         for table in (torch.tensor([[0, 1], [-1, 3]]), torch.tensor([[0, 1], [2, 4]])):
             with pytest.raises(ValueError, match="block_table: "):
-                mla_decode_with_kvcache(q_lat, q_rope, pool, table, torch.tensor([8, 8]), backend=backend)
+                mla_decode_with_kvcache(q_lat, q_rope, pool, table, torch.tensor([8, 8]), softmax_scale=0.3,
+                                        backend=backend)
 
 
 def test_the_cache_keeps_its_own_copy_of_the_block_table():
@@ -82,4 +83,4 @@ def test_the_decode_op_refuses_lengths_past_the_capacity():
         for lengths in ([6, 9], [3, -1]):
             with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths in \[0, 6\]"):
                 mla_decode_with_kvcache(q_lat, q_rope, torch.randn(2, 6, 24), None, torch.tensor(lengths),
-                                        backend=backend)
+                                        softmax_scale=0.3, backend=backend)

@@ -54,7 +54,8 @@ def test_kernel_matches_reference(block_size, G, S_q, scaled):
     scale = 0.3
     ref, ref_lse = naive_mla_decode(q_lat, q_rope, kv, table, lens, scales, scale)  # float32
     bf16, _ = naive_mla_decode(q_lat, q_rope, kv, table, lens, scales, scale, compute_dtype=torch.bfloat16)
-    out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, scale, num_splits=3, backend="triton")
+    out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=scale, num_splits=3,
+                                       backend="triton")
     assert out.dtype == q_lat.dtype and lse.dtype == torch.float32
     assert not torch.isnan(out).any()  # no stray read of a NaN slot
     torch_err = (bf16.float() - ref).abs().max()
@@ -69,8 +70,10 @@ def test_kernel_matches_reference(block_size, G, S_q, scaled):
 
 def test_splits_do_not_change_the_result():
     (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
-    one, lse1 = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.2, num_splits=1, backend="triton")
-    many, lse7 = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.2, num_splits=7, backend="triton")
+    one, lse1 = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=0.2, num_splits=1,
+                                        backend="triton")
+    many, lse7 = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=0.2, num_splits=7,
+                                         backend="triton")
     torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse7, lse1, rtol=1e-5, atol=1e-5)
 
@@ -79,11 +82,11 @@ def test_scaling_is_applied_before_the_rope_score():
     """Scales of 1 give plain MLA; scales of 2 on the content score differ from scaling both."""
     (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
     ones = torch.ones_like(scales)
-    a, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, ones, 0.2, backend="triton")
-    b, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, None, 0.2, backend="triton")
+    a, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, ones, softmax_scale=0.2, backend="triton")
+    b, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, None, softmax_scale=0.2, backend="triton")
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    twos, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, 2 * ones, 0.2, backend="triton")
-    both, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, None, 0.4, backend="triton")
+    twos, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, 2 * ones, softmax_scale=0.2, backend="triton")
+    both, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, None, softmax_scale=0.4, backend="triton")
     ref, _ = naive_mla_decode(q_lat, q_rope, kv, table, lens, 2 * ones, 0.2)
     torch.testing.assert_close(twos, ref, rtol=1e-4, atol=1e-4)
     assert (twos - both).abs().max() > 1e-3
@@ -93,7 +96,8 @@ def test_custom_op_traces_under_torch_compile_and_opcheck():
     (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
 
     def step(q, r):
-        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, scales, 0.2, num_splits=2, backend="triton")
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, scales, softmax_scale=0.2, num_splits=2,
+                                           backend="triton")
         return out * 2, lse
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
@@ -107,22 +111,23 @@ def test_custom_op_traces_under_torch_compile_and_opcheck():
 def test_bad_inputs():
     (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 1, True, dtype=torch.float32)
     with pytest.raises(ValueError, match="backend"):
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, backend="cuda")
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=0.2, backend="cuda")
     with pytest.raises(ValueError, match="kv_cache"):
-        mla_decode_with_kvcache(q_lat, q_rope, kv[..., :-1], table, lens, scales)
+        mla_decode_with_kvcache(q_lat, q_rope, kv[..., :-1], table, lens, scales, softmax_scale=0.2)
     with pytest.raises(ValueError, match="block_table"):
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table.float(), lens, scales)
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table.float(), lens, scales, softmax_scale=0.2)
     with pytest.raises(ValueError, match="cache_seqlens"):
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens[:2], scales)
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens[:2], scales, softmax_scale=0.2)
     with pytest.raises(ValueError, match="scale_cache"):
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales[..., :3])
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales[..., :3], softmax_scale=0.2)
     with pytest.raises(ValueError, match="powers of two"):
-        mla_decode_with_kvcache(q_lat[..., :24], q_rope, kv[..., 8:], table, lens, scales, backend="triton")
+        mla_decode_with_kvcache(q_lat[..., :24], q_rope, kv[..., 8:], table, lens, scales, softmax_scale=0.2,
+                                backend="triton")
     on_q_device = r"block_table: expected a tensor on q_lat's device \((cpu|cuda:0)\), got meta"
     with pytest.raises(ValueError, match=on_q_device):
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table.to("meta"), lens, scales)
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table.to("meta"), lens, scales, softmax_scale=0.2)
     with pytest.raises(ValueError, match="scale_cache: expected a tensor on q_lat's device"):
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales.to("meta"))
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales.to("meta"), softmax_scale=0.2)
 
 
 def test_a_launch_that_does_not_fit_in_shared_memory_takes_the_next_configuration(monkeypatch):
@@ -134,7 +139,7 @@ def test_a_launch_that_does_not_fit_in_shared_memory_takes_the_next_configuratio
     from qkmla.ops.mla_decode import triton_kernel
 
     (q_lat, q_rope, kv, table, lens), scales = paged_inputs(16, 4, 2, True, dtype=torch.float32)
-    want, want_lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.3, num_splits=2,
+    want, want_lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=0.3, num_splits=2,
                                              backend="triton")
     kernel, tried = triton_kernel._mla_decode_split_kernel, []
 
@@ -153,7 +158,7 @@ def test_a_launch_that_does_not_fit_in_shared_memory_takes_the_next_configuratio
     monkeypatch.setattr(triton_kernel, "_fitting", {})
     monkeypatch.setattr(triton_kernel, "_mla_decode_split_kernel", SharedMemoryOf(32))
     for _ in range(2):
-        out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.3, num_splits=2,
+        out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=0.3, num_splits=2,
                                            backend="triton")
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
@@ -162,7 +167,7 @@ def test_a_launch_that_does_not_fit_in_shared_memory_takes_the_next_configuratio
     monkeypatch.setattr(triton_kernel, "_fitting", {})
     monkeypatch.setattr(triton_kernel, "_mla_decode_split_kernel", SharedMemoryOf(8))
     with pytest.raises(OutOfResources):  # nothing fits: Triton's own error, after every configuration
-        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.3, backend="triton")
+        mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, softmax_scale=0.3, backend="triton")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -203,7 +208,7 @@ def test_kernel_reads_bf16_queries_over_quantized_rows_within_the_bf16_budget(kv
     ref, _ = naive_mla_decode(q_lat, q_rope, packed, table, lens, scales, 0.3, kv_format=kv_format)
     bf16, _ = naive_mla_decode(q_lat, q_rope, packed, table, lens, scales, 0.3, compute_dtype=torch.bfloat16,
                                kv_format=kv_format)
-    out, lse = mla_decode_with_kvcache(q_lat, q_rope, packed, table, lens, scales, 0.3, num_splits=3,
+    out, lse = mla_decode_with_kvcache(q_lat, q_rope, packed, table, lens, scales, softmax_scale=0.3, num_splits=3,
                                        backend="triton", kv_format=kv_format)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     torch_err, kernel_err = (bf16.float() - ref).abs().max(), (out.float() - ref).abs().max()
@@ -219,8 +224,8 @@ def test_custom_op_with_a_quantized_cache_traces_and_opchecks():
     packed = row_format("fp8", D_C, D_R).encode(kv[..., :D_C].nan_to_num(), kv[..., D_C:].nan_to_num())
 
     def step(q, r):
-        return mla_decode_with_kvcache(q, r, packed, table, lens, scales, 0.2, num_splits=2, backend="triton",
-                                       kv_format="fp8")
+        return mla_decode_with_kvcache(q, r, packed, table, lens, scales, softmax_scale=0.2, num_splits=2,
+                                       backend="triton", kv_format="fp8")
 
     out, lse = torch.compile(step, backend="eager", fullgraph=True)(q_lat, q_rope)
     ref, ref_lse = step(q_lat, q_rope)

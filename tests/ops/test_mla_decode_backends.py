@@ -327,4 +327,21 @@ def test_byte_rows_passed_as_dense_are_refused():
     q_lat, q_rope = torch.randn(1, 1, 2, d_c), torch.randn(1, 1, 2, d_r)
     rows = torch.zeros(1, 4, d_c + d_r, dtype=torch.uint8)
     with pytest.raises(ValueError, match="kv_cache: kv_format='dense' rows are floating-point values, got torch.uint8"):
-        mla_decode_with_kvcache(q_lat, q_rope, rows, None, torch.tensor([4]), backend="torch")
+        mla_decode_with_kvcache(q_lat, q_rope, rows, None, torch.tensor([4]), softmax_scale=0.3, backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch", "auto"])
+def test_the_softmax_scale_has_no_default(backend):
+    """Issue 52, point 9: an omitted scale was 1.0, unscaled logits without a word. It is a
+    required keyword (FlashMLA's callers name it too); None, a bool or a string is refused by name."""
+    args = decode_inputs("paged", 4, 1, "blockwise", "causal")
+    scale = args.pop("softmax_scale")
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'softmax_scale'"):
+        mla_decode_with_kvcache(**args, backend=backend)
+    for bad in (None, True, "0.3"):
+        with pytest.raises(ValueError, match=r"softmax_scale: expected the logit scale \(a finite float, or a tensor "
+                                             rf"\[H\]\), e\.g\. MLAConfig\.scale; got {bad!r}"):
+            mla_decode_with_kvcache(**args, softmax_scale=bad, backend=backend)
+    with pytest.raises(TypeError, match="positional"):  # the scale is named at every call
+        mla_decode_with_kvcache(*(args.pop(k) for k in ("q_lat", "q_rope", "kv_cache", "block_table", "cache_seqlens",
+                                                        "scale_cache")), scale, **args, backend=backend)

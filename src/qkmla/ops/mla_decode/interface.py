@@ -27,6 +27,7 @@ which hands the op its own), and handed down.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -117,10 +118,22 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     return rows
 
 
+def check_softmax_scale(softmax_scale, H: int) -> None:
+    """A ValueError naming ``softmax_scale`` unless it is a finite number or a tensor [H]."""
+    if isinstance(softmax_scale, torch.Tensor):
+        if softmax_scale.shape != (H,):
+            raise ValueError(f"softmax_scale: expected a float or a tensor [H={H}], got {tuple(softmax_scale.shape)}")
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected the logit scale (a finite float, or a tensor [H]), e.g. "
+                         f"MLAConfig.scale; got {softmax_scale!r}")
+
+
 def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                             block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
-                            scale_cache: Optional[torch.Tensor] = None, softmax_scale=1.0,
-                            num_splits: int = 0, backend: str = "auto", *, mode: str = "blockwise",
+                            scale_cache: Optional[torch.Tensor] = None, *, softmax_scale,
+                            num_splits: int = 0, backend: str = "auto", mode: str = "blockwise",
                             visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                             kv_format: Union[str, DenseRows] = "dense"):
     """Absorbed MLA decode attention over a latent cache, with optional key scalars.
@@ -136,7 +149,9 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         cache_seqlens: [B], slots filled in each sequence, the S_q new tokens included.
         scale_cache: [num_blocks, block_size, G] (or [B, capacity, G]) key scalars r, or None
             for plain MLA.
-        softmax_scale: logit scale, a float or one per head [H] (then folded into the queries).
+        softmax_scale: the logit scale tau, a float or one per head [H] (then folded into the
+            queries); required, by name: there is no default (MLA's is ``MLAConfig.scale``,
+            (d_n + d_r) ** -0.5 with YaRN's correction; 1.0 would be unscaled logits).
         num_splits: split-K factor of the Triton kernel; 0 picks one that fills the GPU.
         backend: one of ``backends.DECODE_BACKENDS``; "auto" is resolved here (``backends.py``).
         mode: "blockwise" (r scales the content score) or "unified" (r scales the whole logit).
@@ -153,17 +168,20 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         (float32; -inf with out = 0 where no slot is visible). The layouts and the
         visibility rule are drawn in ``naive.py``.
 
+    Raises:
+        TypeError: ``softmax_scale`` not given (or given by position).
+        ValueError: naming the argument, for any input of the wrong shape, dtype, device or
+            value (``check_inputs``, ``softmax_scale``), an unknown ``backend`` or one that cannot run.
+
     Examples:
-        >>> out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales, 0.07)  # doctest: +SKIP
+        >>> out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, lens, scales,  # doctest: +SKIP
+        ...                                    softmax_scale=mla.scale)
     """
     check_backend(backend)
     rows = check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens,
                         kv_format)
+    check_softmax_scale(softmax_scale, q_lat.shape[2])
     backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
-    if isinstance(softmax_scale, torch.Tensor):
-        if softmax_scale.shape != (q_lat.shape[2],):
-            raise ValueError(f"softmax_scale: expected a float or a tensor [H={q_lat.shape[2]}], "
-                             f"got {tuple(softmax_scale.shape)}")
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     if backend == "cpu":
         S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
