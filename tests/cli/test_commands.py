@@ -143,7 +143,9 @@ def test_train_qk_clip_with_a_norm_and_batch_over_ranks(tmp_path, refused, monke
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--tokens", "0", "--tokens: expected a positive int"), ("--temperature", "-1", "--temperature: expected a finite"),
+    ("--max-new-tokens", "0", "--max-new-tokens: expected a positive int"),
+    ("--tokens", "0", "--tokens: expected a positive int"),  # its other name, named as it was given
+    ("--temperature", "-1", "--temperature: expected a finite"),
     ("--temperature", "nan", "--temperature: expected a finite"), ("--top-k", "0", "--top-k: expected a positive int"),
 ])
 def test_generate_ranges_are_checked_before_loading(tmp_path, refused, flag, value, message):
@@ -242,7 +244,7 @@ def test_cache_size_zero_kv_heads_is_refused(refused):
 @pytest.mark.parametrize("argv,message", [
     (["train", "--steps", "abc"], "qkmla train: --steps: invalid int value: 'abc'"),
     (["train", "--attn", "linear"], "qkmla train: --attn: invalid choice: 'linear'"),
-    (["generate", "--tokens", "x"], "qkmla generate: --tokens: invalid int value: 'x'"),
+    (["generate", "--tokens", "x"], "qkmla generate: --max-new-tokens: invalid int value: 'x'"),
 ])
 def test_argparse_errors_are_one_line_too(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -170,6 +170,75 @@ def _kept_line(policy, report: dict) -> str:
             f"per cache at the end ({sum(kept) / max(1, sum(seen)):.0%})")
 
 
+def _hf_device(name: str):
+    """The torch.device ``--device`` names, checked: the CPU, or an accelerator this machine has
+    (``cuda``, ``cuda:1``, ...)."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; before it, CUDA is the one looked for
+    if accelerator is not None:
+        found = accelerator.current_accelerator()
+        kind, count = (found.type, accelerator.device_count()) if found is not None else (None, 0)
+    else:
+        kind, count = ("cuda", torch.cuda.device_count()) if torch.cuda.is_available() else (None, 0)
+    allowed = ("cpu",) + ((kind, f"{kind}:N with N < {count}") if kind is not None else ())
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", kind) or \
+            (device.type == kind and device.index is not None and device.index >= count):
+        where = "" if kind is not None else " (torch sees no accelerator here)"
+        raise ValueError(f"--device: expected one of {allowed} on this machine{where}, got {name!r}")
+    return device
+
+
+def _hf_dtype(hf_dir: str, allowed) -> str:
+    """The dtype a --hf checkpoint is loaded in without ``--dtype``: the one its config.json
+    records (``dtype``, or ``torch_dtype`` before transformers 5), float32 if none."""
+    import json
+    from pathlib import Path
+
+    path = Path(hf_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):  # no readable config: the loader names what is wrong
+        return "float32"
+    recorded = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
+    if recorded is None:
+        return "float32"
+    if recorded not in allowed:
+        raise ValueError(f"--dtype: {path} records dtype {recorded!r}, which --hf does not load in; give --dtype, one "
+                         f"of {tuple(allowed)}")
+    return recorded
+
+
+def _tokens_flag(argv: Sequence[str]) -> str:
+    """The name the new-token count was given by, for messages: ``--tokens`` is ``--max-new-tokens``' other name."""
+    return "--tokens" if any(a == "--tokens" or a.startswith("--tokens=") for a in argv) else "--max-new-tokens"
+
+
+def _generate_hf(args: argparse.Namespace, policy) -> int:
+    from ..integrations.transformers.generate import DTYPES, generate_hf
+
+    device = _hf_device(args.device)
+    dtype = args.dtype if args.dtype is not None else _hf_dtype(args.hf, DTYPES)
+    try:
+        # The device as torch's default for what is made inside: transformers loads the weights there
+        # (its device_map when none is given) and the prompts' batch is made there.
+        with device:
+            texts = generate_hf(args.hf, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                                args.kv_format, policy, dtype)
+    except ValueError as e:  # the Python API's argument names, as this command's options
+        name, _, rest = str(e).partition(": ")
+        raise ValueError(f"{ {'hf_dir': '--hf', 'max_new_tokens': _tokens_flag(args.argv)}.get(name, name)}: "
+                         f"{rest}") from None
+    for text in texts:
+        print(text)
+        print("-" * 40)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -177,7 +246,8 @@ def _generate(args: argparse.Namespace) -> int:
     from ..model.generate import check_sampling, generate
     from ..utils.threads import apply_threads
 
-    check_sampling(args.tokens, args.temperature, args.top_k, names=("--tokens", "--temperature", "--top-k"))
+    tokens_flag = _tokens_flag(args.argv)
+    check_sampling(args.max_new_tokens, args.temperature, args.top_k, names=(tokens_flag, "--temperature", "--top-k"))
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
     if (args.run is None) == (args.hf is None):
@@ -186,29 +256,22 @@ def _generate(args: argparse.Namespace) -> int:
     policy = _policy(args)
     check_kv_format(args.kv_format)
     apply_threads(args.threads, "generate")
-    if args.dtype is not None and args.hf is None:
-        raise ValueError("--dtype: sets the dtype a --hf checkpoint is loaded in; a qkmla run keeps its own")
+    for flag, what in (("dtype", "the dtype a --hf checkpoint is loaded in; a qkmla run keeps its own"),
+                       ("device", "where a --hf checkpoint runs; a qkmla run is sampled on the CPU")):
+        if getattr(args, flag) is not None and args.hf is None:
+            raise ValueError(f"--{flag}: sets {what}")
     if args.hf is not None:
-        from ..integrations.transformers.generate import generate_hf
-
-        try:
-            texts = generate_hf(args.hf, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
-                                args.kv_format, policy, args.dtype or "float32")
-        except ValueError as e:  # the Python API's argument names, as this command's options
-            name, _, rest = str(e).partition(": ")
-            raise ValueError(f"{ {'hf_dir': '--hf', 'max_new_tokens': '--tokens'}.get(name, name)}: {rest}") from None
-        for text in texts:
-            print(text)
-            print("-" * 40)
-        return 0
+        if args.device is None:
+            args.device = "cpu"
+        return _generate_hf(args, policy)
     from ..utils.limits import check_fits
     from ..model.generate import max_tokens_seen
     from ..train.trainer import load_model
 
     # Every generated token is held until it is printed (its id, the Python int and the text):
     # 48 bytes is a lower bound per token.
-    check_fits("--tokens", 48 * args.tokens * len(args.prompt),
-               f"{args.tokens} new tokens for each of {len(args.prompt)} prompt(s)")
+    check_fits(tokens_flag, 48 * args.max_new_tokens * len(args.prompt),
+               f"{args.max_new_tokens} new tokens for each of {len(args.prompt)} prompt(s)")
     if any(not p for p in args.prompt):
         raise ValueError("--prompt: expected text to continue, got an empty prompt")
     model, tok = load_model(args.run)
@@ -217,14 +280,14 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--prompt: {str(e).partition(': ')[2]}") from None
     if policy is not None:
-        _check_kept_fraction(policy, max_tokens_seen(model, prompts, args.tokens, policy.interval is None))
+        _check_kept_fraction(policy, max_tokens_seen(model, prompts, args.max_new_tokens, policy.interval is None))
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
     stream = None
     if len(prompts) == 1:  # one prompt: its text is printed as it comes, so a long run shows its progress
         stream = _text_stream(tok)
         print(args.prompt[0], end="", flush=True)
-    outs = generate(model, prompts, args.tokens, args.temperature, args.top_k, gen, progress=stream is None,
+    outs = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_k, gen, progress=stream is None,
                     policy=policy, kv_format=args.kv_format, report=report,
                     on_token=None if stream is None else lambda ids: print(stream(ids[0]), end="", flush=True))
     if stream is not None:
@@ -413,9 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf", default=None, metavar="DIR",
                    help="a transformers DeepSeek-V2/V3 checkpoint directory (config, weights, tokenizer) instead of "
                         "a run: decoded through qkmla.integrations.transformers.apply_latent_attention")
-    g.add_argument("--dtype", default=None, help="with --hf: float32 (default), bfloat16 or float64")
+    g.add_argument("--dtype", default=None, help="with --hf: float32, bfloat16 or float64 (default: the dtype the "
+                                                 "checkpoint's config.json records, float32 if none)")
+    g.add_argument("--device", default=None, help="with --hf: cpu (default), or an accelerator this machine has: "
+                                                  "cuda, cuda:N, ...")
     g.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable: one batch)")
-    g.add_argument("--tokens", type=int, default=200)
+    g.add_argument("--max-new-tokens", "--tokens", dest="max_new_tokens", type=int, default=200,
+                   help="tokens to generate after each prompt (default 200)")
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
