@@ -117,6 +117,8 @@ def test_a_packed_call_with_a_cache_is_refused():
     flat, _, _, _ = packed([[6, 5]])
     with pytest.raises(ValueError, match="cu_seq_lens_q: .*packed.*cannot be cached"):
         model(input_ids=flat, cu_seq_lens_q=cu_seq_lens([[6, 5]]), **{CACHE: transformers.DynamicCache()})
+    with pytest.raises(ValueError, match="cu_seq_lens_k: .*packed.*cannot be cached"):  # the argument given
+        model(input_ids=flat, cu_seq_lens_k=cu_seq_lens([[6, 5]]), **{CACHE: transformers.DynamicCache()})
 
 
 def test_flash_attention_varlen_kwargs_give_the_boundaries():
@@ -138,11 +140,51 @@ def test_flash_attention_varlen_kwargs_give_the_boundaries():
             start += len(seq)
 
 
+def test_plain_positions_are_not_packed_under_torch_compile(monkeypatch):
+    """position_ids 0..T-1 with no mask are one sequence a row, compiled or not: transformers'
+    find_packed_sequence_indices never answers "not packed" while being compiled, so the patched
+    model reads the restarts itself. Compiled (backend "eager"): an evaluation call still returns a
+    cache, takes one passed to it, gives eager's logits; a training call's SDPA stays causal (no
+    [B, T, T] mask)."""
+    from qkmla.integrations.transformers import attention
+
+    masks = []
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("mask") is None)
+        return sdpa(*args, **kwargs)
+
+    sdpa = attention.sdpa
+    monkeypatch.setattr(attention, "sdpa", spy)
+    model = patched(hf_model("v3"))
+    compiled = torch.compile(model, backend="eager")
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    kw = dict(input_ids=ids, position_ids=torch.arange(8)[None])
+    with torch.no_grad():
+        want = model(**kw)
+        got = compiled(**kw)
+        assert isinstance(getattr(want, CACHE), LatentAttentionCache)
+        assert isinstance(getattr(got, CACHE, None), LatentAttentionCache)
+        assert getattr(got, CACHE).get_seq_length() == 8
+        assert max_rel(got.logits, want.logits) <= 1e-12
+        passed = compiled(**kw, **{CACHE: LatentAttentionCache(model)})
+        assert max_rel(passed.logits, want.logits) <= 1e-12
+    compiled.train()
+    masks.clear()
+    loss = compiled(**kw, labels=ids).loss
+    assert masks and all(masks), masks
+    assert abs(loss.item() - model(**kw, labels=ids).loss.item()) <= 1e-12 * loss.item()
+
+
 @pytest.mark.parametrize("shape, bad, match", [
     ((1, 11), dict(cu_seq_lens_q=[0, 6, 12]), r"cu_seq_lens_q: .*\[0, 6, 12\].*end at 11"),
     ((2, 5), dict(cu_seq_lens_q=[0, 8, 10]), r"cu_seq_lens_q: .*\[0, 8, 10\].*across"),
     ((1, 11), dict(cu_seq_lens_q=[0, 6, 11], cu_seq_lens_k=[0, 5, 11]), "cu_seq_lens_k: .*equal"),
-], ids=["wrong-total", "across-rows", "q-and-k-differ"])
+    ((1, 11), dict(cu_seq_lens_k=[0, 6, 12]), r"^cu_seq_lens_k: .*\[0, 6, 12\].*end at 11"),
+    ((2, 5), dict(cu_seq_lens_k=[0, 8, 10]), r"^cu_seq_lens_k: .*\[0, 8, 10\].*across"),
+    ((1, 11), dict(cu_seq_lens_k=[[0, 11]]), r"^cu_seq_lens_k: expected a 1-D integer tensor"),
+], ids=["wrong-total", "across-rows", "q-and-k-differ", "k-alone-wrong-total", "k-alone-across-rows",
+        "k-alone-not-1-d"])
 def test_bad_varlen_kwargs_are_refused(shape, bad, match):
     model = patched(hf_model("v3"))
     ids = torch.randint(1, VOCAB, shape)

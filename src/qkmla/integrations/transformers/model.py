@@ -199,29 +199,34 @@ def _packed_documents(arguments: dict, batch_size: int, num_tokens: int) -> tupl
     padding, never packing, there too): the flash-attention varlen kwargs ``cu_seq_lens_q`` /
     ``cu_seq_lens_k`` when given (cumulative lengths over the flattened batch, as
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` writes them), otherwise
-    ``position_ids`` that do not count up by one (transformers' ``find_packed_sequence_indices``,
-    which its mask functions use).
+    ``position_ids`` that do not count up by one (as transformers' ``find_packed_sequence_indices``,
+    which its mask functions use, reads them). That function is not called: while being compiled it
+    never answers "not packed" (it would report plain positions 0..T-1 as one packed sequence, so
+    an ordinary call would cache nothing and be refused with a cache).
     """
     if arguments.get("attention_mask") is not None:
         return None, ""
     cu_q, cu_k = arguments.get("cu_seq_lens_q"), arguments.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
-        return _documents_from_cu_seq_lens(cu_q, cu_k, batch_size, num_tokens), "cu_seq_lens_q"
+        name = "cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k"
+        return _documents_from_cu_seq_lens(cu_q, cu_k, batch_size, num_tokens), name
     position_ids = arguments.get("position_ids")
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or num_tokens < 2 \
             or position_ids.shape[1] != num_tokens or position_ids.shape[0] not in (1, batch_size):
         return None, ""
-    from transformers.masking_utils import find_packed_sequence_indices
-
-    return find_packed_sequence_indices(position_ids.expand(batch_size, -1)), "position_ids"
+    restarts = position_ids.expand(batch_size, -1).diff(dim=-1) != 1  # [B, T - 1]: a sequence starts after
+    if not bool(restarts.any()):
+        return None, ""
+    return torch.nn.functional.pad(restarts.long().cumsum(dim=-1), (1, 0)), "position_ids"
 
 
 def _documents_from_cu_seq_lens(cu_q, cu_k, batch_size: int, num_tokens: int) -> torch.Tensor:
     """[B, T] sequence index of each token from cumulative sequence lengths over the B * T
-    flattened tokens, checked: from 0 to B * T, non-decreasing, no sequence across two rows."""
-    if cu_q is None:
-        cu_q, cu_k = cu_k, None
+    flattened tokens, checked: from 0 to B * T, non-decreasing, no sequence across two rows.
+    Either may be given alone; messages name the one given (``cu_seq_lens_q`` when both are)."""
     name = "cu_seq_lens_q"
+    if cu_q is None:
+        cu_q, cu_k, name = cu_k, None, "cu_seq_lens_k"
     if not isinstance(cu_q, torch.Tensor) or cu_q.dim() != 1 or cu_q.dtype.is_floating_point or cu_q.numel() < 2:
         raise ValueError(f"{name}: expected a 1-D integer tensor of cumulative sequence lengths [0, l1, l1 + l2, "
                          f"...], got {cu_q!r:.80}")
