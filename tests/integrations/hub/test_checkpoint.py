@@ -187,3 +187,26 @@ def test_integer_weights_and_a_null_index_entry_are_refused(saved, tmp_path, spy
     with pytest.raises(ValueError, match=rf"{good[key]}: {key} is stored as I32; attention weights are floating point"):
         mla_layers_from_hf_dir(path)
     assert spy.read == []
+
+
+def test_a_record_and_norm_tensors_that_disagree_are_refused_before_reading(saved, tmp_path, spy):
+    """Issue 52, point 2: the loader reads config.json's "qkmla" record (integrations.hub.record):
+    a recorded norm whose weights are missing, or norm weights whose norm is not recorded, is
+    refused naming the files, never loaded as plain MLA."""
+    path = _copy(saved, tmp_path)
+    _edit_config(path, qkmla={"qk_norm": {"kind": "rms"}})
+    with pytest.raises(ValueError, match=r"config.json records the norm rms blockwise but .*index.json lacks "
+                                         r"\['model.layers.0.self_attn.k_norm.content.weight'"):
+        mla_layers_from_hf_dir(path, 1)
+    shutil.copy(saved[0] / "config.json", path / "config.json")
+    index = json.loads((path / checkpoint.INDEX).read_text())
+    index["weight_map"]["model.layers.1.self_attn.q_norm.content.weight"] = "extra.safetensors"
+    save_file({"model.layers.1.self_attn.q_norm.content.weight": torch.ones(16)}, str(path / "extra.safetensors"))
+    (path / checkpoint.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json holds QK-norm weights .* but .*config.json records no norm"):
+        mla_layers_from_hf_dir(path, 1)
+    assert spy.read == []
+    _edit_config(path, qkmla={"qk_norm": {"kind": "l2"}})
+    with pytest.raises(ValueError, match=r"qk_norm: .*config.json records the QK norm l2 blockwise in its 'qkmla' "
+                                         r"entry .* but rms blockwise was asked for"):
+        mla_layers_from_hf_dir(path, 1, qk_norm="rms")

@@ -280,3 +280,26 @@ def test_bad_hf_configs():
         mla_config_from_hf(dict(base, rope_scaling={"type": "yarn", "factor": 4.0, "mscale_all_dims": 1.0}))
     with pytest.raises(ValueError, match="kv_lora_rank"):
         mla_config_from_hf({k: v for k, v in base.items() if k != "kv_lora_rank"})
+
+
+def test_a_recorded_qk_norm_and_kv_groups_are_read_and_not_contradicted():
+    """Issue 52, point 2: a config qkmla saved records its QK norm and KV groups ("qkmla",
+    integrations.hub.record); the config built from it has them, and an override that
+    contradicts the record is refused naming it (a plain config still gives plain MLA)."""
+    from qkmla import QKNormConfig
+
+    base = dict(SHAPE, model_type="deepseek_v3", q_lora_rank=32, max_position_embeddings=64)
+    base.pop("attn_implementation")
+    assert mla_config_from_hf(base).qk_norm is None and mla_config_from_hf(base, qk_norm="rms").qk_norm.kind == "rms"
+    saved = dict(base, qkmla={"qk_norm": QKNormConfig("l2", mode="unified").record(), "num_kv_groups": 2})
+    config = mla_config_from_hf(saved)
+    assert config.qk_norm == QKNormConfig("l2", mode="unified") and config.num_kv_groups == 2
+    assert mla_config_from_hf(saved, qk_norm=QKNormConfig("l2", mode="unified")) == config
+    assert mla_config_from_hf(dict(base, qkmla={"qk_norm": "rms"})).qk_norm == QKNormConfig("rms")  # flat record
+    with pytest.raises(ValueError, match=r"qk_norm: hf_config records the QK norm l2 unified in its 'qkmla' entry "
+                                         r"\(a checkpoint qkmla saved, .*\), but no QK norm was asked for"):
+        mla_config_from_hf(saved, qk_norm=None)
+    with pytest.raises(ValueError, match=r"num_kv_groups: hf_config records 2 KV groups in its 'qkmla' entry"):
+        mla_config_from_hf(saved, num_kv_groups=4)
+    with pytest.raises(ValueError, match=r"hf_config: its 'qkmla' entry is not valid: qk_norm"):
+        mla_config_from_hf(dict(base, qkmla={"qk_norm": "rmsnorm"}))

@@ -282,3 +282,95 @@ def test_a_reused_cache_of_a_loaded_model_decodes_with_the_norm(qk_dir):
         rest = model(input_ids=ids[:, 5:], use_cache=True, **{CACHE: cache}).logits
         whole = model(input_ids=ids, use_cache=False).logits
     assert max_rel(rest, whole[:, 5:]) < 1e-5
+
+
+def _gqa_model():
+    """hf_model("v3") as a GQA conversion saves it: 2 KV groups of 2 heads, each group's kv_b_proj
+    rows repeated for its heads, the groups recorded (qkmla.convert.gqa)."""
+    from qkmla.integrations.hub.record import record_groups
+
+    model = hf_model("v3")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            rows = layer.self_attn.kv_b_proj.weight.view(2, 2, 32, -1)  # [G, heads per group, d_n + d_v, d_c]
+            rows.copy_(rows[:, :1].expand_as(rows).clone())
+    record_groups(model.config, 2)
+    return model
+
+
+LOADED = {  # name: (model, apply_latent_attention's QK-norm arguments)
+    **{name: (hf_model, kwargs) for name, kwargs in NORMS.items()},
+    "gqa-projection-scope": (_gqa_model, dict(qk_norm=QKNormConfig("rms", scope="projection"))),
+}
+
+
+@pytest.mark.parametrize("norm", list(LOADED))
+def test_the_layer_loaders_build_the_recorded_norm_with_its_weights(norm, tmp_path):
+    """Issue 52, point 2: a checkpoint qkmla saved, loaded layer by layer (mla_layers_from_hf_dir,
+    mla_config_from_hf), has each layer's recorded QK norm (and KV groups) with its trained
+    weights: every layer computes what the attention layer of the model from_pretrained loads
+    computes."""
+    from qkmla import MLA
+    from qkmla.integrations.hub import mla_layers_from_hf_dir
+    from qkmla.integrations.hub.config import load_hf_attention_weights, mla_config_from_hf
+
+    make, kwargs = LOADED[norm]
+    model = patched(make(), **kwargs)
+    perturb_norms(model)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    back = from_pretrained(tmp_path, dtype=torch.float64)
+    layers = mla_layers_from_hf_dir(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    state = back.state_dict()  # transformers' names and shapes (kv_b_proj repeated per head)
+    x = torch.randn(2, 10, 64, dtype=torch.float64)
+    with torch.no_grad():
+        for i, attn in enumerate(latent_layers(back)):
+            ref = attn(x)[0]
+            copied = load_hf_attention_weights(MLA(mla_config_from_hf(saved)).double(), state,
+                                               prefix=f"model.layers.{i}.self_attn.")
+            for mla in (layers[i], copied):
+                # the loaded model keeps transformers' latent RMSNorms, which compute in float32 (measured
+                # 2e-8 to 1e-7 here, plain MLA too); without the norm the outputs differ by 0.03 to 0.5
+                assert max_rel(mla.eval()(x), ref) < 1e-6
+                assert mla.config == attn.config
+    want = QKNormConfig.of(kwargs["qk_norm"])
+    assert mla_config_from_hf(saved).qk_norm == want and mla_config_from_hf(back.config).qk_norm == want
+    plain = {k: v for k, v in saved.items() if k != RECORD}
+    with pytest.raises(ValueError, match=r"state_dict: holds QK-norm weights \(model.layers.0.self_attn.k_norm"):
+        load_hf_attention_weights(MLA(mla_config_from_hf(plain)).double(), state, prefix="model.layers.0.self_attn.")
+
+
+def test_a_qk_normed_layer_without_its_norm_weights_is_refused_naming_the_record(qk_dir):
+    """transformers alone, told to load a QK-normed checkpoint as plain DeepSeek (an explicit
+    attn_implementation), drops the norm weights; its layers' config still records the norm, so
+    qkmla refuses to build plain MLA from them instead of computing another function."""
+    from qkmla.integrations.hub import mla_from_hf
+
+    alone = transformers.DeepseekV3ForCausalLM.from_pretrained(qk_dir, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"hf_attention: its config records the QK norm rms blockwise \(the 'qkmla' "
+                                         r"entry\), but the layer has no norm weights"):
+        mla_from_hf(alone.model.layers[0].self_attn)
+    with pytest.raises(ValueError, match=r"qk_norm: .* records the QK norm rms blockwise in its 'qkmla' entry"):
+        apply_latent_attention(alone)
+    assert type(alone.model.layers[0].self_attn).__name__ == "DeepseekV3Attention"
+
+
+def test_a_gqa_conversion_without_a_norm_loads_layer_by_layer_with_its_groups(tmp_path):
+    """No norm, so transformers alone loads it (each group's kv_b_proj rows repeated for its
+    heads); mla_from_hf and mla_layers_from_hf_dir keep the recorded G = 2 groups, one copy of
+    each group's rows, and compute transformers' function."""
+    from qkmla.integrations.hub import mla_from_hf, mla_layers_from_hf_dir
+
+    _gqa_model().save_pretrained(tmp_path)
+    alone = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    assert RECORD in json.loads((tmp_path / "config.json").read_text())
+    x = torch.randn(2, 10, 64, dtype=torch.float64)
+    cos_sin = alone.model.rotary_emb(x, torch.arange(10)[None])
+    layers = mla_layers_from_hf_dir(tmp_path)
+    with torch.no_grad():
+        for i, layer in enumerate(alone.model.layers):
+            causal = torch.full((10, 10), -torch.inf, dtype=torch.float64).triu(1)[None, None]
+            ref = layer.self_attn(x, position_embeddings=cos_sin, attention_mask=causal)[0]
+            for mla in (mla_from_hf(layer.self_attn), layers[i]):
+                assert mla.config.num_kv_groups == 2 and mla.kv_b_proj.weight.shape == (2 * 32, 32)
+                assert max_rel(mla.eval()(x), ref) < 1e-5  # transformers' float32 RoPE tables

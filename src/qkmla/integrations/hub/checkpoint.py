@@ -14,6 +14,12 @@ the shard headers).
 
 Block-quantized FP8 weights (DeepSeek-V3's release: ``float8_e4m3fn`` with a
 ``weight_scale_inv`` per 128 x 128 block) are dequantized to bfloat16, as transformers does.
+
+A checkpoint qkmla saved records its QK norm (and a GQA conversion's KV groups) in config.json's
+``"qkmla"`` entry (:mod:`qkmla.integrations.hub.record`): its layers are built with that norm and
+its weights (``self_attn.q_norm.*``, ``k_norm.*``, ``logit_scale``), and G groups with one copy
+of each group's ``kv_b_proj`` rows; a record and norm tensors that disagree are refused, as
+``qkmla.integrations.transformers.from_pretrained`` refuses them.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ...attention.mla import MLA
-from .config import _OURS, mla_config_from_hf
+from .config import _OURS, mla_config_from_hf, unrepeat_groups
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -117,34 +123,49 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
         layers: None for every layer, a layer index, or several.
         dtype: the modules' dtype; None keeps the stored one (bfloat16 for FP8 weights).
         device: where the modules live.
-        overrides: MLAConfig fields, e.g. ``qk_norm="rms"`` to start QK-norm training
-            (norm weights start at ones; for a whole model, ``apply_latent_attention(model,
-            qk_norm="rms")`` and :func:`qkmla.convert.warm_start_qk_norm` calibrate them).
+        overrides: MLAConfig fields, e.g. ``qk_norm="rms"`` to start QK-norm training on a plain
+            checkpoint (norm weights start at ones; for a whole model, ``apply_latent_attention(model,
+            qk_norm="rms")`` and :func:`qkmla.convert.warm_start_qk_norm` calibrate them). A
+            checkpoint that records a norm loads with it and its weights (module docstring).
 
     Returns:
         {layer index: MLA}, in layer order.
 
     Raises:
         ValueError, before any tensor is read: naming the config file (not DeepSeek, unknown
-        RoPE type, bad fields), ``layers`` (out of range), the index file (a needed tensor is not
-        listed), a shard file (missing, unreadable, or a tensor of the wrong shape).
+        RoPE type, bad fields, a ``"qkmla"`` record that is not valid), an override that
+        contradicts the record, ``layers`` (out of range), the index file (a needed tensor is not
+        listed), a shard file (missing, unreadable, or a tensor of the wrong shape), or norm
+        tensors that disagree with the record (:func:`~qkmla.integrations.hub.record.check_norm_tensors`).
 
     Examples:
         >>> mla = mla_layers_from_hf_dir("DeepSeek-V2-Lite", layers=3)[3]             # doctest: +SKIP
     """
+    from .record import check_norm_tensors, norm_tensor_shapes, recorded_norm  # record.py imports this module
+
     root = Path(hf_dir)
     if not root.is_dir():
         raise ValueError(f"hf_dir: {root} is not a directory")
     hf_config = read_hf_config(root)
     try:
         config = mla_config_from_hf(hf_config, **overrides)
-    except ValueError as e:
-        raise ValueError(f"{root / CONFIG}: {e}") from None
+    except ValueError as e:  # the config's faults name the file; an override refused names the override
+        message = str(e)
+        raise ValueError(message.replace("hf_config", str(root / CONFIG), 1) if message.partition(":")[0] in overrides
+                         else f"{root / CONFIG}: {message}") from None
     chosen = _check_layers(layers, hf_config.get("num_hidden_layers"), root / CONFIG)
+    recorded = recorded_norm(hf_config, str(root / CONFIG))
+    check_norm_tensors(root, hf_config, recorded)  # the record and the norm tensors agree, in every layer
     weight_map, listing = _weight_map(root)
     with torch.device("meta"):  # names and shapes without allocating anything
         shapes = {k: tuple(v.shape) for k, v in MLA(config).state_dict().items() if not k.startswith(_OURS)}
-
+    if recorded is not None:  # the recorded norm's trained weights, under the names the layer gives them
+        shapes.update(norm_tensor_shapes(config))
+    stored_shapes = dict(shapes)
+    grouped = config.num_kv_groups < config.num_heads
+    if grouped:  # a GQA conversion stores each group's kv_b_proj rows repeated for its heads (hub.record)
+        stored_shapes["kv_b_proj.weight"] = (config.num_heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                             config.kv_lora_rank)
     needed = {(layer, name): attention_prefix(layer) + name for layer in chosen for name in shapes}
     missing = [key for key in needed.values() if key not in weight_map]
     if missing:
@@ -162,9 +183,9 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
         for (layer, name), key in needed.items():
             part = shards[weight_map[key]].get_slice(key)
             shape, kind = tuple(part.get_shape()), part.get_dtype()
-            if shape != shapes[name]:
+            if shape != stored_shapes[name]:
                 raise ValueError(f"{root / weight_map[key]}: {key} has shape {shape}, the config in "
-                                 f"{root / CONFIG} needs {shapes[name]}")
+                                 f"{root / CONFIG} needs {stored_shapes[name]}")
             if not (kind.startswith("F") or kind == "BF16"):  # integer weights would be cast silently
                 raise ValueError(f"{root / weight_map[key]}: {key} is stored as {kind}; attention weights are "
                                  f"floating point (or FP8 with a scale)")
@@ -187,6 +208,8 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
                 t = shards[weight_map[key]].get_tensor(key)
                 if scale_key is not None:
                     t = _dequantize(t, shards[weight_map[scale_key]].get_tensor(scale_key), block)
+                if grouped and name == "kv_b_proj.weight":
+                    t = unrepeat_groups(t, config, f"{root / weight_map[key]}: {key}")
                 tensors[name] = t
             target = dtype or stored or tensors["kv_b_proj.weight"].dtype
             mla = MLA(config).to(device=device, dtype=target)

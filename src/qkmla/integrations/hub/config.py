@@ -4,9 +4,13 @@
 ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
 ``o_proj``), so an HF attention state dict loads without renaming. Only the QK-norm
 weights (``q_norm.*``, ``k_norm.*``) and a learnable ``logit_scale`` are ours; an HF
-layer has none, so they keep their initial values (ones: the norm starts as a pure
-statistic, which changes the layer's function; see :mod:`qkmla.convert.qk_norm` for what it
-computes then and for the warm start).
+layer has none, so a norm added to it (``qk_norm="rms"``) starts at its initial values (ones:
+the norm starts as a pure statistic, which changes the layer's function; see
+:mod:`qkmla.convert.qk_norm` for what it computes then and for the warm start).
+
+A config qkmla saved records its QK norm and KV groups in a ``"qkmla"`` entry
+(:mod:`qkmla.integrations.hub.record`); :func:`mla_config_from_hf` reads it, so a QK-normed
+checkpoint never loads as plain MLA, and an override that contradicts it is refused.
 
 RoPE is read as transformers reads it: the default, or YaRN (``rope_parameters`` in
 transformers 5, ``rope_scaling`` in 4.x and DeepSeek's config.json), which becomes
@@ -24,7 +28,7 @@ from typing import Mapping, Optional
 import torch
 
 from ...attention.mla import MLA
-from ...config import MLAConfig
+from ...config import MLAConfig, QKNormConfig
 from ...rope import ROPE_TYPES, YarnScaling
 
 _OURS = ("q_norm.", "k_norm.", "logit_scale")
@@ -74,28 +78,44 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
 
     Args:
         hf_config: the HF config (any object with its attributes), or the parsed config.json.
-        overrides: MLAConfig fields to set, e.g. ``qk_norm="rms"``; by default ``qk_norm=None``,
-            which reproduces the HF layer.
+        overrides: MLAConfig fields to set, e.g. ``qk_norm="rms"`` to add a norm to a plain
+            config. By default ``qk_norm`` and ``num_kv_groups`` are what the config's ``"qkmla"``
+            entry records (:mod:`qkmla.integrations.hub.record`), and without one, no norm and a
+            KV group per head: the HF layer.
 
     Raises:
         ValueError: a model_type other than deepseek_v2 / deepseek_v3, a RoPE type other than
-            "default" or "yarn", bad YaRN parameters, or a missing field.
+            "default" or "yarn", bad YaRN parameters, a missing field, a ``"qkmla"`` entry that is
+            not valid, or a ``qk_norm`` / ``num_kv_groups`` override that contradicts it (the
+            recorded norm's weights are trained for that norm).
     """
+    from .record import RECORD, describe, recorded_groups, recorded_norm  # record.py imports this module
+
     model_type = _get(hf_config, "model_type", None)
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"hf_config: model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
+    norm, groups = recorded_norm(hf_config, "hf_config"), recorded_groups(hf_config, "hf_config")
+    if norm is not None and "qk_norm" in overrides and QKNormConfig.of(overrides["qk_norm"]) != norm:
+        raise ValueError(f"qk_norm: hf_config records the QK norm {describe(norm)} in its {RECORD!r} entry (a "
+                         f"checkpoint qkmla saved, its weights trained for that norm), but "
+                         f"{describe(QKNormConfig.of(overrides['qk_norm']))} was asked for; leave qk_norm out to build "
+                         f"the recorded norm (a whole model: load it with "
+                         f"qkmla.integrations.transformers.from_pretrained, which restores the norm's weights)")
+    if groups is not None and overrides.get("num_kv_groups", groups) != groups:
+        raise ValueError(f"num_kv_groups: hf_config records {groups} KV groups in its {RECORD!r} entry; got "
+                         f"{overrides['num_kv_groups']!r}; leave num_kv_groups out")
     theta, scaling = hf_rope(hf_config)
     # V2 always rotates interleaved pairs; V3 does unless rope_interleave is False.
     interleave = True if model_type == "deepseek_v2" else bool(_get(hf_config, "rope_interleave", True))
     heads = _get(hf_config, "num_attention_heads")
     fields = dict(
-        hidden_size=_get(hf_config, "hidden_size"), num_heads=heads, num_kv_groups=heads,
+        hidden_size=_get(hf_config, "hidden_size"), num_heads=heads, num_kv_groups=groups or heads,
         q_lora_rank=_get(hf_config, "q_lora_rank", None), kv_lora_rank=_get(hf_config, "kv_lora_rank"),
         qk_nope_head_dim=_get(hf_config, "qk_nope_head_dim"), qk_rope_head_dim=_get(hf_config, "qk_rope_head_dim"),
         v_head_dim=_get(hf_config, "v_head_dim"), rope_theta=theta, rope_interleave=interleave,
         rope_scaling=scaling, attention_bias=bool(_get(hf_config, "attention_bias", False)),
         latent_norm_eps=1e-6,  # HF builds q_a_layernorm / kv_a_layernorm with their default eps
-        qk_norm=None,
+        qk_norm=norm,
     )
     fields.update(overrides)
     return MLAConfig(**fields)
@@ -106,24 +126,42 @@ def load_hf_attention_weights(mla: MLA, state_dict: Mapping[str, torch.Tensor], 
 
     Args:
         state_dict: an HF attention state dict, or a whole-model one with ``prefix`` such as
-            ``"model.layers.3.self_attn."`` (other keys are ignored).
+            ``"model.layers.3.self_attn."`` (other keys are ignored). One qkmla saved also holds
+            the QK-norm weights (``q_norm.*``, ``k_norm.*``, ``logit_scale``), which are copied too;
+            without them a norm of ``mla`` keeps its weights (ones: the start of QK-norm training).
+            A GQA conversion's ``kv_b_proj``, each group's rows repeated for its heads, is taken once.
 
     Raises:
-        ValueError: a weight is missing or has the wrong shape.
+        ValueError: a weight is missing or has the wrong shape, or the state dict holds QK-norm
+            weights and ``mla`` has no norm (build it with the checkpoint's recorded norm:
+            :func:`mla_config_from_hf` reads it).
     """
-    own = mla.state_dict()
-    wanted = [k for k in own if not k.startswith(_OURS)]
+    own = {k: v for k, v in mla.state_dict().items() if not k.endswith("_extra_state")}
+    norm = [k for k in own if k.startswith(_OURS)]
+    given = sorted(k for k in state_dict if k.startswith(prefix) and k[len(prefix):].startswith(_OURS)
+                   and not k.endswith("_extra_state"))
+    if given and not norm:
+        raise ValueError(f"state_dict: holds QK-norm weights ({given[0]}, ...: {len(given)}) but this MLA has no QK "
+                         f"norm; build it with the norm the checkpoint records (mla_config_from_hf reads "
+                         f"config.json's 'qkmla' entry)")
+    wanted = [k for k in own if not k.startswith(_OURS) or given]
     missing = [prefix + k for k in wanted if prefix + k not in state_dict]
     if missing:
         raise ValueError(f"state_dict: missing {missing} (prefix={prefix!r})")
-    for k in wanted:
-        src = state_dict[prefix + k]
+    c = mla.config
+    sources = {k: state_dict[prefix + k] for k in wanted}
+    if c.num_kv_groups < c.num_heads and sources["kv_b_proj.weight"].shape[0] == c.num_heads * (
+            c.qk_nope_head_dim + c.v_head_dim):
+        sources["kv_b_proj.weight"] = unrepeat_groups(sources["kv_b_proj.weight"], c,
+                                                      f"state_dict: {prefix}kv_b_proj.weight")
+    for k, src in sources.items():
         if tuple(src.shape) != tuple(own[k].shape):
-            raise ValueError(f"state_dict: {prefix + k} has shape {tuple(src.shape)}, this MLA needs {tuple(own[k].shape)}")
+            raise ValueError(f"state_dict: {prefix + k} has shape {tuple(src.shape)}, this MLA needs "
+                             f"{tuple(own[k].shape)}")
     with torch.no_grad():
         for name, p in list(mla.named_parameters()) + list(mla.named_buffers()):
-            if name in wanted:
-                p.copy_(state_dict[prefix + name])
+            if name in sources:
+                p.copy_(sources[name])
     return mla
 
 
@@ -137,16 +175,54 @@ def hf_projections(hf_attention) -> dict:
     return {name: module for name, module in found.items() if module is not None}
 
 
+def unrepeat_groups(weight: torch.Tensor, config: MLAConfig, where: str) -> torch.Tensor:
+    """kv_b_proj.weight as transformers' shapes store a GQA conversion's, each of the G groups' rows
+    repeated for its heads, [h (d_n + d_v), d_c] -> [G (d_n + d_v), d_c]; refused (naming ``where``)
+    unless every head's rows equal its group's first head's exactly."""
+    rows = config.qk_nope_head_dim + config.v_head_dim
+    G, h = config.num_kv_groups, config.num_heads
+    if tuple(weight.shape) != (h * rows, config.kv_lora_rank):
+        raise ValueError(f"{where}: has shape {tuple(weight.shape)}; {G} KV groups repeated for {h} heads need "
+                         f"{(h * rows, config.kv_lora_rank)}")
+    per_head = weight.reshape(G, config.heads_per_group, rows, -1)
+    if not bool((per_head == per_head[:, :1]).all()):
+        raise ValueError(f"{where}: the config records {G} KV groups, but the rows of the heads of a group are not "
+                         f"equal (not a GQA conversion's repeated rows)")
+    return per_head[:, 0].reshape(G * rows, -1).clone()
+
+
 def mla_from_hf(hf_attention, **overrides) -> MLA:
     """A standalone :class:`MLA` with copies of an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``'s
     projections: the per-layer step of ``apply_latent_attention`` (which adopts the modules
-    instead of copying them), with MLA's own call signature.
+    instead of copying them), with MLA's own call signature. A GQA conversion's recorded KV
+    groups are kept (one copy of each group's ``kv_b_proj`` rows).
+
+    Raises:
+        ValueError: the layer's config records a QK norm (a checkpoint qkmla saved, loaded by
+            transformers alone, which drops the norm weights); load it with
+            :func:`~qkmla.integrations.hub.checkpoint.mla_layers_from_hf_dir` or
+            ``qkmla.integrations.transformers.from_pretrained``, which restore them.
 
     Examples:
         >>> mla = mla_from_hf(hf_model.model.layers[0].self_attn)             # doctest: +SKIP
         >>> mla_qk = mla_from_hf(hf_layer, qk_norm="rms")  # start QK-norm training from HF weights  # doctest: +SKIP
     """
+    from .record import RECORD, describe, recorded_norm
+
     config = mla_config_from_hf(hf_attention.config, **overrides)
+    recorded = recorded_norm(hf_attention.config, "hf_attention.config")
+    if recorded is not None:
+        raise ValueError(f"hf_attention: its config records the QK norm {describe(recorded)} (the {RECORD!r} entry), "
+                         f"but the layer has no norm weights (transformers alone drops them); load the checkpoint "
+                         f"with qkmla.integrations.hub.mla_layers_from_hf_dir or "
+                         f"qkmla.integrations.transformers.from_pretrained")
     weight = next(hf_attention.parameters())
-    mla = MLA(config, copy.deepcopy(hf_projections(hf_attention)))
+    projections = copy.deepcopy(hf_projections(hf_attention))
+    if config.num_kv_groups < config.num_heads:
+        kv_b_proj = projections["kv_b_proj"]
+        kv_b_proj.weight = torch.nn.Parameter(
+            unrepeat_groups(kv_b_proj.weight.detach(), config, "hf_attention: kv_b_proj.weight"),
+            requires_grad=kv_b_proj.weight.requires_grad)
+        kv_b_proj.out_features = kv_b_proj.weight.shape[0]
+    mla = MLA(config, projections)
     return mla.to(device=weight.device, dtype=weight.dtype)

@@ -1,6 +1,7 @@
 """QK-norm on a whole transformers DeepSeek model: what is recorded in its config, the names of its
 weights, and the checks that a saved checkpoint's record and tensors agree (loading it back:
-``qkmla.integrations.transformers.from_pretrained``).
+``qkmla.integrations.transformers.from_pretrained``, or layer by layer
+``qkmla.integrations.hub.mla_layers_from_hf_dir``; ``mla_config_from_hf`` reads the record too).
 
 ``apply_latent_attention(model, qk_norm="rms")`` gives every attention layer qkmla's
 post-up-projection QK norm and records it in the model's config, so that ``save_pretrained``
