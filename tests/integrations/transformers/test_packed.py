@@ -176,6 +176,49 @@ def test_plain_positions_are_not_packed_under_torch_compile(monkeypatch):
     assert abs(loss.item() - model(**kw, labels=ids).loss.item()) <= 1e-12 * loss.item()
 
 
+def test_with_an_attention_mask_restarting_positions_are_positions_only():
+    """A mask means padding, never packing (transformers' mask functions pack only without one):
+    restarting position_ids are RoPE positions and each row is one sequence, with or without
+    padding in the mask, as in the stock model (SDPA); given a cache they are positions it refuses."""
+    ref = hf_model("v3")
+    model = patched(ref)
+    ids, positions, _, _ = packed(LAYOUTS)
+    full = torch.ones_like(ids)
+    padded = full.clone()
+    padded[0, :4] = 0  # padding inside row 0's first sequence
+    with torch.no_grad():
+        packed_logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        for mask in (full, padded):
+            want = ref(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            got = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            real = mask.bool()
+            assert max_rel(got[real], want[real]) <= 1e-5
+            assert max_rel(got[real], packed_logits[real]) > 1e-2  # not attending within each sequence
+    for cache in ({CACHE: LatentAttentionCache(model)}, {}):  # passed, or made by an evaluation call
+        with pytest.raises(ValueError, match="position_ids: qkmla's latent cache numbers each sequence's real"):
+            model(input_ids=ids, attention_mask=full, position_ids=positions, **cache)
+
+
+def test_with_an_attention_mask_cu_seq_lens_are_not_read():
+    """cu_seq_lens_q/k beside a mask are neither read nor checked: the same logits as without them,
+    and not the packed ones they give without a mask."""
+    model = patched(hf_model("v3"))
+    ids, _, _, _ = packed(LAYOUTS)
+    cu = cu_seq_lens(LAYOUTS)
+    wrong = torch.tensor([0, 6, 12], dtype=torch.int32)  # refused without a mask (test_bad_varlen_kwargs_are_refused)
+    full = torch.ones_like(ids)
+    padded = full.clone()
+    padded[1, :2] = 0
+    with torch.no_grad():
+        by_cu = model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False).logits
+        for mask in (full, padded):
+            plain = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            for kw in (dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu), dict(cu_seq_lens_q=wrong), dict(cu_seq_lens_k=wrong)):
+                assert torch.equal(model(input_ids=ids, attention_mask=mask, use_cache=False, **kw).logits, plain)
+            real = mask.bool()
+            assert max_rel(plain[real], by_cu[real]) > 1e-2
+
+
 @pytest.mark.parametrize("shape, bad, match", [
     ((1, 11), dict(cu_seq_lens_q=[0, 6, 12]), r"cu_seq_lens_q: .*\[0, 6, 12\].*end at 11"),
     ((2, 5), dict(cu_seq_lens_q=[0, 8, 10]), r"cu_seq_lens_q: .*\[0, 8, 10\].*across"),
@@ -212,7 +255,7 @@ def test_trainer_with_flattening_collator_matches_transformers(tmp_path, flash_k
                                               use_cpu=True, seed=7, data_seed=7, logging_steps=1,
                                               dataloader_num_workers=0)
         transformers.Trainer(model=m, args=args, train_dataset=data, data_collator=collator).train()
-    assert len(losses["stock"]) == 3
+    assert len(losses["stock"]) == len(losses["qkmla"]) == 3
     # transformers computes the loss from float32 logits (a float64 model's too): equal to its rounding
     for a, b in zip(losses["qkmla"], losses["stock"]):
         assert abs(a - b) <= 1e-6 * b, (losses["qkmla"], losses["stock"])

@@ -16,7 +16,7 @@ functions (4-D, or None, or a flex ``BlockMask``), which says nothing the latent
 use; the 2-D padding mask the caller gave the model is what it needs. The model-level hook of
 ``apply_latent_attention`` reads it and passes each call's new real tokens down as a
 :class:`LatentCall`, with transformers' own keyword arguments; where the call packs several
-sequences into a row (``position_ids`` restarting and no mask, or ``cu_seq_lens_q``), the call
+sequences into a row (``position_ids`` restarting and no mask, or ``cu_seq_lens_q/k``), the call
 says which sequence each token belongs to, and SDPA gets a block-diagonal causal mask.
 
 Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
@@ -65,7 +65,7 @@ class LatentCall:
         2-D ``attention_mask``), or None when every token is real.
     documents: [B, T] int, which of the sequences packed into its row each token belongs to
         (transformers' padding-free convention, read by ``apply_latent_attention``'s hook from
-        restarting ``position_ids`` or ``cu_seq_lens_q``), or None when each row is one sequence.
+        restarting ``position_ids`` or ``cu_seq_lens_q/k``), or None when each row is one sequence.
         A token attends to the tokens of its own sequence only; such a call is never cached.
     """
 

@@ -135,7 +135,8 @@ class LatentCacheLayer(CacheLayerMixin):
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0), or keep the first ``tokens`` (> 0: the
         meaning before transformers 5.15, deprecated since); 0 removes nothing. Each sequence
-        loses the real tokens among the dropped columns."""
+        loses the real tokens among the dropped columns; one left with none forgets its offset
+        (``check_positions``), so the next call numbers it afresh."""
         remove = -tokens if tokens <= 0 else self.columns - tokens
         remove = min(remove, self.columns)
         if remove <= 0 or self.latent is None:
@@ -145,6 +146,9 @@ class LatentCacheLayer(CacheLayerMixin):
                              "are gone); use policy=None for assisted or speculative decoding")
         self.latent.drop_last(self.stored[:, -remove:].sum(dim=1))
         self.stored, self.columns = self.stored[:, :-remove], self.columns - remove
+        if self.offsets is not None:
+            kept = self.stored.any(dim=1).to(self.offsets.device)
+            self.offsets = torch.where(kept, self.offsets, 0) if bool(kept.any()) else None
 
     @property
     def batch_size(self) -> int:
@@ -217,8 +221,10 @@ def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: 
     One exception, also ``generate``'s: a sequence whose cached columns are all padding (a batch
     row of padding only) has its padding numbered 0, and its first real token, in a later call,
     gets the next position, 1. The cache numbers that token 0; RoPE sees only differences of
-    positions, so attention is the same. The first real token's position fixes the sequence's
-    offset (``layer.offsets``), which every later call must keep.
+    positions, so attention is the same. The first real token's position is taken as the
+    sequence's offset (``layer.offsets``). A later call may keep that offset (the same
+    ``generate`` counting on) or number the sequence from 0 again (a new ``generate`` on this
+    cache numbers every position from the whole mask, cumsum - 1); the one it used is kept.
     """
     layer.check_batch(batch_size)
     if getattr(layer.policy, "reposition", False):
@@ -235,10 +241,17 @@ def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: 
         only_padding = ~layer.stored.any(dim=1).to(device)
         first = valid.long().argmax(dim=1).to(device) if valid is not None else zeros
         offsets = torch.where(only_padding, given.gather(1, first[:, None])[:, 0].long(), offsets)
-    expected = start[:, None] + offsets[:, None] + steps.to(device)
-    wrong = given != expected
-    if valid is not None:
-        wrong &= valid.to(device)
+
+    def mismatches(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        expected = start[:, None] + offsets[:, None] + steps.to(device)
+        wrong = given != expected
+        return (wrong & valid.to(device) if valid is not None else wrong), expected
+
+    wrong, expected = mismatches(offsets)
+    if bool(wrong.any()):  # numbered from 0 again (a new generate on this cache): fine, and kept
+        restarted = wrong.any(dim=1) & ~mismatches(zeros)[0].any(dim=1)
+        offsets = torch.where(restarted, zeros, offsets)
+        wrong, expected = mismatches(offsets)
     if bool(wrong.any()):
         b = int(wrong.any(dim=1).nonzero()[0])
         raise ValueError(f"position_ids: qkmla's latent cache numbers each sequence's real tokens 0, 1, 2, ... "
