@@ -191,9 +191,10 @@ def test_a_max_logit_that_overflowed_is_refused_not_clipped(titan, tokens):
     assert torch.equal(layer.wq.weight, before)
 
 
-def test_measuring_refuses_a_rank_holding_a_slice_of_the_heads(titan):
-    """Tensor parallelism gives each rank h / tp heads: measured per rank they are not the layer's."""
+def test_measuring_refuses_a_slice_of_the_heads_it_cannot_place(titan):
+    """A rank holding h / 2 heads must know which: torchtitan's tensor parallelism says (its "tp"
+    mesh, test_trainer.py); plain weights cannot."""
     model = titan.build(titan.config(["max_logits"]).model_spec.model)
     q = torch.randn(1, 4, 8, 192)
-    with pytest.raises(ValueError, match="parallelism.tensor_parallel_degree: 8 of this layer's 16 heads"):
+    with pytest.raises(ValueError, match="parallelism: this rank holds 8 of this layer's 16 heads, split in a way other"):
         model.layers["0"].attention._track(q, q, 1.0, None)

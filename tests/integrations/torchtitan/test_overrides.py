@@ -120,15 +120,16 @@ def test_torchtitan_versions_outside_the_tested_range_are_refused_in_one_line(ve
 
 
 
-def test_a_rank_holding_a_slice_of_the_heads_is_refused_for_per_head_weights(titan, tokens):
-    """Tensor parallelism gives each rank h / tp heads; a learned logit scale (or a projection-scope
-    norm) has a row per head, which qkmla does not shard yet: refused at the first forward. (The
-    slice is simulated: the layer is told it has twice the heads its projections give.)"""
+def test_a_rank_holding_a_slice_of_the_heads_is_refused_for_a_projection_scope_norm(titan, tokens):
+    """Tensor parallelism gives each rank h / tp heads; a projection-scope norm pools one statistic
+    over every head, which qkmla does not compute across ranks: refused at the first forward. (The
+    slice is simulated: the layer is told it has twice the heads its projections give.) A learned
+    logit scale is split by heads instead (test_trainer.py)."""
     import torch
 
-    model = titan.build(titan.config([("qk_norm", {"kind": "l2", "learnable_logit_scale": True})]).model_spec.model)
+    model = titan.build(titan.config([("qk_norm", {"scope": "projection"})]).model_spec.model)
     layer = model.layers["0"].attention
     layer.n_heads = 32
-    with pytest.raises(ValueError, match=r"parallelism.tensor_parallel_degree: this layer has 16 of its 32 heads .* "
-                                         r"its logit_scale have a row per head"):
+    with pytest.raises(ValueError, match=r"parallelism.tensor_parallel_degree: this layer has 16 of its 32 heads .*"
+                                         r"scope 'projection'\) pool one statistic over every head"):
         layer(torch.randn(1, 8, 256), None, None)

@@ -22,6 +22,12 @@ pytest.importorskip("torchtitan")
 HARNESS = Path(__file__).with_name("cpu_trainer.py")
 REGISTRY = ["--module", "qkmla.integrations.torchtitan"]
 SMALL = ["--training.seq_len", "64", "--validator.no-enable", "--debug.seed", "0"]
+OVERRIDES = "qkmla.integrations.torchtitan.overrides."
+# the parallel runs' model: L2 with a learned logit scale [h] (split by heads under TP), measuring its max logits
+L2 = ["--config", "qkmla_cpu_qk_norm", "--override.imports",
+      OVERRIDES + 'qk_norm={"kind": "l2", "learnable_logit_scale": true, "track_max_logits": true}',
+      OVERRIDES + "max_logit_metrics"]
+MAX_LOGITS = re.compile(r"max_logit step:\s+(\d+)\s+all: [\d.]+\s+layers: ([\d. ]+)")
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([-\d.]+)\s+grad_norm:\s+([-\d.]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -43,27 +49,33 @@ def steps(log: str) -> dict[int, tuple[float, float]]:
     return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(log)}
 
 
+def max_logits(log: str) -> dict[int, list[float]]:
+    """{step: each layer's max logit} from qkmla's console line."""
+    return {int(m[1]): [float(v) for v in m[2].split()] for m in MAX_LOGITS.finditer(log)}
+
+
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory) -> Path:
-    """A QK-normed seed checkpoint of the ``cpu`` flavor (step 0)."""
+    """A seed checkpoint (step 0) of the ``cpu`` flavor, QK-normed (L2, learned logit scale)."""
     dump = tmp_path_factory.mktemp("seed")
-    train(dump, *REGISTRY, "--config", "qkmla_cpu_qk_norm", *SMALL, "--checkpoint.enable",
+    train(dump, *REGISTRY, *L2, *SMALL, "--checkpoint.enable",
           "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1")
     return dump / "checkpoint" / "step-0"
 
 
 def from_seed(seed: Path) -> list[str]:
-    return [*REGISTRY, "--config", "qkmla_cpu_qk_norm", *SMALL, "--training.steps", "3", "--checkpoint.enable",
+    return [*REGISTRY, *L2, *SMALL, "--training.steps", "3", "--checkpoint.enable",
             "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only", "--checkpoint.keep_latest_k", "0",
             "--checkpoint.initial_load_path", str(seed)]
 
 
 @pytest.fixture(scope="module")
-def one_process(seed, tmp_path_factory) -> tuple[Path, dict]:
-    """Three QK-normed steps in one process, batch 4, checkpointed at steps 2 and 3."""
+def one_process(seed, tmp_path_factory) -> tuple[Path, dict, dict]:
+    """Three QK-normed steps in one process, batch 4, checkpointed at steps 2 and 3: the dump folder,
+    {step: (loss, grad norm)}, {step: max logits}."""
     dump = tmp_path_factory.mktemp("one")
     log = train(dump, *from_seed(seed), "--training.local_batch_size", "4")
-    return dump, steps(log)
+    return dump, steps(log), max_logits(log)
 
 
 def test_trainer_trains_the_qk_normed_config_and_validates_on_the_held_out_plays(tmp_path):
@@ -77,34 +89,39 @@ def test_trainer_trains_the_qk_normed_config_and_validates_on_the_held_out_plays
     assert "QKAttention" in log or "qk_norm" in log  # torchtitan logs the override it applied
 
 
-def test_fsdp2_on_two_processes_takes_the_one_process_steps(seed, one_process, tmp_path):
-    """Two ranks of half the batch each, FSDP2 through torchtitan's parallelize: the same gradient
-    norms step by step as one process on the whole batch (torchtitan logs the loss summed over the
-    ranks under ``full_dtensor``: twice the one-process mean here)."""
-    log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "2",
-                "--parallelism.spmd_backend", "full_dtensor", nproc=2)
+@pytest.mark.parametrize("extra", [[], ["--parallelism.expert_parallel_degree", "2"]], ids=["fsdp2", "fsdp2+ep2"])
+def test_data_parallel_on_two_processes_takes_the_one_process_steps(seed, one_process, tmp_path, extra):
+    """Two ranks of half the batch each, FSDP2 (and EP 2: the routed experts split over the ranks)
+    through torchtitan's parallelize: the same gradient norms and max logits step by step as one
+    process on the whole batch (torchtitan logs the loss summed over the ranks under
+    ``full_dtensor``: twice the one-process mean here)."""
+    log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "2", *extra, nproc=2)
     got, want = steps(log), one_process[1]
     assert sorted(got) == [1, 2, 3]
     for s in want:
         assert got[s][1] == pytest.approx(want[s][1], abs=2e-4)
         assert got[s][0] == pytest.approx(2 * want[s][0], abs=4e-4)
+        assert max_logits(log)[s] == pytest.approx(one_process[2][s], abs=2e-3)
 
 
 def test_tensor_parallel_on_two_processes_takes_the_one_process_steps(seed, one_process, tmp_path):
-    """TP 2 (the heads split over two ranks; qkmla's norm weights replicated, as the latent norms'):
-    the same losses and gradient norms as one process."""
+    """TP 2 (the heads split over two ranks: the learned logit scale split with them, qkmla's norm
+    weights replicated as the latent norms' are, each rank measuring its own heads' max logits): the
+    same losses, gradient norms and per-layer max logits as one process."""
     log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "4",
-                "--parallelism.tensor_parallel_degree", "2", "--parallelism.spmd_backend", "full_dtensor", nproc=2)
+                "--parallelism.tensor_parallel_degree", "2", nproc=2)
     got, want = steps(log), one_process[1]
+    assert sorted(got) == [1, 2, 3]
     for s in want:
         assert got[s][0] == pytest.approx(want[s][0], abs=2e-4)
         assert got[s][1] == pytest.approx(want[s][1], abs=2e-4)
+        assert max_logits(log)[s] == pytest.approx(one_process[2][s], abs=2e-3)
 
 
 def test_a_run_resumed_from_its_dcp_checkpoint_takes_the_same_steps(seed, one_process, tmp_path):
-    """Step 3 of a run resumed from step 2's checkpoint (model, optimizer, scheduler, data position)
-    equals step 3 of the uninterrupted run."""
-    dump, want = one_process
+    """Step 3 of a run resumed from step 2's checkpoint (model, learned logit scale, optimizer,
+    scheduler, data position) equals step 3 of the uninterrupted run."""
+    dump, want, _ = one_process
     (tmp_path / "checkpoint").mkdir()
     os.symlink(dump / "checkpoint" / "step-2", tmp_path / "checkpoint" / "step-2")
     log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "4")
@@ -113,15 +130,16 @@ def test_a_run_resumed_from_its_dcp_checkpoint_takes_the_same_steps(seed, one_pr
     assert got[3] == pytest.approx(want[3], abs=1e-5)
 
 
-def test_qk_clip_on_two_processes_clips_and_logs_the_max_logits(seed, tmp_path):
-    """QK-Clip through torchtitan's Trainer, FSDP2 on 2 ranks, a threshold low enough to clip (the
-    freshly initialized model's logits are about 0.35): each logged step has every layer's max logit
-    over tau and the max after the clip, at most tau."""
-    clip = "qkmla.integrations.torchtitan.overrides."
+@pytest.mark.parametrize("extra", [[], ["--parallelism.tensor_parallel_degree", "2"]], ids=["fsdp2", "tp2"])
+def test_qk_clip_on_two_processes_clips_and_logs_the_max_logits(tmp_path, extra):
+    """QK-Clip through torchtitan's Trainer on 2 ranks (FSDP2: each rank's own rows; TP 2: each
+    rank's own heads), a threshold low enough to clip (the freshly initialized model's logits are
+    about 0.35): each logged step has every layer's max logit over tau and the max after the clip,
+    at most tau."""
     log = train(tmp_path, *REGISTRY, "--config", "qkmla_cpu_qk_clip", *SMALL, "--training.steps", "2",
-                "--training.local_batch_size", "2", "--parallelism.spmd_backend", "full_dtensor",
-                "--override.imports", clip + 'qk_clip={"tau": 0.25}', clip + "qk_clip_optimizer",
-                clip + "max_logit_metrics", nproc=2)
+                "--training.local_batch_size", "2", *extra,
+                "--override.imports", OVERRIDES + 'qk_clip={"tau": 0.25}', OVERRIDES + "qk_clip_optimizer",
+                OVERRIDES + "max_logit_metrics", nproc=2)
     lines = re.findall(r"max_logit step:\s+(\d+)\s+all: ([\d.]+)\s+after clip: ([\d.]+)\s+layers: ([\d. ]+)", log)
     assert sorted({int(s) for s, *_ in lines}) == [1, 2]
     for _, before, after, layers in lines:
@@ -140,11 +158,12 @@ def test_a_trainer_checkpoint_exports_and_transformers_computes_torchtitans_logi
     from qkmla.integrations.transformers import from_pretrained
     from tests.integrations.torchtitan.test_checkpoint import Float32Experts
 
-    dump, _ = one_process
+    dump = one_process[0]
     step = dump / "checkpoint" / "step-3"
-    args = [*REGISTRY, "--config", "qkmla_cpu_qk_norm", "--training.seq_len", "64"]
+    args = [*REGISTRY, *L2, "--training.seq_len", "64"]
     assert main([str(step), str(tmp_path / "hf"), "--", *args]) == 0
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["qkmla"]["qk_norm"]["kind"] == "rms"
+    record = json.loads((tmp_path / "hf" / "config.json").read_text())["qkmla"]["qk_norm"]
+    assert record["kind"] == "l2" and record["learnable_logit_scale"] is True
     config = config_from_args(args).model_spec.model
     for layer in config.layers:
         if layer.moe is not None:
@@ -159,7 +178,7 @@ def test_a_trainer_checkpoint_exports_and_transformers_computes_torchtitans_logi
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     # a plain run's arguments, and another norm's, do not describe this checkpoint
     assert main([str(step), str(tmp_path / "plain"), "--", *REGISTRY, "--config", "qkmla_cpu"]) == 2
-    l2 = 'qkmla.integrations.torchtitan.overrides.qk_norm={"kind": "l2"}'
-    with pytest.raises(ValueError, match=r"checkpoint: .*rms.*QK norm.*l2|checkpoint: .*l2.*QK norm.*rms"):
-        load_dcp(step, model_from_args([*REGISTRY, "--config", "qkmla_cpu_qk_norm", "--override.imports", l2]))
+    lp = OVERRIDES + 'qk_norm={"kind": "lp", "p": 3, "learnable_logit_scale": true}'
+    with pytest.raises(ValueError, match=r"checkpoint: .*l2.*QK norm.*lp"):
+        load_dcp(step, model_from_args([*REGISTRY, "--config", "qkmla_cpu_qk_norm", "--override.imports", lp]))
     assert not (tmp_path / "plain").exists()

@@ -149,9 +149,10 @@ class QKAttention(Attention):
             self.logit_scale_init = config.logit_scale_init or (math.sqrt(self.qk_head_dim) if unit
                                                                 else self.softmax_scale)
             self.logit_scale = nn.Parameter(torch.full((config.n_heads,), float(self.logit_scale_init)))
-        per_head = (["logit_scale"] if self.logit_scale is not None else []) + \
-            (["q_head_norm, k_head_norm weights"] if norm is not None and norm.scope == "projection" else [])
-        self.per_head_weights = " and ".join(per_head)  # what tensor parallelism would have to shard
+        # what tensor parallelism cannot split by heads: the projection scope pools its statistic over every head
+        self.per_head_weights = "q_head_norm, k_head_norm weights (scope 'projection')" \
+            if norm is not None and norm.scope == "projection" else ""
+
         self.qk_clip_tau = config.qk_clip_tau
         self.track_max_logits = config.track_max_logits or config.qk_clip_tau is not None
         self.max_logit_meter = MaxLogitMeter(config.n_heads)
@@ -160,12 +161,12 @@ class QKAttention(Attention):
 
     def _distribute_states(self, parallel_dims) -> None:
         """torchtitan's ``parallelize`` distributes a ``Module``'s own parameters by its sharding config,
-        which names only torchtitan's: the learned logit scale is declared replicated, as the latent
-        norms' weights are (tensor parallelism with per-head weights is refused in ``forward``)."""
+        which names only torchtitan's: the learned logit scale [h] is declared split over tensor
+        parallelism by heads, as the query projection's rows are, so each rank holds its heads' scales."""
         config = self._sharding_config
         if self.logit_scale is not None and config is not None and "logit_scale" not in config.state_shardings:
             self._sharding_config = dataclasses.replace(config, state_shardings={
-                **config.state_shardings, "logit_scale": dense_param_placement(tp=spmd.R)})
+                **config.state_shardings, "logit_scale": dense_param_placement(tp=spmd.S(0))})
         super()._distribute_states(parallel_dims)
 
     @property
@@ -199,9 +200,9 @@ class QKAttention(Attention):
             k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         if q.shape[2] != self.n_heads and self.per_head_weights:
             raise ValueError(f"parallelism.tensor_parallel_degree: this layer has {q.shape[2]} of its {self.n_heads} "
-                             f"heads on this rank, and its {self.per_head_weights} have a row per head, which "
-                             "qkmla does not shard yet; use a QK norm with scope='head' and a fixed logit scale, or "
-                             "tensor_parallel_degree=1")
+                             f"heads on this rank, and its {self.per_head_weights} pool one statistic over every "
+                             "head, which qkmla does not compute across ranks yet; use a QK norm with scope='head', "
+                             "or tensor_parallel_degree=1")
         if self.q_head_norm is not None:  # before RoPE, as qkmla's MLA (the cache stores normalized rows)
             q_nope, q_pe = self.q_head_norm(q_nope, q_pe)
             k_nope, k_pe = self.k_head_norm(k_nope, k_pe)  # unified/content: k_pe takes each head's scalar
@@ -217,17 +218,30 @@ class QKAttention(Attention):
         output = self.inner_attention(q, k, v, attention_masks=attention_masks, scale=scale).contiguous()
         return self.wo(output.view(bsz, seqlen, -1))
 
+    def _head_offset(self, local_heads: int) -> int:
+        """The first of this rank's heads: 0, or under tensor parallelism the rank's place on torchtitan's
+        "tp" mesh times its head count (the query projection's rows are split by heads, in order)."""
+        if local_heads == self.n_heads:
+            return 0
+        weight = (self.wq if self.q_lora_rank == 0 else self.wq_b).weight
+        names = weight.device_mesh.mesh_dim_names if isinstance(weight, DTensor) else None
+        if not names or "tp" not in names:
+            raise ValueError(f"parallelism: this rank holds {local_heads} of this layer's {self.n_heads} heads, split "
+                             "in a way other than torchtitan's tensor parallelism; QK-Clip and the max-logit metric "
+                             "need to know which heads they are")
+        return weight.device_mesh.get_local_rank("tp") * local_heads
+
     def _track(self, q: torch.Tensor, k: torch.Tensor, scale: float, positions: Optional[torch.Tensor]) -> None:
-        if q.shape[2] != self.n_heads:
-            raise ValueError(f"parallelism.tensor_parallel_degree: {q.shape[2]} of this layer's {self.n_heads} heads "
-                             "on this rank; QK-Clip and the max-logit metric do not support tensor parallelism yet "
-                             "(tensor_parallel_degree must be 1 with qkmla's qk_clip, max_logits or track_max_logits)")
+        """This rank's heads' max logits into their slots of the running maxima [h] (the others stay -inf
+        here; the step's close takes the max over every rank)."""
         # this rank's rows: under torchtitan's full_dtensor backend the batch (positions included) arrives as
-        # DTensors sharded over the data-parallel ranks; the max over ranks is taken when the step closes
+        # DTensors sharded over the data-parallel ranks
         q, k, positions = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, positions))
+        first = self._head_offset(q.shape[2])
         with torch.autocast(q.device.type, enabled=False):  # the statistic in float32, not autocast's bf16
             step = max_logits(q.detach().float(), k.detach().float(), scale, allowed=document_mask(positions))
-        torch.maximum(self.running_max_logits, step.to(self.running_max_logits.dtype), out=self.running_max_logits)
+        mine = self.running_max_logits[first:first + q.shape[2]]
+        torch.maximum(mine, step.to(mine.dtype), out=mine)
 
 
 def qk_attention_layers(model_parts) -> list[tuple[str, QKAttention]]:
