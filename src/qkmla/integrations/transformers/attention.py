@@ -43,6 +43,7 @@ from ...attention.functional import sdpa
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...cache.eviction import EvictionPolicy
+from ..hub.config import unrepeat_groups
 from .cache import adopt_layer
 
 
@@ -193,21 +194,6 @@ def repeat_groups(weight: torch.Tensor, config: MLAConfig) -> torch.Tensor:
     rows = config.qk_nope_head_dim + config.v_head_dim
     per_group = weight.view(config.num_kv_groups, rows, -1)
     return per_group.repeat_interleave(config.heads_per_group, dim=0).reshape(config.num_heads * rows, -1)
-
-
-def unrepeat_groups(weight: torch.Tensor, config: MLAConfig, where: str) -> torch.Tensor:
-    """The inverse of :func:`repeat_groups`: [h (d_n + d_v), d_c] -> [G (d_n + d_v), d_c], refused
-    (naming ``where``) unless every head's rows equal its group's first head's exactly."""
-    rows = config.qk_nope_head_dim + config.v_head_dim
-    G, h = config.num_kv_groups, config.num_heads
-    if tuple(weight.shape) != (h * rows, config.kv_lora_rank):
-        raise ValueError(f"{where}: has shape {tuple(weight.shape)}; {G} KV groups repeated for {h} heads need "
-                         f"{(h * rows, config.kv_lora_rank)}")
-    per_head = weight.reshape(G, config.heads_per_group, rows, -1)
-    if not bool((per_head == per_head[:, :1]).all()):
-        raise ValueError(f"{where}: the config records {G} KV groups, but the rows of the heads of a group are not "
-                         f"equal (not a GQA conversion's repeated rows)")
-    return per_head[:, 0].reshape(G * rows, -1).clone()
 
 
 def _repeat_kv_b_proj(module: "LatentAttention", state_dict, prefix: str, local_metadata) -> None:
