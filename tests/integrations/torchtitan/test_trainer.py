@@ -130,20 +130,49 @@ def test_a_run_resumed_from_its_dcp_checkpoint_takes_the_same_steps(seed, one_pr
     assert got[3] == pytest.approx(want[3], abs=1e-5)
 
 
-@pytest.mark.parametrize("extra", [[], ["--parallelism.tensor_parallel_degree", "2"]], ids=["fsdp2", "tp2"])
-def test_qk_clip_on_two_processes_clips_and_logs_the_max_logits(tmp_path, extra):
-    """QK-Clip through torchtitan's Trainer on 2 ranks (FSDP2: each rank's own rows; TP 2: each
-    rank's own heads), a threshold low enough to clip (the freshly initialized model's logits are
-    about 0.35): each logged step has every layer's max logit over tau and the max after the clip,
-    at most tau."""
-    log = train(tmp_path, *REGISTRY, "--config", "qkmla_cpu_qk_clip", *SMALL, "--training.steps", "2",
-                "--training.local_batch_size", "2", *extra,
-                "--override.imports", OVERRIDES + 'qk_clip={"tau": 0.25}', OVERRIDES + "qk_clip_optimizer",
-                OVERRIDES + "max_logit_metrics", nproc=2)
-    lines = re.findall(r"max_logit step:\s+(\d+)\s+all: ([\d.]+)\s+after clip: ([\d.]+)\s+layers: ([\d. ]+)", log)
-    assert sorted({int(s) for s, *_ in lines}) == [1, 2]
-    for _, before, after, layers in lines:
-        assert len(layers.split()) == 4 and float(before) > 0.25 and float(after) <= 0.25 + 1e-4
+CLIP = [*REGISTRY, "--config", "qkmla_cpu_qk_clip", *SMALL, "--override.imports",
+        OVERRIDES + 'qk_clip={"tau": 0.25}', OVERRIDES + "qk_clip_optimizer", OVERRIDES + "max_logit_metrics"]
+CLIPPED = re.compile(r"max_logit step:\s+(\d+)\s+all: ([\d.]+)\s+after clip: ([\d.]+)\s+layers: ([\d. ]+)")
+
+
+def clipped(log: str) -> dict[int, tuple[float, float, list[float]]]:
+    """{step: (max logit, max logit after the clip, each layer's max logit)} from the console."""
+    return {int(m[1]): (float(m[2]), float(m[3]), [float(v) for v in m[4].split()]) for m in CLIPPED.finditer(log)}
+
+
+@pytest.fixture(scope="module")
+def clip_one_process(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """QK-Clip with a threshold low enough to clip at every step (the freshly initialized model's
+    logits are about 0.35): its seed checkpoint, then three steps in one process, batch 4."""
+    seed = tmp_path_factory.mktemp("clip_seed")
+    train(seed, *CLIP, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+          "--parallelism.data_parallel_shard_degree", "1")
+    seed = seed / "checkpoint" / "step-0"
+    log = train(tmp_path_factory.mktemp("clip_one"), *CLIP, "--training.steps", "3", "--checkpoint.enable",
+                "--checkpoint.interval", "100", "--checkpoint.initial_load_path", str(seed),
+                "--training.local_batch_size", "4")
+    return seed, steps(log), clipped(log)
+
+
+@pytest.mark.parametrize("extra", [["--training.local_batch_size", "2"],
+                                   ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]],
+                         ids=["fsdp2", "tp2"])
+def test_qk_clip_on_two_processes_clips_as_one_process_does(clip_one_process, tmp_path, extra):
+    """QK-Clip through torchtitan's Trainer on 2 ranks (FSDP2: the batch split, each rank scaling its
+    own rows; TP 2: the heads split, each rank measuring and scaling its own heads): every step's max
+    logits before and after the clip, and the gradient norms of the steps the clips shaped, as in one
+    process; the first step clipped to tau."""
+    seed, want, want_clip = clip_one_process
+    log = train(tmp_path, *CLIP, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "100",
+                "--checkpoint.initial_load_path", str(seed), *extra, nproc=2)
+    got, got_clip = steps(log), clipped(log)
+    assert sorted(got_clip) == sorted(want_clip) == [1, 2, 3]
+    for s in want_clip:
+        before, after, layers = got_clip[s]
+        assert len(layers) == 4 and after <= 0.25 + 1e-4
+        assert s > 1 or (before > 0.25 and after == pytest.approx(0.25, abs=1e-4))  # step 1 clips
+        assert layers == pytest.approx(want_clip[s][2], abs=2e-3)
+        assert got[s][1] == pytest.approx(want[s][1], abs=2e-4)
 
 
 def test_a_trainer_checkpoint_exports_and_transformers_computes_torchtitans_logits(one_process, tmp_path, titan):
