@@ -133,3 +133,21 @@ def test_a_rank_holding_a_slice_of_the_heads_is_refused_for_a_projection_scope_n
     with pytest.raises(ValueError, match=r"parallelism.tensor_parallel_degree: this layer has 16 of its 32 heads .*"
                                          r"scope 'projection'\) pool one statistic over every head"):
         layer(torch.randn(1, 8, 256), None, None)
+
+
+@pytest.mark.parametrize("overrides", [["max_logits"], [("qk_clip", {"tau": 100})],
+                                       [("qk_norm", {"track_max_logits": True})]])
+def test_context_parallelism_is_refused_for_a_layer_that_measures_its_max_logits(titan, overrides):
+    """Each rank would measure its shard of the sequence: refused when torchtitan parallelizes the
+    layer, naming the setting; a QK-normed layer that does not measure is distributed as usual."""
+    import types
+
+    parallel = types.SimpleNamespace(cp_enabled=True, cp=2, spmd_backend="full_dtensor", resolve_mesh=lambda axes: None)
+    layer = titan.build(titan.config(overrides).model_spec.model).layers["0"].attention
+    with pytest.raises(ValueError, match=r"parallelism.context_parallel_degree: 2 splits the sequence"):
+        layer._distribute_states(parallel)
+    from torchtitan.protocols.sharding import ShardingConfig
+
+    plain = titan.build(titan.config(["qk_norm"]).model_spec.model).layers["0"].attention
+    plain._sharding_config = ShardingConfig(state_shardings={})  # torchtitan's update_from_config sets one
+    plain._distribute_states(parallel)

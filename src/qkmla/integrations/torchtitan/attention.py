@@ -162,7 +162,14 @@ class QKAttention(Attention):
     def _distribute_states(self, parallel_dims) -> None:
         """torchtitan's ``parallelize`` distributes a ``Module``'s own parameters by its sharding config,
         which names only torchtitan's: the learned logit scale [h] is declared split over tensor
-        parallelism by heads, as the query projection's rows are, so each rank holds its heads' scales."""
+        parallelism by heads, as the query projection's rows are, so each rank holds its heads' scales.
+        Context parallelism is refused for a layer that measures its max logits: each rank would hold
+        its shard of the queries and keys, not the logits attention uses."""
+        if self.track_max_logits and getattr(parallel_dims, "cp_enabled", False):
+            raise ValueError(f"parallelism.context_parallel_degree: {parallel_dims.cp} splits the sequence over ranks, "
+                             "and QK-Clip and the max-logit metric measure the logits of whole sequences; use "
+                             "context_parallel_degree=1 with qkmla's qk_clip, max_logits or track_max_logits (the QK "
+                             "norm itself is per token and runs under context parallelism)")
         config = self._sharding_config
         if self.logit_scale is not None and config is not None and "logit_scale" not in config.state_shardings:
             self._sharding_config = dataclasses.replace(config, state_shardings={
