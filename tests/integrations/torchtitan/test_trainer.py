@@ -118,6 +118,18 @@ def test_tensor_parallel_on_two_processes_takes_the_one_process_steps(seed, one_
         assert max_logits(log)[s] == pytest.approx(one_process[2][s], abs=2e-3)
 
 
+def test_compiled_blocks_take_the_eager_steps(seed, one_process, tmp_path):
+    """``--compile.enable``: torchtitan compiles each block (qkmla's norms and max-logit measurement
+    inside) and the loss with inductor; the same steps as eager within compiled rounding."""
+    log = train(tmp_path, *from_seed(seed), "--training.local_batch_size", "4", "--compile.enable")
+    assert "Compiling each TransformerBlock with torch.compile" in log
+    got, want = steps(log), one_process[1]
+    assert sorted(got) == [1, 2, 3]
+    for s in want:
+        assert got[s] == pytest.approx(want[s], abs=1e-3)
+        assert max_logits(log)[s] == pytest.approx(one_process[2][s], abs=1e-2)
+
+
 def test_a_run_resumed_from_its_dcp_checkpoint_takes_the_same_steps(seed, one_process, tmp_path):
     """Step 3 of a run resumed from step 2's checkpoint (model, learned logit scale, optimizer,
     scheduler, data position) equals step 3 of the uninterrupted run."""
