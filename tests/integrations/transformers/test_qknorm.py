@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from qkmla import QKNormConfig  # noqa: E402
 from qkmla.integrations.transformers import apply_latent_attention, from_pretrained  # noqa: E402
 from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
-from qkmla.integrations.hub.record import LOADER, RECORD  # noqa: E402
+from qkmla.integrations.hub.record import LOADER, RECORD, stock_model_type  # noqa: E402
 
 from .test_model import CACHE, hf_model, max_rel, patched, prompts, stepwise_logits  # noqa: E402
 
@@ -136,16 +136,34 @@ def test_a_checkpoint_transformers_wrote_loads_as_plain_latent_mla(tmp_path):
 
 
 @pytest.mark.parametrize("load", ["auto", "class", "pipeline"])
-def test_transformers_alone_refuses_a_qk_normed_checkpoint_naming_the_loader(load, tmp_path):
+def test_a_qk_normed_checkpoint_is_never_loaded_without_its_norm(load, tmp_path):
     """Loading it as a plain DeepSeek model would drop the norm weights ("can be ignored") and
-    compute another function; transformers refuses the recorded attn_implementation instead,
-    quoting it, and it names the loader to call."""
-    patched(hf_model("v3", dtype=torch.float32), qk_norm="rms").save_pretrained(tmp_path)
-    loaders = {"auto": transformers.AutoModelForCausalLM.from_pretrained,
+    compute another function. transformers' DeepSeek class refuses the recorded attn_implementation,
+    quoting it (it names the loader to call). The Auto classes and pipeline load qkmla's architecture
+    with the norm (test_architecture.py), asked for another attention implementation too (before
+    qkmla's model type, that loaded the plain model): qkmla's latent attention replaces transformers'.
+    Without qkmla imported transformers refuses the model type: test_architecture.py, in a fresh
+    process."""
+    from qkmla.integrations.transformers import QKNormDeepseekV3ForCausalLM
+
+    from .test_generate import byte_tokenizer
+
+    model = patched(hf_model("v3", dtype=torch.float32), qk_norm="rms")
+    perturb_norms(model)
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    loaders = {"auto": lambda p: transformers.AutoModelForCausalLM.from_pretrained(p, attn_implementation="sdpa"),
                "class": transformers.DeepseekV3ForCausalLM.from_pretrained,
-               "pipeline": lambda p: transformers.pipeline("text-generation", model=p)}
-    with pytest.raises(ValueError, match=LOADER.replace(".", r"\.")):
-        loaders[load](str(tmp_path))
+               "pipeline": lambda p: transformers.pipeline("text-generation", model=p,
+                                                           model_kwargs={"attn_implementation": "sdpa"}).model}
+    if load == "class":
+        with pytest.raises(ValueError, match=LOADER.replace(".", r"\.")):
+            loaders[load](str(tmp_path))
+        return
+    loaded = loaders[load](str(tmp_path))
+    assert type(loaded) is QKNormDeepseekV3ForCausalLM and loaded.config._attn_implementation == "qkmla_latent"
+    params = dict(loaded.named_parameters())
+    assert all(torch.equal(params[n], p) for n, p in model.named_parameters())
 
 
 def test_a_plain_patched_model_saves_a_checkpoint_transformers_reads(tmp_path):
@@ -217,8 +235,10 @@ def qk_dir(tmp_path):
 @pytest.mark.parametrize("damage, match", [
     (lambda d: _rewrite(d / "model.safetensors", drop=["layers.2.self_attn.k_norm.rope"]),
      r"records the norm .* lacks \['model.layers.2.self_attn.k_norm.rope.weight'\]"),
-    (lambda d: _edit_config(d, qkmla=None, attn_implementation=None),
+    (lambda d: _edit_config(d, qkmla=None, attn_implementation=None, model_type="deepseek_v3"),
      r"holds QK-norm weights .* records no norm"),
+    (lambda d: _edit_config(d, qkmla=None), r"config.json: model_type 'qkmla_deepseek_v3' is a QK-normed "
+                                            r"checkpoint's, but its 'qkmla' entry records no QK norm"),
     (lambda d: _edit_config(d, qkmla={"qk_norm": "rms", "qk_norm_mode": "unified"}),
      r"k_norm._extra_state says its weights belong to a rms blockwise QK norm, but .* records rms unified"),
     (lambda d: _edit_config(d, qkmla={"qk_norm": "rms", "learnable_logit_scale": True}),
@@ -242,7 +262,8 @@ def test_a_checkpoint_saved_before_the_layered_layout_loads_with_its_norm(tmp_pa
     perturb_norms(model)
     model.save_pretrained(tmp_path / "old")
     _edit_config(tmp_path / "old", attn_implementation="qkmla.interop.from_pretrained",
-                 qkmla={"qk_norm": "rms", "qk_norm_mode": "blockwise", "qk_norm_p": 2.0, "qk_norm_eps": 1e-6})
+                 qkmla={"qk_norm": "rms", "qk_norm_mode": "blockwise", "qk_norm_p": 2.0, "qk_norm_eps": 1e-6},
+                 model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], auto_map=None)
     back = from_pretrained(tmp_path / "old")
     ids = torch.stack(prompts([9, 9]))
     with torch.no_grad():
@@ -250,6 +271,7 @@ def test_a_checkpoint_saved_before_the_layered_layout_loads_with_its_norm(tmp_pa
     back.save_pretrained(tmp_path / "new")
     saved = json.loads((tmp_path / "new" / "config.json").read_text())
     assert saved["attn_implementation"] == LOADER and saved[RECORD] == {"qk_norm": QKNormConfig().record()}
+    assert saved["model_type"] == "qkmla_deepseek_v3"  # and its own model type now (test_architecture.py)
 
 
 def test_from_pretrained_bad_arguments(qk_dir, tmp_path, monkeypatch):
@@ -260,7 +282,8 @@ def test_from_pretrained_bad_arguments(qk_dir, tmp_path, monkeypatch):
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match=r"describes a 'llama' model; qkmla loads \('deepseek_v2', 'deepseek_v3'\)"):
+    with pytest.raises(ValueError, match=r"describes a 'llama' model; qkmla loads \('deepseek_v2', 'deepseek_v3', "
+                                         r"'qkmla_deepseek_v2', 'qkmla_deepseek_v3'\)"):
         from_pretrained(other)
     monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
@@ -335,7 +358,7 @@ def test_the_layer_loaders_build_the_recorded_norm_with_its_weights(norm, tmp_pa
                 assert mla.config == attn.config
     want = QKNormConfig.of(kwargs["qk_norm"])
     assert mla_config_from_hf(saved).qk_norm == want and mla_config_from_hf(back.config).qk_norm == want
-    plain = {k: v for k, v in saved.items() if k != RECORD}
+    plain = {k: v for k, v in saved.items() if k != RECORD} | {"model_type": stock_model_type(saved["model_type"])}
     with pytest.raises(ValueError, match=r"state_dict: holds QK-norm weights \(model.layers.0.self_attn.k_norm"):
         load_hf_attention_weights(MLA(mla_config_from_hf(plain)).double(), state, prefix="model.layers.0.self_attn.")
 

@@ -47,6 +47,48 @@ def attention_prefix(layer: int) -> str:
     return f"model.layers.{layer}.self_attn."
 
 
+def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = None,
+                   cache_dir: Union[None, str, Path] = None, subfolder: str = "", local_files_only: bool = False,
+                   token: Union[None, bool, str] = None, force_download: bool = False) -> Path:
+    """The checkpoint directory ``name_or_path`` names, on this machine.
+
+    A directory is itself (``subfolder`` inside it). Anything else is read as a Hugging Face hub
+    repository id: its JSON files (config.json, the safetensors index, ...) and safetensors weights at
+    ``revision`` (a branch, tag or commit hash; None: the default branch) are fetched into the hub
+    cache (``cache_dir``, else ``HF_HUB_CACHE``) with ``huggingface_hub.snapshot_download``, which
+    reads them from the cache alone offline (``HF_HUB_OFFLINE=1`` or ``local_files_only``), and the
+    snapshot's directory is returned.
+
+    Raises:
+        ValueError: naming ``hf_dir``, for a path that is not a directory and not a repository id, or a
+            repository (or revision) that cannot be fetched, or is not in the cache offline.
+    """
+    root = Path(name_or_path)
+    if root.is_dir():
+        return root / subfolder if subfolder else root
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(name_or_path))
+    except HFValidationError:
+        raise ValueError(f"hf_dir: {root} is not a directory (nor a hub repository id)") from None
+    patterns = [f"{subfolder.strip('/')}/{p}" if subfolder else p for p in ("*.json", "*.safetensors")]
+    try:
+        snapshot = snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
+                                     # offline, a commit hash is looked up in the cache too (huggingface_hub 1.x
+                                     # asks the hub for its file list unless told it is offline)
+                                     local_files_only=local_files_only or constants.HF_HUB_OFFLINE,
+                                     force_download=force_download,
+                                     allow_patterns=patterns)
+    except (OSError, EntryNotFoundError) as e:  # no such repository or revision, no access, offline and not cached
+        raise ValueError(f"hf_dir: {name_or_path} is not a directory, and as a hub repository (revision "
+                         f"{revision or 'default'}) it cannot be fetched: {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from None
+    return Path(snapshot) / subfolder if subfolder else Path(snapshot)
+
+
 def read_hf_config(hf_dir: Union[str, Path]) -> dict:
     """The parsed ``config.json`` of a checkpoint directory.
 

@@ -34,7 +34,8 @@ from ...rope import ROPE_TYPES, YarnScaling
 _OURS = ("q_norm.", "k_norm.", "logit_scale")
 
 
-_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# transformers' DeepSeek model types, and a QK-normed checkpoint's own (hub.record.QK_MODEL_TYPES)
+_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qkmla_deepseek_v2", "qkmla_deepseek_v3")
 _MISSING = object()
 
 
@@ -84,12 +85,13 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
             KV group per head: the HF layer.
 
     Raises:
-        ValueError: a model_type other than deepseek_v2 / deepseek_v3, a RoPE type other than
+        ValueError: a model_type other than deepseek_v2 / deepseek_v3 (or qkmla's QK-normed
+            qkmla_deepseek_v2 / qkmla_deepseek_v3, which must record a norm), a RoPE type other than
             "default" or "yarn", bad YaRN parameters, a missing field, a ``"qkmla"`` entry that is
             not valid, or a ``qk_norm`` / ``num_kv_groups`` override that contradicts it (the
             recorded norm's weights are trained for that norm).
     """
-    from .record import RECORD, describe, recorded_groups, recorded_norm  # record.py imports this module
+    from .record import RECORD, describe, recorded_groups, recorded_norm, stock_model_type  # record imports this
 
     model_type = _get(hf_config, "model_type", None)
     if model_type not in _MODEL_TYPES:
@@ -106,7 +108,8 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
                          f"{overrides['num_kv_groups']!r}; leave num_kv_groups out")
     theta, scaling = hf_rope(hf_config)
     # V2 always rotates interleaved pairs; V3 does unless rope_interleave is False.
-    interleave = True if model_type == "deepseek_v2" else bool(_get(hf_config, "rope_interleave", True))
+    v2 = stock_model_type(model_type) == "deepseek_v2"
+    interleave = True if v2 else bool(_get(hf_config, "rope_interleave", True))
     heads = _get(hf_config, "num_attention_heads")
     fields = dict(
         hidden_size=_get(hf_config, "hidden_size"), num_heads=heads, num_kv_groups=groups or heads,

@@ -32,10 +32,27 @@ A model converted from a GQA model (``qkmla.convert.gqa``) has G < h KV groups, 
 transformers' DeepSeek attention cannot express (it builds ``kv_b_proj`` with one group per
 head). Its record then also holds ``"num_kv_groups": G``: ``kv_b_proj`` is saved with each
 group's rows repeated for each of its heads, as transformers' shapes need, and the patched
-layers keep (and cache) G groups (``integrations.transformers.attention``). The ``attn_implementation``
-entry is what stops transformers without qkmla from loading the directory as a plain DeepSeek model
-(which would drop the norm weights with a note that they "can be ignored", and compute another
-function): transformers refuses it, quoting the entry, which names the loader to call.
+layers keep (and cache) G groups (``integrations.transformers.attention``).
+
+A QK-normed checkpoint is a model of its own, and says so: transformers' DeepSeek classes would
+load it as a plain model (dropping the norm weights with a note that they "can be ignored") and
+compute another function. Its config.json declares qkmla's model type and architecture
+(``integrations.transformers.auto``):
+
+    "model_type": "qkmla_deepseek_v3",                       (qkmla_deepseek_v2 for V2)
+    "architectures": ["QKNormDeepseekV3ForCausalLM"],
+    "auto_map": {"AutoConfig": "modeling_qkmla.QKNormDeepseekV3Config",
+                 "AutoModelForCausalLM": "modeling_qkmla.QKNormDeepseekV3ForCausalLM"}
+
+with ``modeling_qkmla.py`` beside it (it imports those classes from the installed qkmla), so
+transformers with qkmla imported loads it with its norm, ``trust_remote_code=True`` loads it where
+qkmla is installed but not imported, and an engine that knows neither refuses it by name. The
+``attn_implementation`` entry stays as a second guard: a DeepSeek class called directly refuses it,
+quoting the entry, which names the loader to call. A model without a norm keeps transformers' own
+model type (a GQA conversion without a norm too: transformers alone computes its function).
+
+Checkpoints written before the model type of their own (``"model_type": "deepseek_v3"`` with the
+record) are read as they always were; saving them again writes the model type above.
 
 Nothing here imports transformers at module level.
 """
@@ -58,6 +75,21 @@ GROUPS = "num_kv_groups"  # recorded beside the norm by a GQA conversion: G < h 
 FLAT_FIELDS = {"qk_norm": "kind", "qk_norm_mode": "mode", "qk_norm_p": "p", "qk_norm_eps": "eps",
                "qk_norm_scope": "scope", "learnable_logit_scale": "learnable_logit_scale"}
 _FLAT_NAMES = {field: key for key, field in FLAT_FIELDS.items()}
+# A QK-normed checkpoint's own model type and architecture, by transformers' (a plain model keeps those)
+QK_MODEL_TYPES = {"deepseek_v2": "qkmla_deepseek_v2", "deepseek_v3": "qkmla_deepseek_v3"}
+QK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "QKNormDeepseekV2ForCausalLM",
+                    "DeepseekV3ForCausalLM": "QKNormDeepseekV3ForCausalLM"}
+CODE = "modeling_qkmla"  # the file beside config.json that auto_map names (it imports qkmla's classes)
+
+
+def stock_model_type(model_type):
+    """transformers' model type for one of qkmla's (``qkmla_deepseek_v3`` -> ``deepseek_v3``); any
+    other value unchanged."""
+    return next((stock for stock, ours in QK_MODEL_TYPES.items() if ours == model_type), model_type)
+
+
+def _model_type(hf_config):
+    return hf_config.get("model_type") if isinstance(hf_config, dict) else getattr(hf_config, "model_type", None)
 
 
 def _record(hf_config):
@@ -65,7 +97,18 @@ def _record(hf_config):
 
 
 def recorded_norm(hf_config, where: str = "model.config") -> Optional[QKNormConfig]:
-    """The QK norm recorded in an HF config (object or config.json dict), checked; None if none."""
+    """The QK norm recorded in an HF config (object or config.json dict), checked; None if none.
+    qkmla's model types (``qkmla_deepseek_v3``) are QK-normed checkpoints' only: one without a norm
+    recorded is refused."""
+    norm = _recorded_norm(hf_config, where)
+    model_type = _model_type(hf_config)
+    if norm is None and model_type in QK_MODEL_TYPES.values():
+        raise ValueError(f"{where}: model_type {model_type!r} is a QK-normed checkpoint's, but its {RECORD!r} entry "
+                         f"records no QK norm; a model without one is a {stock_model_type(model_type)!r} model")
+    return norm
+
+
+def _recorded_norm(hf_config, where: str) -> Optional[QKNormConfig]:
     record = _record(hf_config)
     if record is None:
         return None
@@ -106,7 +149,11 @@ def recorded_groups(hf_config, where: str = "model.config") -> Optional[int]:
 
 def record_norm(hf_config, norm: Optional[QKNormConfig]) -> None:
     """Write (or clear, for None) the record of ``norm`` in an HF config object; a recorded
-    ``num_kv_groups`` is kept."""
+    ``num_kv_groups`` is kept. A transformers ``DeepseekV2Config`` / ``DeepseekV3Config`` with a norm
+    becomes qkmla's subclass of it (``integrations.transformers.auto``: the same fields, qkmla's model
+    type, and ``save_pretrained`` writes the architecture and ``auto_map``); without one, transformers'
+    own class again. Any other object (a plain namespace written out as config.json) only gets the
+    record and ``attn_implementation``."""
     groups = recorded_groups(hf_config)
     kept = {GROUPS: groups} if groups is not None else {}
     if norm is not None:
@@ -118,6 +165,24 @@ def record_norm(hf_config, norm: Optional[QKNormConfig]) -> None:
                 delattr(hf_config, name)
         if kept:  # a GQA conversion without a norm: transformers alone computes the same function
             setattr(hf_config, RECORD, kept)
+    _declare(hf_config, norm is not None)
+
+
+def _declare(hf_config, normed: bool) -> None:
+    """Give a transformers DeepSeek config object qkmla's subclass of its class when its model has a QK
+    norm (``integrations.transformers.auto``, found among the class's subclasses: hub does not import
+    the adapter, and the adapter is imported wherever a model is patched), transformers' own when it
+    has none. The subclass has the same fields: only the model type and how it is saved change. Any
+    other class (a namespace, someone else's subclass) is left as it is."""
+    cls = type(hf_config)
+    model_type = getattr(cls, "model_type", None)  # a class attribute: a transformers config
+    if normed and model_type in QK_MODEL_TYPES and cls.__module__.startswith("transformers."):
+        ours = [c for c in cls.__subclasses__() if getattr(c, "model_type", None) == QK_MODEL_TYPES[model_type]]
+        if ours:
+            hf_config.__class__ = ours[0]
+    elif not normed and model_type in QK_MODEL_TYPES.values():
+        hf_config.__class__ = next(c for c in cls.__mro__ if c.__dict__.get("model_type") ==
+                                   stock_model_type(model_type))
 
 
 def record_groups(hf_config, groups: int) -> None:
@@ -201,5 +266,6 @@ def describe(norm: Optional[QKNormConfig]) -> str:
     return norm.name + (", learnable logit scale" if norm.learnable_logit_scale else "")
 
 
-__all__ = ["FLAT_FIELDS", "GROUPS", "LOADER", "NORM", "RECORD", "check_norm_tensors", "describe",
-           "record_groups", "recorded_groups", "recorded_norm", "saved_norm"]
+__all__ = ["CODE", "FLAT_FIELDS", "GROUPS", "LOADER", "NORM", "QK_ARCHITECTURES", "QK_MODEL_TYPES", "RECORD",
+           "check_norm_tensors", "describe", "record_groups", "recorded_groups", "recorded_norm", "saved_norm",
+           "stock_model_type"]

@@ -5,11 +5,24 @@
 
 ``LatentAttentionCache`` is the cache ``generate`` uses (made for you; pass one to set its format or
 eviction policy); ``attention_lora_config`` / ``merge_lora`` fine-tune the attention with PEFT.
-Imported on first use, so ``import qkmla.integrations.transformers`` works without transformers.
+Each is imported on first use, so ``import qkmla.integrations.transformers`` works without
+transformers. With transformers installed, importing this package registers a QK-normed checkpoint's own
+architecture (``QKNormDeepseekV3ForCausalLM``, model type ``qkmla_deepseek_v3``; and V2) with
+transformers' ``AutoConfig`` and ``AutoModelForCausalLM`` (``auto``), so they and ``pipeline`` load
+such a checkpoint with its norm.
 """
 
+import importlib.util
+
+if importlib.util.find_spec("transformers") is not None:
+    try:
+        from . import auto  # noqa: F401  (registers qkmla's architectures with transformers' Auto classes)
+    except ImportError:  # a transformers qkmla does not support: the doors below say so when used
+        pass
+
 _DOORS = {"apply_latent_attention": "model", "from_pretrained": "load", "LatentAttentionCache": "cache",
-          "attention_lora_config": "lora", "merge_lora": "lora"}
+          "attention_lora_config": "lora", "merge_lora": "lora",
+          "QKNormDeepseekV2ForCausalLM": "auto", "QKNormDeepseekV3ForCausalLM": "auto"}
 
 
 def __getattr__(name: str):

@@ -18,11 +18,10 @@ import torch
 from ...cache.eviction import EvictionPolicy
 from ...model.generate import check_sampling
 from .model import apply_latent_attention
-from .load import from_pretrained
+from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 def load_hf_dir(hf_dir, dtype: str = "float32"):

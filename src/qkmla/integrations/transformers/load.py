@@ -1,9 +1,11 @@
-"""Loading a transformers DeepSeek-V2/V3 checkpoint directory into a model patched by qkmla as
-its config records (:func:`from_pretrained`): transformers' loading, then
-``apply_latent_attention`` with the saved QK norm, then the norm's weights."""
+"""Loading a transformers DeepSeek-V2/V3 checkpoint (a directory, or a hub repository) into a model
+patched by qkmla as its config records (:func:`from_pretrained`): transformers' loading, then
+``apply_latent_attention`` with the saved QK norm, then the norm's weights. A QK-normed checkpoint's
+own architecture (``auto.QKNormDeepseekV3ForCausalLM``) loads through here too."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Optional, Union
 
@@ -11,71 +13,95 @@ import torch
 
 from ...cache.eviction import EvictionPolicy
 from ...ops.mla_decode.backends import check_backend
-from ..hub.checkpoint import CONFIG, _open, read_hf_config
+from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.record import check_norm_tensors, recorded_norm
+from ..hub.record import QK_MODEL_TYPES, check_norm_tensors, describe, recorded_norm, stock_model_type
 
 _CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_MODEL_TYPES = tuple(_CLASSES) + tuple(QK_MODEL_TYPES.values())
+# transformers' from_pretrained arguments that say where a checkpoint is: read here, where it is fetched
+_HUB = ("revision", "cache_dir", "subfolder", "local_files_only", "token", "force_download", "proxies")
 
 
-def _quiet_class(base):
-    """``base`` whose loading does not report qkmla's norm weights as unexpected (they are
-    loaded by :func:`from_pretrained` once the norm exists). Same name, so a later
-    ``save_pretrained`` records transformers' architecture."""
-    cached = getattr(base, "_qkmla_loading_class", None)
-    if cached is None or cached.__dict__.get("_qkmla_base") is not base:
-        patterns = [r"self_attn\.q_norm\.", r"self_attn\.k_norm\.", r"self_attn\.logit_scale"]
-        ignore = list(base._keys_to_ignore_on_load_unexpected or []) + patterns
-        cached = type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "_qkmla_base": base,
-                                               "__module__": base.__module__, "__qualname__": base.__qualname__})
-        base._qkmla_loading_class = cached
-    return cached
+@functools.lru_cache(maxsize=None)
+def _loading_class(base, config_class):
+    """``base`` reading its config with ``config_class`` (qkmla's for a checkpoint of qkmla's model
+    type), and whose loading does not report qkmla's norm weights as unexpected (they are loaded by
+    :func:`from_pretrained` once the norm exists). Same name, so a later ``save_pretrained``
+    records transformers' architecture (qkmla's config writes its own in its place)."""
+    patterns = [r"self_attn\.q_norm\.", r"self_attn\.k_norm\.", r"self_attn\.logit_scale"]
+    ignore = list(base._keys_to_ignore_on_load_unexpected or []) + patterns
+    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "config_class": config_class,
+                                         "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
 def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
                     decode_backend: str = "auto", **kwargs):
-    """A transformers DeepSeek-V2/V3 checkpoint directory loaded by transformers and patched by
-    qkmla as its config records (:func:`~qkmla.integrations.transformers.apply_latent_attention` with the saved QK
-    norm, its weights loaded); a directory transformers wrote itself loads as plain latent MLA.
+    """A transformers DeepSeek-V2/V3 checkpoint loaded by transformers and patched by qkmla as its
+    config records (:func:`~qkmla.integrations.transformers.apply_latent_attention` with the saved QK
+    norm, its weights loaded); a checkpoint transformers wrote itself loads as plain latent MLA.
 
     Args:
-        hf_dir: a directory ``save_pretrained`` wrote (config.json, safetensors weights).
+        hf_dir: a directory ``save_pretrained`` wrote (config.json, safetensors weights), or a Hugging
+            Face hub repository id holding one.
         kv_format, policy, decode_backend: as in ``apply_latent_attention``.
-        kwargs: passed to transformers' ``from_pretrained`` (``dtype=``, ``device_map=``, ...).
+        kwargs: where the checkpoint is, as transformers takes it (``revision``, ``cache_dir``,
+            ``subfolder``, ``local_files_only``, ``token``, ``force_download``; a repository is fetched
+            into the hub cache first, offline from the cache alone:
+            :func:`~qkmla.integrations.hub.checkpoint.checkpoint_dir`), and the rest passed to
+            transformers' ``from_pretrained`` (``dtype=``, ``device_map=``, ``config=`` a config
+            object that records the checkpoint's norm, ...).
 
     Returns:
-        the model, in eval mode as transformers returns it.
+        the model, in eval mode as transformers returns it: transformers' DeepSeek class, whose config
+        is qkmla's ``QKNormDeepseekV3Config`` (V2) when it has a norm.
 
     Raises:
         ValueError, before any weight is read: no config.json, a model type other than
-        DeepSeek-V2/V3, a recorded norm that is not valid, norm weights that disagree with the
-        record (see :func:`check_norm_tensors`), or an ``attn_implementation`` argument.
+        DeepSeek-V2/V3 (or qkmla's QK-normed ones), a recorded norm that is not valid, norm weights
+        that disagree with the record (see :func:`check_norm_tensors`), a ``config`` that records
+        another norm, an ``attn_implementation`` argument, or a repository that cannot be fetched.
     """
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    root = Path(hf_dir)
-    if not root.is_dir():
-        raise ValueError(f"hf_dir: {root} is not a directory")
-    hf_config = read_hf_config(root)
-    model_type = hf_config.get("model_type")
-    if model_type not in _CLASSES:
-        raise ValueError(f"hf_dir: {root / CONFIG} describes a {model_type!r} model; qkmla loads {tuple(_CLASSES)}")
+    if kwargs.get("proxies") is not None:
+        raise ValueError("proxies: the hub client takes proxies from the HTTP_PROXY / HTTPS_PROXY environment "
+                         "variables; leave proxies out")
     if "attn_implementation" in kwargs:
         raise ValueError("attn_implementation: qkmla's latent attention replaces transformers' attention; "
                          "leave it out")
     check_cache_settings(kv_format, policy, None)
     check_backend(decode_backend, "decode_backend")
+    hub = {k: kwargs.pop(k) for k in _HUB if k in kwargs}
+    hub.pop("proxies", None)
+    root = checkpoint_dir(hf_dir, **hub)
+    if not root.is_dir():
+        raise ValueError(f"hf_dir: {root} is not a directory")
+    hf_config = read_hf_config(root)
+    model_type = hf_config.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"hf_dir: {root / CONFIG} describes a {model_type!r} model; qkmla loads {_MODEL_TYPES}")
     norm = recorded_norm(hf_config, str(root / CONFIG))
+    config = kwargs.get("config")
+    if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:
+        raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "
+                         f"{describe(norm)}; pass the checkpoint's own config, or none")
     files = check_norm_tensors(root, hf_config, norm)
-    base = getattr(transformers, _CLASSES[model_type])
+    base = getattr(transformers, _CLASSES[stock_model_type(model_type)])
+    # qkmla's own config class for its model types (``auto``, registered when this package is imported);
+    # transformers' for a plain checkpoint, or a QK-normed one saved before qkmla had model types
+    config_class = CONFIG_MAPPING[model_type]
     try:
-        model = _quiet_class(base).from_pretrained(root, attn_implementation="eager", **kwargs)
+        model = _loading_class(base, config_class).from_pretrained(root, attn_implementation="eager", **kwargs)
     except RuntimeError as e:  # tensors whose shapes disagree with the config (transformers' load report)
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: "
                          f"{str(e).strip().splitlines()[0][:300]}") from None
     model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
     apply_latent_attention(model, qk_norm=norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
+    if str(hf_dir) != str(root):  # a hub repository (or a subfolder): named as transformers names it
+        model.name_or_path = model.config.name_or_path = str(hf_dir)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for file in sorted(set(files.values())):

@@ -1,0 +1,185 @@
+"""A QK-normed checkpoint's own architecture in transformers: ``QKNormDeepseekV3ForCausalLM`` (and V2).
+
+A model with qkmla's QK norm computes another function than transformers' DeepSeek classes, so its
+checkpoint does not claim to be one. ``apply_latent_attention(model, qk_norm=...)`` records the norm
+(``qkmla.integrations.hub.record``), and its config becomes :class:`QKNormDeepseekV3Config`, a
+``DeepseekV3Config`` with qkmla's model type. ``save_pretrained`` then writes
+
+    "model_type": "qkmla_deepseek_v3",
+    "architectures": ["QKNormDeepseekV3ForCausalLM"],
+    "auto_map": {"AutoConfig": "modeling_qkmla.QKNormDeepseekV3Config",
+                 "AutoModelForCausalLM": "modeling_qkmla.QKNormDeepseekV3ForCausalLM"},
+    "qkmla": {"qk_norm": {...}}, "attn_implementation": "qkmla.integrations.transformers.from_pretrained"
+
+and ``modeling_qkmla.py`` beside config.json, which only imports these classes from the installed
+qkmla. So:
+
+* with qkmla's transformers integration imported (it registers both classes with ``AutoConfig`` and
+  ``AutoModelForCausalLM``), ``AutoModelForCausalLM.from_pretrained(dir or repo id)`` and
+  ``pipeline("text-generation", model=...)`` load the model with its norm;
+* where qkmla is installed but not imported, ``trust_remote_code=True`` does (the file imports it);
+* transformers without qkmla refuses the model type, asking for ``trust_remote_code``, and a
+  DeepSeek class called directly refuses the recorded ``attn_implementation``; an engine that
+  knows neither refuses the architecture by name.
+
+:class:`QKNormDeepseekV3ForCausalLM` adds no layer of its own: ``from_pretrained`` is
+``qkmla.integrations.transformers.from_pretrained`` (transformers' DeepSeek model, qkmla's latent
+attention with the recorded norm, the norm's weights), and a model built from a config
+(``from_config``) is transformers' DeepSeek model patched with the recorded norm (weights at ones).
+A model without a norm keeps transformers' own config class and saves as a stock DeepSeek
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM,
+                          DeepseekV3Config, DeepseekV3ForCausalLM)
+
+from ..hub.checkpoint import CONFIG
+from ..hub.record import CODE, LOADER, QK_ARCHITECTURES, QK_MODEL_TYPES, recorded_norm
+
+# What older checkpoints record as attn_implementation: qkmla's loader, under its names then and now.
+_LOADERS = (LOADER, "qkmla.interop.from_pretrained")
+
+CODE_TEXT = '''"""This checkpoint's model is qkmla's QK-normed DeepSeek (https://pypi.org/project/qkmla/): its
+attention layers carry a QK norm that transformers' own DeepSeek classes do not compute, so it
+declares a model type of its own. Its classes are qkmla's; this file only imports them, so
+``trust_remote_code=True`` loads the checkpoint where qkmla is installed (pip install "qkmla[hf]"),
+and with ``import qkmla.integrations.transformers`` it loads without trust_remote_code."""
+
+from qkmla.integrations.transformers.auto import (  # noqa: F401
+    QKNormDeepseekV2Config,
+    QKNormDeepseekV2ForCausalLM,
+    QKNormDeepseekV3Config,
+    QKNormDeepseekV3ForCausalLM,
+)
+'''
+
+
+def write_code(directory) -> Path:
+    """Write ``modeling_qkmla.py`` (what config.json's ``auto_map`` names) into ``directory``."""
+    path = Path(directory) / f"{CODE}.py"
+    path.write_text(CODE_TEXT)
+    return path
+
+
+class _QKNormConfig:
+    """What qkmla's config classes add to transformers' DeepSeek config: how they are written."""
+
+    def to_dict(self) -> dict:
+        return self._declared(super().to_dict())
+
+    def to_diff_dict(self) -> dict:
+        return self._declared(super().to_diff_dict())
+
+    def _declared(self, output: dict) -> dict:
+        """A serialized config with qkmla's model type, architecture and auto_map."""
+        model = next(_MODELS[c] for c in type(self).__mro__ if c in _MODELS)
+        output["model_type"] = type(self).model_type
+        output["architectures"] = [QK_ARCHITECTURES.get(name, name) for name in output.get("architectures") or
+                                   [model.__name__]]
+        output["auto_map"] = {"AutoConfig": f"{CODE}.{type(self).__name__}",
+                              "AutoModelForCausalLM": f"{CODE}.{model.__name__}"}
+        return output
+
+    def to_json_file(self, json_file_path, use_diff: bool = True):
+        """Write the config; written as a checkpoint's config.json, the code ``auto_map`` names goes beside it."""
+        super().to_json_file(json_file_path, use_diff=use_diff)
+        if Path(json_file_path).name == CONFIG:
+            write_code(Path(json_file_path).parent)
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoConfig"):
+        """Nothing: these classes are installed with qkmla (transformers would copy this module into
+        every checkpoint saved after a ``trust_remote_code`` load)."""
+
+
+class QKNormDeepseekV2Config(_QKNormConfig, DeepseekV2Config):
+    """transformers' ``DeepseekV2Config`` of a model with qkmla's QK norm (its ``"qkmla"`` record)."""
+
+    model_type = QK_MODEL_TYPES["deepseek_v2"]
+
+
+class QKNormDeepseekV3Config(_QKNormConfig, DeepseekV3Config):
+    """transformers' ``DeepseekV3Config`` of a model with qkmla's QK norm (its ``"qkmla"`` record)."""
+
+    model_type = QK_MODEL_TYPES["deepseek_v3"]
+
+
+class _QKNormCausalLM:
+    """transformers' DeepSeek causal LM with qkmla's latent attention and the QK norm its config records."""
+
+    def __init__(self, config, *args, **kwargs):
+        from .model import apply_latent_attention
+
+        norm = recorded_norm(config, "config")  # refuses qkmla's model type without a norm
+        if config._attn_implementation in _LOADERS:  # the record's guard, not an implementation
+            config._attn_implementation = None
+        super().__init__(config, *args, **kwargs)
+        apply_latent_attention(self, qk_norm=norm)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """``qkmla.integrations.transformers.from_pretrained`` (a directory, or a hub repo id with
+        ``revision``, ``cache_dir``, ...), as an instance of this class.
+
+        An ``attn_implementation`` given to ``AutoModelForCausalLM`` or ``pipeline`` goes into the
+        config they pass here, and is replaced: the attention is qkmla's latent attention, with the
+        norm (before qkmla's model type, such a call loaded the plain model). Given here directly, it is
+        refused, as ``from_pretrained`` refuses it."""
+        from .load import from_pretrained
+
+        if model_args:
+            raise ValueError(f"model_args: {cls.__name__}.from_pretrained takes its arguments by name "
+                             f"(qkmla.integrations.transformers.from_pretrained), got {len(model_args)} positional")
+        model = from_pretrained(pretrained_model_name_or_path, **kwargs)
+        want = cls.__mro__[cls.__mro__.index(_QKNormCausalLM) + 1]  # transformers' class this one extends
+        if type(model) is not want:
+            raise ValueError(f"pretrained_model_name_or_path: {pretrained_model_name_or_path} holds a "
+                             f"{type(model).__name__}, not a {want.__name__}; load it with AutoModelForCausalLM")
+        model.__class__ = cls  # adds no state: the same model, under the architecture it declares
+        return model
+
+    @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        """Nothing: these classes are installed with qkmla (see the config's)."""
+
+
+class QKNormDeepseekV2ForCausalLM(_QKNormCausalLM, DeepseekV2ForCausalLM):
+    """A QK-normed DeepSeek-V2 checkpoint's architecture: ``DeepseekV2ForCausalLM`` with qkmla's latent
+    attention and the recorded QK norm."""
+
+    config_class = QKNormDeepseekV2Config
+
+
+class QKNormDeepseekV3ForCausalLM(_QKNormCausalLM, DeepseekV3ForCausalLM):
+    """A QK-normed DeepSeek-V3 checkpoint's architecture: ``DeepseekV3ForCausalLM`` with qkmla's latent
+    attention and the recorded QK norm."""
+
+    config_class = QKNormDeepseekV3Config
+
+
+_MODELS = {QKNormDeepseekV2Config: QKNormDeepseekV2ForCausalLM, QKNormDeepseekV3Config: QKNormDeepseekV3ForCausalLM}
+
+
+def register() -> None:
+    """Register qkmla's config and model classes with transformers' Auto classes, and give qkmla's
+    model types transformers' weight conversions of the DeepSeek model types (the MoE experts' layout);
+    done when ``qkmla.integrations.transformers`` is imported. Idempotent."""
+    from transformers import conversion_mapping
+
+    for config, model in _MODELS.items():
+        AutoConfig.register(config.model_type, config, exist_ok=True)
+        AutoModelForCausalLM.register(config, model, exist_ok=True)
+    for stock, ours in QK_MODEL_TYPES.items():
+        mapping = conversion_mapping.get_checkpoint_conversion_mapping(stock)
+        if mapping is not None:
+            conversion_mapping.register_checkpoint_conversion_mapping(ours, mapping, overwrite=True)
+
+
+register()
+
+__all__ = ["CODE_TEXT", "QKNormDeepseekV2Config", "QKNormDeepseekV2ForCausalLM", "QKNormDeepseekV3Config",
+           "QKNormDeepseekV3ForCausalLM", "register", "write_code"]
