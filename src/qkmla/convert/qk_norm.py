@@ -117,7 +117,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     from .calibrate import warm_start_qk_norm
     from ..integrations.transformers.model import apply_latent_attention
     from ..integrations.transformers.load import from_pretrained
-    from ..integrations.hub.record import describe, saved_norm
+    from ..integrations.hub.checkpoint import saved_norm
+    from ..integrations.hub.record import describe
 
     src, out = check_convert_paths(src, out, overwrite)
     norm = QKNormConfig.of(qk_norm)

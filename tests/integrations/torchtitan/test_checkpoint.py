@@ -103,14 +103,16 @@ def tt_logits(model, tokens):
 
 
 def loaded(path, norm):
-    """The exported directory in transformers: [qkmla's loader] for a QK-normed checkpoint, [transformers' own
-    loader, qkmla's] for a plain one (qkmla's computes with its latent cache)."""
+    """The exported directory in transformers: [transformers' Auto class, qkmla's loader] (with qkmla's
+    transformers integration imported, the Auto class loads a QK-normed checkpoint as qkmla's architecture;
+    qkmla's loader computes with its latent cache)."""
     from transformers import AutoModelForCausalLM
 
     from qkmla.integrations.transformers import from_pretrained
 
-    plain = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()] if norm is None else []
-    return plain + [from_pretrained(path, dtype=torch.float32)]
+    # transformers' Auto class: the stock model for a plain checkpoint, qkmla's architecture for a QK-normed one
+    auto = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return [auto, from_pretrained(path, dtype=torch.float32)]
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 24], ids=["q-lora-0", "q-lora-24"])
@@ -120,8 +122,10 @@ def test_exported_model_computes_the_same_logits_and_greedy_tokens(tmp_path, nam
     model = build(norm, q_lora_rank=q_lora_rank)
     path = export_hf(model, tmp_path / "hf")
     config = json.loads((path / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3" and config["q_lora_rank"] == (q_lora_rank or None)
-    assert ("qkmla" in config) == (norm is not None)
+    assert config["q_lora_rank"] == (q_lora_rank or None)
+    assert ("qkmla" in config) == (norm is not None) == (path / "modeling_qkmla.py").is_file()
+    assert (config["model_type"], config["architectures"]) == (("deepseek_v3", ["DeepseekV3ForCausalLM"]) if norm is None
+                                                               else ("qkmla_deepseek_v3", ["QKNormDeepseekV3ForCausalLM"]))
 
     tokens = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
     want = tt_logits(model, tokens)
@@ -202,5 +206,10 @@ def test_a_checkpoint_whose_record_and_tensors_disagree_is_refused_before_readin
         raise AssertionError("a weight was read")
 
     monkeypatch.setattr(safetensors.safe_open, "get_tensor", no_reading, raising=False)
+    with pytest.raises(ValueError, match="model_type 'qkmla_deepseek_v3' is a QK-normed checkpoint's, but .* records "
+                                         "no QK norm"):
+        import_hf(path, build(None))
+    config.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"])  # declared stock as well
+    (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="holds QK-norm weights .* records no norm"):
         import_hf(path, build(None))

@@ -5,7 +5,6 @@ pytest.importorskip("torchtitan")
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.override import apply_overrides  # noqa: E402
 
-from qkmla.integrations.torchtitan import config_registry  # noqa: E402
 from qkmla.integrations.torchtitan.attention import QKAttention  # noqa: E402
 from qkmla.integrations.torchtitan.clip import QKClipOptimizersContainer  # noqa: E402
 from qkmla.integrations.torchtitan.data import ByteTokenizer, LocalTextDataLoader  # noqa: E402

@@ -34,7 +34,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ...attention.mla import MLA
+from ...config import MLAConfig, QKNormConfig
+from ...norms import qk_norms_of
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
+from .record import GROUPS, RECORD, describe, recorded_groups, recorded_norm
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -178,13 +181,11 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
         RoPE type, bad fields, a ``"qkmla"`` record that is not valid), an override that
         contradicts the record, ``layers`` (out of range), the index file (a needed tensor is not
         listed), a shard file (missing, unreadable, or a tensor of the wrong shape), or norm
-        tensors that disagree with the record (:func:`~qkmla.integrations.hub.record.check_norm_tensors`).
+        tensors that disagree with the record (:func:`check_norm_tensors`).
 
     Examples:
         >>> mla = mla_layers_from_hf_dir("DeepSeek-V2-Lite", layers=3)[3]             # doctest: +SKIP
     """
-    from .record import check_norm_tensors, norm_tensor_shapes, recorded_norm  # record.py imports this module
-
     root = Path(hf_dir)
     if not root.is_dir():
         raise ValueError(f"hf_dir: {root} is not a directory")
@@ -282,3 +283,69 @@ def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, 
         with _open(root / file) as f:
             out.update({k: f.get_tensor(k) for k in keys if weight_map[k] == file})
     return out
+
+
+def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """{name under ``self_attn.``: shape} of the weights a layer with ``config``'s norm adds, read from
+    the norms it builds (with the projection scope a weight has a row per query head or KV group)."""
+    q_norm, k_norm = qk_norms_of(config)
+    shapes = {f"{side}.{block}.weight": tuple(getattr(norm, block).weight.shape)
+              for side, norm in (("q_norm", q_norm), ("k_norm", k_norm)) if norm is not None
+              for block in ("content", "rope")}
+    return shapes | ({"logit_scale": (config.num_heads,)} if config.learnable_logit_scale else {})
+
+
+def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional[QKNormConfig]) -> dict[str, str]:
+    """Before any weight is read: the checkpoint holds exactly the norm weights its config records,
+    with the right shapes (from the safetensors headers). Returns {tensor name: shard file}.
+
+    Raises:
+        ValueError: naming the file, for a norm recorded whose weights are missing, norm weights
+            whose norm is not recorded, or a weight of the wrong shape.
+    """
+    root = Path(hf_dir)
+    weight_map, listing = _weight_map(root)
+    ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
+    found = {k for k in weight_map if any(o in k for o in ours)}
+    groups = recorded_groups(hf_config, str(root / CONFIG))
+    config = mla_config_from_hf(hf_config, qk_norm=norm, **({GROUPS: groups} if groups is not None else {}))
+    layers = hf_config.get("num_hidden_layers")
+    shapes = {f"model.layers.{i}.self_attn.{n}": s
+              for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
+    if norm is None and found:
+        raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
+                         f"{root / CONFIG} records no norm (its {RECORD!r} entry is missing); the config and the "
+                         f"weights are from different models")
+    records = {k for k in found if k.endswith("._extra_state")}  # the variant record of each norm (optional)
+    found -= records
+    missing, extra = sorted(set(shapes) - found), sorted(found - set(shapes))
+    if missing or extra:
+        raise ValueError(f"hf_dir: {root / CONFIG} records the norm {describe(norm)} but {listing} "
+                         + (f"lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)"
+                            if missing else f"also holds {extra[:3]} ({len(extra)} not of that norm)"))
+    files = {}
+    for name, shape in shapes.items():
+        file = weight_map[name]
+        if not (root / file).is_file():
+            raise ValueError(f"hf_dir: {listing} names shard file {file}, which is not in {root}")
+        with _open(root / file) as f:
+            got = tuple(f.get_slice(name).get_shape())
+        if got != shape:
+            raise ValueError(f"hf_dir: {root / file}: {name} has shape {got}; the config in {root / CONFIG} needs "
+                             f"{shape}")
+        files[name] = file
+    if records:
+        want = norm.name if norm is not None and norm.kind is not None else None
+        for name in sorted(records):
+            with _open(root / weight_map[name]) as f:
+                got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
+            if got != want:
+                raise ValueError(f"hf_dir: {root / weight_map[name]}: {name} says its weights belong to a {got} QK "
+                                 f"norm, but {root / CONFIG} records {describe(norm)}")
+    return files
+
+
+def saved_norm(hf_dir: Union[str, Path]) -> Optional[QKNormConfig]:
+    """The QK norm a checkpoint directory's config.json records (None for none)."""
+    root = Path(hf_dir)
+    return recorded_norm(read_hf_config(root), str(root / CONFIG))

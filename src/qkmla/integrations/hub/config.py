@@ -30,6 +30,7 @@ import torch
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...rope import ROPE_TYPES, YarnScaling
+from .record import RECORD, describe, recorded_groups, recorded_norm, stock_model_type
 
 _OURS = ("q_norm.", "k_norm.", "logit_scale")
 
@@ -91,7 +92,6 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
             not valid, or a ``qk_norm`` / ``num_kv_groups`` override that contradicts it (the
             recorded norm's weights are trained for that norm).
     """
-    from .record import RECORD, describe, recorded_groups, recorded_norm, stock_model_type  # record imports this
 
     model_type = _get(hf_config, "model_type", None)
     if model_type not in _MODEL_TYPES:
@@ -210,7 +210,6 @@ def mla_from_hf(hf_attention, **overrides) -> MLA:
         >>> mla = mla_from_hf(hf_model.model.layers[0].self_attn)             # doctest: +SKIP
         >>> mla_qk = mla_from_hf(hf_layer, qk_norm="rms")  # start QK-norm training from HF weights  # doctest: +SKIP
     """
-    from .record import RECORD, describe, recorded_norm
 
     config = mla_config_from_hf(hf_attention.config, **overrides)
     recorded = recorded_norm(hf_attention.config, "hf_attention.config")

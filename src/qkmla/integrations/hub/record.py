@@ -1,5 +1,6 @@
-"""QK-norm on a whole transformers DeepSeek model: what is recorded in its config, the names of its
-weights, and the checks that a saved checkpoint's record and tensors agree (loading it back:
+"""QK-norm on a whole transformers DeepSeek model: what is recorded in its config and how the
+checkpoint declares itself (the checks that a saved checkpoint's record and tensors agree are
+``checkpoint.check_norm_tensors``, which reads files; loading it back:
 ``qkmla.integrations.transformers.from_pretrained``, or layer by layer
 ``qkmla.integrations.hub.mla_layers_from_hf_dir``; ``mla_config_from_hf`` reads the record too).
 
@@ -60,11 +61,9 @@ Nothing here imports transformers at module level.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
-from ...config import MLAConfig, QKNormConfig
-from ...norms import qk_norms_of
-from .checkpoint import CONFIG, _open, _weight_map, read_hf_config
+from ...config import QKNormConfig
 
 RECORD = "qkmla"  # the config.json entry
 # written as attn_implementation: transformers alone refuses it
@@ -80,6 +79,40 @@ QK_MODEL_TYPES = {"deepseek_v2": "qkmla_deepseek_v2", "deepseek_v3": "qkmla_deep
 QK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "QKNormDeepseekV2ForCausalLM",
                     "DeepseekV3ForCausalLM": "QKNormDeepseekV3ForCausalLM"}
 CODE = "modeling_qkmla"  # the file beside config.json that auto_map names (it imports qkmla's classes)
+
+
+CODE_TEXT = '''"""This checkpoint's model is qkmla's QK-normed DeepSeek (https://pypi.org/project/qkmla/): its
+attention layers carry a QK norm that transformers' own DeepSeek classes do not compute, so it
+declares a model type of its own. Its classes are qkmla's; this file only imports them, so
+``trust_remote_code=True`` loads the checkpoint where qkmla is installed (pip install "qkmla[hf]"),
+and with ``import qkmla.integrations.transformers`` it loads without trust_remote_code."""
+
+from qkmla.integrations.transformers.auto import (  # noqa: F401
+    QKNormDeepseekV2Config,
+    QKNormDeepseekV2ForCausalLM,
+    QKNormDeepseekV3Config,
+    QKNormDeepseekV3ForCausalLM,
+)
+'''
+
+
+def write_code(directory) -> Path:
+    """Write ``modeling_qkmla.py`` (what config.json's ``auto_map`` names) into ``directory``."""
+    path = Path(directory) / f"{CODE}.py"
+    path.write_text(CODE_TEXT)
+    return path
+
+
+def declaration(model_type: str, architectures: Optional[list] = None) -> dict:
+    """The config.json fields that declare a QK-normed checkpoint of a DeepSeek ``model_type`` (stock
+    or qkmla's): qkmla's model type, ``architectures`` with qkmla's names for DeepSeek's causal LMs
+    (default: the causal LM), and the ``auto_map`` naming the classes in ``modeling_qkmla.py``."""
+    stock = stock_model_type(model_type)
+    model = QK_ARCHITECTURES[f"Deepseek{stock.removeprefix('deepseek_').upper()}ForCausalLM"]
+    return {"model_type": QK_MODEL_TYPES[stock],
+            "architectures": [QK_ARCHITECTURES.get(a, a) for a in architectures or [model]],
+            "auto_map": {"AutoConfig": f"{CODE}.{model.removesuffix('ForCausalLM')}Config",
+                         "AutoModelForCausalLM": f"{CODE}.{model}"}}
 
 
 def stock_model_type(model_type):
@@ -191,74 +224,6 @@ def record_groups(hf_config, groups: int) -> None:
     recorded_groups(hf_config)
 
 
-def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
-    """{name under ``self_attn.``: shape} of the weights a layer with ``config``'s norm adds, read from
-    the norms it builds (with the projection scope a weight has a row per query head or KV group)."""
-    q_norm, k_norm = qk_norms_of(config)
-    shapes = {f"{side}.{block}.weight": tuple(getattr(norm, block).weight.shape)
-              for side, norm in (("q_norm", q_norm), ("k_norm", k_norm)) if norm is not None
-              for block in ("content", "rope")}
-    return shapes | ({"logit_scale": (config.num_heads,)} if config.learnable_logit_scale else {})
-
-
-def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional[QKNormConfig]) -> dict[str, str]:
-    """Before any weight is read: the checkpoint holds exactly the norm weights its config records,
-    with the right shapes (from the safetensors headers). Returns {tensor name: shard file}.
-
-    Raises:
-        ValueError: naming the file, for a norm recorded whose weights are missing, norm weights
-            whose norm is not recorded, or a weight of the wrong shape.
-    """
-    from .config import mla_config_from_hf
-
-    root = Path(hf_dir)
-    weight_map, listing = _weight_map(root)
-    ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
-    found = {k for k in weight_map if any(o in k for o in ours)}
-    groups = recorded_groups(hf_config, str(root / CONFIG))
-    config = mla_config_from_hf(hf_config, qk_norm=norm, **({GROUPS: groups} if groups is not None else {}))
-    layers = hf_config.get("num_hidden_layers")
-    shapes = {f"model.layers.{i}.self_attn.{n}": s
-              for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
-    if norm is None and found:
-        raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
-                         f"{root / CONFIG} records no norm (its {RECORD!r} entry is missing); the config and the "
-                         f"weights are from different models")
-    records = {k for k in found if k.endswith("._extra_state")}  # the variant record of each norm (optional)
-    found -= records
-    missing, extra = sorted(set(shapes) - found), sorted(found - set(shapes))
-    if missing or extra:
-        raise ValueError(f"hf_dir: {root / CONFIG} records the norm {describe(norm)} but {listing} "
-                         + (f"lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} ({len(missing)} missing)"
-                            if missing else f"also holds {extra[:3]} ({len(extra)} not of that norm)"))
-    files = {}
-    for name, shape in shapes.items():
-        file = weight_map[name]
-        if not (root / file).is_file():
-            raise ValueError(f"hf_dir: {listing} names shard file {file}, which is not in {root}")
-        with _open(root / file) as f:
-            got = tuple(f.get_slice(name).get_shape())
-        if got != shape:
-            raise ValueError(f"hf_dir: {root / file}: {name} has shape {got}; the config in {root / CONFIG} needs "
-                             f"{shape}")
-        files[name] = file
-    if records:
-        want = norm.name if norm is not None and norm.kind is not None else None
-        for name in sorted(records):
-            with _open(root / weight_map[name]) as f:
-                got = bytes(f.get_tensor(name).tolist()).decode("ascii", "replace")
-            if got != want:
-                raise ValueError(f"hf_dir: {root / weight_map[name]}: {name} says its weights belong to a {got} QK "
-                                 f"norm, but {root / CONFIG} records {describe(norm)}")
-    return files
-
-
-def saved_norm(hf_dir: Union[str, Path]) -> Optional[QKNormConfig]:
-    """The QK norm a checkpoint directory's config.json records (None for none)."""
-    root = Path(hf_dir)
-    return recorded_norm(read_hf_config(root), str(root / CONFIG))
-
-
 def describe(norm: Optional[QKNormConfig]) -> str:
     """One line naming a recorded norm, e.g. ``rms blockwise``."""
     if norm is None:
@@ -266,6 +231,6 @@ def describe(norm: Optional[QKNormConfig]) -> str:
     return norm.name + (", learnable logit scale" if norm.learnable_logit_scale else "")
 
 
-__all__ = ["CODE", "FLAT_FIELDS", "GROUPS", "LOADER", "NORM", "QK_ARCHITECTURES", "QK_MODEL_TYPES", "RECORD",
-           "check_norm_tensors", "describe", "record_groups", "recorded_groups", "recorded_norm", "saved_norm",
-           "stock_model_type"]
+__all__ = ["CODE", "CODE_TEXT", "FLAT_FIELDS", "GROUPS", "LOADER", "NORM", "QK_ARCHITECTURES", "QK_MODEL_TYPES",
+           "RECORD", "declaration", "describe", "record_groups", "recorded_groups", "recorded_norm", "stock_model_type",
+           "write_code"]

@@ -67,7 +67,9 @@ from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDict
 from ...config import QKNormConfig  # noqa: E402
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
 from ..hub.config import hf_rope  # noqa: E402
-from ..hub.record import check_norm_tensors, describe, record_norm, recorded_groups, recorded_norm  # noqa: E402
+from ..hub.checkpoint import check_norm_tensors  # noqa: E402
+from ..hub.record import (QK_MODEL_TYPES, declaration, describe, record_norm, recorded_groups,  # noqa: E402
+                          recorded_norm, stock_model_type, write_code)
 from .attention import QKAttention  # noqa: E402
 
 MODEL_TYPE = "deepseek_v3"
@@ -295,9 +297,12 @@ def _hf_state(model: DeepSeekV3Model) -> dict[str, torch.Tensor]:
 def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: bool = False,
               dtype: Optional[torch.dtype] = None) -> Path:
     """Write a torchtitan DeepSeek-V3 model (stock ``Attention`` or qkmla's ``QKAttention`` layers) as a
-    Hugging Face DeepSeek-V3 checkpoint directory: config.json (with qkmla's record for a QK-normed
-    model) and model.safetensors. Plain models load with transformers' ``AutoModelForCausalLM``,
-    QK-normed ones with ``qkmla.integrations.transformers.from_pretrained``.
+    Hugging Face DeepSeek-V3 checkpoint directory: config.json and model.safetensors. A plain model is
+    a stock DeepSeek-V3 checkpoint (transformers' ``AutoModelForCausalLM``); a QK-normed one declares
+    qkmla's model (``qkmla_deepseek_v3``, ``QKNormDeepseekV3ForCausalLM``, its ``auto_map`` and
+    ``modeling_qkmla.py``, qkmla's record of the norm), which ``AutoModelForCausalLM`` loads with
+    ``qkmla.integrations.transformers`` imported, as ``qkmla.integrations.transformers.from_pretrained``
+    does.
 
     Args:
         model: a built torchtitan ``DeepSeekV3Model`` (its ``config`` describes it), on one process.
@@ -330,6 +335,8 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
         keep = not t.is_floating_point() or dtype is None or name.endswith(EXPERT_BIAS)
         tensors[name] = t.detach().to(device="cpu", dtype=None if keep else dtype).contiguous().clone()
     stored = tensors["model.embed_tokens.weight"].dtype
+    if norm is not None:  # a model of its own: qkmla's model type, architecture and auto_map (hub.record)
+        fields.update(declaration(MODEL_TYPE))
     config = SimpleNamespace(**fields, dtype=str(stored).removeprefix("torch."))
     record_norm(config, norm)  # qkmla's record (and loader) for a QK-normed model; nothing for a plain one
 
@@ -340,6 +347,8 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
     try:
         (tmp / CONFIG).write_text(json.dumps(vars(config), indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
+        if norm is not None:
+            write_code(tmp)  # modeling_qkmla.py, which the auto_map names
         if out.exists():
             old = out.parent / f".{out.name}.{tmp.name}.old"
             out.rename(old)
@@ -379,8 +388,9 @@ def import_hf(hf_dir: Union[str, Path], model: DeepSeekV3Model) -> None:
     if not root.is_dir():
         raise ValueError(f"hf_dir: {root} is not a directory")
     hf_config, where = read_hf_config(root), root / CONFIG
-    if hf_config.get("model_type") != MODEL_TYPE:
-        raise ValueError(f"hf_dir: {where} describes a {hf_config.get('model_type')!r} model; allowed: {MODEL_TYPE!r}")
+    if stock_model_type(hf_config.get("model_type")) != MODEL_TYPE:
+        raise ValueError(f"hf_dir: {where} describes a {hf_config.get('model_type')!r} model; allowed: {MODEL_TYPE!r} "
+                         f"and qkmla's {QK_MODEL_TYPES[MODEL_TYPE]!r}")
     if hf_config.get("quantization_config"):
         raise ValueError(f"hf_dir: {where} has a quantization_config (FP8 weights); allowed: unquantized weights "
                          f"(dequantize first)")

@@ -38,32 +38,10 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, De
                           DeepseekV3Config, DeepseekV3ForCausalLM)
 
 from ..hub.checkpoint import CONFIG
-from ..hub.record import CODE, LOADER, QK_ARCHITECTURES, QK_MODEL_TYPES, recorded_norm
+from ..hub.record import CODE_TEXT, LOADER, QK_MODEL_TYPES, declaration, recorded_norm, write_code  # noqa: F401
 
 # What older checkpoints record as attn_implementation: qkmla's loader, under its names then and now.
 _LOADERS = (LOADER, "qkmla.interop.from_pretrained")
-
-CODE_TEXT = '''"""This checkpoint's model is qkmla's QK-normed DeepSeek (https://pypi.org/project/qkmla/): its
-attention layers carry a QK norm that transformers' own DeepSeek classes do not compute, so it
-declares a model type of its own. Its classes are qkmla's; this file only imports them, so
-``trust_remote_code=True`` loads the checkpoint where qkmla is installed (pip install "qkmla[hf]"),
-and with ``import qkmla.integrations.transformers`` it loads without trust_remote_code."""
-
-from qkmla.integrations.transformers.auto import (  # noqa: F401
-    QKNormDeepseekV2Config,
-    QKNormDeepseekV2ForCausalLM,
-    QKNormDeepseekV3Config,
-    QKNormDeepseekV3ForCausalLM,
-)
-'''
-
-
-def write_code(directory) -> Path:
-    """Write ``modeling_qkmla.py`` (what config.json's ``auto_map`` names) into ``directory``."""
-    path = Path(directory) / f"{CODE}.py"
-    path.write_text(CODE_TEXT)
-    return path
-
 
 class _QKNormConfig:
     """What qkmla's config classes add to transformers' DeepSeek config: how they are written."""
@@ -76,12 +54,7 @@ class _QKNormConfig:
 
     def _declared(self, output: dict) -> dict:
         """A serialized config with qkmla's model type, architecture and auto_map."""
-        model = next(_MODELS[c] for c in type(self).__mro__ if c in _MODELS)
-        output["model_type"] = type(self).model_type
-        output["architectures"] = [QK_ARCHITECTURES.get(name, name) for name in output.get("architectures") or
-                                   [model.__name__]]
-        output["auto_map"] = {"AutoConfig": f"{CODE}.{type(self).__name__}",
-                              "AutoModelForCausalLM": f"{CODE}.{model.__name__}"}
+        output.update(declaration(type(self).model_type, output.get("architectures")))
         return output
 
     def to_json_file(self, json_file_path, use_diff: bool = True):

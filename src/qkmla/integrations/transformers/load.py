@@ -16,7 +16,8 @@ from ...ops.mla_decode.backends import check_backend
 from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.record import QK_MODEL_TYPES, check_norm_tensors, describe, recorded_norm, stock_model_type
+from ..hub.checkpoint import check_norm_tensors
+from ..hub.record import QK_MODEL_TYPES, describe, recorded_norm, stock_model_type
 
 _CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _MODEL_TYPES = tuple(_CLASSES) + tuple(QK_MODEL_TYPES.values())
