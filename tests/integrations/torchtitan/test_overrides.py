@@ -151,3 +151,25 @@ def test_context_parallelism_is_refused_for_a_layer_that_measures_its_max_logits
     plain = titan.build(titan.config(["qk_norm"]).model_spec.model).layers["0"].attention
     plain._sharding_config = ShardingConfig(state_shardings={})  # torchtitan's update_from_config sets one
     plain._distribute_states(parallel)
+
+
+def test_kimi_k2_5s_language_model_attention_is_replaced_and_its_vision_encoders_left_alone():
+    """torchtitan's Kimi K2.5 / Moonlight models use DeepSeek-V3's MLA in the language model (its
+    vision encoder names its attention ``attn``): qk_norm replaces every language-model layer, the
+    vision encoder's attention stays, and the model passes the Trainer's module check. (Its config
+    registry needs torchvision; its model registry does not.)"""
+    import torch
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.kimi_k2_7 import model_registry
+    from torchtitan.trainer import Trainer
+
+    config = Trainer.Config(model_spec=model_registry("debugmodel"))
+    config.override = OverrideConfig(imports=["qkmla.integrations.torchtitan.overrides.qk_norm"])
+    apply_overrides(config.override, config)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    layers = [name for name, m in model.named_modules() if isinstance(m, QKAttention)]
+    vision = [name for name, m in model.named_modules() if type(m).__name__ == "VisionAttention"]
+    assert len(layers) == len(config.model_spec.model.layers) and all(n.endswith(".attention") for n in layers)
+    assert vision and not any(isinstance(m, QKAttention) for n, m in model.named_modules() if "vision" in n)
+    model.verify_module_protocol()
