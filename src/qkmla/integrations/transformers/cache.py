@@ -16,8 +16,10 @@ needs to take the right number of tokens off each sequence.
 
 :class:`LatentAttentionCache` is the whole cache, one latent layer per decoder layer;
 transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`` makes one by
-default): its layers are replaced by latent layers. A layer that already holds transformers'
-keys and values, or a static, sliding or quantized transformers layer, is refused.
+default, and an offloading one for ``cache_implementation="offloaded"``): its layers are replaced
+by latent layers, which offload as transformers' do when the cache offloads. A layer that already
+holds transformers' keys and values, or a static, sliding or quantized transformers layer, is
+refused (:func:`check_cache`), naming ``cache_implementation`` for the ones it makes.
 
 Supported transformers: 5.4 to 5.24 (the cache-layer API took its present form in 5.0; a
 QK-normed checkpoint is refused by transformers alone from 5.4 on, see hf_qknorm).
@@ -29,7 +31,7 @@ import math
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
 from ...cache.eviction import EvictionPolicy
 from ...cache.latent import LatentCache
@@ -60,6 +62,9 @@ class LatentCacheLayer(CacheLayerMixin):
         kv_format: the latent's storage (``qkmla.kv_formats.KV_FORMATS``).
         policy: an eviction policy, or None to keep every token.
         max_cache_len: a fixed capacity in tokens per sequence; None grows as needed.
+        offloading: keep the rows in CPU memory between this layer's forwards (transformers'
+            ``offloaded`` cache): each forward brings them back to the model's device and sends
+            them to the CPU when done (:meth:`prefetch`, :meth:`offload`).
 
     The :class:`~qkmla.LatentCache` is allocated by the first forward (which fixes the batch
     size, device and dtype) and grown by reallocation when it fills.
@@ -70,10 +75,11 @@ class LatentCacheLayer(CacheLayerMixin):
     supports_early_init = False
 
     def __init__(self, config: MLAConfig, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
-                 max_cache_len: Optional[int] = None):
+                 max_cache_len: Optional[int] = None, offloading: bool = False):
         super().__init__()
         check_cache_settings(kv_format, policy, max_cache_len)
         self.config, self.kv_format, self.policy, self.max_cache_len = config, kv_format, policy, max_cache_len
+        self.offloading = bool(offloading)
         self.is_croppable = policy is None  # an evicted token cannot be put back
         self.latent: Optional[LatentCache] = None
         self.columns = 0
@@ -116,11 +122,29 @@ class LatentCacheLayer(CacheLayerMixin):
         """Forget everything, batch size included: the next forward allocates anew."""
         self.latent, self.stored, self.offsets, self.columns, self.is_initialized = None, None, None, 0, False
 
-    def offload(self) -> None:  # the rows stay where the attention reads them
-        pass
+    def offload(self) -> None:
+        """Move the rows (latent and RoPE key, key scalars) to CPU memory; :meth:`prefetch`, or the
+        layer's next forward, brings them back. The per-sequence counts (a few ints per sequence)
+        stay where they are."""
+        self._move_rows(torch.device("cpu"))
 
     def prefetch(self) -> None:
-        pass
+        """Bring offloaded rows back to the device the layer runs on."""
+        if self.latent is not None:
+            self._move_rows(self.latent.device)
+
+    def _move_rows(self, device: torch.device) -> None:
+        if self.latent is None:
+            return
+        for buffer in self.latent.fields.values():  # ContiguousBuffer: LatentCache.from_config's layout
+            if buffer.data.device != device:
+                buffer.data = buffer.data.to(device, non_blocking=True)
+
+    @property
+    def is_offloaded(self) -> bool:
+        """Whether the rows are in CPU memory while the layer runs elsewhere (False before the first forward)."""
+        return self.latent is not None and any(b.data.device != self.latent.device
+                                               for b in self.latent.fields.values())
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(beam_idx)
@@ -169,7 +193,7 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def reserve(self, batch_size: int, num_tokens: int, device, dtype: torch.dtype) -> LatentCache:
         """The latent cache, allocated or grown so that ``num_tokens`` more tokens of each of
-        ``batch_size`` sequences fit."""
+        ``batch_size`` sequences fit; offloaded rows come back first."""
         if self.latent is None:
             capacity = self.max_cache_len or GROW * math.ceil(num_tokens / GROW)
             self._check_capacity(num_tokens, capacity)
@@ -180,6 +204,8 @@ class LatentCacheLayer(CacheLayerMixin):
             return self.latent
         latent = self.latent
         self.check_batch(batch_size)
+        if self.offloading or self.is_offloaded:
+            self.prefetch()
         if torch.device(device) != latent.device or dtype != latent.dtype:
             raise ValueError(f"cache: it holds {latent.dtype} rows on {latent.device}, the model now runs "
                              f"{dtype} on {device}; pass a new cache")
@@ -201,11 +227,14 @@ class LatentCacheLayer(CacheLayerMixin):
                              f"new tokens need {needed}; build it with a larger max_cache_len, or None to grow")
 
     def advance(self, valid: Optional[torch.Tensor], batch_size: int, num_tokens: int) -> None:
-        """Count this forward's columns (``valid`` [B, T], or None when all were real)."""
+        """The attention layer's last call of a forward: count this forward's columns (``valid``
+        [B, T], or None when all were real), then offload the rows if the cache offloads."""
         if valid is None:
             valid = torch.ones(batch_size, num_tokens, dtype=torch.bool, device=self.stored.device)
         self.stored = torch.cat((self.stored, valid.to(self.stored.device)), dim=1)
         self.columns += num_tokens
+        if self.offloading:
+            self.offload()
 
     @property
     def bytes_per_token(self) -> int:
@@ -261,28 +290,58 @@ def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: 
         layer.offsets = offsets
 
 
+def check_cache(cache, name: str = "cache") -> None:
+    """Refuse, changing nothing, a ``cache`` whose layers qkmla's attention cannot use: anything
+    but a transformers ``Cache`` whose layers are latent ones or empty ``DynamicLayer`` s (which
+    :func:`adopt_layer` turns into latent ones). ``name`` is the argument it came as."""
+    if not isinstance(cache, Cache):
+        raise ValueError(f"{name}: expected a transformers Cache (qkmla.integrations.transformers.LatentAttentionCache, "
+                         f"or an empty DynamicCache), got {type(cache).__name__}")
+    for layer_idx, layer in enumerate(cache.layers):
+        _check_layer(layer, layer_idx, name)
+
+
+def _check_layer(layer, layer_idx: int, name: str) -> None:
+    if isinstance(layer, LatentCacheLayer):
+        return
+    kind = type(layer).__name__
+    if isinstance(layer, StaticLayer):
+        raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind}, a static "
+                         f"cache's (cache_implementation=\"static\" or \"offloaded_static\", or a StaticCache "
+                         f"passed as {name}): fixed-shape keys and values for torch.compile. qkmla's attention "
+                         f"caches latent rows, and its latent cache is not compileable. Leave cache_implementation "
+                         f"unset (generate then grows a latent cache; \"offloaded\" works too), or pass "
+                         f"{name}=qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=N) for "
+                         f"a fixed capacity")
+    if "Quantized" in kind:
+        raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind} "
+                         f"(cache_implementation=\"quantized\"), which quantizes keys and values; qkmla's attention "
+                         f"caches latent rows, quantized with apply_latent_attention(model, kv_format=\"fp8\", "
+                         f"\"int8\" or \"int4\") or LatentAttentionCache(model, kv_format=...)")
+    if type(layer) is not DynamicLayer:
+        raise ValueError(f"{name}: layer {layer_idx} is a transformers {kind}, which stores keys and values; "
+                         f"qkmla's attention needs latent rows: pass "
+                         f"qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=...) for a fixed "
+                         f"capacity, or an empty DynamicCache")
+    if layer.get_seq_length() > 0:
+        raise ValueError(f"{name}: layer {layer_idx} already holds {layer.get_seq_length()} tokens of transformers' "
+                         f"keys and values (filled by an unpatched model); start from an empty cache")
+
+
 def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str = "dense",
                 policy: Optional[EvictionPolicy] = None) -> LatentCacheLayer:
     """``cache``'s latent layer ``layer_idx``; an empty transformers ``DynamicLayer`` in that slot
-    (or none yet) becomes one. Anything else is refused."""
+    (or none yet) becomes one, offloading if the cache offloads (``cache_implementation="offloaded"``).
+    Anything else is refused (:func:`check_cache`)."""
     if not isinstance(cache, Cache):
-        raise ValueError(f"cache: expected a transformers Cache (qkmla.integrations.transformers.LatentAttentionCache, "
-                         f"or an empty DynamicCache), got {type(cache).__name__}")
+        check_cache(cache)
     layers = cache.layers
     if layer_idx < len(layers) and isinstance(layers[layer_idx], LatentCacheLayer):
         return layers[layer_idx]
     while len(layers) <= layer_idx:
         layers.append(DynamicLayer())
-    old = layers[layer_idx]
-    if type(old) is not DynamicLayer:
-        raise ValueError(f"cache: layer {layer_idx} is a transformers {type(old).__name__}, which stores keys and "
-                         f"values; qkmla's attention needs latent rows: pass "
-                         f"qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=...) for a fixed "
-                         f"capacity, or an empty DynamicCache")
-    if old.get_seq_length() > 0:
-        raise ValueError(f"cache: layer {layer_idx} already holds {old.get_seq_length()} tokens of transformers' "
-                         f"keys and values (filled by an unpatched model); start from an empty cache")
-    layers[layer_idx] = LatentCacheLayer(config, kv_format, policy)
+    _check_layer(layers[layer_idx], layer_idx, "cache")
+    layers[layer_idx] = LatentCacheLayer(config, kv_format, policy, offloading=getattr(cache, "offloading", False))
     return layers[layer_idx]
 
 
@@ -298,19 +357,23 @@ class LatentAttentionCache(Cache):
         policy: the eviction policy; by default the one ``apply_latent_attention`` was given
             (``policy=None`` turns eviction off).
         max_cache_len: a fixed capacity per sequence (transformers' static cache), or None to grow.
+        offloading: keep each layer's rows in CPU memory between its forwards (transformers'
+            ``offloaded`` cache, which ``generate(..., cache_implementation="offloaded")`` gets
+            without building one).
 
     Examples:
         >>> cache = LatentAttentionCache(model, kv_format="fp8")               # doctest: +SKIP
         >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
     """
 
-    def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None):
+    def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None,
+                 offloading: bool = False):
         settings = model_settings(model)
         kv_format = kv_format if kv_format is not None else settings.kv_format
         policy = settings.policy if policy is _MODEL_SETTING else policy
         check_cache_settings(kv_format, policy, max_cache_len)
-        super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len)
-                                 for attn in latent_layers(model)])
+        super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len, offloading)
+                                 for attn in latent_layers(model)], offloading=offloading)
 
     @property
     def bytes_per_token(self) -> int:

@@ -24,6 +24,11 @@ hooks on the inner ``*Model``:
   attention implementation becomes ``"qkmla_latent"``, whose mask function builds none (a
   padded 32k prompt would otherwise get a [B, 1, T, T] mask).
 
+On the model object it is given, switching the attention implementation
+(``set_attn_implementation``) and transformers' continuous batching (``generate_batch``, which
+runs transformers' attention functions over a paged cache of keys and values) are refused
+before any work; ``generate`` on a padded batch is what serves many prompts.
+
 Embeddings, MLP and MoE, the final norm, the LM head and the generation utilities stay
 transformers' own. transformers' attention-function registry is not used: it only ever
 receives expanded keys and values, which the absorbed path never forms.
@@ -40,7 +45,8 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache_settings, check_positions
+from .cache import (LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings,
+                    check_positions)
 from .patched import inner_model
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
@@ -91,6 +97,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
             layer.self_attn.config = layer.self_attn.config.replace(decode_backend=decode_backend)
         if norm is not None and current is None:
             _record(model, norm)
+        _keep_latent_attention(model)  # the causal LM, when the first call was given its inner model
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
@@ -105,6 +112,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     inner._qkmla_signature = inspect.signature(inner.forward)
     inner.register_forward_pre_hook(_before_forward, with_kwargs=True)
     _no_transformers_mask(model)
+    _keep_latent_attention(model)
     return model
 
 
@@ -133,6 +141,39 @@ def _no_transformers_mask(model) -> None:
     AttentionMaskInterface.register(LATENT_IMPLEMENTATION, lambda *args, **kwargs: None)
     for config in _configs(model):
         config._attn_implementation = LATENT_IMPLEMENTATION
+
+
+def _keep_latent_attention(model) -> None:
+    """Refuse, on this model object, what would need transformers' attention functions: switching
+    the attention implementation (``set_attn_implementation``) and continuous batching
+    (``init_continuous_batching``, which ``generate_batch`` and ``continuous_batching_context_manager``
+    call first). Set on the instance, so other models stay stock."""
+    model.set_attn_implementation = _set_attn_implementation
+    if hasattr(model, "init_continuous_batching"):  # the causal LM (transformers' GenerationMixin)
+        model.init_continuous_batching = _no_continuous_batching
+
+
+def _set_attn_implementation(attn_implementation, *args, **kwargs) -> None:
+    """``set_attn_implementation`` of a patched model: ``"qkmla_latent"`` (what it has) or refused."""
+    requested = attn_implementation.get("", LATENT_IMPLEMENTATION) if isinstance(attn_implementation, dict) \
+        else attn_implementation
+    if requested != LATENT_IMPLEMENTATION:
+        raise ValueError(f"attn_implementation: this model attends through qkmla's latent attention layers "
+                         f"(apply_latent_attention; implementation {LATENT_IMPLEMENTATION!r}), which "
+                         f"{requested!r:.40} would not replace: transformers would build masks the layers never "
+                         f"read, and its continuous batching, which asks for this switch, still could not run them. "
+                         f"Generate with model.generate (a padded batch is supported); for transformers' own "
+                         f"attention, load the model again without apply_latent_attention")
+
+
+def _no_continuous_batching(*args, **kwargs):
+    """``init_continuous_batching`` of a patched model, where ``generate_batch`` starts: refused."""
+    raise ValueError("generate_batch: transformers' continuous batching (generate_batch, init_continuous_batching, "
+                     "continuous_batching_context_manager) runs transformers' attention functions over its own paged "
+                     "cache of expanded keys and values, which qkmla's latent attention layers never call; it is not "
+                     "supported on a model patched by apply_latent_attention. Use model.generate on a padded batch "
+                     "(input_ids and attention_mask from a tokenizer with padding_side=\"left\", called with "
+                     "padding=True): each prompt gets the tokens it gets alone, through the latent cache")
 
 
 def _call_arguments(module, args, kwargs) -> dict:
@@ -169,6 +210,8 @@ def _before_forward(module, args, kwargs):
     name = names[0] if names else ("cache" if "cache" in module._qkmla_signature.parameters else "past_key_values")
     use_cache = arguments.get("use_cache")
     use_cache = module.config.use_cache if use_cache is None else use_cache
+    if cache is not None:  # a static or quantized transformers cache is refused before anything else
+        check_cache(cache, name)
     documents, packed_by = _packed_documents(arguments, batch_size, num_tokens)
     if documents is not None and cache is not None:
         raise ValueError(f"{packed_by}: this call packs several sequences into a batch row (transformers' "
