@@ -17,6 +17,12 @@ this process, so they are refused with more than one rank. ``"eager": false`` co
 ``"decode_backend"``: the decode op's backend in the QK-normed layers (the plugin's default:
 "auto"); the result counts the calls that reached the CPU kernel (``cpu_kernel_calls``), and
 those that formed key scalars through the CPU kernel (``key_scalar_kernel_calls``).
+``"reload": {"model": DIR2, "via": "reload_weights" | "load_weights", "only": [...]}``: after serving
+the prompts, load DIR2's weights into the running engine in place (vLLM's ``reload_weights``, what RL
+weight sync runs, or the model's own ``load_weights`` called directly, with the tensors whose names
+contain one of ``only``) and serve them again: the result is the second serving's (the first one's
+tokens as ``tokens_before_reload``). ``"vllm_version"``: the version vLLM reports (``vllm.__version__``),
+as if another release were installed. The result names the model's class (``model_class``).
 """
 
 import json
@@ -26,7 +32,7 @@ import sys
 CONTEXT_CALLS: list = []  # prefills that attended over cached context (with "cached_context")
 RESULT_TAG = "qkmla-engine-result "  # worker processes may log to stdout after the result
 PATCHES = ("ignore_key_scalars", "cached_context", "narrow_context", "amx_configuration",
-           "decode_backend")  # this process only
+           "decode_backend", "vllm_version")  # this process only
 KERNEL_CALLS: list = []  # decode calls that reached the CPU kernel
 STATISTIC_CALLS: list = []  # key scalars formed through the CPU kernel (ops.small_linear.group_statistic)
 
@@ -65,6 +71,24 @@ def cache_row_widths(model) -> list:
     return [m.mla_attn.kv_cache.shape[-1] for m in model.modules() if isinstance(m, QKNormLatentAttention)]
 
 
+def model_class(model) -> str:
+    """The module and name of one rank's model class."""
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def load_weights_from(path: str, only, model) -> int:
+    """``model.load_weights`` over the tensors of the checkpoint at ``path`` whose names contain one of
+    ``only`` (a direct call: vLLM runs nothing after it); the number of weights it reports loaded."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    def weights():
+        for f in sorted(Path(path).glob("*.safetensors")):
+            yield from ((k, t) for k, t in load_file(f).items() if any(part in k for part in only))
+    return len(model.load_weights(weights()))
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     parallel = args.get("parallel", {})
@@ -74,7 +98,11 @@ def main() -> None:
                          f"worker processes of {ranks} ranks")
     # The engine core (and with one rank its worker) in this process, so that the patches reach them.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
     from vllm import LLM, SamplingParams
+
+    if args.get("vllm_version"):
+        vllm.__version__ = args["vllm_version"]
 
     if args.get("ignore_key_scalars"):
         from qkmla.integrations.vllm import backend
@@ -172,6 +200,21 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.get("max_tokens", 12), temperature=0, logprobs=0,
                             ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
+    reload = args.get("reload")
+    if reload:
+        before = [list(o.outputs[0].token_ids) for o in outs]
+        if reload["via"] == "reload_weights":  # the worker's reload_weights (vLLM's in-place reload)
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": reload["model"], "is_checkpoint_format": True})
+        elif reload["via"] == "load_weights":
+            import functools
+
+            loaded = llm.apply_model(functools.partial(load_weights_from, reload["model"], reload["only"]))
+            if not all(loaded):
+                raise SystemExit(f"load_weights loaded nothing of {reload['only']}")
+        else:
+            raise SystemExit(f"reload.via: reload_weights or load_weights, got {reload['via']!r}")
+        llm.reset_prefix_cache()
+        outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
     if repeat:  # again: every prompt's blocks are now in the prefix cache
         first, before = outs, len(CONTEXT_CALLS)
         outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params, use_tqdm=False)
@@ -182,7 +225,8 @@ def main() -> None:
     widths = llm.apply_model(cache_row_widths)
     key_weights = llm.apply_model(key_weights_read_in_place)
     config = llm.llm_engine.vllm_config
-    result = {"amx": amx, "qk_layers": len(layers[0]), "qk_layers_by_rank": layers,
+    result = {"amx": amx, "model_class": llm.apply_model(model_class)[0], "qk_layers": len(layers[0]),
+              "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
               "key_weights_read_in_place": sum(key_weights, []), "cpu_kernel_calls": len(KERNEL_CALLS),
               "key_scalar_kernel_calls": len(STATISTIC_CALLS),
@@ -191,6 +235,7 @@ def main() -> None:
               "context_prefills": len(CONTEXT_CALLS), "context_workspace_widths": sorted(set(CONTEXT_CALLS)),
               "context_prefills_again": again if repeat else None,
               "cached_tokens_again": [o.num_cached_tokens for o in outs] if repeat else None,
+              "tokens_before_reload": before if reload else None,
               "tokens": [list(o.outputs[0].token_ids) for o in outs],
               "logprobs": [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]}
     print(RESULT_TAG + json.dumps(result))

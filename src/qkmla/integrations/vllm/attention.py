@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -58,7 +58,8 @@ class QKNormMLAAttention(MLAAttention):
     then ``row_padding`` values that are never written nor read."""
 
     def __init__(self, *, num_key_scalars: int, score_mode: str, decode_backend: str, attn_backend: type,
-                 content_key_scalars=None, row_padding: int = 0, **kwargs):
+                 content_key_scalars=None, row_padding: int = 0, weights_loaded: Optional[Callable[[], None]] = None,
+                 **kwargs):
         # The impl (backend.py) takes the four after vLLM's own arguments (extra_impl_args); a
         # backend may bring its own prefill (the CPU one does: backend.cpu_prefill_backend).
         super().__init__(**kwargs, attn_backend=attn_backend,
@@ -66,6 +67,24 @@ class QKNormMLAAttention(MLAAttention):
                          num_key_scalars=num_key_scalars, score_mode=score_mode, decode_backend=decode_backend,
                          content_key_scalars=content_key_scalars)
         self.num_key_scalars, self.row_padding = num_key_scalars, row_padding
+        self.weights_loaded = weights_loaded
+        self.act_dtype: Optional[torch.dtype] = None  # set once vLLM has processed the loaded weights
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """vLLM's W_UK_T and W_UV from ``kv_b_proj``, then the QK-normed layer's own derived weights
+        (``weights_loaded``: :meth:`QKNormLatentAttention.prepare`). vLLM runs this after the first
+        load and again after an in-place reload (``reload_weights``), which runs no model-level hook."""
+        super().process_weights_after_loading(act_dtype)
+        self.act_dtype = act_dtype
+        if self.weights_loaded is not None:
+            self.weights_loaded()
+
+    def processed(self) -> bool:
+        """Whether vLLM has derived W_UK_T from the weights now in place: False before the first
+        load's processing and while an in-place reload is under way (it removes the layer's tensors
+        until it processes it again)."""
+        w = self._parameters.get("W_UK_T")
+        return self.act_dtype is not None and w is not None and not w.is_meta
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
@@ -114,15 +133,19 @@ class QKNormLatentAttention(nn.Module):
             kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=_cache_config(),
             quant_config=None, prefix=old.layer_name, attn_backend=backend,
             num_key_scalars=scalars, row_padding=padding, score_mode=score_mode(self.k_norm),
-            decode_backend=decode_backend,
+            decode_backend=decode_backend, weights_loaded=self.prepare,
             # a prefill key's scalar from its content key, where k_pe does not carry it (new tokens whose
             # scalars the cache write forms; context gathered without them on CUDA)
             content_key_scalars=None if self.k_norm is None else functools.partial(content_key_scalars,
                                                                                    k_norm=self.k_norm))
 
     def prepare(self) -> None:
-        """gamma_q^C ⊙ gamma_k^C and W_UK per head, once the weights are loaded; the backend's cache
-        write gets the key scalars' function (``latent_key_scalars``) where it forms them.
+        """W_UK per head for the new tokens' key scalars, once vLLM has derived its W_UK_T from the
+        loaded weights, and the backend's cache write given the key scalars' function
+        (``latent_key_scalars``) where it forms them. Run by :class:`QKNormMLAAttention` whenever
+        vLLM processes the layer's weights: after loading and after each in-place reload (and by
+        ``model.py`` after a direct ``load_weights``). gamma_q^C ⊙ gamma_k^C is not kept: the
+        forward forms it from the norm weights, so a reload of those needs nothing here.
 
         ``MLAAttention`` has derived W_UK already (``W_UK_T`` [h, d_n, d_c], what ``absorb``
         gives), as a view of ``kv_b_proj``'s weight in which each head's W_UV rows lie between
@@ -131,13 +154,20 @@ class QKNormLatentAttention(nn.Module):
         vLLM's query absorption, which reads the same rows right after the cache write, finds
         them in cache. Where the kernel does not run (float32, unified mode's GEMM in the
         graph), the layer keeps one contiguous copy (h d_n d_c values, half of ``kv_b_proj``'s
-        weight), which the GEMM reads as one [h d_n, d_c] matrix without a copy on every step."""
-        gamma_qk, w_uk = None, self.mla_attn.W_UK_T.detach()
-        if self.q_norm is not None:
-            gamma_qk = self.q_norm.content.weight.detach() * self.k_norm.content.weight.detach()
-        if self.k_norm is not None and not (self.scalars_at_write and group_kernel_takes(w_uk)):
-            w_uk = w_uk.contiguous()
-        self.absorbed = AbsorbedWeights(w_uk=w_uk, gamma_qk=gamma_qk, w_uv=self.mla_attn.W_UV.transpose(1, 2))
+        weight), which the GEMM reads as one [h d_n, d_c] matrix without a copy on every step.
+        A later call refreshes that copy in place: a compiled graph and the cache write's bound
+        function keep reading the same tensor."""
+        w_uk = self.mla_attn.W_UK_T.detach()
+        kept = self.absorbed.w_uk if self.absorbed is not None else None
+        copy = self.k_norm is not None and not (self.scalars_at_write and group_kernel_takes(w_uk))
+        if kept is not None and _fits(kept, w_uk):
+            if copy and kept.is_contiguous() and kept.data_ptr() != w_uk.data_ptr():
+                kept.copy_(w_uk)
+                return
+            if not copy and kept.stride() == w_uk.stride() and kept.data_ptr() == w_uk.data_ptr():
+                return  # vLLM's own view, refreshed by vLLM where it lies
+        self.absorbed = AbsorbedWeights(w_uk=w_uk.contiguous() if copy else w_uk, gamma_qk=None,
+                                        w_uv=self.mla_attn.W_UV.transpose(1, 2))
         if self.scalars_at_write:
             self.mla_attn.impl.latent_key_scalars = bind_latent_key_scalars(self.k_norm, self.absorbed)
 
@@ -159,8 +189,9 @@ class QKNormLatentAttention(nn.Module):
         T, h, d_r = hidden_states.shape[0], self.num_heads, self.qk_rope_head_dim
         q, c_kv, k_r = self._projections(hidden_states)
         q_c, q_r = q.split([self.qk_nope_head_dim, d_r], dim=-1)
-        if self.q_norm is not None:
-            q_c, q_r = self.q_norm(q_c, q_r, content_weight=self.absorbed.gamma_qk)
+        if self.q_norm is not None:  # gamma_q^C ⊙ gamma_k^C from the weights in place (reloads change them)
+            gamma_qk = self.q_norm.content.weight * self.k_norm.content.weight
+            q_c, q_r = self.q_norm(q_c, q_r, content_weight=gamma_qk)
         if self.scalars_at_write:  # r is formed at the cache write (backend.py)
             k_r, r = rope_key(k_r, self.k_norm), None
         else:
@@ -174,6 +205,10 @@ class QKNormLatentAttention(nn.Module):
         k_pe = k_r.view(T, 1, d_r) if r is None else torch.cat((k_r.view(T, 1, d_r), r.view(T, 1, h).to(k_r.dtype)), -1)
         out = self.mla_attn(q, c_kv, k_pe, output_shape=(T, h * self.v_head_dim))
         return self.o_proj(out)[0]
+
+
+def _fits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _cache_config():

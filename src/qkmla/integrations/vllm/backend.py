@@ -72,9 +72,12 @@ class QKNormImpl:
         self._use_flashinfer_concat_mla_k = False
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor) -> None:
+                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor,
+                           skip_scale: bool = False) -> None:
         """Rows [c | k_rope | r] for c [T, d_c] and k_pe [T, 1, d_r + G] (or [T, 1, d_r]: r formed here
-        from c) into the slots of slot_mapping [T]."""
+        from c) into the slots of slot_mapping [T]. ``skip_scale``: what vLLM 0.33's ``MLAAttention``
+        passes as a seventh argument (write an fp8 cache without its k_scale); unread, as the cache is
+        always in the model's dtype here (``checks.py``)."""
         if kv_cache.numel() == 0:
             return
         slots = slot_mapping.flatten().long()

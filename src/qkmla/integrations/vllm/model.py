@@ -1,10 +1,12 @@
-"""vLLM's DeepSeek-V2/V3 model classes, serving a checkpoint's recorded QK norm.
+"""qkmla's architectures in vLLM: vLLM's DeepSeek-V2/V3 model classes, serving a checkpoint's recorded QK norm.
 
-Registered under vLLM's own architecture names (``register``), so ``vllm serve DIR`` picks
-them for any DeepSeek-V2/V3 checkpoint: one without a ``"qkmla"`` record is vLLM's model,
-unchanged; one with a record has each attention layer replaced by
-:class:`~qkmla.integrations.vllm.attention.QKNormLatentAttention` after vLLM built it. The
-checkpoint's norm tensors (``integrations.hub.record``) load into the new layers:
+Registered under qkmla's own architecture names (``registry.py``): ``QKNormDeepseekV3ForCausalLM``
+and ``QKNormDeepseekV2ForCausalLM``, which a QK-normed checkpoint declares (and which a checkpoint
+qkmla wrote before it declared them is given, from its ``"qkmla"`` record). vLLM's own DeepSeek
+classes serve every other DeepSeek checkpoint. Each attention layer is replaced by
+:class:`~qkmla.integrations.vllm.attention.QKNormLatentAttention` after vLLM built it (a record
+without a norm or logit scale, a GQA conversion's, leaves vLLM's layers). The checkpoint's norm
+tensors (``integrations.hub.record``) load into the new layers:
 
     model.layers.{i}.self_attn.q_norm.{content,rope}.weight  ->  ...self_attn.mla_attn.q_norm...
     model.layers.{i}.self_attn.k_norm.{content,rope}.weight  ->  ...self_attn.mla_attn.k_norm...
@@ -83,14 +85,14 @@ class QKNormMixin:
                     name = name.replace(".self_attn.", ".self_attn.mla_attn.", 1)
                 yield name, tensor
 
-        return super().load_weights(renamed())
-
-    def process_weights_after_loading(self) -> None:
-        parent = getattr(super(), "process_weights_after_loading", None)
-        if parent is not None:
-            parent()
+        loaded = super().load_weights(renamed())
+        # Called directly on a served model (vLLM runs no hook after that), the attention layers'
+        # derived weights are refreshed here, as vLLM's in-place reload refreshes them; while vLLM
+        # loads (first load, reload_weights) the layers are not processed yet, and vLLM processes them next.
         for layer in self._qk_layers():
-            layer.prepare()
+            if layer.mla_attn.processed():
+                layer.mla_attn.process_weights_after_loading(layer.mla_attn.act_dtype)
+        return loaded
 
 
 class QKNormDeepseekV2ForCausalLM(QKNormMixin, DeepseekV2ForCausalLM):
