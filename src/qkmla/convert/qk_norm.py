@@ -3,12 +3,14 @@ and calibrated on real text, written as a new checkpoint directory.
 
     convert_checkpoint("DeepSeek-V2-Lite", "V2-Lite-qknorm", qk_norm="rms")
 
-Every tensor of the source is kept (transformers loads and saves it: embeddings, MLP and
-experts, norms, LM head, under transformers' names); the norm weights are added and
-calibrated (:func:`~qkmla.convert.calibrate.warm_start_qk_norm`) on the first
+Every tensor of the source is kept as it is stored (its shards are copied, or cast to ``dtype``, one
+at a time); the norm weights are added, as a shard of their own, and calibrated as
+:func:`~qkmla.convert.calibrate.warm_start_qk_norm` calibrates a whole model, on the first
 ``calibration_tokens`` tokens of a text (by default the embedded Shakespeare, through the
 checkpoint's own tokenizer), and the next-token loss is measured on the tokens after them,
-before and after. The tokenizer and generation config are written beside the weights, so
+before and after. The calibration loads one decoder layer at a time (``stream``), so converting
+needs about one shard or one layer of memory, not the model's. The config records the norm (qkmla's
+model type and architecture); the tokenizer, generation config and every other file are copied, so
 ``qkmla generate --hf OUT`` and ``qkmla.integrations.transformers.from_pretrained(OUT)`` read the result.
 
 The output directory is never the source (nor inside it), is written under a temporary name
@@ -60,8 +62,15 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
 def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: int) -> tuple:
     """(calibration ids [B, T], held-out ids [B', T']): the first ``calibration_tokens`` tokens of
     ``text`` and up to HELD_OUT_TOKENS after them, in rows of min(ROW, context) tokens."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     row = min(ROW, context, calibration_tokens)
+    needed = calibration_tokens + max(HELD_OUT_TOKENS, 2 * row)
+    chars = 8 * needed  # a prefix long enough for the tokens used, longer until it is: not the whole text's ids
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) > needed + 64 or chars >= len(text):  # the cut changes at most its last words
+            break
+        chars *= 2
+    ids = torch.tensor(ids, dtype=torch.long)
     if ids.numel() < calibration_tokens + 2 * row:
         raise ValueError(f"calibration_tokens: the calibration text has {ids.numel()} tokens, too few for "
                          f"{calibration_tokens} calibration tokens and two held-out rows of {row}")
@@ -71,15 +80,24 @@ def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: 
 
 
 def write_checkpoint(model, tokenizer, out: Path) -> None:
-    """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, written under a
-    temporary name and renamed when complete; an existing ``out`` (checked by
-    :func:`check_convert_paths`) goes only once the new one is complete."""
-    tmp = temporary_name(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, as :func:`write_directory` writes."""
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+
+    write_directory(out, write)
+
+
+def write_directory(out: Path, write) -> None:
+    """``write(tmp)`` fills a directory under a temporary name beside ``out``, renamed ``out`` when
+    complete; an existing ``out`` (checked by :func:`check_convert_paths`) goes only once the new one
+    is complete, and a failed write leaves it as it was."""
+    tmp = temporary_name(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
         if out.exists():
             old = out.with_name(f"{out.name}.replaced{os.getpid()}")
             out.replace(old)
@@ -103,22 +121,23 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
             None re-saves the model as it is.
         calibration_tokens: tokens of the calibration batch; 0 leaves the norm weights at ones.
         calibration_text: the text to calibrate on; None reads the embedded Shakespeare.
-        dtype: the written dtype; None keeps the stored one.
+        dtype: the written dtype (and the calibration's); None keeps the stored one. Refused for a
+            quantized checkpoint.
 
     Returns:
         the calibration report (:func:`~qkmla.convert.calibrate.warm_start_qk_norm`), {} without one.
 
     Raises:
         ValueError, before the weights are read: the paths (:func:`check_convert_paths`), the norm,
-        ``calibration_tokens``, or a source without a tokenizer when calibrating.
+        ``calibration_tokens``, a source without a tokenizer when calibrating, ``dtype`` for a
+        quantized source; and naming the layer, a layer whose tensors do not load as the config
+        describes them.
     """
     import transformers
 
-    from .calibrate import warm_start_qk_norm
-    from ..integrations.transformers.model import apply_latent_attention
-    from ..integrations.transformers.load import from_pretrained
-    from ..integrations.hub.checkpoint import saved_norm
-    from ..integrations.hub.record import describe
+    from .stream import CheckpointStream, calibrate_streaming, copy_other_files, write_weights
+    from ..integrations.hub.checkpoint import INDEX, saved_norm
+    from ..integrations.hub.record import CODE, describe, record_norm
 
     src, out = check_convert_paths(src, out, overwrite)
     norm = QKNormConfig.of(qk_norm)
@@ -155,9 +174,26 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         raise ValueError(f"hf: {src}'s tokenizer gives token ids up to {top}, beyond the model's vocab_size {vocab}; "
                          f"the tokenizer is not this model's")
 
-    model = from_pretrained(src, **({"dtype": dtype} if dtype is not None else {}))
-    apply_latent_attention(model, qk_norm=norm)
-    report = warm_start_qk_norm(model, batches[0], held_out_ids=batches[1]) if batches else {}
+    if dtype is not None and hf_config.get("quantization_config") is not None:
+        raise ValueError(f"dtype: {src / CONFIG} records a quantization_config ("
+                         f"{hf_config['quantization_config'].get('quant_method', '?')}); casting quantized weights "
+                         f"would need dequantizing them: leave dtype (--dtype) out")
 
-    write_checkpoint(model, tokenizer, out)
+    stream = CheckpointStream(src, dtype)
+    if norm is not None:
+        report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
+    else:
+        report, norm_tensors = {}, {}
+    config = stream.config
+    if dtype is not None:
+        config.dtype = dtype
+    if norm is not None:
+        record_norm(config, norm)
+
+    def write(tmp: Path) -> None:
+        copy_other_files(src, tmp, skip={CONFIG, INDEX, f"{CODE}.py"})
+        write_weights(stream, tmp, norm_tensors, dtype)
+        config.save_pretrained(tmp)  # config.json (and, with a norm, the code its auto_map names)
+
+    write_directory(out, write)
     return report

@@ -80,6 +80,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
         ``model``.
     """
     inner = inner_model(model)
+    check_not_partitioned(model)
     check_cache_settings(kv_format, policy, None)
     check_backend(decode_backend, "decode_backend")
     norm = QKNormConfig.of(qk_norm)
@@ -114,6 +115,34 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     _no_transformers_mask(model)
     _keep_latent_attention(model)
     return model
+
+
+def check_not_partitioned(model) -> None:
+    """Refuse, before any work, a model whose attention weights are split across processes, which the
+    latent attention does not support: by DeepSpeed ZeRO-3, because its absorbed decode reads
+    ``kv_b_proj``'s weight (folded into the query and the output) outside that module's forward,
+    where ZeRO-3 holds only a placeholder and gathers the weight for the module's own forward alone;
+    by transformers' tensor parallelism (``tp_plan``) when the plan shards the attention (DeepSeek-V2's
+    does, by heads), because it needs every head's rows of ``kv_b_proj`` on each process. A plan that
+    shards only the MLP and experts (DeepSeek-V3's) leaves the attention whole on every process and is
+    supported; ZeRO-1/2 and DDP keep every weight whole on every process."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled() or any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError("model: its weights are partitioned by DeepSpeed ZeRO-3, which qkmla's latent attention "
+                         "does not support (its absorbed decode reads kv_b_proj's weight outside that module's "
+                         "forward, where ZeRO-3 leaves a placeholder); train with ZeRO-2 or FSDP, or load the "
+                         "model without ZeRO-3 to patch and decode it")
+    tp_size = getattr(model, "_tp_size", None)
+    if tp_size is None or tp_size <= 1:
+        return
+    plans = (getattr(model, "_tp_plan", None), getattr(inner_model(model), "_tp_plan", None),
+             getattr(model.config, "base_model_tp_plan", None))
+    sharded = sorted({k for plan in plans if plan for k in plan if "self_attn" in k})
+    if sharded:
+        raise ValueError(f"model: transformers' tensor parallelism (tp_plan, {tp_size} processes) shards its "
+                         f"attention ({sharded[0]}, ...), which qkmla's latent attention does not support (it needs "
+                         f"every head's kv_b_proj rows on each process); load it without tp_plan")
 
 
 def _configs(model) -> list:
