@@ -14,7 +14,10 @@ turns the kernels off.
 
 What it takes: bfloat16 queries and dense bfloat16 rows with contiguous channels (the cache's
 own tensor or a column view of wider rows, as vLLM's), key scalars in bfloat16 or float32 at any
-row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_q >= 1.
+row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_q >= 1. A sparse
+decode (``indices``) hands it each query's selected slots packed to the front
+(:func:`packed_selection`) with their count as the query's visible keys: the kernel reads key k
+of a query from slot slots[b, t, k] instead of slot k, the row and its key scalars alike.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..cpu_extension import build
+from .naive import selected_slots
 
 MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
 # "auto" takes the kernel up to this many query heads per sequence (S_q x H): it reads the keys
@@ -87,9 +91,20 @@ def _splits(queries: int, longest: int) -> int:
     return max(1, min(-(-2 * threads // queries), longest // MIN_KEYS_PER_SPLIT))
 
 
+def packed_selection(indices: torch.Tensor, topk_length: Optional[torch.Tensor],
+                     cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [B, S_q, topk] int64, counts [B, S_q] int64): each query's selected slots
+    (``naive.selected_slots``) first, in the order listed, then zeros; counts of them."""
+    slots, selected = selected_slots(indices, topk_length, cache_seqlens)
+    # A stable sort of "not selected" moves the selected entries to the front, keeping their order.
+    order = torch.sort((~selected).to(torch.uint8), dim=-1, stable=True).indices
+    return slots.gather(-1, order).contiguous(), selected.sum(dim=-1)
+
+
 def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                    block_table: Optional[torch.Tensor], visible: torch.Tensor, scale_cache: Optional[torch.Tensor],
-                   softmax_scale: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, mode: str,
+                   slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's CPU kernel (inputs already checked, :func:`cpu_unsupported` None).
 
     Args:
@@ -99,6 +114,9 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
         visible: [B, S_q] keys each query sees, already capped at its sequence's length.
         scale_cache: [num_blocks, block_size, G] key scalars, or None for plain MLA.
         mode: "blockwise" or "unified" (ignored without key scalars).
+        slots: [B, S_q, topk] int64, a sparse decode: key k < visible[b, t] of query (b, t) is
+            slot slots[b, t, k] (each below its sequence's length, :func:`packed_selection`);
+            None: key k is slot k.
 
     Returns:
         out [B, S_q, H, d_c] bf16, lse [B, S_q, H] float32 (-inf, out 0, where no key is visible).
@@ -113,5 +131,7 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     visible = visible.to(torch.int64).contiguous()
     longest = int(visible.max()) if visible.numel() else 0
     code = 0 if scale_cache is None else MODE_CODES[mode]
+    if slots is not None:
+        slots = slots.to(torch.int64).contiguous()
     return torch.ops.qkmla_cpu.mla_decode(q, kv_cache, scale_cache, block_table.to(torch.int32).contiguous(), visible,
-                                          d_c, float(softmax_scale), code, _splits(B * S_q, longest))
+                                          d_c, float(softmax_scale), code, _splits(B * S_q, longest), slots)

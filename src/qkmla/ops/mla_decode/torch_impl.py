@@ -21,7 +21,7 @@ import torch
 
 from ...dtypes import accumulate_dtype, cast
 from ...kv_formats import DenseRows, row_format
-from .naive import default_visible_lens
+from .naive import default_visible_lens, selected_slots
 from .workspace import scratch
 
 SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
@@ -411,8 +411,9 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                      block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                      scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     max_seqlen: Optional[int] = None,
-                     rows: Optional[DenseRows] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     max_seqlen: Optional[int] = None, rows: Optional[DenseRows] = None,
+                     indices: Optional[torch.Tensor] = None,
+                     topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked), ``rows`` the
     row format (None: dense).
 
@@ -423,6 +424,9 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+    if indices is not None:
+        return _sparse_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, indices, topk_length,
+                              softmax_scale, mode, rows)
     visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
     if block_table is not None:
         return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
@@ -454,3 +458,37 @@ def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
     out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
                                 kv_format=rows)
     return out, lse.float()
+
+
+def _sparse_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   scale_cache: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                   cache_seqlens: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
+                   softmax_scale: float, mode: str, rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse decode: each query's selected rows and key scalars (``naive.selected_slots``) are
+    gathered, the same indices for both, [B S_q, topk, width], and each query attends to its own
+    topk rows (:func:`latent_attention`, one query token per gathered batch entry). A top-k
+    decode reads topk rows per query token whatever the context's length, so the gathered copy is
+    small (topk 2048 at d_c 512, d_r 64 in bfloat16: 2.4 MB per query token); quantized rows are
+    gathered as bytes and dequantized a chunk at a time, as for a dense read.
+
+    kv_cache [num_blocks, block_size, width] with block_table [B, max_blocks], or [B, capacity,
+    width] with None; indices [B, S_q, topk]; topk_length [B] or None. Returns (out [B, S_q, h,
+    d_c], lse [B, S_q, h] float32; out 0 and lse -inf for a query that selects nothing)."""
+    B, T, h, d_c = q_lat.shape
+    slots, selected = selected_slots(indices, topk_length, cache_seqlens)  # [B, T, topk]
+    topk = slots.shape[-1]
+    if block_table is None:
+        where = (torch.arange(B, device=slots.device)[:, None, None], slots)
+    else:
+        page = kv_cache.shape[1]
+        blocks = block_table.long().gather(1, (slots // page).view(B, T * topk)).view(B, T, topk)
+        where = (blocks, slots % page)
+    # An entry that selects nothing reads slot 0 (maybe unfilled: NaN, stale rows), and 0 weight
+    # times NaN is still NaN in p @ c: its row and scalars are zeroed (zero bytes read as 0 in
+    # every quantized format too), its logit masked.
+    hidden = ~selected[..., None]
+    latent = kv_cache[where].masked_fill_(hidden, 0).view(B * T, topk, -1)
+    key_scale = None if scale_cache is None else scale_cache[where].masked_fill_(hidden, 0).view(B * T, topk, -1)
+    out, lse = latent_attention(q_lat.reshape(B * T, 1, h, d_c), q_rope.reshape(B * T, 1, h, -1), latent, key_scale,
+                                softmax_scale, selected.view(B * T, 1, topk), mode, return_lse=True, kv_format=rows)
+    return out.view(B, T, h, d_c), lse.view(B, T, h).float()
