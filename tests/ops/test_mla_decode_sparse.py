@@ -80,7 +80,8 @@ def test_torch_backend_matches_naive(layout, G, S_q, norm):
 QUANT_CASES = [(f, *case) for f, case in zip(itertools.cycle(("fp8", "int8", "int4")), GRID[::3])]
 
 
-@pytest.mark.parametrize("kv_format,layout,G,S_q,norm", QUANT_CASES, ids=[f"{c[0]}-{case_id(c[1:])}" for c in QUANT_CASES])
+@pytest.mark.parametrize("kv_format,layout,G,S_q,norm", QUANT_CASES,
+                         ids=[f"{c[0]}-{case_id(c[1:])}" for c in QUANT_CASES])
 def test_torch_backend_reads_quantized_rows_as_naive_does(kv_format, layout, G, S_q, norm):
     check_sparse("torch", sparse_inputs(layout, G, S_q, norm, kv_format=kv_format, topk_length=S_q == 2))
 
