@@ -103,7 +103,7 @@ SPARSE_GRID = [(layout, G, S_q, norm) for layout, G, S_q, norm in sparse.GRID if
 def test_sparse_decode_matches_naive(layout, G, S_q, norm):
     """indices (``test_mla_decode_sparse.py``: selected slots in any order, one twice, -1, past
     the length, a query that selects nothing), with topk_length or without: each query reads
-    its selected slots' rows and key scalars, packed to the front (``packed_selection``)."""
+    its selected slots' rows and key scalars, packed to the front (``selection.packed_selection``)."""
     args = sparse.sparse_inputs(layout, G, S_q, norm, topk_length=G == 4)
     check_bf16_against_naive(args)
     out, lse = mla_decode_with_kvcache(**in_bf16(args), backend="cpu")

@@ -86,6 +86,23 @@ def test_torch_backend_reads_quantized_rows_as_naive_does(kv_format, layout, G, 
     check_sparse("torch", sparse_inputs(layout, G, S_q, norm, kv_format=kv_format, topk_length=S_q == 2))
 
 
+@pytest.mark.parametrize("spacing", ["row", "padded-block"])
+def test_torch_backend_reads_column_views_of_one_wide_row(spacing):
+    """vLLM's layout, one row [c | k_rope | r] per slot handed over as column views, and blocks
+    padded past their last slot ([n, 20, width][:, :16], whose slots cannot be flattened into one
+    view): the same answer, exactly, as the rows held in two caches of their own."""
+    args = sparse_inputs("paged", 4, 2, "blockwise", topk_length=True)
+    kv, scales = args["kv_cache"], args["scale_cache"]
+    n_blocks, page, width = kv.shape
+    extra = 4 if spacing == "padded-block" else 0
+    wide = torch.full((n_blocks, page + extra, width + 4), float("nan"), device=kv.device)[:, :page]
+    wide[..., :width], wide[..., width:] = kv, scales
+    want = mla_decode_with_kvcache(**args, backend="torch")
+    got = mla_decode_with_kvcache(**{**args, "kv_cache": wide[..., :width], "scale_cache": wide[..., width:]},
+                                  backend="torch")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # Every value of every axis, dense and quantized rows, topk_length or not, one split or several
 # (with several, most splits of a query whose few entries lie early hold no selected key).
 TRITON_CASES = [  # (layout, G, S_q, norm, kv_format, topk_length, num_splits)
@@ -175,7 +192,7 @@ def test_entries_past_the_length_or_topk_length_select_nothing(backend):
 def test_the_cpu_kernel_is_handed_each_querys_selected_slots_first_in_order():
     """What the C++ kernel reads (its own tests run where it runs): the selected entries of each
     query moved to the front, in the order listed, their count beside them."""
-    from qkmla.ops.mla_decode.cpu_kernel import packed_selection
+    from qkmla.ops.mla_decode.selection import packed_selection
 
     indices = torch.tensor([[[7, -1, 3, 9, 3, 40]], [[-1, -1, -1, -1, -1, -1]]])
     slots, counts = packed_selection(indices, torch.tensor([5, 6]), torch.tensor([10, 4]))

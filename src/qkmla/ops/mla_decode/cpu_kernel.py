@@ -16,7 +16,7 @@ What it takes: bfloat16 queries and dense bfloat16 rows with contiguous channels
 own tensor or a column view of wider rows, as vLLM's), key scalars in bfloat16 or float32 at any
 row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_q >= 1. A sparse
 decode (``indices``) hands it each query's selected slots packed to the front
-(:func:`packed_selection`) with their count as the query's visible keys: the kernel reads key k
+(``selection.packed_selection``) with their count as the query's visible keys: the kernel reads key k
 of a query from slot slots[b, t, k] instead of slot k, the row and its key scalars alike.
 """
 
@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 
 from ..cpu_extension import build
-from .naive import selected_slots
 
 MODE_CODES = {"plain": 0, "blockwise": 1, "unified": 2}
 # "auto" takes the kernel up to this many query heads per sequence (S_q x H): it reads the keys
@@ -91,16 +90,6 @@ def _splits(queries: int, longest: int) -> int:
     return max(1, min(-(-2 * threads // queries), longest // MIN_KEYS_PER_SPLIT))
 
 
-def packed_selection(indices: torch.Tensor, topk_length: Optional[torch.Tensor],
-                     cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots [B, S_q, topk] int64, counts [B, S_q] int64): each query's selected slots
-    (``naive.selected_slots``) first, in the order listed, then zeros; counts of them."""
-    slots, selected = selected_slots(indices, topk_length, cache_seqlens)
-    # A stable sort of "not selected" moves the selected entries to the front, keeping their order.
-    order = torch.sort((~selected).to(torch.uint8), dim=-1, stable=True).indices
-    return slots.gather(-1, order).contiguous(), selected.sum(dim=-1)
-
-
 def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                    block_table: Optional[torch.Tensor], visible: torch.Tensor, scale_cache: Optional[torch.Tensor],
                    softmax_scale: float, mode: str,
@@ -115,7 +104,7 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
         scale_cache: [num_blocks, block_size, G] key scalars, or None for plain MLA.
         mode: "blockwise" or "unified" (ignored without key scalars).
         slots: [B, S_q, topk] int64, a sparse decode: key k < visible[b, t] of query (b, t) is
-            slot slots[b, t, k] (each below its sequence's length, :func:`packed_selection`);
+            slot slots[b, t, k] (each below its sequence's length, ``selection.packed_selection``);
             None: key k is slot k.
 
     Returns:

@@ -38,8 +38,9 @@ import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
 from .backends import check_backend, interpreting, resolve_backend
-from .cpu_kernel import cpu_mla_decode, packed_selection
+from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
+from .selection import packed_selection
 from .torch_impl import check_paged_reach, fold_head_scale, torch_mla_decode
 
 MODES = ("blockwise", "unified")

@@ -21,7 +21,8 @@ import torch
 
 from ...dtypes import accumulate_dtype, cast
 from ...kv_formats import DenseRows, row_format
-from .naive import default_visible_lens, selected_slots
+from .naive import default_visible_lens
+from .selection import packed_selection
 from .workspace import scratch
 
 SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
@@ -460,35 +461,47 @@ def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
     return out, lse.float()
 
 
+def _gather_rows(table: torch.Tensor, block_table: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """The rows of ``slots`` [B, n] (slot j of sequence b: block block_table[b, j // block_size],
+    row j % block_size; without a block table, row j of sequence b) from table [num_blocks or B,
+    block_size, width], as [B, n, width] in one ``index_select`` over the flattened rows where the
+    table's strides allow it (a column view of wider rows included; advanced indexing otherwise,
+    several times slower on the CPU measured)."""
+    B, n = slots.shape
+    page = table.shape[1]
+    blocks = torch.arange(B, device=slots.device)[:, None] if block_table is None else \
+        block_table.long().gather(1, slots // page)
+    if table.stride(0) == page * table.stride(1):  # [num_blocks * block_size, width] is a view
+        rows = table.view(-1, table.shape[-1]).index_select(0, (blocks * page + slots % page).view(-1))
+        return rows.view(B, n, -1)
+    return table[blocks.expand(B, n), slots % page]
+
+
 def _sparse_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                    scale_cache: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                    cache_seqlens: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
                    softmax_scale: float, mode: str, rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sparse decode: each query's selected rows and key scalars (``naive.selected_slots``) are
-    gathered, the same indices for both, [B S_q, topk, width], and each query attends to its own
-    topk rows (:func:`latent_attention`, one query token per gathered batch entry). A top-k
-    decode reads topk rows per query token whatever the context's length, so the gathered copy is
-    small (topk 2048 at d_c 512, d_r 64 in bfloat16: 2.4 MB per query token); quantized rows are
-    gathered as bytes and dequantized a chunk at a time, as for a dense read.
+    """A sparse decode: each query's selected slots, packed to the front (``selection.py``), are
+    gathered, rows and key scalars with the same indices, into a cache of their own, [B S_q, topk,
+    width], one block per query, and each query attends to its first count rows through
+    :func:`_paged_attend`, as a dense paged decode of B S_q one-token sequences whose lengths are
+    the counts (its two contiguous GEMM operands, its masking of the rows past a length). A
+    top-k decode reads topk rows per query token whatever the context's length, so the gathered
+    copy is small (topk 2048 at d_c 512, d_r 64 in bfloat16: 2.4 MB per query token); quantized
+    rows are gathered as bytes.
 
     kv_cache [num_blocks, block_size, width] with block_table [B, max_blocks], or [B, capacity,
     width] with None; indices [B, S_q, topk]; topk_length [B] or None. Returns (out [B, S_q, h,
     d_c], lse [B, S_q, h] float32; out 0 and lse -inf for a query that selects nothing)."""
     B, T, h, d_c = q_lat.shape
-    slots, selected = selected_slots(indices, topk_length, cache_seqlens)  # [B, T, topk]
+    slots, counts = packed_selection(indices, topk_length, cache_seqlens)  # [B, T, topk], [B, T]
     topk = slots.shape[-1]
-    if block_table is None:
-        where = (torch.arange(B, device=slots.device)[:, None, None], slots)
-    else:
-        page = kv_cache.shape[1]
-        blocks = block_table.long().gather(1, (slots // page).view(B, T * topk)).view(B, T, topk)
-        where = (blocks, slots % page)
-    # An entry that selects nothing reads slot 0 (maybe unfilled: NaN, stale rows), and 0 weight
-    # times NaN is still NaN in p @ c: its row and scalars are zeroed (zero bytes read as 0 in
-    # every quantized format too), its logit masked.
-    hidden = ~selected[..., None]
-    latent = kv_cache[where].masked_fill_(hidden, 0).view(B * T, topk, -1)
-    key_scale = None if scale_cache is None else scale_cache[where].masked_fill_(hidden, 0).view(B * T, topk, -1)
-    out, lse = latent_attention(q_lat.reshape(B * T, 1, h, d_c), q_rope.reshape(B * T, 1, h, -1), latent, key_scale,
-                                softmax_scale, selected.view(B * T, 1, topk), mode, return_lse=True, kv_format=rows)
-    return out.view(B, T, h, d_c), lse.view(B, T, h).float()
+    slots = slots.view(B, T * topk)
+    pool = _gather_rows(kv_cache, block_table, slots).view(B * T, topk, -1)
+    scale_pool = None if scale_cache is None else _gather_rows(scale_cache, block_table, slots).view(B * T, topk, -1)
+    counts = counts.view(B * T)
+    longest = int(counts.max())  # read once: on a GPU each read is a sync
+    one_block_each = torch.arange(B * T, device=q_lat.device)[:, None]
+    out, lse = _paged_attend(q_lat.reshape(B * T, 1, h, d_c), q_rope.reshape(B * T, 1, h, -1), pool, scale_pool,
+                             one_block_each, longest, counts[:, None], counts, softmax_scale, mode, rows)
+    return out.view(B, T, h, d_c), lse.view(B, T, h)
