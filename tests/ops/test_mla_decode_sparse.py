@@ -43,15 +43,15 @@ def sparse_indices(lengths, S_q: int, topk=None, seed: int = 0, dtype=torch.int3
 
 
 def sparse_inputs(layout: str, G: int, S_q: int, norm: str, kv_format: str = "dense", topk_length: bool = False,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, index_dtype=torch.int32) -> dict:
     """Keyword arguments of a sparse decode: ``decode_inputs`` with indices (and topk_length
-    [B]: all, none, some and more than topk entries) instead of a visibility rule."""
+    [B]: all, none, some and more than topk entries) of ``index_dtype`` instead of a visibility rule."""
     args = decode_inputs(layout, G, S_q, norm, "causal", seed=seed, kv_format=kv_format)
     del args["visible_lens"]
-    args["indices"] = sparse_indices(LENGTHS, S_q, seed=seed)
+    args["indices"] = sparse_indices(LENGTHS, S_q, seed=seed, dtype=index_dtype)
     if topk_length:
         topk = args["indices"].shape[-1]
-        args["topk_length"] = torch.tensor([topk, 0, 11, topk + 9], dtype=torch.int32, device=DEVICE)
+        args["topk_length"] = torch.tensor([topk, 0, 11, topk + 9], dtype=index_dtype, device=DEVICE)
     return args
 
 
@@ -74,7 +74,8 @@ def case_id(case) -> str:
 
 @pytest.mark.parametrize("layout,G,S_q,norm", GRID, ids=[case_id(c) for c in GRID])
 def test_torch_backend_matches_naive(layout, G, S_q, norm):
-    check_sparse("torch", sparse_inputs(layout, G, S_q, norm, topk_length=G == 4))
+    index_dtype = torch.int64 if G == H else torch.int32  # both integer dtypes the op takes
+    check_sparse("torch", sparse_inputs(layout, G, S_q, norm, topk_length=G == 4, index_dtype=index_dtype))
 
 
 QUANT_CASES = [(f, *case) for f, case in zip(itertools.cycle(("fp8", "int8", "int4")), GRID[::3])]
@@ -117,8 +118,9 @@ TRITON_CASES = [  # (layout, G, S_q, norm, kv_format, topk_length, num_splits)
                               for c in TRITON_CASES])
 def test_triton_backend_matches_naive(layout, G, S_q, norm, kv_format, topk_length, num_splits):
     pytest.importorskip("triton")
-    check_sparse("triton", sparse_inputs(layout, G, S_q, norm, kv_format=kv_format, topk_length=topk_length),
-                 num_splits=num_splits)
+    index_dtype = torch.int64 if layout == "contiguous" else torch.int32  # both integer dtypes the op takes
+    check_sparse("triton", sparse_inputs(layout, G, S_q, norm, kv_format=kv_format, topk_length=topk_length,
+                                         index_dtype=index_dtype), num_splits=num_splits)
 
 
 def test_custom_op_with_indices_traces_and_opchecks():
