@@ -7,7 +7,8 @@ visibility) is cast to bfloat16 and held to two bounds: its log-sum-exp equals t
 on the same bfloat16 values to float32 roundoff (the scores are exact products summed in
 float32), and its output is as close to the float32 spec as the spec computed in bfloat16 is,
 give or take a factor 2 (the torch backend's bound). Skipped where the kernel cannot run (no
-AVX-512 BF16, no compiler), with the reason.
+AVX-512 BF16, no compiler), with the reason. The sparse (top-k) decode's cases
+(``test_mla_decode_sparse.py``) are held to the same bounds.
 """
 
 import pytest
@@ -18,6 +19,7 @@ from qkmla.ops import cpu_extension
 from qkmla.ops.mla_decode import cpu_kernel
 from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
 
+from . import test_mla_decode_sparse as sparse
 from .test_mla_decode_backends import GRID, H, LENGTHS, case_id, decode_inputs
 
 REASON = cpu_unsupported_for("cpu", 32, 16, torch.bfloat16)
@@ -41,7 +43,8 @@ def check_bf16_against_naive(args: dict, backend: str = "cpu") -> None:
     spec_bf16, _ = naive_mla_decode(half["q_lat"], half["q_rope"], half["kv_cache"], table,
                                     half["cache_seqlens"], half["scale_cache"], half["softmax_scale"],
                                     compute_dtype=torch.bfloat16, mode=half["mode"],
-                                    visible_lens=half["visible_lens"])
+                                    visible_lens=half.get("visible_lens"), indices=half.get("indices"),
+                                    topk_length=half.get("topk_length"))
     out, lse = mla_decode_with_kvcache(**half, backend=backend)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and not torch.isnan(out).any()
     seen = torch.isfinite(ref_lse)
@@ -90,6 +93,51 @@ def test_deepseek_widths_and_head_counts(monkeypatch, heads, G):
                               {**args, **views}.items()})
     got = mla_decode_with_kvcache(**{**args, **views}, backend="cpu")
     alone = mla_decode_with_kvcache(**args, backend="cpu")  # the same rows held in two caches
+    assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
+
+
+SPARSE_GRID = [(layout, G, S_q, norm) for layout, G, S_q, norm in sparse.GRID if S_q == 2 or G == 4]
+
+
+@pytest.mark.parametrize("layout,G,S_q,norm", SPARSE_GRID, ids=[sparse.case_id(c) for c in SPARSE_GRID])
+def test_sparse_decode_matches_naive(layout, G, S_q, norm):
+    """indices (``test_mla_decode_sparse.py``: selected slots in any order, one twice, -1, past
+    the length, a query that selects nothing), with topk_length or without: each query reads
+    its selected slots' rows and key scalars, packed to the front (``selection.packed_selection``)."""
+    args = sparse.sparse_inputs(layout, G, S_q, norm, topk_length=G == 4)
+    check_bf16_against_naive(args)
+    out, lse = mla_decode_with_kvcache(**in_bf16(args), backend="cpu")
+    assert out[1, -1].abs().max() == 0 and bool((lse[1, -1] == float("-inf")).all())  # selects nothing
+
+
+@pytest.mark.parametrize("splits", [2, 40])
+def test_sparse_keys_split_across_work_items_merge_exactly(monkeypatch, splits):
+    """A sparse query's selected keys split into whole chunks, most of 40 splits empty."""
+    monkeypatch.setattr(sparse, "TOPK", 80)
+    args = in_bf16(sparse.sparse_inputs("paged", 4, 2, "blockwise", topk_length=True))
+    one_pass = mla_decode_with_kvcache(**args, backend="cpu")
+    monkeypatch.setattr(cpu_kernel, "_splits", lambda queries, longest: splits)
+    split = mla_decode_with_kvcache(**args, backend="cpu")
+    torch.testing.assert_close(split[1], one_pass[1], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(split[0], one_pass[0], rtol=0, atol=1.6e-2)  # one bf16 rounding apart at most
+
+
+def test_sparse_decode_at_deepseek_widths_in_vllms_rows(monkeypatch):
+    """d_c 512, d_r 64, 16 heads, key scalars in the row [c | k_rope | r]: a top-64 selection
+    over 300 slots reads the same as the rows held in two caches, and as the spec."""
+    from . import test_mla_decode_backends as grid
+
+    monkeypatch.setattr(grid, "H", 16)
+    monkeypatch.setattr(grid, "LENGTHS", (300, 17, 0))
+    args = grid.decode_inputs("paged", 16, 1, "blockwise", "causal", d_c=512)
+    del args["visible_lens"]
+    args["indices"] = sparse.sparse_indices((300, 17, 0), 1, topk=64)
+    check_bf16_against_naive(args)
+    half = in_bf16(args)
+    wide = torch.cat((half["kv_cache"], half["scale_cache"]), dim=-1)
+    views = dict(kv_cache=wide[..., :-16], scale_cache=wide[..., -16:])
+    got = mla_decode_with_kvcache(**{**half, **views}, backend="cpu")
+    alone = mla_decode_with_kvcache(**half, backend="cpu")
     assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1])
 
 

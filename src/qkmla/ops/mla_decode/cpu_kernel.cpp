@@ -22,6 +22,10 @@
 //     softmax weights are broadcast. The output is therefore accumulated in a channel order
 //     permuted within every 32 channels (see unpermute), restored once when it is written.
 // p is rounded to bf16 for the value product, as the torch backend casts it for its value GEMM.
+//
+// A sparse (top-k) decode passes `slots` [B, T, topk]: key k of query (b, t) is then slot
+// slots[b, t, k] of the sequence (its selected slots packed to the front, visible[b, t] of them),
+// read through the block table like any slot, its key scalars from the same slot.
 
 #include <immintrin.h>
 #include <torch/library.h>
@@ -75,6 +79,8 @@ struct Args {
   const int32_t* table;   // [B, max_blocks]
   int64_t max_blocks, block_size;
   const int64_t* visible; // [B, T] keys seen by each query (already capped at its length)
+  const int64_t* slots;   // [B, T, topk] slot of each key of a query (sparse decode), or null: key k is slot k
+  int64_t topk;
   int64_t B, T, H, G, d_c, d_r;
   float scale;
   int mode;
@@ -157,13 +163,15 @@ void attend(const Args& a, int64_t b, int64_t t, int64_t k0, int64_t k1, Partial
   part.o.assign(static_cast<size_t>(a.H) * a.d_c, 0.0f);
   const __m512 scale = _mm512_set1_ps(a.scale);
   const int32_t* table = a.table + b * a.max_blocks;
+  const int64_t* chosen = a.slots == nullptr ? nullptr : a.slots + (b * a.T + t) * a.topk;
 
   for (int64_t c0 = k0; c0 < k1; c0 += CHUNK) {
     const int n = static_cast<int>(std::min<int64_t>(CHUNK, k1 - c0));
     const uint16_t* key[CHUNK];
     const char* rsc[CHUNK];
     for (int j = 0; j < n; ++j) {
-      const int64_t slot = c0 + j, blk = table[slot / a.block_size], off = slot % a.block_size;
+      const int64_t slot = chosen == nullptr ? c0 + j : chosen[c0 + j];
+      const int64_t blk = table[slot / a.block_size], off = slot % a.block_size;
       key[j] = a.pool + blk * a.s_block + off * a.s_row;
       rsc[j] = a.scales == nullptr ? nullptr
                : static_cast<const char*>(a.scales) + (blk * a.r_block + off * a.r_row) * (a.scales_f32 ? 4 : 2);
@@ -290,7 +298,8 @@ void finish(const Args& a, const Partial* parts, int64_t splits, int64_t bt, uin
 std::tuple<at::Tensor, at::Tensor> mla_decode_cpu(const at::Tensor& q, const at::Tensor& pool,
                                                   const c10::optional<at::Tensor>& scales,
                                                   const at::Tensor& block_table, const at::Tensor& visible,
-                                                  int64_t d_c, double scale, int64_t mode, int64_t splits) {
+                                                  int64_t d_c, double scale, int64_t mode, int64_t splits,
+                                                  const c10::optional<at::Tensor>& slots) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == at::kBFloat16, "q: contiguous bf16 [B, T, H, d]");
   TORCH_CHECK(pool.dim() == 3 && pool.stride(2) == 1 && pool.scalar_type() == at::kBFloat16 &&
               pool.size(2) == q.size(3), "pool: bf16 [num_blocks, block, d_c + d_r] with contiguous rows");
@@ -320,8 +329,23 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cpu(const at::Tensor& q, const at:
   a.visible = visible.data_ptr<int64_t>();
   // Every slot a query sees must lie in a block of the pool (the op checks this before the call).
   const int64_t* vis = a.visible;
-  for (int64_t bt = 0; bt < B * T; ++bt)
-    TORCH_CHECK(vis[bt] >= 0 && vis[bt] <= a.max_blocks * a.block_size, "visible: slot counts within the table");
+  const int64_t capacity = a.max_blocks * a.block_size;
+  if (slots.has_value()) {
+    const at::Tensor& sl = *slots;
+    TORCH_CHECK(sl.dim() == 3 && sl.size(0) == B && sl.size(1) == T && sl.scalar_type() == at::kLong &&
+                sl.is_contiguous(), "slots: contiguous int64 [B, T, topk]");
+    a.slots = sl.data_ptr<int64_t>(), a.topk = sl.size(2);
+    for (int64_t bt = 0; bt < B * T; ++bt) {
+      TORCH_CHECK(vis[bt] >= 0 && vis[bt] <= a.topk, "visible: counts of selected slots within topk");
+      for (int64_t k = 0; k < vis[bt]; ++k)
+        TORCH_CHECK(a.slots[bt * a.topk + k] >= 0 && a.slots[bt * a.topk + k] < capacity,
+                    "slots: selected slots within the table");
+    }
+  } else {
+    a.slots = nullptr, a.topk = 0;
+    for (int64_t bt = 0; bt < B * T; ++bt)
+      TORCH_CHECK(vis[bt] >= 0 && vis[bt] <= capacity, "visible: slot counts within the table");
+  }
   a.scale = static_cast<float>(scale), a.mode = static_cast<int>(mode);
   TORCH_CHECK(a.mode == MODE_PLAIN || a.scales != nullptr, "scales: needed by the QK-normed modes");
 
@@ -371,6 +395,6 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cpu(const at::Tensor& q, const at:
 
 TORCH_LIBRARY(qkmla_cpu, m) {
   m.def("mla_decode(Tensor q, Tensor pool, Tensor? scales, Tensor block_table, Tensor visible, int d_c, "
-        "float scale, int mode, int splits) -> (Tensor, Tensor)");
+        "float scale, int mode, int splits, Tensor? slots=None) -> (Tensor, Tensor)");
   m.impl("mla_decode", c10::DispatchKey::CPU, TORCH_FN(mla_decode_cpu));
 }

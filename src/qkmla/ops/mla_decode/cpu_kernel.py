@@ -14,7 +14,10 @@ turns the kernels off.
 
 What it takes: bfloat16 queries and dense bfloat16 rows with contiguous channels (the cache's
 own tensor or a column view of wider rows, as vLLM's), key scalars in bfloat16 or float32 at any
-row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_q >= 1.
+row stride, d_c a multiple of 32, d_r even, any head count and G dividing it, S_q >= 1. A sparse
+decode (``indices``) hands it each query's selected slots packed to the front
+(``selection.packed_selection``) with their count as the query's visible keys: the kernel reads key k
+of a query from slot slots[b, t, k] instead of slot k, the row and its key scalars alike.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ def _splits(queries: int, longest: int) -> int:
 
 def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                    block_table: Optional[torch.Tensor], visible: torch.Tensor, scale_cache: Optional[torch.Tensor],
-                   softmax_scale: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, mode: str,
+                   slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's CPU kernel (inputs already checked, :func:`cpu_unsupported` None).
 
     Args:
@@ -99,6 +103,9 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
         visible: [B, S_q] keys each query sees, already capped at its sequence's length.
         scale_cache: [num_blocks, block_size, G] key scalars, or None for plain MLA.
         mode: "blockwise" or "unified" (ignored without key scalars).
+        slots: [B, S_q, topk] int64, a sparse decode: key k < visible[b, t] of query (b, t) is
+            slot slots[b, t, k] (each below its sequence's length, ``selection.packed_selection``);
+            None: key k is slot k.
 
     Returns:
         out [B, S_q, H, d_c] bf16, lse [B, S_q, H] float32 (-inf, out 0, where no key is visible).
@@ -113,5 +120,7 @@ def cpu_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     visible = visible.to(torch.int64).contiguous()
     longest = int(visible.max()) if visible.numel() else 0
     code = 0 if scale_cache is None else MODE_CODES[mode]
+    if slots is not None:
+        slots = slots.to(torch.int64).contiguous()
     return torch.ops.qkmla_cpu.mla_decode(q, kv_cache, scale_cache, block_table.to(torch.int32).contiguous(), visible,
-                                          d_c, float(softmax_scale), code, _splits(B * S_q, longest))
+                                          d_c, float(softmax_scale), code, _splits(B * S_q, longest), slots)

@@ -23,6 +23,10 @@ Every backend reads every row format of ``qkmla.kv_formats`` (``kv_format``): "d
 which ``naive`` dequantizes before attending, ``torch`` per chunk of keys and the kernel per
 tile, in registers. The format is resolved to its row object once, here (or by the cache,
 which hands the op its own), and handed down.
+
+Every backend also takes a sparse (top-k) decode, ``indices`` [B, S_q, topk] with an optional
+``topk_length`` [B] (FlashMLA's arguments; the rule is drawn in ``naive.py``): each query
+reads only its selected rows and their key scalars, through the block table, in every row format.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from ...kv_formats import DenseRows, check_kv_format, row_format
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
+from .selection import packed_selection
 from .torch_impl import check_paged_reach, fold_head_scale, torch_mla_decode
 
 MODES = ("blockwise", "unified")
@@ -46,16 +51,18 @@ def _mla_decode_op(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
                    scale_cache: Optional[torch.Tensor], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    softmax_scale: float, num_splits: int, unified: bool = False,
                    visible_lens: Optional[torch.Tensor] = None,
-                   kv_format: str = "dense") -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_format: str = "dense", indices: Optional[torch.Tensor] = None,
+                   topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .triton_kernel import mla_decode_fwd  # Triton is imported only when the kernel runs
 
     return mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits,
-                          unified=unified, visible_lens=visible_lens, dot_fp32=interpreting(), kv_format=kv_format)
+                          unified=unified, visible_lens=visible_lens, dot_fp32=interpreting(), kv_format=kv_format,
+                          indices=indices, topk_length=topk_length)
 
 
 @_mla_decode_op.register_fake
 def _(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, num_splits, unified=False,
-      visible_lens=None, kv_format="dense"):
+      visible_lens=None, kv_format="dense", indices=None, topk_length=None):
     B, S_q, H, _ = q_lat.shape
     # Contiguous, as mla_decode_fwd allocates its outputs (empty_like would keep q_lat's strides).
     return q_lat.new_empty(q_lat.shape), q_lat.new_empty((B, S_q, H), dtype=torch.float32)
@@ -118,6 +125,38 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
     return rows
 
 
+def check_indices(indices, topk_length, q_lat: torch.Tensor, visible_lens=None) -> None:
+    """ValueErrors naming ``indices`` / ``topk_length`` for a sparse decode's selection that is not
+    an int32/int64 tensor [B, S_q, topk >= 1] (and [B]) on q_lat's device, before any work.
+    Their values are not read here (a device-to-host read per call): entries outside a
+    sequence's filled slots select nothing (``naive.py``)."""
+    B, S_q = q_lat.shape[:2]
+    if indices is None:
+        if topk_length is not None:
+            raise ValueError("topk_length: counts the entries of indices to read; it needs indices (got None)")
+        return
+    if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64) \
+            or indices.dim() != 3 or tuple(indices.shape[:2]) != (B, S_q) or indices.shape[2] < 1:
+        got = f"{indices.dtype} {tuple(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"indices: expected an int32/int64 tensor [B={B}, S_q={S_q}, topk >= 1] of slot positions "
+                         f"(each in [0, cache_seqlens[b]) to select it, -1 for none), got {got}")
+    if indices.device != q_lat.device:
+        raise ValueError(f"indices: expected a tensor on q_lat's device ({q_lat.device}), got {indices.device}")
+    if visible_lens is not None:
+        raise ValueError("indices, visible_lens: a sparse decode's indices say which slots each query sees; pass "
+                         "one of them (visible_lens=None with indices)")
+    if topk_length is not None:
+        if not isinstance(topk_length, torch.Tensor) or topk_length.dtype not in (torch.int32, torch.int64) \
+                or tuple(topk_length.shape) != (B,):
+            got = f"{topk_length.dtype} {tuple(topk_length.shape)}" if isinstance(topk_length, torch.Tensor) \
+                else type(topk_length).__name__
+            raise ValueError(f"topk_length: expected an int32/int64 tensor [B={B}] of entry counts (the first "
+                             f"topk_length[b] entries of indices[b] are read), got {got}")
+        if topk_length.device != q_lat.device:
+            raise ValueError(f"topk_length: expected a tensor on q_lat's device ({q_lat.device}), "
+                             f"got {topk_length.device}")
+
+
 def check_softmax_scale(softmax_scale, H: int) -> None:
     """A ValueError naming ``softmax_scale`` unless it is a finite number or a tensor [H]."""
     if isinstance(softmax_scale, torch.Tensor):
@@ -135,7 +174,8 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
                             scale_cache: Optional[torch.Tensor] = None, *, softmax_scale,
                             num_splits: int = 0, backend: str = "auto", mode: str = "blockwise",
                             visible_lens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
-                            kv_format: Union[str, DenseRows] = "dense"):
+                            kv_format: Union[str, DenseRows] = "dense", indices: Optional[torch.Tensor] = None,
+                            topk_length: Optional[torch.Tensor] = None):
     """Absorbed MLA decode attention over a latent cache, with optional key scalars.
 
     Args:
@@ -156,17 +196,25 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         backend: one of ``backends.DECODE_BACKENDS``; "auto" is resolved here (``backends.py``).
         mode: "blockwise" (r scales the content score) or "unified" (r scales the whole logit).
         visible_lens: [B, S_q] int, slots query t of sequence b sees (capped at its seqlen);
-            None: causal among the S_q new tokens.
+            None: causal among the S_q new tokens. Not with ``indices``.
         max_seqlen: max(cache_seqlens) if the caller knows it (spares the torch backend a
             device-to-host read).
         kv_format: one of ``qkmla.kv_formats.KV_FORMATS``: "dense", "fp8" (FlashMLA's
             656-byte rows at d_c 512, d_r 64), "int8" or "int4"; or the row format object
             itself (``kv_formats.row_format``), as ``LatentCache.decode_view()`` hands it over.
+        indices: [B, S_q, topk] int32/int64, a sparse (top-k) decode: query t of sequence b
+            attends to exactly the slots indices[b, t] lists (logical positions of the
+            sequence, in any order, read through ``block_table``), rows and key scalars alike;
+            -1 (or any position outside [0, cache_seqlens[b])) selects nothing. None: dense.
+            FlashMLA's ``indices`` argument, with logical positions where FlashMLA takes
+            physical ones (``naive.py`` draws the rule).
+        topk_length: [B] int32/int64, with ``indices``: only the first topk_length[b] entries
+            of indices[b] are read (FlashMLA's ``topk_length``); None: all topk.
 
     Returns:
         out [B, S_q, H, d_c] (q_lat's dtype) = softmax(s) @ c per head, and lse [B, S_q, H]
-        (float32; -inf with out = 0 where no slot is visible). The layouts and the
-        visibility rule are drawn in ``naive.py``.
+        (float32; -inf with out = 0 where no slot is visible, a sparse query whose indices
+        select nothing included). The layouts and the visibility rule are drawn in ``naive.py``.
 
     Raises:
         TypeError: ``softmax_scale`` not given (or given by position).
@@ -180,22 +228,29 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     check_backend(backend)
     rows = check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens,
                         kv_format)
+    check_indices(indices, topk_length, q_lat, visible_lens)
     check_softmax_scale(softmax_scale, q_lat.shape[2])
     backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     if backend == "cpu":
         S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
+        if indices is not None:  # the kernel reads each query's selected slots, packed to the front
+            slots, visible = packed_selection(indices, topk_length, cache_seqlens)
+            return cpu_mla_decode(q_lat, q_rope, kv_cache, block_table, visible, scale_cache, float(softmax_scale),
+                                  mode, slots=slots)
         visible = default_visible_lens(cache_seqlens, q_lat.shape[1]) if visible_lens is None else visible_lens
         visible = torch.minimum(visible.long(), cache_seqlens.long()[:, None]).clamp_(0, S)
         return cpu_mla_decode(q_lat, q_rope, kv_cache, block_table, visible, scale_cache, float(softmax_scale), mode)
     if backend == "torch":
         return torch_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, float(softmax_scale),
-                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, rows=rows)
+                                mode=mode, visible_lens=visible_lens, max_seqlen=max_seqlen, rows=rows,
+                                indices=indices, topk_length=topk_length)
     if block_table is None:  # a contiguous cache is one block per sequence
         block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":
         out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
-                                    mode=mode, visible_lens=visible_lens, kv_format=rows)
+                                    mode=mode, visible_lens=visible_lens, kv_format=rows, indices=indices,
+                                    topk_length=topk_length)
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
@@ -204,6 +259,9 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     dot_dtype = kv_cache.dtype if not rows.quantized else \
         q_lat.dtype if q_lat.dtype in (torch.bfloat16, torch.float16) else torch.float32
     q, r = (t.to(dot_dtype).contiguous() for t in (q_lat, q_rope))
+    if indices is not None:  # contiguous entries, and counts the kernel reads as int32
+        indices = indices.contiguous()
+        topk_length = topk_length.to(torch.int32) if topk_length is not None else None
     out, lse = _mla_decode_op(q, r, kv_cache, scale_cache, block_table, cache_seqlens, float(softmax_scale),
-                              int(num_splits), mode == "unified", visible_lens, rows.name)
+                              int(num_splits), mode == "unified", visible_lens, rows.name, indices, topk_length)
     return out.to(q_lat.dtype), lse

@@ -36,7 +36,26 @@ j < seqlen - S_q + t + 1, causal among the new tokens:
 j < min(visible_lens[b, t], seqlen). A right-padded batch uses it (a padding query sees
 what the last real one sees; its output is not used), and so can any per-query prefix.
 
-For head h in group g = h // (H / G), over the visible slots j:
+Sparse (top-k) decode. ``indices`` [B, S_q, topk] replaces both rules: query t of sequence b
+sees exactly the slots listed in indices[b, t] (an indexer's top-k, as DeepSeek-V3.2's lightning
+indexer picks them), in any order, and nothing else; the key scalars r are read with the same
+indices as the rows. An entry selects nothing when it is -1 (FlashMLA's marker for "none") or
+any other position outside [0, seqlen) (masked, as FlashMLA's sparse prefill masks indices < 0
+or >= s_kv: a slot past the length holds no token yet), or when it lies at or past
+``topk_length[b]`` (entries k < topk_length[b] are read, FlashMLA's ``topk_length``). A slot
+listed twice counts twice. The positions are logical slots of the sequence, read through the
+block table like every other slot (FlashMLA's sparse decode takes physical positions in the
+block pool instead, block * block_size + offset, and no block table):
+
+    indices[b, t] = [   5,  -1, 0,  97,  2 ]   topk_length[b] = 4, seqlen = 97
+    query t sees:       5        0              (-1: none; 97 >= seqlen: none; 2: past topk_length)
+
+No causal rule is applied on top (FlashMLA's sparse decode refuses ``causal``): the indexer's
+top-k is already causal. A query that selects nothing gets out = 0 and lse = -inf, as a query
+that sees no slot in the dense op (FlashMLA returns lse = +inf there; -inf is the log-sum-exp
+of no logits, and merges with another partial result's lse without changing it).
+
+For head h in group g = h // (H / G), over the visible (or selected) slots j:
 
     blockwise: s_j = scale * (r[j, g] * (q_lat . c_j) + q_rope . k_rope_j)     (r = 1 without scales)
     unified:   s_j = scale * r[j, g] * (q_lat . c_j + q_rope . k_rope_j)
@@ -59,16 +78,32 @@ def default_visible_lens(cache_seqlens: torch.Tensor, S_q: int) -> torch.Tensor:
     return (cache_seqlens.long()[:, None] - S_q + 1 + t).clamp_min(0)
 
 
+def selected_slots(indices: torch.Tensor, topk_length: Optional[torch.Tensor],
+                   cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, selected), both [B, S_q, topk]: the entries of ``indices`` that select a slot
+    (``selected``: in [0, seqlen) and before ``topk_length[b]``, see above) and the slots as int64,
+    0 where nothing is selected (a position safe to read, whose row the caller then ignores)."""
+    B, S_q, topk = indices.shape
+    slots = indices.long()
+    selected = (slots >= 0) & (slots < cache_seqlens.long()[:, None, None])
+    if topk_length is not None:
+        selected &= torch.arange(topk, device=indices.device) < topk_length.long()[:, None, None]
+    return slots.masked_fill(~selected, 0), selected
+
+
 def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, scale_cache: Optional[torch.Tensor] = None,
                      softmax_scale: float = 1.0, compute_dtype: torch.dtype = torch.float32, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     kv_format="dense"):
+                     kv_format="dense", indices: Optional[torch.Tensor] = None,
+                     topk_length: Optional[torch.Tensor] = None):
     """Returns (out [B, S_q, H, d_c] in ``compute_dtype``, lse [B, S_q, H] float32).
 
     ``compute_dtype=torch.bfloat16`` gives "a plain bf16 PyTorch implementation", the
     baseline of the kernel's error budget. ``mode`` is "blockwise" or "unified" (see above).
     ``kv_format``: how kv_cache's rows are stored (see above): a name, or its row format object.
+    ``indices`` [B, S_q, topk] and ``topk_length`` [B]: a sparse decode (see above); ``visible_lens``
+    is then not used.
     """
     B, S_q, H, d_c = q_lat.shape
     rows_format = row_format(kv_format, d_c, q_rope.shape[-1])
@@ -80,6 +115,8 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     page = kv_cache.shape[1]
     if visible_lens is None:
         visible_lens = default_visible_lens(cache_seqlens, S_q)
+    if indices is not None:
+        slots, selected = selected_slots(indices, topk_length, cache_seqlens)
     out = torch.zeros(B, S_q, H, d_c, dtype=compute_dtype, device=q_lat.device)
     lse = torch.full((B, S_q, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
     for b in range(B):
@@ -92,20 +129,23 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
         c, k_rope = rows[:, :d_c], rows[:, d_c:]
         r = scale_cache[blocks, slot % page].to(compute_dtype) if scale_cache is not None else None
         for t in range(S_q):
-            visible = min(int(visible_lens[b, t]), n)
-            if visible <= 0:
+            if indices is None:  # a prefix of the sequence
+                seen = torch.arange(max(0, min(int(visible_lens[b, t]), n)), device=q_lat.device)
+            else:  # the selected slots, in the order listed
+                seen = slots[b, t][selected[b, t]]
+            if seen.numel() == 0:
                 continue
             for h in range(H):
                 g = h // (H // G)
-                s_content = c[:visible] @ q_lat[b, t, h].to(compute_dtype)
-                s_rope = k_rope[:visible] @ q_rope[b, t, h].to(compute_dtype)
+                s_content = c[seen] @ q_lat[b, t, h].to(compute_dtype)
+                s_rope = k_rope[seen] @ q_rope[b, t, h].to(compute_dtype)
                 if r is None:
                     s = s_content + s_rope
                 elif mode == "blockwise":
-                    s = r[:visible, g] * s_content + s_rope
+                    s = r[seen, g] * s_content + s_rope
                 else:
-                    s = r[:visible, g] * (s_content + s_rope)
+                    s = r[seen, g] * (s_content + s_rope)
                 s = s * softmax_scale
                 lse[b, t, h] = torch.logsumexp(s.float(), dim=0)
-                out[b, t, h] = torch.softmax(s.float(), dim=0).to(compute_dtype) @ c[:visible]
+                out[b, t, h] = torch.softmax(s.float(), dim=0).to(compute_dtype) @ c[seen]
     return out, lse

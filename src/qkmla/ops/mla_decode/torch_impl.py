@@ -22,6 +22,7 @@ import torch
 from ...dtypes import accumulate_dtype, cast
 from ...kv_formats import DenseRows, row_format
 from .naive import default_visible_lens
+from .selection import packed_selection
 from .workspace import scratch
 
 SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
@@ -411,8 +412,9 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                      block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
                      scale_cache: Optional[torch.Tensor] = None, softmax_scale: float = 1.0, *,
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
-                     max_seqlen: Optional[int] = None,
-                     rows: Optional[DenseRows] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     max_seqlen: Optional[int] = None, rows: Optional[DenseRows] = None,
+                     indices: Optional[torch.Tensor] = None,
+                     topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked), ``rows`` the
     row format (None: dense).
 
@@ -423,6 +425,9 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+    if indices is not None:
+        return _sparse_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, indices, topk_length,
+                              softmax_scale, mode, rows)
     visible = default_visible_lens(cache_seqlens, S_q) if visible_lens is None else visible_lens
     if block_table is not None:
         return _paged_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, S, visible, cache_seqlens,
@@ -454,3 +459,49 @@ def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
     out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
                                 kv_format=rows)
     return out, lse.float()
+
+
+def _gather_rows(table: torch.Tensor, block_table: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """The rows of ``slots`` [B, n] (slot j of sequence b: block block_table[b, j // block_size],
+    row j % block_size; without a block table, row j of sequence b) from table [num_blocks or B,
+    block_size, width], as [B, n, width] in one ``index_select`` over the flattened rows where the
+    table's strides allow it (a column view of wider rows included; advanced indexing otherwise,
+    several times slower on the CPU measured)."""
+    B, n = slots.shape
+    page = table.shape[1]
+    blocks = torch.arange(B, device=slots.device)[:, None] if block_table is None else \
+        block_table.long().gather(1, slots // page)
+    if table.stride(0) == page * table.stride(1):  # [num_blocks * block_size, width] is a view
+        rows = table.view(-1, table.shape[-1]).index_select(0, (blocks * page + slots % page).view(-1))
+        return rows.view(B, n, -1)
+    return table[blocks.expand(B, n), slots % page]
+
+
+def _sparse_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   scale_cache: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                   cache_seqlens: torch.Tensor, indices: torch.Tensor, topk_length: Optional[torch.Tensor],
+                   softmax_scale: float, mode: str, rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse decode: each query's selected slots, packed to the front (``selection.py``), are
+    gathered, rows and key scalars with the same indices, into a cache of their own, [B S_q, topk,
+    width], one block per query, and each query attends to its first count rows through
+    :func:`_paged_attend`, as a dense paged decode of B S_q one-token sequences whose lengths are
+    the counts (its two contiguous GEMM operands, its masking of the rows past a length). A
+    top-k decode reads topk rows per query token whatever the context's length, so the gathered
+    copy is small (topk 2048 at d_c 512, d_r 64 in bfloat16: 2.4 MB per query token); quantized
+    rows are gathered as bytes.
+
+    kv_cache [num_blocks, block_size, width] with block_table [B, max_blocks], or [B, capacity,
+    width] with None; indices [B, S_q, topk]; topk_length [B] or None. Returns (out [B, S_q, h,
+    d_c], lse [B, S_q, h] float32; out 0 and lse -inf for a query that selects nothing)."""
+    B, T, h, d_c = q_lat.shape
+    slots, counts = packed_selection(indices, topk_length, cache_seqlens)  # [B, T, topk], [B, T]
+    topk = slots.shape[-1]
+    slots = slots.view(B, T * topk)
+    pool = _gather_rows(kv_cache, block_table, slots).view(B * T, topk, -1)
+    scale_pool = None if scale_cache is None else _gather_rows(scale_cache, block_table, slots).view(B * T, topk, -1)
+    counts = counts.view(B * T)
+    longest = int(counts.max())  # read once: on a GPU each read is a sync
+    one_block_each = torch.arange(B * T, device=q_lat.device)[:, None]
+    out, lse = _paged_attend(q_lat.reshape(B * T, 1, h, d_c), q_rope.reshape(B * T, 1, h, -1), pool, scale_pool,
+                             one_block_each, longest, counts[:, None], counts, softmax_scale, mode, rows)
+    return out.view(B, T, h, d_c), lse.view(B, T, h)

@@ -17,7 +17,10 @@ float32 scales and the bfloat16 RoPE key read at their byte offsets in the row
 (:func:`_load_key_tile`); the dots then run in the queries' dtype. Each query's visible length is
 causal among the new tokens, or read from ``visible_lens`` (HAS_VISIBLE). Masked loads never
 touch slots past a query's visible length, so unused cache slots may hold anything (tests
-use NaN). The reference is ``naive.py`` beside this file.
+use NaN). A sparse decode (HAS_INDICES) walks a query's entries of ``indices`` instead of its
+slots: a tile is BLOCK_N entries, each entry's slot read through the block table, an entry
+outside [0, seqlen) or past ``topk_length`` masked like a slot past the length (so a tile, or
+a whole split, may hold no key). The reference is ``naive.py`` beside this file.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _mla_decode_split_kernel(
     q_lat_ptr, q_rope_ptr, kv_ptr, scale_ptr, block_table_ptr, seqlens_ptr, visible_ptr, o_part_ptr, lse_part_ptr,
-    softmax_scale,
+    indices_ptr, topk_len_ptr, softmax_scale, topk,
     stride_qb, stride_qt, stride_qh,
     stride_rb, stride_rt, stride_rh,
     stride_kv_blk, stride_kv_tok,
@@ -84,16 +87,22 @@ def _mla_decode_split_kernel(
     stride_vb, stride_vt,
     stride_ob, stride_ot, stride_oh, stride_os,
     stride_lb, stride_lt, stride_lh,
+    stride_ib, stride_it,
     S_Q: tl.constexpr, H: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     USE_SCALE: tl.constexpr, UNIFIED: tl.constexpr, HAS_VISIBLE: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_IEEE: tl.constexpr, KV_FORMAT: tl.constexpr, GROUP: tl.constexpr, SCALE_OFF: tl.constexpr,
-    ROPE_OFF: tl.constexpr,
+    ROPE_OFF: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_TOPK_LEN: tl.constexpr,
 ):
     i_bt, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_t = i_bt // S_Q, i_bt % S_Q
     seqlen = tl.load(seqlens_ptr + i_b)
-    if HAS_VISIBLE:  # a per-query prefix (padded batches), never past the sequence's length
+    if HAS_INDICES:  # the query's entries of indices (n_visible counts entries, not slots)
+        if HAS_TOPK_LEN:
+            n_visible = tl.maximum(tl.minimum(tl.load(topk_len_ptr + i_b), topk), 0)
+        else:
+            n_visible = topk
+    elif HAS_VISIBLE:  # a per-query prefix (padded batches), never past the sequence's length
         n_visible = tl.maximum(tl.minimum(tl.load(visible_ptr + i_b * stride_vb + i_t * stride_vt), seqlen), 0)
     else:  # causal among the S_Q new tokens
         n_visible = tl.maximum(seqlen - S_Q + i_t + 1, 0)
@@ -120,6 +129,10 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < end
+        if HAS_INDICES:  # entry -> slot; an entry outside [0, seqlen) selects nothing
+            i_pos = tl.load(indices_ptr + i_b * stride_ib + i_t * stride_it + o_n, mask=m_n, other=-1)
+            m_n = m_n & (i_pos >= 0) & (i_pos < seqlen)
+            o_n = tl.where(m_n, i_pos, 0)
         i_blk = tl.load(block_table_ptr + i_b * stride_bt + o_n // PAGE, mask=m_n, other=0).to(tl.int64)
         i_slot = o_n % PAGE
         p_row = kv_ptr + i_blk * stride_kv_blk + i_slot * stride_kv_tok
@@ -140,9 +153,12 @@ def _mla_decode_split_kernel(
                 b_s = b_s * b_r
         b_s = b_s * softmax_scale
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # finite: every tile holds a visible key
-        b_alpha = tl.exp(b_m - b_m_new)
-        b_p = tl.exp(b_s - b_m_new[:, None])
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))  # finite unless sparse: every tile holds a visible key
+        b_m_ref = b_m_new
+        if HAS_INDICES:  # no key selected yet: keep exp(-inf - m) = 0, not exp(-inf + inf) = NaN
+            b_m_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp(b_m - b_m_ref)
+        b_p = tl.exp(b_s - b_m_ref[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_c.dtype), b_c, DOT_IEEE)
         b_m = b_m_new
@@ -228,10 +244,11 @@ def _config_key(q_lat, kv_cache, scale_cache, unified, kv_format) -> tuple:
 
 def split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale, o_part,
                       lse_part, launch: dict, unified: bool = False, visible_lens=None, dot_fp32: bool = False,
-                      kv_format: str = "dense") -> tuple[tuple, dict]:
+                      kv_format: str = "dense", indices=None, topk_length=None) -> tuple[tuple, dict]:
     """(positional arguments, constexprs and launch options) of ``_mla_decode_split_kernel`` for
     these tensors and ``launch`` (:func:`launch_config`); o_part [B, S_q, H, splits, d_c] and
-    lse_part [B, S_q, H, splits] are its float32 outputs."""
+    lse_part [B, S_q, H, splits] are its float32 outputs. ``indices`` [B, S_q, topk] (entries
+    contiguous) and ``topk_length`` [B] int32: a sparse decode."""
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     group, scale_off, rope_off = 1, 0, 0
@@ -242,7 +259,13 @@ def split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_s
     G = scale_cache.shape[-1] if scale_cache is not None else 1
     scales = scale_cache if scale_cache is not None else kv_cache  # never read when USE_SCALE is False
     visible = visible_lens if visible_lens is not None else cache_seqlens[:, None]  # never read without HAS_VISIBLE
-    args = (q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, softmax_scale,
+    # never read without HAS_INDICES / HAS_TOPK_LEN
+    entries = indices if indices is not None else cache_seqlens[:, None, None]
+    counts = topk_length if topk_length is not None else cache_seqlens
+    if indices is not None and indices.stride(-1) != 1:
+        raise ValueError("indices: the Triton kernel needs each query's entries contiguous")
+    args = (q_lat, q_rope, kv_cache, scales, block_table, cache_seqlens, visible, o_part, lse_part, entries, counts,
+            softmax_scale, entries.shape[-1],
             q_lat.stride(0), q_lat.stride(1), q_lat.stride(2),
             q_rope.stride(0), q_rope.stride(1), q_rope.stride(2),
             kv_cache.stride(0), kv_cache.stride(1),
@@ -250,37 +273,43 @@ def split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_s
             block_table.stride(0),
             visible.stride(0), visible.stride(1),
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2))
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            entries.stride(0), entries.stride(1))
     constexprs = dict(S_Q=S_q, H=H, HEADS_PER_GROUP=H // G, D_C=d_c, D_R=d_r, PAGE=kv_cache.shape[1],
                       BLOCK_H=launch["BLOCK_H"], BLOCK_N=launch["BLOCK_N"], NUM_SPLITS=launch["num_splits"],
                       USE_SCALE=scale_cache is not None, UNIFIED=unified, HAS_VISIBLE=visible_lens is not None,
                       DOT_FP32=dot_fp32, DOT_IEEE=q_lat.dtype == torch.float32, KV_FORMAT=FORMAT_IDS[kv_format],
-                      GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off)
+                      GROUP=group, SCALE_OFF=scale_off, ROPE_OFF=rope_off, HAS_INDICES=indices is not None,
+                      HAS_TOPK_LEN=topk_length is not None)
     return args, {**constexprs, "num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}
 
 
 def mla_decode_fwd(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, softmax_scale: float,
                    num_splits: int = 0, unified: bool = False, visible_lens=None,
-                   dot_fp32: bool = False, kv_format: str = "dense", launch_index: Optional[int] = None):
+                   dot_fp32: bool = False, kv_format: str = "dense", launch_index: Optional[int] = None,
+                   indices=None, topk_length=None):
     """Launch split + combine; returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
     ``dot_fp32``: run the tile dots in fp32 (Triton's CPU interpreter needs it). ``kv_format``:
     the rows' format (a quantized one's kv_cache is uint8 bytes). Float32 queries take IEEE
     float32 dots, not TF32, so that a float32 decode matches the float32 reference.
     ``launch_index``: run ``LAUNCH_CONFIGS[launch_index]`` only (benchmarks compare them; Triton's
-    OutOfResources if it does not fit); None: the first that fits."""
+    OutOfResources if it does not fit); None: the first that fits. ``indices`` [B, S_q, topk]
+    (entries contiguous) and ``topk_length`` [B] int32 or None: a sparse decode, split over topk
+    entries instead of the cache's slots."""
     from triton.runtime.errors import OutOfResources
 
     B, S_q, H, d_c = q_lat.shape
     key = _config_key(q_lat, kv_cache, scale_cache, unified, kv_format)
     tried = range(_fitting.get(key, 0), len(LAUNCH_CONFIGS)) if launch_index is None else [launch_index]
     for index in tried:
-        launch = launch_config(H, B * S_q, block_table.shape[1] * kv_cache.shape[1], q_lat.device, index, num_splits)
+        longest = indices.shape[-1] if indices is not None else block_table.shape[1] * kv_cache.shape[1]
+        launch = launch_config(H, B * S_q, longest, q_lat.device, index, num_splits)
         splits = launch["num_splits"]
         o_part = torch.empty(B, S_q, H, splits, d_c, dtype=torch.float32, device=q_lat.device)
         lse_part = torch.empty(B, S_q, H, splits, dtype=torch.float32, device=q_lat.device)
         args, options = split_kernel_args(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens,
                                           softmax_scale, o_part, lse_part, launch, unified, visible_lens, dot_fp32,
-                                          kv_format)
+                                          kv_format, indices, topk_length)
         try:
             _mla_decode_split_kernel[(B * S_q, launch["head_blocks"], splits)](*args, **options)
         except OutOfResources:
