@@ -4,11 +4,11 @@ grid's runs were trained at 1d131a5, 761ae43 and e78c8b1, whose training code di
 text (trainer.py, data.py, norms.py, mla.py changed between them), so whether they train the
 same steps is measured here, not assumed.
 
-    python -m benchmarks.qknorm_vs_clip_rerun --commits 1d131a5 761ae43 e78c8b1 HEAD \\
+    python -m benchmarks.qknorm_vs_clip_rerun --commits 1d131a5 761ae43 e78c8b1 \\
         --out benchmarks/results/experiments/qknorm-vs-clip/rerun_commits.json
 
 Each commit is checked out with ``git worktree add --detach`` under ``--worktrees`` (HEAD is
-this checkout) and trains each run's committed config, with ``steps`` cut to the given number
+this checkout) and trains each run's committed config (the commits side by side, one process each), with ``steps`` cut to the given number
 and the ``constant`` schedule (before step 480 the 600-step WSD schedule is the constant one,
 warmup included, so the learning rates are the committed run's), in a fresh process with one
 thread, as the grid's workers ran.
@@ -17,6 +17,7 @@ thread, as the grid's workers ran.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -31,7 +32,8 @@ from qkmla.utils.machine import machine, source_commit
 from .common import ROOT
 
 GRID = ROOT / "benchmarks" / "results" / "experiments" / "qknorm-vs-clip"
-RUNS = {"mla_lr0.005_s0": 60, "mla-qknorm_lr0.005_s0": 60, "mla-qkclip-transient_lr0.005_s0": 200}
+# Seed 3: its QK-Clip tau = 17 run clips first at step 154, the earliest of the seven.
+RUNS = {"mla_lr0.005_s3": 30, "mla-qknorm_lr0.005_s3": 30, "mla-qkclip-transient_lr0.005_s3": 160}
 
 CHILD = r"""
 import dataclasses, json, sys, torch
@@ -81,12 +83,18 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     result = {"command": "python -m benchmarks.qknorm_vs_clip_rerun " + " ".join(sys.argv[1:] if argv is None else argv),
               "commit": source_commit(ROOT), "machine": machine(), "runs": {}}
+    for c in args.commits:
+        _checkout(c, args.worktrees)
+    with concurrent.futures.ThreadPoolExecutor(len(args.commits)) as pool:  # one process per commit at a time
+        reruns = {c: pool.submit(lambda c: {run: rerun(c, args.worktrees, run, steps) for run, steps in RUNS.items()}, c)
+                  for c in args.commits}
+        reruns = {c: f.result() for c, f in reruns.items()}
     for run, steps in RUNS.items():
         committed = [r for r in read_metrics(GRID / "runs" / run) if r["step"] <= steps]
         entry = {"steps": steps, "committed": {"loss": [r["loss"] for r in committed],
                                                "max_logit": [r["max_logit"] for r in committed]}, "commits": {}}
         for c in args.commits:
-            got = rerun(c, args.worktrees, run, steps)
+            got = reruns[c][run]
             entry["commits"][c] = {
                 "source_commit": got["source_commit"], "status": got["status"],
                 "loss_equal_to_committed": got["loss"] == entry["committed"]["loss"],
