@@ -32,8 +32,16 @@ from qkmla.utils.machine import machine, source_commit
 from .common import ROOT
 
 GRID = ROOT / "benchmarks" / "results" / "experiments" / "qknorm-vs-clip"
-# Seed 3: its QK-Clip tau = 17 run clips first at step 154, the earliest of the seven.
+# Seed 3's runs by default (its QK-Clip tau = 17 run clips first, at step 154, the earliest of the seven).
 RUNS = {"mla_lr0.005_s3": 30, "mla-qknorm_lr0.005_s3": 30, "mla-qkclip-transient_lr0.005_s3": 160}
+
+
+def run_steps(text: str) -> tuple[str, int]:
+    """An argparse type: ``RUN:STEPS``, a committed run's name and how many of its first steps to rerun."""
+    name, _, steps = text.partition(":")
+    if not (GRID / "runs" / name / "config.json").is_file() or not steps.isdigit() or int(steps) < 1:
+        raise argparse.ArgumentTypeError(f"expected RUN:STEPS with RUN a committed qknorm-vs-clip run, got {text!r}")
+    return name, int(steps)
 
 CHILD = r"""
 import dataclasses, json, sys, torch
@@ -80,16 +88,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--commits", nargs="+", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--worktrees", type=Path, default=Path("/tmp"))
+    parser.add_argument("--runs", type=run_steps, nargs="+", default=list(RUNS.items()),
+                        help="RUN:STEPS pairs (default: %(default)s)")
     args = parser.parse_args(argv)
+    runs = dict(args.runs)
     result = {"command": "python -m benchmarks.qknorm_vs_clip_rerun " + " ".join(sys.argv[1:] if argv is None else argv),
               "commit": source_commit(ROOT), "machine": machine(), "runs": {}}
     for c in args.commits:
         _checkout(c, args.worktrees)
     with concurrent.futures.ThreadPoolExecutor(len(args.commits)) as pool:  # one process per commit at a time
-        reruns = {c: pool.submit(lambda c: {run: rerun(c, args.worktrees, run, steps) for run, steps in RUNS.items()}, c)
+        reruns = {c: pool.submit(lambda c: {run: rerun(c, args.worktrees, run, steps) for run, steps in runs.items()}, c)
                   for c in args.commits}
         reruns = {c: f.result() for c, f in reruns.items()}
-    for run, steps in RUNS.items():
+    for run, steps in runs.items():
         committed = [r for r in read_metrics(GRID / "runs" / run) if r["step"] <= steps]
         entry = {"steps": steps, "committed": {"loss": [r["loss"] for r in committed],
                                                "max_logit": [r["max_logit"] for r in committed]}, "commits": {}}
