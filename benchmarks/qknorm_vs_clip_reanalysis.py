@@ -123,6 +123,10 @@ def main(argv=None) -> dict:
               "commit": source_commit(ROOT), "grid": str(GRID.relative_to(ROOT)), "seeds": list(SEEDS), "lr": LR}
     result["means"] = {arm: {m: statistics.fmean(grid[arm][s][m] for s in SEEDS) for m in METRICS} for arm in ARMS}
     result["paired"] = paired(grid)
+    # the headline estimate as the seeds were added (seeds 0..n-1), the path the seed rule looked at
+    head = [grid["qknorm"][s]["test_loss"] - grid["clip17"][s]["test_loss"] for s in SEEDS]
+    result["headline_path"] = {n: {k: paired_test(head[:n])[k] for k in ("mean", "se", "t", "p")}
+                               for n in range(3, len(head) + 1)}
     clip = {s: clipping(_run("clip17", s)) for s in SEEDS}
     peaks = [c["peak_after_clip"] for c in clip.values()]
     result["clip17"] = {"per_seed": clip, "peak_after_clip_mean": statistics.fmean(peaks),
