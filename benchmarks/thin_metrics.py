@@ -145,10 +145,19 @@ def refused(full: list[dict], thinned: list[dict], dense: bool) -> list[str]:
     return bad
 
 
+def self_thinned() -> set[str]:
+    """Experiments whose runs are archived thinned already (``Experiment.thin_metrics``): left alone here."""
+    from qkmla.experiments import EXPERIMENTS
+
+    return {name for name, e in EXPERIMENTS.items() if e.thin_metrics is not None}
+
+
 def targets(root: Path) -> dict[Path, list[Path]]:
     """{the directory holding a manifest: its metrics files}."""
     results = root / "benchmarks" / "results"
-    found = {exp: sorted(exp.glob("runs/*/metrics.jsonl")) for exp in sorted((results / "experiments").glob("*"))}
+    skip = self_thinned()
+    found = {exp: sorted(exp.glob("runs/*/metrics.jsonl")) for exp in sorted((results / "experiments").glob("*"))
+             if exp.name not in skip}
     found[results / "demo"] = sorted((results / "demo").glob("*/metrics.jsonl"))
     return {where: files for where, files in found.items() if files}
 

@@ -305,6 +305,24 @@ def test_committed_runs_are_thinned_as_their_manifests_record_and_recompute_ever
             assert got == {k: row.get(k) for k in got}, row["run"]
 
 
+def test_runs_archived_thinned_by_their_experiment_recompute_every_results_row():
+    """An experiment that archives its metrics thinned (qknorm-confirm: ``Experiment.thin_metrics``) is
+    left alone by benchmarks/thin_metrics.py, and its committed runs give its committed results rows."""
+    from qkmla.experiments.grid import Run
+    from qkmla.experiments.results import read_results, summarize
+
+    thin = load("thin_metrics")
+    assert thin.self_thinned() == {"qknorm-confirm"}
+    for name in thin.self_thinned():
+        where = BENCHMARKS / "results" / "experiments" / name
+        if not (where / "results.jsonl").is_file():
+            continue  # not committed yet
+        for row in read_results(where / "results.jsonl"):
+            if row["status"] == "done":
+                got = summarize(row["experiment"], Run(row["run"], row["variant"], {}), where)
+                assert got == {k: row.get(k) for k in got}, row["run"]
+
+
 def test_qknorm_vs_clip_measures_recompute_from_its_thinned_runs(monkeypatch):
     """Its measure over the thinned files (the part that reads metrics: spikes, the late and peak
     logits and gradient norm, clipping, and the curves but grad_norm and lr, whose points are kept

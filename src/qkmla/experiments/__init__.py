@@ -15,10 +15,12 @@ from .lp_sweep import EXPERIMENT as LP_SWEEP
 from .lr_sweep import EXPERIMENT as LR_SWEEP
 from .norm_mode import EXPERIMENT as NORM_MODE
 from .qk_clip import EXPERIMENT as QK_CLIP
+from .qknorm_confirm import EXPERIMENT as QKNORM_CONFIRM
 from .qknorm_vs_clip import EXPERIMENT as QKNORM_VS_CLIP
 from .retrieval import EXPERIMENT as RETRIEVAL
 
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (LR_SWEEP, QK_CLIP, NORM_MODE, LP_SWEEP, LENGTH, COMPRESSION,
-                                                           RETRIEVAL, QKNORM_VS_CLIP, LP_PAPER)}
+                                                           RETRIEVAL, QKNORM_VS_CLIP, LP_PAPER,
+                                                           QKNORM_CONFIRM)}
 
 __all__ = ["EXPERIMENTS", "Experiment", "Options", "Report", "run_experiment"]

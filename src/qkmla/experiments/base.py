@@ -62,6 +62,7 @@ class Experiment:
     report: Callable[[list[dict], Options], Report]
     measure: Optional[Callable[[Path], dict]] = None
     adaptive: bool = False
+    thin_metrics: Optional[Callable[[list[dict]], list[dict]]] = None  # archived metrics rows (redraw)
 
 
 def train_settings(quick: bool, steps: int, **changes) -> dict:
@@ -130,7 +131,7 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
     dst.mkdir(parents=True, exist_ok=True)
-    archive_runs(src, dst)
+    archive_runs(src, dst, experiment.thin_metrics)
     rows = read_results(src / "results.jsonl")
     write_results(rows, dst / "results.jsonl")
     report = experiment.report(rows, Options(out=dst, quick=quick))

@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import shutil
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,11 @@ class Run:
     same_as: the name of another run of the grid that this one provably repeats step for
     step (e.g. QK-Clip whose threshold the plain run never reached): it is not trained, and
     its results row is that run's.
+    start_from: the name of another run of the grid whose final checkpoint this one continues
+    (a branch: the decay of a warmup-stable-decay run from its stable phase, or the next stretch
+    of the stable phase); it starts from that run's checkpoint and per-step metrics, with this
+    run's own ``steps`` and schedule (those may change on resume, ``TrainConfig.RESUMABLE``).
+    The other run must be finished first: a plan lists a branch only once it is.
     """
 
     name: str
@@ -44,6 +50,7 @@ class Run:
     train: dict
     labels: dict = field(default_factory=dict)
     same_as: Optional[str] = None
+    start_from: Optional[str] = None
 
 
 def run_dir(out: Path, run: Run) -> Path:
@@ -78,9 +85,11 @@ def is_finished(out: Path, run: Run) -> bool:
 ARCHIVED = ("config.json", "status.json", "metrics.jsonl", "measure.json")
 
 
-def archive_runs(out: Path, dst: Path) -> list[str]:
+def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], list[dict]]] = None) -> list[str]:
     """Copy every finished run of the grid in ``out`` to ``dst/runs/NAME`` (only :data:`ARCHIVED`
-    files, each written to a temporary name and renamed); returns the runs copied."""
+    files, each written to a temporary name and renamed); returns the runs copied. ``thin``
+    (an experiment's ``thin_metrics``) maps the per-step rows of ``metrics.jsonl`` to the rows
+    committed, for an experiment that archives its metrics thinned."""
     copied = []
     for path in sorted((Path(out) / "runs").glob("*")):
         if (read_status(path) or {}).get("status") not in FINISHED:
@@ -90,7 +99,11 @@ def archive_runs(out: Path, dst: Path) -> list[str]:
         for name in ARCHIVED:
             if (path / name).is_file():
                 tmp = target / (name + ".tmp")
-                tmp.write_bytes((path / name).read_bytes())
+                data = (path / name).read_bytes()
+                if thin is not None and name == "metrics.jsonl":
+                    rows = thin([json.loads(line) for line in data.decode().splitlines() if line.strip()])
+                    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                tmp.write_bytes(data)
                 tmp.replace(target / name)
         copied.append(path.name)
     return copied
@@ -128,9 +141,28 @@ def _init_worker() -> None:
         pass
 
 
-def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
-    """In a worker: train (resuming a compatible checkpoint) and run the experiment's
-    measurement; errors come back as a status instead of killing the grid."""
+def start_branch(parent: Path, path: Path) -> None:
+    """Make ``path`` a branch of the finished run in ``parent``: its final checkpoint and its
+    per-step metrics copied in (each to a temporary name, then renamed), no config or status,
+    so that training ``path`` with ``resume`` continues from the parent's last step."""
+    from ..train.checkpoint import FILENAME
+
+    parent, path = Path(parent), Path(path)
+    if (read_status(parent) or {}).get("status") != "done" or not (parent / FILENAME).is_file():
+        raise ValueError(f"start_from: {parent} is not a finished run with a checkpoint")
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "status.json"):
+        (path / name).unlink(missing_ok=True)
+    for name in (FILENAME, "metrics.jsonl"):
+        tmp = path / (name + ".branching")
+        shutil.copyfile(parent / name, tmp)
+        tmp.replace(path / name)
+
+
+def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: Optional[str] = None) -> dict:
+    """In a worker: train (resuming a compatible checkpoint, or branching from ``start_from``'s,
+    see :class:`Run`) and run the experiment's measurement; errors come back as a status
+    instead of killing the grid."""
     from ..train.checkpoint import FILENAME, read_metadata
     from ..train.trainer import TrainConfig, train as train_run
 
@@ -142,6 +174,9 @@ def _train_one(train: dict, path: str, measure: Optional[Callable]) -> dict:
             resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
             if resume and int(read_metadata(path_ / FILENAME)["step"]) >= train["steps"]:
                 resume = False  # trained to the end but its status was lost: its seconds too, so again
+            if not resume and start_from is not None:  # a branch not started yet (or started over)
+                start_branch(Path(start_from), path_)
+                resume = True
             # Not resumable (none or another config's checkpoint): what is there is replaced.
             status = train_run(TrainConfig(**{**train, "out": path, "progress": False, "resume": resume,
                                               "overwrite": not resume}))
@@ -190,7 +225,8 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     if own:
         pool = worker_pool(workers)
     try:
-        futures = {pool.submit(_train_one, r.train, str(run_dir(out, r)), measure): r for r in todo}
+        futures = {pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
+                               str(Path(out) / "runs" / r.start_from) if r.start_from else None): r for r in todo}
         for fut in concurrent.futures.as_completed(futures):
             run = futures[fut]
             statuses[run.name] = status = fut.result()

@@ -140,3 +140,75 @@ def spikes(losses: list[tuple[int, float]], window: int = 50, nats: float = 0.5)
         if losses[i][1] > statistics.median(v for _, v in losses[i - window:i]) + nats:
             out.append(losses[i][0])
     return out
+
+
+# -- tests of paired differences ----------------------------------------------------------------
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for 0 <= x <= 1."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _betacf(a, b, x) / a
+    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with ``df`` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"df: expected an int >= 1, got {df!r}")
+    return _betainc(0.5 * df, 0.5, df / (df + t * t))
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile (0.5 < q < 1) of Student's t with ``df`` degrees of freedom, by bisection."""
+    if not 0.5 < q < 1.0:
+        raise ValueError(f"q: expected 0.5 < q < 1, got {q!r}")
+    lo, hi = 0.0, 1e4
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_two_sided_p(mid, df) > 2 * (1 - q) else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def holm(pvalues: dict[str, float]) -> dict[str, float]:
+    """Holm-adjusted p-values (step-down, monotone, capped at 1) of a family of tests by name."""
+    order = sorted(pvalues, key=pvalues.get)
+    out, running, m = {}, 0.0, len(order)
+    for i, name in enumerate(order):
+        running = max(running, min(1.0, (m - i) * pvalues[name]))
+        out[name] = running
+    return out
+
+
+def paired_test(diffs: list[float], level: float = 0.95) -> dict:
+    """:func:`paired_difference` with the two-sided p-value of its paired t test and the
+    ``level`` confidence interval of the mean difference (n >= 2)."""
+    p = paired_difference(diffs)
+    if p["n"] < 2:
+        raise ValueError(f"diffs: a paired test needs at least 2 differences, got {p['n']}")
+    df = p["n"] - 1
+    if not p["se"]:
+        raise ValueError("diffs: every difference is the same; the t test is undefined")
+    half = t_quantile(0.5 + level / 2, df) * p["se"]
+    return {**p, "p": t_two_sided_p(p["t"], df), "ci": [p["mean"] - half, p["mean"] + half], "ci_level": level}

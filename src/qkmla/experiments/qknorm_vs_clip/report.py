@@ -32,6 +32,11 @@ def _chosen_from_rows(rows: list[dict], quick: bool) -> dict[str, float]:
     return out
 
 
+def _mean_or_none(values) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
 def report(rows: list[dict], options: Options) -> Report:
     chosen = _chosen_from_rows(rows, options.quick)
     summary: dict = {"design": _design(rows, options), "chosen_lr": chosen}
@@ -49,9 +54,12 @@ def report(rows: list[dict], options: Options) -> Report:
                               if any(m.get(k) is not None for m in ms.values())},
                            "clipped_steps": [0 if ms[s].get("same_as") else ms[s].get("clipped_steps")
                                              for s in sorted(ms)],
-                           "peak_max_logit_after_clip": max((m["peak_max_logit_after_clip"] for m in ms.values()
-                                                             if m.get("peak_max_logit_after_clip") is not None),
-                                                            default=None),
+                           # the mean over seeds of each run's peak, as every other column here; and the maximum
+                           "peak_max_logit_after_clip": _mean_or_none(m.get("peak_max_logit_after_clip")
+                                                                      for m in ms.values()),
+                           "peak_max_logit_after_clip_max": max((m["peak_max_logit_after_clip"] for m in ms.values()
+                                                                 if m.get("peak_max_logit_after_clip") is not None),
+                                                                default=None),
                            "same_as": {s: ms[s].get("same_as") for s in sorted(ms) if ms[s].get("same_as")}}
                        for v, ms in main.items()}
     summary["paired"] = {f"{a} - {b}": {k: _paired(main.get(a, {}), main.get(b, {}), k) for k, _ in METRICS}
@@ -84,9 +92,11 @@ def _tables(s: dict) -> str:
         ["variant"] + [f"lr {lr}" for lr in rates],
         [[v] + [(fmt(b.get(lr)) + ("*" if s["chosen_lr"].get(v) == float(lr) else "")) if lr in b else ""
                 for lr in rates] for v, b in s["brackets"].items() if b])
-    header = ["variant", "lr", "seeds"] + [name for _, name in METRICS] + ["peak max logit", "steps clipped"]
+    header = ["variant", "lr", "seeds"] + [name for _, name in METRICS] + [
+        "peak max logit", "peak after clip, mean (max)", "steps clipped"]
     lines = [[v, f"{m['lr']:g}", len(m["seeds"])] + [fmt(m.get(k)) for k, _ in METRICS] +
-             [fmt(m.get("peak_max_logit"), ".1f"), _clipped(m["clipped_steps"])] for v, m in s["main"].items()]
+             [fmt(m.get("peak_max_logit"), ".1f"), _after_clip(m), _clipped(m["clipped_steps"])]
+             for v, m in s["main"].items()]
     text += "\nAt each variant's chosen rate (means over seeds):\n\n" + table(header, lines)
     plines = []
     for pair, by in s["paired"].items():
@@ -105,6 +115,12 @@ def _tables(s: dict) -> str:
         ["variant", "multiple", "lr", "status", "non-finite at step", "loss spikes", "peak max logit",
          "peak grad norm", "val loss"], slines)
     return text
+
+
+def _after_clip(m: dict) -> str:
+    if m.get("peak_max_logit_after_clip") is None:
+        return "–"
+    return f"{m['peak_max_logit_after_clip']:.1f} ({m['peak_max_logit_after_clip_max']:.1f})"
 
 
 def _clipped(counts: list) -> str:
