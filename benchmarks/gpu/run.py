@@ -17,6 +17,7 @@ its commit). Parts, in order of value (``PARTS``; each a module ``part_<name>`` 
     4 training       training tokens/s of mla-qknorm against mla (shakespeare, paper-400m), bf16
     5 qk_clip        QK-norm against QK-Clip at the paper-400m shape, for the steps that fit
     6 torchtitan     torchtitan's DeepSeek-V3 (1.9B) plain, QK-normed and clipped: tokens/s, MFU, memory, loss
+    7 vllm           vLLM decode: a QK-normed checkpoint through qkmla's plugin against stock TRITON_MLA and FlashMLA
 
 Each part runs in its own process (a crash, e.g. a CUDA fault, cannot take the next part
 with it) with its share of the budget that is left (``Part.minutes``, rescaled): it starts no
@@ -68,7 +69,7 @@ class Part:
 
 PARTS = tuple(Part(name, f"{__package__}.part_{name}", minutes) for name, minutes in (
     ("correctness", 5.0), ("kernel", 7.0), ("model_decode", 3.0), ("training", 3.0), ("qk_clip", 2.0),
-    ("torchtitan", 3.0)))
+    ("torchtitan", 3.0), ("vllm", 3.0)))
 GRACE_S = 60.0  # how long past its deadline a part may take to stop (a compile it had started) before it is killed
 
 
