@@ -138,12 +138,25 @@ def test_padding_tokens_leave_every_row_as_it_was():
 
 
 def test_the_profile_run_forms_the_key_scalars_the_write_forms():
-    """vLLM sizes the cache from the peak of a profile run that writes no cache: the layer then
-    forms the key scalars of all its tokens (the GEMM the write runs at a prefill and its transients)."""
-    layer, seen = impl(), []
-    layer.latent_key_scalars = lambda c: seen.append(c.shape) or c[:, :H]
+    """vLLM sizes the cache from the peak of a profile run that writes no cache and runs no attention:
+    the layer then forms the key scalars of all its tokens twice, as the write does from the latents
+    (its GEMM) and as the prefill does from the content keys (its float32 statistic)."""
+    from functools import partial
+
+    from qkmla import QKNormConfig
+    from qkmla.attention.absorbed import content_key_scalars
+    from qkmla.norms import make_qk_norms
+
+    _, k_norm = make_qk_norms(QKNormConfig("rms"), D_N, D_R)
+    seen = []
+
+    def statistic(k_nope):  # the prefill's: each content key's scalar
+        seen.append(("prefill keys", tuple(k_nope.shape)))
+        return content_key_scalars(k_nope, k_norm=k_norm)
+    layer = impl(content_key_scalars=statistic)
+    layer.latent_key_scalars = lambda c: seen.append(("write", tuple(c.shape))) or c[:, :H]
     layer.profile_transients(torch.randn(37, D_C))
-    assert seen == [(37, D_C)]
+    assert seen == [("write", (37, D_C)), ("prefill keys", (37, H, D_N))]
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])

@@ -94,12 +94,19 @@ class QKNormImpl:
         write_rows(kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]], slots, rows)  # a padded row's padding left alone
 
     def profile_transients(self, kv_c_normed: torch.Tensor) -> None:
-        """What the cache write allocates for kv_c_normed [T, d_c], allocated in vLLM's profile run,
-        which writes no cache (``QKNormMLAAttention.forward_impl``): the key scalars' GEMM over the
-        T tokens (c W_UK, [T, h d_n], and the statistic's float32 upcast where the model's dtype is
-        narrower), so that vLLM's profiled peak, which sizes the cache, includes them."""
-        if self.num_key_scalars and self.latent_key_scalars is not None and kv_c_normed.numel():
+        """What the cache write and the prefill keys allocate for kv_c_normed [T, d_c], allocated in
+        vLLM's profile run, which writes no cache and runs no attention
+        (``QKNormMLAAttention.forward_impl``): the key scalars' GEMM over the T tokens (c W_UK,
+        [T, h d_n]) and the statistic over the prefill's content keys [T, h, d_n] (upcast to float32
+        where the model's dtype is narrower), so that vLLM's profiled peak, which sizes the cache,
+        includes them."""
+        if not self.num_key_scalars or not kv_c_normed.numel():
+            return
+        if self.latent_key_scalars is not None:
             self.latent_key_scalars(kv_c_normed)
+        if self.content_key_scalars is not None:  # the prefill keys' scalars from k_nope [T, h, d_n]
+            self.content_key_scalars(kv_c_normed.new_zeros(kv_c_normed.shape[0], self.num_heads,
+                                                           self.qk_nope_head_dim))
 
     def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] (or [T, 1, d_r]:
