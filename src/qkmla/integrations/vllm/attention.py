@@ -81,8 +81,9 @@ class QKNormMLAAttention(MLAAttention):
             self.weights_loaded()
 
     def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs):
-        """vLLM's, after the cache write's transients in the profile run (no metadata): vLLM sizes the
-        cache from the peak that run reaches, and it writes no cache (``QKNormImpl.profile_transients``)."""
+        """vLLM's, after the cache write's and the prefill keys' transients in the profile run (no
+        metadata): vLLM sizes the cache from the peak that run reaches, and it writes no cache and
+        runs no attention (``QKNormImpl.profile_transients``)."""
         if attn_metadata is None:
             self.impl.profile_transients(k_c_normed)
         return super().forward_impl(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs)

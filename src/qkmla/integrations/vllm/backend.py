@@ -304,7 +304,7 @@ def cuda_backend() -> type:
 
 def triton_decode_for(num_heads: int, kv_lora_rank: int):
     """A layer's :class:`~qkmla.integrations.vllm.cuda_decode.TritonDecode`, sized from the engine's
-    configuration (the most sequences a step decodes, the longest sequence) and its workspace
+    configuration (the most sequences a step decodes or a CUDA graph pads to, the longest sequence) and its workspace
     reserved; in a bare configuration (unit tests) sized small and not reserved."""
     from vllm.config import get_current_vllm_config
 
@@ -314,7 +314,9 @@ def triton_decode_for(num_heads: int, kv_lora_rank: int):
     model = config.model_config
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
         if torch.cuda.is_available() else 1
-    return TritonDecode(num_heads, kv_lora_rank, max_batch=config.scheduler_config.max_num_seqs,
+    # a decode batch holds at most max_num_seqs sequences; one CUDA graphs pad may be wider
+    graphs = getattr(config.compilation_config, "max_cudagraph_capture_size", None) or 0
+    return TritonDecode(num_heads, kv_lora_rank, max_batch=max(config.scheduler_config.max_num_seqs, graphs),
                         max_seq_len=model.max_model_len if model is not None else 1, sms=sms,
                         reserve=model is not None)
 
