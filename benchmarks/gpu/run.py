@@ -17,6 +17,7 @@ its commit). Parts, in order of value (``PARTS``; each a module ``part_<name>`` 
     4 training       training tokens/s of mla-qknorm against mla (shakespeare, paper-400m), bf16
     5 qk_clip        QK-norm against QK-Clip at the paper-400m shape, for the steps that fit
     6 torchtitan     torchtitan's DeepSeek-V3 (1.9B) plain, QK-normed and clipped: tokens/s, MFU, memory, loss
+    7 vllm           vLLM decode: a QK-normed checkpoint through qkmla's plugin against stock TRITON_MLA and FlashMLA
 
 Each part runs in its own process (a crash, e.g. a CUDA fault, cannot take the next part
 with it) with its share of the budget that is left (``Part.minutes``, rescaled): it starts no
@@ -66,9 +67,12 @@ class Part:
     minutes: float  # its share of the default 20-minute budget (shares are rescaled to --budget-min)
 
 
+# The vLLM part takes a share only where vLLM is installed: elsewhere it is skipped at once, and
+# the other parts keep the budgets they had before it was added.
+VLLM_MINUTES = 3.0 if importlib.util.find_spec("vllm") is not None else 0.05
 PARTS = tuple(Part(name, f"{__package__}.part_{name}", minutes) for name, minutes in (
     ("correctness", 5.0), ("kernel", 7.0), ("model_decode", 3.0), ("training", 3.0), ("qk_clip", 2.0),
-    ("torchtitan", 3.0)))
+    ("torchtitan", 3.0), ("vllm", VLLM_MINUTES)))
 GRACE_S = 60.0  # how long past its deadline a part may take to stop (a compile it had started) before it is killed
 
 

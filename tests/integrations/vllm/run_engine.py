@@ -23,6 +23,8 @@ weight sync runs, or the model's own ``load_weights`` called directly, with the 
 contain one of ``only``) and serve them again: the result is the second serving's (the first one's
 tokens as ``tokens_before_reload``). ``"vllm_version"``: the version vLLM reports (``vllm.__version__``),
 as if another release were installed. The result names the model's class (``model_class``).
+``"key_scalars": true``: the result holds, for each rank and QK-normed layer, the key scalars its
+cache holds by slot and its logit scale (``key_scalars_by_rank``).
 """
 
 import json
@@ -69,6 +71,25 @@ def cache_row_widths(model) -> list:
     from qkmla.integrations.vllm.attention import QKNormLatentAttention
 
     return [m.mla_attn.kv_cache.shape[-1] for m in model.modules() if isinstance(m, QKNormLatentAttention)]
+
+
+def key_scalars_and_logit_scales(model) -> dict:
+    """For each QK-normed layer of one rank, by its layer index: the key scalars it cached, by slot
+    ({slot: [one per local head]}: the rows whose latent was written, found by a nonzero latent),
+    and its logit scale (one per local head, or None)."""
+    from qkmla.integrations.vllm.attention import QKNormLatentAttention
+
+    found = {}
+    for m in model.modules():
+        if isinstance(m, QKNormLatentAttention):
+            attn, width = m.mla_attn, m.kv_lora_rank + m.qk_rope_head_dim
+            flat = attn.kv_cache.view(-1, attn.kv_cache.shape[-1])
+            written = flat[:, :m.kv_lora_rank].abs().sum(-1).nonzero().flatten().tolist()
+            scalars = flat[written, width:width + attn.num_key_scalars].double().tolist()
+            index = int(attn.layer_name.split(".layers.")[1].split(".")[0])
+            found[index] = {"scalars": dict(zip(map(str, written), scalars)),
+                            "logit_scale": None if m.logit_scale is None else m.logit_scale.double().tolist()}
+    return found
 
 
 def model_class(model) -> str:
@@ -225,7 +246,8 @@ def main() -> None:
     widths = llm.apply_model(cache_row_widths)
     key_weights = llm.apply_model(key_weights_read_in_place)
     config = llm.llm_engine.vllm_config
-    result = {"amx": amx, "model_class": llm.apply_model(model_class)[0], "qk_layers": len(layers[0]),
+    per_rank = llm.apply_model(key_scalars_and_logit_scales) if args.get("key_scalars") else None
+    result = {"key_scalars_by_rank": per_rank, "amx": amx, "model_class": llm.apply_model(model_class)[0], "qk_layers": len(layers[0]),
               "qk_layers_by_rank": layers,
               "block_size": config.cache_config.block_size, "cache_row_widths": sorted(set(sum(widths, []))),
               "key_weights_read_in_place": sum(key_weights, []), "cpu_kernel_calls": len(KERNEL_CALLS),

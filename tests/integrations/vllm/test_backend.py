@@ -36,7 +36,8 @@ def paged(lengths: list[int], seed: int = 0, padding: int = 0):
     returns (cache, block_table, rows per sequence)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // BLOCK) for n in lengths]
-    order = torch.randperm(sum(blocks_per_seq) + 3, generator=g)  # scattered blocks, some unused
+    # scattered blocks, some unused; never block 0, vLLM's null block, which padding tokens' writes point at
+    order = torch.randperm(sum(blocks_per_seq) + 3, generator=g) + 1
     table = torch.zeros(len(lengths), max(blocks_per_seq), dtype=torch.int32)
     rows, slots, start = [], [], 0
     for b, (n, nb) in enumerate(zip(lengths, blocks_per_seq)):
@@ -45,7 +46,7 @@ def paged(lengths: list[int], seed: int = 0, padding: int = 0):
         rows.append(torch.cat((torch.randn(n, D_C + D_R, generator=g, dtype=torch.float64),
                                torch.rand(n, H, generator=g, dtype=torch.float64) + 0.5), dim=-1))
         slots.append(table[b, torch.arange(n) // BLOCK].long() * BLOCK + torch.arange(n) % BLOCK)
-    cache = torch.full((len(order), BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.float64)
+    cache = torch.full((len(order) + 1, BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.float64)
     every = torch.cat(rows)
     padded_slots = torch.cat(slots + [torch.tensor([-1, -1])])  # padding tokens: slot -1, never written
     padded = torch.cat((every, torch.zeros(2, every.shape[1], dtype=torch.float64)))
@@ -79,7 +80,7 @@ def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
     rows without it."""
     layer = impl()
     c, k_r = torch.randn(5, D_C, dtype=torch.float64), torch.randn(5, 1, D_R, dtype=torch.float64)
-    slots = torch.tensor([3, 17, 4, -1])  # one padding token, and a row past the slots (vLLM's padded batch)
+    slots = torch.tensor([19, 33, 20, -1])  # one padding token, and a row past the slots (vLLM's padded batch)
     cache = torch.full((4, BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
     with pytest.raises(RuntimeError, match="call prepare"):
         layer.do_kv_cache_update(c, k_r, cache, slots, "auto", None)
@@ -92,9 +93,70 @@ def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
     layer.do_kv_cache_update(c, k_r, cache, slots, "auto", None)
     flat = cache.view(-1, cache.shape[-1])
     assert seen == [4]
-    for i, slot in enumerate([3, 17, 4]):
+    for i, slot in enumerate([19, 33, 20]):
         torch.testing.assert_close(flat[slot], torch.cat((c[i], k_r[i, 0], c[i, :H].abs() + 0.5)), rtol=0, atol=0)
     assert int((~flat.isnan().any(-1)).sum()) == 3
+
+
+def test_the_cache_write_reads_nothing_from_the_device():
+    """No boolean-mask indexing, no .item(): under FakeTensorMode (tensors without data, where any
+    read of a value or any output shape that depends on one raises) the write runs whole, with the
+    key scalars formed by the function the layer binds (qkmla's group statistic over W_UK), so
+    it never waits on the device and a CUDA graph can capture it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qkmla import QKNormConfig
+    from qkmla.attention.absorbed import AbsorbedWeights, bind_latent_key_scalars
+    from qkmla.norms import make_qk_norms
+
+    layer = impl()
+    _, k_norm = make_qk_norms(QKNormConfig("rms"), D_N, D_R)
+    w_uk = torch.randn(H, D_N, D_C)
+    with FakeTensorMode() as mode:
+        w = mode.from_tensor(w_uk)
+        layer.latent_key_scalars = bind_latent_key_scalars(k_norm, AbsorbedWeights(w_uk=w, gamma_qk=None, w_uv=w))
+        cache = torch.empty(4, BLOCK, D_C + D_R + H)
+        slots = torch.empty(6, dtype=torch.int64)  # values unknown: padding or not is decided on the device
+        layer.do_kv_cache_update(torch.empty(7, D_C), torch.empty(7, 1, D_R), cache, slots, "auto", None)
+        layer.do_kv_cache_update(torch.empty(7, D_C), torch.empty(7, 1, D_R + H), cache, slots, "auto", None)
+    # the negative control: the mask indexing the write used before cannot run without reading the device
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    with FakeTensorMode(), pytest.raises(DynamicOutputShapeException):
+        slots = torch.empty(6, dtype=torch.int64)
+        slots[slots >= 0]
+
+
+def test_padding_tokens_leave_every_row_as_it_was():
+    """A batch of padding tokens only (vLLM's dummy and padded CUDA-graph batches) writes nothing:
+    slot 0, which their writes point at, is given back its own row."""
+    cache = torch.randn(3, BLOCK, D_C + D_R + H, dtype=torch.float64)
+    before = cache.clone()
+    impl().do_kv_cache_update(torch.randn(4, D_C, dtype=torch.float64), torch.randn(4, 1, D_R + H, dtype=torch.float64),
+                              cache, torch.full((4,), -1), "auto", None)
+    assert torch.equal(cache, before)
+
+
+def test_the_profile_run_forms_the_key_scalars_the_write_forms():
+    """vLLM sizes the cache from the peak of a profile run that writes no cache and runs no attention:
+    the layer then forms the key scalars of all its tokens twice, as the write does from the latents
+    (its GEMM) and as the prefill does from the content keys (its float32 statistic)."""
+    from functools import partial
+
+    from qkmla import QKNormConfig
+    from qkmla.attention.absorbed import content_key_scalars
+    from qkmla.norms import make_qk_norms
+
+    _, k_norm = make_qk_norms(QKNormConfig("rms"), D_N, D_R)
+    seen = []
+
+    def statistic(k_nope):  # the prefill's: each content key's scalar
+        seen.append(("prefill keys", tuple(k_nope.shape)))
+        return content_key_scalars(k_nope, k_norm=k_norm)
+    layer = impl(content_key_scalars=statistic)
+    layer.latent_key_scalars = lambda c: seen.append(("write", tuple(c.shape))) or c[:, :H]
+    layer.profile_transients(torch.randn(37, D_C))
+    assert seen == [("write", (37, D_C)), ("prefill keys", (37, H, D_N))]
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])
@@ -160,7 +222,8 @@ def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, pa
     cache, table, rows = paged(lengths, padding=padding)
     g = torch.Generator().manual_seed(1)
     q_lat, q_rope = torch.randn(3, H, D_C, generator=g), torch.randn(3, H, D_R, generator=g)
-    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)))
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)),
+                           max_seq_len=max(lengths))
     layer = impl(mode, cuda_backend, "triton")
     assert cuda_backend().get_name() == "QKMLA_TRITON" and not layer.can_return_lse_for_decode
     out, lse = layer.forward_mqa((q_lat, q_rope), cache.float(), meta, None)

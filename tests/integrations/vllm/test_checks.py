@@ -26,6 +26,10 @@ def test_a_plain_checkpoint_is_not_checked_further():
     ("kv_cache_dtype", "fp8", "kv_cache_dtype: qkmla's vLLM backend serves"),
     ("quantization", "fp8", "quantization: qkmla's vLLM backend serves"),
     ("decode_context_parallel_size", 2, "decode_context_parallel_size: qkmla's vLLM backend serves"),
+    ("prefill_context_parallel_size", 2, "prefill_context_parallel_size: qkmla's vLLM backend serves"),
+    ("mla_disabled", True, "VLLM_MLA_DISABLE: qkmla's vLLM backend serves .* unset it"),
+    ("attention_backend", "FLASHMLA", "attention_backend: qkmla's vLLM backend serves .* on cpu with "
+                                      "--attention-backend QKMLA_CPU, CPU_MLA, AMX_MLA .* got 'FLASHMLA'"),
     ("speculative", True, "speculative_config: qkmla's vLLM backend does not serve"),
     ("lora", True, "enable_lora: qkmla's vLLM backend does not serve"),
 ])
@@ -59,12 +63,31 @@ def test_cached_context_in_a_prefill_on_cuda_is_refused_where_vllms_gather_canno
             servable_norm(config, **cuda)
 
 
-def test_on_cuda_float32_and_cuda_graphs_are_refused():
+def test_on_cuda_float32_is_refused_and_cuda_graphs_are_not():
+    """CUDA graphs are allowed: the cache write and the decode's launch read nothing from the device
+    (``test_backend.py``, ``test_cuda_decode.py``)."""
     with pytest.raises(ValueError, match="dtype: on CUDA"):
         servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "float32"})
-    with pytest.raises(ValueError, match="enforce_eager"):
-        servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16", "cuda_graphs": True})
     assert servable_norm(CONFIG, **{**OK, "platform": "cuda", "dtype": "bfloat16"}).kind == "rms"
+
+
+@pytest.mark.parametrize("platform, dtype, honoured, refused", [
+    ("cpu", "float32", ["QKMLA_CPU", "CPU_MLA", "AMX_MLA", None], ["TRITON_MLA", "FLASHMLA", "QKMLA_TRITON"]),
+    ("cuda", "bfloat16", ["QKMLA_TRITON", "TRITON_MLA", None],
+     ["FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA", "QKMLA_CPU"]),
+])
+def test_the_attention_backend_asked_for_is_honoured_or_refused_by_name(platform, dtype, honoured, refused):
+    """qkmla's backend is vLLM's CPU_MLA (CPU) or TRITON_MLA (CUDA) with qkmla's impl: asked for by
+    its own name or its base's it serves, any other MLA backend (which caches no key scalars) is
+    refused naming the setting and what it takes; a plain checkpoint is vLLM's business."""
+    setting = {**OK, "platform": platform, "dtype": dtype}
+    for name in honoured:
+        assert servable_norm(CONFIG, **setting, attention_backend=name).kind == "rms"
+    for name in refused:
+        with pytest.raises(ValueError, match=f"attention_backend: .* got '{name}'"):
+            servable_norm(CONFIG, **setting, attention_backend=name)
+    plain = {k: v for k, v in CONFIG.items() if k != "qkmla"}
+    assert servable_norm(plain, **setting, attention_backend=refused[0]) is None
 
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}

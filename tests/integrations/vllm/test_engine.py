@@ -254,14 +254,56 @@ PARALLEL = {  # name: (vLLM arguments, [local heads, key scalars] of each QK lay
 }
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """A QK-normed checkpoint with a learned logit scale, served by one process: its tokens and,
+    for each layer, the key scalars its cache holds by slot and its logit scale."""
+    path = tiny_checkpoint(tmp_path_factory.mktemp("parallel"), qk_norm=QKNormConfig("rms", learnable_logit_scale=True))
+    return path, served(path, key_scalars=True)
+
+
+def split_by_rank(layout: str, ranks: list) -> dict:
+    """Each layer's key scalars and logit scale as one process holds them, from the ranks' parts:
+    tensor parallel ranks hold each layer's heads in order (rank r: heads [r h/2, (r+1) h/2)),
+    pipeline ranks hold whole layers."""
+    if layout == "pipeline-parallel-2":
+        return {layer: part for rank in ranks for layer, part in rank.items()}
+    layers = {}
+    for layer in ranks[0]:
+        parts = [rank[layer] for rank in ranks]
+        assert all(p["scalars"].keys() == parts[0]["scalars"].keys() for p in parts)  # the same slots on each rank
+        layers[layer] = {"scalars": {slot: sum((p["scalars"][slot] for p in parts), []) for slot in parts[0]["scalars"]},
+                         "logit_scale": sum((p["logit_scale"] for p in parts), [])}
+    return layers
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two ranks need two CPUs")
 @pytest.mark.parametrize("layout", list(PARALLEL))
-def test_tensor_and_pipeline_parallel_ranks_serve_qkmlas_tokens(layout, tmp_path):
-    path = tiny_checkpoint(tmp_path, qk_norm=QKNormConfig("rms", learnable_logit_scale=True))
+def test_tensor_and_pipeline_parallel_ranks_serve_one_process_tokens_and_key_scalars(layout, one_process):
+    """TP=2 and PP=2 on two CPUs (vLLM's multiprocessing executor, one rank per process) serve the
+    greedy tokens of one process, and of qkmla's generation. Each rank's cached key scalars (one
+    per local head) and logit scale (its heads' part) are one process's, slot by slot, within
+    float32's roundoff (the ranks' all-reduce sums in another order)."""
+    path, alone = one_process
     args, layers = PARALLEL[layout]
-    got, want = served(path, **args), reference(path)
+    got = served(path, key_scalars=True, **args)
     assert got["qk_layers_by_rank"] == layers
-    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)
+    assert got["tokens"] == alone["tokens"]
+    assert drift(got, alone) < BOUND, drift(got, alone)
+    want = reference(path)
+    assert alone["tokens"] == want["tokens"] and drift(alone, want) < BOUND, drift(alone, want)
+    whole, parts = alone["key_scalars_by_rank"][0], split_by_rank(layout, got["key_scalars_by_rank"])
+    assert sorted(parts) == sorted(whole) == ["0", "1"]
+    for layer, one in whole.items():
+        assert parts[layer]["logit_scale"] == one["logit_scale"]  # loaded, not computed: equal
+        assert len(set(one["logit_scale"])) == 4  # learned per head, so a wrong split would show
+        assert parts[layer]["scalars"].keys() == one["scalars"].keys()
+        # every written row: 3 prompts, then their 11 decode steps
+        assert len(one["scalars"]) == sum(map(len, PROMPTS)) + len(PROMPTS) * (TOKENS - 1)
+        got_r = torch.tensor([parts[layer]["scalars"][slot] for slot in one["scalars"]], dtype=torch.float64)
+        want_r = torch.tensor(list(one["scalars"].values()), dtype=torch.float64)
+        assert got_r.shape == want_r.shape == (len(one["scalars"]), 4)
+        torch.testing.assert_close(got_r, want_r, rtol=1e-5, atol=1e-6)
 
 
 def test_a_learned_logit_scale_without_a_norm_is_served_through_the_plain_latent_row(tmp_path):
@@ -366,3 +408,30 @@ def test_an_unsupported_kv_cache_dtype_is_refused_at_load(tmp_path):
                                                                    "engine": {"kv_cache_dtype": "fp8"}})],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode != 0 and "kv_cache_dtype: qkmla's vLLM backend" in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("setting, env, engine, message", [
+    # before, vLLM built its non-MLA attention and the plugin stopped on an AttributeError
+    ("VLLM_MLA_DISABLE=1", {"VLLM_MLA_DISABLE": "1"}, {}, "VLLM_MLA_DISABLE: qkmla's vLLM backend serves"),
+    ("an MLA backend that caches no key scalars", {}, {"attention_backend": "TRITON_MLA"},
+     "attention_backend: qkmla's vLLM backend serves .* on cpu with --attention-backend QKMLA_CPU, CPU_MLA, AMX_MLA"),
+])
+def test_settings_the_backend_cannot_serve_are_refused_at_load_by_name(setting, env, engine, message, tmp_path):
+    import re
+
+    path = tiny_checkpoint(tmp_path, qk_norm="rms")
+    run = subprocess.run([sys.executable, str(RUNNER), json.dumps({"model": str(path), "prompts": PROMPTS,
+                                                                   "engine": engine})],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert run.returncode != 0 and RESULT_TAG not in run.stdout
+    assert re.search(message, run.stdout + run.stderr), (run.stdout + run.stderr)[-3000:]
+    assert "AttributeError" not in run.stderr
+
+
+def test_qkmlas_backend_asked_for_by_name_serves_exactly(tmp_path):
+    """--attention-backend QKMLA_CPU: the name the plugin registers in vLLM's attention registry is
+    accepted by vLLM's engine arguments and serves the model as vLLM's own choice does."""
+    path = tiny_checkpoint(tmp_path, **NORMED["v3-l2-content"])
+    got, want = served(path, engine={"attention_backend": "QKMLA_CPU"}), reference(path)
+    assert got["model_class"] == "qkmla.integrations.vllm.model.QKNormDeepseekV3ForCausalLM"
+    assert got["tokens"] == want["tokens"] and drift(got, want) < BOUND, drift(got, want)

@@ -78,3 +78,54 @@ def test_vllm_reads_each_checkpoint_as_its_own_architecture(tmp_path):
     assert config.hf_config.architectures == ["DeepseekV3ForCausalLM"]
     cls, _ = ModelRegistry.resolve_model_cls(config.architectures, config)
     assert (cls.__module__, cls.__name__) == ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM")
+
+
+def test_qkmlas_backends_are_in_vllms_registries_by_name():
+    """register() puts qkmla's attention backends in vLLM's attention registry (what
+    --attention-backend QKMLA_CPU / QKMLA_TRITON names) and its CPU prefill in the MLA prefill
+    registry; the names resolve to the classes the QK-normed layers run."""
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from qkmla.integrations.vllm.backend import cpu_backend, cpu_prefill_backend
+
+    register()
+    register()
+    assert AttentionBackendEnum["QKMLA_CPU"].get_class() is cpu_backend()
+    assert AttentionBackendEnum["QKMLA_CPU"].get_class().get_name() == "QKMLA_CPU"
+    assert AttentionBackendEnum["QKMLA_TRITON"].get_path() == "qkmla.integrations.vllm.backend.QKMLATritonBackend"
+    assert MLAPrefillBackendEnum["QKMLA_CPU_SDPA"].get_class() is cpu_prefill_backend()
+    assert cpu_backend().prefill_backend_cls.get_name() == "QKMLA_CPU_SDPA"
+
+
+def test_vllms_mla_layer_is_qkmlas_only_while_a_qk_normed_model_is_built():
+    """vLLM's MLA layer is a pluggable layer: inside qk_normed_mla_layers vLLM's
+    MultiHeadLatentAttentionWrapper builds qkmla's layer, outside it vLLM's own again (a plain
+    model built later in the same process); a second replacement is refused by name."""
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+    from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
+
+    from qkmla import QKNormConfig
+    from qkmla.integrations.vllm.attention import QKNormLatentAttention, qk_normed_mla_layers
+    from qkmla.integrations.vllm.backend import cpu_backend
+
+    name = MultiHeadLatentAttentionWrapper.__name__
+    with qk_normed_mla_layers(QKNormConfig("rms"), cpu_backend(), "auto") as layer:
+        assert op_registry_oot[name] is layer and issubclass(layer, QKNormLatentAttention)
+        assert issubclass(layer, MultiHeadLatentAttentionWrapper)  # so vLLM runs its constructor
+        assert layer.qk_norm == QKNormConfig("rms") and layer.attn_backend is cpu_backend()
+        with pytest.raises(RuntimeError, match="another plugin changes vLLM's MLA layer"):
+            with qk_normed_mla_layers(QKNormConfig("rms"), cpu_backend(), "auto"):
+                pass
+    assert name not in op_registry_oot
+    with pytest.raises(RuntimeError, match="qkmla"):
+        with qk_normed_mla_layers(QKNormConfig("rms"), cpu_backend(), "auto"):
+            raise RuntimeError("qkmla: a failed build")  # the layer leaves the registry on a failed build too
+    assert name not in op_registry_oot
+    PluggableLayer.register_oot(type("Other", (MultiHeadLatentAttentionWrapper,), {}), name=name)
+    try:
+        with pytest.raises(RuntimeError, match=r"test_registry.Other already replaces MultiHeadLatentAttentionWrapper"):
+            with qk_normed_mla_layers(QKNormConfig("rms"), cpu_backend(), "auto"):
+                pass
+    finally:
+        op_registry_oot.pop(name)

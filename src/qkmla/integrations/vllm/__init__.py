@@ -11,16 +11,17 @@ run the model with its QK norm. A QK-normed checkpoint declares an architecture 
 registers; every other checkpoint is vLLM's own business. What the plugin adds (the math is
 qkmla's own, ``attention.absorbed``):
 
-* ``registry.py``: the architectures, qkmla's model types in transformers' ``AutoConfig`` (vLLM
+* ``registry.py``: the architectures, qkmla's backends by name in vLLM's registries, qkmla's model types in transformers' ``AutoConfig`` (vLLM
   reads config.json through it), and how vLLM reads those model types (as DeepSeek's MLA);
-* ``model.py``: the model classes, vLLM's DeepSeek-V2/V3 with, in each layer, qkmla's norms and
-  the attention below. The checks come first (``checks.py``).
+* ``model.py``: the model classes, vLLM's DeepSeek-V2/V3 built with qkmla's MLA layer (vLLM's
+  pluggable MLA layer, ``attention.qk_normed_mla_layers``). The checks come first (``checks.py``).
 * ``attention.py``: the layer: projections as vLLM's MLA wrapper, then qkmla's norms (both norm
   weights folded into the query, ``latent_query``'s fold), the key scalars r = sigma(c W_UK)
   from the new tokens' latents (``key_scalars``), RoPE on 2-D tensors, and vLLM's
   ``MLAAttention`` over a cache row widened by G scalars: [c | k_rope | r].
 * ``backend.py``: the attention backend: decode through ``qkmla.ops.mla_decode.mla_decode_with_kvcache``
-  on strided views of vLLM's paged cache, prefill through vLLM's own with the keys scaled by r.
+  on strided views of vLLM's paged cache, prefill through vLLM's own with the keys scaled by r;
+  ``cuda_decode.py``: on CUDA, qkmla's Triton kernel launched as CUDA graphs need it.
 
 The plugin reaches into vLLM's internals (docs/serving.md lists them), so it states the vLLM
 releases it supports (:data:`SUPPORTED_VLLM`) and refuses any other before touching them.

@@ -36,14 +36,15 @@ head (``convert.gqa``), which gives every head of a group the same scalar, exact
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, Optional
 
 import torch
 from torch import nn
-from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 
 from ...attention.absorbed import (AbsorbedWeights, bind_latent_key_scalars, content_key_scalars, key_scalars,
                                    reads_content_only, rope_key, score_mode)
@@ -79,6 +80,14 @@ class QKNormMLAAttention(MLAAttention):
         if self.weights_loaded is not None:
             self.weights_loaded()
 
+    def forward_impl(self, q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs):
+        """vLLM's, after the cache write's and the prefill keys' transients in the profile run (no
+        metadata): vLLM sizes the cache from the peak that run reaches, and it writes no cache and
+        runs no attention (``QKNormImpl.profile_transients``)."""
+        if attn_metadata is None:
+            self.impl.profile_transients(k_c_normed)
+        return super().forward_impl(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs)
+
     def processed(self) -> bool:
         """Whether vLLM has derived W_UK_T from the weights now in place: False before the first
         load's processing and while an in-place reload is under way (it removes the layer's tensors
@@ -91,27 +100,44 @@ class QKNormMLAAttention(MLAAttention):
         return dataclasses.replace(spec, head_size=spec.head_size + self.num_key_scalars + self.row_padding)
 
 
-class QKNormLatentAttention(nn.Module):
+class QKNormLatentAttention(MultiHeadLatentAttentionWrapper):
     """The layer's forward: vLLM's projections, qkmla's norms, RoPE, ``QKNormMLAAttention``.
 
-    Built from vLLM's ``DeepseekV2MLAAttention`` (``stock``): its projections, latent norms and
-    rotary embedding are used as they are (their weights keep vLLM's names); the norms and the
-    logit scale are new parameters here, loaded from the checkpoint's ``self_attn.q_norm.*``,
-    ``self_attn.k_norm.*`` and ``self_attn.logit_scale`` (``model.py`` maps the names).
+    vLLM's MLA layer (``MultiHeadLatentAttentionWrapper``) is a pluggable layer: while a QK-normed
+    model is built (:func:`qk_normed_mla_layers`), vLLM's DeepSeek attention asks for it and gets
+    this subclass, built from the same arguments. It keeps vLLM's projections, latent norms and
+    rotary embedding (``mla_modules``: their weights keep vLLM's names) and builds its own
+    ``QKNormMLAAttention`` under the name vLLM's would have had; the norms and the logit scale are
+    new parameters here, loaded from the checkpoint's ``self_attn.q_norm.*``, ``self_attn.k_norm.*``
+    and ``self_attn.logit_scale`` (``model.py`` maps the names). The norm and the backends are the
+    model's: class attributes of the subclass :func:`qk_normed_mla_layers` registers.
     """
 
-    def __init__(self, stock: nn.Module, norm: QKNormConfig, backend: type, decode_backend: str):
-        super().__init__()
-        wrapper = stock.mla_attn  # vLLM's MultiHeadLatentAttentionWrapper, replaced by this module
-        self.num_heads = wrapper.num_heads  # local heads
-        self.q_lora_rank, self.kv_lora_rank = wrapper.q_lora_rank, wrapper.kv_lora_rank
-        self.qk_nope_head_dim, self.qk_rope_head_dim = wrapper.qk_nope_head_dim, wrapper.qk_rope_head_dim
-        self.v_head_dim = wrapper.v_head_dim
+    qk_norm: Optional[QKNormConfig] = None
+    attn_backend: Optional[type] = None
+    decode_backend: str = "auto"
+
+    def __init__(self, hidden_size: int, num_heads: int, scale: float, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, q_lora_rank: Optional[int], kv_lora_rank: int, mla_modules, cache_config=None,
+                 quant_config=None, prefix: str = "", non_causal_multi_token_decode: bool = False,
+                 fuse_qkv_rmsnorm: bool = False, **indexer_settings):
+        # nn.Module's, not vLLM's wrapper's: that would build vLLM's MLAAttention under this layer's name
+        nn.Module.__init__(self)
+        if mla_modules.indexer is not None or mla_modules.is_sparse or non_causal_multi_token_decode or fuse_qkv_rmsnorm:
+            raise ValueError("qkmla's vLLM layer serves causal dense MLA with separate latent norms: no sparse indexer, "
+                             "non-causal multi-token decode or fused q/kv RMSNorm")
+        norm, backend, decode_backend = self.qk_norm, self.attn_backend, self.decode_backend
+        if norm is None or backend is None:
+            raise TypeError("QKNormLatentAttention is built through qk_normed_mla_layers(norm, backend, decode_backend)")
+        self.hidden_size, self.num_heads = hidden_size, num_heads  # local heads
+        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         for name in ("fused_qkv_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "q_b_proj", "q_proj",
                      "kv_a_layernorm", "kv_b_proj", "rotary_emb", "o_proj"):
-            setattr(self, name, getattr(wrapper, name))
+            setattr(self, name, getattr(mla_modules, name))
+        self.prefix = prefix
         self.q_norm, self.k_norm = make_qk_norms(norm, self.qk_nope_head_dim, self.qk_rope_head_dim)
-        self.scale = wrapper.mla_attn.scale
+        self.scale = scale
         self.logit_scale = None
         if norm.learnable_logit_scale:
             self.logit_scale = nn.Parameter(torch.full((self.num_heads,), self.scale), requires_grad=False)
@@ -119,19 +145,15 @@ class QKNormLatentAttention(nn.Module):
         self.absorbed: Optional[AbsorbedWeights] = None  # derived after loading (prepare)
         # the scalars formed at the cache write (backend.py) rather than in this forward
         self.scalars_at_write = self.k_norm is not None and reads_content_only(self.k_norm)
-        old = wrapper.mla_attn
         scalars = self.num_heads if self.k_norm is not None else 0
         row = self.kv_lora_rank + self.qk_rope_head_dim + scalars
         # a plain row (no scalars) is vLLM's own, aligned as vLLM needs it
         padding = -row % getattr(backend, "row_alignment", 1) if scalars else 0
-        # vLLM finds attention layers by name in the forward context; this one takes the name of
-        # the layer it replaces, which must leave first.
-        get_current_vllm_config().compilation_config.static_forward_context.pop(old.layer_name)
         self.mla_attn = QKNormMLAAttention(
             num_heads=self.num_heads, scale=self.scale, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=_cache_config(),
-            quant_config=None, prefix=old.layer_name, attn_backend=backend,
+            kv_lora_rank=self.kv_lora_rank, kv_b_proj=self.kv_b_proj, cache_config=cache_config,
+            quant_config=None, prefix=f"{prefix}.attn", attn_backend=backend,
             num_key_scalars=scalars, row_padding=padding, score_mode=score_mode(self.k_norm),
             decode_backend=decode_backend, weights_loaded=self.prepare,
             # a prefill key's scalar from its content key, where k_pe does not carry it (new tokens whose
@@ -211,8 +233,27 @@ def _fits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
-def _cache_config():
-    return get_current_vllm_config().cache_config
+@contextlib.contextmanager
+def qk_normed_mla_layers(norm: QKNormConfig, backend: type, decode_backend: str):
+    """While a model is built in this context, vLLM's MLA layer (``MultiHeadLatentAttentionWrapper``,
+    a pluggable layer) is built as :class:`QKNormLatentAttention` with this norm and backends:
+    vLLM's out-of-tree layer registry (``PluggableLayer.register_oot``) holds a subclass of it for
+    the build only, so every other model vLLM builds in the process keeps vLLM's own layer."""
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    name = MultiHeadLatentAttentionWrapper.__name__
+    if name in op_registry_oot:
+        raise RuntimeError(f"qkmla's vLLM plugin builds its MLA layer through vLLM's pluggable-layer registry, where "
+                           f"{op_registry_oot[name].__module__}.{op_registry_oot[name].__qualname__} already replaces "
+                           f"{name}: another plugin changes vLLM's MLA layer; serve QK-normed checkpoints without it")
+    layer = type("QKNormLatentAttention", (QKNormLatentAttention,),
+                 {"qk_norm": norm, "attn_backend": backend, "decode_backend": decode_backend,
+                  "__module__": __name__, "__qualname__": "QKNormLatentAttention"})
+    PluggableLayer.register_oot(layer, name=name)
+    try:
+        yield layer
+    finally:
+        op_registry_oot.pop(name, None)
 
 
 def _this_ranks_heads(param: torch.Tensor, loaded: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ where vLLM's plumbing expects the RoPE key [T, 1, d_r]; the three methods that r
 the ones :class:`QKNormImpl` overrides:
 
 * ``do_kv_cache_update`` writes whole rows (vLLM's CPU write views the cache as
-  [slots, d_c + d_r], which a wider row breaks). Where a key's scalar reads its content key
+  [slots, d_c + d_r], which a wider row breaks), without waiting on the device
+  (:func:`write_rows`), so that a CUDA graph can capture it. Where a key's scalar reads its content key
   alone (every norm but unified), the layer hands over the RoPE key alone, [T, 1, d_r], and the
   scalars are formed here from c (:attr:`QKNormImpl.latent_key_scalars`: the layer's W_UK, on the
   CPU through qkmla's kernel). vLLM runs the write as an opaque op outside its compiled graph,
@@ -18,7 +19,8 @@ the ones :class:`QKNormImpl` overrides:
 * ``_concat_k_nope_k_pe`` builds the prefill keys [k^C · r ; k^R] (blockwise) or
   [k^C ; k^R] · r (unified, content): vLLM's prefill then runs unchanged;
 * ``forward_mqa`` decodes with ``qkmla.ops.mla_decode.mla_decode_with_kvcache`` on strided views of the
-  paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:d_c + d_r + G]``, no copy).
+  paged cache (``cache[..., :d_c + d_r]`` and ``cache[..., d_c + d_r:d_c + d_r + G]``, no copy); on
+  CUDA with qkmla's Triton kernel launched as CUDA graphs need it (``cuda_decode.py``).
 
 A prefill over cached context (chunked prefill, prefix-cache hits) gathers the context's rows
 into a workspace. On the CPU it is as wide as the row (:func:`wide_workspace_builder`), so the
@@ -36,7 +38,7 @@ Backends: on the CPU, vLLM's reference CPU_MLA with qkmla's torch decode and a p
 PyTorch's fused SDPA (:func:`cpu_prefill_backend`: vLLM's CPU prefill materializes every
 [h, T, T] score matrix, 17 GB at 16k tokens and 16 heads); on CUDA, vLLM's TRITON_MLA prefill
 with qkmla's Triton decode kernel (the scalars multiply each score tile before the online
-softmax). The CUDA path has not run on a GPU yet; its decode kernel has run in Triton's
+softmax; CUDA graphs allowed for decode). The CUDA path has not run on a GPU yet; its decode kernel has run in Triton's
 interpreter on the CPU.
 """
 
@@ -89,9 +91,22 @@ class QKNormImpl:
                                    "after loading (model.py does)")
             parts.append(self.latent_key_scalars(parts[0]).to(kv_cache.dtype))  # float32, rounded once
         rows = torch.cat(parts, dim=-1).to(kv_cache.dtype)
-        flat = kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]]  # a padded row's padding left alone
-        valid = slots >= 0  # padding slots are -1; the mask syncs with the host (checks.py refuses CUDA graphs)
-        flat.index_copy_(0, slots[valid], rows[valid])
+        write_rows(kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]], slots, rows)  # a padded row's padding left alone
+
+    def profile_transients(self, kv_c_normed: torch.Tensor) -> None:
+        """What the cache write and the prefill keys allocate for kv_c_normed [T, d_c], allocated in
+        vLLM's profile run, which writes no cache and runs no attention
+        (``QKNormMLAAttention.forward_impl``): the key scalars' GEMM over the T tokens (c W_UK,
+        [T, h d_n]) and the statistic over the prefill's content keys [T, h, d_n] (upcast to float32
+        where the model's dtype is narrower), so that vLLM's profiled peak, which sizes the cache,
+        includes them."""
+        if not self.num_key_scalars or not kv_c_normed.numel():
+            return
+        if self.latent_key_scalars is not None:
+            self.latent_key_scalars(kv_c_normed)
+        if self.content_key_scalars is not None:  # the prefill keys' scalars from k_nope [T, h, d_n]
+            self.content_key_scalars(kv_c_normed.new_zeros(kv_c_normed.shape[0], self.num_heads,
+                                                           self.qk_nope_head_dim))
 
     def _concat_k_nope_k_pe(self, k_nope: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """Prefill keys: k_nope [T, h, d_n] (c W_UK, unnormalized), k_pe [T, 1, d_r + G] (or [T, 1, d_r]:
@@ -201,6 +216,18 @@ def wide_workspace_builder(base: type) -> type:
     return QKNormMLAMetadataBuilder
 
 
+def write_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """rows [T, w] into flat [num_slots, w] at slots [T] (int64; -1: a padding token, not written),
+    without a device-to-host sync (no boolean-mask indexing, no ``.item()``), so that the write can
+    be captured in a CUDA graph: a padding token's row is pointed at slot 0 and given slot 0's own
+    row, so it writes back what is there. Slot 0 is in vLLM's null block (block 0, which vLLM never
+    gives a request), so no real token of the batch writes it too; the padding tokens that all write
+    it write the same row."""
+    valid = slots >= 0
+    target = torch.where(valid, slots, torch.zeros_like(slots))
+    flat.index_copy_(0, target, torch.where(valid[:, None], rows, flat[:1]))
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence's causal attention through PyTorch's fused SDPA: q, k [T, h, d_qk], v [T, h, d_v]
     -> [T, h, d_v]. V is zero-padded to d_qk when narrower: the CPU's flash kernel needs equal
@@ -243,6 +270,24 @@ def cuda_backend() -> type:
     class QKNormTritonMLAImpl(QKNormImpl, TritonMLAImpl):
         can_return_lse_for_decode = False
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.triton_decode = triton_decode_for(self.num_heads, self.kv_lora_rank)
+
+        def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
+            """q (q_lat [B, h, d_c], q_rope [B, h, d_r]) -> ([B, h, d_c], None), through qkmla's Triton
+            kernel launched from host integers only (``cuda_decode.py``), so CUDA graphs capture it."""
+            if self.decode_backend not in ("auto", "triton"):
+                return super().forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata, layer)
+            q_lat, q_rope = q if isinstance(q, tuple) else q.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            width = self.kv_lora_rank + self.qk_rope_head_dim
+            decode = attn_metadata.decode
+            scales = kv_c_and_k_pe_cache[..., width:width + self.num_key_scalars] if self.num_key_scalars else None
+            out = self.triton_decode(q_lat, q_rope, kv_c_and_k_pe_cache[..., :width], scales, decode.block_table,
+                                     decode.seq_lens, attn_metadata.max_seq_len, self.scale,
+                                     self.score_mode == "unified")
+            return out, None
+
     class QKNormTritonMLABackend(TritonMLABackend):
         row_alignment = CUDA_ROW_ALIGNMENT  # read by QKNormLatentAttention (attention.py)
 
@@ -257,11 +302,36 @@ def cuda_backend() -> type:
     return QKNormTritonMLABackend
 
 
+def triton_decode_for(num_heads: int, kv_lora_rank: int):
+    """A layer's :class:`~qkmla.integrations.vllm.cuda_decode.TritonDecode`, sized from the engine's
+    configuration (the most sequences a step decodes or a CUDA graph pads to, the longest sequence) and its workspace
+    reserved; in a bare configuration (unit tests) sized small and not reserved."""
+    from vllm.config import get_current_vllm_config
+
+    from .cuda_decode import TritonDecode
+
+    config = get_current_vllm_config()
+    model = config.model_config
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 1
+    # a decode batch holds at most max_num_seqs sequences; one CUDA graphs pad may be wider
+    graphs = getattr(config.compilation_config, "max_cudagraph_capture_size", None) or 0
+    return TritonDecode(num_heads, kv_lora_rank, max_batch=max(config.scheduler_config.max_num_seqs, graphs),
+                        max_seq_len=model.max_model_len if model is not None else 1, sms=sms,
+                        reserve=model is not None)
+
+
 BACKENDS = {"cpu": (cpu_backend, "auto"), "cuda": (cuda_backend, "auto")}
 
 
+BACKEND_NAMES = {"cpu": "QKMLA_CPU", "cuda": "QKMLA_TRITON"}  # by platform: the names registry.py registers
+_BY_CLASS_NAME = {"QKMLACPUBackend": cpu_backend, "QKMLATritonBackend": cuda_backend,
+                  "QKMLACPUPrefillBackend": cpu_prefill_backend}
+
+
 def __getattr__(name: str):
-    # The prefill class by name, for vLLM's registry (register_mla_prefill_backend takes a class path).
-    if name == "QKMLACPUPrefillBackend":
-        return cpu_prefill_backend()
+    # The classes by name, for vLLM's registries (register_backend and register_mla_prefill_backend
+    # take a class path, which vLLM resolves by importing this module and reading the name).
+    if name in _BY_CLASS_NAME:
+        return _BY_CLASS_NAME[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,12 +18,17 @@ PLATFORMS = ("cpu", "cuda")
 # for a row with scalars and padding.
 KV_CACHE_DTYPES = ("auto",)
 LATENT_WIDTHS = (320, 512, 576)  # d_c + d_r: what vLLM 0.32's MLA metadata accepts (MLACommonBackend)
+# --attention-backend values a QK-normed checkpoint is served with, by platform (None: vLLM's
+# choice): qkmla's backends under their registered names, and the vLLM backends each is built on
+# (on the CPU also AMX_MLA, whose configuration, 128-token blocks, qkmla's CPU backend serves).
+ATTENTION_BACKENDS = {"cpu": (None, "QKMLA_CPU", "CPU_MLA", "AMX_MLA"), "cuda": (None, "QKMLA_TRITON", "TRITON_MLA")}
 
 
 def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization: Optional[str],
                   chunked_prefill: bool, prefix_caching: bool, decode_context_parallel_size: int = 1,
                   dtype: str = "float32", speculative: bool = False, lora: bool = False,
-                  cuda_graphs: bool = False) -> Optional[QKNormConfig]:
+                  prefill_context_parallel_size: int = 1, mla_disabled: bool = False,
+                  attention_backend: Optional[str] = None) -> Optional[QKNormConfig]:
     """The recorded QK norm of ``hf_config`` (None for a plain checkpoint), after checking that the
     plugin can serve it with these engine settings. ValueError naming the field otherwise."""
     get = hf_config.get if isinstance(hf_config, dict) else lambda k, d=None: getattr(hf_config, k, d)
@@ -47,9 +52,20 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
     if quantization is not None:
         raise ValueError(f"quantization: qkmla's vLLM backend serves {what} with unquantized weights (it derives "
                          f"the key scalars from kv_b_proj.weight), got {quantization!r}")
-    if decode_context_parallel_size != 1:
-        raise ValueError(f"decode_context_parallel_size: qkmla's vLLM backend serves {what} with 1, "
-                         f"got {decode_context_parallel_size}")
+    if mla_disabled:
+        raise ValueError(f"VLLM_MLA_DISABLE: qkmla's vLLM backend serves {what} through vLLM's MLA (the latent "
+                         f"cache with the key scalars), which VLLM_MLA_DISABLE=1 turns off; unset it")
+    for name, size in (("decode_context_parallel_size", decode_context_parallel_size),
+                       ("prefill_context_parallel_size", prefill_context_parallel_size)):
+        if size != 1:
+            raise ValueError(f"{name}: qkmla's vLLM backend serves {what} with {name}=1 (its cache write and "
+                             f"prefill keys are written for one rank's whole sequence), got {size}")
+    allowed = ATTENTION_BACKENDS.get(platform, (None,))
+    if attention_backend not in allowed:
+        names = ", ".join(a for a in allowed if a)
+        raise ValueError(f"attention_backend: qkmla's vLLM backend serves {what} on {platform} with "
+                         f"--attention-backend {names} (or none: vLLM's choice), got {attention_backend!r}; "
+                         f"the other MLA backends cache no key scalars")
     for name, on in (("speculative_config", speculative), ("enable_lora", lora)):
         if on:
             raise ValueError(f"{name}: qkmla's vLLM backend does not serve {what} with {name} (the draft layers "
@@ -58,9 +74,6 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
         if dtype not in ("float16", "bfloat16"):
             raise ValueError(f"dtype: on CUDA qkmla's vLLM backend (vLLM's TRITON_MLA) serves float16 or bfloat16, "
                              f"got {dtype!r}")
-        if cuda_graphs:
-            raise ValueError("enforce_eager: qkmla's vLLM backend has not run on a GPU yet and its cache write "
-                             "syncs with the host, which CUDA graphs cannot capture; start vLLM with --enforce-eager")
     if get("model_type") == "deepseek" or not get("qk_rope_head_dim") or not get("qk_nope_head_dim"):
         raise ValueError(f"config.json: {what} must be an MLA model with a content and a RoPE block "
                          f"(qk_nope_head_dim, qk_rope_head_dim > 0), got model_type={get('model_type')!r}, "

@@ -3,9 +3,11 @@
 Registered under qkmla's own architecture names (``registry.py``): ``QKNormDeepseekV3ForCausalLM``
 and ``QKNormDeepseekV2ForCausalLM``, which a QK-normed checkpoint declares (and which a checkpoint
 qkmla wrote before it declared them is given, from its ``"qkmla"`` record). vLLM's own DeepSeek
-classes serve every other DeepSeek checkpoint. Each attention layer is replaced by
-:class:`~qkmla.integrations.vllm.attention.QKNormLatentAttention` after vLLM built it (a record
-without a norm or logit scale, a GQA conversion's, leaves vLLM's layers). The checkpoint's norm
+classes serve every other DeepSeek checkpoint. vLLM's DeepSeek attention builds its MLA layer
+(vLLM's pluggable ``MultiHeadLatentAttentionWrapper``) as
+:class:`~qkmla.integrations.vllm.attention.QKNormLatentAttention` while this model is built
+(``attention.qk_normed_mla_layers``; a record without a norm or logit scale, a GQA conversion's,
+leaves vLLM's layers). The checkpoint's norm
 tensors (``integrations.hub.record``) load into the new layers:
 
     model.layers.{i}.self_attn.q_norm.{content,rope}.weight  ->  ...self_attn.mla_attn.q_norm...
@@ -22,27 +24,32 @@ from typing import Iterable
 
 import torch
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
-from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.platforms import current_platform
 
 from ..hub.record import RECORD
-from .attention import QKNormLatentAttention
-from .backend import BACKENDS
+from .attention import QKNormLatentAttention, qk_normed_mla_layers
+from .backend import BACKEND_NAMES, BACKENDS
 from .checks import servable_norm
+from .registry import registered_backend
 
 _NORM_TENSORS = (".self_attn.q_norm.", ".self_attn.k_norm.", ".self_attn.logit_scale")
 
 
 def _settings(vllm_config) -> dict:
+    from vllm import envs
+
     c = vllm_config
-    graphs = c.compilation_config.cudagraph_mode
+    kinds = c.attention_config.backend_per_kind or {}
+    backend = kinds.get("mla_attention", c.attention_config.backend)  # what vLLM would pick for MLA layers
     return dict(platform=current_platform.device_type, kv_cache_dtype=c.cache_config.cache_dtype,
                 quantization=c.model_config.quantization,
                 chunked_prefill=bool(c.scheduler_config.enable_chunked_prefill),
                 prefix_caching=bool(c.cache_config.enable_prefix_caching),
                 decode_context_parallel_size=c.parallel_config.decode_context_parallel_size,
+                prefill_context_parallel_size=c.parallel_config.prefill_context_parallel_size,
                 dtype=str(c.model_config.dtype).removeprefix("torch."), speculative=c.speculative_config is not None,
-                lora=c.lora_config is not None, cuda_graphs=graphs is not None and graphs.name != "NONE")
+                lora=c.lora_config is not None, mla_disabled=bool(envs.VLLM_MLA_DISABLE) or not c.model_config.use_mla,
+                attention_backend=None if backend is None else getattr(backend, "name", str(backend)))
 
 
 class QKNormMixin:
@@ -50,15 +57,16 @@ class QKNormMixin:
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         norm = servable_norm(vllm_config.model_config.hf_config, **_settings(vllm_config))  # before anything is built
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not norm:  # a record without a norm or logit scale (a GQA conversion's): vLLM's layers
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        else:
+            platform = current_platform.device_type
+            # the backend vLLM's registry holds under qkmla's name for this platform (registry.py)
+            backend, decode_backend = registered_backend(BACKEND_NAMES[platform]), BACKENDS[platform][1]
+            # vLLM's DeepSeek attention builds its MLA layer as qkmla's (a pipeline stage only its own layers)
+            with qk_normed_mla_layers(norm, backend, decode_backend):
+                super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.qk_norm_record = norm
-        if not norm:
-            return
-        make_backend, decode_backend = BACKENDS[current_platform.device_type]
-        for layer in self.model.layers:
-            if not isinstance(layer, PPMissingLayer):
-                attn = layer.self_attn
-                attn.mla_attn = QKNormLatentAttention(attn, norm, make_backend(), decode_backend)
 
     def _qk_layers(self) -> list[QKNormLatentAttention]:
         return [m for m in self.modules() if isinstance(m, QKNormLatentAttention)]

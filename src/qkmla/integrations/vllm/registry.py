@@ -9,6 +9,10 @@ installed vLLM's version is one it supports).
 * how vLLM reads qkmla's model types: it recognises a DeepSeek MLA model (the latent cache, the
   MLA backends) by its model type, so each of qkmla's gets a ``ModelArchConfigConvertor`` that
   answers as for DeepSeek's;
+* qkmla's attention backends by name in vLLM's backend registries (``register_backend``,
+  ``register_mla_prefill_backend``): ``QKMLA_CPU`` and ``QKMLA_TRITON`` (what
+  ``--attention-backend`` takes for a QK-normed checkpoint, ``checks.py``) and the CPU prefill
+  ``QKMLA_CPU_SDPA``; the QK-normed layers take them from there;
 * checkpoints qkmla wrote before it declared its own architecture (model type ``deepseek_v3`` with
   a ``"qkmla"`` record): the convertor vLLM uses for DeepSeek's model types gives them qkmla's
   architecture, so they are served with their norm, not by vLLM's class without it. A checkpoint
@@ -25,6 +29,11 @@ from vllm.transformers_utils import model_arch_config_convertor as convertors
 from ..hub.record import QK_ARCHITECTURES, QK_MODEL_TYPES, RECORD
 
 MODEL_MODULE = "qkmla.integrations.vllm.model"
+BACKEND_MODULE = "qkmla.integrations.vllm.backend"
+# qkmla's attention backends by the name vLLM's registry knows them (the class each names is made
+# on first use: backend.py's module __getattr__)
+ATTENTION_BACKENDS = {"QKMLA_CPU": f"{BACKEND_MODULE}.QKMLACPUBackend", "QKMLA_TRITON": f"{BACKEND_MODULE}.QKMLATritonBackend"}
+PREFILL_BACKENDS = {"QKMLA_CPU_SDPA": f"{BACKEND_MODULE}.QKMLACPUPrefillBackend"}
 
 
 def register_all() -> None:
@@ -38,6 +47,28 @@ def register_all() -> None:
         base = getattr(base, "qkmla_base", base)  # registered before, by this function
         registered[ours] = _as_deepseek(base)
         registered[stock] = _earlier_checkpoints(base)
+    register_backends()
+
+
+def register_backends() -> None:
+    """qkmla's backends in vLLM's attention and MLA prefill registries, under their names; idempotent."""
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    for name, path in ATTENTION_BACKENDS.items():
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
+    for name, path in PREFILL_BACKENDS.items():
+        if name not in MLAPrefillBackendEnum.__members__:
+            register_mla_prefill_backend(name, path)
+
+
+def registered_backend(name: str) -> type:
+    """The class vLLM's registry holds for one of qkmla's backend names (``ATTENTION_BACKENDS``)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register_backends()
+    return AttentionBackendEnum[name].get_class()
 
 
 def _as_deepseek(base: type) -> type:
