@@ -12,8 +12,10 @@ process, side by side:
     compiled        the same static cache, the forward compiled as transformers' generate compiles
                     it (``model.get_compiled_call(CompileConfig(...))``: inductor, dynamic=False)
 
-Each prefills a random prompt of ``context`` tokens, then times single-token decode steps
-(median after warm-up; the compiled cell's first call, which compiles, is reported apart). The
+Each prefills a random prompt of ``context`` tokens (eager-static and compiled share one static
+cache, stepping on it in turn), then single-token decode steps are timed in rounds of one step
+per variant (median after warm-up; the compiled variant's first call, which compiles, is
+reported apart), so load from other jobs reaches the variants alike. The
 graph breaks of one compiled decode step are counted (``torch._dynamo.explain``).
 
 A decode step of this model reads every weight once, so its floor is set by memory traffic:
@@ -80,16 +82,6 @@ def step_cost(model, columns: int) -> dict:
     return {"bytes": weights + cache, "weight_bytes": weights, "cache_bytes": cache, "flops": flops}
 
 
-def timed_steps(forward, token, steps: int, warmup: int) -> tuple[list, torch.Tensor]:
-    times = []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        logits = forward(token)
-        times.append(time.perf_counter() - t0)
-        token = logits[:, -1:].argmax(-1)
-    return times, token
-
-
 def run_cell(context: int, steps: int, warmup: int, threads: int) -> dict:
     from transformers import CompileConfig
 
@@ -100,44 +92,45 @@ def run_cell(context: int, steps: int, warmup: int, threads: int) -> dict:
     model = build_model(torch.float32, "qkmla")
     name = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters else "past_key_values"
     prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1))
-    capacity = context + 3 * (warmup + steps) + 2
+    capacity = context + 2 * (warmup + steps) + 3
     out = {"context": context, "max_cache_len": capacity, "torch_threads": torch.get_num_threads()}
     rows = {}
     with torch.inference_mode():
-        # eager: the growing latent cache
+        # eager: the growing latent cache; the static cache serves eager-static and compiled steps in turn
         cache = LatentAttentionCache(model)
         t0 = time.perf_counter()
         logits = model(input_ids=prompt, use_cache=True, **{name: cache}).logits
         out["prefill_s_eager"] = round(time.perf_counter() - t0, 3)
-        first = logits[:, -1:].argmax(-1)
-        times, _ = timed_steps(lambda t: model(input_ids=t, use_cache=True, **{name: cache}).logits, first, steps,
-                               warmup)
-        rows["eager"] = times[warmup:]
-        del cache
-        # the static cache: eager steps, then compiled steps on the same cache
         static = LatentAttentionCache(model, max_cache_len=capacity, static=True)
         t0 = time.perf_counter()
-        logits = model(input_ids=prompt, use_cache=True, **{name: static}).logits
+        logits_static = model(input_ids=prompt, use_cache=True, **{name: static}).logits
         out["prefill_s_static"] = round(time.perf_counter() - t0, 3)
-        token = logits[:, -1:].argmax(-1)
-        times, token = timed_steps(lambda t: model(input_ids=t, use_cache=True, **{name: static}).logits, token,
-                                   steps, warmup)
-        rows["eager-static"] = times[warmup:]
         compiled = model.get_compiled_call(CompileConfig(fullgraph=False, dynamic=False))
-        position = [int(static.get_seq_length())]
+        position = [context]
 
-        def compiled_step(t):
+        def static_step(forward, t):
             ids = torch.tensor([position], dtype=torch.long)
             position[0] += 1
-            return compiled(input_ids=t, position_ids=ids, use_cache=True, **{name: static}).logits
+            return forward(input_ids=t, position_ids=ids, use_cache=True, **{name: static}).logits
 
+        steppers = {"eager": lambda t: model(input_ids=t, use_cache=True, **{name: cache}).logits,
+                    "eager-static": lambda t: static_step(model, t),
+                    "compiled": lambda t: static_step(compiled, t)}
+        tokens = {v: (logits if v == "eager" else logits_static)[:, -1:].argmax(-1) for v in steppers}
         t0 = time.perf_counter()
-        logits = compiled_step(token)
+        tokens["compiled"] = steppers["compiled"](tokens["compiled"])[:, -1:].argmax(-1)
         out["compile_first_call_s"] = round(time.perf_counter() - t0, 3)
-        times, token = timed_steps(compiled_step, logits[:, -1:].argmax(-1), steps, warmup)
-        rows["compiled"] = times[warmup:]
+        # Interleaved, one step of each variant per round, so a change in the machine's load
+        # between rounds reaches every variant alike.
+        for round_ in range(warmup + steps):
+            for variant, step in steppers.items():
+                t0 = time.perf_counter()
+                tokens[variant] = step(tokens[variant])[:, -1:].argmax(-1)
+                if round_ >= warmup:
+                    rows.setdefault(variant, []).append(time.perf_counter() - t0)
         ids = torch.tensor([position], dtype=torch.long)
-        explained = torch._dynamo.explain(model)(input_ids=token, position_ids=ids, use_cache=True, **{name: static})
+        explained = torch._dynamo.explain(model)(input_ids=tokens["compiled"], position_ids=ids, use_cache=True,
+                                                 **{name: static})
         out["compiled_step_graph_breaks"] = explained.graph_break_count
         out["compiled_step_break_reasons"] = sorted({b.reason.splitlines()[0][:160] for b in explained.break_reasons})
         out["static_columns_after"] = int(static.get_seq_length())
