@@ -17,9 +17,11 @@ needs to take the right number of tokens off each sequence.
 :class:`LatentAttentionCache` is the whole cache, one latent layer per decoder layer;
 transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`` makes one by
 default, and an offloading one for ``cache_implementation="offloaded"``): its layers are replaced
-by latent layers, which offload as transformers' do when the cache offloads. A layer that already
-holds transformers' keys and values, or a static, sliding or quantized transformers layer, is
-refused (:func:`check_cache`), naming ``cache_implementation`` for the ones it makes.
+by latent layers, which offload as transformers' do when the cache offloads; an empty static cache
+(``cache_implementation="static"``) gets static latent layers (``static.py``, compileable). A
+layer that already holds transformers' keys and values, an offloading or sliding static cache,
+or a quantized transformers layer, is refused (:func:`check_cache`), naming
+``cache_implementation`` for the ones it makes.
 
 Supported transformers: 5.4 to 5.24 (the cache-layer API took its present form in 5.0; a
 QK-normed checkpoint is refused by transformers alone from 5.4 on, see hf_qknorm).
