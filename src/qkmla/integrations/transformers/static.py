@@ -146,6 +146,12 @@ class StaticLatentCacheLayer(CacheLayerMixin):
         return self.latent.shape[0]
 
     @property
+    def max_batch_size(self) -> int:
+        """The batch size the buffers hold, 0 before the first forward (transformers before 5.2x
+        reads it to decide whether ``generate`` may reuse its static cache)."""
+        return 0 if self.latent is None else self.latent.shape[0]
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes one column occupies in this layer (0 before the first forward)."""
         if self.latent is None:
