@@ -2,11 +2,11 @@
 switch it asks for, static and offloaded caches (issue 52).
 
 Served: ``cache_implementation="offloaded"`` (each latent layer's rows go to CPU memory after the
-layer's step and come back before its next), with ``generate``'s tokens. Refused before any
-work, naming what works: continuous batching (``generate_batch``, ``init_continuous_batching``,
-``continuous_batching_context_manager``), ``set_attn_implementation`` to anything but qkmla's
-latent attention, and transformers' static caches (``cache_implementation="static"``,
-``"offloaded_static"``, a ``StaticCache`` passed).
+layer's step and come back before its next), with ``generate``'s tokens; a ``StaticCache``
+passed becomes a static latent cache (``test_static.py`` tests ``cache_implementation="static"``).
+Refused before any work, naming what works: continuous batching (``generate_batch``,
+``init_continuous_batching``, ``continuous_batching_context_manager``), ``set_attn_implementation``
+to anything but qkmla's latent attention, and ``cache_implementation="offloaded_static"``.
 
 Models are the tiny random DeepSeek-V3 models of ``test_model.py``.
 """
@@ -118,23 +118,22 @@ def test_another_model_keeps_transformers_continuous_batching_and_switch(model):
 
 # -- static caches -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("implementation", ["static", "offloaded_static"])
-def test_a_static_cache_implementation_is_refused_naming_it_before_any_work(model, implementation):
+def test_offloaded_static_is_refused_naming_it_before_any_work(model):
     forwards = Forwards(model)
     try:
-        with pytest.raises(ValueError, match=r"cache_implementation: layer 0 of the \w+ is a transformers "
-                                             r"StaticLayer.*LatentAttentionCache\(model, max_cache_len=N\)"):
-            greedy(model, cache_implementation=implementation)
+        with pytest.raises(ValueError, match=r"cache_implementation: the \w+ is an offloading static cache "
+                                             r"\(cache_implementation=\"offloaded_static\"\)"):
+            greedy(model, cache_implementation="offloaded_static")
     finally:
         forwards.remove()
     assert forwards.count == 0
 
 
-def test_a_static_cache_passed_is_refused_and_a_fixed_capacity_latent_cache_generates(model):
+def test_a_static_cache_passed_becomes_a_static_latent_cache_and_a_fixed_capacity_one_generates(model):
     ids, mask = padded_batch()
-    static = transformers.StaticCache(config=model.config, max_cache_len=32)
-    with pytest.raises(ValueError, match=rf"cache_implementation: .*StaticLayer.*{CACHE}=qkmla"):
-        model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE: static})
+    static = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + NEW)
+    assert torch.equal(greedy(model, **{CACHE: static}), greedy(model))
+    assert all(type(layer).__name__ == "StaticLatentCacheLayer" for layer in static.layers)
     fixed = LatentAttentionCache(model, max_cache_len=ids.shape[1] + NEW)
     assert torch.equal(greedy(model, **{CACHE: fixed}), greedy(model))
 

@@ -475,7 +475,7 @@ def test_masks_and_options_the_latent_path_cannot_serve_are_refused():
     with pytest.raises(ValueError, match="position_ids: qkmla's latent cache numbers"):
         model(ids, position_ids=torch.arange(5)[None] + 3, **{CACHE: LatentAttentionCache(model)})
     with pytest.raises(ValueError, match="static cache|StaticLayer"):
-        model(ids, **{CACHE: transformers.StaticCache(config=model.config, max_cache_len=16)})
+        model(ids, **{CACHE: transformers.StaticCache(config=model.config, max_cache_len=16, offloading=True)})
 
 
 def test_a_cache_needs_a_patched_model():

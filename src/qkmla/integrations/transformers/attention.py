@@ -45,6 +45,7 @@ from ...config import MLAConfig, QKNormConfig
 from ...cache.eviction import EvictionPolicy
 from ..hub.config import unrepeat_groups
 from .cache import adopt_layer
+from .static import StaticLatentCacheLayer, static_attend
 
 
 @dataclass
@@ -150,6 +151,8 @@ class LatentAttention(MLA):
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
+        if isinstance(layer, StaticLatentCacheLayer):  # fixed shapes for torch.compile (static.py)
+            return static_attend(self, layer, x, valid, kwargs.get("position_ids")), None
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
         out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
         layer.advance(valid, x.shape[0], x.shape[1])

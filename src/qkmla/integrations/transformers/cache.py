@@ -17,9 +17,11 @@ needs to take the right number of tokens off each sequence.
 :class:`LatentAttentionCache` is the whole cache, one latent layer per decoder layer;
 transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`` makes one by
 default, and an offloading one for ``cache_implementation="offloaded"``): its layers are replaced
-by latent layers, which offload as transformers' do when the cache offloads. A layer that already
-holds transformers' keys and values, or a static, sliding or quantized transformers layer, is
-refused (:func:`check_cache`), naming ``cache_implementation`` for the ones it makes.
+by latent layers, which offload as transformers' do when the cache offloads; an empty static cache
+(``cache_implementation="static"``) gets static latent layers (``static.py``, compileable). A
+layer that already holds transformers' keys and values, an offloading or sliding static cache,
+or a quantized transformers layer, is refused (:func:`check_cache`), naming
+``cache_implementation`` for the ones it makes.
 
 Supported transformers: 5.4 to 5.24 (the cache-layer API took its present form in 5.0; a
 QK-normed checkpoint is refused by transformers alone from 5.4 on, see hf_qknorm).
@@ -38,6 +40,7 @@ from ...cache.latent import LatentCache
 from ...config import MLAConfig
 from ...kv_formats import check_kv_format
 from .patched import latent_layers, model_settings
+from .static import StaticLatentCacheLayer, check_static_settings
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
 
@@ -298,21 +301,29 @@ def check_cache(cache, name: str = "cache") -> None:
         raise ValueError(f"{name}: expected a transformers Cache (qkmla.integrations.transformers.LatentAttentionCache, "
                          f"or an empty DynamicCache), got {type(cache).__name__}")
     for layer_idx, layer in enumerate(cache.layers):
-        _check_layer(layer, layer_idx, name)
+        _check_layer(layer, layer_idx, name, static_ok=not getattr(cache, "offloading", False))
 
 
-def _check_layer(layer, layer_idx: int, name: str) -> None:
-    if isinstance(layer, LatentCacheLayer):
+def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> None:
+    if isinstance(layer, (LatentCacheLayer, StaticLatentCacheLayer)):
         return
     kind = type(layer).__name__
     if isinstance(layer, StaticLayer):
-        raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind}, a static "
-                         f"cache's (cache_implementation=\"static\" or \"offloaded_static\", or a StaticCache "
-                         f"passed as {name}): fixed-shape keys and values for torch.compile. qkmla's attention "
-                         f"caches latent rows, and its latent cache is not compileable. Leave cache_implementation "
-                         f"unset (generate then grows a latent cache; \"offloaded\" works too), or pass "
-                         f"{name}=qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=N) for "
-                         f"a fixed capacity")
+        if type(layer) is not StaticLayer:
+            raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind}, which "
+                             f"qkmla's latent attention cannot replace (DeepSeek models attend over every token); "
+                             f"use cache_implementation=\"static\" or "
+                             f"{name}=qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=N, "
+                             f"static=True)")
+        if not static_ok:
+            raise ValueError(f"cache_implementation: the {name} is an offloading static cache "
+                             f"(cache_implementation=\"offloaded_static\"); qkmla's static latent cache keeps its "
+                             f"fixed buffers on the model's device. Use cache_implementation=\"static\" (compileable) "
+                             f"or \"offloaded\" (a growing latent cache offloaded layer by layer)")
+        if int(layer.get_seq_length()) > 0:
+            raise ValueError(f"{name}: layer {layer_idx} already holds {int(layer.get_seq_length())} tokens of "
+                             f"transformers' keys and values (filled by an unpatched model); start from an empty cache")
+        return
     if "Quantized" in kind:
         raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind} "
                          f"(cache_implementation=\"quantized\"), which quantizes keys and values; qkmla's attention "
@@ -329,19 +340,26 @@ def _check_layer(layer, layer_idx: int, name: str) -> None:
 
 
 def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str = "dense",
-                policy: Optional[EvictionPolicy] = None) -> LatentCacheLayer:
+                policy: Optional[EvictionPolicy] = None):
     """``cache``'s latent layer ``layer_idx``; an empty transformers ``DynamicLayer`` in that slot
-    (or none yet) becomes one, offloading if the cache offloads (``cache_implementation="offloaded"``).
-    Anything else is refused (:func:`check_cache`)."""
+    (or none yet) becomes a :class:`LatentCacheLayer`, offloading if the cache offloads
+    (``cache_implementation="offloaded"``), and an empty transformers ``StaticLayer``
+    (``cache_implementation="static"``) a :class:`~.static.StaticLatentCacheLayer` of its
+    ``max_cache_len``. Anything else is refused (:func:`check_cache`)."""
     if not isinstance(cache, Cache):
         check_cache(cache)
     layers = cache.layers
-    if layer_idx < len(layers) and isinstance(layers[layer_idx], LatentCacheLayer):
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], (LatentCacheLayer, StaticLatentCacheLayer)):
         return layers[layer_idx]
     while len(layers) <= layer_idx:
         layers.append(DynamicLayer())
-    _check_layer(layers[layer_idx], layer_idx, "cache")
-    layers[layer_idx] = LatentCacheLayer(config, kv_format, policy, offloading=getattr(cache, "offloading", False))
+    offloading = getattr(cache, "offloading", False)
+    _check_layer(layers[layer_idx], layer_idx, "cache", static_ok=not offloading)
+    if isinstance(layers[layer_idx], StaticLayer):
+        check_static_settings(kv_format, policy, layers[layer_idx].max_cache_len)
+        layers[layer_idx] = StaticLatentCacheLayer(config, layers[layer_idx].max_cache_len)
+    else:
+        layers[layer_idx] = LatentCacheLayer(config, kv_format, policy, offloading=offloading)
     return layers[layer_idx]
 
 
@@ -360,17 +378,32 @@ class LatentAttentionCache(Cache):
         offloading: keep each layer's rows in CPU memory between its forwards (transformers'
             ``offloaded`` cache, which ``generate(..., cache_implementation="offloaded")`` gets
             without building one).
+        static: fixed buffers of ``max_cache_len`` columns written in place, which transformers
+            compiles a decode step over (``StaticLatentCacheLayer``; what
+            ``generate(..., cache_implementation="static")`` gets without building one); dense
+            rows, no eviction policy, no offloading.
 
     Examples:
         >>> cache = LatentAttentionCache(model, kv_format="fp8")               # doctest: +SKIP
         >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
+        >>> static = LatentAttentionCache(model, max_cache_len=4096, static=True)  # doctest: +SKIP
     """
 
     def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None,
-                 offloading: bool = False):
+                 offloading: bool = False, static: bool = False):
         settings = model_settings(model)
         kv_format = kv_format if kv_format is not None else settings.kv_format
         policy = settings.policy if policy is _MODEL_SETTING else policy
+        if not isinstance(static, bool):
+            raise ValueError(f"static: expected True (fixed buffers, compileable) or False (grow), got {static!r}")
+        if static:
+            check_static_settings(kv_format, policy, max_cache_len)
+            if offloading:
+                raise ValueError("offloading: a static latent cache keeps its fixed buffers on the model's device; "
+                                 "pass offloading=False, or static=False for an offloaded growing cache")
+            super().__init__(layers=[StaticLatentCacheLayer(attn.config, max_cache_len)
+                                     for attn in latent_layers(model)])
+            return
         check_cache_settings(kv_format, policy, max_cache_len)
         super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len, offloading)
                                  for attn in latent_layers(model)], offloading=offloading)

@@ -180,6 +180,19 @@ def _keep_latent_attention(model) -> None:
     model.set_attn_implementation = _set_attn_implementation
     if hasattr(model, "init_continuous_batching"):  # the causal LM (transformers' GenerationMixin)
         model.init_continuous_batching = _no_continuous_batching
+    if hasattr(model, "generate"):
+        model.create_masks_for_generate = _masks_for_generate
+
+
+def _masks_for_generate(*args, attention_mask=None, inputs_embeds=None, **kwargs):
+    """What ``generate`` passes a model whose cache is compileable (a static latent cache) as its
+    ``attention_mask``, in place of transformers' 4-D mask (which the latent layers never read): the
+    caller's 2-D mask when the new tokens include padding (a left-padded prompt), else None. Padding
+    already written is remembered by the cache, so a decode step gets no mask, whose width would
+    grow every step and recompile the step."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or inputs_embeds is None:
+        return attention_mask
+    return None if bool(attention_mask[:, -inputs_embeds.shape[1]:].all()) else attention_mask
 
 
 def _set_attn_implementation(attn_implementation, *args, **kwargs) -> None:
@@ -207,6 +220,8 @@ def _no_continuous_batching(*args, **kwargs):
 
 def _call_arguments(module, args, kwargs) -> dict:
     """The forward call's arguments by name (positional ones included)."""
+    if not args:  # all by name already (transformers' own calls): no signature, which a compiled graph cannot read
+        return dict(kwargs)
     signature = module._qkmla_signature
     try:
         bound = signature.bind_partial(*args, **kwargs)
@@ -255,8 +270,10 @@ def _before_forward(module, args, kwargs):
     elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
         for layer in module.layers:
             adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, settings.kv_format, settings.policy)
-    valid = _new_tokens(mask, batch_size, num_tokens, cache.get_seq_length() if cache is not None else 0)
-    if cache is not None and position_ids is not None:
+    past = cache.get_seq_length() if cache is not None and mask is not None else 0
+    valid = _new_tokens(mask, batch_size, num_tokens, int(past))
+    if cache is not None and position_ids is not None and isinstance(cache.layers[0], LatentCacheLayer):
+        # (a static latent cache takes transformers' positions as they come, as its static cache does)
         first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
         check_positions(first, position_ids, valid, batch_size, num_tokens)
     arguments["qkmla_call"] = LatentCall(valid, documents)

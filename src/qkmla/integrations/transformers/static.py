@@ -1,0 +1,304 @@
+"""A static-capacity latent cache layer, and the attention over it, for ``torch.compile``.
+
+transformers compiles a decode step only over a cache whose layers say ``is_compileable``
+(``StaticLayer``: tensors of a fixed shape allocated once and written in place, a length kept
+as a tensor). :class:`StaticLatentCacheLayer` is that for qkmla's latent rows: per layer
+
+    latent     [B, L, d_c + d_r]   rows [c ; k^R] (normalized, rotated RoPE key), column by column
+    key_scale  [B, L, G]           the key scalars r (absent without a QK norm)
+    key_valid  [B, L] bool         which columns hold a real token (padding is written, never seen)
+    length     [] long             columns written so far
+
+with L = ``max_cache_len``. Columns are transformers' columns, padding included, as in its
+static cache; attention masks padding through ``key_valid``, and the RoPE positions are the
+``position_ids`` transformers passes (for a left-padded ``generate``, each sequence's real
+tokens 0, 1, 2, ..., the numbering of qkmla's growing cache).
+
+:func:`static_attend` is the absorbed form (MATH.md) over all L columns with a mask, every
+shape fixed by (B, T, L): no ``.item()``, no ``nonzero``, no boolean indexing and no Python
+branch on a tensor's value, so one graph serves every decode step. The decode op's score rule
+(``ops.mla_decode.naive``) is written out in torch here; its fast backends size their work from
+the filled length, which a fixed-shape graph cannot. A prefill into the empty cache (T > 1,
+run eagerly by ``generate``) takes the explicit path over the new tokens, as the growing cache
+does.
+
+Only dense rows that keep every token fit this shape: another ``kv_format`` or an eviction
+policy is refused when the cache is built (:func:`check_static_settings`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ...config import MLAConfig
+from ...dtypes import cast
+
+
+def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
+    """Refuse, naming the argument, what a static latent cache cannot hold."""
+    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+        raise ValueError(f"max_cache_len: a static latent cache needs a positive int capacity (tokens per "
+                         f"sequence, prompt included), got {max_cache_len!r}")
+    if kv_format != "dense":
+        raise ValueError(f"kv_format: a static (compileable) latent cache stores dense rows, got {kv_format!r}; "
+                         f"use kv_format=\"dense\", or a growing cache (static=False) for {kv_format!r}")
+    if policy is not None:
+        raise ValueError(f"policy: a static (compileable) latent cache keeps every token, so it takes no eviction "
+                         f"policy, got {type(policy).__name__}; pass policy=None, or use a growing cache "
+                         f"(static=False) with the policy")
+
+
+class StaticLatentCacheLayer(CacheLayerMixin):
+    """One decoder layer's latent rows in buffers of fixed capacity (module docstring).
+
+    Args:
+        config: the attention layer's :class:`~qkmla.MLAConfig` (the row shape).
+        max_cache_len: L, the capacity in columns per sequence (prompt, padding and new tokens).
+
+    The buffers are allocated by the first forward (which fixes batch size, device and dtype, as
+    transformers' ``StaticLayer.lazy_initialization`` does) and then only written in place.
+    """
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, config: MLAConfig, max_cache_len: int):
+        super().__init__()
+        check_static_settings("dense", None, max_cache_len)
+        self.config, self.max_cache_len = config, max_cache_len
+        self.kv_format, self.policy, self.offloading = "dense", None, False
+        self.latent: Optional[torch.Tensor] = None
+        self.key_scale: Optional[torch.Tensor] = None
+        self.key_valid: Optional[torch.Tensor] = None
+        self.length = torch.tensor(0, dtype=torch.long)  # a tensor: updating it must not recompile
+
+    def __repr__(self) -> str:
+        shape = None if self.latent is None else tuple(self.latent.shape)
+        return f"StaticLatentCacheLayer(max_cache_len={self.max_cache_len}, latent={shape})"
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, batch_size: int, device, dtype: torch.dtype) -> None:
+        """The buffers, zeroed, for ``batch_size`` sequences; a second call checks it is the same batch."""
+        if self.latent is not None:
+            if batch_size != self.latent.shape[0]:
+                raise ValueError(f"cache: it holds {self.latent.shape[0]} sequences and this input has "
+                                 f"{batch_size}; a cache serves one batch (pass a new cache, or call cache.reset())")
+            if torch.device(device) != self.latent.device or dtype != self.latent.dtype:
+                raise ValueError(f"cache: it holds {self.latent.dtype} rows on {self.latent.device}, the model now "
+                                 f"runs {dtype} on {device}; pass a new cache")
+            return
+        c, L = self.config, self.max_cache_len
+        self.latent = torch.zeros(batch_size, L, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
+        G = c.num_key_scalars
+        self.key_scale = torch.zeros(batch_size, L, G, dtype=dtype, device=device) if G else None
+        self.key_valid = torch.zeros(batch_size, L, dtype=torch.bool, device=device)
+        self.length = self.length.to(device)
+        self.device, self.is_initialized = self.latent.device, True
+        if not torch.compiler.is_compiling():  # fixed addresses: in-place writes then need no new graph
+            for t in (self.latent, self.key_scale, self.key_valid, self.length):
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+
+    def check_room(self, num_tokens: int) -> None:
+        """Refuse, before any write, ``num_tokens`` more columns than the capacity leaves (eager
+        calls only: a compiled step cannot read the length)."""
+        if torch.compiler.is_compiling():
+            return
+        needed = int(self.length) + num_tokens
+        if needed > self.max_cache_len:
+            raise ValueError(f"max_cache_len: this static latent cache holds {self.max_cache_len} columns per "
+                             f"sequence and this call needs {needed}; generate with a larger max_length, or build "
+                             f"LatentAttentionCache(model, max_cache_len=N, static=True) with a larger N")
+
+    # -- transformers' cache-layer interface ----------------------------------------------------
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise ValueError("cache: a StaticLatentCacheLayer is allocated by qkmla's attention on its first forward, "
+                         "not from key/value shapes")
+
+    def update(self, *args, **kwargs):
+        raise ValueError("cache: this layer holds qkmla latent rows, written by qkmla's attention only; a "
+                         "transformers attention layer cannot use it (call "
+                         "qkmla.integrations.transformers.apply_latent_attention on the model)")
+
+    def get_seq_length(self, *args):
+        """Columns written so far: a 0-dim tensor once allocated, as transformers' ``StaticLayer`` gives."""
+        return self.length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    get_max_cache_shape = get_max_length
+
+    @property
+    def batch_size(self) -> int:
+        if self.latent is None:
+            raise AttributeError("batch_size: not allocated yet")
+        return self.latent.shape[0]
+
+    @property
+    def max_batch_size(self) -> int:
+        """The batch size the buffers hold, 0 before the first forward (transformers before 5.2x
+        reads it to decide whether ``generate`` may reuse its static cache)."""
+        return 0 if self.latent is None else self.latent.shape[0]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one column occupies in this layer (0 before the first forward)."""
+        if self.latent is None:
+            return 0
+        scale = self.key_scale.shape[-1] * self.key_scale.element_size() if self.key_scale is not None else 0
+        return self.latent.shape[-1] * self.latent.element_size() + scale
+
+    def reset(self) -> None:
+        """Forget every token; the buffers (and batch size) stay."""
+        if self.latent is not None:
+            for t in (self.latent, self.key_scale, self.key_valid):
+                if t is not None:
+                    t.zero_()
+        self.length.zero_()
+
+    def crop(self, tokens: int) -> None:
+        """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""
+        current = int(self.length)
+        keep = current + tokens if tokens <= 0 else min(tokens, current)
+        if keep >= current:
+            return
+        self.key_valid[:, max(keep, 0):].zero_()
+        self.length.fill_(max(keep, 0))
+
+    def _buffers(self) -> list:
+        return [t for t in (self.latent, self.key_scale, self.key_valid) if t is not None]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows picked by ``beam_idx``, written in place (the buffers keep their addresses)."""
+        if self.latent is None:
+            return
+        beam_idx = beam_idx.to(self.latent.device)
+        for t in self._buffers():
+            t.copy_(t.index_select(0, beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.latent is not None:
+            indices = indices.to(self.latent.device)
+            self.latent, self.key_valid = self.latent[indices], self.key_valid[indices]
+            self.key_scale = self.key_scale[indices] if self.key_scale is not None else None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.latent is not None:
+            self.latent = self.latent.repeat_interleave(repeats, dim=0)
+            self.key_valid = self.key_valid.repeat_interleave(repeats, dim=0)
+            self.key_scale = self.key_scale.repeat_interleave(repeats, dim=0) if self.key_scale is not None else None
+
+    def offload(self) -> None:  # transformers calls these around layers of an offloading cache only
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    # -- what the attention calls -------------------------------------------------------------
+
+    def write(self, columns: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+              key_scale: Optional[torch.Tensor], valid: torch.Tensor) -> None:
+        """Store the new tokens' rows at ``columns`` [T] (c [B, T, d_c], k^R [B, T, d_r], r [B, T, G]
+        or None, ``valid`` [B, T] bool) and count them."""
+        self.latent.index_copy_(1, columns, torch.cat((c_kv, k_rope), dim=-1).to(self.latent.dtype))
+        if self.key_scale is not None:
+            self.key_scale.index_copy_(1, columns, key_scale.to(self.key_scale.dtype))
+        self.key_valid.index_copy_(1, columns, valid)
+        self.length.add_(columns.shape[0])
+
+
+def _key_rows(attn, c_kv: torch.Tensor, k_r: torch.Tensor, w_uk: torch.Tensor):
+    """(k~^R normalized, not yet rotated; key scalars [B, T, G] or None): ``absorbed.key_scalars``
+    written with one einsum for the content keys (that function's op may run qkmla's CPU kernel,
+    which a compiled graph does not trace)."""
+    k_norm = attn.k_norm
+    if k_norm is None:
+        return k_r, None
+    k_c = torch.einsum("btc,gnc->btgn", c_kv, cast(w_uk, c_kv.dtype))  # [B, T, G, d_n]
+    sigma, sigma_r = k_norm.statistics(k_c, k_r)
+    if k_norm.mode == "blockwise":
+        return k_norm.rope.scaled(k_r, sigma_r), sigma.squeeze(-1)
+    return k_r * cast(k_norm.rope.weight, k_r.dtype), sigma.squeeze(-1)
+
+
+def _absorbed_weights(attn):
+    """The layer's absorbed weights: re-checked against their sources in eager calls; a compiled
+    step reads the ones kept (the prefill, eager, derived them), since the check reads version
+    counters and storage addresses, which a graph cannot."""
+    kept = attn._absorbed.weights
+    if torch.compiler.is_compiling() and kept is not None:
+        return kept
+    return attn.absorbed
+
+
+def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: Optional[torch.Tensor],
+                  position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """``attn`` (a LatentAttention) over ``layer``'s columns and x's new ones, x's rows written.
+
+    Args:
+        x: [B, T, hidden_size].
+        valid: [B, T] bool (False: padding) or None (all real).
+        position_ids: [B, T] or [1, T], transformers' positions; None: the column numbers.
+
+    Returns:
+        [B, T, hidden_size]; padding positions give zeros.
+    """
+    B, T = x.shape[:2]
+    layer.allocate(B, x.device, x.dtype)
+    layer.check_room(T)
+    prefill = T > 1 and not torch.compiler.is_compiling() and int(layer.length) == 0
+    columns = layer.length + torch.arange(T, device=x.device)  # [T]
+    positions = (position_ids if position_ids is not None else columns[None]).to(x.device).expand(B, T)
+    real = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+    w = _absorbed_weights(attn)
+    c_kv, k_r = attn.latent(x)
+    k_r, key_scale = _key_rows(attn, c_kv, k_r, w.w_uk)
+    layer.write(columns, c_kv, attn.rotary(k_r, positions).squeeze(2), key_scale, real)
+    if prefill:  # the explicit path over the new tokens alone, as the growing cache's prefill
+        out = attn._uncached(x, valid, positions)
+    else:
+        out = attn.o_proj(_attend_columns(attn, layer, x, positions, columns, w).flatten(2))
+    return out if valid is None else out.masked_fill(~valid[..., None], 0.0)
+
+
+def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positions: torch.Tensor,
+                    columns: torch.Tensor, w) -> torch.Tensor:
+    """The absorbed form over all L columns, masked: heads' outputs [B, T, h, d_v].
+
+    Query t (column columns[t]) sees column j when j <= columns[t] and j holds a real token, or
+    j is its own column (a padding query sees itself, so no row of the softmax is empty). The
+    score rule is the decode op's (``ops.mla_decode.naive``), in float32 (float64 for float64)."""
+    from ...attention.absorbed import latent_query, values_out
+
+    c = attn.config
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    q_lat, q_rope = latent_query(*attn.raw_query(x), attn.q_norm, w)  # [B, T, h, d_c], [B, T, h, d_r]
+    q_rope = attn.rotary(q_rope, positions)
+    cached, k_rope = layer.latent.to(acc).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
+    s_c = torch.einsum("bthc,blc->bhtl", q_lat.to(acc), cached)
+    s_r = torch.einsum("bthr,blr->bhtl", q_rope.to(acc), k_rope)
+    scale = attn.scale
+    scale = scale.to(acc).view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
+    if layer.key_scale is not None:
+        r = layer.key_scale.to(acc).transpose(1, 2)  # [B, G, L]
+        r = r.repeat_interleave(c.num_heads // r.shape[1], dim=1)[:, :, None, :]  # [B, h, 1, L]
+        scores = scale * (r * s_c + s_r) if attn.score_mode == "blockwise" else scale * r * (s_c + s_r)
+    else:
+        scores = scale * (s_c + s_r)
+    j = torch.arange(layer.max_cache_len, device=x.device)
+    own = j[None, :] == columns[:, None]  # [T, L]
+    visible = ((j[None, :] <= columns[:, None]) & layer.key_valid[:, None, :]) | own  # [B, T, L]
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
+    o_lat = torch.einsum("bhtl,blc->bthc", probs, cached).to(x.dtype)
+    return values_out(o_lat, w)

@@ -1,0 +1,186 @@
+"""The static latent cache (``static.py``) and transformers' compile path (issue 52, point 6).
+
+``generate(..., cache_implementation="static")`` and ``LatentAttentionCache(model, max_cache_len=N,
+static=True)`` decode with the growing cache's tokens and logits; a compiled decode step breaks
+its graph nowhere inside attention (the patched model's breaks are the stock model's, all in
+transformers' MoE loop), a compiled attention layer traces whole (``fullgraph=True``), and one
+graph serves every step (no recompile per step). Settings a static cache cannot hold are refused
+by name before any work. The graphs are compiled with the ``eager`` backend: dynamo's tracing
+is what decides graph breaks; inductor's code generation would only cost the suite minutes.
+
+Models are the tiny random DeepSeek-V3 models of ``test_model.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qkmla.cache import SnapKV  # noqa: E402
+from qkmla.integrations.hub.record import recorded_norm  # noqa: E402
+from qkmla.integrations.transformers import LatentAttentionCache  # noqa: E402
+from qkmla.integrations.transformers.static import StaticLatentCacheLayer  # noqa: E402
+
+from .test_model import CACHE, hf_model, left_padded, patched, prompts  # noqa: E402
+
+NEW = 5
+QK_NORMS = [None, "rms", "l2"]
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return hf_model(dtype=torch.float64)
+
+
+@pytest.fixture(scope="module", params=QK_NORMS, ids=lambda n: f"qk_norm={n}")
+def model(request, stock):
+    return patched(stock, qk_norm=request.param)
+
+
+@pytest.fixture(scope="module")
+def normed(stock):
+    """The compile tests' model: a QK RMSNorm, so the key scalars are in the graph too."""
+    return patched(stock, qk_norm="rms")
+
+
+def padded_batch():
+    return left_padded(prompts([5, 7, 3]))
+
+
+def generate(model, **kwargs):
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True, **kwargs)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+def test_static_generation_matches_the_growing_cache_and_stock_transformers(model, stock):
+    tokens, logits = generate(model)
+    static_tokens, static_logits = generate(model, cache_implementation="static")
+    assert torch.equal(static_tokens, tokens)
+    torch.testing.assert_close(static_logits, logits, rtol=0, atol=1e-10)
+    if recorded_norm(model.config) is None:  # no norm: the stock model's function
+        assert torch.equal(static_tokens, generate(stock)[0])
+
+
+def test_a_static_latent_cache_passed_matches_and_is_compileable(model):
+    ids, _ = padded_batch()
+    cache = LatentAttentionCache(model, max_cache_len=ids.shape[1] + NEW, static=True)
+    assert cache.is_compileable and all(isinstance(layer, StaticLatentCacheLayer) for layer in cache.layers)
+    tokens, logits = generate(model, **{CACHE: cache})
+    assert torch.equal(tokens, generate(model)[0])
+    assert int(cache.get_seq_length()) == ids.shape[1] + NEW - 1  # the last token is never fed back
+
+
+def test_beam_search_over_a_static_cache_matches_the_growing_cache(normed):
+    model = normed
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        beams = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, num_beams=3, do_sample=False,
+                                **kwargs) for kwargs in ({}, {"cache_implementation": "static"})]
+    assert torch.equal(beams[0], beams[1])
+
+
+def decode_inputs(model, cache_kind: str):
+    """A prefilled static cache of the padded batch and the next step's keyword arguments, as
+    ``generate`` passes them (no mask: its new tokens are real; positions from the mask)."""
+    ids, mask = padded_batch()
+    cache = (LatentAttentionCache(model, max_cache_len=32, static=True) if cache_kind == "latent"
+             else transformers.StaticCache(config=model.config, max_cache_len=32))
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE: cache})
+    step = dict(input_ids=out.logits[:, -1:].argmax(-1), position_ids=mask.sum(dim=1, keepdim=True), use_cache=True,
+                **{CACHE: cache})
+    if cache_kind != "latent":  # transformers' own static path needs its mask, a fixed-width one
+        full = torch.nn.functional.pad(torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1), (0, 32 - ids.shape[1] - 1))
+        step["attention_mask"] = full
+    return step
+
+
+def breaks(model, kwargs) -> tuple[int, list]:
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(**kwargs)
+    frames = [frame.filename for b in explained.break_reasons for frame in b.user_stack]
+    return explained.graph_break_count, frames
+
+
+def test_a_compiled_decode_step_breaks_no_graph_inside_attention(normed, stock):
+    count, frames = breaks(normed, decode_inputs(normed, "latent"))
+    stock_count, _ = breaks(stock, decode_inputs(stock, "stock"))
+    assert count <= stock_count
+    assert not [f for f in frames if "qkmla" in f or "attention" in f]
+
+
+def test_a_compiled_attention_layer_traces_whole_and_one_graph_serves_every_step(normed):
+    model = normed
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    step = decode_inputs(model, "latent")
+    cache, layer = step[CACHE], model.model.layers[0]
+    attention = layer.self_attn
+    counter = CompileCounter()
+    compiled = torch.compile(attention, backend=counter, fullgraph=True, dynamic=False)
+    hidden = torch.randn(3, 1, model.config.hidden_size, dtype=torch.float64)
+    positions = step["position_ids"]
+    with torch.no_grad():
+        for k in range(3):
+            before = cache.layers[0].latent.clone(), cache.layers[0].length.clone()
+            out, _ = compiled(hidden, position_ids=positions + k, **{CACHE: cache})
+            after = cache.layers[0].latent.clone(), cache.layers[0].length.clone()
+            cache.layers[0].latent.copy_(before[0]), cache.layers[0].length.copy_(before[1])
+            expected, _ = attention(hidden, position_ids=positions + k, **{CACHE: cache})
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+            assert torch.equal(cache.layers[0].latent, after[0]) and torch.equal(cache.layers[0].length, after[1])
+    assert counter.frame_count == 1
+
+
+def test_generate_through_transformers_compile_path_matches_eager(normed):
+    model = normed
+    config = transformers.CompileConfig(backend="eager", fullgraph=False, dynamic=False)
+    config._compile_all_devices = True  # transformers compiles on a CPU only when told
+    torch._dynamo.reset()
+    tokens, logits = generate(model, cache_implementation="static", compile_config=config)
+    eager_tokens, eager_logits = generate(model)
+    assert torch.equal(tokens, eager_tokens)
+    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-10)
+    assert hasattr(model, "_compiled_call")  # the decode steps ran compiled
+
+
+# -- refused ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plain(stock):
+    return patched(stock)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, r"^max_cache_len: a static latent cache needs a positive int capacity"),
+    ({"max_cache_len": 0}, r"^max_cache_len: a static latent cache needs a positive int"),
+    ({"max_cache_len": 16, "kv_format": "fp8"}, r"^kv_format: a static \(compileable\) latent cache stores dense rows"),
+    ({"max_cache_len": 16, "policy": SnapKV(kept_fraction=0.5)}, r"^policy: a static \(compileable\) latent cache"),
+    ({"max_cache_len": 16, "offloading": True}, r"^offloading: a static latent cache keeps its fixed buffers"),
+    ({"max_cache_len": 16, "static": 1}, r"^static: expected True"),
+])
+def test_a_static_cache_it_cannot_hold_is_refused_naming_the_argument(plain, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LatentAttentionCache(plain, **{"static": True, **kwargs})
+
+
+def test_static_generation_of_a_model_set_to_fp8_rows_is_refused_before_any_work(stock):
+    model = patched(stock, kv_format="fp8")
+    with pytest.raises(ValueError, match=r"^kv_format: a static \(compileable\) latent cache stores dense rows"):
+        generate(model, cache_implementation="static")
+
+
+def test_more_tokens_than_the_capacity_are_refused_before_any_write(plain):
+    ids, mask = padded_batch()
+    cache = LatentAttentionCache(plain, max_cache_len=ids.shape[1] - 1, static=True)
+    with pytest.raises(ValueError, match=r"^max_cache_len: this static latent cache holds 6 columns per sequence and "
+                                         r"this call needs 7"):
+        plain(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE: cache})
+    assert int(cache.get_seq_length()) == 0
