@@ -99,11 +99,18 @@ def pytest_configure(config):
                 _wrap(cls)
 
 
+def expected_failure(name: str):
+    """The reason test ``name`` (parametrised names included: ``test_x_0_y``, ``test_x[...]``) is
+    expected to fail patched, or None."""
+    return next((why for test, why in EXPECTED_FAILURES.items()
+                 if name == test or name.startswith((test + "_", test + "["))), None)
+
+
 def pytest_collection_modifyitems(config, items):
     if MODE != "patched":
         return
     for item in items:
-        reason = EXPECTED_FAILURES.get(getattr(item, "originalname", None) or item.name.split("[")[0])
+        reason = expected_failure(item.name)
         if reason is not None:
             item.add_marker(pytest.mark.xfail(reason=f"qkmla: {reason}", strict=False))
 
