@@ -60,9 +60,13 @@ def test_generate_returns_each_steps_weights_over_the_mask_columns():
 
 def test_output_attentions_carry_gradients():
     stock, model = eager_and_patched("v3")
-    out = model(torch.stack(prompts([7])), use_cache=False, output_attentions=True)
+    ids = torch.stack(prompts([7]))
+    out = model(ids, use_cache=False, output_attentions=True)
     assert len(out.attentions) == stock.config.num_hidden_layers and out.attentions[0].requires_grad
-    out.attentions[0].sum().backward()  # transformers' test_retain_grad_hidden_states_attentions does this
+    out.attentions[0].retain_grad()  # transformers' test_retain_grad_hidden_states_attentions does this
+    out.logits.sum().backward()
+    assert out.attentions[0].grad is not None  # the output is computed from the weights
+    torch.testing.assert_close(out.logits, model(ids, use_cache=False).logits, rtol=0, atol=1e-10)
 
 
 def test_output_attentions_with_an_evicting_cache_is_refused():

@@ -203,12 +203,16 @@ class LatentAttention(MLA):
                 mask = mask & (documents[:, :, None] == documents[:, None, :])
             if valid is not None:  # not padding; a padded query sees itself, so no row is empty
                 mask = (mask & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
-        out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
-        probs = None
-        if weights:  # with autograd, as transformers' are (a caller may retain_grad on them)
-            probs = explicit_weights(q, k, self.scale, mask)
-            if valid is not None:  # padding queries and keys: 0, as transformers' are for keys
-                probs = probs * (valid[:, None, :, None] & valid[:, None, None, :]).to(probs.dtype)
+        if not weights:
+            return self.o_proj(sdpa(q, k, v, self.scale, mask=mask, causal=mask is None).flatten(2)), None
+        # Asked for the weights: the output is computed from them, as transformers' eager attention
+        # does, so gradients reach them (a caller may retain_grad on them).
+        probs = explicit_weights(q, k, self.scale, mask)
+        if valid is not None:  # padding queries and keys: 0, as transformers' are for keys
+            probs = probs * (valid[:, None, :, None] & valid[:, None, None, :]).to(probs.dtype)
+        h, G = q.shape[2], v.shape[2]
+        heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
+        out = torch.einsum("bhts,bshd->bthd", probs, heads_v)
         return self.o_proj(out.flatten(2)), probs
 
     def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent) -> torch.Tensor:
