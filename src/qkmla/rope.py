@@ -143,7 +143,7 @@ class YarnScaling:
         than beta_fast rotations keep w_k (extrapolate), pairs with fewer than beta_slow use
         w_k / s (interpolate); a linear ramp over k blends the two in between.
         """
-        base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        base = theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim)
         L = self.original_max_position_embeddings
 
         def correction_dim(rotations: float) -> float:  # the k at which pair k turns `rotations` times
@@ -155,7 +155,7 @@ class YarnScaling:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001  # HF's guard against a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
         extrapolate = 1 - ramp  # 1: keep the original frequency
         return (1 / (self.factor * base)) * (1 - extrapolate) + (1 / base) * extrapolate
 
@@ -192,7 +192,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"dim: RoPE rotates pairs, so it must be even, got {dim}")
         self.dim, self.theta, self.interleave, self.scaling = dim, float(theta), interleave, scaling
         if scaling is None:
-            inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
             self.attention_factor = 1.0
         else:
             inv_freq = scaling.inv_freq(dim, self.theta)
@@ -200,13 +200,27 @@ class RotaryEmbedding(nn.Module):
         # The buffer follows the module's device and dtype, but never below float32: _apply
         # rebuilds it from this float64 copy, so .to(torch.bfloat16) does not round the
         # frequencies to 3 digits and a float64 module gets them exact, whatever came before.
+        # The float64 copy is made on the CPU even under a meta-device context (transformers'
+        # from_pretrained builds the model there), so it is always there to rebuild from.
         self._inv_freq64 = inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._inv_freq_made = self.inv_freq
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self.inv_freq = self._inv_freq64.to(self.inv_freq.device, accumulate_dtype(self.inv_freq.dtype))
+        self._inv_freq_made = self.inv_freq
         return self
+
+    def frequencies(self) -> torch.Tensor:
+        """The buffer ``inv_freq`` [dim/2], rebuilt from the float64 copy if something outside this
+        module replaced it (transformers' loader, after a meta-device init, puts an uninitialised
+        placeholder in every non-persistent buffer and re-initialises only its own)."""
+        if self.inv_freq is not self._inv_freq_made:
+            device = self.inv_freq.device if not self.inv_freq.is_meta else self._inv_freq64.device
+            self.inv_freq = self._inv_freq64.to(device, accumulate_dtype(self.inv_freq.dtype))
+            self._inv_freq_made = self.inv_freq
+        return self.inv_freq
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._rotate(x, positions, self.attention_factor)
@@ -221,7 +235,7 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, m: float) -> torch.Tensor:
         """x rotated by the angles of ``positions`` and multiplied by m."""
         acc = accumulate_dtype(x.dtype)
-        angles = positions.to(acc)[..., None, None] * cast(self.inv_freq, acc)  # [..., T, 1, dim/2]
+        angles = positions.to(acc)[..., None, None] * cast(self.frequencies(), acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)
         if self.interleave:
             # Pairs (x0, x1) as complex numbers x0 + i x1, rotated by m e^(i angle): one complex

@@ -470,8 +470,6 @@ def test_masks_and_options_the_latent_path_cannot_serve_are_refused():
     ids = torch.stack(prompts([5]))
     with pytest.raises(ValueError, match="attention_mask: .*2-D padding mask"):
         model(ids, attention_mask=torch.ones(1, 1, 5, 5))
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(ids, output_attentions=True)
     with pytest.raises(ValueError, match="position_ids: qkmla's latent cache numbers"):
         model(ids, position_ids=torch.arange(5)[None] + 3, **{CACHE: LatentAttentionCache(model)})
     with pytest.raises(ValueError, match="static cache|StaticLayer"):

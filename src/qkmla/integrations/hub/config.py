@@ -48,7 +48,13 @@ def _get(hf_config, name: str, default=_MISSING):
     return value
 
 
-def hf_rope(hf_config) -> tuple[float, Optional[YarnScaling]]:
+def hf_rope_type(hf_config) -> str:
+    """The config's ``rope_type`` ("default" when it has no RoPE parameters), as :func:`hf_rope` reads it."""
+    rope = _get(hf_config, "rope_parameters", None) or _get(hf_config, "rope_scaling", None) or {}
+    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
+
+
+def hf_rope(hf_config, any_rope_type: bool = False) -> tuple[float, Optional[YarnScaling]]:
     """(rope_theta, YaRN scaling or None) as transformers reads them.
 
     transformers 5.x keeps them in ``rope_parameters`` (``rope_theta`` included); 4.x configs
@@ -63,6 +69,8 @@ def hf_rope(hf_config) -> tuple[float, Optional[YarnScaling]]:
     rope = dict(rope)
     theta = rope.get("rope_theta") or _get(hf_config, "rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES and any_rope_type:  # the caller rotates with transformers' own embedding
+        return float(theta), None
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"hf_config: rope_type {rope_type!r} is not supported; allowed: {ROPE_TYPES}")
     if rope_type == "default":
@@ -83,7 +91,9 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
         overrides: MLAConfig fields to set, e.g. ``qk_norm="rms"`` to add a norm to a plain
             config. By default ``qk_norm`` and ``num_kv_groups`` are what the config's ``"qkmla"``
             entry records (:mod:`qkmla.integrations.hub.record`), and without one, no norm and a
-            KV group per head: the HF layer.
+            KV group per head: the HF layer. ``any_rope_type=True``: a ``rope_type`` other than
+            "default" / "yarn" gives plain-RoPE fields instead of an error, for a caller that
+            rotates with transformers' own embedding (``transformers.attention.LatentAttention.from_hf``).
 
     Raises:
         ValueError: a model_type other than deepseek_v2 / deepseek_v3 (or qkmla's QK-normed
@@ -106,7 +116,7 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
     if groups is not None and overrides.get("num_kv_groups", groups) != groups:
         raise ValueError(f"num_kv_groups: hf_config records {groups} KV groups in its {RECORD!r} entry; got "
                          f"{overrides['num_kv_groups']!r}; leave num_kv_groups out")
-    theta, scaling = hf_rope(hf_config)
+    theta, scaling = hf_rope(hf_config, overrides.pop("any_rope_type", False))
     # V2 always rotates interleaved pairs; V3 does unless rope_interleave is False.
     v2 = stock_model_type(model_type) == "deepseek_v2"
     interleave = True if v2 else bool(_get(hf_config, "rope_interleave", True))

@@ -43,9 +43,12 @@ from ...attention.functional import sdpa
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...cache.eviction import EvictionPolicy
-from ..hub.config import unrepeat_groups
+from ...rope import ROPE_TYPES
+from ..hub.config import hf_rope_type, unrepeat_groups
 from .cache import adopt_layer
+from .rope import TransformersRotary
 from .static import StaticLatentCacheLayer, static_attend
+from .weights import cached_weights, explicit_weights
 
 
 @dataclass
@@ -69,10 +72,13 @@ class LatentCall:
         (transformers' padding-free convention, read by ``apply_latent_attention``'s hook from
         restarting ``position_ids`` or ``cu_seq_lens_q/k``), or None when each row is one sequence.
         A token attends to the tokens of its own sequence only; such a call is never cached.
+    attentions: None, or (``output_attentions=True``) a dict each layer puts its attention weights
+        in, [B, h, T, K] by ``layer_idx`` (:mod:`~qkmla.integrations.transformers.weights`).
     """
 
     valid: Optional[torch.Tensor] = None
     documents: Optional[torch.Tensor] = None
+    attentions: Optional[dict] = None
 
 
 class LatentAttention(MLA):
@@ -96,18 +102,26 @@ class LatentAttention(MLA):
             self.register_load_state_dict_pre_hook(_unrepeat_kv_b_proj)
 
     @classmethod
-    def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, **overrides) -> "LatentAttention":
+    def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, hf_rotary=None,
+                **overrides) -> "LatentAttention":
         """The qkmla layer for an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``, sharing its weights.
 
-        ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
+        ``hf_rotary``: the model's own rotary embedding (``model.model.rotary_emb``), used for a
+        ``rope_type`` qkmla's :class:`~qkmla.rope.RotaryEmbedding` does not compute ("linear",
+        "dynamic", ...; :class:`~qkmla.integrations.transformers.rope.TransformersRotary`); None
+        refuses those. ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
         """
         from ..hub.config import hf_projections, mla_config_from_hf
 
-        config = mla_config_from_hf(hf_attention.config, **overrides)
+        config = mla_config_from_hf(hf_attention.config, any_rope_type=hf_rotary is not None, **overrides)
         params = list(hf_attention.parameters())
-        if any(p.is_meta for p in params):
-            raise ValueError("hf_attention: its weights are on the meta device (offloaded, or not loaded yet); load "
-                             "the model's weights onto a real device first")
+        # On the meta device (transformers' from_pretrained builds the model there, then loads the
+        # weights into the modules this layer adopts): nothing is read from the weights here,
+        # except for fewer KV groups than heads, whose kv_b_proj is reshaped.
+        if any(p.is_meta for p in params) and config.num_kv_groups < config.num_heads:
+            raise ValueError("hf_attention: its weights are on the meta device (offloaded, or not loaded yet) and "
+                             "its kv_b_proj holds fewer KV groups than heads, which is reshaped from the weights; "
+                             "load the model's weights onto a real device first")
         kinds = sorted({f"{p.device}/{p.dtype}" for p in params})
         if len(kinds) != 1 or not params[0].dtype.is_floating_point or params[0].dtype.itemsize < 2:
             raise ValueError(f"hf_attention: its parameters must share one device and a floating dtype of 2 bytes or "
@@ -120,6 +134,8 @@ class LatentAttention(MLA):
             kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
             projections["kv_b_proj"] = kv_b_proj
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
+        if hf_rotary is not None and hf_rope_type(hf_attention.config) not in ROPE_TYPES:
+            layer.rotary = TransformersRotary(hf_rotary, config.rope_interleave)
         return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
 
     def with_norm(self, norm: QKNormConfig) -> "LatentAttention":
@@ -129,6 +145,7 @@ class LatentAttention(MLA):
 
         weight = self.kv_b_proj.weight
         layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings)
+        layer.rotary = self.rotary
         return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
@@ -145,23 +162,36 @@ class LatentAttention(MLA):
         call = kwargs.get("qkmla_call") or LatentCall()
         valid = call.valid.to(x.device) if call.valid is not None else None
         documents = call.documents.to(x.device) if call.documents is not None else None
+        want = call.attentions is not None
         if cache is None:
-            return self._uncached(x, valid, kwargs.get("position_ids"), documents), None
+            out, weights = self._uncached(x, valid, kwargs.get("position_ids"), documents, want)
+            if want:
+                call.attentions[self.layer_idx] = weights
+            return out, weights
         if documents is not None:
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
         if isinstance(layer, StaticLatentCacheLayer):  # fixed shapes for torch.compile (static.py)
+            if want:
+                raise ValueError("output_attentions: the attention weights are not returned over a static latent "
+                                 "cache (cache_implementation='static'); ask for them with the growing cache "
+                                 "(the default)")
             return static_attend(self, layer, x, valid, kwargs.get("position_ids")), None
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
         out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
         layer.advance(valid, x.shape[0], x.shape[1])
-        return out, None
+        if not want:
+            return out, None
+        weights = cached_weights(self, x, layer)
+        call.attentions[self.layer_idx] = weights
+        return out, weights
 
     def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids,
-                  documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  documents: Optional[torch.Tensor] = None, weights: bool = False):
         """The explicit path over x alone, at transformers' positions, padding masked, and each
         packed sequence (``documents`` [B, T]) attending within itself: a block-diagonal causal mask.
+        Returns (output [B, T, hidden], the attention weights [B, h, T, T] if ``weights``, else None).
 
             documents  0 0 0 1 1        query t sees key s when s <= t and documents[s] == documents[t]
                        x . . . .
@@ -180,8 +210,17 @@ class LatentAttention(MLA):
                 mask = mask & (documents[:, :, None] == documents[:, None, :])
             if valid is not None:  # not padding; a padded query sees itself, so no row is empty
                 mask = (mask & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
-        out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
-        return self.o_proj(out.flatten(2))
+        if not weights:
+            return self.o_proj(sdpa(q, k, v, self.scale, mask=mask, causal=mask is None).flatten(2)), None
+        # Asked for the weights: the output is computed from them, as transformers' eager attention
+        # does, so gradients reach them (a caller may retain_grad on them).
+        probs = explicit_weights(q, k, self.scale, mask)
+        if valid is not None:  # padding queries and keys: 0, as transformers' are for keys
+            probs = probs * (valid[:, None, :, None] & valid[:, None, None, :]).to(probs.dtype)
+        h, G = q.shape[2], v.shape[2]
+        heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
+        out = torch.einsum("bhts,bshd->bthd", probs, heads_v)
+        return self.o_proj(out.flatten(2)), probs
 
     def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent) -> torch.Tensor:
         """``MLA.forward`` over each sequence's real tokens moved to the front (right padding)."""

@@ -103,7 +103,8 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
     overrides = {"num_kv_groups": groups} if groups is not None else {}
-    patched = [LatentAttention.from_hf(layer.self_attn, settings, decode_backend=decode_backend, qk_norm=norm,
+    patched = [LatentAttention.from_hf(layer.self_attn, settings, hf_rotary=getattr(inner, "rotary_emb", None),
+                                       decode_backend=decode_backend, qk_norm=norm,
                                        **overrides)
                for layer in inner.layers]
     for layer, attn in zip(inner.layers, patched):
@@ -112,6 +113,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     _record(model, norm)
     inner._qkmla_signature = inspect.signature(inner.forward)
     inner.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    inner.register_forward_hook(_after_forward, with_kwargs=True)
     _no_transformers_mask(model)
     _keep_latent_attention(model)
     return model
@@ -242,9 +244,12 @@ def _before_forward(module, args, kwargs):
         got = f"{mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"attention_mask: qkmla's latent attention reads the 2-D padding mask [batch, length] "
                          f"(1 = token, 0 = padding), got a {got}")
-    if arguments.get("output_attentions"):
-        raise ValueError("output_attentions: qkmla's latent attention never forms transformers' attention "
-                         "weights (the absorbed path attends in latent space); call without it")
+    asked = arguments.get("output_attentions")
+    attentions = {} if (asked if asked is not None else getattr(module.config, "output_attentions", False)) else None
+    if attentions is not None and settings.policy is not None:
+        raise ValueError("output_attentions: this model's caches evict tokens (policy=...), so cached tokens no "
+                         "longer match the attention_mask columns transformers' weights are laid out by; call "
+                         "without output_attentions, or patch the model without a policy")
     inputs = next((arguments[k] for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
     if inputs is None:
         raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
@@ -276,8 +281,18 @@ def _before_forward(module, args, kwargs):
         # (a static latent cache takes transformers' positions as they come, as its static cache does)
         first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
         check_positions(first, position_ids, valid, batch_size, num_tokens)
-    arguments["qkmla_call"] = LatentCall(valid, documents)
+    arguments["qkmla_call"] = LatentCall(valid, documents, attentions)
     return (), arguments
+
+
+def _after_forward(module, args, kwargs, output):
+    """With ``output_attentions``: the layers' weights (``LatentCall.attentions``) as the output's
+    ``attentions``, in layer order (transformers' output recorder looks for its own attention class)."""
+    call = kwargs.get("qkmla_call")
+    if call is None or call.attentions is None or isinstance(output, tuple):
+        return None
+    output["attentions"] = tuple(call.attentions[layer.self_attn.layer_idx] for layer in module.layers)
+    return output
 
 
 def _packed_documents(arguments: dict, batch_size: int, num_tokens: int) -> tuple[Optional[torch.Tensor], str]:
