@@ -266,7 +266,7 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     k_r, key_scale = _key_rows(attn, c_kv, k_r, w.w_uk)
     layer.write(columns, c_kv, attn.rotary(k_r, positions).squeeze(2), key_scale, real)
     if prefill:  # the explicit path over the new tokens alone, as the growing cache's prefill
-        out = attn._uncached(x, valid, positions)
+        out, _ = attn._uncached(x, valid, positions)
     else:
         out = attn.o_proj(_attend_columns(attn, layer, x, positions, columns, w).flatten(2))
     return out if valid is None else out.masked_fill(~valid[..., None], 0.0)
