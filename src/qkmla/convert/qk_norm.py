@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import temporary_name
+from ..utils.files import as_os_error, temporary_name
 from ..integrations.hub.checkpoint import CONFIG, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -77,9 +77,15 @@ def write_checkpoint(model, tokenizer, out: Path) -> None:
     tmp = temporary_name(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except Exception as e:  # a full disk inside safetensors or transformers: one line naming out
+            error = as_os_error(e, out)
+            if error is None:
+                raise
+            raise error from None
         if out.exists():
             old = out.with_name(f"{out.name}.replaced{os.getpid()}")
             out.replace(old)

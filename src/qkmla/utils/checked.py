@@ -1,0 +1,83 @@
+"""Settings that stay valid after construction.
+
+A configuration is checked once, when it is made; a field set afterwards (``pol.budget = 0``,
+``config.grad_clip = -1.0``) would skip those checks and run with a value the constructor
+refuses. Two ways to close that door, one per kind of object:
+
+* :func:`revalidated` (a dataclass whose ``__post_init__`` checks every field, such as
+  ``TrainConfig``): a field set after construction re-runs every check, and a refused change
+  is undone before the ``ValueError`` (naming the field) is raised. New fields are covered as
+  soon as ``__post_init__`` checks them.
+* :class:`Frozen` (an object with no settings that may change, such as an eviction policy):
+  setting any attribute after construction raises ``AttributeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_READY = "_qkmla_constructed"
+
+
+def revalidated(cls):
+    """Class decorator for a dataclass whose ``__post_init__`` checks every field."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        object.__setattr__(self, _READY, False)
+        init(self, *args, **kwargs)
+        object.__setattr__(self, _READY, True)
+
+    def __setattr__(self, name, value):
+        if not self.__dict__.get(_READY, False):
+            object.__setattr__(self, name, value)
+            return
+        missing = object()
+        old = self.__dict__.get(name, missing)
+        object.__setattr__(self, name, value)
+        try:
+            self.__post_init__()
+        except BaseException:
+            if old is missing:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, old)
+            raise
+
+    cls.__init__ = __init__
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+class Frozen:
+    """Attributes are set only while the most derived ``__init__`` runs; afterwards setting or
+    deleting one raises ``AttributeError`` naming it."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def wrapped(self, *args, **kw):
+            init(self, *args, **kw)
+            if type(self).__init__ is wrapped:  # the outermost constructor has finished
+                object.__setattr__(self, _READY, True)
+
+        cls.__init__ = wrapped
+
+    def _refuse(self, name: str):
+        raise AttributeError(f"{name}: a {type(self).__name__} is fixed once its arguments are checked; make a new "
+                             f"one with the value you want (its constructor checks it)")
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get(_READY, False):
+            self._refuse(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if self.__dict__.get(_READY, False):
+            self._refuse(name)
+        object.__delattr__(self, name)
