@@ -396,6 +396,8 @@ def _experiment(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..experiments import EXPERIMENTS, Options, run_experiment
+    from ..utils.environment import check_launch
+    from ..utils.files import check_path
     from ..utils.threads import usable_cpus
 
     if args.list:
@@ -409,13 +411,15 @@ def _experiment(args: argparse.Namespace) -> int:
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise ValueError(f"--seeds: expected an int from 1 to {MAX_SEEDS} (each seed is a training run per "
                          f"variant), got {args.seeds}")
+    check_launch()  # the workers would wait for torchrun ranks that never come
     cpus = len(usable_cpus())
     if not 0 <= args.workers <= cpus:
         raise ValueError(f"--workers: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
                          f"run on (its affinity), got {args.workers}")
     if args.sweep is not None and not Path(args.sweep).is_file():
         raise ValueError(f"--sweep: no such results file: {args.sweep}")
-    out = Path(args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}")
+    out = check_path("--out", args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}",
+                     "experiment directory")
     options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
                       sweep=Path(args.sweep) if args.sweep else None, overwrite=args.overwrite)
     command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))

@@ -16,21 +16,32 @@ from __future__ import annotations
 
 import functools
 
-_READY = "_qkmla_constructed"
+# ids of the objects whose constructor is running: only they may set fields unchecked. (Kept
+# out of the objects themselves, whose __dict__ callers may pass back as keyword arguments.)
+_constructing: set = set()
+
+
+def _constructed(init):
+    """``init`` with the object marked as under construction while it runs."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        outermost = id(self) not in _constructing
+        _constructing.add(id(self))
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if outermost:
+                _constructing.discard(id(self))
+
+    return wrapped
 
 
 def revalidated(cls):
     """Class decorator for a dataclass whose ``__post_init__`` checks every field."""
-    init = cls.__init__
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        object.__setattr__(self, _READY, False)
-        init(self, *args, **kwargs)
-        object.__setattr__(self, _READY, True)
 
     def __setattr__(self, name, value):
-        if not self.__dict__.get(_READY, False):
+        if id(self) in _constructing:
             object.__setattr__(self, name, value)
             return
         missing = object()
@@ -45,39 +56,30 @@ def revalidated(cls):
                 object.__setattr__(self, name, old)
             raise
 
-    cls.__init__ = __init__
+    cls.__init__ = _constructed(cls.__init__)
     cls.__setattr__ = __setattr__
     return cls
 
 
 class Frozen:
-    """Attributes are set only while the most derived ``__init__`` runs; afterwards setting or
-    deleting one raises ``AttributeError`` naming it."""
+    """Attributes are set only while a constructor runs; afterwards setting or deleting one
+    raises ``AttributeError`` naming it."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is None:
-            return
-
-        @functools.wraps(init)
-        def wrapped(self, *args, **kw):
-            init(self, *args, **kw)
-            if type(self).__init__ is wrapped:  # the outermost constructor has finished
-                object.__setattr__(self, _READY, True)
-
-        cls.__init__ = wrapped
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _constructed(cls.__dict__["__init__"])
 
     def _refuse(self, name: str):
         raise AttributeError(f"{name}: a {type(self).__name__} is fixed once its arguments are checked; make a new "
                              f"one with the value you want (its constructor checks it)")
 
     def __setattr__(self, name, value):
-        if self.__dict__.get(_READY, False):
+        if id(self) not in _constructing:
             self._refuse(name)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name):
-        if self.__dict__.get(_READY, False):
+        if id(self) not in _constructing:
             self._refuse(name)
         object.__delattr__(self, name)

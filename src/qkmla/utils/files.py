@@ -82,18 +82,23 @@ def append_line(path: PathLike, line: str) -> None:
     rename: a log grows row by row, and a row cut short by a kill is skipped by its reader. A
     failed append (a full disk) is cut back to the rows before it and raised naming ``path``."""
     path = Path(path)
-    with path.open("a", encoding="utf-8") as f:
-        start = f.tell()
+    data = line.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
         try:
-            f.write(line)
-            f.flush()
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
         except OSError as e:
             try:
-                f.truncate(start)
+                os.ftruncate(fd, start)
             except OSError:
                 pass
             raise OSError(e.errno, f"{e.strerror} (appending a row to the log; the rows before it are kept)",
                           str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def check_owned_dir(name: str, directory: PathLike, owner_file: str, key: str, owner: str, overwrite: bool,
@@ -116,6 +121,20 @@ def check_owned_dir(name: str, directory: PathLike, owner_file: str, key: str, o
             raise ValueError(f"{name}: {directory} holds the output of {whose} ({record}); pass --overwrite to "
                              f"replace it, or use another {name}")
     check_writable(name, directory)
+
+
+def check_path(name: str, path: PathLike, what: str = "path") -> Path:
+    """ValueError naming option ``name`` for a path the OS cannot look up at all (a name too long,
+    a file where a directory is needed, a symlink loop), before any work; returns it as a Path.
+    A path that does not exist yet is fine."""
+    path = Path(path)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ValueError(f"{name}: cannot use the {what} {path} ({e.strerror})") from None
+    return path
 
 
 def check_writable(name: str, directory: PathLike) -> None:
