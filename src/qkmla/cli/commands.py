@@ -100,9 +100,12 @@ def _train(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..utils.files import check_output
+    from ..utils.files import check_output, check_path
     from ..train.plot import plot_runs
 
+    check_path("--out", args.out, "figure file")
+    for run in args.runs:
+        check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
     check_output("--out", [args.out], inputs, args.overwrite, "figure")
     path = plot_runs(args.runs, args.out)
@@ -247,6 +250,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from ..kv_formats import check_kv_format
     from ..model.generate import check_sampling, generate
+    from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
     tokens_flag = _tokens_flag(args.argv)
@@ -256,6 +260,9 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.run is None) == (args.hf is None):
         raise ValueError("run: give either a qkmla run directory or --hf DIR (a transformers checkpoint); got "
                          f"{'both' if args.run else 'neither'}")
+    for flag, path in (("run", args.run), ("--hf", args.hf)):
+        if path is not None:
+            check_path(flag, path, "directory")
     policy = _policy(args)
     check_kv_format(args.kv_format)
     apply_threads(args.threads, "generate")
@@ -332,8 +339,11 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
 
     from ..convert.qk_norm import DEFAULT_CALIBRATION_TOKENS, convert_checkpoint
+    from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
+    check_path("--hf", args.hf, "checkpoint directory")
+    check_path("--out", args.out, "checkpoint directory")
     norm = _qk_norm_from_flags(args)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     apply_threads(args.threads, "convert")
@@ -368,8 +378,11 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     import torch
 
     from ..convert.gqa import convert_gqa_checkpoint
+    from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
+    check_path("--hf", args.hf, "checkpoint directory")
+    check_path("--out", args.out, "checkpoint directory")
     apply_threads(args.threads, "convert-gqa")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     try:
@@ -380,7 +393,7 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
         name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
-        name = {"model": "hf", "calibration": "calibration_text"}.get(name, name)
+        name = {"model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
         raise ValueError(f"{name}: {rest}") from None
     for line in report.lines():
         print(line)
