@@ -9,8 +9,10 @@ command line reports in one line.
 :func:`write_atomically` is the one way the package writes a file: ``durable`` (the default)
 also fsyncs the file before the rename and the directory after it, so what a later run reads
 (results, statuses, checkpoints) survives a crash of the machine too, not only of the process.
-:func:`check_output` and :func:`check_owned_dir` refuse, before any work, an output that is an
-input of the command or that another command wrote, unless ``--overwrite`` says to replace it.
+:func:`check_output` refuses, before any work, an output that is an input of the command, or
+exists, unless ``--overwrite`` says to replace it (``qkmla experiment`` also refuses another
+experiment's results: ``experiments.base``); :func:`check_path` and :func:`check_writable`
+refuse paths the OS cannot use, naming the option.
 """
 
 from __future__ import annotations
@@ -99,28 +101,6 @@ def append_line(path: PathLike, line: str) -> None:
                           str(path)) from None
     finally:
         os.close(fd)
-
-
-def check_owned_dir(name: str, directory: PathLike, owner_file: str, key: str, owner: str, overwrite: bool,
-                    what: str) -> None:
-    """Before any work: ValueError naming option ``name`` if ``directory/owner_file`` (a JSON
-    object) records under ``key`` another writer than ``owner`` (another command's output), or is
-    not such a record at all, unless ``overwrite``; and if ``directory`` cannot be written."""
-    import json
-
-    directory = Path(directory)
-    record = directory / owner_file
-    if record.is_file() and not overwrite:
-        try:
-            found = json.loads(record.read_text(encoding="utf-8"))
-            found = found.get(key) if isinstance(found, dict) else None
-        except (OSError, ValueError):
-            found = None
-        if found != owner:
-            whose = f"the {what} {found!r}" if isinstance(found, str) else "another program"
-            raise ValueError(f"{name}: {directory} holds the output of {whose} ({record}); pass --overwrite to "
-                             f"replace it, or use another {name}")
-    check_writable(name, directory)
 
 
 def check_path(name: str, path: PathLike, what: str = "path") -> Path:
