@@ -24,6 +24,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..utils.limits import check_allocation
+
 from .storage import ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer
 
 
@@ -91,6 +93,9 @@ class SequenceCache:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.batch_size, self.capacity = batch_size, capacity
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        check_allocation("batch_size", 24 * batch_size, f"the lengths and positions of {batch_size} sequences",
+                         self.device)
         self.layout = layout if layout is not None else ContiguousLayout()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.fields: dict[str, TokenBuffer] = {}

@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..utils.checked import Frozen
 from .base import WriteSlot
 
 HEAD_REDUCTIONS = ("mean", "max")
@@ -65,7 +66,7 @@ def _fit(scores: torch.Tensor, S: int) -> torch.Tensor:
     return F.pad(scores, (0, S - scores.shape[-1])) if scores.shape[-1] < S else scores[..., :S]
 
 
-class EvictionPolicy:
+class EvictionPolicy(Frozen):
     """What every policy shares: the budget, the protected sinks and window, the schedule.
 
     Args:
@@ -82,6 +83,9 @@ class EvictionPolicy:
 
     Raises:
         ValueError naming the argument, at construction, before any work.
+
+    A policy is fixed once made (:class:`~qkmla.utils.checked.Frozen`): ``pol.budget = 0`` raises
+    AttributeError instead of running with a budget the constructor refuses.
     """
 
     name = "policy"

@@ -71,6 +71,18 @@ class CacheShape:
             _check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
         if self.qk_rope_head_dim is not None:
             _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, 10000.0)
+        # An MLA size given without the rest of an MLA shape would be dropped without a word.
+        if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
+            given, missing = (("kv_lora_rank", "qk_rope_head_dim") if self.qk_rope_head_dim is None
+                              else ("qk_rope_head_dim", "kv_lora_rank"))
+            raise ValueError(f"{missing}: {given}={getattr(self, given)} describes an MLA cache, which also needs "
+                             f"{missing} (the {'RoPE key width' if missing == 'qk_rope_head_dim' else 'latent width'}); "
+                             "give both, or neither for MHA/GQA/MQA alone")
+        if self.kv_lora_rank is None:
+            for name in ("qk_nope_head_dim", "v_head_dim", "num_kv_groups"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: sizes the MLA rows, which need kv_lora_rank and qk_rope_head_dim too; "
+                                     f"give them, or drop {name}")
 
     @property
     def has_mla(self) -> bool:

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..utils.limits import check_allocation
+
 
 class TokenBuffer(ABC):
     """One field of a cache: a row of ``width`` values for each (sequence, position)."""
@@ -54,6 +56,8 @@ class ContiguousBuffer(TokenBuffer):
     def __init__(self, batch_size: int, capacity: int, width: int, dtype: torch.dtype,
                  device=None, fill: float = 0.0):
         self.width, self.capacity, self.fill = width, capacity, fill
+        check_allocation("capacity", batch_size * capacity * width * dtype.itemsize,
+                         f"{batch_size} sequence(s) of capacity={capacity} tokens x {width} {dtype} values", device)
         self.data = torch.full((batch_size, capacity, width), fill, dtype=dtype, device=device)
         self.element_size = self.data.element_size()
 
@@ -93,6 +97,9 @@ class PagedBuffer(TokenBuffer):
         self.width, self.block_size = width, block_size
         self.block_table = block_table
         self.capacity = block_table.shape[1] * block_size
+        check_allocation("block_table", num_blocks * block_size * width * dtype.itemsize,
+                         f"a pool of num_blocks={num_blocks} blocks (one more than the largest block id, unless "
+                         f"given) of {block_size} tokens x {width} {dtype} values", device)
         self.pool = torch.full((num_blocks, block_size, width), fill, dtype=dtype, device=device)
         self.element_size = self.pool.element_size()
 
@@ -152,6 +159,7 @@ class PagedLayout(Layout):
     def _table(self, batch_size: int, capacity: int, device) -> torch.Tensor:
         if self.block_table is None:
             per_seq = -(-capacity // self.block_size)
+            check_allocation("capacity", 8 * batch_size * per_seq, f"a block table of {batch_size} x {per_seq} ids")
             self.block_table = torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq)
         table = self.block_table
         if not isinstance(table, torch.Tensor) or table.dtype.is_floating_point or table.dtype.is_complex \

@@ -11,7 +11,8 @@ import traceback
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.errors import Parser, environment_message, flag_message, quiet_broken_pipe
+from ..utils.errors import Parser, Stopped, environment_message, flag_message, quiet_broken_pipe
+from ..utils.environment import drop_bad_thread_counts
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -83,10 +84,12 @@ def _cache_size(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from ..utils.environment import check_launch
     from ..utils.threads import apply_threads
     from ..train.cli import train_config_from_args
     from ..train.trainer import train
 
+    check_launch()  # torchrun's variables without torchrun would wait for ranks that never come
     config = train_config_from_args(args)  # every option checked before the threads are measured
     apply_threads(args.threads, "train")
     status = train(config)
@@ -97,9 +100,12 @@ def _train(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..utils.files import check_output
+    from ..utils.files import check_output, check_path
     from ..train.plot import plot_runs
 
+    check_path("--out", args.out, "figure file")
+    for run in args.runs:
+        check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
     check_output("--out", [args.out], inputs, args.overwrite, "figure")
     path = plot_runs(args.runs, args.out)
@@ -244,6 +250,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from ..kv_formats import check_kv_format
     from ..model.generate import check_sampling, generate
+    from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
     tokens_flag = _tokens_flag(args.argv)
@@ -253,6 +260,9 @@ def _generate(args: argparse.Namespace) -> int:
     if (args.run is None) == (args.hf is None):
         raise ValueError("run: give either a qkmla run directory or --hf DIR (a transformers checkpoint); got "
                          f"{'both' if args.run else 'neither'}")
+    for flag, path in (("run", args.run), ("--hf", args.hf)):
+        if path is not None:
+            check_path(flag, path, "directory")
     policy = _policy(args)
     check_kv_format(args.kv_format)
     apply_threads(args.threads, "generate")
@@ -329,8 +339,11 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
 
     from ..convert.qk_norm import DEFAULT_CALIBRATION_TOKENS, convert_checkpoint
+    from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
+    check_path("--hf", args.hf, "checkpoint directory")
+    check_path("--out", args.out, "checkpoint directory")
     norm = _qk_norm_from_flags(args)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     apply_threads(args.threads, "convert")
@@ -365,8 +378,11 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     import torch
 
     from ..convert.gqa import convert_gqa_checkpoint
+    from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
+    check_path("--hf", args.hf, "checkpoint directory")
+    check_path("--out", args.out, "checkpoint directory")
     apply_threads(args.threads, "convert-gqa")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     try:
@@ -377,7 +393,7 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
         name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
-        name = {"model": "hf", "calibration": "calibration_text"}.get(name, name)
+        name = {"model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
         raise ValueError(f"{name}: {rest}") from None
     for line in report.lines():
         print(line)
@@ -385,11 +401,17 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_SEEDS = 1000  # seeds per variant: each is a training run; more is a typo (and a plan that fills memory)
+
+
 def _experiment(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
     from ..experiments import EXPERIMENTS, Options, run_experiment
+    from ..utils.environment import check_launch
+    from ..utils.files import check_path
+    from ..utils.threads import usable_cpus
 
     if args.list:
         for e in EXPERIMENTS.values():
@@ -399,15 +421,20 @@ def _experiment(args: argparse.Namespace) -> int:
         raise ValueError(f"NAME: missing; one of {', '.join(EXPERIMENTS)} (qkmla experiment --list)")
     if args.name not in EXPERIMENTS:
         raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
-    if args.seeds is not None and args.seeds < 1:
-        raise ValueError(f"--seeds: expected a positive int, got {args.seeds}")
-    if args.workers < 0:
-        raise ValueError(f"--workers: expected 0 (one per core) or a positive int, got {args.workers}")
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        raise ValueError(f"--seeds: expected an int from 1 to {MAX_SEEDS} (each seed is a training run per "
+                         f"variant), got {args.seeds}")
+    check_launch()  # the workers would wait for torchrun ranks that never come
+    cpus = len(usable_cpus())
+    if not 0 <= args.workers <= cpus:
+        raise ValueError(f"--workers: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
+                         f"run on (its affinity), got {args.workers}")
     if args.sweep is not None and not Path(args.sweep).is_file():
         raise ValueError(f"--sweep: no such results file: {args.sweep}")
-    out = Path(args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}")
+    out = check_path("--out", args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}",
+                     "experiment directory")
     options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
-                      sweep=Path(args.sweep) if args.sweep else None)
+                      sweep=Path(args.sweep) if args.sweep else None, overwrite=args.overwrite)
     command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))
     report = run_experiment(EXPERIMENTS[args.name], options, progress=not args.no_progress, command=command)
     print(report.table)
@@ -560,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--workers", type=int, default=0, help="processes, one thread each (default: one per core)")
     e.add_argument("--sweep", default=None, help="lr-sweep results.jsonl giving each variant's best lr "
                                                  "(default: OUT/../lr-sweep/results.jsonl)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace another experiment's results in OUT, or finished runs there trained with other "
+                        "settings (without it, refused)")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_experiment)
 
@@ -582,6 +612,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
+    drop_bad_thread_counts(args.command)  # before torch is imported, which reads them
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
     torch = sys.modules.get("torch")
@@ -590,6 +621,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status
+    except Stopped as e:  # a signal, handled: what was done and what is left, in one line
+        print(f"qkmla {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
         quiet_broken_pipe()
         return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped

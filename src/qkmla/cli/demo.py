@@ -23,11 +23,12 @@ from typing import Optional
 import torch
 
 from ..cache.size import CacheShape, cache_rows
-from ..utils.files import write_text
+from ..utils.files import check_path, write_text
 from ..model.generate import generate
 from ..model.gpt import GPT
 from ..train.data import Corpus, get_batch
 from ..train.plot import plot_runs, read_metrics
+from ..train.rundir import RunLock
 from ..train.trainer import TrainConfig, load_model, train
 
 STEPS = 750  # per run: fixed, so results reproduce; 4 runs take about 2.5 minutes on 2 cores
@@ -100,13 +101,24 @@ def _train_all(out: Path, preset: str, steps: int, overwrite: bool = False) -> l
 def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = "cpu", overwrite: bool = False) -> int:
     """The demo into ``out``; a demo already there is replaced only with ``overwrite`` (refused
     before any training otherwise)."""
-    out = Path(out)
+    out = check_path("out", out, "demo directory")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {out} is a file; it names the demo's directory")
     held = [p for p in [run for *_, run in _run_dirs(out)] + [out / "curves.png", out / "demo.json"] if p.exists()]
     if held and not overwrite:
         raise ValueError(f"out: {out} already holds a demo ({', '.join(p.name for p in held[:3])}"
                          f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it, or choose another --out")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps: expected a positive int, got {steps!r}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, no permission, a name too long
+        raise ValueError(f"out: cannot make the demo directory {out} ({e.strerror})") from None
+    with RunLock(out):  # a second demo on the same directory is refused, as a second train is
+        return _run_demo_locked(out, steps, preset, overwrite)
+
+
+def _run_demo_locked(out: Path, steps: Optional[int], preset: str, overwrite: bool) -> int:
     t_start = time.perf_counter()
     corpus = Corpus.load("tiny_shakespeare")
     steps_given = steps is not None

@@ -27,7 +27,7 @@ from typing import Optional, Union
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import temporary_name
+from ..utils.files import as_os_error, temporary_name
 from ..integrations.hub.checkpoint import CONFIG, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -92,12 +92,19 @@ def write_checkpoint(model, tokenizer, out: Path) -> None:
 def write_directory(out: Path, write) -> None:
     """``write(tmp)`` fills a directory under a temporary name beside ``out``, renamed ``out`` when
     complete; an existing ``out`` (checked by :func:`check_convert_paths`) goes only once the new one
-    is complete, and a failed write leaves it as it was."""
+    is complete, and a failed write leaves it as it was. A full disk (inside safetensors or
+    transformers too) is one OSError naming ``out``."""
     tmp = temporary_name(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        write(tmp)
+        try:
+            tmp.mkdir(parents=True)
+            write(tmp)
+        except Exception as e:  # a full disk inside safetensors or transformers: one line naming out
+            error = as_os_error(e, out)
+            if error is None:
+                raise
+            raise error from None
         if out.exists():
             old = out.with_name(f"{out.name}.replaced{os.getpid()}")
             out.replace(old)

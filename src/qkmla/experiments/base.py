@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..train.rundir import RunLock, read_status
+from ..utils.files import check_writable, same_file, write_text
 from ..utils.machine import machine, source_commit
-from .grid import Run, archive_runs, is_finished, run_dir, run_grid, worker_pool
+from ..utils.threads import usable_cpus
+from .grid import (FINISHED, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
+                   stop_requests, worker_pool)
 from .results import best_lr, read_results, summarize, write_results
 
 
@@ -25,13 +29,16 @@ class Options:
     """out: the experiment's directory; quick: the test-sized grid; seeds: seeds per
     variant (None: the experiment's default); workers: processes (0: one per core);
     sweep: an lr-sweep ``results.jsonl`` for experiments that train at each variant's best
-    learning rate (default: ``OUT/../lr-sweep/results.jsonl``)."""
+    learning rate (default: ``OUT/../lr-sweep/results.jsonl``); overwrite: replace what ``out``
+    holds of another experiment, or finished runs trained with other settings (without it,
+    refused before any work)."""
 
     out: Path
     quick: bool = False
     seeds: Optional[int] = None
     workers: int = 0
     sweep: Optional[Path] = None
+    overwrite: bool = False
 
     def seed_list(self, default: int) -> list[int]:
         n = self.seeds or (1 if self.quick else default)
@@ -92,32 +99,110 @@ def sweep_lr(options: Options, variant: str = "mla-qknorm", optimizer: str = "ad
 def run_experiment(experiment: Experiment, options: Options, progress: bool = True,
                    command: Optional[str] = None) -> Report:
     """Plan, train what is not finished, write ``results.jsonl``, figures and summaries.
-    ``command`` (the command line that ran it) is recorded in ``summary.json``."""
-    out = options.out
+    ``command`` (the command line that ran it) is recorded in ``summary.json``.
+
+    ``out`` is locked while the experiment runs (a second one on it is refused); what it holds
+    of another experiment, the lr-sweep results it reads, and finished runs trained with other
+    settings are refused before any work (the last two unless ``options.overwrite``). SIGINT or
+    SIGTERM starts no new run, checkpoints the runs in flight (status ``interrupted`` or
+    ``stopped``), writes the report and raises :class:`~qkmla.experiments.grid.GridStopped`; a
+    second signal stops the runs at once. The same call again resumes them.
+    """
+    out = Path(options.out)
+    _check_inputs(experiment, options)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out: cannot make the experiment directory {out} ({e.strerror})") from None
-    t0 = time.perf_counter()
-    if not experiment.adaptive:
-        runs = experiment.plan(options)
-        statuses = run_grid(runs, out, options.workers, experiment.measure, progress)
-        return _write_report(experiment, options, runs, statuses, command, t0)
-    statuses: dict[str, dict] = {}
-    failed: set[str] = set()  # errors of this invocation are not retried until the next one
-    batch = options.workers or os.cpu_count() or 1
-    with worker_pool(options.workers) as pool:
-        while True:
+    check_writable("--out", out)
+    with RunLock(out), stop_requests() as stop:
+        _check_out(experiment, options)
+        t0 = time.perf_counter()
+        if not experiment.adaptive:
             runs = experiment.plan(options)
-            todo = [r for r in runs if r.same_as is None and r.name not in failed
-                    and _pending(out, r, experiment.measure)]
-            if not todo:
-                break
-            now = run_grid(todo[:batch], out, options.workers, experiment.measure, progress, pool=pool)
-            statuses.update(now)
-            failed |= {name for name, st in now.items() if st["status"] not in ("done", "non-finite")}
-            _write_report(experiment, options, runs, statuses, command, t0)
-    return _write_report(experiment, options, runs, statuses, command, t0)
+            try:
+                statuses = run_grid(runs, out, options.workers, experiment.measure, progress, stop=stop)
+            except GridStopped as e:
+                _write_report(experiment, options, runs, e.statuses, command, t0)
+                raise
+            return _write_report(experiment, options, runs, statuses, command, t0)
+        statuses: dict[str, dict] = {}
+        failed: set[str] = set()  # errors of this invocation are not retried until the next one
+        batch = options.workers or len(usable_cpus())
+        with worker_pool(batch) as pool:
+            while True:
+                runs = experiment.plan(options)
+                todo = [r for r in runs if r.same_as is None and r.name not in failed
+                        and _pending(out, r, experiment.measure)]
+                if not todo:
+                    break
+                try:
+                    now = run_grid(todo[:batch], out, options.workers, experiment.measure, progress, pool=pool,
+                                   stop=stop)
+                except GridStopped as e:
+                    statuses.update(e.statuses)
+                    _write_report(experiment, options, runs, statuses, command, t0)
+                    raise
+                statuses.update(now)
+                failed |= {name for name, st in now.items() if st["status"] not in ("done", "non-finite")}
+                _write_report(experiment, options, runs, statuses, command, t0)
+        return _write_report(experiment, options, runs, statuses, command, t0)
+
+
+def _check_inputs(experiment: Experiment, options: Options) -> None:
+    """The lr-sweep results this experiment reads are never its output (whatever --overwrite says)."""
+    results = Path(options.out) / "results.jsonl"
+    sweep = options.sweep_results
+    if experiment.name != "lr-sweep" and (same_file(sweep, results) or
+                                          (results.is_file() and os.path.abspath(sweep) == os.path.abspath(results))):
+        raise ValueError(f"--out: {results} is the lr-sweep results file this experiment reads "
+                         f"({'--sweep' if options.sweep else 'the default --sweep OUT/../lr-sweep/results.jsonl'}); "
+                         f"writing {experiment.name}'s results there would destroy them; use another --out")
+
+
+def _owners(out: Path) -> set:
+    """The experiments whose results or summary are in ``out`` ("another program" for files that
+    are not an experiment's)."""
+    owners = set()
+    summary, results = out / "summary.json", out / "results.jsonl"
+    if summary.is_file():
+        try:
+            owners.add(json.loads(summary.read_text(encoding="utf-8")).get("experiment", "another program"))
+        except (OSError, ValueError, AttributeError):
+            owners.add("another program")
+    if results.is_file():
+        try:
+            rows = read_results(results)
+            owners |= {r.get("experiment", "another program") if isinstance(r, dict) else "another program"
+                       for r in rows}
+        except (OSError, ValueError):
+            owners.add("another program")
+    return owners
+
+
+def _check_out(experiment: Experiment, options: Options) -> None:
+    """Before any work, with ``out`` locked: another experiment's results or summary, and finished
+    runs of this plan trained with other settings (a --quick grid into a full one), are refused
+    unless ``options.overwrite``."""
+    if options.overwrite:
+        return
+    out = Path(options.out)
+    others = sorted(map(str, _owners(out) - {experiment.name}))
+    if others:
+        raise ValueError(f"--out: {out} holds the results of {', '.join(others)} (results.jsonl, summary.json), "
+                         f"which {experiment.name} would replace; pass --overwrite to replace them, or use another "
+                         "--out")
+    changed = []
+    for run in experiment.plan(options):
+        path = run_dir(out, run)
+        if run.same_as is None and (read_status(path) or {}).get("status") in FINISHED:
+            diffs = differences(path, run.train)
+            if diffs:
+                changed.append(f"{run.name} ({diffs[0]})")
+    if changed:
+        raise ValueError(f"--out: {len(changed)} finished run(s) in {out / 'runs'} were trained with other settings "
+                         f"than this plan's: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; pass "
+                         "--overwrite to train them again, or use another --out")
 
 
 def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) -> Report:
@@ -131,6 +216,8 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
     dst.mkdir(parents=True, exist_ok=True)
+    if same_file(src, dst):
+        raise ValueError(f"dst: {dst} is src; redraw into another directory")
     archive_runs(src, dst, experiment.thin_metrics)
     rows = read_results(src / "results.jsonl")
     write_results(rows, dst / "results.jsonl")
@@ -139,8 +226,8 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     keep = ("experiment", "command", "commit", "machine", "runs", "cpu_seconds_of_runs", "errors")
     meta = {k: meta[k] for k in keep if k in meta}
     meta["redrawn_at_commit"] = source_commit(Path(__file__).parent)
-    (dst / "summary.json").write_text(json.dumps({**meta, **report.summary}, indent=1))
-    (dst / "summary.md").write_text(report.table)
+    write_text(dst / "summary.json", json.dumps({**meta, **report.summary}, indent=1))
+    write_text(dst / "summary.md", report.table)
     return report
 
 
@@ -154,12 +241,22 @@ def _write_report(experiment: Experiment, options: Options, runs: list[Run], sta
     out = options.out
     rows = [summarize(experiment.name, r, out) for r in runs]
     write_results(rows, out / "results.jsonl")
-    report = experiment.report(read_results(out / "results.jsonl"), options)
+    try:
+        report = experiment.report(read_results(out / "results.jsonl"), options)
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, IndexError):
+        unfinished = [r for r in rows if r["status"] not in FINISHED]
+        if not unfinished:
+            raise
+        first = unfinished[0]
+        why = (statuses.get(first["run"]) or {}).get("error") or first.get("error") or f"status {first['status']!r}"
+        raise ValueError(f"--out: {len(unfinished)} run(s) of {len(rows)} did not finish, so the report cannot be "
+                         f"drawn (its rows are in {out / 'results.jsonl'}); {first['run']}: {why}; fix or remove "
+                         f"{run_dir(out, runs[[r.name for r in runs].index(first['run'])])} and run again") from None
     meta = {"experiment": experiment.name, "command": command, "commit": source_commit(Path(__file__).parent),
             "machine": machine(), "runs": len(runs),
             "runs_trained_now": len(statuses), "wall_seconds_now": time.perf_counter() - t0,
             "cpu_seconds_of_runs": sum(r["seconds"] or 0 for r in rows if not r.get("same_as")),
             "errors": [r["run"] for r in rows if r["status"] not in ("done", "non-finite", "missing")]}
-    (out / "summary.json").write_text(json.dumps({**meta, **report.summary}, indent=1))
-    (out / "summary.md").write_text(report.table)
+    write_text(out / "summary.json", json.dumps({**meta, **report.summary}, indent=1))
+    write_text(out / "summary.md", report.table)
     return report

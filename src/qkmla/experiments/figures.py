@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..utils.files import write_atomically
+
 
 def pyplot():
     import matplotlib
@@ -17,8 +19,10 @@ def pyplot():
 def save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    pyplot().close(fig)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png"))
+    finally:
+        pyplot().close(fig)
     return path
 
 

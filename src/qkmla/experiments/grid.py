@@ -5,7 +5,15 @@ as finished when its ``status.json`` says ``done`` (or ``non-finite``: a diverge
 result) and its stored config equals the planned one; an unfinished run with a checkpoint
 resumes from it (resumed runs reproduce the uninterrupted losses), so an interrupted
 experiment re-runs nothing it already has. Tiny models use a core badly with several
-threads, so each worker runs one thread and the pool runs one worker per core.
+threads, so each worker runs one thread and the pool runs one worker per core this process may
+use (its CPU affinity: ``taskset`` and cgroup CPU sets are honoured).
+
+Stopping (:func:`stop_requests`): the first SIGINT or SIGTERM starts no new run and is passed
+on to the workers, whose runs stop after their current step with a checkpoint (status
+``interrupted`` or ``stopped``, as ``qkmla train``'s); a second one is passed on too and stops
+them at once (checkpointed if between steps), and workers still busy after
+:data:`SECOND_SIGNAL_GRACE` seconds, or at a third signal, are killed. The workers run in their
+own process group, so a terminal's Ctrl-C reaches them once, through the parent.
 """
 
 from __future__ import annotations
@@ -15,7 +23,12 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
+import threading
+import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,6 +36,11 @@ from typing import Callable, Optional
 from ..train.data import Corpus
 from ..train.rundir import read_status
 from ..train.trainer import load_model
+from ..utils.errors import Stopped
+from ..utils.files import write_bytes, write_text
+from ..utils.threads import usable_cpus
+
+SECOND_SIGNAL_GRACE = 10.0  # seconds the runs get to stop after a second signal before they are killed
 
 FINISHED = ("done", "non-finite")
 # TrainConfig fields that say where and how a run is shown, not what it trains.
@@ -64,12 +82,19 @@ def trained_run(path: Path) -> tuple:
     return load_model(path)[0], Corpus.load(cfg["data"], cfg["tokenizer"], split=cfg.get("split", "tail"))
 
 
-def _same_config(path: Path, train: dict) -> bool:
+def differences(path: Path, train: dict) -> list[str]:
+    """How the run stored in ``path`` was trained otherwise than ``train`` asks ("steps: stored
+    600, now 6"); ["no readable config.json"] when there is none to compare."""
     try:
-        stored = json.loads((path / "config.json").read_text())["train"]
-    except (OSError, ValueError, KeyError):
-        return False
-    return all(stored.get(k) == v for k, v in train.items() if k not in _NOT_COMPARED)
+        stored = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["no readable config.json"]
+    return [f"{k}: stored {stored.get(k)!r}, now {v!r}" for k, v in train.items()
+            if k not in _NOT_COMPARED and stored.get(k) != v]
+
+
+def _same_config(path: Path, train: dict) -> bool:
+    return not differences(path, train)
 
 
 def _finished(path: Path, train: dict) -> bool:
@@ -98,13 +123,11 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
         target.mkdir(parents=True, exist_ok=True)
         for name in ARCHIVED:
             if (path / name).is_file():
-                tmp = target / (name + ".tmp")
                 data = (path / name).read_bytes()
                 if thin is not None and name == "metrics.jsonl":
                     rows = thin([json.loads(line) for line in data.decode().splitlines() if line.strip()])
                     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-                tmp.write_bytes(data)
-                tmp.replace(target / name)
+                write_bytes(target / name, data)
         copied.append(path.name)
     return copied
 
@@ -122,19 +145,39 @@ def restore_runs(src: Path, out: Path) -> list[str]:
         tmp.mkdir(parents=True, exist_ok=True)
         for name in ARCHIVED:
             if (path / name).is_file():
-                (tmp / name).write_bytes((path / name).read_bytes())
+                write_bytes(tmp / name, (path / name).read_bytes())
         tmp.replace(target)
         restored.append(path.name)
     return restored
 
 
-def _init_worker() -> None:
+_WORKER_STOP = None  # in a worker: the pool's stop event (set by the parent at a stop request)
+_worker_signals = 0
+
+
+def _worker_signal(signum, frame) -> None:
+    """A signal to an idle worker (or one measuring): the parent's stop event says what to do;
+    a second one ends the task at hand."""
+    global _worker_signals
+    _worker_signals += 1
+    if _worker_signals > 1:
+        raise KeyboardInterrupt
+
+
+def _init_worker(stop=None) -> None:
     import torch
 
+    global _WORKER_STOP
+    _WORKER_STOP = stop
     torch.set_num_threads(1)
+    try:  # own process group: a terminal's Ctrl-C reaches the parent, which passes it on once
+        os.setpgrp()
+    except OSError:
+        pass
+    for name in ("SIGINT", "SIGTERM"):
+        signal.signal(getattr(signal, name), _worker_signal)
     try:  # Linux: end with the parent, even one killed with SIGKILL, instead of waiting on its pipe
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -159,15 +202,21 @@ def start_branch(parent: Path, path: Path) -> None:
         tmp.replace(path / name)
 
 
+def _stopping() -> bool:
+    return _WORKER_STOP is not None and _WORKER_STOP.is_set()
+
+
 def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: Optional[str] = None) -> dict:
     """In a worker: train (resuming a compatible checkpoint, or branching from ``start_from``'s,
     see :class:`Run`) and run the experiment's measurement; errors come back as a status
-    instead of killing the grid."""
+    instead of killing the grid. After a stop request nothing new starts (status ``not started``)."""
     from ..train.checkpoint import FILENAME, read_metadata
     from ..train.trainer import TrainConfig, train as train_run
 
+    path_ = Path(path)
+    if _stopping():
+        return {"status": "not started"}
     try:
-        path_ = Path(path)
         if _finished(path_, train):  # trained, not yet measured
             status = read_status(path_)
         else:
@@ -180,30 +229,117 @@ def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: 
             # Not resumable (none or another config's checkpoint): what is there is replaced.
             status = train_run(TrainConfig(**{**train, "out": path, "progress": False, "resume": resume,
                                               "overwrite": not resume}))
-        if measure is not None and status["status"] in FINISHED:
-            (path_ / "measure.json").write_text(json.dumps(measure(path_)))
+        if measure is not None and status["status"] in FINISHED and not _stopping():
+            write_text(path_ / "measure.json", json.dumps(measure(path_)))
         return status
+    except KeyboardInterrupt:  # a second stop request: the trainer wrote the run's status
+        return read_status(path_) or {"status": "interrupted"}
     except Exception as e:  # noqa: BLE001 - reported per run, the grid goes on
         return {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
+def default_workers() -> int:
+    """One worker per CPU this process may run on (``taskset``, a cgroup's CPU set)."""
+    return max(1, len(usable_cpus()))
+
+
 def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
-    """The pool ``run_grid`` trains in: ``workers`` spawned processes (0: one per CPU core) of
+    """The pool ``run_grid`` trains in: ``workers`` spawned processes (0: one per usable CPU) of
     one thread each. Pass one to several ``run_grid`` calls to start its processes once."""
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
-    return concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count() or 1, mp_context=ctx,
-                                                  initializer=_init_worker)
+    stop = ctx.Event()
+    pool = concurrent.futures.ProcessPoolExecutor(workers or default_workers(), mp_context=ctx,
+                                                  initializer=_init_worker, initargs=(stop,))
+    pool.qkmla_stop = stop
+    return pool
+
+
+class GridStopped(Stopped):
+    """A grid stopped by SIGINT/SIGTERM; ``statuses``: {run: status} of the runs that ended now."""
+
+    def __init__(self, signal_name: str, statuses: dict, not_started: int):
+        self.statuses = statuses
+        ended = {name: st["status"] for name, st in statuses.items() if st.get("status") != "not started"}
+        runs = ", ".join(f"{n} ({s}, checkpoint step {statuses[n].get('checkpoint_step', statuses[n].get('step'))})"
+                         for n, s in ended.items()) or "no run in flight"
+        super().__init__(f"stopped by {signal_name}: {runs}; {not_started} run(s) not started; "
+                         "run the same command again to resume", 130 if signal_name == "SIGINT" else 143)
+
+
+class StopRequests:
+    """SIGINT/SIGTERM as a request to the grid (see the module docstring); ``count`` signals so far."""
+
+    def __init__(self):
+        self.count, self.signal, self.second_at = 0, None, None
+        self.pools: list = []
+
+    def handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        self.count += 1
+        if self.count == 1:
+            self.signal = name
+            again = "Ctrl-C" if name == "SIGINT" else name
+            print(f"qkmla experiment: {name}: starting no new run; the runs in flight stop after their current "
+                  f"step with a checkpoint ({again} again to stop them at once)", file=sys.stderr, flush=True)
+        elif self.count == 2:
+            self.second_at = time.monotonic()
+            print(f"qkmla experiment: {name} again: stopping the runs now (killed if not stopped within "
+                  f"{SECOND_SIGNAL_GRACE:g} s)", file=sys.stderr, flush=True)
+        for pool in self.pools:
+            if getattr(pool, "qkmla_stop", None) is not None:
+                pool.qkmla_stop.set()
+            self._send(pool, signal.SIGKILL if self.count >= 3 else signum)
+
+    @staticmethod
+    def _send(pool, signum) -> None:
+        for pid in list(getattr(pool, "_processes", None) or {}):
+            try:
+                os.kill(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def kill(self) -> None:
+        for pool in self.pools:
+            self._send(pool, signal.SIGKILL)
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+
+@contextmanager
+def stop_requests():
+    """``with stop_requests() as stop:`` SIGINT and SIGTERM go to ``stop`` (main thread only;
+    elsewhere nothing is installed and ``stop`` never fires)."""
+    stop = StopRequests()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in ("SIGINT", "SIGTERM"):
+            previous[name] = signal.signal(getattr(signal, name), stop.handle)
+    try:
+        yield stop
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
 
 
 def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Callable] = None,
-             progress: bool = True, pool: Optional[concurrent.futures.ProcessPoolExecutor] = None) -> dict[str, dict]:
+             progress: bool = True, pool: Optional[concurrent.futures.ProcessPoolExecutor] = None,
+             stop: Optional[StopRequests] = None) -> dict[str, dict]:
     """Train every unfinished run; returns {run name: status} of the runs trained now.
 
     Args:
-        workers: processes (0: one per CPU core).
+        workers: processes (0: one per usable CPU).
         measure: ``measure(run_dir) -> dict``, run after training, stored as ``measure.json``.
         pool: a :func:`worker_pool` to train in (kept open); default: one made for this call.
+        stop: the :func:`stop_requests` that stop the grid (default: its own, for this call).
+
+    Raises:
+        GridStopped: after a SIGINT/SIGTERM, once the runs in flight have stopped.
     """
+    if stop is None:
+        with stop_requests() as own_stop:
+            return run_grid(runs, out, workers, measure, progress, pool, own_stop)
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError("runs: run names must be unique")
@@ -215,7 +351,7 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     statuses: dict[str, dict] = {}
     if not todo:
         return statuses
-    workers = min(len(todo), workers or os.cpu_count() or 1)
+    workers = min(len(todo), workers or default_workers())
     bar = None
     if progress:
         from tqdm import tqdm
@@ -224,23 +360,52 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     own = pool is None
     if own:
         pool = worker_pool(workers)
+    stop.pools.append(pool)
+    killed = False
     try:
-        futures = {pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
-                               str(Path(out) / "runs" / r.start_from) if r.start_from else None): r for r in todo}
-        for fut in concurrent.futures.as_completed(futures):
-            run = futures[fut]
-            statuses[run.name] = status = fut.result()
-            if status["status"] == "error":
-                print(f"run {run.name} failed: {status['error']}", flush=True)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{run.name}: {status['status']}")
-    except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
+        futures = {}
+        for r in todo:
+            if stop.requested:
+                break
+            futures[pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
+                                 str(Path(out) / "runs" / r.start_from) if r.start_from else None)] = r
+        pending = set(futures)
+        while pending:
+            done, pending = concurrent.futures.wait(pending, timeout=0.2,
+                                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            for fut in done:
+                run = futures[fut]
+                if fut.cancelled():
+                    continue
+                try:
+                    status = fut.result()
+                except concurrent.futures.process.BrokenProcessPool:
+                    if not stop.requested:
+                        raise
+                    status = read_status(run_dir(out, run)) or {"status": "not started"}
+                statuses[run.name] = status
+                if status["status"] == "error":
+                    print(f"run {run.name} failed: {status['error']}", flush=True)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{run.name}: {status['status']}")
+            if stop.requested:
+                for fut in pending:
+                    fut.cancel()
+                if stop.count >= 3 or (stop.count >= 2 and time.monotonic() - stop.second_at > SECOND_SIGNAL_GRACE):
+                    stop.kill()
+                    killed = True
+                    for fut in pending:
+                        statuses.setdefault(futures[fut].name, read_status(run_dir(out, futures[fut]))
+                                            or {"status": "not started"})
+                    break
     finally:
+        stop.pools.remove(pool)
         if bar is not None:
             bar.close()
-        if own:
-            pool.shutdown()
+        if own or killed:
+            pool.shutdown(wait=not killed, cancel_futures=True)
+    if stop.requested:
+        not_started = sum(1 for r in todo if statuses.get(r.name, {}).get("status", "not started") == "not started")
+        raise GridStopped(stop.signal, statuses, not_started)
     return statuses

@@ -22,6 +22,8 @@ import math
 import random
 from pathlib import Path
 
+from ..utils.files import write_text
+
 import torch
 
 from ..train.data import Tokenizer, load_text
@@ -55,9 +57,9 @@ def passkey_text(source: str = "tiny_shakespeare", seed: int = SEED) -> str:
 
 def write_corpus(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` unless it already holds exactly that, and return the path."""
-    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+    if not path.is_file() or path.read_bytes() != text.encode("utf-8"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        write_text(path, text)
     return path
 
 

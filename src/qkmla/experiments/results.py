@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 
 from ..train.plot import read_metrics
 from ..train.rundir import clean_json, read_status
+from ..utils.files import write_text
 from .grid import Run, run_dir
 
 
@@ -73,7 +74,8 @@ def summarize(experiment: str, run: Run, out: Path) -> dict:
 
 
 def write_results(rows: list[dict], path: Path) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """Atomically and durably (a full disk keeps the previous file whole)."""
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def read_results(path: Path) -> list[dict]:

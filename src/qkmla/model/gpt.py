@@ -32,6 +32,7 @@ from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, fixed_config
 from ..kv_formats import check_kv_format
+from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
 ATTENTION_VARIANTS = (
@@ -78,12 +79,18 @@ class GPTConfig:
             raise ValueError(f"attn: expected one of {ATTENTION_VARIANTS}, got {self.attn!r}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or \
+                not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
+        ratio = self.mlp_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or \
+                int(ratio * self.n_embd) < 1:
+            raise ValueError(f"mlp_ratio: expected a finite number with mlp_ratio x n_embd >= 1 (the MLP's width; "
+                             f"n_embd={self.n_embd}), got {ratio!r}")
         try:  # the norm's own check of p, whatever the variant: refused even where only -lp reads it
             QKNormConfig("lp", p=self.qk_norm_p)
         except ValueError as e:
@@ -189,6 +196,10 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        d, hidden = config.n_embd, int(config.mlp_ratio * config.n_embd)
+        # A lower bound of the float32 weights (embedding, attention output, MLP), before any is made.
+        check_fits("config", 4 * (config.vocab_size * d + config.n_layer * (d * d + 2 * d * hidden)),
+                   f"the weights of a GPT with vocab_size={config.vocab_size}, n_embd={d}, n_layer={config.n_layer}")
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)

@@ -3,6 +3,7 @@
 import json
 import sys
 
+from ..utils.environment import check_launch
 from ..utils.errors import Parser, environment_message
 from ..utils.threads import apply_threads
 from .cli import add_train_arguments, train_config_from_args, train_flag_message
@@ -14,6 +15,7 @@ def main(argv=None) -> int:
     add_train_arguments(p)
     args = p.parse_args(argv)
     try:
+        check_launch()
         config = train_config_from_args(args)
         apply_threads(args.threads, "train")
         status = train(config)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from ..utils.files import save_safetensors
 
@@ -83,14 +83,34 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
     return save_safetensors(tensors, out_dir / FILENAME, metadata)  # a temporary name, then renamed
 
 
-def read_metadata(path: Path) -> dict:
-    from safetensors import safe_open
+def _header(path: Path) -> dict:
+    """The JSON header of a safetensors file, read by Python (any path the OS takes, UTF-8 or not:
+    safetensors' own reader refuses the rest)."""
+    with open(path, "rb") as f:
+        size = f.read(8)
+        if len(size) < 8:
+            raise ValueError("shorter than a safetensors header")
+        n = int.from_bytes(size, "little")
+        if n > 100_000_000:
+            raise ValueError(f"a header of {n} bytes")
+        text = f.read(n)
+    if len(text) < n:
+        raise ValueError("its header is cut short")
+    header = json.loads(text)
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header
 
+
+def read_metadata(path: Path) -> dict:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except Exception as e:  # safetensors' own error types differ across versions
+        meta = _header(Path(path)).get("__metadata__") or {}
+    except OSError:
+        raise
+    except Exception as e:  # not a safetensors file, or one cut short
         raise CheckpointError(f"checkpoint: {path} is truncated or corrupt and cannot be read ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint: {path} is corrupt: its metadata is not a JSON object")
     missing = [k for k in ("config", "step", "optim", "aliases") if k not in meta]
     if missing:
         raise CheckpointError(f"checkpoint: {path} is not a qkmla training checkpoint (metadata lacks {missing})")
@@ -108,8 +128,10 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     if not path.is_file():
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
-    try:
-        tensors = load_file(str(path))
+    try:  # the bytes, not the path: safetensors cannot open a path that is not UTF-8
+        tensors = load(path.read_bytes())
+    except OSError:
+        raise
     except Exception as e:
         raise CheckpointError(f"checkpoint: {path} is truncated or corrupt and cannot be read ({e})") from None
     sums = json.loads(meta.get("crc32", "{}"))  # absent in checkpoints written before checksums

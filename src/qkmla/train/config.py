@@ -6,6 +6,9 @@ schedule and what is logged (``steps``, ``lr``, ``schedule``, ``warmup_steps``,
 ``batch_size``, ``eval_interval``, ``eval_iters``, ``ckpt_interval``, ``log_heads``,
 ``max_seconds``, ``progress``, ``seed``: the data order comes from the checkpoint's RNG
 state). Every other field defines the model or the data and must match the stored run.
+
+A field set after construction (``config.grad_clip = -1.0``) is checked again with every other
+(:func:`~qkmla.utils.checked.revalidated`), so a config is never one the constructor refuses.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
+from ..utils.checked import revalidated
 from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -44,6 +48,7 @@ def _choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
 
 
+@revalidated
 @dataclass
 class TrainConfig:
     preset: str = "debug"

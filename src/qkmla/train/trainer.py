@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
-from ..utils.files import same_file, write_text
+from ..utils.environment import dist_environment
+from ..utils.files import append_line, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
@@ -70,7 +71,7 @@ class CollectiveTimeout(RuntimeError):
 
 def _dist_info(timeout: float) -> tuple[int, int, bool]:
     """(rank, world size, whether this call started the process group, so must end it)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist_environment()[0]  # junk is refused naming the variable
     started = world > 1 and not dist.is_initialized()
     if started:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
@@ -383,8 +384,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
                 row["val_loss"] = evaluate(model, corpus.val, config, block_size)
                 row.update(_weight_diagnostics(attns))
             if rank == 0:
-                with metrics_path.open("a") as f:
-                    f.write(metrics_line(row))
+                append_line(metrics_path, metrics_line(row))
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", max_logit=f"{row['max_logit']:.1f}",

@@ -51,3 +51,12 @@ def quiet_broken_pipe() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
         pass
+
+
+class Stopped(Exception):
+    """A command stopped on request (a signal), cleanly: ``message`` is its one line and
+    ``exit_code`` its status (128 + the signal's number, as a shell reports)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -5,6 +5,14 @@ none), never half of a new one: ``os.replace`` within one directory is atomic. T
 temporary name is ``NAME.tmpPID``; a failed write removes it. Errors are ``OSError``s that
 name the path (safetensors' own error for a failed write is turned into one), which the
 command line reports in one line.
+
+:func:`write_atomically` is the one way the package writes a file: ``durable`` (the default)
+also fsyncs the file before the rename and the directory after it, so what a later run reads
+(results, statuses, checkpoints) survives a crash of the machine too, not only of the process.
+:func:`check_output` refuses, before any work, an output that is an input of the command, or
+exists, unless ``--overwrite`` says to replace it (``qkmla experiment`` also refuses another
+experiment's results: ``experiments.base``); :func:`check_path` and :func:`check_writable`
+refuse paths the OS cannot use, naming the option.
 """
 
 from __future__ import annotations
@@ -22,28 +30,103 @@ def temporary_name(path: PathLike) -> Path:
     return path.with_name(f"{path.name}.tmp{os.getpid()}")
 
 
-def write_atomically(path: PathLike, write: Callable[[Path], None]) -> Path:
+def _fsync(path: Path, directory: bool = False) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    except OSError:
+        if directory:  # some file systems cannot open a directory: the rename itself still happened
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: PathLike, write: Callable[[Path], None], durable: bool = True) -> Path:
     """``write(tmp)`` writes the file at a temporary path beside ``path``, which then replaces
     ``path`` in one rename. On any failure the temporary file is removed and ``path`` is
-    untouched."""
+    untouched. ``durable``: fsync the file before the rename and its directory after."""
     path = Path(path)
     tmp = temporary_name(path)
     try:
         write(tmp)
+        if durable:
+            _fsync(tmp)
         os.replace(tmp, path)
+        if durable:
+            _fsync(path.parent if str(path.parent) else Path("."), directory=True)
     except BaseException as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        if isinstance(e, OSError) and e.filename in (str(tmp), tmp):  # the user named path, not tmp
-            raise OSError(e.errno, e.strerror, str(path)) from None
+        # The user named path, not tmp; a failed flush at close names no file at all.
+        if isinstance(e, OSError) and e.filename in (str(tmp), tmp, None):
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         raise
     return path
 
 
-def write_text(path: PathLike, text: str) -> Path:
-    return write_atomically(path, lambda tmp: tmp.write_text(text))
+def write_text(path: PathLike, text: str, durable: bool = True) -> Path:
+    return write_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), durable)
+
+
+def write_bytes(path: PathLike, data: bytes, durable: bool = True) -> Path:
+    return write_atomically(path, lambda tmp: tmp.write_bytes(data), durable)
+
+
+def append_line(path: PathLike, line: str) -> None:
+    """Append one line to a log (``metrics.jsonl``) and flush it. The one write that is not a
+    rename: a log grows row by row, and a row cut short by a kill is skipped by its reader. A
+    failed append (a full disk) is cut back to the rows before it and raised naming ``path``."""
+    path = Path(path)
+    data = line.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except OSError as e:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise OSError(e.errno, f"{e.strerror} (appending a row to the log; the rows before it are kept)",
+                          str(path)) from None
+    finally:
+        os.close(fd)
+
+
+def check_path(name: str, path: PathLike, what: str = "path") -> Path:
+    """ValueError naming option ``name`` for a path the OS cannot look up at all (a name too long,
+    a file where a directory is needed, a symlink loop), before any work; returns it as a Path.
+    A path that does not exist yet is fine."""
+    path = Path(path)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ValueError(f"{name}: cannot use the {what} {path} ({e.strerror})") from None
+    return path
+
+
+def check_writable(name: str, directory: PathLike) -> None:
+    """ValueError naming ``name`` if files cannot be made in the existing ``directory`` (read-only,
+    no permission), found by making one, before any work."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".qkmla-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{name}: cannot write in {directory} ({e.strerror}); use another {name}") from None
 
 
 def save_safetensors(tensors: dict, path: PathLike, metadata: Optional[dict] = None) -> Path:
@@ -55,14 +138,25 @@ def save_safetensors(tensors: dict, path: PathLike, metadata: Optional[dict] = N
         try:
             save_file(tensors, str(tmp), metadata=metadata)
         except Exception as e:
-            if type(e).__name__ != "SafetensorError":
+            error = as_os_error(e, path)
+            if error is None:
                 raise
-            code = re.search(r"os error (\d+)", str(e))
-            if code is None:
-                raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+            raise error from None
 
     return write_atomically(path, write)
+
+
+def as_os_error(e: BaseException, path: PathLike) -> Optional[OSError]:
+    """An I/O failure reported by a library in its own exception (safetensors' SafetensorError
+    "... os error 28", a wrapped OSError) as the ``OSError`` it is, naming ``path``; None if
+    ``e`` is not one."""
+    if isinstance(e, OSError):
+        return OSError(e.errno, e.strerror or str(e), str(path))
+    code = re.search(r"os error (\d+)", str(e))
+    if code is None:
+        cause = e.__cause__ or e.__context__
+        return as_os_error(cause, path) if cause is not None and cause is not e else None
+    return OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
 
 
 def same_file(a: PathLike, b: PathLike) -> bool:

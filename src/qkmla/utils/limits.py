@@ -55,3 +55,21 @@ def check_fits(name: str, needed: int, what: str) -> None:
     if avail is not None and needed > avail:
         raise ValueError(f"{name}: {what} need at least {gib(needed)}, more than the {gib(avail)} of memory "
                          f"available; use a smaller value")
+
+
+def check_allocation(name: str, needed: int, what: str, device=None) -> None:
+    """:func:`check_fits` for a tensor of ``needed`` bytes on ``device`` (None: the CPU): on an
+    accelerator, against the memory free there."""
+    kind = getattr(device, "type", None) or (str(device).split(":")[0] if device is not None else "cpu")
+    if kind == "cpu":
+        check_fits(name, needed, what)
+        return
+    try:
+        import torch
+
+        free = torch.cuda.mem_get_info(device)[0] if kind == "cuda" else None
+    except (RuntimeError, AssertionError, ValueError):
+        free = None
+    if free is not None and needed > free:
+        raise ValueError(f"{name}: {what} need at least {gib(needed)}, more than the {gib(free)} free on {device}; "
+                         "use a smaller value")

@@ -105,7 +105,9 @@ def apply_threads(value, command: str, quiet: bool = False) -> int:
 
     if value == "auto":
         base = torch.get_num_threads()
-        n, why = auto_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        from .environment import dist_environment
+
+        n, why = auto_threads(dist_environment()[2])
         if n < base and not quiet:
             print(f"qkmla {command}: {n} thread{'s' * (n > 1)} ({why}; --threads to choose)", file=sys.stderr)
     else:

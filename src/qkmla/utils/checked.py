@@ -1,0 +1,85 @@
+"""Settings that stay valid after construction.
+
+A configuration is checked once, when it is made; a field set afterwards (``pol.budget = 0``,
+``config.grad_clip = -1.0``) would skip those checks and run with a value the constructor
+refuses. Two ways to close that door, one per kind of object:
+
+* :func:`revalidated` (a dataclass whose ``__post_init__`` checks every field, such as
+  ``TrainConfig``): a field set after construction re-runs every check, and a refused change
+  is undone before the ``ValueError`` (naming the field) is raised. New fields are covered as
+  soon as ``__post_init__`` checks them.
+* :class:`Frozen` (an object with no settings that may change, such as an eviction policy):
+  setting any attribute after construction raises ``AttributeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+# ids of the objects whose constructor is running: only they may set fields unchecked. (Kept
+# out of the objects themselves, whose __dict__ callers may pass back as keyword arguments.)
+_constructing: set = set()
+
+
+def _constructed(init):
+    """``init`` with the object marked as under construction while it runs."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        outermost = id(self) not in _constructing
+        _constructing.add(id(self))
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if outermost:
+                _constructing.discard(id(self))
+
+    return wrapped
+
+
+def revalidated(cls):
+    """Class decorator for a dataclass whose ``__post_init__`` checks every field."""
+
+    def __setattr__(self, name, value):
+        if id(self) in _constructing:
+            object.__setattr__(self, name, value)
+            return
+        missing = object()
+        old = self.__dict__.get(name, missing)
+        object.__setattr__(self, name, value)
+        try:
+            self.__post_init__()
+        except BaseException:
+            if old is missing:
+                object.__delattr__(self, name)
+            else:
+                object.__setattr__(self, name, old)
+            raise
+
+    cls.__init__ = _constructed(cls.__init__)
+    cls.__setattr__ = __setattr__
+    return cls
+
+
+class Frozen:
+    """Attributes are set only while a constructor runs; afterwards setting or deleting one
+    raises ``AttributeError`` naming it."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _constructed(cls.__dict__["__init__"])
+
+    def _refuse(self, name: str):
+        raise AttributeError(f"{name}: a {type(self).__name__} is fixed once its arguments are checked; make a new "
+                             f"one with the value you want (its constructor checks it)")
+
+    def __setattr__(self, name, value):
+        if id(self) not in _constructing:
+            self._refuse(name)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        if id(self) not in _constructing:
+            self._refuse(name)
+        object.__delattr__(self, name)

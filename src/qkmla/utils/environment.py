@@ -1,0 +1,85 @@
+"""Environment variables qkmla reads, checked before any work: one line naming the variable.
+
+* ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` that are not a positive int: OpenMP would print its
+  own complaint and use its default; qkmla says so in one line and drops the variable before
+  torch is imported, so the default is what runs.
+* torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: each must be an int
+  in range (``RANK < WORLD_SIZE``), or the command is refused naming it.
+* The same variables left in a shell after a torchrun job (stale): a process not started by
+  torchrun (no ``TORCHELASTIC_RUN_ID``) that sees ``WORLD_SIZE > 1`` would wait for ranks that
+  never come. :func:`check_launch` refuses that, naming the variables to unset.
+* ``CUDA_VISIBLE_DEVICES`` needs no check here: whatever it holds, torch sees the accelerators
+  it leaves, and ``--device`` is checked against those.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+DIST_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def drop_bad_thread_counts(command: str) -> list[str]:
+    """Remove OMP_NUM_THREADS / MKL_NUM_THREADS values that are not positive ints (a list such
+    as "4,2" is OpenMP's nested form: kept), saying so on stderr; returns the names dropped.
+    Call it before torch is imported."""
+    dropped = []
+    for name in THREAD_VARIABLES:
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        parts = value.strip().split(",")
+        if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            del os.environ[name]
+            dropped.append(name)
+            print(f"qkmla {command}: {name}={value!r} is not a positive number of threads; ignored (torch's default "
+                  "is used)", file=sys.stderr)
+    return dropped
+
+
+def _int_variable(name: str, low: int, default: Optional[int]) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = None
+    if n is None or n < low:
+        raise ValueError(f"{name}: the environment variable holds {value!r}, expected an int >= {low} (set by "
+                         f"torchrun); unset it, or launch with torchrun")
+    return n
+
+
+def dist_environment() -> tuple[int, int, int]:
+    """(world size, rank, local world size) from torchrun's variables, each checked.
+
+    Raises:
+        ValueError naming the variable: not an int, out of range, or RANK >= WORLD_SIZE.
+    """
+    world = _int_variable("WORLD_SIZE", 1, 1)
+    rank = _int_variable("RANK", 0, 0)
+    _int_variable("LOCAL_RANK", 0, 0)
+    local = _int_variable("LOCAL_WORLD_SIZE", 1, 1)
+    if rank >= world:
+        raise ValueError(f"RANK: the environment variable holds {rank}, but WORLD_SIZE is {world} (ranks 0..{world - 1}); "
+                         "unset them, or launch with torchrun")
+    return world, rank, local
+
+
+def check_launch() -> None:
+    """For a command line (``qkmla train``): refuse torchrun variables that no torchrun set.
+
+    Raises:
+        ValueError naming the variables: WORLD_SIZE > 1 in a process torchrun did not start
+        (it would wait for the other ranks forever).
+    """
+    world, _, _ = dist_environment()
+    if world > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        stale = " ".join(n for n in DIST_VARIABLES if n in os.environ)
+        raise ValueError(f"WORLD_SIZE: the environment says {world} ranks, but this process was not started by "
+                         f"torchrun (no TORCHELASTIC_RUN_ID): variables left from an earlier job? `unset {stale}`, "
+                         "or launch with `torchrun --nproc_per_node N -m qkmla.train ...`")
