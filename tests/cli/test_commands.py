@@ -342,7 +342,6 @@ def test_one_prompt_is_printed_as_it_is_generated(mla_run, capsys, monkeypatch):
 def test_an_error_of_the_machine_is_one_line_naming_the_path(monkeypatch, capsys):
     """A read-only file, no permission, a full disk, memory run out: one line, exit 1, no
     "internal error" (those are for qkmla's bugs)."""
-    from qkmla.cache import size
 
     for error, line in [(PermissionError(13, "Permission denied", "/runs/a/metrics.jsonl"),
                          "qkmla cache-size: /runs/a/metrics.jsonl: Permission denied"),

@@ -539,7 +539,7 @@ def constructor_rows():
                               "capacity: expected a positive int") for v in (0, -1, math.nan, math.inf, 2**64 * 1.0)]),
         Row("PagedLayout", "size", "a block table holding 2**40 (past memory)",
             lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
-                4, block_table=torch.tensor([[0, 2**40]]))), ValueError, f"block_table: .*num_blocks=1099511627777.*")),
+                4, block_table=torch.tensor([[0, 2**40]]))), ValueError, "block_table: .*num_blocks=1099511627777.*")),
         Row("PagedLayout", "size", "block_size 0, negative, a block id < 0",
             lambda e: [raises(lambda: PagedLayout(0), ValueError, "block_size"),
                        raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(

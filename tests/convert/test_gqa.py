@@ -430,7 +430,7 @@ def test_the_activation_weighted_latent_is_exact_at_full_rank_and_closer_on_its_
     for latent in ("weights", "activations"):
         model, report = convert_gqa(src, kv_lora_rank=12, latent=latent, calibration=calibration)
         errors[latent] = max_rel(logits(model, ids), logits(src, ids))
-        assert any(f"rank 12 of [W_K ; W_V] (relative error per layer" in a for a in report.approximate)
+        assert any("rank 12 of [W_K ; W_V] (relative error per layer" in a for a in report.approximate)
     print(f"rank 12 of 32: logit error weights {errors['weights']:.3g}, activations {errors['activations']:.3g}")
     assert errors["activations"] < errors["weights"]
     with pytest.raises(ValueError, match="calibration: latent='activations' weights the factorization"):

@@ -141,7 +141,6 @@ def test_the_profile_run_forms_the_key_scalars_the_write_forms():
     """vLLM sizes the cache from the peak of a profile run that writes no cache and runs no attention:
     the layer then forms the key scalars of all its tokens twice, as the write does from the latents
     (its GEMM) and as the prefill does from the content keys (its float32 statistic)."""
-    from functools import partial
 
     from qkmla import QKNormConfig
     from qkmla.attention.absorbed import content_key_scalars
