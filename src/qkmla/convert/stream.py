@@ -78,6 +78,9 @@ class CheckpointStream:
 
         self.root = Path(root)
         self.weight_map, self.listing = _weight_map(self.root)
+        self.shards: dict[str, list[str]] = {}  # shard file -> its tensor names, in the index's order
+        for name, file in self.weight_map.items():
+            self.shards.setdefault(file, []).append(name)
         self.config = transformers.AutoConfig.from_pretrained(self.root, local_files_only=True)
         model_type = stock_model_type(self.config.model_type)
         if model_type not in _CLASSES:
@@ -102,9 +105,9 @@ class CheckpointStream:
         for name in (EMBED, FINAL_NORM):
             if name not in self.weight_map:
                 raise ValueError(f"hf_dir: {self.listing} has no tensor {name!r}")
-        for file in sorted(set(self.weight_map.values())):
+        for file in sorted(self.shards):
             with _open(self.root / file) as f:
-                for name in (k for k, v in self.weight_map.items() if v == file and k in want):
+                for name in (k for k in self.shards[file] if k in want):
                     got = tuple(f.get_slice(name).get_shape())
                     if got != want[name]:
                         raise ValueError(f"hf_dir: {self.root / file}: {name} has shape {got}; the config in "
@@ -182,20 +185,24 @@ def _run_layer(model, hidden: torch.Tensor) -> torch.Tensor:
     return model.model(inputs_embeds=hidden, use_cache=False).last_hidden_state
 
 
-def causal_lm_loss(stream: CheckpointStream, hidden: torch.Tensor, ids: torch.Tensor) -> float:
-    """The next-token loss transformers' causal LM gives (mean over every predicted token, logits in
-    float32) from the last layer's output [B, T, hidden]: the final norm and LM head read from the
-    checkpoint, the vocabulary-wide logits computed a row at a time."""
+def causal_lm_losses(stream: CheckpointStream, hidden: dict[str, torch.Tensor], ids: torch.Tensor) -> dict:
+    """{name: the next-token loss transformers' causal LM gives} (mean over every predicted token,
+    logits in float32) for each last layer's output [B, T, hidden] in ``hidden``: the final norm
+    (the model's own class) and the LM head read from the checkpoint once, the vocabulary-wide
+    logits computed a row at a time."""
     weight = stream.tensor(LM_HEAD if LM_HEAD in stream.weight_map else EMBED)
-    norm_weight, eps = stream.tensor(FINAL_NORM), stream.config.rms_norm_eps
-    total, count = 0.0, 0
-    for h, row in zip(hidden, ids):
-        h32 = h.float()
-        h = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype) * norm_weight
-        logits = (h @ weight.T).float()
-        total += float(F.cross_entropy(logits[:-1], row[1:], reduction="sum"))
-        count += row.numel() - 1
-    return total / count
+    meta_norm = stream._meta.model.norm
+    norm = type(meta_norm)(meta_norm.weight.shape[0], eps=stream.config.rms_norm_eps)
+    norm.weight = torch.nn.Parameter(stream.tensor(FINAL_NORM), requires_grad=False)
+    losses = {}
+    for name, h_all in hidden.items():
+        total, count = 0.0, 0
+        for h, row in zip(h_all, ids):
+            logits = (norm(h) @ weight.T).float()
+            total += float(F.cross_entropy(logits[:-1], row[1:], reduction="sum"))
+            count += row.numel() - 1
+        losses[name] = total / count
+    return losses
 
 
 def calibrate_streaming(stream: CheckpointStream, norm: QKNormConfig, input_ids: Optional[torch.Tensor],
@@ -252,7 +259,7 @@ def calibrate_streaming(stream: CheckpointStream, norm: QKNormConfig, input_ids:
                             for k, v in layer.state_dict().items()
                             if any(f"self_attn.{k}".startswith(t) for t in NORM_TENSORS)})
             del model, layer
-        loss = {name: causal_lm_loss(stream, h, held_out_ids) for name, h in streams.items()}
+        loss = causal_lm_losses(stream, streams, held_out_ids) if streams else {}
     if h_cal is None:
         return {}, tensors
     return {"layers": dict(sorted(reports.items())), "loss": loss or None, "tokens": input_ids.numel()}, tensors
@@ -307,7 +314,7 @@ def write_weights(stream: CheckpointStream, out: Path, extra: dict[str, torch.Te
     last shard; the index naming every tensor's shard. Returns the weight map written."""
     from ..utils.files import save_safetensors, write_text
 
-    files = sorted(set(stream.weight_map.values()))
+    files = sorted(stream.shards)
     count = len(files) + bool(extra)
     names = {file: f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k, file in enumerate(files)}
     keep = float32_modules(stream.model_class, dtype)
@@ -320,7 +327,7 @@ def write_weights(stream: CheckpointStream, out: Path, extra: dict[str, torch.Te
             _cast_shard(stream.root / file, target, dtype, keep)
         sizes = _sizes(target)
         total += sum(sizes.values())
-        weight_map.update({k: names[file] for k in stream.weight_map if stream.weight_map[k] == file})
+        weight_map.update(dict.fromkeys(stream.shards[file], names[file]))
     if extra:
         last = f"model-{count:05d}-of-{count:05d}.safetensors"
         save_safetensors({k: v.contiguous() for k, v in extra.items()}, out / last, metadata={"format": "pt"})
@@ -343,5 +350,5 @@ def copy_other_files(root: Path, out: Path, skip) -> list[str]:
     return copied
 
 
-__all__ = ["CheckpointStream", "calibrate_streaming", "causal_lm_loss", "copy_other_files", "keeps_float32",
+__all__ = ["CheckpointStream", "calibrate_streaming", "causal_lm_losses", "copy_other_files", "keeps_float32",
            "write_weights"]
