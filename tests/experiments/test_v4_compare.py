@@ -122,3 +122,28 @@ def test_quick_end_to_end(tmp_path):
     assert summary["errors"] == [] and summary["primary"]["status"] == "complete"
     assert summary["chosen_lr"] == {a: QUICK["bracket"][0] for a in ARMS}
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_best_rate_at_an_end_adds_the_next_rate_once_then_the_main_seeds_follow(tmp_path, monkeypatch):
+    from qkmla.experiments.v4_compare import design
+
+    options = Options(tmp_path)
+    losses = {"v4": {2.5e-3: 1.3, 5e-3: 1.2, 1e-2: 1.1, 2e-2: 1.0}, "mla-qknorm": {2.5e-3: 1.2, 5e-3: 1.1, 1e-2: 1.3},
+              "mla": {1.25e-3: 1.4, 2.5e-3: 1.0, 5e-3: 1.1, 1e-2: 1.2}}
+    finished = set()  # (arm, lr) whose runs on both tuning seeds are scored
+
+    def score(options, runs):
+        arm, lr = runs[0].variant, runs[0].labels["lr"]
+        return losses[arm][lr] if (arm, lr) in finished else None
+
+    monkeypatch.setattr(design, "_score", score)
+    finished |= {(a, lr) for a in ARMS for lr in BRACKET}
+    runs = plan(options)
+    extra = {(r.variant, r.labels["lr"]) for r in runs} - finished
+    assert extra == {("v4", 2e-2), ("mla", 1.25e-3)} and {r.labels["stage"] for r in runs} == {"bracket"}
+    finished |= extra  # v4's 2e-2 is best again, at the new end: no second extension
+    runs = plan(options)
+    assert design.chosen_rates(options)[1] == {"v4": 2e-2, "mla-qknorm": 5e-3, "mla": 2.5e-3}
+    main = [r for r in runs if r.labels["stage"] == "main"]
+    assert [(r.labels["seed"], r.variant) for r in main] == [(s, a) for s in SEEDS for a in ARMS]
+    assert all(r.labels["lr"] == {"v4": 2e-2, "mla-qknorm": 5e-3, "mla": 2.5e-3}[r.variant] for r in main)

@@ -9,6 +9,8 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from ...model.gpt import GPT
 from ...train.config import TrainConfig
 from ...train.plot import read_metrics
@@ -76,8 +78,6 @@ def settings(options: Options, arm: str, lr: float, seed: int) -> dict:
 def arm_model(options: Options, arm: str, seed: int, vocab_size: int = 84) -> GPT:
     """The model a run of ``arm`` starts from, built as the trainer builds it (84: the
     shakespeare corpus's characters)."""
-    import torch
-
     cfg = TrainConfig(**settings(options, arm, BRACKET[0], seed))
     torch.manual_seed(cfg.seed)
     return GPT(cfg.model_config(vocab_size))
