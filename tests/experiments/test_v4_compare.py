@@ -41,6 +41,8 @@ def test_equal_cache_values_per_token_and_parameters_within_two_percent():
     for arm, m in models.items():
         per_layer = [c.bytes_per_token for c in m.make_caches(1, 1)]
         assert per_layer == [4 * CACHE_VALUES_PER_TOKEN] * 4, arm  # float32, each of the 4 layers
+        bf16 = [c.bytes_per_token for c in m.make_caches(1, 1, dtype=torch.bfloat16)]
+        assert bf16 == [2 * CACHE_VALUES_PER_TOKEN] * 4, arm  # QK-norm's scalars in bf16 too: 296 bytes
     v4, qk, plain = (models[a].blocks[0].attn.config for a in ("v4", "mla-qknorm", "mla"))
     assert (v4.head_dim, v4.rope_head_dim, v4.q_lora_rank, v4.attention_sinks, v4.num_heads) == (148, 20, 48, True, 3)
     assert (qk.kv_lora_rank, qk.qk_rope_head_dim, qk.num_key_scalars) == (125, 20, 3)
