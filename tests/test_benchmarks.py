@@ -306,13 +306,13 @@ def test_committed_runs_are_thinned_as_their_manifests_record_and_recompute_ever
 
 
 def test_runs_archived_thinned_by_their_experiment_recompute_every_results_row():
-    """An experiment that archives its metrics thinned (qknorm-confirm: ``Experiment.thin_metrics``) is
+    """An experiment that archives its metrics thinned (qknorm-confirm, v4-compare: ``Experiment.thin_metrics``) is
     left alone by benchmarks/thin_metrics.py, and its committed runs give its committed results rows."""
     from qkmla.experiments.grid import Run
     from qkmla.experiments.results import read_results, summarize
 
     thin = load("thin_metrics")
-    assert thin.self_thinned() == {"qknorm-confirm"}
+    assert thin.self_thinned() == {"qknorm-confirm", "v4-compare"}
     for name in thin.self_thinned():
         where = BENCHMARKS / "results" / "experiments" / name
         if not (where / "results.jsonl").is_file():

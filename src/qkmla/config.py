@@ -332,6 +332,81 @@ class AttentionConfig:
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class SharedKVConfig:
+    """DeepSeek-V4's attention without its sequence compression: one shared key = value vector
+    per token (MQA), QK-normed by construction (MATH.md, "Shared-KV attention (DeepSeek-V4)").
+
+    Per token and head, with d = ``hidden_size``, h = ``num_heads``, D = ``head_dim``, d_r =
+    ``rope_head_dim`` and d_cq = ``q_lora_rank``::
+
+        q_h = RMS(W_UQ RMSNorm_w(W_DQ x))_h     per-head RMS norm without a weight, [D]
+        c   = RMSNorm_w(W_KV x)                  the shared key = value, [D], cached
+        RoPE on the last d_r dims of q_h and c; o_h = softmax(tau q_h . c_s, sink_h) c_s;
+        the last d_r dims of o_h rotated back to position 0 at the query's position; W_O.
+
+    The cache holds c alone: D floats per token and layer (MLA holds d_c + d_r, + G scalars
+    with a QK norm). Follows transformers' ``DeepseekV4Attention`` (5.24) on its sliding-window
+    layers; its compressor, indexer, sliding window and grouped low-rank output projection are
+    not here (a plain ``o_proj``).
+
+    Args:
+        head_dim: D, the width of every query head, of the shared vector and of a cache row.
+        rope_head_dim: d_r, the trailing dims RoPE rotates (even, at most D).
+        q_lora_rank: d_cq of the query's down-projection (with its weighted RMSNorm, as V4);
+            None for a direct ``q_proj``.
+        attention_sinks: one learned logit per head (initialized to 0) in the softmax's
+            denominator, as V4 and gpt-oss.
+        softmax_scale: tau; None means D ** -0.5 (V4's).
+        norm_eps: eps of the three RMS norms (V4: 1e-6).
+    """
+
+    hidden_size: int = 64
+    num_heads: int = 4
+    head_dim: int = 32
+    rope_head_dim: int = 8
+    q_lora_rank: Optional[int] = 16
+    attention_sinks: bool = True
+    rope_theta: float = 10000.0
+    softmax_scale: Optional[float] = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "head_dim", "rope_head_dim"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
+        _check_rope("rope_head_dim", self.rope_head_dim, self.rope_theta)
+        if self.rope_head_dim > self.head_dim:
+            raise ValueError(f"rope_head_dim: RoPE rotates the last dims of a head, so at most "
+                             f"head_dim={self.head_dim}, got {self.rope_head_dim}")
+        if not isinstance(self.attention_sinks, bool):
+            raise ValueError(f"attention_sinks: expected True or False, got {self.attention_sinks!r}")
+        _check_softmax_scale(self.softmax_scale)
+        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \
+                or not 0 <= self.norm_eps < math.inf:
+            raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
+
+    has_qk_norm = True  # the norms are the design, not an option
+    learnable_logit_scale = False
+
+    @property
+    def nope_head_dim(self) -> int:
+        """D - d_r, the dims RoPE leaves alone."""
+        return self.head_dim - self.rope_head_dim
+
+    @property
+    def cache_floats_per_token(self) -> int:
+        """Values one token leaves in one layer's cache: the shared vector, D."""
+        return self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.head_dim ** -0.5
+
+    def replace(self, **changes) -> "SharedKVConfig":
+        return dataclasses.replace(self, **changes)
+
+
 # DeepSeek-V2-Lite and V3 values from their published configs. "deepseek-v3-tp8" is the
 # local view of one GPU at tensor parallelism 8: 16 of the 128 heads (and KV groups).
 MLA_PRESETS: dict[str, MLAConfig] = {

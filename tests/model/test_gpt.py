@@ -14,7 +14,7 @@ def test_every_variant_trains_a_step(attn):
     assert all(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("attn", ["mla-qknorm", "mla-lp", "mla", "gqa-qknorm", "mha"])
+@pytest.mark.parametrize("attn", ["mla-qknorm", "mla-lp", "mla", "gqa-qknorm", "mha", "v4"])
 def test_logits_with_cache_equal_logits_without(attn):
     model = GPT(GPT_PRESETS["debug"].replace(attn=attn)).double().eval()
     idx = torch.randint(0, 65, (2, 20))
@@ -96,3 +96,47 @@ def test_logit_scale_param_is_checked():
         GPTConfig(attn="mha-lp", logit_scale_param="sqrt")
     with pytest.raises(ValueError, match="logit_scale_param: 'log' needs a learned logit scale"):
         GPTConfig(attn="mla-qknorm", logit_scale_param="log")
+
+
+def test_v4_caches_what_plain_mla_caches_by_default():
+    """v4's default shared vector is d_c + d_r wide: plain MLA's cache row at the same shape."""
+    cfg = GPT_PRESETS["cpu"].replace(n_head=3, n_embd=192)
+    v4, mla = GPT(cfg.replace(attn="v4")), GPT(cfg.replace(attn="mla"))
+    a = v4.blocks[0].attn.config
+    assert (a.head_dim, a.rope_head_dim, a.q_lora_rank, a.attention_sinks) == (148, 20, None, True)
+    assert v4.make_caches(1, 4)[0].bytes_per_token == mla.make_caches(1, 4)[0].bytes_per_token == 148 * 4
+    assert GPT(cfg.replace(attn="v4", shared_kv_dim=64, attention_sinks=False)).blocks[0].attn.sinks is None
+
+
+def test_init_seed_draws_each_tensor_by_name():
+    """With init_seed, tensors of the same name and shape are equal across variants whose attention
+    differs (without it the attention's draws shift every later tensor), and another seed differs."""
+    cfg = GPT_PRESETS["debug"].replace(init_seed=7)
+    a, b = GPT(cfg.replace(attn="v4")), GPT(cfg.replace(attn="mla"))
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    shared = [k for k in pa if k in pb and pa[k].shape == pb[k].shape]
+    assert "blocks.1.mlp.up.weight" in shared and "wte.weight" in shared
+    assert all(torch.equal(pa[k], pb[k]) for k in shared)
+    torch.manual_seed(0)
+    plain_a = dict(GPT(cfg.replace(attn="v4", init_seed=None)).named_parameters())
+    torch.manual_seed(0)
+    plain_b = dict(GPT(cfg.replace(attn="mla", init_seed=None)).named_parameters())
+    assert not torch.equal(plain_a["blocks.1.mlp.up.weight"], plain_b["blocks.1.mlp.up.weight"])
+    other = dict(GPT(cfg.replace(attn="v4", init_seed=8)).named_parameters())
+    assert not torch.equal(other["wte.weight"], pa["wte.weight"])
+    residual = pa["blocks.0.mlp.down.weight"].std() / pa["blocks.0.mlp.up.weight"].std()
+    assert 0.3 < float(residual) < 0.7  # GPT-2's 1 / sqrt(2 n_layer) = 0.5 kept for residual projections
+    assert torch.equal(pa["blocks.0.attn.sinks"], torch.zeros(4))
+
+
+def test_v4_options_are_checked():
+    with pytest.raises(ValueError, match="shared_kv_dim: only the v4 variant"):
+        GPTConfig(attn="mla", shared_kv_dim=64)
+    with pytest.raises(ValueError, match="attention_sinks: only the v4 variant"):
+        GPTConfig(attn="mha", attention_sinks=True)
+    with pytest.raises(ValueError, match="learnable_logit_scale: the v4 variant"):
+        GPTConfig(attn="v4", learnable_logit_scale=True)
+    with pytest.raises(ValueError, match="init_seed"):
+        GPTConfig(init_seed=-1)
+    with pytest.raises(ValueError, match="policy"):
+        GPT(GPTConfig(attn="v4")).make_caches(1, 4, policy=object())

@@ -111,3 +111,19 @@ def test_a_statistic_over_the_projection_lets_one_head_hold_it_all_and_the_bound
     q, k, _ = mla.explicit_qkv(x, torch.arange(12).expand(2, 12))
     assert float(max_logits(q, k, mla.scale).max()) <= bound * (1 + 1e-9)
     assert logit_bound(MLA(cfg.replace(qk_norm=QKNormConfig("rms", mode="content")))) is None
+
+
+def test_the_shared_kv_bound_holds_and_unit_gains_give_sqrt_of_the_width():
+    """v4: an unweighted unit-RMS query against a weighted RMSNorm key: tau D max|w|, sqrt(D) at unit gains."""
+    from qkmla.attention.shared_kv import SharedKVAttention
+    from qkmla.config import SharedKVConfig
+
+    torch.manual_seed(0)
+    attn = SharedKVAttention(SharedKVConfig(hidden_size=32, num_heads=2, head_dim=16, rope_head_dim=4, q_lora_rank=8))
+    assert logit_bound(attn) == pytest.approx(math.sqrt(16))
+    with torch.no_grad():
+        attn.kv_norm.weight.mul_(3.0)
+    assert logit_bound(attn) == pytest.approx(3 * math.sqrt(16))
+    attn.track_max_logits = True
+    attn(torch.randn(4, 12, 32))
+    assert float(attn.last_max_logits.max()) <= logit_bound(attn)

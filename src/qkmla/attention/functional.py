@@ -145,3 +145,40 @@ def record_max_logits(module, q: torch.Tensor, k: torch.Tensor) -> None:
     scale = module.scale.detach() if isinstance(module.scale, torch.Tensor) else module.scale
     module.last_max_logits = max_logits(q, k, scale)
     module.max_logit_seconds = time.perf_counter() - t0
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale, sinks: torch.Tensor,
+                   mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, the sink, that attends to nothing
+    (gpt-oss, DeepSeek-V4): p_s = exp(l_s) / (exp(sink_h) + sum_s' exp(l_s')).
+
+    SDPA has no sink, so the logits are materialized ([B, h, T, S]): a reference for the short
+    sequences trained here.
+
+    Args:
+        q: [B, T, h, D]; k: [B, S, G, D]; v: [B, S, G, Dv]; G divides h.
+        scale: logit scale, a float or [h]; sinks: [h] logits.
+        mask: [B, T, S] bool, True where a key is visible; causal: T == S causal (no mask).
+
+    Returns:
+        [B, T, h, Dv] in q's dtype; a row with no visible key gives 0 (its weight is all on the sink).
+    """
+    B, T, h, _ = q.shape
+    S, G = k.shape[1], k.shape[2]
+    acc = accumulate_dtype(q.dtype)
+    qq = (q.to(acc) * per_head(scale, 1)).transpose(1, 2)  # [B, h, T, D]
+    kk, vv = (t.to(acc).transpose(1, 2) for t in (k, v))  # [B, G, S, D]: broadcast over the heads when G == 1
+    if G not in (1, h):
+        kk, vv = (t.repeat_interleave(h // G, dim=1) for t in (kk, vv))
+    s = qq @ kk.transpose(-1, -2)  # [B, h, T, S]
+    if causal:
+        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    elif mask is not None:
+        keep = mask[:, None]
+    else:
+        keep = None
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    sink = sinks.to(acc).view(1, h, 1, 1).expand(B, h, T, 1)
+    p = torch.cat((s, sink), dim=-1).softmax(dim=-1)[..., :S]
+    return (p @ vv).transpose(1, 2).to(q.dtype)

@@ -18,9 +18,10 @@ from .qk_clip import EXPERIMENT as QK_CLIP
 from .qknorm_confirm import EXPERIMENT as QKNORM_CONFIRM
 from .qknorm_vs_clip import EXPERIMENT as QKNORM_VS_CLIP
 from .retrieval import EXPERIMENT as RETRIEVAL
+from .v4_compare import EXPERIMENT as V4_COMPARE
 
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (LR_SWEEP, QK_CLIP, NORM_MODE, LP_SWEEP, LENGTH, COMPRESSION,
                                                            RETRIEVAL, QKNORM_VS_CLIP, LP_PAPER,
-                                                           QKNORM_CONFIRM)}
+                                                           QKNORM_CONFIRM, V4_COMPARE)}
 
 __all__ = ["EXPERIMENTS", "Experiment", "Options", "Report", "run_experiment"]

@@ -12,12 +12,20 @@ No biases anywhere; positions come from RoPE inside attention. The attention var
     mla-qknorm                          MLA, blockwise QK RMSNorm (the paper's method)
     mla-qknorm-unified                  MLA, unified QK RMSNorm (ablation)
     mla-l2, mla-lp                      MLA with L2 / Lp QK norm (learnable logit scale)
+    v4                                  DeepSeek-V4's shared-KV MQA: one key = value vector per
+                                        token, weighted RMSNorm on it, unweighted per-head RMSNorm
+                                        on the query, partial RoPE, attention sinks
+
+``init_seed`` draws every random tensor from a generator of its own, seeded by the seed and the
+tensor's name, so two variants with that seed share every tensor they both have (the embedding,
+the MLPs), whatever their attention draws; None keeps one stream for the whole model, in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,17 +36,20 @@ from torch.nn.utils import parametrize
 
 from ..attention.mha import MultiHeadAttention
 from ..attention.mla import MLA
+from ..attention.shared_kv import SharedKVAttention
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
-from ..config import AttentionConfig, MLAConfig, QKNormConfig, fixed_config
+from ..cache.shared_kv import SharedKVCache
+from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, fixed_config
 from ..kv_formats import check_kv_format
 from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
 ATTENTION_VARIANTS = (
     "mha", "gqa", "mqa", "mha-qknorm", "gqa-qknorm", "mha-l2", "gqa-l2", "mha-lp", "gqa-lp",
-    "mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp",
+    "mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp", "v4",
 )
+INIT_SEED_MAX = 2 ** 31 - 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,10 @@ class GPTConfig:
     MLA dims by default follow DeepSeek's proportions at this width: with head_dim =
     n_embd / n_head, d_r = head_dim / 3 (even), d_n = head_dim - d_r, d_v = head_dim,
     d_c = 2 x head_dim, and a direct q_proj (``q_lora_rank`` None) unless set.
+
+    ``v4``: D = ``shared_kv_dim``, by default d_c + d_r at this shape (plain MLA's cache row, so
+    the two cache as many values per token), RoPE on its last d_r, ``q_lora_rank`` as for MLA,
+    sinks unless ``attention_sinks`` is False.
     """
 
     vocab_size: int = 65
@@ -73,6 +88,9 @@ class GPTConfig:
     # (the parameter is its log: an optimizer step changes the scale by a fraction of itself,
     # so a temperature moves as far from 1 as from 20).
     logit_scale_param: str = "linear"
+    shared_kv_dim: Optional[int] = None  # v4: D (default d_c + d_r, plain MLA's cache row)
+    attention_sinks: Optional[bool] = None  # v4: None means True (V4 has them)
+    init_seed: Optional[int] = None  # per-tensor random init (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.attn not in ATTENTION_VARIANTS:
@@ -97,6 +115,16 @@ class GPTConfig:
             raise ValueError(f"qk_norm_{e}") from None
         if self.logit_scale_param not in LOGIT_SCALE_PARAMS:
             raise ValueError(f"logit_scale_param: expected one of {LOGIT_SCALE_PARAMS}, got {self.logit_scale_param!r}")
+        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)
+                                           or not 0 <= self.init_seed <= INIT_SEED_MAX):
+            raise ValueError(f"init_seed: expected None or an int in [0, {INIT_SEED_MAX}], got {self.init_seed!r}")
+        if self.attn != "v4":
+            given = [n for n in ("shared_kv_dim", "attention_sinks") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given[0]}: only the v4 variant reads it, got attn={self.attn!r}")
+        elif self.learnable_logit_scale:
+            raise ValueError("learnable_logit_scale: the v4 variant has a fixed logit scale (as DeepSeek-V4); "
+                             "leave it None or False")
         cfg = self.attention_config()  # validates the derived attention config
         if self.logit_scale_param == "log" and not cfg.learnable_logit_scale:
             raise ValueError(f"logit_scale_param: 'log' needs a learned logit scale, which attn={self.attn!r} does not "
@@ -110,8 +138,18 @@ class GPTConfig:
     def is_mla(self) -> bool:
         return self.attn.startswith("mla")
 
+    def _mla_rope_dim(self) -> int:
+        return self.qk_rope_head_dim or max(2, (self.head_dim // 3) // 2 * 2)
+
     def attention_config(self):
-        """The :class:`MLAConfig` or :class:`AttentionConfig` of every layer."""
+        """The :class:`MLAConfig`, :class:`AttentionConfig` or :class:`SharedKVConfig` of every layer."""
+        if self.attn == "v4":
+            d_r = self._mla_rope_dim()
+            return SharedKVConfig(
+                hidden_size=self.n_embd, num_heads=self.n_head,
+                head_dim=self.shared_kv_dim or (self.kv_lora_rank or 2 * self.head_dim) + d_r, rope_head_dim=d_r,
+                q_lora_rank=self.q_lora_rank, attention_sinks=self.attention_sinks is not False,
+                rope_theta=self.rope_theta, softmax_scale=self.softmax_scale)
         kind, _, norm = self.attn.partition("-")
         norm_kind = {"": None, "qknorm": "rms", "qknorm-unified": "rms", "l2": "l2", "lp": "lp"}[norm]
         # Unit-L2/Lp vectors have small dot products: learn the logit scale (Henry et al.),
@@ -121,7 +159,7 @@ class GPTConfig:
         qk_norm = QKNormConfig(norm_kind, "unified" if norm == "qknorm-unified" else "blockwise",
                                self.qk_norm_p if norm_kind == "lp" else 2.0, learnable_logit_scale=learnable)
         if kind == "mla":
-            d_r = self.qk_rope_head_dim or max(2, (self.head_dim // 3) // 2 * 2)
+            d_r = self._mla_rope_dim()
             d_n = self.head_dim - d_r if self.head_dim - d_r > 0 else self.head_dim
             init = self.softmax_scale or (math.sqrt(d_n + d_r) if unit_vectors else None)
             return MLAConfig(
@@ -168,7 +206,8 @@ class Block(nn.Module):
         super().__init__()
         attn_cfg = config.attention_config()
         self.ln_1 = nn.RMSNorm(config.n_embd)
-        self.attn = MLA(attn_cfg) if isinstance(attn_cfg, MLAConfig) else MultiHeadAttention(attn_cfg)
+        kind = {MLAConfig: MLA, AttentionConfig: MultiHeadAttention, SharedKVConfig: SharedKVAttention}
+        self.attn = kind[type(attn_cfg)](attn_cfg)
         self.ln_2 = nn.RMSNorm(config.n_embd)
         self.mlp = MLP(config.n_embd, config.mlp_ratio, config.dropout)
         self.dropout = nn.Dropout(config.dropout)
@@ -212,6 +251,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith(("o_proj.weight", "down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.init_seed is not None:
+            self._draw_per_tensor(config.init_seed)
         if config.logit_scale_param == "log":
             for block in self.blocks:
                 parametrize.register_parametrization(block.attn, "logit_scale", LogParametrization())
@@ -221,11 +262,28 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    @torch.no_grad()
+    def _draw_per_tensor(self, init_seed: int) -> None:
+        """Redraw every random weight (the Linear and Embedding weights, at the std they were given)
+        from a generator seeded by ``init_seed`` and the tensor's name; constants (norm gains,
+        sinks) stay. A tensor two variants share by name and shape is then the same in both."""
+        residual = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():  # a tied lm_head is the embedding, listed once
+            if not name.endswith("weight") or not isinstance(self.get_submodule(name.rpartition(".")[0]),
+                                                            (nn.Linear, nn.Embedding)):
+                continue
+            std = residual if name.endswith(("o_proj.weight", "down.weight")) else 0.02
+            # The CPU generator keeps 32 bits of its seed: one 32-bit hash of both
+            digest = hashlib.blake2b(f"{init_seed}/{name}".encode(), digest_size=4).digest()
+            g = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little"))
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def make_caches(self, batch_size: int, capacity: int, policy=None, kv_format: str = "dense", **kwargs) -> list:
-        """One cache per layer: a :class:`LatentCache` for MLA variants, a :class:`FullKVCache` otherwise.
+        """One cache per layer: a :class:`LatentCache` for MLA variants, a :class:`SharedKVCache` for v4,
+        a :class:`FullKVCache` otherwise.
 
         ``policy``: an eviction policy (``qkmla.cache.eviction``) every layer's latent cache runs
         on its own tokens and scores; ``kv_format``: how the latent caches store their latents
@@ -244,7 +302,7 @@ class GPT(nn.Module):
             kwargs["kv_format"] = kv_format
         for block in self.blocks:
             cfg = block.attn.config
-            cls = LatentCache if isinstance(cfg, MLAConfig) else FullKVCache
+            cls = {MLAConfig: LatentCache, SharedKVConfig: SharedKVCache}.get(type(cfg), FullKVCache)
             caches.append(cls.from_config(cfg, batch_size, capacity, dtype=dtype, device=self.wte.weight.device, **kwargs))
         return caches
 

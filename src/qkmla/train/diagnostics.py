@@ -26,6 +26,7 @@ import torch
 
 from ..attention.mha import MultiHeadAttention
 from ..attention.mla import MLA
+from ..attention.shared_kv import SharedKVAttention
 from ..norms import rows_per_head
 
 
@@ -58,6 +59,10 @@ def logit_bound(attn) -> Optional[float]:
     norm weights and logit scale; None without a QK norm, and in MLA's content mode, whose RoPE
     block takes the content block's statistic and so has no fixed length (unbounded)."""
     c = attn.config
+    if isinstance(attn, SharedKVAttention):
+        # |q_h . c| <= |q_h| |c|: an unweighted unit-RMS query has length sqrt(D), the shared
+        # vector at most max|w| sqrt(D) (RoPE rotates pairs, lengths stay): tau D max|w|.
+        return c.scale * c.head_dim * float(attn.kv_norm.weight.detach().abs().max())
     if not c.has_qk_norm or c.qk_norm.mode == "content":
         return None
     kind, p = c.qk_norm.kind, c.qk_norm.p
