@@ -214,5 +214,7 @@ def test_refused_with_the_reason():
     model = patched(v32_model())
     with pytest.raises(ValueError, match="output_attentions"):
         model(prompts(1, 6), output_attentions=True)
-    with pytest.raises(ValueError, match="cache_implementation"):
+    with pytest.raises(ValueError, match="cache_implementation: .* static cache of a sparse attention model"):
         model.generate(prompts(1, 6), max_new_tokens=2, cache_implementation="static")
+    with pytest.raises(ValueError, match="cache_implementation: a sparse attention model"):
+        model(prompts(1, 6), **{CACHE: LatentAttentionCache(model, max_cache_len=16, static=True)})

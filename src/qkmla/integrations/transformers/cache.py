@@ -313,6 +313,10 @@ def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> No
         return
     kind = type(layer).__name__
     if isinstance(layer, StaticLayer):
+        if "Indexed" in kind:  # transformers' static cache for a sparse attention model (DeepSeek-V3.2)
+            raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind} (the "
+                             f"static cache of a sparse attention model); qkmla decodes sparse attention over the "
+                             f"growing latent cache, whose layers keep the indexer's keys. Use the default cache")
         if type(layer) is not StaticLayer:
             raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind}, which "
                              f"qkmla's latent attention cannot replace (DeepSeek models attend over every token); "
