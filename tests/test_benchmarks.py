@@ -109,6 +109,30 @@ def test_bench_hf_generate_times_every_variant_on_a_tiny_model(monkeypatch):
     assert all(s["decode_speedup"] > 0 for s in summary)
 
 
+def test_bench_hf_sparse_times_every_variant_both_fills_on_a_tiny_model(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV32ForCausalLM"):
+        pytest.skip("DeepSeek-V3.2 is not in this transformers")
+    bench = load("bench_hf_sparse")
+    monkeypatch.setattr(bench, "SHAPE", dict(bench.SHAPE, hidden_size=64, intermediate_size=64, q_lora_rank=32,
+                                             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                                             num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+                                             index_topk=16, index_head_dim=16, index_n_heads=4))
+    monkeypatch.setattr(bench, "FILL_CHUNK", 64)
+    rows = [bench.run_cell("float32", context, v, steps=1, warmup=1, chunk=64, prefill_max=100, threads=1)
+            for context in (100, 150) for v in bench.VARIANTS]
+    assert [(r["context"], r["variant"]) for r in rows] == [(c, v) for c in (100, 150) for v in bench.VARIANTS]
+    assert rows[0]["fill"] == "prefill, chunks of 64" and rows[0]["prefill_s"] > 0
+    assert rows[3]["fill"].startswith("by projection") and rows[3]["prefill_s"] is None
+    for row in rows:  # two layers: the indexer's keys, 16 floats a token, beside each variant's rows
+        assert row["indexer_key_bytes_per_token"] == 2 * 16 * 4
+    assert rows[0]["attention_cache_bytes_per_token"] == rows[1]["attention_cache_bytes_per_token"] == 2 * 40 * 4
+    assert rows[2]["attention_cache_bytes_per_token"] == 2 * (40 + 4) * 4  # + a key scalar per head (KV group)
+    summary = bench.summarize(rows)
+    assert [s["variant"] for s in summary] == ["qkmla", "qkmla-qknorm"] * 2
+    assert all(s["decode_speedup"] > 0 for s in summary) and "decode_time_vs_plain" in summary[1]
+
+
 def test_bench_hf_generate_refuses_to_replace_a_results_file(tmp_path, capsys):
     bench = load("bench_hf_generate")
     out = tmp_path / "r.json"

@@ -40,6 +40,7 @@ from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key
 from .functional import default_positions, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
+from .selection import check_selection, selection_mask
 
 
 def projection_shapes(c: MLAConfig) -> dict[str, tuple[int, ...]]:
@@ -251,7 +252,8 @@ class MLA(nn.Module):
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, cache=None, *, positions: Optional[torch.Tensor] = None,
-                input_lengths: Optional[torch.Tensor] = None, path: str = "auto") -> torch.Tensor:
+                input_lengths: Optional[torch.Tensor] = None, path: str = "auto",
+                indices: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend over x (and the cache), writing x's tokens into the cache.
 
         Args:
@@ -263,11 +265,18 @@ class MLA(nn.Module):
                 sequence b are real (right padding); their outputs are meaningful, the rest are not.
             path: "auto" (explicit without a cache or for a prefill into an empty latent cache,
                 absorbed otherwise), "explicit", "absorbed" or "expand" (re-expand cached keys).
+            indices: [B, T, topk] int, with a latent cache: a sparse (top-k) attention's selection,
+                the cache slots (after this write) each new token attends to, -1 for none; the
+                caller's selection is the whole visibility rule (it must be causal). Every path
+                honours it: the absorbed decode reads only those rows and their key scalars (the
+                op's ``indices``), the explicit prefill and "expand" mask the other keys.
 
         Returns:
             [B, T, hidden_size]
         """
         path = resolve_path(self, x, cache, path, input_lengths)
+        if indices is not None:
+            check_selection(indices, x, cache)
         if cache is None:
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
@@ -280,24 +289,30 @@ class MLA(nn.Module):
             k, v = cache.update(slot, k, v)
             return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
         with cache.transaction():  # a failure after the write takes x's tokens out again
-            out, queries = self._attend_latent(x, cache, slot, path)
+            out, queries = self._attend_latent(x, cache, slot, path, indices)
             # The cache's eviction policy, if it has one, may drop tokens now; it reads
             # queries() only if it ranks tokens by attention.
             cache.after_attention(self, slot, queries)
         return self.o_proj(out.flatten(2))
 
-    def _attend_latent(self, x: torch.Tensor, cache: LatentCache, slot, path: str):
-        """Write x's rows into the latent cache and attend along ``path``. Returns the heads'
-        outputs [B, T, h, d_v] and a function giving x's latent queries (q_lat, q_rope)."""
+    def _attend_latent(self, x: torch.Tensor, cache: LatentCache, slot, path: str,
+                       indices: Optional[torch.Tensor] = None):
+        """Write x's rows into the latent cache and attend along ``path`` (to the slots ``indices``
+        selects, if given). Returns the heads' outputs [B, T, h, d_v] and a function giving x's
+        latent queries (q_lat, q_rope)."""
         if path in ("explicit", "expand"):
             latent = self.latent(x)  # projected once: for the cache rows and the explicit keys
             cache.append(slot, **self.cache_rows(x, slot.positions, latent, cache))
             if path == "explicit":  # a prefill into an empty latent cache
                 q, k, v = self.explicit_qkv(x, slot.positions, latent)
-                out = sdpa(q, k, v, self.scale, causal=True)
+                mask = selection_mask(indices, x.shape[1]) if indices is not None else None
+                out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
             else:
                 k, v = self.expand_cache(*cache.load())
-                out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=slot.key_mask())
+                mask = slot.key_mask()
+                if indices is not None:
+                    mask = selection_mask(indices, k.shape[1])
+                out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=mask)
             return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
@@ -309,8 +324,10 @@ class MLA(nn.Module):
         backend = resolve_backend(self.config.decode_backend, q_lat, q_rope, view["kv_cache"], view["scale_cache"],
                                   self.scale, view["kv_format"], written=rows)
         cache.append(slot, **rows)
+        visible = slot.visible_lens() if indices is None else None  # the selection is the whole rule
         o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
-                                           backend=backend, mode=self.score_mode, visible_lens=slot.visible_lens())
+                                           backend=backend, mode=self.score_mode, visible_lens=visible,
+                                           indices=indices)
         return values_out(o_lat, self.absorbed), lambda: (q_lat, q_rope)
 
     @property

@@ -36,7 +36,7 @@ _OURS = ("q_norm.", "k_norm.", "logit_scale")
 
 
 # transformers' DeepSeek model types, and a QK-normed checkpoint's own (hub.record.QK_MODEL_TYPES)
-_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qkmla_deepseek_v2", "qkmla_deepseek_v3")
+_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "qkmla_deepseek_v2", "qkmla_deepseek_v3")
 _MISSING = object()
 
 
@@ -117,9 +117,10 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
         raise ValueError(f"num_kv_groups: hf_config records {groups} KV groups in its {RECORD!r} entry; got "
                          f"{overrides['num_kv_groups']!r}; leave num_kv_groups out")
     theta, scaling = hf_rope(hf_config, overrides.pop("any_rope_type", False))
-    # V2 always rotates interleaved pairs; V3 does unless rope_interleave is False.
-    v2 = stock_model_type(model_type) == "deepseek_v2"
-    interleave = True if v2 else bool(_get(hf_config, "rope_interleave", True))
+    # V2 and V3.2 always rotate interleaved pairs (V3.2's config has no rope_interleave); V3 does
+    # unless rope_interleave is False.
+    always = stock_model_type(model_type) in ("deepseek_v2", "deepseek_v32")
+    interleave = True if always else bool(_get(hf_config, "rope_interleave", True))
     heads = _get(hf_config, "num_attention_heads")
     fields = dict(
         hidden_size=_get(hf_config, "hidden_size"), num_heads=heads, num_kv_groups=groups or heads,

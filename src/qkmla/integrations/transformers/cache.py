@@ -33,6 +33,7 @@ import math
 from typing import Optional
 
 import torch
+from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
 from ...cache.eviction import EvictionPolicy
@@ -43,6 +44,9 @@ from .patched import latent_layers, model_settings
 from .static import StaticLatentCacheLayer, check_static_settings
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
+# The empty transformers layers a latent layer replaces: DynamicCache's, and its sparse attention
+# models' (DeepSeek-V3.2: the indexer's keys beside keys and values; transformers >= 5.x only).
+_DYNAMIC_LAYERS = tuple(c for c in (DynamicLayer, getattr(cache_utils, "DynamicIndexedLayer", None)) if c is not None)
 
 
 def check_cache_settings(kv_format, policy, max_cache_len) -> None:
@@ -309,6 +313,10 @@ def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> No
         return
     kind = type(layer).__name__
     if isinstance(layer, StaticLayer):
+        if "Indexed" in kind:  # transformers' static cache for a sparse attention model (DeepSeek-V3.2)
+            raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind} (the "
+                             f"static cache of a sparse attention model); qkmla decodes sparse attention over the "
+                             f"growing latent cache, whose layers keep the indexer's keys. Use the default cache")
         if type(layer) is not StaticLayer:
             raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind}, which "
                              f"qkmla's latent attention cannot replace (DeepSeek models attend over every token); "
@@ -329,7 +337,7 @@ def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> No
                          f"(cache_implementation=\"quantized\"), which quantizes keys and values; qkmla's attention "
                          f"caches latent rows, quantized with apply_latent_attention(model, kv_format=\"fp8\", "
                          f"\"int8\" or \"int4\") or LatentAttentionCache(model, kv_format=...)")
-    if type(layer) is not DynamicLayer:
+    if type(layer) not in _DYNAMIC_LAYERS:
         raise ValueError(f"{name}: layer {layer_idx} is a transformers {kind}, which stores keys and values; "
                          f"qkmla's attention needs latent rows: pass "
                          f"qkmla.integrations.transformers.LatentAttentionCache(model, max_cache_len=...) for a fixed "

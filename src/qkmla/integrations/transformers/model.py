@@ -103,9 +103,9 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
     overrides = {"num_kv_groups": groups} if groups is not None else {}
-    patched = [LatentAttention.from_hf(layer.self_attn, settings, hf_rotary=getattr(inner, "rotary_emb", None),
-                                       decode_backend=decode_backend, qk_norm=norm,
-                                       **overrides)
+    patched = [attention_class(layer.self_attn).from_hf(layer.self_attn, settings,
+                                                        hf_rotary=getattr(inner, "rotary_emb", None),
+                                                        decode_backend=decode_backend, qk_norm=norm, **overrides)
                for layer in inner.layers]
     for layer, attn in zip(inner.layers, patched):
         layer.self_attn = attn
@@ -117,6 +117,14 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     _no_transformers_mask(model)
     _keep_latent_attention(model)
     return model
+
+
+def attention_class(hf_attention) -> type:
+    """qkmla's layer for a transformers MLA attention layer: :class:`~.sparse.SparseLatentAttention`
+    for one with DeepSeek's sparse attention (a lightning indexer), else :class:`LatentAttention`."""
+    from .sparse import SparseLatentAttention, is_sparse
+
+    return SparseLatentAttention if is_sparse(hf_attention) else LatentAttention
 
 
 def check_not_partitioned(model) -> None:

@@ -6,16 +6,17 @@ for a patched model without importing the patching code.
 
 from __future__ import annotations
 
-SUPPORTED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2Model", "DeepseekV3Model")
+SUPPORTED = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV2Model", "DeepseekV3Model",
+             "DeepseekV32ForCausalLM", "DeepseekV32Model")  # V3.2: sparse attention (sparse.py), transformers 5.x
 
 
 def inner_model(model):
     """The ``*Model`` holding the decoder layers, after checking the model's class."""
     import transformers
 
-    classes = tuple(getattr(transformers, name) for name in SUPPORTED)
+    classes = tuple(c for c in (getattr(transformers, name, None) for name in SUPPORTED) if c is not None)
     if not isinstance(model, classes):
-        raise ValueError(f"model: expected one of {SUPPORTED} (the DeepSeek-V2/V3 architecture), got "
+        raise ValueError(f"model: expected one of {SUPPORTED} (the DeepSeek-V2/V3/V3.2 architecture), got "
                          f"{type(model).__name__}")
     return model.model if hasattr(model, "lm_head") else model
 

@@ -1,0 +1,157 @@
+"""DeepSeek's sparse attention (DSA, DeepSeek-V3.2) over qkmla's latent cache.
+
+transformers' ``DeepseekV32Attention`` is MLA plus a lightning indexer that picks, for each query,
+the ``index_topk`` cached tokens it attends to. transformers then re-expands **every** cached
+latent through ``kv_b_proj`` and masks out all keys but the chosen ones. :class:`SparseLatentAttention`
+keeps the indexer (transformers' own module and its own small key cache, held by
+:class:`~.sparse_cache.SparseLatentCacheLayer`) and hands its choice to qkmla's MLA as a selection of
+latent cache slots:
+
+    decode (cached tokens)   the absorbed decode op with ``indices`` [B, T, topk]: it reads only the
+                             chosen rows and, with a QK norm, their key scalars (gathered with the
+                             same indices)
+    prefill (empty cache)    the explicit path, keys outside the selection masked
+    no cache                 the explicit path over the call's tokens, the indexer's mask as above
+
+The indexer is given the mask transformers would give it: causal, padding columns out; it returns
+columns of that mask, which :func:`~.sparse_cache.column_slots` turns into slots (padding is not
+cached). transformers' position embeddings (cos, sin) reach the indexer as they come, so it rotates
+its keys exactly as in the unpatched model.
+
+Not supported here, refused with the reason: an eviction policy, the static cache, ``output_attentions``
+and packed sequences with a cache (as for every latent layer).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...attention.functional import sdpa
+from ...attention.mla import MLA
+from .attention import LatentAttention, LatentCall, LatentSettings
+from .sparse_cache import column_slots, sparse_cache_layer
+
+
+def is_sparse(hf_attention) -> bool:
+    """Whether a transformers MLA attention layer has DeepSeek's sparse attention (a lightning indexer)."""
+    return getattr(hf_attention, "indexer", None) is not None
+
+
+class SparseLatentAttention(LatentAttention):
+    """transformers' ``DeepseekV32Attention``, computed by qkmla; ``indexer`` is transformers' own module.
+
+    Args: those of :class:`~.attention.LatentAttention`, and
+        indexer: the layer's lightning indexer (``DeepseekV32Indexer``): called as transformers calls it,
+            ``indexer(hidden_states, q_resid, position_embeddings, mask [B, T, C], position_ids, cache=)``
+            -> chosen columns [B, T, topk].
+    """
+
+    def __init__(self, config, layer_idx: int, projections: Optional[dict] = None,
+                 settings: Optional[LatentSettings] = None, indexer: Optional[torch.nn.Module] = None):
+        super().__init__(config, layer_idx, projections, settings)
+        if config.q_lora_rank is None:
+            raise ValueError("hf_attention: DeepSeek's indexer reads the query's low-rank residual (q_a_proj, "
+                             "q_a_layernorm), so its attention needs q_lora_rank; this config has none")
+        if indexer is not None:
+            self.indexer = indexer
+
+    @classmethod
+    def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, hf_rotary=None,
+                **overrides) -> "SparseLatentAttention":
+        """The qkmla layer for an HF sparse attention layer, sharing its weights and adopting its
+        indexer as it is (transformers keeps the indexer's ``weights_proj`` in float32 in a
+        bfloat16 model; its dtypes are left alone)."""
+        if not is_sparse(hf_attention):
+            raise ValueError(f"hf_attention: a {type(hf_attention).__name__} has no indexer (not sparse attention); "
+                             f"use LatentAttention.from_hf")
+        if settings is not None and settings.policy is not None:
+            raise ValueError("policy: a sparse attention model's indexer selects among every cached token, so its "
+                             "latent cache cannot evict tokens; patch it with policy=None")
+        indexer = hf_attention._modules.pop("indexer")  # the projections alone set the layer's dtype and device
+        try:
+            layer = super().from_hf(hf_attention, settings, hf_rotary, **overrides)
+        finally:
+            hf_attention._modules["indexer"] = indexer
+        layer.indexer = indexer
+        return layer
+
+    def with_norm(self, norm) -> "SparseLatentAttention":
+        indexer = self._modules.pop("indexer")
+        try:
+            layer = super().with_norm(norm)
+        finally:
+            self._modules["indexer"] = indexer
+        layer.indexer = indexer
+        return layer
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
+        """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).
+
+        ``position_embeddings`` (transformers' cos, sin) go to the indexer; ``attention_mask``
+        (transformers' own, None under ``apply_latent_attention``) is not read: the indexer's mask
+        is built from ``qkmla_call`` and the cache's record of padding.
+        """
+        cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
+                     None)
+        x = hidden_states
+        call = kwargs.get("qkmla_call") or LatentCall()
+        if call.attentions is not None:
+            raise ValueError("output_attentions: the attention weights of a sparse attention model patched by "
+                             "apply_latent_attention are not returned; call without output_attentions")
+        if position_embeddings is None:
+            raise ValueError("position_embeddings: DeepSeek's indexer rotates with transformers' (cos, sin), which "
+                             "the decoder layer passes; got None")
+        valid = call.valid.to(x.device) if call.valid is not None else None
+        documents = call.documents.to(x.device) if call.documents is not None else None
+        position_ids = kwargs.get("position_ids")
+        B, T = x.shape[:2]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # the indexer's query input, as transformers computes it
+        new = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        if cache is None:
+            return self._uncached_sparse(x, q_resid, position_embeddings, position_ids, valid, documents, new), None
+        if documents is not None:
+            raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
+                             "sequence per row) cannot hold; call without a cache")
+        layer = sparse_cache_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
+        latent = layer.reserve(B, T, x.device, x.dtype)
+        columns = torch.cat((layer.stored, new.to(layer.stored.device)), dim=1).to(x.device)  # [B, C + T]
+        visible = _causal(T, columns.shape[1], x.device) & columns[:, None, :]  # [B, T, C + T]
+        before = layer.columns
+        try:
+            chosen = self.indexer(x, q_resid, position_embeddings, visible, position_ids, cache=cache)
+            indices = column_slots(columns, visible, chosen)  # [B, T, topk]
+            if valid is None:
+                out = MLA.forward(self, x, latent, indices=indices)
+            else:  # real tokens first (right padding), their selections with them
+                order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+                index = order[..., None].expand_as(x)
+                moved = indices.gather(1, order[..., None].expand_as(indices))
+                out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), indices=moved)
+                out = torch.empty_like(out).scatter_(1, index, out).masked_fill(~valid[..., None], 0.0)
+        except BaseException:
+            layer.drop_indexer_columns(before)  # the latent cache took its rows out again (its transaction)
+            raise
+        layer.advance(valid, B, T)
+        return out, None
+
+    def _uncached_sparse(self, x, q_resid, position_embeddings, position_ids, valid, documents, new):
+        """The explicit path over x alone (training, scoring): each token attends to the indexer's
+        choice among the tokens before it in its sequence. -> [B, T, hidden_size]."""
+        B, T = x.shape[:2]
+        visible = _causal(T, T, x.device) & new[:, None, :]
+        if documents is not None:
+            visible = visible & (documents[:, :, None] == documents[:, None, :])
+        chosen = self.indexer(x, q_resid, position_embeddings, visible, position_ids, cache=None)
+        mask = torch.zeros_like(visible).scatter_(-1, chosen.long(), True) & visible
+        if valid is not None:  # a padded query sees itself, so no row is empty (its output is dropped)
+            mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
+        positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
+        q, k, v = self.explicit_qkv(x, positions.to(x.device))
+        return self.o_proj(sdpa(q, k, v, self.scale, mask=mask).flatten(2))
+
+
+def _causal(T: int, C: int, device) -> torch.Tensor:
+    """[T, C] bool: new token t (column C - T + t) sees columns 0..C - T + t."""
+    return torch.arange(C, device=device)[None, :] <= torch.arange(C - T, C, device=device)[:, None]
