@@ -26,6 +26,7 @@ subprocess (a signal to the test process, or a file limit on it, would hit pytes
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -362,6 +363,257 @@ def train_sigkill_then_resume(env: Env) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Signals in process: the command sends the signal to itself at a chosen point of its work (a
+# patched function), so the row is deterministic and needs no second Python. What is under test
+# is main's handling (SIGTERM unwinds the command, Ctrl-C is KeyboardInterrupt) and the writes'
+# clean-up; a SIGTERM reaching the test's own handler fails the row instead of ending pytest.
+# SIGKILL allows no clean-up at all, so its rows kill a subprocess and check what the next
+# invocation makes of what was left.
+
+
+def signalled(env: Env, argv: list, code: int, pattern: str) -> str:
+    """``qkmla argv`` (patched to signal itself) ends with ``code`` and one stderr line
+    ``qkmla COMMAND: ...`` matching ``pattern``, no traceback; SIGTERM must be main's to handle."""
+    def stray(signum, frame):
+        raise AssertionError(f"{signal.Signals(signum).name} reached the test's handler: main installed none")
+
+    previous = signal.signal(signal.SIGTERM, stray)
+    try:
+        return refuse(env, argv, pattern, code=code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def kill_self(*signums) -> None:
+    for s in signums:
+        os.kill(os.getpid(), s)
+    time.sleep(5)  # a handled signal raises in the sleep; one ignored shows as a 5 s row, then fails
+
+
+def after(target, name: str, monkeypatch, action: Callable, when: Callable = lambda *a, **k: True) -> None:
+    """``target.name`` does its work, then runs ``action()`` if ``when(*args, **kwargs)``."""
+    original = getattr(target, name)
+
+    def patched(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if when(*args, **kwargs):
+            action()
+        return result
+
+    monkeypatch.setattr(target, name, patched)
+
+
+TERM = (143, "stopped by SIGTERM")
+INT = (130, "interrupted")
+
+
+def verify_signal(env: Env, signums: tuple, expect: tuple) -> None:
+    """verify writes nothing: a signal as it starts a variant ends it in one line, never a traceback or a hang."""
+    from qkmla.cli import verify
+
+    env.monkeypatch.setattr(verify, "verify_variant", lambda *a, **k: kill_self(*signums))
+    signalled(env, ["verify", "--variant", "rms-unified"], *expect)
+
+
+def verify_two_sigints(env: Env) -> None:
+    """The second Ctrl-C while the first unwinds (in a ``finally``): still one line, exit 130."""
+    from qkmla.cli import verify
+
+    original = verify.verify_variant
+
+    def patched(*args, **kwargs):
+        try:
+            kill_self(signal.SIGINT)
+        finally:
+            kill_self(signal.SIGINT)
+        return original(*args, **kwargs)
+
+    env.monkeypatch.setattr(verify, "verify_variant", patched)
+    signalled(env, ["verify", "--variant", "rms-unified"], *INT)
+
+
+def generate_signal(env: Env, signum: int, expect: tuple) -> None:
+    """A signal at the third token streamed: the text so far stays printed, one line says why it stopped."""
+    gen = importlib.import_module("qkmla.model.generate")  # the module: qkmla.model.generate is also a function
+    original = gen.generate
+    streamed = []
+
+    def patched(*args, on_token=None, **kwargs):
+        def token(ids):
+            on_token(ids)
+            streamed.append(ids)
+            if len(streamed) == 3:
+                kill_self(signum)
+        return original(*args, on_token=token, **kwargs)
+
+    env.monkeypatch.setattr(gen, "generate", patched)
+    signalled(env, ["generate", env.run, "--tokens", "50", "--threads", "1"], *expect)
+    assert len(streamed) == 3
+
+
+def plot_signal_at_write(env: Env, signum: int, expect: tuple) -> None:
+    """A signal once the new figure is drawn into its temporary: the old figure stays, the temporary goes."""
+    import matplotlib.figure
+
+    out = env.tmp / "curves.png"
+    out.write_bytes(b"old figure")
+    after(matplotlib.figure.Figure, "savefig", env.monkeypatch, lambda: kill_self(signum))
+    signalled(env, ["plot", env.run, "--out", out, "--overwrite"], *expect)
+    assert out.read_bytes() == b"old figure" and os.listdir(env.tmp) == ["curves.png"]
+
+
+def killed_at(code: str, argv: list, cwd: Path) -> subprocess.CompletedProcess:
+    """``qkmla argv`` in a fresh Python, after ``code`` (which patches where it SIGKILLs itself)."""
+    driver = textwrap.dedent(code) + "\nimport sys\nfrom qkmla.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    r = subprocess.run([sys.executable, "-c", driver] + [str(a) for a in argv], capture_output=True,
+                       text=True, cwd=cwd, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                              "PYTHONPATH": str(SRC)})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    return r
+
+
+def plot_sigkill_at_write(env: Env) -> None:
+    """SIGKILL with the new figure in its temporary (no clean-up can run): the old figure stays; the
+    next plot of that name removes the dead process's temporary and writes."""
+    out = env.tmp / "curves.png"
+    out.write_bytes(b"old figure")
+    killed_at("""
+        import os, signal
+        import matplotlib.figure
+        savefig = matplotlib.figure.Figure.savefig
+        def killed(self, *a, **k):
+            savefig(self, *a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
+        matplotlib.figure.Figure.savefig = killed
+        """, ["plot", env.run, "--out", out, "--overwrite"], env.tmp)
+    left = sorted(os.listdir(env.tmp))
+    assert out.read_bytes() == b"old figure" and len(left) == 2 and re.fullmatch(r"curves\.png\.tmp\d+", left[1])
+    assert main(["plot", str(env.run), "--out", str(out), "--overwrite"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(env.tmp) == ["curves.png"]
+
+
+def plot_two_on_one_output(env: Env) -> None:
+    """A second ``qkmla plot`` (another process) writes the same --out while the first is between
+    drawing into its temporary and renaming it: neither removes the other's temporary (the first
+    one's process is alive), both succeed, the file is one whole figure, nothing else is left."""
+    import matplotlib.figure
+
+    out = env.tmp / "curves.png"
+    argv = ["plot", str(env.run), "--out", str(out), "--overwrite"]
+    seconds = []
+
+    def second():
+        seconds.append(qkmla(argv, env.tmp))
+        assert seconds[-1].returncode == 0, seconds[-1].stderr
+
+    after(matplotlib.figure.Figure, "savefig", env.monkeypatch, second, when=lambda *a, **k: not seconds)
+    assert main(argv) == 0 and len(seconds) == 1
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(env.tmp) == ["curves.png"]
+
+
+def convert_argv(hf: Path, out: Path, *more) -> list:
+    return ["convert", "--hf", hf, "--out", out, "--calibration-tokens", "0", "--threads", "1", *more]
+
+
+def old_checkpoint(env: Env, hf: Path) -> tuple[Path, dict]:
+    """An existing conversion in ``OUT`` (what --overwrite would replace), and its files."""
+    out = env.tmp / "dst"
+    assert main([str(a) for a in convert_argv(hf, out)]) == 0
+    (out / "mine.txt").write_text("the user's")  # something only the old output has
+    return out, snapshot(out)
+
+
+def convert_signal_at_write(env: Env, hf: Path, signums: tuple, expect: tuple) -> None:
+    """A signal once the weights are in the temporary directory, over an existing output with
+    --overwrite: the old output stays whole, the temporary is removed (SIGTERM left OUT.tmpPID)."""
+    from qkmla.convert import stream
+
+    out, before = old_checkpoint(env, hf)
+    after(stream, "write_weights", env.monkeypatch, lambda: kill_self(*signums))
+    signalled(env, convert_argv(hf, out, "--overwrite"), *expect)
+    assert snapshot(out) == before and os.listdir(env.tmp) == ["dst"]
+
+
+def convert_two_sigints(env: Env, hf: Path) -> None:
+    """Ctrl-C at the write, and again while the temporary is being removed: the removal finishes
+    first (the second Ctrl-C is acted on after it), then one line; nothing is left."""
+    from qkmla.convert import stream
+    from qkmla.utils import files
+
+    out, before = old_checkpoint(env, hf)
+    after(stream, "write_weights", env.monkeypatch, lambda: kill_self(signal.SIGINT))
+    rmtree = files.shutil.rmtree
+    fake = type(files.shutil)("shutil")
+    fake.__dict__.update(files.shutil.__dict__)
+    seen = []
+
+    def interrupted_rmtree(path, *a, **k):
+        if Path(path).exists() and not seen:  # the clean-up of the written temporary
+            seen.append(path)
+            os.kill(os.getpid(), signal.SIGINT)
+        return rmtree(path, *a, **k)
+
+    fake.rmtree = interrupted_rmtree
+    env.monkeypatch.setattr(files, "shutil", fake)
+    signalled(env, convert_argv(hf, out, "--overwrite"), *INT)
+    assert seen and snapshot(out) == before and os.listdir(env.tmp) == ["dst"]
+
+
+def convert_sigkill_between_renames(env: Env, hf: Path) -> None:
+    """SIGKILL after the old output was moved aside and before the new one took its place (no
+    clean-up can run): OUT is missing, OUT.replacedPID and OUT.tmpPID are left. The next convert
+    puts the old output back first, so without --overwrite it is refused and nothing is lost; with
+    it, the conversion is written and nothing is left beside it."""
+    out, before = old_checkpoint(env, hf)
+    killed_at(f"""
+        import os, pathlib, signal
+        replace = pathlib.Path.replace
+        def killed(self, target):
+            done = replace(self, target)
+            if str(self) == {str(out)!r}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return done
+        pathlib.Path.replace = killed
+        """, convert_argv(hf, out, "--overwrite"), env.tmp)
+    left = sorted(os.listdir(env.tmp))  # and its lock file, which no process holds now
+    assert [re.sub(r"\d+$", "", n) for n in left] == ["dst.lock", "dst.replaced", "dst.tmp"], left
+    refuse(env, convert_argv(hf, out), "--out: .* already exists and is not empty; pass --overwrite")
+    assert snapshot(out) == before and os.listdir(env.tmp) == ["dst"]
+    env.capsys.readouterr()
+    assert main([str(a) for a in convert_argv(hf, out, "--overwrite")]) == 0
+    assert "mine.txt" not in os.listdir(out) and os.listdir(env.tmp) == ["dst"]
+
+
+def convert_two_on_one_output(env: Env, hf: Path, argv: Optional[Callable] = None) -> None:
+    """A second conversion into an --out that a conversion holds (its OUT.lock) is refused before
+    any work, naming the holder, with --overwrite too (the later one replaced the first's output)."""
+    from qkmla.train.rundir import RunLock
+
+    argv = argv or (lambda out, *more: convert_argv(hf, out, *more))
+    out = env.tmp / "dst"
+    with RunLock(out, lock=env.tmp / "dst.lock"):
+        for more in ((), ("--overwrite",)):
+            refuse(env, argv(out, *more), rf"--out: {re.escape(str(out))} is in use by process {os.getpid()}")
+    assert os.listdir(env.tmp) == []
+
+
+def convert_gqa_signal_at_write(env: Env, hf: Path) -> None:
+    """convert-gqa writes through the same write_directory: SIGTERM at the write leaves nothing."""
+    import transformers
+
+    out = env.tmp / "dst"
+    after(transformers.PreTrainedModel, "save_pretrained", env.monkeypatch, lambda: kill_self(signal.SIGTERM))
+    signalled(env, ["convert-gqa", "--hf", hf, "--out", out, "--threads", "1"], *TERM)
+    assert os.listdir(env.tmp) == []
+
+
+def convert_gqa_full_disk(env: Env, hf: Path) -> None:
+    r = qkmla(["convert-gqa", "--hf", hf, "--out", env.tmp / "dst", "--threads", "1"], env.tmp, limit=20000)
+    one_machine_line(r, "convert-gqa", str(env.tmp / "dst"))
+    assert os.listdir(env.tmp) == []
+
+
+# --------------------------------------------------------------------------------------------
 # In-process rows
 
 
@@ -600,6 +852,9 @@ def cli_rows():
         Row("verify", "size", "--seed -1 and 2**64", lambda e: [
             refuse(e, ["verify", "--seed", "-1"], r"--seed: expected an int >= 0 and < 2\*\*63"),
             refuse(e, ["verify", "--seed", str(2**64)], r"--seed: expected an int >= 0 and < 2\*\*63")]),
+        Row("verify", "signal", "SIGTERM mid-run: one line, 143", lambda e: verify_signal(e, (signal.SIGTERM,), TERM)),
+        Row("verify", "signal", "one SIGINT mid-run: one line, 130", lambda e: verify_signal(e, (signal.SIGINT,), INT)),
+        Row("verify", "signal", "a second SIGINT while the first unwinds", verify_two_sigints),
         Row("verify", "environment", "OMP_NUM_THREADS=junk", lambda e: with_env(e, {"OMP_NUM_THREADS": "junk"}, lambda: (
             runs_with_a_line(e, ["verify", "--variant", "rms-unified", "--kv-format", "int8"],
                              "OMP_NUM_THREADS='junk' is not a positive number of threads; ignored")))),
@@ -674,6 +929,12 @@ def cli_rows():
                    r"--out: cannot use the figure file .*\(File name too long\)"),
             refuse(e, ["plot", e.tmp / ("b" * 300)], r"runs: cannot use the run directory .*\(File name too long\)")]),
         Row("plot", "disk", "a full disk keeps the old figure", plot_full_disk),
+        Row("plot", "signal", "SIGTERM at the write keeps the old figure, no temporary left",
+            lambda e: plot_signal_at_write(e, signal.SIGTERM, TERM)),
+        Row("plot", "signal", "one SIGINT at the write keeps the old figure",
+            lambda e: plot_signal_at_write(e, signal.SIGINT, INT)),
+        Row("plot", "signal", "SIGKILL at the write: the next plot sweeps the dead temporary", plot_sigkill_at_write),
+        Row("plot", "concurrent", "a second plot (another process) mid-write of the first", plot_two_on_one_output),
         # generate
         Row("generate", "path", "a run directory missing", lambda e: refuse(
             e, ["generate", e.tmp / "none"], "no checkpoint")),
@@ -687,6 +948,10 @@ def cli_rows():
                        refuse(e, ["generate", e.run, "--top-k", "-1"], "--top-k"),
                        refuse(e, ["generate", e.run, "--seed", str(2**64)], "--seed"),
                        refuse(e, ["generate", e.run, "--policy", "h2o", "--budget", "0"], "--budget")]),
+        Row("generate", "signal", "SIGTERM at the third token: one line, 143",
+            lambda e: generate_signal(e, signal.SIGTERM, TERM)),
+        Row("generate", "signal", "one SIGINT at the third token: one line, 130",
+            lambda e: generate_signal(e, signal.SIGINT, INT)),
         Row("generate", "environment", "CUDA_VISIBLE_DEVICES=junk with --device cuda", lambda e: with_env(
             e, {"CUDA_VISIBLE_DEVICES": "junk"}, lambda: refuse(
                 e, ["generate", "--hf", e.tmp, "--device", "cuda:7"], "--device: expected one of")) if not
@@ -707,6 +972,16 @@ def cli_rows():
             e, ["convert", "--hf", hf, "--out", e.tmp / ("b" * 300)],
             r"--out: cannot use the checkpoint directory .*\(File name too long\)"), hf=True),
         Row("convert", "disk", "a full disk (was 'internal error' after a traceback)", convert_full_disk, hf=True),
+        Row("convert", "signal", "SIGTERM at the write over --overwrite (left OUT.tmpPID): old output kept",
+            lambda e, hf: convert_signal_at_write(e, hf, (signal.SIGTERM,), TERM), hf=True),
+        Row("convert", "signal", "one SIGINT at the write: old output kept, no temporary",
+            lambda e, hf: convert_signal_at_write(e, hf, (signal.SIGINT,), INT), hf=True),
+        Row("convert", "signal", "a second SIGINT during the clean-up: the clean-up finishes", convert_two_sigints,
+            hf=True),
+        Row("convert", "signal", "SIGKILL between the renames: the next convert puts the old output back",
+            convert_sigkill_between_renames, hf=True),
+        Row("convert", "concurrent", "a second convert into an --out being converted into (replaced it)",
+            convert_two_on_one_output, hf=True),
         Row("convert", "size", "--calibration-tokens -1; --qk-norm-p nan / inf", lambda e, hf: [
             refuse(e, ["convert", "--hf", hf, "--out", e.tmp / "o", "--qk-norm", "rms", "--calibration-tokens", "-1"],
                    "--calibration-tokens"),
@@ -722,6 +997,11 @@ def cli_rows():
             refuse(e, ["convert-gqa", "--hf", e.tmp / "none", "--out", e.tmp / "o"], "--hf: "),
             refuse(e, ["convert-gqa", "--hf", e.tmp, "--out", e.tmp / ("b" * 300)],
                    r"--out: cannot use the checkpoint directory .*\(File name too long\)")]),
+        Row("convert-gqa", "disk", "a full disk: one line naming --out, nothing left", convert_gqa_full_disk, hf=True),
+        Row("convert-gqa", "signal", "SIGTERM at the write: nothing left", convert_gqa_signal_at_write, hf=True),
+        Row("convert-gqa", "concurrent", "a second convert-gqa into an --out being converted into",
+            lambda e, hf: convert_two_on_one_output(e, hf, lambda out, *more: [
+                "convert-gqa", "--hf", hf, "--out", out, "--threads", "1", *more]), hf=True),
         Row("convert-gqa", "size", "--kv-lora-rank 0 / -1, --calibration-tokens -1", lambda e, hf: [
             refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--kv-lora-rank", "0"], "kv.lora.rank"),
             refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--kv-lora-rank", "-1"], "kv.lora.rank"),
@@ -787,9 +1067,7 @@ NOT_APPLICABLE = {
        for k in ("path", "signal", "environment", "cpuset")},
     ("verify", "path"): "takes no path",
     ("cache-size", "path"): "takes no path",
-    ("verify", "signal"): "writes nothing; Ctrl-C ends it with main's one 'interrupted' line",
     ("cache-size", "signal"): "arithmetic only, instant",
-    ("generate", "signal"): "writes nothing; Ctrl-C ends it with main's one 'interrupted' line",
     ("verify", "concurrent"): "writes no file",
     ("verify", "cpuset"): "one process; torch's threads",
     ("cache-size", "cpuset"): "arithmetic only",
@@ -797,18 +1075,11 @@ NOT_APPLICABLE = {
     ("generate", "cpuset"): "one process; --threads auto measures the CPU set as train does (train's row)",
     ("generate", "concurrent"): "writes no file",
     ("plot", "size"): "takes no size",
-    ("plot", "signal"): "one atomic write: a kill leaves the old figure or the new one (the disk row)",
     ("plot", "environment"): "reads no environment variable",
-    ("plot", "concurrent"): "one atomic write each: the last one's figure, never a mix",
     ("plot", "cpuset"): "one process, no threads of its own",
-    ("convert", "signal"): "written under a temporary name and renamed whole (the disk row); a kill leaves none",
     ("convert", "environment"): "reads the environment only through --threads, as train does (train's rows)",
-    ("convert", "concurrent"): "written under a per-process temporary name and renamed whole: the last one wins",
     ("convert", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
-    ("convert-gqa", "disk"): "writes through the same write_checkpoint as convert (convert's row)",
-    ("convert-gqa", "signal"): "written under a temporary name and renamed whole, as convert",
     ("convert-gqa", "environment"): "reads the environment only through --threads, as train does (train's rows)",
-    ("convert-gqa", "concurrent"): "as convert: renamed whole, the last one wins",
     ("convert-gqa", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
     ("demo", "disk"): "trains with train's writes (train's disk row) and writes its summary with write_text",
     ("demo", "signal"): "trains with train's signal handling (train's rows)",

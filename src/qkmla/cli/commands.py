@@ -11,7 +11,8 @@ import traceback
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.errors import Parser, Stopped, environment_message, flag_message, quiet_broken_pipe
+from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, quiet_broken_pipe,
+                            sigterm_unwinds)
 from ..utils.environment import drop_bad_thread_counts
 from ..utils.threads import add_threads_argument
 
@@ -608,7 +609,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. qkmla's own errors (a refused argument, run directory or file) print
     one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; the machine's (a full disk,
     a read-only file, memory run out) one line naming the path, and return 1; a closed
-    stdout (``| head``) ends quietly with 141; anything else is a bug and prints its traceback."""
+    stdout (``| head``) ends quietly with 141; SIGTERM, where the command has no handling of its
+    own, unwinds it as Ctrl-C does (its temporaries removed) and returns 143 with one line; anything
+    else is a bug and prints its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
@@ -618,9 +621,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
     try:
-        status = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status
+    except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
+        print(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left", file=sys.stderr)
+        return 143  # 128 + SIGTERM, what a shell reports
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
         print(f"qkmla {args.command}: {e}", file=sys.stderr)
         return e.exit_code
