@@ -71,18 +71,32 @@ class Env:
     monkeypatch: object
 
 
+def noise(line: str) -> bool:
+    """A stderr line that is not a message: the threads line, a progress bar (tqdm's, transformers')."""
+    return bool(re.match(r"qkmla \S+: \d+ threads? \(", line) or re.search(r"\d+%\|.*\| *\d+/\d+ \[", line))
+
+
 def refuse(env: Env, argv: list, pattern: str, code: int = 2) -> str:
     """``qkmla argv`` ends with ``code`` and one stderr line ``qkmla COMMAND: ...`` matching
     ``pattern``, without a traceback."""
     env.capsys.readouterr()
     assert main([str(a) for a in argv]) == code
     err = env.capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip() and not re.match(r"qkmla \S+: \d+ threads? \(", line)
-             and "it/s]" not in line]  # transformers' progress bars
+    lines = [line for line in err.splitlines() if line.strip() and not noise(line)]
     assert "Traceback" not in err and "internal error" not in err, err
     assert len(lines) == 1 and lines[0].startswith(f"qkmla {argv[0]}: "), err
     assert re.search(pattern, lines[0]), err
     return lines[0]
+
+
+def refused_by_parser(env: Env, argv: list, pattern: str) -> None:
+    """As :func:`refuse`, for an option argparse's type refuses (exit 2 through SystemExit)."""
+    env.capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    err = env.capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith(f"qkmla {argv[0]}: "), err
+    assert re.search(pattern, err), err
 
 
 def raises(fn: Callable, error, pattern: str) -> None:
@@ -134,45 +148,77 @@ def qkmla(argv: list, cwd: Path, limit: Optional[int] = None, env: Optional[dict
 
 def one_machine_line(r: subprocess.CompletedProcess, command: str, path: str) -> str:
     """Exit 1 and one stderr line naming ``path``, no traceback."""
-    lines = [x for x in r.stderr.splitlines() if x.strip() and not re.match(r"qkmla \S+: \d+ threads? \(", x)
-             and "it/s]" not in x]  # transformers' progress bars
+    lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
     assert r.returncode == 1 and "Traceback" not in r.stderr and "internal error" not in r.stderr, r.stderr
     assert len(lines) == 1 and lines[0].startswith(f"qkmla {command}: ") and path in lines[0], r.stderr
     return lines[0]
 
 
 # --------------------------------------------------------------------------------------------
-# A grid that runs long enough to be signalled: the experiment `slow`, in a driver script.
+# A grid to signal: the experiment `slow` (two runs of STEPS debug steps), run by a driver script
+# when the signal goes to its process, in process (main, the experiment registered for the test)
+# when it does not: a resume, a first run that only sets the stage. Each Python started costs an
+# import of torch (and its worker another), which is most of these rows' time.
 
-SLOW_DRIVER = """
-import sys
-from qkmla.cli import main
-from qkmla.experiments import EXPERIMENTS
+SLOW_EXPERIMENT = """
 from qkmla.experiments.base import Experiment, Report, train_settings
 from qkmla.experiments.grid import Run
 
-STEPS = int(sys.argv[1])
+def slow(steps):
+    def plan(options):
+        return [Run(f"r{i}", "v", {**train_settings(True, steps), "steps": steps, "ckpt_interval": 1000,
+                                   "eval_interval": 1000, "seed": i + 1}) for i in range(2)]
 
-def plan(options):
-    return [Run(f"r{i}", "v", {**train_settings(True, STEPS), "steps": STEPS, "ckpt_interval": 1000,
-                               "eval_interval": 1000, "seed": i + 1}) for i in range(2)]
+    def report(rows, options):
+        return Report({}, "| run |\\n|---|\\n" + "".join(f"| {r['run']} |\\n" for r in rows), [])
 
-def report(rows, options):
-    return Report({}, "| run |\\n|---|\\n" + "".join(f"| {r['run']} |\\n" for r in rows), [])
+    return Experiment("slow", "two runs of STEPS debug steps", plan, report)
+"""
 
-EXPERIMENTS["slow"] = Experiment("slow", "two runs of STEPS debug steps", plan, report)
+# The driver. PAUSE seconds after each logged step (in the worker too: spawn imports this script
+# there as __mp_main__) keep a short run in flight long enough for a signal to find it mid-run,
+# without changing what it computes.
+SLOW_DRIVER = SLOW_EXPERIMENT + """
+import os, sys, time
+import qkmla.train.trainer as trainer
+from qkmla.cli import main
+from qkmla.experiments import EXPERIMENTS
+
+PAUSE = float(os.environ.get("QKMLA_TEST_PAUSE", "0"))
+if PAUSE:
+    append_line = trainer.append_line
+    trainer.append_line = lambda *a: (append_line(*a), time.sleep(PAUSE))[0]
+EXPERIMENTS["slow"] = slow(int(sys.argv[1]))
 if __name__ == "__main__":
     sys.exit(main(sys.argv[2:]))
 """
 
 
-def start_slow(env: Env, steps: int, out: Path) -> subprocess.Popen:
+def slow_argv(out: Path) -> list:
+    return ["experiment", "slow", "--out", str(out), "--workers", "1", "--no-progress"]
+
+
+def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0) -> subprocess.Popen:
     driver = env.tmp / "slow.py"
     driver.write_text(SLOW_DRIVER)
-    return subprocess.Popen([sys.executable, str(driver), str(steps), "experiment", "slow", "--out", str(out),
-                             "--workers", "1", "--no-progress"], cwd=env.tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+    return subprocess.Popen([sys.executable, str(driver), str(steps)] + slow_argv(out), cwd=env.tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
+                                 "QKMLA_TEST_PAUSE": str(pause)})
+
+
+def run_slow(env: Env, steps: int, out: Path) -> str:
+    """The same grid in this process (its worker is still a process); returns stderr."""
+    from qkmla.experiments import EXPERIMENTS
+
+    ns: dict = {}
+    exec(SLOW_EXPERIMENT, ns)
+    env.monkeypatch.setitem(EXPERIMENTS, "slow", ns["slow"](steps))
+    env.capsys.readouterr()
+    code = main(slow_argv(out))
+    err = env.capsys.readouterr().err
+    assert code == 0, err
+    return err
 
 
 def wait_for_rows(path: Path, rows: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -204,6 +250,9 @@ def metrics(path: Path) -> list:
     return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+STEPS, PAUSE = 8, 0.3  # the resumed grids: 8 steps, paced so that a signal finds r0 mid-run
+
+
 def reference_losses(env: Env, steps: int, seed: int) -> list:
     """The losses of the uninterrupted run the grid's run r{seed - 1} trains."""
     from qkmla.experiments.base import train_settings
@@ -219,7 +268,7 @@ def experiment_sigterm_resumes_exactly(env: Env) -> None:
     """Issue 56 class 4: SIGTERM checkpoints the run in flight (status "stopped"), starts nothing
     new, exits promptly with one line; the same command again resumes it exactly."""
     out = env.tmp / "grid"
-    proc = start_slow(env, 40, out)
+    proc = start_slow(env, STEPS, out, pause=PAUSE)
     wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 3, proc)
     proc.send_signal(signal.SIGTERM)
     code, err, took = finish(proc, 60)
@@ -231,11 +280,10 @@ def experiment_sigterm_resumes_exactly(env: Env) -> None:
     assert not (out / "runs" / "r1").exists()  # queued: never started
     rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["run"], r["status"]) for r in rows] == [("r0", "stopped"), ("r1", "missing")]
-    proc = start_slow(env, 40, out)
-    code, err, _ = finish(proc, 240)
-    assert code == 0, err
+    assert st["step"] < STEPS  # stopped mid-run: the resume below has steps to do
+    run_slow(env, STEPS, out)
     losses = [r["loss"] for r in metrics(out / "runs" / "r0")]
-    assert losses == reference_losses(env, 40, 1)  # resumed = uninterrupted, step for step
+    assert len(losses) == STEPS and losses == reference_losses(env, STEPS, 1)  # resumed = uninterrupted
 
 
 def experiment_one_sigint_starts_nothing_new(env: Env) -> None:
@@ -268,25 +316,50 @@ def experiment_sigkill_then_resume(env: Env) -> None:
     """SIGKILL: the workers end with the parent, no lock is left, and the next invocation resumes
     the killed run from its last checkpoint (the trainer notes the kill)."""
     out = env.tmp / "grid"
-    proc = start_slow(env, 40, out)
+    proc = start_slow(env, STEPS, out, pause=PAUSE)
     wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 2, proc)
     proc.kill()
     finish(proc, 30)
-    assert status(out / "runs" / "r0")["status"] == "running"
-    proc = start_slow(env, 40, out)
-    code, err, _ = finish(proc, 240)
-    assert code == 0, err
+    assert status(out / "runs" / "r0")["status"] == "running" and len(metrics(out / "runs" / "r0")) < STEPS
+    run_slow(env, STEPS, out)
     assert [status(out / "runs" / n)["status"] for n in ("r0", "r1")] == ["done", "done"]
-    assert [r["step"] for r in metrics(out / "runs" / "r0")] == list(range(1, 41))
+    assert [r["step"] for r in metrics(out / "runs" / "r0")] == list(range(1, STEPS + 1))
+
+
+def experiment_over_a_corrupt_checkpoint(env: Env) -> None:
+    """Issue 56 class 2: a run to resume whose checkpoint fails its checksum, under a report that
+    needs every run's loss (as norm-mode's; it ended in TypeError and "internal error"): one line
+    naming the run, its error and what to do; the other run trains."""
+    from qkmla.experiments import EXPERIMENTS
+    from qkmla.experiments.base import Experiment, Report
+    from qkmla.experiments.grid import run_dir
+    from qkmla.train.trainer import TrainConfig, train
+
+    ns: dict = {}
+    exec(SLOW_EXPERIMENT, ns)
+    plan = ns["slow"](4).plan
+    env.monkeypatch.setitem(EXPERIMENTS, "slow", Experiment(
+        "slow", "", plan, lambda rows, options: Report({"loss": sum(r["final_val_loss"] for r in rows)}, "", [])))
+    out = env.tmp / "grid"
+    r0 = plan(None)[0]
+    train(TrainConfig(**{**r0.train, "out": str(run_dir(out, r0)), "progress": False, "max_seconds": 0}))
+    assert status(run_dir(out, r0))["status"] == "time limit"  # checkpointed at step 1: resumed by the grid
+    ckpt = run_dir(out, r0) / "checkpoint.safetensors"
+    data = bytearray(ckpt.read_bytes())
+    data[-1] ^= 0xFF  # a byte of the last tensor
+    ckpt.write_bytes(bytes(data))
+    refuse(env, slow_argv(out), r"--out: 1 run\(s\) of 2 did not finish, so the report cannot be drawn .*; r0: .*"
+                                r"is corrupt: 1 tensor\(s\) fail their checksum .*; fix or remove .*r0 and run again")
+    assert status(out / "runs" / "r1")["status"] == "done"
 
 
 def experiment_full_disk_keeps_results(env: Env) -> None:
     """Issue 56 class 1: a full disk while the report is written keeps the previous results.jsonl
     whole (it was truncated to 1,024 bytes) and says so in one line naming the file."""
     out = env.tmp / "grid"
-    code, err, _ = finish(start_slow(env, 4, out), 240)
-    assert code == 0, err
+    run_slow(env, 4, out)
     before = snapshot(out)
+    (env.tmp / "slow.py").write_text(SLOW_DRIVER)
     r = subprocess.run([sys.executable, str(env.tmp / "slow.py"), "4", "experiment", "slow", "--out", str(out),
                         "--workers", "1", "--no-progress"], capture_output=True, text=True, cwd=env.tmp, timeout=240,
                        env={**os.environ, "PYTHONPATH": str(SRC)},
@@ -511,6 +584,18 @@ def plot_two_on_one_output(env: Env) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.listdir(env.tmp) == ["curves.png"]
 
 
+def convert_over_a_training_run(env: Env, hf: Path, argv: Callable) -> None:
+    """--overwrite replaces a checkpoint directory, not a training run that has a config.json too
+    (it replaced the run, its checkpoint and metrics, with the conversion)."""
+    run = env.tmp / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"train": {"preset": "debug"}}))
+    (run / "checkpoint.safetensors").write_bytes(b"weights")
+    before = snapshot(run)
+    refuse(env, argv(run), r"--out: .*run is not empty and holds no transformers config.json .*--overwrite may replace")
+    assert snapshot(run) == before and sorted(os.listdir(env.tmp)) == ["run"]
+
+
 def convert_argv(hf: Path, out: Path, *more) -> list:
     return ["convert", "--hf", hf, "--out", out, "--calibration-tokens", "0", "--threads", "1", *more]
 
@@ -605,6 +690,16 @@ def convert_gqa_signal_at_write(env: Env, hf: Path) -> None:
     after(transformers.PreTrainedModel, "save_pretrained", env.monkeypatch, lambda: kill_self(signal.SIGTERM))
     signalled(env, ["convert-gqa", "--hf", hf, "--out", out, "--threads", "1"], *TERM)
     assert os.listdir(env.tmp) == []
+
+
+def demo_full_disk(env: Env) -> None:
+    """A full disk at the first run's checkpoint: one line naming it, the run's status says failed,
+    no temporary anywhere."""
+    out = env.tmp / "d"
+    r = qkmla(["demo", "--out", out, "--steps", "1", "--preset", "debug", "--threads", "1"], env.tmp, limit=20000)
+    run = out / "mla-qknorm_lr0.003"
+    assert "File too large" in one_machine_line(r, "demo", str(run / "checkpoint.safetensors"))
+    assert status(run)["status"] == "failed" and not [p for p in out.rglob("*") if ".tmp" in p.name]
 
 
 def convert_gqa_full_disk(env: Env, hf: Path) -> None:
@@ -792,6 +887,11 @@ def constructor_rows():
         Row("PagedLayout", "size", "a block table holding 2**40 (past memory)",
             lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
                 4, block_table=torch.tensor([[0, 2**40]]))), ValueError, "block_table: .*num_blocks=1099511627777.*")),
+        Row("PagedLayout", "size", "block_size = 0 after construction (accepted); num_blocks 0, True",
+            lambda e: [raises(lambda: setattr(PagedLayout(4), "block_size", 0), AttributeError,
+                              "block_size: a PagedLayout is fixed"),
+                       raises(lambda: PagedLayout(4, num_blocks=0), ValueError, "num_blocks: expected a positive int"),
+                       raises(lambda: PagedLayout(4, num_blocks=True), ValueError, "num_blocks")]),
         Row("PagedLayout", "size", "block_size 0, negative, a block id < 0",
             lambda e: [raises(lambda: PagedLayout(0), ValueError, "block_size"),
                        raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
@@ -866,6 +966,11 @@ def cli_rows():
         Row("cache-size", "size", "--kv-lora-rank on a GQA preset without --qk-rope-head-dim (was ignored)",
             lambda e: refuse(e, ["cache-size", "--preset", "llama-3-70b", "--kv-lora-rank", "512"],
                              "--qk-rope-head-dim: kv_lora_rank=512 describes an MLA cache, which also needs")),
+        Row("cache-size", "size", "--num-heads 2**70, --tokens 2**64: beyond int64 (a garbled table)", lambda e: [
+            refuse(e, ["cache-size", "--num-layers", "1", "--num-heads", str(2**70), "--head-dim", "8"],
+                   r"--num-heads: expected a positive int below 2\*\*63"),
+            refuse(e, ["cache-size", "--preset", "tiny", "--tokens", str(2**64)],
+                   r"--tokens: expected a positive int below 2\*\*63")]),
         Row("cache-size", "environment", "OMP_NUM_THREADS=0", lambda e: with_env(e, {"OMP_NUM_THREADS": "0"}, lambda: (
             runs_with_a_line(e, ["cache-size", "--preset", "tiny"], "OMP_NUM_THREADS='0' is not a positive")))),
         # train
@@ -898,6 +1003,11 @@ def cli_rows():
                        refuse(e, train_ok(e, e.tmp / "r") + ["--seed", str(2**64)], "--seed"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--steps", "0"], "--steps"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--grad-clip", "-1"], "--grad-clip")]),
+        Row("train", "size", "--threads 10**6 (a segmentation fault), 0", lambda e: [
+            refused_by_parser(e, train_ok(e, e.tmp / "r")[:-4] + ["--out", e.tmp / "r", "--threads", str(10**6)],
+                              r"--threads: expected a positive int up to \d+ \(4 per CPU"),
+            refused_by_parser(e, train_ok(e, e.tmp / "r")[:-4] + ["--out", e.tmp / "r", "--threads", "0"],
+                              "--threads")]),
         Row("train", "environment", "WORLD_SIZE=junk, LOCAL_WORLD_SIZE=junk, RANK >= WORLD_SIZE", lambda e: [
             with_env(e, {"WORLD_SIZE": "junk"}, lambda: refuse(e, train_ok(e, e.tmp / "r"), ws)),
             with_env(e, {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "junk"}, lambda: refuse(
@@ -963,6 +1073,8 @@ def cli_rows():
             refuse(e, ["convert", "--hf", hf, "--out", e.tmp / "l", "--overwrite"], "--out: .*"),
             (e.tmp / "d").mkdir(), (e.tmp / "d" / "x").write_text("x"),
             refuse(e, ["convert", "--hf", hf, "--out", e.tmp / "d"], "--out: .*--overwrite")], hf=True),
+        Row("convert", "output", "--out a training run, with --overwrite (replaced it)", lambda e, hf: (
+            convert_over_a_training_run(e, hf, lambda out: convert_argv(hf, out, "--overwrite"))), hf=True),
         Row("convert", "path", "--hf missing; --calibration-text not UTF-8", lambda e, hf: [
             refuse(e, ["convert", "--hf", e.tmp / "none", "--out", e.tmp / "o"], "--hf: "),
             (e.tmp / "t.txt").write_bytes(b"\xff\xfe\x00bad"),
@@ -993,6 +1105,9 @@ def cli_rows():
             refuse(e, ["convert-gqa", "--hf", hf, "--out", hf, "--overwrite"], "--out: "),
             (e.tmp / "d").mkdir(), (e.tmp / "d" / "x").write_text("x"),
             refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "d"], "--out: .*--overwrite")], hf=True),
+        Row("convert-gqa", "output", "--out a training run, with --overwrite (replaced it)", lambda e, hf: (
+            convert_over_a_training_run(e, hf, lambda out: ["convert-gqa", "--hf", hf, "--out", out, "--overwrite"])),
+            hf=True),
         Row("convert-gqa", "path", "--hf missing (was named hf_dir); --out over-long", lambda e: [
             refuse(e, ["convert-gqa", "--hf", e.tmp / "none", "--out", e.tmp / "o"], "--hf: "),
             refuse(e, ["convert-gqa", "--hf", e.tmp, "--out", e.tmp / ("b" * 300)],
@@ -1005,8 +1120,12 @@ def cli_rows():
         Row("convert-gqa", "size", "--kv-lora-rank 0 / -1, --calibration-tokens -1", lambda e, hf: [
             refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--kv-lora-rank", "0"], "kv.lora.rank"),
             refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--kv-lora-rank", "-1"], "kv.lora.rank"),
-            refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--calibration-tokens", "-1"],
-                   "calibration")], hf=True),
+            (e.tmp / "t.txt").write_text("text to calibrate on"),
+            refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--calibration-tokens", "-1",
+                       "--calibration-text", e.tmp / "t.txt"], "--calibration-tokens: expected an int >= 2")], hf=True),
+        Row("convert-gqa", "size", "--calibration-tokens without --calibration-text (ignored)", lambda e, hf: refuse(
+            e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--calibration-tokens", str(10**20)],
+            "--calibration-tokens: only read with --calibration-text"), hf=True),
         # experiment
         Row("experiment", "output", "--sweep DIR/results.jsonl --out DIR (replaced the sweep)", experiment_over_its_sweep),
         Row("experiment", "output", "--out the default sweep directory (replaced the sweep)",
@@ -1021,6 +1140,8 @@ def cli_rows():
                    r"--out: cannot use the experiment directory .*\(File name too long\)"),
             (e.tmp / "f").write_text("x"),
             refuse(e, ["experiment", "norm-mode", "--quick", "--out", e.tmp / "f"], "--out: cannot make")]),
+        Row("experiment", "path", "a run's checkpoint fails its checksum (TypeError, 'internal error')",
+            experiment_over_a_corrupt_checkpoint),
         Row("experiment", "path", "--sweep missing", lambda e: refuse(
             e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
@@ -1051,6 +1172,10 @@ def cli_rows():
             refuse(e, ["demo", "--out", e.tmp / "d" / "demo.json"], "--out: .* is a file")]),
         Row("demo", "path", "--out over-long", lambda e: refuse(
             e, ["demo", "--out", e.tmp / ("a" * 300), "--steps", "1"], r"--out: cannot use the demo directory .*\(File name too long")),
+        Row("demo", "disk", "a full disk at the first checkpoint: one line naming it", demo_full_disk),
+        Row("demo", "size", "--preset junk (refused after making --out and printing the plan)", lambda e: [
+            refuse(e, ["demo", "--out", e.tmp / "d", "--preset", "junk"], r"--preset: expected one of \["),
+            os.listdir(e.tmp) == [] or pytest.fail("made --out")]),
         Row("demo", "size", "--steps 0, -1", lambda e: [refuse(e, ["demo", "--out", e.tmp / "d", "--steps", "0"], "--steps"),
                                                         refuse(e, ["demo", "--out", e.tmp / "d", "--steps", "-1"],
                                                                "--steps")]),
@@ -1081,7 +1206,6 @@ NOT_APPLICABLE = {
     ("convert", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
     ("convert-gqa", "environment"): "reads the environment only through --threads, as train does (train's rows)",
     ("convert-gqa", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
-    ("demo", "disk"): "trains with train's writes (train's disk row) and writes its summary with write_text",
     ("demo", "signal"): "trains with train's signal handling (train's rows)",
     ("demo", "environment"): "reads the environment as train does (train's rows)",
     ("demo", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",

@@ -412,12 +412,13 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
 
 
 CALIBRATION_WINDOW = 256  # tokens per calibration window (fewer if the model's context is shorter)
+CALIBRATION_TOKENS = 16384  # tokens of calibration_text used, by default
 
 
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
                            overwrite: bool = False, rope_key: str = "mean", latent: str = "weights",
-                           calibration_text=None, calibration_tokens: int = 16384) -> GQAConversionReport:
+                           calibration_text=None, calibration_tokens: int = CALIBRATION_TOKENS) -> GQAConversionReport:
     """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
     and written to ``out`` with its tokenizer and generation config, for
     ``qkmla.integrations.transformers.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as

@@ -64,10 +64,22 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
         if not overwrite:
             raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
                              f"elsewhere")
-        if not (out / CONFIG).is_file():
-            raise ValueError(f"out: {out} is not empty and holds no {CONFIG}, so it is not a checkpoint directory "
-                             f"--overwrite may replace; write elsewhere")
+        if not _holds_checkpoint(out):  # a qkmla training run has a config.json too, without a model_type
+            raise ValueError(f"out: {out} is not empty and holds no transformers {CONFIG} (a JSON object with a "
+                             f"model_type), so it is not a checkpoint directory --overwrite may replace; write "
+                             f"elsewhere")
     return src, out
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a transformers checkpoint's config.json (what a conversion writes)."""
+    import json
+
+    try:
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("model_type"), str)
 
 
 @contextmanager
