@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..cache.size import CacheShape, cache_rows
+from ..utils.errors import Stopped
 from ..utils.files import check_path, write_text
 from ..model.generate import generate
 from ..model.gpt import GPT
@@ -97,6 +98,10 @@ def _train_all(out: Path, configs: list[TrainConfig]) -> list[dict]:
                      "step": status["step"], "val_loss": status.get("val_loss") if status["status"] == "done"
                      else None, "peak_max_logit": max(peaks, default=None),
                      "final_max_logit": rows[-1]["max_logit"] if rows else None, "seconds": status["seconds"]})
+        if status["status"] in ("stopped", "interrupted"):  # SIGTERM or Ctrl-C: train checkpointed it
+            sig = "SIGTERM" if status["status"] == "stopped" else "SIGINT"
+            raise Stopped(f"stopped by {sig}: {attn} at lr {lr:g} was checkpointed at step {status['step']} in {run}; "
+                          "the demo does not resume: run it again with --overwrite", 143 if sig == "SIGTERM" else 130)
         if status["status"] not in ("done", "non-finite"):
             raise RuntimeError(f"{attn} at lr {lr:g}: training stopped: {status}")
     return runs
