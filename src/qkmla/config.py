@@ -60,6 +60,8 @@ def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         allowed = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{name}: expected {allowed}, got {value!r}")
+    if value >= 2**63:  # no tensor has such a size, and the arithmetic on it prints nonsense
+        raise ValueError(f"{name}: expected a positive int below 2**63 (a tensor size is an int64), got {value}")
 
 
 def _check_softmax_scale(softmax_scale) -> None:

@@ -26,8 +26,8 @@ def test_demo_default_step_count_is_the_fixed_constant(tmp_path, monkeypatch, ca
     """No timing decides the length of the runs: without --steps every run trains demo.STEPS."""
     seen = []
 
-    def fake_train_all(out, preset, steps, overwrite=False):
-        seen.append(steps)
+    def fake_train_all(out, configs):
+        seen.extend({c.steps for c in configs})
         raise RuntimeError("stopped by the test")
 
     monkeypatch.setattr(demo, "_train_all", fake_train_all)

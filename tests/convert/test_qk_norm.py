@@ -107,7 +107,7 @@ def test_convert_never_writes_over_its_source_or_an_existing_conversion(source, 
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     refused(["convert", "--hf", str(src), "--out", str(tmp_path / "notes"), "--overwrite"],
-            "--out: .*notes is not empty and holds no config.json, so it is not a checkpoint directory")
+            "--out: .*notes is not empty and holds no transformers config.json .*, so it is not a checkpoint directory")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
 
 

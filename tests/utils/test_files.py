@@ -116,3 +116,63 @@ def test_training_never_replaces_files_that_are_not_its_own(tmp_path, refused):
              "--data", str(run / "metrics.jsonl"), "--overwrite"], r"--data: .*metrics.jsonl is a file of the run "
                                                                      r"directory")
     assert (run / "metrics.jsonl").read_text() == "x" * 2000
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended (reaped: no process has it now, barring reuse)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_clear_stale_removes_only_what_dead_processes_left(tmp_path):
+    """A killed write leaves NAME.tmpPID (a file or a directory) and, in the middle of replacing
+    a directory, NAME.replacedPID with NAME missing; the next write removes the first and puts the
+    second back. A live process's temporary (a concurrent writer: here this one) stays."""
+    from qkmla.utils.files import clear_stale
+
+    dead = _dead_pid()
+    (tmp_path / f"out.tmp{dead}").mkdir()
+    (tmp_path / f"out.tmp{dead}" / "w").write_text("half")
+    (tmp_path / f"out.replaced{dead}").mkdir()
+    (tmp_path / f"out.replaced{dead}" / "old").write_text("the user's")
+    (tmp_path / f"out.tmp{os.getpid()}").write_text("being written")
+    (tmp_path / f"outer.tmp{dead}").write_text("another name's")
+    assert sorted(p.name for p in clear_stale(tmp_path / "out")) == [f"out.replaced{dead}", f"out.tmp{dead}"]
+    assert sorted(os.listdir(tmp_path)) == ["out", f"out.tmp{os.getpid()}", f"outer.tmp{dead}"]
+    assert (tmp_path / "out" / "old").read_text() == "the user's"
+    (tmp_path / f"out.replaced{dead}").mkdir()  # with OUT present, a moved-aside copy is only a leftover
+    clear_stale(tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["out", f"out.tmp{os.getpid()}", f"outer.tmp{dead}"]
+    assert clear_stale(tmp_path / "missing" / "out") == []
+
+
+def test_signals_held_acts_on_a_signal_once_the_block_ends():
+    import signal
+
+    from qkmla.utils.files import signals_held
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the signal")  # not cut short
+    assert done == ["after the signal"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_write_directory_keeps_the_old_directory_on_failure_and_replaces_it_whole(tmp_path):
+    from qkmla.utils.files import write_directory
+
+    out = tmp_path / "out"
+    write_directory(out, lambda tmp: (tmp / "a").write_text("old"))
+    assert os.listdir(tmp_path) == ["out"] and (out / "a").read_text() == "old"
+
+    def full(tmp):
+        (tmp / "a").write_text("new")
+        raise OSError(28, "No space left on device", str(tmp / "a"))
+
+    with pytest.raises(OSError, match="No space left") as e:
+        write_directory(out, full)
+    assert e.value.filename == str(out) and os.listdir(tmp_path) == ["out"] and (out / "a").read_text() == "old"
+    write_directory(out, lambda tmp: (tmp / "b").write_text("new"))
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["b"]

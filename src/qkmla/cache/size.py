@@ -124,8 +124,8 @@ def vector_bytes(shape: CacheShape, values: int, rope: int = 0) -> int:
 
 def cache_rows(shape: CacheShape, tokens: int) -> list[dict]:
     """One dict per cache variant: values and bytes per token (one layer, all layers) and per request."""
-    if not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens < 2**63:
+        raise ValueError(f"tokens: expected a positive int below 2**63, got {tokens!r}")
     b_s = DTYPE_BYTES[shape.scalar_dtype or shape.dtype]
     d = shape.head_dim
     variants = [  # (name, values, scalars, bytes of the values)

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..utils.checked import Frozen
 from ..utils.limits import check_allocation
 
 
@@ -140,7 +141,7 @@ class ContiguousLayout(Layout):
         return "ContiguousLayout()"
 
 
-class PagedLayout(Layout):
+class PagedLayout(Layout, Frozen):
     """Paged storage with a fixed block table.
 
     Args:
@@ -148,19 +149,28 @@ class PagedLayout(Layout):
         block_table: [B, blocks_per_seq] block ids; by default sequence b owns blocks
             b * blocks_per_seq ... in order. Pass a permuted table to place blocks anywhere.
         num_blocks: pool size; by default one more than the largest id in the table.
+
+    Fixed once made (:class:`~qkmla.utils.checked.Frozen`): ``layout.block_size = 0`` raises
+    instead of skipping the constructor's checks; the default table and pool size are filled in
+    by the first cache that uses it.
     """
 
     def __init__(self, block_size: int = 64, block_table: Optional[torch.Tensor] = None,
                  num_blocks: Optional[int] = None):
-        if not isinstance(block_size, int) or block_size < 1:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)
+                                       or num_blocks < 1):
+            raise ValueError(f"num_blocks: expected a positive int or None (one more than the largest block id), "
+                             f"got {num_blocks!r}")
         self.block_size, self.block_table, self.num_blocks = block_size, block_table, num_blocks
 
     def _table(self, batch_size: int, capacity: int, device) -> torch.Tensor:
         if self.block_table is None:
             per_seq = -(-capacity // self.block_size)
             check_allocation("capacity", 8 * batch_size * per_seq, f"a block table of {batch_size} x {per_seq} ids")
-            self.block_table = torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq)
+            object.__setattr__(self, "block_table",  # filled in once, for this and later caches (not a setting)
+                               torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq))
         table = self.block_table
         if not isinstance(table, torch.Tensor) or table.dtype.is_floating_point or table.dtype.is_complex \
                 or table.dtype == torch.bool:
@@ -182,7 +192,7 @@ class PagedLayout(Layout):
             raise ValueError(f"block_table: each block belongs to one sequence slot, but block(s) {shared} are "
                              f"listed more than once")
         if self.num_blocks is None:
-            self.num_blocks = int(table.max()) + 1
+            object.__setattr__(self, "num_blocks", int(table.max()) + 1)
         elif int(table.max()) >= self.num_blocks:
             raise ValueError(f"block_table: holds block id {int(table.max())}, but num_blocks={self.num_blocks}")
         return table.to(device=device, dtype=torch.long, copy=True)  # the cache's own: a later edit cannot move it

@@ -11,7 +11,8 @@ import traceback
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.errors import Parser, Stopped, environment_message, flag_message, quiet_broken_pipe
+from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, quiet_broken_pipe,
+                            sigterm_unwinds)
 from ..utils.environment import drop_bad_thread_counts
 from ..utils.threads import add_threads_argument
 
@@ -377,12 +378,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _convert_gqa(args: argparse.Namespace) -> int:
     import torch
 
-    from ..convert.gqa import convert_gqa_checkpoint
+    from ..convert.gqa import CALIBRATION_TOKENS, convert_gqa_checkpoint
     from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
     check_path("--hf", args.hf, "checkpoint directory")
     check_path("--out", args.out, "checkpoint directory")
+    if args.calibration_tokens is not None and args.calibration_text is None:  # it would be ignored
+        raise ValueError("--calibration-tokens: only read with --calibration-text; give the text too")
     apply_threads(args.threads, "convert-gqa")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     try:
@@ -390,7 +393,8 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
                                         overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
                                         calibration_text=args.calibration_text,
-                                        calibration_tokens=args.calibration_tokens)
+                                        calibration_tokens=CALIBRATION_TOKENS if args.calibration_tokens is None
+                                        else args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
         name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
         name = {"model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
@@ -568,8 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text like the model's data, tokenized by the checkpoint's tokenizer: what --rope-key "
                          "principal and --latent activations fit to (and what the report measures the RoPE key's "
                          "share on)")
-    cg.add_argument("--calibration-tokens", type=int, default=16384, metavar="N",
-                    help="the first N tokens of --calibration-text (default 16384)")
+    cg.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
+                    help="with --calibration-text: its first N tokens (default 16384)")
     cg.add_argument("--drop-norm", action="store_true",
                     help="drop the QK norm instead of carrying it (what TransMLA/CARE conversions do)")
     cg.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
@@ -608,7 +612,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command. qkmla's own errors (a refused argument, run directory or file) print
     one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; the machine's (a full disk,
     a read-only file, memory run out) one line naming the path, and return 1; a closed
-    stdout (``| head``) ends quietly with 141; anything else is a bug and prints its traceback."""
+    stdout (``| head``) ends quietly with 141; SIGTERM, where the command has no handling of its
+    own, unwinds it as Ctrl-C does (its temporaries removed) and returns 143 with one line; anything
+    else is a bug and prints its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
@@ -618,9 +624,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
     try:
-        status = args.func(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status
+    except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
+        print(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left", file=sys.stderr)
+        return 143  # 128 + SIGTERM, what a shell reports
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
         print(f"qkmla {args.command}: {e}", file=sys.stderr)
         return e.exit_code

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..cache.size import CacheShape, cache_rows
+from ..utils.errors import Stopped
 from ..utils.files import check_path, write_text
 from ..model.generate import generate
 from ..model.gpt import GPT
@@ -80,12 +81,16 @@ def _run_dirs(out: Path) -> list[tuple[str, float, str, Path]]:
     return [(name, lr, attn, out / f"{attn}_lr{lr:g}") for name, lr in LEARNING_RATES.items() for attn in MODELS]
 
 
-def _train_all(out: Path, preset: str, steps: int, overwrite: bool = False) -> list[dict]:
+def _configs(out: Path, preset: str, steps: int, overwrite: bool = False) -> list[TrainConfig]:
+    """The TrainConfig of every demo run, in the order of :func:`_run_dirs` (made, so checked, before any work)."""
+    return [TrainConfig(preset=preset, attn=attn, lr=lr, steps=steps, batch_size=12, warmup_steps=max(1, steps // 15),
+                        eval_interval=max(1, steps // 6), eval_iters=20, ckpt_interval=steps, out=str(run),
+                        overwrite=overwrite) for _, lr, attn, run in _run_dirs(out)]
+
+
+def _train_all(out: Path, configs: list[TrainConfig]) -> list[dict]:
     runs = []
-    for name, lr, attn, run in _run_dirs(out):
-        cfg = TrainConfig(preset=preset, attn=attn, lr=lr, steps=steps, batch_size=12,
-                          warmup_steps=max(1, steps // 15), eval_interval=max(1, steps // 6), eval_iters=20,
-                          ckpt_interval=steps, out=str(run), overwrite=overwrite)
+    for (name, lr, attn, run), cfg in zip(_run_dirs(out), configs):
         status = train(cfg)
         rows = read_metrics(run)
         peaks = [r["max_logit"] for r in rows if r.get("max_logit") is not None]  # null: non-finite
@@ -93,6 +98,10 @@ def _train_all(out: Path, preset: str, steps: int, overwrite: bool = False) -> l
                      "step": status["step"], "val_loss": status.get("val_loss") if status["status"] == "done"
                      else None, "peak_max_logit": max(peaks, default=None),
                      "final_max_logit": rows[-1]["max_logit"] if rows else None, "seconds": status["seconds"]})
+        if status["status"] in ("stopped", "interrupted"):  # SIGTERM or Ctrl-C: train checkpointed it
+            sig = "SIGTERM" if status["status"] == "stopped" else "SIGINT"
+            raise Stopped(f"stopped by {sig}: {attn} at lr {lr:g} was checkpointed at step {status['step']} in {run}; "
+                          "the demo does not resume: run it again with --overwrite", 143 if sig == "SIGTERM" else 130)
         if status["status"] not in ("done", "non-finite"):
             raise RuntimeError(f"{attn} at lr {lr:g}: training stopped: {status}")
     return runs
@@ -110,15 +119,16 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
                          f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it, or choose another --out")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
+    configs = _configs(out, preset, steps if steps is not None else STEPS, overwrite)  # --preset checked here
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, a name too long
         raise ValueError(f"out: cannot make the demo directory {out} ({e.strerror})") from None
     with RunLock(out):  # a second demo on the same directory is refused, as a second train is
-        return _run_demo_locked(out, steps, preset, overwrite)
+        return _run_demo_locked(out, steps, preset, configs)
 
 
-def _run_demo_locked(out: Path, steps: Optional[int], preset: str, overwrite: bool) -> int:
+def _run_demo_locked(out: Path, steps: Optional[int], preset: str, configs: list[TrainConfig]) -> int:
     t_start = time.perf_counter()
     corpus = Corpus.load("tiny_shakespeare")
     steps_given = steps is not None
@@ -126,7 +136,7 @@ def _run_demo_locked(out: Path, steps: Optional[int], preset: str, overwrite: bo
     print(f"training {len(MODELS) * len(LEARNING_RATES)} models x {steps} steps ({preset} preset: about 2.5 minutes "
           "on a 2-core CPU at the default steps; each bar shows the time left)")
     try:
-        runs = _train_all(out, preset, steps, overwrite)
+        runs = _train_all(out, configs)
     except RuntimeError as e:
         print(e)
         return 1

@@ -412,12 +412,13 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
 
 
 CALIBRATION_WINDOW = 256  # tokens per calibration window (fewer if the model's context is shorter)
+CALIBRATION_TOKENS = 16384  # tokens of calibration_text used, by default
 
 
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
                            overwrite: bool = False, rope_key: str = "mean", latent: str = "weights",
-                           calibration_text=None, calibration_tokens: int = 16384) -> GQAConversionReport:
+                           calibration_text=None, calibration_tokens: int = CALIBRATION_TOKENS) -> GQAConversionReport:
     """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
     and written to ``out`` with its tokenizer and generation config, for
     ``qkmla.integrations.transformers.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as
@@ -432,7 +433,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     import transformers
 
     from ..integrations.hub.checkpoint import CONFIG, read_hf_config
-    from .qk_norm import check_convert_paths, write_checkpoint
+    from .qk_norm import check_convert_paths, converting_into, write_checkpoint
 
     src, out = check_convert_paths(src, out, overwrite)
     hf_config = read_hf_config(src)
@@ -466,9 +467,11 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         if window < 2:
             raise ValueError(f"calibration_text: {calibration_text} gives {len(ids)} tokens; at least 2 are needed")
         calibration = ids[:len(ids) - len(ids) % window].view(-1, window)
-    model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
-        src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
-    converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
-                                    keep_norm=keep_norm, rope_key=rope_key, latent=latent, calibration=calibration)
-    write_checkpoint(converted, tokenizer, out)
+    with converting_into(src, out, overwrite):  # a second conversion into out is refused
+        model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
+            src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
+        converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
+                                        keep_norm=keep_norm, rope_key=rope_key, latent=latent,
+                                        calibration=calibration)
+        write_checkpoint(converted, tokenizer, out)
     return report

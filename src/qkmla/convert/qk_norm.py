@@ -19,15 +19,14 @@ and renamed when complete, and replaces an existing directory only with ``overwr
 
 from __future__ import annotations
 
-import os
-import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import as_os_error, temporary_name
+from ..utils.files import clear_stale, write_directory
 from ..integrations.hub.checkpoint import CONFIG, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -35,10 +34,22 @@ HELD_OUT_TOKENS = 4096
 ROW = 512  # calibration tokens per row (fewer when the model's context is shorter)
 
 
+def lock_file(out: Path) -> Path:
+    """The lock a conversion into ``out`` holds (:func:`converting_into`): ``OUT.lock`` beside it."""
+    return out.with_name(out.name + ".lock")
+
+
 def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite: bool) -> tuple[Path, Path]:
     """(src, out) if ``out`` can take a conversion of ``src``: not ``src`` or inside it, not a file,
-    not an existing non-empty directory unless ``overwrite``. ValueError naming --hf / --out."""
+    not an existing non-empty directory unless ``overwrite``. ValueError naming --hf / --out.
+    First, what a conversion into ``out`` killed outright left is swept (``clear_stale``: its
+    temporary removed, an ``out`` it had moved aside put back; its lock file), so ``out`` is checked
+    as it really is."""
+    from ..train.rundir import remove_stale_lock
+
     src, out = Path(src), Path(out)
+    clear_stale(out)
+    remove_stale_lock(lock_file(out))
     if not src.is_dir():
         raise ValueError(f"hf: {src} is not a directory (expected a transformers checkpoint directory)")
     read_hf_config(src)
@@ -53,10 +64,40 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
         if not overwrite:
             raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
                              f"elsewhere")
-        if not (out / CONFIG).is_file():
-            raise ValueError(f"out: {out} is not empty and holds no {CONFIG}, so it is not a checkpoint directory "
-                             f"--overwrite may replace; write elsewhere")
+        if not _holds_checkpoint(out):  # a qkmla training run has a config.json too, without a model_type
+            raise ValueError(f"out: {out} is not empty and holds no transformers {CONFIG} (a JSON object with a "
+                             f"model_type), so it is not a checkpoint directory --overwrite may replace; write "
+                             f"elsewhere")
     return src, out
+
+
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether ``path`` holds a transformers checkpoint's config.json (what a conversion writes)."""
+    import json
+
+    try:
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("model_type"), str)
+
+
+@contextmanager
+def converting_into(src: Path, out: Path, overwrite: bool):
+    """``with converting_into(src, out, overwrite):`` this process alone converts into ``out`` (an
+    ``flock`` on ``OUT.lock`` beside it, released by the kernel however the process ends), or a
+    ValueError naming --out and the holder: a second conversion into the same ``out`` would
+    otherwise replace the first one's output unasked. ``out`` is checked again once held (another
+    conversion may have finished into it since)."""
+    from ..train.rundir import RunLock
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out: cannot make the directory {out.parent} ({e.strerror}); write elsewhere") from None
+    with RunLock(out, lock=lock_file(out)):
+        check_convert_paths(src, out, overwrite)
+        yield
 
 
 def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: int) -> tuple:
@@ -80,41 +121,14 @@ def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: 
 
 
 def write_checkpoint(model, tokenizer, out: Path) -> None:
-    """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, as :func:`write_directory` writes."""
+    """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, as
+    :func:`~qkmla.utils.files.write_directory` writes: whole or not at all."""
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
     write_directory(out, write)
-
-
-def write_directory(out: Path, write) -> None:
-    """``write(tmp)`` fills a directory under a temporary name beside ``out``, renamed ``out`` when
-    complete; an existing ``out`` (checked by :func:`check_convert_paths`) goes only once the new one
-    is complete, and a failed write leaves it as it was. A full disk (inside safetensors or
-    transformers too) is one OSError naming ``out``."""
-    tmp = temporary_name(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        try:
-            tmp.mkdir(parents=True)
-            write(tmp)
-        except Exception as e:  # a full disk inside safetensors or transformers: one line naming out
-            error = as_os_error(e, out)
-            if error is None:
-                raise
-            raise error from None
-        if out.exists():
-            old = out.with_name(f"{out.name}.replaced{os.getpid()}")
-            out.replace(old)
-            tmp.replace(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp.replace(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
@@ -186,21 +200,22 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
                          f"{hf_config['quantization_config'].get('quant_method', '?')}); casting quantized weights "
                          f"would need dequantizing them: leave dtype (--dtype) out")
 
-    stream = CheckpointStream(src, dtype)
-    if norm is not None:
-        report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
-    else:
-        report, norm_tensors = {}, {}
-    config = stream.config
-    if dtype is not None:
-        config.dtype = dtype
-    if norm is not None:
-        record_norm(config, norm)
+    with converting_into(src, out, overwrite):
+        stream = CheckpointStream(src, dtype)
+        if norm is not None:
+            report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
+        else:
+            report, norm_tensors = {}, {}
+        config = stream.config
+        if dtype is not None:
+            config.dtype = dtype
+        if norm is not None:
+            record_norm(config, norm)
 
-    def write(tmp: Path) -> None:
-        copy_other_files(src, tmp, skip={CONFIG, INDEX, f"{CODE}.py"})
-        write_weights(stream, tmp, norm_tensors, dtype)
-        config.save_pretrained(tmp)  # config.json (and, with a norm, the code its auto_map names)
+        def write(tmp: Path) -> None:
+            copy_other_files(src, tmp, skip={CONFIG, INDEX, f"{CODE}.py"})
+            write_weights(stream, tmp, norm_tensors, dtype)
+            config.save_pretrained(tmp)  # config.json (and, with a norm, the code its auto_map names)
 
-    write_directory(out, write)
+        write_directory(out, write)
     return report

@@ -55,14 +55,16 @@ class RunLock:
     """``with RunLock(out):`` owns ``out`` for this process, or raises ValueError naming the
     process that does.
 
-    The lock is an exclusive ``flock`` on ``DIR/lock``: the kernel releases it when its
+    The lock is an exclusive ``flock`` on ``DIR/lock`` (or on the file ``lock`` names: ``qkmla
+    convert`` locks ``OUT.lock`` beside an ``OUT`` it makes only at the end): the kernel releases it when its
     process ends, however it ends, so a killed run never leaves a lock that blocks the next
     one, and two processes can never both hold it. The file's text (pid and host) only says
     who holds it.
     """
 
-    def __init__(self, out: Path):
-        self.path = Path(out) / "lock"
+    def __init__(self, out: Path, lock: Optional[Path] = None):
+        self.out = Path(out)
+        self.path = Path(lock) if lock is not None else self.out / "lock"  # another file: an out not made yet
         self._fd: Optional[int] = None
 
     def _owner(self) -> str:
@@ -91,13 +93,14 @@ class RunLock:
         while True:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-            except OSError as e:  # e.g. a directory named lock
-                raise ValueError(f"out: cannot use the lock file {self.path} ({e.strerror}); remove it") from None
+            except OSError as e:  # e.g. a directory named lock, or a read-only directory
+                fix = "remove it" if os.path.lexists(self.path) else "write elsewhere"
+                raise ValueError(f"out: cannot use the lock file {self.path} ({e.strerror}); {fix}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise ValueError(f"out: {self.path.parent} is in use by {self._owner()} (lock file {self.path}); "
+                raise ValueError(f"out: {self.out} is in use by {self._owner()} (lock file {self.path}); "
                                  "wait for it, or use another --out") from None
             try:  # the holder we waited on may have removed the file: lock the one at the path now
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -114,6 +117,32 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         self.path.unlink(missing_ok=True)  # before unlocking, so no one locks a removed file
         os.close(self._fd)
+
+
+def remove_stale_lock(path: Path) -> bool:
+    """Remove the lock file ``path`` (a :class:`RunLock`'s) if no process holds it: one left by a
+    process killed outright, which nothing else would ever remove. True if it was removed."""
+    import fcntl
+
+    path = Path(path)
+    if RunLock(path.parent, lock=path)._foreign():
+        return False
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its process is alive
+        os.close(fd)
+        return False
+    try:
+        path.unlink(missing_ok=True)  # before unlocking, as RunLock does
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def holds_run(out: Path) -> bool:

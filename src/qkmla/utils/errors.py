@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from contextlib import contextmanager
 
 
 class Parser(argparse.ArgumentParser):
@@ -60,3 +61,32 @@ class Stopped(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class Terminated(BaseException):
+    """SIGTERM (what ``kill``, Slurm, Kubernetes and ``docker stop`` send) to a command that has no
+    handling of its own (``train`` and ``experiment`` checkpoint instead): it unwinds the command as
+    Ctrl-C does, so every ``finally`` and every write's clean-up runs (a half-written temporary is
+    removed), where Python's default would end the process on the spot. Not an ``Exception``: no
+    ``except Exception`` takes it for an error of the work."""
+
+
+@contextmanager
+def sigterm_unwinds():
+    """``with sigterm_unwinds():`` SIGTERM raises :class:`Terminated` in the main thread (elsewhere,
+    where Python runs no handler, nothing is installed); the previous handler comes back after."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

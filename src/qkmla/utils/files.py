@@ -2,13 +2,15 @@
 
 A crash, a kill or a full disk in the middle of a write leaves the file that was there (or
 none), never half of a new one: ``os.replace`` within one directory is atomic. The
-temporary name is ``NAME.tmpPID``; a failed write removes it. Errors are ``OSError``s that
-name the path (safetensors' own error for a failed write is turned into one), which the
-command line reports in one line.
+temporary name is ``NAME.tmpPID``; a failed write, Ctrl-C or SIGTERM removes it, and what a
+process killed outright (SIGKILL, a power cut) left is swept by the next write of the same name
+(:func:`clear_stale`). Errors are ``OSError``s that name the path (safetensors' own error for a
+failed write is turned into one), which the command line reports in one line.
 
 :func:`write_atomically` is the one way the package writes a file: ``durable`` (the default)
 also fsyncs the file before the rename and the directory after it, so what a later run reads
 (results, statuses, checkpoints) survives a crash of the machine too, not only of the process.
+:func:`write_directory` writes a directory (a converted checkpoint) the same way.
 :func:`check_output` refuses, before any work, an output that is an input of the command, or
 exists, unless ``--overwrite`` says to replace it (``qkmla experiment`` also refuses another
 experiment's results: ``experiments.base``); :func:`check_path` and :func:`check_writable`
@@ -19,6 +21,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
@@ -28,6 +34,70 @@ PathLike = Union[str, Path]
 def temporary_name(path: PathLike) -> Path:
     path = Path(path)
     return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+_STALE = re.compile(r"\.(tmp|replaced)(\d+)$")
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts: it may still be writing)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def clear_stale(path: PathLike) -> list[Path]:
+    """What writes of ``path`` by processes that no longer run left beside it (killed outright:
+    no ``finally`` ran): temporaries ``NAME.tmpPID`` are removed, and an existing ``path`` that a
+    killed :func:`write_directory` had moved aside (``NAME.replacedPID``) is put back if ``path``
+    is missing. A live process's temporaries (another instance writing now) are left alone.
+    Returns the paths removed or put back."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        names = [e.name for e in os.scandir(parent) if e.name.startswith(path.name + ".")]
+    except OSError:  # no such directory yet: nothing was left in it
+        return []
+    cleared = []
+    for name in sorted(names):
+        m = _STALE.fullmatch(name[len(path.name):])
+        if m is None or _running(int(m.group(2))):
+            continue
+        stale = parent / name
+        if m.group(1) == "replaced" and not os.path.lexists(path):
+            os.replace(stale, path)  # the old output, moved aside by a write killed before its new one was in place
+        elif stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        cleared.append(stale)
+    return cleared
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM that arrive inside are acted on when it ends (by the handlers in force
+    before it): renames that must not be cut in half, and the removal of a temporary, finish
+    first. In threads other than the main one (where Python runs no handler) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT,
+                                                                                              signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
 
 
 def _fsync(path: Path, directory: bool = False) -> None:
@@ -52,6 +122,7 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
     untouched. ``durable``: fsync the file before the rename and its directory after."""
     path = Path(path)
     tmp = temporary_name(path)
+    clear_stale(path)
     try:
         write(tmp)
         if durable:
@@ -60,15 +131,53 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
         if durable:
             _fsync(path.parent if str(path.parent) else Path("."), directory=True)
     except BaseException as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        with signals_held():
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
         # The user named path, not tmp; a failed flush at close names no file at all.
         if isinstance(e, OSError) and e.filename in (str(tmp), tmp, None):
             raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         raise
     return path
+
+
+def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
+    """``write(tmp)`` fills a directory under the temporary name ``OUT.tmpPID`` beside ``out``,
+    renamed ``out`` when complete; an existing ``out`` is moved aside (``OUT.replacedPID``) only
+    once the new one is complete and removed after the rename. A failure, Ctrl-C or SIGTERM
+    removes the temporary and leaves ``out`` as it was; the two renames and the clean-up finish
+    before a signal is acted on (:func:`signals_held`). What a process killed outright left is
+    swept by the next write of ``out`` (:func:`clear_stale`: the temporary removed, an ``out``
+    moved aside put back). A full disk (inside safetensors or transformers too) is one OSError
+    naming ``out``."""
+    out = Path(out)
+    tmp = temporary_name(out)
+    clear_stale(out)
+    try:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write(tmp)
+        except Exception as e:  # a full disk inside safetensors or transformers: one line naming out
+            error = as_os_error(e, out)
+            if error is None:
+                raise
+            raise error from None
+        with signals_held():
+            if out.exists():
+                old = out.with_name(f"{out.name}.replaced{os.getpid()}")
+                out.replace(old)
+                tmp.replace(out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp.replace(out)
+    finally:
+        with signals_held():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def write_text(path: PathLike, text: str, durable: bool = True) -> Path:

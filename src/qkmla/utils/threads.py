@@ -77,16 +77,26 @@ def auto_threads(local_ranks: int = 1, busy: Optional[float] = None) -> tuple[in
     return n, why
 
 
+# More threads than this per usable CPU only slow torch down, and far more end the process: torch
+# 2.13's thread pool crashed it (a segmentation fault, no message) at --threads 1000000.
+MAX_THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    return MAX_THREADS_PER_CPU * len(usable_cpus())
+
+
 def threads_arg(text: str):
-    """argparse type of ``--threads``: a positive int, or "auto"."""
+    """argparse type of ``--threads``: a positive int up to :func:`max_threads`, or "auto"."""
     if text == "auto":
         return text
     try:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}")
+    if not 1 <= n <= max_threads():
+        raise argparse.ArgumentTypeError(f"expected a positive int up to {max_threads()} ({MAX_THREADS_PER_CPU} per "
+                                         f"CPU this process may run on) or 'auto', got {text!r}")
     return n
 
 
