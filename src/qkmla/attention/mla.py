@@ -24,6 +24,7 @@ between ``train()`` and ``eval()``, or ``kv_b_proj`` or a norm module is swapped
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -251,7 +252,8 @@ class MLA(nn.Module):
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, cache=None, *, positions: Optional[torch.Tensor] = None,
-                input_lengths: Optional[torch.Tensor] = None, path: str = "auto") -> torch.Tensor:
+                input_lengths: Optional[torch.Tensor] = None, path: str = "auto",
+                rope_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend over x (and the cache), writing x's tokens into the cache.
 
         Args:
@@ -263,6 +265,11 @@ class MLA(nn.Module):
                 sequence b are real (right padding); their outputs are meaningful, the rest are not.
             path: "auto" (explicit without a cache or for a prefill into an empty latent cache,
                 absorbed otherwise), "explicit", "absorbed" or "expand" (re-expand cached keys).
+            rope_positions: [B, T] or [T] integers, with a cache: the RoPE positions of the new
+                tokens where the caller numbers them its own way (a host model's ``position_ids``;
+                the cache's numbering otherwise). The queries and the cached RoPE keys are
+                rotated to them; the slots the rows go to are the cache's as always. Attention
+                then depends on the caller's position differences, as the caller's own attention's does.
 
         Returns:
             [B, T, hidden_size]
@@ -274,6 +281,9 @@ class MLA(nn.Module):
                 record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        if rope_positions is not None:
+            slot = replace(slot, positions=default_positions(x, rope_positions, "rope_positions", signed=True)
+                           .to(slot.positions.device))
         x = zero_padding(x, slot.valid)  # on every path: padding never reaches a real token
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)

@@ -20,8 +20,10 @@ sequences into a row (``position_ids`` restarting and no mask, or ``cu_seq_lens_
 says which sequence each token belongs to, and SDPA gets a block-diagonal causal mask.
 
 Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
-(left padding becomes right padding), cached with ``input_lengths``, and numbered 0, 1, 2, ...
-as transformers' ``generate`` numbers them from the mask; their outputs are moved back and
+(left padding becomes right padding), cached with ``input_lengths``, with their RoPE keys rotated
+to the ``position_ids`` transformers passes (whatever it passes: generate's numbering of a
+left-padded batch, the column numbers of a right-padded one, a caller's own), so attention sees
+the position differences transformers' own attention sees; their outputs are moved back and
 padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
 alone.
 
@@ -178,12 +180,16 @@ class LatentAttention(MLA):
                                  "cache (cache_implementation='static'); ask for them with the growing cache "
                                  "(the default)")
             return static_attend(self, layer, x, valid, kwargs.get("position_ids")), None
+        positions = rope_positions(kwargs.get("position_ids"), self.settings.policy, x.shape[0], x.shape[1])
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
-        out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
+        if valid is None:
+            out = MLA.forward(self, x, latent, rope_positions=positions)
+        else:
+            out = self._compacted(x, valid, latent, positions)
         layer.advance(valid, x.shape[0], x.shape[1])
         if not want:
             return out, None
-        weights = cached_weights(self, x, layer)
+        weights = cached_weights(self, x, layer, positions)
         call.attentions[self.layer_idx] = weights
         return out, weights
 
@@ -222,13 +228,61 @@ class LatentAttention(MLA):
         out = torch.einsum("bhts,bshd->bthd", probs, heads_v)
         return self.o_proj(out.flatten(2)), probs
 
-    def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent) -> torch.Tensor:
-        """``MLA.forward`` over each sequence's real tokens moved to the front (right padding)."""
+    def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent,
+                   positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``MLA.forward`` over each sequence's real tokens moved to the front (right padding),
+        each at its RoPE position (``positions`` [B, T], moved with it; None: the cache's numbering)."""
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # [B, T]: real tokens first, in order
         index = order[..., None].expand_as(x)
-        out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1))
-        out = torch.empty_like(out).scatter_(1, index, out)
-        return out.masked_fill(~valid[..., None], 0.0)
+        compacted = positions.to(order.device).gather(1, order) if positions is not None else None
+        out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), rope_positions=compacted)
+        out = torch.empty_like(out).scatter_(1, index, out).masked_fill(~valid[..., None], 0.0)
+        padding = self._padding_queries(x, valid, latent, positions)
+        if padding is None:
+            return out
+        heads, queried = padding
+        return torch.where(queried[..., None], self.o_proj(heads.flatten(2)), out)
+
+    def _padding_queries(self, x: torch.Tensor, valid: torch.Tensor, latent, positions: Optional[torch.Tensor]):
+        """What transformers' attention gives the call's padding tokens as queries, which nothing
+        reads but the logits at their columns (a right-padded ``generate`` picks its first new token
+        from the last column's, a padding one): a padding query at its own position attends to
+        the real tokens before it, cached and new (its own key is padding). Only for the queries
+        that have one (none: 0, as the cached path gives every padding token). Returns (heads'
+        outputs [B, T, h, d_v], which queries they are for [B, T] bool), or None when no padding
+        token has a real token before it (left padding into an empty cache), when the positions
+        are not transformers' (``positions`` None), or when an eviction policy may have dropped
+        some of the cache's tokens.
+
+        Computed explicitly over the cache's re-expanded keys (``expand_cache``), after this
+        call's real tokens went in, which costs a whole prefill's keys once per call with such
+        padding: decode steps (no padding) never pay it."""
+        if positions is None or self.settings.policy is not None:
+            return None
+        cached = latent.seqlens.to(valid.device) - valid.sum(dim=1)  # [B]: real tokens before this call
+        before = cached[:, None] + valid.long().cumsum(dim=1)  # [B, T]: real tokens up to each column
+        queried = ~valid & (before > 0)
+        if not bool(queried.any()):
+            return None
+        k, v = self.expand_cache(*latent.load())  # [B, S, G, d_n + d_r], [B, S, G, d_v]
+        q = self.explicit_query(x, positions.to(x.device))  # [B, T, h, d_n + d_r]
+        visible = torch.arange(k.shape[1], device=x.device)[None, None, :] < before[:, :, None]  # [B, T, S]
+        probs = explicit_weights(q, k, self.scale, visible)  # [B, h, T, S]
+        h, G = q.shape[2], v.shape[2]
+        heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
+        return torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)), queried
+
+
+def rope_positions(position_ids: Optional[torch.Tensor], policy: Optional[EvictionPolicy], batch_size: int,
+                   num_tokens: int) -> Optional[torch.Tensor]:
+    """The RoPE positions [B, T] the call's tokens are cached at: transformers' ``position_ids``
+    as given ([B, T] or [1, T]), or None (the cache numbers each sequence's real tokens 0, 1, 2,
+    ...) when none are given or the eviction policy renumbers the cache (StreamingLLM's
+    ``reposition=True``: kept keys are turned to positions 0..k-1, and a host that keeps counting
+    would put new tokens past them)."""
+    if position_ids is None or getattr(policy, "reposition", False):
+        return None
+    return position_ids.expand(batch_size, num_tokens)
 
 
 def repeat_groups(weight: torch.Tensor, config: MLAConfig) -> torch.Tensor:

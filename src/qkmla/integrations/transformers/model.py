@@ -15,8 +15,8 @@ hooks on the inner ``*Model``:
   is kept on the model for the next (gradient checkpointing's recompute, a nested call and
   another thread see their own). A forward that caches gets a
   :class:`~qkmla.integrations.transformers.cache.LatentAttentionCache` (or its empty ``DynamicCache`` becomes
-  one); a training forward with no cache passed caches nothing; ``position_ids`` that disagree
-  with the cache's positions are refused. A call that packs several sequences into a batch row
+  one); a training forward with no cache passed caches nothing; ``position_ids`` of another
+  shape than the call's tokens are refused (their values are honoured, whatever they are). A call that packs several sequences into a batch row
   (transformers' padding-free format: ``position_ids`` restarting with no ``attention_mask``, or
   the flash-attention kwargs ``cu_seq_lens_q/k``) attends within each sequence, caches nothing,
   and is refused with a cache.
@@ -45,8 +45,7 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import (LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings,
-                    check_positions)
+from .cache import LatentAttentionCache, adopt_layer, check_cache, check_cache_settings
 from .patched import inner_model
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
@@ -277,12 +276,25 @@ def _before_forward(module, args, kwargs):
             adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, settings.kv_format, settings.policy)
     past = cache.get_seq_length() if cache is not None and mask is not None else 0
     valid = _new_tokens(mask, batch_size, num_tokens, int(past))
-    if cache is not None and position_ids is not None and isinstance(cache.layers[0], LatentCacheLayer):
-        # (a static latent cache takes transformers' positions as they come, as its static cache does)
-        first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
-        check_positions(first, position_ids, valid, batch_size, num_tokens)
+    check_position_ids(position_ids, batch_size, num_tokens)
     arguments["qkmla_call"] = LatentCall(valid, documents, attentions)
     return (), arguments
+
+
+def check_position_ids(position_ids, batch_size: int, num_tokens: int) -> None:
+    """Refuse, before any work, ``position_ids`` that are not integers of shape [batch, T], [1, T]
+    or [T] for a call of ``batch_size`` x ``num_tokens`` tokens. Their values are not checked:
+    the latent cache rotates each token's RoPE key to the position given, as transformers'
+    attention does (``LatentAttention``), so any numbering transformers accepts is honoured."""
+    if position_ids is None:
+        return
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point \
+            or position_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise ValueError(f"position_ids: expected an integer tensor [batch={batch_size}, {num_tokens}] (or [1, "
+                         f"{num_tokens}]), got {position_ids!r:.80}")
+    if tuple(position_ids.shape) not in ((batch_size, num_tokens), (1, num_tokens), (num_tokens,)):
+        raise ValueError(f"position_ids: expected shape [batch={batch_size}, {num_tokens}] or [1, {num_tokens}] "
+                         f"(one position per new token), got {tuple(position_ids.shape)}")
 
 
 def _after_forward(module, args, kwargs, output):
