@@ -427,6 +427,8 @@ def test_masks_and_options_the_latent_path_cannot_serve_are_refused():
     model = patched(hf_model("v3"))
     ids = torch.stack(prompts([5]))
     with pytest.raises(ValueError, match="attention_mask: .*2-D padding mask"):
+        model(ids, attention_mask=torch.ones(1, 5, 5))
+    with pytest.raises(ValueError, match="attention_mask: an additive 4-D mask's entries must be 0"):
         model(ids, attention_mask=torch.ones(1, 1, 5, 5))
     with pytest.raises(ValueError, match=r"position_ids: expected shape \[batch=1, 5\]"):
         model(ids, position_ids=torch.arange(4)[None], **{CACHE: LatentAttentionCache(model)})

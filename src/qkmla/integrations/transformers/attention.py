@@ -36,7 +36,8 @@ takes either form (repeats checked).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -76,11 +77,15 @@ class LatentCall:
         A token attends to the tokens of its own sequence only; such a call is never cached.
     attentions: None, or (``output_attentions=True``) a dict each layer puts its attention weights
         in, [B, h, T, K] by ``layer_idx`` (:mod:`~qkmla.integrations.transformers.weights`).
+    visible: [B, T, K] bool, a custom mask (transformers' 4-D ``attention_mask``, read by the hook):
+        which of the K columns (the cached ones, then the call's) each new token sees; every column
+        is a token then, none is padding. None: causal over the real tokens.
     """
 
     valid: Optional[torch.Tensor] = None
     documents: Optional[torch.Tensor] = None
     attentions: Optional[dict] = None
+    visible: Optional[torch.Tensor] = None
 
 
 class LatentAttention(MLA):
@@ -99,6 +104,8 @@ class LatentAttention(MLA):
         self.layer_idx = layer_idx
         self.settings = settings if settings is not None else LatentSettings()
         self.is_causal = True  # read by some transformers utilities
+        self.hf_cache_layout = "expanded"  # from_hf: what transformers' own attention caches (view.py)
+        self.hf_rope_halves = False  # from_hf: whether it caches RoPE keys as halves (view.py)
         if config.num_kv_groups < config.num_heads:  # state dicts in transformers' shapes (module docstring)
             self.register_state_dict_post_hook(_repeat_kv_b_proj)
             self.register_load_state_dict_pre_hook(_unrepeat_kv_b_proj)
@@ -136,6 +143,10 @@ class LatentAttention(MLA):
             kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
             projections["kv_b_proj"] = kv_b_proj
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
+        # what transformers' own attention caches, for a cache's keys/values view (view.py)
+        layer.hf_cache_layout = "latent" if hasattr(type(hf_attention), "expand_kv") else "expanded"
+        # DeepSeek-V3's rotates interleaved pairs by first moving them to halves, and caches them so
+        layer.hf_rope_halves = type(hf_attention).__name__.startswith("DeepseekV3")
         if hf_rotary is not None and hf_rope_type(hf_attention.config) not in ROPE_TYPES:
             layer.rotary = TransformersRotary(hf_rotary, config.rope_interleave)
         return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
@@ -147,7 +158,7 @@ class LatentAttention(MLA):
 
         weight = self.kv_b_proj.weight
         layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings)
-        layer.rotary = self.rotary
+        layer.rotary, layer.hf_cache_layout, layer.hf_rope_halves = self.rotary, self.hf_cache_layout, self.hf_rope_halves
         return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
@@ -165,8 +176,9 @@ class LatentAttention(MLA):
         valid = call.valid.to(x.device) if call.valid is not None else None
         documents = call.documents.to(x.device) if call.documents is not None else None
         want = call.attentions is not None
+        visible = call.visible.to(x.device) if call.visible is not None else None
         if cache is None:
-            out, weights = self._uncached(x, valid, kwargs.get("position_ids"), documents, want)
+            out, weights = self._uncached(x, valid, kwargs.get("position_ids"), documents, want, visible)
             if want:
                 call.attentions[self.layer_idx] = weights
             return out, weights
@@ -174,6 +186,8 @@ class LatentAttention(MLA):
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
+        if layer.attention is None:  # its keys and values are this layer's up-projections (view.py)
+            layer.attention = weakref.ref(self)
         if isinstance(layer, StaticLatentCacheLayer):  # fixed shapes for torch.compile (static.py)
             if want:
                 raise ValueError("output_attentions: the attention weights are not returned over a static latent "
@@ -182,6 +196,11 @@ class LatentAttention(MLA):
             return static_attend(self, layer, x, valid, kwargs.get("position_ids")), None
         positions = rope_positions(kwargs.get("position_ids"), self.settings.policy, x.shape[0], x.shape[1])
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
+        if visible is not None:
+            out, weights = self._custom_masked(x, visible, layer, latent, positions, want)
+            if want:
+                call.attentions[self.layer_idx] = weights
+            return out, weights
         if valid is None:
             out = MLA.forward(self, x, latent, rope_positions=positions)
         else:
@@ -194,9 +213,11 @@ class LatentAttention(MLA):
         return out, weights
 
     def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids,
-                  documents: Optional[torch.Tensor] = None, weights: bool = False):
+                  documents: Optional[torch.Tensor] = None, weights: bool = False,
+                  visible: Optional[torch.Tensor] = None):
         """The explicit path over x alone, at transformers' positions, padding masked, and each
-        packed sequence (``documents`` [B, T]) attending within itself: a block-diagonal causal mask.
+        packed sequence (``documents`` [B, T]) attending within itself: a block-diagonal causal mask;
+        or a caller's own mask (``visible`` [B, T, T] bool, transformers' 4-D mask) as it is.
         Returns (output [B, T, hidden], the attention weights [B, h, T, T] if ``weights``, else None).
 
             documents  0 0 0 1 1        query t sees key s when s <= t and documents[s] == documents[t]
@@ -209,8 +230,8 @@ class LatentAttention(MLA):
         B, T = x.shape[:2]
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
-        mask = None
-        if valid is not None or documents is not None:
+        mask = visible
+        if visible is None and (valid is not None or documents is not None):
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
             if documents is not None:
                 mask = mask & (documents[:, :, None] == documents[:, None, :])
@@ -242,6 +263,37 @@ class LatentAttention(MLA):
             return out
         heads, queried = padding
         return torch.where(queried[..., None], self.o_proj(heads.flatten(2)), out)
+
+    def _custom_masked(self, x: torch.Tensor, visible: torch.Tensor, layer, latent,
+                       positions: Optional[torch.Tensor], weights: bool = False):
+        """A call with a caller's own mask (transformers' 4-D ``attention_mask`` as ``visible``
+        [B, T, K] over the K columns, cached ones first): the call's T tokens are all cached (at
+        ``positions``, transformers' position ids), then each attends to the columns its mask row
+        shows, explicitly over the cache's re-expanded keys (a shared prefix with branches, a tree
+        of drafts: any pattern). Columns that were padding hold no token and are never seen.
+        Returns (output [B, T, hidden], weights [B, h, T, K] if ``weights``, else None)."""
+        B, T = x.shape[:2]
+        positions = positions if positions is not None else latent.next_positions[:, None] + torch.arange(
+            T, device=latent.device)
+        positions = positions.to(x.device).expand(B, T)
+        slot = replace(latent.plan(B, T), positions=positions.to(latent.device))
+        latent.append(slot, **self.cache_rows(x, positions, cache=latent))
+        layer.advance(None, B, T)
+        k, v = self.expand_cache(*latent.load())  # [B, S, G, d_n + d_r], [B, S, G, d_v]
+        S, K = k.shape[1], layer.stored.shape[1]
+        stored = layer.stored.to(x.device)
+        columns = torch.argsort((~stored).to(torch.int8), dim=1, stable=True)[:, :S]  # [B, S]: slot s's column
+        filled = torch.arange(S, device=x.device)[None] < stored.sum(dim=1, keepdim=True)  # [B, S]
+        seen = visible.gather(2, columns[:, None, :].expand(B, T, S)) & filled[:, None, :]  # [B, T, S]
+        q = self.explicit_query(x, positions)
+        probs = explicit_weights(q, k, self.scale, seen)  # [B, h, T, S]
+        h, G = q.shape[2], v.shape[2]
+        heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
+        out = self.o_proj(torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)).flatten(2))
+        if not weights:
+            return out, None
+        laid_out = probs.new_zeros(B, h, T, K)
+        return out, laid_out.scatter_(3, columns[:, None, None, :].expand(B, h, T, S), probs)
 
     def _padding_queries(self, x: torch.Tensor, valid: torch.Tensor, latent, positions: Optional[torch.Tensor]):
         """What transformers' attention gives the call's padding tokens as queries, which nothing

@@ -44,6 +44,7 @@ from ...config import MLAConfig
 from ...kv_formats import check_kv_format
 from .patched import latent_layers, model_settings
 from .static import StaticLatentCacheLayer, check_static_settings
+from .view import TransformersView
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
 
@@ -60,7 +61,7 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
                          f"got {max_cache_len!r}")
 
 
-class LatentCacheLayer(CacheLayerMixin):
+class LatentCacheLayer(TransformersView, CacheLayerMixin):
     """One decoder layer's latent cache, as a transformers cache layer.
 
     Args:
@@ -172,6 +173,22 @@ class LatentCacheLayer(CacheLayerMixin):
                              "are gone); use policy=None for assisted or speculative decoding")
         self.latent.drop_last(self.stored[:, -remove:].sum(dim=1))
         self.stored, self.columns = self.stored[:, :-remove], self.columns - remove
+
+    def rows_by_column(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(latent rows [B, K, d_c + d_r], key scalars [B, K, G] or None, ``stored`` [B, K]) over
+        the K columns: each cached token's rows at its column, zeros at padding columns (for
+        :class:`~.view.TransformersView`)."""
+        latent, key_scale = self.latent.load()  # [B, S, ...]: each sequence's tokens in order
+        stored = self.stored.to(latent.device)
+        B, K, S = stored.shape[0], stored.shape[1], latent.shape[1]
+        columns = torch.argsort((~stored).to(torch.int8), dim=1, stable=True)[:, :S]  # [B, S]: slot s's column
+        filled = torch.arange(S, device=latent.device)[None] < stored.sum(dim=1, keepdim=True)
+
+        def by_column(rows):
+            rows = rows * filled[..., None].to(rows.dtype)
+            return rows.new_zeros(B, K, rows.shape[-1]).scatter_(1, columns[..., None].expand_as(rows), rows)
+
+        return by_column(latent), (by_column(key_scale) if key_scale is not None else None), stored
 
     @property
     def batch_size(self) -> int:
