@@ -38,8 +38,6 @@ EXPECTED_FAILURES = {
                                           "(set_attn_implementation), which a patched model refuses by design",
     "test_can_set_attention_dynamically_composite_model": "as test_can_set_attention_dynamically",
     "test_attn_implementation_composite_models": "reads config._attn_implementation, which is qkmla_latent",
-    "test_eager_matches_sdpa_inference": "compares transformers' eager and sdpa attention functions, which a "
-                                         "patched model never calls",
     "test_sdpa_can_dispatch_non_composite_models": "asserts config._attn_implementation == 'sdpa'",
     "test_sdpa_can_dispatch_composite_models": "asserts config._attn_implementation == 'sdpa'",
     "test_torch_export": "traces transformers' attention-interface dispatch",
