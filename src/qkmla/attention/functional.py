@@ -32,19 +32,22 @@ def check_hidden(x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
                          f"pass x.to({dtype}) or call module.to(dtype)")
 
 
-def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor]) -> torch.Tensor:
-    """[B, T] positions: 0..T-1 when none are given; a [T] tensor is broadcast."""
+def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: str = "positions",
+                      signed: bool = False) -> torch.Tensor:
+    """[B, T] positions: 0..T-1 when none are given; a [T] or [1, T] tensor is broadcast.
+    ``name``: the argument they came as; ``signed``: negative positions allowed (RoPE is defined
+    for them, and a host model's position ids may have them)."""
     B, T = x.shape[:2]
     if positions is None:
         return torch.arange(T, device=x.device).expand(B, T)
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise ValueError(f"positions: expected an integer tensor of shape [{B}, {T}] or [{T}], got {positions!r:.80}")
-    if positions.shape == (T,):
+        raise ValueError(f"{name}: expected an integer tensor of shape [{B}, {T}] or [{T}], got {positions!r:.80}")
+    if positions.shape in ((T,), (1, T)):
         positions = positions.expand(B, T)
     if positions.shape != (B, T):
-        raise ValueError(f"positions: expected shape [{B}, {T}] or [{T}], got {tuple(positions.shape)}")
-    if bool((positions < 0).any()):
-        raise ValueError("positions: expected non-negative positions")
+        raise ValueError(f"{name}: expected shape [{B}, {T}] or [{T}], got {tuple(positions.shape)}")
+    if not signed and bool((positions < 0).any()):
+        raise ValueError(f"{name}: expected non-negative positions")
     return positions.to(x.device)
 
 

@@ -24,6 +24,7 @@ between ``train()`` and ``eval()``, or ``kv_b_proj`` or a norm module is swapped
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -253,7 +254,8 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, cache=None, *, positions: Optional[torch.Tensor] = None,
                 input_lengths: Optional[torch.Tensor] = None, path: str = "auto",
-                indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                indices: Optional[torch.Tensor] = None,
+                rope_positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attend over x (and the cache), writing x's tokens into the cache.
 
         Args:
@@ -270,6 +272,11 @@ class MLA(nn.Module):
                 caller's selection is the whole visibility rule (it must be causal). Every path
                 honours it: the absorbed decode reads only those rows and their key scalars (the
                 op's ``indices``), the explicit prefill and "expand" mask the other keys.
+            rope_positions: [B, T] or [T] integers, with a cache: the RoPE positions of the new
+                tokens where the caller numbers them its own way (a host model's ``position_ids``;
+                the cache's numbering otherwise). The queries and the cached RoPE keys are
+                rotated to them; the slots the rows go to are the cache's as always. Attention
+                then depends on the caller's position differences, as the caller's own attention's does.
 
         Returns:
             [B, T, hidden_size]
@@ -283,6 +290,9 @@ class MLA(nn.Module):
                 record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        if rope_positions is not None:
+            slot = replace(slot, positions=default_positions(x, rope_positions, "rope_positions", signed=True)
+                           .to(slot.positions.device))
         x = zero_padding(x, slot.valid)  # on every path: padding never reaches a real token
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)

@@ -277,64 +277,28 @@ def test_a_reused_cache_continues_a_conversation():
     assert cache.get_seq_length() == continued.shape[1] - 1
 
 
-def test_a_reused_cache_continues_after_a_row_of_padding_only():
-    """The first generate numbers an all-padding row's first real token 1 (the cache records that
-    offset); a second generate on the same cache numbers the row's tokens from the whole mask
-    (cumsum - 1), from 0. Both numberings are the row's; the continuation is the stock model's
-    generate on the whole conversation."""
+def test_a_reused_cache_continues_after_a_row_of_padding_only_as_transformers_cache_does():
+    """The first generate numbers an all-padding row's first real token 1, a second generate on the
+    same cache numbers the row's new tokens from the whole mask (cumsum - 1). The cache holds each
+    token's RoPE key at the position it was given, as transformers' own cache does, so every turn is
+    the stock model's on its own reused cache."""
     ref = hf_model("v3")
     with torch.no_grad():
         ref.model.embed_tokens.weight[0].normal_()
     model = patched(ref)
     ids, mask = left_padded(prompts([5, 1, 8]))
     ids[1], mask[1] = 0, 0  # the middle row: all padding
-    cache = LatentAttentionCache(model)
-    first = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{CACHE: cache})
-    assert int(cache.layers[0].offsets[1]) == 1
-    turn = torch.cat([first, torch.stack(prompts([3, 3, 3], seed=7))], dim=1)
-    turn_mask = torch.cat([mask, torch.ones(3, turn.shape[1] - ids.shape[1], dtype=torch.long)], dim=1)
-    kw = dict(attention_mask=turn_mask, max_new_tokens=4, do_sample=False)
-    continued = model.generate(turn, **kw, **{CACHE: cache})
-    assert torch.equal(continued, ref.generate(turn, **kw))
-    assert torch.equal(continued, model.generate(turn, **kw))  # from scratch
-    assert int(cache.layers[0].offsets[1]) == 0  # generate's numbering from the mask, kept from then on
-    again = torch.cat([continued, torch.stack(prompts([2, 2, 2], seed=8))], dim=1)
-    kw["attention_mask"] = torch.cat([mask, torch.ones(3, again.shape[1] - ids.shape[1], dtype=torch.long)], dim=1)
-    assert torch.equal(model.generate(again, **kw, **{CACHE: cache}), ref.generate(again, **kw))
-
-
-def test_an_all_padding_rows_offset_is_its_first_real_position_or_0_and_then_kept():
-    """The row's first real position (generate's 1) becomes its offset; a later call keeps it or
-    numbers the row from 0, the one used is kept from then on, and any other numbering is refused
-    (before any work: the cache is unchanged)."""
-    model = patched(hf_model("v3"))
-    ids, mask = left_padded(prompts([5, 1, 8]))
-    ids[1], mask[1] = 0, 0
-    cache = LatentAttentionCache(model)
-
-    def step(token_positions, check=True):
-        nonlocal mask
-        columns = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
-        with torch.no_grad():
-            model(torch.full((3, 1), 7), attention_mask=columns, position_ids=torch.tensor(token_positions)[:, None],
-                  **{CACHE: cache})
-        mask = columns
-
-    with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # generate's
-        model(ids, attention_mask=mask, position_ids=positions, **{CACHE: cache})
-    step([5, 1, 8])  # the row's first real token at generate's 1
-    assert cache.layers[0].offsets.tolist() == [0, 1, 0]
-    step([6, 2, 9])  # kept
-    for wrong in ([7, 4, 10], [8, 0, 11]):  # offset 2; the others' offset -1
-        with pytest.raises(ValueError, match=r"position_ids: .*sequence [01] needs"):
-            step(wrong)
-    assert cache.get_seq_length() == ids.shape[1] + 2
-    step([7, 2, 10])  # numbered from 0 (a new generate on this cache): kept from then on
-    assert cache.layers[0].offsets.tolist() == [0, 0, 0]
-    with pytest.raises(ValueError, match=r"sequence 1 needs \[3\]\.\.\., got \[4\]"):
-        step([8, 4, 11])
-    step([8, 3, 11])
+    cache, ref_cache = LatentAttentionCache(model), transformers.DynamicCache(config=ref.config)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    first = model.generate(ids, **kw, **{CACHE: cache})
+    assert torch.equal(first, ref.generate(ids, **kw, **{CACHE: ref_cache}))
+    turn = first
+    for seed in (7, 8):
+        turn = torch.cat([turn, torch.stack(prompts([3, 3, 3], seed=seed))], dim=1)
+        kw["attention_mask"] = torch.cat([mask, torch.ones(3, turn.shape[1] - ids.shape[1], dtype=torch.long)], dim=1)
+        got = model.generate(turn, **kw, **{CACHE: cache})
+        assert torch.equal(got, ref.generate(turn, **kw, **{CACHE: ref_cache})), seed
+        turn = got
 
 
 def test_an_empty_dynamic_cache_is_adopted_and_a_filled_one_refused():
@@ -367,24 +331,18 @@ def test_crop_rolls_each_sequence_back():
     assert max_rel(got, want) <= 1e-12
 
 
-def test_crop_forgets_the_offset_of_a_sequence_left_with_no_tokens():
-    """An all-padding row's offset (its first real token numbered 1 by generate) goes with its last
-    real token: cropped to no real columns it is 0 again, cropped to no columns at all the cache
-    numbers every row afresh, so a new prompt's generate-style positions are taken."""
+def test_crop_to_no_columns_then_a_new_prompt_generates_as_transformers():
+    """A row of padding only cropped away with the rest: the emptied cache takes a new prompt."""
     ref = hf_model("v3")
     model = patched(ref)
     ids, mask = left_padded(prompts([5, 1, 8]))
     ids[1], mask[1] = 0, 0  # the middle row: all padding
     cache = LatentAttentionCache(model)
     model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **{CACHE: cache})
-    layer = cache.layers[0]
-    assert layer.offsets.tolist() == [0, 1, 0]
     cache.crop(-2)
-    assert layer.offsets.tolist() == [0, 1, 0]  # one of its tokens left
-    cache.crop(-2)
-    assert layer.offsets.tolist() == [0, 0, 0]  # none left
+    assert cache.get_seq_length() == ids.shape[1] + 1
     cache.crop(-cache.get_seq_length())
-    assert cache.get_seq_length() == 0 and all(layer.offsets is None for layer in cache.layers)
+    assert cache.get_seq_length() == 0
     new_ids, new_mask = left_padded(prompts([3, 6, 2], seed=9))
     kw = dict(attention_mask=new_mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(new_ids, **kw, **{CACHE: cache}), ref.generate(new_ids, **kw))
@@ -469,9 +427,11 @@ def test_masks_and_options_the_latent_path_cannot_serve_are_refused():
     model = patched(hf_model("v3"))
     ids = torch.stack(prompts([5]))
     with pytest.raises(ValueError, match="attention_mask: .*2-D padding mask"):
+        model(ids, attention_mask=torch.ones(1, 5, 5))
+    with pytest.raises(ValueError, match="attention_mask: an additive 4-D mask's entries must be 0"):
         model(ids, attention_mask=torch.ones(1, 1, 5, 5))
-    with pytest.raises(ValueError, match="position_ids: qkmla's latent cache numbers"):
-        model(ids, position_ids=torch.arange(5)[None] + 3, **{CACHE: LatentAttentionCache(model)})
+    with pytest.raises(ValueError, match=r"position_ids: expected shape \[batch=1, 5\]"):
+        model(ids, position_ids=torch.arange(4)[None], **{CACHE: LatentAttentionCache(model)})
     with pytest.raises(ValueError, match="static cache|StaticLayer"):
         model(ids, **{CACHE: transformers.StaticCache(config=model.config, max_cache_len=16, offloading=True)})
 

@@ -20,8 +20,10 @@ sequences into a row (``position_ids`` restarting and no mask, or ``cu_seq_lens_
 says which sequence each token belongs to, and SDPA gets a block-diagonal causal mask.
 
 Padding is never cached. Each sequence's real tokens are moved to the front of the batch row
-(left padding becomes right padding), cached with ``input_lengths``, and numbered 0, 1, 2, ...
-as transformers' ``generate`` numbers them from the mask; their outputs are moved back and
+(left padding becomes right padding), cached with ``input_lengths``, with their RoPE keys rotated
+to the ``position_ids`` transformers passes (whatever it passes: generate's numbering of a
+left-padded batch, the column numbers of a right-padded one, a caller's own), so attention sees
+the position differences transformers' own attention sees; their outputs are moved back and
 padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
 alone.
 
@@ -34,7 +36,8 @@ takes either form (repeats checked).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -74,11 +77,15 @@ class LatentCall:
         A token attends to the tokens of its own sequence only; such a call is never cached.
     attentions: None, or (``output_attentions=True``) a dict each layer puts its attention weights
         in, [B, h, T, K] by ``layer_idx`` (:mod:`~qkmla.integrations.transformers.weights`).
+    visible: [B, T, K] bool, a custom mask (transformers' 4-D ``attention_mask``, read by the hook):
+        which of the K columns (the cached ones, then the call's) each new token sees; every column
+        is a token then, none is padding. None: causal over the real tokens.
     """
 
     valid: Optional[torch.Tensor] = None
     documents: Optional[torch.Tensor] = None
     attentions: Optional[dict] = None
+    visible: Optional[torch.Tensor] = None
 
 
 class LatentAttention(MLA):
@@ -97,6 +104,8 @@ class LatentAttention(MLA):
         self.layer_idx = layer_idx
         self.settings = settings if settings is not None else LatentSettings()
         self.is_causal = True  # read by some transformers utilities
+        self.hf_cache_layout = "expanded"  # from_hf: what transformers' own attention caches (view.py)
+        self.hf_rope_halves = False  # from_hf: whether it caches RoPE keys as halves (view.py)
         if config.num_kv_groups < config.num_heads:  # state dicts in transformers' shapes (module docstring)
             self.register_state_dict_post_hook(_repeat_kv_b_proj)
             self.register_load_state_dict_pre_hook(_unrepeat_kv_b_proj)
@@ -134,6 +143,10 @@ class LatentAttention(MLA):
             kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
             projections["kv_b_proj"] = kv_b_proj
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
+        # what transformers' own attention caches, for a cache's keys/values view (view.py)
+        layer.hf_cache_layout = "latent" if hasattr(type(hf_attention), "expand_kv") else "expanded"
+        # DeepSeek-V3's rotates interleaved pairs by first moving them to halves, and caches them so
+        layer.hf_rope_halves = type(hf_attention).__name__.startswith("DeepseekV3")
         if hf_rotary is not None and hf_rope_type(hf_attention.config) not in ROPE_TYPES:
             layer.rotary = TransformersRotary(hf_rotary, config.rope_interleave)
         return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
@@ -145,7 +158,7 @@ class LatentAttention(MLA):
 
         weight = self.kv_b_proj.weight
         layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings)
-        layer.rotary = self.rotary
+        layer.rotary, layer.hf_cache_layout, layer.hf_rope_halves = self.rotary, self.hf_cache_layout, self.hf_rope_halves
         return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
@@ -163,8 +176,9 @@ class LatentAttention(MLA):
         valid = call.valid.to(x.device) if call.valid is not None else None
         documents = call.documents.to(x.device) if call.documents is not None else None
         want = call.attentions is not None
+        visible = call.visible.to(x.device) if call.visible is not None else None
         if cache is None:
-            out, weights = self._uncached(x, valid, kwargs.get("position_ids"), documents, want)
+            out, weights = self._uncached(x, valid, kwargs.get("position_ids"), documents, want, visible)
             if want:
                 call.attentions[self.layer_idx] = weights
             return out, weights
@@ -172,25 +186,38 @@ class LatentAttention(MLA):
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
+        if layer.attention is None:  # its keys and values are this layer's up-projections (view.py)
+            layer.attention = weakref.ref(self)
         if isinstance(layer, StaticLatentCacheLayer):  # fixed shapes for torch.compile (static.py)
             if want:
                 raise ValueError("output_attentions: the attention weights are not returned over a static latent "
                                  "cache (cache_implementation='static'); ask for them with the growing cache "
                                  "(the default)")
             return static_attend(self, layer, x, valid, kwargs.get("position_ids")), None
+        positions = rope_positions(kwargs.get("position_ids"), self.settings.policy, x.shape[0], x.shape[1])
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
-        out = MLA.forward(self, x, latent) if valid is None else self._compacted(x, valid, latent)
+        if visible is not None:
+            out, weights = self._custom_masked(x, visible, layer, latent, positions, want)
+            if want:
+                call.attentions[self.layer_idx] = weights
+            return out, weights
+        if valid is None:
+            out = MLA.forward(self, x, latent, rope_positions=positions)
+        else:
+            out = self._compacted(x, valid, latent, positions)
         layer.advance(valid, x.shape[0], x.shape[1])
         if not want:
             return out, None
-        weights = cached_weights(self, x, layer)
+        weights = cached_weights(self, x, layer, positions)
         call.attentions[self.layer_idx] = weights
         return out, weights
 
     def _uncached(self, x: torch.Tensor, valid: Optional[torch.Tensor], position_ids,
-                  documents: Optional[torch.Tensor] = None, weights: bool = False):
+                  documents: Optional[torch.Tensor] = None, weights: bool = False,
+                  visible: Optional[torch.Tensor] = None):
         """The explicit path over x alone, at transformers' positions, padding masked, and each
-        packed sequence (``documents`` [B, T]) attending within itself: a block-diagonal causal mask.
+        packed sequence (``documents`` [B, T]) attending within itself: a block-diagonal causal mask;
+        or a caller's own mask (``visible`` [B, T, T] bool, transformers' 4-D mask) as it is.
         Returns (output [B, T, hidden], the attention weights [B, h, T, T] if ``weights``, else None).
 
             documents  0 0 0 1 1        query t sees key s when s <= t and documents[s] == documents[t]
@@ -203,8 +230,8 @@ class LatentAttention(MLA):
         B, T = x.shape[:2]
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
-        mask = None
-        if valid is not None or documents is not None:
+        mask = visible
+        if visible is None and (valid is not None or documents is not None):
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
             if documents is not None:
                 mask = mask & (documents[:, :, None] == documents[:, None, :])
@@ -222,13 +249,92 @@ class LatentAttention(MLA):
         out = torch.einsum("bhts,bshd->bthd", probs, heads_v)
         return self.o_proj(out.flatten(2)), probs
 
-    def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent) -> torch.Tensor:
-        """``MLA.forward`` over each sequence's real tokens moved to the front (right padding)."""
+    def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent,
+                   positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``MLA.forward`` over each sequence's real tokens moved to the front (right padding),
+        each at its RoPE position (``positions`` [B, T], moved with it; None: the cache's numbering)."""
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # [B, T]: real tokens first, in order
         index = order[..., None].expand_as(x)
-        out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1))
-        out = torch.empty_like(out).scatter_(1, index, out)
-        return out.masked_fill(~valid[..., None], 0.0)
+        compacted = positions.to(order.device).gather(1, order) if positions is not None else None
+        out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), rope_positions=compacted)
+        out = torch.empty_like(out).scatter_(1, index, out).masked_fill(~valid[..., None], 0.0)
+        padding = self._padding_queries(x, valid, latent, positions)
+        if padding is None:
+            return out
+        heads, queried = padding
+        return torch.where(queried[..., None], self.o_proj(heads.flatten(2)), out)
+
+    def _custom_masked(self, x: torch.Tensor, visible: torch.Tensor, layer, latent,
+                       positions: Optional[torch.Tensor], weights: bool = False):
+        """A call with a caller's own mask (transformers' 4-D ``attention_mask`` as ``visible``
+        [B, T, K] over the K columns, cached ones first): the call's T tokens are all cached (at
+        ``positions``, transformers' position ids), then each attends to the columns its mask row
+        shows, explicitly over the cache's re-expanded keys (a shared prefix with branches, a tree
+        of drafts: any pattern). Columns that were padding hold no token and are never seen.
+        Returns (output [B, T, hidden], weights [B, h, T, K] if ``weights``, else None)."""
+        B, T = x.shape[:2]
+        positions = positions if positions is not None else latent.next_positions[:, None] + torch.arange(
+            T, device=latent.device)
+        positions = positions.to(x.device).expand(B, T)
+        slot = replace(latent.plan(B, T), positions=positions.to(latent.device))
+        latent.append(slot, **self.cache_rows(x, positions, cache=latent))
+        layer.advance(None, B, T)
+        k, v = self.expand_cache(*latent.load())  # [B, S, G, d_n + d_r], [B, S, G, d_v]
+        S, K = k.shape[1], layer.stored.shape[1]
+        stored = layer.stored.to(x.device)
+        columns = torch.argsort((~stored).to(torch.int8), dim=1, stable=True)[:, :S]  # [B, S]: slot s's column
+        filled = torch.arange(S, device=x.device)[None] < stored.sum(dim=1, keepdim=True)  # [B, S]
+        seen = visible.gather(2, columns[:, None, :].expand(B, T, S)) & filled[:, None, :]  # [B, T, S]
+        q = self.explicit_query(x, positions)
+        probs = explicit_weights(q, k, self.scale, seen)  # [B, h, T, S]
+        h, G = q.shape[2], v.shape[2]
+        heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
+        out = self.o_proj(torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)).flatten(2))
+        if not weights:
+            return out, None
+        laid_out = probs.new_zeros(B, h, T, K)
+        return out, laid_out.scatter_(3, columns[:, None, None, :].expand(B, h, T, S), probs)
+
+    def _padding_queries(self, x: torch.Tensor, valid: torch.Tensor, latent, positions: Optional[torch.Tensor]):
+        """What transformers' attention gives the call's padding tokens as queries, which nothing
+        reads but the logits at their columns (a right-padded ``generate`` picks its first new token
+        from the last column's, a padding one): a padding query at its own position attends to
+        the real tokens before it, cached and new (its own key is padding). Only for the queries
+        that have one (none: 0, as the cached path gives every padding token). Returns (heads'
+        outputs [B, T, h, d_v], which queries they are for [B, T] bool), or None when no padding
+        token has a real token before it (left padding into an empty cache), when the positions
+        are not transformers' (``positions`` None), or when an eviction policy may have dropped
+        some of the cache's tokens.
+
+        Computed explicitly over the cache's re-expanded keys (``expand_cache``), after this
+        call's real tokens went in, which costs a whole prefill's keys once per call with such
+        padding: decode steps (no padding) never pay it."""
+        if positions is None or self.settings.policy is not None:
+            return None
+        cached = latent.seqlens.to(valid.device) - valid.sum(dim=1)  # [B]: real tokens before this call
+        before = cached[:, None] + valid.long().cumsum(dim=1)  # [B, T]: real tokens up to each column
+        queried = ~valid & (before > 0)
+        if not bool(queried.any()):
+            return None
+        k, v = self.expand_cache(*latent.load())  # [B, S, G, d_n + d_r], [B, S, G, d_v]
+        q = self.explicit_query(x, positions.to(x.device))  # [B, T, h, d_n + d_r]
+        visible = torch.arange(k.shape[1], device=x.device)[None, None, :] < before[:, :, None]  # [B, T, S]
+        probs = explicit_weights(q, k, self.scale, visible)  # [B, h, T, S]
+        h, G = q.shape[2], v.shape[2]
+        heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
+        return torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)), queried
+
+
+def rope_positions(position_ids: Optional[torch.Tensor], policy: Optional[EvictionPolicy], batch_size: int,
+                   num_tokens: int) -> Optional[torch.Tensor]:
+    """The RoPE positions [B, T] the call's tokens are cached at: transformers' ``position_ids``
+    as given ([B, T] or [1, T]), or None (the cache numbers each sequence's real tokens 0, 1, 2,
+    ...) when none are given or the eviction policy renumbers the cache (StreamingLLM's
+    ``reposition=True``: kept keys are turned to positions 0..k-1, and a host that keeps counting
+    would put new tokens past them)."""
+    if position_ids is None or getattr(policy, "reposition", False):
+        return None
+    return position_ids.expand(batch_size, num_tokens)
 
 
 def repeat_groups(weight: torch.Tensor, config: MLAConfig) -> torch.Tensor:

@@ -12,7 +12,10 @@ Two lengths are kept apart. transformers counts *columns*: every input position 
 padding included (``get_seq_length``, the mask sizes, the slice of ``input_ids`` a continued
 ``generate`` feeds). The latent cache stores only real tokens, so each sequence has its own
 length; ``stored`` [B, columns] records which columns were real, which is what a ``crop``
-needs to take the right number of tokens off each sequence.
+needs to take the right number of tokens off each sequence. Positions are a third numbering,
+transformers' own: each token's RoPE key is cached rotated to the ``position_ids`` transformers
+gave it (``LatentAttention``), whatever they are, so attention sees the position differences
+transformers' attention sees.
 
 :class:`LatentAttentionCache` is the whole cache, one latent layer per decoder layer;
 transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`` makes one by
@@ -42,6 +45,7 @@ from ...config import MLAConfig
 from ...kv_formats import check_kv_format
 from .patched import latent_layers, model_settings
 from .static import StaticLatentCacheLayer, check_static_settings
+from .view import TransformersView
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
 # The empty transformers layers a latent layer replaces: DynamicCache's, and its sparse attention
@@ -61,7 +65,7 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
                          f"got {max_cache_len!r}")
 
 
-class LatentCacheLayer(CacheLayerMixin):
+class LatentCacheLayer(TransformersView, CacheLayerMixin):
     """One decoder layer's latent cache, as a transformers cache layer.
 
     Args:
@@ -91,9 +95,6 @@ class LatentCacheLayer(CacheLayerMixin):
         self.latent: Optional[LatentCache] = None
         self.columns = 0
         self.stored: Optional[torch.Tensor] = None  # [B, columns] bool
-        # [B]: transformers' position of each sequence's first real token, where the cache numbers it 0
-        # (``check_positions``); None: 0 for all.
-        self.offsets: Optional[torch.Tensor] = None
 
     def __repr__(self) -> str:
         return f"LatentCacheLayer(kv_format={self.kv_format!r}, columns={self.columns}, latent={self.latent!r})"
@@ -127,7 +128,7 @@ class LatentCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Forget everything, batch size included: the next forward allocates anew."""
-        self.latent, self.stored, self.offsets, self.columns, self.is_initialized = None, None, None, 0, False
+        self.latent, self.stored, self.columns, self.is_initialized = None, None, 0, False
 
     def offload(self) -> None:
         """Move the rows (latent and RoPE key, key scalars) to CPU memory; :meth:`prefetch`, or the
@@ -166,8 +167,7 @@ class LatentCacheLayer(CacheLayerMixin):
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0), or keep the first ``tokens`` (> 0: the
         meaning before transformers 5.15, deprecated since); 0 removes nothing. Each sequence
-        loses the real tokens among the dropped columns; one left with none forgets its offset
-        (``check_positions``), so the next call numbers it afresh."""
+        loses the real tokens among the dropped columns."""
         remove = -tokens if tokens <= 0 else self.columns - tokens
         remove = min(remove, self.columns)
         if remove <= 0 or self.latent is None:
@@ -177,9 +177,22 @@ class LatentCacheLayer(CacheLayerMixin):
                              "are gone); use policy=None for assisted or speculative decoding")
         self.latent.drop_last(self.stored[:, -remove:].sum(dim=1))
         self.stored, self.columns = self.stored[:, :-remove], self.columns - remove
-        if self.offsets is not None:
-            kept = self.stored.any(dim=1).to(self.offsets.device)
-            self.offsets = torch.where(kept, self.offsets, 0) if bool(kept.any()) else None
+
+    def rows_by_column(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(latent rows [B, K, d_c + d_r], key scalars [B, K, G] or None, ``stored`` [B, K]) over
+        the K columns: each cached token's rows at its column, zeros at padding columns (for
+        :class:`~.view.TransformersView`)."""
+        latent, key_scale = self.latent.load()  # [B, S, ...]: each sequence's tokens in order
+        stored = self.stored.to(latent.device)
+        B, K, S = stored.shape[0], stored.shape[1], latent.shape[1]
+        columns = torch.argsort((~stored).to(torch.int8), dim=1, stable=True)[:, :S]  # [B, S]: slot s's column
+        filled = torch.arange(S, device=latent.device)[None] < stored.sum(dim=1, keepdim=True)
+
+        def by_column(rows):
+            rows = rows * filled[..., None].to(rows.dtype)
+            return rows.new_zeros(B, K, rows.shape[-1]).scatter_(1, columns[..., None].expand_as(rows), rows)
+
+        return by_column(latent), (by_column(key_scale) if key_scale is not None else None), stored
 
     @property
     def batch_size(self) -> int:
@@ -193,8 +206,6 @@ class LatentCacheLayer(CacheLayerMixin):
         indices = indices.to(self.latent.device)
         self.latent.select_sequences(indices)
         self.stored = self.stored[indices]
-        if self.offsets is not None:
-            self.offsets = self.offsets[indices.to(self.offsets.device)]
 
     # -- qkmla's side: what the attention layer calls --------------------------------------
 
@@ -247,54 +258,6 @@ class LatentCacheLayer(CacheLayerMixin):
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies in this layer (0 before the first forward)."""
         return self.latent.bytes_per_token if self.latent is not None else 0
-
-
-def check_positions(layer: LatentCacheLayer, position_ids: torch.Tensor, valid: Optional[torch.Tensor],
-                    batch_size: int, num_tokens: int) -> None:
-    """Refuse ``position_ids`` other than the positions ``layer``'s cache gives the new real tokens
-    (each sequence's real tokens numbered 0, 1, 2, ... as ``generate`` numbers them).
-
-    One exception, also ``generate``'s: a sequence whose cached columns are all padding (a batch
-    row of padding only) has its padding numbered 0, and its first real token, in a later call,
-    gets the next position, 1. The cache numbers that token 0; RoPE sees only differences of
-    positions, so attention is the same. The first real token's position is taken as the
-    sequence's offset (``layer.offsets``). A later call may keep that offset (the same
-    ``generate`` counting on) or number the sequence from 0 again (a new ``generate`` on this
-    cache numbers every position from the whole mask, cumsum - 1); the one it used is kept.
-    """
-    layer.check_batch(batch_size)
-    if getattr(layer.policy, "reposition", False):
-        return  # StreamingLLM's re-positioning renumbers the cache; generate's positions keep counting
-    device = position_ids.device
-    if position_ids.dim() != 2 or position_ids.shape[-1] != num_tokens or position_ids.shape[0] not in (1, batch_size):
-        raise ValueError(f"position_ids: expected [batch, {num_tokens}], got {tuple(position_ids.shape)}")
-    given = position_ids.expand(batch_size, num_tokens)
-    zeros = torch.zeros(batch_size, dtype=torch.long, device=device)
-    start = layer.latent.next_positions.to(device) if layer.latent is not None else zeros
-    steps = valid.long().cumsum(dim=1) - 1 if valid is not None else torch.arange(num_tokens, device=device)
-    offsets = layer.offsets.to(device) if layer.offsets is not None else zeros
-    if layer.stored is not None and layer.stored.shape[1] > 0:
-        only_padding = ~layer.stored.any(dim=1).to(device)
-        first = valid.long().argmax(dim=1).to(device) if valid is not None else zeros
-        offsets = torch.where(only_padding, given.gather(1, first[:, None])[:, 0].long(), offsets)
-
-    def mismatches(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        expected = start[:, None] + offsets[:, None] + steps.to(device)
-        wrong = given != expected
-        return (wrong & valid.to(device) if valid is not None else wrong), expected
-
-    wrong, expected = mismatches(offsets)
-    if bool(wrong.any()):  # numbered from 0 again (a new generate on this cache): fine, and kept
-        restarted = wrong.any(dim=1) & ~mismatches(zeros)[0].any(dim=1)
-        offsets = torch.where(restarted, zeros, offsets)
-        wrong, expected = mismatches(offsets)
-    if bool(wrong.any()):
-        b = int(wrong.any(dim=1).nonzero()[0])
-        raise ValueError(f"position_ids: qkmla's latent cache numbers each sequence's real tokens 0, 1, 2, ... "
-                         f"(padding takes no position, as in generate); sequence {b} needs "
-                         f"{expected[b].tolist()[:8]}..., got {given[b].tolist()[:8]}...")
-    if layer.stored is not None:
-        layer.offsets = offsets
 
 
 def check_cache(cache, name: str = "cache") -> None:

@@ -15,8 +15,8 @@ hooks on the inner ``*Model``:
   is kept on the model for the next (gradient checkpointing's recompute, a nested call and
   another thread see their own). A forward that caches gets a
   :class:`~qkmla.integrations.transformers.cache.LatentAttentionCache` (or its empty ``DynamicCache`` becomes
-  one); a training forward with no cache passed caches nothing; ``position_ids`` that disagree
-  with the cache's positions are refused. A call that packs several sequences into a batch row
+  one); a training forward with no cache passed caches nothing; ``position_ids`` of another
+  shape than the call's tokens are refused (their values are honoured, whatever they are). A call that packs several sequences into a batch row
   (transformers' padding-free format: ``position_ids`` restarting with no ``attention_mask``, or
   the flash-attention kwargs ``cu_seq_lens_q/k``) attends within each sequence, caches nothing,
   and is refused with a cache.
@@ -45,8 +45,7 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import (LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings,
-                    check_positions)
+from .cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings
 from .patched import inner_model
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
@@ -248,10 +247,14 @@ def _before_forward(module, args, kwargs):
     arguments = _call_arguments(module, args, kwargs)
     settings: LatentSettings = module._qkmla_settings
     mask, position_ids = arguments.get("attention_mask"), arguments.get("position_ids")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4)):
         got = f"{mask.dim()}-D tensor" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"attention_mask: qkmla's latent attention reads the 2-D padding mask [batch, length] "
-                         f"(1 = token, 0 = padding), got a {got}")
+                         f"(1 = token, 0 = padding) or a custom 4-D mask [batch, 1, new tokens, all tokens], got "
+                         f"a {got}")
+    custom = mask if mask is not None and mask.dim() == 4 else None
+    if custom is not None:
+        mask = None  # read as visible below; no token is padding (transformers passes the mask on as it is)
     asked = arguments.get("output_attentions")
     attentions = {} if (asked if asked is not None else getattr(module.config, "output_attentions", False)) else None
     if attentions is not None and settings.policy is not None:
@@ -283,14 +286,69 @@ def _before_forward(module, args, kwargs):
     elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
         for layer in module.layers:
             adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, settings.kv_format, settings.policy)
-    past = cache.get_seq_length() if cache is not None and mask is not None else 0
+    past = cache.get_seq_length() if cache is not None and (mask is not None or custom is not None) else 0
     valid = _new_tokens(mask, batch_size, num_tokens, int(past))
-    if cache is not None and position_ids is not None and isinstance(cache.layers[0], LatentCacheLayer):
-        # (a static latent cache takes transformers' positions as they come, as its static cache does)
-        first = next(layer for layer in cache.layers if isinstance(layer, LatentCacheLayer))
-        check_positions(first, position_ids, valid, batch_size, num_tokens)
-    arguments["qkmla_call"] = LatentCall(valid, documents, attentions)
+    check_position_ids(position_ids, batch_size, num_tokens)
+    visible = None
+    if custom is not None:
+        visible = _custom_visible(custom, batch_size, num_tokens, int(past))
+        check_custom_mask_cache(cache, settings)
+    arguments["qkmla_call"] = LatentCall(valid, documents, attentions, visible)
     return (), arguments
+
+
+def _custom_visible(mask: torch.Tensor, batch_size: int, num_tokens: int, past: int) -> torch.Tensor:
+    """[B, T, K] bool from a custom 4-D ``attention_mask`` [B or 1, 1, T, K] (K = past + T columns:
+    the cached ones, then the call's), as transformers reads one: bool (True = seen) or an additive
+    float mask (0 = seen, a large negative number = not)."""
+    columns = past + num_tokens
+    if mask.shape[0] not in (1, batch_size) or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (num_tokens, columns):
+        raise ValueError(f"attention_mask: a 4-D mask must be [batch={batch_size}, 1, {num_tokens}, {columns}] (the "
+                         f"{num_tokens} new tokens by the {past} cached and {num_tokens} new columns), got "
+                         f"{tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        visible = mask
+    elif mask.dtype.is_floating_point:
+        visible, hidden = mask == 0, mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((visible | hidden).all()):
+            raise ValueError("attention_mask: an additive 4-D mask's entries must be 0 (seen) or a large negative "
+                             "number (not seen); qkmla's latent attention does not add other biases to the logits")
+    else:
+        raise ValueError(f"attention_mask: a 4-D mask must be bool (True = seen) or float (additive: 0 = seen, a "
+                         f"large negative number = not), got {mask.dtype}")
+    return visible[:, 0].expand(batch_size, num_tokens, columns)
+
+
+def check_custom_mask_cache(cache, settings: LatentSettings) -> None:
+    """Refuse a custom 4-D mask with a cache it cannot be served over: a static latent cache (its
+    compiled attention has one causal pattern) or a cache that evicts tokens (the mask's columns
+    would no longer match the cached tokens)."""
+    if cache is None:
+        return
+    if not all(isinstance(layer, LatentCacheLayer) for layer in cache.layers):
+        raise ValueError("attention_mask: a custom 4-D mask is served over qkmla's growing latent cache; the static "
+                         "latent cache (cache_implementation=\"static\") attends causally only. Pass a "
+                         "LatentAttentionCache(model) or no cache")
+    if settings.policy is not None:
+        raise ValueError(f"attention_mask: a custom 4-D mask names columns of every token, and this model's caches "
+                         f"evict tokens (policy={type(settings.policy).__name__}); patch the model with policy=None "
+                         f"for custom masks")
+
+
+def check_position_ids(position_ids, batch_size: int, num_tokens: int) -> None:
+    """Refuse, before any work, ``position_ids`` that are not integers of shape [batch, T], [1, T]
+    or [T] for a call of ``batch_size`` x ``num_tokens`` tokens. Their values are not checked:
+    the latent cache rotates each token's RoPE key to the position given, as transformers'
+    attention does (``LatentAttention``), so any numbering transformers accepts is honoured."""
+    if position_ids is None:
+        return
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point \
+            or position_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise ValueError(f"position_ids: expected an integer tensor [batch={batch_size}, {num_tokens}] (or [1, "
+                         f"{num_tokens}]), got {position_ids!r:.80}")
+    if tuple(position_ids.shape) not in ((batch_size, num_tokens), (1, num_tokens), (num_tokens,)):
+        raise ValueError(f"position_ids: expected shape [batch={batch_size}, {num_tokens}] or [1, {num_tokens}] "
+                         f"(one position per new token), got {tuple(position_ids.shape)}")
 
 
 def _after_forward(module, args, kwargs, output):

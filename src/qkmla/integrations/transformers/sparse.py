@@ -30,7 +30,7 @@ import torch
 
 from ...attention.functional import sdpa
 from ...attention.mla import MLA
-from .attention import LatentAttention, LatentCall, LatentSettings
+from .attention import LatentAttention, LatentCall, LatentSettings, rope_positions
 from .sparse_cache import column_slots, sparse_cache_layer
 
 
@@ -122,13 +122,16 @@ class SparseLatentAttention(LatentAttention):
         try:
             chosen = self.indexer(x, q_resid, position_embeddings, visible, position_ids, cache=cache)
             indices = column_slots(columns, visible, chosen)  # [B, T, topk]
+            positions = rope_positions(position_ids, self.settings.policy, B, T)  # transformers' own, as attention.py
             if valid is None:
-                out = MLA.forward(self, x, latent, indices=indices)
-            else:  # real tokens first (right padding), their selections with them
+                out = MLA.forward(self, x, latent, indices=indices, rope_positions=positions)
+            else:  # real tokens first (right padding), their selections and positions with them
                 order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
                 index = order[..., None].expand_as(x)
                 moved = indices.gather(1, order[..., None].expand_as(indices))
-                out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), indices=moved)
+                compacted = positions.to(order.device).gather(1, order) if positions is not None else None
+                out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), indices=moved,
+                                  rope_positions=compacted)
                 out = torch.empty_like(out).scatter_(1, index, out).masked_fill(~valid[..., None], 0.0)
         except BaseException:
             layer.drop_indexer_columns(before)  # the latent cache took its rows out again (its transaction)

@@ -35,6 +35,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ...config import MLAConfig
 from ...dtypes import cast
+from .view import TransformersView
 
 
 def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
@@ -51,7 +52,7 @@ def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
                          f"(static=False) with the policy")
 
 
-class StaticLatentCacheLayer(CacheLayerMixin):
+class StaticLatentCacheLayer(TransformersView, CacheLayerMixin):
     """One decoder layer's latent rows in buffers of fixed capacity (module docstring).
 
     Args:
@@ -104,6 +105,11 @@ class StaticLatentCacheLayer(CacheLayerMixin):
             for t in (self.latent, self.key_scale, self.key_valid, self.length):
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
+
+    def rows_by_column(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(latent [B, L, d_c + d_r], key scalars [B, L, G] or None, ``key_valid`` [B, L]): the
+        buffers as they are, every column (for :class:`~.view.TransformersView`)."""
+        return self.latent, self.key_scale, self.key_valid
 
     def check_room(self, num_tokens: int) -> None:
         """Refuse, before any write, ``num_tokens`` more columns than the capacity leaves (eager

@@ -33,9 +33,11 @@ def explicit_weights(q: torch.Tensor, k: torch.Tensor, scale, visible: Optional[
     return weights.to(q.dtype)
 
 
-def cached_weights(attn, x: torch.Tensor, layer) -> torch.Tensor:
+def cached_weights(attn, x: torch.Tensor, layer, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, h, T, K] for the call's tokens x [B, T, hidden] after they went into ``layer`` (a
-    ``LatentCacheLayer`` whose ``stored`` [B, K] marks the cached columns), over every cached token."""
+    ``LatentCacheLayer`` whose ``stored`` [B, K] marks the cached columns), over every cached token;
+    the queries at ``positions`` [B, T] (the RoPE positions their keys were cached at; None: the
+    cache's own numbering)."""
     cache, stored = layer.latent, layer.stored
     B, T = x.shape[:2]
     K = stored.shape[1]
@@ -48,7 +50,7 @@ def cached_weights(attn, x: torch.Tensor, layer) -> torch.Tensor:
     index = stored.long().cumsum(dim=1) - 1  # [B, K]: each stored column's slot
     own = index[:, K - T:]  # [B, T]: the call's tokens' slots (padding: its last real one's)
     first = (cache.next_positions.to(device) - seqlens)[:, None]  # slot s sits at position first + s
-    q = attn.explicit_query(x, (first + own.clamp(min=0)))
+    q = attn.explicit_query(x, positions.to(device) if positions is not None else first + own.clamp(min=0))
     slots = torch.arange(S, device=device)
     visible = (slots[None, None, :] <= own[:, :, None]) & (slots[None, None, :] < seqlens[:, None, None])
     weights = explicit_weights(q, k, attn.scale, visible)  # [B, h, T, S]
