@@ -272,19 +272,24 @@ class MLA(nn.Module):
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
-            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
+            return self.project_out(sdpa(q, k, v, self.scale, causal=True), x)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         x = zero_padding(x, slot.valid)  # on every path: padding never reaches a real token
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)
-            return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
+            return self.project_out(sdpa(q, k, v, self.scale, mask=slot.key_mask()), x)
         with cache.transaction():  # a failure after the write takes x's tokens out again
             out, queries = self._attend_latent(x, cache, slot, path)
             # The cache's eviction policy, if it has one, may drop tokens now; it reads
             # queries() only if it ranks tokens by attention.
             cache.after_attention(self, slot, queries)
-        return self.o_proj(out.flatten(2))
+        return self.project_out(out, x)
+
+    def project_out(self, heads: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, T, h, d_v] of tokens x [B, T, hidden] to [B, T, hidden]: ``o_proj``
+        (x is read by a subclass whose heads are gated by their input, as Ling's are)."""
+        return self.o_proj(heads.flatten(2))
 
     def _attend_latent(self, x: torch.Tensor, cache: LatentCache, slot, path: str):
         """Write x's rows into the latent cache and attend along ``path``. Returns the heads'
