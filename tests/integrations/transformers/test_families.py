@@ -54,9 +54,12 @@ CACHE = "cache" if "cache" in inspect.signature(transformers.DeepseekV3ForCausal
     else "past_key_values"
 
 
+CONFIGS = {"sarvam_mla": "SarvamMLAConfig"}  # a family built with another family's model classes
+
+
 def model_class(family):
     cls = getattr(transformers, family.causal_lm, None)
-    if cls is None:
+    if cls is None or not hasattr(transformers, CONFIGS.get(family.model_type, "PreTrainedConfig")):
         pytest.skip(f"transformers {transformers.__version__} does not ship {family.model_type} "
                     f"({family.causal_lm}; from {family.since})")
     return cls
@@ -66,7 +69,8 @@ def hf_model(family, dtype=torch.float64, seed: int = 0):
     """A random model of ``family`` (eval mode), norms and attention weights away from their init."""
     cls = model_class(family)
     fields = dict(SHAPE, **EXTRA.get(family.model_type, {}))
-    config = cls.config_class(**fields)
+    config = getattr(transformers, CONFIGS[family.model_type])(**fields) if family.model_type in CONFIGS \
+        else cls.config_class(**fields)
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
     with torch.no_grad():
@@ -117,7 +121,8 @@ def test_prefill_and_every_decode_step_match_transformers(family, dtype):
     for step, (a, b) in enumerate(zip(got, want)):
         assert max_rel(a, b) < BOUNDS[dtype], (family.model_type, step)
     layers = latent_layers(model)
-    assert len(layers) == sum(family.mla_layers(model.config)) * (2 if family.model_type == "longcat_flash" else 1)
+    per_layer = 2 if family.model_type == "longcat_flash" else 1  # its two attention modules
+    assert len(layers) == sum(family.mla_layers(model.config)) * per_layer
     assert all(layer.host == family.host(model.config) for layer in layers)
 
 
@@ -125,7 +130,8 @@ def test_prefill_and_every_decode_step_match_transformers(family, dtype):
 def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     """With the QK norm the function is no longer transformers': the patched model's absorbed decode
     over its latent cache equals its own explicit path (no cache) over the whole sequence."""
-    model = apply_latent_attention(hf_model(family), qk_norm="rms")
+    ref = hf_model(family)
+    model = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
     with torch.no_grad():
         for layer in latent_layers(model):  # norm weights away from ones, so they are read
             for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
@@ -135,9 +141,18 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     sequence = torch.cat((prompt, tokens), dim=1)
     with torch.no_grad():
         explicit = model(input_ids=sequence, use_cache=False).logits
+    # A hybrid's linear-attention layers are transformers' own: its recurrent decode and its chunked
+    # prefill differ by their own roundoff, measured on the unpatched model, which bounds ours too.
+    bound = 1e-9
+    if family.mla_layers is not None and not all(family.mla_layers(ref.config)):
+        host_cached, host_tokens = stepwise_logits(ref, prompt, 4)
+        with torch.no_grad():
+            host = ref(input_ids=torch.cat((prompt, host_tokens), dim=1), use_cache=False).logits
+        gap = max(max_rel(a, host[:, prompt.shape[1] - 1 + i]) for i, a in enumerate(host_cached))
+        bound = max(bound, 10 * gap)
     for step, a in enumerate(cached):
         b = explicit[:, prompt.shape[1] - 1 + step]
-        assert max_rel(a, b) < 1e-9, (family.model_type, step)
+        assert max_rel(a, b) < bound, (family.model_type, step)
 
 
 def test_the_family_differences_are_applied():
@@ -199,8 +214,8 @@ def test_every_mla_family_of_the_installed_transformers_is_in_the_table():
     found = set()
     for path in root.glob("*/configuration_*.py"):
         text = path.read_text()
-        if "kv_lora_rank" in text:
-            found.update(re.findall(r'model_type = "([a-z0-9_]+)"', text))
+        if "kv_lora_rank" in text:  # the family's own model type (a wrapper's sub-configs are part of it)
+            found.update(t for t in re.findall(r'model_type = "([a-z0-9_]+)"', text) if t == path.parent.name)
     known = {f.model_type for f in FAMILIES}
     assert found and found <= known, sorted(found - known)
 

@@ -113,6 +113,12 @@ def _every_layer(config) -> list[bool]:
     return [True] * config.num_hidden_layers
 
 
+def _longcat_layers(config) -> list[bool]:
+    """LongCat-Flash's decoder layers (``num_layers``; ``num_hidden_layers`` counts its two attention
+    modules each, as its cache does)."""
+    return [True] * config.num_layers
+
+
 def _full_attention_layers(config) -> list[bool]:
     """Hybrids: the decoder layers ``layer_types`` calls "full_attention" are MLA."""
     return [kind == "full_attention" for kind in config.layer_types]
@@ -173,11 +179,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v2", ("DeepseekV2ForCausalLM", "DeepseekV2Model"), host=_interleaved),
     Family("deepseek_v3", ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
            note="Kimi K2 / K2.5 and Moonlight checkpoints load as DeepSeek-V3"),
+    Family("sarvam_mla", ("DeepseekV3ForCausalLM", "DeepseekV3Model"), since="5.24.0",
+           note="transformers builds it with the DeepSeek-V3 classes (its own config class)"),
     Family("glm4_moe_lite", ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel")),
     Family("youtu", ("YoutuForCausalLM", "YoutuModel")),
     Family("mistral4", ("Mistral4ForCausalLM", "Mistral4Model"), host=_mistral4,
            note="the position-dependent query scale (llama_4_scaling_beta) applied on every path"),
     Family("longcat_flash", ("LongcatFlashForCausalLM", "LongcatFlashModel"), host=_longcat_flash,
+           mla_layers=_longcat_layers,
            note="two MLA attention modules per decoder layer; the LoRA scales applied to q and the latent"),
     Family("minicpm3", ("MiniCPM3ForCausalLM", "MiniCPM3Model"), since="5.24.0", host=_minicpm3,
            note="RoPE in NeoX halves"),
