@@ -223,3 +223,32 @@ def test_every_mla_family_of_the_installed_transformers_is_in_the_table():
 def test_the_docs_table_is_the_code_table():
     docs = (Path(__file__).parents[3] / "docs" / "interop.md").read_text()
     assert markdown_table() in docs, "docs/interop.md: paste qkmla.integrations.transformers.families.markdown_table()"
+
+
+def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(tmp_path):
+    """GLM-4.7-Flash's architecture (glm4_moe_lite) with the QK norm: saved as qkmla's model type of
+    the family, loaded back by the Auto classes and by qkmla's from_pretrained, with the norm."""
+    import json
+
+    from qkmla.integrations.transformers import from_pretrained
+
+    family = family_named("glm4_moe_lite")
+    model = apply_latent_attention(hf_model(family, torch.float32), qk_norm="rms")
+    with torch.no_grad():
+        for layer in latent_layers(model):
+            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qkmla_glm4_moe_lite"
+    assert config["architectures"] == ["QKNormGlm4MoeLiteForCausalLM"]
+    assert (tmp_path / "modeling_qkmla.py").is_file()
+    prompt = ids()
+    with torch.no_grad():
+        want = model(input_ids=prompt).logits
+        plain = apply_latent_attention(hf_model(family, torch.float32))(input_ids=prompt).logits
+        for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), from_pretrained(tmp_path)):
+            assert isinstance(loaded, transformers.Glm4MoeLiteForCausalLM)
+            assert latent_layers(loaded)[0].config.qk_norm == latent_layers(model)[0].config.qk_norm
+            assert max_rel(loaded(input_ids=prompt).logits, want) < 1e-6
+    assert max_rel(plain, want) > 1e-3  # the norm's weights are what makes them agree
