@@ -155,20 +155,27 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
         assert max_rel(a, b) < bound, (family.model_type, step)
 
 
-def test_the_family_differences_are_applied():
-    """The conventions the table reads change the function: switched off, the model differs."""
-    for name, knock in [("mistral4", dict(position_temperature=None)), ("longcat_flash", dict(latent_scale=1.0)),
-                        ("minicpm3", dict(rope="interleaved"))]:
-        family = family_named(name)
-        ref = hf_model(family)
-        model = apply_latent_attention(copy.deepcopy(ref))
-        for layer in latent_layers(model):
-            layer.host = type(layer.host)(**{**layer.host.__dict__, **knock})
-            if "rope" in knock:
-                layer.rotary.interleave = True
-        prompt = ids(length=10)
-        with torch.no_grad():
-            assert max_rel(model(input_ids=prompt).logits, ref(input_ids=prompt).logits) > 1e-3, name
+@pytest.mark.parametrize("name, knock", [
+    ("mistral4", dict(position_temperature=None)),
+    ("longcat_flash", dict(latent_scale=1.0)),
+    ("longcat_flash", dict(query_scale=1.0)),
+    ("minicpm3", dict(rope="interleaved")),
+    ("bailing_hybrid", dict(output_gate=False)),
+], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate"])
+def test_the_family_differences_are_applied(name, knock):
+    """Each convention the table reads changes the function: switched off, the model differs."""
+    family = family_named(name)
+    ref = hf_model(family)
+    model = apply_latent_attention(copy.deepcopy(ref))
+    for layer in latent_layers(model):
+        layer.host = type(layer.host)(**{**layer.host.__dict__, **knock})
+        if "rope" in knock:
+            layer.rotary.interleave = True
+        if knock.get("output_gate") is False:
+            layer.g_proj = None
+    prompt = ids(length=10)
+    with torch.no_grad():
+        assert max_rel(model(input_ids=prompt).logits, ref(input_ids=prompt).logits) > 1e-3
 
 
 def test_a_hybrid_keeps_its_linear_attention_layers_and_their_cache_state():

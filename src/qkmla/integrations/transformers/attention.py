@@ -134,7 +134,6 @@ class LatentAttention(MLA):
         """
         from ..hub.config import hf_projections, mla_config_from_hf
 
-        name = type(hf_attention).__name__
         if host is not None:  # a family's: its RoPE layout and softmax scale, whatever DeepSeek's config reading says
             overrides.setdefault("rope_interleave", host.rope != "halves")
             overrides["any_model_type"] = True
@@ -143,10 +142,13 @@ class LatentAttention(MLA):
         overrides.setdefault("any_rope_type", hf_rotary is not None)
         config = mla_config_from_hf(hf_attention.config, **overrides)
         hf_scale = getattr(hf_attention, "scaling", None)
-        if isinstance(hf_scale, float) and abs(config.scale - hf_scale) > 1e-9 * hf_scale:
-            raise ValueError(f"hf_attention: {name} scales its logits by {hf_scale!r}, but its config reads as "
-                             f"{config.scale!r} (qk_head_dim ** -0.5, YaRN's mscale); its family's convention is "
-                             f"not one qkmla knows")
+        # A family's layer states its own softmax scale, which the config alone does not always give:
+        # transformers 5.4's Mistral 4 leaves YaRN's mscale out, 5.24's applies it. The layer's own wins.
+        # (DeepSeek-V2's before 5.16 leaves it out too, where qkmla applies it, as DeepSeek's own code does.)
+        if host is not None and isinstance(hf_scale, float) and not config.learnable_logit_scale \
+                and abs(config.scale - hf_scale) > 1e-9 * hf_scale \
+                and not getattr(hf_attention.config, "model_type", "").endswith("deepseek_v2"):
+            config = config.replace(softmax_scale=hf_scale)
         params = list(hf_attention.parameters())
         # On the meta device (transformers' from_pretrained builds the model there, then loads the
         # weights into the modules this layer adopts): nothing is read from the weights here,
