@@ -71,7 +71,8 @@ def hf_rope(hf_config, any_rope_type: bool = False) -> tuple[float, Optional[Yar
     rope = {k: v for k, v in rope.items() if k not in ("llama_4_scaling_beta", "max_position_embeddings")}
     # Mistral 4 states its RoPE width as a fraction of head_dim (d_n + d_r): the same d_r rotated
     partial, head_dim = rope.get("partial_rotary_factor"), _get(hf_config, "head_dim", None)
-    if partial not in (None, 1.0) and head_dim and abs(partial * head_dim - _get(hf_config, "qk_rope_head_dim", 0)) < 1e-6:
+    rope_dim = _get(hf_config, "qk_rope_head_dim", 0)
+    if partial not in (None, 1.0) and head_dim and abs(partial * head_dim - rope_dim) < 1e-6:
         rope.pop("partial_rotary_factor")
     theta = rope.get("rope_theta") or _get(hf_config, "rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -111,8 +111,9 @@ class LatentAttention(MLA):
         self.host = host if host is not None else HostAttention(
             rope="interleaved" if config.rope_interleave else "halves")
         if self.host.output_gate != (g_proj is not None):
-            raise ValueError(f"g_proj: the family's attention {'gates' if self.host.output_gate else 'does not gate'} "
-                             f"its heads' outputs, so g_proj must be {'its gate projection' if self.host.output_gate else 'None'}")
+            gated = self.host.output_gate
+            raise ValueError(f"g_proj: the family's attention {'gates' if gated else 'does not gate'} its heads' "
+                             f"outputs, so g_proj must be {'its gate projection' if gated else 'None'}")
         self.g_proj = g_proj
         if self.host.rope == "none":
             self.rotary = NoRotary()

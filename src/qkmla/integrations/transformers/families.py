@@ -11,14 +11,16 @@ row says what the structure cannot:
                 scale, Ling's per-head output gate), read from its config
     mla_layers  which decoder layers are MLA (hybrids: Kimi-Linear, Ling mix in linear attention,
                 which stays transformers' own, its state in transformers' own cache layers)
-    build       how a layer is built (the adapter's ``LatentAttention.from_hf``); the sparse
-                families (a lightning indexer choosing the top-k cached tokens) have none yet:
-                they are refused, naming the reason, until the sparse adapter fills it in
+    build       how its layers are built: a key of ``model.BUILDERS`` ("dense": the adapter's
+                ``LatentAttention.from_hf``); the sparse families (a lightning indexer choosing
+                the top-k cached tokens) have none yet: they are refused, naming the reason,
+                until the sparse adapter registers its builder and its rows name it
 
 Every family's parity with transformers is ``tests/integrations/transformers/test_families.py``;
 the docs' table (docs/interop.md) is :func:`markdown_table` of :data:`FAMILIES`, checked there.
 
-Nothing here imports transformers: the rows name its classes.
+Nothing here imports transformers (the rows name its classes) or the adapter's layers (the rows
+name their builders).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from ...attention.mla import MLA
 
 ROPE_LAYOUTS = ("interleaved", "halves", "none")
 STATUSES = ("supported", "sparse", "refused")
@@ -124,13 +128,6 @@ def _full_attention_layers(config) -> list[bool]:
     return [kind == "full_attention" for kind in config.layer_types]
 
 
-def _dense_attention(hf_attention, settings, hf_rotary, host: HostAttention, **overrides):
-    """The adapter's layer for a dense MLA attention (the latent cache, the absorbed decode)."""
-    from .attention import LatentAttention
-
-    return LatentAttention.from_hf(hf_attention, settings, hf_rotary=hf_rotary, host=host, **overrides)
-
-
 @dataclass(frozen=True)
 class Family:
     """One MLA family of transformers.
@@ -143,8 +140,10 @@ class Family:
     since: the oldest transformers that ships it, or None where the oldest tested one (5.4.0) does.
     host: its :class:`HostAttention` from its config.
     mla_layers: from its config, which decoder layers are MLA ([num_hidden_layers] bool).
-    build: ``build(hf_attention, settings, hf_rotary, host, **overrides)`` -> the layer that
-        replaces one of its MLA attention modules; None where none is built (refused).
+    build: the name of the builder of its layers in ``model.BUILDERS`` (a function
+        ``(hf_attention, settings, hf_rotary=, host=, **overrides)`` -> the layer that replaces one of
+        its MLA attention modules; named, not held, so that this table imports no layer); None where
+        none is built (refused).
     note: what the docs say of it besides.
     """
 
@@ -155,7 +154,7 @@ class Family:
     since: Optional[str] = None
     host: Callable = _deepseek
     mla_layers: Callable = _every_layer
-    build: Optional[Callable] = _dense_attention
+    build: Optional[str] = "dense"
     note: str = ""
 
     def __post_init__(self):
@@ -245,9 +244,7 @@ def attention_slots(inner) -> list[tuple[object, object]]:
 
 
 def _is_slot(module) -> bool:
-    from .attention import LatentAttention
-
-    return isinstance(module, LatentAttention) or is_mla_attention(module)
+    return isinstance(module, MLA) or is_mla_attention(module)  # patched already, or transformers' own
 
 
 def get_slot(slot):
@@ -271,7 +268,7 @@ def refusal(family: Family, class_name: str) -> str:
 
 def markdown_table() -> str:
     """The docs' table of families (docs/interop.md), from :data:`FAMILIES`."""
-    lines = [f"| model_type | transformers class | status | transformers tested | notes |",
+    lines = ["| model_type | transformers class | status | transformers tested | notes |",
              "|---|---|---|---|---|"]
     for f in FAMILIES:
         since = f.since or TESTED_VERSIONS[0]

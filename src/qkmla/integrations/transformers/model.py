@@ -54,6 +54,9 @@ from .patched import inner_model, model_family
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
+# How a family's MLA attention modules are built, by the name its row gives (``families.Family.build``):
+# each takes (hf_attention, settings, hf_rotary=, host=, **MLAConfig overrides) and returns the layer.
+BUILDERS = {"dense": LatentAttention.from_hf}
 
 
 def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = None, kv_format: str = "dense",
@@ -112,8 +115,9 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     overrides = {"num_kv_groups": groups} if groups is not None else {}
     slots = _checked_slots(family, inner, type(model).__name__)
     host = family.host(inner.config)
-    patched = [family.build(get_slot(slot), settings, getattr(inner, "rotary_emb", None), host,
-                            decode_backend=decode_backend, qk_norm=norm, **overrides)
+    build = BUILDERS[family.build]
+    patched = [build(get_slot(slot), settings, hf_rotary=getattr(inner, "rotary_emb", None), host=host,
+                     decode_backend=decode_backend, qk_norm=norm, **overrides)
                for slot in slots]
     for slot, attn in zip(slots, patched):
         set_slot(slot, attn)
@@ -138,7 +142,8 @@ def _checked_slots(family, inner, name: str) -> list:
     if not slots or found != list(expected)[:len(found)]:
         raise ValueError(f"model: {name}'s config ({family.model_type}) makes decoder layers "
                          f"{[i for i, e in enumerate(expected) if e][:8]} MLA, but the layers with MLA's structure "
-                         f"(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) are {[i for i, f in enumerate(found) if f][:8]}")
+                         f"(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) are "
+                         f"{[i for i, f in enumerate(found) if f][:8]}")
     return slots
 
 
