@@ -259,3 +259,20 @@ def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(tmp_p
             assert latent_layers(loaded)[0].config.qk_norm == latent_layers(model)[0].config.qk_norm
             assert max_rel(loaded(input_ids=prompt).logits, want) < 1e-6
     assert max_rel(plain, want) > 1e-3  # the norm's weights are what makes them agree
+
+
+def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
+    """Kimi-Linear: only its MLA layers carry the norm, and only theirs are expected back."""
+    from qkmla.integrations.transformers import from_pretrained
+
+    family = family_named("kimi_linear")
+    model = apply_latent_attention(hf_model(family, torch.float32), qk_norm="rms")
+    with torch.no_grad():
+        for layer in latent_layers(model):
+            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path)
+    prompt = ids()
+    with torch.no_grad():
+        assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
