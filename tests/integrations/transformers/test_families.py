@@ -276,3 +276,32 @@ def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
     prompt = ids()
     with torch.no_grad():
         assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear"])
+def test_a_left_padded_batch_generates_as_transformers(name):
+    """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask."""
+    ref = hf_model(family_named(name))
+    model = apply_latent_attention(copy.deepcopy(ref))
+    prompt = ids(length=7)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0  # the first prompt is 4 tokens, left-padded
+    prompt = prompt.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = ref.generate(prompt, **kw), model.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert max_rel(a, b) < 1e-5
+
+
+def test_what_a_family_cannot_take_is_refused_before_any_work():
+    from qkmla.integrations.transformers import LatentAttentionCache
+
+    hybrid = apply_latent_attention(hf_model(family_named("kimi_linear")))
+    with pytest.raises(ValueError, match="static: this model is a hybrid"):
+        LatentAttentionCache(hybrid, max_cache_len=16, static=True)
+    mistral = apply_latent_attention(hf_model(family_named("mistral4")))
+    with pytest.raises(ValueError, match="position-dependent query scale"), torch.no_grad():
+        mistral.generate(ids(), max_new_tokens=2, do_sample=False, cache_implementation="static")
