@@ -52,6 +52,10 @@ qkmla is installed but not imported, and an engine that knows neither refuses it
 quoting the entry, which names the loader to call. A model without a norm keeps transformers' own
 model type (a GQA conversion without a norm too: transformers alone computes its function).
 
+The other MLA families of transformers (``integrations.transformers.families``) declare themselves
+the same way, as ``qkmla_<model_type>`` and ``QKNorm<CausalLM>``: ``integrations.transformers.auto``
+builds their classes and enters them in ``FAMILY_MODEL_TYPES`` / ``FAMILY_ARCHITECTURES``.
+
 Checkpoints written before the model type of their own (``"model_type": "deepseek_v3"`` with the
 record) are read as they always were; saving them again writes the model type above.
 
