@@ -305,3 +305,18 @@ def test_what_a_family_cannot_take_is_refused_before_any_work():
     mistral = apply_latent_attention(hf_model(family_named("mistral4")))
     with pytest.raises(ValueError, match="position-dependent query scale"), torch.no_grad():
         mistral.generate(ids(), max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "longcat_flash"])
+def test_lora_targets_the_mla_projections_only(name):
+    """A hybrid's linear-attention o_proj and LongCat-Flash's listed modules: adapters go on the MLA
+    projections alone, every one of them."""
+    pytest.importorskip("peft")
+    from qkmla.integrations.transformers import attention_lora_config
+
+    model = apply_latent_attention(hf_model(family_named(name)))
+    pattern = attention_lora_config(model, targets=("kv_b_proj", "o_proj")).target_modules
+    hit = {n for n, _ in model.named_modules() if re.fullmatch(pattern, n)}
+    prefixes = {n for n, m in model.named_modules() if m in latent_layers(model)}
+    want = {f"{p}.{proj}" for p in prefixes for proj in ("kv_b_proj", "o_proj")}
+    assert hit == want
