@@ -288,7 +288,7 @@ class MLA(nn.Module):
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
-            return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
+            return self.project_out(sdpa(q, k, v, self.scale, causal=True), x)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         if rope_positions is not None:
             slot = replace(slot, positions=default_positions(x, rope_positions, "rope_positions", signed=True)
@@ -297,13 +297,18 @@ class MLA(nn.Module):
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)
-            return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))
+            return self.project_out(sdpa(q, k, v, self.scale, mask=slot.key_mask()), x)
         with cache.transaction():  # a failure after the write takes x's tokens out again
             out, queries = self._attend_latent(x, cache, slot, path, indices)
             # The cache's eviction policy, if it has one, may drop tokens now; it reads
             # queries() only if it ranks tokens by attention.
             cache.after_attention(self, slot, queries)
-        return self.o_proj(out.flatten(2))
+        return self.project_out(out, x)
+
+    def project_out(self, heads: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [B, T, h, d_v] of tokens x [B, T, hidden] to [B, T, hidden]: ``o_proj``
+        (x is read by a subclass whose heads are gated by their input, as Ling's are)."""
+        return self.o_proj(heads.flatten(2))
 
     def _attend_latent(self, x: torch.Tensor, cache: LatentCache, slot, path: str,
                        indices: Optional[torch.Tensor] = None):

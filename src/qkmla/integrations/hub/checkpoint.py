@@ -308,10 +308,14 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
     found = {k for k in weight_map if any(o in k for o in ours)}
     groups = recorded_groups(hf_config, str(root / CONFIG))
-    config = mla_config_from_hf(hf_config, qk_norm=norm, **({GROUPS: groups} if groups is not None else {}))
+    # (only the widths are read: any MLA family's config gives them as DeepSeek's does)
+    config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True,
+                                **({GROUPS: groups} if groups is not None else {}))
     layers = hf_config.get("num_hidden_layers")
+    kinds = hf_config.get("layer_types")  # a hybrid's: only its "full_attention" (MLA) layers have a norm
     shapes = {f"model.layers.{i}.self_attn.{n}": s
-              for i in range(layers) for n, s in norm_tensor_shapes(config).items()}
+              for i in range(layers) if not kinds or kinds[i] == "full_attention"
+              for n, s in norm_tensor_shapes(config).items()}
     if norm is None and found:
         raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
                          f"{root / CONFIG} records no norm (its {RECORD!r} entry is missing); the config and the "

@@ -66,7 +66,14 @@ def hf_rope(hf_config, any_rope_type: bool = False) -> tuple[float, Optional[Yar
     rope = _get(hf_config, "rope_parameters", None) or _get(hf_config, "rope_scaling", None) or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"hf_config: rope_parameters / rope_scaling must be a dict, got {type(rope).__name__}")
-    rope = dict(rope)
+    # Mistral 4's position-dependent query scale, which its attention applies beside YaRN
+    # (transformers.families.HostAttention.position_temperature), as transformers' DeepSeek ignores it
+    rope = {k: v for k, v in rope.items() if k not in ("llama_4_scaling_beta", "max_position_embeddings")}
+    # Mistral 4 states its RoPE width as a fraction of head_dim (d_n + d_r): the same d_r rotated
+    partial, head_dim = rope.get("partial_rotary_factor"), _get(hf_config, "head_dim", None)
+    rope_dim = _get(hf_config, "qk_rope_head_dim", 0)
+    if partial not in (None, 1.0) and head_dim and abs(partial * head_dim - rope_dim) < 1e-6:
+        rope.pop("partial_rotary_factor")
     theta = rope.get("rope_theta") or _get(hf_config, "rope_theta", 10000.0)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES and any_rope_type:  # the caller rotates with transformers' own embedding
@@ -94,6 +101,9 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
             KV group per head: the HF layer. ``any_rope_type=True``: a ``rope_type`` other than
             "default" / "yarn" gives plain-RoPE fields instead of an error, for a caller that
             rotates with transformers' own embedding (``transformers.attention.LatentAttention.from_hf``).
+            ``any_model_type=True``: any model type, for a caller that already recognised the
+            family and overrides what it reads differently (``rope_interleave``; the
+            transformers adapter's table of families).
 
     Raises:
         ValueError: a model_type other than deepseek_v2 / deepseek_v3 (or qkmla's QK-normed
@@ -104,7 +114,7 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
     """
 
     model_type = _get(hf_config, "model_type", None)
-    if model_type not in _MODEL_TYPES:
+    if model_type not in _MODEL_TYPES and not overrides.pop("any_model_type", False):
         raise ValueError(f"hf_config: model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
     norm, groups = recorded_norm(hf_config, "hf_config"), recorded_groups(hf_config, "hf_config")
     if norm is not None and "qk_norm" in overrides and QKNormConfig.of(overrides["qk_norm"]) != norm:
@@ -116,7 +126,9 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
     if groups is not None and overrides.get("num_kv_groups", groups) != groups:
         raise ValueError(f"num_kv_groups: hf_config records {groups} KV groups in its {RECORD!r} entry; got "
                          f"{overrides['num_kv_groups']!r}; leave num_kv_groups out")
-    theta, scaling = hf_rope(hf_config, overrides.pop("any_rope_type", False))
+    any_rope_type = overrides.pop("any_rope_type", False)
+    overrides.pop("any_model_type", None)
+    theta, scaling = hf_rope(hf_config, any_rope_type)
     # V2 and V3.2 always rotate interleaved pairs (V3.2's config has no rope_interleave); V3 does
     # unless rope_interleave is False.
     always = stock_model_type(model_type) in ("deepseek_v2", "deepseek_v32")

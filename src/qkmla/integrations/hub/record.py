@@ -52,6 +52,10 @@ qkmla is installed but not imported, and an engine that knows neither refuses it
 quoting the entry, which names the loader to call. A model without a norm keeps transformers' own
 model type (a GQA conversion without a norm too: transformers alone computes its function).
 
+The other MLA families of transformers (``integrations.transformers.families``) declare themselves
+the same way, as ``qkmla_<model_type>`` and ``QKNorm<CausalLM>``: ``integrations.transformers.auto``
+builds their classes and enters them in ``FAMILY_MODEL_TYPES`` / ``FAMILY_ARCHITECTURES``.
+
 Checkpoints written before the model type of their own (``"model_type": "deepseek_v3"`` with the
 record) are read as they always were; saving them again writes the model type above.
 
@@ -79,6 +83,12 @@ QK_MODEL_TYPES = {"deepseek_v2": "qkmla_deepseek_v2", "deepseek_v3": "qkmla_deep
 QK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "QKNormDeepseekV2ForCausalLM",
                     "DeepseekV3ForCausalLM": "QKNormDeepseekV3ForCausalLM"}
 CODE = "modeling_qkmla"  # the file beside config.json that auto_map names (it imports qkmla's classes)
+# Every MLA family's QK-normed model type and architecture: DeepSeek's above (which the vLLM and
+# torchtitan integrations serve), and those ``integrations.transformers.auto`` adds when it builds
+# the other families' classes from the table of families (``integrations.transformers.families``).
+FAMILY_MODEL_TYPES = dict(QK_MODEL_TYPES)
+FAMILY_ARCHITECTURES = dict(QK_ARCHITECTURES)
+CAUSAL_LMS = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 CODE_TEXT = '''"""This checkpoint's model is qkmla's QK-normed DeepSeek (https://pypi.org/project/qkmla/): its
@@ -93,6 +103,7 @@ from qkmla.integrations.transformers.auto import (  # noqa: F401
     QKNormDeepseekV3Config,
     QKNormDeepseekV3ForCausalLM,
 )
+from qkmla.integrations.transformers.auto import *  # noqa: F401,F403  (the other MLA families' classes)
 '''
 
 
@@ -108,9 +119,9 @@ def declaration(model_type: str, architectures: Optional[list] = None) -> dict:
     or qkmla's): qkmla's model type, ``architectures`` with qkmla's names for DeepSeek's causal LMs
     (default: the causal LM), and the ``auto_map`` naming the classes in ``modeling_qkmla.py``."""
     stock = stock_model_type(model_type)
-    model = QK_ARCHITECTURES[f"Deepseek{stock.removeprefix('deepseek_').upper()}ForCausalLM"]
-    return {"model_type": QK_MODEL_TYPES[stock],
-            "architectures": [QK_ARCHITECTURES.get(a, a) for a in architectures or [model]],
+    model = FAMILY_ARCHITECTURES[CAUSAL_LMS[stock]]
+    return {"model_type": FAMILY_MODEL_TYPES[stock],
+            "architectures": [FAMILY_ARCHITECTURES.get(a, a) for a in architectures or [model]],
             "auto_map": {"AutoConfig": f"{CODE}.{model.removesuffix('ForCausalLM')}Config",
                          "AutoModelForCausalLM": f"{CODE}.{model}"}}
 
@@ -118,7 +129,7 @@ def declaration(model_type: str, architectures: Optional[list] = None) -> dict:
 def stock_model_type(model_type):
     """transformers' model type for one of qkmla's (``qkmla_deepseek_v3`` -> ``deepseek_v3``); any
     other value unchanged."""
-    return next((stock for stock, ours in QK_MODEL_TYPES.items() if ours == model_type), model_type)
+    return next((stock for stock, ours in FAMILY_MODEL_TYPES.items() if ours == model_type), model_type)
 
 
 def _model_type(hf_config):
@@ -135,7 +146,7 @@ def recorded_norm(hf_config, where: str = "model.config") -> Optional[QKNormConf
     recorded is refused."""
     norm = _recorded_norm(hf_config, where)
     model_type = _model_type(hf_config)
-    if norm is None and model_type in QK_MODEL_TYPES.values():
+    if norm is None and model_type in FAMILY_MODEL_TYPES.values():
         raise ValueError(f"{where}: model_type {model_type!r} is a QK-normed checkpoint's, but its {RECORD!r} entry "
                          f"records no QK norm; a model without one is a {stock_model_type(model_type)!r} model")
     return norm
@@ -209,11 +220,11 @@ def _declare(hf_config, normed: bool) -> None:
     other class (a namespace, someone else's subclass) is left as it is."""
     cls = type(hf_config)
     model_type = getattr(cls, "model_type", None)  # a class attribute: a transformers config
-    if normed and model_type in QK_MODEL_TYPES and cls.__module__.startswith("transformers."):
-        ours = [c for c in cls.__subclasses__() if getattr(c, "model_type", None) == QK_MODEL_TYPES[model_type]]
+    if normed and model_type in FAMILY_MODEL_TYPES and cls.__module__.startswith("transformers."):
+        ours = [c for c in cls.__subclasses__() if getattr(c, "model_type", None) == FAMILY_MODEL_TYPES[model_type]]
         if ours:
             hf_config.__class__ = ours[0]
-    elif not normed and model_type in QK_MODEL_TYPES.values():
+    elif not normed and model_type in FAMILY_MODEL_TYPES.values():
         hf_config.__class__ = next(c for c in cls.__mro__ if c.__dict__.get("model_type") ==
                                    stock_model_type(model_type))
 
@@ -231,6 +242,7 @@ def describe(norm: Optional[QKNormConfig]) -> str:
     return norm.name + (", learnable logit scale" if norm.learnable_logit_scale else "")
 
 
-__all__ = ["CODE", "CODE_TEXT", "FLAT_FIELDS", "GROUPS", "LOADER", "NORM", "QK_ARCHITECTURES", "QK_MODEL_TYPES",
+__all__ = ["CAUSAL_LMS", "CODE", "CODE_TEXT", "FAMILY_ARCHITECTURES", "FAMILY_MODEL_TYPES", "FLAT_FIELDS",
+           "GROUPS", "LOADER", "NORM", "QK_ARCHITECTURES", "QK_MODEL_TYPES",
            "RECORD", "declaration", "describe", "record_groups", "recorded_groups", "recorded_norm", "stock_model_type",
            "write_code"]

@@ -9,7 +9,9 @@ Each is imported on first use, so ``import qkmla.integrations.transformers`` wor
 transformers. With transformers installed, importing this package registers a QK-normed checkpoint's own
 architecture (``QKNormDeepseekV3ForCausalLM``, model type ``qkmla_deepseek_v3``; and V2) with
 transformers' ``AutoConfig`` and ``AutoModelForCausalLM`` (``auto``), so they and ``pipeline`` load
-such a checkpoint with its norm.
+such a checkpoint with its norm; and the same for every other supported MLA family with classes of
+its own (``QKNormGlm4MoeLiteForCausalLM``, model type ``qkmla_glm4_moe_lite``, ...). Which families
+``apply_latent_attention`` takes, and why it refuses the others, is one table: ``families``.
 """
 
 import importlib.util

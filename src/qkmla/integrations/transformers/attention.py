@@ -1,4 +1,5 @@
-"""A transformers DeepSeek-V2/V3 attention layer served by qkmla's :class:`~qkmla.MLA`.
+"""A transformers MLA attention layer (DeepSeek-V2/V3's and the families of ``families``) served by
+qkmla's :class:`~qkmla.MLA`.
 
 :class:`LatentAttention` is an :class:`~qkmla.MLA` that takes transformers' attention call
 (``hidden_states``, ``attention_mask``, ``position_embeddings``, the cache under any of the
@@ -32,6 +33,12 @@ has one ``kv_b_proj`` group per head, so such a model stores each group's rows r
 heads. The layer keeps one copy per group (and caches G key scalars per token); its state dict
 repeats them again, so ``save_pretrained`` writes transformers' shapes, and loading a state dict
 takes either form (repeats checked).
+
+A family whose attention differs from DeepSeek-V3's (``families.HostAttention``, one value per
+layer) gets its differences where they enter: the query and latent scales in ``raw_query`` and
+``latent`` (every path reads them there), the position-dependent query scale in
+``explicit_query`` / ``absorbed_query``, the output gate in ``project_out``, and NoPE as a rotary
+that turns nothing (:class:`~qkmla.integrations.transformers.rope.NoRotary`).
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from ...cache.eviction import EvictionPolicy
 from ...rope import ROPE_TYPES
 from ..hub.config import hf_rope_type, unrepeat_groups
 from .cache import adopt_layer
-from .rope import TransformersRotary
+from .families import HostAttention
+from .rope import NoRotary, TransformersRotary
 from .static import StaticLatentCacheLayer, static_attend
 from .weights import cached_weights, explicit_weights
 
@@ -89,20 +97,33 @@ class LatentCall:
 
 
 class LatentAttention(MLA):
-    """transformers' ``DeepseekV2Attention`` / ``DeepseekV3Attention``, computed by qkmla.
+    """transformers' MLA attention (``DeepseekV3Attention`` and its families'), computed by qkmla.
 
     Args:
         config: the layer's :class:`~qkmla.MLAConfig` (``qkmla.integrations.hub.config.mla_config_from_hf``).
-        layer_idx: the decoder layer's index, as transformers numbers cache layers.
+        layer_idx: the layer's cache index, as transformers numbers cache layers.
         projections: the HF layer's projection and latent-norm modules by name, adopted as they are.
         settings: the model's shared :class:`LatentSettings`.
+        host: how the family's attention differs from DeepSeek-V3's (``families.HostAttention``;
+            None: it does not).
+        g_proj: the HF layer's output-gate projection, adopted (``host.output_gate``).
     """
 
     def __init__(self, config: MLAConfig, layer_idx: int, projections: Optional[dict] = None,
-                 settings: Optional[LatentSettings] = None):
+                 settings: Optional[LatentSettings] = None, host: Optional[HostAttention] = None,
+                 g_proj: Optional[torch.nn.Module] = None):
         super().__init__(config, projections)
         self.layer_idx = layer_idx
         self.settings = settings if settings is not None else LatentSettings()
+        self.host = host if host is not None else HostAttention(
+            rope="interleaved" if config.rope_interleave else "halves")
+        if self.host.output_gate != (g_proj is not None):
+            gated = self.host.output_gate
+            raise ValueError(f"g_proj: the family's attention {'gates' if gated else 'does not gate'} its heads' "
+                             f"outputs, so g_proj must be {'its gate projection' if gated else 'None'}")
+        self.g_proj = g_proj
+        if self.host.rope == "none":
+            self.rotary = NoRotary()
         self.is_causal = True  # read by some transformers utilities
         self.hf_cache_layout = "expanded"  # from_hf: what transformers' own attention caches (view.py)
         self.hf_rope_halves = False  # from_hf: whether it caches RoPE keys as halves (view.py)
@@ -112,17 +133,32 @@ class LatentAttention(MLA):
 
     @classmethod
     def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, hf_rotary=None,
-                **overrides) -> "LatentAttention":
-        """The qkmla layer for an HF ``DeepseekV2Attention`` / ``DeepseekV3Attention``, sharing its weights.
+                host: Optional[HostAttention] = None, **overrides) -> "LatentAttention":
+        """The qkmla layer for an HF MLA attention layer (``DeepseekV3Attention``, a family's), sharing its weights.
 
         ``hf_rotary``: the model's own rotary embedding (``model.model.rotary_emb``), used for a
         ``rope_type`` qkmla's :class:`~qkmla.rope.RotaryEmbedding` does not compute ("linear",
         "dynamic", ...; :class:`~qkmla.integrations.transformers.rope.TransformersRotary`); None
-        refuses those. ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
+        refuses those. ``host``: the family's :class:`~.families.HostAttention` (None: DeepSeek's,
+        as its config says). ``overrides``: :class:`~qkmla.MLAConfig` fields (``decode_backend``, or a QK norm).
         """
         from ..hub.config import hf_projections, mla_config_from_hf
 
-        config = mla_config_from_hf(hf_attention.config, any_rope_type=hf_rotary is not None, **overrides)
+        if host is not None:  # a family's: its RoPE layout and softmax scale, whatever DeepSeek's config reading says
+            overrides.setdefault("rope_interleave", host.rope != "halves")
+            overrides["any_model_type"] = True
+            if host.rope == "none" or not host.yarn_scale:
+                overrides.update(rope_scaling=None, any_rope_type=True)
+        overrides.setdefault("any_rope_type", hf_rotary is not None)
+        config = mla_config_from_hf(hf_attention.config, **overrides)
+        hf_scale = getattr(hf_attention, "scaling", None)
+        # A family's layer states its own softmax scale, which the config alone does not always give:
+        # transformers 5.4's Mistral 4 leaves YaRN's mscale out, 5.24's applies it. The layer's own wins.
+        # (DeepSeek-V2's before 5.16 leaves it out too, where qkmla applies it, as DeepSeek's own code does.)
+        if host is not None and isinstance(hf_scale, float) and not config.learnable_logit_scale \
+                and abs(config.scale - hf_scale) > 1e-9 * hf_scale \
+                and not getattr(hf_attention.config, "model_type", "").endswith("deepseek_v2"):
+            config = config.replace(softmax_scale=hf_scale)
         params = list(hf_attention.parameters())
         # On the meta device (transformers' from_pretrained builds the model there, then loads the
         # weights into the modules this layer adopts): nothing is read from the weights here,
@@ -142,12 +178,13 @@ class LatentAttention(MLA):
             kv_b_proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
             projections["kv_b_proj"] = kv_b_proj
-        layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings)
+        g_proj = getattr(hf_attention, "g_proj", None) if host is not None and host.output_gate else None
+        layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings, host, g_proj)
         # what transformers' own attention caches, for a cache's keys/values view (view.py)
         layer.hf_cache_layout = "latent" if hasattr(type(hf_attention), "expand_kv") else "expanded"
         # DeepSeek-V3's rotates interleaved pairs by first moving them to halves, and caches them so
         layer.hf_rope_halves = type(hf_attention).__name__.startswith("DeepseekV3")
-        if hf_rotary is not None and hf_rope_type(hf_attention.config) not in ROPE_TYPES:
+        if hf_rotary is not None and layer.host.rope != "none" and hf_rope_type(hf_attention.config) not in ROPE_TYPES:
             layer.rotary = TransformersRotary(hf_rotary, config.rope_interleave)
         return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
 
@@ -157,9 +194,49 @@ class LatentAttention(MLA):
         from ..hub.config import hf_projections
 
         weight = self.kv_b_proj.weight
-        layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings)
+        layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings,
+                           self.host, self.g_proj)
         layer.rotary, layer.hf_cache_layout, layer.hf_rope_halves = self.rotary, self.hf_cache_layout, self.hf_rope_halves
         return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
+
+    # -- the family's differences from DeepSeek-V3 (families.HostAttention) ----------------------
+
+    def raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's (q^C [B, T, h, d_n], q~^R [B, T, h, d_r]), times the family's query scale."""
+        q_c, q_r = super().raw_query(x)
+        s = self.host.query_scale
+        return (q_c, q_r) if s == 1.0 else (q_c * s, q_r * s)
+
+    def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's (c [B, T, d_c], k~^R [B, T, 1, d_r]), c times the family's latent scale."""
+        c_kv, k_r = super().latent(x)
+        s = self.host.latent_scale
+        return (c_kv, k_r) if s == 1.0 else (c_kv * s, k_r)
+
+    def temperature(self, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """Mistral 4's query scale at ``positions`` [B, T] or [T]: [..., T, 1, 1], or None (no such scale)."""
+        if self.host.position_temperature is None:
+            return None
+        beta, length = self.host.position_temperature
+        scale = 1 + beta * torch.log1p(torch.floor(positions.double() / length))
+        return scale[..., None, None]
+
+    def explicit_query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q = super().explicit_query(x, positions)
+        scale = self.temperature(positions)
+        return q if scale is None else q * scale.to(q.dtype)
+
+    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_lat, q_rope = super().absorbed_query(x, positions)
+        scale = self.temperature(positions)
+        return (q_lat, q_rope) if scale is None else (q_lat * scale.to(q_lat.dtype), q_rope * scale.to(q_rope.dtype))
+
+    def project_out(self, heads: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of the heads' outputs [B, T, h, d_v], each head times sigmoid(g_proj(x)) first
+        where the family gates them (as transformers computes the gate: in float32)."""
+        if self.g_proj is not None:
+            heads = heads * torch.sigmoid(self.g_proj(x).float()).to(heads.dtype)[..., None]
+        return self.o_proj(heads.flatten(2))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
         """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).
@@ -189,6 +266,10 @@ class LatentAttention(MLA):
         if layer.attention is None:  # its keys and values are this layer's up-projections (view.py)
             layer.attention = weakref.ref(self)
         if isinstance(layer, StaticLatentCacheLayer):  # fixed shapes for torch.compile (static.py)
+            if self.host.position_temperature is not None:
+                raise ValueError("cache_implementation: this family's position-dependent query scale "
+                                 "(llama_4_scaling_beta) is not applied over a static latent cache; use the growing "
+                                 "cache (the default)")
             if want:
                 raise ValueError("output_attentions: the attention weights are not returned over a static latent "
                                  "cache (cache_implementation='static'); ask for them with the growing cache "
@@ -238,7 +319,7 @@ class LatentAttention(MLA):
             if valid is not None:  # not padding; a padded query sees itself, so no row is empty
                 mask = (mask & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
         if not weights:
-            return self.o_proj(sdpa(q, k, v, self.scale, mask=mask, causal=mask is None).flatten(2)), None
+            return self.project_out(sdpa(q, k, v, self.scale, mask=mask, causal=mask is None), x), None
         # Asked for the weights: the output is computed from them, as transformers' eager attention
         # does, so gradients reach them (a caller may retain_grad on them).
         probs = explicit_weights(q, k, self.scale, mask)
@@ -247,7 +328,7 @@ class LatentAttention(MLA):
         h, G = q.shape[2], v.shape[2]
         heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
         out = torch.einsum("bhts,bshd->bthd", probs, heads_v)
-        return self.o_proj(out.flatten(2)), probs
+        return self.project_out(out, x), probs
 
     def _compacted(self, x: torch.Tensor, valid: torch.Tensor, latent,
                    positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -262,7 +343,7 @@ class LatentAttention(MLA):
         if padding is None:
             return out
         heads, queried = padding
-        return torch.where(queried[..., None], self.o_proj(heads.flatten(2)), out)
+        return torch.where(queried[..., None], self.project_out(heads.to(x.dtype), x), out)
 
     def _custom_masked(self, x: torch.Tensor, visible: torch.Tensor, layer, latent,
                        positions: Optional[torch.Tensor], weights: bool = False):
@@ -289,7 +370,7 @@ class LatentAttention(MLA):
         probs = explicit_weights(q, k, self.scale, seen)  # [B, h, T, S]
         h, G = q.shape[2], v.shape[2]
         heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
-        out = self.o_proj(torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)).flatten(2))
+        out = self.project_out(torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)), x)
         if not weights:
             return out, None
         laid_out = probs.new_zeros(B, h, T, K)

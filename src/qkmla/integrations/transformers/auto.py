@@ -38,7 +38,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, De
                           DeepseekV3Config, DeepseekV3ForCausalLM)
 
 from ..hub.checkpoint import CONFIG
-from ..hub.record import CODE_TEXT, LOADER, QK_MODEL_TYPES, declaration, recorded_norm, write_code  # noqa: F401
+from ..hub.record import (CODE_TEXT, FAMILY_MODEL_TYPES, LOADER, QK_MODEL_TYPES, declaration,  # noqa: F401
+                          recorded_norm, write_code)
 
 # What older checkpoints record as attn_implementation: qkmla's loader, under its names then and now.
 _LOADERS = (LOADER, "qkmla.interop.from_pretrained")
@@ -137,6 +138,43 @@ class QKNormDeepseekV3ForCausalLM(_QKNormCausalLM, DeepseekV3ForCausalLM):
 _MODELS = {QKNormDeepseekV2Config: QKNormDeepseekV2ForCausalLM, QKNormDeepseekV3Config: QKNormDeepseekV3ForCausalLM}
 
 
+def _family_classes() -> dict:
+    """``QKNorm<Family>Config`` / ``QKNorm<Family>ForCausalLM`` for every other supported MLA family
+    of the installed transformers (``families.FAMILIES``: a family with causal-LM classes of its
+    own), made as the DeepSeek ones above are written, and entered in the record's tables
+    (``hub.record.FAMILY_MODEL_TYPES``, ``FAMILY_ARCHITECTURES``, ``CAUSAL_LMS``) so that a
+    QK-normed model of the family declares them when saved."""
+    import transformers
+
+    from ..hub import record
+    from .families import FAMILIES
+
+    made = {}
+    for family in FAMILIES:
+        base = getattr(transformers, family.causal_lm, None)
+        if family.status != "supported" or base is None or base.config_class.model_type != family.model_type \
+                or family.model_type in record.QK_MODEL_TYPES:
+            continue  # not taken, not installed, built with another family's classes, or written above
+        stem = family.causal_lm.removesuffix("ForCausalLM")
+        ours = f"qkmla_{family.model_type}"
+        config = type(f"QKNorm{stem}Config", (_QKNormConfig, base.config_class),
+                      {"model_type": ours, "__module__": __name__,
+                       "__doc__": f"transformers' ``{base.config_class.__name__}`` of a model with qkmla's QK norm."})
+        model = type(f"QKNorm{family.causal_lm}", (_QKNormCausalLM, base),
+                     {"config_class": config, "__module__": __name__,
+                      "__doc__": f"``{family.causal_lm}`` with qkmla's latent attention and the recorded QK norm."})
+        made[config] = model
+        record.FAMILY_MODEL_TYPES[family.model_type] = ours
+        record.FAMILY_ARCHITECTURES[family.causal_lm] = model.__name__
+        record.CAUSAL_LMS[family.model_type] = family.causal_lm
+    return made
+
+
+_FAMILY_MODELS = _family_classes()
+globals().update({cls.__name__: cls for pair in _FAMILY_MODELS.items() for cls in pair})
+_MODELS.update(_FAMILY_MODELS)
+
+
 def register() -> None:
     """Register qkmla's config and model classes with transformers' Auto classes, and give qkmla's
     model types transformers' weight conversions of the DeepSeek model types (the MoE experts' layout);
@@ -146,7 +184,7 @@ def register() -> None:
     for config, model in _MODELS.items():
         AutoConfig.register(config.model_type, config, exist_ok=True)
         AutoModelForCausalLM.register(config, model, exist_ok=True)
-    for stock, ours in QK_MODEL_TYPES.items():
+    for stock, ours in FAMILY_MODEL_TYPES.items():
         mapping = conversion_mapping.get_checkpoint_conversion_mapping(stock)
         if mapping is not None:
             conversion_mapping.register_checkpoint_conversion_mapping(ours, mapping, overwrite=True)
@@ -155,4 +193,5 @@ def register() -> None:
 register()
 
 __all__ = ["CODE_TEXT", "QKNormDeepseekV2Config", "QKNormDeepseekV2ForCausalLM", "QKNormDeepseekV3Config",
-           "QKNormDeepseekV3ForCausalLM", "register", "write_code"]
+           "QKNormDeepseekV3ForCausalLM", "register", "write_code",
+           *sorted(cls.__name__ for pair in _FAMILY_MODELS.items() for cls in pair)]

@@ -17,7 +17,8 @@ transformers' own: each token's RoPE key is cached rotated to the ``position_ids
 gave it (``LatentAttention``), whatever they are, so attention sees the position differences
 transformers' attention sees.
 
-:class:`LatentAttentionCache` is the whole cache, one latent layer per decoder layer;
+:class:`LatentAttentionCache` is the whole cache, one latent layer per MLA attention layer (a
+hybrid's linear-attention layers keep transformers' own state layers, which are never touched);
 transformers' own ``DynamicCache`` is adopted when it arrives empty (``generate`` makes one by
 default, and an offloading one for ``cache_implementation="offloaded"``): its layers are replaced
 by latent layers, which offload as transformers' do when the cache offloads; an empty static cache
@@ -39,11 +40,16 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticLayer
 
+try:  # transformers' linear-attention state (hybrids: Kimi-Linear, Ling), which stays transformers' own
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+except ImportError:  # transformers before its hybrid MLA families
+    LinearAttentionCacheLayerMixin = ()
+
 from ...cache.eviction import EvictionPolicy
 from ...cache.latent import LatentCache
 from ...config import MLAConfig
 from ...kv_formats import check_kv_format
-from .patched import latent_layers, model_settings
+from .patched import cache_slots, inner_model, model_settings
 from .static import StaticLatentCacheLayer, check_static_settings
 from .view import TransformersView
 
@@ -274,6 +280,9 @@ def check_cache(cache, name: str = "cache") -> None:
 def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> None:
     if isinstance(layer, (LatentCacheLayer, StaticLatentCacheLayer)):
         return
+    if LinearAttentionCacheLayerMixin and isinstance(layer, LinearAttentionCacheLayerMixin) \
+            and not isinstance(layer, CacheLayerMixin):  # a hybrid's linear-attention state: transformers' own
+        return
     kind = type(layer).__name__
     if isinstance(layer, StaticLayer):
         if "Indexed" in kind:  # transformers' static cache for a sparse attention model (DeepSeek-V3.2)
@@ -363,23 +372,36 @@ class LatentAttentionCache(Cache):
     def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None,
                  offloading: bool = False, static: bool = False):
         settings = model_settings(model)
+        slots = cache_slots(model)  # per cache layer: a latent attention, or None (transformers' own layer)
         kv_format = kv_format if kv_format is not None else settings.kv_format
         policy = settings.policy if policy is _MODEL_SETTING else policy
         if not isinstance(static, bool):
             raise ValueError(f"static: expected True (fixed buffers, compileable) or False (grow), got {static!r}")
+        if static and None in slots:
+            raise ValueError("static: this model is a hybrid (linear-attention layers beside its MLA layers), "
+                             "whose static cache qkmla does not build; use the growing cache (static=False)")
         if static:
             check_static_settings(kv_format, policy, max_cache_len)
             if offloading:
                 raise ValueError("offloading: a static latent cache keeps its fixed buffers on the model's device; "
                                  "pass offloading=False, or static=False for an offloaded growing cache")
-            super().__init__(layers=[StaticLatentCacheLayer(attn.config, max_cache_len)
-                                     for attn in latent_layers(model)])
+            super().__init__(layers=[StaticLatentCacheLayer(attn.config, max_cache_len) for attn in slots])
             return
         check_cache_settings(kv_format, policy, max_cache_len)
+        own = _transformers_layers(model) if None in slots else None
         super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len, offloading)
-                                 for attn in latent_layers(model)], offloading=offloading)
+                                 if attn is not None else own[i] for i, attn in enumerate(slots)],
+                         offloading=offloading)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached token occupies, summed over layers (0 before the first forward)."""
-        return sum(layer.bytes_per_token for layer in self.layers)
+        """Bytes one cached token occupies, summed over the latent layers (0 before the first forward;
+        a hybrid's linear-attention state does not grow with the tokens)."""
+        return sum(getattr(layer, "bytes_per_token", 0) for layer in self.layers)
+
+
+def _transformers_layers(model) -> list:
+    """The layers transformers' own ``DynamicCache`` makes for the model (a hybrid's linear-attention state)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=inner_model(model).config).layers

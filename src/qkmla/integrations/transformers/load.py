@@ -17,10 +17,12 @@ from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
 from .model import apply_latent_attention
 from ..hub.checkpoint import check_norm_tensors
-from ..hub.record import QK_MODEL_TYPES, describe, recorded_norm, stock_model_type
+from ..hub.record import CAUSAL_LMS, FAMILY_MODEL_TYPES, describe, recorded_norm, stock_model_type
 
-_CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-_MODEL_TYPES = tuple(_CLASSES) + tuple(QK_MODEL_TYPES.values())
+# transformers' causal LM of each family qkmla loads (DeepSeek-V2/V3's, and every family ``auto`` built
+# QK-normed classes for: ``hub.record.CAUSAL_LMS``), and their QK-normed model types
+_CLASSES = CAUSAL_LMS
+_MODEL_TYPES = tuple(_CLASSES) + tuple(FAMILY_MODEL_TYPES.values())
 # transformers' from_pretrained arguments that say where a checkpoint is: read here, where it is fetched
 _HUB = ("revision", "cache_dir", "subfolder", "local_files_only", "token", "force_download", "proxies")
 

@@ -120,6 +120,11 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     peft = _peft()
     layers = next(name for name, module in model.named_modules() if module is inner_model(model).layers)
     pattern = rf"{re.escape(layers)}\.\d+\.self_attn\.({'|'.join(names)})"
+    latent = [name for name, module in model.named_modules() if any(module is a for a in latent_layers(model))]
+    if len(latent) != len(inner_model(model).layers) or any(not n.endswith(".self_attn") for n in latent):
+        # a hybrid's linear-attention layers (their projections keep no adapter) or LongCat-Flash's two
+        # attention modules per layer: the MLA modules by name
+        pattern = rf"({'|'.join(re.escape(n) for n in latent)})\.({'|'.join(names)})"
     if train_qk_norm:
         norms = ["self_attn.q_norm", "self_attn.k_norm"]
         kwargs["modules_to_save"] = list(kwargs.get("modules_to_save") or []) + norms

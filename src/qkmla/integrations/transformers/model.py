@@ -1,10 +1,12 @@
-"""A whole transformers DeepSeek-V2/V3 model decoding through qkmla's latent cache.
+"""A whole transformers MLA model (DeepSeek-V2/V3 and the families of ``families``) decoding through
+qkmla's latent cache.
 
     model = DeepseekV3ForCausalLM.from_pretrained(path)
     apply_latent_attention(model)                      # in place; returns the model
     out = model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
 
-:func:`apply_latent_attention` swaps every decoder layer's ``self_attn`` for a
+:func:`apply_latent_attention` swaps every MLA attention module (``self_attn``; each of LongCat-Flash's
+two; a hybrid's MLA layers only, its linear attention staying transformers' own) for a
 :class:`~qkmla.integrations.transformers.attention.LatentAttention` that adopts the layer's own projection
 modules (no copy: ``state_dict()`` keys and tensors stay transformers' own) and registers two
 hooks on the inner ``*Model``:
@@ -46,18 +48,31 @@ from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
 from .cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings
-from .patched import inner_model
+from .families import attention_slots, get_slot, set_slot
+from .patched import inner_model, model_family
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
+# How a family's MLA attention modules are built, by the name its row gives (``families.Family.build``):
+# each takes (hf_attention, settings, hf_rotary=, host=, **MLAConfig overrides) and returns the layer.
+def _sparse_from_hf(hf_attention, settings, **kwargs):
+    from .sparse import SparseLatentAttention  # sparse.py imports this module's neighbours, not this module
+
+    return SparseLatentAttention.from_hf(hf_attention, settings, **kwargs)
+
+
+BUILDERS = {"dense": LatentAttention.from_hf, "sparse": _sparse_from_hf}
 
 
 def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = None, kv_format: str = "dense",
                            policy: Optional[EvictionPolicy] = None, decode_backend: str = "auto"):
-    """Make a transformers DeepSeek-V2/V3 model attend and decode through qkmla, in place.
+    """Make a transformers MLA model attend and decode through qkmla, in place.
 
     Args:
-        model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` or the inner ``*Model``.
+        model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, a causal LM of another supported
+            family (``families.FAMILIES``: GLM-4.7-Flash, Mistral 4, LongCat-Flash, MiniCPM3, Kimi-Linear,
+            ...), or its inner ``*Model``. A family that is not supported (the sparse ones, for now) is
+            refused naming the class and the reason, before any work.
         qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
             attention layer: a :class:`~qkmla.QKNormConfig` (kind, mode, p, eps, scope, learnable
             logit scale) or its shorthand, "rms" (the paper's), "l2" or "lp". The norm weights start at ones,
@@ -78,6 +93,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     Returns:
         ``model``.
     """
+    family = model_family(model)
     inner = inner_model(model)
     check_not_partitioned(model)
     check_cache_settings(kv_format, policy, None)
@@ -91,10 +107,10 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
                              f"trained for it), so it cannot become {describe(norm)}; pass qk_norm=None to keep it, "
                              f"or start from the model without a norm")
         settings.kv_format, settings.policy = kv_format, policy
-        for layer in inner.layers:
+        for slot in attention_slots(inner):
             if norm is not None and current is None:
-                layer.self_attn = layer.self_attn.with_norm(norm)
-            layer.self_attn.config = layer.self_attn.config.replace(decode_backend=decode_backend)
+                set_slot(slot, get_slot(slot).with_norm(norm))
+            get_slot(slot).config = get_slot(slot).config.replace(decode_backend=decode_backend)
         if norm is not None and current is None:
             _record(model, norm)
         _keep_latent_attention(model)  # the causal LM, when the first call was given its inner model
@@ -102,12 +118,14 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
     overrides = {"num_kv_groups": groups} if groups is not None else {}
-    patched = [attention_class(layer.self_attn).from_hf(layer.self_attn, settings,
-                                                        hf_rotary=getattr(inner, "rotary_emb", None),
-                                                        decode_backend=decode_backend, qk_norm=norm, **overrides)
-               for layer in inner.layers]
-    for layer, attn in zip(inner.layers, patched):
-        layer.self_attn = attn
+    slots = _checked_slots(family, inner, type(model).__name__)
+    host = family.host(inner.config)
+    build = BUILDERS[family.build]
+    patched = [build(get_slot(slot), settings, hf_rotary=getattr(inner, "rotary_emb", None), host=host,
+                     decode_backend=decode_backend, qk_norm=norm, **overrides)
+               for slot in slots]
+    for slot, attn in zip(slots, patched):
+        set_slot(slot, attn)
     inner._qkmla_settings = settings
     _record(model, norm)
     inner._qkmla_signature = inspect.signature(inner.forward)
@@ -118,12 +136,20 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     return model
 
 
-def attention_class(hf_attention) -> type:
-    """qkmla's layer for a transformers MLA attention layer: :class:`~.sparse.SparseLatentAttention`
-    for one with DeepSeek's sparse attention (a lightning indexer), else :class:`LatentAttention`."""
-    from .sparse import SparseLatentAttention, is_sparse
-
-    return SparseLatentAttention if is_sparse(hf_attention) else LatentAttention
+def _checked_slots(family, inner, name: str) -> list:
+    """The MLA attention modules of ``inner`` (``families.attention_slots``), checked against the
+    family's config: the decoder layers its config calls MLA are the ones that have MLA's structure."""
+    slots = attention_slots(inner)
+    expected = family.mla_layers(inner.config)
+    found = [False] * len(inner.layers)
+    for i, layer in enumerate(inner.layers):
+        found[i] = any(owner is layer or owner is getattr(layer, "self_attn", None) for owner, _ in slots)
+    if not slots or found != list(expected)[:len(found)]:
+        raise ValueError(f"model: {name}'s config ({family.model_type}) makes decoder layers "
+                         f"{[i for i, e in enumerate(expected) if e][:8]} MLA, but the layers with MLA's structure "
+                         f"(kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj) are "
+                         f"{[i for i, f in enumerate(found) if f][:8]}")
+    return slots
 
 
 def check_not_partitioned(model) -> None:
@@ -284,8 +310,8 @@ def _before_forward(module, args, kwargs):
         else:
             cache = arguments[name] = LatentAttentionCache(module)
     elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
-        for layer in module.layers:
-            adopt_layer(cache, layer.self_attn.layer_idx, layer.self_attn.config, settings.kv_format, settings.policy)
+        for attn in (get_slot(slot) for slot in attention_slots(module)):
+            adopt_layer(cache, attn.layer_idx, attn.config, settings.kv_format, settings.policy)
     past = cache.get_seq_length() if cache is not None and (mask is not None or custom is not None) else 0
     valid = _new_tokens(mask, batch_size, num_tokens, int(past))
     check_position_ids(position_ids, batch_size, num_tokens)
@@ -357,7 +383,7 @@ def _after_forward(module, args, kwargs, output):
     call = kwargs.get("qkmla_call")
     if call is None or call.attentions is None or isinstance(output, tuple):
         return None
-    output["attentions"] = tuple(call.attentions[layer.self_attn.layer_idx] for layer in module.layers)
+    output["attentions"] = tuple(call.attentions[get_slot(slot).layer_idx] for slot in attention_slots(module))
     return output
 
 

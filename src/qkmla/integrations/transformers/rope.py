@@ -63,3 +63,16 @@ class TransformersRotary(nn.Module):
 
     def extra_repr(self) -> str:
         return f"transformers {type(self.hf_rotary).__name__} ({getattr(self.hf_rotary, 'rope_type', '?')})"
+
+
+class NoRotary(nn.Module):
+    """:class:`~qkmla.rope.RotaryEmbedding`'s interface for an MLA layer without RoPE (NoPE:
+    Kimi-Linear's MLA layers, whose shared key part is never rotated): every vector stays as it is."""
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, d_r], unrotated."""
+        return x
+
+    def shift(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x, unmoved: without RoPE a key does not depend on its position."""
+        return x

@@ -274,7 +274,7 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     if prefill:  # the explicit path over the new tokens alone, as the growing cache's prefill
         out, _ = attn._uncached(x, valid, positions)
     else:
-        out = attn.o_proj(_attend_columns(attn, layer, x, positions, columns, w).flatten(2))
+        out = attn.project_out(_attend_columns(attn, layer, x, positions, columns, w), x)
     return out if valid is None else out.masked_fill(~valid[..., None], 0.0)
 
 

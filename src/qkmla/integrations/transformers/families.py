@@ -1,0 +1,286 @@
+"""The MLA families transformers ships, one row each: which ``apply_latent_attention`` takes, how it
+reads each one's config, and why it refuses the others.
+
+An MLA attention layer is recognised by its structure (:func:`is_mla_attention`: DeepSeek's
+``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` and a query projection,
+under a config with ``kv_lora_rank``), and its family by the config's ``model_type``. The family's
+row says what the structure cannot:
+
+    host        how its attention differs from DeepSeek-V3's (:class:`HostAttention`: the RoPE
+                layout, LongCat-Flash's LoRA scales, Mistral 4's position-dependent query
+                scale, Ling's per-head output gate), read from its config
+    mla_layers  which decoder layers are MLA (hybrids: Kimi-Linear, Ling mix in linear attention,
+                which stays transformers' own, its state in transformers' own cache layers)
+    build       how its layers are built: a key of ``model.BUILDERS`` ("dense": the adapter's
+                ``LatentAttention.from_hf``); the sparse families (a lightning indexer choosing
+                the top-k cached tokens) have none yet: they are refused, naming the reason,
+                until the sparse adapter registers its builder and its rows name it
+
+Every family's parity with transformers is ``tests/integrations/transformers/test_families.py``;
+the docs' table (docs/interop.md) is :func:`markdown_table` of :data:`FAMILIES`, checked there.
+
+Nothing here imports transformers (the rows name its classes) or the adapter's layers (the rows
+name their builders).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ...attention.mla import MLA
+
+ROPE_LAYOUTS = ("interleaved", "halves", "none")
+STATUSES = ("supported", "sparse", "refused")
+SPARSE_REASON = ("sparse attention whose attention layer is not DeepSeek-V3.2's; the sparse adapter (sparse.py) "
+                 "takes V3.2's alone so far")
+# The transformers versions the parity tests run on (CI's oldest and newest)
+TESTED_VERSIONS = ("5.4.0", "5.24.0")
+
+
+@dataclass(frozen=True)
+class HostAttention:
+    """How one family's MLA attention differs from DeepSeek-V3's, read from its config.
+
+    rope: "interleaved" (DeepSeek's pairs (x0, x1), (x2, x3), ...), "halves" (NeoX's, MiniCPM3's) or
+        "none" (Kimi-Linear's MLA layers: NoPE, the shared key part is never rotated).
+    query_scale: q [B, T, h, d_n + d_r] times this before any norm or RoPE (LongCat-Flash's
+        ``mla_scale_q_lora`` = sqrt(hidden_size / q_lora_rank)).
+    latent_scale: c [B, T, d_c] times this after ``kv_a_layernorm`` (LongCat-Flash's
+        ``mla_scale_kv_lora`` = sqrt(hidden_size / kv_lora_rank)); keys and values both scale.
+    position_temperature: (beta, L) for Mistral 4's position-dependent query scale
+        1 + beta log(1 + floor(position / L)) (transformers' ``get_llama_4_attn_scale``), or None.
+    output_gate: the heads' outputs [B, T, h, d_v] times sigmoid(g_proj(x)) [B, T, h] before
+        ``o_proj`` (Ling's ``BailingHybridAttention``).
+    yarn_scale: the softmax scale takes YaRN's mscale² (DeepSeek's ``yarn_apply_mscale``); False
+        where the family's attention uses (d_n + d_r) ** -0.5 alone.
+    """
+
+    rope: str = "interleaved"
+    query_scale: float = 1.0
+    latent_scale: float = 1.0
+    position_temperature: Optional[tuple[float, int]] = None
+    output_gate: bool = False
+    yarn_scale: bool = True
+
+    def __post_init__(self):
+        if self.rope not in ROPE_LAYOUTS:
+            raise ValueError(f"rope: expected one of {ROPE_LAYOUTS}, got {self.rope!r}")
+
+    @property
+    def is_deepseek(self) -> bool:
+        """True when the layer computes what DeepSeek-V3's does (only the RoPE layout may differ)."""
+        return (self.query_scale == 1.0 and self.latent_scale == 1.0 and self.position_temperature is None
+                and not self.output_gate)
+
+
+def _rope(config) -> str:
+    return "interleaved" if getattr(config, "rope_interleave", True) else "halves"
+
+
+def _deepseek(config) -> HostAttention:
+    """DeepSeek-V3's and its copies': interleaved pairs unless ``rope_interleave`` is False."""
+    return HostAttention(rope=_rope(config))
+
+
+def _interleaved(config) -> HostAttention:
+    """Always interleaved pairs (DeepSeek-V2's complex rotation; LongCat-Flash's and Ling's)."""
+    return HostAttention(rope="interleaved")
+
+
+def _minicpm3(config) -> HostAttention:
+    """NeoX halves, whatever the config says (``apply_rotary_pos_emb``)."""
+    return HostAttention(rope="halves")
+
+
+def _mistral4(config) -> HostAttention:
+    rope = getattr(config, "rope_parameters", None) or {}
+    beta = rope.get("llama_4_scaling_beta")
+    temperature = (float(beta), int(rope["original_max_position_embeddings"])) if beta else None
+    return HostAttention(rope=_rope(config), position_temperature=temperature)
+
+
+def _longcat_flash(config) -> HostAttention:
+    return HostAttention(rope="interleaved", query_scale=math.sqrt(config.hidden_size / config.q_lora_rank),
+                         latent_scale=math.sqrt(config.hidden_size / config.kv_lora_rank))
+
+
+def _kimi_linear(config) -> HostAttention:
+    return HostAttention(rope="none", yarn_scale=False)
+
+
+def _bailing_hybrid(config) -> HostAttention:
+    return HostAttention(rope="interleaved", output_gate=True)
+
+
+def _every_layer(config) -> list[bool]:
+    return [True] * config.num_hidden_layers
+
+
+def _longcat_layers(config) -> list[bool]:
+    """LongCat-Flash's decoder layers (``num_layers``; ``num_hidden_layers`` counts its two attention
+    modules each, as its cache does)."""
+    return [True] * config.num_layers
+
+
+def _full_attention_layers(config) -> list[bool]:
+    """Hybrids: the decoder layers ``layer_types`` calls "full_attention" are MLA."""
+    return [kind == "full_attention" for kind in config.layer_types]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One MLA family of transformers.
+
+    model_type: its config's ``model_type``.
+    classes: transformers' classes of the whole model and of the inner model holding the decoder
+        layers (``layers``) that ``apply_latent_attention`` takes.
+    status: "supported", "sparse" (refused until the sparse adapter builds it) or "refused".
+    reason: why a family that is not supported is refused (shown in the error and the docs).
+    since: the oldest transformers that ships it, or None where the oldest tested one (5.4.0) does.
+    host: its :class:`HostAttention` from its config.
+    mla_layers: from its config, which decoder layers are MLA ([num_hidden_layers] bool).
+    build: the name of the builder of its layers in ``model.BUILDERS`` (a function
+        ``(hf_attention, settings, hf_rotary=, host=, **overrides)`` -> the layer that replaces one of
+        its MLA attention modules; named, not held, so that this table imports no layer); None where
+        none is built (refused).
+    note: what the docs say of it besides.
+    """
+
+    model_type: str
+    classes: tuple[str, ...]
+    status: str = "supported"
+    reason: str = ""
+    since: Optional[str] = None
+    host: Callable = _deepseek
+    mla_layers: Callable = _every_layer
+    build: Optional[str] = "dense"
+    note: str = ""
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status: expected one of {STATUSES}, got {self.status!r}")
+        if (self.status == "supported") != (self.build is not None):
+            raise ValueError(f"{self.model_type}: a supported family builds its layers (build), a refused one "
+                             f"has no build")
+
+    @property
+    def causal_lm(self) -> str:
+        return self.classes[0]
+
+
+def _sparse(model_type: str, classes: tuple[str, ...], since: Optional[str] = None, note: str = "") -> Family:
+    """A family with DeepSeek's sparse attention (a lightning indexer choosing the top-k cached tokens)."""
+    return Family(model_type, classes, status="sparse", reason=SPARSE_REASON, since=since, build=None, note=note)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("deepseek_v2", ("DeepseekV2ForCausalLM", "DeepseekV2Model"), host=_interleaved),
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
+           note="Kimi K2 / K2.5 and Moonlight checkpoints load as DeepSeek-V3"),
+    Family("sarvam_mla", ("DeepseekV3ForCausalLM", "DeepseekV3Model"), since="5.24.0",
+           note="transformers builds it with the DeepSeek-V3 classes (its own config class)"),
+    Family("glm4_moe_lite", ("Glm4MoeLiteForCausalLM", "Glm4MoeLiteModel")),
+    Family("youtu", ("YoutuForCausalLM", "YoutuModel")),
+    Family("mistral4", ("Mistral4ForCausalLM", "Mistral4Model"), host=_mistral4,
+           note="the position-dependent query scale (llama_4_scaling_beta) applied on every path"),
+    Family("longcat_flash", ("LongcatFlashForCausalLM", "LongcatFlashModel"), host=_longcat_flash,
+           mla_layers=_longcat_layers,
+           note="two MLA attention modules per decoder layer; the LoRA scales applied to q and the latent"),
+    Family("minicpm3", ("MiniCPM3ForCausalLM", "MiniCPM3Model"), since="5.24.0", host=_minicpm3,
+           note="RoPE in NeoX halves"),
+    Family("axk1", ("AXK1ForCausalLM", "AXK1Model"), since="5.24.0"),
+    Family("kimi_linear", ("KimiLinearForCausalLM", "KimiLinearModel"), since="5.24.0", host=_kimi_linear,
+           mla_layers=_full_attention_layers,
+           note="hybrid: its linear-attention layers stay transformers' own; MLA layers are NoPE"),
+    Family("bailing_hybrid", ("BailingHybridForCausalLM", "BailingHybridModel"), since="5.24.0",
+           host=_bailing_hybrid, mla_layers=_full_attention_layers,
+           note="hybrid: its linear-attention layers stay transformers' own; the per-head output gate applied"),
+    Family("deepseek_v32", ("DeepseekV32ForCausalLM", "DeepseekV32Model"), since="5.24.0", host=_interleaved,
+           build="sparse", note="sparse attention: transformers' indexer picks the top-k latent rows the absorbed "
+                                "decode reads (sparse.py)"),
+    _sparse("glm_moe_dsa", ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel")),
+    _sparse("glm5_next", ("Glm5NextForConditionalGeneration", "Glm5NextTextModel"), since="5.24.0",
+            note="also a hybrid with linear-attention layers"),
+    _sparse("mistral_large4", ("MistralLarge4ForConditionalGeneration", "MistralLarge4TextModel"), since="5.24.0"),
+    _sparse("hy_v4", ("HYV4ForCausalLM", "HYV4Model"), since="5.24.0"),
+    _sparse("hy_v4_vl", ("HYV4VLForConditionalGeneration", "HYV4VLTextModel"), since="5.24.0",
+            note="hy_v4 with a vision encoder"),
+    _sparse("axk2", ("AXK2ForCausalLM", "AXK2Model"), since="5.24.0"),
+    _sparse("dots3_note", ("Dots3NoteForCausalLM", "Dots3NoteTextModel"), since="5.24.0"),
+)
+
+BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
+SUPPORTED_MODEL_TYPES = tuple(f.model_type for f in FAMILIES if f.status == "supported")
+
+
+def family_named(model_type: str) -> Optional[Family]:
+    """The row of ``model_type`` (qkmla's QK-normed model types included), or None."""
+    return BY_MODEL_TYPE.get(model_type.removeprefix("qkmla_") if isinstance(model_type, str) else model_type)
+
+
+def is_mla_attention(module) -> bool:
+    """True for a transformers attention module with MLA's structure: DeepSeek's latent projections
+    (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``, a query projection
+    (``q_proj``, or ``q_a_proj`` and ``q_b_proj``), and a config with ``kv_lora_rank``."""
+    has = [getattr(module, name, None) is not None for name in
+           ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
+    query = getattr(module, "q_proj", None) is not None or (getattr(module, "q_a_proj", None) is not None
+                                                           and getattr(module, "q_b_proj", None) is not None)
+    return all(has) and query and getattr(getattr(module, "config", None), "kv_lora_rank", None) is not None
+
+
+def attention_slots(inner) -> list[tuple[object, object]]:
+    """Every MLA attention module of an inner ``*Model``'s decoder layers as (owner, key), in cache
+    order: ``self_attn`` of each layer, or each entry of a ``self_attn`` list (LongCat-Flash's two)."""
+    import torch
+
+    slots = []
+    for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        if isinstance(attn, torch.nn.ModuleList):
+            slots += [(attn, i) for i, module in enumerate(attn) if _is_slot(module)]
+        elif attn is not None and _is_slot(attn):
+            slots.append((layer, "self_attn"))
+    return slots
+
+
+def _is_slot(module) -> bool:
+    return isinstance(module, MLA) or is_mla_attention(module)  # patched already, or transformers' own
+
+
+def get_slot(slot):
+    owner, key = slot
+    return owner[key] if isinstance(key, int) else getattr(owner, key)
+
+
+def set_slot(slot, module) -> None:
+    owner, key = slot
+    if isinstance(key, int):
+        owner[key] = module
+    else:
+        setattr(owner, key, module)
+
+
+def refusal(family: Family, class_name: str) -> str:
+    """The error of a family that is not supported, naming the class and the reason."""
+    return (f"model: {class_name} ({family.model_type!r}) is not supported by apply_latent_attention: "
+            f"{family.reason}")
+
+
+def markdown_table() -> str:
+    """The docs' table of families (docs/interop.md), from :data:`FAMILIES`."""
+    lines = ["| model_type | transformers class | status | transformers tested | notes |",
+             "|---|---|---|---|---|"]
+    for f in FAMILIES:
+        since = f.since or TESTED_VERSIONS[0]
+        status = "supported" if f.status == "supported" else f"refused ({f.reason})"
+        tested = f"{since} to {TESTED_VERSIONS[1]}" if since != TESTED_VERSIONS[1] else TESTED_VERSIONS[1]
+        lines.append(f"| `{f.model_type}` | `{f.causal_lm}` | {status} | {tested} | {f.note} |")
+    return "\n".join(lines)
+
+
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "HostAttention", "ROPE_LAYOUTS", "SPARSE_REASON", "STATUSES",
+           "SUPPORTED_MODEL_TYPES", "TESTED_VERSIONS", "attention_slots", "family_named", "get_slot",
+           "is_mla_attention", "markdown_table", "refusal", "set_slot"]

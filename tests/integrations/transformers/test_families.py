@@ -1,0 +1,322 @@
+"""Every MLA family of transformers through ``apply_latent_attention`` (``families.FAMILIES``).
+
+Each supported family's model is built in memory from its own config class (no download): tiny
+widths, a dense first layer and MoE after it where the family has MoE, a hybrid's linear-attention
+layer beside its MLA layer, LongCat-Flash's two attention modules per layer. Families absent from
+the installed transformers (the oldest tested, 5.4.0, has seven of them) are skipped, saying so.
+
+Bounds as in ``test_model.py``: transformers computes its RoPE tables in float32 even in float64,
+which bounds the logits' difference (1e-5 of the largest logit in float64, 1e-4 in float32);
+Kimi-Linear's MLA layers have no RoPE, and agree far closer.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qkmla.integrations.transformers import apply_latent_attention  # noqa: E402
+from qkmla.integrations.transformers.families import (FAMILIES, SPARSE_REASON, family_named,  # noqa: E402
+                                                      markdown_table)
+from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
+
+VOCAB = 61
+SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+             qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+             n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64, pad_token_id=0,
+             bos_token_id=None, eos_token_id=None, experts_implementation="eager")
+HYBRID = dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4)
+EXTRA = {  # what a family's config needs beyond SHAPE to be tiny, and to exercise its conventions
+    "deepseek_v2": dict(q_lora_rank=None),
+    "minicpm3": dict(scale_emb=2.0, scale_depth=1.4),
+    # the llama-4 query scale starts at position 4 (transformers: original_max_position_embeddings)
+    "mistral4": dict(rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0,
+                                          original_max_position_embeddings=4, beta_fast=32.0, beta_slow=1.0,
+                                          mscale_all_dim=1.0, mscale=1.0, llama_4_scaling_beta=0.5,
+                                          partial_rotary_factor=1 / 3)),
+    "longcat_flash": dict(num_layers=1, head_dim=4, ffn_hidden_size=48, expert_ffn_hidden_size=16, moe_topk=2,
+                          zero_expert_num=2, hidden_size=48),
+    "kimi_linear": dict(HYBRID, linear_head_dim=8, linear_num_heads=4, q_lora_rank=None),
+    "bailing_hybrid": dict(HYBRID, head_dim=8, num_mtp_layers=0, q_lora_rank=None, num_experts=4),
+}
+SUPPORTED = [f for f in FAMILIES if f.status == "supported"]
+# The cache argument's name: `past_key_values` until transformers 5.2x, `cache` since.
+CACHE = "cache" if "cache" in inspect.signature(transformers.DeepseekV3ForCausalLM.forward).parameters \
+    else "past_key_values"
+
+
+CONFIGS = {"sarvam_mla": "SarvamMLAConfig"}  # a family built with another family's model classes
+
+
+def model_class(family):
+    cls = getattr(transformers, family.causal_lm, None)
+    if cls is None or not hasattr(transformers, CONFIGS.get(family.model_type, "PreTrainedConfig")):
+        pytest.skip(f"transformers {transformers.__version__} does not ship {family.model_type} "
+                    f"({family.causal_lm}; from {family.since})")
+    return cls
+
+
+def hf_model(family, dtype=torch.float64, seed: int = 0):
+    """A random model of ``family`` (eval mode), norms and attention weights away from their init."""
+    cls = model_class(family)
+    fields = dict(SHAPE, **EXTRA.get(family.model_type, {}))
+    config = getattr(transformers, CONFIGS[family.model_type])(**fields) if family.model_type in CONFIGS \
+        else cls.config_class(**fields)
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+            elif "self_attn" in name and p.dim() == 2:
+                p.mul_(3.0)  # logits of a few units, so attention is not flat
+    return model
+
+
+def stepwise_logits(model, ids, steps: int):
+    """Greedy: prefill ``ids`` then ``steps`` single-token steps through a cache; every call's last
+    logits and the tokens chosen."""
+    logits, fed = [], []
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        cache = getattr(out, CACHE, None) or out.past_key_values
+        logits.append(out.logits[:, -1])
+        for _ in range(steps):
+            nxt = logits[-1].argmax(-1, keepdim=True)
+            fed.append(nxt)
+            out = model(input_ids=nxt, use_cache=True, **{CACHE: cache})
+            logits.append(out.logits[:, -1])
+    return logits, torch.cat(fed, dim=1)
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def ids(batch: int = 2, length: int = 6, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+BOUNDS = {torch.float64: 1e-5, torch.float32: 1e-4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("family", SUPPORTED, ids=[f.model_type for f in SUPPORTED])
+def test_prefill_and_every_decode_step_match_transformers(family, dtype):
+    ref = hf_model(family, dtype)
+    model = apply_latent_attention(copy.deepcopy(ref))
+    prompt = ids()
+    want, want_tokens = stepwise_logits(ref, prompt, 5)
+    got, got_tokens = stepwise_logits(model, prompt, 5)
+    assert torch.equal(got_tokens, want_tokens)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert max_rel(a, b) < BOUNDS[dtype], (family.model_type, step)
+    layers = latent_layers(model)
+    per_layer = 2 if family.model_type == "longcat_flash" else 1  # its two attention modules
+    assert len(layers) == sum(family.mla_layers(model.config)) * per_layer
+    assert all(layer.host == family.host(model.config) for layer in layers)
+
+
+@pytest.mark.parametrize("family", SUPPORTED, ids=[f.model_type for f in SUPPORTED])
+def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
+    """With the QK norm the function is no longer transformers': the patched model's absorbed decode
+    over its latent cache equals its own explicit path (no cache) over the whole sequence."""
+    ref = hf_model(family)
+    model = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+    with torch.no_grad():
+        for layer in latent_layers(model):  # norm weights away from ones, so they are read
+            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
+                p.add_(0.2 * torch.randn_like(p))
+    prompt = ids()
+    cached, tokens = stepwise_logits(model, prompt, 4)
+    sequence = torch.cat((prompt, tokens), dim=1)
+    with torch.no_grad():
+        explicit = model(input_ids=sequence, use_cache=False).logits
+    # A hybrid's linear-attention layers are transformers' own: its recurrent decode and its chunked
+    # prefill differ by their own roundoff, measured on the unpatched model, which bounds ours too.
+    bound = 1e-9
+    if family.mla_layers is not None and not all(family.mla_layers(ref.config)):
+        host_cached, host_tokens = stepwise_logits(ref, prompt, 4)
+        with torch.no_grad():
+            host = ref(input_ids=torch.cat((prompt, host_tokens), dim=1), use_cache=False).logits
+        gap = max(max_rel(a, host[:, prompt.shape[1] - 1 + i]) for i, a in enumerate(host_cached))
+        bound = max(bound, 10 * gap)
+    for step, a in enumerate(cached):
+        b = explicit[:, prompt.shape[1] - 1 + step]
+        assert max_rel(a, b) < bound, (family.model_type, step)
+
+
+@pytest.mark.parametrize("name, knock", [
+    ("mistral4", dict(position_temperature=None)),
+    ("longcat_flash", dict(latent_scale=1.0)),
+    ("longcat_flash", dict(query_scale=1.0)),
+    ("minicpm3", dict(rope="interleaved")),
+    ("bailing_hybrid", dict(output_gate=False)),
+], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate"])
+def test_the_family_differences_are_applied(name, knock):
+    """Each convention the table reads changes the function: switched off, the model differs."""
+    family = family_named(name)
+    ref = hf_model(family)
+    model = apply_latent_attention(copy.deepcopy(ref))
+    for layer in latent_layers(model):
+        layer.host = type(layer.host)(**{**layer.host.__dict__, **knock})
+        if "rope" in knock:
+            layer.rotary.interleave = True
+        if knock.get("output_gate") is False:
+            layer.g_proj = None
+    prompt = ids(length=10)
+    with torch.no_grad():
+        assert max_rel(model(input_ids=prompt).logits, ref(input_ids=prompt).logits) > 1e-3
+
+
+def test_a_hybrid_keeps_its_linear_attention_layers_and_their_cache_state():
+    family = family_named("kimi_linear")
+    model = apply_latent_attention(hf_model(family))
+    first, second = (layer.self_attn for layer in model.model.layers)
+    assert type(first).__name__ == "KimiLinearDeltaAttention" and type(second).__name__ == "LatentAttention"
+    with torch.no_grad():
+        out = model(input_ids=ids(), use_cache=True)
+    cache = getattr(out, CACHE, None) or out.past_key_values
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["LinearAttentionLayer", "LatentCacheLayer"]
+    assert cache.get_seq_length() == 6
+
+
+SPARSE = [f for f in FAMILIES if f.status == "sparse"]
+
+
+@pytest.mark.parametrize("family", SPARSE, ids=[f.model_type for f in SPARSE])
+def test_sparse_families_are_refused_by_name_before_any_work(family):
+    cls = model_class(family)
+    with torch.device("meta"):
+        model = cls.__new__(cls)
+    torch.nn.Module.__init__(model)
+    model.config = types.SimpleNamespace(model_type=family.model_type)
+    with pytest.raises(ValueError, match=rf"model: {cls.__name__} \('{family.model_type}'\) is not supported "
+                                         rf"by apply_latent_attention: {re.escape(SPARSE_REASON)}"):
+        apply_latent_attention(model)
+
+
+def test_an_mla_family_not_in_the_table_is_refused_naming_it():
+    model = hf_model(family_named("deepseek_v3"))
+    model.config.model_type = "someone_elses_mla"
+    with pytest.raises(ValueError, match="got DeepseekV3ForCausalLM: it has MLA attention \\(DeepseekV3Attention\\), "
+                                         "but its family 'someone_elses_mla' is not in qkmla's table"):
+        apply_latent_attention(model)
+    assert type(model.model.layers[0].self_attn).__name__ == "DeepseekV3Attention"
+
+
+def test_every_mla_family_of_the_installed_transformers_is_in_the_table():
+    """A family transformers adds (its config has kv_lora_rank) must get a row: supported or refused."""
+    root = Path(transformers.__file__).parent / "models"
+    found = set()
+    for path in root.glob("*/configuration_*.py"):
+        text = path.read_text()
+        if "kv_lora_rank" in text:  # the family's own model type (a wrapper's sub-configs are part of it)
+            found.update(t for t in re.findall(r'model_type = "([a-z0-9_]+)"', text) if t == path.parent.name)
+    known = {f.model_type for f in FAMILIES}
+    assert found and found <= known, sorted(found - known)
+
+
+def test_the_docs_table_is_the_code_table():
+    docs = (Path(__file__).parents[3] / "docs" / "interop.md").read_text()
+    assert markdown_table() in docs, "docs/interop.md: paste qkmla.integrations.transformers.families.markdown_table()"
+
+
+def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(tmp_path):
+    """GLM-4.7-Flash's architecture (glm4_moe_lite) with the QK norm: saved as qkmla's model type of
+    the family, loaded back by the Auto classes and by qkmla's from_pretrained, with the norm."""
+    import json
+
+    from qkmla.integrations.transformers import from_pretrained
+
+    family = family_named("glm4_moe_lite")
+    model = apply_latent_attention(hf_model(family, torch.float32), qk_norm="rms")
+    with torch.no_grad():
+        for layer in latent_layers(model):
+            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "qkmla_glm4_moe_lite"
+    assert config["architectures"] == ["QKNormGlm4MoeLiteForCausalLM"]
+    assert (tmp_path / "modeling_qkmla.py").is_file()
+    prompt = ids()
+    with torch.no_grad():
+        want = model(input_ids=prompt).logits
+        plain = apply_latent_attention(hf_model(family, torch.float32))(input_ids=prompt).logits
+        for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), from_pretrained(tmp_path)):
+            assert isinstance(loaded, transformers.Glm4MoeLiteForCausalLM)
+            assert latent_layers(loaded)[0].config.qk_norm == latent_layers(model)[0].config.qk_norm
+            assert max_rel(loaded(input_ids=prompt).logits, want) < 1e-6
+    assert max_rel(plain, want) > 1e-3  # the norm's weights are what makes them agree
+
+
+def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
+    """Kimi-Linear: only its MLA layers carry the norm, and only theirs are expected back."""
+    from qkmla.integrations.transformers import from_pretrained
+
+    family = family_named("kimi_linear")
+    model = apply_latent_attention(hf_model(family, torch.float32), qk_norm="rms")
+    with torch.no_grad():
+        for layer in latent_layers(model):
+            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained(tmp_path)
+    prompt = ids()
+    with torch.no_grad():
+        assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear"])
+def test_a_left_padded_batch_generates_as_transformers(name):
+    """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask."""
+    ref = hf_model(family_named(name))
+    model = apply_latent_attention(copy.deepcopy(ref))
+    prompt = ids(length=7)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0  # the first prompt is 4 tokens, left-padded
+    prompt = prompt.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = ref.generate(prompt, **kw), model.generate(prompt, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        assert max_rel(a, b) < 1e-5
+
+
+def test_what_a_family_cannot_take_is_refused_before_any_work():
+    from qkmla.integrations.transformers import LatentAttentionCache
+
+    hybrid = apply_latent_attention(hf_model(family_named("kimi_linear")))
+    with pytest.raises(ValueError, match="static: this model is a hybrid"):
+        LatentAttentionCache(hybrid, max_cache_len=16, static=True)
+    mistral = apply_latent_attention(hf_model(family_named("mistral4")))
+    with pytest.raises(ValueError, match="position-dependent query scale"), torch.no_grad():
+        mistral.generate(ids(), max_new_tokens=2, do_sample=False, cache_implementation="static")
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "longcat_flash"])
+def test_lora_targets_the_mla_projections_only(name):
+    """A hybrid's linear-attention o_proj and LongCat-Flash's listed modules: adapters go on the MLA
+    projections alone, every one of them."""
+    pytest.importorskip("peft")
+    from qkmla.integrations.transformers import attention_lora_config
+
+    model = apply_latent_attention(hf_model(family_named(name)))
+    pattern = attention_lora_config(model, targets=("kv_b_proj", "o_proj")).target_modules
+    hit = {n for n, _ in model.named_modules() if re.fullmatch(pattern, n)}
+    prefixes = {n for n, m in model.named_modules() if m in latent_layers(model)}
+    want = {f"{p}.{proj}" for p in prefixes for proj in ("kv_b_proj", "o_proj")}
+    assert hit == want
