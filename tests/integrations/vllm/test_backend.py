@@ -232,6 +232,30 @@ def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, pa
     assert (out.double() - ignored).abs().max() > 1e-2
 
 
+def test_the_cuda_impl_reserves_its_decode_buffers_in_vllms_profile_run(monkeypatch):
+    """vLLM 0.33 calls the impl's reserve_workspace() in its profile run, so the peak it measures
+    (which sizes the cache) holds the workspace: the CUDA impl reserves TRITON_MLA's share (where
+    the release has one) and qkmla's partial outputs, the most any decode of the engine asks for."""
+    pytest.importorskip("triton")
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+    from vllm.v1.worker import workspace
+
+    from qkmla.integrations.vllm.backend import cuda_backend
+
+    layer = impl("blockwise", cuda_backend, "triton")
+    stock = []
+    if hasattr(TritonMLAImpl, "reserve_workspace"):  # vLLM 0.33; its share needs an engine's model config
+        monkeypatch.setattr(TritonMLAImpl, "reserve_workspace", lambda self: stock.append(self))
+    manager = workspace.WorkspaceManager(torch.device("cpu"))
+    monkeypatch.setattr(workspace, "_manager", manager)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)  # no accelerator here to empty
+    assert manager._current_workspaces[0] is None
+    layer.reserve_workspace()
+    reserved = manager._current_workspaces[0]
+    assert reserved is not None and reserved.numel() >= layer.triton_decode.most_rows() * H * (D_C + 1) * 4
+    assert stock == ([layer] if hasattr(TritonMLAImpl, "reserve_workspace") else [])
+
+
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])
 def test_the_prefill_keys_carry_each_heads_scalar(mode):
     T = 6

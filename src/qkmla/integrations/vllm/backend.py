@@ -274,6 +274,16 @@ def cuda_backend() -> type:
             super().__init__(*args, **kwargs)
             self.triton_decode = triton_decode_for(self.num_heads, self.kv_lora_rank)
 
+        def reserve_workspace(self) -> None:
+            """vLLM 0.33's hook for the profile run (``MLAAttention.forward_impl`` without metadata):
+            TRITON_MLA's own reservation, then qkmla's partial outputs, so the peak vLLM measures
+            holds them whichever reserves first. vLLM 0.32 has no such hook; there the workspace is
+            reserved when the layer is built (``triton_decode_for``), which 0.33 does too."""
+            reserve = getattr(super(), "reserve_workspace", None)
+            if reserve is not None:
+                reserve()
+            self.triton_decode.reserve()
+
         def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
             """q (q_lat [B, h, d_c], q_rope [B, h, d_r]) -> ([B, h, d_c], None), through qkmla's Triton
             kernel launched from host integers only (``cuda_decode.py``), so CUDA graphs capture it."""
