@@ -18,10 +18,11 @@ H, D_N, D_V, D_C, D_R, BLOCK = 4, 16, 16, 512, 64, 16
 
 
 def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str = "torch", content_key_scalars=None):
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
     kv_b = torch.nn.Linear(D_C, H * (D_N + D_V), bias=False)
-    with set_current_vllm_config(VllmConfig()):  # TRITON_MLA's impl reads it
+    # TRITON_MLA's impl reads the configuration; its device named, as vLLM's CUDA build finds none here
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         return backend().get_impl_cls()(
             num_heads=H, head_size=D_C + D_R, scale=0.07, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
             kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
@@ -180,6 +181,18 @@ def test_a_padded_row_is_written_and_read_without_its_padding(mode):
     torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, wide), narrow)
 
 
+@pytest.fixture
+def cuda_impl_here(monkeypatch):
+    """vLLM 0.33's TRITON_MLA impl asks the platform for its multiprocessor count when built; its
+    CUDA build finds no platform on a machine without a GPU: an H100's count stands in."""
+    from vllm.v1.attention.backends.mla import triton_mla
+
+    try:
+        triton_mla.current_platform.num_compute_units()
+    except NotImplementedError:
+        monkeypatch.setattr(triton_mla.current_platform, "num_compute_units", lambda device_id=0: 132)
+
+
 def reference_decode(q_lat, q_rope, rows, scale, mode, use_scalars=True):
     """softmax(scale · s) @ c per head, s = (q_lat·c) r + q_rope·k_r (blockwise) or (q_lat·c + q_rope·k_r) r."""
     out = []
@@ -211,7 +224,7 @@ def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs the Triton kernel in Triton's interpreter")
 @pytest.mark.parametrize("mode, padding", [("blockwise", 0), ("unified", 0), ("blockwise", 4)])
-def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding):
+def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding, cuda_impl_here):
     """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows (padded as
     on CUDA where 576 + h is not a multiple of 8) through qkmla's Triton kernel, here in Triton's
     interpreter on the CPU (not yet run on a GPU)."""
@@ -232,7 +245,7 @@ def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, pa
     assert (out.double() - ignored).abs().max() > 1e-2
 
 
-def test_the_cuda_impl_reserves_its_decode_buffers_in_vllms_profile_run(monkeypatch):
+def test_the_cuda_impl_reserves_its_decode_buffers_in_vllms_profile_run(monkeypatch, cuda_impl_here):
     """vLLM 0.33 calls the impl's reserve_workspace() in its profile run, so the peak it measures
     (which sizes the cache) holds the workspace: the CUDA impl reserves TRITON_MLA's share (where
     the release has one) and qkmla's partial outputs, the most any decode of the engine asks for."""
