@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -8,6 +9,12 @@ import torch
 # collection, so it is set here, in the first conftest pytest loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A shell starts a background job (`pytest ... &`, nohup) with SIGINT ignored, and Python then keeps
+# it ignored: the fault table's Ctrl-C rows would test nothing. They test what a user's terminal
+# gives, Python's own handler, here and in the commands they start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -49,8 +49,9 @@ class SparseLatentAttention(LatentAttention):
     """
 
     def __init__(self, config, layer_idx: int, projections: Optional[dict] = None,
-                 settings: Optional[LatentSettings] = None, indexer: Optional[torch.nn.Module] = None):
-        super().__init__(config, layer_idx, projections, settings)
+                 settings: Optional[LatentSettings] = None, host=None, g_proj: Optional[torch.nn.Module] = None,
+                 indexer: Optional[torch.nn.Module] = None):
+        super().__init__(config, layer_idx, projections, settings, host, g_proj)
         if config.q_lora_rank is None:
             raise ValueError("hf_attention: DeepSeek's indexer reads the query's low-rank residual (q_a_proj, "
                              "q_a_layernorm), so its attention needs q_lora_rank; this config has none")
