@@ -39,14 +39,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .common import start_record
+from .common import run_cells, start_record
 
 VARIANTS = ("transformers", "qkmla", "qkmla-qknorm")
 SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2,
@@ -206,24 +205,11 @@ def main(argv=None) -> int:
 
     import transformers
 
-    rows = []
-    result.update(transformers=transformers.__version__, shape=SHAPE, rows=rows)
-    for dtype in args.dtypes:
-        for context in args.contexts:
-            for variant in args.variants:
-                cell = dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
-                            chunk=args.chunk, prefill_max=args.prefill_max, threads=args.threads)
-                proc = subprocess.run([sys.executable, "-m", __spec__.name, "--cell", json.dumps(cell)],
-                                      capture_output=True, text=True, env=os.environ)
-                if proc.returncode == 0:
-                    row = json.loads(proc.stdout.strip().splitlines()[-1])
-                else:  # recorded, not fatal: the other cells still run
-                    row = {"dtype": dtype, "context": context, "variant": variant,
-                           "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                result["summary"] = summarize(rows)
-                write()  # after every cell, so an interrupted run keeps what it measured
+    result.update(transformers=transformers.__version__, shape=SHAPE, rows=[])
+    cells = [dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
+                  chunk=args.chunk, prefill_max=args.prefill_max, threads=args.threads)
+             for dtype in args.dtypes for context in args.contexts for variant in args.variants]
+    run_cells(__spec__.name, cells, result, write, summarize)
     print(json.dumps(result["summary"], indent=1) if args.out is not None else json.dumps(result, indent=1))
     return 0
 

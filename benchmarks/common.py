@@ -10,6 +10,8 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -130,3 +132,25 @@ def byte_plays(tokenizer):
 
     splits = split_by_play(load_text("shakespeare"))
     return tuple(torch.tensor(tokenizer(splits[s], add_special_tokens=False)["input_ids"]) for s in ("train", "val"))
+
+
+def run_cells(module: str, cells: Sequence[dict], result: dict, write: Callable, summarize: Callable) -> list:
+    """Measure each cell (a dict with ``dtype_name``, ``context`` and ``variant``) in a process of
+    its own (``python -m MODULE --cell JSON``, whose last stdout line is its row), appending the
+    rows to ``result["rows"]``. A cell that fails is recorded with its error, not fatal: the
+    other cells still run. The summary and the result file are rewritten after every cell, so an
+    interrupted run keeps what it measured."""
+    rows = result["rows"]
+    for cell in cells:
+        proc = subprocess.run([sys.executable, "-m", module, "--cell", json.dumps(cell)],
+                              capture_output=True, text=True, env=os.environ)
+        if proc.returncode == 0:
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+        else:
+            row = {"dtype": cell["dtype_name"], "context": cell["context"], "variant": cell["variant"],
+                   "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        result["summary"] = summarize(rows)
+        write()
+    return rows
