@@ -263,6 +263,9 @@ def metrics(path: Path) -> list:
 
 
 STEPS, PAUSE = 8, 0.3  # the resumed grids: 8 steps, paced so that a signal finds r0 mid-run
+# "Promptly": the step in flight, a checkpoint and the exit, with room for a loaded 2-core machine
+# (32.9 s seen at a load average of 15-20); a hang shows as finish()'s timeout.
+PROMPT_S = 45
 
 
 def reference_losses(env: Env, steps: int, seed: int) -> list:
@@ -283,8 +286,8 @@ def experiment_sigterm_resumes_exactly(env: Env) -> None:
     proc = start_slow(env, STEPS, out, pause=PAUSE)
     wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 3, proc)
     proc.send_signal(signal.SIGTERM)
-    code, err, took = finish(proc, 60)
-    assert code == 143 and took < 30, err
+    code, err, took = finish(proc, 90)
+    assert code == 143 and took < PROMPT_S, err
     assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 1 run\(s\) not "
                      r"started; run the same command again to resume", err), err
     st = status(out / "runs" / "r0")
@@ -304,8 +307,8 @@ def experiment_one_sigint_starts_nothing_new(env: Env) -> None:
     proc = start_slow(env, 2000, out)
     wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGINT)
-    code, err, took = finish(proc, 60)
-    assert code == 130 and took < 30 and "stopped by SIGINT: r0 (interrupted" in err, err
+    code, err, took = finish(proc, 90)
+    assert code == 130 and took < PROMPT_S and "stopped by SIGINT: r0 (interrupted" in err, err
     st = status(out / "runs" / "r0")
     assert st["status"] == "interrupted" and st["checkpoint_step"] == st["step"] < 2000
     assert not (out / "runs" / "r1").exists()
@@ -319,8 +322,8 @@ def experiment_two_sigints_stop_at_once(env: Env) -> None:
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    code, err, took = finish(proc, 60)
-    assert code == 130 and took < 30 and "stopped by SIGINT" in err and "Traceback" not in err, err
+    code, err, took = finish(proc, 90)
+    assert code == 130 and took < PROMPT_S and "stopped by SIGINT" in err and "Traceback" not in err, err
     assert status(out / "runs" / "r0")["status"] == "interrupted"
 
 
@@ -426,9 +429,9 @@ def train_sigterm(env: Env) -> None:
                             env={**os.environ, "PYTHONPATH": str(SRC)})
     wait_for_rows(out / "metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
-    code, err, took = finish(proc, 60)
+    code, err, took = finish(proc, 90)
     st = status(out)
-    assert code == 1 and took < 30 and st["status"] == "stopped" and st["checkpoint_step"] == st["step"], err
+    assert code == 1 and took < PROMPT_S and st["status"] == "stopped" and st["checkpoint_step"] == st["step"], err
 
 
 def train_sigkill_then_resume(env: Env) -> None:
