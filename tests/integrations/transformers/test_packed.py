@@ -179,7 +179,8 @@ def test_plain_positions_are_not_packed_under_torch_compile(monkeypatch):
 def test_with_an_attention_mask_restarting_positions_are_positions_only():
     """A mask means padding, never packing (transformers' mask functions pack only without one):
     restarting position_ids are RoPE positions and each row is one sequence, with or without
-    padding in the mask, as in the stock model (SDPA); given a cache they are positions it refuses."""
+    padding in the mask, as in the stock model (SDPA); with a cache too (its RoPE keys are cached at
+    these positions, as transformers' own cache holds keys rotated to them)."""
     ref = hf_model("v3")
     model = patched(ref)
     ids, positions, _, _ = packed(LAYOUTS)
@@ -194,9 +195,10 @@ def test_with_an_attention_mask_restarting_positions_are_positions_only():
             real = mask.bool()
             assert max_rel(got[real], want[real]) <= 1e-5
             assert max_rel(got[real], packed_logits[real]) > 1e-2  # not attending within each sequence
-    for cache in ({CACHE: LatentAttentionCache(model)}, {}):  # passed, or made by an evaluation call
-        with pytest.raises(ValueError, match="position_ids: qkmla's latent cache numbers each sequence's real"):
-            model(input_ids=ids, attention_mask=full, position_ids=positions, **cache)
+        want = ref(input_ids=ids, attention_mask=full, position_ids=positions, use_cache=True).logits
+        for cache in ({CACHE: LatentAttentionCache(model)}, {}):  # passed, or made by an evaluation call
+            got = model(input_ids=ids, attention_mask=full, position_ids=positions, **cache).logits
+            assert max_rel(got, want) <= 1e-5
 
 
 def test_with_an_attention_mask_cu_seq_lens_are_not_read():
