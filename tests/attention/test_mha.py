@@ -68,6 +68,10 @@ def test_bad_inputs():
         attn(torch.randn(1, 1, 32), FullKVCache(1, 4, num_kv_heads=4, k_dim=8, v_dim=8))
     with pytest.raises(ValueError, match="cache: expected a FullKVCache"):
         attn(torch.randn(1, 1, 32), cache="kv")
+    with pytest.raises(ValueError, match="input_lengths: only meaningful with a cache"):
+        attn(torch.randn(1, 1, 32), input_lengths=torch.tensor([1]))
+    with pytest.raises(ValueError, match="x: dtype torch.float64 does not match"):
+        attn(torch.randn(1, 1, 32, dtype=torch.float64))
     with pytest.raises(ValueError, match="config"):
         MultiHeadAttention({"hidden_size": 32})
 

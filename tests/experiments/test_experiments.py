@@ -1,7 +1,10 @@
-"""Every experiment at its --quick size: well-formed results, figures, and resumption."""
+"""Every experiment at its --quick size: well-formed results, figures, and resumption; and the
+results page counts the experiments there are and has a section for each."""
 
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -165,3 +168,12 @@ def test_finished_runs_archived_by_redraw_are_restored_and_not_trained_again(tmp
     assert restore_runs(published, fresh) == ["a"]
     assert (fresh / "runs" / "a" / "metrics.jsonl").read_text() == "a metrics.jsonl"
     assert restore_runs(published, fresh) == []  # an existing directory is never replaced
+
+
+def test_the_results_page_counts_every_experiment_and_gives_each_a_section():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "results.md").read_text()
+    words = dict(enumerate("Nine Ten Eleven Twelve Thirteen Fourteen Fifteen".split(), start=9))
+    first = page.split("\n\n")[1]  # the paragraph under the title
+    assert first.startswith(f"{words[len(EXPERIMENTS)]} experiments"), first[:80]
+    sections = re.findall(r"^## ([a-z0-9-]+): ", page, re.M)
+    assert sorted(set(EXPERIMENTS) - set(sections)) == [], "an experiment without its section on the page"

@@ -1,12 +1,21 @@
-"""Held-out scores: every position once, and last-word accuracy as greedy decoding would score it."""
+"""Held-out scores: every position once, a results row's fields from both splits, and last-word
+accuracy as greedy decoding would score it."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qkmla.experiments.heldout import evenly, last_word_accuracy, last_words, split_scores
+from qkmla.experiments.heldout import (
+    DEBUG_EVAL_TOKENS,
+    evenly,
+    heldout_scores,
+    last_word_accuracy,
+    last_words,
+    split_scores,
+)
 from qkmla.model.gpt import GPT, GPT_PRESETS
 from qkmla.train.data import Tokenizer
 
@@ -46,6 +55,23 @@ def test_split_scores_predict_every_position_once():
     assert got["perplexity"] == pytest.approx(math.exp(got["loss"]))
     with pytest.raises(ValueError, match="too few"):
         split_scores(model, data[:5], 8)
+
+
+def test_heldout_scores_are_each_splits_scores_and_their_token_weighted_pool():
+    torch.manual_seed(0)
+    model = GPT(GPT_PRESETS["debug"].replace(attn="mla", block_size=8)).eval()
+    val, test = torch.randint(0, 65, (30,)), torch.randint(0, 65, (50,))
+    got = heldout_scores(model, SimpleNamespace(val=val, test=test), "cpu")
+    v, t = split_scores(model, val, 8), split_scores(model, test, 8)
+    assert (got["val_loss_all"], got["val_tokens"], got["val_accuracy"]) == (v["loss"], 29, v["accuracy"])
+    assert (got["test_loss"], got["test_tokens"], got["test_accuracy"]) == (t["loss"], 49, t["accuracy"])
+    assert got["heldout_loss_pooled"] == pytest.approx((29 * v["loss"] + 49 * t["loss"]) / 78, rel=1e-12)
+    assert v["loss"] != t["loss"]  # else any weighting would pass
+    assert set(heldout_scores(model, SimpleNamespace(val=val, test=None), "cpu")) == {
+        "val_loss_all", "val_tokens", "val_accuracy"}
+    long = SimpleNamespace(val=torch.randint(0, 65, (DEBUG_EVAL_TOKENS + 40,)), test=torch.randint(0, 65, (100,)))
+    quick = heldout_scores(model, long, "debug")  # a prefix of each split; a shorter one whole
+    assert (quick["val_tokens"], quick["test_tokens"]) == (DEBUG_EVAL_TOKENS - 1, 99)
 
 
 def test_last_words_are_the_ends_of_spoken_lines():

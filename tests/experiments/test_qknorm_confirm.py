@@ -21,8 +21,8 @@ from qkmla.experiments.qknorm_confirm.design import (
     settings,
     thin_metrics,
 )
-from qkmla.experiments.qknorm_confirm.report import family, report
-from qkmla.experiments.results import summarize
+from qkmla.experiments.qknorm_confirm.report import report
+from qkmla.experiments.results import paired_family, summarize
 from qkmla.model.gpt import GPT
 from qkmla.train.trainer import TrainConfig
 
@@ -113,7 +113,7 @@ def test_no_test_until_every_seed_is_in(tmp_path):
     assert all(0 <= t["p"] <= t["holm_p"] <= 1 for t in s["primary"]["tests"].values())
     partial = report(rows[1:], Options(tmp_path, quick=True)).summary["primary"]
     assert partial["status"] == "pending" and partial["seeds_in"]["mla-qknorm - mla"] == len(seeds) - 1
-    assert family({}, (("a", "b"),), "test_loss", (1, 2))["status"] == "pending"
+    assert paired_family({}, (("a", "b"),), "test_loss", (1, 2))["status"] == "pending"
     same = s["secondary"][f"test_accuracy at {QUICK['horizons'][0]}, mla-qkclip-17 - mla"]
     assert same["status"] == "pending"  # no rows at the first horizon
     acc = s["secondary"][f"test_accuracy at {h}"]["tests"]["mla-qknorm - mla"]  # 0.5 in every row

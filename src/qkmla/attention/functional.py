@@ -32,6 +32,21 @@ def check_hidden(x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
                          f"pass x.to({dtype}) or call module.to(dtype)")
 
 
+def check_forward(module, x: torch.Tensor, cache, cache_type: type, input_lengths) -> None:
+    """Check ``module(x, cache, input_lengths=...)`` before any work, for an attention module with a
+    ``config`` and an ``o_proj``: x [B, T, hidden_size] in the module's dtype; ``cache`` None or a
+    ``cache_type`` made for the module's config; ``input_lengths`` [B] only with a cache."""
+    c = module.config
+    check_hidden(x, c.hidden_size, module.o_proj.weight.dtype)
+    if cache is None:
+        if input_lengths is not None:
+            raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
+        return
+    if not isinstance(cache, cache_type):
+        raise ValueError(f"cache: expected a {cache_type.__name__} or None, got {type(cache).__name__}")
+    cache.check_config(c)
+
+
 def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: str = "positions",
                       signed: bool = False) -> torch.Tensor:
     """[B, T] positions: 0..T-1 when none are given; a [T] or [1, T] tensor is broadcast.

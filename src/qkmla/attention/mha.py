@@ -17,7 +17,7 @@ from ..cache.full import FullKVCache
 from ..config import AttentionConfig, fixed_config
 from ..norms import HeadNorm
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, record_max_logits, sdpa, zero_padding
+from .functional import check_forward, default_positions, record_max_logits, sdpa, zero_padding
 
 
 class MultiHeadAttention(nn.Module):
@@ -72,18 +72,12 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: Optional[FullKVCache] = None, *,
                 positions: Optional[torch.Tensor] = None, input_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> [B, T, hidden_size]; arguments as in :meth:`qkmla.MLA.forward`."""
-        c = self.config
-        check_hidden(x, c.hidden_size, self.o_proj.weight.dtype)
+        check_forward(self, x, cache, FullKVCache, input_lengths)
         if cache is None:
-            if input_lengths is not None:
-                raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
             q, k, v = self.qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
-        if not isinstance(cache, FullKVCache):
-            raise ValueError(f"cache: expected a FullKVCache or None, got {type(cache).__name__}")
-        cache.check_config(c)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         q, k, v = self.qkv(zero_padding(x, slot.valid), slot.positions)
         k, v = cache.update(slot, k, v)

@@ -32,7 +32,7 @@ from torch import nn
 from ..cache.shared_kv import SharedKVCache
 from ..config import SharedKVConfig, fixed_config
 from ..rope import RotaryEmbedding
-from .functional import check_hidden, default_positions, record_max_logits, sdpa, sink_attention, zero_padding
+from .functional import check_forward, default_positions, record_max_logits, sdpa, sink_attention, zero_padding
 
 
 class SharedKVAttention(nn.Module):
@@ -102,19 +102,13 @@ class SharedKVAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: Optional[SharedKVCache] = None, *,
                 positions: Optional[torch.Tensor] = None, input_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> [B, T, hidden_size]; arguments as in :meth:`qkmla.MLA.forward`."""
-        c = self.config
-        check_hidden(x, c.hidden_size, self.o_proj.weight.dtype)
+        check_forward(self, x, cache, SharedKVCache, input_lengths)
         if cache is None:
-            if input_lengths is not None:
-                raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
             positions = default_positions(x, positions)
             q, kv = self.query(x, positions), self.shared_kv(x, positions)
             if self.track_max_logits:
                 record_max_logits(self, q, kv)
             return self._attend(q, kv, positions, causal=True)
-        if not isinstance(cache, SharedKVCache):
-            raise ValueError(f"cache: expected a SharedKVCache or None, got {type(cache).__name__}")
-        cache.check_config(c)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         x = zero_padding(x, slot.valid)
         q = self.query(x, slot.positions)

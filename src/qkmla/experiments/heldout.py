@@ -7,6 +7,9 @@ position after the first is predicted exactly once (the last window is moved bac
 the split's end and scores only the positions the others did not), so the loss is the mean
 over the whole split, not over a sample of windows.
 
+``heldout_scores``: the held-out fields of an experiment's results row (validation split, and
+the test split where the corpus has one), from ``split_scores``.
+
 ``last_word_accuracy``: for each line of speech in the text (a line with a lower-case
 letter: speaker names, titles and headings are upper case; not a stage direction in
 brackets), the last word of at least ``min_letters`` letters, read with the context before
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 _WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 _WORD_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz'"
+DEBUG_EVAL_TOKENS = 4096  # the debug preset (an experiment's --quick) scores this prefix of each split
 
 
 def _windows(n_targets: int, block_size: int) -> list[tuple[int, int]]:
@@ -59,6 +63,27 @@ def split_scores(model, data: torch.Tensor, block_size: int, batch_size: int = 3
         count += int(scored.sum())
     loss = nll / count
     return {"loss": loss, "perplexity": math.exp(loss), "accuracy": correct / count, "tokens": count}
+
+
+def heldout_scores(model, corpus, preset: str) -> dict:
+    """The held-out fields of a results row: ``val_loss_all``, ``val_tokens``, ``val_accuracy``
+    (:func:`split_scores` over ``corpus.val`` [N]) and, where the corpus has test text
+    (``corpus.test`` not None), ``test_loss``, ``test_tokens``, ``test_accuracy`` and
+    ``heldout_loss_pooled``, the token-weighted loss over both splits. Windows of the model's
+    context; ``preset`` "debug" scores the first ``DEBUG_EVAL_TOKENS`` of each split."""
+    block = model.config.block_size
+    val, test = corpus.val, corpus.test
+    if preset == "debug":
+        val = val[:DEBUG_EVAL_TOKENS]
+        test = test[:DEBUG_EVAL_TOKENS] if test is not None else None
+    v = split_scores(model, val, block)
+    out = {"val_loss_all": v["loss"], "val_tokens": v["tokens"], "val_accuracy": v["accuracy"]}
+    if test is not None:
+        t = split_scores(model, test, block)
+        pooled = (v["loss"] * v["tokens"] + t["loss"] * t["tokens"]) / (v["tokens"] + t["tokens"])
+        out.update(test_loss=t["loss"], test_tokens=t["tokens"], test_accuracy=t["accuracy"],
+                   heldout_loss_pooled=pooled)
+    return out
 
 
 def last_words(text: str, min_letters: int = 3) -> list[tuple[int, int]]:

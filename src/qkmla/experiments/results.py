@@ -6,7 +6,8 @@ the peak measured after a clip, with the number of steps that clipped),
 the step of a divergence or null, the seconds it took, the median step time, the last logit
 bound / learned logit scale of QK-normed layers, and anything the experiment measured.
 Non-finite numbers are written as null, so the file is strict JSON. Also here: paired
-differences across seeds and loss spikes.
+differences across seeds, their paired t tests with Holm's adjustment over a family (and the
+family's table), and loss spikes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Iterable, Optional
 from ..train.plot import read_metrics
 from ..train.rundir import clean_json, read_status
 from ..utils.files import write_text
+from .figures import table
 from .grid import Run, run_dir
 
 
@@ -36,6 +38,21 @@ def curve(rows: list[dict], key: str, every: int) -> list:
 def values(rows: list[dict], key: str) -> list[float]:
     """The numbers logged under ``key`` (null marks a non-finite value: skipped)."""
     return [r[key] for r in rows if r.get(key) is not None]
+
+
+def run_curves(rows: list[dict], every: int) -> dict:
+    """A run's stored curves: training loss, max logit, gradient norm and learning rate at every
+    ``every``-th logged step (see :func:`curve`), and the validation loss at every evaluation."""
+    out = {k: curve(rows, k, every) for k in ("loss", "max_logit", "grad_norm", "lr")}
+    out["val_loss"] = curve(rows, "val_loss", 1)
+    return out
+
+
+def max_logit_late(rows: list[dict]) -> Optional[float]:
+    """The mean max logit over the last tenth of the logged steps (None when none was logged):
+    the level a run's logits settled at, beside their peak."""
+    logits = values(rows, "max_logit")
+    return statistics.fmean(logits[int(0.9 * len(logits)):]) if logits else None
 
 
 def summarize(experiment: str, run: Run, out: Path) -> dict:
@@ -144,6 +161,11 @@ def spikes(losses: list[tuple[int, float]], window: int = 50, nats: float = 0.5)
     return out
 
 
+def loss_spikes(rows: list[dict], window: int = 50, nats: float = 0.5) -> list[int]:
+    """:func:`spikes` of a run's logged training losses (a non-finite one, null, skipped)."""
+    return spikes([(r["step"], r["loss"]) for r in rows if r.get("loss") is not None], window, nats)
+
+
 # -- tests of paired differences ----------------------------------------------------------------
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -214,3 +236,35 @@ def paired_test(diffs: list[float], level: float = 0.95) -> dict:
         raise ValueError("diffs: every difference is the same; the t test is undefined")
     half = t_quantile(0.5 + level / 2, df) * p["se"]
     return {**p, "p": t_two_sided_p(p["t"], df), "ci": [p["mean"] - half, p["mean"] + half], "ci_level": level}
+
+
+def paired_family(by_arm: dict, pairs, key: str, seeds) -> dict:
+    """Paired tests of ``pairs`` ((a, b): a - b) on ``key`` over ``seeds`` (``by_arm``
+    {arm: {seed: row}}), with Holm over the family; ``pending`` (with how many seeds are in)
+    until every pair has every seed: fixed n, no interim test. Differences all the same (a
+    clip that never fired, say) get no t test and stay out of the Holm family (``degenerate``)."""
+    diffs = {}
+    for a, b in pairs:
+        ra, rb = by_arm.get(a, {}), by_arm.get(b, {})
+        diffs[f"{a} - {b}"] = [ra[s][key] - rb[s][key] for s in seeds
+                               if s in ra and s in rb and ra[s].get(key) is not None and rb[s].get(key) is not None]
+    if any(len(d) < len(seeds) for d in diffs.values()):
+        return {"status": "pending", "seeds_in": {k: len(d) for k, d in diffs.items()}, "seeds_needed": len(seeds)}
+    tests = {k: paired_test(d) if len(set(d)) > 1 else {"n": len(d), "mean": d[0], "degenerate": True}
+             for k, d in diffs.items()}
+    for k, p in holm({k: t["p"] for k, t in tests.items() if "p" in t}).items():
+        tests[k]["holm_p"] = p
+    return {"status": "complete", "tests": tests}
+
+
+def family_table(family: dict) -> str:
+    """A :func:`paired_family` as a Markdown table (a - b, n, mean ± se, 95% interval, p, Holm p,
+    seeds below / above 0), or the line saying how many seeds are in while it is pending."""
+    if family["status"] != "complete":
+        return (f"pending: seeds in {family['seeds_in']} of {family['seeds_needed']} "
+                "(no test before all are in)\n")
+    return table(["a - b", "n", "mean ± se", "95% interval", "p", "Holm p", "- / +"],
+                 [[k, t["n"], f"{t['mean']:+.5f} ± {t['se']:.5f}", f"{t['ci'][0]:+.5f} to {t['ci'][1]:+.5f}",
+                   f"{t['p']:.4f}", f"{t['holm_p']:.4f}", f"{t['negative']} / {t['positive']}"]
+                  if "p" in t else [k, t["n"], f"{t['mean']:+.5f} on every seed", "–", "–", "–", "–"]
+                  for k, t in family["tests"].items()])

@@ -15,8 +15,8 @@ from ...train.rundir import read_status
 from ...utils.machine import source_commit
 from ..base import Options
 from ..grid import Run, is_finished, trained_run
-from ..heldout import split_scores
-from ..results import curve, spikes, values
+from ..heldout import heldout_scores
+from ..results import loss_spikes, max_logit_late, run_curves, values
 
 LR = 5e-3  # every qknorm-vs-clip variant's chosen Muon rate at 600 steps
 TAU_TRANSIENT = 20.6  # reanalysis.json's transient_tau: halfway from plain MLA's late level 19.99 to its lowest peak 21.28
@@ -40,7 +40,6 @@ MAIN_SEEDS_BEFORE_RATE_CHECK = 4
 BATCH, CONTEXT = 32, 128
 MODEL = {"n_head": 3, "n_embd": 192}  # on the `cpu` preset: 4 layers; qknorm-vs-clip's model
 QUICK = {"horizons": (10, 20), "seeds": (1000, 1001)}
-QUICK_EVAL_TOKENS = 4096
 CURVE_EVERY = 10
 SPIKE_WINDOW, SPIKE_NATS = 50, 0.5
 # The committed runs the reproduction check compares with (a checkout's benchmarks/ beside src/).
@@ -164,25 +163,12 @@ def measure(path: Path) -> dict:
         out.update(_clipping(rows, point))
     if cfg["schedule"] != "wsd" or (read_status(path) or {}).get("status") != "done":
         return out
-    logits = values(rows, "max_logit")
-    out["max_logit_late"] = statistics.fmean(logits[int(0.9 * len(logits)):]) if logits else None
-    out["spike_steps"] = spikes([(r["step"], r["loss"]) for r in rows if r.get("loss") is not None],
-                                SPIKE_WINDOW, SPIKE_NATS)
-    out["curves"] = {k: curve(rows, k, CURVE_EVERY) for k in ("loss", "max_logit", "grad_norm", "lr")}
-    out["curves"]["val_loss"] = curve(rows, "val_loss", 1)
+    out["max_logit_late"] = max_logit_late(rows)
+    out["spike_steps"] = loss_spikes(rows, SPIKE_WINDOW, SPIKE_NATS)
+    out["curves"] = run_curves(rows, CURVE_EVERY)
     out["reproduction"] = _reproduction(rows, cfg, arm)
     model, corpus = trained_run(path)
-    block = model.config.block_size
-    val, test = corpus.val, corpus.test
-    if cfg["preset"] == "debug":
-        val = val[:QUICK_EVAL_TOKENS]
-        test = test[:QUICK_EVAL_TOKENS] if test is not None else None
-    v = split_scores(model, val, block)
-    out.update(val_loss_all=v["loss"], val_tokens=v["tokens"], val_accuracy=v["accuracy"])
-    if test is not None:
-        t = split_scores(model, test, block)
-        out.update(test_loss=t["loss"], test_tokens=t["tokens"], test_accuracy=t["accuracy"],
-                   heldout_loss_pooled=(v["loss"] * v["tokens"] + t["loss"] * t["tokens"]) / (v["tokens"] + t["tokens"]))
+    out.update(heldout_scores(model, corpus, cfg["preset"]))
     out["params"] = sum(p.numel() for p in model.parameters())
     return out
 

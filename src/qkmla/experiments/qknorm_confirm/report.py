@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 
 from ..base import Options, Report
-from ..figures import fmt, pyplot, save, table
-from ..results import holm, paired_test
+from ..figures import curves_by_seed, fmt, table
+from ..results import family_table, paired_family
 from .design import ACCURACY_REPLICATION, ARMS, HORIZONS, LR, PRIMARY_HORIZON, PRIMARY_PAIRS, QUICK, RATE_CHECK, SEEDS
 
 METRICS = (("test_loss", "test loss"), ("heldout_loss_pooled", "loss, all four held-out plays"),
@@ -25,24 +25,6 @@ def _main(rows: list[dict]) -> dict:
     return out
 
 
-def family(by_arm: dict, pairs, key: str, seeds) -> dict:
-    """Paired tests of ``pairs`` on ``key`` with Holm over the family, or ``pending`` (with how
-    many seeds are in) until every pair has every seed."""
-    diffs = {}
-    for a, b in pairs:
-        ra, rb = by_arm.get(a, {}), by_arm.get(b, {})
-        diffs[f"{a} - {b}"] = [ra[s][key] - rb[s][key] for s in seeds
-                               if s in ra and s in rb and ra[s].get(key) is not None and rb[s].get(key) is not None]
-    if any(len(d) < len(seeds) for d in diffs.values()):
-        return {"status": "pending", "seeds_in": {k: len(d) for k, d in diffs.items()}, "seeds_needed": len(seeds)}
-    # every difference the same (a clip that never fired, say): no t test; out of the Holm family
-    tests = {k: paired_test(d) if len(set(d)) > 1 else {"n": len(d), "mean": d[0], "degenerate": True}
-             for k, d in diffs.items()}
-    for k, p in holm({k: t["p"] for k, t in tests.items() if "p" in t}).items():
-        tests[k]["holm_p"] = p
-    return {"status": "complete", "tests": tests}
-
-
 def report(rows: list[dict], options: Options) -> Report:
     seeds = QUICK["seeds"] if options.quick else SEEDS
     horizons = QUICK["horizons"] if options.quick else HORIZONS
@@ -55,14 +37,14 @@ def report(rows: list[dict], options: Options) -> Report:
                                                           if all(r.get(k) is not None for r in by.values())}}
                                  for a, by in sorted(main.get(h, {}).items())} for h in horizons}
     loss = "val_loss_all" if options.quick else "test_loss"  # --quick trains on tiny_shakespeare: no test plays
-    summary["primary"] = {"metric": loss, **family(main.get(primary, {}), PRIMARY_PAIRS, loss, seeds)}
+    summary["primary"] = {"metric": loss, **paired_family(main.get(primary, {}), PRIMARY_PAIRS, loss, seeds)}
     summary["secondary"] = {
-        **{f"{loss} at {h}": family(main.get(h, {}), PRIMARY_PAIRS, loss, seeds)
+        **{f"{loss} at {h}": paired_family(main.get(h, {}), PRIMARY_PAIRS, loss, seeds)
            for h in horizons if h != primary},
-        **{f"{k} at {h}": family(main.get(h, {}), PRIMARY_PAIRS, k, seeds)
+        **{f"{k} at {h}": paired_family(main.get(h, {}), PRIMARY_PAIRS, k, seeds)
            for h in horizons for k, _ in METRICS[1:]},
         f"test_accuracy at {horizons[0]}, {' - '.join(ACCURACY_REPLICATION)}":
-            family(main.get(horizons[0], {}), (ACCURACY_REPLICATION,), "test_accuracy", seeds)}
+            paired_family(main.get(horizons[0], {}), (ACCURACY_REPLICATION,), "test_accuracy", seeds)}
     summary["clipping"] = {str(h): {a: {s: {k: r.get(k) for k in ("clipped_steps", "first_clip_step", "last_clip_step",
                                                                    "clipped_decay_steps", "decay_steps",
                                                                    "peak_max_logit", "peak_max_logit_after_clip")}
@@ -80,25 +62,15 @@ def report(rows: list[dict], options: Options) -> Report:
     return Report(summary, _tables(summary), _figures(main, horizons, options))
 
 
-def _tests_table(fam: dict) -> str:
-    if fam["status"] != "complete":
-        return f"pending: seeds in {fam['seeds_in']} of {fam['seeds_needed']} (no test before all are in)\n"
-    return table(["a - b", "n", "mean ± se", "95% interval", "p", "Holm p", "- / +"],
-                 [[k, t["n"], f"{t['mean']:+.5f} ± {t['se']:.5f}", f"{t['ci'][0]:+.5f} to {t['ci'][1]:+.5f}",
-                   f"{t['p']:.4f}", f"{t['holm_p']:.4f}", f"{t['negative']} / {t['positive']}"]
-                  if "p" in t else [k, t["n"], f"{t['mean']:+.5f} on every seed", "–", "–", "–", "–"]
-                  for k, t in fam["tests"].items()])
-
-
 def _tables(s: dict) -> str:
     text = f"qknorm-confirm at Muon lr {s['lr']:g}; seeds {s['seeds'][0]}-{s['seeds'][-1]}; protocol: {s['protocol']}.\n\n"
     for h, by in s["means"].items():
         text += f"Means at {h} steps:\n\n" + table(
             ["arm", "seeds"] + [name for _, name in METRICS], [[a, m["seeds"]] + [fmt(m.get(k)) for k, _ in METRICS]
                                                                for a, m in by.items()]) + "\n"
-    text += "Primary (test loss at the last horizon, Holm over the three):\n\n" + _tests_table(s["primary"]) + "\n"
+    text += "Primary (test loss at the last horizon, Holm over the three):\n\n" + family_table(s["primary"]) + "\n"
     for name, fam in s["secondary"].items():
-        text += f"Secondary, {name}:\n\n" + _tests_table(fam) + "\n"
+        text += f"Secondary, {name}:\n\n" + family_table(fam) + "\n"
     clines = [[h, a, seed, c["clipped_steps"], c["first_clip_step"], c["last_clip_step"],
                f"{c['clipped_decay_steps']} / {c['decay_steps']}" if c.get("decay_steps") else "–"]
               for h, by in s["clipping"].items() for a, per in by.items() for seed, c in per.items()]
@@ -119,22 +91,5 @@ def _tables(s: dict) -> str:
 
 
 def _figures(main: dict, horizons, options: Options) -> list:
-    plt = pyplot()
-    colors = {a: f"C{i}" for i, a in enumerate(ARMS)}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    last = main.get(horizons[-1], {})
-    for arm, by_seed in last.items():
-        for i, (seed, r) in enumerate(sorted(by_seed.items())):
-            c = r.get("curves", {})
-            kw = dict(color=colors[arm], lw=0.7, alpha=0.8 if i == 0 else 0.35, label=arm if i == 0 else None)
-            if c.get("val_loss"):
-                axes[0].plot(*zip(*c["val_loss"]), **kw)
-            if c.get("max_logit"):
-                axes[1].plot(*zip(*c["max_logit"]), **kw)
-    for ax, title in zip(axes, ("validation loss (held-out plays)", "max attention logit")):
-        ax.set_title(f"{title}, {horizons[-1]}-step branches")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    return [save(fig, options.out / "curves.png")]
+    return [curves_by_seed(main.get(horizons[-1], {}), ARMS, f"{horizons[-1]}-step branches",
+                           options.out / "curves.png")]

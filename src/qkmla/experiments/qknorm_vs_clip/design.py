@@ -4,7 +4,6 @@ runs it plans and what each run measures."""
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +14,7 @@ from .. import bracket
 from ..base import Options
 from ..grid import FINISHED, Run, is_finished, run_dir, trained_run
 from ..heldout import last_word_accuracy, split_scores
-from ..results import curve, paired_difference, spikes, summarize, values
+from ..results import curve, loss_spikes, max_logit_late, paired_difference, run_curves, summarize, values
 
 STEPS = 600
 QUICK_STEPS = 8
@@ -156,9 +155,7 @@ def _transient_from(options: Options, plain_lr: float) -> Optional[float]:
     if _row(options, run) is None:
         return None
     rows = read_metrics(path)
-    logits = values(rows, "max_logit")
-    late = logits[int(0.9 * len(logits)):]
-    return transient_tau(max(logits), statistics.fmean(late))
+    return transient_tau(max(values(rows, "max_logit")), max_logit_late(rows))
 
 
 def chosen_rates(options: Options) -> tuple[list[Run], dict[str, float], Optional[float]]:
@@ -244,16 +241,13 @@ def measure(path: Path) -> dict:
     good one, not the end of training), spikes, clipping and thinned curves."""
     rows = read_metrics(path)
     out: dict = {"commit": source_commit(Path(__file__).parent),  # the code that measured it (and trained it)
-                 "curves": {k: curve(rows, k, CURVE_EVERY) for k in ("loss", "max_logit", "grad_norm", "lr")}}
-    out["curves"]["val_loss"] = curve(rows, "val_loss", 1)
+                 "curves": run_curves(rows, CURVE_EVERY)}
     if any("max_logit_after_clip" in r for r in rows):
         out["curves"]["max_logit_after_clip"] = curve(rows, "max_logit_after_clip", 1)
-    losses = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
-    out["spike_steps"] = spikes(losses, SPIKE_WINDOW, SPIKE_NATS)
+    out["spike_steps"] = loss_spikes(rows, SPIKE_WINDOW, SPIKE_NATS)
     out["spikes"] = len(out["spike_steps"])
     out["peak_grad_norm"] = max(values(rows, "grad_norm"), default=None)
-    logits = values(rows, "max_logit")
-    out["max_logit_late"] = statistics.fmean(logits[int(0.9 * len(logits)):]) if logits else None
+    out["max_logit_late"] = max_logit_late(rows)
     clipped = [r["step"] for r in rows if r.get("clipped_heads", 0) > 0]
     if any("clipped_heads" in r for r in rows):
         tail = [r for r in rows if r["step"] > 0.8 * len(rows)]

@@ -19,9 +19,9 @@ from ...utils.machine import source_commit
 from .. import bracket
 from ..base import Options
 from ..grid import Run, is_finished, run_dir, trained_run
-from ..heldout import split_scores
+from ..heldout import heldout_scores
 from ..qknorm_confirm.design import thin_metrics
-from ..results import curve, spikes, summarize, values
+from ..results import loss_spikes, max_logit_late, run_curves, summarize, values
 
 __all__ = ["ARMS", "BRACKET", "SEEDS", "TUNING_SEEDS", "all_runs", "arm_model", "chosen_rates", "measure", "plan",
            "settings", "thin_metrics"]
@@ -51,7 +51,6 @@ MAX_EXTENSIONS = 1
 # MLA 28 + 4 + 4 scalars, v4 36) with v4's query LoRA at hidden / 4.
 QUICK_OVERRIDES = {"v4": {"q_lora_rank": 16}, "mla-qknorm": {"kv_lora_rank": 28}, "mla": {}}
 QUICK = {"steps": 4, "bracket": (2e-2,), "tuning_seeds": (2000,), "seeds": (2100, 2101)}
-QUICK_EVAL_TOKENS = 4096
 CURVE_EVERY = 10
 SPIKE_WINDOW, SPIKE_NATS = 50, 0.5
 
@@ -145,30 +144,15 @@ def measure(path: Path) -> dict:
     loss; next-character accuracy), the cache's values per token, parameters, loss spikes, the
     late max logit and thinned curves. A run that ended non-finite gets no held-out scores."""
     rows = read_metrics(path)
-    out: dict = {"commit": source_commit(Path(__file__).parent),
-                 "curves": {k: curve(rows, k, CURVE_EVERY) for k in ("loss", "max_logit", "grad_norm", "lr")},
+    out: dict = {"commit": source_commit(Path(__file__).parent), "curves": run_curves(rows, CURVE_EVERY),
                  "peak_grad_norm": max(values(rows, "grad_norm"), default=None)}
-    out["curves"]["val_loss"] = curve(rows, "val_loss", 1)
-    out["spike_steps"] = spikes([(r["step"], r["loss"]) for r in rows if r.get("loss") is not None],
-                                SPIKE_WINDOW, SPIKE_NATS)
-    logits = values(rows, "max_logit")
-    out["max_logit_late"] = statistics.fmean(logits[int(0.9 * len(logits)):]) if logits else None
+    out["spike_steps"] = loss_spikes(rows, SPIKE_WINDOW, SPIKE_NATS)
+    out["max_logit_late"] = max_logit_late(rows)
     if (read_status(path) or {}).get("status") != "done":
         return out
     model, corpus = trained_run(path)
     cfg = json.loads((Path(path) / "config.json").read_text())["train"]
-    block = model.config.block_size
-    val, test = corpus.val, corpus.test
-    if cfg["preset"] == "debug":
-        val = val[:QUICK_EVAL_TOKENS]
-        test = test[:QUICK_EVAL_TOKENS] if test is not None else None
-    v = split_scores(model, val, block)
-    out.update(val_loss_all=v["loss"], val_tokens=v["tokens"], val_accuracy=v["accuracy"])
-    if test is not None:
-        t = split_scores(model, test, block)
-        pooled = (v["loss"] * v["tokens"] + t["loss"] * t["tokens"]) / (v["tokens"] + t["tokens"])
-        out.update(test_loss=t["loss"], test_tokens=t["tokens"], test_accuracy=t["accuracy"],
-                   heldout_loss_pooled=pooled)
+    out.update(heldout_scores(model, corpus, cfg["preset"]))
     out["params"] = model.num_params()
     caches = model.make_caches(1, 1)
     out["cache_bytes_per_token"] = sum(c.bytes_per_token for c in caches)  # float32, all layers

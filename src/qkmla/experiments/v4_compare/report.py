@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 
 from ..base import Options, Report
-from ..figures import fmt, pyplot, save, table
-from ..qknorm_confirm.report import _tests_table, family
+from ..figures import curves_by_seed, fmt, table
+from ..results import family_table, paired_family
 from .design import ARMS, CACHE_VALUES_PER_TOKEN, PAIRS, PARAMS, QUICK, SEEDS, STEPS, TUNING_SEEDS
 
 METRICS = (("test_loss", "test loss"), ("val_loss_all", "validation loss"),
@@ -62,9 +62,9 @@ def report(rows: list[dict], options: Options) -> Report:
     summary["means"] = {a: {"seeds": len(by), **{k: statistics.fmean(r[k] for r in by.values()) for k, _ in METRICS
                                                  if all(r.get(k) is not None for r in by.values())}}
                         for a, by in sorted(main.items())}
-    summary["primary"] = {"metric": loss, **family(main, PAIRS, loss, seeds)}
+    summary["primary"] = {"metric": loss, **paired_family(main, PAIRS, loss, seeds)}
     secondary = ("val_accuracy",) if options.quick else ("val_loss_all", "heldout_loss_pooled", "test_accuracy")
-    summary["secondary"] = {k: family(main, PAIRS, k, seeds) for k in secondary}
+    summary["secondary"] = {k: paired_family(main, PAIRS, k, seeds) for k in secondary}
     summary["runs_finished"] = sum(r["status"] == "done" for r in rows)
     return Report(summary, _tables(summary), _figures(main, options))
 
@@ -86,28 +86,11 @@ def _tables(s: dict) -> str:
               ", ".join(map(str, s["measured"][a]["cache_bytes_per_token"]))] + [fmt(m.get(k)) for k, _ in METRICS]
              for a, m in s["means"].items()]
         ) + "\n"
-    text += (f"Primary ({s['primary']['metric']}, Holm over the three pairs):\n\n" + _tests_table(s["primary"]) + "\n")
+    text += (f"Primary ({s['primary']['metric']}, Holm over the three pairs):\n\n" + family_table(s["primary"]) + "\n")
     for name, fam in s["secondary"].items():
-        text += f"Secondary, {name}:\n\n" + _tests_table(fam) + "\n"
+        text += f"Secondary, {name}:\n\n" + family_table(fam) + "\n"
     return text
 
 
 def _figures(main: dict, options: Options) -> list:
-    plt = pyplot()
-    colors = {a: f"C{i}" for i, a in enumerate(ARMS)}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for arm, by_seed in main.items():
-        for i, (seed, r) in enumerate(sorted(by_seed.items())):
-            c = r.get("curves", {})
-            kw = dict(color=colors.get(arm, "k"), lw=0.7, alpha=0.8 if i == 0 else 0.35, label=arm if i == 0 else None)
-            if c.get("val_loss"):
-                axes[0].plot(*zip(*c["val_loss"]), **kw)
-            if c.get("max_logit"):
-                axes[1].plot(*zip(*c["max_logit"]), **kw)
-    for ax, title in zip(axes, ("validation loss (held-out plays)", "max attention logit")):
-        ax.set_title(f"{title}, main seeds")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    return [save(fig, options.out / "curves.png")]
+    return [curves_by_seed(main, ARMS, "main seeds", options.out / "curves.png")]
