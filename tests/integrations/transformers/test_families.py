@@ -72,15 +72,16 @@ def model_class(family, taken: bool = True):
     if cls is None or not hasattr(transformers, CONFIGS.get(family.model_type, "PreTrainedConfig")):
         pytest.skip(f"transformers {transformers.__version__} does not ship {family.model_type} "
                     f"({family.causal_lm}; from {family.since})")
-    if taken and family.since and VERSION < tuple(int(v) for v in family.since.split(".")[:2]):
+    if taken and family.taken_since and VERSION < tuple(int(v) for v in family.taken_since.split(".")[:2]):
         pytest.skip(f"transformers {transformers.__version__}'s {family.model_type} is refused: qkmla takes it "
-                    f"from {family.since} (families.FAMILIES)")
+                    f"from {family.taken_since} (families.FAMILIES)")
     return cls
 
 
-def hf_model(family, dtype=torch.float64, seed: int = 0):
-    """A random model of ``family`` (eval mode), norms and attention weights away from their init."""
-    cls = model_class(family)
+def hf_model(family, dtype=torch.float64, seed: int = 0, taken: bool = True):
+    """A random model of ``family`` (eval mode), norms and attention weights away from their init
+    (``taken``: as ``model_class``)."""
+    cls = model_class(family, taken)
     fields = dict(SHAPE, **EXTRA.get(family.model_type, {}))
     config = getattr(transformers, CONFIGS[family.model_type])(**fields) if family.model_type in CONFIGS \
         else cls.config_class(**fields)
@@ -229,6 +230,19 @@ def test_glm_dsa_shared_layers_reuse_the_previous_layers_top_k():
     assert len(seen) == len(chosen) == 1 and seen[0] is chosen[0] and chosen[0].shape == (2, 6, TOPK)
 
 
+def test_glm_dsa_of_an_older_transformers_is_refused_naming_its_indexer():
+    """Before 5.19 (the CI's 5.4.0) GLM-5's indexer keeps its keys on the module: refused by name, before
+    any layer is swapped."""
+    family = family_named("glm_moe_dsa")
+    model_class(family, taken=False)
+    if VERSION >= tuple(int(v) for v in family.taken_since.split(".")[:2]):
+        pytest.skip(f"transformers {transformers.__version__}'s GLM-5 indexer is taken (the parity tests run)")
+    model = hf_model(family, taken=False)
+    with pytest.raises(ValueError, match=r"its indexer GlmMoeDsaIndexer keeps its keys on the module"):
+        apply_latent_attention(model)
+    assert all(type(layer.self_attn).__name__ == "GlmMoeDsaAttention" for layer in model.model.layers)
+
+
 def test_an_indexer_called_otherwise_is_refused_naming_its_class():
     """transformers 5.4's GLM-5 indexer keeps its keys on the module (_cached_keys) and takes use_cache:
     refused (named), before any layer is swapped; the CI's 5.4.0 job meets the real one."""
@@ -321,9 +335,11 @@ def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
         assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear", "glm_moe_dsa"])
 def test_a_left_padded_batch_generates_as_transformers(name):
-    """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask."""
+    """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask;
+    GLM-5's indexer is given padding-free columns and its shared layer the first layer's choice."""
+    model_class(family_named(name))
     ref = hf_model(family_named(name))
     model = apply_latent_attention(copy.deepcopy(ref))
     prompt = ids(length=7)

@@ -149,8 +149,10 @@ class Family:
         layers (``layers``) that ``apply_latent_attention`` takes.
     status: "supported" or "refused" ("sparse": a sparse attention family refused for its reason).
     reason: why a family that is not supported is refused (shown in the error and the docs).
-    since: the oldest transformers that ships it (or, for GLM-5's DSA, whose indexer qkmla takes), or None
-        where the oldest tested one (5.4.0) does; the parity tests skip older ones, saying so.
+    since: the oldest transformers that ships it, or None where the oldest tested one (5.4.0) does.
+    taken_since: the oldest transformers whose form of the family qkmla takes, where that is later than
+        ``since`` (GLM-5's DSA: 5.4's indexer is refused), or None; the parity tests skip older ones,
+        saying so, and the docs' tested range starts there.
     host: its :class:`HostAttention` from its config.
     mla_layers: from its config, which decoder layers are MLA ([num_hidden_layers] bool).
     build: the name of the builder of its layers in ``model.BUILDERS`` (a function
@@ -165,6 +167,7 @@ class Family:
     status: str = "supported"
     reason: str = ""
     since: Optional[str] = None
+    taken_since: Optional[str] = None
     host: Callable = _deepseek
     mla_layers: Callable = _every_layer
     build: Optional[str] = "dense"
@@ -235,7 +238,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v32", ("DeepseekV32ForCausalLM", "DeepseekV32Model"), since="5.24.0", host=_interleaved,
            build="sparse", note="sparse attention: transformers' indexer picks the top-k latent rows the absorbed "
                                 "decode reads (sparse.py)"),
-    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel"), since=SPARSE_GLM_SINCE, host=_glm_dsa,
+    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel"), taken_since=SPARSE_GLM_SINCE, host=_glm_dsa,
            build="sparse", note="sparse attention as DeepSeek-V3.2's, and \"shared\" layers reusing the previous "
                                 "layer's top-k (indexer_types); transformers 5.4's indexer (its own key cache) is "
                                 "refused"),
@@ -313,7 +316,7 @@ def markdown_table() -> str:
     lines = ["| model_type | transformers class | status | transformers tested | notes |",
              "|---|---|---|---|---|"]
     for f in FAMILIES:
-        since = f.since or TESTED_VERSIONS[0]
+        since = f.taken_since or f.since or TESTED_VERSIONS[0]
         status = "supported" if f.status == "supported" else f"refused ({f.reason})"
         tested = f"{since} to {TESTED_VERSIONS[1]}" if since != TESTED_VERSIONS[1] else TESTED_VERSIONS[1]
         lines.append(f"| `{f.model_type}` | `{f.causal_lm}` | {status} | {tested} | {f.note} |")
