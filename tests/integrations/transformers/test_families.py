@@ -366,11 +366,12 @@ def test_what_a_family_cannot_take_is_refused_before_any_work():
         mistral.generate(ids(), max_new_tokens=2, do_sample=False, cache_implementation="static")
 
 
-@pytest.mark.parametrize("name", ["kimi_linear", "longcat_flash"])
+@pytest.mark.parametrize("name", ["kimi_linear", "longcat_flash", "glm_moe_dsa"])
 def test_lora_targets_the_mla_projections_only(name):
-    """A hybrid's linear-attention o_proj and LongCat-Flash's listed modules: adapters go on the MLA
-    projections alone, every one of them."""
+    """A hybrid's linear-attention o_proj, LongCat-Flash's listed modules and GLM-5's indexer: adapters
+    go on the MLA projections alone, every one of them."""
     pytest.importorskip("peft")
+    model_class(family_named(name))
     from qkmla.integrations.transformers import attention_lora_config
 
     model = apply_latent_attention(hf_model(family_named(name)))
