@@ -13,7 +13,6 @@ Kimi-Linear's MLA layers have no RoPE, and agree far closer.
 from __future__ import annotations
 
 import copy
-import inspect
 import re
 import types
 from pathlib import Path
@@ -24,9 +23,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qkmla.integrations.transformers import apply_latent_attention  # noqa: E402
-from qkmla.integrations.transformers.families import (FAMILIES, SPARSE_REASON, family_named,  # noqa: E402
-                                                      markdown_table)
+from qkmla.integrations.transformers.families import FAMILIES, family_named, markdown_table  # noqa: E402
 from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
+
+from .helpers import CACHE, away_from_ones, max_rel, stepwise_logits  # noqa: E402
 
 VOCAB = 61
 SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -35,6 +35,13 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_interme
              n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64, pad_token_id=0,
              bos_token_id=None, eos_token_id=None, experts_implementation="eager")
 HYBRID = dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4)
+# Sparse attention: a top-k of 3 against prompts of 6 tokens and more, so the selection is real
+# (test_the_sparse_selection_is_real); GLM-5's second layer reuses the first's top-k. Indexer widths
+# of 4 heads of 16: with 2 heads of 8, ReLU zeroes every head's score for some keys, and the exact
+# ties among them break differently in a step's [B, 1, C] top-k and a whole sequence's [B, T, T]
+# (transformers' indexer alone shows it), which the QK-normed cached-vs-explicit test would read.
+TOPK = 3
+SPARSE_SHAPE = dict(index_topk=TOPK, index_head_dim=16, index_n_heads=4)
 EXTRA = {  # what a family's config needs beyond SHAPE to be tiny, and to exercise its conventions
     "deepseek_v2": dict(q_lora_rank=None),
     "minicpm3": dict(scale_emb=2.0, scale_depth=1.4),
@@ -47,27 +54,34 @@ EXTRA = {  # what a family's config needs beyond SHAPE to be tiny, and to exerci
                           zero_expert_num=2, hidden_size=48),
     "kimi_linear": dict(HYBRID, linear_head_dim=8, linear_num_heads=4, q_lora_rank=None),
     "bailing_hybrid": dict(HYBRID, head_dim=8, num_mtp_layers=0, q_lora_rank=None, num_experts=4),
+    "deepseek_v32": SPARSE_SHAPE,
+    "glm_moe_dsa": dict(SPARSE_SHAPE, indexer_types=["full", "shared"]),
 }
 SUPPORTED = [f for f in FAMILIES if f.status == "supported"]
-# The cache argument's name: `past_key_values` until transformers 5.2x, `cache` since.
-CACHE = "cache" if "cache" in inspect.signature(transformers.DeepseekV3ForCausalLM.forward).parameters \
-    else "past_key_values"
+SPARSE_SUPPORTED = [f for f in SUPPORTED if f.build == "sparse"]
+VERSION = tuple(int(v) for v in transformers.__version__.split(".")[:2])
 
 
 CONFIGS = {"sarvam_mla": "SarvamMLAConfig"}  # a family built with another family's model classes
 
 
-def model_class(family):
+def model_class(family, taken: bool = True):
+    """The family's causal LM class; the test skips, saying why, where this transformers does not ship
+    it or (``taken``) ships an older form that qkmla refuses (GLM-5's DSA before 5.19)."""
     cls = getattr(transformers, family.causal_lm, None)
     if cls is None or not hasattr(transformers, CONFIGS.get(family.model_type, "PreTrainedConfig")):
         pytest.skip(f"transformers {transformers.__version__} does not ship {family.model_type} "
                     f"({family.causal_lm}; from {family.since})")
+    if taken and family.taken_since and VERSION < tuple(int(v) for v in family.taken_since.split(".")[:2]):
+        pytest.skip(f"transformers {transformers.__version__}'s {family.model_type} is refused: qkmla takes it "
+                    f"from {family.taken_since} (families.FAMILIES)")
     return cls
 
 
-def hf_model(family, dtype=torch.float64, seed: int = 0):
-    """A random model of ``family`` (eval mode), norms and attention weights away from their init."""
-    cls = model_class(family)
+def hf_model(family, dtype=torch.float64, seed: int = 0, taken: bool = True):
+    """A random model of ``family`` (eval mode), norms and attention weights away from their init
+    (``taken``: as ``model_class``)."""
+    cls = model_class(family, taken)
     fields = dict(SHAPE, **EXTRA.get(family.model_type, {}))
     config = getattr(transformers, CONFIGS[family.model_type])(**fields) if family.model_type in CONFIGS \
         else cls.config_class(**fields)
@@ -80,26 +94,6 @@ def hf_model(family, dtype=torch.float64, seed: int = 0):
             elif "self_attn" in name and p.dim() == 2:
                 p.mul_(3.0)  # logits of a few units, so attention is not flat
     return model
-
-
-def stepwise_logits(model, ids, steps: int):
-    """Greedy: prefill ``ids`` then ``steps`` single-token steps through a cache; every call's last
-    logits and the tokens chosen."""
-    logits, fed = [], []
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True)
-        cache = getattr(out, CACHE, None) or out.past_key_values
-        logits.append(out.logits[:, -1])
-        for _ in range(steps):
-            nxt = logits[-1].argmax(-1, keepdim=True)
-            fed.append(nxt)
-            out = model(input_ids=nxt, use_cache=True, **{CACHE: cache})
-            logits.append(out.logits[:, -1])
-    return logits, torch.cat(fed, dim=1)
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def ids(batch: int = 2, length: int = 6, seed: int = 1) -> torch.Tensor:
@@ -132,10 +126,7 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     over its latent cache equals its own explicit path (no cache) over the whole sequence."""
     ref = hf_model(family)
     model = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
-    with torch.no_grad():
-        for layer in latent_layers(model):  # norm weights away from ones, so they are read
-            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
-                p.add_(0.2 * torch.randn_like(p))
+    away_from_ones(latent_layers(model), 0.2)  # so they are read
     prompt = ids()
     cached, tokens = stepwise_logits(model, prompt, 4)
     sequence = torch.cat((prompt, tokens), dim=1)
@@ -191,19 +182,83 @@ def test_a_hybrid_keeps_its_linear_attention_layers_and_their_cache_state():
     assert cache.get_seq_length() == 6
 
 
-SPARSE = [f for f in FAMILIES if f.status == "sparse"]
+REFUSED = [f for f in FAMILIES if f.status != "supported"]
 
 
-@pytest.mark.parametrize("family", SPARSE, ids=[f.model_type for f in SPARSE])
-def test_sparse_families_are_refused_by_name_before_any_work(family):
-    cls = model_class(family)
+@pytest.mark.parametrize("family", REFUSED, ids=[f.model_type for f in REFUSED])
+def test_refused_families_are_refused_by_name_and_reason_before_any_work(family):
+    cls = model_class(family, taken=False)
     with torch.device("meta"):
         model = cls.__new__(cls)
     torch.nn.Module.__init__(model)
     model.config = types.SimpleNamespace(model_type=family.model_type)
+    assert family.reason
     with pytest.raises(ValueError, match=rf"model: {cls.__name__} \('{family.model_type}'\) is not supported "
-                                         rf"by apply_latent_attention: {re.escape(SPARSE_REASON)}"):
+                                         rf"by apply_latent_attention: {re.escape(family.reason)}"):
         apply_latent_attention(model)
+
+
+@pytest.mark.parametrize("family", SPARSE_SUPPORTED, ids=[f.model_type for f in SPARSE_SUPPORTED])
+def test_the_sparse_selection_is_real(family):
+    """The same weights with a top-k covering the whole prompt give other logits, so the parity above
+    is over a real subset of the tokens; the first TOPK tokens see every token before them either way."""
+    prompt = ids()
+    sparse = apply_latent_attention(hf_model(family))
+    dense = apply_latent_attention(hf_model(family))
+    for layer in latent_layers(dense):
+        if layer.indexer is not None:
+            layer.indexer.index_topk = prompt.shape[1]
+    with torch.no_grad():
+        a, b = sparse(input_ids=prompt, use_cache=False).logits, dense(input_ids=prompt, use_cache=False).logits
+    assert max_rel(a[:, TOPK:], b[:, TOPK:]) > 1e-2
+    assert max_rel(a[:, :TOPK], b[:, :TOPK]) <= 1e-12
+
+
+def test_glm_dsa_shared_layers_reuse_the_previous_layers_top_k():
+    """GLM-5's second layer has no indexer: it attends to the first layer's choice (its third output)."""
+    family = family_named("glm_moe_dsa")
+    model = apply_latent_attention(hf_model(family))
+    first, second = latent_layers(model)
+    assert first.indexer is not None and second.indexer is None and second.host.shared_topk
+    seen = []
+    second.register_forward_hook(lambda mod, args, kwargs, out: seen.append(kwargs["prev_topk_indices"]),
+                                 with_kwargs=True)
+    chosen = []
+    first.register_forward_hook(lambda mod, args, out: chosen.append(out[2]))
+    with torch.no_grad():
+        model(input_ids=ids(), use_cache=True)
+    assert len(seen) == len(chosen) == 1 and seen[0] is chosen[0] and chosen[0].shape == (2, 6, TOPK)
+
+
+def test_glm_dsa_of_an_older_transformers_is_refused_naming_its_indexer():
+    """Before 5.19 (the CI's 5.4.0) GLM-5's indexer keeps its keys on the module: refused by name, before
+    any layer is swapped."""
+    family = family_named("glm_moe_dsa")
+    model_class(family, taken=False)
+    if VERSION >= tuple(int(v) for v in family.taken_since.split(".")[:2]):
+        pytest.skip(f"transformers {transformers.__version__}'s GLM-5 indexer is taken (the parity tests run)")
+    model = hf_model(family, taken=False)
+    with pytest.raises(ValueError, match=r"its indexer GlmMoeDsaIndexer keeps its keys on the module"):
+        apply_latent_attention(model)
+    assert all(type(layer.self_attn).__name__ == "GlmMoeDsaAttention" for layer in model.model.layers)
+
+
+def test_an_indexer_called_otherwise_is_refused_naming_its_class():
+    """transformers 5.4's GLM-5 indexer keeps its keys on the module (_cached_keys) and takes use_cache:
+    refused (named), before any layer is swapped; the CI's 5.4.0 job meets the real one."""
+    from qkmla.integrations.transformers.sparse import check_indexer
+
+    class OldIndexer(torch.nn.Module):
+        def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, use_cache=False):
+            return attention_mask
+
+    with pytest.raises(ValueError, match=r"its indexer OldIndexer takes \('hidden_states', 'q_resid', "
+                                         r"'position_embeddings', 'attention_mask', 'use_cache'\)"):
+        check_indexer(OldIndexer())
+    kept = OldIndexer()
+    kept._cached_keys = None
+    with pytest.raises(ValueError, match=r"OldIndexer keeps its keys on the module \(_cached_keys\)"):
+        check_indexer(kept)
 
 
 def test_an_mla_family_not_in_the_table_is_refused_naming_it():
@@ -232,33 +287,38 @@ def test_the_docs_table_is_the_code_table():
     assert markdown_table() in docs, "docs/interop.md: paste qkmla.integrations.transformers.families.markdown_table()"
 
 
-def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(tmp_path):
-    """GLM-4.7-Flash's architecture (glm4_moe_lite) with the QK norm: saved as qkmla's model type of
-    the family, loaded back by the Auto classes and by qkmla's from_pretrained, with the norm."""
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(name, tmp_path):
+    """A family's architecture with the QK norm (GLM-4.7-Flash's, and the sparse ones: DeepSeek-V3.2's,
+    GLM-5's): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
+    from_pretrained, with the norm and the same logits; the family's own class, which does not know
+    the norm, refuses the checkpoint naming qkmla's loader."""
     import json
 
+    from qkmla.integrations.hub.record import LOADER
     from qkmla.integrations.transformers import from_pretrained
 
-    family = family_named("glm4_moe_lite")
+    family = family_named(name)
+    cls = model_class(family)
     model = apply_latent_attention(hf_model(family, torch.float32), qk_norm="rms")
-    with torch.no_grad():
-        for layer in latent_layers(model):
-            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
-                p.add_(0.3 * torch.randn_like(p))
+    away_from_ones(latent_layers(model), 0.3)
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["model_type"] == "qkmla_glm4_moe_lite"
-    assert config["architectures"] == ["QKNormGlm4MoeLiteForCausalLM"]
+    assert config["model_type"] == f"qkmla_{name}"
+    assert config["architectures"] == [f"QKNorm{family.causal_lm}"]
     assert (tmp_path / "modeling_qkmla.py").is_file()
     prompt = ids()
     with torch.no_grad():
         want = model(input_ids=prompt).logits
         plain = apply_latent_attention(hf_model(family, torch.float32))(input_ids=prompt).logits
         for loaded in (transformers.AutoModelForCausalLM.from_pretrained(tmp_path), from_pretrained(tmp_path)):
-            assert isinstance(loaded, transformers.Glm4MoeLiteForCausalLM)
+            assert isinstance(loaded, cls)
+            assert type(latent_layers(loaded)[0]) is type(latent_layers(model)[0])
             assert latent_layers(loaded)[0].config.qk_norm == latent_layers(model)[0].config.qk_norm
             assert max_rel(loaded(input_ids=prompt).logits, want) < 1e-6
     assert max_rel(plain, want) > 1e-3  # the norm's weights are what makes them agree
+    with pytest.raises(ValueError, match=re.escape(LOADER)):
+        cls.from_pretrained(tmp_path)
 
 
 def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
@@ -267,10 +327,7 @@ def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
 
     family = family_named("kimi_linear")
     model = apply_latent_attention(hf_model(family, torch.float32), qk_norm="rms")
-    with torch.no_grad():
-        for layer in latent_layers(model):
-            for p in list(layer.q_norm.parameters()) + list(layer.k_norm.parameters()):
-                p.add_(0.3 * torch.randn_like(p))
+    away_from_ones(latent_layers(model), 0.3)
     model.save_pretrained(tmp_path)
     loaded = from_pretrained(tmp_path)
     prompt = ids()
@@ -278,9 +335,11 @@ def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
         assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear", "glm_moe_dsa"])
 def test_a_left_padded_batch_generates_as_transformers(name):
-    """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask."""
+    """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask;
+    GLM-5's indexer is given padding-free columns and its shared layer the first layer's choice."""
+    model_class(family_named(name))
     ref = hf_model(family_named(name))
     model = apply_latent_attention(copy.deepcopy(ref))
     prompt = ids(length=7)
@@ -307,11 +366,12 @@ def test_what_a_family_cannot_take_is_refused_before_any_work():
         mistral.generate(ids(), max_new_tokens=2, do_sample=False, cache_implementation="static")
 
 
-@pytest.mark.parametrize("name", ["kimi_linear", "longcat_flash"])
+@pytest.mark.parametrize("name", ["kimi_linear", "longcat_flash", "glm_moe_dsa"])
 def test_lora_targets_the_mla_projections_only(name):
-    """A hybrid's linear-attention o_proj and LongCat-Flash's listed modules: adapters go on the MLA
-    projections alone, every one of them."""
+    """A hybrid's linear-attention o_proj, LongCat-Flash's listed modules and GLM-5's indexer: adapters
+    go on the MLA projections alone, every one of them."""
     pytest.importorskip("peft")
+    model_class(family_named(name))
     from qkmla.integrations.transformers import attention_lora_config
 
     model = apply_latent_attention(hf_model(family_named(name)))

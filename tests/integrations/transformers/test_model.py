@@ -14,7 +14,6 @@ decode step. In float32 both round everything else too: 1e-4.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ from qkmla.cache import SnapKV, StreamingLLM  # noqa: E402
 from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention  # noqa: E402
 from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
 from qkmla.integrations.hub.config import mla_config_from_hf  # noqa: E402
+
+from .helpers import CACHE, max_rel, stepwise_logits  # noqa: E402,F401  (other test modules import them from here)
 
 VOCAB = 97
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -43,9 +44,6 @@ VARIANTS = {  # name: (version, q_lora_rank, rope, extra config)
     "v2-lite-yarn": (2, None, YARN, {}),
 }
 OLD_V2_YARN = tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 16)
-# The cache argument's name: `past_key_values` until transformers 5.2x, `cache` since.
-CACHE = "cache" if "cache" in inspect.signature(transformers.DeepseekV3ForCausalLM.forward).parameters \
-    else "past_key_values"
 
 
 def hf_model(variant: str = "v3", dtype=torch.float64, seed: int = 0):
@@ -87,26 +85,6 @@ def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
 def prompts(lengths, seed=1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-
-
-def stepwise_logits(model, ids, steps: int, tokens=None, cache=None, **forward) -> tuple[list, torch.Tensor]:
-    """Prefill ``ids`` then ``steps`` single-token steps (greedy, or feeding ``tokens`` [B, steps]),
-    through ``model`` with a cache; returns every call's last logits and the tokens fed."""
-    logits, fed = [], []
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, **({CACHE: cache} if cache is not None else {}), **forward)
-        cache = getattr(out, CACHE, None) or out.past_key_values
-        logits.append(out.logits[:, -1])
-        for i in range(steps):
-            nxt = logits[-1].argmax(-1, keepdim=True) if tokens is None else tokens[:, i:i + 1]
-            fed.append(nxt)
-            out = model(input_ids=nxt, use_cache=True, **{CACHE: cache})
-            logits.append(out.logits[:, -1])
-    return logits, torch.cat(fed, dim=1)
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 # -- the module swap ---------------------------------------------------------------------------

@@ -11,7 +11,6 @@ model, which bounds the difference of the two models' logits (1e-5 of the larges
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
 from qkmla.integrations.transformers.sparse import SparseLatentAttention  # noqa: E402
 from qkmla.integrations.transformers.sparse_cache import SparseLatentCacheLayer, column_slots  # noqa: E402
 
+from .helpers import CACHE, max_rel, stepwise_logits  # noqa: E402
+
 VOCAB = 97
 TOPK = 4
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -36,8 +37,6 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_interme
              first_k_dense_replace=1, max_position_embeddings=256, pad_token_id=0, bos_token_id=None,
              eos_token_id=None, experts_implementation="eager", rope_parameters={"rope_type": "default",
                                                                                   "rope_theta": 100.0})
-CACHE = "cache" if "cache" in inspect.signature(transformers.DeepseekV32ForCausalLM.forward).parameters \
-    else "past_key_values"
 
 
 def v32_model(dtype=torch.float64, seed: int = 0, **config):
@@ -60,24 +59,6 @@ def patched(model, **kwargs):
 
 def prompts(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def stepwise_logits(model, ids, steps: int, cache=None, **forward) -> tuple[list, torch.Tensor]:
-    """Prefill ``ids`` then ``steps`` greedy single-token steps through a cache: every call's last logits, tokens fed."""
-    logits, fed = [], []
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, **({CACHE: cache} if cache is not None else {}), **forward)
-        cache = getattr(out, CACHE, None) or out.past_key_values
-        logits.append(out.logits[:, -1])
-        for _ in range(steps):
-            fed.append(logits[-1].argmax(-1, keepdim=True))
-            out = model(input_ids=fed[-1], use_cache=True, **{CACHE: cache})
-            logits.append(out.logits[:, -1])
-    return logits, torch.cat(fed, dim=1)
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 BOUND = {torch.float64: 1e-5, torch.float32: 1e-4}

@@ -285,6 +285,12 @@ def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, 
     return out
 
 
+# The ``layer_types`` of MLA layers: a hybrid's "full_attention" ones (Kimi-Linear, Ling; its
+# "linear_attention" ones are not MLA), and a sparse attention model's "indexed_attention" (every
+# layer of DeepSeek-V3.2 and GLM-5's DSA)
+MLA_LAYER_TYPES = ("full_attention", "indexed_attention")
+
+
 def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     """{name under ``self_attn.``: shape} of the weights a layer with ``config``'s norm adds, read from
     the norms it builds (with the projection scope a weight has a row per query head or KV group)."""
@@ -312,9 +318,9 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True,
                                 **({GROUPS: groups} if groups is not None else {}))
     layers = hf_config.get("num_hidden_layers")
-    kinds = hf_config.get("layer_types")  # a hybrid's: only its "full_attention" (MLA) layers have a norm
+    kinds = hf_config.get("layer_types")  # a hybrid's: only its MLA layers have a norm (MLA_LAYER_TYPES)
     shapes = {f"model.layers.{i}.self_attn.{n}": s
-              for i in range(layers) if not kinds or kinds[i] == "full_attention"
+              for i in range(layers) if not kinds or kinds[i] in MLA_LAYER_TYPES
               for n, s in norm_tensor_shapes(config).items()}
     if norm is None and found:
         raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "

@@ -12,9 +12,9 @@ row says what the structure cannot:
     mla_layers  which decoder layers are MLA (hybrids: Kimi-Linear, Ling mix in linear attention,
                 which stays transformers' own, its state in transformers' own cache layers)
     build       how its layers are built: a key of ``model.BUILDERS`` ("dense": the adapter's
-                ``LatentAttention.from_hf``); the sparse families (a lightning indexer choosing
-                the top-k cached tokens) have none yet: they are refused, naming the reason,
-                until the sparse adapter registers its builder and its rows name it
+                ``LatentAttention.from_hf``; "sparse": ``sparse.SparseLatentAttention.from_hf``, for
+                DeepSeek's sparse attention, a lightning indexer choosing the top-k cached tokens);
+                None for a refused family, whose ``reason`` says what cannot map
 
 Every family's parity with transformers is ``tests/integrations/transformers/test_families.py``;
 the docs' table (docs/interop.md) is :func:`markdown_table` of :data:`FAMILIES`, checked there.
@@ -33,10 +33,11 @@ from ...attention.mla import MLA
 
 ROPE_LAYOUTS = ("interleaved", "halves", "none")
 STATUSES = ("supported", "sparse", "refused")
-SPARSE_REASON = ("sparse attention whose attention layer is not DeepSeek-V3.2's; the sparse adapter (sparse.py) "
-                 "takes V3.2's alone so far")
 # The transformers versions the parity tests run on (CI's oldest and newest)
 TESTED_VERSIONS = ("5.4.0", "5.24.0")
+# GLM-5's DSA is taken from the first tested transformers whose indexer keeps its keys in the cache
+# (cache.update_indexer); 5.4.0's keeps them on the module (_cached_keys) and is refused (sparse.py)
+SPARSE_GLM_SINCE = "5.19.0"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class HostAttention:
         ``o_proj`` (Ling's ``BailingHybridAttention``).
     yarn_scale: the softmax scale takes YaRN's mscale² (DeepSeek's ``yarn_apply_mscale``); False
         where the family's attention uses (d_n + d_r) ** -0.5 alone.
+    shared_topk: the sparse attention's cross-layer top-k sharing (GLM-5's ``indexer_types``): the
+        attention takes the previous layer's choice (``prev_topk_indices`` [B, T, topk] columns) where
+        its own layer has no indexer (a "shared" layer), and returns its choice as a third output
+        (output, weights, topk) for the next layer.
     """
 
     rope: str = "interleaved"
@@ -63,6 +68,7 @@ class HostAttention:
     position_temperature: Optional[tuple[float, int]] = None
     output_gate: bool = False
     yarn_scale: bool = True
+    shared_topk: bool = False
 
     def __post_init__(self):
         if self.rope not in ROPE_LAYOUTS:
@@ -114,6 +120,11 @@ def _bailing_hybrid(config) -> HostAttention:
     return HostAttention(rope="interleaved", output_gate=True)
 
 
+def _glm_dsa(config) -> HostAttention:
+    """GLM-5's DSA (glm_moe_dsa): DeepSeek-V3.2's attention, interleaved pairs, and cross-layer top-k sharing."""
+    return HostAttention(rope="interleaved", shared_topk=True)
+
+
 def _every_layer(config) -> list[bool]:
     return [True] * config.num_hidden_layers
 
@@ -136,9 +147,12 @@ class Family:
     model_type: its config's ``model_type``.
     classes: transformers' classes of the whole model and of the inner model holding the decoder
         layers (``layers``) that ``apply_latent_attention`` takes.
-    status: "supported", "sparse" (refused until the sparse adapter builds it) or "refused".
+    status: "supported" or "refused" ("sparse": a sparse attention family refused for its reason).
     reason: why a family that is not supported is refused (shown in the error and the docs).
     since: the oldest transformers that ships it, or None where the oldest tested one (5.4.0) does.
+    taken_since: the oldest transformers whose form of the family qkmla takes, where that is later than
+        ``since`` (GLM-5's DSA: 5.4's indexer is refused), or None; the parity tests skip older ones,
+        saying so, and the docs' tested range starts there.
     host: its :class:`HostAttention` from its config.
     mla_layers: from its config, which decoder layers are MLA ([num_hidden_layers] bool).
     build: the name of the builder of its layers in ``model.BUILDERS`` (a function
@@ -153,6 +167,7 @@ class Family:
     status: str = "supported"
     reason: str = ""
     since: Optional[str] = None
+    taken_since: Optional[str] = None
     host: Callable = _deepseek
     mla_layers: Callable = _every_layer
     build: Optional[str] = "dense"
@@ -170,9 +185,32 @@ class Family:
         return self.classes[0]
 
 
-def _sparse(model_type: str, classes: tuple[str, ...], since: Optional[str] = None, note: str = "") -> Family:
-    """A family with DeepSeek's sparse attention (a lightning indexer choosing the top-k cached tokens)."""
-    return Family(model_type, classes, status="sparse", reason=SPARSE_REASON, since=since, build=None, note=note)
+def _sparse(model_type: str, classes: tuple[str, ...], reason: str, since: Optional[str] = None,
+            note: str = "") -> Family:
+    """A family with DeepSeek's sparse attention (a lightning indexer choosing the top-k cached tokens)
+    whose attention cannot map onto the sparse adapter, for ``reason``."""
+    return Family(model_type, classes, status="sparse", reason=reason, since=since, build=None, note=note)
+
+
+# Why each refused sparse family's attention does not map onto MLA with a top-k indexer (sparse.py)
+_HY_V4 = ("attention sinks (a learned per-head logit in the softmax's denominator, HYV4Attention.sinks), which the "
+          "absorbed decode op does not take, and a per-channel output gate (gate_proj, [B, T, h, d_v])")
+REASONS = {
+    "glm5_next": ("its indexer scores pools of index_kpool tokens (k-pool compression, Glm5NextTextIndexer) and reads "
+                  "transformers' cache layer's key tensor (cache.layers[i].keys) to size them, which a latent cache "
+                  "layer does not have; its MLA layers are also behind per-layer hyper-connections"),
+    "mistral_large4": ("layers share one latent cache across layers (kv_sharing_modes 'reuse': layers without "
+                       "kv_a_proj_with_mqa read another layer's latent), some layers have no RoPE part at all "
+                       "(no_rope_layers: d_r = 0 in that layer alone), and the query takes a learned per-head "
+                       "log-position scale (MistralLarge4TextSoftmaxScaling); its indexer has no query LoRA input"),
+    "hy_v4": _HY_V4,
+    "hy_v4_vl": _HY_V4,
+    "axk2": ("no q_b_proj: its query and a per-channel output gate come from one fused projection of the LoRA "
+             "query and its un-normed input (q_gate_proj of [q_a_layernorm(q_a_proj(x)), q_a_proj(x)])"),
+    "dots3_note": ("sliding-window attention layers (layer_types 'sliding_attention') and per-layer configs "
+                   "(per_layer_config) beside the indexed layers, and an RMSNorm on the shared RoPE key "
+                   "(k_rope_only_layernorm) that MLA's latent path does not apply"),
+}
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -200,15 +238,19 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek_v32", ("DeepseekV32ForCausalLM", "DeepseekV32Model"), since="5.24.0", host=_interleaved,
            build="sparse", note="sparse attention: transformers' indexer picks the top-k latent rows the absorbed "
                                 "decode reads (sparse.py)"),
-    _sparse("glm_moe_dsa", ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel")),
-    _sparse("glm5_next", ("Glm5NextForConditionalGeneration", "Glm5NextTextModel"), since="5.24.0",
-            note="also a hybrid with linear-attention layers"),
-    _sparse("mistral_large4", ("MistralLarge4ForConditionalGeneration", "MistralLarge4TextModel"), since="5.24.0"),
-    _sparse("hy_v4", ("HYV4ForCausalLM", "HYV4Model"), since="5.24.0"),
-    _sparse("hy_v4_vl", ("HYV4VLForConditionalGeneration", "HYV4VLTextModel"), since="5.24.0",
+    Family("glm_moe_dsa", ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel"), taken_since=SPARSE_GLM_SINCE, host=_glm_dsa,
+           build="sparse", note="sparse attention as DeepSeek-V3.2's, and \"shared\" layers reusing the previous "
+                                "layer's top-k (indexer_types); transformers 5.4's indexer (its own key cache) is "
+                                "refused"),
+    _sparse("glm5_next", ("Glm5NextForConditionalGeneration", "Glm5NextTextModel"), REASONS["glm5_next"],
+            since="5.24.0", note="also a hybrid with linear-attention layers"),
+    _sparse("mistral_large4", ("MistralLarge4ForConditionalGeneration", "MistralLarge4TextModel"),
+            REASONS["mistral_large4"], since="5.24.0"),
+    _sparse("hy_v4", ("HYV4ForCausalLM", "HYV4Model"), REASONS["hy_v4"], since="5.24.0"),
+    _sparse("hy_v4_vl", ("HYV4VLForConditionalGeneration", "HYV4VLTextModel"), REASONS["hy_v4_vl"], since="5.24.0",
             note="hy_v4 with a vision encoder"),
-    _sparse("axk2", ("AXK2ForCausalLM", "AXK2Model"), since="5.24.0"),
-    _sparse("dots3_note", ("Dots3NoteForCausalLM", "Dots3NoteTextModel"), since="5.24.0"),
+    _sparse("axk2", ("AXK2ForCausalLM", "AXK2Model"), REASONS["axk2"], since="5.24.0"),
+    _sparse("dots3_note", ("Dots3NoteForCausalLM", "Dots3NoteTextModel"), REASONS["dots3_note"], since="5.24.0"),
 )
 
 BY_MODEL_TYPE: dict[str, Family] = {f.model_type: f for f in FAMILIES}
@@ -274,13 +316,13 @@ def markdown_table() -> str:
     lines = ["| model_type | transformers class | status | transformers tested | notes |",
              "|---|---|---|---|---|"]
     for f in FAMILIES:
-        since = f.since or TESTED_VERSIONS[0]
+        since = f.taken_since or f.since or TESTED_VERSIONS[0]
         status = "supported" if f.status == "supported" else f"refused ({f.reason})"
         tested = f"{since} to {TESTED_VERSIONS[1]}" if since != TESTED_VERSIONS[1] else TESTED_VERSIONS[1]
         lines.append(f"| `{f.model_type}` | `{f.causal_lm}` | {status} | {tested} | {f.note} |")
     return "\n".join(lines)
 
 
-__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "HostAttention", "ROPE_LAYOUTS", "SPARSE_REASON", "STATUSES",
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "HostAttention", "REASONS", "ROPE_LAYOUTS", "STATUSES",
            "SUPPORTED_MODEL_TYPES", "TESTED_VERSIONS", "attention_slots", "family_named", "get_slot",
            "is_mla_attention", "markdown_table", "refusal", "set_slot"]

@@ -18,12 +18,20 @@ columns of that mask, which :func:`~.sparse_cache.column_slots` turns into slots
 cached). transformers' position embeddings (cos, sin) reach the indexer as they come, so it rotates
 its keys exactly as in the unpatched model.
 
+Families (``families.FAMILIES``, build "sparse"): DeepSeek-V3.2's, and GLM-5's DSA (``glm_moe_dsa``),
+whose attention is V3.2's with cross-layer top-k sharing (``HostAttention.shared_topk``): a "shared"
+layer has no indexer and attends to the previous layer's choice (``prev_topk_indices``, columns of
+the same mask, so the same slots), and every layer returns its choice as a third output. The
+indexer is called as V3.2's is; one with another call (transformers 5.4's GLM indexer, which keeps
+its keys on the module) is refused, naming its class.
+
 Not supported here, refused with the reason: an eviction policy, the static cache, ``output_attentions``
 and packed sequences with a cache (as for every latent layer).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -34,9 +42,29 @@ from .attention import LatentAttention, LatentCall, LatentSettings, rope_positio
 from .sparse_cache import column_slots, sparse_cache_layer
 
 
+# The indexer's call, as sparse.py makes it, by position (V3.2's DeepseekV32Indexer.forward; GLM-5's since
+# 5.19); the cache's name is the transformers version's: past_key_values before 5.2x, cache since
+INDEXER_ARGUMENTS = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids")
+CACHE_NAMES = ("cache", "past_key_values")
+
+
 def is_sparse(hf_attention) -> bool:
-    """Whether a transformers MLA attention layer has DeepSeek's sparse attention (a lightning indexer)."""
-    return getattr(hf_attention, "indexer", None) is not None
+    """Whether a transformers MLA attention layer has DeepSeek's sparse attention: a lightning indexer,
+    or (GLM-5's "shared" layers) an ``indexer`` of None, the layer reusing the previous one's top-k."""
+    return getattr(hf_attention, "indexer", None) is not None or getattr(hf_attention, "skip_topk", False)
+
+
+def check_indexer(indexer) -> None:
+    """Refuse an indexer that is not called as V3.2's (``INDEXER_ARGUMENTS``), naming its class."""
+    names = tuple(inspect.signature(type(indexer).forward).parameters)[1:]
+    own_keys = hasattr(indexer, "_cached_keys")  # transformers 5.4's GLM-5 indexer
+    n = len(INDEXER_ARGUMENTS)
+    if names[:n] != INDEXER_ARGUMENTS or names[n:n + 1] not in [(c,) for c in CACHE_NAMES] or own_keys:
+        how = "keeps its keys on the module (_cached_keys)" if own_keys else f"takes {names}"
+        raise ValueError(f"hf_attention: its indexer {type(indexer).__name__} {how}, which the sparse adapter does "
+                         f"not call: it calls DeepSeek-V3.2's {INDEXER_ARGUMENTS} and the cache, "
+                         f"its keys in the cache (cache.update_indexer); upgrade transformers (GLM-5's DSA: 5.19 "
+                         f"or later)")
 
 
 class SparseLatentAttention(LatentAttention):
@@ -45,7 +73,8 @@ class SparseLatentAttention(LatentAttention):
     Args: those of :class:`~.attention.LatentAttention`, and
         indexer: the layer's lightning indexer (``DeepseekV32Indexer``): called as transformers calls it,
             ``indexer(hidden_states, q_resid, position_embeddings, mask [B, T, C], position_ids, cache=)``
-            -> chosen columns [B, T, topk].
+            -> chosen columns [B, T, topk]; None for a layer that reuses the previous layer's choice
+            (``host.shared_topk``: GLM-5's "shared" layers).
     """
 
     def __init__(self, config, layer_idx: int, projections: Optional[dict] = None,
@@ -55,12 +84,11 @@ class SparseLatentAttention(LatentAttention):
         if config.q_lora_rank is None:
             raise ValueError("hf_attention: DeepSeek's indexer reads the query's low-rank residual (q_a_proj, "
                              "q_a_layernorm), so its attention needs q_lora_rank; this config has none")
-        if indexer is not None:
-            self.indexer = indexer
+        self.indexer = indexer
 
     @classmethod
     def from_hf(cls, hf_attention, settings: Optional[LatentSettings] = None, hf_rotary=None,
-                **overrides) -> "SparseLatentAttention":
+                host=None, **overrides) -> "SparseLatentAttention":
         """The qkmla layer for an HF sparse attention layer, sharing its weights and adopting its
         indexer as it is (transformers keeps the indexer's ``weights_proj`` in float32 in a
         bfloat16 model; its dtypes are left alone)."""
@@ -70,30 +98,49 @@ class SparseLatentAttention(LatentAttention):
         if settings is not None and settings.policy is not None:
             raise ValueError("policy: a sparse attention model's indexer selects among every cached token, so its "
                              "latent cache cannot evict tokens; patch it with policy=None")
-        indexer = hf_attention._modules.pop("indexer")  # the projections alone set the layer's dtype and device
-        try:
-            layer = super().from_hf(hf_attention, settings, hf_rotary, **overrides)
-        finally:
-            hf_attention._modules["indexer"] = indexer
+        indexer = getattr(hf_attention, "indexer", None)
+        if indexer is not None:
+            check_indexer(indexer)
+        elif host is None or not host.shared_topk:
+            raise ValueError(f"hf_attention: a {type(hf_attention).__name__} without an indexer reuses the previous "
+                             f"layer's top-k, which its family's row does not say (HostAttention.shared_topk)")
+        with _without_indexer(hf_attention):  # the projections alone set the layer's dtype and device
+            layer = super().from_hf(hf_attention, settings, hf_rotary, host, **overrides)
         layer.indexer = indexer
         return layer
 
     def with_norm(self, norm) -> "SparseLatentAttention":
-        indexer = self._modules.pop("indexer")
-        try:
+        indexer = self.indexer
+        with _without_indexer(self):
             layer = super().with_norm(norm)
-        finally:
-            self._modules["indexer"] = indexer
         layer.indexer = indexer
         return layer
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
-        """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size], None).
+        """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size],
+        None), and the chosen columns [B, T, topk] third where the family shares its top-k across layers
+        (``host.shared_topk``; a layer without an indexer takes ``prev_topk_indices``).
 
         ``position_embeddings`` (transformers' cos, sin) go to the indexer; ``attention_mask``
         (transformers' own, None under ``apply_latent_attention``) is not read: the indexer's mask
         is built from ``qkmla_call`` and the cache's record of padding.
         """
+        out, chosen = self._attend(hidden_states, position_embeddings, kwargs)
+        return (out, None, chosen) if self.host.shared_topk else (out, None)
+
+    def _choose(self, x, q_resid, position_embeddings, visible, position_ids, cache, previous):
+        """The columns each new token attends to [B, T, topk]: this layer's indexer's choice, or the
+        previous layer's (``previous``, GLM-5's "shared" layers: the same columns, the same mask)."""
+        if self.indexer is not None:
+            # the cache by position: its name is the transformers version's (CACHE_NAMES)
+            return self.indexer(x, q_resid, position_embeddings, visible, position_ids, cache)
+        if previous is None:
+            raise ValueError("prev_topk_indices: this layer reuses the previous layer's top-k (its family's "
+                             "indexer_types say 'shared'), and got none; the first layer must have an indexer")
+        return previous.to(x.device)
+
+    def _attend(self, hidden_states: torch.Tensor, position_embeddings, kwargs):
+        """``forward``'s work: (output [B, T, hidden_size], chosen columns [B, T, topk])."""
         cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
                      None)
         x = hidden_states
@@ -110,8 +157,10 @@ class SparseLatentAttention(LatentAttention):
         B, T = x.shape[:2]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # the indexer's query input, as transformers computes it
         new = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        previous = kwargs.get("prev_topk_indices")
         if cache is None:
-            return self._uncached_sparse(x, q_resid, position_embeddings, position_ids, valid, documents, new), None
+            return self._uncached_sparse(x, q_resid, position_embeddings, position_ids, valid, documents, new,
+                                         previous)
         if documents is not None:
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
@@ -121,7 +170,7 @@ class SparseLatentAttention(LatentAttention):
         visible = _causal(T, columns.shape[1], x.device) & columns[:, None, :]  # [B, T, C + T]
         before = layer.columns
         try:
-            chosen = self.indexer(x, q_resid, position_embeddings, visible, position_ids, cache=cache)
+            chosen = self._choose(x, q_resid, position_embeddings, visible, position_ids, cache, previous)
             indices = column_slots(columns, visible, chosen)  # [B, T, topk]
             positions = rope_positions(position_ids, self.settings.policy, B, T)  # transformers' own, as attention.py
             if valid is None:
@@ -138,22 +187,40 @@ class SparseLatentAttention(LatentAttention):
             layer.drop_indexer_columns(before)  # the latent cache took its rows out again (its transaction)
             raise
         layer.advance(valid, B, T)
-        return out, None
+        return out, chosen
 
-    def _uncached_sparse(self, x, q_resid, position_embeddings, position_ids, valid, documents, new):
+    def _uncached_sparse(self, x, q_resid, position_embeddings, position_ids, valid, documents, new, previous=None):
         """The explicit path over x alone (training, scoring): each token attends to the indexer's
-        choice among the tokens before it in its sequence. -> [B, T, hidden_size]."""
+        choice among the tokens before it in its sequence. -> ([B, T, hidden_size], chosen [B, T, topk])."""
         B, T = x.shape[:2]
         visible = _causal(T, T, x.device) & new[:, None, :]
         if documents is not None:
             visible = visible & (documents[:, :, None] == documents[:, None, :])
-        chosen = self.indexer(x, q_resid, position_embeddings, visible, position_ids, cache=None)
+        chosen = self._choose(x, q_resid, position_embeddings, visible, position_ids, None, previous)
         mask = torch.zeros_like(visible).scatter_(-1, chosen.long(), True) & visible
         if valid is not None:  # a padded query sees itself, so no row is empty (its output is dropped)
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
-        return self.o_proj(sdpa(q, k, v, self.scale, mask=mask).flatten(2))
+        return self.o_proj(sdpa(q, k, v, self.scale, mask=mask).flatten(2)), chosen
+
+
+class _without_indexer:
+    """Within it, ``module`` has no ``indexer`` submodule (put back after, whatever happens), so that
+    building or copying the layer from its projections leaves the indexer as it is (transformers keeps
+    its ``weights_proj`` in float32 in a bfloat16 model)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __enter__(self):
+        self.indexer = self.module._modules.pop("indexer", None)  # None: no module (a "shared" layer's)
+        return self.module
+
+    def __exit__(self, *exc):
+        if self.indexer is not None:
+            self.module._modules["indexer"] = self.indexer
+        return False
 
 
 def _causal(T: int, C: int, device) -> torch.Tensor:
