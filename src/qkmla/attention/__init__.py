@@ -1,4 +1,6 @@
-"""Attention layers: MLA (explicit, absorbed, expand paths) and MHA/GQA/MQA baselines."""
+"""Attention layers: MLA (explicit, absorbed, expand paths), the MHA/GQA/MQA baselines, DeepSeek-V4's
+shared key=value attention (``shared_kv``) and the top-k selection of cached rows for sparse decode
+(``selection``)."""
 
 from .mha import MultiHeadAttention
 from .absorbed import AbsorbedWeights
