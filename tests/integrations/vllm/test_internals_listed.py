@@ -54,7 +54,7 @@ def listed_identifiers() -> set[str]:
     """The identifiers in backticks in the first column of the section's tables (what vLLM provides)."""
     names = set()
     for line in internals_section().splitlines():
-        if not line.startswith("| ") or line.startswith("| vLLM ") or line.startswith("|---"):
+        if not line.startswith("| ") or line.startswith(("| vLLM ", "|---")):
             continue
         first = line.split(" | ")[0]
         for code in re.findall(r"`([^`]+)`", first):

@@ -101,8 +101,8 @@ def test_the_attention_backend_asked_for_reaches_the_checks_and_is_honoured(mode
     (None, {"parallel_config.decode_context_parallel_size": 2}, {},
      "decode_context_parallel_size: qkmla's vLLM backend serves"),
     ("FLASHMLA", {}, {}, "attention_backend: .* got 'FLASHMLA'"),
-    ("other platform's", {}, {}, "attention_backend: qkmla's vLLM backend serves .* on {platform} with "
-                                 "--attention-backend"),
+    ("other platform's", {}, {}, ("attention_backend: qkmla's vLLM backend serves .* on {platform} with "
+                                  "--attention-backend")),
     (None, {}, {"VLLM_MLA_DISABLE": "1"}, "VLLM_MLA_DISABLE: qkmla's vLLM backend serves .* unset it"),
     (None, {"cache_config.cache_dtype": "fp8"}, {}, "kv_cache_dtype: qkmla's vLLM backend serves"),
     (None, {"model_config.quantization": "fp8"}, {}, "quantization: qkmla's vLLM backend serves"),
