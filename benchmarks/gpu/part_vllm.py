@@ -186,7 +186,7 @@ def summarize(record: dict) -> list[str]:
              fmt(r.get("step_over_TRITON_MLA"), 3), fmt(r.get("step_over_FLASHMLA"), 3)]
             for r in sorted(record.get("rows", []), key=lambda r: (r["context"], r["batch"], r["arm"]))]
     unit = record.get("unit_tests")
-    tested = [f"- the plugin's CUDA-path tests (`{unit['command']}`): {unit['summary']}"] if unit else []
+    tested = [f"- the plugin's CUDA-path tests (`{unit['command']}`): {unit['summary']}", ""] if unit else []
     lines = tested + table(["arm", "context", "batch", "KV bytes / token", "step ms", "attention ms", "tokens/s",
                    "step over TRITON_MLA", "step over FLASHMLA"], body)
     for e in record.get("errors", []):
