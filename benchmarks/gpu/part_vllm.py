@@ -11,6 +11,12 @@ within it, each layer's ``forward_mqa``). The arms take turns at each point. Rat
 and attention time over each stock arm's, at each point. FlashMLA needs a Hopper or newer GPU; where
 vLLM refuses an arm, its error is recorded and the others run.
 
+Before the engines, the plugin's tests of its CUDA path that need no engine run on the GPU, in a
+process of their own (``UNIT_TESTS``, recorded under "unit_tests", a failure among the errors): the
+CUDA impl's Triton decode on CUDA tensors, vLLM's own cache op writing the wider row, and the cache
+write and the decode captured in a CUDA graph and replayed; elsewhere those run in Triton's
+interpreter or skip (the dry run selects only the GPU-only ones, which skip).
+
 Needs vLLM built for CUDA (``pip install vllm``; qkmla's plugin states the releases it supports): on
 a machine without vLLM the part is skipped, naming it. The dry run serves the same code paths on the
 CPU at tiny shapes: the QK-normed arm through qkmla's CPU backend against vLLM's CPU_MLA (the GPU
@@ -20,9 +26,14 @@ backends are recorded as not run).
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
+from ..common import ROOT
 from .suite import PartContext, fmt, run_unit, table
 
 SHAPE = dict(vocab_size=384, hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=16,
@@ -34,6 +45,10 @@ REAL = dict(shape=SHAPE, dtype="bfloat16", contexts=(1024, 8192, 32768), batches
             eager=False, max_num_seqs=32)
 DRY = dict(shape=DRY_SHAPE, dtype="float32", contexts=(32,), batches=(1, 2), new_tokens=3, rounds=1, eager=True,
            max_num_seqs=2)
+# The plugin's engine-free tests of its CUDA path, and the selection run on a GPU and in the dry run
+# (there only the GPU-only tests: the others take minutes in Triton's interpreter and run in CI)
+UNIT_TESTS = ("tests/integrations/vllm/test_backend.py", "tests/integrations/vllm/test_cuda_decode.py")
+UNIT_SELECTION = {"gpu": "cuda or gpu or triton", "dry": "on_a_gpu"}
 # (arm, checkpoint, --attention-backend on a GPU, on the CPU (None: not run there))
 ARMS = (("qknorm", "qknorm", None, None), ("TRITON_MLA", "plain", "TRITON_MLA", "CPU_MLA"),
         ("FLASHMLA", "plain", "FLASHMLA", None))
@@ -76,6 +91,33 @@ def start(ctx: PartContext, cfg: dict, name: str, model: Path, backend) -> "obje
     return worker
 
 
+def unit_tests(ctx: PartContext) -> list:
+    """pytest over ``UNIT_TESTS`` (``-k UNIT_SELECTION``) in a process of its own, with this checkout's
+    src/ first on the path: the command, the counts of its summary line and the ids of the tests that
+    failed, as the record's "unit_tests" (its log beside the record); RuntimeError if any failed."""
+    selection = UNIT_SELECTION["dry" if ctx.dry_run else "gpu"]
+    # pyproject's addopts replaced: its -q beside this one would drop the summary line read below
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=--import-mode=importlib", "-q",
+               "-rfE", "-k", selection, *UNIT_TESTS]
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                          timeout=max(60.0, min(600.0, ctx.time_left())))
+    (ctx.out / f"{ctx.stem}_unit_tests.log").write_text(done.stdout + done.stderr)
+    ends = [line.strip("= ") for line in done.stdout.splitlines()
+            if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b|no tests ran", line)]
+    summary = ends[-1] if ends else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary)}
+    result = {"command": " ".join(["python", *command[1:]]), "exit": done.returncode, "summary": summary,
+              "passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
+              "skipped": counts.get("skipped", 0), "errors": counts.get("error", 0) + counts.get("errors", 0),
+              "failures": re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, flags=re.MULTILINE)}
+    ctx.record["unit_tests"] = result
+    if done.returncode not in (0, 5) or result["failed"] or result["errors"]:  # 5: every test deselected
+        raise RuntimeError(f"{summary or 'no summary'} (exit {done.returncode}): {result['failures']}")
+    return []  # no rows: the timed rows are the arms'
+
+
 def run(ctx: PartContext) -> None:
     if importlib.util.find_spec("vllm") is None:
         ctx.record.update(status="skipped", reason="vLLM is not installed here (pip install vllm, a CUDA build of a "
@@ -85,6 +127,7 @@ def run(ctx: PartContext) -> None:
 
     cfg = DRY if ctx.dry_run else REAL
     ctx.record.update(config={k: v for k, v in cfg.items() if k != "shape"}, shape=cfg["shape"], rows=[])
+    run_unit(ctx, "the plugin's CUDA-path tests", lambda: unit_tests(ctx))
     work = Path(tempfile.mkdtemp(prefix="qkmla-vllm-part-"))
     models = checkpoints(work, cfg["shape"])
     workers = {}
@@ -142,7 +185,9 @@ def summarize(record: dict) -> list[str]:
              fmt(r["median_attention_ms"], 3), fmt(r["decode_tokens_per_s"], 0),
              fmt(r.get("step_over_TRITON_MLA"), 3), fmt(r.get("step_over_FLASHMLA"), 3)]
             for r in sorted(record.get("rows", []), key=lambda r: (r["context"], r["batch"], r["arm"]))]
-    lines = table(["arm", "context", "batch", "KV bytes / token", "step ms", "attention ms", "tokens/s",
+    unit = record.get("unit_tests")
+    tested = [f"- the plugin's CUDA-path tests (`{unit['command']}`): {unit['summary']}", ""] if unit else []
+    lines = tested + table(["arm", "context", "batch", "KV bytes / token", "step ms", "attention ms", "tokens/s",
                    "step over TRITON_MLA", "step over FLASHMLA"], body)
     for e in record.get("errors", []):
         lines.append(f"- error: {e}")

@@ -278,28 +278,115 @@ def test_decode_on_the_paged_cache_equals_the_formula_and_needs_the_scalars(mode
     assert (out - ignored).abs().max() > 1e-2  # the scalars matter: the negative control differs
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
-                    reason="runs the Triton kernel in Triton's interpreter")
+# where qkmla's Triton kernel runs: on a GPU, or in Triton's interpreter on the CPU (tests/conftest.py sets it)
+TRITON_HERE = importlib.util.find_spec("triton") is not None and (torch.cuda.is_available()
+                                                                  or os.environ.get("TRITON_INTERPRET") == "1")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not TRITON_HERE, reason="runs the Triton kernel: on a GPU or in Triton's interpreter")
 @pytest.mark.parametrize("mode, padding", [("blockwise", 0), ("unified", 0), ("blockwise", 4)])
 def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding, cuda_impl_here):
     """The CUDA backend's impl (vLLM's TRITON_MLA with QKNormImpl) decoding vLLM's rows (padded as
-    on CUDA where 576 + h is not a multiple of 8) through qkmla's Triton kernel, here in Triton's
-    interpreter on the CPU (not yet run on a GPU)."""
+    on CUDA where 576 + h is not a multiple of 8) through qkmla's Triton kernel: on a GPU where
+    there is one, else in Triton's interpreter on the CPU (the kernel's dots in IEEE float32 on both)."""
     from qkmla.integrations.vllm.backend import cuda_backend
 
     lengths = [3, 40, 17]
     cache, table, rows = paged(lengths, padding=padding)
     g = torch.Generator().manual_seed(1)
     q_lat, q_rope = torch.randn(3, H, D_C, generator=g), torch.randn(3, H, D_R, generator=g)
-    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=torch.tensor(lengths, dtype=torch.int32)),
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table.to(DEVICE),
+                                                  seq_lens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE)),
                            max_seq_len=max(lengths))
     layer = impl(mode, cuda_backend, "triton")
     assert cuda_backend().get_name() == "QKMLA_TRITON" and not layer.can_return_lse_for_decode
-    out, lse = layer.forward_mqa((q_lat, q_rope), cache.float(), meta, None)
+    out, lse = layer.forward_mqa((q_lat.to(DEVICE), q_rope.to(DEVICE)), cache.float().to(DEVICE), meta, None)
+    assert out.device.type == DEVICE.type
+    out = out.cpu()
     want = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     ignored = reference_decode(q_lat.double(), q_rope.double(), rows, layer.scale, mode, use_scalars=False)
     assert (out.double() - ignored).abs().max() > 1e-2
+
+
+def vllms_cache_op():
+    """vLLM's concat_and_cache_mla where its CUDA build is installed and a GPU is here, else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import vllm._custom_ops  # noqa: F401  (loads vllm._C, which registers torch.ops._C_cache_ops)
+    except ImportError:
+        return None
+    return getattr(torch.ops._C_cache_ops, "concat_and_cache_mla", None)
+
+
+@pytest.mark.parametrize("padding", [0, 4])
+def test_on_a_gpu_vllms_cache_op_writes_the_rows_the_torch_write_writes(padding):
+    """The write through vLLM's own op (its CUDA build, on a GPU), handed the RoPE key with the
+    scalars appended and a view of each row's first d_c + d_r + G values, writes what the torch
+    write (its reference) writes, bit for bit in bfloat16: padding tokens and a padded row's padding
+    left alone. Skipped without a GPU (test_on_cuda_the_cache_write_is_vllms_own_op_over_the_wider_row
+    checks the call against the op as its source states it)."""
+    if vllms_cache_op() is None:
+        pytest.skip("needs vLLM's CUDA build on a GPU (its concat_and_cache_mla)")
+    from qkmla.integrations.vllm.backend import vllm_cache_write, write_rows
+
+    g = torch.Generator().manual_seed(4)
+    c = torch.randn(5, D_C, generator=g).bfloat16()
+    k_pe = torch.cat((torch.randn(5, 1, D_R, generator=g), torch.rand(5, 1, H, generator=g) + 0.5), -1).bfloat16()
+    slots = torch.tensor([19, 33, 20, -1, 47])
+    want = torch.full((4, BLOCK, D_C + D_R + H + padding), float("nan"), dtype=torch.bfloat16)
+    write_rows(want.view(-1, want.shape[-1])[:, :D_C + D_R + H], slots, torch.cat((c, k_pe[:, 0]), -1))
+    cache = torch.full_like(want, float("nan")).cuda()
+    assert vllm_cache_write(cache) is not None
+    impl().do_kv_cache_update(c.cuda(), k_pe.cuda(), cache, slots.cuda(), "auto", None, False)
+    torch.testing.assert_close(cache.cpu(), want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="captures a CUDA graph: needs a GPU")
+def test_on_a_gpu_the_cache_write_and_the_decode_replay_in_a_cuda_graph(cuda_impl_here):
+    """What vLLM's CUDA graphs hold of a QK-normed layer's decode step: the cache write (vLLM's op
+    where its build has it, else the torch write) and qkmla's Triton decode, captured once (a host
+    sync or a shape read from the device would fail the capture) and replayed with other queries,
+    rows, slots and lengths: the cache and the output are an eager step's, bit for bit."""
+    from qkmla.integrations.vllm.backend import cuda_backend
+
+    g = torch.Generator().manual_seed(7)
+    bf16, dev = torch.bfloat16, torch.device("cuda")
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev, bf16)
+    layer = impl("blockwise", cuda_backend, "triton")
+    cache = torch.cat((rand(8, BLOCK, D_C + D_R), (torch.rand(8, BLOCK, H, generator=g) + 0.5).to(dev, bf16)), -1)
+    table = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32, device=dev)
+    lengths = torch.tensor([40, 20], dtype=torch.int32, device=dev)
+    slots = torch.tensor([3 * BLOCK + 7, 5 * BLOCK + 3], device=dev)  # each sequence's newest token
+    c, k_pe, q_lat, q_rope = rand(2, D_C), rand(2, 1, D_R + H), rand(2, H, D_C), rand(2, H, D_R)
+    meta = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=lengths), max_seq_len=48)
+
+    def step():
+        layer.do_kv_cache_update(c, k_pe, cache, slots, "auto", None, False)
+        return layer.forward_mqa((q_lat, q_rope), cache, meta, None)[0]
+    step()  # eager first, as vLLM's warm-up runs: Triton compiles, the launch configuration settles
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    first = out.clone()
+    for t, new in ((c, rand(2, D_C)), (k_pe, rand(2, 1, D_R + H)), (q_lat, rand(2, H, D_C)),
+                   (q_rope, rand(2, H, D_R)), (lengths, torch.tensor([39, 20], dtype=torch.int32, device=dev)),
+                   (slots, torch.tensor([3 * BLOCK + 6, 5 * BLOCK + 3], device=dev))):
+        t.copy_(new)
+    before = cache.clone()
+    graph.replay()
+    replayed, replayed_cache = out.clone(), cache.clone()
+    cache.copy_(before)
+    eager = step()
+    torch.testing.assert_close(replayed_cache, cache, rtol=0, atol=0)
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
+    assert not torch.equal(replayed, first)  # the replay read the new values
 
 
 def test_the_cuda_impl_reserves_its_decode_buffers_in_vllms_profile_run(monkeypatch, cuda_impl_here):

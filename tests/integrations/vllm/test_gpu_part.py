@@ -10,14 +10,20 @@ from benchmarks.gpu import part_vllm, run  # noqa: E402
 
 
 def test_the_gpu_suites_vllm_part_runs_its_dry_run(tmp_path):
-    """Part 7 on the CPU at tiny shapes: the QK-normed checkpoint through qkmla's CPU backend and the
-    plain one through vLLM's CPU_MLA, each an engine of its own, a row per arm and point with the
-    fields the real run fills on a GPU; the GPU-only arm (FlashMLA) recorded as not run."""
+    """Part 7 on the CPU at tiny shapes: the plugin's GPU-only tests (skipped here), then the QK-normed
+    checkpoint through qkmla's CPU backend and the plain one through vLLM's CPU_MLA, each an engine of
+    its own, a row per arm and point with the fields the real run fills on a GPU; the GPU-only arm
+    (FlashMLA) recorded as not run."""
     out = tmp_path / "dry"
     assert run.main(["--dry-run", "--parts", "vllm", "--out", str(out)]) == 0
     record = json.loads((out / "7_vllm.json").read_text())
     assert record["status"] == "ok", (record.get("errors"), record.get("error"))
     assert record["not_run"] == ["FLASHMLA (a GPU backend)"]
+    # the plugin's GPU-only tests, run first in a process of their own: here they skip
+    unit = record["unit_tests"]
+    assert (unit["passed"], unit["failed"], unit["errors"], unit["skipped"]) == (0, 0, 0, 3), unit
+    assert unit["command"].endswith("-k on_a_gpu " + " ".join(part_vllm.UNIT_TESTS))
+    assert (out / "7_vllm_unit_tests.log").exists()
     rows = {(r["arm"], r["context"], r["batch"]): r for r in record["rows"]}
     points = [(c, b) for c in part_vllm.DRY["contexts"] for b in part_vllm.DRY["batches"]]
     assert set(rows) == {(arm, c, b) for arm in ("qknorm", "TRITON_MLA") for c, b in points}
