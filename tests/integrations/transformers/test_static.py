@@ -4,7 +4,9 @@
 static=True)`` decode with the growing cache's tokens and logits; a compiled decode step breaks
 its graph nowhere inside attention (the patched model's breaks are the stock model's, all in
 transformers' MoE loop), a compiled attention layer traces whole (``fullgraph=True``), and one
-graph serves every step (no recompile per step). Settings a static cache cannot hold are refused
+graph serves every step (no recompile per step); ``output_attentions=True`` gives the unpatched
+model's weights over its own static cache, and compiled steps give the eager steps' weights. Settings
+a static cache cannot hold are refused
 by name before any work. The graphs are compiled with the ``eager`` backend: dynamo's tracing
 is what decides graph breaks; inductor's code generation would only cost the suite minutes.
 

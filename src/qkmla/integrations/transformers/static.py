@@ -20,7 +20,8 @@ branch on a tensor's value, so one graph serves every decode step. The decode op
 (``ops.mla_decode.naive``) is written out in torch here; its fast backends size their work from
 the filled length, which a fixed-shape graph cannot. A prefill into the empty cache (T > 1,
 run eagerly by ``generate``) takes the explicit path over the new tokens, as the growing cache
-does.
+does, unless the attention weights are asked for (``output_attentions``): they are the masked
+softmax over the L columns, [B, h, T, L] as transformers' static cache lays them out.
 
 Only dense rows that keep every token fit this shape: another ``kv_format`` or an eviction
 policy is refused when the cache is built (:func:`check_static_settings`).
