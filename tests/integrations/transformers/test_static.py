@@ -4,7 +4,9 @@
 static=True)`` decode with the growing cache's tokens and logits; a compiled decode step breaks
 its graph nowhere inside attention (the patched model's breaks are the stock model's, all in
 transformers' MoE loop), a compiled attention layer traces whole (``fullgraph=True``), and one
-graph serves every step (no recompile per step). Settings a static cache cannot hold are refused
+graph serves every step (no recompile per step); ``output_attentions=True`` gives the unpatched
+model's weights over its own static cache, and compiled steps give the eager steps' weights. Settings
+a static cache cannot hold are refused
 by name before any work. The graphs are compiled with the ``eager`` backend: dynamo's tracing
 is what decides graph breaks; inductor's code generation would only cost the suite minutes.
 
@@ -12,6 +14,8 @@ Models are the tiny random DeepSeek-V3 models of ``test_model.py``.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -139,16 +143,54 @@ def test_a_compiled_attention_layer_traces_whole_and_one_graph_serves_every_step
     assert counter.frame_count == 1
 
 
+def static_attentions(model, ids, mask, **kwargs):
+    """``generate`` over a static cache, asked for the attention weights (3 new tokens unless told)."""
+    kwargs = {"max_new_tokens": 3, **kwargs}
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, cache_implementation="static",
+                              output_attentions=True, return_dict_in_generate=True, **kwargs)
+
+
 def test_generate_through_transformers_compile_path_matches_eager(normed):
+    """Tokens and logits as the growing cache's; asked for all outputs, as transformers'
+    ``test_generate_compilation_all_outputs`` asks, the compiled steps' attention weights are the
+    eager static steps' (one compiled run serves both checks: compiling is the suite's cost)."""
     model = normed
     config = transformers.CompileConfig(backend="eager", fullgraph=False, dynamic=False)
     config._compile_all_devices = True  # transformers compiles on a CPU only when told
     torch._dynamo.reset()
-    tokens, logits = generate(model, cache_implementation="static", compile_config=config)
-    eager_tokens, eager_logits = generate(model)
-    assert torch.equal(tokens, eager_tokens)
-    torch.testing.assert_close(logits, eager_logits, rtol=0, atol=1e-10)
+    ids, mask = padded_batch()
+    compiled = static_attentions(model, ids, mask, max_new_tokens=NEW, compile_config=config, output_logits=True,
+                                 output_hidden_states=True)
     assert hasattr(model, "_compiled_call")  # the decode steps ran compiled
+    eager_tokens, eager_logits = generate(model)
+    assert torch.equal(compiled.sequences[:, ids.shape[1]:], eager_tokens)
+    torch.testing.assert_close(torch.stack(compiled.logits, dim=1), eager_logits, rtol=0, atol=1e-10)
+    reference = static_attentions(model, ids, mask, max_new_tokens=NEW)
+    assert len(compiled.attentions) == NEW
+    for c, r in zip(compiled.attentions, reference.attentions):
+        torch.testing.assert_close(torch.stack(c), torch.stack(r), rtol=0, atol=1e-10)
+
+
+def test_output_attentions_over_a_static_cache_are_the_stock_models_weights(stock):
+    """The weights in transformers' static layout [B, h, T, max_cache_len], against the unpatched
+    model's eager attention over its own static cache (the row without padding: eager's padding
+    query rows are NaN). Compiled steps' weights: the compile-path test above."""
+    eager = copy.deepcopy(stock)
+    eager.set_attn_implementation("eager")  # the stock attention that returns weights
+    model = patched(eager)
+    ids, mask = left_padded(prompts([6, 8]))
+    want, got = static_attentions(eager, ids[1:], mask[1:]), static_attentions(model, ids, mask)
+    assert torch.equal(got.sequences[1:], want.sequences)
+    assert len(got.attentions) == len(want.attentions) == 3
+    for step, (w, g) in enumerate(zip(want.attentions, got.attentions)):
+        for w_layer, g_layer in zip(w, g):
+            assert g_layer.shape == (2, *w_layer.shape[1:])
+            assert g_layer.shape[-1] == 8 + 3 - 1  # the capacity generate sizes: the last token is never fed back
+            torch.testing.assert_close(g_layer[1:], w_layer, rtol=0, atol=1e-6)
+            assert float(g_layer[0, ..., :2].abs().max()) == 0.0  # row 0's two padding columns
+            assert float(g_layer[..., 8 + step:].abs().sum()) == 0.0  # columns not yet written
+            torch.testing.assert_close(g_layer.sum(-1)[0, :, -1], torch.ones_like(g_layer[0, :, -1, 0]))
 
 
 # -- refused ----------------------------------------------------------------------------------

@@ -270,11 +270,10 @@ class LatentAttention(MLA):
                 raise ValueError("cache_implementation: this family's position-dependent query scale "
                                  "(llama_4_scaling_beta) is not applied over a static latent cache; use the growing "
                                  "cache (the default)")
+            out, weights = static_attend(self, layer, x, valid, kwargs.get("position_ids"), want)
             if want:
-                raise ValueError("output_attentions: the attention weights are not returned over a static latent "
-                                 "cache (cache_implementation='static'); ask for them with the growing cache "
-                                 "(the default)")
-            return static_attend(self, layer, x, valid, kwargs.get("position_ids")), None
+                call.attentions[self.layer_idx] = weights
+            return out, weights
         positions = rope_positions(kwargs.get("position_ids"), self.settings.policy, x.shape[0], x.shape[1])
         latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
         if visible is not None:

@@ -20,7 +20,8 @@ branch on a tensor's value, so one graph serves every decode step. The decode op
 (``ops.mla_decode.naive``) is written out in torch here; its fast backends size their work from
 the filled length, which a fixed-shape graph cannot. A prefill into the empty cache (T > 1,
 run eagerly by ``generate``) takes the explicit path over the new tokens, as the growing cache
-does.
+does, unless the attention weights are asked for (``output_attentions``): they are the masked
+softmax over the L columns, [B, h, T, L] as transformers' static cache lays them out.
 
 Only dense rows that keep every token fit this shape: another ``kv_format`` or an eviction
 policy is refused when the cache is built (:func:`check_static_settings`).
@@ -249,21 +250,26 @@ def _absorbed_weights(attn):
 
 
 def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: Optional[torch.Tensor],
-                  position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+                  position_ids: Optional[torch.Tensor], weights: bool = False):
     """``attn`` (a LatentAttention) over ``layer``'s columns and x's new ones, x's rows written.
 
     Args:
         x: [B, T, hidden_size].
         valid: [B, T] bool (False: padding) or None (all real).
         position_ids: [B, T] or [1, T], transformers' positions; None: the column numbers.
+        weights: also return the attention weights (``output_attentions=True``).
 
     Returns:
-        [B, T, hidden_size]; padding positions give zeros.
+        (output [B, T, hidden_size], padding positions giving zeros; the attention weights
+        [B, h, T, L] in transformers' static-cache layout, one column per cache column, unwritten
+        and padding columns and padding queries' rows 0, if ``weights``, else None).
     """
     B, T = x.shape[:2]
     layer.allocate(B, x.device, x.dtype)
     layer.check_room(T)
-    prefill = T > 1 and not torch.compiler.is_compiling() and int(layer.length) == 0
+    # Asked for the weights, the prefill too takes the absorbed form over the columns: its
+    # probabilities are the weights, laid out as transformers' static cache lays them out.
+    prefill = T > 1 and not weights and not torch.compiler.is_compiling() and int(layer.length) == 0
     columns = layer.length + torch.arange(T, device=x.device)  # [T]
     positions = (position_ids if position_ids is not None else columns[None]).to(x.device).expand(B, T)
     real = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
@@ -271,16 +277,24 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     c_kv, k_r = attn.latent(x)
     k_r, key_scale = _key_rows(attn, c_kv, k_r, w.w_uk)
     layer.write(columns, c_kv, attn.rotary(k_r, positions).squeeze(2), key_scale, real)
+    probs = None
     if prefill:  # the explicit path over the new tokens alone, as the growing cache's prefill
         out, _ = attn._uncached(x, valid, positions)
     else:
-        out = attn.project_out(_attend_columns(attn, layer, x, positions, columns, w), x)
-    return out if valid is None else out.masked_fill(~valid[..., None], 0.0)
+        heads, probs = _attend_columns(attn, layer, x, positions, columns, w)
+        out = attn.project_out(heads, x)
+    out = out if valid is None else out.masked_fill(~valid[..., None], 0.0)
+    if not weights:
+        return out, None
+    if valid is not None:  # padding queries get no weights, as over the growing cache (weights.py)
+        probs = probs.masked_fill(~valid[:, None, :, None], 0.0)
+    return out, probs.to(x.dtype)
 
 
 def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positions: torch.Tensor,
-                    columns: torch.Tensor, w) -> torch.Tensor:
-    """The absorbed form over all L columns, masked: heads' outputs [B, T, h, d_v].
+                    columns: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed form over all L columns, masked: (heads' outputs [B, T, h, d_v], the
+    probabilities [B, h, T, L], which the outputs are computed from).
 
     Query t (column columns[t]) sees column j when j <= columns[t] and j holds a real token, or
     j is its own column (a padding query sees itself, so no row of the softmax is empty). The
@@ -307,4 +321,4 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
     visible = ((j[None, :] <= columns[:, None]) & layer.key_valid[:, None, :]) | own  # [B, T, L]
     probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("bhtl,blc->bthc", probs, cached).to(x.dtype)
-    return values_out(o_lat, w)
+    return values_out(o_lat, w), probs

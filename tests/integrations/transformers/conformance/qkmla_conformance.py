@@ -33,7 +33,7 @@ MODE = os.environ.get("QKMLA_CONFORMANCE", "patched")
 
 # test name (the function, without parametrisation) -> why it cannot pass on a patched model.
 # Tests that look at transformers' own attention class, its config setter or switch attention
-# implementations; and one gap named as such (issue 52), to be served and removed from here.
+# implementations.
 EXPECTED_FAILURES = {
     "test_can_set_attention_dynamically": "switches the model to transformers' attention implementations "
                                           "(set_attn_implementation), which a patched model refuses by design",
@@ -42,9 +42,6 @@ EXPECTED_FAILURES = {
     "test_sdpa_can_dispatch_non_composite_models": "asserts config._attn_implementation == 'sdpa'",
     "test_sdpa_can_dispatch_composite_models": "asserts config._attn_implementation == 'sdpa'",
     "test_torch_export": "traces transformers' attention-interface dispatch",
-    "test_generate_compilation_all_outputs": "GAP, not by design: asks a compiled static-cache generate for "
-                                             "attention weights (output_attentions=True), which qkmla's static "
-                                             "latent cache refuses, naming the growing cache that returns them",
     "test_attention_outputs": "sets config.output_attentions = True on the patched model's config, and "
                               "transformers' PretrainedConfig setter refuses that for any attn_implementation but "
                               "'eager' (a patched model's is 'qkmla_latent'); the test's first half, "

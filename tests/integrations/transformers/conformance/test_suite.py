@@ -4,7 +4,9 @@ Opt-in: set ``QKMLA_TRANSFORMERS_TESTS`` to a transformers source tree (its ``te
 ``src/``, at the installed transformers version; how to get one: docs/interop.md). Each test
 here runs one model test file twice in a subprocess, stock (``QKMLA_CONFORMANCE=stock``) and
 with every DeepSeek model it builds patched (``qkmla_conformance.py``), and fails if a test that
-passes on stock does not pass patched, bar ``EXPECTED_FAILURES``. Slow: minutes per file.
+passes on stock does not pass patched, bar ``EXPECTED_FAILURES``. Slow: over an hour per file
+on a loaded 2-core CPU; ``QKMLA_CONFORMANCE_SELECT`` (a pytest ``-k`` expression, e.g.
+``"generate or cache or attention or past_key"``) runs a subset of each file, both ways.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 TREE = os.environ.get("QKMLA_TRANSFORMERS_TESTS")
+SELECT = os.environ.get("QKMLA_CONFORMANCE_SELECT")
 
 
 def tree_version(tree: Path) -> str:
@@ -47,8 +50,9 @@ def run(tree: Path, model: str, mode: str, out: Path) -> dict[str, str]:
     junit = out / f"{model}-{mode}.xml"
     env = dict(os.environ, QKMLA_CONFORMANCE=mode,
                PYTHONPATH=os.pathsep.join([str(HERE), str(tree), os.environ.get("PYTHONPATH", "")]))
+    select = ["-k", SELECT] if SELECT else []
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "qkmla_conformance",
-                    "--confcutdir", str(tree / "tests"), f"--junitxml={junit}",
+                    "--confcutdir", str(tree / "tests"), f"--junitxml={junit}", *select,
                     f"tests/models/{model}/test_modeling_{model}.py"], cwd=tree, env=env, check=False)
     return outcomes(junit)
 
