@@ -226,6 +226,34 @@ def check_path(name: str, path: PathLike, what: str = "path") -> Path:
     return path
 
 
+# What each kind of output directory holds at its top, by the command that writes it. A command
+# that writes a directory of its own (train, demo, experiment) never writes into another's,
+# whatever --overwrite says: --overwrite replaces the command's own files, and those of the other
+# would be left mixed with them. (convert and convert-gqa refuse any directory that is not a
+# transformers checkpoint themselves.)
+DIRECTORY_KINDS = {
+    "train": ("a qkmla training run", ("status.json", "checkpoint.safetensors", "metrics.jsonl")),
+    "demo": ("a qkmla demo", ("demo.json",)),
+    "experiment": ("an experiment's results", ("summary.json", "results.jsonl")),
+    "convert": ("a transformers checkpoint", ("model.safetensors", "model.safetensors.index.json",
+                                             "pytorch_model.bin")),
+}
+
+
+def check_own_directory(name: str, out: PathLike, command: str) -> None:
+    """Before any work: ValueError naming option ``name`` if the directory ``out`` holds another
+    command's output (:data:`DIRECTORY_KINDS`) that ``command`` would write beside."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for owner, (what, files) in DIRECTORY_KINDS.items():
+        found = [f for f in files if (out / f).exists()] if owner != command else []
+        if found:
+            raise ValueError(f"{name}: {out} holds {what} ({', '.join(found)}); qkmla {command} does not write "
+                             f"into another command's directory (--overwrite replaces only its own files); write "
+                             "elsewhere")
+
+
 def check_writable(name: str, directory: PathLike) -> None:
     """ValueError naming ``name`` if files cannot be made in the existing ``directory`` (read-only,
     no permission), found by making one, before any work."""
