@@ -13,8 +13,10 @@ also fsyncs the file before the rename and the directory after it, so what a lat
 :func:`write_directory` writes a directory (a converted checkpoint) the same way.
 :func:`check_output` refuses, before any work, an output that is an input of the command, or
 exists, unless ``--overwrite`` says to replace it (``qkmla experiment`` also refuses another
-experiment's results: ``experiments.base``); :func:`check_path` and :func:`check_writable`
-refuse paths the OS cannot use, naming the option.
+experiment's results: ``experiments.base``); :func:`check_own_directory` refuses a directory
+that holds another command's output (a training run, a demo, an experiment's results, a
+transformers checkpoint) to a command that writes a directory of its own; :func:`check_path` and
+:func:`check_writable` refuse paths the OS cannot use, naming the option.
 """
 
 from __future__ import annotations
