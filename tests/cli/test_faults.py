@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -49,7 +50,10 @@ from qkmla.cli.commands import build_parser
 SRC = Path(__file__).resolve().parents[2] / "src"
 CLASSES = ("output", "path", "disk", "signal", "size", "environment", "concurrent", "cpuset")
 CONSTRUCTORS = ("LatentCache", "FullKVCache", "PagedLayout", "GPTConfig", "GPT", "TrainConfig", "StreamingLLM", "H2O",
-                "SnapKV", "MLAConfig", "QKNormConfig", "AttentionConfig", "CacheShape")
+                "SnapKV", "MLAConfig", "QKNormConfig", "AttentionConfig", "CacheShape",
+                # and the public callables whose arguments size or steer the work: the decode op, the
+                # transformers adapter's cache
+                "mla_decode_with_kvcache", "LatentAttentionCache")
 # The public classes that are not constructors of the table: each with the reason. A public class
 # in neither (a new cache, config or policy) fails test_every_public_class_is_a_constructor_or_has_a_reason.
 NOT_CONSTRUCTORS = {
@@ -880,6 +884,73 @@ def generate_non_utf8(env: Env) -> None:
     assert a.strip() == b.strip()  # the same text from either name
 
 
+def other_commands_directory(env: Env, argv: list) -> None:
+    """``argv + [DIR]`` with DIR a training run's directory, then a transformers checkpoint's: refused
+    whatever --overwrite says, nothing written there (the demo and the experiments wrote their files
+    beside the run's / the checkpoint's)."""
+    kinds = (("run", {"status.json": '{"status": "done"}', "checkpoint.safetensors": "x"}, "a qkmla training run"),
+             ("hf", {"config.json": '{"model_type": "deepseek_v3"}', "model.safetensors": "x"},
+              "a transformers checkpoint"))
+    for name, files, what in kinds:
+        d = env.tmp / name
+        d.mkdir()
+        for f, text in files.items():
+            (d / f).write_text(text)
+        before = snapshot(d)
+        refuse(env, argv + [d], f"--out: .* holds {what} .*does not write into another command's directory")
+        assert snapshot(d) == before and sorted(os.listdir(d)) == sorted(files)
+
+
+def decode_arguments(env: Env) -> None:
+    """The decode op's max_seqlen below max(cache_seqlens) dropped the slots past it (max error 2.08
+    against the reference); num_splits -2 and a NaN among the per-head logit scales were accepted."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    g = torch.Generator().manual_seed(0)
+    q_lat, q_rope = torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 4, 4, generator=g)
+    kv, lens = torch.randn(2, 8, 12, generator=g), torch.tensor([8, 4])
+
+    def decode(backend="torch", softmax_scale=0.3, **kw):
+        return mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=softmax_scale, backend=backend,
+                                       **kw)[0]
+
+    raises(lambda: decode(max_seqlen=2), ValueError, r"max_seqlen: expected max\(cache_seqlens\) = 8")
+    raises(lambda: decode(max_seqlen=-1), ValueError, "max_seqlen: expected None or an int >= 0")
+    raises(lambda: decode(num_splits=-2), ValueError, "num_splits: expected an int >= 0")
+    raises(lambda: decode(softmax_scale=torch.tensor([0.3, math.nan, 0.3, 0.3])), ValueError,
+           "softmax_scale: expected finite logit scales")
+    torch.testing.assert_close(decode(max_seqlen=8), decode("naive"))  # the right hint: the reference's answer
+
+
+def static_cache_past_memory(env: Env, hf: Path) -> None:
+    """A static LatentAttentionCache of max_cache_len 2**50 reached torch's allocator at the first
+    forward ("you tried to allocate 180143985094819840 bytes")."""
+    from transformers import AutoModelForCausalLM
+
+    from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+    model = apply_latent_attention(AutoModelForCausalLM.from_pretrained(hf))
+    cache = LatentAttentionCache(model, static=True, max_cache_len=2**50)
+    # the cache argument's name: `past_key_values` until transformers 5.2x, `cache` since
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    raises(lambda: model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache}), ValueError,
+           "max_cache_len: .*need at least .* more than the .* of memory available")
+
+
+def convert_gqa_kv_heads_not_dividing(env: Env) -> None:
+    """A Qwen3 config whose num_key_value_heads does not divide num_attention_heads (8 of 4, 3 of 4)
+    ended in ZeroDivisionError and 'internal error'."""
+    transformers = pytest.importorskip("transformers")
+    for G in (8, 3):
+        d = env.tmp / f"kv{G}"
+        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=G, head_dim=16)).save_pretrained(d)
+        refuse(env, ["convert-gqa", "--hf", d, "--out", env.tmp / "o"],
+               f"--hf: num_key_value_heads={G} must divide num_attention_heads=4")
+        assert not (env.tmp / "o").exists()
+
+
 def constructor_rows():
     from qkmla.cache.eviction import H2O, SnapKV, StreamingLLM
     from qkmla.cache.full import FullKVCache
@@ -939,6 +1010,15 @@ def constructor_rows():
             lambda e: [raises(lambda: GPTConfig(vocab_size=0), ValueError, "vocab_size"),
                        raises(lambda: GPTConfig(n_layer=True), ValueError, "n_layer"),
                        raises(lambda: GPTConfig(dropout=math.nan), ValueError, "dropout")]),
+        Row("GPTConfig", "size", "kv_lora_rank 0 (became the default), shared_kv_dim -8 (named head_dim), n_kv_head 0",
+            lambda e: [raises(lambda: GPTConfig(kv_lora_rank=0), ValueError,
+                              "kv_lora_rank: expected a positive int or None, got 0"),
+                       raises(lambda: GPTConfig(attn="v4", shared_kv_dim=-8), ValueError, "shared_kv_dim: expected"),
+                       raises(lambda: GPTConfig(attn="gqa", n_kv_head=0), ValueError, "n_kv_head: expected")]),
+        Row("mla_decode_with_kvcache", "size", "max_seqlen below max(cache_seqlens) (dropped slots), num_splits -2, "
+            "a NaN softmax_scale tensor", decode_arguments),
+        Row("LatentAttentionCache", "size", "static, max_cache_len=2**50 (torch's allocator)", static_cache_past_memory,
+            hf=True),
         Row("GPTConfig", "size", "a field set after construction",
             lambda e: raises(lambda: setattr(GPTConfig(), "mlp_ratio", 0.0), AttributeError, "mlp_ratio")),
         Row("MLAConfig", "size", "num_heads 0, 2**70 (beyond int64); kv_lora_rank NaN; a field set after construction",
@@ -1035,6 +1115,12 @@ def cli_rows():
             (e.tmp / "link").symlink_to(e.tmp / "hf"),
             refuse(e, train_ok(e, e.tmp / "link") + ["--overwrite"], "--out: .*config.json is not a qkmla run's file"),
             (e.tmp / "hf" / "config.json").read_text() == '{"model_type": "x"}' or pytest.fail("changed")]),
+        Row("train", "output", "--out an experiment's or a demo's directory (trained beside their files)", lambda e: [
+            (e.tmp / "x").mkdir(), (e.tmp / "x" / "summary.json").write_text('{"experiment": "length"}'),
+            refuse(e, train_ok(e, e.tmp / "x") + ["--overwrite"], "--out: .* holds an experiment's results"),
+            (e.tmp / "d").mkdir(), (e.tmp / "d" / "demo.json").write_text("{}"),
+            refuse(e, train_ok(e, e.tmp / "d"), "--out: .* holds a qkmla demo"),
+            os.listdir(e.tmp / "x") == ["summary.json"] or pytest.fail("wrote into it")]),
         Row("train", "output", "--out holds a run, without --resume/--overwrite", lambda e: refuse(
             e, train_ok(e, e.run), "--out: .* already holds a run with status 'done'")),
         Row("train", "path", "--out read-only, over-long, under a file", lambda e: [
@@ -1176,6 +1262,8 @@ def cli_rows():
             (e.tmp / "t.txt").write_text("text to calibrate on"),
             refuse(e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--calibration-tokens", "-1",
                        "--calibration-text", e.tmp / "t.txt"], "--calibration-tokens: expected an int >= 2")], hf=True),
+        Row("convert-gqa", "size", "num_key_value_heads not dividing num_attention_heads (ZeroDivisionError)",
+            convert_gqa_kv_heads_not_dividing),
         Row("convert-gqa", "size", "--calibration-tokens without --calibration-text (ignored)", lambda e, hf: refuse(
             e, ["convert-gqa", "--hf", hf, "--out", e.tmp / "o", "--calibration-tokens", str(10**20)],
             "--calibration-tokens: only read with --calibration-text"), hf=True),
@@ -1187,6 +1275,8 @@ def cli_rows():
         Row("experiment", "output", "--out a symlink to another experiment's directory",
             lambda e: experiment_over_another(e, link=True)),
         Row("experiment", "output", "--quick over finished full runs", experiment_quick_over_full),
+        Row("experiment", "output", "--out a training run or a transformers checkpoint, --overwrite (wrote beside it)",
+            lambda e: other_commands_directory(e, ["experiment", "length", "--quick", "--overwrite", "--out"])),
         Row("experiment", "path", "--out read-only (one 'run failed' per run), over-long, under a file", lambda e: [
             refuse(e, ["experiment", "norm-mode", "--quick", "--out", read_only_dir(e)], "--out: cannot (write in|make)"),
             refuse(e, ["experiment", "norm-mode", "--quick", "--out", e.tmp / ("a" * 300)],
@@ -1195,6 +1285,14 @@ def cli_rows():
             refuse(e, ["experiment", "norm-mode", "--quick", "--out", e.tmp / "f"], "--out: cannot make")]),
         Row("experiment", "path", "a run's checkpoint fails its checksum (TypeError, 'internal error')",
             experiment_over_a_corrupt_checkpoint),
+        Row("experiment", "path", "--sweep to an experiment that does not read it (ignored); not lr-sweep rows "
+            "(a bare JSON error)", lambda e: [
+                (e.tmp / "s.jsonl").write_text('not json\n{"a":'),
+                refuse(e, ["experiment", "qknorm-confirm", "--quick", "--sweep", e.tmp / "s.jsonl", "--out", e.tmp / "x"],
+                       "--sweep: qknorm-confirm does not read lr-sweep results .* the experiments that do: .*length"),
+                refuse(e, ["experiment", "length", "--quick", "--sweep", e.tmp / "s.jsonl", "--out", e.tmp / "x",
+                           "--workers", "1"], "--sweep: .*s.jsonl holds no lr-sweep results with mla-qknorm"),
+                (e.tmp / "s.jsonl").read_text().startswith("not json") or pytest.fail("changed the sweep")]),
         Row("experiment", "path", "--sweep missing", lambda e: refuse(
             e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
@@ -1223,6 +1321,8 @@ def cli_rows():
             (e.tmp / "d").mkdir(), (e.tmp / "d" / "demo.json").write_text("{}"),
             refuse(e, ["demo", "--out", e.tmp / "d"], "--out: .* already holds a demo"),
             refuse(e, ["demo", "--out", e.tmp / "d" / "demo.json"], "--out: .* is a file")]),
+        Row("demo", "output", "--out a training run or a transformers checkpoint, --overwrite (wrote beside it)",
+            lambda e: other_commands_directory(e, ["demo", "--steps", "1", "--overwrite", "--out"])),
         Row("demo", "path", "--out over-long", lambda e: refuse(
             e, ["demo", "--out", e.tmp / ("a" * 300), "--steps", "1"], r"--out: cannot use the demo directory .*\(File name too long")),
         Row("demo", "disk", "a full disk at the first checkpoint: one line naming it", demo_full_disk),
@@ -1274,8 +1374,6 @@ ROWS = cli_rows() + constructor_rows()
 def test_every_public_class_is_a_constructor_or_has_a_reason():
     """The constructors are not found by the parser as subcommands are: every public class of
     qkmla, qkmla.cache, the model and the trainer is either one (with rows) or has a reason."""
-    import inspect
-
     import qkmla
     import qkmla.cache
     from qkmla.cache.size import CacheShape

@@ -433,6 +433,10 @@ def _experiment(args: argparse.Namespace) -> int:
     if not 0 <= args.workers <= cpus:
         raise ValueError(f"--workers: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
                          f"run on (its affinity), got {args.workers}")
+    if args.sweep is not None and not EXPERIMENTS[args.name].reads_sweep:  # else silently ignored
+        readers = ", ".join(name for name, e in EXPERIMENTS.items() if e.reads_sweep)
+        raise ValueError(f"--sweep: {args.name} does not read lr-sweep results (it picks its own learning rates); "
+                         f"the experiments that do: {readers}")
     if args.sweep is not None and not Path(args.sweep).is_file():
         raise ValueError(f"--sweep: no such results file: {args.sweep}")
     out = check_path("--out", args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}",
@@ -588,9 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quick", action="store_true", help="the test-sized grid (seconds)")
     e.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the experiment's)")
     e.add_argument("--out", default=None, help="directory (default runs/experiments/NAME)")
-    e.add_argument("--workers", type=int, default=0, help="processes, one thread each (default: one per core)")
-    e.add_argument("--sweep", default=None, help="lr-sweep results.jsonl giving each variant's best lr "
-                                                 "(default: OUT/../lr-sweep/results.jsonl)")
+    e.add_argument("--workers", type=int, default=0, help="processes, one thread each (default 0: one per core)")
+    e.add_argument("--sweep", default=None, help="lr-sweep results.jsonl giving each variant's best lr, for the "
+                                                 "experiments that train at it (length, lp-sweep, norm-mode, qk-clip; "
+                                                 "refused for the others) (default: OUT/../lr-sweep/results.jsonl)")
     e.add_argument("--overwrite", action="store_true",
                    help="replace another experiment's results in OUT, or finished runs there trained with other "
                         "settings (without it, refused)")

@@ -24,7 +24,7 @@ import torch
 
 from ..cache.size import CacheShape, cache_rows
 from ..utils.errors import Stopped
-from ..utils.files import check_path, write_text
+from ..utils.files import check_own_directory, check_path, write_text
 from ..model.generate import generate
 from ..model.gpt import GPT
 from ..train.data import Corpus, get_batch
@@ -113,6 +113,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     out = check_path("out", out, "demo directory")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {out} is a file; it names the demo's directory")
+    check_own_directory("out", out, "demo")
     held = [p for p in [run for *_, run in _run_dirs(out)] + [out / "curves.png", out / "demo.json"] if p.exists()]
     if held and not overwrite:
         raise ValueError(f"out: {out} already holds a demo ({', '.join(p.name for p in held[:3])}"

@@ -154,7 +154,11 @@ def source_attention_shape(model) -> tuple[int, int, int, int]:
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if D % 2:
         raise ValueError(f"model: head_dim {D} is odd; RoPE rotates pairs")
-    return c.hidden_size, c.num_attention_heads, c.num_key_value_heads, D
+    H, G = c.num_attention_heads, c.num_key_value_heads
+    if not (isinstance(G, int) and G >= 1 and H % G == 0):  # a malformed config.json, not a bug here
+        raise ValueError(f"model: num_key_value_heads={G!r} must divide num_attention_heads={H} (each KV head "
+                         f"serves a whole group of query heads)")
+    return c.hidden_size, H, G, D
 
 
 def rope_theta_of(config) -> float:

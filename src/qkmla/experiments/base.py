@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..train.rundir import RunLock, read_status
-from ..utils.files import check_writable, same_file, write_text
+from ..utils.files import check_own_directory, check_writable, same_file, write_text
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
@@ -70,6 +70,7 @@ class Experiment:
     measure: Optional[Callable[[Path], dict]] = None
     adaptive: bool = False
     thin_metrics: Optional[Callable[[list[dict]], list[dict]]] = None  # archived metrics rows (redraw)
+    reads_sweep: bool = False  # trains at the lr-sweep's best rates (--sweep); other experiments pick their own
 
 
 def train_settings(quick: bool, steps: int, **changes) -> dict:
@@ -92,7 +93,12 @@ def sweep_lr(options: Options, variant: str = "mla-qknorm", optimizer: str = "ad
     it came from (recorded in the results)."""
     path = options.sweep_results
     if Path(path).is_file():
-        return best_lr(read_results(path), variant, optimizer)[0], f"best {optimizer} lr of {variant} in {path}"
+        try:
+            lr = best_lr(read_results(path), variant, optimizer)[0]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not rows of an lr-sweep (a JSON error too)
+            raise ValueError(f"--sweep: {path} holds no lr-sweep results with {variant} ({optimizer}) runs "
+                             f"({type(e).__name__}: {e})") from None
+        return lr, f"best {optimizer} lr of {variant} in {path}"
     return DEFAULT_LR, f"default {DEFAULT_LR:g} (no lr-sweep results at {path})"
 
 
@@ -116,6 +122,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
         raise ValueError(f"--out: cannot make the experiment directory {out} ({e.strerror})") from None
     check_writable("--out", out)
     with RunLock(out), stop_requests() as stop:
+        check_own_directory("--out", out, "experiment")
         _check_out(experiment, options)
         t0 = time.perf_counter()
         if not experiment.adaptive:

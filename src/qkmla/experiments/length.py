@@ -92,4 +92,4 @@ def report(rows: list[dict], options: Options) -> Report:
 
 
 EXPERIMENT = Experiment("length", "train at one length, evaluate at 1x/2x/4x: plain vs QK-normed MLA",
-                        plan, report, measure)
+                        plan, report, measure, reads_sweep=True)

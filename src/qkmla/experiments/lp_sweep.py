@@ -128,4 +128,4 @@ def report(rows: list[dict], options: Options) -> Report:
 
 
 EXPERIMENT = Experiment("lp-sweep", "Lp QK norm over p on MHA and MLA, with temperature-matched controls",
-                        plan, report)
+                        plan, report, reads_sweep=True)

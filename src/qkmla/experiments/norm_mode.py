@@ -46,4 +46,5 @@ def report(rows: list[dict], options: Options) -> Report:
     return Report(summary, table(header, lines), figures)
 
 
-EXPERIMENT = Experiment("norm-mode", "blockwise vs unified QK RMSNorm on MLA: loss and step time", plan, report)
+EXPERIMENT = Experiment("norm-mode", "blockwise vs unified QK RMSNorm on MLA: loss and step time", plan, report,
+                        reads_sweep=True)

@@ -112,4 +112,4 @@ def report(rows: list[dict], options: Options) -> Report:
 
 
 EXPERIMENT = Experiment("qk-clip", "QK-norm vs QK-Clip vs plain MLA at each one's best lr: max logit, grad norm",
-                        plan, report, measure)
+                        plan, report, measure, reads_sweep=True)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..utils.files import write_text
+from ..utils.files import check_own_directory, write_text
 from .checkpoint import FILENAME
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
@@ -157,6 +157,7 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
         ValueError: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
     """
     out = Path(out)
+    check_own_directory("out", out, "train")
     notes = []
     for name in RUN_FILES:
         if (out / name).is_dir():

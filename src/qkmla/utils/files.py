@@ -13,8 +13,10 @@ also fsyncs the file before the rename and the directory after it, so what a lat
 :func:`write_directory` writes a directory (a converted checkpoint) the same way.
 :func:`check_output` refuses, before any work, an output that is an input of the command, or
 exists, unless ``--overwrite`` says to replace it (``qkmla experiment`` also refuses another
-experiment's results: ``experiments.base``); :func:`check_path` and :func:`check_writable`
-refuse paths the OS cannot use, naming the option.
+experiment's results: ``experiments.base``); :func:`check_own_directory` refuses a directory
+that holds another command's output (a training run, a demo, an experiment's results, a
+transformers checkpoint) to a command that writes a directory of its own; :func:`check_path` and
+:func:`check_writable` refuse paths the OS cannot use, naming the option.
 """
 
 from __future__ import annotations
@@ -224,6 +226,34 @@ def check_path(name: str, path: PathLike, what: str = "path") -> Path:
     except OSError as e:
         raise ValueError(f"{name}: cannot use the {what} {path} ({e.strerror})") from None
     return path
+
+
+# What each kind of output directory holds at its top, by the command that writes it. A command
+# that writes a directory of its own (train, demo, experiment) never writes into another's,
+# whatever --overwrite says: --overwrite replaces the command's own files, and those of the other
+# would be left mixed with them. (convert and convert-gqa refuse any directory that is not a
+# transformers checkpoint themselves.)
+DIRECTORY_KINDS = {
+    "train": ("a qkmla training run", ("status.json", "checkpoint.safetensors", "metrics.jsonl")),
+    "demo": ("a qkmla demo", ("demo.json",)),
+    "experiment": ("an experiment's results", ("summary.json", "results.jsonl")),
+    "convert": ("a transformers checkpoint", ("model.safetensors", "model.safetensors.index.json",
+                                             "pytorch_model.bin")),
+}
+
+
+def check_own_directory(name: str, out: PathLike, command: str) -> None:
+    """Before any work: ValueError naming option ``name`` if the directory ``out`` holds another
+    command's output (:data:`DIRECTORY_KINDS`) that ``command`` would write beside."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    for owner, (what, files) in DIRECTORY_KINDS.items():
+        found = [f for f in files if (out / f).exists()] if owner != command else []
+        if found:
+            raise ValueError(f"{name}: {out} holds {what} ({', '.join(found)}); qkmla {command} does not write "
+                             f"into another command's directory (--overwrite replaces only its own files); write "
+                             "elsewhere")
 
 
 def check_writable(name: str, directory: PathLike) -> None:

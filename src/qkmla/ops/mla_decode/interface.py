@@ -157,16 +157,40 @@ def check_indices(indices, topk_length, q_lat: torch.Tensor, visible_lens=None) 
                              f"got {topk_length.device}")
 
 
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values costs no device-to-host copy and no graph break."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_softmax_scale(softmax_scale, H: int) -> None:
-    """A ValueError naming ``softmax_scale`` unless it is a finite number or a tensor [H]."""
+    """A ValueError naming ``softmax_scale`` unless it is a finite number or a floating tensor [H]
+    (its values checked finite where reading them is free: a CPU tensor, outside compilation)."""
     if isinstance(softmax_scale, torch.Tensor):
-        if softmax_scale.shape != (H,):
-            raise ValueError(f"softmax_scale: expected a float or a tensor [H={H}], got {tuple(softmax_scale.shape)}")
+        if softmax_scale.shape != (H,) or not softmax_scale.dtype.is_floating_point:
+            raise ValueError(f"softmax_scale: expected a float or a floating-point tensor [H={H}], got "
+                             f"{softmax_scale.dtype} {tuple(softmax_scale.shape)}")
+        if _host_readable(softmax_scale) and not bool(torch.isfinite(softmax_scale).all()):
+            raise ValueError(f"softmax_scale: expected finite logit scales, got {softmax_scale.tolist()}")
         return
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
             or not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale: expected the logit scale (a finite float, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
+
+
+def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor) -> None:
+    """ValueErrors naming ``num_splits`` (an int >= 0) and ``max_seqlen`` (None, or an int >= 0 and,
+    where reading the lengths is free, at least max(cache_seqlens): a shorter one would drop the
+    slots past it without a word)."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 picks one that fills the GPU), got {num_splits!r}")
+    if max_seqlen is None:
+        return
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"max_seqlen: expected None or an int >= 0 (max(cache_seqlens)), got {max_seqlen!r}")
+    if _host_readable(cache_seqlens) and cache_seqlens.numel() and int(cache_seqlens.max()) > max_seqlen:
+        raise ValueError(f"max_seqlen: expected max(cache_seqlens) = {int(cache_seqlens.max())} (or None), got "
+                         f"{max_seqlen}; the slots past it would be left out of the attention")
 
 
 def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
@@ -230,6 +254,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
                         kv_format)
     check_indices(indices, topk_length, q_lat, visible_lens)
     check_softmax_scale(softmax_scale, q_lat.shape[2])
+    check_split_and_length(num_splits, max_seqlen, cache_seqlens)
     backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     if backend == "cpu":
