@@ -90,6 +90,7 @@ def test_refuses_bad_arguments_naming_them(argv, option, tmp_path, capsys):
 def test_committed_result_states_its_command_and_every_stage():
     result = json.loads(COMMITTED.read_text())
     assert "--quick" not in result["command"]
-    check_result(result, command="python benchmarks/hf_qknorm_recipe.py")  # as it ran, before the package
+    check_result(result)
+    assert not result["commit"].endswith("+dirty"), "the committed run names a clean commit"
     assert result["source_training"]["tokens"] > 0 and result["source_training"]["train_loss"]
     assert isinstance(result["control_plain_mla"], dict)
