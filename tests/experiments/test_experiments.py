@@ -148,6 +148,10 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     refused(["experiment", "qk-clip", "--sweep", str(tmp_path / "none.jsonl")], "--sweep: no such results file")
     refused(["experiment", "qk-clip", "--quick", "--out", str(tmp_path / "alone" / "qk-clip")],
             "run `qkmla experiment lr-sweep --quick")
+    not_a_sweep = tmp_path / "not-a-sweep.jsonl"
+    not_a_sweep.write_text("{not json\n")
+    refused(["experiment", "qk-clip", "--quick", "--sweep", str(not_a_sweep), "--out", str(tmp_path / "q")],
+            f"--sweep: {not_a_sweep} holds no lr-sweep results")
 
 
 def test_finished_runs_archived_by_redraw_are_restored_and_not_trained_again(tmp_path):

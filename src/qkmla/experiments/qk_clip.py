@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Experiment, Options, Report, train_settings
+from .base import Experiment, Options, Report, sweep_best_lr, train_settings
 from .figures import fmt, pyplot, save, table
 from .grid import Run
 from .lr_sweep import TIGHT_TAU, VARIANTS
-from .results import best_lr, curve, group, mean_std, read_results, values
+from .results import curve, group, mean_std, values
 from ..train.plot import read_metrics
 
 OPTIMIZER = "muon"
@@ -31,8 +31,7 @@ def _lrs(options: Options) -> dict[str, float]:
         raise ValueError(f"sweep: needs the lr-sweep results for each variant's best learning rate, and {path} "
                          f"does not exist: run `qkmla experiment lr-sweep{' --quick' if options.quick else ''} "
                          f"--out {Path(path).parent}` first, or pass --sweep FILE")
-    rows = read_results(path)
-    return {v: best_lr(rows, v, OPTIMIZER)[0] for v in COMPARED}
+    return {v: sweep_best_lr(path, v, OPTIMIZER) for v in COMPARED}
 
 
 def plan(options: Options) -> list[Run]:

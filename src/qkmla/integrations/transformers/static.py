@@ -97,8 +97,9 @@ class StaticLatentCacheLayer(TransformersView, CacheLayerMixin):
                                  f"runs {dtype} on {device}; pass a new cache")
             return
         c, L = self.config, self.max_cache_len
-        check_allocation("max_cache_len", batch_size * L * (c.kv_lora_rank + c.qk_rope_head_dim) * dtype.itemsize,
-                         f"{batch_size} sequence(s) of max_cache_len={L} latent rows", device)
+        if not torch.compiler.is_compiling():  # it reads the machine's free memory: nothing to trace
+            check_allocation("max_cache_len", batch_size * L * (c.kv_lora_rank + c.qk_rope_head_dim) * dtype.itemsize,
+                             f"{batch_size} sequence(s) of max_cache_len={L} latent rows", device)
         self.latent = torch.zeros(batch_size, L, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
         G = c.num_key_scalars
         self.key_scale = torch.zeros(batch_size, L, G, dtype=dtype, device=device) if G else None
