@@ -1171,7 +1171,7 @@ def cli_rows():
             (e.tmp / "c.png").write_text("x"),
             refuse(e, ["plot", e.run, "--out", e.tmp / "c.png"], "--out: .* already exists; pass --overwrite")]),
         Row("plot", "path", "a run directory missing; --out read-only", lambda e: [
-            refuse(e, ["plot", e.tmp / "none", "--out", e.tmp / "c.png"], "run_dir: no metrics.jsonl in"),
+            refuse(e, ["plot", e.tmp / "none", "--out", e.tmp / "c.png"], "runs: no metrics.jsonl in"),
             refuse(e, ["plot", e.run, "--out", read_only_dir(e) / "c.png"], ".*c.png", code=1)]),
         Row("plot", "path", "--out or a run over-long (printed the name alone)", lambda e: [
             refuse(e, ["plot", e.run, "--out", e.tmp / ("b" * 300 + ".png")],

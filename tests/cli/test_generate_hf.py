@@ -66,6 +66,15 @@ def test_the_checkpoint_loads_in_its_recorded_dtype_on_the_named_device(bf16_dir
     assert next(loads[-1].parameters()).dtype == torch.float32
 
 
+def test_a_config_without_a_model_type_is_refused_as_not_a_transformers_checkpoint(tmp_path, refused):
+    root = tmp_path / "a-qkmla-run"  # a qkmla run's config.json names no model_type
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"n_layer": 2, "attn": "mla-qknorm"}))
+    refused(["generate", "--hf", str(root), "--dtype", "float32", "--max-new-tokens", "1"],
+            r"--hf: .*names no model_type, so it is not a transformers checkpoint \(a qkmla training run is "
+            r"generated from as the run argument, without --hf\)")
+
+
 def test_a_config_without_a_dtype_loads_in_float32_and_one_that_is_not_loadable_is_refused(bf16_dir, tmp_path, loads,
                                                                                           refused):
     root = tmp_path / "ckpt"

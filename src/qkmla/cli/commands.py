@@ -98,6 +98,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if status["status"] in ("done", "time limit") else 1
 
 
+def _as_options(error: ValueError, names: dict[str, str]) -> ValueError:
+    """``error`` with the Python API's argument name that leads it as this command's option
+    (``names``: API name -> option), so a refusal names what the user typed."""
+    name, _, rest = str(error).partition(": ")
+    return ValueError(f"{names.get(name, name)}: {rest}")
+
+
 def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -109,7 +116,10 @@ def _plot(args: argparse.Namespace) -> int:
         check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
     check_output("--out", [args.out], inputs, args.overwrite, "figure")
-    path = plot_runs(args.runs, args.out)
+    try:
+        path = plot_runs(args.runs, args.out)
+    except ValueError as e:
+        raise _as_options(e, {"run_dir": "runs"}) from None
     print(f"wrote {path}")
     return 0
 
@@ -236,10 +246,8 @@ def _generate_hf(args: argparse.Namespace, policy) -> int:
         with device:
             texts = generate_hf(args.hf, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                                 args.kv_format, policy, dtype)
-    except ValueError as e:  # the Python API's argument names, as this command's options
-        name, _, rest = str(e).partition(": ")
-        raise ValueError(f"{ {'hf_dir': '--hf', 'max_new_tokens': _tokens_flag(args.argv)}.get(name, name)}: "
-                         f"{rest}") from None
+    except ValueError as e:
+        raise _as_options(e, {"hf_dir": "--hf", "max_new_tokens": _tokens_flag(args.argv)}) from None
     for text in texts:
         print(text)
         print("-" * 40)
@@ -285,7 +293,10 @@ def _generate(args: argparse.Namespace) -> int:
                f"{args.max_new_tokens} new tokens for each of {len(args.prompt)} prompt(s)")
     if any(not p for p in args.prompt):
         raise ValueError("--prompt: expected text to continue, got an empty prompt")
-    model, tok = load_model(args.run)
+    try:
+        model, tok = load_model(args.run)
+    except ValueError as e:
+        raise _as_options(e, {"run_dir": "run"}) from None
     try:
         prompts = [tok.encode(p) for p in args.prompt]
     except ValueError as e:

@@ -38,6 +38,9 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         model_type = json.loads((root / "config.json").read_text()).get("model_type")
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"hf_dir: {root / 'config.json'} cannot be read: {e}") from None
+    if model_type is None:
+        raise ValueError(f"hf_dir: {root / 'config.json'} names no model_type, so it is not a transformers "
+                         "checkpoint (a qkmla training run is generated from as the run argument, without --hf)")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
                          f"({', '.join(SUPPORTED[:2])})")
