@@ -154,6 +154,17 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
             f"--sweep: {not_a_sweep} holds no lr-sweep results")
 
 
+def test_the_sweep_help_names_the_experiments_that_read_it():
+    """--sweep's help lists its readers as a literal (the parser does not import the experiments);
+    this keeps the literal equal to the experiments' own reads_sweep."""
+    from qkmla.cli.commands import build_parser
+
+    experiment = build_parser()._subparsers._group_actions[0].choices["experiment"]
+    sweep = next(a for a in experiment._actions if "--sweep" in a.option_strings)
+    listed = re.search(r"at it \(([^;]+);", sweep.help).group(1).split(", ")
+    assert listed == sorted(name for name, e in EXPERIMENTS.items() if e.reads_sweep)
+
+
 def test_finished_runs_archived_by_redraw_are_restored_and_not_trained_again(tmp_path):
     from qkmla.experiments.grid import ARCHIVED, archive_runs, restore_runs
 
