@@ -77,7 +77,8 @@ def test_arms_of_a_seed_share_their_batches_and_initial_tensors(tmp_path, monkey
 
 
 def test_the_seeds_are_fresh():
-    used = {r.get("seed") for path in COMMITTED.glob("*/results.jsonl")
+    # Every other experiment's committed seeds: v4-compare's own results reuse its seeds by design.
+    used = {r.get("seed") for path in COMMITTED.glob("*/results.jsonl") if path.parent.name != "v4-compare"
             for r in map(json.loads, path.read_text().splitlines())}
     used |= set(CONFIRM_SEEDS)
     assert used and not (set(SEEDS) | set(TUNING_SEEDS)) & used

@@ -314,7 +314,7 @@ def test_per_head_softmax_scale_is_each_heads_logit_scale(backend):
         want, want_lse = mla_decode_with_kvcache(**{**args, "softmax_scale": float(scales[h])}, backend=backend)
         torch.testing.assert_close(out[:, :, h], want[:, :, h], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[:, :, h], want_lse[:, :, h], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match=r"softmax_scale: expected a float or a tensor \[H=8\]"):
+    with pytest.raises(ValueError, match=r"softmax_scale: expected a float or a floating-point tensor \[H=8\]"):
         mla_decode_with_kvcache(**{**args, "softmax_scale": scales[:3]}, backend=backend)
 
 
