@@ -152,6 +152,11 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     not_a_sweep.write_text("{not json\n")
     refused(["experiment", "qk-clip", "--quick", "--sweep", str(not_a_sweep), "--out", str(tmp_path / "q")],
             f"--sweep: {not_a_sweep} holds no lr-sweep results")
+    default = tmp_path / "d" / "lr-sweep" / "results.jsonl"  # --sweep's default beside --out, not typed
+    default.parent.mkdir(parents=True)
+    default.write_text("{not json\n")
+    refused(["experiment", "qk-clip", "--quick", "--out", str(tmp_path / "d" / "qk-clip")],
+            re.escape(f"--sweep (not given; its default is OUT/../lr-sweep/results.jsonl): {default} holds no lr-sweep"))
 
 
 def test_the_sweep_help_names_the_experiments_that_read_it():

@@ -93,17 +93,21 @@ def sweep_lr(options: Options, variant: str = "mla-qknorm", optimizer: str = "ad
     it came from (recorded in the results)."""
     path = options.sweep_results
     if Path(path).is_file():
-        return sweep_best_lr(path, variant, optimizer), f"best {optimizer} lr of {variant} in {path}"
+        return sweep_best_lr(path, variant, optimizer, options.sweep is not None), \
+            f"best {optimizer} lr of {variant} in {path}"
     return DEFAULT_LR, f"default {DEFAULT_LR:g} (no lr-sweep results at {path})"
 
 
-def sweep_best_lr(path: Path, variant: str, optimizer: str) -> float:
+def sweep_best_lr(path: Path, variant: str, optimizer: str, given: bool = True) -> float:
     """The variant's best lr in the lr-sweep results file ``path``; a ValueError naming --sweep
-    and the file when it holds no such rows (another command's file, or not JSON lines)."""
+    and the file when it holds no such rows (another command's file, or not JSON lines).
+    ``given``: the user passed ``path`` as --sweep (else it is --sweep's default, and the
+    message says so: the user typed no --sweep)."""
     try:
         return best_lr(read_results(path), variant, optimizer)[0]
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # not rows of an lr-sweep (a JSON error too)
-        raise ValueError(f"--sweep: {path} holds no lr-sweep results with {variant} ({optimizer}) runs "
+        name = "--sweep" if given else "--sweep (not given; its default is OUT/../lr-sweep/results.jsonl)"
+        raise ValueError(f"{name}: {path} holds no lr-sweep results with {variant} ({optimizer}) runs "
                          f"({type(e).__name__}: {e})") from None
 
 

@@ -31,7 +31,7 @@ def _lrs(options: Options) -> dict[str, float]:
         raise ValueError(f"sweep: needs the lr-sweep results for each variant's best learning rate, and {path} "
                          f"does not exist: run `qkmla experiment lr-sweep{' --quick' if options.quick else ''} "
                          f"--out {Path(path).parent}` first, or pass --sweep FILE")
-    return {v: sweep_best_lr(path, v, OPTIMIZER) for v in COMPARED}
+    return {v: sweep_best_lr(path, v, OPTIMIZER, options.sweep is not None) for v in COMPARED}
 
 
 def plan(options: Options) -> list[Run]:
