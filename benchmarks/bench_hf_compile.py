@@ -27,17 +27,15 @@ and FLOPs / peak, and the fraction of the larger of the two each variant reaches
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 from .bench_hf_generate import SHAPE, build_model
-from .common import start_record
+from .common import add_cell_options, parse_cell_args, run_cells, start_record
 
 VARIANTS = ("eager", "eager-static", "compiled")
 
@@ -161,44 +159,20 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--steps", type=int, default=4, help="decode steps timed per variant (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    p.add_argument("--out", default=None)
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one context, in a fresh process
-    args = p.parse_args(argv)
-    if args.cell:
-        print(json.dumps(run_cell(**json.loads(args.cell))))
+    add_cell_options(p, threads=1, threads_help="torch threads (0: torch's default)")
+    args = parse_cell_args(p, argv, run_cell)
+    if args is None:
         return 0
-    for name in ("steps", "warmup"):
-        if getattr(args, name) < (1 if name == "steps" else 0):
-            p.error(f"--{name}: expected a {'positive' if name == 'steps' else 'non-negative'} int, "
-                    f"got {getattr(args, name)}")
-    if args.threads < 0:
-        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
-    if any(c < 2 for c in args.contexts):
-        p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
-    if args.out is not None:
-        from pathlib import Path
-        args.out = Path(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     result, write = start_record(p, args, __spec__.name, argv)
 
     import transformers
 
-    rows = []
-    result.update(transformers=transformers.__version__, shape=SHAPE, dtype="float32", rows=rows)
-    for context in args.contexts:
-        cell = dict(context=context, steps=args.steps, warmup=args.warmup, threads=args.threads)
-        proc = subprocess.run([sys.executable, "-m", __spec__.name, "--cell", json.dumps(cell)], capture_output=True,
-                              text=True, env=os.environ)
-        if proc.returncode == 0:
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
-        else:  # recorded, not fatal: the other contexts still run
-            row = {"context": context, "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        write()
+    result.update(transformers=transformers.__version__, shape=SHAPE, dtype="float32", rows=[])
+    cells = [dict(context=context, steps=args.steps, warmup=args.warmup, threads=args.threads)
+             for context in args.contexts]
+    run_cells(__spec__.name, cells, result, write)
     return 0
 
 

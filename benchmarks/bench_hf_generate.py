@@ -31,11 +31,10 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .common import run_cells, start_record
+from .common import add_cell_options, parse_cell_args, run_cells, start_record
 
 VARIANTS = ("transformers", "qkmla", "qkmla-fp8", "qkmla-snapkv")
 SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2, first_k_dense_replace=2,
@@ -131,23 +130,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk", type=int, default=1024, help="chunk size of a transformers prefill that cannot run at once")
     p.add_argument("--score-budget-gib", type=float, default=4.0)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per cell (default: torch's, one per core); 1 holds up on a shared machine")
-    p.add_argument("--quick", action="store_true", help="1k context, float32, 2 steps")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one cell, in a fresh process
-    args = p.parse_args(argv)
-    if args.cell:
-        print(json.dumps(run_cell(**json.loads(args.cell))))
+    add_cell_options(p, threads=0, threads_help="torch threads per cell (default: torch's, one per core); 1 holds up "
+                                                "on a shared machine", quick="1k context, float32, 2 steps")
+    args = parse_cell_args(p, argv, run_cell, positive_ints=("steps", "chunk"))
+    if args is None:
         return 0
-    if args.threads < 0:
-        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
-    for name in ("steps", "chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name}: expected a positive int, got {getattr(args, name)}")
-    if any(c < 2 for c in args.contexts):
-        p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [1024], ["float32"], 2, 1
     result, write = start_record(p, args, __spec__.name, argv)

@@ -41,11 +41,10 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .common import run_cells, start_record
+from .common import add_cell_options, parse_cell_args, run_cells, start_record
 
 VARIANTS = ("transformers", "qkmla", "qkmla-qknorm")
 SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2,
@@ -180,25 +179,13 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk, every variant")
     p.add_argument("--prefill-max", type=int, default=4096,
                    help="longest context filled by a prefill; longer ones are filled by projection")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per cell (0: torch's default); 1 holds up on a shared machine")
-    p.add_argument("--quick", action="store_true", help="4k context, float32, 1 step")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one cell, in a fresh process
-    args = p.parse_args(argv)
-    if args.cell:
-        print(json.dumps(run_cell(**json.loads(args.cell))))
+    add_cell_options(p, threads=1, threads_help="torch threads per cell (0: torch's default); 1 holds up on a shared "
+                                                "machine", quick="4k context, float32, 1 step")
+    args = parse_cell_args(p, argv, run_cell, positive_ints=("steps", "chunk"))
+    if args is None:
         return 0
-    if args.threads < 0:
-        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
-    for name in ("steps", "chunk"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name}: expected a positive int, got {getattr(args, name)}")
-    if args.warmup < 0 or args.prefill_max < 0:
-        p.error(f"--warmup, --prefill-max: expected ints >= 0, got {args.warmup}, {args.prefill_max}")
-    if any(c < 2 for c in args.contexts):
-        p.error(f"--contexts: expected ints >= 2, got {args.contexts}")
+    if args.prefill_max < 0:
+        p.error(f"--prefill-max: expected an int >= 0, got {args.prefill_max}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [4096], ["float32"], 1, 1
     result, write = start_record(p, args, __spec__.name, argv)

@@ -1,5 +1,6 @@
 """What the benchmarks share: the one way a benchmark writes its results record
-(:func:`start_record`), a positive-int argument type, and for the transformers recipes
+(:func:`start_record`), the checks of their count arguments, the cells of the transformers
+benchmarks run each in a process of its own (:func:`run_cells`), and for the transformers recipes
 (``hf_qknorm_recipe``, ``gqa_convert_recipe``) and ``vllm_serving`` the refusal to reuse work
 directories and the embedded Shakespeare's plays as byte tokens."""
 
@@ -134,12 +135,53 @@ def byte_plays(tokenizer):
     return tuple(torch.tensor(tokenizer(splits[s], add_special_tokens=False)["input_ids"]) for s in ("train", "val"))
 
 
-def run_cells(module: str, cells: Sequence[dict], result: dict, write: Callable, summarize: Callable) -> list:
-    """Measure each cell (a dict with ``dtype_name``, ``context`` and ``variant``) in a process of
-    its own (``python -m MODULE --cell JSON``, whose last stdout line is its row), appending the
-    rows to ``result["rows"]``. A cell that fails is recorded with its error, not fatal: the
-    other cells still run. The summary and the result file are rewritten after every cell, so an
-    interrupted run keeps what it measured."""
+def add_cell_options(parser, *, threads: int, threads_help: str, quick: Optional[str] = None) -> None:
+    """The options every benchmark whose cells run in processes of their own shares: ``--threads``
+    (default ``threads``), ``--quick`` (when its help is given), ``--out``, ``--overwrite`` and the
+    internal ``--cell`` (:func:`run_cells` starts each cell with it)."""
+    parser.add_argument("--threads", type=int, default=threads, help=threads_help)
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--cell", help=argparse.SUPPRESS)  # internal: one cell, in a fresh process
+
+
+def check_counts(parser, args, names: Sequence[str]) -> None:
+    """Refuse (``parser.error``, naming the flag) each of ``names`` below 1, and ``--threads``
+    below 0 (0: torch's default)."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
+    if args.threads < 0:
+        parser.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
+
+
+def parse_cell_args(parser, argv, run_cell: Callable, positive_ints: Sequence[str] = ("steps",)):
+    """``parser``'s arguments after the checks every cell benchmark shares (``--threads`` >= 0,
+    ``--warmup`` >= 0, each of ``positive_ints`` >= 1, ``--contexts`` >= 2: ``parser.error``
+    naming the flag); None when this process was started for one ``--cell``, whose row
+    (``run_cell(**cell)``) it has printed as its last stdout line."""
+    args = parser.parse_args(argv)
+    if args.cell:
+        print(json.dumps(run_cell(**json.loads(args.cell))))
+        return None
+    check_counts(parser, args, positive_ints)
+    if args.warmup < 0:
+        parser.error(f"--warmup: expected an int >= 0, got {args.warmup}")
+    if any(c < 2 for c in args.contexts):
+        parser.error(f"--contexts: expected ints >= 2, got {args.contexts}")
+    return args
+
+
+def run_cells(module: str, cells: Sequence[dict], result: dict, write: Callable,
+              summarize: Optional[Callable] = None) -> list:
+    """Measure each cell (a dict of ``run_cell``'s arguments: ``context`` and, where the benchmark
+    has them, ``dtype_name`` and ``variant``) in a process of its own (``python -m MODULE --cell
+    JSON``, whose last stdout line is its row), appending the rows to ``result["rows"]``. A cell
+    that fails is recorded with its error, not fatal: the other cells still run. The summary (if
+    any) and the result file are rewritten after every cell, so an interrupted run keeps what it
+    measured."""
     rows = result["rows"]
     for cell in cells:
         proc = subprocess.run([sys.executable, "-m", module, "--cell", json.dumps(cell)],
@@ -147,10 +189,11 @@ def run_cells(module: str, cells: Sequence[dict], result: dict, write: Callable,
         if proc.returncode == 0:
             row = json.loads(proc.stdout.strip().splitlines()[-1])
         else:
-            row = {"dtype": cell["dtype_name"], "context": cell["context"], "variant": cell["variant"],
-                   "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+            row = {{"dtype_name": "dtype"}.get(k, k): cell[k] for k in ("dtype_name", "context", "variant") if k in cell}
+            row["error"] = f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-        result["summary"] = summarize(rows)
+        if summarize is not None:
+            result["summary"] = summarize(rows)
         write()
     return rows

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ROOT, byte_plays, check_out, start_recipe
+from .common import ROOT, byte_plays, check_counts, check_out, start_recipe
 
 # vocab_size 384: ByT5's 256 bytes + 3 specials (pad 0, eos 1, unk 2) + its 125 extra ids.
 SHAPE = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
@@ -286,11 +286,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.block, args.batch, args.source_steps, args.heal_steps = 64, 4, 20, 4
         args.val_windows, args.calibration_windows = 4, 2
-    for name in ("block", "batch", "source_steps", "heal_steps", "val_windows", "calibration_windows"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    if args.threads < 0:
-        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
+    check_counts(p, args, ("block", "batch", "source_steps", "heal_steps", "val_windows", "calibration_windows"))
     if min(args.heal_lrs) <= 0:
         p.error(f"--heal-lrs: expected positive learning rates, got {args.heal_lrs}")
     shape = dict(QUICK_SHAPE if args.quick else SHAPE)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ROOT, byte_plays, start_recipe
+from .common import ROOT, byte_plays, check_counts, start_recipe
 
 # The model. vocab_size 384: ByT5's 256 bytes + 3 specials (pad 0, eos 1, unk 2) + its 125
 # extra ids, which the text never uses.
@@ -202,12 +202,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.block, args.batch, args.source_steps, args.ft_max_steps, args.ft_eval_every = 64, 4, 30, 6, 2
         args.val_windows, args.calibration_windows, args.sample_tokens = 4, 2, 16
-    for name in ("block", "batch", "source_steps", "ft_max_steps", "ft_eval_every", "val_windows",
-                 "calibration_windows", "sample_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
-    if args.threads < 0:
-        p.error(f"--threads: expected an int >= 0 (0: torch's default), got {args.threads}")
+    check_counts(p, args, ("block", "batch", "source_steps", "ft_max_steps", "ft_eval_every", "val_windows",
+                           "calibration_windows", "sample_tokens"))
     if min(args.ft_lrs) <= 0:
         p.error(f"--ft-lrs: expected positive learning rates, got {args.ft_lrs}")
     if args.target < 0:

@@ -2,6 +2,7 @@
 root) on a tiny layer: they run end to end and write the JSON docs/benchmarks.md documents (the
 timings themselves are not asserted)."""
 
+import argparse
 import importlib
 import json
 import re
@@ -80,6 +81,11 @@ BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal 
         (["--statistic", "--shapes", "64x32"], "--shapes"), (["--shapes", "2x32x64"], "--shapes")]],
     *[("vllm_serving", ["--parts", "decode", *argv], option) for argv, option in [
         (["--rounds", "0"], "--rounds"), (["--sessions", "3", "--rounds", "2"], "--sessions")]],
+    # the transformers cell benchmarks share their checks (benchmarks/common.parse_cell_args)
+    *[(script, argv, option) for script in ("bench_hf_generate", "bench_hf_sparse", "bench_hf_compile")
+      for argv, option in [(["--threads", "-1"], "--threads"), (["--steps", "0"], "--steps"),
+                           (["--warmup", "-1"], "--warmup"), (["--contexts", "1"], "--contexts")]],
+    ("bench_hf_generate", ["--chunk", "0"], "--chunk"), ("bench_hf_sparse", ["--prefill-max", "-1"], "--prefill-max"),
 ]
 
 
@@ -393,3 +399,23 @@ def test_thin_metrics_keeps_what_qkmla_reads_and_restores_the_full_file(tmp_path
     assert thin.main(["--root", str(tmp_path)]) == 0 and (run / "metrics.jsonl").read_bytes() == thinned
     assert thin.main(["--root", str(tmp_path), "--restore"]) == 0
     assert (run / "metrics.jsonl").read_bytes() == full and not (run.parents[1] / thin.MANIFEST).exists()
+
+
+def test_a_cell_benchmark_runs_each_cell_in_a_process_of_its_own_and_keeps_a_failed_cells_error(tmp_path, capsys):
+    """benchmarks/common: ``--cell`` prints the one row its process measured; run_cells records a cell
+    whose process fails (here a module that does not exist) with its error and goes on."""
+    common = load("common")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8])
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=0)
+    common.add_cell_options(parser, threads=1, threads_help="")
+    cell = {"context": 8, "variant": "v"}
+    assert common.parse_cell_args(parser, ["--cell", json.dumps(cell)], lambda **c: {**c, "ms": 1.0}) is None
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {**cell, "ms": 1.0}
+    result, written = {"rows": []}, []
+    rows = common.run_cells("benchmarks.no_such_benchmark", [dict(cell, dtype_name="float32"), cell], result,
+                            lambda: written.append(len(result["rows"])), summarize=len)
+    assert [(r["context"], r.get("dtype"), "No module named" in r["error"]) for r in rows] == \
+        [(8, "float32", True), (8, None, True)]
+    assert written == [1, 2] and result["summary"] == 2

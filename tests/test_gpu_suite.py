@@ -35,7 +35,7 @@ def test_dry_run_runs_every_part_and_writes_the_summary(dry_run):
         assert "torchtitan is not installed here" in records["torchtitan"]["reason"]
     if importlib.util.find_spec("vllm") is None:  # its dry run: tests/integrations/vllm/test_gpu_part.py
         expected["vllm"] = "skipped"
-        assert "vLLM is not installed here" in records["vllm"]["reason"]
+        assert "vllm is not installed here" in records["vllm"]["reason"]
     for name, r in records.items():
         assert r["status"] == expected[name], json.dumps(r)[-4000:]
         assert r["part"] == name and r["dry_run"] is True and r["seconds"] > 0 and r["wall_seconds"] > 0

@@ -17,7 +17,6 @@ Needs torchtitan (``qkmla[torchtitan]``): on a machine without it the part is sk
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import torch
@@ -82,9 +81,7 @@ def arm_row(ctx: PartContext, name: str, cfg: dict, data: torch.Tensor) -> dict:
 
 
 def run(ctx: PartContext) -> None:
-    if importlib.util.find_spec("torchtitan") is None:
-        ctx.record.update(status="skipped", reason="torchtitan is not installed here (pip install "
-                                                   "'qkmla[torchtitan]', or carry its wheels with --wheels)")
+    if ctx.skipped_without("torchtitan", "pip install 'qkmla[torchtitan]', or carry its wheels with --wheels"):
         return
     from qkmla.train.data import load_text, split_by_play
 

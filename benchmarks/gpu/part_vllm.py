@@ -25,7 +25,6 @@ backends are recorded as not run).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import statistics
@@ -119,9 +118,8 @@ def unit_tests(ctx: PartContext) -> list:
 
 
 def run(ctx: PartContext) -> None:
-    if importlib.util.find_spec("vllm") is None:
-        ctx.record.update(status="skipped", reason="vLLM is not installed here (pip install vllm, a CUDA build of a "
-                                                   "release qkmla's plugin supports: docs/serving.md)")
+    if ctx.skipped_without("vllm", "pip install vllm, a CUDA build of a release qkmla's plugin supports: "
+                                   "docs/serving.md"):
         return
     import tempfile
 

@@ -9,6 +9,7 @@ arrive, so a part stopped at its deadline or killed keeps what it measured) and
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import itertools
 import json
 import shutil
@@ -125,6 +126,14 @@ class PartContext:
 
     def log(self, message: str) -> None:
         print(f"[{self.name} {time.monotonic() - self.started:7.1f}s] {message}", flush=True)
+
+    def skipped_without(self, module: str, how_to_install: str) -> bool:
+        """True, with the record marked skipped, when ``module`` is not installed here (the part
+        then returns: a GPU machine may lack an optional library; ``how_to_install`` says how)."""
+        if importlib.util.find_spec(module) is not None:
+            return False
+        self.record.update(status="skipped", reason=f"{module} is not installed here ({how_to_install})")
+        return True
 
     def sync(self) -> None:
         if self.device.type == "cuda":
