@@ -56,6 +56,7 @@ EXTRA = {  # what a family's config needs beyond SHAPE to be tiny, and to exerci
     "bailing_hybrid": dict(HYBRID, head_dim=8, num_mtp_layers=0, q_lora_rank=None, num_experts=4),
     "deepseek_v32": SPARSE_SHAPE,
     "glm_moe_dsa": dict(SPARSE_SHAPE, indexer_types=["full", "shared"]),
+    "hy_v4": dict(SPARSE_SHAPE, indexer_types=["full", "shared"], hc_mult=2),
 }
 SUPPORTED = [f for f in FAMILIES if f.status == "supported"]
 SPARSE_SUPPORTED = [f for f in SUPPORTED if f.build == "sparse"]
@@ -93,6 +94,8 @@ def hf_model(family, dtype=torch.float64, seed: int = 0, taken: bool = True):
                 p.add_(0.1 * torch.randn_like(p))
             elif "self_attn" in name and p.dim() == 2:
                 p.mul_(3.0)  # logits of a few units, so attention is not flat
+            elif name.endswith("self_attn.sinks"):  # HY-V4's: sinks of a few units, each its own
+                p.add_(1.0 + torch.randn_like(p))
     return model
 
 
@@ -135,6 +138,9 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     # A hybrid's linear-attention layers are transformers' own: its recurrent decode and its chunked
     # prefill differ by their own roundoff, measured on the unpatched model, which bounds ours too.
     bound = 1e-9
+    if family.host(ref.config).attention_sinks:
+        # the sinks' share of each output reads the decode op's log-sum-exp, float32 by its contract (FlashMLA's)
+        bound = 1e-6
     if family.mla_layers is not None and not all(family.mla_layers(ref.config)):
         host_cached, host_tokens = stepwise_logits(ref, prompt, 4)
         with torch.no_grad():
@@ -151,8 +157,12 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     ("longcat_flash", dict(latent_scale=1.0)),
     ("longcat_flash", dict(query_scale=1.0)),
     ("minicpm3", dict(rope="interleaved")),
-    ("bailing_hybrid", dict(output_gate=False)),
-], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate"])
+    ("bailing_hybrid", dict(output_gate=None)),
+    ("hy_v4", dict(output_gate=None)),
+    ("hy_v4", dict(attention_sinks=False)),
+    ("hy_v4", dict(rope="interleaved")),
+], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate",
+        "hy-v4-gate", "hy-v4-sinks", "hy-v4-halves"])
 def test_the_family_differences_are_applied(name, knock):
     """Each convention the table reads changes the function: switched off, the model differs."""
     family = family_named(name)
@@ -162,8 +172,8 @@ def test_the_family_differences_are_applied(name, knock):
         layer.host = type(layer.host)(**{**layer.host.__dict__, **knock})
         if "rope" in knock:
             layer.rotary.interleave = True
-        if knock.get("output_gate") is False:
-            layer.g_proj = None
+        if knock.get("attention_sinks") is False:
+            layer.sinks = None
     prompt = ids(length=10)
     with torch.no_grad():
         assert max_rel(model(input_ids=prompt).logits, ref(input_ids=prompt).logits) > 1e-3
@@ -287,10 +297,10 @@ def test_the_docs_table_is_the_code_table():
     assert markdown_table() in docs, "docs/interop.md: paste qkmla.integrations.transformers.families.markdown_table()"
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "hy_v4"])
 def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(name, tmp_path):
     """A family's architecture with the QK norm (GLM-4.7-Flash's, and the sparse ones: DeepSeek-V3.2's,
-    GLM-5's): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
+    GLM-5's, HY-V4's with its sinks and gate): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
     from_pretrained, with the norm and the same logits; the family's own class, which does not know
     the norm, refuses the checkpoint naming qkmla's loader."""
     import json
@@ -335,7 +345,7 @@ def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
         assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear", "glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear", "glm_moe_dsa", "hy_v4"])
 def test_a_left_padded_batch_generates_as_transformers(name):
     """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask;
     GLM-5's indexer is given padding-free columns and its shared layer the first layer's choice."""

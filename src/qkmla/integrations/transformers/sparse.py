@@ -202,7 +202,7 @@ class SparseLatentAttention(LatentAttention):
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
-        return self.o_proj(sdpa(q, k, v, self.scale, mask=mask).flatten(2)), chosen
+        return self.project_out(sdpa(q, k, v, self.scale, mask=mask, sinks=self.sinks), x), chosen
 
 
 class _without_indexer:
