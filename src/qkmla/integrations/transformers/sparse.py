@@ -18,10 +18,12 @@ columns of that mask, which :func:`~.sparse_cache.column_slots` turns into slots
 cached). transformers' position embeddings (cos, sin) reach the indexer as they come, so it rotates
 its keys exactly as in the unpatched model.
 
-Families (``families.FAMILIES``, build "sparse"): DeepSeek-V3.2's, and GLM-5's DSA (``glm_moe_dsa``),
+Families (``families.FAMILIES``, build "sparse"): DeepSeek-V3.2's, GLM-5's DSA (``glm_moe_dsa``),
 whose attention is V3.2's with cross-layer top-k sharing (``HostAttention.shared_topk``): a "shared"
 layer has no indexer and attends to the previous layer's choice (``prev_topk_indices``, columns of
-the same mask, so the same slots), and every layer returns its choice as a third output. The
+the same mask, so the same slots), and every layer returns its choice as a third output; and
+HY-V4's (``hy_v4``), GLM-5's with attention sinks (``HostAttention.attention_sinks``: ``MLA.sinks``
+on every path, ``qkmla.attention.sinks``) and a per-channel output gate (``project_out``). The
 indexer is called as V3.2's is; one with another call (transformers 5.4's GLM indexer, which keeps
 its keys on the module) is refused, naming its class.
 
