@@ -70,9 +70,11 @@ def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
     return modules
 
 
-def check_projections(c: MLAConfig, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """``modules`` if it holds every projection ``c`` needs with the right weight shapes and biases."""
-    wanted = projection_shapes(c)
+def check_projections(c: MLAConfig, modules: dict[str, nn.Module],
+                      wanted: Optional[dict[str, tuple[int, ...]]] = None) -> dict[str, nn.Module]:
+    """``modules`` if it holds every projection ``c`` needs (``wanted``: their shapes by name, by default
+    :func:`projection_shapes`) with the right weight shapes and biases."""
+    wanted = projection_shapes(c) if wanted is None else wanted
     missing = sorted(set(wanted) - set(modules))
     if missing:
         raise ValueError(f"projections: missing {missing}; this config needs {sorted(wanted)}")
@@ -115,7 +117,8 @@ class MLA(nn.Module):
         if not isinstance(config, MLAConfig):
             raise ValueError(f"config: expected an MLAConfig, got {type(config).__name__}")
         self.config = c = config
-        modules = new_projections(c) if projections is None else check_projections(c, projections)
+        modules = new_projections(c) if projections is None else check_projections(c, projections,
+                                                                                    self.projection_shapes(c))
         for name, module in modules.items():
             setattr(self, name, module)
         self.q_norm, self.k_norm = qk_norms_of(c)
@@ -129,6 +132,11 @@ class MLA(nn.Module):
         self.track_max_logits = False
         self.last_max_logits: Optional[torch.Tensor] = None
         self.max_logit_seconds = 0.0
+
+    def projection_shapes(self, c: MLAConfig) -> dict[str, tuple[int, ...]]:
+        """The projections this layer adopts, by name, with their weight shapes (:func:`projection_shapes`;
+        a subclass whose query is projected otherwise names its own, read by its own ``raw_query``)."""
+        return projection_shapes(c)
 
     @property
     def decode_backend(self) -> str:

@@ -57,6 +57,7 @@ EXTRA = {  # what a family's config needs beyond SHAPE to be tiny, and to exerci
     "deepseek_v32": SPARSE_SHAPE,
     "glm_moe_dsa": dict(SPARSE_SHAPE, indexer_types=["full", "shared"]),
     "hy_v4": dict(SPARSE_SHAPE, indexer_types=["full", "shared"], hc_mult=2),
+    "axk2": dict(SPARSE_SHAPE, gated_norm_rank=4),
 }
 SUPPORTED = [f for f in FAMILIES if f.status == "supported"]
 SPARSE_SUPPORTED = [f for f in SUPPORTED if f.build == "sparse"]
@@ -161,8 +162,9 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     ("hy_v4", dict(output_gate=None)),
     ("hy_v4", dict(attention_sinks=False)),
     ("hy_v4", dict(rope="interleaved")),
+    ("axk2", dict(output_gate=None)),
 ], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate",
-        "hy-v4-gate", "hy-v4-sinks", "hy-v4-halves"])
+        "hy-v4-gate", "hy-v4-sinks", "hy-v4-halves", "axk2-gate"])
 def test_the_family_differences_are_applied(name, knock):
     """Each convention the table reads changes the function: switched off, the model differs."""
     family = family_named(name)
@@ -297,10 +299,10 @@ def test_the_docs_table_is_the_code_table():
     assert markdown_table() in docs, "docs/interop.md: paste qkmla.integrations.transformers.families.markdown_table()"
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "hy_v4"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"])
 def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(name, tmp_path):
     """A family's architecture with the QK norm (GLM-4.7-Flash's, and the sparse ones: DeepSeek-V3.2's,
-    GLM-5's, HY-V4's with its sinks and gate): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
+    GLM-5's, HY-V4's with its sinks and gate, AXK2's with its fused query and gate): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
     from_pretrained, with the norm and the same logits; the family's own class, which does not know
     the norm, refuses the checkpoint naming qkmla's loader."""
     import json

@@ -113,11 +113,13 @@ class LatentAttention(MLA):
     def __init__(self, config: MLAConfig, layer_idx: int, projections: Optional[dict] = None,
                  settings: Optional[LatentSettings] = None, host: Optional[HostAttention] = None,
                  g_proj: Optional[torch.nn.Module] = None):
+        host = host if host is not None else HostAttention(rope="interleaved" if config.rope_interleave else "halves")
+        # read by projection_shapes while MLA adopts the projections (AXK2's fused query), before Module's setup
+        object.__setattr__(self, "_fused_query", host.output_gate == "query")
         super().__init__(config, projections)
         self.layer_idx = layer_idx
         self.settings = settings if settings is not None else LatentSettings()
-        self.host = host if host is not None else HostAttention(
-            rope="interleaved" if config.rope_interleave else "halves")
+        self.host = host
         gated = self.host.output_gate is not None
         if gated != (g_proj is not None):
             raise ValueError(f"g_proj: the family's attention {'gates' if gated else 'does not gate'} its heads' "
@@ -220,9 +222,32 @@ class LatentAttention(MLA):
 
     # -- the family's differences from DeepSeek-V3 (families.HostAttention) ----------------------
 
+    def projection_shapes(self, c: MLAConfig) -> dict[str, tuple[int, ...]]:
+        """MLA's projections; with AXK2's fused query (``host.output_gate`` "query") ``q_gate_proj``
+        [h (d_n + d_r + d_v), 2 d_cq] in place of ``q_b_proj``."""
+        shapes = super().projection_shapes(c)
+        if self._fused_query:
+            del shapes["q_b_proj"]
+            shapes["q_gate_proj"] = (c.num_heads * (c.qk_head_dim + c.v_head_dim), 2 * c.q_lora_rank)
+        return shapes
+
+    def _fused_query_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """AXK2's fused projection: (q [B, T, h, d_n + d_r], gate logits [B, T, h, d_v]) from
+        q_gate_proj([q_a_layernorm(q_a_proj(x)), q_a_proj(x)])."""
+        c = self.config
+        compressed = self.q_a_proj(x)
+        fused = self.q_gate_proj(torch.cat((self.q_a_layernorm(compressed), compressed), dim=-1))
+        return fused.view(*x.shape[:2], c.num_heads, c.qk_head_dim + c.v_head_dim).split(
+            [c.qk_head_dim, c.v_head_dim], dim=-1)
+
     def raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLA's (q^C [B, T, h, d_n], q~^R [B, T, h, d_r]), times the family's query scale."""
-        q_c, q_r = super().raw_query(x)
+        """MLA's (q^C [B, T, h, d_n], q~^R [B, T, h, d_r]) (AXK2's: from its fused projection), times the
+        family's query scale."""
+        if self._fused_query:
+            q_c, q_r = self._fused_query_gate(x)[0].split([self.config.qk_nope_head_dim,
+                                                           self.config.qk_rope_head_dim], dim=-1)
+        else:
+            q_c, q_r = super().raw_query(x)
         s = self.host.query_scale
         return (q_c, q_r) if s == 1.0 else (q_c * s, q_r * s)
 
@@ -253,10 +278,13 @@ class LatentAttention(MLA):
     def project_out(self, heads: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o_proj`` of the heads' outputs [B, T, h, d_v], gated first where the family gates them
         (``host.output_gate``), as transformers computes the gate: Ling's per head, sigmoid(g_proj(x))
-        [B, T, h] in float32; HY-V4's per channel, sigmoid(gate_proj(x)) [B, T, h, d_v] in x's dtype."""
+        [B, T, h] in float32; HY-V4's per channel, sigmoid(gate_proj(x)) [B, T, h, d_v] in x's dtype; AXK2's
+        per channel, sigmoid of the gate columns of its fused query projection, in float32."""
         gate = self.gate
         if gate is not None and self.host.output_gate == "head":
             heads = heads * torch.sigmoid(gate(x).float()).to(heads.dtype)[..., None]
+        elif gate is not None and self.host.output_gate == "query":  # the fused projection again, for its gate rows
+            heads = (heads * torch.sigmoid(self._fused_query_gate(x)[1].float())).to(heads.dtype)
         elif gate is not None:
             heads = heads * torch.sigmoid(gate(x).view(heads.shape)).to(heads.dtype)
         return self.o_proj(heads.flatten(2))

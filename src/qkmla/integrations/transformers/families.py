@@ -33,7 +33,7 @@ from ...attention.mla import MLA
 
 ROPE_LAYOUTS = ("interleaved", "halves", "none")
 # The output gates of HostAttention.output_gate, by kind: the name of transformers' gate projection
-OUTPUT_GATES = {"head": "g_proj", "channel": "gate_proj"}
+OUTPUT_GATES = {"head": "g_proj", "channel": "gate_proj", "query": "q_gate_proj"}
 STATUSES = ("supported", "sparse", "refused")
 # The transformers versions the parity tests run on (CI's oldest and newest)
 TESTED_VERSIONS = ("5.4.0", "5.24.0")
@@ -57,7 +57,10 @@ class HostAttention:
     output_gate: None, or how the heads' outputs [B, T, h, d_v] are gated before ``o_proj``, a key of
         :data:`OUTPUT_GATES`: "head", times sigmoid(g_proj(x)) [B, T, h], in float32 (Ling's
         ``BailingHybridAttention``); "channel", times sigmoid(gate_proj(x)) [B, T, h, d_v], in the
-        hidden dtype (HY-V4's ``HYV4Attention``).
+        hidden dtype (HY-V4's ``HYV4Attention``); "query", times sigmoid of the last d_v columns of each head's
+        row of the fused query projection q_gate_proj [B, T, h, d_n + d_r + d_v], in float32 (AXK2's
+        ``AXK2Attention``, which has no ``q_b_proj``: the layer's query is the first d_n + d_r columns,
+        ``transformers.attention.LatentAttention.raw_query``).
     attention_sinks: the attention has a learned per-head sink logit (transformers' ``sinks`` [h], HY-V4's),
         adopted as the layer's ``MLA.sinks`` (``qkmla.attention.sinks``).
     yarn_scale: the softmax scale takes YaRN's mscale² (DeepSeek's ``yarn_apply_mscale``); False
@@ -145,6 +148,12 @@ def _hy_v4(config) -> HostAttention:
     return HostAttention(rope="halves", output_gate="channel", attention_sinks=True, shared_topk=True)
 
 
+def _axk2(config) -> HostAttention:
+    """AXK2's: DeepSeek-V3.2's sparse attention, its query and a per-channel output gate from one fused
+    projection (q_gate_proj of [q_a_layernorm(q_a_proj(x)), q_a_proj(x)])."""
+    return HostAttention(rope="interleaved", output_gate="query")
+
+
 def _every_layer(config) -> list[bool]:
     return [True] * config.num_hidden_layers
 
@@ -224,8 +233,6 @@ REASONS = {
     "hy_v4_vl": ("its text attention (HY-V4's, which is supported) rotates with a multimodal RoPE: three position ids "
                  "per token (temporal, height, width; position_ids [3, B, T], mrope_section), which the latent "
                  "cache's one RoPE position per token does not give"),
-    "axk2": ("no q_b_proj: its query and a per-channel output gate come from one fused projection of the LoRA "
-             "query and its un-normed input (q_gate_proj of [q_a_layernorm(q_a_proj(x)), q_a_proj(x)])"),
     "dots3_note": ("sliding-window attention layers (layer_types 'sliding_attention') and per-layer configs "
                    "(per_layer_config) beside the indexed layers, and an RMSNorm on the shared RoPE key "
                    "(k_rope_only_layernorm) that MLA's latent path does not apply"),
@@ -271,7 +278,9 @@ FAMILIES: tuple[Family, ...] = (
                 "layer's top-k (indexer_types); its decoder's hyper-connections stay transformers' own"),
     _sparse("hy_v4_vl", ("HYV4VLForConditionalGeneration", "HYV4VLTextModel"), REASONS["hy_v4_vl"], since="5.24.0",
             note="hy_v4 with a vision encoder"),
-    _sparse("axk2", ("AXK2ForCausalLM", "AXK2Model"), REASONS["axk2"], since="5.24.0"),
+    Family("axk2", ("AXK2ForCausalLM", "AXK2Model"), since="5.24.0", host=_axk2, build="sparse",
+           note="sparse attention as DeepSeek-V3.2's; the query and a per-channel output gate from one fused "
+                "projection (q_gate_proj), read by the layer's query and output hooks"),
     _sparse("dots3_note", ("Dots3NoteForCausalLM", "Dots3NoteTextModel"), REASONS["dots3_note"], since="5.24.0"),
 )
 
@@ -287,11 +296,12 @@ def family_named(model_type: str) -> Optional[Family]:
 def is_mla_attention(module) -> bool:
     """True for a transformers attention module with MLA's structure: DeepSeek's latent projections
     (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``, a query projection
-    (``q_proj``, or ``q_a_proj`` and ``q_b_proj``), and a config with ``kv_lora_rank``."""
+    (``q_proj``, or ``q_a_proj`` and ``q_b_proj``, or AXK2's ``q_a_proj`` and fused ``q_gate_proj``), and a
+    config with ``kv_lora_rank``."""
     has = [getattr(module, name, None) is not None for name in
            ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
-    query = getattr(module, "q_proj", None) is not None or (getattr(module, "q_a_proj", None) is not None
-                                                           and getattr(module, "q_b_proj", None) is not None)
+    query = getattr(module, "q_proj", None) is not None or (getattr(module, "q_a_proj", None) is not None and any(
+        getattr(module, name, None) is not None for name in ("q_b_proj", "q_gate_proj")))
     return all(has) and query and getattr(getattr(module, "config", None), "kv_lora_rank", None) is not None
 
 

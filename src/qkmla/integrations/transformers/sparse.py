@@ -23,7 +23,9 @@ whose attention is V3.2's with cross-layer top-k sharing (``HostAttention.shared
 layer has no indexer and attends to the previous layer's choice (``prev_topk_indices``, columns of
 the same mask, so the same slots), and every layer returns its choice as a third output; and
 HY-V4's (``hy_v4``), GLM-5's with attention sinks (``HostAttention.attention_sinks``: ``MLA.sinks``
-on every path, ``qkmla.attention.sinks``) and a per-channel output gate (``project_out``). The
+on every path, ``qkmla.attention.sinks``) and a per-channel output gate (``project_out``); and AXK2's
+(``axk2``), whose query and per-channel output gate come from one fused projection (``q_gate_proj``,
+read by ``LatentAttention.raw_query`` and ``project_out``). The
 indexer is called as V3.2's is; one with another call (transformers 5.4's GLM indexer, which keeps
 its keys on the module) is refused, naming its class.
 
