@@ -234,8 +234,9 @@ REASONS = {
                  "per token (temporal, height, width; position_ids [3, B, T], mrope_section), which the latent "
                  "cache's one RoPE position per token does not give"),
     "dots3_note": ("sliding-window attention layers (layer_types 'sliding_attention') and per-layer configs "
-                   "(per_layer_config) beside the indexed layers, and an RMSNorm on the shared RoPE key "
-                   "(k_rope_only_layernorm) that MLA's latent path does not apply"),
+                   "(per_layer_config) beside the indexed layers, an RMSNorm on the shared RoPE key "
+                   "(k_rope_only_layernorm) that MLA's latent path does not apply, and a LoRA scale on the "
+                   "indexer's query input (q_resid * q_lora_scale), which the sparse adapter does not give it"),
 }
 
 
