@@ -242,6 +242,25 @@ def test_glm_dsa_shared_layers_reuse_the_previous_layers_top_k():
     assert len(seen) == len(chosen) == 1 and seen[0] is chosen[0] and chosen[0].shape == (2, 6, TOPK)
 
 
+def test_hy_v4s_sinks_and_gate_are_adopted_as_they_are():
+    """HY-V4's sinks (kept in float32 by transformers in a bfloat16 model) and its gate_proj are transformers'
+    own parameters, shared, not copied or cast, with the QK norm added too; the state dict keeps their names."""
+    family = family_named("hy_v4")
+    ref = hf_model(family, torch.bfloat16)
+    for layer in ref.model.layers:  # as from_pretrained keeps them (_keep_in_fp32_modules_strict)
+        layer.self_attn.sinks.data = layer.self_attn.sinks.data.float()
+    sinks = [layer.self_attn.sinks for layer in ref.model.layers]
+    gates = [layer.self_attn.gate_proj for layer in ref.model.layers]
+    keys = set(ref.state_dict())
+    model = apply_latent_attention(ref)
+    layers = latent_layers(model)
+    assert all(layer.sinks is s and s.dtype == torch.float32 for layer, s in zip(layers, sinks))
+    assert all(layer.gate_proj is g for layer, g in zip(layers, gates)) and len(layers) == len(sinks)
+    assert set(model.state_dict()) == keys
+    normed = apply_latent_attention(model, qk_norm="rms")
+    assert all(layer.sinks is s for layer, s in zip(latent_layers(normed), sinks))
+
+
 def test_glm_dsa_of_an_older_transformers_is_refused_naming_its_indexer():
     """Before 5.19 (the CI's 5.4.0) GLM-5's indexer keeps its keys on the module: refused by name, before
     any layer is swapped."""
