@@ -203,6 +203,9 @@ class MLAConfig:
             "auto" (the Triton kernel on CUDA when it is installed and fits the widths; the
             C++ kernel on a CPU with AVX-512 BF16 for bfloat16 dense rows; else "torch"),
             "naive" (the float32 reference loop), "torch", "cpu" or "triton".
+        attention_sinks: one learned logit per head (``MLA.sinks``, initialized to 0) in the softmax's
+            denominator that attends to nothing (gpt-oss, HY-V4; ``qkmla.attention.sinks``), on every
+            path at zero cache bytes. False (the default): no sink and no parameter, MLA as it was.
     """
 
     hidden_size: int = 64
@@ -221,6 +224,7 @@ class MLAConfig:
     latent_norm_eps: float = 1e-6
     attention_bias: bool = False
     decode_backend: str = "auto"
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_groups", "kv_lora_rank",
@@ -236,6 +240,8 @@ class MLAConfig:
         if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
+        if not isinstance(self.attention_sinks, bool):
+            raise ValueError(f"attention_sinks: expected True or False, got {self.attention_sinks!r}")
 
     @property
     def qk_head_dim(self) -> int:

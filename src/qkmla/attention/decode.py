@@ -32,6 +32,7 @@ from ..kv_formats import row_format
 from ..ops.mla_decode.torch_impl import fold_head_scale, latent_attention_op
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
 from .mla import MLA
+from .sinks import apply_sinks
 
 
 def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent: torch.Tensor,
@@ -68,8 +69,10 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
     q_lat, q_rope = q_lat.contiguous(), q_rope.contiguous()
     # One opaque op: compiled, only the code around it is traced (see latent_attention_op).
     # Each sequence sees its slots up to the new token's.
-    o_lat, _ = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), slots[:, None] + 1, mla.score_mode,
-                                   kv_format)
+    o_lat, lse = latent_attention_op(q_lat, q_rope, latent, key_scale, float(scale), slots[:, None] + 1,
+                                     mla.score_mode, kv_format)
+    if mla.sinks is not None:
+        o_lat = apply_sinks(o_lat, lse, mla.sinks)
     return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
 
 

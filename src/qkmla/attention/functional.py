@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dtypes import accumulate_dtype
+from .sinks import sink_column
 
 Scale = Union[float, torch.Tensor]  # a float, or one value per head [h]
 
@@ -84,7 +85,8 @@ def per_head(scale: Scale, ndim_after: int) -> Scale:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
-         mask: Optional[torch.Tensor] = None, causal: bool = False) -> torch.Tensor:
+         mask: Optional[torch.Tensor] = None, causal: bool = False,
+         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One ``scaled_dot_product_attention`` call over materialized keys.
 
     Args:
@@ -92,10 +94,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
         scale: logit scale, a float or [h] (then folded into q).
         mask: [B, T, S] bool, True where a key is visible; rows with no visible key give 0.
         causal: plain causal masking with T == S (no mask).
+        sinks: [h] attention sinks' logits (``sinks.py``: one more key per head, exactly), or None.
 
     Returns:
         [B, T, h, Dv]
     """
+    if sinks is not None:  # a row with no visible key puts all its weight on the sink's zero value
+        q, k, v, mask, scale = sink_column(q, k, v, scale, sinks, mask, causal)
+        causal = False
     h, G = q.shape[2], k.shape[2]
     if isinstance(scale, torch.Tensor):
         q, scale = q * per_head(scale, 1).to(q.dtype), 1.0

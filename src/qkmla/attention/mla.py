@@ -42,6 +42,7 @@ from .functional import default_positions, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 from .selection import check_selection, selection_mask
+from .sinks import apply_sinks
 
 
 def projection_shapes(c: MLAConfig) -> dict[str, tuple[int, ...]]:
@@ -69,9 +70,11 @@ def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
     return modules
 
 
-def check_projections(c: MLAConfig, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """``modules`` if it holds every projection ``c`` needs with the right weight shapes and biases."""
-    wanted = projection_shapes(c)
+def check_projections(c: MLAConfig, modules: dict[str, nn.Module],
+                      wanted: Optional[dict[str, tuple[int, ...]]] = None) -> dict[str, nn.Module]:
+    """``modules`` if it holds every projection ``c`` needs (``wanted``: their shapes by name, by default
+    :func:`projection_shapes`) with the right weight shapes and biases."""
+    wanted = projection_shapes(c) if wanted is None else wanted
     missing = sorted(set(wanted) - set(modules))
     if missing:
         raise ValueError(f"projections: missing {missing}; this config needs {sorted(wanted)}")
@@ -114,11 +117,14 @@ class MLA(nn.Module):
         if not isinstance(config, MLAConfig):
             raise ValueError(f"config: expected an MLAConfig, got {type(config).__name__}")
         self.config = c = config
-        modules = new_projections(c) if projections is None else check_projections(c, projections)
+        modules = new_projections(c) if projections is None else check_projections(c, projections,
+                                                                                    self.projection_shapes(c))
         for name, module in modules.items():
             setattr(self, name, module)
         self.q_norm, self.k_norm = qk_norms_of(c)
         self.logit_scale = nn.Parameter(torch.full((c.num_heads,), c.scale)) if c.learnable_logit_scale else None
+        # Attention sinks [h] (config.attention_sinks; sinks.py): none, and no parameter, in plain MLA
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads)) if c.attention_sinks else None
         self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope_theta, c.rope_interleave, c.rope_scaling)
         self._absorbed = DerivedWeights()
         # Set track_max_logits to record each head's max logit of every explicit forward
@@ -126,6 +132,11 @@ class MLA(nn.Module):
         self.track_max_logits = False
         self.last_max_logits: Optional[torch.Tensor] = None
         self.max_logit_seconds = 0.0
+
+    def projection_shapes(self, c: MLAConfig) -> dict[str, tuple[int, ...]]:
+        """The projections this layer adopts, by name, with their weight shapes (:func:`projection_shapes`;
+        a subclass whose query is projected otherwise names its own, read by its own ``raw_query``)."""
+        return projection_shapes(c)
 
     @property
     def decode_backend(self) -> str:
@@ -288,7 +299,7 @@ class MLA(nn.Module):
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
-            return self.project_out(sdpa(q, k, v, self.scale, causal=True), x)
+            return self.project_out(sdpa(q, k, v, self.scale, causal=True, sinks=self.sinks), x)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
         if rope_positions is not None:
             slot = replace(slot, positions=default_positions(x, rope_positions, "rope_positions", signed=True)
@@ -297,7 +308,7 @@ class MLA(nn.Module):
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)
             k, v = cache.update(slot, k, v)
-            return self.project_out(sdpa(q, k, v, self.scale, mask=slot.key_mask()), x)
+            return self.project_out(sdpa(q, k, v, self.scale, mask=slot.key_mask(), sinks=self.sinks), x)
         with cache.transaction():  # a failure after the write takes x's tokens out again
             out, queries = self._attend_latent(x, cache, slot, path, indices)
             # The cache's eviction policy, if it has one, may drop tokens now; it reads
@@ -321,13 +332,13 @@ class MLA(nn.Module):
             if path == "explicit":  # a prefill into an empty latent cache
                 q, k, v = self.explicit_qkv(x, slot.positions, latent)
                 mask = selection_mask(indices, x.shape[1]) if indices is not None else None
-                out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None)
+                out = sdpa(q, k, v, self.scale, mask=mask, causal=mask is None, sinks=self.sinks)
             else:
                 k, v = self.expand_cache(*cache.load())
                 mask = slot.key_mask()
                 if indices is not None:
                     mask = selection_mask(indices, k.shape[1])
-                out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=mask)
+                out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=mask, sinks=self.sinks)
             return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
@@ -340,9 +351,11 @@ class MLA(nn.Module):
                                   self.scale, view["kv_format"], written=rows)
         cache.append(slot, **rows)
         visible = slot.visible_lens() if indices is None else None  # the selection is the whole rule
-        o_lat, _ = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
-                                           backend=backend, mode=self.score_mode, visible_lens=visible,
-                                           indices=indices)
+        o_lat, lse = mla_decode_with_kvcache(q_lat, q_rope, **cache.decode_view(), softmax_scale=self.scale,
+                                             backend=backend, mode=self.score_mode, visible_lens=visible,
+                                             indices=indices)
+        if self.sinks is not None:  # W_UV is linear: the latent output takes the sinks' share (sinks.py)
+            o_lat = apply_sinks(o_lat, lse, self.sinks)
         return values_out(o_lat, self.absorbed), lambda: (q_lat, q_rope)
 
     @property

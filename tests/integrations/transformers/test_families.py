@@ -56,6 +56,8 @@ EXTRA = {  # what a family's config needs beyond SHAPE to be tiny, and to exerci
     "bailing_hybrid": dict(HYBRID, head_dim=8, num_mtp_layers=0, q_lora_rank=None, num_experts=4),
     "deepseek_v32": SPARSE_SHAPE,
     "glm_moe_dsa": dict(SPARSE_SHAPE, indexer_types=["full", "shared"]),
+    "hy_v4": dict(SPARSE_SHAPE, indexer_types=["full", "shared"], hc_mult=2),
+    "axk2": dict(SPARSE_SHAPE, gated_norm_rank=4),
 }
 SUPPORTED = [f for f in FAMILIES if f.status == "supported"]
 SPARSE_SUPPORTED = [f for f in SUPPORTED if f.build == "sparse"]
@@ -93,6 +95,8 @@ def hf_model(family, dtype=torch.float64, seed: int = 0, taken: bool = True):
                 p.add_(0.1 * torch.randn_like(p))
             elif "self_attn" in name and p.dim() == 2:
                 p.mul_(3.0)  # logits of a few units, so attention is not flat
+            elif name.endswith("self_attn.sinks"):  # HY-V4's: sinks of a few units, each its own
+                p.add_(1.0 + torch.randn_like(p))
     return model
 
 
@@ -135,6 +139,9 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     # A hybrid's linear-attention layers are transformers' own: its recurrent decode and its chunked
     # prefill differ by their own roundoff, measured on the unpatched model, which bounds ours too.
     bound = 1e-9
+    if family.host(ref.config).attention_sinks:
+        # the sinks' share of each output reads the decode op's log-sum-exp, float32 by its contract (FlashMLA's)
+        bound = 1e-6
     if family.mla_layers is not None and not all(family.mla_layers(ref.config)):
         host_cached, host_tokens = stepwise_logits(ref, prompt, 4)
         with torch.no_grad():
@@ -151,8 +158,13 @@ def test_qk_normed_absorbed_decode_equals_its_explicit_path(family):
     ("longcat_flash", dict(latent_scale=1.0)),
     ("longcat_flash", dict(query_scale=1.0)),
     ("minicpm3", dict(rope="interleaved")),
-    ("bailing_hybrid", dict(output_gate=False)),
-], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate"])
+    ("bailing_hybrid", dict(output_gate=None)),
+    ("hy_v4", dict(output_gate=None)),
+    ("hy_v4", dict(attention_sinks=False)),
+    ("hy_v4", dict(rope="interleaved")),
+    ("axk2", dict(output_gate=None)),
+], ids=["mistral4-temperature", "longcat-latent-scale", "longcat-query-scale", "minicpm3-halves", "ling-gate",
+        "hy-v4-gate", "hy-v4-sinks", "hy-v4-halves", "axk2-gate"])
 def test_the_family_differences_are_applied(name, knock):
     """Each convention the table reads changes the function: switched off, the model differs."""
     family = family_named(name)
@@ -162,8 +174,8 @@ def test_the_family_differences_are_applied(name, knock):
         layer.host = type(layer.host)(**{**layer.host.__dict__, **knock})
         if "rope" in knock:
             layer.rotary.interleave = True
-        if knock.get("output_gate") is False:
-            layer.g_proj = None
+        if knock.get("attention_sinks") is False:
+            layer.sinks = None
     prompt = ids(length=10)
     with torch.no_grad():
         assert max_rel(model(input_ids=prompt).logits, ref(input_ids=prompt).logits) > 1e-3
@@ -230,6 +242,25 @@ def test_glm_dsa_shared_layers_reuse_the_previous_layers_top_k():
     assert len(seen) == len(chosen) == 1 and seen[0] is chosen[0] and chosen[0].shape == (2, 6, TOPK)
 
 
+def test_hy_v4s_sinks_and_gate_are_adopted_as_they_are():
+    """HY-V4's sinks (kept in float32 by transformers in a bfloat16 model) and its gate_proj are transformers'
+    own parameters, shared, not copied or cast, with the QK norm added too; the state dict keeps their names."""
+    family = family_named("hy_v4")
+    ref = hf_model(family, torch.bfloat16)
+    for layer in ref.model.layers:  # as from_pretrained keeps them (_keep_in_fp32_modules_strict)
+        layer.self_attn.sinks.data = layer.self_attn.sinks.data.float()
+    sinks = [layer.self_attn.sinks for layer in ref.model.layers]
+    gates = [layer.self_attn.gate_proj for layer in ref.model.layers]
+    keys = set(ref.state_dict())
+    model = apply_latent_attention(ref)
+    layers = latent_layers(model)
+    assert all(layer.sinks is s and s.dtype == torch.float32 for layer, s in zip(layers, sinks))
+    assert all(layer.gate_proj is g for layer, g in zip(layers, gates)) and len(layers) == len(sinks)
+    assert set(model.state_dict()) == keys
+    normed = apply_latent_attention(model, qk_norm="rms")
+    assert all(layer.sinks is s for layer, s in zip(latent_layers(normed), sinks))
+
+
 def test_glm_dsa_of_an_older_transformers_is_refused_naming_its_indexer():
     """Before 5.19 (the CI's 5.4.0) GLM-5's indexer keeps its keys on the module: refused by name, before
     any layer is swapped."""
@@ -287,10 +318,10 @@ def test_the_docs_table_is_the_code_table():
     assert markdown_table() in docs, "docs/interop.md: paste qkmla.integrations.transformers.families.markdown_table()"
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"])
 def test_a_qk_normed_model_of_another_family_saves_and_loads_with_its_norm(name, tmp_path):
     """A family's architecture with the QK norm (GLM-4.7-Flash's, and the sparse ones: DeepSeek-V3.2's,
-    GLM-5's): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
+    GLM-5's, HY-V4's with its sinks and gate, AXK2's with its fused query and gate): saved as qkmla's model type of the family, loaded back by the Auto classes and by qkmla's
     from_pretrained, with the norm and the same logits; the family's own class, which does not know
     the norm, refuses the checkpoint naming qkmla's loader."""
     import json
@@ -335,7 +366,7 @@ def test_a_qk_normed_hybrid_saves_and_loads_with_its_norm(tmp_path):
         assert max_rel(loaded(input_ids=prompt).logits, model(input_ids=prompt).logits) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear", "glm_moe_dsa"])
+@pytest.mark.parametrize("name", ["glm4_moe_lite", "kimi_linear", "glm_moe_dsa", "hy_v4"])
 def test_a_left_padded_batch_generates_as_transformers(name):
     """Padding: the latent layers cache none; a hybrid's linear layers get transformers' own mask;
     GLM-5's indexer is given padding-free columns and its shared layer the first layer's choice."""

@@ -192,7 +192,7 @@ def load_hf_attention_weights(mla: MLA, state_dict: Mapping[str, torch.Tensor], 
 
 
 HF_PROJECTIONS = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-                  "kv_b_proj", "o_proj")
+                  "kv_b_proj", "o_proj", "q_gate_proj")  # q_gate_proj: AXK2's fused query and gate (families.py)
 
 
 def hf_projections(hf_attention) -> dict:

@@ -106,22 +106,29 @@ class LatentAttention(MLA):
         settings: the model's shared :class:`LatentSettings`.
         host: how the family's attention differs from DeepSeek-V3's (``families.HostAttention``;
             None: it does not).
-        g_proj: the HF layer's output-gate projection, adopted (``host.output_gate``).
+        g_proj: the HF layer's output-gate projection, adopted under transformers' name for it
+            (``host.gate_name``: Ling's ``g_proj``, HY-V4's ``gate_proj``), where ``host.output_gate`` says.
     """
 
     def __init__(self, config: MLAConfig, layer_idx: int, projections: Optional[dict] = None,
                  settings: Optional[LatentSettings] = None, host: Optional[HostAttention] = None,
                  g_proj: Optional[torch.nn.Module] = None):
+        host = host if host is not None else HostAttention(rope="interleaved" if config.rope_interleave else "halves")
+        # read by projection_shapes while MLA adopts the projections (AXK2's fused query), before Module's setup
+        object.__setattr__(self, "_fused_query", host.output_gate == "query")
         super().__init__(config, projections)
         self.layer_idx = layer_idx
         self.settings = settings if settings is not None else LatentSettings()
-        self.host = host if host is not None else HostAttention(
-            rope="interleaved" if config.rope_interleave else "halves")
-        if self.host.output_gate != (g_proj is not None):
-            gated = self.host.output_gate
+        self.host = host
+        gated = self.host.output_gate is not None
+        if gated != (g_proj is not None):
             raise ValueError(f"g_proj: the family's attention {'gates' if gated else 'does not gate'} its heads' "
                              f"outputs, so g_proj must be {'its gate projection' if gated else 'None'}")
-        self.g_proj = g_proj
+        if gated:  # under transformers' name, so the state dict's keys are its own
+            setattr(self, self.host.gate_name, g_proj)
+        if self.host.attention_sinks != config.attention_sinks:
+            raise ValueError(f"config: the family's attention {'has' if self.host.attention_sinks else 'has no'} "
+                             f"attention sinks, so config.attention_sinks must be {self.host.attention_sinks}")
         if self.host.rope == "none":
             self.rotary = NoRotary()
         self.is_causal = True  # read by some transformers utilities
@@ -147,6 +154,7 @@ class LatentAttention(MLA):
         if host is not None:  # a family's: its RoPE layout and softmax scale, whatever DeepSeek's config reading says
             overrides.setdefault("rope_interleave", host.rope != "halves")
             overrides["any_model_type"] = True
+            overrides["attention_sinks"] = host.attention_sinks
             if host.rope == "none" or not host.yarn_scale:
                 overrides.update(rope_scaling=None, any_rope_type=True)
         overrides.setdefault("any_rope_type", hf_rotary is not None)
@@ -159,7 +167,9 @@ class LatentAttention(MLA):
                 and abs(config.scale - hf_scale) > 1e-9 * hf_scale \
                 and not getattr(hf_attention.config, "model_type", "").endswith("deepseek_v2"):
             config = config.replace(softmax_scale=hf_scale)
-        params = list(hf_attention.parameters())
+        # the sinks are adopted as they are (transformers keeps them in float32 in a bfloat16 model)
+        sinks = hf_attention.sinks if host is not None and host.attention_sinks else None
+        params = [p for name, p in hf_attention.named_parameters() if name != "sinks" or sinks is None]
         # On the meta device (transformers' from_pretrained builds the model there, then loads the
         # weights into the modules this layer adopts): nothing is read from the weights here,
         # except for fewer KV groups than heads, whose kv_b_proj is reshaped.
@@ -178,7 +188,7 @@ class LatentAttention(MLA):
             kv_b_proj = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=repeated.requires_grad)
             projections["kv_b_proj"] = kv_b_proj
-        g_proj = getattr(hf_attention, "g_proj", None) if host is not None and host.output_gate else None
+        g_proj = getattr(hf_attention, host.gate_name) if host is not None and host.output_gate is not None else None
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings, host, g_proj)
         # what transformers' own attention caches, for a cache's keys/values view (view.py)
         layer.hf_cache_layout = "latent" if hasattr(type(hf_attention), "expand_kv") else "expanded"
@@ -186,7 +196,15 @@ class LatentAttention(MLA):
         layer.hf_rope_halves = type(hf_attention).__name__.startswith("DeepseekV3")
         if hf_rotary is not None and layer.host.rope != "none" and hf_rope_type(hf_attention.config) not in ROPE_TYPES:
             layer.rotary = TransformersRotary(hf_rotary, config.rope_interleave)
-        return layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
+        layer = layer.to(device=params[0].device, dtype=params[0].dtype).train(hf_attention.training)
+        if sinks is not None:
+            layer.sinks = sinks
+        return layer
+
+    @property
+    def gate(self) -> Optional[torch.nn.Module]:
+        """The output-gate projection (``host.gate_name``), or None."""
+        return getattr(self, self.host.gate_name, None) if self.host.output_gate is not None else None
 
     def with_norm(self, norm: QKNormConfig) -> "LatentAttention":
         """This layer with the QK norm ``norm`` added, sharing its projection modules; the norm
@@ -195,15 +213,41 @@ class LatentAttention(MLA):
 
         weight = self.kv_b_proj.weight
         layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings,
-                           self.host, self.g_proj)
+                           self.host, self.gate)
         layer.rotary, layer.hf_cache_layout, layer.hf_rope_halves = self.rotary, self.hf_cache_layout, self.hf_rope_halves
-        return layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
+        layer = layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
+        if self.sinks is not None:  # the same parameter, in its own dtype
+            layer.sinks = self.sinks
+        return layer
 
     # -- the family's differences from DeepSeek-V3 (families.HostAttention) ----------------------
 
+    def projection_shapes(self, c: MLAConfig) -> dict[str, tuple[int, ...]]:
+        """MLA's projections; with AXK2's fused query (``host.output_gate`` "query") ``q_gate_proj``
+        [h (d_n + d_r + d_v), 2 d_cq] in place of ``q_b_proj``."""
+        shapes = super().projection_shapes(c)
+        if self._fused_query:
+            del shapes["q_b_proj"]
+            shapes["q_gate_proj"] = (c.num_heads * (c.qk_head_dim + c.v_head_dim), 2 * c.q_lora_rank)
+        return shapes
+
+    def _fused_query_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """AXK2's fused projection: (q [B, T, h, d_n + d_r], gate logits [B, T, h, d_v]) from
+        q_gate_proj([q_a_layernorm(q_a_proj(x)), q_a_proj(x)])."""
+        c = self.config
+        compressed = self.q_a_proj(x)
+        fused = self.q_gate_proj(torch.cat((self.q_a_layernorm(compressed), compressed), dim=-1))
+        return fused.view(*x.shape[:2], c.num_heads, c.qk_head_dim + c.v_head_dim).split(
+            [c.qk_head_dim, c.v_head_dim], dim=-1)
+
     def raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """MLA's (q^C [B, T, h, d_n], q~^R [B, T, h, d_r]), times the family's query scale."""
-        q_c, q_r = super().raw_query(x)
+        """MLA's (q^C [B, T, h, d_n], q~^R [B, T, h, d_r]) (AXK2's: from its fused projection), times the
+        family's query scale."""
+        if self._fused_query:
+            q_c, q_r = self._fused_query_gate(x)[0].split([self.config.qk_nope_head_dim,
+                                                           self.config.qk_rope_head_dim], dim=-1)
+        else:
+            q_c, q_r = super().raw_query(x)
         s = self.host.query_scale
         return (q_c, q_r) if s == 1.0 else (q_c * s, q_r * s)
 
@@ -232,10 +276,17 @@ class LatentAttention(MLA):
         return (q_lat, q_rope) if scale is None else (q_lat * scale.to(q_lat.dtype), q_rope * scale.to(q_rope.dtype))
 
     def project_out(self, heads: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``o_proj`` of the heads' outputs [B, T, h, d_v], each head times sigmoid(g_proj(x)) first
-        where the family gates them (as transformers computes the gate: in float32)."""
-        if self.g_proj is not None:
-            heads = heads * torch.sigmoid(self.g_proj(x).float()).to(heads.dtype)[..., None]
+        """``o_proj`` of the heads' outputs [B, T, h, d_v], gated first where the family gates them
+        (``host.output_gate``), as transformers computes the gate: Ling's per head, sigmoid(g_proj(x))
+        [B, T, h] in float32; HY-V4's per channel, sigmoid(gate_proj(x)) [B, T, h, d_v] in x's dtype; AXK2's
+        per channel, sigmoid of the gate columns of its fused query projection, in float32."""
+        gate = self.gate
+        if gate is not None and self.host.output_gate == "head":
+            heads = heads * torch.sigmoid(gate(x).float()).to(heads.dtype)[..., None]
+        elif gate is not None and self.host.output_gate == "query":  # the fused projection again, for its gate rows
+            heads = (heads * torch.sigmoid(self._fused_query_gate(x)[1].float())).to(heads.dtype)
+        elif gate is not None:
+            heads = heads * torch.sigmoid(gate(x).view(heads.shape)).to(heads.dtype)
         return self.o_proj(heads.flatten(2))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
@@ -246,6 +297,9 @@ class LatentAttention(MLA):
         :class:`LatentCall`; absent: none are); the cache as ``cache``, ``past_key_values`` or
         ``past_key_value``, whichever this transformers version uses.
         """
+        if self.sinks is not None:  # the weights, static-cache and custom-mask paths here compute without them
+            raise ValueError("sinks: a dense MLA layer with attention sinks is not served by LatentAttention; the "
+                             "families with sinks (HY-V4) are sparse attention, SparseLatentAttention")
         cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
                      None)
         x = hidden_states

@@ -32,6 +32,8 @@ from typing import Callable, Optional
 from ...attention.mla import MLA
 
 ROPE_LAYOUTS = ("interleaved", "halves", "none")
+# The output gates of HostAttention.output_gate, by kind: the name of transformers' gate projection
+OUTPUT_GATES = {"head": "g_proj", "channel": "gate_proj", "query": "q_gate_proj"}
 STATUSES = ("supported", "sparse", "refused")
 # The transformers versions the parity tests run on (CI's oldest and newest)
 TESTED_VERSIONS = ("5.4.0", "5.24.0")
@@ -52,8 +54,15 @@ class HostAttention:
         ``mla_scale_kv_lora`` = sqrt(hidden_size / kv_lora_rank)); keys and values both scale.
     position_temperature: (beta, L) for Mistral 4's position-dependent query scale
         1 + beta log(1 + floor(position / L)) (transformers' ``get_llama_4_attn_scale``), or None.
-    output_gate: the heads' outputs [B, T, h, d_v] times sigmoid(g_proj(x)) [B, T, h] before
-        ``o_proj`` (Ling's ``BailingHybridAttention``).
+    output_gate: None, or how the heads' outputs [B, T, h, d_v] are gated before ``o_proj``, a key of
+        :data:`OUTPUT_GATES`: "head", times sigmoid(g_proj(x)) [B, T, h], in float32 (Ling's
+        ``BailingHybridAttention``); "channel", times sigmoid(gate_proj(x)) [B, T, h, d_v], in the
+        hidden dtype (HY-V4's ``HYV4Attention``); "query", times sigmoid of the last d_v columns of each head's
+        row of the fused query projection q_gate_proj [B, T, h, d_n + d_r + d_v], in float32 (AXK2's
+        ``AXK2Attention``, which has no ``q_b_proj``: the layer's query is the first d_n + d_r columns,
+        ``transformers.attention.LatentAttention.raw_query``).
+    attention_sinks: the attention has a learned per-head sink logit (transformers' ``sinks`` [h], HY-V4's),
+        adopted as the layer's ``MLA.sinks`` (``qkmla.attention.sinks``).
     yarn_scale: the softmax scale takes YaRN's mscale² (DeepSeek's ``yarn_apply_mscale``); False
         where the family's attention uses (d_n + d_r) ** -0.5 alone.
     shared_topk: the sparse attention's cross-layer top-k sharing (GLM-5's ``indexer_types``): the
@@ -66,19 +75,27 @@ class HostAttention:
     query_scale: float = 1.0
     latent_scale: float = 1.0
     position_temperature: Optional[tuple[float, int]] = None
-    output_gate: bool = False
+    output_gate: Optional[str] = None
     yarn_scale: bool = True
     shared_topk: bool = False
+    attention_sinks: bool = False
 
     def __post_init__(self):
         if self.rope not in ROPE_LAYOUTS:
             raise ValueError(f"rope: expected one of {ROPE_LAYOUTS}, got {self.rope!r}")
+        if self.output_gate is not None and self.output_gate not in OUTPUT_GATES:
+            raise ValueError(f"output_gate: expected None or one of {tuple(OUTPUT_GATES)}, got {self.output_gate!r}")
+
+    @property
+    def gate_name(self) -> Optional[str]:
+        """The name of transformers' output-gate projection in the family's attention, or None."""
+        return OUTPUT_GATES[self.output_gate] if self.output_gate is not None else None
 
     @property
     def is_deepseek(self) -> bool:
         """True when the layer computes what DeepSeek-V3's does (only the RoPE layout may differ)."""
         return (self.query_scale == 1.0 and self.latent_scale == 1.0 and self.position_temperature is None
-                and not self.output_gate)
+                and self.output_gate is None and not self.attention_sinks)
 
 
 def _rope(config) -> str:
@@ -117,12 +134,24 @@ def _kimi_linear(config) -> HostAttention:
 
 
 def _bailing_hybrid(config) -> HostAttention:
-    return HostAttention(rope="interleaved", output_gate=True)
+    return HostAttention(rope="interleaved", output_gate="head")
 
 
 def _glm_dsa(config) -> HostAttention:
     """GLM-5's DSA (glm_moe_dsa): DeepSeek-V3.2's attention, interleaved pairs, and cross-layer top-k sharing."""
     return HostAttention(rope="interleaved", shared_topk=True)
+
+
+def _hy_v4(config) -> HostAttention:
+    """HY-V4's: DeepSeek-V3.2's sparse attention with RoPE in halves, attention sinks, a per-channel output
+    gate, and cross-layer top-k sharing (``indexer_types``; every layer returns its choice)."""
+    return HostAttention(rope="halves", output_gate="channel", attention_sinks=True, shared_topk=True)
+
+
+def _axk2(config) -> HostAttention:
+    """AXK2's: DeepSeek-V3.2's sparse attention, its query and a per-channel output gate from one fused
+    projection (q_gate_proj of [q_a_layernorm(q_a_proj(x)), q_a_proj(x)])."""
+    return HostAttention(rope="interleaved", output_gate="query")
 
 
 def _every_layer(config) -> list[bool]:
@@ -193,8 +222,6 @@ def _sparse(model_type: str, classes: tuple[str, ...], reason: str, since: Optio
 
 
 # Why each refused sparse family's attention does not map onto MLA with a top-k indexer (sparse.py)
-_HY_V4 = ("attention sinks (a learned per-head logit in the softmax's denominator, HYV4Attention.sinks), which the "
-          "absorbed decode op does not take, and a per-channel output gate (gate_proj, [B, T, h, d_v])")
 REASONS = {
     "glm5_next": ("its indexer scores pools of index_kpool tokens (k-pool compression, Glm5NextTextIndexer) and reads "
                   "transformers' cache layer's key tensor (cache.layers[i].keys) to size them, which a latent cache "
@@ -203,13 +230,13 @@ REASONS = {
                        "kv_a_proj_with_mqa read another layer's latent), some layers have no RoPE part at all "
                        "(no_rope_layers: d_r = 0 in that layer alone), and the query takes a learned per-head "
                        "log-position scale (MistralLarge4TextSoftmaxScaling); its indexer has no query LoRA input"),
-    "hy_v4": _HY_V4,
-    "hy_v4_vl": _HY_V4,
-    "axk2": ("no q_b_proj: its query and a per-channel output gate come from one fused projection of the LoRA "
-             "query and its un-normed input (q_gate_proj of [q_a_layernorm(q_a_proj(x)), q_a_proj(x)])"),
+    "hy_v4_vl": ("its text attention (HY-V4's, which is supported) rotates with a multimodal RoPE: three position ids "
+                 "per token (temporal, height, width; position_ids [3, B, T], mrope_section), which the latent "
+                 "cache's one RoPE position per token does not give"),
     "dots3_note": ("sliding-window attention layers (layer_types 'sliding_attention') and per-layer configs "
-                   "(per_layer_config) beside the indexed layers, and an RMSNorm on the shared RoPE key "
-                   "(k_rope_only_layernorm) that MLA's latent path does not apply"),
+                   "(per_layer_config) beside the indexed layers, an RMSNorm on the shared RoPE key "
+                   "(k_rope_only_layernorm) that MLA's latent path does not apply, and a LoRA scale on the "
+                   "indexer's query input (q_resid * q_lora_scale), which the sparse adapter does not give it"),
 }
 
 
@@ -246,10 +273,15 @@ FAMILIES: tuple[Family, ...] = (
             since="5.24.0", note="also a hybrid with linear-attention layers"),
     _sparse("mistral_large4", ("MistralLarge4ForConditionalGeneration", "MistralLarge4TextModel"),
             REASONS["mistral_large4"], since="5.24.0"),
-    _sparse("hy_v4", ("HYV4ForCausalLM", "HYV4Model"), REASONS["hy_v4"], since="5.24.0"),
+    Family("hy_v4", ("HYV4ForCausalLM", "HYV4Model"), since="5.24.0", host=_hy_v4, build="sparse",
+           note="sparse attention as DeepSeek-V3.2's with attention sinks (the decode op's log-sum-exp), the "
+                "per-channel output gate (gate_proj), RoPE in halves and \"shared\" layers reusing the previous "
+                "layer's top-k (indexer_types); its decoder's hyper-connections stay transformers' own"),
     _sparse("hy_v4_vl", ("HYV4VLForConditionalGeneration", "HYV4VLTextModel"), REASONS["hy_v4_vl"], since="5.24.0",
             note="hy_v4 with a vision encoder"),
-    _sparse("axk2", ("AXK2ForCausalLM", "AXK2Model"), REASONS["axk2"], since="5.24.0"),
+    Family("axk2", ("AXK2ForCausalLM", "AXK2Model"), since="5.24.0", host=_axk2, build="sparse",
+           note="sparse attention as DeepSeek-V3.2's; the query and a per-channel output gate from one fused "
+                "projection (q_gate_proj), read by the layer's query and output hooks"),
     _sparse("dots3_note", ("Dots3NoteForCausalLM", "Dots3NoteTextModel"), REASONS["dots3_note"], since="5.24.0"),
 )
 
@@ -265,11 +297,12 @@ def family_named(model_type: str) -> Optional[Family]:
 def is_mla_attention(module) -> bool:
     """True for a transformers attention module with MLA's structure: DeepSeek's latent projections
     (``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``), ``o_proj``, a query projection
-    (``q_proj``, or ``q_a_proj`` and ``q_b_proj``), and a config with ``kv_lora_rank``."""
+    (``q_proj``, or ``q_a_proj`` and ``q_b_proj``, or AXK2's ``q_a_proj`` and fused ``q_gate_proj``), and a
+    config with ``kv_lora_rank``."""
     has = [getattr(module, name, None) is not None for name in
            ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
-    query = getattr(module, "q_proj", None) is not None or (getattr(module, "q_a_proj", None) is not None
-                                                           and getattr(module, "q_b_proj", None) is not None)
+    query = getattr(module, "q_proj", None) is not None or (getattr(module, "q_a_proj", None) is not None and any(
+        getattr(module, name, None) is not None for name in ("q_b_proj", "q_gate_proj")))
     return all(has) and query and getattr(getattr(module, "config", None), "kv_lora_rank", None) is not None
 
 
@@ -323,6 +356,6 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "HostAttention", "REASONS", "ROPE_LAYOUTS", "STATUSES",
+__all__ = ["BY_MODEL_TYPE", "FAMILIES", "Family", "HostAttention", "OUTPUT_GATES", "REASONS", "ROPE_LAYOUTS", "STATUSES",
            "SUPPORTED_MODEL_TYPES", "TESTED_VERSIONS", "attention_slots", "family_named", "get_slot",
            "is_mla_attention", "markdown_table", "refusal", "set_slot"]

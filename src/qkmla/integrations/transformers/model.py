@@ -71,7 +71,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     Args:
         model: a ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``, a causal LM of another supported
             family (``families.FAMILIES``: GLM-4.7-Flash, Mistral 4, LongCat-Flash, MiniCPM3, Kimi-Linear,
-            ...), or its inner ``*Model``. A family that is not supported (six of the sparse ones: the
+            ...), or its inner ``*Model``. A family that is not supported (four of the sparse ones: the
             table's reasons) is refused naming the class and the reason, before any work.
         qk_norm: None (the model's own function) or a post-up-projection QK norm to add to every
             attention layer: a :class:`~qkmla.QKNormConfig` (kind, mode, p, eps, scope, learnable

@@ -18,10 +18,14 @@ columns of that mask, which :func:`~.sparse_cache.column_slots` turns into slots
 cached). transformers' position embeddings (cos, sin) reach the indexer as they come, so it rotates
 its keys exactly as in the unpatched model.
 
-Families (``families.FAMILIES``, build "sparse"): DeepSeek-V3.2's, and GLM-5's DSA (``glm_moe_dsa``),
+Families (``families.FAMILIES``, build "sparse"): DeepSeek-V3.2's, GLM-5's DSA (``glm_moe_dsa``),
 whose attention is V3.2's with cross-layer top-k sharing (``HostAttention.shared_topk``): a "shared"
 layer has no indexer and attends to the previous layer's choice (``prev_topk_indices``, columns of
-the same mask, so the same slots), and every layer returns its choice as a third output. The
+the same mask, so the same slots), and every layer returns its choice as a third output; and
+HY-V4's (``hy_v4``), GLM-5's with attention sinks (``HostAttention.attention_sinks``: ``MLA.sinks``
+on every path, ``qkmla.attention.sinks``) and a per-channel output gate (``project_out``); and AXK2's
+(``axk2``), whose query and per-channel output gate come from one fused projection (``q_gate_proj``,
+read by ``LatentAttention.raw_query`` and ``project_out``). The
 indexer is called as V3.2's is; one with another call (transformers 5.4's GLM indexer, which keeps
 its keys on the module) is refused, naming its class.
 
@@ -202,7 +206,7 @@ class SparseLatentAttention(LatentAttention):
             mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
-        return self.o_proj(sdpa(q, k, v, self.scale, mask=mask).flatten(2)), chosen
+        return self.project_out(sdpa(q, k, v, self.scale, mask=mask, sinks=self.sinks), x), chosen
 
 
 class _without_indexer:
