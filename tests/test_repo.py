@@ -109,6 +109,7 @@ def test_third_party_files_are_the_upstream_files_unedited(tree):
     listed = {path: blob for blob, path in re.findall(r"^([0-9a-f]{40})  (\S+)$", provenance, flags=re.M)}
     present = {p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert present - {"PROVENANCE.txt", "VERSION"} == set(listed)
+    assert tree.name.endswith("-" + (tree / "VERSION").read_text().strip()), "the folder names its release"
     edited = [path for path, blob in listed.items() if git_blob_id((tree / path).read_bytes()) != blob]
     assert not edited, f"{tree.name}: {edited} differ from the upstream files PROVENANCE.txt lists"
 

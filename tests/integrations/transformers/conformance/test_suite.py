@@ -1,8 +1,9 @@
 """transformers' own DeepSeek-V2/V3 model tests, run on stock and on patched models (issue 52, point 8).
 
-Each file runs twice in a subprocess, stock (``QKMLA_CONFORMANCE=stock``) and with every DeepSeek
-model it builds patched (``qkmla_conformance.py``); a test fails here if a test that passes on
-stock does not pass patched, bar ``EXPECTED_FAILURES``.
+Both files run in a pytest subprocess per mode, the two side by side: stock
+(``QKMLA_CONFORMANCE=stock``) and with every DeepSeek model they build patched
+(``qkmla_conformance.py``); a test fails here if a test that passes on stock does not pass
+patched, bar ``EXPECTED_FAILURES``.
 
 The test tree: ``QKMLA_TRANSFORMERS_TESTS`` (a transformers source tree at the installed version:
 its ``tests/``, and ``src/`` or a ``VERSION`` file), else the trimmed copy this repository carries
@@ -12,7 +13,8 @@ skips, saying so.
 
 The tests: :data:`SELECT` by default, the tests of the two files that exercise what the adapter
 changes, kept small for CI; ``QKMLA_CONFORMANCE_SELECT`` takes another pytest ``-k`` expression,
-or ``all`` for the whole files (over an hour per file and mode on a loaded 2-core CPU).
+or ``all`` for the whole files (a quarter of an hour per file and mode on the loaded 2-core CPU,
+most of it in the tensor-parallel and compiled-generate tests).
 """
 
 from __future__ import annotations
@@ -135,9 +137,10 @@ def runs(tmp_path_factory):
         pytest.skip("transformers is not installed")
     tree = transformers_tests_tree(version)
     if tree is None:
-        pytest.skip(f"no transformers test tree for transformers {version}: this repository carries "
-                    f"third_party/transformers-tests-5.4.0 only; set QKMLA_TRANSFORMERS_TESTS to a transformers "
-                    f"source tree at {version} (docs/interop.md, 'transformers' own model tests')")
+        carried = ", ".join(sorted(p.name for p in (REPO / "third_party").glob("transformers-tests-*")))
+        pytest.skip(f"no transformers test tree for transformers {version}: this repository carries {carried}; "
+                    f"set QKMLA_TRANSFORMERS_TESTS to a transformers source tree at {version} (docs/interop.md, "
+                    f"'transformers' own model tests')")
     if tree_version(tree) != version:
         pytest.skip(f"the test tree {tree} is transformers {tree_version(tree)}, the installed one is {version}: "
                     f"run the test files of the installed version")
