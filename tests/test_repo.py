@@ -121,8 +121,8 @@ def test_third_party_is_neither_packaged_nor_collected(tmp_path):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^testpaths = \["tests"\]', pyproject, flags=re.M)
     assert re.search(r'^\[tool.setuptools.packages.find\]\nwhere = \["src"\]', pyproject, flags=re.M)
-    subprocess.run([sys.executable, "-c", "import sys; from setuptools.build_meta import build_sdist; "
-                    "build_sdist(sys.argv[1])", str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
+    build = "import sys; from setuptools.build_meta import build_sdist; build_sdist(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
     with tarfile.open(next(tmp_path.glob("qkmla-*.tar.gz"))) as sdist:
         names = sdist.getnames()
     assert any(name.endswith("/src/qkmla/__init__.py") for name in names)

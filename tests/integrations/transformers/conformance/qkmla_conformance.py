@@ -17,8 +17,8 @@ with this folder on ``PYTHONPATH``; ``test_suite.py`` beside it starts such runs
   ``xfail(strict=False)`` with their reason in a patched run.
 
 transformers' root ``conftest.py`` is not loaded (the run passes ``--confcutdir`` at the tree's
-``tests`` folder): it registers a plugin that needs pytest-xdist. The markers it declares are
-declared here.
+``tests`` folder): it registers a plugin that needs pytest-xdist. The markers it and
+transformers' pyproject.toml declare are declared here.
 
 The test tree may be the trimmed copy in ``third_party/transformers-tests-<version>/``, which
 has transformers' test files but not its ``src/``: two of the kept files load transformers from
@@ -104,7 +104,7 @@ def _installed_transformers_for_a_missing_source_tree():
     ``<tree>/src/transformers`` to read class names off the module; the kept files are not edited
     (third_party/.../PROVENANCE.txt), so the call is answered here."""
     import transformers.utils
-    import transformers.utils.import_utils as import_utils
+    from transformers.utils import import_utils
 
     load_from_path = import_utils.direct_transformers_import
 
@@ -125,7 +125,7 @@ def pytest_configure(config):
                    "accelerate_tests", "agent_tests", "not_device_test", "training_ci", "tensor_parallel_ci",
                    "fsdp_ci", "expert_parallel_ci", "is_tensor_parallel_test", "flash_attn_4_test",
                    "all_flash_attn_test"):
-        config.addinivalue_line("markers", f"{marker}: declared by transformers' conftest.py")
+        config.addinivalue_line("markers", f"{marker}: declared by transformers' conftest.py or pyproject.toml")
     if MODE == "patched":
         for cls in _deepseek_classes():
             if "__init__" in cls.__dict__:
