@@ -54,7 +54,9 @@ def fixed_config(mutable: tuple = ()) -> property:
     return property(get, set_, doc="The module's config; structural fields are fixed after construction.")
 
 
-def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+def check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int in [1, 2**63) (or None, with
+    ``allow_none``); shared by every config here and the ones built on them (gpt.py, cache/size.py)."""
     if value is None and allow_none:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -164,14 +166,16 @@ class QKNormConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_groups(name: str, groups: int, num_heads: int) -> None:
+def check_groups(name: str, groups: int, num_heads: int) -> None:
     """KV groups (heads) must split the query heads evenly."""
     if num_heads % groups:
         allowed = [g for g in range(1, num_heads + 1) if num_heads % g == 0]
         raise ValueError(f"{name}: must divide num_heads={num_heads} (allowed: {allowed}), got {groups}")
 
 
-def _check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
+def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
+    """A ValueError naming ``rope_dim_name`` for an odd RoPE width, or naming rope_theta unless it
+    is a finite positive number."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
     if not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
@@ -229,10 +233,10 @@ class MLAConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_groups", "kv_lora_rank",
                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
-        _check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
-        _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, self.rope_theta)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
+        check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
+        check_rope("qk_rope_head_dim", self.qk_rope_head_dim, self.rope_theta)
         # A dict (HF's spelling, or dataclasses.asdict of a saved config) becomes a YarnScaling.
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
@@ -310,15 +314,15 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("head_dim", self.head_dim, allow_none=True)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("head_dim", self.head_dim, allow_none=True)
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"head_dim: None needs num_heads={self.num_heads} to divide hidden_size={self.hidden_size}; "
                 "pass head_dim explicitly"
             )
-        _check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
-        _check_rope("head_dim", self.dim_per_head, self.rope_theta)
+        check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
+        check_rope("head_dim", self.dim_per_head, self.rope_theta)
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         if self.qk_norm is not None and (self.qk_norm.mode, self.qk_norm.scope) != ("blockwise", "head"):
             raise ValueError(f"qk_norm: a head without content and RoPE blocks takes mode='blockwise' and "
@@ -381,9 +385,9 @@ class SharedKVConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "head_dim", "rope_head_dim"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
-        _check_rope("rope_head_dim", self.rope_head_dim, self.rope_theta)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)
+        check_rope("rope_head_dim", self.rope_head_dim, self.rope_theta)
         if self.rope_head_dim > self.head_dim:
             raise ValueError(f"rope_head_dim: RoPE rotates the last dims of a head, so at most "
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")

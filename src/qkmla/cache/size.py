@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, _check_groups, _check_positive_int, _check_rope
+from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, check_groups, check_positive_int, check_rope
 from ..kv_formats import KV_FORMATS, check_kv_format, row_format
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -65,12 +65,12 @@ class CacheShape:
                 if v is not None and v not in DTYPE_BYTES:
                     raise ValueError(f"{f.name}: expected one of {sorted(DTYPE_BYTES)}, got {v!r}")
             else:
-                _check_positive_int(f.name, v, allow_none=True)
-        _check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
+                check_positive_int(f.name, v, allow_none=True)
+        check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
         if self.num_kv_groups is not None:
-            _check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
+            check_groups("num_kv_groups", self.num_kv_groups, self.num_heads)
         if self.qk_rope_head_dim is not None:
-            _check_rope("qk_rope_head_dim", self.qk_rope_head_dim, 10000.0)
+            check_rope("qk_rope_head_dim", self.qk_rope_head_dim, 10000.0)
         # An MLA size given without the rest of an MLA shape would be dropped without a word.
         if (self.kv_lora_rank is None) != (self.qk_rope_head_dim is None):
             given, missing = (("kv_lora_rank", "qk_rope_head_dim") if self.qk_rope_head_dim is None

@@ -40,7 +40,7 @@ from ..attention.shared_kv import SharedKVAttention
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
-from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, _check_positive_int, fixed_config
+from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
 from ..utils.limits import check_fits
 
@@ -104,7 +104,7 @@ class GPTConfig:
         # None means the variant's default; 0 must not quietly mean it too (attention_config's `or`),
         # and a negative width would be refused later under the derived field's name (head_dim).
         for name in ("n_kv_head", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "shared_kv_dim"):
-            _check_positive_int(name, getattr(self, name), allow_none=True)
+            check_positive_int(name, getattr(self, name), allow_none=True)
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or \
                 not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
