@@ -388,6 +388,21 @@ def experiment_full_disk_keeps_results(env: Env) -> None:
     assert after["results.jsonl"] == before["results.jsonl"] and not [k for k in after if ".tmp" in k]
 
 
+def experiment_full_disk_mid_grid(env: Env) -> None:
+    """Probe round 4: a file-size limit that fails every run's checkpoint printed 'run X failed:
+    OSError: [Errno 27] File too large' for each of lr-sweep --quick's 28 runs, training every one
+    to the same failure. The first such run now stops the grid as one machine line naming the file
+    (exit 1); nothing is reported as the user's mistake or as a bug."""
+    out = env.tmp / "grid"
+    (env.tmp / "slow.py").write_text(SLOW_DRIVER)
+    r = subprocess.run([sys.executable, str(env.tmp / "slow.py"), "2", *slow_argv(out)], capture_output=True, text=True,
+                       cwd=env.tmp, timeout=240, env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+                       preexec_fn=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_FSIZE,
+                                                                            (100_000, 100_000)))
+    line = one_machine_line(r, "experiment", "checkpoint.safetensors")
+    assert "File too large" in line and "failed" not in r.stdout, r.stdout
+
+
 def train_full_disk_on_resume(env: Env) -> None:
     """Issue 56 class 1: a full disk during ``qkmla train --resume`` names the metrics file it could
     not write; the rows before stay, the run's status says failed."""
@@ -1398,6 +1413,8 @@ def cli_rows():
             e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
             experiment_full_disk_keeps_results),
+        Row("experiment", "disk", "a full disk at a run's checkpoint (every run trained to the same failure)",
+            experiment_full_disk_mid_grid),
         Row("experiment", "signal", "SIGTERM: runs checkpointed, a later run resumes exactly",
             experiment_sigterm_resumes_exactly),
         Row("experiment", "signal", "one SIGINT starts no queued run", experiment_one_sigint_starts_nothing_new),
