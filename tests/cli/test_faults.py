@@ -175,6 +175,7 @@ def one_machine_line(r: subprocess.CompletedProcess, command: str, path: str) ->
 # import of torch (and its worker another), which is most of these rows' time.
 
 SLOW_EXPERIMENT = """
+import os
 from qkmla.experiments.base import Experiment, Report, train_settings
 from qkmla.experiments.grid import Run
 
@@ -184,6 +185,8 @@ def slow(steps):
                                    "eval_interval": 1000, "seed": i + 1}) for i in range(2)]
 
     def report(rows, options):
+        if os.environ.get("QKMLA_TEST_STRICT_REPORT") and any(r["status"] != "done" for r in rows):
+            raise KeyError("loss")  # as lr-sweep's report does over unfinished runs
         return Report({}, "| run |\\n|---|\\n" + "".join(f"| {r['run']} |\\n" for r in rows), [])
 
     return Experiment("slow", "two runs of STEPS debug steps", plan, report)
@@ -212,13 +215,15 @@ def slow_argv(out: Path) -> list:
     return ["experiment", "slow", "--out", str(out), "--workers", "1", "--no-progress"]
 
 
-def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0) -> subprocess.Popen:
+def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_report: bool = False) -> subprocess.Popen:
+    """``strict_report``: the experiment's report refuses unfinished runs, as lr-sweep's does."""
     driver = env.tmp / "slow.py"
     driver.write_text(SLOW_DRIVER)
     return subprocess.Popen([sys.executable, str(driver), str(steps)] + slow_argv(out), cwd=env.tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
-                                 "QKMLA_TEST_PAUSE": str(pause)})
+                                 "QKMLA_TEST_PAUSE": str(pause),
+                                 **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {})})
 
 
 def run_slow(env: Env, steps: int, out: Path) -> str:
@@ -301,6 +306,25 @@ def experiment_sigterm_resumes_exactly(env: Env) -> None:
     run_slow(env, STEPS, out)
     losses = [r["loss"] for r in metrics(out / "runs" / "r0")]
     assert len(losses) == STEPS and losses == reference_losses(env, STEPS, 1)  # resumed = uninterrupted
+
+
+def experiment_stopped_before_its_report_can_be_drawn(env: Env) -> None:
+    """Probe round 4: SIGTERM (or two Ctrl-Cs) to ``qkmla experiment lr-sweep``, whose report needs
+    finished runs, ended with exit 2 and '--out: 28 run(s) of 28 did not finish, so the report cannot
+    be drawn ...; fix or remove RUN and run again': the user's mistake, and advice to remove a run
+    that resumes. Stopped, the grid says so (143, 'stopped by SIGTERM ... resume'); the rows are
+    written, the report waits for the resume, which draws it."""
+    out = env.tmp / "grid"
+    proc = start_slow(env, 2000, out, strict_report=True)
+    wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, err, took = finish(proc, 90)
+    assert code == 143 and took < PROMPT_S and "Traceback" not in err, err
+    assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 1 run\(s\) not "
+                     r"started; run the same command again to resume", err) and "did not finish" not in err, err
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["run"], r["status"]) for r in rows] == [("r0", "stopped"), ("r1", "missing")]
+    assert not (out / "summary.md").exists()  # no report from unfinished runs
 
 
 def experiment_one_sigint_starts_nothing_new(env: Env) -> None:
@@ -1352,6 +1376,12 @@ def cli_rows():
                    "--qk-norm-p"),
             refuse(e, ["convert", "--hf", hf, "--out", e.tmp / "o", "--qk-norm", "lp", "--qk-norm-p", "inf"],
                    "--qk-norm-p")], hf=True),
+        Row("convert", "path", "--calibration-text without --qk-norm (dropped without a word; the conversion was "
+            "written)", lambda e, hf: [
+                (e.tmp / "t.txt").write_text("text to calibrate on\n"),
+                refuse(e, convert_argv(hf, e.tmp / "o", "--calibration-text", e.tmp / "t.txt"),
+                       "--calibration-text: the text a QK norm being added is calibrated on; name the norm too"),
+                os.path.exists(e.tmp / "o") and pytest.fail("written")], hf=True),
         Row("convert", "size", "--qk-norm-p 3 with --qk-norm rms (dropped without a word; the conversion was written)",
             lambda e, hf: [refuse(e, convert_argv(hf, e.tmp / "o", "--qk-norm", "rms", "--qk-norm-p", "3"),
                                   "--qk-norm-p: only read with --qk-norm lp, got --qk-norm rms"),
@@ -1417,6 +1447,8 @@ def cli_rows():
             experiment_full_disk_mid_grid),
         Row("experiment", "signal", "SIGTERM: runs checkpointed, a later run resumes exactly",
             experiment_sigterm_resumes_exactly),
+        Row("experiment", "signal", "SIGTERM where the report needs finished runs (exit 2, 'fix or remove' a run that "
+            "resumes)", experiment_stopped_before_its_report_can_be_drawn),
         Row("experiment", "signal", "one SIGINT starts no queued run", experiment_one_sigint_starts_nothing_new),
         Row("experiment", "signal", "two SIGINTs stop at once (hung)", experiment_two_sigints_stop_at_once),
         Row("experiment", "signal", "SIGKILL, then the same command resumes", experiment_sigkill_then_resume),
