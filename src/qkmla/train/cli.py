@@ -87,5 +87,6 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                                ("qk_clip_alpha", "--qk-clip", config.qk_clip is not None)):
         if name not in unset and not read:
             raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
-                                                f"give; drop it or add {reader.split()[0]}"))
+                                                f"give; drop it or add {reader}" + (" TAU" if reader == "--qk-clip"
+                                                                                     else "")))
     return config
