@@ -50,7 +50,7 @@ from qkmla.cli.commands import build_parser
 SRC = Path(__file__).resolve().parents[2] / "src"
 CLASSES = ("output", "path", "disk", "signal", "size", "environment", "concurrent", "cpuset")
 CONSTRUCTORS = ("LatentCache", "FullKVCache", "PagedLayout", "GPTConfig", "GPT", "TrainConfig", "StreamingLLM", "H2O",
-                "SnapKV", "MLAConfig", "QKNormConfig", "AttentionConfig", "CacheShape",
+                "SnapKV", "MLAConfig", "QKNormConfig", "AttentionConfig", "CacheShape", "ScalarNorm", "QKNorm",
                 # and the public callables whose arguments size or steer the work: the decode op, the
                 # transformers adapter's cache
                 "mla_decode_with_kvcache", "LatentAttentionCache")
@@ -59,8 +59,6 @@ CONSTRUCTORS = ("LatentCache", "FullKVCache", "PagedLayout", "GPTConfig", "GPT",
 NOT_CONSTRUCTORS = {
     "MLA": "an nn.Module built from an MLAConfig (MLAConfig's rows); its weights are the config's sizes",
     "MultiHeadAttention": "an nn.Module built from an AttentionConfig (AttentionConfig's rows)",
-    "QKNorm": "an nn.Module built from a QKNormConfig (QKNormConfig's rows)",
-    "ScalarNorm": "the norm's statistic, from a QKNormConfig's kind and p (QKNormConfig's rows)",
     "ContiguousLayout": "takes no argument; its buffers are sized by the cache's checked capacity (LatentCache's rows)",
     "EvictionPolicy": "the base class of StreamingLLM, H2O and SnapKV (their rows)",
     "SequenceCache": "the base class of LatentCache and FullKVCache (their rows)",
@@ -177,6 +175,7 @@ def one_machine_line(r: subprocess.CompletedProcess, command: str, path: str) ->
 # import of torch (and its worker another), which is most of these rows' time.
 
 SLOW_EXPERIMENT = """
+import os
 from qkmla.experiments.base import Experiment, Report, train_settings
 from qkmla.experiments.grid import Run
 
@@ -186,6 +185,8 @@ def slow(steps):
                                    "eval_interval": 1000, "seed": i + 1}) for i in range(2)]
 
     def report(rows, options):
+        if os.environ.get("QKMLA_TEST_STRICT_REPORT") and any(r["status"] != "done" for r in rows):
+            raise KeyError("loss")  # as lr-sweep's report does over unfinished runs
         return Report({}, "| run |\\n|---|\\n" + "".join(f"| {r['run']} |\\n" for r in rows), [])
 
     return Experiment("slow", "two runs of STEPS debug steps", plan, report)
@@ -214,13 +215,15 @@ def slow_argv(out: Path) -> list:
     return ["experiment", "slow", "--out", str(out), "--workers", "1", "--no-progress"]
 
 
-def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0) -> subprocess.Popen:
+def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_report: bool = False) -> subprocess.Popen:
+    """``strict_report``: the experiment's report refuses unfinished runs, as lr-sweep's does."""
     driver = env.tmp / "slow.py"
     driver.write_text(SLOW_DRIVER)
     return subprocess.Popen([sys.executable, str(driver), str(steps)] + slow_argv(out), cwd=env.tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
-                                 "QKMLA_TEST_PAUSE": str(pause)})
+                                 "QKMLA_TEST_PAUSE": str(pause),
+                                 **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {})})
 
 
 def run_slow(env: Env, steps: int, out: Path) -> str:
@@ -303,6 +306,25 @@ def experiment_sigterm_resumes_exactly(env: Env) -> None:
     run_slow(env, STEPS, out)
     losses = [r["loss"] for r in metrics(out / "runs" / "r0")]
     assert len(losses) == STEPS and losses == reference_losses(env, STEPS, 1)  # resumed = uninterrupted
+
+
+def experiment_stopped_before_its_report_can_be_drawn(env: Env) -> None:
+    """Probe round 4: SIGTERM (or two Ctrl-Cs) to ``qkmla experiment lr-sweep``, whose report needs
+    finished runs, ended with exit 2 and '--out: 28 run(s) of 28 did not finish, so the report cannot
+    be drawn ...; fix or remove RUN and run again': the user's mistake, and advice to remove a run
+    that resumes. Stopped, the grid says so (143, 'stopped by SIGTERM ... resume'); the rows are
+    written, the report waits for the resume, which draws it."""
+    out = env.tmp / "grid"
+    proc = start_slow(env, 2000, out, strict_report=True)
+    wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    code, err, took = finish(proc, 90)
+    assert code == 143 and took < PROMPT_S and "Traceback" not in err, err
+    assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 1 run\(s\) not "
+                     r"started; run the same command again to resume", err) and "did not finish" not in err, err
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["run"], r["status"]) for r in rows] == [("r0", "stopped"), ("r1", "missing")]
+    assert not (out / "summary.md").exists()  # no report from unfinished runs
 
 
 def experiment_one_sigint_starts_nothing_new(env: Env) -> None:
@@ -390,6 +412,21 @@ def experiment_full_disk_keeps_results(env: Env) -> None:
     assert after["results.jsonl"] == before["results.jsonl"] and not [k for k in after if ".tmp" in k]
 
 
+def experiment_full_disk_mid_grid(env: Env) -> None:
+    """Probe round 4: a file-size limit that fails every run's checkpoint printed 'run X failed:
+    OSError: [Errno 27] File too large' for each of lr-sweep --quick's 28 runs, training every one
+    to the same failure. The first such run now stops the grid as one machine line naming the file
+    (exit 1); nothing is reported as the user's mistake or as a bug."""
+    out = env.tmp / "grid"
+    (env.tmp / "slow.py").write_text(SLOW_DRIVER)
+    r = subprocess.run([sys.executable, str(env.tmp / "slow.py"), "2", *slow_argv(out)], capture_output=True, text=True,
+                       cwd=env.tmp, timeout=240, env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+                       preexec_fn=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_FSIZE,
+                                                                            (100_000, 100_000)))
+    line = one_machine_line(r, "experiment", "checkpoint.safetensors")
+    assert "File too large" in line and "failed" not in r.stdout, r.stdout
+
+
 def train_full_disk_on_resume(env: Env) -> None:
     """Issue 56 class 1: a full disk during ``qkmla train --resume`` names the metrics file it could
     not write; the rows before stay, the run's status says failed."""
@@ -414,6 +451,28 @@ def convert_full_disk(env: Env, hf_source: Path) -> None:
               env.tmp, limit=20000)
     one_machine_line(r, "convert", str(env.tmp / "dst"))
     assert not (env.tmp / "dst").exists() and sorted(os.listdir(env.tmp)) == []
+
+
+def plot_skipped_lines(env: Env) -> None:
+    """Probe rounds 3-4: ``qkmla plot`` left a damaged metrics line out of the figure without a
+    word. Now each file with lines left out gets one warning line naming it and the lines; the
+    figure is still drawn from the whole rows."""
+    rows = (env.run / "metrics.jsonl").read_text().splitlines()
+    damaged, cut = env.tmp / "damaged", env.tmp / "cut"
+    for d in (damaged, cut):
+        d.mkdir()
+    (damaged / "metrics.jsonl").write_text("\n".join([rows[0], "{garbage", *rows[1:]]) + "\n")
+    (cut / "metrics.jsonl").write_text("\n".join(rows) + "\n" + rows[-1][:25])  # a last line cut short
+    env.capsys.readouterr()
+    assert main(["plot", str(damaged), str(cut), "--out", str(env.tmp / "c.png")]) == 0
+    captured = env.capsys.readouterr()
+    lines = [x for x in captured.err.splitlines() if x.strip() and not noise(x)]
+    n = len(rows) + 1
+    assert lines == [f"qkmla plot: warning: {damaged / 'metrics.jsonl'}: line 2 of {n} is not a metrics row (damaged "
+                     "or edited); left out of the figure",
+                     f"qkmla plot: warning: {cut / 'metrics.jsonl'}: line {n} of {n} is cut short (a run killed "
+                     "mid-write leaves it); left out of the figure"], captured.err
+    assert (env.tmp / "c.png").read_bytes()[:4] == b"\x89PNG" and "wrote" in captured.out
 
 
 def plot_full_disk(env: Env) -> None:
@@ -862,6 +921,19 @@ def train_ok(env: Env, out: Path) -> list:
             "--threads", "1", "--out", out]
 
 
+def train_block_past_the_data(env: Env) -> None:
+    """Probe rounds 3-4: ``--block-size 10000000000`` over a small file was refused as --data's
+    fault; the block size the user chose is named (the preset's block too long for a file stays
+    --data's), before any file is written."""
+    text = env.tmp / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 50)
+    refuse(env, train_ok(env, env.tmp / "r") + ["--data", text, "--block-size", "10000000000"],
+           r"--block-size: the training split has \d+ tokens, too few for one block of block_size=10000000000")
+    assert not (env.tmp / "r").exists()
+    text.write_text("short\n")
+    refuse(env, train_ok(env, env.tmp / "r") + ["--data", text], r"--data: the training split has \d+ tokens")
+
+
 def train_non_utf8(env: Env) -> None:
     """Issue 56 class 2: a run directory whose name is not UTF-8 trains, and generates from
     (it was reported as "truncated or corrupt")."""
@@ -922,6 +994,25 @@ def decode_arguments(env: Env) -> None:
     torch.testing.assert_close(decode(max_seqlen=8), decode("naive"))  # the right hint: the reference's answer
 
 
+def decode_scale(env: Env) -> None:
+    """Probe round 4: a float softmax_scale of 0 or -1 was accepted (uniform or inverted attention;
+    MLAConfig refuses both). A per-head tensor stays free of sign (a learned scale)."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+    g = torch.Generator().manual_seed(0)
+    q_lat, q_rope = torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 4, 4, generator=g)
+    kv, lens = torch.randn(2, 8, 12, generator=g), torch.tensor([8, 4])
+
+    def decode(softmax_scale=0.3, backend="torch"):
+        return mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=softmax_scale, backend=backend)[0]
+
+    for tau in (0.0, -1.0, 0):
+        raises(lambda: decode(softmax_scale=tau), ValueError, r"softmax_scale: expected the logit scale \(a finite "
+               r"float > 0")
+    per_head = torch.tensor([0.3, -0.2, 0.0, 1.0])
+    torch.testing.assert_close(decode(per_head), decode(per_head, "naive"))
+
+
 def static_cache_past_memory(env: Env, hf: Path) -> None:
     """A static LatentAttentionCache of max_cache_len 2**50 reached torch's allocator at the first
     forward ("you tried to allocate 180143985094819840 bytes")."""
@@ -951,6 +1042,18 @@ def convert_gqa_kv_heads_not_dividing(env: Env) -> None:
         assert not (env.tmp / "o").exists()
 
 
+def cache_on_a_missing_device(env: Env) -> None:
+    """A cache on a device this machine lacks: one ValueError naming ``device`` and what there is."""
+    from qkmla.cache.full import FullKVCache
+    from qkmla.cache.latent import LatentCache
+
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    for device in (missing, "bogus"):
+        raises(lambda d=device: LatentCache(1, 8, 16, 4, 1, device=d), ValueError,
+               rf"device: expected one of \('cpu'.* on this machine.*, got '{device}'")
+        raises(lambda d=device: FullKVCache(1, 8, 2, 8, 8, device=d), ValueError, "device: expected one of")
+
+
 def constructor_rows():
     from qkmla.cache.eviction import H2O, SnapKV, StreamingLLM
     from qkmla.cache.full import FullKVCache
@@ -959,6 +1062,7 @@ def constructor_rows():
     from qkmla.cache.storage import PagedLayout
     from qkmla.config import AttentionConfig, MLAConfig, QKNormConfig
     from qkmla.model.gpt import GPT, GPTConfig
+    from qkmla.norms import QKNorm, ScalarNorm
     from qkmla.train.config import TrainConfig
 
     def mutated(obj, field, value, error, pattern, kept):
@@ -1000,6 +1104,11 @@ def constructor_rows():
             lambda e: [raises(lambda: PagedLayout(0), ValueError, "block_size"),
                        raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
                            4, block_table=torch.tensor([[0, -1]]))), ValueError, "block ids must be >= 0")]),
+        Row("PagedLayout", "size", "block_size=2**40 (past memory: was named block_table)",
+            lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(2**40)), ValueError,
+                             f"block_size: one block of block_size=1099511627776 tokens .*{big}")),
+        Row("LatentCache", "environment", "device='cuda' on a machine without one, device='bogus' (an "
+            "AssertionError / torch's list of device types)", cache_on_a_missing_device),
         Row("FullKVCache", "size", "capacity=10**12 (past memory), 0",
             lambda e: [raises(lambda: FullKVCache(1, 10**12, 2, 8, 8), ValueError, "capacity: .*need"),
                        raises(lambda: FullKVCache(1, 0, 2, 8, 8), ValueError, "capacity: expected a positive int")]),
@@ -1017,6 +1126,7 @@ def constructor_rows():
                        raises(lambda: GPTConfig(attn="gqa", n_kv_head=0), ValueError, "n_kv_head: expected")]),
         Row("mla_decode_with_kvcache", "size", "max_seqlen below max(cache_seqlens) (dropped slots), num_splits -2, "
             "a NaN softmax_scale tensor", decode_arguments),
+        Row("mla_decode_with_kvcache", "size", "a float softmax_scale 0 and -1 (accepted)", decode_scale),
         Row("LatentAttentionCache", "size", "static, max_cache_len=2**50 (torch's allocator)", static_cache_past_memory,
             hf=True),
         Row("GPTConfig", "size", "a field set after construction",
@@ -1061,6 +1171,17 @@ def constructor_rows():
         Row("StreamingLLM", "size", "sinks changed after construction, budget negative",
             lambda e: [raises(lambda: setattr(StreamingLLM(budget=8), "sinks", 100), AttributeError, "sinks"),
                        raises(lambda: StreamingLLM(budget=-1), ValueError, "budget")]),
+        Row("ScalarNorm", "size", "dim 0, heads 0, p 0.5, eps -1 / NaN / inf (accepted: a public module built "
+            "without a QKNormConfig)",
+            lambda e: [raises(lambda: ScalarNorm(0), ValueError, "dim: expected a positive int"),
+                       raises(lambda: ScalarNorm(8, heads=0), ValueError, "heads: expected a positive int or None"),
+                       raises(lambda: ScalarNorm(8, kind="lp", p=0.5), ValueError, "p: expected a finite number >= 1"),
+                       *(raises(lambda v=v: ScalarNorm(8, eps=v), ValueError, "eps: expected a finite number >= 0")
+                         for v in (-1.0, math.nan, math.inf))]),
+        Row("QKNorm", "size", "content_dim 0, rope_dim -2, p 0.5 (accepted)",
+            lambda e: [raises(lambda: QKNorm(0, 4), ValueError, "content_dim: expected a positive int"),
+                       raises(lambda: QKNorm(16, -2), ValueError, "rope_dim: expected a positive int"),
+                       raises(lambda: QKNorm(16, 4, kind="lp", p=0.5), ValueError, "p: expected a finite number")]),
         Row("SnapKV", "size", "window changed after construction, kernel_size 0",
             lambda e: [raises(lambda: setattr(SnapKV(budget=40), "window", 0), AttributeError, "window"),
                        raises(lambda: SnapKV(budget=40, kernel_size=0), ValueError, "kernel_size")]),
@@ -1131,6 +1252,10 @@ def cli_rows():
         Row("train", "path", "--data missing", lambda e: refuse(e, train_ok(e, e.tmp / "r") + ["--data", e.tmp / "no"],
                                                                "--data")),
         Row("train", "path", "a non-UTF-8 --out trains and is read back", train_non_utf8),
+        Row("train", "path", "--resume without --out (made a fresh runs/ directory, then named --resume)",
+            lambda e: [refuse(e, train_ok(e, e.tmp / "r")[:-2] + ["--resume"],
+                              r"--out: resume continues the run in a directory; name it \(--out DIR\)"),
+                       os.path.exists(e.tmp / "runs") and pytest.fail("a fresh run directory was made")]),
         Row("train", "disk", "a full disk during --resume (metrics.jsonl)", train_full_disk_on_resume),
         Row("train", "signal", "SIGTERM: checkpointed, stopped", train_sigterm),
         Row("train", "signal", "SIGKILL, then --resume from the last checkpoint", train_sigkill_then_resume),
@@ -1142,6 +1267,15 @@ def cli_rows():
                        refuse(e, train_ok(e, e.tmp / "r") + ["--seed", str(2**64)], "--seed"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--steps", "0"], "--steps"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--grad-clip", "-1"], "--grad-clip")]),
+        Row("train", "size", "--block-size 10**10 over a 2 KB --data (named --data)", train_block_past_the_data),
+        Row("train", "size", "--muon-adjust-lr without --optimizer muon, --qk-clip-alpha without --qk-clip (ignored "
+            "without a word)", lambda e: [
+                refuse(e, train_ok(e, e.tmp / "r") + ["--muon-adjust-lr", "original"],
+                       r"--muon-adjust-lr: only read with --optimizer muon, which this command does not give"),
+                refuse(e, train_ok(e, e.tmp / "r") + ["--qk-clip-alpha", "0.9"],
+                       r"--qk-clip-alpha: only read with --qk-clip"),
+                refuse(e, train_ok(e, e.tmp / "r") + ["--qk-clip-alpha", "2"], r"--qk-clip-alpha: expected a finite"),
+                os.path.exists(e.tmp / "r") and pytest.fail("refused after work")]),
         Row("train", "size", "--threads 10**6 (a segmentation fault), 0", lambda e: [
             refused_by_parser(e, train_ok(e, e.tmp / "r")[:-4] + ["--out", e.tmp / "r", "--threads", str(10**6)],
                               r"--threads: expected a positive int up to \d+ \(4 per CPU"),
@@ -1177,6 +1311,8 @@ def cli_rows():
             refuse(e, ["plot", e.run, "--out", e.tmp / ("b" * 300 + ".png")],
                    r"--out: cannot use the figure file .*\(File name too long\)"),
             refuse(e, ["plot", e.tmp / ("b" * 300)], r"runs: cannot use the run directory .*\(File name too long\)")]),
+        Row("plot", "path", "a metrics file with a damaged line, one cut short by a kill (left out without a word)",
+            plot_skipped_lines),
         Row("plot", "disk", "a full disk keeps the old figure", plot_full_disk),
         Row("plot", "signal", "SIGTERM at the write keeps the old figure, no temporary left",
             lambda e: plot_signal_at_write(e, signal.SIGTERM, TERM)),
@@ -1240,6 +1376,16 @@ def cli_rows():
                    "--qk-norm-p"),
             refuse(e, ["convert", "--hf", hf, "--out", e.tmp / "o", "--qk-norm", "lp", "--qk-norm-p", "inf"],
                    "--qk-norm-p")], hf=True),
+        Row("convert", "path", "--calibration-text without --qk-norm (dropped without a word; the conversion was "
+            "written)", lambda e, hf: [
+                (e.tmp / "t.txt").write_text("text to calibrate on\n"),
+                refuse(e, convert_argv(hf, e.tmp / "o", "--calibration-text", e.tmp / "t.txt"),
+                       "--calibration-text: the text a QK norm being added is calibrated on; name the norm too"),
+                os.path.exists(e.tmp / "o") and pytest.fail("written")], hf=True),
+        Row("convert", "size", "--qk-norm-p 3 with --qk-norm rms (dropped without a word; the conversion was written)",
+            lambda e, hf: [refuse(e, convert_argv(hf, e.tmp / "o", "--qk-norm", "rms", "--qk-norm-p", "3"),
+                                  "--qk-norm-p: only read with --qk-norm lp, got --qk-norm rms"),
+                           os.path.exists(e.tmp / "o") and pytest.fail("written")], hf=True),
         Row("convert-gqa", "output", "--out is --hf, or exists", lambda e, hf: [
             refuse(e, ["convert-gqa", "--hf", hf, "--out", hf, "--overwrite"], "--out: "),
             (e.tmp / "d").mkdir(), (e.tmp / "d" / "x").write_text("x"),
@@ -1297,8 +1443,12 @@ def cli_rows():
             e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
             experiment_full_disk_keeps_results),
+        Row("experiment", "disk", "a full disk at a run's checkpoint (every run trained to the same failure)",
+            experiment_full_disk_mid_grid),
         Row("experiment", "signal", "SIGTERM: runs checkpointed, a later run resumes exactly",
             experiment_sigterm_resumes_exactly),
+        Row("experiment", "signal", "SIGTERM where the report needs finished runs (exit 2, 'fix or remove' a run that "
+            "resumes)", experiment_stopped_before_its_report_can_be_drawn),
         Row("experiment", "signal", "one SIGINT starts no queued run", experiment_one_sigint_starts_nothing_new),
         Row("experiment", "signal", "two SIGINTs stop at once (hung)", experiment_two_sigints_stop_at_once),
         Row("experiment", "signal", "SIGKILL, then the same command resumes", experiment_sigkill_then_resume),
@@ -1354,6 +1504,7 @@ NOT_APPLICABLE = {
     ("verify", "cpuset"): "one process; torch's threads",
     ("cache-size", "cpuset"): "arithmetic only",
     ("cache-size", "environment"): None,  # has a row; listed to keep the table honest (see the test)
+    ("LatentCache", "environment"): None,  # has a row: the device it is asked to allocate on
     ("generate", "cpuset"): "one process; --threads auto measures the CPU set as train does (train's row)",
     ("generate", "concurrent"): "writes no file",
     ("plot", "size"): "takes no size",

@@ -339,7 +339,7 @@ def test_the_softmax_scale_has_no_default(backend):
     with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'softmax_scale'"):
         mla_decode_with_kvcache(**args, backend=backend)
     for bad in (None, True, "0.3"):
-        with pytest.raises(ValueError, match=r"softmax_scale: expected the logit scale \(a finite float, or a tensor "
+        with pytest.raises(ValueError, match=r"softmax_scale: expected the logit scale \(a finite float > 0, or a tensor "
                                              rf"\[H\]\), e\.g\. MLAConfig\.scale; got {bad!r}"):
             mla_decode_with_kvcache(**args, softmax_scale=bad, backend=backend)
     with pytest.raises(TypeError, match="positional"):  # the scale is named at every call

@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
 from .storage import ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer
@@ -93,11 +94,10 @@ class SequenceCache:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.batch_size, self.capacity = batch_size, capacity
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = check_device("device", device, meta=True)
         check_allocation("batch_size", 24 * batch_size, f"the lengths and positions of {batch_size} sequences",
                          self.device)
         self.layout = layout if layout is not None else ContiguousLayout()
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.fields: dict[str, TokenBuffer] = {}
         self.seqlens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)

@@ -98,6 +98,10 @@ class PagedBuffer(TokenBuffer):
         self.width, self.block_size = width, block_size
         self.block_table = block_table
         self.capacity = block_table.shape[1] * block_size
+        # Name what makes the pool too big: one block past memory is block_size's doing; otherwise
+        # the block count, which the table's largest id sets (unless num_blocks was given).
+        check_allocation("block_size", block_size * width * dtype.itemsize,
+                         f"one block of block_size={block_size} tokens x {width} {dtype} values", device)
         check_allocation("block_table", num_blocks * block_size * width * dtype.itemsize,
                          f"a pool of num_blocks={num_blocks} blocks (one more than the largest block id, unless "
                          f"given) of {block_size} tokens x {width} {dtype} values", device)

@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import traceback
+import warnings
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
@@ -109,17 +110,24 @@ def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..utils.files import check_output, check_path
-    from ..train.plot import plot_runs
+    from ..train.plot import SkippedLines, plot_runs
 
     check_path("--out", args.out, "figure file")
     for run in args.runs:
         check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
     check_output("--out", [args.out], inputs, args.overwrite, "figure")
-    try:
-        path = plot_runs(args.runs, args.out)
-    except ValueError as e:
-        raise _as_options(e, {"run_dir": "runs"}) from None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SkippedLines)
+        try:
+            path = plot_runs(args.runs, args.out)
+        except ValueError as e:
+            raise _as_options(e, {"run_dir": "runs"}) from None
+    for w in caught:  # the steps a figure leaves out, one line each, as the command's own messages
+        if issubclass(w.category, SkippedLines):
+            print(f"qkmla plot: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {path}")
     return 0
 
@@ -190,24 +198,9 @@ def _kept_line(policy, report: dict) -> str:
 def _hf_device(name: str):
     """The torch.device ``--device`` names, checked: the CPU, or an accelerator this machine has
     (``cuda``, ``cuda:1``, ...)."""
-    import torch
+    from ..utils.devices import check_device
 
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; before it, CUDA is the one looked for
-    if accelerator is not None:
-        found = accelerator.current_accelerator()
-        kind, count = (found.type, accelerator.device_count()) if found is not None else (None, 0)
-    else:
-        kind, count = ("cuda", torch.cuda.device_count()) if torch.cuda.is_available() else (None, 0)
-    allowed = ("cpu",) + ((kind, f"{kind}:N with N < {count}") if kind is not None else ())
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", kind) or \
-            (device.type == kind and device.index is not None and device.index >= count):
-        where = "" if kind is not None else " (torch sees no accelerator here)"
-        raise ValueError(f"--device: expected one of {allowed} on this machine{where}, got {name!r}")
-    return device
+    return check_device("--device", name)
 
 
 def _hf_dtype(hf_dir: str, allowed) -> str:
@@ -339,10 +332,13 @@ def _qk_norm_from_flags(args: argparse.Namespace):
             raise ValueError(f"{given[0]}: only read with a qk_norm; give --qk-norm too")
         return None
     try:
-        return QKNormConfig(**fields)
+        norm = QKNormConfig(**fields)
     except ValueError as e:
         field, _, rest = str(e).partition(": ")
         raise ValueError(f"{QK_NORM_FLAGS.get(field, field)}: {rest}") from None
+    if norm.kind != "lp" and fields["p"] != QKNormConfig.p:  # only lp reads p: another kind would drop it unsaid
+        raise ValueError(f"--qk-norm-p: only read with --qk-norm lp, got --qk-norm {norm.kind}")
+    return norm
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -167,6 +167,9 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     if calibration_tokens and norm is None:
         raise ValueError("calibration_tokens: calibrates a QK norm being added; name the norm too "
                          "(qk_norm, --qk-norm), or pass 0")
+    if calibration_text is not None and norm is None:  # the text would be dropped without a word
+        raise ValueError("calibration_text: the text a QK norm being added is calibrated on; name the norm too "
+                         "(qk_norm, --qk-norm), or leave the text out")
     if calibration_tokens and calibration_tokens < 16:
         raise ValueError(f"calibration_tokens: expected 0 (no calibration) or at least 16, got {calibration_tokens}")
     existing = saved_norm(src)

@@ -139,7 +139,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
             try:
                 statuses = run_grid(runs, out, options.workers, experiment.measure, progress, stop=stop)
             except GridStopped as e:
-                _write_report(experiment, options, runs, e.statuses, command, t0)
+                _write_report(experiment, options, runs, e.statuses, command, t0, stopped=True)
                 raise
             return _write_report(experiment, options, runs, statuses, command, t0)
         statuses: dict[str, dict] = {}
@@ -157,7 +157,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
                                    stop=stop)
                 except GridStopped as e:
                     statuses.update(e.statuses)
-                    _write_report(experiment, options, runs, statuses, command, t0)
+                    _write_report(experiment, options, runs, statuses, command, t0, stopped=True)
                     raise
                 statuses.update(now)
                 failed |= {name for name, st in now.items() if st["status"] not in ("done", "non-finite")}
@@ -252,8 +252,11 @@ def _pending(out: Path, run: Run, measure) -> bool:
     return not is_finished(out, run) or (measure is not None and not (run_dir(out, run) / "measure.json").is_file())
 
 
-def _write_report(experiment: Experiment, options: Options, runs: list[Run], statuses: dict, command, t0) -> Report:
-    """``results.jsonl`` (one row per planned run, trained or not), figures and summaries."""
+def _write_report(experiment: Experiment, options: Options, runs: list[Run], statuses: dict, command, t0,
+                  stopped: bool = False) -> Optional[Report]:
+    """``results.jsonl`` (one row per planned run, trained or not), figures and summaries.
+    ``stopped``: the grid was stopped by a signal, so its runs resume on the next call: a report
+    that cannot be drawn from the unfinished runs is left for that call (None), not refused."""
     out = options.out
     rows = [summarize(experiment.name, r, out) for r in runs]
     write_results(rows, out / "results.jsonl")
@@ -263,6 +266,8 @@ def _write_report(experiment: Experiment, options: Options, runs: list[Run], sta
         unfinished = [r for r in rows if r["status"] not in FINISHED]
         if not unfinished:
             raise
+        if stopped:
+            return None
         first = unfinished[0]
         why = (statuses.get(first["run"]) or {}).get("error") or first.get("error") or f"status {first['status']!r}"
         raise ValueError(f"--out: {len(unfinished)} run(s) of {len(rows)} did not finish, so the report cannot be "

@@ -19,6 +19,7 @@ own process group, so a terminal's Ctrl-C reaches them once, through the parent.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import multiprocessing
 import os
@@ -202,6 +203,12 @@ def start_branch(parent: Path, path: Path) -> None:
         tmp.replace(path / name)
 
 
+# A run that fails on these fails for every run after it (a full disk or file-size limit, a quota,
+# a read-only file system): the grid stops at the first, as one machine error naming the path,
+# instead of training each remaining run to the same failure.
+MACHINE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
+
+
 def _stopping() -> bool:
     return _WORKER_STOP is not None and _WORKER_STOP.is_set()
 
@@ -235,7 +242,10 @@ def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: 
     except KeyboardInterrupt:  # a second stop request: the trainer wrote the run's status
         return read_status(path_) or {"status": "interrupted"}
     except Exception as e:  # noqa: BLE001 - reported per run, the grid goes on
-        return {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        status = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:  # the grid stops on it (run_grid)
+            status["os_error"] = [e.errno, e.strerror, e.filename]
+        return status
 
 
 def default_workers() -> int:
@@ -362,6 +372,7 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         pool = worker_pool(workers)
     stop.pools.append(pool)
     killed = False
+    machine_error: Optional[OSError] = None
     try:
         futures = {}
         for r in todo:
@@ -384,7 +395,12 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
                         raise
                     status = read_status(run_dir(out, run)) or {"status": "not started"}
                 statuses[run.name] = status
-                if status["status"] == "error":
+                if status.get("os_error") is not None:  # the first is the one line; a run in flight may add more
+                    if machine_error is None:
+                        machine_error = OSError(*status["os_error"])
+                        for fut in pending:  # nothing new starts; runs in flight end on their own
+                            fut.cancel()
+                elif status["status"] == "error":
                     print(f"run {run.name} failed: {status['error']}", flush=True)
                 if bar is not None:
                     bar.update(1)
@@ -408,4 +424,6 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     if stop.requested:
         not_started = sum(1 for r in todo if statuses.get(r.name, {}).get("status", "not started") == "not started")
         raise GridStopped(stop.signal, statuses, not_started)
+    if machine_error is not None:  # main() prints it as one line naming the path, exit 1
+        raise machine_error
     return statuses

@@ -31,14 +31,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help=">= 1")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, > 0")
     p.add_argument("--optimizer", default=d.optimizer, choices=OPTIMIZERS)
-    p.add_argument("--muon-adjust-lr", default=d.muon_adjust_lr, choices=MUON_ADJUST)
+    p.add_argument("--muon-adjust-lr", default=None, choices=MUON_ADJUST,
+                   help=f"with --optimizer muon (default {d.muon_adjust_lr})")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=">= 0")
     p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help=">= 0")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr, in [0, 1]")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, >= 0; 0 disables clipping")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip threshold > 0 (Kimi K2: 100)")
-    p.add_argument("--qk-clip-alpha", type=float, default=d.qk_clip_alpha, help="query's share, in [0, 1]")
+    p.add_argument("--qk-clip-alpha", type=float, default=None,
+                   help=f"with --qk-clip: the query's share, in [0, 1] (default {d.qk_clip_alpha})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch (split over ranks), >= 1")
     p.add_argument("--block-size", type=int, default=None, help="context length, >= 2 (default: the preset's)")
     p.add_argument("--eval-interval", type=int, default=d.eval_interval, help=">= 1")
@@ -71,7 +73,20 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Raises ValueError naming the option for any value out of its range."""
     # Every option's dest is the TrainConfig field of the same name; only --no-progress is inverted.
     names = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(args))
+    given = {n: getattr(args, n) for n in names}
+    unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha") if given.get(n) is None]
+    for name in unset:  # left unset: TrainConfig's default stands
+        given.pop(name, None)
     try:
-        return TrainConfig(**{n: getattr(args, n) for n in names}, progress=not args.no_progress)
+        config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:
         raise ValueError(train_flag_message(str(e))) from None
+    # Options that only another option reads: given without it, they would change nothing without
+    # a word. (Checked after their ranges, so a bad value is named as such first.)
+    for name, reader, read in (("muon_adjust_lr", "--optimizer muon", config.optimizer == "muon"),
+                               ("qk_clip_alpha", "--qk-clip", config.qk_clip is not None)):
+        if name not in unset and not read:
+            raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
+                                                f"give; drop it or add {reader}" + (" TAU" if reader == "--qk-clip"
+                                                                                     else "")))
+    return config

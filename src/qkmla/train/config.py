@@ -123,6 +123,8 @@ class TrainConfig:
                              f"the rescaling), got attn={self.attn!r}")
         if self.resume and self.overwrite:
             raise ValueError("overwrite: cannot be combined with resume (one continues the run, the other replaces it)")
+        if self.resume and self.out is None:  # None means a fresh directory, which holds nothing to resume
+            raise ValueError("out: resume continues the run in a directory; name it (--out DIR)")
         self.model_config(65)  # the model's own checks (e.g. n_head vs block size), before any work
 
     def model_config(self, vocab_size: int) -> GPTConfig:

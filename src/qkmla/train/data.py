@@ -163,11 +163,13 @@ class Corpus:
         n = int(train_fraction * len(ids))
         return cls(tok, ids[:n], ids[n:], data_fingerprint(text))
 
-    def check_block(self, block_size: int) -> None:
-        """Both splits must hold one block plus its target token (checked before training)."""
+    def check_block(self, block_size: int, argument: str = "data") -> None:
+        """Both splits must hold one block plus its target token (checked before training).
+        ``argument`` leads the refusal: ``block_size`` when the user chose it (a block far past
+        the file is that choice's mistake), ``data`` when the preset's block is too long for it."""
         for name, ids in (("training", self.train), ("validation", self.val)):
             if len(ids) < block_size + 2:
-                raise ValueError(f"data: the {name} split has {len(ids)} tokens, too few for one block of "
+                raise ValueError(f"{argument}: the {name} split has {len(ids)} tokens, too few for one block of "
                                  f"block_size={block_size} (needs {block_size + 2}); use more text or a smaller "
                                  "--block-size")
 

@@ -2,20 +2,41 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 from ..utils.files import write_atomically
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The rows of ``run_dir/metrics.jsonl`` (up to a last line cut short by a kill)."""
+class SkippedLines(UserWarning):
+    """Lines of a metrics file that are not metrics rows, left out of the figure (``qkmla plot``
+    prints each as one line)."""
+
+
+def read_metrics(run_dir: str | Path, skipped: list | None = None) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` (up to a last line cut short by a kill); the
+    1-based numbers of the lines that are not rows go into ``skipped`` when it is a list."""
     from .rundir import read_rows
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"run_dir: no metrics.jsonl in {run_dir}")
-    return read_rows(path)
+    return read_rows(path, skipped)
+
+
+def warn_skipped(path: Path, skipped: list[int]) -> None:
+    """A :class:`SkippedLines` warning naming ``path`` and its ``skipped`` lines: a figure drawn
+    without some steps says so (a last line cut short by a kill is the usual one)."""
+    last = len(path.read_text(errors="replace").splitlines())
+    where = ", ".join(map(str, skipped[:5])) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+    if skipped == [last]:
+        why = "is cut short (a run killed mid-write leaves it)"
+    else:
+        why = "is not a metrics row" if len(skipped) == 1 else "are not metrics rows"
+        why += " (damaged or edited)"
+    warnings.warn(f"{path}: line{'s' if len(skipped) > 1 else ''} {where} of {last} {why}; left out of the figure",
+                  SkippedLines, stacklevel=3)
 
 
 def _points(rows: list[dict], key: str) -> tuple[list, list]:
@@ -28,6 +49,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     """Draw train/val loss, max logit and grad norm against step into exactly the file
     ``out`` names (PNG unless its suffix names another format matplotlib writes).
 
+    A line of a metrics file that is not a row is left out with a :class:`SkippedLines` warning
+    naming the file and the line.
+
     Raises:
         ValueError: a run without metrics rows, or labels that do not match the runs.
     """
@@ -38,7 +62,12 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
 
     if labels is not None and len(labels) != len(run_dirs):
         raise ValueError(f"labels: expected one per run ({len(run_dirs)}), got {len(labels)}")
-    runs = [(run, read_metrics(run)) for run in run_dirs]
+    runs = []
+    for run in run_dirs:
+        skipped: list[int] = []
+        runs.append((run, read_metrics(run, skipped)))
+        if skipped:
+            warn_skipped(Path(run) / "metrics.jsonl", skipped)
     empty = [str(run) for run, rows in runs if not rows]
     if empty:
         raise ValueError(f"runs: no metrics rows in {', '.join(empty)} (has the run logged a step yet?)")

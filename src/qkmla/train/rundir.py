@@ -244,21 +244,24 @@ def metrics_line(row: dict) -> str:
     return json.dumps(row) + "\n"
 
 
-def read_rows(path: Path) -> list[dict]:
+def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
     """The rows of a metrics file; a line that is not a row (a write cut short by a kill,
-    or damage) is skipped, and the rows around it kept."""
+    or damage) is skipped, and the rows around it kept. ``skipped``, a list, receives the
+    1-based number of each line skipped (a reader that shows the rows says which it left out)."""
     rows = []
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError):
         return rows
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         try:
             row = json.loads(line)
         except ValueError:
-            continue
+            row = None
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
+        elif skipped is not None and line.strip():
+            skipped.append(number)
     return rows
 
 

@@ -240,7 +240,7 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
         raise ValueError(f"batch_size: the global batch {config.batch_size} must split evenly over {world} ranks")
     corpus = Corpus.load(config.data, config.tokenizer, split=config.split)
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
-    corpus.check_block(model_cfg.block_size)
+    corpus.check_block(model_cfg.block_size, "block_size" if config.block_size is not None else "data")
     check_sizes(config, corpus, model_cfg, world)
     if config.out is None:
         if world > 1:

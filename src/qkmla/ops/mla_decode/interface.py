@@ -172,9 +172,12 @@ def check_softmax_scale(softmax_scale, H: int) -> None:
         if _host_readable(softmax_scale) and not bool(torch.isfinite(softmax_scale).all()):
             raise ValueError(f"softmax_scale: expected finite logit scales, got {softmax_scale.tolist()}")
         return
+    # A float is a logit scale tau > 0, as MLAConfig's softmax_scale is: 0 makes every visible slot
+    # equally likely and a negative one inverts the softmax, answers no caller means. (A tensor
+    # [H] is a learned per-head scale, which training may carry through 0; only finite is asked.)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected the logit scale (a finite float, or a tensor [H]), e.g. "
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
 
 
