@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS, QKNormConfig, _check_positive_int
+from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS, QKNormConfig, check_positive_int
 from .dtypes import accumulate_dtype, cast
 from .ops.statistic import moment, statistic_from_moment
 
@@ -38,8 +38,8 @@ class ScalarNorm(nn.Module):
         # The module is public (qkmla.ScalarNorm): its numbers get the checks a QKNormConfig's get,
         # by the same code, so eps=-1 or p=0.5 is refused here as it is there.
         QKNormConfig(kind=kind, p=p, eps=eps)
-        _check_positive_int("dim", dim)
-        _check_positive_int("heads", heads, allow_none=True)
+        check_positive_int("dim", dim)
+        check_positive_int("heads", heads, allow_none=True)
         self._fixed = (dim, kind, float(p), float(eps))
         self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
@@ -149,8 +149,8 @@ class QKNorm(RecordsVariant, nn.Module):
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {mode!r}")
         if scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
-        _check_positive_int("content_dim", content_dim)
-        _check_positive_int("rope_dim", rope_dim)
+        check_positive_int("content_dim", content_dim)
+        check_positive_int("rope_dim", rope_dim)
         self._mode, self._scope = mode, scope
         per_head = scope == "projection"
         self.content = self.scalar_norm(content_dim, kind, p, eps, heads if per_head else None)
