@@ -152,6 +152,10 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     not_a_sweep.write_text("{not json\n")
     refused(["experiment", "qk-clip", "--quick", "--sweep", str(not_a_sweep), "--out", str(tmp_path / "q")],
             f"--sweep: {not_a_sweep} holds no lr-sweep results")
+    other_rows = tmp_path / "other-rows.jsonl"  # JSON lines, but not an lr-sweep's
+    other_rows.write_text(json.dumps({"run": "x", "status": "done"}) + "\n")
+    refused(["experiment", "qk-clip", "--quick", "--sweep", str(other_rows), "--out", str(tmp_path / "q2")],
+            r"holds no lr-sweep results with .* runs \(its rows have no 'variant' field\)")
     default = tmp_path / "d" / "lr-sweep" / "results.jsonl"  # --sweep's default beside --out, not typed
     default.parent.mkdir(parents=True)
     default.write_text("{not json\n")

@@ -107,8 +107,9 @@ def sweep_best_lr(path: Path, variant: str, optimizer: str, given: bool = True) 
         return best_lr(read_results(path), variant, optimizer)[0]
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # not rows of an lr-sweep (a JSON error too)
         name = "--sweep" if given else "--sweep (not given; its default is OUT/../lr-sweep/results.jsonl)"
+        why = f"its rows have no {e} field" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"{name}: {path} holds no lr-sweep results with {variant} ({optimizer}) runs "
-                         f"({type(e).__name__}: {e})") from None
+                         f"({why})") from None
 
 
 def run_experiment(experiment: Experiment, options: Options, progress: bool = True,

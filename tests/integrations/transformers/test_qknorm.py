@@ -286,6 +286,12 @@ def test_from_pretrained_bad_arguments(qk_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"describes a 'llama' model; qkmla loads \('deepseek_v2', 'deepseek_v3', "
                                          r".*'qkmla_deepseek_v2', 'qkmla_deepseek_v3'.*\)"):
         from_pretrained(other)
+    run = tmp_path / "a-qkmla-run"  # a qkmla training run's config.json names no model_type
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"attn": "mla-qknorm", "steps": 10}))
+    with pytest.raises(ValueError, match=r"names no model_type, so it is not a transformers checkpoint \(a qkmla "
+                                         r"training run loads with qkmla.train.load_model"):
+        from_pretrained(run)
     monkeypatch.setattr(transformers.DeepseekV3ForCausalLM, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights were read before the check")))
     with pytest.raises(ValueError, match="kv_format: expected one of"):

@@ -84,6 +84,10 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         raise ValueError(f"hf_dir: {root} is not a directory")
     hf_config = read_hf_config(root)
     model_type = hf_config.get("model_type")
+    if model_type is None:  # e.g. a qkmla training run's directory (as `qkmla generate --hf` says it)
+        raise ValueError(f"hf_dir: {root / CONFIG} names no model_type, so it is not a transformers checkpoint "
+                         "(a qkmla training run loads with qkmla.train.load_model(RUN), or samples with "
+                         "`qkmla generate RUN`)")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"hf_dir: {root / CONFIG} describes a {model_type!r} model; qkmla loads {_MODEL_TYPES}")
     norm = recorded_norm(hf_config, str(root / CONFIG))
