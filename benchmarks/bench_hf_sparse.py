@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import resource
 import statistics
@@ -44,7 +43,7 @@ import time
 
 import torch
 
-from .common import add_cell_options, parse_cell_args, run_cells, start_record
+from .common import add_cell_options, parse_cell_args, run_cell_grid
 
 VARIANTS = ("transformers", "qkmla", "qkmla-qknorm")
 SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2,
@@ -188,16 +187,7 @@ def main(argv=None) -> int:
         p.error(f"--prefill-max: expected an int >= 0, got {args.prefill_max}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [4096], ["float32"], 1, 1
-    result, write = start_record(p, args, __spec__.name, argv)
-
-    import transformers
-
-    result.update(transformers=transformers.__version__, shape=SHAPE, rows=[])
-    cells = [dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
-                  chunk=args.chunk, prefill_max=args.prefill_max, threads=args.threads)
-             for dtype in args.dtypes for context in args.contexts for variant in args.variants]
-    run_cells(__spec__.name, cells, result, write, summarize)
-    print(json.dumps(result["summary"], indent=1) if args.out is not None else json.dumps(result, indent=1))
+    run_cell_grid(p, args, argv, __spec__.name, SHAPE, summarize, chunk=args.chunk, prefill_max=args.prefill_max)
     return 0
 
 

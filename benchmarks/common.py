@@ -174,6 +174,23 @@ def parse_cell_args(parser, argv, run_cell: Callable, positive_ints: Sequence[st
     return args
 
 
+def run_cell_grid(parser, args, argv, module: str, shape: dict, summarize: Callable, **fields) -> None:
+    """A transformers cell benchmark's whole run: its record (:func:`start_record`) with the
+    installed transformers and ``shape``, one cell per (``--dtypes``, ``--contexts``,
+    ``--variants``) with ``--steps``, ``--warmup``, ``--threads`` and ``fields`` (:func:`run_cells`),
+    then the summary printed (the whole record when there is no ``--out``)."""
+    result, write = start_record(parser, args, module, argv)
+
+    import transformers
+
+    result.update(transformers=transformers.__version__, shape=shape, rows=[])
+    cells = [dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
+                  threads=args.threads, **fields)
+             for dtype in args.dtypes for context in args.contexts for variant in args.variants]
+    run_cells(module, cells, result, write, summarize)
+    print(json.dumps(result["summary"], indent=1) if args.out is not None else json.dumps(result, indent=1))
+
+
 def run_cells(module: str, cells: Sequence[dict], result: dict, write: Callable,
               summarize: Optional[Callable] = None) -> list:
     """Measure each cell (a dict of ``run_cell``'s arguments: ``context`` and, where the benchmark

@@ -419,3 +419,15 @@ def test_a_cell_benchmark_runs_each_cell_in_a_process_of_its_own_and_keeps_a_fai
     assert [(r["context"], r.get("dtype"), "No module named" in r["error"]) for r in rows] == \
         [(8, "float32", True), (8, None, True)]
     assert written == [1, 2] and result["summary"] == 2
+    capsys.readouterr()
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--variants", nargs="+", default=["a", "b"])
+    out = tmp_path / "grid.json"
+    args = parser.parse_args(["--out", str(out)])
+    common.run_cell_grid(parser, args, ["--out", str(out)], "benchmarks.no_such_benchmark", {"hidden_size": 8}, len,
+                         chunk=4)
+    record = json.loads(out.read_text())
+    assert record["shape"] == {"hidden_size": 8} and record["summary"] == 2 and "transformers" in record
+    assert [(r["dtype"], r["context"], r["variant"]) for r in record["rows"]] == [("float32", 8, "a"),
+                                                                                   ("float32", 8, "b")]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "2"  # the rows as they land, then the summary
