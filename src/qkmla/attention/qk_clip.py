@@ -76,6 +76,10 @@ def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alp
     if c.has_qk_norm:
         raise ValueError(f"module: QK-Clip is for layers without QK norm (got qk_norm={c.qk_norm.kind!r}); "
                          "a norm would undo the rescaling")
+    if isinstance(module, MLA) and c.q_lora_rank is not None and getattr(module, "q_b_proj", None) is None:
+        raise ValueError(f"module: {type(module).__name__}'s query comes from a fused projection without q_b_proj "
+                         f"(AXK2's q_gate_proj, whose rows also hold an output gate), which QK-Clip does not "
+                         f"rescale; QK-Clip takes layers whose query is q_proj or q_b_proj")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha: expected a number in [0, 1], got {alpha!r}")
     if max_logit.shape != (c.num_heads,):

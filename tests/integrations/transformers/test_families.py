@@ -411,3 +411,23 @@ def test_lora_targets_the_mla_projections_only(name):
     prefixes = {n for n, m in model.named_modules() if m in latent_layers(model)}
     want = {f"{p}.{proj}" for p in prefixes for proj in ("kv_b_proj", "o_proj")}
     assert hit == want
+
+
+def test_lora_and_qk_clip_refuse_axk2s_fused_query_before_any_work():
+    """AXK2's query and output gate come from one fused q_gate_proj: LoRA's targets (q_b_proj) would leave
+    its query without an adapter and QK-Clip's rows would scale the gate, so both refuse it, naming why."""
+    pytest.importorskip("peft")
+    model_class(family_named("axk2"))
+    from qkmla.attention.qk_clip import qk_clip_
+    from qkmla.integrations.transformers import attention_lora_config
+
+    model = apply_latent_attention(hf_model(family_named("axk2")))
+    with pytest.raises(ValueError, match=r"model: its attention takes the query and an output gate from one fused "
+                                         r"q_gate_proj \(AXK2\)"):
+        attention_lora_config(model)
+    layer = latent_layers(model)[0]
+    before = {n: p.clone() for n, p in layer.named_parameters()}
+    with pytest.raises(ValueError, match="module: .* fused projection without q_b_proj"):
+        qk_clip_(layer, torch.full((layer.config.num_heads,), 1e4, dtype=torch.float64), tau=1.0)
+    assert all(torch.equal(p, before[n]) for n, p in layer.named_parameters())
+

@@ -50,6 +50,16 @@ def lora_targets(config) -> tuple[str, ...]:
     return tuple(name for name in projection_shapes(config) if not name.endswith("layernorm"))
 
 
+def _check_separate_query(model, name: str) -> None:
+    """A ValueError naming ``name`` for a model whose latent layers take their query from a fused
+    query-and-gate projection (AXK2's q_gate_proj): the targets here name q_b_proj, which such a
+    layer lacks, so its query would silently keep no adapter."""
+    if any("q_gate_proj" in layer.projection_shapes(layer.config) for layer in latent_layers(model)):
+        raise ValueError(f"{name}: its attention takes the query and an output gate from one fused q_gate_proj "
+                         f"(AXK2), which qkmla's LoRA helpers do not adapt yet (the query would keep no adapter); "
+                         f"the families whose query goes through q_b_proj or q_proj are supported")
+
+
 def _check_targets(targets: Union[str, Iterable[str]], config) -> tuple[str, ...]:
     """``targets`` as a tuple of this config's projection names, in order, without repeats."""
     allowed = lora_targets(config)
@@ -108,6 +118,7 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
         ``train_qk_norm`` on a model without a QK norm, ``target_modules`` passed.
     """
     model_settings(model)
+    _check_separate_query(model, "model")
     config = latent_layers(model)[0].config
     names = _check_targets(targets, config)
     if not isinstance(train_qk_norm, bool):
@@ -155,6 +166,7 @@ def merge_lora(peft_model, **kwargs):
         model_settings(peft_model.get_base_model())
     except ValueError as e:
         raise ValueError(f"peft_model: its base model is not one apply_latent_attention patched ({e})") from None
+    _check_separate_query(peft_model.get_base_model(), "peft_model")
     model = peft_model.merge_and_unload(**kwargs)
     for i, layer in enumerate(latent_layers(model)):
         for name in lora_targets(layer.config):
