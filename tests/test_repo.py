@@ -100,7 +100,7 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-@pytest.mark.parametrize("tree", sorted(p for p in THIRD_PARTY.iterdir() if p.is_dir()), ids=lambda p: p.name)
+@pytest.mark.parametrize("tree", sorted(p for p in THIRD_PARTY.glob("*") if p.is_dir()), ids=lambda p: p.name)
 def test_third_party_files_are_the_upstream_files_unedited(tree):
     """Each vendored file is the upstream file at the tag its PROVENANCE.txt names: the git blob
     id listed there (what ``git ls-tree <tag>`` prints upstream) is the copy's, and the tree holds
