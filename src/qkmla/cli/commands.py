@@ -195,14 +195,6 @@ def _kept_line(policy, report: dict) -> str:
             f"per cache at the end ({sum(kept) / max(1, sum(seen)):.0%})")
 
 
-def _hf_device(name: str):
-    """The torch.device ``--device`` names, checked: the CPU, or an accelerator this machine has
-    (``cuda``, ``cuda:1``, ...)."""
-    from ..utils.devices import check_device
-
-    return check_device("--device", name)
-
-
 def _hf_dtype(hf_dir: str, allowed) -> str:
     """The dtype a --hf checkpoint is loaded in without ``--dtype``: the one its config.json
     records (``dtype``, or ``torch_dtype`` before transformers 5), float32 if none."""
@@ -230,8 +222,9 @@ def _tokens_flag(argv: Sequence[str]) -> str:
 
 def _generate_hf(args: argparse.Namespace, policy) -> int:
     from ..integrations.transformers.generate import DTYPES, generate_hf
+    from ..utils.devices import check_device
 
-    device = _hf_device(args.device)
+    device = check_device("--device", args.device)  # the CPU, or an accelerator this machine has
     dtype = args.dtype if args.dtype is not None else _hf_dtype(args.hf, DTYPES)
     try:
         # The device as torch's default for what is made inside: transformers loads the weights there

@@ -83,10 +83,10 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(train_flag_message(str(e))) from None
     # Options that only another option reads: given without it, they would change nothing without
     # a word. (Checked after their ranges, so a bad value is named as such first.)
-    for name, reader, read in (("muon_adjust_lr", "--optimizer muon", config.optimizer == "muon"),
-                               ("qk_clip_alpha", "--qk-clip", config.qk_clip is not None)):
+    for name, reader, add, read in (
+            ("muon_adjust_lr", "--optimizer muon", "--optimizer muon", config.optimizer == "muon"),
+            ("qk_clip_alpha", "--qk-clip", "--qk-clip TAU", config.qk_clip is not None)):
         if name not in unset and not read:
             raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
-                                                f"give; drop it or add {reader}" + (" TAU" if reader == "--qk-clip"
-                                                                                     else "")))
+                                                f"give; drop it or add {add}"))
     return config
