@@ -1,7 +1,8 @@
 """DeepSeek-V3.2's sparse attention in transformers: unpatched against ``apply_latent_attention``.
 
     python -m benchmarks.bench_hf_sparse [--contexts 4096 16384 65536] [--dtypes float32 bfloat16]
-                                         [--prefill-max 4096] [--out FILE.json] [--overwrite] [--quick]
+                                         [--steps 3] [--baseline-steps N] [--prefill-max 4096]
+                                         [--out FILE.json] [--overwrite] [--quick]
 
 The model: DeepSeek-V3.2's attention at tensor parallelism 8 (V3's widths: 16 heads, q_lora_rank
 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128, hidden 7168; the lightning indexer's
@@ -174,6 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--steps", type=int, default=3, help="decode steps timed per cell (after --warmup)")
+    p.add_argument("--baseline-steps", type=int, default=None,
+                   help="decode steps timed for the transformers variant (default: --steps): its steps are the "
+                        "long ones, and the QK-normed/plain comparison wants more of qkmla's")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk, every variant")
     p.add_argument("--prefill-max", type=int, default=4096,
@@ -183,11 +187,15 @@ def main(argv=None) -> int:
     args = parse_cell_args(p, argv, run_cell, positive_ints=("steps", "chunk"))
     if args is None:
         return 0
+    if args.baseline_steps is not None and args.baseline_steps < 1:
+        p.error(f"--baseline-steps: expected a positive int, got {args.baseline_steps}")
     if args.prefill_max < 0:
         p.error(f"--prefill-max: expected an int >= 0, got {args.prefill_max}")
     if args.quick:
         args.contexts, args.dtypes, args.steps, args.warmup = [4096], ["float32"], 1, 1
-    run_cell_grid(p, args, argv, __spec__.name, SHAPE, summarize, chunk=args.chunk, prefill_max=args.prefill_max)
+    baseline = {"transformers": args.baseline_steps} if args.baseline_steps is not None else None
+    run_cell_grid(p, args, argv, __spec__.name, SHAPE, summarize, variant_steps=baseline, chunk=args.chunk,
+                  prefill_max=args.prefill_max)
     return 0
 
 

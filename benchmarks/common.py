@@ -174,17 +174,21 @@ def parse_cell_args(parser, argv, run_cell: Callable, positive_ints: Sequence[st
     return args
 
 
-def run_cell_grid(parser, args, argv, module: str, shape: dict, summarize: Callable, **fields) -> None:
+def run_cell_grid(parser, args, argv, module: str, shape: dict, summarize: Callable,
+                  variant_steps: Optional[dict] = None, **fields) -> None:
     """A transformers cell benchmark's whole run: its record (:func:`start_record`) with the
     installed transformers and ``shape``, one cell per (``--dtypes``, ``--contexts``,
-    ``--variants``) with ``--steps``, ``--warmup``, ``--threads`` and ``fields`` (:func:`run_cells`),
-    then the summary printed (the whole record when there is no ``--out``)."""
+    ``--variants``) with ``--steps`` (or ``variant_steps[variant]``: a slow baseline timed over
+    fewer steps), ``--warmup``, ``--threads`` and ``fields`` (:func:`run_cells`), then the summary
+    printed (the whole record when there is no ``--out``)."""
     result, write = start_record(parser, args, module, argv)
 
     import transformers
 
     result.update(transformers=transformers.__version__, shape=shape, rows=[])
-    cells = [dict(dtype_name=dtype, context=context, variant=variant, steps=args.steps, warmup=args.warmup,
+    steps = variant_steps or {}
+    cells = [dict(dtype_name=dtype, context=context, variant=variant, steps=steps.get(variant, args.steps),
+                  warmup=args.warmup,
                   threads=args.threads, **fields)
              for dtype in args.dtypes for context in args.contexts for variant in args.variants]
     run_cells(module, cells, result, write, summarize)

@@ -86,6 +86,7 @@ BAD_ARGUMENTS = [  # (script, the arguments it is given, the option its refusal 
       for argv, option in [(["--threads", "-1"], "--threads"), (["--steps", "0"], "--steps"),
                            (["--warmup", "-1"], "--warmup"), (["--contexts", "1"], "--contexts")]],
     ("bench_hf_generate", ["--chunk", "0"], "--chunk"), ("bench_hf_sparse", ["--prefill-max", "-1"], "--prefill-max"),
+    ("bench_hf_sparse", ["--baseline-steps", "0"], "--baseline-steps"),
 ]
 
 
@@ -137,6 +138,16 @@ def test_bench_hf_sparse_times_every_variant_both_fills_on_a_tiny_model(monkeypa
     summary = bench.summarize(rows)
     assert [s["variant"] for s in summary] == ["qkmla", "qkmla-qknorm"] * 2
     assert all(s["decode_speedup"] > 0 for s in summary) and "decode_time_vs_plain" in summary[1]
+
+
+def test_bench_hf_sparse_times_the_baseline_over_its_own_steps(monkeypatch, tmp_path):
+    pytest.importorskip("transformers")
+    bench, common = load("bench_hf_sparse"), load("common")
+    seen = []
+    monkeypatch.setattr(common, "run_cells", lambda module, cells, result, write, summarize: (seen.extend(cells), result.update(summary=[])))
+    bench.main(["--contexts", "64", "--dtypes", "float32", "--steps", "5", "--baseline-steps", "2",
+                "--out", str(tmp_path / "r.json")])
+    assert {c["variant"]: c["steps"] for c in seen} == {"transformers": 2, "qkmla": 5, "qkmla-qknorm": 5}
 
 
 def test_bench_hf_generate_refuses_to_replace_a_results_file(tmp_path, capsys):
