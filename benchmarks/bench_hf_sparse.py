@@ -15,6 +15,8 @@ side by side in one run:
     qkmla                 apply_latent_attention(model): transformers' indexer, its choice read
                           from qkmla's latent cache by the absorbed decode op (``indices``)
     qkmla-qknorm          the same with the paper's QK norm (key scalars gathered with the rows)
+    qknorm-vs-plain       not a model: the QK-normed/plain decode time, both models in one process,
+                          their steps alternated (``paired_cell``); the 5% target is read here
 
 Each (dtype, context, variant) runs in a fresh process, so its peak memory (the process's max RSS:
 weights, cache and every temporary) is its own. How the cache is filled:
@@ -46,7 +48,8 @@ import torch
 
 from .common import add_cell_options, parse_cell_args, run_cell_grid
 
-VARIANTS = ("transformers", "qkmla", "qkmla-qknorm")
+PAIRED = "qknorm-vs-plain"  # not a model: the QK-normed/plain ratio, paired in one process (paired_cell)
+VARIANTS = ("transformers", "qkmla", "qkmla-qknorm", PAIRED)
 SHAPE = dict(vocab_size=1024, hidden_size=7168, intermediate_size=1024, num_hidden_layers=2,
              mlp_layer_types=["dense", "dense"], num_attention_heads=16, num_key_value_heads=16, q_lora_rank=1536,
              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -105,13 +108,11 @@ def cache_bytes(cache, tokens: int) -> dict:
             "indexer_key_bytes_per_token": round(indexer, 1)}
 
 
-def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: int, chunk: int, prefill_max: int,
-             threads: int) -> dict:
+def prepare(dtype: torch.dtype, context: int, variant: str, chunk: int, prefill_max: int) -> dict:
+    """``variant``'s model and cache filled to ``context`` tokens (module docstring): a dict of the
+    model, its cache, the cache argument's name, the next token and how the cache was filled."""
     from qkmla.integrations.transformers import LatentAttentionCache
 
-    if threads:
-        torch.set_num_threads(threads)
-    dtype = getattr(torch, dtype_name)
     model = build_model(dtype, variant)
     if variant == "transformers":
         from transformers import DynamicCache
@@ -119,43 +120,96 @@ def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: in
     else:
         cache = LatentAttentionCache(model)
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    run = dict(model=model, cache=cache, name=name)
+    with torch.inference_mode():  # the model is built outside it: its weights are not inference tensors
+        fill(run, dtype, context, variant, chunk, prefill_max)
+    return run
+
+
+def fill(run: dict, dtype: torch.dtype, context: int, variant: str, chunk: int, prefill_max: int) -> None:
+    """:func:`prepare`'s fill of ``run``'s cache, by prefill or by projection."""
+    model, cache, name = run["model"], run["cache"], run["name"]
+    if context <= prefill_max:
+        prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1))
+        t0 = time.perf_counter()
+        for piece in prompt.split(chunk, dim=1):
+            logits = model(input_ids=piece, use_cache=True, **{name: cache}).logits
+        run.update(prefill_s=round(time.perf_counter() - t0, 3), fill=f"prefill, chunks of {chunk}",
+                   token=logits[:, -1:].argmax(-1))
+    else:
+        fill_by_projection(model, cache, variant, context, dtype)
+        run.update(prefill_s=None, fill="by projection (no prefill: module docstring)",
+                   token=torch.ones(1, 1, dtype=torch.long))
+
+
+def decode_step(run: dict) -> float:
+    """One timed decode step of ``run`` (:func:`prepare`), its next token kept; seconds."""
     with torch.inference_mode():
-        if context <= prefill_max:
-            prompt = torch.randint(0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1))
-            t0 = time.perf_counter()
-            for piece in prompt.split(chunk, dim=1):
-                logits = model(input_ids=piece, use_cache=True, **{name: cache}).logits
-            prefill_s, fill = round(time.perf_counter() - t0, 3), f"prefill, chunks of {chunk}"
-            token = logits[:, -1:].argmax(-1)
-        else:
-            fill_by_projection(model, cache, variant, context, dtype)
-            prefill_s, fill = None, "by projection (no prefill: module docstring)"
-            token = torch.ones(1, 1, dtype=torch.long)
-        times = []
-        for _ in range(warmup + steps):
-            t0 = time.perf_counter()
-            logits = model(input_ids=token, use_cache=True, **{name: cache}).logits
-            times.append(time.perf_counter() - t0)
-            token = logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        logits = run["model"](input_ids=run["token"], use_cache=True, **{run["name"]: run["cache"]}).logits
+        elapsed = time.perf_counter() - t0
+    run["token"] = logits[:, -1:].argmax(-1)
+    return elapsed
+
+
+def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: int, chunk: int, prefill_max: int,
+             threads: int) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    if variant == PAIRED:
+        return paired_cell(dtype_name, context, steps, warmup, chunk, prefill_max)
+    run = prepare(getattr(torch, dtype_name), context, variant, chunk, prefill_max)
+    times = [decode_step(run) for _ in range(warmup + steps)]
     step = statistics.median(times[warmup:])
-    return {"dtype": dtype_name, "context": context, "variant": variant, "fill": fill, "prefill_s": prefill_s,
-            "decode_step_ms": round(step * 1e3, 3), "decode_tokens_per_s": round(1 / step, 3),
-            "decode_steps_timed": steps, **cache_bytes(cache, context + warmup + steps),
-            "torch_threads": torch.get_num_threads(),
+    return {"dtype": dtype_name, "context": context, "variant": variant, "fill": run["fill"],
+            "prefill_s": run["prefill_s"], "decode_step_ms": round(step * 1e3, 3),
+            "decode_tokens_per_s": round(1 / step, 3), "decode_steps_timed": steps,
+            **cache_bytes(run["cache"], context + warmup + steps), "torch_threads": torch.get_num_threads(),
             "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
             "load_average_1min_at_end": round(os.getloadavg()[0], 2)}  # other work on the machine
 
 
+def paired_cell(dtype_name: str, context: int, steps: int, warmup: int, chunk: int, prefill_max: int) -> dict:
+    """The QK-normed/plain decode time measured paired in one process: both models (the same
+    weights) filled alike, their steps alternated, plain first on even steps and QK-normed first on
+    odd ones, so that drift and order touch both alike; the ratio of each pair, then the median.
+    Separate processes (the ``qkmla`` and ``qkmla-qknorm`` rows) differ by more than 5% from one
+    run to the next on this machine: the placement of each process's memory, not the norm."""
+    dtype = getattr(torch, dtype_name)
+    plain = prepare(dtype, context, "qkmla", chunk, prefill_max)
+    normed = prepare(dtype, context, "qkmla-qknorm", chunk, prefill_max)
+    ratios, plain_s, normed_s = [], [], []
+    for i in range(warmup + steps):
+        if i % 2 == 0:
+            a = decode_step(plain)
+            b = decode_step(normed)
+        else:
+            b = decode_step(normed)
+            a = decode_step(plain)
+        if i >= warmup:
+            ratios.append(b / a)
+            plain_s.append(a)
+            normed_s.append(b)
+    return {"dtype": dtype_name, "context": context, "variant": PAIRED, "fill": plain["fill"],
+            "decode_time_vs_plain": round(statistics.median(ratios), 4),
+            "ratio_min": round(min(ratios), 4), "ratio_max": round(max(ratios), 4),
+            "plain_step_ms": round(statistics.median(plain_s) * 1e3, 3),
+            "qknorm_step_ms": round(statistics.median(normed_s) * 1e3, 3), "pairs_timed": steps,
+            "torch_threads": torch.get_num_threads(), "load_average_1min_at_end": round(os.getloadavg()[0], 2)}
+
+
 def summarize(rows: list) -> list:
     """Per (dtype, context): each qkmla variant's decode speed-up over transformers, its cache bytes
-    against transformers', and the QK-normed variant's decode time against plain qkmla's."""
+    against transformers', and the QK-normed variant's decode time against plain qkmla's: from
+    the two rows (``decode_time_vs_plain``, separate processes) and, where it ran, paired in one
+    process (``decode_time_vs_plain_paired``, :func:`paired_cell`: the target's measurement)."""
     def find(row, variant):
         return next((r for r in rows if r["variant"] == variant and r["dtype"] == row["dtype"]
                      and r["context"] == row["context"] and "error" not in r), None)
 
     out = []
     for row in rows:
-        if row["variant"] == "transformers" or "error" in row:
+        if row["variant"] in ("transformers", PAIRED) or "error" in row:
             continue
         entry = {"dtype": row["dtype"], "context": row["context"], "variant": row["variant"]}
         base = find(row, "transformers")
@@ -165,6 +219,9 @@ def summarize(rows: list) -> list:
         plain = find(row, "qkmla")
         if row["variant"] == "qkmla-qknorm" and plain is not None:
             entry["decode_time_vs_plain"] = round(row["decode_step_ms"] / plain["decode_step_ms"], 3)
+        paired = find(row, PAIRED)
+        if row["variant"] == "qkmla-qknorm" and paired is not None:
+            entry["decode_time_vs_plain_paired"] = paired["decode_time_vs_plain"]
         out.append(entry)
     return out
 

@@ -126,18 +126,23 @@ def test_bench_hf_sparse_times_every_variant_both_fills_on_a_tiny_model(monkeypa
                                              num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
                                              index_topk=16, index_head_dim=16, index_n_heads=4))
     monkeypatch.setattr(bench, "FILL_CHUNK", 64)
-    rows = [bench.run_cell("float32", context, v, steps=1, warmup=1, chunk=64, prefill_max=100, threads=1)
+    models = ("transformers", "qkmla", "qkmla-qknorm")
+    assert bench.VARIANTS == (*models, bench.PAIRED)
+    rows = [bench.run_cell("float32", context, v, steps=2, warmup=1, chunk=64, prefill_max=100, threads=1)
             for context in (100, 150) for v in bench.VARIANTS]
     assert [(r["context"], r["variant"]) for r in rows] == [(c, v) for c in (100, 150) for v in bench.VARIANTS]
     assert rows[0]["fill"] == "prefill, chunks of 64" and rows[0]["prefill_s"] > 0
-    assert rows[3]["fill"].startswith("by projection") and rows[3]["prefill_s"] is None
-    for row in rows:  # two layers: the indexer's keys, 16 floats a token, beside each variant's rows
+    assert rows[4]["fill"].startswith("by projection") and rows[4]["prefill_s"] is None
+    for row in (r for r in rows if r["variant"] in models):  # two layers: the indexer's keys, 16 floats a token
         assert row["indexer_key_bytes_per_token"] == 2 * 16 * 4
     assert rows[0]["attention_cache_bytes_per_token"] == rows[1]["attention_cache_bytes_per_token"] == 2 * 40 * 4
     assert rows[2]["attention_cache_bytes_per_token"] == 2 * (40 + 4) * 4  # + a key scalar per head (KV group)
+    paired = rows[3]  # two pairs timed: each ratio a positive number, the median between them
+    assert paired["pairs_timed"] == 2 and 0 < paired["ratio_min"] <= paired["decode_time_vs_plain"] <= paired["ratio_max"]
     summary = bench.summarize(rows)
     assert [s["variant"] for s in summary] == ["qkmla", "qkmla-qknorm"] * 2
     assert all(s["decode_speedup"] > 0 for s in summary) and "decode_time_vs_plain" in summary[1]
+    assert summary[1]["decode_time_vs_plain_paired"] == paired["decode_time_vs_plain"]
 
 
 def test_bench_hf_sparse_times_the_baseline_over_its_own_steps(monkeypatch, tmp_path):
@@ -147,7 +152,8 @@ def test_bench_hf_sparse_times_the_baseline_over_its_own_steps(monkeypatch, tmp_
     monkeypatch.setattr(common, "run_cells", lambda module, cells, result, write, summarize: (seen.extend(cells), result.update(summary=[])))
     bench.main(["--contexts", "64", "--dtypes", "float32", "--steps", "5", "--baseline-steps", "2",
                 "--out", str(tmp_path / "r.json")])
-    assert {c["variant"]: c["steps"] for c in seen} == {"transformers": 2, "qkmla": 5, "qkmla-qknorm": 5}
+    assert {c["variant"]: c["steps"] for c in seen} == {"transformers": 2, "qkmla": 5, "qkmla-qknorm": 5,
+                                                        bench.PAIRED: 5}
 
 
 def test_bench_hf_generate_refuses_to_replace_a_results_file(tmp_path, capsys):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qkmla import MLA, FullKVCache, LatentCache, MLAConfig
-from qkmla.attention.paths import resolve_path
+from qkmla.attention.paths import cheaper_cached_path, resolve_path
 
 
 @pytest.fixture
@@ -23,8 +23,51 @@ def test_auto_resolves_by_cache_and_length(mla):
     assert resolve_path(mla, x_of(mla, 5), empty, "auto", None) == "explicit"  # a prefill
     assert resolve_path(mla, x_of(mla, 1), empty, "auto", None) == "absorbed"  # a first decode step
     mla(x_of(mla, 3), empty)
-    assert resolve_path(mla, x_of(mla, 5), empty, "auto", None) == "absorbed"  # a chunk after the prefill
+    assert resolve_path(mla, x_of(mla, 5), empty, "auto", None) == "absorbed"  # a short chunk after the prefill
     assert resolve_path(mla, x_of(mla, 5), empty, "expand", None) == "expand"
+    assert resolve_path(mla, x_of(mla, 13), empty, "auto", None) == "expand"  # a long one (below)
+
+
+# DeepSeek-V3's attention at TP=8 (16 heads) with its widths: d_c 512, d_r 64, d_n 128, d_v 128
+V3 = MLAConfig(hidden_size=7168, num_heads=16, num_kv_groups=16, q_lora_rank=1536, kv_lora_rank=512,
+               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
+@pytest.mark.parametrize("new, cached, topk, path", [
+    (1, 65536, None, "absorbed"),      # a decode step, however long the context
+    (4, 4096, None, "absorbed"),       # speculative or multi-token decode
+    (512, 4096, None, "expand"),       # a prefill chunk over a dense cache: vLLM's compute-friendly prefill
+    (512, 65536, None, "expand"),
+    (128, 4096, None, "absorbed"),     # below the crossover, T ~ d_c (d_n + d_v) / (d_c + d_r ...) ~ 180 here
+    (512, 65536, 2048, "absorbed"),    # top-k: each query reads 2,048 latents, not 64k expanded keys
+    (512, 1536, 2048, "expand"),       # a selection as long as the context is a dense one
+])
+def test_the_cheaper_path_for_a_call_over_a_cache(new, cached, topk, path):
+    assert cheaper_cached_path(V3, new, cached, topk) == path
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_auto_takes_the_cheaper_path_and_it_equals_the_other_to_roundoff(sparse):
+    """A chunk that auto sends down expand gives what absorbed gives (float64), dense and under a top-k
+    selection; the next decode step stays absorbed."""
+    torch.manual_seed(0)
+    mla = MLA(MLAConfig()).double().eval()
+    x = torch.randn(2, 40, mla.config.hidden_size, dtype=torch.float64)
+    outs = {}
+    for path in ("auto", "absorbed"):
+        cache = LatentCache.from_config(mla.config, 2, 64, dtype=torch.float64)
+        mla(x[:, :8], cache)
+        indices = None
+        if sparse:  # each new token: the even slots before it, and itself; topk 40, the rest -1
+            slots = torch.arange(40)
+            chosen = [torch.cat((slots[:t][::2], slots[t:t + 1])) for t in range(8, 40)]
+            indices = torch.stack([torch.cat((c, c.new_full((40 - len(c),), -1))) for c in chosen])
+            indices = indices.expand(2, -1, -1).contiguous()
+        if path == "auto":
+            assert resolve_path(mla, x[:, 8:], cache, "auto", None, indices) == "expand"
+        outs[path] = mla(x[:, 8:], cache, path=path, indices=indices)
+        assert resolve_path(mla, x[:, :1], cache, "auto", None) == "absorbed"
+    torch.testing.assert_close(outs["auto"], outs["absorbed"], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("path, cache, lengths, message", [

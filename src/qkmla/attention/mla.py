@@ -41,7 +41,7 @@ from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key
 from .functional import default_positions, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
-from .selection import check_selection, selection_mask
+from .selection import selection_mask
 from .sinks import apply_sinks
 
 
@@ -276,8 +276,10 @@ class MLA(nn.Module):
                 passed only to assert where the tokens go (each sequence's cached length on).
             input_lengths: [B], with a cache: only the first input_lengths[b] tokens of
                 sequence b are real (right padding); their outputs are meaningful, the rest are not.
-            path: "auto" (explicit without a cache or for a prefill into an empty latent cache,
-                absorbed otherwise), "explicit", "absorbed" or "expand" (re-expand cached keys).
+            path: "auto" (explicit without a cache or for a prefill into an empty latent cache;
+                otherwise absorbed or expand, whichever costs fewer multiply-adds for the call:
+                :func:`.paths.cheaper_cached_path`), "explicit", "absorbed" or "expand"
+                (re-expand cached keys).
             indices: [B, T, topk] int, with a latent cache: a sparse (top-k) attention's selection,
                 the cache slots (after this write) each new token attends to, -1 for none; the
                 caller's selection is the whole visibility rule (it must be causal). Every path
@@ -292,9 +294,7 @@ class MLA(nn.Module):
         Returns:
             [B, T, hidden_size]
         """
-        path = resolve_path(self, x, cache, path, input_lengths)
-        if indices is not None:
-            check_selection(indices, x, cache)
+        path = resolve_path(self, x, cache, path, input_lengths, indices)
         if cache is None:
             q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
