@@ -17,6 +17,7 @@ from torch import nn
 from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS, QKNormConfig, check_positive_int
 from .dtypes import accumulate_dtype, cast
 from .ops.statistic import moment, statistic_from_moment
+from .utils.limits import check_allocation
 
 
 class ScalarNorm(nn.Module):
@@ -40,6 +41,9 @@ class ScalarNorm(nn.Module):
         QKNormConfig(kind=kind, p=p, eps=eps)
         check_positive_int("dim", dim)
         check_positive_int("heads", heads, allow_none=True)
+        # Sized against the machine before torch's allocator is asked (heads=2**40 reached it).
+        check_allocation("heads" if heads is not None else "dim", 4 * dim * (heads or 1),
+                         f"a norm weight of {heads or 1} x {dim} float32 values")
         self._fixed = (dim, kind, float(p), float(eps))
         self.weight = nn.Parameter(torch.ones(dim) if heads is None else torch.ones(heads, dim))
 
@@ -151,8 +155,14 @@ class QKNorm(RecordsVariant, nn.Module):
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
         check_positive_int("content_dim", content_dim)
         check_positive_int("rope_dim", rope_dim)
+        # Checked whatever the scope, which alone reads them: heads=0 was kept without a word.
+        check_positive_int("heads", heads, allow_none=True)
+        check_positive_int("rope_heads", rope_heads, allow_none=True)
         self._mode, self._scope = mode, scope
         per_head = scope == "projection"
+        for name, rows, width in (("heads", heads, content_dim), ("rope_heads", rope_heads, rope_dim)):
+            if per_head and rows is not None:  # named as this constructor's argument, before ScalarNorm's check
+                check_allocation(name, 4 * rows * width, f"a norm weight of {rows} x {width} float32 values")
         self.content = self.scalar_norm(content_dim, kind, p, eps, heads if per_head else None)
         self.rope = self.scalar_norm(rope_dim, kind, p, eps, rope_heads if per_head else None)
 

@@ -1491,6 +1491,124 @@ def cli_rows():
     ]
 
 
+# --------------------------------------------------------------------------------------------
+# Probe round 5: fresh probes written after the table landed (issue 56's last "Done when"); each
+# row below failed before its fix, with what it did then in parentheses.
+
+
+def probe5_rows():
+    import shutil
+
+    from qkmla import LatentCache, MLA, MLAConfig
+    from qkmla.cache.eviction import H2O, StreamingLLM
+    from qkmla.cache.size import CacheShape
+    from qkmla.norms import QKNorm, ScalarNorm
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+    from qkmla.train.rundir import read_rows
+
+    big = "need at least .* more than the .* of memory available"
+
+    def plot_non_utf8_run_name(env):
+        """The legend label of a run directory whose name is not UTF-8 holds a surrogate escape,
+        which matplotlib's font code refused with a TypeError (a traceback, 'internal error')."""
+        run = Path(os.fsdecode(bytes(env.tmp) + b"/run\xff"))
+        shutil.copytree(env.run, run)
+        env.capsys.readouterr()
+        assert main(["plot", str(run), "--out", str(env.tmp / "p.png")]) == 0, env.capsys.readouterr().err
+        assert (env.tmp / "p.png").stat().st_size > 0
+
+    def plot_non_utf8_line(env):
+        """One metrics line that is not UTF-8 made the whole file unreadable: 'runs: no metrics rows
+        in r (has the run logged a step yet?)' over a run with rows. Now that line alone is left
+        out, and said so."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+        (run / "metrics.jsonl").write_bytes(lines[0] + b"\xff damaged\n" + b"".join(lines[1:]))
+        assert [r["step"] for r in read_rows(run / "metrics.jsonl")] == [1, 2]
+        env.capsys.readouterr()
+        assert main(["plot", str(run), "--out", str(env.tmp / "p.png")]) == 0
+        err = env.capsys.readouterr().err
+        assert "line 2 of 3 is not a metrics row" in err and "Traceback" not in err, err
+
+    def decode_negative_counts(env):
+        """topk_length -1 and visible_lens -3 made the query see nothing: an all-zero output without
+        a word; integer key scalars were cast. Past topk (the specification: all are read) stays."""
+        g = torch.Generator().manual_seed(0)
+        q_lat, q_rope = torch.randn(1, 1, 2, 8, generator=g), torch.randn(1, 1, 2, 4, generator=g)
+        kv, lens, idx = torch.randn(1, 8, 12, generator=g), torch.tensor([6]), torch.tensor([[[0, 1, 2]]])
+
+        def decode(**kw):
+            return mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3, backend="torch", **kw)[0]
+
+        raises(lambda: decode(indices=idx, topk_length=torch.tensor([-1])), ValueError,
+               "topk_length: expected entry counts >= 0, got -1")
+        raises(lambda: decode(visible_lens=torch.tensor([[-3]])), ValueError,
+               "visible_lens: expected slot counts >= 0, got -3")
+        raises(lambda: decode(scale_cache=torch.ones(1, 8, 1, dtype=torch.int32)), ValueError,
+               "scale_cache: expected floating-point key scalars")
+        torch.testing.assert_close(decode(indices=idx, topk_length=torch.tensor([5])), decode(indices=idx))
+
+    def streaming_budget_past_int64(env):
+        raises(lambda: StreamingLLM(budget=2**63), ValueError, r"budget: expected an int below 2\*\*63")
+        cfg = MLAConfig()
+        cache = LatentCache.from_config(cfg, 1, 16, policy=StreamingLLM(budget=2**63 - 1))  # the largest: runs
+        with torch.no_grad():
+            MLA(cfg).eval()(torch.randn(1, 10, 64), cache=cache)
+
+    return [
+        Row("plot", "path", "a run directory whose name is not UTF-8 (matplotlib's TypeError, 'internal error')",
+            plot_non_utf8_run_name),
+        Row("plot", "path", "a metrics line that is not UTF-8 ('no metrics rows' over a run with rows)",
+            plot_non_utf8_line),
+        Row("convert-gqa", "path", "--out '' (\"PosixPath('.') has an empty name\")", lambda e, hf: refuse(
+            e, ["convert-gqa", "--hf", hf, "--out", ""],
+            "--out: expected the path of the checkpoint directory, got an empty string"), hf=True),
+        Row("experiment", "path", "--out '' (trained the grid into runs/experiments/NAME of the working directory)",
+            lambda e: [refuse(e, ["experiment", "norm-mode", "--quick", "--out", ""],
+                              "--out: expected the path of the experiment directory, got an empty string"),
+                       os.listdir(e.tmp) == [] or pytest.fail("wrote in the working directory")]),
+        Row("generate", "path", "a text file as the run (a 'truncated or corrupt' checkpoint)", lambda e: [
+            (e.tmp / "notes.txt").write_text("hello\n"),
+            refuse(e, ["generate", e.tmp / "notes.txt", "--tokens", "2"],
+                   "run: .*notes.txt is a file; expected a run directory")]),
+        Row("cache-size", "size", "--scalar-dtype on a preset without MLA rows (titled 'scalars fp8', dropped)",
+            lambda e: refuse(e, ["cache-size", "--preset", "llama-3-70b", "--scalar-dtype", "fp8"],
+                             "--scalar-dtype: sizes the MLA rows")),
+        Row("CacheShape", "size", "scalar_dtype without an MLA shape (dropped)", lambda e: raises(
+            lambda: CacheShape(num_layers=1, num_heads=4, head_dim=8, num_kv_heads=4, scalar_dtype="fp8"), ValueError,
+            "scalar_dtype: sizes the MLA rows")),
+        Row("train", "environment", "--fsdp in one process, not under torchrun (trained unsharded without a word)",
+            lambda e: [refuse(e, [*train_ok(e, e.tmp / "r"), "--fsdp"], "--fsdp: shards the model over torchrun's ranks"),
+                       (e.tmp / "r").exists() and pytest.fail("made the run")]),
+        Row("train", "environment", "a stale LOCAL_WORLD_SIZE=4 without torchrun (--threads auto split over 4 "
+            "'ranks'); LOCAL_RANK 9 of LOCAL_WORLD_SIZE 2", lambda e: [
+                with_env(e, {"LOCAL_WORLD_SIZE": "4"}, lambda: refuse(
+                    e, train_ok(e, e.tmp / "r"), "LOCAL_WORLD_SIZE: the environment variable holds 4, more than the "
+                                                 "WORLD_SIZE of 1")),
+                with_env(e, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "9"}, lambda: refuse(
+                    e, train_ok(e, e.tmp / "r"), "LOCAL_RANK: the environment variable holds 9, but LOCAL_WORLD_SIZE "
+                                                 "is 2"))]),
+        Row("generate", "environment", "QKMLA_CPU_KERNEL=off (read as on: only '0' turned the kernels off)",
+            lambda e: with_env(e, {"QKMLA_CPU_KERNEL": "off"}, lambda: refuse(
+                e, ["generate", e.run, "--tokens", "2"], "QKMLA_CPU_KERNEL: the environment variable holds 'off', "
+                                                         "expected 0"))),
+        Row("mla_decode_with_kvcache", "size", "topk_length -1, visible_lens -3 (an all-zero output), integer key "
+            "scalars (cast)", decode_negative_counts),
+        Row("H2O", "size", "budget 2**70 (an OverflowError at the first eviction)", lambda e: raises(
+            lambda: H2O(budget=2**70, window=2), ValueError, r"budget: expected an int below 2\*\*63")),
+        Row("StreamingLLM", "size", "budget 2**63 (int64 overflow at the first eviction)", streaming_budget_past_int64),
+        Row("ScalarNorm", "size", "heads 2**40 (torch's allocator: 'you tried to allocate 70368744177664 bytes')",
+            lambda e: raises(lambda: ScalarNorm(16, heads=2**40), ValueError, f"heads: a norm weight .*{big}")),
+        Row("QKNorm", "size", "heads / rope_heads 2**40 with scope 'projection' (torch's allocator); heads 0 with "
+            "scope 'head' (kept without a word)",
+            lambda e: [raises(lambda: QKNorm(16, 8, scope="projection", heads=2**40), ValueError, f"heads: .*{big}"),
+                       raises(lambda: QKNorm(16, 8, scope="projection", heads=4, rope_heads=2**40), ValueError,
+                              f"rope_heads: .*{big}"),
+                       raises(lambda: QKNorm(16, 8, heads=0), ValueError, "heads: expected a positive int")]),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -1519,7 +1637,7 @@ NOT_APPLICABLE = {
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows()
+ROWS = cli_rows() + constructor_rows() + probe5_rows()
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

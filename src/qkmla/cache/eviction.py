@@ -54,6 +54,8 @@ POOLINGS = ("avg", "max")
 def _check_int(name: str, value, low: int, why: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}{why}, got {value!r}")
+    if value >= 2**63:  # torch holds token counts in int64: 2**70 failed at the first eviction (OverflowError)
+        raise ValueError(f"{name}: expected an int below 2**63 (token counts are int64), got {value!r}")
 
 
 def _check_choice(name: str, value, allowed: tuple) -> None:

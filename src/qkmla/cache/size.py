@@ -79,10 +79,12 @@ class CacheShape:
                              f"{missing} (the {'RoPE key width' if missing == 'qk_rope_head_dim' else 'latent width'}); "
                              "give both, or neither for MHA/GQA/MQA alone")
         if self.kv_lora_rank is None:
-            for name in ("qk_nope_head_dim", "v_head_dim", "num_kv_groups"):
+            # scalar_dtype too: the key scalars are the QK-normed MLA rows' alone (a title saying
+            # "scalars fp8" over MHA/GQA/MQA rows would have dropped it without a word).
+            for name in ("qk_nope_head_dim", "v_head_dim", "num_kv_groups", "scalar_dtype"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: sizes the MLA rows, which need kv_lora_rank and qk_rope_head_dim too; "
-                                     f"give them, or drop {name}")
+                                     "give them, or drop it")
 
     @property
     def has_mla(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
 from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, quiet_broken_pipe,
                             sigterm_unwinds)
-from ..utils.environment import drop_bad_thread_counts
+from ..utils.environment import check_switches, drop_bad_thread_counts
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -241,6 +241,8 @@ def _generate_hf(args: argparse.Namespace, policy) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from ..kv_formats import check_kv_format
@@ -258,6 +260,10 @@ def _generate(args: argparse.Namespace) -> int:
     for flag, path in (("run", args.run), ("--hf", args.hf)):
         if path is not None:
             check_path(flag, path, "directory")
+    if args.run is not None and Path(args.run).is_file() and not args.run.endswith(".safetensors"):
+        # A text file given as the run was reported as a "truncated or corrupt" checkpoint.
+        raise ValueError(f"run: {args.run} is a file; expected a run directory (with checkpoint.safetensors), as "
+                         "qkmla train writes")
     policy = _policy(args)
     check_kv_format(args.kv_format)
     apply_threads(args.threads, "generate")
@@ -439,8 +445,8 @@ def _experiment(args: argparse.Namespace) -> int:
                          f"the experiments that do: {readers}")
     if args.sweep is not None and not Path(args.sweep).is_file():
         raise ValueError(f"--sweep: no such results file: {args.sweep}")
-    out = check_path("--out", args.out or f"runs/experiments/{args.name}{'-quick' if args.quick else ''}",
-                     "experiment directory")
+    default = f"runs/experiments/{args.name}{'-quick' if args.quick else ''}"
+    out = check_path("--out", default if args.out is None else args.out, "experiment directory")  # "": refused
     options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
                       sweep=Path(args.sweep) if args.sweep else None, overwrite=args.overwrite)
     command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))
@@ -630,6 +636,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
     try:
         with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
+            check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             status = args.func(args)
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status

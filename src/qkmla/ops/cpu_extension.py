@@ -65,7 +65,9 @@ def clear_stale_lock(name: str) -> None:
 @functools.lru_cache(maxsize=None)
 def build() -> Optional[str]:
     """Compile and load the kernels once per process; the reason they cannot be, or None."""
-    if os.environ.get("QKMLA_CPU_KERNEL", "1") == "0":
+    from ..utils.environment import switch
+
+    if not switch("QKMLA_CPU_KERNEL"):  # junk ("off") is refused naming the variable, not read as on
         return "the CPU kernel is turned off (QKMLA_CPU_KERNEL=0)"
     if sys.platform != "linux":
         return f"the CPU kernel is built on Linux only, this is {sys.platform}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ..utils.environment import dist_environment
 from ..utils.errors import flag_message
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
@@ -89,4 +90,10 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         if name not in unset and not read:
             raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
                                                 f"give; drop it or add {add}"))
+    # --fsdp shards over torchrun's ranks (the trainer reads it only when there are several): in a
+    # single process it would change nothing without a word.
+    if config.fsdp and dist_environment()[0] == 1:
+        raise ValueError("--fsdp: shards the model over torchrun's ranks, and this process is the only one "
+                         "(WORLD_SIZE unset or 1); drop it, or launch with `torchrun --nproc_per_node N -m qkmla.train "
+                         "... --fsdp`")
     return config

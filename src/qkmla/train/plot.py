@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -73,7 +74,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         raise ValueError(f"runs: no metrics rows in {', '.join(empty)} (has the run logged a step yet?)")
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, (run, rows) in enumerate(runs):
-        label = labels[i] if labels else Path(run).name
+        # A name that is not UTF-8 holds surrogate escapes, which matplotlib cannot draw (a TypeError
+        # from its font code): shown with U+FFFD for the undecodable bytes instead.
+        label = labels[i] if labels else os.fsencode(Path(run).name).decode("utf-8", "replace")
         line, = axes[0].plot(*_points(rows, "loss"), lw=0.8, alpha=0.8, label=f"{label} train")
         val = _points(rows, "val_loss")
         if val[0]:

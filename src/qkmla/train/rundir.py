@@ -250,14 +250,17 @@ def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
     1-based number of each line skipped (a reader that shows the rows says which it left out)."""
     rows = []
     try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError):
+        data = Path(path).read_bytes()
+    except OSError:
         return rows
-    for number, line in enumerate(text.splitlines(), 1):
+    # Line by line: a damaged line that is not UTF-8 is one line skipped, not the whole file (read
+    # as one text, it made every row vanish: `qkmla plot` said the run had logged no step).
+    for number, raw in enumerate(data.splitlines(), 1):
         try:
+            line = raw.decode("utf-8")
             row = json.loads(line)
-        except ValueError:
-            row = None
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
+            line, row = raw.decode("utf-8", "replace"), None
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
         elif skipped is not None and line.strip():

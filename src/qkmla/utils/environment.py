@@ -8,6 +8,8 @@
 * The same variables left in a shell after a torchrun job (stale): a process not started by
   torchrun (no ``TORCHELASTIC_RUN_ID``) that sees ``WORLD_SIZE > 1`` would wait for ranks that
   never come. :func:`check_launch` refuses that, naming the variables to unset.
+* qkmla's own switches (:data:`SWITCHES`, ``QKMLA_CPU_KERNEL``): 0 or 1 (empty: the default);
+  anything else ("off", "false") is refused naming the variable, where it was read as "on".
 * ``CUDA_VISIBLE_DEVICES`` needs no check here: whatever it holds, torch sees the accelerators
   it leaves, and ``--device`` is checked against those.
 """
@@ -20,6 +22,32 @@ from typing import Optional
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 DIST_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+SWITCHES = {"QKMLA_CPU_KERNEL": (True, "the C++ CPU kernels of qkmla.ops.cpu_extension")}
+
+
+def switch(name: str) -> bool:
+    """The value of qkmla's switch ``name`` (:data:`SWITCHES`): "1" on, "0" off, unset or empty its
+    default.
+
+    Raises:
+        ValueError naming the variable for any other value.
+    """
+    default, what = SWITCHES[name]
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}: the environment variable holds {os.environ[name]!r}, expected 0 (turns off {what}) "
+                         f"or 1 (on); unset it for the default ({int(default)})")
+    return value == "1"
+
+
+def check_switches() -> None:
+    """Every switch of :data:`SWITCHES` read once, before any work: junk is refused up front."""
+    for name in SWITCHES:
+        switch(name)
 
 
 def drop_bad_thread_counts(command: str) -> list[str]:
@@ -62,11 +90,19 @@ def dist_environment() -> tuple[int, int, int]:
     """
     world = _int_variable("WORLD_SIZE", 1, 1)
     rank = _int_variable("RANK", 0, 0)
-    _int_variable("LOCAL_RANK", 0, 0)
+    local_rank = _int_variable("LOCAL_RANK", 0, 0)
     local = _int_variable("LOCAL_WORLD_SIZE", 1, 1)
     if rank >= world:
         raise ValueError(f"RANK: the environment variable holds {rank}, but WORLD_SIZE is {world} (ranks 0..{world - 1}); "
                          "unset them, or launch with torchrun")
+    # A LOCAL_WORLD_SIZE left from a torchrun job would divide --threads auto among ranks that
+    # do not exist (a stale 4 gave one process a quarter of its cores, as "4 ranks").
+    if local > world:
+        raise ValueError(f"LOCAL_WORLD_SIZE: the environment variable holds {local}, more than the WORLD_SIZE of "
+                         f"{world} ranks; unset it, or launch with torchrun")
+    if "LOCAL_WORLD_SIZE" in os.environ and local_rank >= local:  # a launcher may set LOCAL_RANK alone
+        raise ValueError(f"LOCAL_RANK: the environment variable holds {local_rank}, but LOCAL_WORLD_SIZE is {local} "
+                         f"(local ranks 0..{local - 1}); unset them, or launch with torchrun")
     return world, rank, local
 
 

@@ -216,8 +216,11 @@ def append_line(path: PathLike, line: str) -> None:
 
 def check_path(name: str, path: PathLike, what: str = "path") -> Path:
     """ValueError naming option ``name`` for a path the OS cannot look up at all (a name too long,
-    a file where a directory is needed, a symlink loop), before any work; returns it as a Path.
+    a file where a directory is needed, a symlink loop) or an empty one, before any work; returns
+    it as a Path.
     A path that does not exist yet is fine."""
+    if isinstance(path, (str, bytes)) and len(path) == 0:  # Path("") is ".": the working directory, unasked for
+        raise ValueError(f"{name}: expected the path of the {what}, got an empty string")
     path = Path(path)
     try:
         os.stat(path)

@@ -114,10 +114,16 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
                 or scale_cache.shape[:2] != kv_cache.shape[:2] or H % scale_cache.shape[-1]:
             raise ValueError(f"scale_cache: expected [num_blocks, block_size, G] with G dividing H={H}, got "
                              f"{tuple(getattr(scale_cache, 'shape', ()))}")
+        if not scale_cache.dtype.is_floating_point:  # key scalars are real numbers; ints were cast silently
+            raise ValueError(f"scale_cache: expected floating-point key scalars, got {scale_cache.dtype}")
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if visible_lens is not None:
         _check_int("visible_lens", visible_lens, (B, S_q))
+        # A negative count made the query see nothing: an all-zero output without a word. (Past
+        # the sequence's length is capped, by the specification; read where reading is free.)
+        if _host_readable(visible_lens) and visible_lens.numel() and int(visible_lens.min()) < 0:
+            raise ValueError(f"visible_lens: expected slot counts >= 0, got {int(visible_lens.min())}")
     for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache), ("block_table", block_table),
                     ("cache_seqlens", cache_seqlens), ("scale_cache", scale_cache), ("visible_lens", visible_lens)):
         if t is not None and t.device != q_lat.device:
@@ -128,8 +134,9 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
 def check_indices(indices, topk_length, q_lat: torch.Tensor, visible_lens=None) -> None:
     """ValueErrors naming ``indices`` / ``topk_length`` for a sparse decode's selection that is not
     an int32/int64 tensor [B, S_q, topk >= 1] (and [B]) on q_lat's device, before any work.
-    Their values are not read here (a device-to-host read per call): entries outside a
-    sequence's filled slots select nothing (``naive.py``)."""
+    The indices' values are not read here (a device-to-host read per call): entries outside a
+    sequence's filled slots select nothing (``naive.py``). A negative ``topk_length`` is refused
+    where reading it is free (a CPU tensor, outside compilation)."""
     B, S_q = q_lat.shape[:2]
     if indices is None:
         if topk_length is not None:
@@ -155,6 +162,10 @@ def check_indices(indices, topk_length, q_lat: torch.Tensor, visible_lens=None) 
         if topk_length.device != q_lat.device:
             raise ValueError(f"topk_length: expected a tensor on q_lat's device ({q_lat.device}), "
                              f"got {topk_length.device}")
+        # A negative count read no entry (an all-zero output without a word); where reading the
+        # values is free (as cache_seqlens' are), it is refused. Past topk reads all: the spec.
+        if _host_readable(topk_length) and topk_length.numel() and int(topk_length.min()) < 0:
+            raise ValueError(f"topk_length: expected entry counts >= 0, got {int(topk_length.min())}")
 
 
 def _host_readable(t: torch.Tensor) -> bool:
