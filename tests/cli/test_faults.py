@@ -1499,7 +1499,7 @@ def cli_rows():
 def probe5_rows():
     import shutil
 
-    from qkmla import LatentCache, MLA, MLAConfig
+    from qkmla import MLA, LatentCache, MLAConfig
     from qkmla.cache.eviction import H2O, StreamingLLM
     from qkmla.cache.size import CacheShape
     from qkmla.norms import QKNorm, ScalarNorm
@@ -1579,16 +1579,17 @@ def probe5_rows():
             lambda: CacheShape(num_layers=1, num_heads=4, head_dim=8, num_kv_heads=4, scalar_dtype="fp8"), ValueError,
             "scalar_dtype: sizes the MLA rows")),
         Row("train", "environment", "--fsdp in one process, not under torchrun (trained unsharded without a word)",
-            lambda e: [refuse(e, [*train_ok(e, e.tmp / "r"), "--fsdp"], "--fsdp: shards the model over torchrun's ranks"),
+            lambda e: [refuse(e, [*train_ok(e, e.tmp / "r"), "--fsdp"],
+                              "--fsdp: shards the model over torchrun's ranks"),
                        (e.tmp / "r").exists() and pytest.fail("made the run")]),
         Row("train", "environment", "a stale LOCAL_WORLD_SIZE=4 without torchrun (--threads auto split over 4 "
             "'ranks'); LOCAL_RANK 9 of LOCAL_WORLD_SIZE 2", lambda e: [
                 with_env(e, {"LOCAL_WORLD_SIZE": "4"}, lambda: refuse(
                     e, train_ok(e, e.tmp / "r"), "LOCAL_WORLD_SIZE: the environment variable holds 4, more than the "
                                                  "WORLD_SIZE of 1")),
-                with_env(e, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "9"}, lambda: refuse(
-                    e, train_ok(e, e.tmp / "r"), "LOCAL_RANK: the environment variable holds 9, but LOCAL_WORLD_SIZE "
-                                                 "is 2"))]),
+                with_env(e, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "9"},
+                         lambda: refuse(e, train_ok(e, e.tmp / "r"),
+                                        "LOCAL_RANK: the environment variable holds 9, but LOCAL_WORLD_SIZE is 2"))]),
         Row("generate", "environment", "QKMLA_CPU_KERNEL=off (read as on: only '0' turned the kernels off)",
             lambda e: with_env(e, {"QKMLA_CPU_KERNEL": "off"}, lambda: refuse(
                 e, ["generate", e.run, "--tokens", "2"], "QKMLA_CPU_KERNEL: the environment variable holds 'off', "
