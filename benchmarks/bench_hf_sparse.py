@@ -171,30 +171,35 @@ def run_cell(dtype_name: str, context: int, variant: str, steps: int, warmup: in
 
 def paired_cell(dtype_name: str, context: int, steps: int, warmup: int, chunk: int, prefill_max: int) -> dict:
     """The QK-normed/plain decode time measured paired in one process: both models (the same
-    weights) filled alike, their steps alternated, plain first on even steps and QK-normed first on
-    odd ones, so that drift and order touch both alike; the ratio of each pair, then the median.
-    Separate processes (the ``qkmla`` and ``qkmla-qknorm`` rows) differ by more than 5% from one
-    run to the next on this machine: the placement of each process's memory, not the norm."""
+    weights) filled alike, their steps alternated, plain first on even steps and QK-normed first
+    on odd ones, so that drift and order touch both alike; the ratio of each pair, then the
+    median. Half the pairs are timed with plain built first, half (both rebuilt) with QK-normed
+    built first: which model's memory was placed first changed the ratio by several percent on
+    this machine. Separate processes (the ``qkmla`` and ``qkmla-qknorm`` rows) differ by more than
+    5% from one run to the next here, the placement of each process's memory, not the norm."""
     dtype = getattr(torch, dtype_name)
-    plain = prepare(dtype, context, "qkmla", chunk, prefill_max)
-    normed = prepare(dtype, context, "qkmla-qknorm", chunk, prefill_max)
-    ratios, plain_s, normed_s = [], [], []
-    for i in range(warmup + steps):
-        if i % 2 == 0:
-            a = decode_step(plain)
-            b = decode_step(normed)
-        else:
-            b = decode_step(normed)
-            a = decode_step(plain)
-        if i >= warmup:
-            ratios.append(b / a)
-            plain_s.append(a)
-            normed_s.append(b)
-    return {"dtype": dtype_name, "context": context, "variant": PAIRED, "fill": plain["fill"],
+    ratios, plain_s, normed_s, halves = [], [], [], []
+    for built_first in ("qkmla", "qkmla-qknorm"):
+        order = (built_first, "qkmla-qknorm" if built_first == "qkmla" else "qkmla")
+        runs = {v: prepare(dtype, context, v, chunk, prefill_max) for v in order}
+        half = []
+        for i in range(warmup + -(-steps // 2)):
+            seq = ("qkmla", "qkmla-qknorm") if i % 2 == 0 else ("qkmla-qknorm", "qkmla")
+            t = {v: decode_step(runs[v]) for v in seq}
+            if i >= warmup:
+                half.append(t["qkmla-qknorm"] / t["qkmla"])
+                plain_s.append(t["qkmla"])
+                normed_s.append(t["qkmla-qknorm"])
+        fill = runs["qkmla"]["fill"]
+        del runs
+        ratios += half
+        halves.append(round(statistics.median(half), 4))
+    return {"dtype": dtype_name, "context": context, "variant": PAIRED, "fill": fill,
             "decode_time_vs_plain": round(statistics.median(ratios), 4),
             "ratio_min": round(min(ratios), 4), "ratio_max": round(max(ratios), 4),
+            "median_plain_built_first": halves[0], "median_qknorm_built_first": halves[1],
             "plain_step_ms": round(statistics.median(plain_s) * 1e3, 3),
-            "qknorm_step_ms": round(statistics.median(normed_s) * 1e3, 3), "pairs_timed": steps,
+            "qknorm_step_ms": round(statistics.median(normed_s) * 1e3, 3), "pairs_timed": len(ratios),
             "torch_threads": torch.get_num_threads(), "load_average_1min_at_end": round(os.getloadavg()[0], 2)}
 
 

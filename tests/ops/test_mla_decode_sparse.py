@@ -78,6 +78,22 @@ def test_torch_backend_matches_naive(layout, G, S_q, norm):
     check_sparse("torch", sparse_inputs(layout, G, S_q, norm, topk_length=G == 4, index_dtype=index_dtype))
 
 
+@pytest.mark.parametrize("norm", ["plain", "blockwise"])
+def test_torch_backend_gathers_a_long_call_in_groups_of_queries_as_naive_does(monkeypatch, norm):
+    """A call of many queries (a prefill chunk) gathers their rows a group of queries at a time
+    (``GATHER_ROWS``): three queries of four sequences, one query's rows per group."""
+    from qkmla.ops.mla_decode import torch_impl
+
+    args = sparse_inputs("paged", 4, 3, norm, topk_length=True)
+    groups = []
+    gather = torch_impl._sparse_group
+    monkeypatch.setattr(torch_impl, "GATHER_ROWS", len(LENGTHS) * TOPK)
+    monkeypatch.setattr(torch_impl, "_sparse_group", lambda q_lat, *a, **k: groups.append(q_lat.shape[1]) or
+                        gather(q_lat, *a, **k))
+    check_sparse("torch", args)
+    assert groups[:3] == [1, 1, 1]
+
+
 QUANT_CASES = [(f, *case) for f, case in zip(itertools.cycle(("fp8", "int8", "int4")), GRID[::3])]
 
 

@@ -26,6 +26,9 @@ from .selection import packed_selection
 from .workspace import scratch
 
 SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp32 rows of d_c + d_r = 576 are 9.4 MB
+# Rows a sparse decode gathers at once (over the batch's queries): a prefill chunk of 512 queries
+# with topk 2048 would otherwise copy 1M rows (2.4 GB in float32) before attending to any.
+GATHER_ROWS = 65536
 
 
 def _chunks(S: int) -> list[tuple[int, int]]:
@@ -496,10 +499,33 @@ def _sparse_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     B, T, h, d_c = q_lat.shape
     slots, counts = packed_selection(indices, topk_length, cache_seqlens)  # [B, T, topk], [B, T]
     topk = slots.shape[-1]
-    slots = slots.view(B, T * topk)
+    # Queries in groups of at most GATHER_ROWS gathered rows: each query's softmax is its own, so
+    # the groups are independent, and the copy stays bounded however many queries a call brings.
+    per_group = max(1, GATHER_ROWS // (B * topk))
+    if per_group >= T:
+        return _sparse_group(q_lat, q_rope, kv_cache, scale_cache, block_table, slots, counts, softmax_scale, mode,
+                             rows)
+    out, lse = torch.empty_like(q_lat), q_lat.new_empty((B, T, h), dtype=torch.float32)
+    for t in range(0, T, per_group):
+        group = slice(t, min(t + per_group, T))
+        out[:, group], lse[:, group] = _sparse_group(q_lat[:, group], q_rope[:, group], kv_cache, scale_cache,
+                                                     block_table, slots[:, group], counts[:, group], softmax_scale,
+                                                     mode, rows)
+    return out, lse
+
+
+def _sparse_group(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                  scale_cache: Optional[torch.Tensor], block_table: Optional[torch.Tensor], slots: torch.Tensor,
+                  counts: torch.Tensor, softmax_scale: float, mode: str,
+                  rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sparse_attend` for queries q_lat [B, T, h, d_c] whose packed selections are slots
+    [B, T, topk] with counts [B, T]: their rows gathered, then attended. -> (out, lse) as there."""
+    B, T, h, d_c = q_lat.shape
+    topk = slots.shape[-1]
+    slots = slots.reshape(B, T * topk)
     pool = _gather_rows(kv_cache, block_table, slots).view(B * T, topk, -1)
     scale_pool = None if scale_cache is None else _gather_rows(scale_cache, block_table, slots).view(B * T, topk, -1)
-    counts = counts.view(B * T)
+    counts = counts.reshape(B * T)
     longest = int(counts.max())  # read once: on a GPU each read is a sync
     one_block_each = torch.arange(B * T, device=q_lat.device)[:, None]
     out, lse = _paged_attend(q_lat.reshape(B * T, 1, h, d_c), q_rope.reshape(B * T, 1, h, -1), pool, scale_pool,
