@@ -140,10 +140,21 @@ def test_bench_hf_sparse_times_every_variant_both_fills_on_a_tiny_model(monkeypa
     paired = rows[3]  # two pairs timed: each ratio a positive number, the median between them
     assert paired["pairs_timed"] == 2 and paired["median_plain_built_first"] > 0  # a pair in each build order
     assert 0 < paired["ratio_min"] <= paired["decode_time_vs_plain"] <= paired["ratio_max"]
+    assert paired["ratio_min"] <= paired["median_95ci"][0] <= paired["median_95ci"][1] <= paired["ratio_max"]
     summary = bench.summarize(rows)
     assert [s["variant"] for s in summary] == ["qkmla", "qkmla-qknorm"] * 2
     assert all(s["decode_speedup"] > 0 for s in summary) and "decode_time_vs_plain" in summary[1]
     assert summary[1]["decode_time_vs_plain_paired"] == paired["decode_time_vs_plain"]
+
+
+def test_bench_hf_sparse_median_interval_covers_the_median_and_narrows_with_more_pairs():
+    bench = load("bench_hf_sparse")
+    few = [1.0, 1.2, 0.9, 1.1, 1.05]
+    low, high = bench.median_interval(few)
+    assert min(few) <= low <= 1.05 <= high <= max(few)
+    many = few * 20  # the same spread, 20 times the pairs
+    low_many, high_many = bench.median_interval(many)
+    assert high_many - low_many < high - low
 
 
 def test_bench_hf_sparse_times_the_baseline_over_its_own_steps(monkeypatch, tmp_path):
