@@ -155,10 +155,15 @@ class MLA(nn.Module):
 
     # -- projections ------------------------------------------------------------------------
 
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """c^Q [B, T, q_lora_rank]: the query's low-rank latent after ``q_a_layernorm`` (with a
+        query LoRA; DeepSeek's indexer reads it too)."""
+        return self.q_a_layernorm(self.q_a_proj(x))
+
     def raw_query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q^C [B, T, h, d_n], q~^R [B, T, h, d_r]) before any norm or RoPE."""
         c = self.config
-        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.query_latent(x))
         q = q.view(*x.shape[:2], c.num_heads, c.qk_head_dim)
         return q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
 

@@ -144,6 +144,22 @@ def test_decode_reads_the_selected_rows_through_the_op(monkeypatch):
         assert bool((indices.sort(dim=-1).values.diff(dim=-1) > 0).all())  # distinct slots
 
 
+def test_the_indexer_and_the_query_share_one_query_projection():
+    """Each call projects the hidden states through q_a_proj once per layer, as transformers' own layer
+    does (the indexer's query input is the query's latent), with and without a cache."""
+    model = patched(v32_model())
+    calls = []
+    for layer in latent_layers(model):
+        layer.q_a_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[1]))
+    stepwise_logits(model, prompts(2, 12), steps=2, cache=LatentAttentionCache(model))
+    assert calls == [12, 12, 1, 1, 1, 1]  # the prefill, then two steps; two layers each
+    calls.clear()
+    with torch.no_grad():
+        model(prompts(2, 12))
+    assert calls == [12, 12]
+    assert all(layer._query_input is None for layer in latent_layers(model))  # nothing kept after the call
+
+
 @pytest.mark.parametrize("kv_format", ["dense", "int8"])
 def test_qk_normed_sparse_decode_equals_its_explicit_path(kv_format):
     """With the paper's QK norm added (weights away from ones), the absorbed sparse decode (latent

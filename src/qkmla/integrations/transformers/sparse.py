@@ -81,6 +81,10 @@ class SparseLatentAttention(LatentAttention):
             (``host.shared_topk``: GLM-5's "shared" layers).
     """
 
+    # (x, its query latent) while a call runs: the indexer and the query share one q_a_proj, as in
+    # transformers' own layer, rather than projecting the hidden states twice (query_latent)
+    _query_input: Optional[tuple] = None
+
     def __init__(self, config, layer_idx: int, projections: Optional[dict] = None,
                  settings: Optional[LatentSettings] = None, host=None, g_proj: Optional[torch.nn.Module] = None,
                  indexer: Optional[torch.nn.Module] = None):
@@ -119,6 +123,12 @@ class SparseLatentAttention(LatentAttention):
             layer = super().with_norm(norm)
         layer.indexer = indexer
         return layer
+
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """MLA's c^Q of ``x``: the one the indexer was given in this call when ``x`` is that call's
+        input itself (a padded batch's rows reach MLA reordered and zeroed: computed again)."""
+        given = self._query_input
+        return given[1] if given is not None and given[0] is x else super().query_latent(x)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
         """transformers' attention call: ``hidden_states`` [B, T, hidden_size] -> (output [B, T, hidden_size],
@@ -159,9 +169,19 @@ class SparseLatentAttention(LatentAttention):
         documents = call.documents.to(x.device) if call.documents is not None else None
         position_ids = kwargs.get("position_ids")
         B, T = x.shape[:2]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # the indexer's query input, as transformers computes it
+        q_resid = super().query_latent(x)  # the indexer's query input, as transformers computes it
         new = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
         previous = kwargs.get("prev_topk_indices")
+        self._query_input = (x, q_resid)
+        try:
+            return self._attend_cached(x, q_resid, position_embeddings, position_ids, valid, documents, new,
+                                       previous, cache)
+        finally:
+            self._query_input = None
+
+    def _attend_cached(self, x, q_resid, position_embeddings, position_ids, valid, documents, new, previous, cache):
+        """:meth:`_attend` once its arguments are read: the uncached path, or the cache's."""
+        B, T = x.shape[:2]
         if cache is None:
             return self._uncached_sparse(x, q_resid, position_embeddings, position_ids, valid, documents, new,
                                          previous)
