@@ -1013,6 +1013,53 @@ def decode_scale(env: Env) -> None:
     torch.testing.assert_close(decode(per_head), decode(per_head, "naive"))
 
 
+def decode_padded_block_table(env: Env, backend: str) -> None:
+    """Probe p38: a block table padded with -1 past a shorter sequence's blocks, as vLLM and
+    FlashMLA callers pad it, was refused by the torch backend ("the first 3 block ids of every
+    sequence must lie in [0, num_blocks)") though the spec (naive.py) reads it. Every backend now
+    decodes it as the spec does, over a batch of uneven lengths with the unreached blocks' rows NaN
+    (any read of them poisons the output); a -1 or an id past the pool within a sequence's reach is
+    still refused naming block_table (the Triton kernel read whatever it pointed at)."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+    from qkmla.ops.mla_decode.backends import triton_installed
+    from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+    dtype = torch.bfloat16 if backend == "cpu" else torch.float32
+    if backend == "cpu" and cpu_unsupported_for("cpu", 32, 16, dtype) is not None:
+        pytest.skip(cpu_unsupported_for("cpu", 32, 16, dtype))
+    if backend == "triton":
+        if not triton_installed():
+            pytest.skip("triton is not installed")
+        env.monkeypatch.setenv("TRITON_INTERPRET", "1")  # its CPU interpreter, read per call
+    g = torch.Generator().manual_seed(0)
+    B, H, d_c, d_r, page, num_blocks = 3, 2, 32, 16, 4, 8
+    q_lat, q_rope = (torch.randn(B, 1, H, d, generator=g).to(dtype) for d in (d_c, d_r))
+    kv = torch.randn(num_blocks, page, d_c + d_r, generator=g)
+    scales = torch.rand(num_blocks, page, 1, generator=g) + 0.5
+    kv[0], scales[0] = math.nan, math.nan  # block 0 is in no sequence's reach; padding must not read it
+    lens = torch.tensor([9, 3, 0])  # 3 blocks, 1 block, none
+    padded = torch.tensor([[5, 2, 7], [1, -1, -1], [-1, -1, -1]])
+    kv, scales = kv.to(dtype), scales.to(dtype)
+
+    def decode(table, name=backend):
+        return mla_decode_with_kvcache(q_lat.float() if name == "naive" else q_lat,
+                                       q_rope.float() if name == "naive" else q_rope,
+                                       kv.float() if name == "naive" else kv, table, lens,
+                                       scales.float() if name == "naive" else scales, softmax_scale=0.3,
+                                       backend=name)
+
+    ref, ref_lse = decode(padded, "naive")
+    assert torch.isfinite(ref).all() and torch.isinf(ref_lse[2]).all()  # the empty sequence sees nothing
+    for table in (padded, padded.masked_fill(padded < 0, 0), padded.to(torch.int32)):  # -1 or 0 pads it
+        out, lse = decode(table)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.float(), ref, **tol)
+        torch.testing.assert_close(lse, ref_lse, **tol)
+    for bad in (-1, num_blocks):  # within sequence 0's reach (its second of three blocks)
+        raises(lambda b=bad: decode(torch.tensor([[5, b, 7], [1, -1, -1], [-1, -1, -1]])), ValueError,
+               r"block_table: .*\[0, num_blocks=8\)")
+
+
 def static_cache_past_memory(env: Env, hf: Path) -> None:
     """A static LatentAttentionCache of max_cache_len 2**50 reached torch's allocator at the first
     forward ("you tried to allocate 180143985094819840 bytes")."""
@@ -1127,6 +1174,9 @@ def constructor_rows():
         Row("mla_decode_with_kvcache", "size", "max_seqlen below max(cache_seqlens) (dropped slots), num_splits -2, "
             "a NaN softmax_scale tensor", decode_arguments),
         Row("mla_decode_with_kvcache", "size", "a float softmax_scale 0 and -1 (accepted)", decode_scale),
+        *(Row("mla_decode_with_kvcache", "size", f"{backend} backend: a block table padded with -1 past a sequence's "
+              f"blocks (torch refused it), a -1 within its reach (triton read it)",
+              lambda e, b=backend: decode_padded_block_table(e, b)) for backend in ("naive", "torch", "cpu", "triton")),
         Row("LatentAttentionCache", "size", "static, max_cache_len=2**50 (torch's allocator)", static_cache_past_memory,
             hf=True),
         Row("GPTConfig", "size", "a field set after construction",
