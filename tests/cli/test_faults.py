@@ -921,6 +921,21 @@ def train_ok(env: Env, out: Path) -> list:
             "--threads", "1", "--out", out]
 
 
+def thread_variable_before_torch(env: Env) -> None:
+    """Probe e01: ``OMP_NUM_THREADS=junk python -m qkmla ...`` printed libgomp's complaint before
+    qkmla's line, since ``import qkmla`` loads torch (and OpenMP reads the variable) before main()
+    dropped it. Now the line is qkmla's alone, for ``python -m qkmla`` and ``python -m qkmla.train``."""
+    for argv, command in ((["-m", "qkmla", "cache-size", "--preset", "tiny"], "cache-size"),
+                          (["-m", "qkmla.train", "--preset", "debug", "--steps", "0"], "train")):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=env.tmp, timeout=240,
+                           env={**os.environ, "OMP_NUM_THREADS": "junk", "PYTHONPATH": str(SRC)})
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert lines[0] == (f"qkmla {command}: OMP_NUM_THREADS='junk' is not a positive number of threads; ignored "
+                            "(torch's default is used)") and "libgomp" not in r.stderr and "Traceback" not in r.stderr, \
+            r.stderr
+        assert [x for x in lines if "OMP_NUM_THREADS" in x] == lines[:1]  # said once
+
+
 def train_block_past_the_data(env: Env) -> None:
     """Probe rounds 3-4: ``--block-size 10000000000`` over a small file was refused as --data's
     fault; the block size the user chose is named (the preset's block too long for a file stays
@@ -1277,6 +1292,8 @@ def cli_rows():
                    r"--tokens: expected a positive int below 2\*\*63")]),
         Row("cache-size", "environment", "OMP_NUM_THREADS=0", lambda e: with_env(e, {"OMP_NUM_THREADS": "0"}, lambda: (
             runs_with_a_line(e, ["cache-size", "--preset", "tiny"], "OMP_NUM_THREADS='0' is not a positive")))),
+        Row("cache-size", "environment", "OMP_NUM_THREADS=junk on python -m qkmla / qkmla.train (OpenMP's complaint "
+            "came first)", thread_variable_before_torch),
         # train
         Row("train", "output", "--data is a file of its own run directory", lambda e: refuse(
             e, train_ok(e, e.run) + ["--data", e.run / "metrics.jsonl", "--resume"], "--data: .* is a file of the run "
