@@ -1225,6 +1225,14 @@ def constructor_rows():
         Row("TrainConfig", "size", "lr NaN / inf, seed 2**64, steps 0 at construction",
             lambda e: [raises(lambda v=v: TrainConfig(**v), ValueError, next(iter(v)))
                        for v in ({"lr": math.nan}, {"lr": math.inf}, {"seed": 2**64}, {"steps": 0})]),
+        Row("TrainConfig", "size", "warmup_steps past steps, at construction and by a later steps (the lr never "
+            "reached its peak); the default warmup fits a short run",
+            lambda e: [raises(lambda: TrainConfig(steps=5, warmup_steps=50), ValueError,
+                              r"warmup_steps: expected an int from 0 to the run's steps \(5"),
+                       mutated(lambda: TrainConfig(steps=10, warmup_steps=8), "steps", 4, ValueError,
+                               r"warmup_steps: .*steps \(4", 10)(e),
+                       TrainConfig(steps=2).warmup_for == 2 or pytest.fail("the default warmup outlasts the run"),
+                       TrainConfig(steps=500).warmup_for == 20 or pytest.fail("the default warmup changed")]),
         Row("TrainConfig", "size", "a valid change after construction is kept",
             lambda e: (lambda c: (setattr(c, "steps", 5), c.steps == 5 or pytest.fail("not kept")))(cfg())),
         Row("H2O", "size", "budget = 0 after construction (emptied the cache)",
@@ -1334,6 +1342,12 @@ def cli_rows():
                        refuse(e, train_ok(e, e.tmp / "r") + ["--seed", str(2**64)], "--seed"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--steps", "0"], "--steps"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--grad-clip", "-1"], "--grad-clip")]),
+        Row("train", "size", "--warmup-steps 50 over --steps 2 (a run that never reaches the peak lr)", lambda e: [
+            refuse(e, train_ok(e, e.tmp / "r") + ["--warmup-steps", "50"],
+                   r"--warmup-steps: expected an int from 0 to the run's steps \(2; a longer warmup never reaches the "
+                   r"peak lr\)"),
+            refuse(e, train_ok(e, e.tmp / "r") + ["--schedule", "wsd", "--warmup-steps", "3"], "--warmup-steps"),
+            os.path.exists(e.tmp / "r") and pytest.fail("refused after work")]),
         Row("train", "size", "--block-size 10**10 over a 2 KB --data (named --data)", train_block_past_the_data),
         Row("train", "size", "--muon-adjust-lr without --optimizer muon, --qk-clip-alpha without --qk-clip (ignored "
             "without a word)", lambda e: [

@@ -15,6 +15,7 @@ from qkmla.train.trainer import train
 
 FAST = dict(preset="debug", batch_size=4, block_size=16, eval_interval=3, eval_iters=2, progress=False,
             warmup_steps=2)
+ONE_STEP = {**FAST, "warmup_steps": 1}  # a warmup no longer than the run (TrainConfig refuses a longer one)
 
 
 def dead_pid() -> int:
@@ -125,8 +126,8 @@ def test_status_says_how_far_a_running_run_got(tmp_path, monkeypatch):
 
 def test_without_out_a_fresh_directory_is_made_and_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    a = train(TrainConfig(**FAST, steps=1))
-    b = train(TrainConfig(**FAST, steps=1))
+    a = train(TrainConfig(**ONE_STEP, steps=1))
+    b = train(TrainConfig(**ONE_STEP, steps=1))
     assert a["out"] != b["out"] and a["out"].startswith("runs/debug-mla-qknorm-")
     assert f"writing the run to {a['out']}" in capsys.readouterr().out
 

@@ -334,7 +334,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
 
     try:
         for i in range(start, config.steps):
-            mult = lr_multiplier(i, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio)
+            mult = lr_multiplier(i, config.steps, config.schedule, config.warmup_for, config.min_lr_ratio)
             set_lr(optimizer, mult)
             x, y = get_batch(corpus.train, config.batch_size, block_size, generator)
             x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
