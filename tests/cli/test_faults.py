@@ -1157,6 +1157,10 @@ def constructor_rows():
         Row("PagedLayout", "size", "a block table holding 2**40 (past memory)",
             lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
                 4, block_table=torch.tensor([[0, 2**40]]))), ValueError, "block_table: .*num_blocks=1099511627777.*")),
+        Row("PagedLayout", "size", "num_blocks=2**50 given (past memory: was named block_table)",
+            lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
+                4, block_table=torch.tensor([[0, 1]]), num_blocks=2**50)), ValueError,
+                f"num_blocks: a pool of num_blocks=1125899906842624 blocks .*{big}")),
         Row("PagedLayout", "size", "block_size = 0 after construction (accepted); num_blocks 0, True",
             lambda e: [raises(lambda: setattr(PagedLayout(4), "block_size", 0), AttributeError,
                               "block_size: a PagedLayout is fixed"),
