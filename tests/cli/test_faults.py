@@ -412,19 +412,55 @@ def experiment_full_disk_keeps_results(env: Env) -> None:
     assert after["results.jsonl"] == before["results.jsonl"] and not [k for k in after if ".tmp" in k]
 
 
+# Three runs whose checkpoints differ in size: under a file limit between them the small ones
+# finish and the big one meets a full disk (its checkpoint).
+MIXED_DRIVER = """
+import sys
+from qkmla.cli import main
+from qkmla.experiments import EXPERIMENTS
+from qkmla.experiments.base import Experiment, Report, train_settings
+from qkmla.experiments.grid import Run
+
+SIZES = {"small": {"n_layer": 1, "n_embd": 32}, "big": {"n_embd": 128}}  # checkpoints of 0.19 MB and 4.6 MB
+
+
+def plan(options):
+    return [Run(f"r{i}", size, {**train_settings(True, 2), "steps": 2, "ckpt_interval": 1000, "eval_interval": 1000,
+                                "seed": i + 1, "model_overrides": SIZES[size]})
+            for i, size in enumerate(("small", "big", "small"))]
+
+
+EXPERIMENTS["mixed"] = Experiment("mixed", "", plan, lambda rows, options: Report({}, "", []))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
 def experiment_full_disk_mid_grid(env: Env) -> None:
     """Probe round 4: a file-size limit that fails every run's checkpoint printed 'run X failed:
     OSError: [Errno 27] File too large' for each of lr-sweep --quick's 28 runs, training every one
-    to the same failure. The first such run now stops the grid as one machine line naming the file
-    (exit 1); nothing is reported as the user's mistake or as a bug."""
+    to the same failure; the first such run now stops the grid as one machine line naming the file
+    (exit 1), nothing reported as the user's mistake or as a bug. Probe round 5: stopped so at its
+    second run (of three, one worker), the grid still started the third, which the pool had been
+    handed already (up to workers + 1 runs are), and wrote no results.jsonl: the first run's row,
+    finished, was lost. Now nothing starts after the failure, and the rows of the runs that ended
+    are written."""
+    from qkmla.experiments.grid import FINISHED
+
     out = env.tmp / "grid"
-    (env.tmp / "slow.py").write_text(SLOW_DRIVER)
-    r = subprocess.run([sys.executable, str(env.tmp / "slow.py"), "2", *slow_argv(out)], capture_output=True, text=True,
-                       cwd=env.tmp, timeout=240, env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+    (env.tmp / "mixed.py").write_text(MIXED_DRIVER)
+    limit = 1_000_000  # the small runs' files fit, the big run's checkpoint does not
+    r = subprocess.run([sys.executable, str(env.tmp / "mixed.py"), "experiment", "mixed", "--out", str(out),
+                        "--workers", "1", "--no-progress"], capture_output=True, text=True, cwd=env.tmp, timeout=240,
+                       env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
                        preexec_fn=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_FSIZE,
-                                                                            (100_000, 100_000)))
-    line = one_machine_line(r, "experiment", "checkpoint.safetensors")
+                                                                            (limit, limit)))
+    line = one_machine_line(r, "experiment", str(out / "runs" / "r1" / "checkpoint.safetensors"))
     assert "File too large" in line and "failed" not in r.stdout, r.stdout
+    assert not (out / "runs" / "r2").exists(), "a run started after the grid stopped"
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in rows] == ["r0", "r1", "r2"], rows
+    assert rows[0]["status"] == "done" and rows[1]["status"] not in FINISHED and rows[2]["status"] == "missing"
 
 
 def train_full_disk_on_resume(env: Env) -> None:
@@ -1528,7 +1564,8 @@ def cli_rows():
             e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
             experiment_full_disk_keeps_results),
-        Row("experiment", "disk", "a full disk at a run's checkpoint (every run trained to the same failure)",
+        Row("experiment", "disk", "a full disk at the second of three runs' checkpoint (every run trained to the "
+            "same failure; then the third, handed to the pool, started, and the first one's row was not written)",
             experiment_full_disk_mid_grid),
         Row("experiment", "signal", "SIGTERM: runs checkpointed, a later run resumes exactly",
             experiment_sigterm_resumes_exactly),
