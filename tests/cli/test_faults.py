@@ -463,6 +463,55 @@ def experiment_full_disk_mid_grid(env: Env) -> None:
     assert rows[0]["status"] == "done" and rows[1]["status"] not in FINISHED and rows[2]["status"] == "missing"
 
 
+def train_resume_over_an_edited_config(env: Env) -> None:
+    """Probes c15/c16: ``train --resume`` over a run whose config.json the user edited (lr 0.001
+    -> 0.5) or cut short resumed with the checkpoint's settings and rewrote the file, the edit
+    gone without a word. Now refused in one line naming the file and the setting, with the way on;
+    nothing in the run changes. (A resume that changes a setting itself, --steps, still runs: the
+    SIGKILL and full-disk rows resume so.)"""
+    import shutil
+
+    run = env.tmp / "run"
+    shutil.copytree(env.run, run)  # the shared 2-step run, trained as train_ok trains
+    argv = train_ok(env, run)[:-2] + ["--out", run]
+    record = (run / "config.json").read_text()
+    assert '"lr": 0.001' in record
+    for edited in (record.replace('"lr": 0.001', '"lr": 0.5'), record[:100]):
+        (run / "config.json").write_text(edited)
+        before = snapshot(run)
+        refuse(env, argv + ["--steps", "3", "--resume"], rf"--out: {re.escape(str(run / 'config.json'))} was changed "
+               r"since the run wrote it \((train\.lr: 0\.5 in the file, 0\.001 recorded, 0\.001 now|not readable "
+               r"JSON: damaged or cut short)\); .*undo the change \(or remove the file\) to resume, .*--overwrite to "
+               r"start over")
+        assert snapshot(run) == before
+
+
+def experiment_resume_over_an_edited_config(env: Env) -> None:
+    """The experiment runner resumes an unfinished run only if its config.json equals the plan's
+    settings; an edited one (its seed) made it train the run again from scratch, checkpoint and record
+    replaced without a word. Now refused naming the file and the setting; nothing changes."""
+    from qkmla.experiments import EXPERIMENTS
+    from qkmla.experiments.grid import run_dir
+    from qkmla.train.trainer import TrainConfig, train
+
+    ns: dict = {}
+    exec(SLOW_EXPERIMENT, ns)
+    env.monkeypatch.setitem(EXPERIMENTS, "slow", ns["slow"](4))
+    out = env.tmp / "grid"
+    r0 = EXPERIMENTS["slow"].plan(None)[0]
+    path = run_dir(out, r0)
+    train(TrainConfig(**{**r0.train, "out": str(path), "progress": False, "max_seconds": 0}))
+    assert status(path)["status"] == "time limit"  # checkpointed at step 1: the grid would resume it
+    config = path / "config.json"
+    assert '"seed": 1,' in config.read_text()
+    config.write_text(config.read_text().replace('"seed": 1,', '"seed": 7,'))
+    before = snapshot(out)
+    refuse(env, slow_argv(out), rf"--out: 1 unfinished run\(s\) with a checkpoint would be started over, their "
+           rf"config.json differing from this plan's settings: {re.escape(str(config))} \(seed: stored 7, now 1\); "
+           r"undo the change to resume them, pass --overwrite to start them over")
+    assert snapshot(out) == before
+
+
 def train_full_disk_on_resume(env: Env) -> None:
     """Issue 56 class 1: a full disk during ``qkmla train --resume`` names the metrics file it could
     not write; the rows before stay, the run's status says failed."""
@@ -1357,6 +1406,8 @@ def cli_rows():
             (e.tmp / "d").mkdir(), (e.tmp / "d" / "demo.json").write_text("{}"),
             refuse(e, train_ok(e, e.tmp / "d"), "--out: .* holds a qkmla demo"),
             os.listdir(e.tmp / "x") == ["summary.json"] or pytest.fail("wrote into it")]),
+        Row("train", "output", "--resume over a config.json the user edited or cut short (rewritten without a word)",
+            train_resume_over_an_edited_config),
         Row("train", "output", "--out holds a run, without --resume/--overwrite", lambda e: refuse(
             e, train_ok(e, e.run), "--out: .* already holds a run with status 'done'")),
         Row("train", "path", "--out read-only, over-long, under a file", lambda e: [
@@ -1542,6 +1593,8 @@ def cli_rows():
         Row("experiment", "output", "--out a symlink to another experiment's directory",
             lambda e: experiment_over_another(e, link=True)),
         Row("experiment", "output", "--quick over finished full runs", experiment_quick_over_full),
+        Row("experiment", "output", "an unfinished run whose config.json the user edited (trained again from scratch)",
+            experiment_resume_over_an_edited_config),
         Row("experiment", "output", "--out a training run or a transformers checkpoint, --overwrite (wrote beside it)",
             lambda e: other_commands_directory(e, ["experiment", "length", "--quick", "--overwrite", "--out"])),
         Row("experiment", "path", "--out read-only (one 'run failed' per run), over-long, under a file", lambda e: [

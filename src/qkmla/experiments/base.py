@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..train.checkpoint import FILENAME
 from ..train.rundir import RunLock, read_status
 from ..utils.files import check_own_directory, check_writable, same_file, write_text
 from ..utils.machine import machine, source_commit
@@ -209,17 +210,30 @@ def _check_out(experiment: Experiment, options: Options) -> None:
         raise ValueError(f"--out: {out} holds the results of {', '.join(others)} (results.jsonl, summary.json), "
                          f"which {experiment.name} would replace; pass --overwrite to replace them, or use another "
                          "--out")
-    changed = []
+    changed, started = [], []
     for run in experiment.plan(options):
         path = run_dir(out, run)
-        if run.same_as is None and (read_status(path) or {}).get("status") in FINISHED:
+        if run.same_as is not None:
+            continue
+        if (read_status(path) or {}).get("status") in FINISHED:
             diffs = differences(path, run.train)
             if diffs:
                 changed.append(f"{run.name} ({diffs[0]})")
+        elif (path / FILENAME).is_file() and (path / "config.json").is_file():
+            # Resumed only with the settings it was started with: another config.json (edited, or
+            # another plan's) would start it over, its checkpoint and config.json replaced.
+            diffs = differences(path, run.train)
+            if diffs:
+                started.append(f"{path / 'config.json'} ({diffs[0]})")
     if changed:
         raise ValueError(f"--out: {len(changed)} finished run(s) in {out / 'runs'} were trained with other settings "
                          f"than this plan's: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; pass "
                          "--overwrite to train them again, or use another --out")
+    if started:
+        raise ValueError(f"--out: {len(started)} unfinished run(s) with a checkpoint would be started over, their "
+                         f"config.json differing from this plan's settings: {', '.join(started[:3])}"
+                         f"{' ...' if len(started) > 3 else ''}; undo the change to resume them, pass --overwrite to "
+                         "start them over, or use another --out")
 
 
 def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) -> Report:
