@@ -412,19 +412,104 @@ def experiment_full_disk_keeps_results(env: Env) -> None:
     assert after["results.jsonl"] == before["results.jsonl"] and not [k for k in after if ".tmp" in k]
 
 
+# Three runs whose checkpoints differ in size: under a file limit between them the small ones
+# finish and the big one meets a full disk (its checkpoint).
+MIXED_DRIVER = """
+import sys
+from qkmla.cli import main
+from qkmla.experiments import EXPERIMENTS
+from qkmla.experiments.base import Experiment, Report, train_settings
+from qkmla.experiments.grid import Run
+
+SIZES = {"small": {"n_layer": 1, "n_embd": 32}, "big": {"n_embd": 128}}  # checkpoints of 0.19 MB and 4.6 MB
+
+
+def plan(options):
+    return [Run(f"r{i}", size, {**train_settings(True, 2), "steps": 2, "ckpt_interval": 1000, "eval_interval": 1000,
+                                "seed": i + 1, "model_overrides": SIZES[size]})
+            for i, size in enumerate(("small", "big", "small"))]
+
+
+EXPERIMENTS["mixed"] = Experiment("mixed", "", plan, lambda rows, options: Report({}, "", []))
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
 def experiment_full_disk_mid_grid(env: Env) -> None:
     """Probe round 4: a file-size limit that fails every run's checkpoint printed 'run X failed:
     OSError: [Errno 27] File too large' for each of lr-sweep --quick's 28 runs, training every one
-    to the same failure. The first such run now stops the grid as one machine line naming the file
-    (exit 1); nothing is reported as the user's mistake or as a bug."""
+    to the same failure; the first such run now stops the grid as one machine line naming the file
+    (exit 1), nothing reported as the user's mistake or as a bug. Probe round 5: stopped so at its
+    second run (of three, one worker), the grid still started the third, which the pool had been
+    handed already (up to workers + 1 runs are), and wrote no results.jsonl: the first run's row,
+    finished, was lost. Now nothing starts after the failure, and the rows of the runs that ended
+    are written."""
+    from qkmla.experiments.grid import FINISHED
+
     out = env.tmp / "grid"
-    (env.tmp / "slow.py").write_text(SLOW_DRIVER)
-    r = subprocess.run([sys.executable, str(env.tmp / "slow.py"), "2", *slow_argv(out)], capture_output=True, text=True,
-                       cwd=env.tmp, timeout=240, env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+    (env.tmp / "mixed.py").write_text(MIXED_DRIVER)
+    limit = 1_000_000  # the small runs' files fit, the big run's checkpoint does not
+    r = subprocess.run([sys.executable, str(env.tmp / "mixed.py"), "experiment", "mixed", "--out", str(out),
+                        "--workers", "1", "--no-progress"], capture_output=True, text=True, cwd=env.tmp, timeout=240,
+                       env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
                        preexec_fn=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_FSIZE,
-                                                                            (100_000, 100_000)))
-    line = one_machine_line(r, "experiment", "checkpoint.safetensors")
+                                                                            (limit, limit)))
+    line = one_machine_line(r, "experiment", str(out / "runs" / "r1" / "checkpoint.safetensors"))
     assert "File too large" in line and "failed" not in r.stdout, r.stdout
+    assert not (out / "runs" / "r2").exists(), "a run started after the grid stopped"
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["run"] for r in rows] == ["r0", "r1", "r2"], rows
+    assert rows[0]["status"] == "done" and rows[1]["status"] not in FINISHED and rows[2]["status"] == "missing"
+
+
+def train_resume_over_an_edited_config(env: Env) -> None:
+    """Probes c15/c16: ``train --resume`` over a run whose config.json the user edited (lr 0.001
+    -> 0.5) or cut short resumed with the checkpoint's settings and rewrote the file, the edit
+    gone without a word. Now refused in one line naming the file and the setting, with the way on;
+    nothing in the run changes. (A resume that changes a setting itself, --steps, still runs: the
+    SIGKILL and full-disk rows resume so.)"""
+    import shutil
+
+    run = env.tmp / "run"
+    shutil.copytree(env.run, run)  # the shared 2-step run, trained as train_ok trains
+    argv = train_ok(env, run)[:-2] + ["--out", run]
+    record = (run / "config.json").read_text()
+    assert '"lr": 0.001' in record
+    for edited in (record.replace('"lr": 0.001', '"lr": 0.5'), record[:100]):
+        (run / "config.json").write_text(edited)
+        before = snapshot(run)
+        refuse(env, argv + ["--steps", "3", "--resume"], rf"--out: {re.escape(str(run / 'config.json'))} was changed "
+               r"since the run wrote it \((train\.lr: 0\.5 in the file, 0\.001 recorded, 0\.001 now|not readable "
+               r"JSON: damaged or cut short)\); .*undo the change \(or remove the file\) to resume, .*--overwrite to "
+               r"start over")
+        assert snapshot(run) == before
+
+
+def experiment_resume_over_an_edited_config(env: Env) -> None:
+    """The experiment runner resumes an unfinished run only if its config.json equals the plan's
+    settings; an edited one (its seed) made it train the run again from scratch, checkpoint and record
+    replaced without a word. Now refused naming the file and the setting; nothing changes."""
+    from qkmla.experiments import EXPERIMENTS
+    from qkmla.experiments.grid import run_dir
+    from qkmla.train.trainer import TrainConfig, train
+
+    ns: dict = {}
+    exec(SLOW_EXPERIMENT, ns)
+    env.monkeypatch.setitem(EXPERIMENTS, "slow", ns["slow"](4))
+    out = env.tmp / "grid"
+    r0 = EXPERIMENTS["slow"].plan(None)[0]
+    path = run_dir(out, r0)
+    train(TrainConfig(**{**r0.train, "out": str(path), "progress": False, "max_seconds": 0}))
+    assert status(path)["status"] == "time limit"  # checkpointed at step 1: the grid would resume it
+    config = path / "config.json"
+    assert '"seed": 1,' in config.read_text()
+    config.write_text(config.read_text().replace('"seed": 1,', '"seed": 7,'))
+    before = snapshot(out)
+    refuse(env, slow_argv(out), rf"--out: 1 unfinished run\(s\) with a checkpoint would be started over, their "
+           rf"config.json differing from this plan's settings: {re.escape(str(config))} \(seed: stored 7, now 1\); "
+           r"undo the change to resume them, pass --overwrite to start them over")
+    assert snapshot(out) == before
 
 
 def train_full_disk_on_resume(env: Env) -> None:
@@ -921,6 +1006,21 @@ def train_ok(env: Env, out: Path) -> list:
             "--threads", "1", "--out", out]
 
 
+def thread_variable_before_torch(env: Env) -> None:
+    """Probe e01: ``OMP_NUM_THREADS=junk python -m qkmla ...`` printed libgomp's complaint before
+    qkmla's line, since ``import qkmla`` loads torch (and OpenMP reads the variable) before main()
+    dropped it. Now the line is qkmla's alone, for ``python -m qkmla`` and ``python -m qkmla.train``."""
+    for argv, command in ((["-m", "qkmla", "cache-size", "--preset", "tiny"], "cache-size"),
+                          (["-m", "qkmla.train", "--preset", "debug", "--steps", "0"], "train")):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=env.tmp, timeout=240,
+                           env={**os.environ, "OMP_NUM_THREADS": "junk", "PYTHONPATH": str(SRC)})
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        said = (f"qkmla {command}: OMP_NUM_THREADS='junk' is not a positive number of threads; ignored (torch's "
+                "default is used)")
+        assert lines[0] == said and "libgomp" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert [x for x in lines if "OMP_NUM_THREADS" in x] == lines[:1]  # said once
+
+
 def train_block_past_the_data(env: Env) -> None:
     """Probe rounds 3-4: ``--block-size 10000000000`` over a small file was refused as --data's
     fault; the block size the user chose is named (the preset's block too long for a file stays
@@ -1013,6 +1113,53 @@ def decode_scale(env: Env) -> None:
     torch.testing.assert_close(decode(per_head), decode(per_head, "naive"))
 
 
+def decode_padded_block_table(env: Env, backend: str) -> None:
+    """Probe p38: a block table padded with -1 past a shorter sequence's blocks, as vLLM and
+    FlashMLA callers pad it, was refused by the torch backend ("the first 3 block ids of every
+    sequence must lie in [0, num_blocks)") though the spec (naive.py) reads it. Every backend now
+    decodes it as the spec does, over a batch of uneven lengths with the unreached blocks' rows NaN
+    (any read of them poisons the output); a -1 or an id past the pool within a sequence's reach is
+    still refused naming block_table (the Triton kernel read whatever it pointed at)."""
+    from qkmla.ops.mla_decode import mla_decode_with_kvcache
+    from qkmla.ops.mla_decode.backends import triton_installed
+    from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+    dtype = torch.bfloat16 if backend == "cpu" else torch.float32
+    if backend == "cpu" and cpu_unsupported_for("cpu", 32, 16, dtype) is not None:
+        pytest.skip(cpu_unsupported_for("cpu", 32, 16, dtype))
+    if backend == "triton":
+        if not triton_installed():
+            pytest.skip("triton is not installed")
+        env.monkeypatch.setenv("TRITON_INTERPRET", "1")  # its CPU interpreter, read per call
+    g = torch.Generator().manual_seed(0)
+    B, H, d_c, d_r, page, num_blocks = 3, 2, 32, 16, 4, 8
+    q_lat, q_rope = (torch.randn(B, 1, H, d, generator=g).to(dtype) for d in (d_c, d_r))
+    kv = torch.randn(num_blocks, page, d_c + d_r, generator=g)
+    scales = torch.rand(num_blocks, page, 1, generator=g) + 0.5
+    kv[0], scales[0] = math.nan, math.nan  # block 0 is in no sequence's reach; padding must not read it
+    lens = torch.tensor([9, 3, 0])  # 3 blocks, 1 block, none
+    padded = torch.tensor([[5, 2, 7], [1, -1, -1], [-1, -1, -1]])
+    kv, scales = kv.to(dtype), scales.to(dtype)
+
+    def decode(table, name=backend):
+        return mla_decode_with_kvcache(q_lat.float() if name == "naive" else q_lat,
+                                       q_rope.float() if name == "naive" else q_rope,
+                                       kv.float() if name == "naive" else kv, table, lens,
+                                       scales.float() if name == "naive" else scales, softmax_scale=0.3,
+                                       backend=name)
+
+    ref, ref_lse = decode(padded, "naive")
+    assert torch.isfinite(ref).all() and torch.isinf(ref_lse[2]).all()  # the empty sequence sees nothing
+    for table in (padded, padded.masked_fill(padded < 0, 0), padded.to(torch.int32)):  # -1 or 0 pads it
+        out, lse = decode(table)
+        tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.float(), ref, **tol)
+        torch.testing.assert_close(lse, ref_lse, **tol)
+    for bad in (-1, num_blocks):  # within sequence 0's reach (its second of three blocks)
+        raises(lambda b=bad: decode(torch.tensor([[5, b, 7], [1, -1, -1], [-1, -1, -1]])), ValueError,
+               r"block_table: .*\[0, num_blocks=8\)")
+
+
 def static_cache_past_memory(env: Env, hf: Path) -> None:
     """A static LatentAttentionCache of max_cache_len 2**50 reached torch's allocator at the first
     forward ("you tried to allocate 180143985094819840 bytes")."""
@@ -1095,6 +1242,10 @@ def constructor_rows():
         Row("PagedLayout", "size", "a block table holding 2**40 (past memory)",
             lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
                 4, block_table=torch.tensor([[0, 2**40]]))), ValueError, "block_table: .*num_blocks=1099511627777.*")),
+        Row("PagedLayout", "size", "num_blocks=2**50 given (past memory: was named block_table)",
+            lambda e: raises(lambda: LatentCache.from_config(MLAConfig(), 1, 8, layout=PagedLayout(
+                4, block_table=torch.tensor([[0, 1]]), num_blocks=2**50)), ValueError,
+                f"num_blocks: a pool of num_blocks=1125899906842624 blocks .*{big}")),
         Row("PagedLayout", "size", "block_size = 0 after construction (accepted); num_blocks 0, True",
             lambda e: [raises(lambda: setattr(PagedLayout(4), "block_size", 0), AttributeError,
                               "block_size: a PagedLayout is fixed"),
@@ -1127,6 +1278,9 @@ def constructor_rows():
         Row("mla_decode_with_kvcache", "size", "max_seqlen below max(cache_seqlens) (dropped slots), num_splits -2, "
             "a NaN softmax_scale tensor", decode_arguments),
         Row("mla_decode_with_kvcache", "size", "a float softmax_scale 0 and -1 (accepted)", decode_scale),
+        *(Row("mla_decode_with_kvcache", "size", f"{backend} backend: a block table padded with -1 past a sequence's "
+              f"blocks (torch refused it), a -1 within its reach (triton read it)",
+              lambda e, b=backend: decode_padded_block_table(e, b)) for backend in ("naive", "torch", "cpu", "triton")),
         Row("LatentAttentionCache", "size", "static, max_cache_len=2**50 (torch's allocator)", static_cache_past_memory,
             hf=True),
         Row("GPTConfig", "size", "a field set after construction",
@@ -1160,6 +1314,14 @@ def constructor_rows():
         Row("TrainConfig", "size", "lr NaN / inf, seed 2**64, steps 0 at construction",
             lambda e: [raises(lambda v=v: TrainConfig(**v), ValueError, next(iter(v)))
                        for v in ({"lr": math.nan}, {"lr": math.inf}, {"seed": 2**64}, {"steps": 0})]),
+        Row("TrainConfig", "size", "warmup_steps past steps, at construction and by a later steps (the lr never "
+            "reached its peak); the default warmup fits a short run",
+            lambda e: [raises(lambda: TrainConfig(steps=5, warmup_steps=50), ValueError,
+                              r"warmup_steps: expected an int from 0 to the run's steps \(5"),
+                       mutated(lambda: TrainConfig(steps=10, warmup_steps=8), "steps", 4, ValueError,
+                               r"warmup_steps: .*steps \(4", 10)(e),
+                       TrainConfig(steps=2).warmup_for == 2 or pytest.fail("the default warmup outlasts the run"),
+                       TrainConfig(steps=500).warmup_for == 20 or pytest.fail("the default warmup changed")]),
         Row("TrainConfig", "size", "a valid change after construction is kept",
             lambda e: (lambda c: (setattr(c, "steps", 5), c.steps == 5 or pytest.fail("not kept")))(cfg())),
         Row("H2O", "size", "budget = 0 after construction (emptied the cache)",
@@ -1227,6 +1389,8 @@ def cli_rows():
                    r"--tokens: expected a positive int below 2\*\*63")]),
         Row("cache-size", "environment", "OMP_NUM_THREADS=0", lambda e: with_env(e, {"OMP_NUM_THREADS": "0"}, lambda: (
             runs_with_a_line(e, ["cache-size", "--preset", "tiny"], "OMP_NUM_THREADS='0' is not a positive")))),
+        Row("cache-size", "environment", "OMP_NUM_THREADS=junk on python -m qkmla / qkmla.train (OpenMP's complaint "
+            "came first)", thread_variable_before_torch),
         # train
         Row("train", "output", "--data is a file of its own run directory", lambda e: refuse(
             e, train_ok(e, e.run) + ["--data", e.run / "metrics.jsonl", "--resume"], "--data: .* is a file of the run "
@@ -1242,6 +1406,8 @@ def cli_rows():
             (e.tmp / "d").mkdir(), (e.tmp / "d" / "demo.json").write_text("{}"),
             refuse(e, train_ok(e, e.tmp / "d"), "--out: .* holds a qkmla demo"),
             os.listdir(e.tmp / "x") == ["summary.json"] or pytest.fail("wrote into it")]),
+        Row("train", "output", "--resume over a config.json the user edited or cut short (rewritten without a word)",
+            train_resume_over_an_edited_config),
         Row("train", "output", "--out holds a run, without --resume/--overwrite", lambda e: refuse(
             e, train_ok(e, e.run), "--out: .* already holds a run with status 'done'")),
         Row("train", "path", "--out read-only, over-long, under a file", lambda e: [
@@ -1267,6 +1433,12 @@ def cli_rows():
                        refuse(e, train_ok(e, e.tmp / "r") + ["--seed", str(2**64)], "--seed"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--steps", "0"], "--steps"),
                        refuse(e, train_ok(e, e.tmp / "r") + ["--grad-clip", "-1"], "--grad-clip")]),
+        Row("train", "size", "--warmup-steps 50 over --steps 2 (a run that never reaches the peak lr)", lambda e: [
+            refuse(e, train_ok(e, e.tmp / "r") + ["--warmup-steps", "50"],
+                   r"--warmup-steps: expected an int from 0 to the run's steps \(2; a longer warmup never reaches the "
+                   r"peak lr\)"),
+            refuse(e, train_ok(e, e.tmp / "r") + ["--schedule", "wsd", "--warmup-steps", "3"], "--warmup-steps"),
+            os.path.exists(e.tmp / "r") and pytest.fail("refused after work")]),
         Row("train", "size", "--block-size 10**10 over a 2 KB --data (named --data)", train_block_past_the_data),
         Row("train", "size", "--muon-adjust-lr without --optimizer muon, --qk-clip-alpha without --qk-clip (ignored "
             "without a word)", lambda e: [
@@ -1421,6 +1593,8 @@ def cli_rows():
         Row("experiment", "output", "--out a symlink to another experiment's directory",
             lambda e: experiment_over_another(e, link=True)),
         Row("experiment", "output", "--quick over finished full runs", experiment_quick_over_full),
+        Row("experiment", "output", "an unfinished run whose config.json the user edited (trained again from scratch)",
+            experiment_resume_over_an_edited_config),
         Row("experiment", "output", "--out a training run or a transformers checkpoint, --overwrite (wrote beside it)",
             lambda e: other_commands_directory(e, ["experiment", "length", "--quick", "--overwrite", "--out"])),
         Row("experiment", "path", "--out read-only (one 'run failed' per run), over-long, under a file", lambda e: [
@@ -1443,7 +1617,8 @@ def cli_rows():
             e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
             experiment_full_disk_keeps_results),
-        Row("experiment", "disk", "a full disk at a run's checkpoint (every run trained to the same failure)",
+        Row("experiment", "disk", "a full disk at the second of three runs' checkpoint (every run trained to the "
+            "same failure; then the third, handed to the pool, started, and the first one's row was not written)",
             experiment_full_disk_mid_grid),
         Row("experiment", "signal", "SIGTERM: runs checkpointed, a later run resumes exactly",
             experiment_sigterm_resumes_exactly),

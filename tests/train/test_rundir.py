@@ -15,6 +15,7 @@ from qkmla.train.trainer import train
 
 FAST = dict(preset="debug", batch_size=4, block_size=16, eval_interval=3, eval_iters=2, progress=False,
             warmup_steps=2)
+ONE_STEP = {**FAST, "warmup_steps": 1}  # a warmup no longer than the run (TrainConfig refuses a longer one)
 
 
 def dead_pid() -> int:
@@ -125,8 +126,8 @@ def test_status_says_how_far_a_running_run_got(tmp_path, monkeypatch):
 
 def test_without_out_a_fresh_directory_is_made_and_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    a = train(TrainConfig(**FAST, steps=1))
-    b = train(TrainConfig(**FAST, steps=1))
+    a = train(TrainConfig(**ONE_STEP, steps=1))
+    b = train(TrainConfig(**ONE_STEP, steps=1))
     assert a["out"] != b["out"] and a["out"].startswith("runs/debug-mla-qknorm-")
     assert f"writing the run to {a['out']}" in capsys.readouterr().out
 
@@ -235,3 +236,29 @@ def test_metrics_lines_are_strict_json():
 
     row = json.loads(line, parse_constant=refuse)
     assert row == {"step": 1, "loss": 2.0, "grad_norm": None, "per": [1.0, None], "non_finite": ["grad_norm", "per"]}
+
+
+def test_record_edits_are_the_changes_a_resume_would_lose(tmp_path):
+    """config.json against the checkpoint's record and the config a resume writes: a field
+    changed in the file alone is an edit; one the resume changes (steps), or one a resume killed
+    before its first checkpoint wrote (file == now), is not."""
+    from qkmla.train.rundir import record_edits
+
+    recorded = {"train": {"steps": 3, "lr": 0.001, "seed": 1}, "model": {"n_embd": 64}, "data": {"sha256": "a"}}
+    now = {"train": {"steps": 5, "lr": 0.001, "seed": 1}, "model": {"n_embd": 64}, "data": {"sha256": "a"}}
+    path = tmp_path / "config.json"
+    assert record_edits(path, recorded, now) == []  # no file: nothing to lose
+    for saved, edits in (
+            (recorded, []),  # as the run wrote it; the resume changes steps
+            (now, []),  # written by a resume killed before its first checkpoint
+            ({**recorded, "train": {"steps": 3, "lr": 0.5, "seed": 1}},
+             ["train.lr: 0.5 in the file, 0.001 recorded, 0.001 now"]),
+            ({**recorded, "train": {"steps": 3, "lr": 0.001}}, ["train.seed: absent in the file, 1 recorded, 1 now"]),
+            ({**recorded, "data": {"sha256": "b"}}, ['data: {"sha256": "b"} in the file, {"sha256": "a"} recorded, '
+                                                     '{"sha256": "a"} now'])):
+        path.write_text(json.dumps(saved))
+        assert record_edits(path, recorded, now) == edits
+    path.write_text('{"train": {"st')
+    assert record_edits(path, recorded, now) == ["not readable JSON: damaged or cut short"]
+    path.write_text("[1, 2]")
+    assert record_edits(path, recorded, now) == ["not a JSON object"]

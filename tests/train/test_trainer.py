@@ -10,6 +10,7 @@ from qkmla.train.trainer import TrainConfig, load_model, train
 
 FAST = dict(preset="debug", batch_size=4, block_size=16, eval_interval=3, eval_iters=2, progress=False,
             warmup_steps=2)
+ONE_STEP = {**FAST, "warmup_steps": 1}  # a warmup no longer than the run (TrainConfig refuses a longer one)
 
 
 def read(run: Path) -> list[dict]:
@@ -99,7 +100,7 @@ def test_validation_windows_do_not_depend_on_the_seed(tmp_path):
 
 def test_qk_clip_refused_for_qk_norm(tmp_path):
     with pytest.raises(ValueError, match="qk_clip"):
-        train(TrainConfig(**FAST, steps=1, attn="mla-qknorm", qk_clip=100.0, out=str(tmp_path)))
+        train(TrainConfig(**ONE_STEP, steps=1, attn="mla-qknorm", qk_clip=100.0, out=str(tmp_path)))
 
 
 def test_nan_stops_cleanly_and_keeps_last_checkpoint(tmp_path):
@@ -265,12 +266,12 @@ def test_a_flipped_metadata_byte_is_caught(tmp_path):
 def test_out_that_cannot_be_a_directory_is_refused(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="out: cannot make the run directory .*afile"):
-        train(TrainConfig(**FAST, steps=1, out=str(tmp_path / "afile")))
+        train(TrainConfig(**ONE_STEP, steps=1, out=str(tmp_path / "afile")))
     with pytest.raises(ValueError, match="out: expected a directory path or None"):
         TrainConfig(**FAST, out="")
     (tmp_path / "d" / FILENAME_DIR).mkdir(parents=True)
     with pytest.raises(ValueError, match="is a directory where the run's file goes"):
-        train(TrainConfig(**FAST, steps=1, out=str(tmp_path / "d"), overwrite=True))
+        train(TrainConfig(**ONE_STEP, steps=1, out=str(tmp_path / "d"), overwrite=True))
     with pytest.raises(ValueError, match="qk_norm_p: only the -lp variants use p"):
         TrainConfig(**FAST, qk_norm_p=3.0, attn="mla-qknorm")
     with pytest.raises(ValueError, match="seed: expected an int >= 0 and <= "):
@@ -286,7 +287,7 @@ def test_integer_weights_in_a_checkpoint_are_refused(tmp_path):
 
     from qkmla.train.checkpoint import read_checkpoint, read_metadata, save_checkpoint
 
-    train(TrainConfig(**FAST, steps=1, out=str(tmp_path)))
+    train(TrainConfig(**ONE_STEP, steps=1, out=str(tmp_path)))
     state, tensors, meta = read_checkpoint(tmp_path)
     state = {k: (v.round().long() if k == "lm_head.weight" else v) for k, v in state.items()}
     optim = {}

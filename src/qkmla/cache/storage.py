@@ -94,17 +94,20 @@ class PagedBuffer(TokenBuffer):
     """A pool of blocks [num_blocks, block_size, width] addressed through a block table."""
 
     def __init__(self, block_table: torch.Tensor, num_blocks: int, block_size: int, width: int,
-                 dtype: torch.dtype, device=None, fill: float = 0.0):
+                 dtype: torch.dtype, device=None, fill: float = 0.0, num_blocks_given: bool = False):
         self.width, self.block_size = width, block_size
         self.block_table = block_table
         self.capacity = block_table.shape[1] * block_size
         # Name what makes the pool too big: one block past memory is block_size's doing; otherwise
-        # the block count, which the table's largest id sets (unless num_blocks was given).
+        # the block count: num_blocks where the caller gave it, else the table's largest id, which sets it.
         check_allocation("block_size", block_size * width * dtype.itemsize,
                          f"one block of block_size={block_size} tokens x {width} {dtype} values", device)
-        check_allocation("block_table", num_blocks * block_size * width * dtype.itemsize,
-                         f"a pool of num_blocks={num_blocks} blocks (one more than the largest block id, unless "
-                         f"given) of {block_size} tokens x {width} {dtype} values", device)
+        if num_blocks_given:
+            name, what = "num_blocks", f"a pool of num_blocks={num_blocks} blocks"
+        else:
+            name, what = "block_table", f"a pool of num_blocks={num_blocks} blocks (one more than the largest block id)"
+        check_allocation(name, num_blocks * block_size * width * dtype.itemsize,
+                         f"{what} of {block_size} tokens x {width} {dtype} values", device)
         self.pool = torch.full((num_blocks, block_size, width), fill, dtype=dtype, device=device)
         self.element_size = self.pool.element_size()
 
@@ -168,6 +171,7 @@ class PagedLayout(Layout, Frozen):
             raise ValueError(f"num_blocks: expected a positive int or None (one more than the largest block id), "
                              f"got {num_blocks!r}")
         self.block_size, self.block_table, self.num_blocks = block_size, block_table, num_blocks
+        self._num_blocks_given = num_blocks is not None  # else the first cache sets it from the table
 
     def _table(self, batch_size: int, capacity: int, device) -> torch.Tensor:
         if self.block_table is None:
@@ -203,7 +207,7 @@ class PagedLayout(Layout, Frozen):
 
     def buffer(self, batch_size, capacity, width, dtype, device=None, fill=0.0):
         table = self._table(batch_size, capacity, device)
-        return PagedBuffer(table, self.num_blocks, self.block_size, width, dtype, device, fill)
+        return PagedBuffer(table, self.num_blocks, self.block_size, width, dtype, device, fill, self._num_blocks_given)
 
     def __repr__(self) -> str:
         return f"PagedLayout(block_size={self.block_size}, num_blocks={self.num_blocks})"

@@ -629,7 +629,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
-    drop_bad_thread_counts(args.command)  # before torch is imported, which reads them
+    # The command line has dropped them already, before torch loaded (qkmla/__init__.py); this is for
+    # a caller of main() in its own Python (a test), where torch has usually read them by now.
+    drop_bad_thread_counts(args.command)
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
     torch = sys.modules.get("torch")

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..train.checkpoint import FILENAME
 from ..train.rundir import RunLock, read_status
 from ..utils.files import check_own_directory, check_writable, same_file, write_text
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
-from .grid import (FINISHED, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
+from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
                    stop_requests, worker_pool)
 from .results import best_lr, read_results, summarize, write_results
 
@@ -139,8 +140,8 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
             runs = experiment.plan(options)
             try:
                 statuses = run_grid(runs, out, options.workers, experiment.measure, progress, stop=stop)
-            except GridStopped as e:
-                _write_report(experiment, options, runs, e.statuses, command, t0, stopped=True)
+            except (GridStopped, GridFailed) as e:
+                _write_stopped_report(experiment, options, runs, e, command, t0)
                 raise
             return _write_report(experiment, options, runs, statuses, command, t0)
         statuses: dict[str, dict] = {}
@@ -156,9 +157,9 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
                 try:
                     now = run_grid(todo[:batch], out, options.workers, experiment.measure, progress, pool=pool,
                                    stop=stop)
-                except GridStopped as e:
+                except (GridStopped, GridFailed) as e:
                     statuses.update(e.statuses)
-                    _write_report(experiment, options, runs, statuses, command, t0, stopped=True)
+                    _write_stopped_report(experiment, options, runs, e, command, t0, statuses)
                     raise
                 statuses.update(now)
                 failed |= {name for name, st in now.items() if st["status"] not in ("done", "non-finite")}
@@ -209,17 +210,30 @@ def _check_out(experiment: Experiment, options: Options) -> None:
         raise ValueError(f"--out: {out} holds the results of {', '.join(others)} (results.jsonl, summary.json), "
                          f"which {experiment.name} would replace; pass --overwrite to replace them, or use another "
                          "--out")
-    changed = []
+    changed, started = [], []
     for run in experiment.plan(options):
         path = run_dir(out, run)
-        if run.same_as is None and (read_status(path) or {}).get("status") in FINISHED:
+        if run.same_as is not None:
+            continue
+        if (read_status(path) or {}).get("status") in FINISHED:
             diffs = differences(path, run.train)
             if diffs:
                 changed.append(f"{run.name} ({diffs[0]})")
+        elif (path / FILENAME).is_file() and (path / "config.json").is_file():
+            # Resumed only with the settings it was started with: another config.json (edited, or
+            # another plan's) would start it over, its checkpoint and config.json replaced.
+            diffs = differences(path, run.train)
+            if diffs:
+                started.append(f"{path / 'config.json'} ({diffs[0]})")
     if changed:
         raise ValueError(f"--out: {len(changed)} finished run(s) in {out / 'runs'} were trained with other settings "
                          f"than this plan's: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; pass "
                          "--overwrite to train them again, or use another --out")
+    if started:
+        raise ValueError(f"--out: {len(started)} unfinished run(s) with a checkpoint would be started over, their "
+                         f"config.json differing from this plan's settings: {', '.join(started[:3])}"
+                         f"{' ...' if len(started) > 3 else ''}; undo the change to resume them, pass --overwrite to "
+                         "start them over, or use another --out")
 
 
 def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) -> Report:
@@ -253,11 +267,26 @@ def _pending(out: Path, run: Run, measure) -> bool:
     return not is_finished(out, run) or (measure is not None and not (run_dir(out, run) / "measure.json").is_file())
 
 
+def _write_stopped_report(experiment: Experiment, options: Options, runs: list[Run], stop, command, t0,
+                          statuses: Optional[dict] = None) -> None:
+    """The rows (and the report, if it can be drawn) of a grid stopped by a signal
+    (:class:`GridStopped`) or a machine error (:class:`GridFailed`): every run that ended before
+    the stop has its row. A machine error that also keeps them from being written (the same full
+    disk) leaves the stop's own error to be reported, the first one met."""
+    try:
+        _write_report(experiment, options, runs, stop.statuses if statuses is None else statuses, command, t0,
+                      stopped=True)
+    except OSError:
+        if not isinstance(stop, GridFailed):
+            raise
+
+
 def _write_report(experiment: Experiment, options: Options, runs: list[Run], statuses: dict, command, t0,
                   stopped: bool = False) -> Optional[Report]:
     """``results.jsonl`` (one row per planned run, trained or not), figures and summaries.
-    ``stopped``: the grid was stopped by a signal, so its runs resume on the next call: a report
-    that cannot be drawn from the unfinished runs is left for that call (None), not refused."""
+    ``stopped``: the grid was stopped (by a signal or a machine error), so its runs resume on the
+    next call: a report that cannot be drawn from the unfinished runs is left for that call (None),
+    not refused."""
     out = options.out
     rows = [summarize(experiment.name, r, out) for r in runs]
     write_results(rows, out / "results.jsonl")

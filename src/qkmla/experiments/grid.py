@@ -245,6 +245,8 @@ def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: 
         status = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         if isinstance(e, OSError) and e.errno in MACHINE_ERRNOS:  # the grid stops on it (run_grid)
             status["os_error"] = [e.errno, e.strerror, e.filename]
+            if _WORKER_STOP is not None:  # no run starts after it, here or in another worker, before the parent knows
+                _WORKER_STOP.set()
         return status
 
 
@@ -274,6 +276,17 @@ class GridStopped(Stopped):
                          for n, s in ended.items()) or "no run in flight"
         super().__init__(f"stopped by {signal_name}: {runs}; {not_started} run(s) not started; "
                          "run the same command again to resume", 130 if signal_name == "SIGINT" else 143)
+
+
+class GridFailed(OSError):
+    """A grid stopped by a machine error at one of its runs (:data:`MACHINE_ERRNOS`: a full disk, a
+    read-only file system), which the runs after it would meet too: the ``OSError`` itself, for one
+    line naming the path, and ``statuses``: {run: status} of the runs that ended, as
+    :class:`GridStopped`'s, so that their rows are written before it is reported."""
+
+    def __init__(self, error: OSError, statuses: dict):
+        super().__init__(error.errno, error.strerror, error.filename)
+        self.statuses = statuses
 
 
 class StopRequests:
@@ -346,6 +359,8 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
 
     Raises:
         GridStopped: after a SIGINT/SIGTERM, once the runs in flight have stopped.
+        GridFailed: after a run met a machine error (a full disk), once the runs in flight have
+            ended; nothing new was started.
     """
     if stop is None:
         with stop_requests() as own_stop:
@@ -398,21 +413,24 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
                 if status.get("os_error") is not None:  # the first is the one line; a run in flight may add more
                     if machine_error is None:
                         machine_error = OSError(*status["os_error"])
-                        for fut in pending:  # nothing new starts; runs in flight end on their own
-                            fut.cancel()
+                        # Nothing new starts: the queued runs are cancelled, and those already handed
+                        # to a worker (up to workers + 1, past cancelling) return "not started", since
+                        # the failing worker set the pool's stop event. The runs in flight end on their own.
+                        for waiting in pending:
+                            waiting.cancel()
                 elif status["status"] == "error":
                     print(f"run {run.name} failed: {status['error']}", flush=True)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"{run.name}: {status['status']}")
             if stop.requested:
-                for fut in pending:
-                    fut.cancel()
+                for waiting in pending:
+                    waiting.cancel()
                 if stop.count >= 3 or (stop.count >= 2 and time.monotonic() - stop.second_at > SECOND_SIGNAL_GRACE):
                     stop.kill()
                     killed = True
-                    for fut in pending:
-                        statuses.setdefault(futures[fut].name, read_status(run_dir(out, futures[fut]))
+                    for waiting in pending:
+                        statuses.setdefault(futures[waiting].name, read_status(run_dir(out, futures[waiting]))
                                             or {"status": "not started"})
                     break
     finally:
@@ -425,5 +443,5 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         not_started = sum(1 for r in todo if statuses.get(r.name, {}).get("status", "not started") == "not started")
         raise GridStopped(stop.signal, statuses, not_started)
     if machine_error is not None:  # main() prints it as one line naming the path, exit 1
-        raise machine_error
+        raise GridFailed(machine_error, statuses)
     return statuses

@@ -13,7 +13,7 @@ from ..utils.environment import dist_environment
 from ..utils.errors import flag_message
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
-from .config import TrainConfig
+from .config import DEFAULT_WARMUP_STEPS, TrainConfig
 from .data import SPLITS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -36,7 +36,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"with --optimizer muon (default {d.muon_adjust_lr})")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=">= 0")
     p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help=">= 0")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"0 to --steps (default {DEFAULT_WARMUP_STEPS}, or --steps if fewer)")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr, in [0, 1]")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, >= 0; 0 disables clipping")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip threshold > 0 (Kimi K2: 100)")

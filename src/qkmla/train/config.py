@@ -27,6 +27,7 @@ RESUMABLE = ("steps", "lr", "schedule", "warmup_steps", "min_lr_ratio", "weight_
              "qk_clip_alpha", "batch_size", "eval_interval", "eval_iters", "ckpt_interval", "log_heads",
              "max_seconds", "progress", "seed", "out", "resume", "overwrite", "dist_timeout")
 QK_CLIP_ATTN = ("mla", "mha", "gqa", "mqa")
+DEFAULT_WARMUP_STEPS = 20
 
 
 def _number(name: str, value, low: float, high: float = math.inf, low_open: bool = False,
@@ -64,7 +65,7 @@ class TrainConfig:
     muon_adjust_lr: str = "match_rms_adamw"
     weight_decay: float = 0.1
     schedule: str = "cosine"
-    warmup_steps: int = 20
+    warmup_steps: Optional[int] = None  # None: 20, or the whole run if it is shorter (warmup_for)
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
     qk_clip: Optional[float] = None
@@ -100,7 +101,12 @@ class TrainConfig:
         for name in ("steps", "batch_size", "eval_interval", "eval_iters", "ckpt_interval"):
             _number(name, getattr(self, name), 1, integer=True)
         _number("block_size", self.block_size, 2, integer=True, allow_none=True)
-        _number("warmup_steps", self.warmup_steps, 0, integer=True)
+        _number("warmup_steps", self.warmup_steps, 0, integer=True, allow_none=True)
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:
+            # A warmup longer than the run never reaches the peak lr: the whole run at a fraction of it.
+            raise ValueError(f"warmup_steps: expected an int from 0 to the run's steps ({self.steps}; a longer warmup "
+                             f"never reaches the peak lr), or None (the default: {DEFAULT_WARMUP_STEPS}, capped at the "
+                             f"steps); got {self.warmup_steps}")
         _number("seed", self.seed, 0, 2**63 - 1, integer=True)
         _number("lr", self.lr, 0, low_open=True)
         _number("weight_decay", self.weight_decay, 0)
@@ -126,6 +132,11 @@ class TrainConfig:
         if self.resume and self.out is None:  # None means a fresh directory, which holds nothing to resume
             raise ValueError("out: resume continues the run in a directory; name it (--out DIR)")
         self.model_config(65)  # the model's own checks (e.g. n_head vs block size), before any work
+
+    @property
+    def warmup_for(self) -> int:
+        """The warmup steps the schedule takes: ``warmup_steps``, or by default 20 capped at ``steps``."""
+        return min(DEFAULT_WARMUP_STEPS, self.steps) if self.warmup_steps is None else self.warmup_steps
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         changes = dict(self.model_overrides, attn=self.attn, vocab_size=vocab_size)

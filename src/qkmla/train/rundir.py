@@ -11,6 +11,12 @@ status whose process is gone was killed; the next start says so.
 
 ``DIR/metrics.jsonl`` is strict JSON: a non-finite number is written as null and its key
 listed under ``non_finite``.
+
+``DIR/config.json`` is the run's record of its settings, written at every start from the
+config (the checkpoint carries the same record). It is read, not obeyed: a resume takes its
+settings from the command line and checks them against the checkpoint's. An edit to the file
+would be overwritten by the resume, so a resume over an edited (or damaged) one is refused,
+naming the settings changed (:func:`record_edits`).
 """
 
 from __future__ import annotations
@@ -279,6 +285,44 @@ def truncate_metrics(out: Path, step: int) -> None:
     path = Path(out) / "metrics.jsonl"
     kept = [r for r in read_rows(path) if r.get("step", 0) <= step]
     write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+_ABSENT = object()
+
+
+def _short(value) -> str:
+    text = "absent" if value is _ABSENT else json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def record_edits(path: Path, recorded: dict, now: dict) -> list[str]:
+    """The settings a user changed in a run's ``config.json`` (``path``) that a resume would
+    overwrite: those whose value there differs both from the run's own record (``recorded``: the
+    config its checkpoint carries, which the file was written from) and from what the resume
+    writes (``now``). A difference from ``now`` alone is the resume's to make (more steps, another
+    lr: RESUMABLE), one from ``recorded`` alone was made by a resume killed before its first
+    checkpoint; neither loses anything. [] when there is no such file or nothing was changed; a
+    file that is not a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001
+    recorded, 0.001 now"; the sections ("train", "model") compare field by field."""
+    if not Path(path).is_file():
+        return []
+    try:
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return ["not readable JSON: damaged or cut short"]
+    if not isinstance(saved, dict):
+        return ["not a JSON object"]
+
+    def compare(key: str, s, r, n) -> list[str]:
+        if isinstance(s, dict) and isinstance(r, dict) and isinstance(n, dict) and key in ("train", "model"):
+            return [e for k in sorted(set(s) | set(r), key=str)
+                    for e in compare(f"{key}.{k}", s.get(k, _ABSENT), r.get(k, _ABSENT), n.get(k, _ABSENT))]
+        if s != r and s != n:
+            return [f"{key}: {_short(s)} in the file, {_short(r)} recorded, {_short(n)} now"]
+        return []
+
+    return [e for key in sorted(set(saved) | set(recorded))
+            for e in compare(key, saved.get(key, _ABSENT), recorded.get(key, _ABSENT), now.get(key, _ABSENT))]
 
 
 # TrainConfig fields that define the model or data beyond what the model config and the

@@ -51,8 +51,8 @@ from .config import TrainConfig
 from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
-from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, prepare, resume_mismatches, truncate_metrics,
-                     write_status)
+from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, prepare, record_edits, resume_mismatches,
+                     truncate_metrics, write_status)
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
 
@@ -291,6 +291,13 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             raise ValueError(f"resume: the run in {out} was trained differently; these must match:\n  "
                              + "\n  ".join(diffs) + "\n(steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
+        edits = record_edits(out / "config.json", stored, run_config)
+        if edits:  # the resume rewrites the file: an edit there would vanish without a word
+            raise ValueError(f"out: {out / 'config.json'} was changed since the run wrote it ("
+                             f"{'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); a resume takes its "
+                             "settings from the checkpoint and the command line, not this file, and would overwrite "
+                             "it: undo the change (or remove the file) to resume, give a setting that may change as an "
+                             "option (qkmla.train.config.RESUMABLE), or pass --overwrite to start over")
         model_state, optim_state, start = load_checkpoint(out / FILENAME, generator)
         check_float_state(model_state, model, f"resume: checkpoint {out / FILENAME}")
         if start >= config.steps:
@@ -334,7 +341,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
 
     try:
         for i in range(start, config.steps):
-            mult = lr_multiplier(i, config.steps, config.schedule, config.warmup_steps, config.min_lr_ratio)
+            mult = lr_multiplier(i, config.steps, config.schedule, config.warmup_for, config.min_lr_ratio)
             set_lr(optimizer, mult)
             x, y = get_batch(corpus.train, config.batch_size, block_size, generator)
             x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]

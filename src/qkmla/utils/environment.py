@@ -1,8 +1,13 @@
 """Environment variables qkmla reads, checked before any work: one line naming the variable.
 
-* ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` that are not a positive int: OpenMP would print its
-  own complaint and use its default; qkmla says so in one line and drops the variable before
-  torch is imported, so the default is what runs.
+* ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` that are not a positive int: OpenMP reads them once,
+  when torch loads it, prints its own complaint and uses its default. ``import qkmla`` imports
+  torch, so a process running qkmla's command line (``python -m qkmla``, ``python -m qkmla.train``,
+  the ``qkmla`` script) drops them first thing in ``qkmla/__init__.py``
+  (:func:`drop_bad_thread_counts_for_command_line`), with one line naming the variable and no
+  complaint from OpenMP. ``main()`` checks them again for a caller in a Python of its own (a test,
+  a notebook), where torch is usually loaded already: its line is the same, but OpenMP has read
+  the variable by then.
 * torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: each must be an int
   in range (``RANK < WORLD_SIZE``), or the command is refused naming it.
 * The same variables left in a shell after a torchrun job (stale): a process not started by
@@ -66,6 +71,42 @@ def drop_bad_thread_counts(command: str) -> list[str]:
             print(f"qkmla {command}: {name}={value!r} is not a positive number of threads; ignored (torch's default "
                   "is used)", file=sys.stderr)
     return dropped
+
+
+def command_line_name(argv: Optional[list] = None) -> Optional[str]:
+    """The subcommand this process runs when it is qkmla's command line, read from the original
+    command line (``sys.orig_argv``: the module ``-m`` names is known before it runs): "train" for
+    ``python -m qkmla.train ...``, COMMAND for ``python -m qkmla COMMAND ...`` or ``qkmla COMMAND
+    ...`` (the console script); None for any other program (a script or test importing qkmla), or
+    no subcommand given."""
+    argv = list(getattr(sys, "orig_argv", ()) if argv is None else argv)
+    rest, i = None, 1
+    while i < len(argv):  # the interpreter's options, up to what it runs
+        arg = argv[i]
+        if arg in ("-X", "-W", "--check-hash-based-pycs"):  # an option with a value
+            i += 2
+            continue
+        if arg.startswith("-c") or arg == "-":  # code or stdin: not the command line
+            return None
+        if arg.startswith("-m"):  # -m MODULE, or -mMODULE
+            module, rest = (argv[i + 1], argv[i + 2:]) if arg == "-m" and i + 1 < len(argv) else (arg[2:], argv[i + 1:])
+            if module == "qkmla.train":
+                return "train"
+            rest = rest if module == "qkmla" else None
+            break
+        if not arg.startswith("-"):  # a script: the console script is called qkmla
+            rest = argv[i + 1:] if os.path.basename(arg).split(".")[0] in ("qkmla", "qkmla-script") else None
+            break
+        i += 1
+    return next((a for a in rest if not a.startswith("-")), None) if rest else None
+
+
+def drop_bad_thread_counts_for_command_line() -> None:
+    """:func:`drop_bad_thread_counts` for qkmla's command line, before torch is imported (called
+    first thing by ``qkmla/__init__.py``); a program that only imports qkmla is left alone."""
+    command = command_line_name()
+    if command is not None:
+        drop_bad_thread_counts(command)
 
 
 def _int_variable(name: str, low: int, default: Optional[int]) -> Optional[int]:

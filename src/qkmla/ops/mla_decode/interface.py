@@ -168,6 +168,19 @@ def check_indices(indices, topk_length, q_lat: torch.Tensor, visible_lens=None) 
             raise ValueError(f"topk_length: expected entry counts >= 0, got {int(topk_length.min())}")
 
 
+def clear_unreached_blocks(block_table: torch.Tensor, cache_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """block_table [B, max_blocks] with every id past its sequence's reach, the first
+    ceil(cache_seqlens[b] / block_size) entries of row b, set to 0: vLLM and FlashMLA callers pad a
+    table with -1 (or 0) past a shorter sequence's blocks, and no backend reads those entries for
+    that sequence, but the torch backend gathers whole columns of the batch and the kernels are
+    handed the table as it is. Block 0 is a valid id whose rows are masked like every slot past a
+    length. The ids within reach are left as they are, for the backends' checks to refuse.
+    One tensor op, no device-to-host read (it runs in a captured or compiled decode step too)."""
+    reach = -(-cache_seqlens.long() // block_size)  # [B], ceil without floats
+    past = torch.arange(block_table.shape[1], device=block_table.device) >= reach[:, None]
+    return block_table.masked_fill(past, 0)
+
+
 def _host_readable(t: torch.Tensor) -> bool:
     """Whether reading ``t``'s values costs no device-to-host copy and no graph break."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -223,7 +236,10 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         kv_cache: [num_blocks, block_size, d_c + d_r] rows [c ; k_rope] (bf16/fp16/fp32), or
             [B, capacity, d_c + d_r] when ``block_table`` is None (a contiguous cache); with a
             quantized ``kv_format``, uint8 [..., row bytes] rows (layout drawn in ``naive.py``).
-        block_table: [B, max_blocks] int32/int64, or None for a contiguous cache.
+        block_table: [B, max_blocks] int32/int64, or None for a contiguous cache. The ids past
+            sequence b's ceil(cache_seqlens[b] / block_size) blocks are never read (pad them with
+            -1 or 0, as vLLM does); one within that reach outside [0, num_blocks) is refused
+            (except by the Triton kernel on CUDA tensors, where the check would cost a sync).
         cache_seqlens: [B], slots filled in each sequence, the S_q new tokens included.
         scale_cache: [num_blocks, block_size, G] (or [B, capacity, G]) key scalars r, or None
             for plain MLA.
@@ -271,6 +287,8 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     check_split_and_length(num_splits, max_seqlen, cache_seqlens)
     backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
+    if block_table is not None:  # a table padded past a sequence's blocks (-1, as vLLM pads) reads as block 0 there
+        block_table = clear_unreached_blocks(block_table, cache_seqlens, kv_cache.shape[1])
     if backend == "cpu":
         S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
         if indices is not None:  # the kernel reads each query's selected slots, packed to the front
@@ -293,6 +311,10 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
+    if _host_readable(cache_seqlens) and _host_readable(block_table):
+        # The kernel reads whatever a block id points at: where reading the ids is free (the
+        # interpreter's CPU tensors) they are checked as the torch backend checks them.
+        check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     # The kernel's dots take both operands in the cache's dtype; a quantized tile is
     # dequantized to the queries' own dtype (bf16/fp16, else float32).
     dot_dtype = kv_cache.dtype if not rows.quantized else \

@@ -7,7 +7,9 @@ Paged latent cache (FlashMLA layout) plus a paged scalar cache:
     kv_cache     [num_blocks, block_size, d_c + d_r]   rows [c ; k_rope]
     scale_cache  [num_blocks, block_size, G]           key scalars r (None: plain MLA)
     block_table  [B, max_blocks]                       slot j of sequence b lives in block
-                                                       block_table[b, j // block_size], row j % block_size
+                                                       block_table[b, j // block_size], row j % block_size;
+                                                       entries past ceil(seqlen / block_size) are never
+                                                       read (vLLM and FlashMLA pad them with -1 or 0)
     cache_seqlens [B]                                  slots filled, the S_q new tokens included
 
 A contiguous cache [B, capacity, d] is the same thing with one block per sequence.

@@ -278,14 +278,18 @@ def _(q_lat, q_rope, latent, key_scale, softmax_scale, visible_lens, mode, kv_fo
 
 
 def _check_block_table(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> None:
-    """Refuse a table whose first blocks for ``length`` slots are missing or outside the pool."""
+    """Refuse a table whose first blocks for ``length`` slots are missing or outside the pool.
+    The op hands over a table whose ids past each sequence's own blocks are 0
+    (``interface.clear_unreached_blocks``), so an id refused here is one a sequence reads."""
     n = -(-length // pool.shape[1])
     ids = block_table[:, :n].long()
     # A negative id would index from the pool's end: another sequence's rows, read silently.
     if n > ids.shape[1] or bool((ids < 0).any()) or bool((ids >= pool.shape[0]).any()):
-        raise ValueError(f"block_table: the first {n} block ids of every sequence must lie in [0, num_blocks="
+        raise ValueError(f"block_table: the ids of the blocks each sequence's length reaches (the first "
+                         f"ceil(cache_seqlens[b] / block_size) of row b, up to {n}) must lie in [0, num_blocks="
                          f"{pool.shape[0]}), got ids {ids.min().item() if ids.numel() else None}.."
-                         f"{ids.max().item() if ids.numel() else None} over {ids.shape[1]} blocks")
+                         f"{ids.max().item() if ids.numel() else None} over {ids.shape[1]} blocks; the ids past "
+                         f"them are not read (-1 or 0 pads them)")
 
 
 def _block_scores(q_lat: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor, k_rope: torch.Tensor,

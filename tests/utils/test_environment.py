@@ -1,0 +1,22 @@
+"""utils/environment.py: which processes are qkmla's command line (whose thread variables are
+checked before torch loads), read from the original command line."""
+
+import pytest
+
+from qkmla.utils.environment import command_line_name
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["python", "-m", "qkmla", "train", "--steps", "2"], "train"),
+    (["python", "-X", "dev", "-m", "qkmla", "--help"], None),  # no subcommand: argparse answers
+    (["python", "-mqkmla", "cache-size"], "cache-size"),
+    (["python", "-m", "qkmla.train", "--steps", "2"], "train"),
+    (["/venv/bin/python", "/venv/bin/qkmla", "plot", "runs/x"], "plot"),  # the console script
+    (["python", "-m", "pytest", "tests"], None),
+    (["python", "-m", "qkmla.cli"], None),
+    (["python", "bench_decode.py", "train"], None),  # a script that imports qkmla
+    (["python", "-c", "import qkmla"], None),
+    (["python"], None),
+])
+def test_command_line_name(argv, command):
+    assert command_line_name(argv) == command
