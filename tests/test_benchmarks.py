@@ -155,6 +155,10 @@ def test_bench_hf_sparse_median_interval_covers_the_median_and_narrows_with_more
     many = few * 20  # the same spread, 20 times the pairs
     low_many, high_many = bench.median_interval(many)
     assert high_many - low_many < high - low
+    # two strata (build orders) far apart: each resample keeps half its pairs from each
+    two = [1.0, 1.01, 0.99, 1.02] + [1.2, 1.21, 1.19, 1.22]
+    low_two, high_two = bench.median_interval(two, strata=2)
+    assert 1.02 <= low_two <= high_two <= 1.2
 
 
 def test_bench_hf_sparse_times_the_baseline_over_its_own_steps(monkeypatch, tmp_path):

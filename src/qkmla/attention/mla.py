@@ -281,15 +281,16 @@ class MLA(nn.Module):
                 passed only to assert where the tokens go (each sequence's cached length on).
             input_lengths: [B], with a cache: only the first input_lengths[b] tokens of
                 sequence b are real (right padding); their outputs are meaningful, the rest are not.
-            path: "auto" (explicit without a cache or for a prefill into an empty latent cache;
-                otherwise absorbed or expand, whichever costs fewer multiply-adds for the call:
-                :func:`.paths.cheaper_cached_path`), "explicit", "absorbed" or "expand"
-                (re-expand cached keys).
+            path: "auto" (explicit without a cache or for a prefill into an empty latent cache,
+                absorbed otherwise; :func:`.paths.cheaper_cached_path` compares absorbed and
+                expand for a call), "explicit", "absorbed" or "expand" (re-expand cached keys).
             indices: [B, T, topk] int, with a latent cache: a sparse (top-k) attention's selection,
                 the cache slots (after this write) each new token attends to, -1 for none; the
                 caller's selection is the whole visibility rule (it must be causal). Every path
                 honours it: the absorbed decode reads only those rows and their key scalars (the
-                op's ``indices``), the explicit prefill and "expand" mask the other keys.
+                op's ``indices``), the explicit prefill and "expand" mask the other keys. Those two
+                equal the absorbed path for a selection of distinct slots within each sequence's
+                length; a slot listed twice counts twice only on the absorbed path.
             rope_positions: [B, T] or [T] integers, with a cache: the RoPE positions of the new
                 tokens where the caller numbers them its own way (a host model's ``position_ids``;
                 the cache's numbering otherwise). The queries and the cached RoPE keys are

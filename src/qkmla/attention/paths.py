@@ -5,14 +5,15 @@ before any work starts.
     absorbed   decode over a latent cache (the default once it holds tokens)
     expand     the HF-style baseline: re-expand every cached key at every step
 
-Once the cache holds tokens, "auto" takes whichever of absorbed and expand costs fewer
-multiply-adds for the call (:func:`cheaper_cached_path`). A decode step (one or a few tokens) is
-always absorbed. A prefill chunk of many tokens over a long dense cache is cheaper expanded: the
-cached latents are up-projected once for the whole chunk, and each query then reads keys of
-d_n + d_r and values of d_v rather than latents of d_c + d_r and d_c. This is vLLM's split of
-MLA into a compute-friendly prefill and a memory-friendly decode. Under a top-k selection, each
-query reads only its topk keys on the absorbed path but every cached key on the expand path. So a
-chunk stays absorbed once the context is long against topk.
+Once the cache holds tokens, "auto" takes the absorbed path: its workspace is bounded, and it
+counts a slot that a selection (``indices``) lists twice as often as listed, as the decode op
+does. :func:`cheaper_cached_path` says which of absorbed and expand costs fewer multiply-adds for
+a call. A caller whose calls it knows may choose with it. The transformers adapter's sparse
+attention does so for its prefill chunks: their selections are distinct slots within each
+sequence, and it expands only where the context is short against topk, so the expanded keys stay
+small. That is vLLM's split of MLA into a compute-friendly prefill and a memory-friendly decode.
+The count leaves out memory traffic and the expanded keys' bytes. With KV groups G < h, the
+expansion is cheap in multiply-adds but not in time.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def resolve_path(mla, x, cache, path: str, input_lengths, indices=None) -> str:
     if path == "auto":
         if cache.max_len == 0:
             return "explicit" if x.shape[1] > 1 else "absorbed"
-        return cheaper_cached_path(c, x.shape[1], cache.max_len, None if indices is None else indices.shape[-1])
+        return "absorbed"
     if path == "explicit" and cache.max_len != 0:
         raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
                          "use 'absorbed' or 'expand' to attend over cached tokens")

@@ -144,6 +144,29 @@ def test_decode_reads_the_selected_rows_through_the_op(monkeypatch):
         assert bool((indices.sort(dim=-1).values.diff(dim=-1) > 0).all())  # distinct slots
 
 
+def test_a_prefill_chunk_is_expanded_where_cheaper_and_matches_transformers(monkeypatch):
+    """A second prefill chunk over a context short against topk goes down the expand path
+    (paths.cheaper_cached_path), the next decode step down the absorbed one; logits equal
+    transformers' chunked prefill's (float64)."""
+    model = v32_model(index_topk=64)
+    ids = prompts(2, 33)
+    paths = []
+    attend = mla_module.MLA._attend_latent
+    monkeypatch.setattr(mla_module.MLA, "_attend_latent",
+                        lambda self, x, cache, slot, path, indices=None: paths.append(path) or
+                        attend(self, x, cache, slot, path, indices))
+    logits = {}
+    for name, m in (("transformers", model), ("qkmla", patched(model))):
+        with torch.no_grad():
+            out = m(input_ids=ids[:, :8], use_cache=True)
+            cache = getattr(out, CACHE, None) or out.past_key_values
+            chunk = m(input_ids=ids[:, 8:32], use_cache=True, **{CACHE: cache}).logits
+            step = m(input_ids=ids[:, 32:], use_cache=True, **{CACHE: cache}).logits
+        logits[name] = torch.cat((chunk, step), dim=1)
+    assert paths == ["explicit"] * 2 + ["expand"] * 2 + ["absorbed"] * 2  # two layers each
+    assert max_rel(logits["qkmla"], logits["transformers"]) < BOUND[torch.float64]
+
+
 def test_the_indexer_and_the_query_share_one_query_projection():
     """Each call projects the hidden states through q_a_proj once per layer, as transformers' own layer
     does (the indexer's query input is the query's latent), with and without a cache."""

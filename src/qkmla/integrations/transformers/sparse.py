@@ -9,7 +9,9 @@ latent cache slots:
 
     decode (cached tokens)   the absorbed decode op with ``indices`` [B, T, topk]: it reads only the
                              chosen rows and, with a QK norm, their key scalars (gathered with the
-                             same indices)
+                             same indices); a prefill chunk over a context short against topk is
+                             expanded instead, where that costs fewer multiply-adds
+                             (``paths.cheaper_cached_path``)
     prefill (empty cache)    the explicit path, keys outside the selection masked
     no cache                 the explicit path over the call's tokens, the indexer's mask as above
 
@@ -42,6 +44,7 @@ import torch
 
 from ...attention.functional import sdpa
 from ...attention.mla import MLA
+from ...attention.paths import cheaper_cached_path
 from .attention import LatentAttention, LatentCall, LatentSettings, rope_positions
 from .sparse_cache import column_slots, sparse_cache_layer
 
@@ -197,15 +200,20 @@ class SparseLatentAttention(LatentAttention):
             chosen = self._choose(x, q_resid, position_embeddings, visible, position_ids, cache, previous)
             indices = column_slots(columns, visible, chosen)  # [B, T, topk]
             positions = rope_positions(position_ids, self.settings.policy, B, T)  # transformers' own, as attention.py
+            # The selection is distinct slots within each sequence (column_slots), so expanding the
+            # cache gives the absorbed path's answer; a prefill chunk over a context short against
+            # topk is cheaper expanded (paths.cheaper_cached_path), a decode step never is
+            path = "auto" if latent.max_len == 0 else cheaper_cached_path(self.config, T, latent.max_len,
+                                                                          indices.shape[-1])
             if valid is None:
-                out = MLA.forward(self, x, latent, indices=indices, rope_positions=positions)
+                out = MLA.forward(self, x, latent, indices=indices, rope_positions=positions, path=path)
             else:  # real tokens first (right padding), their selections and positions with them
                 order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
                 index = order[..., None].expand_as(x)
                 moved = indices.gather(1, order[..., None].expand_as(indices))
                 compacted = positions.to(order.device).gather(1, order) if positions is not None else None
                 out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), indices=moved,
-                                  rope_positions=compacted)
+                                  rope_positions=compacted, path=path)
                 out = torch.empty_like(out).scatter_(1, index, out).masked_fill(~valid[..., None], 0.0)
         except BaseException:
             layer.drop_indexer_columns(before)  # the latent cache took its rows out again (its transaction)
