@@ -179,8 +179,7 @@ def paired_cell(dtype_name: str, context: int, steps: int, warmup: int, chunk: i
     5% from one run to the next here, the placement of each process's memory, not the norm."""
     dtype = getattr(torch, dtype_name)
     ratios, plain_s, normed_s, halves = [], [], [], []
-    for built_first in ("qkmla", "qkmla-qknorm"):
-        order = (built_first, "qkmla-qknorm" if built_first == "qkmla" else "qkmla")
+    for order in (("qkmla", "qkmla-qknorm"), ("qkmla-qknorm", "qkmla")):  # plain built first, then QK-normed
         runs = {v: prepare(dtype, context, v, chunk, prefill_max) for v in order}
         half = []
         for i in range(warmup + -(-steps // 2)):

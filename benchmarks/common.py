@@ -188,8 +188,7 @@ def run_cell_grid(parser, args, argv, module: str, shape: dict, summarize: Calla
     result.update(transformers=transformers.__version__, shape=shape, rows=[])
     steps = variant_steps or {}
     cells = [dict(dtype_name=dtype, context=context, variant=variant, steps=steps.get(variant, args.steps),
-                  warmup=args.warmup,
-                  threads=args.threads, **fields)
+                  warmup=args.warmup, threads=args.threads, **fields)
              for dtype in args.dtypes for context in args.contexts for variant in args.variants]
     run_cells(module, cells, result, write, summarize)
     print(json.dumps(result["summary"], indent=1) if args.out is not None else json.dumps(result, indent=1))

@@ -70,9 +70,7 @@ def resolve_path(mla, x, cache, path: str, input_lengths, indices=None) -> str:
             raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")
         return "explicit"
     if path == "auto":
-        if cache.max_len == 0:
-            return "explicit" if x.shape[1] > 1 else "absorbed"
-        return "absorbed"
+        return "explicit" if cache.max_len == 0 and x.shape[1] > 1 else "absorbed"
     if path == "explicit" and cache.max_len != 0:
         raise ValueError("path: 'explicit' with a latent cache is only a prefill into an empty cache; "
                          "use 'absorbed' or 'expand' to attend over cached tokens")
