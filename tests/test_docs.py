@@ -58,9 +58,6 @@ def docs_copy(tmp_path: Path) -> Path:
         shutil.copy(ROOT / name, repo / name)
     shutil.copytree(ROOT / ".ci", repo / ".ci", ignore=shutil.ignore_patterns("venv*"))
     shutil.copytree(ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for provenance in ROOT.glob("third_party/*/PROVENANCE.txt"):  # docs/interop.md links to it
-        (repo / provenance.relative_to(ROOT)).parent.mkdir(parents=True)
-        shutil.copy(provenance, repo / provenance.relative_to(ROOT))
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     config["plugins"] = ["search"]
     config["nav"] = [item for item in config["nav"] if "API" not in item]

@@ -1,10 +1,6 @@
 """Rules of the repository that a test can hold."""
 
-import hashlib
 import re
-import subprocess
-import sys
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -90,40 +86,3 @@ def test_readme_real_model_figures_are_its_parameters_and_cache_bytes():
             f"{rows['mla']:,} bytes per token over all {V2_LITE['num_hidden_layers']} layers, where MHA's keys and "
             f"values would take {rows['mha']:,})") in readme
     assert f"({rows['mla-qknorm']:,} bytes per token then)" in readme
-
-
-THIRD_PARTY = ROOT / "third_party"
-
-
-def git_blob_id(data: bytes) -> str:
-    """The id git gives a file's content (``git hash-object``)."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-@pytest.mark.parametrize("tree", sorted(p for p in THIRD_PARTY.glob("*") if p.is_dir()), ids=lambda p: p.name)
-def test_third_party_files_are_the_upstream_files_unedited(tree):
-    """Each vendored file is the upstream file at the tag its PROVENANCE.txt names: the git blob
-    id listed there (what ``git ls-tree <tag>`` prints upstream) is the copy's, and the tree holds
-    nothing else but PROVENANCE.txt and VERSION."""
-    provenance = (tree / "PROVENANCE.txt").read_text()
-    listed = {path: blob for blob, path in re.findall(r"^([0-9a-f]{40})  (\S+)$", provenance, flags=re.M)}
-    present = {p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert present - {"PROVENANCE.txt", "VERSION"} == set(listed)
-    assert tree.name.endswith("-" + (tree / "VERSION").read_text().strip()), "the folder names its release"
-    edited = [path for path, blob in listed.items() if git_blob_id((tree / path).read_bytes()) != blob]
-    assert not edited, f"{tree.name}: {edited} differ from the upstream files PROVENANCE.txt lists"
-
-
-def test_third_party_is_neither_packaged_nor_collected(tmp_path):
-    """third_party/ (transformers' test files, run by tests/integrations/transformers/conformance)
-    is not in qkmla's sdist, nor among the wheel's packages, nor in the repository's test run."""
-    pytest.importorskip("setuptools", reason="builds the sdist with setuptools, the build backend")
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^testpaths = \["tests"\]', pyproject, flags=re.M)
-    assert re.search(r'^\[tool.setuptools.packages.find\]\nwhere = \["src"\]', pyproject, flags=re.M)
-    build = "import sys; from setuptools.build_meta import build_sdist; build_sdist(sys.argv[1])"
-    subprocess.run([sys.executable, "-c", build, str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
-    with tarfile.open(next(tmp_path.glob("qkmla-*.tar.gz"))) as sdist:
-        names = sdist.getnames()
-    assert any(name.endswith("/src/qkmla/__init__.py") for name in names)
-    assert not [name for name in names if "/third_party/" in name]

@@ -19,18 +19,12 @@ with this folder on ``PYTHONPATH``; ``test_suite.py`` beside it starts such runs
 transformers' root ``conftest.py`` is not loaded (the run passes ``--confcutdir`` at the tree's
 ``tests`` folder): it registers a plugin that needs pytest-xdist. The markers it and
 transformers' pyproject.toml declare are declared here.
-
-The test tree may be the trimmed copy in ``third_party/transformers-tests-<version>/``, which
-has transformers' test files but not its ``src/``: two of the kept files load transformers from
-``<tree>/src/transformers`` by path (``direct_transformers_import``), and there the installed
-transformers, of the same version (``test_suite.py`` checks), stands in for it.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import sys
 import threading
 
 import pytest
@@ -96,30 +90,7 @@ def _patch(model) -> None:
     PATCHED.append(type(model).__name__)
 
 
-def _installed_transformers_for_a_missing_source_tree():
-    """Make ``direct_transformers_import(path)`` return the installed transformers where ``path``
-    holds no source (a trimmed test tree); a full tree's source still loads as before.
-
-    test_pipeline_mixin.py and pipelines/test_pipelines_common.py call it at import on
-    ``<tree>/src/transformers`` to read class names off the module; the kept files are not edited
-    (third_party/.../PROVENANCE.txt), so the call is answered here."""
-    import transformers.utils
-    from transformers.utils import import_utils
-
-    load_from_path = import_utils.direct_transformers_import
-
-    @functools.wraps(load_from_path)
-    def direct_transformers_import(path, file="__init__.py"):
-        if not os.path.exists(os.path.join(path, file)):
-            return sys.modules["transformers"]
-        return load_from_path(path, file)
-
-    transformers.utils.direct_transformers_import = direct_transformers_import
-    import_utils.direct_transformers_import = direct_transformers_import
-
-
 def pytest_configure(config):
-    _installed_transformers_for_a_missing_source_tree()
     for marker in ("generate", "is_training_test", "torch_compile_test", "torch_export_test", "flash_attn_test",
                    "flash_attn_3_test", "kernels", "bitsandbytes", "is_pipeline_test", "is_staging_test",
                    "accelerate_tests", "agent_tests", "not_device_test", "training_ci", "tensor_parallel_ci",

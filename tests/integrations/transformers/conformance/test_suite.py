@@ -5,11 +5,11 @@ Both files run in a pytest subprocess per mode, the two side by side: stock
 (``qkmla_conformance.py``); a test fails here if a test that passes on stock does not pass
 patched, bar ``EXPECTED_FAILURES``.
 
-The test tree: ``QKMLA_TRANSFORMERS_TESTS`` (a transformers source tree at the installed version:
-its ``tests/``, and ``src/`` or a ``VERSION`` file), else the trimmed copy this repository carries
-for the installed version, ``third_party/transformers-tests-<version>/`` (5.4.0, the oldest
-supported: CI's oldest-transformers stream runs it); at any other version with no tree given it
-skips, saying so.
+The test tree: ``QKMLA_TRANSFORMERS_TESTS``, a transformers checkout at the installed version
+(its ``tests/`` and ``src/``; ``git clone --depth 1 -b v<version>
+https://github.com/huggingface/transformers``). The test files are in neither transformers'
+wheel nor its sdist, and this repository carries no copy of another project's code, so without
+a tree the module skips, saying how to get one.
 
 The tests: :data:`SELECT` by default, the tests of the two files that exercise what the adapter
 changes, kept small for CI; ``QKMLA_CONFORMANCE_SELECT`` takes another pytest ``-k`` expression,
@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[3]
 MODELS = ("deepseek_v2", "deepseek_v3")
 
 # What the adapter changes, by the tests of the two files that run on a CPU and exercise it:
@@ -71,22 +70,12 @@ def installed_transformers() -> str | None:
     return transformers.__version__
 
 
-def tree_version(tree: Path) -> str:
-    """The transformers version a test tree is from: its source's ``__version__``, or the
-    ``VERSION`` file of a trimmed tree that has no source (third_party/transformers-tests-*)."""
+def tree_version(tree: Path) -> str | None:
+    """The transformers version a checkout is at (its source's ``__version__``), or None if
+    ``tree`` is not a transformers checkout."""
     source = tree / "src" / "transformers" / "__init__.py"
-    if source.exists():
-        return re.search(r'__version__ = "([^"]+)"', source.read_text()).group(1)
-    return (tree / "VERSION").read_text().strip()
-
-
-def transformers_tests_tree(version: str | None) -> Path | None:
-    """``QKMLA_TRANSFORMERS_TESTS`` if set, else the vendored tree for ``version`` if there is one."""
-    given = os.environ.get("QKMLA_TRANSFORMERS_TESTS")
-    if given:
-        return Path(given)
-    vendored = REPO / "third_party" / f"transformers-tests-{version}"
-    return vendored if version and vendored.is_dir() else None
+    found = re.search(r'__version__ = "([^"]+)"', source.read_text()) if source.is_file() else None
+    return found.group(1) if found else None
 
 
 def selection() -> list[str]:
@@ -119,12 +108,9 @@ def start(tree: Path, mode: str, out: Path) -> subprocess.Popen:
     # side) two OpenMP threads per process made the same tests up to 15 times slower.
     env = dict(os.environ, QKMLA_CONFORMANCE=mode, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE), str(tree), os.environ.get("PYTHONPATH", "")]))
-    # A tree without its own pytest settings (the trimmed one) must not pick up this repository's
-    # (pyproject.toml, an ancestor of third_party/), whose addopts change the import mode.
-    config = [] if (tree / "pyproject.toml").exists() else ["-c", str(HERE / "transformers-tree.ini")]
     with open(out / f"{mode}.log", "w") as log:
         return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "-p", "qkmla_conformance", *config, "--rootdir", str(tree),
+                                 "-p", "qkmla_conformance", "--rootdir", str(tree),
                                  "--confcutdir", str(tree / "tests"), f"--junitxml={out / f'{mode}.xml'}",
                                  *selection(), *(f"tests/models/{m}/test_modeling_{m}.py" for m in MODELS)],
                                 cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -135,15 +121,19 @@ def runs(tmp_path_factory):
     version = installed_transformers()
     if version is None:
         pytest.skip("transformers is not installed")
-    tree = transformers_tests_tree(version)
-    if tree is None:
-        carried = ", ".join(sorted(p.name for p in (REPO / "third_party").glob("transformers-tests-*")))
-        pytest.skip(f"no transformers test tree for transformers {version}: this repository carries {carried}; "
-                    f"set QKMLA_TRANSFORMERS_TESTS to a transformers source tree at {version} (docs/interop.md, "
-                    f"'transformers' own model tests')")
+    given = os.environ.get("QKMLA_TRANSFORMERS_TESTS")
+    get = (f"git clone --depth 1 -b v{version} https://github.com/huggingface/transformers DIR, then "
+           f"QKMLA_TRANSFORMERS_TESTS=DIR (docs/interop.md, 'transformers' own model tests')")
+    if not given:
+        pytest.skip(f"transformers' model test files ship in neither its wheel nor its sdist ({version} installed): "
+                    f"{get}")
+    tree = Path(given)
+    if tree_version(tree) is None:
+        pytest.skip(f"QKMLA_TRANSFORMERS_TESTS={tree} is not a transformers checkout (no src/transformers "
+                    f"with a __version__): {get}")
     if tree_version(tree) != version:
-        pytest.skip(f"the test tree {tree} is transformers {tree_version(tree)}, the installed one is {version}: "
-                    f"run the test files of the installed version")
+        pytest.skip(f"QKMLA_TRANSFORMERS_TESTS={tree} is transformers {tree_version(tree)}, the installed one is "
+                    f"{version}: {get}")
     out = tmp_path_factory.mktemp("conformance")
     # The two runs are independent: side by side they keep two cores busy.
     began = time.monotonic()
