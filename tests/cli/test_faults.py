@@ -512,6 +512,32 @@ def experiment_resume_over_an_edited_config(env: Env) -> None:
     assert snapshot(out) == before
 
 
+def experiment_resume_over_a_hand_edit_the_plan_leaves_alone(env: Env) -> None:
+    """A setting the plan does not set (grad_clip), changed by hand in an unfinished run's
+    config.json: the plan comparison sees nothing, and the run's resume refused the edit in the
+    worker, reported as a failed run after the grid started. Now refused before any work, naming
+    the file and the setting; nothing changes."""
+    from qkmla.experiments import EXPERIMENTS
+    from qkmla.experiments.grid import run_dir
+    from qkmla.train.trainer import TrainConfig, train
+
+    ns: dict = {}
+    exec(SLOW_EXPERIMENT, ns)
+    env.monkeypatch.setitem(EXPERIMENTS, "slow", ns["slow"](4))
+    out = env.tmp / "grid"
+    r0 = EXPERIMENTS["slow"].plan(None)[0]
+    path = run_dir(out, r0)
+    assert "grad_clip" not in r0.train
+    train(TrainConfig(**{**r0.train, "out": str(path), "progress": False, "max_seconds": 0}))
+    config = path / "config.json"
+    assert '"grad_clip": 1.0,' in config.read_text()
+    config.write_text(config.read_text().replace('"grad_clip": 1.0,', '"grad_clip": 0.5,'))
+    before = snapshot(out)
+    refuse(env, slow_argv(out), rf"--out: 1 unfinished run\(s\) with a checkpoint have a config.json changed since "
+           rf"the run wrote it: {re.escape(str(config))} \(train.grad_clip: 0.5 in the file, 1.0 recorded, 1.0 now\)")
+    assert snapshot(out) == before
+
+
 def train_full_disk_on_resume(env: Env) -> None:
     """Issue 56 class 1: a full disk during ``qkmla train --resume`` names the metrics file it could
     not write; the rows before stay, the run's status says failed."""
@@ -1595,6 +1621,8 @@ def cli_rows():
         Row("experiment", "output", "--quick over finished full runs", experiment_quick_over_full),
         Row("experiment", "output", "an unfinished run whose config.json the user edited (trained again from scratch)",
             experiment_resume_over_an_edited_config),
+        Row("experiment", "output", "an unfinished run's config.json edited where the plan sets nothing (a failed run)",
+            experiment_resume_over_a_hand_edit_the_plan_leaves_alone),
         Row("experiment", "output", "--out a training run or a transformers checkpoint, --overwrite (wrote beside it)",
             lambda e: other_commands_directory(e, ["experiment", "length", "--quick", "--overwrite", "--out"])),
         Row("experiment", "path", "--out read-only (one 'run failed' per run), over-long, under a file", lambda e: [

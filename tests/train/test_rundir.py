@@ -242,7 +242,7 @@ def test_record_edits_are_the_changes_a_resume_would_lose(tmp_path):
     """config.json against the checkpoint's record and the config a resume writes: a field
     changed in the file alone is an edit; one the resume changes (steps), or one a resume killed
     before its first checkpoint wrote (file == now), is not."""
-    from qkmla.train.rundir import record_edits
+    from qkmla.train.rundir import record_edits, text_digest
 
     recorded = {"train": {"steps": 3, "lr": 0.001, "seed": 1}, "model": {"n_embd": 64}, "data": {"sha256": "a"}}
     now = {"train": {"steps": 5, "lr": 0.001, "seed": 1}, "model": {"n_embd": 64}, "data": {"sha256": "a"}}
@@ -258,6 +258,16 @@ def test_record_edits_are_the_changes_a_resume_would_lose(tmp_path):
                                                      '{"sha256": "a"} now'])):
         path.write_text(json.dumps(saved))
         assert record_edits(path, recorded, now) == edits
+    # A resume killed before its first checkpoint wrote lr 0.002; the next one asks for 0.003: the
+    # file matches neither record nor now, and is still qkmla's own by the digest its status keeps.
+    killed = json.dumps({**recorded, "train": {"steps": 5, "lr": 0.002, "seed": 1}}, indent=1)
+    path.write_text(killed)
+    later = {**now, "train": {"steps": 5, "lr": 0.003, "seed": 1}}
+    assert record_edits(path, recorded, later) == ["train.lr: 0.002 in the file, 0.001 recorded, 0.003 now"]
+    assert record_edits(path, recorded, later, written=text_digest(killed)) == []
+    path.write_text(killed.replace("0.002", "0.5"))  # edited after that write: the digest no longer vouches for it
+    assert record_edits(path, recorded, later, written=text_digest(killed)) == [
+        "train.lr: 0.5 in the file, 0.001 recorded, 0.003 now"]
     path.write_text('{"train": {"st')
     assert record_edits(path, recorded, now) == ["not readable JSON: damaged or cut short"]
     path.write_text("[1, 2]")

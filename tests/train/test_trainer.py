@@ -329,6 +329,40 @@ def test_a_sigterm_sent_to_qkmla_train_checkpoints_and_a_new_process_resumes_exa
     assert [r["loss"] for r in read(tmp_path / "part")] == [r["loss"] for r in read(tmp_path / "full")]
 
 
+def test_a_resume_killed_before_its_first_checkpoint_leaves_a_run_the_next_resume_takes(tmp_path):
+    """A resume with another lr, SIGKILLed before it checkpoints, has written its settings to
+    config.json (neither the checkpoint's record nor what the next resume asks for): the next
+    resume, with a third lr, goes on; only a hand edit of the file is refused (issue 56)."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    args = ["--preset", "debug", "--batch-size", "4", "--block-size", "16", "--eval-iters", "1", "--no-progress",
+            "--out", str(run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def qkmla(*extra, **kw):
+        return subprocess.run([sys.executable, "-m", "qkmla", "train", *args, *extra], capture_output=True, text=True,
+                              env=env, timeout=600, **kw)
+
+    assert qkmla("--steps", "2", "--lr", "0.001").returncode == 0
+    p = subprocess.Popen([sys.executable, "-m", "qkmla", "train", *args, "--resume", "--steps", "100000", "--lr",
+                          "0.002", "--ckpt-interval", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and '"lr": 0.002' not in (run / "config.json").read_text():
+        time.sleep(0.05)
+    while time.time() < deadline and json.loads((run / "status.json").read_text())["status"] != "running":
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)
+    resumed = qkmla("--resume", "--steps", "4", "--lr", "0.003")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run / "config.json").read_text())["train"]["lr"] == 0.003
+    (run / "config.json").write_text((run / "config.json").read_text().replace('"seed": 1337', '"seed": 7'))
+    edited = qkmla("--resume", "--steps", "6")
+    assert edited.returncode == 2 and "was changed since the run wrote it (train.seed: 7 in the file" in edited.stderr
+
+
 def test_train_shuts_down_the_process_group_it_started(tmp_path):
     """Issue 27, class 4: under torchrun's environment (two ranks started by hand here), train()
     ends with the process group destroyed on every rank, so nothing is left to fail at exit."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..train.checkpoint import FILENAME
-from ..train.rundir import RunLock, read_status
+from ..train.rundir import RunLock, read_status, resume_edits
 from ..utils.files import check_own_directory, check_writable, same_file, write_text
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
@@ -210,7 +210,7 @@ def _check_out(experiment: Experiment, options: Options) -> None:
         raise ValueError(f"--out: {out} holds the results of {', '.join(others)} (results.jsonl, summary.json), "
                          f"which {experiment.name} would replace; pass --overwrite to replace them, or use another "
                          "--out")
-    changed, started = [], []
+    changed, started, edited = [], [], []
     for run in experiment.plan(options):
         path = run_dir(out, run)
         if run.same_as is not None:
@@ -225,6 +225,8 @@ def _check_out(experiment: Experiment, options: Options) -> None:
             diffs = differences(path, run.train)
             if diffs:
                 started.append(f"{path / 'config.json'} ({diffs[0]})")
+            elif edits := resume_edits(path):  # a setting the plan leaves alone, changed by hand: refused at resume
+                edited.append(f"{path / 'config.json'} ({edits[0]})")
     if changed:
         raise ValueError(f"--out: {len(changed)} finished run(s) in {out / 'runs'} were trained with other settings "
                          f"than this plan's: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}; pass "
@@ -234,6 +236,12 @@ def _check_out(experiment: Experiment, options: Options) -> None:
                          f"config.json differing from this plan's settings: {', '.join(started[:3])}"
                          f"{' ...' if len(started) > 3 else ''}; undo the change to resume them, pass --overwrite to "
                          "start them over, or use another --out")
+    if edited:
+        raise ValueError(f"--out: {len(edited)} unfinished run(s) with a checkpoint have a config.json changed since "
+                         f"the run wrote it: {', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''}; a resume "
+                         "takes its settings from the plan and the checkpoint and would overwrite the change: undo it "
+                         "(or remove the file) to resume them, pass --overwrite to start them over, or use another "
+                         "--out")
 
 
 def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) -> Report:

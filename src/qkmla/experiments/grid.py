@@ -288,6 +288,9 @@ class GridFailed(OSError):
         super().__init__(error.errno, error.strerror, error.filename)
         self.statuses = statuses
 
+    def __reduce__(self):  # OSError pickles as cls(*args), which is not this constructor's form
+        return GridFailed, (OSError(self.errno, self.strerror, self.filename), self.statuses)
+
 
 class StopRequests:
     """SIGINT/SIGTERM as a request to the grid (see the module docstring); ``count`` signals so far."""

@@ -16,11 +16,14 @@ listed under ``non_finite``.
 config (the checkpoint carries the same record). It is read, not obeyed: a resume takes its
 settings from the command line and checks them against the checkpoint's. An edit to the file
 would be overwritten by the resume, so a resume over an edited (or damaged) one is refused,
-naming the settings changed (:func:`record_edits`).
+naming the settings changed (:func:`record_edits`); ``status.json`` keeps the digest of the
+text the last start wrote (``config_sha256``), which vouches for a file a resume killed before
+its first checkpoint left.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..utils.files import check_own_directory, write_text
-from .checkpoint import FILENAME
+from .checkpoint import FILENAME, read_metadata
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
 
@@ -295,19 +298,30 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def record_edits(path: Path, recorded: dict, now: dict) -> list[str]:
+def text_digest(text: str) -> str:
+    """The sha256 of ``text`` as UTF-8: how a run's status says which config.json it wrote."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def record_edits(path: Path, recorded: dict, now: dict, written: Optional[str] = None) -> list[str]:
     """The settings a user changed in a run's ``config.json`` (``path``) that a resume would
     overwrite: those whose value there differs both from the run's own record (``recorded``: the
     config its checkpoint carries, which the file was written from) and from what the resume
     writes (``now``). A difference from ``now`` alone is the resume's to make (more steps, another
     lr: RESUMABLE), one from ``recorded`` alone was made by a resume killed before its first
-    checkpoint; neither loses anything. [] when there is no such file or nothing was changed; a
-    file that is not a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001
-    recorded, 0.001 now"; the sections ("train", "model") compare field by field."""
+    checkpoint; neither loses anything. A file whose digest is ``written`` (:func:`text_digest` of
+    the text the last start wrote, kept in its status) is qkmla's own, whatever it holds: a resume
+    killed before its first checkpoint may have written settings that neither the checkpoint nor
+    the next resume has. [] when there is no such file or nothing was changed; a file that is not
+    a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001 recorded, 0.001
+    now"; the sections ("train", "model") compare field by field."""
     if not Path(path).is_file():
         return []
     try:
-        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
+        if written is not None and text_digest(text) == written:
+            return []
+        saved = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError):
         return ["not readable JSON: damaged or cut short"]
     if not isinstance(saved, dict):
@@ -323,6 +337,19 @@ def record_edits(path: Path, recorded: dict, now: dict) -> list[str]:
 
     return [e for key in sorted(set(saved) | set(recorded))
             for e in compare(key, saved.get(key, _ABSENT), recorded.get(key, _ABSENT), now.get(key, _ABSENT))]
+
+
+def resume_edits(out: Path) -> list[str]:
+    """The hand edits of ``out``'s config.json that a resume with the run's own settings would
+    refuse (:func:`record_edits` against its checkpoint's record, the digest its status keeps
+    vouching for qkmla's own writes): for a caller that resumes many runs (the experiment grid) to
+    refuse before any work. [] when there is no checkpoint to compare with or it cannot be read
+    (the resume itself then says what is wrong)."""
+    try:
+        recorded = json.loads(read_metadata(Path(out) / FILENAME)["config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return record_edits(Path(out) / "config.json", recorded, recorded, (read_status(out) or {}).get("config_sha256"))
 
 
 # TrainConfig fields that define the model or data beyond what the model config and the

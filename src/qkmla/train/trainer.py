@@ -51,8 +51,8 @@ from .config import TrainConfig
 from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
-from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, prepare, record_edits, resume_mismatches,
-                     truncate_metrics, write_status)
+from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, prepare, read_status, record_edits, resume_mismatches,
+                     text_digest, truncate_metrics, write_status)
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
 
@@ -291,7 +291,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             raise ValueError(f"resume: the run in {out} was trained differently; these must match:\n  "
                              + "\n  ".join(diffs) + "\n(steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
-        edits = record_edits(out / "config.json", stored, run_config)
+        edits = record_edits(out / "config.json", stored, run_config, (read_status(out) or {}).get("config_sha256"))
         if edits:  # the resume rewrites the file: an edit there would vanish without a word
             raise ValueError(f"out: {out / 'config.json'} was changed since the run wrote it ("
                              f"{'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); a resume takes its "
@@ -304,8 +304,9 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             raise ValueError(f"steps: the run in {out} is already at step {start}; pass --steps above it to "
                              "train further")
         _load_states(model, optimizer, model_state, optim_state, fsdp)
+    config_text = json.dumps(run_config, indent=1)
     if rank == 0:
-        write_text(out / "config.json", json.dumps(run_config, indent=1))
+        write_text(out / "config.json", config_text)
         truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
 
     wrapped = model
@@ -318,7 +319,8 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
     block_size = model_cfg.block_size
     local = config.batch_size // world
     metrics_path = out / "metrics.jsonl"
-    status = {"status": "running", "step": start, "out": str(out), "pid": os.getpid(), "checkpoint_step": start}
+    status = {"status": "running", "step": start, "out": str(out), "pid": os.getpid(), "checkpoint_step": start,
+              "config_sha256": text_digest(config_text)}  # which config.json is qkmla's own (rundir.record_edits)
     if rank == 0:
         write_status(out, status)
     bar = None

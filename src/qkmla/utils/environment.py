@@ -83,13 +83,28 @@ def command_line_name(argv: Optional[list] = None) -> Optional[str]:
     rest, i = None, 1
     while i < len(argv):  # the interpreter's options, up to what it runs
         arg = argv[i]
-        if arg in ("-X", "-W", "--check-hash-based-pycs"):  # an option with a value
+        if arg == "--check-hash-based-pycs":  # the one long option with a value
             i += 2
             continue
-        if arg.startswith("-c") or arg == "-":  # code or stdin: not the command line
+        if arg == "-":  # the program from stdin: not the command line
             return None
-        if arg.startswith("-m"):  # -m MODULE, or -mMODULE
-            module, rest = (argv[i + 1], argv[i + 2:]) if arg == "-m" and i + 1 < len(argv) else (arg[2:], argv[i + 1:])
+        if arg.startswith("-") and not arg.startswith("--"):
+            # Short options combine (-Bm MODULE, -OOc CODE, -Wd): the first of c, m, W, X takes the
+            # rest of the word as its value, or the next word.
+            letters = arg[1:]
+            at = next((j for j, letter in enumerate(letters) if letter in "cmWX"), None)
+            if at is None:
+                i += 1
+                continue
+            letter, value = letters[at], letters[at + 1:]
+            if letter == "c":  # code: not the command line
+                return None
+            if letter in "WX":
+                i += 1 if value else 2
+                continue
+            if not value and i + 1 >= len(argv):
+                return None
+            module, rest = (value, argv[i + 1:]) if value else (argv[i + 1], argv[i + 2:])
             if module == "qkmla.train":
                 return "train"
             rest = rest if module == "qkmla" else None
