@@ -486,10 +486,9 @@ def train_resume_over_an_edited_config(env: Env) -> None:
         assert snapshot(run) == before
 
 
-def experiment_resume_over_an_edited_config(env: Env) -> None:
-    """The experiment runner resumes an unfinished run only if its config.json equals the plan's
-    settings; an edited one (its seed) made it train the run again from scratch, checkpoint and record
-    replaced without a word. Now refused naming the file and the setting; nothing changes."""
+def unfinished_slow_run_with_an_edit(env: Env, old: str, new: str) -> tuple[Path, Path]:
+    """The grid ``slow`` (SLOW_EXPERIMENT) with its first run checkpointed at step 1 and unfinished,
+    its config.json's ``old`` text replaced by ``new``: (the grid's --out, the config.json)."""
     from qkmla.experiments import EXPERIMENTS
     from qkmla.experiments.grid import run_dir
     from qkmla.train.trainer import TrainConfig, train
@@ -503,8 +502,16 @@ def experiment_resume_over_an_edited_config(env: Env) -> None:
     train(TrainConfig(**{**r0.train, "out": str(path), "progress": False, "max_seconds": 0}))
     assert status(path)["status"] == "time limit"  # checkpointed at step 1: the grid would resume it
     config = path / "config.json"
-    assert '"seed": 1,' in config.read_text()
-    config.write_text(config.read_text().replace('"seed": 1,', '"seed": 7,'))
+    assert old in config.read_text()
+    config.write_text(config.read_text().replace(old, new))
+    return out, config
+
+
+def experiment_resume_over_an_edited_config(env: Env) -> None:
+    """The experiment runner resumes an unfinished run only if its config.json equals the plan's
+    settings; an edited one (its seed) made it train the run again from scratch, checkpoint and record
+    replaced without a word. Now refused naming the file and the setting; nothing changes."""
+    out, config = unfinished_slow_run_with_an_edit(env, '"seed": 1,', '"seed": 7,')
     before = snapshot(out)
     refuse(env, slow_argv(out), rf"--out: 1 unfinished run\(s\) with a checkpoint would be started over, their "
            rf"config.json differing from this plan's settings: {re.escape(str(config))} \(seed: stored 7, now 1\); "
@@ -517,21 +524,7 @@ def experiment_resume_over_a_hand_edit_the_plan_leaves_alone(env: Env) -> None:
     config.json: the plan comparison sees nothing, and the run's resume refused the edit in the
     worker, reported as a failed run after the grid started. Now refused before any work, naming
     the file and the setting; nothing changes."""
-    from qkmla.experiments import EXPERIMENTS
-    from qkmla.experiments.grid import run_dir
-    from qkmla.train.trainer import TrainConfig, train
-
-    ns: dict = {}
-    exec(SLOW_EXPERIMENT, ns)
-    env.monkeypatch.setitem(EXPERIMENTS, "slow", ns["slow"](4))
-    out = env.tmp / "grid"
-    r0 = EXPERIMENTS["slow"].plan(None)[0]
-    path = run_dir(out, r0)
-    assert "grad_clip" not in r0.train
-    train(TrainConfig(**{**r0.train, "out": str(path), "progress": False, "max_seconds": 0}))
-    config = path / "config.json"
-    assert '"grad_clip": 1.0,' in config.read_text()
-    config.write_text(config.read_text().replace('"grad_clip": 1.0,', '"grad_clip": 0.5,'))
+    out, config = unfinished_slow_run_with_an_edit(env, '"grad_clip": 1.0,', '"grad_clip": 0.5,')
     before = snapshot(out)
     refuse(env, slow_argv(out), rf"--out: 1 unfinished run\(s\) with a checkpoint have a config.json changed since "
            rf"the run wrote it: {re.escape(str(config))} \(train.grad_clip: 0.5 in the file, 1.0 recorded, 1.0 now\)")
