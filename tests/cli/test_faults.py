@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1785,6 +1786,50 @@ def probe5_rows():
     ]
 
 
+def probe6_rows():
+    """Probe round 6 (a fresh set of probes at 9756690; /work/scratch/probes6/results.md)."""
+    from qkmla.model.gpt import GPT, GPTConfig
+    from qkmla.train.config import TrainConfig
+
+    def plot_over_another_runs_files(env):
+        """--overwrite let plot replace another run's checkpoint (or status, metrics) with a PNG:
+        the run no longer loaded. A figure drawn there before is still replaced."""
+        other = env.tmp / "other"
+        shutil.copytree(env.run, other)
+        before = snapshot(other)
+        for name in ("checkpoint.safetensors", "status.json", "metrics.jsonl", "config.json"):
+            refuse(env, ["plot", env.run, "--out", other / name, "--overwrite"],
+                   rf"--out: .*{name} is a file of a qkmla training run .*never another command's")
+        assert snapshot(other) == before
+        (other / "curves.png").write_bytes(b"old figure")
+        env.capsys.readouterr()
+        assert main(["plot", str(env.run), "--out", str(other / "curves.png"), "--overwrite"]) == 0
+        assert (other / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    def counts_past_int64(env):
+        """--steps 10**20 trained on as if endless (demo's too); TrainConfig and GPTConfig took 2**70."""
+        # --max-seconds 0 and a demo whose training fails the row: accepted, neither trains for ever
+        refuse(env, ["train", "--preset", "debug", "--steps", str(10**20), "--max-seconds", "0", "--no-progress",
+                     "--out", env.tmp / "r"], r"--steps: expected an int below 2\*\*63")
+        import qkmla.cli.demo as demo
+
+        env.monkeypatch.setattr(demo, "_train_all", lambda *a: pytest.fail("the demo trained"))
+        refuse(env, ["demo", "--steps", str(10**20), "--out", env.tmp / "d"], r"--steps: expected an int below 2\*\*63")
+        assert not (env.tmp / "r").exists() and not (env.tmp / "d").exists()
+        for field in ("steps", "eval_interval", "ckpt_interval"):
+            raises(lambda f=field: TrainConfig(**{f: 2**70}), ValueError, rf"{field}: expected an int below 2\*\*63")
+        assert TrainConfig(steps=2**63 - 1).steps == 2**63 - 1
+        raises(lambda: GPT(GPTConfig(block_size=2**70)), ValueError,
+               r"block_size: expected a positive int below 2\*\*63")
+
+    return [
+        Row("plot", "output", "--out another run's checkpoint/status/metrics with --overwrite (replaced by a PNG)",
+            plot_over_another_runs_files),
+        Row("train", "size", "--steps 10**20 (beyond int64: trained on), TrainConfig/GPTConfig counts 2**70",
+            counts_past_int64),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -1813,7 +1858,7 @@ NOT_APPLICABLE = {
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows() + probe5_rows()
+ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows()
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -110,13 +110,13 @@ def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..utils.files import check_output, check_path
-    from ..train.plot import SkippedLines, plot_runs
+    from ..train.plot import FIGURE_SUFFIXES, SkippedLines, plot_runs
 
     check_path("--out", args.out, "figure file")
     for run in args.runs:
         check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
-    check_output("--out", [args.out], inputs, args.overwrite, "figure")
+    check_output("--out", [args.out], inputs, args.overwrite, "figure", FIGURE_SUFFIXES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SkippedLines)
         try:
