@@ -207,6 +207,10 @@ if PAUSE:
     append_line = trainer.append_line
     trainer.append_line = lambda *a: (append_line(*a), time.sleep(PAUSE))[0]
 EXPERIMENTS["slow"] = slow(int(sys.argv[1]))
+START = os.environ.get("QKMLA_TEST_WORKER_START")  # a worker importing this (before its initializer): slow
+if START and __name__ == "__mp_main__":
+    open(START, "a").close()
+    time.sleep(3)
 if __name__ == "__main__":
     sys.exit(main(sys.argv[2:]))
 """
@@ -216,15 +220,18 @@ def slow_argv(out: Path) -> list:
     return ["experiment", "slow", "--out", str(out), "--workers", "1", "--no-progress"]
 
 
-def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_report: bool = False) -> subprocess.Popen:
-    """``strict_report``: the experiment's report refuses unfinished runs, as lr-sweep's does."""
+def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_report: bool = False,
+               worker_start: Optional[Path] = None) -> subprocess.Popen:
+    """``strict_report``: the experiment's report refuses unfinished runs, as lr-sweep's does;
+    ``worker_start``: a file the worker makes as it starts, 3 s before its initializer runs."""
     driver = env.tmp / "slow.py"
     driver.write_text(SLOW_DRIVER)
     return subprocess.Popen([sys.executable, str(driver), str(steps)] + slow_argv(out), cwd=env.tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
                                  "QKMLA_TEST_PAUSE": str(pause),
-                                 **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {})})
+                                 **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {}),
+                                 **({"QKMLA_TEST_WORKER_START": str(worker_start)} if worker_start else {})})
 
 
 def run_slow(env: Env, steps: int, out: Path) -> str:
@@ -352,6 +359,27 @@ def experiment_two_sigints_stop_at_once(env: Env) -> None:
     code, err, took = finish(proc, 90)
     assert code == 130 and took < PROMPT_S and "stopped by SIGINT" in err and "Traceback" not in err, err
     assert status(out / "runs" / "r0")["status"] == "interrupted"
+
+
+def experiment_two_sigints_while_workers_start(env: Env) -> None:
+    """Probe round 6: two Ctrl-Cs while the workers were still starting (importing torch, before
+    their handlers): KeyboardInterrupt tracebacks from each worker's spawn_main and an
+    InvalidStateError from concurrent.futures' thread. Both requests now wait in the worker and
+    stop the grid as two Ctrl-Cs do."""
+    out, started = env.tmp / "grid", env.tmp / "worker-started"
+    proc = start_slow(env, 2000, out, worker_start=started)
+    t0 = time.monotonic()
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    code, err, took = finish(proc, 90)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 130 and took < PROMPT_S and "Traceback" not in err and "Error" not in err, err
+    assert all(x.startswith("qkmla experiment: ") for x in lines) and "stopped by SIGINT" in lines[-1], err
+    assert not (out / "runs" / "r1").exists()
 
 
 def experiment_sigkill_then_resume(env: Env) -> None:
@@ -1823,6 +1851,8 @@ def probe6_rows():
                r"block_size: expected a positive int below 2\*\*63")
 
     return [
+        Row("experiment", "signal", "two SIGINTs while the workers start (tracebacks from each worker)",
+            experiment_two_sigints_while_workers_start),
         Row("plot", "output", "--out another run's checkpoint/status/metrics with --overwrite (replaced by a PNG)",
             plot_over_another_runs_files),
         Row("train", "size", "--steps 10**20 (beyond int64: trained on), TrainConfig/GPTConfig counts 2**70",
