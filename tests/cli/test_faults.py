@@ -1850,7 +1850,25 @@ def probe6_rows():
         raises(lambda: GPT(GPTConfig(block_size=2**70)), ValueError,
                r"block_size: expected a positive int below 2\*\*63")
 
+    def config_edited_by_hand(env, hf):
+        """A config.json field of the wrong type ("hidden_size": "abc"): huggingface_hub's
+        StrictDataclassFieldValidationError traceback and 'internal error' from convert,
+        convert-gqa and generate --hf."""
+        for name, argv in (("dsv3", lambda d: ["convert", "--hf", d, "--out", env.tmp / "out"]),
+                           ("dsv3", lambda d: ["generate", "--hf", d, "--tokens", "2"]),
+                           ("qwen3", lambda d: ["convert-gqa", "--hf", d, "--out", env.tmp / "out"])):
+            src = env.tmp / name
+            if not src.exists():
+                shutil.copytree(hf.parent / name, src)
+                config = json.loads((src / "config.json").read_text())
+                (src / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+            refuse(env, argv(src), r"--hf: .*config.json is not a config transformers can read "
+                                   r"\(StrictDataclassFieldValidationError: .*'hidden_size' expected int")
+        assert not (env.tmp / "out").exists()
+
     return [
+        Row("convert", "path", "--hf config.json edited by hand (a field of the wrong type), also for "
+            "generate --hf and convert-gqa", config_edited_by_hand, hf=True),
         Row("experiment", "signal", "two SIGINTs while the workers start (tracebacks from each worker)",
             experiment_two_sigints_while_workers_start),
         Row("plot", "output", "--out another run's checkpoint/status/metrics with --overwrite (replaced by a PNG)",

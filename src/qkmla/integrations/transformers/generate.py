@@ -9,7 +9,6 @@ them, and ``generate`` runs after ``apply_latent_attention``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -18,6 +17,7 @@ import torch
 from ...cache.eviction import EvictionPolicy
 from ...model.generate import check_sampling
 from .model import apply_latent_attention
+from ..hub.checkpoint import read_hf_config
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
 
@@ -34,9 +34,9 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
-    try:
-        model_type = json.loads((root / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as e:
+    try:  # parsed and its fields checked as every command reads it (a junk field was a traceback)
+        model_type = read_hf_config(root).get("model_type")
+    except OSError as e:
         raise ValueError(f"hf_dir: {root / 'config.json'} cannot be read: {e}") from None
     if model_type is None:
         raise ValueError(f"hf_dir: {root / 'config.json'} names no model_type, so it is not a transformers "
