@@ -1866,7 +1866,17 @@ def probe6_rows():
                                    r"\(StrictDataclassFieldValidationError: .*'hidden_size' expected int")
         assert not (env.tmp / "out").exists()
 
+    def verify_flags_twice(env):
+        """--variant X --variant X (and --kv-format twice) computed and printed X's rows twice."""
+        outputs = []
+        for n in (1, 2):
+            env.capsys.readouterr()
+            assert main(["verify", "--json"] + ["--variant", "rms-blockwise", "--kv-format", "int8"] * n) == 0
+            outputs.append(json.loads(env.capsys.readouterr().out))
+        assert outputs[1] == outputs[0] and len({json.dumps(r, sort_keys=True) for r in outputs[1]}) == len(outputs[1])
+
     return [
+        Row("verify", "size", "--variant and --kv-format each given twice (their rows twice)", verify_flags_twice),
         Row("convert", "path", "--hf config.json edited by hand (a field of the wrong type), also for "
             "generate --hf and convert-gqa", config_edited_by_hand, hf=True),
         Row("experiment", "signal", "two SIGINTs while the workers start (tracebacks from each worker)",

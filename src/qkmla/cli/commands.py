@@ -28,6 +28,9 @@ def _verify(args: argparse.Namespace) -> int:
 
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    # A flag given twice names its rows once (--variant X --variant X computed and printed X twice).
+    args.variant = list(dict.fromkeys(args.variant)) if args.variant else args.variant
+    args.kv_format = list(dict.fromkeys(args.kv_format)) if args.kv_format else args.kv_format
     names = args.variant or list(verify.VARIANTS)
     unknown = [n for n in names if n not in verify.VARIANTS]
     if unknown:
