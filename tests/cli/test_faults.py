@@ -1875,7 +1875,27 @@ def probe6_rows():
             outputs.append(json.loads(env.capsys.readouterr().out))
         assert outputs[1] == outputs[0] and len({json.dumps(r, sort_keys=True) for r in outputs[1]}) == len(outputs[1])
 
+    def cache_sizes_set_after_construction(env):
+        """cache.capacity = 100 was accepted and the next forward failed in torch ('The expanded size
+        of the tensor (8) must match ...'); = 2 silently; kv_lora_rank likewise. grow() still grows."""
+        from qkmla import MLA, LatentCache, mla_preset
+        from qkmla.cache.full import FullKVCache
+
+        config = mla_preset("tiny")
+        cache = LatentCache.from_config(config, 1, capacity=8)
+        for name, value in (("capacity", 100), ("capacity", 2), ("batch_size", 4), ("kv_lora_rank", 16),
+                            ("dtype", torch.bfloat16)):
+            raises(lambda n=name, v=value: setattr(cache, n, v), AttributeError,
+                   f"{name}: the cache's buffers are allocated for")
+        raises(lambda: setattr(FullKVCache(1, 8, 2, 8, 8), "capacity", 100), AttributeError, "capacity: ")
+        cache.grow(32)
+        with torch.no_grad():
+            MLA(config).eval()(torch.randn(1, 20, config.hidden_size), cache=cache)
+        assert cache.capacity == 32 and int(cache.seqlens[0]) == 20
+
     return [
+        Row("LatentCache", "size", "capacity, batch_size, kv_lora_rank set after construction (torch's error at "
+            "the next write)", cache_sizes_set_after_construction),
         Row("verify", "size", "--variant and --kv-format each given twice (their rows twice)", verify_flags_twice),
         Row("convert", "path", "--hf config.json edited by hand (a field of the wrong type), also for "
             "generate --hf and convert-gqa", config_edited_by_hand, hf=True),

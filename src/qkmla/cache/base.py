@@ -87,7 +87,21 @@ def check_dtype(name: str, dtype) -> None:
 
 
 class SequenceCache:
-    """Base of every cache: B sequences of at most ``capacity`` tokens, named fields."""
+    """Base of every cache: B sequences of at most ``capacity`` tokens, named fields.
+
+    The sizes its buffers were allocated for (:attr:`FIXED`) are set by the constructor and by the
+    methods that resize the buffers with them (:meth:`grow`, :meth:`select_sequences`); assigned
+    from outside (``cache.capacity = 100``), they were taken at their word and the next write failed
+    deep in torch (or a smaller one silently refused tokens the buffers hold room for)."""
+
+    FIXED = ("batch_size", "capacity")
+
+    def __setattr__(self, name, value):
+        if name in type(self).FIXED and name in self.__dict__:
+            how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it"}
+            raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r}; "
+                                 f"{how.get(name, 'make a new cache with the value you want')}")
+        object.__setattr__(self, name, value)
 
     def __init__(self, batch_size: int, capacity: int, device=None, layout: Optional[Layout] = None):
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
@@ -305,7 +319,7 @@ class SequenceCache:
             self._kept_positions = self._kept_positions[indices]
         if self.eviction is not None:
             self.eviction.select(indices)
-        self.batch_size = len(indices)
+        object.__setattr__(self, "batch_size", len(indices))  # FIXED to callers: the buffers moved with it
 
     def grow(self, capacity: int) -> None:
         """Raise the capacity to ``capacity`` slots per sequence, keeping every cached row."""
@@ -317,7 +331,7 @@ class SequenceCache:
                 kept = torch.zeros(self.batch_size, capacity, dtype=torch.long, device=self.device)
                 kept[:, :self.capacity] = self._kept_positions
                 self._kept_positions = kept
-            self.capacity = capacity
+            object.__setattr__(self, "capacity", capacity)  # FIXED to callers: the buffers grew with it
 
     def drop_last(self, counts: torch.Tensor) -> None:
         """Forget the last ``counts[b]`` tokens of each sequence b (a rollback: speculative
