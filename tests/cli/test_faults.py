@@ -1893,7 +1893,25 @@ def probe6_rows():
             MLA(config).eval()(torch.randn(1, 20, config.hidden_size), cache=cache)
         assert cache.capacity == 32 and int(cache.seqlens[0]) == 20
 
+    def generate_hf_impossible_kept_fraction(env, hf):
+        """--hf with --kept-fraction 1e-9 ran a policy that evicts nothing, without a word (the run
+        path refused the same flags)."""
+        import transformers
+
+        src = env.tmp / "dsv3"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hello", "--policy", "h2o",
+                     "--kept-fraction", "1e-9"],
+               r"--kept-fraction: 1e-09 of the at most 7 tokens a cache holds in this run is 1, fewer than the sinks "
+               r"\+ window = 0 \+ 32 that h2o always keeps")
+        env.capsys.readouterr()
+        assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hello", "--policy", "streaming-llm",
+                     "--kept-fraction", "0.9", "--sinks", "1", "--temperature", "0"]) == 0
+
     return [
+        Row("generate", "size", "--hf with a --kept-fraction the sinks and window make impossible (ran without a "
+            "word)", generate_hf_impossible_kept_fraction, hf=True),
         Row("LatentCache", "size", "capacity, batch_size, kv_lora_rank set after construction (torch's error at "
             "the next write)", cache_sizes_set_after_construction),
         Row("verify", "size", "--variant and --kv-format each given twice (their rows twice)", verify_flags_twice),

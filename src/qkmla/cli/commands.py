@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import traceback
 import warnings
@@ -172,23 +171,6 @@ def _text_stream(tok):
     return lambda i: decoder.decode(b"", final=True) if i is None else decoder.decode(bytes([i]))
 
 
-def _check_kept_fraction(policy, seen: int) -> None:
-    """A --kept-fraction that no cache of this run could be held to (every policy keeps its
-    sinks and window whatever the fraction) is refused, not run as a policy that evicts nothing."""
-    if policy.kept_fraction is None:
-        return
-    floor = policy.sinks + policy.window
-    if math.ceil(policy.kept_fraction * seen) < floor:
-        when = "when it evicts (after each prefill)" if policy.interval is None else "in this run"
-        knobs = "--sinks" if policy.name == "streaming-llm" else "--window" + (" or --sinks" if policy.sinks else "")
-        fix = f"raise --kept-fraction to at least {floor / seen:.3g}" if floor < seen else \
-            "no fraction can evict anything here"
-        raise ValueError(f"--kept-fraction: {policy.kept_fraction:g} of the at most {seen} token{'s' * (seen != 1)} a "
-                         f"cache holds {when} "
-                         f"is {math.ceil(policy.kept_fraction * seen)}, fewer than the sinks + window = "
-                         f"{policy.sinks} + {policy.window} that {policy.name} always keeps; lower {knobs} ({fix})")
-
-
 def _kept_line(policy, report: dict) -> str:
     """What the policy really kept, per sequence, at the end of generation."""
     kept, seen = report["kept"], report["seen"]
@@ -278,6 +260,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.device is None:
             args.device = "cpu"
         return _generate_hf(args, policy)
+    from ..cache.eviction import check_kept_fraction
     from ..utils.limits import check_fits
     from ..model.generate import max_tokens_seen
     from ..train.trainer import load_model
@@ -297,7 +280,8 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--prompt: {str(e).partition(': ')[2]}") from None
     if policy is not None:
-        _check_kept_fraction(policy, max_tokens_seen(model, prompts, args.max_new_tokens, policy.interval is None))
+        check_kept_fraction(policy, max_tokens_seen(model, prompts, args.max_new_tokens, policy.interval is None),
+                            option=lambda name: f"--{name.replace('_', '-')}")
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
     stream = None

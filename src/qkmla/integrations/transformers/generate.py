@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...cache.eviction import EvictionPolicy
+from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .model import apply_latent_attention
 from ..hub.checkpoint import read_hf_config
@@ -94,6 +94,9 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
     if batch["input_ids"].shape[1] + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens: the longest prompt ({batch['input_ids'].shape[1]} tokens) plus "
                          f"{max_new_tokens} new tokens passes the model's max_position_embeddings={limit}")
+    if policy is not None:  # a fraction the sinks and window make impossible: a policy that evicts nothing
+        width = batch["input_ids"].shape[1]
+        check_kept_fraction(policy, width if policy.interval is None else width + max_new_tokens)
     # Exactly what was asked: none of the checkpoint's own sampling defaults (top_p, repetition
     # penalty, ...) applies; its end-of-sequence token does.
     generation = transformers.GenerationConfig(
