@@ -1909,7 +1909,20 @@ def probe6_rows():
         assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hello", "--policy", "streaming-llm",
                      "--kept-fraction", "0.9", "--sinks", "1", "--temperature", "0"]) == 0
 
+    def experiment_results_damaged_by_hand(env):
+        """A line of lr-sweep's own results.jsonl damaged by hand: 'holds the results of another program',
+        and --overwrite the advice (every good row replaced)."""
+        out = env.tmp / "grid"
+        out.mkdir()
+        text = json.dumps({"experiment": "lr-sweep", "run": "mla_adamw_lr0.001_s1"}) + "\ngarbage{\n"
+        (out / "results.jsonl").write_text(text)
+        refuse(env, ["experiment", "lr-sweep", "--quick", "--out", out, "--no-progress"],
+               r"--out: .*results.jsonl line 2 is not a JSON row .*lr-sweep's results: fix or remove that line")
+        assert (out / "results.jsonl").read_text() == text and not (out / "runs").exists()
+
     return [
+        Row("experiment", "path", "its own results.jsonl with a line damaged by hand (called another program's)",
+            experiment_results_damaged_by_hand),
         Row("generate", "size", "--hf with a --kept-fraction the sinks and window make impossible (ran without a "
             "word)", generate_hf_impossible_kept_fraction, hf=True),
         Row("LatentCache", "size", "capacity, batch_size, kv_lora_rank set after construction (torch's error at "
