@@ -1920,7 +1920,28 @@ def probe6_rows():
                r"--out: .*results.jsonl line 2 is not a JSON row .*lr-sweep's results: fix or remove that line")
         assert (out / "results.jsonl").read_text() == text and not (out / "runs").exists()
 
+    big = "need at least .* more than the .* of memory available"
+
+    def cache_grow_and_select_sizes(env):
+        """grow(nan), grow(2.5), grow(True) did nothing without a word; grow(2**62) and a
+        select_sequences of 10**4 copies of a 2**16-slot sequence reached torch's allocator."""
+        from qkmla import LatentCache, mla_preset
+
+        cache = LatentCache.from_config(mla_preset("tiny"), 1, capacity=2**16)
+        for value in (math.nan, 2.5, True, 0):
+            raises(lambda v=value: cache.grow(v), ValueError, "capacity: expected a positive int")
+        raises(lambda: cache.grow(2**62), ValueError,
+               f"capacity: 1 sequence\\(s\\) of capacity=4611686018427387904 .*{big}")
+        raises(lambda: cache.select_sequences(torch.zeros(1, dtype=torch.long).expand(10**4)), ValueError,
+               f"indices: a batch of 10000 sequence\\(s\\) of capacity=65536 .*{big}")
+        assert cache.capacity == 2**16 and cache.batch_size == 1
+        cache.grow(2**16 + 8)
+        cache.select_sequences(torch.tensor([0, 0]))
+        assert cache.capacity == 2**16 + 8 and cache.batch_size == 2
+
     return [
+        Row("LatentCache", "size", "grow(nan / 2.5 / True) (nothing, without a word), grow(2**62) and select_sequences "
+            "of 10**4 sequences past memory (torch's allocator)", cache_grow_and_select_sizes),
         Row("experiment", "path", "its own results.jsonl with a line damaged by hand (called another program's)",
             experiment_results_damaged_by_hand),
         Row("generate", "size", "--hf with a --kept-fraction the sinks and window make impossible (ran without a "

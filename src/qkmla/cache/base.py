@@ -309,8 +309,14 @@ class SequenceCache:
         buffers = self._contiguous_buffers("select_sequences")
         indices = torch.as_tensor(indices, device=self.device).long()
         if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+            shown = indices.tolist() if indices.numel() <= 16 else f"a tensor of shape {tuple(indices.shape)}"
             raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
-                             f"got {indices.tolist()}")
+                             f"got {shown}")
+        # Every buffer is copied for the new batch: checked as a whole first (torch's allocator's error
+        # half way through left some buffers moved and others not).
+        per_sequence = sum(buf.nbytes // max(1, buf.data.shape[0]) for buf in buffers)
+        check_allocation("indices", per_sequence * len(indices), f"a batch of {len(indices)} sequence(s) of "
+                         f"capacity={self.capacity}", self.device)
         for buf in buffers:
             buf.select(indices)
         self.seqlens, self.next_positions = self.seqlens[indices], self.next_positions[indices]
@@ -324,7 +330,14 @@ class SequenceCache:
     def grow(self, capacity: int) -> None:
         """Raise the capacity to ``capacity`` slots per sequence, keeping every cached row."""
         buffers = self._contiguous_buffers("grow")
+        # As the constructor checks it: grow(nan) or grow(2.5) did nothing without a word, and
+        # grow(2**62) reached torch's allocator (after resizing some buffers and not others).
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         if capacity > self.capacity:
+            per_slot = sum(buf.nbytes // max(1, buf.data.shape[1]) for buf in buffers)
+            check_allocation("capacity", per_slot * capacity, f"{self.batch_size} sequence(s) of capacity={capacity} "
+                             "tokens", self.device)
             for buf in buffers:
                 buf.resize(capacity, self.max_len)
             if self._kept_positions is not None:
