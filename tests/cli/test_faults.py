@@ -1939,7 +1939,23 @@ def probe6_rows():
         cache.select_sequences(torch.tensor([0, 0]))
         assert cache.capacity == 2**16 + 8 and cache.batch_size == 2
 
+    def train_resume_with_other_settings(env):
+        """--resume with another --attn and --tokenizer: refused, but in several lines (one per setting,
+        then a note) where every refusal is one."""
+        out = env.tmp / "r"
+        env.capsys.readouterr()
+        assert main(["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1",
+                     "--no-progress", "--threads", "1", "--out", str(out)]) == 0
+        before = snapshot(out)
+        refuse(env, ["train", "--preset", "debug", "--steps", "3", "--batch-size", "2", "--eval-iters", "1",
+                     "--no-progress", "--out", out, "--resume", "--attn", "mla", "--tokenizer", "byte"],
+               r"--resume: the run in .* was trained differently; these must match: .*attn: stored 'mla-qknorm', now "
+               r"'mla'; .*tokenizer.* \(steps, the lr schedule")
+        assert snapshot(out) == before
+
     return [
+        Row("train", "output", "--resume with another --attn and --tokenizer (refused in several lines)",
+            train_resume_with_other_settings),
         Row("LatentCache", "size", "grow(nan / 2.5 / True) (nothing, without a word), grow(2**62) and select_sequences "
             "of 10**4 sequences past memory (torch's allocator)", cache_grow_and_select_sizes),
         Row("experiment", "path", "its own results.jsonl with a line damaged by hand (called another program's)",
