@@ -180,7 +180,8 @@ def _init_worker(stop=None) -> None:
     # Spawned with them blocked (spawning_workers): one sent while this process was still starting
     # (importing torch) waited, and is handled now, by the handler above.
     try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if hasattr(signal, "pthread_sigmask"):  # POSIX; elsewhere spawning_workers blocked nothing
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     except KeyboardInterrupt:  # a second request that waited: no task to end yet, the stop event says it all
         pass
     try:  # Linux: end with the parent, even one killed with SIGKILL, instead of waiting on its pipe
@@ -201,7 +202,7 @@ def spawning_workers():
     installs its handlers) killed it with a KeyboardInterrupt traceback, breaking the pool. The
     worker unblocks them once its handlers are in place; this process's own handler runs at the end
     (or in the meantime, through another thread), so no request is lost."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
