@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,6 +207,10 @@ if PAUSE:
     append_line = trainer.append_line
     trainer.append_line = lambda *a: (append_line(*a), time.sleep(PAUSE))[0]
 EXPERIMENTS["slow"] = slow(int(sys.argv[1]))
+START = os.environ.get("QKMLA_TEST_WORKER_START")  # a worker importing this (before its initializer): slow
+if START and __name__ == "__mp_main__":
+    open(START, "a").close()
+    time.sleep(3)
 if __name__ == "__main__":
     sys.exit(main(sys.argv[2:]))
 """
@@ -215,15 +220,18 @@ def slow_argv(out: Path) -> list:
     return ["experiment", "slow", "--out", str(out), "--workers", "1", "--no-progress"]
 
 
-def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_report: bool = False) -> subprocess.Popen:
-    """``strict_report``: the experiment's report refuses unfinished runs, as lr-sweep's does."""
+def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_report: bool = False,
+               worker_start: Optional[Path] = None) -> subprocess.Popen:
+    """``strict_report``: the experiment's report refuses unfinished runs, as lr-sweep's does;
+    ``worker_start``: a file the worker makes as it starts, 3 s before its initializer runs."""
     driver = env.tmp / "slow.py"
     driver.write_text(SLOW_DRIVER)
     return subprocess.Popen([sys.executable, str(driver), str(steps)] + slow_argv(out), cwd=env.tmp,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
                                  "QKMLA_TEST_PAUSE": str(pause),
-                                 **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {})})
+                                 **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {}),
+                                 **({"QKMLA_TEST_WORKER_START": str(worker_start)} if worker_start else {})})
 
 
 def run_slow(env: Env, steps: int, out: Path) -> str:
@@ -351,6 +359,27 @@ def experiment_two_sigints_stop_at_once(env: Env) -> None:
     code, err, took = finish(proc, 90)
     assert code == 130 and took < PROMPT_S and "stopped by SIGINT" in err and "Traceback" not in err, err
     assert status(out / "runs" / "r0")["status"] == "interrupted"
+
+
+def experiment_two_sigints_while_workers_start(env: Env) -> None:
+    """Probe round 6: two Ctrl-Cs while the workers were still starting (importing torch, before
+    their handlers): KeyboardInterrupt tracebacks from each worker's spawn_main and an
+    InvalidStateError from concurrent.futures' thread. Both requests now wait in the worker and
+    stop the grid as two Ctrl-Cs do."""
+    out, started = env.tmp / "grid", env.tmp / "worker-started"
+    proc = start_slow(env, 2000, out, worker_start=started)
+    t0 = time.monotonic()
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    code, err, took = finish(proc, 90)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 130 and took < PROMPT_S and "Traceback" not in err and "Error" not in err, err
+    assert all(x.startswith("qkmla experiment: ") for x in lines) and "stopped by SIGINT" in lines[-1], err
+    assert not (out / "runs" / "r1").exists()
 
 
 def experiment_sigkill_then_resume(env: Env) -> None:
@@ -1806,6 +1835,168 @@ def probe5_rows():
     ]
 
 
+def probe6_rows():
+    """Probe round 6 (a fresh set of probes at 9756690; /work/scratch/probes6/results.md)."""
+    from qkmla.model.gpt import GPT, GPTConfig
+    from qkmla.train.config import TrainConfig
+
+    def plot_over_another_runs_files(env):
+        """--overwrite let plot replace another run's checkpoint (or status, metrics) with a PNG:
+        the run no longer loaded. A figure drawn there before is still replaced."""
+        other = env.tmp / "other"
+        shutil.copytree(env.run, other)
+        before = snapshot(other)
+        for name in ("checkpoint.safetensors", "status.json", "metrics.jsonl", "config.json"):
+            refuse(env, ["plot", env.run, "--out", other / name, "--overwrite"],
+                   rf"--out: .*{name} is a file of a qkmla training run .*never another command's")
+        assert snapshot(other) == before
+        (other / "curves.png").write_bytes(b"old figure")
+        env.capsys.readouterr()
+        assert main(["plot", str(env.run), "--out", str(other / "curves.png"), "--overwrite"]) == 0
+        assert (other / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    def counts_past_int64(env):
+        """--steps 10**20 trained on as if endless (demo's too); TrainConfig and GPTConfig took 2**70."""
+        # --max-seconds 0 and a demo whose training fails the row: accepted, neither trains for ever
+        refuse(env, ["train", "--preset", "debug", "--steps", str(10**20), "--max-seconds", "0", "--no-progress",
+                     "--out", env.tmp / "r"], r"--steps: expected an int below 2\*\*63")
+        import qkmla.cli.demo as demo
+
+        env.monkeypatch.setattr(demo, "_train_all", lambda *a: pytest.fail("the demo trained"))
+        refuse(env, ["demo", "--steps", str(10**20), "--out", env.tmp / "d"], r"--steps: expected an int below 2\*\*63")
+        assert not (env.tmp / "r").exists() and not (env.tmp / "d").exists()
+        for field in ("steps", "eval_interval", "ckpt_interval"):
+            raises(lambda f=field: TrainConfig(**{f: 2**70}), ValueError, rf"{field}: expected an int below 2\*\*63")
+        assert TrainConfig(steps=2**63 - 1).steps == 2**63 - 1
+        raises(lambda: GPT(GPTConfig(block_size=2**70)), ValueError,
+               r"block_size: expected a positive int below 2\*\*63")
+
+    def config_edited_by_hand(env, hf):
+        """A config.json field of the wrong type ("hidden_size": "abc"): huggingface_hub's
+        StrictDataclassFieldValidationError traceback and 'internal error' from convert,
+        convert-gqa and generate --hf."""
+        for name, argv in (("dsv3", lambda d: ["convert", "--hf", d, "--out", env.tmp / "out"]),
+                           ("dsv3", lambda d: ["generate", "--hf", d, "--tokens", "2"]),
+                           ("qwen3", lambda d: ["convert-gqa", "--hf", d, "--out", env.tmp / "out"])):
+            src = env.tmp / name
+            if not src.exists():
+                shutil.copytree(hf.parent / name, src)
+                config = json.loads((src / "config.json").read_text())
+                (src / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+            refuse(env, argv(src), r"--hf: .*config.json is not a config transformers can read "
+                                   r"\(StrictDataclassFieldValidationError: .*'hidden_size' expected int")
+        assert not (env.tmp / "out").exists()
+
+    def verify_flags_twice(env):
+        """--variant X --variant X (and --kv-format twice) computed and printed X's rows twice."""
+        outputs = []
+        for n in (1, 2):
+            env.capsys.readouterr()
+            assert main(["verify", "--json"] + ["--variant", "rms-blockwise", "--kv-format", "int8"] * n) == 0
+            outputs.append(json.loads(env.capsys.readouterr().out))
+        assert outputs[1] == outputs[0] and len({json.dumps(r, sort_keys=True) for r in outputs[1]}) == len(outputs[1])
+
+    def cache_sizes_set_after_construction(env):
+        """cache.capacity = 100 was accepted and the next forward failed in torch ('The expanded size
+        of the tensor (8) must match ...'); = 2 silently; kv_lora_rank likewise. grow() still grows."""
+        from qkmla import MLA, LatentCache, mla_preset
+        from qkmla.cache.full import FullKVCache
+
+        config = mla_preset("tiny")
+        cache = LatentCache.from_config(config, 1, capacity=8)
+        for name, value in (("capacity", 100), ("capacity", 2), ("batch_size", 4), ("kv_lora_rank", 16),
+                            ("dtype", torch.bfloat16)):
+            raises(lambda n=name, v=value: setattr(cache, n, v), AttributeError,
+                   f"{name}: the cache's buffers are allocated for")
+        raises(lambda: setattr(FullKVCache(1, 8, 2, 8, 8), "capacity", 100), AttributeError, "capacity: ")
+        cache.grow(32)
+        with torch.no_grad():
+            MLA(config).eval()(torch.randn(1, 20, config.hidden_size), cache=cache)
+        assert cache.capacity == 32 and int(cache.seqlens[0]) == 20
+
+    def generate_hf_impossible_kept_fraction(env, hf):
+        """--hf with --kept-fraction 1e-9 ran a policy that evicts nothing, without a word (the run
+        path refused the same flags)."""
+        import transformers
+
+        src = env.tmp / "dsv3"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hello", "--policy", "h2o",
+                     "--kept-fraction", "1e-9"],
+               r"--kept-fraction: 1e-09 of the at most 7 tokens a cache holds in this run is 1, fewer than the sinks "
+               r"\+ window = 0 \+ 32 that h2o always keeps")
+        env.capsys.readouterr()
+        assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hello", "--policy", "streaming-llm",
+                     "--kept-fraction", "0.9", "--sinks", "1", "--temperature", "0"]) == 0
+
+    def experiment_results_damaged_by_hand(env):
+        """A line of lr-sweep's own results.jsonl damaged by hand: 'holds the results of another program',
+        and --overwrite the advice (every good row replaced)."""
+        out = env.tmp / "grid"
+        out.mkdir()
+        text = json.dumps({"experiment": "lr-sweep", "run": "mla_adamw_lr0.001_s1"}) + "\ngarbage{\n"
+        (out / "results.jsonl").write_text(text)
+        refuse(env, ["experiment", "lr-sweep", "--quick", "--out", out, "--no-progress"],
+               r"--out: .*results.jsonl line 2 is not a JSON row .*lr-sweep's results: fix or remove that line")
+        assert (out / "results.jsonl").read_text() == text and not (out / "runs").exists()
+
+    big = "need at least .* more than the .* of memory available"
+
+    def cache_grow_and_select_sizes(env):
+        """grow(nan), grow(2.5), grow(True) did nothing without a word; grow(2**62) and a
+        select_sequences of 10**4 copies of a 2**16-slot sequence reached torch's allocator."""
+        from qkmla import LatentCache, mla_preset
+
+        cache = LatentCache.from_config(mla_preset("tiny"), 1, capacity=2**16)
+        for value in (math.nan, 2.5, True, 0):
+            raises(lambda v=value: cache.grow(v), ValueError, "capacity: expected a positive int")
+        raises(lambda: cache.grow(2**62), ValueError,
+               f"capacity: 1 sequence\\(s\\) of capacity=4611686018427387904 .*{big}")
+        raises(lambda: cache.select_sequences(torch.zeros(1, dtype=torch.long).expand(10**4)), ValueError,
+               f"indices: a batch of 10000 sequence\\(s\\) of capacity=65536 .*{big}")
+        assert cache.capacity == 2**16 and cache.batch_size == 1
+        cache.grow(2**16 + 8)
+        cache.select_sequences(torch.tensor([0, 0]))
+        assert cache.capacity == 2**16 + 8 and cache.batch_size == 2
+
+    def train_resume_with_other_settings(env):
+        """--resume with another --attn and --tokenizer: refused, but in several lines (one per setting,
+        then a note) where every refusal is one."""
+        out = env.tmp / "r"
+        env.capsys.readouterr()
+        assert main(["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1",
+                     "--no-progress", "--threads", "1", "--out", str(out)]) == 0
+        before = snapshot(out)
+        refuse(env, ["train", "--preset", "debug", "--steps", "3", "--batch-size", "2", "--eval-iters", "1",
+                     "--no-progress", "--out", out, "--resume", "--attn", "mla", "--tokenizer", "byte"],
+               r"--resume: the run in .* was trained differently; these must match: .*attn: stored 'mla-qknorm', now "
+               r"'mla'; .*tokenizer.* \(steps, the lr schedule")
+        assert snapshot(out) == before
+
+    return [
+        Row("train", "output", "--resume with another --attn and --tokenizer (refused in several lines)",
+            train_resume_with_other_settings),
+        Row("LatentCache", "size", "grow(nan / 2.5 / True) (nothing, without a word), grow(2**62) and select_sequences "
+            "of 10**4 sequences past memory (torch's allocator)", cache_grow_and_select_sizes),
+        Row("experiment", "path", "its own results.jsonl with a line damaged by hand (called another program's)",
+            experiment_results_damaged_by_hand),
+        Row("generate", "size", "--hf with a --kept-fraction the sinks and window make impossible (ran without a "
+            "word)", generate_hf_impossible_kept_fraction, hf=True),
+        Row("LatentCache", "size", "capacity, batch_size, kv_lora_rank set after construction (torch's error at "
+            "the next write)", cache_sizes_set_after_construction),
+        Row("verify", "size", "--variant and --kv-format each given twice (their rows twice)", verify_flags_twice),
+        Row("convert", "path", "--hf config.json edited by hand (a field of the wrong type), also for "
+            "generate --hf and convert-gqa", config_edited_by_hand, hf=True),
+        Row("experiment", "signal", "two SIGINTs while the workers start (tracebacks from each worker)",
+            experiment_two_sigints_while_workers_start),
+        Row("plot", "output", "--out another run's checkpoint/status/metrics with --overwrite (replaced by a PNG)",
+            plot_over_another_runs_files),
+        Row("train", "size", "--steps 10**20 (beyond int64: trained on), TrainConfig/GPTConfig counts 2**70",
+            counts_past_int64),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -1834,7 +2025,7 @@ NOT_APPLICABLE = {
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows() + probe5_rows()
+ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows()
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

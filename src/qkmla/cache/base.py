@@ -87,7 +87,21 @@ def check_dtype(name: str, dtype) -> None:
 
 
 class SequenceCache:
-    """Base of every cache: B sequences of at most ``capacity`` tokens, named fields."""
+    """Base of every cache: B sequences of at most ``capacity`` tokens, named fields.
+
+    The sizes its buffers were allocated for (:attr:`FIXED`) are set by the constructor and by the
+    methods that resize the buffers with them (:meth:`grow`, :meth:`select_sequences`); assigned
+    from outside (``cache.capacity = 100``), they were taken at their word and the next write failed
+    deep in torch (or a smaller one silently refused tokens the buffers hold room for)."""
+
+    FIXED = ("batch_size", "capacity")
+
+    def __setattr__(self, name, value):
+        if name in type(self).FIXED and name in self.__dict__:
+            how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it"}
+            raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r}; "
+                                 f"{how.get(name, 'make a new cache with the value you want')}")
+        object.__setattr__(self, name, value)
 
     def __init__(self, batch_size: int, capacity: int, device=None, layout: Optional[Layout] = None):
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
@@ -295,8 +309,14 @@ class SequenceCache:
         buffers = self._contiguous_buffers("select_sequences")
         indices = torch.as_tensor(indices, device=self.device).long()
         if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+            shown = indices.tolist() if indices.numel() <= 16 else f"a tensor of shape {tuple(indices.shape)}"
             raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
-                             f"got {indices.tolist()}")
+                             f"got {shown}")
+        # Every buffer is copied for the new batch: checked as a whole first (torch's allocator's error
+        # half way through left some buffers moved and others not).
+        per_sequence = sum(buf.nbytes // max(1, buf.data.shape[0]) for buf in buffers)
+        check_allocation("indices", per_sequence * len(indices), f"a batch of {len(indices)} sequence(s) of "
+                         f"capacity={self.capacity}", self.device)
         for buf in buffers:
             buf.select(indices)
         self.seqlens, self.next_positions = self.seqlens[indices], self.next_positions[indices]
@@ -305,19 +325,26 @@ class SequenceCache:
             self._kept_positions = self._kept_positions[indices]
         if self.eviction is not None:
             self.eviction.select(indices)
-        self.batch_size = len(indices)
+        object.__setattr__(self, "batch_size", len(indices))  # FIXED to callers: the buffers moved with it
 
     def grow(self, capacity: int) -> None:
         """Raise the capacity to ``capacity`` slots per sequence, keeping every cached row."""
         buffers = self._contiguous_buffers("grow")
+        # As the constructor checks it: grow(nan) or grow(2.5) did nothing without a word, and
+        # grow(2**62) reached torch's allocator (after resizing some buffers and not others).
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         if capacity > self.capacity:
+            per_slot = sum(buf.nbytes // max(1, buf.data.shape[1]) for buf in buffers)
+            check_allocation("capacity", per_slot * capacity, f"{self.batch_size} sequence(s) of capacity={capacity} "
+                             "tokens", self.device)
             for buf in buffers:
                 buf.resize(capacity, self.max_len)
             if self._kept_positions is not None:
                 kept = torch.zeros(self.batch_size, capacity, dtype=torch.long, device=self.device)
                 kept[:, :self.capacity] = self._kept_positions
                 self._kept_positions = kept
-            self.capacity = capacity
+            object.__setattr__(self, "capacity", capacity)  # FIXED to callers: the buffers grew with it
 
     def drop_last(self, counts: torch.Tensor) -> None:
         """Forget the last ``counts[b]`` tokens of each sequence b (a rollback: speculative

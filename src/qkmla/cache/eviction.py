@@ -277,6 +277,26 @@ class SnapKV(EvictionPolicy):
 POLICIES = {cls.name: cls for cls in (StreamingLLM, H2O, SnapKV)}
 
 
+def check_kept_fraction(policy: EvictionPolicy, seen: int, option=lambda name: name) -> None:
+    """A ``kept_fraction`` that no cache of a generation could be held to, the most tokens a cache
+    holds when it evicts being ``seen`` (every policy keeps its sinks and window whatever the
+    fraction), is refused, not run as a policy that evicts nothing. Shared by ``qkmla generate``'s
+    run and ``--hf`` paths (the latter ran it without a word); ``option`` names the arguments."""
+    if policy.kept_fraction is None:
+        return
+    floor = policy.sinks + policy.window
+    if math.ceil(policy.kept_fraction * seen) < floor:
+        when = "when it evicts (after each prefill)" if policy.interval is None else "in this run"
+        knobs = option("sinks") if policy.name == "streaming-llm" else \
+            option("window") + (f" or {option('sinks')}" if policy.sinks else "")
+        fix = f"raise {option('kept_fraction')} to at least {floor / seen:.3g}" if floor < seen else \
+            "no fraction can evict anything here"
+        raise ValueError(f"{option('kept_fraction')}: {policy.kept_fraction:g} of the at most {seen} "
+                         f"token{'s' * (seen != 1)} a cache holds {when} is {math.ceil(policy.kept_fraction * seen)}, "
+                         f"fewer than the sinks + window = {policy.sinks} + {policy.window} that {policy.name} always "
+                         f"keeps; lower {knobs} ({fix})")
+
+
 def make_policy(name: str, **kwargs) -> EvictionPolicy:
     """A policy by name (``POLICIES``: "streaming-llm", "h2o", "snapkv") and its arguments."""
     if name not in POLICIES:

@@ -66,6 +66,7 @@ class LatentCache(SequenceCache):
     """
 
     codec = LatentCodec()  # "dense"; another kv_format gives the cache a QuantizedCodec
+    FIXED = SequenceCache.FIXED + ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups", "dtype", "kv_format", "rows")
 
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,

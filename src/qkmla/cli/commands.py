@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import traceback
 import warnings
@@ -28,6 +27,9 @@ def _verify(args: argparse.Namespace) -> int:
 
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    # A flag given twice names its rows once (--variant X --variant X computed and printed X twice).
+    args.variant = list(dict.fromkeys(args.variant)) if args.variant else args.variant
+    args.kv_format = list(dict.fromkeys(args.kv_format)) if args.kv_format else args.kv_format
     names = args.variant or list(verify.VARIANTS)
     unknown = [n for n in names if n not in verify.VARIANTS]
     if unknown:
@@ -110,13 +112,13 @@ def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..utils.files import check_output, check_path
-    from ..train.plot import SkippedLines, plot_runs
+    from ..train.plot import FIGURE_SUFFIXES, SkippedLines, plot_runs
 
     check_path("--out", args.out, "figure file")
     for run in args.runs:
         check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
-    check_output("--out", [args.out], inputs, args.overwrite, "figure")
+    check_output("--out", [args.out], inputs, args.overwrite, "figure", FIGURE_SUFFIXES)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SkippedLines)
         try:
@@ -167,23 +169,6 @@ def _text_stream(tok):
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     return lambda i: decoder.decode(b"", final=True) if i is None else decoder.decode(bytes([i]))
-
-
-def _check_kept_fraction(policy, seen: int) -> None:
-    """A --kept-fraction that no cache of this run could be held to (every policy keeps its
-    sinks and window whatever the fraction) is refused, not run as a policy that evicts nothing."""
-    if policy.kept_fraction is None:
-        return
-    floor = policy.sinks + policy.window
-    if math.ceil(policy.kept_fraction * seen) < floor:
-        when = "when it evicts (after each prefill)" if policy.interval is None else "in this run"
-        knobs = "--sinks" if policy.name == "streaming-llm" else "--window" + (" or --sinks" if policy.sinks else "")
-        fix = f"raise --kept-fraction to at least {floor / seen:.3g}" if floor < seen else \
-            "no fraction can evict anything here"
-        raise ValueError(f"--kept-fraction: {policy.kept_fraction:g} of the at most {seen} token{'s' * (seen != 1)} a "
-                         f"cache holds {when} "
-                         f"is {math.ceil(policy.kept_fraction * seen)}, fewer than the sinks + window = "
-                         f"{policy.sinks} + {policy.window} that {policy.name} always keeps; lower {knobs} ({fix})")
 
 
 def _kept_line(policy, report: dict) -> str:
@@ -275,6 +260,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.device is None:
             args.device = "cpu"
         return _generate_hf(args, policy)
+    from ..cache.eviction import check_kept_fraction
     from ..utils.limits import check_fits
     from ..model.generate import max_tokens_seen
     from ..train.trainer import load_model
@@ -294,7 +280,8 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ValueError(f"--prompt: {str(e).partition(': ')[2]}") from None
     if policy is not None:
-        _check_kept_fraction(policy, max_tokens_seen(model, prompts, args.max_new_tokens, policy.interval is None))
+        check_kept_fraction(policy, max_tokens_seen(model, prompts, args.max_new_tokens, policy.interval is None),
+                            option=lambda name: f"--{name.replace('_', '-')}")
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
     stream = None

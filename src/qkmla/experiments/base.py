@@ -190,10 +190,27 @@ def _owners(out: Path) -> set:
             owners.add("another program")
     if results.is_file():
         try:
-            rows = read_results(results)
-            owners |= {r.get("experiment", "another program") if isinstance(r, dict) else "another program"
-                       for r in rows}
+            lines = results.read_text(encoding="utf-8").splitlines()
         except (OSError, ValueError):
+            owners.add("another program")
+            return owners
+        rows, bad = [], []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                bad.append((number, e))
+        named = {r.get("experiment") for r in rows if isinstance(r, dict)} - {None}
+        if bad and named:  # an experiment's results with a line damaged (by hand): not another program's
+            number, e = bad[0]
+            raise ValueError(f"--out: {results} line {number} is not a JSON row ({e}); the other rows are "
+                             f"{', '.join(sorted(named))}'s results: fix or remove that line and run again "
+                             "(--overwrite would replace every row there)")
+        owners |= {r.get("experiment", "another program") if isinstance(r, dict) else "another program"
+                   for r in rows}
+        if bad:
             owners.add("another program")
     return owners
 

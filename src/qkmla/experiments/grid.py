@@ -177,12 +177,39 @@ def _init_worker(stop=None) -> None:
         pass
     for name in ("SIGINT", "SIGTERM"):
         signal.signal(getattr(signal, name), _worker_signal)
+    # Spawned with them blocked (spawning_workers): one sent while this process was still starting
+    # (importing torch) waited, and is handled now, by the handler above.
+    try:
+        if hasattr(signal, "pthread_sigmask"):  # POSIX; elsewhere spawning_workers blocked nothing
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    except KeyboardInterrupt:  # a second request that waited: no task to end yet, the stop event says it all
+        pass
     try:  # Linux: end with the parent, even one killed with SIGKILL, instead of waiting on its pipe
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def spawning_workers():
+    """SIGINT and SIGTERM blocked in this thread while it starts worker processes, which inherit the
+    mask: a stop request passed on to a worker still importing torch (before :func:`_init_worker`
+    installs its handlers) killed it with a KeyboardInterrupt traceback, breaking the pool. The
+    worker unblocks them once its handlers are in place; this process's own handler runs at the end
+    (or in the meantime, through another thread), so no request is lost."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_branch(parent: Path, path: Path) -> None:
@@ -393,11 +420,12 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     machine_error: Optional[OSError] = None
     try:
         futures = {}
-        for r in todo:
-            if stop.requested:
-                break
-            futures[pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
-                                 str(Path(out) / "runs" / r.start_from) if r.start_from else None)] = r
+        with spawning_workers():  # submit starts the pool's processes
+            for r in todo:
+                if stop.requested:
+                    break
+                futures[pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
+                                     str(Path(out) / "runs" / r.start_from) if r.start_from else None)] = r
         pending = set(futures)
         while pending:
             done, pending = concurrent.futures.wait(pending, timeout=0.2,

@@ -96,9 +96,7 @@ class GPTConfig:
         if self.attn not in ATTENTION_VARIANTS:
             raise ValueError(f"attn: expected one of {ATTENTION_VARIANTS}, got {self.attn!r}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            check_positive_int(name, getattr(self, name))  # also below 2**63: block_size=2**70 was accepted
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
         # None means the variant's default; 0 must not quietly mean it too (attention_config's `or`),

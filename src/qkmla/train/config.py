@@ -38,6 +38,8 @@ def _number(name: str, value, low: float, high: float = math.inf, low_open: bool
     kinds = (int,) if integer else (int, float)
     ok = isinstance(value, kinds) and not isinstance(value, bool) and not math.isnan(value)
     ok = ok and (value > low if low_open else value >= low) and value <= high and math.isfinite(value)
+    if ok and integer and value >= 2**63:  # a count past int64 (--steps 10**20 trained on as if endless)
+        raise ValueError(f"{name}: expected an int below 2**63 (counts are int64), got {value}")
     if not ok:
         what = "an int" if integer else "a finite number"
         rng = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if math.isfinite(high) else "")

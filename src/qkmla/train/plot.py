@@ -15,6 +15,13 @@ class SkippedLines(UserWarning):
     prints each as one line)."""
 
 
+# What a figure file is named: the formats matplotlib writes (an --out with another suffix is a PNG).
+# Only such a file, a figure drawn before, is replaced with --overwrite inside another command's
+# directory; a run's checkpoint or status is refused (utils.files.check_output).
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".pgf",
+                   ".raw", ".rgba", ".avif")
+
+
 def read_metrics(run_dir: str | Path, skipped: list | None = None) -> list[dict]:
     """The rows of ``run_dir/metrics.jsonl`` (up to a last line cut short by a kill); the
     1-based numbers of the lines that are not rows go into ``skipped`` when it is a list."""

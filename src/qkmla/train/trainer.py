@@ -288,8 +288,9 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
         stored = json.loads(read_metadata(out / FILENAME)["config"])
         diffs = resume_mismatches(stored, run_config)
         if diffs:
-            raise ValueError(f"resume: the run in {out} was trained differently; these must match:\n  "
-                             + "\n  ".join(diffs) + "\n(steps, the lr schedule, logging and intervals may change; "
+            # One line, as every refusal is (it was a list, one setting a line, under the command's line).
+            raise ValueError(f"resume: the run in {out} was trained differently; these must match: "
+                             + "; ".join(diffs) + " (steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
         edits = record_edits(out / "config.json", stored, run_config, (read_status(out) or {}).get("config_sha256"))
         if edits:  # the resume rewrites the file: an edit there would vanish without a word

@@ -12,7 +12,8 @@ also fsyncs the file before the rename and the directory after it, so what a lat
 (results, statuses, checkpoints) survives a crash of the machine too, not only of the process.
 :func:`write_directory` writes a directory (a converted checkpoint) the same way.
 :func:`check_output` refuses, before any work, an output that is an input of the command, or
-exists, unless ``--overwrite`` says to replace it (``qkmla experiment`` also refuses another
+exists, unless ``--overwrite`` says to replace it (an existing file in another command's directory,
+a run's checkpoint say, whatever it says; ``qkmla experiment`` also refuses another
 experiment's results: ``experiments.base``); :func:`check_own_directory` refuses a directory
 that holds another command's output (a training run, a demo, an experiment's results, a
 transformers checkpoint) to a command that writes a directory of its own; :func:`check_path` and
@@ -259,6 +260,19 @@ def check_own_directory(name: str, out: PathLike, command: str) -> None:
                              "elsewhere")
 
 
+def directory_kind(directory: PathLike) -> Optional[tuple[str, str]]:
+    """(command, what) of the output of another command that ``directory`` holds
+    (:data:`DIRECTORY_KINDS`: a training run, a demo, an experiment's results, a transformers
+    checkpoint), or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    for owner, (what, files) in DIRECTORY_KINDS.items():
+        if any((directory / f).exists() for f in files):
+            return owner, what
+    return None
+
+
 def check_writable(name: str, directory: PathLike) -> None:
     """ValueError naming ``name`` if files cannot be made in the existing ``directory`` (read-only,
     no permission), found by making one, before any work."""
@@ -309,9 +323,11 @@ def same_file(a: PathLike, b: PathLike) -> bool:
 
 
 def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLike], overwrite: bool,
-                 what: str = "output") -> None:
+                 what: str = "output", own_suffixes: tuple = ()) -> None:
     """Before any work: ValueError naming option ``name`` if an output file is one of the inputs
-    (whatever ``overwrite`` says), is a directory, or already exists without ``overwrite``."""
+    (whatever ``overwrite`` says), is a directory, is an existing file in another command's directory
+    (:func:`directory_kind`) other than one of the kind this command writes (``own_suffixes``: a
+    figure drawn there before), whatever ``overwrite`` says, or already exists without ``overwrite``."""
     inputs = [Path(p) for p in inputs]
     existing = []
     for out in map(Path, outputs):
@@ -321,6 +337,14 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
                              f"what is being read, so write elsewhere")
         if out.is_dir():
             raise ValueError(f"{name}: cannot write the {what} file {out}, which is a directory; write elsewhere")
+        # A file in another command's directory (a run's checkpoint or status, an experiment's results)
+        # is that command's output: --overwrite replaced it with this one (a run that no longer loads).
+        kind = directory_kind(out.parent) if os.path.lexists(out) and out.suffix.lower() not in own_suffixes \
+            else None
+        if kind is not None:
+            raise ValueError(f"{name}: {out} is a file of {kind[1]} (qkmla {kind[0]}'s output in {out.parent}); "
+                             f"--overwrite replaces only a {what} file ({', '.join(own_suffixes) or 'its own'}), "
+                             "never another command's; write elsewhere")
         if out.exists():
             existing.append(str(out))
     if existing and not overwrite:

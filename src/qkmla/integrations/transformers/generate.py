@@ -9,15 +9,15 @@ them, and ``generate`` runs after ``apply_latent_attention``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from ...cache.eviction import EvictionPolicy
+from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .model import apply_latent_attention
+from ..hub.checkpoint import read_hf_config
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
 
@@ -34,9 +34,9 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
-    try:
-        model_type = json.loads((root / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError) as e:
+    try:  # parsed and its fields checked as every command reads it (a junk field was a traceback)
+        model_type = read_hf_config(root).get("model_type")
+    except OSError as e:
         raise ValueError(f"hf_dir: {root / 'config.json'} cannot be read: {e}") from None
     if model_type is None:
         raise ValueError(f"hf_dir: {root / 'config.json'} names no model_type, so it is not a transformers "
@@ -94,6 +94,9 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
     if batch["input_ids"].shape[1] + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens: the longest prompt ({batch['input_ids'].shape[1]} tokens) plus "
                          f"{max_new_tokens} new tokens passes the model's max_position_embeddings={limit}")
+    if policy is not None:  # a fraction the sinks and window make impossible: a policy that evicts nothing
+        width = batch["input_ids"].shape[1]
+        check_kept_fraction(policy, width if policy.interval is None else width + max_new_tokens)
     # Exactly what was asked: none of the checkpoint's own sampling defaults (top_p, repetition
     # penalty, ...) applies; its end-of-sequence token does.
     generation = transformers.GenerationConfig(
