@@ -264,9 +264,9 @@ def test_record_edits_are_the_changes_a_resume_would_lose(tmp_path):
     path.write_text(killed)
     later = {**now, "train": {"steps": 5, "lr": 0.003, "seed": 1}}
     assert record_edits(path, recorded, later) == ["train.lr: 0.002 in the file, 0.001 recorded, 0.003 now"]
-    assert record_edits(path, recorded, later, written=text_digest(killed)) == []
+    assert record_edits(path, recorded, later, written=(text_digest(killed),)) == []
     path.write_text(killed.replace("0.002", "0.5"))  # edited after that write: the digest no longer vouches for it
-    assert record_edits(path, recorded, later, written=text_digest(killed)) == [
+    assert record_edits(path, recorded, later, written=(text_digest(killed),)) == [
         "train.lr: 0.5 in the file, 0.001 recorded, 0.003 now"]
     path.write_text('{"train": {"st')
     assert record_edits(path, recorded, now) == ["not readable JSON: damaged or cut short"]

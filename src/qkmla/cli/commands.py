@@ -90,7 +90,7 @@ def _cache_size(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from ..utils.environment import check_launch
     from ..utils.threads import apply_threads
-    from ..train.cli import train_config_from_args
+    from ..train.cli import exit_code, train_config_from_args
     from ..train.trainer import train
 
     check_launch()  # torchrun's variables without torchrun would wait for ranks that never come
@@ -98,7 +98,12 @@ def _train(args: argparse.Namespace) -> int:
     apply_threads(args.threads, "train")
     status = train(config)
     print(json.dumps(status))
-    return 0 if status["status"] in ("done", "time limit") else 1
+    return exit_code(status)
+
+
+def _flag(name: str) -> str:
+    """The command-line flag of a Python API argument: kept_fraction -> --kept-fraction."""
+    return f"--{name.replace('_', '-')}"
 
 
 def _as_options(error: ValueError, names: dict[str, str]) -> ValueError:
@@ -216,7 +221,7 @@ def _generate_hf(args: argparse.Namespace, policy) -> int:
         # (its device_map when none is given) and the prompts' batch is made there.
         with device:
             texts = generate_hf(args.hf, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                                args.kv_format, policy, dtype)
+                                args.kv_format, policy, dtype, option=_flag)
     except ValueError as e:
         raise _as_options(e, {"hf_dir": "--hf", "max_new_tokens": _tokens_flag(args.argv)}) from None
     for text in texts:
@@ -281,7 +286,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--prompt: {str(e).partition(': ')[2]}") from None
     if policy is not None:
         check_kept_fraction(policy, max_tokens_seen(model, prompts, args.max_new_tokens, policy.interval is None),
-                            option=lambda name: f"--{name.replace('_', '-')}")
+                            option=_flag)
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
     stream = None

@@ -6,7 +6,7 @@ import sys
 from ..utils.environment import check_launch
 from ..utils.errors import Parser, environment_message
 from ..utils.threads import apply_threads
-from .cli import add_train_arguments, train_config_from_args, train_flag_message
+from .cli import add_train_arguments, exit_code, train_config_from_args, train_flag_message
 from .trainer import CollectiveTimeout, train
 
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
         print(f"qkmla train: {message}", file=sys.stderr)
         return 1
     print(json.dumps(status))
-    return 0 if status["status"] in ("done", "time limit") else 1
+    return exit_code(status)
 
 
 if __name__ == "__main__":

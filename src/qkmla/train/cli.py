@@ -98,3 +98,13 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                          "(WORLD_SIZE unset or 1); drop it, or launch with `torchrun --nproc_per_node N -m qkmla.train "
                          "... --fsdp`")
     return config
+
+
+# A run a signal stopped (checkpointed) exits as a shell reports the signal, as qkmla's other
+# commands do (130 Ctrl-C, 143 SIGTERM), so a scheduler can tell it from a failure (1).
+EXIT_CODES = {"done": 0, "time limit": 0, "interrupted": 130, "stopped": 143}
+
+
+def exit_code(status: dict) -> int:
+    """The exit status of ``qkmla train`` for the run's final ``status``."""
+    return EXIT_CODES.get(status["status"], 1)

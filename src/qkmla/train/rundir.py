@@ -16,9 +16,9 @@ listed under ``non_finite``.
 config (the checkpoint carries the same record). It is read, not obeyed: a resume takes its
 settings from the command line and checks them against the checkpoint's. An edit to the file
 would be overwritten by the resume, so a resume over an edited (or damaged) one is refused,
-naming the settings changed (:func:`record_edits`); ``status.json`` keeps the digest of the
-text the last start wrote (``config_sha256``), which vouches for a file a resume killed before
-its first checkpoint left.
+naming the settings changed (:func:`record_edits`); ``status.json`` keeps the digests of the
+texts the last start wrote (``config_sha256``, and the one before while it writes), which vouch
+for a file a resume killed before its first checkpoint left.
 """
 
 from __future__ import annotations
@@ -303,23 +303,39 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def record_edits(path: Path, recorded: dict, now: dict, written: Optional[str] = None) -> list[str]:
+def note_config_written(out: Path, digest: str) -> None:
+    """Before a start writes ``out/config.json``: its status keeps the new text's digest and the
+    one before (``config_sha256``, ``config_sha256_previous``), so a start killed on either side of
+    the write leaves a file its status vouches for. A first start has no status yet, and nothing to
+    resume until its "running" status (with the digest) and a checkpoint are written."""
+    status = read_status(out)
+    if status is not None:
+        write_status(out, {**status, "config_sha256": digest, "config_sha256_previous": status.get("config_sha256")})
+
+
+def written_digests(out: Path) -> tuple:
+    """The digests of the config.json texts qkmla last wrote in ``out`` (:func:`note_config_written`)."""
+    status = read_status(out) or {}
+    return tuple(d for d in (status.get("config_sha256"), status.get("config_sha256_previous")) if d)
+
+
+def record_edits(path: Path, recorded: dict, now: dict, written: tuple = ()) -> list[str]:
     """The settings a user changed in a run's ``config.json`` (``path``) that a resume would
     overwrite: those whose value there differs both from the run's own record (``recorded``: the
     config its checkpoint carries, which the file was written from) and from what the resume
     writes (``now``). A difference from ``now`` alone is the resume's to make (more steps, another
     lr: RESUMABLE), one from ``recorded`` alone was made by a resume killed before its first
-    checkpoint; neither loses anything. A file whose digest is ``written`` (:func:`text_digest` of
-    the text the last start wrote, kept in its status) is qkmla's own, whatever it holds: a resume
-    killed before its first checkpoint may have written settings that neither the checkpoint nor
-    the next resume has. [] when there is no such file or nothing was changed; a file that is not
+    checkpoint; neither loses anything. A file whose digest is among ``written``
+    (:func:`written_digests`: the texts qkmla last wrote there) is qkmla's own, whatever it holds:
+    a resume killed before its first checkpoint may have written settings that neither the
+    checkpoint nor the next resume has. [] when there is no such file or nothing was changed; a file that is not
     a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001 recorded, 0.001
     now"; the sections ("train", "model") compare field by field."""
     if not Path(path).is_file():
         return []
     try:
         text = Path(path).read_text(encoding="utf-8")
-        if written is not None and text_digest(text) == written:
+        if text_digest(text) in written:
             return []
         saved = json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError):
@@ -349,7 +365,7 @@ def resume_edits(out: Path) -> list[str]:
         recorded = json.loads(read_metadata(Path(out) / FILENAME)["config"])
     except (OSError, ValueError, KeyError, TypeError):
         return []
-    return record_edits(Path(out) / "config.json", recorded, recorded, (read_status(out) or {}).get("config_sha256"))
+    return record_edits(Path(out) / "config.json", recorded, recorded, written_digests(out))
 
 
 # TrainConfig fields that define the model or data beyond what the model config and the

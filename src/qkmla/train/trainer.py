@@ -51,8 +51,8 @@ from .config import TrainConfig
 from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
-from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, prepare, read_status, record_edits, resume_mismatches,
-                     text_digest, truncate_metrics, write_status)
+from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, note_config_written, prepare, record_edits,
+                     resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
 
@@ -292,7 +292,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
             raise ValueError(f"resume: the run in {out} was trained differently; these must match: "
                              + "; ".join(diffs) + " (steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
-        edits = record_edits(out / "config.json", stored, run_config, (read_status(out) or {}).get("config_sha256"))
+        edits = record_edits(out / "config.json", stored, run_config, written_digests(out))
         if edits:  # the resume rewrites the file: an edit there would vanish without a word
             raise ValueError(f"out: {out / 'config.json'} was changed since the run wrote it ("
                              f"{'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); a resume takes its "
@@ -307,6 +307,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
         _load_states(model, optimizer, model_state, optim_state, fsdp)
     config_text = json.dumps(run_config, indent=1)
     if rank == 0:
+        note_config_written(out, text_digest(config_text))  # first: a kill between the two leaves both vouched for
         write_text(out / "config.json", config_text)
         truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
 

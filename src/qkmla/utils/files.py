@@ -326,8 +326,9 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
                  what: str = "output", own_suffixes: tuple = ()) -> None:
     """Before any work: ValueError naming option ``name`` if an output file is one of the inputs
     (whatever ``overwrite`` says), is a directory, is an existing file in another command's directory
-    (:func:`directory_kind`) other than one of the kind this command writes (``own_suffixes``: a
-    figure drawn there before), whatever ``overwrite`` says, or already exists without ``overwrite``."""
+    (:func:`directory_kind`) other than one of the kind this command writes (``own_suffixes``, when
+    given: a figure drawn there before), whatever ``overwrite`` says, or already exists without
+    ``overwrite``."""
     inputs = [Path(p) for p in inputs]
     existing = []
     for out in map(Path, outputs):
@@ -339,11 +340,13 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
             raise ValueError(f"{name}: cannot write the {what} file {out}, which is a directory; write elsewhere")
         # A file in another command's directory (a run's checkpoint or status, an experiment's results)
         # is that command's output: --overwrite replaced it with this one (a run that no longer loads).
-        kind = directory_kind(out.parent) if os.path.lexists(out) and out.suffix.lower() not in own_suffixes \
-            else None
+        # Only for a command that says which files are its own (a benchmark writing its result beside
+        # an experiment's files in benchmarks/results/ is not writing over them).
+        kind = directory_kind(out.parent) if own_suffixes and os.path.lexists(out) and \
+            out.suffix.lower() not in own_suffixes else None
         if kind is not None:
             raise ValueError(f"{name}: {out} is a file of {kind[1]} (qkmla {kind[0]}'s output in {out.parent}); "
-                             f"--overwrite replaces only a {what} file ({', '.join(own_suffixes) or 'its own'}), "
+                             f"--overwrite replaces only this command's own {what} files ({', '.join(own_suffixes)}), "
                              "never another command's; write elsewhere")
         if out.exists():
             existing.append(str(out))

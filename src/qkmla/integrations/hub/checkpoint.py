@@ -96,7 +96,8 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
     """The parsed ``config.json`` of a checkpoint directory.
 
     Raises:
-        ValueError: naming the file when it is missing or not a JSON object.
+        ValueError: naming the file (as ``hf_dir``) when it is missing, unreadable, not a JSON
+            object, or holds a field of a type transformers' config class refuses.
     """
     path = Path(hf_dir) / CONFIG
     if not path.is_file():
@@ -104,9 +105,11 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise ValueError(f"hf_dir: {path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"hf_dir: {path} cannot be read ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__}")
+        raise ValueError(f"hf_dir: {path}: expected a JSON object, got {type(config).__name__}")
     _check_fields(path, config)
     return config
 
@@ -115,30 +118,26 @@ def _check_fields(path: Path, config: dict) -> None:
     """transformers' own check of the fields of a model type it knows, made here, where every
     command reads the file first: a field of the wrong type (``"hidden_size": "abc"``, an edit by
     hand) raised huggingface_hub's StrictDataclassFieldValidationError, not a ValueError, from
-    whichever load came first (the tokenizer's, the model's), printed as a bug in qkmla."""
-    import logging
-
+    whichever load came first (the tokenizer's, the model's), printed as a bug in qkmla. Only a
+    field's type is refused here; anything else the config class objects to (a rope type qkmla
+    does not serve, a layer type) is left to the loaders, which name it better. Warnings the
+    config gives are given here (transformers prints each once per process)."""
     try:
-        from huggingface_hub.errors import StrictDataclassError
+        from huggingface_hub.errors import StrictDataclassFieldValidationError
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    except ImportError:  # an older transformers: no strict fields to fail on
+    except ImportError:  # no transformers, or an older one: no strict fields to fail on
         return
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         return  # no model type, or one transformers does not know: each loader names what it expects
-    log = logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)  # the config's own warnings come again when the command loads it
     try:
         CONFIG_MAPPING[model_type].from_dict(dict(config))
-    except StrictDataclassError as e:
+    except StrictDataclassFieldValidationError as e:
         detail = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])
         raise ValueError(f"hf_dir: {path} is not a config transformers can read ({type(e).__name__}: "
                          f"{detail[:300]})") from None
-    except Exception:  # noqa: BLE001 - anything else (a rope type qkmla does not serve) the loaders name better
+    except Exception:  # noqa: BLE001 - anything else the loaders name better
         pass
-    finally:
-        log.setLevel(level)
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], Path]:

@@ -10,7 +10,7 @@ them, and ``generate`` runs after ``apply_latent_attention``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -73,8 +73,10 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temperature: float = 0.0,
                 top_k: Optional[int] = None, seed: int = 0, kv_format: str = "dense",
-                policy: Optional[EvictionPolicy] = None, dtype: str = "float32") -> list[str]:
-    """Each prompt followed by its continuation (temperature 0: greedy)."""
+                policy: Optional[EvictionPolicy] = None, dtype: str = "float32",
+                option: Callable[[str], str] = lambda name: name) -> list[str]:
+    """Each prompt followed by its continuation (temperature 0: greedy). ``option`` names the
+    policy's arguments in a refusal (``qkmla generate --hf`` passes its flags)."""
     import transformers
 
     check_sampling(max_new_tokens, temperature, top_k)
@@ -96,7 +98,7 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
                          f"{max_new_tokens} new tokens passes the model's max_position_embeddings={limit}")
     if policy is not None:  # a fraction the sinks and window make impossible: a policy that evicts nothing
         width = batch["input_ids"].shape[1]
-        check_kept_fraction(policy, width if policy.interval is None else width + max_new_tokens)
+        check_kept_fraction(policy, width if policy.interval is None else width + max_new_tokens, option)
     # Exactly what was asked: none of the checkpoint's own sampling defaults (top_p, repetition
     # penalty, ...) applies; its end-of-sequence token does.
     generation = transformers.GenerationConfig(
