@@ -328,9 +328,9 @@ def record_edits(path: Path, recorded: dict, now: dict, written: tuple = ()) -> 
     checkpoint; neither loses anything. A file whose digest is among ``written``
     (:func:`written_digests`: the texts qkmla last wrote there) is qkmla's own, whatever it holds:
     a resume killed before its first checkpoint may have written settings that neither the
-    checkpoint nor the next resume has. [] when there is no such file or nothing was changed; a file that is not
-    a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001 recorded, 0.001
-    now"; the sections ("train", "model") compare field by field."""
+    checkpoint nor the next resume has. [] when there is no such file or nothing was changed; a
+    file that is not a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001
+    recorded, 0.001 now"; the sections ("train", "model") compare field by field."""
     if not Path(path).is_file():
         return []
     try:
