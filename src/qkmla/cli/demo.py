@@ -30,7 +30,7 @@ from ..model.gpt import GPT
 from ..train.data import Corpus, get_batch
 from ..train.plot import plot_runs, read_metrics
 from ..train.rundir import RunLock
-from ..train.trainer import TrainConfig, load_model, train
+from ..train.trainer import TrainConfig, check_step_fits, load_model, train
 
 STEPS = 750  # per run: fixed, so results reproduce; 4 runs take about 2.5 minutes on 2 cores
 LEARNING_RATES = {"moderate": 3e-3, "high": 3e-2}
@@ -132,6 +132,9 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
 def _run_demo_locked(out: Path, steps: Optional[int], preset: str, configs: list[TrainConfig]) -> int:
     t_start = time.perf_counter()
     corpus = Corpus.load("tiny_shakespeare")
+    for cfg in configs[:len(MODELS)]:  # every model the demo trains, before the first run: a preset too big for
+        model_cfg = cfg.model_config(corpus.tokenizer.vocab_size)  # this machine is refused here, naming --preset
+        check_step_fits(GPT(model_cfg), cfg.batch_size, model_cfg.block_size, name="preset")
     steps_given = steps is not None
     steps = steps if steps_given else STEPS
     print(f"training {len(MODELS) * len(LEARNING_RATES)} models x {steps} steps ({preset} preset: about 2.5 minutes "

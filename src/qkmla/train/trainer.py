@@ -53,6 +53,7 @@ from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, note_config_written, prepare, record_edits,
                      resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
+from .step_memory import step_saved_bytes
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
 
@@ -242,6 +243,10 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
     corpus.check_block(model_cfg.block_size, "block_size" if config.block_size is not None else "data")
     check_sizes(config, corpus, model_cfg, world)
+    torch.manual_seed(config.seed)
+    model = GPT(model_cfg)
+    if not (world > 1 and config.fsdp):  # a sharded model's forward is a collective: the config's bound stands
+        check_step_fits(model, config.batch_size // world, model_cfg.block_size)
     if config.out is None:
         if world > 1:
             raise ValueError("out: required under torchrun (every rank must write to the same directory)")
@@ -258,17 +263,26 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     except OSError as e:  # a file in the way, no permission, a read-only file system
         raise ValueError(f"out: cannot make the run directory {out} ({e.strerror})") from None
     if rank != 0:
-        return _train_locked(config, corpus, model_cfg, out, rank, world)
+        return _train_locked(config, corpus, model, out, rank, world)
     with RunLock(out):
         note = prepare(out, config.resume, config.overwrite)
         if note:
             print(f"{out}: {note}")
-        return _train_locked(config, corpus, model_cfg, out, rank, world)
+        return _train_locked(config, corpus, model, out, rank, world)
 
 
-def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out: Path, rank: int, world: int) -> dict:
-    torch.manual_seed(config.seed)
-    model = GPT(model_cfg)
+def check_step_fits(model: GPT, batch: int, block_size: int, name: str = "batch_size") -> None:
+    """ValueError naming ``name`` if what a step of ``batch`` windows saves for its backward
+    (measured: ``step_memory.py``) exceeds the memory left once the weights are made. Training
+    runs it before the run directory is touched, so a refused ``--overwrite`` keeps the run it
+    would have replaced."""
+    check_fits(name, step_saved_bytes(model, batch, block_size),
+               f"the tensors a training step of {batch} windows of {block_size} tokens of {model.config.attn} saves "
+               f"for its backward (measured on {min(batch, 3)})")
+
+
+def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, rank: int, world: int) -> dict:
+    model_cfg = model.config
     fsdp = world > 1 and config.fsdp
     if fsdp:  # shard before the optimizer sees the parameters: fully_shard replaces them
         from torch.distributed.fsdp import fully_shard
@@ -306,8 +320,9 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
                              "train further")
         _load_states(model, optimizer, model_state, optim_state, fsdp)
     config_text = json.dumps(run_config, indent=1)
+    config_digest = text_digest(config_text)
     if rank == 0:
-        note_config_written(out, text_digest(config_text))  # first: a kill between the two leaves both vouched for
+        note_config_written(out, config_digest)  # first: a kill between the two leaves both vouched for
         write_text(out / "config.json", config_text)
         truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
 
@@ -322,7 +337,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, out
     local = config.batch_size // world
     metrics_path = out / "metrics.jsonl"
     status = {"status": "running", "step": start, "out": str(out), "pid": os.getpid(), "checkpoint_step": start,
-              "config_sha256": text_digest(config_text)}  # which config.json is qkmla's own (rundir.record_edits)
+              "config_sha256": config_digest}  # which config.json is qkmla's own (rundir.record_edits)
     if rank == 0:
         write_status(out, status)
     bar = None

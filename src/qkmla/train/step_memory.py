@@ -1,0 +1,52 @@
+"""What a training step keeps for its backward, measured on the model before the first step.
+
+A size check from the config alone (``trainer.check_sizes``) has to leave out what depends on
+the kernels torch picks: whether attention stores its probabilities (SDPA's math path does, a
+flash path does not), the RoPE and norm intermediates each variant saves. Those dominate a
+large model's step: ``qkmla demo --preset paper-400m`` passed the config's bound on a 24 GiB
+machine and was then killed by the kernel at 22 GiB. Here the forward runs for real on one
+window and on a few, and every tensor autograd saves is counted (by storage, so views and
+tensors saved twice count once; parameters not at all), which gives the step's bytes for any
+number of windows without running it. Everything counted is alive at once at the end of the
+forward, so the count is a lower bound of the step's peak above the weights already made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["saved_bytes", "step_saved_bytes"]
+
+
+def saved_bytes(model: torch.nn.Module, windows: int, block_size: int) -> int:
+    """Bytes autograd saves for a training forward of ``windows`` windows of ``block_size``
+    tokens (token id 0 throughout: the sizes do not depend on the ids of a dense model), the
+    parameters' storage excluded. Runs in train mode with the global RNG state put back, so the
+    run that follows draws exactly what it would have (dropout masks included)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held: list[torch.Tensor] = []  # alive until the count is taken, so no address is reused within it
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        held.append(t)
+        return t
+
+    x = torch.zeros(windows, block_size, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(x, x)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
+                if t.device.type != "meta" and t.untyped_storage().data_ptr() not in params}
+    del loss, held
+    return sum(storages.values())
+
+
+def step_saved_bytes(model: torch.nn.Module, batch: int, block_size: int) -> int:
+    """:func:`saved_bytes` of a step of ``batch`` windows, measured on at most three: from two
+    windows on the bytes grow by the same amount per window (bytes(B) = fixed + B * per_window,
+    the fixed part being tables made from the weights), so forwards of two and three windows give
+    any batch. One window is no guide: a batch of one lets some ops broadcast where a larger
+    batch copies (v4's sinks did), so its bytes extrapolated would overstate every other batch."""
+    if batch <= 2:
+        return saved_bytes(model, batch, block_size)
+    two, three = saved_bytes(model, 2, block_size), saved_bytes(model, 3, block_size)
+    per_window = max(three - two, 0)
+    return max(two - 2 * per_window, 0) + batch * per_window
