@@ -31,11 +31,13 @@ def saved_bytes(model: torch.nn.Module, windows: int, block_size: int) -> int:
         return t
 
     x = torch.zeros(windows, block_size, dtype=torch.long, device=next(model.parameters()).device)
-    with torch.random.fork_rng(devices=[]), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with torch.random.fork_rng(devices=[]), torch.enable_grad(), hooks:
         _, loss = model(x, x)
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
                 if t.device.type != "meta" and t.untyped_storage().data_ptr() not in params}
-    del loss, held
+    del loss
+    held.clear()
     return sum(storages.values())
 
 
