@@ -2013,6 +2013,57 @@ def probe6_rows():
     ]
 
 
+
+# --------------------------------------------------------------------------------------------
+# Probe round 7: a fresh set of probes (/work/scratch/probes7), the failures fixed since; each
+# row failed before its fix, with what it did then in parentheses.
+
+# torchrun's variables as torchrun sets them (TORCHELASTIC_RUN_ID too), for a rank whose peer never starts
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "probe7", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+
+
+def probe7_rows():
+    one_process = r"WORLD_SIZE: the environment says 2 ranks, but qkmla {} runs as one process"
+
+    def train_rank_never_joins(env):
+        """Under torchrun's variables, a peer that never starts: torch's DistStoreError after
+        --dist-timeout, a traceback and 'internal error'."""
+        r = qkmla(train_ok(env, env.tmp / "o") + ["--dist-timeout", "2"], env.tmp,
+                  env={**TORCHRUN, "MASTER_PORT": str(29500 + os.getpid() % 1000)})
+        line = one_machine_line(r, "train", "WORLD_SIZE: the rendezvous at 127.0.0.1:")
+        assert "--dist-timeout 2 s" in line, line
+
+    def one_process_commands_under_torchrun(env):
+        """experiment and demo under torchrun's variables passed the launch check and waited in the
+        rendezvous for ranks that never come (600 s), deaf to SIGTERM; demo with stale ones printed
+        torch's 'Error initializing torch.distributed ... MASTER_ADDR expected'."""
+        with_env(env, {**TORCHRUN, "MASTER_PORT": "29500"}, lambda: [
+            refuse(env, ["experiment", "lr-sweep", "--quick", "--out", env.tmp / "x"], one_process.format("experiment")),
+            refuse(env, ["demo", "--steps", "1", "--out", env.tmp / "d"], one_process.format("demo"))])
+        for name in TORCHRUN:
+            env.monkeypatch.delenv(name)
+        with_env(env, {"WORLD_SIZE": "2", "RANK": "0"}, lambda: refuse(
+            env, ["demo", "--steps", "1", "--out", env.tmp / "d"], "WORLD_SIZE: the environment says 2 ranks, but "
+            "this process was not started by torchrun"))
+        assert not (env.tmp / "x").exists() and not (env.tmp / "d").exists()
+
+    def junk_master_port(env):
+        """MASTER_PORT=junk under torchrun: 'invalid literal for int() with base 10: 'junk'' (no variable named)."""
+        with_env(env, {**TORCHRUN, "MASTER_PORT": "junk"}, lambda: refuse(
+            env, train_ok(env, env.tmp / "o"), r"MASTER_PORT: the environment variable holds 'junk', expected a TCP "
+            r"port"))
+
+    return [
+        Row("train", "environment", "torchrun's variables, the peer never starts (DistStoreError traceback, internal "
+            "error)", train_rank_never_joins),
+        Row("train", "environment", "MASTER_PORT=junk under torchrun (int()'s message, no variable)", junk_master_port),
+        Row("experiment", "environment", "torchrun's variables (hung in the workers' rendezvous, deaf to SIGTERM)",
+            one_process_commands_under_torchrun),
+        Row("demo", "environment", "torchrun's variables (hung in the rendezvous); stale ones (torch's message)",
+            one_process_commands_under_torchrun),
+    ]
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2036,12 +2087,11 @@ NOT_APPLICABLE = {
     ("convert", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
     ("convert-gqa", "environment"): "reads the environment only through --threads, as train does (train's rows)",
     ("convert-gqa", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
-    ("demo", "environment"): "reads the environment as train does (train's rows)",
     ("demo", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows()
+ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

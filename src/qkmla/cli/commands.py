@@ -426,7 +426,7 @@ def _experiment(args: argparse.Namespace) -> int:
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise ValueError(f"--seeds: expected an int from 1 to {MAX_SEEDS} (each seed is a training run per "
                          f"variant), got {args.seeds}")
-    check_launch()  # the workers would wait for torchrun ranks that never come
+    check_launch("experiment")  # the workers would wait for torchrun ranks that never come
     cpus = len(usable_cpus())
     if not 0 <= args.workers <= cpus:
         raise ValueError(f"--workers: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
@@ -450,8 +450,10 @@ def _experiment(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from ..utils.environment import check_launch
     from ..utils.threads import apply_threads
 
+    check_launch("demo")  # its runs would wait for torchrun ranks that never come
     apply_threads(args.threads, "demo")
     return run_demo(out=args.out, steps=args.steps, preset=args.preset, overwrite=args.overwrite)
 

@@ -27,9 +27,18 @@ def flag_message(message: str, fields) -> str:
     return message
 
 
+class MachineError(RuntimeError):
+    """An error of the machine or of the launch rather than of qkmla or of the user's arguments
+    (under torchrun: a rank that never joined, a collective that waited past --dist-timeout):
+    its message is the one line the command prints, exit status 1."""
+
+
 def environment_message(e: BaseException):
     """One line for an error of the machine rather than of qkmla (a full disk, a read-only or
-    missing file, no permission, memory run out), naming the path; None for anything else."""
+    missing file, no permission, memory run out, a :class:`MachineError`), naming the path; None
+    for anything else."""
+    if isinstance(e, MachineError):
+        return str(e)
     if isinstance(e, OSError):
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         also = f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
