@@ -2039,7 +2039,8 @@ def probe7_rows():
         rendezvous for ranks that never come (600 s), deaf to SIGTERM; demo with stale ones printed
         torch's 'Error initializing torch.distributed ... MASTER_ADDR expected'."""
         with_env(env, {**TORCHRUN, "MASTER_PORT": "29500"}, lambda: [
-            refuse(env, ["experiment", "lr-sweep", "--quick", "--out", env.tmp / "x"], one_process.format("experiment")),
+            refuse(env, ["experiment", "lr-sweep", "--quick", "--out", env.tmp / "x"],
+                   one_process.format("experiment")),
             refuse(env, ["demo", "--steps", "1", "--out", env.tmp / "d"], one_process.format("demo"))])
         for name in TORCHRUN:
             env.monkeypatch.delenv(name)

@@ -165,8 +165,8 @@ def dist_environment() -> tuple[int, int, int]:
     if world > 1 and "MASTER_PORT" in os.environ:  # read by torch's rendezvous as int(...), unnamed in its error
         port = os.environ["MASTER_PORT"]
         if not port.strip().isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"MASTER_PORT: the environment variable holds {port!r}, expected a TCP port, an int from 0 "
-                             "to 65535 (set by torchrun); unset it, or launch with torchrun")
+            raise ValueError(f"MASTER_PORT: the environment variable holds {port!r}, expected a TCP port, an int "
+                             "from 0 to 65535 (set by torchrun); unset it, or launch with torchrun")
     return world, rank, local
 
 
