@@ -2055,7 +2055,21 @@ def probe7_rows():
             env, train_ok(env, env.tmp / "o"), r"MASTER_PORT: the environment variable holds 'junk', expected a TCP "
             r"port"))
 
+    def lock_on_a_full_disk(env):
+        """A full disk at the run's lock file (the first write of a resume): 'File too large' naming no
+        file, and an empty lock file left in the run directory. The same lock guards experiment, demo
+        and convert."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        before = snapshot(run)
+        r = qkmla(["train", "--preset", "debug", "--steps", "4", "--batch-size", "2", "--eval-iters", "1",
+                   "--no-progress", "--threads", "1", "--out", run, "--resume"], env.tmp, limit=0)
+        one_machine_line(r, "train", str(run / "lock"))
+        assert snapshot(run) == before and not (run / "lock").exists()
+
     return [
+        Row("train", "disk", "a full disk at the lock file of a resume (no file named; the lock left behind)",
+            lock_on_a_full_disk),
         Row("train", "environment", "torchrun's variables, the peer never starts (DistStoreError traceback, internal "
             "error)", train_rank_never_joins),
         Row("train", "environment", "MASTER_PORT=junk under torchrun (int()'s message, no variable)", junk_master_port),

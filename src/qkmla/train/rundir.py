@@ -118,8 +118,13 @@ class RunLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        except OSError as e:  # a full disk: os.write's error named no file, and the lock file was left behind
+            self.path.unlink(missing_ok=True)  # before unlocking, as __exit__ does
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._fd = fd
         return self
 
