@@ -2067,7 +2067,38 @@ def probe7_rows():
         one_machine_line(r, "train", str(run / "lock"))
         assert snapshot(run) == before and not (run / "lock").exists()
 
+    def generate_hf_config_not_utf8_or_fifo(env, hf):
+        """--hf whose config.json is not UTF-8: the codec's bare message ('utf-8' codec can't decode
+        ...), naming neither --hf nor the file; a FIFO by that name hung generate (read for --dtype)."""
+        src = env.tmp / "dsv3"
+        shutil.copytree(hf, src)
+        (src / "config.json").write_bytes(b"\xff\xfe{}")
+        refuse(env, ["generate", "--hf", src, "--tokens", "2"], r"--hf: .*config.json cannot be read \('utf-8' codec")
+        (src / "config.json").unlink()
+        os.mkfifo(src / "config.json")
+        r = python(f"import sys; from qkmla.cli import main; sys.exit(main({['generate', '--hf', str(src)]!r}))",
+                   env.tmp, timeout=60)
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert r.returncode == 2 and len(lines) == 1 and "is not a regular file" in lines[0], r.stderr
+
+    def generate_hf_prompt_not_utf8(env, hf):
+        """A prompt that is not UTF-8 (the shell's bytes, a surrogate in Python) reached the
+        tokenizer: TypeError from tokenizers, 'internal error' (--hf); the run path named the
+        surrogate a character outside the vocabulary."""
+        import transformers
+
+        src = env.tmp / "dsv3"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        for argv in (["--hf", src], [env.run]):
+            refuse(env, ["generate", *argv, "--tokens", "2", "--prompt", "ok", "--prompt", "a\udcff"],
+                   r"--prompt: 'a\\udcff' is not UTF-8 text \(byte b'\\xff' at character 1\)")
+
     return [
+        Row("generate", "path", "--hf config.json not UTF-8 (the codec's bare message), or a FIFO (hung)",
+            generate_hf_config_not_utf8_or_fifo, hf=True),
+        Row("generate", "size", "a --prompt that is not UTF-8 (--hf: tokenizers' TypeError, internal error)",
+            generate_hf_prompt_not_utf8, hf=True),
         Row("train", "disk", "a full disk at the lock file of a resume (no file named; the lock left behind)",
             lock_on_a_full_disk),
         Row("train", "environment", "torchrun's variables, the peer never starts (DistStoreError traceback, internal "

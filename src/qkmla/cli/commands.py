@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -187,16 +188,20 @@ def _kept_line(policy, report: dict) -> str:
 
 def _hf_dtype(hf_dir: str, allowed) -> str:
     """The dtype a --hf checkpoint is loaded in without ``--dtype``: the one its config.json
-    records (``dtype``, or ``torch_dtype`` before transformers 5), float32 if none."""
-    import json
+    records (``dtype``, or ``torch_dtype`` before transformers 5), float32 if none. The file is
+    read as every command reads it (``read_hf_config``: a regular file, UTF-8 JSON), its errors
+    naming --hf: read here with its own ``read_text``, a config.json that was not UTF-8 was
+    reported as the codec's bare message, and a FIFO by that name hung the command."""
     from pathlib import Path
+
+    from ..integrations.hub.checkpoint import read_hf_config
 
     path = Path(hf_dir) / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):  # no readable config: the loader names what is wrong
-        return "float32"
-    recorded = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
+        config = read_hf_config(hf_dir)
+    except ValueError as e:
+        raise _as_options(e, {"hf_dir": "--hf"}) from None
+    recorded = config.get("dtype") or config.get("torch_dtype")
     if recorded is None:
         return "float32"
     if recorded not in allowed:
@@ -244,6 +249,13 @@ def _generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, names=(tokens_flag, "--temperature", "--top-k"))
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    for prompt in args.prompt:  # the shell passes bytes: one that is not UTF-8 is a surrogate no tokenizer takes
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = os.fsencode(prompt[e.start:e.end])
+            raise ValueError(f"--prompt: {prompt!r} is not UTF-8 text (byte {bad[:1]!r} at character {e.start}); "
+                             "give the prompt in UTF-8") from None
     if (args.run is None) == (args.hf is None):
         raise ValueError("run: give either a qkmla run directory or --hf DIR (a transformers checkpoint); got "
                          f"{'both' if args.run else 'neither'}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -100,8 +101,9 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
             object, or holds a field of a type transformers' config class refuses.
     """
     path = Path(hf_dir) / CONFIG
-    if not path.is_file():
-        raise ValueError(f"hf_dir: {path} does not exist; a Hugging Face checkpoint directory has a {CONFIG}")
+    if not path.is_file():  # a FIFO is read forever: refused with what it is
+        what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+        raise ValueError(f"hf_dir: {path} {what}; a Hugging Face checkpoint directory has a {CONFIG}")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
