@@ -2094,7 +2094,43 @@ def probe7_rows():
             refuse(env, ["generate", *argv, "--tokens", "2", "--prompt", "ok", "--prompt", "a\udcff"],
                    r"--prompt: 'a\\udcff' is not UTF-8 text \(byte b'\\xff' at character 1\)")
 
+    def under_a_utf8_locale(env, argv):
+        """``qkmla argv`` with stdout strict UTF-8, as en_US.UTF-8 makes it: (exit status, stdout bytes, stderr)."""
+        code = f"import sys; from qkmla.cli import main; sys.exit(main({[str(a) for a in argv]!r}))"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=env.tmp, timeout=240,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
+                                "PYTHONIOENCODING": "utf-8"})
+        return r.returncode, r.stdout, r.stderr.decode(errors="replace")
+
+    def non_utf8_out_printed(env):
+        """--out named in bytes that are not UTF-8, under a UTF-8 locale: plot and demo wrote their
+        files, then failed on their own 'wrote PATH' line (exit 2, \"'utf-8' codec can't encode
+        character '\\udcff'\"); experiment and convert-gqa the same."""
+        out = os.fsdecode(b"\xff.png")
+        code, stdout, err = under_a_utf8_locale(env, ["plot", env.run, "--out", out])
+        assert code == 0 and stdout == b"wrote \xff.png\n" and (env.tmp / out).is_file(), err
+        code, stdout, err = under_a_utf8_locale(env, ["demo", "--preset", "debug", "--steps", "1", "--threads", "1",
+                                                      "--out", os.fsdecode(b"d\xff")])
+        assert code == 0 and b"curves: d\xff/curves.png" in stdout, err
+
+    def convert_non_utf8_paths(env, hf):
+        """convert --out named in bytes that are not UTF-8: the model loaded and converted, then
+        'not a readable safetensors file (Path ... is not valid UTF-8)' (convert) or the codec's message
+        from tokenizers (convert-gqa), exit 2: Rust takes UTF-8 paths only."""
+        out = os.fsdecode(b"c\xff")
+        refuse(env, ["convert", "--hf", hf, "--out", out, "--calibration-tokens", "0"],
+               r"--out: c\\udcff is not a UTF-8 path, which safetensors and tokenizers cannot open")
+        src = Path(os.fsdecode(bytes(env.tmp) + b"/src\xff"))
+        shutil.copytree(hf, src)
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "c", "--calibration-tokens", "0"],
+               r"--hf: .*src\\udcff is not a UTF-8 path")
+        assert sorted(os.listdir(env.tmp)) == [os.fsdecode(b"src\xff")]
+
     return [
+        Row("plot", "path", "--out not UTF-8 under a UTF-8 locale (wrote, then exit 2 on its own 'wrote' line); "
+            "demo too", non_utf8_out_printed),
+        Row("convert", "path", "--out or --hf not UTF-8 (failed after the conversion, 'not a readable safetensors "
+            "file')", convert_non_utf8_paths, hf=True),
         Row("generate", "path", "--hf config.json not UTF-8 (the codec's bare message), or a FIFO (hung)",
             generate_hf_config_not_utf8_or_fifo, hf=True),
         Row("generate", "size", "a --prompt that is not UTF-8 (--hf: tokenizers' TypeError, internal error)",

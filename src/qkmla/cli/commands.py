@@ -642,6 +642,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.prompt = ["\n"]
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
+    restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
         with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
@@ -676,6 +677,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if threads is not None:
             torch.set_num_threads(threads)
+        for stream, errors in restore.items():
+            stream.reconfigure(errors=errors)
+
+
+def _paths_print_as_given() -> dict:
+    """Let stdout print a path whose name is not UTF-8 (``--out $'\\xff'``: a surrogate escape in
+    Python) as the bytes it was given, and stderr as Python's own stderr does (backslashreplace);
+    returns {stream: its error handler to restore}. Under a UTF-8 locale stdout is strict: the
+    command wrote its file and then failed on its own 'wrote PATH' line, exit 2 with the codec's
+    message (and a caller's strict stderr, a test's, failed on a refusal naming such a path)."""
+    changed = {}
+    for stream, handler in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
+        if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+            continue
+        try:
+            stream.reconfigure(errors=handler)
+        except (ValueError, OSError):  # a stream that cannot change its handler now: left as it is
+            continue
+        changed[stream] = "strict"
+    return changed
 
 
 if __name__ == "__main__":

@@ -48,6 +48,15 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
     from ..train.rundir import remove_stale_lock
 
     src, out = Path(src), Path(out)
+    for name, path in (("hf", src), ("out", out)):
+        # safetensors and tokenizers (Rust) take paths as UTF-8 strings: a name that is not UTF-8
+        # (a surrogate escape in Python) failed mid-conversion, as 'not a readable safetensors
+        # file' or the codec's message, after the model was loaded and converted.
+        try:
+            str(path.absolute()).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name}: {path} is not a UTF-8 path, which safetensors and tokenizers cannot open; "
+                             "rename it (or a directory above it)") from None
     clear_stale(out)
     remove_stale_lock(lock_file(out))
     if not src.is_dir():
