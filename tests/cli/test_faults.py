@@ -2126,7 +2126,41 @@ def probe7_rows():
                r"--hf: .*src\\udcff is not a UTF-8 path")
         assert sorted(os.listdir(env.tmp)) == [os.fsdecode(b"src\xff")]
 
+    def refused_in_a_subprocess(env, argv, pattern):
+        """As :func:`refuse`, in a Python of its own with a time limit: what it refuses used to hang."""
+        try:
+            r = python(f"import sys; from qkmla.cli import main; sys.exit(main({[str(a) for a in argv]!r}))",
+                       env.tmp, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"qkmla {argv[0]} still running after 60 s (a hang)")
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"qkmla {argv[0]}: ") and re.search(pattern, lines[0]), r.stderr
+
+    def fifos_in_a_run_directory(env):
+        """A FIFO as the run's lock file: 'qkmla train: Invalid argument' (flock's, no file named); as
+        its status.json, --resume hung reading it."""
+        (env.tmp / "o").mkdir()
+        os.mkfifo(env.tmp / "o" / "lock")
+        refused_in_a_subprocess(env, train_ok(env, env.tmp / "o"), r"--out: .*o/lock is not a qkmla lock file")
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        (run / "status.json").unlink()
+        os.mkfifo(run / "status.json")
+        refused_in_a_subprocess(env, train_ok(env, run)[:4] + ["4"] + train_ok(env, run)[5:] + ["--resume"],
+                                r"--out: .*r/status.json is not a regular file where the run's file goes")
+
+    def convert_calibration_text_fifo(env, hf):
+        """--calibration-text a FIFO: convert waited for a writer forever (convert-gqa refused it)."""
+        os.mkfifo(env.tmp / "p")
+        refused_in_a_subprocess(env, ["convert", "--hf", hf, "--out", env.tmp / "o", "--qk-norm", "rms",
+                                      "--calibration-text", env.tmp / "p"],
+                                "--calibration-text: .*p is not a regular file")
+
     return [
+        Row("train", "path", "a FIFO as the run's lock file ('Invalid argument') or status.json (--resume hung)",
+            fifos_in_a_run_directory),
+        Row("convert", "path", "--calibration-text a FIFO (hung)", convert_calibration_text_fifo, hf=True),
         Row("plot", "path", "--out not UTF-8 under a UTF-8 locale (wrote, then exit 2 on its own 'wrote' line); "
             "demo too", non_utf8_out_printed),
         Row("convert", "path", "--out or --hf not UTF-8 (failed after the conversion, 'not a readable safetensors "
