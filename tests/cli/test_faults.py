@@ -2157,7 +2157,24 @@ def probe7_rows():
                                       "--calibration-text", env.tmp / "p"],
                                 "--calibration-text: .*p is not a regular file")
 
+    def calibration_text_inside_out(env, hf):
+        """--calibration-text a file inside --out, with --overwrite: the conversion read it, then
+        replaced the directory, the text with it (convert-gqa: exit 0, the file gone)."""
+        command = "convert-gqa" if (hf / "config.json").read_text().count("qwen3") else "convert"
+        out = env.tmp / "out"
+        shutil.copytree(hf, out)
+        (out / "t.txt").write_text("To be, or not to be, that is the question. " * 40)
+        before = snapshot(out)
+        more = ["--latent", "activations"] if command == "convert-gqa" else ["--qk-norm", "rms"]
+        refuse(env, [command, "--hf", hf, "--out", out, "--calibration-text", out / "t.txt", "--overwrite", *more],
+               r"--out: .*out holds .*t.txt, the --calibration-text this conversion reads; replacing it would destroy")
+        assert snapshot(out) == before
+
     return [
+        Row("convert", "output", "--calibration-text inside --out with --overwrite (destroyed with the directory)",
+            calibration_text_inside_out, hf=True),
+        Row("convert-gqa", "output", "--calibration-text inside --out with --overwrite (exit 0, the text gone)",
+            calibration_text_inside_out, hf=True),
         Row("train", "path", "a FIFO as the run's lock file ('Invalid argument') or status.json (--resume hung)",
             fifos_in_a_run_directory),
         Row("convert", "path", "--calibration-text a FIFO (hung)", convert_calibration_text_fifo, hf=True),

@@ -371,7 +371,8 @@ def _convert(args: argparse.Namespace) -> int:
             raise ValueError(f"calibration_text: cannot read {args.calibration_text} as UTF-8 text ({e})") from None
     try:
         report = convert_checkpoint(args.hf, args.out, qk_norm=norm, calibration_tokens=tokens,
-                                    calibration_text=text, dtype=dtype, overwrite=args.overwrite)
+                                    calibration_text=text, dtype=dtype, overwrite=args.overwrite,
+                                    inputs=[("calibration_text", args.calibration_text)])
     except ValueError as e:  # the loader's argument name, as this command's option
         name, _, rest = str(e).partition(": ")
         raise ValueError(f"{'--hf' if name == 'hf_dir' else name}: {rest}") from None

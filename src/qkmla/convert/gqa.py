@@ -439,7 +439,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     from ..integrations.hub.checkpoint import CONFIG, read_hf_config
     from .qk_norm import check_convert_paths, converting_into, write_checkpoint
 
-    src, out = check_convert_paths(src, out, overwrite)
+    src, out = check_convert_paths(src, out, overwrite, [("calibration_text", calibration_text)])
     hf_config = read_hf_config(src)
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
