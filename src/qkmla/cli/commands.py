@@ -363,7 +363,8 @@ def _convert(args: argparse.Namespace) -> int:
         tokens = DEFAULT_CALIBRATION_TOKENS if norm is not None else 0
     text = None
     if args.calibration_text is not None:
-        if not Path(args.calibration_text).is_file():  # a FIFO was read forever, /dev/zero without end
+        if os.path.exists(args.calibration_text) and not Path(args.calibration_text).is_file():
+            # a FIFO was read forever, /dev/zero without end (a missing file: read_text names it below)
             raise ValueError(f"--calibration-text: {args.calibration_text} is not a regular file")
         try:
             text = Path(args.calibration_text).read_text(encoding="utf-8")
