@@ -2170,7 +2170,34 @@ def probe7_rows():
                r"--out: .*out holds .*t.txt, the --calibration-text this conversion reads; replacing it would destroy")
         assert snapshot(out) == before
 
+    def decode_empty_and_max_seqlen(env):
+        """An empty batch, no new tokens or no heads: torch's 'max(): Expected reduction dim' or
+        'cannot reshape tensor of 0 elements' (RuntimeError) from every backend; max_seqlen=2**70 was
+        refused as 'cache_seqlens: expected lengths in [0, 8] ..., got [8, 4]', lengths that are fine."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        g = torch.Generator().manual_seed(0)
+        for B, S_q, H, paged in ((0, 1, 4, False), (0, 1, 4, True), (2, 0, 4, False), (2, 1, 0, False)):
+            q_lat, q_rope = torch.randn(B, S_q, H, 8, generator=g), torch.randn(B, S_q, H, 4, generator=g)
+            kv = torch.randn(3 if paged else B, 8, 12, generator=g)
+            table = torch.zeros(B, 1, dtype=torch.long) if paged else None
+            for backend in ("torch", "naive"):
+                out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, torch.full((B,), 5), softmax_scale=0.3,
+                                                   backend=backend)
+                assert out.shape == (B, S_q, H, 8) and lse.shape == (B, S_q, H) and out.dtype == q_lat.dtype
+        q_lat, q_rope = torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 4, 4, generator=g)
+        kv, lens = torch.randn(2, 8, 12, generator=g), torch.tensor([8, 4])
+        raises(lambda: mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3, max_seqlen=2**70),
+               ValueError, "max_seqlen: expected max\\(cache_seqlens\\), at most the 8 slots a sequence of this cache "
+               "holds, got 1180591620717411303424")
+        torch.testing.assert_close(mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3,
+                                                           max_seqlen=8, backend="torch")[0],
+                                   mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3,
+                                                           backend="naive")[0])
+
     return [
+        Row("mla_decode_with_kvcache", "size", "an empty batch, no new tokens, no heads (RuntimeError from torch); "
+            "max_seqlen 2**70 (refused naming cache_seqlens)", decode_empty_and_max_seqlen),
         Row("convert", "output", "--calibration-text inside --out with --overwrite (destroyed with the directory)",
             calibration_text_inside_out, hf=True),
         Row("convert-gqa", "output", "--calibration-text inside --out with --overwrite (exit 0, the text gone)",
