@@ -2195,7 +2195,28 @@ def probe7_rows():
                                    mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3,
                                                            backend="naive")[0])
 
+    def convert_gqa_without_tokenizer_files(env, hf):
+        """A Qwen3 directory without tokenizer files: transformers 5 made an empty Qwen2Tokenizer,
+        which convert-gqa wrote into its output as the model's tokenizer (tokenizer.json with no
+        vocabulary); generate --hf on it then said \"prompts: 'hello' has no tokens\", and
+        --calibration-text \"gives 0 tokens; at least 2 are needed\"."""
+        (env.tmp / "t.txt").write_text("To be, or not to be, that is the question. " * 40)
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "x", "--calibration-text", env.tmp / "t.txt",
+                     "--latent", "activations"], "--calibration-text: .* has no tokenizer to read")
+        env.capsys.readouterr()
+        assert main(["convert-gqa", "--hf", str(hf), "--out", str(env.tmp / "o")]) == 0
+        assert not list((env.tmp / "o").glob("tokenizer*")), os.listdir(env.tmp / "o")
+        refuse(env, ["generate", "--hf", env.tmp / "o", "--prompt", "hello", "--tokens", "2"],
+               "--hf: .*o has no tokenizer transformers can load")
+        from qkmla.integrations.transformers.generate import load_hf_dir  # the old output: its empty tokenizer.json
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True).save_pretrained(env.tmp / "o")
+        raises(lambda: load_hf_dir(env.tmp / "o"), ValueError, r"holds no usable tokenizer: transformers made an empty")
+
     return [
+        Row("convert-gqa", "path", "--hf without tokenizer files (an empty tokenizer written to the output; generate "
+            "blamed the prompt)", convert_gqa_without_tokenizer_files, hf=True),
         Row("mla_decode_with_kvcache", "size", "an empty batch, no new tokens, no heads (RuntimeError from torch); "
             "max_seqlen 2**70 (refused naming cache_seqlens)", decode_empty_and_max_seqlen),
         Row("convert", "output", "--calibration-text inside --out with --overwrite (destroyed with the directory)",

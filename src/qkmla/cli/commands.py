@@ -197,6 +197,8 @@ def _hf_dtype(hf_dir: str, allowed) -> str:
     from ..integrations.hub.checkpoint import read_hf_config
 
     path = Path(hf_dir) / "config.json"
+    if not os.path.lexists(path):  # the loader says what is missing, as it did ("has no config.json")
+        return "float32"
     try:
         config = read_hf_config(hf_dir)
     except ValueError as e:
@@ -228,7 +230,8 @@ def _generate_hf(args: argparse.Namespace, policy) -> int:
             texts = generate_hf(args.hf, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                                 args.kv_format, policy, dtype, option=_flag)
     except ValueError as e:
-        raise _as_options(e, {"hf_dir": "--hf", "max_new_tokens": _tokens_flag(args.argv)}) from None
+        raise _as_options(e, {"hf_dir": "--hf", "max_new_tokens": _tokens_flag(args.argv), "prompts": "--prompt"}) \
+            from None
     for text in texts:
         print(text)
         print("-" * 40)

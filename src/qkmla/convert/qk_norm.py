@@ -27,7 +27,7 @@ import torch
 
 from ..config import QKNormConfig
 from ..utils.files import clear_stale, write_directory
-from ..integrations.hub.checkpoint import CONFIG, read_hf_config
+from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
 HELD_OUT_TOKENS = 4096
@@ -172,8 +172,6 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         quantized source; and naming the layer, a layer whose tensors do not load as the config
         describes them.
     """
-    import transformers
-
     from .stream import CheckpointStream, calibrate_streaming, copy_other_files, write_weights
     from ..integrations.hub.checkpoint import INDEX, saved_norm
     from ..integrations.hub.record import CODE, describe, record_norm
@@ -195,7 +193,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
                          f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+        tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         if calibration_tokens:
             raise ValueError(f"hf: {src} has no tokenizer transformers can load, which calibration needs "

@@ -116,6 +116,26 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
     return config
 
 
+def load_tokenizer(hf_dir: Union[str, Path]):
+    """The tokenizer of a checkpoint directory (``AutoTokenizer``, local files only), as every
+    command loads it.
+
+    Raises:
+        whatever transformers raises for a directory without one (OSError, ValueError, ImportError),
+        and ValueError for one it makes without a vocabulary: transformers 5 builds an empty
+        Qwen2Tokenizer for a Qwen3 directory that has no tokenizer files, which turns every text into
+        no tokens (convert-gqa wrote it into its output as the model's tokenizer; generate called the
+        prompt empty, convert-gqa the calibration text).
+    """
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    if not tokenizer("Hello, world.", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{hf_dir} holds no usable tokenizer: transformers made an empty {type(tokenizer).__name__} "
+                         "(no vocabulary), which turns every text into no tokens")
+    return tokenizer
+
+
 def _check_fields(path: Path, config: dict) -> None:
     """transformers' own check of the fields of a model type it knows, made here, where every
     command reads the file first: a field of the wrong type (``"hidden_size": "abc"``, an edit by
