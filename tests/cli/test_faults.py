@@ -2214,7 +2214,23 @@ def probe7_rows():
         transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True).save_pretrained(env.tmp / "o")
         raises(lambda: load_hf_dir(env.tmp / "o"), ValueError, r"holds no usable tokenizer: transformers made an empty")
 
+    def ctrl_c_while_starting(env):
+        """Ctrl-C in the first second of 'qkmla verify' (torch importing, the parser being built, before
+        main()'s handling): a KeyboardInterrupt traceback from whatever import it hit."""
+        proc = subprocess.Popen([sys.executable, "-m", "qkmla", "verify"], cwd=env.tmp, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+        time.sleep(0.6)
+        proc.send_signal(signal.SIGINT)
+        code, err, _ = finish(proc, 60)
+        lines = [x for x in err.splitlines() if x.strip() and not noise(x)]
+        assert code == 130 and "Traceback" not in err and len(lines) == 1, err
+        assert lines[0] in ("qkmla verify: interrupted while starting; nothing was done",
+                            "qkmla verify: interrupted"), err
+
     return [
+        Row("verify", "signal", "Ctrl-C while it starts (a KeyboardInterrupt traceback from an import)",
+            ctrl_c_while_starting),
         Row("convert-gqa", "path", "--hf without tokenizer files (an empty tokenizer written to the output; generate "
             "blamed the prompt)", convert_gqa_without_tokenizer_files, hf=True),
         Row("mla_decode_with_kvcache", "size", "an empty batch, no new tokens, no heads (RuntimeError from torch); "

@@ -15,6 +15,7 @@ from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES,
 from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, quiet_broken_pipe,
                             sigterm_unwinds)
 from ..utils.environment import check_switches, drop_bad_thread_counts
+from ..utils.startup import command_started
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -651,6 +652,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
     restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
+        command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
         with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             status = args.func(args)

@@ -124,6 +124,9 @@ def drop_bad_thread_counts_for_command_line() -> None:
     first thing by ``qkmla/__init__.py``); a program that only imports qkmla is left alone."""
     command = command_line_name()
     if command is not None:
+        from .startup import quiet_interrupts_at_startup
+
+        quiet_interrupts_at_startup(command)  # a Ctrl-C while torch loads: one line, not a traceback
         drop_bad_thread_counts(command)
 
 
