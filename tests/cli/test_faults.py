@@ -2228,7 +2228,59 @@ def probe7_rows():
         assert lines[0] in ("qkmla verify: interrupted while starting; nothing was done",
                             "qkmla verify: interrupted"), err
 
+    def closed_stream_then(env, argv, rows: Path, stream: str, driver: Optional[Path] = None):
+        """Start ``argv`` (a qkmla command, or the slow grid's ``driver``) with ``stream`` (stdout or
+        stderr) a pipe whose reader goes away after ``rows`` has 3 lines, as `| tee` ended by the same
+        Ctrl-C; then SIGINT. Returns (exit status, seconds it took)."""
+        r, w = os.pipe()
+        cmd = [sys.executable, str(driver), str(STEPS)] + argv if driver else [sys.executable, "-m", "qkmla"] + argv
+        streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, stream: w}
+        proc = subprocess.Popen([str(a) for a in cmd], cwd=env.tmp, **streams,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
+                                     "QKMLA_TEST_PAUSE": str(PAUSE)})
+        os.close(w)
+        try:
+            wait_for_rows(rows, 3, proc)
+        finally:
+            os.close(r)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        try:
+            return proc.wait(timeout=90), time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail("still running 90 s after SIGINT (a hang)")
+
+    def experiment_sigint_stderr_closed(env):
+        """Ctrl-C to 'qkmla experiment ... 2>&1 | tee log' (tee ended by the same Ctrl-C): the
+        handler's own line raised BrokenPipeError inside it, before passing the request on, so the run
+        in flight trained to its end (or, stuck, forever: the pool's shutdown waited for it; three
+        SIGTERMs did not end a grid whose worker waited in a rendezvous), and the exit was 141 or 1."""
+        out = env.tmp / "grid"
+        (env.tmp / "slow.py").write_text(SLOW_DRIVER)
+        code, took = closed_stream_then(env, slow_argv(out), out / "runs" / "r0" / "metrics.jsonl", "stderr",
+                                        driver=env.tmp / "slow.py")
+        st = status(out / "runs" / "r0")
+        assert code == 130 and took < PROMPT_S, (code, took)
+        assert st["status"] == "interrupted" and st["checkpoint_step"] == st["step"] < STEPS, st
+        assert not (out / "runs" / "r1").exists()
+
+    def train_sigint_stdout_closed(env):
+        """Ctrl-C to 'qkmla train ... | tee log': the handler's 'stopping after this step' line raised
+        BrokenPipeError in the middle of a step."""
+        out = env.tmp / "o"
+        code, took = closed_stream_then(env, train_ok(env, out)[:4] + ["3000"] + train_ok(env, out)[5:],
+                                        out / "metrics.jsonl", "stdout")
+        st = status(out)
+        assert code in (130, 141) and took < PROMPT_S, (code, took)
+        assert st["status"] == "interrupted" and st["checkpoint_step"] == st["step"], st
+
     return [
+        Row("experiment", "signal", "one SIGINT with stderr's reader gone, '2>&1 | tee' (the request never passed on; "
+            "exit 141 after the run in flight ended)", experiment_sigint_stderr_closed),
+        Row("train", "signal", "one SIGINT with stdout's reader gone, '| tee' (BrokenPipeError inside a step)",
+            train_sigint_stdout_closed),
         Row("verify", "signal", "Ctrl-C while it starts (a KeyboardInterrupt traceback from an import)",
             ctrl_c_while_starting),
         Row("convert-gqa", "path", "--hf without tokenizer files (an empty tokenizer written to the output; generate "

@@ -12,8 +12,8 @@ import warnings
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, quiet_broken_pipe,
-                            sigterm_unwinds)
+from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, notice,
+                            quiet_broken_pipe, sigterm_unwinds)
 from ..utils.environment import check_switches, drop_bad_thread_counts
 from ..utils.startup import command_started
 from ..utils.threads import add_threads_argument
@@ -659,25 +659,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status
     except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
-        print(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left", file=sys.stderr)
+        notice(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left")
         return 143  # 128 + SIGTERM, what a shell reports
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
-        print(f"qkmla {args.command}: {e}", file=sys.stderr)
+        notice(f"qkmla {args.command}: {e}")
         return e.exit_code
     except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
         quiet_broken_pipe()
         return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
     except ValueError as e:
         message = flag_message(str(e), _option_dests(args.command))
-        print(f"qkmla {args.command}: {message}", file=sys.stderr)
+        notice(f"qkmla {args.command}: {message}")
         return 2
     except KeyboardInterrupt:
-        print(f"qkmla {args.command}: interrupted", file=sys.stderr)
+        notice(f"qkmla {args.command}: interrupted")
         return 130
     except Exception as e:
         message = environment_message(e)
         if message is not None:  # the machine's problem, not qkmla's: one line naming the path
-            print(f"qkmla {args.command}: {message}", file=sys.stderr)
+            notice(f"qkmla {args.command}: {message}")
             return 1
         traceback.print_exc()
         print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "

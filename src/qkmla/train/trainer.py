@@ -34,6 +34,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..utils.environment import dist_environment
-from ..utils.errors import MachineError
+from ..utils.errors import MachineError, notice
 from ..utils.files import append_line, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
@@ -119,7 +120,7 @@ class _StopRequest:
             raise StopSignal(name)
         self.requested, self.signal = True, name
         again = "Ctrl-C" if name == "SIGINT" else name
-        print(f"\nstopping after this step with a checkpoint ({name}; {again} again to stop now)", flush=True)
+        notice(f"\nstopping after this step with a checkpoint ({name}; {again} again to stop now)", sys.stdout)
 
     def agreed(self, world: int) -> bool:
         if world == 1:

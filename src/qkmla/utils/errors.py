@@ -63,6 +63,20 @@ def quiet_broken_pipe() -> None:
         pass
 
 
+def notice(text: str, stream=None) -> None:
+    """Print ``text`` from a signal handler. Its reader may be gone (``qkmla ... 2>&1 | tee log``: the
+    same Ctrl-C ends tee): the BrokenPipeError, raised inside the handler, skipped the rest of it (the
+    request never passed on to the runs in flight, or a training step cut off), so a closed stream
+    loses the line, never the handling."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):  # a closed pipe, a closed file
+        pass
+
+
 class Stopped(Exception):
     """A command stopped on request (a signal), cleanly: ``message`` is its one line and
     ``exit_code`` its status (128 + the signal's number, as a shell reports)."""
