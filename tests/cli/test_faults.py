@@ -2013,6 +2013,306 @@ def probe6_rows():
     ]
 
 
+
+# --------------------------------------------------------------------------------------------
+# Probe round 7: a fresh set of probes (/work/scratch/probes7), the failures fixed since; each
+# row failed before its fix, with what it did then in parentheses.
+
+# torchrun's variables as torchrun sets them (TORCHELASTIC_RUN_ID too), for a rank whose peer never starts
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "probe7", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+
+
+def probe7_rows():
+    one_process = r"WORLD_SIZE: the environment says 2 ranks, but qkmla {} runs as one process"
+
+    def train_rank_never_joins(env):
+        """Under torchrun's variables, a peer that never starts: torch's DistStoreError after
+        --dist-timeout, a traceback and 'internal error'."""
+        r = qkmla(train_ok(env, env.tmp / "o") + ["--dist-timeout", "2"], env.tmp,
+                  env={**TORCHRUN, "MASTER_PORT": str(29500 + os.getpid() % 1000)})
+        line = one_machine_line(r, "train", "WORLD_SIZE: the rendezvous at 127.0.0.1:")
+        assert "--dist-timeout 2 s" in line, line
+
+    def one_process_commands_under_torchrun(env):
+        """experiment and demo under torchrun's variables passed the launch check and waited in the
+        rendezvous for ranks that never come (600 s), deaf to SIGTERM; demo with stale ones printed
+        torch's 'Error initializing torch.distributed ... MASTER_ADDR expected'."""
+        with_env(env, {**TORCHRUN, "MASTER_PORT": "29500"}, lambda: [
+            refuse(env, ["experiment", "lr-sweep", "--quick", "--out", env.tmp / "x"],
+                   one_process.format("experiment")),
+            refuse(env, ["demo", "--steps", "1", "--out", env.tmp / "d"], one_process.format("demo"))])
+        for name in TORCHRUN:
+            env.monkeypatch.delenv(name)
+        with_env(env, {"WORLD_SIZE": "2", "RANK": "0"}, lambda: refuse(
+            env, ["demo", "--steps", "1", "--out", env.tmp / "d"], "WORLD_SIZE: the environment says 2 ranks, but "
+            "this process was not started by torchrun"))
+        assert not (env.tmp / "x").exists() and not (env.tmp / "d").exists()
+
+    def junk_master_port(env):
+        """MASTER_PORT=junk under torchrun: 'invalid literal for int() with base 10: 'junk'' (no variable named)."""
+        with_env(env, {**TORCHRUN, "MASTER_PORT": "junk"}, lambda: refuse(
+            env, train_ok(env, env.tmp / "o"), r"MASTER_PORT: the environment variable holds 'junk', expected a TCP "
+            r"port"))
+
+    def lock_on_a_full_disk(env):
+        """A full disk at the run's lock file (the first write of a resume): 'File too large' naming no
+        file, and an empty lock file left in the run directory. The same lock guards experiment, demo
+        and convert."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        before = snapshot(run)
+        r = qkmla(["train", "--preset", "debug", "--steps", "4", "--batch-size", "2", "--eval-iters", "1",
+                   "--no-progress", "--threads", "1", "--out", run, "--resume"], env.tmp, limit=0)
+        one_machine_line(r, "train", str(run / "lock"))
+        assert snapshot(run) == before and not (run / "lock").exists()
+
+    def generate_hf_config_not_utf8_or_fifo(env, hf):
+        """--hf whose config.json is not UTF-8: the codec's bare message ('utf-8' codec can't decode
+        ...), naming neither --hf nor the file; a FIFO by that name hung generate (read for --dtype)."""
+        src = env.tmp / "dsv3"
+        shutil.copytree(hf, src)
+        (src / "config.json").write_bytes(b"\xff\xfe{}")
+        refuse(env, ["generate", "--hf", src, "--tokens", "2"], r"--hf: .*config.json cannot be read \('utf-8' codec")
+        (src / "config.json").unlink()
+        os.mkfifo(src / "config.json")
+        r = python(f"import sys; from qkmla.cli import main; sys.exit(main({['generate', '--hf', str(src)]!r}))",
+                   env.tmp, timeout=60)
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert r.returncode == 2 and len(lines) == 1 and "is not a regular file" in lines[0], r.stderr
+
+    def generate_hf_prompt_not_utf8(env, hf):
+        """A prompt that is not UTF-8 (the shell's bytes, a surrogate in Python) reached the
+        tokenizer: TypeError from tokenizers, 'internal error' (--hf); the run path named the
+        surrogate a character outside the vocabulary."""
+        import transformers
+
+        src = env.tmp / "dsv3"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        for argv in (["--hf", src], [env.run]):
+            refuse(env, ["generate", *argv, "--tokens", "2", "--prompt", "ok", "--prompt", "a\udcff"],
+                   r"--prompt: 'a\\udcff' is not UTF-8 text \(byte b'\\xff' at character 1\)")
+
+    def under_a_utf8_locale(env, argv):
+        """``qkmla argv`` with stdout strict UTF-8, as en_US.UTF-8 makes it: (exit status, stdout bytes, stderr)."""
+        code = f"import sys; from qkmla.cli import main; sys.exit(main({[str(a) for a in argv]!r}))"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=env.tmp, timeout=240,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
+                                "PYTHONIOENCODING": "utf-8"})
+        return r.returncode, r.stdout, r.stderr.decode(errors="replace")
+
+    def non_utf8_out_printed(env):
+        """--out named in bytes that are not UTF-8, under a UTF-8 locale: plot and demo wrote their
+        files, then failed on their own 'wrote PATH' line (exit 2, \"'utf-8' codec can't encode
+        character '\\udcff'\"); experiment and convert-gqa the same."""
+        out = os.fsdecode(b"\xff.png")
+        code, stdout, err = under_a_utf8_locale(env, ["plot", env.run, "--out", out])
+        assert code == 0 and stdout == b"wrote \xff.png\n" and (env.tmp / out).is_file(), err
+        code, stdout, err = under_a_utf8_locale(env, ["demo", "--preset", "debug", "--steps", "1", "--threads", "1",
+                                                      "--out", os.fsdecode(b"d\xff")])
+        assert code == 0 and b"curves: d\xff/curves.png" in stdout, err
+
+    def convert_non_utf8_paths(env, hf):
+        """convert --out named in bytes that are not UTF-8: the model loaded and converted, then
+        'not a readable safetensors file (Path ... is not valid UTF-8)' (convert) or the codec's message
+        from tokenizers (convert-gqa), exit 2: Rust takes UTF-8 paths only."""
+        out = os.fsdecode(b"c\xff")
+        refuse(env, ["convert", "--hf", hf, "--out", out, "--calibration-tokens", "0"],
+               r"--out: c\\udcff is not a UTF-8 path, which safetensors and tokenizers cannot open")
+        src = Path(os.fsdecode(bytes(env.tmp) + b"/src\xff"))
+        shutil.copytree(hf, src)
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "c", "--calibration-tokens", "0"],
+               r"--hf: .*src\\udcff is not a UTF-8 path")
+        assert sorted(os.listdir(env.tmp)) == [os.fsdecode(b"src\xff")]
+
+    def refused_in_a_subprocess(env, argv, pattern):
+        """As :func:`refuse`, in a Python of its own with a time limit: what it refuses used to hang."""
+        try:
+            r = python(f"import sys; from qkmla.cli import main; sys.exit(main({[str(a) for a in argv]!r}))",
+                       env.tmp, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"qkmla {argv[0]} still running after 60 s (a hang)")
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"qkmla {argv[0]}: ") and re.search(pattern, lines[0]), r.stderr
+
+    def fifos_in_a_run_directory(env):
+        """A FIFO as the run's lock file: 'qkmla train: Invalid argument' (flock's, no file named); as
+        its status.json, --resume hung reading it."""
+        (env.tmp / "o").mkdir()
+        os.mkfifo(env.tmp / "o" / "lock")
+        refused_in_a_subprocess(env, train_ok(env, env.tmp / "o"), r"--out: .*o/lock is not a qkmla lock file")
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        (run / "status.json").unlink()
+        os.mkfifo(run / "status.json")
+        refused_in_a_subprocess(env, train_ok(env, run)[:4] + ["4"] + train_ok(env, run)[5:] + ["--resume"],
+                                r"--out: .*r/status.json is not a regular file where the run's file goes")
+
+    def convert_calibration_text_fifo(env, hf):
+        """--calibration-text a FIFO: convert waited for a writer forever (convert-gqa refused it)."""
+        os.mkfifo(env.tmp / "p")
+        refused_in_a_subprocess(env, ["convert", "--hf", hf, "--out", env.tmp / "o", "--qk-norm", "rms",
+                                      "--calibration-text", env.tmp / "p"],
+                                "--calibration-text: .*p is not a regular file")
+
+    def calibration_text_inside_out(env, hf):
+        """--calibration-text a file inside --out, with --overwrite: the conversion read it, then
+        replaced the directory, the text with it (convert-gqa: exit 0, the file gone)."""
+        command = "convert-gqa" if (hf / "config.json").read_text().count("qwen3") else "convert"
+        out = env.tmp / "out"
+        shutil.copytree(hf, out)
+        (out / "t.txt").write_text("To be, or not to be, that is the question. " * 40)
+        before = snapshot(out)
+        more = ["--latent", "activations"] if command == "convert-gqa" else ["--qk-norm", "rms"]
+        refuse(env, [command, "--hf", hf, "--out", out, "--calibration-text", out / "t.txt", "--overwrite", *more],
+               r"--out: .*out holds .*t.txt, the --calibration-text this conversion reads; replacing it would destroy")
+        assert snapshot(out) == before
+
+    def decode_empty_and_max_seqlen(env):
+        """An empty batch, no new tokens or no heads: torch's 'max(): Expected reduction dim' or
+        'cannot reshape tensor of 0 elements' (RuntimeError) from every backend; max_seqlen=2**70 was
+        refused as 'cache_seqlens: expected lengths in [0, 8] ..., got [8, 4]', lengths that are fine."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        g = torch.Generator().manual_seed(0)
+        for B, S_q, H, paged in ((0, 1, 4, False), (0, 1, 4, True), (2, 0, 4, False), (2, 1, 0, False)):
+            q_lat, q_rope = torch.randn(B, S_q, H, 8, generator=g), torch.randn(B, S_q, H, 4, generator=g)
+            kv = torch.randn(3 if paged else B, 8, 12, generator=g)
+            table = torch.zeros(B, 1, dtype=torch.long) if paged else None
+            for backend in ("torch", "naive"):
+                out, lse = mla_decode_with_kvcache(q_lat, q_rope, kv, table, torch.full((B,), 5), softmax_scale=0.3,
+                                                   backend=backend)
+                assert out.shape == (B, S_q, H, 8) and lse.shape == (B, S_q, H) and out.dtype == q_lat.dtype
+        q_lat, q_rope = torch.randn(2, 1, 4, 8, generator=g), torch.randn(2, 1, 4, 4, generator=g)
+        kv, lens = torch.randn(2, 8, 12, generator=g), torch.tensor([8, 4])
+        raises(lambda: mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3, max_seqlen=2**70),
+               ValueError, "max_seqlen: expected max\\(cache_seqlens\\), at most the 8 slots a sequence of this cache "
+               "holds, got 1180591620717411303424")
+        torch.testing.assert_close(mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3,
+                                                           max_seqlen=8, backend="torch")[0],
+                                   mla_decode_with_kvcache(q_lat, q_rope, kv, None, lens, softmax_scale=0.3,
+                                                           backend="naive")[0])
+
+    def convert_gqa_without_tokenizer_files(env, hf):
+        """A Qwen3 directory without tokenizer files: transformers 5 made an empty Qwen2Tokenizer,
+        which convert-gqa wrote into its output as the model's tokenizer (tokenizer.json with no
+        vocabulary); generate --hf on it then said \"prompts: 'hello' has no tokens\", and
+        --calibration-text \"gives 0 tokens; at least 2 are needed\"."""
+        (env.tmp / "t.txt").write_text("To be, or not to be, that is the question. " * 40)
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "x", "--calibration-text", env.tmp / "t.txt",
+                     "--latent", "activations"], "--calibration-text: .* has no tokenizer to read")
+        env.capsys.readouterr()
+        assert main(["convert-gqa", "--hf", str(hf), "--out", str(env.tmp / "o")]) == 0
+        assert not list((env.tmp / "o").glob("tokenizer*")), os.listdir(env.tmp / "o")
+        refuse(env, ["generate", "--hf", env.tmp / "o", "--prompt", "hello", "--tokens", "2"],
+               "--hf: .*o has no tokenizer transformers can load")
+        from qkmla.integrations.transformers.generate import load_hf_dir  # the old output: its empty tokenizer.json
+        import transformers
+
+        transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True).save_pretrained(env.tmp / "o")
+        raises(lambda: load_hf_dir(env.tmp / "o"), ValueError, r"holds no usable tokenizer: transformers made an empty")
+
+    def ctrl_c_while_starting(env):
+        """Ctrl-C in the first second of 'qkmla verify' (torch importing, the parser being built, before
+        main()'s handling): a KeyboardInterrupt traceback from whatever import it hit."""
+        proc = subprocess.Popen([sys.executable, "-m", "qkmla", "verify"], cwd=env.tmp, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+        time.sleep(0.6)
+        proc.send_signal(signal.SIGINT)
+        code, err, _ = finish(proc, 60)
+        lines = [x for x in err.splitlines() if x.strip() and not noise(x)]
+        assert code == 130 and "Traceback" not in err and len(lines) == 1, err
+        assert lines[0] in ("qkmla verify: interrupted while starting; nothing was done",
+                            "qkmla verify: interrupted"), err
+
+    def closed_stream_then(env, argv, rows: Path, stream: str, driver: Optional[Path] = None):
+        """Start ``argv`` (a qkmla command, or the slow grid's ``driver``) with ``stream`` (stdout or
+        stderr) a pipe whose reader goes away after ``rows`` has 3 lines, as `| tee` ended by the same
+        Ctrl-C; then SIGINT. Returns (exit status, seconds it took)."""
+        r, w = os.pipe()
+        cmd = [sys.executable, str(driver), str(STEPS)] + argv if driver else [sys.executable, "-m", "qkmla"] + argv
+        streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, stream: w}
+        proc = subprocess.Popen([str(a) for a in cmd], cwd=env.tmp, **streams,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
+                                     "QKMLA_TEST_PAUSE": str(PAUSE)})
+        os.close(w)
+        try:
+            wait_for_rows(rows, 3, proc)
+        finally:
+            os.close(r)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        try:
+            return proc.wait(timeout=90), time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail("still running 90 s after SIGINT (a hang)")
+
+    def experiment_sigint_stderr_closed(env):
+        """Ctrl-C to 'qkmla experiment ... 2>&1 | tee log' (tee ended by the same Ctrl-C): the
+        handler's own line raised BrokenPipeError inside it, before passing the request on, so the run
+        in flight trained to its end (or, stuck, forever: the pool's shutdown waited for it; three
+        SIGTERMs did not end a grid whose worker waited in a rendezvous), and the exit was 141 or 1."""
+        out = env.tmp / "grid"
+        (env.tmp / "slow.py").write_text(SLOW_DRIVER)
+        code, took = closed_stream_then(env, slow_argv(out), out / "runs" / "r0" / "metrics.jsonl", "stderr",
+                                        driver=env.tmp / "slow.py")
+        st = status(out / "runs" / "r0")
+        assert code == 130 and took < PROMPT_S, (code, took)
+        assert st["status"] == "interrupted" and st["checkpoint_step"] == st["step"] < STEPS, st
+        assert not (out / "runs" / "r1").exists()
+
+    def train_sigint_stdout_closed(env):
+        """Ctrl-C to 'qkmla train ... | tee log': the handler's 'stopping after this step' line raised
+        BrokenPipeError in the middle of a step."""
+        out = env.tmp / "o"
+        code, took = closed_stream_then(env, train_ok(env, out)[:4] + ["3000"] + train_ok(env, out)[5:],
+                                        out / "metrics.jsonl", "stdout")
+        st = status(out)
+        assert code in (130, 141) and took < PROMPT_S, (code, took)
+        assert st["status"] == "interrupted" and st["checkpoint_step"] == st["step"], st
+
+    return [
+        Row("experiment", "signal", "one SIGINT with stderr's reader gone, '2>&1 | tee' (the request never passed on; "
+            "exit 141 after the run in flight ended)", experiment_sigint_stderr_closed),
+        Row("train", "signal", "one SIGINT with stdout's reader gone, '| tee' (BrokenPipeError inside a step)",
+            train_sigint_stdout_closed),
+        Row("verify", "signal", "Ctrl-C while it starts (a KeyboardInterrupt traceback from an import)",
+            ctrl_c_while_starting),
+        Row("convert-gqa", "path", "--hf without tokenizer files (an empty tokenizer written to the output; generate "
+            "blamed the prompt)", convert_gqa_without_tokenizer_files, hf=True),
+        Row("mla_decode_with_kvcache", "size", "an empty batch, no new tokens, no heads (RuntimeError from torch); "
+            "max_seqlen 2**70 (refused naming cache_seqlens)", decode_empty_and_max_seqlen),
+        Row("convert", "output", "--calibration-text inside --out with --overwrite (destroyed with the directory)",
+            calibration_text_inside_out, hf=True),
+        Row("convert-gqa", "output", "--calibration-text inside --out with --overwrite (exit 0, the text gone)",
+            calibration_text_inside_out, hf=True),
+        Row("train", "path", "a FIFO as the run's lock file ('Invalid argument') or status.json (--resume hung)",
+            fifos_in_a_run_directory),
+        Row("convert", "path", "--calibration-text a FIFO (hung)", convert_calibration_text_fifo, hf=True),
+        Row("plot", "path", "--out not UTF-8 under a UTF-8 locale (wrote, then exit 2 on its own 'wrote' line); "
+            "demo too", non_utf8_out_printed),
+        Row("convert", "path", "--out or --hf not UTF-8 (failed after the conversion, 'not a readable safetensors "
+            "file')", convert_non_utf8_paths, hf=True),
+        Row("generate", "path", "--hf config.json not UTF-8 (the codec's bare message), or a FIFO (hung)",
+            generate_hf_config_not_utf8_or_fifo, hf=True),
+        Row("generate", "size", "a --prompt that is not UTF-8 (--hf: tokenizers' TypeError, internal error)",
+            generate_hf_prompt_not_utf8, hf=True),
+        Row("train", "disk", "a full disk at the lock file of a resume (no file named; the lock left behind)",
+            lock_on_a_full_disk),
+        Row("train", "environment", "torchrun's variables, the peer never starts (DistStoreError traceback, internal "
+            "error)", train_rank_never_joins),
+        Row("train", "environment", "MASTER_PORT=junk under torchrun (int()'s message, no variable)", junk_master_port),
+        Row("experiment", "environment", "torchrun's variables (hung in the workers' rendezvous, deaf to SIGTERM)",
+            one_process_commands_under_torchrun),
+        Row("demo", "environment", "torchrun's variables (hung in the rendezvous); stale ones (torch's message)",
+            one_process_commands_under_torchrun),
+    ]
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2036,12 +2336,11 @@ NOT_APPLICABLE = {
     ("convert", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
     ("convert-gqa", "environment"): "reads the environment only through --threads, as train does (train's rows)",
     ("convert-gqa", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
-    ("demo", "environment"): "reads the environment as train does (train's rows)",
     ("demo", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows()
+ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -5,15 +5,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import traceback
 import warnings
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, quiet_broken_pipe,
-                            sigterm_unwinds)
+from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, notice,
+                            quiet_broken_pipe, sigterm_unwinds)
 from ..utils.environment import check_switches, drop_bad_thread_counts
+from ..utils.startup import command_started
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -187,16 +189,22 @@ def _kept_line(policy, report: dict) -> str:
 
 def _hf_dtype(hf_dir: str, allowed) -> str:
     """The dtype a --hf checkpoint is loaded in without ``--dtype``: the one its config.json
-    records (``dtype``, or ``torch_dtype`` before transformers 5), float32 if none."""
-    import json
+    records (``dtype``, or ``torch_dtype`` before transformers 5), float32 if none. The file is
+    read as every command reads it (``read_hf_config``: a regular file, UTF-8 JSON), its errors
+    naming --hf: read here with its own ``read_text``, a config.json that was not UTF-8 was
+    reported as the codec's bare message, and a FIFO by that name hung the command."""
     from pathlib import Path
 
+    from ..integrations.hub.checkpoint import read_hf_config
+
     path = Path(hf_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):  # no readable config: the loader names what is wrong
+    if not os.path.lexists(path):  # the loader says what is missing, as it did ("has no config.json")
         return "float32"
-    recorded = (config.get("dtype") or config.get("torch_dtype")) if isinstance(config, dict) else None
+    try:
+        config = read_hf_config(hf_dir)
+    except ValueError as e:
+        raise _as_options(e, {"hf_dir": "--hf"}) from None
+    recorded = config.get("dtype") or config.get("torch_dtype")
     if recorded is None:
         return "float32"
     if recorded not in allowed:
@@ -223,7 +231,8 @@ def _generate_hf(args: argparse.Namespace, policy) -> int:
             texts = generate_hf(args.hf, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                                 args.kv_format, policy, dtype, option=_flag)
     except ValueError as e:
-        raise _as_options(e, {"hf_dir": "--hf", "max_new_tokens": _tokens_flag(args.argv)}) from None
+        raise _as_options(e, {"hf_dir": "--hf", "max_new_tokens": _tokens_flag(args.argv), "prompts": "--prompt"}) \
+            from None
     for text in texts:
         print(text)
         print("-" * 40)
@@ -244,6 +253,13 @@ def _generate(args: argparse.Namespace) -> int:
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, names=(tokens_flag, "--temperature", "--top-k"))
     if not 0 <= args.seed < 2**63:
         raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    for prompt in args.prompt:  # the shell passes bytes: one that is not UTF-8 is a surrogate no tokenizer takes
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = os.fsencode(prompt[e.start:e.end])
+            raise ValueError(f"--prompt: {prompt!r} is not UTF-8 text (byte {bad[:1]!r} at character {e.start}); "
+                             "give the prompt in UTF-8") from None
     if (args.run is None) == (args.hf is None):
         raise ValueError("run: give either a qkmla run directory or --hf DIR (a transformers checkpoint); got "
                          f"{'both' if args.run else 'neither'}")
@@ -351,13 +367,17 @@ def _convert(args: argparse.Namespace) -> int:
         tokens = DEFAULT_CALIBRATION_TOKENS if norm is not None else 0
     text = None
     if args.calibration_text is not None:
+        if os.path.exists(args.calibration_text) and not Path(args.calibration_text).is_file():
+            # a FIFO was read forever, /dev/zero without end (a missing file: read_text names it below)
+            raise ValueError(f"--calibration-text: {args.calibration_text} is not a regular file")
         try:
             text = Path(args.calibration_text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"calibration_text: cannot read {args.calibration_text} as UTF-8 text ({e})") from None
     try:
         report = convert_checkpoint(args.hf, args.out, qk_norm=norm, calibration_tokens=tokens,
-                                    calibration_text=text, dtype=dtype, overwrite=args.overwrite)
+                                    calibration_text=text, dtype=dtype, overwrite=args.overwrite,
+                                    inputs=[("calibration_text", args.calibration_text)])
     except ValueError as e:  # the loader's argument name, as this command's option
         name, _, rest = str(e).partition(": ")
         raise ValueError(f"{'--hf' if name == 'hf_dir' else name}: {rest}") from None
@@ -426,7 +446,7 @@ def _experiment(args: argparse.Namespace) -> int:
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise ValueError(f"--seeds: expected an int from 1 to {MAX_SEEDS} (each seed is a training run per "
                          f"variant), got {args.seeds}")
-    check_launch()  # the workers would wait for torchrun ranks that never come
+    check_launch("experiment")  # the workers would wait for torchrun ranks that never come
     cpus = len(usable_cpus())
     if not 0 <= args.workers <= cpus:
         raise ValueError(f"--workers: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
@@ -450,8 +470,10 @@ def _experiment(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from ..utils.environment import check_launch
     from ..utils.threads import apply_threads
 
+    check_launch("demo")  # its runs would wait for torchrun ranks that never come
     apply_threads(args.threads, "demo")
     return run_demo(out=args.out, steps=args.steps, preset=args.preset, overwrite=args.overwrite)
 
@@ -628,32 +650,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.prompt = ["\n"]
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
+    restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
+        command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
         with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             status = args.func(args)
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status
     except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
-        print(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left", file=sys.stderr)
+        notice(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left")
         return 143  # 128 + SIGTERM, what a shell reports
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
-        print(f"qkmla {args.command}: {e}", file=sys.stderr)
+        notice(f"qkmla {args.command}: {e}")
         return e.exit_code
     except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
         quiet_broken_pipe()
         return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
     except ValueError as e:
         message = flag_message(str(e), _option_dests(args.command))
-        print(f"qkmla {args.command}: {message}", file=sys.stderr)
+        notice(f"qkmla {args.command}: {message}")
         return 2
     except KeyboardInterrupt:
-        print(f"qkmla {args.command}: interrupted", file=sys.stderr)
+        notice(f"qkmla {args.command}: interrupted")
         return 130
     except Exception as e:
         message = environment_message(e)
         if message is not None:  # the machine's problem, not qkmla's: one line naming the path
-            print(f"qkmla {args.command}: {message}", file=sys.stderr)
+            notice(f"qkmla {args.command}: {message}")
             return 1
         traceback.print_exc()
         print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "
@@ -662,6 +686,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if threads is not None:
             torch.set_num_threads(threads)
+        for stream, errors in restore.items():
+            stream.reconfigure(errors=errors)
+
+
+def _paths_print_as_given() -> dict:
+    """Let stdout print a path whose name is not UTF-8 (``--out $'\\xff'``: a surrogate escape in
+    Python) as the bytes it was given, and stderr as Python's own stderr does (backslashreplace);
+    returns {stream: its error handler to restore}. Under a UTF-8 locale stdout is strict: the
+    command wrote its file and then failed on its own 'wrote PATH' line, exit 2 with the codec's
+    message (and a caller's strict stderr, a test's, failed on a refusal naming such a path)."""
+    changed = {}
+    for stream, handler in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
+        if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+            continue
+        try:
+            stream.reconfigure(errors=handler)
+        except (ValueError, OSError):  # a stream that cannot change its handler now: left as it is
+            continue
+        changed[stream] = "strict"
+    return changed
 
 
 if __name__ == "__main__":

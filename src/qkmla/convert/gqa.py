@@ -436,10 +436,10 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     """
     import transformers
 
-    from ..integrations.hub.checkpoint import CONFIG, read_hf_config
+    from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
     from .qk_norm import check_convert_paths, converting_into, write_checkpoint
 
-    src, out = check_convert_paths(src, out, overwrite)
+    src, out = check_convert_paths(src, out, overwrite, [("calibration_text", calibration_text)])
     hf_config = read_hf_config(src)
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -458,7 +458,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
             "latent 'activations' weights the factorization by the attention inputs"
         raise ValueError(f"calibration_text: {what} of calibration text; give a text file like the model's data")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+        tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
         tokenizer = None
     calibration = None

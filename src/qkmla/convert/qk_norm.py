@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 
 from ..config import QKNormConfig
 from ..utils.files import clear_stale, write_directory
-from ..integrations.hub.checkpoint import CONFIG, read_hf_config
+from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
 HELD_OUT_TOKENS = 4096
@@ -39,15 +39,27 @@ def lock_file(out: Path) -> Path:
     return out.with_name(out.name + ".lock")
 
 
-def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite: bool) -> tuple[Path, Path]:
+def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite: bool,
+                        inputs: Iterable = ()) -> tuple[Path, Path]:
     """(src, out) if ``out`` can take a conversion of ``src``: not ``src`` or inside it, not a file,
-    not an existing non-empty directory unless ``overwrite``. ValueError naming --hf / --out.
+    not an existing non-empty directory unless ``overwrite``, holding none of the other files the
+    conversion reads (``inputs``: (option, path) pairs, the calibration text). ValueError naming
+    --hf / --out.
     First, what a conversion into ``out`` killed outright left is swept (``clear_stale``: its
     temporary removed, an ``out`` it had moved aside put back; its lock file), so ``out`` is checked
     as it really is."""
     from ..train.rundir import remove_stale_lock
 
     src, out = Path(src), Path(out)
+    for name, path in (("hf", src), ("out", out)):
+        # safetensors and tokenizers (Rust) take paths as UTF-8 strings: a name that is not UTF-8
+        # (a surrogate escape in Python) failed mid-conversion, as 'not a readable safetensors
+        # file' or the codec's message, after the model was loaded and converted.
+        try:
+            str(path.absolute()).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name}: {path} is not a UTF-8 path, which safetensors and tokenizers cannot open; "
+                             "rename it (or a directory above it)") from None
     clear_stale(out)
     remove_stale_lock(lock_file(out))
     if not src.is_dir():
@@ -60,6 +72,10 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
         raise ValueError(f"out: {out} is the checkpoint being converted (or inside it); write elsewhere")
     if resolved_out in resolved_src.parents:
         raise ValueError(f"out: {out} holds the checkpoint being converted; replacing it would destroy the source")
+    for option, path in inputs:  # --overwrite replaced the directory with the text the conversion read inside it
+        if path is not None and resolved_out in Path(path).resolve().parents:
+            raise ValueError(f"out: {out} holds {path}, the --{option.replace('_', '-')} this conversion reads; "
+                             "replacing it would destroy that file: write elsewhere, or move the file out first")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
@@ -134,7 +150,7 @@ def write_checkpoint(model, tokenizer, out: Path) -> None:
 def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
                        qk_norm: Union[None, str, QKNormConfig] = "rms",
                        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS, calibration_text: Optional[str] = None,
-                       dtype: Optional[torch.dtype] = None, overwrite: bool = False) -> dict:
+                       dtype: Optional[torch.dtype] = None, overwrite: bool = False, inputs: Iterable = ()) -> dict:
     """Write ``src`` with a QK norm, calibrated, to ``out`` (see the module docstring).
 
     Args:
@@ -144,6 +160,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         calibration_text: the text to calibrate on; None reads the embedded Shakespeare.
         dtype: the written dtype (and the calibration's); None keeps the stored one. Refused for a
             quantized checkpoint.
+        inputs: (option, path) of the files the caller read for this conversion (the command's
+            --calibration-text): an ``out`` holding one is refused, as ``overwrite`` would destroy it.
 
     Returns:
         the calibration report (:func:`~qkmla.convert.calibrate.warm_start_qk_norm`), {} without one.
@@ -154,13 +172,11 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         quantized source; and naming the layer, a layer whose tensors do not load as the config
         describes them.
     """
-    import transformers
-
     from .stream import CheckpointStream, calibrate_streaming, copy_other_files, write_weights
     from ..integrations.hub.checkpoint import INDEX, saved_norm
     from ..integrations.hub.record import CODE, describe, record_norm
 
-    src, out = check_convert_paths(src, out, overwrite)
+    src, out = check_convert_paths(src, out, overwrite, inputs)
     norm = QKNormConfig.of(qk_norm)
     if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 0:
         raise ValueError(f"calibration_tokens: expected an int >= 0, got {calibration_tokens!r}")
@@ -177,7 +193,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
                          f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+        tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         if calibration_tokens:
             raise ValueError(f"hf: {src} has no tokenizer transformers can load, which calibration needs "

@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -37,7 +36,7 @@ from typing import Callable, Optional
 from ..train.data import Corpus
 from ..train.rundir import read_status
 from ..train.trainer import load_model
-from ..utils.errors import Stopped
+from ..utils.errors import Stopped, notice
 from ..utils.files import write_bytes, write_text
 from ..utils.threads import usable_cpus
 
@@ -332,12 +331,12 @@ class StopRequests:
         if self.count == 1:
             self.signal = name
             again = "Ctrl-C" if name == "SIGINT" else name
-            print(f"qkmla experiment: {name}: starting no new run; the runs in flight stop after their current "
-                  f"step with a checkpoint ({again} again to stop them at once)", file=sys.stderr, flush=True)
+            notice(f"qkmla experiment: {name}: starting no new run; the runs in flight stop after their current "
+                   f"step with a checkpoint ({again} again to stop them at once)")
         elif self.count == 2:
             self.second_at = time.monotonic()
-            print(f"qkmla experiment: {name} again: stopping the runs now (killed if not stopped within "
-                  f"{SECOND_SIGNAL_GRACE:g} s)", file=sys.stderr, flush=True)
+            notice(f"qkmla experiment: {name} again: stopping the runs now (killed if not stopped within "
+                   f"{SECOND_SIGNAL_GRACE:g} s)")
         for pool in self.pools:
             if getattr(pool, "qkmla_stop", None) is not None:
                 pool.qkmla_stop.set()

@@ -5,6 +5,7 @@ import sys
 
 from ..utils.environment import check_launch
 from ..utils.errors import Parser, environment_message
+from ..utils.startup import command_started
 from ..utils.threads import apply_threads
 from .cli import add_train_arguments, exit_code, train_config_from_args, train_flag_message
 from .trainer import CollectiveTimeout, train
@@ -15,6 +16,7 @@ def main(argv=None) -> int:
     add_train_arguments(p)
     args = p.parse_args(argv)
     try:
+        command_started()  # Ctrl-C is KeyboardInterrupt again: train's own handling (utils.startup)
         check_launch()
         config = train_config_from_args(args)
         apply_threads(args.threads, "train")

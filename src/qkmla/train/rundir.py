@@ -50,8 +50,11 @@ def fresh_out(preset: str, attn: str) -> Path:
 
 
 def read_status(out: Path) -> Optional[dict]:
+    path = Path(out) / "status.json"
+    if not path.is_file():  # a FIFO by that name: read_text waited for a writer forever
+        return None
     try:
-        return json.loads((Path(out) / "status.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
@@ -86,6 +89,8 @@ class RunLock:
     def _foreign(self) -> bool:
         """A non-empty ``lock`` that is not one of ours ({"pid", "host"}): the user's own file."""
         try:
+            if os.path.lexists(self.path) and not self.path.is_file() and not self.path.is_dir():
+                return True  # a FIFO or a device: flock refused it with a bare 'Invalid argument'
             if not self.path.is_file() or self.path.stat().st_size == 0:
                 return False
             owner = json.loads(self.path.read_text())
@@ -118,8 +123,13 @@ class RunLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        except OSError as e:  # a full disk: os.write's error named no file, and the lock file was left behind
+            self.path.unlink(missing_ok=True)  # before unlocking, as __exit__ does
+            os.close(fd)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._fd = fd
         return self
 
@@ -171,6 +181,9 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
     for name in RUN_FILES:
         if (out / name).is_dir():
             raise ValueError(f"out: {out / name} is a directory where the run's file goes; "
+                             "remove it or use another --out")
+        if os.path.lexists(out / name) and not (out / name).is_file():  # a FIFO: a resume read it forever
+            raise ValueError(f"out: {out / name} is not a regular file where the run's file goes; "
                              "remove it or use another --out")
         foreign = _not_a_run_file(out / name)
         if foreign:  # someone else's config.json (a transformers checkpoint's, say): never replaced

@@ -34,6 +34,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..utils.environment import dist_environment
+from ..utils.errors import MachineError, notice
 from ..utils.files import append_line, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
@@ -66,8 +68,9 @@ class NonFiniteError(RuntimeError):
     pass
 
 
-class CollectiveTimeout(RuntimeError):
-    """Under torchrun: a collective waited ``dist_timeout`` seconds for a rank that died or hangs."""
+class CollectiveTimeout(MachineError):
+    """Under torchrun: a collective waited ``dist_timeout`` seconds for a rank that died or hangs,
+    or the rendezvous for a rank that never joined."""
 
 
 def _dist_info(timeout: float) -> tuple[int, int, bool]:
@@ -75,8 +78,15 @@ def _dist_info(timeout: float) -> tuple[int, int, bool]:
     world = dist_environment()[0]  # junk is refused naming the variable
     started = world > 1 and not dist.is_initialized()
     if started:
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except dist.DistError as e:  # a rank that never came: torch's DistStoreError was a traceback, "internal error"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise CollectiveTimeout(f"WORLD_SIZE: the rendezvous at {where} did not gather the {world} ranks torchrun "
+                                    f"announced within --dist-timeout {timeout:g} s ({first}); start every rank, or "
+                                    "raise --dist-timeout") from None
     return ((dist.get_rank(), world) if world > 1 else (0, 1)) + (started,)
 
 
@@ -111,7 +121,7 @@ class _StopRequest:
             raise StopSignal(name)
         self.requested, self.signal = True, name
         again = "Ctrl-C" if name == "SIGINT" else name
-        print(f"\nstopping after this step with a checkpoint ({name}; {again} again to stop now)", flush=True)
+        notice(f"\nstopping after this step with a checkpoint ({name}; {again} again to stop now)", sys.stdout)
 
     def agreed(self, world: int) -> bool:
         if world == 1:

@@ -9,7 +9,10 @@
   a notebook), where torch is usually loaded already: its line is the same, but OpenMP has read
   the variable by then.
 * torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: each must be an int
-  in range (``RANK < WORLD_SIZE``), or the command is refused naming it.
+  in range (``RANK < WORLD_SIZE``), and ``MASTER_PORT`` a TCP port where there are several ranks,
+  or the command is refused naming it.
+* ``qkmla experiment`` and ``qkmla demo`` run as one process (their runs train in processes of
+  their own): any ``WORLD_SIZE > 1`` is refused for them, under torchrun too.
 * The same variables left in a shell after a torchrun job (stale): a process not started by
   torchrun (no ``TORCHELASTIC_RUN_ID``) that sees ``WORLD_SIZE > 1`` would wait for ranks that
   never come. :func:`check_launch` refuses that, naming the variables to unset.
@@ -121,6 +124,9 @@ def drop_bad_thread_counts_for_command_line() -> None:
     first thing by ``qkmla/__init__.py``); a program that only imports qkmla is left alone."""
     command = command_line_name()
     if command is not None:
+        from .startup import quiet_interrupts_at_startup
+
+        quiet_interrupts_at_startup(command)  # a Ctrl-C while torch loads: one line, not a traceback
         drop_bad_thread_counts(command)
 
 
@@ -159,15 +165,23 @@ def dist_environment() -> tuple[int, int, int]:
     if "LOCAL_WORLD_SIZE" in os.environ and local_rank >= local:  # a launcher may set LOCAL_RANK alone
         raise ValueError(f"LOCAL_RANK: the environment variable holds {local_rank}, but LOCAL_WORLD_SIZE is {local} "
                          f"(local ranks 0..{local - 1}); unset them, or launch with torchrun")
+    if world > 1 and "MASTER_PORT" in os.environ:  # read by torch's rendezvous as int(...), unnamed in its error
+        port = os.environ["MASTER_PORT"]
+        if not port.strip().isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"MASTER_PORT: the environment variable holds {port!r}, expected a TCP port, an int "
+                             "from 0 to 65535 (set by torchrun); unset it, or launch with torchrun")
     return world, rank, local
 
 
-def check_launch() -> None:
-    """For a command line (``qkmla train``): refuse torchrun variables that no torchrun set.
+def check_launch(command: str = "train") -> None:
+    """For a command line: refuse torchrun variables that no torchrun set (``qkmla train``), and
+    any WORLD_SIZE > 1 for a command that runs as one process (``qkmla experiment`` and ``qkmla
+    demo`` train through their own processes, one run each: under torchrun every rank waited in
+    the rendezvous or a collective for ranks that never come, deaf to SIGTERM while it waited).
 
     Raises:
         ValueError naming the variables: WORLD_SIZE > 1 in a process torchrun did not start
-        (it would wait for the other ranks forever).
+        (it would wait for the other ranks forever), or in one that ``command`` cannot use.
     """
     world, _, _ = dist_environment()
     if world > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -175,3 +189,8 @@ def check_launch() -> None:
         raise ValueError(f"WORLD_SIZE: the environment says {world} ranks, but this process was not started by "
                          f"torchrun (no TORCHELASTIC_RUN_ID): variables left from an earlier job? `unset {stale}`, "
                          "or launch with `torchrun --nproc_per_node N -m qkmla.train ...`")
+    if world > 1 and command != "train":
+        stale = " ".join(n for n in DIST_VARIABLES + ("TORCHELASTIC_RUN_ID",) if n in os.environ)
+        raise ValueError(f"WORLD_SIZE: the environment says {world} ranks, but qkmla {command} runs as one process "
+                         f"(its runs train one process each), not under torchrun; `unset {stale}`, or train one "
+                         "run under torchrun with `torchrun --nproc_per_node N -m qkmla.train ...`")

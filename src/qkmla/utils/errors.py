@@ -27,9 +27,18 @@ def flag_message(message: str, fields) -> str:
     return message
 
 
+class MachineError(RuntimeError):
+    """An error of the machine or of the launch rather than of qkmla or of the user's arguments
+    (under torchrun: a rank that never joined, a collective that waited past --dist-timeout):
+    its message is the one line the command prints, exit status 1."""
+
+
 def environment_message(e: BaseException):
     """One line for an error of the machine rather than of qkmla (a full disk, a read-only or
-    missing file, no permission, memory run out), naming the path; None for anything else."""
+    missing file, no permission, memory run out, a :class:`MachineError`), naming the path; None
+    for anything else."""
+    if isinstance(e, MachineError):
+        return str(e)
     if isinstance(e, OSError):
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         also = f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
@@ -51,6 +60,20 @@ def quiet_broken_pipe() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):
+        pass
+
+
+def notice(text: str, stream=None) -> None:
+    """Print ``text`` from a signal handler. Its reader may be gone (``qkmla ... 2>&1 | tee log``: the
+    same Ctrl-C ends tee): the BrokenPipeError, raised inside the handler, skipped the rest of it (the
+    request never passed on to the runs in flight, or a training step cut off), so a closed stream
+    loses the line, never the handling."""
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):  # a closed pipe, a closed file
         pass
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -100,8 +101,9 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
             object, or holds a field of a type transformers' config class refuses.
     """
     path = Path(hf_dir) / CONFIG
-    if not path.is_file():
-        raise ValueError(f"hf_dir: {path} does not exist; a Hugging Face checkpoint directory has a {CONFIG}")
+    if not path.is_file():  # a FIFO is read forever: refused with what it is
+        what = "is not a regular file" if os.path.lexists(path) else "does not exist"
+        raise ValueError(f"hf_dir: {path} {what}; a Hugging Face checkpoint directory has a {CONFIG}")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -112,6 +114,26 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
         raise ValueError(f"hf_dir: {path}: expected a JSON object, got {type(config).__name__}")
     _check_fields(path, config)
     return config
+
+
+def load_tokenizer(hf_dir: Union[str, Path]):
+    """The tokenizer of a checkpoint directory (``AutoTokenizer``, local files only), as every
+    command loads it.
+
+    Raises:
+        whatever transformers raises for a directory without one (OSError, ValueError, ImportError),
+        and ValueError for one it makes without a vocabulary: transformers 5 builds an empty
+        Qwen2Tokenizer for a Qwen3 directory that has no tokenizer files, which turns every text into
+        no tokens (convert-gqa wrote it into its output as the model's tokenizer; generate called the
+        prompt empty, convert-gqa the calibration text).
+    """
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    if not tokenizer("Hello, world.", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{hf_dir} holds no usable tokenizer: transformers made an empty {type(tokenizer).__name__} "
+                         "(no vocabulary), which turns every text into no tokens")
+    return tokenizer
 
 
 def _check_fields(path: Path, config: dict) -> None:

@@ -17,7 +17,7 @@ import torch
 from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .model import apply_latent_attention
-from ..hub.checkpoint import read_hf_config
+from ..hub.checkpoint import load_tokenizer, read_hf_config
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
 
@@ -27,8 +27,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 def load_hf_dir(hf_dir, dtype: str = "float32"):
     """(model in eval mode, patched by qkmla with the QK norm it records; tokenizer) from a
     checkpoint directory, both offline."""
-    import transformers
-
     root = Path(hf_dir)
     if not (root / "config.json").is_file():
         raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
@@ -45,7 +43,7 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
                          f"({', '.join(SUPPORTED[:2])})")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(root, local_files_only=True)
+        tokenizer = load_tokenizer(root)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
     try:

@@ -205,16 +205,21 @@ def check_softmax_scale(softmax_scale, H: int) -> None:
                          f"MLAConfig.scale; got {softmax_scale!r}")
 
 
-def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor) -> None:
-    """ValueErrors naming ``num_splits`` (an int >= 0) and ``max_seqlen`` (None, or an int >= 0 and,
-    where reading the lengths is free, at least max(cache_seqlens): a shorter one would drop the
-    slots past it without a word)."""
+def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor,
+                           capacity: Optional[int] = None) -> None:
+    """ValueErrors naming ``num_splits`` (an int >= 0) and ``max_seqlen`` (None, or an int >= 0, at
+    most the slots a sequence can hold (``capacity``: past it, 2**70 say, the refusal named
+    cache_seqlens, whose lengths were fine) and, where reading the lengths is free, at least
+    max(cache_seqlens): a shorter one would drop the slots past it without a word)."""
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 picks one that fills the GPU), got {num_splits!r}")
     if max_seqlen is None:
         return
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"max_seqlen: expected None or an int >= 0 (max(cache_seqlens)), got {max_seqlen!r}")
+    if capacity is not None and max_seqlen > capacity:
+        raise ValueError(f"max_seqlen: expected max(cache_seqlens), at most the {capacity} slots a sequence of "
+                         f"this cache holds, got {max_seqlen}")
     if _host_readable(cache_seqlens) and cache_seqlens.numel() and int(cache_seqlens.max()) > max_seqlen:
         raise ValueError(f"max_seqlen: expected max(cache_seqlens) = {int(cache_seqlens.max())} (or None), got "
                          f"{max_seqlen}; the slots past it would be left out of the attention")
@@ -284,7 +289,12 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
                         kv_format)
     check_indices(indices, topk_length, q_lat, visible_lens)
     check_softmax_scale(softmax_scale, q_lat.shape[2])
-    check_split_and_length(num_splits, max_seqlen, cache_seqlens)
+    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    check_split_and_length(num_splits, max_seqlen, cache_seqlens, capacity)
+    B, S_q, H, d_c = q_lat.shape
+    if B * S_q * H == 0:  # nothing to attend for: every backend failed on an empty max() or reshape
+        return (torch.zeros(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device),
+                torch.full((B, S_q, H), -math.inf, dtype=torch.float32, device=q_lat.device))
     backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     if block_table is not None:  # a table padded past a sequence's blocks (-1, as vLLM pads) reads as block 0 there
