@@ -1,10 +1,11 @@
 """qkmla: QK normalization for Multi-head Latent Attention without full-key caching."""
 
-# Before anything imports torch: a junk OMP_NUM_THREADS on qkmla's command line is reported in
-# qkmla's one line, not by OpenMP, which reads it as torch loads (utils/environment.py).
-from .utils.environment import drop_bad_thread_counts_for_command_line
+# Before anything imports torch, on qkmla's command line only: a junk OMP_NUM_THREADS is reported in
+# qkmla's one line, not by OpenMP, which reads it as torch loads, and a Ctrl-C while torch loads
+# prints one line, not a traceback (utils/environment.py, utils/startup.py).
+from .utils.environment import prepare_command_line
 
-drop_bad_thread_counts_for_command_line()
+prepare_command_line()
 
 from .attention import MLA, MultiHeadAttention
 from .cache import ContiguousLayout, FullKVCache, LatentCache, PagedLayout

@@ -2034,6 +2034,19 @@ def probe7_rows():
         line = one_machine_line(r, "train", "WORLD_SIZE: the rendezvous at 127.0.0.1:")
         assert "--dist-timeout 2 s" in line, line
 
+    def train_master_port_taken(env):
+        """Under torchrun's variables, rank 0's MASTER_PORT held by another program: torch fails at once
+        (EADDRINUSE), and the line said the ranks did not gather within --dist-timeout (review)."""
+        import socket
+
+        with socket.socket() as held:
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            r = qkmla(train_ok(env, env.tmp / "o") + ["--dist-timeout", "60"], env.tmp,
+                      env={**TORCHRUN, "MASTER_PORT": str(held.getsockname()[1])})
+        line = one_machine_line(r, "train", "MASTER_PORT: the rendezvous at 127.0.0.1:")
+        assert "address already in use" in line and "--dist-timeout" not in line, line
+
     def one_process_commands_under_torchrun(env):
         """experiment and demo under torchrun's variables passed the launch check and waited in the
         rendezvous for ranks that never come (600 s), deaf to SIGTERM; demo with stale ones printed
@@ -2053,6 +2066,10 @@ def probe7_rows():
         """MASTER_PORT=junk under torchrun: 'invalid literal for int() with base 10: 'junk'' (no variable named)."""
         with_env(env, {**TORCHRUN, "MASTER_PORT": "junk"}, lambda: refuse(
             env, train_ok(env, env.tmp / "o"), r"MASTER_PORT: the environment variable holds 'junk', expected a TCP "
+            r"port"))
+        # A digit str.isdigit() takes but int() does not read ('²'): the same line, not int()'s ValueError.
+        with_env(env, {**TORCHRUN, "MASTER_PORT": "\u00b2"}, lambda: refuse(
+            env, train_ok(env, env.tmp / "o"), r"MASTER_PORT: the environment variable holds '\u00b2', expected a TCP "
             r"port"))
 
     def lock_on_a_full_disk(env):
@@ -2307,6 +2324,8 @@ def probe7_rows():
         Row("train", "environment", "torchrun's variables, the peer never starts (DistStoreError traceback, internal "
             "error)", train_rank_never_joins),
         Row("train", "environment", "MASTER_PORT=junk under torchrun (int()'s message, no variable)", junk_master_port),
+        Row("train", "environment", "MASTER_PORT held by another program (reported as a rendezvous timeout)",
+            train_master_port_taken),
         Row("experiment", "environment", "torchrun's variables (hung in the workers' rendezvous, deaf to SIGTERM)",
             one_process_commands_under_torchrun),
         Row("demo", "environment", "torchrun's variables (hung in the rendezvous); stale ones (torch's message)",

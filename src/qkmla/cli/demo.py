@@ -121,6 +121,10 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
     configs = _configs(out, preset, steps if steps is not None else STEPS, overwrite)  # --preset checked here
+    vocab_size = Corpus.load("tiny_shakespeare").tokenizer.vocab_size
+    for cfg in configs[:len(MODELS)]:  # every model the demo trains: a preset too big for this machine is
+        model_cfg = cfg.model_config(vocab_size)  # refused before the demo's directory is made, naming --preset
+        check_step_fits(GPT(model_cfg), cfg.batch_size, model_cfg.block_size, name="preset")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, a name too long
@@ -132,9 +136,6 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
 def _run_demo_locked(out: Path, steps: Optional[int], preset: str, configs: list[TrainConfig]) -> int:
     t_start = time.perf_counter()
     corpus = Corpus.load("tiny_shakespeare")
-    for cfg in configs[:len(MODELS)]:  # every model the demo trains, before the first run: a preset too big for
-        model_cfg = cfg.model_config(corpus.tokenizer.vocab_size)  # this machine is refused here, naming --preset
-        check_step_fits(GPT(model_cfg), cfg.batch_size, model_cfg.block_size, name="preset")
     steps_given = steps is not None
     steps = steps if steps_given else STEPS
     print(f"training {len(MODELS) * len(LEARNING_RATES)} models x {steps} steps ({preset} preset: about 2.5 minutes "

@@ -168,9 +168,11 @@ def holds_run(out: Path) -> bool:
     return any((Path(out) / f).exists() for f in RUN_FILES)
 
 
-def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
-    """Check what ``out`` holds against what the run wants; returns a note for the user
-    (a killed previous run, leftovers removed) or None.
+def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
+    """Check what ``out`` holds against what the run wants, reading only; returns the notes for
+    the user (a killed previous run). :func:`prepare` does this under the run's lock and then
+    clears what the run replaces; training also does it before building the model, so a
+    forgotten ``--resume`` is refused at once.
 
     Raises:
         ValueError: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
@@ -203,6 +205,14 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
     if holds_run(out) and not (resume or overwrite):
         raise ValueError(f"out: {out} already holds {what}; pass --resume to continue it, --overwrite "
                          "to replace it, or choose a new --out")
+    return notes
+
+
+def prepare(out: Path, resume: bool, overwrite: bool) -> Optional[str]:
+    """:func:`check_run_dir`, then clear what the run replaces; returns a note for the user (a
+    killed previous run, leftovers removed) or None."""
+    out = Path(out)
+    notes = check_run_dir(out, resume, overwrite)
     if overwrite:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)

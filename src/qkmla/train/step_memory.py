@@ -13,6 +13,8 @@ forward, so the count is a lower bound of the step's peak above the weights alre
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 __all__ = ["saved_bytes", "step_saved_bytes"]
@@ -21,34 +23,46 @@ __all__ = ["saved_bytes", "step_saved_bytes"]
 def saved_bytes(model: torch.nn.Module, windows: int, block_size: int) -> int:
     """Bytes autograd saves for a training forward of ``windows`` windows of ``block_size``
     tokens (token id 0 throughout: the sizes do not depend on the ids of a dense model), the
-    parameters' storage excluded. Runs in train mode with the global RNG state put back, so the
-    run that follows draws exactly what it would have (dropout masks included)."""
+    parameters' storage excluded. Runs in train mode (the mode a step runs in; the model's own is
+    put back) with the RNG state put back, so the run that follows draws exactly what it would
+    have (dropout masks included). Everything it saved is freed when it returns."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     held: list[torch.Tensor] = []  # alive until the count is taken, so no address is reused within it
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
+        # Kept here, not in the graph: a graph node holding its own output is a reference cycle
+        # through C++ that Python's collector cannot break, so the forward's tensors would outlive
+        # the count (and the memory it measures would be gone from the run that follows).
         held.append(t)
-        return t
 
-    x = torch.zeros(windows, block_size, dtype=torch.long, device=next(model.parameters()).device)
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with torch.random.fork_rng(devices=[]), torch.enable_grad(), hooks:
-        _, loss = model(x, x)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
-                if t.device.type != "meta" and t.untyped_storage().data_ptr() not in params}
-    del loss
-    held.clear()
-    return sum(storages.values())
+    device = next(model.parameters()).device
+    x = torch.zeros(windows, block_size, dtype=torch.long, device=device)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None)  # never unpacked: no backward
+    was_training = model.training
+    model.train()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), hooks:
+            model(x, x)
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
+                    if t.device.type != "meta" and t.untyped_storage().data_ptr() not in params}.values())
+    finally:
+        held.clear()
+        model.train(was_training)
 
 
-def step_saved_bytes(model: torch.nn.Module, batch: int, block_size: int) -> int:
+def step_saved_bytes(model: torch.nn.Module, batch: int, block_size: int,
+                     check: Optional[Callable[[int], None]] = None) -> int:
     """:func:`saved_bytes` of a step of ``batch`` windows, measured on at most three: from two
     windows on the bytes grow by the same amount per window (bytes(B) = fixed + B * per_window,
     the fixed part being tables made from the weights), so forwards of two and three windows give
     any batch. One window is no guide: a batch of one lets some ops broadcast where a larger
-    batch copies (v4's sinks did), so its bytes extrapolated would overstate every other batch."""
+    batch copies (v4's sinks did), so its bytes extrapolated would overstate every other batch.
+    ``check`` (a refusal, say) is called on the two windows' bytes before three are measured: a
+    step of at least two windows saves at least that much, and the third is not run for nothing."""
     if batch <= 2:
         return saved_bytes(model, batch, block_size)
-    two, three = saved_bytes(model, 2, block_size), saved_bytes(model, 3, block_size)
-    per_window = max(three - two, 0)
+    two = saved_bytes(model, 2, block_size)
+    if check is not None:
+        check(two)
+    per_window = max(saved_bytes(model, 3, block_size) - two, 0)
     return max(two - 2 * per_window, 0) + batch * per_window

@@ -53,8 +53,8 @@ from .config import TrainConfig
 from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
-from .rundir import (RUN_FILES, RunLock, fresh_out, metrics_line, note_config_written, prepare, record_edits,
-                     resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
+from .rundir import (RUN_FILES, RunLock, check_run_dir, fresh_out, metrics_line, note_config_written, prepare,
+                     record_edits, resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
 from .step_memory import step_saved_bytes
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
@@ -84,6 +84,10 @@ def _dist_info(timeout: float) -> tuple[int, int, bool]:
         except dist.DistError as e:  # a rank that never came: torch's DistStoreError was a traceback, "internal error"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            if isinstance(e, dist.DistNetworkError):  # at once, not after the timeout: the port taken, no route
+                raise CollectiveTimeout(f"MASTER_PORT: the rendezvous at {where} could not be reached or served "
+                                        f"({first}); check MASTER_ADDR and MASTER_PORT (a port another job holds?)"
+                                        ) from None
             raise CollectiveTimeout(f"WORLD_SIZE: the rendezvous at {where} did not gather the {world} ranks torchrun "
                                     f"announced within --dist-timeout {timeout:g} s ({first}); start every rank, or "
                                     "raise --dist-timeout") from None
@@ -253,10 +257,6 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     model_cfg = config.model_config(corpus.tokenizer.vocab_size)
     corpus.check_block(model_cfg.block_size, "block_size" if config.block_size is not None else "data")
     check_sizes(config, corpus, model_cfg, world)
-    torch.manual_seed(config.seed)
-    model = GPT(model_cfg)
-    if not (world > 1 and config.fsdp):  # a sharded model's forward is a collective: the config's bound stands
-        check_step_fits(model, config.batch_size // world, model_cfg.block_size)
     if config.out is None:
         if world > 1:
             raise ValueError("out: required under torchrun (every rank must write to the same directory)")
@@ -268,6 +268,17 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     if data.is_file() and any(same_file(data, out / name) for name in RUN_FILES):
         raise ValueError(f"data: {data} is a file of the run directory {out}, which training writes; "
                          f"copy it elsewhere first")
+    try:
+        existing = out.is_dir()
+    except OSError:  # a name too long, say: the mkdir below names it
+        existing = False
+    if rank == 0 and existing:  # a forgotten --resume, or a run in progress there: refused before the model
+        with RunLock(out):
+            check_run_dir(out, config.resume, config.overwrite)
+    torch.manual_seed(config.seed)
+    model = GPT(model_cfg)
+    if not (world > 1 and config.fsdp):  # a sharded model's forward is a collective: the config's bound stands
+        check_step_fits(model, config.batch_size // world, model_cfg.block_size)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, no permission, a read-only file system
@@ -284,11 +295,14 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
 def check_step_fits(model: GPT, batch: int, block_size: int, name: str = "batch_size") -> None:
     """ValueError naming ``name`` if what a step of ``batch`` windows saves for its backward
     (measured: ``step_memory.py``) exceeds the memory left once the weights are made. Training
-    runs it before the run directory is touched, so a refused ``--overwrite`` keeps the run it
+    runs it before the run directory is written, so a refused ``--overwrite`` keeps the run it
     would have replaced."""
-    check_fits(name, step_saved_bytes(model, batch, block_size),
-               f"the tensors a training step of {batch} windows of {block_size} tokens of {model.config.attn} saves "
-               f"for its backward (measured on {min(batch, 3)})")
+    def refuse_above(needed: int, measured_on: int) -> None:
+        check_fits(name, needed, f"the tensors a training step of {batch} windows of {block_size} tokens of "
+                                 f"{model.config.attn} saves for its backward (measured on {measured_on})")
+
+    refuse_above(step_saved_bytes(model, batch, block_size, check=lambda two: refuse_above(two, 2)),
+                 min(batch, 3))
 
 
 def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, rank: int, world: int) -> dict:

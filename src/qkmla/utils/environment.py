@@ -4,7 +4,7 @@
   when torch loads it, prints its own complaint and uses its default. ``import qkmla`` imports
   torch, so a process running qkmla's command line (``python -m qkmla``, ``python -m qkmla.train``,
   the ``qkmla`` script) drops them first thing in ``qkmla/__init__.py``
-  (:func:`drop_bad_thread_counts_for_command_line`), with one line naming the variable and no
+  (:func:`prepare_command_line`), with one line naming the variable and no
   complaint from OpenMP. ``main()`` checks them again for a caller in a Python of its own (a test,
   a notebook), where torch is usually loaded already: its line is the same, but OpenMP has read
   the variable by then.
@@ -119,9 +119,10 @@ def command_line_name(argv: Optional[list] = None) -> Optional[str]:
     return next((a for a in rest if not a.startswith("-")), None) if rest else None
 
 
-def drop_bad_thread_counts_for_command_line() -> None:
-    """:func:`drop_bad_thread_counts` for qkmla's command line, before torch is imported (called
-    first thing by ``qkmla/__init__.py``); a program that only imports qkmla is left alone."""
+def prepare_command_line() -> None:
+    """For qkmla's command line, before torch is imported (called first thing by
+    ``qkmla/__init__.py``): :func:`drop_bad_thread_counts`, and Ctrl-C as one line until the
+    command starts (``startup.py``); a program that only imports qkmla is left alone."""
     command = command_line_name()
     if command is not None:
         from .startup import quiet_interrupts_at_startup
@@ -167,7 +168,7 @@ def dist_environment() -> tuple[int, int, int]:
                          f"(local ranks 0..{local - 1}); unset them, or launch with torchrun")
     if world > 1 and "MASTER_PORT" in os.environ:  # read by torch's rendezvous as int(...), unnamed in its error
         port = os.environ["MASTER_PORT"]
-        if not port.strip().isdigit() or not 0 <= int(port) <= 65535:
+        if not (port.strip().isascii() and port.strip().isdigit()) or not 0 <= int(port) <= 65535:
             raise ValueError(f"MASTER_PORT: the environment variable holds {port!r}, expected a TCP port, an int "
                              "from 0 to 65535 (set by torchrun); unset it, or launch with torchrun")
     return world, rank, local

@@ -73,7 +73,7 @@ def notice(text: str, stream=None) -> None:
     stream = sys.stderr if stream is None else stream
     try:
         print(text, file=stream, flush=True)
-    except (OSError, ValueError):  # a closed pipe, a closed file
+    except (OSError, ValueError, RuntimeError):  # a closed pipe, a closed file, a write the signal interrupted
         pass
 
 

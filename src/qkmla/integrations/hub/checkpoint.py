@@ -130,7 +130,9 @@ def load_tokenizer(hf_dir: Union[str, Path]):
     import transformers
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    if not tokenizer("Hello, world.", add_special_tokens=False)["input_ids"]:
+    # Judged by its vocabulary, not by encoding a sample text: a vocabulary without Latin letters
+    # (and no byte fallback) may encode an English sample to nothing and still be a tokenizer.
+    if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):
         raise ValueError(f"{hf_dir} holds no usable tokenizer: transformers made an empty {type(tokenizer).__name__} "
                          "(no vocabulary), which turns every text into no tokens")
     return tokenizer
