@@ -8,7 +8,7 @@ from ..utils.errors import Parser, environment_message
 from ..utils.startup import command_started
 from ..utils.threads import apply_threads
 from .cli import add_train_arguments, exit_code, train_config_from_args, train_flag_message
-from .trainer import CollectiveTimeout, train
+from .trainer import train
 
 
 def main(argv=None) -> int:
@@ -24,10 +24,8 @@ def main(argv=None) -> int:
     except ValueError as e:  # a refused argument or run directory: one line, no traceback
         print(f"qkmla train: {train_flag_message(str(e))}", file=sys.stderr)
         return 2
-    except CollectiveTimeout as e:  # status.json says the same
-        print(f"qkmla train: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # a full disk, a read-only file: one line naming the path (status.json says it too)
+    except Exception as e:  # a full disk, a read-only file, a rank that never joined (CollectiveTimeout, a
+        # MachineError): one line naming the path or the variable (status.json says it too)
         message = environment_message(e)
         if message is None:
             raise

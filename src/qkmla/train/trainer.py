@@ -70,7 +70,8 @@ class NonFiniteError(RuntimeError):
 
 class CollectiveTimeout(MachineError):
     """Under torchrun: a collective waited ``dist_timeout`` seconds for a rank that died or hangs,
-    or the rendezvous for a rank that never joined."""
+    the rendezvous for a rank that never joined, or the rendezvous could not be served at all
+    (MASTER_PORT held by another program)."""
 
 
 def _dist_info(timeout: float) -> tuple[int, int, bool]:
