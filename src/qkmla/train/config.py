@@ -42,7 +42,9 @@ def _number(name: str, value, low: float, high: float = math.inf, low_open: bool
         raise ValueError(f"{name}: expected an int below 2**63 (counts are int64), got {value}")
     if not ok:
         what = "an int" if integer else "a finite number"
-        rng = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if math.isfinite(high) else "")
+        # Integer bounds print whole: 2**63 - 1 as %g reads 9.22337e+18, a number nobody can type back.
+        bound = (lambda x: f"{int(x)}") if integer else (lambda x: f"{x:g}")
+        rng = f"{'>' if low_open else '>='} {bound(low)}" + (f" and <= {bound(high)}" if math.isfinite(high) else "")
         raise ValueError(f"{name}: expected {what} {rng}{' or None' if allow_none else ''}, got {value!r}")
 
 
