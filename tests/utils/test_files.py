@@ -176,3 +176,33 @@ def test_write_directory_keeps_the_old_directory_on_failure_and_replaces_it_whol
     assert e.value.filename == str(out) and os.listdir(tmp_path) == ["out"] and (out / "a").read_text() == "old"
     write_directory(out, lambda tmp: (tmp / "b").write_text("new"))
     assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["b"]
+
+
+def test_written_files_get_the_umask_mode_or_keep_the_replaced_files(tmp_path):
+    """safetensors writes through a private temporary (mode 0600): a checkpoint or a converted model
+    was readable by its owner alone, so on a shared machine nobody else could load it. A new file
+    now gets the mode the umask gives any new file; a replaced file keeps its own mode."""
+    from qkmla.utils.files import write_directory
+
+    def mode(path):
+        return os.stat(path).st_mode & 0o777
+
+    old = os.umask(0o027)
+    try:
+        save_safetensors({"a": torch.zeros(4)}, tmp_path / "new.safetensors")
+        assert mode(tmp_path / "new.safetensors") == 0o640
+        write_text(tmp_path / "t.txt", "x")
+        os.chmod(tmp_path / "t.txt", 0o604)
+        write_text(tmp_path / "t.txt", "y")  # a replaced file keeps the mode its owner gave it
+        assert mode(tmp_path / "t.txt") == 0o604
+        def fill(tmp):
+            from safetensors.torch import save_file
+
+            save_safetensors({"a": torch.zeros(4)}, tmp / "m.safetensors")
+            save_file({"b": torch.ones(2)}, str(tmp / "direct.safetensors"))  # as transformers' save_pretrained does
+
+        write_directory(tmp_path / "d", fill)
+        assert {p.name: mode(p) for p in (tmp_path / "d").iterdir()} == {"m.safetensors": 0o640,
+                                                                        "direct.safetensors": 0o640}
+    finally:
+        os.umask(old)

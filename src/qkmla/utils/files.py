@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,6 +104,35 @@ def signals_held():
             signal.raise_signal(s)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc/self/status``):
+    setting it to read it back would, for that instant, give another thread's new files mode 0666."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _give_mode(written: Path, old: Optional[Path] = None) -> None:
+    """``written`` gets the mode of the file it replaces (``old``), or the mode a new file gets
+    under the umask (0644 under the usual 022). safetensors writes through a private temporary
+    (mode 0600), so a checkpoint or a converted model was readable by its owner alone: on a shared
+    machine, a colleague (or a serving job under another user) could not load it."""
+    mode = None
+    if old is not None:
+        try:
+            mode = stat.S_IMODE(os.stat(old).st_mode)
+        except OSError:
+            pass
+    os.chmod(written, 0o666 & ~_umask() if mode is None else mode)
+
+
 def _fsync(path: Path, directory: bool = False) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
@@ -128,6 +158,7 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
     clear_stale(path)
     try:
         write(tmp)
+        _give_mode(tmp, path)
         if durable:
             _fsync(tmp)
         os.replace(tmp, path)
@@ -163,6 +194,9 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             write(tmp)
+            for written in tmp.rglob("*"):  # transformers' files too, through safetensors: see _give_mode
+                if written.is_file() and not written.is_symlink():
+                    _give_mode(written)
         except Exception as e:  # a full disk inside safetensors or transformers: one line naming out
             error = as_os_error(e, out)
             if error is None:
