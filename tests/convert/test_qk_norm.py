@@ -158,3 +158,25 @@ def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused, ca
     assert not (tmp_path / "bad").exists()
     assert main(["convert", "--hf", str(no_tokenizer), "--out", bad, "--qk-norm", "rms",
                  "--calibration-tokens", "0"]) == 0  # no tokenizer needed without calibration
+
+
+def test_an_out_that_is_a_symbolic_link_is_written_where_it_points(source, tmp_path, refused):
+    """``ln -s /scratch/models/x out``: the conversion lands in the directory the link points to and
+    the link stays. The link itself was replaced by the new directory, and left behind as
+    ``out.replacedPID``; a link to nothing failed only at the final rename, after all the work."""
+    target = tmp_path / "big-disk" / "model"
+    target.mkdir(parents=True)
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    argv = ["convert", "--hf", str(source), "--out", str(link), "--qk-norm", "rms", "--calibration-tokens", "0"]
+    assert main(argv) == 0
+    assert link.is_symlink() and (target / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big-disk", "out"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]  # no lock or temporary left
+    assert main([*argv, "--overwrite"]) == 0 and link.is_symlink()
+    assert latent_layers(from_pretrained(link))[0].config.qk_norm.kind == "rms"
+    dangling = tmp_path / "nowhere-link"
+    dangling.symlink_to(tmp_path / "nowhere")
+    refused(["convert", "--hf", str(source), "--out", str(dangling), "--qk-norm", "rms"],
+            "--out: .*nowhere-link is a symbolic link to .*nowhere, which does not exist; make that directory")
+    assert not (tmp_path / "nowhere").exists()

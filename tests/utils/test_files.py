@@ -206,3 +206,32 @@ def test_written_files_get_the_umask_mode_or_keep_the_replaced_files(tmp_path):
                                                                         "direct.safetensors": 0o640}
     finally:
         os.umask(old)
+
+
+def test_make_directory_says_what_is_in_the_way(tmp_path):
+    """``mkdir -p`` over a symbolic link to nothing says only "File exists"; the refusal names the link."""
+    from qkmla.utils.files import make_directory
+
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "afile").write_text("x")
+    for path, why in ((tmp_path / "link", "link is a symbolic link to .*nowhere, which does not exist"),
+                      (tmp_path / "link" / "sub", "link is a symbolic link to .*nowhere, which does not exist"),
+                      (tmp_path / "afile" / "sub", "afile is a file, not a directory")):
+        with pytest.raises(ValueError, match=f"^--out: cannot make the run directory .* \\(.*{why}\\)$"):
+            make_directory("--out", path, "run directory")
+    assert make_directory("--out", tmp_path / "a" / "b").is_dir()
+
+
+def test_a_write_through_a_symbolic_link_lands_where_it_points(tmp_path):
+    from qkmla.utils.files import write_directory
+
+    (tmp_path / "real.txt").write_text("old")
+    (tmp_path / "file-link").symlink_to(tmp_path / "real.txt")
+    assert write_text(tmp_path / "file-link", "new") == tmp_path / "file-link"
+    assert (tmp_path / "file-link").is_symlink() and (tmp_path / "real.txt").read_text() == "new"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "dir-link").symlink_to(tmp_path / "real")
+    for text in ("first", "second"):
+        write_directory(tmp_path / "dir-link", lambda tmp: (tmp / "f.txt").write_text(text))
+        assert (tmp_path / "dir-link").is_symlink() and (tmp_path / "real" / "f.txt").read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir-link", "file-link", "real", "real.txt"]

@@ -24,7 +24,7 @@ import torch
 
 from ..cache.size import CacheShape, cache_rows
 from ..utils.errors import Stopped
-from ..utils.files import check_own_directory, check_path, write_text
+from ..utils.files import check_own_directory, check_path, make_directory, write_text
 from ..model.generate import generate
 from ..model.gpt import GPT
 from ..train.data import Corpus, get_batch
@@ -125,10 +125,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     for cfg in configs[:len(MODELS)]:  # every model the demo trains: a preset too big for this machine is
         model_cfg = cfg.model_config(vocab_size)  # refused before the demo's directory is made, naming --preset
         check_step_fits(GPT(model_cfg), cfg.batch_size, model_cfg.block_size, name="preset")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file in the way, no permission, a name too long
-        raise ValueError(f"out: cannot make the demo directory {out} ({e.strerror})") from None
+    make_directory("out", out, "demo directory")
     with RunLock(out):  # a second demo on the same directory is refused, as a second train is
         return _run_demo_locked(out, steps, preset, configs)
 

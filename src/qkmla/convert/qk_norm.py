@@ -19,6 +19,7 @@ and renamed when complete, and replaces an existing directory only with ``overwr
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -26,7 +27,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import clear_stale, write_directory
+from ..utils.files import clear_stale, make_directory, write_directory, written_path
 from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -35,7 +36,11 @@ ROW = 512  # calibration tokens per row (fewer when the model's context is short
 
 
 def lock_file(out: Path) -> Path:
-    """The lock a conversion into ``out`` holds (:func:`converting_into`): ``OUT.lock`` beside it."""
+    """The lock a conversion into ``out`` holds (:func:`converting_into`): ``OUT.lock`` beside the
+    directory written, which for a symbolic link ``out`` is the one it points to
+    (:func:`~qkmla.utils.files.write_directory`): two conversions through two links to one
+    directory exclude each other."""
+    out = written_path(out)
     return out.with_name(out.name + ".lock")
 
 
@@ -65,6 +70,9 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
     if not src.is_dir():
         raise ValueError(f"hf: {src} is not a directory (expected a transformers checkpoint directory)")
     read_hf_config(src)
+    if out.is_symlink() and not out.exists():  # the rename at the end, after all the work, failed on it
+        raise ValueError(f"out: {out} is a symbolic link to {os.readlink(out)}, which does not exist; make that "
+                         "directory, or write elsewhere")
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {out} is a file; it names the directory the conversion is written to")
     resolved_src, resolved_out = src.resolve(), out.resolve()
@@ -107,10 +115,7 @@ def converting_into(src: Path, out: Path, overwrite: bool):
     conversion may have finished into it since)."""
     from ..train.rundir import RunLock
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"out: cannot make the directory {out.parent} ({e.strerror}); write elsewhere") from None
+    make_directory("out", out.parent)
     with RunLock(out, lock=lock_file(out)):
         check_convert_paths(src, out, overwrite)
         yield

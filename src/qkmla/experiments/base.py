@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from ..train.checkpoint import FILENAME
 from ..train.rundir import RunLock, read_status, resume_edits
-from ..utils.files import check_own_directory, check_writable, same_file, write_text
+from ..utils.files import check_own_directory, check_writable, make_directory, same_file, write_text
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
@@ -127,10 +127,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     """
     out = Path(options.out)
     _check_inputs(experiment, options)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out: cannot make the experiment directory {out} ({e.strerror})") from None
+    make_directory("--out", out, "experiment directory")
     check_writable("--out", out)
     with RunLock(out), stop_requests() as stop:
         check_own_directory("--out", out, "experiment")

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from ..utils.files import write_atomically
+from ..utils.files import make_directory, write_atomically
 
 
 class SkippedLines(UserWarning):
@@ -100,10 +100,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     fig.tight_layout()
     out = Path(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+        make_directory("out", out.parent, "figure's directory")
+    except ValueError:
         plt.close(fig)
-        raise ValueError(f"out: cannot make the directory of {out} ({e.strerror})") from None
+        raise
     suffix = out.suffix[1:].lower()
     fmt = suffix if suffix in fig.canvas.get_supported_filetypes() else "png"  # no suffix appended
     try:  # to a temporary name, then renamed: an interrupted write leaves the old figure

@@ -45,7 +45,7 @@ from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..utils.environment import dist_environment
 from ..utils.errors import MachineError, notice
-from ..utils.files import append_line, same_file, write_text
+from ..utils.files import append_line, make_directory, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
 from .checkpoint import FILENAME, load_checkpoint, read_metadata, save_checkpoint
@@ -280,10 +280,7 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     model = GPT(model_cfg)
     if not (world > 1 and config.fsdp):  # a sharded model's forward is a collective: the config's bound stands
         check_step_fits(model, config.batch_size // world, model_cfg.block_size)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file in the way, no permission, a read-only file system
-        raise ValueError(f"out: cannot make the run directory {out} ({e.strerror})") from None
+    make_directory("out", out, "run directory")
     if rank != 0:
         return _train_locked(config, corpus, model, out, rank, world)
     with RunLock(out):

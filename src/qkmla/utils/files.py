@@ -17,7 +17,8 @@ a run's checkpoint say, whatever it says; ``qkmla experiment`` also refuses anot
 experiment's results: ``experiments.base``); :func:`check_own_directory` refuses a directory
 that holds another command's output (a training run, a demo, an experiment's results, a
 transformers checkpoint) to a command that writes a directory of its own; :func:`check_path` and
-:func:`check_writable` refuse paths the OS cannot use, naming the option.
+:func:`check_writable` refuse paths the OS cannot use, naming the option; :func:`make_directory` makes
+an output's directory or says, naming the option, what is in the way.
 """
 
 from __future__ import annotations
@@ -56,13 +57,21 @@ def _running(pid: int) -> bool:
     return True
 
 
+def written_path(path: PathLike) -> Path:
+    """Where a write of ``path`` lands: the path a symbolic link points to (a run's checkpoint kept on
+    a bigger disk, ``ln -s /scratch/model out``), or ``path`` itself. A write through a link
+    replaced the link, not what it points to."""
+    path = Path(path)
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def clear_stale(path: PathLike) -> list[Path]:
     """What writes of ``path`` by processes that no longer run left beside it (killed outright:
     no ``finally`` ran): temporaries ``NAME.tmpPID`` are removed, and an existing ``path`` that a
     killed :func:`write_directory` had moved aside (``NAME.replacedPID``) is put back if ``path``
     is missing. A live process's temporaries (another instance writing now) are left alone.
     Returns the paths removed or put back."""
-    path = Path(path)
+    path = written_path(path)
     parent = path.parent if str(path.parent) else Path(".")
     try:
         names = [e.name for e in os.scandir(parent) if e.name.startswith(path.name + ".")]
@@ -152,8 +161,10 @@ def _fsync(path: Path, directory: bool = False) -> None:
 def write_atomically(path: PathLike, write: Callable[[Path], None], durable: bool = True) -> Path:
     """``write(tmp)`` writes the file at a temporary path beside ``path``, which then replaces
     ``path`` in one rename. On any failure the temporary file is removed and ``path`` is
-    untouched. ``durable``: fsync the file before the rename and its directory after."""
-    path = Path(path)
+    untouched. ``durable``: fsync the file before the rename and its directory after. A symbolic
+    link ``path`` is followed (:func:`written_path`); errors name ``path`` as given."""
+    given = Path(path)
+    path = written_path(given)
     tmp = temporary_name(path)
     clear_stale(path)
     try:
@@ -172,9 +183,9 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
                 pass
         # The user named path, not tmp; a failed flush at close names no file at all.
         if isinstance(e, OSError) and e.filename in (str(tmp), tmp, None):
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+            raise OSError(e.errno, e.strerror or str(e), str(given)) from None
         raise
-    return path
+    return given
 
 
 def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
@@ -185,8 +196,11 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
     before a signal is acted on (:func:`signals_held`). What a process killed outright left is
     swept by the next write of ``out`` (:func:`clear_stale`: the temporary removed, an ``out``
     moved aside put back). A full disk (inside safetensors or transformers too) is one OSError
-    naming ``out``."""
-    out = Path(out)
+    naming ``out``. A symbolic link ``out`` is followed: the directory it points to is written (on
+    its file system, a bigger disk say) and the link kept; it was the link that was replaced by
+    the new directory, and left behind as ``OUT.replacedPID``."""
+    given = Path(out)
+    out = written_path(given)
     tmp = temporary_name(out)
     clear_stale(out)
     try:
@@ -214,7 +228,7 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
     finally:
         with signals_held():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return given
 
 
 def write_text(path: PathLike, text: str, durable: bool = True) -> Path:
@@ -264,6 +278,34 @@ def check_path(name: str, path: PathLike, what: str = "path") -> Path:
     except OSError as e:
         raise ValueError(f"{name}: cannot use the {what} {path} ({e.strerror})") from None
     return path
+
+
+def make_directory(name: str, path: PathLike, what: str = "directory") -> Path:
+    """``mkdir -p path``, or a ValueError naming option ``name`` and why it cannot be made: a
+    symbolic link to nothing on the way (the OS says only "File exists"), a file in the way, no
+    permission, a read-only file system, a name too long. Returns ``path`` as a Path."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name}: cannot make the {what} {path} ({_why_not_a_directory(path, e)})") from None
+    return path
+
+
+def _why_not_a_directory(path: Path, error: OSError) -> str:
+    """The reason :func:`make_directory` failed, naming the part of ``path`` in the way."""
+    import errno
+
+    if error.errno in (errno.EEXIST, errno.ENOTDIR):
+        for part in (path, *path.parents):
+            try:
+                if part.is_symlink() and not part.exists():
+                    return f"{part} is a symbolic link to {os.readlink(part)}, which does not exist"
+                if part.exists() and not part.is_dir():
+                    return f"{part} is a file, not a directory"
+            except OSError:  # a part the OS cannot look up: its own error says why
+                break
+    return error.strerror or str(error)
 
 
 # What each kind of output directory holds at its top, by the command that writes it. A command
