@@ -228,6 +228,20 @@ def test_damaged_lines_are_skipped_and_the_rows_around_them_kept(tmp_path):
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 3]
 
 
+def test_a_run_with_a_damaged_line_that_is_not_utf8_resumes(tmp_path):
+    """read_rows skips such a line as it skips any damaged one (and plot draws the rows around it);
+    resume refused the whole run over it, as "not a qkmla run's file (not text)"."""
+    train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\xfe damaged\n")
+    assert train(TrainConfig(**FAST, steps=4, out=str(tmp_path), resume=True))["status"] == "done"
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_bytes(b"\x00\xff" * 100)  # no row at all: not a run's
+    with pytest.raises(ValueError, match="metrics.jsonl is not a qkmla run's file .lines that are not metrics rows"):
+        train(TrainConfig(**FAST, steps=2, out=str(tmp_path / "other"), overwrite=True))
+
+
 def test_metrics_lines_are_strict_json():
     line = metrics_line({"step": 1, "loss": 2.0, "grad_norm": math.inf, "per": [1.0, math.nan]})
 

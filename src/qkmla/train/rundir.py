@@ -237,15 +237,21 @@ def _not_a_run_file(path: Path) -> Optional[str]:
         except CheckpointError as e:
             return None if "truncated or corrupt" in str(e) else "a safetensors file of another program"
         return None
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return "not text"
     if path.name == "metrics.jsonl":  # rows, nothing, or one row cut short by a kill
+        # A damaged line that is not UTF-8 among the rows is one line the readers skip (read_rows,
+        # plot), not a sign of another program's file: resume refused the whole run over it.
+        try:
+            text = path.read_bytes().decode("utf-8", "replace")
+        except OSError:
+            return "not readable"
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines or read_rows(path) or (len(lines) == 1 and lines[0].lstrip().startswith("{")):
             return None
         return "lines that are not metrics rows"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return "not text"
     try:
         obj = json.loads(text)
     except ValueError:
