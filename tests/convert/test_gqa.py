@@ -272,6 +272,25 @@ def test_sources_it_cannot_convert_are_refused_naming_model(change, match):
         convert_gqa(model)
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--kv-lora-rank", "0"], r"--kv-lora-rank: expected an int from 1 to .* = 64"),
+    (["--kv-lora-rank", "65"], r"--kv-lora-rank: expected an int from 1 to .* = 64"),
+    (["--rope-dim", "3"], r"--rope-dim: expected an even int from 2 to head_dim=16"),
+    (["--rope-dim", "6", "--rope-pairs", "uniform"], r"--rope-dim: 'uniform' pairs keep every"),
+])
+def test_the_rank_and_rope_width_are_refused_before_the_weights_load(tmp_path, monkeypatch, refused, argv, match):
+    """They are checked against the source's shape, which its config.json gives: the refusal came
+    after loading the whole checkpoint."""
+    qwen3_model(num_key_value_heads=2, dtype=torch.float32).save_pretrained(tmp_path / "src")
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the arguments were checked")
+
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "from_pretrained", loading)
+    refused(["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "dst"), *argv], match)
+    assert not (tmp_path / "dst").exists()
+
+
 def test_without_the_norm_the_model_changes_and_nothing_caches_a_scalar():
     src = qwen3_model(num_key_value_heads=1, dtype=torch.float32)
     dst, report = convert_gqa(src, keep_norm=False)

@@ -129,12 +129,16 @@ def source_attention_shape(model) -> tuple[int, int, int, int]:
     """(hidden_size, H, G, D) of a ``Qwen3ForCausalLM`` or ``OlmoeForCausalLM``, refused (naming ``model``)
     unless the conversion takes it: another class, attention biases, RoPE other than the default, sliding
     windows, OLMoE's QKV clipping or renormalized top-k routing."""
-    name = type(model).__name__
+    return config_attention_shape(type(model).__name__, model.config)
+
+
+def config_attention_shape(name: str, c) -> tuple[int, int, int, int]:
+    """:func:`source_attention_shape` of a model of class ``name`` and config ``c``, from the config
+    alone: a checkpoint's arguments are checked before its weights are loaded."""
     if name not in SOURCES:
         why = f": {NOT_CONVERTED[name]}" if name in NOT_CONVERTED else ""
         raise ValueError(f"model: expected one of {SOURCES} (a transformers model with a per-head QK norm), got "
                          f"{name}{why}")
-    c = model.config
     if getattr(c, "attention_bias", False):
         raise ValueError("model: its attention projections have biases (attention_bias=True), which the latent "
                          "factorization does not carry")
@@ -457,6 +461,11 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         what = "rope_key 'principal' fits its mix to the keys" if rope_key == "principal" else \
             "latent 'activations' weights the factorization by the attention inputs"
         raise ValueError(f"calibration_text: {what} of calibration text; give a text file like the model's data")
+    # The rank and RoPE width against the source's shape, from its config: refused before the weights load.
+    config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
+    hidden, _, G, D = config_attention_shape(MODEL_TYPES[model_type], config)
+    _check_rank(kv_lora_rank, min(2 * G * D, hidden))
+    kept_rope_pairs(D, D if rope_dim is None else rope_dim, rope_pairs, rope_theta_of(config))
     try:
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
