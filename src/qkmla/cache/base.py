@@ -328,7 +328,9 @@ class SequenceCache:
         object.__setattr__(self, "batch_size", len(indices))  # FIXED to callers: the buffers moved with it
 
     def grow(self, capacity: int) -> None:
-        """Raise the capacity to ``capacity`` slots per sequence, keeping every cached row."""
+        """Raise the capacity to ``capacity`` slots per sequence, keeping every cached row. As
+        ``std::vector::reserve``: a capacity at or below the current one leaves the cache as it is
+        (it never shrinks, so no cached row can be lost)."""
         buffers = self._contiguous_buffers("grow")
         # As the constructor checks it: grow(nan) or grow(2.5) did nothing without a word, and
         # grow(2**62) reached torch's allocator (after resizing some buffers and not others).
