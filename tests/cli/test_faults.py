@@ -1678,7 +1678,8 @@ def cli_rows():
                            "--workers", "1"], "--sweep: .*s.jsonl holds no lr-sweep results with mla-qknorm"),
                 (e.tmp / "s.jsonl").read_text().startswith("not json") or pytest.fail("changed the sweep")]),
         Row("experiment", "path", "--sweep missing", lambda e: refuse(
-            e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"], "--sweep: no such results file")),
+            e, ["experiment", "norm-mode", "--sweep", e.tmp / "no.jsonl"],
+            "--sweep: the results file .*no.jsonl does not exist")),
         Row("experiment", "disk", "a full disk writing the report (truncated results.jsonl)",
             experiment_full_disk_keeps_results),
         Row("experiment", "disk", "a full disk at the second of three runs' checkpoint (every run trained to the "

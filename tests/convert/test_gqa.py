@@ -291,6 +291,23 @@ def test_the_rank_and_rope_width_are_refused_before_the_weights_load(tmp_path, m
     assert not (tmp_path / "dst").exists()
 
 
+def test_a_float16_checkpoint_is_refused_before_its_weights_load_and_converts_with_dtype(tmp_path, monkeypatch,
+                                                                                          refused, capsys):
+    qwen3_model(num_key_value_heads=2, dtype=torch.float16).save_pretrained(tmp_path / "src")
+    load = transformers.Qwen3ForCausalLM.from_pretrained
+
+    def loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the arguments were checked")
+
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "from_pretrained", loading)
+    refused(["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "dst")],
+            r"--hf: .*src stores float16 weights, and float16 cannot hold the constant latent channel .*--dtype")
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "from_pretrained", load)
+    assert main(["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "dst"), "--dtype",
+                 "float32"]) == 0
+    capsys.readouterr()
+
+
 def test_without_the_norm_the_model_changes_and_nothing_caches_a_scalar():
     src = qwen3_model(num_key_value_heads=1, dtype=torch.float32)
     dst, report = convert_gqa(src, keep_norm=False)

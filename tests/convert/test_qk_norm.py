@@ -136,7 +136,7 @@ def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused, ca
         (["--hf", str(source), "--qk-norm", "rms", "--calibration-tokens", "100000000"],
          "--calibration-tokens: the calibration text has .* tokens, too few"),
         (["--hf", str(source), "--qk-norm", "rms", "--calibration-text", str(tmp_path / "none.txt")],
-         "--calibration-text: cannot read"),
+         "--calibration-text: the calibration text .*none.txt does not exist"),
         (["--hf", str(no_tokenizer), "--qk-norm", "rms"],
          "--hf: .* has no tokenizer .*; pass calibration_tokens=0 \\(--calibration-tokens 0\\)"),
         (["--hf", str(qk), "--qk-norm", "l2"], "--qk-norm: .* already records the QK norm rms blockwise"),

@@ -145,7 +145,8 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     assert all(name in listed for name in FIGURES)
     refused(["experiment", "lr-swep"], "NAME: unknown 'lr-swep'; allowed: lr-sweep")
     refused(["experiment", "lr-sweep", "--seeds", "0"], "--seeds")
-    refused(["experiment", "qk-clip", "--sweep", str(tmp_path / "none.jsonl")], "--sweep: no such results file")
+    refused(["experiment", "qk-clip", "--sweep", str(tmp_path / "none.jsonl")],
+            "--sweep: the results file .*none.jsonl does not exist")
     refused(["experiment", "qk-clip", "--quick", "--out", str(tmp_path / "alone" / "qk-clip")],
             "run `qkmla experiment lr-sweep --quick")
     not_a_sweep = tmp_path / "not-a-sweep.jsonl"

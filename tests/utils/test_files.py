@@ -222,16 +222,117 @@ def test_make_directory_says_what_is_in_the_way(tmp_path):
     assert make_directory("--out", tmp_path / "a" / "b").is_dir()
 
 
-def test_a_write_through_a_symbolic_link_lands_where_it_points(tmp_path):
-    from qkmla.utils.files import write_directory
+def test_a_file_named_through_a_symbolic_link_replaces_the_link_and_only_a_directory_output_follows_it(tmp_path):
+    """A run's files, a figure, a results file: a link by that name is replaced, never followed (it
+    could lead into another run, past its lock, or onto another command's checkpoint, which
+    check_output judged by the link's own directory). A command's own output directory (convert's
+    --out) follows a link of this user's, resolved once (output_directory)."""
+    from qkmla.utils.files import output_directory, write_directory
 
     (tmp_path / "real.txt").write_text("old")
     (tmp_path / "file-link").symlink_to(tmp_path / "real.txt")
-    assert write_text(tmp_path / "file-link", "new") == tmp_path / "file-link"
-    assert (tmp_path / "file-link").is_symlink() and (tmp_path / "real.txt").read_text() == "new"
+    write_text(tmp_path / "file-link", "new")
+    assert not (tmp_path / "file-link").is_symlink() and (tmp_path / "real.txt").read_text() == "old"
     (tmp_path / "real").mkdir()
     (tmp_path / "dir-link").symlink_to(tmp_path / "real")
-    for text in ("first", "second"):
-        write_directory(tmp_path / "dir-link", lambda tmp: (tmp / "f.txt").write_text(text))
-        assert (tmp_path / "dir-link").is_symlink() and (tmp_path / "real" / "f.txt").read_text() == text
+    write_directory(tmp_path / "dir-link", lambda tmp: (tmp / "f.txt").write_text("x"))
+    assert not (tmp_path / "dir-link").is_symlink() and list((tmp_path / "real").iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir-link", "file-link", "real", "real.txt"]
+
+    (tmp_path / "mine").symlink_to(tmp_path / "real")
+    assert output_directory("--out", tmp_path / "mine") == tmp_path / "real"
+    assert output_directory("--out", tmp_path / "real") == tmp_path / "real"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"^--out: .*dangling is a symbolic link to .*nowhere, which does not exist"):
+        output_directory("--out", tmp_path / "dangling")
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    with pytest.raises(ValueError, match=r"^--out: .*loop-a is a symbolic link in a loop of links"):
+        output_directory("--out", tmp_path / "loop-a")
+    if os.geteuid() == 0:  # root can give a link another owner: one not followed, as the kernel's rule in /tmp
+        (tmp_path / "theirs").symlink_to(tmp_path / "real")
+        os.lchown(tmp_path / "theirs", 12345, 12345)
+        with pytest.raises(ValueError, match=r"^--out: .*theirs is a symbolic link of another user"):
+            output_directory("--out", tmp_path / "theirs")
+
+
+def test_a_replaced_directory_keeps_its_modes_and_a_mode_less_file_system_still_takes_the_write(tmp_path,
+                                                                                               monkeypatch):
+    from qkmla.utils.files import write_directory
+
+    def fill(tmp):
+        (tmp / "kept.txt").write_text("a")
+        (tmp / "new.txt").write_text("b")
+
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "d").mkdir()
+        (tmp_path / "d" / "kept.txt").write_text("old")
+        os.chmod(tmp_path / "d" / "kept.txt", 0o640)
+        os.chmod(tmp_path / "d", 0o750)
+        write_directory(tmp_path / "d", fill)
+        modes = {p.name: os.stat(p).st_mode & 0o777 for p in (tmp_path / "d").iterdir()}
+        assert modes == {"kept.txt": 0o640, "new.txt": 0o644} and os.stat(tmp_path / "d").st_mode & 0o777 == 0o750
+
+        def no_modes(*args, **kwargs):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "chmod", no_modes)  # vfat, some network mounts
+        assert write_text(tmp_path / "t.txt", "x").read_text() == "x"
+    finally:
+        os.umask(old)
+
+
+def test_an_input_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
+    """One check for every file a command reads (--data, --sweep, --calibration-text, a config.json):
+    a FIFO is read forever and a link to nothing said only "no such file"."""
+    from qkmla.utils.files import check_input_file, input_file_problem
+
+    (tmp_path / "f.txt").write_text("x")
+    (tmp_path / "link").symlink_to(tmp_path / "f.txt")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(tmp_path / "fifo")
+    assert input_file_problem(tmp_path / "f.txt") is None and input_file_problem(tmp_path / "link") is None
+    dangling = f"is a symbolic link to {tmp_path / 'nowhere'}, which does not exist"
+    assert input_file_problem(tmp_path / "dangling") == dangling
+    assert input_file_problem(tmp_path) == "is a directory"
+    assert input_file_problem(tmp_path / "fifo") == "is not a regular file (a FIFO, a socket or a device)"
+    assert input_file_problem(tmp_path / "none") == "does not exist"
+    assert input_file_problem("") == "is an empty path"  # Path("") is ".": "is a directory"
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    assert input_file_problem(tmp_path / "loop-a") == "is a symbolic link in a loop of links"
+    assert input_file_problem(tmp_path / ("a" * 300)).startswith("cannot be looked up (File name too long)")
+    with pytest.raises(ValueError, match=r"^--sweep: the results file .*fifo is not a regular file"):
+        check_input_file("--sweep", tmp_path / "fifo", "results file")
+    assert check_input_file("--sweep", str(tmp_path / "link")) == tmp_path / "link"
+
+
+def test_the_commands_name_an_input_that_is_not_a_regular_file(tmp_path, refused):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(tmp_path / "fifo")
+    refused(["train", "--data", str(tmp_path / "fifo"), "--steps", "1", "--out", str(tmp_path / "r")],
+            r"--data: expected one of .* or a path to a text file, got .*fifo': it is not a regular file \(a FIFO")
+    refused(["experiment", "norm-mode", "--sweep", str(tmp_path / "dangling"), "--out", str(tmp_path / "e")],
+            r"--sweep: the results file .*dangling is a symbolic link to .*nowhere, which does not exist")
+    refused(["convert", "--hf", str(tmp_path), "--out", str(tmp_path / "c")],
+            r"--hf: .*config.json does not exist; a Hugging Face checkpoint directory has a config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "fifo"]
+    (tmp_path / "run").mkdir()
+    os.mkfifo(tmp_path / "run" / "metrics.jsonl")  # plot read it forever
+    refused(["plot", str(tmp_path / "run"), "--out", str(tmp_path / "p.png")],
+            r"runs: .*run/metrics.jsonl is not a regular file \(a FIFO")
+
+
+def test_the_python_entry_points_name_an_input_that_is_not_a_regular_file(tmp_path):
+    from qkmla.experiments.base import Options, sweep_lr
+    from qkmla.integrations.transformers.generate import load_hf_dir
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(ValueError, match=r"hf_dir: .*config.json is a symbolic link to .*nowhere.json, which does not"):
+        load_hf_dir(tmp_path / "ckpt")
+    (tmp_path / "lr-sweep" / "results.jsonl").mkdir(parents=True)  # the default sweep path: not the default lr
+    with pytest.raises(ValueError, match=r"sweep: the lr-sweep results .*results.jsonl is a directory"):
+        sweep_lr(Options(out=tmp_path / "norm-mode"))
+    assert sweep_lr(Options(out=tmp_path / "elsewhere" / "x"))[1].startswith("default")  # absent: the default

@@ -354,7 +354,7 @@ def _convert(args: argparse.Namespace) -> int:
     import torch
 
     from ..convert.qk_norm import DEFAULT_CALIBRATION_TOKENS, convert_checkpoint
-    from ..utils.files import check_path
+    from ..utils.files import check_input_file, check_path
     from ..utils.threads import apply_threads
 
     check_path("--hf", args.hf, "checkpoint directory")
@@ -367,9 +367,7 @@ def _convert(args: argparse.Namespace) -> int:
         tokens = DEFAULT_CALIBRATION_TOKENS if norm is not None else 0
     text = None
     if args.calibration_text is not None:
-        if os.path.exists(args.calibration_text) and not Path(args.calibration_text).is_file():
-            # a FIFO was read forever, /dev/zero without end (a missing file: read_text names it below)
-            raise ValueError(f"--calibration-text: {args.calibration_text} is not a regular file")
+        check_input_file("--calibration-text", args.calibration_text, "calibration text")  # a FIFO: read forever
         try:
             text = Path(args.calibration_text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -432,7 +430,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
     from ..experiments import EXPERIMENTS, Options, run_experiment
     from ..utils.environment import check_launch
-    from ..utils.files import check_path
+    from ..utils.files import check_input_file, check_path
     from ..utils.threads import usable_cpus
 
     if args.list:
@@ -455,8 +453,8 @@ def _experiment(args: argparse.Namespace) -> int:
         readers = ", ".join(name for name, e in EXPERIMENTS.items() if e.reads_sweep)
         raise ValueError(f"--sweep: {args.name} does not read lr-sweep results (it picks its own learning rates); "
                          f"the experiments that do: {readers}")
-    if args.sweep is not None and not Path(args.sweep).is_file():
-        raise ValueError(f"--sweep: no such results file: {args.sweep}")
+    if args.sweep is not None:
+        check_input_file("--sweep", args.sweep, "results file")
     default = f"runs/experiments/{args.name}{'-quick' if args.quick else ''}"
     out = check_path("--out", default if args.out is None else args.out, "experiment directory")  # "": refused
     options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,

@@ -49,6 +49,7 @@ from typing import Optional
 import torch
 
 from ..config import QKNormConfig
+from ..utils.files import check_input_file
 from .gqa_fit import LATENTS, ROPE_KEYS, calibration_moments, check_calibration, kv_rank, latent_factors, rope_key_mix
 
 ROPE_PAIRS = ("uniform", "high")
@@ -192,6 +193,9 @@ def kept_rope_pairs(head_dim: int, rope_dim: int, rope_pairs: str, theta: float)
     return list(range(0, half, half // m)), theta
 
 
+FLOAT16_CANNOT = "float16 cannot hold the constant latent channel (its size is far above 65504)"
+
+
 def _check_rank(kv_lora_rank, max_rank: int) -> None:
     if kv_lora_rank is None:
         return
@@ -282,8 +286,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     check_calibration(calibration, rope_key, latent, model.config.vocab_size)
     weight = next(model.parameters())
     if weight.dtype == torch.float16:
-        raise ValueError("model: float16 cannot hold the constant latent channel (its size is far above 65504); "
-                         "convert a float32 or bfloat16 model")
+        raise ValueError(f"model: {FLOAT16_CANNOT}; convert a float32 or bfloat16 model")
 
     scope = SCOPES[type(model).__name__]
     # A weight per channel (OLMoE's) goes into the RoPE key's rows when the norm is kept (below).
@@ -455,8 +458,8 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         raise ValueError(f"latent: expected one of {LATENTS}, got {latent!r}")
     if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 2:
         raise ValueError(f"calibration_tokens: expected an int >= 2, got {calibration_tokens!r}")
-    if calibration_text is not None and not Path(calibration_text).is_file():
-        raise ValueError(f"calibration_text: {calibration_text} is not a file")
+    if calibration_text is not None:
+        check_input_file("calibration_text", calibration_text, "calibration text")
     if calibration_text is None and (rope_key == "principal" or latent == "activations"):
         what = "rope_key 'principal' fits its mix to the keys" if rope_key == "principal" else \
             "latent 'activations' weights the factorization by the attention inputs"
@@ -466,6 +469,11 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     hidden, _, G, D = config_attention_shape(MODEL_TYPES[model_type], config)
     _check_rank(kv_lora_rank, min(2 * G * D, hidden))
     kept_rope_pairs(D, D if rope_dim is None else rope_dim, rope_pairs, rope_theta_of(config))
+    if dtype == torch.float16:
+        raise ValueError(f"dtype: {FLOAT16_CANNOT}; expected float32, bfloat16 or float64")
+    if dtype is None and getattr(config, "dtype", None) == torch.float16:  # loaded as stored
+        raise ValueError(f"hf: {src} stores float16 weights, and {FLOAT16_CANNOT}; convert them as float32 or "
+                         "bfloat16 (--dtype)")
     try:
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError):  # a checkpoint without tokenizer files is still converted
@@ -480,11 +488,11 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         if window < 2:
             raise ValueError(f"calibration_text: {calibration_text} gives {len(ids)} tokens; at least 2 are needed")
         calibration = ids[:len(ids) - len(ids) % window].view(-1, window)
-    with converting_into(src, out, overwrite):  # a second conversion into out is refused
+    with converting_into(src, out, overwrite) as target:  # a second conversion into out is refused
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
             src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
         converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
                                         keep_norm=keep_norm, rope_key=rope_key, latent=latent,
                                         calibration=calibration)
-        write_checkpoint(converted, tokenizer, out)
+        write_checkpoint(converted, tokenizer, target)
     return report

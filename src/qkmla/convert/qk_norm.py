@@ -19,7 +19,6 @@ and renamed when complete, and replaces an existing directory only with ``overwr
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -27,7 +26,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import clear_stale, make_directory, write_directory, written_path
+from ..utils.files import clear_stale, make_directory, output_directory, write_directory
 from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -36,23 +35,22 @@ ROW = 512  # calibration tokens per row (fewer when the model's context is short
 
 
 def lock_file(out: Path) -> Path:
-    """The lock a conversion into ``out`` holds (:func:`converting_into`): ``OUT.lock`` beside the
-    directory written, which for a symbolic link ``out`` is the one it points to
-    (:func:`~qkmla.utils.files.write_directory`): two conversions through two links to one
-    directory exclude each other."""
-    out = written_path(out)
+    """The lock a conversion into the directory ``out`` holds (:func:`converting_into`): ``OUT.lock``
+    beside it. ``out`` is the directory written (:func:`~qkmla.utils.files.output_directory`), so two
+    conversions through two links to one directory exclude each other."""
     return out.with_name(out.name + ".lock")
 
 
 def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite: bool,
-                        inputs: Iterable = ()) -> tuple[Path, Path]:
+                        inputs: Iterable = (), target: Optional[Path] = None) -> tuple[Path, Path]:
     """(src, out) if ``out`` can take a conversion of ``src``: not ``src`` or inside it, not a file,
     not an existing non-empty directory unless ``overwrite``, holding none of the other files the
     conversion reads (``inputs``: (option, path) pairs, the calibration text). ValueError naming
     --hf / --out.
     First, what a conversion into ``out`` killed outright left is swept (``clear_stale``: its
     temporary removed, an ``out`` it had moved aside put back; its lock file), so ``out`` is checked
-    as it really is."""
+    as it really is. ``target``: the directory written for ``out`` (a link of the user's own is
+    followed: :func:`~qkmla.utils.files.output_directory`), resolved by the caller that writes it."""
     from ..train.rundir import remove_stale_lock
 
     src, out = Path(src), Path(out)
@@ -65,34 +63,32 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
         except UnicodeEncodeError:
             raise ValueError(f"{name}: {path} is not a UTF-8 path, which safetensors and tokenizers cannot open; "
                              "rename it (or a directory above it)") from None
+    given, out = out, output_directory("out", out) if target is None else target
     clear_stale(out)
     remove_stale_lock(lock_file(out))
     if not src.is_dir():
         raise ValueError(f"hf: {src} is not a directory (expected a transformers checkpoint directory)")
     read_hf_config(src)
-    if out.is_symlink() and not out.exists():  # the rename at the end, after all the work, failed on it
-        raise ValueError(f"out: {out} is a symbolic link to {os.readlink(out)}, which does not exist; make that "
-                         "directory, or write elsewhere")
     if out.exists() and not out.is_dir():
-        raise ValueError(f"out: {out} is a file; it names the directory the conversion is written to")
+        raise ValueError(f"out: {given} is a file; it names the directory the conversion is written to")
     resolved_src, resolved_out = src.resolve(), out.resolve()
     if resolved_out == resolved_src or resolved_src in resolved_out.parents:
-        raise ValueError(f"out: {out} is the checkpoint being converted (or inside it); write elsewhere")
+        raise ValueError(f"out: {given} is the checkpoint being converted (or inside it); write elsewhere")
     if resolved_out in resolved_src.parents:
-        raise ValueError(f"out: {out} holds the checkpoint being converted; replacing it would destroy the source")
+        raise ValueError(f"out: {given} holds the checkpoint being converted; replacing it would destroy the source")
     for option, path in inputs:  # --overwrite replaced the directory with the text the conversion read inside it
         if path is not None and resolved_out in Path(path).resolve().parents:
-            raise ValueError(f"out: {out} holds {path}, the --{option.replace('_', '-')} this conversion reads; "
+            raise ValueError(f"out: {given} holds {path}, the --{option.replace('_', '-')} this conversion reads; "
                              "replacing it would destroy that file: write elsewhere, or move the file out first")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise ValueError(f"out: {out} already exists and is not empty; pass --overwrite to replace it, or write "
+            raise ValueError(f"out: {given} already exists and is not empty; pass --overwrite to replace it, or write "
                              f"elsewhere")
         if not _holds_checkpoint(out):  # a qkmla training run has a config.json too, without a model_type
-            raise ValueError(f"out: {out} is not empty and holds no transformers {CONFIG} (a JSON object with a "
+            raise ValueError(f"out: {given} is not empty and holds no transformers {CONFIG} (a JSON object with a "
                              f"model_type), so it is not a checkpoint directory --overwrite may replace; write "
                              f"elsewhere")
-    return src, out
+    return src, given
 
 
 def _holds_checkpoint(path: Path) -> bool:
@@ -108,17 +104,19 @@ def _holds_checkpoint(path: Path) -> bool:
 
 @contextmanager
 def converting_into(src: Path, out: Path, overwrite: bool):
-    """``with converting_into(src, out, overwrite):`` this process alone converts into ``out`` (an
+    """``with converting_into(src, out, overwrite) as target:`` this process alone converts into
+    ``target``, the directory written for ``out`` (:func:`~qkmla.utils.files.output_directory`; an
     ``flock`` on ``OUT.lock`` beside it, released by the kernel however the process ends), or a
     ValueError naming --out and the holder: a second conversion into the same ``out`` would
     otherwise replace the first one's output unasked. ``out`` is checked again once held (another
     conversion may have finished into it since)."""
     from ..train.rundir import RunLock
 
-    make_directory("out", out.parent)
-    with RunLock(out, lock=lock_file(out)):
-        check_convert_paths(src, out, overwrite)
-        yield
+    target = output_directory("out", out)  # resolved once: the lock, the checks and the write agree on it
+    make_directory("out", target.parent)
+    with RunLock(target, lock=lock_file(target)):
+        check_convert_paths(src, out, overwrite, target=target)
+        yield target
 
 
 def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: int) -> tuple:
@@ -224,7 +222,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
                          f"{hf_config['quantization_config'].get('quant_method', '?')}); casting quantized weights "
                          f"would need dequantizing them: leave dtype (--dtype) out")
 
-    with converting_into(src, out, overwrite):
+    with converting_into(src, out, overwrite) as target:
         stream = CheckpointStream(src, dtype)
         if norm is not None:
             report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
@@ -241,5 +239,5 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
             write_weights(stream, tmp, norm_tensors, dtype)
             config.save_pretrained(tmp)  # config.json (and, with a norm, the code its auto_map names)
 
-        write_directory(out, write)
+        write_directory(target, write)
     return report

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from ..train.checkpoint import FILENAME
 from ..train.rundir import RunLock, read_status, resume_edits
-from ..utils.files import check_own_directory, check_writable, make_directory, same_file, write_text
+from ..utils.files import check_own_directory, check_writable, input_file_problem, make_directory, same_file, write_text
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
@@ -93,7 +93,10 @@ def sweep_lr(options: Options, variant: str = "mla-qknorm", optimizer: str = "ad
     """The variant's best lr from the lr-sweep results if present, else DEFAULT_LR; and where
     it came from (recorded in the results)."""
     path = options.sweep_results
-    if Path(path).is_file():
+    problem = input_file_problem(path)
+    if problem is not None and problem != "does not exist":  # a FIFO, a directory: not silently the default
+        raise ValueError(f"sweep: the lr-sweep results {path} {problem}")
+    if problem is None:
         return sweep_best_lr(path, variant, optimizer, options.sweep is not None), \
             f"best {optimizer} lr of {variant} in {path}"
     return DEFAULT_LR, f"default {DEFAULT_LR:g} (no lr-sweep results at {path})"

@@ -18,6 +18,7 @@ from .grid import Run
 from .lr_sweep import TIGHT_TAU, VARIANTS
 from .results import curve, group, mean_std, values
 from ..train.plot import read_metrics
+from ..utils.files import input_file_problem
 
 OPTIMIZER = "muon"
 STEPS = 1200
@@ -27,7 +28,10 @@ CURVE_EVERY = 10  # steps between the points of the stored curves
 
 def _lrs(options: Options) -> dict[str, float]:
     path = options.sweep_results
-    if not Path(path).is_file():
+    problem = input_file_problem(path)
+    if problem is not None and problem != "does not exist":  # a FIFO, a directory, a link to nothing
+        raise ValueError(f"sweep: the lr-sweep results {path} {problem}")
+    if problem is not None:
         raise ValueError(f"sweep: needs the lr-sweep results for each variant's best learning rate, and {path} "
                          f"does not exist: run `qkmla experiment lr-sweep{' --quick' if options.quick else ''} "
                          f"--out {Path(path).parent}` first, or pass --sweep FILE")

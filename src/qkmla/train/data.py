@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from ..utils.files import input_file_problem
+
 EMBEDDED = {"tiny_shakespeare": "tiny_shakespeare.txt.xz", "shakespeare": "shakespeare.txt.xz"}
 TOKENIZERS = ("char", "byte")
 SPLITS = ("tail", "plays")
@@ -37,8 +39,10 @@ def load_bytes(source: str = "tiny_shakespeare") -> bytes:
     if source in EMBEDDED:
         return lzma.decompress(resources.files("qkmla").joinpath("data", EMBEDDED[source]).read_bytes())
     path = Path(source)
-    if not path.is_file():
-        raise ValueError(f"data: expected one of {sorted(EMBEDDED)} or a path to a text file, got {source!r}")
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise ValueError(f"data: expected one of {sorted(EMBEDDED)} or a path to a text file, got {source!r}: it "
+                         f"{problem}")
     try:
         data = path.read_bytes()
     except OSError as e:

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from ..utils.files import make_directory, write_atomically
+from ..utils.files import input_file_problem, make_directory, write_atomically
 
 
 class SkippedLines(UserWarning):
@@ -28,8 +28,11 @@ def read_metrics(run_dir: str | Path, skipped: list | None = None) -> list[dict]
     from .rundir import read_rows
 
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    problem = input_file_problem(path)
+    if problem == "does not exist":
         raise ValueError(f"run_dir: no metrics.jsonl in {run_dir}")
+    if problem is not None:  # a FIFO (read forever), a link to nothing: said as what it is
+        raise ValueError(f"run_dir: {path} {problem}")
     return read_rows(path, skipped)
 
 

@@ -18,7 +18,8 @@ experiment's results: ``experiments.base``); :func:`check_own_directory` refuses
 that holds another command's output (a training run, a demo, an experiment's results, a
 transformers checkpoint) to a command that writes a directory of its own; :func:`check_path` and
 :func:`check_writable` refuse paths the OS cannot use, naming the option; :func:`make_directory` makes
-an output's directory or says, naming the option, what is in the way.
+an output's directory or says, naming the option, what is in the way; :func:`check_input_file`
+refuses an input that is not a regular file, saying what it is.
 """
 
 from __future__ import annotations
@@ -57,21 +58,13 @@ def _running(pid: int) -> bool:
     return True
 
 
-def written_path(path: PathLike) -> Path:
-    """Where a write of ``path`` lands: the path a symbolic link points to (a run's checkpoint kept on
-    a bigger disk, ``ln -s /scratch/model out``), or ``path`` itself. A write through a link
-    replaced the link, not what it points to."""
-    path = Path(path)
-    return Path(os.path.realpath(path)) if path.is_symlink() else path
-
-
 def clear_stale(path: PathLike) -> list[Path]:
     """What writes of ``path`` by processes that no longer run left beside it (killed outright:
     no ``finally`` ran): temporaries ``NAME.tmpPID`` are removed, and an existing ``path`` that a
     killed :func:`write_directory` had moved aside (``NAME.replacedPID``) is put back if ``path``
     is missing. A live process's temporaries (another instance writing now) are left alone.
     Returns the paths removed or put back."""
-    path = written_path(path)
+    path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     try:
         names = [e.name for e in os.scandir(parent) if e.name.startswith(path.name + ".")]
@@ -128,18 +121,24 @@ def _umask() -> int:
     return mask
 
 
-def _give_mode(written: Path, old: Optional[Path] = None) -> None:
-    """``written`` gets the mode of the file it replaces (``old``), or the mode a new file gets
-    under the umask (0644 under the usual 022). safetensors writes through a private temporary
-    (mode 0600), so a checkpoint or a converted model was readable by its owner alone: on a shared
-    machine, a colleague (or a serving job under another user) could not load it."""
+def _give_mode(written: Path, old: Optional[Path] = None, default: int = 0o666) -> None:
+    """``written`` gets the mode of what it replaces (``old``, not followed if a link), or the mode
+    a new one gets under the umask (0644 for a file under the usual 022; ``default`` 0o777 for a
+    directory). safetensors writes through a private temporary (mode 0600), so a checkpoint or a
+    converted model was readable by its owner alone: on a shared machine, a colleague (or a serving
+    job under another user) could not load it. Best effort: a file system without modes (vfat,
+    some network mounts) refuses chmod, and the write stands."""
     mode = None
     if old is not None:
         try:
-            mode = stat.S_IMODE(os.stat(old).st_mode)
+            st = os.lstat(old)
+            mode = None if stat.S_ISLNK(st.st_mode) else stat.S_IMODE(st.st_mode)
         except OSError:
             pass
-    os.chmod(written, 0o666 & ~_umask() if mode is None else mode)
+    try:
+        os.chmod(written, default & ~_umask() if mode is None else mode)
+    except OSError:
+        pass
 
 
 def _fsync(path: Path, directory: bool = False) -> None:
@@ -162,9 +161,9 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
     """``write(tmp)`` writes the file at a temporary path beside ``path``, which then replaces
     ``path`` in one rename. On any failure the temporary file is removed and ``path`` is
     untouched. ``durable``: fsync the file before the rename and its directory after. A symbolic
-    link ``path`` is followed (:func:`written_path`); errors name ``path`` as given."""
-    given = Path(path)
-    path = written_path(given)
+    link named ``path`` is replaced, never followed: a file of a run, a figure, a results file
+    lands where its command checked it may (a link could lead into another run, past its lock)."""
+    path = Path(path)
     tmp = temporary_name(path)
     clear_stale(path)
     try:
@@ -183,9 +182,9 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
                 pass
         # The user named path, not tmp; a failed flush at close names no file at all.
         if isinstance(e, OSError) and e.filename in (str(tmp), tmp, None):
-            raise OSError(e.errno, e.strerror or str(e), str(given)) from None
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
         raise
-    return given
+    return path
 
 
 def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
@@ -196,11 +195,10 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
     before a signal is acted on (:func:`signals_held`). What a process killed outright left is
     swept by the next write of ``out`` (:func:`clear_stale`: the temporary removed, an ``out``
     moved aside put back). A full disk (inside safetensors or transformers too) is one OSError
-    naming ``out``. A symbolic link ``out`` is followed: the directory it points to is written (on
-    its file system, a bigger disk say) and the link kept; it was the link that was replaced by
-    the new directory, and left behind as ``OUT.replacedPID``."""
-    given = Path(out)
-    out = written_path(given)
+    naming ``out``. A symbolic link named ``out`` is replaced as a name (a command that writes
+    where a link points resolves it first, once: :func:`output_directory`). The new directory and
+    its files keep the modes of those they replace; new ones get the umask's (:func:`_give_mode`)."""
+    out = Path(out)
     tmp = temporary_name(out)
     clear_stale(out)
     try:
@@ -210,25 +208,74 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
             write(tmp)
             for written in tmp.rglob("*"):  # transformers' files too, through safetensors: see _give_mode
                 if written.is_file() and not written.is_symlink():
-                    _give_mode(written)
+                    _give_mode(written, out / written.relative_to(tmp))
+            _give_mode(tmp, out, default=0o777)
         except Exception as e:  # a full disk inside safetensors or transformers: one line naming out
             error = as_os_error(e, out)
             if error is None:
                 raise
             raise error from None
         with signals_held():
-            if out.exists():
+            if os.path.lexists(out):
                 old = out.with_name(f"{out.name}.replaced{os.getpid()}")
                 out.replace(old)
                 tmp.replace(out)
-                shutil.rmtree(old, ignore_errors=True)
+                if old.is_symlink() or not old.is_dir():
+                    old.unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
             else:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 tmp.replace(out)
     finally:
         with signals_held():
             shutil.rmtree(tmp, ignore_errors=True)
-    return given
+    return out
+
+
+def output_directory(name: str, out: PathLike) -> Path:
+    """Where a command that writes a directory of its own (``convert``, ``convert-gqa``) writes
+    ``out``: the directory a symbolic link of this user's points to (``ln -s /scratch/models/x out``:
+    a bigger disk), or ``out`` itself. Resolved once, before the checks and the lock, so a link
+    changed during the work cannot send the write elsewhere. ValueError naming option ``name`` for
+    a link that leads nowhere (the rename at the end failed on it, after all the work), or another
+    user's link (not followed, as the kernel's protected_symlinks refuses in a shared directory
+    such as /tmp, nor replaced)."""
+    out = Path(out)
+    if not out.is_symlink():
+        return out
+    problem = link_problem(out)
+    if problem is not None:
+        raise ValueError(f"{name}: {out} {problem}; make that directory, or write elsewhere")
+    if os.lstat(out).st_uid != os.geteuid():
+        raise ValueError(f"{name}: {out} is a symbolic link of another user, which qkmla does not follow (nor "
+                         "replace); write elsewhere")
+    return Path(os.path.realpath(out))
+
+
+def link_problem(path: PathLike) -> Optional[str]:
+    """Why the symbolic link ``path`` leads nowhere, as the end of a sentence naming it, or None (not
+    a link, or a link to something): "is a symbolic link to X, which does not exist", "... which
+    leads to nothing" (a chain of links), "is a symbolic link in a loop of links"."""
+    import errno
+
+    path = Path(path)
+    try:
+        if not path.is_symlink():
+            return None
+    except OSError:  # a name too long: not a link problem, the caller's own lookup says what
+        return None
+    try:
+        target = os.readlink(path)
+        os.stat(path)
+        return None
+    except FileNotFoundError:
+        end = "leads to nothing" if os.path.lexists(path.parent / target) else "does not exist"
+        return f"is a symbolic link to {target}, which {end}"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link in a loop of links"
+        return f"is a symbolic link that cannot be followed ({e.strerror})"
 
 
 def write_text(path: PathLike, text: str, durable: bool = True) -> Path:
@@ -280,6 +327,38 @@ def check_path(name: str, path: PathLike, what: str = "path") -> Path:
     return path
 
 
+def input_file_problem(path: PathLike) -> Optional[str]:
+    """Why ``path`` cannot be read as a file, as the end of a sentence naming it, or None (a
+    regular file, or a link to one): "does not exist", "is a symbolic link to X, which does not
+    exist", "is a directory", "is not a regular file (a FIFO, a socket or a device)". A FIFO read as
+    a file waits for a writer forever, /dev/zero never ends: both are refused by what they are."""
+    if isinstance(path, (str, bytes)) and len(path) == 0:  # Path("") is ".", a directory
+        return "is an empty path"
+    path = Path(path)
+    link = link_problem(path)
+    if link is not None:
+        return link
+    try:
+        if path.is_file():
+            return None
+        if path.is_dir():
+            return "is a directory"
+        if os.path.lexists(path):
+            return "is not a regular file (a FIFO, a socket or a device)"
+    except OSError as e:  # a name too long, a loop of links
+        return f"cannot be looked up ({e.strerror})"
+    return "does not exist"
+
+
+def check_input_file(name: str, path: PathLike, what: str = "file") -> Path:
+    """``path`` as a Path if it is a regular file (or a link to one), else a ValueError naming option
+    ``name``: "--sweep: the results file runs/x.jsonl does not exist"."""
+    problem = input_file_problem(path)
+    if problem is not None:
+        raise ValueError(f"{name}: the {what} {path} {problem}")
+    return Path(path)
+
+
 def make_directory(name: str, path: PathLike, what: str = "directory") -> Path:
     """``mkdir -p path``, or a ValueError naming option ``name`` and why it cannot be made: a
     symbolic link to nothing on the way (the OS says only "File exists"), a file in the way, no
@@ -296,11 +375,12 @@ def _why_not_a_directory(path: Path, error: OSError) -> str:
     """The reason :func:`make_directory` failed, naming the part of ``path`` in the way."""
     import errno
 
-    if error.errno in (errno.EEXIST, errno.ENOTDIR):
+    if error.errno in (errno.EEXIST, errno.ENOTDIR, errno.ELOOP):
         for part in (path, *path.parents):
             try:
-                if part.is_symlink() and not part.exists():
-                    return f"{part} is a symbolic link to {os.readlink(part)}, which does not exist"
+                link = link_problem(part)
+                if link is not None:
+                    return f"{part} {link}"
                 if part.exists() and not part.is_dir():
                     return f"{part} is a file, not a directory"
             except OSError:  # a part the OS cannot look up: its own error says why

@@ -5,6 +5,7 @@ transformers cannot compute the same way, and checkpoints that do not fit the mo
 
 import dataclasses
 import json
+import os
 from functools import partial
 
 import pytest
@@ -165,6 +166,11 @@ def test_an_existing_out_dir_is_refused_unless_overwrite(tmp_path):
     export_hf(model, tmp_path / "hf", overwrite=True)
     assert (tmp_path / "hf" / SINGLE).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left
+    umask = os.umask(0)
+    os.umask(umask)  # a test's own process: nothing else creates files meanwhile
+    # mkdtemp's 0700 and safetensors' 0600 made an export readable by its owner alone
+    assert os.stat(tmp_path / "hf" / SINGLE).st_mode & 0o777 == 0o666 & ~umask
+    assert os.stat(tmp_path / "hf").st_mode & 0o777 == 0o777 & ~umask
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -37,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...norms import qk_norms_of
+from ...utils.files import input_file_problem
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
 from .record import GROUPS, RECORD, describe, recorded_groups, recorded_norm
 
@@ -101,9 +101,9 @@ def read_hf_config(hf_dir: Union[str, Path]) -> dict:
             object, or holds a field of a type transformers' config class refuses.
     """
     path = Path(hf_dir) / CONFIG
-    if not path.is_file():  # a FIFO is read forever: refused with what it is
-        what = "is not a regular file" if os.path.lexists(path) else "does not exist"
-        raise ValueError(f"hf_dir: {path} {what}; a Hugging Face checkpoint directory has a {CONFIG}")
+    problem = input_file_problem(path)  # a FIFO is read forever: refused with what it is
+    if problem is not None:
+        raise ValueError(f"hf_dir: {path} {problem}; a Hugging Face checkpoint directory has a {CONFIG}")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Union
@@ -65,6 +63,7 @@ from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3Model  # no
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 
 from ...config import QKNormConfig  # noqa: E402
+from ...utils.files import make_directory, write_directory  # noqa: E402
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
 from ..hub.config import hf_rope  # noqa: E402
 from ..hub.checkpoint import check_norm_tensors  # noqa: E402
@@ -342,24 +341,16 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
 
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
+    def write(tmp: Path) -> None:
         (tmp / CONFIG).write_text(json.dumps(vars(config), indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / SINGLE), metadata={"format": "pt"})
         if norm is not None:
             write_code(tmp)  # modeling_qkmla.py, which the auto_map names
-        if out.exists():
-            old = out.parent / f".{out.name}.{tmp.name}.old"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
+
+    # As every qkmla command writes a directory: whole or not at all, the umask's modes (not
+    # mkdtemp's 0700 and safetensors' 0600), a killed export's leftovers swept by the next.
+    make_directory("out_dir", out.parent)
+    return write_directory(out, write)
 
 
 def import_hf(hf_dir: Union[str, Path], model: DeepSeekV3Model) -> None:

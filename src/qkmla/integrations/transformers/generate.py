@@ -18,6 +18,7 @@ from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .model import apply_latent_attention
 from ..hub.checkpoint import load_tokenizer, read_hf_config
+from ...utils.files import input_file_problem
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
 
@@ -28,8 +29,11 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
     """(model in eval mode, patched by qkmla with the QK norm it records; tokenizer) from a
     checkpoint directory, both offline."""
     root = Path(hf_dir)
-    if not (root / "config.json").is_file():
+    problem = input_file_problem(root / "config.json")
+    if problem == "does not exist":
         raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
+    if problem is not None:  # a FIFO (read forever), a directory, a link to nothing: said as what it is
+        raise ValueError(f"hf_dir: {root / 'config.json'} {problem} (expected a transformers checkpoint directory)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
     try:  # parsed and its fields checked as every command reads it (a junk field was a traceback)
