@@ -111,6 +111,10 @@ def test_no_test_until_every_seed_is_in(tmp_path):
     assert s["primary"]["status"] == "complete" and s["primary"]["metric"] == "val_loss_all"
     assert set(s["primary"]["tests"]) == {f"mla-qknorm - {b}" for b in ARMS if b != "mla-qknorm"}
     assert all(0 <= t["p"] <= t["holm_p"] <= 1 for t in s["primary"]["tests"].values())
+    assert s["runs_in_all"] == len(seeds) * len(ARMS) * 2 * len(QUICK["horizons"])  # a stable stretch and a decay
+    # The full grid: 12 seeds x 4 arms x 3 horizons, the rate check's 8 chains and the reproduction's 21
+    # branches, each horizon a stable stretch and a decay.
+    assert report([], Options(tmp_path)).summary["runs_in_all"] == 2 * (12 * 4 * 3 + 8 * 3 + 21) == 378
     partial = report(rows[1:], Options(tmp_path, quick=True)).summary["primary"]
     assert partial["status"] == "pending" and partial["seeds_in"]["mla-qknorm - mla"] == len(seeds) - 1
     assert paired_family({}, (("a", "b"),), "test_loss", (1, 2))["status"] == "pending"

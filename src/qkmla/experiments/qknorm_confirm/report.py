@@ -10,7 +10,8 @@ import statistics
 from ..base import Options, Report
 from ..figures import curves_by_seed, fmt, table
 from ..results import family_table, paired_family
-from .design import ACCURACY_REPLICATION, ARMS, HORIZONS, LR, PRIMARY_HORIZON, PRIMARY_PAIRS, QUICK, RATE_CHECK, SEEDS
+from .design import (ACCURACY_REPLICATION, ARMS, HORIZONS, LR, PRIMARY_HORIZON, PRIMARY_PAIRS, QUICK, RATE_CHECK, SEEDS,
+                     all_runs)
 
 METRICS = (("test_loss", "test loss"), ("heldout_loss_pooled", "loss, all four held-out plays"),
            ("test_accuracy", "next-char accuracy"))
@@ -59,6 +60,9 @@ def report(rows: list[dict], options: Options) -> Report:
                                if r.get("stage") == "reproduce" and r.get("phase") == "decay"
                                and r.get("reproduction") is not None]
     summary["runs_finished"] = sum(r["status"] == "done" for r in rows)
+    # summary.json's "runs" is the plan when the grid last wrote it, which lists a branch only once
+    # its stretch before has finished: far fewer than the grid's runs in all.
+    summary["runs_in_all"] = len(all_runs(options))
     return Report(summary, _tables(summary), _figures(main, horizons, options))
 
 
