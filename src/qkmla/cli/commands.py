@@ -7,15 +7,12 @@ import dataclasses
 import json
 import os
 import sys
-import traceback
 import warnings
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.errors import (Parser, Stopped, Terminated, environment_message, flag_message, notice,
-                            quiet_broken_pipe, sigterm_unwinds)
-from ..utils.environment import check_switches, drop_bad_thread_counts
-from ..utils.startup import command_started
+from ..utils.command import run_command
+from ..utils.errors import Parser
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -90,17 +87,9 @@ def _cache_size(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ..utils.environment import check_launch
-    from ..utils.threads import apply_threads
-    from ..train.cli import exit_code, train_config_from_args
-    from ..train.trainer import train
+    from ..train.cli import run_train
 
-    check_launch()  # torchrun's variables without torchrun would wait for ranks that never come
-    config = train_config_from_args(args)  # every option checked before the threads are measured
-    apply_threads(args.threads, "train")
-    status = train(config)
-    print(json.dumps(status))
-    return exit_code(status)
+    return run_train(args)
 
 
 def _flag(name: str) -> str:
@@ -632,78 +621,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run one command. qkmla's own errors (a refused argument, run directory or file) print
-    one line, ``qkmla COMMAND: ARGUMENT: message``, and return 2; the machine's (a full disk,
-    a read-only file, memory run out) one line naming the path, and return 1; a closed
-    stdout (``| head``) ends quietly with 141; SIGTERM, where the command has no handling of its
-    own, unwinds it as Ctrl-C does (its temporaries removed) and returns 143 with one line; anything
-    else is a bug and prints its traceback."""
+    """Run one command (:func:`~qkmla.utils.command.run_command` says how each ending reads: a
+    refusal naming the option, exit 2; the machine's error naming the path, 1; a closed stdout,
+    141; a signal, one line and 128 + its number; anything else is a bug, with its traceback)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]
-    # The command line has dropped them already, before torch loaded (qkmla/__init__.py); this is for
-    # a caller of main() in its own Python (a test), where torch has usually read them by now.
-    drop_bad_thread_counts(args.command)
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
-    torch = sys.modules.get("torch")
-    threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
-    restore = _paths_print_as_given()  # {stream: its error handler before}
-    try:
-        command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
-        with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
-            check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
-            status = args.func(args)
-            sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
-        return status
-    except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
-        notice(f"qkmla {args.command}: stopped by SIGTERM; nothing half-written is left")
-        return 143  # 128 + SIGTERM, what a shell reports
-    except Stopped as e:  # a signal, handled: what was done and what is left, in one line
-        notice(f"qkmla {args.command}: {e}")
-        return e.exit_code
-    except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
-        quiet_broken_pipe()
-        return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
-    except ValueError as e:
-        message = flag_message(str(e), _option_dests(args.command))
-        notice(f"qkmla {args.command}: {message}")
-        return 2
-    except KeyboardInterrupt:
-        notice(f"qkmla {args.command}: interrupted")
-        return 130
-    except Exception as e:
-        message = environment_message(e)
-        if message is not None:  # the machine's problem, not qkmla's: one line naming the path
-            notice(f"qkmla {args.command}: {message}")
-            return 1
-        traceback.print_exc()
-        print(f"qkmla {args.command}: internal error: this is a bug in qkmla; please report it with the command "
-              "line and the traceback above", file=sys.stderr)
-        return 1
-    finally:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        for stream, errors in restore.items():
-            stream.reconfigure(errors=errors)
-
-
-def _paths_print_as_given() -> dict:
-    """Let stdout print a path whose name is not UTF-8 (``--out $'\\xff'``: a surrogate escape in
-    Python) as the bytes it was given, and stderr as Python's own stderr does (backslashreplace);
-    returns {stream: its error handler to restore}. Under a UTF-8 locale stdout is strict: the
-    command wrote its file and then failed on its own 'wrote PATH' line, exit 2 with the codec's
-    message (and a caller's strict stderr, a test's, failed on a refusal naming such a path)."""
-    changed = {}
-    for stream, handler in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
-        if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
-            continue
-        try:
-            stream.reconfigure(errors=handler)
-        except (ValueError, OSError):  # a stream that cannot change its handler now: left as it is
-            continue
-        changed[stream] = "strict"
-    return changed
+    return run_command(args.command, lambda: args.func(args), lambda: _option_dests(args.command))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""``torchrun --nproc_per_node N -m qkmla.train ...``: the same arguments as ``qkmla train``.
-
-It is ``qkmla train`` itself (``cli.commands.main``), not a second dispatcher: the one place that
-turns a refusal, the machine's error, a closed pipe, a signal or a non-UTF-8 path into one line
-and an exit status serves both."""
+"""``torchrun --nproc_per_node N -m qkmla.train ...``: the same arguments as ``qkmla train``, and
+the same runner (:func:`~qkmla.utils.command.run_command`): a refusal, the machine's error, a closed
+pipe, a signal or a non-UTF-8 path reads as it does for ``qkmla train``."""
 
 import sys
 
+from ..utils.command import run_command
+from ..utils.errors import Parser
+from .cli import add_train_arguments, run_train
+
 
 def main(argv=None) -> int:
-    from ..cli.commands import main as qkmla_main
-
-    return qkmla_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    parser = Parser(prog="qkmla train")
+    add_train_arguments(parser)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return run_command("train", lambda: run_train(args), lambda: {a.dest for a in parser._actions if a.option_strings})
 
 
 if __name__ == "__main__":

@@ -108,3 +108,20 @@ EXIT_CODES = {"done": 0, "time limit": 0, "interrupted": 130, "stopped": 143}
 def exit_code(status: dict) -> int:
     """The exit status of ``qkmla train`` for the run's final ``status``."""
     return EXIT_CODES.get(status["status"], 1)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``qkmla train``'s work, from its parsed arguments: the run's status printed as one JSON line,
+    and the exit status it gives (:func:`exit_code`)."""
+    import json
+
+    from ..utils.environment import check_launch
+    from ..utils.threads import apply_threads
+    from .trainer import train
+
+    check_launch()  # torchrun's variables without torchrun would wait for ranks that never come
+    config = train_config_from_args(args)  # every option checked before the threads are measured
+    apply_threads(args.threads, "train")
+    status = train(config)
+    print(json.dumps(status))
+    return exit_code(status)

@@ -1,0 +1,87 @@
+"""How a qkmla command ends: the one runner behind ``qkmla COMMAND`` (``cli.commands.main``) and
+``python -m qkmla.train`` (what torchrun launches), so both read the same on every ending.
+
+qkmla's own errors (a refused argument, run directory or file) print one line, ``qkmla COMMAND:
+ARGUMENT: message``, and return 2; the machine's (a full disk, a read-only file, memory run out)
+one line naming the path, and return 1; a closed stdout (``| head``) ends quietly with 141;
+SIGTERM, where the command has no handling of its own, unwinds it as Ctrl-C does (its temporaries
+removed) and returns 143 with one line; a signal the command handled (``train`` and ``experiment``
+checkpoint) is its one line and 128 + the signal's number; anything else is a bug and prints its
+traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Callable, Iterable
+
+from .environment import check_switches, drop_bad_thread_counts
+from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
+from .startup import command_started
+
+
+def run_command(command: str, body: Callable[[], int], option_names: Callable[[], Iterable[str]]) -> int:
+    """``body()``'s exit status, every ending turned into one line and a status (module docstring).
+    ``option_names()``: the dests of the command's options, so that an error naming one names the
+    option (``grad_clip: ...`` reads ``--grad-clip: ...``); called only for a refusal."""
+    # The command line has dropped them already, before torch loaded (qkmla/__init__.py); this is for
+    # a caller in its own Python (a test), where torch has usually read them by now.
+    drop_bad_thread_counts(command)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
+    restore = _paths_print_as_given()  # {stream: its error handler before}
+    try:
+        command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
+        with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
+            check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
+            status = body()
+            sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return status
+    except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
+        notice(f"qkmla {command}: stopped by SIGTERM; nothing half-written is left")
+        return 143  # 128 + SIGTERM, what a shell reports
+    except Stopped as e:  # a signal, handled: what was done and what is left, in one line
+        notice(f"qkmla {command}: {e}")
+        return e.exit_code
+    except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
+        quiet_broken_pipe()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
+    except ValueError as e:
+        notice(f"qkmla {command}: {flag_message(str(e), option_names())}")
+        return 2
+    except KeyboardInterrupt:
+        notice(f"qkmla {command}: interrupted")
+        return 130
+    except Exception as e:
+        message = environment_message(e)
+        if message is not None:  # the machine's problem, not qkmla's: one line naming the path
+            notice(f"qkmla {command}: {message}")
+            return 1
+        traceback.print_exc()
+        print(f"qkmla {command}: internal error: this is a bug in qkmla; please report it with the command "
+              "line and the traceback above", file=sys.stderr)
+        return 1
+    finally:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        for stream, errors in restore.items():
+            stream.reconfigure(errors=errors)
+
+
+def _paths_print_as_given() -> dict:
+    """Let stdout print a path whose name is not UTF-8 (``--out $'\\xff'``: a surrogate escape in
+    Python) as the bytes it was given, and stderr as Python's own stderr does (backslashreplace);
+    returns {stream: its error handler to restore}. Under a UTF-8 locale stdout is strict: the
+    command wrote its file and then failed on its own 'wrote PATH' line, exit 2 with the codec's
+    message (and a caller's strict stderr, a test's, failed on a refusal naming such a path)."""
+    changed = {}
+    for stream, handler in ((sys.stdout, "surrogateescape"), (sys.stderr, "backslashreplace")):
+        if getattr(stream, "errors", None) != "strict" or not hasattr(stream, "reconfigure"):
+            continue
+        try:
+            stream.reconfigure(errors=handler)
+        except (ValueError, OSError):  # a stream that cannot change its handler now: left as it is
+            continue
+        changed[stream] = "strict"
+    return changed
