@@ -2332,6 +2332,33 @@ def probe7_rows():
             one_process_commands_under_torchrun),
     ]
 
+def probe8_rows():
+    """The eighth probe's failures (issue 56, fresh probes after probe 7)."""
+
+    def resume_with_a_new_lr_and_weight_decay(env):
+        """Probes T12/R01: ``train --resume --lr 0.01`` (a setting a resume may change:
+        train.config.RESUMABLE) recorded lr 0.01 in config.json but trained at the checkpoint's 0.001,
+        and its weight decay, the same: torch's load_state_dict copies the saved param groups' settings
+        over the ones built from the command line. Silent: exit 0, status 'done'."""
+        from qkmla.train.checkpoint import load_checkpoint
+
+        out = env.tmp / "o"
+        argv = ["train", "--preset", "debug", "--batch-size", "2", "--eval-iters", "1", "--no-progress", "--threads",
+                "1", "--schedule", "constant", "--warmup-steps", "0", "--out", str(out)]
+        assert main(argv + ["--steps", "2", "--lr", "0.001", "--weight-decay", "0.1"]) == 0
+        assert main(argv + ["--steps", "4", "--lr", "0.01", "--weight-decay", "0", "--resume"]) == 0
+        assert [r["lr"] for r in metrics(out)] == [0.001, 0.001, 0.01, 0.01]
+        assert json.loads((out / "config.json").read_text())["train"]["lr"] == 0.01
+        _, optim, step = load_checkpoint(out / "checkpoint.safetensors", torch.Generator())
+        groups = optim["0"]["param_groups"]
+        assert step == 4 and groups[0]["initial_lr"] == 0.01 and groups[0]["weight_decay"] == 0.0, groups
+
+    return [
+        Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
+            "recording the new)", resume_with_a_new_lr_and_weight_decay),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2359,7 +2386,8 @@ NOT_APPLICABLE = {
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
+ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
+        + probe8_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

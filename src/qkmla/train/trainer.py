@@ -179,7 +179,8 @@ def _load_states(model, optimizer, model_state: dict, optim_state: dict, fsdp: b
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, model_state, options=opts)
-        set_optimizer_state_dict(model, optimizer.optimizers, optim_state, options=opts)
+        with optimizer.settings_kept():  # this run's lr and weight decay, not the checkpoint's
+            set_optimizer_state_dict(model, optimizer.optimizers, optim_state, options=opts)
     else:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
