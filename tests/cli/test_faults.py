@@ -2353,9 +2353,47 @@ def probe8_rows():
         groups = optim["0"]["param_groups"]
         assert step == 4 and groups[0]["initial_lr"] == 0.01 and groups[0]["weight_decay"] == 0.0, groups
 
+    def address_space_limit_is_memory(env):
+        """Probes T29/D11: under `ulimit -v 4000000` (RLIMIT_AS) `train --preset paper-400m` and
+        `demo --preset paper-400m` passed every memory check (they read MemAvailable only, 20 GiB
+        here) and failed 20-40 s later in torch's allocator. The limit's headroom is memory too."""
+        r = python("""
+            import re, resource
+            from qkmla.utils.limits import available_bytes
+            vm = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (vm + 2**28, resource.RLIM_INFINITY))
+            print(available_bytes())
+            """, env.tmp)
+        assert r.returncode == 0, r.stderr
+        assert 0 < int(r.stdout) <= 2**28, r.stdout
+
+    def gradients_past_memory(env):
+        """Probes T29/D11: a model whose weights fit but whose gradients and optimizer moments do not
+        (paper-400m under a 4 GB address-space limit) passed the step check, which counted only the
+        tensors a forward saves, and then failed in torch's allocator. With the memory available set
+        between the debug model's saved tensors and those plus its gradients and one moment per
+        weight, the step is refused naming --batch-size (it trained before); below twice the
+        weights, naming --preset (the model's size, not the batch: --batch-size 1 would not fit)."""
+        import qkmla.utils.limits as limits
+        from qkmla.model.gpt import GPT, GPT_PRESETS
+        from qkmla.train.step_memory import step_saved_bytes
+
+        model = GPT(GPT_PRESETS["debug"].replace(vocab_size=65))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        saved = step_saved_bytes(model, 2, model.config.block_size)
+        for available, pattern in ((saved + weights, r"--batch-size: .* with the weights' gradients and optimizer"),
+                                   (int(1.5 * weights), r"--preset: the gradients and optimizer moments of the")):
+            env.monkeypatch.setattr(limits, "available_bytes", lambda a=available: a)
+            refuse(env, train_ok(env, env.tmp / "o"), pattern)
+            assert not (env.tmp / "o").exists()
+
     return [
         Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
             "recording the new)", resume_with_a_new_lr_and_weight_decay),
+        Row("train", "size", "an address-space limit (ulimit -v) below what the preset needs (torch's allocator "
+            "failed after the checks passed)", address_space_limit_is_memory),
+        Row("train", "size", "weights that fit, gradients and optimizer moments that do not (failed in the step "
+            "measurement's forward)", gradients_past_memory),
     ]
 
 
