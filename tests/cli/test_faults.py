@@ -2387,6 +2387,19 @@ def probe8_rows():
             refuse(env, train_ok(env, env.tmp / "o"), pattern)
             assert not (env.tmp / "o").exists()
 
+    def convert_empty_calibration_text(env, hf):
+        """Probe K11: `convert --calibration-text EMPTY` was refused naming --calibration-tokens (the
+        count asked of the text), not the file at fault; convert-gqa names --calibration-text."""
+        import transformers
+
+        src = env.tmp / "src"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)  # calibration tokenizes the text
+        (env.tmp / "empty.txt").write_text("")
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--qk-norm", "rms", "--calibration-text",
+                     env.tmp / "empty.txt"], r"--calibration-text: the calibration text gives 0 tokens")
+        assert not (env.tmp / "out").exists()
+
     return [
         Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
             "recording the new)", resume_with_a_new_lr_and_weight_decay),
@@ -2394,6 +2407,8 @@ def probe8_rows():
             "failed after the checks passed)", address_space_limit_is_memory),
         Row("train", "size", "weights that fit, gradients and optimizer moments that do not (failed in the step "
             "measurement's forward)", gradients_past_memory),
+        Row("convert", "path", "--calibration-text an empty file (blamed on --calibration-tokens)",
+            convert_empty_calibration_text, hf=True),
     ]
 
 
