@@ -2400,6 +2400,16 @@ def probe8_rows():
                      env.tmp / "empty.txt"], r"--calibration-text: the calibration text gives 0 tokens")
         assert not (env.tmp / "out").exists()
 
+    def experiment_over_its_own_cut_row(env):
+        """Probe E15: a results.jsonl whose only row was cut short (a norm-mode row, by hand) was
+        'the results of another program' to norm-mode itself, and --overwrite the only way on."""
+        out = env.tmp / "x"
+        out.mkdir()
+        (out / "results.jsonl").write_text('{"experiment": "norm-mode", "run": "blockwise_s1", "variant": "blo')
+        refuse(env, ["experiment", "norm-mode", "--quick", "--no-progress", "--out", out],
+               r"--out: .*results.jsonl line 1 is not a JSON row .*norm-mode's results: fix or remove that line")
+        assert os.listdir(out) == ["results.jsonl"]
+
     return [
         Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
             "recording the new)", resume_with_a_new_lr_and_weight_decay),
@@ -2409,6 +2419,8 @@ def probe8_rows():
             "measurement's forward)", gradients_past_memory),
         Row("convert", "path", "--calibration-text an empty file (blamed on --calibration-tokens)",
             convert_empty_calibration_text, hf=True),
+        Row("experiment", "output", "--out whose results.jsonl holds one cut row of its own ('another program's')",
+            experiment_over_its_own_cut_row),
     ]
 
 
