@@ -2410,6 +2410,34 @@ def probe8_rows():
                r"--out: .*results.jsonl line 1 is not a JSON row .*norm-mode's results: fix or remove that line")
         assert os.listdir(out) == ["results.jsonl"]
 
+    def cache_settings_after_construction(env, hf):
+        """Probes B04/B05/B09: a LatentAttentionCache's max_cache_len, kv_format or policy set after
+        construction (cache.max_cache_len = 2) was taken without a word and read by nothing: the
+        cache grew past 2 (10 tokens generated), stayed dense, kept no policy. Its layers' settings,
+        which they do read, were open to a value their constructor refuses (max_cache_len -3)."""
+        from transformers import AutoModelForCausalLM
+
+        from qkmla.cache.eviction import H2O
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        model = apply_latent_attention(AutoModelForCausalLM.from_pretrained(hf))
+        cache = LatentAttentionCache(model, max_cache_len=16)
+        for name, value in (("max_cache_len", 2), ("kv_format", "int4"), ("policy", H2O(budget=40)),
+                            ("static", True), ("offloading", True)):
+            raises(lambda n=name, v=value: setattr(cache, n, v), AttributeError,
+                   rf"{name}: a LatentAttentionCache's settings are fixed once its arguments are checked")
+        raises(lambda: setattr(cache.layers[0], "max_cache_len", -3), AttributeError,
+               r"max_cache_len: a LatentCacheLayer's settings are fixed")
+        static = LatentAttentionCache(model, static=True, max_cache_len=8)
+        raises(lambda: setattr(static.layers[0], "max_cache_len", 2**50), AttributeError,
+               r"max_cache_len: a StaticLatentCacheLayer's settings are fixed")
+        # its working state still changes, under the settings it was built with
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache})
+        assert cache.get_seq_length() == 3 and cache.layers[0].max_cache_len == 16
+        raises(lambda: model(input_ids=torch.arange(1, 15)[None], use_cache=True, **{name: cache}), ValueError,
+               r"max_cache_len: this cache holds 16 tokens per sequence, and the prompt and new tokens need 17")
+
     return [
         Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
             "recording the new)", resume_with_a_new_lr_and_weight_decay),
@@ -2421,6 +2449,8 @@ def probe8_rows():
             convert_empty_calibration_text, hf=True),
         Row("experiment", "output", "--out whose results.jsonl holds one cut row of its own ('another program's')",
             experiment_over_its_own_cut_row),
+        Row("LatentAttentionCache", "size", "max_cache_len / kv_format / policy set after construction (taken, "
+            "read by nothing)", cache_settings_after_construction, hf=True),
     ]
 
 
