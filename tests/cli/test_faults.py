@@ -2438,6 +2438,20 @@ def probe8_rows():
         raises(lambda: model(input_ids=torch.arange(1, 15)[None], use_cache=True, **{name: cache}), ValueError,
                r"max_cache_len: this cache holds 16 tokens per sequence, and the prompt and new tokens need 17")
 
+    def growing_cache_past_memory(env, hf):
+        """Probe B02: a growing LatentAttentionCache of max_cache_len 2**50 was refused at its first
+        forward naming 'capacity' (LatentCache's argument, not the one the user gave); the static
+        cache names max_cache_len."""
+        from transformers import AutoModelForCausalLM
+
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        model = apply_latent_attention(AutoModelForCausalLM.from_pretrained(hf))
+        cache = LatentAttentionCache(model, max_cache_len=2**50)
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        raises(lambda: model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache}), ValueError,
+               "^max_cache_len: .*need at least .* more than the .* of memory available")
+
     return [
         Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
             "recording the new)", resume_with_a_new_lr_and_weight_decay),
@@ -2451,6 +2465,8 @@ def probe8_rows():
             experiment_over_its_own_cut_row),
         Row("LatentAttentionCache", "size", "max_cache_len / kv_format / policy set after construction (taken, "
             "read by nothing)", cache_settings_after_construction, hf=True),
+        Row("LatentAttentionCache", "size", "growing, max_cache_len=2**50 (refused naming 'capacity')",
+            growing_cache_past_memory, hf=True),
     ]
 
 

@@ -223,8 +223,14 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         if self.latent is None:
             capacity = self.max_cache_len or GROW * math.ceil(num_tokens / GROW)
             self._check_capacity(num_tokens, capacity)
-            self.latent = LatentCache.from_config(self.config, batch_size, capacity, dtype=dtype, device=device,
-                                                  kv_format=self.kv_format, policy=self.policy)
+            try:
+                self.latent = LatentCache.from_config(self.config, batch_size, capacity, dtype=dtype, device=device,
+                                                      kv_format=self.kv_format, policy=self.policy)
+            except ValueError as e:  # a capacity past memory is the user's max_cache_len (as the static cache says)
+                name, _, rest = str(e).partition(": ")
+                if name != "capacity" or self.max_cache_len is None:
+                    raise
+                raise ValueError(f"max_cache_len: {rest}") from None
             self.stored = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
             self.device, self.is_initialized = self.latent.device, True
             return self.latent
