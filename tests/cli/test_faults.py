@@ -2333,6 +2333,144 @@ def probe7_rows():
             one_process_commands_under_torchrun),
     ]
 
+def probe8_rows():
+    """The eighth probe's failures (issue 56, fresh probes after probe 7)."""
+
+    def resume_with_a_new_lr_and_weight_decay(env):
+        """Probes T12/R01: ``train --resume --lr 0.01`` (a setting a resume may change:
+        train.config.RESUMABLE) recorded lr 0.01 in config.json but trained at the checkpoint's 0.001,
+        and its weight decay, the same: torch's load_state_dict copies the saved param groups' settings
+        over the ones built from the command line. Silent: exit 0, status 'done'."""
+        from qkmla.train.checkpoint import load_checkpoint
+
+        out = env.tmp / "o"
+        argv = ["train", "--preset", "debug", "--batch-size", "2", "--eval-iters", "1", "--no-progress", "--threads",
+                "1", "--schedule", "constant", "--warmup-steps", "0", "--out", str(out)]
+        assert main(argv + ["--steps", "2", "--lr", "0.001", "--weight-decay", "0.1"]) == 0
+        assert main(argv + ["--steps", "4", "--lr", "0.01", "--weight-decay", "0", "--resume"]) == 0
+        assert [r["lr"] for r in metrics(out)] == [0.001, 0.001, 0.01, 0.01]
+        assert json.loads((out / "config.json").read_text())["train"]["lr"] == 0.01
+        _, optim, step = load_checkpoint(out / "checkpoint.safetensors", torch.Generator())
+        groups = optim["0"]["param_groups"]
+        assert step == 4 and groups[0]["initial_lr"] == 0.01 and groups[0]["weight_decay"] == 0.0, groups
+
+    def address_space_limit_is_memory(env):
+        """Probes T29/D11: under `ulimit -v 4000000` (RLIMIT_AS) `train --preset paper-400m` and
+        `demo --preset paper-400m` passed every memory check (they read MemAvailable only, 20 GiB
+        here) and failed 20-40 s later in torch's allocator. The limit's headroom is memory too."""
+        r = python("""
+            import re, resource
+            from qkmla.utils.limits import available_bytes
+            vm = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (vm + 2**28, resource.RLIM_INFINITY))
+            print(available_bytes())
+            """, env.tmp)
+        assert r.returncode == 0, r.stderr
+        assert 0 < int(r.stdout) <= 2**28, r.stdout
+
+    def gradients_past_memory(env):
+        """Probes T29/D11: a model whose weights fit but whose gradients and optimizer moments do not
+        (paper-400m under a 4 GB address-space limit) passed the step check, which counted only the
+        tensors a forward saves, and then failed in torch's allocator. With the memory available set
+        between the debug model's saved tensors and those plus its gradients and one moment per
+        weight, the step is refused naming --batch-size (it trained before); below twice the
+        weights, naming --preset (the model's size, not the batch: --batch-size 1 would not fit)."""
+        import qkmla.utils.limits as limits
+        from qkmla.model.gpt import GPT, GPT_PRESETS
+        from qkmla.train.step_memory import step_saved_bytes
+
+        model = GPT(GPT_PRESETS["debug"].replace(vocab_size=65))
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        saved = step_saved_bytes(model, 2, model.config.block_size)
+        for available, pattern in ((saved + weights, r"--batch-size: .* with the weights' gradients and optimizer"),
+                                   (int(1.5 * weights), r"--preset: the gradients and optimizer moments of the")):
+            env.monkeypatch.setattr(limits, "available_bytes", lambda a=available: a)
+            refuse(env, train_ok(env, env.tmp / "o"), pattern)
+            assert not (env.tmp / "o").exists()
+
+    def convert_empty_calibration_text(env, hf):
+        """Probe K11: `convert --calibration-text EMPTY` was refused naming --calibration-tokens (the
+        count asked of the text), not the file at fault; convert-gqa names --calibration-text."""
+        import transformers
+
+        src = env.tmp / "src"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)  # calibration tokenizes the text
+        (env.tmp / "empty.txt").write_text("")
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--qk-norm", "rms", "--calibration-text",
+                     env.tmp / "empty.txt"], r"--calibration-text: the calibration text gives 0 tokens")
+        assert not (env.tmp / "out").exists()
+
+    def experiment_over_its_own_cut_row(env):
+        """Probe E15: a results.jsonl whose only row was cut short (a norm-mode row, by hand) was
+        'the results of another program' to norm-mode itself, and --overwrite the only way on."""
+        out = env.tmp / "x"
+        out.mkdir()
+        (out / "results.jsonl").write_text('{"experiment": "norm-mode", "run": "blockwise_s1", "variant": "blo')
+        refuse(env, ["experiment", "norm-mode", "--quick", "--no-progress", "--out", out],
+               r"--out: .*results.jsonl line 1 is not a JSON row .*norm-mode's results: fix or remove that line")
+        assert os.listdir(out) == ["results.jsonl"]
+
+    def cache_settings_after_construction(env, hf):
+        """Probes B04/B05/B09: a LatentAttentionCache's max_cache_len, kv_format or policy set after
+        construction (cache.max_cache_len = 2) was taken without a word and read by nothing: the
+        cache grew past 2 (10 tokens generated), stayed dense, kept no policy. Its layers' settings,
+        which they do read, were open to a value their constructor refuses (max_cache_len -3)."""
+        from transformers import AutoModelForCausalLM
+
+        from qkmla.cache.eviction import H2O
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        model = apply_latent_attention(AutoModelForCausalLM.from_pretrained(hf))
+        cache = LatentAttentionCache(model, max_cache_len=16)
+        for name, value in (("max_cache_len", 2), ("kv_format", "int4"), ("policy", H2O(budget=40)),
+                            ("static", True), ("offloading", True)):
+            raises(lambda n=name, v=value: setattr(cache, n, v), AttributeError,
+                   rf"{name}: a LatentAttentionCache's settings are fixed once its arguments are checked")
+        raises(lambda: setattr(cache.layers[0], "max_cache_len", -3), AttributeError,
+               r"max_cache_len: a LatentCacheLayer's settings are fixed")
+        static = LatentAttentionCache(model, static=True, max_cache_len=8)
+        raises(lambda: setattr(static.layers[0], "max_cache_len", 2**50), AttributeError,
+               r"max_cache_len: a StaticLatentCacheLayer's settings are fixed")
+        # its working state still changes, under the settings it was built with
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache})
+        assert cache.get_seq_length() == 3 and cache.layers[0].max_cache_len == 16
+        raises(lambda: model(input_ids=torch.arange(1, 15)[None], use_cache=True, **{name: cache}), ValueError,
+               r"max_cache_len: this cache holds 16 tokens per sequence, and the prompt and new tokens need 17")
+
+    def growing_cache_past_memory(env, hf):
+        """Probe B02: a growing LatentAttentionCache of max_cache_len 2**50 was refused at its first
+        forward naming 'capacity' (LatentCache's argument, not the one the user gave); the static
+        cache names max_cache_len."""
+        from transformers import AutoModelForCausalLM
+
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        model = apply_latent_attention(AutoModelForCausalLM.from_pretrained(hf))
+        cache = LatentAttentionCache(model, max_cache_len=2**50)
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+        raises(lambda: model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache}), ValueError,
+               "^max_cache_len: .*need at least .* more than the .* of memory available")
+
+    return [
+        Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
+            "recording the new)", resume_with_a_new_lr_and_weight_decay),
+        Row("train", "size", "an address-space limit (ulimit -v) below what the preset needs (torch's allocator "
+            "failed after the checks passed)", address_space_limit_is_memory),
+        Row("train", "size", "weights that fit, gradients and optimizer moments that do not (failed in the step "
+            "measurement's forward)", gradients_past_memory),
+        Row("convert", "path", "--calibration-text an empty file (blamed on --calibration-tokens)",
+            convert_empty_calibration_text, hf=True),
+        Row("experiment", "output", "--out whose results.jsonl holds one cut row of its own ('another program's')",
+            experiment_over_its_own_cut_row),
+        Row("LatentAttentionCache", "size", "max_cache_len / kv_format / policy set after construction (taken, "
+            "read by nothing)", cache_settings_after_construction, hf=True),
+        Row("LatentAttentionCache", "size", "growing, max_cache_len=2**50 (refused naming 'capacity')",
+            growing_cache_past_memory, hf=True),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2360,7 +2498,8 @@ NOT_APPLICABLE = {
 }
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
-ROWS = cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
+ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
+        + probe8_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -131,6 +131,9 @@ def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: 
             break
         chars *= 2
     ids = torch.tensor(ids, dtype=torch.long)
+    if ids.numel() == 0:  # the text is at fault (an empty file), not the count asked of it
+        raise ValueError("calibration_text: the calibration text gives 0 tokens (an empty file?); give text like "
+                         "the model's data")
     if ids.numel() < calibration_tokens + 2 * row:
         raise ValueError(f"calibration_tokens: the calibration text has {ids.numel()} tokens, too few for "
                          f"{calibration_tokens} calibration tokens and two held-out rows of {row}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,9 @@ def _check_inputs(experiment: Experiment, options: Options) -> None:
                          f"writing {experiment.name}'s results there would destroy them; use another --out")
 
 
+_ROW_START = re.compile(r'\s*\{\s*"experiment"\s*:\s*"([^"\\]+)"')  # how every results row opens
+
+
 def _owners(out: Path) -> set:
     """The experiments whose results or summary are in ``out`` ("another program" for files that
     are not an experiment's)."""
@@ -202,10 +206,15 @@ def _owners(out: Path) -> set:
                 rows.append(json.loads(line))
             except ValueError as e:
                 bad.append((number, e))
+                # A row cut short (by hand, by another tool) still opens with the experiment that wrote
+                # it: a file of such rows alone is that experiment's, not "another program's".
+                cut = _ROW_START.match(line)
+                if cut:
+                    rows.append({"experiment": cut.group(1)})
         named = {r.get("experiment") for r in rows if isinstance(r, dict)} - {None}
         if bad and named:  # an experiment's results with a line damaged (by hand): not another program's
             number, e = bad[0]
-            raise ValueError(f"--out: {results} line {number} is not a JSON row ({e}); the other rows are "
+            raise ValueError(f"--out: {results} line {number} is not a JSON row ({e}); the rows there are "
                              f"{', '.join(sorted(named))}'s results: fix or remove that line and run again "
                              "(--overwrite would replace every row there)")
         owners |= {r.get("experiment", "another program") if isinstance(r, dict) else "another program"

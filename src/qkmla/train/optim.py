@@ -15,6 +15,7 @@ last ``decay_fraction`` of the steps).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -47,8 +48,23 @@ class Optimizers:
         return {str(i): opt.state_dict() for i, opt in enumerate(self.optimizers)}
 
     def load_state_dict(self, state: dict) -> None:
-        for i, opt in enumerate(self.optimizers):
-            opt.load_state_dict(state[str(i)])
+        """The checkpoint's moments and step counts, under the settings these optimizers were built
+        with (:meth:`settings_kept`)."""
+        with self.settings_kept():
+            for i, opt in enumerate(self.optimizers):
+                opt.load_state_dict(state[str(i)])
+
+    @contextmanager
+    def settings_kept(self):
+        """Around a load of a checkpoint's state (torch's own, or FSDP's set_optimizer_state_dict):
+        torch copies the saved param groups' settings (lr, initial_lr, weight_decay) over the ones
+        built from the config, so a resume with another --lr or --weight-decay (settings a resume may
+        change: train.config.RESUMABLE) trained at the old ones while config.json recorded the new.
+        The groups' settings are put back; only the state (moments, steps) comes from the checkpoint."""
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        yield
+        for group, kept in zip(self.param_groups, settings):
+            group.update(kept)
 
 
 def _is_hidden_matrix(name: str, p: nn.Parameter) -> bool:

@@ -179,7 +179,8 @@ def _load_states(model, optimizer, model_state: dict, optim_state: dict, fsdp: b
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, model_state, options=opts)
-        set_optimizer_state_dict(model, optimizer.optimizers, optim_state, options=opts)
+        with optimizer.settings_kept():  # this run's lr and weight decay, not the checkpoint's
+            set_optimizer_state_dict(model, optimizer.optimizers, optim_state, options=opts)
     else:
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
@@ -292,12 +293,21 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
 
 def check_step_fits(model: GPT, batch: int, block_size: int, name: str = "batch_size") -> None:
     """ValueError naming ``name`` if what a step of ``batch`` windows saves for its backward
-    (measured: ``step_memory.py``) exceeds the memory left once the weights are made. Training
-    runs it before the run directory is written, so a refused ``--overwrite`` keeps the run it
-    would have replaced."""
+    (measured: ``step_memory.py``), with the weights' gradients and optimizer moments, exceeds the
+    memory left once the weights are made. Training runs it before the run directory is written,
+    so a refused ``--overwrite`` keeps the run it would have replaced."""
+    # Every trained parameter gets a gradient and at least one optimizer moment (Muon's momentum;
+    # AdamW keeps two), alive with the saved tensors during the backward. Checked first, naming the
+    # model's size (--preset): the measurement below runs a forward, which a model whose gradients
+    # cannot fit would fail in torch's allocator (paper-400m under `ulimit -v 4000000`).
+    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    check_fits("preset", state, f"the gradients and optimizer moments of the model's "
+                                f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+
     def refuse_above(needed: int, measured_on: int) -> None:
-        check_fits(name, needed, f"the tensors a training step of {batch} windows of {block_size} tokens of "
-                                 f"{model.config.attn} saves for its backward (measured on {measured_on})")
+        check_fits(name, state + needed, f"the tensors a training step of {batch} windows of {block_size} tokens of "
+                                         f"{model.config.attn} saves for its backward (measured on {measured_on}), "
+                                         "with the weights' gradients and optimizer moments,")
 
     refuse_above(step_saved_bytes(model, batch, block_size, check=lambda two: refuse_above(two, 2)),
                  min(batch, 3))

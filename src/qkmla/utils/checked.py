@@ -10,6 +10,11 @@ refuses. Two ways to close that door, one per kind of object:
   soon as ``__post_init__`` checks them.
 * :class:`Frozen` (an object with no settings that may change, such as an eviction policy):
   setting any attribute after construction raises ``AttributeError`` naming it.
+* :class:`FixedSettings` (an object whose state changes as it works but whose settings were
+  used to build it, such as the transformers adapter's cache: its layers are made from
+  ``kv_format``, ``policy`` and ``max_cache_len``): setting one of ``fixed_settings`` after
+  construction raises ``AttributeError`` naming it; a changed setting would otherwise be read by
+  nothing (``cache.max_cache_len = 2`` and the cache went on growing) or by some code only.
 """
 
 from __future__ import annotations
@@ -83,3 +88,29 @@ class Frozen:
         if id(self) not in _constructing:
             self._refuse(name)
         object.__delattr__(self, name)
+
+
+class FixedSettings:
+    """The attributes named in ``fixed_settings`` are set only while a constructor runs; any other
+    attribute (the object's working state) stays free."""
+
+    fixed_settings: tuple = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _constructed(cls.__dict__["__init__"])
+
+    def _refuse(self, name: str):
+        raise AttributeError(f"{name}: a {type(self).__name__}'s settings are fixed once its arguments are checked "
+                             "(what it holds was built from them); make a new one with the value you want")
+
+    def __setattr__(self, name, value):
+        if name in self.fixed_settings and id(self) not in _constructing:
+            self._refuse(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name in self.fixed_settings and id(self) not in _constructing:
+            self._refuse(name)
+        super().__delattr__(name)

@@ -22,9 +22,33 @@ def _read_int(path: str) -> Optional[int]:
     return int(text) if text.isdigit() else None
 
 
+def address_space_left() -> Optional[int]:
+    """Bytes of address space this process may still map under its RLIMIT_AS (``ulimit -v``,
+    ``prlimit --as``), or None without such a limit (or where it cannot be read). Under that limit
+    every allocation past it fails whatever the machine has free, so a size check against
+    MemAvailable alone let ``train --preset paper-400m`` start under ``ulimit -v 4000000`` and fail
+    in torch's allocator a minute later."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return max(soft - int(line.split()[1]) * 1024, 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def available_bytes() -> Optional[int]:
     """Memory this process can still allocate, in bytes: Linux's MemAvailable, lowered to what
-    the cgroup's limit leaves (a container's), or None where neither can be read."""
+    the cgroup's limit leaves (a container's) and to the address space its RLIMIT_AS leaves, or
+    None where none of them can be read."""
     avail = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -41,6 +65,9 @@ def available_bytes() -> Optional[int]:
     limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
     if limit is not None and used is not None:
         avail = limit - used if avail is None else min(avail, limit - used)
+    left = address_space_left()
+    if left is not None:
+        avail = left if avail is None else min(avail, left)
     return avail
 
 

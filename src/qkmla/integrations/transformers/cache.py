@@ -49,6 +49,7 @@ from ...cache.eviction import EvictionPolicy
 from ...cache.latent import LatentCache
 from ...config import MLAConfig
 from ...kv_formats import check_kv_format
+from ...utils.checked import FixedSettings
 from .patched import cache_slots, inner_model, model_settings
 from .static import StaticLatentCacheLayer, check_static_settings
 from .view import TransformersView
@@ -71,7 +72,7 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
                          f"got {max_cache_len!r}")
 
 
-class LatentCacheLayer(TransformersView, CacheLayerMixin):
+class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
     """One decoder layer's latent cache, as a transformers cache layer.
 
     Args:
@@ -90,6 +91,7 @@ class LatentCacheLayer(TransformersView, CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     supports_early_init = False
+    fixed_settings = ("config", "kv_format", "policy", "max_cache_len", "offloading")  # the rows are built from them
 
     def __init__(self, config: MLAConfig, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
                  max_cache_len: Optional[int] = None, offloading: bool = False):
@@ -221,8 +223,14 @@ class LatentCacheLayer(TransformersView, CacheLayerMixin):
         if self.latent is None:
             capacity = self.max_cache_len or GROW * math.ceil(num_tokens / GROW)
             self._check_capacity(num_tokens, capacity)
-            self.latent = LatentCache.from_config(self.config, batch_size, capacity, dtype=dtype, device=device,
-                                                  kv_format=self.kv_format, policy=self.policy)
+            try:
+                self.latent = LatentCache.from_config(self.config, batch_size, capacity, dtype=dtype, device=device,
+                                                      kv_format=self.kv_format, policy=self.policy)
+            except ValueError as e:  # a capacity past memory is the user's max_cache_len (as the static cache says)
+                name, _, rest = str(e).partition(": ")
+                if name != "capacity" or self.max_cache_len is None:
+                    raise
+                raise ValueError(f"max_cache_len: {rest}") from None
             self.stored = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
             self.device, self.is_initialized = self.latent.device, True
             return self.latent
@@ -346,7 +354,7 @@ def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str 
 _MODEL_SETTING = object()  # "the model's setting", where None is a setting of its own
 
 
-class LatentAttentionCache(Cache):
+class LatentAttentionCache(FixedSettings, Cache):
     """A transformers ``Cache`` of qkmla latent layers for a model patched by ``apply_latent_attention``.
 
     Args:
@@ -368,6 +376,9 @@ class LatentAttentionCache(Cache):
         >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
         >>> static = LatentAttentionCache(model, max_cache_len=4096, static=True)  # doctest: +SKIP
     """
+
+    # Read by nothing after construction: the layers were built from them (utils.checked.FixedSettings)
+    fixed_settings = ("kv_format", "policy", "max_cache_len", "static", "offloading")
 
     def __init__(self, model, *, kv_format: Optional[str] = None, policy=_MODEL_SETTING, max_cache_len: Optional[int] = None,
                  offloading: bool = False, static: bool = False):

@@ -36,6 +36,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ...config import MLAConfig
 from ...dtypes import cast
+from ...utils.checked import FixedSettings
 from ...utils.limits import check_allocation
 from .view import TransformersView
 
@@ -54,7 +55,7 @@ def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
                          f"(static=False) with the policy")
 
 
-class StaticLatentCacheLayer(TransformersView, CacheLayerMixin):
+class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
     """One decoder layer's latent rows in buffers of fixed capacity (module docstring).
 
     Args:
@@ -69,6 +70,7 @@ class StaticLatentCacheLayer(TransformersView, CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     supports_early_init = False
+    fixed_settings = ("config", "kv_format", "policy", "max_cache_len", "offloading")  # the buffers' shape
 
     def __init__(self, config: MLAConfig, max_cache_len: int):
         super().__init__()
