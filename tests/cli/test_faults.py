@@ -2354,6 +2354,22 @@ def probe8_rows():
         groups = optim["0"]["param_groups"]
         assert step == 4 and groups[0]["initial_lr"] == 0.01 and groups[0]["weight_decay"] == 0.0, groups
 
+    def resume_keeps_the_settings_not_given(env):
+        """Review of probe 8's fix: once a new --lr applied on resume, ``train --out DIR --resume``
+        without --lr went on at the option's default (0.001) instead of the run's 0.01, and the
+        weight decay likewise: a setting the command line does not give is now the stored run's
+        (the preset and the steps too: the bare resume needs no flag repeated)."""
+        out = env.tmp / "o"
+        assert main(["train", "--preset", "debug", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+                     "--threads", "1", "--schedule", "constant", "--warmup-steps", "0", "--steps", "2", "--lr",
+                     "0.01", "--weight-decay", "0.05", "--out", str(out)]) == 0
+        assert main(["train", "--out", str(out), "--resume", "--steps", "4", "--threads", "1", "--no-progress"]) == 0
+        assert [r["lr"] for r in metrics(out)] == [0.01] * 4
+        stored = json.loads((out / "config.json").read_text())["train"]
+        assert (stored["lr"], stored["weight_decay"], stored["batch_size"]) == (0.01, 0.05, 2)
+        refuse(env, ["train", "--out", out, "--resume", "--threads", "1"],
+               "--steps: the run in .* is already at step 4")  # its own 4 steps, not the default's
+
     def address_space_limit_is_memory(env):
         """Probes T29/D11: under `ulimit -v 4000000` (RLIMIT_AS) `train --preset paper-400m` and
         `demo --preset paper-400m` passed every memory check (they read MemAvailable only, 20 GiB
@@ -2372,8 +2388,8 @@ def probe8_rows():
         """Probes T29/D11: a model whose weights fit but whose gradients and optimizer moments do not
         (paper-400m under a 4 GB address-space limit) passed the step check, which counted only the
         tensors a forward saves, and then failed in torch's allocator. With the memory available set
-        between the debug model's saved tensors and those plus its gradients and one moment per
-        weight, the step is refused naming --batch-size (it trained before); below twice the
+        just under the debug model's step (one moment per weight, and its saved tensors or its
+        gradients, the larger), the step is refused naming --batch-size (it trained before); below twice the
         weights, naming --preset (the model's size, not the batch: --batch-size 1 would not fit)."""
         import qkmla.utils.limits as limits
         from qkmla.model.gpt import GPT, GPT_PRESETS
@@ -2382,7 +2398,10 @@ def probe8_rows():
         model = GPT(GPT_PRESETS["debug"].replace(vocab_size=65))
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         saved = step_saved_bytes(model, 2, model.config.block_size)
-        for available, pattern in ((saved + weights, r"--batch-size: .* with the weights' gradients and optimizer"),
+        # A step's floor: one moment per weight, and the saved tensors or the gradients, whichever is larger
+        # (the gradients appear as the backward frees what the forward saved).
+        step = weights + max(weights, saved)
+        for available, pattern in ((step - 1, r"--batch-size: .* with the weights' gradients and optimizer"),
                                    (int(1.5 * weights), r"--preset: the gradients and optimizer moments of the")):
             env.monkeypatch.setattr(limits, "available_bytes", lambda a=available: a)
             refuse(env, train_ok(env, env.tmp / "o"), pattern)
@@ -2454,6 +2473,8 @@ def probe8_rows():
                "^max_cache_len: .*need at least .* more than the .* of memory available")
 
     return [
+        Row("train", "output", "--resume without --lr / --weight-decay (trained at the options' defaults)",
+            resume_keeps_the_settings_not_given),
         Row("train", "output", "--resume with another --lr / --weight-decay (trained at the checkpoint's, config.json "
             "recording the new)", resume_with_a_new_lr_and_weight_decay),
         Row("train", "size", "an address-space limit (ulimit -v) below what the preset needs (torch's allocator "

@@ -125,9 +125,9 @@ def test_two_processes_match_one(tmp_path, mode):
     assert one.returncode == 0, one.stderr[-2000:]
     extra = ["--fsdp"] if mode == "fsdp" else []
 
-    def run_two(out: Path):
+    def run_two(out: Path, *more):
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               "-m", "qkmla.train", *args, *extra, "--out", str(out)],
+                               "-m", "qkmla.train", *args, *extra, "--out", str(out), *more],
                               capture_output=True, text=True, env=env, timeout=300)
 
     out = tmp_path / "two"
@@ -146,6 +146,17 @@ def test_two_processes_match_one(tmp_path, mode):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
     assert (out / "checkpoint.safetensors").is_file()
+    # Resumed by two processes as by one. Under FSDP every resume failed in a collective mismatch:
+    # the checkpoint's tensors came back in another order on each rank, and the full-state-dict load
+    # scatters them one by one in the order given.
+    resumed = run_two(out, "--resume", "--steps", "5")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "qkmla.train", *args, "--out", str(tmp_path / "one"), "--resume",
+                          "--steps", "5"], capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    a, b = read(tmp_path / "one"), read(out)
+    assert len(a) == len(b) == 5
+    assert [ra["loss"] for ra in a[3:]] == pytest.approx([rb["loss"] for rb in b[3:]], rel=1e-5)
 
 
 def test_resume_refuses_a_different_model_and_lists_the_differences(tmp_path):

@@ -12,7 +12,9 @@ from .cli import add_train_arguments, run_train
 def main(argv=None) -> int:
     parser = Parser(prog="qkmla train")
     add_train_arguments(parser)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # what the command line gives, as qkmla train has it (a resume keeps the rest)
     return run_command("train", lambda: run_train(args), lambda: {a.dest for a in parser._actions if a.option_strings})
 
 

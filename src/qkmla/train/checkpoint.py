@@ -139,8 +139,11 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     if bad:
         raise CheckpointError(f"checkpoint: {path} is corrupt: {len(bad)} tensor(s) fail their checksum "
                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
-    state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    for name, target in json.loads(meta["aliases"]).items():
+    # In a fixed order: safetensors gives the tensors back in another order in every process, and
+    # FSDP's full-state-dict load scatters them one by one in the order given, so the ranks of a
+    # resume under FSDP paired different tensors in one collective and failed.
+    state = {k[len("model."):]: tensors[k] for k in sorted(tensors) if k.startswith("model.")}
+    for name, target in sorted(json.loads(meta["aliases"]).items()):
         state[name] = tensors[target]
     return state, tensors, meta
 

@@ -71,14 +71,50 @@ def train_flag_message(message: str) -> str:
     return flag_message(message, (f.name for f in dataclasses.fields(TrainConfig)))
 
 
+# What a launch decides, never taken from the stored run on --resume.
+PER_LAUNCH = ("out", "resume", "overwrite", "progress", "max_seconds", "dist_timeout", "fsdp")
+
+
+def given_options(argv: list) -> set:
+    """The dests of the ``qkmla train`` options that ``argv`` gives (not left at their defaults)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_train_arguments(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_known_args(argv)[0]))
+
+
+def stored_settings(out) -> dict:
+    """The TrainConfig fields the run in ``out`` was trained with (its checkpoint's record), or {}
+    where there is none to read (the trainer then says why it cannot resume)."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint import FILENAME, read_metadata
+
+    try:
+        stored = json.loads(read_metadata(Path(out) / FILENAME)["config"]).get("train")
+    except Exception:  # no checkpoint, or a damaged one: train() refuses the resume naming it
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Raises ValueError naming the option for any value out of its range."""
+    """Raises ValueError naming the option for any value out of its range. With ``--resume``, a
+    setting the command line does not give (``args.argv``) is the stored run's, not the option's
+    default: ``qkmla train --out DIR --resume`` continues the run as it was set up (a resume of a
+    run at --lr 0.01 went on at the default 0.001 once a new --lr applied on resume)."""
     # Every option's dest is the TrainConfig field of the same name; only --no-progress is inverted.
     names = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(args))
     given = {n: getattr(args, n) for n in names}
     unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha") if given.get(n) is None]
     for name in unset:  # left unset: TrainConfig's default stands
         given.pop(name, None)
+    if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
+        typed = given_options(args.argv)
+        for name, value in stored_settings(args.out).items():
+            if name in names and name not in typed and name not in PER_LAUNCH:
+                given[name] = value
     try:
         config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:

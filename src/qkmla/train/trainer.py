@@ -297,17 +297,20 @@ def check_step_fits(model: GPT, batch: int, block_size: int, name: str = "batch_
     memory left once the weights are made. Training runs it before the run directory is written,
     so a refused ``--overwrite`` keeps the run it would have replaced."""
     # Every trained parameter gets a gradient and at least one optimizer moment (Muon's momentum;
-    # AdamW keeps two), alive with the saved tensors during the backward. Checked first, naming the
-    # model's size (--preset): the measurement below runs a forward, which a model whose gradients
-    # cannot fit would fail in torch's allocator (paper-400m under `ulimit -v 4000000`).
-    state = 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    check_fits("preset", state, f"the gradients and optimizer moments of the model's "
-                                f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    # AdamW keeps two). Checked first, naming the model's size (--preset): the measurement below runs
+    # a forward, which a model whose gradients cannot fit would fail in torch's allocator
+    # (paper-400m under `ulimit -v 4000000`). Gradients appear as the backward frees the saved
+    # tensors, so the step's floor is the moments plus the larger of the two, not their sum: the
+    # sum would refuse a run that fits.
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    check_fits("preset", 2 * weights, f"the gradients and optimizer moments of the model's "
+                                      f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
 
     def refuse_above(needed: int, measured_on: int) -> None:
-        check_fits(name, state + needed, f"the tensors a training step of {batch} windows of {block_size} tokens of "
-                                         f"{model.config.attn} saves for its backward (measured on {measured_on}), "
-                                         "with the weights' gradients and optimizer moments,")
+        check_fits(name, weights + max(weights, needed),
+                   f"the tensors a training step of {batch} windows of {block_size} tokens of {model.config.attn} "
+                   f"saves for its backward (measured on {measured_on}), with the weights' gradients and optimizer "
+                   "moments,")
 
     refuse_above(step_saved_bytes(model, batch, block_size, check=lambda two: refuse_above(two, 2)),
                  min(batch, 3))
