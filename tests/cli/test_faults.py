@@ -824,7 +824,9 @@ def old_checkpoint(env: Env, hf: Path) -> tuple[Path, dict]:
     """An existing conversion in ``OUT`` (what --overwrite would replace), and its files."""
     out = env.tmp / "dst"
     assert main([str(a) for a in convert_argv(hf, out)]) == 0
-    (out / "mine.txt").write_text("the user's")  # something only the old output has
+    # Something only the old output has, of a kind a conversion writes (a file of the user's there is
+    # refused before any work: --overwrite replaces the directory whole).
+    (out / "chat_template.jinja").write_text("{{ old }}")
     return out, snapshot(out)
 
 
@@ -886,7 +888,7 @@ def convert_sigkill_between_renames(env: Env, hf: Path) -> None:
     assert snapshot(out) == before and os.listdir(env.tmp) == ["dst"]
     env.capsys.readouterr()
     assert main([str(a) for a in convert_argv(hf, out, "--overwrite")]) == 0
-    assert "mine.txt" not in os.listdir(out) and os.listdir(env.tmp) == ["dst"]
+    assert "chat_template.jinja" not in os.listdir(out) and os.listdir(env.tmp) == ["dst"]
 
 
 def convert_two_on_one_output(env: Env, hf: Path, argv: Optional[Callable] = None) -> None:

@@ -102,6 +102,13 @@ def test_convert_never_writes_over_its_source_or_an_existing_conversion(source, 
                  "--overwrite"]) == 0
     assert latent_layers(from_pretrained(out))[0].config.qk_norm.kind == "l2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+    # The directory is replaced whole: a file of the user's in it was lost with it (probe 8).
+    (out / "NOTES.md").write_text("mine")
+    refused(["convert", "--hf", str(src), "--out", str(out), "--qk-norm", "l2", "--calibration-tokens", "0",
+             "--overwrite"], "--out: .*out holds NOTES.md, which this conversion does not write; --overwrite replaces "
+                             "the directory whole, so move it out first")
+    assert (out / "NOTES.md").read_text() == "mine"
+    (out / "NOTES.md").unlink()
     (tmp_path / "afile").write_text("x")
     refused(["convert", "--hf", str(src), "--out", str(tmp_path / "afile")], "--out: .*afile is a file")
     (tmp_path / "notes").mkdir()

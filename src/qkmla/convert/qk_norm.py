@@ -19,6 +19,7 @@ and renamed when complete, and replaces an existing directory only with ``overwr
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -88,7 +89,29 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
             raise ValueError(f"out: {given} is not empty and holds no transformers {CONFIG} (a JSON object with a "
                              f"model_type), so it is not a checkpoint directory --overwrite may replace; write "
                              f"elsewhere")
+        theirs = [p.name for p in sorted(out.iterdir()) if not _conversion_writes(p, src)]
+        if theirs:  # the directory is replaced whole: a file of the user's there would be lost with it
+            raise ValueError(f"out: {given} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, which "
+                             "this conversion does not write; --overwrite replaces the directory whole, so move "
+                             f"{'it' if len(theirs) == 1 else 'them'} out first, or write elsewhere")
     return src, given
+
+
+# What a conversion writes besides the files it copies from its source (copy_other_files): the
+# config, the weights and their index, the model code an auto_map names, the tokenizer's files.
+WRITTEN = re.compile(r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab)"
+                     r"\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|merges\.txt|"
+                     r"vocab\.txt|(tokenizer|spiece|sentencepiece\.bpe)\.model|chat_template\.(jinja|json)|"
+                     r"(modeling|configuration)_\w+\.py")
+
+
+def _conversion_writes(path: Path, src: Path) -> bool:
+    """Whether a conversion of ``src`` writes ``path`` (an entry of its output directory): one of
+    :data:`WRITTEN`, or a top-level file of the source that it copies. Anything else there, a
+    user's notes or a folder, is not the conversion's to replace."""
+    if path.is_dir() and not path.is_symlink():
+        return False
+    return WRITTEN.fullmatch(path.name) is not None or (src / path.name).is_file()
 
 
 def _holds_checkpoint(path: Path) -> bool:
