@@ -66,51 +66,53 @@ def revalidated(cls):
     return cls
 
 
-class Frozen:
-    """Attributes are set only while a constructor runs; afterwards setting or deleting one
-    raises ``AttributeError`` naming it."""
+class _FixedAfterConstruction:
+    """What :class:`Frozen` and :class:`FixedSettings` share: the attributes ``_fixed`` names are set
+    only while a constructor runs; afterwards setting or deleting one raises ``_refuse``'s error."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
             cls.__init__ = _constructed(cls.__dict__["__init__"])
+
+    def _fixed(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def _refuse(self, name: str):
+        raise NotImplementedError
+
+    def __setattr__(self, name, value):
+        if self._fixed(name) and id(self) not in _constructing:
+            self._refuse(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if self._fixed(name) and id(self) not in _constructing:
+            self._refuse(name)
+        super().__delattr__(name)
+
+
+class Frozen(_FixedAfterConstruction):
+    """Attributes are set only while a constructor runs; afterwards setting or deleting one
+    raises ``AttributeError`` naming it."""
+
+    def _fixed(self, name: str) -> bool:
+        return True
 
     def _refuse(self, name: str):
         raise AttributeError(f"{name}: a {type(self).__name__} is fixed once its arguments are checked; make a new "
                              f"one with the value you want (its constructor checks it)")
 
-    def __setattr__(self, name, value):
-        if id(self) not in _constructing:
-            self._refuse(name)
-        object.__setattr__(self, name, value)
 
-    def __delattr__(self, name):
-        if id(self) not in _constructing:
-            self._refuse(name)
-        object.__delattr__(self, name)
-
-
-class FixedSettings:
+class FixedSettings(_FixedAfterConstruction):
     """The attributes named in ``fixed_settings`` are set only while a constructor runs; any other
     attribute (the object's working state) stays free."""
 
     fixed_settings: tuple = ()
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "__init__" in cls.__dict__:
-            cls.__init__ = _constructed(cls.__dict__["__init__"])
+    def _fixed(self, name: str) -> bool:
+        return name in self.fixed_settings
 
     def _refuse(self, name: str):
         raise AttributeError(f"{name}: a {type(self).__name__}'s settings are fixed once its arguments are checked "
                              "(what it holds was built from them); make a new one with the value you want")
-
-    def __setattr__(self, name, value):
-        if name in self.fixed_settings and id(self) not in _constructing:
-            self._refuse(name)
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        if name in self.fixed_settings and id(self) not in _constructing:
-            self._refuse(name)
-        super().__delattr__(name)
