@@ -1074,8 +1074,8 @@ def thread_variable_before_torch(env: Env) -> None:
         r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=env.tmp, timeout=240,
                            env={**os.environ, "OMP_NUM_THREADS": "junk", "PYTHONPATH": str(SRC)})
         lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
-        said = (f"qkmla {command}: OMP_NUM_THREADS='junk' is not a positive number of threads; ignored (torch's "
-                "default is used)")
+        said = (f"qkmla {command}: OMP_NUM_THREADS='junk' is not a positive number of threads; ignored (--threads, "
+                "or torch's default, decides)")
         assert lines[0] == said and "libgomp" not in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert [x for x in lines if "OMP_NUM_THREADS" in x] == lines[:1]  # said once
 

@@ -71,8 +71,9 @@ def drop_bad_thread_counts(command: str) -> list[str]:
         if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
             del os.environ[name]
             dropped.append(name)
-            print(f"qkmla {command}: {name}={value!r} is not a positive number of threads; ignored (torch's default "
-                  "is used)", file=sys.stderr)
+            # --threads, where given, decides after this; "torch's default is used" misled there (probe 8).
+            print(f"qkmla {command}: {name}={value!r} is not a positive number of threads; ignored (--threads, or "
+                  "torch's default, decides)", file=sys.stderr)
     return dropped
 
 
