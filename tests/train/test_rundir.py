@@ -286,3 +286,13 @@ def test_record_edits_are_the_changes_a_resume_would_lose(tmp_path):
     assert record_edits(path, recorded, now) == ["not readable JSON: damaged or cut short"]
     path.write_text("[1, 2]")
     assert record_edits(path, recorded, now) == ["not a JSON object"]
+
+
+def test_a_resume_with_no_checkpoint_says_how_to_go_on(tmp_path):
+    """A run stopped before its first checkpoint (a full disk at it): resume said only "no
+    checkpoint" (probe 8, noticed and left); it names --overwrite, which starts the run over."""
+    train(TrainConfig(**FAST, steps=2, out=str(tmp_path)))
+    (tmp_path / FILENAME).unlink()
+    with pytest.raises(ValueError, match="resume: no checkpoint in .*; pass --overwrite to start the run over"):
+        train(TrainConfig(**FAST, steps=4, out=str(tmp_path), resume=True))
+    assert train(TrainConfig(**FAST, steps=2, out=str(tmp_path), overwrite=True))["status"] == "done"

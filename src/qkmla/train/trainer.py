@@ -333,7 +333,9 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
     start = 0
     if config.resume:
         if not (out / FILENAME).is_file():
-            raise ValueError(f"resume: no checkpoint in {out}")
+            # A run stopped before its first checkpoint (a full disk at it, a kill): nothing to continue.
+            raise ValueError(f"resume: no checkpoint in {out}, so there is nothing to continue; pass --overwrite "
+                             "to start the run over")
         stored = json.loads(read_metadata(out / FILENAME)["config"])
         diffs = resume_mismatches(stored, run_config)
         if diffs:
