@@ -421,3 +421,28 @@ def test_a_pipe_closed_by_head_ends_quietly(mla_run):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == "", err
+
+
+def test_plot_of_many_runs_draws_without_matplotlibs_warning(tmp_path, capsys):
+    """50 runs' legends left tight_layout no room, and matplotlib's warning (with its source path)
+    came out under the command's line (probe 8, noticed and left)."""
+    import json
+
+    from qkmla.cli import main
+
+    runs = []
+    for i in range(50):
+        run = tmp_path / f"run-with-a-long-name-{i:02d}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 - 0.1 * s, "max_logit": 5.0 + s,
+                                                               "grad_norm": 1.0, "val_loss": 3.0}) + "\n"
+                                                   for s in range(1, 4)))
+        runs.append(str(run))
+    import warnings
+
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["plot", *runs, "--out", str(tmp_path / "all.png")]) == 0
+    assert (tmp_path / "all.png").stat().st_size > 0 and "Warning" not in capsys.readouterr().err
+    assert not [w for w in caught if "layout" in str(w.message)], [str(w.message) for w in caught]

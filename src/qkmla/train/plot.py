@@ -100,7 +100,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         ax.legend(fontsize=7)
     axes[1].set_yscale("log")  # bounded and exploding runs differ by orders of magnitude
     axes[2].set_yscale("log")
-    fig.tight_layout()
+    with warnings.catch_warnings():  # many runs' legends leave no room to tighten: the figure is drawn
+        warnings.filterwarnings("ignore", message="Tight layout not applied")  # as laid out, without a warning
+        fig.tight_layout()
     out = Path(out)
     try:
         make_directory("out", out.parent, "figure's directory")
