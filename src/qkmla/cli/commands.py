@@ -11,7 +11,7 @@ import warnings
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
-from ..utils.command import run_command
+from ..utils.command import option_dests, run_command
 from ..utils.errors import Parser
 from ..utils.threads import add_threads_argument
 
@@ -468,7 +468,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _option_dests(command: str) -> set:
     """The names of the options of ``command`` (an error naming one names the option)."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest for a in sub.choices[command]._actions if a.option_strings}
+    return option_dests(sub.choices[command])
 
 
 def build_parser() -> argparse.ArgumentParser:

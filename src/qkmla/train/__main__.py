@@ -4,7 +4,7 @@ pipe, a signal or a non-UTF-8 path reads as it does for ``qkmla train``."""
 
 import sys
 
-from ..utils.command import run_command
+from ..utils.command import option_dests, run_command
 from ..utils.errors import Parser
 from .cli import add_train_arguments, run_train
 
@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # what the command line gives, as qkmla train has it (a resume keeps the rest)
-    return run_command("train", lambda: run_train(args), lambda: {a.dest for a in parser._actions if a.option_strings})
+    return run_command("train", lambda: run_train(args), lambda: option_dests(parser))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ from .errors import Stopped, Terminated, environment_message, flag_message, noti
 from .startup import command_started
 
 
+def option_dests(parser) -> set:
+    """The dests of ``parser``'s options: what :func:`run_command`'s ``option_names`` gives."""
+    return {a.dest for a in parser._actions if a.option_strings}
+
+
 def run_command(command: str, body: Callable[[], int], option_names: Callable[[], Iterable[str]]) -> int:
     """``body()``'s exit status, every ending turned into one line and a status (module docstring).
     ``option_names()``: the dests of the command's options, so that an error naming one names the
