@@ -110,3 +110,30 @@ def test_meta_device_construction_then_weight_loading(tmp_path):
         torch.testing.assert_close(model(ids, use_cache=False).logits, stock(ids).logits, rtol=1e-4, atol=1e-5)
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False),
                            stock.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("copy_by", ["deepcopy", "torch.save"])
+def test_a_prompts_cache_reused_as_transformers_documents(tmp_path, copy_by):
+    """transformers' recipe for a shared prefix: fill a cache with the prompt once, then give each
+    continuation a copy (``copy.deepcopy``), or keep it on disk (``torch.save``). Either copy
+    continues exactly as one generate over the whole input does."""
+    from qkmla.integrations.transformers import LatentAttentionCache
+
+    model = apply_latent_attention(hf_model("v3"), qk_norm="rms").eval()
+    prefix = torch.stack(prompts([7, 7]))
+    whole = torch.cat([prefix, torch.stack(prompts([3, 3]))], dim=1)
+    with torch.no_grad():
+        filled = model(prefix, past_key_values=LatentAttentionCache(model)).past_key_values
+    if copy_by == "deepcopy":
+        cache = copy.deepcopy(filled)
+        assert torch.equal(cache.layers[0].keys, filled.layers[0].keys)  # the copy still finds its attention
+    else:
+        torch.save(filled, tmp_path / "prompt.pt")
+        cache = torch.load(tmp_path / "prompt.pt", weights_only=False)
+        assert cache.layers[0].keys is None  # saved without the model: read again after its next forward
+    with torch.no_grad():
+        reused = model.generate(whole, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        fresh = model.generate(whole, past_key_values=LatentAttentionCache(model), max_new_tokens=4, do_sample=False)
+    assert torch.equal(reused, fresh)
+    assert cache.layers[0].keys is not None
+    assert filled.get_seq_length() == prefix.shape[1]  # the original is untouched, ready for the next continuation

@@ -43,7 +43,6 @@ that turns nothing (:class:`~qkmla.integrations.transformers.rope.NoRotary`).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -59,6 +58,7 @@ from .cache import adopt_layer
 from .families import HostAttention
 from .rope import NoRotary, TransformersRotary
 from .static import StaticLatentCacheLayer, static_attend
+from .view import AttentionReference
 from .weights import cached_weights, explicit_weights
 
 
@@ -318,7 +318,7 @@ class LatentAttention(MLA):
                              "sequence per row) cannot hold; call without a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
         if layer.attention is None:  # its keys and values are this layer's up-projections (view.py)
-            layer.attention = weakref.ref(self)
+            layer.attention = AttentionReference(self)
         if isinstance(layer, StaticLatentCacheLayer):  # fixed shapes for torch.compile (static.py)
             if self.host.position_temperature is not None:
                 raise ValueError("cache_implementation: this family's position-dependent query scale "

@@ -21,6 +21,10 @@ moving them to halves (x0, x2, ..., x1, x3, ...), and caches k^R so; the view do
 "expanded" read costs one up-projection of the whole cache, which decoding never does), padding
 columns zero. They are a view: they cannot be assigned. Before the layer's first forward, or once
 the layer that wrote it is gone, they are None, as an empty transformers layer's are.
+
+The layer finds its attention through :class:`AttentionReference`, a weak reference that copies
+share and pickle leaves out: a cache is saved (``torch.save``) without the model, and the first
+forward after loading sets it again.
 """
 
 from __future__ import annotations
@@ -31,11 +35,34 @@ from typing import Optional
 import torch
 
 
+class AttentionReference:
+    """A weak reference to the attention layer that writes a cache layer (module docstring).
+
+    ``copy.deepcopy`` of a cache (transformers' recipe for reusing a prompt's cache) shares it, as it
+    shares a plain ``weakref.ref``; pickle, which cannot hold a weak reference, writes None in its
+    place, and the layer's next forward sets it again.
+    """
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, attention: torch.nn.Module):
+        self._ref = weakref.ref(attention)
+
+    def __call__(self) -> Optional[torch.nn.Module]:
+        return self._ref()
+
+    def __deepcopy__(self, memo) -> "AttentionReference":
+        return self
+
+    def __reduce__(self):
+        return type(None), ()
+
+
 class TransformersView:
     """``keys`` / ``values`` of a latent cache layer (module docstring). A layer using it provides
-    :meth:`rows_by_column`; the attention layer that writes it sets :attr:`attention` (a weak reference)."""
+    :meth:`rows_by_column`; the attention layer that writes it sets :attr:`attention`."""
 
-    attention: Optional[weakref.ref] = None
+    attention: Optional[AttentionReference] = None
 
     def rows_by_column(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """(latent rows [B, K, d_c + d_r], key scalars [B, K, G] or None, which columns hold a token [B, K])."""
