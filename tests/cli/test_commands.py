@@ -35,6 +35,28 @@ def test_verify_exits_non_zero_on_failure(monkeypatch, capsys):
     assert "FAILED: rms-blockwise/float64" in capsys.readouterr().err
 
 
+REQUIRED = {"plot": ["RUN"], "convert": ["--hf", "H", "--out", "O"], "convert-gqa": ["--hf", "H", "--out", "O"]}
+
+
+def test_an_unknown_flag_is_named_by_its_command(capsys):
+    """argparse blames the top parser ("qkmla: unrecognized arguments") for a command's unknown flag;
+    the line names the command, as an invalid value's does. Every command (a new one needs no entry
+    unless it has required arguments)."""
+    from qkmla.cli.commands import build_parser, _command_parser
+
+    commands = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices).choices
+    for command in commands:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            main([command, *REQUIRED.get(command, []), "--no-such-flag=3"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err == f"qkmla {command}: unrecognized arguments: --no-such-flag=3\n", err
+    with pytest.raises(SystemExit):
+        main(["--no-such-flag", "verify"])  # before the command: the top parser's own
+    assert capsys.readouterr().err == "qkmla: unrecognized arguments: --no-such-flag\n"
+    assert _command_parser(build_parser(), "train").prog == "qkmla train"
+
+
 def test_verify_unknown_variant(refused):
     refused(["verify", "--variant", "rms-fast"], "--variant")
 

@@ -467,8 +467,12 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _option_dests(command: str) -> set:
     """The names of the options of ``command`` (an error naming one names the option)."""
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return option_dests(sub.choices[command])
+    return option_dests(_command_parser(build_parser(), command))
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -625,7 +629,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     refusal naming the option, exit 2; the machine's error naming the path, 1; a closed stdout,
     141; a signal, one line and 128 + its number; anything else is a bug, with its traceback)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse blames the top parser for a command's unknown flags: name the command, as its --help does
+        blamed = parser
+        if unknown[0] in argv[argv.index(args.command) + 1:]:
+            blamed = _command_parser(parser, args.command)
+        blamed.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv[1:]
     if getattr(args, "func", None) is _generate and not args.prompt:
         args.prompt = ["\n"]
