@@ -2494,6 +2494,44 @@ def probe8_rows():
     ]
 
 
+def probe9_rows():
+    """The ninth probe's failures (issue 56, fresh probes after probe 8)."""
+
+    def a_run_appears(out):
+        """What ``qkmla train --out OUT`` makes meanwhile (probe cx01: the conversion's lock, OUT.lock,
+        is not the run's, OUT/lock, so both went ahead, exit 0 each, and the conversion's rename at its
+        end moved the new run aside and deleted it, without --overwrite)."""
+        return lambda: (out.mkdir(), (out / "status.json").write_text('{"status": "running"}'),
+                        (out / "checkpoint.safetensors").write_bytes(b"weights"))
+
+    def convert_while_trained_into(env, hf):
+        from qkmla.convert import stream
+
+        out = env.tmp / "dst"
+        after(stream, "write_weights", env.monkeypatch, a_run_appears(out))
+        refuse(env, convert_argv(hf, out), r"--out: .*dst changed while this command worked \(it now holds a qkmla "
+               r"training run: another command wrote there\); it was left as it is")
+        assert sorted(os.listdir(out)) == ["checkpoint.safetensors", "status.json"]
+        assert [n for n in os.listdir(env.tmp) if n not in ("dst", "dst.lock")] == []  # no temporary left
+
+    def convert_gqa_while_trained_into(env, hf):
+        import transformers
+
+        out = env.tmp / "dst"
+        after(transformers.PreTrainedModel, "save_pretrained", env.monkeypatch, a_run_appears(out))
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", out, "--threads", "1"],
+               r"--out: .*dst changed while this command worked \(it now holds a qkmla training run")
+        assert sorted(os.listdir(out)) == ["checkpoint.safetensors", "status.json"]
+        assert [n for n in os.listdir(env.tmp) if n not in ("dst", "dst.lock")] == []
+
+    return [
+        Row("convert", "concurrent", "qkmla train --out the same directory while it converts (the conversion's rename "
+            "deleted the new run, no --overwrite)", convert_while_trained_into, hf=True),
+        Row("convert-gqa", "concurrent", "qkmla train --out the same directory while it converts (the run deleted at "
+            "the rename)", convert_gqa_while_trained_into, hf=True),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2522,7 +2560,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows())
+        + probe8_rows() + probe9_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

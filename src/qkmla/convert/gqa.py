@@ -488,11 +488,11 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         if window < 2:
             raise ValueError(f"calibration_text: {calibration_text} gives {len(ids)} tokens; at least 2 are needed")
         calibration = ids[:len(ids) - len(ids) % window].view(-1, window)
-    with converting_into(src, out, overwrite) as target:  # a second conversion into out is refused
+    with converting_into(src, out, overwrite) as (target, state):  # a second conversion into out is refused
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
             src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
         converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
                                         keep_norm=keep_norm, rope_key=rope_key, latent=latent,
                                         calibration=calibration)
-        write_checkpoint(converted, tokenizer, target)
+        write_checkpoint(converted, tokenizer, target, state)
     return report
