@@ -2524,11 +2524,49 @@ def probe9_rows():
         assert sorted(os.listdir(out)) == ["checkpoint.safetensors", "status.json"]
         assert [n for n in os.listdir(env.tmp) if n not in ("dst", "dst.lock")] == []
 
+    def with_a_tokenizer(env, hf) -> Path:
+        """The Qwen3 source with a byte-level tokenizer (the fixture has none): what reads the text."""
+        import transformers
+
+        src = env.tmp / "src"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        return src
+
+    def convert_gqa_text_not_utf8(env, hf):
+        """Probe cx08: a --calibration-text that is not UTF-8 was decoded with replacement characters,
+        and the RoPE key's mix was fitted to them (exit 0); convert refuses the same file."""
+        hf = with_a_tokenizer(env, hf)
+        text = env.tmp / "t.txt"
+        text.write_bytes(b"To be or not \xff\xfe to be " * 40)
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-key", "principal", "--calibration-text",
+                     text, "--threads", "1"], r"--calibration-text: cannot read .*t\.txt as UTF-8 text \('utf-8' codec")
+        assert sorted(os.listdir(env.tmp)) == ["src", "t.txt"]
+
+    def convert_gqa_tokens_past_the_text(env, hf):
+        """Probes cg14/cx09: --calibration-tokens 100000 of a 380-token text, or 10**20 (past int64),
+        fitted to the 380 without a word (convert refuses a count its text does not hold)."""
+        hf = with_a_tokenizer(env, hf)
+        text = env.tmp / "t.txt"
+        text.write_text("To be or not to be " * 20)
+        argv = ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-key", "principal", "--calibration-text",
+                text, "--threads", "1", "--calibration-tokens"]
+        refuse(env, argv + ["100000"], r"--calibration-tokens: .*t\.txt gives 380 tokens, fewer than the 100000 asked")
+        refuse(env, argv + [str(10**20)], r"--calibration-tokens: expected an int >= 2 and below 2\*\*63")
+        assert sorted(os.listdir(env.tmp)) == ["src", "t.txt"]
+        env.capsys.readouterr()
+        assert main([str(a) for a in argv[:-1]]) == 0  # without the count: all of a text shorter than the default
+        assert "wrote" in env.capsys.readouterr().out
+
     return [
         Row("convert", "concurrent", "qkmla train --out the same directory while it converts (the conversion's rename "
             "deleted the new run, no --overwrite)", convert_while_trained_into, hf=True),
         Row("convert-gqa", "concurrent", "qkmla train --out the same directory while it converts (the run deleted at "
             "the rename)", convert_gqa_while_trained_into, hf=True),
+        Row("convert-gqa", "path", "--calibration-text not UTF-8 (fitted to replacement characters)",
+            convert_gqa_text_not_utf8, hf=True),
+        Row("convert-gqa", "size", "--calibration-tokens past the text, or past int64 (fewer used without a word)",
+            convert_gqa_tokens_past_the_text, hf=True),
     ]
 
 

@@ -383,7 +383,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _convert_gqa(args: argparse.Namespace) -> int:
     import torch
 
-    from ..convert.gqa import CALIBRATION_TOKENS, convert_gqa_checkpoint
+    from ..convert.gqa import convert_gqa_checkpoint
     from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
@@ -398,8 +398,7 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
                                         overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
                                         calibration_text=args.calibration_text,
-                                        calibration_tokens=CALIBRATION_TOKENS if args.calibration_tokens is None
-                                        else args.calibration_tokens)
+                                        calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
         name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
         name = {"model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
@@ -584,7 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "principal and --latent activations fit to (and what the report measures the RoPE key's "
                          "share on)")
     cg.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
-                    help="with --calibration-text: its first N tokens (default 16384)")
+                    help="with --calibration-text: its first N tokens, refused if it has fewer (default 16384, or all "
+                         "of a shorter text)")
     cg.add_argument("--drop-norm", action="store_true",
                     help="drop the QK norm instead of carrying it (what TransMLA/CARE conversions do)")
     cg.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,
