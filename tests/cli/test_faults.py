@@ -2558,6 +2558,27 @@ def probe9_rows():
         assert main([str(a) for a in argv[:-1]]) == 0  # without the count: all of a text shorter than the default
         assert "wrote" in env.capsys.readouterr().out
 
+    def layers_past_memory(env):
+        """Probes ap62/ap63: MLA(MLAConfig(hidden_size=2**33)) reached torch's allocator from inside
+        nn.Linear ("you tried to allocate 1099511627776 bytes"), and MultiHeadAttention of a 2**34
+        hidden size its "Storage size calculation overflowed" (a GPT of the same sizes is refused)."""
+        from qkmla import MLA, AttentionConfig, MLAConfig, MultiHeadAttention
+
+        raises(lambda: MLA(MLAConfig(hidden_size=2**33, num_heads=1, num_kv_groups=1)), ValueError,
+               r"^config: the weights of an MLA layer with hidden_size=8589934592, .* need at least .* more than the")
+        raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**34, num_heads=1, num_kv_heads=1)), ValueError,
+               r"^config: the weights of an attention layer with hidden_size=17179869184, .* need at least")
+        assert MLA(MLAConfig()).kv_b_proj.weight.shape == (4 * 32, 32)  # a layer that fits is made as before
+
+    def layout_sizes_past_int64(env):
+        """Probe ap60: PagedLayout(block_size=2**70) was taken, refused only by the first cache using it."""
+        from qkmla import PagedLayout
+
+        raises(lambda: PagedLayout(block_size=2**70), ValueError, r"^block_size: expected a positive int below 2\*\*63")
+        raises(lambda: PagedLayout(4, num_blocks=2**64), ValueError,
+               r"^num_blocks: expected a positive int below 2\*\*63")
+        assert PagedLayout(4, num_blocks=2**62).num_blocks == 2**62  # int64 sizes stand; a cache checks the memory
+
     return [
         Row("convert", "concurrent", "qkmla train --out the same directory while it converts (the conversion's rename "
             "deleted the new run, no --overwrite)", convert_while_trained_into, hf=True),
@@ -2567,6 +2588,10 @@ def probe9_rows():
             convert_gqa_text_not_utf8, hf=True),
         Row("convert-gqa", "size", "--calibration-tokens past the text, or past int64 (fewer used without a word)",
             convert_gqa_tokens_past_the_text, hf=True),
+        Row("MLAConfig", "size", "MLA(config) / MultiHeadAttention(config) past memory (torch's allocator inside "
+            "nn.Linear)", layers_past_memory),
+        Row("PagedLayout", "size", "block_size / num_blocks past int64 (taken at construction)",
+            layout_sizes_past_int64),
     ]
 
 
