@@ -2579,6 +2579,22 @@ def probe9_rows():
                r"^num_blocks: expected a positive int below 2\*\*63")
         assert PagedLayout(4, num_blocks=2**62).num_blocks == 2**62  # int64 sizes stand; a cache checks the memory
 
+    def generate_refused_after_the_prompt(env):
+        """Probe gx01: ``generate GQA_RUN --prompt Hello --kv-format int8`` (or --policy) printed "Hello"
+        on stdout, then the refusal: the caches that refuse are made inside generate(), after the prompt
+        was echoed, so a script reading stdout took the prompt for the start of an output."""
+        run = env.tmp / "gqa"
+        assert main(["train", "--preset", "debug", "--attn", "gqa", "--steps", "1", "--batch-size", "2",
+                     "--eval-iters", "1", "--no-progress", "--threads", "1", "--out", str(run)]) == 0
+        for more in (["--kv-format", "int8"], ["--policy", "h2o", "--budget", "40"]):
+            env.capsys.readouterr()
+            assert main(["generate", str(run), "--prompt", "Hello", "--tokens", "3", *more]) == 2
+            out, err = env.capsys.readouterr()
+            assert out == "" and re.fullmatch(r"qkmla generate: --(kv-format|policy): .*MLA variants only; "
+                                              r"attn='gqa'\n", err), (out, err)
+        assert main(["generate", str(run), "--prompt", "Hello", "--tokens", "3"]) == 0
+        assert env.capsys.readouterr().out.startswith("Hello")  # the prompt still leads the text it continues
+
     return [
         Row("convert", "concurrent", "qkmla train --out the same directory while it converts (the conversion's rename "
             "deleted the new run, no --overwrite)", convert_while_trained_into, hf=True),
@@ -2588,6 +2604,8 @@ def probe9_rows():
             convert_gqa_text_not_utf8, hf=True),
         Row("convert-gqa", "size", "--calibration-tokens past the text, or past int64 (fewer used without a word)",
             convert_gqa_tokens_past_the_text, hf=True),
+        Row("generate", "path", "a GQA run with --kv-format int8 or --policy (the prompt printed before the refusal)",
+            generate_refused_after_the_prompt),
         Row("MLAConfig", "size", "MLA(config) / MultiHeadAttention(config) past memory (torch's allocator inside "
             "nn.Linear)", layers_past_memory),
         Row("PagedLayout", "size", "block_size / num_blocks past int64 (taken at construction)",

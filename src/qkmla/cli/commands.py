@@ -294,13 +294,19 @@ def _generate(args: argparse.Namespace) -> int:
                             option=_flag)
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
-    stream = None
+    stream = on_token = None
     if len(prompts) == 1:  # one prompt: its text is printed as it comes, so a long run shows its progress
-        stream = _text_stream(tok)
-        print(args.prompt[0], end="", flush=True)
+        stream, echoed = _text_stream(tok), []
+
+        def on_token(ids):
+            # The prompt is echoed with the first token, not before generate(): its caches are made
+            # there, and a refusal of them (--kv-format int8 for a GQA run) came after the prompt
+            # was already on stdout, for a script reading it to take as the start of the output.
+            if not echoed:
+                echoed.append(print(args.prompt[0], end=""))
+            print(stream(ids[0]), end="", flush=True)
     outs = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_k, gen, progress=stream is None,
-                    policy=policy, kv_format=args.kv_format, report=report,
-                    on_token=None if stream is None else lambda ids: print(stream(ids[0]), end="", flush=True))
+                    policy=policy, kv_format=args.kv_format, report=report, on_token=on_token)
     if stream is not None:
         print(stream(None))
         print("-" * 40)
