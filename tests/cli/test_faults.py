@@ -2494,6 +2494,125 @@ def probe8_rows():
     ]
 
 
+def probe9_rows():
+    """The ninth probe's failures (issue 56, fresh probes after probe 8)."""
+
+    def a_run_appears(out):
+        """What ``qkmla train --out OUT`` makes meanwhile (probe cx01: the conversion's lock, OUT.lock,
+        is not the run's, OUT/lock, so both went ahead, exit 0 each, and the conversion's rename at its
+        end moved the new run aside and deleted it, without --overwrite)."""
+        return lambda: (out.mkdir(), (out / "status.json").write_text('{"status": "running"}'),
+                        (out / "checkpoint.safetensors").write_bytes(b"weights"))
+
+    def convert_while_trained_into(env, hf):
+        from qkmla.convert import stream
+
+        out = env.tmp / "dst"
+        after(stream, "write_weights", env.monkeypatch, a_run_appears(out))
+        refuse(env, convert_argv(hf, out), r"--out: .*dst changed while this command worked \(it now holds a qkmla "
+               r"training run: another command wrote there\); it was left as it is")
+        assert sorted(os.listdir(out)) == ["checkpoint.safetensors", "status.json"]
+        assert [n for n in os.listdir(env.tmp) if n not in ("dst", "dst.lock")] == []  # no temporary left
+
+    def convert_gqa_while_trained_into(env, hf):
+        import transformers
+
+        out = env.tmp / "dst"
+        after(transformers.PreTrainedModel, "save_pretrained", env.monkeypatch, a_run_appears(out))
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", out, "--threads", "1"],
+               r"--out: .*dst changed while this command worked \(it now holds a qkmla training run")
+        assert sorted(os.listdir(out)) == ["checkpoint.safetensors", "status.json"]
+        assert [n for n in os.listdir(env.tmp) if n not in ("dst", "dst.lock")] == []
+
+    def with_a_tokenizer(env, hf) -> Path:
+        """The Qwen3 source with a byte-level tokenizer (the fixture has none): what reads the text."""
+        import transformers
+
+        src = env.tmp / "src"
+        shutil.copytree(hf, src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        return src
+
+    def convert_gqa_text_not_utf8(env, hf):
+        """Probe cx08: a --calibration-text that is not UTF-8 was decoded with replacement characters,
+        and the RoPE key's mix was fitted to them (exit 0); convert refuses the same file."""
+        hf = with_a_tokenizer(env, hf)
+        text = env.tmp / "t.txt"
+        text.write_bytes(b"To be or not \xff\xfe to be " * 40)
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-key", "principal", "--calibration-text",
+                     text, "--threads", "1"], r"--calibration-text: cannot read .*t\.txt as UTF-8 text \('utf-8' codec")
+        assert sorted(os.listdir(env.tmp)) == ["src", "t.txt"]
+
+    def convert_gqa_tokens_past_the_text(env, hf):
+        """Probes cg14/cx09: --calibration-tokens 100000 of a 380-token text, or 10**20 (past int64),
+        fitted to the 380 without a word (convert refuses a count its text does not hold)."""
+        hf = with_a_tokenizer(env, hf)
+        text = env.tmp / "t.txt"
+        text.write_text("To be or not to be " * 20)
+        argv = ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-key", "principal", "--calibration-text",
+                text, "--threads", "1", "--calibration-tokens"]
+        refuse(env, argv + ["100000"], r"--calibration-tokens: .*t\.txt gives 380 tokens, fewer than the 100000 asked")
+        refuse(env, argv + [str(10**20)], r"--calibration-tokens: expected an int >= 2 and below 2\*\*63")
+        assert sorted(os.listdir(env.tmp)) == ["src", "t.txt"]
+        env.capsys.readouterr()
+        assert main([str(a) for a in argv[:-1]]) == 0  # without the count: all of a text shorter than the default
+        assert "wrote" in env.capsys.readouterr().out
+
+    def layers_past_memory(env):
+        """Probes ap62/ap63: MLA(MLAConfig(hidden_size=2**33)) reached torch's allocator from inside
+        nn.Linear ("you tried to allocate 1099511627776 bytes"), and MultiHeadAttention of a 2**34
+        hidden size its "Storage size calculation overflowed" (a GPT of the same sizes is refused)."""
+        from qkmla import MLA, AttentionConfig, MLAConfig, MultiHeadAttention
+
+        raises(lambda: MLA(MLAConfig(hidden_size=2**33, num_heads=1, num_kv_groups=1)), ValueError,
+               r"^config: the weights of an MLA layer with hidden_size=8589934592, .* need at least .* more than the")
+        raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**34, num_heads=1, num_kv_heads=1)), ValueError,
+               r"^config: the weights of an attention layer with hidden_size=17179869184, .* need at least")
+        assert MLA(MLAConfig()).kv_b_proj.weight.shape == (4 * 32, 32)  # a layer that fits is made as before
+
+    def layout_sizes_past_int64(env):
+        """Probe ap60: PagedLayout(block_size=2**70) was taken, refused only by the first cache using it."""
+        from qkmla import PagedLayout
+
+        raises(lambda: PagedLayout(block_size=2**70), ValueError, r"^block_size: expected a positive int below 2\*\*63")
+        raises(lambda: PagedLayout(4, num_blocks=2**64), ValueError,
+               r"^num_blocks: expected a positive int below 2\*\*63")
+        assert PagedLayout(4, num_blocks=2**62).num_blocks == 2**62  # int64 sizes stand; a cache checks the memory
+
+    def generate_refused_after_the_prompt(env):
+        """Probe gx01: ``generate GQA_RUN --prompt Hello --kv-format int8`` (or --policy) printed "Hello"
+        on stdout, then the refusal: the caches that refuse are made inside generate(), after the prompt
+        was echoed, so a script reading stdout took the prompt for the start of an output."""
+        run = env.tmp / "gqa"
+        assert main(["train", "--preset", "debug", "--attn", "gqa", "--steps", "1", "--batch-size", "2",
+                     "--eval-iters", "1", "--no-progress", "--threads", "1", "--out", str(run)]) == 0
+        for more in (["--kv-format", "int8"], ["--policy", "h2o", "--budget", "40"]):
+            env.capsys.readouterr()
+            assert main(["generate", str(run), "--prompt", "Hello", "--tokens", "3", *more]) == 2
+            out, err = env.capsys.readouterr()
+            assert out == "" and re.fullmatch(r"qkmla generate: --(kv-format|policy): .*MLA variants only; "
+                                              r"attn='gqa'\n", err), (out, err)
+        assert main(["generate", str(run), "--prompt", "Hello", "--tokens", "3"]) == 0
+        assert env.capsys.readouterr().out.startswith("Hello")  # the prompt still leads the text it continues
+
+    return [
+        Row("convert", "concurrent", "qkmla train --out the same directory while it converts (the conversion's rename "
+            "deleted the new run, no --overwrite)", convert_while_trained_into, hf=True),
+        Row("convert-gqa", "concurrent", "qkmla train --out the same directory while it converts (the run deleted at "
+            "the rename)", convert_gqa_while_trained_into, hf=True),
+        Row("convert-gqa", "path", "--calibration-text not UTF-8 (fitted to replacement characters)",
+            convert_gqa_text_not_utf8, hf=True),
+        Row("convert-gqa", "size", "--calibration-tokens past the text, or past int64 (fewer used without a word)",
+            convert_gqa_tokens_past_the_text, hf=True),
+        Row("generate", "path", "a GQA run with --kv-format int8 or --policy (the prompt printed before the refusal)",
+            generate_refused_after_the_prompt),
+        Row("MLAConfig", "size", "MLA(config) / MultiHeadAttention(config) past memory (torch's allocator inside "
+            "nn.Linear)", layers_past_memory),
+        Row("PagedLayout", "size", "block_size / num_blocks past int64 (taken at construction)",
+            layout_sizes_past_int64),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2522,7 +2641,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows())
+        + probe8_rows() + probe9_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -36,6 +36,7 @@ from ..config import MLAConfig, fixed_config
 from ..norms import qk_norms_of
 from ..ops.mla_decode import mla_decode_with_kvcache, resolve_backend
 from ..rope import RotaryEmbedding
+from ..utils.limits import check_weights_fit
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
 from .functional import default_positions, record_max_logits, sdpa, zero_padding
@@ -61,8 +62,11 @@ _BIASED = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")  # the projections attent
 
 def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
     """Freshly initialized projections and latent norms for ``c``."""
+    shapes = projection_shapes(c)
+    check_weights_fit(shapes.values(), f"the weights of an MLA layer with hidden_size={c.hidden_size}, "
+                                       f"num_heads={c.num_heads}, kv_lora_rank={c.kv_lora_rank}")
     modules = {}
-    for name, shape in projection_shapes(c).items():
+    for name, shape in shapes.items():
         if name.endswith("layernorm"):
             modules[name] = nn.RMSNorm(shape[0], eps=c.latent_norm_eps)
         else:

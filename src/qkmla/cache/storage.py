@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..utils.checked import Frozen
+from ..config import check_positive_int
 from ..utils.limits import check_allocation
 
 
@@ -164,12 +165,12 @@ class PagedLayout(Layout, Frozen):
 
     def __init__(self, block_size: int = 64, block_table: Optional[torch.Tensor] = None,
                  num_blocks: Optional[int] = None):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)
-                                       or num_blocks < 1):
-            raise ValueError(f"num_blocks: expected a positive int or None (one more than the largest block id), "
-                             f"got {num_blocks!r}")
+        # Past int64 as well (block_size=2**70 was taken, and refused only by the first cache using it).
+        check_positive_int("block_size", block_size)
+        try:
+            check_positive_int("num_blocks", num_blocks, allow_none=True)
+        except ValueError as e:
+            raise ValueError(f"{e} (None: one more than the largest block id)") from None
         self.block_size, self.block_table, self.num_blocks = block_size, block_table, num_blocks
         self._num_blocks_given = num_blocks is not None  # else the first cache sets it from the table
 

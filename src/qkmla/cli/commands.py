@@ -294,13 +294,19 @@ def _generate(args: argparse.Namespace) -> int:
                             option=_flag)
     gen = torch.Generator().manual_seed(args.seed)
     report = {}
-    stream = None
+    stream = on_token = None
     if len(prompts) == 1:  # one prompt: its text is printed as it comes, so a long run shows its progress
-        stream = _text_stream(tok)
-        print(args.prompt[0], end="", flush=True)
+        stream, echoed = _text_stream(tok), []
+
+        def on_token(ids):
+            # The prompt is echoed with the first token, not before generate(): its caches are made
+            # there, and a refusal of them (--kv-format int8 for a GQA run) came after the prompt
+            # was already on stdout, for a script reading it to take as the start of the output.
+            if not echoed:
+                echoed.append(print(args.prompt[0], end=""))
+            print(stream(ids[0]), end="", flush=True)
     outs = generate(model, prompts, args.max_new_tokens, args.temperature, args.top_k, gen, progress=stream is None,
-                    policy=policy, kv_format=args.kv_format, report=report,
-                    on_token=None if stream is None else lambda ids: print(stream(ids[0]), end="", flush=True))
+                    policy=policy, kv_format=args.kv_format, report=report, on_token=on_token)
     if stream is not None:
         print(stream(None))
         print("-" * 40)
@@ -383,7 +389,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _convert_gqa(args: argparse.Namespace) -> int:
     import torch
 
-    from ..convert.gqa import CALIBRATION_TOKENS, convert_gqa_checkpoint
+    from ..convert.gqa import convert_gqa_checkpoint
     from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
@@ -398,8 +404,7 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm, dtype=dtype,
                                         overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
                                         calibration_text=args.calibration_text,
-                                        calibration_tokens=CALIBRATION_TOKENS if args.calibration_tokens is None
-                                        else args.calibration_tokens)
+                                        calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
         name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
         name = {"model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
@@ -588,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "principal and --latent activations fit to (and what the report measures the RoPE key's "
                          "share on)")
     cg.add_argument("--calibration-tokens", type=int, default=None, metavar="N",
-                    help="with --calibration-text: its first N tokens (default 16384)")
+                    help="with --calibration-text: its first N tokens, refused if it has fewer (default 16384, or all "
+                         "of a shorter text)")
     cg.add_argument("--drop-norm", action="store_true",
                     help="drop the QK norm instead of carrying it (what TransMLA/CARE conversions do)")
     cg.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default=None,

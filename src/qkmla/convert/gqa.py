@@ -43,7 +43,6 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -423,19 +422,41 @@ def _describe(report: GQAConversionReport, full_rank: bool) -> None:
 
 
 CALIBRATION_WINDOW = 256  # tokens per calibration window (fewer if the model's context is shorter)
-CALIBRATION_TOKENS = 16384  # tokens of calibration_text used, by default
+CALIBRATION_TOKENS = 16384  # tokens of calibration_text used, by default (all of a shorter text)
+
+
+def read_calibration_ids(tokenizer, path, tokens: Optional[int]) -> torch.Tensor:
+    """The first ``tokens`` token ids of the UTF-8 text file ``path`` (None: up to
+    :data:`CALIBRATION_TOKENS`, all of a shorter text), read no further than they need. ValueError
+    naming calibration_text for a text that is not UTF-8 (it was decoded with replacement characters,
+    which the fit then took as text), and naming calibration_tokens for a count the text does not
+    hold (fewer were used without a word; ``convert`` refuses the same)."""
+    wanted = CALIBRATION_TOKENS if tokens is None else tokens
+    try:
+        with open(path, encoding="utf-8") as f:  # a tokenizer gives at most one token per character and more
+            text = f.read(64 * wanted)            # per word: 64 characters a token is ample, not the whole file
+    except UnicodeDecodeError as e:
+        raise ValueError(f"calibration_text: cannot read {path} as UTF-8 text ({e}); give the text in "
+                         "UTF-8") from None
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    if tokens is not None and len(ids) < tokens:
+        raise ValueError(f"calibration_tokens: {path} gives {len(ids)} tokens, fewer than the {tokens} asked for; "
+                         "give a smaller count, more text, or leave it out (all of a text shorter than "
+                         f"{CALIBRATION_TOKENS})")
+    return ids[:wanted]
 
 
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
                            overwrite: bool = False, rope_key: str = "mean", latent: str = "weights",
-                           calibration_text=None, calibration_tokens: int = CALIBRATION_TOKENS) -> GQAConversionReport:
+                           calibration_text=None, calibration_tokens: Optional[int] = None) -> GQAConversionReport:
     """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
     and written to ``out`` with its tokenizer and generation config, for
     ``qkmla.integrations.transformers.from_pretrained`` and ``qkmla generate --hf``. ``out`` is checked and replaced as
     ``qkmla convert`` does (:func:`~qkmla.convert.qk_norm.check_convert_paths`). ``calibration_text``: a
-    text file whose first ``calibration_tokens`` tokens (through the checkpoint's tokenizer, in windows of
-    up to 256) are :func:`convert_gqa`'s calibration.
+    UTF-8 text file whose first ``calibration_tokens`` tokens (through the checkpoint's tokenizer, in windows
+    of up to 256) are :func:`convert_gqa`'s calibration; None: up to :data:`CALIBRATION_TOKENS`, all of a
+    shorter text (an explicit count the text does not hold is refused: :func:`read_calibration_ids`).
 
     Raises:
         ValueError before any weight is read: the paths (hf, out, calibration_text), a config.json that is not a
@@ -456,8 +477,9 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
         raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
     if latent not in LATENTS:
         raise ValueError(f"latent: expected one of {LATENTS}, got {latent!r}")
-    if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 2:
-        raise ValueError(f"calibration_tokens: expected an int >= 2, got {calibration_tokens!r}")
+    count = calibration_tokens
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or not 2 <= count < 2**63):
+        raise ValueError(f"calibration_tokens: expected an int >= 2 and below 2**63, or None, got {count!r}")
     if calibration_text is not None:
         check_input_file("calibration_text", calibration_text, "calibration text")
     if calibration_text is None and (rope_key == "principal" or latent == "activations"):
@@ -482,17 +504,16 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     if calibration_text is not None:
         if tokenizer is None:
             raise ValueError(f"calibration_text: {src} has no tokenizer to read {calibration_text} with")
-        ids = tokenizer(Path(calibration_text).read_text(encoding="utf-8", errors="replace")[:64 * calibration_tokens],
-                        add_special_tokens=False, return_tensors="pt")["input_ids"][0, :calibration_tokens]
+        ids = read_calibration_ids(tokenizer, calibration_text, calibration_tokens)
         window = min(CALIBRATION_WINDOW, int(hf_config.get("max_position_embeddings") or CALIBRATION_WINDOW), len(ids))
         if window < 2:
             raise ValueError(f"calibration_text: {calibration_text} gives {len(ids)} tokens; at least 2 are needed")
         calibration = ids[:len(ids) - len(ids) % window].view(-1, window)
-    with converting_into(src, out, overwrite) as target:  # a second conversion into out is refused
+    with converting_into(src, out, overwrite) as (target, state):  # a second conversion into out is refused
         model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
             src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
         converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
                                         keep_norm=keep_norm, rope_key=rope_key, latent=latent,
                                         calibration=calibration)
-        write_checkpoint(converted, tokenizer, target)
+        write_checkpoint(converted, tokenizer, target, state)
     return report

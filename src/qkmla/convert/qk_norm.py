@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import clear_stale, make_directory, output_directory, write_directory
+from ..utils.files import UNCHECKED, clear_stale, directory_state, make_directory, output_directory, write_directory
 from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -127,19 +127,21 @@ def _holds_checkpoint(path: Path) -> bool:
 
 @contextmanager
 def converting_into(src: Path, out: Path, overwrite: bool):
-    """``with converting_into(src, out, overwrite) as target:`` this process alone converts into
+    """``with converting_into(src, out, overwrite) as (target, state):`` this process alone converts into
     ``target``, the directory written for ``out`` (:func:`~qkmla.utils.files.output_directory`; an
     ``flock`` on ``OUT.lock`` beside it, released by the kernel however the process ends), or a
     ValueError naming --out and the holder: a second conversion into the same ``out`` would
     otherwise replace the first one's output unasked. ``out`` is checked again once held (another
-    conversion may have finished into it since)."""
+    conversion may have finished into it since). Yields (target, its state then): the write passes the
+    state on (``write_directory(target, write, state)``), so an ``out`` another command writes while
+    this one converts (``qkmla train --out`` the same name: its lock is not this one) is not replaced."""
     from ..train.rundir import RunLock
 
     target = output_directory("out", out)  # resolved once: the lock, the checks and the write agree on it
     make_directory("out", target.parent)
     with RunLock(target, lock=lock_file(target)):
         check_convert_paths(src, out, overwrite, target=target)
-        yield target
+        yield target, directory_state(target)
 
 
 def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: int) -> tuple:
@@ -165,15 +167,16 @@ def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: 
     return cal, rest[:rest.numel() // row * row].view(-1, row)
 
 
-def write_checkpoint(model, tokenizer, out: Path) -> None:
+def write_checkpoint(model, tokenizer, out: Path, state=UNCHECKED) -> None:
     """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, as
-    :func:`~qkmla.utils.files.write_directory` writes: whole or not at all."""
+    :func:`~qkmla.utils.files.write_directory` writes: whole or not at all, and only over the ``out``
+    whose :func:`~qkmla.utils.files.directory_state` was ``state`` (given by :func:`converting_into`)."""
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
-    write_directory(out, write)
+    write_directory(out, write, state)
 
 
 def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
@@ -248,7 +251,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
                          f"{hf_config['quantization_config'].get('quant_method', '?')}); casting quantized weights "
                          f"would need dequantizing them: leave dtype (--dtype) out")
 
-    with converting_into(src, out, overwrite) as target:
+    with converting_into(src, out, overwrite) as (target, state):
         stream = CheckpointStream(src, dtype)
         if norm is not None:
             report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
@@ -265,5 +268,5 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
             write_weights(stream, tmp, norm_tensors, dtype)
             config.save_pretrained(tmp)  # config.json (and, with a norm, the code its auto_map names)
 
-        write_directory(target, write)
+        write_directory(target, write, state)
     return report

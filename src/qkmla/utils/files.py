@@ -187,7 +187,28 @@ def write_atomically(path: PathLike, write: Callable[[Path], None], durable: boo
     return path
 
 
-def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
+def directory_state(path: PathLike) -> Optional[tuple]:
+    """What is at ``path`` now, to tell later whether another process wrote there meanwhile: None
+    if nothing is; else its device, inode and modification time (a file made or removed in a
+    directory changes the directory's) and, for a directory, the names in it."""
+    path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    names = ()
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            names = tuple(sorted(os.listdir(path)))
+        except OSError:
+            pass
+    return st.st_dev, st.st_ino, st.st_mtime_ns, names
+
+
+UNCHECKED = object()  # write_directory without a state to compare: whatever is at out is replaced
+
+
+def write_directory(out: PathLike, write: Callable[[Path], None], unchanged_from=UNCHECKED) -> Path:
     """``write(tmp)`` fills a directory under the temporary name ``OUT.tmpPID`` beside ``out``,
     renamed ``out`` when complete; an existing ``out`` is moved aside (``OUT.replacedPID``) only
     once the new one is complete and removed after the rename. A failure, Ctrl-C or SIGTERM
@@ -197,7 +218,12 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
     moved aside put back). A full disk (inside safetensors or transformers too) is one OSError
     naming ``out``. A symbolic link named ``out`` is replaced as a name (a command that writes
     where a link points resolves it first, once: :func:`output_directory`). The new directory and
-    its files keep the modes of those they replace; new ones get the umask's (:func:`_give_mode`)."""
+    its files keep the modes of those they replace; new ones get the umask's (:func:`_give_mode`).
+    ``unchanged_from``: what :func:`directory_state` said of ``out`` when the command checked it may
+    write there; if ``out`` is no longer that at the rename (another command made or wrote it since:
+    ``qkmla train --out`` the same directory during a conversion), nothing is replaced and a
+    ValueError naming ``out`` says so: the rename moved the other command's output aside and deleted
+    it, a training run lost without --overwrite."""
     out = Path(out)
     tmp = temporary_name(out)
     clear_stale(out)
@@ -216,6 +242,11 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
                 raise
             raise error from None
         with signals_held():
+            if unchanged_from is not UNCHECKED and directory_state(out) != unchanged_from:
+                now = "now holds " + describe_directory(out) if os.path.lexists(out) else "was removed"
+                raise ValueError(f"out: {out} changed while this command worked (it {now}: another command wrote "
+                                 "there); it was left as it is and this output was not written; run again to "
+                                 "check it anew")
             if os.path.lexists(out):
                 old = out.with_name(f"{out.name}.replaced{os.getpid()}")
                 out.replace(old)
@@ -231,6 +262,17 @@ def write_directory(out: PathLike, write: Callable[[Path], None]) -> Path:
         with signals_held():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def describe_directory(path: PathLike) -> str:
+    """What ``path`` holds, for a message: "a qkmla training run (status.json, ...)" or "3 entries"."""
+    kind = directory_kind(path)
+    if kind is not None:
+        return kind[1]
+    try:
+        return f"{len(os.listdir(path))} entries" if Path(path).is_dir() else "a file"
+    except OSError:
+        return "something it cannot list"
 
 
 def output_directory(name: str, out: PathLike) -> Path:

@@ -100,3 +100,16 @@ def check_allocation(name: str, needed: int, what: str, device=None) -> None:
     if free is not None and needed > free:
         raise ValueError(f"{name}: {what} need at least {gib(needed)}, more than the {gib(free)} free on {device}; "
                          "use a smaller value")
+
+
+def check_weights_fit(shapes, what: str) -> None:
+    """:func:`check_fits` for new weights of these ``shapes`` (an iterable of tuples) in torch's default
+    dtype, named "config" (the sizes come from its fields), before any is made: a layer of a config
+    past memory reached torch's allocator ("you tried to allocate 1099511627776 bytes", or "Storage
+    size calculation overflowed" past int64) from inside ``nn.Linear``."""
+    import math
+
+    import torch
+
+    itemsize = torch.empty((), dtype=torch.get_default_dtype()).element_size()
+    check_fits("config", itemsize * sum(math.prod(s) for s in shapes), what)
