@@ -2494,6 +2494,51 @@ def probe8_rows():
     ]
 
 
+
+def probe9b_rows():
+    """The ninth probe's failures in the Python API (issue 56, probe 9b: fresh probes of the constructors
+    and the integrations after probe 8)."""
+    from qkmla.attention import MLA, MultiHeadAttention
+    from qkmla.config import AttentionConfig, MLAConfig, SharedKVConfig
+
+    big = "need at least .* more than the .* of memory available"
+
+    def switches_given_as_strings(env):
+        """Probes A01/A02/A11: ``MLAConfig(rope_interleave="no")``, ``attention_bias="False"`` and
+        ``AttentionConfig(rope_interleave=None)`` were taken as truthy (or falsy) without a word: a
+        layer that rotated the other RoPE layout, or had biases, than the one asked for."""
+        for field, value in (("rope_interleave", "no"), ("attention_bias", "False"), ("rope_interleave", 1)):
+            raises(lambda f=field, v=value: MLAConfig(**{f: v}), ValueError, f"^{field}: expected True or False")
+        raises(lambda: AttentionConfig(rope_interleave=None), ValueError, "^rope_interleave: expected True or False")
+        raises(lambda: SharedKVConfig(attention_sinks="yes"), ValueError, "^attention_sinks: expected True or False")
+
+    def numbers_given_as_bools(env):
+        """Probes A03-A05: ``softmax_scale=True``, ``rope_theta=True`` and ``latent_norm_eps=True`` were
+        numbers 1 to Python's isinstance, so a switch passed in the wrong place became tau = 1, theta = 1."""
+        for field in ("softmax_scale", "rope_theta", "latent_norm_eps"):
+            raises(lambda f=field: MLAConfig(**{f: True}), ValueError, f"^{field}: expected a")
+        raises(lambda: AttentionConfig(softmax_scale=True), ValueError, "^softmax_scale: expected a")
+        raises(lambda: SharedKVConfig(rope_theta=True), ValueError, "^rope_theta: expected a")
+
+    def layers_past_memory(env):
+        """Probes A09/A13: ``MLA(MLAConfig(hidden_size=2**40))`` and a MultiHeadAttention as large reached
+        torch's allocator ("you tried to allocate 140737488355328 bytes", "Storage size calculation
+        overflowed"); refused now before any weight is made, naming the config and its sizes."""
+        raises(lambda: MLA(MLAConfig(hidden_size=2**40)), ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
+        raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**40, num_heads=2**38, num_kv_heads=2**38)),
+               ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
+        assert MLA(MLAConfig()).q_a_proj.weight.shape == (32, 64)  # a layer that fits is made as before
+
+    return [
+        Row("MLAConfig", "size", "rope_interleave='no', attention_bias='False' (truthy strings taken as True)",
+            switches_given_as_strings),
+        Row("MLAConfig", "size", "softmax_scale / rope_theta / latent_norm_eps = True (a bool taken as 1)",
+            numbers_given_as_bools),
+        Row("MLAConfig", "size", "MLA / MultiHeadAttention of hidden_size=2**40 (torch's allocator error)",
+            layers_past_memory),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2522,7 +2567,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows())
+        + probe8_rows() + probe9b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

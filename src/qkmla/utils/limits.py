@@ -84,6 +84,18 @@ def check_fits(name: str, needed: int, what: str) -> None:
                          f"available; use a smaller value")
 
 
+def check_weights(name: str, shapes, what: str) -> None:
+    """:func:`check_fits` for new parameters of ``shapes`` (an iterable of tuples) in torch's default
+    dtype, before a module makes them: ``MLA(MLAConfig(hidden_size=2**40))`` reached torch's allocator
+    ("you tried to allocate 140737488355328 bytes", or "Storage size calculation overflowed")."""
+    import math
+
+    import torch
+
+    itemsize = torch.get_default_dtype().itemsize
+    check_fits(name, itemsize * sum(math.prod(shape) for shape in shapes), what)
+
+
 def check_allocation(name: str, needed: int, what: str, device=None) -> None:
     """:func:`check_fits` for a tensor of ``needed`` bytes on ``device`` (None: the CPU): on an
     accelerator, against the memory free there."""
