@@ -2529,7 +2529,65 @@ def probe9b_rows():
                ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
         assert MLA(MLAConfig()).q_a_proj.weight.shape == (32, 64)  # a layer that fits is made as before
 
+    def cache_arguments_of_the_wrong_kind(env):
+        """Probes B04/B25/B31: ``LatentCache(layout=ContiguousLayout)`` (the class) failed in a buffer's size
+        arithmetic ("unsupported operand type(s) for *: 'int' and 'torch.dtype'"), ``fill='x'`` in torch.full
+        naming fill_value, and ``drop_last(torch.tensor([0.5, 0.5]))`` truncated the counts to 0: a rollback
+        that dropped nothing, without a word."""
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import ContiguousLayout
+
+        raises(lambda: LatentCache(1, 8, 16, 8, layout=ContiguousLayout), ValueError, "^layout: expected a Contig")
+        raises(lambda: FullKVCache(1, 8, 2, 8, 8, layout="paged"), ValueError, "^layout: expected a Contig")
+        raises(lambda: LatentCache(1, 8, 16, 8, fill="x"), ValueError, "^fill: expected a number")
+        raises(lambda: FullKVCache(1, 8, 2, 8, 8, fill=None), ValueError, "^fill: expected a number")
+        cache = LatentCache(2, 8, 16, 8)
+        cache.append(cache.plan(2, 3), c_kv=torch.zeros(2, 3, 16), k_rope=torch.zeros(2, 3, 8))
+        raises(lambda: cache.drop_last(torch.tensor([0.5, 0.5])), ValueError, "^counts: expected integer")
+        cache.drop_last(torch.tensor([1, 2]))
+        assert cache.seqlens.tolist() == [2, 1]
+
+    def cache_device_and_layout_after_construction(env):
+        """Probes B13/B32: ``cache.layout = PagedLayout(2)`` was taken (the buffers stayed contiguous, and its
+        repr and _contiguous_buffers' messages named a layout it does not have), and an MLA forward over a
+        cache on another device (device='meta' beside a CPU module) failed in torch's indexing ("Tensor on
+        device cpu is not on the expected device meta!") after the projections ran."""
+        from qkmla.attention import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+
+        cache = LatentCache(1, 8, 16, 8)
+        for field, value in (("layout", PagedLayout(2)), ("device", torch.device("meta"))):
+            raises(lambda f=field, v=value: setattr(cache, f, v), AttributeError, f"^{field}: the cache's buffers")
+        assert cache.device == torch.device("cpu") and "ContiguousLayout" in repr(cache)
+        config = MLAConfig()
+        meta = LatentCache.from_config(config, 1, 8, device="meta")
+        raises(lambda: MLA(config)(torch.randn(1, 3, 64), meta), ValueError, "^cache: its buffers are on meta and x "
+               "is on cpu")
+        assert meta.max_len == 0  # nothing written
+
+    def decode_with_integer_queries(env):
+        """Probe C12: ``mla_decode_with_kvcache`` with int64 q_lat/q_rope (both, so one dtype) ran and returned
+        an int64 output of truncated values; refused now naming both."""
+        from qkmla.ops.mla_decode.interface import mla_decode_with_kvcache
+
+        kv, lens = torch.randn(1, 4, 24), torch.tensor([3])
+        for dtype in (torch.int64, torch.int32, torch.bool):
+            q, r = torch.ones(1, 1, 2, 16, dtype=dtype), torch.ones(1, 1, 2, 8, dtype=dtype)
+            raises(lambda q=q, r=r: mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=0.3), ValueError,
+                   "^q_lat, q_rope: expected floating-point queries")
+        out, _ = mla_decode_with_kvcache(torch.ones(1, 1, 2, 16), torch.ones(1, 1, 2, 8), kv, None, lens,
+                                         softmax_scale=0.3)
+        assert out.dtype == torch.float32
+
     return [
+        Row("LatentCache", "size", "layout=ContiguousLayout (the class), fill='x', drop_last(0.5) (truncated)",
+            cache_arguments_of_the_wrong_kind),
+        Row("LatentCache", "size", "layout / device set after construction; a meta cache beside a CPU module",
+            cache_device_and_layout_after_construction),
+        Row("mla_decode_with_kvcache", "size", "int64 / int32 / bool queries (ran, truncated output)",
+            decode_with_integer_queries),
         Row("MLAConfig", "size", "rope_interleave='no', attention_bias='False' (truthy strings taken as True)",
             switches_given_as_strings),
         Row("MLAConfig", "size", "softmax_scale / rope_theta / latent_norm_eps = True (a bool taken as 1)",
