@@ -2581,7 +2581,19 @@ def probe9b_rows():
                                          softmax_scale=0.3)
         assert out.dtype == torch.float32
 
+    def norm_of_the_wrong_width(env):
+        """Probe A27: ``ScalarNorm(8)(torch.randn(2, 5))`` failed in the weight's broadcast, "The size of
+        tensor a (5) must match the size of tensor b (8)", naming neither the input nor the norm's width."""
+        from qkmla.norms import ScalarNorm
+
+        norm = ScalarNorm(8)
+        for v in (torch.randn(2, 5), torch.tensor(1.0)):
+            raises(lambda v=v: norm(v), ValueError, r"^v: expected a tensor \[\.\.\., dim=8\]")
+        assert norm(torch.randn(3, 8)).shape == (3, 8)
+
     return [
+        Row("ScalarNorm", "size", "an input of another width than dim (torch's broadcast error)",
+            norm_of_the_wrong_width),
         Row("LatentCache", "size", "layout=ContiguousLayout (the class), fill='x', drop_last(0.5) (truncated)",
             cache_arguments_of_the_wrong_kind),
         Row("LatentCache", "size", "layout / device set after construction; a meta cache beside a CPU module",
