@@ -234,3 +234,12 @@ def test_paths_devices_and_dtypes_are_refused_by_name_before_reading(saved, tmp_
     assert spy.read == []  # no tensor read
     with pytest.raises(ValueError, match="^hf_attention: expected a transformers DeepSeek-V2/V3 attention module"):
         mla_from_hf(object())
+
+
+def test_an_override_that_contradicts_the_weights_is_named(saved):
+    """Probe 9b (E08): mla_layers_from_hf_dir(path, 0, kv_lora_rank=64) on a checkpoint of rank 32 was
+    blamed on 'the config in .../config.json', which holds 32: the override, the caller's own, is named."""
+    path, _ = saved
+    with pytest.raises(ValueError, match=r"^kv_lora_rank: the override \{'kv_lora_rank': 64\} does not fit the "
+                                         r"weights: .* has shape"):
+        mla_layers_from_hf_dir(path, 0, kv_lora_rank=64)

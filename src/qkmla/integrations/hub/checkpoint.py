@@ -47,6 +47,11 @@ SINGLE = "model.safetensors"
 _FP8 = ("F8_E4M3", "F8_E5M2")
 
 
+# MLAConfig fields that size an attention layer's weights (an override of one can contradict the checkpoint)
+_SHAPE_FIELDS = ("hidden_size", "num_heads", "num_kv_groups", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim", "attention_bias")
+
+
 def attention_prefix(layer: int) -> str:
     """The tensor-name prefix of layer ``layer``'s attention in an HF DeepSeek checkpoint."""
     return f"model.layers.{layer}.self_attn."
@@ -289,6 +294,13 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
             part = shards[weight_map[key]].get_slice(key)
             shape, kind = tuple(part.get_shape()), part.get_dtype()
             if shape != stored_shapes[name]:
+                # An override that reshapes the layer (kv_lora_rank=64 on a checkpoint of 32) is the cause
+                # the caller can act on: named first, not left for the reader to infer from the config's shape.
+                sized = {k: v for k, v in overrides.items() if k in _SHAPE_FIELDS}
+                if sized:
+                    raise ValueError(f"{', '.join(sized)}: the override {sized} does not fit the weights: {key} in "
+                                     f"{root / weight_map[key]} has shape {shape}, the overridden config needs "
+                                     f"{stored_shapes[name]}; leave the sizes to {root / CONFIG}")
                 raise ValueError(f"{root / weight_map[key]}: {key} has shape {shape}, the config in "
                                  f"{root / CONFIG} needs {stored_shapes[name]}")
             if not (kind.startswith("F") or kind == "BF16"):  # integer weights would be cast silently
