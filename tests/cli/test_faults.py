@@ -2547,6 +2547,11 @@ def probe9b_rows():
         raises(lambda: cache.drop_last(torch.tensor([0.5, 0.5])), ValueError, "^counts: expected integer")
         cache.drop_last(torch.tensor([1, 2]))
         assert cache.seqlens.tolist() == [2, 1]
+        # Probe I03: select_sequences (beam search's reorder) truncated float indices, [0.7, 1.2] -> [0, 1]
+        raises(lambda: cache.select_sequences(torch.tensor([1.2, 0.7])), ValueError, "^indices: expected an integer")
+        assert cache.batch_size == 2 and cache.seqlens.tolist() == [2, 1]  # nothing moved
+        cache.select_sequences(torch.tensor([1, 0]))
+        assert cache.seqlens.tolist() == [1, 2]
 
     def cache_device_and_layout_after_construction(env):
         """Probes B13/B32: ``cache.layout = PagedLayout(2)`` was taken (the buffers stayed contiguous, and its
@@ -2594,7 +2599,8 @@ def probe9b_rows():
     return [
         Row("ScalarNorm", "size", "an input of another width than dim (torch's broadcast error)",
             norm_of_the_wrong_width),
-        Row("LatentCache", "size", "layout=ContiguousLayout (the class), fill='x', drop_last(0.5) (truncated)",
+        Row("LatentCache", "size", "layout=ContiguousLayout (the class), fill='x', drop_last(0.5) / "
+            "select_sequences([1.2, 0.7]) (truncated)",
             cache_arguments_of_the_wrong_kind),
         Row("LatentCache", "size", "layout / device set after construction; a meta cache beside a CPU module",
             cache_device_and_layout_after_construction),

@@ -317,7 +317,12 @@ class SequenceCache:
         reorder, ``num_return_sequences``' repeat). Every field and per-sequence state moves
         together; the batch size becomes B'."""
         buffers = self._contiguous_buffers("select_sequences")
-        indices = torch.as_tensor(indices, device=self.device).long()
+        indices = torch.as_tensor(indices, device=self.device)
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            # .long() truncated [0.7, 1.2] to [0, 1]: other sequences kept, silently; and a transformers
+            # cache's reorder_cache(float beam_idx) moved the rows here, then failed on its own column mask
+            raise ValueError(f"indices: expected an integer tensor of sequence indices, got {indices.dtype}")
+        indices = indices.long()
         if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
             shown = indices.tolist() if indices.numel() <= 16 else f"a tensor of shape {tuple(indices.shape)}"
             raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
