@@ -66,9 +66,17 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name}: expected a positive int below 2**63 (a tensor size is an int64), got {value}")
 
 
+def check_bool(name: str, value) -> None:
+    """A ValueError naming ``name`` unless ``value`` is True or False: a switch given as a string
+    (``rope_interleave="no"``, ``attention_bias="False"``) is truthy, and was taken as True without a word."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
 def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None and (not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0
-                                      or not math.isfinite(softmax_scale)):
+    # bool is an int to Python: softmax_scale=True was taken as a logit scale of 1.0
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not softmax_scale > 0 or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
 
 
@@ -178,7 +186,7 @@ def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     is a finite positive number."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
         raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
 
 
@@ -241,11 +249,12 @@ class MLAConfig:
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         _check_softmax_scale(self.softmax_scale)
-        if not isinstance(self.latent_norm_eps, (int, float)) or not 0 <= self.latent_norm_eps < math.inf:
+        if isinstance(self.latent_norm_eps, bool) or not isinstance(self.latent_norm_eps, (int, float)) \
+                or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
-        if not isinstance(self.attention_sinks, bool):
-            raise ValueError(f"attention_sinks: expected True or False, got {self.attention_sinks!r}")
+        for name in ("rope_interleave", "attention_bias", "attention_sinks"):
+            check_bool(name, getattr(self, name))
 
     @property
     def qk_head_dim(self) -> int:
@@ -323,6 +332,7 @@ class AttentionConfig:
             )
         check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)
         check_rope("head_dim", self.dim_per_head, self.rope_theta)
+        check_bool("rope_interleave", self.rope_interleave)
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         if self.qk_norm is not None and (self.qk_norm.mode, self.qk_norm.scope) != ("blockwise", "head"):
             raise ValueError(f"qk_norm: a head without content and RoPE blocks takes mode='blockwise' and "
@@ -391,8 +401,7 @@ class SharedKVConfig:
         if self.rope_head_dim > self.head_dim:
             raise ValueError(f"rope_head_dim: RoPE rotates the last dims of a head, so at most "
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
-        if not isinstance(self.attention_sinks, bool):
-            raise ValueError(f"attention_sinks: expected True or False, got {self.attention_sinks!r}")
+        check_bool("attention_sinks", self.attention_sinks)
         _check_softmax_scale(self.softmax_scale)
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \
                 or not 0 <= self.norm_eps < math.inf:

@@ -69,6 +69,11 @@ class ScalarNorm(nn.Module):
     def forward(self, v: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """gamma ⊙ v · sigma(v); ``weight`` replaces gamma: [n], or one row per vector
         (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[-1] != self.dim:
+            # a width other than dim failed in the weight's broadcast ("The size of tensor a (5) must match
+            # the size of tensor b (8)"), naming neither the argument nor the width the norm was built for
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"v: expected a tensor [..., dim={self.dim}], got {got}")
         weight = self.weight if weight is None else weight
         if self.kind == "rms" and v.is_cuda:  # the same arithmetic, one fused kernel
             if weight.dim() == 1:

@@ -2558,18 +2558,6 @@ def probe9_rows():
         assert main([str(a) for a in argv[:-1]]) == 0  # without the count: all of a text shorter than the default
         assert "wrote" in env.capsys.readouterr().out
 
-    def layers_past_memory(env):
-        """Probes ap62/ap63: MLA(MLAConfig(hidden_size=2**33)) reached torch's allocator from inside
-        nn.Linear ("you tried to allocate 1099511627776 bytes"), and MultiHeadAttention of a 2**34
-        hidden size its "Storage size calculation overflowed" (a GPT of the same sizes is refused)."""
-        from qkmla import MLA, AttentionConfig, MLAConfig, MultiHeadAttention
-
-        raises(lambda: MLA(MLAConfig(hidden_size=2**33, num_heads=1, num_kv_groups=1)), ValueError,
-               r"^config: the weights of an MLA layer with hidden_size=8589934592, .* need at least .* more than the")
-        raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**34, num_heads=1, num_kv_heads=1)), ValueError,
-               r"^config: the weights of an attention layer with hidden_size=17179869184, .* need at least")
-        assert MLA(MLAConfig()).kv_b_proj.weight.shape == (4 * 32, 32)  # a layer that fits is made as before
-
     def layout_sizes_past_int64(env):
         """Probe ap60: PagedLayout(block_size=2**70) was taken, refused only by the first cache using it."""
         from qkmla import PagedLayout
@@ -2606,10 +2594,133 @@ def probe9_rows():
             convert_gqa_tokens_past_the_text, hf=True),
         Row("generate", "path", "a GQA run with --kv-format int8 or --policy (the prompt printed before the refusal)",
             generate_refused_after_the_prompt),
-        Row("MLAConfig", "size", "MLA(config) / MultiHeadAttention(config) past memory (torch's allocator inside "
-            "nn.Linear)", layers_past_memory),
         Row("PagedLayout", "size", "block_size / num_blocks past int64 (taken at construction)",
             layout_sizes_past_int64),
+    ]
+
+
+def probe9b_rows():
+    """The ninth probe's failures in the Python API (issue 56, probe 9b: fresh probes of the constructors
+    and the integrations after probe 8)."""
+    from qkmla.attention import MLA, MultiHeadAttention
+    from qkmla.config import AttentionConfig, MLAConfig, SharedKVConfig
+
+    big = "need at least .* more than the .* of memory available"
+
+    def switches_given_as_strings(env):
+        """Probes A01/A02/A11: ``MLAConfig(rope_interleave="no")``, ``attention_bias="False"`` and
+        ``AttentionConfig(rope_interleave=None)`` were taken as truthy (or falsy) without a word: a
+        layer that rotated the other RoPE layout, or had biases, than the one asked for."""
+        for field, value in (("rope_interleave", "no"), ("attention_bias", "False"), ("rope_interleave", 1)):
+            raises(lambda f=field, v=value: MLAConfig(**{f: v}), ValueError, f"^{field}: expected True or False")
+        raises(lambda: AttentionConfig(rope_interleave=None), ValueError, "^rope_interleave: expected True or False")
+        raises(lambda: SharedKVConfig(attention_sinks="yes"), ValueError, "^attention_sinks: expected True or False")
+
+    def numbers_given_as_bools(env):
+        """Probes A03-A05: ``softmax_scale=True``, ``rope_theta=True`` and ``latent_norm_eps=True`` were
+        numbers 1 to Python's isinstance, so a switch passed in the wrong place became tau = 1, theta = 1."""
+        for field in ("softmax_scale", "rope_theta", "latent_norm_eps"):
+            raises(lambda f=field: MLAConfig(**{f: True}), ValueError, f"^{field}: expected a")
+        raises(lambda: AttentionConfig(softmax_scale=True), ValueError, "^softmax_scale: expected a")
+        raises(lambda: SharedKVConfig(rope_theta=True), ValueError, "^rope_theta: expected a")
+
+    def layers_past_memory(env):
+        """Probes A09/A13 (and probe 9's ap62/ap63, found at the same time): ``MLA(MLAConfig(hidden_size=2**40))``
+        and a MultiHeadAttention as large reached torch's allocator ("you tried to allocate 140737488355328
+        bytes", "Storage size calculation overflowed"), as did 2**33 and 2**34 with one head; refused now
+        before any weight is made, naming the config and its sizes."""
+        raises(lambda: MLA(MLAConfig(hidden_size=2**33, num_heads=1, num_kv_groups=1)), ValueError,
+               f"^config: the projections of an MLA layer with hidden_size=8589934592, .*{big}")
+        raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**34, num_heads=1, num_kv_heads=1)), ValueError,
+               f"^config: the projections of an attention layer with hidden_size=17179869184, .*{big}")
+        raises(lambda: MLA(MLAConfig(hidden_size=2**40)), ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
+        raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**40, num_heads=2**38, num_kv_heads=2**38)),
+               ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
+        assert MLA(MLAConfig()).q_a_proj.weight.shape == (32, 64)  # a layer that fits is made as before
+
+    def cache_arguments_of_the_wrong_kind(env):
+        """Probes B04/B25/B31: ``LatentCache(layout=ContiguousLayout)`` (the class) failed in a buffer's size
+        arithmetic ("unsupported operand type(s) for *: 'int' and 'torch.dtype'"), ``fill='x'`` in torch.full
+        naming fill_value, and ``drop_last(torch.tensor([0.5, 0.5]))`` truncated the counts to 0: a rollback
+        that dropped nothing, without a word."""
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import ContiguousLayout
+
+        raises(lambda: LatentCache(1, 8, 16, 8, layout=ContiguousLayout), ValueError, "^layout: expected a Contig")
+        raises(lambda: FullKVCache(1, 8, 2, 8, 8, layout="paged"), ValueError, "^layout: expected a Contig")
+        raises(lambda: LatentCache(1, 8, 16, 8, fill="x"), ValueError, "^fill: expected a number")
+        raises(lambda: FullKVCache(1, 8, 2, 8, 8, fill=None), ValueError, "^fill: expected a number")
+        cache = LatentCache(2, 8, 16, 8)
+        cache.append(cache.plan(2, 3), c_kv=torch.zeros(2, 3, 16), k_rope=torch.zeros(2, 3, 8))
+        raises(lambda: cache.drop_last(torch.tensor([0.5, 0.5])), ValueError, "^counts: expected integer")
+        cache.drop_last(torch.tensor([1, 2]))
+        assert cache.seqlens.tolist() == [2, 1]
+        # Probe I03: select_sequences (beam search's reorder) truncated float indices, [0.7, 1.2] -> [0, 1]
+        raises(lambda: cache.select_sequences(torch.tensor([1.2, 0.7])), ValueError, "^indices: expected an integer")
+        assert cache.batch_size == 2 and cache.seqlens.tolist() == [2, 1]  # nothing moved
+        cache.select_sequences(torch.tensor([1, 0]))
+        assert cache.seqlens.tolist() == [1, 2]
+
+    def cache_device_and_layout_after_construction(env):
+        """Probes B13/B32: ``cache.layout = PagedLayout(2)`` was taken (the buffers stayed contiguous, and its
+        repr and _contiguous_buffers' messages named a layout it does not have), and an MLA forward over a
+        cache on another device (device='meta' beside a CPU module) failed in torch's indexing ("Tensor on
+        device cpu is not on the expected device meta!") after the projections ran."""
+        from qkmla.attention import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+
+        cache = LatentCache(1, 8, 16, 8)
+        for field, value in (("layout", PagedLayout(2)), ("device", torch.device("meta"))):
+            raises(lambda f=field, v=value: setattr(cache, f, v), AttributeError, f"^{field}: the cache's buffers")
+        assert cache.device == torch.device("cpu") and "ContiguousLayout" in repr(cache)
+        config = MLAConfig()
+        meta = LatentCache.from_config(config, 1, 8, device="meta")
+        raises(lambda: MLA(config)(torch.randn(1, 3, 64), meta), ValueError, "^cache: its buffers are on meta and x "
+               "is on cpu")
+        assert meta.max_len == 0  # nothing written
+
+    def decode_with_integer_queries(env):
+        """Probe C12: ``mla_decode_with_kvcache`` with int64 q_lat/q_rope (both, so one dtype) ran and returned
+        an int64 output of truncated values; refused now naming both."""
+        from qkmla.ops.mla_decode.interface import mla_decode_with_kvcache
+
+        kv, lens = torch.randn(1, 4, 24), torch.tensor([3])
+        for dtype in (torch.int64, torch.int32, torch.bool):
+            q, r = torch.ones(1, 1, 2, 16, dtype=dtype), torch.ones(1, 1, 2, 8, dtype=dtype)
+            raises(lambda q=q, r=r: mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=0.3), ValueError,
+                   "^q_lat, q_rope: expected floating-point queries")
+        out, _ = mla_decode_with_kvcache(torch.ones(1, 1, 2, 16), torch.ones(1, 1, 2, 8), kv, None, lens,
+                                         softmax_scale=0.3)
+        assert out.dtype == torch.float32
+
+    def norm_of_the_wrong_width(env):
+        """Probe A27: ``ScalarNorm(8)(torch.randn(2, 5))`` failed in the weight's broadcast, "The size of
+        tensor a (5) must match the size of tensor b (8)", naming neither the input nor the norm's width."""
+        from qkmla.norms import ScalarNorm
+
+        norm = ScalarNorm(8)
+        for v in (torch.randn(2, 5), torch.tensor(1.0)):
+            raises(lambda v=v: norm(v), ValueError, r"^v: expected a tensor \[\.\.\., dim=8\]")
+        assert norm(torch.randn(3, 8)).shape == (3, 8)
+
+    return [
+        Row("ScalarNorm", "size", "an input of another width than dim (torch's broadcast error)",
+            norm_of_the_wrong_width),
+        Row("LatentCache", "size", "layout=ContiguousLayout (the class), fill='x', drop_last(0.5) / "
+            "select_sequences([1.2, 0.7]) (truncated)",
+            cache_arguments_of_the_wrong_kind),
+        Row("LatentCache", "size", "layout / device set after construction; a meta cache beside a CPU module",
+            cache_device_and_layout_after_construction),
+        Row("mla_decode_with_kvcache", "size", "int64 / int32 / bool queries (ran, truncated output)",
+            decode_with_integer_queries),
+        Row("MLAConfig", "size", "rope_interleave='no', attention_bias='False' (truthy strings taken as True)",
+            switches_given_as_strings),
+        Row("MLAConfig", "size", "softmax_scale / rope_theta / latent_norm_eps = True (a bool taken as 1)",
+            numbers_given_as_bools),
+        Row("MLAConfig", "size", "MLA / MultiHeadAttention of hidden_size=2**40 (torch's allocator error)",
+            layers_past_memory),
     ]
 
 
@@ -2641,7 +2752,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

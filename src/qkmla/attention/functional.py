@@ -46,6 +46,17 @@ def check_forward(module, x: torch.Tensor, cache, cache_type: type, input_length
     if not isinstance(cache, cache_type):
         raise ValueError(f"cache: expected a {cache_type.__name__} or None, got {type(cache).__name__}")
     cache.check_config(c)
+    check_cache_device(cache, x)
+
+
+def check_cache_device(cache, x: torch.Tensor) -> None:
+    """A cache on another device than x (device='meta', or the CPU for a CUDA module) failed inside
+    torch's indexing, "Tensor on device cpu is not on the expected device meta!", after the projections
+    ran: a ValueError naming cache, before any work. ``cuda`` and ``cuda:0`` are one device."""
+    kind, index = cache.device.type, cache.device.index
+    if kind != x.device.type or (index is not None and x.device.index is not None and index != x.device.index):
+        raise ValueError(f"cache: its buffers are on {cache.device} and x is on {x.device}; build the cache with "
+                         f"device=x.device (LatentCache.from_config(config, ..., device=...))")
 
 
 def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: str = "positions",

@@ -17,7 +17,7 @@ from ..cache.full import FullKVCache
 from ..config import AttentionConfig, fixed_config
 from ..norms import HeadNorm
 from ..rope import RotaryEmbedding
-from ..utils.limits import check_weights_fit
+from ..utils.limits import check_weights
 from .functional import check_forward, default_positions, record_max_logits, sdpa, zero_padding
 
 
@@ -40,9 +40,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"config: expected an AttentionConfig, got {type(config).__name__}")
         self.config = c = config
         d = c.dim_per_head
-        check_weights_fit([(c.num_heads * d, c.hidden_size)] * 2 + [(c.num_kv_heads * d, c.hidden_size)] * 2,
-                          f"the weights of an attention layer with hidden_size={c.hidden_size}, "
-                          f"num_heads={c.num_heads}, head_dim={d}")
+        check_weights("config", [(c.num_heads * d, c.hidden_size), (c.num_kv_heads * d, c.hidden_size)] * 2,
+                      f"the projections of an attention layer with hidden_size={c.hidden_size}, "
+                      f"num_heads={c.num_heads}, head_dim={d}")
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=False)

@@ -36,7 +36,7 @@ from ..config import MLAConfig, fixed_config
 from ..norms import qk_norms_of
 from ..ops.mla_decode import mla_decode_with_kvcache, resolve_backend
 from ..rope import RotaryEmbedding
-from ..utils.limits import check_weights_fit
+from ..utils.limits import check_weights
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
 from .functional import default_positions, record_max_logits, sdpa, zero_padding
@@ -63,8 +63,6 @@ _BIASED = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")  # the projections attent
 def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
     """Freshly initialized projections and latent norms for ``c``."""
     shapes = projection_shapes(c)
-    check_weights_fit(shapes.values(), f"the weights of an MLA layer with hidden_size={c.hidden_size}, "
-                                       f"num_heads={c.num_heads}, kv_lora_rank={c.kv_lora_rank}")
     modules = {}
     for name, shape in shapes.items():
         if name.endswith("layernorm"):
@@ -121,6 +119,10 @@ class MLA(nn.Module):
         if not isinstance(config, MLAConfig):
             raise ValueError(f"config: expected an MLAConfig, got {type(config).__name__}")
         self.config = c = config
+        if projections is None:  # a config every check accepts may still ask for more memory than there is
+            check_weights("config", self.projection_shapes(c).values(),
+                          f"the projections of an MLA layer with hidden_size={c.hidden_size}, num_heads={c.num_heads}, "
+                          f"q_lora_rank={c.q_lora_rank}, kv_lora_rank={c.kv_lora_rank}")
         modules = new_projections(c) if projections is None else check_projections(c, projections,
                                                                                     self.projection_shapes(c))
         for name, module in modules.items():

@@ -22,7 +22,7 @@ from typing import Optional
 
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
-from .functional import check_hidden
+from .functional import check_cache_device, check_hidden
 from .selection import check_selection
 
 PATHS = ("auto", "explicit", "absorbed", "expand")
@@ -61,6 +61,7 @@ def resolve_path(mla, x, cache, path: str, input_lengths, indices=None) -> str:
         raise ValueError(f"cache: expected a LatentCache, a FullKVCache or None, got {type(cache).__name__}")
     if cache is not None:
         cache.check_config(c)
+        check_cache_device(cache, x)
     if indices is not None:
         check_selection(indices, x, cache)
     if not isinstance(cache, LatentCache):

@@ -94,11 +94,12 @@ class SequenceCache:
     from outside (``cache.capacity = 100``), they were taken at their word and the next write failed
     deep in torch (or a smaller one silently refused tokens the buffers hold room for)."""
 
-    FIXED = ("batch_size", "capacity")
+    FIXED = ("batch_size", "capacity", "device", "layout")
 
     def __setattr__(self, name, value):
         if name in type(self).FIXED and name in self.__dict__:
-            how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it"}
+            how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it",
+                   "device": "make a new cache on the device you want", "layout": "make a new cache with that layout"}
             raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r}; "
                                  f"{how.get(name, 'make a new cache with the value you want')}")
         object.__setattr__(self, name, value)
@@ -109,6 +110,11 @@ class SequenceCache:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.batch_size, self.capacity = batch_size, capacity
         self.device = check_device("device", device, meta=True)
+        # A Layout instance: the class itself (layout=ContiguousLayout) failed in a buffer's size
+        # arithmetic, "unsupported operand type(s) for *: 'int' and 'torch.dtype'".
+        if layout is not None and not isinstance(layout, Layout):
+            raise ValueError(f"layout: expected a ContiguousLayout() or PagedLayout(...) instance, or None, got "
+                             f"{layout!r:.80}")
         check_allocation("batch_size", 24 * batch_size, f"the lengths and positions of {batch_size} sequences",
                          self.device)
         self.layout = layout if layout is not None else ContiguousLayout()
@@ -124,6 +130,10 @@ class SequenceCache:
         self.eviction = None  # a cache that evicts (LatentCache(policy=...)) holds its policy's state here
 
     def _add_field(self, name: str, width: int, dtype: torch.dtype, fill: float) -> None:
+        # fill='x' failed in torch.full ("argument 'fill_value' must be Number, not str"), naming no argument
+        if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+            raise ValueError(f"fill: expected a number (the value of never-written slots, e.g. 0.0 or float('nan')), "
+                             f"got {fill!r:.80}")
         self.fields[name] = self.layout.buffer(self.batch_size, self.capacity, width, dtype, self.device, fill)
 
     # -- writing -----------------------------------------------------------------------------
@@ -307,7 +317,12 @@ class SequenceCache:
         reorder, ``num_return_sequences``' repeat). Every field and per-sequence state moves
         together; the batch size becomes B'."""
         buffers = self._contiguous_buffers("select_sequences")
-        indices = torch.as_tensor(indices, device=self.device).long()
+        indices = torch.as_tensor(indices, device=self.device)
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            # .long() truncated [0.7, 1.2] to [0, 1]: other sequences kept, silently; and a transformers
+            # cache's reorder_cache(float beam_idx) moved the rows here, then failed on its own column mask
+            raise ValueError(f"indices: expected an integer tensor of sequence indices, got {indices.dtype}")
+        indices = indices.long()
         if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
             shown = indices.tolist() if indices.numel() <= 16 else f"a tensor of shape {tuple(indices.shape)}"
             raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
@@ -351,7 +366,11 @@ class SequenceCache:
     def drop_last(self, counts: torch.Tensor) -> None:
         """Forget the last ``counts[b]`` tokens of each sequence b (a rollback: speculative
         decoding's rejected tokens). Refused once an eviction policy has moved tokens."""
-        counts = torch.as_tensor(counts, device=self.device).long()
+        counts = torch.as_tensor(counts, device=self.device)
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            # .long() truncated 0.5 to 0: a rollback that dropped nothing, without a word
+            raise ValueError(f"counts: expected integer token counts [{self.batch_size}], got {counts.dtype}")
+        counts = counts.long()
         if counts.shape != (self.batch_size,) or bool((counts < 0).any()) or bool((counts > self.seqlens).any()):
             raise ValueError(f"counts: expected [{self.batch_size}] non-negative counts no larger than the cached "
                              f"lengths {self.seqlens.tolist()}, got {counts.tolist()}")

@@ -84,6 +84,18 @@ def check_fits(name: str, needed: int, what: str) -> None:
                          f"available; use a smaller value")
 
 
+def check_weights(name: str, shapes, what: str) -> None:
+    """:func:`check_fits` for new parameters of ``shapes`` (an iterable of tuples) in torch's default
+    dtype, before a module makes them: ``MLA(MLAConfig(hidden_size=2**40))`` reached torch's allocator
+    ("you tried to allocate 140737488355328 bytes", or "Storage size calculation overflowed")."""
+    import math
+
+    import torch
+
+    itemsize = torch.get_default_dtype().itemsize
+    check_fits(name, itemsize * sum(math.prod(shape) for shape in shapes), what)
+
+
 def check_allocation(name: str, needed: int, what: str, device=None) -> None:
     """:func:`check_fits` for a tensor of ``needed`` bytes on ``device`` (None: the CPU): on an
     accelerator, against the memory free there."""
@@ -100,16 +112,3 @@ def check_allocation(name: str, needed: int, what: str, device=None) -> None:
     if free is not None and needed > free:
         raise ValueError(f"{name}: {what} need at least {gib(needed)}, more than the {gib(free)} free on {device}; "
                          "use a smaller value")
-
-
-def check_weights_fit(shapes, what: str) -> None:
-    """:func:`check_fits` for new weights of these ``shapes`` (an iterable of tuples) in torch's default
-    dtype, named "config" (the sizes come from its fields), before any is made: a layer of a config
-    past memory reached torch's allocator ("you tried to allocate 1099511627776 bytes", or "Storage
-    size calculation overflowed" past int64) from inside ``nn.Linear``."""
-    import math
-
-    import torch
-
-    itemsize = torch.empty((), dtype=torch.get_default_dtype()).element_size()
-    check_fits("config", itemsize * sum(math.prod(s) for s in shapes), what)

@@ -210,3 +210,36 @@ def test_a_record_and_norm_tensors_that_disagree_are_refused_before_reading(save
     with pytest.raises(ValueError, match=r"qk_norm: .*config.json records the QK norm l2 blockwise in its 'qkmla' "
                                          r"entry .* but rms blockwise was asked for"):
         mla_layers_from_hf_dir(path, 1, qk_norm="rms")
+
+
+def test_paths_devices_and_dtypes_are_refused_by_name_before_reading(saved, tmp_path, spy):
+    """Probe 9b (E05, E06, E10, E12, E14): ``checkpoint_dir("")`` returned the working directory (so
+    ``from_pretrained("")`` loaded whatever was there); an over-long path raised a bare OSError from
+    is_dir(); ``device="cuda"`` without CUDA ended in torch's AssertionError and ``dtype=torch.int8`` in
+    nn.Module.to's TypeError after the checks; ``mla_from_hf(object())`` in an AttributeError. Each is
+    one ValueError naming the argument, before any tensor is read."""
+    from qkmla.integrations.hub import checkpoint_dir, mla_from_hf
+
+    path, _ = saved
+    with pytest.raises(ValueError, match="^hf_dir: expected the path of the checkpoint directory, got an empty"):
+        checkpoint_dir("")
+    for bad in ("", tmp_path / ("x" * 300)):
+        with pytest.raises(ValueError, match="^hf_dir: "):
+            mla_layers_from_hf_dir(bad)
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"^device: expected one of .*got '{missing}'"):
+        mla_layers_from_hf_dir(path, 0, device=missing)
+    with pytest.raises(ValueError, match="^dtype: expected None .* or a floating torch.dtype, got torch.int8"):
+        mla_layers_from_hf_dir(path, 0, dtype=torch.int8)
+    assert spy.read == []  # no tensor read
+    with pytest.raises(ValueError, match="^hf_attention: expected a transformers DeepSeek-V2/V3 attention module"):
+        mla_from_hf(object())
+
+
+def test_an_override_that_contradicts_the_weights_is_named(saved):
+    """Probe 9b (E08): mla_layers_from_hf_dir(path, 0, kv_lora_rank=64) on a checkpoint of rank 32 was
+    blamed on 'the config in .../config.json', which holds 32: the override, the caller's own, is named."""
+    path, _ = saved
+    with pytest.raises(ValueError, match=r"^kv_lora_rank: the override \{'kv_lora_rank': 64\} does not fit the "
+                                         r"weights: .* has shape"):
+        mla_layers_from_hf_dir(path, 0, kv_lora_rank=64)

@@ -160,8 +160,8 @@ def test_import_of_an_export_gives_every_parameter_bit_for_bit(tmp_path, name):
 
 def test_an_existing_out_dir_is_refused_unless_overwrite(tmp_path):
     model = build()
-    (tmp_path / "hf").mkdir()
-    with pytest.raises(ValueError, match="out_dir: .* exists; pass overwrite=True"):
+    export_hf(model, tmp_path / "hf")  # an empty directory is written into, as qkmla convert's --out
+    with pytest.raises(ValueError, match="out_dir: .* exists and is not empty; pass overwrite=True"):
         export_hf(model, tmp_path / "hf")
     export_hf(model, tmp_path / "hf", overwrite=True)
     assert (tmp_path / "hf" / SINGLE).is_file()
@@ -219,3 +219,51 @@ def test_a_checkpoint_whose_record_and_tensors_disagree_is_refused_before_readin
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="holds QK-norm weights .* records no norm"):
         import_hf(path, build(None))
+
+
+def test_overwrite_replaces_only_a_checkpoint_directory(tmp_path):
+    """Probe 9b (H03, H14-H16): export_hf(..., overwrite=True) replaced whatever out_dir named, whole: a
+    user's file (now a directory), a directory of notes, a qkmla training run, and out_dir='' was the
+    working directory. Each is refused now, naming out_dir, and left as it was."""
+    model = build()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"train": {}}')  # a training run's config: no model_type
+    (run / "checkpoint.safetensors").write_bytes(b"x")
+    (tmp_path / "file").write_text("keep")
+    cases = [(tmp_path / "file", "is a file"), (notes, "holds no transformers config.json"),
+             (run, "holds no transformers config.json"), ("", "expected the path of the checkpoint directory"),
+             (tmp_path / ("x" * 300), "cannot use the checkpoint directory")]
+    for out, why in cases:
+        with pytest.raises(ValueError, match=f"out_dir: .*{why}"):
+            export_hf(model, out, overwrite=True)
+    assert (tmp_path / "file").read_text() == "keep" and (notes / "mine.txt").read_text() == "keep"
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.safetensors", "config.json"]
+    path = export_hf(model, tmp_path / "hf")
+    (path / "README.md").write_text("mine")  # a checkpoint holding a file the export does not write
+    with pytest.raises(ValueError, match="out_dir: .*holds README.md, which this export does not write"):
+        export_hf(model, path, overwrite=True)
+    with pytest.raises(ValueError, match="out_dir: .* is the checkpoint being exported"):
+        export_hf(model, path / "sub", source=path)
+
+
+def test_export_command_refuses_its_own_checkpoint_and_a_corrupt_one(tmp_path, capsys):
+    """Probe 9b (H13): the export command read a truncated DCP .metadata into a bare UnpicklingError
+    traceback; and with --overwrite its out_dir could be the step directory it reads (replaced by the
+    export). Both are one line, exit 2, the step directory untouched."""
+    from qkmla.integrations.torchtitan import export
+
+    step = tmp_path / "step-1"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"x")
+    (step / "__0_0.distcp").write_bytes(b"y")
+    args = ["--", "--module", "qkmla.integrations.torchtitan", "--config", "qkmla_cpu_qk_norm"]
+    assert export.main([str(step), str(step), "--overwrite", *args]) == 2
+    assert "out_dir: " in capsys.readouterr().err and (step / ".metadata").read_bytes() == b"x"
+    assert export.main([str(step), str(tmp_path / "hf"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint: " in err and ".metadata is not a readable DCP" in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()

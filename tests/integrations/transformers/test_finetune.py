@@ -347,6 +347,22 @@ def test_lora_config_refuses_an_unpatched_model_and_conflicting_options():
         attention_lora_config(plain, target_modules=["gate_proj"])
 
 
+@pytest.mark.parametrize("arguments, match", [
+    (dict(r=0), "^r: expected a positive int"), (dict(r=2.5), "^r: expected a positive int"),
+    (dict(lora_alpha=float("nan")), "^lora_alpha: expected a finite number > 0"),
+    (dict(lora_alpha=True), "^lora_alpha: expected a finite number > 0"),
+    (dict(lora_dropout=2.0), r"^lora_dropout: expected a probability in \[0, 1\)"),
+    (dict(lora_dropout=-0.1), r"^lora_dropout: expected a probability in \[0, 1\)")])
+def test_lora_config_refuses_a_rank_scale_or_dropout_out_of_range(arguments, match):
+    """Probe 9b (D29): attention_lora_config(model, r=0) returned a LoraConfig that failed only in
+    get_peft_model; a NaN lora_alpha or a dropout of 2.0 was never refused (a NaN adapter scale, every
+    activation dropped). Each is refused by name before PEFT sees it."""
+    model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG)))
+    with pytest.raises(ValueError, match=match):
+        attention_lora_config(model, **arguments)
+    assert attention_lora_config(model, r=2, lora_alpha=4, lora_dropout=0.5).r == 2
+
+
 def test_merge_lora_needs_a_peft_model_over_a_patched_model():
     peft = pytest.importorskip("peft")
     model = tiny_model()

@@ -36,7 +36,8 @@ from safetensors import SafetensorError, safe_open
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...norms import qk_norms_of
-from ...utils.files import input_file_problem
+from ...utils.devices import check_device
+from ...utils.files import check_path, input_file_problem
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
 from .record import GROUPS, RECORD, describe, recorded_groups, recorded_norm
 
@@ -44,6 +45,11 @@ CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _FP8 = ("F8_E4M3", "F8_E5M2")
+
+
+# MLAConfig fields that size an attention layer's weights (an override of one can contradict the checkpoint)
+_SHAPE_FIELDS = ("hidden_size", "num_heads", "num_kv_groups", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim", "attention_bias")
 
 
 def attention_prefix(layer: int) -> str:
@@ -67,7 +73,9 @@ def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = 
         ValueError: naming ``hf_dir``, for a path that is not a directory and not a repository id, or a
             repository (or revision) that cannot be fetched, or is not in the cache offline.
     """
-    root = Path(name_or_path)
+    # Path("") is "." (the working directory, loaded unasked) and an over-long name made is_dir() raise a
+    # bare OSError: both refused naming hf_dir, as every other path qkmla takes.
+    root = check_path("hf_dir", name_or_path, "checkpoint directory")
     if root.is_dir():
         return root / subfolder if subfolder else root
     from huggingface_hub import constants, snapshot_download
@@ -240,9 +248,14 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
     Examples:
         >>> mla = mla_layers_from_hf_dir("DeepSeek-V2-Lite", layers=3)[3]             # doctest: +SKIP
     """
-    root = Path(hf_dir)
+    root = check_path("hf_dir", hf_dir, "checkpoint directory")  # an empty or over-long path, named
     if not root.is_dir():
         raise ValueError(f"hf_dir: {root} is not a directory")
+    # Before any tensor is read: device='cuda' on a machine without one ended in torch's AssertionError
+    # after the checks, and dtype=torch.int8 in nn.Module.to's TypeError.
+    device = check_device("device", device)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype: expected None (the stored dtype) or a floating torch.dtype, got {dtype!r}")
     hf_config = read_hf_config(root)
     try:
         config = mla_config_from_hf(hf_config, **overrides)
@@ -281,6 +294,13 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
             part = shards[weight_map[key]].get_slice(key)
             shape, kind = tuple(part.get_shape()), part.get_dtype()
             if shape != stored_shapes[name]:
+                # An override that reshapes the layer (kv_lora_rank=64 on a checkpoint of 32) is the cause
+                # the caller can act on: named first, not left for the reader to infer from the config's shape.
+                sized = {k: v for k, v in overrides.items() if k in _SHAPE_FIELDS}
+                if sized:
+                    raise ValueError(f"{', '.join(sized)}: the override {sized} does not fit the weights: {key} in "
+                                     f"{root / weight_map[key]} has shape {shape}, the overridden config needs "
+                                     f"{stored_shapes[name]}; leave the sizes to {root / CONFIG}")
                 raise ValueError(f"{root / weight_map[key]}: {key} has shape {shape}, the config in "
                                  f"{root / CONFIG} needs {stored_shapes[name]}")
             if not (kind.startswith("F") or kind == "BF16"):  # integer weights would be cast silently

@@ -234,6 +234,10 @@ def mla_from_hf(hf_attention, **overrides) -> MLA:
         >>> mla_qk = mla_from_hf(hf_layer, qk_norm="rms")  # start QK-norm training from HF weights  # doctest: +SKIP
     """
 
+    if not isinstance(hf_attention, torch.nn.Module) or not hasattr(hf_attention, "config"):
+        # an AttributeError on .config, naming neither the argument nor what it takes
+        raise ValueError(f"hf_attention: expected a transformers DeepSeek-V2/V3 attention module (e.g. "
+                         f"model.model.layers[0].self_attn), got {type(hf_attention).__name__}")
     config = mla_config_from_hf(hf_attention.config, **overrides)
     recorded = recorded_norm(hf_attention.config, "hf_attention.config")
     if recorded is not None:

@@ -63,7 +63,8 @@ from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3Model  # no
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 
 from ...config import QKNormConfig  # noqa: E402
-from ...utils.files import make_directory, write_directory  # noqa: E402
+from ...utils.files import (check_path, check_writable, clear_stale, make_directory, output_directory,  # noqa: E402
+                             write_directory)
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
 from ..hub.config import hf_rope  # noqa: E402
 from ..hub.checkpoint import check_norm_tensors  # noqa: E402
@@ -294,7 +295,7 @@ def _hf_state(model: DeepSeekV3Model) -> dict[str, torch.Tensor]:
 
 
 def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: bool = False,
-              dtype: Optional[torch.dtype] = None) -> Path:
+              dtype: Optional[torch.dtype] = None, source: Union[None, str, Path] = None) -> Path:
     """Write a torchtitan DeepSeek-V3 model (stock ``Attention`` or qkmla's ``QKAttention`` layers) as a
     Hugging Face DeepSeek-V3 checkpoint directory: config.json and model.safetensors. A plain model is
     a stock DeepSeek-V3 checkpoint (transformers' ``AutoModelForCausalLM``); a QK-normed one declares
@@ -306,21 +307,23 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
     Args:
         model: a built torchtitan ``DeepSeekV3Model`` (its ``config`` describes it), on one process.
         out_dir: the directory to create; written beside it under a temporary name, then renamed.
-        overwrite: replace an existing ``out_dir``.
+        overwrite: replace an existing ``out_dir`` that holds a checkpoint and nothing else (never a file, a
+            training run, a directory of other files, or ``source``).
         dtype: the stored floating dtype; None keeps each tensor's (the expert bias stays float32, as
             DeepSeek's releases store it).
+        source: the directory the model's weights were read from (the export command's DCP step
+            directory): ``out_dir`` may not be it, inside it, or hold it.
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
-        ValueError, before anything is written: ``out_dir`` exists (without ``overwrite``), a sharded
+        ValueError, before anything is written: ``out_dir`` exists (without ``overwrite``), cannot be
+        replaced or written (:func:`check_export_out`), a sharded
         model, or any setting transformers' DeepSeek-V3 computes differently (each named, with what is
         allowed; see the module docstring).
     """
-    out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise ValueError(f"out_dir: {out} exists; pass overwrite=True to replace it")
+    out = check_export_out(out_dir, overwrite, source)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
     norm = model_norm(model)
@@ -349,8 +352,27 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
 
     # As every qkmla command writes a directory: whole or not at all, the umask's modes (not
     # mkdtemp's 0700 and safetensors' 0600), a killed export's leftovers swept by the next.
-    make_directory("out_dir", out.parent)
     return write_directory(out, write)
+
+
+def check_export_out(out_dir, overwrite: bool, source=None) -> Path:
+    """The directory :func:`export_hf` writes for ``out_dir``, checked before any work as ``qkmla convert``
+    checks its --out (:func:`~qkmla.convert.qk_norm.check_checkpoint_out`): ValueError naming out_dir for
+    an empty or over-long path, a file, ``source`` or a directory around it, a non-empty directory without
+    ``overwrite`` or holding anything but a checkpoint this export writes (overwrite=True replaced a user's
+    file, a training run and a directory of notes whole), and a parent it cannot write in (a bare
+    PermissionError after the model was converted). A link of the user's own is followed
+    (:func:`~qkmla.utils.files.output_directory`)."""
+    from ...convert.qk_norm import check_checkpoint_out
+
+    given = check_path("out_dir", out_dir, "checkpoint directory")
+    out = output_directory("out_dir", given)
+    clear_stale(out)  # what an export killed outright left, so that out is checked as it really is
+    check_checkpoint_out(out, given, Path(source) if source is not None else None, overwrite, name="out_dir",
+                         flag="overwrite=True", writer="export")
+    make_directory("out_dir", out.parent)
+    check_writable("out_dir", out.parent)
+    return out
 
 
 def import_hf(hf_dir: Union[str, Path], model: DeepSeekV3Model) -> None:

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.config.override import apply_overrides  # noqa: E402
 
-from .checkpoint import export_hf  # noqa: E402
+from .checkpoint import check_export_out, export_hf  # noqa: E402
 from .flavors import materialize  # noqa: E402
 
 DTYPES = {"keep": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +56,11 @@ def model_from_args(train_args: Sequence[str]):
 def load_dcp(checkpoint_dir, model) -> None:
     """Read a model's states from a torchtitan DCP checkpoint directory, in place (no process group)."""
     reader = dcp.FileSystemReader(str(checkpoint_dir))
-    saved = reader.read_metadata().state_dict_metadata
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign .metadata: torch's unpickler says only 'invalid load key'
+        raise ValueError(f"checkpoint: {checkpoint_dir}/.metadata is not a readable DCP checkpoint's metadata "
+                         f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     state = model.state_dict()
     missing = [k for k in state if k not in saved]
     if missing:
@@ -76,7 +80,11 @@ def load_dcp(checkpoint_dir, model) -> None:
              if isinstance(t, torch.Tensor) and hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(t.shape)]
     if wrong:
         raise ValueError(f"checkpoint: shapes differ from the model the training arguments build: {wrong[:3]}")
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except Exception as e:  # a truncated or missing .distcp shard: DCP's CheckpointException wraps the I/O error
+        raise ValueError(f"checkpoint: {checkpoint_dir}: its tensors cannot be read ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     try:
         model.load_state_dict(state)
     except ValueError as e:  # a QK norm variant other than the checkpoint's (RecordsVariant names both)
@@ -100,15 +108,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     checkpoint, out = Path(args.checkpoint), Path(args.out_dir)
     if not (checkpoint / ".metadata").is_file():
         parser.error(f"checkpoint: {checkpoint} is not a DCP checkpoint directory (no .metadata)")
-    if out.exists() and not args.overwrite:
-        parser.error(f"out_dir: {out} exists; pass --overwrite to replace it")
     try:
+        # Before the model is built: the out_dir export_hf would refuse after the work (the step directory
+        # itself or its run directory with --overwrite: the training checkpoint replaced by the export)
+        check_export_out(out, args.overwrite, source=checkpoint)
         model = model_from_args(train_args)
         load_dcp(checkpoint, model)
-        export_hf(model, out, overwrite=args.overwrite, dtype=DTYPES[args.dtype])
+        export_hf(model, out, overwrite=args.overwrite, dtype=DTYPES[args.dtype], source=checkpoint)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk or a file size limit while writing: one line naming the path (export_hf's)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

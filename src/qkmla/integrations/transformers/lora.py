@@ -21,12 +21,14 @@ peft is imported on first use: ``pip install 'qkmla[hf]'``.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterable, Union
 
 from torch import nn
 
 from ...attention.mla import projection_shapes
+from ...config import check_positive_int
 from ...norms import QKNorm
 from .patched import inner_model, latent_layers, model_settings
 
@@ -119,6 +121,15 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     """
     model_settings(model)
     _check_separate_query(model, "model")
+    # Checked here, before PEFT's own: LoraConfig(r=0) was accepted and failed only in get_peft_model, and a
+    # NaN alpha or a dropout of 2.0 not at all (a NaN adapter scale; every activation dropped).
+    check_positive_int("r", r)
+    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not math.isfinite(lora_alpha) \
+            or lora_alpha <= 0:
+        raise ValueError(f"lora_alpha: expected a finite number > 0 (the adapters' scale is lora_alpha / r), "
+                         f"got {lora_alpha!r}")
+    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+        raise ValueError(f"lora_dropout: expected a probability in [0, 1), got {lora_dropout!r}")
     config = latent_layers(model)[0].config
     names = _check_targets(targets, config)
     if not isinstance(train_qk_norm, bool):

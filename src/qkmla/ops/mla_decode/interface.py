@@ -89,6 +89,9 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
                          f"{tuple(q_lat.shape)} and {tuple(q_rope.shape)}")
     if q_lat.dtype != q_rope.dtype:
         raise ValueError(f"q_lat, q_rope: expected one dtype, got {q_lat.dtype} and {q_rope.dtype}")
+    if not q_lat.dtype.is_floating_point:  # int64 queries ran, and returned an int64 output of truncated values
+        raise ValueError(f"q_lat, q_rope: expected floating-point queries (bfloat16, float16, float32, float64), "
+                         f"got {q_lat.dtype}")
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
     rows = row_format(kv_format, d_c, d_r)
