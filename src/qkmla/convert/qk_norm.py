@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from ..config import QKNormConfig
-from ..utils.files import UNCHECKED, clear_stale, directory_state, make_directory, output_directory, write_directory
+from ..utils.files import clear_stale, directory_state, make_directory, output_directory, write_directory
 from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -186,7 +186,7 @@ def calibration_batches(tokenizer, text: str, calibration_tokens: int, context: 
     return cal, rest[:rest.numel() // row * row].view(-1, row)
 
 
-def write_checkpoint(model, tokenizer, out: Path, state=UNCHECKED) -> None:
+def write_checkpoint(model, tokenizer, out: Path, state: Optional[tuple]) -> None:
     """``model.save_pretrained`` (and the tokenizer's, if any) into ``out``, as
     :func:`~qkmla.utils.files.write_directory` writes: whole or not at all, and only over the ``out``
     whose :func:`~qkmla.utils.files.directory_state` was ``state`` (given by :func:`converting_into`)."""

@@ -208,7 +208,7 @@ def directory_state(path: PathLike) -> Optional[tuple]:
 UNCHECKED = object()  # write_directory without a state to compare: whatever is at out is replaced
 
 
-def write_directory(out: PathLike, write: Callable[[Path], None], unchanged_from=UNCHECKED) -> Path:
+def write_directory(out: PathLike, write: Callable[[Path], None], unchanged_from=UNCHECKED, name: str = "out") -> Path:
     """``write(tmp)`` fills a directory under the temporary name ``OUT.tmpPID`` beside ``out``,
     renamed ``out`` when complete; an existing ``out`` is moved aside (``OUT.replacedPID``) only
     once the new one is complete and removed after the rename. A failure, Ctrl-C or SIGTERM
@@ -222,8 +222,8 @@ def write_directory(out: PathLike, write: Callable[[Path], None], unchanged_from
     ``unchanged_from``: what :func:`directory_state` said of ``out`` when the command checked it may
     write there; if ``out`` is no longer that at the rename (another command made or wrote it since:
     ``qkmla train --out`` the same directory during a conversion), nothing is replaced and a
-    ValueError naming ``out`` says so: the rename moved the other command's output aside and deleted
-    it, a training run lost without --overwrite."""
+    ValueError naming ``out`` (as option or argument ``name``) says so: the rename moved the other
+    command's output aside and deleted it, a training run lost without --overwrite."""
     out = Path(out)
     tmp = temporary_name(out)
     clear_stale(out)
@@ -244,7 +244,7 @@ def write_directory(out: PathLike, write: Callable[[Path], None], unchanged_from
         with signals_held():
             if unchanged_from is not UNCHECKED and directory_state(out) != unchanged_from:
                 now = "now holds " + describe_directory(out) if os.path.lexists(out) else "was removed"
-                raise ValueError(f"out: {out} changed while this command worked (it {now}: another command wrote "
+                raise ValueError(f"{name}: {out} changed while this command worked (it {now}: another command wrote "
                                  "there); it was left as it is and this output was not written; run again to "
                                  "check it anew")
             if os.path.lexists(out):

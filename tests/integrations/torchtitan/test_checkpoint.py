@@ -250,6 +250,28 @@ def test_overwrite_replaces_only_a_checkpoint_directory(tmp_path):
         export_hf(model, path / "sub", source=path)
 
 
+def test_an_out_dir_written_by_another_command_during_the_export_is_left_alone(tmp_path, monkeypatch):
+    """As qkmla convert (probe 9, cx01): ``qkmla train --out`` the same name while the export works
+    made a run there, which the export's final rename moved aside and deleted. The export is refused
+    at the rename now, naming out_dir, and the run is kept."""
+    import safetensors.torch
+
+    model = build()
+    out = tmp_path / "hf"
+    real = safetensors.torch.save_file
+
+    def save_while_another_writes(tensors, filename, metadata=None):
+        out.mkdir()
+        (out / "status.json").write_text('{"status": "running"}')  # another command's output, made meanwhile
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_while_another_writes)
+    with pytest.raises(ValueError, match="out_dir: .*hf changed while this command worked"):
+        export_hf(model, out)
+    assert sorted(p.name for p in out.iterdir()) == ["status.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left
+
+
 def test_export_command_refuses_its_own_checkpoint_and_a_corrupt_one(tmp_path, capsys):
     """Probe 9b (H13): the export command read a truncated DCP .metadata into a bare UnpicklingError
     traceback; and with --overwrite its out_dir could be the step directory it reads (replaced by the

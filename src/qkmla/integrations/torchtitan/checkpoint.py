@@ -63,8 +63,8 @@ from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3Model  # no
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 
 from ...config import QKNormConfig  # noqa: E402
-from ...utils.files import (check_path, check_writable, clear_stale, make_directory, output_directory,  # noqa: E402
-                             write_directory)
+from ...utils.files import (check_path, check_writable, clear_stale, directory_state, make_directory,  # noqa: E402
+                             output_directory, write_directory)
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
 from ..hub.config import hf_rope  # noqa: E402
 from ..hub.checkpoint import check_norm_tensors  # noqa: E402
@@ -324,6 +324,7 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
         allowed; see the module docstring).
     """
     out = check_export_out(out_dir, overwrite, source)
+    state = directory_state(out)  # what the checks saw: another writer of out_dir meanwhile is refused at the rename
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected None or a floating torch.dtype, got {dtype!r}")
     norm = model_norm(model)
@@ -352,7 +353,7 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
 
     # As every qkmla command writes a directory: whole or not at all, the umask's modes (not
     # mkdtemp's 0700 and safetensors' 0600), a killed export's leftovers swept by the next.
-    return write_directory(out, write)
+    return write_directory(out, write, state, name="out_dir")
 
 
 def check_export_out(out_dir, overwrite: bool, source=None) -> Path:
