@@ -2558,6 +2558,25 @@ def probe9_rows():
         assert main([str(a) for a in argv[:-1]]) == 0  # without the count: all of a text shorter than the default
         assert "wrote" in env.capsys.readouterr().out
 
+    def experiment_with_fewer_seeds(env):
+        """Probe gx04 (noticed and left): ``experiment norm-mode --seeds 2`` then ``--seeds 1`` on the same
+        --out rewrote results.jsonl with 2 rows of 4, without --overwrite (results.jsonl is written from
+        the plan). Refused now, naming the rows it would drop; the same seeds go ahead."""
+        out = env.tmp / "norm-mode"
+        out.mkdir()
+        rows = [{"experiment": "norm-mode", "run": f"{v}_s{s}", "status": "not started"}
+                for s in (1, 2) for v in ("blockwise", "unified")]
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        before = snapshot(out)
+        refuse(env, ["experiment", "norm-mode", "--quick", "--seeds", "1", "--out", out],
+               r"--out: .*results.jsonl holds the rows of 2 run\(s\) this plan does not list \(blockwise_s2, "
+               r"unified_s2: other --seeds or options made them\), .* pass --overwrite")
+        assert snapshot(out) == before
+        from qkmla.experiments import EXPERIMENTS, Options
+        from qkmla.experiments.base import _check_out
+
+        _check_out(EXPERIMENTS["norm-mode"], Options(out, quick=True, seeds=2))  # the seeds that made them: no word
+
     def layout_sizes_past_int64(env):
         """Probe ap60: PagedLayout(block_size=2**70) was taken, refused only by the first cache using it."""
         from qkmla import PagedLayout
@@ -2596,6 +2615,8 @@ def probe9_rows():
             generate_refused_after_the_prompt),
         Row("PagedLayout", "size", "block_size / num_blocks past int64 (taken at construction)",
             layout_sizes_past_int64),
+        Row("experiment", "output", "rerun with fewer --seeds (results.jsonl rewritten without the other seeds' rows)",
+            experiment_with_fewer_seeds),
     ]
 
 

@@ -224,10 +224,29 @@ def _owners(out: Path) -> set:
     return owners
 
 
+def _result_runs(out: Path, name: str) -> list:
+    """The run names of experiment ``name``'s rows in ``out/results.jsonl`` (lines that are not rows
+    are :func:`_owners`' concern)."""
+    try:
+        lines = (out / "results.jsonl").read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):
+        return []
+    runs = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("experiment") == name and isinstance(row.get("run"), str):
+            runs.append(row["run"])
+    return runs
+
+
 def _check_out(experiment: Experiment, options: Options) -> None:
-    """Before any work, with ``out`` locked: another experiment's results or summary, and finished
-    runs of this plan trained with other settings (a --quick grid into a full one), are refused
-    unless ``options.overwrite``."""
+    """Before any work, with ``out`` locked: another experiment's results or summary, rows of runs
+    this plan does not list (a rerun with fewer --seeds rewrote results.jsonl without them), and
+    finished runs of this plan trained with other settings (a --quick grid into a full one), are
+    refused unless ``options.overwrite``."""
     if options.overwrite:
         return
     out = Path(options.out)
@@ -236,8 +255,18 @@ def _check_out(experiment: Experiment, options: Options) -> None:
         raise ValueError(f"--out: {out} holds the results of {', '.join(others)} (results.jsonl, summary.json), "
                          f"which {experiment.name} would replace; pass --overwrite to replace them, or use another "
                          "--out")
+    plan = experiment.plan(options)
+    # results.jsonl is rewritten from the plan: the rows of runs it does not list would go without a
+    # word. An adaptive plan lists a run once what it depends on has finished, so a run killed before
+    # the end hides the runs after it until it finishes again: its rows are not another configuration's.
+    dropped = [] if experiment.adaptive else sorted(set(_result_runs(out, experiment.name)) - {r.name for r in plan})
+    if dropped:
+        raise ValueError(f"--out: {out / 'results.jsonl'} holds the rows of {len(dropped)} run(s) this plan does not "
+                         f"list ({', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''}: other --seeds or "
+                         "options made them), which this experiment's results would drop; run it with the options "
+                         "that made them, pass --overwrite to replace the results, or use another --out")
     changed, started, edited = [], [], []
-    for run in experiment.plan(options):
+    for run in plan:
         path = run_dir(out, run)
         if run.same_as is not None:
             continue
