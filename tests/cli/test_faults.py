@@ -2553,6 +2553,9 @@ def probe9_rows():
                 text, "--threads", "1", "--calibration-tokens"]
         refuse(env, argv + ["100000"], r"--calibration-tokens: .*t\.txt gives 380 tokens, fewer than the 100000 asked")
         refuse(env, argv + [str(10**20)], r"--calibration-tokens: expected an int >= 2 and below 2\*\*63")
+        # in range, past what any text holds: read(64 * count) made a buffer that size (OverflowError, MemoryError)
+        refuse(env, argv + [str(2**62)], r"--calibration-tokens: .*t\.txt gives 380 tokens, fewer than the "
+               r"4611686018427387904")
         assert sorted(os.listdir(env.tmp)) == ["src", "t.txt"]
         env.capsys.readouterr()
         assert main([str(a) for a in argv[:-1]]) == 0  # without the count: all of a text shorter than the default

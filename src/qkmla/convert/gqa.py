@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -433,8 +434,11 @@ def read_calibration_ids(tokenizer, path, tokens: Optional[int]) -> torch.Tensor
     hold (fewer were used without a word; ``convert`` refuses the same)."""
     wanted = CALIBRATION_TOKENS if tokens is None else tokens
     try:
-        with open(path, encoding="utf-8") as f:  # a tokenizer gives at most one token per character and more
-            text = f.read(64 * wanted)            # per word: 64 characters a token is ample, not the whole file
+        with open(path, encoding="utf-8") as f:
+            # A tokenizer gives at most one token per character and more per word: 64 characters a token
+            # is ample, not the whole file; and never more than the file holds (a UTF-8 character is at
+            # least a byte), since read(n) makes a buffer of n (a count near 2**63 overflowed it).
+            text = f.read(min(64 * wanted, os.fstat(f.fileno()).st_size))
     except UnicodeDecodeError as e:
         raise ValueError(f"calibration_text: cannot read {path} as UTF-8 text ({e}); give the text in "
                          "UTF-8") from None
