@@ -2656,10 +2656,14 @@ def probe9b_rows():
         raises(lambda: MLA(MLAConfig(hidden_size=2**33, num_heads=1, num_kv_groups=1)), ValueError,
                f"^config: the projections of an MLA layer with hidden_size=8589934592, .*{big}")
         raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**34, num_heads=1, num_kv_heads=1)), ValueError,
-               f"^config: the projections of an attention layer with hidden_size=17179869184, .*{big}")
+               "^config: the projections of an attention layer with hidden_size=17179869184, .*more than 2\\*\\*63 bytes")
         raises(lambda: MLA(MLAConfig(hidden_size=2**40)), ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
         raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**40, num_heads=2**38, num_kv_heads=2**38)),
-               ValueError, f"^config: .*hidden_size=1099511627776.*{big}")
+               ValueError, "^config: .*hidden_size=1099511627776.* hold a tensor of more than 2\\*\\*63 bytes")
+        with torch.device("meta"):  # a model built to load its weights into takes no memory: made as before
+            assert MLA(MLAConfig(hidden_size=2**33, num_heads=1, num_kv_groups=1)).o_proj.weight.is_meta
+            raises(lambda: MultiHeadAttention(AttentionConfig(hidden_size=2**40, num_heads=2**38, num_kv_heads=2**38)),
+                   ValueError, "on any device")
         assert MLA(MLAConfig()).q_a_proj.weight.shape == (32, 64)  # a layer that fits is made as before
 
     def cache_arguments_of_the_wrong_kind(env):

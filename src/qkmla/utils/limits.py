@@ -85,15 +85,22 @@ def check_fits(name: str, needed: int, what: str) -> None:
 
 
 def check_weights(name: str, shapes, what: str) -> None:
-    """:func:`check_fits` for new parameters of ``shapes`` (an iterable of tuples) in torch's default
-    dtype, before a module makes them: ``MLA(MLAConfig(hidden_size=2**40))`` reached torch's allocator
-    ("you tried to allocate 140737488355328 bytes", or "Storage size calculation overflowed")."""
+    """:func:`check_allocation` for new parameters of ``shapes`` (an iterable of tuples) in torch's
+    default dtype on its default device, before a module makes them: ``MLA(MLAConfig(hidden_size=2**40))``
+    reached torch's allocator ("you tried to allocate 140737488355328 bytes", or "Storage size calculation
+    overflowed"). On the meta device (a model built to load its weights into) only sizes past int64,
+    which torch cannot make there either, are refused; under ``set_default_device("cuda")``, the
+    accelerator's free memory is the bound."""
     import math
 
     import torch
 
-    itemsize = torch.get_default_dtype().itemsize
-    check_fits(name, itemsize * sum(math.prod(shape) for shape in shapes), what)
+    shapes = [tuple(shape) for shape in shapes]
+    if any(math.prod(shape) * torch.get_default_dtype().itemsize >= 2**63 for shape in shapes):
+        raise ValueError(f"{name}: {what} hold a tensor of more than 2**63 bytes, which torch cannot make on any "
+                         "device; use smaller sizes")
+    check_allocation(name, torch.get_default_dtype().itemsize * sum(math.prod(s) for s in shapes), what,
+                     torch.get_default_device())
 
 
 def check_allocation(name: str, needed: int, what: str, device=None) -> None:
