@@ -38,8 +38,8 @@ import torch
 class AttentionReference:
     """A weak reference to the attention layer that writes a cache layer (module docstring).
 
-    ``copy.deepcopy`` of a cache (transformers' recipe for reusing a prompt's cache) shares it, as it
-    shares a plain ``weakref.ref``; pickle, which cannot hold a weak reference, writes None in its
+    ``copy.copy`` and ``copy.deepcopy`` of a cache (transformers' recipe for reusing a prompt's cache)
+    share it, as they share a plain ``weakref.ref``; pickle, which cannot hold a weak reference, writes None in its
     place, and the layer's next forward sets it again.
     """
 
@@ -50,6 +50,9 @@ class AttentionReference:
 
     def __call__(self) -> Optional[torch.nn.Module]:
         return self._ref()
+
+    def __copy__(self) -> "AttentionReference":
+        return self
 
     def __deepcopy__(self, memo) -> "AttentionReference":
         return self
