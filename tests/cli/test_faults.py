@@ -2564,20 +2564,25 @@ def probe9_rows():
     def experiment_with_fewer_seeds(env):
         """Probe gx04 (noticed and left): ``experiment norm-mode --seeds 2`` then ``--seeds 1`` on the same
         --out rewrote results.jsonl with 2 rows of 4, without --overwrite (results.jsonl is written from
-        the plan). Refused now, naming the rows it would drop; the same seeds go ahead."""
+        the plan). Refused now, naming the trained runs whose rows it would drop; the same seeds go ahead."""
+        from qkmla.experiments import EXPERIMENTS, Options
+        from qkmla.experiments.base import _check_out
+
         out = env.tmp / "norm-mode"
         out.mkdir()
         rows = [{"experiment": "norm-mode", "run": f"{v}_s{s}", "status": "not started"}
                 for s in (1, 2) for v in ("blockwise", "unified")]
         (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _check_out(EXPERIMENTS["norm-mode"], Options(out, quick=True, seeds=1))  # runs never started: nothing lost
+        for run in EXPERIMENTS["norm-mode"].plan(Options(out, quick=True, seeds=2))[2:]:  # seed 2's, trained
+            (out / "runs" / run.name).mkdir(parents=True)
+            (out / "runs" / run.name / "status.json").write_text(json.dumps({"status": "done", "step": 6}))
+            (out / "runs" / run.name / "config.json").write_text(json.dumps({"train": run.train}))
         before = snapshot(out)
         refuse(env, ["experiment", "norm-mode", "--quick", "--seeds", "1", "--out", out],
                r"--out: .*results.jsonl holds the rows of 2 run\(s\) this plan does not list \(blockwise_s2, "
                r"unified_s2: other --seeds or options made them\), .* pass --overwrite")
         assert snapshot(out) == before
-        from qkmla.experiments import EXPERIMENTS, Options
-        from qkmla.experiments.base import _check_out
-
         _check_out(EXPERIMENTS["norm-mode"], Options(out, quick=True, seeds=2))  # the seeds that made them: no word
 
     def layout_sizes_past_int64(env):

@@ -259,7 +259,9 @@ def _check_out(experiment: Experiment, options: Options) -> None:
     # results.jsonl is rewritten from the plan: the rows of runs it does not list would go without a
     # word. An adaptive plan lists a run once what it depends on has finished, so a run killed before
     # the end hides the runs after it until it finishes again: its rows are not another configuration's.
-    dropped = [] if experiment.adaptive else sorted(set(_result_runs(out, experiment.name)) - {r.name for r in plan})
+    # Rows of runs never started ("not started", "missing") lose nothing: only trained ones count.
+    unlisted = set(_result_runs(out, experiment.name)) - {r.name for r in plan}
+    dropped = [] if experiment.adaptive else sorted(n for n in unlisted if read_status(out / "runs" / n) is not None)
     if dropped:
         raise ValueError(f"--out: {out / 'results.jsonl'} holds the rows of {len(dropped)} run(s) this plan does not "
                          f"list ({', '.join(dropped[:3])}{' ...' if len(dropped) > 3 else ''}: other --seeds or "

@@ -318,7 +318,7 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
         ``out_dir`` as a Path.
 
     Raises:
-        ValueError, before anything is written: ``out_dir`` exists (without ``overwrite``), cannot be
+        ValueError, before anything is written: ``out_dir`` is not empty (without ``overwrite``), cannot be
         replaced or written (:func:`check_export_out`), a sharded
         model, or any setting transformers' DeepSeek-V3 computes differently (each named, with what is
         allowed; see the module docstring).
