@@ -248,6 +248,15 @@ def test_overwrite_replaces_only_a_checkpoint_directory(tmp_path):
         export_hf(model, path, overwrite=True)
     with pytest.raises(ValueError, match="out_dir: .* is the checkpoint being exported"):
         export_hf(model, path / "sub", source=path)
+    # A conversion copies its source's files, so their names are its own; an export copies none of the
+    # DCP step directory's: a file named as one of them is the user's (review of 9b's check, shared with convert)
+    (path / "README.md").unlink()
+    step = tmp_path / "step-10"
+    step.mkdir()
+    (step / ".metadata").write_bytes(b"dcp")
+    (path / ".metadata").write_text("mine")
+    with pytest.raises(ValueError, match="out_dir: .*holds .metadata, which this export does not write"):
+        export_hf(model, path, overwrite=True, source=step)
 
 
 def test_an_out_dir_written_by_another_command_during_the_export_is_left_alone(tmp_path, monkeypatch):

@@ -358,19 +358,19 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
 
 def check_export_out(out_dir, overwrite: bool, source=None) -> Path:
     """The directory :func:`export_hf` writes for ``out_dir``, checked before any work as ``qkmla convert``
-    checks its --out (:func:`~qkmla.convert.qk_norm.check_checkpoint_out`): ValueError naming out_dir for
+    checks its --out (:func:`~qkmla.integrations.hub.output.check_checkpoint_out`): ValueError naming out_dir for
     an empty or over-long path, a file, ``source`` or a directory around it, a non-empty directory without
     ``overwrite`` or holding anything but a checkpoint this export writes (overwrite=True replaced a user's
     file, a training run and a directory of notes whole), and a parent it cannot write in (a bare
     PermissionError after the model was converted). A link of the user's own is followed
     (:func:`~qkmla.utils.files.output_directory`)."""
-    from ...convert.qk_norm import check_checkpoint_out
+    from ..hub.output import check_checkpoint_out
 
     given = check_path("out_dir", out_dir, "checkpoint directory")
     out = output_directory("out_dir", given)
     clear_stale(out)  # what an export killed outright left, so that out is checked as it really is
     check_checkpoint_out(out, given, Path(source) if source is not None else None, overwrite, name="out_dir",
-                         flag="overwrite=True", writer="export")
+                         flag="overwrite=True", writer="export", copies_source=False)
     make_directory("out_dir", out.parent)
     check_writable("out_dir", out.parent)
     return out
