@@ -52,23 +52,13 @@ def check_forward(module, x: torch.Tensor, cache, cache_type: type, input_length
 def check_cache_device(cache, x: torch.Tensor) -> None:
     """A cache on another device than x (device='meta', or the CPU for a CUDA module) failed inside
     torch's indexing, "Tensor on device cpu is not on the expected device meta!", after the projections
-    ran: a ValueError naming cache, before any work. A device without an index (``cuda``) is the
-    current one, where torch put the cache's buffers: ``cuda`` is ``cuda:0`` there, not ``cuda:1``."""
-    if _indexed(cache.device) != _indexed(x.device):
+    ran: a ValueError naming cache, before any work. A qkmla cache's ``device`` is where its buffers
+    are (``cuda`` resolved to ``cuda:0`` or the current one when it was built); a device without an
+    index, another object's, matches every index of its kind."""
+    c, d = cache.device, x.device
+    if c.type != d.type or (c.index is not None and d.index is not None and c.index != d.index):
         raise ValueError(f"cache: its buffers are on {cache.device} and x is on {x.device}; build the cache with "
                          f"device=x.device (LatentCache.from_config(config, ..., device=...))")
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``device`` with the index torch gives a device named without one (the current one)."""
-    if device.index is not None or device.type in ("cpu", "meta"):
-        return device
-    module = getattr(torch, device.type, None)
-    current = getattr(module, "current_device", None)
-    try:
-        return torch.device(device.type, current()) if current is not None else device
-    except (RuntimeError, AssertionError):  # no such accelerator here: nothing allocated on it either
-        return device
 
 
 def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: str = "positions",

@@ -109,17 +109,20 @@ class SequenceCache:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.batch_size, self.capacity = batch_size, capacity
-        self.device = check_device("device", device, meta=True)
+        device = check_device("device", device, meta=True)
         # A Layout instance: the class itself (layout=ContiguousLayout) failed in a buffer's size
         # arithmetic, "unsupported operand type(s) for *: 'int' and 'torch.dtype'".
         if layout is not None and not isinstance(layout, Layout):
             raise ValueError(f"layout: expected a ContiguousLayout() or PagedLayout(...) instance, or None, got "
                              f"{layout!r:.80}")
         check_allocation("batch_size", 24 * batch_size, f"the lengths and positions of {batch_size} sequences",
-                         self.device)
+                         device)
         self.layout = layout if layout is not None else ContiguousLayout()
         self.fields: dict[str, TokenBuffer] = {}
-        self.seqlens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.seqlens = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # The device torch put the buffers on: "cuda" names the current one (cuda:0 or another), "cpu:0"
+        # is "cpu", "mps" is "mps:0"; a forward compares it with its input's (check_cache_device).
+        self.device = self.seqlens.device
         self.next_positions = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.max_len = 0
         self.uniform = True

@@ -97,10 +97,11 @@ def check_weights(name: str, shapes, what: str) -> None:
 
     shapes = [tuple(shape) for shape in shapes]
     if any(math.prod(shape) * torch.get_default_dtype().itemsize >= 2**63 for shape in shapes):
-        raise ValueError(f"{name}: {what} hold a tensor of more than 2**63 bytes, which torch cannot make on any "
+        raise ValueError(f"{name}: {what} hold a tensor of 2**63 bytes or more, which torch cannot make on any "
                          "device; use smaller sizes")
+    # torch.get_default_device() ignores `with torch.device("meta")` before torch 2.8; a new tensor does not
     check_allocation(name, torch.get_default_dtype().itemsize * sum(math.prod(s) for s in shapes), what,
-                     torch.get_default_device())
+                     torch.empty(0).device)
 
 
 def check_allocation(name: str, needed: int, what: str, device=None) -> None:
