@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -436,9 +435,13 @@ def read_calibration_ids(tokenizer, path, tokens: Optional[int]) -> torch.Tensor
     try:
         with open(path, encoding="utf-8") as f:
             # A tokenizer gives at most one token per character and more per word: 64 characters a token
-            # is ample, not the whole file; and never more than the file holds (a UTF-8 character is at
-            # least a byte), since read(n) makes a buffer of n (a count near 2**63 overflowed it).
-            text = f.read(min(64 * wanted, os.fstat(f.fileno()).st_size))
+            # is ample, not the whole file. Read in pieces, since read(n) makes a buffer of n (a count
+            # near 2**63 overflowed it) and a file's size can read 0 while it holds text (/proc, FUSE).
+            parts, read = [], 0
+            while read < 64 * wanted and (part := f.read(min(64 * wanted - read, 1 << 20))):
+                parts.append(part)
+                read += len(part)
+            text = "".join(parts)
     except UnicodeDecodeError as e:
         raise ValueError(f"calibration_text: cannot read {path} as UTF-8 text ({e}); give the text in "
                          "UTF-8") from None
