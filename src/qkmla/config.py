@@ -18,6 +18,7 @@ from typing import Optional
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
+from .utils.checked import is_number
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
@@ -74,9 +75,8 @@ def check_bool(name: str, value) -> None:
 
 
 def _check_softmax_scale(softmax_scale) -> None:
-    # bool is an int to Python: softmax_scale=True was taken as a logit scale of 1.0
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not softmax_scale > 0 or not math.isfinite(softmax_scale)):
+    if softmax_scale is not None and (not is_number(softmax_scale) or not softmax_scale > 0
+                                      or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
 
 
@@ -120,9 +120,9 @@ class QKNormConfig:
             raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
         if self.mode not in QK_NORM_MODES:
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {self.mode!r}")
-        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not math.isfinite(self.p) or self.p < 1:
+        if not is_number(self.p) or not math.isfinite(self.p) or self.p < 1:
             raise ValueError(f"p: expected a finite number >= 1 (a norm needs p >= 1), got {self.p!r}")
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not math.isfinite(self.eps) \
+        if not is_number(self.eps) or not math.isfinite(self.eps) \
                 or self.eps < 0:
             raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
         if self.scope not in QK_NORM_SCOPES:
@@ -186,7 +186,7 @@ def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     is a finite positive number."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
+    if not is_number(rope_theta) or not 0 < rope_theta < math.inf:
         raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
 
 
@@ -249,7 +249,7 @@ class MLAConfig:
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         _check_softmax_scale(self.softmax_scale)
-        if isinstance(self.latent_norm_eps, bool) or not isinstance(self.latent_norm_eps, (int, float)) \
+        if not is_number(self.latent_norm_eps) \
                 or not 0 <= self.latent_norm_eps < math.inf:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
@@ -403,7 +403,7 @@ class SharedKVConfig:
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
         check_bool("attention_sinks", self.attention_sinks)
         _check_softmax_scale(self.softmax_scale)
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) \
+        if not is_number(self.norm_eps) \
                 or not 0 <= self.norm_eps < math.inf:
             raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
 

@@ -62,9 +62,8 @@ _BIASED = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")  # the projections attent
 
 def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
     """Freshly initialized projections and latent norms for ``c``."""
-    shapes = projection_shapes(c)
     modules = {}
-    for name, shape in shapes.items():
+    for name, shape in projection_shapes(c).items():
         if name.endswith("layernorm"):
             modules[name] = nn.RMSNorm(shape[0], eps=c.latent_norm_eps)
         else:

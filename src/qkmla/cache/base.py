@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..utils.checked import is_number
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
@@ -86,6 +87,15 @@ def check_dtype(name: str, dtype) -> None:
                          f"needs its per-tile scales: LatentCache(..., kv_format='fp8')")
 
 
+def _integers(name: str, values, device, expected: str) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``; a ValueError naming ``name`` for floats, complex
+    numbers or bools, which ``.long()`` would truncate or take as 0/1 without a word."""
+    values = torch.as_tensor(values, device=device)
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise ValueError(f"{name}: expected {expected}, got {values.dtype}")
+    return values.long()
+
+
 class SequenceCache:
     """Base of every cache: B sequences of at most ``capacity`` tokens, named fields.
 
@@ -134,7 +144,7 @@ class SequenceCache:
 
     def _add_field(self, name: str, width: int, dtype: torch.dtype, fill: float) -> None:
         # fill='x' failed in torch.full ("argument 'fill_value' must be Number, not str"), naming no argument
-        if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        if not is_number(fill):
             raise ValueError(f"fill: expected a number (the value of never-written slots, e.g. 0.0 or float('nan')), "
                              f"got {fill!r:.80}")
         self.fields[name] = self.layout.buffer(self.batch_size, self.capacity, width, dtype, self.device, fill)
@@ -320,12 +330,9 @@ class SequenceCache:
         reorder, ``num_return_sequences``' repeat). Every field and per-sequence state moves
         together; the batch size becomes B'."""
         buffers = self._contiguous_buffers("select_sequences")
-        indices = torch.as_tensor(indices, device=self.device)
-        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-            # .long() truncated [0.7, 1.2] to [0, 1]: other sequences kept, silently; and a transformers
-            # cache's reorder_cache(float beam_idx) moved the rows here, then failed on its own column mask
-            raise ValueError(f"indices: expected an integer tensor of sequence indices, got {indices.dtype}")
-        indices = indices.long()
+        # .long() truncated [0.7, 1.2] to [0, 1]: other sequences kept, silently; and a transformers
+        # cache's reorder_cache(float beam_idx) moved the rows here, then failed on its own column mask
+        indices = _integers("indices", indices, self.device, "an integer tensor of sequence indices")
         if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
             shown = indices.tolist() if indices.numel() <= 16 else f"a tensor of shape {tuple(indices.shape)}"
             raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
@@ -369,11 +376,8 @@ class SequenceCache:
     def drop_last(self, counts: torch.Tensor) -> None:
         """Forget the last ``counts[b]`` tokens of each sequence b (a rollback: speculative
         decoding's rejected tokens). Refused once an eviction policy has moved tokens."""
-        counts = torch.as_tensor(counts, device=self.device)
-        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
-            # .long() truncated 0.5 to 0: a rollback that dropped nothing, without a word
-            raise ValueError(f"counts: expected integer token counts [{self.batch_size}], got {counts.dtype}")
-        counts = counts.long()
+        # .long() truncated 0.5 to 0: a rollback that dropped nothing, without a word
+        counts = _integers("counts", counts, self.device, f"integer token counts [{self.batch_size}]")
         if counts.shape != (self.batch_size,) or bool((counts < 0).any()) or bool((counts > self.seqlens).any()):
             raise ValueError(f"counts: expected [{self.batch_size}] non-negative counts no larger than the cached "
                              f"lengths {self.seqlens.tolist()}, got {counts.tolist()}")

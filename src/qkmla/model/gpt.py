@@ -42,6 +42,7 @@ from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
+from ..utils.checked import is_number
 from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
@@ -103,11 +104,11 @@ class GPTConfig:
         # and a negative width would be refused later under the derived field's name (head_dim).
         for name in ("n_kv_head", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "shared_kv_dim"):
             check_positive_int(name, getattr(self, name), allow_none=True)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or \
+        if not is_number(self.dropout) or \
                 not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
         ratio = self.mlp_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) or \
+        if not is_number(ratio) or not math.isfinite(ratio) or \
                 int(ratio * self.n_embd) < 1:
             raise ValueError(f"mlp_ratio: expected a finite number with mlp_ratio x n_embd >= 1 (the MLP's width; "
                              f"n_embd={self.n_embd}), got {ratio!r}")

@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import functools
 
+def is_number(value) -> bool:
+    """An int or a float, not a bool: Python counts True as the int 1, so a switch given where a
+    number belongs (``softmax_scale=True``) passed ``isinstance(value, (int, float))`` as 1.0."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 # ids of the objects whose constructor is running: only they may set fields unchecked. (Kept
 # out of the objects themselves, whose __dict__ callers may pass back as keyword arguments.)
 _constructing: set = set()

@@ -68,6 +68,7 @@ from ...utils.files import (check_path, check_writable, clear_stale, directory_s
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
 from ..hub.config import hf_rope  # noqa: E402
 from ..hub.checkpoint import check_norm_tensors  # noqa: E402
+from ..hub.output import check_checkpoint_out  # noqa: E402
 from ..hub.record import (QK_MODEL_TYPES, declaration, describe, record_norm, recorded_groups,  # noqa: E402
                           recorded_norm, stock_model_type, write_code)
 from .attention import QKAttention  # noqa: E402
@@ -364,8 +365,6 @@ def check_export_out(out_dir, overwrite: bool, source=None) -> Path:
     file, a training run and a directory of notes whole), and a parent it cannot write in (a bare
     PermissionError after the model was converted). A link of the user's own is followed
     (:func:`~qkmla.utils.files.output_directory`)."""
-    from ..hub.output import check_checkpoint_out
-
     given = check_path("out_dir", out_dir, "checkpoint directory")
     out = output_directory("out_dir", given)
     clear_stale(out)  # what an export killed outright left, so that out is checked as it really is

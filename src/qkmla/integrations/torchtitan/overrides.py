@@ -38,6 +38,7 @@ from torchtitan.models.common.attention import BaseAttention  # noqa: E402
 from torchtitan.models.deepseek_v3.model import Attention  # noqa: E402
 
 from ...config import QKNormConfig  # noqa: E402
+from ...utils.checked import is_number  # noqa: E402
 from .attention import QKAttention  # noqa: E402
 from .clip import QKClipOptimizersContainer  # noqa: E402
 from .metrics import MaxLogitMetricsProcessor  # noqa: E402
@@ -76,7 +77,7 @@ def qk_norm(cfg, *, kind: str = "rms", mode: str = "blockwise", p: float = 2.0, 
           description="qkmla: QK-Clip (MuonClip) thresholds on DeepSeek-V3 MLA; needs qk_clip_optimizer")
 def qk_clip(cfg, *, tau: float = 100.0) -> QKAttention.Config:
     _deepseek(cfg, "qk_clip")
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < float("inf"):
+    if not is_number(tau) or not 0 < tau < float("inf"):
         raise ValueError(f"qk_clip: tau: expected a finite positive threshold (Kimi K2: 100), got {tau!r}")
     return derive(cfg, QKAttention.Config, qk_clip_tau=tau)
 

@@ -30,6 +30,7 @@ from torch import nn
 from ...attention.mla import projection_shapes
 from ...config import check_positive_int
 from ...norms import QKNorm
+from ...utils.checked import is_number
 from .patched import inner_model, latent_layers, model_settings
 
 DEFAULT_TARGETS = ("q_b_proj", "kv_b_proj", "o_proj")
@@ -124,11 +125,11 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     # Checked here, before PEFT's own: LoraConfig(r=0) was accepted and failed only in get_peft_model, and a
     # NaN alpha or a dropout of 2.0 not at all (a NaN adapter scale; every activation dropped).
     check_positive_int("r", r)
-    if isinstance(lora_alpha, bool) or not isinstance(lora_alpha, (int, float)) or not math.isfinite(lora_alpha) \
+    if not is_number(lora_alpha) or not math.isfinite(lora_alpha) \
             or lora_alpha <= 0:
         raise ValueError(f"lora_alpha: expected a finite number > 0 (the adapters' scale is lora_alpha / r), "
                          f"got {lora_alpha!r}")
-    if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+    if not is_number(lora_dropout) or not 0 <= lora_dropout < 1:
         raise ValueError(f"lora_dropout: expected a probability in [0, 1), got {lora_dropout!r}")
     config = latent_layers(model)[0].config
     names = _check_targets(targets, config)

@@ -37,6 +37,7 @@ from typing import Optional, Union
 import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
+from ...utils.checked import is_number
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
@@ -202,7 +203,7 @@ def check_softmax_scale(softmax_scale, H: int) -> None:
     # A float is a logit scale tau > 0, as MLAConfig's softmax_scale is: 0 makes every visible slot
     # equally likely and a negative one inverts the softmax, answers no caller means. (A tensor
     # [H] is a learned per-head scale, which training may carry through 0; only finite is asked.)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+    if not is_number(softmax_scale) \
             or not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
