@@ -2759,6 +2759,63 @@ def probe9b_rows():
     ]
 
 
+def probe10b_rows():
+    """The tenth probe's failures in the Python API (issue 56, probe 10b: fresh probes of the constructors,
+    the decode op and the integrations)."""
+
+    def convert_overwrite_given_as_a_string(env, hf):
+        """Probe k08 (and t09, torchtitan's export_hf, which shares the check): ``convert_checkpoint(src, out,
+        overwrite="no")`` is truthy, and replaced the conversion already in ``out`` (an l2 checkpoint became an
+        rms one) without a word. Refused now naming overwrite, before anything is read or written."""
+        from qkmla.convert import convert_checkpoint
+
+        out = env.tmp / "converted"
+        convert_checkpoint(hf, out, qk_norm="l2", calibration_tokens=0)
+        before = snapshot(out)
+        for value in ("no", "False", 0, None):
+            raises(lambda v=value: convert_checkpoint(hf, out, qk_norm="rms", calibration_tokens=0, overwrite=v),
+                   ValueError, f"^overwrite: expected True or False, got {re.escape(repr(value))}")
+        assert snapshot(out) == before and sorted(p.name for p in env.tmp.iterdir()) == ["converted"]
+        convert_checkpoint(hf, out, qk_norm="rms", calibration_tokens=0, overwrite=True)  # the bool still works
+        assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"]["kind"] == "rms"
+
+    def train_switches_given_as_strings(env):
+        """Probe k08's kin in TrainConfig: ``TrainConfig(out=run, overwrite="no")`` (or resume="no",
+        progress="no", fsdp="no", log_heads="no") was taken as True: a run already in out replaced, a run
+        resumed, a run sharded, unasked. Refused now naming the field."""
+        from qkmla.train.config import TrainConfig
+
+        for field in ("overwrite", "resume", "progress", "fsdp", "log_heads"):
+            for value in ("no", 1, None):
+                raises(lambda f=field, v=value: TrainConfig(preset="debug", out=str(env.tmp / "r"), **{f: v}),
+                       ValueError, f"^{field}: expected True or False, got {re.escape(repr(value))}")
+        assert TrainConfig(preset="debug", out=str(env.tmp / "r"), overwrite=True, progress=False).overwrite is True
+
+    def offloading_given_as_a_string(env):
+        """Probe h23: ``LatentAttentionCache(model, offloading="no")`` was truthy: a cache that moves its rows
+        to the CPU between forwards, unasked. Refused now naming offloading, as static is."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        config = transformers.DeepseekV3Config(
+            vocab_size=50, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1)
+        model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(config))
+        for value in ("no", 1, None):
+            raises(lambda v=value: LatentAttentionCache(model, offloading=v), ValueError,
+                   f"^offloading: expected True .* or False, got {re.escape(repr(value))}")
+        assert LatentAttentionCache(model, offloading=False).layers[0].offloading is False
+
+    return [
+        Row("convert", "output", "convert_checkpoint(overwrite='no'): a truthy string replaced the output",
+            convert_overwrite_given_as_a_string, hf=True),
+        Row("TrainConfig", "size", "overwrite / resume / progress / fsdp / log_heads = 'no' (truthy)",
+            train_switches_given_as_strings),
+        Row("LatentAttentionCache", "size", "offloading='no' (truthy)", offloading_given_as_a_string),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2787,7 +2844,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
