@@ -2791,6 +2791,32 @@ def probe10b_rows():
                        ValueError, f"^{field}: expected True or False, got {re.escape(repr(value))}")
         assert TrainConfig(preset="debug", out=str(env.tmp / "r"), overwrite=True, progress=False).overwrite is True
 
+    def full_cache_widths_after_construction(env):
+        """Probe c48: ``FullKVCache.k_dim = 4`` (num_kv_heads, v_dim) was taken after the buffers were
+        allocated for another width: the next forward was refused as a cache that does not match the layer,
+        or, beside a layer of the new width, wrote rows of the wrong width. Refused now, as LatentCache's."""
+        from qkmla.cache.full import FullKVCache
+
+        cache = FullKVCache(1, 8, 2, 16, 16)
+        for field, value in (("num_kv_heads", 1), ("k_dim", 4), ("v_dim", 4)):
+            raises(lambda f=field, v=value: setattr(cache, f, v), AttributeError, f"^{field}: the cache's buffers are "
+                   "allocated for")
+        assert (cache.num_kv_heads, cache.k_dim, cache.v_dim) == (2, 16, 16)
+        cache.grow(16)  # the sizes the cache resizes itself are still set by its own methods
+        assert cache.capacity == 16
+
+    def plan_negative_tokens(env):
+        """Probe c39: ``cache.plan(B, -1)`` reached torch.arange, "upper bound and lower bound inconsistent
+        with step sign", naming no argument; and plan(B, 2.5) the same way. Refused now naming num_tokens."""
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(2, 8, 16, 8)
+        for value in (-1, 2.5, True):
+            raises(lambda v=value: cache.plan(2, v), ValueError, f"^num_tokens: expected an int >= 0 .*got {value!r}$")
+        slot = cache.plan(2, 3)
+        cache.append(slot, c_kv=torch.zeros(2, 3, 16), k_rope=torch.zeros(2, 3, 8))
+        assert cache.seqlens.tolist() == [3, 3]
+
     def offloading_given_as_a_string(env):
         """Probe h23: ``LatentAttentionCache(model, offloading="no")`` was truthy: a cache that moves its rows
         to the CPU between forwards, unasked. Refused now naming offloading, as static is."""
@@ -2812,6 +2838,9 @@ def probe10b_rows():
             convert_overwrite_given_as_a_string, hf=True),
         Row("TrainConfig", "size", "overwrite / resume / progress / fsdp / log_heads = 'no' (truthy)",
             train_switches_given_as_strings),
+        Row("FullKVCache", "size", "num_kv_heads / k_dim / v_dim set after construction",
+            full_cache_widths_after_construction),
+        Row("LatentCache", "size", "plan(num_tokens=-1) (torch.arange's error)", plan_negative_tokens),
         Row("LatentAttentionCache", "size", "offloading='no' (truthy)", offloading_given_as_a_string),
     ]
 

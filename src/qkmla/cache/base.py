@@ -157,6 +157,11 @@ class SequenceCache:
         if batch_size != self.batch_size:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
+        # num_tokens=-1 reached torch.arange ("upper bound and lower bound inconsistent with step sign").
+        # A compiled forward passes x.shape[1] as a SymInt: taken as it is, not compared (a guard).
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) \
+                or (isinstance(num_tokens, int) and num_tokens < 0):
+            raise ValueError(f"num_tokens: expected an int >= 0 (the new tokens of each sequence), got {num_tokens!r}")
         start = self.seqlens
         steps = torch.arange(num_tokens, device=self.device)
         expected = self.next_positions[:, None] + steps
