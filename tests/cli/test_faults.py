@@ -2833,6 +2833,36 @@ def probe10b_rows():
                    f"^offloading: expected True .* or False, got {re.escape(repr(value))}")
         assert LatentAttentionCache(model, offloading=False).layers[0].offloading is False
 
+    def experiment_options_from_python(env):
+        """Probes r24-r26: ``run_experiment(experiment, Options(out, overwrite="no"))`` took the string as
+        True (another experiment's files in out replaced, or finished runs retrained), ``quick="no"`` ran
+        the quick grid, and ``workers=-1`` / ``seeds=0`` reached the grid's arithmetic. The command line
+        checks its flags; the Options a Python caller builds now check theirs, naming the field."""
+        from qkmla.experiments.base import Options
+
+        out = env.tmp / "exp"
+        for field, value in (("overwrite", "no"), ("quick", "no"), ("overwrite", None), ("quick", 1)):
+            raises(lambda f=field, v=value: Options(out=out, **{f: v}), ValueError,
+                   f"^{field}: expected True or False, got {re.escape(repr(value))}$")
+        for field, value in (("workers", -1), ("workers", 1.5), ("seeds", 0), ("seeds", True)):
+            raises(lambda f=field, v=value: Options(out=out, **{f: v}), ValueError,
+                   f"^{field}: expected .*got {re.escape(repr(value))}$")
+        assert not out.exists()
+        assert Options(out=out, quick=True, seeds=2, workers=1, overwrite=True).seed_list(5) == [1, 2]
+
+    def generate_temperature_given_as_a_bool(env):
+        """Probe r22: ``qkmla.model.generate.generate(model, prompts, 3, temperature=True)`` sampled at
+        temperature 1 (a bool is an int to isinstance): refused now, as max_new_tokens=True already was."""
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=32, block_size=32)).eval()
+        for value in (True, False, "0.5"):
+            raises(lambda v=value: generate(model, [[1, 2]], 3, temperature=v), ValueError,
+                   f"^temperature: expected a finite number >= 0 .*got {re.escape(repr(value))}$")
+        assert len(generate(model, [[1, 2]], 3, temperature=0.0)[0]) == 3
+
     return [
         Row("convert", "output", "convert_checkpoint(overwrite='no'): a truthy string replaced the output",
             convert_overwrite_given_as_a_string, hf=True),
@@ -2842,6 +2872,10 @@ def probe10b_rows():
             full_cache_widths_after_construction),
         Row("LatentCache", "size", "plan(num_tokens=-1) (torch.arange's error)", plan_negative_tokens),
         Row("LatentAttentionCache", "size", "offloading='no' (truthy)", offloading_given_as_a_string),
+        Row("experiment", "size", "Options(overwrite='no', quick='no', workers=-1, seeds=0) built from Python",
+            experiment_options_from_python),
+        Row("GPT", "size", "generate(model, prompts, n, temperature=True) (sampled at 1)",
+            generate_temperature_given_as_a_bool),
     ]
 
 
