@@ -54,7 +54,9 @@ CONSTRUCTORS = ("LatentCache", "FullKVCache", "PagedLayout", "GPTConfig", "GPT",
                 "SnapKV", "MLAConfig", "QKNormConfig", "AttentionConfig", "CacheShape", "ScalarNorm", "QKNorm",
                 # and the public callables whose arguments size or steer the work: the decode op, the
                 # transformers adapter's cache
-                "mla_decode_with_kvcache", "LatentAttentionCache")
+                "mla_decode_with_kvcache", "LatentAttentionCache",
+                # the layers' own parts a user may build alone: RoPE, and DeepSeek-V4's shared key=value cache
+                "RotaryEmbedding", "SharedKVCache")
 # The public classes that are not constructors of the table: each with the reason. A public class
 # in neither (a new cache, config or policy) fails test_every_public_class_is_a_constructor_or_has_a_reason.
 NOT_CONSTRUCTORS = {
@@ -2863,6 +2865,53 @@ def probe10b_rows():
                    f"^temperature: expected a finite number >= 0 .*got {re.escape(repr(value))}$")
         assert len(generate(model, [[1, 2]], 3, temperature=0.0)[0]) == 3
 
+    def rope_arguments(env):
+        """Probes x01-x08, x12: ``RotaryEmbedding(0)`` built an empty module, ``dim=-2`` failed in torch.arange,
+        ``dim=8.0`` was taken, ``theta=0`` / ``-5`` / NaN made inf or NaN frequencies without a word,
+        ``interleave="no"`` (truthy) rotated pairs, and ``scaling={"factor": 4}`` failed as "'dict' object has no
+        attribute 'inv_freq'"; ``rope.theta = -1`` after construction changed only the repr. Each is refused
+        naming the argument (as MLAConfig refuses its RoPE), and the four are fixed once made."""
+        from qkmla.rope import RotaryEmbedding
+
+        for kwargs, match in ((dict(dim=0), "^dim: expected a positive even int"), (dict(dim=-2), "^dim: "),
+                              (dict(dim=8.0), "^dim: "), (dict(dim=7), "^dim: "), (dict(dim=True), "^dim: "),
+                              (dict(dim=8, theta=0.0), "^theta: expected a finite number > 0"),
+                              (dict(dim=8, theta=-5.0), "^theta: "), (dict(dim=8, theta=math.nan), "^theta: "),
+                              (dict(dim=8, interleave="no"), "^interleave: expected True .* or False"),
+                              (dict(dim=8, scaling={"factor": 4}), "^scaling: expected None or a YarnScaling")):
+            raises(lambda k=kwargs: RotaryEmbedding(**k), ValueError, match)
+        rope = RotaryEmbedding(8, theta=100)
+        x = torch.randn(1, 3, 2, 8)
+        before = rope(x, torch.arange(3))
+        for field, value in (("theta", -1.0), ("dim", 4), ("interleave", False), ("scaling", None)):
+            raises(lambda f=field, v=value: setattr(rope, f, v), AttributeError, f"^{field}: a RotaryEmbedding's")
+        assert torch.equal(rope(x, torch.arange(3)), before) and rope.theta == 100.0
+        assert rope.double().inv_freq.dtype == torch.float64  # moving it still rebuilds its buffer
+
+    def shared_kv_cache_width_after_construction(env):
+        """Probe x14: ``SharedKVCache(1, 4, 8).head_dim = 4`` was taken after its buffer was allocated for 8
+        (as FullKVCache's widths were, probe c48)."""
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        cache = SharedKVCache(1, 4, 8)
+        raises(lambda: setattr(cache, "head_dim", 4), AttributeError, "^head_dim: the cache's buffers are allocated")
+        assert cache.head_dim == 8
+
+    def decode_of_empty_widths(env):
+        """Probe x17: ``row_format("int8", 0, 8)`` (and so ``mla_decode_with_kvcache`` with queries of d_c = 0 over
+        int8 rows) failed with "integer division or modulo by zero" from a quantized row's arithmetic."""
+        from qkmla.kv_formats import row_format
+        from qkmla.ops.mla_decode.interface import mla_decode_with_kvcache
+
+        for fmt in ("dense", "int8", "int4", "fp8"):
+            raises(lambda f=fmt: row_format(f, 0, 8), ValueError, "^kv_lora_rank: expected an int >= 1, got 0")
+            raises(lambda f=fmt: row_format(f, 16, -2), ValueError, "^qk_rope_head_dim: expected an int >= 0, got -2")
+        kv = torch.zeros(1, 4, 16, dtype=torch.uint8)
+        raises(lambda: mla_decode_with_kvcache(torch.randn(1, 1, 2, 0), torch.randn(1, 1, 2, 8), kv, None,
+                                               torch.tensor([2]), softmax_scale=0.3, kv_format="int8"),
+               ValueError, r"^q_lat: expected a latent width d_c >= 1 \(\[B, S_q, H, d_c\]\), got \(1, 1, 2, 0\)")
+        assert row_format("int8", 16, 8).width > 0 and row_format("int8", 16, 0).width > 0  # no RoPE part: sizes
+
     return [
         Row("convert", "output", "convert_checkpoint(overwrite='no'): a truthy string replaced the output",
             convert_overwrite_given_as_a_string, hf=True),
@@ -2876,6 +2925,11 @@ def probe10b_rows():
             experiment_options_from_python),
         Row("GPT", "size", "generate(model, prompts, n, temperature=True) (sampled at 1)",
             generate_temperature_given_as_a_bool),
+        Row("RotaryEmbedding", "size", "dim=0 / -2 / 8.0, theta=0 / -5 / NaN, interleave='no', scaling={...}; "
+            "theta set after construction", rope_arguments),
+        Row("SharedKVCache", "size", "head_dim set after construction", shared_kv_cache_width_after_construction),
+        Row("mla_decode_with_kvcache", "size", "q_lat of d_c = 0 over int8 rows (ZeroDivisionError)",
+            decode_of_empty_widths),
     ]
 
 
