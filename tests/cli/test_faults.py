@@ -2912,6 +2912,33 @@ def probe10b_rows():
                ValueError, r"^q_lat: expected a latent width d_c >= 1 \(\[B, S_q, H, d_c\]\), got \(1, 1, 2, 0\)")
         assert row_format("int8", 16, 8).width > 0 and row_format("int8", 16, 0).width > 0  # no RoPE part: sizes
 
+    def deepcopy_of_a_cache_with_autograd_history(env):
+        """Probe y11: ``copy.deepcopy(cache)`` of a cache an MLA forward filled with gradients on (rows with
+        autograd history: a cache may be trained through) failed in torch: "Only Tensors created explicitly by
+        the user (graph leaves) support the deepcopy protocol ... weight_norm", naming neither the cache nor
+        the way out. Refused now in one line naming the cache's rows and torch.no_grad(); a cache filled
+        without history copies as before, independent of the original."""
+        import copy
+
+        from qkmla.attention import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        config = MLAConfig(decode_backend="torch")
+        torch.manual_seed(0)
+        layer = MLA(config).eval()
+        cache = LatentCache.from_config(config, 1, 8)
+        layer(torch.randn(1, 3, 64), cache)
+        raises(lambda: copy.deepcopy(cache), RuntimeError, r"^cache: its latent, key_scale rows carry autograd "
+               r"history .* fill the cache under torch.no_grad\(\) to copy it")
+        plain = LatentCache.from_config(config, 1, 8)
+        with torch.no_grad():
+            layer(torch.randn(1, 3, 64), plain)
+            twin = copy.deepcopy(plain)
+            layer(torch.randn(1, 1, 64), twin)
+        assert plain.seqlens.tolist() == [3] and twin.seqlens.tolist() == [4]
+        assert torch.equal(twin.load()[0][:, :3], plain.load()[0])
+
     return [
         Row("convert", "output", "convert_checkpoint(overwrite='no'): a truthy string replaced the output",
             convert_overwrite_given_as_a_string, hf=True),
@@ -2928,6 +2955,8 @@ def probe10b_rows():
         Row("RotaryEmbedding", "size", "dim=0 / -2 / 8.0, theta=0 / -5 / NaN, interleave='no', scaling={...}; "
             "theta set after construction", rope_arguments),
         Row("SharedKVCache", "size", "head_dim set after construction", shared_kv_cache_width_after_construction),
+        Row("LatentCache", "size", "deepcopy after a forward with gradients on (torch's weight_norm message)",
+            deepcopy_of_a_cache_with_autograd_history),
         Row("mla_decode_with_kvcache", "size", "q_lat of d_c = 0 over int8 rows (ZeroDivisionError)",
             decode_of_empty_widths),
     ]
