@@ -265,4 +265,11 @@ def row_format(kv_format, kv_lora_rank: int, qk_rope_head_dim: int) -> DenseRows
                              f"d_r={qk_rope_head_dim}")
         return kv_format
     check_kv_format(kv_format)
+    # kv_lora_rank=0 failed in a quantized row's block arithmetic ("integer division or modulo by zero").
+    # A RoPE part may be empty (cache-size's arithmetic of vectors without one). The decode op passes its
+    # queries' widths, SymInts in a forward compiled with dynamic shapes: those are not compared.
+    for name, width, low in (("kv_lora_rank", kv_lora_rank, 1), ("qk_rope_head_dim", qk_rope_head_dim, 0)):
+        if isinstance(width, bool) or not isinstance(width, (int, torch.SymInt)) or (isinstance(width, int)
+                                                                                        and width < low):
+            raise ValueError(f"{name}: expected an int >= {low}, got {width!r}")
     return ROW_FORMATS[kv_format](kv_lora_rank, qk_rope_head_dim)

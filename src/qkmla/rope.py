@@ -185,12 +185,25 @@ class RotaryEmbedding(nn.Module):
         scaling: None for plain RoPE, or a :class:`YarnScaling`.
     """
 
+    # Fixed once made: the frequencies are computed from them here, so theta or dim set later changed
+    # nothing but the repr, and interleave set later ("no", truthy) rotated another layout.
+    FIXED = ("dim", "theta", "interleave", "scaling")
+
     def __init__(self, dim: int, theta: float = 10000.0, interleave: bool = True,
                  scaling: Optional[YarnScaling] = None):
         super().__init__()
-        if dim % 2:
-            raise ValueError(f"dim: RoPE rotates pairs, so it must be even, got {dim}")
-        self.dim, self.theta, self.interleave, self.scaling = dim, float(theta), interleave, scaling
+        # Checked as MLAConfig checks its RoPE: dim=0 built an empty module, dim=-2 failed in torch.arange,
+        # theta=0 or -5 made inf/NaN frequencies without a word, scaling={...} failed as a dict's attribute.
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+            raise ValueError(f"dim: expected a positive even int (RoPE rotates pairs), got {dim!r}")
+        _number("theta", theta, 0, strict=True)
+        if not isinstance(interleave, bool):
+            raise ValueError(f"interleave: expected True (pairs) or False (halves), got {interleave!r}")
+        if scaling is not None and not isinstance(scaling, YarnScaling):
+            raise ValueError(f"scaling: expected None or a YarnScaling (rope_scaling_from converts an HF dict), "
+                             f"got {scaling!r:.80}")
+        for name, value in zip(self.FIXED, (dim, float(theta), interleave, scaling)):
+            object.__setattr__(self, name, value)
         if scaling is None:
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
             self.attention_factor = 1.0
@@ -205,6 +218,12 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq64 = inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._inv_freq_made = self.inv_freq
+
+    def __setattr__(self, name, value):
+        if name in self.FIXED and name in self.__dict__:
+            raise AttributeError(f"{name}: a RotaryEmbedding's frequencies are computed from it when it is made; "
+                                 f"make a new one with {name}={value!r:.40}")
+        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

@@ -54,7 +54,9 @@ CONSTRUCTORS = ("LatentCache", "FullKVCache", "PagedLayout", "GPTConfig", "GPT",
                 "SnapKV", "MLAConfig", "QKNormConfig", "AttentionConfig", "CacheShape", "ScalarNorm", "QKNorm",
                 # and the public callables whose arguments size or steer the work: the decode op, the
                 # transformers adapter's cache
-                "mla_decode_with_kvcache", "LatentAttentionCache")
+                "mla_decode_with_kvcache", "LatentAttentionCache",
+                # the layers' own parts a user may build alone: RoPE, and DeepSeek-V4's shared key=value cache
+                "RotaryEmbedding", "SharedKVCache")
 # The public classes that are not constructors of the table: each with the reason. A public class
 # in neither (a new cache, config or policy) fails test_every_public_class_is_a_constructor_or_has_a_reason.
 NOT_CONSTRUCTORS = {
@@ -2759,6 +2761,207 @@ def probe9b_rows():
     ]
 
 
+def probe10b_rows():
+    """The tenth probe's failures in the Python API (issue 56, probe 10b: fresh probes of the constructors,
+    the decode op and the integrations)."""
+
+    def convert_overwrite_given_as_a_string(env, hf):
+        """Probe k08 (and t09, torchtitan's export_hf, which shares the check): ``convert_checkpoint(src, out,
+        overwrite="no")`` is truthy, and replaced the conversion already in ``out`` (an l2 checkpoint became an
+        rms one) without a word. Refused now naming overwrite, before anything is read or written."""
+        from qkmla.convert import convert_checkpoint
+
+        out = env.tmp / "converted"
+        convert_checkpoint(hf, out, qk_norm="l2", calibration_tokens=0)
+        before = snapshot(out)
+        for value in ("no", "False", 0, None):
+            raises(lambda v=value: convert_checkpoint(hf, out, qk_norm="rms", calibration_tokens=0, overwrite=v),
+                   ValueError, f"^overwrite: expected True or False, got {re.escape(repr(value))}")
+        assert snapshot(out) == before and sorted(p.name for p in env.tmp.iterdir()) == ["converted"]
+        convert_checkpoint(hf, out, qk_norm="rms", calibration_tokens=0, overwrite=True)  # the bool still works
+        assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"]["kind"] == "rms"
+
+    def train_switches_given_as_strings(env):
+        """Probe k08's kin in TrainConfig: ``TrainConfig(out=run, overwrite="no")`` (or resume="no",
+        progress="no", fsdp="no", log_heads="no") was taken as True: a run already in out replaced, a run
+        resumed, a run sharded, unasked. Refused now naming the field."""
+        from qkmla.train.config import TrainConfig
+
+        for field in ("overwrite", "resume", "progress", "fsdp", "log_heads"):
+            for value in ("no", 1, None):
+                raises(lambda f=field, v=value: TrainConfig(preset="debug", out=str(env.tmp / "r"), **{f: v}),
+                       ValueError, f"^{field}: expected True or False, got {re.escape(repr(value))}")
+        assert TrainConfig(preset="debug", out=str(env.tmp / "r"), overwrite=True, progress=False).overwrite is True
+
+    def full_cache_widths_after_construction(env):
+        """Probe c48: ``FullKVCache.k_dim = 4`` (num_kv_heads, v_dim) was taken after the buffers were
+        allocated for another width: the next forward was refused as a cache that does not match the layer,
+        or, beside a layer of the new width, wrote rows of the wrong width. Refused now, as LatentCache's."""
+        from qkmla.cache.full import FullKVCache
+
+        cache = FullKVCache(1, 8, 2, 16, 16)
+        for field, value in (("num_kv_heads", 1), ("k_dim", 4), ("v_dim", 4)):
+            raises(lambda f=field, v=value: setattr(cache, f, v), AttributeError, f"^{field}: the cache's buffers are "
+                   "allocated for")
+        assert (cache.num_kv_heads, cache.k_dim, cache.v_dim) == (2, 16, 16)
+        cache.grow(16)  # the sizes the cache resizes itself are still set by its own methods
+        assert cache.capacity == 16
+
+    def plan_negative_tokens(env):
+        """Probe c39: ``cache.plan(B, -1)`` reached torch.arange, "upper bound and lower bound inconsistent
+        with step sign", naming no argument; and plan(B, 2.5) the same way. Refused now naming num_tokens."""
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(2, 8, 16, 8)
+        for value in (-1, 2.5, True):
+            raises(lambda v=value: cache.plan(2, v), ValueError, f"^num_tokens: expected an int >= 0 .*got {value!r}$")
+        slot = cache.plan(2, 3)
+        cache.append(slot, c_kv=torch.zeros(2, 3, 16), k_rope=torch.zeros(2, 3, 8))
+        assert cache.seqlens.tolist() == [3, 3]
+
+    def offloading_given_as_a_string(env):
+        """Probe h23: ``LatentAttentionCache(model, offloading="no")`` was truthy: a cache that moves its rows
+        to the CPU between forwards, unasked. Refused now naming offloading, as static is."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        config = transformers.DeepseekV3Config(
+            vocab_size=50, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1)
+        model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(config))
+        for value in ("no", 1, None):
+            raises(lambda v=value: LatentAttentionCache(model, offloading=v), ValueError,
+                   f"^offloading: expected True .* or False, got {re.escape(repr(value))}")
+        assert LatentAttentionCache(model, offloading=False).layers[0].offloading is False
+
+    def experiment_options_from_python(env):
+        """Probes r24-r26: ``run_experiment(experiment, Options(out, overwrite="no"))`` took the string as
+        True (another experiment's files in out replaced, or finished runs retrained), ``quick="no"`` ran
+        the quick grid, and ``workers=-1`` / ``seeds=0`` reached the grid's arithmetic. The command line
+        checks its flags; the Options a Python caller builds now check theirs, naming the field."""
+        from qkmla.experiments.base import Options
+
+        out = env.tmp / "exp"
+        for field, value in (("overwrite", "no"), ("quick", "no"), ("overwrite", None), ("quick", 1)):
+            raises(lambda f=field, v=value: Options(out=out, **{f: v}), ValueError,
+                   f"^{field}: expected True or False, got {re.escape(repr(value))}$")
+        for field, value in (("workers", -1), ("workers", 1.5), ("seeds", 0), ("seeds", True)):
+            raises(lambda f=field, v=value: Options(out=out, **{f: v}), ValueError,
+                   f"^{field}: expected .*got {re.escape(repr(value))}$")
+        assert not out.exists()
+        assert Options(out=out, quick=True, seeds=2, workers=1, overwrite=True).seed_list(5) == [1, 2]
+
+    def generate_temperature_given_as_a_bool(env):
+        """Probe r22: ``qkmla.model.generate.generate(model, prompts, 3, temperature=True)`` sampled at
+        temperature 1 (a bool is an int to isinstance): refused now, as max_new_tokens=True already was."""
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=32, block_size=32)).eval()
+        for value in (True, False, "0.5"):
+            raises(lambda v=value: generate(model, [[1, 2]], 3, temperature=v), ValueError,
+                   f"^temperature: expected a finite number >= 0 .*got {re.escape(repr(value))}$")
+        assert len(generate(model, [[1, 2]], 3, temperature=0.0)[0]) == 3
+
+    def rope_arguments(env):
+        """Probes x01-x08, x12: ``RotaryEmbedding(0)`` built an empty module, ``dim=-2`` failed in torch.arange,
+        ``dim=8.0`` was taken, ``theta=0`` / ``-5`` / NaN made inf or NaN frequencies without a word,
+        ``interleave="no"`` (truthy) rotated pairs, and ``scaling={"factor": 4}`` failed as "'dict' object has no
+        attribute 'inv_freq'"; ``rope.theta = -1`` after construction changed only the repr. Each is refused
+        naming the argument (as MLAConfig refuses its RoPE), and the four are fixed once made."""
+        from qkmla.rope import RotaryEmbedding
+
+        for kwargs, match in ((dict(dim=0), "^dim: expected a positive even int"), (dict(dim=-2), "^dim: "),
+                              (dict(dim=8.0), "^dim: "), (dict(dim=7), "^dim: "), (dict(dim=True), "^dim: "),
+                              (dict(dim=8, theta=0.0), "^theta: expected a finite number > 0"),
+                              (dict(dim=8, theta=-5.0), "^theta: "), (dict(dim=8, theta=math.nan), "^theta: "),
+                              (dict(dim=8, interleave="no"), "^interleave: expected True .* or False"),
+                              (dict(dim=8, scaling={"factor": 4}), "^scaling: expected None or a YarnScaling")):
+            raises(lambda k=kwargs: RotaryEmbedding(**k), ValueError, match)
+        rope = RotaryEmbedding(8, theta=100)
+        x = torch.randn(1, 3, 2, 8)
+        before = rope(x, torch.arange(3))
+        for field, value in (("theta", -1.0), ("dim", 4), ("interleave", False), ("scaling", None)):
+            raises(lambda f=field, v=value: setattr(rope, f, v), AttributeError, f"^{field}: a RotaryEmbedding's")
+        assert torch.equal(rope(x, torch.arange(3)), before) and rope.theta == 100.0
+        assert rope.double().inv_freq.dtype == torch.float64  # moving it still rebuilds its buffer
+
+    def shared_kv_cache_width_after_construction(env):
+        """Probe x14: ``SharedKVCache(1, 4, 8).head_dim = 4`` was taken after its buffer was allocated for 8
+        (as FullKVCache's widths were, probe c48)."""
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        cache = SharedKVCache(1, 4, 8)
+        raises(lambda: setattr(cache, "head_dim", 4), AttributeError, "^head_dim: the cache's buffers are allocated")
+        assert cache.head_dim == 8
+
+    def decode_of_empty_widths(env):
+        """Probe x17: ``row_format("int8", 0, 8)`` (and so ``mla_decode_with_kvcache`` with queries of d_c = 0 over
+        int8 rows) failed with "integer division or modulo by zero" from a quantized row's arithmetic."""
+        from qkmla.kv_formats import row_format
+        from qkmla.ops.mla_decode.interface import mla_decode_with_kvcache
+
+        for fmt in ("dense", "int8", "int4", "fp8"):
+            raises(lambda f=fmt: row_format(f, 0, 8), ValueError, "^kv_lora_rank: expected an int >= 1, got 0")
+            raises(lambda f=fmt: row_format(f, 16, -2), ValueError, "^qk_rope_head_dim: expected an int >= 0, got -2")
+        kv = torch.zeros(1, 4, 16, dtype=torch.uint8)
+        raises(lambda: mla_decode_with_kvcache(torch.randn(1, 1, 2, 0), torch.randn(1, 1, 2, 8), kv, None,
+                                               torch.tensor([2]), softmax_scale=0.3, kv_format="int8"),
+               ValueError, r"^q_lat: expected a latent width d_c >= 1 \(\[B, S_q, H, d_c\]\), got \(1, 1, 2, 0\)")
+        assert row_format("int8", 16, 8).width > 0 and row_format("int8", 16, 0).width > 0  # no RoPE part: sizes
+
+    def deepcopy_of_a_cache_with_autograd_history(env):
+        """Probe y11: ``copy.deepcopy(cache)`` of a cache an MLA forward filled with gradients on (rows with
+        autograd history: a cache may be trained through) failed in torch: "Only Tensors created explicitly by
+        the user (graph leaves) support the deepcopy protocol ... weight_norm", naming neither the cache nor
+        the way out. Refused now in one line naming the cache's rows and torch.no_grad(); a cache filled
+        without history copies as before, independent of the original."""
+        import copy
+
+        from qkmla.attention import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        config = MLAConfig(decode_backend="torch")
+        torch.manual_seed(0)
+        layer = MLA(config).eval()
+        cache = LatentCache.from_config(config, 1, 8)
+        layer(torch.randn(1, 3, 64), cache)
+        raises(lambda: copy.deepcopy(cache), RuntimeError, r"^cache: its latent, key_scale rows carry autograd "
+               r"history .* fill the cache under torch.no_grad\(\) to copy it")
+        plain = LatentCache.from_config(config, 1, 8)
+        with torch.no_grad():
+            layer(torch.randn(1, 3, 64), plain)
+            twin = copy.deepcopy(plain)
+            layer(torch.randn(1, 1, 64), twin)
+        assert plain.seqlens.tolist() == [3] and twin.seqlens.tolist() == [4]
+        assert torch.equal(twin.load()[0][:, :3], plain.load()[0])
+
+    return [
+        Row("convert", "output", "convert_checkpoint(overwrite='no'): a truthy string replaced the output",
+            convert_overwrite_given_as_a_string, hf=True),
+        Row("TrainConfig", "size", "overwrite / resume / progress / fsdp / log_heads = 'no' (truthy)",
+            train_switches_given_as_strings),
+        Row("FullKVCache", "size", "num_kv_heads / k_dim / v_dim set after construction",
+            full_cache_widths_after_construction),
+        Row("LatentCache", "size", "plan(num_tokens=-1) (torch.arange's error)", plan_negative_tokens),
+        Row("LatentAttentionCache", "size", "offloading='no' (truthy)", offloading_given_as_a_string),
+        Row("experiment", "size", "Options(overwrite='no', quick='no', workers=-1, seeds=0) built from Python",
+            experiment_options_from_python),
+        Row("GPT", "size", "generate(model, prompts, n, temperature=True) (sampled at 1)",
+            generate_temperature_given_as_a_bool),
+        Row("RotaryEmbedding", "size", "dim=0 / -2 / 8.0, theta=0 / -5 / NaN, interleave='no', scaling={...}; "
+            "theta set after construction", rope_arguments),
+        Row("SharedKVCache", "size", "head_dim set after construction", shared_kv_cache_width_after_construction),
+        Row("LatentCache", "size", "deepcopy after a forward with gradients on (torch's weight_norm message)",
+            deepcopy_of_a_cache_with_autograd_history),
+        Row("mla_decode_with_kvcache", "size", "q_lat of d_c = 0 over int8 rows (ZeroDivisionError)",
+            decode_of_empty_widths),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2787,7 +2990,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -19,6 +19,7 @@ share one prefill call.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -114,6 +115,23 @@ class SequenceCache:
                                  f"{how.get(name, 'make a new cache with the value you want')}")
         object.__setattr__(self, name, value)
 
+    def __deepcopy__(self, memo):
+        # Rows written by a forward with gradients on carry autograd history (a cache may be trained
+        # through: test_mla), and torch refuses to deepcopy such a tensor with a message about weight_norm.
+        # Said here, with the way out; a copy that dropped the history would train its branch silently wrong.
+        held = [name for name, buf in self.fields.items()
+                if any(t is not None and t.grad_fn is not None for t in (getattr(buf, "data", None),
+                                                                        getattr(buf, "pool", None)))]
+        if held:
+            raise RuntimeError(f"cache: its {', '.join(held)} rows carry autograd history (written by a forward with "
+                               f"gradients enabled), which copy.deepcopy cannot copy; fill the cache under "
+                               f"torch.no_grad() to copy it (pickle keeps the values and drops the history)")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            object.__setattr__(new, name, copy.deepcopy(value, memo))
+        return new
+
     def __init__(self, batch_size: int, capacity: int, device=None, layout: Optional[Layout] = None):
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -157,6 +175,11 @@ class SequenceCache:
         if batch_size != self.batch_size:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
+        # num_tokens=-1 reached torch.arange ("upper bound and lower bound inconsistent with step sign").
+        # A compiled forward passes x.shape[1] as a SymInt: taken as it is, not compared (a guard).
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) \
+                or (isinstance(num_tokens, int) and num_tokens < 0):
+            raise ValueError(f"num_tokens: expected an int >= 0 (the new tokens of each sequence), got {num_tokens!r}")
         start = self.seqlens
         steps = torch.arange(num_tokens, device=self.device)
         expected = self.next_positions[:, None] + steps

@@ -14,6 +14,8 @@ from .storage import Layout
 class SharedKVCache(SequenceCache):
     """Shared key = value rows [B, S, D] of one layer."""
 
+    FIXED = SequenceCache.FIXED + ("head_dim",)  # its buffer's width, as FullKVCache's and LatentCache's
+
     def __init__(self, batch_size: int, capacity: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device=None, layout: Optional[Layout] = None, fill: float = 0.0):
         check_dims(head_dim=head_dim)

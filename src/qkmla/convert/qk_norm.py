@@ -27,7 +27,7 @@ import torch
 
 from ..config import QKNormConfig
 from ..utils.files import clear_stale, directory_state, make_directory, output_directory, write_directory
-from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
+from ..integrations.hub.checkpoint import CONFIG, check_utf8_path, load_tokenizer, read_hf_config
 from ..integrations.hub.output import check_checkpoint_out
 
 DEFAULT_CALIBRATION_TOKENS = 4096
@@ -56,14 +56,8 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
 
     src, out = Path(src), Path(out)
     for name, path in (("hf", src), ("out", out)):
-        # safetensors and tokenizers (Rust) take paths as UTF-8 strings: a name that is not UTF-8
-        # (a surrogate escape in Python) failed mid-conversion, as 'not a readable safetensors
-        # file' or the codec's message, after the model was loaded and converted.
-        try:
-            str(path.absolute()).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{name}: {path} is not a UTF-8 path, which safetensors and tokenizers cannot open; "
-                             "rename it (or a directory above it)") from None
+        # a name that is not UTF-8 failed mid-conversion, after the model was loaded and converted
+        check_utf8_path(name, path)
     given, out = out, output_directory("out", out) if target is None else target
     clear_stale(out)
     remove_stale_lock(lock_file(out))

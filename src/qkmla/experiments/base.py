@@ -42,6 +42,20 @@ class Options:
     sweep: Optional[Path] = None
     overwrite: bool = False
 
+    def __post_init__(self) -> None:
+        # Built from Python (run_experiment's callers) as well as by the command line, which checks its
+        # flags first: overwrite="no" or quick="no" were truthy (another experiment's files replaced, the
+        # quick grid run), workers=-1 and seeds=0 reached the grid's arithmetic.
+        for name in ("quick", "overwrite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        if self.seeds is not None and (isinstance(self.seeds, bool) or not isinstance(self.seeds, int)
+                                       or self.seeds < 1):
+            raise ValueError(f"seeds: expected None (the experiment's default) or a positive int (training runs "
+                             f"per variant), got {self.seeds!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ValueError(f"workers: expected 0 (one per CPU) or a positive int (processes), got {self.workers!r}")
+
     def seed_list(self, default: int) -> list[int]:
         n = self.seeds or (1 if self.quick else default)
         return list(range(1, n + 1))

@@ -131,6 +131,11 @@ class TrainConfig:
         if self.qk_clip is not None and self.attn not in QK_CLIP_ATTN:
             raise ValueError(f"qk_clip: applies to attention without QK norm {QK_CLIP_ATTN} (a norm would undo "
                              f"the rescaling), got attn={self.attn!r}")
+        # A switch given as a string is truthy: overwrite="no" replaced the run already in out, resume="no"
+        # resumed it (config files and scripts spell switches as strings).
+        for name in ("resume", "overwrite", "log_heads", "progress", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
         if self.resume and self.overwrite:
             raise ValueError("overwrite: cannot be combined with resume (one continues the run, the other replaces it)")
         if self.resume and self.out is None:  # None means a fresh directory, which holds nothing to resume

@@ -1,7 +1,9 @@
 """A whole HF DeepSeek-V3 checkpoint directory (sharded safetensors) loads layer by layer into MLA."""
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +245,30 @@ def test_an_override_that_contradicts_the_weights_is_named(saved):
     with pytest.raises(ValueError, match=r"^kv_lora_rank: the override \{'kv_lora_rank': 64\} does not fit the "
                                          r"weights: .* has shape"):
         mla_layers_from_hf_dir(path, 0, kv_lora_rank=64)
+
+
+def test_a_path_that_is_not_utf8_and_a_revision_that_is_not_a_name_are_refused(saved, tmp_path, spy):
+    """Probe 10b (h63, b03): ``from_pretrained`` (through ``checkpoint_dir``) and ``mla_layers_from_hf_dir`` of a
+    checkpoint directory whose name is not UTF-8 read its config, then failed in safetensors as "not a readable
+    safetensors file" of a file that was fine; ``checkpoint_dir(repo, revision=123)`` failed in huggingface_hub's
+    regex, "expected string or bytes-like object, got 'int'". Each is refused naming the argument, before any
+    tensor is read, as ``qkmla convert`` refuses such a path."""
+    import os
+
+    from qkmla.integrations.hub import checkpoint_dir
+    from qkmla.integrations.transformers import from_pretrained
+
+    path, _ = saved
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/ckpt\xff"))
+    shutil.copytree(path, odd)
+    for load in (checkpoint_dir, lambda p: mla_layers_from_hf_dir(p, 0), from_pretrained):
+        with pytest.raises(ValueError, match="^hf_dir: .* is not a UTF-8 path, which safetensors and tokenizers "
+                                             "cannot open; rename it"):
+            load(odd)
+    assert spy.read == []
+    for revision in (123, "", b"main"):
+        with pytest.raises(ValueError, match=f"^revision: expected None .* got {re.escape(repr(revision))}$"):
+            checkpoint_dir("someone/some-model", revision=revision)
+    with pytest.raises(ValueError, match="^subfolder: expected a path inside the checkpoint"):
+        checkpoint_dir(path, subfolder=None)
+    assert checkpoint_dir(path) == path  # a UTF-8 directory is itself, as before

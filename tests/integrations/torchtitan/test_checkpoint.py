@@ -173,6 +173,19 @@ def test_an_existing_out_dir_is_refused_unless_overwrite(tmp_path):
     assert os.stat(tmp_path / "hf").st_mode & 0o777 == 0o777 & ~umask
 
 
+def test_overwrite_given_as_a_string_is_refused(tmp_path):
+    """Probe 10b (t09): export_hf(model, out_dir, overwrite="no") is truthy, and replaced the checkpoint already
+    in out_dir without a word. Refused naming overwrite, before anything is written."""
+    model = build()
+    export_hf(model, tmp_path / "hf")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    for value in ("no", 1, None):
+        with pytest.raises(ValueError, match=f"^overwrite: expected True or False, got {value!r}$"):
+            export_hf(model, tmp_path / "hf", overwrite=value)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(score_func="softmax"), r"layers\.1\.moe\.router\.score_func: .* allowed: 'sigmoid', got 'softmax'"),
     (dict(latent_eps=1e-5), r"layers\.0\.attention\.kv_norm\.eps: .* allowed: 1e-06, got 1e-05"),

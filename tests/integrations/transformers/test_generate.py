@@ -100,3 +100,25 @@ def test_prompts_get_the_beginning_token_a_tokenizer_adds_but_never_an_end_token
     assert prompt_ids(byt5, "") == [byt5.eos_token_id]  # an empty prompt: what marks an empty text
     with pytest.raises(ValueError, match="prompts: '' has no tokens and this tokenizer adds none"):
         prompt_ids(byte_tokenizer(), "")
+
+
+def test_generate_hf_refuses_what_python_callers_mistype_before_loading(checkpoint, monkeypatch):
+    """Probe 10b (q03, q05, q06): ``generate_hf(dir, "abc")`` (a str, not a list of prompts) continued "a", "b" and
+    "c" as three prompts without a word; ``seed=-1`` was taken; ``prompts=["abc", 5]`` failed in the tokenizer's
+    type check; ``kv_format="junk"`` was refused only after the model was loaded. Each is refused naming the
+    argument, before anything is loaded."""
+    from qkmla.integrations.transformers import generate as module
+
+    loaded = []
+    monkeypatch.setattr(module, "load_hf_dir", lambda *a, **k: loaded.append(a))
+    for kwargs, match in ((dict(prompts="abc"), "^prompts: expected a list of strings, one per prompt, got 'abc'"),
+                          (dict(prompts=["abc", 5]), "^prompts: expected a list of strings"),
+                          (dict(prompts=b"abc"), "^prompts: expected a list of strings"),
+                          (dict(prompts=["abc"], seed=-1), "^seed: expected an int from 0 to 2\\*\\*63 - 1, got -1"),
+                          (dict(prompts=["abc"], seed=True), "^seed: expected an int .*got True"),
+                          (dict(prompts=["abc"], kv_format="junk"), "^kv_format: expected one of")):
+        with pytest.raises(ValueError, match=match):
+            module.generate_hf(checkpoint, max_new_tokens=2, **kwargs)
+    assert loaded == []
+    monkeypatch.undo()
+    assert module.generate_hf(checkpoint, ("abc",), max_new_tokens=2)[0].startswith("abc")  # a tuple is a list

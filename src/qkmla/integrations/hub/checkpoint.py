@@ -57,6 +57,18 @@ def attention_prefix(layer: int) -> str:
     return f"model.layers.{layer}.self_attn."
 
 
+def check_utf8_path(name: str, path: Union[str, Path]) -> None:
+    """A ValueError naming ``name`` for a path that is not UTF-8 (a surrogate escape in Python): safetensors
+    and tokenizers (Rust) take paths as UTF-8 strings, and failed on one after the config was read, as
+    'not a readable safetensors file' of a file that was fine. Every reader and writer of a checkpoint
+    directory checks its paths here."""
+    try:
+        str(Path(path).absolute()).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name}: {path} is not a UTF-8 path, which safetensors and tokenizers cannot open; "
+                         "rename it (or a directory above it)") from None
+
+
 def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = None,
                    cache_dir: Union[None, str, Path] = None, subfolder: str = "", local_files_only: bool = False,
                    token: Union[None, bool, str] = None, force_download: bool = False) -> Path:
@@ -76,8 +88,16 @@ def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = 
     # Path("") is "." (the working directory, loaded unasked) and an over-long name made is_dir() raise a
     # bare OSError: both refused naming hf_dir, as every other path qkmla takes.
     root = check_path("hf_dir", name_or_path, "checkpoint directory")
+    # revision=123 failed in huggingface_hub's regex ("expected string or bytes-like object, got 'int'")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ValueError(f"revision: expected None (the default branch) or a branch, tag or commit hash, "
+                         f"got {revision!r}")
+    if not isinstance(subfolder, str):
+        raise ValueError(f"subfolder: expected a path inside the checkpoint (a str, '' for none), got {subfolder!r}")
     if root.is_dir():
-        return root / subfolder if subfolder else root
+        found = root / subfolder if subfolder else root
+        check_utf8_path("hf_dir", found)
+        return found
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, HFValidationError
     from huggingface_hub.utils import validate_repo_id
@@ -251,6 +271,7 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
     root = check_path("hf_dir", hf_dir, "checkpoint directory")  # an empty or over-long path, named
     if not root.is_dir():
         raise ValueError(f"hf_dir: {root} is not a directory")
+    check_utf8_path("hf_dir", root)
     # Before any tensor is read: device='cuda' on a machine without one ended in torch's AssertionError
     # after the checks, and dtype=torch.int8 in nn.Module.to's TypeError.
     device = check_device("device", device)

@@ -388,6 +388,10 @@ class LatentAttentionCache(FixedSettings, Cache):
         policy = settings.policy if policy is _MODEL_SETTING else policy
         if not isinstance(static, bool):
             raise ValueError(f"static: expected True (fixed buffers, compileable) or False (grow), got {static!r}")
+        # offloading="no" is truthy: it was taken as True, a cache moved to the CPU between forwards unasked
+        if not isinstance(offloading, bool):
+            raise ValueError(f"offloading: expected True (keep the rows in CPU memory between forwards) or False, "
+                             f"got {offloading!r}")
         if static and None in slots:
             raise ValueError("static: this model is a hybrid (linear-attention layers beside its MLA layers), "
                              "whose static cache qkmla does not build; use the growing cache (static=False)")

@@ -16,6 +16,7 @@ import torch
 
 from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
+from .cache import check_cache_settings
 from .model import apply_latent_attention
 from ..hub.checkpoint import load_tokenizer, read_hf_config
 from ...utils.files import input_file_problem
@@ -84,6 +85,14 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
     check_sampling(max_new_tokens, temperature, top_k)
     if not prompts:
         raise ValueError("prompts: expected at least one prompt")
+    # Before the model is loaded. A str is a sequence of one-character prompts: generate_hf(dir, "abc")
+    # continued "a", "b" and "c" as three prompts, without a word; a non-str prompt failed in the tokenizer.
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) \
+            or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts: expected a list of strings, one per prompt, got {prompts!r:.80}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed: expected an int from 0 to 2**63 - 1, got {seed!r}")
+    check_cache_settings(kv_format, policy, None)  # kv_format='junk' was refused only after the model loaded
     model, tokenizer = load_hf_dir(hf_dir, dtype)
     apply_latent_attention(model, kv_format=kv_format, policy=policy)
     if tokenizer.pad_token is None:  # left padding is masked out, so any token will do

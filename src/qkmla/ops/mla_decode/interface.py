@@ -95,6 +95,10 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
                          f"got {q_lat.dtype}")
     B, S_q, H, d_c = q_lat.shape
     d_r = q_rope.shape[-1]
+    # An empty latent failed in a quantized row's arithmetic (ZeroDivisionError); named here by the
+    # queries that carry its width (row_format would name kv_lora_rank, which the op does not take).
+    if isinstance(d_c, int) and d_c < 1:
+        raise ValueError(f"q_lat: expected a latent width d_c >= 1 ([B, S_q, H, d_c]), got {tuple(q_lat.shape)}")
     rows = row_format(kv_format, d_c, d_r)
     width = f"the {rows.name} row's bytes" if rows.quantized else "d_c + d_r"
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != rows.width:
