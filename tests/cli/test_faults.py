@@ -2759,6 +2759,38 @@ def probe9b_rows():
     ]
 
 
+def probe10_rows():
+    """The tenth probe's failures (issue 56: 301 fresh probes at the head of main, a fresh user's)."""
+
+    def plot_over_a_figure_another_command_draws(env):
+        """Probes F14/F15: ``qkmla plot RUN --out EXP/norm_mode.png --overwrite`` replaced the experiment's
+        own report figure (and ``--out DEMO/curves.png`` the demo's) with plot's curves: a figure
+        suffix was taken for one plot drew there before. Refused now; a new figure there, or one in a
+        training run's directory (plot's own), is still written."""
+        experiment, demo = env.tmp / "exp", env.tmp / "demo"
+        experiment.mkdir()
+        (experiment / "summary.json").write_text('{"experiment": "norm-mode"}')
+        (experiment / "results.jsonl").write_text('{"experiment": "norm-mode", "run": "blockwise_s1"}\n')
+        (experiment / "norm_mode.png").write_bytes(b"the experiment's figure")
+        demo.mkdir()
+        (demo / "demo.json").write_text("{}")
+        (demo / "curves.png").write_bytes(b"the demo's figure")
+        before = (snapshot(experiment), snapshot(demo))
+        refuse(env, ["plot", env.run, "--out", experiment / "norm_mode.png", "--overwrite"],
+               r"--out: .*norm_mode.png is a figure of an experiment's results \(qkmla experiment draws its own")
+        refuse(env, ["plot", env.run, "--out", demo / "curves.png", "--overwrite"],
+               r"--out: .*curves.png is a figure of a qkmla demo \(qkmla demo draws its own figures")
+        assert (snapshot(experiment), snapshot(demo)) == before
+        env.capsys.readouterr()
+        assert main(["plot", str(env.run), "--out", str(experiment / "compare.png")]) == 0
+        assert (experiment / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+    return [
+        Row("plot", "output", "--out a demo's or an experiment's own figure, --overwrite (replaced by plot's)",
+            plot_over_a_figure_another_command_draws),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2787,7 +2819,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
