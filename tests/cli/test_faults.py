@@ -2785,9 +2785,26 @@ def probe10_rows():
         assert main(["plot", str(env.run), "--out", str(experiment / "compare.png")]) == 0
         assert (experiment / "compare.png").read_bytes()[:4] == b"\x89PNG"
 
+    def experiment_runs_directory_is_a_file(env):
+        """Probe X20: a file (or a link to nothing) at OUT/runs: the grid started, every run failed, and the
+        report said "fix or remove OUT/runs/blockwise_s1", a directory that never existed. Refused now
+        before any work, naming OUT/runs, with --overwrite too."""
+        for make in (lambda runs: runs.write_text("x"), lambda runs: runs.symlink_to("nowhere")):
+            out = env.tmp / f"o{len(list(env.tmp.iterdir()))}"
+            out.mkdir()
+            make(out / "runs")
+            before = snapshot(out)
+            for more in ([], ["--overwrite"]):
+                refuse(env, ["experiment", "norm-mode", "--quick", "--no-progress", "--out", out, *more],
+                       r"--out: .*runs is a (file|symbolic link to nothing), not the directory this experiment "
+                       "trains its runs in")
+                assert snapshot(out) == before
+
     return [
         Row("plot", "output", "--out a demo's or an experiment's own figure, --overwrite (replaced by plot's)",
             plot_over_a_figure_another_command_draws),
+        Row("experiment", "path", "OUT/runs a file or a dangling link (every run failed, the report named another)",
+            experiment_runs_directory_is_a_file),
     ]
 
 
