@@ -2800,11 +2800,24 @@ def probe10_rows():
                        "trains its runs in")
                 assert snapshot(out) == before
 
+    def verify_json_is_one_array(env):
+        """Probe V04: ``--json``'s help said "one JSON object per row", but it prints one JSON array (a
+        line-by-line reader got "[" first). The help says what it prints now."""
+        sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+        help_text = next(a.help for a in sub.choices["verify"]._actions if "--json" in a.option_strings)
+        assert "array" in help_text and "object per row" in help_text, help_text
+        env.capsys.readouterr()
+        assert main(["verify", "--json", "--variant", "l2", "--kv-format", "int4"]) == 0
+        rows = json.loads(env.capsys.readouterr().out)
+        assert isinstance(rows, list) and rows and all(isinstance(r, dict) and r["variant"] == "l2" for r in rows)
+
     return [
         Row("plot", "output", "--out a demo's or an experiment's own figure, --overwrite (replaced by plot's)",
             plot_over_a_figure_another_command_draws),
         Row("experiment", "path", "OUT/runs a file or a dangling link (every run failed, the report named another)",
             experiment_runs_directory_is_a_file),
+        Row("verify", "size", "--json prints one array (its help promised an object per row)",
+            verify_json_is_one_array),
     ]
 
 
