@@ -2760,7 +2760,7 @@ def probe9b_rows():
 
 
 def probe10_rows():
-    """The tenth probe's failures (issue 56: 301 fresh probes at the head of main, a fresh user's)."""
+    """The tenth probe's failures (issue 56: 342 fresh probes written at 4aafcff, without this table)."""
 
     def plot_over_a_figure_another_command_draws(env):
         """Probes F14/F15: ``qkmla plot RUN --out EXP/norm_mode.png --overwrite`` replaced the experiment's
