@@ -2962,6 +2962,68 @@ def probe10b_rows():
     ]
 
 
+def probe10_rows():
+    """The tenth probe's failures (issue 56: 344 fresh probes written at 4aafcff, without this table)."""
+
+    def plot_over_a_figure_another_command_draws(env):
+        """Probes F14/F15: ``qkmla plot RUN --out EXP/norm_mode.png --overwrite`` replaced the experiment's
+        own report figure (and ``--out DEMO/curves.png`` the demo's) with plot's curves: a figure
+        suffix was taken for one plot drew there before. Refused now; a new figure there, or one in a
+        training run's directory (plot's own), is still written."""
+        experiment, demo = env.tmp / "exp", env.tmp / "demo"
+        experiment.mkdir()
+        (experiment / "summary.json").write_text('{"experiment": "norm-mode"}')
+        (experiment / "results.jsonl").write_text('{"experiment": "norm-mode", "run": "blockwise_s1"}\n')
+        (experiment / "norm_mode.png").write_bytes(b"the experiment's figure")
+        demo.mkdir()
+        (demo / "demo.json").write_text("{}")
+        (demo / "curves.png").write_bytes(b"the demo's figure")
+        before = (snapshot(experiment), snapshot(demo))
+        refuse(env, ["plot", env.run, "--out", experiment / "norm_mode.png", "--overwrite"],
+               r"--out: .*norm_mode.png is a figure of an experiment's results \(qkmla experiment draws its own")
+        refuse(env, ["plot", env.run, "--out", demo / "curves.png", "--overwrite"],
+               r"--out: .*curves.png is a figure of a qkmla demo \(qkmla demo draws its own figures")
+        assert (snapshot(experiment), snapshot(demo)) == before
+        env.capsys.readouterr()
+        assert main(["plot", str(env.run), "--out", str(experiment / "compare.png")]) == 0
+        assert (experiment / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+    def experiment_runs_directory_is_a_file(env):
+        """Probe X20: a file (or a link to nothing) at OUT/runs: the grid started, every run failed, and the
+        report said "fix or remove OUT/runs/blockwise_s1", a directory that never existed. Refused now
+        before any work, naming OUT/runs, with --overwrite too."""
+        for make in (lambda runs: runs.write_text("x"), lambda runs: runs.symlink_to("nowhere")):
+            out = env.tmp / f"o{len(list(env.tmp.iterdir()))}"
+            out.mkdir()
+            make(out / "runs")
+            before = snapshot(out)
+            for more in ([], ["--overwrite"]):
+                refuse(env, ["experiment", "norm-mode", "--quick", "--no-progress", "--out", out, *more],
+                       r"--out: .*runs is a (file|symbolic link to nothing), not the directory this experiment "
+                       "trains its runs in")
+                assert snapshot(out) == before
+
+    def verify_json_is_one_array(env):
+        """Probe V04: ``--json``'s help said "one JSON object per row", but it prints one JSON array (a
+        line-by-line reader got "[" first). The help says what it prints now."""
+        sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+        help_text = next(a.help for a in sub.choices["verify"]._actions if "--json" in a.option_strings)
+        assert "array" in help_text and "object per row" in help_text, help_text
+        env.capsys.readouterr()
+        assert main(["verify", "--json", "--variant", "l2", "--kv-format", "int4"]) == 0
+        rows = json.loads(env.capsys.readouterr().out)
+        assert isinstance(rows, list) and rows and all(isinstance(r, dict) and r["variant"] == "l2" for r in rows)
+
+    return [
+        Row("plot", "output", "--out a demo's or an experiment's own figure, --overwrite (replaced by plot's)",
+            plot_over_a_figure_another_command_draws),
+        Row("experiment", "path", "OUT/runs a file or a dangling link (every run failed, the report named another)",
+            experiment_runs_directory_is_a_file),
+        Row("verify", "size", "--json prints one array (its help promised an object per row)",
+            verify_json_is_one_array),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -2990,7 +3052,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10b_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -486,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E), "
                                       "and over quantized latent caches")
-    v.add_argument("--json", action="store_true", help="one JSON object per row")
+    v.add_argument("--json", action="store_true", help="print one JSON array, an object per row, instead of the tables")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--variant", action="append", help="run only this variant (repeatable)")
     v.add_argument("--kv-format", action="append", choices=["fp8", "int8", "int4"],

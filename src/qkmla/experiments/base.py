@@ -149,6 +149,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     check_writable("--out", out)
     with RunLock(out), stop_requests() as stop:
         check_own_directory("--out", out, "experiment")
+        _check_runs_directory(out)
         _check_out(experiment, options)
         t0 = time.perf_counter()
         if not experiment.adaptive:
@@ -191,6 +192,17 @@ def _check_inputs(experiment: Experiment, options: Options) -> None:
         raise ValueError(f"--out: {results} is the lr-sweep results file this experiment reads "
                          f"({'--sweep' if options.sweep else 'the default --sweep OUT/../lr-sweep/results.jsonl'}); "
                          f"writing {experiment.name}'s results there would destroy them; use another --out")
+
+
+def _check_runs_directory(out: Path) -> None:
+    """Before any work: OUT/runs, where every run of the grid is trained, is a directory or absent.
+    A file (or a link to nothing) there made every run fail after the grid started, and the report
+    then named a run directory that was never made instead of the file in the way."""
+    runs = out / "runs"
+    if os.path.lexists(runs) and not runs.is_dir():
+        what = "a symbolic link to nothing" if runs.is_symlink() else "a file"
+        raise ValueError(f"--out: {runs} is {what}, not the directory this experiment trains its runs in; move it "
+                         "away, or use another --out")
 
 
 _ROW_START = re.compile(r'\s*\{\s*"experiment"\s*:\s*"([^"\\]+)"')  # how every results row opens

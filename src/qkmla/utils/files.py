@@ -442,6 +442,11 @@ DIRECTORY_KINDS = {
     "convert": ("a transformers checkpoint", ("model.safetensors", "model.safetensors.index.json",
                                              "pytorch_model.bin")),
 }
+# The kinds whose command draws its own figures at the directory's top (the demo's curves.png, an
+# experiment's report figures): a figure there is that command's, not one plot drew before, so
+# plot --overwrite must not replace it (the demo's or the experiment's report would show plot's
+# curves under its own name). A training run draws none: a figure in it is plot's own.
+DRAWS_FIGURES = ("demo", "experiment")
 
 
 def check_own_directory(name: str, out: PathLike, command: str) -> None:
@@ -525,8 +530,8 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
     """Before any work: ValueError naming option ``name`` if an output file is one of the inputs
     (whatever ``overwrite`` says), is a directory, is an existing file in another command's directory
     (:func:`directory_kind`) other than one of the kind this command writes (``own_suffixes``, when
-    given: a figure drawn there before), whatever ``overwrite`` says, or already exists without
-    ``overwrite``."""
+    given: a figure drawn there before), or one of that kind where the other command draws its own
+    (:data:`DRAWS_FIGURES`), whatever ``overwrite`` says, or already exists without ``overwrite``."""
     inputs = [Path(p) for p in inputs]
     existing = []
     for out in map(Path, outputs):
@@ -540,12 +545,14 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
         # is that command's output: --overwrite replaced it with this one (a run that no longer loads).
         # Only for a command that says which files are its own (a benchmark writing its result beside
         # an experiment's files in benchmarks/results/ is not writing over them).
-        kind = directory_kind(out.parent) if own_suffixes and os.path.lexists(out) and \
-            out.suffix.lower() not in own_suffixes else None
-        if kind is not None:
+        kind = directory_kind(out.parent) if own_suffixes and os.path.lexists(out) else None
+        if kind is not None and out.suffix.lower() not in own_suffixes:
             raise ValueError(f"{name}: {out} is a file of {kind[1]} (qkmla {kind[0]}'s output in {out.parent}); "
                              f"--overwrite replaces only this command's own {what} files ({', '.join(own_suffixes)}), "
                              "never another command's; write elsewhere")
+        if kind is not None and kind[0] in DRAWS_FIGURES:
+            raise ValueError(f"{name}: {out} is a {what} of {kind[1]} (qkmla {kind[0]} draws its own {what}s in "
+                             f"{out.parent}); --overwrite never replaces another command's {what}; write elsewhere")
         if out.exists():
             existing.append(str(out))
     if existing and not overwrite:
