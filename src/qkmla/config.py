@@ -18,7 +18,7 @@ from typing import Optional
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
-from .utils.checked import is_number
+from .utils.checked import check_bool, is_int, is_number
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
@@ -60,18 +60,11 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
     ``allow_none``); shared by every config here and the ones built on them (gpt.py, cache/size.py)."""
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         allowed = "a positive int or None" if allow_none else "a positive int"
         raise ValueError(f"{name}: expected {allowed}, got {value!r}")
     if value >= 2**63:  # no tensor has such a size, and the arithmetic on it prints nonsense
         raise ValueError(f"{name}: expected a positive int below 2**63 (a tensor size is an int64), got {value}")
-
-
-def check_bool(name: str, value) -> None:
-    """A ValueError naming ``name`` unless ``value`` is True or False: a switch given as a string
-    (``rope_interleave="no"``, ``attention_bias="False"``) is truthy, and was taken as True without a word."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
 
 
 def _check_softmax_scale(softmax_scale) -> None:
@@ -127,8 +120,7 @@ class QKNormConfig:
             raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
         if self.scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {self.scope!r}")
-        if not isinstance(self.learnable_logit_scale, bool):
-            raise ValueError(f"learnable_logit_scale: expected True or False, got {self.learnable_logit_scale!r}")
+        check_bool("learnable_logit_scale", self.learnable_logit_scale)
         if self.kind is None:
             given = [f.name for f in dataclasses.fields(self) if f.name not in ("kind", "learnable_logit_scale")
                      and getattr(self, f.name) != f.default]

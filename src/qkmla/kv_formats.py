@@ -46,6 +46,8 @@ from typing import Optional
 
 import torch
 
+from .utils.checked import check_size
+
 KV_FORMATS = ("dense", "fp8", "int8", "int4")
 ROPE_DTYPE = torch.bfloat16  # the RoPE key of every quantized format
 
@@ -267,9 +269,7 @@ def row_format(kv_format, kv_lora_rank: int, qk_rope_head_dim: int) -> DenseRows
     check_kv_format(kv_format)
     # kv_lora_rank=0 failed in a quantized row's block arithmetic ("integer division or modulo by zero").
     # A RoPE part may be empty (cache-size's arithmetic of vectors without one). The decode op passes its
-    # queries' widths, SymInts in a forward compiled with dynamic shapes: those are not compared.
-    for name, width, low in (("kv_lora_rank", kv_lora_rank, 1), ("qk_rope_head_dim", qk_rope_head_dim, 0)):
-        if isinstance(width, bool) or not isinstance(width, (int, torch.SymInt)) or (isinstance(width, int)
-                                                                                        and width < low):
-            raise ValueError(f"{name}: expected an int >= {low}, got {width!r}")
+    # queries' widths, which a traced forward gives as SymInts or tensors (check_size takes those as they are).
+    check_size("kv_lora_rank", kv_lora_rank, 1)
+    check_size("qk_rope_head_dim", qk_rope_head_dim, 0)
     return ROW_FORMATS[kv_format](kv_lora_rank, qk_rope_head_dim)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
+from .utils.checked import FixedSettings, check_bool, is_int
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -73,7 +74,7 @@ class YarnScaling:
     def __post_init__(self) -> None:
         _number("rope_scaling.factor", self.factor, 1.0)
         L = self.original_max_position_embeddings
-        if not isinstance(L, int) or isinstance(L, bool) or L < 1:
+        if not is_int(L) or L < 1:
             raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, got {L!r}")
         _number("rope_scaling.beta_slow", self.beta_slow, 0.0, strict=True)
         _number("rope_scaling.beta_fast", self.beta_fast, self.beta_slow)
@@ -175,7 +176,7 @@ def rope_scaling_from(value, name: str = "rope_scaling") -> Optional[YarnScaling
                      f"got {type(value).__name__}")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(FixedSettings, nn.Module):
     """Applies RoPE to x [..., T, H, dim] at integer positions [..., T].
 
     Args:
@@ -185,25 +186,24 @@ class RotaryEmbedding(nn.Module):
         scaling: None for plain RoPE, or a :class:`YarnScaling`.
     """
 
-    # Fixed once made: the frequencies are computed from them here, so theta or dim set later changed
-    # nothing but the repr, and interleave set later ("no", truthy) rotated another layout.
-    FIXED = ("dim", "theta", "interleave", "scaling")
+    # Fixed once made (set or deleted later: AttributeError): the frequencies are computed from them
+    # here, so theta or dim set later changed nothing but the repr, and interleave set later ("no",
+    # truthy) rotated another layout.
+    fixed_settings = ("dim", "theta", "interleave", "scaling")
 
     def __init__(self, dim: int, theta: float = 10000.0, interleave: bool = True,
                  scaling: Optional[YarnScaling] = None):
         super().__init__()
         # Checked as MLAConfig checks its RoPE: dim=0 built an empty module, dim=-2 failed in torch.arange,
         # theta=0 or -5 made inf/NaN frequencies without a word, scaling={...} failed as a dict's attribute.
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+        if not is_int(dim) or dim < 2 or dim % 2:
             raise ValueError(f"dim: expected a positive even int (RoPE rotates pairs), got {dim!r}")
         _number("theta", theta, 0, strict=True)
-        if not isinstance(interleave, bool):
-            raise ValueError(f"interleave: expected True (pairs) or False (halves), got {interleave!r}")
+        check_bool("interleave", interleave)  # True: pairs (x0, x1); False: halves
         if scaling is not None and not isinstance(scaling, YarnScaling):
             raise ValueError(f"scaling: expected None or a YarnScaling (rope_scaling_from converts an HF dict), "
                              f"got {scaling!r:.80}")
-        for name, value in zip(self.FIXED, (dim, float(theta), interleave, scaling)):
-            object.__setattr__(self, name, value)
+        self.dim, self.theta, self.interleave, self.scaling = dim, float(theta), interleave, scaling
         if scaling is None:
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
             self.attention_factor = 1.0
@@ -218,12 +218,6 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq64 = inv_freq
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._inv_freq_made = self.inv_freq
-
-    def __setattr__(self, name, value):
-        if name in self.FIXED and name in self.__dict__:
-            raise AttributeError(f"{name}: a RotaryEmbedding's frequencies are computed from it when it is made; "
-                                 f"make a new one with {name}={value!r:.40}")
-        super().__setattr__(name, value)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

@@ -561,3 +561,25 @@ def test_a_state_of_another_norm_variant_is_refused_though_the_shapes_match(save
     make(**saved).load_state_dict(state)  # its own variant loads
     # A state saved before the record existed (or by another library) loads as it always did.
     target.load_state_dict({k: v for k, v in state.items() if not k.endswith("_extra_state")})
+
+
+def test_traced_forward_over_a_cache_matches_eager():
+    """torch.jit.trace (and the legacy ONNX export built on it) passes shapes as 0-d tensors: the
+    cache's size checks take them as they are (an early check refused num_tokens=tensor(3))."""
+    torch.manual_seed(0)
+    cfg = MLAConfig(hidden_size=32, num_heads=2, num_kv_groups=2, kv_lora_rank=16, qk_nope_head_dim=8,
+                    qk_rope_head_dim=8, v_head_dim=8, qk_norm=QKNormConfig(kind="rms"), decode_backend="torch")
+    mla = MLA(cfg).eval()
+
+    class WithCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mla = mla
+
+        def forward(self, x):
+            return self.mla(x, LatentCache.from_config(cfg, 2, 16))
+
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        traced = torch.jit.trace(WithCache(), x, check_trace=False)
+        torch.testing.assert_close(traced(x), WithCache()(x))

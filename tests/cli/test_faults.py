@@ -26,11 +26,13 @@ subprocess (a signal to the test process, or a file limit on it, would hit pytes
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import inspect
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -2774,10 +2776,12 @@ def probe10b_rows():
         out = env.tmp / "converted"
         convert_checkpoint(hf, out, qk_norm="l2", calibration_tokens=0)
         before = snapshot(out)
+        (env.tmp / "converted.tmp999999").mkdir()  # a dead writer's temporary: a checked call would clear it
         for value in ("no", "False", 0, None):
             raises(lambda v=value: convert_checkpoint(hf, out, qk_norm="rms", calibration_tokens=0, overwrite=v),
                    ValueError, f"^overwrite: expected True or False, got {re.escape(repr(value))}")
-        assert snapshot(out) == before and sorted(p.name for p in env.tmp.iterdir()) == ["converted"]
+        assert snapshot(out) == before  # refused before any work: the stale temporary is still there
+        assert sorted(p.name for p in env.tmp.iterdir()) == ["converted", "converted.tmp999999"]
         convert_checkpoint(hf, out, qk_norm="rms", calibration_tokens=0, overwrite=True)  # the bool still works
         assert json.loads((out / "config.json").read_text())["qkmla"]["qk_norm"]["kind"] == "rms"
 
@@ -2832,8 +2836,11 @@ def probe10b_rows():
         model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(config))
         for value in ("no", 1, None):
             raises(lambda v=value: LatentAttentionCache(model, offloading=v), ValueError,
-                   f"^offloading: expected True .* or False, got {re.escape(repr(value))}")
+                   f"^offloading: expected True or False, got {re.escape(repr(value))}")
         assert LatentAttentionCache(model, offloading=False).layers[0].offloading is False
+        from qkmla import MLAConfig
+        from qkmla.integrations.transformers.cache import LatentCacheLayer  # built alone (review of probe 10b)
+        raises(lambda: LatentCacheLayer(MLAConfig(), offloading="no"), ValueError, "^offloading: expected True or")
 
     def experiment_options_from_python(env):
         """Probes r24-r26: ``run_experiment(experiment, Options(out, overwrite="no"))`` took the string as
@@ -2851,6 +2858,19 @@ def probe10b_rows():
                    f"^{field}: expected .*got {re.escape(repr(value))}$")
         assert not out.exists()
         assert Options(out=out, quick=True, seeds=2, workers=1, overwrite=True).seed_list(5) == [1, 2]
+        # the two entry points that build Options for the caller check first too (review of probe 10b:
+        # redraw(quick=1) wrote dst's results.jsonl before Options refused it)
+        from qkmla.experiments import EXPERIMENTS
+        from qkmla.experiments.base import redraw, run_experiment
+
+        (env.tmp / "src").mkdir()
+        (env.tmp / "src" / "results.jsonl").write_text("")
+        raises(lambda: redraw(EXPERIMENTS["length"], env.tmp / "src", out, quick=1), ValueError,
+               "^quick: expected True or False, got 1$")
+        assert not out.exists()
+        (env.tmp / "a-file").write_text("")  # an --out refused too: the switch is checked before the paths
+        raises(lambda: run_experiment(EXPERIMENTS["length"], Options(out=env.tmp / "a-file"), progress="no"),
+               ValueError, "^progress: expected True or False, got 'no'$")
 
     def generate_temperature_given_as_a_bool(env):
         """Probe r22: ``qkmla.model.generate.generate(model, prompts, 3, temperature=True)`` sampled at
@@ -2877,7 +2897,7 @@ def probe10b_rows():
                               (dict(dim=8.0), "^dim: "), (dict(dim=7), "^dim: "), (dict(dim=True), "^dim: "),
                               (dict(dim=8, theta=0.0), "^theta: expected a finite number > 0"),
                               (dict(dim=8, theta=-5.0), "^theta: "), (dict(dim=8, theta=math.nan), "^theta: "),
-                              (dict(dim=8, interleave="no"), "^interleave: expected True .* or False"),
+                              (dict(dim=8, interleave="no"), "^interleave: expected True or False"),
                               (dict(dim=8, scaling={"factor": 4}), "^scaling: expected None or a YarnScaling")):
             raises(lambda k=kwargs: RotaryEmbedding(**k), ValueError, match)
         rope = RotaryEmbedding(8, theta=100)
@@ -2885,7 +2905,11 @@ def probe10b_rows():
         before = rope(x, torch.arange(3))
         for field, value in (("theta", -1.0), ("dim", 4), ("interleave", False), ("scaling", None)):
             raises(lambda f=field, v=value: setattr(rope, f, v), AttributeError, f"^{field}: a RotaryEmbedding's")
+            raises(lambda f=field: delattr(rope, f), AttributeError, f"^{field}: a RotaryEmbedding's")  # then set
         assert torch.equal(rope(x, torch.arange(3)), before) and rope.theta == 100.0
+        # copies and moves still work: they restore or rebuild state without setting a setting
+        for copied in (copy.deepcopy(rope), pickle.loads(pickle.dumps(rope))):
+            assert torch.equal(copied(x, torch.arange(3)), before) and copied.theta == 100.0
         assert rope.double().inv_freq.dtype == torch.float64  # moving it still rebuilds its buffer
 
     def shared_kv_cache_width_after_construction(env):
@@ -2987,6 +3011,15 @@ def probe10_rows():
         env.capsys.readouterr()
         assert main(["plot", str(env.run), "--out", str(experiment / "compare.png")]) == 0
         assert (experiment / "compare.png").read_bytes()[:4] == b"\x89PNG"
+        # An experiment's summary.json lists the figures it draws (review of probe 10): any other figure
+        # there is plot's own, replaced with --overwrite as in a run; a listed one is still refused.
+        (experiment / "summary.json").write_text('{"experiment": "norm-mode", "figures": ["norm_mode.png"]}')
+        (experiment / "compare.png").write_bytes(b"plot's earlier figure")
+        assert main(["plot", str(env.run), "--out", str(experiment / "compare.png"), "--overwrite"]) == 0
+        assert (experiment / "compare.png").read_bytes()[:4] == b"\x89PNG"
+        refuse(env, ["plot", env.run, "--out", experiment / "norm_mode.png", "--overwrite"],
+               r"--out: .*norm_mode.png is a figure of an experiment's results \(qkmla experiment draws its own")
+        assert (experiment / "norm_mode.png").read_bytes() == b"the experiment's figure"
 
     def experiment_runs_directory_is_a_file(env):
         """Probe X20: a file (or a link to nothing) at OUT/runs: the grid started, every run failed, and the

@@ -93,6 +93,7 @@ def test_quick_grid_runs_every_stage(quick):
     assert set(summary["chosen_lr"]) == set(VARIANTS) and math.isfinite(summary["design"]["tokens_per_param"])
     for name in ("curves.png", "brackets.png", "stress.png"):
         assert (quick.out / name).read_bytes()[:4] == b"\x89PNG"
+    assert summary["figures"] == ["curves.png", "brackets.png", "stress.png"]  # what plot must not replace
 
 
 def test_quick_grid_resumes_run_by_run(quick):
@@ -114,7 +115,7 @@ def test_redraw_publishes_a_copy_of_the_results(quick, tmp_path):
     summary = json.loads((tmp_path / "copy" / "summary.json").read_text())
     source = json.loads((quick.out / "summary.json").read_text())
     assert summary["command"] == source["command"] and summary["chosen_lr"] == report.summary["chosen_lr"]
-    assert (tmp_path / "copy" / "curves.png").is_file()
+    assert (tmp_path / "copy" / "curves.png").is_file() and summary["figures"] == source["figures"]
     # A bracket that is not finished chooses nothing yet.
     from qkmla.experiments.qknorm_vs_clip.report import _chosen_from_rows
 

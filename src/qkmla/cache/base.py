@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..utils.checked import is_number
+from ..utils.checked import check_size, is_int, is_number
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
@@ -75,7 +75,7 @@ def check_dims(allow_zero: tuple = (), **dims) -> None:
     """Every width is a positive int (or >= 0 for the names in ``allow_zero``)."""
     for name, v in dims.items():
         low = 0 if name in allow_zero else 1
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        if not is_int(v) or v < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
 
 
@@ -134,7 +134,7 @@ class SequenceCache:
 
     def __init__(self, batch_size: int, capacity: int, device=None, layout: Optional[Layout] = None):
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.batch_size, self.capacity = batch_size, capacity
         device = check_device("device", device, meta=True)
@@ -175,11 +175,8 @@ class SequenceCache:
         if batch_size != self.batch_size:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
-        # num_tokens=-1 reached torch.arange ("upper bound and lower bound inconsistent with step sign").
-        # A compiled forward passes x.shape[1] as a SymInt: taken as it is, not compared (a guard).
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.SymInt)) \
-                or (isinstance(num_tokens, int) and num_tokens < 0):
-            raise ValueError(f"num_tokens: expected an int >= 0 (the new tokens of each sequence), got {num_tokens!r}")
+        # num_tokens=-1 reached torch.arange ("upper bound and lower bound inconsistent with step sign")
+        check_size("num_tokens", num_tokens, 0, " (the new tokens of each sequence)")
         start = self.seqlens
         steps = torch.arange(num_tokens, device=self.device)
         expected = self.next_positions[:, None] + steps
@@ -382,7 +379,7 @@ class SequenceCache:
         buffers = self._contiguous_buffers("grow")
         # As the constructor checks it: grow(nan) or grow(2.5) did nothing without a word, and
         # grow(2**62) reached torch's allocator (after resizing some buffers and not others).
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        if not is_int(capacity) or capacity < 1:
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         if capacity > self.capacity:
             per_slot = sum(buf.nbytes // max(1, buf.data.shape[1]) for buf in buffers)

@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils.checked import Frozen, is_number
+from ..utils.checked import Frozen, check_bool, is_int, is_number
 from .base import WriteSlot
 
 HEAD_REDUCTIONS = ("mean", "max")
@@ -52,7 +52,7 @@ POOLINGS = ("avg", "max")
 
 
 def _check_int(name: str, value, low: int, why: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}{why}, got {value!r}")
     if value >= 2**63:  # torch holds token counts in int64: 2**70 failed at the first eviction (OverflowError)
         raise ValueError(f"{name}: expected an int below 2**63 (token counts are int64), got {value!r}")
@@ -190,8 +190,7 @@ class StreamingLLM(EvictionPolicy):
 
     def __init__(self, sinks: int = 4, *, budget: Optional[int] = None, kept_fraction: Optional[float] = None,
                  interval: Optional[int] = 1, reposition: bool = False):
-        if not isinstance(reposition, bool):
-            raise ValueError(f"reposition: expected True or False, got {reposition!r}")
+        check_bool("reposition", reposition)
         super().__init__(budget=budget, kept_fraction=kept_fraction, window=1, sinks=sinks, interval=interval)
         self.reposition = reposition
 

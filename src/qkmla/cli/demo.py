@@ -31,6 +31,7 @@ from ..train.data import Corpus, get_batch
 from ..train.plot import plot_runs, read_metrics
 from ..train.rundir import RunLock
 from ..train.trainer import TrainConfig, check_step_fits, load_model, train
+from ..utils.checked import is_int
 
 STEPS = 750  # per run: fixed, so results reproduce; 4 runs take about 2.5 minutes on 2 cores
 LEARNING_RATES = {"moderate": 3e-3, "high": 3e-2}
@@ -118,7 +119,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     if held and not overwrite:
         raise ValueError(f"out: {out} already holds a demo ({', '.join(p.name for p in held[:3])}"
                          f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it, or choose another --out")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+    if steps is not None and (not is_int(steps) or steps < 1):
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
     configs = _configs(out, preset, steps if steps is not None else STEPS, overwrite)  # --preset checked here
     vocab_size = Corpus.load("tiny_shakespeare").tokenizer.vocab_size

@@ -50,6 +50,7 @@ import torch
 from ..config import QKNormConfig
 from ..utils.files import check_input_file
 from .gqa_fit import LATENTS, ROPE_KEYS, calibration_moments, check_calibration, kv_rank, latent_factors, rope_key_mix
+from ..utils.checked import check_bool, is_int
 
 ROPE_PAIRS = ("uniform", "high")
 # The source classes, and what their QK norm's statistic covers (QKNormConfig.scope): Qwen3
@@ -179,7 +180,7 @@ def kept_rope_pairs(head_dim: int, rope_dim: int, rope_pairs: str, theta: float)
     """
     if rope_pairs not in ROPE_PAIRS:
         raise ValueError(f"rope_pairs: expected one of {ROPE_PAIRS}, got {rope_pairs!r}")
-    if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or rope_dim < 2 or rope_dim > head_dim \
+    if not is_int(rope_dim) or rope_dim < 2 or rope_dim > head_dim \
             or rope_dim % 2:
         raise ValueError(f"rope_dim: expected an even int from 2 to head_dim={head_dim}, got {rope_dim!r}")
     m, half = rope_dim // 2, head_dim // 2
@@ -198,7 +199,7 @@ FLOAT16_CANNOT = "float16 cannot hold the constant latent channel (its size is f
 def _check_rank(kv_lora_rank, max_rank: int) -> None:
     if kv_lora_rank is None:
         return
-    if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool) or not 1 <= kv_lora_rank <= max_rank:
+    if not is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= max_rank:
         raise ValueError(f"kv_lora_rank: expected an int from 1 to min(2 x KV heads x head_dim, hidden_size) = "
                          f"{max_rank} (the rank [W_K ; W_V] can have), got {kv_lora_rank!r}")
 
@@ -280,8 +281,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     _check_rank(kv_lora_rank, max_rank)
     rope_dim = D if rope_dim is None else rope_dim
     pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
-    if not isinstance(keep_norm, bool):
-        raise ValueError(f"keep_norm: expected True or False, got {keep_norm!r}")
+    check_bool("keep_norm", keep_norm)
     check_calibration(calibration, rope_key, latent, model.config.vocab_size)
     weight = next(model.parameters())
     if weight.dtype == torch.float16:
@@ -485,7 +485,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     if latent not in LATENTS:
         raise ValueError(f"latent: expected one of {LATENTS}, got {latent!r}")
     count = calibration_tokens
-    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or not 2 <= count < 2**63):
+    if count is not None and (not is_int(count) or not 2 <= count < 2**63):
         raise ValueError(f"calibration_tokens: expected an int >= 2 and below 2**63, or None, got {count!r}")
     if calibration_text is not None:
         check_input_file("calibration_text", calibration_text, "calibration text")

@@ -29,6 +29,7 @@ from ..config import QKNormConfig
 from ..utils.files import clear_stale, directory_state, make_directory, output_directory, write_directory
 from ..integrations.hub.checkpoint import CONFIG, check_utf8_path, load_tokenizer, read_hf_config
 from ..integrations.hub.output import check_checkpoint_out
+from ..utils.checked import check_bool, is_int
 
 DEFAULT_CALIBRATION_TOKENS = 4096
 HELD_OUT_TOKENS = 4096
@@ -54,6 +55,9 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
     followed: :func:`~qkmla.utils.files.output_directory`), resolved by the caller that writes it."""
     from ..train.rundir import remove_stale_lock
 
+    # First: overwrite="no" is truthy, and replaced an existing checkpoint unasked (and clear_stale below
+    # is work an unchecked call must not do)
+    check_bool("overwrite", overwrite)
     src, out = Path(src), Path(out)
     for name, path in (("hf", src), ("out", out)):
         # a name that is not UTF-8 failed mid-conversion, after the model was loaded and converted
@@ -153,7 +157,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
 
     src, out = check_convert_paths(src, out, overwrite, inputs)
     norm = QKNormConfig.of(qk_norm)
-    if not isinstance(calibration_tokens, int) or isinstance(calibration_tokens, bool) or calibration_tokens < 0:
+    if not is_int(calibration_tokens) or calibration_tokens < 0:
         raise ValueError(f"calibration_tokens: expected an int >= 0, got {calibration_tokens!r}")
     if calibration_tokens and norm is None:
         raise ValueError("calibration_tokens: calibrates a QK norm being added; name the norm too "

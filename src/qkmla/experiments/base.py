@@ -24,6 +24,7 @@ from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
                    stop_requests, worker_pool)
 from .results import best_lr, read_results, summarize, write_results
+from ..utils.checked import check_bool, is_int
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,12 @@ class Options:
         # flags first: overwrite="no" or quick="no" were truthy (another experiment's files replaced, the
         # quick grid run), workers=-1 and seeds=0 reached the grid's arithmetic.
         for name in ("quick", "overwrite"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
-        if self.seeds is not None and (isinstance(self.seeds, bool) or not isinstance(self.seeds, int)
+            check_bool(name, getattr(self, name))
+        if self.seeds is not None and (not is_int(self.seeds)
                                        or self.seeds < 1):
             raise ValueError(f"seeds: expected None (the experiment's default) or a positive int (training runs "
                              f"per variant), got {self.seeds!r}")
-        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+        if not is_int(self.workers) or self.workers < 0:
             raise ValueError(f"workers: expected 0 (one per CPU) or a positive int (processes), got {self.workers!r}")
 
     def seed_list(self, default: int) -> list[int]:
@@ -143,6 +143,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     ``stopped``), writes the report and raises :class:`~qkmla.experiments.grid.GridStopped`; a
     second signal stops the runs at once. The same call again resumes them.
     """
+    check_bool("progress", progress)
     out = Path(options.out)
     _check_inputs(experiment, options)
     make_directory("--out", out, "experiment directory")
@@ -334,6 +335,7 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     committed one, without touching its runs. ``src``'s finished runs are archived in
     ``dst/runs`` (``grid.archive_runs``), so that a later session can restore them
     (``grid.restore_runs``) and go on with the rest of the grid."""
+    options = Options(out=dst, quick=quick)  # first: quick=1 was refused by Options after dst was written
     src, dst = Path(src), Path(dst)
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
@@ -343,11 +345,12 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     archive_runs(src, dst, experiment.thin_metrics)
     rows = read_results(src / "results.jsonl")
     write_results(rows, dst / "results.jsonl")
-    report = experiment.report(rows, Options(out=dst, quick=quick))
+    report = experiment.report(rows, options)
     meta = json.loads((src / "summary.json").read_text()) if (src / "summary.json").is_file() else {}
     keep = ("experiment", "command", "commit", "machine", "runs", "cpu_seconds_of_runs", "errors")
     meta = {k: meta[k] for k in keep if k in meta}
     meta["redrawn_at_commit"] = source_commit(Path(__file__).parent)
+    meta["figures"] = figure_names(report)
     write_text(dst / "summary.json", json.dumps({**meta, **report.summary}, indent=1))
     write_text(dst / "summary.md", report.table)
     return report
@@ -370,6 +373,12 @@ def _write_stopped_report(experiment: Experiment, options: Options, runs: list[R
     except OSError:
         if not isinstance(stop, GridFailed):
             raise
+
+
+def figure_names(report: Report) -> list[str]:
+    """The names of the figures the report drew in its directory, recorded in summary.json: qkmla plot
+    refuses to replace those, and replaces any other figure there that it drew itself."""
+    return [Path(f).name for f in report.figures if f is not None]
 
 
 def _write_report(experiment: Experiment, options: Options, runs: list[Run], statuses: dict, command, t0,
@@ -398,7 +407,8 @@ def _write_report(experiment: Experiment, options: Options, runs: list[Run], sta
             "machine": machine(), "runs": len(runs),
             "runs_trained_now": len(statuses), "wall_seconds_now": time.perf_counter() - t0,
             "cpu_seconds_of_runs": sum(r["seconds"] or 0 for r in rows if not r.get("same_as")),
-            "errors": [r["run"] for r in rows if r["status"] not in ("done", "non-finite", "missing")]}
+            "errors": [r["run"] for r in rows if r["status"] not in ("done", "non-finite", "missing")],
+            "figures": figure_names(report)}
     write_text(out / "summary.json", json.dumps({**meta, **report.summary}, indent=1))
     write_text(out / "summary.md", report.table)
     return report

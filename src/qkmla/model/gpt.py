@@ -42,7 +42,7 @@ from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
-from ..utils.checked import is_number
+from ..utils.checked import is_int, is_number
 from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
@@ -118,7 +118,7 @@ class GPTConfig:
             raise ValueError(f"qk_norm_{e}") from None
         if self.logit_scale_param not in LOGIT_SCALE_PARAMS:
             raise ValueError(f"logit_scale_param: expected one of {LOGIT_SCALE_PARAMS}, got {self.logit_scale_param!r}")
-        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)
+        if self.init_seed is not None and (not is_int(self.init_seed)
                                            or not 0 <= self.init_seed <= INIT_SEED_MAX):
             raise ValueError(f"init_seed: expected None or an int in [0, {INIT_SEED_MAX}], got {self.init_seed!r}")
         if self.attn != "v4":

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
-from ..utils.checked import revalidated
+from ..utils.checked import check_bool, revalidated
 from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -134,8 +134,7 @@ class TrainConfig:
         # A switch given as a string is truthy: overwrite="no" replaced the run already in out, resume="no"
         # resumed it (config files and scripts spell switches as strings).
         for name in ("resume", "overwrite", "log_heads", "progress", "fsdp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if self.resume and self.overwrite:
             raise ValueError("overwrite: cannot be combined with resume (one continues the run, the other replaces it)")
         if self.resume and self.out is None:  # None means a fresh directory, which holds nothing to resume

@@ -20,11 +20,39 @@ refuses. Two ways to close that door, one per kind of object:
 from __future__ import annotations
 
 import functools
+import numbers
+
+import torch
 
 def is_number(value) -> bool:
     """An int or a float, not a bool: Python counts True as the int 1, so a switch given where a
     number belongs (``softmax_scale=True``) passed ``isinstance(value, (int, float))`` as 1.0."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value) -> bool:
+    """An int, not a bool: ``isinstance(True, int)`` holds, so a switch given where a count belongs
+    (``workers=True``) passed as 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_size(name: str, value, low: int, meaning: str = "") -> None:
+    """A ValueError naming ``name`` unless ``value`` is an integer >= ``low`` (a Python or NumPy int,
+    not a bool; ``meaning`` says what it counts). A size being traced is taken as it is, not
+    compared: a SymInt (make_fx, torch.export) or a 0-d integer tensor (torch.jit.trace passes
+    shapes as tensors); comparing one would add a guard, or fail, in the traced graph."""
+    if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and value.dim() == 0 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}{meaning}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    """A ValueError naming ``name`` unless ``value`` is True or False: a switch given as a string
+    (``rope_interleave="no"``, ``overwrite="no"``) is truthy, and was taken as True without a word."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
 
 
 # ids of the objects whose constructor is running: only they may set fields unchecked. (Kept

@@ -24,6 +24,7 @@ refuses an input that is not a regular file, saying what it is.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -442,11 +443,27 @@ DIRECTORY_KINDS = {
     "convert": ("a transformers checkpoint", ("model.safetensors", "model.safetensors.index.json",
                                              "pytorch_model.bin")),
 }
-# The kinds whose command draws its own figures at the directory's top (the demo's curves.png, an
-# experiment's report figures): a figure there is that command's, not one plot drew before, so
-# plot --overwrite must not replace it (the demo's or the experiment's report would show plot's
-# curves under its own name). A training run draws none: a figure in it is plot's own.
-DRAWS_FIGURES = ("demo", "experiment")
+# The kinds whose command draws its own figures at the directory's top, by name: the demo's
+# curves.png; an experiment's report figures, which its summary.json lists under "figures" (None
+# here). plot --overwrite must not replace one (the demo's or the experiment's report would show
+# plot's curves under its own name); any other figure there is one plot drew, and is replaced as
+# in a training run, which draws none.
+DRAWS_FIGURES = {"demo": ("curves.png",), "experiment": None}
+
+
+def drawn_by(directory_owner: str, figure: Path) -> bool:
+    """Whether ``figure`` is one the command owning its directory draws (:data:`DRAWS_FIGURES`). An
+    experiment's summary.json that does not list its figures (written before it did, or not yet
+    written) counts every figure there as the experiment's."""
+    if directory_owner not in DRAWS_FIGURES:
+        return False
+    names = DRAWS_FIGURES[directory_owner]
+    if names is None:
+        try:
+            names = json.loads((figure.parent / "summary.json").read_text(encoding="utf-8"))["figures"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return True
+    return figure.name in names
 
 
 def check_own_directory(name: str, out: PathLike, command: str) -> None:
@@ -531,7 +548,7 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
     (whatever ``overwrite`` says), is a directory, is an existing file in another command's directory
     (:func:`directory_kind`) other than one of the kind this command writes (``own_suffixes``, when
     given: a figure drawn there before), or one of that kind where the other command draws its own
-    (:data:`DRAWS_FIGURES`), whatever ``overwrite`` says, or already exists without ``overwrite``."""
+    (:func:`drawn_by`), whatever ``overwrite`` says, or already exists without ``overwrite``."""
     inputs = [Path(p) for p in inputs]
     existing = []
     for out in map(Path, outputs):
@@ -550,7 +567,7 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
             raise ValueError(f"{name}: {out} is a file of {kind[1]} (qkmla {kind[0]}'s output in {out.parent}); "
                              f"--overwrite replaces only this command's own {what} files ({', '.join(own_suffixes)}), "
                              "never another command's; write elsewhere")
-        if kind is not None and kind[0] in DRAWS_FIGURES:
+        if kind is not None and drawn_by(kind[0], out):
             raise ValueError(f"{name}: {out} is a {what} of {kind[1]} (qkmla {kind[0]} draws its own {what}s in "
                              f"{out.parent}); --overwrite never replaces another command's {what}; write elsewhere")
         if out.exists():

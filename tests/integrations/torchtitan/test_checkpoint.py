@@ -179,11 +179,12 @@ def test_overwrite_given_as_a_string_is_refused(tmp_path):
     model = build()
     export_hf(model, tmp_path / "hf")
     before = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    (tmp_path / "hf.tmp999999").mkdir()  # a dead export's temporary: a checked call would clear it first
     for value in ("no", 1, None):
         with pytest.raises(ValueError, match=f"^overwrite: expected True or False, got {value!r}$"):
             export_hf(model, tmp_path / "hf", overwrite=value)
     assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf.tmp999999"]  # refused before any work
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from qkmla.integrations.transformers import apply_latent_attention  # noqa: E402
 from qkmla.integrations.transformers.families import FAMILIES, family_named, markdown_table  # noqa: E402
 from qkmla.integrations.transformers.patched import latent_layers  # noqa: E402
+from qkmla.rope import RotaryEmbedding  # noqa: E402
 
 from .helpers import CACHE, away_from_ones, max_rel, stepwise_logits  # noqa: E402
 
@@ -172,8 +173,9 @@ def test_the_family_differences_are_applied(name, knock):
     model = apply_latent_attention(copy.deepcopy(ref))
     for layer in latent_layers(model):
         layer.host = type(layer.host)(**{**layer.host.__dict__, **knock})
-        if "rope" in knock:
-            layer.rotary.interleave = True
+        if "rope" in knock:  # a RotaryEmbedding's settings are fixed once made: a new one, rotating pairs
+            r = layer.rotary
+            layer.rotary = RotaryEmbedding(r.dim, r.theta, interleave=True, scaling=r.scaling)
         if knock.get("attention_sinks") is False:
             layer.sinks = None
     prompt = ids(length=10)

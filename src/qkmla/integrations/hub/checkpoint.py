@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -36,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...norms import qk_norms_of
+from ...utils.checked import is_int
 from ...utils.devices import check_device
 from ...utils.files import check_path, input_file_problem
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
@@ -61,9 +63,10 @@ def check_utf8_path(name: str, path: Union[str, Path]) -> None:
     """A ValueError naming ``name`` for a path that is not UTF-8 (a surrogate escape in Python): safetensors
     and tokenizers (Rust) take paths as UTF-8 strings, and failed on one after the config was read, as
     'not a readable safetensors file' of a file that was fine. Every reader and writer of a checkpoint
-    directory checks its paths here."""
+    directory checks its paths here. The path is checked as given, the string those libraries get: a
+    relative name under a working directory that is not UTF-8 opens fine."""
     try:
-        str(Path(path).absolute()).encode("utf-8")
+        str(Path(path)).encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"{name}: {path} is not a UTF-8 path, which safetensors and tokenizers cannot open; "
                          "rename it (or a directory above it)") from None
@@ -92,8 +95,9 @@ def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = 
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
         raise ValueError(f"revision: expected None (the default branch) or a branch, tag or commit hash, "
                          f"got {revision!r}")
-    if not isinstance(subfolder, str):
-        raise ValueError(f"subfolder: expected a path inside the checkpoint (a str, '' for none), got {subfolder!r}")
+    if not isinstance(subfolder, (str, os.PathLike)):
+        raise ValueError(f"subfolder: expected a path inside the checkpoint ('' for none), got {subfolder!r}")
+    subfolder = os.fspath(subfolder)
     if root.is_dir():
         found = root / subfolder if subfolder else root
         check_utf8_path("hf_dir", found)
@@ -226,7 +230,7 @@ def _check_layers(layers, num_layers: int, config_path: Path) -> list[int]:
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"{config_path}: num_hidden_layers must be a positive int, got {num_layers!r}")
     chosen = list(range(num_layers)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
-    bad = [i for i in chosen if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    bad = [i for i in chosen if not is_int(i) or not 0 <= i < num_layers]
     if bad or not chosen:
         raise ValueError(f"layers: expected layer indices in [0, {num_layers}) (num_hidden_layers of "
                          f"{config_path}), got {layers!r}")

@@ -27,9 +27,6 @@ def check_checkpoint_out(out: Path, given, src: Optional[Path], overwrite: bool,
     training run or a directory of notes whole, given overwrite=True). ``copies_source``: the writer
     copies ``src``'s top-level files (a conversion does; an export from a DCP directory does not, so a
     file named as one of those is not its to replace)."""
-    if not isinstance(overwrite, bool):  # overwrite="no" is truthy: it replaced an existing checkpoint unasked
-        option = flag.lstrip("-").split("=")[0]
-        raise ValueError(f"{option}: expected True or False, got {overwrite!r}")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{name}: {given} is a file; it names the directory the {writer} is written to")
     resolved_out = out.resolve()

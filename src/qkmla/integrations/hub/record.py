@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...config import QKNormConfig
+from ...utils.checked import is_int
 
 RECORD = "qkmla"  # the config.json entry
 # written as attn_implementation: transformers alone refuses it
@@ -185,7 +186,7 @@ def recorded_groups(hf_config, where: str = "model.config") -> Optional[int]:
     if groups is None:
         return None
     heads = hf_config.get("num_attention_heads") if isinstance(hf_config, dict) else hf_config.num_attention_heads
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or heads % groups:
+    if not is_int(groups) or groups < 1 or heads % groups:
         raise ValueError(f"{where}: its {RECORD!r} entry records {GROUPS}={groups!r}, which must be a positive int "
                          f"dividing num_attention_heads={heads}")
     return groups

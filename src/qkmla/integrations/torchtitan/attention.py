@@ -48,7 +48,7 @@ from torchtitan.protocols.sharding import ShardingConfig  # noqa: E402
 from ...attention.functional import max_logits  # noqa: E402
 from ...config import QKNormConfig  # noqa: E402
 from ...norms import QKNorm, ScalarNorm, make_qk_norms  # noqa: E402
-from ...utils.checked import is_number  # noqa: E402
+from ...utils.checked import check_bool, is_number  # noqa: E402
 
 
 def document_mask(positions: Optional[torch.Tensor]):
@@ -123,8 +123,7 @@ class QKAttention(Attention):
                 if norm is not None:
                     raise ValueError(f"qk_clip_tau: QK-Clip and a QK norm ({norm.name}) cannot be combined: the norm "
                                      "would undo the clip's rescaling; activate one of the two overrides")
-            if not isinstance(self.track_max_logits, bool):
-                raise ValueError(f"track_max_logits: expected True or False, got {self.track_max_logits!r}")
+            check_bool("track_max_logits", self.track_max_logits)
             if self.logit_scale_init is not None:
                 if norm is None or not norm.learnable_logit_scale:
                     raise ValueError("logit_scale_init: only read with a learned logit scale "

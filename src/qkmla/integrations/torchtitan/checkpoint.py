@@ -63,6 +63,7 @@ from torchtitan.models.deepseek_v3.model import Attention, DeepSeekV3Model  # no
 from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter  # noqa: E402
 
 from ...config import QKNormConfig  # noqa: E402
+from ...utils.checked import check_bool  # noqa: E402
 from ...utils.files import (check_path, check_writable, clear_stale, directory_state, make_directory,  # noqa: E402
                              output_directory, write_directory)
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
@@ -365,6 +366,7 @@ def check_export_out(out_dir, overwrite: bool, source=None) -> Path:
     file, a training run and a directory of notes whole), and a parent it cannot write in (a bare
     PermissionError after the model was converted). A link of the user's own is followed
     (:func:`~qkmla.utils.files.output_directory`)."""
+    check_bool("overwrite", overwrite)  # first: "no" is truthy, and clear_stale below is work
     given = check_path("out_dir", out_dir, "checkpoint directory")
     out = output_directory("out_dir", given)
     clear_stale(out)  # what an export killed outright left, so that out is checked as it really is

@@ -49,7 +49,7 @@ from ...cache.eviction import EvictionPolicy
 from ...cache.latent import LatentCache
 from ...config import MLAConfig
 from ...kv_formats import check_kv_format
-from ...utils.checked import FixedSettings
+from ...utils.checked import FixedSettings, check_bool, is_int
 from .patched import cache_slots, inner_model, model_settings
 from .static import StaticLatentCacheLayer, check_static_settings
 from .view import TransformersView
@@ -66,7 +66,7 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
     if policy is not None and not isinstance(policy, EvictionPolicy):
         raise ValueError(f"policy: expected an EvictionPolicy (qkmla.cache.StreamingLLM, H2O, SnapKV, or "
                          f"qkmla.cache.make_policy(name, ...)) or None, got {policy!r:.80}")
-    if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+    if max_cache_len is not None and (not is_int(max_cache_len)
                                       or max_cache_len < 1):
         raise ValueError(f"max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), "
                          f"got {max_cache_len!r}")
@@ -97,8 +97,9 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
                  max_cache_len: Optional[int] = None, offloading: bool = False):
         super().__init__()
         check_cache_settings(kv_format, policy, max_cache_len)
+        check_bool("offloading", offloading)  # "no" is truthy: bool() took it as True
         self.config, self.kv_format, self.policy, self.max_cache_len = config, kv_format, policy, max_cache_len
-        self.offloading = bool(offloading)
+        self.offloading = offloading
         self.is_croppable = policy is None  # an evicted token cannot be put back
         self.latent: Optional[LatentCache] = None
         self.columns = 0
@@ -389,9 +390,7 @@ class LatentAttentionCache(FixedSettings, Cache):
         if not isinstance(static, bool):
             raise ValueError(f"static: expected True (fixed buffers, compileable) or False (grow), got {static!r}")
         # offloading="no" is truthy: it was taken as True, a cache moved to the CPU between forwards unasked
-        if not isinstance(offloading, bool):
-            raise ValueError(f"offloading: expected True (keep the rows in CPU memory between forwards) or False, "
-                             f"got {offloading!r}")
+        check_bool("offloading", offloading)
         if static and None in slots:
             raise ValueError("static: this model is a hybrid (linear-attention layers beside its MLA layers), "
                              "whose static cache qkmla does not build; use the growing cache (static=False)")

@@ -30,7 +30,7 @@ from torch import nn
 from ...attention.mla import projection_shapes
 from ...config import check_positive_int
 from ...norms import QKNorm
-from ...utils.checked import is_number
+from ...utils.checked import check_bool, is_number
 from .patched import inner_model, latent_layers, model_settings
 
 DEFAULT_TARGETS = ("q_b_proj", "kv_b_proj", "o_proj")
@@ -133,8 +133,7 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
         raise ValueError(f"lora_dropout: expected a probability in [0, 1), got {lora_dropout!r}")
     config = latent_layers(model)[0].config
     names = _check_targets(targets, config)
-    if not isinstance(train_qk_norm, bool):
-        raise ValueError(f"train_qk_norm: expected True or False, got {train_qk_norm!r}")
+    check_bool("train_qk_norm", train_qk_norm)
     if train_qk_norm and not config.has_qk_norm:
         raise ValueError("train_qk_norm: this model has no QK norm; add one with "
                          "apply_latent_attention(model, qk_norm='rms')")

@@ -36,14 +36,14 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ...config import MLAConfig
 from ...dtypes import cast
-from ...utils.checked import FixedSettings
+from ...utils.checked import FixedSettings, is_int
 from ...utils.limits import check_allocation
 from .view import TransformersView
 
 
 def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
     """Refuse, naming the argument, what a static latent cache cannot hold."""
-    if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+    if not is_int(max_cache_len) or max_cache_len < 1:
         raise ValueError(f"max_cache_len: a static latent cache needs a positive int capacity (tokens per "
                          f"sequence, prompt included), got {max_cache_len!r}")
     if kv_format != "dense":

@@ -37,7 +37,7 @@ from typing import Optional, Union
 import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
-from ...utils.checked import is_number
+from ...utils.checked import is_int, is_number
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
@@ -219,11 +219,11 @@ def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor,
     most the slots a sequence can hold (``capacity``: past it, 2**70 say, the refusal named
     cache_seqlens, whose lengths were fine) and, where reading the lengths is free, at least
     max(cache_seqlens): a shorter one would drop the slots past it without a word)."""
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+    if not is_int(num_splits) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 picks one that fills the GPU), got {num_splits!r}")
     if max_seqlen is None:
         return
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+    if not is_int(max_seqlen) or max_seqlen < 0:
         raise ValueError(f"max_seqlen: expected None or an int >= 0 (max(cache_seqlens)), got {max_seqlen!r}")
     if capacity is not None and max_seqlen > capacity:
         raise ValueError(f"max_seqlen: expected max(cache_seqlens), at most the {capacity} slots a sequence of "
