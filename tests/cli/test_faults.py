@@ -2863,6 +2863,7 @@ def probe10b_rows():
         from qkmla.experiments import EXPERIMENTS
         from qkmla.experiments.base import redraw, run_experiment
 
+        assert Options(out=str(out)).out == out  # a str out is a Path for the reports (redraw passes dst as given)
         (env.tmp / "src").mkdir()
         (env.tmp / "src" / "results.jsonl").write_text("")
         raises(lambda: redraw(EXPERIMENTS["length"], env.tmp / "src", out, quick=1), ValueError,

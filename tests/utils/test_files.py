@@ -336,3 +336,27 @@ def test_the_python_entry_points_name_an_input_that_is_not_a_regular_file(tmp_pa
     with pytest.raises(ValueError, match=r"sweep: the lr-sweep results .*results.jsonl is a directory"):
         sweep_lr(Options(out=tmp_path / "norm-mode"))
     assert sweep_lr(Options(out=tmp_path / "elsewhere" / "x"))[1].startswith("default")  # absent: the default
+
+
+@pytest.mark.parametrize("figures, refused", [
+    (["curves.png"], {"curves.png"}),
+    (None, {"curves.png", "s.png", "mine.png"}), ("curves.png", {"curves.png", "s.png", "mine.png"}),
+    ({"x.png": 1}, {"curves.png", "s.png", "mine.png"}), ([["curves.png"]], {"curves.png", "s.png", "mine.png"}),
+])
+def test_an_experiments_own_figures_are_those_its_summary_lists(tmp_path, figures, refused):
+    """plot --overwrite refuses the figures an experiment's summary.json lists; a list edited into
+    anything else counts every figure as the experiment's (a string matched substrings; a
+    nested list let plot replace curves.png)."""
+    from qkmla.utils.files import drawn_by
+
+    (tmp_path / "summary.json").write_text(json.dumps({"experiment": "x", "figures": figures}))
+    assert {n for n in ("curves.png", "s.png", "mine.png") if drawn_by("experiment", tmp_path / n)} == refused
+    assert not drawn_by("train", tmp_path / "curves.png")
+
+
+def test_a_summary_that_is_not_a_regular_file_is_not_read(tmp_path):
+    """A FIFO named summary.json blocked plot --overwrite for ever: only a regular file is read."""
+    from qkmla.utils.files import drawn_by
+
+    os.mkfifo(tmp_path / "summary.json")
+    assert drawn_by("experiment", tmp_path / "mine.png")

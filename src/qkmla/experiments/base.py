@@ -49,6 +49,10 @@ class Options:
         # quick grid run), workers=-1 and seeds=0 reached the grid's arithmetic.
         for name in ("quick", "overwrite"):
             check_bool(name, getattr(self, name))
+        # a str out reached every report's options.out / "x.png" (redraw passes its dst as given)
+        if not isinstance(self.out, (str, os.PathLike)):
+            raise ValueError(f"out: expected the experiment's directory (a path), got {self.out!r}")
+        object.__setattr__(self, "out", Path(self.out))
         if self.seeds is not None and (not is_int(self.seeds)
                                        or self.seeds < 1):
             raise ValueError(f"seeds: expected None (the experiment's default) or a positive int (training runs "

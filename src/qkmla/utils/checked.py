@@ -37,13 +37,17 @@ def is_int(value) -> bool:
 
 
 def check_size(name: str, value, low: int, meaning: str = "") -> None:
-    """A ValueError naming ``name`` unless ``value`` is an integer >= ``low`` (a Python or NumPy int,
-    not a bool; ``meaning`` says what it counts). A size being traced is taken as it is, not
-    compared: a SymInt (make_fx, torch.export) or a 0-d integer tensor (torch.jit.trace passes
-    shapes as tensors); comparing one would add a guard, or fail, in the traced graph."""
-    if isinstance(value, torch.SymInt) or (isinstance(value, torch.Tensor) and value.dim() == 0 and not (
-            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)):
+    """A ValueError naming ``name`` unless ``value`` is an integer >= ``low`` (a Python or NumPy int, or
+    a 0-d integer tensor, not a bool; ``meaning`` says what it counts). A size being traced is taken
+    as it is, not compared: a SymInt (make_fx, torch.export), or a 0-d tensor under torch.jit.trace
+    (which passes shapes as tensors); comparing one would add a guard, or fail, in the traced graph."""
+    if isinstance(value, torch.SymInt):
         return
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        if torch.jit.is_tracing():
+            return
+        value = int(value)  # eager: compared as the int it holds
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}{meaning}, got {value!r}")
 

@@ -459,10 +459,15 @@ def drawn_by(directory_owner: str, figure: Path) -> bool:
         return False
     names = DRAWS_FIGURES[directory_owner]
     if names is None:
-        try:
-            names = json.loads((figure.parent / "summary.json").read_text(encoding="utf-8"))["figures"]
-        except (OSError, ValueError, KeyError, TypeError):
+        summary = figure.parent / "summary.json"
+        try:  # only a regular file of a summary's size is read (a FIFO there would block plot)
+            if not summary.is_file() or summary.stat().st_size > 2**20:
+                return True
+            names = json.loads(summary.read_text(encoding="utf-8"))["figures"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return True
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return True  # not a list of names (edited by hand): every figure counts as the experiment's
     return figure.name in names
 
 

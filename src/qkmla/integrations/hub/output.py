@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ...utils.checked import check_bool
 from .checkpoint import CONFIG
 
 
@@ -27,6 +28,7 @@ def check_checkpoint_out(out: Path, given, src: Optional[Path], overwrite: bool,
     training run or a directory of notes whole, given overwrite=True). ``copies_source``: the writer
     copies ``src``'s top-level files (a conversion does; an export from a DCP directory does not, so a
     file named as one of those is not its to replace)."""
+    check_bool("overwrite", overwrite)  # its callers check it first, before any work; kept for any other
     if out.exists() and not out.is_dir():
         raise ValueError(f"{name}: {given} is a file; it names the directory the {writer} is written to")
     resolved_out = out.resolve()
