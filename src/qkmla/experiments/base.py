@@ -53,8 +53,7 @@ class Options:
         if not isinstance(self.out, (str, os.PathLike)):
             raise ValueError(f"out: expected the experiment's directory (a path), got {self.out!r}")
         object.__setattr__(self, "out", Path(self.out))
-        if self.seeds is not None and (not is_int(self.seeds)
-                                       or self.seeds < 1):
+        if self.seeds is not None and (not is_int(self.seeds) or self.seeds < 1):
             raise ValueError(f"seeds: expected None (the experiment's default) or a positive int (training runs "
                              f"per variant), got {self.seeds!r}")
         if not is_int(self.workers) or self.workers < 0:
@@ -340,7 +339,7 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     ``dst/runs`` (``grid.archive_runs``), so that a later session can restore them
     (``grid.restore_runs``) and go on with the rest of the grid."""
     options = Options(out=dst, quick=quick)  # first: quick=1 was refused by Options after dst was written
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), options.out  # Options made dst a Path
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
     dst.mkdir(parents=True, exist_ok=True)

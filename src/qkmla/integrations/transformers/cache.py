@@ -66,8 +66,7 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
     if policy is not None and not isinstance(policy, EvictionPolicy):
         raise ValueError(f"policy: expected an EvictionPolicy (qkmla.cache.StreamingLLM, H2O, SnapKV, or "
                          f"qkmla.cache.make_policy(name, ...)) or None, got {policy!r:.80}")
-    if max_cache_len is not None and (not is_int(max_cache_len)
-                                      or max_cache_len < 1):
+    if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), "
                          f"got {max_cache_len!r}")
 
