@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
-from .utils.checked import FixedSettings, check_bool, is_int
+from .utils.checked import FixedSettings, check_bool, is_int, is_number
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -41,7 +41,7 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 def _number(name: str, value, low: float, allow_none: bool = False, strict: bool = False):
     if value is None and allow_none:
         return
-    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+    bad = not is_number(value) or not math.isfinite(value)
     if bad or value < low or (strict and value == low):
         rel = ">" if strict else ">="
         none = " or None" if allow_none else ""
@@ -81,8 +81,7 @@ class YarnScaling:
         _number("rope_scaling.mscale", self.mscale, 0.0, allow_none=True)
         _number("rope_scaling.mscale_all_dim", self.mscale_all_dim, 0.0, allow_none=True)
         _number("rope_scaling.attention_factor", self.attention_factor, 0.0, allow_none=True, strict=True)
-        if not isinstance(self.truncate, bool):
-            raise ValueError(f"rope_scaling.truncate: expected a bool, got {self.truncate!r}")
+        check_bool("rope_scaling.truncate", self.truncate)
 
     @classmethod
     def from_dict(cls, params: Mapping, name: str = "rope_scaling") -> "YarnScaling":

@@ -285,10 +285,11 @@ def test_out_that_cannot_be_a_directory_is_refused(tmp_path):
         train(TrainConfig(**ONE_STEP, steps=1, out=str(tmp_path / "d"), overwrite=True))
     with pytest.raises(ValueError, match="qk_norm_p: only the -lp variants use p"):
         TrainConfig(**FAST, qk_norm_p=3.0, attn="mla-qknorm")
-    # An integer's bounds print whole, as a number the user can type back (not 9.22337e+18).
-    with pytest.raises(ValueError, match=r"seed: expected an int >= 0 and <= 9223372036854775807, got -1$"):
+    # The seed's range reads as a number the user can type back (not 9.22337e+18); the same check as
+    # generate's and verify's --seed.
+    with pytest.raises(ValueError, match=r"seed: expected an int from 0 to 2\*\*63 - 1, got -1$"):
         TrainConfig(**FAST, seed=-1)
-    with pytest.raises(ValueError, match="seed: expected an int >= 0 and <= "):
+    with pytest.raises(ValueError, match=r"seed: expected an int from 0 to 2\*\*63 - 1, got 10{23}$"):
         TrainConfig(**FAST, seed=10**23)
 
 

@@ -22,10 +22,10 @@ GENERATE_POLICIES = ("streaming-llm", "h2o", "snapkv")
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from ..utils.checked import check_seed
     from . import verify, verify_quantized
 
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    check_seed("--seed", args.seed)
     # A flag given twice names its rows once (--variant X --variant X computed and printed X twice).
     args.variant = list(dict.fromkeys(args.variant)) if args.variant else args.variant
     args.kv_format = list(dict.fromkeys(args.kv_format)) if args.kv_format else args.kv_format
@@ -235,13 +235,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     from ..kv_formats import check_kv_format
     from ..model.generate import check_sampling, generate
+    from ..utils.checked import check_seed
     from ..utils.files import check_path
     from ..utils.threads import apply_threads
 
     tokens_flag = _tokens_flag(args.argv)
     check_sampling(args.max_new_tokens, args.temperature, args.top_k, names=(tokens_flag, "--temperature", "--top-k"))
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed: expected an int >= 0 and < 2**63, got {args.seed}")
+    check_seed("--seed", args.seed)
     for prompt in args.prompt:  # the shell passes bytes: one that is not UTF-8 is a surrogate no tokenizer takes
         try:
             prompt.encode("utf-8")
@@ -415,17 +415,14 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     return 0
 
 
-MAX_SEEDS = 1000  # seeds per variant: each is a training run; more is a typo (and a plan that fills memory)
-
-
 def _experiment(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
     from ..experiments import EXPERIMENTS, Options, run_experiment
+    from ..experiments.base import check_seeds, check_workers
     from ..utils.environment import check_launch
     from ..utils.files import check_input_file, check_path
-    from ..utils.threads import usable_cpus
 
     if args.list:
         for e in EXPERIMENTS.values():
@@ -435,14 +432,9 @@ def _experiment(args: argparse.Namespace) -> int:
         raise ValueError(f"NAME: missing; one of {', '.join(EXPERIMENTS)} (qkmla experiment --list)")
     if args.name not in EXPERIMENTS:
         raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
-    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
-        raise ValueError(f"--seeds: expected an int from 1 to {MAX_SEEDS} (each seed is a training run per "
-                         f"variant), got {args.seeds}")
+    check_seeds("--seeds", args.seeds)
     check_launch("experiment")  # the workers would wait for torchrun ranks that never come
-    cpus = len(usable_cpus())
-    if not 0 <= args.workers <= cpus:
-        raise ValueError(f"--workers: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
-                         f"run on (its affinity), got {args.workers}")
+    check_workers("--workers", args.workers)
     if args.sweep is not None and not EXPERIMENTS[args.name].reads_sweep:  # else silently ignored
         readers = ", ".join(name for name, e in EXPERIMENTS.items() if e.reads_sweep)
         raise ValueError(f"--sweep: {args.name} does not read lr-sweep results (it picks its own learning rates); "

@@ -27,6 +27,27 @@ from .results import best_lr, read_results, summarize, write_results
 from ..utils.checked import check_bool, is_int
 
 
+MAX_SEEDS = 1000  # seeds per variant: each is a training run; more is a typo (and a plan that fills memory)
+
+
+def check_seeds(name: str, seeds) -> None:
+    """A ValueError naming ``name`` unless ``seeds`` is None (the experiment's default) or an int from 1
+    to :data:`MAX_SEEDS`."""
+    if seeds is not None and (not is_int(seeds) or not 1 <= seeds <= MAX_SEEDS):
+        raise ValueError(f"{name}: expected None (the experiment's default) or an int from 1 to {MAX_SEEDS} "
+                         f"(each seed is a training run per variant), got {seeds!r}")
+
+
+def check_workers(name: str, workers) -> None:
+    """A ValueError naming ``name`` unless ``workers`` is 0 (one per CPU) or an int up to the CPUs this
+    process may run on: more workers than its CPU set (taskset, a cgroup) share those CPUs and each
+    run slows by as much, with nothing gained."""
+    cpus = len(usable_cpus())
+    if not is_int(workers) or not 0 <= workers <= cpus:
+        raise ValueError(f"{name}: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
+                         f"run on (its affinity), got {workers!r}")
+
+
 @dataclass(frozen=True)
 class Options:
     """out: the experiment's directory; quick: the test-sized grid; seeds: seeds per
@@ -53,11 +74,8 @@ class Options:
         if not isinstance(self.out, (str, os.PathLike)):
             raise ValueError(f"out: expected the experiment's directory (a path), got {self.out!r}")
         object.__setattr__(self, "out", Path(self.out))
-        if self.seeds is not None and (not is_int(self.seeds) or self.seeds < 1):
-            raise ValueError(f"seeds: expected None (the experiment's default) or a positive int (training runs "
-                             f"per variant), got {self.seeds!r}")
-        if not is_int(self.workers) or self.workers < 0:
-            raise ValueError(f"workers: expected 0 (one per CPU) or a positive int (processes), got {self.workers!r}")
+        check_seeds("seeds", self.seeds)
+        check_workers("workers", self.workers)
 
     def seed_list(self, default: int) -> list[int]:
         n = self.seeds or (1 if self.quick else default)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
-from ..utils.checked import check_bool, revalidated
+from ..utils.checked import check_bool, check_seed, revalidated
 from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -111,7 +111,7 @@ class TrainConfig:
             raise ValueError(f"warmup_steps: expected an int from 0 to the run's steps ({self.steps}; a longer warmup "
                              f"never reaches the peak lr), or None (the default: {DEFAULT_WARMUP_STEPS}, capped at the "
                              f"steps); got {self.warmup_steps}")
-        _number("seed", self.seed, 0, 2**63 - 1, integer=True)
+        check_seed("seed", self.seed)
         _number("lr", self.lr, 0, low_open=True)
         _number("weight_decay", self.weight_decay, 0)
         _number("min_lr_ratio", self.min_lr_ratio, 0, 1)

@@ -52,6 +52,15 @@ def check_size(name: str, value, low: int, meaning: str = "") -> None:
         raise ValueError(f"{name}: expected an int >= {low}{meaning}, got {value!r}")
 
 
+SEED_MAX = 2 ** 63 - 1  # torch.manual_seed takes a seed up to 2**64 - 1; int64 keeps it in a tensor, a file, a job
+
+
+def check_seed(name: str, value) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an int from 0 to :data:`SEED_MAX` (not a bool)."""
+    if not is_int(value) or not 0 <= value <= SEED_MAX:
+        raise ValueError(f"{name}: expected an int from 0 to 2**63 - 1, got {value!r}")
+
+
 def check_bool(name: str, value) -> None:
     """A ValueError naming ``name`` unless ``value`` is True or False: a switch given as a string
     (``rope_interleave="no"``, ``overwrite="no"``) is truthy, and was taken as True without a word."""

@@ -553,7 +553,8 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
     (whatever ``overwrite`` says), is a directory, is an existing file in another command's directory
     (:func:`directory_kind`) other than one of the kind this command writes (``own_suffixes``, when
     given: a figure drawn there before), or one of that kind where the other command draws its own
-    (:func:`drawn_by`), whatever ``overwrite`` says, or already exists without ``overwrite``."""
+    (:func:`drawn_by`), whatever ``overwrite`` says, or already exists without ``overwrite``; or if its
+    directory exists but takes no new file (:func:`check_writable`)."""
     inputs = [Path(p) for p in inputs]
     existing = []
     for out in map(Path, outputs):
@@ -580,3 +581,9 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
     if existing and not overwrite:
         raise ValueError(f"{name}: {', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass "
                          f"--overwrite to replace {'it' if len(existing) == 1 else 'them'}, or write elsewhere")
+    # A directory that exists but takes no new file (read-only, another user's) is the argument's
+    # problem, found before the work as a missing one is (make_directory): it was found only by the
+    # write at the end, a bare "Permission denied" after the work.
+    for directory in dict.fromkeys(Path(out).parent for out in outputs):
+        if directory.is_dir():
+            check_writable(name, directory)

@@ -373,7 +373,10 @@ class LatentAttentionCache(FixedSettings, Cache):
 
     Examples:
         >>> cache = LatentAttentionCache(model, kv_format="fp8")               # doctest: +SKIP
-        >>> out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)  # doctest: +SKIP
+        >>> out = model.generate(input_ids, cache=cache, max_new_tokens=32)    # doctest: +SKIP
+
+        (``cache=`` is transformers 5.24's name; earlier releases take it as ``past_key_values=``,
+        which 5.24 still takes with a deprecation warning.)
         >>> static = LatentAttentionCache(model, max_cache_len=4096, static=True)  # doctest: +SKIP
     """
 
@@ -386,9 +389,8 @@ class LatentAttentionCache(FixedSettings, Cache):
         slots = cache_slots(model)  # per cache layer: a latent attention, or None (transformers' own layer)
         kv_format = kv_format if kv_format is not None else settings.kv_format
         policy = settings.policy if policy is _MODEL_SETTING else policy
-        if not isinstance(static, bool):
-            raise ValueError(f"static: expected True (fixed buffers, compileable) or False (grow), got {static!r}")
         # offloading="no" is truthy: it was taken as True, a cache moved to the CPU between forwards unasked
+        check_bool("static", static)
         check_bool("offloading", offloading)
         if static and None in slots:
             raise ValueError("static: this model is a hybrid (linear-attention layers beside its MLA layers), "
