@@ -3058,6 +3058,27 @@ def probe10_rows():
     ]
 
 
+def probe11b_rows():
+    """The eleventh probe's failures in the Python API (issue 56, probe 11b: 280 fresh probes of the constructors,
+    the decode op and the integrations, written at bd54e42 without this table; 11 failed, 10 fixed here, from 8 causes)."""
+
+    def convert_out_name_too_long(env, hf):
+        """Probe f13: ``convert_checkpoint(src, "x" * 300)`` ended in pathlib's bare ``OSError: [Errno 36] File
+        name too long`` from the path checks, naming no argument (export_hf refused the same name naming
+        out_dir). Refused now naming out, before anything is read or written."""
+        from qkmla.convert import convert_checkpoint
+
+        before = sorted(p.name for p in env.tmp.iterdir())
+        raises(lambda: convert_checkpoint(hf, env.tmp / ("x" * 300), qk_norm=None, calibration_tokens=0),
+               ValueError, r"^out: cannot use the directory .* \(File name too long\)")
+        assert sorted(p.name for p in env.tmp.iterdir()) == before
+
+    return [
+        Row("convert", "path", "convert_checkpoint(out='x' * 300): pathlib's bare OSError", convert_out_name_too_long,
+            hf=True),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -3086,7 +3107,8 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows()
+        + probe11b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
