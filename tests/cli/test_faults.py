@@ -3060,7 +3060,8 @@ def probe10_rows():
 
 def probe11b_rows():
     """The eleventh probe's failures in the Python API (issue 56, probe 11b: 280 fresh probes of the constructors,
-    the decode op and the integrations, written at bd54e42 without this table; 11 failed, 10 fixed here, from 8 causes)."""
+    the decode op and the integrations, written at bd54e42 without this table; 11 failed, 10 fixed here, from 8
+    causes)."""
 
     def convert_out_name_too_long(env, hf):
         """Probe f13: ``convert_checkpoint(src, "x" * 300)`` ended in pathlib's bare ``OSError: [Errno 36] File
