@@ -3074,9 +3074,26 @@ def probe11b_rows():
                ValueError, r"^out: cannot use the directory .* \(File name too long\)")
         assert sorted(p.name for p in env.tmp.iterdir()) == before
 
+    def decode_on_meta(env):
+        """Probe d18: the decode op over meta tensors (a model and cache built under torch.device("meta"), which
+        LatentCache allows) failed in torch with "Tensor.item() cannot be called on meta tensors". Refused now
+        naming q_lat, before any backend; the same call on CPU tensors runs."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        args = dict(q_lat=torch.randn(2, 1, 4, 32), q_rope=torch.randn(2, 1, 4, 8), kv_cache=torch.randn(2, 6, 40),
+                    block_table=None, cache_seqlens=torch.tensor([6, 4]), scale_cache=torch.rand(2, 6, 4) + 0.5)
+        meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        for backend in ("auto", "torch", "naive"):
+            raises(lambda b=backend: mla_decode_with_kvcache(**meta, softmax_scale=0.2, backend=b), ValueError,
+                   "^q_lat: the decode op reads the values of cache_seqlens, which tensors on the meta device")
+        out, _ = mla_decode_with_kvcache(**args, softmax_scale=0.2, backend="torch")
+        ref, _ = mla_decode_with_kvcache(**args, softmax_scale=0.2, backend="naive")
+        assert torch.allclose(out, ref, atol=1e-5)
+
     return [
         Row("convert", "path", "convert_checkpoint(out='x' * 300): pathlib's bare OSError", convert_out_name_too_long,
             hf=True),
+        Row("mla_decode_with_kvcache", "size", "meta tensors (torch's Tensor.item() error)", decode_on_meta),
     ]
 
 
