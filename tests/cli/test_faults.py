@@ -3063,6 +3063,50 @@ def probe11b_rows():
     the decode op and the integrations, written at bd54e42 without this table; 11 failed, 10 fixed here, from 8
     causes)."""
 
+    def positions_not_a_tensor(env):
+        """Probes c84, c88: ``layer(x, cache, positions=[0, 1])`` (or a NumPy array) failed in the cache's plan
+        with "'list' object has no attribute 'to'", naming nothing; the forward without a cache refused the same
+        list naming positions. Refused now naming positions; a tensor of the same positions still works."""
+        import numpy as np
+        from qkmla import MLA, MLAConfig
+        from qkmla.cache.latent import LatentCache
+
+        torch.manual_seed(0)
+        layer = MLA(MLAConfig()).eval()
+        cache = LatentCache.from_config(layer.config, 1, 8)
+        x = torch.randn(1, 2, 64)
+        with torch.no_grad():
+            for value in ([0, 1], np.arange(2), torch.tensor([0.0, 1.0])):
+                raises(lambda v=value: layer(x, cache, positions=v), ValueError,
+                       r"^positions: expected an integer tensor of shape \[1, 2\] or \[2\]")
+            assert cache.seqlens.tolist() == [0]  # refused before the write
+            assert torch.allclose(layer(x, cache, positions=torch.arange(2)), layer(x), atol=1e-5)
+        assert cache.seqlens.tolist() == [2]
+
+    def eviction_state_replaced(env):
+        """Probe c27b: ``cache.eviction = "junk"`` (or None, or another cache's) was taken, and the next
+        forward failed in the evictor ("'str' object has no attribute 'after_attention'") or ran with state
+        sized for another batch. Refused now naming eviction, as the other sizes its buffers were built for;
+        a copy of a cache with a policy still evicts as the original."""
+        from qkmla import MLA, MLAConfig
+        from qkmla.cache import H2O
+        from qkmla.cache.latent import LatentCache
+
+        torch.manual_seed(0)
+        layer = MLA(MLAConfig()).eval()
+        plain = LatentCache.from_config(layer.config, 1, 16)
+        evicting = LatentCache.from_config(layer.config, 1, 16, policy=H2O(budget=4, window=2))
+        for cache, value in ((plain, "junk"), (evicting, None), (plain, evicting.eviction)):
+            raises(lambda c=cache, v=value: setattr(c, "eviction", v), AttributeError,
+                   "^eviction: the cache's buffers are allocated for")
+        assert plain.eviction is None
+        with torch.no_grad():
+            layer(torch.randn(1, 6, 64), evicting)
+            twin = copy.deepcopy(evicting)
+            x = torch.randn(1, 1, 64)
+            assert torch.equal(layer(x, evicting), layer(x, twin))
+        assert evicting.seqlens.tolist() == twin.seqlens.tolist() == [4]
+
     def convert_out_name_too_long(env, hf):
         """Probe f13: ``convert_checkpoint(src, "x" * 300)`` ended in pathlib's bare ``OSError: [Errno 36] File
         name too long`` from the path checks, naming no argument (export_hf refused the same name naming
@@ -3090,10 +3134,39 @@ def probe11b_rows():
         ref, _ = mla_decode_with_kvcache(**args, softmax_scale=0.2, backend="naive")
         assert torch.allclose(out, ref, atol=1e-5)
 
+    def cache_sizes_of_numpy_and_past_memory(env):
+        """Probes c08, c96, c09: ``LatentCache(np.int64(2), np.int64(8), ...)`` was refused as "batch_size:
+        expected a positive int, got np.int64(2)", a refusal that contradicts itself (plan() took NumPy ints);
+        and ``kv_lora_rank=2**40`` was refused naming capacity=4, the one size that was fine. NumPy ints are
+        ints now (stored as Python ints), and a width alone past the memory is named itself."""
+        import numpy as np
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(np.int64(2), np.int64(8), np.int64(32), np.int32(8), np.int64(4))
+        sizes = (cache.batch_size, cache.capacity, cache.kv_lora_rank, cache.qk_rope_head_dim, cache.num_kv_groups)
+        assert sizes == (2, 8, 32, 8, 4) and all(type(v) is int for v in sizes)
+        cache.grow(np.int64(16))
+        assert cache.capacity == 16 and type(cache.capacity) is int
+        full = FullKVCache(np.int64(1), 4, np.int64(2), np.int64(8), np.int64(8))
+        assert (full.num_kv_heads, full.k_dim, full.v_dim) == (2, 8, 8) and type(full.k_dim) is int
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups"):
+            widths = {**dict(kv_lora_rank=32, qk_rope_head_dim=8, num_kv_groups=0), name: 2**40}
+            raises(lambda w=widths: LatentCache(1, 4, **w), ValueError, f"^{name}: one token's {name}=1099511627776 "
+                   "values for each of 1 sequence\\(s\\) need at least")
+        raises(lambda: LatentCache(True, 4, 32, 8), ValueError, "^batch_size: expected a positive int, got True")
+        raises(lambda: LatentCache(1, 10**12, 32, 8), ValueError, "^capacity: ")  # still named where it is the size
+
+
     return [
+        Row("LatentCache", "size", "positions=[0, 1] / a NumPy array with a cache ('list' has no attribute 'to')",
+            positions_not_a_tensor),
+        Row("LatentCache", "size", "eviction set after construction (failed in the evictor)", eviction_state_replaced),
         Row("convert", "path", "convert_checkpoint(out='x' * 300): pathlib's bare OSError", convert_out_name_too_long,
             hf=True),
         Row("mla_decode_with_kvcache", "size", "meta tensors (torch's Tensor.item() error)", decode_on_meta),
+        Row("LatentCache", "size", "NumPy int sizes refused as not ints; kv_lora_rank=2**40 named capacity",
+            cache_sizes_of_numpy_and_past_memory),
     ]
 
 
