@@ -3118,6 +3118,30 @@ def probe11b_rows():
                ValueError, r"^out: cannot use the directory .* \(File name too long\)")
         assert sorted(p.name for p in env.tmp.iterdir()) == before
 
+    def repeats_of_a_cache(env):
+        """Probe t54: ``past_key_values.batch_repeat_interleave(0)`` was refused naming indices, an argument the
+        caller never gave (the growing cache), or emptied the batch without a word (the static one); -1 and 2.5
+        reached torch. Refused now naming repeats, in both; 2 still repeats each sequence."""
+        pytest.importorskip("transformers")
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        torch.manual_seed(0)
+        model = apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1)).eval())
+        ids = torch.randint(3, 64, (2, 5))
+        for implementation in ("dynamic", "static"):
+            cache = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                                   cache_implementation=implementation).past_key_values
+            for value in (0, -1, 2.5, True):
+                raises(lambda v=value: cache.batch_repeat_interleave(v), ValueError, "^repeats: expected an int >= 1")
+            cache.batch_repeat_interleave(2)
+            assert cache.layers[0].batch_size == 4 if implementation == "dynamic" else \
+                cache.layers[0].latent.shape[0] == 4
+
     def decode_on_meta(env):
         """Probe d18: the decode op over meta tensors (a model and cache built under torch.device("meta"), which
         LatentCache allows) failed in torch with "Tensor.item() cannot be called on meta tensors". Refused now
@@ -3157,13 +3181,14 @@ def probe11b_rows():
         raises(lambda: LatentCache(True, 4, 32, 8), ValueError, "^batch_size: expected a positive int, got True")
         raises(lambda: LatentCache(1, 10**12, 32, 8), ValueError, "^capacity: ")  # still named where it is the size
 
-
     return [
         Row("LatentCache", "size", "positions=[0, 1] / a NumPy array with a cache ('list' has no attribute 'to')",
             positions_not_a_tensor),
         Row("LatentCache", "size", "eviction set after construction (failed in the evictor)", eviction_state_replaced),
         Row("convert", "path", "convert_checkpoint(out='x' * 300): pathlib's bare OSError", convert_out_name_too_long,
             hf=True),
+        Row("LatentAttentionCache", "size", "batch_repeat_interleave(0 / -1 / 2.5): named indices, or emptied "
+            "the batch", repeats_of_a_cache),
         Row("mla_decode_with_kvcache", "size", "meta tensors (torch's Tensor.item() error)", decode_on_meta),
         Row("LatentCache", "size", "NumPy int sizes refused as not ints; kv_lora_rank=2**40 named capacity",
             cache_sizes_of_numpy_and_past_memory),
