@@ -3059,9 +3059,9 @@ def probe10_rows():
 
 
 def probe11b_rows():
-    """The eleventh probe's failures in the Python API (issue 56, probe 11b: 280 fresh probes of the constructors,
-    the decode op and the integrations, written at bd54e42 without this table; 11 failed, 10 fixed here, from 8
-    causes)."""
+    """The eleventh probe's failures in the Python API (issue 56, probe 11b: 306 fresh probes of the constructors,
+    the decode op and the integrations, written at bd54e42 without this table; 14 failed, 13 fixed from 10 causes:
+    these rows, and tests/integrations/hub/test_checkpoint.py and torchtitan/test_checkpoint.py for two)."""
 
     def positions_not_a_tensor(env):
         """Probes c84, c88: ``layer(x, cache, positions=[0, 1])`` (or a NumPy array) failed in the cache's plan
@@ -3181,6 +3181,24 @@ def probe11b_rows():
         raises(lambda: LatentCache(True, 4, 32, 8), ValueError, "^batch_size: expected a positive int, got True")
         raises(lambda: LatentCache(1, 10**12, 32, 8), ValueError, "^capacity: ")  # still named where it is the size
 
+    def generate_outlets_of_the_wrong_type(env):
+        """Probes n02, n03: ``generate(model, prompts, n, report="junk")`` generated every token and then failed in
+        ``report.update`` (AttributeError; the tokens lost with it), and ``on_token=5`` failed at the first step
+        ("'int' object is not callable"). Refused now naming each, before any token; a dict and a callable work."""
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=32, block_size=32)).eval()
+        seen = []
+        for kwargs, name in (({"report": "junk"}, "report"), ({"report": []}, "report"), ({"on_token": 5}, "on_token")):
+            raises(lambda k=kwargs: generate(model, [[1, 2]], 3, **{"on_token": seen.append, **k}), ValueError,
+                   f"^{name}: expected a")
+        assert seen == []  # refused before the first token
+        report = {}
+        out = generate(model, [[1, 2]], 3, temperature=0.0, report=report, on_token=seen.append)
+        assert len(out[0]) == 3 and len(seen) == 3 and report["kept"] == [5]
+
     return [
         Row("LatentCache", "size", "positions=[0, 1] / a NumPy array with a cache ('list' has no attribute 'to')",
             positions_not_a_tensor),
@@ -3192,6 +3210,8 @@ def probe11b_rows():
         Row("mla_decode_with_kvcache", "size", "meta tensors (torch's Tensor.item() error)", decode_on_meta),
         Row("LatentCache", "size", "NumPy int sizes refused as not ints; kv_lora_rank=2**40 named capacity",
             cache_sizes_of_numpy_and_past_memory),
+        Row("GPT", "size", "generate(report='junk') failed after every token; on_token=5 at the first",
+            generate_outlets_of_the_wrong_type),
     ]
 
 
