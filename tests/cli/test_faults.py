@@ -3086,6 +3086,163 @@ def noticed10_rows():
                 train_into_a_directory_of_runs)]
 
 
+def probe11b_rows():
+    """The eleventh probe's failures in the Python API (issue 56, probe 11b: 306 fresh probes of the constructors,
+    the decode op and the integrations, written at bd54e42 without this table; 14 failed, 13 fixed from 10 causes:
+    these rows, and tests/integrations/hub/test_checkpoint.py and torchtitan/test_checkpoint.py for two)."""
+
+    def positions_not_a_tensor(env):
+        """Probes c84, c88: ``layer(x, cache, positions=[0, 1])`` (or a NumPy array) failed in the cache's plan
+        with "'list' object has no attribute 'to'", naming nothing; the forward without a cache refused the same
+        list naming positions. Refused now naming positions; a tensor of the same positions still works."""
+        import numpy as np
+        from qkmla import MLA, MLAConfig
+        from qkmla.cache.latent import LatentCache
+
+        torch.manual_seed(0)
+        layer = MLA(MLAConfig()).eval()
+        cache = LatentCache.from_config(layer.config, 1, 8)
+        x = torch.randn(1, 2, 64)
+        with torch.no_grad():
+            for value in ([0, 1], np.arange(2), torch.tensor([0.0, 1.0])):
+                raises(lambda v=value: layer(x, cache, positions=v), ValueError,
+                       r"^positions: expected an integer tensor of shape \[1, 2\] or \[2\]")
+            assert cache.seqlens.tolist() == [0]  # refused before the write
+            assert torch.allclose(layer(x, cache, positions=torch.arange(2)), layer(x), atol=1e-5)
+        assert cache.seqlens.tolist() == [2]
+
+    def eviction_state_replaced(env):
+        """Probe c27b: ``cache.eviction = "junk"`` (or None, or another cache's) was taken, and the next
+        forward failed in the evictor ("'str' object has no attribute 'after_attention'") or ran with state
+        sized for another batch. Refused now naming eviction, as the other sizes its buffers were built for;
+        a copy of a cache with a policy still evicts as the original."""
+        from qkmla import MLA, MLAConfig
+        from qkmla.cache import H2O
+        from qkmla.cache.latent import LatentCache
+
+        torch.manual_seed(0)
+        layer = MLA(MLAConfig()).eval()
+        plain = LatentCache.from_config(layer.config, 1, 16)
+        evicting = LatentCache.from_config(layer.config, 1, 16, policy=H2O(budget=4, window=2))
+        for cache, value in ((plain, "junk"), (evicting, None), (plain, evicting.eviction)):
+            raises(lambda c=cache, v=value: setattr(c, "eviction", v), AttributeError,
+                   "^eviction: the cache's buffers are allocated for")
+        assert plain.eviction is None
+        with torch.no_grad():
+            layer(torch.randn(1, 6, 64), evicting)
+            twin = copy.deepcopy(evicting)
+            x = torch.randn(1, 1, 64)
+            assert torch.equal(layer(x, evicting), layer(x, twin))
+        assert evicting.seqlens.tolist() == twin.seqlens.tolist() == [4]
+
+    def convert_out_name_too_long(env, hf):
+        """Probe f13: ``convert_checkpoint(src, "x" * 300)`` ended in pathlib's bare ``OSError: [Errno 36] File
+        name too long`` from the path checks, naming no argument (export_hf refused the same name naming
+        out_dir). Refused now naming out, before anything is read or written."""
+        from qkmla.convert import convert_checkpoint
+
+        before = sorted(p.name for p in env.tmp.iterdir())
+        raises(lambda: convert_checkpoint(hf, env.tmp / ("x" * 300), qk_norm=None, calibration_tokens=0),
+               ValueError, r"^out: cannot use the directory .* \(File name too long\)")
+        assert sorted(p.name for p in env.tmp.iterdir()) == before
+
+    def repeats_of_a_cache(env):
+        """Probe t54: ``past_key_values.batch_repeat_interleave(0)`` was refused naming indices, an argument the
+        caller never gave (the growing cache), or emptied the batch without a word (the static one); -1 and 2.5
+        reached torch. Refused now naming repeats, in both; 2 still repeats each sequence."""
+        pytest.importorskip("transformers")
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        torch.manual_seed(0)
+        model = apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1)).eval())
+        ids = torch.randint(3, 64, (2, 5))
+        for implementation in ("dynamic", "static"):
+            cache = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                                   cache_implementation=implementation).past_key_values
+            for value in (0, -1, 2.5, True):
+                raises(lambda v=value: cache.batch_repeat_interleave(v), ValueError, "^repeats: expected an int >= 1")
+            cache.batch_repeat_interleave(2)
+            assert cache.layers[0].batch_size == 4 if implementation == "dynamic" else \
+                cache.layers[0].latent.shape[0] == 4
+
+    def decode_on_meta(env):
+        """Probe d18: the decode op over meta tensors (a model and cache built under torch.device("meta"), which
+        LatentCache allows) failed in torch with "Tensor.item() cannot be called on meta tensors". Refused now
+        naming q_lat, before any backend; the same call on CPU tensors runs."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        args = dict(q_lat=torch.randn(2, 1, 4, 32), q_rope=torch.randn(2, 1, 4, 8), kv_cache=torch.randn(2, 6, 40),
+                    block_table=None, cache_seqlens=torch.tensor([6, 4]), scale_cache=torch.rand(2, 6, 4) + 0.5)
+        meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        for backend in ("auto", "torch", "naive"):
+            raises(lambda b=backend: mla_decode_with_kvcache(**meta, softmax_scale=0.2, backend=b), ValueError,
+                   "^q_lat: the decode op reads the values of cache_seqlens, which tensors on the meta device")
+        out, _ = mla_decode_with_kvcache(**args, softmax_scale=0.2, backend="torch")
+        ref, _ = mla_decode_with_kvcache(**args, softmax_scale=0.2, backend="naive")
+        assert torch.allclose(out, ref, atol=1e-5)
+
+    def cache_sizes_of_numpy_and_past_memory(env):
+        """Probes c08, c96, c09: ``LatentCache(np.int64(2), np.int64(8), ...)`` was refused as "batch_size:
+        expected a positive int, got np.int64(2)", a refusal that contradicts itself (plan() took NumPy ints);
+        and ``kv_lora_rank=2**40`` was refused naming capacity=4, the one size that was fine. NumPy ints are
+        ints now (stored as Python ints), and a width alone past the memory is named itself."""
+        import numpy as np
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(np.int64(2), np.int64(8), np.int64(32), np.int32(8), np.int64(4))
+        sizes = (cache.batch_size, cache.capacity, cache.kv_lora_rank, cache.qk_rope_head_dim, cache.num_kv_groups)
+        assert sizes == (2, 8, 32, 8, 4) and all(type(v) is int for v in sizes)
+        cache.grow(np.int64(16))
+        assert cache.capacity == 16 and type(cache.capacity) is int
+        full = FullKVCache(np.int64(1), 4, np.int64(2), np.int64(8), np.int64(8))
+        assert (full.num_kv_heads, full.k_dim, full.v_dim) == (2, 8, 8) and type(full.k_dim) is int
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups"):
+            widths = {**dict(kv_lora_rank=32, qk_rope_head_dim=8, num_kv_groups=0), name: 2**40}
+            raises(lambda w=widths: LatentCache(1, 4, **w), ValueError, f"^{name}: one token's {name}=1099511627776 "
+                   "values for each of 1 sequence\\(s\\) need at least")
+        raises(lambda: LatentCache(True, 4, 32, 8), ValueError, "^batch_size: expected a positive int, got True")
+        raises(lambda: LatentCache(1, 10**12, 32, 8), ValueError, "^capacity: ")  # still named where it is the size
+
+    def generate_outlets_of_the_wrong_type(env):
+        """Probes n02, n03: ``generate(model, prompts, n, report="junk")`` generated every token and then failed in
+        ``report.update`` (AttributeError; the tokens lost with it), and ``on_token=5`` failed at the first step
+        ("'int' object is not callable"). Refused now naming each, before any token; a dict and a callable work."""
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_embd=32, block_size=32)).eval()
+        seen = []
+        for kwargs, name in (({"report": "junk"}, "report"), ({"report": []}, "report"), ({"on_token": 5}, "on_token")):
+            raises(lambda k=kwargs: generate(model, [[1, 2]], 3, **{"on_token": seen.append, **k}), ValueError,
+                   f"^{name}: expected a")
+        assert seen == []  # refused before the first token
+        report = {}
+        out = generate(model, [[1, 2]], 3, temperature=0.0, report=report, on_token=seen.append)
+        assert len(out[0]) == 3 and len(seen) == 3 and report["kept"] == [5]
+
+    return [
+        Row("LatentCache", "size", "positions=[0, 1] / a NumPy array with a cache ('list' has no attribute 'to')",
+            positions_not_a_tensor),
+        Row("LatentCache", "size", "eviction set after construction (failed in the evictor)", eviction_state_replaced),
+        Row("convert", "path", "convert_checkpoint(out='x' * 300): pathlib's bare OSError", convert_out_name_too_long,
+            hf=True),
+        Row("LatentAttentionCache", "size", "batch_repeat_interleave(0 / -1 / 2.5): named indices, or emptied "
+            "the batch", repeats_of_a_cache),
+        Row("mla_decode_with_kvcache", "size", "meta tensors (torch's Tensor.item() error)", decode_on_meta),
+        Row("LatentCache", "size", "NumPy int sizes refused as not ints; kv_lora_rank=2**40 named capacity",
+            cache_sizes_of_numpy_and_past_memory),
+        Row("GPT", "size", "generate(report='junk') failed after every token; on_token=5 at the first",
+            generate_outlets_of_the_wrong_type),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -3114,7 +3271,8 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
+        + probe11b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

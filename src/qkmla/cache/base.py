@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..utils.checked import check_size, is_int, is_number
+from ..utils.checked import as_int, check_size, is_int, is_number
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
@@ -72,11 +72,21 @@ class WriteSlot:
 
 
 def check_dims(allow_zero: tuple = (), **dims) -> None:
-    """Every width is a positive int (or >= 0 for the names in ``allow_zero``)."""
+    """Every width is a positive int (or >= 0 for the names in ``allow_zero``); callers pass them
+    through :func:`~qkmla.utils.checked.as_int` first (a NumPy int is an int)."""
     for name, v in dims.items():
         low = 0 if name in allow_zero else 1
         if not is_int(v) or v < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+
+
+def check_row_widths(batch_size: int, itemsize: int, device, **widths) -> None:
+    """ValueError naming the width whose one token's values, for each of ``batch_size`` sequences, alone
+    exceed the memory: ``LatentCache(1, 4, kv_lora_rank=2**40, ...)`` was refused naming ``capacity``
+    ("capacity=4 tokens x 1099511627784 values ... use a smaller value"), the one size that was fine."""
+    for name, width in widths.items():
+        check_allocation(name, batch_size * width * itemsize, f"one token's {name}={width} values for each of "
+                         f"{batch_size} sequence(s)", device)
 
 
 def check_dtype(name: str, dtype) -> None:
@@ -105,13 +115,17 @@ class SequenceCache:
     from outside (``cache.capacity = 100``), they were taken at their word and the next write failed
     deep in torch (or a smaller one silently refused tokens the buffers hold room for)."""
 
-    FIXED = ("batch_size", "capacity", "device", "layout")
+    # eviction: the policy's state, sized for these buffers and this batch (a LatentCache(policy=...) sets it
+    # once); assigned from outside (cache.eviction = None mid-decode, or another cache's), the next forward
+    # failed deep in the evictor ("'str' object has no attribute 'after_attention'") or scored stale state.
+    FIXED = ("batch_size", "capacity", "device", "layout", "eviction")
 
     def __setattr__(self, name, value):
         if name in type(self).FIXED and name in self.__dict__:
             how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it",
-                   "device": "make a new cache on the device you want", "layout": "make a new cache with that layout"}
-            raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r}; "
+                   "device": "make a new cache on the device you want", "layout": "make a new cache with that layout",
+                   "eviction": "pass policy= when you make the cache (LatentCache(..., policy=...))"}
+            raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r:.80}; "
                                  f"{how.get(name, 'make a new cache with the value you want')}")
         object.__setattr__(self, name, value)
 
@@ -133,6 +147,7 @@ class SequenceCache:
         return new
 
     def __init__(self, batch_size: int, capacity: int, device=None, layout: Optional[Layout] = None):
+        batch_size, capacity = as_int(batch_size), as_int(capacity)
         for name, value in (("batch_size", batch_size), ("capacity", capacity)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -181,6 +196,12 @@ class SequenceCache:
         steps = torch.arange(num_tokens, device=self.device)
         expected = self.next_positions[:, None] + steps
         if positions is not None:
+            # A list or NumPy array failed here in ``.to`` ("'list' object has no attribute 'to'"); the
+            # forward without a cache refuses them naming positions (default_positions), and so does this.
+            if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point \
+                    or positions.dtype.is_complex or positions.dtype == torch.bool:
+                raise ValueError(f"positions: expected an integer tensor of shape [{batch_size}, {num_tokens}] or "
+                                 f"[{num_tokens}], got {positions!r:.80}")
             positions = positions.to(self.device)
             if positions.shape == (num_tokens,):
                 positions = positions.expand(batch_size, num_tokens)
@@ -377,6 +398,7 @@ class SequenceCache:
         ``std::vector::reserve``: a capacity at or below the current one leaves the cache as it is
         (it never shrinks, so no cached row can be lost)."""
         buffers = self._contiguous_buffers("grow")
+        capacity = as_int(capacity)
         # As the constructor checks it: grow(nan) or grow(2.5) did nothing without a word, and
         # grow(2**62) reached torch's allocator (after resizing some buffers and not others).
         if not is_int(capacity) or capacity < 1:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ..utils.checked import as_int
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from .storage import Layout
 
@@ -27,6 +28,7 @@ class FullKVCache(SequenceCache):
     def __init__(self, batch_size: int, capacity: int, num_kv_heads: int, k_dim: int, v_dim: int,
                  dtype: torch.dtype = torch.float32, device=None, layout: Optional[Layout] = None,
                  fill: float = 0.0):
+        num_kv_heads, k_dim, v_dim = (as_int(v) for v in (num_kv_heads, k_dim, v_dim))  # a NumPy int is an int
         check_dims(num_kv_heads=num_kv_heads, k_dim=k_dim, v_dim=v_dim)
         check_dtype("dtype", dtype)
         super().__init__(batch_size, capacity, device, layout)

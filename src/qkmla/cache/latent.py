@@ -30,7 +30,8 @@ import torch
 from ..config import MLAConfig
 from ..dtypes import cast
 from ..kv_formats import DenseRows, check_kv_format, row_format
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype
+from ..utils.checked import as_int
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths
 from .codecs import LatentCodec, QuantizedCodec
 from .eviction import EvictionPolicy
 from .evictor import Eviction
@@ -73,6 +74,8 @@ class LatentCache(SequenceCache):
                  scalar_dtype: Optional[torch.dtype] = None, device=None, layout: Optional[Layout] = None,
                  fill: float = 0.0, kv_format: Union[str, DenseRows] = "dense",
                  policy: Optional[EvictionPolicy] = None):
+        kv_lora_rank, qk_rope_head_dim, num_kv_groups = (as_int(v) for v in (kv_lora_rank, qk_rope_head_dim,
+                                                                              num_kv_groups))
         check_dims(("num_kv_groups",), kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                    num_kv_groups=num_kv_groups)
         check_dtype("dtype", dtype)
@@ -88,6 +91,9 @@ class LatentCache(SequenceCache):
                 raise ValueError(f"fill: a {kv_format!r} cache fills never-written slots with 0 or NaN, got {fill!r}")
             latent_fill = 0 if fill == 0 else 0xFF
         super().__init__(batch_size, capacity, device, layout)
+        # Before the buffers, whose check would name capacity: a width alone past the memory is named itself
+        check_row_widths(self.batch_size, 1 if rows.quantized else dtype.itemsize, self.device,
+                         kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, num_kv_groups=num_kv_groups)
         if policy is not None:
             if getattr(policy, "reposition", False) and (rows.quantized or dtype.itemsize < 4):
                 # Every eviction re-rotates and re-stores the kept RoPE keys; rounded to 16
@@ -96,7 +102,7 @@ class LatentCache(SequenceCache):
                                  f"needs them in float32 or wider; this cache stores them in "
                                  f"{'bfloat16' if rows.quantized else dtype} (kv_format={kv_format!r}). Use "
                                  f"a float32 dense cache or reposition=False")
-            self.eviction = Eviction(policy, batch_size, self.device)
+            object.__setattr__(self, "eviction", Eviction(policy, batch_size, self.device))  # FIXED once set
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
         self.rows, self.kv_format, self.dtype = rows, kv_format, dtype
         if rows.quantized:

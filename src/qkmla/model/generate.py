@@ -40,6 +40,17 @@ def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", 
         raise ValueError(f"{names[2]}: expected a positive int or None, got {top_k!r}")
 
 
+def check_outlets(report, on_token) -> None:
+    """``report`` is a dict (or None) and ``on_token`` a callable (or None), checked before any token: a
+    report="junk" failed in report.update after every token was generated (the tokens lost with the
+    AttributeError), and on_token=5 in the first step ("'int' object is not callable")."""
+    if report is not None and not isinstance(report, dict):
+        raise ValueError(f"report: expected a dict to fill (kept, seen) or None, got {type(report).__name__}")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token: expected a callable taking each step's token ids, or None, got "
+                         f"{type(on_token).__name__}")
+
+
 def check_prompts(prompts, vocab_size: int) -> None:
     """One or more non-empty lists of token ids, each an int in [0, vocab_size): a float id is
     refused, not truncated to another token."""
@@ -110,6 +121,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     with each step's new token ids (one per prompt), e.g. to print them as they come."""
     check_prompts(prompts, model.config.vocab_size)
     check_sampling(max_new_tokens, temperature, top_k)
+    check_outlets(report, on_token)
     check_fits("max_new_tokens", 8 * len(prompts) * max_new_tokens, f"{max_new_tokens} new token ids for each of "
                f"{len(prompts)} prompt(s)")
     model.eval()

@@ -36,6 +36,17 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def as_int(value):
+    """``value`` as a Python int when it is an integer of another kind (a NumPy int, as ``np.int64(8)`` from
+    array arithmetic), else ``value`` itself, for the checks to judge. A cache's sizes pass through here:
+    ``LatentCache(np.int64(2), ...)`` was refused as "expected a positive int, got np.int64(2)", a
+    refusal that contradicts itself. (Configs are not given this: they are written as JSON, which takes
+    Python ints only.) A bool stays a bool: a switch where a size belongs is refused by the checks."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    return value
+
+
 def check_size(name: str, value, low: int, meaning: str = "") -> None:
     """A ValueError naming ``name`` unless ``value`` is an integer >= ``low`` (a Python or NumPy int, or
     a 0-d integer tensor, not a bool; ``meaning`` says what it counts). A size being traced is taken

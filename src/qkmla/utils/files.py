@@ -285,7 +285,11 @@ def output_directory(name: str, out: PathLike) -> Path:
     user's link (not followed, as the kernel's protected_symlinks refuses in a shared directory
     such as /tmp, nor replaced)."""
     out = Path(out)
-    if not out.is_symlink():
+    try:
+        link = out.is_symlink()
+    except OSError as e:  # a name too long: lstat's bare OSError reached convert_checkpoint's caller, naming no option
+        raise ValueError(f"{name}: cannot use the directory {out} ({e.strerror}); write elsewhere") from None
+    if not link:
         return out
     problem = link_problem(out)
     if problem is not None:

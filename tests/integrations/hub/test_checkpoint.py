@@ -76,6 +76,21 @@ def test_reads_only_the_chosen_layers_attention_tensors(saved, spy):
     assert set(spy.opened) == {weight_map[k] for k in wanted} and len(spy.opened) < len(set(weight_map.values()))
 
 
+def test_a_layer_index_of_another_type_is_named_before_reading(saved, spy):
+    """Probe 11b (m04): mla_layers_from_hf_dir(path, layers=1.0) failed in list() with "'float' object is not
+    iterable", naming nothing; and a NumPy index (np.int64(1)) was refused as not an index. A float or a
+    string is refused naming layers before any tensor is read; NumPy indices select their layers."""
+    import numpy as np
+
+    path, _ = saved
+    for value in (1.0, "ab", True, [0, 1.5]):
+        with pytest.raises(ValueError, match=r"^layers: expected layer indices in \[0, 3\)"):
+            mla_layers_from_hf_dir(path, value)
+    assert spy.read == []
+    assert list(mla_layers_from_hf_dir(path, np.int64(1))) == [1]
+    assert list(mla_layers_from_hf_dir(path, [np.int64(2), 0])) == [0, 2]
+
+
 def _copy(saved, tmp_path):
     dst = tmp_path / "ckpt"
     shutil.copytree(saved[0], dst)

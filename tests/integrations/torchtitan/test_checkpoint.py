@@ -273,6 +273,18 @@ def test_overwrite_replaces_only_a_checkpoint_directory(tmp_path):
         export_hf(model, path, overwrite=True, source=step)
 
 
+def test_a_non_utf8_out_dir_is_refused_before_writing(tmp_path):
+    """Probe 11b (tt11): export_hf(model, b"bad\\xfe" as a str) wrote the whole checkpoint under a name
+    that is not UTF-8, which every reader of it then refused (from_pretrained, import_hf: safetensors and
+    tokenizers take UTF-8 paths). Refused now naming out_dir, before anything is made, as convert's --out."""
+    model = build()
+    out = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xfe")
+    with pytest.raises(ValueError, match="^out_dir: .* is not a UTF-8 path"):
+        export_hf(model, out)
+    assert sorted(os.listdir(tmp_path)) == []
+    assert (export_hf(model, tmp_path / "hf") / "config.json").is_file()  # a UTF-8 name is written as before
+
+
 def test_an_out_dir_written_by_another_command_during_the_export_is_left_alone(tmp_path, monkeypatch):
     """As qkmla convert (probe 9, cx01): ``qkmla train --out`` the same name while the export works
     made a run there, which the export's final rename moved aside and deleted. The export is refused

@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...norms import qk_norms_of
-from ...utils.checked import is_int
+from ...utils.checked import as_int, is_int
 from ...utils.devices import check_device
 from ...utils.files import check_path, input_file_problem
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
@@ -229,7 +229,14 @@ def _open(path: Path):
 def _check_layers(layers, num_layers: int, config_path: Path) -> list[int]:
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"{config_path}: num_hidden_layers must be a positive int, got {num_layers!r}")
-    chosen = list(range(num_layers)) if layers is None else [layers] if isinstance(layers, int) else list(layers)
+    if layers is None:
+        chosen = list(range(num_layers))
+    else:
+        try:  # one index or several; layers=1.0 failed in list() with "'float' object is not iterable"
+            chosen = [layers] if isinstance(layers, int) else list(layers)
+        except TypeError:
+            chosen = [layers]
+    chosen = [as_int(i) for i in chosen]  # a NumPy index is an index (refused as "got np.int64(1)")
     bad = [i for i in chosen if not is_int(i) or not 0 <= i < num_layers]
     if bad or not chosen:
         raise ValueError(f"layers: expected layer indices in [0, {num_layers}) (num_hidden_layers of "

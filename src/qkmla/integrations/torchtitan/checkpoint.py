@@ -68,7 +68,7 @@ from ...utils.files import (check_path, check_writable, clear_stale, directory_s
                              output_directory, write_directory)
 from ..hub.checkpoint import CONFIG, SINGLE, _open, _weight_map, read_hf_config, read_hf_tensors  # noqa: E402
 from ..hub.config import hf_rope  # noqa: E402
-from ..hub.checkpoint import check_norm_tensors  # noqa: E402
+from ..hub.checkpoint import check_norm_tensors, check_utf8_path  # noqa: E402
 from ..hub.output import check_checkpoint_out  # noqa: E402
 from ..hub.record import (QK_MODEL_TYPES, declaration, describe, record_norm, recorded_groups,  # noqa: E402
                           recorded_norm, stock_model_type, write_code)
@@ -361,13 +361,16 @@ def export_hf(model: DeepSeekV3Model, out_dir: Union[str, Path], *, overwrite: b
 def check_export_out(out_dir, overwrite: bool, source=None) -> Path:
     """The directory :func:`export_hf` writes for ``out_dir``, checked before any work as ``qkmla convert``
     checks its --out (:func:`~qkmla.integrations.hub.output.check_checkpoint_out`): ValueError naming out_dir for
-    an empty or over-long path, a file, ``source`` or a directory around it, a non-empty directory without
+    an empty, over-long or non-UTF-8 path, a file, ``source`` or a directory around it, a non-empty directory without
     ``overwrite`` or holding anything but a checkpoint this export writes (overwrite=True replaced a user's
     file, a training run and a directory of notes whole), and a parent it cannot write in (a bare
     PermissionError after the model was converted). A link of the user's own is followed
     (:func:`~qkmla.utils.files.output_directory`)."""
     check_bool("overwrite", overwrite)  # first: "no" is truthy, and clear_stale below is work
     given = check_path("out_dir", out_dir, "checkpoint directory")
+    # As qkmla convert's --out: a name that is not UTF-8 was written whole, and then every reader of the
+    # export refused it (from_pretrained, import_hf: safetensors and tokenizers take UTF-8 paths only).
+    check_utf8_path("out_dir", given)
     out = output_directory("out_dir", given)
     clear_stale(out)  # what an export killed outright left, so that out is checked as it really is
     check_checkpoint_out(out, given, Path(source) if source is not None else None, overwrite, name="out_dir",

@@ -51,7 +51,7 @@ from ...config import MLAConfig
 from ...kv_formats import check_kv_format
 from ...utils.checked import FixedSettings, check_bool, is_int
 from .patched import cache_slots, inner_model, model_settings
-from .static import StaticLatentCacheLayer, check_static_settings
+from .static import StaticLatentCacheLayer, check_repeats, check_static_settings
 from .view import TransformersView
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
@@ -169,6 +169,7 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         self._select(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        check_repeats(repeats)
         if self.latent is not None:
             self._select(torch.arange(self.latent.batch_size, device=self.latent.device).repeat_interleave(repeats))
 

@@ -36,9 +36,16 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ...config import MLAConfig
 from ...dtypes import cast
-from ...utils.checked import FixedSettings, is_int
+from ...utils.checked import FixedSettings, check_size, is_int
 from ...utils.limits import check_allocation
 from .view import TransformersView
+
+
+def check_repeats(repeats) -> None:
+    """transformers' ``batch_repeat_interleave(repeats)`` (``num_return_sequences``, contrastive search): a
+    ValueError naming ``repeats`` unless it is an int >= 1. 0 emptied the batch (the growing cache's refusal then
+    named ``indices``, an argument the caller never gave), and -1 or 2.5 reached torch's repeat_interleave."""
+    check_size("repeats", repeats, 1, " (copies of each cached sequence)")
 
 
 def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
@@ -207,7 +214,11 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
             self.key_scale = self.key_scale[indices] if self.key_scale is not None else None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        check_repeats(repeats)
         if self.latent is not None:
+            held = sum(t.numel() * t.element_size() for t in self._buffers())
+            check_allocation("repeats", held * repeats, f"{repeats} copies of the {self.latent.shape[0]} cached "
+                             f"sequence(s) of max_cache_len={self.latent.shape[1]}", self.latent.device)
             self.latent = self.latent.repeat_interleave(repeats, dim=0)
             self.key_valid = self.key_valid.repeat_interleave(repeats, dim=0)
             self.key_scale = self.key_scale.repeat_interleave(repeats, dim=0) if self.key_scale is not None else None

@@ -136,6 +136,13 @@ def check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cach
                     ("cache_seqlens", cache_seqlens), ("scale_cache", scale_cache), ("visible_lens", visible_lens)):
         if t is not None and t.device != q_lat.device:
             raise ValueError(f"{name}: expected a tensor on q_lat's device ({q_lat.device}), got {t.device}")
+    if q_lat.device.type == "meta":
+        # Every backend reads the lengths' values (how many slots, which mask); meta tensors hold shapes only,
+        # and the call failed in torch with "Tensor.item() cannot be called on meta tensors", naming nothing.
+        # (torch.compile traces the op with fake tensors, which carry their real device: not refused here.)
+        raise ValueError("q_lat: the decode op reads the values of cache_seqlens, which tensors on the meta device "
+                         "(shapes only, e.g. a model and cache built under torch.device('meta')) do not hold; "
+                         "decode on the cpu or an accelerator")
     return rows
 
 
