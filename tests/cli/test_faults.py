@@ -3243,6 +3243,41 @@ def probe11b_rows():
     ]
 
 
+def left11b_rows():
+    """The failure probe 11b left for a design decision (issue 56)."""
+
+    def one_cache_two_layers(env):
+        """Probe c87: one LatentCache handed to two MLA layers of the same shape took both layers' rows as
+        one sequence's (seqlens 4 after two 2-token forwards; the second layer attended to the first's
+        keys), without a word. Refused now, before the write; the cache's own layer, a branch copied
+        alone, a layer and cache copied together, and any layer after reset() still write."""
+        import copy
+
+        from qkmla import MLA, MLAConfig
+        from qkmla.cache.latent import LatentCache
+
+        torch.manual_seed(0)
+        first, second = MLA(MLAConfig()).eval(), MLA(MLAConfig()).eval()
+        cache = LatentCache.from_config(first.config, 2, 8)
+        x = torch.randn(2, 2, 64)
+        with torch.no_grad():
+            first(x, cache)
+            raises(lambda: second(x, cache), ValueError, r"^cache: it holds another attention layer's rows "
+                   r"\(2 tokens\); each layer needs a cache of its own")
+            assert cache.seqlens.tolist() == [2, 2]  # refused before the write
+            branch = copy.deepcopy(cache)
+            first(x[:, :1], branch)
+            layer, own = copy.deepcopy((first, cache))
+            layer(x[:, :1], own)
+            assert branch.seqlens.tolist() == own.seqlens.tolist() == [3, 3]
+            cache.reset()
+            expected = second(x, LatentCache.from_config(second.config, 2, 8))
+            torch.testing.assert_close(second(x, cache), expected)
+
+    return [Row("LatentCache", "size", "one cache handed to two layers (both layers' rows taken as one sequence's)",
+                one_cache_two_layers)]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -3272,7 +3307,7 @@ NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11b_rows())
+        + probe11b_rows() + left11b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -88,7 +88,7 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     if x.dim() != 3 or x.shape[1] != 1:
         raise ValueError(f"x: expected one new token per sequence, [B, 1, hidden_size], got {tuple(x.shape)}")
     cache.check_config(mla.config)
-    slot = cache.plan(x.shape[0], 1)
+    slot = cache.plan(x.shape[0], 1, writer=mla)
     scales = cache.fields.get("key_scale")
     with cache.transaction():  # as MLA.forward: a failure after the write takes the token out again
         out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,

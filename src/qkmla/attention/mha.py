@@ -82,7 +82,7 @@ class MultiHeadAttention(nn.Module):
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
-        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths, writer=self)
         q, k, v = self.qkv(zero_padding(x, slot.valid), slot.positions)
         k, v = cache.update(slot, k, v)
         return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))

@@ -311,7 +311,7 @@ class MLA(nn.Module):
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             return self.project_out(sdpa(q, k, v, self.scale, causal=True, sinks=self.sinks), x)
-        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths, writer=self)
         if rope_positions is not None:
             slot = replace(slot, positions=default_positions(x, rope_positions, "rope_positions", signed=True)
                            .to(slot.positions.device))

@@ -109,7 +109,7 @@ class SharedKVAttention(nn.Module):
             if self.track_max_logits:
                 record_max_logits(self, q, kv)
             return self._attend(q, kv, positions, causal=True)
-        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths)
+        slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths, writer=self)
         x = zero_padding(x, slot.valid)
         q = self.query(x, slot.positions)
         kv = cache.update(slot, self.shared_kv(x, slot.positions))

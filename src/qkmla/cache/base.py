@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import secrets
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -30,6 +31,10 @@ from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
 from .storage import ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer
+
+
+# The attribute an attention layer is known by to the cache it writes (SequenceCache.check_writer).
+WRITER_TOKEN = "_qkmla_cache_writer"
 
 
 @dataclass
@@ -174,6 +179,7 @@ class SequenceCache:
         self._kept_positions: Optional[torch.Tensor] = None
         self._kept_lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.eviction = None  # a cache that evicts (LatentCache(policy=...)) holds its policy's state here
+        self.writer: Optional[int] = None  # the token of the layer whose rows it holds (check_writer)
 
     def _add_field(self, name: str, width: int, dtype: torch.dtype, fill: float) -> None:
         # fill='x' failed in torch.full ("argument 'fill_value' must be Number, not str"), naming no argument
@@ -185,8 +191,11 @@ class SequenceCache:
     # -- writing -----------------------------------------------------------------------------
 
     def plan(self, batch_size: int, num_tokens: int, positions: Optional[torch.Tensor] = None,
-             input_lengths: Optional[torch.Tensor] = None) -> WriteSlot:
-        """Check and place ``num_tokens`` new tokens of each of ``batch_size`` sequences."""
+             input_lengths: Optional[torch.Tensor] = None, *, writer: Optional[object] = None) -> WriteSlot:
+        """Check and place ``num_tokens`` new tokens of each of ``batch_size`` sequences; ``writer``: the
+        attention layer about to write them (:meth:`check_writer`)."""
+        if writer is not None:
+            self.check_writer(writer)
         if batch_size != self.batch_size:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
@@ -236,6 +245,29 @@ class SequenceCache:
             )
         return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
                          next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
+
+    def check_writer(self, writer: object) -> None:
+        """A ValueError unless this cache is empty or holds ``writer``'s rows: one cache handed to two
+        attention layers of the same shape took both layers' rows as one sequence's tokens (each layer
+        then attended to the other's keys), without a word. A layer is known by a random number it is
+        given at its first cached forward (an attribute, :data:`WRITER_TOKEN`): a copy of the layer made
+        with its cache (copy.deepcopy, pickle, torch.save) keeps it, and so does a cache copied alone, so
+        a branch of a generation goes on as before. An empty cache (new, or after :meth:`reset`) takes
+        any layer. Not checked while torch.compile traces (a compiled decode step is built for one layer
+        and its cache, and the attribute's first assignment would be a side effect in the graph)."""
+        if torch.compiler.is_compiling():
+            return
+        token = getattr(writer, WRITER_TOKEN, None)
+        if token is None:
+            token = secrets.randbits(63)
+            setattr(writer, WRITER_TOKEN, token)
+        held = self.__dict__.get("writer")  # a cache pickled before this check has none
+        if self.max_len == 0 or held is None:
+            self.writer = token
+        elif held != token:
+            raise ValueError(f"cache: it holds another attention layer's rows ({self.max_len} tokens); each layer "
+                             f"needs a cache of its own (one LatentCache.from_config(...) per layer, or a model's "
+                             f"own caches); cache.reset() empties it for another layer")
 
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on

@@ -410,7 +410,7 @@ class LatentAttention(MLA):
         positions = positions if positions is not None else latent.next_positions[:, None] + torch.arange(
             T, device=latent.device)
         positions = positions.to(x.device).expand(B, T)
-        slot = replace(latent.plan(B, T), positions=positions.to(latent.device))
+        slot = replace(latent.plan(B, T, writer=self), positions=positions.to(latent.device))
         latent.append(slot, **self.cache_rows(x, positions, cache=latent))
         layer.advance(None, B, T)
         k, v = self.expand_cache(*latent.load())  # [B, S, G, d_n + d_r], [B, S, G, d_v]
