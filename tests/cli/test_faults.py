@@ -3058,6 +3058,27 @@ def probe10_rows():
     ]
 
 
+def probe11_rows():
+    """The eleventh probe's failures (issue 56: 261 fresh probes written at bd54e42, without this table)."""
+
+    def stdout_closed(argv):
+        def check(env):
+            """Probes C13/G37: ``qkmla cache-size >&-`` (stdout closed by the caller: Python's sys.stdout is
+            None) printed its table to nowhere, then failed flushing it with an AttributeError, "internal
+            error". One line naming stdout now, exit 1, as a full stdout (/dev/full) ends."""
+            env.monkeypatch.setattr(sys, "stdout", None)
+            refuse(env, [a if a != "RUN" else env.run for a in argv], r"stdout: closed \(>&-\)", code=1)
+            assert sys.stdout is None  # a caller's own None given back
+        return check
+
+    return [
+        Row("cache-size", "environment", "stdout closed by the caller (>&-)", stdout_closed(["cache-size", "--preset",
+                                                                                             "tiny"])),
+        Row("generate", "environment", "stdout closed by the caller (>&-)",
+            stdout_closed(["generate", "RUN", "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"])),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -3086,7 +3107,7 @@ NOT_APPLICABLE = {
 NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
-        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows())
+        + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + probe11_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
