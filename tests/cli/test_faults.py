@@ -3071,11 +3071,35 @@ def probe11_rows():
             assert sys.stdout is None  # a caller's own None given back
         return check
 
+    def generate_hf_cut_shard(env, hf):
+        """Probe G26: ``qkmla generate --hf DIR`` with a shard cut short (a copy stopped midway) ended in
+        transformers' SafetensorError traceback, "internal error"; a shard missing likewise. One line
+        naming the shard now, before any weight is read."""
+        import transformers
+
+        src = env.tmp / "sharded"
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+        model.save_pretrained(src, max_shard_size="40KB")
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        shards = sorted(src.glob("model-*.safetensors"))
+        assert len(shards) > 2, shards
+        whole = shards[1].read_bytes()
+        with open(shards[1], "r+b") as f:
+            f.truncate(500)
+        before = snapshot(src)
+        argv = ["generate", "--hf", src, "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"]
+        refuse(env, argv, rf"--hf: .*{shards[1].name}: not a readable safetensors file")
+        assert snapshot(src) == before
+        shards[1].write_bytes(whole)
+        shards[2].unlink()
+        refuse(env, argv, rf"--hf: .*names shard file {shards[2].name}, which is not in")
+
     return [
         Row("cache-size", "environment", "stdout closed by the caller (>&-)", stdout_closed(["cache-size", "--preset",
                                                                                              "tiny"])),
         Row("generate", "environment", "stdout closed by the caller (>&-)",
             stdout_closed(["generate", "RUN", "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"])),
+        Row("generate", "path", "--hf with a shard cut short, then one missing", generate_hf_cut_shard, hf=True),
     ]
 
 
