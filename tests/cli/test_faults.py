@@ -3094,12 +3094,53 @@ def probe11_rows():
         shards[2].unlink()
         refuse(env, argv, rf"--hf: .*names shard file {shards[2].name}, which is not in")
 
+    def train_signal_in_rendezvous(signum, code, pattern):
+        def check(env):
+            """Probe T29c: ``qkmla train`` with torchrun's variables (WORLD_SIZE=2, TORCHELASTIC_RUN_ID set)
+            and no second rank waited in the rendezvous for --dist-timeout (600 s by default), deaf to
+            SIGTERM and Ctrl-C: the wait was in C++ on the main thread, where Python's handlers never ran.
+            The wait is in a helper thread now: a signal ends it at once, one line, nothing written."""
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            out = env.tmp / "run"
+            proc = subprocess.Popen([sys.executable, "-m", "qkmla", "train", "--preset", "debug", "--steps", "3",
+                                     "--no-progress", "--threads", "1", "--dist-timeout", "30", "--out", str(out)],
+                                    cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "PYTHONPATH": str(SRC), "RANK": "0", "WORLD_SIZE": "2",
+                                         "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                         "TORCHELASTIC_RUN_ID": "probe11", "OMP_NUM_THREADS": "1"})
+            listening = f":{port:04X} "
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:  # rank 0 serves the store: it is waiting
+                tables = [Path(t).read_text() for t in ("/proc/net/tcp", "/proc/net/tcp6") if Path(t).exists()]
+                if any(listening in line and line.split()[3] == "0A" for t in tables for line in t.splitlines()[1:]):
+                    break
+                time.sleep(0.1)
+            else:
+                proc.kill()
+                raise AssertionError(f"train never reached the rendezvous: {proc.communicate()[1]}")
+            time.sleep(0.5)
+            proc.send_signal(signum)
+            code_seen, err, took = finish(proc, 40)
+            lines = [x for x in err.splitlines() if x.strip() and not noise(x)]
+            assert code_seen == code and took < 10 and "Traceback" not in err, (code_seen, took, err)
+            assert len(lines) == 1 and re.match(pattern, lines[0]), err
+            assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+        return check
+
     return [
         Row("cache-size", "environment", "stdout closed by the caller (>&-)", stdout_closed(["cache-size", "--preset",
                                                                                              "tiny"])),
         Row("generate", "environment", "stdout closed by the caller (>&-)",
             stdout_closed(["generate", "RUN", "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"])),
         Row("generate", "path", "--hf with a shard cut short, then one missing", generate_hf_cut_shard, hf=True),
+        Row("train", "signal", "SIGTERM while rank 0 waits in the rendezvous for a rank that never comes",
+            train_signal_in_rendezvous(signal.SIGTERM, 143, r"qkmla train: stopped by SIGTERM")),
+        Row("train", "signal", "Ctrl-C while rank 0 waits in the rendezvous for a rank that never comes",
+            train_signal_in_rendezvous(signal.SIGINT, 130, r"qkmla train: interrupted")),
     ]
 
 
