@@ -3131,6 +3131,13 @@ def probe11_rows():
             assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
         return check
 
+    def convert_gqa_rope_pairs_alone(env, hf):
+        """Probe Q13: ``qkmla convert-gqa --rope-pairs high`` without --rope-dim was taken and ignored
+        (every pair is kept then), as train refuses --qk-clip-alpha without --qk-clip. Refused now."""
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-pairs", "high"],
+               r"^qkmla convert-gqa: --rope-pairs: only read with --rope-dim N")
+        assert not (env.tmp / "o").exists()
+
     return [
         Row("cache-size", "environment", "stdout closed by the caller (>&-)", stdout_closed(["cache-size", "--preset",
                                                                                              "tiny"])),
@@ -3141,6 +3148,7 @@ def probe11_rows():
             train_signal_in_rendezvous(signal.SIGTERM, 143, r"qkmla train: stopped by SIGTERM")),
         Row("train", "signal", "Ctrl-C while rank 0 waits in the rendezvous for a rank that never comes",
             train_signal_in_rendezvous(signal.SIGINT, 130, r"qkmla train: interrupted")),
+        Row("convert-gqa", "size", "--rope-pairs without --rope-dim (ignored)", convert_gqa_rope_pairs_alone, hf=True),
     ]
 
 
