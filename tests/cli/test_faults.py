@@ -3278,6 +3278,100 @@ def left11b_rows():
                 one_cache_two_layers)]
 
 
+def probe11_rows():
+    """The eleventh probe's failures (issue 56: 261 fresh probes written at bd54e42, without this table)."""
+
+    def stdout_closed(argv):
+        def check(env):
+            """Probes C13/G37: ``qkmla cache-size >&-`` (stdout closed by the caller: Python's sys.stdout is
+            None) printed its table to nowhere, then failed flushing it with an AttributeError, "internal
+            error". One line naming stdout now, exit 1, as a full stdout (/dev/full) ends."""
+            env.monkeypatch.setattr(sys, "stdout", None)
+            refuse(env, [a if a != "RUN" else env.run for a in argv], r"stdout: closed \(>&-\)", code=1)
+            assert sys.stdout is None  # a caller's own None given back
+        return check
+
+    def generate_hf_cut_shard(env, hf):
+        """Probe G26: ``qkmla generate --hf DIR`` with a shard cut short (a copy stopped midway) ended in
+        transformers' SafetensorError traceback, "internal error"; a shard missing likewise. One line
+        naming the shard now, before any weight is read."""
+        import transformers
+
+        src = env.tmp / "sharded"
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+        model.save_pretrained(src, max_shard_size="40KB")
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        shards = sorted(src.glob("model-*.safetensors"))
+        assert len(shards) > 2, shards
+        whole = shards[1].read_bytes()
+        with open(shards[1], "r+b") as f:
+            f.truncate(500)
+        before = snapshot(src)
+        argv = ["generate", "--hf", src, "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"]
+        refuse(env, argv, rf"--hf: .*{shards[1].name}: not a readable safetensors file")
+        assert snapshot(src) == before
+        shards[1].write_bytes(whole)
+        shards[2].unlink()
+        refuse(env, argv, rf"--hf: .*names shard file {shards[2].name}, which is not in")
+
+    def train_signal_in_rendezvous(signum, code, pattern):
+        def check(env):
+            """Probe T29c: ``qkmla train`` with torchrun's variables (WORLD_SIZE=2, TORCHELASTIC_RUN_ID set)
+            and no second rank waited in the rendezvous for --dist-timeout (600 s by default), deaf to
+            SIGTERM and Ctrl-C: the wait was in C++ on the main thread, where Python's handlers never ran.
+            The wait is in a helper thread now: a signal ends it at once, one line, nothing written."""
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            out = env.tmp / "run"
+            proc = subprocess.Popen([sys.executable, "-m", "qkmla", "train", "--preset", "debug", "--steps", "3",
+                                     "--no-progress", "--threads", "1", "--dist-timeout", "30", "--out", str(out)],
+                                    cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "PYTHONPATH": str(SRC), "RANK": "0", "WORLD_SIZE": "2",
+                                         "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                         "TORCHELASTIC_RUN_ID": "probe11", "OMP_NUM_THREADS": "1"})
+            listening = f":{port:04X} "
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:  # rank 0 serves the store: it is waiting
+                tables = [Path(t).read_text() for t in ("/proc/net/tcp", "/proc/net/tcp6") if Path(t).exists()]
+                if any(listening in line and line.split()[3] == "0A" for t in tables for line in t.splitlines()[1:]):
+                    break
+                time.sleep(0.1)
+            else:
+                proc.kill()
+                raise AssertionError(f"train never reached the rendezvous: {proc.communicate()[1]}")
+            time.sleep(0.5)
+            proc.send_signal(signum)
+            code_seen, err, took = finish(proc, 40)
+            lines = [x for x in err.splitlines() if x.strip() and not noise(x)]
+            assert code_seen == code and took < 10 and "Traceback" not in err, (code_seen, took, err)
+            assert len(lines) == 1 and re.match(pattern, lines[0]), err
+            assert not out.exists() or not any(out.iterdir()), sorted(out.iterdir())
+        return check
+
+    def convert_gqa_rope_pairs_alone(env, hf):
+        """Probe Q13: ``qkmla convert-gqa --rope-pairs high`` without --rope-dim was taken and ignored
+        (every pair is kept then), as train refuses --qk-clip-alpha without --qk-clip. Refused now."""
+        refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-pairs", "high"],
+               r"^qkmla convert-gqa: --rope-pairs: only read with --rope-dim N")
+        assert not (env.tmp / "o").exists()
+
+    return [
+        Row("cache-size", "environment", "stdout closed by the caller (>&-)", stdout_closed(["cache-size", "--preset",
+                                                                                             "tiny"])),
+        Row("generate", "environment", "stdout closed by the caller (>&-)",
+            stdout_closed(["generate", "RUN", "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"])),
+        Row("generate", "path", "--hf with a shard cut short, then one missing", generate_hf_cut_shard, hf=True),
+        Row("train", "signal", "SIGTERM while rank 0 waits in the rendezvous for a rank that never comes",
+            train_signal_in_rendezvous(signal.SIGTERM, 143, r"qkmla train: stopped by SIGTERM")),
+        Row("train", "signal", "Ctrl-C while rank 0 waits in the rendezvous for a rank that never comes",
+            train_signal_in_rendezvous(signal.SIGINT, 130, r"qkmla train: interrupted")),
+        Row("convert-gqa", "size", "--rope-pairs without --rope-dim (ignored)", convert_gqa_rope_pairs_alone, hf=True),
+    ]
+
+
 # (command, class): why no row. Everything else needs one.
 NOT_APPLICABLE = {
     **{(c, k): "writes no file" for c in ("verify", "cache-size", "generate") for k in ("output", "disk", "concurrent")},
@@ -3307,7 +3401,7 @@ NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11b_rows() + left11b_rows())
+        + probe11_rows() + probe11b_rows() + left11b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

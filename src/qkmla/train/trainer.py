@@ -53,6 +53,7 @@ from .config import TrainConfig
 from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
+from .rendezvous import init_process_group
 from .rundir import (RUN_FILES, RunLock, check_run_dir, fresh_out, metrics_line, note_config_written, prepare,
                      record_edits, resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
 from .step_memory import step_saved_bytes
@@ -80,8 +81,9 @@ def _dist_info(timeout: float) -> tuple[int, int, bool]:
     started = world > 1 and not dist.is_initialized()
     if started:
         try:
-            dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
-                                    timeout=datetime.timedelta(seconds=timeout))
+            # in a helper thread, so that SIGTERM or Ctrl-C stops a wait for ranks that never come (rendezvous.py)
+            init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=datetime.timedelta(seconds=timeout))
         except dist.DistError as e:  # a rank that never came: torch's DistStoreError was a traceback, "internal error"
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"

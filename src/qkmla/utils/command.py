@@ -17,7 +17,8 @@ import traceback
 from typing import Callable, Iterable
 
 from .environment import check_switches, drop_bad_thread_counts
-from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
+from .errors import (ClosedStdout, Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe,
+                     sigterm_unwinds)
 from .startup import command_started
 
 
@@ -35,6 +36,9 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
     drop_bad_thread_counts(command)
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
+    closed = sys.stdout is None  # `qkmla ... >&-`: see errors.ClosedStdout
+    if closed:
+        sys.stdout = ClosedStdout()
     restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
         command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
@@ -72,6 +76,8 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
             torch.set_num_threads(threads)
         for stream, errors in restore.items():
             stream.reconfigure(errors=errors)
+        if closed:
+            sys.stdout = None
 
 
 def _paths_print_as_given() -> dict:

@@ -407,6 +407,24 @@ def norm_tensor_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
     return shapes | ({"logit_scale": (config.num_heads,)} if config.learnable_logit_scale else {})
 
 
+def check_shards(hf_dir: Union[str, Path]) -> None:
+    """Every shard file the checkpoint lists is there and reads as safetensors (its header only, which
+    safetensors checks against the file's size: a cut file is caught here, without reading a weight).
+    transformers' loader met a truncated shard as a SafetensorError traceback, "internal error" in
+    ``qkmla generate --hf``.
+
+    Raises:
+        ValueError naming the file: a shard missing, or not readable as safetensors.
+    """
+    root = Path(hf_dir)
+    weight_map, listing = _weight_map(root)
+    for file in sorted(set(weight_map.values())):
+        if not (root / file).is_file():
+            raise ValueError(f"hf_dir: {listing} names shard file {file}, which is not in {root}")
+        with _open(root / file):
+            pass
+
+
 def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional[QKNormConfig]) -> dict[str, str]:
     """Before any weight is read: the checkpoint holds exactly the norm weights its config records,
     with the right shapes (from the safetensors headers). Returns {tensor name: shard file}.

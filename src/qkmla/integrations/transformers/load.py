@@ -16,7 +16,7 @@ from ...ops.mla_decode.backends import check_backend
 from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.checkpoint import check_norm_tensors
+from ..hub.checkpoint import check_norm_tensors, check_shards
 from ..hub.record import CAUSAL_LMS, FAMILY_MODEL_TYPES, describe, recorded_norm, stock_model_type
 
 # transformers' causal LM of each family qkmla loads (DeepSeek-V2/V3's, and every family ``auto`` built
@@ -96,6 +96,7 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "
                          f"{describe(norm)}; pass the checkpoint's own config, or none")
     files = check_norm_tensors(root, hf_config, norm)
+    check_shards(root)  # a cut or missing shard named here, not as transformers' SafetensorError
     base = getattr(transformers, _CLASSES[stock_model_type(model_type)])
     # qkmla's own config class for its model types (``auto``, registered when this package is imported);
     # transformers' for a plain checkpoint, or a QK-normed one saved before qkmla had model types
