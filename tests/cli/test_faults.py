@@ -3067,7 +3067,16 @@ def probe10_rows():
 
 
 def noticed10_rows():
-    """Faults noticed in the review of probe round 10 and left then (issue 56)."""
+    """Faults noticed in the reviews and reports of probe rounds 10 and 11 and left then (issue 56)."""
+
+    def plot_over_a_link_to_nothing(env):
+        """Probe 11's f30: ``plot --out LINK``, a symbolic link to nothing, replaced the user's link with the
+        figure without --overwrite (an existing file is refused). Refused now; with --overwrite it is written."""
+        link = env.tmp / "d.png"
+        link.symlink_to(env.tmp / "nowhere.png")
+        refuse(env, ["plot", env.run, "--out", link], r"--out: .*d.png already exists; pass --overwrite")
+        assert link.is_symlink() and not link.exists()
+        assert main(["plot", str(env.run), "--out", str(link), "--overwrite"]) == 0
 
     def train_into_a_directory_of_runs(env):
         """``qkmla train --out EXP/runs`` wrote a run's files beside the experiment's runs, in the place
@@ -3083,7 +3092,8 @@ def noticed10_rows():
             assert snapshot(runs) == before
 
     return [Row("train", "output", "--out an experiment's runs directory (a run written among its runs)",
-                train_into_a_directory_of_runs)]
+                train_into_a_directory_of_runs),
+            Row("plot", "output", "--out a link to nothing (replaced without --overwrite)", plot_over_a_link_to_nothing)]
 
 
 def probe11b_rows():

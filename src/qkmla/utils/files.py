@@ -580,7 +580,7 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
         if kind is not None and drawn_by(kind[0], out):
             raise ValueError(f"{name}: {out} is a {what} of {kind[1]} (qkmla {kind[0]} draws its own {what}s in "
                              f"{out.parent}); --overwrite never replaces another command's {what}; write elsewhere")
-        if out.exists():
+        if os.path.lexists(out):  # a link to nothing too: the user's own, replaced by the file without a word
             existing.append(str(out))
     if existing and not overwrite:
         raise ValueError(f"{name}: {', '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass "
