@@ -1703,7 +1703,8 @@ def cli_rows():
         Row("experiment", "signal", "SIGKILL, then the same command resumes", experiment_sigkill_then_resume),
         Row("experiment", "size", "--seeds 100000000 (MemoryError), 0, -1; --workers -1, 10**6", lambda e: [
             refuse(e, ["experiment", "norm-mode", "--seeds", "100000000"],
-                   r"--seeds: expected None \(the experiment.s default\) or an int from 1 to 1000"),
+                   r"--seeds: expected an int from 1 to 1000 \(each seed is a training run per variant; leave it "
+                   "out for the experiment's default\)"),
             refuse(e, ["experiment", "norm-mode", "--seeds", "0"], "--seeds"),
             refuse(e, ["experiment", "norm-mode", "--seeds", "-1"], "--seeds"),
             refuse(e, ["experiment", "norm-mode", "--workers", "-1"], "--workers"),
@@ -2857,15 +2858,15 @@ def probe10b_rows():
         for field, value in (("overwrite", "no"), ("quick", "no"), ("overwrite", None), ("quick", 1)):
             raises(lambda f=field, v=value: Options(out=out, **{f: v}), ValueError,
                    f"^{field}: expected True or False, got {re.escape(repr(value))}$")
-        # past the CPU set and past the seed cap: the bounds the command line's --workers / --seeds had
-        from qkmla.utils.threads import usable_cpus
-
-        for field, value in (("workers", -1), ("workers", 1.5), ("seeds", 0), ("seeds", True),
-                             ("workers", len(usable_cpus()) + 1), ("seeds", 1001)):
+        # past the seed cap, as the command line's --seeds (workers past the CPU set are the caller's choice)
+        for field, value in (("workers", -1), ("workers", 1.5), ("seeds", 0), ("seeds", True), ("seeds", 1001)):
             raises(lambda f=field, v=value: Options(out=out, **{f: v}), ValueError,
                    f"^{field}: expected .*got {re.escape(repr(value))}$")
         assert not out.exists()
         assert Options(out=out, quick=True, seeds=2, workers=1, overwrite=True).seed_list(5) == [1, 2]
+        from qkmla.utils.threads import usable_cpus  # more workers than CPUs: slower, the caller's to choose
+
+        assert Options(out=out, workers=len(usable_cpus()) + 1).workers == len(usable_cpus()) + 1
         # the two entry points that build Options for the caller check first too (review of probe 10b:
         # redraw(quick=1) wrote dst's results.jsonl before Options refused it)
         from qkmla.experiments import EXPERIMENTS
@@ -3081,19 +3082,32 @@ def noticed10_rows():
     def train_into_a_directory_of_runs(env):
         """``qkmla train --out EXP/runs`` wrote a run's files beside the experiment's runs, in the place
         the grid looks its runs up: a run the experiment never planned. Refused now, with --overwrite
-        too; a new run in a directory of its own there is still made."""
-        runs = env.tmp / "exp" / "runs"
+        too. A folder that merely holds runs or a checkpoint in subfolders is the user's (review of this
+        row's first fix: --out P with P/hf/config.json, or resuming a run holding a run, were refused)."""
+        experiment = env.tmp / "exp"
+        runs = experiment / "runs"
         runs.mkdir(parents=True)
+        (experiment / "summary.json").write_text('{"experiment": "norm-mode"}')
         shutil.copytree(env.run, runs / "blockwise_s1")
-        before = snapshot(runs)
+        before = snapshot(experiment)
         for more in ([], ["--overwrite"], ["--resume"]):
-            refuse(env, train_ok(env, runs) + more, r"--out: .*runs holds training runs in directories of their own "
-                   r"\(such as blockwise_s1\)")
-            assert snapshot(runs) == before
+            refuse(env, train_ok(env, runs) + more, r"--out: .*runs is where the experiment in .*exp trains its runs")
+            assert snapshot(experiment) == before
+        mine = env.tmp / "mine"
+        (mine / "hf").mkdir(parents=True)
+        (mine / "hf" / "config.json").write_text("{}")
+        shutil.copytree(env.run, mine / "old_run")
+        env.capsys.readouterr()
+        assert main([str(a) for a in train_ok(env, mine)]) == 0
+        assert main([str(a) for a in train_ok(env, mine / "old_run")] + ["--overwrite"]) == 0
+        longer = train_ok(env, mine)
+        longer[longer.index("--steps") + 1] = "3"
+        assert main([str(a) for a in longer] + ["--resume"]) == 0, env.capsys.readouterr().err
 
     return [Row("train", "output", "--out an experiment's runs directory (a run written among its runs)",
                 train_into_a_directory_of_runs),
-            Row("plot", "output", "--out a link to nothing (replaced without --overwrite)", plot_over_a_link_to_nothing)]
+            Row("plot", "output", "--out a link to nothing (replaced without --overwrite)",
+                plot_over_a_link_to_nothing)]
 
 
 def probe11b_rows():
@@ -3259,30 +3273,55 @@ def left11b_rows():
     def one_cache_two_layers(env):
         """Probe c87: one LatentCache handed to two MLA layers of the same shape took both layers' rows as
         one sequence's (seqlens 4 after two 2-token forwards; the second layer attended to the first's
-        keys), without a word. Refused now, before the write; the cache's own layer, a branch copied
-        alone, a layer and cache copied together, and any layer after reset() still write."""
+        keys), without a word. Refused now, before the write, for every layer that writes a cache (MLA,
+        MHA, the shared-KV attention, decode_one_token); the cache's own layer, a branch copied alone, a
+        layer and cache copied together, any layer after reset(), and the same weights rebuilt after
+        release_writer() still write."""
         import copy
 
-        from qkmla import MLA, MLAConfig
+        from qkmla import MLA, AttentionConfig, FullKVCache, MLAConfig, MultiHeadAttention
+        from qkmla.attention.decode import decode_one_token
+        from qkmla.attention.shared_kv import SharedKVAttention
         from qkmla.cache.latent import LatentCache
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.config import SharedKVConfig
 
+        refused = r"^cache: it holds another attention layer's rows \(2 tokens\); each layer needs a cache of its own"
         torch.manual_seed(0)
-        first, second = MLA(MLAConfig()).eval(), MLA(MLAConfig()).eval()
-        cache = LatentCache.from_config(first.config, 2, 8)
-        x = torch.randn(2, 2, 64)
+        kinds = [(lambda: MLA(MLAConfig()), LatentCache, 64),
+                 (lambda: MultiHeadAttention(AttentionConfig()), FullKVCache, 64),
+                 (lambda: SharedKVAttention(SharedKVConfig(hidden_size=48, num_heads=3, head_dim=20, rope_head_dim=6)),
+                  SharedKVCache, 48)]
         with torch.no_grad():
-            first(x, cache)
-            raises(lambda: second(x, cache), ValueError, r"^cache: it holds another attention layer's rows "
-                   r"\(2 tokens\); each layer needs a cache of its own")
-            assert cache.seqlens.tolist() == [2, 2]  # refused before the write
-            branch = copy.deepcopy(cache)
-            first(x[:, :1], branch)
-            layer, own = copy.deepcopy((first, cache))
-            layer(x[:, :1], own)
-            assert branch.seqlens.tolist() == own.seqlens.tolist() == [3, 3]
-            cache.reset()
-            expected = second(x, LatentCache.from_config(second.config, 2, 8))
-            torch.testing.assert_close(second(x, cache), expected)
+            for build, cache_type, width in kinds:
+                first, second = build().eval(), build().eval()
+                cache = cache_type.from_config(first.config, 2, 8)
+                x = torch.randn(2, 2, width)
+                first(x, cache)
+                raises(lambda: second(x, cache), ValueError, refused)
+                assert cache.seqlens.tolist() == [2, 2], type(first)  # refused before the write
+                branch = copy.deepcopy(cache)
+                first(x[:, :1], branch)
+                layer, own = copy.deepcopy((first, cache))
+                layer(x[:, :1], own)
+                assert branch.seqlens.tolist() == own.seqlens.tolist() == [3, 3]
+                cache.reset()
+                expected = second(x, cache_type.from_config(second.config, 2, 8))
+                torch.testing.assert_close(second(x, cache), expected)
+            # the decode step writes as the layer does
+            first, second = MLA(MLAConfig()).eval(), MLA(MLAConfig()).eval()
+            cache = LatentCache.from_config(first.config, 2, 8)
+            first(torch.randn(2, 2, 64), cache)
+            raises(lambda: decode_one_token(second, torch.randn(2, 1, 64), cache), ValueError, refused)
+            decode_one_token(first, torch.randn(2, 1, 64), cache)
+            # the same weights rebuilt (a saved prefix continued by a new model): after release_writer()
+            rebuilt = MLA(MLAConfig()).eval()
+            rebuilt.load_state_dict(first.state_dict())
+            x = torch.randn(2, 1, 64)
+            raises(lambda: rebuilt(x, copy.deepcopy(cache)), ValueError, r"^cache: .*cache.release_writer\(\)")
+            expected = first(x, copy.deepcopy(cache))
+            cache.release_writer()
+            torch.testing.assert_close(rebuilt(x, cache), expected)
 
     return [Row("LatentCache", "size", "one cache handed to two layers (both layers' rows taken as one sequence's)",
                 one_cache_two_layers)]
@@ -3297,8 +3336,12 @@ def probe11_rows():
             None) printed its table to nowhere, then failed flushing it with an AttributeError, "internal
             error". One line naming stdout now, exit 1, as a full stdout (/dev/full) ends."""
             env.monkeypatch.setattr(sys, "stdout", None)
-            refuse(env, [a if a != "RUN" else env.run for a in argv], r"stdout: closed \(>&-\)", code=1)
+            out = env.tmp / "o"
+            refuse(env, [a if a != "RUN" else env.run if a != "OUT" else out for a in argv], r"stdout: closed \(>&-\)",
+                   code=1)
             assert sys.stdout is None  # a caller's own None given back
+            # before any work (review of probe 11: train trained to "done", then exited 1 at its last print)
+            assert not out.exists()
         return check
 
     def generate_hf_cut_shard(env, hf):
@@ -3365,7 +3408,7 @@ def probe11_rows():
         """Probe Q13: ``qkmla convert-gqa --rope-pairs high`` without --rope-dim was taken and ignored
         (every pair is kept then), as train refuses --qk-clip-alpha without --qk-clip. Refused now."""
         refuse(env, ["convert-gqa", "--hf", hf, "--out", env.tmp / "o", "--rope-pairs", "high"],
-               r"^qkmla convert-gqa: --rope-pairs: only read with --rope-dim N")
+               r"^qkmla convert-gqa: --rope-pairs: only read with rope_dim \(--rope-dim N")
         assert not (env.tmp / "o").exists()
 
     return [
@@ -3373,6 +3416,8 @@ def probe11_rows():
                                                                                              "tiny"])),
         Row("generate", "environment", "stdout closed by the caller (>&-)",
             stdout_closed(["generate", "RUN", "--prompt", "hi", "--max-new-tokens", "2", "--threads", "1"])),
+        Row("train", "environment", "stdout closed by the caller (>&-): the run finished, then exit 1",
+            stdout_closed(["train", "--preset", "debug", "--steps", "2", "--no-progress", "--out", "OUT"])),
         Row("generate", "path", "--hf with a shard cut short, then one missing", generate_hf_cut_shard, hf=True),
         Row("train", "signal", "SIGTERM while rank 0 waits in the rendezvous for a rank that never comes",
             train_signal_in_rendezvous(signal.SIGTERM, 143, r"qkmla train: stopped by SIGTERM")),

@@ -141,7 +141,7 @@ def test_real_shape_several_kv_heads_keeps_every_statistic_and_reports_the_share
     ids = prompt(src, T=10)
     want = logits(src, ids)
     errors = {}
-    for rope_dim, pairs in ((None, "uniform"), (64, "uniform"), (64, "high")):
+    for rope_dim, pairs in ((None, None), (64, "uniform"), (64, "high")):
         dst, report = convert_gqa(src, rope_dim=rope_dim, rope_pairs=pairs)
         assert (report.num_kv_groups, report.rank, report.max_rank, report.kv_lora_rank) == (8, 1024, 1024, 1025)
         assert "the latent (rank 1024 holds [W_K ; W_V])" in report.exact
@@ -216,8 +216,10 @@ def test_save_and_load_round_trip_and_the_cache_holds_latent_rope_key_and_group_
     ({"rope_dim": 7}, "rope_dim: expected an even int from 2 to head_dim=16"),
     ({"rope_dim": 18}, "rope_dim: expected an even int from 2 to head_dim=16"),
     ({"rope_dim": 6}, r"rope_dim: 'uniform' pairs .* \(allowed: \[2, 4, 8, 16\]\)"),
-    ({"rope_pairs": "low"}, "rope_pairs: expected one of"),
-], ids=["rank-too-large", "rank-zero", "rope-odd", "rope-wider-than-head", "rope-not-uniform", "rope-pairs"])
+    ({"rope_pairs": "low", "rope_dim": 8}, "rope_pairs: expected one of"),
+    ({"rope_pairs": "high"}, r"rope_pairs: only read with rope_dim"),  # every pair kept: the choice was dropped
+], ids=["rank-too-large", "rank-zero", "rope-odd", "rope-wider-than-head", "rope-not-uniform", "rope-pairs",
+        "rope-pairs-without-rope-dim"])
 def test_bad_arguments_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
         convert_gqa(qwen3_model(num_key_value_heads=2, dtype=torch.float32), **kwargs)

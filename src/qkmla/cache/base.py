@@ -249,25 +249,34 @@ class SequenceCache:
     def check_writer(self, writer: object) -> None:
         """A ValueError unless this cache is empty or holds ``writer``'s rows: one cache handed to two
         attention layers of the same shape took both layers' rows as one sequence's tokens (each layer
-        then attended to the other's keys), without a word. A layer is known by a random number it is
-        given at its first cached forward (an attribute, :data:`WRITER_TOKEN`): a copy of the layer made
-        with its cache (copy.deepcopy, pickle, torch.save) keeps it, and so does a cache copied alone, so
-        a branch of a generation goes on as before. An empty cache (new, or after :meth:`reset`) takes
-        any layer. Not checked while torch.compile traces (a compiled decode step is built for one layer
-        and its cache, and the attribute's first assignment would be a side effect in the graph)."""
+        then attended to the other's keys), without a word.
+
+        A layer is known by its instance: a random number it is given at its first cached forward (an
+        attribute, :data:`WRITER_TOKEN`), which its copies made after that (copy.deepcopy, pickle,
+        torch.save of the layer with its cache) keep, as does a cache copied alone (a branch of a
+        generation). An empty cache (new, or after :meth:`reset`) takes any layer; a layer rebuilt with
+        the same weights (a saved prefix loaded for a new model) takes the rows over after
+        :meth:`release_writer`. Not checked while torch.compile traces: a compiled decode step is built
+        for one layer and its cache, and the token's first assignment would be a side effect in the graph."""
         if torch.compiler.is_compiling():
             return
-        token = getattr(writer, WRITER_TOKEN, None)
-        if token is None:
-            token = secrets.randbits(63)
-            setattr(writer, WRITER_TOKEN, token)
+        # setdefault: one atomic step, so two threads serving their first requests through one layer
+        # cannot each give it a token and leave one request's cache holding a token since replaced
+        token = vars(writer).setdefault(WRITER_TOKEN, secrets.randbits(63))
         held = self.__dict__.get("writer")  # a cache pickled before this check has none
         if self.max_len == 0 or held is None:
             self.writer = token
         elif held != token:
             raise ValueError(f"cache: it holds another attention layer's rows ({self.max_len} tokens); each layer "
                              f"needs a cache of its own (one LatentCache.from_config(...) per layer, or a model's "
-                             f"own caches); cache.reset() empties it for another layer")
+                             f"own caches); cache.reset() empties it for another layer, cache.release_writer() "
+                             f"hands its rows to the next layer that writes (the same weights, rebuilt)")
+
+    def release_writer(self) -> None:
+        """Forget which layer wrote the rows: the next layer that writes takes them over
+        (:meth:`check_writer`), as when a prefix cache saved with one model is continued by the same
+        weights loaded into another."""
+        self.writer = None
 
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on

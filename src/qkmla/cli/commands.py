@@ -397,14 +397,11 @@ def _convert_gqa(args: argparse.Namespace) -> int:
     check_path("--out", args.out, "checkpoint directory")
     if args.calibration_tokens is not None and args.calibration_text is None:  # it would be ignored
         raise ValueError("--calibration-tokens: only read with --calibration-text; give the text too")
-    if args.rope_pairs is not None and args.rope_dim is None:  # every pair is kept then: it would be ignored
-        raise ValueError("--rope-pairs: only read with --rope-dim N (which pairs N dims keep); without it every "
-                         "pair is kept; drop it or add --rope-dim")
     apply_threads(args.threads, "convert-gqa")
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
     try:
         report = convert_gqa_checkpoint(args.hf, args.out, kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim,
-                                        rope_pairs=args.rope_pairs or "uniform", keep_norm=not args.drop_norm,
+                                        rope_pairs=args.rope_pairs, keep_norm=not args.drop_norm,
                                         dtype=dtype,
                                         overwrite=args.overwrite, rope_key=args.rope_key, latent=args.latent,
                                         calibration_text=args.calibration_text,
@@ -576,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "latent is N + 1 wide)")
     cg.add_argument("--rope-dim", type=int, default=None, metavar="N",
                     help="RoPE dims kept rotated, even, up to head_dim (default: head_dim, every pair)")
-    cg.add_argument("--rope-pairs", choices=["uniform", "high"], default=None,  # None: not given (see _convert_gqa)
+    cg.add_argument("--rope-pairs", choices=["uniform", "high"], default=None,  # None: not given (convert.gqa.resolve_rope)
                     help="with --rope-dim: which RoPE pairs it keeps: every (head_dim/N)-th (uniform, the "
                          "default), or the highest frequencies")
     cg.add_argument("--rope-key", choices=["mean", "principal"], default="mean",

@@ -171,6 +171,16 @@ def rope_theta_of(config) -> float:
     return float(rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
 
 
+def resolve_rope(head_dim: int, rope_dim: Optional[int], rope_pairs: Optional[str]) -> tuple[int, str]:
+    """(rope_dim, rope_pairs) with their defaults: every pair (head_dim), "uniform". ``rope_pairs`` without
+    ``rope_dim`` is refused: every pair is kept then, and the choice was dropped without a word (and
+    recorded in the report as made)."""
+    if rope_pairs is not None and rope_dim is None:
+        raise ValueError("rope_pairs: only read with rope_dim (--rope-dim N: which pairs N dims keep); without it "
+                         "every pair is kept: leave it out or give rope_dim")
+    return (head_dim if rope_dim is None else rope_dim), ("uniform" if rope_pairs is None else rope_pairs)
+
+
 def kept_rope_pairs(head_dim: int, rope_dim: int, rope_pairs: str, theta: float) -> tuple[list[int], float]:
     """(the source pairs j kept rotated, theta') so that qkmla's RoPE of width ``rope_dim`` gives pair k
     the source's frequency of pair j_k: theta'^(-2k/rope_dim) = theta^(-2 j_k / head_dim).
@@ -238,7 +248,7 @@ def deepseek_config(src, rank: int, rope_dim: int, rope_theta: float):
 
 
 def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
-                rope_pairs: str = "uniform", keep_norm: bool = True, rope_key: str = "mean",
+                rope_pairs: Optional[str] = None, keep_norm: bool = True, rope_key: str = "mean",
                 latent: str = "weights", calibration: Optional[torch.Tensor] = None):
     """A ``Qwen3ForCausalLM`` as a ``DeepseekV3ForCausalLM``, or an ``OlmoeForCausalLM`` as a
     ``DeepseekV2ForCausalLM``, patched by qkmla (module docstring).
@@ -249,7 +259,8 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
         kv_lora_rank: r, the rank of the latent factorization of [W_K ; W_V], 1 to min(2 G D, hidden_size);
             None: the largest numerical rank over the layers (exact). The cached latent is r + 1 wide.
         rope_dim: d_r, the RoPE dims kept rotated (an even number up to D); None: D (every pair).
-        rope_pairs: which pairs: "uniform" (every (D/d_r)-th) or "high" (the first d_r/2, highest frequencies).
+        rope_pairs: which pairs: "uniform" (every (D/d_r)-th) or "high" (the first d_r/2, highest frequencies);
+            None: "uniform". Only with ``rope_dim`` (refused without it: every pair is kept then).
         keep_norm: True (qkmla's QK RMSNorm, content mode, carrying the source's norm); False drops the norm
             (its statistic and weights, as TransMLA and CARE conversions do: another function).
         rope_key: how G > 1 groups' kept RoPE rows become DeepSeek's one shared RoPE key: "mean" (their
@@ -279,7 +290,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     hidden, H, G, D = source_attention_shape(model)
     max_rank = min(2 * G * D, hidden)
     _check_rank(kv_lora_rank, max_rank)
-    rope_dim = D if rope_dim is None else rope_dim
+    rope_dim, rope_pairs = resolve_rope(D, rope_dim, rope_pairs)
     pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
     check_bool("keep_norm", keep_norm)
     check_calibration(calibration, rope_key, latent, model.config.vocab_size)
@@ -454,7 +465,8 @@ def read_calibration_ids(tokenizer, path, tokens: Optional[int]) -> torch.Tensor
 
 
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
-                           rope_pairs: str = "uniform", keep_norm: bool = True, dtype: Optional[torch.dtype] = None,
+                           rope_pairs: Optional[str] = None, keep_norm: bool = True,
+                           dtype: Optional[torch.dtype] = None,
                            overwrite: bool = False, rope_key: str = "mean", latent: str = "weights",
                            calibration_text=None, calibration_tokens: Optional[int] = None) -> GQAConversionReport:
     """``qkmla convert-gqa``: the Qwen3 or OLMoE checkpoint directory ``src`` converted (:func:`convert_gqa`)
@@ -497,7 +509,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
     hidden, _, G, D = config_attention_shape(MODEL_TYPES[model_type], config)
     _check_rank(kv_lora_rank, min(2 * G * D, hidden))
-    kept_rope_pairs(D, D if rope_dim is None else rope_dim, rope_pairs, rope_theta_of(config))
+    kept_rope_pairs(D, *resolve_rope(D, rope_dim, rope_pairs), rope_theta_of(config))
     if dtype == torch.float16:
         raise ValueError(f"dtype: {FLOAT16_CANNOT}; expected float32, bfloat16 or float64")
     if dtype is None and getattr(config, "dtype", None) == torch.float16:  # loaded as stored

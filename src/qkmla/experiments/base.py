@@ -34,18 +34,20 @@ def check_seeds(name: str, seeds) -> None:
     """A ValueError naming ``name`` unless ``seeds`` is None (the experiment's default) or an int from 1
     to :data:`MAX_SEEDS`."""
     if seeds is not None and (not is_int(seeds) or not 1 <= seeds <= MAX_SEEDS):
-        raise ValueError(f"{name}: expected None (the experiment's default) or an int from 1 to {MAX_SEEDS} "
-                         f"(each seed is a training run per variant), got {seeds!r}")
+        default = "leave it out" if name.startswith("--") else "None"  # what the caller can write
+        raise ValueError(f"{name}: expected an int from 1 to {MAX_SEEDS} (each seed is a training run per variant; "
+                         f"{default} for the experiment's default), got {seeds!r}")
 
 
-def check_workers(name: str, workers) -> None:
-    """A ValueError naming ``name`` unless ``workers`` is 0 (one per CPU) or an int up to the CPUs this
-    process may run on: more workers than its CPU set (taskset, a cgroup) share those CPUs and each
-    run slows by as much, with nothing gained."""
+def check_workers(name: str, workers, bound: bool = True) -> None:
+    """A ValueError naming ``name`` unless ``workers`` is 0 (one per CPU) or a positive int, up to the
+    CPUs this process may run on if ``bound`` (the command line's --workers: more workers than its CPU
+    set, taskset or a cgroup, share those CPUs and each run slows by as much, with nothing gained). A
+    Python caller's Options is not bound: a script written on a larger machine still runs, slower."""
     cpus = len(usable_cpus())
-    if not is_int(workers) or not 0 <= workers <= cpus:
-        raise ValueError(f"{name}: expected 0 (one per CPU) or an int up to the {cpus} CPU(s) this process may "
-                         f"run on (its affinity), got {workers!r}")
+    if not is_int(workers) or workers < 0 or (bound and workers > cpus):
+        upto = f"an int up to the {cpus} CPU(s) this process may run on (its affinity)" if bound else "a positive int"
+        raise ValueError(f"{name}: expected 0 (one per CPU) or {upto}, got {workers!r}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Options:
             raise ValueError(f"out: expected the experiment's directory (a path), got {self.out!r}")
         object.__setattr__(self, "out", Path(self.out))
         check_seeds("seeds", self.seeds)
-        check_workers("workers", self.workers)
+        check_workers("workers", self.workers, bound=False)
 
     def seed_list(self, default: int) -> list[int]:
         n = self.seeds or (1 if self.quick else default)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..utils.files import check_own_directory, write_text
+from ..utils.files import check_own_directory, directory_kind, write_text
 from .checkpoint import FILENAME, read_metadata
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
@@ -168,13 +168,6 @@ def holds_run(out: Path) -> bool:
     return any((Path(out) / f).exists() for f in RUN_FILES)
 
 
-def _subdirectories(out: Path) -> list[Path]:
-    try:
-        return [d for d in out.iterdir() if d.is_dir()] if out.is_dir() else []
-    except OSError:  # unreadable: the checks that write there say so, naming the path
-        return []
-
-
 def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
     """Check what ``out`` holds against what the run wants, reading only; returns the notes for
     the user (a killed previous run). :func:`prepare` does this under the run's lock and then
@@ -186,12 +179,13 @@ def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
     """
     out = Path(out)
     check_own_directory("out", out, "train")
-    # A directory of runs (an experiment's OUT/runs) is the grid's: a run written beside them is one
-    # the experiment never planned, in the place its runs are looked up.
-    inner = next((d for d in _subdirectories(out) if holds_run(d)), None)
-    if inner is not None:
-        raise ValueError(f"out: {out} holds training runs in directories of their own (such as {inner.name}), as an "
-                         "experiment's runs directory does; a run goes in a directory of its own: choose a new --out")
+    # An experiment's OUT/runs is its grid's: a run written there, beside the grid's runs, is one the
+    # experiment never planned, in the place its runs are looked up. (Only that directory: a folder that
+    # merely holds other runs, or a checkpoint, in subfolders is the user's to lay out.)
+    kind = directory_kind(out.parent) if out.name == "runs" else None
+    if kind is not None and kind[0] == "experiment":
+        raise ValueError(f"out: {out} is where the experiment in {out.parent} trains its runs (qkmla experiment's "
+                         "own directory); a run goes in a directory of its own: choose a new --out")
     notes = []
     for name in RUN_FILES:
         if (out / name).is_dir():

@@ -17,8 +17,7 @@ import traceback
 from typing import Callable, Iterable
 
 from .environment import check_switches, drop_bad_thread_counts
-from .errors import (ClosedStdout, Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe,
-                     sigterm_unwinds)
+from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
 from .startup import command_started
 
 
@@ -36,9 +35,13 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
     drop_bad_thread_counts(command)
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None  # --threads sets it for this call only
-    closed = sys.stdout is None  # `qkmla ... >&-`: see errors.ClosedStdout
-    if closed:
-        sys.stdout = ClosedStdout()
+    if sys.stdout is None:
+        # `qkmla ... >&-`: Python leaves sys.stdout None, and the first print went nowhere (a table, a
+        # status line lost without a word) or failed after the work (a finished run reported failed).
+        # Refused before any work, as the machine error a C program meets writing there (EBADF).
+        notice(f"qkmla {command}: stdout: closed (>&-), so what this command prints would be lost; redirect it to "
+               "a file or to /dev/null instead")
+        return 1
     restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
         command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
@@ -76,8 +79,6 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
             torch.set_num_threads(threads)
         for stream, errors in restore.items():
             stream.reconfigure(errors=errors)
-        if closed:
-            sys.stdout = None
 
 
 def _paths_print_as_given() -> dict:

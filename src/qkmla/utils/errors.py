@@ -50,29 +50,6 @@ def environment_message(e: BaseException):
     return None
 
 
-class ClosedStdout:
-    """What ``sys.stdout`` is while a command runs with its stdout closed (``qkmla ... >&-``):
-    Python leaves ``sys.stdout`` None then, and the first ``print`` went nowhere (a table, a status
-    line lost without a word) while the runner's flush failed with an AttributeError, "internal
-    error". Writing to it is the machine error a C program meets (EBADF), one line naming stdout."""
-
-    errors = None  # no encoding to reconfigure (``_paths_print_as_given`` skips it)
-
-    def write(self, text: str) -> int:
-        import errno
-
-        if not text:
-            return 0
-        raise OSError(errno.EBADF, "closed (>&-), so what this command prints would be lost; redirect it to a file "
-                      "or to /dev/null instead", "stdout")
-
-    def flush(self) -> None:  # nothing is ever buffered
-        return None
-
-    def isatty(self) -> bool:
-        return False
-
-
 def quiet_broken_pipe() -> None:
     """The reader of stdout went away (``qkmla ... | head``): stop without a traceback, and keep
     Python's own flush at exit from failing on the closed pipe."""

@@ -22,7 +22,7 @@ from ..hub.checkpoint import load_tokenizer, read_hf_config
 from ...utils.files import input_file_problem
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
-from ...utils.checked import check_seed
+from ...utils.checked import as_int, check_seed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -90,6 +90,7 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
     # continued "a", "b" and "c" as three prompts, without a word; a non-str prompt failed in the tokenizer.
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"prompts: expected a list of strings, one per prompt, got {prompts!r:.80}")
+    seed = as_int(seed)  # np.int64(3) from a sweep's array is the seed it holds
     check_seed("seed", seed)
     check_cache_settings(kv_format, policy, None)  # kv_format='junk' was refused only after the model loaded
     model, tokenizer = load_hf_dir(hf_dir, dtype)
