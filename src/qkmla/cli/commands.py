@@ -573,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "latent is N + 1 wide)")
     cg.add_argument("--rope-dim", type=int, default=None, metavar="N",
                     help="RoPE dims kept rotated, even, up to head_dim (default: head_dim, every pair)")
-    cg.add_argument("--rope-pairs", choices=["uniform", "high"], default=None,  # None: not given (convert.gqa.resolve_rope)
+    cg.add_argument("--rope-pairs", choices=["uniform", "high"], default=None,  # None: not given (gqa.resolve_rope)
                     help="with --rope-dim: which RoPE pairs it keeps: every (head_dim/N)-th (uniform, the "
                          "default), or the highest frequencies")
     cg.add_argument("--rope-key", choices=["mean", "principal"], default="mean",
