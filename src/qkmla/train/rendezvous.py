@@ -7,7 +7,10 @@ started with ranks that never come (variables left from another job, a peer that
 out the whole timeout, deaf to ``kill``. Here the wait runs in a helper thread and the main thread
 joins it in short slices, so the command's own handlers (``utils.command.run_command``: SIGTERM
 ends in one line, exit 143; Ctrl-C in "interrupted", 130) run at once. Nothing has been written by
-then; the abandoned waiter is a daemon thread, gone with the process.
+then; the abandoned waiter is a daemon thread, gone with the process. A caller that goes on in
+the same process after the interrupt (``qkmla.train.train`` in a notebook) keeps that waiter until
+``--dist-timeout``: it may still meet a late peer and make the default process group, so start a
+new process (restart the kernel) before training again.
 """
 
 from __future__ import annotations
