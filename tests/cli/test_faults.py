@@ -3328,7 +3328,34 @@ def probe12b_rows():
         cache.seqlens = torch.tensor([2])  # a valid rollback: the derived max_len follows
         assert cache.max_len == 2 and cache.load()[0].shape == (1, 2, 24)
 
+    def crop_by_a_non_int(env):
+        """Probes x30-x32: ``past_key_values.crop(nan)`` or ``crop(2.5)`` of a latent cache failed in its slicing
+        ("slice indices must be integers or None"), ``crop("1")`` in a comparison, in both the growing and the static
+        cache. Refused now naming tokens; crop(-2) still drops the last two columns."""
+        pytest.importorskip("transformers")
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        torch.manual_seed(0)
+        model = apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1)).eval())
+        ids = torch.randint(3, 64, (1, 5))
+        for implementation in ("dynamic", "static"):
+            cache = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                                   cache_implementation=implementation).past_key_values
+            length = int(cache.get_seq_length())  # the static layer returns its live length tensor
+            for value in (float("nan"), 2.5, "1", None):
+                raises(lambda v=value: cache.crop(v), ValueError, r"^tokens: expected an int \(< 0: drop")
+            assert cache.get_seq_length() == length
+            cache.crop(-2)
+            assert cache.get_seq_length() == length - 2
+
     return [
+        Row("LatentAttentionCache", "size", "crop(nan / 2.5 / '1'): failed in the cache's slicing or a comparison",
+            crop_by_a_non_int),
         Row("LatentCache", "size", "plan(num_tokens=2**63 / 2**40): int64 overflow in torch.arange, or an 8 TiB "
             "index tensor before the capacity check", plan_past_int64_or_memory),
         Row("FullKVCache", "size", "append/update rows on another device, complex or one value too wide: torch's "
