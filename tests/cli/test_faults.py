@@ -3353,7 +3353,32 @@ def probe12b_rows():
             cache.crop(-2)
             assert cache.get_seq_length() == length - 2
 
+    def shared_rows_and_rope_width(env):
+        """Probes z01-z04, z07: SharedKVCache.update with kv one value too wide failed in the buffer's copy ("The
+        expanded size of the tensor (16) must match ..."), on the meta device in torch ("Cannot copy out of meta
+        tensor"), complex rows lost their imaginary part and [B, T, 2, 8] rows were taken as [B, T, 1, 16];
+        RotaryEmbedding(8) given x of width 6 failed in a broadcast. Each refused naming kv or x."""
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.rope import RotaryEmbedding
+
+        cache = SharedKVCache(1, 8, 16)
+        slot = cache.plan(1, 2)
+        for kv, pattern in ((torch.zeros(1, 2, 1, 17), r"^kv: expected a tensor \[B=1, T=2, heads=1, 16\]"),
+                            (torch.zeros(1, 2, 2, 8), r"^kv: expected a tensor \[B=1, T=2, heads=1, 16\]"),
+                            (torch.zeros(1, 2, 1, 16, dtype=torch.complex64), r"^kv: expected floating-point rows"),
+                            (torch.zeros(1, 2, 1, 16, device="meta"), r"^kv: the cache's buffers are on cpu")):
+            raises(lambda v=kv: cache.update(slot, v), ValueError, pattern)
+        assert cache.seqlens.tolist() == [0]
+        assert cache.update(slot, torch.ones(1, 2, 1, 16)).shape == (1, 2, 1, 16)
+        rope = RotaryEmbedding(8)
+        raises(lambda: rope(torch.randn(1, 3, 2, 6), torch.arange(3)), ValueError,
+               r"^x: expected a tensor \[\.\.\., T, H, dim=8\]")
+        x = torch.randn(1, 3, 2, 8)
+        assert torch.allclose(rope(x, torch.zeros(3, dtype=torch.long)), x)  # position 0 rotates nothing
+
     return [
+        Row("SharedKVCache", "size", "update(kv) one value too wide, [B, T, 2, 8], complex or on meta: torch's errors "
+            "or taken", shared_rows_and_rope_width),
         Row("LatentAttentionCache", "size", "crop(nan / 2.5 / '1'): failed in the cache's slicing or a comparison",
             crop_by_a_non_int),
         Row("LatentCache", "size", "plan(num_tokens=2**63 / 2**40): int64 overflow in torch.arange, or an 8 TiB "
