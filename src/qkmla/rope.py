@@ -246,6 +246,10 @@ class RotaryEmbedding(FixedSettings, nn.Module):
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor, m: float) -> torch.Tensor:
         """x rotated by the angles of ``positions`` and multiplied by m."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.dim:
+            # x of another width failed in the broadcast below ("The size of tensor a (3) must match ...")
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else f"{x!r:.80}"
+            raise ValueError(f"x: expected a tensor [..., T, H, dim={self.dim}] (this module's dim), got {got}")
         acc = accumulate_dtype(x.dtype)
         angles = positions.to(acc)[..., None, None] * cast(self.frequencies(), acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)

@@ -3267,6 +3267,143 @@ def probe11b_rows():
     ]
 
 
+def probe12b_rows():
+    """The twelfth probe's failures in the Python API (issue 56, probe 12b: fresh probes of the constructors, the
+    caches' methods, the decode op and the integrations, written without this table; the torchtitan one is a test in
+    tests/integrations/torchtitan/test_data.py)."""
+
+    def plan_past_int64_or_memory(env):
+        """Probe g14: ``cache.plan(1, 2**63)`` failed in torch.arange ("value cannot be converted to type int64_t
+        without overflow"), and ``plan(1, 2**40)`` asked torch's allocator for 8 TiB of index tensors before the
+        capacity check refused it. Refused now naming num_tokens (past int64) or the capacity, before any tensor."""
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(1, 8, 16, 8)
+        raises(lambda: cache.plan(1, 2**63), ValueError, r"^num_tokens: expected an int from 0 to 2\*\*63 - 1")
+        raises(lambda: cache.plan(1, 2**40), ValueError, r"^positions: writing 1099511627776 tokens .* capacity=8")
+        assert cache.plan(1, 8).max_len == 8 and cache.seqlens.tolist() == [0]
+
+    def rows_of_another_kind(env):
+        """Probes a02, a03, a06, f06, x11: ``append`` with c_kv on another device failed in torch's indexing
+        ("Tensor on device cpu is not on the expected device meta!"), complex rows were stored with the imaginary
+        part dropped (a warning at most), and FullKVCache.update with a key one value too wide failed in the
+        buffer's copy ("The expanded size of the tensor (16) must match ..."). Each refused naming the tensor."""
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(1, 8, 16, 8)
+        slot = cache.plan(1, 2)
+        k_rope = torch.zeros(1, 2, 8)
+        raises(lambda: cache.append(slot, c_kv=torch.zeros(1, 2, 16, device="meta"), k_rope=k_rope), ValueError,
+               r"^c_kv: the cache's buffers are on cpu and c_kv is on meta")
+        for dtype in (torch.complex64, torch.long):
+            raises(lambda d=dtype: cache.append(slot, c_kv=torch.zeros(1, 2, 16, dtype=d), k_rope=k_rope), ValueError,
+                   rf"^c_kv: expected floating-point rows .* got {dtype}")
+        assert cache.seqlens.tolist() == [0]
+        cache.append(slot, c_kv=torch.ones(1, 2, 16), k_rope=k_rope)
+        assert cache.load()[0][..., :16].eq(1).all()
+        full = FullKVCache(1, 8, 2, 8, 8)
+        slot = full.plan(1, 1)
+        raises(lambda: full.update(slot, torch.zeros(1, 1, 2, 9), torch.zeros(1, 1, 2, 8)), ValueError,
+               r"^k: expected a tensor \[B=1, T=1, G=2, 8\] for this cache, got \(1, 1, 2, 9\)")
+        raises(lambda: full.update(slot, torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8, dtype=torch.complex64)),
+               ValueError, r"^v: expected floating-point rows")
+        k, v = full.update(slot, torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8))
+        assert k.shape == (1, 1, 2, 8) and full.seqlens.tolist() == [1]
+
+    def lengths_set_after_construction(env):
+        """Probes m05-m09, g15: ``cache.seqlens = torch.tensor([100])`` on a cache of capacity 8 (or [-3], or
+        next_positions past 2**62) was taken without a word, and the next write went where the lengths did not say;
+        ``cache.codec = None`` and ``cache.fields = {}`` failed at the next load ("'NoneType' object has no attribute
+        'load'", KeyError: 'latent'), and ``read("nope")`` was a bare KeyError. Refused naming the attribute; moving
+        next_positions ahead of the slots, as a policy that dropped tokens does, still works."""
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(1, 8, 16, 8)
+        cache.append(cache.plan(1, 3), c_kv=torch.zeros(1, 3, 16), k_rope=torch.zeros(1, 3, 8))
+        in_capacity = r"^seqlens: expected seqlens in \[0, capacity=8\]"
+        for name, value, pattern in (("seqlens", torch.tensor([100]), in_capacity),
+                                     ("seqlens", torch.tensor([-3]), in_capacity),
+                                     ("seqlens", torch.tensor([2.0]), r"^seqlens: expected an integer tensor"),
+                                     ("next_positions", torch.tensor([2]), r"^next_positions: expected next_positions "
+                                                                            r"from seqlens \[3\]"),
+                                     ("next_positions", torch.tensor([2**62 + 1]), r"^next_positions: .* to 2\*\*62")):
+            raises(lambda n=name, v=value: setattr(cache, n, v), ValueError, pattern)
+        for name in ("max_len", "uniform"):
+            raises(lambda n=name: setattr(cache, n, 5), AttributeError, rf"^{name}: follows from seqlens")
+        for name in ("codec", "fields"):
+            raises(lambda n=name: setattr(cache, n, None), AttributeError,
+                   rf"^{name}: the cache's buffers are allocated")
+        raises(lambda: cache.read("nope"), ValueError, r"^name: expected one of this cache's fields \('latent',\)")
+        assert cache.seqlens.tolist() == [3] and cache.next_positions.tolist() == [3] and cache.max_len == 3
+        cache.next_positions = cache.next_positions + 4  # as a policy that dropped tokens would
+        slot = cache.plan(1, 1)
+        assert slot.slots.tolist() == [[3]] and slot.positions.tolist() == [[7]]
+        cache.seqlens = torch.tensor([2])  # a valid rollback: the derived max_len follows
+        assert cache.max_len == 2 and cache.load()[0].shape == (1, 2, 24)
+
+    def crop_by_a_non_int(env):
+        """Probes x30-x32: ``past_key_values.crop(nan)`` or ``crop(2.5)`` of a latent cache failed in its slicing
+        ("slice indices must be integers or None"), ``crop("1")`` in a comparison, in both the growing and the static
+        cache. Refused now naming tokens; crop(-2) still drops the last two columns."""
+        pytest.importorskip("transformers")
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        torch.manual_seed(0)
+        model = apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1)).eval())
+        ids = torch.randint(3, 64, (1, 5))
+        for implementation in ("dynamic", "static"):
+            cache = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
+                                   cache_implementation=implementation).past_key_values
+            length = int(cache.get_seq_length())  # the static layer returns its live length tensor
+            for value in (float("nan"), 2.5, "1", None):
+                raises(lambda v=value: cache.crop(v), ValueError, r"^tokens: expected an int \(< 0: drop")
+            assert cache.get_seq_length() == length
+            cache.crop(-2)
+            assert cache.get_seq_length() == length - 2
+
+    def shared_rows_and_rope_width(env):
+        """Probes z01-z04, z07: SharedKVCache.update with kv one value too wide failed in the buffer's copy ("The
+        expanded size of the tensor (16) must match ..."), on the meta device in torch ("Cannot copy out of meta
+        tensor"), complex rows lost their imaginary part and [B, T, 2, 8] rows were taken as [B, T, 1, 16];
+        RotaryEmbedding(8) given x of width 6 failed in a broadcast. Each refused naming kv or x."""
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.rope import RotaryEmbedding
+
+        cache = SharedKVCache(1, 8, 16)
+        slot = cache.plan(1, 2)
+        for kv, pattern in ((torch.zeros(1, 2, 1, 17), r"^kv: expected a tensor \[B=1, T=2, heads=1, 16\]"),
+                            (torch.zeros(1, 2, 2, 8), r"^kv: expected a tensor \[B=1, T=2, heads=1, 16\]"),
+                            (torch.zeros(1, 2, 1, 16, dtype=torch.complex64), r"^kv: expected floating-point rows"),
+                            (torch.zeros(1, 2, 1, 16, device="meta"), r"^kv: the cache's buffers are on cpu")):
+            raises(lambda v=kv: cache.update(slot, v), ValueError, pattern)
+        assert cache.seqlens.tolist() == [0]
+        assert cache.update(slot, torch.ones(1, 2, 1, 16)).shape == (1, 2, 1, 16)
+        rope = RotaryEmbedding(8)
+        raises(lambda: rope(torch.randn(1, 3, 2, 6), torch.arange(3)), ValueError,
+               r"^x: expected a tensor \[\.\.\., T, H, dim=8\]")
+        x = torch.randn(1, 3, 2, 8)
+        assert torch.allclose(rope(x, torch.zeros(3, dtype=torch.long)), x)  # position 0 rotates nothing
+
+    return [
+        Row("SharedKVCache", "size", "update(kv) one value too wide, [B, T, 2, 8], complex or on meta: torch's errors "
+            "or taken", shared_rows_and_rope_width),
+        Row("LatentAttentionCache", "size", "crop(nan / 2.5 / '1'): failed in the cache's slicing or a comparison",
+            crop_by_a_non_int),
+        Row("LatentCache", "size", "plan(num_tokens=2**63 / 2**40): int64 overflow in torch.arange, or an 8 TiB "
+            "index tensor before the capacity check", plan_past_int64_or_memory),
+        Row("FullKVCache", "size", "append/update rows on another device, complex or one value too wide: torch's "
+            "errors, or the imaginary part dropped", rows_of_another_kind),
+        Row("LatentCache", "size", "seqlens/next_positions/max_len/codec/fields set after construction, read('nope'): "
+            "taken, or failed at the next load", lengths_set_after_construction),
+    ]
+
+
 def left11b_rows():
     """The failure probe 11b left for a design decision (issue 56)."""
 
@@ -3456,7 +3593,7 @@ NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11_rows() + probe11b_rows() + left11b_rows())
+        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

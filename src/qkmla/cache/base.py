@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..utils.checked import as_int, check_size, is_int, is_number
+from ..utils.checked import INT64_MAX, as_int, check_size, is_int, is_number
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
@@ -123,9 +123,27 @@ class SequenceCache:
     # eviction: the policy's state, sized for these buffers and this batch (a LatentCache(policy=...) sets it
     # once); assigned from outside (cache.eviction = None mid-decode, or another cache's), the next forward
     # failed deep in the evictor ("'str' object has no attribute 'after_attention'") or scored stale state.
-    FIXED = ("batch_size", "capacity", "device", "layout", "eviction")
+    # fields: the buffers themselves (cache.fields = {} failed at the next read with KeyError: 'latent').
+    FIXED = ("batch_size", "capacity", "device", "layout", "eviction", "fields")
+
+    # The lengths bookkeeping (:meth:`advance` and the methods that drop or reorder tokens move it, through
+    # _set_lengths). seqlens and next_positions may be set from outside (a caller that moved the positions on
+    # as a policy that dropped tokens would) and are checked when they are: seqlens=[100] on a cache of
+    # capacity 8, or [-3], was taken, and the next write went to slots the lengths did not say (or failed
+    # deep in torch's indexing). max_len and uniform follow from seqlens, so they are not set alone.
+    LENGTHS = ("seqlens", "next_positions")
+    DERIVED = ("max_len", "uniform")
 
     def __setattr__(self, name, value):
+        if name in self.__dict__ and name in self.DERIVED:
+            raise AttributeError(f"{name}: follows from seqlens (max_len = max(seqlens), uniform: all equal); set "
+                                 f"seqlens, or use drop_last(counts), keep(mask) or reset()")
+        if name in self.__dict__ and name in self.LENGTHS:
+            self._set_lengths(**{name: self._checked_lengths(name, value)})
+            if name == "seqlens":
+                lengths = self.seqlens
+                self._set_lengths(max_len=int(lengths.max()), uniform=bool((lengths == lengths[0]).all()))
+            return
         if name in type(self).FIXED and name in self.__dict__:
             how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it",
                    "device": "make a new cache on the device you want", "layout": "make a new cache with that layout",
@@ -133,6 +151,29 @@ class SequenceCache:
             raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r:.80}; "
                                  f"{how.get(name, 'make a new cache with the value you want')}")
         object.__setattr__(self, name, value)
+
+    def _checked_lengths(self, name: str, value) -> torch.Tensor:
+        """``value`` for ``cache.seqlens = value`` or ``cache.next_positions = value`` from outside, or a ValueError
+        naming ``name``: [batch_size] integer token counts on the cache's device, seqlens within the capacity and
+        at most next_positions (a token's position is never behind its slot)."""
+        B = self.batch_size
+        if not isinstance(value, torch.Tensor) or value.shape != (B,) or value.dtype.is_floating_point \
+                or value.dtype.is_complex or value.dtype == torch.bool:
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{value!r:.80}"
+            raise ValueError(f"{name}: expected an integer tensor [batch_size={B}], got {got}")
+        value = value.to(device=self.device, dtype=torch.long)
+        seqlens = value if name == "seqlens" else self.seqlens
+        positions = value if name == "next_positions" else self.next_positions
+        if bool((seqlens < 0).any()) or bool((seqlens > self.capacity).any()):
+            raise ValueError(f"{name}: expected seqlens in [0, capacity={self.capacity}], got {seqlens.tolist()}")
+        if bool((positions < seqlens).any()) or bool((positions > INT64_MAX // 2).any()):
+            raise ValueError(f"{name}: expected next_positions from seqlens {seqlens.tolist()} (a token's position is "
+                             f"never behind its slot) to 2**62, got next_positions {positions.tolist()}")
+        return value
+
+    def _set_lengths(self, **values) -> None:
+        for name, value in values.items():  # the cache's own moves: checked by the code that computes them
+            object.__setattr__(self, name, value)
 
     def __deepcopy__(self, memo):
         # Rows written by a forward with gradients on carry autograd history (a cache may be trained
@@ -201,6 +242,9 @@ class SequenceCache:
                              f"which holds batch_size={self.batch_size}")
         # num_tokens=-1 reached torch.arange ("upper bound and lower bound inconsistent with step sign")
         check_size("num_tokens", num_tokens, 0, " (the new tokens of each sequence)")
+        if input_lengths is None:
+            # Before the index tensors below, which are num_tokens long: plan(1, 2**40) reached torch's allocator
+            self._check_capacity(self.max_len + num_tokens, num_tokens)
         start = self.seqlens
         steps = torch.arange(num_tokens, device=self.device)
         expected = self.next_positions[:, None] + steps
@@ -238,13 +282,16 @@ class SequenceCache:
             uniform = bool((start + added == start[0] + added[0]).all())
         seqlens = start + added
         max_len = self.max_len + num_tokens if input_lengths is None else int(seqlens.max())
+        self._check_capacity(max_len, num_tokens)
+        return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
+                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
+
+    def _check_capacity(self, max_len: int, num_tokens: int) -> None:
         if max_len > self.capacity:
             raise ValueError(
                 f"positions: writing {num_tokens} tokens would reach position {max_len - 1}, past the cache "
                 f"capacity={self.capacity} (allowed positions 0..{self.capacity - 1}); allocate a larger cache"
             )
-        return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
-                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
 
     def check_writer(self, writer: object) -> None:
         """A ValueError unless this cache is empty or holds ``writer``'s rows: one cache handed to two
@@ -278,6 +325,25 @@ class SequenceCache:
         weights loaded into another."""
         self.writer = None
 
+    def check_rows(self, name: str, t, shape: tuple, labels: tuple = ("B", "T")) -> None:
+        """A ValueError naming ``name`` unless ``t`` is a floating-point tensor of ``shape`` on this cache's
+        device: rows on another device failed in torch's indexing ("Tensor on device cpu is not on the
+        expected device meta!"), a shape that was wrong in its last dimension only failed in the buffer's
+        copy ("The expanded size of the tensor (16) must match ..."), and complex rows were stored with
+        their imaginary part dropped, a warning at most (integer rows would be rounded as silently)."""
+        dims = ", ".join(f"{label}={d}" for label, d in zip(labels, shape))
+        dims += "".join(f", {d}" for d in shape[len(labels):])
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else f"{t!r:.80}"
+            raise ValueError(f"{name}: expected a tensor [{dims}] for this cache, got {got}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name}: expected floating-point rows (the cache stores them as {name}.to(dtype)), "
+                             f"got {t.dtype}")
+        c, d = self.device, t.device  # as check_cache_device: a device without an index matches every index
+        if c.type != d.type or (c.index is not None and d.index is not None and c.index != d.index):
+            raise ValueError(f"{name}: the cache's buffers are on {c} and {name} is on {d}; pass {name}.to({str(c)!r}) "
+                             f"or build the cache with device={str(d)!r}")
+
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on
         (the storage step under each cache's own ``append``/``update``)."""
@@ -302,15 +368,15 @@ class SequenceCache:
     def advance(self, slot: WriteSlot) -> None:
         """Move the lengths and positions on to ``slot``'s, its rows already stored (by
         :meth:`write_rows`, or in place by a compiled decode step)."""
-        self.seqlens, self.next_positions = slot.seqlens, slot.next_positions
-        self.max_len, self.uniform = slot.max_len, slot.uniform
+        self._set_lengths(seqlens=slot.seqlens, next_positions=slot.next_positions, max_len=slot.max_len,
+                          uniform=slot.uniform)
 
     def bookkeeping(self) -> tuple:
         """The lengths and positions, for :meth:`restore` (tensors are replaced, never written in place)."""
         return self.seqlens, self.next_positions, self.max_len, self.uniform
 
     def restore(self, bookkeeping: tuple) -> None:
-        self.seqlens, self.next_positions, self.max_len, self.uniform = bookkeeping
+        self._set_lengths(**dict(zip(("seqlens", "next_positions", "max_len", "uniform"), bookkeeping)))
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -368,7 +434,7 @@ class SequenceCache:
             self.fields[name].write(batch_idx, dst, value)
         self._kept_positions[:, :S] = positions
         self._kept_lens = lengths
-        self.seqlens, self.max_len, self.uniform = lengths, max_len, uniform
+        self._set_lengths(seqlens=lengths, max_len=max_len, uniform=uniform)
 
     def keep_order(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What :meth:`keep` would do with ``mask``, changing nothing: (order [B, max_len] as
@@ -395,7 +461,7 @@ class SequenceCache:
     def restart_positions(self) -> None:
         """Number the cached tokens 0..seqlens-1 again and continue from there: for a caller
         that has just re-rotated every cached key to its slot (StreamingLLM's re-positioning)."""
-        self.next_positions = self.seqlens.clone()
+        self._set_lengths(next_positions=self.seqlens.clone())
         self._kept_lens = torch.zeros_like(self._kept_lens)
 
     # -- the batch and the capacity (generation utilities: beam search, growth, rollback) -----
@@ -426,7 +492,7 @@ class SequenceCache:
                          f"capacity={self.capacity}", self.device)
         for buf in buffers:
             buf.select(indices)
-        self.seqlens, self.next_positions = self.seqlens[indices], self.next_positions[indices]
+        self._set_lengths(seqlens=self.seqlens[indices], next_positions=self.next_positions[indices])
         self._kept_lens = self._kept_lens[indices]
         if self._kept_positions is not None:
             self._kept_positions = self._kept_positions[indices]
@@ -467,9 +533,9 @@ class SequenceCache:
         if self.eviction is not None:
             raise ValueError("counts: a cache with an eviction policy cannot roll tokens back (the dropped tokens "
                              "may be the ones it evicted instead)")
-        self.seqlens, self.next_positions = self.seqlens - counts, self.next_positions - counts
-        self.max_len = int(self.seqlens.max())
-        self.uniform = bool((self.seqlens == self.seqlens[0]).all())
+        seqlens = self.seqlens - counts
+        self._set_lengths(seqlens=seqlens, next_positions=self.next_positions - counts, max_len=int(seqlens.max()),
+                          uniform=bool((seqlens == seqlens[0]).all()))
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -480,6 +546,8 @@ class SequenceCache:
         or never-written data (NaN, inf), and a masked softmax weight of 0 times NaN is still
         NaN in ``p @ v``. With equal lengths every slot is valid and nothing is copied.
         """
+        if name not in self.fields:  # a bare KeyError('nope') said neither what was asked for nor what there is
+            raise ValueError(f"name: expected one of this cache's fields {tuple(self.fields)}, got {name!r:.80}")
         data = self.fields[name].read(self.max_len)
         if not self.uniform:
             valid = torch.arange(self.max_len, device=self.device) < self.seqlens[:, None]
@@ -488,8 +556,8 @@ class SequenceCache:
 
     def reset(self) -> None:
         """Forget every sequence (the storage is reused, not cleared)."""
-        self.seqlens, self.next_positions = torch.zeros_like(self.seqlens), torch.zeros_like(self.next_positions)
-        self.max_len, self.uniform = 0, True
+        self._set_lengths(seqlens=torch.zeros_like(self.seqlens), next_positions=torch.zeros_like(self.next_positions),
+                          max_len=0, uniform=True)
         self._kept_lens = torch.zeros_like(self._kept_lens)
         if self.eviction is not None:
             self.eviction.reset()

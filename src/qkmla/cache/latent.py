@@ -67,7 +67,9 @@ class LatentCache(SequenceCache):
     """
 
     codec = LatentCodec()  # "dense"; another kv_format gives the cache a QuantizedCodec
-    FIXED = SequenceCache.FIXED + ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups", "dtype", "kv_format", "rows")
+    # codec: how the buffers' bytes are read (cache.codec = None failed at the next load in 'NoneType' has no 'load')
+    FIXED = SequenceCache.FIXED + ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups", "dtype", "kv_format", "rows",
+                                   "codec")
 
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,
@@ -105,8 +107,7 @@ class LatentCache(SequenceCache):
             object.__setattr__(self, "eviction", Eviction(policy, batch_size, self.device))  # FIXED once set
         self.kv_lora_rank, self.qk_rope_head_dim, self.num_kv_groups = kv_lora_rank, qk_rope_head_dim, num_kv_groups
         self.rows, self.kv_format, self.dtype = rows, kv_format, dtype
-        if rows.quantized:
-            self.codec = QuantizedCodec(rows)
+        self.codec = QuantizedCodec(rows) if rows.quantized else type(self).codec  # the instance's own: FIXED
         for name, (width, field_dtype) in self.codec.fields(kv_lora_rank, qk_rope_head_dim, num_kv_groups, dtype,
                                                             scalar_dtype or dtype).items():
             self._add_field(name, width, field_dtype, latent_fill if name == "latent" else fill)
@@ -122,9 +123,7 @@ class LatentCache(SequenceCache):
         for name, (t, width) in want.items():
             if width == 0 and t is None:
                 continue
-            if not isinstance(t, torch.Tensor) or t.shape != (B, T, width):
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else t
-                raise ValueError(f"{name}: expected a tensor [B={B}, T={T}, {width}] for this cache, got {got}")
+            self.check_rows(name, t, (B, T, width))
         self.write_rows(slot, self.codec.store(c_kv, k_rope, key_scale))
 
     def load(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

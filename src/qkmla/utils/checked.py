@@ -47,6 +47,9 @@ def as_int(value):
     return value
 
 
+INT64_MAX = 2 ** 63 - 1
+
+
 def check_size(name: str, value, low: int, meaning: str = "") -> None:
     """A ValueError naming ``name`` unless ``value`` is an integer >= ``low`` (a Python or NumPy int, or
     a 0-d integer tensor, not a bool; ``meaning`` says what it counts). A size being traced is taken
@@ -61,6 +64,8 @@ def check_size(name: str, value, low: int, meaning: str = "") -> None:
         value = int(value)  # eager: compared as the int it holds
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}{meaning}, got {value!r}")
+    if value > INT64_MAX:  # no tensor has such a size: torch.arange(2**63) failed with "cannot be converted to int64_t"
+        raise ValueError(f"{name}: expected an int from {low} to 2**63 - 1{meaning}, got {value!r}")
 
 
 SEED_MAX = 2 ** 63 - 1  # torch.manual_seed takes a seed up to 2**64 - 1; int64 keeps it in a tensor, a file, a job

@@ -36,6 +36,26 @@ def test_pack_restarts_positions_at_each_document_and_window_and_never_predicts_
         pack(docs, 0)
 
 
+def test_pack_and_decode_refuse_what_is_not_a_count_naming_it():
+    """Probe 12b (t00-t06, t12): pack(docs, seq_len=nan / 2.5 / "4") failed in torch's slicing ("slice indices must
+    be integers") or a comparison, seq_len=True packed windows of 1 byte, pack([]) or only empty documents failed in
+    torch.cat naming nothing of the caller's, and decode([nan]) said "cannot convert float NaN to integer" where
+    decode([65.7]) was "A"."""
+    docs = [b"abcde", b"XYZ"]
+    for bad in (float("nan"), 2.5, "4", True, None):
+        with pytest.raises(ValueError, match=r"^seq_len: expected a positive int"):
+            pack(docs, bad)
+    for empty in ([], [b"", b""]):
+        with pytest.raises(ValueError, match=r"^docs: expected at least one non-empty document"):
+            pack(empty, 4)
+    tok = ByteTokenizer.Config().build(tokenizer_path="")
+    for bad in ([float("nan")], [65.7], [True]):
+        with pytest.raises(ValueError, match=r"^ids: a byte tokenizer decodes integer ids in \[0, 256\)"):
+            tok.decode(bad)
+    import numpy as np
+    assert tok.decode(np.array([65, 66])) == "AB" and pack(docs, 4)[0].shape == (2, 4)  # NumPy ints are ints
+
+
 def test_shakespeare_splits_by_play_and_a_file_is_one_document(tmp_path):
     train, val = documents("shakespeare", "train"), documents("shakespeare", "val")
     assert len(val) == 2 and len(train) > 30

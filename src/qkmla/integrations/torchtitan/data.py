@@ -32,6 +32,7 @@ from torchtitan.components.loss import IGNORE_INDEX  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 
 from ...train.data import load_bytes, load_text, split_by_play, works  # noqa: E402
+from ...utils.checked import as_int, is_int  # noqa: E402
 
 BYTES = 256
 SPLITS = ("train", "val", "test", "all")
@@ -53,10 +54,11 @@ class ByteTokenizer(BaseTokenizer):
         return list(text.encode("utf-8"))
 
     def decode(self, ids, *args, **kwargs) -> str:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        bad = [i for i in ids if not 0 <= int(i) < BYTES]
+        ids = [as_int(i) for i in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]  # a NumPy int is an int
+        # int(i) truncated 65.7 to 65 ("A") without a word, and failed on NaN ("cannot convert float NaN to integer")
+        bad = [i for i in ids if not is_int(i) or not 0 <= i < BYTES]
         if bad:
-            raise ValueError(f"ids: a byte tokenizer decodes ids in [0, {BYTES}), got {bad[:5]}")
+            raise ValueError(f"ids: a byte tokenizer decodes integer ids in [0, {BYTES}), got {bad[:5]}")
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def get_vocab_size(self) -> int:
@@ -84,8 +86,12 @@ def documents(source: str, split: str) -> list[bytes]:
 def pack(docs: list[bytes], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``docs`` as windows: inputs, positions, labels, each [windows, seq_len] int64 (the last partial
     window is dropped). Labels are the next token within a document, the ignore index at its end."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len: expected a positive window length, got {seq_len}")
+    # As every size qkmla takes: seq_len=nan or 2.5 failed in the slicing below ("slice indices must be
+    # integers"), "4" in the comparison, and True was a window of 1 byte
+    if not is_int(seq_len) or seq_len < 1:
+        raise ValueError(f"seq_len: expected a positive int (the window length in bytes), got {seq_len!r}")
+    if not any(docs):  # torch.cat's "expected a non-empty list of Tensors" named nothing of the caller's
+        raise ValueError(f"docs: expected at least one non-empty document, got {len(docs)} document(s) and no bytes")
     tokens = torch.cat([torch.frombuffer(bytearray(d), dtype=torch.uint8).long() for d in docs if d])
     starts = torch.zeros_like(tokens, dtype=torch.bool)
     offset = 0

@@ -51,7 +51,7 @@ from ...config import MLAConfig
 from ...kv_formats import check_kv_format
 from ...utils.checked import FixedSettings, check_bool, is_int
 from .patched import cache_slots, inner_model, model_settings
-from .static import StaticLatentCacheLayer, check_repeats, check_static_settings
+from .static import StaticLatentCacheLayer, check_crop, check_repeats, check_static_settings
 from .view import TransformersView
 
 GROW = 256  # a growing cache's capacity is a multiple of this many tokens
@@ -177,6 +177,7 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         """Drop the last ``-tokens`` columns (tokens < 0), or keep the first ``tokens`` (> 0: the
         meaning before transformers 5.15, deprecated since); 0 removes nothing. Each sequence
         loses the real tokens among the dropped columns."""
+        tokens = check_crop(tokens)
         remove = -tokens if tokens <= 0 else self.columns - tokens
         remove = min(remove, self.columns)
         if remove <= 0 or self.latent is None:

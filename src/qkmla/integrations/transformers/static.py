@@ -36,7 +36,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ...config import MLAConfig
 from ...dtypes import cast
-from ...utils.checked import FixedSettings, check_size, is_int
+from ...utils.checked import FixedSettings, as_int, check_size, is_int
 from ...utils.limits import check_allocation
 from .view import TransformersView
 
@@ -46,6 +46,16 @@ def check_repeats(repeats) -> None:
     ValueError naming ``repeats`` unless it is an int >= 1. 0 emptied the batch (the growing cache's refusal then
     named ``indices``, an argument the caller never gave), and -1 or 2.5 reached torch's repeat_interleave."""
     check_size("repeats", repeats, 1, " (copies of each cached sequence)")
+
+
+def check_crop(tokens) -> int:
+    """transformers' ``crop(tokens)`` (assisted and speculative decoding): ``tokens`` as an int, or a ValueError naming
+    it. crop(nan) or crop(2.5) failed in the slicing ("slice indices must be integers"), crop("1") in a comparison."""
+    tokens = as_int(tokens)  # a NumPy int is an int
+    if not is_int(tokens):
+        raise ValueError(f"tokens: expected an int (< 0: drop that many last columns; > 0: keep the first that many; "
+                         f"0: nothing), got {tokens!r:.80}")
+    return tokens
 
 
 def check_static_settings(kv_format: str, policy, max_cache_len) -> None:
@@ -189,6 +199,7 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
 
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""
+        tokens = check_crop(tokens)
         current = int(self.length)
         keep = current + tokens if tokens <= 0 else min(tokens, current)
         if keep >= current:
