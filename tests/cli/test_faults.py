@@ -3478,7 +3478,27 @@ def probe12_rows():
             assert not out.exists() and sorted(p.name for p in env.tmp.iterdir()) == ["fired"]
         return check
 
+    def cache_size_columns(env):
+        """Probes C10/C11: ``qkmla cache-size --preset deepseek-v3 --tokens 10**12`` (or
+        ``--qk-rope-head-dim 100000``) printed, exit 0, "3,997,6963,997,696,000,000,000,000": the
+        bytes per token and per request run together at the table's fixed widths, a number nobody
+        can read right. Each row's numbers, split on spaces, are now --json's."""
+        for argv in (["--tokens", str(10**12)], ["--qk-rope-head-dim", "100000"]):
+            argv = ["cache-size", "--preset", "deepseek-v3", *argv]
+            env.capsys.readouterr()
+            assert main(argv + ["--json"]) == 0
+            rows = json.loads(env.capsys.readouterr().out)["rows"]
+            assert main(argv) == 0
+            table = env.capsys.readouterr().out.splitlines()[2:2 + len(rows)]
+            for line, r in zip(table, rows):
+                words = line.replace(" + ", "+").split()
+                assert words[0] == r["variant"] and len(words) == 8, line
+                assert [int(w.replace(",", "")) for w in words[2:5]] == \
+                    [r["bytes_per_token_layer"], r["bytes_per_token"], r["bytes_per_request"]], line
+
     return [
+        Row("cache-size", "size", "--tokens 10**12, --qk-rope-head-dim 100000: the columns ran together",
+            cache_size_columns),
         Row("verify", "signal", "SIGTERM inside an import (aborted in a C extension's initializer, exit 134)",
             signal_in_an_import(signal.SIGTERM, *TERM)),
         Row("verify", "signal", "one SIGINT inside an import (aborted likewise)",
