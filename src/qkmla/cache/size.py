@@ -167,19 +167,29 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+_COLUMN_WIDTHS = (22, 18, 13, 12, 18, 10, 8)  # variant (left-aligned), then the numbers (right-aligned)
+
+
 def format_table(shape: CacheShape, rows: list[dict], title: str) -> str:
     """The text table ``qkmla cache-size`` prints."""
     stored = shape.dtype if shape.kv_format == "dense" else f"{shape.kv_format} + float32 scales, RoPE bf16"
     head = (f"{title}: {shape.num_layers} layers, {shape.num_heads} heads x {shape.head_dim}, "
             f"GQA {shape.num_kv_heads} KV heads, {stored} (scalars {shape.scalar_dtype or shape.dtype}), "
             f"{rows[0]['tokens']:,} tokens")
-    lines = [head, f"{'variant':<22}{'values/tok/layer':>18}{'B/tok/layer':>13}{'B/tok':>12}"
-                   f"{'B/request':>18}{'':>10}{'vs MLA':>8}"]
+    header = ["variant", "values/tok/layer", "B/tok/layer", "B/tok", "B/request", "", "vs MLA"]
+    cells = []
     for r in rows:
-        values = f"{r['values_per_token_layer']:,}" + (f" + {r['scalars_per_token_layer']}s" if r["scalars_per_token_layer"] else "")
+        values = f"{r['values_per_token_layer']:,}" + (f" + {r['scalars_per_token_layer']}s"
+                                                        if r["scalars_per_token_layer"] else "")
         ratio = f"{r['ratio_to_mla']:.3f}x" if r["ratio_to_mla"] else "-"
-        lines.append(f"{r['variant']:<22}{values:>18}{r['bytes_per_token_layer']:>13,}{r['bytes_per_token']:>12,}"
-                     f"{r['bytes_per_request']:>18,}{format_bytes(r['bytes_per_request']):>10}{ratio:>8}")
+        cells.append([r["variant"], values, f"{r['bytes_per_token_layer']:,}", f"{r['bytes_per_token']:,}",
+                      f"{r['bytes_per_request']:,}", format_bytes(r["bytes_per_request"]), ratio])
+    # The usual widths, widened where a value needs it (one space at least between columns): at
+    # fixed widths a long request (--tokens 10**12) or a wide shape ran the numbers together
+    # ("3,997,6963,997,696,000,...").
+    widths = [max(usual, *(len(c[i]) + 1 for c in cells)) for i, usual in enumerate(_COLUMN_WIDTHS)]
+    lines = [head] + [f"{line[0]:<{widths[0]}}" + "".join(f"{c:>{w}}" for c, w in zip(line[1:], widths[1:]))
+                      for line in [header] + cells]
     by = {r["variant"]: r for r in rows}
     if "mla-qknorm" in by:
         extra = by["mla-qknorm"]["bytes_per_token_layer"] - by["mla"]["bytes_per_token_layer"]

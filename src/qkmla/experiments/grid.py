@@ -161,7 +161,9 @@ def _worker_signal(signum, frame) -> None:
     global _worker_signals
     _worker_signals += 1
     if _worker_signals > 1:
-        raise KeyboardInterrupt
+        from ..utils.deferred import raise_when_safe
+
+        raise_when_safe(signum, frame, KeyboardInterrupt())  # not inside an import (utils/deferred.py)
 
 
 def _init_worker(stop=None) -> None:
