@@ -3594,72 +3594,6 @@ NOT_APPLICABLE = {k: v for k, v in NOT_APPLICABLE.items() if v is not None}
 def probe12_rows():
     """The twelfth probe's failures (issue 56: 244 fresh probes written at aced696, without this table)."""
 
-    def signal_in_an_import(signum, code, pattern):
-        def check(env):
-            """Probes CV16/K01-K07: a SIGTERM or Ctrl-C that reached Python code run by an import (triton's
-            libtriton initializer, a nanobind C++ module, builds enums as transformers and torch._dynamo
-            import it) raised there; the exception could not pass back through C++ and the process
-            aborted: "terminate called after throwing an instance of 'nanobind::python_error'", exit 134,
-            a hundred lines of traceback (convert, convert-gqa, generate --hf, train, demo). A handler
-            now defers a signal that lands inside an import until the import is over (utils/deferred.py).
-            Here a pure-Python import takes the signal: the import finishes (its last line runs), then
-            the command stops in one line."""
-            (env.tmp / "slow_import.py").write_text(textwrap.dedent(f"""
-                import os, time
-                os.kill(os.getpid(), {int(signum)})
-                for _ in range(100):
-                    time.sleep(0.01)  # bytecodes at which a handler runs: it raised here, mid-import
-                open("imported", "w").close()
-            """))
-            r = python("""
-                signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the test runner's is
-                import importlib, sys, time
-                sys.path.insert(0, ".")
-                from qkmla.cli import main, verify
-                # the import, then the work that follows it (where the signal, deferred, is acted on)
-                verify.verify_variant = lambda *a, **k: (importlib.import_module("slow_import"), time.sleep(5), [])[2]
-                sys.exit(main(["verify", "--variant", "rms-unified"]))
-            """, env.tmp, timeout=120)
-            lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
-            assert r.returncode == code and "Traceback" not in r.stderr, r.stderr
-            assert len(lines) == 1 and lines[0].startswith("qkmla verify: ") and pattern in lines[0], r.stderr
-            assert (env.tmp / "imported").exists(), "the signal cut the import short"
-        return check
-
-    def signal_in_triton_init(signum, code, pattern):
-        def check(env, hf):
-            """Probe K01/K02, the real thing: the signal sent from inside triton's nanobind initializer
-            (triton/knobs.py importing triton._C.libtriton, as transformers imports it) while qkmla
-            convert loads transformers: exit 134 and an abort before; one line now."""
-            pytest.importorskip("triton")
-            out = env.tmp / "converted"
-            r = python(f"""
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                import os, sys
-                fired = []
-                def hook(frame, event, arg):
-                    if fired or event != "call" or frame.f_code.co_name != "__call__":
-                        return
-                    f = frame
-                    while f is not None:
-                        if f.f_code.co_filename.endswith(os.path.join("triton", "knobs.py")):
-                            fired.append(open("fired", "w").close())
-                            sys.setprofile(None)
-                            os.kill(os.getpid(), {int(signum)})
-                            return
-                        f = f.f_back
-                sys.setprofile(hook)
-                from qkmla.cli import main
-                sys.exit(main({[str(a) for a in convert_argv(hf, out)]!r}))
-            """, env.tmp, timeout=200)
-            if not (env.tmp / "fired").exists():
-                pytest.skip("triton was not imported from its knobs module here (another triton, or none)")
-            lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
-            assert r.returncode == code and "Traceback" not in r.stderr and "terminate" not in r.stderr, r.stderr
-            assert len(lines) == 1 and lines[0].startswith("qkmla convert: ") and pattern in lines[0], r.stderr
-            assert not out.exists() and sorted(p.name for p in env.tmp.iterdir()) == ["fired"]
-        return check
-
     def cache_size_columns(env):
         """Probes C10/C11: ``qkmla cache-size --preset deepseek-v3 --tokens 10**12`` (or
         ``--qk-rope-head-dim 100000``) printed, exit 0, "3,997,6963,997,696,000,000,000,000": the
@@ -3681,14 +3615,6 @@ def probe12_rows():
     return [
         Row("cache-size", "size", "--tokens 10**12, --qk-rope-head-dim 100000: the columns ran together",
             cache_size_columns),
-        Row("verify", "signal", "SIGTERM inside an import (aborted in a C extension's initializer, exit 134)",
-            signal_in_an_import(signal.SIGTERM, *TERM)),
-        Row("verify", "signal", "one SIGINT inside an import (aborted likewise)",
-            signal_in_an_import(signal.SIGINT, *INT)),
-        Row("convert", "signal", "SIGTERM inside triton's nanobind initializer as transformers loads (exit 134)",
-            signal_in_triton_init(signal.SIGTERM, *TERM), hf=True),
-        Row("convert", "signal", "one SIGINT inside triton's nanobind initializer (exit 134)",
-            signal_in_triton_init(signal.SIGINT, *INT), hf=True),
     ]
 
 

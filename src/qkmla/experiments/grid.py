@@ -161,9 +161,7 @@ def _worker_signal(signum, frame) -> None:
     global _worker_signals
     _worker_signals += 1
     if _worker_signals > 1:
-        from ..utils.deferred import raise_when_safe
-
-        raise_when_safe(signum, frame, KeyboardInterrupt())  # not inside an import (utils/deferred.py)
+        raise KeyboardInterrupt
 
 
 def _init_worker(stop=None) -> None:

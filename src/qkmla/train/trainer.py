@@ -121,11 +121,7 @@ class _StopRequest:
     def _handle(self, signum, frame):
         import signal
 
-        from ..utils.deferred import deferred
-
         name = signal.Signals(signum).name
-        if self.requested and deferred(signum, frame):  # it raises: not inside an import (utils/deferred.py)
-            return
         if self.requested:  # the second request
             if name == "SIGINT" and callable(self._previous.get("SIGINT")):
                 self._previous["SIGINT"](signum, frame)  # Python's own: KeyboardInterrupt

@@ -17,8 +17,7 @@ import traceback
 from typing import Callable, Iterable
 
 from .environment import check_switches, drop_bad_thread_counts
-from .errors import (Stopped, Terminated, environment_message, flag_message, interrupts_when_safe, notice,
-                     quiet_broken_pipe, sigterm_unwinds)
+from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
 from .startup import command_started
 
 
@@ -46,8 +45,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
     restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
         command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
-        # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead); neither raises inside an import
-        with sigterm_unwinds(), interrupts_when_safe():
+        with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             status = body()
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit

@@ -95,27 +95,6 @@ class Terminated(BaseException):
 
 
 @contextmanager
-def interrupts_when_safe():
-    """``with interrupts_when_safe():`` Ctrl-C raises KeyboardInterrupt as Python's own handler does,
-    but never inside an import (utils/deferred.py: there it aborted the process); only in the main
-    thread, and only where SIGINT is Python's own handler (not ignored, not another's)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    from .deferred import interrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-@contextmanager
 def sigterm_unwinds():
     """``with sigterm_unwinds():`` SIGTERM raises :class:`Terminated` in the main thread (elsewhere,
     where Python runs no handler, nothing is installed); the previous handler comes back after."""
@@ -127,9 +106,7 @@ def sigterm_unwinds():
         return
 
     def unwind(signum, frame):
-        from .deferred import raise_when_safe
-
-        raise_when_safe(signum, frame, Terminated("SIGTERM"))  # not inside an import (deferred.py)
+        raise Terminated("SIGTERM")
 
     previous = signal.signal(signal.SIGTERM, unwind)
     try:
