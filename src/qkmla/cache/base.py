@@ -331,9 +331,9 @@ class SequenceCache:
         expected device meta!"), a shape that was wrong in its last dimension only failed in the buffer's
         copy ("The expanded size of the tensor (16) must match ..."), and complex rows were stored with
         their imaginary part dropped, a warning at most (integer rows would be rounded as silently)."""
-        dims = ", ".join(f"{label}={d}" for label, d in zip(labels, shape))
-        dims += "".join(f", {d}" for d in shape[len(labels):])
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+            dims = ", ".join(f"{label}={d}" for label, d in zip(labels, shape))  # built only to refuse: every
+            dims += "".join(f", {d}" for d in shape[len(labels):])  # decode step passes through here
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else f"{t!r:.80}"
             raise ValueError(f"{name}: expected a tensor [{dims}] for this cache, got {got}")
         if not t.is_floating_point():

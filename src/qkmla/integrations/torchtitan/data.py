@@ -88,6 +88,7 @@ def pack(docs: list[bytes], seq_len: int) -> tuple[torch.Tensor, torch.Tensor, t
     window is dropped). Labels are the next token within a document, the ignore index at its end."""
     # As every size qkmla takes: seq_len=nan or 2.5 failed in the slicing below ("slice indices must be
     # integers"), "4" in the comparison, and True was a window of 1 byte
+    seq_len = as_int(seq_len)  # np.int64(4) is the length it holds, as the slicing below takes it
     if not is_int(seq_len) or seq_len < 1:
         raise ValueError(f"seq_len: expected a positive int (the window length in bytes), got {seq_len!r}")
     if not any(docs):  # torch.cat's "expected a non-empty list of Tensors" named nothing of the caller's
