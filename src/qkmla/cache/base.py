@@ -168,7 +168,9 @@ class SequenceCache:
             raise ValueError(f"{name}: expected seqlens in [0, capacity={self.capacity}], got {seqlens.tolist()}")
         if bool((positions < seqlens).any()) or bool((positions > INT64_MAX // 2).any()):
             raise ValueError(f"{name}: expected next_positions from seqlens {seqlens.tolist()} (a token's position is "
-                             f"never behind its slot) to 2**62, got next_positions {positions.tolist()}")
+                             f"never behind its slot) to 2**62, got next_positions {positions.tolist()}; each is "
+                             f"checked against the other's value now: restoring both, set the one this leaves "
+                             f"consistent first (next_positions before a larger seqlens)")
         return value
 
     def _set_lengths(self, **values) -> None:
