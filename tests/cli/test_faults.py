@@ -123,6 +123,20 @@ def raises(fn: Callable, error, pattern: str) -> None:
         fn()
 
 
+def tiny_latent_deepseek():
+    """A one-layer DeepSeek-V3 of random weights, patched by qkmla (its cache is a LatentAttentionCache)."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from qkmla.integrations.transformers import apply_latent_attention
+
+    torch.manual_seed(0)
+    return apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1)).eval())
+
+
 def snapshot(path: Path) -> dict:
     """Every file under ``path`` with its bytes (what a refused command must leave as it was)."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
@@ -3174,16 +3188,7 @@ def probe11b_rows():
         """Probe t54: ``past_key_values.batch_repeat_interleave(0)`` was refused naming indices, an argument the
         caller never gave (the growing cache), or emptied the batch without a word (the static one); -1 and 2.5
         reached torch. Refused now naming repeats, in both; 2 still repeats each sequence."""
-        pytest.importorskip("transformers")
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-        from qkmla.integrations.transformers import apply_latent_attention
-
-        torch.manual_seed(0)
-        model = apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-            topk_group=1)).eval())
+        model = tiny_latent_deepseek()
         ids = torch.randint(3, 64, (2, 5))
         for implementation in ("dynamic", "static"):
             cache = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
@@ -3346,16 +3351,7 @@ def probe12b_rows():
         """Probes x30-x32: ``past_key_values.crop(nan)`` or ``crop(2.5)`` of a latent cache failed in its slicing
         ("slice indices must be integers or None"), ``crop("1")`` in a comparison, in both the growing and the static
         cache. Refused now naming tokens; crop(-2) still drops the last two columns."""
-        pytest.importorskip("transformers")
-        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-        from qkmla.integrations.transformers import apply_latent_attention
-
-        torch.manual_seed(0)
-        model = apply_latent_attention(DeepseekV3ForCausalLM(DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-            topk_group=1)).eval())
+        model = tiny_latent_deepseek()
         ids = torch.randint(3, 64, (1, 5))
         for implementation in ("dynamic", "static"):
             cache = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True,
