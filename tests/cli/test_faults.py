@@ -1718,7 +1718,7 @@ def cli_rows():
         Row("experiment", "size", "--seeds 100000000 (MemoryError), 0, -1; --workers -1, 10**6", lambda e: [
             refuse(e, ["experiment", "norm-mode", "--seeds", "100000000"],
                    r"--seeds: expected an int from 1 to 1000 \(each seed is a training run per variant; leave it "
-                   "out for the experiment's default\)"),
+                   r"out for the experiment's default\)"),
             refuse(e, ["experiment", "norm-mode", "--seeds", "0"], "--seeds"),
             refuse(e, ["experiment", "norm-mode", "--seeds", "-1"], "--seeds"),
             refuse(e, ["experiment", "norm-mode", "--workers", "-1"], "--workers"),
@@ -3608,9 +3608,84 @@ def probe12_rows():
                 assert [int(w.replace(",", "")) for w in words[2:5]] == \
                     [r["bytes_per_token_layer"], r["bytes_per_token"], r["bytes_per_request"]], line
 
+    def signal_in_triton_init(signum, code, pattern):
+        def check(env, hf):
+            """Probes K01/K02 (and CV16, K03-K07 on the other commands that load triton): the signal
+            arrives while triton's libtriton, a nanobind C++ extension, initializes as transformers
+            loads it (under qkmla convert): its initializer calls Python (it builds enums), the
+            handler raised there, the exception could not pass back through C++, and the process
+            aborted: "terminate called after throwing an instance of 'nanobind::python_error'", exit
+            134, a hundred lines. Extension modules now initialize with the signals held
+            (utils/imports.py): one line, the command's usual ending, nothing written."""
+            pytest.importorskip("triton")
+            out = env.tmp / "converted"
+            r = python(f"""
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                import os, sys
+                fired = []
+                def hook(frame, event, arg):
+                    # Python code that libtriton's initializer (C++) called: its caller is importlib's
+                    # _call_with_frames_removed, called by the loader for libtriton
+                    if fired or event != "call" or frame.f_back is None or frame.f_back.f_back is None:
+                        return
+                    caller, loader = frame.f_back, frame.f_back.f_back
+                    if caller.f_code.co_name == "_call_with_frames_removed" and \\
+                            loader.f_code.co_name in ("create_module", "exec_module") and \\
+                            "libtriton" in repr(loader.f_locals.get("spec", loader.f_locals.get("module"))):
+                        fired.append(open("fired", "w").close())
+                        sys.setprofile(None)
+                        os.kill(os.getpid(), {int(signum)})
+                sys.setprofile(hook)
+                from qkmla.cli import main
+                sys.exit(main({[str(a) for a in convert_argv(hf, out)]!r}))
+            """, env.tmp, timeout=200)
+            if not (env.tmp / "fired").exists():
+                pytest.skip("libtriton's initializer called no Python code here (another triton build)")
+            lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+            assert r.returncode == code and "Traceback" not in r.stderr and "terminate" not in r.stderr, r.stderr
+            assert len(lines) == 1 and lines[0].startswith("qkmla convert: ") and pattern in lines[0], r.stderr
+            assert not out.exists() and sorted(p.name for p in env.tmp.iterdir()) == ["fired"]
+        return check
+
+    def interrupt_in_a_failing_import(env):
+        """The review of round 12's first regression of a fix since reverted: a Ctrl-C that lands in a
+        Python import which then fails, and whose importer takes the ImportError (an optional
+        dependency), ends the command interrupted (130), not as if nothing happened. Only extension
+        modules hold a signal; this import takes it where it lands."""
+        (env.tmp / "optional_dependency.py").write_text(textwrap.dedent("""
+            import os, signal, time
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                time.sleep(0.001)
+            raise ImportError("not installed")
+        """))
+        r = python("""
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            import sys, time
+            sys.path.insert(0, ".")
+            from qkmla.cli import main, verify
+            def verify_variant(*a, **k):
+                try:
+                    import optional_dependency
+                except ImportError:
+                    pass
+                time.sleep(2)
+                return []
+            verify.verify_variant = verify_variant
+            sys.exit(main(["verify", "--variant", "rms-unified"]))
+        """, env.tmp, timeout=120)
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert (r.returncode, lines) == (INT[0], ["qkmla verify: interrupted"]), r.stderr
+
     return [
         Row("cache-size", "size", "--tokens 10**12, --qk-rope-head-dim 100000: the columns ran together",
             cache_size_columns),
+        Row("convert", "signal", "SIGTERM inside triton's nanobind initializer as transformers loads (exit 134)",
+            signal_in_triton_init(signal.SIGTERM, *TERM), hf=True),
+        Row("convert", "signal", "one SIGINT inside triton's nanobind initializer (exit 134)",
+            signal_in_triton_init(signal.SIGINT, *INT), hf=True),
+        Row("verify", "signal", "one SIGINT inside a Python import that then fails and is caught",
+            interrupt_in_a_failing_import),
     ]
 
 

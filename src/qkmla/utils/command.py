@@ -6,7 +6,8 @@ ARGUMENT: message``, and return 2; the machine's (a full disk, a read-only file,
 one line naming the path, and return 1; a closed stdout (``| head``) ends quietly with 141;
 SIGTERM, where the command has no handling of its own, unwinds it as Ctrl-C does (its temporaries
 removed) and returns 143 with one line; a signal the command handled (``train`` and ``experiment``
-checkpoint) is its one line and 128 + the signal's number; anything else is a bug and prints its
+checkpoint) is its one line and 128 + the signal's number (one that lands while a C extension
+initializes, once it has: :mod:`qkmla.utils.imports`); anything else is a bug and prints its
 traceback.
 """
 
@@ -18,6 +19,7 @@ from typing import Callable, Iterable
 
 from .environment import check_switches, drop_bad_thread_counts
 from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
+from .imports import extension_inits_held
 from .startup import command_started
 
 
@@ -45,7 +47,9 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
     restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
         command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
-        with sigterm_unwinds():  # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead)
+        # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead); a signal that lands
+        # while a C++ extension initializes is acted on as it returns, not raised inside (utils.imports)
+        with sigterm_unwinds(), extension_inits_held():
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             status = body()
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit

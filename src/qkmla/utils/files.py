@@ -88,21 +88,36 @@ def clear_stale(path: PathLike) -> list[Path]:
 
 
 @contextmanager
-def signals_held():
+def signals_held(second_acts: bool = False):
     """SIGINT and SIGTERM that arrive inside are acted on when it ends (by the handlers in force
     before it): renames that must not be cut in half, and the removal of a temporary, finish
-    first. In threads other than the main one (where Python runs no handler) it does nothing."""
+    first. ``second_acts``: a second arrival of the same signal is acted on at once (for work that
+    could hang: a second Ctrl-C is never ignored). In threads other than the main one (where
+    Python runs no handler) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT,
-                                                                                              signal.SIGTERM)}
+    previous = {}
+
+    def restore():
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        previous.clear()
+
+    def hold(signum, frame):
+        if second_acts and signum in caught:
+            restore()  # what comes after is acted on where it lands
+            signal.raise_signal(signum)
+            return
+        caught.append(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        previous[s] = signal.signal(s, hold)
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        restore()
         for s in dict.fromkeys(caught):
             signal.raise_signal(s)
 
