@@ -1,6 +1,6 @@
 import pytest
 
-from qkmla.cache.size import CACHE_PRESETS, CacheShape, cache_rows, format_table
+from qkmla.cache.size import CACHE_PRESETS, CacheShape, cache_rows, format_bytes, format_table
 
 
 def rows(preset, tokens=32000):
@@ -67,3 +67,11 @@ def test_flashmla_656_bytes_per_token_at_deepseek_v3_width():
 def test_unknown_kv_format_is_refused():
     with pytest.raises(ValueError, match=r"kv_format: expected one of \('dense', 'fp8', 'int8', 'int4'\)"):
         CACHE_PRESETS["tiny"].replace(kv_format="nf4")
+
+
+@pytest.mark.parametrize("n, text", [(999, "999 B"), (1_000, "1.0 kB"), (10_500_000_000, "10.5 GB"),
+                                     (3_997_696 * 10**9, "4.0 PB"), (2 * 10**12, "2.0 TB"),
+                                     (4 * 10**21, "4000.0 EB")])
+def test_format_bytes_has_a_unit_for_every_size(n, text):
+    """A request of 10**12 tokens read "3997696000.0 GB" before; now the largest decimal unit."""
+    assert format_bytes(n) == text

@@ -161,7 +161,7 @@ def cache_rows(shape: CacheShape, tokens: int) -> list[dict]:
 
 def format_bytes(n: int) -> str:
     """Decimal units, as the published figures use (10.5 GB = 10.5e9 bytes)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    for unit, scale in (("EB", 1e18), ("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
