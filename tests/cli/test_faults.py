@@ -3608,33 +3608,42 @@ def probe12_rows():
                 assert [int(w.replace(",", "")) for w in words[2:5]] == \
                     [r["bytes_per_token_layer"], r["bytes_per_token"], r["bytes_per_request"]], line
 
-    def signal_in_triton_init(signum, code, pattern):
+    def signal_in_triton_init(signum, code, pattern, at):
         def check(env, hf):
             """Probes K01/K02 (and CV16, K03-K07 on the other commands that load triton): the signal
             arrives while triton's libtriton, a nanobind C++ extension, initializes as transformers
-            loads it (under qkmla convert): its initializer calls Python (it builds enums), the
-            handler raised there, the exception could not pass back through C++, and the process
-            aborted: "terminate called after throwing an instance of 'nanobind::python_error'", exit
-            134, a hundred lines. Extension modules now initialize with the signals held
-            (utils/imports.py): one line, the command's usual ending, nothing written."""
+            loads it (under qkmla convert). Its initializer calls Python, and the exception the
+            handler raised there had, by where it landed, one of three ends: an abort ("terminate
+            called after throwing an instance of 'nanobind::python_error'", exit 134, a hundred
+            lines) where it builds enums (``at="enum"``); lost at its first Python call, which
+            nanobind's own code swallows (``at="first"``: the conversion written, exit 0); or an
+            ImportError. Extension modules now initialize with the signals held (utils/imports.py):
+            one line, the command's usual ending, nothing written."""
             pytest.importorskip("triton")
             out = env.tmp / "converted"
             r = python(f"""
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 import os, sys
                 fired = []
+                def in_libtriton_init(frame):
+                    while frame is not None:
+                        if frame.f_code.co_name in ("create_module", "exec_module") and \\
+                                "libtriton" in repr(frame.f_locals.get("spec", frame.f_locals.get("module"))):
+                            return True
+                        frame = frame.f_back
+                    return False
                 def hook(frame, event, arg):
-                    # Python code that libtriton's initializer (C++) called: its caller is importlib's
-                    # _call_with_frames_removed, called by the loader for libtriton
-                    if fired or event != "call" or frame.f_back is None or frame.f_back.f_back is None:
+                    if fired or event != "call" or frame.f_back is None:
                         return
-                    caller, loader = frame.f_back, frame.f_back.f_back
-                    if caller.f_code.co_name == "_call_with_frames_removed" and \\
-                            loader.f_code.co_name in ("create_module", "exec_module") and \\
-                            "libtriton" in repr(loader.f_locals.get("spec", loader.f_locals.get("module"))):
-                        fired.append(open("fired", "w").close())
-                        sys.setprofile(None)
-                        os.kill(os.getpid(), {int(signum)})
+                    if {at!r} == "first":  # the first Python code libtriton's C++ calls (via importlib)
+                        if frame.f_back.f_code.co_name != "_call_with_frames_removed" or \\
+                                not in_libtriton_init(frame.f_back):
+                            return
+                    elif not (frame.f_code.co_filename.endswith("enum.py") and in_libtriton_init(frame)):
+                        return
+                    fired.append(open("fired", "w").close())
+                    sys.setprofile(None)
+                    os.kill(os.getpid(), {int(signum)})
                 sys.setprofile(hook)
                 from qkmla.cli import main
                 sys.exit(main({[str(a) for a in convert_argv(hf, out)]!r}))
@@ -3681,9 +3690,11 @@ def probe12_rows():
         Row("cache-size", "size", "--tokens 10**12, --qk-rope-head-dim 100000: the columns ran together",
             cache_size_columns),
         Row("convert", "signal", "SIGTERM inside triton's nanobind initializer as transformers loads (exit 134)",
-            signal_in_triton_init(signal.SIGTERM, *TERM), hf=True),
+            signal_in_triton_init(signal.SIGTERM, *TERM, at="enum"), hf=True),
         Row("convert", "signal", "one SIGINT inside triton's nanobind initializer (exit 134)",
-            signal_in_triton_init(signal.SIGINT, *INT), hf=True),
+            signal_in_triton_init(signal.SIGINT, *INT, at="enum"), hf=True),
+        Row("convert", "signal", "one SIGINT at the first Python call of triton's initializer (lost: written, exit 0)",
+            signal_in_triton_init(signal.SIGINT, *INT, at="first"), hf=True),
         Row("verify", "signal", "one SIGINT inside a Python import that then fails and is caught",
             interrupt_in_a_failing_import),
     ]

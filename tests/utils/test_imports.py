@@ -65,6 +65,39 @@ def test_signals_held_acts_after_and_a_second_acts_at_once():
         signal.signal(signal.SIGINT, previous)
 
 
+def test_signals_held_delivers_each_arrival_in_order_and_never_escalates_sigterm():
+    """A handler that does not raise (the trainer's first request, the grid's): a second Ctrl-C
+    delivers the first, then itself, at once; a third goes straight to the handler; two SIGTERMs
+    (a kill of the group and of the pid) stay held and are delivered once, at the end."""
+    calls = []
+    record = lambda signum, frame: calls.append((signum, "inside" if inside else "after"))  # noqa: E731
+    previous = {s: signal.signal(s, record) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        inside = True
+        with signals_held(second_acts=True):
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+            assert calls == []
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            assert calls == [(signal.SIGTERM, "inside"), (signal.SIGINT, "inside"), (signal.SIGINT, "inside")]
+            signal.raise_signal(signal.SIGINT)
+            assert len(calls) == 4 and signal.getsignal(signal.SIGINT) is record
+            inside = False
+        assert len(calls) == 4  # nothing delivered twice
+        calls.clear()
+        with signals_held(second_acts=True):
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+            inside = True
+            assert calls == []
+            inside = False
+        assert calls == [(signal.SIGTERM, "after")]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 # An extension module's initializer that calls Python code (as nanobind's do) with a signal already
 # arrived: _imp.exec_dynamic, wrapped, sends the signal and runs Python bytecode before initializing.
 SIGNAL_IN_INIT = """
@@ -105,6 +138,48 @@ def test_a_signal_inside_an_extension_initializer_is_acted_on_after_it(tmp_path,
     bare = run(SIGNAL_IN_INIT.format(signum=int(signum), extra=extra, caught=caught,
                                      context="__import__('contextlib').nullcontext()"), tmp_path)
     assert bare.stdout.splitlines() == [f"stopped after the import: {caught}"], bare.stdout + bare.stderr
+
+
+# The same through create_module (a single-phase module's PyInit), and an import tried again after
+# the held signal failed the first: the module initialized once is handed back, not initialized twice.
+SIGNAL_IN_CREATE_THEN_REIMPORT = """
+    import _imp, os, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from qkmla.utils.imports import extension_inits_held
+    initialized = []
+    def wrap(original, phase):
+        def run(arg):
+            name = getattr(arg, "name", getattr(arg, "__name__", None))
+            if name == "_csv":
+                if phase == "{phase}" and phase not in initialized:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    for _ in range(1000):
+                        time.sleep(0.001)
+                initialized.append(phase)
+            return original(arg)
+        return run
+    _imp.create_dynamic = wrap(_imp.create_dynamic, "create")
+    _imp.exec_dynamic = wrap(_imp.exec_dynamic, "exec")
+    sys.modules.pop("_csv", None)
+    for attempt in (1, 2):
+        try:
+            with extension_inits_held():
+                import _csv
+            print(attempt, "imported after", initialized, _csv.reader is not None)
+        except KeyboardInterrupt:
+            print(attempt, "interrupted after", initialized)
+"""
+
+
+@pytest.mark.parametrize("phase, expected", [
+    # PyInit interrupted after its end: not kept (CPython keeps a single-phase module's definition)
+    ("create", ["1 interrupted after ['create']", "2 imported after ['create', 'create', 'exec'] True"]),
+    # the exec slots ran to their end: the module is kept, and neither phase runs again
+    ("exec", ["1 interrupted after ['create', 'exec']", "2 imported after ['create', 'exec'] True"]),
+])
+def test_both_phases_are_held_and_an_initialized_module_is_not_initialized_twice(tmp_path, phase, expected):
+    r = run(SIGNAL_IN_CREATE_THEN_REIMPORT.replace("{phase}", phase), tmp_path)
+    assert r.stdout.splitlines() == expected, r.stdout + r.stderr
 
 
 def test_a_signal_inside_a_python_import_is_acted_on_where_it_lands(tmp_path):

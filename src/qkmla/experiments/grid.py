@@ -38,6 +38,7 @@ from ..train.rundir import read_status
 from ..train.trainer import load_model
 from ..utils.errors import Stopped, notice
 from ..utils.files import write_bytes, write_text
+from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
 
 SECOND_SIGNAL_GRACE = 10.0  # seconds the runs get to stop after a second signal before they are killed
@@ -176,6 +177,7 @@ def _init_worker(stop=None) -> None:
         pass
     for name in ("SIGINT", "SIGTERM"):
         signal.signal(getattr(signal, name), _worker_signal)
+    hold_extension_inits()  # a request passed on while triton loads (training does) is acted on after it
     # Spawned with them blocked (spawning_workers): one sent while this process was still starting
     # (importing torch) waited, and is handled now, by the handler above.
     try:

@@ -89,11 +89,13 @@ def clear_stale(path: PathLike) -> list[Path]:
 
 @contextmanager
 def signals_held(second_acts: bool = False):
-    """SIGINT and SIGTERM that arrive inside are acted on when it ends (by the handlers in force
-    before it): renames that must not be cut in half, and the removal of a temporary, finish
-    first. ``second_acts``: a second arrival of the same signal is acted on at once (for work that
-    could hang: a second Ctrl-C is never ignored). In threads other than the main one (where
-    Python runs no handler) it does nothing."""
+    """SIGINT and SIGTERM that arrive inside are acted on when it ends, each once, in the order they
+    first came, by the handlers in force before it: renames that must not be cut in half, and the removal of a
+    temporary, finish first. ``second_acts``: a second Ctrl-C is acted on at once, after the ones
+    held (for work that could hang: a second Ctrl-C is never ignored). Not a second SIGTERM: those
+    come in pairs without anyone asking twice (a kill of the process group and of the pid, a
+    launcher forwarding its own), and SIGKILL is there for a stuck process. In threads other than
+    the main one (where Python runs no handler) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -101,24 +103,31 @@ def signals_held(second_acts: bool = False):
     previous = {}
 
     def restore():
-        for s, handler in previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        # emptied before re-installing: signal.signal runs pending handlers, which may come back here
+        items = list(previous.items())
         previous.clear()
+        for s, handler in items:
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
     def hold(signum, frame):
-        if second_acts and signum in caught:
+        if second_acts and signum == signal.SIGINT and signum in caught and previous:
+            pending = list(dict.fromkeys(caught)) + [signum]  # the first Ctrl-C, then this one
+            caught.clear()
             restore()  # what comes after is acted on where it lands
-            signal.raise_signal(signum)
+            for s in pending:
+                signal.raise_signal(s)
             return
         caught.append(signum)
 
-    for s in (signal.SIGINT, signal.SIGTERM):
-        previous[s] = signal.signal(s, hold)
     try:
+        for s in (signal.SIGINT, signal.SIGTERM):  # inside the try: a signal between the two is restored too
+            previous[s] = signal.signal(s, hold)
         yield
     finally:
         restore()
-        for s in dict.fromkeys(caught):
+        pending = list(dict.fromkeys(caught))
+        caught.clear()
+        for s in pending:
             signal.raise_signal(s)
 
 
