@@ -3689,9 +3689,58 @@ def probe12_rows():
     ]
 
 
+def probe13b_rows():
+    """The thirteenth probe's failures in the Python API (issue 56, probe 13b: fresh probes of the constructors, the
+    caches' methods, the decode op and the integrations, written without this table)."""
+
+    def paged_layout_shared_by_caches_of_other_shapes(env):
+        """Probes P06, P12, P13: one ``PagedLayout(4)`` handed to a cache of batch 2 and then to one of batch 3 (or
+        of a larger capacity) was refused naming block_table ("expected shape [batch_size=3, blocks_per_seq], got
+        (2, 2)"), a table the caller never gave: the first cache's default table was kept for every later one. Each
+        cache now gets the default table of its own shape; a num_blocks too small for it is named as num_blocks."""
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+
+        layout = PagedLayout(4)
+        first = LatentCache(2, 8, 16, 8, layout=layout)
+        for batch, capacity in ((3, 8), (1, 16)):
+            cache = LatentCache(batch, capacity, 16, 8, layout=layout)
+            cache.append(cache.plan(batch, capacity), c_kv=torch.ones(batch, capacity, 16),
+                         k_rope=torch.zeros(batch, capacity, 8))
+            assert cache.load()[0][..., :16].eq(1).all() and cache.seqlens.tolist() == [capacity] * batch
+        assert first.fields["latent"].block_table.tolist() == [[0, 1], [2, 3]]  # the first cache's own, unchanged
+        raises(lambda: LatentCache(1, 16, 16, 8, layout=PagedLayout(4, num_blocks=2)), ValueError,
+               r"^num_blocks: the default block table of batch_size=1 sequences x ceil\(capacity=16 / block_size=4\) "
+               r"= 4 blocks needs num_blocks >= 4, got 2")
+        given = PagedLayout(4, block_table=torch.tensor([[1, 0]]))  # a table the caller gave stays the one used
+        LatentCache(1, 8, 16, 8, layout=given)
+        raises(lambda: LatentCache(2, 8, 16, 8, layout=given), ValueError,
+               r"^block_table: expected shape \[batch_size=2")
+
+    def select_sequences_of_a_broadcast_index(env):
+        """Probe M04: ``cache.select_sequences(torch.zeros(1, dtype=torch.long).expand(10**12))`` reached torch's
+        allocator ("you tried to allocate 8000000000000 bytes") reading the indices' minimum, before the check of
+        the batch it would make. Refused now naming indices and the memory, before any value is read."""
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(2, 8, 16, 8)
+        raises(lambda: cache.select_sequences(torch.zeros(1, dtype=torch.long).expand(10**12)), ValueError,
+               r"^indices: a batch of 1000000000000 sequence\(s\) of capacity=8 need at least .* GiB")
+        raises(lambda: cache.select_sequences(torch.tensor([0, 2])), ValueError, r"^indices: expected a non-empty 1-D")
+        cache.select_sequences(torch.tensor([1, 1, 0]))
+        assert cache.batch_size == 3
+
+    return [
+        Row("PagedLayout", "size", "one PagedLayout() shared by caches of other batch sizes or capacities: refused "
+            "naming block_table, which the caller never gave", paged_layout_shared_by_caches_of_other_shapes),
+        Row("LatentCache", "size", "select_sequences(an index broadcast to 10**12): torch's allocator reading its "
+            "minimum, before the batch's memory check", select_sequences_of_a_broadcast_index),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows())
+        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
