@@ -3730,11 +3730,45 @@ def probe13b_rows():
         cache.select_sequences(torch.tensor([1, 1, 0]))
         assert cache.batch_size == 3
 
+    def decode_trained_through(env):
+        """Probe D30: ``mla_decode_with_kvcache`` on queries that require grad (the torch backend, which "auto" picks
+        under autograd) returned its output and then failed in backward() with "one of the variables needed for
+        gradient computation has been modified by an inplace operation"; an MLA layer's decode step in training mode
+        did the same, and its absorbed weights (derived without autograd) would have left kv_b_proj and the norm
+        weights out of the gradient. Both are differentiable now: the op's gradient passes gradcheck (contiguous and
+        paged), and a decode step's parameter gradients equal the explicit path's over the same tokens."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        torch.manual_seed(0)
+        lens = torch.tensor([5, 3])
+        for table, kv in ((None, torch.randn(2, 6, 40, dtype=torch.double)),
+                          (torch.tensor([[3, 0], [1, 2]]), torch.randn(4, 4, 40, dtype=torch.double))):
+            scales = torch.rand(*kv.shape[:2], 2, dtype=torch.double) + 0.5
+            inputs = [t.requires_grad_() for t in (torch.randn(2, 2, 4, 32, dtype=torch.double),
+                                                   torch.randn(2, 2, 4, 8, dtype=torch.double), kv, scales)]
+            assert torch.autograd.gradcheck(lambda q, r, k, s: mla_decode_with_kvcache(
+                q, r, k, table, lens, s, softmax_scale=0.3, backend="torch")[0], inputs)
+        mla = MLA(MLAConfig()).double()
+        x = torch.randn(2, 6, 64, dtype=torch.double)
+        mla(x)[:, -1].square().sum().backward()  # the explicit path: no cache
+        want = {n: p.grad.clone() for n, p in mla.named_parameters()}
+        mla.zero_grad()
+        cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.double)
+        mla(x[:, :5], cache)
+        mla(x[:, 5:], cache)[:, -1].square().sum().backward()  # the absorbed decode step, trained through
+        for name, p in mla.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-12, msg=name)
+
     return [
         Row("PagedLayout", "size", "one PagedLayout() shared by caches of other batch sizes or capacities: refused "
             "naming block_table, which the caller never gave", paged_layout_shared_by_caches_of_other_shapes),
         Row("LatentCache", "size", "select_sequences(an index broadcast to 10**12): torch's allocator reading its "
             "minimum, before the batch's memory check", select_sequences_of_a_broadcast_index),
+        Row("mla_decode_with_kvcache", "size", "queries that require grad (and an MLA decode step in training): "
+            "backward failed on the in-place softmax; kv_b_proj left out of the gradient", decode_trained_through),
     ]
 
 
