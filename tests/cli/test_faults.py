@@ -3762,6 +3762,31 @@ def probe13b_rows():
         for name, p in mla.named_parameters():
             torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-12, msg=name)
 
+    def decode_trained_through_a_quantized_cache(env):
+        """Probe X04 (written after D30's fix): an MLA decode step over an int8 (or fp8) cache, trained through, ran
+        its backward with no gradient for k_norm.rope's weight and none of the cached tokens' path to the latent
+        projections: the rows are bytes, which carry no history. Its backward now refuses, naming the cache's
+        kv_format; its forward, a no_grad decode over it, and a dense cache's backward are as before."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()), torch.randn(2, 7, 64)
+        for kv_format in ("int8", "int4"):
+            cache = LatentCache.from_config(mla.config, 2, 16, kv_format=kv_format)
+            mla(x[:, :6], cache)
+            out = mla(x[:, 6:], cache)
+            raises(lambda: out.square().sum().backward(), RuntimeError,
+                   rf"^cache: a kv_format='{kv_format}' cache stores its rows as bytes, which carry no gradient")
+            with torch.no_grad():
+                assert torch.isfinite(mla(x[:, 6:], cache)).all()
+        mla.zero_grad()
+        cache = LatentCache.from_config(mla.config, 2, 16)
+        mla(x[:, :6], cache)
+        mla(x[:, 6:], cache).square().sum().backward()
+        assert all(p.grad is not None for p in mla.parameters())
+
     return [
         Row("PagedLayout", "size", "one PagedLayout() shared by caches of other batch sizes or capacities: refused "
             "naming block_table, which the caller never gave", paged_layout_shared_by_caches_of_other_shapes),
@@ -3769,6 +3794,8 @@ def probe13b_rows():
             "minimum, before the batch's memory check", select_sequences_of_a_broadcast_index),
         Row("mla_decode_with_kvcache", "size", "queries that require grad (and an MLA decode step in training): "
             "backward failed on the in-place softmax; kv_b_proj left out of the gradient", decode_trained_through),
+        Row("LatentCache", "size", "a decode step over an int8/fp8 cache trained through: a gradient without the "
+            "cached rows' part (bytes), silently", decode_trained_through_a_quantized_cache),
     ]
 
 

@@ -39,7 +39,7 @@ from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
-from .functional import default_positions, record_max_logits, sdpa, zero_padding
+from .functional import default_positions, no_gradient_through, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 from .selection import selection_mask
@@ -362,6 +362,7 @@ class MLA(nn.Module):
                 if indices is not None:
                     mask = selection_mask(indices, k.shape[1])
                 out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=mask, sinks=self.sinks)
+                out = no_gradient_through(out, cache)  # the cached rows: bytes, in a quantized format
             return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
@@ -379,7 +380,7 @@ class MLA(nn.Module):
                                              indices=indices)
         if self.sinks is not None:  # W_UV is linear: the latent output takes the sinks' share (sinks.py)
             o_lat = apply_sinks(o_lat, lse, self.sinks)
-        return values_out(o_lat, self.step_weights()), lambda: (q_lat, q_rope)
+        return no_gradient_through(values_out(o_lat, self.step_weights()), cache), lambda: (q_lat, q_rope)
 
     @property
     def score_mode(self) -> str:
