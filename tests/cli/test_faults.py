@@ -3700,9 +3700,119 @@ def probe12_rows():
     ]
 
 
+def probe13b_rows():
+    """The thirteenth probe's failures in the Python API (issue 56, probe 13b: fresh probes of the constructors, the
+    caches' methods, the decode op and the integrations, written without this table)."""
+
+    def paged_layout_shared_by_caches_of_other_shapes(env):
+        """Probes P06, P12, P13: one ``PagedLayout(4)`` handed to a cache of batch 2 and then to one of batch 3 (or
+        of a larger capacity) was refused naming block_table ("expected shape [batch_size=3, blocks_per_seq], got
+        (2, 2)"), a table the caller never gave: the first cache's default table was kept for every later one. Each
+        cache now gets the default table of its own shape; a num_blocks too small for it is named as num_blocks."""
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+
+        layout = PagedLayout(4)
+        first = LatentCache(2, 8, 16, 8, layout=layout)
+        for batch, capacity in ((3, 8), (1, 16)):
+            cache = LatentCache(batch, capacity, 16, 8, layout=layout)
+            cache.append(cache.plan(batch, capacity), c_kv=torch.ones(batch, capacity, 16),
+                         k_rope=torch.zeros(batch, capacity, 8))
+            assert cache.load()[0][..., :16].eq(1).all() and cache.seqlens.tolist() == [capacity] * batch
+        assert first.fields["latent"].block_table.tolist() == [[0, 1], [2, 3]]  # the first cache's own, unchanged
+        raises(lambda: LatentCache(1, 16, 16, 8, layout=PagedLayout(4, num_blocks=2)), ValueError,
+               r"^num_blocks: the default block table of batch_size=1 sequences x ceil\(capacity=16 / block_size=4\) "
+               r"= 4 blocks needs num_blocks >= 4, got 2")
+        given = PagedLayout(4, block_table=torch.tensor([[1, 0]]))  # a table the caller gave stays the one used
+        LatentCache(1, 8, 16, 8, layout=given)
+        raises(lambda: LatentCache(2, 8, 16, 8, layout=given), ValueError,
+               r"^block_table: expected shape \[batch_size=2")
+
+    def select_sequences_of_a_broadcast_index(env):
+        """Probe M04: ``cache.select_sequences(torch.zeros(1, dtype=torch.long).expand(10**12))`` reached torch's
+        allocator ("you tried to allocate 8000000000000 bytes") reading the indices' minimum, before the check of
+        the batch it would make. Refused now naming indices and the memory, before any value is read."""
+        from qkmla.cache.latent import LatentCache
+
+        cache = LatentCache(2, 8, 16, 8)
+        raises(lambda: cache.select_sequences(torch.zeros(1, dtype=torch.long).expand(10**12)), ValueError,
+               r"^indices: a batch of 1000000000000 sequence\(s\) of capacity=8 need at least .* GiB")
+        raises(lambda: cache.select_sequences(torch.tensor([0, 2])), ValueError, r"^indices: expected a non-empty 1-D")
+        cache.select_sequences(torch.tensor([1, 1, 0]))
+        assert cache.batch_size == 3
+
+    def decode_trained_through(env):
+        """Probe D30: ``mla_decode_with_kvcache`` on queries that require grad (the torch backend, which "auto" picks
+        under autograd) returned its output and then failed in backward() with "one of the variables needed for
+        gradient computation has been modified by an inplace operation"; an MLA layer's decode step in training mode
+        did the same, and its absorbed weights (derived without autograd) would have left kv_b_proj and the norm
+        weights out of the gradient. Both are differentiable now: the op's gradient passes gradcheck (contiguous and
+        paged), and a decode step's parameter gradients equal the explicit path's over the same tokens."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        torch.manual_seed(0)
+        lens = torch.tensor([5, 3])
+        for table, kv in ((None, torch.randn(2, 6, 40, dtype=torch.double)),
+                          (torch.tensor([[3, 0], [1, 2]]), torch.randn(4, 4, 40, dtype=torch.double))):
+            scales = torch.rand(*kv.shape[:2], 2, dtype=torch.double) + 0.5
+            inputs = [t.requires_grad_() for t in (torch.randn(2, 2, 4, 32, dtype=torch.double),
+                                                   torch.randn(2, 2, 4, 8, dtype=torch.double), kv, scales)]
+            assert torch.autograd.gradcheck(lambda q, r, k, s: mla_decode_with_kvcache(
+                q, r, k, table, lens, s, softmax_scale=0.3, backend="torch")[0], inputs)
+        mla = MLA(MLAConfig()).double()
+        x = torch.randn(2, 6, 64, dtype=torch.double)
+        mla(x)[:, -1].square().sum().backward()  # the explicit path: no cache
+        want = {n: p.grad.clone() for n, p in mla.named_parameters()}
+        mla.zero_grad()
+        cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.double)
+        mla(x[:, :5], cache)
+        mla(x[:, 5:], cache)[:, -1].square().sum().backward()  # the absorbed decode step, trained through
+        for name, p in mla.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-12, msg=name)
+
+    def decode_trained_through_a_quantized_cache(env):
+        """Probe X04 (written after D30's fix): an MLA decode step over an int8 (or fp8) cache, trained through, ran
+        its backward with no gradient for k_norm.rope's weight and none of the cached tokens' path to the latent
+        projections: the rows are bytes, which carry no history. Its backward now refuses, naming the cache's
+        kv_format; its forward, a no_grad decode over it, and a dense cache's backward are as before."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()), torch.randn(2, 7, 64)
+        for kv_format in ("int8", "int4"):
+            cache = LatentCache.from_config(mla.config, 2, 16, kv_format=kv_format)
+            mla(x[:, :6], cache)
+            out = mla(x[:, 6:], cache)
+            raises(lambda: out.square().sum().backward(), RuntimeError,
+                   rf"^cache: a kv_format='{kv_format}' cache stores its rows as bytes, which carry no gradient")
+            with torch.no_grad():
+                assert torch.isfinite(mla(x[:, 6:], cache)).all()
+        mla.zero_grad()
+        cache = LatentCache.from_config(mla.config, 2, 16)
+        mla(x[:, :6], cache)
+        mla(x[:, 6:], cache).square().sum().backward()
+        assert all(p.grad is not None for p in mla.parameters())
+
+    return [
+        Row("PagedLayout", "size", "one PagedLayout() shared by caches of other batch sizes or capacities: refused "
+            "naming block_table, which the caller never gave", paged_layout_shared_by_caches_of_other_shapes),
+        Row("LatentCache", "size", "select_sequences(an index broadcast to 10**12): torch's allocator reading its "
+            "minimum, before the batch's memory check", select_sequences_of_a_broadcast_index),
+        Row("mla_decode_with_kvcache", "size", "queries that require grad (and an MLA decode step in training): "
+            "backward failed on the in-place softmax; kv_b_proj left out of the gradient", decode_trained_through),
+        Row("LatentCache", "size", "a decode step over an int8/fp8 cache trained through: a gradient without the "
+            "cached rows' part (bytes), silently", decode_trained_through_a_quantized_cache),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows())
+        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -57,16 +57,23 @@ class AbsorbedWeights:
 
 
 def absorb(kv_b_weight: torch.Tensor, q_norm: Optional[QKNorm], k_norm: Optional[QKNorm],
-           num_kv_groups: int, qk_nope_head_dim: int) -> AbsorbedWeights:
+           num_kv_groups: int, qk_nope_head_dim: int, track: bool = False) -> AbsorbedWeights:
     """Split ``kv_b_proj.weight`` [G (d_n + d_v), d_c] into W_UK and W_UV per group and fold
-    the content norm weights together (no autograd)."""
-    with torch.no_grad():
-        w = kv_b_weight.detach().view(num_kv_groups, -1, kv_b_weight.shape[-1])  # [G, d_n + d_v, d_c]
+    the content norm weights together: without autograd (weights kept between decode steps), or with
+    ``track`` for a step autograd records through, so that its gradient reaches ``kv_b_proj`` and the
+    norm weights (derived without it, a decode step's backward left them out of the gradient)."""
+    with torch.set_grad_enabled(track and torch.is_grad_enabled()):
+        def own(t):
+            return t if track else t.detach()
+
+        w = own(kv_b_weight).view(num_kv_groups, -1, kv_b_weight.shape[-1])  # [G, d_n + d_v, d_c]
         gamma_qk = None
         if q_norm is not None:
-            gamma_q = q_norm.content.weight.detach()
-            gamma_qk = gamma_q * rows_per_head(k_norm.content.weight.detach(), gamma_q.shape[0])
+            gamma_q = own(q_norm.content.weight)
+            gamma_qk = gamma_q * rows_per_head(own(k_norm.content.weight), gamma_q.shape[0])
         w_uk = w[:, :qk_nope_head_dim].contiguous()
+        if track:  # the kernels' packed copies carry no gradient: the torch reference over w_uk itself
+            return AbsorbedWeights(w_uk, gamma_qk, w[:, qk_nope_head_dim:].contiguous(), GroupedLinear(w_uk))
         # The content keys themselves are formed only where the key scalar reads more than them
         # (a unified norm's, the projection scope's): there the op keeps a copy for its kernel.
         uk = GroupedLinear(w_uk, pack=k_norm is not None and not reads_content_only(k_norm), build=k_norm is not None)

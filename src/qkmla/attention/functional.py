@@ -219,3 +219,29 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Sca
     sink = sinks.to(acc).view(1, h, 1, 1).expand(B, h, T, 1)
     p = torch.cat((s, sink), dim=-1).softmax(dim=-1)[..., :S]
     return (p @ vv).transpose(1, 2).to(q.dtype)
+
+
+class _BytesHoldNoGradient(torch.autograd.Function):
+    """The identity forward; a backward that refuses, naming the cache's row format (:func:`no_gradient_through`)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, kv_format: str) -> torch.Tensor:
+        ctx.kv_format = kv_format
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError(f"cache: a kv_format={ctx.kv_format!r} cache stores its rows as bytes, which carry no "
+                           f"gradient, so this backward would leave out every cached token's path to the latent "
+                           f"projections and the key norm; train through a kv_format='dense' cache, or decode under "
+                           f"torch.no_grad()")
+
+
+def no_gradient_through(out: torch.Tensor, cache) -> torch.Tensor:
+    """``out`` (attention over a latent cache's rows), whose backward raises when the cache's rows are quantized
+    bytes: a decode step trained through such a cache got a gradient without the cached tokens' part (k_norm.rope's
+    weight none at all), silently. The forward is unchanged, and nothing is wrapped outside autograd or for a
+    dense cache, whose rows keep their history."""
+    if not (torch.is_grad_enabled() and out.requires_grad and cache.rows.quantized):
+        return out
+    return _BytesHoldNoGradient.apply(out, cache.kv_format)

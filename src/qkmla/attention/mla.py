@@ -39,7 +39,7 @@ from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
-from .functional import default_positions, record_max_logits, sdpa, zero_padding
+from .functional import default_positions, no_gradient_through, record_max_logits, sdpa, zero_padding
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 from .selection import selection_mask
@@ -238,6 +238,18 @@ class MLA(nn.Module):
         self._check_kv_b_proj()  # an adapter may have wrapped it since the weights were kept
         return self._absorbed.get(self._absorb_sources(), self._derive)
 
+    def step_weights(self) -> AbsorbedWeights:
+        """The absorbed weights a forward computes with: the kept ones (:attr:`absorbed`), or, where autograd
+        records through the parameters they come from (a decode step trained through), weights derived afresh
+        with autograd and not kept, so that backward reaches kv_b_proj and the norm weights (the kept ones, derived
+        without it, left them out of a decode step's gradient)."""
+        self._check_kv_b_proj()  # first: a wrapper (an adapter) may have no .weight for the sources to read
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._absorb_sources()):
+            c = self.config
+            return absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, c.num_kv_groups, c.qk_nope_head_dim,
+                          track=True)
+        return self.absorbed
+
     def __setattr__(self, name: str, value) -> None:
         # A module the absorbed weights are derived from, swapped (an adapter wrapping kv_b_proj,
         # or merged back into it through .data): what was kept no longer describes it.
@@ -253,7 +265,7 @@ class MLA(nn.Module):
 
     def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""
-        q_lat, q_r = latent_query(*self.raw_query(x), self.q_norm, self.absorbed)
+        q_lat, q_r = latent_query(*self.raw_query(x), self.q_norm, self.step_weights())
         return q_lat, self.rotary(q_r, positions)
 
     def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None, cache=None) -> dict[str, torch.Tensor]:
@@ -263,7 +275,7 @@ class MLA(nn.Module):
         is computed from c as it reads c back (``stored_latent``: dequantized, if quantized)."""
         c_kv, k_r = latent if latent is not None else self.latent(x)
         c_read = cache.stored_latent(c_kv) if cache is not None else c_kv
-        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.absorbed)
+        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.step_weights())
         return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
 
     def logits(self, x: torch.Tensor, path: str = "explicit", positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -350,6 +362,7 @@ class MLA(nn.Module):
                 if indices is not None:
                     mask = selection_mask(indices, k.shape[1])
                 out = sdpa(self.explicit_query(x, slot.positions), k, v, self.scale, mask=mask, sinks=self.sinks)
+                out = no_gradient_through(out, cache)  # the cached rows: bytes, in a quantized format
             return out, lambda: self.absorbed_query(x, slot.positions)
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
         rows = self.cache_rows(x, slot.positions, cache=cache)
@@ -367,7 +380,7 @@ class MLA(nn.Module):
                                              indices=indices)
         if self.sinks is not None:  # W_UV is linear: the latent output takes the sinks' share (sinks.py)
             o_lat = apply_sinks(o_lat, lse, self.sinks)
-        return values_out(o_lat, self.absorbed), lambda: (q_lat, q_rope)
+        return no_gradient_through(values_out(o_lat, self.step_weights()), cache), lambda: (q_lat, q_rope)
 
     @property
     def score_mode(self) -> str:

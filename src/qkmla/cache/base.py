@@ -483,15 +483,22 @@ class SequenceCache:
         # .long() truncated [0.7, 1.2] to [0, 1]: other sequences kept, silently; and a transformers
         # cache's reorder_cache(float beam_idx) moved the rows here, then failed on its own column mask
         indices = _integers("indices", indices, self.device, "an integer tensor of sequence indices")
-        if indices.dim() != 1 or len(indices) == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+
+        def refuse():
             shown = indices.tolist() if indices.numel() <= 16 else f"a tensor of shape {tuple(indices.shape)}"
             raise ValueError(f"indices: expected a non-empty 1-D tensor of sequence indices in [0, {self.batch_size}), "
                              f"got {shown}")
+
+        if indices.dim() != 1 or len(indices) == 0:
+            refuse()
         # Every buffer is copied for the new batch: checked as a whole first (torch's allocator's error
-        # half way through left some buffers moved and others not).
+        # half way through left some buffers moved and others not), and before the indices' values are
+        # read: min() of a broadcast index tensor (expand of one index to 10**9) allocated it whole first.
         per_sequence = sum(buf.nbytes // max(1, buf.data.shape[0]) for buf in buffers)
         check_allocation("indices", per_sequence * len(indices), f"a batch of {len(indices)} sequence(s) of "
                          f"capacity={self.capacity}", self.device)
+        if int(indices.min()) < 0 or int(indices.max()) >= self.batch_size:
+            refuse()
         for buf in buffers:
             buf.select(indices)
         self._set_lengths(seqlens=self.seqlens[indices], next_positions=self.next_positions[indices])

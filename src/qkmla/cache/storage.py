@@ -95,7 +95,8 @@ class PagedBuffer(TokenBuffer):
     """A pool of blocks [num_blocks, block_size, width] addressed through a block table."""
 
     def __init__(self, block_table: torch.Tensor, num_blocks: int, block_size: int, width: int,
-                 dtype: torch.dtype, device=None, fill: float = 0.0, num_blocks_given: bool = False):
+                 dtype: torch.dtype, device=None, fill: float = 0.0, num_blocks_given: bool = False,
+                 table_given: bool = True):
         self.width, self.block_size = width, block_size
         self.block_table = block_table
         self.capacity = block_table.shape[1] * block_size
@@ -105,6 +106,8 @@ class PagedBuffer(TokenBuffer):
                          f"one block of block_size={block_size} tokens x {width} {dtype} values", device)
         if num_blocks_given:
             name, what = "num_blocks", f"a pool of num_blocks={num_blocks} blocks"
+        elif not table_given:  # the default table's blocks: as many as the capacity needs
+            name, what = "capacity", f"a pool of {num_blocks} blocks (capacity={self.capacity} per sequence)"
         else:
             name, what = "block_table", f"a pool of num_blocks={num_blocks} blocks (one more than the largest block id)"
         check_allocation(name, num_blocks * block_size * width * dtype.itemsize,
@@ -159,8 +162,9 @@ class PagedLayout(Layout, Frozen):
         num_blocks: pool size; by default one more than the largest id in the table.
 
     Fixed once made (:class:`~qkmla.utils.checked.Frozen`): ``layout.block_size = 0`` raises
-    instead of skipping the constructor's checks; the default table and pool size are filled in
-    by the first cache that uses it.
+    instead of skipping the constructor's checks. Without a ``block_table``, each cache that uses the
+    layout gets the default table of its own batch size and capacity (and, without ``num_blocks``, a
+    pool of that table's size); ``block_table`` and ``num_blocks`` then show the last cache's.
     """
 
     def __init__(self, block_size: int = 64, block_table: Optional[torch.Tensor] = None,
@@ -172,14 +176,14 @@ class PagedLayout(Layout, Frozen):
         except ValueError as e:
             raise ValueError(f"{e} (None: one more than the largest block id)") from None
         self.block_size, self.block_table, self.num_blocks = block_size, block_table, num_blocks
-        self._num_blocks_given = num_blocks is not None  # else the first cache sets it from the table
+        self._num_blocks_given = num_blocks is not None  # else each cache sets it from its table
+        self._table_given = block_table is not None  # else each cache gets the default table of its shape
 
     def _table(self, batch_size: int, capacity: int, device) -> torch.Tensor:
-        if self.block_table is None:
-            per_seq = -(-capacity // self.block_size)
-            check_allocation("capacity", 8 * batch_size * per_seq, f"a block table of {batch_size} x {per_seq} ids")
-            object.__setattr__(self, "block_table",  # filled in once, for this and later caches (not a setting)
-                               torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq))
+        # A layout pickled before _table_given existed: a table it holds was given, or filled in by a cache
+        # of the same shape, which the default below reproduces.
+        if not getattr(self, "_table_given", self.block_table is not None):
+            self._default_table(batch_size, capacity, device)
         table = self.block_table
         if not isinstance(table, torch.Tensor) or table.dtype.is_floating_point or table.dtype.is_complex \
                 or table.dtype == torch.bool:
@@ -206,9 +210,28 @@ class PagedLayout(Layout, Frozen):
             raise ValueError(f"block_table: holds block id {int(table.max())}, but num_blocks={self.num_blocks}")
         return table.to(device=device, dtype=torch.long, copy=True)  # the cache's own: a later edit cannot move it
 
+    def _default_table(self, batch_size: int, capacity: int, device) -> None:
+        """Sequence b owns blocks b * per_seq ... in order, for this cache's batch and capacity. The default was
+        filled in once, by the first cache, and kept for later ones: one PagedLayout() handed to a cache of another
+        batch size or capacity was refused naming block_table ("expected shape [batch_size=3, blocks_per_seq],
+        got (2, 2)"), a table the caller never gave."""
+        per_seq = -(-capacity // self.block_size)
+        check_allocation("capacity", 8 * batch_size * per_seq, f"a block table of {batch_size} x {per_seq} ids")
+        if self._num_blocks_given and batch_size * per_seq > self.num_blocks:
+            raise ValueError(f"num_blocks: the default block table of batch_size={batch_size} sequences x "
+                             f"ceil(capacity={capacity} / block_size={self.block_size}) = {batch_size * per_seq} "
+                             f"blocks needs num_blocks >= {batch_size * per_seq}, got {self.num_blocks}; pass a larger "
+                             f"num_blocks, None, or a block_table of your own")
+        # Not settings: what the last cache got, for a caller that reads them (the cache keeps its own copy)
+        object.__setattr__(self, "block_table",
+                           torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq))
+        if not self._num_blocks_given:
+            object.__setattr__(self, "num_blocks", batch_size * per_seq)
+
     def buffer(self, batch_size, capacity, width, dtype, device=None, fill=0.0):
         table = self._table(batch_size, capacity, device)
-        return PagedBuffer(table, self.num_blocks, self.block_size, width, dtype, device, fill, self._num_blocks_given)
+        return PagedBuffer(table, self.num_blocks, self.block_size, width, dtype, device, fill, self._num_blocks_given,
+                           getattr(self, "_table_given", True))
 
     def __repr__(self) -> str:
         return f"PagedLayout(block_size={self.block_size}, num_blocks={self.num_blocks})"

@@ -21,6 +21,7 @@ import torch
 
 from ...dtypes import accumulate_dtype, cast
 from ...kv_formats import DenseRows, row_format
+from .differentiable import differentiable_decode, recording
 from .naive import default_visible_lens
 from .selection import packed_selection
 from .workspace import scratch
@@ -432,6 +433,9 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
         return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+    if recording(q_lat, q_rope, kv_cache, scale_cache):  # the paths below work in place: autograd cannot follow
+        return differentiable_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
+                                     mode, visible_lens, S, rows, indices, topk_length)
     if indices is not None:
         return _sparse_attend(q_lat, q_rope, kv_cache, scale_cache, block_table, cache_seqlens, indices, topk_length,
                               softmax_scale, mode, rows)

@@ -161,7 +161,10 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     absorption then finds those rows in cache."""
     _check_group_statistic(x.shape[-1], w, kind, p)
     G, group, K = w.shape
-    if not (_KERNEL_READY and _kernel_takes(x) and _group_weight_fits(w) and x.numel() <= GROUP_KERNEL_MAX_ROWS * K):
+    # A weight autograd records through (a decode step trained through) goes to the reference too: the kernel's
+    # output carries no gradient to w.
+    if not (_KERNEL_READY and _kernel_takes(x) and _group_weight_fits(w) and x.numel() <= GROUP_KERNEL_MAX_ROWS * K
+            and not (torch.is_grad_enabled() and w.requires_grad)):
         return naive.group_statistic(x, w, kind, p, eps)
     sigma = torch.ops.qkmla_cpu.group_statistic(x.reshape(-1, K).contiguous(), w, kind, float(p), float(eps))
     return sigma.view(*x.shape[:-1], G)
