@@ -3689,9 +3689,57 @@ def probe12_rows():
     ]
 
 
+
+def _processes_with(variable: str, value: str) -> list:
+    """The pids of the processes whose environment holds ``variable=value`` (Linux /proc)."""
+    want, pids = f"{variable}={value}".encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and want in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone, or another user's
+            pass
+    return pids
+
+
+def probe13_rows():
+    """The thirteenth probe's failures (issue 56: fresh probes written at 752d0e4, without this table)."""
+
+    def experiment_sigkill_while_workers_import(env):
+        """Probe H05: ``qkmla experiment`` killed (SIGKILL) while its workers were still importing
+        torch left them running for good: the death signal they ask for covers only a parent that dies
+        after they ask, so they waited on the pool's queue (400 MB each) with the caller's stdout and
+        stderr open, and ``qkmla experiment ... | tee log`` never ended. A worker whose parent is
+        already gone now leaves as its initializer runs."""
+        if not Path("/proc/self/environ").exists():
+            pytest.skip("needs Linux's /proc")
+        marker = env.tmp / "worker-started"
+        proc = start_slow(env, STEPS, env.tmp / "grid", pause=PAUSE, worker_start=marker)
+        try:
+            t0 = time.monotonic()
+            while not marker.exists():  # the worker is importing the driver: 3 s before its initializer
+                assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+                time.sleep(0.05)
+            proc.kill()
+            proc.wait(30)  # not communicate(): an orphan holds the pipes, and reading them would hang
+            t0 = time.monotonic()
+            while _processes_with("QKMLA_TEST_WORKER_START", str(marker)) and time.monotonic() - t0 < 30:
+                time.sleep(0.1)
+            assert not _processes_with("QKMLA_TEST_WORKER_START", str(marker)), "a worker outlived its parent"
+        finally:  # a worker left behind by a failure here is this row's own: end it by its pid
+            for pid in _processes_with("QKMLA_TEST_WORKER_START", str(marker)):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
+
+    return [
+        Row("experiment", "signal", "SIGKILL while the workers import: they outlived it, holding its pipes",
+            experiment_sigkill_while_workers_import),
+    ]
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows())
+        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
