@@ -3732,9 +3732,51 @@ def probe13_rows():
             proc.kill()
             proc.communicate()
 
+    def plot_new_file_in_a_checkpoint(env):
+        """Probe I10: ``qkmla plot RUN --out CKPT/model.safetensors`` beside a sharded checkpoint's
+        index wrote a PNG there, exit 0: only an existing file of another command's directory was
+        refused, and transformers loads model.safetensors before the index, so the checkpoint no longer
+        loaded (I17). A new file there that is not a figure is refused too; a figure is still drawn."""
+        ckpt = env.tmp / "ckpt"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text('{"model_type": "deepseek_v3"}')
+        (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+        before = snapshot(ckpt)
+        for name in ("model.safetensors", "tokenizer.json"):
+            refuse(env, ["plot", env.run, "--out", ckpt / name],
+                   rf"--out: .*{name} would be a new file of a transformers checkpoint .*never another command's")
+        assert snapshot(ckpt) == before
+        env.capsys.readouterr()
+        assert main(["plot", str(env.run), "--out", str(ckpt / "curves.png")]) == 0
+
+    def checkpoint_with_index_and_single_file(env, hf):
+        """Probe I17: a checkpoint directory holding both model.safetensors (here damaged) and a
+        shard index passed qkmla's checks, which read the index, and failed in transformers, which
+        loads model.safetensors: a SafetensorError traceback and "internal error" from ``qkmla
+        generate --hf``, while ``qkmla convert`` converted the shards without a word. Refused by name."""
+        from qkmla.integrations.transformers.load import from_pretrained
+
+        ckpt = env.tmp / "ckpt"
+        shutil.copytree(hf, ckpt)
+        shard = "model-00001-of-00001.safetensors"
+        from safetensors import safe_open
+        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+        shutil.copy(ckpt / "model.safetensors", ckpt / shard)
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+        (ckpt / "model.safetensors").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(4000))  # a figure, by name
+        both = "holds both model.safetensors and model.safetensors.index.json"
+        raises(lambda: from_pretrained(ckpt), ValueError, both)
+        refuse(env, convert_argv(ckpt, env.tmp / "dst"), both)
+        assert not (env.tmp / "dst").exists()
+
     return [
         Row("experiment", "signal", "SIGKILL while the workers import: they outlived it, holding its pipes",
             experiment_sigkill_while_workers_import),
+        Row("plot", "output", "--out a new model.safetensors beside a checkpoint's shard index (loaded instead)",
+            plot_new_file_in_a_checkpoint),
+        Row("convert", "path", "--hf with both model.safetensors (damaged) and a shard index",
+            checkpoint_with_index_and_single_file, hf=True),
     ]
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
