@@ -3770,7 +3770,22 @@ def probe13_rows():
         refuse(env, convert_argv(ckpt, env.tmp / "dst"), both)
         assert not (env.tmp / "dst").exists()
 
+    def min_lr_ratio_with_a_constant_schedule(env):
+        """Probe I29: ``qkmla train --schedule constant --min-lr-ratio 0.5`` trained to "done" at the
+        peak lr throughout, the ratio ignored without a word (as --qk-clip-alpha without --qk-clip
+        and --muon-adjust-lr without muon are refused). Refused before any work; a constant run
+        without it still trains and resumes."""
+        out = env.tmp / "constant"
+        refuse(env, train_ok(env, out) + ["--schedule", "constant", "--min-lr-ratio", "0.5"],
+               r"--min-lr-ratio: only read with --schedule cosine or wsd")
+        assert not out.exists()
+        assert main([str(a) for a in train_ok(env, out) + ["--schedule", "constant"]]) == 0
+        assert main([str(a) for a in train_ok(env, out) + ["--steps", "3", "--resume"]]) == 0
+        assert status(out)["step"] == 3
+
     return [
+        Row("train", "size", "--min-lr-ratio 0.5 with --schedule constant: ignored without a word",
+            min_lr_ratio_with_a_constant_schedule),
         Row("experiment", "signal", "SIGKILL while the workers import: they outlived it, holding its pipes",
             experiment_sigkill_while_workers_import),
         Row("plot", "output", "--out a new model.safetensors beside a checkpoint's shard index (loaded instead)",
