@@ -3810,9 +3810,115 @@ def probe13b_rows():
     ]
 
 
+def _processes_with(variable: str, value: str) -> list:
+    """The pids of the processes whose environment holds ``variable=value`` (Linux /proc)."""
+    want, pids = f"{variable}={value}".encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and want in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:  # gone, or another user's
+            pass
+    return pids
+
+
+def probe13_rows():
+    """The thirteenth probe's failures (issue 56: fresh probes written at 752d0e4, without this table)."""
+
+    def experiment_sigkill_while_workers_import(env):
+        """Probe H05: ``qkmla experiment`` killed (SIGKILL) while its workers were still importing
+        torch left them running for good: the death signal they ask for covers only a parent that dies
+        after they ask, so they waited on the pool's queue (400 MB each) with the caller's stdout and
+        stderr open, and ``qkmla experiment ... | tee log`` never ended. A worker whose parent is
+        already gone now leaves as its initializer runs."""
+        if not Path("/proc/self/environ").exists():
+            pytest.skip("needs Linux's /proc")
+        marker = env.tmp / "worker-started"
+        proc = start_slow(env, STEPS, env.tmp / "grid", pause=PAUSE, worker_start=marker)
+        try:
+            t0 = time.monotonic()
+            while not marker.exists():  # the worker is importing the driver: 3 s before its initializer
+                assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+                time.sleep(0.05)
+            proc.kill()
+            proc.wait(30)  # not communicate(): an orphan holds the pipes, and reading them would hang
+            t0 = time.monotonic()
+            while _processes_with("QKMLA_TEST_WORKER_START", str(marker)) and time.monotonic() - t0 < 30:
+                time.sleep(0.1)
+            assert not _processes_with("QKMLA_TEST_WORKER_START", str(marker)), "a worker outlived its parent"
+        finally:  # a worker left behind by a failure here is this row's own: end it by its pid
+            for pid in _processes_with("QKMLA_TEST_WORKER_START", str(marker)):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
+
+    def plot_new_file_in_a_checkpoint(env):
+        """Probe I10: ``qkmla plot RUN --out CKPT/model.safetensors`` beside a sharded checkpoint's
+        index wrote a PNG there, exit 0: only an existing file of another command's directory was
+        refused, and transformers loads model.safetensors before the index, so the checkpoint no longer
+        loaded (I17). A new file there that is not a figure is refused too; a figure is still drawn."""
+        ckpt = env.tmp / "ckpt"
+        ckpt.mkdir()
+        (ckpt / "config.json").write_text('{"model_type": "deepseek_v3"}')
+        (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+        before = snapshot(ckpt)
+        for name in ("model.safetensors", "tokenizer.json"):
+            refuse(env, ["plot", env.run, "--out", ckpt / name],
+                   rf"--out: .*{name} would be a new file of a transformers checkpoint .*never another command's")
+        assert snapshot(ckpt) == before
+        env.capsys.readouterr()
+        assert main(["plot", str(env.run), "--out", str(ckpt / "curves.png")]) == 0
+
+    def checkpoint_with_index_and_single_file(env, hf):
+        """Probe I17: a checkpoint directory holding both model.safetensors (here damaged) and a
+        shard index passed qkmla's checks, which read the index, and failed in transformers, which
+        loads model.safetensors: a SafetensorError traceback and "internal error" from ``qkmla
+        generate --hf``, while ``qkmla convert`` converted the shards without a word. Refused by name."""
+        from qkmla.integrations.transformers.load import from_pretrained
+
+        ckpt = env.tmp / "ckpt"
+        shutil.copytree(hf, ckpt)
+        shard = "model-00001-of-00001.safetensors"
+        from safetensors import safe_open
+        with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+        shutil.copy(ckpt / "model.safetensors", ckpt / shard)
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shard for n in names}}))
+        (ckpt / "model.safetensors").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(4000))  # a figure, by name
+        both = "holds both model.safetensors and model.safetensors.index.json"
+        raises(lambda: from_pretrained(ckpt), ValueError, both)
+        refuse(env, convert_argv(ckpt, env.tmp / "dst"), both)
+        assert not (env.tmp / "dst").exists()
+
+    def min_lr_ratio_with_a_constant_schedule(env):
+        """Probe I29: ``qkmla train --schedule constant --min-lr-ratio 0.5`` trained to "done" at the
+        peak lr throughout, the ratio ignored without a word (as --qk-clip-alpha without --qk-clip
+        and --muon-adjust-lr without muon are refused). Refused before any work; a constant run
+        without it still trains and resumes."""
+        out = env.tmp / "constant"
+        refuse(env, train_ok(env, out) + ["--schedule", "constant", "--min-lr-ratio", "0.5"],
+               r"--min-lr-ratio: only read with --schedule cosine or wsd")
+        assert not out.exists()
+        assert main([str(a) for a in train_ok(env, out) + ["--schedule", "constant"]]) == 0
+        assert main([str(a) for a in train_ok(env, out) + ["--steps", "3", "--resume"]]) == 0
+        assert status(out)["step"] == 3
+
+    return [
+        Row("train", "size", "--min-lr-ratio 0.5 with --schedule constant: ignored without a word",
+            min_lr_ratio_with_a_constant_schedule),
+        Row("experiment", "signal", "SIGKILL while the workers import: they outlived it, holding its pipes",
+            experiment_sigkill_while_workers_import),
+        Row("plot", "output", "--out a new model.safetensors beside a checkpoint's shard index (loaded instead)",
+            plot_new_file_in_a_checkpoint),
+        Row("convert", "path", "--hf with both model.safetensors (damaged) and a shard index",
+            checkpoint_with_index_and_single_file, hf=True),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
-        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13b_rows())
+        + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
+        + probe13b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

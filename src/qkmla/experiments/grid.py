@@ -165,7 +165,7 @@ def _worker_signal(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
-def _init_worker(stop=None) -> None:
+def _init_worker(stop=None, parent: Optional[int] = None) -> None:
     import torch
 
     global _WORKER_STOP
@@ -191,6 +191,11 @@ def _init_worker(stop=None) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    # The death signal covers only a parent that dies from now on: one killed while this worker was
+    # still importing (seconds on a busy machine) left it waiting on the pool's queue for ever, with
+    # the caller's stdout and stderr held open (a pipe reader hung). Its pid is gone by now: leave.
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -289,7 +294,7 @@ def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
     stop = ctx.Event()
     pool = concurrent.futures.ProcessPoolExecutor(workers or default_workers(), mp_context=ctx,
-                                                  initializer=_init_worker, initargs=(stop,))
+                                                  initializer=_init_worker, initargs=(stop, os.getpid()))
     pool.qkmla_stop = stop
     return pool
 

@@ -38,7 +38,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES)
     p.add_argument("--warmup-steps", type=int, default=None,
                    help=f"0 to --steps (default {DEFAULT_WARMUP_STEPS}, or --steps if fewer)")
-    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr, in [0, 1]")
+    p.add_argument("--min-lr-ratio", type=float, default=None,
+                   help=f"final lr / peak lr, in [0, 1], with --schedule cosine or wsd (default {d.min_lr_ratio})")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, >= 0; 0 disables clipping")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip threshold > 0 (Kimi K2: 100)")
     p.add_argument("--qk-clip-alpha", type=float, default=None,
@@ -107,7 +108,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     # Every option's dest is the TrainConfig field of the same name; only --no-progress is inverted.
     names = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(args))
     given = {n: getattr(args, n) for n in names}
-    unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha") if given.get(n) is None]
+    unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha", "min_lr_ratio") if given.get(n) is None]
     for name in unset:  # left unset: TrainConfig's default stands
         given.pop(name, None)
     if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
@@ -123,7 +124,9 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     # a word. (Checked after their ranges, so a bad value is named as such first.)
     for name, reader, add, read in (
             ("muon_adjust_lr", "--optimizer muon", "--optimizer muon", config.optimizer == "muon"),
-            ("qk_clip_alpha", "--qk-clip", "--qk-clip TAU", config.qk_clip is not None)):
+            ("qk_clip_alpha", "--qk-clip", "--qk-clip TAU", config.qk_clip is not None),
+            # a constant schedule never decays, so it has no final lr to set
+            ("min_lr_ratio", "--schedule cosine or wsd", "--schedule cosine", config.schedule != "constant")):
         if name not in unset and not read:
             raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
                                                 f"give; drop it or add {add}"))

@@ -596,12 +596,16 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
         # is that command's output: --overwrite replaced it with this one (a run that no longer loads).
         # Only for a command that says which files are its own (a benchmark writing its result beside
         # an experiment's files in benchmarks/results/ is not writing over them).
-        kind = directory_kind(out.parent) if own_suffixes and os.path.lexists(out) else None
+        # A new file counts too: one the other command's readers take by its name (a figure saved as
+        # model.safetensors beside a sharded checkpoint's index is what transformers then loads) is no
+        # less a change to that directory's output than a replaced one.
+        kind = directory_kind(out.parent) if own_suffixes else None
         if kind is not None and out.suffix.lower() not in own_suffixes:
-            raise ValueError(f"{name}: {out} is a file of {kind[1]} (qkmla {kind[0]}'s output in {out.parent}); "
-                             f"--overwrite replaces only this command's own {what} files ({', '.join(own_suffixes)}), "
+            being = "is a file" if os.path.lexists(out) else "would be a new file"
+            raise ValueError(f"{name}: {out} {being} of {kind[1]} (qkmla {kind[0]}'s output in {out.parent}); "
+                             f"this command writes only its own {what} files there ({', '.join(own_suffixes)}), "
                              "never another command's; write elsewhere")
-        if kind is not None and drawn_by(kind[0], out):
+        if kind is not None and os.path.lexists(out) and drawn_by(kind[0], out):  # replacing its figure
             raise ValueError(f"{name}: {out} is a {what} of {kind[1]} (qkmla {kind[0]} draws its own {what}s in "
                              f"{out.parent}); --overwrite never replaces another command's {what}; write elsewhere")
         if os.path.lexists(out):  # a link to nothing too: the user's own, replaced by the file without a word

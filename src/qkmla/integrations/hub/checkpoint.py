@@ -199,6 +199,11 @@ def _check_fields(path: Path, config: dict) -> None:
 def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
     """(tensor name -> shard file name, the file that says so)."""
     index = root / INDEX
+    if index.is_file() and (root / SINGLE).is_file():
+        # transformers loads model.safetensors and never reads the index; these checks read the index:
+        # a stale or damaged model.safetensors beside it passed them, then failed inside transformers.
+        raise ValueError(f"hf_dir: {root} holds both {SINGLE} and {INDEX} (the weights in one file, and "
+                         f"an index of shards): transformers loads {SINGLE} alone; remove the one that is stale")
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
