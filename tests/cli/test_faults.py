@@ -3889,6 +3889,11 @@ def probe13_rows():
         raises(lambda: from_pretrained(ckpt), ValueError, both)
         refuse(env, convert_argv(ckpt, env.tmp / "dst"), both)
         assert not (env.tmp / "dst").exists()
+        # generate --hf: the loader's own refusal, once (it read "--hf: ... does not load as its config
+        # describes it: hf_dir: ...", two prefixes for one cause)
+        __import__("transformers").ByT5Tokenizer().save_pretrained(ckpt)  # so that the loading is what is refused
+        line = refuse(env, ["generate", "--hf", ckpt, "--tokens", "2"], both)
+        assert line.startswith("qkmla generate: --hf: ") and "does not load" not in line and "hf_dir" not in line, line
 
     def min_lr_ratio_with_a_constant_schedule(env):
         """Probe I29: ``qkmla train --schedule constant --min-lr-ratio 0.5`` trained to "done" at the

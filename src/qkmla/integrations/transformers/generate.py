@@ -54,7 +54,11 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
     try:
         model = from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
-    except (OSError, RuntimeError, ValueError) as e:  # missing files, or tensors that disagree with the config
+    except ValueError as e:
+        if str(e).startswith("hf_dir: "):  # qkmla's loader's own refusal, already naming the directory
+            raise
+        raise ValueError(f"hf_dir: {root} does not load as its config describes it: {str(e).strip()[:500]}") from None
+    except (OSError, RuntimeError) as e:  # missing files, or tensors that disagree with the config
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: {str(e).strip()[:500]}") from None
     return model.eval(), tokenizer
 
