@@ -3908,7 +3908,19 @@ def probe13_rows():
         assert main([str(a) for a in train_ok(env, out) + ["--steps", "3", "--resume"]]) == 0
         assert status(out)["step"] == 3
 
+    def list_with_other_arguments(env):
+        """Noticed by probe 13: ``qkmla experiment --list norm-mode`` (or ``--list --seeds 3``) listed
+        the experiments, exit 0, the name and flags ignored without a word: a user who meant to run
+        norm-mode learns nothing ran only from its missing results. Refused, naming what was given."""
+        for argv, named in ((["norm-mode"], "NAME"), (["--seeds", "3"], "--seeds"), (["--quick", "--workers", "1"],
+                                                                                      "--quick, --workers")):
+            refuse(env, ["experiment", "--list", *argv], rf"--list: names the experiments and exits, so it takes "
+                                                         rf"none of {named}")
+        env.capsys.readouterr()
+        assert main(["experiment", "--list"]) == 0 and "norm-mode" in env.capsys.readouterr().out
+
     return [
+        Row("experiment", "size", "--list with a NAME or other flags: ignored without a word", list_with_other_arguments),
         Row("train", "size", "--min-lr-ratio 0.5 with --schedule constant: ignored without a word",
             min_lr_ratio_with_a_constant_schedule),
         Row("experiment", "signal", "SIGKILL while the workers import: they outlived it, holding its pipes",

@@ -426,6 +426,13 @@ def _experiment(args: argparse.Namespace) -> int:
     from ..utils.files import check_input_file, check_path
 
     if args.list:
+        given = [flag for flag, value in (("NAME", args.name), ("--seeds", args.seeds), ("--out", args.out),
+                                          ("--sweep", args.sweep), ("--quick", args.quick or None),
+                                          ("--overwrite", args.overwrite or None),
+                                          ("--workers", args.workers or None)) if value is not None]
+        if given:  # else silently ignored: `--list norm-mode` read as a request to run it
+            raise ValueError(f"--list: names the experiments and exits, so it takes none of {', '.join(given)}; "
+                             "run one with qkmla experiment NAME")
         for e in EXPERIMENTS.values():
             print(f"{e.name:<12} {e.description}")
         return 0
