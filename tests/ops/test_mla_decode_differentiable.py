@@ -56,3 +56,21 @@ def test_a_sparse_decode_passes_gradcheck():
     indices = torch.tensor([[[0, 9, 4], [2, 2, -1]], [[6, 0, 3], [1, 8, 5]]])
     assert torch.autograd.gradcheck(lambda q, r, kv, s: mla_decode_with_kvcache(
         q, r, kv, table, lens, s, softmax_scale=0.3, backend="torch", indices=indices)[0], inputs)
+
+
+def test_auto_sends_a_recording_call_from_triton_to_torch(monkeypatch):
+    """On CUDA "auto" picked Triton under autograd too, whose op has no backward: a decode step
+    trained through failed in backward there. Seen from select_backend's answer (no GPU here)."""
+    from qkmla.ops.mla_decode import backends
+
+    monkeypatch.setattr(backends, "select_backend", lambda *a, **k: "triton")
+    q, r, kv = torch.randn(1, 1, 4, 32), torch.randn(1, 1, 4, 16), torch.randn(1, 8, 48)
+    assert backends.resolve_backend("auto", q, r, kv) == "triton"
+    q.requires_grad_()
+    assert backends.resolve_backend("auto", q, r, kv) == "torch"
+    with torch.no_grad():
+        assert backends.resolve_backend("auto", q, r, kv) == "triton"
+    with pytest.raises(ValueError, match=r"^backend: 'triton' has no backward"):
+        backends.resolve_backend("triton", q, r, kv)
+    assert backends.resolve_backend("auto", q.detach(), r, kv, written={"c_kv": torch.ones(1, requires_grad=True)}) \
+        == "torch"

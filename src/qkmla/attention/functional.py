@@ -245,3 +245,28 @@ def no_gradient_through(out: torch.Tensor, cache) -> torch.Tensor:
     if not (torch.is_grad_enabled() and out.requires_grad and cache.rows.quantized):
         return out
     return _BytesHoldNoGradient.apply(out, cache.kv_format)
+
+
+class _EvalDecodeNoGradient(torch.autograd.Function):
+    """The identity on a decode step's output computed without autograd; a backward that refuses
+    (:func:`no_decode_gradient`). ``anchors``: what the step's real gradient would have reached."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError("attention: an MLA decode step in eval mode is inference (the absorbed weights and the "
+                           "decode op's fast paths, no autograd), so it has no gradient; to train through a decode "
+                           "step call model.train() first, or decode under torch.no_grad()")
+
+
+def no_decode_gradient(out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+    """``out``, computed under ``torch.no_grad()`` by an eval-mode decode step, tied to ``anchors`` (the
+    step's input and the parameters that require grad) so that a backward through it raises, rather
+    than leaving the step's part out of the gradient without a word."""
+    anchors = tuple(a for a in anchors if isinstance(a, torch.Tensor) and a.requires_grad)
+    if not anchors:
+        return out
+    return _EvalDecodeNoGradient.apply(out, *anchors)

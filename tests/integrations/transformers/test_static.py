@@ -226,3 +226,44 @@ def test_more_tokens_than_the_capacity_are_refused_before_any_write(plain):
                                          r"this call needs 7"):
         plain(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE: cache})
     assert int(cache.get_seq_length()) == 0
+
+
+def _grad_model():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from qkmla.integrations.transformers import apply_latent_attention
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                           num_experts_per_tok=2, n_group=1, topk_group=1)
+    return apply_latent_attention(DeepseekV3ForCausalLM(cfg)).double()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_a_decode_step_trained_through_either_cache_has_the_explicit_gradient(static):
+    """Training mode: the last token's loss through a decode step. Over the static cache kv_b_proj got
+    no gradient at all (the kept absorbed weights, derived without autograd), silently."""
+    model = _grad_model().train()
+    ids = torch.randint(0, 64, (1, 7))
+    model(ids, use_cache=False).logits[:, -1].square().sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True) if static else LatentAttentionCache(model)
+    model(ids[:, :6], past_key_values=cache, use_cache=True)
+    model(ids[:, 6:], past_key_values=cache, use_cache=True).logits[:, -1].square().sum().backward()
+    for name, g in want.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None, name
+        torch.testing.assert_close(got, g, rtol=1e-8, atol=1e-12, msg=name)
+
+
+def test_an_eval_static_decode_step_refuses_its_backward():
+    model = _grad_model().eval()
+    ids = torch.randint(0, 64, (1, 7))
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+    model(ids[:, :6], past_key_values=cache, use_cache=True)
+    out = model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
+    with pytest.raises(RuntimeError, match=r"^attention: an MLA decode step in eval mode is inference"):
+        out.sum().backward()

@@ -274,7 +274,7 @@ def _absorbed_weights(attn):
     kept = attn._absorbed.weights
     if torch.compiler.is_compiling() and kept is not None:
         return kept
-    return attn.absorbed
+    return attn.step_weights()  # in training mode, with autograd: derived afresh, so kv_b_proj gets its gradient
 
 
 def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: Optional[torch.Tensor],
@@ -310,6 +310,10 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
         out, _ = attn._uncached(x, valid, positions)
     else:
         heads, probs = _attend_columns(attn, layer, x, positions, columns, w)
+        if not attn.training and torch.is_grad_enabled():  # the kept weights: a backward would miss kv_b_proj's part
+            from ...attention.functional import no_decode_gradient
+
+            heads = no_decode_gradient(heads, x, *(p for p in attn.parameters() if p.requires_grad))
         out = attn.project_out(heads, x)
     out = out if valid is None else out.masked_fill(~valid[..., None], 0.0)
     if not weights:

@@ -26,6 +26,7 @@ import torch
 
 from ...kv_formats import DenseRows
 from .cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported, cpu_unsupported_for
+from .differentiable import recording
 
 DECODE_BACKENDS = ("auto", "naive", "torch", "cpu", "triton")
 
@@ -102,6 +103,11 @@ def resolve_backend(backend: str, q_lat: torch.Tensor, q_rope: torch.Tensor, kv_
     passing the result changes nothing. ``written``: the rows (name -> tensor) a caller resolving
     before it writes the cache will write, whose autograd the cache then carries."""
     chosen = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
+    if chosen == "triton" and recording(q_lat, q_rope, kv_cache, scale_cache, *(written or {}).values()):
+        if backend == "triton":  # the kernel has no backward: autograd would fail after the forward
+            raise ValueError("backend: 'triton' has no backward, and autograd records through this call; use "
+                             "'auto' or 'torch' to decode with gradients, or decode under torch.no_grad()")
+        return "torch"  # its differentiable path (differentiable.py)
     if chosen != "cpu":
         return chosen
     reason = cpu_unsupported(q_lat, q_rope, kv_cache, scale_cache, softmax_scale, written)
