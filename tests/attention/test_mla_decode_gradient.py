@@ -32,8 +32,9 @@ def test_an_eval_decode_outside_no_grad_is_inference_and_its_backward_refuses():
     assert not cache.decode_view()["kv_cache"].requires_grad  # the decode steps kept no graph in the cache
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match=r"^attention: an MLA decode step in eval mode is inference .* "
-                                           r"call model.train\(\) first, or decode under torch.no_grad\(\)"):
+    refusal = (r"^attention: an MLA decode step in eval mode is inference .* put the MLA modules in training mode .* "
+               r"or decode under torch.no_grad\(\)")
+    with pytest.raises(RuntimeError, match=refusal):
         got[-1].sum().backward()
 
 
@@ -76,3 +77,52 @@ def test_a_bf16_decode_step_with_only_kv_b_proj_trained_matches_the_explicit_pat
     mla(x[:, 5:], cache)[:, -1].float().square().sum().backward()
     got = mla.kv_b_proj.weight.grad.float()
     assert ((got - want).norm() / want.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_an_expand_step_has_the_explicit_gradient_in_either_mode(mode):
+    """The 'expand' path (the transformers adapter's custom masks and padding queries take it) records
+    in eval mode too: its key scalars must come from weights autograd follows (a kept copy left
+    kv_b_proj's gradient off by 0.17 relative)."""
+    torch.manual_seed(0)
+    mla = MLA(CFG).double().train(mode == "train")
+    x = torch.randn(2, 6, 64, dtype=torch.double)
+    mla(x)[:, 5:].square().sum().backward()
+    want = {n: p.grad.clone() for n, p in mla.named_parameters()}
+    mla.zero_grad()
+    cache = LatentCache.from_config(CFG, 2, 8, dtype=torch.double)
+    mla(x[:, :5], cache)
+    mla(x[:, 5:], cache, path="expand").square().sum().backward()
+    for name, p in mla.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
+
+
+def test_a_training_decode_over_an_evicting_cache_refuses_its_backward():
+    """A policy moves rows inside the cache without autograd: the slot's gradient went to the token
+    first written there (an evicted token got +0.13, a kept one 0, against finite differences)."""
+    from qkmla.cache import StreamingLLM
+
+    torch.manual_seed(0)
+    mla = MLA(CFG)
+    x = torch.randn(1, 9, 64)
+    cache = LatentCache.from_config(CFG, 1, 16, policy=StreamingLLM(sinks=2, budget=6))
+    mla(x[:, :8], cache)
+    out = mla(x[:, 8:], cache)
+    with pytest.raises(RuntimeError, match=r"^cache: an eviction policy moves cached rows without autograd"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert torch.isfinite(mla(x[:, 8:], cache)).all()
+
+
+def test_a_subclass_overriding_the_query_hook_with_its_own_signature_still_decodes():
+    class Scaled(MLA):
+        def absorbed_query(self, x, positions):
+            q_lat, q_rope = super().absorbed_query(x, positions)
+            return q_lat * 2, q_rope
+
+    torch.manual_seed(0)
+    mla = Scaled(CFG)
+    cache = LatentCache.from_config(CFG, 2, 8)
+    mla(torch.randn(2, 5, 64), cache)
+    mla(torch.randn(2, 1, 64), cache).sum().backward()
+    assert mla.kv_b_proj.weight.grad is not None and "_step_weights" not in vars(mla)

@@ -3920,7 +3920,8 @@ def probe13_rows():
         assert main(["experiment", "--list"]) == 0 and "norm-mode" in env.capsys.readouterr().out
 
     return [
-        Row("experiment", "size", "--list with a NAME or other flags: ignored without a word", list_with_other_arguments),
+        Row("experiment", "size", "--list with a NAME or other flags: ignored without a word",
+            list_with_other_arguments),
         Row("train", "size", "--min-lr-ratio 0.5 with --schedule constant: ignored without a word",
             min_lr_ratio_with_a_constant_schedule),
         Row("experiment", "signal", "SIGKILL while the workers import: they outlived it, holding its pipes",

@@ -247,26 +247,33 @@ def no_gradient_through(out: torch.Tensor, cache) -> torch.Tensor:
     return _BytesHoldNoGradient.apply(out, cache.kv_format)
 
 
-class _EvalDecodeNoGradient(torch.autograd.Function):
-    """The identity on a decode step's output computed without autograd; a backward that refuses
-    (:func:`no_decode_gradient`). ``anchors``: what the step's real gradient would have reached."""
+class _DecodeNoGradient(torch.autograd.Function):
+    """The identity on a decode step's output; a backward that refuses (:func:`no_decode_gradient`).
+    ``anchors``: what the step's real gradient would have reached."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, reason: str, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.reason = reason
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.reason == "evicting":
+            raise RuntimeError("cache: an eviction policy moves cached rows without autograd, so a decode step's "
+                               "gradient over it would credit the tokens first written to the slots, not the tokens "
+                               "there now; train through a cache without a policy, or decode under torch.no_grad()")
         raise RuntimeError("attention: an MLA decode step in eval mode is inference (the absorbed weights and the "
                            "decode op's fast paths, no autograd), so it has no gradient; to train through a decode "
-                           "step call model.train() first, or decode under torch.no_grad()")
+                           "step put the MLA modules in training mode (model.train(), or .train() on each MLA "
+                           "module to keep dropout off), or decode under torch.no_grad()")
 
 
-def no_decode_gradient(out: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
-    """``out``, computed under ``torch.no_grad()`` by an eval-mode decode step, tied to ``anchors`` (the
-    step's input and the parameters that require grad) so that a backward through it raises, rather
-    than leaving the step's part out of the gradient without a word."""
+def no_decode_gradient(out: torch.Tensor, *anchors: torch.Tensor, reason: str = "eval") -> torch.Tensor:
+    """``out``, a decode step's output whose gradient would be wrong or missing, tied to ``anchors`` (the
+    step's input and the parameters that require grad) so that a backward through it raises rather than
+    giving it without a word. ``reason``: "eval" (the step ran under ``torch.no_grad()`` in eval mode) or
+    "evicting" (the cache's policy moves rows without autograd)."""
     anchors = tuple(a for a in anchors if isinstance(a, torch.Tensor) and a.requires_grad)
     if not anchors:
         return out
-    return _EvalDecodeNoGradient.apply(out, *anchors)
+    return _DecodeNoGradient.apply(out, reason, *anchors)

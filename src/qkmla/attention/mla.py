@@ -242,12 +242,16 @@ class MLA(nn.Module):
         return self._absorbed.get(self._absorb_sources(), self._derive)
 
     def step_weights(self) -> AbsorbedWeights:
-        """The absorbed weights a forward computes with: the kept ones (:attr:`absorbed`), or, in training
-        mode where autograd records through the parameters they come from (a decode step trained through),
-        weights derived afresh with autograd and not kept, so that backward reaches kv_b_proj and the norm
-        weights (the kept ones, derived without it, left them out of a decode step's gradient)."""
+        """The absorbed weights a forward computes with: the kept ones (:attr:`absorbed`), or, where autograd
+        records through the parameters they come from (a decode step trained through, a path that expands the
+        cached keys), weights derived afresh with autograd and not kept, so that backward reaches kv_b_proj and
+        the norm weights (the kept ones, derived without it, left them out of the gradient). Within one
+        absorbed decode step, the weights it derived once (:meth:`_absorbed_decode`)."""
+        held = self.__dict__.get("_step_weights")
+        if held is not None:
+            return held
         self._check_kv_b_proj()  # first: a wrapper (an adapter) may have no .weight for the sources to read
-        if self.training and torch.is_grad_enabled() and any(p.requires_grad for p in self._absorb_sources()):
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self._absorb_sources()):
             c = self.config
             return absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, c.num_kv_groups, c.qk_nope_head_dim,
                           track=True)
@@ -266,22 +270,19 @@ class MLA(nn.Module):
         self._absorbed = DerivedWeights()
         return super().train(mode)
 
-    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor,
-                       weights: Optional[AbsorbedWeights] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied. ``weights``: the
-        step's (:meth:`step_weights`), if the caller has them already."""
-        q_lat, q_r = latent_query(*self.raw_query(x), self.q_norm, weights or self.step_weights())
+    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_lat [B, T, h, d_c], q_rope [B, T, h, d_r]), logit scale not yet applied."""
+        q_lat, q_r = latent_query(*self.raw_query(x), self.q_norm, self.step_weights())
         return q_lat, self.rotary(q_r, positions)
 
-    def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None, cache=None,
-                   weights: Optional[AbsorbedWeights] = None) -> dict[str, torch.Tensor]:
+    def cache_rows(self, x: torch.Tensor, positions: torch.Tensor, latent=None, cache=None) -> dict[str, torch.Tensor]:
         """What :meth:`LatentCache.append` takes for tokens x: ``c_kv`` [B, T, d_c], the normalized,
         rotated ``k_rope`` [B, T, d_r] and ``key_scale`` [B, T, G] (None without a QK norm).
         ``latent``: x's (c, k~^R) if already projected. ``cache``: the cache the rows go to; r
         is computed from c as it reads c back (``stored_latent``: dequantized, if quantized)."""
         c_kv, k_r = latent if latent is not None else self.latent(x)
         c_read = cache.stored_latent(c_kv) if cache is not None else c_kv
-        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, weights or self.step_weights())
+        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.step_weights())
         return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
 
     def logits(self, x: torch.Tensor, path: str = "explicit", positions: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -378,13 +379,26 @@ class MLA(nn.Module):
             out, queries = self._absorbed_decode(x, cache, slot, indices)
         if inference:
             out = no_decode_gradient(out, x, *(p for p in self.parameters() if p.requires_grad))
+        elif torch.is_grad_enabled() and cache.eviction is not None:
+            # the policy moves rows without autograd (evictor.py), which would credit a slot's gradient to
+            # the token first written there: a later step's gradient would be wrong, silently
+            out = no_decode_gradient(out, x, *(p for p in self.parameters() if p.requires_grad),
+                                     reason="evicting")
         return no_gradient_through(out, cache), queries
 
     def _absorbed_decode(self, x: torch.Tensor, cache: LatentCache, slot, indices: Optional[torch.Tensor]):
-        """:meth:`_attend_latent`'s absorbed path: the weights derived once for the step."""
-        w = self.step_weights()
-        q_lat, q_rope = self.absorbed_query(x, slot.positions, w)
-        rows = self.cache_rows(x, slot.positions, cache=cache, weights=w)
+        """:meth:`_attend_latent`'s absorbed path, its weights derived once for the step (held for
+        :meth:`step_weights`, so that the query, the key scalars and the values share them)."""
+        self.__dict__["_step_weights"] = self.step_weights()
+        try:
+            return self._absorbed_decode_with(self.__dict__["_step_weights"], x, cache, slot, indices)
+        finally:
+            self.__dict__.pop("_step_weights", None)
+
+    def _absorbed_decode_with(self, w: AbsorbedWeights, x: torch.Tensor, cache: LatentCache, slot,
+                              indices: Optional[torch.Tensor]):
+        q_lat, q_rope = self.absorbed_query(x, slot.positions)
+        rows = self.cache_rows(x, slot.positions, cache=cache)
         # The backend is settled once, from the cache's own tensors and row format and the rows
         # about to be written (their autograd becomes the cache's), before the cache is written:
         # one that cannot run must not leave the new token in the cache (a retry would attend to

@@ -267,3 +267,15 @@ def test_an_eval_static_decode_step_refuses_its_backward():
     out = model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
     with pytest.raises(RuntimeError, match=r"^attention: an MLA decode step in eval mode is inference"):
         out.sum().backward()
+
+
+def test_an_eval_static_decode_loop_outside_no_grad_keeps_no_graph():
+    model = _grad_model().eval()
+    ids = torch.randint(0, 64, (1, 12))
+    cache = LatentAttentionCache(model, max_cache_len=16, static=True)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+    for t in range(6, 12):
+        model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert not layer.latent.requires_grad and (layer.key_scale is None or not layer.key_scale.requires_grad)

@@ -270,9 +270,8 @@ class LatentAttention(MLA):
         scale = self.temperature(positions)
         return q if scale is None else q * scale.to(q.dtype)
 
-    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor,
-                       weights=None) -> tuple[torch.Tensor, torch.Tensor]:
-        q_lat, q_rope = super().absorbed_query(x, positions, weights)
+    def absorbed_query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_lat, q_rope = super().absorbed_query(x, positions)
         scale = self.temperature(positions)
         return (q_lat, q_rope) if scale is None else (q_lat * scale.to(q_lat.dtype), q_rope * scale.to(q_rope.dtype))
 

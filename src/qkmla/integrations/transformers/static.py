@@ -29,11 +29,13 @@ policy is refused when the cache is built (:func:`check_static_settings`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ...attention.functional import no_decode_gradient
 from ...config import MLAConfig
 from ...dtypes import cast
 from ...utils.checked import FixedSettings, as_int, check_size, is_int
@@ -301,20 +303,22 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     columns = layer.length + torch.arange(T, device=x.device)  # [T]
     positions = (position_ids if position_ids is not None else columns[None]).to(x.device).expand(B, T)
     real = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
-    w = _absorbed_weights(attn)
-    c_kv, k_r = attn.latent(x)
-    k_r, key_scale = _key_rows(attn, c_kv, k_r, w.w_uk)
-    layer.write(columns, c_kv, attn.rotary(k_r, positions).squeeze(2), key_scale, real)
-    probs = None
-    if prefill:  # the explicit path over the new tokens alone, as the growing cache's prefill
-        out, _ = attn._uncached(x, valid, positions)
-    else:
-        heads, probs = _attend_columns(attn, layer, x, positions, columns, w)
-        if not attn.training and torch.is_grad_enabled():  # the kept weights: a backward would miss kv_b_proj's part
-            from ...attention.functional import no_decode_gradient
-
-            heads = no_decode_gradient(heads, x, *(p for p in attn.parameters() if p.requires_grad))
-        out = attn.project_out(heads, x)
+    # In eval mode a step over the columns is inference, also outside torch.no_grad (as MLA's own decode
+    # step): no graph kept in the buffers, and a backward that says so. The explicit prefill keeps its graph.
+    inference = not prefill and not attn.training and torch.is_grad_enabled()
+    with torch.no_grad() if inference else contextlib.nullcontext():
+        w = _absorbed_weights(attn)
+        c_kv, k_r = attn.latent(x)
+        k_r, key_scale = _key_rows(attn, c_kv, k_r, w.w_uk)
+        layer.write(columns, c_kv, attn.rotary(k_r, positions).squeeze(2), key_scale, real)
+        probs = None
+        if prefill:  # the explicit path over the new tokens alone, as the growing cache's prefill
+            out, _ = attn._uncached(x, valid, positions)
+        else:
+            heads, probs = _attend_columns(attn, layer, x, positions, columns, w)
+            out = attn.project_out(heads, x)
+    if inference:
+        out = no_decode_gradient(out, x, *(p for p in attn.parameters() if p.requires_grad))
     out = out if valid is None else out.masked_fill(~valid[..., None], 0.0)
     if not weights:
         return out, None
