@@ -126,3 +126,20 @@ def test_a_subclass_overriding_the_query_hook_with_its_own_signature_still_decod
     mla(torch.randn(2, 5, 64), cache)
     mla(torch.randn(2, 1, 64), cache).sum().backward()
     assert mla.kv_b_proj.weight.grad is not None and "_step_weights" not in vars(mla)
+
+
+def test_expand_steps_in_a_row_are_trained_through():
+    """A second 'expand' step's append overwrote, in place, the cached rows autograd had saved for the
+    first step's backward: "modified by an inplace operation". Each step now reads a copy."""
+    torch.manual_seed(0)
+    mla = MLA(CFG).double()
+    x = torch.randn(2, 7, 64, dtype=torch.double)
+    mla(x)[:, 5:].square().sum().backward()
+    want = {n: p.grad.clone() for n, p in mla.named_parameters()}
+    mla.zero_grad()
+    cache = LatentCache.from_config(CFG, 2, 8, dtype=torch.double)
+    mla(x[:, :5], cache)
+    outs = [mla(x[:, t:t + 1], cache, path="expand") for t in (5, 6)]
+    torch.cat(outs, dim=1).square().sum().backward()
+    for name, p in mla.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)

@@ -423,4 +423,7 @@ class MLA(nn.Module):
     def expand_cache(self, latent: torch.Tensor, key_scale: Optional[torch.Tensor]):
         """HF-style: every cached latent [B, S, d_c + d_r] up-projected to normalized keys
         [B, S, G, d_n + d_r] and values [B, S, G, d_v] (see :func:`absorbed.expand_keys`)."""
+        if torch.is_grad_enabled():  # autograd saves them for the backward, and the next append writes them in place
+            latent = latent.clone()
+            key_scale = key_scale.clone() if key_scale is not None else None
         return expand_keys(latent, key_scale, self.kv_b_proj, self.k_norm, self.config)
