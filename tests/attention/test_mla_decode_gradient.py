@@ -12,6 +12,19 @@ CFG = MLAConfig(hidden_size=64, num_heads=4, num_kv_groups=2, kv_lora_rank=32, q
                 qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=32, qk_norm="rms")
 
 
+def assert_cached_gradient_is_explicit(mla: MLA, x: torch.Tensor, prefill: int, cached_steps) -> None:
+    """The parameters' gradient of the tokens after ``prefill`` through ``cached_steps(cache)`` (their
+    outputs, [B, T - prefill, hidden]) equals the explicit path's over all of x, to float64 roundoff."""
+    mla(x)[:, prefill:].square().sum().backward()
+    want = {n: p.grad.clone() for n, p in mla.named_parameters()}
+    mla.zero_grad()
+    cache = LatentCache.from_config(CFG, x.shape[0], x.shape[1] + 1, dtype=x.dtype)
+    mla(x[:, :prefill], cache)
+    cached_steps(cache).square().sum().backward()
+    for name, p in mla.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
+
+
 def test_an_eval_decode_outside_no_grad_is_inference_and_its_backward_refuses():
     """A plain decode loop in eval mode without torch.no_grad took the recording path: the absorbed
     weights derived again at every step and the cache's rows copied densely and kept in the graph
@@ -87,14 +100,7 @@ def test_an_expand_step_has_the_explicit_gradient_in_either_mode(mode):
     torch.manual_seed(0)
     mla = MLA(CFG).double().train(mode == "train")
     x = torch.randn(2, 6, 64, dtype=torch.double)
-    mla(x)[:, 5:].square().sum().backward()
-    want = {n: p.grad.clone() for n, p in mla.named_parameters()}
-    mla.zero_grad()
-    cache = LatentCache.from_config(CFG, 2, 8, dtype=torch.double)
-    mla(x[:, :5], cache)
-    mla(x[:, 5:], cache, path="expand").square().sum().backward()
-    for name, p in mla.named_parameters():
-        torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
+    assert_cached_gradient_is_explicit(mla, x, 5, lambda cache: mla(x[:, 5:], cache, path="expand"))
 
 
 def test_a_training_decode_over_an_evicting_cache_refuses_its_backward():
@@ -134,12 +140,5 @@ def test_expand_steps_in_a_row_are_trained_through():
     torch.manual_seed(0)
     mla = MLA(CFG).double()
     x = torch.randn(2, 7, 64, dtype=torch.double)
-    mla(x)[:, 5:].square().sum().backward()
-    want = {n: p.grad.clone() for n, p in mla.named_parameters()}
-    mla.zero_grad()
-    cache = LatentCache.from_config(CFG, 2, 8, dtype=torch.double)
-    mla(x[:, :5], cache)
-    outs = [mla(x[:, t:t + 1], cache, path="expand") for t in (5, 6)]
-    torch.cat(outs, dim=1).square().sum().backward()
-    for name, p in mla.named_parameters():
-        torch.testing.assert_close(p.grad, want[name], rtol=1e-8, atol=1e-12, msg=name)
+    assert_cached_gradient_is_explicit(
+        mla, x, 5, lambda cache: torch.cat([mla(x[:, t:t + 1], cache, path="expand") for t in (5, 6)], dim=1))

@@ -221,20 +221,18 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Sca
     return (p @ vv).transpose(1, 2).to(q.dtype)
 
 
-class _BytesHoldNoGradient(torch.autograd.Function):
-    """The identity forward; a backward that refuses, naming the cache's row format (:func:`no_gradient_through`)."""
+class _RefusedGradient(torch.autograd.Function):
+    """The identity forward; a backward that raises ``message``. ``anchors``: tensors the refused
+    gradient would have reached, made inputs so that a backward toward them meets the refusal."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, kv_format: str) -> torch.Tensor:
-        ctx.kv_format = kv_format
+    def forward(ctx, out: torch.Tensor, message: str, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.message = message
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        raise RuntimeError(f"cache: a kv_format={ctx.kv_format!r} cache stores its rows as bytes, which carry no "
-                           f"gradient, so this backward would leave out every cached token's path to the latent "
-                           f"projections and the key norm; train through a kv_format='dense' cache, or decode under "
-                           f"torch.no_grad()")
+        raise RuntimeError(ctx.message)
 
 
 def no_gradient_through(out: torch.Tensor, cache) -> torch.Tensor:
@@ -244,36 +242,30 @@ def no_gradient_through(out: torch.Tensor, cache) -> torch.Tensor:
     dense cache, whose rows keep their history."""
     if not (torch.is_grad_enabled() and out.requires_grad and cache.rows.quantized):
         return out
-    return _BytesHoldNoGradient.apply(out, cache.kv_format)
+    return _RefusedGradient.apply(
+        out, f"cache: a kv_format={cache.kv_format!r} cache stores its rows as bytes, which carry no gradient, so "
+             f"this backward would leave out every cached token's path to the latent projections and the key norm; "
+             f"train through a kv_format='dense' cache, or decode under torch.no_grad()")
 
 
-class _DecodeNoGradient(torch.autograd.Function):
-    """The identity on a decode step's output; a backward that refuses (:func:`no_decode_gradient`).
-    ``anchors``: what the step's real gradient would have reached."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, reason: str, *anchors: torch.Tensor) -> torch.Tensor:
-        ctx.reason = reason
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.reason == "evicting":
-            raise RuntimeError("cache: an eviction policy moves cached rows without autograd, so a decode step's "
-                               "gradient over it would credit the tokens first written to the slots, not the tokens "
-                               "there now; train through a cache without a policy, or decode under torch.no_grad()")
-        raise RuntimeError("attention: an MLA decode step in eval mode is inference (the absorbed weights and the "
-                           "decode op's fast paths, no autograd), so it has no gradient; to train through a decode "
-                           "step put the MLA modules in training mode (model.train(), or .train() on each MLA "
-                           "module to keep dropout off), or decode under torch.no_grad()")
+_DECODE_REFUSALS = {
+    "eval": "attention: an MLA decode step in eval mode is inference (the absorbed weights and the decode op's fast "
+            "paths, no autograd), so it has no gradient; to train through a decode step put the MLA modules in "
+            "training mode (model.train(), or .train() on each MLA module to keep dropout off), or decode under "
+            "torch.no_grad()",
+    "evicting": "cache: an eviction policy moves cached rows without autograd, so a decode step's gradient over it "
+                "would credit the tokens first written to the slots, not the tokens there now; train through a "
+                "cache without a policy, or decode under torch.no_grad()",
+}
 
 
-def no_decode_gradient(out: torch.Tensor, *anchors: torch.Tensor, reason: str = "eval") -> torch.Tensor:
-    """``out``, a decode step's output whose gradient would be wrong or missing, tied to ``anchors`` (the
-    step's input and the parameters that require grad) so that a backward through it raises rather than
+def no_decode_gradient(out: torch.Tensor, x: torch.Tensor, layer: torch.nn.Module,
+                       reason: str = "eval") -> torch.Tensor:
+    """``out``, a decode step's output whose gradient would be wrong or missing, tied to the step's input
+    ``x`` and ``layer``'s parameters that require grad, so that a backward through it raises rather than
     giving it without a word. ``reason``: "eval" (the step ran under ``torch.no_grad()`` in eval mode) or
     "evicting" (the cache's policy moves rows without autograd)."""
-    anchors = tuple(a for a in anchors if isinstance(a, torch.Tensor) and a.requires_grad)
+    anchors = tuple(t for t in (x, *layer.parameters()) if t.requires_grad)
     if not anchors:
         return out
-    return _DecodeNoGradient.apply(out, reason, *anchors)
+    return _RefusedGradient.apply(out, _DECODE_REFUSALS[reason], *anchors)

@@ -378,20 +378,19 @@ class MLA(nn.Module):
         with torch.no_grad() if inference else contextlib.nullcontext():
             out, queries = self._absorbed_decode(x, cache, slot, indices)
         if inference:
-            out = no_decode_gradient(out, x, *(p for p in self.parameters() if p.requires_grad))
+            out = no_decode_gradient(out, x, self)
         elif torch.is_grad_enabled() and cache.eviction is not None:
             # the policy moves rows without autograd (evictor.py), which would credit a slot's gradient to
             # the token first written there: a later step's gradient would be wrong, silently
-            out = no_decode_gradient(out, x, *(p for p in self.parameters() if p.requires_grad),
-                                     reason="evicting")
+            out = no_decode_gradient(out, x, self, reason="evicting")
         return no_gradient_through(out, cache), queries
 
     def _absorbed_decode(self, x: torch.Tensor, cache: LatentCache, slot, indices: Optional[torch.Tensor]):
         """:meth:`_attend_latent`'s absorbed path, its weights derived once for the step (held for
         :meth:`step_weights`, so that the query, the key scalars and the values share them)."""
-        self.__dict__["_step_weights"] = self.step_weights()
+        w = self.__dict__["_step_weights"] = self.step_weights()
         try:
-            return self._absorbed_decode_with(self.__dict__["_step_weights"], x, cache, slot, indices)
+            return self._absorbed_decode_with(w, x, cache, slot, indices)
         finally:
             self.__dict__.pop("_step_weights", None)
 

@@ -318,7 +318,7 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
             heads, probs = _attend_columns(attn, layer, x, positions, columns, w)
             out = attn.project_out(heads, x)
     if inference:
-        out = no_decode_gradient(out, x, *(p for p in attn.parameters() if p.requires_grad))
+        out = no_decode_gradient(out, x, attn)
     out = out if valid is None else out.masked_fill(~valid[..., None], 0.0)
     if not weights:
         return out, None
