@@ -3913,7 +3913,8 @@ def probe13_rows():
         the experiments, exit 0, the name and flags ignored without a word: a user who meant to run
         norm-mode learns nothing ran only from its missing results. Refused, naming what was given."""
         for argv, named in ((["norm-mode"], "NAME"), (["--seeds", "3"], "--seeds"), (["--quick", "--workers", "1"],
-                                                                                      "--quick, --workers")):
+                                                                                      "--quick, --workers"),
+                             (["--workers", "0"], "--workers")):  # 0, the default's value, given: still a flag
             refuse(env, ["experiment", "--list", *argv], rf"--list: names the experiments and exits, so it takes "
                                                          rf"none of {named}")
         env.capsys.readouterr()

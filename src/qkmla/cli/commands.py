@@ -429,7 +429,7 @@ def _experiment(args: argparse.Namespace) -> int:
         given = [flag for flag, value in (("NAME", args.name), ("--seeds", args.seeds), ("--out", args.out),
                                           ("--sweep", args.sweep), ("--quick", args.quick or None),
                                           ("--overwrite", args.overwrite or None),
-                                          ("--workers", args.workers or None)) if value is not None]
+                                          ("--workers", args.workers)) if value is not None]
         if given:  # else silently ignored: `--list norm-mode` read as a request to run it
             raise ValueError(f"--list: names the experiments and exits, so it takes none of {', '.join(given)}; "
                              "run one with qkmla experiment NAME")
@@ -442,7 +442,8 @@ def _experiment(args: argparse.Namespace) -> int:
         raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
     check_seeds("--seeds", args.seeds)
     check_launch("experiment")  # the workers would wait for torchrun ranks that never come
-    check_workers("--workers", args.workers)
+    workers = 0 if args.workers is None else args.workers
+    check_workers("--workers", workers)
     if args.sweep is not None and not EXPERIMENTS[args.name].reads_sweep:  # else silently ignored
         readers = ", ".join(name for name, e in EXPERIMENTS.items() if e.reads_sweep)
         raise ValueError(f"--sweep: {args.name} does not read lr-sweep results (it picks its own learning rates); "
@@ -451,7 +452,7 @@ def _experiment(args: argparse.Namespace) -> int:
         check_input_file("--sweep", args.sweep, "results file")
     default = f"runs/experiments/{args.name}{'-quick' if args.quick else ''}"
     out = check_path("--out", default if args.out is None else args.out, "experiment directory")  # "": refused
-    options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=args.workers,
+    options = Options(out=out, quick=args.quick, seeds=args.seeds, workers=workers,
                       sweep=Path(args.sweep) if args.sweep else None, overwrite=args.overwrite)
     command = "qkmla experiment " + " ".join(map(shlex.quote, args.argv))
     report = run_experiment(EXPERIMENTS[args.name], options, progress=not args.no_progress, command=command)
@@ -610,7 +611,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quick", action="store_true", help="the test-sized grid (seconds)")
     e.add_argument("--seeds", type=int, default=None, help="seeds per variant (default: the experiment's)")
     e.add_argument("--out", default=None, help="directory (default runs/experiments/NAME)")
-    e.add_argument("--workers", type=int, default=0, help="processes, one thread each (default 0: one per core)")
+    # default None, not 0: `--list --workers 0` names a flag --list ignores, and is refused like any other
+    e.add_argument("--workers", type=int, default=None, help="processes, one thread each (default 0: one per core)")
     e.add_argument("--sweep", default=None, help="lr-sweep results.jsonl giving each variant's best lr, for the "
                                                  "experiments that train at it (length, lp-sweep, norm-mode, qk-clip; "
                                                  "refused for the others) (default: OUT/../lr-sweep/results.jsonl)")
