@@ -84,3 +84,22 @@ def test_the_decode_op_refuses_lengths_past_the_capacity():
             with pytest.raises(ValueError, match=r"cache_seqlens: expected lengths in \[0, 6\]"):
                 mla_decode_with_kvcache(q_lat, q_rope, torch.randn(2, 6, 24), None, torch.tensor(lengths),
                                         softmax_scale=0.3, backend=backend)
+
+
+def test_a_layout_pickled_before_table_given_reads_one_answer_for_table_and_pool():
+    """A PagedLayout pickled before ``_table_given`` existed, holding no table: the table was made by default
+    but the pool's memory refusal named ``block_table`` (a table the caller never gave), the two reading
+    "given" with two different fallbacks. Now one answer: the refusal names ``capacity``, as for a new one."""
+    import pickle
+
+    def pickled_before_table_given():
+        layout = PagedLayout(2**16)
+        del layout.__dict__["_table_given"]
+        return pickle.loads(pickle.dumps(layout))
+
+    for make in (PagedLayout, pickled_before_table_given):  # a small table (2 x 1024 ids) of a pool past memory
+        layout = PagedLayout(2**16) if make is PagedLayout else make()
+        with pytest.raises(ValueError, match=r"^capacity: .*a pool of"):
+            layout.buffer(2, 2**26, 1024, torch.float32)
+        layout = PagedLayout(2**16) if make is PagedLayout else make()
+        assert layout.buffer(2, 10, 5, torch.float32).capacity == 2**16

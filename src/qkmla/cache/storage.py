@@ -179,10 +179,14 @@ class PagedLayout(Layout, Frozen):
         self._num_blocks_given = num_blocks is not None  # else each cache sets it from its table
         self._table_given = block_table is not None  # else each cache gets the default table of its shape
 
-    def _table(self, batch_size: int, capacity: int, device) -> torch.Tensor:
-        # A layout pickled before _table_given existed: a table it holds was given, or filled in by a cache
-        # of the same shape, which the default below reproduces.
-        if not getattr(self, "_table_given", self.block_table is not None):
+    def _given_table(self) -> bool:
+        """Whether the caller gave ``block_table``. A layout pickled before ``_table_given`` existed: a table it
+        holds was given, or filled in by a cache of the same shape, which the default table reproduces (so
+        either reading loads the same rows); one answer, for the table and for the buffer's messages alike."""
+        return getattr(self, "_table_given", self.block_table is not None)
+
+    def _table(self, batch_size: int, capacity: int, device, table_given: bool) -> torch.Tensor:
+        if not table_given:
             self._default_table(batch_size, capacity, device)
         table = self.block_table
         if not isinstance(table, torch.Tensor) or table.dtype.is_floating_point or table.dtype.is_complex \
@@ -229,9 +233,10 @@ class PagedLayout(Layout, Frozen):
             object.__setattr__(self, "num_blocks", batch_size * per_seq)
 
     def buffer(self, batch_size, capacity, width, dtype, device=None, fill=0.0):
-        table = self._table(batch_size, capacity, device)
+        table_given = self._given_table()
+        table = self._table(batch_size, capacity, device, table_given)
         return PagedBuffer(table, self.num_blocks, self.block_size, width, dtype, device, fill, self._num_blocks_given,
-                           getattr(self, "_table_given", True))
+                           table_given)
 
     def __repr__(self) -> str:
         return f"PagedLayout(block_size={self.block_size}, num_blocks={self.num_blocks})"
