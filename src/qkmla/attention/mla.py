@@ -251,11 +251,16 @@ class MLA(nn.Module):
         if held is not None:
             return held
         self._check_kv_b_proj()  # first: a wrapper (an adapter) may have no .weight for the sources to read
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self._absorb_sources()):
+        if self.records_weight_gradients():
             c = self.config
             return absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, c.num_kv_groups, c.qk_nope_head_dim,
                           track=True)
         return self.absorbed
+
+    def records_weight_gradients(self) -> bool:
+        """Whether autograd records through the parameters the absorbed weights come from (so a forward must
+        derive them afresh, with autograd, rather than read the kept ones)."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self._absorb_sources())
 
     def __setattr__(self, name: str, value) -> None:
         # A module the absorbed weights are derived from, swapped (an adapter wrapping kv_b_proj,

@@ -259,6 +259,30 @@ def test_a_decode_step_trained_through_either_cache_has_the_explicit_gradient(st
         torch.testing.assert_close(got, g, rtol=1e-8, atol=1e-12, msg=name)
 
 
+def test_a_compiled_training_step_after_a_no_grad_prefill_has_the_eager_gradient():
+    """A prefill under no_grad keeps the absorbed weights (derived without autograd); a compiled decode step
+    trained through then read those kept ones, where an eager step derives them afresh: kv_b_proj got no
+    gradient at all, silently. The compiled step's gradients are now the eager step's."""
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for compiled in (False, True):
+        model = _grad_model().train()
+        cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+        with torch.no_grad():
+            model(ids[:, :6], past_key_values=cache, use_cache=True)
+        attn = model.model.layers[0].self_attn
+        assert attn._absorbed.weights is not None  # the kept weights a compiled step could read
+        if compiled:
+            attn.forward = torch.compile(attn.forward, backend="aot_eager", fullgraph=True)
+        model(ids[:, 6:], past_key_values=cache, use_cache=True).logits[:, -1].square().sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    eager, compiled = grads
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in eager and eager.keys() == compiled.keys()
+    for name, g in eager.items():
+        torch.testing.assert_close(compiled[name], g, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_an_eval_static_decode_step_refuses_its_backward():
     model = _grad_model().eval()
     ids = torch.randint(0, 64, (1, 7))

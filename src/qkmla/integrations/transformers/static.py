@@ -272,9 +272,11 @@ def _key_rows(attn, c_kv: torch.Tensor, k_r: torch.Tensor, w_uk: torch.Tensor):
 def _absorbed_weights(attn):
     """The layer's absorbed weights: re-checked against their sources in eager calls; a compiled
     step reads the ones kept (the prefill, eager, derived them), since the check reads version
-    counters and storage addresses, which a graph cannot."""
+    counters and storage addresses, which a graph cannot. A compiled step that autograd records
+    through (training mode, a prefill run under no_grad) derives them afresh, as an eager one does:
+    the kept ones, derived without autograd, left kv_b_proj and the norm weights without a gradient."""
     kept = attn._absorbed.weights
-    if torch.compiler.is_compiling() and kept is not None:
+    if torch.compiler.is_compiling() and kept is not None and not attn.records_weight_gradients():
         return kept
     return attn.step_weights()  # in training mode, with autograd: derived afresh, so kv_b_proj gets its gradient
 
