@@ -564,7 +564,12 @@ class SequenceCache:
         return data
 
     def reset(self) -> None:
-        """Forget every sequence (the storage is reused, not cleared)."""
+        """Forget every sequence (the storage is reused, not cleared), and the autograd history its
+        rows carry: a training step's rows made the buffers part of that step's graph, so the next
+        step's writes into them chained onto it, and its backward failed with "Trying to backward
+        through the graph a second time" once the first step's had run."""
+        for buf in self.fields.values():
+            buf.forget_history()
         self._set_lengths(seqlens=torch.zeros_like(self.seqlens), next_positions=torch.zeros_like(self.next_positions),
                           max_len=0, uniform=True)
         self._kept_lens = torch.zeros_like(self._kept_lens)

@@ -259,6 +259,29 @@ def test_a_decode_step_trained_through_either_cache_has_the_explicit_gradient(st
         torch.testing.assert_close(got, g, rtol=1e-8, atol=1e-12, msg=name)
 
 
+def test_training_steps_over_a_reset_static_cache_have_the_explicit_gradient():
+    """Probe 14b T07: a training step through a static cache, its backward, ``cache.reset()`` and a second step failed
+    in the second backward ("Trying to backward through the graph a second time"): reset() zeroed the buffers in
+    place, keeping the first step's graph, which the second step's writes chained onto. reset() drops it now, in
+    place (the buffers keep their addresses for a compiled step)."""
+    model = _grad_model().train()
+    ids = torch.randint(0, 64, (1, 7))
+    model(ids, use_cache=False).logits[:, -1].square().sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+    for step in range(2):
+        model.zero_grad()
+        cache.reset()
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        if step == 0:
+            address = cache.layers[0].latent.data_ptr()
+        model(ids[:, 6:], past_key_values=cache, use_cache=True).logits[:, -1].square().sum().backward()
+        for name, g in want.items():
+            torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-8, atol=1e-12,
+                                       msg=f"{step} {name}")
+    assert cache.layers[0].latent.data_ptr() == address
+
+
 def test_an_eval_static_decode_step_refuses_its_backward():
     model = _grad_model().eval()
     ids = torch.randint(0, 64, (1, 7))

@@ -192,10 +192,15 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         return self.latent.shape[-1] * self.latent.element_size() + scale
 
     def reset(self) -> None:
-        """Forget every token; the buffers (and batch size) stay."""
+        """Forget every token; the buffers (and batch size) stay, without the autograd history of rows a
+        training step wrote (kept, the next step's writes chained onto the freed graph of the last, and
+        its backward failed with "Trying to backward through the graph a second time"). In place: the
+        buffers keep the addresses a compiled decode step was built for."""
         if self.latent is not None:
             for t in (self.latent, self.key_scale, self.key_valid):
                 if t is not None:
+                    if t.grad_fn is not None:
+                        t.detach_()
                     t.zero_()
         self.length.zero_()
 
