@@ -3967,9 +3967,34 @@ def probe14b_rows():
             cache.reset()  # ...history the reset drops, so the cache copies again
             assert copy.deepcopy(cache).max_len == 0
 
+    def a_cache_made_under_inference_mode(env):
+        """Probes G19, G19b: a cache built under ``torch.inference_mode()`` and then written outside it (a decode
+        under ``torch.no_grad()``, or a training step) failed deep in the write with torch's "Inplace update to
+        inference tensor outside InferenceMode is not allowed", after the projections ran and naming no cache.
+        Refused now before any work, naming cache and the way out; inside inference_mode it decodes as before."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 6, 64)
+        with torch.inference_mode():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+        for context in (torch.no_grad, torch.enable_grad):
+            with context():
+                raises(lambda: mla(x[:, :5], cache), ValueError,
+                       r"^cache: its buffers were made under torch.inference_mode\(\), .*torch.no_grad\(\) is not "
+                       r"enough")
+        assert cache.max_len == 0
+        with torch.inference_mode():
+            out = torch.cat([mla(x[:, :5], cache), mla(x[:, 5:], cache)], dim=1)
+            torch.testing.assert_close(out, mla(x), rtol=1e-5, atol=1e-5)
+
     return [
         Row("LatentCache", "size", "cache.reset() between training steps: the second backward failed 'through the "
             "graph a second time' (the buffers kept the first step's graph)", training_steps_over_a_reset_cache),
+        Row("LatentCache", "size", "a cache built under torch.inference_mode() written outside it (torch's "
+            "'Inplace update to inference tensor', after the projections)", a_cache_made_under_inference_mode),
     ]
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()

@@ -282,6 +282,24 @@ def test_training_steps_over_a_reset_static_cache_have_the_explicit_gradient():
     assert cache.layers[0].latent.data_ptr() == address
 
 
+def test_a_static_cache_filled_under_inference_mode_is_refused_outside_it():
+    """Probe 14b: a static cache first filled under ``torch.inference_mode()`` and continued outside it (under
+    ``torch.no_grad()``) failed deep in the write with torch's "Inplace update to inference tensor outside
+    InferenceMode is not allowed", naming no cache; refused now naming cache, before any write."""
+    model = _grad_model().eval()
+    ids = torch.randint(0, 64, (1, 7))
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+    with torch.inference_mode():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^cache: its buffers were made under "
+                                                          r"torch.inference_mode\(\).*torch.no_grad\(\) is not"):
+        model(ids[:, 6:], past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 6
+    with torch.inference_mode():
+        model(ids[:, 6:], past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 7
+
+
 def test_an_eval_static_decode_step_refuses_its_backward():
     model = _grad_model().eval()
     ids = torch.randint(0, 64, (1, 7))

@@ -116,6 +116,12 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
             if torch.device(device) != self.latent.device or dtype != self.latent.dtype:
                 raise ValueError(f"cache: it holds {self.latent.dtype} rows on {self.latent.device}, the model now "
                                  f"runs {dtype} on {device}; pass a new cache")
+            # torch's own refusal, at the write, names no cache (not traced: dynamo cannot read is_inference)
+            if not torch.compiler.is_compiling() and self.latent.is_inference() \
+                    and not torch.is_inference_mode_enabled():
+                raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only "
+                                 "code inside inference_mode write them; continue inside torch.inference_mode() "
+                                 "(torch.no_grad() is not enough), or pass a new cache")
             return
         c, L = self.config, self.max_cache_len
         if not torch.compiler.is_compiling():  # it reads the machine's free memory: nothing to trace
