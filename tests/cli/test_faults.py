@@ -3990,11 +3990,24 @@ def probe14b_rows():
             out = torch.cat([mla(x[:, :5], cache), mla(x[:, 5:], cache)], dim=1)
             torch.testing.assert_close(out, mla(x), rtol=1e-5, atol=1e-5)
 
+    def select_backend_of_an_empty_latent(env):
+        """Probe D29: ``select_backend("cpu", "cpu", d_c=0, ...)`` answered "cpu" (and so did other widths no
+        backend runs, d_r=-1, "x"), a backend for rows that cannot exist. Refused now naming d_c / d_r."""
+        from qkmla.ops.mla_decode import select_backend
+
+        for d_c, d_r, name in ((0, 16, "d_c"), (-3, 16, "d_c"), ("32", 16, "d_c"), (True, 16, "d_c"),
+                               (32, -1, "d_r")):
+            raises(lambda: select_backend("cpu", "cpu", d_c, d_r, torch.bfloat16), ValueError,
+                   rf"^{name}: expected an int >= ")
+        assert select_backend("torch", "cpu", 32, 0) == "torch"
+
     return [
         Row("LatentCache", "size", "cache.reset() between training steps: the second backward failed 'through the "
             "graph a second time' (the buffers kept the first step's graph)", training_steps_over_a_reset_cache),
         Row("LatentCache", "size", "a cache built under torch.inference_mode() written outside it (torch's "
             "'Inplace update to inference tensor', after the projections)", a_cache_made_under_inference_mode),
+        Row("mla_decode_with_kvcache", "size", "select_backend(d_c=0 / d_r=-1): 'cpu' chosen for rows that cannot "
+            "exist", select_backend_of_an_empty_latent),
     ]
 
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
