@@ -3934,10 +3934,87 @@ def probe13_rows():
     ]
 
 
+def probe14b_rows():
+    """The fourteenth probe's failures in the Python API (issue 56, probe 14b: fresh probes of the constructors,
+    the decode op and the integrations, the gradients through the absorbed decode above all, written without this
+    table)."""
+
+    def training_steps_over_a_reset_cache(env):
+        """Probe G28: a training step through a cache's decode steps, its backward, ``cache.reset()`` and a second
+        step over the same cache failed in the second backward with torch's "Trying to backward through the graph a
+        second time": the first step's writes left the buffers nodes of its (freed) graph, and the second step's
+        writes chained onto it. reset() now drops that history; the second step's gradients equal the explicit
+        path's, as the first's do."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).double()
+        x = torch.randn(2, 6, 64, dtype=torch.double)
+        mla(x)[:, -1].square().sum().backward()  # the explicit path: no cache
+        want = {n: p.grad.clone() for n, p in mla.named_parameters()}
+        for layout in (None, PagedLayout(4)):
+            cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.double, layout=layout)
+            for step in range(2):
+                mla.zero_grad()
+                cache.reset()
+                mla(x[:, :5], cache)
+                mla(x[:, 5:], cache)[:, -1].square().sum().backward()
+                for name, p in mla.named_parameters():
+                    torch.testing.assert_close(p.grad, want[name], rtol=1e-9, atol=1e-12, msg=f"{step} {name}")
+            raises(lambda: copy.deepcopy(cache), RuntimeError, r"^cache: its latent, key_scale rows carry autograd")
+            cache.reset()  # ...history the reset drops, so the cache copies again
+            assert copy.deepcopy(cache).max_len == 0
+
+    def a_cache_made_under_inference_mode(env):
+        """Probes G19, G19b: a cache built under ``torch.inference_mode()`` and then written outside it (a decode
+        under ``torch.no_grad()``, or a training step) failed deep in the write with torch's "Inplace update to
+        inference tensor outside InferenceMode is not allowed", after the projections ran and naming no cache.
+        Refused now before any work, naming cache and the way out; inside inference_mode it decodes as before."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 6, 64)
+        with torch.inference_mode():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+        for context in (torch.no_grad, torch.enable_grad):
+            with context():
+                raises(lambda: mla(x[:, :5], cache), ValueError,
+                       r"^cache: its buffers were made under torch.inference_mode\(\), .*torch.no_grad\(\) is not "
+                       r"enough")
+        assert cache.max_len == 0
+        with torch.inference_mode():
+            out = torch.cat([mla(x[:, :5], cache), mla(x[:, 5:], cache)], dim=1)
+            torch.testing.assert_close(out, mla(x), rtol=1e-5, atol=1e-5)
+
+    def select_backend_of_an_empty_latent(env):
+        """Probe D29: ``select_backend("cpu", "cpu", d_c=0, ...)`` answered "cpu" (and so did other widths no
+        backend runs, d_r=-1, "x"), a backend for rows that cannot exist. Refused now naming d_c / d_r."""
+        from qkmla.ops.mla_decode import select_backend
+
+        for d_c, d_r, name in ((0, 16, "d_c"), (-3, 16, "d_c"), ("32", 16, "d_c"), (True, 16, "d_c"),
+                               (32, -1, "d_r")):
+            raises(lambda: select_backend("cpu", "cpu", d_c, d_r, torch.bfloat16), ValueError,
+                   rf"^{name}: expected an int >= ")
+        assert select_backend("torch", "cpu", 32, 0) == "torch"
+
+    return [
+        Row("LatentCache", "size", "cache.reset() between training steps: the second backward failed 'through the "
+            "graph a second time' (the buffers kept the first step's graph)", training_steps_over_a_reset_cache),
+        Row("LatentCache", "size", "a cache built under torch.inference_mode() written outside it (torch's "
+            "'Inplace update to inference tensor', after the projections)", a_cache_made_under_inference_mode),
+        Row("mla_decode_with_kvcache", "size", "select_backend(d_c=0 / d_r=-1): 'cpu' chosen for rows that cannot "
+            "exist", select_backend_of_an_empty_latent),
+    ]
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows())
+        + probe13b_rows() + probe14b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

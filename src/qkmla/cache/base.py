@@ -239,6 +239,7 @@ class SequenceCache:
         attention layer about to write them (:meth:`check_writer`)."""
         if writer is not None:
             self.check_writer(writer)
+        self.check_writable()
         if batch_size != self.batch_size:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
@@ -287,6 +288,18 @@ class SequenceCache:
         self._check_capacity(max_len, num_tokens)
         return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
                          next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
+
+    def check_writable(self) -> None:
+        """A ValueError naming cache when its buffers were made under ``torch.inference_mode()`` and this
+        write is outside it: torch refuses it, deep in the write ("Inplace update to inference tensor
+        outside InferenceMode is not allowed"), naming no cache and no way out; ``torch.no_grad()`` is
+        not inference mode."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # first: dynamo cannot trace the rest
+            return
+        if any(getattr(buf, buf.storage_name).is_inference() for buf in self.fields.values()):
+            raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only code "
+                             "inside inference_mode write them; decode with it inside torch.inference_mode() "
+                             "(torch.no_grad() is not enough), or build the cache outside inference_mode")
 
     def _check_capacity(self, max_len: int, num_tokens: int) -> None:
         if max_len > self.capacity:
@@ -564,7 +577,12 @@ class SequenceCache:
         return data
 
     def reset(self) -> None:
-        """Forget every sequence (the storage is reused, not cleared)."""
+        """Forget every sequence (the storage is reused, not cleared), and the autograd history its
+        rows carry: a training step's rows made the buffers part of that step's graph, so the next
+        step's writes into them chained onto it, and its backward failed with "Trying to backward
+        through the graph a second time" once the first step's had run."""
+        for buf in self.fields.values():
+            buf.forget_history()
         self._set_lengths(seqlens=torch.zeros_like(self.seqlens), next_positions=torch.zeros_like(self.next_positions),
                           max_len=0, uniform=True)
         self._kept_lens = torch.zeros_like(self._kept_lens)

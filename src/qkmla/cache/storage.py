@@ -53,6 +53,16 @@ class TokenBuffer(ABC):
     def nbytes(self) -> int:
         """Bytes allocated for this field."""
 
+    storage_name = "data"  # the attribute holding the tensor every row lives in
+
+    def forget_history(self) -> None:
+        """Drop the autograd history the stored rows carry (rows written by a forward with gradients on
+        make the whole tensor a node of that forward's graph). In place, so the tensor keeps its
+        address; its values are unchanged."""
+        t = getattr(self, self.storage_name)
+        if t.grad_fn is not None:
+            t.detach_()
+
 
 class ContiguousBuffer(TokenBuffer):
     def __init__(self, batch_size: int, capacity: int, width: int, dtype: torch.dtype,
@@ -93,6 +103,8 @@ class ContiguousBuffer(TokenBuffer):
 
 class PagedBuffer(TokenBuffer):
     """A pool of blocks [num_blocks, block_size, width] addressed through a block table."""
+
+    storage_name = "pool"
 
     def __init__(self, block_table: torch.Tensor, num_blocks: int, block_size: int, width: int,
                  dtype: torch.dtype, device=None, fill: float = 0.0, num_blocks_given: bool = False,

@@ -169,6 +169,28 @@ def test_training_step_matches_transformers_and_caches_nothing():
             assert max_rel(p.grad, q.grad) <= 1e-5, name
 
 
+def test_a_training_forward_asking_for_a_cache_gets_one_as_transformers_does():
+    """Probe 14b H28/H48: in training, ``model(ids, use_cache=True)`` returned no cache (transformers' own model
+    returns a DynamicCache), so a decode step given ``out.past_key_values`` (None) started a new sequence: its logits
+    were a one-token prompt's, 0.77 off the stock model's, without a word. Asked for, a cache is made now and the
+    step trains through it; left to the config's default (a loss), a training forward still caches nothing."""
+    ref = hf_model("v3").train()
+    model = patched(ref).train()
+    ids = torch.stack(prompts([7, 7]))
+    out = model(ids[:, :6], use_cache=True)
+    cache = getattr(out, CACHE, None) or out.past_key_values
+    assert isinstance(cache, LatentAttentionCache) and int(cache.get_seq_length()) == 6
+    step = model(ids[:, 6:], use_cache=True, **{CACHE: cache}).logits[:, -1]
+    want = ref(ids).logits[:, -1]
+    assert max_rel(step.detach(), want.detach()) <= 1e-6
+    want.square().sum().backward()
+    step.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert max_rel(p.grad, q.grad) <= 1e-6, name
+    assert getattr(model(ids, labels=ids), CACHE, None) is None  # a loss caches nothing, as before
+
+
 def test_greedy_tokens_match_transformers_float32():
     ref = hf_model("v3", dtype=torch.float32)
     model = patched(ref)

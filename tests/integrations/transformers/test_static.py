@@ -283,6 +283,47 @@ def test_a_compiled_training_step_after_a_no_grad_prefill_has_the_eager_gradient
         torch.testing.assert_close(compiled[name], g, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def test_training_steps_over_a_reset_static_cache_have_the_explicit_gradient():
+    """Probe 14b T07: a training step through a static cache, its backward, ``cache.reset()`` and a second step failed
+    in the second backward ("Trying to backward through the graph a second time"): reset() zeroed the buffers in
+    place, keeping the first step's graph, which the second step's writes chained onto. reset() drops it now, in
+    place (the buffers keep their addresses for a compiled step)."""
+    model = _grad_model().train()
+    ids = torch.randint(0, 64, (1, 7))
+    model(ids, use_cache=False).logits[:, -1].square().sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+    for step in range(2):
+        model.zero_grad()
+        cache.reset()
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+        if step == 0:
+            address = cache.layers[0].latent.data_ptr()
+        model(ids[:, 6:], past_key_values=cache, use_cache=True).logits[:, -1].square().sum().backward()
+        for name, g in want.items():
+            torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-8, atol=1e-12,
+                                       msg=f"{step} {name}")
+    assert cache.layers[0].latent.data_ptr() == address
+
+
+def test_a_static_cache_filled_under_inference_mode_is_refused_outside_it():
+    """Probe 14b: a static cache first filled under ``torch.inference_mode()`` and continued outside it (under
+    ``torch.no_grad()``) failed deep in the write with torch's "Inplace update to inference tensor outside
+    InferenceMode is not allowed", naming no cache; refused now naming cache, before any write."""
+    model = _grad_model().eval()
+    ids = torch.randint(0, 64, (1, 7))
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+    with torch.inference_mode():
+        model(ids[:, :6], past_key_values=cache, use_cache=True)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^cache: its buffers were made under "
+                                                          r"torch.inference_mode\(\).*torch.no_grad\(\) is not"):
+        model(ids[:, 6:], past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 6
+    with torch.inference_mode():
+        model(ids[:, 6:], past_key_values=cache, use_cache=True)
+    assert int(cache.get_seq_length()) == 7
+
+
 def test_an_eval_static_decode_step_refuses_its_backward():
     model = _grad_model().eval()
     ids = torch.randint(0, 64, (1, 7))

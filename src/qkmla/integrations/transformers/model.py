@@ -17,7 +17,8 @@ hooks on the inner ``*Model``:
   is kept on the model for the next (gradient checkpointing's recompute, a nested call and
   another thread see their own). A forward that caches gets a
   :class:`~qkmla.integrations.transformers.cache.LatentAttentionCache` (or its empty ``DynamicCache`` becomes
-  one); a training forward with no cache passed caches nothing; ``position_ids`` of another
+  one); a training forward with no cache passed caches nothing unless it asks (``use_cache=True``, as
+  transformers' own model caches then; not the config's default); ``position_ids`` of another
   shape than the call's tokens are refused (their values are honoured, whatever they are). A call that packs several sequences into a batch row
   (transformers' padding-free format: ``position_ids`` restarting with no ``attention_mask``, or
   the flash-attention kwargs ``cu_seq_lens_q/k``) attends within each sequence, caches nothing,
@@ -294,8 +295,8 @@ def _before_forward(module, args, kwargs):
     names = [n for n in ("cache", "past_key_values") if arguments.get(n) is not None]
     cache = arguments.get(names[0]) if names else None
     name = names[0] if names else ("cache" if "cache" in module._qkmla_signature.parameters else "past_key_values")
-    use_cache = arguments.get("use_cache")
-    use_cache = module.config.use_cache if use_cache is None else use_cache
+    asked = arguments.get("use_cache")
+    use_cache = module.config.use_cache if asked is None else asked
     if cache is not None:  # a static or quantized transformers cache is refused before anything else
         check_cache(cache, name)
     documents, packed_by = _packed_documents(arguments, batch_size, num_tokens)
@@ -305,7 +306,12 @@ def _before_forward(module, args, kwargs):
                          f"packed call cannot be cached: a cache row holds one sequence. Pass no {name} (a packed "
                          f"call without one caches nothing), or give each sequence a row of its own")
     if cache is None and use_cache:
-        if module.training or documents is not None:  # caches nothing (transformers would make a DynamicCache)
+        # A training forward caches nothing unless the caller asks (use_cache=True, not the config's default; the
+        # loss of a training step needs no cache), and then gets one, as transformers' own model does: it returned
+        # none, and a decode step given that None started a new sequence, without a word. Under gradient
+        # checkpointing transformers turns use_cache off itself (its layers could not write a cache twice).
+        checkpointing = getattr(module, "gradient_checkpointing", False) and torch.is_grad_enabled()
+        if (module.training and (asked is not True or checkpointing)) or documents is not None:
             arguments["use_cache"] = False
         else:
             cache = arguments[name] = LatentAttentionCache(module)

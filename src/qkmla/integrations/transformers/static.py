@@ -116,6 +116,12 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
             if torch.device(device) != self.latent.device or dtype != self.latent.dtype:
                 raise ValueError(f"cache: it holds {self.latent.dtype} rows on {self.latent.device}, the model now "
                                  f"runs {dtype} on {device}; pass a new cache")
+            # torch's own refusal, at the write, names no cache (not traced: dynamo cannot read is_inference)
+            if not torch.compiler.is_compiling() and self.latent.is_inference() \
+                    and not torch.is_inference_mode_enabled():
+                raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only "
+                                 "code inside inference_mode write them; continue inside torch.inference_mode() "
+                                 "(torch.no_grad() is not enough), or pass a new cache")
             return
         c, L = self.config, self.max_cache_len
         if not torch.compiler.is_compiling():  # it reads the machine's free memory: nothing to trace
@@ -192,10 +198,15 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         return self.latent.shape[-1] * self.latent.element_size() + scale
 
     def reset(self) -> None:
-        """Forget every token; the buffers (and batch size) stay."""
+        """Forget every token; the buffers (and batch size) stay, without the autograd history of rows a
+        training step wrote (kept, the next step's writes chained onto the freed graph of the last, and
+        its backward failed with "Trying to backward through the graph a second time"). In place: the
+        buffers keep the addresses a compiled decode step was built for."""
         if self.latent is not None:
             for t in (self.latent, self.key_scale, self.key_valid):
                 if t is not None:
+                    if t.grad_fn is not None:
+                        t.detach_()
                     t.zero_()
         self.length.zero_()
 

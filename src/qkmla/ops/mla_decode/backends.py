@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ...kv_formats import DenseRows
+from ...utils.checked import is_int
 from .cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported, cpu_unsupported_for
 from .differentiable import recording
 
@@ -73,6 +74,12 @@ def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[tor
     Raises ValueError for an unknown name, or for ``"triton"`` / ``"cpu"`` where the kernel cannot run.
     """
     check_backend(backend)
+    # The widths pick the backend ("cpu" for d_c=0 was chosen, and failed in the kernel's arithmetic); a
+    # traced width (a SymInt under torch.compile) is the op's to check. The op itself refuses d_c < 1 too.
+    for name, width, low in (("d_c", d_c, 1), ("d_r", d_r, 0)):
+        if not isinstance(width, torch.SymInt) and (not is_int(width) or width < low):
+            raise ValueError(f"{name}: expected an int >= {low} (the latent width d_c, the RoPE width d_r), "
+                             f"got {width!r}")
     device = torch.device(device)
     quantized = kv_format.quantized if isinstance(kv_format, DenseRows) else kv_format != "dense"
     if backend == "auto":
