@@ -3967,6 +3967,11 @@ def probe14b_rows():
             raises(lambda: copy.deepcopy(cache), RuntimeError, r"^cache: its latent, key_scale rows carry autograd")
             cache.reset()  # ...history the reset drops, so the cache copies again
             assert copy.deepcopy(cache).max_len == 0
+            # Review 14: a reset inside a fullgraph-compiled region failed to trace once the rows carried history
+            # (dynamo cannot read grad_fn); there it leaves the history as it is, and traces.
+            mla(x[:, :5], cache)
+            torch.compile(cache.reset, backend="eager", fullgraph=True)()
+            assert cache.max_len == 0
 
     def a_cache_made_under_inference_mode(env):
         """Probes G19, G19b: a cache built under ``torch.inference_mode()`` and then written outside it (a decode
@@ -3990,6 +3995,34 @@ def probe14b_rows():
         with torch.inference_mode():
             out = torch.cat([mla(x[:, :5], cache), mla(x[:, 5:], cache)], dim=1)
             torch.testing.assert_close(out, mla(x), rtol=1e-5, atol=1e-5)
+        # Review 14: the refusal names cache.reset() as a way out; outside inference mode it makes the buffers
+        # writable again (the cache forgets its tokens, as any reset does).
+        cache.reset()
+        with torch.no_grad():
+            out = torch.cat([mla(x[:, :5], cache), mla(x[:, 5:], cache)], dim=1)
+            torch.testing.assert_close(out, mla(x), rtol=1e-5, atol=1e-5)
+
+    def an_evicting_cache_prefilled_under_inference_mode(env):
+        """Review 14: a cache made normally, with an eviction policy, prefilled under ``torch.inference_mode()``:
+        the positions it keeps for evicted rows were made lazily there, as an inference tensor, and the next
+        decode under ``torch.no_grad()`` failed writing them ("Inplace update to inference tensor"), after the
+        rows had moved, leaving the cache corrupt. They are replaced now, not written in place: the decode
+        steps give what they give when every step runs under inference_mode."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.eviction import StreamingLLM
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(1, 12, 64)
+        outs = []
+        for decode_mode in (torch.inference_mode, torch.no_grad):
+            cache = LatentCache.from_config(mla.config, 1, 16, policy=StreamingLLM(sinks=1, budget=4))
+            with torch.inference_mode():
+                mla(x[:, :8], cache)
+            with decode_mode():
+                outs.append(torch.cat([mla(x[:, t:t + 1], cache) for t in range(8, 12)], dim=1))
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
 
     def select_backend_of_an_empty_latent(env):
         """Probe D29: ``select_backend("cpu", "cpu", d_c=0, ...)`` answered "cpu" (and so did other widths no
@@ -3999,10 +4032,21 @@ def probe14b_rows():
         for d_c, d_r, name in ((0, 16, "d_c"), (-3, 16, "d_c"), ("32", 16, "d_c"), (True, 16, "d_c"),
                                (32, -1, "d_r")):
             raises(lambda: select_backend("cpu", "cpu", d_c, d_r, torch.bfloat16), ValueError,
-                   rf"^{name}: expected an int >= ")
+                   rf"^{name}: expected the (latent|RoPE) width {name}, an int >= ")
         assert select_backend("torch", "cpu", 32, 0) == "torch"
+        # A NumPy int is a width (review 14: the first version of this check refused np.int64(32)).
+        import numpy as np
+
+        assert select_backend("cpu", "cpu", np.int64(32), np.int64(16), torch.bfloat16) == "cpu"
+        # resolve_backend names its own arguments, the query tensors, not select_backend's d_c
+        from qkmla.ops.mla_decode.backends import resolve_backend
+
+        raises(lambda: resolve_backend("auto", torch.zeros(1, 1, 2, 0), torch.zeros(1, 1, 2, 16),
+                                       torch.zeros(1, 4, 16)), ValueError, r"^q_lat: expected the latent width d_c")
 
     return [
+        Row("LatentCache", "size", "an evicting cache prefilled under inference_mode, decoded under no_grad: "
+            "failed writing kept positions after the rows moved", an_evicting_cache_prefilled_under_inference_mode),
         Row("LatentCache", "size", "cache.reset() between training steps: the second backward failed 'through the "
             "graph a second time' (the buffers kept the first step's graph)", training_steps_over_a_reset_cache),
         Row("LatentCache", "size", "a cache built under torch.inference_mode() written outside it (torch's "

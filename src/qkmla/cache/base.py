@@ -296,10 +296,10 @@ class SequenceCache:
         not inference mode."""
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # first: dynamo cannot trace the rest
             return
-        if any(getattr(buf, buf.storage_name).is_inference() for buf in self.fields.values()):
+        if any(buf.storage() is not None and buf.storage().is_inference() for buf in self.fields.values()):
             raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only code "
                              "inside inference_mode write them; decode with it inside torch.inference_mode() "
-                             "(torch.no_grad() is not enough), or build the cache outside inference_mode")
+                             "(torch.no_grad() is not enough), or start again with cache.reset() or a new cache")
 
     def _check_capacity(self, max_len: int, num_tokens: int) -> None:
         if max_len > self.capacity:
@@ -442,12 +442,15 @@ class SequenceCache:
         src = order[batch_idx, dst]
         rows = {name: buf.gather(batch_idx, src) for name, buf in self.fields.items()}
         positions = self.slot_positions().gather(1, order)
-        if self._kept_positions is None:
-            self._kept_positions = torch.zeros(B, self.capacity, dtype=torch.long, device=self.device)
+        # Out of place: kept positions made lazily under torch.inference_mode() (a prefill there) could be
+        # written only inside it, and the next decode under no_grad failed here, after the rows had moved.
+        kept = self._kept_positions
+        tail = kept[:, S:] if kept is not None else positions.new_zeros(B, self.capacity - S)
+        kept = torch.cat([positions, tail], dim=1)
         max_len, uniform = int(lengths.max()), bool((lengths == lengths[0]).all())
         for name, value in rows.items():
             self.fields[name].write(batch_idx, dst, value)
-        self._kept_positions[:, :S] = positions
+        self._kept_positions = kept
         self._kept_lens = lengths
         self._set_lengths(seqlens=lengths, max_len=max_len, uniform=uniform)
 

@@ -22,6 +22,22 @@ from ..config import check_positive_int
 from ..utils.limits import check_allocation
 
 
+def renewed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` made writable for a cache's next sequence, with the same values:
+    * rows written by a forward with gradients on make the whole tensor a node of that forward's graph, so
+      the next step's writes chained onto it, and its backward failed with "Trying to backward through the
+      graph a second time": the history is dropped in place (``t`` keeps its address);
+    * a tensor made under ``torch.inference_mode()`` can be written only inside it: outside, a normal copy.
+    While torch.compile traces, ``t`` as it is (dynamo cannot read grad_fn or the inference flag)."""
+    if torch.compiler.is_compiling():
+        return t
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        return t.clone()
+    if t.grad_fn is not None:
+        t.detach_()
+    return t
+
+
 class TokenBuffer(ABC):
     """One field of a cache: a row of ``width`` values for each (sequence, position)."""
 
@@ -53,15 +69,20 @@ class TokenBuffer(ABC):
     def nbytes(self) -> int:
         """Bytes allocated for this field."""
 
-    storage_name = "data"  # the attribute holding the tensor every row lives in
+    storage_name = "data"  # the attribute holding the tensor every row lives in (a subclass's own: None)
+
+    def storage(self) -> Optional[torch.Tensor]:
+        """The tensor every row lives in; None for a buffer of another design (no ``storage_name`` tensor)."""
+        t = getattr(self, self.storage_name, None)
+        return t if isinstance(t, torch.Tensor) else None
 
     def forget_history(self) -> None:
-        """Drop the autograd history the stored rows carry (rows written by a forward with gradients on
-        make the whole tensor a node of that forward's graph). In place, so the tensor keeps its
-        address; its values are unchanged."""
-        t = getattr(self, self.storage_name)
-        if t.grad_fn is not None:
-            t.detach_()
+        """The storage made writable again for the next sequence, its values unchanged (:func:`renewed`):
+        without the autograd history a training step's rows gave it, and, outside inference mode, no
+        longer an inference tensor. A buffer of another design is left as it is."""
+        t = self.storage()
+        if t is not None:
+            setattr(self, self.storage_name, renewed(t))
 
 
 class ContiguousBuffer(TokenBuffer):

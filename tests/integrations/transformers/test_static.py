@@ -324,6 +324,39 @@ def test_a_static_cache_filled_under_inference_mode_is_refused_outside_it():
     assert int(cache.get_seq_length()) == 7
 
 
+def test_a_static_cache_made_or_filled_under_inference_mode_resets_and_runs_outside_it():
+    """Review 14: a static cache constructed under ``torch.inference_mode()`` and first used under no_grad failed
+    in torch's "Inplace update to inference tensor" (its length counter, made at construction, an inference
+    tensor); one filled there and reset outside it failed the same way in reset(), the way out the refusal
+    names. Both now run, and decode as a cache that never saw inference mode; a reset inside a fullgraph-compiled
+    region after a training prefill traces."""
+    model = _grad_model().eval()
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+
+    def decode(cache):
+        with torch.no_grad():
+            model(ids[:, :6], past_key_values=cache, use_cache=True)
+            return model(ids[:, 6:], past_key_values=cache, use_cache=True).logits
+
+    want = decode(LatentAttentionCache(model, max_cache_len=8, static=True))
+    with torch.inference_mode():
+        made_there = LatentAttentionCache(model, max_cache_len=8, static=True)
+    torch.testing.assert_close(decode(made_there), want, rtol=0, atol=0)
+    filled_there = LatentAttentionCache(model, max_cache_len=8, static=True)
+    with torch.inference_mode():
+        model(ids[:, :6], past_key_values=filled_there, use_cache=True)
+    filled_there.reset()
+    assert int(filled_there.get_seq_length()) == 0
+    torch.testing.assert_close(decode(filled_there), want, rtol=0, atol=0)
+
+    model.train()
+    trained = LatentAttentionCache(model, max_cache_len=8, static=True)
+    model(ids[:, :6], past_key_values=trained, use_cache=True)
+    assert trained.layers[0].latent.grad_fn is not None  # the history a compiled reset cannot read
+    torch.compile(trained.layers[0].reset, backend="eager", fullgraph=True)()
+    assert int(trained.layers[0].length) == 0
+
+
 def test_an_eval_static_decode_step_refuses_its_backward():
     model = _grad_model().eval()
     ids = torch.randint(0, 64, (1, 7))

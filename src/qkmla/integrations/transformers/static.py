@@ -36,6 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...attention.functional import no_decode_gradient
+from ...cache.storage import renewed
 from ...config import MLAConfig
 from ...dtypes import cast
 from ...utils.checked import FixedSettings, as_int, check_size, is_int
@@ -99,7 +100,8 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         self.latent: Optional[torch.Tensor] = None
         self.key_scale: Optional[torch.Tensor] = None
         self.key_valid: Optional[torch.Tensor] = None
-        self.length = torch.tensor(0, dtype=torch.long)  # a tensor: updating it must not recompile
+        with torch.inference_mode(False):  # a layer made under inference mode is still writable outside it
+            self.length = torch.tensor(0, dtype=torch.long)  # a tensor: updating it must not recompile
 
     def __repr__(self) -> str:
         shape = None if self.latent is None else tuple(self.latent.shape)
@@ -121,7 +123,7 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
                     and not torch.is_inference_mode_enabled():
                 raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only "
                                  "code inside inference_mode write them; continue inside torch.inference_mode() "
-                                 "(torch.no_grad() is not enough), or pass a new cache")
+                                 "(torch.no_grad() is not enough), or start again with cache.reset() or a new cache")
             return
         c, L = self.config, self.max_cache_len
         if not torch.compiler.is_compiling():  # it reads the machine's free memory: nothing to trace
@@ -201,14 +203,18 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         """Forget every token; the buffers (and batch size) stay, without the autograd history of rows a
         training step wrote (kept, the next step's writes chained onto the freed graph of the last, and
         its backward failed with "Trying to backward through the graph a second time"). In place: the
-        buffers keep the addresses a compiled decode step was built for."""
-        if self.latent is not None:
-            for t in (self.latent, self.key_scale, self.key_valid):
-                if t is not None:
-                    if t.grad_fn is not None:
-                        t.detach_()
-                    t.zero_()
-        self.length.zero_()
+        buffers keep the addresses a compiled decode step was built for, except buffers made under
+        torch.inference_mode() reset outside it, which only inference mode may write: new ones, so that
+        reset() is the way out the refusal in :meth:`allocate` names (:func:`~qkmla.cache.storage.renewed`)."""
+        for name in ("latent", "key_scale", "key_valid", "length"):
+            t = getattr(self, name)
+            if t is not None:
+                fresh = renewed(t)
+                if fresh is not t:
+                    setattr(self, name, fresh)
+                    if self.is_initialized:
+                        torch._dynamo.mark_static_address(fresh)
+                fresh.zero_()
 
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ...kv_formats import DenseRows
-from ...utils.checked import is_int
+from ...utils.checked import as_int, is_int
 from .cpu_kernel import AUTO_MAX_QUERY_HEADS, cpu_unsupported, cpu_unsupported_for
 from .differentiable import recording
 
@@ -65,6 +65,19 @@ def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str
     return None
 
 
+def _checked_widths(d_c, d_r, names: tuple[str, str]):
+    """(d_c, d_r) as ints, or a ValueError naming the one that is not a width (``names``: how the caller's
+    arguments call them). The widths pick the backend ("cpu" for d_c=0 was chosen, and failed in the
+    kernel's arithmetic); a traced width (a SymInt under torch.compile) is the op's to check."""
+    widths = []
+    for name, width, low, what in ((names[0], d_c, 1, "the latent width d_c"), (names[1], d_r, 0, "the RoPE width d_r")):
+        width = as_int(width)  # a NumPy int (np.int64 from array arithmetic) is a width
+        if not isinstance(width, torch.SymInt) and (not is_int(width) or width < low):
+            raise ValueError(f"{name}: expected {what}, an int >= {low}, got {width!r}")
+        widths.append(width)
+    return tuple(widths)
+
+
 def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None,
                    kv_format="dense") -> str:
     """The backend that will run, from the device, the widths, the queries' dtype and the row format
@@ -74,12 +87,7 @@ def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[tor
     Raises ValueError for an unknown name, or for ``"triton"`` / ``"cpu"`` where the kernel cannot run.
     """
     check_backend(backend)
-    # The widths pick the backend ("cpu" for d_c=0 was chosen, and failed in the kernel's arithmetic); a
-    # traced width (a SymInt under torch.compile) is the op's to check. The op itself refuses d_c < 1 too.
-    for name, width, low in (("d_c", d_c, 1), ("d_r", d_r, 0)):
-        if not isinstance(width, torch.SymInt) and (not is_int(width) or width < low):
-            raise ValueError(f"{name}: expected an int >= {low} (the latent width d_c, the RoPE width d_r), "
-                             f"got {width!r}")
+    d_c, d_r = _checked_widths(d_c, d_r, ("d_c", "d_r"))
     device = torch.device(device)
     quantized = kv_format.quantized if isinstance(kv_format, DenseRows) else kv_format != "dense"
     if backend == "auto":
@@ -109,6 +117,8 @@ def resolve_backend(backend: str, q_lat: torch.Tensor, q_rope: torch.Tensor, kv_
     a named ``"cpu"`` fail. The same inputs give the same answer, so resolving before a call and
     passing the result changes nothing. ``written``: the rows (name -> tensor) a caller resolving
     before it writes the cache will write, whose autograd the cache then carries."""
+    # named as this function's arguments: select_backend's own names (d_c, d_r) are not among them
+    _checked_widths(q_lat.shape[-1], q_rope.shape[-1], ("q_lat", "q_rope"))
     chosen = select_backend(backend, q_lat.device, q_lat.shape[-1], q_rope.shape[-1], q_lat.dtype, kv_format)
     if chosen == "triton" and recording(q_lat, q_rope, kv_cache, scale_cache, *(written or {}).values()):
         if backend == "triton":  # the kernel has no backward: autograd would fail after the forward
