@@ -70,7 +70,8 @@ def _checked_widths(d_c, d_r, names: tuple[str, str]):
     arguments call them). The widths pick the backend ("cpu" for d_c=0 was chosen, and failed in the
     kernel's arithmetic); a traced width (a SymInt under torch.compile) is the op's to check."""
     widths = []
-    for name, width, low, what in ((names[0], d_c, 1, "the latent width d_c"), (names[1], d_r, 0, "the RoPE width d_r")):
+    for name, width, low, what in ((names[0], d_c, 1, "the latent width d_c"),
+                                   (names[1], d_r, 0, "the RoPE width d_r")):
         width = as_int(width)  # a NumPy int (np.int64 from array arithmetic) is a width
         if not isinstance(width, torch.SymInt) and (not is_int(width) or width < low):
             raise ValueError(f"{name}: expected {what}, an int >= {low}, got {width!r}")
