@@ -3933,10 +3933,41 @@ def probe13_rows():
     ]
 
 
+def probe14_rows():
+    """The fourteenth probe's failures (issue 56: fresh probes written at probe14's start, without this table)."""
+
+    def cache_arguments_set_after_construction(env):
+        """Probe A27: ``cache.policy = H2O(...)`` on a built LatentCache made a new attribute that nothing
+        reads, and the cache went on without eviction; so did ``fill`` and ``scalar_dtype``, and
+        FullKVCache's ``dtype``: constructor arguments the cache reads once and keeps under no name. Each is
+        refused, naming it; a caller's own new attribute is still taken."""
+        from qkmla.cache.eviction import H2O
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+
+        latent = LatentCache(1, 8, 16, 8)
+        for name, value in (("policy", H2O(budget=40)), ("fill", 1.0), ("scalar_dtype", torch.float16)):
+            raises(lambda n=name, v=value: setattr(latent, n, v), AttributeError,
+                   rf"{name}: an argument of LatentCache\(\.\.\.\), read once as the cache is made")
+        assert latent.eviction is None and "policy" not in vars(latent)
+        full = FullKVCache(1, 8, 2, 16, 16)
+        for name, value in (("dtype", torch.float16), ("fill", float("nan"))):
+            raises(lambda n=name, v=value: setattr(full, n, v), AttributeError,
+                   rf"{name}: an argument of FullKVCache\(\.\.\.\)")
+        latent.note = "mine"  # not a constructor argument: the caller's own
+        assert latent.note == "mine"
+        assert copy.deepcopy(LatentCache(2, 8, 16, 8, policy=H2O(budget=40))).eviction is not None
+
+    return [
+        Row("LatentCache", "size", "policy / fill / scalar_dtype (and FullKVCache's dtype) set after construction: "
+            "taken and read by nothing", cache_arguments_set_after_construction),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows())
+        + probe13b_rows() + probe14_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
