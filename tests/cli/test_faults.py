@@ -3958,9 +3958,27 @@ def probe14_rows():
         assert latent.note == "mine"
         assert copy.deepcopy(LatentCache(2, 8, 16, 8, policy=H2O(budget=40))).eviction is not None
 
+    def convert_over_a_zero_width_config(env, hf):
+        """Probe C22: ``qkmla convert`` over a config.json edited to kv_lora_rank 0 printed torch's
+        "UserWarning: Initializing zero-element tensors is a no-op" and its source line (from the
+        meta-device model it builds for the shapes) above its one-line refusal. A subprocess: pytest
+        takes the warnings of an in-process call away from stderr."""
+        src = env.tmp / "hf"
+        shutil.copytree(hf, src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 0}))
+        r = qkmla(["convert", "--hf", src, "--out", env.tmp / "out", "--threads", "1"], env.tmp)
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert re.match(r"qkmla convert: --hf: .*kv_a_layernorm.weight has shape \(16,\); the config in "
+                        r".*config.json needs \(0,\)", lines[0]), r.stderr
+        assert not (env.tmp / "out").exists()
+
     return [
         Row("LatentCache", "size", "policy / fill / scalar_dtype (and FullKVCache's dtype) set after construction: "
             "taken and read by nothing", cache_arguments_set_after_construction),
+        Row("convert", "path", "--hf whose config.json was edited to kv_lora_rank 0 (torch's warning above the "
+            "refusal)", convert_over_a_zero_width_config, hf=True),
     ]
 
 
