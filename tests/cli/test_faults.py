@@ -3974,7 +3974,19 @@ def probe14_rows():
                         r".*config.json needs \(0,\)", lines[0]), r.stderr
         assert not (env.tmp / "out").exists()
 
+    def generate_from_a_transformers_dir_without_hf(env, hf):
+        """Probe G19: ``qkmla generate HF_DIR`` (a transformers checkpoint given as a run, --hf left
+        out) said only "run: no checkpoint at HF_DIR/checkpoint.safetensors"; it says what the directory
+        holds and the option that reads it. A directory holding neither is still "no checkpoint"."""
+        refuse(env, ["generate", hf, "--max-new-tokens", "2", "--threads", "1"],
+               r"^qkmla generate: run: .* holds a transformers checkpoint \(a 'deepseek_v3' config.json\), not a qkmla "
+               r"training run \(no checkpoint.safetensors\); qkmla generate samples from it with --hf DIR$")
+        (env.tmp / "empty").mkdir()
+        refuse(env, ["generate", env.tmp / "empty", "--max-new-tokens", "2"], r"run: no checkpoint at .*empty")
+
     return [
+        Row("generate", "path", "a transformers checkpoint given as the run (--hf left out): 'no checkpoint'",
+            generate_from_a_transformers_dir_without_hf, hf=True),
         Row("LatentCache", "size", "policy / fill / scalar_dtype (and FullKVCache's dtype) set after construction: "
             "taken and read by nothing", cache_arguments_set_after_construction),
         Row("convert", "path", "--hf whose config.json was edited to kv_lora_rank 0 (torch's warning above the "
