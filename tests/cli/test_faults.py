@@ -3984,7 +3984,31 @@ def probe14_rows():
         (env.tmp / "empty").mkdir()
         refuse(env, ["generate", env.tmp / "empty", "--max-new-tokens", "2"], r"run: no checkpoint at .*empty")
 
+    def generate_over_an_edited_config(env):
+        """Probe G17: ``qkmla generate RUN`` over a RUN/config.json edited by hand (model.n_head 3)
+        sampled from the checkpoint's model without a word, the edit read by nothing (a resume over it
+        is refused). The sample is still the checkpoint's, the same as from the unedited run; the edit
+        is said in one warning line. An unedited run says nothing."""
+        run = env.tmp / "run"
+        shutil.copytree(env.run, run)
+        argv = ["generate", run, "--max-new-tokens", "4", "--prompt", "ab", "--threads", "1", "--seed", "3"]
+        env.capsys.readouterr()
+        assert main([str(a) for a in argv]) == 0
+        clean = env.capsys.readouterr()
+        assert not [x for x in clean.err.splitlines() if x.strip() and not noise(x)], clean.err
+        config = json.loads((run / "config.json").read_text())
+        config["model"]["n_head"] = 3
+        (run / "config.json").write_text(json.dumps(config))
+        assert main([str(a) for a in argv]) == 0
+        edited = env.capsys.readouterr()
+        assert edited.out == clean.out
+        lines = [x for x in edited.err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(r"qkmla generate: warning: .*config.json was changed since the run wrote "
+                                            r"it \(model.n_head: 3 in the file, 4 recorded", lines[0]), edited.err
+
     return [
+        Row("generate", "path", "RUN/config.json edited by hand (n_head 3): read by nothing, without a word",
+            generate_over_an_edited_config),
         Row("generate", "path", "a transformers checkpoint given as the run (--hf left out): 'no checkpoint'",
             generate_from_a_transformers_dir_without_hf, hf=True),
         Row("LatentCache", "size", "policy / fill / scalar_dtype (and FullKVCache's dtype) set after construction: "
