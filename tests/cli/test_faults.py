@@ -4006,7 +4006,29 @@ def probe14_rows():
         assert len(lines) == 1 and re.match(r"qkmla generate: warning: .*config.json was changed since the run wrote "
                                             r"it \(model.n_head: 3 in the file, 4 recorded", lines[0]), edited.err
 
+    def min_lr_ratio_under_a_warmup_of_every_step(env):
+        """Probe N13: ``qkmla train --steps 9 --schedule wsd --min-lr-ratio 0`` (and a resume lengthening
+        a short run to 9 steps with it) trained to "done" at the peak lr: the default warmup (20, or every
+        step of a shorter run) left the decay no step, so the ratio was read by nothing. Refused before any
+        work, fresh and on --resume; a warmup that leaves the decay a step still trains, down to the ratio."""
+        out = env.tmp / "short"
+        for extra in (["--schedule", "wsd"], ["--schedule", "cosine", "--warmup-steps", "8"]):
+            refuse(env, train_ok(env, out) + ["--steps", "9", "--min-lr-ratio", "0", *extra],
+                   rf"^qkmla train: --min-lr-ratio: never read: a warmup of {9 if len(extra) == 2 else 8} steps "
+                   r"\(--warmup-steps; .*\) leaves none of the 9 steps to --schedule \w+'s decay")
+            assert not out.exists()
+        assert main([str(a) for a in train_ok(env, out) + ["--schedule", "wsd", "--steps", "3"]]) == 0
+        refuse(env, train_ok(env, out) + ["--steps", "9", "--resume", "--min-lr-ratio", "0"],
+               r"--min-lr-ratio: never read: a warmup of 9 steps")
+        assert status(out)["step"] == 3
+        assert main([str(a) for a in train_ok(env, out) + ["--steps", "9", "--resume", "--warmup-steps", "3",
+                                                          "--min-lr-ratio", "0"]]) == 0
+        lrs = [row["lr"] for row in metrics(out)]
+        assert len(lrs) == 9 and lrs[-1] < lrs[2] / 2, lrs  # decayed from the peak toward 0 in the last steps
+
     return [
+        Row("train", "size", "--min-lr-ratio with a warmup covering every step (short run, default warmup): "
+            "read by nothing", min_lr_ratio_under_a_warmup_of_every_step),
         Row("generate", "path", "RUN/config.json edited by hand (n_head 3): read by nothing, without a word",
             generate_over_an_edited_config),
         Row("generate", "path", "a transformers checkpoint given as the run (--hf left out): 'no checkpoint'",
