@@ -4055,10 +4055,118 @@ def probe14b_rows():
             "exist", select_backend_of_an_empty_latent),
     ]
 
+
+def probe14_rows():
+    """The fourteenth probe's failures (issue 56: fresh probes written at probe14's start, without this table)."""
+
+    def cache_arguments_set_after_construction(env):
+        """Probe A27: ``cache.policy = H2O(...)`` on a built LatentCache made a new attribute that nothing
+        reads, and the cache went on without eviction; so did ``fill`` and ``scalar_dtype``, and
+        FullKVCache's ``dtype``: constructor arguments the cache reads once and keeps under no name. Each is
+        refused, naming it; a caller's own new attribute is still taken."""
+        from qkmla.cache.eviction import H2O
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+
+        latent = LatentCache(1, 8, 16, 8)
+        for name, value in (("policy", H2O(budget=40)), ("fill", 1.0), ("scalar_dtype", torch.float16)):
+            raises(lambda n=name, v=value: setattr(latent, n, v), AttributeError,
+                   rf"{name}: an argument of LatentCache\(\.\.\.\), read once as the cache is made")
+        assert latent.eviction is None and "policy" not in vars(latent)
+        full = FullKVCache(1, 8, 2, 16, 16)
+        for name, value in (("dtype", torch.float16), ("fill", float("nan"))):
+            raises(lambda n=name, v=value: setattr(full, n, v), AttributeError,
+                   rf"{name}: an argument of FullKVCache\(\.\.\.\)")
+        latent.note = "mine"  # not a constructor argument: the caller's own
+        assert latent.note == "mine"
+        assert copy.deepcopy(LatentCache(2, 8, 16, 8, policy=H2O(budget=40))).eviction is not None
+
+    def convert_over_a_zero_width_config(env, hf):
+        """Probe C22: ``qkmla convert`` over a config.json edited to kv_lora_rank 0 printed torch's
+        "UserWarning: Initializing zero-element tensors is a no-op" and its source line (from the
+        meta-device model it builds for the shapes) above its one-line refusal. A subprocess: pytest
+        takes the warnings of an in-process call away from stderr."""
+        src = env.tmp / "hf"
+        shutil.copytree(hf, src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "kv_lora_rank": 0}))
+        r = qkmla(["convert", "--hf", src, "--out", env.tmp / "out", "--threads", "1"], env.tmp)
+        lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert re.match(r"qkmla convert: --hf: .*kv_a_layernorm.weight has shape \(16,\); the config in "
+                        r".*config.json needs \(0,\)", lines[0]), r.stderr
+        assert not (env.tmp / "out").exists()
+
+    def generate_from_a_transformers_dir_without_hf(env, hf):
+        """Probe G19: ``qkmla generate HF_DIR`` (a transformers checkpoint given as a run, --hf left
+        out) said only "run: no checkpoint at HF_DIR/checkpoint.safetensors"; it says what the directory
+        holds and the option that reads it. A directory holding neither is still "no checkpoint"."""
+        refuse(env, ["generate", hf, "--max-new-tokens", "2", "--threads", "1"],
+               r"^qkmla generate: run: .* holds a transformers checkpoint \(a 'deepseek_v3' config.json\), not a qkmla "
+               r"training run \(no checkpoint.safetensors\); qkmla generate samples from it with --hf DIR$")
+        (env.tmp / "empty").mkdir()
+        refuse(env, ["generate", env.tmp / "empty", "--max-new-tokens", "2"], r"run: no checkpoint at .*empty")
+
+    def generate_over_an_edited_config(env):
+        """Probe G17: ``qkmla generate RUN`` over a RUN/config.json edited by hand (model.n_head 3)
+        sampled from the checkpoint's model without a word, the edit read by nothing (a resume over it
+        is refused). The sample is still the checkpoint's, the same as from the unedited run; the edit
+        is said in one warning line. An unedited run says nothing."""
+        run = env.tmp / "run"
+        shutil.copytree(env.run, run)
+        argv = ["generate", run, "--max-new-tokens", "4", "--prompt", "ab", "--threads", "1", "--seed", "3"]
+        env.capsys.readouterr()
+        assert main([str(a) for a in argv]) == 0
+        clean = env.capsys.readouterr()
+        assert not [x for x in clean.err.splitlines() if x.strip() and not noise(x)], clean.err
+        config = json.loads((run / "config.json").read_text())
+        config["model"]["n_head"] = 3
+        (run / "config.json").write_text(json.dumps(config))
+        assert main([str(a) for a in argv]) == 0
+        edited = env.capsys.readouterr()
+        assert edited.out == clean.out
+        lines = [x for x in edited.err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(r"qkmla generate: warning: .*config.json was changed since the run wrote "
+                                            r"it \(model.n_head: 3 in the file, 4 recorded", lines[0]), edited.err
+
+    def min_lr_ratio_under_a_warmup_of_every_step(env):
+        """Probe N13: ``qkmla train --steps 9 --schedule wsd --min-lr-ratio 0`` (and a resume lengthening
+        a short run to 9 steps with it) trained to "done" at the peak lr: the default warmup (20, or every
+        step of a shorter run) left the decay no step, so the ratio was read by nothing. Refused before any
+        work, fresh and on --resume; a warmup that leaves the decay a step still trains, down to the ratio."""
+        out = env.tmp / "short"
+        for extra in (["--schedule", "wsd"], ["--schedule", "cosine", "--warmup-steps", "8"]):
+            refuse(env, train_ok(env, out) + ["--steps", "9", "--min-lr-ratio", "0", *extra],
+                   rf"^qkmla train: --min-lr-ratio: never read: a warmup of {9 if len(extra) == 2 else 8} steps "
+                   r"\(--warmup-steps; .*\) leaves none of the 9 steps to --schedule \w+'s decay")
+            assert not out.exists()
+        assert main([str(a) for a in train_ok(env, out) + ["--schedule", "wsd", "--steps", "3"]]) == 0
+        refuse(env, train_ok(env, out) + ["--steps", "9", "--resume", "--min-lr-ratio", "0"],
+               r"--min-lr-ratio: never read: a warmup of 9 steps")
+        assert status(out)["step"] == 3
+        assert main([str(a) for a in train_ok(env, out) + ["--steps", "9", "--resume", "--warmup-steps", "3",
+                                                          "--min-lr-ratio", "0"]]) == 0
+        lrs = [row["lr"] for row in metrics(out)]
+        assert len(lrs) == 9 and lrs[-1] < lrs[2] / 2, lrs  # decayed from the peak toward 0 in the last steps
+
+    return [
+        Row("train", "size", "--min-lr-ratio with a warmup covering every step (short run, default warmup): "
+            "read by nothing", min_lr_ratio_under_a_warmup_of_every_step),
+        Row("generate", "path", "RUN/config.json edited by hand (n_head 3): read by nothing, without a word",
+            generate_over_an_edited_config),
+        Row("generate", "path", "a transformers checkpoint given as the run (--hf left out): 'no checkpoint'",
+            generate_from_a_transformers_dir_without_hf, hf=True),
+        Row("LatentCache", "size", "policy / fill / scalar_dtype (and FullKVCache's dtype) set after construction: "
+            "taken and read by nothing", cache_arguments_set_after_construction),
+        Row("convert", "path", "--hf whose config.json was edited to kv_lora_rank 0 (torch's warning above the "
+            "refusal)", convert_over_a_zero_width_config, hf=True),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -26,7 +26,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..utils.checked import INT64_MAX, as_int, check_size, is_int, is_number
+from ..utils.checked import INT64_MAX, _constructed, _constructing, as_int, check_size, is_int, is_number
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
@@ -144,6 +144,13 @@ class SequenceCache:
                 lengths = self.seqlens
                 self._set_lengths(max_len=int(lengths.max()), uniform=bool((lengths == lengths[0]).all()))
             return
+        if name not in self.__dict__ and id(self) not in _constructing and name in type(self)._read_once():
+            # A constructor argument the cache reads once and keeps under no name of its own (policy, fill,
+            # scalar_dtype; FullKVCache's dtype): cache.policy = H2O(...) on a built cache made a new attribute
+            # that nothing reads, and decoding went on without eviction (probe14 A27).
+            raise AttributeError(f"{name}: an argument of {type(self).__name__}(...), read once as the cache is made "
+                                 f"(its buffers and state follow from it); set now, nothing would read it: make a "
+                                 f"new cache with {name}=...")
         if name in type(self).FIXED and name in self.__dict__:
             how = {"capacity": "grow(capacity) raises it", "batch_size": "select_sequences(indices) changes it",
                    "device": "make a new cache on the device you want", "layout": "make a new cache with that layout",
@@ -151,6 +158,24 @@ class SequenceCache:
             raise AttributeError(f"{name}: the cache's buffers are allocated for {name}={self.__dict__[name]!r:.80}; "
                                  f"{how.get(name, 'make a new cache with the value you want')}")
         object.__setattr__(self, name, value)
+
+    def __init_subclass__(cls, **kwargs):
+        # Each constructor marks the cache as under construction (utils.checked._constructing) while it runs,
+        # so that __setattr__ tells its own first assignments from a caller's later ones.
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _constructed(cls.__dict__["__init__"])
+
+    @classmethod
+    def _read_once(cls) -> frozenset:
+        """The constructor's argument names that are not attributes of the class (cached per class)."""
+        if "_read_once_names" not in cls.__dict__:
+            import inspect
+
+            params = inspect.signature(cls.__init__).parameters
+            cls._read_once_names = frozenset(n for n, p in params.items() if n != "self" and not hasattr(cls, n)
+                                             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        return cls._read_once_names
 
     def _checked_lengths(self, name: str, value) -> torch.Tensor:
         """``value`` for ``cache.seqlens = value`` or ``cache.next_positions = value`` from outside, or a ValueError
@@ -609,3 +634,7 @@ class SequenceCache:
         return (f"{type(self).__name__}(batch_size={self.batch_size}, capacity={self.capacity}, "
                 f"fields=({fields}), bytes_per_token={self.bytes_per_token}, layout={self.layout!r})")
 
+
+
+# SequenceCache made directly (not through a subclass, whose constructors __init_subclass__ marks) is marked too.
+SequenceCache.__init__ = _constructed(SequenceCache.__init__)

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
@@ -228,6 +229,19 @@ def _generate_hf(args: argparse.Namespace, policy) -> int:
     return 0
 
 
+def _warn_config_edits(run) -> None:
+    """The model is built from the settings its checkpoint carries, never from RUN/config.json, the run's
+    record of them; a hand edit there (model.n_head 3) was read by nothing without a word (probe14 G17),
+    where a resume over it is refused. Generating reads the checkpoint alone, so the edit is said, not refused."""
+    from ..train.rundir import resume_edits
+
+    edits = resume_edits(Path(run))
+    if edits:
+        print(f"qkmla generate: warning: {Path(run) / 'config.json'} was changed since the run wrote it "
+              f"({'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); the model is the one its checkpoint "
+              f"describes, not this file's", file=sys.stderr)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -285,6 +299,7 @@ def _generate(args: argparse.Namespace) -> int:
         model, tok = load_model(args.run)
     except ValueError as e:
         raise _as_options(e, {"run_dir": "run"}) from None
+    _warn_config_edits(args.run)
     try:
         prompts = [tok.encode(p) for p in args.prompt]
     except ValueError as e:

@@ -120,12 +120,27 @@ def read_metadata(path: Path) -> dict:
     return meta
 
 
+def _transformers_model_type(directory: Path):
+    """The model_type of ``directory/config.json`` when it is a transformers config (a JSON object naming one,
+    as a training run's config.json never does), else None; a file that cannot be read is not one."""
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(model state dict, all tensors, metadata) of a checkpoint file or run directory."""
     path = Path(path)
     if path.is_dir():
         path = path / FILENAME
     if not path.is_file():
+        model_type = _transformers_model_type(path.parent)
+        if model_type is not None:  # `qkmla generate HF_DIR` without --hf (probe14 G19): said as what the dir is
+            raise ValueError(f"run_dir: {path.parent} holds a transformers checkpoint (a {model_type!r} config.json), "
+                             f"not a qkmla training run (no {FILENAME}); qkmla generate samples from it with --hf DIR")
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
     try:  # the bytes, not the path: safetensors cannot open a path that is not UTF-8

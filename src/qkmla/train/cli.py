@@ -15,7 +15,7 @@ from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
 from .config import DEFAULT_WARMUP_STEPS, TrainConfig
 from .data import SPLITS
-from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
+from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES, lr_multiplier
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,6 +100,14 @@ def stored_settings(out) -> dict:
     return stored if isinstance(stored, dict) else {}
 
 
+def _decays(config: TrainConfig) -> bool:
+    """Whether any step of ``config``'s schedule reads its ``min_lr_ratio``: the last step has the most
+    decay progress, so it is the one to look at (0 and 1 as the ratio give it the same lr otherwise)."""
+    last = config.steps - 1
+    return lr_multiplier(last, config.steps, config.schedule, config.warmup_for, 0.0) != \
+        lr_multiplier(last, config.steps, config.schedule, config.warmup_for, 1.0)
+
+
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Raises ValueError naming the option for any value out of its range. With ``--resume``, a
     setting the command line does not give (``args.argv``) is the stored run's, not the option's
@@ -130,6 +138,13 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         if name not in unset and not read:
             raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
                                                 f"give; drop it or add {add}"))
+    if "min_lr_ratio" not in unset and config.schedule != "constant" and not _decays(config):
+        # The warmup (by default 20 steps, or every step of a shorter run) can cover every step the decay
+        # would take: --steps 9 --schedule wsd --min-lr-ratio 0 ended at the peak lr without a word (probe14 N13).
+        raise ValueError(train_flag_message(
+            f"min_lr_ratio: never read: a warmup of {config.warmup_for} steps (--warmup-steps; by default 20, or "
+            f"--steps if fewer) leaves none of the {config.steps} steps to --schedule {config.schedule}'s decay; "
+            f"give a shorter --warmup-steps or more --steps, or drop it"))
     # --fsdp shards over torchrun's ranks (the trainer reads it only when there are several): in a
     # single process it would change nothing without a word.
     if config.fsdp and dist_environment()[0] == 1:
