@@ -4133,7 +4133,8 @@ def probe14_rows():
         """Probe N13: ``qkmla train --steps 9 --schedule wsd --min-lr-ratio 0`` (and a resume lengthening
         a short run to 9 steps with it) trained to "done" at the peak lr: the default warmup (20, or every
         step of a shorter run) left the decay no step, so the ratio was read by nothing. Refused before any
-        work, fresh and on --resume; a warmup that leaves the decay a step still trains, down to the ratio."""
+        work, fresh and on --resume with such a warmup; a warmup that leaves the decay a step (a lengthened
+        run's own, kept since) trains, down to the ratio."""
         out = env.tmp / "short"
         for extra in (["--schedule", "wsd"], ["--schedule", "cosine", "--warmup-steps", "8"]):
             refuse(env, train_ok(env, out) + ["--steps", "9", "--min-lr-ratio", "0", *extra],
@@ -4141,11 +4142,12 @@ def probe14_rows():
                    r"\(--warmup-steps; .*\) leaves none of the 9 steps to --schedule \w+'s decay")
             assert not out.exists()
         assert main([str(a) for a in train_ok(env, out) + ["--schedule", "wsd", "--steps", "3"]]) == 0
-        refuse(env, train_ok(env, out) + ["--steps", "9", "--resume", "--min-lr-ratio", "0"],
+        # A resume lengthening it keeps the 3-step warmup it had (train/cli.py's _resumed_warmup), so the
+        # lengthened run decays, down to the ratio; a typed warmup of every step is refused as above.
+        refuse(env, train_ok(env, out) + ["--steps", "9", "--resume", "--warmup-steps", "9", "--min-lr-ratio", "0"],
                r"--min-lr-ratio: never read: a warmup of 9 steps")
         assert status(out)["step"] == 3
-        assert main([str(a) for a in train_ok(env, out) + ["--steps", "9", "--resume", "--warmup-steps", "3",
-                                                          "--min-lr-ratio", "0"]]) == 0
+        assert main([str(a) for a in train_ok(env, out) + ["--steps", "9", "--resume", "--min-lr-ratio", "0"]]) == 0
         lrs = [row["lr"] for row in metrics(out)]
         assert len(lrs) == 9 and lrs[-1] < lrs[2] / 2, lrs  # decayed from the peak toward 0 in the last steps
 

@@ -108,6 +108,17 @@ def _decays(config: TrainConfig) -> bool:
         lr_multiplier(last, config.steps, config.schedule, config.warmup_for, 1.0)
 
 
+def _resumed_warmup(stored: dict, given: dict, typed: set):
+    """The warmup a resume takes: the one the stored run warmed up with when neither gives one. The default
+    (20, or every step of a shorter run) follows ``steps``: a 3-step run lengthened to 10 on resume had
+    warmed up over 3 steps and, its default now 10, went back below its peak lr to warm up again."""
+    old, new = stored.get("steps"), given.get("steps")
+    if "warmup_steps" in typed or stored.get("warmup_steps") is not None or not isinstance(old, int) \
+            or isinstance(old, bool) or not isinstance(new, int):
+        return given.get("warmup_steps")
+    return min(DEFAULT_WARMUP_STEPS, old, new)  # a shortened run: the default's own, as before
+
+
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Raises ValueError naming the option for any value out of its range. With ``--resume``, a
     setting the command line does not give (``args.argv``) is the stored run's, not the option's
@@ -121,9 +132,11 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         given.pop(name, None)
     if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
         typed = given_options(args.argv)
-        for name, value in stored_settings(args.out).items():
+        stored = stored_settings(args.out)
+        for name, value in stored.items():
             if name in names and name not in typed and name not in PER_LAUNCH:
                 given[name] = value
+        given["warmup_steps"] = _resumed_warmup(stored, given, typed)
     try:
         config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:

@@ -1,0 +1,28 @@
+"""``qkmla train``'s options as a TrainConfig (``train/cli.py``), resume's settings above all."""
+
+import json
+
+from qkmla.cli import main
+
+RUN = ["train", "--preset", "debug", "--batch-size", "2", "--block-size", "16", "--eval-interval", "50",
+       "--no-progress"]
+
+
+def lrs(out) -> list[float]:
+    return [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_lengthened_resume_keeps_the_warmup_the_run_had(tmp_path):
+    """The default warmup (20 steps, or every step of a shorter run) followed --steps: a 3-step run, warmed up
+    over its 3 steps, lengthened to 10 on resume took a 10-step warmup and went back below its peak lr at
+    step 4. It keeps the 3-step warmup now, then decays over the new total; a typed --warmup-steps applies."""
+    out = tmp_path / "run"
+    assert main([*RUN, "--steps", "3", "--out", str(out)]) == 0
+    assert main([*RUN, "--steps", "10", "--out", str(out), "--resume"]) == 0
+    lr = lrs(out)
+    assert len(lr) == 10 and lr[2] == max(lr) == 1e-3  # the peak at the end of the warmup, step 3
+    assert all(a >= b for a, b in zip(lr[2:], lr[3:]))  # then the cosine decay only
+    typed = tmp_path / "typed"
+    assert main([*RUN, "--steps", "3", "--out", str(typed)]) == 0
+    assert main([*RUN, "--steps", "10", "--warmup-steps", "5", "--out", str(typed), "--resume"]) == 0
+    assert lrs(typed)[4] == max(lrs(typed)) == 1e-3  # the typed warmup: its peak at step 5
