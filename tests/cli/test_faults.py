@@ -4080,6 +4080,26 @@ def probe14_rows():
         latent.note = "mine"  # not a constructor argument: the caller's own
         assert latent.note == "mine"
         assert copy.deepcopy(LatentCache(2, 8, 16, 8, policy=H2O(budget=40))).eviction is not None
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        raises(lambda: setattr(SharedKVCache(1, 8, 16), "fill", 1.0), AttributeError,
+               r"fill: an argument of SharedKVCache\(\.\.\.\)")
+
+        # Review 14b: the names were read from the constructor's signature, so a subclass passing its arguments
+        # through (*args, **kwargs) refused none, and one whose own argument shared a name with an attribute it
+        # sets later was refused it. They are declared per class (READ_ONCE) and inherited.
+        class Passthrough(LatentCache):
+            def __init__(self, *args, label=None, **kwargs):
+                super().__init__(*args, **kwargs)
+
+            def relabel(self, label):
+                self.label = label
+
+        sub = Passthrough(1, 8, 16, 8)
+        raises(lambda: setattr(sub, "policy", H2O(budget=40)), AttributeError,
+               r"policy: an argument of Passthrough\(\.\.\.\)")
+        sub.relabel("mine")
+        assert sub.label == "mine"
 
     def convert_over_a_zero_width_config(env, hf):
         """Probe C22: ``qkmla convert`` over a config.json edited to kv_lora_rank 0 printed torch's

@@ -125,6 +125,10 @@ class SequenceCache:
     # failed deep in the evictor ("'str' object has no attribute 'after_attention'") or scored stale state.
     # fields: the buffers themselves (cache.fields = {} failed at the next read with KeyError: 'latent').
     FIXED = ("batch_size", "capacity", "device", "layout", "eviction", "fields")
+    # Constructor arguments the cache reads once and keeps under no name of its own (a subclass lists its
+    # own; a user's subclass inherits its base's, whatever its constructor's signature): set on a built
+    # cache, they are refused (__setattr__), as nothing would read them.
+    READ_ONCE: tuple = ()
 
     # The lengths bookkeeping (:meth:`advance` and the methods that drop or reorder tokens move it, through
     # _set_lengths). seqlens and next_positions may be set from outside (a caller that moved the positions on
@@ -144,7 +148,7 @@ class SequenceCache:
                 lengths = self.seqlens
                 self._set_lengths(max_len=int(lengths.max()), uniform=bool((lengths == lengths[0]).all()))
             return
-        if name not in self.__dict__ and id(self) not in _constructing and name in type(self)._read_once():
+        if name in type(self).READ_ONCE and name not in self.__dict__ and id(self) not in _constructing:
             # A constructor argument the cache reads once and keeps under no name of its own (policy, fill,
             # scalar_dtype; FullKVCache's dtype): cache.policy = H2O(...) on a built cache made a new attribute
             # that nothing reads, and decoding went on without eviction (probe14 A27).
@@ -165,17 +169,6 @@ class SequenceCache:
         super().__init_subclass__(**kwargs)
         if "__init__" in cls.__dict__:
             cls.__init__ = _constructed(cls.__dict__["__init__"])
-
-    @classmethod
-    def _read_once(cls) -> frozenset:
-        """The constructor's argument names that are not attributes of the class (cached per class)."""
-        if "_read_once_names" not in cls.__dict__:
-            import inspect
-
-            params = inspect.signature(cls.__init__).parameters
-            cls._read_once_names = frozenset(n for n, p in params.items() if n != "self" and not hasattr(cls, n)
-                                             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-        return cls._read_once_names
 
     def _checked_lengths(self, name: str, value) -> torch.Tensor:
         """``value`` for ``cache.seqlens = value`` or ``cache.next_positions = value`` from outside, or a ValueError

@@ -24,6 +24,7 @@ class FullKVCache(SequenceCache):
     # The widths its buffers were allocated for: cache.k_dim = 4 was taken, and the next forward was refused
     # as a cache that does not match the layer (or, matching a narrower one, failed in torch's indexing).
     FIXED = SequenceCache.FIXED + ("num_kv_heads", "k_dim", "v_dim")
+    READ_ONCE = ("dtype", "fill")
 
     def __init__(self, batch_size: int, capacity: int, num_kv_heads: int, k_dim: int, v_dim: int,
                  dtype: torch.dtype = torch.float32, device=None, layout: Optional[Layout] = None,

@@ -70,6 +70,7 @@ class LatentCache(SequenceCache):
     # codec: how the buffers' bytes are read (cache.codec = None failed at the next load in 'NoneType' has no 'load')
     FIXED = SequenceCache.FIXED + ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups", "dtype", "kv_format", "rows",
                                    "codec")
+    READ_ONCE = ("policy", "fill", "scalar_dtype")
 
     def __init__(self, batch_size: int, capacity: int, kv_lora_rank: int, qk_rope_head_dim: int,
                  num_kv_groups: int = 0, dtype: torch.dtype = torch.float32,

@@ -15,6 +15,7 @@ class SharedKVCache(SequenceCache):
     """Shared key = value rows [B, S, D] of one layer."""
 
     FIXED = SequenceCache.FIXED + ("head_dim",)  # its buffer's width, as FullKVCache's and LatentCache's
+    READ_ONCE = ("dtype", "fill")
 
     def __init__(self, batch_size: int, capacity: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device=None, layout: Optional[Layout] = None, fill: float = 0.0):
