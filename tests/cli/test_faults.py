@@ -4158,14 +4158,21 @@ def probe14_rows():
         out = env.tmp / "short"
         for extra in (["--schedule", "wsd"], ["--schedule", "cosine", "--warmup-steps", "8"]):
             refuse(env, train_ok(env, out) + ["--steps", "9", "--min-lr-ratio", "0", *extra],
-                   rf"^qkmla train: --min-lr-ratio: never read: a warmup of {9 if len(extra) == 2 else 8} steps "
-                   r"\(--warmup-steps; .*\) leaves none of the 9 steps to --schedule \w+'s decay")
+                   rf"^qkmla train: --min-lr-ratio: never read: the last of the 9 steps is still at the peak lr "
+                   rf"\(a warmup of {9 if len(extra) == 2 else 8} steps \(--warmup-steps; .*\)\); give more --steps or "
+                   r"a shorter --warmup-steps, or drop it")
             assert not out.exists()
         assert main([str(a) for a in train_ok(env, out) + ["--schedule", "wsd", "--steps", "3"]]) == 0
         # A resume lengthening it keeps the 3-step warmup it had (train/cli.py's _resumed_warmup), so the
         # lengthened run decays, down to the ratio; a typed warmup of every step is refused as above.
         refuse(env, train_ok(env, out) + ["--steps", "9", "--resume", "--warmup-steps", "9", "--min-lr-ratio", "0"],
-               r"--min-lr-ratio: never read: a warmup of 9 steps")
+               r"--min-lr-ratio: never read: the last of the 9 steps is still at the peak lr \(a warmup of 9 steps")
+        # Review 14b: wsd's own decay, over its last fifth, can leave the last step at the peak with no warmup
+        # at all; the message blamed a warmup of 0 steps and said to shorten it.
+        refuse(env, train_ok(env, env.tmp / "wsd") + ["--steps", "5", "--schedule", "wsd", "--warmup-steps", "0",
+                                                      "--min-lr-ratio", "0"],
+               r"--min-lr-ratio: never read: the last of the 5 steps is still at the peak lr \(--schedule wsd decays "
+               r"over the last 20% of the steps, from step 5 of 5\); give more --steps, or drop it$")
         assert status(out)["step"] == 3
         assert main([str(a) for a in train_ok(env, out) + ["--steps", "9", "--resume", "--min-lr-ratio", "0"]]) == 0
         lrs = [row["lr"] for row in metrics(out)]

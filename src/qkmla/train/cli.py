@@ -15,7 +15,7 @@ from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
 from .config import DEFAULT_WARMUP_STEPS, TrainConfig
 from .data import SPLITS
-from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES, lr_multiplier
+from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES, WSD_DECAY_FRACTION, lr_multiplier
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +108,23 @@ def _decays(config: TrainConfig) -> bool:
         lr_multiplier(last, config.steps, config.schedule, config.warmup_for, 1.0)
 
 
+def _no_decay_reason(config: TrainConfig) -> str:
+    """Why the last step of ``config``'s schedule is still at the peak lr (``_decays`` is False), and the way out:
+    the warmup reaching the last step, or wsd's decay, which starts only at its last fifth of the steps."""
+    last, reasons, ways = config.steps - 1, [], ["more --steps"]
+    if config.warmup_for >= last:
+        reasons.append(f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, "
+                       f"or --steps if fewer)")
+        if config.warmup_for > 0:
+            ways.append("a shorter --warmup-steps")
+    start = int(config.steps * (1 - WSD_DECAY_FRACTION))
+    if config.schedule == "wsd" and start >= last:
+        reasons.append(f"--schedule wsd decays over the last {WSD_DECAY_FRACTION:.0%} of the steps, from step "
+                       f"{start + 1} of {config.steps}")
+    return (f"the last of the {config.steps} steps is still at the peak lr ({'; '.join(reasons)}); give "
+            f"{' or '.join(ways)}, or drop it")
+
+
 def _resumed_warmup(stored: dict, given: dict, typed: set):
     """The warmup a resume takes: the one the stored run warmed up with when neither gives one. The default
     (20, or every step of a shorter run) follows ``steps``: a 3-step run lengthened to 10 on resume had
@@ -154,10 +171,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     if "min_lr_ratio" not in unset and config.schedule != "constant" and not _decays(config):
         # The warmup (by default 20 steps, or every step of a shorter run) can cover every step the decay
         # would take: --steps 9 --schedule wsd --min-lr-ratio 0 ended at the peak lr without a word (probe14 N13).
-        raise ValueError(train_flag_message(
-            f"min_lr_ratio: never read: a warmup of {config.warmup_for} steps (--warmup-steps; by default 20, or "
-            f"--steps if fewer) leaves none of the {config.steps} steps to --schedule {config.schedule}'s decay; "
-            f"give a shorter --warmup-steps or more --steps, or drop it"))
+        raise ValueError(train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config)}"))
     # --fsdp shards over torchrun's ranks (the trainer reads it only when there are several): in a
     # single process it would change nothing without a word.
     if config.fsdp and dist_environment()[0] == 1:

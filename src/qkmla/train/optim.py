@@ -102,8 +102,12 @@ def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, wei
     return Optimizers(opts)
 
 
+WSD_DECAY_FRACTION = 0.2  # the share of the steps, at the end, over which wsd decays
+
+
 def lr_multiplier(step: int, total_steps: int, schedule: str = "cosine", warmup_steps: int = 0,
-                  min_lr_ratio: float = 0.1, decay_fraction: float = 0.2, decay_shape: str = "sqrt") -> float:
+                  min_lr_ratio: float = 0.1, decay_fraction: float = WSD_DECAY_FRACTION,
+                  decay_shape: str = "sqrt") -> float:
     """Multiplier of the peak lr at ``step`` (0-based)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
