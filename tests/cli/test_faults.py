@@ -4123,9 +4123,20 @@ def probe14_rows():
         holds and the option that reads it. A directory holding neither is still "no checkpoint"."""
         refuse(env, ["generate", hf, "--max-new-tokens", "2", "--threads", "1"],
                r"^qkmla generate: run: .* holds a transformers checkpoint \(a 'deepseek_v3' config.json\), not a qkmla "
-               r"training run \(no checkpoint.safetensors\); qkmla generate samples from it with --hf DIR$")
+               r"training run \(no checkpoint.safetensors\); for a model type qkmla serves \(--hf refuses the others, "
+               r"naming those it serves\), sample from it with qkmla generate --hf DIR, or load it with "
+               r"qkmla.integrations.transformers.from_pretrained\(DIR\)$")
         (env.tmp / "empty").mkdir()
         refuse(env, ["generate", env.tmp / "empty", "--max-new-tokens", "2"], r"run: no checkpoint at .*empty")
+        # Review 14b: a model type --hf refuses was pointed to --hf without a word of doubt (the message now
+        # says --hf serves some types, and --hf names them); a mistyped file in the directory was described
+        # as the directory.
+        llama = env.tmp / "llama"
+        llama.mkdir()
+        (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        refuse(env, ["generate", "--hf", llama, "--max-new-tokens", "2"], r"holds a 'llama' model; qkmla serves ")
+        refuse(env, ["generate", Path(hf) / "missing.safetensors", "--max-new-tokens", "2"],
+               r"run: no checkpoint at .*missing.safetensors$")
 
     def generate_over_an_edited_config(env):
         """Probe G17: ``qkmla generate RUN`` over a RUN/config.json edited by hand (model.n_head 3)
@@ -4147,7 +4158,14 @@ def probe14_rows():
         assert edited.out == clean.out
         lines = [x for x in edited.err.splitlines() if x.strip() and not noise(x)]
         assert len(lines) == 1 and re.match(r"qkmla generate: warning: .*config.json was changed since the run wrote "
-                                            r"it \(model.n_head: 3 in the file, 4 recorded", lines[0]), edited.err
+                                            r"it \(model.n_head: 3 in the file, 4 recorded\); the model", lines[0]), \
+            edited.err
+        # Review 14b: training settings edited (not the model's) were said as if the model were in question
+        config["model"]["n_head"] = 4
+        config["train"]["lr"] = 0.5
+        (run / "config.json").write_text(json.dumps(config))
+        assert main([str(a) for a in argv]) == 0
+        assert not [x for x in env.capsys.readouterr().err.splitlines() if x.strip() and not noise(x)]
 
     def min_lr_ratio_under_a_warmup_of_every_step(env):
         """Probe N13: ``qkmla train --steps 9 --schedule wsd --min-lr-ratio 0`` (and a resume lengthening

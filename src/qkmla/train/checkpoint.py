@@ -134,13 +134,18 @@ def _transformers_model_type(directory: Path):
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(model state dict, all tensors, metadata) of a checkpoint file or run directory."""
     path = Path(path)
-    if path.is_dir():
+    given_dir = path.is_dir()
+    if given_dir:
         path = path / FILENAME
     if not path.is_file():
-        model_type = _transformers_model_type(path.parent)
-        if model_type is not None:  # `qkmla generate HF_DIR` without --hf (probe14 G19): said as what the dir is
+        # `qkmla generate HF_DIR` without --hf (probe14 G19): said as what the directory is. Only for a directory
+        # given: a mistyped file's path in one is "no checkpoint at" that file.
+        model_type = _transformers_model_type(path.parent) if given_dir else None
+        if model_type is not None:
             raise ValueError(f"run_dir: {path.parent} holds a transformers checkpoint (a {model_type!r} config.json), "
-                             f"not a qkmla training run (no {FILENAME}); qkmla generate samples from it with --hf DIR")
+                             f"not a qkmla training run (no {FILENAME}); for a model type qkmla serves (--hf refuses the others, "
+                             f"naming those it serves), sample from it with qkmla generate --hf DIR, or load it with "
+                             f"qkmla.integrations.transformers.from_pretrained(DIR)")
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
     try:  # the bytes, not the path: safetensors cannot open a path that is not UTF-8
