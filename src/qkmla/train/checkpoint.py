@@ -143,8 +143,8 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         model_type = _transformers_model_type(path.parent) if given_dir else None
         if model_type is not None:
             raise ValueError(f"run_dir: {path.parent} holds a transformers checkpoint (a {model_type!r} config.json), "
-                             f"not a qkmla training run (no {FILENAME}); for a model type qkmla serves (--hf refuses the others, "
-                             f"naming those it serves), sample from it with qkmla generate --hf DIR, or load it with "
+                             f"not a qkmla training run (no {FILENAME}); for a model type qkmla serves (--hf refuses "
+                             f"the others, naming those it serves), sample from it with qkmla generate --hf DIR, or load it with "
                              f"qkmla.integrations.transformers.from_pretrained(DIR)")
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
