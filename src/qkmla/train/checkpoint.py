@@ -144,8 +144,8 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
         if model_type is not None:
             raise ValueError(f"run_dir: {path.parent} holds a transformers checkpoint (a {model_type!r} config.json), "
                              f"not a qkmla training run (no {FILENAME}); for a model type qkmla serves (--hf refuses "
-                             f"the others, naming those it serves), sample from it with qkmla generate --hf DIR, or load it with "
-                             f"qkmla.integrations.transformers.from_pretrained(DIR)")
+                             f"the others, naming those it serves), sample from it with qkmla generate --hf DIR, or "
+                             f"load it with qkmla.integrations.transformers.from_pretrained(DIR)")
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
     try:  # the bytes, not the path: safetensors cannot open a path that is not UTF-8
