@@ -1,6 +1,7 @@
 """``qkmla train``'s options as a TrainConfig (``train/cli.py``), resume's settings above all."""
 
 import json
+import re
 
 from qkmla.cli import main
 
@@ -26,3 +27,17 @@ def test_a_lengthened_resume_keeps_the_warmup_the_run_had(tmp_path):
     assert main([*RUN, "--steps", "3", "--out", str(typed)]) == 0
     assert main([*RUN, "--steps", "10", "--warmup-steps", "5", "--out", str(typed), "--resume"]) == 0
     assert lrs(typed)[4] == max(lrs(typed)) == 1e-3  # the typed warmup: its peak at step 5
+
+
+def test_a_resume_shorter_than_the_stored_warmup_names_it(tmp_path, capsys):
+    """Review 14c: a run started with --warmup-steps 40, resumed with --steps 10, was refused as
+    "--warmup-steps: expected an int from 0 to the run's steps (10; ...), got 40", a flag the resume never
+    typed. The refusal says the 40 is the stored run's, and a typed warmup resumes."""
+    out = tmp_path / "run"
+    assert main([*RUN, "--steps", "50", "--warmup-steps", "40", "--max-seconds", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*RUN, "--steps", "10", "--out", str(out), "--resume"]) == 2
+    assert re.match(r"qkmla train: --steps: 10 is fewer than the stored run's warmup of 40 steps \(its "
+                    r"--warmup-steps\); give --warmup-steps too \(at most 10\), or more --steps$",
+                    capsys.readouterr().err.strip().splitlines()[-1])
+    assert main([*RUN, "--steps", "10", "--warmup-steps", "5", "--out", str(out), "--resume"]) == 0

@@ -317,7 +317,8 @@ class SequenceCache:
         if any(buf.storage() is not None and buf.storage().is_inference() for buf in self.fields.values()):
             raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only code "
                              "inside inference_mode write them; decode with it inside torch.inference_mode() "
-                             "(torch.no_grad() is not enough), or start again with cache.reset() or a new cache")
+                             "(torch.no_grad() is not enough), or start again with cache.reset() outside "
+                             "torch.inference_mode(), or a new cache")
 
     def _check_capacity(self, max_len: int, num_tokens: int) -> None:
         if max_len > self.capacity:
@@ -460,14 +461,18 @@ class SequenceCache:
         src = order[batch_idx, dst]
         rows = {name: buf.gather(batch_idx, src) for name, buf in self.fields.items()}
         positions = self.slot_positions().gather(1, order)
-        # Out of place: kept positions made lazily under torch.inference_mode() (a prefill there) could be
-        # written only inside it, and the next decode under no_grad failed here, after the rows had moved.
         kept = self._kept_positions
-        tail = kept[:, S:] if kept is not None else positions.new_zeros(B, self.capacity - S)
-        kept = torch.cat([positions, tail], dim=1)
+        # New, before the rows move, when there is none yet or it cannot be written here: made lazily under
+        # torch.inference_mode() (a prefill there), it is written only inside it, and the next decode under
+        # no_grad failed writing it, after the rows had moved. Else written in place: a new [B, capacity]
+        # tensor at every eviction step cost O(capacity) each. (Only the first _kept_lens <= S are read.)
+        if kept is None or (not torch.compiler.is_compiling() and kept.is_inference()
+                            and not torch.is_inference_mode_enabled()):
+            kept = torch.zeros(B, self.capacity, dtype=torch.long, device=self.device)
         max_len, uniform = int(lengths.max()), bool((lengths == lengths[0]).all())
         for name, value in rows.items():
             self.fields[name].write(batch_idx, dst, value)
+        kept[:, :S] = positions
         self._kept_positions = kept
         self._kept_lens = lengths
         self._set_lengths(seqlens=lengths, max_len=max_len, uniform=uniform)

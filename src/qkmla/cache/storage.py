@@ -22,20 +22,29 @@ from ..config import check_positive_int
 from ..utils.limits import check_allocation
 
 
-def renewed(t: torch.Tensor) -> torch.Tensor:
-    """``t`` made writable for a cache's next sequence, with the same values:
+def renew(owner, name: str) -> bool:
+    """``owner.<name>`` (a tensor) made writable for a cache's next sequence; True if it is a new tensor:
     * rows written by a forward with gradients on make the whole tensor a node of that forward's graph, so
       the next step's writes chained onto it, and its backward failed with "Trying to backward through the
-      graph a second time": the history is dropped in place (``t`` keeps its address);
-    * a tensor made under ``torch.inference_mode()`` can be written only inside it: outside, a normal copy.
-    While torch.compile traces, ``t`` as it is (dynamo cannot read grad_fn or the inference flag)."""
-    if torch.compiler.is_compiling():
-        return t
+      graph a second time": the history is dropped in place (the tensor keeps its address; out of inference
+      mode for the call, in which detach_ leaves grad_fn as it was);
+    * a tensor made under ``torch.inference_mode()`` can be written only inside it: outside, a new normal
+      tensor of zeros, the old one released first (a reset reads none of the old values, and a copy held
+      both at once: twice the cache's memory at the peak).
+    While torch.compile traces, nothing (dynamo cannot read grad_fn or the inference flag)."""
+    t = getattr(owner, name)
+    if t is None or torch.compiler.is_compiling():
+        return False
     if t.is_inference() and not torch.is_inference_mode_enabled():
-        return t.clone()
+        shape, dtype, device = t.shape, t.dtype, t.device
+        setattr(owner, name, None)
+        del t
+        setattr(owner, name, torch.zeros(shape, dtype=dtype, device=device))
+        return True
     if t.grad_fn is not None:
-        t.detach_()
-    return t
+        with torch.inference_mode(False):
+            t.detach_()
+    return False
 
 
 class TokenBuffer(ABC):
@@ -77,12 +86,11 @@ class TokenBuffer(ABC):
         return t if isinstance(t, torch.Tensor) else None
 
     def forget_history(self) -> None:
-        """The storage made writable again for the next sequence, its values unchanged (:func:`renewed`):
-        without the autograd history a training step's rows gave it, and, outside inference mode, no
-        longer an inference tensor. A buffer of another design is left as it is."""
-        t = self.storage()
-        if t is not None:
-            setattr(self, self.storage_name, renewed(t))
+        """The storage made writable again for the next sequence (:func:`renew`): without the autograd history
+        a training step's rows gave it, and, outside inference mode, no longer an inference tensor (then new,
+        zeros: its rows are the sequences a reset forgets). A buffer of another design is left as it is."""
+        if self.storage() is not None:
+            renew(self, self.storage_name)
 
 
 class ContiguousBuffer(TokenBuffer):

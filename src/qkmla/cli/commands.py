@@ -235,11 +235,13 @@ def _warn_config_edits(run) -> None:
     where a resume over it is refused. Generating reads the checkpoint alone, so the edit is said, not refused."""
     from ..train.rundir import resume_edits
 
-    # What describes the model (model.*, the tokenizer, a file that no longer reads): training settings
-    # (train.lr, train.steps) are not the model's, and the warning says the model is the checkpoint's.
-    # resume_edits compares with the record itself, so its entries' "..., X now" repeats "X recorded": cut.
-    edits = [e.rsplit(", ", 1)[0] if e.endswith(" now") else e for e in resume_edits(Path(run))
-             if not e.startswith(("train.", "data:", "data."))]
+    # The settings that may change on a resume (RESUMABLE: lr, steps, the schedule) and the data are not the
+    # model's, and the warning says the model is the checkpoint's; every other edit is said (TrainConfig's
+    # other fields, attn, preset, block_size, define the model).
+    from ..train.config import RESUMABLE
+
+    edits = [e for e in resume_edits(Path(run)) if not e.startswith(("data:", "data."))
+             and not any(e.startswith(f"train.{name}:") for name in RESUMABLE)]
     if edits:
         print(f"qkmla generate: warning: {Path(run) / 'config.json'} was changed since the run wrote it "
               f"({'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); the model is the one its checkpoint "

@@ -109,20 +109,22 @@ def _decays(config: TrainConfig) -> bool:
 
 
 def _no_decay_reason(config: TrainConfig) -> str:
-    """Why the last step of ``config``'s schedule is still at the peak lr (``_decays`` is False), and the way out:
-    the warmup reaching the last step, or wsd's decay, which starts only at its last fifth of the steps."""
-    last, reasons, ways = config.steps - 1, [], ["more --steps"]
-    if config.warmup_for >= last:
-        reasons.append(f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, "
-                       f"or --steps if fewer)")
-        if config.warmup_for > 0:
-            ways.append("a shorter --warmup-steps")
-    start = int(config.steps * (1 - WSD_DECAY_FRACTION))
-    if config.schedule == "wsd" and start >= last:
-        reasons.append(f"--schedule wsd decays over the last {WSD_DECAY_FRACTION:.0%} of the steps, from step "
-                       f"{start + 1} of {config.steps}")
-    return (f"the last of the {config.steps} steps is still at the peak lr ({'; '.join(reasons)}); give "
-            f"{' or '.join(ways)}, or drop it")
+    """Why the last step of ``config``'s schedule is still at the peak lr (``_decays`` is False), and the way out.
+    The warmup is blamed only where the same run without one decays (a shorter warmup then helps); otherwise
+    it is wsd's decay, which starts only at its last fifth of the steps, or a run of a single step."""
+    n = config.steps
+    if n == 1:
+        return "a run of 1 step has no step to decay over; give more --steps, or drop it"
+    if config.warmup_for > 0 and _decays(config.replace(warmup_steps=0)):
+        reason = (f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, or "
+                  f"--steps if fewer)")
+        ways = "more --steps or a shorter --warmup-steps"
+    else:
+        start = int(n * (1 - WSD_DECAY_FRACTION))
+        reason = (f"--schedule {config.schedule} decays over the last {WSD_DECAY_FRACTION:.0%} of the steps, "
+                  f"from step {start + 1} of {n}")
+        ways = "more --steps"
+    return f"the last of the {n} steps is still at the peak lr ({reason}); give {ways}, or drop it"
 
 
 def _resumed_warmup(stored: dict, given: dict, typed: set):
@@ -130,6 +132,11 @@ def _resumed_warmup(stored: dict, given: dict, typed: set):
     (20, or every step of a shorter run) follows ``steps``: a 3-step run lengthened to 10 on resume had
     warmed up over 3 steps and, its default now 10, went back below its peak lr to warm up again."""
     old, new = stored.get("steps"), given.get("steps")
+    kept = stored.get("warmup_steps")
+    if "warmup_steps" not in typed and isinstance(kept, int) and isinstance(new, int) and kept > new:
+        # else refused as TrainConfig's "--warmup-steps: expected ... got 40", a flag this command did not type
+        raise ValueError(f"--steps: {new} is fewer than the stored run's warmup of {kept} steps (its --warmup-steps); "
+                         f"give --warmup-steps too (at most {new}), or more --steps")
     if "warmup_steps" in typed or stored.get("warmup_steps") is not None or not isinstance(old, int) \
             or isinstance(old, bool) or not isinstance(new, int):
         return given.get("warmup_steps")

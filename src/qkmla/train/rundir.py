@@ -366,7 +366,8 @@ def record_edits(path: Path, recorded: dict, now: dict, written: tuple = ()) -> 
     a resume killed before its first checkpoint may have written settings that neither the
     checkpoint nor the next resume has. [] when there is no such file or nothing was changed; a
     file that is not a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001
-    recorded, 0.001 now"; the sections ("train", "model") compare field by field."""
+    recorded, 0.002 now" (", ... now" left out where it is the recorded value); the sections ("train",
+    "model") compare field by field."""
     if not Path(path).is_file():
         return []
     try:
@@ -383,8 +384,9 @@ def record_edits(path: Path, recorded: dict, now: dict, written: tuple = ()) -> 
         if isinstance(s, dict) and isinstance(r, dict) and isinstance(n, dict) and key in ("train", "model"):
             return [e for k in sorted(set(s) | set(r), key=str)
                     for e in compare(f"{key}.{k}", s.get(k, _ABSENT), r.get(k, _ABSENT), n.get(k, _ABSENT))]
-        if s != r and s != n:
-            return [f"{key}: {_short(s)} in the file, {_short(r)} recorded, {_short(n)} now"]
+        if s != r and s != n:  # "now" only where it is not the record (resume_edits compares with the record)
+            now_part = f", {_short(n)} now" if n != r else ""
+            return [f"{key}: {_short(s)} in the file, {_short(r)} recorded{now_part}"]
         return []
 
     return [e for key in sorted(set(saved) | set(recorded))

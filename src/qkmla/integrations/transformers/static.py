@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...attention.functional import no_decode_gradient
-from ...cache.storage import renewed
+from ...cache.storage import renew
 from ...config import MLAConfig
 from ...dtypes import cast
 from ...utils.checked import FixedSettings, as_int, check_size, is_int
@@ -123,7 +123,8 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
                     and not torch.is_inference_mode_enabled():
                 raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only "
                                  "code inside inference_mode write them; continue inside torch.inference_mode() "
-                                 "(torch.no_grad() is not enough), or start again with cache.reset() or a new cache")
+                                 "(torch.no_grad() is not enough), or start again with cache.reset() outside "
+                                 "torch.inference_mode(), or a new cache")
             return
         c, L = self.config, self.max_cache_len
         if not torch.compiler.is_compiling():  # it reads the machine's free memory: nothing to trace
@@ -205,16 +206,13 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         its backward failed with "Trying to backward through the graph a second time"). In place: the
         buffers keep the addresses a compiled decode step was built for, except buffers made under
         torch.inference_mode() reset outside it, which only inference mode may write: new ones, so that
-        reset() is the way out the refusal in :meth:`allocate` names (:func:`~qkmla.cache.storage.renewed`)."""
+        reset() is the way out the refusal in :meth:`allocate` names (:func:`~qkmla.cache.storage.renew`)."""
         for name in ("latent", "key_scale", "key_valid", "length"):
-            t = getattr(self, name)
-            if t is not None:
-                fresh = renewed(t)
-                if fresh is not t:
-                    setattr(self, name, fresh)
-                    if self.is_initialized:
-                        torch._dynamo.mark_static_address(fresh)
-                fresh.zero_()
+            if renew(self, name):  # new, zeros
+                if self.is_initialized:
+                    torch._dynamo.mark_static_address(getattr(self, name))
+            elif getattr(self, name) is not None:
+                getattr(self, name).zero_()
 
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""
