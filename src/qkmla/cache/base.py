@@ -30,7 +30,8 @@ from ..utils.checked import INT64_MAX, _constructed, _constructing, as_int, chec
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
-from .storage import ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer
+from .storage import (INFERENCE_ONLY, ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer,
+                      written_only_in_inference_mode)
 
 
 # The attribute an attention layer is known by to the cache it writes (SequenceCache.check_writer).
@@ -314,11 +315,9 @@ class SequenceCache:
         not inference mode."""
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # first: dynamo cannot trace the rest
             return
-        if any(buf.storage() is not None and buf.storage().is_inference() for buf in self.fields.values()):
-            raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only code "
-                             "inside inference_mode write them; decode with it inside torch.inference_mode() "
-                             "(torch.no_grad() is not enough), or start again with cache.reset() outside "
-                             "torch.inference_mode(), or a new cache")
+        storages = (buf.storage() for buf in self.fields.values())
+        if any(s is not None and written_only_in_inference_mode(s) for s in storages):
+            raise ValueError(INFERENCE_ONLY)
 
     def _check_capacity(self, max_len: int, num_tokens: int) -> None:
         if max_len > self.capacity:
@@ -466,8 +465,7 @@ class SequenceCache:
         # torch.inference_mode() (a prefill there), it is written only inside it, and the next decode under
         # no_grad failed writing it, after the rows had moved. Else written in place: a new [B, capacity]
         # tensor at every eviction step cost O(capacity) each. (Only the first _kept_lens <= S are read.)
-        if kept is None or (not torch.compiler.is_compiling() and kept.is_inference()
-                            and not torch.is_inference_mode_enabled()):
+        if kept is None or written_only_in_inference_mode(kept):
             kept = torch.zeros(B, self.capacity, dtype=torch.long, device=self.device)
         max_len, uniform = int(lengths.max()), bool((lengths == lengths[0]).all())
         for name, value in rows.items():

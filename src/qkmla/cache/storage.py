@@ -22,6 +22,18 @@ from ..config import check_positive_int
 from ..utils.limits import check_allocation
 
 
+def written_only_in_inference_mode(t: torch.Tensor) -> bool:
+    """Whether ``t`` was made under ``torch.inference_mode()`` and this code runs outside it, where torch refuses
+    to write it ("Inplace update to inference tensor outside InferenceMode"). False while torch.compile traces:
+    dynamo cannot read the flag."""
+    return not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled()
+
+
+INFERENCE_ONLY = ("cache: its buffers were made under torch.inference_mode(), and torch lets only code inside "
+                  "inference_mode write them; decode with it inside torch.inference_mode() (torch.no_grad() is not "
+                  "enough), or start again with cache.reset() outside torch.inference_mode(), or a new cache")
+
+
 def renew(owner, name: str) -> bool:
     """``owner.<name>`` (a tensor) made writable for a cache's next sequence; True if it is a new tensor:
     * rows written by a forward with gradients on make the whole tensor a node of that forward's graph, so
@@ -35,7 +47,7 @@ def renew(owner, name: str) -> bool:
     t = getattr(owner, name)
     if t is None or torch.compiler.is_compiling():
         return False
-    if t.is_inference() and not torch.is_inference_mode_enabled():
+    if written_only_in_inference_mode(t):
         shape, dtype, device = t.shape, t.dtype, t.device
         setattr(owner, name, None)
         del t

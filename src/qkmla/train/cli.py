@@ -137,7 +137,7 @@ def _resumed_warmup(stored: dict, given: dict, typed: set):
         # else refused as TrainConfig's "--warmup-steps: expected ... got 40", a flag this command did not type
         raise ValueError(f"--steps: {new} is fewer than the stored run's warmup of {kept} steps (its --warmup-steps); "
                          f"give --warmup-steps too (at most {new}), or more --steps")
-    if "warmup_steps" in typed or stored.get("warmup_steps") is not None or not isinstance(old, int) \
+    if "warmup_steps" in typed or kept is not None or not isinstance(old, int) \
             or isinstance(old, bool) or not isinstance(new, int):
         return given.get("warmup_steps")
     return min(DEFAULT_WARMUP_STEPS, old, new)  # a shortened run: the default's own, as before

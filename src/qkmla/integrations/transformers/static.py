@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...attention.functional import no_decode_gradient
-from ...cache.storage import renew
+from ...cache.storage import INFERENCE_ONLY, renew, written_only_in_inference_mode
 from ...config import MLAConfig
 from ...dtypes import cast
 from ...utils.checked import FixedSettings, as_int, check_size, is_int
@@ -119,12 +119,8 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
                 raise ValueError(f"cache: it holds {self.latent.dtype} rows on {self.latent.device}, the model now "
                                  f"runs {dtype} on {device}; pass a new cache")
             # torch's own refusal, at the write, names no cache (not traced: dynamo cannot read is_inference)
-            if not torch.compiler.is_compiling() and self.latent.is_inference() \
-                    and not torch.is_inference_mode_enabled():
-                raise ValueError("cache: its buffers were made under torch.inference_mode(), and torch lets only "
-                                 "code inside inference_mode write them; continue inside torch.inference_mode() "
-                                 "(torch.no_grad() is not enough), or start again with cache.reset() outside "
-                                 "torch.inference_mode(), or a new cache")
+            if written_only_in_inference_mode(self.latent):
+                raise ValueError(INFERENCE_ONLY)
             return
         c, L = self.config, self.max_cache_len
         if not torch.compiler.is_compiling():  # it reads the machine's free memory: nothing to trace
