@@ -29,3 +29,12 @@ def test_schedules():
         lr_multiplier(0, 10, "step")
     with pytest.raises(ValueError, match="optimizer"):
         build_optimizer(GPT(GPT_PRESETS["debug"]), "sgd")
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_decays_reach_min_lr_ratio_one_past_the_last_step(schedule):
+    """What --min-lr-ratio's help says: the ratio is reached at step --steps, so the last step
+    trained (0-based steps - 1) is a little above it, and no step after the warmup is below it."""
+    steps = [lr_multiplier(s, 50, schedule, warmup_steps=5, min_lr_ratio=0.25) for s in range(51)]
+    assert steps[50] == pytest.approx(0.25)
+    assert 0.25 < steps[49] < 0.5 and min(steps[5:]) == pytest.approx(0.25)
