@@ -216,8 +216,12 @@ class MLA(nn.Module):
 
     def _check_kv_b_proj(self) -> None:
         if not isinstance(self.kv_b_proj, nn.Linear):  # e.g. a PEFT LoRA wrapper: its output is not x @ weight.T
+            # Named with its module: PEFT's wrapper is a class called Linear too (peft.tuners.lora.layer.Linear),
+            # and "this kv_b_proj is a Linear, whose output is not x @ weight.T" read as a contradiction.
+            kind = type(self.kv_b_proj)
+            kind = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
             raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
-                             f"{type(self.kv_b_proj).__name__}, whose output is not x @ weight.T; merge its adapters "
+                             f"{kind}, whose output is not x @ weight.T; merge its adapters "
                              f"into the weight first (qkmla.integrations.transformers.merge_lora(model), PEFT's "
                              f"merge_and_unload())")
 
