@@ -1,8 +1,8 @@
 """qkmla: QK normalization for Multi-head Latent Attention without full-key caching."""
 
 # Before anything imports torch, on qkmla's command line only: a junk OMP_NUM_THREADS is reported in
-# qkmla's one line, not by OpenMP, which reads it as torch loads, and a Ctrl-C while torch loads
-# prints one line, not a traceback (utils/environment.py, utils/startup.py).
+# qkmla's one line, not by OpenMP, which reads it as torch loads, and a Ctrl-C or SIGTERM while torch
+# loads prints one line, not a traceback or nothing (utils/environment.py, utils/startup.py).
 from .utils.environment import prepare_command_line
 
 prepare_command_line()

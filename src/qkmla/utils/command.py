@@ -46,7 +46,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         return 1
     restore = _paths_print_as_given()  # {stream: its error handler before}
     try:
-        command_started()  # Ctrl-C is KeyboardInterrupt again, handled below (utils.startup)
+        command_started()  # Ctrl-C is KeyboardInterrupt again and SIGTERM its default, handled below (utils.startup)
         # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead); a signal that lands
         # while a C++ extension initializes is acted on as it returns, not raised inside (utils.imports)
         with sigterm_unwinds(), extension_inits_held():

