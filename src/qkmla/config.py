@@ -18,7 +18,7 @@ from typing import Optional
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
-from .utils.checked import check_bool, is_int, is_number
+from .utils.checked import check_bool, is_int, is_number, python_numbers
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
@@ -109,6 +109,7 @@ class QKNormConfig:
     learnable_logit_scale: bool = False
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         if self.kind not in QK_NORMS:
             raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
         if self.mode not in QK_NORM_MODES:
@@ -231,6 +232,7 @@ class MLAConfig:
     attention_sinks: bool = False
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         for name in ("hidden_size", "num_heads", "num_kv_groups", "kv_lora_rank",
                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             check_positive_int(name, getattr(self, name))
@@ -314,6 +316,7 @@ class AttentionConfig:
     softmax_scale: Optional[float] = None
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         for name in ("hidden_size", "num_heads", "num_kv_heads"):
             check_positive_int(name, getattr(self, name))
         check_positive_int("head_dim", self.head_dim, allow_none=True)
@@ -386,6 +389,7 @@ class SharedKVConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         for name in ("hidden_size", "num_heads", "head_dim", "rope_head_dim"):
             check_positive_int(name, getattr(self, name))
         check_positive_int("q_lora_rank", self.q_lora_rank, allow_none=True)

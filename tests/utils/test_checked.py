@@ -1,11 +1,13 @@
 """utils.checked's predicates: the one place that says a bool is not a number or a count, and a
 string is not a switch (every constructor's checks go through them)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from qkmla.utils.checked import check_bool, check_size, is_int, is_number
+from qkmla.utils.checked import check_bool, check_size, is_int, is_number, python_numbers
 
 
 @pytest.mark.parametrize("value, number, integer", [
@@ -47,3 +49,58 @@ def test_check_size_takes_a_traced_size_as_it_is():
 def test_check_size_names_the_argument(value):
     with pytest.raises(ValueError, match=r"^n: expected an int >= 0 \(tokens\), got "):
         check_size("n", value, 0, " (tokens)")
+
+
+def test_configs_take_numpy_numbers_as_the_python_numbers_they_hold():
+    """A sweep's values from an array: GPTConfig(n_layer=np.int64(2)) was refused as "n_layer: expected a
+    positive int, got np.int64(2)". Each config now holds Python numbers, which its JSON takes, set at
+    construction or (TrainConfig) after it; the checks still judge the number, and a NumPy bool stays a bool."""
+    import dataclasses
+    import json
+
+    from qkmla.cache.size import CacheShape
+    from qkmla.config import AttentionConfig, MLAConfig, QKNormConfig
+    from qkmla.model.gpt import GPTConfig
+    from qkmla.train.config import TrainConfig
+
+    made = [GPTConfig(n_layer=np.int64(2), n_embd=np.int32(64)), MLAConfig(hidden_size=np.int64(64)),
+            AttentionConfig(hidden_size=np.int64(64), num_heads=np.int8(4), num_kv_heads=np.uint16(2)),
+            QKNormConfig(kind="lp", p=np.float32(3.0)),
+            CacheShape(np.int64(2), 4, np.int64(16), 4, kv_lora_rank=np.int64(32), qk_rope_head_dim=np.int32(8)),
+            TrainConfig(steps=np.int64(3), lr=np.float32(0.5), model_overrides={"n_head": np.int64(2)})]
+    assert GPTConfig(n_layer=np.int64(2), n_embd=np.int32(64)) == GPTConfig(n_layer=2, n_embd=64)
+    for config in made:
+        for value in dataclasses.asdict(config).values():
+            for v in value.values() if isinstance(value, dict) else (value,):
+                assert type(v).__module__ != "numpy", (config, v)
+        json.dumps(dataclasses.asdict(config))  # a NumPy int64 fails here: "not JSON serializable"
+    train = made[-1]
+    train.steps = np.int64(9)
+    assert type(train.steps) is int and train.steps == 9 and train.lr == float(np.float32(0.5))
+    overrides = {"n_head": np.int64(2)}
+    TrainConfig(model_overrides=overrides)
+    assert type(overrides["n_head"]) is np.int64  # the caller's dict is left as it is
+    with pytest.raises(ValueError, match=r"n_layer: expected a positive int, got 0"):
+        GPTConfig(n_layer=np.int64(0))
+    with pytest.raises(ValueError, match=r"n_layer: expected a positive int, got np.True_"):
+        GPTConfig(n_layer=np.bool_(True))
+    with pytest.raises(ValueError, match=r"lr: expected a finite number > 0, got nan"):
+        TrainConfig(lr=np.float64("nan"))
+    with pytest.raises(ValueError, match=r"steps: expected an int >= 1"):
+        train.steps = np.int64(0)
+    assert train.steps == 9
+
+
+def test_python_numbers_leaves_python_values_alone():
+    @dataclasses.dataclass
+    class C:
+        a: object = 1
+        b: object = "x"
+        c: object = None
+
+    c = C(np.int64(4), np.float64(0.5), {"k": np.int16(3), "s": "t"})
+    python_numbers(c)
+    assert (c.a, type(c.a), c.b, type(c.b), c.c) == (4, int, 0.5, float, {"k": 3, "s": "t"})
+    kept = C()
+    python_numbers(kept)
+    assert (kept.a, kept.b, kept.c) == (1, "x", None)

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, check_groups, check_positive_int, check_rope
 from ..kv_formats import KV_FORMATS, check_kv_format, row_format
-from ..utils.checked import is_int
+from ..utils.checked import is_int, python_numbers
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # ``qkmla cache-size --kv-dtype``: a dense dtype, or a quantized format (with its scales).
@@ -57,6 +57,7 @@ class CacheShape:
 
     def __post_init__(self) -> None:
         """The configs' own checks: a shape no model could have is refused."""
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         check_kv_format(self.kv_format)
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)

@@ -42,7 +42,7 @@ from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
-from ..utils.checked import is_int, is_number
+from ..utils.checked import is_int, is_number, python_numbers
 from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
@@ -94,6 +94,7 @@ class GPTConfig:
     init_seed: Optional[int] = None  # per-tensor random init (see the module docstring)
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         if self.attn not in ATTENTION_VARIANTS:
             raise ValueError(f"attn: expected one of {ATTENTION_VARIANTS}, got {self.attn!r}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

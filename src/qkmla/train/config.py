@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
-from ..utils.checked import check_bool, check_seed, revalidated
+from ..utils.checked import check_bool, check_seed, python_numbers, revalidated
 from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -92,6 +92,7 @@ class TrainConfig:
     model_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.int64(2) is the int 2 (utils.checked)
         _choice("preset", self.preset, sorted(GPT_PRESETS))
         _choice("attn", self.attn, ATTENTION_VARIANTS)
         _choice("optimizer", self.optimizer, OPTIMIZERS)

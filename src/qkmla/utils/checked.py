@@ -19,6 +19,7 @@ refuses. Two ways to close that door, one per kind of object:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 
@@ -40,11 +41,35 @@ def as_int(value):
     """``value`` as a Python int when it is an integer of another kind (a NumPy int, as ``np.int64(8)`` from
     array arithmetic), else ``value`` itself, for the checks to judge. A cache's sizes pass through here:
     ``LatentCache(np.int64(2), ...)`` was refused as "expected a positive int, got np.int64(2)", a
-    refusal that contradicts itself. (Configs are not given this: they are written as JSON, which takes
-    Python ints only.) A bool stays a bool: a switch where a size belongs is refused by the checks."""
+    refusal that contradicts itself (configs: :func:`python_numbers`). A bool stays a bool: a switch
+    where a size belongs is refused by the checks."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     return value
+
+
+def python_numbers(config) -> None:
+    """Replace NumPy numbers among a dataclass ``config``'s fields (and in a dict field's values, as
+    ``model_overrides``) with the Python int or float they hold; first thing in a config's
+    ``__post_init__``, so the checks judge the number. ``GPTConfig(n_layer=np.int64(2))`` (a sweep's
+    values from an array) was refused as "expected a positive int, got np.int64(2)", a refusal that
+    contradicts itself; kept, a NumPy int would fail later, where the config is written as JSON. A
+    NumPy bool is left as it is: a switch where a number belongs is the checks' to refuse."""
+
+    def plain(value):
+        if type(value).__module__ != "numpy":
+            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        return float(value) if isinstance(value, numbers.Real) else value
+
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, dict):  # a new dict: the caller's own is left as it is
+            if any(plain(v) is not v for v in value.values()):
+                object.__setattr__(config, field.name, {k: plain(v) for k, v in value.items()})
+        elif plain(value) is not value:
+            object.__setattr__(config, field.name, plain(value))  # a frozen dataclass too, as its __init__ does
 
 
 INT64_MAX = 2 ** 63 - 1
