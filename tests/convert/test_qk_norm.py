@@ -167,6 +167,23 @@ def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused, ca
                  "--calibration-tokens", "0"]) == 0  # no tokenizer needed without calibration
 
 
+def test_the_api_names_its_own_arguments(source, tmp_path):
+    """convert_checkpoint(src, out) named its source "hf", the command's option, an argument it does not have."""
+    from qkmla.convert import convert_checkpoint
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for p in source.iterdir():
+        if p.suffix in (".safetensors", ".json") and "token" not in p.name:
+            shutil.copy(p, bare / p.name)
+    for src, match in ((tmp_path / "nowhere", r"^src: .* is not a directory"),
+                       (bare, r"^src: .* has no tokenizer transformers can load"),
+                       (b"\xff".decode("utf-8", "surrogateescape"), r"^src: ")):
+        with pytest.raises(ValueError, match=match):
+            convert_checkpoint(src, tmp_path / "out", qk_norm="rms")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_out_that_is_a_symbolic_link_is_written_where_it_points(source, tmp_path, refused):
     """``ln -s /scratch/models/x out``: the conversion lands in the directory the link points to and
     the link stays. The link itself was replaced by the new directory, and left behind as

@@ -392,9 +392,9 @@ def _convert(args: argparse.Namespace) -> int:
         report = convert_checkpoint(args.hf, args.out, qk_norm=norm, calibration_tokens=tokens,
                                     calibration_text=text, dtype=dtype, overwrite=args.overwrite,
                                     inputs=[("calibration_text", args.calibration_text)])
-    except ValueError as e:  # the loader's argument name, as this command's option
+    except ValueError as e:  # the API's argument names (src, the loader's hf_dir), as this command's option
         name, _, rest = str(e).partition(": ")
-        raise ValueError(f"{'--hf' if name == 'hf_dir' else name}: {rest}") from None
+        raise ValueError(f"{'--hf' if name in ('src', 'hf_dir') else name}: {rest}") from None
     for layer, blocks in (report.get("layers") or {}).items():
         print(f"layer {layer}: " + "; ".join(
             f"{block} logit RMS {r['rms_source']:.4g} (source), {r['rms_unit_weights']:.4g} (norm, unit weights) -> "
@@ -429,7 +429,7 @@ def _convert_gqa(args: argparse.Namespace) -> int:
                                         calibration_tokens=args.calibration_tokens)
     except ValueError as e:  # the source model is --hf here, its calibration ids --calibration-text (the other
         name, _, rest = str(e).partition(": ")  # names are options: main's flag_message)
-        name = {"model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
+        name = {"src": "hf", "model": "hf", "hf_dir": "hf", "calibration": "calibration_text"}.get(name, name)
         raise ValueError(f"{name}: {rest}") from None
     for line in report.lines():
         print(line)

@@ -490,7 +490,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     hf_config = read_hf_config(src)
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"hf: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts "
+        raise ValueError(f"src: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts "
                          f"{sorted(MODEL_TYPES)} models")
     if rope_key not in ROPE_KEYS:
         raise ValueError(f"rope_key: expected one of {ROPE_KEYS}, got {rope_key!r}")
@@ -513,7 +513,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     if dtype == torch.float16:
         raise ValueError(f"dtype: {FLOAT16_CANNOT}; expected float32, bfloat16 or float64")
     if dtype is None and getattr(config, "dtype", None) == torch.float16:  # loaded as stored
-        raise ValueError(f"hf: {src} stores float16 weights, and {FLOAT16_CANNOT}; convert them as float32 or "
+        raise ValueError(f"src: {src} stores float16 weights, and {FLOAT16_CANNOT}; convert them as float32 or "
                          "bfloat16 (--dtype)")
     try:
         tokenizer = load_tokenizer(src)

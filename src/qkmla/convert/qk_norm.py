@@ -48,7 +48,7 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
     """(src, out) if ``out`` can take a conversion of ``src``: not ``src`` or inside it, not a file,
     not an existing non-empty directory unless ``overwrite``, holding none of the other files the
     conversion reads (``inputs``: (option, path) pairs, the calibration text). ValueError naming
-    --hf / --out.
+    ``src`` / ``out`` (the commands' --hf / --out).
     First, what a conversion into ``out`` killed outright left is swept (``clear_stale``: its
     temporary removed, an ``out`` it had moved aside put back; its lock file), so ``out`` is checked
     as it really is. ``target``: the directory written for ``out`` (a link of the user's own is
@@ -59,14 +59,14 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
     # is work an unchecked call must not do)
     check_bool("overwrite", overwrite)
     src, out = Path(src), Path(out)
-    for name, path in (("hf", src), ("out", out)):
+    for name, path in (("src", src), ("out", out)):
         # a name that is not UTF-8 failed mid-conversion, after the model was loaded and converted
         check_utf8_path(name, path)
     given, out = out, output_directory("out", out) if target is None else target
     clear_stale(out)
     remove_stale_lock(lock_file(out))
     if not src.is_dir():
-        raise ValueError(f"hf: {src} is not a directory (expected a transformers checkpoint directory)")
+        raise ValueError(f"src: {src} is not a directory (expected a transformers checkpoint directory)")
     read_hf_config(src)
     check_checkpoint_out(out, given, src, overwrite, inputs)
     return src, given
@@ -175,7 +175,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         if calibration_tokens:
-            raise ValueError(f"hf: {src} has no tokenizer transformers can load, which calibration needs "
+            raise ValueError(f"src: {src} has no tokenizer transformers can load, which calibration needs "
                              f"({str(e).splitlines()[0]}); pass calibration_tokens=0 (--calibration-tokens 0) to "
                              f"keep the norm weights at ones") from None
         tokenizer = None
@@ -190,7 +190,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     vocab = hf_config.get("vocab_size")
     top = int(max(b.max() for b in batches)) if batches is not None else -1
     if isinstance(vocab, int) and top >= vocab:
-        raise ValueError(f"hf: {src}'s tokenizer gives token ids up to {top}, beyond the model's vocab_size {vocab}; "
+        raise ValueError(f"src: {src}'s tokenizer gives token ids up to {top}, beyond the model's vocab_size {vocab}; "
                          f"the tokenizer is not this model's")
 
     if dtype is not None and hf_config.get("quantization_config") is not None:
