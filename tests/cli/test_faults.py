@@ -4230,10 +4230,44 @@ def probe14_rows():
     ]
 
 
+def probe15b_rows():
+    """The fifteenth probe's failures in the Python API (issue 56, probe 15b: fresh probes of the constructors, the
+    decode op, the caches' state and the integrations, written without this table)."""
+
+    def a_compiled_decode_step_under_autograd(env):
+        """Probe B5: ``decode_one_token(mla, x, cache)`` in training mode (autograd on) ran, and its backward
+        failed deep in torch ("Trying to backward through qkmla.latent_attention.default but no autograd formula
+        was registered"), naming no way out; the step's weights (``mla.absorbed``, derived without autograd) would
+        have left kv_b_proj out anyway, and its writes gave the cache's buffers the step's graph. The step runs
+        without autograd now (the same output, the cache free of history) and a backward through it raises,
+        naming ``mla(x, cache)``."""
+        from qkmla.attention.decode import decode_one_token
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).double().train(), torch.randn(2, 6, 64, dtype=torch.double)
+        want = mla(x)[:, 5:]
+        cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.double)
+        with torch.no_grad():
+            mla(x[:, :5], cache)
+        out = decode_one_token(mla, x[:, 5:], cache)
+        torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
+        assert all(buf.data.grad_fn is None for buf in cache.fields.values())
+        raises(lambda: out.sum().backward(), RuntimeError,
+               r"^attention: decode_one_token's step \(mla_decode_step\) is inference only .*mla\(x, cache\)")
+
+    return [
+        Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
+            "autograd formula was registered')", a_compiled_decode_step_under_autograd),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
