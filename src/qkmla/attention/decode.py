@@ -100,7 +100,8 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     # autograd) would have left kv_b_proj and the norm weights out anyway; its writes also gave the cache's
     # buffers the step's graph. Run without autograd, and a backward through the output says so.
     recorded = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in mla.parameters()))
-    with cache.transaction(), torch.no_grad() if recorded else contextlib.nullcontext():  # as MLA.forward: a failure after the write takes the token out again
+    untracked = torch.no_grad() if recorded else contextlib.nullcontext()
+    with cache.transaction(), untracked:  # as MLA.forward: a failure after the write takes the token out again
         out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
                    slot.slots[:, 0], slot.positions[:, 0], cache.kv_format)
         cache.advance(slot)
