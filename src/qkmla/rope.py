@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
-from .utils.checked import FixedSettings, check_bool, is_int, is_number
+from .utils.checked import FixedSettings, as_int, check_bool, is_int, is_number
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -195,6 +195,7 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         super().__init__()
         # Checked as MLAConfig checks its RoPE: dim=0 built an empty module, dim=-2 failed in torch.arange,
         # theta=0 or -5 made inf/NaN frequencies without a word, scaling={...} failed as a dict's attribute.
+        dim = as_int(dim)  # a NumPy int is a width (np.int64(16) was refused as "got np.int64(16)")
         if not is_int(dim) or dim < 2 or dim % 2:
             raise ValueError(f"dim: expected a positive even int (RoPE rotates pairs), got {dim!r}")
         _number("theta", theta, 0, strict=True)

@@ -4258,9 +4258,50 @@ def probe15b_rows():
         raises(lambda: out.sum().backward(), RuntimeError,
                r"^attention: decode_one_token's step \(mla_decode_step\) is inference only .*mla\(x, cache\)")
 
+    def numpy_sizes_of_the_layout_policies_and_shared_cache(env):
+        """Probes C1-C6, C9, C10: LatentCache and FullKVCache take a NumPy int as a size (``as_int``), but
+        SharedKVCache(1, 8, np.int64(16)) was refused as "head_dim: expected an int >= 1, got np.int64(16)",
+        PagedLayout(np.int64(4)) as "expected a positive int, got np.int64(4)", StreamingLLM / H2O / SnapKV's
+        counts as "sinks: expected an int >= 0, got np.int64(4)", H2O(kept_fraction=np.float32(0.5)) as "expected a
+        number in (0, 1], got np.float32(0.5)" (np.float64 was taken) and RotaryEmbedding(np.int64(16)) likewise:
+        refusals that contradict themselves. Each is taken as the Python number it holds; a bool is still refused."""
+        import numpy as np
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.eviction import H2O, SnapKV, StreamingLLM
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.cache.storage import PagedLayout
+        from qkmla.config import MLAConfig
+        from qkmla.rope import RotaryEmbedding
+
+        n = np.int64
+        assert SharedKVCache(1, 8, n(16)).head_dim == 16
+        assert RotaryEmbedding(n(16)).dim == 16
+        layout = PagedLayout(n(4), num_blocks=n(8))
+        assert (layout.block_size, layout.num_blocks) == (4, 8) and type(layout.block_size) is int
+        policies = [StreamingLLM(sinks=n(2), budget=n(5)), H2O(budget=n(5), window=n(2), sinks=n(1), interval=n(1)),
+                    SnapKV(budget=n(5), window=n(2), kernel_size=n(3)), H2O(kept_fraction=np.float32(0.5), window=2)]
+        same = [StreamingLLM(sinks=2, budget=5), H2O(budget=5, window=2, sinks=1, interval=1),
+                SnapKV(budget=5, window=2, kernel_size=3), H2O(kept_fraction=0.5, window=2)]
+        assert [repr(p) for p in policies] == [repr(p) for p in same]
+        assert type(policies[3].kept_fraction) is float
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(1, 10, 64)
+        for pair in zip(policies, same):  # the same kept slots as the Python numbers give
+            caches = [LatentCache.from_config(mla.config, 1, 16, policy=p, layout=PagedLayout(n(4))) for p in pair]
+            with torch.no_grad():
+                for cache in caches:
+                    mla(x[:, :9], cache), mla(x[:, 9:], cache)
+            assert caches[0].seqlens.tolist() == caches[1].seqlens.tolist() < [9]
+            assert torch.equal(caches[0].slot_positions(), caches[1].slot_positions())
+        raises(lambda: StreamingLLM(sinks=True, budget=5), ValueError, r"^sinks: expected an int >= 0, got True")
+        raises(lambda: PagedLayout(n(0)), ValueError, r"^block_size: expected a positive int, got 0")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
+        Row("SharedKVCache", "size", "np.int64 sizes of SharedKVCache, PagedLayout, the policies, RotaryEmbedding "
+            "refused as 'expected an int ..., got np.int64(16)'", numpy_sizes_of_the_layout_policies_and_shared_cache),
     ]
 
 

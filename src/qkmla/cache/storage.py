@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..utils.checked import Frozen
+from ..utils.checked import Frozen, as_int
 from ..config import check_positive_int
 from ..utils.limits import check_allocation
 
@@ -222,7 +222,9 @@ class PagedLayout(Layout, Frozen):
 
     def __init__(self, block_size: int = 64, block_table: Optional[torch.Tensor] = None,
                  num_blocks: Optional[int] = None):
-        # Past int64 as well (block_size=2**70 was taken, and refused only by the first cache using it).
+        # Past int64 as well (block_size=2**70 was taken, and refused only by the first cache using it). A NumPy int
+        # is a size, as for the caches (np.int64(4) was refused as "expected a positive int, got np.int64(4)").
+        block_size, num_blocks = as_int(block_size), as_int(num_blocks)
         check_positive_int("block_size", block_size)
         try:
             check_positive_int("num_blocks", num_blocks, allow_none=True)
