@@ -4297,11 +4297,37 @@ def probe15b_rows():
         raises(lambda: StreamingLLM(sinks=True, budget=5), ValueError, r"^sinks: expected an int >= 0, got True")
         raises(lambda: PagedLayout(n(0)), ValueError, r"^block_size: expected a positive int, got 0")
 
+    def training_through_a_static_latent_cache(env):
+        """Probes F2, F3: a training step through a static latent cache's decode steps
+        (``LatentAttentionCache(model, max_cache_len=N, static=True)``, eager, float32 or float64) failed in its
+        backward with torch's "Output 0 of ReshapeAlias is a view and its base ... has been modified inplace": the
+        attention over the columns saved views of the buffers themselves (``.to(acc)`` returns the buffer in its
+        own dtype), which the next step's write changed in place. The rows are read as a copy under autograd now:
+        the gradients equal the explicit path's (the growing cache's did already), over two steps with a reset."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek().double().train()
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(ids).logits[:, -3:].square().sum().backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = LatentAttentionCache(model, max_cache_len=16, static=True)
+        for step in range(2):
+            model.zero_grad()
+            cache.reset()
+            model(ids[:, :5], past_key_values=cache, use_cache=True)
+            logits = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(5, 8)]
+            torch.cat(logits, dim=1).square().sum().backward()
+            for name, g in want.items():
+                torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-9, atol=1e-12,
+                                           msg=f"{step} {name}")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
         Row("SharedKVCache", "size", "np.int64 sizes of SharedKVCache, PagedLayout, the policies, RotaryEmbedding "
             "refused as 'expected an int ..., got np.int64(16)'", numpy_sizes_of_the_layout_policies_and_shared_cache),
+        Row("LatentAttentionCache", "size", "training through a static latent cache's decode steps: the backward "
+            "failed ('a view and its base ... has been modified inplace')", training_through_a_static_latent_cache),
     ]
 
 

@@ -354,13 +354,21 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     q_lat, q_rope = latent_query(*attn.raw_query(x), attn.q_norm, w)  # [B, T, h, d_c], [B, T, h, d_r]
     q_rope = attn.rotary(q_rope, positions)
-    cached, k_rope = layer.latent.to(acc).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
+    latent, key_scale = layer.latent, layer.key_scale
+    if torch.is_grad_enabled():
+        # Autograd saves the rows for the backward, and the next step writes the buffers in place: read as they
+        # were (``.to(acc)`` returns the buffer itself in float32 and float64), a training step over two decode
+        # steps failed in its backward ("Output 0 of ReshapeAlias is a view and its base ... has been modified
+        # inplace"). As MLA.expand_cache does; a step under no_grad (inference) reads the buffers as they are.
+        latent = latent.clone()
+        key_scale = key_scale.clone() if key_scale is not None else None
+    cached, k_rope = latent.to(acc).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
     s_c = torch.einsum("bthc,blc->bhtl", q_lat.to(acc), cached)
     s_r = torch.einsum("bthr,blr->bhtl", q_rope.to(acc), k_rope)
     scale = attn.scale
     scale = scale.to(acc).view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
-    if layer.key_scale is not None:
-        r = layer.key_scale.to(acc).transpose(1, 2)  # [B, G, L]
+    if key_scale is not None:
+        r = key_scale.to(acc).transpose(1, 2)  # [B, G, L]
         r = r.repeat_interleave(c.num_heads // r.shape[1], dim=1)[:, :, None, :]  # [B, h, 1, L]
         scores = scale * (r * s_c + s_r) if attn.score_mode == "blockwise" else scale * r * (s_c + s_r)
     else:
