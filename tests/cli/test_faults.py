@@ -4357,6 +4357,26 @@ def probe15b_rows():
                                                max_seqlen=np.int64(5)), ValueError,
                r"^max_seqlen: expected max\(cache_seqlens\) = 8")
 
+    def a_numpy_max_cache_len(env):
+        """Probes L1, L2: ``LatentAttentionCache(model, max_cache_len=np.int64(16))`` (static or not) was refused as
+        "max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), got np.int64(16)", where
+        LatentCache takes a NumPy capacity. Taken as the int it holds now: the same logits as max_cache_len=16."""
+        import numpy as np
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        for static in (False, True):
+            logits = []
+            for n in (16, np.int64(16)):
+                cache = LatentAttentionCache(model, max_cache_len=n, static=static)
+                assert type(cache.layers[0].max_cache_len) is int
+                with torch.no_grad():
+                    logits.append(model(ids, past_key_values=cache, use_cache=True).logits)
+            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+        raises(lambda: LatentAttentionCache(model, max_cache_len=np.int64(0)), ValueError,
+               r"^max_cache_len: expected a positive int")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4368,6 +4388,8 @@ def probe15b_rows():
             "vllm', no extra named", the_vllm_plugin_without_vllm),
         Row("mla_decode_with_kvcache", "size", "max_seqlen / num_splits np.int64, softmax_scale np.float32: refused "
             "as 'expected ... an int >= 0, got np.int64(8)'", numpy_numbers_of_the_decode_op),
+        Row("LatentAttentionCache", "size", "max_cache_len=np.int64(16) refused as 'expected a positive int ..., got "
+            "np.int64(16)'", a_numpy_max_cache_len),
     ]
 
 
