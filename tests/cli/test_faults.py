@@ -4377,6 +4377,21 @@ def probe15b_rows():
         raises(lambda: LatentAttentionCache(model, max_cache_len=np.int64(0)), ValueError,
                r"^max_cache_len: expected a positive int")
 
+    def numpy_widths_of_the_norms(env):
+        """Probes M7, M8: ``ScalarNorm(np.int64(8))`` was refused as "dim: expected a positive int, got np.int64(8)",
+        and ``QKNorm(np.int64(8), np.int64(4))`` as "content_dim: expected a positive int, got np.int64(8)", where
+        the caches and RotaryEmbedding take NumPy widths. Taken as the ints they hold now: the same norms."""
+        import numpy as np
+        from qkmla.norms import QKNorm, ScalarNorm
+
+        n = np.int64
+        norm = ScalarNorm(n(8), heads=n(2))
+        assert (norm.dim, tuple(norm.weight.shape), type(norm.dim)) == (8, (2, 8), int)
+        qk = QKNorm(n(8), n(4), scope="projection", heads=n(2), rope_heads=n(1))
+        assert repr(qk) == repr(QKNorm(8, 4, scope="projection", heads=2, rope_heads=1))
+        raises(lambda: ScalarNorm(n(0)), ValueError, r"^dim: expected a positive int, got 0")
+        raises(lambda: QKNorm(8, True), ValueError, r"^rope_dim: expected a positive int, got True")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4390,6 +4405,8 @@ def probe15b_rows():
             "as 'expected ... an int >= 0, got np.int64(8)'", numpy_numbers_of_the_decode_op),
         Row("LatentAttentionCache", "size", "max_cache_len=np.int64(16) refused as 'expected a positive int ..., got "
             "np.int64(16)'", a_numpy_max_cache_len),
+        Row("ScalarNorm", "size", "ScalarNorm(np.int64(8)) / QKNorm(np.int64(8), ...) refused as 'expected a positive "
+            "int, got np.int64(8)'", numpy_widths_of_the_norms),
     ]
 
 
