@@ -4392,6 +4392,25 @@ def probe15b_rows():
         raises(lambda: ScalarNorm(n(0)), ValueError, r"^dim: expected a positive int, got 0")
         raises(lambda: QKNorm(8, True), ValueError, r"^rope_dim: expected a positive int, got True")
 
+    def a_gpt_given_too_few_or_too_many_caches(env):
+        """Probes Q1, Q3: ``model(idx, caches=model.make_caches(2, 16)[:1])`` on a 2-layer GPT wrote layer 0's cache
+        and then failed with IndexError ("list index out of range"), naming nothing and leaving that cache a token
+        ahead of the others; a list of four caches had its extra two ignored without a word. Refused now, naming
+        caches, before any layer runs."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32)).eval()
+        idx = torch.randint(0, 65, (2, 6))
+        caches = model.make_caches(2, 16)
+        for given in (caches[:1], caches * 2, caches[0]):
+            raises(lambda: model(idx, caches=given), ValueError,
+                   r"^caches: expected a list of one cache per layer \(2, as model.make_caches")
+        assert [c.max_len for c in caches] == [0, 0]
+        with torch.no_grad():
+            logits, _ = model(idx, caches=caches)
+            torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4407,6 +4426,8 @@ def probe15b_rows():
             "np.int64(16)'", a_numpy_max_cache_len),
         Row("ScalarNorm", "size", "ScalarNorm(np.int64(8)) / QKNorm(np.int64(8), ...) refused as 'expected a positive "
             "int, got np.int64(8)'", numpy_widths_of_the_norms),
+        Row("GPT", "size", "model(idx, caches=<one cache for two layers>): layer 0's cache written, then IndexError",
+            a_gpt_given_too_few_or_too_many_caches),
     ]
 
 
