@@ -4411,6 +4411,24 @@ def probe15b_rows():
             logits, _ = model(idx, caches=caches)
             torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
 
+    def numpy_sampling_numbers(env):
+        """Probes Q5-Q7: ``generate(model, prompts, np.int64(3))`` was refused as "max_new_tokens: expected a positive
+        int, got np.int64(3)", top_k=np.int64(5) and temperature=np.float32(0.5) likewise, where the prompts' token
+        ids may be NumPy ints. Taken as the numbers they hold now: the same tokens as the Python numbers give."""
+        import numpy as np
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32)).eval()
+
+        def sample(n, t, k):
+            return generate(model, [[1, 2], [3]], n, temperature=t, top_k=k, generator=torch.Generator().manual_seed(1))
+
+        assert sample(np.int64(4), np.float32(0.5), np.int64(5)) == sample(4, 0.5, 5)
+        raises(lambda: sample(np.int64(0), 1.0, None), ValueError, r"^max_new_tokens: expected a positive int, got 0")
+        raises(lambda: sample(2, np.float32("nan"), None), ValueError, r"^temperature: expected a finite number")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4428,6 +4446,8 @@ def probe15b_rows():
             "int, got np.int64(8)'", numpy_widths_of_the_norms),
         Row("GPT", "size", "model(idx, caches=<one cache for two layers>): layer 0's cache written, then IndexError",
             a_gpt_given_too_few_or_too_many_caches),
+        Row("GPT", "size", "generate(model, prompts, np.int64(3)) / top_k np.int64 / temperature np.float32: "
+            "refused as 'expected a positive int, got np.int64(3)'", numpy_sampling_numbers),
     ]
 
 
