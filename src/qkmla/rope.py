@@ -16,6 +16,7 @@ softmax-scale correction from ``mscale_all_dim``, lives in :attr:`MLAConfig.scal
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
@@ -198,6 +199,8 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         dim = as_int(dim)  # a NumPy int is a width (np.int64(16) was refused as "got np.int64(16)")
         if not is_int(dim) or dim < 2 or dim % 2:
             raise ValueError(f"dim: expected a positive even int (RoPE rotates pairs), got {dim!r}")
+        if isinstance(theta, numbers.Real) and not isinstance(theta, bool):  # np.float32(500.0) is a base, too
+            theta = as_int(theta) if isinstance(theta, numbers.Integral) else float(theta)
         _number("theta", theta, 0, strict=True)
         check_bool("interleave", interleave)  # True: pairs (x0, x1); False: halves
         if scaling is not None and not isinstance(scaling, YarnScaling):

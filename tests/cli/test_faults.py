@@ -4429,6 +4429,22 @@ def probe15b_rows():
         raises(lambda: sample(np.int64(0), 1.0, None), ValueError, r"^max_new_tokens: expected a positive int, got 0")
         raises(lambda: sample(2, np.float32("nan"), None), ValueError, r"^temperature: expected a finite number")
 
+    def a_numpy_rope_base(env):
+        """Probe Y1: ``RotaryEmbedding(16, theta=np.float32(500.0))`` was refused as "theta: expected a finite number >
+        0, got np.float32(500.0)" (np.float64, a float subclass, was taken). Taken as the float it holds now: the
+        same rotation; True, NaN and a string are still refused."""
+        import numpy as np
+        from qkmla.rope import RotaryEmbedding
+
+        x, positions = torch.randn(1, 3, 2, 16, generator=torch.Generator().manual_seed(0)), torch.arange(3)
+        for theta in (np.float32(500.0), np.int64(500)):
+            rope = RotaryEmbedding(16, theta=theta)
+            assert type(rope.theta) is float
+            want = RotaryEmbedding(16, theta=500.0)(x, positions)
+            torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=0)
+        for theta in (True, np.float32("nan"), "1e4"):
+            raises(lambda: RotaryEmbedding(16, theta=theta), ValueError, r"^theta: expected a finite number > 0")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4448,6 +4464,8 @@ def probe15b_rows():
             a_gpt_given_too_few_or_too_many_caches),
         Row("GPT", "size", "generate(model, prompts, np.int64(3)) / top_k np.int64 / temperature np.float32: "
             "refused as 'expected a positive int, got np.int64(3)'", numpy_sampling_numbers),
+        Row("RotaryEmbedding", "size", "theta=np.float32(500.0) refused as 'expected a finite number > 0, got "
+            "np.float32(500.0)'", a_numpy_rope_base),
     ]
 
 
