@@ -4445,6 +4445,28 @@ def probe15b_rows():
         for theta in (True, np.float32("nan"), "1e4"):
             raises(lambda: RotaryEmbedding(16, theta=theta), ValueError, r"^theta: expected a finite number > 0")
 
+    def a_static_cache_cropped_outside_inference_mode(env):
+        """Probe AA1, AA2: a static latent cache filled under ``torch.inference_mode()``, then ``cache.crop(3)`` or
+        ``cache.reorder_cache(beam_idx)`` outside it (the growing cache takes both there), failed with torch's
+        "Inplace update to inference tensor outside InferenceMode is not allowed", naming no cache and no way out.
+        Refused now before any write, naming cache; inside inference mode the crop continues as the stock model."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        cache = LatentAttentionCache(model, max_cache_len=16, static=True)
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+        pattern = r"^cache: its buffers were made under torch.inference_mode\(\), .*; {} inside torch.inference_mode"
+        raises(lambda: cache.crop(3), ValueError, pattern.format("crop it"))
+        raises(lambda: cache.reorder_cache(torch.tensor([1, 0])), ValueError, pattern.format("reorder it"))
+        assert int(cache.get_seq_length()) == 6
+        with torch.inference_mode():
+            cache.crop(3)
+            out = model(ids[:, 3:], past_key_values=cache, use_cache=True).logits
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(ids).logits[:, 3:], rtol=1e-4, atol=1e-5)
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4466,6 +4488,8 @@ def probe15b_rows():
             "refused as 'expected a positive int, got np.int64(3)'", numpy_sampling_numbers),
         Row("RotaryEmbedding", "size", "theta=np.float32(500.0) refused as 'expected a finite number > 0, got "
             "np.float32(500.0)'", a_numpy_rope_base),
+        Row("LatentAttentionCache", "size", "a static cache filled under inference_mode, crop / reorder_cache outside "
+            "it: torch's 'Inplace update to inference tensor'", a_static_cache_cropped_outside_inference_mode),
     ]
 
 

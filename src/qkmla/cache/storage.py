@@ -29,9 +29,14 @@ def written_only_in_inference_mode(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled()
 
 
-INFERENCE_ONLY = ("cache: its buffers were made under torch.inference_mode(), and torch lets only code inside "
-                  "inference_mode write them; decode with it inside torch.inference_mode() (torch.no_grad() is not "
-                  "enough), or start again with cache.reset() outside torch.inference_mode(), or a new cache")
+def inference_only(action: str = "decode with it") -> str:
+    """The refusal of a write, outside inference mode, to buffers made under it (``action``: what to do inside)."""
+    return (f"cache: its buffers were made under torch.inference_mode(), and torch lets only code inside "
+            f"inference_mode write them; {action} inside torch.inference_mode() (torch.no_grad() is not "
+            f"enough), or start again with cache.reset() outside torch.inference_mode(), or a new cache")
+
+
+INFERENCE_ONLY = inference_only()
 
 
 def renew(owner, name: str) -> bool:

@@ -36,7 +36,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...attention.functional import no_decode_gradient
-from ...cache.storage import INFERENCE_ONLY, renew, written_only_in_inference_mode
+from ...cache.storage import INFERENCE_ONLY, inference_only, renew, written_only_in_inference_mode
 from ...config import MLAConfig
 from ...dtypes import cast
 from ...utils.checked import FixedSettings, as_int, check_size, is_int
@@ -213,12 +213,20 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""
         tokens = check_crop(tokens)
+        self._check_writable("crop it")
         current = int(self.length)
         keep = current + tokens if tokens <= 0 else min(tokens, current)
         if keep >= current:
             return
         self.key_valid[:, max(keep, 0):].zero_()
         self.length.fill_(max(keep, 0))
+
+    def _check_writable(self, action: str) -> None:
+        """A ValueError before an in-place write (crop, reorder_cache) to buffers made under torch.inference_mode()
+        and written outside it: torch refused it naming no cache ("Inplace update to inference tensor outside
+        InferenceMode is not allowed"). Not traced (dynamo cannot read the inference flag)."""
+        if self.latent is not None and written_only_in_inference_mode(self.latent):
+            raise ValueError(inference_only(action))
 
     def _buffers(self) -> list:
         return [t for t in (self.latent, self.key_scale, self.key_valid) if t is not None]
@@ -227,6 +235,7 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         """Rows picked by ``beam_idx``, written in place (the buffers keep their addresses)."""
         if self.latent is None:
             return
+        self._check_writable("reorder it")
         beam_idx = beam_idx.to(self.latent.device)
         for t in self._buffers():
             t.copy_(t.index_select(0, beam_idx))
