@@ -4467,6 +4467,36 @@ def probe15b_rows():
         with torch.no_grad():
             torch.testing.assert_close(out, model(ids).logits[:, 3:], rtol=1e-4, atol=1e-5)
 
+    def keep_on_a_cache_filled_under_inference_mode(env):
+        """Probes EE1, EE2: ``cache.keep(mask)`` outside ``torch.inference_mode()`` on a LatentCache (contiguous or
+        paged) or FullKVCache filled under it failed in the rows' move with torch's "Inplace update to inference tensor
+        outside InferenceMode is not allowed", naming no cache. Refused now before anything moves, naming cache and
+        keep; inside inference mode the kept tokens decode as the explicit path over them."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).double().eval(), torch.randn(2, 7, 64, dtype=torch.double)
+        mask = torch.ones(2, 6, dtype=torch.bool)
+        mask[:, 1] = False
+        for make in (lambda: LatentCache.from_config(mla.config, 2, 16, dtype=torch.double),
+                     lambda: LatentCache.from_config(mla.config, 2, 16, dtype=torch.double, layout=PagedLayout(4)),
+                     lambda: FullKVCache.from_config(mla.config, 2, 16, dtype=torch.double)):
+            with torch.inference_mode():
+                cache = make()
+                mla(x[:, :6], cache)
+            raises(lambda: cache.keep(mask), ValueError, r"^cache: its buffers were made under "
+                   r"torch.inference_mode\(\), .*; call cache.keep\(mask\) inside torch.inference_mode")
+            assert cache.seqlens.tolist() == [6, 6]
+            with torch.inference_mode():
+                cache.keep(mask)
+                out = mla(x[:, 6:], cache)
+                want = mla(x[:, [0, 2, 3, 4, 5, 6]], positions=torch.tensor([0, 2, 3, 4, 5, 6]))[:, -1:]
+            torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4490,6 +4520,8 @@ def probe15b_rows():
             "np.float32(500.0)'", a_numpy_rope_base),
         Row("LatentAttentionCache", "size", "a static cache filled under inference_mode, crop / reorder_cache outside "
             "it: torch's 'Inplace update to inference tensor'", a_static_cache_cropped_outside_inference_mode),
+        Row("LatentCache", "size", "cache.keep(mask) outside inference_mode on a cache filled under it: torch's "
+            "'Inplace update to inference tensor'", keep_on_a_cache_filled_under_inference_mode),
     ]
 
 
