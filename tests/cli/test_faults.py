@@ -4502,6 +4502,29 @@ def probe15b_rows():
                 want = mla(x[:, [0, 2, 3, 4, 5, 6]], positions=torch.tensor([0, 2, 3, 4, 5, 6]))[:, -1:]
             torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
 
+    def an_eval_forward_of_a_model_with_lora_on_kv_b_proj(env):
+        """Probe HH6: a patched model with a LoRA adapter on kv_b_proj (``attention_lora_config(model,
+        targets=("kv_b_proj", ...))``, as its docs offer), in eval mode, refused a plain forward (transformers caches by
+        default) with "... this kv_b_proj is a Linear, whose output is not x @ weight.T; merge its adapters ...": PEFT's
+        class named as if it were nn.Linear, and merging (which ends the adapter's training) as the only way, where
+        use_cache=False runs it. The refusal names PEFT's class and use_cache=False now, which gives the same loss as
+        the training-mode forward."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import attention_lora_config
+
+        model = tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        lora = peft.get_peft_model(model, attention_lora_config(model, targets=("q_b_proj", "kv_b_proj"),
+                                                                init_lora_weights=False))
+        lora.eval()
+        with torch.no_grad():
+            raises(lambda: lora(input_ids=ids, labels=ids), ValueError,
+                   r"^kv_b_proj: .* is a peft\.tuners\.lora\.layer\.Linear, .*merge_and_unload\(\)\), or run a "
+                   r"forward that needs no cache without one \(transformers: use_cache=False\)")
+            scored = lora(input_ids=ids, labels=ids, use_cache=False).loss
+            lora.train()
+            torch.testing.assert_close(scored, lora(input_ids=ids, labels=ids).loss)
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4527,6 +4550,9 @@ def probe15b_rows():
             "it: torch's 'Inplace update to inference tensor'", a_static_cache_cropped_outside_inference_mode),
         Row("LatentCache", "size", "cache.keep(mask) outside inference_mode on a cache filled under it: torch's "
             "'Inplace update to inference tensor'", keep_on_a_cache_filled_under_inference_mode),
+        Row("LatentAttentionCache", "size", "eval forward of a model with LoRA on kv_b_proj: refused as 'a Linear "
+            "...', merging the only way named (use_cache=False runs it)",
+            an_eval_forward_of_a_model_with_lora_on_kv_b_proj),
     ]
 
 

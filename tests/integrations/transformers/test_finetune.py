@@ -272,7 +272,7 @@ def test_decoding_through_an_unmerged_adapter_on_kv_b_proj_is_refused():
     peft_model = peft.get_peft_model(model, attention_lora_config(model, targets=("kv_b_proj",)))
     peft_model.eval()
     with pytest.raises(ValueError, match=r"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is "
-                                         r"a Linear.*merge_and_unload"):
+                                         r"a peft\.tuners\.lora\.layer\.Linear.*merge_and_unload"):
         peft_model.generate(input_ids=batch()[:1, :PROMPT], max_new_tokens=2, do_sample=False)
 
 
