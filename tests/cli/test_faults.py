@@ -4525,6 +4525,21 @@ def probe15b_rows():
             lora.train()
             torch.testing.assert_close(scored, lora(input_ids=ids, labels=ids).loss)
 
+    def numpy_numbers_of_the_lora_config(env):
+        """Probe HH2: ``attention_lora_config(model, r=np.int64(4))`` was refused as "r: expected a positive int, got
+        np.int64(4)" (lora_alpha=np.float32(8.0) likewise), where the caches take NumPy sizes. Taken as the Python
+        numbers they hold now, which is also what PEFT's JSON-written config takes; a bool and NaN still refused."""
+        pytest.importorskip("peft")
+        import numpy as np
+        from qkmla.integrations.transformers import attention_lora_config
+
+        model = tiny_latent_deepseek()
+        config = attention_lora_config(model, r=np.int64(4), lora_alpha=np.float32(8.0), lora_dropout=np.float64(0.0))
+        assert (config.r, config.lora_alpha, type(config.r), type(config.lora_alpha)) == (4, 8.0, int, float)
+        raises(lambda: attention_lora_config(model, r=True), ValueError, r"^r: expected a positive int, got True")
+        raises(lambda: attention_lora_config(model, lora_alpha=np.float32("nan")), ValueError,
+               r"^lora_alpha: expected a finite number > 0")
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4553,6 +4568,8 @@ def probe15b_rows():
         Row("LatentAttentionCache", "size", "eval forward of a model with LoRA on kv_b_proj: refused as 'a Linear "
             "...', merging the only way named (use_cache=False runs it)",
             an_eval_forward_of_a_model_with_lora_on_kv_b_proj),
+        Row("LatentAttentionCache", "size", "attention_lora_config(model, r=np.int64(4)) refused as 'expected a "
+            "positive int, got np.int64(4)'", numpy_numbers_of_the_lora_config),
     ]
 
 
