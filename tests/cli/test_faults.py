@@ -4540,6 +4540,47 @@ def probe15b_rows():
         raises(lambda: attention_lora_config(model, lora_alpha=np.float32("nan")), ValueError,
                r"^lora_alpha: expected a finite number > 0")
 
+    def a_static_cache_handed_to_another_model(env):
+        """Probe LL3: a static latent cache (``LatentAttentionCache(model_a, max_cache_len=N, static=True)``) filled
+        by model A and handed to model B of the same shape was taken: B attended to A's rows as its own tokens,
+        without a word, where the growing cache refuses it (its layers know their writer). The static layer checks
+        its writer now, in eager calls: refused naming cache; after cache.reset() B takes it, and a deepcopy of A
+        (the same weights) continues it as A does."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        a, b = tiny_latent_deepseek(), tiny_latent_deepseek()  # the same shape (and seed): only their layers differ
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        cache = LatentAttentionCache(a, max_cache_len=16, static=True)
+        with torch.no_grad():
+            a(ids[:, :5], past_key_values=cache, use_cache=True)
+            raises(lambda: b(ids[:, 5:], past_key_values=cache, use_cache=True), ValueError,
+                   r"^cache: it holds another attention layer's rows \(5 columns\)")
+            assert int(cache.get_seq_length()) == 5
+            want = a(ids).logits[:, 5:]
+            torch.testing.assert_close(copy.deepcopy(a)(ids[:, 5:], past_key_values=cache, use_cache=True).logits,
+                                       want, rtol=1e-4, atol=1e-5)
+            cache.reset()
+            b(ids, past_key_values=cache, use_cache=True)
+
+    def the_release_writer_a_refusal_names(env):
+        """Probe LL1: a transformers model's cache (LatentAttentionCache) filled by model A and handed to model B was
+        refused, rightly, naming "cache.release_writer() hands its rows to the next layer that writes (the same
+        weights, rebuilt)", a method the LatentAttentionCache did not have (AttributeError): advice that could not
+        be followed. It has it now, growing and static: B takes the rows over after it."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        a, b = tiny_latent_deepseek(), tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        for static in (False, True):
+            cache = LatentAttentionCache(a, max_cache_len=16, static=static)
+            with torch.no_grad():
+                a(ids[:, :5], past_key_values=cache, use_cache=True)
+                raises(lambda: b(ids[:, 5:], past_key_values=cache, use_cache=True), ValueError,
+                       r"^cache: it holds another attention layer's rows .*cache.release_writer\(\) hands its rows")
+                cache.release_writer()
+                out = b(ids[:, 5:], past_key_values=cache, use_cache=True).logits  # b's weights are a's (one seed)
+                torch.testing.assert_close(out, a(ids).logits[:, 5:], rtol=1e-4, atol=1e-5)
+
     return [
         Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
             "autograd formula was registered')", a_compiled_decode_step_under_autograd),
@@ -4570,6 +4611,10 @@ def probe15b_rows():
             an_eval_forward_of_a_model_with_lora_on_kv_b_proj),
         Row("LatentAttentionCache", "size", "attention_lora_config(model, r=np.int64(4)) refused as 'expected a "
             "positive int, got np.int64(4)'", numpy_numbers_of_the_lora_config),
+        Row("LatentAttentionCache", "size", "a static cache filled by model A, handed to model B: B attended to A's "
+            "rows without a word", a_static_cache_handed_to_another_model),
+        Row("LatentAttentionCache", "size", "a cache refused for another model named cache.release_writer(), which "
+            "LatentAttentionCache lacked", the_release_writer_a_refusal_names),
     ]
 
 

@@ -413,6 +413,17 @@ class LatentAttentionCache(FixedSettings, Cache):
                                  if attn is not None else own[i] for i, attn in enumerate(slots)],
                          offloading=offloading)
 
+    def release_writer(self) -> None:
+        """Forget which attention layers wrote the rows, in every layer (``LatentCache.release_writer``): the next
+        model that writes takes them over, as when a prefix cache saved with one model is continued by the same
+        weights loaded into another. The refusal of a cache handed to another model's layers names this method,
+        which the cache a transformers model holds did not have (AttributeError)."""
+        for layer in self.layers:
+            if isinstance(getattr(layer, "latent", None), LatentCache):
+                layer.latent.release_writer()
+            elif isinstance(layer, StaticLatentCacheLayer):
+                layer.writer = None
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies, summed over the latent layers (0 before the first forward;

@@ -30,12 +30,14 @@ policy is refused when the cache is built (:func:`check_static_settings`).
 from __future__ import annotations
 
 import contextlib
+import secrets
 from typing import Optional
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...attention.functional import no_decode_gradient
+from ...cache.base import WRITER_TOKEN
 from ...cache.storage import INFERENCE_ONLY, inference_only, renew, written_only_in_inference_mode
 from ...config import MLAConfig
 from ...dtypes import cast
@@ -141,6 +143,25 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         """(latent [B, L, d_c + d_r], key scalars [B, L, G] or None, ``key_valid`` [B, L]): the
         buffers as they are, every column (for :class:`~.view.TransformersView`)."""
         return self.latent, self.key_scale, self.key_valid
+
+    def check_writer(self, attn) -> None:
+        """A ValueError unless this layer is empty or holds ``attn``'s rows, as the growing cache's
+        (:meth:`~qkmla.cache.base.SequenceCache.check_writer`): a static cache filled by one model and handed to
+        another of the same shape took its columns as the other's tokens, without a word (the growing cache
+        refused it). An empty layer (new, reset, cropped to nothing) takes any layer; copies of a layer (deepcopy,
+        pickle) keep its token. Not checked while torch.compile traces (eager calls only, as check_room)."""
+        if torch.compiler.is_compiling():
+            return
+        token = vars(attn).setdefault(WRITER_TOKEN, secrets.randbits(63))
+        held = self.__dict__.get("writer")
+        if held is None or int(self.length) == 0:
+            self.writer = token
+        elif held != token:
+            raise ValueError(f"cache: it holds another attention layer's rows ({int(self.length)} columns), written "
+                             f"by another model or layer; each model needs a cache of its own "
+                             f"(LatentAttentionCache(model, ...)); cache.reset() empties this one for another, "
+                             f"cache.release_writer() hands its rows to the next model that writes (the same "
+                             f"weights, rebuilt)")
 
     def check_room(self, num_tokens: int) -> None:
         """Refuse, before any write, ``num_tokens`` more columns than the capacity leaves (eager
@@ -319,6 +340,7 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     B, T = x.shape[:2]
     layer.allocate(B, x.device, x.dtype)
     layer.check_room(T)
+    layer.check_writer(attn)
     # Asked for the weights, the prefill too takes the absorbed form over the columns: its
     # probabilities are the weights, laid out as transformers' static cache lays them out.
     prefill = T > 1 and not weights and not torch.compiler.is_compiling() and int(layer.length) == 0
