@@ -3574,6 +3574,7 @@ NOT_APPLICABLE = {
     ("cache-size", "cpuset"): "arithmetic only",
     ("cache-size", "environment"): None,  # has a row; listed to keep the table honest (see the test)
     ("LatentCache", "environment"): None,  # has a row: the device it is asked to allocate on
+    ("mla_decode_with_kvcache", "environment"): None,  # has a row: the vLLM plugin, which serves it, without vLLM
     ("generate", "cpuset"): "one process; --threads auto measures the CPU set as train does (train's row)",
     ("generate", "concurrent"): "writes no file",
     ("plot", "size"): "takes no size",
@@ -4588,8 +4589,8 @@ def probe15b_rows():
             "refused as 'expected an int ..., got np.int64(16)'", numpy_sizes_of_the_layout_policies_and_shared_cache),
         Row("LatentAttentionCache", "size", "training through a static latent cache's decode steps: the backward "
             "failed ('a view and its base ... has been modified inplace')", training_through_a_static_latent_cache),
-        Row("LatentAttentionCache", "environment", "the vLLM plugin's register() without vLLM: 'No module named "
-            "vllm', no extra named", the_vllm_plugin_without_vllm),
+        Row("mla_decode_with_kvcache", "environment", "the vLLM plugin's register() without vLLM: 'No module "
+            "named vllm', no extra named", the_vllm_plugin_without_vllm),
         Row("mla_decode_with_kvcache", "size", "max_seqlen / num_splits np.int64, softmax_scale np.float32: refused "
             "as 'expected ... an int >= 0, got np.int64(8)'", numpy_numbers_of_the_decode_op),
         Row("LatentAttentionCache", "size", "max_cache_len=np.int64(16) refused as 'expected a positive int ..., got "
