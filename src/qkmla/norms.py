@@ -17,6 +17,7 @@ from torch import nn
 from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS, QKNormConfig, check_positive_int
 from .dtypes import accumulate_dtype, cast
 from .ops.statistic import moment, statistic_from_moment
+from .utils.checked import as_int
 from .utils.limits import check_allocation
 
 
@@ -39,6 +40,7 @@ class ScalarNorm(nn.Module):
         # The module is public (qkmla.ScalarNorm): its numbers get the checks a QKNormConfig's get,
         # by the same code, so eps=-1 or p=0.5 is refused here as it is there.
         QKNormConfig(kind=kind, p=p, eps=eps)
+        dim, heads = as_int(dim), as_int(heads)  # a NumPy int is a width (np.int64(8): "expected a positive int")
         check_positive_int("dim", dim)
         check_positive_int("heads", heads, allow_none=True)
         # Sized against the machine before torch's allocator is asked (heads=2**40 reached it).
@@ -158,6 +160,8 @@ class QKNorm(RecordsVariant, nn.Module):
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {mode!r}")
         if scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {scope!r}")
+        # a NumPy int is a width, as for ScalarNorm and the caches ("expected a positive int, got np.int64(8)")
+        content_dim, rope_dim, heads, rope_heads = (as_int(v) for v in (content_dim, rope_dim, heads, rope_heads))
         check_positive_int("content_dim", content_dim)
         check_positive_int("rope_dim", rope_dim)
         # Checked whatever the scope, which alone reads them: heads=0 was kept without a word.

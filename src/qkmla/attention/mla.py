@@ -216,14 +216,15 @@ class MLA(nn.Module):
 
     def _check_kv_b_proj(self) -> None:
         if not isinstance(self.kv_b_proj, nn.Linear):  # e.g. a PEFT LoRA wrapper: its output is not x @ weight.T
-            # Named with its module: PEFT's wrapper is a class called Linear too (peft.tuners.lora.layer.Linear),
-            # and "this kv_b_proj is a Linear, whose output is not x @ weight.T" read as a contradiction.
+            # Read by any cached forward, a prefill too: a LoRA model's plain eval forward (transformers caches by
+            # default) was refused with merging as the only way, which ends the adapter's training; and PEFT's
+            # class, named "Linear", read as "this kv_b_proj is a Linear, whose output is not x @ weight.T".
             kind = type(self.kv_b_proj)
-            kind = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
             raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
-                             f"{kind}, whose output is not x @ weight.T; merge its adapters "
-                             f"into the weight first (qkmla.integrations.transformers.merge_lora(model), PEFT's "
-                             f"merge_and_unload())")
+                             f"{kind.__module__}.{kind.__qualname__}, whose output is not "
+                             f"x @ weight.T; merge its adapters into the weight first "
+                             f"(qkmla.integrations.transformers.merge_lora(model), PEFT's merge_and_unload()), or run "
+                             f"a forward that needs no cache without one (transformers: use_cache=False)")
 
     def _derive(self) -> AbsorbedWeights:
         c = self.config

@@ -30,7 +30,7 @@ from ..utils.checked import INT64_MAX, _constructed, _constructing, as_int, chec
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
-from .storage import (INFERENCE_ONLY, ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer,
+from .storage import (INFERENCE_ONLY, ContiguousBuffer, ContiguousLayout, Layout, TokenBuffer, inference_only,
                       written_only_in_inference_mode)
 
 
@@ -308,16 +308,16 @@ class SequenceCache:
         return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
                          next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
 
-    def check_writable(self) -> None:
+    def check_writable(self, action: str = "decode with it") -> None:
         """A ValueError naming cache when its buffers were made under ``torch.inference_mode()`` and this
         write is outside it: torch refuses it, deep in the write ("Inplace update to inference tensor
         outside InferenceMode is not allowed"), naming no cache and no way out; ``torch.no_grad()`` is
-        not inference mode."""
+        not inference mode. ``action``: what the refusal says to do inside inference mode."""
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():  # first: dynamo cannot trace the rest
             return
         storages = (buf.storage() for buf in self.fields.values())
         if any(s is not None and written_only_in_inference_mode(s) for s in storages):
-            raise ValueError(INFERENCE_ONLY)
+            raise ValueError(INFERENCE_ONLY if action == "decode with it" else inference_only(action))
 
     def _check_capacity(self, max_len: int, num_tokens: int) -> None:
         if max_len > self.capacity:
@@ -453,6 +453,9 @@ class SequenceCache:
         """:meth:`keep` given :meth:`keep_order`'s answer (order [B, max_len], lengths [B]),
         for a caller that asked it first. Everything is read and allocated before the first
         row is written."""
+        # Called by the user (keep) on a cache filled under torch.inference_mode(), outside it: torch refused the
+        # rows' write naming no cache (the eviction's call runs inside a forward, checked by plan already).
+        self.check_writable("call cache.keep(mask)")
         B, S = self.batch_size, self.max_len
         slots = torch.arange(S, device=self.device)
         moved = (order != slots) & (slots < lengths[:, None])  # a kept prefix stays where it is

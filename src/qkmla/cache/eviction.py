@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from fractions import Fraction
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..utils.checked import Frozen, check_bool, is_int, is_number
+from ..utils.checked import Frozen, as_int, check_bool, is_int, is_number
 from .base import WriteSlot
 
 HEAD_REDUCTIONS = ("mean", "max")
@@ -96,6 +97,11 @@ class EvictionPolicy(Frozen):
 
     def __init__(self, *, budget: Optional[int] = None, kept_fraction: Optional[float] = None, window: int = 0,
                  sinks: int = 0, interval: Optional[int] = 1, head_reduce: str = "mean"):
+        # A NumPy number is a count or a fraction, as for the caches: np.int64(4) was refused as "expected an int
+        # >= 0, got np.int64(4)", and np.float32(0.5) as "expected a number in (0, 1], got np.float32(0.5)".
+        budget, window, sinks, interval = (as_int(v) for v in (budget, window, sinks, interval))
+        if isinstance(kept_fraction, numbers.Real) and not isinstance(kept_fraction, (bool, numbers.Integral)):
+            kept_fraction = float(kept_fraction)
         _check_int("window", window, 0)
         _check_int("sinks", sinks, 0)
         if (budget is None) == (kept_fraction is None):
@@ -241,6 +247,7 @@ class SnapKV(EvictionPolicy):
     def __init__(self, *, budget: Optional[int] = None, kept_fraction: Optional[float] = None, window: int = 32,
                  sinks: int = 0, interval: Optional[int] = None, head_reduce: str = "mean", kernel_size: int = 5,
                  pooling: str = "avg"):
+        window, kernel_size = as_int(window), as_int(kernel_size)  # a NumPy int is a count (EvictionPolicy)
         _check_int("window", window, 1, " (the observation window)")
         _check_int("kernel_size", kernel_size, 1)
         if kernel_size % 2 == 0:

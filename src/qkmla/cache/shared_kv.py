@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ..utils.checked import as_int
 from .base import SequenceCache, WriteSlot, check_dims, check_dtype
 from .storage import Layout
 
@@ -19,6 +20,7 @@ class SharedKVCache(SequenceCache):
 
     def __init__(self, batch_size: int, capacity: int, head_dim: int, dtype: torch.dtype = torch.float32,
                  device=None, layout: Optional[Layout] = None, fill: float = 0.0):
+        head_dim = as_int(head_dim)  # np.int64(16) was refused as "expected an int >= 1, got np.int64(16)"
         check_dims(head_dim=head_dim)
         check_dtype("dtype", dtype)
         super().__init__(batch_size, capacity, device, layout)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..utils.checked import Frozen
+from ..utils.checked import Frozen, as_int
 from ..config import check_positive_int
 from ..utils.limits import check_allocation
 
@@ -29,9 +29,14 @@ def written_only_in_inference_mode(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled()
 
 
-INFERENCE_ONLY = ("cache: its buffers were made under torch.inference_mode(), and torch lets only code inside "
-                  "inference_mode write them; decode with it inside torch.inference_mode() (torch.no_grad() is not "
-                  "enough), or start again with cache.reset() outside torch.inference_mode(), or a new cache")
+def inference_only(action: str = "decode with it") -> str:
+    """The refusal of a write, outside inference mode, to buffers made under it (``action``: what to do inside)."""
+    return (f"cache: its buffers were made under torch.inference_mode(), and torch lets only code inside "
+            f"inference_mode write them; {action} inside torch.inference_mode() (torch.no_grad() is not "
+            f"enough), or start again with cache.reset() outside torch.inference_mode(), or a new cache")
+
+
+INFERENCE_ONLY = inference_only()
 
 
 def renew(owner, name: str) -> bool:
@@ -222,7 +227,9 @@ class PagedLayout(Layout, Frozen):
 
     def __init__(self, block_size: int = 64, block_table: Optional[torch.Tensor] = None,
                  num_blocks: Optional[int] = None):
-        # Past int64 as well (block_size=2**70 was taken, and refused only by the first cache using it).
+        # Past int64 as well (block_size=2**70 was taken, and refused only by the first cache using it). A NumPy int
+        # is a size, as for the caches (np.int64(4) was refused as "expected a positive int, got np.int64(4)").
+        block_size, num_blocks = as_int(block_size), as_int(num_blocks)
         check_positive_int("block_size", block_size)
         try:
             check_positive_int("num_blocks", num_blocks, allow_none=True)

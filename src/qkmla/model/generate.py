@@ -24,13 +24,18 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..utils.checked import is_int, is_number
+from ..utils.checked import as_int, is_int, is_number
 from ..utils.limits import check_fits
 from .gpt import GPT
 
 
-def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", "temperature", "top_k")) -> None:
-    """The sampling arguments' ranges (``names``: how the caller spells them)."""
+def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", "temperature", "top_k")) -> tuple:
+    """The sampling arguments' ranges (``names``: how the caller spells them); returns them as Python numbers
+    (max_new_tokens, temperature, top_k). A NumPy number is the number it holds: np.int64(3) was refused as
+    "max_new_tokens: expected a positive int, got np.int64(3)" (np.float32 temperatures and top_k likewise)."""
+    max_new_tokens, top_k = as_int(max_new_tokens), as_int(top_k)
+    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        temperature = as_int(temperature) if isinstance(temperature, numbers.Integral) else float(temperature)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"{names[0]}: expected a positive int, got {max_new_tokens!r}")
     # temperature=True was a number to isinstance (1.0): a switch passed in the wrong place sampled
@@ -38,6 +43,7 @@ def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", 
         raise ValueError(f"{names[1]}: expected a finite number >= 0 (0 is greedy), got {temperature!r}")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"{names[2]}: expected a positive int or None, got {top_k!r}")
+    return max_new_tokens, temperature, top_k
 
 
 def check_outlets(report, on_token) -> None:
@@ -67,7 +73,7 @@ def check_prompts(prompts, vocab_size: int) -> None:
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row of logits [B, V]; temperature 0 is greedy."""
-    check_sampling(1, temperature, top_k)
+    _, temperature, top_k = check_sampling(1, temperature, top_k)
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Shifted by the max first, so that a tiny temperature gives -inf, never inf - inf = NaN.
@@ -120,7 +126,7 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     evicted ones included), so a caller can say what a policy really kept. ``on_token``: called
     with each step's new token ids (one per prompt), e.g. to print them as they come."""
     check_prompts(prompts, model.config.vocab_size)
-    check_sampling(max_new_tokens, temperature, top_k)
+    max_new_tokens, temperature, top_k = check_sampling(max_new_tokens, temperature, top_k)
     check_outlets(report, on_token)
     check_fits("max_new_tokens", 8 * len(prompts) * max_new_tokens, f"{max_new_tokens} new token ids for each of "
                f"{len(prompts)} prompt(s)")

