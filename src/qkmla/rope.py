@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
-from .utils.checked import FixedSettings, as_int, check_bool, is_int, is_number
+from .utils.checked import FixedSettings, as_int, check_bool, is_int, is_number, python_numbers
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -73,6 +73,7 @@ class YarnScaling:
     truncate: bool = True
 
     def __post_init__(self) -> None:
+        python_numbers(self)  # np.float32(4.0) is the float 4.0 (utils.checked), as MLAConfig's own fields
         _number("rope_scaling.factor", self.factor, 1.0)
         L = self.original_max_position_embeddings
         if not is_int(L) or L < 1:

@@ -34,7 +34,9 @@ def test_schedules():
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_decays_reach_min_lr_ratio_one_past_the_last_step(schedule):
     """What --min-lr-ratio's help says: the ratio is reached at step --steps, so the last step
-    trained (0-based steps - 1) is a little above it, and no step after the warmup is below it."""
+    trained (0-based steps - 1) is one decay step above it, and no step after the warmup is below it."""
     steps = [lr_multiplier(s, 50, schedule, warmup_steps=5, min_lr_ratio=0.25) for s in range(51)]
     assert steps[50] == pytest.approx(0.25)
     assert 0.25 < steps[49] < 0.5 and min(steps[5:]) == pytest.approx(0.25)
+    # a short decay ends well above it (review 15c): two cosine decay steps stop half way down
+    assert lr_multiplier(21, 22, "cosine", warmup_steps=20, min_lr_ratio=0.0) == pytest.approx(0.5)

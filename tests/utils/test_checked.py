@@ -82,8 +82,17 @@ def test_configs_take_numpy_numbers_as_the_python_numbers_they_hold():
     assert type(overrides["n_head"]) is np.int64  # the caller's dict is left as it is
     with pytest.raises(ValueError, match=r"n_layer: expected a positive int, got 0"):
         GPTConfig(n_layer=np.int64(0))
-    with pytest.raises(ValueError, match=r"n_layer: expected a positive int, got np.True_"):
-        GPTConfig(n_layer=np.bool_(True))
+    with pytest.raises(ValueError, match=r"n_layer: expected a positive int, got True"):
+        GPTConfig(n_layer=np.bool_(True))  # a switch where a count belongs, as True is
+    # Review 15c: a NumPy bool where a switch belongs was refused ("expected True or False, got np.True_"), or taken
+    # and then failed writing config.json; and rope_scaling's own config took no NumPy numbers.
+    assert MLAConfig(rope_interleave=np.True_).rope_interleave is True
+    switched = TrainConfig(model_overrides={"tie_embeddings": np.False_}, learnable_logit_scale=np.True_)
+    assert switched.model_overrides["tie_embeddings"] is False and switched.learnable_logit_scale is True
+    json.dumps(dataclasses.asdict(switched))
+    from qkmla.rope import YarnScaling
+
+    assert YarnScaling(np.float32(4.0), np.int64(4096), beta_fast=np.float32(32)) == YarnScaling(4.0, 4096)
     with pytest.raises(ValueError, match=r"lr: expected a finite number > 0, got nan"):
         TrainConfig(lr=np.float64("nan"))
     with pytest.raises(ValueError, match=r"steps: expected an int >= 1"):
@@ -98,9 +107,10 @@ def test_python_numbers_leaves_python_values_alone():
         b: object = "x"
         c: object = None
 
-    c = C(np.int64(4), np.float64(0.5), {"k": np.int16(3), "s": "t"})
+    c = C(np.int64(4), np.float64(0.5), {"k": np.int16(3), "s": "t", "b": np.True_})
     python_numbers(c)
-    assert (c.a, type(c.a), c.b, type(c.b), c.c) == (4, int, 0.5, float, {"k": 3, "s": "t"})
+    assert (c.a, type(c.a), c.b, type(c.b), c.c) == (4, int, 0.5, float, {"k": 3, "s": "t", "b": True})
+    assert type(c.c["b"]) is bool
     kept = C()
     python_numbers(kept)
     assert (kept.a, kept.b, kept.c) == (1, "x", None)

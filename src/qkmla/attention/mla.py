@@ -209,22 +209,31 @@ class MLA(nn.Module):
 
     def _absorb_sources(self) -> list[torch.Tensor]:
         """Every parameter the absorbed path reads through the absorbed weights or the norms."""
+        # First, for every path to the absorbed weights: an adapter may have wrapped kv_b_proj since they were
+        # kept, and a wrapper may have no .weight to read (refresh_absorbed() failed here with AttributeError).
+        self._check_kv_b_proj()
         sources = [self.kv_b_proj.weight]
         if self.q_norm is not None:
             sources += [norm.weight for qk in (self.q_norm, self.k_norm) for norm in (qk.content, qk.rope)]
         return sources
 
     def _check_kv_b_proj(self) -> None:
-        if not isinstance(self.kv_b_proj, nn.Linear):  # e.g. a PEFT LoRA wrapper: its output is not x @ weight.T
-            # Read by any cached forward, a prefill too: a LoRA model's plain eval forward (transformers caches by
-            # default) was refused with merging as the only way, which ends the adapter's training; and PEFT's
-            # class, named "Linear", read as "this kv_b_proj is a Linear, whose output is not x @ weight.T".
-            kind = type(self.kv_b_proj)
-            raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
-                             f"{kind.__module__}.{kind.__qualname__}, whose output is not "
-                             f"x @ weight.T; merge its adapters into the weight first "
-                             f"(qkmla.integrations.transformers.merge_lora(model), PEFT's merge_and_unload()), or run "
-                             f"a forward that needs no cache without one (transformers: use_cache=False)")
+        kind = type(self.kv_b_proj)
+        # An nn.Linear whose forward is nn.Linear's: its output is x @ weight.T (+ bias). A subclass with a forward
+        # of its own (loralib's Linear, bitsandbytes' Linear8bitLt) passed an isinstance check, and the absorbed
+        # path read its .weight alone: 1.42 off the explicit path, without a word.
+        if isinstance(self.kv_b_proj, nn.Linear) and kind.forward is nn.Linear.forward:
+            return
+        if not isinstance(self.kv_b_proj, nn.Module):  # None, or a tensor set in its place
+            raise ValueError(f"kv_b_proj: expected an nn.Linear (the latent's up-projection), got {kind.__name__}")
+        # Read by any cached forward, a prefill too: a LoRA model's plain eval forward (transformers caches by
+        # default) was refused with merging as the only way, which ends the adapter's training; and PEFT's
+        # class, named "Linear", read as "this kv_b_proj is a Linear, whose output is not x @ weight.T".
+        raise ValueError(f"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj is a "
+                         f"{kind.__module__}.{kind.__qualname__}, whose output is not "
+                         f"x @ weight.T; merge its adapters into the weight first "
+                         f"(qkmla.integrations.transformers.merge_lora(model), PEFT's merge_and_unload()), or run "
+                         f"a forward that needs no cache without one (transformers: use_cache=False)")
 
     def _derive(self) -> AbsorbedWeights:
         c = self.config
@@ -243,7 +252,6 @@ class MLA(nn.Module):
         """The absorbed weights, kept and re-derived when a source parameter changed since last
         use or any ``torch.optim`` optimizer stepped (fused AdamW changes weights without bumping
         their version counters)."""
-        self._check_kv_b_proj()  # an adapter may have wrapped it since the weights were kept
         return self._absorbed.get(self._absorb_sources(), self._derive)
 
     def step_weights(self) -> AbsorbedWeights:
@@ -255,7 +263,6 @@ class MLA(nn.Module):
         held = self.__dict__.get("_step_weights")
         if held is not None:
             return held
-        self._check_kv_b_proj()  # first: a wrapper (an adapter) may have no .weight for the sources to read
         if self.records_weight_gradients():
             c = self.config
             return absorb(self.kv_b_proj.weight, self.q_norm, self.k_norm, c.num_kv_groups, c.qk_nope_head_dim,

@@ -478,8 +478,8 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     shorter text (an explicit count the text does not hold is refused: :func:`read_calibration_ids`).
 
     Raises:
-        ValueError before any weight is read: the paths (hf, out, calibration_text), a config.json that is not a
-        Qwen3 or OLMoE model's (hf), and the arguments as :func:`convert_gqa` names them.
+        ValueError before any weight is read: the paths (src, out, calibration_text), a config.json that is not a
+        Qwen3 or OLMoE model's (src), and the arguments as :func:`convert_gqa` names them.
     """
     import transformers
 
@@ -487,7 +487,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     from .qk_norm import check_convert_paths, converting_into, write_checkpoint
 
     src, out = check_convert_paths(src, out, overwrite, [("calibration_text", calibration_text)])
-    hf_config = read_hf_config(src)
+    hf_config = read_hf_config(src, "src")
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"src: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts "

@@ -67,7 +67,7 @@ def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite:
     remove_stale_lock(lock_file(out))
     if not src.is_dir():
         raise ValueError(f"src: {src} is not a directory (expected a transformers checkpoint directory)")
-    read_hf_config(src)
+    read_hf_config(src, "src")
     check_checkpoint_out(out, given, src, overwrite, inputs)
     return src, given
 
@@ -183,7 +183,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         from ..train.data import load_text
 
         calibration_text = load_text("shakespeare")
-    hf_config = read_hf_config(src)
+    hf_config = read_hf_config(src, "src")
     context = hf_config.get("max_position_embeddings") or ROW
     batches = calibration_batches(tokenizer, calibration_text, calibration_tokens, context) \
         if calibration_tokens else None

@@ -40,7 +40,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"0 to --steps (default {DEFAULT_WARMUP_STEPS}, or --steps if fewer)")
     p.add_argument("--min-lr-ratio", type=float, default=None,
                    help=f"the lr the decay ends at / peak lr, in [0, 1], with --schedule cosine or wsd (default "
-                        f"{d.min_lr_ratio}); reached at step --steps, so the last step trains a little above it")
+                        f"{d.min_lr_ratio}); reached at step --steps, one past the last step trained, which is one "
+                        f"decay step above it (a short decay ends well above it)")
     p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm, >= 0; 0 disables clipping")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QK-Clip threshold > 0 (Kimi K2: 100)")
     p.add_argument("--qk-clip-alpha", type=float, default=None,

@@ -108,9 +108,11 @@ WSD_DECAY_FRACTION = 0.2  # the share of the steps, at the end, over which wsd d
 def lr_multiplier(step: int, total_steps: int, schedule: str = "cosine", warmup_steps: int = 0,
                   min_lr_ratio: float = 0.1, decay_fraction: float = WSD_DECAY_FRACTION,
                   decay_shape: str = "sqrt") -> float:
-    """Multiplier of the peak lr at ``step`` (0-based). The decays reach ``min_lr_ratio`` at
-    ``step == total_steps``, one past the last step trained, so the last step's multiplier is a
-    little above it (the committed experiments were run with this schedule)."""
+    """Multiplier of the peak lr at ``step`` (0-based). A decay after the warmup reaches
+    ``min_lr_ratio`` at ``step == total_steps``, one past the last step trained, so the last step's
+    multiplier is one decay step above it: for a decay of d steps, cosine's is (1 - min_lr_ratio)
+    (1 + cos(pi (d - 1) / d)) / 2 above it, half the span at d = 2 (the committed experiments were run
+    with this schedule)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     if warmup_steps and step < warmup_steps:

