@@ -213,6 +213,29 @@ def test_absorbed_weights_follow_a_fused_optimizer_and_a_swapped_projection():
     with pytest.raises(ValueError, match=r"kv_b_proj: the absorbed path reads kv_b_proj.weight, but this kv_b_proj "
                                          r"is a torch\.nn\.modules\.container\.Sequential, whose"):
         gap()
+    with pytest.raises(ValueError, match=r"kv_b_proj: the absorbed path .* is a torch\.nn\.modules\.container"):
+        mla.refresh_absorbed()  # review 15c: AttributeError on the wrapper's .weight, before the check
+
+    class Scaled(torch.nn.Linear):  # loralib's and bitsandbytes' pattern: an nn.Linear with a forward of its own
+        def forward(self, h):
+            return 2 * super().forward(h)
+
+    scaled = Scaled(old.in_features, old.out_features, bias=old.bias is not None).to(old.weight.dtype)
+    with torch.no_grad():
+        scaled.weight.copy_(old.weight)
+    mla.kv_b_proj = scaled  # passed the isinstance check, and the absorbed path read .weight alone
+    with pytest.raises(ValueError, match=r"but this kv_b_proj is a .*Scaled, whose output is not x @ weight\.T"):
+        gap()
+    mla.kv_b_proj = None
+    with pytest.raises(ValueError, match=r"kv_b_proj: expected an nn\.Linear \(the latent's up-projection\), got "
+                                         r"NoneType"):
+        mla.absorbed
+    parametrized = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None).to(old.weight.dtype)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", torch.nn.Identity())
+    with torch.no_grad():
+        parametrized.parametrizations.weight.original.copy_(old.weight)
+    mla.kv_b_proj = parametrized  # a parametrized Linear keeps nn.Linear's forward: taken
+    assert gap() < 1e-10
     with torch.no_grad():
         old.weight.data.mul_(1.5)  # merged through .data, which no version counter sees
     mla.kv_b_proj = old
