@@ -4230,10 +4230,46 @@ def probe14_rows():
     ]
 
 
+def probe15_rows():
+    """The fifteenth round of CLI probes (issue 56)."""
+
+    def stopped_before_its_first_checkpoint(env):
+        """Probe T11/T12: a run stopped before its first checkpoint (SIGKILL after its first steps: status
+        "running", no checkpoint; Ctrl-C just after config.json was written: that file alone) was refused
+        on a plain rerun with "pass --resume to continue it", and --resume then refused it for having no
+        checkpoint. The refusal offers --overwrite only; a run with a checkpoint is still offered --resume."""
+        killed = env.tmp / "killed"
+        killed.mkdir()
+        shutil.copy(env.run / "config.json", killed / "config.json")
+        shutil.copy(env.run / "metrics.jsonl", killed / "metrics.jsonl")
+        (killed / "status.json").write_text(json.dumps({"status": "running", "step": 0, "pid": 2**22 + 1,
+                                                        "checkpoint_step": 0}))
+        started = env.tmp / "started"
+        started.mkdir()
+        shutil.copy(env.run / "config.json", started / "config.json")
+        for out, what in ((killed, r"a run that was killed \(pid \d+\) after logging step 2"),
+                          (started, "the files of a run")):
+            before = snapshot(out)
+            line = refuse(env, train_ok(env, out), rf"^qkmla train: --out: .* already holds {what}, with no "
+                          r"checkpoint to resume from \(it stopped before its first\); pass --overwrite to start it "
+                          r"over, or choose a new --out$")
+            assert "--resume" not in line
+            assert snapshot(out) == before
+            assert main([str(a) for a in train_ok(env, out) + ["--overwrite"]]) == 0
+        done = env.tmp / "done"
+        shutil.copytree(env.run, done)
+        refuse(env, train_ok(env, done), r"already holds a run with status 'done' at step 2; pass --resume to continue")
+
+    return [
+        Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
+            "refuses it", stopped_before_its_first_checkpoint),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
