@@ -4260,9 +4260,24 @@ def probe15_rows():
         shutil.copytree(env.run, done)
         refuse(env, train_ok(env, done), r"already holds a run with status 'done' at step 2; pass --resume to continue")
 
+    def convert_text_with_no_calibration(env, hf):
+        """Probe C6: ``qkmla convert --qk-norm rms --calibration-tokens 0 --calibration-text FILE`` wrote a
+        checkpoint whose norm weights are at ones, the text read by nothing without a word (without
+        --qk-norm the text is refused). Refused before any work, naming --calibration-text (convert_argv
+        gives --calibration-tokens 0)."""
+        text = env.tmp / "cal.txt"
+        text.write_text("To be, or not to be, that is the question. " * 200)
+        out = env.tmp / "out"
+        refuse(env, convert_argv(hf, out, "--qk-norm", "rms", "--calibration-text", text),
+               r"^qkmla convert: --calibration-text: .*--calibration-tokens 0\) calibrates on none of it .*; give "
+               r"more calibration_tokens \(--calibration-tokens, at least 16\), or leave the text out$")
+        assert not out.exists()
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
+        Row("convert", "size", "--calibration-text with --calibration-tokens 0: read by nothing, without a word",
+            convert_text_with_no_calibration, hf=True),
     ]
 
 
