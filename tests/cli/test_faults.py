@@ -4273,11 +4273,36 @@ def probe15_rows():
                r"more calibration_tokens \(--calibration-tokens, at least 16\), or leave the text out$")
         assert not out.exists()
 
+    def edited_hf(env, hf, name, **changes):
+        """A copy of the checkpoint ``hf`` whose config.json was edited by hand (a None value: the key removed)."""
+        src = env.tmp / name
+        shutil.copytree(hf, src)
+        config = json.loads((src / "config.json").read_text())
+        config.update(changes)
+        (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        return src
+
+    def convert_over_a_config_it_cannot_build(env, hf):
+        """Probe C8/C9: ``qkmla convert`` over a config.json edited to kv_lora_rank -1 (or qk_nope_head_dim
+        -8) failed as an internal error with torch's traceback (building the meta model), and one without a
+        model_type printed transformers' "Unrecognized model in DIR..." without naming --hf. Both are one
+        line naming --hf, before anything is written."""
+        out = env.tmp / "out"
+        for name, changes, said in (("rank", {"kv_lora_rank": -1}, "describes a model transformers cannot build"),
+                                    ("nope", {"qk_nope_head_dim": -8}, "describes a model transformers cannot build"),
+                                    ("untyped", {"model_type": None}, "is not a config transformers can read")):
+            src = edited_hf(env, hf, name, **changes)
+            refuse(env, convert_argv(src, out, "--qk-norm", "rms"),
+                   rf"^qkmla convert: --hf: .*{name}/config.json {said} \(.+\)$")
+            assert not out.exists()
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
         Row("convert", "size", "--calibration-text with --calibration-tokens 0: read by nothing, without a word",
             convert_text_with_no_calibration, hf=True),
+        Row("convert", "path", "--hf whose config.json was edited to kv_lora_rank -1 (internal error) or has no "
+            "model_type (transformers' words, no option named)", convert_over_a_config_it_cannot_build, hf=True),
     ]
 
 
