@@ -4296,6 +4296,23 @@ def probe15_rows():
                    rf"^qkmla convert: --hf: .*{name}/config.json {said} \(.+\)$")
             assert not out.exists()
 
+    def convert_gqa_over_edited_configs(env, hf):
+        """Probe Q1-Q3: ``qkmla convert-gqa`` over a Qwen3 config.json edited by hand: head_dim 8 (the weights'
+        is 16) and num_hidden_layers 3 (one layer_types entry) were internal errors with tracebacks
+        (transformers' loader, huggingface_hub's validation), and head_dim -16 was blamed on --rope-dim,
+        never given. Each is one line naming --hf, before anything is written."""
+        out = env.tmp / "out"
+        for name, changes, said in (
+                ("narrow", {"head_dim": 8}, r".*narrow/model.safetensors: .*k_norm.weight has shape \(16,\); the "
+                                            r"config in .*narrow/config.json needs \(8,\)"),
+                ("layers", {"num_hidden_layers": 3}, r".*layers/config.json is not a config transformers can read "
+                                                     r"\(.*num_hidden_layers.* \(3\)"),
+                ("negative", {"head_dim": -16}, r"head_dim -16 is not a head's width")):
+            src = edited_hf(env, hf, name, **changes)
+            refuse(env, ["convert-gqa", "--hf", src, "--out", out, "--threads", "1"],
+                   rf"^qkmla convert-gqa: --hf: {said}")
+            assert not out.exists()
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
@@ -4303,6 +4320,8 @@ def probe15_rows():
             convert_text_with_no_calibration, hf=True),
         Row("convert", "path", "--hf whose config.json was edited to kv_lora_rank -1 (internal error) or has no "
             "model_type (transformers' words, no option named)", convert_over_a_config_it_cannot_build, hf=True),
+        Row("convert-gqa", "path", "--hf whose config.json was edited (head_dim 8 or -16, num_hidden_layers 3): "
+            "internal errors, or --rope-dim blamed", convert_gqa_over_edited_configs, hf=True),
     ]
 
 
