@@ -4313,6 +4313,20 @@ def probe15_rows():
                    rf"^qkmla convert-gqa: --hf: {said}")
             assert not out.exists()
 
+    def resume_shorter_than_its_warmup_and_its_step(env):
+        """Probe R9: ``qkmla train --resume --steps 1`` of a run at step 2 with --warmup-steps 2 was refused as
+        "--steps: 1 is fewer than the stored run's warmup of 2 steps ...; give --warmup-steps too (at most 1)",
+        advice the trainer then refused ("already at step 2"). That refusal is said first; a run stopped short
+        of its warmup is still told of the warmup."""
+        out = env.tmp / "warm"
+        assert main([str(a) for a in train_ok(env, out) + ["--warmup-steps", "2"]]) == 0
+        for steps in ("1", "2"):
+            line = refuse(env, train_ok(env, out) + ["--resume", "--steps", steps],
+                          r"^qkmla train: --steps: the run in .*warm is already at step 2; pass --steps above it to "
+                          r"train further$")
+            assert "warmup" not in line
+        assert status(out)["step"] == 2
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
@@ -4322,6 +4336,8 @@ def probe15_rows():
             "model_type (transformers' words, no option named)", convert_over_a_config_it_cannot_build, hf=True),
         Row("convert-gqa", "path", "--hf whose config.json was edited (head_dim 8 or -16, num_hidden_layers 3): "
             "internal errors, or --rope-dim blamed", convert_gqa_over_edited_configs, hf=True),
+        Row("train", "size", "--resume --steps below both the stored warmup and the run's step: told to shorten "
+            "the warmup, which cannot help", resume_shorter_than_its_warmup_and_its_step),
     ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Optional
 
 from ..utils.environment import dist_environment
 from ..utils.errors import flag_message
@@ -127,13 +128,31 @@ def _no_decay_reason(config: TrainConfig) -> str:
     return f"the last of the {n} steps is still at the peak lr ({reason}); give {ways}, or drop it"
 
 
-def _resumed_warmup(stored: dict, given: dict, typed: set):
+def stored_step(out) -> Optional[int]:
+    """The step the checkpoint in ``out`` was saved at, or None where there is none to read."""
+    from pathlib import Path
+
+    from .checkpoint import FILENAME, read_metadata
+
+    try:
+        return int(read_metadata(Path(out) / FILENAME)["step"])
+    except Exception:  # no checkpoint, or a damaged one: train() refuses the resume naming it
+        return None
+
+
+def _resumed_warmup(stored: dict, given: dict, typed: set, out=None):
     """The warmup a resume takes: the one the stored run warmed up with when neither gives one. The default
     (20, or every step of a shorter run) follows ``steps``: a 3-step run lengthened to 10 on resume had
     warmed up over 3 steps and, its default now 10, went back below its peak lr to warm up again."""
     old, new = stored.get("steps"), given.get("steps")
     kept = stored.get("warmup_steps")
     if "warmup_steps" not in typed and isinstance(kept, int) and isinstance(new, int) and kept > new:
+        done = stored_step(out) if out is not None else None
+        if done is not None and new <= done:
+            # the trainer's own refusal, said first: "give --warmup-steps too (at most 3)" was advice a run
+            # already at step 6 refused next, for --steps 3
+            raise ValueError(f"--steps: the run in {out} is already at step {done}; pass --steps above it to "
+                             "train further")
         # else refused as TrainConfig's "--warmup-steps: expected ... got 40", a flag this command did not type
         raise ValueError(f"--steps: {new} is fewer than the stored run's warmup of {kept} steps (its --warmup-steps); "
                          f"give --warmup-steps too (at most {new}), or more --steps")
@@ -160,7 +179,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         for name, value in stored.items():
             if name in names and name not in typed and name not in PER_LAUNCH:
                 given[name] = value
-        given["warmup_steps"] = _resumed_warmup(stored, given, typed)
+        given["warmup_steps"] = _resumed_warmup(stored, given, typed, args.out)
     try:
         config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:
