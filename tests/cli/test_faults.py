@@ -4327,6 +4327,14 @@ def probe15_rows():
             assert "warmup" not in line
         assert status(out)["step"] == 2
 
+    def experiment_list_with_no_progress(env):
+        """Probe X6: ``qkmla experiment --list --no-progress`` printed the list, the switch read by nothing
+        without a word (every other option given with --list is refused)."""
+        refuse(env, ["experiment", "--list", "--no-progress"],
+               r"^qkmla experiment: --list: names the experiments and exits, so it takes none of --no-progress; run "
+               r"one with qkmla experiment NAME$")
+        assert env.capsys.readouterr().out == ""
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
@@ -4338,6 +4346,8 @@ def probe15_rows():
             "internal errors, or --rope-dim blamed", convert_gqa_over_edited_configs, hf=True),
         Row("train", "size", "--resume --steps below both the stored warmup and the run's step: told to shorten "
             "the warmup, which cannot help", resume_shorter_than_its_warmup_and_its_step),
+        Row("experiment", "size", "--list --no-progress: the switch read by nothing, without a word",
+            experiment_list_with_no_progress),
     ]
 
 
