@@ -4335,6 +4335,21 @@ def probe15_rows():
                r"one with qkmla experiment NAME$")
         assert env.capsys.readouterr().out == ""
 
+    def generate_from_a_demo_or_experiment_dir(env):
+        """Probe G5: ``qkmla generate EXPERIMENT_DIR`` (or a demo's directory) said only "run: no checkpoint at
+        DIR/checkpoint.safetensors", nothing of the runs inside it, which are the runs to sample from. It names
+        what the directory is and a run in it; a directory of no runs is still "no checkpoint"."""
+        for kind, marker, run in (("an experiment's results", "summary.json", "runs/a_s1"),
+                                  ("a qkmla demo", "demo.json", "mla_lr0.003")):
+            d = env.tmp / marker.split(".")[0]
+            shutil.copytree(env.run, d / run)
+            (d / marker).write_text("{}")
+            refuse(env, ["generate", d, "--max-new-tokens", "2", "--threads", "1"],
+                   rf"^qkmla generate: run: no checkpoint at .*checkpoint.safetensors: .* holds {kind}, whose 1 "
+                   rf"run\(s\) are the directories to give, e.g. .*{run}$")
+        (env.tmp / "none").mkdir()
+        refuse(env, ["generate", env.tmp / "none", "--max-new-tokens", "2"], r"run: no checkpoint at .*none\S+$")
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
@@ -4348,6 +4363,8 @@ def probe15_rows():
             "the warmup, which cannot help", resume_shorter_than_its_warmup_and_its_step),
         Row("experiment", "size", "--list --no-progress: the switch read by nothing, without a word",
             experiment_list_with_no_progress),
+        Row("generate", "path", "an experiment's or a demo's directory given as the run: 'no checkpoint', nothing "
+            "of its runs", generate_from_a_demo_or_experiment_dir),
     ]
 
 
