@@ -4350,6 +4350,21 @@ def probe15_rows():
         (env.tmp / "none").mkdir()
         refuse(env, ["generate", env.tmp / "none", "--max-new-tokens", "2"], r"run: no checkpoint at .*none\S+$")
 
+    def never_read_ratio_under_a_kept_warmup(env):
+        """Probe R11: ``qkmla train --resume --steps 3 --min-lr-ratio 0`` of a 2-step run stopped at step 1
+        (its default warmup, 2, kept on resume) was refused naming "a warmup of 2 steps (--warmup-steps; by
+        default 20, or --steps if fewer)", a rule that gives 3 for --steps 3. The warmup is said as the stored
+        run's; a fresh run's is still said as the default's."""
+        out = env.tmp / "kept"
+        assert main([str(a) for a in train_ok(env, out) + ["--max-seconds", "0"]]) == 0
+        assert status(out)["step"] == 1
+        refuse(env, train_ok(env, out) + ["--resume", "--steps", "3", "--min-lr-ratio", "0"],
+               r"^qkmla train: --min-lr-ratio: never read: the last of the 3 steps is still at the peak lr \(a warmup "
+               r"of 2 steps \(the stored run's, kept on --resume; --warmup-steps to change it\)\); give more --steps "
+               r"or a shorter --warmup-steps, or drop it$")
+        refuse(env, train_ok(env, env.tmp / "fresh") + ["--steps", "3", "--min-lr-ratio", "0"],
+               r"a warmup of 3 steps \(--warmup-steps; by default 20, or --steps if fewer\)")
+
     return [
         Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
             "refuses it", stopped_before_its_first_checkpoint),
@@ -4365,6 +4380,8 @@ def probe15_rows():
             experiment_list_with_no_progress),
         Row("generate", "path", "an experiment's or a demo's directory given as the run: 'no checkpoint', nothing "
             "of its runs", generate_from_a_demo_or_experiment_dir),
+        Row("train", "size", "--resume --min-lr-ratio never read under the stored run's warmup: said as the "
+            "default's, which gives another number", never_read_ratio_under_a_kept_warmup),
     ]
 
 

@@ -109,15 +109,20 @@ def _decays(config: TrainConfig) -> bool:
         lr_multiplier(last, config.steps, config.schedule, config.warmup_for, 1.0)
 
 
-def _no_decay_reason(config: TrainConfig) -> str:
+def _no_decay_reason(config: TrainConfig, kept_warmup: bool = False) -> str:
     """Why the last step of ``config``'s schedule is still at the peak lr (``_decays`` is False), and the way out.
     The warmup is blamed only where the same run without one decays (a shorter warmup then helps); otherwise
-    it is wsd's decay, which starts only at its last fifth of the steps, or a run of a single step."""
+    it is wsd's decay, which starts only at its last fifth of the steps, or a run of a single step.
+    ``kept_warmup``: the warmup is a resumed run's own (:func:`_resumed_warmup`), not the default's."""
     n = config.steps
     if n == 1:
         return "a run of 1 step has no step to decay over; give more --steps, or drop it"
     if config.warmup_for > 0 and _decays(config.replace(warmup_steps=0)):
-        reason = (f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, or "
+        # A resume's warmup kept from the stored run was said as the default's ("by default 20, or --steps if
+        # fewer": 11 for --steps 11, where the run kept its 10)
+        reason = (f"a warmup of {config.warmup_for} steps (the stored run's, kept on --resume; --warmup-steps "
+                  f"to change it)" if kept_warmup else
+                  f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, or "
                   f"--steps if fewer)")
         ways = "more --steps or a shorter --warmup-steps"
     else:
@@ -173,6 +178,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha", "min_lr_ratio") if given.get(n) is None]
     for name in unset:  # left unset: TrainConfig's default stands
         given.pop(name, None)
+    typed = set()
     if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
         typed = given_options(args.argv)
         stored = stored_settings(args.out)
@@ -197,7 +203,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     if "min_lr_ratio" not in unset and config.schedule != "constant" and not _decays(config):
         # The warmup (by default 20 steps, or every step of a shorter run) can cover every step the decay
         # would take: --steps 9 --schedule wsd --min-lr-ratio 0 ended at the peak lr without a word (probe14 N13).
-        raise ValueError(train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config)}"))
+        kept = args.resume and config.warmup_steps is not None and "warmup_steps" not in typed
+        raise ValueError(train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config, kept)}"))
     # --fsdp shards over torchrun's ranks (the trainer reads it only when there are several): in a
     # single process it would change nothing without a word.
     if config.fsdp and dist_environment()[0] == 1:
