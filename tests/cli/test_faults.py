@@ -4620,10 +4620,165 @@ def probe15b_rows():
     ]
 
 
+def probe15_rows():
+    """The fifteenth round of CLI probes (issue 56)."""
+
+    def stopped_before_its_first_checkpoint(env):
+        """Probe T11/T12: a run stopped before its first checkpoint (SIGKILL after its first steps: status
+        "running", no checkpoint; Ctrl-C just after config.json was written: that file alone) was refused
+        on a plain rerun with "pass --resume to continue it", and --resume then refused it for having no
+        checkpoint. The refusal offers --overwrite only; a run with a checkpoint is still offered --resume."""
+        killed = env.tmp / "killed"
+        killed.mkdir()
+        shutil.copy(env.run / "config.json", killed / "config.json")
+        shutil.copy(env.run / "metrics.jsonl", killed / "metrics.jsonl")
+        (killed / "status.json").write_text(json.dumps({"status": "running", "step": 0, "pid": 2**22 + 1,
+                                                        "checkpoint_step": 0}))
+        started = env.tmp / "started"
+        started.mkdir()
+        shutil.copy(env.run / "config.json", started / "config.json")
+        for out, what in ((killed, r"a run that was killed \(pid \d+\) after logging step 2"),
+                          (started, "the files of a run")):
+            before = snapshot(out)
+            line = refuse(env, train_ok(env, out), rf"^qkmla train: --out: .* already holds {what}, with no "
+                          r"checkpoint to resume from \(it stopped before its first\); pass --overwrite to start it "
+                          r"over, or choose a new --out$")
+            assert "--resume" not in line
+            assert snapshot(out) == before
+            assert main([str(a) for a in train_ok(env, out) + ["--overwrite"]]) == 0
+        done = env.tmp / "done"
+        shutil.copytree(env.run, done)
+        refuse(env, train_ok(env, done), r"already holds a run with status 'done' at step 2; pass --resume to continue")
+
+    def convert_text_with_no_calibration(env, hf):
+        """Probe C6: ``qkmla convert --qk-norm rms --calibration-tokens 0 --calibration-text FILE`` wrote a
+        checkpoint whose norm weights are at ones, the text read by nothing without a word (without
+        --qk-norm the text is refused). Refused before any work, naming --calibration-text (convert_argv
+        gives --calibration-tokens 0)."""
+        text = env.tmp / "cal.txt"
+        text.write_text("To be, or not to be, that is the question. " * 200)
+        out = env.tmp / "out"
+        refuse(env, convert_argv(hf, out, "--qk-norm", "rms", "--calibration-text", text),
+               r"^qkmla convert: --calibration-text: .*--calibration-tokens 0\) calibrates on none of it .*; give "
+               r"more calibration_tokens \(--calibration-tokens, at least 16\), or leave the text out$")
+        assert not out.exists()
+
+    def edited_hf(env, hf, name, **changes):
+        """A copy of the checkpoint ``hf`` whose config.json was edited by hand (a None value: the key removed)."""
+        src = env.tmp / name
+        shutil.copytree(hf, src)
+        config = json.loads((src / "config.json").read_text())
+        config.update(changes)
+        (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        return src
+
+    def convert_over_a_config_it_cannot_build(env, hf):
+        """Probe C8/C9: ``qkmla convert`` over a config.json edited to kv_lora_rank -1 (or qk_nope_head_dim
+        -8) failed as an internal error with torch's traceback (building the meta model), and one without a
+        model_type printed transformers' "Unrecognized model in DIR..." without naming --hf. Both are one
+        line naming --hf, before anything is written."""
+        out = env.tmp / "out"
+        for name, changes, said in (("rank", {"kv_lora_rank": -1}, "describes a model transformers cannot build"),
+                                    ("nope", {"qk_nope_head_dim": -8}, "describes a model transformers cannot build"),
+                                    ("untyped", {"model_type": None}, "is not a config transformers can read")):
+            src = edited_hf(env, hf, name, **changes)
+            refuse(env, convert_argv(src, out, "--qk-norm", "rms"),
+                   rf"^qkmla convert: --hf: .*{name}/config.json {said} \(.+\)$")
+            assert not out.exists()
+
+    def convert_gqa_over_edited_configs(env, hf):
+        """Probe Q1-Q3: ``qkmla convert-gqa`` over a Qwen3 config.json edited by hand: head_dim 8 (the weights'
+        is 16) and num_hidden_layers 3 (one layer_types entry) were internal errors with tracebacks
+        (transformers' loader, huggingface_hub's validation), and head_dim -16 was blamed on --rope-dim,
+        never given. Each is one line naming --hf, before anything is written."""
+        out = env.tmp / "out"
+        for name, changes, said in (
+                ("narrow", {"head_dim": 8}, r".*narrow/model.safetensors: .*k_norm.weight has shape \(16,\); the "
+                                            r"config in .*narrow/config.json needs \(8,\)"),
+                ("layers", {"num_hidden_layers": 3}, r".*layers/config.json is not a config transformers can read "
+                                                     r"\(.*num_hidden_layers.* \(3\)"),
+                ("negative", {"head_dim": -16}, r"head_dim -16 is not a head's width")):
+            src = edited_hf(env, hf, name, **changes)
+            refuse(env, ["convert-gqa", "--hf", src, "--out", out, "--threads", "1"],
+                   rf"^qkmla convert-gqa: --hf: {said}")
+            assert not out.exists()
+
+    def resume_shorter_than_its_warmup_and_its_step(env):
+        """Probe R9: ``qkmla train --resume --steps 1`` of a run at step 2 with --warmup-steps 2 was refused as
+        "--steps: 1 is fewer than the stored run's warmup of 2 steps ...; give --warmup-steps too (at most 1)",
+        advice the trainer then refused ("already at step 2"). That refusal is said first; a run stopped short
+        of its warmup is still told of the warmup."""
+        out = env.tmp / "warm"
+        assert main([str(a) for a in train_ok(env, out) + ["--warmup-steps", "2"]]) == 0
+        for steps in ("1", "2"):
+            line = refuse(env, train_ok(env, out) + ["--resume", "--steps", steps],
+                          r"^qkmla train: --steps: the run in .*warm is already at step 2; pass --steps above it to "
+                          r"train further$")
+            assert "warmup" not in line
+        assert status(out)["step"] == 2
+
+    def experiment_list_with_no_progress(env):
+        """Probe X6: ``qkmla experiment --list --no-progress`` printed the list, the switch read by nothing
+        without a word (every other option given with --list is refused)."""
+        refuse(env, ["experiment", "--list", "--no-progress"],
+               r"^qkmla experiment: --list: names the experiments and exits, so it takes none of --no-progress; run "
+               r"one with qkmla experiment NAME$")
+        assert env.capsys.readouterr().out == ""
+
+    def generate_from_a_demo_or_experiment_dir(env):
+        """Probe G5: ``qkmla generate EXPERIMENT_DIR`` (or a demo's directory) said only "run: no checkpoint at
+        DIR/checkpoint.safetensors", nothing of the runs inside it, which are the runs to sample from. It names
+        what the directory is and a run in it; a directory of no runs is still "no checkpoint"."""
+        for kind, marker, run in (("an experiment's results", "summary.json", "runs/a_s1"),
+                                  ("a qkmla demo", "demo.json", "mla_lr0.003")):
+            d = env.tmp / marker.split(".")[0]
+            shutil.copytree(env.run, d / run)
+            (d / marker).write_text("{}")
+            refuse(env, ["generate", d, "--max-new-tokens", "2", "--threads", "1"],
+                   rf"^qkmla generate: run: no checkpoint at .*checkpoint.safetensors: .* holds {kind}, whose 1 "
+                   rf"run\(s\) are the directories to give, e.g. .*{run}$")
+        (env.tmp / "none").mkdir()
+        refuse(env, ["generate", env.tmp / "none", "--max-new-tokens", "2"], r"run: no checkpoint at .*none\S+$")
+
+    def never_read_ratio_under_a_kept_warmup(env):
+        """Probe R11: ``qkmla train --resume --steps 3 --min-lr-ratio 0`` of a 2-step run stopped at step 1
+        (its default warmup, 2, kept on resume) was refused naming "a warmup of 2 steps (--warmup-steps; by
+        default 20, or --steps if fewer)", a rule that gives 3 for --steps 3. The warmup is said as the stored
+        run's; a fresh run's is still said as the default's."""
+        out = env.tmp / "kept"
+        assert main([str(a) for a in train_ok(env, out) + ["--max-seconds", "0"]]) == 0
+        assert status(out)["step"] == 1
+        refuse(env, train_ok(env, out) + ["--resume", "--steps", "3", "--min-lr-ratio", "0"],
+               r"^qkmla train: --min-lr-ratio: never read: the last of the 3 steps is still at the peak lr \(a warmup "
+               r"of 2 steps \(the stored run's, kept on --resume; --warmup-steps to change it\)\); give more --steps "
+               r"or a shorter --warmup-steps, or drop it$")
+        refuse(env, train_ok(env, env.tmp / "fresh") + ["--steps", "3", "--min-lr-ratio", "0"],
+               r"a warmup of 3 steps \(--warmup-steps; by default 20, or --steps if fewer\)")
+
+    return [
+        Row("train", "signal", "rerun over a run stopped before its first checkpoint: told to --resume, which "
+            "refuses it", stopped_before_its_first_checkpoint),
+        Row("convert", "size", "--calibration-text with --calibration-tokens 0: read by nothing, without a word",
+            convert_text_with_no_calibration, hf=True),
+        Row("convert", "path", "--hf whose config.json was edited to kv_lora_rank -1 (internal error) or has no "
+            "model_type (transformers' words, no option named)", convert_over_a_config_it_cannot_build, hf=True),
+        Row("convert-gqa", "path", "--hf whose config.json was edited (head_dim 8 or -16, num_hidden_layers 3): "
+            "internal errors, or --rope-dim blamed", convert_gqa_over_edited_configs, hf=True),
+        Row("train", "size", "--resume --steps below both the stored warmup and the run's step: told to shorten "
+            "the warmup, which cannot help", resume_shorter_than_its_warmup_and_its_step),
+        Row("experiment", "size", "--list --no-progress: the switch read by nothing, without a word",
+            experiment_list_with_no_progress),
+        Row("generate", "path", "an experiment's or a demo's directory given as the run: 'no checkpoint', nothing "
+            "of its runs", generate_from_a_demo_or_experiment_dir),
+        Row("train", "size", "--resume --min-lr-ratio never read under the stored run's warmup: said as the "
+            "default's, which gives another number", never_read_ratio_under_a_kept_warmup),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -450,7 +450,9 @@ def _experiment(args: argparse.Namespace) -> int:
         given = [flag for flag, value in (("NAME", args.name), ("--seeds", args.seeds), ("--out", args.out),
                                           ("--sweep", args.sweep), ("--quick", args.quick or None),
                                           ("--overwrite", args.overwrite or None),
-                                          ("--workers", args.workers)) if value is not None]
+                                          ("--workers", args.workers),
+                                          # a progress bar it never draws (the list was printed, the switch unread)
+                                          ("--no-progress", args.no_progress or None)) if value is not None]
         if given:  # else silently ignored: `--list norm-mode` read as a request to run it
             raise ValueError(f"--list: names the experiments and exits, so it takes none of {', '.join(given)}; "
                              "run one with qkmla experiment NAME")

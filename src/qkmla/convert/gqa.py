@@ -157,6 +157,8 @@ def config_attention_shape(name: str, c) -> tuple[int, int, int, int]:
         raise ValueError("model: its router renormalizes the top-k probabilities (norm_topk_prob=True), which "
                          "DeepSeek-V2's greedy router does not")
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if not isinstance(D, int) or D < 2:  # a hand-edited config.json: --rope-dim, never given, was blamed for it
+        raise ValueError(f"model: head_dim {D!r} is not a head's width (an even int >= 2)")
     if D % 2:
         raise ValueError(f"model: head_dim {D} is odd; RoPE rotates pairs")
     H, G = c.num_attention_heads, c.num_key_value_heads
@@ -464,6 +466,29 @@ def read_calibration_ids(tokenizer, path, tokens: Optional[int]) -> torch.Tensor
     return ids[:wanted]
 
 
+def _check_weight_shapes(src, model_class, config) -> None:
+    """Every tensor of the checkpoint in ``src`` that the model ``config`` describes has under the same name
+    has the model's shape (read from the shard headers, before any weight loads): a config.json edited to
+    another head_dim failed in transformers' loader as an internal error, its mismatch report above."""
+    from ..integrations.hub.checkpoint import CONFIG, _open, _weight_map
+    from .stream import _meta_build
+
+    weight_map, _ = _weight_map(src)
+    try:
+        with _meta_build():  # the structure alone, no storage
+            want = {k: tuple(v.shape) for k, v in model_class._from_config(config).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
+        raise ValueError(f"src: {src / CONFIG} describes a model transformers cannot build "
+                         f"({str(e).splitlines()[0]})") from None
+    for name, file in sorted(weight_map.items()):
+        if name in want:
+            with _open(src / file) as f:
+                got = tuple(f.get_slice(name).get_shape())
+            if got != want[name]:
+                raise ValueError(f"src: {src / file}: {name} has shape {got}; the config in {src / CONFIG} needs "
+                                 f"{want[name]}")
+
+
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
                            rope_pairs: Optional[str] = None, keep_norm: bool = True,
                            dtype: Optional[torch.dtype] = None,
@@ -506,8 +531,15 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
             "latent 'activations' weights the factorization by the attention inputs"
         raise ValueError(f"calibration_text: {what} of calibration text; give a text file like the model's data")
     # The rank and RoPE width against the source's shape, from its config: refused before the weights load.
-    config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
+    try:
+        config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
+    except Exception as e:  # huggingface_hub's validation errors (num_hidden_layers 3 against 1 layer_types)
+        # are no ValueError: a hand-edited config.json was an internal error, with its traceback
+        raise ValueError(f"src: {src / CONFIG} is not a config transformers can read "
+                         f"({type(e).__name__}: {' '.join(x.strip() for x in str(e).splitlines() if x.strip())})") \
+            from None
     hidden, _, G, D = config_attention_shape(MODEL_TYPES[model_type], config)
+    _check_weight_shapes(src, getattr(transformers, MODEL_TYPES[model_type]), config)
     _check_rank(kv_lora_rank, min(2 * G * D, hidden))
     kept_rope_pairs(D, *resolve_rope(D, rope_dim, rope_pairs), rope_theta_of(config))
     if dtype == torch.float16:

@@ -165,6 +165,11 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     if calibration_text is not None and norm is None:  # the text would be dropped without a word
         raise ValueError("calibration_text: the text a QK norm being added is calibrated on; name the norm too "
                          "(qk_norm, --qk-norm), or leave the text out")
+    if calibration_text is not None and norm is not None and not calibration_tokens:
+        # 0 tokens leaves the norm weights at ones: the text was read by nothing, without a word
+        raise ValueError("calibration_text: the text a QK norm is calibrated on, and calibration_tokens=0 "
+                         "(--calibration-tokens 0) calibrates on none of it (the norm weights stay at ones); give more "
+                         "calibration_tokens (--calibration-tokens, at least 16), or leave the text out")
     if calibration_tokens and calibration_tokens < 16:
         raise ValueError(f"calibration_tokens: expected 0 (no calibration) or at least 16, got {calibration_tokens}")
     existing = saved_norm(src)

@@ -92,7 +92,11 @@ class CheckpointStream:
         self.shards: dict[str, list[str]] = {}  # shard file -> its tensor names, in the index's order
         for name, file in self.weight_map.items():
             self.shards.setdefault(file, []).append(name)
-        self.config = transformers.AutoConfig.from_pretrained(self.root, local_files_only=True)
+        try:
+            self.config = transformers.AutoConfig.from_pretrained(self.root, local_files_only=True)
+        except ValueError as e:  # transformers' own words (no model_type) named no option
+            raise ValueError(f"hf_dir: {self.root / CONFIG} is not a config transformers can read "
+                             f"({str(e).splitlines()[0].rstrip(': ')})") from None
         model_type = stock_model_type(self.config.model_type)
         if model_type not in _CLASSES:
             raise ValueError(f"hf_dir: {self.root / CONFIG} describes a {self.config.model_type!r} model; qkmla "
@@ -103,8 +107,14 @@ class CheckpointStream:
         if isinstance(stored, str):
             stored = getattr(torch, stored, None)
         self.dtype = dtype or (stored if isinstance(stored, torch.dtype) else torch.float32)
-        with _meta_build():  # the whole model's structure, no storage: what each layer must load as
-            self._meta = self.model_class._from_config(self.config)
+        try:
+            with _meta_build():  # the whole model's structure, no storage: what each layer must load as
+                self._meta = self.model_class._from_config(self.config)
+        except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
+            # a hand-edited size (kv_lora_rank -1; qk_nope_head_dim -8: a head dim of 0 to the power -0.5)
+            # failed in torch as an internal error, with its traceback
+            raise ValueError(f"hf_dir: {self.root / CONFIG} describes a model transformers cannot build "
+                             f"({str(e).splitlines()[0]})") from None
         self.check_shapes()
 
     def check_shapes(self) -> None:

@@ -146,6 +146,17 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
                              f"not a qkmla training run (no {FILENAME}); for a model type qkmla serves (--hf refuses "
                              f"the others, naming those it serves), sample from it with qkmla generate --hf DIR, or "
                              f"load it with qkmla.integrations.transformers.from_pretrained(DIR)")
+        # A demo's or an experiment's directory (probe15 G5): "no checkpoint at" it said nothing of the runs
+        # inside, which are the runs to sample from.
+        runs = sorted(p.parent for pattern in (f"*/{FILENAME}", f"runs/*/{FILENAME}")
+                      for p in path.parent.glob(pattern)) if given_dir else []
+        if runs:
+            from ..utils.files import directory_kind
+
+            kind = directory_kind(path.parent)
+            what = kind[1] if kind is not None else "other runs"
+            raise ValueError(f"run_dir: no checkpoint at {path}: {path.parent} holds {what}, whose {len(runs)} "
+                             f"run(s) are the directories to give, e.g. {runs[0]}")
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
     try:  # the bytes, not the path: safetensors cannot open a path that is not UTF-8

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Optional
 
 from ..utils.environment import dist_environment
 from ..utils.errors import flag_message
@@ -110,15 +111,20 @@ def _decays(config: TrainConfig) -> bool:
         lr_multiplier(last, config.steps, config.schedule, config.warmup_for, 1.0)
 
 
-def _no_decay_reason(config: TrainConfig) -> str:
+def _no_decay_reason(config: TrainConfig, kept_warmup: bool = False) -> str:
     """Why the last step of ``config``'s schedule is still at the peak lr (``_decays`` is False), and the way out.
     The warmup is blamed only where the same run without one decays (a shorter warmup then helps); otherwise
-    it is wsd's decay, which starts only at its last fifth of the steps, or a run of a single step."""
+    it is wsd's decay, which starts only at its last fifth of the steps, or a run of a single step.
+    ``kept_warmup``: the warmup is a resumed run's own (:func:`_resumed_warmup`), not the default's."""
     n = config.steps
     if n == 1:
         return "a run of 1 step has no step to decay over; give more --steps, or drop it"
     if config.warmup_for > 0 and _decays(config.replace(warmup_steps=0)):
-        reason = (f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, or "
+        # A resume's warmup kept from the stored run was said as the default's ("by default 20, or --steps if
+        # fewer": 11 for --steps 11, where the run kept its 10)
+        reason = (f"a warmup of {config.warmup_for} steps (the stored run's, kept on --resume; --warmup-steps "
+                  f"to change it)" if kept_warmup else
+                  f"a warmup of {config.warmup_for} steps (--warmup-steps; by default {DEFAULT_WARMUP_STEPS}, or "
                   f"--steps if fewer)")
         ways = "more --steps or a shorter --warmup-steps"
     else:
@@ -129,13 +135,31 @@ def _no_decay_reason(config: TrainConfig) -> str:
     return f"the last of the {n} steps is still at the peak lr ({reason}); give {ways}, or drop it"
 
 
-def _resumed_warmup(stored: dict, given: dict, typed: set):
+def stored_step(out) -> Optional[int]:
+    """The step the checkpoint in ``out`` was saved at, or None where there is none to read."""
+    from pathlib import Path
+
+    from .checkpoint import FILENAME, read_metadata
+
+    try:
+        return int(read_metadata(Path(out) / FILENAME)["step"])
+    except Exception:  # no checkpoint, or a damaged one: train() refuses the resume naming it
+        return None
+
+
+def _resumed_warmup(stored: dict, given: dict, typed: set, out=None):
     """The warmup a resume takes: the one the stored run warmed up with when neither gives one. The default
     (20, or every step of a shorter run) follows ``steps``: a 3-step run lengthened to 10 on resume had
     warmed up over 3 steps and, its default now 10, went back below its peak lr to warm up again."""
     old, new = stored.get("steps"), given.get("steps")
     kept = stored.get("warmup_steps")
     if "warmup_steps" not in typed and isinstance(kept, int) and isinstance(new, int) and kept > new:
+        done = stored_step(out) if out is not None else None
+        if done is not None and new <= done:
+            # the trainer's own refusal, said first: "give --warmup-steps too (at most 3)" was advice a run
+            # already at step 6 refused next, for --steps 3
+            raise ValueError(f"--steps: the run in {out} is already at step {done}; pass --steps above it to "
+                             "train further")
         # else refused as TrainConfig's "--warmup-steps: expected ... got 40", a flag this command did not type
         raise ValueError(f"--steps: {new} is fewer than the stored run's warmup of {kept} steps (its --warmup-steps); "
                          f"give --warmup-steps too (at most {new}), or more --steps")
@@ -156,13 +180,14 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha", "min_lr_ratio") if given.get(n) is None]
     for name in unset:  # left unset: TrainConfig's default stands
         given.pop(name, None)
+    typed = set()
     if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
         typed = given_options(args.argv)
         stored = stored_settings(args.out)
         for name, value in stored.items():
             if name in names and name not in typed and name not in PER_LAUNCH:
                 given[name] = value
-        given["warmup_steps"] = _resumed_warmup(stored, given, typed)
+        given["warmup_steps"] = _resumed_warmup(stored, given, typed, args.out)
     try:
         config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:
@@ -180,7 +205,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     if "min_lr_ratio" not in unset and config.schedule != "constant" and not _decays(config):
         # The warmup (by default 20 steps, or every step of a shorter run) can cover every step the decay
         # would take: --steps 9 --schedule wsd --min-lr-ratio 0 ended at the peak lr without a word (probe14 N13).
-        raise ValueError(train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config)}"))
+        kept = args.resume and config.warmup_steps is not None and "warmup_steps" not in typed
+        raise ValueError(train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config, kept)}"))
     # --fsdp shards over torchrun's ranks (the trainer reads it only when there are several): in a
     # single process it would change nothing without a word.
     if config.fsdp and dist_environment()[0] == 1:

@@ -210,6 +210,13 @@ def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
     else:
         what = "the files of a run"
     if holds_run(out) and not (resume or overwrite):
+        if not (out / FILENAME).is_file():
+            # Stopped before its first checkpoint (killed, or Ctrl-C while it started): --resume, once
+            # offered here, then refused it for having no checkpoint to continue from.
+            if killed:
+                what = f"a run that was killed (pid {status.get('pid')}) after logging step {last_logged_step(out)}"
+            raise ValueError(f"out: {out} already holds {what}, with no checkpoint to resume from (it stopped "
+                             "before its first); pass --overwrite to start it over, or choose a new --out")
         raise ValueError(f"out: {out} already holds {what}; pass --resume to continue it, --overwrite "
                          "to replace it, or choose a new --out")
     return notes
