@@ -184,3 +184,18 @@ def test_a_tiny_kept_fraction_keeps_at_least_one_token():
     policy = H2O(kept_fraction=1e-300, window=0)
     assert policy.targets(torch.tensor([1, 4, 1000])).tolist() == [1, 1, 1]
     assert H2O(kept_fraction=0.1, window=0).targets(torch.tensor([30, 31])).tolist() == [3, 4]
+
+
+def test_a_numpy_fraction_is_the_fraction_it_holds():
+    """Review 15: H2O(kept_fraction=np.int64(1)) was refused as "expected a number in (0, 1], got np.int64(1)"
+    while the int 1 is taken; and a Fraction past a float's range raised a bare OverflowError."""
+    from fractions import Fraction
+
+    import numpy as np
+    from qkmla.cache.eviction import H2O
+
+    assert H2O(kept_fraction=np.int64(1), window=2).fraction == H2O(kept_fraction=1, window=2).fraction == 1
+    assert H2O(kept_fraction=np.float32(0.5)).fraction == Fraction(1, 2)
+    for bad in (Fraction(10 ** 400), np.int64(2), np.True_):
+        with pytest.raises(ValueError, match=r"^kept_fraction: expected a number in \(0, 1\]"):
+            H2O(kept_fraction=bad)

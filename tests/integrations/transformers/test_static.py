@@ -324,6 +324,51 @@ def test_a_static_cache_filled_under_inference_mode_is_refused_outside_it():
     assert int(cache.get_seq_length()) == 7
 
 
+def test_a_crop_that_drops_nothing_is_taken_outside_inference_mode():
+    """Review 15: the refusal of writes outside inference mode (bc7ca99) came before crop's 'nothing to drop', so
+    crop(0), crop(n >= length) of a static cache filled under inference mode were refused, where they had run (and
+    the growing cache runs them). A crop that drops columns is still refused, before any write."""
+    model = _grad_model().eval()
+    ids = torch.randint(0, 64, (1, 6))
+    cache = LatentAttentionCache(model, max_cache_len=8, static=True)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+    for tokens in (0, 6, 7, -0):
+        cache.crop(tokens)
+        assert int(cache.get_seq_length()) == 6
+    with pytest.raises(ValueError, match=r"crop it inside torch.inference_mode\(\)"):
+        cache.crop(3)
+    assert int(cache.get_seq_length()) == 6
+
+
+def test_a_rebuilt_model_that_takes_the_rows_over_is_the_one_the_view_expands_with():
+    """Review 15: each cache layer keeps a weak reference to the attention that wrote it, for its transformers view
+    (layer.keys / .values), set only while it was None: after release_writer() handed the rows to a rebuilt model
+    (the first one freed), the dead reference stayed and layer.keys was None for good; after reset() the new writer
+    was not the one the view expanded keys with. Both forget it now."""
+    import gc
+
+    ids = torch.randint(0, 64, (1, 6))
+    for static in (False, True):
+        a = _grad_model().eval()
+        cache = LatentAttentionCache(a, max_cache_len=8, static=static)
+        with torch.no_grad():
+            a(ids[:, :5], past_key_values=cache, use_cache=True)
+            assert cache.layers[0].keys is not None
+            state = copy.deepcopy(a.state_dict())
+            del a
+            gc.collect()
+            b = _grad_model().eval()
+            b.load_state_dict(state)
+            cache.release_writer()
+            b(ids[:, 5:], past_key_values=cache, use_cache=True)
+            assert cache.layers[0].attention() is b.model.layers[0].self_attn and cache.layers[0].keys is not None
+            cache.reset()
+            c = copy.deepcopy(b)
+            c(ids, past_key_values=cache, use_cache=True)
+            assert cache.layers[0].attention() is c.model.layers[0].self_attn
+
+
 def test_a_static_cache_made_or_filled_under_inference_mode_resets_and_runs_outside_it():
     """Review 14: a static cache constructed under ``torch.inference_mode()`` and first used under no_grad failed
     in torch's "Inplace update to inference tensor" (its length counter, made at construction, an inference

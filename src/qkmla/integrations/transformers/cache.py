@@ -135,8 +135,10 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the older name
 
     def reset(self) -> None:
-        """Forget everything, batch size included: the next forward allocates anew."""
+        """Forget everything, batch size included (and the layer that wrote it: the next one that writes
+        is the one its transformers view expands keys with): the next forward allocates anew."""
         self.latent, self.stored, self.columns, self.is_initialized = None, None, 0, False
+        self.attention = None
 
     def offload(self) -> None:
         """Move the rows (latent and RoPE key, key scalars) to CPU memory; :meth:`prefetch`, or the
@@ -423,6 +425,11 @@ class LatentAttentionCache(FixedSettings, Cache):
                 layer.latent.release_writer()
             elif isinstance(layer, StaticLatentCacheLayer):
                 layer.writer = None
+            else:
+                continue
+            # and the layer its transformers view expands keys with: the next writer's (review 15: a dead model's
+            # reference was never replaced, so layer.keys stayed None for good after a rebuilt model took over)
+            layer.attention = None
 
     @property
     def bytes_per_token(self) -> int:

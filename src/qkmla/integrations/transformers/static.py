@@ -154,9 +154,11 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
             return
         token = vars(attn).setdefault(WRITER_TOKEN, secrets.randbits(63))
         held = self.__dict__.get("writer")
+        if held == token:  # the usual case, without reading the length (a device sync per layer and step)
+            return
         if held is None or int(self.length) == 0:
             self.writer = token
-        elif held != token:
+        else:
             raise ValueError(f"cache: it holds another attention layer's rows ({int(self.length)} columns), written "
                              f"by another model or layer; each model needs a cache of its own "
                              f"(LatentAttentionCache(model, ...)); cache.reset() empties this one for another, "
@@ -224,6 +226,7 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         buffers keep the addresses a compiled decode step was built for, except buffers made under
         torch.inference_mode() reset outside it, which only inference mode may write: new ones, so that
         reset() is the way out the refusal in :meth:`allocate` names (:func:`~qkmla.cache.storage.renew`)."""
+        self.attention = None  # the next layer that writes is the one the transformers view expands keys with
         for name in ("latent", "key_scale", "key_valid", "length"):
             if renew(self, name):  # new, zeros
                 if self.is_initialized:
@@ -234,11 +237,11 @@ class StaticLatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
     def crop(self, tokens: int) -> None:
         """Drop the last ``-tokens`` columns (tokens < 0) or keep the first ``tokens`` (> 0)."""
         tokens = check_crop(tokens)
-        self._check_writable("crop it")
         current = int(self.length)
         keep = current + tokens if tokens <= 0 else min(tokens, current)
-        if keep >= current:
+        if keep >= current:  # nothing to drop: taken under any mode, as the growing cache takes it
             return
+        self._check_writable("crop it")
         self.key_valid[:, max(keep, 0):].zero_()
         self.length.fill_(max(keep, 0))
 
@@ -386,20 +389,19 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
     q_lat, q_rope = latent_query(*attn.raw_query(x), attn.q_norm, w)  # [B, T, h, d_c], [B, T, h, d_r]
     q_rope = attn.rotary(q_rope, positions)
     latent, key_scale = layer.latent, layer.key_scale
-    if torch.is_grad_enabled():
-        # Autograd saves the rows for the backward, and the next step writes the buffers in place: read as they
-        # were (``.to(acc)`` returns the buffer itself in float32 and float64), a training step over two decode
-        # steps failed in its backward ("Output 0 of ReshapeAlias is a view and its base ... has been modified
-        # inplace"). As MLA.expand_cache does; a step under no_grad (inference) reads the buffers as they are.
-        latent = latent.clone()
-        key_scale = key_scale.clone() if key_scale is not None else None
-    cached, k_rope = latent.to(acc).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
+    # Autograd saves the rows for the backward, and the next step writes the buffers in place: read as they were
+    # (``.to(acc)`` returns the buffer itself in float32 and float64), a training step over two decode steps
+    # failed in its backward ("Output 0 of ReshapeAlias is a view and its base ... has been modified inplace").
+    # One copy (bf16 rows are copied by the cast anyway), as MLA.expand_cache does; a step under no_grad
+    # (inference) reads the buffers as they are.
+    copy = torch.is_grad_enabled()
+    cached, k_rope = latent.to(acc, copy=copy).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # [B, L, *]
     s_c = torch.einsum("bthc,blc->bhtl", q_lat.to(acc), cached)
     s_r = torch.einsum("bthr,blr->bhtl", q_rope.to(acc), k_rope)
     scale = attn.scale
     scale = scale.to(acc).view(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale
     if key_scale is not None:
-        r = key_scale.to(acc).transpose(1, 2)  # [B, G, L]
+        r = key_scale.to(acc, copy=copy).transpose(1, 2)  # [B, G, L]
         r = r.repeat_interleave(c.num_heads // r.shape[1], dim=1)[:, :, None, :]  # [B, h, 1, L]
         scores = scale * (r * s_c + s_r) if attn.score_mode == "blockwise" else scale * r * (s_c + s_r)
     else:
