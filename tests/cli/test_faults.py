@@ -4775,10 +4775,53 @@ def probe15_rows():
     ]
 
 
+def review15b_rows():
+    """What review 15b found in the fifteenth CLI probe's fixes (and beside them)."""
+
+    def convert_gqa_of_weights_in_a_bin_file(env, hf):
+        """The shape check read safetensors headers only, so a checkpoint whose weights are in pytorch_model.bin
+        (which transformers loads, and which converted before) was refused: "has neither model.safetensors.index.json
+        nor model.safetensors". It converts again."""
+        import transformers
+
+        src = env.tmp / "bin"
+        shutil.copytree(hf, src)
+        model = transformers.AutoModelForCausalLM.from_pretrained(src)
+        (src / "model.safetensors").unlink()
+        torch.save(model.state_dict(), src / "pytorch_model.bin")
+        env.capsys.readouterr()
+        assert main(["convert-gqa", "--hf", str(src), "--out", str(env.tmp / "o")]) == 0, env.capsys.readouterr().err
+        assert (env.tmp / "o" / "config.json").is_file()
+
+    def convert_and_generate_over_a_config_transformers_refuses(env, hf):
+        """A DeepSeek config.json edited to three layer_types entries for its one layer (or a yarn rope without its
+        factor): huggingface_hub's StrictDataclassClassValidationError (a KeyError for yarn) from the tokenizer's
+        load, which reads config.json too, printed as a bug in qkmla by convert and generate --hf."""
+        for edit, said in (({"layer_types": ["full_attention"] * 3}, "StrictDataclassClassValidationError"),
+                           ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0}}, "KeyError")):
+            src = env.tmp / said
+            shutil.copytree(hf, src)
+            config = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps({**config, **edit}))
+            pattern = rf"--hf: .*{said}/config.json is not a config transformers can read \({said}: "
+            refuse(env, ["convert", "--hf", src, "--out", env.tmp / f"o{said}", "--qk-norm", "rms",
+                         "--calibration-tokens", "0"], pattern)
+            refuse(env, ["generate", "--hf", src, "--tokens", "1"], pattern)
+            assert not (env.tmp / f"o{said}").exists()
+
+    return [
+        Row("convert-gqa", "path", "--hf whose weights are in pytorch_model.bin: refused by the shape check (it "
+            "converted before)", convert_gqa_of_weights_in_a_bin_file, hf=True),
+        Row("convert", "path", "--hf whose config.json transformers' validation refuses (layer_types, yarn without "
+            "factor): internal error from the tokenizer's load; generate --hf too",
+            convert_and_generate_over_a_config_transformers_refuses, hf=True),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

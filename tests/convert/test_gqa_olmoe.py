@@ -6,6 +6,7 @@ DeepSeek-V2-architecture model (V2's softmax router is OLMoE's) with one key sca
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -187,6 +188,32 @@ def test_cli_converts_an_olmoe_checkpoint_that_loads_and_generates(tmp_path, cap
     ids = prompt(src)
     assert max_rel(logits(from_pretrained(out), ids), logits(want, ids)) < 1e-6
     assert main(["generate", "--hf", str(out), "--prompt", "To be", "--tokens", "4"]) == 0
+
+
+def test_an_edited_expert_width_is_refused_naming_the_tensor(tmp_path, capsys):
+    """Review 15b: OLMoE checkpoints store each expert's gate/up/down weights, which the model fuses, so the shape
+    check (by name) missed them: a config.json edited to twice the intermediate size ended in transformers'
+    mismatch report and an internal error. Refused in one line naming --hf and the tensor, before any load."""
+    from qkmla.cli import main
+
+    src = olmoe_model(num_key_value_heads=2, dtype=torch.float32, vocab_size=384)
+    try:
+        src.save_pretrained(tmp_path / "src")
+    except Exception as e:  # as in the test above
+        if "tie_word_embeddings" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__} cannot save an OLMoE model")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["convert-gqa", "--hf", str(tmp_path / "src"), "--out", str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err
+    assert "LOAD REPORT" not in err and "internal error" not in err, err
+    assert re.search(r"^qkmla convert-gqa: --hf: .*model.safetensors: "
+                     r"model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight "
+                     r"has shape \(\d+, \d+\); the config in .*config.json needs", err.strip().splitlines()[-1]), err
+    assert not (tmp_path / "dst").exists()
 
 
 def test_the_principal_rope_key_mixes_the_weighted_rows_and_holds_at_least_the_means_energy():

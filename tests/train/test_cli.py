@@ -41,3 +41,35 @@ def test_a_resume_shorter_than_the_stored_warmup_names_it(tmp_path, capsys):
                     r"--warmup-steps\); give --warmup-steps too \(at most 10\), or more --steps$",
                     capsys.readouterr().err.strip().splitlines()[-1])
     assert main([*RUN, "--steps", "10", "--warmup-steps", "5", "--out", str(out), "--resume"]) == 0
+
+
+def refusal(capsys, argv) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_resume_to_no_further_step_is_named_before_any_other_refusal(tmp_path, capsys):
+    """Review 15b: a run done at step 4, resumed with --min-lr-ratio 0, was told "give more --steps or a shorter
+    --warmup-steps", and following the second half was refused as "already at step 4"; so was a run at step 3
+    resumed with --steps 2 --warmup-steps 3, told "--warmup-steps: ... up to 2". The step comes first now."""
+    out = tmp_path / "run"
+    assert main([*RUN, "--steps", "4", "--out", str(out)]) == 0
+    already = f"qkmla train: --steps: the run in {out} is already at step 4; pass --steps above it to train further"
+    for more in ([], ["--min-lr-ratio", "0"], ["--min-lr-ratio", "0", "--warmup-steps", "1"],
+                 ["--steps", "3", "--warmup-steps", "4"], ["--steps", "2"]):
+        assert refusal(capsys, [*RUN, "--out", str(out), "--resume", *more]) == already
+
+
+def test_a_shortened_resume_names_its_warmup_as_the_defaults(tmp_path, capsys):
+    """Review 15b: a 30-step run (default warmup 20) stopped at step 1 and resumed with --steps 10 warms up over
+    the default's 10 steps, and --min-lr-ratio's refusal called those 10 "the stored run's, kept on --resume".
+    Only a warmup the stored run trained with is called so."""
+    out = tmp_path / "run"
+    assert main([*RUN, "--steps", "30", "--max-seconds", "0", "--out", str(out)]) == 0
+    line = refusal(capsys, [*RUN, "--steps", "10", "--min-lr-ratio", "0", "--out", str(out), "--resume"])
+    assert "a warmup of 10 steps (--warmup-steps; by default 20, or --steps if fewer)" in line, line
+    kept = tmp_path / "kept"
+    assert main([*RUN, "--steps", "10", "--max-seconds", "0", "--out", str(kept)]) == 0
+    line = refusal(capsys, [*RUN, "--steps", "11", "--min-lr-ratio", "0", "--out", str(kept), "--resume"])
+    assert "a warmup of 10 steps (the stored run's, kept on --resume" in line, line

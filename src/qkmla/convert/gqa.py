@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -466,13 +467,28 @@ def read_calibration_ids(tokenizer, path, tokens: Optional[int]) -> torch.Tensor
     return ids[:wanted]
 
 
+def _expert_shape(name: str, want: dict) -> Optional[tuple]:
+    """The shape the model needs of one expert's stored weight (OLMoE's checkpoints store
+    ``mlp.experts.E.{gate,up,down}_proj.weight``; the model fuses them as ``mlp.experts.gate_up_proj``
+    [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]), or None for any other name."""
+    m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+    if m is None:
+        return None
+    fused = want.get(f"{m[1]}.down_proj" if m[3] == "down" else f"{m[1]}.gate_up_proj")
+    if fused is None or len(fused) != 3:
+        return None
+    return tuple(fused[1:]) if m[3] == "down" else (fused[1] // 2, fused[2])
+
+
 def _check_weight_shapes(src, model_class, config) -> None:
     """Every tensor of the checkpoint in ``src`` that the model ``config`` describes has under the same name
     has the model's shape (read from the shard headers, before any weight loads): a config.json edited to
     another head_dim failed in transformers' loader as an internal error, its mismatch report above."""
-    from ..integrations.hub.checkpoint import CONFIG, _open, _weight_map
+    from ..integrations.hub.checkpoint import CONFIG, INDEX, SINGLE, _open, _weight_map
     from .stream import _meta_build
 
+    if not (src / INDEX).is_file() and not (src / SINGLE).is_file():
+        return  # weights in pytorch_model.bin (no header to read): transformers' loader reads them, as before
     weight_map, _ = _weight_map(src)
     try:
         with _meta_build():  # the structure alone, no storage
@@ -481,12 +497,13 @@ def _check_weight_shapes(src, model_class, config) -> None:
         raise ValueError(f"src: {src / CONFIG} describes a model transformers cannot build "
                          f"({str(e).splitlines()[0]})") from None
     for name, file in sorted(weight_map.items()):
-        if name in want:
+        expected = want.get(name) or _expert_shape(name, want)
+        if expected is not None:
             with _open(src / file) as f:
                 got = tuple(f.get_slice(name).get_shape())
-            if got != want[name]:
+            if got != expected:
                 raise ValueError(f"src: {src / file}: {name} has shape {got}; the config in {src / CONFIG} needs "
-                                 f"{want[name]}")
+                                 f"{expected}")
 
 
 def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional[int] = None,
@@ -508,7 +525,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     """
     import transformers
 
-    from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config
+    from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config, transformers_config
     from .qk_norm import check_convert_paths, converting_into, write_checkpoint
 
     src, out = check_convert_paths(src, out, overwrite, [("calibration_text", calibration_text)])
@@ -531,13 +548,7 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
             "latent 'activations' weights the factorization by the attention inputs"
         raise ValueError(f"calibration_text: {what} of calibration text; give a text file like the model's data")
     # The rank and RoPE width against the source's shape, from its config: refused before the weights load.
-    try:
-        config = transformers.AutoConfig.from_pretrained(src, local_files_only=True)
-    except Exception as e:  # huggingface_hub's validation errors (num_hidden_layers 3 against 1 layer_types)
-        # are no ValueError: a hand-edited config.json was an internal error, with its traceback
-        raise ValueError(f"src: {src / CONFIG} is not a config transformers can read "
-                         f"({type(e).__name__}: {' '.join(x.strip() for x in str(e).splitlines() if x.strip())})") \
-            from None
+    config = transformers_config(src, "src")  # a hand-edited config.json: one line, not an internal error
     hidden, _, G, D = config_attention_shape(MODEL_TYPES[model_type], config)
     _check_weight_shapes(src, getattr(transformers, MODEL_TYPES[model_type]), config)
     _check_rank(kv_lora_rank, min(2 * G * D, hidden))
@@ -561,8 +572,16 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
             raise ValueError(f"calibration_text: {calibration_text} gives {len(ids)} tokens; at least 2 are needed")
         calibration = ids[:len(ids) - len(ids) % window].view(-1, window)
     with converting_into(src, out, overwrite) as (target, state):  # a second conversion into out is refused
-        model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
-            src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
+        try:
+            model = getattr(transformers, MODEL_TYPES[model_type]).from_pretrained(
+                src, local_files_only=True, **({"dtype": dtype} if dtype is not None else {}))
+        except RuntimeError as e:
+            # Tensors the shape check cannot pair with the model's by name (OLMoE's per-expert weights, which the
+            # model fuses) that disagree with the config: transformers' mismatch report, then an internal error.
+            if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+                raise
+            raise ValueError(f"src: the weights in {src} do not have the shapes {src / CONFIG} describes "
+                             f"({' '.join(x.strip() for x in str(e).splitlines() if x.strip())[:300]})") from None
         converted, report = convert_gqa(model, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, rope_pairs=rope_pairs,
                                         keep_norm=keep_norm, rope_key=rope_key, latent=latent,
                                         calibration=calibration)

@@ -27,7 +27,7 @@ import torch
 
 from ..config import QKNormConfig
 from ..utils.files import clear_stale, directory_state, make_directory, output_directory, write_directory
-from ..integrations.hub.checkpoint import CONFIG, check_utf8_path, load_tokenizer, read_hf_config
+from ..integrations.hub.checkpoint import CONFIG, check_utf8_path, load_tokenizer, read_hf_config, transformers_config
 from ..integrations.hub.output import check_checkpoint_out
 from ..utils.checked import check_bool, is_int
 
@@ -176,6 +176,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     if existing is not None and norm is not None:
         raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
                          f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
+    transformers_config(src, "src")  # first: the tokenizer's load reads config.json too, and a hand edit failed there
     try:
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)

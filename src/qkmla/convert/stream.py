@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QKNormConfig
-from ..integrations.hub.checkpoint import CONFIG, INDEX, _open, _weight_map
+from ..integrations.hub.checkpoint import CONFIG, INDEX, _open, _weight_map, transformers_config
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 NORM_TENSORS = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")  # what a norm adds to a layer
@@ -92,11 +92,7 @@ class CheckpointStream:
         self.shards: dict[str, list[str]] = {}  # shard file -> its tensor names, in the index's order
         for name, file in self.weight_map.items():
             self.shards.setdefault(file, []).append(name)
-        try:
-            self.config = transformers.AutoConfig.from_pretrained(self.root, local_files_only=True)
-        except ValueError as e:  # transformers' own words (no model_type) named no option
-            raise ValueError(f"hf_dir: {self.root / CONFIG} is not a config transformers can read "
-                             f"({str(e).splitlines()[0].rstrip(': ')})") from None
+        self.config = transformers_config(self.root)  # transformers' own words (no model_type) named no option
         model_type = stock_model_type(self.config.model_type)
         if model_type not in _CLASSES:
             raise ValueError(f"hf_dir: {self.root / CONFIG} describes a {self.config.model_type!r} model; qkmla "

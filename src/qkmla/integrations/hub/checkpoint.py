@@ -149,6 +149,24 @@ def read_hf_config(hf_dir: Union[str, Path], name: str = "hf_dir") -> dict:
     return config
 
 
+def transformers_config(hf_dir: Union[str, Path], name: str = "hf_dir"):
+    """``transformers.AutoConfig`` of a checkpoint directory (local files only), or a ValueError naming
+    ``name`` and the file: huggingface_hub's validation errors (``num_hidden_layers`` 3 against one
+    ``layer_types``; a yarn ``rope_parameters`` without its factor) are no ValueError, and a
+    hand-edited config.json was an internal error, with its traceback, wherever it was read first (the
+    tokenizer's load reads it too)."""
+    import transformers
+
+    from ..transformers import auto  # noqa: F401  (qkmla's model types, for AutoConfig)
+
+    try:
+        return transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises for the file, named as the file's
+        detail = " ".join(x.strip() for x in str(e).splitlines() if x.strip()).rstrip(": ")
+        raise ValueError(f"{name}: {Path(hf_dir) / CONFIG} is not a config transformers can read "
+                         f"({type(e).__name__}: {detail[:300]})") from None
+
+
 def load_tokenizer(hf_dir: Union[str, Path]):
     """The tokenizer of a checkpoint directory (``AutoTokenizer``, local files only), as every
     command loads it.

@@ -18,7 +18,7 @@ from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.checkpoint import load_tokenizer, read_hf_config
+from ..hub.checkpoint import load_tokenizer, read_hf_config, transformers_config
 from ...utils.files import input_file_problem
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
@@ -52,6 +52,9 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         tokenizer = load_tokenizer(root)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
         raise ValueError(f"hf_dir: {root} has no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+    except Exception:  # the tokenizer's load reads config.json: a hand edit transformers refuses is the file's
+        transformers_config(root)  # one line naming it (huggingface_hub's validation errors are no ValueError)
+        raise
     try:
         model = from_pretrained(root, dtype=DTYPES[dtype], local_files_only=True)
     except ValueError as e:
