@@ -175,7 +175,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha", "min_lr_ratio") if given.get(n) is None]
     for name in unset:  # left unset: TrainConfig's default stands
         given.pop(name, None)
-    typed, own = set(), None
+    typed, own, already = set(), None, None
     if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
         typed = given_options(args.argv)
         stored = stored_settings(args.out)
@@ -184,18 +184,26 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                 given[name] = value
         done, steps = stored_step(args.out), given.get("steps")
         if done is not None and is_int(steps) and 0 < steps <= done:
-            # The trainer's own refusal, said first: any other refusal's advice ("a shorter --warmup-steps",
-            # "at most 3") was refused next, by this one (probe15 R9, review 15b)
-            raise ValueError(f"--steps: the run in {args.out} is already at step {done}; pass --steps above it to "
-                             "train further")
-        given["warmup_steps"] = _resumed_warmup(stored, given, typed, args.out)
+            # The trainer's own refusal, said in place of the schedule's refusals below: their advice ("a shorter
+            # --warmup-steps", "at most 3") was refused next, by this one (probe15 R9, review 15b). Not before
+            # the other checks (the trainer's of --data, of an edited config.json), which it would hide.
+            already = (f"--steps: the run in {args.out} is already at step {done}; pass --steps above it to train "
+                       "further")
+        try:
+            given["warmup_steps"] = _resumed_warmup(stored, given, typed, args.out)
+        except ValueError:
+            if already is not None:
+                raise ValueError(already) from None
+            raise
         own = stored.get("warmup_steps")  # the warmup the stored run trained with
         if own is None and is_int(stored.get("steps")):
             own = min(DEFAULT_WARMUP_STEPS, stored["steps"])
     try:
         config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:
-        raise ValueError(train_flag_message(str(e))) from None
+        # the warmup's bound is the steps': told "up to 2", a run already at step 3 refused that next
+        warmup = str(e).startswith("warmup_steps:")
+        raise ValueError(already if already and warmup else train_flag_message(str(e))) from None
     # Options that only another option reads: given without it, they would change nothing without
     # a word. (Checked after their ranges, so a bad value is named as such first.)
     for name, reader, add, read in (
@@ -211,7 +219,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         # would take: --steps 9 --schedule wsd --min-lr-ratio 0 ended at the peak lr without a word (probe14 N13).
         # "the stored run's" only where it is: a shortened run's default follows the new --steps (review 15b)
         kept = args.resume and "warmup_steps" not in typed and config.warmup_for == own
-        raise ValueError(train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config, kept)}"))
+        raise ValueError(already or train_flag_message(f"min_lr_ratio: never read: {_no_decay_reason(config, kept)}"))
     # --fsdp shards over torchrun's ranks (the trainer reads it only when there are several): in a
     # single process it would change nothing without a word.
     if config.fsdp and dist_environment()[0] == 1:
