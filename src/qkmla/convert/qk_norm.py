@@ -176,6 +176,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     if existing is not None and norm is not None:
         raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
                          f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")
+    from ..integrations.transformers import auto  # noqa: F401  (qkmla's model types, for AutoConfig)
+
     transformers_config(src, "src")  # first: the tokenizer's load reads config.json too, and a hand edit failed there
     try:
         tokenizer = load_tokenizer(src)

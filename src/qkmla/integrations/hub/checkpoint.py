@@ -154,10 +154,9 @@ def transformers_config(hf_dir: Union[str, Path], name: str = "hf_dir"):
     ``name`` and the file: huggingface_hub's validation errors (``num_hidden_layers`` 3 against one
     ``layer_types``; a yarn ``rope_parameters`` without its factor) are no ValueError, and a
     hand-edited config.json was an internal error, with its traceback, wherever it was read first (the
-    tokenizer's load reads it too)."""
+    tokenizer's load reads it too). A QK-normed checkpoint's model type is known to AutoConfig once
+    ``qkmla.integrations.transformers`` is imported, which the callers above this layer do."""
     import transformers
-
-    from ..transformers import auto  # noqa: F401  (qkmla's model types, for AutoConfig)
 
     try:
         return transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
