@@ -16,7 +16,6 @@ softmax-scale correction from ``mscale_all_dim``, lives in :attr:`MLAConfig.scal
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
-from .utils.checked import FixedSettings, as_int, check_bool, is_int, is_number, python_numbers
+from .utils.checked import FixedSettings, as_int, as_number, check_bool, is_int, is_number, python_numbers
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -200,8 +199,7 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         dim = as_int(dim)  # a NumPy int is a width (np.int64(16) was refused as "got np.int64(16)")
         if not is_int(dim) or dim < 2 or dim % 2:
             raise ValueError(f"dim: expected a positive even int (RoPE rotates pairs), got {dim!r}")
-        if isinstance(theta, numbers.Real) and not isinstance(theta, bool):  # np.float32(500.0) is a base, too
-            theta = as_int(theta) if isinstance(theta, numbers.Integral) else float(theta)
+        theta = as_number(theta)  # np.float32(500.0) is a base, too
         _number("theta", theta, 0, strict=True)
         check_bool("interleave", interleave)  # True: pairs (x0, x1); False: halves
         if scaling is not None and not isinstance(scaling, YarnScaling):

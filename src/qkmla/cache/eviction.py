@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import numbers
 from fractions import Fraction
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..utils.checked import Frozen, as_int, check_bool, is_int, is_number
+from ..utils.checked import Frozen, as_int, as_number, check_bool, is_int, is_number
 from .base import WriteSlot
 
 HEAD_REDUCTIONS = ("mean", "max")
@@ -100,12 +99,7 @@ class EvictionPolicy(Frozen):
         # A NumPy number is a count or a fraction, as for the caches: np.int64(4) was refused as "expected an int
         # >= 0, got np.int64(4)", and np.float32(0.5) as "expected a number in (0, 1], got np.float32(0.5)".
         budget, window, sinks, interval = (as_int(v) for v in (budget, window, sinks, interval))
-        kept_fraction = as_int(kept_fraction)  # np.int64(1) is the fraction 1, as the int 1 is (review 15)
-        if isinstance(kept_fraction, numbers.Real) and not isinstance(kept_fraction, (bool, int)):
-            try:
-                kept_fraction = float(kept_fraction)
-            except OverflowError:  # Fraction(10**400): beyond a float, refused below naming it
-                pass
+        kept_fraction = as_number(kept_fraction)  # np.int64(1) is the fraction 1, as the int 1 is (review 15)
         _check_int("window", window, 0)
         _check_int("sinks", sinks, 0)
         if (budget is None) == (kept_fraction is None):

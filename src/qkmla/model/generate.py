@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..utils.checked import as_int, is_int, is_number
+from ..utils.checked import as_int, as_number, is_int, is_number
 from ..utils.limits import check_fits
 from .gpt import GPT
 
@@ -34,8 +34,7 @@ def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", 
     (max_new_tokens, temperature, top_k). A NumPy number is the number it holds: np.int64(3) was refused as
     "max_new_tokens: expected a positive int, got np.int64(3)" (np.float32 temperatures and top_k likewise)."""
     max_new_tokens, top_k = as_int(max_new_tokens), as_int(top_k)
-    if isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
-        temperature = as_int(temperature) if isinstance(temperature, numbers.Integral) else float(temperature)
+    temperature = as_number(temperature)
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"{names[0]}: expected a positive int, got {max_new_tokens!r}")
     # temperature=True was a number to isinstance (1.0): a switch passed in the wrong place sampled

@@ -62,9 +62,7 @@ def python_numbers(config) -> None:
             return value
         if type(value).__name__ in ("bool", "bool_"):  # numpy.bool (numpy.bool_ before NumPy 2)
             return bool(value)
-        if isinstance(value, numbers.Integral):
-            return int(value)
-        return float(value) if isinstance(value, numbers.Real) else value
+        return as_number(value)
 
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
@@ -73,6 +71,21 @@ def python_numbers(config) -> None:
                 object.__setattr__(config, field.name, {k: plain(v) for k, v in value.items()})
         elif plain(value) is not value:
             object.__setattr__(config, field.name, plain(value))  # a frozen dataclass too, as its __init__ does
+
+
+def as_number(value):
+    """``value`` as a Python int or float when it is a number of another kind (a NumPy scalar, a
+    Fraction), else ``value`` itself, for the checks to judge (:func:`as_int` for the integers). A bool
+    stays a bool; a number past a float's range (``Fraction(10**400)``) stays as it is, to be refused
+    naming its argument, not as a bare OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:
+        return value
 
 
 INT64_MAX = 2 ** 63 - 1

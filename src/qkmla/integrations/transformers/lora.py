@@ -22,7 +22,6 @@ peft is imported on first use: ``pip install 'qkmla[hf]'``.
 from __future__ import annotations
 
 import math
-import numbers
 import re
 from typing import Iterable, Union
 
@@ -31,7 +30,7 @@ from torch import nn
 from ...attention.mla import projection_shapes
 from ...config import check_positive_int
 from ...norms import QKNorm
-from ...utils.checked import as_int, check_bool, is_number
+from ...utils.checked import as_int, as_number, check_bool, is_number
 from .patched import inner_model, latent_layers, model_settings
 
 DEFAULT_TARGETS = ("q_b_proj", "kv_b_proj", "o_proj")
@@ -128,8 +127,7 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     # NumPy numbers are the numbers they hold (r=np.int64(8) was refused as "expected a positive int, got
     # np.int64(8)"), and PEFT gets Python ones (its config is written as JSON, which takes no NumPy scalar)
     r = as_int(r)
-    lora_alpha, lora_dropout = (float(v) if isinstance(v, numbers.Real) and not isinstance(v, (bool, numbers.Integral))
-                                else as_int(v) for v in (lora_alpha, lora_dropout))
+    lora_alpha, lora_dropout = as_number(lora_alpha), as_number(lora_dropout)
     check_positive_int("r", r)
     if not is_number(lora_alpha) or not math.isfinite(lora_alpha) \
             or lora_alpha <= 0:

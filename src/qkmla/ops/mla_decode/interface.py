@@ -32,13 +32,12 @@ reads only its selected rows and their key scalars, through the block table, in 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional, Union
 
 import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
-from ...utils.checked import as_int, is_int, is_number
+from ...utils.checked import as_int, as_number, is_int, is_number
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
@@ -304,8 +303,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     # NumPy numbers are numbers, as select_backend's widths are: np.int64(8) as max_seqlen or num_splits, and
     # np.float32(0.3) as softmax_scale, were refused as "expected ... an int >= 0, got np.int64(8)".
     num_splits, max_seqlen = as_int(num_splits), as_int(max_seqlen)
-    if isinstance(softmax_scale, numbers.Real) and not isinstance(softmax_scale, bool):
-        softmax_scale = as_int(softmax_scale) if isinstance(softmax_scale, numbers.Integral) else float(softmax_scale)
+    softmax_scale = as_number(softmax_scale)
     rows = check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens,
                         kv_format)
     check_indices(indices, topk_length, q_lat, visible_lens)
