@@ -183,7 +183,7 @@ def test_finished_runs_archived_by_redraw_are_restored_and_not_trained_again(tmp
         run = out / "runs" / name
         run.mkdir(parents=True)
         (run / "status.json").write_text(json.dumps({"status": status}))
-        for f in ("config.json", "metrics.jsonl", "measure.json"):
+        for f in ("config.json", "metrics.jsonl", "measure.json", "numerics.json"):
             (run / f).write_text(f"{name} {f}")
         (run / "checkpoint.safetensors").write_bytes(b"x" * 10)
     published = tmp_path / "published"

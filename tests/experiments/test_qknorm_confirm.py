@@ -10,6 +10,7 @@ import torch
 
 from qkmla.experiments import EXPERIMENTS, Options
 from qkmla.experiments.grid import Run, _train_one, start_branch
+from qkmla.experiments.numerics import GRID_THREADS, SUPERSEDED, numerics, record, recorded
 from qkmla.experiments.qknorm_confirm.design import (
     ARMS,
     LR,
@@ -67,6 +68,7 @@ def test_a_branched_run_trains_the_steps_of_one_straight_run(tmp_path, arm):
     assert _train_one(tiny(10, "wsd"), str(tmp_path / "h10"), None, str(tmp_path / "s8"))["status"] == "done"
     assert [s for s, _, _ in _losses(tmp_path / "h10")] == list(range(1, 11))
     assert _losses(tmp_path / "h10") == _losses(tmp_path / "straight")
+    assert recorded(tmp_path / "h10") == recorded(tmp_path / "s4") == numerics()  # one trajectory, one numerics
     lrs = [json.loads(x)["lr"] for x in (tmp_path / "h10" / "metrics.jsonl").read_text().splitlines()]
     point = branch_point(10)
     assert lrs[point - 1] == lrs[point] > lrs[-1] > 0  # constant to the branch point, then decaying
@@ -147,3 +149,26 @@ def test_a_finished_run_without_its_checkpoint_trains_again_when_a_branch_needs_
     (path / "config.json").write_text(json.dumps({"train": first.train}))
     assert second.start_from == first.name and second.name not in {r.name for r in plan(options)}
     assert not (path / "status.json").exists() and (path / "status.no-checkpoint.json").is_file()
+
+
+def test_a_chain_restored_from_other_numerics_trains_again_whole_and_its_old_runs_are_kept(tmp_path):
+    """The archive restored on a machine whose CPU rounds differently: the stable stretch an
+    unfinished branch needs has no checkpoint, and trained again here it would be another run, so
+    the plan supersedes it and the branch already taken from it, and lists the stretch again."""
+    options = Options(tmp_path, quick=True)
+    first, second = all_runs(options)[:2]
+    elsewhere = {**numerics(GRID_THREADS), "cpu_capability": "elsewhere"}
+    for run in (first, second):
+        path = tmp_path / "runs" / run.name
+        path.mkdir(parents=True)
+        (path / "status.json").write_text(json.dumps({"status": "done"}))
+        (path / "config.json").write_text(json.dumps({"train": run.train}))
+        (path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+        record(path, elsewhere)
+    planned = {r.name for r in plan(options)}
+    assert first.name in planned and second.name not in planned
+    assert not (tmp_path / "runs" / first.name).exists() and not (tmp_path / "runs" / second.name).exists()
+    assert {p.name for p in (tmp_path / SUPERSEDED).iterdir()} == {first.name, second.name}
+    rows = [summarize("qknorm-confirm", r, tmp_path) for r in all_runs(options)]
+    summary = report(rows, options).summary
+    assert [s["run"] for s in summary["superseded"]] == sorted([first.name, second.name])

@@ -40,6 +40,7 @@ from ..utils.errors import Stopped, notice
 from ..utils.files import write_bytes, write_text
 from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
+from .numerics import FILENAME as NUMERICS, GRID_THREADS, SUPERSEDED, check_continues, numerics
 
 SECOND_SIGNAL_GRACE = 10.0  # seconds the runs get to stop after a second signal before they are killed
 
@@ -108,28 +109,40 @@ def is_finished(out: Path, run: Run) -> bool:
 
 # What a finished run needs to count as finished and be reported (its checkpoint is not among
 # them): a grid longer than one session is resumed in the next from these, committed.
-ARCHIVED = ("config.json", "status.json", "metrics.jsonl", "measure.json")
+ARCHIVED = ("config.json", "status.json", "metrics.jsonl", "measure.json", NUMERICS)
+
+
+def _copy_archived(path: Path, target: Path, names: tuple, thin) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if (path / name).is_file():
+            data = (path / name).read_bytes()
+            if thin is not None and name == "metrics.jsonl":
+                rows = thin([json.loads(line) for line in data.decode().splitlines() if line.strip()])
+                data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+            write_bytes(target / name, data)
 
 
 def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], list[dict]]] = None) -> list[str]:
     """Copy every finished run of the grid in ``out`` to ``dst/runs/NAME`` (only :data:`ARCHIVED`
     files, each written to a temporary name and renamed); returns the runs copied. ``thin``
     (an experiment's ``thin_metrics``) maps the per-step rows of ``metrics.jsonl`` to the rows
-    committed, for an experiment that archives its metrics thinned."""
+    committed, for an experiment that archives its metrics thinned. The runs a chain superseded
+    (``out/superseded``, :func:`qkmla.experiments.numerics.supersede_other_trajectories`) are
+    copied to ``dst/superseded`` with why, and their copy in ``dst/runs`` is removed unless a
+    finished run of that name replaced it."""
     copied = []
     for path in sorted((Path(out) / "runs").glob("*")):
-        if (read_status(path) or {}).get("status") not in FINISHED:
-            continue
-        target = Path(dst) / "runs" / path.name
-        target.mkdir(parents=True, exist_ok=True)
-        for name in ARCHIVED:
-            if (path / name).is_file():
-                data = (path / name).read_bytes()
-                if thin is not None and name == "metrics.jsonl":
-                    rows = thin([json.loads(line) for line in data.decode().splitlines() if line.strip()])
-                    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-                write_bytes(target / name, data)
-        copied.append(path.name)
+        if (read_status(path) or {}).get("status") in FINISHED:
+            _copy_archived(path, Path(dst) / "runs" / path.name, ARCHIVED, thin)
+            copied.append(path.name)
+    for path in sorted((Path(out) / SUPERSEDED).glob("*")):
+        _copy_archived(path, Path(dst) / SUPERSEDED / path.name, ARCHIVED + ("superseded.json",), thin)
+        stale = Path(dst) / "runs" / json.loads((path / "superseded.json").read_text())["run"]
+        if stale.is_dir() and stale.name not in copied:
+            for item in stale.iterdir():
+                item.unlink()
+            stale.rmdir()
     return copied
 
 
@@ -170,7 +183,7 @@ def _init_worker(stop=None, parent: Optional[int] = None) -> None:
 
     global _WORKER_STOP
     _WORKER_STOP = stop
-    torch.set_num_threads(1)
+    torch.set_num_threads(GRID_THREADS)
     try:  # own process group: a terminal's Ctrl-C reaches the parent, which passes it on once
         os.setpgrp()
     except OSError:
@@ -260,6 +273,7 @@ def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: 
         if _finished(path_, train):  # trained, not yet measured
             status = read_status(path_)
         else:
+            check_continues(path_, Path(start_from) if start_from is not None else None, numerics())
             resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
             if resume and int(read_metadata(path_ / FILENAME)["step"]) >= train["steps"]:
                 resume = False  # trained to the end but its status was lost: its seconds too, so again

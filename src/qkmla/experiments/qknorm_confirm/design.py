@@ -16,6 +16,7 @@ from ...utils.machine import source_commit
 from ..base import Options
 from ..grid import Run, is_finished, trained_run
 from ..heldout import heldout_scores
+from ..numerics import GRID_THREADS, numerics, recorded, supersede_other_trajectories
 from ..results import loss_spikes, max_logit_late, run_curves, values
 
 LR = 5e-3  # every qknorm-vs-clip variant's chosen Muon rate at 600 steps
@@ -104,20 +105,33 @@ def plan(options: Options) -> list[Run]:
     """:func:`all_runs` less the branches whose run to continue has not finished yet. A finished
     run without its checkpoint (restored from the committed archive, which keeps none) that an
     unfinished branch needs is marked unfinished (its status renamed ``status.no-checkpoint.json``)
-    so that it trains again, from its own start."""
+    so that it trains again, from its own start; a run that would not be one trajectory with its
+    chain under this machine's numerics is superseded (``numerics.supersede_other_trajectories``)
+    and trains again."""
     runs = all_runs(options)
-    root = Path(options.out) / "runs"
+    current = numerics(GRID_THREADS)
+    while True:
+        done = _mark_lost_checkpoints(runs, options.out)
+        if not supersede_other_trajectories(runs, options.out, current):
+            break
+    return [r for r in runs if r.start_from is None or r.start_from in done]
+
+
+def _mark_lost_checkpoints(runs: list[Run], out: Path) -> set:
+    """Mark the finished runs without a checkpoint that an unfinished branch needs (see
+    :func:`plan`); returns the names of the finished runs left."""
+    root = Path(out) / "runs"
     done = {r.name for r in runs if (read_status(root / r.name) or {}).get("status") == "done"}
     changed = True
     while changed:
         changed = False
         for r in runs:
             parent = r.start_from
-            if parent in done and not (root / parent / FILENAME).is_file() and not is_finished(options.out, r):
+            if parent in done and not (root / parent / FILENAME).is_file() and not is_finished(out, r):
                 (root / parent / "status.json").replace(root / parent / "status.no-checkpoint.json")
                 done.discard(parent)
                 changed = True
-    return [r for r in runs if r.start_from is None or r.start_from in done]
+    return done
 
 
 # -- measuring a run --------------------------------------------------------------------------
@@ -157,7 +171,7 @@ def measure(path: Path) -> dict:
     arm = next(a for a, f in ARMS.items() if all(cfg.get(k) == v for k, v in f.items())
                and (cfg.get("qk_clip") is None) == ("qk_clip" not in f))
     point = branch_point(cfg["steps"]) if cfg["schedule"] == "wsd" else cfg["steps"]
-    out: dict = {"commit": source_commit(Path(__file__).parent), "arm": arm,
+    out: dict = {"commit": source_commit(Path(__file__).parent), "arm": arm, "numerics": recorded(path),
                  "peak_grad_norm": max(values(rows, "grad_norm"), default=None)}
     if cfg.get("qk_clip") is not None:
         out.update(_clipping(rows, point))

@@ -5,10 +5,12 @@ reproduction check, and a figure."""
 
 from __future__ import annotations
 
+import json
 import statistics
 
 from ..base import Options, Report
 from ..figures import curves_by_seed, fmt, table
+from ..numerics import SUPERSEDED, UNRECORDED
 from ..results import family_table, paired_family
 from .design import (ACCURACY_REPLICATION, ARMS, HORIZONS, LR, PRIMARY_HORIZON, PRIMARY_PAIRS, QUICK, RATE_CHECK, SEEDS,
                      all_runs)
@@ -59,6 +61,15 @@ def report(rows: list[dict], options: Options) -> Report:
     summary["reproduction"] = [{"run": r["run"], **(r.get("reproduction") or {})} for r in rows
                                if r.get("stage") == "reproduce" and r.get("phase") == "decay"
                                and r.get("reproduction") is not None]
+    # Which numerics each finished run ran under (numerics.py; None: trained before runs recorded
+    # them), and the runs a chain superseded for running under other numerics than the rest of it.
+    summary["numerics"] = {}
+    for r in rows:
+        if r["status"] == "done":
+            key = json.dumps(r.get("numerics") or UNRECORDED, sort_keys=True)
+            summary["numerics"][key] = summary["numerics"].get(key, 0) + 1
+    summary["superseded"] = [json.loads(p.read_text())
+                             for p in sorted((options.out / SUPERSEDED).glob("*/superseded.json"))]
     summary["runs_finished"] = sum(r["status"] == "done" for r in rows)
     # summary.json's "runs" is the plan when the grid last wrote it, which lists a branch only once
     # its stretch before has finished: far fewer than the grid's runs in all.
@@ -91,6 +102,9 @@ def _tables(s: dict) -> str:
             ["run", "committed run", "steps compared", "equal", "largest difference"],
             [[r["run"], r.get("committed_run"), r.get("steps_compared"), r.get("losses_equal"),
               fmt(r.get("max_abs_loss_difference"), ".3g")] for r in s["reproduction"]]) + "\n"
+    if s["superseded"]:
+        text += "Superseded (trained again under one numerics with the rest of their chain):\n\n" + table(
+            ["run", "why"], [[r["run"], r["why"]] for r in s["superseded"]]) + "\n"
     return text
 
 

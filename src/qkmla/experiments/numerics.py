@@ -1,0 +1,172 @@
+"""Which numerics a run trained under, and the rule that keeps a chain of runs one trajectory.
+
+A chain (``Run.start_from``: a stable stretch continued by the next, a decay branched from it)
+is one training run cut into directories, and its branches are compared as points of one
+trajectory. That holds only if every stretch of it ran under the same numerics: torch picks its
+float32 kernels by the CPU's instruction set (``torch.backends.cpu.get_cpu_capability()``: AVX2,
+AVX-512, ...), and another instruction set, torch release or thread count rounds differently;
+training amplifies the difference. Under one numerics a run trained again from its start repeats
+its per-step losses bit for bit, so a stretch whose checkpoint was lost (the committed archive
+keeps none) can be trained again and its finished branches stay valid; under other numerics it
+cannot, and a branch from it would continue another trajectory than its siblings'.
+
+Each run of a grid records its numerics (:data:`FILENAME`, archived with the run) when it starts
+training. Before a chain grows, :func:`supersede_other_trajectories` moves every run that does not
+continue its parent's trajectory under these numerics to ``OUT/superseded/`` (kept, with the
+reason, never deleted), so that it trains again; runs recorded before the record existed count as
+one numerics of their own (:data:`UNRECORDED`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from ..train.checkpoint import FILENAME as CHECKPOINT
+from ..train.rundir import read_status
+from ..utils.files import write_text
+
+FILENAME = "numerics.json"
+SUPERSEDED = "superseded"  # OUT/superseded/NAME: runs moved out of the grid, each with superseded.json
+GRID_THREADS = 1  # every grid worker trains on one thread (grid._init_worker)
+UNRECORDED = {"recorded": False}  # a run trained before runs recorded their numerics
+_FINISHED = ("done", "non-finite")
+
+
+def numerics(threads: Optional[int] = None) -> dict:
+    """What decides a CPU run's rounding: the torch release, the instruction set its kernels were
+    picked for, and the intra-op thread count (``threads``: the count the run will use; default:
+    this process's)."""
+    import torch
+
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads() if threads is None else int(threads)}
+
+
+def recorded(path: Path) -> dict:
+    """The numerics the run in ``path`` recorded; :data:`UNRECORDED` when it has no record, and a
+    value equal to no numerics when the record cannot be read."""
+    try:
+        text = (Path(path) / FILENAME).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return dict(UNRECORDED)
+    except (OSError, ValueError):
+        return {"unreadable": str(Path(path) / FILENAME)}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"unreadable": str(Path(path) / FILENAME)}
+    return value if isinstance(value, dict) else {"unreadable": str(Path(path) / FILENAME)}
+
+
+def record(path: Path, current: dict) -> None:
+    """Write ``current`` as the numerics of the run in ``path`` (temporary name, then renamed)."""
+    write_text(Path(path) / FILENAME, json.dumps(current, sort_keys=True) + "\n")
+
+
+def _describe(value: dict) -> str:
+    if value.get("recorded") is False:
+        return "unrecorded numerics (trained before runs recorded theirs)"
+    return ", ".join(f"{k} {v}" for k, v in sorted(value.items()))
+
+
+def _free_name(folder: Path, name: str) -> Path:
+    target, n = folder / name, 1
+    while target.exists():
+        n += 1
+        target = folder / f"{name}.{n}"
+    return target
+
+
+def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[str]:
+    """Move out of ``out/runs`` every run of ``runs`` (parents listed before their branches) that
+    would not be one trajectory with the rest of its chain, and return their names.
+
+    A chain that is still to grow trains under ``current``, so every run it continues must have
+    run under ``current`` too (or train again); a finished chain stays as it ran. So a finished
+    run stays if its record equals its parent's trajectory (any record, for a first stretch) and,
+    when a run after it in its chain is unfinished, equals ``current``; an unfinished run stays if
+    it has no steps yet or began under ``current``, and its parent's trajectory is ``current``.
+    A run moved goes to ``out/superseded/NAME`` (``NAME.2``, ... when taken) with
+    ``superseded.json`` saying why, and trains again; its row in ``results.jsonl`` becomes the
+    new run's.
+    """
+    root = Path(out) / "runs"
+    finished = {r.name: (read_status(root / r.name) or {}).get("status") in _FINISHED for r in runs}
+    grows = set()  # runs that something unfinished will continue
+    for run in reversed(runs):
+        if run.start_from is not None and (not finished[run.name] or run.name in grows):
+            grows.add(run.start_from)
+    trajectory: dict[str, dict] = {}
+    new = set()  # runs whose steps will all be trained anew: what continued them is void
+    moved = []
+    for run in runs:
+        path = root / run.name
+        parent = trajectory.get(run.start_from) if run.start_from is not None else None
+        if not path.is_dir():
+            trajectory[run.name] = current
+            new.add(run.name)
+            continue
+        own = recorded(path)
+        started = (path / CHECKPOINT).is_file() or (path / "metrics.jsonl").is_file()
+        if run.start_from in new and (finished[run.name] or started):
+            why = f"it continued a run of {run.start_from} that was superseded or is gone"
+        elif finished[run.name]:
+            if run.start_from is not None and own != parent:
+                why = f"it ran under {_describe(own)}, and {run.start_from} before it under {_describe(parent)}"
+            elif run.name in grows and own != current:
+                why = (f"it ran under {_describe(own)}, and the runs that continue it will run under "
+                       f"{_describe(current)}")
+            else:
+                trajectory[run.name] = own
+                continue
+        else:
+            if started and own != current and (path / "status.no-checkpoint.json").is_file():
+                why = (f"it ran under {_describe(own)}, and its checkpoint, which a run after it needs, is gone: "
+                       f"trained again under {_describe(current)} it would be another run")
+            elif started and own != current:
+                why = f"it began under {_describe(own)}, and would go on under {_describe(current)}"
+            elif run.start_from is not None and parent != current:
+                why = (f"{run.start_from} before it ran under {_describe(parent)}, and it runs under "
+                       f"{_describe(current)}")
+            else:
+                trajectory[run.name] = current
+                if not started:
+                    new.add(run.name)
+                continue
+        if not (path / "status.json").exists() and (path / "status.no-checkpoint.json").is_file():
+            (path / "status.no-checkpoint.json").replace(path / "status.json")  # it finished where it ran
+        target = _free_name(Path(out) / SUPERSEDED, run.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.replace(target)
+        write_text(target / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
+                                                            "numerics_recorded": own}, indent=1) + "\n")
+        print(f"{run.name} superseded (moved to {target}): {why}", flush=True)
+        trajectory[run.name] = current
+        new.add(run.name)
+        moved.append(run.name)
+    return moved
+
+
+def check_continues(path: Path, start_from: Optional[Path], current: dict) -> None:
+    """Before a grid worker trains ``path``: refuse to continue, under ``current``, a run or a
+    parent whose steps ran under other recorded numerics (a plan that did not supersede it), then
+    record ``current`` as the run's numerics.
+
+    Raises:
+        ValueError: naming the run and both numerics.
+    """
+    path = Path(path)
+    started = (path / CHECKPOINT).is_file()
+    if started and (path / FILENAME).is_file() and recorded(path) != current:
+        raise ValueError(f"numerics: {path} was begun under {_describe(recorded(path))} and would continue under "
+                         f"{_describe(current)}, which round differently; train it again from its start elsewhere")
+    if start_from is not None and not started and recorded(Path(start_from)) != current:
+        raise ValueError(f"numerics: {start_from} ran under {_describe(recorded(Path(start_from)))}, and its branch "
+                         f"{path.name} would continue it under {_describe(current)}, which round differently")
+    if not os.path.lexists(path):
+        path.mkdir(parents=True)
+    if path.is_dir():  # anything else in the way is the trainer's to refuse, naming it
+        record(path, current)

@@ -1,0 +1,149 @@
+"""A chain of runs stays one trajectory: what numerics a run recorded, which runs a chain
+supersedes when its stretches ran under other numerics, and the worker's guard."""
+
+import json
+
+import pytest
+import torch
+
+from qkmla.experiments.grid import Run, archive_runs, restore_runs
+from qkmla.experiments.numerics import (
+    FILENAME,
+    SUPERSEDED,
+    check_continues,
+    numerics,
+    record,
+    recorded,
+    supersede_other_trajectories,
+)
+from qkmla.train.checkpoint import FILENAME as CHECKPOINT
+
+HERE = {"torch": "2.13.0+cpu", "cpu_capability": "AVX2", "threads": 1}
+ELSEWHERE = {"torch": "2.13.0+cpu", "cpu_capability": "AVX512", "threads": 1}
+
+
+def _chain() -> list[Run]:
+    """stable8 -> h10, stable8 -> stable16 -> h20: two horizons of one warmup-stable-decay run."""
+    return [Run("stable8", "mla", {}), Run("h10", "mla", {}, start_from="stable8"),
+            Run("stable16", "mla", {}, start_from="stable8"), Run("h20", "mla", {}, start_from="stable16")]
+
+
+def _run(out, name, status="done", numerics_=None, checkpoint=False):
+    path = out / "runs" / name
+    path.mkdir(parents=True)
+    if status is not None:
+        (path / "status.json").write_text(json.dumps({"status": status}))
+    (path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    if numerics_ is not None:
+        record(path, numerics_)
+    if checkpoint:
+        (path / CHECKPOINT).write_bytes(b"")
+    return path
+
+
+def test_numerics_names_what_decides_the_rounding():
+    now = numerics()
+    assert now == {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                   "threads": torch.get_num_threads()}
+    assert numerics(1)["threads"] == 1
+
+
+def test_a_record_reads_back_and_a_missing_or_broken_one_is_told_apart(tmp_path):
+    record(tmp_path, HERE)
+    assert recorded(tmp_path) == HERE
+    assert recorded(tmp_path / "none") == {"recorded": False}
+    (tmp_path / FILENAME).write_text("[1, 2")
+    assert "unreadable" in recorded(tmp_path)
+
+
+def test_a_finished_chain_stays_as_it_ran_under_any_numerics(tmp_path):
+    for name in ("stable8", "h10", "stable16", "h20"):
+        _run(tmp_path, name)  # before runs recorded their numerics
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == []
+    assert not (tmp_path / SUPERSEDED).exists()
+
+
+def test_a_branch_from_another_trajectory_is_superseded_and_kept(tmp_path):
+    """The committed case: the stable stretches trained again here (their checkpoints were lost
+    with the machine), so the 600-step branch trained from the old stable480 is another trajectory."""
+    _run(tmp_path, "stable8", numerics_=HERE, checkpoint=True)
+    _run(tmp_path, "h10")  # unrecorded: trained elsewhere, before runs recorded their numerics
+    _run(tmp_path, "stable16", status="stopped", numerics_=HERE, checkpoint=True)  # half-way, here
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == ["h10"]
+    kept = tmp_path / SUPERSEDED / "h10"
+    assert (kept / "status.json").is_file() and (kept / "metrics.jsonl").is_file()
+    why = json.loads((kept / "superseded.json").read_text())
+    assert why["run"] == "h10" and "unrecorded" in why["why"] and why["numerics_now"] == HERE
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["stable16", "stable8"]
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == []  # settled
+
+
+def test_a_chain_to_grow_trains_again_from_its_start_under_these_numerics(tmp_path):
+    _run(tmp_path, "stable8", numerics_=ELSEWHERE)
+    (tmp_path / "runs" / "stable8" / "status.json").replace(tmp_path / "runs" / "stable8" / "status.no-checkpoint.json")
+    _run(tmp_path, "h10", numerics_=ELSEWHERE)
+    _run(tmp_path, "stable16", numerics_=ELSEWHERE)  # finished, but h20 is not: the chain grows
+    moved = supersede_other_trajectories(_chain(), tmp_path, HERE)
+    assert moved == ["stable8", "h10", "stable16"]
+    # the run marked to train again for its lost checkpoint is kept as it finished
+    assert json.loads((tmp_path / SUPERSEDED / "stable8" / "status.json").read_text())["status"] == "done"
+    why = [json.loads((tmp_path / SUPERSEDED / n / "superseded.json").read_text())["why"] for n in moved]
+    assert "AVX512" in why[0] and "checkpoint" in why[0] and "stable8" in why[1] and "stable8" in why[2]
+
+
+def test_a_run_begun_under_other_numerics_starts_over_and_a_second_copy_gets_a_new_name(tmp_path):
+    _run(tmp_path, "stable8", status="stopped", numerics_=ELSEWHERE, checkpoint=True)
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == ["stable8"]
+    _run(tmp_path, "stable8", status="stopped", numerics_=ELSEWHERE, checkpoint=True)
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == ["stable8"]
+    assert (tmp_path / SUPERSEDED / "stable8.2" / "superseded.json").is_file()
+    # a directory with nothing trained yet stays, whatever its record
+    _run(tmp_path, "stable8", status=None, numerics_=ELSEWHERE)
+    (tmp_path / "runs" / "stable8" / "metrics.jsonl").unlink()
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == []
+
+
+def test_the_same_numerics_keep_a_branch_whose_parent_trains_again(tmp_path):
+    """Under one numerics a stretch trained again repeats its steps, so its branches stay."""
+    _run(tmp_path, "stable8", numerics_=HERE)
+    (tmp_path / "runs" / "stable8" / "status.json").replace(tmp_path / "runs" / "stable8" / "status.no-checkpoint.json")
+    _run(tmp_path, "h10", numerics_=HERE)
+    _run(tmp_path, "stable16", status="interrupted", numerics_=HERE, checkpoint=True)
+    assert supersede_other_trajectories(_chain(), tmp_path, HERE) == []
+
+
+def test_the_worker_records_its_numerics_and_refuses_to_mix_them(tmp_path):
+    run, parent = tmp_path / "run", tmp_path / "parent"
+    run.mkdir()
+    check_continues(run, None, HERE)
+    assert recorded(run) == HERE
+    (run / CHECKPOINT).write_bytes(b"")
+    with pytest.raises(ValueError, match=r"numerics: .*run was begun under .*AVX2.* would continue under .*AVX512"):
+        check_continues(run, None, ELSEWHERE)
+    parent.mkdir()
+    record(parent, ELSEWHERE)
+    branch = tmp_path / "branch"
+    branch.mkdir()
+    with pytest.raises(ValueError, match=r"numerics: .*parent ran under .*AVX512.*branch branch"):
+        check_continues(branch, parent, HERE)
+    assert not (branch / FILENAME).exists()
+
+
+def test_the_archive_keeps_superseded_runs_beside_the_runs_that_replace_them(tmp_path):
+    out, published = tmp_path / "grid", tmp_path / "published"
+    _run(out, "stable8", numerics_=HERE, checkpoint=True)
+    _run(out, "h10")
+    _run(out, "stable16", numerics_=HERE)
+    archive_runs(out, published)  # the archive as committed before h10 was superseded
+    assert (published / "runs" / "h10" / "status.json").is_file()
+    assert (published / "runs" / "stable8" / FILENAME).is_file()
+    supersede_other_trajectories(_chain(), out, HERE)
+    assert archive_runs(out, published) == ["stable16", "stable8"]
+    assert not (published / "runs" / "h10").exists()  # its stale copy is gone from runs/ ...
+    assert (published / SUPERSEDED / "h10" / "superseded.json").is_file()  # ... and kept here
+    _run(out, "h10", numerics_=HERE)  # trained again
+    archive_runs(out, published)
+    assert recorded(published / "runs" / "h10") == HERE and (published / SUPERSEDED / "h10").is_dir()
+    fresh = tmp_path / "fresh"
+    assert restore_runs(published, fresh) == ["h10", "stable16", "stable8"]
+    assert recorded(fresh / "runs" / "h10") == HERE and not (fresh / SUPERSEDED).exists()
