@@ -242,6 +242,11 @@ def test_plot_refuses_empty_metrics_and_writes_exactly_the_named_file(tmp_path, 
     assert (tmp_path / "curves").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "curves.png").exists()
     (tmp_path / "adir").mkdir()
     refused(["plot", str(run), "--out", str(tmp_path / "adir")], "--out: cannot write")
+    # a suffix that is no figure format was written as a PNG under that name
+    refused(["plot", str(run), "--out", str(tmp_path / "x.txt")], r"--out: x.txt ends in .txt, which is no figure")
+    assert not (tmp_path / "x.txt").exists()
+    assert main(["plot", str(run), "--out", str(tmp_path / "x.PDF")]) == 0
+    assert (tmp_path / "x.PDF").read_bytes()[:4] == b"%PDF"
 
 
 def test_tiny_temperature_samples_the_argmax(tmp_path, capsys):

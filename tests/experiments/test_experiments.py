@@ -143,6 +143,9 @@ def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     assert main(["experiment", "--list"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in FIGURES)
+    # one column of names, every description after it (qknorm-vs-clip ran into its description)
+    starts = {line.index(EXPERIMENTS[line.split()[0]].description) for line in listed.splitlines()}
+    assert len(starts) == 1 and all(line.split()[0] in EXPERIMENTS for line in listed.splitlines())
     refused(["experiment", "lr-swep"], "NAME: unknown 'lr-swep'; allowed: lr-sweep")
     refused(["experiment", "lr-sweep", "--seeds", "0"], "--seeds")
     refused(["experiment", "qk-clip", "--sweep", str(tmp_path / "none.jsonl")],

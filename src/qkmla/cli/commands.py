@@ -109,13 +109,14 @@ def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..utils.files import check_output, check_path
-    from ..train.plot import FIGURE_SUFFIXES, SkippedLines, plot_runs
+    from ..train.plot import FIGURE_SUFFIXES, SkippedLines, check_figure_name, plot_runs
 
     check_path("--out", args.out, "figure file")
     for run in args.runs:
         check_path("runs", run, "run directory")
     inputs = [f for run in args.runs if Path(run).is_dir() for f in Path(run).iterdir() if f.is_file()]
     check_output("--out", [args.out], inputs, args.overwrite, "figure", FIGURE_SUFFIXES)
+    check_figure_name("--out", args.out)  # after the refusals that name a file of the user's in the way
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SkippedLines)
         try:
@@ -456,8 +457,9 @@ def _experiment(args: argparse.Namespace) -> int:
         if given:  # else silently ignored: `--list norm-mode` read as a request to run it
             raise ValueError(f"--list: names the experiments and exits, so it takes none of {', '.join(given)}; "
                              "run one with qkmla experiment NAME")
+        width = max(len(name) for name in EXPERIMENTS)  # a name as long as the column ran into its description
         for e in EXPERIMENTS.values():
-            print(f"{e.name:<12} {e.description}")
+            print(f"{e.name:<{width}}  {e.description}")
         return 0
     if args.name is None:
         raise ValueError(f"NAME: missing; one of {', '.join(EXPERIMENTS)} (qkmla experiment --list)")
@@ -541,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="loss, max-logit and grad-norm curves of runs on one PNG")
     pl.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl)")
-    pl.add_argument("--out", default="runs/compare.png")
+    pl.add_argument("--out", default="runs/compare.png", help="the figure file: .png (or no suffix), .pdf, .svg, "
+                    "... (default runs/compare.png)")
     pl.add_argument("--overwrite", action="store_true", help="replace the file OUT if it exists")
     pl.set_defaults(func=_plot)
 

@@ -15,11 +15,20 @@ class SkippedLines(UserWarning):
     prints each as one line)."""
 
 
-# What a figure file is named: the formats matplotlib writes (an --out with another suffix is a PNG).
+# What a figure file is named: the formats matplotlib writes (an --out without a suffix is a PNG).
 # Only such a file, a figure drawn before, is replaced with --overwrite inside another command's
 # directory; a run's checkpoint or status is refused (utils.files.check_output).
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".pgf",
                    ".raw", ".rgba", ".avif")
+
+
+def check_figure_name(name: str, out) -> None:
+    """Refuse a figure file named with a suffix that is no figure format (``x.txt`` was written as a
+    PNG): a suffix in :data:`FIGURE_SUFFIXES` gives the format, no suffix a PNG."""
+    suffix = Path(out).suffix
+    if suffix and suffix.lower() not in FIGURE_SUFFIXES:
+        raise ValueError(f"{name}: {Path(out).name} ends in {suffix}, which is no figure format; end it in one of "
+                         f"{', '.join(FIGURE_SUFFIXES)}, or in none for a PNG")
 
 
 def read_metrics(run_dir: str | Path, skipped: list | None = None) -> list[dict]:
@@ -58,14 +67,16 @@ def _points(rows: list[dict], key: str) -> tuple[list, list]:
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
     """Draw train/val loss, max logit and grad norm against step into exactly the file
-    ``out`` names (PNG unless its suffix names another format matplotlib writes).
+    ``out`` names (a PNG without a suffix; a suffix names the format, one of :data:`FIGURE_SUFFIXES`).
 
     A line of a metrics file that is not a row is left out with a :class:`SkippedLines` warning
     naming the file and the line.
 
     Raises:
-        ValueError: a run without metrics rows, or labels that do not match the runs.
+        ValueError: a run without metrics rows, labels that do not match the runs, or ``out`` named
+            with a suffix that is no figure format.
     """
+    check_figure_name("out", out)
     import matplotlib
 
     matplotlib.use("Agg")
