@@ -129,10 +129,21 @@ def test_bad_arguments_are_refused_before_any_work(source, tmp_path, refused, ca
     shutil.copytree(source, small_vocab)
     config = json.loads((small_vocab / "config.json").read_text())
     (small_vocab / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    edited = {}  # config.json edited by hand: transformers builds both, and loads them with a random layer / NaN
+    for name, change in (("more-layers", {"num_hidden_layers": config["num_hidden_layers"] + 1}),
+                         ("negative-eps", {"rms_norm_eps": -1.0})):
+        edited[name] = tmp_path / name
+        shutil.copytree(source, edited[name])
+        (edited[name] / "config.json").write_text(json.dumps({**config, **change}))
     qk = tmp_path / "qk"
     assert main(["convert", "--hf", str(source), "--out", str(qk), "--qk-norm", "rms",
                  "--calibration-tokens", "0"]) == 0
     cases = [
+        *[(["--hf", str(edited["more-layers"]), "--qk-norm", "rms", "--calibration-tokens", tokens],
+           f"--hf: .*config.json describes {config['num_hidden_layers'] + 1} layers, and .* holds no attention "
+           f"weights for layer {config['num_hidden_layers']}") for tokens in ("0", "256")],
+        (["--hf", str(edited["negative-eps"]), "--qk-norm", "rms"], "--hf: .*config.json: rms_norm_eps must be a "
+                                                                     "finite number > 0 .*, got -1.0"),
         (["--hf", str(tmp_path / "nowhere")], "--hf: .* is not a directory"),
         (["--hf", str(tmp_path)], "--hf: .*config.json does not exist"),
         (["--hf", str(source), "--calibration-tokens", "64"],

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QKNormConfig
-from ..integrations.hub.checkpoint import CONFIG, INDEX, _open, _weight_map, transformers_config
+from ..integrations.hub.checkpoint import (CONFIG, INDEX, _open, _weight_map, check_layers_present,
+                                           transformers_config)
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 NORM_TENSORS = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")  # what a norm adds to a layer
@@ -122,6 +123,7 @@ class CheckpointStream:
         for name in (EMBED, FINAL_NORM):
             if name not in self.weight_map:
                 raise ValueError(f"hf_dir: {self.listing} has no tensor {name!r}")
+        check_layers_present(self.root, {"num_hidden_layers": self.num_layers})
         for file in sorted(self.shards):
             with _open(self.root / file) as f:
                 for name in (k for k in self.shards[file] if k in want):

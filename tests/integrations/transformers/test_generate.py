@@ -72,6 +72,12 @@ def test_a_checkpoint_whose_tensors_disagree_with_its_config_is_refused(checkpoi
     assert main(["generate", "--hf", str(tmp_path), "--tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "does not load as its config describes it" in err and "internal error" not in err
+    # a layer more than the weights hold was built with random weights, and generated from
+    config = json.loads((checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    assert main(["generate", "--hf", str(tmp_path), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"describes {config['num_hidden_layers'] + 1} layers" in err and "no attention weights for layer" in err
 
 
 def test_run_and_hf_are_exclusive_and_length_is_checked(checkpoint, capsys):

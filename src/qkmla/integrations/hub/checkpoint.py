@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import os
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -146,6 +147,13 @@ def read_hf_config(hf_dir: Union[str, Path], name: str = "hf_dir") -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{name}: {path}: expected a JSON object, got {type(config).__name__}")
     _check_fields(path, config, name)
+    eps = config.get("rms_norm_eps")
+    # transformers takes any number here; a negative one put NaN under every RMSNorm's square root, which
+    # convert calibrated on and wrote out, and generate then failed on as an internal error
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps)
+                            or eps <= 0):
+        raise ValueError(f"{name}: {path}: rms_norm_eps must be a finite number > 0 (every RMSNorm adds it under a "
+                         f"square root), got {eps!r}")
     return config
 
 
@@ -212,6 +220,30 @@ def _check_fields(path: Path, config: dict, name: str = "hf_dir") -> None:
                          f"{detail[:300]})") from None
     except Exception:  # noqa: BLE001 - anything else the loaders name better
         pass
+
+
+def check_layers_present(hf_dir: Union[str, Path], hf_config: dict, name: str = "hf_dir") -> None:
+    """Every decoder layer ``num_hidden_layers`` counts has attention weights in the checkpoint's
+    listing: transformers builds a layer the weights lack with random weights, and says so only in
+    its load report (a config.json edited up from 3 layers to 4 generated from a random fourth).
+
+    Raises:
+        ValueError: naming ``name``, the config and the first layer missing.
+    """
+    root = Path(hf_dir)
+    layers = hf_config.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return  # the config's own checks name it
+    weight_map, listing = _weight_map(root)
+    present = {int(m.group(1)) for k in weight_map if (m := _ATTENTION_KEY.match(k))}
+    missing = [i for i in range(layers) if i not in present]
+    if missing:
+        raise ValueError(f"{name}: {root / CONFIG} describes {layers} layers, and {listing} holds no attention "
+                         f"weights for layer {missing[0]} ({len(missing)} of them): the config and the weights are "
+                         "not of one model")
+
+
+_ATTENTION_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.")
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], Path]:

@@ -18,7 +18,7 @@ from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.checkpoint import load_tokenizer, read_hf_config, transformers_config
+from ..hub.checkpoint import check_layers_present, load_tokenizer, read_hf_config, transformers_config
 from ...utils.files import input_file_problem
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
@@ -39,15 +39,17 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {dtype!r}")
     try:  # parsed and its fields checked as every command reads it (a junk field was a traceback)
-        model_type = read_hf_config(root).get("model_type")
+        hf_config = read_hf_config(root)
     except OSError as e:
         raise ValueError(f"hf_dir: {root / 'config.json'} cannot be read: {e}") from None
+    model_type = hf_config.get("model_type")
     if model_type is None:
         raise ValueError(f"hf_dir: {root / 'config.json'} names no model_type, so it is not a transformers "
                          "checkpoint (a qkmla training run is generated from as the run argument, without --hf)")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
                          f"({', '.join(SUPPORTED[:2])})")
+    check_layers_present(root, hf_config)
     try:
         tokenizer = load_tokenizer(root)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
