@@ -277,6 +277,9 @@ def test_a_checkpoint_saved_before_the_layered_layout_loads_with_its_norm(tmp_pa
 def test_from_pretrained_bad_arguments(qk_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="attn_implementation: qkmla's latent attention replaces"):
         from_pretrained(qk_dir, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"qk_norm: from_pretrained loads the QK norm the checkpoint records .* "
+                                         r"apply_latent_attention\(model, qk_norm=...\)"):
+        from_pretrained(qk_dir, qk_norm="rms")  # was transformers' TypeError from the model's constructor
     with pytest.raises(ValueError, match="hf_dir: .* is not a directory"):
         from_pretrained(tmp_path / "nowhere")
     other = tmp_path / "llama"

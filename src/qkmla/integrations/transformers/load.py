@@ -64,7 +64,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         ValueError, before any weight is read: no config.json, a model type other than
         DeepSeek-V2/V3 (or qkmla's QK-normed ones), a recorded norm that is not valid, norm weights
         that disagree with the record (see :func:`check_norm_tensors`), a ``config`` that records
-        another norm, an ``attn_implementation`` argument, or a repository that cannot be fetched.
+        another norm, an ``attn_implementation`` or ``qk_norm`` argument, or a repository that cannot
+        be fetched.
     """
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -75,6 +76,11 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     if "attn_implementation" in kwargs:
         raise ValueError("attn_implementation: qkmla's latent attention replaces transformers' attention; "
                          "leave it out")
+    if "qk_norm" in kwargs:  # was passed on to the model class's constructor: a TypeError from transformers
+        raise ValueError("qk_norm: from_pretrained loads the QK norm the checkpoint records (none for a checkpoint "
+                         "transformers wrote); to add one, convert the checkpoint (qkmla convert --qk-norm, "
+                         "qkmla.convert.convert_checkpoint(src, out, qk_norm=...)), or load it with transformers "
+                         "and call apply_latent_attention(model, qk_norm=...)")
     check_cache_settings(kv_format, policy, None)
     check_backend(decode_backend, "decode_backend")
     hub = {k: kwargs.pop(k) for k in _HUB if k in kwargs}
