@@ -73,3 +73,19 @@ def test_a_shortened_resume_names_its_warmup_as_the_defaults(tmp_path, capsys):
     assert main([*RUN, "--steps", "10", "--max-seconds", "0", "--out", str(kept)]) == 0
     line = refusal(capsys, [*RUN, "--steps", "11", "--min-lr-ratio", "0", "--out", str(kept), "--resume"])
     assert "a warmup of 10 steps (the stored run's, kept on --resume" in line, line
+
+
+def test_a_run_of_an_experiments_grid_is_refused_as_out(tmp_path, refused):
+    """`train --out EXP/runs/RUN --resume --steps 50` lengthened the experiment's run without a word (the
+    experiment then read it as trained with other settings); a new run beside the grid's, the same."""
+    exp = tmp_path / "exp"
+    run = exp / "runs" / "mla_s0"
+    assert main([*RUN, "--steps", "2", "--out", str(run)]) == 0  # before the directory is an experiment's: allowed
+    (exp / "summary.json").write_text(json.dumps({"experiment": "lr-sweep"}))
+    before = (run / "metrics.jsonl").read_text()
+    for out, extra in ((run, ["--resume"]), (run, ["--overwrite"]), (exp / "runs" / "mine", [])):
+        refused([*RUN, "--steps", "4", "--out", str(out), *extra],
+                rf"--out: .*{out.name} is a run of the experiment in .*exp \(qkmla experiment's own directory\)")
+    assert (run / "metrics.jsonl").read_text() == before and not (exp / "runs" / "mine").exists()
+    copy = tmp_path / "copy"
+    assert main([*RUN, "--steps", "2", "--out", str(copy)]) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
 from ..utils.checked import is_int
@@ -239,6 +240,21 @@ def exit_code(status: dict) -> int:
     return EXIT_CODES.get(status["status"], 1)
 
 
+def check_not_an_experiments_run(out) -> None:
+    """Refuse ``--out`` inside an experiment's ``OUT/runs/``: each run there is the experiment's (its
+    grid trains them through the API), and ``train --resume --steps 50`` on one lengthened it without
+    a word; the experiment then read it as trained with other settings. A copy elsewhere is the
+    user's to train on."""
+    from ..utils.files import directory_kind
+
+    out = Path(out).absolute()
+    kind = directory_kind(out.parent.parent) if out.parent.name == "runs" else None
+    if kind is not None and kind[0] == "experiment":
+        raise ValueError(f"--out: {out} is a run of the experiment in {out.parent.parent} (qkmla experiment's own "
+                         "directory), which its grid trains and reports; resume the experiment with qkmla experiment, "
+                         "or copy the run elsewhere and train the copy")
+
+
 def run_train(args: argparse.Namespace) -> int:
     """``qkmla train``'s work, from its parsed arguments: the run's status printed as one JSON line,
     and the exit status it gives (:func:`exit_code`)."""
@@ -250,6 +266,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     check_launch()  # torchrun's variables without torchrun would wait for ranks that never come
     config = train_config_from_args(args)  # every option checked before the threads are measured
+    check_not_an_experiments_run(config.out)
     apply_threads(args.threads, "train")
     status = train(config)
     print(json.dumps(status))
