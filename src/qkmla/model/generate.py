@@ -4,9 +4,12 @@ Prompts of different lengths share one batch: they are right-padded, prefilled i
 with ``input_lengths``, and each sequence then continues from its own last token.
 
 The model never saw positions past its ``block_size``, so generation slides a window: when
-a sequence fills the context, every sequence's last ``block_size // 2`` tokens are
-prefilled into fresh caches (positions from 0 again) and decoding goes on from there. A
-prompt longer than the context keeps its last ``block_size - 1`` tokens.
+a sequence fills the context, its last ``block_size // 2`` tokens are prefilled into fresh
+caches (positions from 0 again) and decoding goes on from there; the other sequences of the
+batch are prefilled again with all they had, at the same positions, so a sequence continues as
+it would alone. Under an eviction policy every sequence's last ``block_size // 2`` tokens go on
+instead (a policy chooses what to keep at each prefill; prefilling the others again would change
+its choices). A prompt longer than the context keeps its last ``block_size - 1`` tokens.
 
 An eviction ``policy`` (MLA variants) bounds every layer's cache, and ``kv_format`` stores
 its latents quantized (``qkmla.kv_formats``); the two compose. Kept tokens keep their
@@ -150,9 +153,17 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
             h.append(t)
         if on_token is not None:
             on_token(ids)
-        if int(caches[0].next_positions.max()) == context:  # the positions are used up: slide
+        used = caches[0].next_positions.tolist()
+        if max(used) == context:  # a sequence's positions are used up: it slides
+            # Only the sequences that filled the context slide; the others are prefilled again with every
+            # token they had since their last slide (and this one), at the same positions, so what each
+            # sequence sees never depends on the others in its batch (the whole batch slid, cutting the
+            # context of every shorter one in half). Under an eviction policy the whole batch slides: a
+            # policy chooses at each prefill, and prefilling the others again would change its choices.
             keep = max(1, context // 2)
-            caches, last = _prefill(model, [list(h)[-keep:] for h in history], context, policy, kv_format)
+            windows = [list(h)[-keep:] if n == context or policy is not None else list(h)[-(n + 1):]
+                       for h, n in zip(history, used)]
+            caches, last = _prefill(model, windows, context, policy, kv_format)
         else:
             logits, _ = model(nxt[:, None], caches=caches)
             last = logits[:, -1]
