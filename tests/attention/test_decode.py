@@ -102,6 +102,22 @@ def test_decode_one_token_refuses_what_it_does_not_cover():
         decode_one_token(mla, torch.randn(1, 1, cfg.hidden_size), full)
 
 
+def test_the_step_called_directly_under_autograd_refuses_its_backward_in_words():
+    """The backward of mla_decode_step called where autograd records it failed in torch: "no autograd formula
+    was registered" for the opaque op. Its forward stays as it was; the backward says what the step is."""
+    cfg = MLAConfig()
+    mla = MLA(cfg).eval()
+    cache = LatentCache.from_config(cfg, 2, 8)
+    x = torch.randn(2, 1, cfg.hidden_size, requires_grad=True)
+    args = (mla.absorbed, cache.fields["latent"].data, cache.fields["key_scale"].data, torch.tensor([0, 0]),
+            torch.tensor([0, 0]))
+    out = mla_decode_step(mla, x, *args)
+    with torch.no_grad():
+        torch.testing.assert_close(out, mla_decode_step(mla, x, *args), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"mla_decode_step\) is inference only .* call the layer, mla\(x, cache\)"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("kv_format", ["dense", "fp8", "int8", "int4"])
 def test_compiled_decode_step_with_inductor_at_batch_sizes_1_2_3(kv_format):
     """torch.compile's default backend (inductor), as docs/guide.md writes the step, at batch sizes

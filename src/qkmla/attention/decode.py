@@ -76,7 +76,13 @@ def mla_decode_step(mla: MLA, x: torch.Tensor, absorbed: AbsorbedWeights, latent
                                      mla.score_mode, kv_format)
     if mla.sinks is not None:
         o_lat = apply_sinks(o_lat, lse, mla.sinks)
-    return mla.o_proj(values_out(o_lat, absorbed).flatten(2))
+    out = mla.o_proj(values_out(o_lat, absorbed).flatten(2))
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # Called directly where autograd records it, its backward failed deep in torch ("no autograd
+        # formula was registered" for the opaque op): it says what the step is instead, as
+        # decode_one_token's output does.
+        return no_decode_gradient(out, x, mla, reason="step")
+    return out
 
 
 def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
