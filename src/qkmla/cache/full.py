@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..utils.checked import as_int
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths
 from .storage import Layout
 
 
@@ -33,6 +33,9 @@ class FullKVCache(SequenceCache):
         check_dims(num_kv_heads=num_kv_heads, k_dim=k_dim, v_dim=v_dim)
         check_dtype("dtype", dtype)
         super().__init__(batch_size, capacity, device, layout)
+        # a width past memory was refused naming capacity, the one size that was fine
+        check_row_widths(self.batch_size, dtype.itemsize, self.device, **{
+            "num_kv_heads x k_dim": num_kv_heads * k_dim, "num_kv_heads x v_dim": num_kv_heads * v_dim})
         self.num_kv_heads, self.k_dim, self.v_dim = num_kv_heads, k_dim, v_dim
         self._add_field("k", num_kv_heads * k_dim, dtype, fill)
         self._add_field("v", num_kv_heads * v_dim, dtype, fill)

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..utils.checked import as_int
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths
 from .storage import Layout
 
 
@@ -24,6 +24,7 @@ class SharedKVCache(SequenceCache):
         check_dims(head_dim=head_dim)
         check_dtype("dtype", dtype)
         super().__init__(batch_size, capacity, device, layout)
+        check_row_widths(self.batch_size, dtype.itemsize, self.device, head_dim=head_dim)  # else named capacity
         self.head_dim = head_dim
         self._add_field("kv", head_dim, dtype, fill)
 
