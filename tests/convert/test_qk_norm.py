@@ -193,6 +193,12 @@ def test_the_api_names_its_own_arguments(source, tmp_path):
         with pytest.raises(ValueError, match=match):
             convert_checkpoint(src, tmp_path / "out", qk_norm="rms")
     assert not (tmp_path / "out").exists()
+    # the streamed reader's refusals too (they named hf_dir, the loaders' argument)
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] + 1}))
+    with pytest.raises(ValueError, match=r"^src: .*config.json describes .* layers"):
+        convert_checkpoint(bare, tmp_path / "out", qk_norm="rms", calibration_tokens=0)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_out_that_is_a_symbolic_link_is_written_where_it_points(source, tmp_path, refused):

@@ -207,11 +207,16 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
                          f"would need dequantizing them: leave dtype (--dtype) out")
 
     with converting_into(src, out, overwrite) as (target, state):
-        stream = CheckpointStream(src, dtype)
-        if norm is not None:
-            report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
-        else:
-            report, norm_tensors = {}, {}
+        try:  # the stream names the directory as the loaders do, hf_dir: this function's argument is src
+            stream = CheckpointStream(src, dtype)
+            if norm is not None:
+                report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))
+            else:
+                report, norm_tensors = {}, {}
+        except ValueError as e:
+            if not str(e).startswith("hf_dir: "):
+                raise
+            raise ValueError("src: " + str(e)[len("hf_dir: "):]) from None
         config = stream.config
         if dtype is not None:
             config.dtype = dtype
