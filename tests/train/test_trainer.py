@@ -399,3 +399,24 @@ def test_train_shuts_down_the_process_group_it_started(tmp_path):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         assert json.loads(out.strip().splitlines()[-1]) == ["done", False]
+
+
+def test_a_sigterm_its_starter_ignored_stays_ignored(tmp_path):
+    """`trap '' TERM; qkmla train ...` (or a supervisor that ignores SIGTERM for its children): the
+    trainer took SIGTERM over and stopped on it; now it trains on, as Python's default would."""
+    import signal
+    import time
+
+    args = ["--preset", "debug", "--batch-size", "2", "--block-size", "16", "--eval-interval", "50",
+            "--eval-iters", "1", "--steps", "40", "--no-progress", "--out", str(tmp_path / "run")]
+    p = subprocess.Popen([sys.executable, "-m", "qkmla", "train", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "done"

@@ -388,7 +388,9 @@ def stop_requests():
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for name in ("SIGINT", "SIGTERM"):
-            previous[name] = signal.signal(getattr(signal, name), stop.handle)
+            # SIGTERM ignored by the process's starter stays ignored (as the trainer's _StopRequest leaves it)
+            if name == "SIGINT" or signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+                previous[name] = signal.signal(getattr(signal, name), stop.handle)
     try:
         yield stop
     finally:

@@ -116,7 +116,11 @@ class _StopRequest:
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
-                self._previous[name] = signal.signal(getattr(signal, name), self._handle)
+                # SIGTERM that the process was started ignoring (`trap '' TERM`, a supervisor) stays ignored: it
+                # was taken over, and the run stopped by what its starter ignored. (SIGINT is taken whatever its
+                # starter did: a shell's `&` ignores it in every background job, and `kill -INT` is a request.)
+                if name == "SIGINT" or signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+                    self._previous[name] = signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame):
         import signal

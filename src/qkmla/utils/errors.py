@@ -108,6 +108,9 @@ def sigterm_unwinds():
     def unwind(signum, frame):
         raise Terminated("SIGTERM")
 
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # ignored by whoever started the process: stays so
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, unwind)
     try:
         yield
