@@ -4735,8 +4735,8 @@ def probe15_rows():
             shutil.copytree(env.run, d / run)
             (d / marker).write_text("{}")
             refuse(env, ["generate", d, "--max-new-tokens", "2", "--threads", "1"],
-                   rf"^qkmla generate: run: no checkpoint at .*checkpoint.safetensors: .* holds {kind}, whose 1 "
-                   rf"run\(s\) are the directories to give, e.g. .*{run}$")
+                   rf"^qkmla generate: run: no checkpoint at .*checkpoint.safetensors: .* holds {kind}, with 1 "
+                   rf"run\(s\) in it; give a run's own directory, e.g. .*{run}$")
         (env.tmp / "none").mkdir()
         refuse(env, ["generate", env.tmp / "none", "--max-new-tokens", "2"], r"run: no checkpoint at .*none\S+$")
 

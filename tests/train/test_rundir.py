@@ -295,3 +295,14 @@ def test_a_resume_with_no_checkpoint_says_how_to_go_on(tmp_path):
     with pytest.raises(ValueError, match="resume: no checkpoint in .*; pass --overwrite to start the run over"):
         train(TrainConfig(**FAST, steps=4, out=str(tmp_path), resume=True))
     assert train(TrainConfig(**FAST, steps=2, out=str(tmp_path), overwrite=True))["status"] == "done"
+
+
+def test_a_finished_run_whose_checkpoint_was_deleted_is_not_said_to_have_stopped_early(tmp_path):
+    """dc9dbe4's refusal said of any run without a checkpoint that it "stopped before its first"; a done run whose
+    checkpoint was removed had written one."""
+    out = tmp_path / "run"
+    assert train(TrainConfig(**FAST, steps=2, out=str(out)))["status"] == "done"
+    (out / FILENAME).unlink()
+    with pytest.raises(ValueError, match=r"with no checkpoint to resume from \(its checkpoint is gone\); pass "
+                                         r"--overwrite"):
+        train(TrainConfig(**FAST, steps=2, out=str(out)))

@@ -154,9 +154,9 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
             from ..utils.files import directory_kind
 
             kind = directory_kind(path.parent)
-            what = kind[1] if kind is not None else "other runs"
-            raise ValueError(f"run_dir: no checkpoint at {path}: {path.parent} holds {what}, whose {len(runs)} "
-                             f"run(s) are the directories to give, e.g. {runs[0]}")
+            what = f"{kind[1]}, with {len(runs)} run(s) in it" if kind is not None else f"{len(runs)} run(s)"
+            raise ValueError(f"run_dir: no checkpoint at {path}: {path.parent} holds {what}; give a run's own "
+                             f"directory, e.g. {runs[0]}")
         raise ValueError(f"run_dir: no checkpoint at {path}")
     meta = read_metadata(path)
     try:  # the bytes, not the path: safetensors cannot open a path that is not UTF-8

@@ -215,8 +215,12 @@ def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
             # offered here, then refused it for having no checkpoint to continue from.
             if killed:
                 what = f"a run that was killed (pid {status.get('pid')}) after logging step {last_logged_step(out)}"
-            raise ValueError(f"out: {out} already holds {what}, with no checkpoint to resume from (it stopped "
-                             "before its first); pass --overwrite to start it over, or choose a new --out")
+            # A run that wrote a checkpoint says so in its status; one without any stopped before its first
+            # (a done run whose checkpoint was deleted was told that too)
+            why = "its checkpoint is gone" if status is not None and status.get("checkpoint_step") else \
+                "it stopped before its first"
+            raise ValueError(f"out: {out} already holds {what}, with no checkpoint to resume from ({why}); pass "
+                             "--overwrite to start it over, or choose a new --out")
         raise ValueError(f"out: {out} already holds {what}; pass --resume to continue it, --overwrite "
                          "to replace it, or choose a new --out")
     return notes
