@@ -319,7 +319,6 @@ def test_a_sigterm_sent_to_qkmla_train_checkpoints_and_a_new_process_resumes_exa
     traceback; resumed in another process, its losses equal an uninterrupted run's (one thread:
     deterministic arithmetic, the case the resume guarantee in docs/training.md covers)."""
     import signal
-    import time
 
     args = ["--preset", "debug", "--batch-size", "4", "--block-size", "16", "--eval-interval", "50",
             "--eval-iters", "1", "--ckpt-interval", "1000", "--steps", "400", "--no-progress"]
@@ -329,10 +328,7 @@ def test_a_sigterm_sent_to_qkmla_train_checkpoints_and_a_new_process_resumes_exa
     assert run(tmp_path / "full").returncode == 0
     p = subprocess.Popen([sys.executable, "-m", "qkmla", "train", *args, "--out", str(tmp_path / "part")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    metrics = tmp_path / "part" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
-        time.sleep(0.05)
+    _wait_for_steps(tmp_path / "part", 5)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 143 and "Traceback" not in err, err  # 128 + SIGTERM, as a shell reports it
@@ -401,21 +397,26 @@ def test_train_shuts_down_the_process_group_it_started(tmp_path):
         assert json.loads(out.strip().splitlines()[-1]) == ["done", False]
 
 
+def _wait_for_steps(run, steps: int, timeout: float = 120) -> None:
+    """Until the run in ``run`` (a subprocess's) has logged ``steps`` steps, or ``timeout`` seconds."""
+    import time
+
+    metrics, deadline = run / "metrics.jsonl", time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < steps):
+        time.sleep(0.05)
+
+
 def test_a_sigterm_its_starter_ignored_stays_ignored(tmp_path):
     """`trap '' TERM; qkmla train ...` (or a supervisor that ignores SIGTERM for its children): the
     trainer took SIGTERM over and stopped on it; now it trains on, as Python's default would."""
     import signal
-    import time
 
     args = ["--preset", "debug", "--batch-size", "2", "--block-size", "16", "--eval-interval", "50",
             "--eval-iters", "1", "--steps", "40", "--no-progress", "--out", str(tmp_path / "run")]
     p = subprocess.Popen([sys.executable, "-m", "qkmla", "train", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
+    _wait_for_steps(tmp_path / "run", 3)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
