@@ -18,7 +18,7 @@ from typing import Optional
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
-from .utils.checked import check_bool, is_int, is_number, python_numbers
+from .utils.checked import check_bool, is_finite_number, is_int, is_number, python_numbers
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
@@ -68,8 +68,7 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
 
 
 def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None and (not is_number(softmax_scale) or not softmax_scale > 0
-                                      or not math.isfinite(softmax_scale)):
+    if softmax_scale is not None and (not is_finite_number(softmax_scale) or not softmax_scale > 0):
         raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
 
 
@@ -114,10 +113,9 @@ class QKNormConfig:
             raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
         if self.mode not in QK_NORM_MODES:
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {self.mode!r}")
-        if not is_number(self.p) or not math.isfinite(self.p) or self.p < 1:
+        if not is_finite_number(self.p) or self.p < 1:
             raise ValueError(f"p: expected a finite number >= 1 (a norm needs p >= 1), got {self.p!r}")
-        if not is_number(self.eps) or not math.isfinite(self.eps) \
-                or self.eps < 0:
+        if not is_finite_number(self.eps) or self.eps < 0:
             raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
         if self.scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {self.scope!r}")
@@ -179,7 +177,7 @@ def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     is a finite positive number."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if not is_number(rope_theta) or not 0 < rope_theta < math.inf:
+    if not is_finite_number(rope_theta) or not rope_theta > 0:
         raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
-from .utils.checked import FixedSettings, as_int, as_number, check_bool, is_int, is_number, python_numbers
+from .utils.checked import FixedSettings, as_int, as_number, check_bool, is_finite_number, is_int, python_numbers
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -41,7 +41,7 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 def _number(name: str, value, low: float, allow_none: bool = False, strict: bool = False):
     if value is None and allow_none:
         return
-    bad = not is_number(value) or not math.isfinite(value)
+    bad = not is_finite_number(value)
     if bad or value < low or (strict and value == low):
         rel = ">" if strict else ">="
         none = " or None" if allow_none else ""

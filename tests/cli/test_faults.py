@@ -4818,10 +4818,57 @@ def review15b_rows():
     ]
 
 
+def probe16b_rows():
+    """The sixteenth probe's failures in the Python API (issue 56, probe 16b: fresh probes of the constructors, the
+    decode op, the caches' state and the integrations, written without this table)."""
+
+    def an_int_past_a_float_where_a_number_belongs(env):
+        """Probes B1-B13: a Python int past a float's range (``10**400``) where a float belongs raised a bare
+        OverflowError ("int too large to convert to float", from ``math.isfinite``) in H2O's kept_fraction, the
+        sampling temperature, RotaryEmbedding's and YaRN's numbers, QKNormConfig's p and eps, the configs'
+        softmax_scale, TrainConfig's numbers and counts, GPTConfig's mlp_ratio, LoRA's alpha and the decode op's
+        softmax_scale; MLAConfig(rope_theta=10**400) was taken, and MLA(config) failed so. Each is refused naming
+        its argument (``utils.checked.is_finite_number``), a count past int64 as a count."""
+        from qkmla.cache.eviction import H2O
+        from qkmla.config import AttentionConfig, MLAConfig, QKNormConfig
+        from qkmla.model.generate import check_sampling
+        from qkmla.model.gpt import GPTConfig
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+        from qkmla.rope import RotaryEmbedding, YarnScaling
+        from qkmla.train.config import TrainConfig
+
+        big = 10 ** 400
+        for make, name in ((lambda: H2O(kept_fraction=big), "kept_fraction"),
+                           (lambda: check_sampling(3, big, None), "temperature"),
+                           (lambda: RotaryEmbedding(16, theta=big), "theta"),
+                           (lambda: YarnScaling(factor=big, original_max_position_embeddings=64),
+                            "rope_scaling.factor"),
+                           (lambda: QKNormConfig("lp", p=big), "p"), (lambda: QKNormConfig("rms", eps=big), "eps"),
+                           (lambda: MLAConfig(softmax_scale=big), "softmax_scale"),
+                           (lambda: MLAConfig(rope_theta=big), "rope_theta"),
+                           (lambda: AttentionConfig(64, 4, rope_theta=big), "rope_theta"),
+                           (lambda: GPTConfig(mlp_ratio=big), "mlp_ratio"), (lambda: TrainConfig(lr=big), "lr"),
+                           (lambda: TrainConfig(grad_clip=big), "grad_clip"),
+                           (lambda: TrainConfig(steps=big), "steps: expected an int below 2\\*\\*63")):
+            raises(make, ValueError, rf"^{name}")
+        q_lat, q_rope, kv = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 4), torch.randn(1, 4, 12)
+        raises(lambda: mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([3]), None, softmax_scale=big),
+               ValueError, r"^softmax_scale: expected the logit scale")
+        assert H2O(kept_fraction=1).kept_fraction == 1 and check_sampling(3, 2, None)[1] == 2
+        assert TrainConfig(steps=2 ** 62).steps == 2 ** 62
+
+    return [
+        Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
+            "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
+            an_int_past_a_float_where_a_number_belongs),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
+        + probe16b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 
 import torch
@@ -29,6 +30,18 @@ def is_number(value) -> bool:
     """An int or a float, not a bool: Python counts True as the int 1, so a switch given where a
     number belongs (``softmax_scale=True``) passed ``isinstance(value, (int, float))`` as 1.0."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    """:func:`is_number` and finite. An int past a float's range (``10**400``) is not: the checks use this
+    number as a float, and ``math.isfinite`` on it raised a bare OverflowError ("int too large to convert
+    to float") where the argument's own refusal belongs."""
+    if not is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_int(value) -> bool:

@@ -37,7 +37,7 @@ from typing import Optional, Union
 import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
-from ...utils.checked import as_int, as_number, is_int, is_number
+from ...utils.checked import as_int, as_number, is_finite_number, is_int
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
@@ -214,8 +214,7 @@ def check_softmax_scale(softmax_scale, H: int) -> None:
     # A float is a logit scale tau > 0, as MLAConfig's softmax_scale is: 0 makes every visible slot
     # equally likely and a negative one inverts the softmax, answers no caller means. (A tensor
     # [H] is a learned per-head scale, which training may carry through 0; only finite is asked.)
-    if not is_number(softmax_scale) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if not is_finite_number(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
 
