@@ -4857,10 +4857,51 @@ def probe16b_rows():
         assert H2O(kept_fraction=1).kept_fraction == 1 and check_sampling(3, 2, None)[1] == 2
         assert TrainConfig(steps=2 ** 62).steps == 2 ** 62
 
+    def odd_chains_and_records_of_the_numerics_rule(env):
+        """Probes F1-F4, F6, F8, F12: ``supersede_other_trajectories`` given a branch before its parent, a
+        ``start_from`` naming no run or a cycle failed with "AttributeError: 'NoneType' object has no attribute
+        'get'" (the message about the parent's numerics), took a name with a path separator ("../x", which reached
+        outside OUT/runs), and met an OUT/superseded that is a file with a bare FileExistsError after a run had
+        moved; ``check_continues`` said a missing parent "ran under unrecorded numerics" and failed on a
+        numerics.json that is a folder with a bare IsADirectoryError. Each is refused first, naming it."""
+        from qkmla.experiments.grid import Run
+        from qkmla.experiments.numerics import check_continues, numerics, record, supersede_other_trajectories
+
+        current = numerics(1)
+        out = env.tmp / "grid"
+        for name in ("a", "b"):
+            (out / "runs" / name).mkdir(parents=True)
+            (out / "runs" / name / "status.json").write_text(json.dumps({"status": "done"}))
+            record(out / "runs" / name, dict(current, torch="0.0"))
+
+        def run(name, start_from=None):
+            return Run(name, "v", {}, start_from=start_from)
+
+        for runs, said in (([run("b", "a"), run("a")], r"b continues 'a', which is not a run listed before it"),
+                           ([run("b", "nope")], "b continues 'nope'"),
+                           ([run("a", "b"), run("b", "a")], "a continues 'b'"), ([run("a", "a")], "a continues 'a'"),
+                           ([run("a"), run("../b", "a")], r"a run's name is one directory name .*got '\.\./b'")):
+            raises(lambda: supersede_other_trajectories(runs, out, current), ValueError, rf"^runs: {said}")
+        (out / "superseded").write_text("mine")
+        raises(lambda: supersede_other_trajectories([run("a"), run("b", "a")], out, current), ValueError,
+               r"^out: .*superseded is in the way")
+        assert sorted(p.name for p in (out / "runs").iterdir()) == ["a", "b"]  # nothing moved
+        (out / "superseded").unlink()
+        assert supersede_other_trajectories([run("a"), run("b", "a")], out, current) == []  # a finished chain stays
+        raises(lambda: check_continues(out / "runs" / "c", out / "runs" / "gone", current), ValueError,
+               r"^start_from: .*gone is not a run's folder")
+        (out / "runs" / "d" / "numerics.json").mkdir(parents=True)
+        raises(lambda: check_continues(out / "runs" / "d", None, current), ValueError,
+               r"^numerics: .*numerics.json is not a file")
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
             an_int_past_a_float_where_a_number_belongs),
+        Row("experiment", "path", "supersede_other_trajectories given a branch before its parent, a start_from naming "
+            "no run, a cycle: AttributeError; '../x' as a name taken; check_continues: a missing parent 'ran under "
+            "unrecorded numerics', a numerics.json folder a bare IsADirectoryError",
+            odd_chains_and_records_of_the_numerics_rule),
     ]
 
 
