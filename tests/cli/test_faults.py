@@ -4894,6 +4894,37 @@ def probe16b_rows():
         raises(lambda: check_continues(out / "runs" / "d", None, current), ValueError,
                r"^numerics: .*numerics.json is not a file")
 
+    def a_kv_b_proj_with_a_bias_or_hooks(env):
+        """Probes G1-G3: an nn.Linear with a bias assigned as ``mla.kv_b_proj``, or a forward hook (or pre-hook) on
+        it, passed the check of kv_b_proj (nn.Linear's own forward), and the absorbed decode, which reads
+        kv_b_proj.weight alone, came out 0.4 to 2.0 off the explicit path without a word. Each is refused naming
+        kv_b_proj; a pruned kv_b_proj (whose pre-hook only recomputes .weight) still decodes as the explicit path."""
+        import torch.nn.utils.prune as prune
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(2, 9, 64, dtype=torch.double)
+
+        def decode(mla):
+            cache = LatentCache.from_config(mla.config, 2, 16, dtype=torch.double)
+            mla(x[:, :8], cache)
+            return mla(x[:, 8:], cache)
+
+        mla = MLA(MLAConfig()).double().eval()
+        biased = torch.nn.Linear(mla.kv_b_proj.in_features, mla.kv_b_proj.out_features).double()
+        mla.kv_b_proj = biased
+        raises(lambda: decode(mla), ValueError, r"^kv_b_proj: has a bias, which the absorbed path")
+        for hook in (lambda m: m.register_forward_hook(lambda mod, i, o: o * 2),
+                     lambda m: m.register_forward_pre_hook(lambda mod, i: (i[0] * 2,))):
+            mla = MLA(MLAConfig()).double().eval()
+            hook(mla.kv_b_proj)
+            raises(lambda: decode(mla), ValueError, r"^kv_b_proj: has forward hooks")
+        mla = MLA(MLAConfig()).double().eval()
+        prune.l1_unstructured(mla.kv_b_proj, "weight", amount=0.5)
+        torch.testing.assert_close(decode(mla), mla(x)[:, 8:], rtol=1e-9, atol=1e-12)
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -4902,6 +4933,8 @@ def probe16b_rows():
             "no run, a cycle: AttributeError; '../x' as a name taken; check_continues: a missing parent 'ran under "
             "unrecorded numerics', a numerics.json folder a bare IsADirectoryError",
             odd_chains_and_records_of_the_numerics_rule),
+        Row("MLAConfig", "size", "mla.kv_b_proj = nn.Linear(..., bias=True), or a forward hook on it: the absorbed "
+            "decode 0.4 to 2.0 off the explicit path without a word", a_kv_b_proj_with_a_bias_or_hooks),
     ]
 
 
