@@ -4925,6 +4925,24 @@ def probe16b_rows():
         prune.l1_unstructured(mla.kv_b_proj, "weight", amount=0.5)
         torch.testing.assert_close(decode(mla), mla(x)[:, 8:], rtol=1e-9, atol=1e-12)
 
+    def fractions_in_the_configs(env):
+        """Probes H1, H3-H5, H14: a Fraction where a config takes a number (GPTConfig's dropout, MLAConfig's
+        rope_theta and softmax_scale, QKNormConfig's p, TrainConfig's lr) was refused as "expected a number in
+        [0, 1), got Fraction(1, 10)", a refusal that contradicts itself, while H2O's kept_fraction and
+        RotaryEmbedding's theta take it (utils.checked.as_number). The configs take it as the float it holds."""
+        from fractions import Fraction
+
+        from qkmla.config import MLAConfig, QKNormConfig
+        from qkmla.model.gpt import GPTConfig
+        from qkmla.train.config import TrainConfig
+
+        assert GPTConfig(dropout=Fraction(1, 10)) == GPTConfig(dropout=0.1)
+        assert MLAConfig(rope_theta=Fraction(500), softmax_scale=Fraction(1, 4)) == MLAConfig(rope_theta=500.0,
+                                                                                            softmax_scale=0.25)
+        assert QKNormConfig("lp", p=Fraction(3)).p == 3.0 and TrainConfig(lr=Fraction(1, 1000)).lr == 0.001
+        assert type(TrainConfig(lr=Fraction(1, 1000)).lr) is float  # written as JSON in config.json
+        raises(lambda: GPTConfig(dropout=Fraction(3, 2)), ValueError, r"^dropout: expected a number in \[0, 1\)")
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -4935,6 +4953,8 @@ def probe16b_rows():
             odd_chains_and_records_of_the_numerics_rule),
         Row("MLAConfig", "size", "mla.kv_b_proj = nn.Linear(..., bias=True), or a forward hook on it: the absorbed "
             "decode 0.4 to 2.0 off the explicit path without a word", a_kv_b_proj_with_a_bias_or_hooks),
+        Row("GPTConfig", "size", "dropout=Fraction(1, 10) (MLAConfig's rope_theta, QKNormConfig's p, TrainConfig's lr "
+            "likewise) refused as 'expected a number in [0, 1), got Fraction(1, 10)'", fractions_in_the_configs),
     ]
 
 

@@ -62,7 +62,7 @@ def as_int(value):
 
 
 def python_numbers(config) -> None:
-    """Replace NumPy numbers among a dataclass ``config``'s fields (and in a dict field's values, as
+    """Replace NumPy numbers and Fractions among a dataclass ``config``'s fields (and in a dict field's values, as
     ``model_overrides``) with the Python int or float they hold; first thing in a config's
     ``__post_init__``, so the checks judge the number. ``GPTConfig(n_layer=np.int64(2))`` (a sweep's
     values from an array) was refused as "expected a positive int, got np.int64(2)", a refusal that
@@ -72,7 +72,9 @@ def python_numbers(config) -> None:
 
     def plain(value):
         if type(value).__module__ != "numpy":
-            return value
+            # A Fraction is the number it holds too, as H2O's kept_fraction and RotaryEmbedding's theta take it:
+            # GPTConfig(dropout=Fraction(1, 10)) was refused as "expected a number in [0, 1), got Fraction(1, 10)"
+            return as_number(value) if isinstance(value, numbers.Real) else value
         if type(value).__name__ in ("bool", "bool_"):  # numpy.bool (numpy.bool_ before NumPy 2)
             return bool(value)
         return as_number(value)
