@@ -4943,6 +4943,38 @@ def probe16b_rows():
         assert type(TrainConfig(lr=Fraction(1, 1000)).lr) is float  # written as JSON in config.json
         raises(lambda: GPTConfig(dropout=Fraction(3, 2)), ValueError, r"^dropout: expected a number in \[0, 1\)")
 
+    def archive_and_restore_over_leftovers(env):
+        """Probes M1-M5: ``archive_runs`` failed with a bare FileNotFoundError on a superseded run without
+        superseded.json (the rule wrote it after the move: a stop between the two left one), with NotADirectoryError
+        on a note in OUT/superseded, and with IsADirectoryError, half way through deleting, on a stale archived copy
+        holding a folder; ``restore_runs`` restored a leftover NAME.restoring's stray checkpoint.pt with the run, and
+        failed with a bare FileExistsError on a file of that name. The record is written before the move; the
+        archive skips what is no superseded run and keeps what is no archived file; a restore starts afresh."""
+        from qkmla.experiments.grid import archive_runs, restore_runs
+
+        def finished(path):
+            path.mkdir(parents=True)
+            (path / "status.json").write_text(json.dumps({"status": "done"}))
+
+        out, dst = env.tmp / "out", env.tmp / "dst"
+        finished(out / "runs" / "a")
+        finished(out / "superseded" / "b")  # no superseded.json
+        (out / "superseded" / "notes.txt").write_text("mine")
+        finished(out / "superseded" / "c")
+        (out / "superseded" / "c" / "superseded.json").write_text(json.dumps({"run": "c"}))
+        finished(dst / "runs" / "c")
+        (dst / "runs" / "c" / "plots").mkdir()
+        assert archive_runs(out, dst) == ["a"]
+        assert (dst / "superseded" / "b" / "status.json").is_file() and (dst / "runs" / "c" / "plots").is_dir()
+        assert not (dst / "runs" / "c" / "status.json").exists()
+        (env.tmp / "grid" / "runs" / "a.restoring").mkdir(parents=True)
+        (env.tmp / "grid" / "runs" / "a.restoring" / "checkpoint.pt").write_text("stale")
+        assert restore_runs(dst, env.tmp / "grid") == ["a"]
+        assert sorted(p.name for p in (env.tmp / "grid" / "runs" / "a").iterdir()) == ["status.json"]
+        finished(dst / "runs" / "d")
+        (env.tmp / "grid" / "runs" / "d.restoring").write_text("mine")
+        raises(lambda: restore_runs(dst, env.tmp / "grid"), ValueError, r"^out: .*d\.restoring is in the way")
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -4955,6 +4987,9 @@ def probe16b_rows():
             "decode 0.4 to 2.0 off the explicit path without a word", a_kv_b_proj_with_a_bias_or_hooks),
         Row("GPTConfig", "size", "dropout=Fraction(1, 10) (MLAConfig's rope_theta, QKNormConfig's p, TrainConfig's lr "
             "likewise) refused as 'expected a number in [0, 1), got Fraction(1, 10)'", fractions_in_the_configs),
+        Row("experiment", "path", "archive_runs over a superseded run without superseded.json, a note in "
+            "OUT/superseded, a stale copy holding a folder: bare OSErrors; restore_runs kept a leftover's stray "
+            "checkpoint.pt", archive_and_restore_over_leftovers),
     ]
 
 

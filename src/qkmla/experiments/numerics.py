@@ -168,9 +168,11 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
             (path / "status.no-checkpoint.json").replace(path / "status.json")  # it finished where it ran
         target = _free_name(Path(out) / SUPERSEDED, run.name)
         target.parent.mkdir(parents=True, exist_ok=True)
+        # The record first, moved with the run: written after the move, a stop between the two left a superseded
+        # run that archive_runs could not name (it failed on the missing superseded.json).
+        write_text(path / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
+                                                          "numerics_recorded": own}, indent=1) + "\n")
         path.replace(target)
-        write_text(target / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
-                                                            "numerics_recorded": own}, indent=1) + "\n")
         print(f"{run.name} superseded (moved to {target}): {why}", flush=True)
         trajectory[run.name] = current
         new.add(run.name)
