@@ -4975,6 +4975,20 @@ def probe16b_rows():
         (env.tmp / "grid" / "runs" / "d.restoring").write_text("mine")
         raises(lambda: restore_runs(dst, env.tmp / "grid"), ValueError, r"^out: .*d\.restoring is in the way")
 
+    def numpy_seeds_and_a_number_as_sweep_in_options(env):
+        """Probes Q7, Q8: ``experiments.Options(out, seeds=np.int64(2))`` was refused as "seeds: expected an int from
+        1 to 1000 ..., got np.int64(2)" (workers likewise), a refusal that contradicts itself, as the configs' were
+        before ``python_numbers``; ``Options(out, sweep=5)`` was taken, to fail where an experiment read it as a
+        path. The NumPy numbers are the ints they hold; a sweep that is no path is refused naming it."""
+        import numpy as np
+        from qkmla.experiments import Options
+
+        options = Options(out=env.tmp, seeds=np.int64(2), workers=np.int64(1), sweep=str(env.tmp / "r.jsonl"))
+        assert (options.seeds, options.workers, options.sweep) == (2, 1, env.tmp / "r.jsonl")
+        assert type(options.seeds) is int
+        raises(lambda: Options(out=env.tmp, sweep=5), ValueError, r"^sweep: expected an lr-sweep results.jsonl")
+        raises(lambda: Options(out=env.tmp, seeds=np.True_), ValueError, r"^seeds: expected an int")
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -4990,6 +5004,8 @@ def probe16b_rows():
         Row("experiment", "path", "archive_runs over a superseded run without superseded.json, a note in "
             "OUT/superseded, a stale copy holding a folder: bare OSErrors; restore_runs kept a leftover's stray "
             "checkpoint.pt", archive_and_restore_over_leftovers),
+        Row("experiment", "size", "Options(out, seeds=np.int64(2)) refused as 'expected an int from 1 to 1000, got "
+            "np.int64(2)'; Options(out, sweep=5) taken", numpy_seeds_and_a_number_as_sweep_in_options),
     ]
 
 

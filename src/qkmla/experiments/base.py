@@ -24,7 +24,7 @@ from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
                    stop_requests, worker_pool)
 from .results import best_lr, read_results, summarize, write_results
-from ..utils.checked import check_bool, is_int
+from ..utils.checked import check_bool, is_int, python_numbers
 
 
 MAX_SEEDS = 1000  # seeds per variant: each is a training run; more is a typo (and a plan that fills memory)
@@ -70,12 +70,17 @@ class Options:
         # Built from Python (run_experiment's callers) as well as by the command line, which checks its
         # flags first: overwrite="no" or quick="no" were truthy (another experiment's files replaced, the
         # quick grid run), workers=-1 and seeds=0 reached the grid's arithmetic.
+        python_numbers(self)  # np.int64(2) seeds was refused as "expected an int from 1 to 1000, got np.int64(2)"
         for name in ("quick", "overwrite"):
             check_bool(name, getattr(self, name))
         # a str out reached every report's options.out / "x.png" (redraw passes its dst as given)
         if not isinstance(self.out, (str, os.PathLike)):
             raise ValueError(f"out: expected the experiment's directory (a path), got {self.out!r}")
         object.__setattr__(self, "out", Path(self.out))
+        if self.sweep is not None:  # sweep=5 was taken, and failed where an experiment read it as a path
+            if not isinstance(self.sweep, (str, os.PathLike)):
+                raise ValueError(f"sweep: expected an lr-sweep results.jsonl (a path) or None, got {self.sweep!r}")
+            object.__setattr__(self, "sweep", Path(self.sweep))
         check_seeds("seeds", self.seeds)
         check_workers("workers", self.workers, bound=False)
 
