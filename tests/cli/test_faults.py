@@ -4989,6 +4989,35 @@ def probe16b_rows():
         raises(lambda: Options(out=env.tmp, sweep=5), ValueError, r"^sweep: expected an lr-sweep results.jsonl")
         raises(lambda: Options(out=env.tmp, seeds=np.True_), ValueError, r"^seeds: expected an int")
 
+    def redraw_over_another_experiment(env):
+        """Probes Q1, Q3, Q5: ``redraw(EXPERIMENTS["norm-mode"], src, dst)`` replaced the qk-clip results.jsonl and
+        summary.md a dst held without a word, drew qk-clip's rows from a src as norm-mode's report (a table of
+        qk-clip's variants, nothing said), and met a summary.json in src that is no JSON with a bare JSONDecodeError
+        after dst was written. Each is refused naming src or dst, before dst is written."""
+        from qkmla.experiments import EXPERIMENTS
+        from qkmla.experiments.base import redraw
+
+        committed = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "experiments"
+        dst = env.tmp / "dst"
+        dst.mkdir()
+        shutil.copy(committed / "qk-clip" / "results.jsonl", dst / "results.jsonl")
+        before = (dst / "results.jsonl").read_bytes()
+        raises(lambda: redraw(EXPERIMENTS["norm-mode"], committed / "norm-mode", dst), ValueError,
+               r"^dst: .* holds qk-clip's results or summary")
+        assert (dst / "results.jsonl").read_bytes() == before and sorted(p.name for p in dst.iterdir()) == [
+            "results.jsonl"]
+        raises(lambda: redraw(EXPERIMENTS["norm-mode"], committed / "qk-clip", env.tmp / "d2"), ValueError,
+               r"^src: .*results.jsonl holds qk-clip's results, not norm-mode's")
+        src = env.tmp / "src"
+        src.mkdir()
+        shutil.copy(committed / "norm-mode" / "results.jsonl", src / "results.jsonl")
+        (src / "summary.json").write_text("{oops")
+        raises(lambda: redraw(EXPERIMENTS["norm-mode"], src, env.tmp / "d3"), ValueError,
+               r"^src: .*summary.json is not JSON")
+        assert not (env.tmp / "d2").exists() and not (env.tmp / "d3").exists()
+        (src / "summary.json").unlink()
+        assert set(redraw(EXPERIMENTS["norm-mode"], src, env.tmp / "d4").summary) >= {"blockwise", "unified"}
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5006,6 +5035,8 @@ def probe16b_rows():
             "checkpoint.pt", archive_and_restore_over_leftovers),
         Row("experiment", "size", "Options(out, seeds=np.int64(2)) refused as 'expected an int from 1 to 1000, got "
             "np.int64(2)'; Options(out, sweep=5) taken", numpy_seeds_and_a_number_as_sweep_in_options),
+        Row("experiment", "path", "redraw into a dst holding another experiment's results: replaced without a word; "
+            "another experiment's src rows drawn as this one's report", redraw_over_another_experiment),
     ]
 
 

@@ -362,19 +362,44 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     command, commit and machine): to publish a grid that is still running, or to redraw a
     committed one, without touching its runs. ``src``'s finished runs are archived in
     ``dst/runs`` (``grid.archive_runs``), so that a later session can restore them
-    (``grid.restore_runs``) and go on with the rest of the grid."""
+    (``grid.restore_runs``) and go on with the rest of the grid. Refused before ``dst`` is written: rows of
+    another experiment in ``src``, and a ``dst`` holding another experiment's results or summary."""
     options = Options(out=dst, quick=quick)  # first: quick=1 was refused by Options after dst was written
     src, dst = Path(src), options.out  # Options made dst a Path
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
+    # Everything read and checked before dst is written: another experiment's rows were drawn as this one's
+    # (norm-mode's report of qk-clip's variants), another experiment's results and summary in dst were replaced
+    # without a word, and a summary.json that is no JSON failed with a bare JSONDecodeError after the archive.
+    try:
+        rows = read_results(src / "results.jsonl")
+    except ValueError as e:
+        raise ValueError(f"src: {src / 'results.jsonl'} is not JSON rows ({e})") from None
+    others = sorted({str(r.get("experiment")) if isinstance(r, dict) else "another program" for r in rows}
+                    - {experiment.name})
+    if others:
+        raise ValueError(f"src: {src / 'results.jsonl'} holds {', '.join(others)}'s results, not {experiment.name}'s")
+    meta = {}
+    if (src / "summary.json").is_file():
+        try:
+            meta = json.loads((src / "summary.json").read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"src: {src / 'summary.json'} is not JSON ({e}); remove it or fix it") from None
+    meta = meta if isinstance(meta, dict) else {}
+    if dst.is_dir():
+        try:
+            owners = _owners(dst) - {experiment.name}
+        except ValueError as e:
+            raise ValueError(f"dst: {str(e).removeprefix('--out: ')}") from None
+        if owners:
+            raise ValueError(f"dst: {dst} holds {', '.join(sorted(owners))}'s results or summary, which redrawing "
+                             f"{experiment.name} there would replace; redraw into another directory")
     dst.mkdir(parents=True, exist_ok=True)
     if same_file(src, dst):
         raise ValueError(f"dst: {dst} is src; redraw into another directory")
     archive_runs(src, dst, experiment.thin_metrics)
-    rows = read_results(src / "results.jsonl")
     write_results(rows, dst / "results.jsonl")
     report = experiment.report(rows, options)
-    meta = json.loads((src / "summary.json").read_text()) if (src / "summary.json").is_file() else {}
     keep = ("experiment", "command", "commit", "machine", "runs", "cpu_seconds_of_runs", "errors")
     meta = {k: meta[k] for k in keep if k in meta}
     meta["redrawn_at_commit"] = source_commit(Path(__file__).parent)
