@@ -5018,6 +5018,30 @@ def probe16b_rows():
         (src / "summary.json").unlink()
         assert set(redraw(EXPERIMENTS["norm-mode"], src, env.tmp / "d4").summary) >= {"blockwise", "unified"}
 
+    def numpy_numbers_and_a_str_dtype_of_the_conversions(env, hf):
+        """Probes R1-R3, R10: ``convert_checkpoint(src, out, calibration_tokens=np.int64(64))`` was refused as
+        "expected an int >= 0, got np.int64(64)", and ``convert_gqa`` / ``convert_gqa_checkpoint``'s
+        ``kv_lora_rank=np.int64(16)`` as "expected an int from 1 to ... = 64 ..., got np.int64(16)", refusals that
+        contradict themselves; ``convert_checkpoint(..., dtype="bfloat16")`` was taken, and failed as the weights
+        were read with torch's "Invalid device string: 'bfloat16'". NumPy ints are the ints they hold; a dtype that
+        is no torch.dtype is refused naming dtype, before out is made."""
+        import numpy as np
+        import transformers
+        from qkmla.convert import convert_checkpoint, convert_gqa, convert_gqa_checkpoint
+
+        raises(lambda: convert_checkpoint(hf, env.tmp / "o1", qk_norm="rms", calibration_tokens=0, dtype="bfloat16"),
+               ValueError, r"^dtype: expected None \(the stored dtype\) or a floating-point torch.dtype")
+        raises(lambda: convert_gqa_checkpoint(hf, env.tmp / "o2", dtype="bfloat16"), ValueError, r"^dtype: expected")
+        assert not (env.tmp / "o1").exists() and not (env.tmp / "o2").exists()
+        # past the number's check, the tiny checkpoint has no tokenizer to calibrate with
+        raises(lambda: convert_checkpoint(hf, env.tmp / "o3", calibration_tokens=np.int64(64)), ValueError,
+               r"^src: .* has no tokenizer")
+        qwen = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)).eval()
+        model, _ = convert_gqa(qwen, kv_lora_rank=np.int64(32), rope_dim=np.int64(8))
+        assert model.config.kv_lora_rank == 33 and type(model.config.kv_lora_rank) is int  # r and the constant channel
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5037,6 +5061,9 @@ def probe16b_rows():
             "np.int64(2)'; Options(out, sweep=5) taken", numpy_seeds_and_a_number_as_sweep_in_options),
         Row("experiment", "path", "redraw into a dst holding another experiment's results: replaced without a word; "
             "another experiment's src rows drawn as this one's report", redraw_over_another_experiment),
+        Row("convert", "size", "calibration_tokens=np.int64(64), convert_gqa's kv_lora_rank=np.int64(16): refused as "
+            "'expected an int ..., got np.int64(...)'; dtype='bfloat16' taken, then 'Invalid device string'",
+            numpy_numbers_and_a_str_dtype_of_the_conversions, hf=True),
     ]
 
 
