@@ -11,14 +11,13 @@ travels wherever a QK norm is set (``MLAConfig.qk_norm``, ``apply_latent_attenti
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
-from .utils.checked import check_bool, is_finite_number, is_int, is_number, python_numbers
+from .utils.checked import check_bool, is_finite_number, is_int, python_numbers
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
@@ -241,8 +240,7 @@ class MLAConfig:
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         _check_softmax_scale(self.softmax_scale)
-        if not is_number(self.latent_norm_eps) \
-                or not 0 <= self.latent_norm_eps < math.inf:
+        if not is_finite_number(self.latent_norm_eps) or self.latent_norm_eps < 0:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
         for name in ("rope_interleave", "attention_bias", "attention_sinks"):
@@ -397,8 +395,7 @@ class SharedKVConfig:
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
         check_bool("attention_sinks", self.attention_sinks)
         _check_softmax_scale(self.softmax_scale)
-        if not is_number(self.norm_eps) \
-                or not 0 <= self.norm_eps < math.inf:
+        if not is_finite_number(self.norm_eps) or self.norm_eps < 0:
             raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
 
     has_qk_norm = True  # the norms are the design, not an option

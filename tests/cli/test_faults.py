@@ -4827,10 +4827,11 @@ def probe16b_rows():
         OverflowError ("int too large to convert to float", from ``math.isfinite``) in H2O's kept_fraction, the
         sampling temperature, RotaryEmbedding's and YaRN's numbers, QKNormConfig's p and eps, the configs'
         softmax_scale, TrainConfig's numbers and counts, GPTConfig's mlp_ratio, LoRA's alpha and the decode op's
-        softmax_scale; MLAConfig(rope_theta=10**400) was taken, and MLA(config) failed so. Each is refused naming
-        its argument (``utils.checked.is_finite_number``), a count past int64 as a count."""
+        softmax_scale; MLAConfig(rope_theta=10**400) was taken, and MLA(config) failed so (probes B19, B20:
+        MLAConfig's latent_norm_eps and SharedKVConfig's norm_eps likewise, in the module's RMSNorm). Each is
+        refused naming its argument (``utils.checked.is_finite_number``), a count past int64 as a count."""
         from qkmla.cache.eviction import H2O
-        from qkmla.config import AttentionConfig, MLAConfig, QKNormConfig
+        from qkmla.config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig
         from qkmla.model.generate import check_sampling
         from qkmla.model.gpt import GPTConfig
         from qkmla.ops.mla_decode import mla_decode_with_kvcache
@@ -4846,6 +4847,8 @@ def probe16b_rows():
                            (lambda: QKNormConfig("lp", p=big), "p"), (lambda: QKNormConfig("rms", eps=big), "eps"),
                            (lambda: MLAConfig(softmax_scale=big), "softmax_scale"),
                            (lambda: MLAConfig(rope_theta=big), "rope_theta"),
+                           (lambda: MLAConfig(latent_norm_eps=big), "latent_norm_eps"),
+                           (lambda: SharedKVConfig(norm_eps=big), "norm_eps"),
                            (lambda: AttentionConfig(64, 4, rope_theta=big), "rope_theta"),
                            (lambda: GPTConfig(mlp_ratio=big), "mlp_ratio"), (lambda: TrainConfig(lr=big), "lr"),
                            (lambda: TrainConfig(grad_clip=big), "grad_clip"),
