@@ -5045,6 +5045,17 @@ def probe16b_rows():
         model, _ = convert_gqa(qwen, kv_lora_rank=np.int64(32), rope_dim=np.int64(8))
         assert model.config.kv_lora_rank == 33 and type(model.config.kv_lora_rank) is int  # r and the constant channel
 
+    def a_numpy_token_count_of_cache_rows(env):
+        """Probe W2: ``qkmla.cache.size.cache_rows(shape, np.int64(4096))`` (the cache-size table's rows) was
+        refused as "tokens: expected a positive int below 2**63, got np.int64(4096)", a refusal that contradicts
+        itself, while CacheShape takes NumPy ints. It is the count it holds."""
+        import numpy as np
+        from qkmla.cache.size import CacheShape, cache_rows
+
+        shape = CacheShape(num_layers=2, num_heads=4, head_dim=16, num_kv_heads=2, kv_lora_rank=32, qk_rope_head_dim=8)
+        assert cache_rows(shape, np.int64(4096)) == cache_rows(shape, 4096)
+        raises(lambda: cache_rows(shape, np.int64(0)), ValueError, r"^tokens: expected a positive int below 2\*\*63")
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5067,6 +5078,8 @@ def probe16b_rows():
         Row("convert", "size", "calibration_tokens=np.int64(64), convert_gqa's kv_lora_rank=np.int64(16): refused as "
             "'expected an int ..., got np.int64(...)'; dtype='bfloat16' taken, then 'Invalid device string'",
             numpy_numbers_and_a_str_dtype_of_the_conversions, hf=True),
+        Row("CacheShape", "size", "cache_rows(shape, np.int64(4096)) refused as 'expected a positive int below 2**63, "
+            "got np.int64(4096)'", a_numpy_token_count_of_cache_rows),
     ]
 
 
