@@ -449,6 +449,6 @@ PRESET_NUM_LAYERS: dict[str, int] = {
 
 def mla_preset(name: str, **overrides) -> MLAConfig:
     """The named :class:`MLAConfig`, with any field overridden."""
-    if name not in MLA_PRESETS:
+    if not isinstance(name, str) or name not in MLA_PRESETS:  # ["tiny"] failed as "unhashable type: 'list'"
         raise ValueError(f"preset: expected one of {sorted(MLA_PRESETS)}, got {name!r}")
     return MLA_PRESETS[name].replace(**overrides) if overrides else MLA_PRESETS[name]

@@ -5056,6 +5056,14 @@ def probe16b_rows():
         assert cache_rows(shape, np.int64(4096)) == cache_rows(shape, 4096)
         raises(lambda: cache_rows(shape, np.int64(0)), ValueError, r"^tokens: expected a positive int below 2\*\*63")
 
+    def a_preset_name_of_another_type(env):
+        """Probe W12: ``mla_preset(["tiny"])`` failed with "TypeError: unhashable type: 'list'", naming neither the
+        argument nor the presets. It is refused as any unknown name is."""
+        from qkmla.config import mla_preset
+
+        for name in (["tiny"], {"tiny": 1}, None):
+            raises(lambda n=name: mla_preset(n), ValueError, r"^preset: expected one of \[.*'tiny'")
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5080,6 +5088,8 @@ def probe16b_rows():
             numpy_numbers_and_a_str_dtype_of_the_conversions, hf=True),
         Row("CacheShape", "size", "cache_rows(shape, np.int64(4096)) refused as 'expected a positive int below 2**63, "
             "got np.int64(4096)'", a_numpy_token_count_of_cache_rows),
+        Row("MLAConfig", "size", "mla_preset(['tiny']): TypeError: unhashable type: 'list'",
+            a_preset_name_of_another_type),
     ]
 
 
