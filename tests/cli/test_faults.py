@@ -5064,6 +5064,16 @@ def probe16b_rows():
         for name in (["tiny"], {"tiny": 1}, None):
             raises(lambda n=name: mla_preset(n), ValueError, r"^preset: expected one of \[.*'tiny'")
 
+    def an_integer_tensor_through_a_scalar_norm(env):
+        """Probe X3: ``ScalarNorm(8)(torch.ones(2, 8, dtype=torch.long))`` returned zeros without a word: the
+        normalized values (1.0 each) were cast back to the input's integer dtype, truncating them. An integer
+        tensor is refused naming v."""
+        from qkmla.norms import ScalarNorm
+
+        raises(lambda: ScalarNorm(8)(torch.ones(2, 8, dtype=torch.long)), ValueError,
+               r"^v: expected a floating-point tensor .*torch.int64")
+        torch.testing.assert_close(ScalarNorm(8)(torch.ones(2, 8)), torch.ones(2, 8), rtol=1e-5, atol=1e-5)
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5090,6 +5100,8 @@ def probe16b_rows():
             "got np.int64(4096)'", a_numpy_token_count_of_cache_rows),
         Row("MLAConfig", "size", "mla_preset(['tiny']): TypeError: unhashable type: 'list'",
             a_preset_name_of_another_type),
+        Row("ScalarNorm", "size", "ScalarNorm(8)(an int64 tensor of ones): zeros, without a word",
+            an_integer_tensor_through_a_scalar_norm),
     ]
 
 
