@@ -5074,6 +5074,16 @@ def probe16b_rows():
                r"^v: expected a floating-point tensor .*torch.int64")
         torch.testing.assert_close(ScalarNorm(8)(torch.ones(2, 8)), torch.ones(2, 8), rtol=1e-5, atol=1e-5)
 
+    def a_rope_width_past_memory(env):
+        """Probe AA5: ``RotaryEmbedding(2**40)`` failed in torch.arange with "DefaultCPUAllocator: can't allocate
+        memory: you tried to allocate 4398046511104 bytes", naming no argument, where every other constructor
+        (MLA, the caches, ScalarNorm) is sized against the machine first. It is refused naming dim."""
+        from qkmla.rope import RotaryEmbedding
+
+        raises(lambda: RotaryEmbedding(2 ** 40), ValueError, r"^dim: the 549755813888 float64 RoPE frequencies .* "
+               r"more than the .* of memory available")
+        assert RotaryEmbedding(2 ** 10).inv_freq.shape == (2 ** 9,)
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5102,6 +5112,8 @@ def probe16b_rows():
             a_preset_name_of_another_type),
         Row("ScalarNorm", "size", "ScalarNorm(8)(an int64 tensor of ones): zeros, without a word",
             an_integer_tensor_through_a_scalar_norm),
+        Row("RotaryEmbedding", "size", "RotaryEmbedding(2**40): torch's 'DefaultCPUAllocator: can't allocate memory'",
+            a_rope_width_past_memory),
     ]
 
 
