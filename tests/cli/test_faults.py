@@ -5084,6 +5084,18 @@ def probe16b_rows():
                r"more than the .* of memory available")
         assert RotaryEmbedding(2 ** 10).inv_freq.shape == (2 ** 9,)
 
+    def a_shared_kv_layer_past_memory(env):
+        """Probes AA10, AA11: ``SharedKVAttention(SharedKVConfig(hidden_size=2**30))`` (num_heads=2**30 likewise)
+        failed in nn.Linear with torch's "DefaultCPUAllocator: can't allocate memory", naming nothing, where MLA and
+        MultiHeadAttention are sized against the machine first. It is refused naming config and its widths."""
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import SharedKVConfig
+
+        for config in (SharedKVConfig(hidden_size=2 ** 30), SharedKVConfig(num_heads=2 ** 30, q_lora_rank=None)):
+            raises(lambda c=config: SharedKVAttention(c), ValueError,
+                   r"^config: the projections of a shared-KV attention layer with hidden_size=.* more than the")
+        assert SharedKVAttention(SharedKVConfig())(torch.randn(1, 3, 64)).shape == (1, 3, 64)
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5114,6 +5126,8 @@ def probe16b_rows():
             an_integer_tensor_through_a_scalar_norm),
         Row("RotaryEmbedding", "size", "RotaryEmbedding(2**40): torch's 'DefaultCPUAllocator: can't allocate memory'",
             a_rope_width_past_memory),
+        Row("SharedKVCache", "size", "SharedKVAttention(SharedKVConfig(hidden_size=2**30)): torch's "
+            "'DefaultCPUAllocator: can't allocate memory'", a_shared_kv_layer_past_memory),
     ]
 
 
