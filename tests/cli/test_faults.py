@@ -5096,6 +5096,24 @@ def probe16b_rows():
                    r"^config: the projections of a shared-KV attention layer with hidden_size=.* more than the")
         assert SharedKVAttention(SharedKVConfig())(torch.randn(1, 3, 64)).shape == (1, 3, 64)
 
+    def a_triton_split_count_past_memory(env):
+        """Probe AB1: ``mla_decode_with_kvcache(..., backend="triton", num_splits=2**40)`` failed in torch's allocator
+        ("DefaultCPUAllocator: can't allocate memory"), sizing the kernel's partial results, naming nothing. It is
+        refused naming num_splits; a split count that fits still runs (Triton's interpreter here)."""
+        pytest.importorskip("triton")
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        env.monkeypatch.setenv("TRITON_INTERPRET", "1")
+        q_lat, q_rope, kv = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16), torch.randn(1, 8, 32)
+        raises(lambda: mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([5]), softmax_scale=0.3,
+                                               backend="triton", num_splits=2 ** 40), ValueError,
+               r"^num_splits: the Triton kernel's partial results of num_splits=1099511627776 splits need")
+        out, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([5]), softmax_scale=0.3,
+                                         backend="triton", num_splits=2)
+        want, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([5]), softmax_scale=0.3,
+                                          backend="naive")
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5128,6 +5146,8 @@ def probe16b_rows():
             a_rope_width_past_memory),
         Row("SharedKVCache", "size", "SharedKVAttention(SharedKVConfig(hidden_size=2**30)): torch's "
             "'DefaultCPUAllocator: can't allocate memory'", a_shared_kv_layer_past_memory),
+        Row("mla_decode_with_kvcache", "size", "backend='triton', num_splits=2**40: torch's 'DefaultCPUAllocator: "
+            "can't allocate memory'", a_triton_split_count_past_memory),
     ]
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
 from ...utils.checked import as_int, as_number, is_finite_number, is_int
+from ...utils.limits import check_allocation
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
@@ -339,6 +340,12 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
+    # The kernel's partial results, one per split (out [B, S_q, H, splits, d_c] and lse, float32): num_splits=2**40
+    # failed in torch's allocator ("DefaultCPUAllocator: can't allocate memory"), naming nothing. (Not while
+    # torch.compile traces: the machine's memory is read from /proc, which dynamo cannot trace.)
+    if not torch.compiler.is_compiling():
+        check_allocation("num_splits", 4 * B * S_q * H * num_splits * (d_c + 1), f"the Triton kernel's partial "
+                         f"results of num_splits={num_splits} splits", q_lat.device)
     if _host_readable(cache_seqlens) and _host_readable(block_table):
         # The kernel reads whatever a block id points at: where reading the ids is free (the
         # interpreter's CPU tensors) they are checked as the torch backend checks them.
