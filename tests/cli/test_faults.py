@@ -5114,6 +5114,26 @@ def probe16b_rows():
                                           backend="naive")
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
+    def a_quantized_latent_cache_with_repositioning(env, hf):
+        """Probes P14, P18-P20: ``kv_format="int8"`` with ``StreamingLLM(..., reposition=True)``, which LatentCache
+        refuses (the re-rotated RoPE keys need float32), was taken by apply_latent_attention, LatentAttentionCache
+        and from_pretrained (after loading every weight), and refused only by the first generate. Each refuses it
+        first, naming policy."""
+        import transformers
+        from qkmla.cache.eviction import StreamingLLM
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention, from_pretrained
+
+        policy = StreamingLLM(sinks=2, budget=40, reposition=True)
+        said = r"^policy: reposition=True re-rotates the stored RoPE keys .*kv_format='int8'"
+        raises(lambda: from_pretrained(hf, kv_format="int8", policy=policy), ValueError, said)
+        raises(lambda: apply_latent_attention(transformers.AutoModelForCausalLM.from_pretrained(hf), kv_format="int8",
+                                              policy=policy), ValueError, said)
+        raises(lambda: LatentAttentionCache(tiny_latent_deepseek(), kv_format="int8", policy=policy), ValueError, said)
+        model = from_pretrained(hf, policy=policy)  # dense float32: taken, and it generates
+        ids = torch.tensor([[5, 6, 7, 8]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+        assert out.shape == (1, 6)
+
     return [
         Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
             "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
@@ -5148,6 +5168,9 @@ def probe16b_rows():
             "'DefaultCPUAllocator: can't allocate memory'", a_shared_kv_layer_past_memory),
         Row("mla_decode_with_kvcache", "size", "backend='triton', num_splits=2**40: torch's 'DefaultCPUAllocator: "
             "can't allocate memory'", a_triton_split_count_past_memory),
+        Row("LatentAttentionCache", "size", "kv_format='int8' with a repositioning StreamingLLM: taken by "
+            "apply_latent_attention, LatentAttentionCache and from_pretrained, refused by the first generate",
+            a_quantized_latent_cache_with_repositioning, hf=True),
     ]
 
 
