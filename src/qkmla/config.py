@@ -11,14 +11,13 @@ travels wherever a QK norm is set (``MLAConfig.qk_norm``, ``apply_latent_attenti
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
 from .rope import YarnScaling, rope_scaling_from
-from .utils.checked import check_bool, is_int, is_number, python_numbers
+from .utils.checked import check_bool, is_finite_number, is_int, python_numbers
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
@@ -68,8 +67,7 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
 
 
 def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None and (not is_number(softmax_scale) or not softmax_scale > 0
-                                      or not math.isfinite(softmax_scale)):
+    if softmax_scale is not None and (not is_finite_number(softmax_scale) or not softmax_scale > 0):
         raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
 
 
@@ -114,10 +112,9 @@ class QKNormConfig:
             raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
         if self.mode not in QK_NORM_MODES:
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {self.mode!r}")
-        if not is_number(self.p) or not math.isfinite(self.p) or self.p < 1:
+        if not is_finite_number(self.p) or self.p < 1:
             raise ValueError(f"p: expected a finite number >= 1 (a norm needs p >= 1), got {self.p!r}")
-        if not is_number(self.eps) or not math.isfinite(self.eps) \
-                or self.eps < 0:
+        if not is_finite_number(self.eps) or self.eps < 0:
             raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
         if self.scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {self.scope!r}")
@@ -179,7 +176,7 @@ def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     is a finite positive number."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if not is_number(rope_theta) or not 0 < rope_theta < math.inf:
+    if not is_finite_number(rope_theta) or not rope_theta > 0:
         raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
 
 
@@ -243,8 +240,7 @@ class MLAConfig:
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         _check_softmax_scale(self.softmax_scale)
-        if not is_number(self.latent_norm_eps) \
-                or not 0 <= self.latent_norm_eps < math.inf:
+        if not is_finite_number(self.latent_norm_eps) or self.latent_norm_eps < 0:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
         for name in ("rope_interleave", "attention_bias", "attention_sinks"):
@@ -399,8 +395,7 @@ class SharedKVConfig:
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
         check_bool("attention_sinks", self.attention_sinks)
         _check_softmax_scale(self.softmax_scale)
-        if not is_number(self.norm_eps) \
-                or not 0 <= self.norm_eps < math.inf:
+        if not is_finite_number(self.norm_eps) or self.norm_eps < 0:
             raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
 
     has_qk_norm = True  # the norms are the design, not an option
@@ -454,6 +449,6 @@ PRESET_NUM_LAYERS: dict[str, int] = {
 
 def mla_preset(name: str, **overrides) -> MLAConfig:
     """The named :class:`MLAConfig`, with any field overridden."""
-    if name not in MLA_PRESETS:
+    if not isinstance(name, str) or name not in MLA_PRESETS:  # ["tiny"] failed as "unhashable type: 'list'"
         raise ValueError(f"preset: expected one of {sorted(MLA_PRESETS)}, got {name!r}")
     return MLA_PRESETS[name].replace(**overrides) if overrides else MLA_PRESETS[name]

@@ -76,6 +76,8 @@ class ScalarNorm(nn.Module):
             # the size of tensor b (8)"), naming neither the argument nor the width the norm was built for
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"v: expected a tensor [..., dim={self.dim}], got {got}")
+        if not v.is_floating_point():  # an integer tensor came back cast to its dtype: norm(ones) was all zeros
+            raise ValueError(f"v: expected a floating-point tensor (the output has v's dtype), got {v.dtype}")
         weight = self.weight if weight is None else weight
         if self.kind == "rms" and v.is_cuda:  # the same arithmetic, one fused kernel
             if weight.dim() == 1:

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .dtypes import accumulate_dtype, cast
-from .utils.checked import FixedSettings, as_int, as_number, check_bool, is_int, is_number, python_numbers
+from .utils.checked import FixedSettings, as_int, as_number, check_bool, is_finite_number, is_int, python_numbers
+from .utils.limits import check_allocation
 
 ROPE_TYPES = ("default", "yarn")
 # Keys a Hugging Face / DeepSeek YaRN dict may hold besides our fields ("type" is the
@@ -41,7 +42,7 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 def _number(name: str, value, low: float, allow_none: bool = False, strict: bool = False):
     if value is None and allow_none:
         return
-    bad = not is_number(value) or not math.isfinite(value)
+    bad = not is_finite_number(value)
     if bad or value < low or (strict and value == low):
         rel = ">" if strict else ">="
         none = " or None" if allow_none else ""
@@ -199,6 +200,9 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         dim = as_int(dim)  # a NumPy int is a width (np.int64(16) was refused as "got np.int64(16)")
         if not is_int(dim) or dim < 2 or dim % 2:
             raise ValueError(f"dim: expected a positive even int (RoPE rotates pairs), got {dim!r}")
+        # Sized against the machine before torch's allocator is asked: dim=2**40 failed in torch.arange with
+        # "DefaultCPUAllocator: can't allocate memory", naming no argument (the float64 frequencies: 4 bytes a dim)
+        check_allocation("dim", 4 * dim, f"the {dim // 2} float64 RoPE frequencies of dim={dim}")
         theta = as_number(theta)  # np.float32(500.0) is a base, too
         _number("theta", theta, 0, strict=True)
         check_bool("interleave", interleave)  # True: pairs (x0, x1); False: halves

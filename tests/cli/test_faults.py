@@ -4818,10 +4818,367 @@ def review15b_rows():
     ]
 
 
+def probe16b_rows():
+    """The sixteenth probe's failures in the Python API (issue 56, probe 16b: fresh probes of the constructors, the
+    decode op, the caches' state and the integrations, written without this table)."""
+
+    def an_int_past_a_float_where_a_number_belongs(env):
+        """Probes B1-B13: a Python int past a float's range (``10**400``) where a float belongs raised a bare
+        OverflowError ("int too large to convert to float", from ``math.isfinite``) in H2O's kept_fraction, the
+        sampling temperature, RotaryEmbedding's and YaRN's numbers, QKNormConfig's p and eps, the configs'
+        softmax_scale, TrainConfig's numbers and counts, GPTConfig's mlp_ratio, LoRA's alpha and the decode op's
+        softmax_scale; MLAConfig(rope_theta=10**400) was taken, and MLA(config) failed so (probes B19, B20:
+        MLAConfig's latent_norm_eps and SharedKVConfig's norm_eps likewise, in the module's RMSNorm). Each is
+        refused naming its argument (``utils.checked.is_finite_number``), a count past int64 as a count."""
+        from qkmla.cache.eviction import H2O
+        from qkmla.config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig
+        from qkmla.model.generate import check_sampling
+        from qkmla.model.gpt import GPTConfig
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+        from qkmla.rope import RotaryEmbedding, YarnScaling
+        from qkmla.train.config import TrainConfig
+
+        big = 10 ** 400
+        for make, name in ((lambda: H2O(kept_fraction=big), "kept_fraction"),
+                           (lambda: check_sampling(3, big, None), "temperature"),
+                           (lambda: RotaryEmbedding(16, theta=big), "theta"),
+                           (lambda: YarnScaling(factor=big, original_max_position_embeddings=64),
+                            "rope_scaling.factor"),
+                           (lambda: QKNormConfig("lp", p=big), "p"), (lambda: QKNormConfig("rms", eps=big), "eps"),
+                           (lambda: MLAConfig(softmax_scale=big), "softmax_scale"),
+                           (lambda: MLAConfig(rope_theta=big), "rope_theta"),
+                           (lambda: MLAConfig(latent_norm_eps=big), "latent_norm_eps"),
+                           (lambda: SharedKVConfig(norm_eps=big), "norm_eps"),
+                           (lambda: AttentionConfig(64, 4, rope_theta=big), "rope_theta"),
+                           (lambda: GPTConfig(mlp_ratio=big), "mlp_ratio"), (lambda: TrainConfig(lr=big), "lr"),
+                           (lambda: TrainConfig(grad_clip=big), "grad_clip"),
+                           (lambda: TrainConfig(steps=big), "steps: expected an int below 2\\*\\*63")):
+            raises(make, ValueError, rf"^{name}")
+        q_lat, q_rope, kv = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 4), torch.randn(1, 4, 12)
+        raises(lambda: mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([3]), None, softmax_scale=big),
+               ValueError, r"^softmax_scale: expected the logit scale")
+        assert H2O(kept_fraction=1).kept_fraction == 1 and check_sampling(3, 2, None)[1] == 2
+        assert TrainConfig(steps=2 ** 62).steps == 2 ** 62
+
+    def odd_chains_and_records_of_the_numerics_rule(env):
+        """Probes F1-F4, F6, F8, F12: ``supersede_other_trajectories`` given a branch before its parent, a
+        ``start_from`` naming no run or a cycle failed with "AttributeError: 'NoneType' object has no attribute
+        'get'" (the message about the parent's numerics), took a name with a path separator ("../x", which reached
+        outside OUT/runs), and met an OUT/superseded that is a file with a bare FileExistsError after a run had
+        moved; ``check_continues`` said a missing parent "ran under unrecorded numerics" and failed on a
+        numerics.json that is a folder with a bare IsADirectoryError. Each is refused first, naming it."""
+        from qkmla.experiments.grid import Run
+        from qkmla.experiments.numerics import check_continues, numerics, record, supersede_other_trajectories
+
+        current = numerics(1)
+        out = env.tmp / "grid"
+        for name in ("a", "b"):
+            (out / "runs" / name).mkdir(parents=True)
+            (out / "runs" / name / "status.json").write_text(json.dumps({"status": "done"}))
+            record(out / "runs" / name, dict(current, torch="0.0"))
+
+        def run(name, start_from=None):
+            return Run(name, "v", {}, start_from=start_from)
+
+        for runs, said in (([run("b", "a"), run("a")], r"b continues 'a', which is not a run listed before it"),
+                           ([run("b", "nope")], "b continues 'nope'"),
+                           ([run("a", "b"), run("b", "a")], "a continues 'b'"), ([run("a", "a")], "a continues 'a'"),
+                           ([run("a"), run("../b", "a")], r"a run's name is one directory name .*got '\.\./b'")):
+            raises(lambda: supersede_other_trajectories(runs, out, current), ValueError, rf"^runs: {said}")
+        (out / "superseded").write_text("mine")
+        raises(lambda: supersede_other_trajectories([run("a"), run("b", "a")], out, current), ValueError,
+               r"^out: .*superseded is in the way")
+        assert sorted(p.name for p in (out / "runs").iterdir()) == ["a", "b"]  # nothing moved
+        (out / "superseded").unlink()
+        assert supersede_other_trajectories([run("a"), run("b", "a")], out, current) == []  # a finished chain stays
+        raises(lambda: check_continues(out / "runs" / "c", out / "runs" / "gone", current), ValueError,
+               r"^start_from: .*gone is not a run's folder")
+        (out / "runs" / "d" / "numerics.json").mkdir(parents=True)
+        raises(lambda: check_continues(out / "runs" / "d", None, current), ValueError,
+               r"^numerics: .*numerics.json is not a file")
+
+    def a_kv_b_proj_with_a_bias_or_hooks(env):
+        """Probes G1-G3: an nn.Linear with a bias assigned as ``mla.kv_b_proj``, or a forward hook (or pre-hook) on
+        it, passed the check of kv_b_proj (nn.Linear's own forward), and the absorbed decode, which reads
+        kv_b_proj.weight alone, came out 0.4 to 2.0 off the explicit path without a word. Each is refused naming
+        kv_b_proj; a pruned kv_b_proj (whose pre-hook only recomputes .weight) still decodes as the explicit path."""
+        import torch.nn.utils.prune as prune
+        from qkmla.attention.mla import MLA
+        from qkmla.cache.latent import LatentCache
+        from qkmla.config import MLAConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(2, 9, 64, dtype=torch.double)
+
+        def decode(mla):
+            cache = LatentCache.from_config(mla.config, 2, 16, dtype=torch.double)
+            mla(x[:, :8], cache)
+            return mla(x[:, 8:], cache)
+
+        mla = MLA(MLAConfig()).double().eval()
+        biased = torch.nn.Linear(mla.kv_b_proj.in_features, mla.kv_b_proj.out_features).double()
+        mla.kv_b_proj = biased
+        raises(lambda: decode(mla), ValueError, r"^kv_b_proj: has a bias, which the absorbed path")
+        for hook in (lambda m: m.register_forward_hook(lambda mod, i, o: o * 2),
+                     lambda m: m.register_forward_pre_hook(lambda mod, i: (i[0] * 2,))):
+            mla = MLA(MLAConfig()).double().eval()
+            hook(mla.kv_b_proj)
+            raises(lambda: decode(mla), ValueError, r"^kv_b_proj: has forward hooks")
+        mla = MLA(MLAConfig()).double().eval()
+        prune.l1_unstructured(mla.kv_b_proj, "weight", amount=0.5)
+        torch.testing.assert_close(decode(mla), mla(x)[:, 8:], rtol=1e-9, atol=1e-12)
+
+    def fractions_in_the_configs(env):
+        """Probes H1, H3-H5, H14: a Fraction where a config takes a number (GPTConfig's dropout, MLAConfig's
+        rope_theta and softmax_scale, QKNormConfig's p, TrainConfig's lr) was refused as "expected a number in
+        [0, 1), got Fraction(1, 10)", a refusal that contradicts itself, while H2O's kept_fraction and
+        RotaryEmbedding's theta take it (utils.checked.as_number). The configs take it as the float it holds."""
+        from fractions import Fraction
+
+        from qkmla.config import MLAConfig, QKNormConfig
+        from qkmla.model.gpt import GPTConfig
+        from qkmla.train.config import TrainConfig
+
+        assert GPTConfig(dropout=Fraction(1, 10)) == GPTConfig(dropout=0.1)
+        assert MLAConfig(rope_theta=Fraction(500), softmax_scale=Fraction(1, 4)) == MLAConfig(rope_theta=500.0,
+                                                                                            softmax_scale=0.25)
+        assert QKNormConfig("lp", p=Fraction(3)).p == 3.0 and TrainConfig(lr=Fraction(1, 1000)).lr == 0.001
+        assert type(TrainConfig(lr=Fraction(1, 1000)).lr) is float  # written as JSON in config.json
+        raises(lambda: GPTConfig(dropout=Fraction(3, 2)), ValueError, r"^dropout: expected a number in \[0, 1\)")
+
+    def archive_and_restore_over_leftovers(env):
+        """Probes M1-M5: ``archive_runs`` failed with a bare FileNotFoundError on a superseded run without
+        superseded.json (the rule wrote it after the move: a stop between the two left one), with NotADirectoryError
+        on a note in OUT/superseded, and with IsADirectoryError, half way through deleting, on a stale archived copy
+        holding a folder; ``restore_runs`` restored a leftover NAME.restoring's stray checkpoint.pt with the run, and
+        failed with a bare FileExistsError on a file of that name. The record is written before the move; the
+        archive skips what is no superseded run and keeps what is no archived file; a restore starts afresh."""
+        from qkmla.experiments.grid import archive_runs, restore_runs
+
+        def finished(path):
+            path.mkdir(parents=True)
+            (path / "status.json").write_text(json.dumps({"status": "done"}))
+
+        out, dst = env.tmp / "out", env.tmp / "dst"
+        finished(out / "runs" / "a")
+        finished(out / "superseded" / "b")  # no superseded.json
+        (out / "superseded" / "notes.txt").write_text("mine")
+        finished(out / "superseded" / "c")
+        (out / "superseded" / "c" / "superseded.json").write_text(json.dumps({"run": "c"}))
+        finished(dst / "runs" / "c")
+        (dst / "runs" / "c" / "plots").mkdir()
+        assert archive_runs(out, dst) == ["a"]
+        assert (dst / "superseded" / "b" / "status.json").is_file() and (dst / "runs" / "c" / "plots").is_dir()
+        assert not (dst / "runs" / "c" / "status.json").exists()
+        (env.tmp / "grid" / "runs" / "a.restoring").mkdir(parents=True)
+        (env.tmp / "grid" / "runs" / "a.restoring" / "checkpoint.pt").write_text("stale")
+        assert restore_runs(dst, env.tmp / "grid") == ["a"]
+        assert sorted(p.name for p in (env.tmp / "grid" / "runs" / "a").iterdir()) == ["status.json"]
+        finished(dst / "runs" / "d")
+        (env.tmp / "grid" / "runs" / "d.restoring").write_text("mine")
+        raises(lambda: restore_runs(dst, env.tmp / "grid"), ValueError, r"^out: .*d\.restoring is in the way")
+
+    def numpy_seeds_and_a_number_as_sweep_in_options(env):
+        """Probes Q7, Q8: ``experiments.Options(out, seeds=np.int64(2))`` was refused as "seeds: expected an int from
+        1 to 1000 ..., got np.int64(2)" (workers likewise), a refusal that contradicts itself, as the configs' were
+        before ``python_numbers``; ``Options(out, sweep=5)`` was taken, to fail where an experiment read it as a
+        path. The NumPy numbers are the ints they hold; a sweep that is no path is refused naming it."""
+        import numpy as np
+        from qkmla.experiments import Options
+
+        options = Options(out=env.tmp, seeds=np.int64(2), workers=np.int64(1), sweep=str(env.tmp / "r.jsonl"))
+        assert (options.seeds, options.workers, options.sweep) == (2, 1, env.tmp / "r.jsonl")
+        assert type(options.seeds) is int
+        raises(lambda: Options(out=env.tmp, sweep=5), ValueError, r"^sweep: expected an lr-sweep results.jsonl")
+        raises(lambda: Options(out=env.tmp, seeds=np.True_), ValueError, r"^seeds: expected an int")
+
+    def redraw_over_another_experiment(env):
+        """Probes Q1, Q3, Q5: ``redraw(EXPERIMENTS["norm-mode"], src, dst)`` replaced the qk-clip results.jsonl and
+        summary.md a dst held without a word, drew qk-clip's rows from a src as norm-mode's report (a table of
+        qk-clip's variants, nothing said), and met a summary.json in src that is no JSON with a bare JSONDecodeError
+        after dst was written. Each is refused naming src or dst, before dst is written."""
+        from qkmla.experiments import EXPERIMENTS
+        from qkmla.experiments.base import redraw
+
+        committed = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "experiments"
+        dst = env.tmp / "dst"
+        dst.mkdir()
+        shutil.copy(committed / "qk-clip" / "results.jsonl", dst / "results.jsonl")
+        before = (dst / "results.jsonl").read_bytes()
+        raises(lambda: redraw(EXPERIMENTS["norm-mode"], committed / "norm-mode", dst), ValueError,
+               r"^dst: .* holds qk-clip's results or summary")
+        assert (dst / "results.jsonl").read_bytes() == before and sorted(p.name for p in dst.iterdir()) == [
+            "results.jsonl"]
+        raises(lambda: redraw(EXPERIMENTS["norm-mode"], committed / "qk-clip", env.tmp / "d2"), ValueError,
+               r"^src: .*results.jsonl holds qk-clip's results, not norm-mode's")
+        src = env.tmp / "src"
+        src.mkdir()
+        shutil.copy(committed / "norm-mode" / "results.jsonl", src / "results.jsonl")
+        (src / "summary.json").write_text("{oops")
+        raises(lambda: redraw(EXPERIMENTS["norm-mode"], src, env.tmp / "d3"), ValueError,
+               r"^src: .*summary.json is not JSON")
+        assert not (env.tmp / "d2").exists() and not (env.tmp / "d3").exists()
+        (src / "summary.json").unlink()
+        assert set(redraw(EXPERIMENTS["norm-mode"], src, env.tmp / "d4").summary) >= {"blockwise", "unified"}
+
+    def numpy_numbers_and_a_str_dtype_of_the_conversions(env, hf):
+        """Probes R1-R3, R10: ``convert_checkpoint(src, out, calibration_tokens=np.int64(64))`` was refused as
+        "expected an int >= 0, got np.int64(64)", and ``convert_gqa`` / ``convert_gqa_checkpoint``'s
+        ``kv_lora_rank=np.int64(16)`` as "expected an int from 1 to ... = 64 ..., got np.int64(16)", refusals that
+        contradict themselves; ``convert_checkpoint(..., dtype="bfloat16")`` was taken, and failed as the weights
+        were read with torch's "Invalid device string: 'bfloat16'". NumPy ints are the ints they hold; a dtype that
+        is no torch.dtype is refused naming dtype, before out is made."""
+        import numpy as np
+        import transformers
+        from qkmla.convert import convert_checkpoint, convert_gqa, convert_gqa_checkpoint
+
+        raises(lambda: convert_checkpoint(hf, env.tmp / "o1", qk_norm="rms", calibration_tokens=0, dtype="bfloat16"),
+               ValueError, r"^dtype: expected None \(the stored dtype\) or a floating-point torch.dtype")
+        raises(lambda: convert_gqa_checkpoint(hf, env.tmp / "o2", dtype="bfloat16"), ValueError, r"^dtype: expected")
+        assert not (env.tmp / "o1").exists() and not (env.tmp / "o2").exists()
+        # past the number's check, the tiny checkpoint has no tokenizer to calibrate with
+        raises(lambda: convert_checkpoint(hf, env.tmp / "o3", calibration_tokens=np.int64(64)), ValueError,
+               r"^src: .* has no tokenizer")
+        qwen = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=300, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)).eval()
+        model, _ = convert_gqa(qwen, kv_lora_rank=np.int64(32), rope_dim=np.int64(8))
+        assert model.config.kv_lora_rank == 33 and type(model.config.kv_lora_rank) is int  # r and the constant channel
+
+    def a_numpy_token_count_of_cache_rows(env):
+        """Probe W2: ``qkmla.cache.size.cache_rows(shape, np.int64(4096))`` (the cache-size table's rows) was
+        refused as "tokens: expected a positive int below 2**63, got np.int64(4096)", a refusal that contradicts
+        itself, while CacheShape takes NumPy ints. It is the count it holds."""
+        import numpy as np
+        from qkmla.cache.size import CacheShape, cache_rows
+
+        shape = CacheShape(num_layers=2, num_heads=4, head_dim=16, num_kv_heads=2, kv_lora_rank=32, qk_rope_head_dim=8)
+        assert cache_rows(shape, np.int64(4096)) == cache_rows(shape, 4096)
+        raises(lambda: cache_rows(shape, np.int64(0)), ValueError, r"^tokens: expected a positive int below 2\*\*63")
+
+    def a_preset_name_of_another_type(env):
+        """Probe W12: ``mla_preset(["tiny"])`` failed with "TypeError: unhashable type: 'list'", naming neither the
+        argument nor the presets. It is refused as any unknown name is."""
+        from qkmla.config import mla_preset
+
+        for name in (["tiny"], {"tiny": 1}, None):
+            raises(lambda n=name: mla_preset(n), ValueError, r"^preset: expected one of \[.*'tiny'")
+
+    def an_integer_tensor_through_a_scalar_norm(env):
+        """Probe X3: ``ScalarNorm(8)(torch.ones(2, 8, dtype=torch.long))`` returned zeros without a word: the
+        normalized values (1.0 each) were cast back to the input's integer dtype, truncating them. An integer
+        tensor is refused naming v."""
+        from qkmla.norms import ScalarNorm
+
+        raises(lambda: ScalarNorm(8)(torch.ones(2, 8, dtype=torch.long)), ValueError,
+               r"^v: expected a floating-point tensor .*torch.int64")
+        torch.testing.assert_close(ScalarNorm(8)(torch.ones(2, 8)), torch.ones(2, 8), rtol=1e-5, atol=1e-5)
+
+    def a_rope_width_past_memory(env):
+        """Probe AA5: ``RotaryEmbedding(2**40)`` failed in torch.arange with "DefaultCPUAllocator: can't allocate
+        memory: you tried to allocate 4398046511104 bytes", naming no argument, where every other constructor
+        (MLA, the caches, ScalarNorm) is sized against the machine first. It is refused naming dim."""
+        from qkmla.rope import RotaryEmbedding
+
+        raises(lambda: RotaryEmbedding(2 ** 40), ValueError, r"^dim: the 549755813888 float64 RoPE frequencies .* "
+               r"more than the .* of memory available")
+        assert RotaryEmbedding(2 ** 10).inv_freq.shape == (2 ** 9,)
+
+    def a_shared_kv_layer_past_memory(env):
+        """Probes AA10, AA11: ``SharedKVAttention(SharedKVConfig(hidden_size=2**30))`` (num_heads=2**30 likewise)
+        failed in nn.Linear with torch's "DefaultCPUAllocator: can't allocate memory", naming nothing, where MLA and
+        MultiHeadAttention are sized against the machine first. It is refused naming config and its widths."""
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import SharedKVConfig
+
+        for config in (SharedKVConfig(hidden_size=2 ** 30), SharedKVConfig(num_heads=2 ** 30, q_lora_rank=None)):
+            raises(lambda c=config: SharedKVAttention(c), ValueError,
+                   r"^config: the projections of a shared-KV attention layer with hidden_size=.* more than the")
+        assert SharedKVAttention(SharedKVConfig())(torch.randn(1, 3, 64)).shape == (1, 3, 64)
+
+    def a_triton_split_count_past_memory(env):
+        """Probe AB1: ``mla_decode_with_kvcache(..., backend="triton", num_splits=2**40)`` failed in torch's allocator
+        ("DefaultCPUAllocator: can't allocate memory"), sizing the kernel's partial results, naming nothing. It is
+        refused naming num_splits; a split count that fits still runs (Triton's interpreter here)."""
+        pytest.importorskip("triton")
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        env.monkeypatch.setenv("TRITON_INTERPRET", "1")
+        q_lat, q_rope, kv = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16), torch.randn(1, 8, 32)
+        raises(lambda: mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([5]), softmax_scale=0.3,
+                                               backend="triton", num_splits=2 ** 40), ValueError,
+               r"^num_splits: the Triton kernel's partial results of num_splits=1099511627776 splits need")
+        out, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([5]), softmax_scale=0.3,
+                                         backend="triton", num_splits=2)
+        want, _ = mla_decode_with_kvcache(q_lat, q_rope, kv, None, torch.tensor([5]), softmax_scale=0.3,
+                                          backend="naive")
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+    def a_quantized_latent_cache_with_repositioning(env, hf):
+        """Probes P14, P18-P20: ``kv_format="int8"`` with ``StreamingLLM(..., reposition=True)``, which LatentCache
+        refuses (the re-rotated RoPE keys need float32), was taken by apply_latent_attention, LatentAttentionCache
+        and from_pretrained (after loading every weight), and refused only by the first generate. Each refuses it
+        first, naming policy."""
+        import transformers
+        from qkmla.cache.eviction import StreamingLLM
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention, from_pretrained
+
+        policy = StreamingLLM(sinks=2, budget=40, reposition=True)
+        said = r"^policy: reposition=True re-rotates the stored RoPE keys .*kv_format='int8'"
+        raises(lambda: from_pretrained(hf, kv_format="int8", policy=policy), ValueError, said)
+        raises(lambda: apply_latent_attention(transformers.AutoModelForCausalLM.from_pretrained(hf), kv_format="int8",
+                                              policy=policy), ValueError, said)
+        raises(lambda: LatentAttentionCache(tiny_latent_deepseek(), kv_format="int8", policy=policy), ValueError, said)
+        model = from_pretrained(hf, policy=policy)  # dense float32: taken, and it generates
+        ids = torch.tensor([[5, 6, 7, 8]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+        assert out.shape == (1, 6)
+
+    return [
+        Row("H2O", "size", "a number past a float's range (10**400) as kept_fraction, temperature, theta, p, eps, "
+            "softmax_scale, lr, ...: a bare OverflowError; MLAConfig(rope_theta=10**400) taken",
+            an_int_past_a_float_where_a_number_belongs),
+        Row("experiment", "path", "supersede_other_trajectories given a branch before its parent, a start_from naming "
+            "no run, a cycle: AttributeError; '../x' as a name taken; check_continues: a missing parent 'ran under "
+            "unrecorded numerics', a numerics.json folder a bare IsADirectoryError",
+            odd_chains_and_records_of_the_numerics_rule),
+        Row("MLAConfig", "size", "mla.kv_b_proj = nn.Linear(..., bias=True), or a forward hook on it: the absorbed "
+            "decode 0.4 to 2.0 off the explicit path without a word", a_kv_b_proj_with_a_bias_or_hooks),
+        Row("GPTConfig", "size", "dropout=Fraction(1, 10) (MLAConfig's rope_theta, QKNormConfig's p, TrainConfig's lr "
+            "likewise) refused as 'expected a number in [0, 1), got Fraction(1, 10)'", fractions_in_the_configs),
+        Row("experiment", "path", "archive_runs over a superseded run without superseded.json, a note in "
+            "OUT/superseded, a stale copy holding a folder: bare OSErrors; restore_runs kept a leftover's stray "
+            "checkpoint.pt", archive_and_restore_over_leftovers),
+        Row("experiment", "size", "Options(out, seeds=np.int64(2)) refused as 'expected an int from 1 to 1000, got "
+            "np.int64(2)'; Options(out, sweep=5) taken", numpy_seeds_and_a_number_as_sweep_in_options),
+        Row("experiment", "path", "redraw into a dst holding another experiment's results: replaced without a word; "
+            "another experiment's src rows drawn as this one's report", redraw_over_another_experiment),
+        Row("convert", "size", "calibration_tokens=np.int64(64), convert_gqa's kv_lora_rank=np.int64(16): refused as "
+            "'expected an int ..., got np.int64(...)'; dtype='bfloat16' taken, then 'Invalid device string'",
+            numpy_numbers_and_a_str_dtype_of_the_conversions, hf=True),
+        Row("CacheShape", "size", "cache_rows(shape, np.int64(4096)) refused as 'expected a positive int below 2**63, "
+            "got np.int64(4096)'", a_numpy_token_count_of_cache_rows),
+        Row("MLAConfig", "size", "mla_preset(['tiny']): TypeError: unhashable type: 'list'",
+            a_preset_name_of_another_type),
+        Row("ScalarNorm", "size", "ScalarNorm(8)(an int64 tensor of ones): zeros, without a word",
+            an_integer_tensor_through_a_scalar_norm),
+        Row("RotaryEmbedding", "size", "RotaryEmbedding(2**40): torch's 'DefaultCPUAllocator: can't allocate memory'",
+            a_rope_width_past_memory),
+        Row("SharedKVCache", "size", "SharedKVAttention(SharedKVConfig(hidden_size=2**30)): torch's "
+            "'DefaultCPUAllocator: can't allocate memory'", a_shared_kv_layer_past_memory),
+        Row("mla_decode_with_kvcache", "size", "backend='triton', num_splits=2**40: torch's 'DefaultCPUAllocator: "
+            "can't allocate memory'", a_triton_split_count_past_memory),
+        Row("LatentAttentionCache", "size", "kv_format='int8' with a repositioning StreamingLLM: taken by "
+            "apply_latent_attention, LatentAttentionCache and from_pretrained, refused by the first generate",
+            a_quantized_latent_cache_with_repositioning, hf=True),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
+        + probe16b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
@@ -223,6 +224,19 @@ class MLA(nn.Module):
         # of its own (loralib's Linear, bitsandbytes' Linear8bitLt) passed an isinstance check, and the absorbed
         # path read its .weight alone: 1.42 off the explicit path, without a word.
         if isinstance(self.kv_b_proj, nn.Linear) and kind.forward is nn.Linear.forward:
+            # Its output is x @ weight.T only without a bias and without hooks that change its input or output:
+            # a bias or a forward hook (nn.Linear(..., bias=True) assigned in its place, a hook scaling its output)
+            # moved the absorbed path 0.4 to 2.0 off the explicit one without a word. A pruning method's pre-hook
+            # only recomputes .weight, which the absorbed path reads.
+            if self.kv_b_proj.bias is not None:
+                raise ValueError("kv_b_proj: has a bias, which the absorbed path (reading kv_b_proj.weight alone) "
+                                 "cannot fold into the query and the output; MLA's kv_b_proj has none "
+                                 "(attention_bias biases q_a_proj, kv_a_proj_with_mqa and o_proj)")
+            hooks = [h for h in self.kv_b_proj._forward_pre_hooks.values() if not isinstance(h, BasePruningMethod)]
+            if hooks or self.kv_b_proj._forward_hooks:
+                raise ValueError("kv_b_proj: has forward hooks, which the absorbed path (reading kv_b_proj.weight "
+                                 "outside its forward) would skip; remove them, or run a forward that needs no "
+                                 "cache without one (transformers: use_cache=False)")
             return
         if not isinstance(self.kv_b_proj, nn.Module):  # None, or a tensor set in its place
             raise ValueError(f"kv_b_proj: expected an nn.Linear (the latent's up-projection), got {kind.__name__}")

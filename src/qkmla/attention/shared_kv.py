@@ -32,6 +32,7 @@ from torch import nn
 from ..cache.shared_kv import SharedKVCache
 from ..config import SharedKVConfig, fixed_config
 from ..rope import RotaryEmbedding
+from ..utils.limits import check_weights
 from .functional import check_forward, default_positions, record_max_logits, sdpa, sink_attention, zero_padding
 
 
@@ -55,6 +56,12 @@ class SharedKVAttention(nn.Module):
             raise ValueError(f"config: expected a SharedKVConfig, got {type(config).__name__}")
         self.config = c = config
         d, h, D = c.hidden_size, c.num_heads, c.head_dim
+        # Sized against the machine before torch's allocator is asked, as MLA and MultiHeadAttention are:
+        # hidden_size=2**30 failed in nn.Linear with "DefaultCPUAllocator: can't allocate memory", naming nothing.
+        query = [(h * D, d)] if c.q_lora_rank is None else [(c.q_lora_rank, d), (h * D, c.q_lora_rank)]
+        check_weights("config", query + [(D, d), (d, h * D)],
+                      f"the projections of a shared-KV attention layer with hidden_size={d}, num_heads={h}, "
+                      f"head_dim={D}, q_lora_rank={c.q_lora_rank}")
         if c.q_lora_rank is None:
             self.q_proj = nn.Linear(d, h * D, bias=False)
         else:

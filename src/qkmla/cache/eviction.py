@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..utils.checked import Frozen, as_int, as_number, check_bool, is_int, is_number
+from ..utils.checked import Frozen, as_int, as_number, check_bool, is_finite_number, is_int
 from .base import WriteSlot
 
 HEAD_REDUCTIONS = ("mean", "max")
@@ -109,8 +109,7 @@ class EvictionPolicy(Frozen):
             _check_int("budget", budget, max(1, sinks + window), f" (sinks + window = {sinks} + {window}, at least 1)")
             self.fraction = None
         else:
-            bad = not is_number(kept_fraction)
-            if bad or not math.isfinite(kept_fraction) or not 0 < kept_fraction <= 1:
+            if not is_finite_number(kept_fraction) or not 0 < kept_fraction <= 1:
                 raise ValueError(f"kept_fraction: expected a number in (0, 1], got {kept_fraction!r}")
             # ceil(0.1 * 30) is 3, not 4; a fraction too small for the denominator stays above 0
             self.fraction = max(Fraction(kept_fraction).limit_denominator(1 << 20), Fraction(1, 1 << 20))

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..config import MLA_PRESETS, PRESET_NUM_LAYERS, check_groups, check_positive_int, check_rope
 from ..kv_formats import KV_FORMATS, check_kv_format, row_format
-from ..utils.checked import is_int, python_numbers
+from ..utils.checked import as_int, is_int, python_numbers
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 # ``qkmla cache-size --kv-dtype``: a dense dtype, or a quantized format (with its scales).
@@ -128,6 +128,7 @@ def vector_bytes(shape: CacheShape, values: int, rope: int = 0) -> int:
 
 def cache_rows(shape: CacheShape, tokens: int) -> list[dict]:
     """One dict per cache variant: values and bytes per token (one layer, all layers) and per request."""
+    tokens = as_int(tokens)  # np.int64(4096) was refused as "expected a positive int ..., got np.int64(4096)"
     if not is_int(tokens) or not 1 <= tokens < 2**63:
         raise ValueError(f"tokens: expected a positive int below 2**63, got {tokens!r}")
     b_s = DTYPE_BYTES[shape.scalar_dtype or shape.dtype]

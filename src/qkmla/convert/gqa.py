@@ -51,7 +51,7 @@ import torch
 from ..config import QKNormConfig
 from ..utils.files import check_input_file
 from .gqa_fit import LATENTS, ROPE_KEYS, calibration_moments, check_calibration, kv_rank, latent_factors, rope_key_mix
-from ..utils.checked import check_bool, is_int
+from ..utils.checked import as_int, check_bool, is_int
 
 ROPE_PAIRS = ("uniform", "high")
 # The source classes, and what their QK norm's statistic covers (QKNormConfig.scope): Qwen3
@@ -292,6 +292,9 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
 
     hidden, H, G, D = source_attention_shape(model)
     max_rank = min(2 * G * D, hidden)
+    # NumPy ints are the widths they hold (np.int64(16) was refused as "expected an int from 1 to ..., got
+    # np.int64(16)")
+    kv_lora_rank, rope_dim = as_int(kv_lora_rank), as_int(rope_dim)
     _check_rank(kv_lora_rank, max_rank)
     rope_dim, rope_pairs = resolve_rope(D, rope_dim, rope_pairs)
     pairs, theta = kept_rope_pairs(D, rope_dim, rope_pairs, rope_theta_of(model.config))
@@ -526,9 +529,12 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     import transformers
 
     from ..integrations.hub.checkpoint import CONFIG, load_tokenizer, read_hf_config, transformers_config
-    from .qk_norm import check_convert_paths, converting_into, write_checkpoint
+    from .qk_norm import check_convert_paths, check_dtype, converting_into, write_checkpoint
 
     src, out = check_convert_paths(src, out, overwrite, [("calibration_text", calibration_text)])
+    check_dtype(dtype)
+    # NumPy ints are the numbers they hold, as convert_gqa takes them
+    kv_lora_rank, rope_dim, calibration_tokens = (as_int(v) for v in (kv_lora_rank, rope_dim, calibration_tokens))
     hf_config = read_hf_config(src, "src")
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_TYPES:

@@ -29,7 +29,7 @@ from ..config import QKNormConfig
 from ..utils.files import clear_stale, directory_state, make_directory, output_directory, write_directory
 from ..integrations.hub.checkpoint import CONFIG, check_utf8_path, load_tokenizer, read_hf_config, transformers_config
 from ..integrations.hub.output import check_checkpoint_out
-from ..utils.checked import check_bool, is_int
+from ..utils.checked import as_int, check_bool, is_int
 
 DEFAULT_CALIBRATION_TOKENS = 4096
 HELD_OUT_TOKENS = 4096
@@ -41,6 +41,14 @@ def lock_file(out: Path) -> Path:
     beside it. ``out`` is the directory written (:func:`~qkmla.utils.files.output_directory`), so two
     conversions through two links to one directory exclude each other."""
     return out.with_name(out.name + ".lock")
+
+
+def check_dtype(dtype) -> None:
+    """A ValueError naming ``dtype`` unless it is None or a floating-point torch.dtype: a str ("bfloat16") was
+    taken, and the conversion failed as it read the weights with "Invalid device string: 'bfloat16'"."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype: expected None (the stored dtype) or a floating-point torch.dtype "
+                         f"(e.g. torch.bfloat16), got {dtype!r}")
 
 
 def check_convert_paths(src: Union[str, Path], out: Union[str, Path], overwrite: bool,
@@ -157,6 +165,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
 
     src, out = check_convert_paths(src, out, overwrite, inputs)
     norm = QKNormConfig.of(qk_norm)
+    check_dtype(dtype)
+    calibration_tokens = as_int(calibration_tokens)  # np.int64(64) was refused as "... got np.int64(64)"
     if not is_int(calibration_tokens) or calibration_tokens < 0:
         raise ValueError(f"calibration_tokens: expected an int >= 0, got {calibration_tokens!r}")
     if calibration_tokens and norm is None:

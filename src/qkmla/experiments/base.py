@@ -24,7 +24,7 @@ from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
                    stop_requests, worker_pool)
 from .results import best_lr, read_results, summarize, write_results
-from ..utils.checked import check_bool, is_int
+from ..utils.checked import check_bool, is_int, python_numbers
 
 
 MAX_SEEDS = 1000  # seeds per variant: each is a training run; more is a typo (and a plan that fills memory)
@@ -70,12 +70,17 @@ class Options:
         # Built from Python (run_experiment's callers) as well as by the command line, which checks its
         # flags first: overwrite="no" or quick="no" were truthy (another experiment's files replaced, the
         # quick grid run), workers=-1 and seeds=0 reached the grid's arithmetic.
+        python_numbers(self)  # np.int64(2) seeds was refused as "expected an int from 1 to 1000, got np.int64(2)"
         for name in ("quick", "overwrite"):
             check_bool(name, getattr(self, name))
         # a str out reached every report's options.out / "x.png" (redraw passes its dst as given)
         if not isinstance(self.out, (str, os.PathLike)):
             raise ValueError(f"out: expected the experiment's directory (a path), got {self.out!r}")
         object.__setattr__(self, "out", Path(self.out))
+        if self.sweep is not None:  # sweep=5 was taken, and failed where an experiment read it as a path
+            if not isinstance(self.sweep, (str, os.PathLike)):
+                raise ValueError(f"sweep: expected an lr-sweep results.jsonl (a path) or None, got {self.sweep!r}")
+            object.__setattr__(self, "sweep", Path(self.sweep))
         check_seeds("seeds", self.seeds)
         check_workers("workers", self.workers, bound=False)
 
@@ -357,19 +362,44 @@ def redraw(experiment: Experiment, src: Path, dst: Path, quick: bool = False) ->
     command, commit and machine): to publish a grid that is still running, or to redraw a
     committed one, without touching its runs. ``src``'s finished runs are archived in
     ``dst/runs`` (``grid.archive_runs``), so that a later session can restore them
-    (``grid.restore_runs``) and go on with the rest of the grid."""
+    (``grid.restore_runs``) and go on with the rest of the grid. Refused before ``dst`` is written: rows of
+    another experiment in ``src``, and a ``dst`` holding another experiment's results or summary."""
     options = Options(out=dst, quick=quick)  # first: quick=1 was refused by Options after dst was written
     src, dst = Path(src), options.out  # Options made dst a Path
     if not (src / "results.jsonl").is_file():
         raise ValueError(f"src: no results.jsonl in {src}")
+    # Everything read and checked before dst is written: another experiment's rows were drawn as this one's
+    # (norm-mode's report of qk-clip's variants), another experiment's results and summary in dst were replaced
+    # without a word, and a summary.json that is no JSON failed with a bare JSONDecodeError after the archive.
+    try:
+        rows = read_results(src / "results.jsonl")
+    except ValueError as e:
+        raise ValueError(f"src: {src / 'results.jsonl'} is not JSON rows ({e})") from None
+    others = sorted({str(r.get("experiment")) if isinstance(r, dict) else "another program" for r in rows}
+                    - {experiment.name})
+    if others:
+        raise ValueError(f"src: {src / 'results.jsonl'} holds {', '.join(others)}'s results, not {experiment.name}'s")
+    meta = {}
+    if (src / "summary.json").is_file():
+        try:
+            meta = json.loads((src / "summary.json").read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"src: {src / 'summary.json'} is not JSON ({e}); remove it or fix it") from None
+    meta = meta if isinstance(meta, dict) else {}
+    if dst.is_dir():
+        try:
+            owners = _owners(dst) - {experiment.name}
+        except ValueError as e:
+            raise ValueError(f"dst: {str(e).removeprefix('--out: ')}") from None
+        if owners:
+            raise ValueError(f"dst: {dst} holds {', '.join(sorted(owners))}'s results or summary, which redrawing "
+                             f"{experiment.name} there would replace; redraw into another directory")
     dst.mkdir(parents=True, exist_ok=True)
     if same_file(src, dst):
         raise ValueError(f"dst: {dst} is src; redraw into another directory")
     archive_runs(src, dst, experiment.thin_metrics)
-    rows = read_results(src / "results.jsonl")
     write_results(rows, dst / "results.jsonl")
     report = experiment.report(rows, options)
-    meta = json.loads((src / "summary.json").read_text()) if (src / "summary.json").is_file() else {}
     keep = ("experiment", "command", "commit", "machine", "runs", "cpu_seconds_of_runs", "errors")
     meta = {k: meta[k] for k in keep if k in meta}
     meta["redrawn_at_commit"] = source_commit(Path(__file__).parent)

@@ -137,12 +137,20 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
             _copy_archived(path, Path(dst) / "runs" / path.name, ARCHIVED, thin)
             copied.append(path.name)
     for path in sorted((Path(out) / SUPERSEDED).glob("*")):
+        if not path.is_dir():  # a note left beside the runs is no run (it failed as "Not a directory")
+            continue
         _copy_archived(path, Path(dst) / SUPERSEDED / path.name, ARCHIVED + ("superseded.json",), thin)
-        stale = Path(dst) / "runs" / json.loads((path / "superseded.json").read_text())["run"]
-        if stale.is_dir() and stale.name not in copied:
+        try:  # which run it was; a folder without the record (not moved by the rule) keeps its archived copy
+            name = json.loads((path / "superseded.json").read_text(encoding="utf-8"))["run"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        stale = Path(dst) / "runs" / name if isinstance(name, str) and Path(name).name == name else None
+        if stale is not None and stale.is_dir() and stale.name not in copied:
             for item in stale.iterdir():
-                item.unlink()
-            stale.rmdir()
+                if not item.is_dir():  # a folder in it is no archived file: left, with the folder around it
+                    item.unlink()
+            if not any(stale.iterdir()):
+                stale.rmdir()
     return copied
 
 
@@ -156,7 +164,14 @@ def restore_runs(src: Path, out: Path) -> list[str]:
         if target.exists() or not (path / "status.json").is_file():
             continue
         tmp = target.with_name(target.name + ".restoring")
-        tmp.mkdir(parents=True, exist_ok=True)
+        # A restore stopped half way left its temporary folder: start it afresh, so nothing but the archived files
+        # (a stray checkpoint.pt) is restored with the run; anything else of that name is named, not replaced.
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp)
+        elif os.path.lexists(tmp):
+            raise ValueError(f"out: {tmp} is in the way of restoring {path.name} (restore_runs writes the run there "
+                             f"first); move it aside")
+        tmp.mkdir(parents=True)
         for name in ARCHIVED:
             if (path / name).is_file():
                 write_bytes(tmp / name, (path / name).read_bytes())

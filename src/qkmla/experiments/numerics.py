@@ -80,6 +80,29 @@ def _free_name(folder: Path, name: str) -> Path:
     return target
 
 
+def _check_chains(runs: list, out: Path) -> None:
+    """A ValueError naming ``runs`` unless every name is one directory name, used once, and every
+    ``start_from`` names a run listed before it (so no chain is a cycle), and naming the folder
+    unless ``out/superseded`` is one: checked before any run moves. A branch listed before its parent,
+    or continuing no run, failed in the message about its parent's numerics (AttributeError: 'NoneType'
+    object has no attribute 'get'); a name with a path separator ("../x") reached outside ``out/runs``."""
+    seen = set()
+    for run in runs:
+        name = run.name
+        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name \
+                or (os.altsep and os.altsep in name):
+            raise ValueError(f"runs: a run's name is one directory name under {Path(out) / 'runs'}, got {name!r}")
+        if name in seen:
+            raise ValueError(f"runs: run names must be unique, got {name!r} twice")
+        if run.start_from is not None and run.start_from not in seen:
+            raise ValueError(f"runs: {name} continues {run.start_from!r}, which is not a run listed before it "
+                             f"(parents are listed before their branches)")
+        seen.add(name)
+    folder = Path(out) / SUPERSEDED
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise ValueError(f"out: {folder} is in the way of the folder superseded runs are moved to; move it aside")
+
+
 def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[str]:
     """Move out of ``out/runs`` every run of ``runs`` (parents listed before their branches) that
     would not be one trajectory with the rest of its chain, and return their names.
@@ -92,7 +115,12 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
     A run moved goes to ``out/superseded/NAME`` (``NAME.2``, ... when taken) with
     ``superseded.json`` saying why, and trains again; its row in ``results.jsonl`` becomes the
     new run's.
+
+    Raises:
+        ValueError, before any run moves: a name that is not one directory name or is used twice, a
+        ``start_from`` that names no run listed before it, ``out/superseded`` that is not a folder.
     """
+    _check_chains(runs, out)
     root = Path(out) / "runs"
     finished = {r.name: (read_status(root / r.name) or {}).get("status") in _FINISHED for r in runs}
     grows = set()  # runs that something unfinished will continue
@@ -140,9 +168,11 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
             (path / "status.no-checkpoint.json").replace(path / "status.json")  # it finished where it ran
         target = _free_name(Path(out) / SUPERSEDED, run.name)
         target.parent.mkdir(parents=True, exist_ok=True)
+        # The record first, moved with the run: written after the move, a stop between the two left a superseded
+        # run that archive_runs could not name (it failed on the missing superseded.json).
+        write_text(path / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
+                                                          "numerics_recorded": own}, indent=1) + "\n")
         path.replace(target)
-        write_text(target / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
-                                                            "numerics_recorded": own}, indent=1) + "\n")
         print(f"{run.name} superseded (moved to {target}): {why}", flush=True)
         trajectory[run.name] = current
         new.add(run.name)
@@ -156,10 +186,19 @@ def check_continues(path: Path, start_from: Optional[Path], current: dict) -> No
     record ``current`` as the run's numerics.
 
     Raises:
-        ValueError: naming the run and both numerics.
+        ValueError: naming the run and both numerics; naming ``start_from`` when it is not a folder, and the
+            record when something other than a file is in its place.
     """
     path = Path(path)
+    # Named before anything is read: a numerics.json that is a folder failed in record() as a bare
+    # IsADirectoryError, and a parent that is not there was said to have "run under unrecorded numerics".
+    if os.path.lexists(path / FILENAME) and not (path / FILENAME).is_file():
+        raise ValueError(f"numerics: {path / FILENAME} is not a file (where the run records its numerics); "
+                         f"move it aside")
     started = (path / CHECKPOINT).is_file()
+    if start_from is not None and not started and not Path(start_from).is_dir():
+        raise ValueError(f"start_from: {start_from} is not a run's folder; {path.name} is a branch that starts from "
+                         f"that run's checkpoint, so it must have finished first")
     if started and (path / FILENAME).is_file() and recorded(path) != current:
         raise ValueError(f"numerics: {path} was begun under {_describe(recorded(path))} and would continue under "
                          f"{_describe(current)}, which round differently; train it again from its start elsewhere")

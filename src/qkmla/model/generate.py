@@ -21,13 +21,12 @@ and generation never slides.
 from __future__ import annotations
 
 import collections
-import math
 import numbers
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..utils.checked import as_int, as_number, is_int, is_number
+from ..utils.checked import as_int, as_number, is_finite_number, is_int
 from ..utils.limits import check_fits
 from .gpt import GPT
 
@@ -41,7 +40,7 @@ def check_sampling(max_new_tokens, temperature, top_k, names=("max_new_tokens", 
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"{names[0]}: expected a positive int, got {max_new_tokens!r}")
     # temperature=True was a number to isinstance (1.0): a switch passed in the wrong place sampled
-    if not is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
+    if not is_finite_number(temperature) or temperature < 0:
         raise ValueError(f"{names[1]}: expected a finite number >= 0 (0 is greedy), got {temperature!r}")
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"{names[2]}: expected a positive int or None, got {top_k!r}")

@@ -42,7 +42,7 @@ from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
-from ..utils.checked import is_int, is_number, python_numbers
+from ..utils.checked import is_finite_number, is_int, is_number, python_numbers
 from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
@@ -109,7 +109,7 @@ class GPTConfig:
                 not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout: expected a number in [0, 1), got {self.dropout!r}")
         ratio = self.mlp_ratio
-        if not is_number(ratio) or not math.isfinite(ratio) or \
+        if not is_finite_number(ratio) or \
                 int(ratio * self.n_embd) < 1:
             raise ValueError(f"mlp_ratio: expected a finite number with mlp_ratio x n_embd >= 1 (the MLP's width; "
                              f"n_embd={self.n_embd}), got {ratio!r}")

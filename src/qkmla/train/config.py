@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
-from ..utils.checked import check_bool, check_seed, python_numbers, revalidated
+from ..utils.checked import check_bool, check_seed, is_finite_number, python_numbers, revalidated
 from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -36,8 +36,9 @@ def _number(name: str, value, low: float, high: float = math.inf, low_open: bool
     if value is None and allow_none:
         return
     kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool) and not math.isnan(value)
-    ok = ok and (value > low if low_open else value >= low) and value <= high and math.isfinite(value)
+    # an int is compared as an int: math.isnan(10**400) raised a bare OverflowError (utils.checked.is_finite_number)
+    ok = isinstance(value, kinds) and not isinstance(value, bool) and (integer or is_finite_number(value))
+    ok = ok and (value > low if low_open else value >= low) and value <= high
     if ok and integer and value >= 2**63:  # a count past int64 (--steps 10**20 trained on as if endless)
         raise ValueError(f"{name}: expected an int below 2**63 (counts are int64), got {value}")
     if not ok:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 
 import torch
@@ -29,6 +30,18 @@ def is_number(value) -> bool:
     """An int or a float, not a bool: Python counts True as the int 1, so a switch given where a
     number belongs (``softmax_scale=True``) passed ``isinstance(value, (int, float))`` as 1.0."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    """:func:`is_number` and finite. An int past a float's range (``10**400``) is not: the checks use this
+    number as a float, and ``math.isfinite`` on it raised a bare OverflowError ("int too large to convert
+    to float") where the argument's own refusal belongs."""
+    if not is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_int(value) -> bool:
@@ -49,7 +62,7 @@ def as_int(value):
 
 
 def python_numbers(config) -> None:
-    """Replace NumPy numbers among a dataclass ``config``'s fields (and in a dict field's values, as
+    """Replace NumPy numbers and Fractions among a dataclass ``config``'s fields (and in a dict field's values, as
     ``model_overrides``) with the Python int or float they hold; first thing in a config's
     ``__post_init__``, so the checks judge the number. ``GPTConfig(n_layer=np.int64(2))`` (a sweep's
     values from an array) was refused as "expected a positive int, got np.int64(2)", a refusal that
@@ -59,7 +72,9 @@ def python_numbers(config) -> None:
 
     def plain(value):
         if type(value).__module__ != "numpy":
-            return value
+            # A Fraction is the number it holds too, as H2O's kept_fraction and RotaryEmbedding's theta take it:
+            # GPTConfig(dropout=Fraction(1, 10)) was refused as "expected a number in [0, 1), got Fraction(1, 10)"
+            return as_number(value) if isinstance(value, numbers.Real) else value
         if type(value).__name__ in ("bool", "bool_"):  # numpy.bool (numpy.bool_ before NumPy 2)
             return bool(value)
         return as_number(value)

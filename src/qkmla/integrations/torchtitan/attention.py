@@ -48,7 +48,7 @@ from torchtitan.protocols.sharding import ShardingConfig  # noqa: E402
 from ...attention.functional import max_logits  # noqa: E402
 from ...config import QKNormConfig  # noqa: E402
 from ...norms import QKNorm, ScalarNorm, make_qk_norms  # noqa: E402
-from ...utils.checked import check_bool, is_number  # noqa: E402
+from ...utils.checked import check_bool, is_finite_number  # noqa: E402
 
 
 def document_mask(positions: Optional[torch.Tensor]):
@@ -117,8 +117,7 @@ class QKAttention(Attention):
             norm = QKNormConfig.of(self.qk_norm, "qk_norm")
             object.__setattr__(self, "qk_norm", norm)
             if self.qk_clip_tau is not None:
-                if not is_number(self.qk_clip_tau) \
-                        or not 0 < self.qk_clip_tau < math.inf:
+                if not is_finite_number(self.qk_clip_tau) or self.qk_clip_tau <= 0:
                     raise ValueError(f"qk_clip_tau: expected a finite positive threshold, got {self.qk_clip_tau!r}")
                 if norm is not None:
                     raise ValueError(f"qk_clip_tau: QK-Clip and a QK norm ({norm.name}) cannot be combined: the norm "
@@ -128,8 +127,7 @@ class QKAttention(Attention):
                 if norm is None or not norm.learnable_logit_scale:
                     raise ValueError("logit_scale_init: only read with a learned logit scale "
                                      "(qk_norm with learnable_logit_scale=True)")
-                if not is_number(self.logit_scale_init) \
-                        or not 0 < self.logit_scale_init < math.inf:
+                if not is_finite_number(self.logit_scale_init) or self.logit_scale_init <= 0:
                     raise ValueError(f"logit_scale_init: expected a finite positive number, got "
                                      f"{self.logit_scale_init!r}")
 

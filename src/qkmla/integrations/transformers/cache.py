@@ -66,6 +66,13 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
     if policy is not None and not isinstance(policy, EvictionPolicy):
         raise ValueError(f"policy: expected an EvictionPolicy (qkmla.cache.StreamingLLM, H2O, SnapKV, or "
                          f"qkmla.cache.make_policy(name, ...)) or None, got {policy!r:.80}")
+    # As LatentCache refuses it, but here, before any work: apply_latent_attention, LatentAttentionCache and
+    # from_pretrained (after loading every weight) took it, and the first generate failed in the cache's constructor.
+    quantized = kv_format != "dense" if isinstance(kv_format, str) else getattr(kv_format, "quantized", False)
+    if policy is not None and getattr(policy, "reposition", False) and quantized:
+        raise ValueError(f"policy: reposition=True re-rotates the stored RoPE keys at every eviction, which needs them "
+                         f"in float32 or wider; a kv_format={kv_format!r} cache stores them in bfloat16. Use "
+                         f"kv_format='dense' (in float32) or reposition=False")
     if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), "
                          f"got {max_cache_len!r}")

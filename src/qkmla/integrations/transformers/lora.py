@@ -21,7 +21,6 @@ peft is imported on first use: ``pip install 'qkmla[hf]'``.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Iterable, Union
 
@@ -30,7 +29,7 @@ from torch import nn
 from ...attention.mla import projection_shapes
 from ...config import check_positive_int
 from ...norms import QKNorm
-from ...utils.checked import as_int, as_number, check_bool, is_number
+from ...utils.checked import as_int, as_number, check_bool, is_finite_number, is_number
 from .patched import inner_model, latent_layers, model_settings
 
 DEFAULT_TARGETS = ("q_b_proj", "kv_b_proj", "o_proj")
@@ -129,8 +128,7 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     r = as_int(r)
     lora_alpha, lora_dropout = as_number(lora_alpha), as_number(lora_dropout)
     check_positive_int("r", r)
-    if not is_number(lora_alpha) or not math.isfinite(lora_alpha) \
-            or lora_alpha <= 0:
+    if not is_finite_number(lora_alpha) or lora_alpha <= 0:
         raise ValueError(f"lora_alpha: expected a finite number > 0 (the adapters' scale is lora_alpha / r), "
                          f"got {lora_alpha!r}")
     if not is_number(lora_dropout) or not 0 <= lora_dropout < 1:

@@ -37,7 +37,8 @@ from typing import Optional, Union
 import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
-from ...utils.checked import as_int, as_number, is_int, is_number
+from ...utils.checked import as_int, as_number, is_finite_number, is_int
+from ...utils.limits import check_allocation
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
@@ -214,8 +215,7 @@ def check_softmax_scale(softmax_scale, H: int) -> None:
     # A float is a logit scale tau > 0, as MLAConfig's softmax_scale is: 0 makes every visible slot
     # equally likely and a negative one inverts the softmax, answers no caller means. (A tensor
     # [H] is a learned per-head scale, which training may carry through 0; only finite is asked.)
-    if not is_number(softmax_scale) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if not is_finite_number(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
 
@@ -340,6 +340,12 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
+    # The kernel's partial results, one per split (out [B, S_q, H, splits, d_c] and lse, float32): num_splits=2**40
+    # failed in torch's allocator ("DefaultCPUAllocator: can't allocate memory"), naming nothing. (Not while
+    # torch.compile traces: the machine's memory is read from /proc, which dynamo cannot trace.)
+    if not torch.compiler.is_compiling():
+        check_allocation("num_splits", 4 * B * S_q * H * num_splits * (d_c + 1), f"the Triton kernel's partial "
+                         f"results of num_splits={num_splits} splits", q_lat.device)
     if _host_readable(cache_seqlens) and _host_readable(block_table):
         # The kernel reads whatever a block id points at: where reading the ids is free (the
         # interpreter's CPU tensors) they are checked as the torch backend checks them.
