@@ -4,12 +4,14 @@ Prompts of different lengths share one batch: they are right-padded, prefilled i
 with ``input_lengths``, and each sequence then continues from its own last token.
 
 The model never saw positions past its ``block_size``, so generation slides a window: when
-a sequence fills the context, its last ``block_size // 2`` tokens are prefilled into fresh
-caches (positions from 0 again) and decoding goes on from there; the other sequences of the
-batch are prefilled again with all they had, at the same positions, so a sequence continues as
-it would alone. Under an eviction policy every sequence's last ``block_size // 2`` tokens go on
-instead (a policy chooses what to keep at each prefill; prefilling the others again would change
-its choices). A prompt longer than the context keeps its last ``block_size - 1`` tokens.
+a sequence fills the context, its cache is emptied and given its last ``block_size // 2``
+tokens (positions from 0 again), while the other sequences of the batch decode their next token
+in the same forward, so a sequence continues as it would alone. Under an eviction policy every
+sequence's last ``block_size // 2`` tokens are prefilled into fresh caches instead (a policy
+chooses what to keep at each prefill, and its caches cannot drop tokens). A slide is one forward
+of the whole batch (padded to ``block_size // 2`` tokens), so a batch whose sequences fill the
+context at different steps pays it once per sequence, where sliding every sequence at the first
+one's paid it once. A prompt longer than the context keeps its last ``block_size - 1`` tokens.
 
 An eviction ``policy`` (MLA variants) bounds every layer's cache, and ``kv_format`` stores
 its latents quantized (``qkmla.kv_formats``); the two compose. Kept tokens keep their
@@ -85,17 +87,23 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None,
-             kv_format: str = "dense") -> tuple[list, torch.Tensor]:
-    """Fresh caches holding ``windows`` (right-padded); returns them and each window's last logits."""
+def _forward_ragged(model: GPT, windows: list[list[int]], caches: list) -> torch.Tensor:
+    """Append ``windows`` (one list of tokens per sequence, right-padded) to ``caches``; each window's
+    last logits [B, V]."""
     device = model.wte.weight.device
     lengths = torch.tensor([len(w) for w in windows], device=device)
     idx = torch.zeros(len(windows), int(lengths.max()), dtype=torch.long, device=device)
     for b, w in enumerate(windows):
         idx[b, :len(w)] = torch.as_tensor(w, device=device)
-    caches = model.make_caches(len(windows), capacity, policy=policy, kv_format=kv_format)
     logits, _ = model(idx, caches=caches, input_lengths=lengths)
-    return caches, logits[torch.arange(len(windows), device=device), lengths - 1]
+    return logits[torch.arange(len(windows), device=device), lengths - 1]
+
+
+def _prefill(model: GPT, windows: list[list[int]], capacity: int, policy=None,
+             kv_format: str = "dense") -> tuple[list, torch.Tensor]:
+    """Fresh caches holding ``windows`` (right-padded); returns them and each window's last logits."""
+    caches = model.make_caches(len(windows), capacity, policy=policy, kv_format=kv_format)
+    return caches, _forward_ragged(model, windows, caches)
 
 
 def max_tokens_seen(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -153,16 +161,20 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         if on_token is not None:
             on_token(ids)
         used = caches[0].next_positions.tolist()
-        if max(used) == context:  # a sequence's positions are used up: it slides
-            # Only the sequences that filled the context slide; the others are prefilled again with every
-            # token they had since their last slide (and this one), at the same positions, so what each
-            # sequence sees never depends on the others in its batch (the whole batch slid, cutting the
-            # context of every shorter one in half). Under an eviction policy the whole batch slides: a
-            # policy chooses at each prefill, and prefilling the others again would change its choices.
+        if max(used) == context and policy is None:
+            # Only the sequences that filled the context slide: their caches are emptied and given their last
+            # block_size // 2 tokens at positions from 0, while the others take their new token, in one ragged
+            # forward; what a sequence sees never depends on the others in its batch (the whole batch slid,
+            # cutting every shorter sequence's context in half).
             keep = max(1, context // 2)
-            windows = [list(h)[-keep:] if n == context or policy is not None else list(h)[-(n + 1):]
-                       for h, n in zip(history, used)]
-            caches, last = _prefill(model, windows, context, policy, kv_format)
+            full = torch.tensor([n == context for n in used], device=caches[0].seqlens.device)
+            for cache in caches:
+                cache.drop_last(torch.where(full, cache.seqlens, torch.zeros_like(cache.seqlens)))
+            windows = [list(h)[-keep:] if n == context else [t] for h, n, t in zip(history, used, ids)]
+            last = _forward_ragged(model, windows, caches)
+        elif max(used) == context:  # under an eviction policy, which chooses at each prefill: the whole batch
+            keep = max(1, context // 2)
+            caches, last = _prefill(model, [list(h)[-keep:] for h in history], context, policy, kv_format)
         else:
             logits, _ = model(nxt[:, None], caches=caches)
             last = logits[:, -1]
