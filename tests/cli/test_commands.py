@@ -247,6 +247,11 @@ def test_plot_refuses_empty_metrics_and_writes_exactly_the_named_file(tmp_path, 
     assert not (tmp_path / "x.txt").exists()
     assert main(["plot", str(run), "--out", str(tmp_path / "x.PDF")]) == 0
     assert (tmp_path / "x.PDF").read_bytes()[:4] == b"%PDF"
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if "gif" in FigureCanvasAgg.get_supported_filetypes():  # matplotlib 3.11 writes GIFs (review 16a)
+        assert main(["plot", str(run), "--out", str(tmp_path / "x.gif")]) == 0
+        assert (tmp_path / "x.gif").read_bytes()[:3] == b"GIF"
 
 
 def test_tiny_temperature_samples_the_argmax(tmp_path, capsys):

@@ -3234,7 +3234,7 @@ def probe11b_rows():
         for name in ("kv_lora_rank", "qk_rope_head_dim", "num_kv_groups"):
             widths = {**dict(kv_lora_rank=32, qk_rope_head_dim=8, num_kv_groups=0), name: 2**40}
             raises(lambda w=widths: LatentCache(1, 4, **w), ValueError, f"^{name}: one token's {name}=1099511627776 "
-                   "values for each of 1 sequence\\(s\\) need at least")
+                   "values need at least")
         raises(lambda: LatentCache(True, 4, 32, 8), ValueError, "^batch_size: expected a positive int, got True")
         raises(lambda: LatentCache(1, 10**12, 32, 8), ValueError, "^capacity: ")  # still named where it is the size
 

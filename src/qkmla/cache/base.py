@@ -87,12 +87,12 @@ def check_dims(allow_zero: tuple = (), **dims) -> None:
 
 
 def check_row_widths(batch_size: int, itemsize: int, device, **widths) -> None:
-    """ValueError naming the width whose one token's values, for each of ``batch_size`` sequences, alone
-    exceed the memory: ``LatentCache(1, 4, kv_lora_rank=2**40, ...)`` was refused naming ``capacity``
-    ("capacity=4 tokens x 1099511627784 values ... use a smaller value"), the one size that was fine."""
+    """ValueError naming the width whose one token's values, for one sequence, alone exceed the memory:
+    ``LatentCache(1, 4, kv_lora_rank=2**40, ...)`` was refused naming ``capacity`` ("capacity=4 tokens x
+    1099511627784 values ... use a smaller value"), the one size that was fine. A width that fits one
+    sequence is left to the whole buffer's check (a batch of 2**26 was blamed on head_dim=512)."""
     for name, width in widths.items():
-        check_allocation(name, batch_size * width * itemsize, f"one token's {name}={width} values for each of "
-                         f"{batch_size} sequence(s)", device)
+        check_allocation(name, width * itemsize, f"one token's {name}={width} values", device)
 
 
 def check_dtype(name: str, dtype) -> None:

@@ -113,6 +113,8 @@ ARCHIVED = ("config.json", "status.json", "metrics.jsonl", "measure.json", NUMER
 
 
 def _copy_archived(path: Path, target: Path, names: tuple, thin) -> None:
+    """The files ``names`` of ``path`` as ``target``'s: those ``path`` lacks are removed from ``target``
+    (a run trained again, not measured yet, kept the measure.json of the run it replaced)."""
     target.mkdir(parents=True, exist_ok=True)
     for name in names:
         if (path / name).is_file():
@@ -121,6 +123,29 @@ def _copy_archived(path: Path, target: Path, names: tuple, thin) -> None:
                 rows = thin([json.loads(line) for line in data.decode().splitlines() if line.strip()])
                 data = "".join(json.dumps(r) + "\n" for r in rows).encode()
             write_bytes(target / name, data)
+        elif (target / name).is_file():
+            (target / name).unlink()
+
+
+def _superseded_target(path: Path, folder: Path) -> Path:
+    """Where the superseded run ``path`` is archived in ``folder``: under its own name, or the first
+    ``NAME.N`` that is free or holds this same run (same ``superseded.json``); a grid restored from
+    the archive has no superseded/ of its own, so a run superseded again took the name of one already
+    archived, and was written over it."""
+    record = (path / "superseded.json").read_bytes() if (path / "superseded.json").is_file() else None
+    try:  # the run's own name (NAME.N in out/superseded when it was taken there)
+        base = json.loads(record)["run"] if record is not None else path.name
+    except (ValueError, KeyError, TypeError):
+        base = path.name
+    if not isinstance(base, str) or Path(base).name != base:
+        base = path.name
+    n = 1
+    while True:
+        target = folder / (base if n == 1 else f"{base}.{n}")
+        if record is None or not target.exists() or (target / "superseded.json").is_file() \
+                and (target / "superseded.json").read_bytes() == record:
+            return target
+        n += 1
 
 
 def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], list[dict]]] = None) -> list[str]:
@@ -139,7 +164,7 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
     for path in sorted((Path(out) / SUPERSEDED).glob("*")):
         if not path.is_dir():  # a note left beside the runs is no run (it failed as "Not a directory")
             continue
-        _copy_archived(path, Path(dst) / SUPERSEDED / path.name, ARCHIVED + ("superseded.json",), thin)
+        _copy_archived(path, _superseded_target(path, Path(dst) / SUPERSEDED), ARCHIVED + ("superseded.json",), thin)
         try:  # which run it was; a folder without the record (not moved by the rule) keeps its archived copy
             name = json.loads((path / "superseded.json").read_text(encoding="utf-8"))["run"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -288,10 +313,11 @@ def _train_one(train: dict, path: str, measure: Optional[Callable], start_from: 
         if _finished(path_, train):  # trained, not yet measured
             status = read_status(path_)
         else:
-            check_continues(path_, Path(start_from) if start_from is not None else None, numerics())
             resume = (path_ / FILENAME).is_file() and _same_config(path_, train)
             if resume and int(read_metadata(path_ / FILENAME)["step"]) >= train["steps"]:
                 resume = False  # trained to the end but its status was lost: its seconds too, so again
+            branch = Path(start_from) if not resume and start_from is not None else None
+            check_continues(path_, branch, numerics(), resume)  # the steps it goes on from ran as these will
             if not resume and start_from is not None:  # a branch not started yet (or started over)
                 start_branch(Path(start_from), path_)
                 resume = True

@@ -32,6 +32,7 @@ FILENAME = "numerics.json"
 SUPERSEDED = "superseded"  # OUT/superseded/NAME: runs moved out of the grid, each with superseded.json
 GRID_THREADS = 1  # every grid worker trains on one thread (grid._init_worker)
 UNRECORDED = {"recorded": False}  # a run trained before runs recorded their numerics
+UNREADABLE = {"recorded": "unreadable"}  # a record that cannot be read: equal to no numerics a run trains under
 _FINISHED = ("done", "non-finite")
 
 
@@ -53,12 +54,12 @@ def recorded(path: Path) -> dict:
     except FileNotFoundError:
         return dict(UNRECORDED)
     except (OSError, ValueError):
-        return {"unreadable": str(Path(path) / FILENAME)}
+        return dict(UNREADABLE)
     try:
         value = json.loads(text)
     except ValueError:
-        return {"unreadable": str(Path(path) / FILENAME)}
-    return value if isinstance(value, dict) else {"unreadable": str(Path(path) / FILENAME)}
+        return dict(UNREADABLE)
+    return value if isinstance(value, dict) else dict(UNREADABLE)
 
 
 def record(path: Path, current: dict) -> None:
@@ -69,6 +70,8 @@ def record(path: Path, current: dict) -> None:
 def _describe(value: dict) -> str:
     if value.get("recorded") is False:
         return "unrecorded numerics (trained before runs recorded theirs)"
+    if value == UNREADABLE:
+        return "numerics whose record cannot be read"
     return ", ".join(f"{k} {v}" for k, v in sorted(value.items()))
 
 
@@ -122,10 +125,12 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
     """
     _check_chains(runs, out)
     root = Path(out) / "runs"
-    finished = {r.name: (read_status(root / r.name) or {}).get("status") in _FINISHED for r in runs}
-    grows = set()  # runs that something unfinished will continue
+    status = {r.name: (read_status(root / r.name) or {}).get("status") for r in runs}
+    finished = {name: s in _FINISHED for name, s in status.items()}
+    grows = set()  # runs that something unfinished will continue (a non-finite one is continued by nothing)
     for run in reversed(runs):
-        if run.start_from is not None and (not finished[run.name] or run.name in grows):
+        if run.start_from is not None and (not finished[run.name] or run.name in grows) \
+                and status[run.start_from] != "non-finite":
             grows.add(run.start_from)
     trajectory: dict[str, dict] = {}
     new = set()  # runs whose steps will all be trained anew: what continued them is void
@@ -180,10 +185,11 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
     return moved
 
 
-def check_continues(path: Path, start_from: Optional[Path], current: dict) -> None:
-    """Before a grid worker trains ``path``: refuse to continue, under ``current``, a run or a
-    parent whose steps ran under other recorded numerics (a plan that did not supersede it), then
-    record ``current`` as the run's numerics.
+def check_continues(path: Path, start_from: Optional[Path], current: dict, resume: bool = False) -> None:
+    """Before a grid worker trains ``path``: refuse to continue, under ``current``, a run
+    (``resume``: it goes on from its own checkpoint) or a parent (``start_from``: the run a branch
+    starts from) whose steps ran under other recorded numerics (a plan that did not supersede it),
+    then record ``current`` as the run's numerics. A run that starts over is not checked.
 
     Raises:
         ValueError: naming the run and both numerics; naming ``start_from`` when it is not a folder, and the
@@ -195,16 +201,17 @@ def check_continues(path: Path, start_from: Optional[Path], current: dict) -> No
     if os.path.lexists(path / FILENAME) and not (path / FILENAME).is_file():
         raise ValueError(f"numerics: {path / FILENAME} is not a file (where the run records its numerics); "
                          f"move it aside")
-    started = (path / CHECKPOINT).is_file()
-    if start_from is not None and not started and not Path(start_from).is_dir():
+    if start_from is not None and not Path(start_from).is_dir():
         raise ValueError(f"start_from: {start_from} is not a run's folder; {path.name} is a branch that starts from "
                          f"that run's checkpoint, so it must have finished first")
-    if started and (path / FILENAME).is_file() and recorded(path) != current:
+    if resume and (path / FILENAME).is_file() and recorded(path) != current:
         raise ValueError(f"numerics: {path} was begun under {_describe(recorded(path))} and would continue under "
-                         f"{_describe(current)}, which round differently; train it again from its start elsewhere")
-    if start_from is not None and not started and recorded(Path(start_from)) != current:
+                         f"{_describe(current)}, which round differently; move {path} aside (or remove its "
+                         f"{CHECKPOINT}) and run the experiment again, which trains it from its start")
+    if start_from is not None and recorded(Path(start_from)) != current:
         raise ValueError(f"numerics: {start_from} ran under {_describe(recorded(Path(start_from)))}, and its branch "
-                         f"{path.name} would continue it under {_describe(current)}, which round differently")
+                         f"{path.name} would continue it under {_describe(current)}, which round differently; "
+                         f"move {start_from} aside and run the experiment again, which trains it anew")
     if not os.path.lexists(path):
         path.mkdir(parents=True)
     if path.is_dir():  # anything else in the way is the trainer's to refuse, naming it

@@ -19,16 +19,19 @@ class SkippedLines(UserWarning):
 # Only such a file, a figure drawn before, is replaced with --overwrite inside another command's
 # directory; a run's checkpoint or status is refused (utils.files.check_output).
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp", ".pgf",
-                   ".raw", ".rgba", ".avif")
+                   ".raw", ".rgba", ".avif", ".gif")
 
 
 def check_figure_name(name: str, out) -> None:
-    """Refuse a figure file named with a suffix that is no figure format (``x.txt`` was written as a
-    PNG): a suffix in :data:`FIGURE_SUFFIXES` gives the format, no suffix a PNG."""
+    """Refuse a figure file named with a suffix that is no format matplotlib writes here (``x.txt`` was
+    written as a PNG): such a suffix gives the format, no suffix a PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     suffix = Path(out).suffix
-    if suffix and suffix.lower() not in FIGURE_SUFFIXES:
-        raise ValueError(f"{name}: {Path(out).name} ends in {suffix}, which is no figure format; end it in one of "
-                         f"{', '.join(FIGURE_SUFFIXES)}, or in none for a PNG")
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())  # this matplotlib's (gif from 3.11)
+    if suffix and suffix[1:].lower() not in formats:
+        raise ValueError(f"{name}: {Path(out).name} ends in {suffix}, which is no figure format matplotlib writes; "
+                         f"end it in one of {', '.join('.' + f for f in formats)}, or in none for a PNG")
 
 
 def read_metrics(run_dir: str | Path, skipped: list | None = None) -> list[dict]:

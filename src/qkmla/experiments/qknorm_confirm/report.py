@@ -10,7 +10,7 @@ import statistics
 
 from ..base import Options, Report
 from ..figures import curves_by_seed, fmt, table
-from ..numerics import SUPERSEDED, UNRECORDED
+from ..numerics import SUPERSEDED, UNRECORDED, recorded
 from ..results import family_table, paired_family
 from .design import (ACCURACY_REPLICATION, ARMS, HORIZONS, LR, PRIMARY_HORIZON, PRIMARY_PAIRS, QUICK, RATE_CHECK, SEEDS,
                      all_runs)
@@ -66,7 +66,9 @@ def report(rows: list[dict], options: Options) -> Report:
     summary["numerics"] = {}
     for r in rows:
         if r["status"] == "done":
-            key = json.dumps(r.get("numerics") or UNRECORDED, sort_keys=True)
+            # the run's own record (a run measured before its record was written has none in its row)
+            path = options.out / "runs" / r["run"]
+            key = json.dumps(recorded(path) if path.is_dir() else r.get("numerics") or UNRECORDED, sort_keys=True)
             summary["numerics"][key] = summary["numerics"].get(key, 0) + 1
     summary["superseded"] = [json.loads(p.read_text())
                              for p in sorted((options.out / SUPERSEDED).glob("*/superseded.json"))]
