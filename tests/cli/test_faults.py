@@ -4818,10 +4818,32 @@ def review15b_rows():
     ]
 
 
+def probe16_rows():
+    """The sixteenth round of CLI probes (issue 56)."""
+
+    def seeds_of_a_design_that_fixes_its_seeds(env):
+        """Probe X3/X5: ``qkmla experiment qknorm-confirm --quick --seeds 1`` trained and reported its own two
+        seeds (summary.json's command saying --seeds 1), and v4-compare and qknorm-vs-clip read no --seeds
+        either: the option was read by nothing, without a word. Refused before any work, naming the
+        experiments that take it."""
+        for name in ("qknorm-confirm", "v4-compare", "qknorm-vs-clip"):
+            out = env.tmp / name
+            refuse(env, ["experiment", name, "--quick", "--seeds", "1", "--out", out],
+                   rf"^qkmla experiment: --seeds: {name} trains the seeds its design fixes \(docs/results.md\), so it "
+                   r"takes no --seeds; the experiments that do: lr-sweep, .*norm-mode")
+            assert not out.exists()
+
+    return [
+        Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
+            "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
-        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows())
+        + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
+        + probe16_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -110,6 +110,8 @@ class Experiment:
     adaptive: bool = False
     thin_metrics: Optional[Callable[[list[dict]], list[dict]]] = None  # archived metrics rows (redraw)
     reads_sweep: bool = False  # trains at the lr-sweep's best rates (--sweep); other experiments pick their own
+    # Options.seeds sets its seeds per variant; a pre-registered design fixes its own (--seeds refused)
+    reads_seeds: bool = True
 
 
 def train_settings(quick: bool, steps: int, **changes) -> dict:
