@@ -4833,9 +4833,40 @@ def probe16_rows():
                    r"takes no --seeds; the experiments that do: lr-sweep, .*norm-mode")
             assert not out.exists()
 
+    def superseded_chain(env, *, elsewhere=True):
+        """OUT/runs/stable8, finished with a checkpoint under other numerics, that the branch h10 (not started)
+        would continue: the plan supersedes it. Returns (out, chain)."""
+        from qkmla.experiments.grid import Run
+        from qkmla.experiments.numerics import numerics, record
+
+        out = env.tmp / "grid"
+        path = out / "runs" / "stable8"
+        path.mkdir(parents=True)
+        (path / "status.json").write_text(json.dumps({"status": "done"}))
+        (path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+        (path / "checkpoint.safetensors").write_bytes(b"")
+        record(path, {**numerics(1), "cpu_capability": "ELSEWHERE"} if elsewhere else numerics(1))
+        return out, [Run("stable8", "mla", {}), Run("h10", "mla", {}, start_from="stable8")]
+
+    def superseded_name_taken_by_a_link_to_nothing(env):
+        """Probe E5: a qknorm-confirm grid whose OUT/superseded/NAME was a symbolic link to nothing, with NAME to
+        supersede: "qkmla experiment: OUT/runs/NAME: Not a directory -> OUT/superseded/NAME", every rerun (the
+        free name was found with exists(), which a link to nothing fails). It goes to NAME.2, the link kept."""
+        from qkmla.experiments.numerics import GRID_THREADS, SUPERSEDED, numerics, supersede_other_trajectories
+
+        out, chain = superseded_chain(env)
+        (out / SUPERSEDED).mkdir()
+        (out / SUPERSEDED / "stable8").symlink_to(env.tmp / "nowhere")
+        assert supersede_other_trajectories(chain, out, numerics(GRID_THREADS)) == ["stable8"]
+        assert (out / SUPERSEDED / "stable8").is_symlink()
+        assert json.loads((out / SUPERSEDED / "stable8.2" / "superseded.json").read_text())["run"] == "stable8"
+        assert not (out / "runs" / "stable8").exists()
+
     return [
         Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
             "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
+        Row("experiment", "path", "a run to supersede whose OUT/superseded/NAME is a link to nothing: 'Not a "
+            "directory', the grid stuck", superseded_name_taken_by_a_link_to_nothing),
     ]
 
 

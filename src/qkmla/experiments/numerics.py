@@ -74,7 +74,7 @@ def _describe(value: dict) -> str:
 
 def _free_name(folder: Path, name: str) -> Path:
     target, n = folder / name, 1
-    while target.exists():
+    while os.path.lexists(target):  # a link to nothing is taken too: the move would fail on it, or replace it
         n += 1
         target = folder / f"{name}.{n}"
     return target
