@@ -4833,20 +4833,20 @@ def probe16_rows():
                    r"takes no --seeds; the experiments that do: lr-sweep, .*norm-mode")
             assert not out.exists()
 
-    def superseded_chain(env, *, elsewhere=True):
-        """OUT/runs/stable8, finished with a checkpoint under other numerics, that the branch h10 (not started)
+    def superseded_chain(env, name="stable8"):
+        """OUT/runs/NAME, finished with a checkpoint under other numerics, that the branch h10 (not started)
         would continue: the plan supersedes it. Returns (out, chain)."""
         from qkmla.experiments.grid import Run
         from qkmla.experiments.numerics import numerics, record
 
         out = env.tmp / "grid"
-        path = out / "runs" / "stable8"
+        path = out / "runs" / name
         path.mkdir(parents=True)
         (path / "status.json").write_text(json.dumps({"status": "done"}))
         (path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
         (path / "checkpoint.safetensors").write_bytes(b"")
-        record(path, {**numerics(1), "cpu_capability": "ELSEWHERE"} if elsewhere else numerics(1))
-        return out, [Run("stable8", "mla", {}), Run("h10", "mla", {}, start_from="stable8")]
+        record(path, {**numerics(1), "cpu_capability": "ELSEWHERE"})
+        return out, [Run(name, "mla", {}), Run("h10", "mla", {}, start_from=name)]
 
     def superseded_name_taken_by_a_link_to_nothing(env):
         """Probe E5: a qknorm-confirm grid whose OUT/superseded/NAME was a symbolic link to nothing, with NAME to
@@ -4862,11 +4862,26 @@ def probe16_rows():
         assert json.loads((out / SUPERSEDED / "stable8.2" / "superseded.json").read_text())["run"] == "stable8"
         assert not (out / "runs" / "stable8").exists()
 
+    def superseded_taken_by_a_file(env):
+        """Probe E3: ``qkmla experiment qknorm-confirm`` over an OUT whose superseded is a file, with a run to
+        supersede: "qkmla experiment: OUT/superseded: File exists" (mkdir's words: no option, nothing of what
+        the path is for). One line naming --out and the run, before anything moved."""
+        out, _ = superseded_chain(env, "mla_lr0.005_s1000_stable8")
+        (out / "superseded").write_text("my notes")
+        before = snapshot(out)
+        refuse(env, ["experiment", "qknorm-confirm", "--quick", "--out", out, "--workers", "1", "--no-progress"],
+               r"^qkmla experiment: --out: .*grid/superseded is a file, not the directory where this grid keeps the "
+               r"runs it trains again \(mla_lr0.005_s1000_stable8: it ran under .*ELSEWHERE.*\); move it away, or use "
+               r"another --out$")
+        assert snapshot(out) == before
+
     return [
         Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
             "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
         Row("experiment", "path", "a run to supersede whose OUT/superseded/NAME is a link to nothing: 'Not a "
             "directory', the grid stuck", superseded_name_taken_by_a_link_to_nothing),
+        Row("experiment", "path", "OUT/superseded a file, with a run to supersede: 'OUT/superseded: File exists', "
+            "no option named", superseded_taken_by_a_file),
     ]
 
 

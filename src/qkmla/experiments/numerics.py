@@ -91,7 +91,7 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
     it has no steps yet or began under ``current``, and its parent's trajectory is ``current``.
     A run moved goes to ``out/superseded/NAME`` (``NAME.2``, ... when taken) with
     ``superseded.json`` saying why, and trains again; its row in ``results.jsonl`` becomes the
-    new run's.
+    new run's. ``out/superseded`` taken by a file is a ValueError naming ``--out``, before any move.
     """
     root = Path(out) / "runs"
     finished = {r.name: (read_status(root / r.name) or {}).get("status") in _FINISHED for r in runs}
@@ -136,9 +136,14 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
                 if not started:
                     new.add(run.name)
                 continue
+        folder = Path(out) / SUPERSEDED
+        if os.path.lexists(folder) and not folder.is_dir():  # else mkdir's bare "File exists", naming no option
+            what = "a symbolic link to nothing" if folder.is_symlink() else "a file"
+            raise ValueError(f"--out: {folder} is {what}, not the directory where this grid keeps the runs it trains "
+                             f"again ({run.name}: {why}); move it away, or use another --out")
         if not (path / "status.json").exists() and (path / "status.no-checkpoint.json").is_file():
             (path / "status.no-checkpoint.json").replace(path / "status.json")  # it finished where it ran
-        target = _free_name(Path(out) / SUPERSEDED, run.name)
+        target = _free_name(folder, run.name)
         target.parent.mkdir(parents=True, exist_ok=True)
         path.replace(target)
         write_text(target / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
