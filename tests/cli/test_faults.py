@@ -4875,6 +4875,37 @@ def probe16_rows():
                r"another --out$")
         assert snapshot(out) == before
 
+    def superseded_run_killed_before_its_why(env):
+        """Probe E7/E8: supersede_other_trajectories moved a run to OUT/superseded/NAME and then wrote why; killed
+        between the two (SIGKILL, a power cut: the plan runs in the parent, whose handlers only note a signal),
+        the run was left without its why, which the report's Superseded table leaves out, and archive_runs (the
+        redraw that publishes the grid) failed on with a FileNotFoundError traceback, as on a README file put in
+        superseded/. The why is written into the run before it moves; archive_runs takes the runs with a why."""
+        from qkmla.experiments import numerics as numerics_module
+        from qkmla.experiments.grid import archive_runs
+        from qkmla.experiments.numerics import GRID_THREADS, SUPERSEDED, numerics, supersede_other_trajectories
+
+        out, chain = superseded_chain(env)
+        write = numerics_module.write_text
+
+        def killed(path, *a, **k):
+            if Path(path).name == "superseded.json":
+                raise KeyboardInterrupt  # stands for the kill
+            return write(path, *a, **k)
+
+        env.monkeypatch.setattr(numerics_module, "write_text", killed)
+        with pytest.raises(KeyboardInterrupt):
+            supersede_other_trajectories(chain, out, numerics(GRID_THREADS))
+        env.monkeypatch.setattr(numerics_module, "write_text", write)
+        assert (out / "runs" / "stable8" / "status.json").is_file()  # not moved without its why
+        (out / SUPERSEDED).mkdir(exist_ok=True)
+        (out / SUPERSEDED / "README").write_text("my notes")
+        archive_runs(out, env.tmp / "published")
+        assert supersede_other_trajectories(chain, out, numerics(GRID_THREADS)) == ["stable8"]  # the next plan
+        assert json.loads((out / SUPERSEDED / "stable8" / "superseded.json").read_text())["run"] == "stable8"
+        archive_runs(out, env.tmp / "published")
+        assert (env.tmp / "published" / SUPERSEDED / "stable8" / "superseded.json").is_file()
+
     return [
         Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
             "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
@@ -4882,6 +4913,8 @@ def probe16_rows():
             "directory', the grid stuck", superseded_name_taken_by_a_link_to_nothing),
         Row("experiment", "path", "OUT/superseded a file, with a run to supersede: 'OUT/superseded: File exists', "
             "no option named", superseded_taken_by_a_file),
+        Row("experiment", "signal", "a kill between a superseded run's move and its why: the run left without "
+            "why, left out of the report, archive_runs' FileNotFoundError", superseded_run_killed_before_its_why),
     ]
 
 

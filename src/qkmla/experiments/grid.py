@@ -136,7 +136,8 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
         if (read_status(path) or {}).get("status") in FINISHED:
             _copy_archived(path, Path(dst) / "runs" / path.name, ARCHIVED, thin)
             copied.append(path.name)
-    for path in sorted((Path(out) / SUPERSEDED).glob("*")):
+    for path in sorted((Path(out) / SUPERSEDED).glob("*/superseded.json")):  # a superseded run is told by its why
+        path = path.parent
         _copy_archived(path, Path(dst) / SUPERSEDED / path.name, ARCHIVED + ("superseded.json",), thin)
         stale = Path(dst) / "runs" / json.loads((path / "superseded.json").read_text())["run"]
         if stale.is_dir() and stale.name not in copied:

@@ -145,9 +145,11 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
             (path / "status.no-checkpoint.json").replace(path / "status.json")  # it finished where it ran
         target = _free_name(folder, run.name)
         target.parent.mkdir(parents=True, exist_ok=True)
+        # The why first, then the move: a kill between the two left a superseded run without its why, which
+        # the report leaves out and archive_runs failed on; a why in a run not moved yet is read by nothing.
+        write_text(path / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
+                                                          "numerics_recorded": own}, indent=1) + "\n")
         path.replace(target)
-        write_text(target / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
-                                                            "numerics_recorded": own}, indent=1) + "\n")
         print(f"{run.name} superseded (moved to {target}): {why}", flush=True)
         trajectory[run.name] = current
         new.add(run.name)
