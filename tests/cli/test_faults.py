@@ -4906,6 +4906,29 @@ def probe16_rows():
         archive_runs(out, env.tmp / "published")
         assert (env.tmp / "published" / SUPERSEDED / "stable8" / "superseded.json").is_file()
 
+    def resume_of_a_run_begun_under_other_numerics(env):
+        """Probe N1: ``qkmla experiment norm-mode --quick`` over an OUT whose run was interrupted on another machine
+        (its numerics.json another CPU's): the grid trained the rest, then that run failed with "train it again
+        from its start elsewhere" (where? how?) and the report could not be drawn. Refused before any work,
+        naming the run, both numerics and what to do; the worker's own refusal says the same."""
+        from qkmla.experiments.numerics import check_continues, numerics, record
+
+        out = env.tmp / "grid"
+        path = out / "runs" / "blockwise_s1"
+        path.mkdir(parents=True)
+        (path / "status.json").write_text(json.dumps({"status": "interrupted", "step": 3, "checkpoint_step": 3}))
+        (path / "checkpoint.safetensors").write_bytes(b"")
+        record(path, {**numerics(1), "cpu_capability": "ELSEWHERE"})
+        before = snapshot(out)
+        refuse(env, ["experiment", "norm-mode", "--quick", "--out", out, "--workers", "1", "--no-progress"],
+               r"^qkmla experiment: --out: 1 unfinished run\(s\) with a checkpoint began under other numerics than "
+               r"this machine's \(cpu_capability .*\), which round differently: .*blockwise_s1 \(begun under "
+               r"cpu_capability ELSEWHERE, .*\); remove them \(or move them away\) to train them again from their "
+               r"start, or use another --out$")
+        assert snapshot(out) == before
+        raises(lambda: check_continues(path, None, numerics(1)), ValueError,
+               r"which round differently; remove it \(or move it away\) to train it again from its start$")
+
     return [
         Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
             "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
@@ -4915,6 +4938,9 @@ def probe16_rows():
             "no option named", superseded_taken_by_a_file),
         Row("experiment", "signal", "a kill between a superseded run's move and its why: the run left without "
             "why, left out of the report, archive_runs' FileNotFoundError", superseded_run_killed_before_its_why),
+        Row("experiment", "path", "a run begun under other numerics (another CPU): refused after the rest of the "
+            "grid trained, told to 'train it again from its start elsewhere'",
+            resume_of_a_run_begun_under_other_numerics),
     ]
 
 

@@ -66,7 +66,7 @@ def record(path: Path, current: dict) -> None:
     write_text(Path(path) / FILENAME, json.dumps(current, sort_keys=True) + "\n")
 
 
-def _describe(value: dict) -> str:
+def describe(value: dict) -> str:
     if value.get("recorded") is False:
         return "unrecorded numerics (trained before runs recorded theirs)"
     return ", ".join(f"{k} {v}" for k, v in sorted(value.items()))
@@ -115,22 +115,22 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
             why = f"it continued a run of {run.start_from} that was superseded or is gone"
         elif finished[run.name]:
             if run.start_from is not None and own != parent:
-                why = f"it ran under {_describe(own)}, and {run.start_from} before it under {_describe(parent)}"
+                why = f"it ran under {describe(own)}, and {run.start_from} before it under {describe(parent)}"
             elif run.name in grows and own != current:
-                why = (f"it ran under {_describe(own)}, and the runs that continue it will run under "
-                       f"{_describe(current)}")
+                why = (f"it ran under {describe(own)}, and the runs that continue it will run under "
+                       f"{describe(current)}")
             else:
                 trajectory[run.name] = own
                 continue
         else:
             if started and own != current and (path / "status.no-checkpoint.json").is_file():
-                why = (f"it ran under {_describe(own)}, and its checkpoint, which a run after it needs, is gone: "
-                       f"trained again under {_describe(current)} it would be another run")
+                why = (f"it ran under {describe(own)}, and its checkpoint, which a run after it needs, is gone: "
+                       f"trained again under {describe(current)} it would be another run")
             elif started and own != current:
-                why = f"it began under {_describe(own)}, and would go on under {_describe(current)}"
+                why = f"it began under {describe(own)}, and would go on under {describe(current)}"
             elif run.start_from is not None and parent != current:
-                why = (f"{run.start_from} before it ran under {_describe(parent)}, and it runs under "
-                       f"{_describe(current)}")
+                why = (f"{run.start_from} before it ran under {describe(parent)}, and it runs under "
+                       f"{describe(current)}")
             else:
                 trajectory[run.name] = current
                 if not started:
@@ -157,6 +157,15 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
     return moved
 
 
+def begun_under_other_numerics(path: Path, current: dict) -> Optional[str]:
+    """The numerics (described) that the run in ``path`` began under, if it has a checkpoint to
+    continue and recorded other numerics than ``current``; else None."""
+    path = Path(path)
+    if (path / CHECKPOINT).is_file() and (path / FILENAME).is_file() and recorded(path) != current:
+        return describe(recorded(path))
+    return None
+
+
 def check_continues(path: Path, start_from: Optional[Path], current: dict) -> None:
     """Before a grid worker trains ``path``: refuse to continue, under ``current``, a run or a
     parent whose steps ran under other recorded numerics (a plan that did not supersede it), then
@@ -167,12 +176,13 @@ def check_continues(path: Path, start_from: Optional[Path], current: dict) -> No
     """
     path = Path(path)
     started = (path / CHECKPOINT).is_file()
-    if started and (path / FILENAME).is_file() and recorded(path) != current:
-        raise ValueError(f"numerics: {path} was begun under {_describe(recorded(path))} and would continue under "
-                         f"{_describe(current)}, which round differently; train it again from its start elsewhere")
+    began = begun_under_other_numerics(path, current)
+    if began is not None:  # "train it again elsewhere" said neither where nor how: removing it is how
+        raise ValueError(f"numerics: {path} was begun under {began} and would continue under {describe(current)}, "
+                         "which round differently; remove it (or move it away) to train it again from its start")
     if start_from is not None and not started and recorded(Path(start_from)) != current:
-        raise ValueError(f"numerics: {start_from} ran under {_describe(recorded(Path(start_from)))}, and its branch "
-                         f"{path.name} would continue it under {_describe(current)}, which round differently")
+        raise ValueError(f"numerics: {start_from} ran under {describe(recorded(Path(start_from)))}, and its branch "
+                         f"{path.name} would continue it under {describe(current)}, which round differently")
     if not os.path.lexists(path):
         path.mkdir(parents=True)
     if path.is_dir():  # anything else in the way is the trainer's to refuse, naming it
