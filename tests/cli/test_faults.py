@@ -4929,6 +4929,31 @@ def probe16_rows():
         raises(lambda: check_continues(path, None, numerics(1)), ValueError,
                r"which round differently; remove it \(or move it away\) to train it again from its start$")
 
+    def an_instruction_set_the_cpu_lacks(env):
+        """Probe A5/A6: ``ATEN_CPU_CAPABILITY=avx512 qkmla train ...`` on a CPU without AVX-512 (set to match the
+        numerics of runs trained on one, which experiments now record) stopped at the first kernel with an
+        illegal instruction: exit 132, not a word, under every command; ``ATEN_CPU_CAPABILITY=junk`` printed
+        torch's warning (with its source line) per process and went on. Both are one line naming it, before any
+        work. In process torch has read the variable already, so only the refusal is seen here."""
+        import platform
+
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            pytest.skip("the x86 values of ATEN_CPU_CAPABILITY")
+        out = env.tmp / "run"
+        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "junk")
+        refuse(env, train_ok(env, out), r"^qkmla train: ATEN_CPU_CAPABILITY: the environment variable holds 'junk', "
+               r"which torch ignores; expected one of default, avx2, avx512, or unset it")
+        for value, has in (("avx512", torch.cpu._is_avx512_supported()), ("avx2", torch.cpu._is_avx2_supported())):
+            env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", value)
+            if has:
+                continue
+            refuse(env, ["experiment", "norm-mode", "--quick", "--out", env.tmp / "grid"],
+                   rf"^qkmla experiment: ATEN_CPU_CAPABILITY: the environment variable holds '{value}', an instruction "
+                   r"set this CPU lacks \(torch's kernels for it would stop the process with an illegal instruction\)")
+        assert not out.exists() and not (env.tmp / "grid").exists()
+        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+        assert main([str(a) for a in train_ok(env, out)]) == 0
+
     return [
         Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
             "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
@@ -4941,6 +4966,9 @@ def probe16_rows():
         Row("experiment", "path", "a run begun under other numerics (another CPU): refused after the rest of the "
             "grid trained, told to 'train it again from its start elsewhere'",
             resume_of_a_run_begun_under_other_numerics),
+        Row("train", "environment", "ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512: an illegal instruction at "
+            "the first kernel, exit 132 and not a word; =junk: torch's warning per process",
+            an_instruction_set_the_cpu_lacks),
     ]
 
 
