@@ -4954,6 +4954,25 @@ def probe16_rows():
         env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
         assert main([str(a) for a in train_ok(env, out)]) == 0
 
+    def convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has(env):
+        """Probe H5: ``qkmla convert-gqa`` over an OLMoE checkpoint whose config.json was edited to
+        num_experts_per_tok 8 of its 4 experts (or 0) wrote the converted checkpoint without a word; its first
+        forward failed in torch.topk ("selected index k out of range"), or with 0 every MoE layer added nothing.
+        One line naming --hf, before anything is written."""
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        src = env.tmp / "olmoe"
+        transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, eos_token_id=1)).save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        for k in (8, 0):
+            (src / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": k}))
+            refuse(env, ["convert-gqa", "--hf", src, "--out", env.tmp / "out", "--threads", "1"],
+                   rf"^qkmla convert-gqa: --hf: its router picks num_experts_per_tok={k} of num_experts=4 experts per "
+                   r"token; expected an int from 1 to num_experts$")
+            assert not (env.tmp / "out").exists()
+
     return [
         Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
             "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
@@ -4969,6 +4988,9 @@ def probe16_rows():
         Row("train", "environment", "ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512: an illegal instruction at "
             "the first kernel, exit 132 and not a word; =junk: torch's warning per process",
             an_instruction_set_the_cpu_lacks),
+        Row("convert-gqa", "size", "an OLMoE config.json edited to num_experts_per_tok 8 of 4 experts (or 0): "
+            "converted, its first forward failing in topk",
+            convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has),
     ]
 
 
