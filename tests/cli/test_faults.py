@@ -4973,29 +4973,52 @@ def probe16_rows():
                    r"token; expected an int from 1 to num_experts$")
             assert not (env.tmp / "out").exists()
 
+    def routed_deepseek(env):
+        """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
+        (its directory, its config.json as a dict)."""
+        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("tokenizers")
+        from ..integrations.transformers.test_generate import byte_tokenizer
+
+        torch.manual_seed(0)
+        src = env.tmp / "moe"
+        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=0, bos_token_id=0, eos_token_id=0)).save_pretrained(src)
+        byte_tokenizer().save_pretrained(src)
+        return src, json.loads((src / "config.json").read_text())
+
+    ROUTING_EDITS = (({"num_experts_per_tok": 8}, r"routes each token to num_experts_per_tok=8 of its "
+                                                  r"n_routed_experts=4 experts; expected an int from 1 to "
+                                                  r"n_routed_experts"),
+                     ({"topk_group": 3}, r"routes through topk_group=3 of its n_group=1 groups; expected an int from 1 "
+                                         r"to n_group"),
+                     ({"n_group": 3}, r"splits n_routed_experts=4 into n_group=3 groups; expected a positive int that "
+                                      r"divides it"))
+
+    def generate_hf_of_a_deepseek_routing_it_cannot(env):
+        """Probe G17/G18: ``qkmla generate --hf`` over the checkpoints of convert's routing edits (8 of 4 experts,
+        3 of 1 group, 4 experts in 3 groups) loaded them and failed at the first forward: "RuntimeError: selected
+        index k out of range", an internal error with its traceback. One line naming --hf and the config."""
+        src, config = routed_deepseek(env)
+        for edit, said in ROUTING_EDITS:
+            (src / "config.json").write_text(json.dumps({**config, **edit}))
+            refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hi"],
+                   rf"^qkmla generate: --hf: .*moe/config.json {said}$")
+        (src / "config.json").write_text(json.dumps(config))
+        assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hi"]) == 0
+
     def convert_of_a_deepseek_routing_it_cannot(env):
         """Probe H15-H17: ``qkmla convert`` over a DeepSeek-V3 checkpoint with an MoE layer whose config.json was
         edited to num_experts_per_tok 8 of its 4 experts, topk_group 3 of its 1 group, or n_group 3 (which does
         not divide 4 experts) wrote the converted checkpoint without a word; its first forward failed in
         torch.topk ("selected index k out of range") or a view ("shape '[-1, 3, 1]' is invalid"). One line
         naming --hf and the config, before anything is written."""
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        src = env.tmp / "moe"
-        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=0)).save_pretrained(src)
-        config = json.loads((src / "config.json").read_text())
+        src, config = routed_deepseek(env)
         out = env.tmp / "out"
-        for edit, said in (({"num_experts_per_tok": 8}, r"routes each token to num_experts_per_tok=8 of its "
-                                                         r"n_routed_experts=4 experts; expected an int from 1 to "
-                                                         r"n_routed_experts"),
-                           ({"topk_group": 3}, r"routes through topk_group=3 of its n_group=1 groups; expected an int "
-                                               r"from 1 to n_group"),
-                           ({"n_group": 3}, r"splits n_routed_experts=4 into n_group=3 groups; expected a positive "
-                                            r"int that divides it")):
+        for edit, said in ROUTING_EDITS:
             (src / "config.json").write_text(json.dumps({**config, **edit}))
             refuse(env, convert_argv(src, out, "--qk-norm", "rms"), rf"^qkmla convert: --hf: .*moe/config.json {said}$")
             assert not out.exists()
@@ -5022,6 +5045,8 @@ def probe16_rows():
             convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has),
         Row("convert", "size", "a DeepSeek-V3 config.json edited to route 8 of 4 experts, 3 of 1 group, or 4 "
             "experts in 3 groups: converted, its first forward failing", convert_of_a_deepseek_routing_it_cannot),
+        Row("generate", "path", "--hf whose config.json routes 8 of 4 experts, 3 of 1 group, or 4 experts in 3 "
+            "groups: an internal error at the first forward", generate_hf_of_a_deepseek_routing_it_cannot),
     ]
 
 

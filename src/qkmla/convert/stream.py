@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QKNormConfig
-from ..utils.checked import is_int
-from ..integrations.hub.checkpoint import CONFIG, INDEX, _open, _weight_map, transformers_config
+from ..integrations.hub.checkpoint import CONFIG, INDEX, _open, _weight_map, check_routing, transformers_config
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 NORM_TENSORS = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")  # what a norm adds to a layer
@@ -116,29 +115,8 @@ class CheckpointStream:
         self.check_shapes()
 
     def check_routing(self) -> None:
-        """Before any weight is read: a model with MoE layers routes each token to ``num_experts_per_tok``
-        of its ``n_routed_experts``, picking ``topk_group`` of ``n_group`` groups where it routes by groups
-        (DeepSeek-V3; V2's ``group_limited_greedy``). A hand-edited config.json outside that (8 of 4
-        experts, 3 of 1 group) converted without a word into a checkpoint whose first forward failed in
-        torch.topk or a view. ValueError naming the config otherwise."""
-        from ..integrations.hub.record import stock_model_type
-
-        c = self.config
-        if not c.n_routed_experts or (getattr(c, "first_k_dense_replace", 0) or 0) >= self.num_layers:
-            return  # no MoE layer: the router's numbers are read by nothing
-        experts, k = c.n_routed_experts, c.num_experts_per_tok
-        grouped = stock_model_type(c.model_type) == "deepseek_v3" or getattr(c, "topk_method", None) == \
-            "group_limited_greedy"
-        groups, chosen = (getattr(c, "n_group", None), getattr(c, "topk_group", None)) if grouped else (1, 1)
-        if not (is_int(experts) and experts >= 1 and is_int(groups) and groups >= 1 and experts % groups == 0):
-            raise ValueError(f"hf_dir: {self.root / CONFIG} splits n_routed_experts={experts!r} into n_group="
-                             f"{groups!r} groups; expected a positive int that divides it")
-        if not (is_int(chosen) and 1 <= chosen <= groups):
-            raise ValueError(f"hf_dir: {self.root / CONFIG} routes through topk_group={chosen!r} of its n_group="
-                             f"{groups} groups; expected an int from 1 to n_group")
-        if not (is_int(k) and 1 <= k <= experts):
-            raise ValueError(f"hf_dir: {self.root / CONFIG} routes each token to num_experts_per_tok={k!r} of its "
-                             f"n_routed_experts={experts} experts; expected an int from 1 to n_routed_experts")
+        """:func:`~qkmla.integrations.hub.checkpoint.check_routing` of the checkpoint's config."""
+        check_routing(self.config, self.root / CONFIG, self.num_layers)
 
     def check_shapes(self) -> None:
         """Before any weight is read: every tensor the whole model has under the checkpoint's own name
