@@ -4973,6 +4973,24 @@ def probe16_rows():
                    r"token; expected an int from 1 to num_experts$")
             assert not (env.tmp / "out").exists()
 
+    def convert_resave_of_a_qk_normed_checkpoint(env, hf):
+        """Probe H20-H22: ``qkmla convert --hf DIR --out NEW`` of a checkpoint qkmla wrote with a QK norm (convert
+        --qk-norm, convert-gqa) — the re-save convert's own refusal advises ("leave qk_norm out to re-save it"),
+        or a change of --dtype — was refused: "describes a model transformers cannot build (Specified
+        attn_implementation="qkmla.integrations.transformers.from_pretrained" is not supported ...)". It writes
+        the same model: config.json equal (its norm record and attn_implementation guard kept), same logits."""
+        import transformers
+
+        normed, again = env.tmp / "normed", env.tmp / "again"
+        assert main([str(a) for a in convert_argv(hf, normed, "--qk-norm", "rms")]) == 0
+        refuse(env, convert_argv(normed, env.tmp / "no", "--qk-norm", "rms"), r"leave qk_norm out to re-save it$")
+        assert main([str(a) for a in convert_argv(normed, again)]) == 0, env.capsys.readouterr().err
+        assert json.loads((again / "config.json").read_text()) == json.loads((normed / "config.json").read_text())
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        with torch.no_grad():
+            a, b = (transformers.AutoModelForCausalLM.from_pretrained(d)(ids).logits for d in (normed, again))
+        assert torch.equal(a, b)
+
     def routed_deepseek(env):
         """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
         (its directory, its config.json as a dict)."""
@@ -5045,6 +5063,9 @@ def probe16_rows():
             convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has),
         Row("convert", "size", "a DeepSeek-V3 config.json edited to route 8 of 4 experts, 3 of 1 group, or 4 "
             "experts in 3 groups: converted, its first forward failing", convert_of_a_deepseek_routing_it_cannot),
+        Row("convert", "path", "--hf a QK-normed checkpoint qkmla wrote, re-saved (as the --qk-norm refusal advises): "
+            "'describes a model transformers cannot build (... attn_implementation ...)'",
+            convert_resave_of_a_qk_normed_checkpoint, hf=True),
         Row("generate", "path", "--hf whose config.json routes 8 of 4 experts, 3 of 1 group, or 4 experts in 3 "
             "groups: an internal error at the first forward", generate_hf_of_a_deepseek_routing_it_cannot),
     ]

@@ -72,6 +72,20 @@ def _meta_build():
         yield
 
 
+def _buildable(config):
+    """A copy of ``config`` that transformers' DeepSeek class builds: a QK-normed checkpoint's config
+    records qkmla's loader as its attn_implementation (record.LOADER, a guard against loading it as
+    the plain model), which the class refuses, so ``qkmla convert`` of a checkpoint it wrote (a
+    re-save, as the --qk-norm refusal advises) failed as "describes a model transformers cannot
+    build". The config written keeps the guard."""
+    from ..integrations.hub.record import LOADER
+
+    one = copy.deepcopy(config)
+    if getattr(one, "_attn_implementation", None) in (LOADER, "qkmla.interop.from_pretrained"):
+        one._attn_implementation = None
+    return one
+
+
 class CheckpointStream:
     """A transformers DeepSeek-V2/V3 checkpoint directory read a tensor or a decoder layer at a time.
 
@@ -105,7 +119,7 @@ class CheckpointStream:
         self.dtype = dtype or (stored if isinstance(stored, torch.dtype) else torch.float32)
         try:
             with _meta_build():  # the whole model's structure, no storage: what each layer must load as
-                self._meta = self.model_class._from_config(self.config)
+                self._meta = self.model_class._from_config(_buildable(self.config))
         except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
             # a hand-edited size (kv_lora_rank -1; qk_nope_head_dim -8: a head dim of 0 to the power -0.5)
             # failed in torch as an internal error, with its traceback
@@ -146,7 +160,7 @@ class CheckpointStream:
         """The checkpoint's config with one decoder layer, built as a dense (``moe`` False) or MoE
         layer, a 2-token vocabulary (the embedding and LM head are not used) and the per-layer lists
         (``layer_types`` and the like) cut to layer ``index``'s entry."""
-        one = copy.deepcopy(self.config)
+        one = _buildable(self.config)
         for name, value in vars(self.config).items():
             if isinstance(value, list) and len(value) == self.num_layers and name != "architectures":
                 setattr(one, name, [value[index]])
