@@ -5028,6 +5028,31 @@ def probe16_rows():
         (src / "config.json").write_text(json.dumps(config))
         assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hi"]) == 0
 
+    def generate_hf_of_a_v2_router_method_it_does_not_know(env):
+        """Probe G20: ``qkmla generate --hf`` over a DeepSeek-V2 checkpoint with an MoE layer whose config.json
+        was edited to topk_method "junk" (V2's router knows "greedy" and "group_limited_greedy") failed at the
+        first forward: "UnboundLocalError: cannot access local variable 'topk_weights'", an internal error.
+        One line naming --hf, the config and the methods."""
+        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("tokenizers")
+        from ..integrations.transformers.test_generate import byte_tokenizer
+
+        torch.manual_seed(0)
+        src = env.tmp / "v2"
+        transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=0, topk_method="greedy", bos_token_id=0, eos_token_id=0)).save_pretrained(src)
+        byte_tokenizer().save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "topk_method": "junk"}))
+        refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hi"],
+               r"^qkmla generate: --hf: .*v2/config.json routes by topk_method='junk', which DeepSeek-V2's router does "
+               r"not know; expected one of \('greedy', 'group_limited_greedy'\)$")
+        (src / "config.json").write_text(json.dumps(config))
+        assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hi"]) == 0
+
     def convert_of_a_deepseek_routing_it_cannot(env):
         """Probe H15-H17: ``qkmla convert`` over a DeepSeek-V3 checkpoint with an MoE layer whose config.json was
         edited to num_experts_per_tok 8 of its 4 experts, topk_group 3 of its 1 group, or n_group 3 (which does
@@ -5066,6 +5091,8 @@ def probe16_rows():
         Row("convert", "path", "--hf a QK-normed checkpoint qkmla wrote, re-saved (as the --qk-norm refusal advises): "
             "'describes a model transformers cannot build (... attn_implementation ...)'",
             convert_resave_of_a_qk_normed_checkpoint, hf=True),
+        Row("generate", "path", "--hf DeepSeek-V2 whose config.json names topk_method 'junk': an internal error "
+            "(UnboundLocalError) at the first forward", generate_hf_of_a_v2_router_method_it_does_not_know),
         Row("generate", "path", "--hf whose config.json routes 8 of 4 experts, 3 of 1 group, or 4 experts in 3 "
             "groups: an internal error at the first forward", generate_hf_of_a_deepseek_routing_it_cannot),
     ]
