@@ -4991,6 +4991,20 @@ def probe16_rows():
             a, b = (transformers.AutoModelForCausalLM.from_pretrained(d)(ids).logits for d in (normed, again))
         assert torch.equal(a, b)
 
+    def a_file_where_a_branch_goes(env):
+        """Probe F1: a qknorm-confirm grid whose OUT/runs/NAME of a decay branch is a file: "run NAME failed:
+        FileExistsError: [Errno 17] File exists: ..." (start_branch's mkdir), where a run that starts no
+        branch is refused by the trainer naming the file. The branch's refusal is the trainer's."""
+        from qkmla.experiments.grid import start_branch
+
+        out, _ = superseded_chain(env)
+        (out / "runs" / "stable8" / "status.json").write_text(json.dumps({"status": "done"}))
+        branch = out / "runs" / "h10"
+        branch.write_text("my notes")
+        raises(lambda: start_branch(out / "runs" / "stable8", branch), ValueError,
+               r"^out: cannot make the run directory .*h10 \(.*h10 is a file, not a directory\)$")
+        assert branch.read_text() == "my notes"
+
     def routed_deepseek(env):
         """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
         (its directory, its config.json as a dict)."""
@@ -5088,6 +5102,8 @@ def probe16_rows():
             convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has),
         Row("convert", "size", "a DeepSeek-V3 config.json edited to route 8 of 4 experts, 3 of 1 group, or 4 "
             "experts in 3 groups: converted, its first forward failing", convert_of_a_deepseek_routing_it_cannot),
+        Row("experiment", "path", "a file at OUT/runs/NAME of a chain's branch: 'FileExistsError: [Errno 17] File "
+            "exists' (the trainer names a file in a run's way)", a_file_where_a_branch_goes),
         Row("convert", "path", "--hf a QK-normed checkpoint qkmla wrote, re-saved (as the --qk-norm refusal advises): "
             "'describes a model transformers cannot build (... attn_implementation ...)'",
             convert_resave_of_a_qk_normed_checkpoint, hf=True),

@@ -37,7 +37,7 @@ from ..train.data import Corpus
 from ..train.rundir import read_status
 from ..train.trainer import load_model
 from ..utils.errors import Stopped, notice
-from ..utils.files import write_bytes, write_text
+from ..utils.files import make_directory, write_bytes, write_text
 from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
 from .numerics import FILENAME as NUMERICS, GRID_THREADS, SUPERSEDED, check_continues, numerics
@@ -241,7 +241,8 @@ def start_branch(parent: Path, path: Path) -> None:
     parent, path = Path(parent), Path(path)
     if (read_status(parent) or {}).get("status") != "done" or not (parent / FILENAME).is_file():
         raise ValueError(f"start_from: {parent} is not a finished run with a checkpoint")
-    path.mkdir(parents=True, exist_ok=True)
+    # a file (or a link to nothing) in the way, named as the trainer names it: mkdir said "File exists"
+    make_directory("out", path, "run directory")
     for name in ("config.json", "status.json"):
         (path / name).unlink(missing_ok=True)
     for name in (FILENAME, "metrics.jsonl"):
