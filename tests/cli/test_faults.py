@@ -5005,6 +5005,17 @@ def probe16_rows():
                r"^out: cannot make the run directory .*h10 \(.*h10 is a file, not a directory\)$")
         assert branch.read_text() == "my notes"
 
+    def a_fifo_as_a_runs_numerics(env):
+        """Probe FF: a qknorm-confirm grid whose run had a FIFO as its numerics.json hung at the plan, before any
+        line, and SIGTERM did not end it (the grid's handler only notes a stop; the open was retried). The
+        record counts as unreadable, as a directory there does: the run is superseded and trains again."""
+        run = env.tmp / "grid" / "runs" / "h10"
+        run.mkdir(parents=True)
+        os.mkfifo(run / "numerics.json")
+        r = python(f"from qkmla.experiments.numerics import recorded; print(recorded({str(run)!r}))", env.tmp,
+                   timeout=60)
+        assert r.returncode == 0 and "'unreadable'" in r.stdout, r.stderr
+
     def routed_deepseek(env):
         """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
         (its directory, its config.json as a dict)."""
@@ -5104,6 +5115,8 @@ def probe16_rows():
             "experts in 3 groups: converted, its first forward failing", convert_of_a_deepseek_routing_it_cannot),
         Row("experiment", "path", "a file at OUT/runs/NAME of a chain's branch: 'FileExistsError: [Errno 17] File "
             "exists' (the trainer names a file in a run's way)", a_file_where_a_branch_goes),
+        Row("experiment", "path", "a FIFO as a run's numerics.json: the plan hung before any line, SIGTERM "
+            "ignored", a_fifo_as_a_runs_numerics),
         Row("convert", "path", "--hf a QK-normed checkpoint qkmla wrote, re-saved (as the --qk-norm refusal advises): "
             "'describes a model transformers cannot build (... attn_implementation ...)'",
             convert_resave_of_a_qk_normed_checkpoint, hf=True),

@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..train.checkpoint import FILENAME as CHECKPOINT
 from ..train.rundir import read_status
-from ..utils.files import write_text
+from ..utils.files import input_file_problem, write_text
 
 FILENAME = "numerics.json"
 SUPERSEDED = "superseded"  # OUT/superseded/NAME: runs moved out of the grid, each with superseded.json
@@ -48,6 +48,11 @@ def numerics(threads: Optional[int] = None) -> dict:
 def recorded(path: Path) -> dict:
     """The numerics the run in ``path`` recorded; :data:`UNRECORDED` when it has no record, and a
     value equal to no numerics when the record cannot be read."""
+    problem = input_file_problem(Path(path) / FILENAME)
+    if problem == "does not exist":
+        return dict(UNRECORDED)
+    if problem is not None:  # a FIFO read as a file waits for a writer forever: the plan hung at its start
+        return {"unreadable": str(Path(path) / FILENAME)}
     try:
         text = (Path(path) / FILENAME).read_text(encoding="utf-8")
     except FileNotFoundError:
