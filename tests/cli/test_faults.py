@@ -4885,10 +4885,8 @@ def probe16b_rows():
                            ([run("a", "b"), run("b", "a")], "a continues 'b'"), ([run("a", "a")], "a continues 'a'"),
                            ([run("a"), run("../b", "a")], r"a run's name is one directory name .*got '\.\./b'")):
             raises(lambda: supersede_other_trajectories(runs, out, current), ValueError, rf"^runs: {said}")
-        (out / "superseded").write_text("mine")
-        raises(lambda: supersede_other_trajectories([run("a"), run("b", "a")], out, current), ValueError,
-               r"^out: .*superseded is in the way")
-        assert sorted(p.name for p in (out / "runs").iterdir()) == ["a", "b"]  # nothing moved
+        (out / "superseded").write_text("mine")  # in the way of nothing here: probe16's row covers a run to move
+        assert supersede_other_trajectories([run("a"), run("b", "a")], out, current) == []
         (out / "superseded").unlink()
         assert supersede_other_trajectories([run("a"), run("b", "a")], out, current) == []  # a finished chain stays
         raises(lambda: check_continues(out / "runs" / "c", out / "runs" / "gone", current), ValueError,
@@ -4968,7 +4966,8 @@ def probe16b_rows():
         finished(dst / "runs" / "c")
         (dst / "runs" / "c" / "plots").mkdir()
         assert archive_runs(out, dst) == ["a"]
-        assert (dst / "superseded" / "b" / "status.json").is_file() and (dst / "runs" / "c" / "plots").is_dir()
+        # b, without its why, is no superseded run (probe16 E7/E8): left out; c's stale copy keeps its folder
+        assert not (dst / "superseded" / "b").exists() and (dst / "runs" / "c" / "plots").is_dir()
         assert not (dst / "runs" / "c" / "status.json").exists()
         (env.tmp / "grid" / "runs" / "a.restoring").mkdir(parents=True)
         (env.tmp / "grid" / "runs" / "a.restoring" / "checkpoint.pt").write_text("stale")
@@ -5174,11 +5173,321 @@ def probe16b_rows():
     ]
 
 
+def probe16_rows():
+    """The sixteenth round of CLI probes (issue 56)."""
+
+    def seeds_of_a_design_that_fixes_its_seeds(env):
+        """Probe X3/X5: ``qkmla experiment qknorm-confirm --quick --seeds 1`` trained and reported its own two
+        seeds (summary.json's command saying --seeds 1), and v4-compare and qknorm-vs-clip read no --seeds
+        either: the option was read by nothing, without a word. Refused before any work, naming the
+        experiments that take it."""
+        for name in ("qknorm-confirm", "v4-compare", "qknorm-vs-clip"):
+            out = env.tmp / name
+            refuse(env, ["experiment", name, "--quick", "--seeds", "1", "--out", out],
+                   rf"^qkmla experiment: --seeds: {name} trains the seeds its design fixes \(docs/results.md\), so it "
+                   r"takes no --seeds; the experiments that do: lr-sweep, .*norm-mode")
+            assert not out.exists()
+
+    def superseded_chain(env, name="stable8"):
+        """OUT/runs/NAME, finished with a checkpoint under other numerics, that the branch h10 (not started)
+        would continue: the plan supersedes it. Returns (out, chain)."""
+        from qkmla.experiments.grid import Run
+        from qkmla.experiments.numerics import numerics, record
+
+        out = env.tmp / "grid"
+        path = out / "runs" / name
+        path.mkdir(parents=True)
+        (path / "status.json").write_text(json.dumps({"status": "done"}))
+        (path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+        (path / "checkpoint.safetensors").write_bytes(b"")
+        record(path, {**numerics(1), "cpu_capability": "ELSEWHERE"})
+        return out, [Run(name, "mla", {}), Run("h10", "mla", {}, start_from=name)]
+
+    def superseded_name_taken_by_a_link_to_nothing(env):
+        """Probe E5: a qknorm-confirm grid whose OUT/superseded/NAME was a symbolic link to nothing, with NAME to
+        supersede: "qkmla experiment: OUT/runs/NAME: Not a directory -> OUT/superseded/NAME", every rerun (the
+        free name was found with exists(), which a link to nothing fails). It goes to NAME.2, the link kept."""
+        from qkmla.experiments.numerics import GRID_THREADS, SUPERSEDED, numerics, supersede_other_trajectories
+
+        out, chain = superseded_chain(env)
+        (out / SUPERSEDED).mkdir()
+        (out / SUPERSEDED / "stable8").symlink_to(env.tmp / "nowhere")
+        assert supersede_other_trajectories(chain, out, numerics(GRID_THREADS)) == ["stable8"]
+        assert (out / SUPERSEDED / "stable8").is_symlink()
+        assert json.loads((out / SUPERSEDED / "stable8.2" / "superseded.json").read_text())["run"] == "stable8"
+        assert not (out / "runs" / "stable8").exists()
+
+    def superseded_taken_by_a_file(env):
+        """Probe E3: ``qkmla experiment qknorm-confirm`` over an OUT whose superseded is a file, with a run to
+        supersede: "qkmla experiment: OUT/superseded: File exists" (mkdir's words: no option, nothing of what
+        the path is for). One line naming --out and the run, before anything moved."""
+        out, _ = superseded_chain(env, "mla_lr0.005_s1000_stable8")
+        (out / "superseded").write_text("my notes")
+        before = snapshot(out)
+        refuse(env, ["experiment", "qknorm-confirm", "--quick", "--out", out, "--workers", "1", "--no-progress"],
+               r"^qkmla experiment: --out: .*grid/superseded is a file, not the directory where this grid keeps the "
+               r"runs it trains again \(mla_lr0.005_s1000_stable8: it ran under .*ELSEWHERE.*\); move it away, or use "
+               r"another --out$")
+        assert snapshot(out) == before
+
+    def superseded_run_killed_before_its_why(env):
+        """Probe E7/E8: supersede_other_trajectories moved a run to OUT/superseded/NAME and then wrote why; killed
+        between the two (SIGKILL, a power cut: the plan runs in the parent, whose handlers only note a signal),
+        the run was left without its why, which the report's Superseded table leaves out, and archive_runs (the
+        redraw that publishes the grid) failed on with a FileNotFoundError traceback, as on a README file put in
+        superseded/. The why is written into the run before it moves; archive_runs takes the runs with a why."""
+        from qkmla.experiments import numerics as numerics_module
+        from qkmla.experiments.grid import archive_runs
+        from qkmla.experiments.numerics import GRID_THREADS, SUPERSEDED, numerics, supersede_other_trajectories
+
+        out, chain = superseded_chain(env)
+        write = numerics_module.write_text
+
+        def killed(path, *a, **k):
+            if Path(path).name == "superseded.json":
+                raise KeyboardInterrupt  # stands for the kill
+            return write(path, *a, **k)
+
+        env.monkeypatch.setattr(numerics_module, "write_text", killed)
+        with pytest.raises(KeyboardInterrupt):
+            supersede_other_trajectories(chain, out, numerics(GRID_THREADS))
+        env.monkeypatch.setattr(numerics_module, "write_text", write)
+        assert (out / "runs" / "stable8" / "status.json").is_file()  # not moved without its why
+        (out / SUPERSEDED).mkdir(exist_ok=True)
+        (out / SUPERSEDED / "README").write_text("my notes")
+        archive_runs(out, env.tmp / "published")
+        assert supersede_other_trajectories(chain, out, numerics(GRID_THREADS)) == ["stable8"]  # the next plan
+        assert json.loads((out / SUPERSEDED / "stable8" / "superseded.json").read_text())["run"] == "stable8"
+        archive_runs(out, env.tmp / "published")
+        assert (env.tmp / "published" / SUPERSEDED / "stable8" / "superseded.json").is_file()
+
+    def resume_of_a_run_begun_under_other_numerics(env):
+        """Probe N1: ``qkmla experiment norm-mode --quick`` over an OUT whose run was interrupted on another machine
+        (its numerics.json another CPU's): the grid trained the rest, then that run failed with "train it again
+        from its start elsewhere" (where? how?) and the report could not be drawn. Refused before any work,
+        naming the run, both numerics and what to do; the worker's own refusal says the same."""
+        from qkmla.experiments.numerics import check_continues, numerics, record
+
+        out = env.tmp / "grid"
+        path = out / "runs" / "blockwise_s1"
+        path.mkdir(parents=True)
+        (path / "status.json").write_text(json.dumps({"status": "interrupted", "step": 3, "checkpoint_step": 3}))
+        (path / "checkpoint.safetensors").write_bytes(b"")
+        record(path, {**numerics(1), "cpu_capability": "ELSEWHERE"})
+        before = snapshot(out)
+        refuse(env, ["experiment", "norm-mode", "--quick", "--out", out, "--workers", "1", "--no-progress"],
+               r"^qkmla experiment: --out: 1 unfinished run\(s\) with a checkpoint began under other numerics than "
+               r"this machine's \(cpu_capability .*\), which round differently: .*blockwise_s1 \(begun under "
+               r"cpu_capability ELSEWHERE, .*\); remove them \(or move them away\) to train them again from their "
+               r"start, or use another --out$")
+        assert snapshot(out) == before
+        raises(lambda: check_continues(path, None, numerics(1), resume=True), ValueError,
+               r"which round differently; remove it \(or move it away, or remove its checkpoint.safetensors\) and "
+               r"run the experiment again, which trains it from its start$")
+
+    def an_instruction_set_the_cpu_lacks(env):
+        """Probe A5/A6: ``ATEN_CPU_CAPABILITY=avx512 qkmla train ...`` on a CPU without AVX-512 (set to match the
+        numerics of runs trained on one, which experiments now record) stopped at the first kernel with an
+        illegal instruction: exit 132, not a word, under every command; ``ATEN_CPU_CAPABILITY=junk`` printed
+        torch's warning (with its source line) per process and went on. Both are one line naming it, before any
+        work. In process torch has read the variable already, so only the refusal is seen here."""
+        import platform
+
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            pytest.skip("the x86 values of ATEN_CPU_CAPABILITY")
+        out = env.tmp / "run"
+        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "junk")
+        refuse(env, train_ok(env, out), r"^qkmla train: ATEN_CPU_CAPABILITY: the environment variable holds 'junk', "
+               r"which torch ignores; expected one of default, avx2, avx512, or unset it")
+        for value, has in (("avx512", torch.cpu._is_avx512_supported()), ("avx2", torch.cpu._is_avx2_supported())):
+            env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", value)
+            if has:
+                continue
+            refuse(env, ["experiment", "norm-mode", "--quick", "--out", env.tmp / "grid"],
+                   rf"^qkmla experiment: ATEN_CPU_CAPABILITY: the environment variable holds '{value}', an instruction "
+                   r"set this CPU lacks \(torch's kernels for it would stop the process with an illegal instruction\)")
+        assert not out.exists() and not (env.tmp / "grid").exists()
+        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+        assert main([str(a) for a in train_ok(env, out)]) == 0
+
+    def convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has(env):
+        """Probe H5: ``qkmla convert-gqa`` over an OLMoE checkpoint whose config.json was edited to
+        num_experts_per_tok 8 of its 4 experts (or 0) wrote the converted checkpoint without a word; its first
+        forward failed in torch.topk ("selected index k out of range"), or with 0 every MoE layer added nothing.
+        One line naming --hf, before anything is written."""
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        src = env.tmp / "olmoe"
+        transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, eos_token_id=1)).save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        for k in (8, 0):
+            (src / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": k}))
+            refuse(env, ["convert-gqa", "--hf", src, "--out", env.tmp / "out", "--threads", "1"],
+                   rf"^qkmla convert-gqa: --hf: its router picks num_experts_per_tok={k} of num_experts=4 experts per "
+                   r"token; expected an int from 1 to num_experts$")
+            assert not (env.tmp / "out").exists()
+
+    def convert_resave_of_a_qk_normed_checkpoint(env, hf):
+        """Probe H20-H22: ``qkmla convert --hf DIR --out NEW`` of a checkpoint qkmla wrote with a QK norm (convert
+        --qk-norm, convert-gqa) — the re-save convert's own refusal advises ("leave qk_norm out to re-save it"),
+        or a change of --dtype — was refused: "describes a model transformers cannot build (Specified
+        attn_implementation="qkmla.integrations.transformers.from_pretrained" is not supported ...)". It writes
+        the same model: config.json equal (its norm record and attn_implementation guard kept), same logits."""
+        import transformers
+
+        normed, again = env.tmp / "normed", env.tmp / "again"
+        assert main([str(a) for a in convert_argv(hf, normed, "--qk-norm", "rms")]) == 0
+        refuse(env, convert_argv(normed, env.tmp / "no", "--qk-norm", "rms"), r"leave qk_norm out to re-save it$")
+        assert main([str(a) for a in convert_argv(normed, again)]) == 0, env.capsys.readouterr().err
+        assert json.loads((again / "config.json").read_text()) == json.loads((normed / "config.json").read_text())
+        ids = torch.tensor([[1, 5, 9, 3, 7]])
+        with torch.no_grad():
+            a, b = (transformers.AutoModelForCausalLM.from_pretrained(d)(ids).logits for d in (normed, again))
+        assert torch.equal(a, b)
+
+    def a_file_where_a_branch_goes(env):
+        """Probe F1: a qknorm-confirm grid whose OUT/runs/NAME of a decay branch is a file: "run NAME failed:
+        FileExistsError: [Errno 17] File exists: ..." (start_branch's mkdir), where a run that starts no
+        branch is refused by the trainer naming the file. The branch's refusal is the trainer's."""
+        from qkmla.experiments.grid import start_branch
+
+        out, _ = superseded_chain(env)
+        (out / "runs" / "stable8" / "status.json").write_text(json.dumps({"status": "done"}))
+        branch = out / "runs" / "h10"
+        branch.write_text("my notes")
+        raises(lambda: start_branch(out / "runs" / "stable8", branch), ValueError,
+               r"^out: cannot make the run directory .*h10 \(.*h10 is a file, not a directory\)$")
+        assert branch.read_text() == "my notes"
+
+    def a_fifo_as_a_runs_numerics(env):
+        """Probe FF: a qknorm-confirm grid whose run had a FIFO as its numerics.json hung at the plan, before any
+        line, and SIGTERM did not end it (the grid's handler only notes a stop; the open was retried). The
+        record counts as unreadable, as a directory there does: the run is superseded and trains again."""
+        run = env.tmp / "grid" / "runs" / "h10"
+        run.mkdir(parents=True)
+        os.mkfifo(run / "numerics.json")
+        r = python(f"from qkmla.experiments.numerics import recorded; print(recorded({str(run)!r}))", env.tmp,
+                   timeout=60)
+        assert r.returncode == 0 and "'unreadable'" in r.stdout, r.stderr
+
+    def routed_deepseek(env):
+        """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
+        (its directory, its config.json as a dict)."""
+        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("tokenizers")
+        from ..integrations.transformers.test_generate import byte_tokenizer
+
+        torch.manual_seed(0)
+        src = env.tmp / "moe"
+        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=0, bos_token_id=0, eos_token_id=0)).save_pretrained(src)
+        byte_tokenizer().save_pretrained(src)
+        return src, json.loads((src / "config.json").read_text())
+
+    ROUTING_EDITS = (({"num_experts_per_tok": 8}, r"routes each token to num_experts_per_tok=8 of its "
+                                                  r"n_routed_experts=4 experts; expected an int from 1 to "
+                                                  r"n_routed_experts"),
+                     ({"topk_group": 3}, r"routes through topk_group=3 of its n_group=1 groups; expected an int from 1 "
+                                         r"to n_group"),
+                     ({"n_group": 3}, r"splits n_routed_experts=4 into n_group=3 groups; expected a positive int that "
+                                      r"divides it"))
+
+    def generate_hf_of_a_deepseek_routing_it_cannot(env):
+        """Probe G17/G18: ``qkmla generate --hf`` over the checkpoints of convert's routing edits (8 of 4 experts,
+        3 of 1 group, 4 experts in 3 groups) loaded them and failed at the first forward: "RuntimeError: selected
+        index k out of range", an internal error with its traceback. One line naming --hf and the config."""
+        src, config = routed_deepseek(env)
+        for edit, said in ROUTING_EDITS:
+            (src / "config.json").write_text(json.dumps({**config, **edit}))
+            refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hi"],
+                   rf"^qkmla generate: --hf: .*moe/config.json {said}$")
+        (src / "config.json").write_text(json.dumps(config))
+        assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hi"]) == 0
+
+    def generate_hf_of_a_v2_router_method_it_does_not_know(env):
+        """Probe G20: ``qkmla generate --hf`` over a DeepSeek-V2 checkpoint with an MoE layer whose config.json
+        was edited to topk_method "junk" (V2's router knows "greedy" and "group_limited_greedy") failed at the
+        first forward: "UnboundLocalError: cannot access local variable 'topk_weights'", an internal error.
+        One line naming --hf, the config and the methods."""
+        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("tokenizers")
+        from ..integrations.transformers.test_generate import byte_tokenizer
+
+        torch.manual_seed(0)
+        src = env.tmp / "v2"
+        transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=0, topk_method="greedy", bos_token_id=0, eos_token_id=0)).save_pretrained(src)
+        byte_tokenizer().save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, "topk_method": "junk"}))
+        refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hi"],
+               r"^qkmla generate: --hf: .*v2/config.json routes by topk_method='junk', which DeepSeek-V2's router does "
+               r"not know; expected one of \('greedy', 'group_limited_greedy'\)$")
+        (src / "config.json").write_text(json.dumps(config))
+        assert main(["generate", "--hf", str(src), "--tokens", "2", "--prompt", "hi"]) == 0
+
+    def convert_of_a_deepseek_routing_it_cannot(env):
+        """Probe H15-H17: ``qkmla convert`` over a DeepSeek-V3 checkpoint with an MoE layer whose config.json was
+        edited to num_experts_per_tok 8 of its 4 experts, topk_group 3 of its 1 group, or n_group 3 (which does
+        not divide 4 experts) wrote the converted checkpoint without a word; its first forward failed in
+        torch.topk ("selected index k out of range") or a view ("shape '[-1, 3, 1]' is invalid"). One line
+        naming --hf and the config, before anything is written."""
+        src, config = routed_deepseek(env)
+        out = env.tmp / "out"
+        for edit, said in ROUTING_EDITS:
+            (src / "config.json").write_text(json.dumps({**config, **edit}))
+            refuse(env, convert_argv(src, out, "--qk-norm", "rms"), rf"^qkmla convert: --hf: .*moe/config.json {said}$")
+            assert not out.exists()
+        (src / "config.json").write_text(json.dumps(config))
+        assert main([str(a) for a in convert_argv(src, out, "--qk-norm", "rms")]) == 0
+
+    return [
+        Row("experiment", "size", "--seeds for qknorm-confirm, v4-compare or qknorm-vs-clip: read by nothing, "
+            "their own seeds trained", seeds_of_a_design_that_fixes_its_seeds),
+        Row("experiment", "path", "a run to supersede whose OUT/superseded/NAME is a link to nothing: 'Not a "
+            "directory', the grid stuck", superseded_name_taken_by_a_link_to_nothing),
+        Row("experiment", "path", "OUT/superseded a file, with a run to supersede: 'OUT/superseded: File exists', "
+            "no option named", superseded_taken_by_a_file),
+        Row("experiment", "signal", "a kill between a superseded run's move and its why: the run left without "
+            "why, left out of the report, archive_runs' FileNotFoundError", superseded_run_killed_before_its_why),
+        Row("experiment", "path", "a run begun under other numerics (another CPU): refused after the rest of the "
+            "grid trained, told to 'train it again from its start elsewhere'",
+            resume_of_a_run_begun_under_other_numerics),
+        Row("train", "environment", "ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512: an illegal instruction at "
+            "the first kernel, exit 132 and not a word; =junk: torch's warning per process",
+            an_instruction_set_the_cpu_lacks),
+        Row("convert-gqa", "size", "an OLMoE config.json edited to num_experts_per_tok 8 of 4 experts (or 0): "
+            "converted, its first forward failing in topk",
+            convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has),
+        Row("convert", "size", "a DeepSeek-V3 config.json edited to route 8 of 4 experts, 3 of 1 group, or 4 "
+            "experts in 3 groups: converted, its first forward failing", convert_of_a_deepseek_routing_it_cannot),
+        Row("experiment", "path", "a file at OUT/runs/NAME of a chain's branch: 'FileExistsError: [Errno 17] File "
+            "exists' (the trainer names a file in a run's way)", a_file_where_a_branch_goes),
+        Row("experiment", "path", "a FIFO as a run's numerics.json: the plan hung before any line, SIGTERM "
+            "ignored", a_fifo_as_a_runs_numerics),
+        Row("convert", "path", "--hf a QK-normed checkpoint qkmla wrote, re-saved (as the --qk-norm refusal advises): "
+            "'describes a model transformers cannot build (... attn_implementation ...)'",
+            convert_resave_of_a_qk_normed_checkpoint, hf=True),
+        Row("generate", "path", "--hf DeepSeek-V2 whose config.json names topk_method 'junk': an internal error "
+            "(UnboundLocalError) at the first forward", generate_hf_of_a_v2_router_method_it_does_not_know),
+        Row("generate", "path", "--hf whose config.json routes 8 of 4 experts, 3 of 1 group, or 4 experts in 3 "
+            "groups: an internal error at the first forward", generate_hf_of_a_deepseek_routing_it_cannot),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
-        + probe16b_rows())
+        + probe16_rows() + probe16b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -123,7 +123,7 @@ def test_the_worker_records_its_numerics_and_refuses_to_mix_them(tmp_path):
     assert recorded(run) == HERE
     (run / CHECKPOINT).write_bytes(b"")
     with pytest.raises(ValueError, match=r"numerics: .*run was begun under .*AVX2.* would continue under .*AVX512.*; "
-                                         r"move .*run aside \(or remove its checkpoint.safetensors\)"):
+                                         r"remove it \(or move it away, or remove its checkpoint.safetensors\)"):
         check_continues(run, None, ELSEWHERE, resume=True)
     check_continues(run, None, ELSEWHERE)  # a run that starts over (another config, say) is not checked
     assert recorded(run) == ELSEWHERE

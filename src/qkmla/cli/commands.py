@@ -466,6 +466,10 @@ def _experiment(args: argparse.Namespace) -> int:
     if args.name not in EXPERIMENTS:
         raise ValueError(f"NAME: unknown {args.name!r}; allowed: {', '.join(EXPERIMENTS)}")
     check_seeds("--seeds", args.seeds)
+    if args.seeds is not None and not EXPERIMENTS[args.name].reads_seeds:  # else silently ignored: its seeds ran
+        takers = ", ".join(name for name, e in EXPERIMENTS.items() if e.reads_seeds)
+        raise ValueError(f"--seeds: {args.name} trains the seeds its design fixes (docs/results.md), so it takes no "
+                         f"--seeds; the experiments that do: {takers}")
     check_launch("experiment")  # the workers would wait for torchrun ranks that never come
     workers = 0 if args.workers is None else args.workers
     check_workers("--workers", workers)

@@ -157,6 +157,11 @@ def config_attention_shape(name: str, c) -> tuple[int, int, int, int]:
     if name == "OlmoeForCausalLM" and c.norm_topk_prob:
         raise ValueError("model: its router renormalizes the top-k probabilities (norm_topk_prob=True), which "
                          "DeepSeek-V2's greedy router does not")
+    if name == "OlmoeForCausalLM":  # a hand-edited config.json: converted, and its first forward failed in topk
+        experts, k = getattr(c, "num_experts", None), getattr(c, "num_experts_per_tok", None)
+        if not (is_int(experts) and experts >= 1 and is_int(k) and 1 <= k <= experts):
+            raise ValueError(f"model: its router picks num_experts_per_tok={k!r} of num_experts={experts!r} experts "
+                             "per token; expected an int from 1 to num_experts")
     D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if not isinstance(D, int) or D < 2:  # a hand-edited config.json: --rope-dim, never given, was blamed for it
         raise ValueError(f"model: head_dim {D!r} is not a head's width (an even int >= 2)")

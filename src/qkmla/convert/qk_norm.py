@@ -230,8 +230,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         config = stream.config
         if dtype is not None:
             config.dtype = dtype
-        if norm is not None:
-            record_norm(config, norm)
+        if norm is not None or existing is not None:  # a re-save records its norm again: AutoConfig reads the
+            record_norm(config, norm or existing)      # attn_implementation guard into a field it does not write
 
         def write(tmp: Path) -> None:
             copy_other_files(src, tmp, skip={CONFIG, INDEX, f"{CODE}.py"})

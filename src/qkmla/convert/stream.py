@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import QKNormConfig
-from ..integrations.hub.checkpoint import (CONFIG, INDEX, _open, _weight_map, check_layers_present,
+from ..integrations.hub.checkpoint import (CONFIG, INDEX, _open, _weight_map, check_layers_present, check_routing,
                                            transformers_config)
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
@@ -73,6 +73,20 @@ def _meta_build():
         yield
 
 
+def _buildable(config):
+    """A copy of ``config`` that transformers' DeepSeek class builds: a QK-normed checkpoint's config
+    records qkmla's loader as its attn_implementation (record.LOADER, a guard against loading it as
+    the plain model), which the class refuses, so ``qkmla convert`` of a checkpoint it wrote (a
+    re-save, as the --qk-norm refusal advises) failed as "describes a model transformers cannot
+    build". The config written keeps the guard."""
+    from ..integrations.hub.record import LOADER
+
+    one = copy.deepcopy(config)
+    if getattr(one, "_attn_implementation", None) in (LOADER, "qkmla.interop.from_pretrained"):
+        one._attn_implementation = None
+    return one
+
+
 class CheckpointStream:
     """A transformers DeepSeek-V2/V3 checkpoint directory read a tensor or a decoder layer at a time.
 
@@ -106,13 +120,18 @@ class CheckpointStream:
         self.dtype = dtype or (stored if isinstance(stored, torch.dtype) else torch.float32)
         try:
             with _meta_build():  # the whole model's structure, no storage: what each layer must load as
-                self._meta = self.model_class._from_config(self.config)
+                self._meta = self.model_class._from_config(_buildable(self.config))
         except (RuntimeError, ValueError, TypeError, ArithmeticError) as e:
             # a hand-edited size (kv_lora_rank -1; qk_nope_head_dim -8: a head dim of 0 to the power -0.5)
             # failed in torch as an internal error, with its traceback
             raise ValueError(f"hf_dir: {self.root / CONFIG} describes a model transformers cannot build "
                              f"({str(e).splitlines()[0]})") from None
+        self.check_routing()
         self.check_shapes()
+
+    def check_routing(self) -> None:
+        """:func:`~qkmla.integrations.hub.checkpoint.check_routing` of the checkpoint's config."""
+        check_routing(self.config, self.root / CONFIG, self.num_layers)
 
     def check_shapes(self) -> None:
         """Before any weight is read: every tensor the whole model has under the checkpoint's own name
@@ -143,7 +162,7 @@ class CheckpointStream:
         """The checkpoint's config with one decoder layer, built as a dense (``moe`` False) or MoE
         layer, a 2-token vocabulary (the embedding and LM head are not used) and the per-layer lists
         (``layer_types`` and the like) cut to layer ``index``'s entry."""
-        one = copy.deepcopy(self.config)
+        one = _buildable(self.config)
         for name, value in vars(self.config).items():
             if isinstance(value, list) and len(value) == self.num_layers and name != "architectures":
                 setattr(one, name, [value[index]])

@@ -23,6 +23,7 @@ from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
                    stop_requests, worker_pool)
+from .numerics import GRID_THREADS, begun_under_other_numerics, describe as described, numerics
 from .results import best_lr, read_results, summarize, write_results
 from ..utils.checked import check_bool, is_int, python_numbers
 
@@ -115,6 +116,8 @@ class Experiment:
     adaptive: bool = False
     thin_metrics: Optional[Callable[[list[dict]], list[dict]]] = None  # archived metrics rows (redraw)
     reads_sweep: bool = False  # trains at the lr-sweep's best rates (--sweep); other experiments pick their own
+    # Options.seeds sets its seeds per variant; a pre-registered design fixes its own (--seeds refused)
+    reads_seeds: bool = True
 
 
 def train_settings(quick: bool, steps: int, **changes) -> dict:
@@ -348,6 +351,17 @@ def _check_out(experiment: Experiment, options: Options) -> None:
                          f"config.json differing from this plan's settings: {', '.join(started[:3])}"
                          f"{' ...' if len(started) > 3 else ''}; undo the change to resume them, pass --overwrite to "
                          "start them over, or use another --out")
+    # A worker refuses to continue a checkpoint begun under other numerics (numerics.check_continues): said
+    # here before any work, not as a failed run after the rest of the grid trained.
+    current = numerics(GRID_THREADS)
+    elsewhere = [f"{run_dir(out, r)} (begun under {began})" for r in plan if r.same_as is None
+                 and (read_status(run_dir(out, r)) or {}).get("status") not in FINISHED
+                 and (began := begun_under_other_numerics(run_dir(out, r), current)) is not None]
+    if elsewhere:
+        raise ValueError(f"--out: {len(elsewhere)} unfinished run(s) with a checkpoint began under other numerics than "
+                         f"this machine's ({described(current)}), which round differently: "
+                         f"{', '.join(elsewhere[:3])}{' ...' if len(elsewhere) > 3 else ''}; remove them (or move them "
+                         "away) to train them again from their start, or use another --out")
     if edited:
         raise ValueError(f"--out: {len(edited)} unfinished run(s) with a checkpoint have a config.json changed since "
                          f"the run wrote it: {', '.join(edited[:3])}{' ...' if len(edited) > 3 else ''}; a resume "

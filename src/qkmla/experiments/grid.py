@@ -37,7 +37,7 @@ from ..train.data import Corpus
 from ..train.rundir import read_status
 from ..train.trainer import load_model
 from ..utils.errors import Stopped, notice
-from ..utils.files import write_bytes, write_text
+from ..utils.files import make_directory, write_bytes, write_text
 from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
 from .numerics import FILENAME as NUMERICS, GRID_THREADS, SUPERSEDED, check_continues, numerics
@@ -162,7 +162,9 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
             _copy_archived(path, Path(dst) / "runs" / path.name, ARCHIVED, thin)
             copied.append(path.name)
     for path in sorted((Path(out) / SUPERSEDED).glob("*")):
-        if not path.is_dir():  # a note left beside the runs is no run (it failed as "Not a directory")
+        # a superseded run is told by its why: a note left beside the runs failed as "Not a directory", and a
+        # folder without the record (not moved by the rule) as a missing file
+        if not path.is_dir() or not (path / "superseded.json").is_file():
             continue
         _copy_archived(path, _superseded_target(path, Path(dst) / SUPERSEDED), ARCHIVED + ("superseded.json",), thin)
         try:  # which run it was; a folder without the record (not moved by the rule) keeps its archived copy
@@ -280,7 +282,8 @@ def start_branch(parent: Path, path: Path) -> None:
     parent, path = Path(parent), Path(path)
     if (read_status(parent) or {}).get("status") != "done" or not (parent / FILENAME).is_file():
         raise ValueError(f"start_from: {parent} is not a finished run with a checkpoint")
-    path.mkdir(parents=True, exist_ok=True)
+    # a file (or a link to nothing) in the way, named as the trainer names it: mkdir said "File exists"
+    make_directory("out", path, "run directory")
     for name in ("config.json", "status.json"):
         (path / name).unlink(missing_ok=True)
     for name in (FILENAME, "metrics.jsonl"):

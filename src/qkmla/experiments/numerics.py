@@ -26,7 +26,7 @@ from typing import Optional
 
 from ..train.checkpoint import FILENAME as CHECKPOINT
 from ..train.rundir import read_status
-from ..utils.files import write_text
+from ..utils.files import input_file_problem, write_text
 
 FILENAME = "numerics.json"
 SUPERSEDED = "superseded"  # OUT/superseded/NAME: runs moved out of the grid, each with superseded.json
@@ -49,6 +49,11 @@ def numerics(threads: Optional[int] = None) -> dict:
 def recorded(path: Path) -> dict:
     """The numerics the run in ``path`` recorded; :data:`UNRECORDED` when it has no record, and a
     value equal to no numerics when the record cannot be read."""
+    problem = input_file_problem(Path(path) / FILENAME)
+    if problem == "does not exist":
+        return dict(UNRECORDED)
+    if problem is not None:  # a FIFO read as a file waits for a writer forever: the plan hung at its start
+        return dict(UNREADABLE)
     try:
         text = (Path(path) / FILENAME).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -67,7 +72,7 @@ def record(path: Path, current: dict) -> None:
     write_text(Path(path) / FILENAME, json.dumps(current, sort_keys=True) + "\n")
 
 
-def _describe(value: dict) -> str:
+def describe(value: dict) -> str:
     if value.get("recorded") is False:
         return "unrecorded numerics (trained before runs recorded theirs)"
     if value == UNREADABLE:
@@ -77,7 +82,7 @@ def _describe(value: dict) -> str:
 
 def _free_name(folder: Path, name: str) -> Path:
     target, n = folder / name, 1
-    while target.exists():
+    while os.path.lexists(target):  # a link to nothing is taken too: the move would fail on it, or replace it
         n += 1
         target = folder / f"{name}.{n}"
     return target
@@ -85,8 +90,7 @@ def _free_name(folder: Path, name: str) -> Path:
 
 def _check_chains(runs: list, out: Path) -> None:
     """A ValueError naming ``runs`` unless every name is one directory name, used once, and every
-    ``start_from`` names a run listed before it (so no chain is a cycle), and naming the folder
-    unless ``out/superseded`` is one: checked before any run moves. A branch listed before its parent,
+    ``start_from`` names a run listed before it (so no chain is a cycle): checked before any run moves. A branch listed before its parent,
     or continuing no run, failed in the message about its parent's numerics (AttributeError: 'NoneType'
     object has no attribute 'get'); a name with a path separator ("../x") reached outside ``out/runs``."""
     seen = set()
@@ -101,9 +105,6 @@ def _check_chains(runs: list, out: Path) -> None:
             raise ValueError(f"runs: {name} continues {run.start_from!r}, which is not a run listed before it "
                              f"(parents are listed before their branches)")
         seen.add(name)
-    folder = Path(out) / SUPERSEDED
-    if os.path.lexists(folder) and not folder.is_dir():
-        raise ValueError(f"out: {folder} is in the way of the folder superseded runs are moved to; move it aside")
 
 
 def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[str]:
@@ -121,7 +122,8 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
 
     Raises:
         ValueError, before any run moves: a name that is not one directory name or is used twice, a
-        ``start_from`` that names no run listed before it, ``out/superseded`` that is not a folder.
+        ``start_from`` that names no run listed before it; ``out/superseded`` taken by a file (naming
+        ``--out``).
     """
     _check_chains(runs, out)
     root = Path(out) / "runs"
@@ -148,33 +150,38 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
             why = f"it continued a run of {run.start_from} that was superseded or is gone"
         elif finished[run.name]:
             if run.start_from is not None and own != parent:
-                why = f"it ran under {_describe(own)}, and {run.start_from} before it under {_describe(parent)}"
+                why = f"it ran under {describe(own)}, and {run.start_from} before it under {describe(parent)}"
             elif run.name in grows and own != current:
-                why = (f"it ran under {_describe(own)}, and the runs that continue it will run under "
-                       f"{_describe(current)}")
+                why = (f"it ran under {describe(own)}, and the runs that continue it will run under "
+                       f"{describe(current)}")
             else:
                 trajectory[run.name] = own
                 continue
         else:
             if started and own != current and (path / "status.no-checkpoint.json").is_file():
-                why = (f"it ran under {_describe(own)}, and its checkpoint, which a run after it needs, is gone: "
-                       f"trained again under {_describe(current)} it would be another run")
+                why = (f"it ran under {describe(own)}, and its checkpoint, which a run after it needs, is gone: "
+                       f"trained again under {describe(current)} it would be another run")
             elif started and own != current:
-                why = f"it began under {_describe(own)}, and would go on under {_describe(current)}"
+                why = f"it began under {describe(own)}, and would go on under {describe(current)}"
             elif run.start_from is not None and parent != current:
-                why = (f"{run.start_from} before it ran under {_describe(parent)}, and it runs under "
-                       f"{_describe(current)}")
+                why = (f"{run.start_from} before it ran under {describe(parent)}, and it runs under "
+                       f"{describe(current)}")
             else:
                 trajectory[run.name] = current
                 if not started:
                     new.add(run.name)
                 continue
+        folder = Path(out) / SUPERSEDED
+        if os.path.lexists(folder) and not folder.is_dir():  # else mkdir's bare "File exists", naming no option
+            what = "a symbolic link to nothing" if folder.is_symlink() else "a file"
+            raise ValueError(f"--out: {folder} is {what}, not the directory where this grid keeps the runs it trains "
+                             f"again ({run.name}: {why}); move it away, or use another --out")
         if not (path / "status.json").exists() and (path / "status.no-checkpoint.json").is_file():
             (path / "status.no-checkpoint.json").replace(path / "status.json")  # it finished where it ran
-        target = _free_name(Path(out) / SUPERSEDED, run.name)
+        target = _free_name(folder, run.name)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # The record first, moved with the run: written after the move, a stop between the two left a superseded
-        # run that archive_runs could not name (it failed on the missing superseded.json).
+        # The why first, then the move: a kill between the two left a superseded run without its why, which
+        # the report leaves out and archive_runs failed on; a why in a run not moved yet is read by nothing.
         write_text(path / "superseded.json", json.dumps({"run": run.name, "why": why, "numerics_now": current,
                                                           "numerics_recorded": own}, indent=1) + "\n")
         path.replace(target)
@@ -183,6 +190,15 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
         new.add(run.name)
         moved.append(run.name)
     return moved
+
+
+def begun_under_other_numerics(path: Path, current: dict) -> Optional[str]:
+    """The numerics (described) that the run in ``path`` began under, if it has a checkpoint to
+    continue and recorded other numerics than ``current``; else None."""
+    path = Path(path)
+    if (path / CHECKPOINT).is_file() and (path / FILENAME).is_file() and recorded(path) != current:
+        return describe(recorded(path))
+    return None
 
 
 def check_continues(path: Path, start_from: Optional[Path], current: dict, resume: bool = False) -> None:
@@ -204,13 +220,14 @@ def check_continues(path: Path, start_from: Optional[Path], current: dict, resum
     if start_from is not None and not Path(start_from).is_dir():
         raise ValueError(f"start_from: {start_from} is not a run's folder; {path.name} is a branch that starts from "
                          f"that run's checkpoint, so it must have finished first")
-    if resume and (path / FILENAME).is_file() and recorded(path) != current:
-        raise ValueError(f"numerics: {path} was begun under {_describe(recorded(path))} and would continue under "
-                         f"{_describe(current)}, which round differently; move {path} aside (or remove its "
-                         f"{CHECKPOINT}) and run the experiment again, which trains it from its start")
+    began = begun_under_other_numerics(path, current) if resume else None
+    if began is not None:  # "train it again elsewhere" said neither where nor how: removing it is how
+        raise ValueError(f"numerics: {path} was begun under {began} and would continue under {describe(current)}, "
+                         f"which round differently; remove it (or move it away, or remove its {CHECKPOINT}) and run "
+                         "the experiment again, which trains it from its start")
     if start_from is not None and recorded(Path(start_from)) != current:
-        raise ValueError(f"numerics: {start_from} ran under {_describe(recorded(Path(start_from)))}, and its branch "
-                         f"{path.name} would continue it under {_describe(current)}, which round differently; "
+        raise ValueError(f"numerics: {start_from} ran under {describe(recorded(Path(start_from)))}, and its branch "
+                         f"{path.name} would continue it under {describe(current)}, which round differently; "
                          f"move {start_from} aside and run the experiment again, which trains it anew")
     if not os.path.lexists(path):
         path.mkdir(parents=True)

@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Callable, Iterable
 
-from .environment import check_switches, drop_bad_thread_counts
+from .environment import check_cpu_capability, check_switches, drop_bad_thread_counts
 from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
 from .imports import extension_inits_held
 from .startup import command_started
@@ -51,6 +51,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         # while a C++ extension initializes is acted on as it returns, not raised inside (utils.imports)
         with sigterm_unwinds(), extension_inits_held():
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
+            check_cpu_capability()  # ATEN_CPU_CAPABILITY=avx512 without AVX-512: an illegal instruction at step 1
             status = body()
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status

@@ -18,6 +18,11 @@
   never come. :func:`check_launch` refuses that, naming the variables to unset.
 * qkmla's own switches (:data:`SWITCHES`, ``QKMLA_CPU_KERNEL``): 0 or 1 (empty: the default);
   anything else ("off", "false") is refused naming the variable, where it was read as "on".
+* torch's ``ATEN_CPU_CAPABILITY`` (which instruction set its CPU kernels use, and so how a run
+  rounds: ``qkmla.experiments.numerics``): on x86, ``default``, ``avx2`` or ``avx512``, and one
+  this CPU has. torch ignores anything else with a warning per process, and takes ``avx512`` on a
+  CPU without AVX-512 at its word: the first kernel stopped the process with an illegal
+  instruction (exit 132, not a word). :func:`check_cpu_capability` refuses both, naming it.
 * ``CUDA_VISIBLE_DEVICES`` needs no check here: whatever it holds, torch sees the accelerators
   it leaves, and ``--device`` is checked against those.
 """
@@ -56,6 +61,32 @@ def check_switches() -> None:
     """Every switch of :data:`SWITCHES` read once, before any work: junk is refused up front."""
     for name in SWITCHES:
         switch(name)
+
+
+CPU_CAPABILITIES = {"default": None, "avx2": "_is_avx2_supported", "avx512": "_is_avx512_supported"}  # x86's
+
+
+def check_cpu_capability() -> None:
+    """``ATEN_CPU_CAPABILITY``, if set on x86, is one of :data:`CPU_CAPABILITIES` that this CPU
+    has (module docstring); a ValueError naming it otherwise. Call it before the first kernel runs:
+    torch reads the variable then, once."""
+    import platform
+
+    value = os.environ.get("ATEN_CPU_CAPABILITY")
+    if value is None or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return  # other CPUs have other values (vsx, zvector, sve256): torch's to judge
+    allowed = ", ".join(CPU_CAPABILITIES)
+    if value not in CPU_CAPABILITIES:
+        raise ValueError(f"ATEN_CPU_CAPABILITY: the environment variable holds {value!r}, which torch ignores; "
+                         f"expected one of {allowed}, or unset it (torch picks this CPU's best)")
+    import torch
+
+    has = getattr(torch.cpu, CPU_CAPABILITIES[value] or "", None)  # cpuinfo's flags, not the variable
+    if has is not None and not has():
+        usable = ", ".join(c for c, f in CPU_CAPABILITIES.items() if f is None or getattr(torch.cpu, f, bool)())
+        raise ValueError(f"ATEN_CPU_CAPABILITY: the environment variable holds {value!r}, an instruction set this "
+                         f"CPU lacks (torch's kernels for it would stop the process with an illegal instruction); "
+                         f"expected one of {usable} here, or unset it (torch picks this CPU's best)")
 
 
 def drop_bad_thread_counts(command: str) -> list[str]:

@@ -19,6 +19,6 @@ from .report import report
 
 EXPERIMENT = Experiment("qknorm-confirm", "pre-registered confirmation: QK-norm vs plain MLA vs QK-Clip 17 / 20.6, "
                         "fresh seeds, WSD branches at 600 / 1,200 / 2,400 steps", plan, report, measure,
-                        adaptive=True, thin_metrics=thin_metrics)
+                        adaptive=True, thin_metrics=thin_metrics, reads_seeds=False)
 
 __all__ = ["EXPERIMENT"]

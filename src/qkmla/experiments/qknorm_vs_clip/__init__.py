@@ -47,6 +47,6 @@ from .design import measure, plan
 from .report import report
 
 EXPERIMENT = Experiment("qknorm-vs-clip", "QK-norm vs QK-Clip vs plain MLA on held-out plays: lr brackets at the "
-                        "horizon, paired seeds, stress test", plan, report, measure, adaptive=True)
+                        "horizon, paired seeds, stress test", plan, report, measure, adaptive=True, reads_seeds=False)
 
 __all__ = ["EXPERIMENT"]

@@ -23,6 +23,6 @@ from .report import report
 
 EXPERIMENT = Experiment("v4-compare", "pre-registered: DeepSeek-V4's shared-KV attention vs QK-normed MLA vs plain "
                         "MLA at equal cache bytes and parameters, rates tuned per arm, paired seeds", plan, report,
-                        measure, adaptive=True, thin_metrics=thin_metrics)
+                        measure, adaptive=True, thin_metrics=thin_metrics, reads_seeds=False)
 
 __all__ = ["EXPERIMENT"]

@@ -174,6 +174,41 @@ def transformers_config(hf_dir: Union[str, Path], name: str = "hf_dir"):
                          f"({type(e).__name__}: {detail[:300]})") from None
 
 
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")  # transformers' DeepseekV2 router: any other name fails in it
+
+
+def check_routing(config, path: Path, num_layers: Optional[int] = None, name: str = "hf_dir") -> None:
+    """A DeepSeek-V2/V3 ``config`` (``transformers.AutoConfig``, read from ``path``) with MoE layers
+    routes each token to ``num_experts_per_tok`` of its ``n_routed_experts``, picking ``topk_group`` of
+    ``n_group`` groups where it routes by groups (V3; V2's ``group_limited_greedy``). A hand-edited
+    config.json outside that (8 of 4 experts, 3 of 1 group, 4 experts in 3 groups, a V2 ``topk_method``
+    its router does not know) sizes no tensor, so
+    it loaded and converted without a word, and its first forward failed in torch.topk or a view
+    (``generate --hf``: an internal error). ValueError naming ``name`` and ``path`` otherwise."""
+    from .record import stock_model_type
+
+    c = config
+    layers = c.num_hidden_layers if num_layers is None else num_layers
+    if not getattr(c, "n_routed_experts", None) or (getattr(c, "first_k_dense_replace", 0) or 0) >= layers:
+        return  # no MoE layer: the router's numbers are read by nothing
+    experts, k = c.n_routed_experts, getattr(c, "num_experts_per_tok", None)
+    method = getattr(c, "topk_method", None)
+    if stock_model_type(c.model_type) == "deepseek_v2" and method not in V2_TOPK_METHODS:  # else picked no expert
+        raise ValueError(f"{name}: {path} routes by topk_method={method!r}, which DeepSeek-V2's router does not "
+                         f"know; expected one of {V2_TOPK_METHODS}")
+    grouped = stock_model_type(c.model_type) == "deepseek_v3" or method == "group_limited_greedy"
+    groups, chosen = (getattr(c, "n_group", None), getattr(c, "topk_group", None)) if grouped else (1, 1)
+    if not (is_int(experts) and experts >= 1 and is_int(groups) and groups >= 1 and experts % groups == 0):
+        raise ValueError(f"{name}: {path} splits n_routed_experts={experts!r} into n_group={groups!r} groups; "
+                         "expected a positive int that divides it")
+    if not (is_int(chosen) and 1 <= chosen <= groups):
+        raise ValueError(f"{name}: {path} routes through topk_group={chosen!r} of its n_group={groups} groups; "
+                         "expected an int from 1 to n_group")
+    if not (is_int(k) and 1 <= k <= experts):
+        raise ValueError(f"{name}: {path} routes each token to num_experts_per_tok={k!r} of its "
+                         f"n_routed_experts={experts} experts; expected an int from 1 to n_routed_experts")
+
+
 def load_tokenizer(hf_dir: Union[str, Path]):
     """The tokenizer of a checkpoint directory (``AutoTokenizer``, local files only), as every
     command loads it.

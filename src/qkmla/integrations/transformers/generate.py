@@ -18,7 +18,7 @@ from ...cache.eviction import EvictionPolicy, check_kept_fraction
 from ...model.generate import check_sampling
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.checkpoint import check_layers_present, load_tokenizer, read_hf_config, transformers_config
+from ..hub.checkpoint import check_layers_present, check_routing, load_tokenizer, read_hf_config, transformers_config
 from ...utils.files import input_file_problem
 from .load import _MODEL_TYPES, from_pretrained
 from .patched import SUPPORTED
@@ -50,6 +50,7 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
                          f"({', '.join(SUPPORTED[:2])})")
     check_layers_present(root, hf_config)
+    check_routing(transformers_config(root), root / "config.json")  # its first forward failed in topk: a bug
     try:
         tokenizer = load_tokenizer(root)
     except (OSError, ValueError, ImportError) as e:  # no tokenizer files (old transformers: ImportError)
