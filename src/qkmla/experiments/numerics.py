@@ -90,9 +90,10 @@ def _free_name(folder: Path, name: str) -> Path:
 
 def _check_chains(runs: list, out: Path) -> None:
     """A ValueError naming ``runs`` unless every name is one directory name, used once, and every
-    ``start_from`` names a run listed before it (so no chain is a cycle): checked before any run moves. A branch listed before its parent,
-    or continuing no run, failed in the message about its parent's numerics (AttributeError: 'NoneType'
-    object has no attribute 'get'); a name with a path separator ("../x") reached outside ``out/runs``."""
+    ``start_from`` names a run listed before it (so no chain is a cycle): checked before any run
+    moves. A branch listed before its parent, or continuing no run, failed in the message about its
+    parent's numerics (AttributeError: 'NoneType' object has no attribute 'get'); a name with a path
+    separator ("../x") reached outside ``out/runs``."""
     seen = set()
     for run in runs:
         name = run.name
