@@ -2481,7 +2481,8 @@ def probe8_rows():
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{name: cache})
         assert cache.get_seq_length() == 3 and cache.layers[0].max_cache_len == 16
         raises(lambda: model(input_ids=torch.arange(1, 15)[None], use_cache=True, **{name: cache}), ValueError,
-               r"max_cache_len: this cache holds 16 tokens per sequence, and the prompt and new tokens need 17")
+               r"max_cache_len: this cache holds 16 tokens per sequence, and with this step's it would hold 17; "
+               r"build it with a max_cache_len of at least the prompt's length plus the new tokens")
 
     def growing_cache_past_memory(env, hf):
         """Probe B02: a growing LatentAttentionCache of max_cache_len 2**50 was refused at its first

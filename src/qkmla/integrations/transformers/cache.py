@@ -266,8 +266,11 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
 
     def _check_capacity(self, needed: int, capacity: int) -> None:
         if needed > capacity:
-            raise ValueError(f"max_cache_len: this cache holds {capacity} tokens per sequence, and the prompt and "
-                             f"new tokens need {needed}; build it with a larger max_cache_len, or None to grow")
+            # "the prompt and new tokens need N" named this step's count, one of many still to come: a cap of N
+            # failed again at the next step
+            raise ValueError(f"max_cache_len: this cache holds {capacity} tokens per sequence, and with this step's "
+                             f"it would hold {needed}; build it with a max_cache_len of at least the prompt's length "
+                             f"plus the new tokens (less the last), or None to grow")
 
     def advance(self, valid: Optional[torch.Tensor], batch_size: int, num_tokens: int) -> None:
         """The attention layer's last call of a forward: count this forward's columns (``valid``
