@@ -415,7 +415,7 @@ def test_cache_reused_with_another_batch_size_is_refused():
 def test_fixed_capacity_is_checked_before_any_work():
     model = patched(hf_model("v3"))
     cache = LatentAttentionCache(model, max_cache_len=8)
-    with pytest.raises(ValueError, match="max_cache_len: this cache holds 8 tokens per sequence.*need 10"):
+    with pytest.raises(ValueError, match="max_cache_len: this cache holds 8 tokens per sequence.*would hold 10"):
         with torch.no_grad():
             model(torch.stack(prompts([10])), **{CACHE: cache})
     assert cache.get_seq_length() == 0 and cache.layers[0].latent is None
