@@ -83,9 +83,12 @@ def test_a_run_of_an_experiments_grid_is_refused_as_out(tmp_path, refused):
     assert main([*RUN, "--steps", "2", "--out", str(run)]) == 0  # before the directory is an experiment's: allowed
     (exp / "summary.json").write_text(json.dumps({"experiment": "lr-sweep"}))
     before = (run / "metrics.jsonl").read_text()
-    for out, extra in ((run, ["--resume"]), (run, ["--overwrite"]), (exp / "runs" / "mine", [])):
+    (tmp_path / "link").symlink_to(run)
+    for out, extra in ((run, ["--resume"]), (run, ["--overwrite"]), (exp / "runs" / "mine", []),
+                       (run / ".." / run.name, ["--resume"]), (tmp_path / "link", ["--resume"])):
         refused([*RUN, "--steps", "4", "--out", str(out), *extra],
-                rf"--out: .*{out.name} is a run of the experiment in .*exp \(qkmla experiment's own directory\)")
+                rf"--out: .*{out.resolve().name} is a run of the experiment in .*exp \(qkmla experiment's own "
+                r"directory\)")
     assert (run / "metrics.jsonl").read_text() == before and not (exp / "runs" / "mine").exists()
     copy = tmp_path / "copy"
     assert main([*RUN, "--steps", "2", "--out", str(copy)]) == 0

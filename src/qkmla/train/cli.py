@@ -247,7 +247,7 @@ def check_not_an_experiments_run(out) -> None:
     user's to train on."""
     from ..utils.files import directory_kind
 
-    out = Path(out).absolute()
+    out = Path(out).resolve()  # EXP/runs/RUN/../RUN and a link into EXP/runs are the experiment's run too
     kind = directory_kind(out.parent.parent) if out.parent.name == "runs" else None
     if kind is not None and kind[0] == "experiment":
         raise ValueError(f"--out: {out} is a run of the experiment in {out.parent.parent} (qkmla experiment's own "
