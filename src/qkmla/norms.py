@@ -64,6 +64,8 @@ class ScalarNorm(nn.Module):
 
         ``weight`` replaces gamma (the absorbed query passes gamma_q ⊙ gamma_k).
         """
+        if not v.is_floating_point():  # here, not in forward only: QKNorm's unified and content modes come here
+            raise ValueError(f"v: expected a floating-point tensor (the output has v's dtype), got {v.dtype}")
         weight = self.weight if weight is None else weight
         acc = accumulate_dtype(v.dtype)
         return cast(cast(v, acc) * sigma * cast(weight, acc), v.dtype)

@@ -5174,6 +5174,24 @@ def probe16b_rows():
     ]
 
 
+def probe16_routed_deepseek(env):
+    """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
+    (its directory, its config.json as a dict)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from ..integrations.transformers.test_generate import byte_tokenizer
+
+    torch.manual_seed(0)
+    src = env.tmp / "moe"
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=0, bos_token_id=0, eos_token_id=0)).save_pretrained(src)
+    byte_tokenizer().save_pretrained(src)
+    return src, json.loads((src / "config.json").read_text())
+
+
 def probe16_rows():
     """The sixteenth round of CLI probes (issue 56)."""
 
@@ -5308,8 +5326,10 @@ def probe16_rows():
                    rf"^qkmla experiment: ATEN_CPU_CAPABILITY: the environment variable holds '{value}', an instruction "
                    r"set this CPU lacks \(torch's kernels for it would stop the process with an illegal instruction\)")
         assert not out.exists() and not (env.tmp / "grid").exists()
-        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "")  # blank, as `VAR= cmd` leaves it: unset (review 16b)
         assert main([str(a) for a in train_ok(env, out)]) == 0
+        env.monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+        assert main([str(a) for a in [*train_ok(env, out), "--overwrite"]]) == 0
 
     def convert_gqa_of_an_olmoe_routing_to_more_experts_than_it_has(env):
         """Probe H5: ``qkmla convert-gqa`` over an OLMoE checkpoint whose config.json was edited to
@@ -5373,22 +5393,7 @@ def probe16_rows():
                    timeout=60)
         assert r.returncode == 0 and "'unreadable'" in r.stdout, r.stderr
 
-    def routed_deepseek(env):
-        """A one-layer DeepSeek-V3 checkpoint whose layer is MoE (4 experts, 2 per token), with a byte tokenizer:
-        (its directory, its config.json as a dict)."""
-        transformers = pytest.importorskip("transformers")
-        pytest.importorskip("tokenizers")
-        from ..integrations.transformers.test_generate import byte_tokenizer
-
-        torch.manual_seed(0)
-        src = env.tmp / "moe"
-        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=0, bos_token_id=0, eos_token_id=0)).save_pretrained(src)
-        byte_tokenizer().save_pretrained(src)
-        return src, json.loads((src / "config.json").read_text())
+    routed_deepseek = probe16_routed_deepseek
 
     ROUTING_EDITS = (({"num_experts_per_tok": 8}, r"routes each token to num_experts_per_tok=8 of its "
                                                   r"n_routed_experts=4 experts; expected an int from 1 to "
@@ -5396,7 +5401,14 @@ def probe16_rows():
                      ({"topk_group": 3}, r"routes through topk_group=3 of its n_group=1 groups; expected an int from 1 "
                                          r"to n_group"),
                      ({"n_group": 3}, r"splits n_routed_experts=4 into n_group=3 groups; expected a positive int that "
-                                      r"divides it"))
+                                      r"divides it"),
+                     # review 16b: one expert per group (V3 scores a group by its top 2: topk failed), and more
+                     # experts per token than the chosen groups hold (the router picked masked-out experts)
+                     ({"n_group": 4, "topk_group": 2}, r"puts 1 of its n_routed_experts=4 experts in each of "
+                                                       r"n_group=4 groups; .* a group needs at least 2"),
+                     ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 3},
+                      r"routes each token to num_experts_per_tok=3 experts from topk_group=1 groups of 2, which "
+                      r"hold only 2"))
 
     def generate_hf_of_a_deepseek_routing_it_cannot(env):
         """Probe G17/G18: ``qkmla generate --hf`` over the checkpoints of convert's routing edits (8 of 4 experts,
@@ -5484,11 +5496,118 @@ def probe16_rows():
     ]
 
 
+def review16b_rows():
+    """Review 16b of the round-16 merges: faults in the fixes themselves."""
+
+    def a_superseded_record_naming_dotdot(env):
+        """Review 16b, bug 1: a superseded run whose record says "run": ".." passed de0eda5's check
+        (Path("..").name == ".."): dst/runs/.. is dst, and archive_runs deleted every file there."""
+        from qkmla.experiments.grid import archive_runs
+
+        out, dst = env.tmp / "out", env.tmp / "dst"
+        (out / "superseded" / "x").mkdir(parents=True)
+        (out / "superseded" / "x" / "superseded.json").write_text(json.dumps({"run": ".."}))
+        (out / "superseded" / "x" / "status.json").write_text(json.dumps({"status": "done"}))
+        dst.mkdir()
+        (dst / "results.jsonl").write_text("mine\n")
+        (dst / "notes.md").write_text("mine")
+        archive_runs(out, dst)
+        assert (dst / "results.jsonl").read_text() == "mine\n" and (dst / "notes.md").read_text() == "mine"
+        assert not (dst / "status.json").exists()
+
+    def an_integer_input_to_a_unified_qk_norm(env):
+        """Review 16b, bug 3: ee4ec4a refused integer input in ScalarNorm.forward only; QKNorm's unified and content
+        modes (and a projection-scope norm) go through ScalarNorm.scaled, and returned int64 zeros."""
+        from qkmla.norms import QKNorm
+
+        ints = (torch.ones(2, 2, 8, dtype=torch.long), torch.ones(2, 1, 4, dtype=torch.long))
+        for mode in ("unified", "content"):
+            raises(lambda m=mode: QKNorm(8, 4, mode=m)(*ints), ValueError,
+                   r"^v: expected a floating-point tensor .*got torch.int64")
+
+    def from_pretrained_of_a_routing_it_cannot(env):
+        """Review 16b, bug 4b: qkmla.integrations.transformers.from_pretrained took a config.json routing 8 of 4
+        experts (bc5f1dc checked generate --hf and convert only); its first forward failed in torch.topk."""
+        from qkmla.integrations.transformers import from_pretrained
+
+        src, config = probe16_routed_deepseek(env)
+        (src / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 8}))
+        raises(lambda: from_pretrained(src), ValueError, r"^hf_dir: .*config.json routes each token to "
+                                                           r"num_experts_per_tok=8 of its n_routed_experts=4")
+
+    def seeds_given_through_the_api_to_a_fixed_seed_design(env):
+        """Review 16b, risk 8: 57498f4 refused --seeds on the command line only; run_experiment(EXPERIMENTS[
+        'qknorm-confirm'], Options(out, seeds=1)) trained its own seeds and recorded none of it."""
+        from qkmla.experiments import EXPERIMENTS, Options, run_experiment
+
+        for name in ("qknorm-confirm", "v4-compare", "qknorm-vs-clip"):
+            raises(lambda n=name: run_experiment(EXPERIMENTS[n], Options(env.tmp / n, quick=True, seeds=1),
+                                                 progress=False), ValueError,
+                   rf"^seeds: {name} trains the seeds its design fixes .*; leave them out$")
+            assert not (env.tmp / name).exists()
+
+    def a_pruned_kv_b_proj_after_an_update(env):
+        """Review 16b, bug 2: b04fcaa let a pruning pre-hook on kv_b_proj through, but the absorbed path never runs
+        kv_b_proj's forward, where the hook recomputes .weight: after an update of weight_orig the decode read the
+        weight of before it, 1.03 off the explicit path in float64. The absorbed path runs the hook first."""
+        import torch.nn.utils.prune as prune
+
+        from qkmla import LatentCache, MLA, MLAConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(2, 9, 64, dtype=torch.double)
+        mla = MLA(MLAConfig()).double().eval()
+        prune.l1_unstructured(mla.kv_b_proj, "weight", amount=0.5)
+
+        def decode():
+            cache = LatentCache.from_config(mla.config, 2, 16, dtype=torch.double)
+            mla(x[:, :8], cache)
+            return mla(x[:, 8:], cache)
+
+        decode()
+        with torch.no_grad():
+            mla.kv_b_proj.weight_orig.mul_(3)  # an optimizer step on the pruned parameter
+        torch.testing.assert_close(decode(), mla(x)[:, 8:], rtol=1e-10, atol=1e-10)
+
+    def a_repositioning_policy_on_a_bfloat16_model(env, hf):
+        """Review 16b, risk 5: d6f97d3 refused kv_format='int8' with StreamingLLM(reposition=True) up front, but a
+        dense cache of a bfloat16 model stores its rows in bfloat16 too: from_pretrained(dtype=torch.bfloat16, ...)
+        loaded every weight and apply_latent_attention took it, and the first generate refused it."""
+        import transformers
+
+        from qkmla.cache import StreamingLLM
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        policy = StreamingLLM(sinks=2, budget=40, reposition=True)
+        said = r"^policy: reposition=True .* this model computes in torch.bfloat16"
+        for kw in (dict(dtype=torch.bfloat16), dict(torch_dtype="bfloat16")):
+            raises(lambda k=kw: from_pretrained(hf, policy=policy, **k), ValueError, said)
+        model = transformers.DeepseekV3ForCausalLM.from_pretrained(hf, dtype=torch.bfloat16)
+        raises(lambda: apply_latent_attention(model, policy=policy), ValueError, said)
+        apply_latent_attention(model.float(), policy=policy)  # a float32 model takes it
+
+    return [
+        Row("MLAConfig", "size", "a pruned kv_b_proj after an update of weight_orig: the absorbed decode read the "
+            "weight of before it, 1.03 off", a_pruned_kv_b_proj_after_an_update),
+        Row("LatentAttentionCache", "size", "StreamingLLM(reposition=True) with a bfloat16 model: taken by "
+            "from_pretrained (after loading every weight) and apply_latent_attention, refused by the first generate",
+            a_repositioning_policy_on_a_bfloat16_model, hf=True),
+        Row("experiment", "size", "seeds given through the Python API to qknorm-confirm, v4-compare or "
+            "qknorm-vs-clip: read by nothing", seeds_given_through_the_api_to_a_fixed_seed_design),
+        Row("experiment", "path", "a superseded run's record naming '..': archive_runs deleted the files of dst",
+            a_superseded_record_naming_dotdot),
+        Row("QKNorm", "size", "integer input to a unified or content-mode QKNorm: int64 zeros",
+            an_integer_input_to_a_unified_qk_norm),
+        Row("generate", "path", "from_pretrained (generate --hf's loader, in Python) over a config.json routing 8 "
+            "of 4 experts: loaded, its first forward failing in torch.topk", from_pretrained_of_a_routing_it_cannot),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
-        + probe16_rows() + probe16b_rows())
+        + probe16_rows() + probe16b_rows() + review16b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -214,6 +214,14 @@ class MLA(nn.Module):
         # kept, and a wrapper may have no .weight to read (refresh_absorbed() failed here with AttributeError).
         self._check_kv_b_proj()
         sources = [self.kv_b_proj.weight]
+        pruning = [h for h in self.kv_b_proj._forward_pre_hooks.values() if isinstance(h, BasePruningMethod)]
+        for hook in pruning:
+            # recomputes .weight from weight_orig and the mask, as kv_b_proj's own forward would: the absorbed path
+            # never runs that forward, and read the weight of before the last update (1.03 off). The kept weights
+            # follow weight_orig and the mask: the recomputed .weight is a new tensor each time, which may reuse a
+            # freed one's address and version (a stale hit)
+            hook(self.kv_b_proj, ())
+            sources = [getattr(self.kv_b_proj, hook._tensor_name + suffix) for suffix in ("_orig", "_mask")]
         if self.q_norm is not None:
             sources += [norm.weight for qk in (self.q_norm, self.k_norm) for norm in (qk.content, qk.rope)]
         return sources

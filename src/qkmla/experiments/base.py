@@ -216,7 +216,11 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
 
 
 def _check_inputs(experiment: Experiment, options: Options) -> None:
-    """The lr-sweep results this experiment reads are never its output (whatever --overwrite says)."""
+    """The lr-sweep results this experiment reads are never its output (whatever --overwrite says);
+    seeds are given only to an experiment that reads them (the command line refuses --seeds so too)."""
+    if options.seeds is not None and not experiment.reads_seeds:  # read by nothing: its design's seeds trained
+        raise ValueError(f"seeds: {experiment.name} trains the seeds its design fixes (docs/results.md), so it takes "
+                         f"no seeds; leave them out")
     results = Path(options.out) / "results.jsonl"
     sweep = options.sweep_results
     if experiment.name != "lr-sweep" and (same_file(sweep, results) or

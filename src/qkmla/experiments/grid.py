@@ -40,7 +40,7 @@ from ..utils.errors import Stopped, notice
 from ..utils.files import make_directory, write_bytes, write_text
 from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
-from .numerics import FILENAME as NUMERICS, GRID_THREADS, SUPERSEDED, check_continues, numerics
+from .numerics import FILENAME as NUMERICS, GRID_THREADS, SUPERSEDED, check_continues, is_run_name, numerics
 
 SECOND_SIGNAL_GRACE = 10.0  # seconds the runs get to stop after a second signal before they are killed
 
@@ -137,7 +137,7 @@ def _superseded_target(path: Path, folder: Path) -> Path:
         base = json.loads(record)["run"] if record is not None else path.name
     except (ValueError, KeyError, TypeError):
         base = path.name
-    if not isinstance(base, str) or Path(base).name != base:
+    if not is_run_name(base):
         base = path.name
     n = 1
     while True:
@@ -171,7 +171,8 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
             name = json.loads((path / "superseded.json").read_text(encoding="utf-8"))["run"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        stale = Path(dst) / "runs" / name if isinstance(name, str) and Path(name).name == name else None
+        # ".." passed a name check of Path(name).name == name: dst/runs/.. is dst, whose files were deleted
+        stale = Path(dst) / "runs" / name if is_run_name(name) else None
         if stale is not None and stale.is_dir() and stale.name not in copied:
             for item in stale.iterdir():
                 if not item.is_dir():  # a folder in it is no archived file: left, with the folder around it
@@ -188,7 +189,7 @@ def restore_runs(src: Path, out: Path) -> list[str]:
     restored = []
     for path in sorted((Path(src) / "runs").glob("*")):
         target = Path(out) / "runs" / path.name
-        if target.exists() or not (path / "status.json").is_file():
+        if os.path.lexists(target) or not (path / "status.json").is_file():  # a link to nothing is taken too
             continue
         tmp = target.with_name(target.name + ".restoring")
         # A restore stopped half way left its temporary folder: start it afresh, so nothing but the archived files

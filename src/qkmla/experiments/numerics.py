@@ -88,6 +88,13 @@ def _free_name(folder: Path, name: str) -> Path:
     return target
 
 
+def is_run_name(name) -> bool:
+    """``name`` is one directory name (no separator, not "", "." or ".."): a run's folder under
+    ``OUT/runs`` or ``OUT/superseded``, never a way out of it."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name \
+        and not (os.altsep and os.altsep in name)
+
+
 def _check_chains(runs: list, out: Path) -> None:
     """A ValueError naming ``runs`` unless every name is one directory name, used once, and every
     ``start_from`` names a run listed before it (so no chain is a cycle): checked before any run
@@ -97,8 +104,7 @@ def _check_chains(runs: list, out: Path) -> None:
     seen = set()
     for run in runs:
         name = run.name
-        if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name \
-                or (os.altsep and os.altsep in name):
+        if not is_run_name(name):
             raise ValueError(f"runs: a run's name is one directory name under {Path(out) / 'runs'}, got {name!r}")
         if name in seen:
             raise ValueError(f"runs: run names must be unique, got {name!r} twice")

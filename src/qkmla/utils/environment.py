@@ -73,7 +73,8 @@ def check_cpu_capability() -> None:
     import platform
 
     value = os.environ.get("ATEN_CPU_CAPABILITY")
-    if value is None or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    # empty, as `VAR= command` or an env file's blank line leaves it: unset to torch too (it picks the best)
+    if not value or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return  # other CPUs have other values (vsx, zvector, sve256): torch's to judge
     allowed = ", ".join(CPU_CAPABILITIES)
     if value not in CPU_CAPABILITIES:

@@ -114,7 +114,10 @@ def check_allocation(name: str, needed: int, what: str, device=None) -> None:
     try:
         import torch
 
-        free = torch.cuda.mem_get_info(device)[0] if kind == "cuda" else None
+        # the driver's free memory, and what torch's caching allocator holds free in its pool (after a large
+        # prefill the driver's figure alone is near 0, and a tensor that fits in the pool was refused)
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+            - torch.cuda.memory_allocated(device) if kind == "cuda" else None
     except (RuntimeError, AssertionError, ValueError):
         free = None
     if free is not None and needed > free:

@@ -207,6 +207,14 @@ def check_routing(config, path: Path, num_layers: Optional[int] = None, name: st
     if not (is_int(k) and 1 <= k <= experts):
         raise ValueError(f"{name}: {path} routes each token to num_experts_per_tok={k!r} of its "
                          f"n_routed_experts={experts} experts; expected an int from 1 to n_routed_experts")
+    per_group = experts // groups
+    if stock_model_type(c.model_type) == "deepseek_v3" and per_group < 2:  # its first forward failed in topk
+        raise ValueError(f"{name}: {path} puts {per_group} of its n_routed_experts={experts} experts in each of "
+                         f"n_group={groups} groups; DeepSeek-V3's router scores a group by its top 2 experts, so "
+                         "a group needs at least 2")
+    if k > chosen * per_group:  # the router would pick experts of groups it masked out
+        raise ValueError(f"{name}: {path} routes each token to num_experts_per_tok={k} experts from topk_group="
+                         f"{chosen} groups of {per_group}, which hold only {chosen * per_group}")
 
 
 def load_tokenizer(hf_dir: Union[str, Path]):

@@ -60,8 +60,9 @@ GROW = 256  # a growing cache's capacity is a multiple of this many tokens
 _DYNAMIC_LAYERS = tuple(c for c in (DynamicLayer, getattr(cache_utils, "DynamicIndexedLayer", None)) if c is not None)
 
 
-def check_cache_settings(kv_format, policy, max_cache_len) -> None:
-    """The arguments a latent cache is built from, checked before any work."""
+def check_cache_settings(kv_format, policy, max_cache_len, dtype: Optional[torch.dtype] = None) -> None:
+    """The arguments a latent cache is built from, checked before any work; ``dtype``: the model's, which a
+    dense cache stores its rows in (None: not known yet)."""
     check_kv_format(kv_format)
     if policy is not None and not isinstance(policy, EvictionPolicy):
         raise ValueError(f"policy: expected an EvictionPolicy (qkmla.cache.StreamingLLM, H2O, SnapKV, or "
@@ -73,9 +74,19 @@ def check_cache_settings(kv_format, policy, max_cache_len) -> None:
         raise ValueError(f"policy: reposition=True re-rotates the stored RoPE keys at every eviction, which needs them "
                          f"in float32 or wider; a kv_format={kv_format!r} cache stores them in bfloat16. Use "
                          f"kv_format='dense' (in float32) or reposition=False")
+    if policy is not None and getattr(policy, "reposition", False) and isinstance(dtype, torch.dtype) \
+            and dtype.is_floating_point and dtype.itemsize < 4:  # the dense rows are the model's dtype
+        raise ValueError(f"policy: reposition=True re-rotates the stored RoPE keys at every eviction, which needs them "
+                         f"in float32 or wider; this model computes in {dtype}, and its dense cache stores them so. "
+                         f"Use a float32 model or reposition=False")
     if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len < 1):
         raise ValueError(f"max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), "
                          f"got {max_cache_len!r}")
+
+
+def model_dtype(model) -> Optional[torch.dtype]:
+    """The dtype of ``model``'s first floating-point parameter (None: it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
@@ -419,7 +430,7 @@ class LatentAttentionCache(FixedSettings, Cache):
                                  "pass offloading=False, or static=False for an offloaded growing cache")
             super().__init__(layers=[StaticLatentCacheLayer(attn.config, max_cache_len) for attn in slots])
             return
-        check_cache_settings(kv_format, policy, max_cache_len)
+        check_cache_settings(kv_format, policy, max_cache_len, model_dtype(model))
         own = _transformers_layers(model) if None in slots else None
         super().__init__(layers=[LatentCacheLayer(attn.config, kv_format, policy, max_cache_len, offloading)
                                  if attn is not None else own[i] for i, attn in enumerate(slots)],

@@ -102,7 +102,8 @@ def generate_hf(hf_dir, prompts: Sequence[str], max_new_tokens: int = 64, temper
         raise ValueError(f"prompts: expected a list of strings, one per prompt, got {prompts!r:.80}")
     seed = as_int(seed)  # np.int64(3) from a sweep's array is the seed it holds
     check_seed("seed", seed)
-    check_cache_settings(kv_format, policy, None)  # kv_format='junk' was refused only after the model loaded
+    # kv_format='junk' was refused only after the model loaded; a bf16 --dtype with a repositioning policy too
+    check_cache_settings(kv_format, policy, None, DTYPES.get(dtype) if isinstance(dtype, str) else None)
     model, tokenizer = load_hf_dir(hf_dir, dtype)
     apply_latent_attention(model, kv_format=kv_format, policy=policy)
     if tokenizer.pad_token is None:  # left padding is masked out, so any token will do

@@ -16,7 +16,7 @@ from ...ops.mla_decode.backends import check_backend
 from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
 from .model import apply_latent_attention
-from ..hub.checkpoint import check_norm_tensors, check_shards
+from ..hub.checkpoint import check_norm_tensors, check_routing, check_shards, transformers_config
 from ..hub.record import CAUSAL_LMS, FAMILY_MODEL_TYPES, describe, recorded_norm, stock_model_type
 
 # transformers' causal LM of each family qkmla loads (DeepSeek-V2/V3's, and every family ``auto`` built
@@ -81,7 +81,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
                          "transformers wrote); to add one, convert the checkpoint (qkmla convert --qk-norm, "
                          "qkmla.convert.convert_checkpoint(src, out, qk_norm=...)), or load it with transformers "
                          "and call apply_latent_attention(model, qk_norm=...)")
-    check_cache_settings(kv_format, policy, None)
+    wanted = kwargs.get("dtype", kwargs.get("torch_dtype"))  # "bfloat16" as transformers takes it, or a dtype
+    check_cache_settings(kv_format, policy, None, getattr(torch, wanted, None) if isinstance(wanted, str) else wanted)
     check_backend(decode_backend, "decode_backend")
     hub = {k: kwargs.pop(k) for k in _HUB if k in kwargs}
     hub.pop("proxies", None)
@@ -102,6 +103,7 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "
                          f"{describe(norm)}; pass the checkpoint's own config, or none")
     files = check_norm_tensors(root, hf_config, norm)
+    check_routing(transformers_config(root), root / CONFIG)  # else its first forward failed in torch.topk
     check_shards(root)  # a cut or missing shard named here, not as transformers' SafetensorError
     base = getattr(transformers, _CLASSES[stock_model_type(model_type)])
     # qkmla's own config class for its model types (``auto``, registered when this package is imported);

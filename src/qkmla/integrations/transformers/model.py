@@ -48,7 +48,8 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings
+from .cache import (LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings,
+                    model_dtype)
 from .families import attention_slots, get_slot, set_slot
 from .patched import inner_model, model_family
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
@@ -97,7 +98,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     family = model_family(model)
     inner = inner_model(model)
     check_not_partitioned(model)
-    check_cache_settings(kv_format, policy, None)
+    check_cache_settings(kv_format, policy, None, model_dtype(model))  # a bf16 model's rows are bf16
     check_backend(decode_backend, "decode_backend")
     norm = QKNormConfig.of(qk_norm)
     settings = getattr(inner, "_qkmla_settings", None)

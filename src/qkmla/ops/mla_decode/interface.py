@@ -341,11 +341,14 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
     # The kernel's partial results, one per split (out [B, S_q, H, splits, d_c] and lse, float32): num_splits=2**40
-    # failed in torch's allocator ("DefaultCPUAllocator: can't allocate memory"), naming nothing. (Not while
-    # torch.compile traces: the machine's memory is read from /proc, which dynamo cannot trace.)
-    if not torch.compiler.is_compiling():
-        check_allocation("num_splits", 4 * B * S_q * H * num_splits * (d_c + 1), f"the Triton kernel's partial "
-                         f"results of num_splits={num_splits} splits", q_lat.device)
+    # failed in torch's allocator ("DefaultCPUAllocator: can't allocate memory"), naming nothing. Asked only of a
+    # size past 1 GiB (a decode step asks nothing of the driver otherwise), not while torch.compile traces (the
+    # machine's memory is read from /proc, which dynamo cannot trace) nor while a CUDA graph is captured.
+    partial = 4 * B * S_q * H * num_splits * (d_c + 1)
+    if partial > 1 << 30 and not torch.compiler.is_compiling() \
+            and not (q_lat.is_cuda and torch.cuda.is_current_stream_capturing()):
+        check_allocation("num_splits", partial, f"the Triton kernel's partial results of num_splits={num_splits} "
+                         f"splits", q_lat.device)
     if _host_readable(cache_seqlens) and _host_readable(block_table):
         # The kernel reads whatever a block id points at: where reading the ids is free (the
         # interpreter's CPU tensors) they are checked as the torch backend checks them.
