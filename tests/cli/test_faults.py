@@ -5603,11 +5603,41 @@ def review16b_rows():
     ]
 
 
+def noticed16_rows():
+    """What round 16's CLI prober noticed without calling it a failure."""
+
+    def an_experiment_whose_run_failed(env):
+        """Noticed in probe F1: a qknorm-confirm grid with a run that failed (its directory taken by a file) drew
+        its report without the run and exited 0; the failure was said only in a 'run NAME failed' line above the
+        tables. It ends with one line naming the runs that did not finish, and exit 1."""
+        import importlib
+
+        small = {"horizons": (10,), "seeds": (1000,)}  # one seed, one horizon: 8 runs of at most 10 steps
+        for module in ("design", "report"):  # the package's own name "report" is the function
+            env.monkeypatch.setattr(importlib.import_module(f"qkmla.experiments.qknorm_confirm.{module}"), "QUICK",
+                                    small)
+        out = env.tmp / "grid"
+        (out / "runs").mkdir(parents=True)
+        (out / "runs" / "mla-qknorm_lr0.005_s1000_stable8").write_text("mine")
+        assert main(["experiment", "qknorm-confirm", "--quick", "--out", str(out), "--workers", "1",
+                     "--no-progress"]) == 1
+        err = env.capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == ("qkmla experiment: 1 run(s) did not finish (mla-qknorm_lr0.005_s1000_stable8; each said "
+                           "why above, as 'run NAME failed'); fix the cause and run the same command again, which "
+                           "trains only what is unfinished"), err
+        assert (out / "runs" / "mla-qknorm_lr0.005_s1000_stable8").read_text() == "mine"
+
+    return [
+        Row("experiment", "path", "a run of an adaptive grid failed (its directory a file): the report drawn "
+            "without it, exit 0", an_experiment_whose_run_failed),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
-        + probe16_rows() + probe16b_rows() + review16b_rows())
+        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
