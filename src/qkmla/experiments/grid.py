@@ -127,18 +127,24 @@ def _copy_archived(path: Path, target: Path, names: tuple, thin) -> None:
             (target / name).unlink()
 
 
+def _superseded_run(path: Path) -> Optional[str]:
+    """The name of the run a superseded folder holds, as its ``superseded.json`` says (its folder may be
+    NAME.N), or None when the record is missing, unreadable or names no single directory (".." passed a
+    check of Path(name).name == name: dst/runs/.. is dst, whose files were deleted)."""
+    try:
+        name = json.loads((path / "superseded.json").read_text(encoding="utf-8"))["run"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if is_run_name(name) else None
+
+
 def _superseded_target(path: Path, folder: Path) -> Path:
     """Where the superseded run ``path`` is archived in ``folder``: under its own name, or the first
     ``NAME.N`` that is free or holds this same run (same ``superseded.json``); a grid restored from
     the archive has no superseded/ of its own, so a run superseded again took the name of one already
     archived, and was written over it."""
     record = (path / "superseded.json").read_bytes() if (path / "superseded.json").is_file() else None
-    try:  # the run's own name (NAME.N in out/superseded when it was taken there)
-        base = json.loads(record)["run"] if record is not None else path.name
-    except (ValueError, KeyError, TypeError):
-        base = path.name
-    if not is_run_name(base):
-        base = path.name
+    base = _superseded_run(path) or path.name
     n = 1
     while True:
         target = folder / (base if n == 1 else f"{base}.{n}")
@@ -167,12 +173,8 @@ def archive_runs(out: Path, dst: Path, thin: Optional[Callable[[list[dict]], lis
         if not path.is_dir() or not (path / "superseded.json").is_file():
             continue
         _copy_archived(path, _superseded_target(path, Path(dst) / SUPERSEDED), ARCHIVED + ("superseded.json",), thin)
-        try:  # which run it was; a folder without the record (not moved by the rule) keeps its archived copy
-            name = json.loads((path / "superseded.json").read_text(encoding="utf-8"))["run"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        # ".." passed a name check of Path(name).name == name: dst/runs/.. is dst, whose files were deleted
-        stale = Path(dst) / "runs" / name if is_run_name(name) else None
+        name = _superseded_run(path)  # which run it was: its stale archived copy goes, unless replaced
+        stale = Path(dst) / "runs" / name if name is not None else None
         if stale is not None and stale.is_dir() and stale.name not in copied:
             for item in stale.iterdir():
                 if not item.is_dir():  # a folder in it is no archived file: left, with the folder around it
