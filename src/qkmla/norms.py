@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import QK_NORM_MODES, QK_NORM_SCOPES, QK_NORMS, QKNormConfig, check_positive_int
 from .dtypes import accumulate_dtype, cast
-from .ops.statistic import moment, statistic_from_moment
+from .ops.statistic import Moment, moment, statistic_from_moment
 from .utils.checked import as_int
 from .utils.limits import check_allocation
 
@@ -185,13 +185,13 @@ class QKNorm(RecordsVariant, nn.Module):
     def variant(self) -> str:
         return QKNormConfig(self.content.kind, self.mode, self.content.p, scope=self.scope).name
 
-    def _statistic(self, m: torch.Tensor, n: int) -> torch.Tensor:
+    def _statistic(self, m: Moment, n: int) -> torch.Tensor:
         """sigma from a moment m [..., H, 1] of vectors of width n; pooled over the heads axis with
         the projection scope."""
         c = self.content
         if self.scope == "projection":
-            heads = m.shape[-2]
-            m, n = m.sum(dim=-2, keepdim=True), n * heads
+            heads = m.scaled.shape[-2]
+            m, n = m.sum(dim=-2), n * heads
         return statistic_from_moment(m, n, c.kind, c.p, c.eps)
 
     def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
