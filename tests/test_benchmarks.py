@@ -49,7 +49,8 @@ def test_bench_decode_times_every_row_over_one_cache_per_row(tmp_path):
     heads_full_key = tiny.num_kv_groups * (tiny.qk_nope_head_dim + tiny.qk_rope_head_dim + tiny.v_head_dim) * 4
     assert summary["full_key_cache_bytes_per_token"] == heads_full_key
     assert summary["qknorm_over_mla"]["32"] == by[(32, "mla-qknorm")]["ratio_to_mla"] > 0  # taken round by round
-    assert all(r["calls"] >= 3 for r in result["rows"])
+    # at least one timed call a round (more where 30 ms holds several: not on a loaded machine)
+    assert all(r["calls"] >= 2 for r in result["rows"])
     for per_context in result["compile"]["per_context"].values():  # the compiled step computes the eager step's output
         assert max(d["max_abs_diff_to_eager"] for d in per_context.values()) < 1e-4
     with pytest.raises(SystemExit):  # an existing result is not replaced without --overwrite

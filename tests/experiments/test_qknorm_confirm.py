@@ -13,7 +13,9 @@ from qkmla.experiments.grid import Run, _train_one, start_branch
 from qkmla.experiments.numerics import GRID_THREADS, SUPERSEDED, numerics, record, recorded
 from qkmla.experiments.qknorm_confirm.design import (
     ARMS,
+    HORIZONS,
     LR,
+    PRIMARY_HORIZON,
     QUICK,
     SEEDS,
     all_runs,
@@ -120,10 +122,22 @@ def test_no_test_until_every_seed_is_in(tmp_path):
     partial = report(rows[1:], Options(tmp_path, quick=True)).summary["primary"]
     assert partial["status"] == "pending" and partial["seeds_in"]["mla-qknorm - mla"] == len(seeds) - 1
     assert paired_family({}, (("a", "b"),), "test_loss", (1, 2))["status"] == "pending"
-    same = s["secondary"][f"test_accuracy at {QUICK['horizons'][0]}, mla-qkclip-17 - mla"]
+    # --quick has no test or held-out plays: no family of theirs, and its tables name the validation loss
+    assert not any(k.startswith(("test_accuracy", "heldout")) for k in s["secondary"])
+    table = report(rows, Options(tmp_path, quick=True)).table
+    assert "| arm | seeds | validation loss |" in table and "Primary (validation loss" in table
+    means = table.split("Primary")[0]
+    assert "test loss" not in table and "| – |" not in means
+    # The full grid's families, at its own seeds and horizons
+    full_rows = [_row(a, s, PRIMARY_HORIZON, 1.0 + 0.01 * i + 0.001 * s + 0.0003 * (i * s % 7))
+                 for i, a in enumerate(ARMS) for s in SEEDS]
+    full = report(full_rows, Options(tmp_path))
+    assert full.summary["primary"]["status"] == "complete" and full.summary["primary"]["metric"] == "test_loss"
+    assert "| arm | seeds | test loss | loss, all four held-out plays | next-char accuracy |" in full.table
+    same = full.summary["secondary"][f"test_accuracy at {HORIZONS[0]}, mla-qkclip-17 - mla"]
     assert same["status"] == "pending"  # no rows at the first horizon
-    acc = s["secondary"][f"test_accuracy at {h}"]["tests"]["mla-qknorm - mla"]  # 0.5 in every row
-    assert acc["degenerate"] and "p" not in acc and "holm_p" not in acc
+    acc = full.summary["secondary"][f"test_accuracy at {PRIMARY_HORIZON}"]["tests"]["mla-qknorm - mla"]
+    assert acc["degenerate"] and "p" not in acc and "holm_p" not in acc  # 0.5 in every row
 
 
 def test_archived_metrics_keep_what_the_results_rows_read(tmp_path):
