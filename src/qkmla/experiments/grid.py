@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..train.data import Corpus
-from ..train.rundir import read_status
+from ..train.rundir import FINISHED, read_status  # FINISHED: imported from here by the experiments
 from ..train.trainer import load_model
 from ..utils.errors import Stopped, notice
 from ..utils.files import make_directory, write_bytes, write_text
@@ -44,7 +44,6 @@ from .numerics import FILENAME as NUMERICS, GRID_THREADS, SUPERSEDED, check_cont
 
 SECOND_SIGNAL_GRACE = 10.0  # seconds the runs get to stop after a second signal before they are killed
 
-FINISHED = ("done", "non-finite")
 # TrainConfig fields that say where and how a run is shown, not what it trains.
 _NOT_COMPARED = ("out", "resume", "progress", "max_seconds")
 

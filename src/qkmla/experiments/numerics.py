@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..train.checkpoint import FILENAME as CHECKPOINT
-from ..train.rundir import read_status
+from ..train.rundir import FINISHED, read_status
 from ..utils.files import input_file_problem, write_text
 
 FILENAME = "numerics.json"
@@ -33,7 +33,6 @@ SUPERSEDED = "superseded"  # OUT/superseded/NAME: runs moved out of the grid, ea
 GRID_THREADS = 1  # every grid worker trains on one thread (grid._init_worker)
 UNRECORDED = {"recorded": False}  # a run trained before runs recorded their numerics
 UNREADABLE = {"recorded": "unreadable"}  # a record that cannot be read: equal to no numerics a run trains under
-_FINISHED = ("done", "non-finite")
 
 
 def numerics(threads: Optional[int] = None) -> dict:
@@ -135,7 +134,7 @@ def supersede_other_trajectories(runs: list, out: Path, current: dict) -> list[s
     _check_chains(runs, out)
     root = Path(out) / "runs"
     status = {r.name: (read_status(root / r.name) or {}).get("status") for r in runs}
-    finished = {name: s in _FINISHED for name, s in status.items()}
+    finished = {name: s in FINISHED for name, s in status.items()}
     grows = set()  # runs that something unfinished will continue (a non-finite one is continued by nothing)
     for run in reversed(runs):
         if run.start_from is not None and (not finished[run.name] or run.name in grows) \

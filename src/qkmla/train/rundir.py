@@ -36,6 +36,8 @@ from ..utils.files import check_own_directory, directory_kind, write_text
 from .checkpoint import FILENAME, read_metadata
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
+# The statuses of a run that ended for good: nothing left to train (a non-finite run stays as it ended)
+FINISHED = ("done", "non-finite")
 
 
 def fresh_out(preset: str, attn: str) -> Path:
