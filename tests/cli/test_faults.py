@@ -5809,6 +5809,25 @@ def probe17b_rows():
         mla(torch.randn(1, 3, 64))
         assert mla.last_max_logits.shape == (4,)
 
+    def ids_of_another_kind_or_device_and_caches_on_another(env):
+        """Probes J6, J12, J14, J19: GPT.forward([[1, 2]]) failed with "'list' object has no attribute 'dim'", idx or
+        targets on another device than the model's in reading their range ("Tensor.item() cannot be called on meta
+        tensors") or in the loss; int32 targets, which the targets' check of this round takes as idx's int32 ids
+        are taken, failed in cross_entropy ("expected target dtype to be Long or Byte, but got Int"); and
+        model.make_caches(1, 8, device="meta") with "got multiple values for keyword argument 'device'"."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+        idx = torch.tensor([[1, 2, 3]])
+        raises(lambda: model([[1, 2]]), ValueError, r"^idx: expected integer token ids of shape \[batch, seq\], "
+                                                     r"got \[\[1, 2\]\]")
+        raises(lambda: model(idx.to("meta")), ValueError, r"^idx: the model is on cpu and idx on meta")
+        raises(lambda: model(idx, targets=idx.to("meta")), ValueError, r"^targets: idx is on cpu and targets on meta")
+        torch.testing.assert_close(model(idx, targets=idx.int())[1], model(idx, targets=idx)[1], rtol=0, atol=0)
+        raises(lambda: model.make_caches(1, 8, device="meta"), ValueError, r"^device: the caches are made on the "
+                                                                           r"model's device \(cpu\)")
+
     def a_transformers_cache_cap_past_int64(env):
         """Probe D7: LatentAttentionCache(model, max_cache_len=2**70) was taken (the static cache and LatentCache
         refuse a capacity past int64)."""
@@ -5841,6 +5860,10 @@ def probe17b_rows():
         Row("LatentAttentionCache", "size", "max_cache_len=2**70 taken", a_transformers_cache_cap_past_int64),
         Row("GPT", "size", "forward(allow_longer='no') and attention.track_max_logits = 'no': taken as True",
             switches_given_as_strings_to_the_modules),
+        Row("GPT", "size", "forward of a list, of ids or targets on another device, of int32 targets; "
+            "make_caches(device=...): AttributeError, 'Tensor.item() cannot be called on meta tensors', "
+            "cross_entropy's dtype error, 'got multiple values for keyword argument'",
+            ids_of_another_kind_or_device_and_caches_on_another),
     ]
 
 

@@ -251,6 +251,9 @@ def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
         got = f"{targets.dtype} {tuple(targets.shape)}" if isinstance(targets, torch.Tensor) else f"{targets!r:.80}"
         raise ValueError(f"targets: expected integer token ids of idx's shape {tuple(idx.shape)} (-1: no loss "
                          f"there), got {got}")
+    if targets.device != idx.device:
+        raise ValueError(f"targets: idx is on {idx.device} and targets on {targets.device}; pass "
+                         f"targets.to({str(idx.device)!r})")
     if not torch.compiler.is_compiling() and targets.numel():
         lo, hi = int(targets.min()), int(targets.max())
         if lo < -1 or hi >= vocab_size:
@@ -324,6 +327,9 @@ class GPT(nn.Module):
                              f"attn={self.config.attn!r}")
         if kv_format != "dense" and not self.config.is_mla:
             raise ValueError(f"kv_format: {kv_format!r} stores latents, so MLA variants only; attn={self.config.attn!r}")
+        if "device" in kwargs:  # was passed on beside the model's own: "got multiple values for argument 'device'"
+            raise ValueError(f"device: the caches are made on the model's device ({self.wte.weight.device}); move "
+                             f"the model (model.to(device)) and leave device out")
         caches = []
         dtype = kwargs.pop("dtype", None) or self.wte.weight.dtype
         if policy is not None:
@@ -340,8 +346,15 @@ class GPT(nn.Module):
                 input_lengths: Optional[torch.Tensor] = None, allow_longer: bool = False):
         """``allow_longer`` evaluates sequences past ``block_size`` (length extrapolation: RoPE
         has no table to run out of, but the model never saw those positions in training)."""
-        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {idx.dtype} {tuple(idx.shape)}")
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+            got = f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else f"{idx!r:.80}"
+            raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {got}")
+        # ids on a device other than the embedding's failed reading their range ("Tensor.item() cannot be called on
+        # meta tensors") or in the embedding ("Expected all tensors to be on the same device")
+        where = self.wte.weight.device
+        if idx.device.type != where.type or None not in (idx.device.index, where.index) \
+                and idx.device.index != where.index:
+            raise ValueError(f"idx: the model is on {where} and idx on {idx.device}; pass idx.to({str(where)!r})")
         check_bool("allow_longer", allow_longer)  # "no" is truthy: a sequence past block_size was evaluated
         B, T = idx.shape
         if T == 0:  # refused deep in the first layer, as its argument x, which the caller never passed
@@ -368,5 +381,6 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             check_targets(targets, idx, self.config.vocab_size)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            # int32 ids are ids, as for idx: cross_entropy takes int64 alone
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=-1)
         return logits, loss
