@@ -76,6 +76,11 @@ class RowLayout:
         return codes, scales.contiguous().view(torch.float32), rope.contiguous().view(ROPE_DTYPE)
 
 
+def dense_row(c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """[c ; k^R] [..., d_c + d_r] in c's dtype (a caller that checked the widths: the dense cache's codec)."""
+    return torch.cat((c_kv, k_rope.to(c_kv.dtype)), dim=-1)
+
+
 class DenseRows:
     """The dense format: one row [c ; k^R] of d_c + d_r values in the cache's dtype.
 
@@ -98,14 +103,39 @@ class DenseRows:
         """The dtype rows are stored in, for a cache of ``dtype``."""
         return dtype
 
-    @staticmethod
-    def encode(c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    def check_parts(self, c_kv, k_rope) -> None:
+        """A ValueError naming ``c_kv`` or ``k_rope`` unless they are floating-point [..., d_c] and [..., d_r] of
+        the same tokens: a c of another width failed deep in the quantizer ("unflatten: Provided sizes [1, 32]
+        don't multiply up to ...") or made a dense row of the wrong width without a word."""
+        for name, t, width in (("c_kv", c_kv, self.kv_lora_rank), ("k_rope", k_rope, self.qk_rope_head_dim)):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[-1] != width or not t.is_floating_point():
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else f"{t!r:.80}"
+                raise ValueError(f"{name}: expected a floating-point tensor [..., {width}] for these {self.name!r} "
+                                 f"rows (d_c={self.kv_lora_rank}, d_r={self.qk_rope_head_dim}), got {got}")
+        if c_kv.shape[:-1] != k_rope.shape[:-1]:
+            raise ValueError(f"k_rope: expected the tokens of c_kv {tuple(c_kv.shape[:-1])}, got "
+                             f"{tuple(k_rope.shape[:-1])}")
+
+    def check_rows(self, rows) -> None:
+        """A ValueError naming ``rows`` unless they are this format's stored rows [..., width]: uint8 bytes of a
+        quantized format (float rows were read as bytes, zeros or garbage without a word, and rows of another
+        byte width failed in a view, "storage_offset() must be divisible by 4"), values of a dense one."""
+        want = "uint8 bytes" if self.quantized else "floating-point values"
+        if not isinstance(rows, torch.Tensor) or rows.dim() == 0 or rows.shape[-1] != self.width or (
+                rows.dtype != torch.uint8 if self.quantized else not rows.is_floating_point()):
+            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else f"{rows!r:.80}"
+            raise ValueError(f"rows: expected {want} [..., {self.width}] ({self.name!r} rows of "
+                             f"d_c={self.kv_lora_rank}, d_r={self.qk_rope_head_dim}), got {got}")
+
+    def encode(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """Rows [..., width] from c [..., d_c] and k^R [..., d_r]."""
-        return torch.cat((c_kv, k_rope.to(c_kv.dtype)), dim=-1)
+        self.check_parts(c_kv, k_rope)
+        return dense_row(c_kv, k_rope)
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows [..., width] back as [c ; k^R] [..., d_c + d_r] (dense: the rows themselves;
         quantized: float32)."""
+        self.check_rows(rows)
         return rows
 
     @staticmethod
@@ -171,6 +201,7 @@ class QuantizedRows(DenseRows):
         raise NotImplementedError
 
     def encode(self, c_kv, k_rope):
+        self.check_parts(c_kv, k_rope)
         lay = self.layout
         codes, scales = self.quantize(c_kv)
         parts = [(codes, 0), (scales, lay.scale_offset), (k_rope.to(ROPE_DTYPE), lay.rope_offset), (None, lay.row_bytes)]
@@ -183,6 +214,7 @@ class QuantizedRows(DenseRows):
         return torch.cat(row, dim=-1)
 
     def decode(self, rows):
+        self.check_rows(rows)
         codes, scales, k_rope = self.layout.split(rows)
         return torch.cat((self.dequantize(codes, scales), k_rope.float()), dim=-1)
 

@@ -177,6 +177,23 @@ def rope_scaling_from(value, name: str = "rope_scaling") -> Optional[YarnScaling
                      f"got {type(value).__name__}")
 
 
+def check_positions(positions, x: torch.Tensor) -> None:
+    """A ValueError naming ``positions`` unless it is a real tensor [..., T] that broadcasts to x's [..., T]
+    (x [..., T, H, dim]) without growing it: a list failed in ``.to`` ("'list' object has no attribute 'to'"),
+    and positions of another length in the broadcast ("The size of tensor a (3) must match ...")."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype == torch.bool or positions.is_complex():
+        raise ValueError(f"positions: expected an integer tensor [..., T] (x is {tuple(x.shape)}), got "
+                         f"{positions!r:.80}")
+    tokens = tuple(x.shape[:-2])
+    try:
+        fits = torch.broadcast_shapes(tuple(positions.shape), tokens) == tokens
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"positions: expected a shape that broadcasts to x's tokens {tokens} (x [..., T, H, dim] is "
+                         f"{tuple(x.shape)}), got {tuple(positions.shape)}")
+
+
 class RotaryEmbedding(FixedSettings, nn.Module):
     """Applies RoPE to x [..., T, H, dim] at integer positions [..., T].
 
@@ -257,6 +274,9 @@ class RotaryEmbedding(FixedSettings, nn.Module):
             # x of another width failed in the broadcast below ("The size of tensor a (3) must match ...")
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else f"{x!r:.80}"
             raise ValueError(f"x: expected a tensor [..., T, H, dim={self.dim}] (this module's dim), got {got}")
+        if not x.is_floating_point():  # int64 x came back rotated and truncated to integers, without a word
+            raise ValueError(f"x: expected a floating-point tensor (the output has x's dtype), got {x.dtype}")
+        check_positions(positions, x)
         acc = accumulate_dtype(x.dtype)
         angles = positions.to(acc)[..., None, None] * cast(self.frequencies(), acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)

@@ -5633,11 +5633,245 @@ def noticed16_rows():
     ]
 
 
+def probe17b_rows():
+    """The seventeenth probe's failures in the Python API (issue 56, probe 17b: fresh probes of the model, its
+    sampling, RoPE, the row formats, the caches' write slots and the policies' names, written without this table)."""
+
+    def switches_of_the_gpt_config(env):
+        """Probes A1, A3: GPTConfig(tie_embeddings="no") tied the head to the embedding, and GPTConfig(attn="v4",
+        attention_sinks="no") kept the sinks (only False turns them off), without a word: a string is truthy."""
+        from qkmla.model.gpt import GPTConfig
+
+        tiny = dict(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)
+        raises(lambda: GPTConfig(**tiny, tie_embeddings="no"), ValueError, r"^tie_embeddings: expected True or False")
+        raises(lambda: GPTConfig(**tiny, attn="v4", attention_sinks="no"), ValueError,
+               r"^attention_sinks: expected True or False, got 'no' \(or None")
+        assert GPTConfig(**tiny, attn="v4", attention_sinks=False).attention_config().attention_sinks is False
+
+    def targets_and_an_empty_sequence_of_the_gpt(env):
+        """Probes A5-A8, A12: GPT.forward(idx, targets) failed in torch's cross_entropy with "Target 40 is out of
+        bounds" (an IndexError; -5 likewise), "expected target dtype to be Long" or "Expected input batch_size
+        (16) to match target batch_size (14)", naming no argument; idx of no tokens was refused as the first
+        layer's x. Each is refused naming targets or idx; -1 stays the ignored target."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+        idx = torch.randint(0, 32, (2, 8))
+        for targets, said in ((torch.full((2, 8), 40), r"token ids must lie in \[0, vocab_size=32\) or be -1"),
+                              (torch.full((2, 8), -5), r"token ids must lie in"),
+                              (torch.zeros(2, 8), r"expected integer token ids of idx's shape \(2, 8\)"),
+                              (torch.zeros(2, 7, dtype=torch.long), r"expected integer token ids of idx's shape")):
+            raises(lambda t=targets: model(idx, targets=t), ValueError, rf"^targets: {said}")
+        raises(lambda: model(torch.zeros(2, 0, dtype=torch.long)), ValueError, r"^idx: expected at least one token")
+        targets = torch.randint(0, 32, (2, 8))
+        targets[0, :3] = -1
+        logits, loss = model(idx, targets=targets)
+        keep = targets.flatten() != -1
+        torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1)[keep],
+                                                                           targets.flatten()[keep]))
+
+    def sampling_from_logits_it_cannot(env):
+        """Probes A22, A27-A30, A33, A34: sample_next took a NaN as the greedy token without a word, and failed in
+        torch.multinomial ("probability tensor contains either inf, nan or element < 0") on a NaN or a row of
+        -inf, and on 1-D logits with top_k ("too many indices"); generate(..., generator=5) failed there after the
+        prefill; max_tokens_seen took max_new_tokens=-3 (counting -3 tokens) and failed on no prompts in max().
+        Each is refused naming its argument."""
+        from qkmla.model.generate import generate, max_tokens_seen, sample_next
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        nan = float("nan")
+        for logits in (torch.tensor([[0.0, nan]]), torch.full((1, 4), float("-inf"))):
+            for temperature in (0, 1.0):
+                raises(lambda g=logits, t=temperature: sample_next(g, t), ValueError,
+                       r"^logits: row 0 holds NaN or no finite value")
+        raises(lambda: sample_next(torch.tensor([0.0, 1.0, 5.0]), top_k=2), ValueError,
+               r"^logits: expected a floating-point tensor \[batch, vocab\], got torch.float32 \(3,\)")
+        raises(lambda: sample_next(torch.tensor([[0.0, 1.0]]), generator=5), ValueError, r"^generator: expected a "
+                                                                                         r"torch.Generator")
+        assert sample_next(torch.tensor([[0.0, 9.0, float("-inf")]]), 0).tolist() == [1]
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+        raises(lambda: generate(model, [[1, 2]], 2, generator=5), ValueError, r"^generator: expected")
+        raises(lambda: max_tokens_seen(model, [[1]], -3), ValueError, r"^max_new_tokens: expected a positive int")
+        raises(lambda: max_tokens_seen(model, [], 4), ValueError, r"^prompts: expected one or more")
+        assert max_tokens_seen(model, [[1, 2]], 3) == 5
+
+    def generate_hands_the_model_back_as_it_came(env):
+        """Probe A21: generate(model, ...) put a model in training mode into eval mode and left it there, so a
+        training loop that sampled between steps trained on without dropout, without a word."""
+        from qkmla.model.generate import generate
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.5)).train()
+        greedy = generate(model, [[1, 2]], 3, temperature=0)
+        assert model.training and all(m.training for m in model.modules())
+        assert greedy == generate(model.eval(), [[1, 2]], 3, temperature=0)  # sampled without dropout
+        assert not model.training
+
+    def names_of_another_type_as_dict_keys(env):
+        """Probe B42 (and its sibling, found looking for it): make_policy(["h2o"]) and CacheShape(...,
+        dtype=["bf16"]) failed in a dict's lookup with "TypeError: unhashable type: 'list'", naming neither the
+        argument nor the names allowed (round 16 fixed mla_preset's alone)."""
+        from qkmla.cache import make_policy
+        from qkmla.cache.size import CacheShape
+
+        raises(lambda: make_policy(["h2o"]), ValueError, r"^policy: expected one of \('streaming-llm', 'h2o', "
+                                                          r"'snapkv'\), got \['h2o'\]")
+        raises(lambda: CacheShape(2, 4, 16, 4, dtype=["bf16"]), ValueError, r"^dtype: expected one of \[")
+        raises(lambda: CacheShape(2, 4, 16, 4, kv_lora_rank=8, qk_rope_head_dim=4, scalar_dtype={"a": 1}),
+               ValueError, r"^scalar_dtype: expected one of")
+
+    def rope_positions_and_an_integer_input(env):
+        """Probes B47-B49: RotaryEmbedding(8)(x, [0, 1, 2]) failed with "'list' object has no attribute 'to'",
+        positions of another length in the broadcast ("The size of tensor a (3) must match ..."), and an int64 x
+        came back rotated and truncated to integers, without a word."""
+        from qkmla.rope import RotaryEmbedding
+
+        rope = RotaryEmbedding(8).double()
+        x = torch.randn(1, 3, 2, 8, dtype=torch.double)
+        raises(lambda: rope(x, [0, 1, 2]), ValueError, r"^positions: expected an integer tensor \[\.\.\., T\]")
+        raises(lambda: rope(x, torch.arange(5)), ValueError, r"^positions: expected a shape that broadcasts to x's "
+                                                             r"tokens \(1, 3\)")
+        raises(lambda: rope(x, torch.zeros(2, 3, dtype=torch.long)), ValueError, r"^positions: expected a shape")
+        raises(lambda: rope(torch.ones(1, 3, 2, 8, dtype=torch.long), torch.arange(3)), ValueError,
+               r"^x: expected a floating-point tensor")
+        pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # the reference: pair k turns by p theta^(-2k/8)
+        angles = torch.arange(3, dtype=torch.double)[:, None, None] * 10000.0 ** (-torch.arange(0, 8, 2) / 8)
+        torch.testing.assert_close(rope(x, torch.arange(3)), torch.view_as_real(pairs * torch.polar(
+            torch.ones_like(angles), angles)).flatten(-2))
+
+    def row_formats_given_rows_of_another_shape(env):
+        """Probes E2-E4: a row format's encode given a latent of another width failed in the quantizer ("unflatten:
+        Provided sizes [1, 32] don't multiply up to ..."), decode of rows of another byte width in a view
+        ("storage_offset() must be divisible by 4"), and decode of float rows read them as bytes: zeros, without
+        a word. Each is refused naming c_kv, k_rope or rows."""
+        from qkmla.kv_formats import row_format
+
+        int8 = row_format("int8", 32, 8)
+        raises(lambda: int8.encode(torch.randn(2, 3, 30), torch.randn(2, 3, 8)), ValueError,
+               r"^c_kv: expected a floating-point tensor \[\.\.\., 32\] for these 'int8' rows")
+        raises(lambda: int8.encode(torch.randn(2, 3, 32), torch.randn(2, 4, 8)), ValueError,
+               r"^k_rope: expected the tokens of c_kv")
+        raises(lambda: int8.decode(torch.zeros(2, 3, 7, dtype=torch.uint8)), ValueError,
+               rf"^rows: expected uint8 bytes \[\.\.\., {int8.width}\]")
+        raises(lambda: int8.decode(torch.zeros(2, 3, int8.width)), ValueError, r"^rows: expected uint8 bytes")
+        dense = row_format("dense", 4, 2)
+        raises(lambda: dense.encode(torch.randn(1, 3), torch.randn(1, 2)), ValueError, r"^c_kv: expected")
+        c, k = torch.randn(2, 3, 32), torch.randn(2, 3, 8)
+        back = int8.decode(int8.encode(c, k))
+        torch.testing.assert_close(back[..., :32], c, atol=c.abs().amax(-1, keepdim=True).max().item() / 127,
+                                   rtol=0)
+
+    def a_write_slot_of_another_cache_or_written_twice(env):
+        """Probes E18, E20, E21: LatentCache.append(slot, ...) with a slot another cache's plan() gave (another
+        batch, or past this capacity) failed in the buffer's copy ("The expanded size of the tensor (1) must
+        match the existing size (2)"), and a slot appended twice (or two plans, then two appends) wrote the second
+        rows over the first, the lengths counting one token, without a word."""
+        from qkmla import LatentCache
+
+        def rows(B, T):
+            return dict(c_kv=torch.randn(B, T, 32), k_rope=torch.randn(B, T, 8))
+
+        big, small = LatentCache(2, 64, 32, 8), LatentCache(1, 4, 32, 8)
+        raises(lambda: small.append(big.plan(2, 1), **rows(2, 1)), ValueError,
+               r"^slot: planned for 2 sequence\(s\) reaching 1 tokens, but this cache holds batch_size=1")
+        raises(lambda: small.append(LatentCache(1, 64, 32, 8).plan(1, 10), **rows(1, 10)), ValueError, r"^slot: ")
+        first, second = small.plan(1, 1), small.plan(1, 1)
+        small.append(first, **rows(1, 1))
+        raises(lambda: small.append(second, **rows(1, 1)), ValueError, r"^slot: planned for 1 sequence\(s\) "
+                                                                       r"reaching 1 tokens")
+        raises(lambda: small.append(first, **rows(1, 1)), ValueError, r"^slot: ")
+        assert small.seqlens.tolist() == [1]
+        ragged = small.plan(1, 2, input_lengths=torch.tensor([1]))  # a padded write is fresh too
+        small.append(ragged, **rows(1, 2))
+        assert small.seqlens.tolist() == [2]
+
+    def switches_given_as_strings_to_the_modules(env):
+        """Probes G16, G24: GPT.forward(idx, allow_longer="no") evaluated a sequence past block_size, and
+        mla.track_max_logits = "no" recorded the max logits at every forward (MultiHeadAttention's and
+        SharedKVAttention's likewise), without a word: "no" is truthy."""
+        from qkmla import MLA, MLAConfig, MultiHeadAttention, AttentionConfig
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import SharedKVConfig
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        model = GPT(GPTConfig(vocab_size=32, block_size=4, n_layer=1, n_head=2, n_embd=16))
+        raises(lambda: model(torch.randint(0, 32, (1, 8)), allow_longer="no"), ValueError,
+               r"^allow_longer: expected True or False, got 'no'")
+        for attention in (MLA(MLAConfig()), MultiHeadAttention(AttentionConfig(64, 4)),
+                          SharedKVAttention(SharedKVConfig())):
+            with pytest.raises(ValueError, match=r"^track_max_logits: expected True or False, got 'no'"):
+                attention.track_max_logits = "no"
+            assert attention.track_max_logits is False
+        mla = MLA(MLAConfig())
+        mla.track_max_logits = True
+        mla(torch.randn(1, 3, 64))
+        assert mla.last_max_logits.shape == (4,)
+
+    def ids_of_another_kind_or_device_and_caches_on_another(env):
+        """Probes J6, J12, J14, J19: GPT.forward([[1, 2]]) failed with "'list' object has no attribute 'dim'", idx or
+        targets on another device than the model's in reading their range ("Tensor.item() cannot be called on meta
+        tensors") or in the loss; int32 targets, which the targets' check of this round takes as idx's int32 ids
+        are taken, failed in cross_entropy ("expected target dtype to be Long or Byte, but got Int"); and
+        model.make_caches(1, 8, device="meta") with "got multiple values for keyword argument 'device'"."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+        idx = torch.tensor([[1, 2, 3]])
+        raises(lambda: model([[1, 2]]), ValueError, r"^idx: expected integer token ids of shape \[batch, seq\], "
+                                                     r"got \[\[1, 2\]\]")
+        raises(lambda: model(idx.to("meta")), ValueError, r"^idx: the model is on cpu and idx on meta")
+        raises(lambda: model(idx, targets=idx.to("meta")), ValueError, r"^targets: idx is on cpu and targets on meta")
+        torch.testing.assert_close(model(idx, targets=idx.int())[1], model(idx, targets=idx)[1], rtol=0, atol=0)
+        raises(lambda: model.make_caches(1, 8, device="meta"), ValueError, r"^device: the caches are made on the "
+                                                                           r"model's device \(cpu\)")
+
+    def a_transformers_cache_cap_past_int64(env):
+        """Probe D7: LatentAttentionCache(model, max_cache_len=2**70) was taken (the static cache and LatentCache
+        refuse a capacity past int64)."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        raises(lambda: LatentAttentionCache(model, max_cache_len=2 ** 70), ValueError,
+               r"^max_cache_len: expected a positive int below 2\*\*63")
+        LatentAttentionCache(model, max_cache_len=2 ** 63 - 1)  # a cap, not an allocation: the largest is taken
+
+    return [
+        Row("GPTConfig", "size", "tie_embeddings='no', v4's attention_sinks='no': taken as True",
+            switches_of_the_gpt_config),
+        Row("GPT", "size", "forward(idx, targets) of ids past the vocabulary, -5, floats or another shape: torch's "
+            "cross_entropy errors ('Target 40 is out of bounds'); idx of no tokens refused as x",
+            targets_and_an_empty_sequence_of_the_gpt),
+        Row("generate", "size", "sample_next of NaN logits: the NaN taken as the greedy token; generator=5: "
+            "torch.multinomial's TypeError; max_tokens_seen(max_new_tokens=-3) counted -3",
+            sampling_from_logits_it_cannot),
+        Row("generate", "size", "generate(model in training mode): left in eval mode",
+            generate_hands_the_model_back_as_it_came),
+        Row("H2O", "size", "make_policy(['h2o']), CacheShape(dtype=['bf16']): TypeError: unhashable type: 'list'",
+            names_of_another_type_as_dict_keys),
+        Row("RotaryEmbedding", "size", "positions as a list or of another length: AttributeError, a broadcast "
+            "error; an int64 x rotated into integers", rope_positions_and_an_integer_input),
+        Row("LatentCache", "size", "a row format's encode or decode of another width or dtype: the quantizer's "
+            "unflatten error, a view error, float rows read as bytes", row_formats_given_rows_of_another_shape),
+        Row("LatentCache", "size", "append(slot) of another cache's plan: torch's copy error; a slot appended "
+            "twice: the second rows over the first", a_write_slot_of_another_cache_or_written_twice),
+        Row("LatentAttentionCache", "size", "max_cache_len=2**70 taken", a_transformers_cache_cap_past_int64),
+        Row("GPT", "size", "forward(allow_longer='no') and attention.track_max_logits = 'no': taken as True",
+            switches_given_as_strings_to_the_modules),
+        Row("GPT", "size", "forward of a list, of ids or targets on another device, of int32 targets; "
+            "make_caches(device=...): AttributeError, 'Tensor.item() cannot be called on meta tensors', "
+            "cross_entropy's dtype error, 'got multiple values for keyword argument'",
+            ids_of_another_kind_or_device_and_caches_on_another),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
-        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows())
+        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -12,8 +12,10 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..dtypes import accumulate_dtype
+from ..utils.checked import check_bool
 from .sinks import sink_column
 
 Scale = Union[float, torch.Tensor]  # a float, or one value per head [h]
@@ -173,6 +175,17 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256,
         s = s.masked_fill(~keep, float("-inf"))
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best
+
+
+class TracksMaxLogits(nn.Module):
+    """An attention module whose ``track_max_logits`` switch (record each head's max logit of every explicit
+    forward) holds True or False: set to "no", which is truthy, the module recorded them at every forward
+    (and paid for it), without a word."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "track_max_logits":
+            check_bool(name, value)
+        super().__setattr__(name, value)
 
 
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor) -> None:

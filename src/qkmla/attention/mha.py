@@ -18,10 +18,10 @@ from ..config import AttentionConfig, fixed_config
 from ..norms import HeadNorm
 from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
-from .functional import check_forward, default_positions, record_max_logits, sdpa, zero_padding
+from .functional import check_forward, default_positions, TracksMaxLogits, record_max_logits, sdpa, zero_padding
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(TracksMaxLogits):
     """MHA (num_kv_heads = num_heads), GQA (between) or MQA (num_kv_heads = 1).
 
     Examples:

@@ -42,8 +42,8 @@ from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
-from .functional import (default_positions, no_decode_gradient, no_gradient_through, record_max_logits, sdpa,
-                         zero_padding)
+from .functional import (TracksMaxLogits, default_positions, no_decode_gradient, no_gradient_through,
+                         record_max_logits, sdpa, zero_padding)
 from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 from .selection import selection_mask
@@ -95,7 +95,7 @@ def check_projections(c: MLAConfig, modules: dict[str, nn.Module],
     return {name: modules[name] for name in wanted}
 
 
-class MLA(nn.Module):
+class MLA(TracksMaxLogits):
     """MLA attention layer with optional QK-norm (config: :class:`~qkmla.config.MLAConfig`).
 
     Examples:

@@ -33,10 +33,11 @@ from ..cache.shared_kv import SharedKVCache
 from ..config import SharedKVConfig, fixed_config
 from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
-from .functional import check_forward, default_positions, record_max_logits, sdpa, sink_attention, zero_padding
+from .functional import (TracksMaxLogits, check_forward, default_positions, record_max_logits, sdpa,
+                         sink_attention, zero_padding)
 
 
-class SharedKVAttention(nn.Module):
+class SharedKVAttention(TracksMaxLogits):
     """``forward(x [B, T, hidden_size], cache=None) -> [B, T, hidden_size]``.
 
     Examples:

@@ -377,11 +377,28 @@ class SequenceCache:
             raise ValueError(f"{name}: the cache's buffers are on {c} and {name} is on {d}; pass {name}.to({str(c)!r}) "
                              f"or build the cache with device={str(d)!r}")
 
+    def check_slot(self, slot) -> None:
+        """A ValueError naming ``slot`` unless it is what :meth:`plan` gives this cache now, judged by its Python
+        ints alone (no device read per write): a slot of another cache (another batch, or past this capacity)
+        failed in the buffer's copy ("The expanded size of the tensor (1) must match the existing size (2)"),
+        and a slot written already (two plans, then two appends) wrote its rows over the first's, the lengths
+        counting one of them, without a word."""
+        if not isinstance(slot, WriteSlot):
+            raise ValueError(f"slot: expected the WriteSlot cache.plan(...) returns, got {type(slot).__name__}")
+        B, T = slot.slots.shape
+        fresh = slot.max_len == self.max_len + T if slot.valid is None else slot.max_len >= self.max_len
+        if B != self.batch_size or slot.max_len > self.capacity or not fresh:
+            raise ValueError(f"slot: planned for {B} sequence(s) reaching {slot.max_len} tokens, but this cache holds "
+                             f"batch_size={self.batch_size} sequence(s) of up to {self.max_len} tokens (capacity="
+                             f"{self.capacity}); write each forward's rows with the slot this cache's plan() returned "
+                             f"for them, once, before planning the next")
+
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on
         (the storage step under each cache's own ``append``/``update``)."""
         if set(rows) != set(self.fields):
             raise ValueError(f"rows: expected fields {sorted(self.fields)}, got {sorted(rows)}")
+        self.check_slot(slot)
         B, T = slot.slots.shape
         if slot.valid is None and self.uniform:  # every sequence writes at the same slots
             for name, value in rows.items():

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..kv_formats import DenseRows
+from ..kv_formats import DenseRows, dense_row
 
 
 class LatentCodec:
@@ -42,7 +42,7 @@ class LatentCodec:
 
     def encode(self, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """The ``latent`` field's rows [..., width] from c [..., d_c] and k^R [..., d_r]."""
-        return DenseRows.encode(c_kv, k_rope)
+        return dense_row(c_kv, k_rope)  # widths checked by the cache (append)
 
     def load(self, rows: dict) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(latent [B, S, d_c + d_r], key scalars [B, S, G] or None) from stored rows [B, S, width]."""

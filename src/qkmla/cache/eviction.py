@@ -302,8 +302,10 @@ def check_kept_fraction(policy: EvictionPolicy, seen: int, option=lambda name: n
 
 def make_policy(name: str, **kwargs) -> EvictionPolicy:
     """A policy by name (``POLICIES``: "streaming-llm", "h2o", "snapkv") and its arguments."""
-    if name not in POLICIES:
-        raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {name!r}")
+    # A name that is no str is refused as an unknown one is: make_policy(["h2o"]) failed in the dict's lookup with
+    # "TypeError: unhashable type: 'list'" (as mla_preset's did)
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {name!r:.80}")
     try:
         inspect.signature(POLICIES[name]).bind(**kwargs)
     except TypeError as e:

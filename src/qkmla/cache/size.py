@@ -64,8 +64,9 @@ class CacheShape:
             if f.name == "kv_format":
                 continue
             if f.name in ("dtype", "scalar_dtype"):
-                if v is not None and v not in DTYPE_BYTES:
-                    raise ValueError(f"{f.name}: expected one of {sorted(DTYPE_BYTES)}, got {v!r}")
+                # a str first: dtype=["bf16"] failed in the dict's lookup ("unhashable type: 'list'")
+                if v is not None and (not isinstance(v, str) or v not in DTYPE_BYTES):
+                    raise ValueError(f"{f.name}: expected one of {sorted(DTYPE_BYTES)}, got {v!r:.80}")
             else:
                 check_positive_int(f.name, v, allow_none=True)
         check_groups("num_kv_heads", self.num_kv_heads, self.num_heads)

@@ -73,10 +73,36 @@ def check_prompts(prompts, vocab_size: int) -> None:
             raise ValueError(f"prompts: prompt {i} holds {bad[0]!r}; token ids are ints in [0, {vocab_size})")
 
 
+def check_generator(generator) -> None:
+    """None or a torch.Generator: generator=5 (a seed where the generator belongs) failed in torch.multinomial
+    after the prefill ("argument 'generator' must be torch.Generator, not int")."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator: expected a torch.Generator (torch.Generator().manual_seed(seed)) or None, "
+                         f"got {generator!r:.80}")
+
+
+def check_logits(logits) -> None:
+    """A ValueError naming ``logits`` unless it is a floating-point [B, V] tensor whose every row has a finite
+    largest value: a NaN was taken by the greedy argmax as the best token, without a word, and failed in
+    torch.multinomial when sampling ("probability tensor contains either inf, nan or element < 0"), as a row of
+    -inf did; a 1-D tensor failed in the top-k cut ("too many indices")."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point() \
+            or logits.shape[1] == 0:
+        got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"{logits!r:.80}"
+        raise ValueError(f"logits: expected a floating-point tensor [batch, vocab], got {got}")
+    bad = ~torch.isfinite(logits.amax(dim=-1)) | torch.isnan(logits).any(dim=-1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(f"logits: row {row} holds NaN or no finite value (a model whose output is not finite: "
+                         f"{logits[row, :4].tolist()} ...), so no token can be drawn from it")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row of logits [B, V]; temperature 0 is greedy."""
     _, temperature, top_k = check_sampling(1, temperature, top_k)
+    check_generator(generator)
+    check_logits(logits)
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Shifted by the max first, so that a tiny temperature gives -inf, never inf - inf = NaN.
@@ -113,6 +139,10 @@ def max_tokens_seen(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
     new tokens, until the window slides at block_size. ``prefills_only``: a policy that evicts
     after prefills only (SnapKV's default): the prompt, or the block_size // 2 tokens
     prefilled again when the window slides."""
+    # As generate checks them: no prompts failed in max() ("arg is an empty sequence"), and max_new_tokens=-3 was
+    # counted as -3 tokens seen
+    check_prompts(prompts, model.config.vocab_size)
+    max_new_tokens = check_sampling(max_new_tokens, 1.0, None)[0]
     context = model.config.block_size
     longest = max(min(len(p), max(1, context - 1)) for p in prompts)
     if not prefills_only:
@@ -137,9 +167,23 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens, temperature, top_k = check_sampling(max_new_tokens, temperature, top_k)
     check_outlets(report, on_token)
+    check_generator(generator)
     check_fits("max_new_tokens", 8 * len(prompts) * max_new_tokens, f"{max_new_tokens} new token ids for each of "
                f"{len(prompts)} prompt(s)")
+    # In eval mode while it runs (no dropout), and handed back in the mode it came in: a model in training mode
+    # was left in eval mode, and a training loop that sampled between steps trained on without dropout
+    training = model.training
     model.eval()
+    try:
+        return _generate(model, prompts, max_new_tokens, temperature, top_k, generator, progress, policy, kv_format,
+                         report, on_token)
+    finally:
+        model.train(training)
+
+
+def _generate(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k: Optional[int], generator,
+              progress: bool, policy, kv_format: str, report: Optional[dict], on_token) -> list[list[int]]:
+    """:func:`generate` after its checks, with the model in eval mode."""
     context = model.config.block_size
     # Only the last block_size tokens are ever prefilled again, so that is all the history
     # kept: memory grows with the output alone (8 bytes a token), however long the run.

@@ -42,7 +42,7 @@ from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
-from ..utils.checked import is_finite_number, is_int, is_number, python_numbers
+from ..utils.checked import check_bool, is_finite_number, is_int, is_number, python_numbers
 from ..utils.limits import check_fits
 
 LOGIT_SCALE_PARAMS = ("linear", "log")
@@ -117,6 +117,15 @@ class GPTConfig:
             QKNormConfig("lp", p=self.qk_norm_p)
         except ValueError as e:
             raise ValueError(f"qk_norm_{e}") from None
+        # A switch given as a string ("no") is truthy: tie_embeddings="no" tied the head to the embedding, and
+        # attention_sinks="no" (v4, where only False turns them off) kept the sinks, without a word.
+        check_bool("tie_embeddings", self.tie_embeddings)
+        for name in ("learnable_logit_scale", "attention_sinks"):
+            if getattr(self, name) is not None:
+                try:
+                    check_bool(name, getattr(self, name))
+                except ValueError as e:
+                    raise ValueError(f"{e} (or None: the variant's default)") from None
         if self.logit_scale_param not in LOGIT_SCALE_PARAMS:
             raise ValueError(f"logit_scale_param: expected one of {LOGIT_SCALE_PARAMS}, got {self.logit_scale_param!r}")
         if self.init_seed is not None and (not is_int(self.init_seed)
@@ -232,6 +241,26 @@ class LogParametrization(nn.Module):
         return value.log()
 
 
+def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
+    """A ValueError naming ``targets`` unless it is integer token ids of idx's shape, each in [0, vocab_size) or
+    -1 (ignored): checked before the loss, where torch's cross_entropy failed with "Target 40 is out of bounds"
+    (an IndexError), "expected target dtype to be Long" or "Expected input batch_size (16) to match target
+    batch_size (14)", naming no argument of this model."""
+    if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.long, torch.int32) \
+            or targets.shape != idx.shape:
+        got = f"{targets.dtype} {tuple(targets.shape)}" if isinstance(targets, torch.Tensor) else f"{targets!r:.80}"
+        raise ValueError(f"targets: expected integer token ids of idx's shape {tuple(idx.shape)} (-1: no loss "
+                         f"there), got {got}")
+    if targets.device != idx.device:
+        raise ValueError(f"targets: idx is on {idx.device} and targets on {targets.device}; pass "
+                         f"targets.to({str(idx.device)!r})")
+    if not torch.compiler.is_compiling() and targets.numel():
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < -1 or hi >= vocab_size:
+            raise ValueError(f"targets: token ids must lie in [0, vocab_size={vocab_size}) or be -1 (no loss "
+                             f"there), got {lo}..{hi}")
+
+
 class GPT(nn.Module):
     """Decoder-only LM. ``forward(idx [B, T], targets=None, caches=None) -> (logits [B, T, V], loss)``."""
 
@@ -298,6 +327,9 @@ class GPT(nn.Module):
                              f"attn={self.config.attn!r}")
         if kv_format != "dense" and not self.config.is_mla:
             raise ValueError(f"kv_format: {kv_format!r} stores latents, so MLA variants only; attn={self.config.attn!r}")
+        if "device" in kwargs:  # was passed on beside the model's own: "got multiple values for argument 'device'"
+            raise ValueError(f"device: the caches are made on the model's device ({self.wte.weight.device}); move "
+                             f"the model (model.to(device)) and leave device out")
         caches = []
         dtype = kwargs.pop("dtype", None) or self.wte.weight.dtype
         if policy is not None:
@@ -314,9 +346,19 @@ class GPT(nn.Module):
                 input_lengths: Optional[torch.Tensor] = None, allow_longer: bool = False):
         """``allow_longer`` evaluates sequences past ``block_size`` (length extrapolation: RoPE
         has no table to run out of, but the model never saw those positions in training)."""
-        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {idx.dtype} {tuple(idx.shape)}")
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int32):
+            got = f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else f"{idx!r:.80}"
+            raise ValueError(f"idx: expected integer token ids of shape [batch, seq], got {got}")
+        # ids on a device other than the embedding's failed reading their range ("Tensor.item() cannot be called on
+        # meta tensors") or in the embedding ("Expected all tensors to be on the same device")
+        where = self.wte.weight.device
+        if idx.device.type != where.type or None not in (idx.device.index, where.index) \
+                and idx.device.index != where.index:
+            raise ValueError(f"idx: the model is on {where} and idx on {idx.device}; pass idx.to({str(where)!r})")
+        check_bool("allow_longer", allow_longer)  # "no" is truthy: a sequence past block_size was evaluated
         B, T = idx.shape
+        if T == 0:  # refused deep in the first layer, as its argument x, which the caller never passed
+            raise ValueError(f"idx: expected at least one token per sequence, got shape {tuple(idx.shape)}")
         # An id past the vocabulary is an index error deep in the embedding (a device assert
         # on a GPU); checked here, outside a compiled graph (where the read would break it).
         if not torch.compiler.is_compiling() and idx.numel() and \
@@ -338,5 +380,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+            check_targets(targets, idx, self.config.vocab_size)
+            # int32 ids are ids, as for idx: cross_entropy takes int64 alone
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten().long(), ignore_index=-1)
         return logits, loss

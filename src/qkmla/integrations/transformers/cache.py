@@ -49,7 +49,7 @@ from ...cache.eviction import EvictionPolicy
 from ...cache.latent import LatentCache
 from ...config import MLAConfig
 from ...kv_formats import check_kv_format
-from ...utils.checked import FixedSettings, as_int, check_bool, is_int
+from ...utils.checked import INT64_MAX, FixedSettings, as_int, check_bool, is_int
 from .patched import cache_slots, inner_model, model_settings
 from .static import StaticLatentCacheLayer, check_crop, check_repeats, check_static_settings
 from .view import TransformersView
@@ -79,9 +79,10 @@ def check_cache_settings(kv_format, policy, max_cache_len, dtype: Optional[torch
         raise ValueError(f"policy: reposition=True re-rotates the stored RoPE keys at every eviction, which needs them "
                          f"in float32 or wider; this model computes in {dtype}, and its dense cache stores them so. "
                          f"Use a float32 model or reposition=False")
-    if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len < 1):
-        raise ValueError(f"max_cache_len: expected a positive int (a fixed capacity) or None (grow as needed), "
-                         f"got {max_cache_len!r}")
+    # Below 2**63 as the static cache's and LatentCache's capacities are: 2**70 was taken as a cap no cache can reach
+    if max_cache_len is not None and (not is_int(max_cache_len) or not 1 <= max_cache_len <= INT64_MAX):
+        raise ValueError(f"max_cache_len: expected a positive int below 2**63 (a fixed capacity) or None (grow as "
+                         f"needed), got {max_cache_len!r}")
 
 
 def model_dtype(model) -> Optional[torch.dtype]:
