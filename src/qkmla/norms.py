@@ -56,16 +56,38 @@ class ScalarNorm(nn.Module):
     p = property(lambda self: self._fixed[2])
     eps = property(lambda self: self._fixed[3])
 
+    def check_input(self, v, weight: Optional[torch.Tensor] = None, name: str = "v",
+                    weight_name: str = "weight") -> None:
+        """v [..., dim] floating point, and a replacement weight that broadcasts against it; ``name``,
+        ``weight_name``: theirs for the caller (QKNorm's v_c, v_r, content_weight)."""
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[-1] != self.dim:
+            # a width other than dim failed in the weight's broadcast ("The size of tensor a (5) must match
+            # the size of tensor b (8)"), naming neither the argument nor the width the norm was built for
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"{name}: expected a tensor [..., dim={self.dim}], got {got}")
+        if not v.is_floating_point():  # an integer tensor came back cast to its dtype: norm(ones) was all zeros
+            raise ValueError(f"{name}: expected a floating-point tensor (the output has its dtype), got {v.dtype}")
+        if weight is not None:
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+            got = shape if shape is not None else type(weight).__name__
+            try:
+                fits = shape is not None and shape[-1:] == (self.dim,) and \
+                    torch.broadcast_shapes(shape, v.shape) == v.shape
+            except RuntimeError:
+                fits = False
+            if not fits:
+                raise ValueError(f"{weight_name}: expected a tensor [..., dim={self.dim}] that broadcasts against "
+                                 f"{name} {tuple(v.shape)}, got {got}")
+
     def statistic(self, v: torch.Tensor) -> torch.Tensor:
-        return statistic_from_moment(moment(v, self.kind, self.p), v.shape[-1], self.kind, self.p, self.eps)
+        return statistic_from_moment(moment(v, self.kind, self.p, self.eps), v.shape[-1], self.kind, self.p, self.eps)
 
     def scaled(self, v: torch.Tensor, sigma: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """gamma ⊙ v · sigma, given sigma (so callers can reuse or replace the statistic).
 
         ``weight`` replaces gamma (the absorbed query passes gamma_q ⊙ gamma_k).
         """
-        if not v.is_floating_point():  # here, not in forward only: QKNorm's unified and content modes come here
-            raise ValueError(f"v: expected a floating-point tensor (the output has v's dtype), got {v.dtype}")
+        self.check_input(v, weight)  # here, not in forward only: QKNorm's unified and content modes come here
         weight = self.weight if weight is None else weight
         acc = accumulate_dtype(v.dtype)
         return cast(cast(v, acc) * sigma * cast(weight, acc), v.dtype)
@@ -73,13 +95,7 @@ class ScalarNorm(nn.Module):
     def forward(self, v: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """gamma ⊙ v · sigma(v); ``weight`` replaces gamma: [n], or one row per vector
         (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
-        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[-1] != self.dim:
-            # a width other than dim failed in the weight's broadcast ("The size of tensor a (5) must match
-            # the size of tensor b (8)"), naming neither the argument nor the width the norm was built for
-            got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise ValueError(f"v: expected a tensor [..., dim={self.dim}], got {got}")
-        if not v.is_floating_point():  # an integer tensor came back cast to its dtype: norm(ones) was all zeros
-            raise ValueError(f"v: expected a floating-point tensor (the output has v's dtype), got {v.dtype}")
+        self.check_input(v, weight)
         weight = self.weight if weight is None else weight
         if self.kind == "rms" and v.is_cuda:  # the same arithmetic, one fused kernel
             if weight.dim() == 1:
@@ -201,17 +217,21 @@ class QKNorm(RecordsVariant, nn.Module):
             heads = torch.broadcast_shapes(v_c.shape[:-1], v_r.shape[:-1])
             v_c, v_r = v_c.expand(*heads, v_c.shape[-1]), v_r.expand(*heads, v_r.shape[-1])
         if self.mode == "blockwise":
-            return (self._statistic(moment(v_c, c.kind, c.p), self.content.dim),
-                    self._statistic(moment(v_r, c.kind, c.p), self.rope.dim))
+            return (self._statistic(moment(v_c, c.kind, c.p, c.eps), self.content.dim),
+                    self._statistic(moment(v_r, c.kind, c.p, c.eps), self.rope.dim))
         if self.mode == "content":
-            sigma = self._statistic(moment(v_c, c.kind, c.p), self.content.dim)
+            sigma = self._statistic(moment(v_c, c.kind, c.p, c.eps), self.content.dim)
             return sigma, sigma
-        sigma = self._statistic(moment(v_c, c.kind, c.p) + moment(v_r, c.kind, c.p), self.content.dim + self.rope.dim)
+        sigma = self._statistic(moment(v_c, c.kind, c.p, c.eps) + moment(v_r, c.kind, c.p, c.eps),
+                                self.content.dim + self.rope.dim)
         return sigma, sigma
 
     def forward(self, v_c: torch.Tensor, v_r: torch.Tensor,
                 content_weight: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(gamma^C ⊙ v_c · sigma_c, gamma^R ⊙ v_r · sigma_r); ``content_weight`` replaces gamma^C."""
+        # each block named as the caller knows it (a wrong width failed in a broadcast, or as "v")
+        self.content.check_input(v_c, content_weight, "v_c", "content_weight")
+        self.rope.check_input(v_r, None, "v_r")
         if self.mode == "blockwise" and self.scope == "head":  # each block on its own (fused where the kind allows)
             return self.content(v_c, content_weight), self.rope(v_r)
         sigma_c, sigma_r = self.statistics(v_c, v_r)

@@ -5523,7 +5523,7 @@ def review16b_rows():
         ints = (torch.ones(2, 2, 8, dtype=torch.long), torch.ones(2, 1, 4, dtype=torch.long))
         for mode in ("unified", "content"):
             raises(lambda m=mode: QKNorm(8, 4, mode=m)(*ints), ValueError,
-                   r"^v: expected a floating-point tensor .*got torch.int64")
+                   r"^v_c: expected a floating-point tensor .*got torch.int64")
 
     def from_pretrained_of_a_routing_it_cannot(env):
         """Review 16b, bug 4b: qkmla.integrations.transformers.from_pretrained took a config.json routing 8 of 4
@@ -5867,11 +5867,48 @@ def probe17b_rows():
     ]
 
 
+def left17_rows():
+    """Faults of the norms, left by round 16 and found again by round 17's API prober (norms.py, ops/statistic.py)."""
+
+    def moments_past_the_range(env):
+        """ScalarNorm(4, 'lp', p=16) of [300, 1, 2, 3] in float32 gave [0, 0, 0, 0] (300^16 overflows, so sigma was
+        0), and rms of 3e19 the same; l2 of 1e-30s with eps=0 gave inf. Each is now the float64 answer."""
+        from qkmla import ScalarNorm
+
+        for kind, p, eps, v in (("lp", 16.0, 1e-6, [300.0, 1.0, 2.0, 3.0]), ("rms", 2.0, 1e-6, [3e19, 1.0, 2.0, 3.0]),
+                                ("l2", 2.0, 0.0, [1e-30, 2e-30, -2e-30, 0.0]), ("lp", 3.0, 0.0, [1e25, 1.0, 0.0, 5.0])):
+            x = torch.tensor([v])
+            got = ScalarNorm(4, kind, p=p, eps=eps)(x)
+            want = ScalarNorm(4, kind, p=p, eps=eps).double()(x.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30)
+
+    def a_weight_or_block_of_another_width(env):
+        """ScalarNorm(8)(v, weight=torch.ones(5)) and QKNorm(..., content_weight=torch.ones(3)) failed in a broadcast
+        ('The size of tensor a (8) must match ...'); a v_r of the wrong width was refused as 'v'."""
+        from qkmla import QKNorm, ScalarNorm
+
+        raises(lambda: ScalarNorm(8)(torch.randn(2, 8), weight=torch.ones(5)), ValueError,
+               r"^weight: expected a tensor \[\.\.\., dim=8\] that broadcasts against v \(2, 8\), got \(5,\)$")
+        raises(lambda: QKNorm(8, 4, mode="unified")(torch.randn(2, 8), torch.randn(2, 4), content_weight=torch.ones(3)),
+               ValueError, r"^content_weight: expected a tensor \[\.\.\., dim=8\] that broadcasts against v_c")
+        raises(lambda: QKNorm(8, 4)(torch.randn(2, 8), torch.randn(2, 5)), ValueError,
+               r"^v_r: expected a tensor \[\.\.\., dim=4\], got \(2, 5\)$")
+        raises(lambda: QKNorm(8, 4, mode="content")(torch.randn(2, 7), torch.randn(2, 4)), ValueError,
+               r"^v_c: expected a tensor \[\.\.\., dim=8\], got \(2, 7\)$")
+
+    return [
+        Row("ScalarNorm", "size", "a moment past float32's range (lp p=16 of 300, rms of 3e19, eps=0 of 1e-30): "
+            "normalized to zeros or inf", moments_past_the_range),
+        Row("QKNorm", "size", "a weight, content_weight or block of another width: torch's broadcast error, or "
+            "named 'v'", a_weight_or_block_of_another_width),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
-        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows())
+        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

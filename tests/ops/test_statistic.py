@@ -87,3 +87,13 @@ def test_zero_and_tiny_vectors_are_eps_bound():
     for kind, p in (("rms", 2.0), ("lp", 16.0)):
         torch.testing.assert_close(statistic(v, kind, p, 1e-6), plain_statistic(v.double(), kind, p, 1e-6).float())
     assert (moment(v, "lp", 16.0).shift == 0).all()
+
+
+@pytest.mark.parametrize("kind,p", [("rms", 2.0), ("l2", 2.0), ("lp", 3.0), ("lp", 16.0)])
+def test_with_eps_zero_a_tiny_vector_is_normalized_not_inf(kind, p):
+    """With eps = 0 the moment is the whole denominator: 1e-30s squared underflow in float32 (they gave inf)."""
+    v = torch.tensor([[1e-30, 2e-30, -2e-30], [3e-20, 0.0, 1e-20]])
+    got = ScalarNorm(3, kind, p=p, eps=0.0)(v)
+    torch.testing.assert_close(got.double(), ScalarNorm(3, kind, p=p, eps=0.0).double()(v.double()), rtol=1e-6, atol=0)
+    with_eps = ScalarNorm(3, kind, p=p)(v)  # eps > 0 bounds sigma: eps-dominated, and no rescaling
+    torch.testing.assert_close(with_eps, v * 1e-6 ** (-1 / p if kind == "lp" else -0.5), rtol=1e-5, atol=0)
