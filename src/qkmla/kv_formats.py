@@ -115,6 +115,9 @@ class DenseRows:
         if c_kv.shape[:-1] != k_rope.shape[:-1]:
             raise ValueError(f"k_rope: expected the tokens of c_kv {tuple(c_kv.shape[:-1])}, got "
                              f"{tuple(k_rope.shape[:-1])}")
+        if k_rope.device != c_kv.device:  # one row holds both: failed in its concatenation, naming neither
+            raise ValueError(f"k_rope: c_kv is on {c_kv.device} and k_rope on {k_rope.device}; one row holds both, "
+                             f"so pass k_rope.to({str(c_kv.device)!r})")
 
     def check_rows(self, rows) -> None:
         """A ValueError naming ``rows`` unless they are this format's stored rows [..., width]: uint8 bytes of a

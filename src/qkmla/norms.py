@@ -78,6 +78,12 @@ class ScalarNorm(nn.Module):
             if not fits:
                 raise ValueError(f"{weight_name}: expected a tensor [..., dim={self.dim}] that broadcasts against "
                                  f"{name} {tuple(v.shape)}, got {got}")
+            if weight.device != v.device:
+                raise ValueError(f"{weight_name}: {name} is on {v.device} and {weight_name} on {weight.device}; pass "
+                                 f"{weight_name}.to({str(v.device)!r})")
+        elif self.weight.device != v.device:  # failed in the product, "Tensor on device cpu is not on ... meta!"
+            raise ValueError(f"{name}: the norm's weight is on {self.weight.device} and {name} on {v.device}; pass "
+                             f"{name}.to({str(self.weight.device)!r}) or move the module")
 
     def statistic(self, v: torch.Tensor) -> torch.Tensor:
         return statistic_from_moment(moment(v, self.kind, self.p, self.eps), v.shape[-1], self.kind, self.p, self.eps)

@@ -181,9 +181,14 @@ def check_positions(positions, x: torch.Tensor) -> None:
     """A ValueError naming ``positions`` unless it is a real tensor [..., T] that broadcasts to x's [..., T]
     (x [..., T, H, dim]) without growing it: a list failed in ``.to`` ("'list' object has no attribute 'to'"),
     and positions of another length in the broadcast ("The size of tensor a (3) must match ...")."""
-    if not isinstance(positions, torch.Tensor) or positions.dtype == torch.bool or positions.is_complex():
-        raise ValueError(f"positions: expected an integer tensor [..., T] (x is {tuple(x.shape)}), got "
-                         f"{positions!r:.80}")
+    # A floating-point tensor too: positions [0.5, 1.0, 2.0] rotated by fractions of a position, without a word
+    if not isinstance(positions, torch.Tensor) or positions.dtype == torch.bool or positions.is_complex() \
+            or positions.is_floating_point():
+        got = f"a {positions.dtype} tensor" if isinstance(positions, torch.Tensor) else f"{positions!r:.80}"
+        raise ValueError(f"positions: expected an integer tensor [..., T] (x is {tuple(x.shape)}), got {got}")
+    if positions.device != x.device:  # failed in the product with the frequencies, naming neither
+        raise ValueError(f"positions: x is on {x.device} and positions on {positions.device}; pass "
+                         f"positions.to({str(x.device)!r})")
     tokens = tuple(x.shape[:-2])
     try:
         fits = torch.broadcast_shapes(tuple(positions.shape), tokens) == tokens
@@ -277,8 +282,17 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         if not x.is_floating_point():  # int64 x came back rotated and truncated to integers, without a word
             raise ValueError(f"x: expected a floating-point tensor (the output has x's dtype), got {x.dtype}")
         check_positions(positions, x)
+        freqs = self.frequencies()
+        if freqs.device != x.device:
+            # A meta x (a model built under torch.device("meta"), run for its shapes) gets meta frequencies: the
+            # float64 copy stays on the CPU there (see __init__). On any other device, x of another device than
+            # the module's failed in the product below, "Tensor on device cpu is not on the expected device meta!"
+            if not x.is_meta:
+                raise ValueError(f"x: the module's frequencies are on {freqs.device} and x is on {x.device}; move the "
+                                 f"module (module.to({str(x.device)!r})) or x")
+            freqs = freqs.to(x.device)
         acc = accumulate_dtype(x.dtype)
-        angles = positions.to(acc)[..., None, None] * cast(self.frequencies(), acc)  # [..., T, 1, dim/2]
+        angles = positions.to(acc)[..., None, None] * cast(freqs, acc)  # [..., T, 1, dim/2]
         xa = cast(x, acc)
         if self.interleave:
             # Pairs (x0, x1) as complex numbers x0 + i x1, rotated by m e^(i angle): one complex

@@ -5904,11 +5904,199 @@ def left17_rows():
     ]
 
 
+def api18_rows():
+    """Round 18's API probe (issue 56: the public constructors and callables against sizes, dtypes, devices, shapes,
+    state and their torch references, written without this table): its failures, each refused naming the argument
+    or answered correctly now."""
+
+    def a_model_on_the_meta_device(env):
+        """Probes M15, M16, K3: generate(model) of a GPT built under torch.device("meta") failed in the prefill with
+        "Tensor.item() cannot be called on meta tensors" (the known item of round 17), sample_next of meta logits
+        likewise, and the model's own shape-only forward (meta idx) the same, in the ids' range check; then, past
+        it, in RoPE ("Tensor on device cpu is not on the expected device meta!": its frequencies stay on the CPU)."""
+        from qkmla.model.generate import generate, sample_next
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16))
+        raises(lambda: generate(model, [[1, 2]], 2), ValueError, r"^model: its weights are on the meta device")
+        raises(lambda: sample_next(torch.zeros(1, 4, device="meta")), ValueError, r"^logits: on the meta device")
+        idx = torch.tensor([[1, 2, 3]], device="meta")
+        logits, loss = model(idx, targets=idx)
+        assert logits.shape == (1, 3, 32) and logits.is_meta and loss.shape == ()
+
+    def inputs_on_another_device_than_the_layer(env):
+        """Probes M31, G16, G17: MLA, MultiHeadAttention and SharedKVAttention on the CPU given x on the meta device
+        failed in the first projection or RoPE, "Tensor on device cpu is not on the expected device meta!", naming
+        nothing (the cache's device was checked; x's was not)."""
+        from qkmla import MLA, AttentionConfig, MLAConfig, MultiHeadAttention
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import SharedKVConfig
+
+        for layer, width in ((MLA(MLAConfig()), 64), (MultiHeadAttention(AttentionConfig(64, 4)), 64),
+                             (SharedKVAttention(SharedKVConfig()), SharedKVConfig().hidden_size)):
+            raises(lambda m=layer, w=width: m(torch.randn(1, 2, w, device="meta")), ValueError,
+                   r"^x: the module's weights are on cpu and x is on meta; pass x.to\('cpu'\)")
+
+    def rope_positions_of_fractions_or_another_device(env):
+        """Probes P33, P37, P38, P43: RotaryEmbedding(8)(x, torch.tensor([0.5, 1.0, 2.0])) rotated by fractions of a
+        position without a word (its own message says integer positions), shift() likewise; positions on another
+        device than x, and x on another device than the module's frequencies, failed in the product ("Tensor on
+        device cpu is not on the expected device meta!"). A meta x is rotated for its shape (a meta model's run)."""
+        from qkmla.rope import RotaryEmbedding
+
+        rope, x = RotaryEmbedding(8), torch.randn(1, 3, 2, 8)
+        for call in (rope, rope.shift):
+            raises(lambda f=call: f(x, torch.tensor([0.5, 1.0, 2.0])), ValueError,
+                   r"^positions: expected an integer tensor \[\.\.\., T\] \(x is \(1, 3, 2, 8\)\), got a torch.float32")
+        raises(lambda: rope(x, torch.arange(3, device="meta")), ValueError,
+               r"^positions: x is on cpu and positions on meta; pass positions.to\('cpu'\)")
+        assert rope(x.to("meta"), torch.arange(3, device="meta")).shape == (1, 3, 2, 8)
+        torch.testing.assert_close(rope(x, torch.arange(3)), RotaryEmbedding(8)(x, torch.arange(3)), rtol=0, atol=0)
+
+    def a_norm_given_vectors_on_another_device(env):
+        """Probe G10: ScalarNorm(8) (weights on the CPU) of v on the meta device failed in the product, "Tensor on
+        device cpu is not on the expected device meta!"; a replacement weight on another device than v likewise."""
+        from qkmla import QKNorm, ScalarNorm
+
+        raises(lambda: ScalarNorm(8)(torch.randn(2, 8, device="meta")), ValueError,
+               r"^v: the norm's weight is on cpu and v on meta")
+        raises(lambda: ScalarNorm(8)(torch.randn(2, 8), weight=torch.ones(8, device="meta")), ValueError,
+               r"^weight: v is on cpu and weight on meta")
+        raises(lambda: QKNorm(8, 4)(torch.randn(2, 8, device="meta"), torch.randn(2, 4, device="meta")), ValueError,
+               r"^v_c: the norm's weight is on cpu and v_c on meta")
+
+    def cache_writes_of_another_device_or_a_bool_batch(env):
+        """Probes Q-int8/int4/fp8, C-plan: a row format's encode(c_kv, k_rope) with k_rope on another device failed in
+        the row's concatenation ("Tensor on device meta is not on the expected device cpu!"); plan(2, 2,
+        input_lengths=<meta tensor>) with "Cannot copy out of meta tensor; no data!"; plan(True, 1) was taken as a
+        batch of one (True == 1)."""
+        from qkmla import LatentCache
+        from qkmla.kv_formats import row_format
+
+        for name in ("dense", "int8", "int4", "fp8"):
+            raises(lambda n=name: row_format(n, 32, 8).encode(torch.randn(2, 32), torch.randn(2, 8, device="meta")),
+                   ValueError, r"^k_rope: c_kv is on cpu and k_rope on meta")
+        raises(lambda: LatentCache(2, 4, 8, 4).plan(2, 2, input_lengths=torch.tensor([1, 2], device="meta")),
+               ValueError, r"^input_lengths: on the meta device")
+        raises(lambda: LatentCache(1, 4, 8, 4).plan(True, 1), ValueError,
+               r"^batch_size: expected an int \(x.shape\[0\]\), got True")
+        assert LatentCache(2, 4, 8, 4).plan(2, 2, input_lengths=torch.tensor([1, 2])).seqlens.tolist() == [1, 2]
+
+    def calibrating_a_model_whose_activations_are_not_finite(env):
+        """Probe W5: warm_start_qk_norm(model, ids) of a model whose hidden states hold NaN wrote NaN into every
+        QK-norm weight and returned a report of NaNs, without a word; W1: input_ids on the meta device failed with
+        "Tensor.item() cannot be called on meta tensors". The first is refused naming model, the norm weights left
+        as they came; the second naming input_ids."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.convert import warm_start_qk_norm
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.transformers.patched import latent_layers
+
+        torch.manual_seed(0)
+        model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1)).eval(), qk_norm="rms")
+        layer = latent_layers(model)[0]
+        with torch.no_grad():
+            layer.q_norm.content.weight.fill_(3.0)
+            model.model.embed_tokens.weight.fill_(float("nan"))
+        ids = torch.randint(0, 64, (1, 8))
+        raises(lambda: warm_start_qk_norm(model, ids, held_out_ids=ids), ValueError,
+               r"^model: layer 0's content block calibrates to gamma_q=nan")
+        assert bool((layer.q_norm.content.weight == 3.0).all()) and bool((layer.k_norm.rope.weight == 1.0).all())
+        raises(lambda: warm_start_qk_norm(model, torch.zeros(1, 8, dtype=torch.long, device="meta")), ValueError,
+               r"^input_ids: on the meta device")
+
+    def converting_a_model_or_calibration_on_the_meta_device(env):
+        """Probes V4, V6: convert_gqa(model, calibration=<meta ids>) and convert_gqa(<a Qwen3 built under
+        torch.device("meta")>) failed with "Tensor.item() cannot be called on meta tensors", naming nothing."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.convert import convert_gqa
+
+        config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        torch.manual_seed(0)
+        source = transformers.Qwen3ForCausalLM(config).eval()
+        raises(lambda: convert_gqa(source, calibration=torch.zeros(1, 8, dtype=torch.long, device="meta")), ValueError,
+               r"^calibration: on the meta device")
+        with torch.device("meta"):
+            meta = transformers.Qwen3ForCausalLM(config)
+        raises(lambda: convert_gqa(meta), ValueError, r"^model: its weight model.embed_tokens.weight \(and maybe "
+                                                      r"others\) is on the meta device")
+
+    def switches_of_generation_given_as_strings(env):
+        """Probes R16, R23: generate(..., progress="no") showed a progress bar and max_tokens_seen(...,
+        prefills_only="no") counted prefills only (1 token seen for a prompt of 1 and 3 new: 4), without a word."""
+        from qkmla.model.generate import generate, max_tokens_seen
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+        raises(lambda: generate(model, [[1]], 2, progress="no"), ValueError, r"^progress: expected True or False, "
+                                                                            r"got 'no'")
+        raises(lambda: max_tokens_seen(model, [[1]], 3, prefills_only="no"), ValueError,
+               r"^prefills_only: expected True or False, got 'no'")
+        assert max_tokens_seen(model, [[1]], 3) == 4 and max_tokens_seen(model, [[1]], 3, prefills_only=True) == 1
+
+    def a_per_head_scale_on_another_device(env):
+        """Probe O7: mla_decode_with_kvcache(..., softmax_scale=<a [H] tensor on the meta device>) of CPU queries
+        failed folding it into them, "Tensor on device meta is not on the expected device cpu!"; the op checks every
+        other tensor's device against q_lat's."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        q, r, kv, lens = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 8), torch.randn(1, 6, 24), torch.tensor([5])
+        raises(lambda: mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=torch.ones(4, device="meta"),
+                                               backend="torch"), ValueError,
+               r"^softmax_scale: expected a tensor on q_lat's device \(cpu\), got meta")
+        out = mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=torch.full((4,), 0.25), backend="torch")[0]
+        torch.testing.assert_close(out, mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=0.25,
+                                                                backend="naive")[0])
+
+    def a_fill_past_the_dtypes_range(env):
+        """Probes X8, X9: LatentCache(..., dtype=torch.float16, fill=1e6) and fill=1e300 in float32 failed in
+        torch.full, "value cannot be converted to type c10::Half without overflow", naming nothing."""
+        from qkmla import FullKVCache, LatentCache
+
+        raises(lambda: LatentCache(1, 4, 8, 4, dtype=torch.float16, fill=1e6), ValueError,
+               r"^fill: 1000000.0 is past torch.float16's range \(largest 65504\)")
+        raises(lambda: FullKVCache(1, 4, 1, 4, 4, fill=-1e300), ValueError, r"^fill: -1e\+300 is past torch.float32's")
+        for fill in (65504.0, float("-inf"), float("nan")):
+            value = LatentCache(1, 4, 8, 4, dtype=torch.float16, fill=fill).fields["latent"].data[0, 0, 0].item()
+            assert value == fill or fill != fill and value != value
+
+    return [
+        Row("LatentCache", "size", "fill past the buffer dtype's range: torch.full's overflow error",
+            a_fill_past_the_dtypes_range),
+        Row("mla_decode_with_kvcache", "size", "softmax_scale [H] on another device than q_lat: torch's device error",
+            a_per_head_scale_on_another_device),
+        Row("generate", "size", "generate(progress='no') showed a bar; max_tokens_seen(prefills_only='no') counted "
+            "prefills only", switches_of_generation_given_as_strings),
+        Row("GPT", "size", "generate, sample_next and the shape-only forward of a model built on the meta device: "
+            "'Tensor.item() cannot be called on meta tensors'", a_model_on_the_meta_device),
+        Row("MLAConfig", "size", "MLA, MultiHeadAttention, SharedKVAttention of x on another device: 'Tensor on device "
+            "cpu is not on the expected device meta!'", inputs_on_another_device_than_the_layer),
+        Row("RotaryEmbedding", "size", "float positions rotated by fractions; positions or x on another device: "
+            "torch's device error", rope_positions_of_fractions_or_another_device),
+        Row("ScalarNorm", "size", "v or weight on another device than the norm's: torch's device error",
+            a_norm_given_vectors_on_another_device),
+        Row("LatentCache", "size", "encode's k_rope or plan's input_lengths on another device: torch errors; "
+            "plan(True, 1) taken", cache_writes_of_another_device_or_a_bool_batch),
+        Row("convert", "size", "warm_start_qk_norm of a model with NaN hidden states: NaN norm weights written; meta "
+            "input_ids: 'Tensor.item() cannot be called on meta tensors'",
+            calibrating_a_model_whose_activations_are_not_finite),
+        Row("convert-gqa", "size", "convert_gqa of a meta model or meta calibration ids: 'Tensor.item() cannot be "
+            "called on meta tensors'", converting_a_model_or_calibration_on_the_meta_device),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
-        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows())
+        + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
+        + api18_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -24,8 +24,8 @@ Scale = Union[float, torch.Tensor]  # a float, or one value per head [h]
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def check_hidden(x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
-    """x must be [B, T, hidden_size] in the module's dtype."""
+def check_hidden(x: torch.Tensor, hidden_size: int, dtype: torch.dtype, device: Optional[torch.device] = None) -> None:
+    """x must be [B, T, hidden_size] in the module's dtype, and on its ``device`` (its weights')."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x: expected a torch.Tensor of shape [batch, seq, {hidden_size}], got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != hidden_size or x.shape[1] == 0:
@@ -33,6 +33,12 @@ def check_hidden(x: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
     if x.dtype != dtype:
         raise ValueError(f"x: dtype {x.dtype} does not match the module's parameters ({dtype}); "
                          f"pass x.to({dtype}) or call module.to(dtype)")
+    # x on the meta device given to a CPU module (or a CPU x to a CUDA one) failed in the first projection or
+    # RoPE, "Tensor on device cpu is not on the expected device meta!", naming nothing
+    if device is not None and (x.device.type != device.type or None not in (x.device.index, device.index)
+                               and x.device.index != device.index):
+        raise ValueError(f"x: the module's weights are on {device} and x is on {x.device}; pass "
+                         f"x.to({str(device)!r}) or call module.to(x.device)")
 
 
 def check_forward(module, x: torch.Tensor, cache, cache_type: type, input_lengths) -> None:
@@ -40,7 +46,7 @@ def check_forward(module, x: torch.Tensor, cache, cache_type: type, input_length
     ``config`` and an ``o_proj``: x [B, T, hidden_size] in the module's dtype; ``cache`` None or a
     ``cache_type`` made for the module's config; ``input_lengths`` [B] only with a cache."""
     c = module.config
-    check_hidden(x, c.hidden_size, module.o_proj.weight.dtype)
+    check_hidden(x, c.hidden_size, module.o_proj.weight.dtype, module.o_proj.weight.device)
     if cache is None:
         if input_lengths is not None:
             raise ValueError("input_lengths: only meaningful with a cache (padding is not written)")

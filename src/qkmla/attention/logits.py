@@ -27,7 +27,7 @@ def causal_logits(mla, x: torch.Tensor, path: str = "explicit", positions: Optio
     """
     if path not in LOGIT_PATHS:
         raise ValueError(f"path: expected one of {LOGIT_PATHS}, got {path!r}")
-    check_hidden(x, mla.config.hidden_size, mla.o_proj.weight.dtype)
+    check_hidden(x, mla.config.hidden_size, mla.o_proj.weight.dtype, mla.o_proj.weight.device)
     positions = default_positions(x, positions)
     T = x.shape[1]
     if path == "explicit":

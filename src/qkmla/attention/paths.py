@@ -54,7 +54,7 @@ def resolve_path(mla, x, cache, path: str, input_lengths, indices=None) -> str:
     """Check the arguments of ``mla(x, cache, path=path, input_lengths=..., indices=...)``; return
     the path it takes ("auto" resolved)."""
     c = mla.config
-    check_hidden(x, c.hidden_size, mla.o_proj.weight.dtype)
+    check_hidden(x, c.hidden_size, mla.o_proj.weight.dtype, mla.o_proj.weight.device)
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
     if cache is not None and not isinstance(cache, (LatentCache, FullKVCache)):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -248,6 +249,12 @@ class SequenceCache:
         if not is_number(fill):
             raise ValueError(f"fill: expected a number (the value of never-written slots, e.g. 0.0 or float('nan')), "
                              f"got {fill!r:.80}")
+        # A finite fill past the dtype's range (1e6 in float16) failed in torch.full: "value cannot be converted to
+        # type c10::Half without overflow", naming nothing (inf and NaN are values of every floating dtype)
+        if dtype.is_floating_point and fill == fill and abs(fill) != math.inf \
+                and abs(fill) > torch.finfo(dtype).max:  # fill == fill: not NaN (an int past a float's range too)
+            raise ValueError(f"fill: {fill!r:.40} is past {dtype}'s range (largest {torch.finfo(dtype).max:g}); pass a "
+                             f"value it holds, inf or NaN")
         self.fields[name] = self.layout.buffer(self.batch_size, self.capacity, width, dtype, self.device, fill)
 
     # -- writing -----------------------------------------------------------------------------
@@ -259,6 +266,8 @@ class SequenceCache:
         if writer is not None:
             self.check_writer(writer)
         self.check_writable()
+        if isinstance(batch_size, bool):  # True == 1: plan(True, 1) was taken as a batch of one
+            raise ValueError(f"batch_size: expected an int (x.shape[0]), got {batch_size!r}")
         if batch_size != self.batch_size:
             raise ValueError(f"x: batch of {batch_size} sequences does not match the cache, "
                              f"which holds batch_size={self.batch_size}")
@@ -291,6 +300,10 @@ class SequenceCache:
             added = torch.full_like(start, num_tokens)
             uniform = self.uniform
         else:
+            if isinstance(input_lengths, torch.Tensor) and input_lengths.is_meta and self.device.type != "meta":
+                # copied to the cache's device below, which failed: "Cannot copy out of meta tensor; no data!"
+                raise ValueError(f"input_lengths: on the meta device (shapes only), so they say no lengths; pass "
+                                 f"them on {self.device} (the cache's device)")
             input_lengths = torch.as_tensor(input_lengths, device=self.device)
             if input_lengths.shape != (batch_size,) or input_lengths.dtype.is_floating_point \
                     or input_lengths.dtype in (torch.bool, torch.complex64, torch.complex128):

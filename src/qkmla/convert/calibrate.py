@@ -99,6 +99,13 @@ def calibrate_layer(layer: MLA, x: torch.Tensor, positions: torch.Tensor) -> dic
             rms_unit = _rms(block_scores(qn, kn, c.scale, hpg))
             factor = rms_source / (m_q * m_k * rms_unit)
             gamma_q, gamma_k = m_q * math.sqrt(factor), m_k * math.sqrt(factor)
+            # A model whose hidden states hold NaN or inf (or a block whose scores are all 0) calibrated to NaN
+            # weights, written into the norms without a word, and reported as NaN
+            if not (math.isfinite(gamma_q) and math.isfinite(gamma_k)):
+                where = f"layer {layer.layer_idx}" if isinstance(getattr(layer, "layer_idx", None), int) else "a layer"
+                raise ValueError(f"model: {where}'s {name} block calibrates to gamma_q={gamma_q:.3g}, "
+                                 f"gamma_k={gamma_k:.3g} (source score RMS {rms_source:.3g}): its hidden states or "
+                                 f"weights hold NaN or inf, or its scores are all 0; no norm weight was changed")
             getattr(layer.q_norm, name).weight.fill_(gamma_q)
             getattr(layer.k_norm, name).weight.fill_(gamma_k)
             report[name] = dict(gamma_q=gamma_q, gamma_k=gamma_k, rms_source=rms_source, rms_unit_weights=rms_unit)
@@ -114,6 +121,9 @@ def check_token_ids(name: str, ids, vocab_size: int, min_length: int = 2) -> tor
             or ids.dtype == torch.bool:
         got = f"a {ids.dtype} tensor" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ValueError(f"{name}: expected token ids, a [batch, length] integer tensor, got {got}")
+    if ids.is_meta:  # their range is read below: "Tensor.item() cannot be called on meta tensors"
+        raise ValueError(f"{name}: on the meta device (shapes only), so they hold no token ids; pass them on the cpu "
+                         f"or the model's device")
     if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < min_length:
         raise ValueError(f"{name}: expected [batch, length] with length >= {min_length}, got shape {tuple(ids.shape)}")
     low, high = int(ids.min()), int(ids.max())
@@ -121,6 +131,16 @@ def check_token_ids(name: str, ids, vocab_size: int, min_length: int = 2) -> tor
         raise ValueError(f"{name}: token ids must lie in [0, {vocab_size}) (the model's vocab_size), got ids from "
                          f"{low} to {high}")
     return ids.long()
+
+
+def check_loaded(model) -> None:
+    """A ValueError naming ``model`` when any of its weights is on the meta device (built there and never
+    loaded, or offloaded): a conversion reads the weights' values, and failed deep in its arithmetic with
+    "Tensor.item() cannot be called on meta tensors", naming nothing."""
+    meta = next((name for name, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"model: its weight {meta} (and maybe others) is on the meta device (shapes only: built "
+                         f"under torch.device('meta') or offloaded, never loaded); load the model's weights first")
 
 
 def _loss(model, ids: torch.Tensor) -> float:
@@ -151,6 +171,7 @@ def warm_start_qk_norm(model, input_ids: torch.Tensor, *, held_out_ids: Optional
     from ..integrations.transformers.patched import inner_model, latent_layers
 
     layers = latent_layers(model)
+    check_loaded(model)
     if any(layer.q_norm is None for layer in layers):
         raise ValueError("model: has no QK norm to calibrate; add one with "
                          "qkmla.integrations.transformers.apply_latent_attention(model, qk_norm='rms')")
@@ -162,6 +183,11 @@ def warm_start_qk_norm(model, input_ids: torch.Tensor, *, held_out_ids: Optional
     model.eval()
     loss = {}
     reports: dict[int, dict] = {}
+    # The norms' weights as they came, put back if the calibration fails: a layer refused half way (NaN hidden
+    # states) had left the layers before it calibrated, and every layer at unit weights when held_out_ids was given
+    saved = [(t, t.detach().clone()) for layer in layers for t in (
+        layer.q_norm.content.weight, layer.q_norm.rope.weight, layer.k_norm.content.weight, layer.k_norm.rope.weight,
+        layer.logit_scale) if t is not None]
 
     def calibrate(module, args, kwargs):
         x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -185,6 +211,11 @@ def warm_start_qk_norm(model, input_ids: torch.Tensor, *, held_out_ids: Optional
                     hook.remove()
             if held_out_ids is not None:
                 loss["calibrated"] = _loss(model, held_out_ids)
+    except BaseException:
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
+        raise
     finally:
         model.train(was_training)
     return {"layers": dict(sorted(reports.items())), "loss": loss or None, "tokens": input_ids.numel()}

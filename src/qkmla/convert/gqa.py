@@ -50,6 +50,7 @@ import torch
 
 from ..config import QKNormConfig
 from ..utils.files import check_input_file
+from .calibrate import check_loaded
 from .gqa_fit import LATENTS, ROPE_KEYS, calibration_moments, check_calibration, kv_rank, latent_factors, rope_key_mix
 from ..utils.checked import as_int, check_bool, is_int
 
@@ -296,6 +297,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     from ..integrations.hub.record import record_groups
 
     hidden, H, G, D = source_attention_shape(model)
+    check_loaded(model)
     max_rank = min(2 * G * D, hidden)
     # NumPy ints are the widths they hold (np.int64(16) was refused as "expected an int from 1 to ..., got
     # np.int64(16)")

@@ -81,6 +81,9 @@ def check_calibration(calibration, rope_key: str, latent: str, vocab_size: int) 
         raise ValueError(f"calibration: expected a [B, T] int64 tensor of token ids, got "
                          f"{type(calibration).__name__} {getattr(calibration, 'dtype', '')} "
                          f"{tuple(getattr(calibration, 'shape', ()))}")
+    if calibration.is_meta:  # its range is read below: "Tensor.item() cannot be called on meta tensors"
+        raise ValueError("calibration: on the meta device (shapes only), so it holds no token ids; pass it on the cpu "
+                         "or the model's device")
     if int(calibration.min()) < 0 or int(calibration.max()) >= vocab_size:
         raise ValueError(f"calibration: token ids must lie in [0, vocab_size={vocab_size}), got "
                          f"{int(calibration.min())}..{int(calibration.max())}")

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..utils.checked import as_int, as_number, is_finite_number, is_int
+from ..utils.checked import as_int, as_number, check_bool, is_finite_number, is_int
 from ..utils.limits import check_fits
 from .gpt import GPT
 
@@ -81,6 +81,16 @@ def check_generator(generator) -> None:
                          f"got {generator!r:.80}")
 
 
+def check_weights(model: GPT) -> None:
+    """A ValueError naming ``model`` when its weights are on the meta device: a model built under
+    ``torch.device("meta")`` (shapes only) failed in the prefill with "Tensor.item() cannot be called on meta
+    tensors", naming nothing. A token is drawn from the logits' values, which such a model does not have."""
+    if model.wte.weight.is_meta:
+        raise ValueError("model: its weights are on the meta device (shapes only, e.g. built under "
+                         "torch.device('meta') and never loaded), so it has no logits to draw tokens from; "
+                         "model.to_empty(device='cpu') and load its weights first")
+
+
 def check_logits(logits) -> None:
     """A ValueError naming ``logits`` unless it is a floating-point [B, V] tensor whose every row has a finite
     largest value: a NaN was taken by the greedy argmax as the best token, without a word, and failed in
@@ -90,6 +100,9 @@ def check_logits(logits) -> None:
             or logits.shape[1] == 0:
         got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"{logits!r:.80}"
         raise ValueError(f"logits: expected a floating-point tensor [batch, vocab], got {got}")
+    if logits.is_meta:  # failed reading the rows' values below, "Tensor.item() cannot be called on meta tensors"
+        raise ValueError("logits: on the meta device (shapes only), so no token can be drawn from them; a model built "
+                         "under torch.device('meta') needs its weights loaded first")
     bad = ~torch.isfinite(logits.amax(dim=-1)) | torch.isnan(logits).any(dim=-1)
     if bool(bad.any()):
         row = int(bad.nonzero()[0, 0])
@@ -143,6 +156,7 @@ def max_tokens_seen(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens
     # counted as -3 tokens seen
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens = check_sampling(max_new_tokens, 1.0, None)[0]
+    check_bool("prefills_only", prefills_only)  # "no" is truthy: counted as prefills only, a smaller answer
     context = model.config.block_size
     longest = max(min(len(p), max(1, context - 1)) for p in prompts)
     if not prefills_only:
@@ -164,10 +178,12 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
     sequence: ``kept`` (tokens cached) and ``seen`` (tokens written since the last slide,
     evicted ones included), so a caller can say what a policy really kept. ``on_token``: called
     with each step's new token ids (one per prompt), e.g. to print them as they come."""
+    check_weights(model)
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens, temperature, top_k = check_sampling(max_new_tokens, temperature, top_k)
     check_outlets(report, on_token)
     check_generator(generator)
+    check_bool("progress", progress)  # "no" is truthy: a bar was shown
     check_fits("max_new_tokens", 8 * len(prompts) * max_new_tokens, f"{max_new_tokens} new token ids for each of "
                f"{len(prompts)} prompt(s)")
     # In eval mode while it runs (no dropout), and handed back in the mode it came in: a model in training mode

@@ -254,7 +254,7 @@ def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
     if targets.device != idx.device:
         raise ValueError(f"targets: idx is on {idx.device} and targets on {targets.device}; pass "
                          f"targets.to({str(idx.device)!r})")
-    if not torch.compiler.is_compiling() and targets.numel():
+    if not torch.compiler.is_compiling() and targets.numel() and not targets.is_meta:  # meta: shapes only (forward)
         lo, hi = int(targets.min()), int(targets.max())
         if lo < -1 or hi >= vocab_size:
             raise ValueError(f"targets: token ids must lie in [0, vocab_size={vocab_size}) or be -1 (no loss "
@@ -361,7 +361,10 @@ class GPT(nn.Module):
             raise ValueError(f"idx: expected at least one token per sequence, got shape {tuple(idx.shape)}")
         # An id past the vocabulary is an index error deep in the embedding (a device assert
         # on a GPU); checked here, outside a compiled graph (where the read would break it).
-        if not torch.compiler.is_compiling() and idx.numel() and \
+        # Not on the meta device, whose tensors hold shapes only: a shape-only forward of a model built under
+        # torch.device("meta") (to count its activations, say) failed here with "Tensor.item() cannot be called
+        # on meta tensors", naming nothing.
+        if not torch.compiler.is_compiling() and idx.numel() and not idx.is_meta and \
                 (int(idx.min()) < 0 or int(idx.max()) >= self.config.vocab_size):
             raise ValueError(f"idx: token ids must lie in [0, vocab_size={self.config.vocab_size}), got "
                              f"{int(idx.min())}..{int(idx.max())}")

@@ -202,13 +202,16 @@ def _host_readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def check_softmax_scale(softmax_scale, H: int) -> None:
-    """A ValueError naming ``softmax_scale`` unless it is a finite number or a floating tensor [H]
-    (its values checked finite where reading them is free: a CPU tensor, outside compilation)."""
+def check_softmax_scale(softmax_scale, H: int, device: Optional[torch.device] = None) -> None:
+    """A ValueError naming ``softmax_scale`` unless it is a finite number or a floating tensor [H] (on
+    ``device``, q_lat's; its values checked finite where reading them is free: a CPU tensor, outside compilation)."""
     if isinstance(softmax_scale, torch.Tensor):
         if softmax_scale.shape != (H,) or not softmax_scale.dtype.is_floating_point:
             raise ValueError(f"softmax_scale: expected a float or a floating-point tensor [H={H}], got "
                              f"{softmax_scale.dtype} {tuple(softmax_scale.shape)}")
+        if device is not None and softmax_scale.device != device:  # failed folding it into the queries, naming none
+            raise ValueError(f"softmax_scale: expected a tensor on q_lat's device ({device}), got "
+                             f"{softmax_scale.device}")
         if _host_readable(softmax_scale) and not bool(torch.isfinite(softmax_scale).all()):
             raise ValueError(f"softmax_scale: expected finite logit scales, got {softmax_scale.tolist()}")
         return
@@ -307,7 +310,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     rows = check_inputs(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, mode, visible_lens,
                         kv_format)
     check_indices(indices, topk_length, q_lat, visible_lens)
-    check_softmax_scale(softmax_scale, q_lat.shape[2])
+    check_softmax_scale(softmax_scale, q_lat.shape[2], q_lat.device)
     capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     check_split_and_length(num_splits, max_seqlen, cache_seqlens, capacity)
     B, S_q, H, d_c = q_lat.shape
