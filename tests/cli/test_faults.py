@@ -6066,7 +6066,39 @@ def api18_rows():
             value = LatentCache(1, 4, 8, 4, dtype=torch.float16, fill=fill).fields["latent"].data[0, 0, 0].item()
             assert value == fill or fill != fill and value != value
 
+    def a_meta_cache_read_by_value_or_a_config_of_another_kind(env):
+        """Probes Y2-Y6, Y13: a cache built with device="meta" (which the constructor takes) failed with
+        "Tensor.item() cannot be called on meta tensors" in plan(..., input_lengths), select_sequences, drop_last,
+        seqlens = ..., keep(mask), and at the first eviction of a policy; Y10, Y11: LatentCache.from_config of an
+        AttentionConfig and FullKVCache.from_config("x") with AttributeErrors ("'AttentionConfig' object has no
+        attribute 'kv_lora_rank'")."""
+        from qkmla import AttentionConfig, FullKVCache, LatentCache, MLAConfig
+        from qkmla.cache import H2O
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        meta = LatentCache(2, 4, 8, 4, device="meta")
+        for name, call in (("input_lengths", lambda: meta.plan(2, 2, input_lengths=torch.tensor([1, 2]))),
+                           ("indices", lambda: meta.select_sequences(torch.tensor([1, 0]))),
+                           ("counts", lambda: meta.drop_last(torch.tensor([0, 0]))),
+                           ("seqlens", lambda: setattr(meta, "seqlens", torch.tensor([0, 0]))),
+                           ("mask", lambda: meta.keep(torch.zeros(2, 0, dtype=torch.bool)))):
+            raises(call, ValueError, rf"^{name}: read by value against the cache's lengths, which a cache on the meta")
+        raises(lambda: LatentCache(2, 4, 8, 4, device="meta", policy=H2O(budget=2, window=1)), ValueError,
+               r"^policy: an eviction policy ranks the cached tokens by value")
+        meta.append(meta.plan(2, 3), c_kv=torch.randn(2, 3, 8, device="meta"),
+                    k_rope=torch.randn(2, 3, 4, device="meta"))
+        assert meta.max_len == 3 and meta.load()[0].shape == (2, 3, 12)  # shapes it still follows
+        raises(lambda: LatentCache.from_config(AttentionConfig(64, 4), 1, 4), ValueError,
+               r"^config: expected an MLAConfig, got AttentionConfig \(it has no kv_lora_rank\)")
+        raises(lambda: FullKVCache.from_config("x", 1, 4), ValueError, r"^config: expected an MLAConfig or an "
+                                                                       r"AttentionConfig, got str")
+        raises(lambda: SharedKVCache.from_config(MLAConfig(), 1, 4), ValueError, r"^config: expected a SharedKVConfig")
+        assert FullKVCache.from_config(MLAConfig(), 1, 4).k_dim == MLAConfig().qk_head_dim
+
     return [
+        Row("LatentCache", "size", "a meta cache's plan(input_lengths), select_sequences, drop_last, seqlens=, keep, "
+            "policy: 'Tensor.item() cannot be called on meta tensors'; from_config of another config: AttributeError",
+            a_meta_cache_read_by_value_or_a_config_of_another_kind),
         Row("LatentCache", "size", "fill past the buffer dtype's range: torch.full's overflow error",
             a_fill_past_the_dtypes_range),
         Row("mla_decode_with_kvcache", "size", "softmax_scale [H] on another device than q_lat: torch's device error",

@@ -96,6 +96,16 @@ def check_row_widths(batch_size: int, itemsize: int, device, **widths) -> None:
         check_allocation(name, width * itemsize, f"one token's {name}={width} values", device)
 
 
+def config_fields(config, names: tuple, expected: str) -> tuple:
+    """``config``'s fields ``names``, or a ValueError naming config (``expected``: the configs that have them):
+    LatentCache.from_config(AttentionConfig(...)) failed with "AttributeError: 'AttentionConfig' object has no
+    attribute 'kv_lora_rank'", FullKVCache.from_config("x") with "'str' object has no attribute ..."."""
+    missing = next((name for name in names if not hasattr(config, name)), None)
+    if missing is not None:
+        raise ValueError(f"config: expected {expected}, got {type(config).__name__} (it has no {missing})")
+    return tuple(getattr(config, name) for name in names)
+
+
 def check_dtype(name: str, dtype) -> None:
     """Cached rows are floating point (an integer buffer would truncate them silently)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -177,6 +187,7 @@ class SequenceCache:
         naming ``name``: [batch_size] integer token counts on the cache's device, seqlens within the capacity and
         at most next_positions (a token's position is never behind its slot)."""
         B = self.batch_size
+        self.check_readable(name)
         if not isinstance(value, torch.Tensor) or value.shape != (B,) or value.dtype.is_floating_point \
                 or value.dtype.is_complex or value.dtype == torch.bool:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{value!r:.80}"
@@ -192,6 +203,13 @@ class SequenceCache:
                              f"checked against the other's value now: restoring both, set the one this leaves "
                              f"consistent first (next_positions before a larger seqlens)")
         return value
+
+    def check_readable(self, name: str) -> None:
+        """A ValueError naming ``name`` when this cache is on the meta device (shapes only): the method reads
+        ``name``'s values against the lengths, and failed with "Tensor.item() cannot be called on meta tensors"."""
+        if self.device.type == "meta":
+            raise ValueError(f"{name}: read by value against the cache's lengths, which a cache on the meta device "
+                             f"(shapes only) does not hold; build the cache on the cpu or an accelerator")
 
     def _set_lengths(self, **values) -> None:
         for name, value in values.items():  # the cache's own moves: checked by the code that computes them
@@ -300,7 +318,8 @@ class SequenceCache:
             added = torch.full_like(start, num_tokens)
             uniform = self.uniform
         else:
-            if isinstance(input_lengths, torch.Tensor) and input_lengths.is_meta and self.device.type != "meta":
+            self.check_readable("input_lengths")
+            if isinstance(input_lengths, torch.Tensor) and input_lengths.is_meta:
                 # copied to the cache's device below, which failed: "Cannot copy out of meta tensor; no data!"
                 raise ValueError(f"input_lengths: on the meta device (shapes only), so they say no lengths; pass "
                                  f"them on {self.device} (the cache's device)")
@@ -513,6 +532,7 @@ class SequenceCache:
         keep returns it, the kept lengths [B]). For a caller that prepares everything that
         may fail before the rows move (an eviction policy's compacted state)."""
         B, S = self.batch_size, self.max_len
+        self.check_readable("mask")
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (B, S):
             got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"mask: expected a bool tensor [batch_size={B}, max_len={S}], got {got}")
@@ -550,6 +570,7 @@ class SequenceCache:
         reorder, ``num_return_sequences``' repeat). Every field and per-sequence state moves
         together; the batch size becomes B'."""
         buffers = self._contiguous_buffers("select_sequences")
+        self.check_readable("indices")
         # .long() truncated [0.7, 1.2] to [0, 1]: other sequences kept, silently; and a transformers
         # cache's reorder_cache(float beam_idx) moved the rows here, then failed on its own column mask
         indices = _integers("indices", indices, self.device, "an integer tensor of sequence indices")
@@ -604,6 +625,7 @@ class SequenceCache:
     def drop_last(self, counts: torch.Tensor) -> None:
         """Forget the last ``counts[b]`` tokens of each sequence b (a rollback: speculative
         decoding's rejected tokens). Refused once an eviction policy has moved tokens."""
+        self.check_readable("counts")
         # .long() truncated 0.5 to 0: a rollback that dropped nothing, without a word
         counts = _integers("counts", counts, self.device, f"integer token counts [{self.batch_size}]")
         if counts.shape != (self.batch_size,) or bool((counts < 0).any()) or bool((counts > self.seqlens).any()):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..utils.checked import as_int
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths, config_fields
 from .storage import Layout
 
 
@@ -54,9 +54,11 @@ class FullKVCache(SequenceCache):
 
     @staticmethod
     def _shape(config) -> tuple[int, int, int]:
+        expected = "an MLAConfig or an AttentionConfig"
         if hasattr(config, "kv_lora_rank"):
-            return config.num_kv_groups, config.qk_head_dim, config.v_head_dim
-        return config.num_kv_heads, config.dim_per_head, config.dim_per_head
+            return config_fields(config, ("num_kv_groups", "qk_head_dim", "v_head_dim"), expected)
+        heads, width = config_fields(config, ("num_kv_heads", "dim_per_head"), expected)
+        return heads, width, width
 
     def update(self, slot: WriteSlot, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k [B, T, G, k_dim] and v [B, T, G, v_dim]; return every cached key and value,

@@ -31,7 +31,7 @@ from ..config import MLAConfig
 from ..dtypes import cast
 from ..kv_formats import DenseRows, check_kv_format, row_format
 from ..utils.checked import as_int
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths, config_fields
 from .codecs import LatentCodec, QuantizedCodec
 from .eviction import EvictionPolicy
 from .evictor import Eviction
@@ -98,6 +98,9 @@ class LatentCache(SequenceCache):
         check_row_widths(self.batch_size, 1 if rows.quantized else dtype.itemsize, self.device,
                          kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, num_kv_groups=num_kv_groups)
         if policy is not None:
+            if self.device.type == "meta":  # its first eviction failed: "Tensor.item() cannot be called on meta ..."
+                raise ValueError("policy: an eviction policy ranks the cached tokens by value, which a cache on the "
+                                 "meta device (shapes only) does not hold; build it on the cpu or an accelerator")
             if getattr(policy, "reposition", False) and (rows.quantized or dtype.itemsize < 4):
                 # Every eviction re-rotates and re-stores the kept RoPE keys; rounded to 16
                 # bits each time, the error accumulates (2.6% after 600 steps in bf16).
@@ -168,8 +171,8 @@ class LatentCache(SequenceCache):
     @classmethod
     def from_config(cls, config: MLAConfig, batch_size: int, capacity: int, **kwargs) -> "LatentCache":
         """A cache shaped for ``config``: scalars only when it has a QK norm (``config.num_key_scalars``)."""
-        return cls(batch_size, capacity, config.kv_lora_rank, config.qk_rope_head_dim, config.num_key_scalars,
-                   **kwargs)
+        shape = config_fields(config, ("kv_lora_rank", "qk_rope_head_dim", "num_key_scalars"), "an MLAConfig")
+        return cls(batch_size, capacity, *shape, **kwargs)
 
     def after_attention(self, layer, slot: WriteSlot, queries: Callable[[], tuple]) -> None:
         """The attention layer's call after each forward that wrote ``slot`` and attended: the

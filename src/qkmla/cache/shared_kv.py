@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ..utils.checked import as_int
-from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths
+from .base import SequenceCache, WriteSlot, check_dims, check_dtype, check_row_widths, config_fields
 from .storage import Layout
 
 
@@ -45,4 +45,4 @@ class SharedKVCache(SequenceCache):
     @classmethod
     def from_config(cls, config, batch_size: int, capacity: int, **kwargs) -> "SharedKVCache":
         """Shaped for a :class:`~qkmla.config.SharedKVConfig`."""
-        return cls(batch_size, capacity, config.head_dim, **kwargs)
+        return cls(batch_size, capacity, *config_fields(config, ("head_dim",), "a SharedKVConfig"), **kwargs)
