@@ -6095,7 +6095,25 @@ def api18_rows():
         raises(lambda: SharedKVCache.from_config(MLAConfig(), 1, 4), ValueError, r"^config: expected a SharedKVConfig")
         assert FullKVCache.from_config(MLAConfig(), 1, 4).k_dim == MLAConfig().qk_head_dim
 
+    def a_paged_meta_cache_or_a_numpy_fill(env):
+        """Probes Z1, Z7, Z10: LatentCache(..., device="meta", layout=PagedLayout(2)) (the default table) and a
+        block_table on the meta device failed with "Tensor.item() cannot be called on meta tensors" in the table's
+        checks; fill=np.float32(0.0) was refused as "fill: expected a number", where a NumPy number is the number it
+        holds everywhere else."""
+        import numpy as np
+        from qkmla import LatentCache, PagedLayout
+
+        meta = LatentCache(2, 4, 8, 4, device="meta", layout=PagedLayout(2))
+        assert meta.decode_view()["block_table"].is_meta and meta.decode_view()["kv_cache"].shape == (4, 2, 12)
+        raises(lambda: LatentCache(2, 4, 8, 4, layout=PagedLayout(2, block_table=torch.zeros(2, 2, device="meta",
+                                                                                           dtype=torch.long))),
+               ValueError, r"^block_table: on the meta device \(shapes only\), so it holds no block ids")
+        cache = LatentCache(1, 4, 8, 4, dtype=torch.float16, fill=np.float32(-2.5))
+        assert cache.fields["latent"].data.eq(-2.5).all()
+
     return [
+        Row("PagedLayout", "size", "a paged cache on the meta device, a block_table on it: 'Tensor.item() cannot be "
+            "called on meta tensors'; fill=np.float32(0.0) refused as no number", a_paged_meta_cache_or_a_numpy_fill),
         Row("LatentCache", "size", "a meta cache's plan(input_lengths), select_sequences, drop_last, seqlens=, keep, "
             "policy: 'Tensor.item() cannot be called on meta tensors'; from_config of another config: AttributeError",
             a_meta_cache_read_by_value_or_a_config_of_another_kind),

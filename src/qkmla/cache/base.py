@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..utils.checked import INT64_MAX, _constructed, _constructing, as_int, check_size, is_int, is_number
+from ..utils.checked import INT64_MAX, _constructed, _constructing, as_int, as_number, check_size, is_int, is_number
 from ..utils.devices import check_device
 from ..utils.limits import check_allocation
 
@@ -263,6 +263,7 @@ class SequenceCache:
         self.writer: Optional[int] = None  # the token of the layer whose rows it holds (check_writer)
 
     def _add_field(self, name: str, width: int, dtype: torch.dtype, fill: float) -> None:
+        fill = as_number(fill)  # a NumPy number is the number it holds (np.float32(0.0) was refused as no number)
         # fill='x' failed in torch.full ("argument 'fill_value' must be Number, not str"), naming no argument
         if not is_number(fill):
             raise ValueError(f"fill: expected a number (the value of never-written slots, e.g. 0.0 or float('nan')), "

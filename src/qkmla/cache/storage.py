@@ -253,6 +253,9 @@ class PagedLayout(Layout, Frozen):
                 or table.dtype == torch.bool:
             got = table.dtype if isinstance(table, torch.Tensor) else type(table).__name__
             raise ValueError(f"block_table: expected an integer tensor of block ids, got {got}")
+        if table.is_meta:  # its ids are read below: "Tensor.item() cannot be called on meta tensors"
+            raise ValueError("block_table: on the meta device (shapes only), so it holds no block ids; pass it on the "
+                             "cpu (the cache moves its own copy to its device)")
         if table.dim() != 2 or table.shape[0] != batch_size:
             raise ValueError(f"block_table: expected shape [batch_size={batch_size}, blocks_per_seq], "
                              f"got {tuple(table.shape)}")
@@ -287,8 +290,10 @@ class PagedLayout(Layout, Frozen):
                              f"blocks needs num_blocks >= {batch_size * per_seq}, got {self.num_blocks}; pass a larger "
                              f"num_blocks, None, or a block_table of your own")
         # Not settings: what the last cache got, for a caller that reads them (the cache keeps its own copy)
+        # On the CPU for a cache on the meta device, whose ids the checks read (the cache keeps a copy on its own)
+        where = "cpu" if torch.device(device if device is not None else "cpu").type == "meta" else device
         object.__setattr__(self, "block_table",
-                           torch.arange(batch_size * per_seq, device=device).view(batch_size, per_seq))
+                           torch.arange(batch_size * per_seq, device=where).view(batch_size, per_seq))
         if not self._num_blocks_given:
             object.__setattr__(self, "num_blocks", batch_size * per_seq)
 
