@@ -425,7 +425,8 @@ def test_a_step_whose_saved_tensors_do_not_fit_is_refused_before_the_run_directo
     refused(["train", "--preset", "debug", "--steps", "1", "--batch-size", "8", "--no-progress", "--overwrite",
              "--out", str(run)],
             r"--batch-size: the tensors a training step of 8 windows of 32 tokens of mla-qknorm saves for its "
-            r"backward \(measured on [23]\), with the weights' gradients and optimizer moments, need at least "
+            r"backward \(measured on [23] windows through 1 and 2 of the 2 layers\), with the weights, their gradients "
+            r"and optimizer moments, need at least "
             r"[\d.]+ MiB, more than the 1 MiB of memory available")
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != "lock"} == kept
     refused(["train", "--preset", "debug", "--steps", "1", "--batch-size", "8", "--no-progress", "--out",
