@@ -6054,7 +6054,34 @@ def probe18_rows():
             assert lines[0] == f"qkmla {command}: stdout ({target}): {why}", r.stderr
         return check
 
+    def second_sigint_at_exit(env):
+        """Two Ctrl-Cs to `qkmla train`, 0.2 s apart (train_signals' row): under load the second landed after the
+        command had ended, in torch's atexit callback: "Exception ignored in atexit callback ... KeyboardInterrupt"
+        with a traceback. Made certain here: an atexit callback (a sitecustomize) that waits; a Ctrl-C while it
+        waits is ignored once the command has ended."""
+        site = env.tmp / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(textwrap.dedent("""
+            import atexit, sys, time
+
+            def wait():
+                print("exiting", file=sys.stderr, flush=True)
+                time.sleep(3)
+
+            atexit.register(wait)
+            """))
+        proc = subprocess.Popen([sys.executable, "-m", "qkmla", "verify", "--variant", "rms-blockwise"], cwd=env.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{site}", "OMP_NUM_THREADS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a terminal's
+        assert proc.stderr.readline().strip().endswith("exiting") or pytest.fail(proc.communicate())
+        proc.send_signal(signal.SIGINT)
+        code, err, _ = finish(proc, 60)
+        assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, (code, err)
+
     return [
+        Row("verify", "signal", "a Ctrl-C once the command has ended, in Python's exit: a KeyboardInterrupt traceback "
+            "from an atexit callback", second_sigint_at_exit),
         Row("verify", "environment", "stdout to a file past `ulimit -f`: 'qkmla verify: File too large', no path",
             stdout_full("verify", ["--json", "--variant", "rms-blockwise"], None)),
         Row("cache-size", "environment", "stdout to /dev/full: 'No space left on device', no path",

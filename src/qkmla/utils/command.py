@@ -85,6 +85,21 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
             torch.set_num_threads(threads)
         for stream, errors in restore.items():
             stream.reconfigure(errors=errors)
+        _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """In qkmla's command-line process, once its command has ended (said in its line and status), a Ctrl-C is
+    ignored: all that is left is Python's exit, and the second of two Ctrl-Cs (a train checkpointed by the
+    first) landed in torch's atexit callback as "Exception ignored in atexit callback ... KeyboardInterrupt"
+    with a traceback (round 18, under load). A caller's own Python (a test, a notebook) is left alone."""
+    import signal
+    import threading
+
+    from .environment import command_line_name
+
+    if threading.current_thread() is threading.main_thread() and command_line_name() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _paths_print_as_given() -> dict:
