@@ -3584,7 +3584,8 @@ NOT_APPLICABLE = {
     ("mla_decode_with_kvcache", "environment"): None,  # has a row: the vLLM plugin, which serves it, without vLLM
     ("generate", "cpuset"): "one process; --threads auto measures the CPU set as train does (train's row)",
     ("generate", "concurrent"): "writes no file",
-    ("plot", "environment"): "reads no environment variable",
+    ("plot", "environment"): "reads no environment variable of its own (TRANSFORMERS_VERBOSITY is checked for every "
+                              "command: train's row)",
     ("plot", "cpuset"): "one process, no threads of its own",
     ("convert", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
     ("convert-gqa", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
