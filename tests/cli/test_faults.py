@@ -688,11 +688,13 @@ def signalled(env: Env, argv: list, code: int, pattern: str) -> str:
     def stray(signum, frame):
         raise AssertionError(f"{signal.Signals(signum).name} reached the test's handler: main installed none")
 
-    previous = signal.signal(signal.SIGTERM, stray)
+    # SIGHUP too: a command that left it at Python's default would end the test's process with it
+    previous = {s: signal.signal(s, stray) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return refuse(env, argv, pattern, code=code)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def kill_self(*signums) -> None:
@@ -955,7 +957,8 @@ def demo_signal(env: Env, signum: int, expect: tuple) -> None:
     signalled(env, ["demo", "--out", out, "--steps", "3", "--preset", "debug", "--threads", "1"], expect[0],
               rf"{expect[1]}: mla-qknorm at lr 0.003 was checkpointed at step 1 in .*; the demo does not resume")
     st = status(out / "mla-qknorm_lr0.003")
-    assert st["status"] == ("stopped" if signum == signal.SIGTERM else "interrupted") and st["checkpoint_step"] == 1
+    assert st["status"] == ("stopped" if signum in (signal.SIGTERM, signal.SIGHUP) else "interrupted")
+    assert st["checkpoint_step"] == 1
     assert sorted(os.listdir(out)) == ["mla-qknorm_lr0.003"]  # nothing after it started
 
 
@@ -2425,9 +2428,12 @@ def probe8_rows():
         saved = step_saved_bytes(model, 2, model.config.block_size)
         # A step's floor: one moment per weight, and the saved tensors or the gradients, whichever is larger
         # (the gradients appear as the backward frees what the forward saved).
-        step = weights + max(weights, saved)
-        for available, pattern in ((step - 1, r"--batch-size: .* with the weights' gradients and optimizer"),
-                                   (int(1.5 * weights), r"--preset: the gradients and optimizer moments of the")):
+        # Round 18: the check runs before the model is made (trainer.check_config_fits), so the memory it is
+        # given holds the weights too, where it was what they left.
+        step = 2 * weights + max(weights, saved)
+        for available, pattern in ((step - 1, r"--batch-size: .* with the weights, their gradients and optimizer"),
+                                   (int(2.5 * weights), r"--preset: the model's \d+K parameters \(float32\), their "
+                                                        r"gradients and optimizer moments")):
             env.monkeypatch.setattr(limits, "available_bytes", lambda a=available: a)
             refuse(env, train_ok(env, env.tmp / "o"), pattern)
             assert not (env.tmp / "o").exists()
@@ -3578,12 +3584,10 @@ NOT_APPLICABLE = {
     ("mla_decode_with_kvcache", "environment"): None,  # has a row: the vLLM plugin, which serves it, without vLLM
     ("generate", "cpuset"): "one process; --threads auto measures the CPU set as train does (train's row)",
     ("generate", "concurrent"): "writes no file",
-    ("plot", "size"): "takes no size",
-    ("plot", "environment"): "reads no environment variable",
+    ("plot", "environment"): "reads no environment variable of its own (TRANSFORMERS_VERBOSITY is checked for every "
+                              "command: train's row)",
     ("plot", "cpuset"): "one process, no threads of its own",
-    ("convert", "environment"): "reads the environment only through --threads, as train does (train's rows)",
     ("convert", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
-    ("convert-gqa", "environment"): "reads the environment only through --threads, as train does (train's rows)",
     ("convert-gqa", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
     ("demo", "cpuset"): "--threads auto measures the CPU set as train does (train's row)",
 }
@@ -6141,12 +6145,217 @@ def api18_rows():
     ]
 
 
+def probe18_rows():
+    """Round 18's CLI probe: SIGHUP (a closed terminal or ssh session, ``kill -HUP``) ended every command on the
+    spot, as SIGTERM did before it was handled; transformers' TRANSFORMERS_VERBOSITY junk; a preset past memory
+    found minutes in; a diverged run and its figure said nothing."""
+    HUP = (129, "stopped by SIGHUP")
+
+    def train_sighup_then_resume(env):
+        """``setsid qkmla train ... ; kill -HUP``: the run died as by SIGKILL (exit 129, not a word), status.json
+        "running", no checkpoint, its lock left. Now as SIGTERM: checkpointed, "stopped", exit 129, and resumable."""
+        out = env.tmp / "run"
+        proc = subprocess.Popen([sys.executable, "-m", "qkmla", "train", "--preset", "debug", "--steps", "5000",
+                                 "--batch-size", "2", "--eval-iters", "1", "--no-progress", "--threads", "1", "--out",
+                                 str(out)], cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+                                # as a terminal's child has it, whatever the test runner was started with (nohup)
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+        wait_for_rows(out / "metrics.jsonl", 2, proc)
+        proc.send_signal(signal.SIGHUP)
+        code, err, took = finish(proc, 90)
+        st = status(out)
+        assert code == 129 and took < PROMPT_S and "Traceback" not in err, (code, err)
+        assert st["status"] == "stopped" and st["checkpoint_step"] == st["step"] >= 2 and st["signal"] == "SIGHUP", st
+        assert not (out / "lock").exists()
+        env.capsys.readouterr()
+        assert main(["train", "--preset", "debug", "--steps", str(st["step"] + 1), "--batch-size", "2",
+                     "--eval-iters", "1", "--no-progress", "--threads", "1", "--out", str(out), "--resume"]) == 0
+        assert status(out)["status"] == "done" and len(metrics(out)) == st["step"] + 1
+
+    def experiment_sighup(env):
+        """SIGHUP to the grid ended it on the spot: exit 129, not a word, its run in flight unrecorded. Now as
+        SIGTERM: passed on to the workers as SIGTERM, the run checkpointed, one line, exit 129."""
+        out = env.tmp / "grid"
+        proc = start_slow(env, STEPS, out, pause=PAUSE)
+        wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 3, proc)
+        proc.send_signal(signal.SIGHUP)
+        code, err, took = finish(proc, 90)
+        assert code == 129 and took < PROMPT_S, (code, err)
+        assert re.search(r"qkmla experiment: stopped by SIGHUP: r0 \(stopped, checkpoint step \d+\); 1 run\(s\) not "
+                         r"started", err), err
+        st = status(out / "runs" / "r0")
+        assert st["status"] == "stopped" and st["checkpoint_step"] == st["step"] == len(metrics(out / "runs" / "r0"))
+
+    def verbosity_refused(command, value, pattern):
+        def check(env, hf):
+            """transformers ignores a TRANSFORMERS_VERBOSITY it does not know with its own warning ('Unknown option
+            TRANSFORMERS_VERBOSITY=junk, has to be one of: ...') mid-command, and the command ran on (exit 0)."""
+            env.monkeypatch.setenv("TRANSFORMERS_VERBOSITY", value)
+            argv = {"convert": ["convert", "--hf", hf, "--out", env.tmp / "c", "--calibration-tokens", "0"],
+                    "convert-gqa": ["convert-gqa", "--hf", hf, "--out", env.tmp / "c"]}[command]
+            refuse(env, argv + ["--threads", "1"], rf"^qkmla {command}: TRANSFORMERS_VERBOSITY: the environment "
+                   rf"variable holds '{value}', which transformers ignores; expected one of detail, debug, info, "
+                   rf"warning, error, critical{pattern}")
+            assert not (env.tmp / "c").exists()
+        return check
+
+    def train_verbosity(env):
+        """The same junk for a command that never imports transformers: refused as well (a shell that sets it for
+        one command sets it for the next), before any work."""
+        env.monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "loud")
+        refuse(env, train_ok(env, env.tmp / "r"), r"^qkmla train: TRANSFORMERS_VERBOSITY: .*'loud'")
+        assert not (env.tmp / "r").exists()
+
+    def demo_preset_past_memory(env):
+        """``qkmla demo --preset paper-400m`` made the 400M-parameter model and ran forwards of 1024-token windows
+        through its 12 layers (4.5 minutes on 2 cores) before refusing it; now the weights are counted on the meta
+        device and a step measured on models of 1 and 2 layers, before any of it is made."""
+        import qkmla.model.gpt as gpt
+
+        init = gpt.GPT.__init__
+
+        def made(self, config):
+            if config.n_layer > 2 and torch.empty(0).device.type != "meta":
+                raise AssertionError(f"a model of {config.n_layer} layers was made before the check")
+            init(self, config)
+
+        env.monkeypatch.setattr(gpt.GPT, "__init__", made)
+        env.monkeypatch.setattr("qkmla.utils.limits.available_bytes", lambda: 3 * 2**30)
+        refuse(env, ["demo", "--preset", "paper-400m", "--out", env.tmp / "d", "--threads", "1"],
+               r"^qkmla demo: --preset: the model's \d+M parameters \(float32\), their gradients and optimizer moments "
+               r"need at least [\d.]+ GiB, more than the 3 GiB of memory available")
+        assert not (env.tmp / "d").exists()
+
+    def train_diverged(env):
+        """``--lr 1e30``: the gradient norm is NaN at step 2, and the run's status ("non-finite") and error were only
+        in the JSON on stdout: stderr empty, exit 1. Now one stderr line naming --lr, the step and what is kept."""
+        refuse(env, train_ok(env, env.tmp / "r")[:-2] + ["--steps", "3", "--lr", "1e30", "--out", env.tmp / "r"],
+               r"^qkmla train: --lr 1e\+30: the run diverged: gradient norm is nan at step 2 \(status non-finite\); "
+               r"it wrote no checkpoint; .* keeps its log; a lower --lr", code=1)
+        assert status(env.tmp / "r")["status"] == "non-finite"
+
+    def nan_run(env, name):
+        run = env.tmp / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "loss": None, "lr": 1e30, "grad_norm": None,
+                                                               "max_logit": None,
+                                                               "non_finite": ["loss", "grad_norm", "max_logit"]}) + "\n"
+                                                   for i in (1, 2, 3)))
+        return run
+
+    def plot_all_nan(env):
+        """A run whose every loss, max logit and gradient norm is NaN (null): a figure of empty axes, exit 0, not
+        a word. Alone now refused (nothing to draw; nothing written); beside a run with lines, one warning line."""
+        bad = nan_run(env, "nan")
+        refuse(env, ["plot", bad, "--out", env.tmp / "f.png"],
+               r"^qkmla plot: runs: every logged loss, max attention logit and gradient norm of .*nan is NaN/inf")
+        assert not (env.tmp / "f.png").exists()
+        env.capsys.readouterr()
+        assert main(["plot", str(bad), str(env.run), "--out", str(env.tmp / "g.png")]) == 0
+        err = [x for x in env.capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and re.match(r"qkmla plot: warning: .*nan: every logged loss, max attention logit, "
+                                          r"gradient norm of its 3 rows is NaN/inf", err[0]), err
+        assert (env.tmp / "g.png").is_file()
+
+    def convert_hf_without_model_type_or_cut(env, hf):
+        """A checkpoint whose config.json has no model_type: `generate --hf` said so, `convert` passed on transformers'
+        words ('Unrecognized model in DIR. Should have a `model_type` key'); a model.safetensors cut short (a copy
+        half-done) was named without the option ('qkmla convert: DIR/model.safetensors: not a readable ...')."""
+        src = env.tmp / "src"
+        shutil.copytree(hf, src)
+        config = json.loads((src / "config.json").read_text())
+        del config["model_type"]
+        (src / "config.json").write_text(json.dumps(config))
+        argv = ["convert", "--hf", src, "--out", env.tmp / "c", "--calibration-tokens", "0", "--threads", "1"]
+        refuse(env, argv, r"^qkmla convert: --hf: .*config\.json names no model_type, so it is not a transformers "
+                          r"checkpoint \(a qkmla training run's config\.json has none")
+        shutil.rmtree(src)
+        shutil.copytree(hf, src)
+        with open(src / "model.safetensors", "r+b") as f:
+            f.truncate(5000)
+        refuse(env, argv, r"^qkmla convert: --hf: .*model\.safetensors: not a readable safetensors file")
+        assert not (env.tmp / "c").exists()
+
+    def stdout_full(command, argv, device):
+        def check(env):
+            """stdout redirected to a file the disk or a file-size limit cannot take (``qkmla verify --json > out``
+            under ``ulimit -f``; ``> /dev/full``): 'qkmla verify: File too large', naming nothing. Every file qkmla
+            writes is named in its error; a nameless one is the command's printed output, named as stdout."""
+            target = device or str(env.tmp / "out")
+            code = (f"import os, sys\nfd = os.open({target!r}, os.O_WRONLY | os.O_CREAT)\nos.dup2(fd, 1)\n"
+                    f"from qkmla.cli import main\nsys.exit(main({[command] + argv!r}))\n")
+            r = python(code, env.tmp, limit=None if device else 64)
+            lines = [x for x in r.stderr.splitlines() if x.strip() and not noise(x)]
+            assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+            why = "No space left on device" if device else "File too large"
+            assert lines[0] == f"qkmla {command}: stdout ({target}): {why}", r.stderr
+        return check
+
+    def second_sigint_at_exit(env):
+        """Two Ctrl-Cs to `qkmla train`, 0.2 s apart (train_signals' row): under load the second landed after the
+        command had ended, in torch's atexit callback: "Exception ignored in atexit callback ... KeyboardInterrupt"
+        with a traceback. Made certain here: an atexit callback (a sitecustomize) that waits; a Ctrl-C while it
+        waits is ignored once the command has ended."""
+        site = env.tmp / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(textwrap.dedent("""
+            import atexit, sys, time
+
+            def wait():
+                print("exiting", file=sys.stderr, flush=True)
+                time.sleep(3)
+
+            atexit.register(wait)
+            """))
+        proc = subprocess.Popen([sys.executable, "-m", "qkmla", "verify", "--variant", "rms-blockwise"], cwd=env.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{site}", "OMP_NUM_THREADS": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # a terminal's
+        assert proc.stderr.readline().strip().endswith("exiting") or pytest.fail(proc.communicate())
+        proc.send_signal(signal.SIGINT)
+        code, err, _ = finish(proc, 60)
+        assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, (code, err)
+
+    return [
+        Row("verify", "signal", "a Ctrl-C once the command has ended, in Python's exit: a KeyboardInterrupt traceback "
+            "from an atexit callback", second_sigint_at_exit),
+        Row("verify", "environment", "stdout to a file past `ulimit -f`: 'qkmla verify: File too large', no path",
+            stdout_full("verify", ["--json", "--variant", "rms-blockwise"], None)),
+        Row("cache-size", "environment", "stdout to /dev/full: 'No space left on device', no path",
+            stdout_full("cache-size", ["--preset", "tiny", "--json"], "/dev/full")),
+        Row("convert", "path", "--hf config.json without model_type (transformers' words); a cut model.safetensors "
+            "(no option named)", convert_hf_without_model_type_or_cut, hf=True),
+        Row("train", "signal", "SIGHUP: died as by SIGKILL (status 'running', no checkpoint); now as SIGTERM, "
+            "resumable", train_sighup_then_resume),
+        Row("experiment", "signal", "SIGHUP: ended on the spot, the run in flight unrecorded", experiment_sighup),
+        Row("demo", "signal", "SIGHUP mid-run: ended on the spot (status 'running')",
+            lambda e: demo_signal(e, signal.SIGHUP, HUP)),
+        Row("verify", "signal", "SIGHUP mid-run: exit 129 without a word",
+            lambda e: verify_signal(e, (signal.SIGHUP,), HUP)),
+        Row("generate", "signal", "SIGHUP at the third token: exit 129 without a word",
+            lambda e: generate_signal(e, signal.SIGHUP, HUP)),
+        Row("plot", "signal", "SIGHUP at the write: the temporary left behind",
+            lambda e: plot_signal_at_write(e, signal.SIGHUP, HUP)),
+        Row("convert", "environment", "TRANSFORMERS_VERBOSITY=junk: transformers' own warning, converted anyway",
+            verbosity_refused("convert", "junk", r", or unset it$"), hf=True),
+        Row("convert-gqa", "environment", "TRANSFORMERS_VERBOSITY=ERROR (transformers reads lower case only)",
+            verbosity_refused("convert-gqa", "ERROR", r" \(transformers reads them in lower case: error\)"), hf=True),
+        Row("train", "environment", "TRANSFORMERS_VERBOSITY=loud, a command without transformers", train_verbosity),
+        Row("demo", "size", "--preset paper-400m: refused after 4.5 minutes of making and measuring the model",
+            demo_preset_past_memory),
+        Row("train", "size", "--lr 1e30: diverged at step 2, said only in stdout's JSON (stderr empty, exit 1)",
+            train_diverged),
+        Row("plot", "size", "a run whose every loss is NaN: an empty figure, exit 0, not a word", plot_all_nan),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
-        + api18_rows())
+        + api18_rows() + probe18_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

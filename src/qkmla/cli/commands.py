@@ -109,7 +109,7 @@ def _plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..utils.files import check_output, check_path
-    from ..train.plot import FIGURE_SUFFIXES, SkippedLines, check_figure_name, plot_runs
+    from ..train.plot import FIGURE_SUFFIXES, PlotWarning, check_figure_name, plot_runs
 
     check_path("--out", args.out, "figure file")
     for run in args.runs:
@@ -118,13 +118,13 @@ def _plot(args: argparse.Namespace) -> int:
     check_output("--out", [args.out], inputs, args.overwrite, "figure", FIGURE_SUFFIXES)
     check_figure_name("--out", args.out)  # after the refusals that name a file of the user's in the way
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", SkippedLines)
+        warnings.simplefilter("always", PlotWarning)
         try:
             path = plot_runs(args.runs, args.out)
         except ValueError as e:
             raise _as_options(e, {"run_dir": "runs"}) from None
-    for w in caught:  # the steps a figure leaves out, one line each, as the command's own messages
-        if issubclass(w.category, SkippedLines):
+    for w in caught:  # the steps and curves a figure leaves out, one line each, as the command's own messages
+        if issubclass(w.category, PlotWarning):
             print(f"qkmla plot: warning: {w.message}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)

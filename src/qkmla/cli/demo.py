@@ -30,7 +30,8 @@ from ..model.gpt import GPT
 from ..train.data import Corpus, get_batch
 from ..train.plot import plot_runs, read_metrics
 from ..train.rundir import RunLock
-from ..train.trainer import TrainConfig, check_step_fits, load_model, train
+from ..train.cli import exit_code
+from ..train.trainer import TrainConfig, check_config_fits, load_model, train
 from ..utils.checked import is_int
 
 STEPS = 750  # per run: fixed, so results reproduce; 4 runs take about 2.5 minutes on 2 cores
@@ -99,10 +100,10 @@ def _train_all(out: Path, configs: list[TrainConfig]) -> list[dict]:
                      "step": status["step"], "val_loss": status.get("val_loss") if status["status"] == "done"
                      else None, "peak_max_logit": max(peaks, default=None),
                      "final_max_logit": rows[-1]["max_logit"] if rows else None, "seconds": status["seconds"]})
-        if status["status"] in ("stopped", "interrupted"):  # SIGTERM or Ctrl-C: train checkpointed it
-            sig = "SIGTERM" if status["status"] == "stopped" else "SIGINT"
+        if status["status"] in ("stopped", "interrupted"):  # SIGTERM, SIGHUP or Ctrl-C: train checkpointed it
+            sig = status.get("signal") or ("SIGTERM" if status["status"] == "stopped" else "SIGINT")
             raise Stopped(f"stopped by {sig}: {attn} at lr {lr:g} was checkpointed at step {status['step']} in {run}; "
-                          "the demo does not resume: run it again with --overwrite", 143 if sig == "SIGTERM" else 130)
+                          "the demo does not resume: run it again with --overwrite", exit_code(status))
         if status["status"] not in ("done", "non-finite"):
             raise RuntimeError(f"{attn} at lr {lr:g}: training stopped: {status}")
     return runs
@@ -125,7 +126,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     vocab_size = Corpus.load("tiny_shakespeare").tokenizer.vocab_size
     for cfg in configs[:len(MODELS)]:  # every model the demo trains: a preset too big for this machine is
         model_cfg = cfg.model_config(vocab_size)  # refused before the demo's directory is made, naming --preset
-        check_step_fits(GPT(model_cfg), cfg.batch_size, model_cfg.block_size, name="preset")
+        check_config_fits(model_cfg, cfg.batch_size, model_cfg.block_size, name="preset")  # before making it
     make_directory("out", out, "demo directory")
     with RunLock(out):  # a second demo on the same directory is refused, as a second train is
         return _run_demo_locked(out, steps, preset, configs)

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from ..train.data import Corpus
 from ..train.rundir import FINISHED, read_status  # FINISHED: imported from here by the experiments
 from ..train.trainer import load_model
-from ..utils.errors import Stopped, notice
+from ..utils.errors import TERMINATING_SIGNALS, Stopped, notice
 from ..utils.files import make_directory, write_bytes, write_text
 from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
@@ -368,7 +368,7 @@ class GridStopped(Stopped):
         runs = ", ".join(f"{n} ({s}, checkpoint step {statuses[n].get('checkpoint_step', statuses[n].get('step'))})"
                          for n, s in ended.items()) or "no run in flight"
         super().__init__(f"stopped by {signal_name}: {runs}; {not_started} run(s) not started; "
-                         "run the same command again to resume", 130 if signal_name == "SIGINT" else 143)
+                         "run the same command again to resume", 128 + getattr(signal, signal_name, signal.SIGTERM))
 
 
 class GridFailed(OSError):
@@ -407,7 +407,9 @@ class StopRequests:
         for pool in self.pools:
             if getattr(pool, "qkmla_stop", None) is not None:
                 pool.qkmla_stop.set()
-            self._send(pool, signal.SIGKILL if self.count >= 3 else signum)
+            # SIGHUP is passed on as SIGTERM, the request the workers handle (a SIGHUP killed them)
+            passed = signal.SIGTERM if signum == signal.SIGHUP else signum
+            self._send(pool, signal.SIGKILL if self.count >= 3 else passed)
 
     @staticmethod
     def _send(pool, signum) -> None:
@@ -433,9 +435,10 @@ def stop_requests():
     stop = StopRequests()
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        for name in ("SIGINT", "SIGTERM"):
-            # SIGTERM ignored by the process's starter stays ignored (as the trainer's _StopRequest leaves it)
-            if name == "SIGINT" or signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        # SIGHUP (a closed terminal) as SIGTERM: it ended the grid on the spot, its runs unrecorded (probe 18)
+        for name in ("SIGINT",) + TERMINATING_SIGNALS:
+            # SIGTERM or SIGHUP ignored by the process's starter (nohup) stays ignored (as the trainer's _StopRequest)
+            if name == "SIGINT" or signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN:
                 previous[name] = signal.signal(getattr(signal, name), stop.handle)
     try:
         yield stop

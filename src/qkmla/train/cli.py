@@ -13,7 +13,7 @@ from typing import Optional
 
 from ..utils.checked import is_int
 from ..utils.environment import dist_environment
-from ..utils.errors import flag_message
+from ..utils.errors import flag_message, notice
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
 from .config import DEFAULT_WARMUP_STEPS, TrainConfig
@@ -231,12 +231,17 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 # A run a signal stopped (checkpointed) exits as a shell reports the signal, as qkmla's other
-# commands do (130 Ctrl-C, 143 SIGTERM), so a scheduler can tell it from a failure (1).
+# commands do (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP), so a scheduler can tell it from a failure (1).
 EXIT_CODES = {"done": 0, "time limit": 0, "interrupted": 130, "stopped": 143}
 
 
 def exit_code(status: dict) -> int:
-    """The exit status of ``qkmla train`` for the run's final ``status``."""
+    """The exit status of ``qkmla train`` for the run's final ``status``: 128 + the signal that stopped
+    it (its ``signal``), where one did."""
+    import signal
+
+    if status["status"] in ("interrupted", "stopped") and hasattr(signal, str(status.get("signal"))):
+        return 128 + getattr(signal, status["signal"])
     return EXIT_CODES.get(status["status"], 1)
 
 
@@ -270,4 +275,17 @@ def run_train(args: argparse.Namespace) -> int:
     apply_threads(args.threads, "train")
     status = train(config)
     print(json.dumps(status))
+    if status["status"] == "non-finite":
+        # Said on stderr too: the JSON line alone (stdout, often a log file) gave a bare exit 1 (probe 18, --lr 1e30)
+        notice(f"qkmla train: {diverged_line(status, config)}")
     return exit_code(status)
+
+
+def diverged_line(status: dict, config: TrainConfig) -> str:
+    """One line for a run that stopped at a NaN/inf loss, gradient or weight (status ``non-finite``): where, what
+    is kept, and the options that steer it."""
+    kept = status.get("checkpoint_step") or 0
+    where = (f"its last finite checkpoint (step {kept}) is kept in {status['out']}" if status.get("last_checkpoint")
+             else f"it wrote no checkpoint; {status['out']} keeps its log")
+    return (f"--lr {config.lr:g}: the run diverged: {status.get('error', 'a non-finite value')} (status non-finite); "
+            f"{where}; a lower --lr, or --grad-clip / --qk-clip, may keep it finite")

@@ -10,9 +10,23 @@ from typing import Sequence
 from ..utils.files import input_file_problem, make_directory, write_atomically
 
 
-class SkippedLines(UserWarning):
+class PlotWarning(UserWarning):
+    """Something the figure leaves out, which ``qkmla plot`` prints as one line (``warning: ...``)."""
+
+
+class SkippedLines(PlotWarning):
     """Lines of a metrics file that are not metrics rows, left out of the figure (``qkmla plot``
     prints each as one line)."""
+
+
+class EmptyCurves(PlotWarning):
+    """A run whose logged values of a curve (loss, max logit, gradient norm) are all NaN/inf (null in
+    metrics.jsonl), so that curve is empty in the figure: a diverged run's figure was written, exit
+    0, with no word that a run had no line in it (probe 18)."""
+
+
+# The curves drawn: metrics key -> what the figure calls it
+CURVES = {"loss": "loss", "max_logit": "max attention logit", "grad_norm": "gradient norm"}
 
 
 # What a figure file is named: the formats matplotlib writes (an --out without a suffix is a PNG).
@@ -73,11 +87,12 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     ``out`` names (a PNG without a suffix; a suffix names the format, one of :data:`FIGURE_SUFFIXES`).
 
     A line of a metrics file that is not a row is left out with a :class:`SkippedLines` warning
-    naming the file and the line.
+    naming the file and the line; a curve of a run with no finite value (a diverged run's loss) with an
+    :class:`EmptyCurves` warning naming the run.
 
     Raises:
-        ValueError: a run without metrics rows, labels that do not match the runs, or ``out`` named
-            with a suffix that is no figure format.
+        ValueError: a run without metrics rows, runs without one finite value to draw, labels that do
+            not match the runs, or ``out`` named with a suffix that is no figure format.
     """
     check_figure_name("out", out)
     import matplotlib
@@ -96,6 +111,19 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
     empty = [str(run) for run, rows in runs if not rows]
     if empty:
         raise ValueError(f"runs: no metrics rows in {', '.join(empty)} (has the run logged a step yet?)")
+    # A curve with no finite value has no line: said per run; with no line in the whole figure, refused (a
+    # figure of empty axes answers nothing), before anything is written.
+    blank = {run: [name for key, name in CURVES.items() if not _points(rows, key)[0]] for run, rows in runs}
+    if all(len(names) == len(CURVES) for names in blank.values()):
+        raise ValueError(f"runs: every logged loss, max attention logit and gradient norm of "
+                         f"{', '.join(map(str, blank))} is NaN/inf (the run diverged), so the "
+                         "figure would have no line; nothing was written")
+    for run, names in blank.items():
+        rows = dict(runs)[run]
+        if names:
+            warnings.warn(f"{run}: every logged {', '.join(names)} of its {len(rows)} rows is NaN/inf (the run "
+                          f"diverged); {'that curve is' if len(names) == 1 else 'those curves are'} empty in the "
+                          "figure", EmptyCurves, stacklevel=2)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, (run, rows) in enumerate(runs):
         # A name that is not UTF-8 holds surrogate escapes, which matplotlib cannot draw (a TypeError

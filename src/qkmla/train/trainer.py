@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..utils.environment import dist_environment
-from ..utils.errors import MachineError, notice
+from ..utils.errors import TERMINATING_SIGNALS, MachineError, notice
 from ..utils.files import append_line, make_directory, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
@@ -106,7 +106,7 @@ class _StopRequest:
     asks the loop to stop after the current step, checkpointed there; a second one stops at
     once. Under torchrun every rank stops at the same step. ``signal`` names the first."""
 
-    SIGNALS = ("SIGINT", "SIGTERM")
+    SIGNALS = ("SIGINT",) + TERMINATING_SIGNALS  # SIGHUP (a closed terminal) as SIGTERM: it killed the run
 
     def __init__(self):
         import signal
@@ -116,10 +116,11 @@ class _StopRequest:
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
-                # SIGTERM that the process was started ignoring (`trap '' TERM`, a supervisor) stays ignored: it
-                # was taken over, and the run stopped by what its starter ignored. (SIGINT is taken whatever its
-                # starter did: a shell's `&` ignores it in every background job, and `kill -INT` is a request.)
-                if name == "SIGINT" or signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+                # SIGTERM or SIGHUP that the process was started ignoring (`trap '' TERM`, `nohup`, a supervisor)
+                # stays ignored: it was taken over, and the run stopped by what its starter ignored. (SIGINT is
+                # taken whatever its starter did: a shell's `&` ignores it in every background job, and `kill
+                # -INT` is a request.)
+                if name == "SIGINT" or signal.getsignal(getattr(signal, name)) is not signal.SIG_IGN:
                     self._previous[name] = signal.signal(getattr(signal, name), self._handle)
 
     def _handle(self, signum, frame):
@@ -142,8 +143,8 @@ class _StopRequest:
         return bool(flag)
 
     def status(self) -> str:
-        """The run's status once stopped: "interrupted" (Ctrl-C) or "stopped" (SIGTERM)."""
-        return "stopped" if self.signal == "SIGTERM" else "interrupted"
+        """The run's status once stopped: "interrupted" (Ctrl-C) or "stopped" (SIGTERM, SIGHUP)."""
+        return "stopped" if self.signal in TERMINATING_SIGNALS else "interrupted"
 
     def restore(self) -> None:
         import signal
@@ -283,10 +284,11 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     if rank == 0 and existing:  # a forgotten --resume, or a run in progress there: refused before the model
         with RunLock(out):
             check_run_dir(out, config.resume, config.overwrite)
+    if not (world > 1 and config.fsdp):  # a sharded model's forward is a collective: the config's bound stands
+        # before the model is made (and the seed set: the models measured draw their weights from torch's RNG)
+        check_config_fits(model_cfg, config.batch_size // world, model_cfg.block_size)
     torch.manual_seed(config.seed)
     model = GPT(model_cfg)
-    if not (world > 1 and config.fsdp):  # a sharded model's forward is a collective: the config's bound stands
-        check_step_fits(model, config.batch_size // world, model_cfg.block_size)
     make_directory("out", out, "run directory")
     if rank != 0:
         return _train_locked(config, corpus, model, out, rank, world)
@@ -320,6 +322,35 @@ def check_step_fits(model: GPT, batch: int, block_size: int, name: str = "batch_
 
     refuse_above(step_saved_bytes(model, batch, block_size, check=lambda two: refuse_above(two, 2)),
                  min(batch, 3))
+
+
+def check_config_fits(model_cfg: GPTConfig, batch: int, block_size: int, name: str = "batch_size") -> None:
+    """:func:`check_step_fits` before the model is made, from its config: ``qkmla demo --preset paper-400m``
+    spent 4.5 minutes on a 2-core machine making the 400M-parameter model and running forwards of 2 and 3 windows
+    through its 12 layers before the refusal (probe 18). The weights are counted on the meta device (nothing
+    made), and a step's saved bytes measured on models of 1 and 2 layers: the layers are alike (``Block(config)``
+    each), so the bytes grow by the same amount per layer, and 2 layers give any number. The weights, their
+    gradients and optimizer moments are all still to be made here, so they count in full."""
+    with torch.device("meta"):
+        weights = sum(p.numel() * p.element_size() for p in GPT(model_cfg).parameters() if p.requires_grad)
+    params = f"{weights / 4e6:.0f}M" if weights >= 4e6 else f"{weights / 4e3:.0f}K"
+    check_fits("preset", 3 * weights, f"the model's {params} parameters (float32), their gradients and optimizer "
+                                      "moments")
+
+    def refuse_above(needed: int, measured_on: str) -> None:
+        check_fits(name, 2 * weights + max(weights, needed),
+                   f"the tensors a training step of {batch} windows of {block_size} tokens of {model_cfg.attn} saves "
+                   f"for its backward (measured on {measured_on}), with the weights, their gradients and optimizer "
+                   "moments,")
+
+    layers = model_cfg.n_layer
+    one = step_saved_bytes(GPT(dataclasses.replace(model_cfg, n_layer=1)), batch, block_size,
+                           check=lambda two: refuse_above(two, f"2 windows through 1 of the {layers} layers"))
+    refuse_above(one, f"{min(batch, 3)} windows through 1 of the {layers} layers")
+    if layers > 1:
+        two = step_saved_bytes(GPT(dataclasses.replace(model_cfg, n_layer=2)), batch, block_size)
+        refuse_above(one + (layers - 1) * max(two - one, 0), f"{min(batch, 3)} windows through 1 and 2 of the "
+                                                             f"{layers} layers")
 
 
 def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, rank: int, world: int) -> dict:
@@ -468,13 +499,16 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
                 if status["checkpoint_step"] != step:
                     checkpoint(step)
                 status["status"] = stop.status() if stopping else "time limit"
+                if stopping:  # which one: its exit status is 128 + its number (train.cli.exit_code)
+                    status["signal"] = stop.signal
                 break
         else:
             status["status"] = "done"
     except NonFiniteError as e:
         status.update(status="non-finite", step=step, error=str(e))
     except KeyboardInterrupt:  # checkpointed where the weights match the log; else the last one stands
-        status.update(status=stop.status() if stop.signal else "interrupted", step=step)
+        status.update(status=stop.status() if stop.signal else "interrupted", step=step,
+                      signal=stop.signal or "SIGINT")
         try:
             if between_steps and status["checkpoint_step"] != step:
                 checkpoint(step)

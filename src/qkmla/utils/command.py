@@ -4,7 +4,7 @@
 qkmla's own errors (a refused argument, run directory or file) print one line, ``qkmla COMMAND:
 ARGUMENT: message``, and return 2; the machine's (a full disk, a read-only file, memory run out)
 one line naming the path, and return 1; a closed stdout (``| head``) ends quietly with 141;
-SIGTERM, where the command has no handling of its own, unwinds it as Ctrl-C does (its temporaries
+SIGTERM (and SIGHUP), where the command has no handling of its own, unwinds it as Ctrl-C does (its temporaries
 removed) and returns 143 with one line; a signal the command handled (``train`` and ``experiment``
 checkpoint) is its one line and 128 + the signal's number (one that lands while a C extension
 initializes, once it has: :mod:`qkmla.utils.imports`); anything else is a bug and prints its
@@ -17,7 +17,7 @@ import sys
 import traceback
 from typing import Callable, Iterable
 
-from .environment import check_cpu_capability, check_switches, drop_bad_thread_counts
+from .environment import check_cpu_capability, check_switches, check_transformers_verbosity, drop_bad_thread_counts
 from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
 from .imports import extension_inits_held
 from .startup import command_started
@@ -52,12 +52,13 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         with sigterm_unwinds(), extension_inits_held():
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             check_cpu_capability()  # ATEN_CPU_CAPABILITY=avx512 without AVX-512: an illegal instruction at step 1
+            check_transformers_verbosity()  # junk: transformers' own warning mid-command, the verbosity not set
             status = body()
             sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
         return status
-    except Terminated:  # SIGTERM to a command without its own handling: what it was writing is removed
-        notice(f"qkmla {command}: stopped by SIGTERM; nothing half-written is left")
-        return 143  # 128 + SIGTERM, what a shell reports
+    except Terminated as e:  # SIGTERM or SIGHUP to a command without its own handling: its writing is removed
+        notice(f"qkmla {command}: stopped by {e}; nothing half-written is left")
+        return e.exit_code  # 128 + the signal, what a shell reports (143 SIGTERM, 129 SIGHUP)
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
         notice(f"qkmla {command}: {e}")
         return e.exit_code
@@ -84,6 +85,21 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
             torch.set_num_threads(threads)
         for stream, errors in restore.items():
             stream.reconfigure(errors=errors)
+        _quiet_exit()
+
+
+def _quiet_exit() -> None:
+    """In qkmla's command-line process, once its command has ended (said in its line and status), a Ctrl-C is
+    ignored: all that is left is Python's exit, and the second of two Ctrl-Cs (a train checkpointed by the
+    first) landed in torch's atexit callback as "Exception ignored in atexit callback ... KeyboardInterrupt"
+    with a traceback (round 18, under load). A caller's own Python (a test, a notebook) is left alone."""
+    import signal
+    import threading
+
+    from .environment import command_line_name
+
+    if threading.current_thread() is threading.main_thread() and command_line_name() is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _paths_print_as_given() -> dict:

@@ -23,6 +23,13 @@
   this CPU has. torch ignores anything else with a warning per process, and takes ``avx512`` on a
   CPU without AVX-512 at its word: the first kernel stopped the process with an illegal
   instruction (exit 132, not a word). :func:`check_cpu_capability` refuses both, naming it.
+* transformers' ``TRANSFORMERS_VERBOSITY``: one of its log levels (:data:`TRANSFORMERS_LEVELS`), as
+  it spells them (lower case); empty is unset to it too. transformers ignores anything else with a
+  warning of its own, printed when a command first imports it (``convert``, ``generate --hf``), mid-
+  command and unnamed by qkmla. :func:`check_transformers_verbosity` refuses it, naming it, before any
+  work (as ``ATEN_CPU_CAPABILITY``, which torch ignores the same way): the user asked for a verbosity
+  and would not get it. For every command, also those that never import transformers: the variable is
+  the same junk there, and a shell that sets it for one command sets it for the next.
 * ``CUDA_VISIBLE_DEVICES`` needs no check here: whatever it holds, torch sees the accelerators
   it leaves, and ``--device`` is checked against those.
 """
@@ -88,6 +95,22 @@ def check_cpu_capability() -> None:
         raise ValueError(f"ATEN_CPU_CAPABILITY: the environment variable holds {value!r}, an instruction set this "
                          f"CPU lacks (torch's kernels for it would stop the process with an illegal instruction); "
                          f"expected one of {usable} here, or unset it (torch picks this CPU's best)")
+
+
+# transformers.utils.logging's log_levels, in its order (read from its source: importing transformers to ask
+# would take seconds on every command, and print its own warning for the junk this refuses)
+TRANSFORMERS_LEVELS = ("detail", "debug", "info", "warning", "error", "critical")
+
+
+def check_transformers_verbosity() -> None:
+    """``TRANSFORMERS_VERBOSITY``, if set and not empty, is one of :data:`TRANSFORMERS_LEVELS`; a
+    ValueError naming it otherwise (module docstring)."""
+    value = os.environ.get("TRANSFORMERS_VERBOSITY")
+    if value and value not in TRANSFORMERS_LEVELS:
+        hint = f" (transformers reads them in lower case: {value.strip().lower()})" \
+            if value.strip().lower() in TRANSFORMERS_LEVELS else ""
+        raise ValueError(f"TRANSFORMERS_VERBOSITY: the environment variable holds {value!r}, which transformers "
+                         f"ignores; expected one of {', '.join(TRANSFORMERS_LEVELS)}{hint}, or unset it")
 
 
 def drop_bad_thread_counts(command: str) -> list[str]:

@@ -40,7 +40,7 @@ def environment_message(e: BaseException):
     if isinstance(e, MachineError):
         return str(e)
     if isinstance(e, OSError):
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        where = f"{e.filename}: " if getattr(e, "filename", None) else _full_stdout(e)
         also = f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
         return f"{where}{e.strerror or e}{also}"
     if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
@@ -48,6 +48,23 @@ def environment_message(e: BaseException):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"out of memory ({first[:200]}); use smaller sizes or free memory"
     return None
+
+
+def _full_stdout(e: OSError) -> str:
+    """``"stdout (PATH): "`` for a full disk or file-size limit met without a file name: every file qkmla writes
+    is named in its error (``utils.files``), so this is the command's printed output (``qkmla verify --json > out``
+    under ``ulimit -f``, or ``> /dev/full``), which said "File too large" and no more. "" otherwise."""
+    import errno
+    import os
+    import sys
+
+    if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return ""
+    try:
+        target = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")  # Linux: where stdout goes
+    except (OSError, ValueError, AttributeError):
+        target = None
+    return f"stdout ({target}): " if target else "stdout: "
 
 
 def quiet_broken_pipe() -> None:
@@ -86,18 +103,33 @@ class Stopped(Exception):
         self.exit_code = exit_code
 
 
+# The signals that ask a command from outside to stop, each handled as SIGTERM is: SIGTERM (``kill``,
+# Slurm, Kubernetes, ``docker stop``) and SIGHUP (the terminal or ssh session that started it closed,
+# ``kill -HUP``). Python leaves SIGHUP at its default, which ended the process on the spot: a training
+# run lost the steps since its last checkpoint and kept status "running" and its lock (probe 18).
+TERMINATING_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
 class Terminated(BaseException):
-    """SIGTERM (what ``kill``, Slurm, Kubernetes and ``docker stop`` send) to a command that has no
-    handling of its own (``train`` and ``experiment`` checkpoint instead): it unwinds the command as
-    Ctrl-C does, so every ``finally`` and every write's clean-up runs (a half-written temporary is
-    removed), where Python's default would end the process on the spot. Not an ``Exception``: no
-    ``except Exception`` takes it for an error of the work."""
+    """SIGTERM or SIGHUP (:data:`TERMINATING_SIGNALS`) to a command that has no handling of its own
+    (``train`` and ``experiment`` checkpoint instead): it unwinds the command as Ctrl-C does, so every
+    ``finally`` and every write's clean-up runs (a half-written temporary is removed), where Python's
+    default would end the process on the spot. Not an ``Exception``: no ``except Exception`` takes it
+    for an error of the work. Its argument is the signal's name."""
+
+    @property
+    def exit_code(self) -> int:
+        import signal
+
+        return 128 + getattr(signal, str(self.args[0]) if self.args else "SIGTERM", signal.SIGTERM)
 
 
 @contextmanager
 def sigterm_unwinds():
-    """``with sigterm_unwinds():`` SIGTERM raises :class:`Terminated` in the main thread (elsewhere,
-    where Python runs no handler, nothing is installed); the previous handler comes back after."""
+    """``with sigterm_unwinds():`` SIGTERM and SIGHUP (:data:`TERMINATING_SIGNALS`) raise
+    :class:`Terminated` in the main thread (elsewhere, where Python runs no handler, nothing is
+    installed); the previous handlers come back after. One its starter ignores (``nohup``'s SIGHUP,
+    ``trap '' TERM``) stays ignored."""
     import signal
     import threading
 
@@ -106,13 +138,15 @@ def sigterm_unwinds():
         return
 
     def unwind(signum, frame):
-        raise Terminated("SIGTERM")
+        raise Terminated(signal.Signals(signum).name)
 
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:  # ignored by whoever started the process: stays so
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, unwind)
+    previous = {}
     try:
+        for name in TERMINATING_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is not None and signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, unwind)
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

@@ -89,7 +89,7 @@ def clear_stale(path: PathLike) -> list[Path]:
 
 @contextmanager
 def signals_held(second_acts: bool = False):
-    """SIGINT and SIGTERM that arrive inside are acted on when it ends, each once, in the order they
+    """SIGINT, SIGTERM and SIGHUP that arrive inside are acted on when it ends, each once, in the order they
     first came, by the handlers in force before it: renames that must not be cut in half, and the removal of a
     temporary, finish first. ``second_acts``: a second Ctrl-C is acted on at once, after the ones
     held (for work that could hang: a second Ctrl-C is never ignored). Not a second SIGTERM: those
@@ -120,8 +120,11 @@ def signals_held(second_acts: bool = False):
         caught.append(signum)
 
     try:
-        for s in (signal.SIGINT, signal.SIGTERM):  # inside the try: a signal between the two is restored too
-            previous[s] = signal.signal(s, hold)
+        # inside the try: a signal between them is restored too. SIGHUP as SIGTERM (errors.TERMINATING_SIGNALS): a
+        # closed terminal must not cut a rename in half either. One the process ignores stays ignored.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if s == signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN:
+                previous[s] = signal.signal(s, hold)
         yield
     finally:
         restore()

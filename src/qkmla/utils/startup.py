@@ -21,7 +21,8 @@ import threading
 
 # signal -> (what the line says happened, the handler the command gets back)
 _STARTUP = {signal.SIGINT: ("interrupted", signal.default_int_handler),
-            signal.SIGTERM: ("stopped by SIGTERM", signal.SIG_DFL)}
+            signal.SIGTERM: ("stopped by SIGTERM", signal.SIG_DFL),
+            signal.SIGHUP: ("stopped by SIGHUP", signal.SIG_DFL)}  # a closed terminal: as SIGTERM (utils.errors)
 
 
 def _interrupted(command: str):

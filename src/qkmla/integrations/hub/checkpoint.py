@@ -166,6 +166,16 @@ def transformers_config(hf_dir: Union[str, Path], name: str = "hf_dir"):
     ``qkmla.integrations.transformers`` is imported, which the callers above this layer do."""
     import transformers
 
+    path = Path(hf_dir) / CONFIG
+    try:  # not a FIFO (read forever), a device or a link to nothing: those are transformers' to name below
+        fields = json.loads(path.read_text(encoding="utf-8")) if input_file_problem(path) is None else None
+    except (OSError, ValueError):  # unreadable, not JSON: transformers' words below name the file
+        fields = None
+    if isinstance(fields, dict) and not isinstance(fields.get("model_type"), str):
+        # transformers' own words ("Unrecognized model in DIR. Should have a `model_type` key ...") came out of
+        # `qkmla convert` where `generate --hf` said what is wrong, and what the directory may be instead
+        raise ValueError(f"{name}: {path} names no model_type, so it is not a transformers checkpoint (a qkmla "
+                         "training run's config.json has none: `qkmla generate RUN` samples from one)")
     try:
         return transformers.AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - whatever transformers raises for the file, named as the file's
@@ -317,11 +327,13 @@ def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
     raise ValueError(f"hf_dir: {root} has neither {INDEX} nor {SINGLE}")
 
 
-def _open(path: Path):
+def _open(path: Path, name: str = "hf_dir"):
+    """A safetensors file of the checkpoint directory read (``name``, the caller's argument for it), open; a
+    ValueError naming both otherwise (``qkmla convert`` over a cut shard said the path alone, no option)."""
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        raise ValueError(f"{name}: {path}: not a readable safetensors file ({e})") from None
 
 
 def _check_layers(layers, num_layers: int, config_path: Path) -> list[int]:
