@@ -6350,12 +6350,58 @@ def probe18_rows():
     ]
 
 
+def left18_rows():
+    """Left by round 18's CLI prober (convert/ was the API prober's) and fixed by the lead."""
+
+    def a_checkpoint_labelled_as_another_deepseek(env):
+        """A DeepSeek-V3 checkpoint (an MoE layer: its gate has an e_score_correction_bias) whose config.json says
+        deepseek_v2 was converted as V2 and written, exit 0. Refused naming --hf and the tensor; the same weights
+        under their own model_type still convert, and the output is not made."""
+        transformers = pytest.importorskip("transformers")
+        from safetensors import safe_open
+
+        torch.manual_seed(0)
+        src = env.tmp / "dsv3"
+        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=0)).save_pretrained(src)
+        with safe_open(src / "model.safetensors", "pt") as f:
+            assert "model.layers.0.mlp.gate.e_score_correction_bias" in set(f.keys())
+        assert main(["convert", "--hf", str(src), "--out", str(env.tmp / "own")]) == 0
+        env.capsys.readouterr()
+        config = json.loads((src / "config.json").read_text())
+        config.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"])
+        (src / "config.json").write_text(json.dumps(config))
+        refuse(env, ["convert", "--hf", str(src), "--out", str(env.tmp / "v2")],
+               r"^qkmla convert: --hf: \S+ holds tensors a DeepseekV2ForCausalLM \(model_type 'deepseek_v2' in \S+\) "
+               r"has no place for: \['model\.layers\.0\.mlp\.gate\.e_score_correction_bias'\] \(1 in all\)")
+        assert not (env.tmp / "v2").exists()
+
+    def hf_a_file_or_another_model(env):
+        """generate --hf config.json (the file, not its directory) said ".../config.json has no config.json"; a
+        llama checkpoint's refusal ended in a stray "(DeepseekV2ForCausalLM, DeepseekV2Model)" after the types."""
+        (env.tmp / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        refuse(env, ["generate", "--hf", env.tmp / "config.json", "--max-new-tokens", "2"],
+               r"^qkmla generate: --hf: \S+/config\.json is a file; expected a transformers checkpoint directory")
+        line = refuse(env, ["generate", "--hf", env.tmp, "--max-new-tokens", "2"], r"holds a 'llama' model")
+        assert line.endswith(")") and "ForCausalLM" not in line, line
+
+    return [
+        Row("convert", "path", "a DeepSeek-V3 checkpoint whose config.json says deepseek_v2: converted as V2, exit 0",
+            a_checkpoint_labelled_as_another_deepseek),
+        Row("generate", "path", "--hf a file: 'config.json has no config.json'; another model's type: a stray list of "
+            "classes", hf_a_file_or_another_model),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
-        + api18_rows() + probe18_rows())
+        + api18_rows() + probe18_rows() + left18_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -44,6 +44,7 @@ NORM_TENSORS = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale
 _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
           "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 _CLASSES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_NOT_ARCHITECTURE = ("_scale_inv", "rotary_emb.inv_freq")  # an FP8 block scale; a buffer older saves kept
 
 
 @contextlib.contextmanager
@@ -143,6 +144,7 @@ class CheckpointStream:
             if name not in self.weight_map:
                 raise ValueError(f"hf_dir: {self.listing} has no tensor {name!r}")
         check_layers_present(self.root, {"num_hidden_layers": self.num_layers})
+        self.check_no_foreign_tensors(want)
         for file in sorted(self.shards):
             with _open(self.root / file) as f:
                 for name in (k for k in self.shards[file] if k in want):
@@ -150,6 +152,29 @@ class CheckpointStream:
                     if got != want[name]:
                         raise ValueError(f"hf_dir: {self.root / file}: {name} has shape {got}; the config in "
                                          f"{self.root / CONFIG} needs {want[name]}")
+
+    def check_no_foreign_tensors(self, want: dict) -> None:
+        """Every tensor of a decoder layer has a place in the declared class: a DeepSeek-V3 checkpoint whose
+        config.json says deepseek_v2 (its gates' e_score_correction_bias) was converted as V2 and written, exit 0,
+        its routing silently another. Per-expert weights are the class's fused ``experts`` (transformers joins them
+        on loading); a QK norm's tensors, an FP8 block scale, a stale RoPE buffer and layers past
+        ``num_hidden_layers`` (V3's multi-token-prediction layer) are not the class's weights and say nothing."""
+        layer = re.compile(r"model\.layers\.(\d+)\.")
+        expert = re.compile(r"(.*\.experts\.)\d+\.")
+        foreign = []
+        for name in self.weight_map:
+            m = layer.match(name)
+            if m is None or int(m.group(1)) >= self.num_layers or name in want or name.endswith(_NOT_ARCHITECTURE) \
+                    or any(t in name for t in NORM_TENSORS):
+                continue
+            e = expert.match(name)
+            if e is None or not any(k.startswith(e.group(1)) for k in want):
+                foreign.append(name)
+        if foreign:
+            raise ValueError(f"hf_dir: {self.listing} holds tensors a {self.model_class.__name__} (model_type "
+                             f"{self.config.model_type!r} in {self.root / CONFIG}) has no place for: {foreign[:3]} "
+                             f"({len(foreign)} in all); they were saved by another architecture: give config.json "
+                             f"the model_type of the model that saved them")
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor of the checkpoint, in the compute dtype (read from its shard alone)."""

@@ -21,7 +21,6 @@ from .model import apply_latent_attention
 from ..hub.checkpoint import check_layers_present, check_routing, load_tokenizer, read_hf_config, transformers_config
 from ...utils.files import input_file_problem
 from .load import _MODEL_TYPES, from_pretrained
-from .patched import SUPPORTED
 from ...utils.checked import as_int, check_seed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -32,6 +31,9 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
     checkpoint directory, both offline."""
     root = Path(hf_dir)
     problem = input_file_problem(root / "config.json")
+    if root.is_file():  # config.json itself, or a weights file, was said to have "no config.json"
+        raise ValueError(f"hf_dir: {root} is a file; expected a transformers checkpoint directory (the one that holds "
+                         f"config.json)")
     if problem == "does not exist":
         raise ValueError(f"hf_dir: {root} has no config.json (expected a transformers checkpoint directory)")
     if problem is not None:  # a FIFO (read forever), a directory, a link to nothing: said as what it is
@@ -47,8 +49,7 @@ def load_hf_dir(hf_dir, dtype: str = "float32"):
         raise ValueError(f"hf_dir: {root / 'config.json'} names no model_type, so it is not a transformers "
                          "checkpoint (a qkmla training run is generated from as the run argument, without --hf)")
     if model_type not in _MODEL_TYPES:
-        raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES} "
-                         f"({', '.join(SUPPORTED[:2])})")
+        raise ValueError(f"hf_dir: {root} holds a {model_type!r} model; qkmla serves {_MODEL_TYPES}")
     check_layers_present(root, hf_config)
     check_routing(transformers_config(root), root / "config.json")  # its first forward failed in topk: a bug
     try:
