@@ -4685,7 +4685,9 @@ def probe15_rows():
         out = env.tmp / "out"
         for name, changes, said in (("rank", {"kv_lora_rank": -1}, "describes a model transformers cannot build"),
                                     ("nope", {"qk_nope_head_dim": -8}, "describes a model transformers cannot build"),
-                                    ("untyped", {"model_type": None}, "is not a config transformers can read")):
+                                    # round 18 names the missing key before transformers is asked
+                                    ("untyped", {"model_type": None}, "names no model_type, so it is not a "
+                                                                      "transformers checkpoint")):
             src = edited_hf(env, hf, name, **changes)
             refuse(env, convert_argv(src, out, "--qk-norm", "rms"),
                    rf"^qkmla convert: --hf: .*{name}/config.json {said} \(.+\)$")
