@@ -249,7 +249,10 @@ def start_slow(env: Env, steps: int, out: Path, pause: float = 0.0, strict_repor
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC),
                                  "QKMLA_TEST_PAUSE": str(pause),
                                  **({"QKMLA_TEST_STRICT_REPORT": "1"} if strict_report else {}),
-                                 **({"QKMLA_TEST_WORKER_START": str(worker_start)} if worker_start else {})})
+                                 **({"QKMLA_TEST_WORKER_START": str(worker_start)} if worker_start else {})},
+                            # SIGHUP as a terminal's child has it, whatever the test runner was started with: under
+                            # nohup it came ignored, and the grid rightly left it so (a SIGHUP row would then fail)
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def run_slow(env: Env, steps: int, out: Path) -> str:
@@ -6174,6 +6177,18 @@ def probe18_rows():
         assert main(["train", "--preset", "debug", "--steps", str(st["step"] + 1), "--batch-size", "2",
                      "--eval-iters", "1", "--no-progress", "--threads", "1", "--out", str(out), "--resume"]) == 0
         assert status(out)["status"] == "done" and len(metrics(out)) == st["step"] + 1
+        # Started under nohup (SIGHUP ignored), the run is not the terminal's: a SIGHUP leaves it training
+        quiet = subprocess.Popen([sys.executable, "-m", "qkmla", "train", "--preset", "debug", "--steps", "12",
+                                  "--batch-size", "2", "--eval-iters", "1", "--no-progress", "--threads", "1", "--out",
+                                  str(env.tmp / "nohup")], cwd=env.tmp, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+        wait_for_rows(env.tmp / "nohup" / "metrics.jsonl", 2, quiet)
+        quiet.send_signal(signal.SIGHUP)
+        code, err, _ = finish(quiet, 120)
+        assert code == 0 and status(env.tmp / "nohup")["status"] == "done", (code, err)
+        assert len(metrics(env.tmp / "nohup")) == 12
 
     def experiment_sighup(env):
         """SIGHUP to the grid ended it on the spot: exit 129, not a word, its run in flight unrecorded. Now as
