@@ -299,38 +299,22 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
         return _train_locked(config, corpus, model, out, rank, world)
 
 
-def check_step_fits(model: GPT, batch: int, block_size: int, name: str = "batch_size") -> None:
-    """ValueError naming ``name`` if what a step of ``batch`` windows saves for its backward
-    (measured: ``step_memory.py``), with the weights' gradients and optimizer moments, exceeds the
-    memory left once the weights are made. Training runs it before the run directory is written,
-    so a refused ``--overwrite`` keeps the run it would have replaced."""
-    # Every trained parameter gets a gradient and at least one optimizer moment (Muon's momentum;
-    # AdamW keeps two). Checked first, naming the model's size (--preset): the measurement below runs
-    # a forward, which a model whose gradients cannot fit would fail in torch's allocator
-    # (paper-400m under `ulimit -v 4000000`). Gradients appear as the backward frees the saved
-    # tensors, so the step's floor is the moments plus the larger of the two, not their sum: the
-    # sum would refuse a run that fits.
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    check_fits("preset", 2 * weights, f"the gradients and optimizer moments of the model's "
-                                      f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
-
-    def refuse_above(needed: int, measured_on: int) -> None:
-        check_fits(name, weights + max(weights, needed),
-                   f"the tensors a training step of {batch} windows of {block_size} tokens of {model.config.attn} "
-                   f"saves for its backward (measured on {measured_on}), with the weights' gradients and optimizer "
-                   "moments,")
-
-    refuse_above(step_saved_bytes(model, batch, block_size, check=lambda two: refuse_above(two, 2)),
-                 min(batch, 3))
-
-
 def check_config_fits(model_cfg: GPTConfig, batch: int, block_size: int, name: str = "batch_size") -> None:
-    """:func:`check_step_fits` before the model is made, from its config: ``qkmla demo --preset paper-400m``
-    spent 4.5 minutes on a 2-core machine making the 400M-parameter model and running forwards of 2 and 3 windows
-    through its 12 layers before the refusal (probe 18). The weights are counted on the meta device (nothing
-    made), and a step's saved bytes measured on models of 1 and 2 layers: the layers are alike (``Block(config)``
-    each), so the bytes grow by the same amount per layer, and 2 layers give any number. The weights, their
-    gradients and optimizer moments are all still to be made here, so they count in full."""
+    """ValueError naming ``name`` if the weights of ``model_cfg``'s model, their gradients and optimizer moments
+    and what a step of ``batch`` windows saves for its backward (measured: ``step_memory.py``) exceed the memory
+    left, checked before the model is made. Training runs it before the run directory is written, so a refused
+    ``--overwrite`` keeps the run it would have replaced.
+
+    From the config, not the model: measured on the whole model, ``qkmla demo --preset paper-400m`` spent 4.5
+    minutes on a 2-core machine making the 400M-parameter model and running forwards of 2 and 3 windows through
+    its 12 layers before the refusal (probe 18). The weights are counted on the meta device (nothing made), and a
+    step's saved bytes measured on models of 1 and 2 layers: the layers are alike (``Block(config)`` each), so the
+    bytes grow by the same amount per layer, and 2 layers give any number."""
+    # Every trained parameter gets a gradient and at least one optimizer moment (Muon's momentum; AdamW keeps
+    # two). Checked first, naming the model's size (--preset): the measurement below runs a forward, which a model
+    # whose gradients cannot fit would fail in torch's allocator (paper-400m under `ulimit -v 4000000`). Gradients
+    # appear as the backward frees the saved tensors, so the step's floor is the weights and moments plus the
+    # larger of the two, not their sum: the sum would refuse a run that fits.
     with torch.device("meta"):
         weights = sum(p.numel() * p.element_size() for p in GPT(model_cfg).parameters() if p.requires_grad)
     params = f"{weights / 4e6:.0f}M" if weights >= 4e6 else f"{weights / 4e3:.0f}K"
