@@ -1449,8 +1449,8 @@ def cli_rows():
     return [
         # verify: writes nothing; seeds are its only size
         Row("verify", "size", "--seed -1 and 2**64", lambda e: [
-            refuse(e, ["verify", "--seed", "-1"], r"--seed: expected an int from 0 to 2\*\*63 - 1"),
-            refuse(e, ["verify", "--seed", str(2**64)], r"--seed: expected an int from 0 to 2\*\*63 - 1")]),
+            refuse(e, ["verify", "--seed", "-1"], r"--seed: expected an int from 0 to 2\*\*32 - 1"),
+            refuse(e, ["verify", "--seed", str(2**64)], r"--seed: expected an int from 0 to 2\*\*32 - 1")]),
         Row("verify", "signal", "SIGTERM mid-run: one line, 143", lambda e: verify_signal(e, (signal.SIGTERM,), TERM)),
         Row("verify", "signal", "one SIGINT mid-run: one line, 130", lambda e: verify_signal(e, (signal.SIGINT,), INT)),
         Row("verify", "signal", "a second SIGINT while the first unwinds", verify_two_sigints),
@@ -6413,12 +6413,122 @@ def left18_rows():
     ]
 
 
+def probe19_rows():
+    """Round 19's CLI probe: seeds past 2**32 that repeat a smaller seed's run; a file-size limit met in torch's
+    import, said as "no usable temporary directory"; a resume over another run's checkpoint, and a resume's
+    --seed, each taken without a word."""
+    SEED = r"--seed: expected an int from 0 to 2\*\*32 - 1 \(torch's CPU generator keeps a seed's low 32 bits"
+    FAST = ["--preset", "debug", "--batch-size", "2", "--eval-iters", "1", "--no-progress", "--threads", "1"]
+
+    def train_seed_past_32_bits(env):
+        """--seed 2**32 + 1337 trained exactly as --seed 1337 (the same losses): torch's CPU generator, mt19937,
+        keeps a seed's low 32 bits, so the run said to be another seed's repeated one. 2**32 - 1 is the edge."""
+        from qkmla.train.config import TrainConfig
+
+        out = env.tmp / "run"
+        refuse(env, ["train", *FAST, "--steps", "1", "--seed", 2**32 + 1337, "--out", out], SEED)
+        assert not out.exists()
+        assert TrainConfig(seed=2**32 - 1).seed == 2**32 - 1
+        raises(lambda: TrainConfig(seed=2**32), ValueError, r"^seed: expected an int from 0 to 2\*\*32 - 1")
+
+    def generate_seed_past_32_bits(env):
+        """generate --seed 4294967296 sampled exactly what --seed 0 samples."""
+        refuse(env, ["generate", env.run, "--seed", 2**32, "--max-new-tokens", "2", "--threads", "1"], SEED)
+
+    def verify_seed_past_32_bits(env):
+        refuse(env, ["verify", "--seed", 2**32, "--variant", "l2"], SEED)
+
+    def train_file_limit_at_import(env):
+        """``ulimit -f 0``: torch's import asks tempfile for the temporary directory, whose test write fails, and
+        ``qkmla train`` said "No usable temporary directory found in [...]", naming neither the limit nor a file.
+        Now one line naming the directory and the reason; no run directory made. (This process's torch set
+        TORCHINDUCTOR_CACHE_DIR as it loaded, which spares a child the question: left out, as a shell's is.)"""
+        env.monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        r = qkmla(["train", *FAST, "--steps", "1", "--out", "run"], env.tmp, limit=0, env={"TMPDIR": str(env.tmp)})
+        line = one_machine_line(r, "train", f"{env.tmp}: cannot write a temporary file there (File too large)")
+        assert "ulimit -f" in line and not (env.tmp / "run").exists(), line
+
+    def resume_over_another_runs_checkpoint(env):
+        """A checkpoint of another run (here --attn mla) copied into a run directory of mla-qknorm: --resume took
+        its settings from that checkpoint, trained it on, rewrote config.json to it and appended its steps to the
+        first run's metrics.jsonl, exit 0. Now refused, the directory as it was; the run's own checkpoint back,
+        it resumes."""
+        run, other = env.tmp / "run", env.tmp / "other"
+        shutil.copytree(env.run, run)
+        assert main(["train", *FAST, "--steps", "1", "--attn", "mla", "--out", str(other)]) == 0
+        shutil.copyfile(other / "checkpoint.safetensors", run / "checkpoint.safetensors")
+        before = snapshot(run)
+        refuse(env, ["train", "--out", run, "--resume", "--steps", "3", "--no-progress", "--threads", "1"],
+               r"^qkmla train: --resume: \S+checkpoint.safetensors is another run's checkpoint than the one "
+               r"\S+config.json records \(attn: checkpoint 'mla', config.json 'mla-qknorm'\); put the run's own "
+               r"checkpoint back, or pass --overwrite")
+        assert snapshot(run) == before
+        shutil.copyfile(env.run / "checkpoint.safetensors", run / "checkpoint.safetensors")
+        assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress", "--threads", "1"]) == 0
+        assert json.loads((run / "config.json").read_text())["model"]["attn"] == "mla-qknorm"
+
+    def resume_with_another_seed(env):
+        """--resume --seed 7 of a seed-1337 run trained step 3 exactly as the resume without it (the weights are
+        the checkpoint's, the data order its RNG state's), while config.json recorded seed 7. Now refused; the
+        run's own seed given, it resumes."""
+        run = env.tmp / "run"
+        shutil.copytree(env.run, run)
+        before = snapshot(run)
+        argv = ["train", "--out", run, "--resume", "--steps", "3", "--no-progress", "--threads", "1"]
+        refuse(env, [*argv, "--seed", "7"], r"^qkmla train: --seed: read by nothing on --resume: the run in \S+ "
+               r"drew its weights with seed 1337 .*drop --seed \(or give 1337\)")
+        assert snapshot(run) == before
+        assert main([str(a) for a in argv] + ["--seed", "1337"]) == 0
+        assert json.loads((run / "config.json").read_text())["train"]["seed"] == 1337
+
+    def softmax_scale_past_float32(env):
+        """--softmax-scale 1e300 and 1e-320 passed "finite > 0", then were inf and 0 in the float32 model: a NaN
+        first loss, said as "--lr 0.001: the run diverged ... a lower --lr may keep it finite". float32's normal
+        range is now the allowed one, its edges taken."""
+        from qkmla.train.config import TrainConfig
+
+        for value in ("1e300", "1e-320", "3.5e38"):
+            refuse(env, ["train", *FAST, "--steps", "1", "--softmax-scale", value, "--out", env.tmp / "run"],
+                   r"^qkmla train: --softmax-scale: expected a finite number >= 1.17549e-38 and <= 3.40282e\+38 ")
+        assert not (env.tmp / "run").exists()
+        for edge in (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max):
+            assert TrainConfig(softmax_scale=edge).softmax_scale == edge
+
+    def nan_first_loss_blamed_on_lr(env):
+        """--softmax-scale 3.4e38 (within float32) overflows the logits: the first loss, the initial model's, is NaN.
+        The line blamed --lr, which no step had applied yet; it names the model's settings now."""
+        env.capsys.readouterr()
+        assert main(["train", *FAST, "--steps", "2", "--softmax-scale", "3.4e38", "--out", str(env.tmp / "run")]) == 1
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(
+            r"qkmla train: --attn mla-qknorm, --softmax-scale 3.4e\+38: the model is not finite as it starts: loss is "
+            r"nan at step 1, before any update \(status non-finite\), so no --lr", lines[0]), lines
+        assert "lower --lr" not in lines[0]
+
+    return [
+        Row("train", "size", "--softmax-scale 1e300 / 1e-320: inf / 0 in the float32 model (a NaN loss blamed on "
+            "--lr)", softmax_scale_past_float32),
+        Row("train", "size", "--softmax-scale 3.4e38: a NaN first loss, before any update, blamed on --lr",
+            nan_first_loss_blamed_on_lr),
+        Row("train", "size", "--seed 2**32 + 1337: trained exactly as --seed 1337 (torch's CPU generator keeps 32 "
+            "bits)", train_seed_past_32_bits),
+        Row("generate", "size", "--seed 2**32: sampled as --seed 0", generate_seed_past_32_bits),
+        Row("verify", "size", "--seed 2**32: checked as --seed 0", verify_seed_past_32_bits),
+        Row("train", "disk", "a file-size limit of 0 met in torch's import: 'No usable temporary directory found "
+            "in [...]', no limit named", train_file_limit_at_import),
+        Row("train", "output", "--resume over another run's checkpoint copied into the run directory (trained it on, "
+            "config.json rewritten to it)", resume_over_another_runs_checkpoint),
+        Row("train", "output", "--resume --seed 7 of a seed-1337 run (read by nothing, config.json recording 7)",
+            resume_with_another_seed),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
-        + api18_rows() + probe18_rows() + left18_rows())
+        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

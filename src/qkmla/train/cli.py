@@ -176,7 +176,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     unset = [n for n in ("muon_adjust_lr", "qk_clip_alpha", "min_lr_ratio") if given.get(n) is None]
     for name in unset:  # left unset: TrainConfig's default stands
         given.pop(name, None)
-    typed, own, already = set(), None, None
+    typed, own, already, stored = set(), None, None, {}
     if args.resume and args.out is not None and getattr(args, "argv", None) is not None:
         typed = given_options(args.argv)
         stored = stored_settings(args.out)
@@ -205,6 +205,13 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         # the warmup's bound is the steps': told "up to 2", a run already at step 3 refused that next
         warmup = str(e).startswith("warmup_steps:")
         raise ValueError(already if already and warmup else train_flag_message(str(e))) from None
+    # A resume keeps the weights the run's seed drew and goes on with the data order its checkpoint's RNG
+    # state holds: --seed 7 on a resume of a seed-1337 run trained exactly as without it, while config.json
+    # recorded seed 7 (probe 19). (RESUMABLE keeps seed for the grid's branches, which name their own.)
+    if "seed" in typed and is_int(stored.get("seed")) and config.seed != stored["seed"]:
+        raise ValueError(f"--seed: read by nothing on --resume: the run in {args.out} drew its weights with seed "
+                         f"{stored['seed']} and its data order goes on from its checkpoint; drop --seed (or give "
+                         f"{stored['seed']}), or pass --overwrite instead of --resume to train from seed {config.seed}")
     # Options that only another option reads: given without it, they would change nothing without
     # a word. (Checked after their ranges, so a bad value is named as such first.)
     for name, reader, add, read in (
@@ -287,5 +294,14 @@ def diverged_line(status: dict, config: TrainConfig) -> str:
     kept = status.get("checkpoint_step") or 0
     where = (f"its last finite checkpoint (step {kept}) is kept in {status['out']}" if status.get("last_checkpoint")
              else f"it wrote no checkpoint; {status['out']} keeps its log")
-    return (f"--lr {config.lr:g}: the run diverged: {status.get('error', 'a non-finite value')} (status non-finite); "
+    error = status.get("error", "a non-finite value")
+    if status.get("step") == 0 and error.startswith("loss is ") and error.endswith(" at step 1"):
+        # The first loss is the initial model's, before any update: --softmax-scale 3e38 (float32's largest) gave
+        # a NaN there, and the line blamed --lr, which no step had yet applied (probe 19).
+        given = (("softmax_scale", config.softmax_scale), ("qk_norm_p", config.qk_norm_p))
+        model = ", ".join([f"--attn {config.attn}"] + [f"--{name.replace('_', '-')} {value:g}"
+                                                       for name, value in given if value is not None])
+        return (f"{model}: the model is not finite as it starts: {error}, before any update (status non-finite), "
+                f"so no --lr, --grad-clip or --qk-clip can help; {where}; change these settings")
+    return (f"--lr {config.lr:g}: the run diverged: {error} (status non-finite); "
             f"{where}; a lower --lr, or --grad-clip / --qk-clip, may keep it finite")

@@ -27,6 +27,7 @@ RESUMABLE = ("steps", "lr", "schedule", "warmup_steps", "min_lr_ratio", "weight_
              "qk_clip_alpha", "batch_size", "eval_interval", "eval_iters", "ckpt_interval", "log_heads",
              "max_seconds", "progress", "seed", "out", "resume", "overwrite", "dist_timeout")
 QK_CLIP_ATTN = ("mla", "mha", "gqa", "mqa")
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, float.fromhex("0x1.fffffep+127")  # torch.finfo(torch.float32)'s tiny, max
 DEFAULT_WARMUP_STEPS = 20
 
 
@@ -121,7 +122,9 @@ class TrainConfig:
         _number("qk_clip", self.qk_clip, 0, low_open=True, allow_none=True)
         _number("qk_clip_alpha", self.qk_clip_alpha, 0, 1)
         _number("qk_norm_p", self.qk_norm_p, 1, allow_none=True)
-        _number("softmax_scale", self.softmax_scale, 0, low_open=True, allow_none=True)
+        # The model holds tau in float32: --softmax-scale 1e300 became inf there and 1e-320 zero, and the first
+        # forward's loss was NaN, blamed on --lr (probe 19). float32's normal range is the allowed one.
+        _number("softmax_scale", self.softmax_scale, FLOAT32_TINY, FLOAT32_MAX, allow_none=True)
         _number("max_seconds", self.max_seconds, 0, allow_none=True)
         _number("dist_timeout", self.dist_timeout, 0, low_open=True)
         if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):

@@ -424,6 +424,27 @@ def resume_edits(out: Path) -> list[str]:
 MUST_MATCH = ("preset", "attn", "tokenizer", "split", "optimizer", "muon_adjust_lr")
 
 
+def foreign_checkpoint(path: Path, recorded: dict, written: tuple = ()) -> list[str]:
+    """What defines the model or the data where the ``config.json`` qkmla last wrote in a run directory
+    (``path``, its digest among ``written``) and the checkpoint beside it (``recorded``: its record)
+    disagree: the checkpoint is another run's, copied or restored there. A resume took its settings from
+    the checkpoint, so it trained the other run on, rewrote config.json to it and appended its steps to
+    the first run's metrics.jsonl, without a word (probe 19). [] for a file qkmla did not write (a hand
+    edit: :func:`record_edits`), one that cannot be read, or one that agrees. Entries read
+    "attn: checkpoint 'v4', config.json 'mla-qknorm'"."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        if text_digest(text) not in written:
+            return []
+        saved = json.loads(text)
+        # the checkpoint's keys only: a resume by a newer qkmla, killed before its first checkpoint, wrote
+        # config.json with fields the older checkpoint does not record
+        diffs = resume_mismatches(recorded, saved)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [d.replace(": stored ", ": checkpoint ", 1).replace(", now ", ", config.json ", 1) for d in diffs]
+
+
 def resume_mismatches(stored: dict, now: dict) -> list[str]:
     """What differs between a stored run (its config.json) and the run now asked for, in
     what defines the model or the data. Both are run configs: {"train", "model",

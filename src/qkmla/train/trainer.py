@@ -54,8 +54,9 @@ from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rendezvous import init_process_group
-from .rundir import (RUN_FILES, RunLock, check_run_dir, fresh_out, metrics_line, note_config_written, prepare,
-                     record_edits, resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
+from .rundir import (RUN_FILES, RunLock, check_run_dir, foreign_checkpoint, fresh_out, metrics_line,
+                     note_config_written, prepare, record_edits, resume_mismatches, text_digest, truncate_metrics,
+                     write_status, written_digests)
 from .step_memory import step_saved_bytes
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
@@ -358,6 +359,11 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
             raise ValueError(f"resume: no checkpoint in {out}, so there is nothing to continue; pass --overwrite "
                              "to start the run over")
         stored = json.loads(read_metadata(out / FILENAME)["config"])
+        foreign = foreign_checkpoint(out / "config.json", stored, written_digests(out))
+        if foreign:  # checked first: the settings below were read from that checkpoint, so they agree with it
+            raise ValueError(f"resume: {out / FILENAME} is another run's checkpoint than the one {out / 'config.json'} "
+                             f"records ({'; '.join(foreign[:3])}{'; ...' if len(foreign) > 3 else ''}); put the "
+                             "run's own checkpoint back, or pass --overwrite to start over")
         diffs = resume_mismatches(stored, run_config)
         if diffs:
             # One line, as every refusal is (it was a list, one setting a line, under the command's line).

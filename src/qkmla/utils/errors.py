@@ -40,6 +40,9 @@ def environment_message(e: BaseException):
     if isinstance(e, MachineError):
         return str(e)
     if isinstance(e, OSError):
+        cause = _unusable_tempdir(e)
+        if cause:
+            return cause
         where = f"{e.filename}: " if getattr(e, "filename", None) else _full_stdout(e)
         also = f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
         return f"{where}{e.strerror or e}{also}"
@@ -47,6 +50,36 @@ def environment_message(e: BaseException):
             "can't allocate memory" in str(e) or type(e).__name__ == "OutOfMemoryError")):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"out of memory ({first[:200]}); use smaller sizes or free memory"
+    return None
+
+
+def _unusable_tempdir(e: OSError):
+    """The cause behind tempfile's "No usable temporary directory found in [...]" (torch's import asks for the
+    temporary directory, and tempfile tries a write in each candidate), which keeps no errno of the writes it
+    tried: under ``ulimit -f 0`` or a full /tmp, ``qkmla train`` said only that, naming neither the limit nor
+    the disk. One line naming the first candidate and why a file cannot be written there; None for any other
+    error, or where the write now succeeds."""
+    import os
+    import tempfile
+
+    if not (isinstance(e, FileNotFoundError) and str(e.args[-1] if e.args else "").startswith(
+            "No usable temporary directory")):
+        return None
+    for directory in tempfile._candidate_tempdir_list():
+        if not os.path.isdir(directory):
+            continue
+        path = os.path.join(directory, f".qkmla-probe-{os.getpid()}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"x")  # tempfile writes a few bytes: a file-size limit of 0 refuses even one
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        except OSError as err:
+            return (f"{directory}: cannot write a temporary file there ({err.strerror or err}); torch needs one as "
+                    "it loads: free space, raise the file-size limit (ulimit -f), or set TMPDIR to a writable "
+                    "directory")
     return None
 
 
