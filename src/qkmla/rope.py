@@ -177,6 +177,25 @@ def rope_scaling_from(value, name: str = "rope_scaling") -> Optional[YarnScaling
                      f"got {type(value).__name__}")
 
 
+def exact_positions(dtype: torch.dtype) -> int:
+    """The largest |position| the rotation of x of ``dtype`` takes exactly: positions are cast to the rotation's
+    dtype (at least float32, :func:`~qkmla.dtypes.accumulate_dtype`), whose integers are exact up to 2**(mantissa
+    bits + 1) only, 2**24 in float32. Past it t was rounded before t * w_k: 2**24 + 1 was rotated as 2**24, an
+    error of 0.70 on a unit vector, without a word. The angles are not computed in float64 instead: that would
+    change the bits of every position below it, which trained models depend on."""
+    return round(2 / torch.finfo(accumulate_dtype(dtype)).eps)  # eps = 2**-(mantissa bits)
+
+
+def check_position_range(name: str, low: int, high: int, dtype: torch.dtype) -> None:
+    """A ValueError naming ``name`` unless every position in [low, high] is within :func:`exact_positions`."""
+    limit = exact_positions(dtype)
+    if low < -limit or high > limit:
+        bad = high if high > limit else low
+        raise ValueError(f"{name}: expected positions within +-{limit} (2**{limit.bit_length() - 1}: the "
+                         f"{accumulate_dtype(dtype)} RoPE angles hold integers exactly up to it), got {bad}; rotate "
+                         f"float64 x with a float64 module (.double()) for positions past it")
+
+
 def check_positions(positions, x: torch.Tensor) -> None:
     """A ValueError naming ``positions`` unless it is a real tensor [..., T] that broadcasts to x's [..., T]
     (x [..., T, H, dim]) without growing it: a list failed in ``.to`` ("'list' object has no attribute 'to'"),
@@ -197,6 +216,11 @@ def check_positions(positions, x: torch.Tensor) -> None:
     if not fits:
         raise ValueError(f"positions: expected a shape that broadcasts to x's tokens {tokens} (x [..., T, H, dim] is "
                          f"{tuple(x.shape)}), got {tuple(positions.shape)}")
+    # Their range, where reading it is free (CPU positions, outside compilation; the attention layers check theirs
+    # on every device in default_positions, where they already read them): past exact_positions they were rounded.
+    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+        low, high = torch.stack(torch.aminmax(positions)).tolist()
+        check_position_range("positions", low, high, x.dtype)
 
 
 class RotaryEmbedding(FixedSettings, nn.Module):

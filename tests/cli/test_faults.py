@@ -6523,12 +6523,128 @@ def probe19_rows():
     ]
 
 
+def api19_rows():
+    """Round 19's API probe (the public constructors and callables at the edges of their ranges, against their torch
+    references, and their state between calls): its failures, each refused naming the argument or answered correctly
+    now. The probes and their outcomes: the round's log, api19_log.md."""
+
+    def rope_positions_past_what_float32_holds(env):
+        """Probes R1, R3, R5, R6, X16 (round 18's P35): RotaryEmbedding(8)(x, [2**24 + 1]) in float32 rotated by the
+        angles of 2**24 (the positions are cast to float32, whose integers stop being exact there), an error of
+        1.25 against float64, without a word; shift() at -(2**24 + 1), MLA's positions and rope_positions and
+        MultiHeadAttention's positions likewise. Refused naming the positions and the limit; 2**24 itself, and
+        2**24 + 1 in float64, are rotated (float64 holds integers to 2**53)."""
+        from qkmla import MLA, AttentionConfig, MLAConfig, LatentCache, MultiHeadAttention
+        from qkmla.rope import RotaryEmbedding
+
+        rope, x, past = RotaryEmbedding(8), torch.randn(1, 1, 1, 8), torch.tensor([2**24 + 1])
+        limit = r"expected positions within \+-16777216 \(2\*\*24: the torch.float32 RoPE angles hold integers exactly"
+        raises(lambda: rope(x, past), ValueError, rf"^positions: {limit} up to it\), got 16777217")
+        raises(lambda: rope.shift(x, -past), ValueError, rf"^positions: {limit} up to it\), got -16777217")
+        assert rope(x, torch.tensor([2**24])).shape == (1, 1, 1, 8)
+        exact = RotaryEmbedding(8).double()(x.double(), past)  # float64: exact to 2**53
+        assert torch.equal(exact, RotaryEmbedding(8).double()(x.double(), past))
+        raises(lambda: RotaryEmbedding(8).double()(x.double(), torch.tensor([2**53 + 1])), ValueError,
+               r"^positions: expected positions within \+-9007199254740992 \(2\*\*53")
+        mla, mha = MLA(MLAConfig()).eval(), MultiHeadAttention(AttentionConfig(64, 4)).eval()
+        with torch.no_grad():
+            raises(lambda: mla(torch.randn(1, 1, 64), positions=past), ValueError, rf"^positions: {limit}")
+            raises(lambda: mha(torch.randn(1, 1, 64), positions=past), ValueError, rf"^positions: {limit}")
+            cache = LatentCache.from_config(mla.config, 1, 4)
+            raises(lambda: mla(torch.randn(1, 1, 64), cache, rope_positions=past), ValueError,
+                   rf"^rope_positions: {limit}")
+            assert cache.max_len == 0  # refused before the write
+            assert mla(torch.randn(1, 1, 64), cache, rope_positions=torch.tensor([2**24])).shape == (1, 1, 64)
+
+    def a_write_plan_edited_before_its_write(env):
+        """Probes W1-W5 (round 18's S11): a WriteSlot (cache.plan's result) edited between plan and append was
+        written as edited: slot.slots[0, 0] = 4 on a cache of uneven lengths stored sequence 0's new token at slot 4
+        and left slot 1, read as that token, stale; slot.seqlens[0] = 3 set the cache's lengths to [3, 1];
+        slot.max_len = 1; slot.uniform = False taken as the cache's own; U7: a slot planned by another cache of the
+        same shape, written into one of other lengths, set its lengths to the other's ([2, 1] became [2, 3], slot 1 of
+        sequence 1 stale). Fields are fixed now (FrozenInstanceError),
+        and tensors edited in place are refused at append, naming slot; the plan as given is written."""
+        import dataclasses
+        from qkmla import LatentCache
+
+        def uneven():
+            cache = LatentCache(2, 6, 8, 4)
+            cache.append(cache.plan(2, 2, input_lengths=torch.tensor([1, 2])), c_kv=torch.zeros(2, 2, 8),
+                         k_rope=torch.zeros(2, 2, 4))
+            return cache
+
+        rows = dict(c_kv=torch.ones(2, 1, 8), k_rope=torch.ones(2, 1, 4))
+        for edit in (lambda s: s.slots.__setitem__((0, 0), 4), lambda s: s.seqlens.__setitem__(0, 3),
+                     lambda s: s.next_positions.__setitem__(1, 0)):
+            cache = uneven()
+            slot = cache.plan(2, 1)
+            edit(slot)
+            raises(lambda c=cache, s=slot: c.append(s, **rows), ValueError, r"^slot: its slots, valid, seqlens or "
+                                                                              r"next_positions are not what this "
+                                                                              r"cache's plan\(\) gave")
+            assert cache.seqlens.tolist() == [1, 2]
+        cache = uneven()
+        slot = cache.plan(2, 2, input_lengths=torch.tensor([1, 2]))
+        slot.valid[0, 1] = True
+        raises(lambda: cache.append(slot, c_kv=torch.ones(2, 2, 8), k_rope=torch.ones(2, 2, 4)), ValueError, r"^slot:")
+        for field, value in (("slots", torch.tensor([[3], [3]])), ("max_len", 1), ("uniform", False)):
+            raises(lambda f=field, v=value: setattr(cache.plan(2, 1), f, v), dataclasses.FrozenInstanceError, field)
+        other = LatentCache(2, 6, 8, 4)  # U7: a slot of another cache of the same shape but other lengths
+        other.append(other.plan(2, 2, input_lengths=torch.tensor([2, 1])), c_kv=torch.zeros(2, 2, 8),
+                     k_rope=torch.zeros(2, 2, 4))
+        raises(lambda: other.append(cache.plan(2, 1), **rows), ValueError, r"^slot:")
+        assert other.seqlens.tolist() == [2, 1]
+        cache.append(cache.plan(2, 1), **rows)  # unedited: written where planned
+        assert cache.seqlens.tolist() == [2, 3] and cache.load()[0][0, 1].eq(1).all() and cache.uniform is False
+
+    def a_write_of_no_tokens(env):
+        """Probes C21, C21b, S4: plan(B, 0) (num_tokens 0 is allowed) and an append/update of the [B, 0, ...] rows
+        failed in LatentCache, FullKVCache and SharedKVCache alike: "cannot reshape tensor of 0 elements into shape
+        [2, 0, -1] because the unspecified dimension size -1 can be any value and is ambiguous". Now a write of
+        nothing, the lengths as they were."""
+        from qkmla import FullKVCache, LatentCache
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        latent, full, shared = LatentCache(2, 4, 8, 4), FullKVCache(2, 4, 1, 4, 4), SharedKVCache(2, 4, 8)
+        latent.append(latent.plan(2, 2), c_kv=torch.randn(2, 2, 8), k_rope=torch.randn(2, 2, 4))
+        before = latent.load()[0].clone()
+        latent.append(latent.plan(2, 0), c_kv=torch.randn(2, 0, 8), k_rope=torch.randn(2, 0, 4))
+        assert latent.seqlens.tolist() == [2, 2] and torch.equal(latent.load()[0], before)
+        full.update(full.plan(2, 0), torch.randn(2, 0, 1, 4), torch.randn(2, 0, 1, 4))
+        shared.update(shared.plan(2, 0), torch.randn(2, 0, 1, 8))
+        assert full.seqlens.tolist() == shared.seqlens.tolist() == [0, 0] and full.max_len == shared.max_len == 0
+
+    def num_splits_past_int64(env):
+        """Probe D13: mla_decode_with_kvcache(..., num_splits=2**63) was taken by the torch backend (which ignores
+        it) where every other count of the op is refused past int64; 2**63 - 1, the edge, is taken."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        q, r, kv, lens = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 8), torch.randn(1, 6, 24), torch.tensor([5])
+        raises(lambda: mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=0.25, num_splits=2**63,
+                                               backend="torch"), ValueError,
+               r"^num_splits: expected an int >= 0 and below 2\*\*63 \(0 picks one that fills the GPU\), got "
+               r"9223372036854775808")
+        out = mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=0.25, num_splits=2**63 - 1, backend="torch")
+        torch.testing.assert_close(out[0], mla_decode_with_kvcache(q, r, kv, None, lens, softmax_scale=0.25,
+                                                                   backend="naive")[0])
+
+    return [
+        Row("RotaryEmbedding", "size", "positions past 2**24 rotated as 2**24 in float32 (error 1.25), without a word",
+            rope_positions_past_what_float32_holds),
+        Row("LatentCache", "size", "a WriteSlot edited between plan and append written as edited",
+            a_write_plan_edited_before_its_write),
+        Row("SharedKVCache", "size", "plan(B, 0) then append/update: 'cannot reshape tensor of 0 elements'",
+            a_write_of_no_tokens),
+        Row("mla_decode_with_kvcache", "size", "num_splits=2**63 taken", num_splits_past_int64),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
-        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows())
+        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

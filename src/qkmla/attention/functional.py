@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import accumulate_dtype
+from ..rope import check_position_range
 from ..utils.checked import check_bool
 from .sinks import sink_column
 
@@ -76,6 +77,7 @@ def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: 
     for them, and a host model's position ids may have them)."""
     B, T = x.shape[:2]
     if positions is None:
+        check_position_range("positions", 0, T - 1, x.dtype)  # T past 2**24 (float32): see exact_positions
         return torch.arange(T, device=x.device).expand(B, T)
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"{name}: expected an integer tensor of shape [{B}, {T}] or [{T}], got {positions!r:.80}")
@@ -83,8 +85,14 @@ def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: 
         positions = positions.expand(B, T)
     if positions.shape != (B, T):
         raise ValueError(f"{name}: expected shape [{B}, {T}] or [{T}], got {tuple(positions.shape)}")
-    if not signed and bool((positions < 0).any()):
-        raise ValueError(f"{name}: expected non-negative positions")
+    if positions.numel() and not positions.is_meta and (not signed or positions.device.type == "cpu"):
+        # One read of their range, where their sign was read already (unsigned ones, on every device), or where the
+        # read is free (the CPU): positions past exact_positions were rotated as rounded ones (2**24 + 1 as 2**24 in
+        # float32), without a word. Signed CUDA positions (a host model's, every decode step) are not read here.
+        low, high = torch.stack(torch.aminmax(positions)).tolist()
+        if not signed and low < 0:
+            raise ValueError(f"{name}: expected non-negative positions")
+        check_position_range(name, low, high, x.dtype)
     return positions.to(x.device)
 
 

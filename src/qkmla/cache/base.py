@@ -39,7 +39,9 @@ from .storage import (INFERENCE_ONLY, ContiguousBuffer, ContiguousLayout, Layout
 WRITER_TOKEN = "_qkmla_cache_writer"
 
 
-@dataclass
+# Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
+# uniform taken as the cache's own); dataclasses.replace makes an edited copy where one is meant (rope_positions).
+@dataclass(frozen=True)
 class WriteSlot:
     """Where T new tokens of each sequence go.
 
@@ -425,6 +427,23 @@ class SequenceCache:
                              f"batch_size={self.batch_size} sequence(s) of up to {self.max_len} tokens (capacity="
                              f"{self.capacity}); write each forward's rows with the slot this cache's plan() returned "
                              f"for them, once, before planning the next")
+        if slot.slots.device.type == "cpu" and not torch.compiler.is_compiling() and not self._as_planned(slot, T):
+            raise ValueError("slot: its slots, valid, seqlens or next_positions are not what this cache's plan() gave "
+                             "(edited in place since?); write the rows with the slot plan() returned, unedited")
+
+    def _as_planned(self, slot: WriteSlot, T: int) -> bool:
+        """Whether ``slot``'s tensors are what :meth:`plan` computes from this cache's lengths. Read where it is free
+        (CPU tensors, outside compilation): a slot's tensors edited in place (slot.slots[0, 0] = 4) were written as
+        edited, a new token stored past its sequence's end and a stale slot read in its place, without a word."""
+        added = slot.seqlens - self.seqlens
+        steps = torch.arange(T)
+        valid = steps < added[:, None]
+        return (torch.equal(slot.slots, self.seqlens[:, None] + steps)
+                and torch.equal(slot.next_positions, self.next_positions + added)
+                and bool(((added >= 0) & (added <= T)).all())
+                and (bool((added == T).all()) if slot.valid is None else torch.equal(slot.valid, valid))
+                and slot.max_len == (int(slot.seqlens.max()) if slot.seqlens.numel() else 0)
+                and slot.uniform == bool((slot.seqlens == slot.seqlens[:1]).all()))
 
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on
@@ -433,6 +452,9 @@ class SequenceCache:
             raise ValueError(f"rows: expected fields {sorted(self.fields)}, got {sorted(rows)}")
         self.check_slot(slot)
         B, T = slot.slots.shape
+        if T == 0:  # plan(B, 0) is a slot (num_tokens may be 0): its empty rows failed in reshape(B, 0, -1)
+            self.advance(slot)
+            return
         if slot.valid is None and self.uniform:  # every sequence writes at the same slots
             for name, value in rows.items():
                 self.fields[name].write_span(self.max_len, value.reshape(B, T, -1))

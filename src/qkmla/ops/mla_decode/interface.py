@@ -37,7 +37,7 @@ from typing import Optional, Union
 import torch
 
 from ...kv_formats import DenseRows, check_kv_format, row_format
-from ...utils.checked import as_int, as_number, is_finite_number, is_int
+from ...utils.checked import INT64_MAX, as_int, as_number, is_finite_number, is_int
 from ...utils.limits import check_allocation
 from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
@@ -229,8 +229,10 @@ def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor,
     most the slots a sequence can hold (``capacity``: past it, 2**70 say, the refusal named
     cache_seqlens, whose lengths were fine) and, where reading the lengths is free, at least
     max(cache_seqlens): a shorter one would drop the slots past it without a word)."""
-    if not is_int(num_splits) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 picks one that fills the GPU), got {num_splits!r}")
+    # Below 2**63 as every other count here: 2**63 was taken by the torch and CPU backends, which ignore it
+    if not is_int(num_splits) or num_splits < 0 or num_splits > INT64_MAX:
+        raise ValueError(f"num_splits: expected an int >= 0 and below 2**63 (0 picks one that fills the GPU), got "
+                         f"{num_splits!r}")
     if max_seqlen is None:
         return
     if not is_int(max_seqlen) or max_seqlen < 0:
