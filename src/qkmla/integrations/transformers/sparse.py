@@ -192,7 +192,7 @@ class SparseLatentAttention(LatentAttention):
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
         layer = sparse_cache_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
-        latent = layer.reserve(B, T, x.device, x.dtype)
+        latent = layer.reserve(B, T, x.device, x.dtype, self.config)
         columns = torch.cat((layer.stored, new.to(layer.stored.device)), dim=1).to(x.device)  # [B, C + T]
         visible = _causal(T, columns.shape[1], x.device) & columns[:, None, :]  # [B, T, C + T]
         before = layer.columns
