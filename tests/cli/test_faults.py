@@ -6487,6 +6487,35 @@ def hf19_rows():
         with torch.no_grad():
             assert torch.allclose(merged(ids, use_cache=False).logits, want, atol=1e-5)
 
+    def a_sparse_model_scores_a_padded_batch(env):
+        """A DeepSeek-V3.2 model (sparse attention) called without a cache on a left-padded batch: every real token
+        also attended to itself where its indexer had not chosen it, logits 0.15 / 0.17 from the unpatched model's
+        (the unpadded row's too) and generate(use_cache=False) other tokens, without a word."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        torch.manual_seed(0)
+        ref = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+            vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, pad_token_id=0, eos_token_id=None, experts_implementation="eager",
+            index_topk=3, index_head_dim=16, index_n_heads=4)).double().eval()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if "self_attn" in name and p.dim() == 2:
+                    p.mul_(3.0)  # attention that is not flat, so a wrong selection shows
+        model = apply_latent_attention(copy.deepcopy(ref))
+        ids = torch.tensor([[0, 0, 0, 5, 9, 17, 3], [11, 4, 30, 2, 7, 19, 6]])
+        mask = (ids != 0).long()
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask, use_cache=False).logits
+            got = model(ids, attention_mask=mask, use_cache=False).logits
+            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
+            assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+        real = mask.bool()
+        assert float((got[real] - want[real]).abs().max() / want[real].abs().max()) < 1e-6
+
     return [
         Row("LatentAttentionCache", "size", "generate(cache_implementation='quantized'): transformers' ImportError "
             "advising optimum-quanto, for a cache qkmla refuses", quantized_cache_implementation),
@@ -6494,6 +6523,8 @@ def hf19_rows():
             "LatentCache's advice, and still after cache.reset()", a_cache_filled_before_a_qk_norm_was_added),
         Row("LatentAttentionCache", "size", "merge_lora of a train_qk_norm adapter loaded onto a model without a norm "
             "(the trained norm dropped without a word)", an_adapter_with_norms_over_a_model_without),
+        Row("LatentAttentionCache", "size", "a DeepSeek-V3.2 (sparse) model scoring a padded batch without a cache: "
+            "every row's logits 0.17 off, other tokens, without a word", a_sparse_model_scores_a_padded_batch),
     ]
 
 
