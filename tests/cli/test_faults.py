@@ -6639,12 +6639,127 @@ def api19_rows():
     ]
 
 
+def hf19_rows():
+    """Round 19's transformers probe: a user's generate / cache / LoRA calls against the unpatched model and the
+    library's own advice."""
+
+    def quantized_cache_implementation(env):
+        """generate(cache_implementation="quantized") on a patched model: transformers' ImportError ("You need to
+        install optimum-quanto ..."), for a cache the first forward then refused. Refused naming
+        cache_implementation before transformers builds its cache; so are a deepcopy and a pickled copy, and the
+        unpatched class keeps transformers' method."""
+        import transformers.generation.utils as generation
+
+        model = tiny_latent_deepseek()
+        built = []
+        env.monkeypatch.setattr(generation, "QuantizedCache", lambda *a, **k: built.append(k) or (_ for _ in ()).throw(
+            AssertionError("transformers built its QuantizedCache")))
+        ids = torch.tensor([[3, 5, 7]])
+        for m in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            raises(lambda: m.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="quantized"),
+                   ValueError, r'^cache_implementation: "quantized" is transformers\' QuantizedCache, which quantizes '
+                   r'keys and values; qkmla\'s attention caches latent rows, quantized with apply_latent_attention')
+        assert not built
+        assert "_prepare_cache_for_generation" not in vars(type(model))  # the host class is untouched
+
+    def a_cache_filled_before_a_qk_norm_was_added(env):
+        """A cache from generate, then apply_latent_attention(model, qk_norm="rms"): the next turn was refused with
+        LatentCache's advice ("build it with LatentCache.from_config(config, ...)"), and after cache.reset() (which
+        the batch refusal advises) every call still was. Now refused naming cache, reset() and a new cache; after
+        reset() it generates the tokens a new cache gives."""
+        from qkmla.integrations.transformers import LatentAttentionCache, apply_latent_attention
+
+        model = tiny_latent_deepseek()
+        ids = torch.tensor([[3, 5, 7, 9]])
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+        cache = out.past_key_values
+        apply_latent_attention(model, qk_norm="rms")
+        turn = torch.cat([out.sequences, torch.tensor([[11]])], dim=1)
+        raises(lambda: model.generate(turn, cache=cache, max_new_tokens=2, do_sample=False), ValueError,
+               r"^cache: it holds rows of another shape \(kv_lora_rank, qk_rope_head_dim, key scalars per token\) = "
+               r"\(16, 8, 0\) than this layer writes, \(16, 8, 4\): .*QK norm.*pass a new cache, or call "
+               r"cache\.reset\(\) first$")
+        cache.reset()
+        again = model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+        assert torch.equal(again, model.generate(ids, cache=LatentAttentionCache(model), max_new_tokens=3,
+                                                 do_sample=False))
+
+    def an_adapter_with_norms_over_a_model_without(env):
+        """An adapter made with train_qk_norm=True (the norms in modules_to_save), saved, and loaded onto the model
+        without a norm: PEFT dropped the trained norm weights without a word (logits 0.08 from the fine-tuned
+        model's) and merge_lora merged it. merge_lora now refuses it naming peft_model, before merging; onto the
+        QK-normed model it merges to the adapter's logits."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        normed = apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms")
+        with torch.no_grad():
+            for name, p in normed.named_parameters():
+                if ".q_norm." in name or ".k_norm." in name:
+                    p.add_(0.5 * torch.randn_like(p))
+        trained = peft.get_peft_model(normed, attention_lora_config(normed, r=2, train_qk_norm=True))
+        ids = torch.tensor([[3, 5, 7, 9]])
+        with torch.no_grad():
+            want = trained(input_ids=ids, use_cache=False).logits
+        trained.save_pretrained(env.tmp / "adapter")
+        bare = peft.PeftModel.from_pretrained(tiny_latent_deepseek(), env.tmp / "adapter")
+        kv_b = type(bare.get_base_model().model.layers[0].self_attn.kv_b_proj)
+        raises(lambda: merge_lora(bare), ValueError,
+               r"^peft_model: its adapter 'default' trained the QK norm \(\['self_attn\.q_norm', 'self_attn\.k_norm'\] "
+               r"in modules_to_save, train_qk_norm=True\), but the model under it has none")
+        assert bare.get_base_model().model.layers[0].self_attn.kv_b_proj.__class__ is kv_b  # nothing merged
+        normed2 = apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms")
+        merged = merge_lora(peft.PeftModel.from_pretrained(normed2, env.tmp / "adapter"))
+        with torch.no_grad():
+            assert torch.allclose(merged(ids, use_cache=False).logits, want, atol=1e-5)
+
+    def a_sparse_model_scores_a_padded_batch(env):
+        """A DeepSeek-V3.2 model (sparse attention) called without a cache on a left-padded batch: every real token
+        also attended to itself where its indexer had not chosen it, logits 0.15 / 0.17 from the unpatched model's
+        (the unpadded row's too) and generate(use_cache=False) other tokens, without a word."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        torch.manual_seed(0)
+        ref = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+            vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, pad_token_id=0, eos_token_id=None, experts_implementation="eager",
+            index_topk=3, index_head_dim=16, index_n_heads=4)).double().eval()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if "self_attn" in name and p.dim() == 2:
+                    p.mul_(3.0)  # attention that is not flat, so a wrong selection shows
+        model = apply_latent_attention(copy.deepcopy(ref))
+        ids = torch.tensor([[0, 0, 0, 5, 9, 17, 3], [11, 4, 30, 2, 7, 19, 6]])
+        mask = (ids != 0).long()
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask, use_cache=False).logits
+            got = model(ids, attention_mask=mask, use_cache=False).logits
+            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
+            assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+        real = mask.bool()
+        assert float((got[real] - want[real]).abs().max() / want[real].abs().max()) < 1e-6
+
+    return [
+        Row("LatentAttentionCache", "size", "generate(cache_implementation='quantized'): transformers' ImportError "
+            "advising optimum-quanto, for a cache qkmla refuses", quantized_cache_implementation),
+        Row("LatentAttentionCache", "size", "a cache filled before apply_latent_attention(qk_norm=...): refused with "
+            "LatentCache's advice, and still after cache.reset()", a_cache_filled_before_a_qk_norm_was_added),
+        Row("LatentAttentionCache", "size", "merge_lora of a train_qk_norm adapter loaded onto a model without a norm "
+            "(the trained norm dropped without a word)", an_adapter_with_norms_over_a_model_without),
+        Row("LatentAttentionCache", "size", "a DeepSeek-V3.2 (sparse) model scoring a padded batch without a cache: "
+            "every row's logits 0.17 off, other tokens, without a word", a_sparse_model_scores_a_padded_batch),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
-        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows())
+        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -388,6 +388,27 @@ def test_a_left_padded_batch_generates_as_transformers(name):
         assert max_rel(a, b) < 1e-5
 
 
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"])
+def test_a_padded_batch_without_a_cache_scores_as_transformers(name):
+    """Sparse attention on the explicit path (use_cache=False: scoring, training) with padding: each real token
+    attends to its indexer's choice only (every real token also saw itself, chosen or not: logits 0.17 off,
+    in the unpadded row too), and generate(use_cache=False) gives transformers' tokens."""
+    model_class(family_named(name))
+    ref = hf_model(family_named(name))
+    model = apply_latent_attention(copy.deepcopy(ref))
+    prompt = ids(length=7)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    prompt = prompt.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        want = ref(prompt, attention_mask=mask, use_cache=False).logits
+        got = model(prompt, attention_mask=mask, use_cache=False).logits
+        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
+        assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    real = mask.bool()
+    assert max_rel(got[real], want[real]) < 1e-6
+
 def test_what_a_family_cannot_take_is_refused_before_any_work():
     from qkmla.integrations.transformers import LatentAttentionCache
 

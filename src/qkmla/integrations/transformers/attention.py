@@ -329,7 +329,7 @@ class LatentAttention(MLA):
                 call.attentions[self.layer_idx] = weights
             return out, weights
         positions = rope_positions(kwargs.get("position_ids"), self.settings.policy, x.shape[0], x.shape[1])
-        latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype)
+        latent = layer.reserve(x.shape[0], x.shape[1], x.device, x.dtype, self.config)
         if visible is not None:
             out, weights = self._custom_masked(x, visible, layer, latent, positions, want)
             if want:

@@ -240,14 +240,20 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
 
     # -- qkmla's side: what the attention layer calls --------------------------------------
 
-    def reserve(self, batch_size: int, num_tokens: int, device, dtype: torch.dtype) -> LatentCache:
+    def reserve(self, batch_size: int, num_tokens: int, device, dtype: torch.dtype,
+                config: Optional[MLAConfig] = None) -> LatentCache:
         """The latent cache, allocated or grown so that ``num_tokens`` more tokens of each of
-        ``batch_size`` sequences fit; offloaded rows come back first."""
+        ``batch_size`` sequences fit; offloaded rows come back first. ``config``: the calling attention
+        layer's, which shapes the rows (default: the one this layer was built for)."""
+        # The caller's config, not the one this layer was built with: apply_latent_attention(model, qk_norm=...)
+        # on a patched model adds a key scalar per token, and a cache built before (reset since) was allocated
+        # without them and refused by every later call, cache.reset() included, with advice for LatentCache users
+        config = config if config is not None else self.config
         if self.latent is None:
             capacity = self.max_cache_len or GROW * math.ceil(num_tokens / GROW)
             self._check_capacity(num_tokens, capacity)
             try:
-                self.latent = LatentCache.from_config(self.config, batch_size, capacity, dtype=dtype, device=device,
+                self.latent = LatentCache.from_config(config, batch_size, capacity, dtype=dtype, device=device,
                                                       kv_format=self.kv_format, policy=self.policy)
             except ValueError as e:  # a capacity past memory is the user's max_cache_len (as the static cache says)
                 name, _, rest = str(e).partition(": ")
@@ -258,6 +264,13 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
             self.device, self.is_initialized = self.latent.device, True
             return self.latent
         latent = self.latent
+        held = (latent.kv_lora_rank, latent.qk_rope_head_dim, latent.num_kv_groups)
+        writes = (config.kv_lora_rank, config.qk_rope_head_dim, config.num_key_scalars)
+        if held != writes:
+            raise ValueError(f"cache: it holds rows of another shape (kv_lora_rank, qk_rope_head_dim, key scalars "
+                             f"per token) = {held} than this layer writes, {writes}: "
+                             f"filled by another model, or before apply_latent_attention added a QK norm (whose keys "
+                             f"need a scalar per token); pass a new cache, or call cache.reset() first")
         self.check_batch(batch_size)
         if self.offloading or self.is_offloaded:
             self.prefetch()
@@ -300,6 +313,11 @@ class LatentCacheLayer(FixedSettings, TransformersView, CacheLayerMixin):
         return self.latent.bytes_per_token if self.latent is not None else 0
 
 
+QUANTIZED_INSTEAD = ("which quantizes keys and values; qkmla's attention caches latent rows, quantized with "
+                     "apply_latent_attention(model, kv_format=\"fp8\", \"int8\" or \"int4\") or "
+                     "LatentAttentionCache(model, kv_format=...)")
+
+
 def check_cache(cache, name: str = "cache") -> None:
     """Refuse, changing nothing, a ``cache`` whose layers qkmla's attention cannot use: anything
     but a transformers ``Cache`` whose layers are latent ones or empty ``DynamicLayer`` s (which
@@ -340,9 +358,7 @@ def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> No
         return
     if "Quantized" in kind:
         raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind} "
-                         f"(cache_implementation=\"quantized\"), which quantizes keys and values; qkmla's attention "
-                         f"caches latent rows, quantized with apply_latent_attention(model, kv_format=\"fp8\", "
-                         f"\"int8\" or \"int4\") or LatentAttentionCache(model, kv_format=...)")
+                         f"(cache_implementation=\"quantized\"), {QUANTIZED_INSTEAD}")
     if type(layer) not in _DYNAMIC_LAYERS:
         raise ValueError(f"{name}: layer {layer_idx} is a transformers {kind}, which stores keys and values; "
                          f"qkmla's attention needs latent rows: pass "

@@ -155,6 +155,23 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     return peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern, **kwargs)
 
 
+def _check_norms_have_a_place(peft_model) -> None:
+    """Refuse adapters that trained the QK norm (``train_qk_norm``: the norms in ``modules_to_save``) over a
+    model without one: PEFT loads such an adapter onto it without a word, dropping the trained norm weights
+    it has nowhere to put, and the merged model then computed another function than the one fine-tuned."""
+    base = peft_model.get_base_model()
+    if latent_layers(base)[0].config.has_qk_norm:
+        return
+    for name, config in peft_model.peft_config.items():
+        norms = [m for m in getattr(config, "modules_to_save", None) or [] if m.split(".")[-1] in ("q_norm", "k_norm")]
+        if norms:
+            raise ValueError(f"peft_model: its adapter {name!r} trained the QK norm ({norms} in modules_to_save, "
+                             f"train_qk_norm=True), but the model under it has none, so the trained norm weights were "
+                             f"dropped; load the adapter onto the QK-normed model it was trained on "
+                             f"(qkmla.integrations.transformers.from_pretrained of its checkpoint, or "
+                             f"apply_latent_attention(model, qk_norm=...) with the same norm)")
+
+
 def merge_lora(peft_model, **kwargs):
     """Merge a PEFT model's adapters into the patched model under it, ready for absorbed decode.
 
@@ -168,8 +185,10 @@ def merge_lora(peft_model, **kwargs):
         qkmla's again, every layer's absorbed weights derived from the merged weights.
 
     Raises:
-        ValueError: ``peft_model`` is not a PEFT model over a patched model (before any work), or
-            a projection is still wrapped after merging (an adapter PEFT cannot merge).
+        ValueError: ``peft_model`` is not a PEFT model over a patched model, or its adapter trained a
+            QK norm the model does not have (``train_qk_norm`` over a model without one: PEFT dropped the
+            norm's weights), before any work; or a projection is still wrapped after merging (an adapter
+            PEFT cannot merge).
     """
     peft = _peft()
     if not isinstance(peft_model, peft.PeftModel):
@@ -180,6 +199,7 @@ def merge_lora(peft_model, **kwargs):
     except ValueError as e:
         raise ValueError(f"peft_model: its base model is not one apply_latent_attention patched ({e})") from None
     _check_separate_query(peft_model.get_base_model(), "peft_model")
+    _check_norms_have_a_place(peft_model)
     model = peft_model.merge_and_unload(**kwargs)
     for i, layer in enumerate(latent_layers(model)):
         for name in lora_targets(layer.config):

@@ -48,8 +48,8 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import (LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache, check_cache_settings,
-                    model_dtype)
+from .cache import (QUANTIZED_INSTEAD, LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache,
+                    check_cache_settings, model_dtype)
 from .families import attention_slots, get_slot, set_slot
 from .patched import inner_model, model_family
 from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
@@ -219,6 +219,24 @@ def _keep_latent_attention(model) -> None:
         model.init_continuous_batching = _no_continuous_batching
     if hasattr(model, "generate"):
         model.create_masks_for_generate = _masks_for_generate
+        model._prepare_cache_for_generation = _PrepareCache(model)
+
+
+class _PrepareCache:
+    """``generate``'s cache preparation on a patched model: ``cache_implementation="quantized"`` refused
+    before transformers builds its cache. Building it needs optimum-quanto, and without it transformers'
+    ImportError said to install that, for a cache the first forward then refused (``check_cache``).
+    An object holding the model, not a bound method: deepcopy and pickle give the copy its own (a bound
+    method pickles as a lookup on the model, which found the class's method, without the check)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, generation_config, *args, **kwargs):
+        if getattr(generation_config, "cache_implementation", None) == "quantized":
+            raise ValueError(f"cache_implementation: \"quantized\" is transformers' QuantizedCache, "
+                             f"{QUANTIZED_INSTEAD}")
+        return type(self.model)._prepare_cache_for_generation(self.model, generation_config, *args, **kwargs)
 
 
 def _masks_for_generate(*args, attention_mask=None, inputs_embeds=None, **kwargs):

@@ -192,7 +192,7 @@ class SparseLatentAttention(LatentAttention):
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
         layer = sparse_cache_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
-        latent = layer.reserve(B, T, x.device, x.dtype)
+        latent = layer.reserve(B, T, x.device, x.dtype, self.config)
         columns = torch.cat((layer.stored, new.to(layer.stored.device)), dim=1).to(x.device)  # [B, C + T]
         visible = _causal(T, columns.shape[1], x.device) & columns[:, None, :]  # [B, T, C + T]
         before = layer.columns
@@ -230,8 +230,10 @@ class SparseLatentAttention(LatentAttention):
             visible = visible & (documents[:, :, None] == documents[:, None, :])
         chosen = self._choose(x, q_resid, position_embeddings, visible, position_ids, None, previous)
         mask = torch.zeros_like(visible).scatter_(-1, chosen.long(), True) & visible
-        if valid is not None:  # a padded query sees itself, so no row is empty (its output is dropped)
-            mask = mask | torch.eye(T, dtype=torch.bool, device=x.device)
+        if valid is not None:  # a padded query sees itself, so no row is empty (its output is dropped); only a
+            # padded one: with the whole diagonal, every real token of a padded batch also attended to itself where
+            # its indexer had not chosen it (logits 0.17 from transformers', the unpadded rows' too)
+            mask = mask | (torch.eye(T, dtype=torch.bool, device=x.device) & ~valid[:, :, None])
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
         return self.project_out(sdpa(q, k, v, self.scale, mask=mask, sinks=self.sinks), x), chosen
