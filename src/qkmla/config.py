@@ -66,9 +66,16 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{name}: expected a positive int below 2**63 (a tensor size is an int64), got {value}")
 
 
+# tau's range: float32's normal numbers. The layers scale float32 (or wider) logits by it, so 1e300 passed
+# "finite > 0" and was inf there (and 1e-320 zero): NaN logits from the first forward, without a word.
+SOFTMAX_SCALE_RANGE = (2.0 ** -126, float.fromhex("0x1.fffffep+127"))  # torch.finfo(torch.float32) tiny, max
+
+
 def _check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None and (not is_finite_number(softmax_scale) or not softmax_scale > 0):
-        raise ValueError(f"softmax_scale: expected a finite positive number or None, got {softmax_scale!r}")
+    low, high = SOFTMAX_SCALE_RANGE
+    if softmax_scale is not None and (not is_finite_number(softmax_scale) or not low <= softmax_scale <= high):
+        raise ValueError(f"softmax_scale: expected a positive number within float32's normal range ({low:g} to "
+                         f"{high:g}) or None, got {softmax_scale!r}")
 
 
 @dataclass(frozen=True)

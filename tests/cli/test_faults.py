@@ -6754,12 +6754,41 @@ def hf19_rows():
     ]
 
 
+def left19_rows():
+    """Left by round 19's CLI prober (a design call it handed on) and fixed by the lead."""
+
+    def resume_over_a_cut_log(env):
+        """train --resume after metrics.jsonl was deleted or cut to its first line resumed without a word, the log
+        missing the steps before the checkpoint. It still resumes (the weights are the checkpoint's; refusing would
+        strand the run), with one warning line naming the file and the missing steps."""
+        for cut, missing in (("deleted", "2 of the 2 steps before the checkpoint \\(steps 1-2"),
+                             ("first line kept", "1 of the 2 steps before the checkpoint \\(steps 2")):
+            run = env.tmp / cut.replace(" ", "_")
+            shutil.copytree(env.run, run)
+            log = run / "metrics.jsonl"
+            log.write_text("" if cut == "deleted" else log.read_text().splitlines(keepends=True)[0])
+            env.capsys.readouterr()
+            assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress", "--threads",
+                         "1"]) == 0
+            err = [line for line in env.capsys.readouterr().err.splitlines() if line.strip() and not noise(line)]
+            assert len(err) == 1 and re.match(rf"^warning: \S+metrics\.jsonl holds no row for {missing}: deleted "
+                                              r"or cut since the run wrote them\); the resumed run logs from step 3 on",
+                                              err[0]), err
+            assert [json.loads(line)["step"] for line in log.read_text().splitlines()][-1] == 3
+
+    return [
+        Row("train", "output", "--resume after metrics.jsonl was deleted or cut (resumed without a word, a gap in the "
+            "log)", resume_over_a_cut_log),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
-        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows())
+        + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
+        + left19_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..config import SOFTMAX_SCALE_RANGE
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
 from ..utils.checked import check_bool, check_seed, is_finite_number, python_numbers, revalidated
 from .data import SPLITS, TOKENIZERS
@@ -27,7 +28,6 @@ RESUMABLE = ("steps", "lr", "schedule", "warmup_steps", "min_lr_ratio", "weight_
              "qk_clip_alpha", "batch_size", "eval_interval", "eval_iters", "ckpt_interval", "log_heads",
              "max_seconds", "progress", "seed", "out", "resume", "overwrite", "dist_timeout")
 QK_CLIP_ATTN = ("mla", "mha", "gqa", "mqa")
-FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, float.fromhex("0x1.fffffep+127")  # torch.finfo(torch.float32)'s tiny, max
 DEFAULT_WARMUP_STEPS = 20
 
 
@@ -124,7 +124,7 @@ class TrainConfig:
         _number("qk_norm_p", self.qk_norm_p, 1, allow_none=True)
         # The model holds tau in float32: --softmax-scale 1e300 became inf there and 1e-320 zero, and the first
         # forward's loss was NaN, blamed on --lr (probe 19). float32's normal range is the allowed one.
-        _number("softmax_scale", self.softmax_scale, FLOAT32_TINY, FLOAT32_MAX, allow_none=True)
+        _number("softmax_scale", self.softmax_scale, *SOFTMAX_SCALE_RANGE, allow_none=True)
         _number("max_seconds", self.max_seconds, 0, allow_none=True)
         _number("dist_timeout", self.dist_timeout, 0, low_open=True)
         if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):

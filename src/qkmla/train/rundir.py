@@ -331,12 +331,32 @@ def last_logged_step(out: Path) -> int:
     return rows[-1]["step"] if rows else 0
 
 
-def truncate_metrics(out: Path, step: int) -> None:
+def truncate_metrics(out: Path, step: int) -> list[int]:
     """Keep the rows up to ``step`` (a resumed run logs the later ones again), dropping lines
-    that are not rows."""
+    that are not rows. Returns the steps from 1 to ``step`` that no kept row logs: a run logs
+    every step, so these are rows deleted or cut since it wrote them (the caller says so)."""
     path = Path(out) / "metrics.jsonl"
     kept = [r for r in read_rows(path) if r.get("step", 0) <= step]
     write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    logged = {r["step"] for r in kept}
+    return [s for s in range(1, step + 1) if s not in logged]
+
+
+def gap_line(path: Path, missing: list[int], step: int) -> str:
+    """One warning line for the ``missing`` steps of a resumed run's metrics file ``path``."""
+    runs, start = [], None
+    for s in missing + [None]:  # consecutive steps as ranges: "1-480" rather than 480 numbers
+        if start is None:
+            start = last = s
+        elif s == last + 1:
+            last = s
+        else:
+            runs.append(f"{start}" if start == last else f"{start}-{last}")
+            start = last = s
+    where = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more ranges" if len(runs) > 4 else "")
+    return (f"warning: {path} holds no row for {len(missing)} of the {step} steps before the checkpoint (steps "
+            f"{where}: deleted or cut since the run wrote them); the resumed run logs from step {step + 1} on, "
+            "so its log keeps that gap")
 
 
 _ABSENT = object()

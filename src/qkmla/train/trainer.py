@@ -54,7 +54,7 @@ from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rendezvous import init_process_group
-from .rundir import (RUN_FILES, RunLock, check_run_dir, foreign_checkpoint, fresh_out, metrics_line,
+from .rundir import (RUN_FILES, RunLock, check_run_dir, foreign_checkpoint, fresh_out, gap_line, metrics_line,
                      note_config_written, prepare, record_edits, resume_mismatches, text_digest, truncate_metrics,
                      write_status, written_digests)
 from .step_memory import step_saved_bytes
@@ -388,7 +388,9 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
     if rank == 0:
         note_config_written(out, config_digest)  # first: a kill between the two leaves both vouched for
         write_text(out / "config.json", config_text)
-        truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
+        missing = truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
+        if missing:  # metrics.jsonl deleted or cut by hand: the resume went on without a word, its log a gap
+            notice(gap_line(out / "metrics.jsonl", missing, start))
 
     wrapped = model
     if world > 1 and not fsdp:
