@@ -6776,9 +6776,65 @@ def left19_rows():
                                               err[0]), err
             assert [json.loads(line)["step"] for line in log.read_text().splitlines()][-1] == 3
 
+    def tiny_deepseek(path: Path, dtype):
+        """A one-layer DeepSeek-V3 checkpoint transformers writes, in ``dtype`` (its config records it)."""
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1)).to(dtype).save_pretrained(path)
+        return path
+
+    def a_variant_checked_as_another_file(env):
+        """from_pretrained(dir, variant="v1") checked model.safetensors while transformers loads
+        model.v1.safetensors: refused as 'has neither model.safetensors.index.json nor model.safetensors' when the
+        variant is alone, and its checks read the other file's weights when both are there. Now refused naming
+        variant, before any weight is read; the same directory without it still loads."""
+        from qkmla.integrations.transformers import from_pretrained
+        from qkmla.integrations.transformers import load as module
+
+        src = tiny_deepseek(env.tmp / "dsv3", torch.float32)
+        (src / "model.safetensors").rename(src / "model.v1.safetensors")
+        shutil.copyfile(src / "model.v1.safetensors", src / "model.safetensors")
+        read = []
+        env.monkeypatch.setattr(module, "check_norm_tensors", lambda *a: read.append(a))
+        raises(lambda: from_pretrained(src, variant="v1"), ValueError,
+               r"^variant: qkmla's loader reads a checkpoint's own weights \(model\.safetensors or its index\), not "
+               r"a variant's \(model\.v1\.safetensors\); load a variant with transformers' AutoModelForCausalLM")
+        assert read == []
+        env.monkeypatch.undo()
+        assert from_pretrained(src, variant=None).config.model_type == "deepseek_v3"
+
+    def a_policy_the_recorded_dtype_refuses(env):
+        """A reposition policy over a bfloat16 checkpoint loaded with dtype="auto" (transformers' default): refused
+        only after every weight was loaded, the early check unable to read "auto". Now refused before transformers
+        is asked to load (with "auto" and with no dtype); with dtype=torch.float32 it loads."""
+        from qkmla.cache import StreamingLLM
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = tiny_deepseek(env.tmp / "bf16", torch.bfloat16)
+        assert json.loads((src / "config.json").read_text()).get("dtype") == "bfloat16"
+        base = pytest.importorskip("transformers").DeepseekV3ForCausalLM
+        loads = []
+        env.monkeypatch.setattr(base, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
+        for given in ({"dtype": "auto"}, {}):
+            raises(lambda: from_pretrained(src, policy=StreamingLLM(budget=8, sinks=1, reposition=True), **given),
+                   ValueError, r"^policy: reposition=True re-rotates .*this model computes in torch\.bfloat16")
+        assert loads == []
+        env.monkeypatch.undo()
+        model = from_pretrained(src, policy=StreamingLLM(budget=8, sinks=1, reposition=True), dtype=torch.float32)
+        assert next(model.parameters()).dtype == torch.float32
+
     return [
         Row("train", "output", "--resume after metrics.jsonl was deleted or cut (resumed without a word, a gap in the "
             "log)", resume_over_a_cut_log),
+        Row("LatentAttentionCache", "path", "from_pretrained(dir, variant=...) checked model.safetensors, transformers "
+            "loaded model.VARIANT.safetensors", a_variant_checked_as_another_file),
+        Row("LatentAttentionCache", "size", "from_pretrained of a bfloat16 checkpoint with a reposition policy and "
+            "dtype 'auto' (the default): refused only after every weight was loaded",
+            a_policy_the_recorded_dtype_refuses),
     ]
 
 

@@ -64,7 +64,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         ValueError, before any weight is read: no config.json, a model type other than
         DeepSeek-V2/V3 (or qkmla's QK-normed ones), a recorded norm that is not valid, norm weights
         that disagree with the record (see :func:`check_norm_tensors`), a ``config`` that records
-        another norm, an ``attn_implementation`` or ``qk_norm`` argument, or a repository that cannot
+        another norm, an ``attn_implementation``, ``qk_norm`` or ``variant`` argument, a policy the
+        checkpoint's recorded dtype cannot hold (``dtype="auto"``, the default), or a repository that cannot
         be fetched.
     """
     import transformers
@@ -81,6 +82,14 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
                          "transformers wrote); to add one, convert the checkpoint (qkmla convert --qk-norm, "
                          "qkmla.convert.convert_checkpoint(src, out, qk_norm=...)), or load it with transformers "
                          "and call apply_latent_attention(model, qk_norm=...)")
+    if kwargs.get("variant") is not None:
+        # qkmla's checks read the checkpoint's model.safetensors (or its index) before transformers loads: with a
+        # variant, transformers loads model.VARIANT.safetensors, so the checks read other files than the ones
+        # loaded (or none: "has neither model.safetensors.index.json nor model.safetensors", the file beside it)
+        raise ValueError(f"variant: qkmla's loader reads a checkpoint's own weights (model.safetensors or its "
+                         f"index), not a variant's (model.{kwargs['variant']}.safetensors); load a variant with "
+                         "transformers' AutoModelForCausalLM.from_pretrained(path, variant=...) (qkmla's QK-normed "
+                         "architectures are registered with it), or save the weights without variant=")
     wanted = kwargs.get("dtype", kwargs.get("torch_dtype"))  # "bfloat16" as transformers takes it, or a dtype
     check_cache_settings(kv_format, policy, None, getattr(torch, wanted, None) if isinstance(wanted, str) else wanted)
     check_backend(decode_backend, "decode_backend")
@@ -97,6 +106,12 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
                          "`qkmla generate RUN`)")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"hf_dir: {root / CONFIG} describes a {model_type!r} model; qkmla loads {_MODEL_TYPES}")
+    if wanted is None or wanted == "auto":
+        # transformers' default dtype, "auto", is the one config.json records: a reposition policy over a bfloat16
+        # checkpoint was refused only after every weight was loaded (the check above cannot read "auto")
+        recorded = hf_config.get("dtype", hf_config.get("torch_dtype"))
+        check_cache_settings(kv_format, policy, None, getattr(torch, recorded, None) if isinstance(recorded, str)
+                             else None)
     norm = recorded_norm(hf_config, str(root / CONFIG))
     config = kwargs.get("config")
     if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:
