@@ -18,7 +18,8 @@ from qkmla import AttentionConfig, MLAConfig, MLA_PRESETS, QKNormConfig, mla_pre
         (dict(rope_theta=-1.0), "rope_theta"),
         (dict(softmax_scale=float("inf")), "softmax_scale: expected a positive number within float32's normal"),
         # finite in Python, inf (and 0) in the float32 logits they scale: NaN from the first forward
-        (dict(softmax_scale=1e300), r"softmax_scale: .*\(1\.17549e-38 to 3\.40282e\+38\) or None, got 1e\+300"),
+        (dict(softmax_scale=1e300),
+         r"softmax_scale: .*\(1\.1754943508222875e-38 to 3\.4028234663852886e\+38\) or None, got 1e\+300"),
         (dict(softmax_scale=1e-320), "softmax_scale: expected a positive number within float32's normal"),
         (dict(latent_norm_eps=float("inf")), "latent_norm_eps: expected a finite number"),
         (dict(rope_theta=float("inf")), "rope_theta"),

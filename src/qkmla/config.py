@@ -71,11 +71,14 @@ def check_positive_int(name: str, value, allow_none: bool = False) -> None:
 SOFTMAX_SCALE_RANGE = (2.0 ** -126, float.fromhex("0x1.fffffep+127"))  # torch.finfo(torch.float32) tiny, max
 
 
-def _check_softmax_scale(softmax_scale) -> None:
+def check_softmax_scale(softmax_scale) -> None:
+    """A ValueError naming softmax_scale unless it is None or a number in :data:`SOFTMAX_SCALE_RANGE` (the
+    model configs' and TrainConfig's tau; the decode op's per-call scale has its own check)."""
     low, high = SOFTMAX_SCALE_RANGE
     if softmax_scale is not None and (not is_finite_number(softmax_scale) or not low <= softmax_scale <= high):
-        raise ValueError(f"softmax_scale: expected a positive number within float32's normal range ({low:g} to "
-                         f"{high:g}) or None, got {softmax_scale!r}")
+        # the bounds as repr: 1.17549e-38 (:g) is below 2**-126, and typed back was refused
+        raise ValueError(f"softmax_scale: expected a positive number within float32's normal range ({low!r} to "
+                         f"{high!r}) or None, got {softmax_scale!r}")
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,7 @@ class MLAConfig:
         # A dict (HF's spelling, or dataclasses.asdict of a saved config) becomes a YarnScaling.
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
-        _check_softmax_scale(self.softmax_scale)
+        check_softmax_scale(self.softmax_scale)
         if not is_finite_number(self.latent_norm_eps) or self.latent_norm_eps < 0:
             raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
         check_backend(self.decode_backend, "decode_backend")
@@ -335,7 +338,7 @@ class AttentionConfig:
         if self.qk_norm is not None and (self.qk_norm.mode, self.qk_norm.scope) != ("blockwise", "head"):
             raise ValueError(f"qk_norm: a head without content and RoPE blocks takes mode='blockwise' and "
                              f"scope='head', got mode={self.qk_norm.mode!r}, scope={self.qk_norm.scope!r}")
-        _check_softmax_scale(self.softmax_scale)
+        check_softmax_scale(self.softmax_scale)
 
     has_qk_norm = MLAConfig.has_qk_norm
     learnable_logit_scale = MLAConfig.learnable_logit_scale
@@ -401,7 +404,7 @@ class SharedKVConfig:
             raise ValueError(f"rope_head_dim: RoPE rotates the last dims of a head, so at most "
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
         check_bool("attention_sinks", self.attention_sinks)
-        _check_softmax_scale(self.softmax_scale)
+        check_softmax_scale(self.softmax_scale)
         if not is_finite_number(self.norm_eps) or self.norm_eps < 0:
             raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
 

@@ -186,6 +186,15 @@ def exact_positions(dtype: torch.dtype) -> int:
     return round(2 / torch.finfo(accumulate_dtype(dtype)).eps)  # eps = 2**-(mantissa bits)
 
 
+def position_range(positions: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of integer ``positions`` as Python ints, in one read. uint16/32/64 are read as int64 (aminmax
+    has no kernel for them: "aminmax_cpu not implemented for 'UInt32'", naming no argument)."""
+    if positions.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        positions = positions.long()
+    low, high = torch.stack(torch.aminmax(positions)).tolist()
+    return low, high
+
+
 def check_position_range(name: str, low: int, high: int, dtype: torch.dtype) -> None:
     """A ValueError naming ``name`` unless every position in [low, high] is within :func:`exact_positions`."""
     limit = exact_positions(dtype)
@@ -219,7 +228,7 @@ def check_positions(positions, x: torch.Tensor) -> None:
     # Their range, where reading it is free (CPU positions, outside compilation; the attention layers check theirs
     # on every device in default_positions, where they already read them): past exact_positions they were rounded.
     if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
-        low, high = torch.stack(torch.aminmax(positions)).tolist()
+        low, high = position_range(positions)
         check_position_range("positions", low, high, x.dtype)
 
 

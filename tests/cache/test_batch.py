@@ -33,6 +33,23 @@ def test_select_sequences_moves_every_field_and_length():
         cache.select_sequences(torch.tensor([4]))
 
 
+@pytest.mark.parametrize("pick", [[0, 0], [1, 1], [1, 0]])
+def test_select_sequences_then_a_write_goes_where_planned(pick):
+    """select_sequences moved seqlens but left max_len and uniform as they were: picking [0, 0] of lengths [1, 2]
+    kept max_len 2 and uniform False, and the next plan()'s slot was refused at append as edited (a beam search's
+    reorder, then a decode step). The lengths' summary now moves with them."""
+    cache = LatentCache(2, 8, 8, 4)
+    cache.append(cache.plan(2, 2, input_lengths=torch.tensor([1, 2])), c_kv=torch.zeros(2, 2, 8),
+                 k_rope=torch.zeros(2, 2, 4))
+    cache.select_sequences(torch.tensor(pick))
+    lengths = [[1, 2][i] for i in pick]
+    assert (cache.max_len, cache.uniform) == (max(lengths), lengths[0] == lengths[1])
+    cache.append(cache.plan(2, 1), c_kv=torch.ones(2, 1, 8), k_rope=torch.ones(2, 1, 4))
+    assert cache.seqlens.tolist() == [n + 1 for n in lengths]
+    c_kv = cache.load()[0]
+    assert all(c_kv[b, n].eq(1).all() and c_kv[b, :n].eq(0).all() for b, n in enumerate(lengths))
+
+
 def test_select_sequences_carries_an_eviction_policys_scores():
     _, cache = filled(policy=H2O(budget=4, window=1))
     scores = cache.eviction.scores.clone()

@@ -6489,10 +6489,12 @@ def probe19_rows():
 
         for value in ("1e300", "1e-320", "3.5e38"):
             refuse(env, ["train", *FAST, "--steps", "1", "--softmax-scale", value, "--out", env.tmp / "run"],
-                   r"^qkmla train: --softmax-scale: expected a finite number >= 1.17549e-38 and <= 3.40282e\+38 ")
+                   r"^qkmla train: --softmax-scale: expected a positive number within float32's normal range "
+                   r"\(1\.1754943508222875e-38 to 3\.4028234663852886e\+38\) or None, got ")
         assert not (env.tmp / "run").exists()
         for edge in (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max):
             assert TrainConfig(softmax_scale=edge).softmax_scale == edge
+            assert TrainConfig(softmax_scale=float(repr(edge))).softmax_scale == edge  # the bound as printed
 
     def nan_first_loss_blamed_on_lr(env):
         """--softmax-scale 3.4e38 (within float32) overflows the logits: the first loss, the initial model's, is NaN.
@@ -6542,8 +6544,11 @@ def api19_rows():
         raises(lambda: rope(x, past), ValueError, rf"^positions: {limit} up to it\), got 16777217")
         raises(lambda: rope.shift(x, -past), ValueError, rf"^positions: {limit} up to it\), got -16777217")
         assert rope(x, torch.tensor([2**24])).shape == (1, 1, 1, 8)
-        exact = RotaryEmbedding(8).double()(x.double(), past)  # float64: exact to 2**53
-        assert torch.equal(exact, RotaryEmbedding(8).double()(x.double(), past))
+        # float64 holds integers to 2**53: 2**24 + 1 is rotated by its own angles, not 2**24's (1.26 apart here)
+        rope64 = RotaryEmbedding(8).double()
+        exact = rope64(x.double(), past)
+        assert not torch.allclose(exact, rope64(x.double(), torch.tensor([2**24])), atol=0.1)
+        assert torch.allclose(exact, rope64(rope64(x.double(), torch.tensor([2**24])), torch.tensor([1])), atol=1e-6)
         raises(lambda: RotaryEmbedding(8).double()(x.double(), torch.tensor([2**53 + 1])), ValueError,
                r"^positions: expected positions within \+-9007199254740992 \(2\*\*53")
         mla, mha = MLA(MLAConfig()).eval(), MultiHeadAttention(AttentionConfig(64, 4)).eval()
@@ -6827,7 +6832,67 @@ def left19_rows():
         model = from_pretrained(src, policy=StreamingLLM(budget=8, sinks=1, reposition=True), dtype=torch.float32)
         assert next(model.parameters()).dtype == torch.float32
 
+    def an_indexer_norm_saved_beside_the_adapters(env):
+        """Round 19's merge_lora check took any modules_to_save entry named k_norm for a trained QK norm: a
+        DeepSeek-V3.2 model (no QK norm) whose adapter saves its indexer's own k_norm was refused ("trained the QK
+        norm ... the trained norm weights were dropped"), though PEFT kept them. It merges again, and the merged
+        model computes what the PEFT model did; a norm with no module to go to is still refused."""
+        transformers = pytest.importorskip("transformers")
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        torch.manual_seed(0)
+        model = apply_latent_attention(transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
+            vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, pad_token_id=0, eos_token_id=None, experts_implementation="eager",
+            index_topk=3, index_head_dim=16, index_n_heads=4)).double().eval())
+        config = attention_lora_config(model, r=2, modules_to_save=["indexer.k_norm"])
+        wrapped = peft.get_peft_model(model, config)
+        with torch.no_grad():
+            for name, p in wrapped.named_parameters():
+                if "lora_B" in name or ("modules_to_save" in name and "k_norm" in name):
+                    p.add_(0.1)  # adapters and a saved norm that change the output
+        ids = torch.tensor([[5, 9, 17, 3, 22, 40]])
+        with torch.no_grad():
+            want = wrapped(ids, use_cache=False).logits
+            merged = merge_lora(wrapped)
+            assert torch.allclose(merged(ids, use_cache=False).logits, want, rtol=1e-9, atol=1e-9)
+        stray = attention_lora_config(merged, r=2, modules_to_save=["self_attn.k_norm"])
+        raises(lambda: merge_lora(peft.get_peft_model(merged, stray)), ValueError,
+               r"^peft_model: its adapter 'default' trained the QK norm \(\['self_attn\.k_norm'\]")
+
+    def a_patched_model_freed_on_del(env):
+        """Round 19's generate hook (the quantized cache refused early) held the model from the model's own
+        attribute: a cycle, so del model freed nothing until the next garbage collection (GPU memory kept after
+        del model; torch.cuda.empty_cache()). It holds the model weakly now; a deepcopy's hook is the copy's."""
+        import copy
+        import gc
+        import weakref
+
+        transformers = pytest.importorskip("transformers")
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=8, first_k_dense_replace=1)))
+        twin = copy.deepcopy(model)
+        assert twin._prepare_cache_for_generation.model() is twin
+        alive = weakref.ref(model)
+        gc.disable()
+        try:
+            del model
+            assert alive() is None
+        finally:
+            gc.enable()
+
     return [
+        Row("LatentAttentionCache", "state", "a patched model kept alive by its own generate hook after del (a cycle)",
+            a_patched_model_freed_on_del),
+        Row("LatentAttentionCache", "state", "merge_lora of a sparse model's adapter saving its indexer's k_norm "
+            "(refused as a trained QK norm)", an_indexer_norm_saved_beside_the_adapters),
         Row("train", "output", "--resume after metrics.jsonl was deleted or cut (resumed without a word, a gap in the "
             "log)", resume_over_a_cut_log),
         Row("LatentAttentionCache", "path", "from_pretrained(dir, variant=...) checked model.safetensors, transformers "

@@ -291,6 +291,14 @@ def test_out_that_cannot_be_a_directory_is_refused(tmp_path):
         TrainConfig(**FAST, seed=-1)
     with pytest.raises(ValueError, match=r"seed: expected an int from 0 to 2\*\*32 - 1 .*, got 10{23}$"):
         TrainConfig(**FAST, seed=10**23)
+    # A fresh run past 2**32 - 1 is refused (it would repeat a smaller seed's run); a resume reads no seed, so a run
+    # an earlier qkmla trained with one (taken up to 2**63 - 1 then) still resumes (found by round 19's review:
+    # both of the refusal's ways out were refused too).
+    with pytest.raises(ValueError, match=r"seed: expected an int from 0 to 2\*\*32 - 1 .*, got 4294968633$"):
+        TrainConfig(**FAST, seed=2**32 + 1337)
+    assert TrainConfig(**FAST, seed=2**32 + 1337, resume=True, out=str(tmp_path)).seed == 2**32 + 1337
+    with pytest.raises(ValueError, match=r"seed: expected an int from 0 to 2\*\*32 - 1 .*, got 10{23}$"):
+        TrainConfig(**FAST, seed=10**23, resume=True, out=str(tmp_path))
 
 
 FILENAME_DIR = "checkpoint.safetensors"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import accumulate_dtype
-from ..rope import check_position_range
+from ..rope import check_position_range, position_range
 from ..utils.checked import check_bool
 from .sinks import sink_column
 
@@ -89,7 +89,7 @@ def default_positions(x: torch.Tensor, positions: Optional[torch.Tensor], name: 
         # One read of their range, where their sign was read already (unsigned ones, on every device), or where the
         # read is free (the CPU): positions past exact_positions were rotated as rounded ones (2**24 + 1 as 2**24 in
         # float32), without a word. Signed CUDA positions (a host model's, every decode step) are not read here.
-        low, high = torch.stack(torch.aminmax(positions)).tolist()
+        low, high = position_range(positions)
         if not signed and low < 0:
             raise ValueError(f"{name}: expected non-negative positions")
         check_position_range(name, low, high, x.dtype)

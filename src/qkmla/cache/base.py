@@ -22,7 +22,7 @@ import contextlib
 import copy
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 import torch
@@ -41,6 +41,12 @@ WRITER_TOKEN = "_qkmla_cache_writer"
 
 # Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
 # uniform taken as the cache's own); dataclasses.replace makes an edited copy where one is meant (rope_positions).
+def _versions(slot: "WriteSlot") -> tuple:
+    """The version counters of the tensors a write reads from ``slot``; () for inference tensors (none kept)."""
+    tensors = [t for t in (slot.slots, slot.valid, slot.seqlens, slot.next_positions) if t is not None]
+    return () if any(t.is_inference() for t in tensors) else tuple(t._version for t in tensors)
+
+
 @dataclass(frozen=True)
 class WriteSlot:
     """Where T new tokens of each sequence go.
@@ -52,6 +58,10 @@ class WriteSlot:
     next_positions: [B] the position of each sequence's next token after the write.
     max_len: max(seqlens), as a Python int.
     uniform: whether every sequence has the same length after the write.
+    planned_on: the cache's seqlens tensor when it was planned (a cache replaces it at every change,
+        never writes it in place), so append knows a slot of another cache or of an earlier state.
+    versions: torch's version counters of slots, valid, seqlens and next_positions at plan time (()
+        under inference_mode, whose tensors keep none), so append knows a tensor edited in place.
     """
 
     slots: torch.Tensor
@@ -61,6 +71,8 @@ class WriteSlot:
     next_positions: torch.Tensor
     max_len: int
     uniform: bool
+    planned_on: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    versions: tuple = field(default=(), compare=False, repr=False)
 
     def key_mask(self) -> Optional[torch.Tensor]:
         """[B, T, max_len] bool: slot j is visible to new token t of sequence b.
@@ -340,8 +352,10 @@ class SequenceCache:
         seqlens = start + added
         max_len = self.max_len + num_tokens if input_lengths is None else int(seqlens.max())
         self._check_capacity(max_len, num_tokens)
-        return WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
-                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
+        slot = WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
+                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform,
+                         planned_on=self.seqlens)
+        return slot if torch.compiler.is_compiling() else replace(slot, versions=_versions(slot))
 
     def check_writable(self, action: str = "decode with it") -> None:
         """A ValueError naming cache when its buffers were made under ``torch.inference_mode()`` and this
@@ -427,23 +441,18 @@ class SequenceCache:
                              f"batch_size={self.batch_size} sequence(s) of up to {self.max_len} tokens (capacity="
                              f"{self.capacity}); write each forward's rows with the slot this cache's plan() returned "
                              f"for them, once, before planning the next")
-        if slot.slots.device.type == "cpu" and not torch.compiler.is_compiling() and not self._as_planned(slot, T):
+        # O(1) checks, no read of a tensor's values (a decode step on the GPU must not wait for one): a slot's tensors
+        # edited in place (slot.slots[0, 0] = 4) were written as edited, a new token stored past its sequence's end
+        # and a stale slot read in its place; a slot of another cache of the same shape set this one's lengths to
+        # the other's. Both without a word.
+        if torch.compiler.is_compiling():
+            return
+        if slot.planned_on is not None and slot.planned_on is not self.seqlens:
+            raise ValueError("slot: planned by another cache, or by this one before its lengths last changed; write "
+                             "the rows with the slot this cache's plan() returned for them")
+        if slot.versions and slot.versions != _versions(slot):
             raise ValueError("slot: its slots, valid, seqlens or next_positions are not what this cache's plan() gave "
-                             "(edited in place since?); write the rows with the slot plan() returned, unedited")
-
-    def _as_planned(self, slot: WriteSlot, T: int) -> bool:
-        """Whether ``slot``'s tensors are what :meth:`plan` computes from this cache's lengths. Read where it is free
-        (CPU tensors, outside compilation): a slot's tensors edited in place (slot.slots[0, 0] = 4) were written as
-        edited, a new token stored past its sequence's end and a stale slot read in its place, without a word."""
-        added = slot.seqlens - self.seqlens
-        steps = torch.arange(T)
-        valid = steps < added[:, None]
-        return (torch.equal(slot.slots, self.seqlens[:, None] + steps)
-                and torch.equal(slot.next_positions, self.next_positions + added)
-                and bool(((added >= 0) & (added <= T)).all())
-                and (bool((added == T).all()) if slot.valid is None else torch.equal(slot.valid, valid))
-                and slot.max_len == (int(slot.seqlens.max()) if slot.seqlens.numel() else 0)
-                and slot.uniform == bool((slot.seqlens == slot.seqlens[:1]).all()))
+                             "(edited in place since); write the rows with the slot plan() returned, unedited")
 
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on
@@ -615,7 +624,9 @@ class SequenceCache:
             refuse()
         for buf in buffers:
             buf.select(indices)
-        self._set_lengths(seqlens=self.seqlens[indices], next_positions=self.next_positions[indices])
+        seqlens = self.seqlens[indices]  # max_len and uniform too: left stale, the next plan() was refused as edited
+        self._set_lengths(seqlens=seqlens, next_positions=self.next_positions[indices], max_len=int(seqlens.max()),
+                          uniform=bool((seqlens == seqlens[0]).all()))
         self._kept_lens = self._kept_lens[indices]
         if self._kept_positions is not None:
             self._kept_positions = self._kept_positions[indices]

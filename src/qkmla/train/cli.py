@@ -60,7 +60,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=d.split, choices=SPLITS,
                    help="tail: the last 10%% validates; plays: whole plays held out for validation and test "
                         "(--data shakespeare)")
-    p.add_argument("--seed", type=int, default=d.seed, help=">= 0")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="0 to 2**32 - 1 (torch's CPU generator keeps a seed's low 32 bits)")
     p.add_argument("--out", default=None, help="run directory (default: a new runs/<preset>-<attn>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace a run already in OUT")

@@ -18,9 +18,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import SOFTMAX_SCALE_RANGE
+from ..config import check_softmax_scale
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
-from ..utils.checked import check_bool, check_seed, is_finite_number, python_numbers, revalidated
+from ..utils.checked import check_bool, check_seed, is_finite_number, is_int, python_numbers, revalidated
 from .data import SPLITS, TOKENIZERS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
@@ -114,7 +114,10 @@ class TrainConfig:
             raise ValueError(f"warmup_steps: expected an int from 0 to the run's steps ({self.steps}; a longer warmup "
                              f"never reaches the peak lr), or None (the default: {DEFAULT_WARMUP_STEPS}, capped at the "
                              f"steps); got {self.warmup_steps}")
-        check_seed("seed", self.seed)
+        if not (self.resume and is_int(self.seed) and 0 <= self.seed < 2 ** 63):
+            # A resume reads no seed (the weights and the RNG state are the checkpoint's): a run an earlier qkmla
+            # trained with a seed past 2**32 - 1 (taken then, up to 2**63 - 1) resumes, as it could before
+            check_seed("seed", self.seed)
         _number("lr", self.lr, 0, low_open=True)
         _number("weight_decay", self.weight_decay, 0)
         _number("min_lr_ratio", self.min_lr_ratio, 0, 1)
@@ -124,7 +127,7 @@ class TrainConfig:
         _number("qk_norm_p", self.qk_norm_p, 1, allow_none=True)
         # The model holds tau in float32: --softmax-scale 1e300 became inf there and 1e-320 zero, and the first
         # forward's loss was NaN, blamed on --lr (probe 19). float32's normal range is the allowed one.
-        _number("softmax_scale", self.softmax_scale, *SOFTMAX_SCALE_RANGE, allow_none=True)
+        check_softmax_scale(self.softmax_scale)  # the model configs' own check
         _number("max_seconds", self.max_seconds, 0, allow_none=True)
         _number("dist_timeout", self.dist_timeout, 0, low_open=True)
         if self.out is not None and (not isinstance(self.out, str) or not self.out.strip()):

@@ -65,7 +65,18 @@ def _unusable_tempdir(e: OSError):
     if not (isinstance(e, FileNotFoundError) and str(e.args[-1] if e.args else "").startswith(
             "No usable temporary directory")):
         return None
-    for directory in tempfile._candidate_tempdir_list():
+    # tempfile's own list (private, in every Python from 3.10 to 3.13); else the one its message prints
+    candidates = getattr(tempfile, "_candidate_tempdir_list", None)
+    if candidates is not None:
+        candidates = candidates()
+    else:
+        import ast
+
+        try:
+            candidates = ast.literal_eval(str(e.args[-1]).partition(" found in ")[2])
+        except (ValueError, SyntaxError):
+            return None
+    for directory in candidates:
         if not os.path.isdir(directory):
             continue
         path = os.path.join(directory, f".qkmla-probe-{os.getpid()}")

@@ -52,7 +52,7 @@ from ...attention.functional import sdpa
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...cache.eviction import EvictionPolicy
-from ...rope import ROPE_TYPES
+from ...rope import ROPE_TYPES, check_position_range, position_range
 from ..hub.config import hf_rope_type, unrepeat_groups
 from .cache import adopt_layer
 from .families import HostAttention
@@ -303,6 +303,7 @@ class LatentAttention(MLA):
         cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
                      None)
         x = hidden_states
+        check_position_ids(kwargs.get("position_ids"), x.dtype)
         call = kwargs.get("qkmla_call") or LatentCall()
         valid = call.valid.to(x.device) if call.valid is not None else None
         documents = call.documents.to(x.device) if call.documents is not None else None
@@ -457,6 +458,15 @@ class LatentAttention(MLA):
         h, G = q.shape[2], v.shape[2]
         heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
         return torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)), queried
+
+
+def check_position_ids(position_ids: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+    """transformers' ``position_ids`` that the RoPE angles of ``dtype`` (x's) cannot hold exactly (past 2**24 in
+    float32) refused naming ``position_ids``, where reading them is free (the CPU): qkmla's layers below refuse
+    them too, but naming their own arguments (positions, rope_positions), which the user never passed."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.device.type == "cpu" and position_ids.numel() \
+            and not position_ids.dtype.is_floating_point and not torch.compiler.is_compiling():
+        check_position_range("position_ids", *position_range(position_ids), dtype)
 
 
 def rope_positions(position_ids: Optional[torch.Tensor], policy: Optional[EvictionPolicy], batch_size: int,

@@ -162,8 +162,12 @@ def _check_norms_have_a_place(peft_model) -> None:
     base = peft_model.get_base_model()
     if latent_layers(base)[0].config.has_qk_norm:
         return
+    modules = [n for n, _ in base.named_modules()]
     for name, config in peft_model.peft_config.items():
-        norms = [m for m in getattr(config, "modules_to_save", None) or [] if m.split(".")[-1] in ("q_norm", "k_norm")]
+        # The entries PEFT found no module for (it matches a module whose name ends with the entry): a sparse
+        # model's own indexer.k_norm, saved beside the adapters, has its place and is kept
+        norms = [m for m in getattr(config, "modules_to_save", None) or [] if m.split(".")[-1] in ("q_norm", "k_norm")
+                 and not any(n == m or n.endswith("." + m) for n in modules)]
         if norms:
             raise ValueError(f"peft_model: its adapter {name!r} trained the QK norm ({norms} in modules_to_save, "
                              f"train_qk_norm=True), but the model under it has none, so the trained norm weights were "

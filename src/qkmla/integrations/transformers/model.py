@@ -40,6 +40,7 @@ receives expanded keys and values, which the absorbed path never forms.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -226,17 +227,27 @@ class _PrepareCache:
     """``generate``'s cache preparation on a patched model: ``cache_implementation="quantized"`` refused
     before transformers builds its cache. Building it needs optimum-quanto, and without it transformers'
     ImportError said to install that, for a cache the first forward then refused (``check_cache``).
-    An object holding the model, not a bound method: deepcopy and pickle give the copy its own (a bound
-    method pickles as a lookup on the model, which found the class's method, without the check)."""
+    An object, not a bound method: deepcopy and pickle give the copy its own (a bound method pickles as a
+    lookup on the model, which found the class's method, without the check). It holds the model weakly: a
+    strong reference from the model's own attribute made a cycle, and ``del model`` freed nothing until the
+    next garbage collection (GPU memory held after ``del model; torch.cuda.empty_cache()``)."""
 
     def __init__(self, model):
-        self.model = model
+        self.model = weakref.ref(model)
 
     def __call__(self, generation_config, *args, **kwargs):
         if getattr(generation_config, "cache_implementation", None) == "quantized":
             raise ValueError(f"cache_implementation: \"quantized\" is transformers' QuantizedCache, "
                              f"{QUANTIZED_INSTEAD}")
-        return type(self.model)._prepare_cache_for_generation(self.model, generation_config, *args, **kwargs)
+        model = self.model()
+        return type(model)._prepare_cache_for_generation(model, generation_config, *args, **kwargs)
+
+    def __deepcopy__(self, memo):  # the model's copy, registered in memo before its attributes are copied
+        model = self.model()
+        return _PrepareCache(memo.get(id(model), model))
+
+    def __reduce__(self):  # pickled with the model (pickle's memo resolves the cycle); unpickled, held weakly again
+        return _PrepareCache, (self.model(),)
 
 
 def _masks_for_generate(*args, attention_mask=None, inputs_embeds=None, **kwargs):
