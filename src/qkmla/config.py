@@ -73,7 +73,8 @@ SOFTMAX_SCALE_RANGE = (2.0 ** -126, float.fromhex("0x1.fffffep+127"))  # torch.f
 
 def check_softmax_scale(softmax_scale) -> None:
     """A ValueError naming softmax_scale unless it is None or a number in :data:`SOFTMAX_SCALE_RANGE` (the
-    model configs' and TrainConfig's tau; the decode op's per-call scale has its own check)."""
+    model configs' and TrainConfig's tau; the decode op's per-call scale has its own check). The range keeps tau
+    itself finite in float32; the logits tau * q.k can still overflow near its top (1e38 with a QK norm)."""
     low, high = SOFTMAX_SCALE_RANGE
     if softmax_scale is not None and (not is_finite_number(softmax_scale) or not low <= softmax_scale <= high):
         # the bounds as repr: 1.17549e-38 (:g) is below 2**-126, and typed back was refused

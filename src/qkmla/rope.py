@@ -189,7 +189,11 @@ def exact_positions(dtype: torch.dtype) -> int:
 def position_range(positions: torch.Tensor) -> tuple[int, int]:
     """(min, max) of integer ``positions`` as Python ints, in one read. uint16/32/64 are read as int64 (aminmax
     has no kernel for them: "aminmax_cpu not implemented for 'UInt32'", naming no argument)."""
-    if positions.dtype in (torch.uint16, torch.uint32, torch.uint64):
+    if positions.dtype == torch.uint64:  # past 2**63 .long() wraps to negatives: read the sign bit as "past"
+        positions = positions.view(torch.int64)
+        if bool((positions < 0).any()):
+            return 0, 2 ** 64 - 1
+    elif positions.dtype in (torch.uint16, torch.uint32):
         positions = positions.long()
     low, high = torch.stack(torch.aminmax(positions)).tolist()
     return low, high

@@ -6767,7 +6767,7 @@ def left19_rows():
         missing the steps before the checkpoint. It still resumes (the weights are the checkpoint's; refusing would
         strand the run), with one warning line naming the file and the missing steps."""
         for cut, missing in (("deleted", "2 of the 2 steps before the checkpoint \\(steps 1-2"),
-                             ("first line kept", "1 of the 2 steps before the checkpoint \\(steps 2")):
+                             ("first line kept", "1 of the 2 steps before the checkpoint \\(step 2")):
             run = env.tmp / cut.replace(" ", "_")
             shutil.copytree(env.run, run)
             log = run / "metrics.jsonl"
@@ -6889,13 +6889,13 @@ def left19_rows():
             gc.enable()
 
     return [
-        Row("LatentAttentionCache", "state", "a patched model kept alive by its own generate hook after del (a cycle)",
+        Row("LatentAttentionCache", "size", "a patched model kept alive by its own generate hook after del (a cycle)",
             a_patched_model_freed_on_del),
-        Row("LatentAttentionCache", "state", "merge_lora of a sparse model's adapter saving its indexer's k_norm "
+        Row("LatentAttentionCache", "size", "merge_lora of a sparse model's adapter saving its indexer's k_norm "
             "(refused as a trained QK norm)", an_indexer_norm_saved_beside_the_adapters),
         Row("train", "output", "--resume after metrics.jsonl was deleted or cut (resumed without a word, a gap in the "
             "log)", resume_over_a_cut_log),
-        Row("LatentAttentionCache", "path", "from_pretrained(dir, variant=...) checked model.safetensors, transformers "
+        Row("LatentAttentionCache", "size", "from_pretrained(dir, variant=...) checked model.safetensors, transformers "
             "loaded model.VARIANT.safetensors", a_variant_checked_as_another_file),
         Row("LatentAttentionCache", "size", "from_pretrained of a bfloat16 checkpoint with a reposition policy and "
             "dtype 'auto' (the default): refused only after every weight was loaded",

@@ -22,7 +22,7 @@ import contextlib
 import copy
 import math
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Optional
 
 import torch
@@ -41,10 +41,14 @@ WRITER_TOKEN = "_qkmla_cache_writer"
 
 # Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
 # uniform taken as the cache's own); dataclasses.replace makes an edited copy where one is meant (rope_positions).
-def _versions(slot: "WriteSlot") -> tuple:
-    """The version counters of the tensors a write reads from ``slot``; () for inference tensors (none kept)."""
-    tensors = [t for t in (slot.slots, slot.valid, slot.seqlens, slot.next_positions) if t is not None]
-    return () if any(t.is_inference() for t in tensors) else tuple(t._version for t in tensors)
+def _watch(tensors) -> tuple:
+    """((tensor, its version counter or None), ...): None for None and for inference tensors (they keep none)."""
+    return tuple((t, None if t is None or t.is_inference() else t._version) for t in tensors)
+
+
+def _unchanged(planned: tuple, now: tuple) -> bool:
+    """Whether ``now``'s tensors are ``planned``'s, by identity, and none was written since (where counted)."""
+    return all(t is n and (v is None or n._version == v) for (t, v), n in zip(planned, now))
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,11 @@ class WriteSlot:
     next_positions: [B] the position of each sequence's next token after the write.
     max_len: max(seqlens), as a Python int.
     uniform: whether every sequence has the same length after the write.
-    planned_on: the cache's seqlens tensor when it was planned (a cache replaces it at every change,
-        never writes it in place), so append knows a slot of another cache or of an earlier state.
-    versions: torch's version counters of slots, valid, seqlens and next_positions at plan time (()
-        under inference_mode, whose tensors keep none), so append knows a tensor edited in place.
+    planned: the tensors a write reads (slots, valid, seqlens, next_positions) and the cache's own
+        seqlens and next_positions at plan time, each with its version counter (None under
+        inference_mode, whose tensors keep none): append refuses a slot whose tensors were replaced
+        (dataclasses.replace) or edited in place, a slot of another cache, and a cache whose lengths
+        changed since, all by identity and counters, without reading a value.
     """
 
     slots: torch.Tensor
@@ -71,8 +76,16 @@ class WriteSlot:
     next_positions: torch.Tensor
     max_len: int
     uniform: bool
-    planned_on: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
-    versions: tuple = field(default=(), compare=False, repr=False)
+    planned: tuple = field(default=(), compare=False, repr=False)
+
+    def watched(self, cache: "SequenceCache") -> tuple:
+        """The tensors :attr:`planned` records, as they are now (``cache``: the one writing)."""
+        return self.slots, self.valid, self.seqlens, self.next_positions, cache.seqlens, cache.next_positions
+
+    def __deepcopy__(self, memo):
+        # Copied tensors start new version counters (deepcopy gives 1): the copy watches its own tensors as copied
+        values = {f.name: copy.deepcopy(getattr(self, f.name), memo) for f in fields(self) if f.name != "planned"}
+        return WriteSlot(**values, planned=_watch([copy.deepcopy(t, memo) for t, _ in self.planned]))
 
     def key_mask(self) -> Optional[torch.Tensor]:
         """[B, T, max_len] bool: slot j is visible to new token t of sequence b.
@@ -353,9 +366,8 @@ class SequenceCache:
         max_len = self.max_len + num_tokens if input_lengths is None else int(seqlens.max())
         self._check_capacity(max_len, num_tokens)
         slot = WriteSlot(slots=start[:, None] + steps, positions=expected, valid=valid, seqlens=seqlens,
-                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform,
-                         planned_on=self.seqlens)
-        return slot if torch.compiler.is_compiling() else replace(slot, versions=_versions(slot))
+                         next_positions=self.next_positions + added, max_len=max_len, uniform=uniform)
+        return slot if torch.compiler.is_compiling() else replace(slot, planned=_watch(slot.watched(self)))
 
     def check_writable(self, action: str = "decode with it") -> None:
         """A ValueError naming cache when its buffers were made under ``torch.inference_mode()`` and this
@@ -447,12 +459,16 @@ class SequenceCache:
         # the other's. Both without a word.
         if torch.compiler.is_compiling():
             return
-        if slot.planned_on is not None and slot.planned_on is not self.seqlens:
+        if not slot.planned:
+            return
+        now = slot.watched(self)
+        if not _unchanged(slot.planned[4:], now[4:]):
             raise ValueError("slot: planned by another cache, or by this one before its lengths last changed; write "
                              "the rows with the slot this cache's plan() returned for them")
-        if slot.versions and slot.versions != _versions(slot):
+        if not _unchanged(slot.planned[:4], now[:4]):
             raise ValueError("slot: its slots, valid, seqlens or next_positions are not what this cache's plan() gave "
-                             "(edited in place since); write the rows with the slot plan() returned, unedited")
+                             "(replaced or edited in place since); write the rows with the slot plan() returned, "
+                             "unedited")
 
     def write_rows(self, slot: WriteSlot, rows: dict[str, torch.Tensor]) -> None:
         """Store rows [B, T, width] of every field at the slot's slots and move the lengths on

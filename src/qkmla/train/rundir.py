@@ -354,9 +354,10 @@ def gap_line(path: Path, missing: list[int], step: int) -> str:
             runs.append(f"{start}" if start == last else f"{start}-{last}")
             start = last = s
     where = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more ranges" if len(runs) > 4 else "")
-    return (f"warning: {path} holds no row for {len(missing)} of the {step} steps before the checkpoint (steps "
-            f"{where}: deleted or cut since the run wrote them); the resumed run logs from step {step + 1} on, "
-            "so its log keeps that gap")
+    steps = "step" if len(missing) == 1 else "steps"
+    return (f"warning: {path} holds no row for {len(missing)} of the {step} steps before the checkpoint "
+            f"({steps} {where}: deleted or cut since the run wrote them); the resumed run logs from step {step + 1} "
+            "on, so its log keeps that gap")
 
 
 _ABSENT = object()

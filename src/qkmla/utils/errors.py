@@ -73,8 +73,8 @@ def _unusable_tempdir(e: OSError):
         import ast
 
         try:
-            candidates = ast.literal_eval(str(e.args[-1]).partition(" found in ")[2])
-        except (ValueError, SyntaxError):
+            candidates = [str(c) for c in ast.literal_eval(str(e.args[-1]).partition(" found in ")[2])]
+        except (ValueError, SyntaxError, TypeError):
             return None
     for directory in candidates:
         if not os.path.isdir(directory):

@@ -303,7 +303,8 @@ class LatentAttention(MLA):
         cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None),
                      None)
         x = hidden_states
-        check_position_ids(kwargs.get("position_ids"), x.dtype)
+        if cache is None or not getattr(self.settings.policy, "reposition", False):  # a repositioning cache reads none
+            check_host_position_ids(kwargs.get("position_ids"), x.dtype)
         call = kwargs.get("qkmla_call") or LatentCall()
         valid = call.valid.to(x.device) if call.valid is not None else None
         documents = call.documents.to(x.device) if call.documents is not None else None
@@ -460,7 +461,7 @@ class LatentAttention(MLA):
         return torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)), queried
 
 
-def check_position_ids(position_ids: Optional[torch.Tensor], dtype: torch.dtype) -> None:
+def check_host_position_ids(position_ids: Optional[torch.Tensor], dtype: torch.dtype) -> None:
     """transformers' ``position_ids`` that the RoPE angles of ``dtype`` (x's) cannot hold exactly (past 2**24 in
     float32) refused naming ``position_ids``, where reading them is free (the CPU): qkmla's layers below refuse
     them too, but naming their own arguments (positions, rope_positions), which the user never passed."""

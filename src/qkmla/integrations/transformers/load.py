@@ -90,7 +90,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
                          f"index), not a variant's (model.{kwargs['variant']}.safetensors); load a variant with "
                          "transformers' AutoModelForCausalLM.from_pretrained(path, variant=...) (qkmla's QK-normed "
                          "architectures are registered with it), or save the weights without variant=")
-    wanted = kwargs.get("dtype", kwargs.get("torch_dtype"))  # "bfloat16" as transformers takes it, or a dtype
+    # "bfloat16" as transformers takes it, or a dtype; torch_dtype where dtype is None, as transformers reads them
+    wanted = kwargs.get("dtype") if kwargs.get("dtype") is not None else kwargs.get("torch_dtype")
     check_cache_settings(kv_format, policy, None, getattr(torch, wanted, None) if isinstance(wanted, str) else wanted)
     check_backend(decode_backend, "decode_backend")
     hub = {k: kwargs.pop(k) for k in _HUB if k in kwargs}
@@ -109,9 +110,11 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     if wanted is None or wanted == "auto":
         # transformers' default dtype, "auto", is the one config.json records: a reposition policy over a bfloat16
         # checkpoint was refused only after every weight was loaded (the check above cannot read "auto")
-        recorded = hf_config.get("dtype", hf_config.get("torch_dtype"))
-        check_cache_settings(kv_format, policy, None, getattr(torch, recorded, None) if isinstance(recorded, str)
-                             else None)
+        given = kwargs.get("config")  # a config object passed is the one transformers reads "auto" from
+        recorded = (getattr(given, "dtype", None) if given is not None and not isinstance(given, (str, Path))
+                    else hf_config.get("dtype", hf_config.get("torch_dtype")))
+        recorded = getattr(torch, recorded, None) if isinstance(recorded, str) else recorded
+        check_cache_settings(kv_format, policy, None, recorded if isinstance(recorded, torch.dtype) else None)
     norm = recorded_norm(hf_config, str(root / CONFIG))
     config = kwargs.get("config")
     if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:

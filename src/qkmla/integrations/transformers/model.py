@@ -240,6 +240,9 @@ class _PrepareCache:
             raise ValueError(f"cache_implementation: \"quantized\" is transformers' QuantizedCache, "
                              f"{QUANTIZED_INSTEAD}")
         model = self.model()
+        if model is None:  # copy.copy(model) shares the hook (its attributes are the original's), and it was deleted
+            raise ValueError("model: a shallow copy (copy.copy) of a patched model whose original was deleted; copy a "
+                             "patched model with copy.deepcopy, which gives the copy its own generate hook")
         return type(model)._prepare_cache_for_generation(model, generation_config, *args, **kwargs)
 
     def __deepcopy__(self, memo):  # the model's copy, registered in memo before its attributes are copied

@@ -45,7 +45,7 @@ import torch
 from ...attention.functional import sdpa
 from ...attention.mla import MLA
 from ...attention.paths import cheaper_cached_path
-from .attention import LatentAttention, LatentCall, LatentSettings, check_position_ids, rope_positions
+from .attention import LatentAttention, LatentCall, LatentSettings, check_host_position_ids, rope_positions
 from .sparse_cache import column_slots, sparse_cache_layer
 
 
@@ -171,7 +171,7 @@ class SparseLatentAttention(LatentAttention):
         valid = call.valid.to(x.device) if call.valid is not None else None
         documents = call.documents.to(x.device) if call.documents is not None else None
         position_ids = kwargs.get("position_ids")
-        check_position_ids(position_ids, x.dtype)
+        check_host_position_ids(position_ids, x.dtype)
         B, T = x.shape[:2]
         q_resid = super().query_latent(x)  # the indexer's query input, as transformers computes it
         new = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
