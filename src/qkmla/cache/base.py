@@ -39,8 +39,6 @@ from .storage import (INFERENCE_ONLY, ContiguousBuffer, ContiguousLayout, Layout
 WRITER_TOKEN = "_qkmla_cache_writer"
 
 
-# Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
-# uniform taken as the cache's own); dataclasses.replace makes an edited copy where one is meant (rope_positions).
 def _watch(tensors) -> tuple:
     """((tensor, its version counter or None), ...): None for None and for inference tensors (they keep none)."""
     return tuple((t, None if t is None or t.is_inference() else t._version) for t in tensors)
@@ -51,6 +49,9 @@ def _unchanged(planned: tuple, now: tuple) -> bool:
     return all(t is n and (v is None or n._version == v) for (t, v), n in zip(planned, now))
 
 
+# Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
+# uniform taken as the cache's own). dataclasses.replace of positions (rope_positions) is the one edit meant: ``planned``
+# watches the tensors a write reads.
 @dataclass(frozen=True)
 class WriteSlot:
     """Where T new tokens of each sequence go.
@@ -640,7 +641,7 @@ class SequenceCache:
             refuse()
         for buf in buffers:
             buf.select(indices)
-        seqlens = self.seqlens[indices]  # max_len and uniform too: left stale, the next plan() was refused as edited
+        seqlens = self.seqlens[indices]  # max_len and uniform move too: left stale, they described the old batch
         self._set_lengths(seqlens=seqlens, next_positions=self.next_positions[indices], max_len=int(seqlens.max()),
                           uniform=bool((seqlens == seqlens[0]).all()))
         self._kept_lens = self._kept_lens[indices]
