@@ -50,8 +50,8 @@ def _unchanged(planned: tuple, now: tuple) -> bool:
 
 
 # Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
-# uniform taken as the cache's own). dataclasses.replace of positions (rope_positions) is the one edit meant: ``planned``
-# watches the tensors a write reads.
+# uniform taken as the cache's own). dataclasses.replace of positions (rope_positions) is the one edit meant:
+# ``planned`` watches the tensors a write reads.
 @dataclass(frozen=True)
 class WriteSlot:
     """Where T new tokens of each sequence go.
