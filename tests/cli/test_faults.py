@@ -6367,6 +6367,18 @@ def probe18_rows():
     ]
 
 
+def tiny_deepseek_v3(first_k_dense_replace: int = 1):
+    """A one-layer DeepSeek-V3 transformers model, seeded (0: an MoE layer, whose gate has an e_score_correction_bias;
+    1: a dense one), for the rows that save, load or patch one."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=first_k_dense_replace))
+
+
 def left18_rows():
     """Left by round 18's CLI prober (convert/ was the API prober's) and fixed by the lead."""
 
@@ -6374,16 +6386,11 @@ def left18_rows():
         """A DeepSeek-V3 checkpoint (an MoE layer: its gate has an e_score_correction_bias) whose config.json says
         deepseek_v2 was converted as V2 and written, exit 0. Refused naming --hf and the tensor; the same weights
         under their own model_type still convert, and the output is not made."""
-        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("transformers")
         from safetensors import safe_open
 
-        torch.manual_seed(0)
         src = env.tmp / "dsv3"
-        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=0)).save_pretrained(src)
+        tiny_deepseek_v3(first_k_dense_replace=0).save_pretrained(src)
         with safe_open(src / "model.safetensors", "pt") as f:
             assert "model.layers.0.mlp.gate.e_score_correction_bias" in set(f.keys())
         assert main(["convert", "--hf", str(src), "--out", str(env.tmp / "own")]) == 0
@@ -6783,13 +6790,7 @@ def left19_rows():
 
     def tiny_deepseek(path: Path, dtype):
         """A one-layer DeepSeek-V3 checkpoint transformers writes, in ``dtype`` (its config records it)."""
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=1)).to(dtype).save_pretrained(path)
+        tiny_deepseek_v3().to(dtype).save_pretrained(path)
         return path
 
     def a_variant_checked_as_another_file(env):
@@ -6871,13 +6872,10 @@ def left19_rows():
         import gc
         import weakref
 
-        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("transformers")
         from qkmla.integrations.transformers import apply_latent_attention
 
-        model = apply_latent_attention(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-            v_head_dim=8, first_k_dense_replace=1)))
+        model = apply_latent_attention(tiny_deepseek_v3())
         twin = copy.deepcopy(model)
         assert twin._prepare_cache_for_generation.model() is twin
         alive = weakref.ref(model)
