@@ -194,6 +194,10 @@ class QKNorm(RecordsVariant, nn.Module):
         check_positive_int("heads", heads, allow_none=True)
         check_positive_int("rope_heads", rope_heads, allow_none=True)
         self._mode, self._scope = mode, scope
+        # Named as this constructor's arguments: QKNorm(2**40, 8) was refused as ScalarNorm's "dim: a norm weight of
+        # 1 x 1099511627776 float32 values need ...", an argument the caller never passed
+        for name, width in (("content_dim", content_dim), ("rope_dim", rope_dim)):
+            check_allocation(name, 4 * width, f"a norm weight of {width} float32 values")
         per_head = scope == "projection"
         for name, rows, width in (("heads", heads, content_dim), ("rope_heads", rope_heads, rope_dim)):
             if per_head and rows is not None:  # named as this constructor's argument, before ScalarNorm's check

@@ -6901,13 +6901,254 @@ def left19_rows():
     ]
 
 
+def api20_rows():
+    """Round 20's API probe (the public constructors and callables as a user calls them, against their references
+    and their stated limits): its failures, each refused naming the argument or answered correctly now."""
+
+    def block_size_past_exact_rope_positions(env):
+        """Left open by round 19: GPTConfig(block_size=2**24 + 2) was taken, though positions 0..block_size-1 past
+        2**24 are not exact in the float32 RoPE angles; a full window was refused only at its forward (naming
+        positions), after the work before it. Refused now naming block_size and the limit; 2**24 + 1 (positions up
+        to 2**24) is taken, and 2**70 is still refused as past int64."""
+        from qkmla.model.gpt import GPTConfig
+
+        raises(lambda: GPTConfig(block_size=2**24 + 2), ValueError,
+               r"^block_size: expected at most 16777217 \(2\*\*24 \+ 1: positions 0..block_size-1 must be exact in "
+               r"the float32 RoPE angles\), got 16777218")
+        assert GPTConfig(block_size=2**24 + 1).block_size == 2**24 + 1
+        raises(lambda: GPTConfig(block_size=2**70), ValueError, r"^block_size: expected a positive int below 2\*\*63")
+
+    def positions_range_read_once_a_call(env):
+        """Left over from round 19: the positions' range (a device sync on a GPU) was read by default_positions or
+        not at all, then again by every rotation: an MLA call read it 2 (no cache) to 4 times (rope_positions), a
+        MultiHeadAttention or shared-KV call 2 or 3, causal_logits 2. Now once a call (none where the positions
+        are the default 0..T-1), with the same refusals: positions past 2**24 from the caller, the cache or
+        rope_positions, each before the cache is written."""
+        import qkmla.attention.functional as functional
+        import qkmla.rope as rope
+        from qkmla import MLA, MLAConfig, AttentionConfig, FullKVCache, LatentCache, MultiHeadAttention
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.config import SharedKVConfig
+
+        reads, read = [0], rope.position_range
+
+        def counted(positions):
+            reads[0] += 1
+            return read(positions)
+
+        env.monkeypatch.setattr(rope, "position_range", counted)
+        env.monkeypatch.setattr(functional, "position_range", counted)
+
+        def count(call):
+            reads[0] = 0
+            call()
+            return reads[0]
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 5, 64)
+        mha = MultiHeadAttention(AttentionConfig(64, 4)).eval()
+        shared = SharedKVAttention(SharedKVConfig(hidden_size=64, num_heads=4, head_dim=24, rope_head_dim=8)).eval()
+        with torch.no_grad():
+            explicit = mla(x)
+            assert count(lambda: mla(x, positions=torch.arange(5))) == 1
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            assert count(lambda: mla(x[:, :4], cache)) == count(lambda: mla(x[:, 4:], cache)) == 1
+            other = LatentCache.from_config(mla.config, 2, 8)
+            assert count(lambda: mla(x[:, :4], other, rope_positions=torch.arange(4))) == 1
+            torch.testing.assert_close(mla(x[:, 4:], other, rope_positions=torch.tensor([4])), explicit[:, 4:],
+                                       atol=1e-5, rtol=1e-4)
+            assert count(lambda: mla(x, FullKVCache.from_config(mla.config, 2, 8))) == 1
+            assert count(lambda: mha(x, positions=torch.arange(5))) == 1
+            assert count(lambda: mha(x, FullKVCache.from_config(mha.config, 2, 8))) == 1
+            assert count(lambda: shared(x, positions=torch.arange(5))) == 1
+            assert count(lambda: shared(x, SharedKVCache.from_config(shared.config, 2, 8))) == 1
+            assert count(lambda: mla.logits(x, positions=torch.arange(5))) == 1
+            limit = r"expected positions within \+-16777216"
+            for layer, cache in ((mla, LatentCache.from_config(mla.config, 1, 4)),
+                                 (mha, FullKVCache.from_config(mha.config, 1, 4)),
+                                 (shared, SharedKVCache.from_config(shared.config, 1, 4))):
+                raises(lambda: layer(torch.randn(1, 1, 64), positions=torch.tensor([2**24 + 1])), ValueError,
+                       rf"^positions: {limit}")
+                cache.next_positions = torch.tensor([2**24])
+                layer(torch.randn(1, 1, 64), cache)  # position 2**24: exact
+                raises(lambda: layer(torch.randn(1, 1, 64), cache), ValueError, rf"^positions: {limit}")
+                assert cache.seqlens.tolist() == [1]  # refused before the write
+            cache = LatentCache.from_config(mla.config, 1, 4)
+            raises(lambda: mla(torch.randn(1, 1, 64), cache, rope_positions=torch.tensor([-(2**24) - 1])), ValueError,
+                   rf"^rope_positions: {limit}")
+            assert cache.max_len == 0
+
+    def an_inference_mode_write_plan_edited_before_its_write(env):
+        """Left open by round 19: a WriteSlot planned under torch.inference_mode and edited in place before its
+        append (slot.slots[0, 0] = 4 on a cache of uneven lengths) was written as edited: the new token stored at
+        slot 4, slot 1 left stale and read as it, without a word (inference tensors keep no version counter, which
+        is how the edit is seen outside inference mode). Refused naming slot now (a CPU slot's values are compared
+        with a copy taken at plan time, which is free there); the plan as given is written."""
+        from qkmla import LatentCache
+
+        with torch.inference_mode():
+            for edit in (lambda s: s.slots.__setitem__((0, 0), 4), lambda s: s.seqlens.__setitem__(0, 3),
+                         lambda s: s.next_positions.__setitem__(1, 0)):
+                cache = LatentCache(2, 6, 8, 4)
+                cache.append(cache.plan(2, 2, input_lengths=torch.tensor([1, 2])), c_kv=torch.zeros(2, 2, 8),
+                             k_rope=torch.zeros(2, 2, 4))
+                slot = cache.plan(2, 1)
+                edit(slot)
+                raises(lambda c=cache, s=slot: c.append(s, c_kv=torch.ones(2, 1, 8), k_rope=torch.ones(2, 1, 4)),
+                       ValueError, r"^slot: its slots, valid, seqlens or next_positions are not what this cache's "
+                                   r"plan\(\) gave")
+                assert cache.seqlens.tolist() == [1, 2]
+            cache.append(cache.plan(2, 1), c_kv=torch.ones(2, 1, 8), k_rope=torch.ones(2, 1, 4))
+            assert cache.seqlens.tolist() == [2, 3] and cache.load()[0][0, 1].eq(1).all()
+
+    def triton_interpret_spelled_true(env):
+        """TRITON_INTERPRET=true (or yes, on: Triton reads them all as on, and interprets) was read as off here:
+        backend='triton' on CPU tensors was refused, naming TRITON_INTERPRET=1 as the way in while Triton was
+        interpreting. Now read as Triton reads it, and the kernel's answer is the reference's; junk is off."""
+        pytest.importorskip("triton")
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+        from qkmla.ops.mla_decode.backends import interpreting
+
+        for value, on in (("true", True), ("YES", True), ("on", True), ("y", True), ("1", True), ("0", False),
+                          ("junk", False), ("", False), ("false", False)):
+            env.monkeypatch.setenv("TRITON_INTERPRET", value)
+            assert interpreting() is on, value
+        env.monkeypatch.setenv("TRITON_INTERPRET", "true")
+        torch.manual_seed(0)
+        q, r, kv = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 16), torch.randn(4, 4, 32)
+        table, lens, scales = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3]), torch.rand(4, 4, 2) + 0.5
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, scales, softmax_scale=0.25, backend="triton")
+        ref = mla_decode_with_kvcache(q, r, kv, table, lens, scales, softmax_scale=0.25, backend="naive")
+        torch.testing.assert_close(out, ref[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, ref[1], atol=1e-4, rtol=1e-4)
+
+    def qknorm_width_past_memory_named(env):
+        """QKNorm(2**40, 8) was refused as "dim: a norm weight of 1 x 1099511627776 float32 values need ...",
+        ScalarNorm's argument, which the caller never passed (rope_dim likewise). Named content_dim / rope_dim."""
+        from qkmla import QKNorm
+
+        raises(lambda: QKNorm(2**40, 8), ValueError, r"^content_dim: a norm weight of 1099511627776 float32 values")
+        raises(lambda: QKNorm(8, 2**40), ValueError, r"^rope_dim: a norm weight of 1099511627776 float32 values")
+        assert QKNorm(16, 8).content.dim == 16
+
+    def cached_positions_of_shape_1_t(env):
+        """MLA(x, cache, positions=torch.arange(T)[None]) for a batch of 2 (a host model's position_ids shape, which
+        the forward without a cache takes) was refused as "a cached forward must continue each sequence at its
+        cached length ... got positions starting at [0]": the positions the cache asked for. Taken now, as [T]
+        is, and equal to the forward without a cache; a wrong shape is refused naming it, wrong values as before."""
+        from qkmla import MLA, MLAConfig, AttentionConfig, FullKVCache, LatentCache, MultiHeadAttention
+
+        torch.manual_seed(0)
+        x = torch.randn(2, 5, 64)
+        with torch.no_grad():
+            for layer, make in ((MLA(MLAConfig()).eval(), LatentCache.from_config),
+                                (MultiHeadAttention(AttentionConfig(64, 4)).eval(), FullKVCache.from_config)):
+                cache = make(layer.config, 2, 8)
+                torch.testing.assert_close(layer(x, cache, positions=torch.arange(5)[None]), layer(x),
+                                           atol=1e-5, rtol=1e-4)
+                raises(lambda: layer(x, make(layer.config, 2, 8), positions=torch.arange(10).view(2, 5)[:, :3]),
+                       ValueError, r"^positions: expected shape \[2, 5\], \[1, 5\] or \[5\], got \(2, 3\)")
+                raises(lambda: layer(x, make(layer.config, 2, 8), positions=torch.arange(5)[None] + 1), ValueError,
+                       r"^positions: a cached forward must continue each sequence at its cached length")
+
+    def a_shallow_copy_of_a_cache(env):
+        """copy.copy(cache) (a branch of a generation, as a list is copied) shared the original's buffers with
+        lengths of its own: the branch and the original each wrote their next token to the same slot, and the
+        branch then attended to the original's row, 0.22 off the reference, without a word (LatentCache,
+        FullKVCache, SharedKVCache alike). Refused naming cache now, with the way that copies (deepcopy)."""
+        from qkmla import MLA, MLAConfig, FullKVCache, LatentCache
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        for cache in (LatentCache(1, 4, 8, 4), FullKVCache(1, 4, 1, 4, 4), SharedKVCache(1, 4, 8)):
+            raises(lambda c=cache: copy.copy(c), TypeError, r"^cache: copy.copy\(cache\) would share its buffers "
+                                                             r".*copy.deepcopy\(cache\) copies")
+        torch.manual_seed(0)
+        mla, x, other = MLA(MLAConfig()).eval(), torch.randn(1, 7, 64), torch.randn(1, 1, 64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 1, 8)
+            mla(x[:, :5], cache)
+            branch = copy.deepcopy(cache)
+            mla(x[:, 5:6], branch)
+            mla(other, cache)
+            torch.testing.assert_close(mla(x[:, 6:], branch), mla(x)[:, 6:], atol=1e-5, rtol=1e-4)
+
+    def decode_one_token_of_a_wrong_x(env):
+        """decode_one_token(mla, x, cache) checked x's rank only: x of another dtype, width or device than the
+        layer's, or a list, failed deep in the step ("expected m1 and m2 to have the same dtype", "mat1 and mat2
+        shapes cannot be multiplied", "'list' object has no attribute 'dim'", "Tensor on device cpu is not on the
+        expected device meta!"), naming nothing. Refused naming x, as MLA's forward does, the cache as it was;
+        a right x decodes as mla(x, cache)."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.decode import decode_one_token
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 6, 64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            mla(x[:, :5], cache)
+            for bad, pattern in ((x[:, 5:].double(), r"^x: dtype torch.float64 does not match"),
+                                 (torch.randn(2, 1, 32), r"^x: expected shape \[batch, seq >= 1, hidden_size=64\]"),
+                                 ([[1.0]], r"^x: expected a torch.Tensor"),
+                                 (torch.randn(2, 1, 64, device="meta"), r"^x: the module's weights are on cpu")):
+                raises(lambda b=bad: decode_one_token(mla, b, cache), ValueError, pattern)
+                assert cache.seqlens.tolist() == [5, 5]
+            twin = copy.deepcopy(cache)
+            torch.testing.assert_close(decode_one_token(mla, x[:, 5:], cache), mla(x[:, 5:], twin), atol=1e-5,
+                                       rtol=1e-4)
+
+    def meta_tensors_as_a_caches_values(env):
+        """A tensor on the meta device (shapes only) as select_sequences' indices, drop_last's counts, keep's mask,
+        plan's (or a cached forward's) positions, or set as seqlens / next_positions of a CPU cache: NotImplementedError
+        "Cannot copy out of meta tensor; no data!", naming nothing (plan's input_lengths alone was refused naming
+        itself). Each refused naming its argument now, the cache as it was."""
+        from qkmla import MLA, MLAConfig, LatentCache
+
+        cache = LatentCache(2, 4, 8, 4)
+        cache.append(cache.plan(2, 3), c_kv=torch.randn(2, 3, 8), k_rope=torch.randn(2, 3, 4))
+        meta = dict(device="meta")
+        for name, call in (("counts", lambda: cache.drop_last(torch.tensor([1, 1], **meta))),
+                           ("indices", lambda: cache.select_sequences(torch.tensor([1], **meta))),
+                           ("mask", lambda: cache.keep(torch.ones(2, 3, dtype=torch.bool, **meta))),
+                           ("seqlens", lambda: setattr(cache, "seqlens", torch.tensor([1, 1], **meta))),
+                           ("next_positions", lambda: setattr(cache, "next_positions", torch.tensor([5, 5], **meta))),
+                           ("positions", lambda: cache.plan(2, 1, positions=torch.tensor([3], **meta)))):
+            raises(call, ValueError, rf"^{name}: on the meta device \(shapes only\), so it holds no values to read; "
+                                     rf"pass it on cpu")
+        assert cache.seqlens.tolist() == cache.next_positions.tolist() == [3, 3] and cache.batch_size == 2
+        mla = MLA(MLAConfig()).eval()
+        with torch.no_grad():
+            raises(lambda: mla(torch.randn(2, 1, 64), LatentCache.from_config(mla.config, 2, 4),
+                               positions=torch.tensor([0], **meta)), ValueError, r"^positions: on the meta device")
+
+    return [
+        Row("GPTConfig", "size", "block_size=2**24 + 2 taken (positions past 2**24 inexact in float32 RoPE)",
+            block_size_past_exact_rope_positions),
+        Row("RotaryEmbedding", "size", "the positions' range read 2-4 times a call (a device sync each on a GPU)",
+            positions_range_read_once_a_call),
+        Row("LatentCache", "size", "a WriteSlot edited in place under inference_mode written as edited",
+            an_inference_mode_write_plan_edited_before_its_write),
+        Row("mla_decode_with_kvcache", "environment", "TRITON_INTERPRET=true read as off (Triton reads it as on)",
+            triton_interpret_spelled_true),
+        Row("QKNorm", "size", "QKNorm(2**40, 8) refused naming ScalarNorm's 'dim'", qknorm_width_past_memory_named),
+        Row("LatentCache", "size", "cached positions [1, T] for a batch of 2 refused as not continuing the lengths",
+            cached_positions_of_shape_1_t),
+        Row("LatentCache", "size", "copy.copy(cache) shared the buffers: a branch read the original's next token",
+            a_shallow_copy_of_a_cache),
+        Row("mla_decode_with_kvcache", "size", "decode_one_token with x of another dtype, width or device: torch's "
+            "errors from deep in the step", decode_one_token_of_a_wrong_x),
+        Row("LatentCache", "size", "meta tensors as indices, counts, mask, positions, seqlens: 'Cannot copy out of "
+            "meta tensor'", meta_tensors_as_a_caches_values),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows())
+        + left19_rows() + api20_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -33,7 +33,7 @@ from ..cache.storage import ContiguousBuffer
 from ..kv_formats import row_format
 from ..ops.mla_decode.torch_impl import fold_head_scale, latent_attention_op
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
-from .functional import no_decode_gradient
+from .functional import check_cache_device, check_hidden, no_decode_gradient
 from .mla import MLA
 from .sinks import apply_sinks
 
@@ -94,11 +94,18 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     The step is inference: where autograd would record it, it runs under ``torch.no_grad()`` and a
     backward through its output raises (as ``mla(x, cache)``'s eval-mode step does).
     """
+    if not isinstance(mla, MLA):
+        raise ValueError(f"mla: expected an MLA layer, got {type(mla).__name__}")
     if not isinstance(cache, LatentCache) or not isinstance(cache.fields["latent"], ContiguousBuffer):
         raise ValueError("cache: decode_one_token needs a contiguous LatentCache (the default layout)")
-    if x.dim() != 3 or x.shape[1] != 1:
+    # x as MLA's forward checks it: x of another dtype, width or device than the layer's weights, or no tensor,
+    # failed deep in the step's first projection ("expected m1 and m2 to have the same dtype", "mat1 and mat2
+    # shapes cannot be multiplied", "'list' object has no attribute 'dim'"), naming nothing
+    check_hidden(x, mla.config.hidden_size, mla.o_proj.weight.dtype, mla.o_proj.weight.device)
+    if x.shape[1] != 1:
         raise ValueError(f"x: expected one new token per sequence, [B, 1, hidden_size], got {tuple(x.shape)}")
     cache.check_config(mla.config)
+    check_cache_device(cache, x)
     slot = cache.plan(x.shape[0], 1, writer=mla)
     scales = cache.fields.get("key_scale")
     # Recorded by autograd (training mode, or eval outside no_grad), the step's backward failed deep in torch

@@ -40,13 +40,25 @@ WRITER_TOKEN = "_qkmla_cache_writer"
 
 
 def _watch(tensors) -> tuple:
-    """((tensor, its version counter or None), ...): None for None and for inference tensors (they keep none)."""
-    return tuple((t, None if t is None or t.is_inference() else t._version) for t in tensors)
+    """((tensor, its version counter, a copy, or None), ...): None for None. Inference tensors keep no version
+    counter: on the CPU a copy of their values stands in (comparing it is free there, and they are a few [B, T]
+    ints; an edit in place under torch.inference_mode, slot.slots[0, 0] = 4, was written as edited, without a word),
+    elsewhere None (comparing values would wait for the device at every write)."""
+    def mark(t):
+        if t is None:
+            return None
+        if not t.is_inference():
+            return t._version
+        return t.clone() if t.device.type == "cpu" else None
+
+    return tuple((t, mark(t)) for t in tensors)
 
 
 def _unchanged(planned: tuple, now: tuple) -> bool:
-    """Whether ``now``'s tensors are ``planned``'s, by identity, and none was written since (where counted)."""
-    return all(t is n and (v is None or n._version == v) for (t, v), n in zip(planned, now))
+    """Whether ``now``'s tensors are ``planned``'s, by identity, and none was written since (where counted, or by
+    value against the copy :func:`_watch` took)."""
+    return all(t is n and (v is None or (torch.equal(n, v) if isinstance(v, torch.Tensor) else n._version == v))
+               for (t, v), n in zip(planned, now))
 
 
 # Frozen: slot.slots = ... or slot.max_len = ... between plan() and append() was written as edited (max_len and
@@ -64,10 +76,11 @@ class WriteSlot:
     max_len: max(seqlens), as a Python int.
     uniform: whether every sequence has the same length after the write.
     planned: the tensors a write reads (slots, valid, seqlens, next_positions) and the cache's own
-        seqlens and next_positions at plan time, each with its version counter (None under
-        inference_mode, whose tensors keep none): append refuses a slot whose tensors were replaced
-        (dataclasses.replace) or edited in place, a slot of another cache, and a cache whose lengths
-        changed since, all by identity and counters, without reading a value.
+        seqlens and next_positions at plan time, each with its version counter (under inference_mode,
+        whose tensors keep none, a copy of their values on the CPU, nothing elsewhere): append refuses a
+        slot whose tensors were replaced (dataclasses.replace) or edited in place, a slot of another
+        cache, and a cache whose lengths changed since, by identity and counters, reading no value
+        but the CPU copies'.
     """
 
     slots: torch.Tensor
@@ -143,9 +156,19 @@ def check_dtype(name: str, dtype) -> None:
                          f"needs its per-tile scales: LatentCache(..., kv_format='fp8')")
 
 
+def check_has_values(name: str, value, device) -> None:
+    """A ValueError naming ``name`` for a tensor on the meta device (shapes only) handed to a cache that reads its
+    values: copied to the cache's device, it failed with "Cannot copy out of meta tensor; no data!", naming nothing
+    (select_sequences' indices, drop_last's counts, keep's mask, plan's positions, seqlens / next_positions set)."""
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise ValueError(f"{name}: on the meta device (shapes only), so it holds no values to read; pass it on "
+                         f"{device} (the cache's device)")
+
+
 def _integers(name: str, values, device, expected: str) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device``; a ValueError naming ``name`` for floats, complex
     numbers or bools, which ``.long()`` would truncate or take as 0/1 without a word."""
+    check_has_values(name, values, device)
     values = torch.as_tensor(values, device=device)
     if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
         raise ValueError(f"{name}: expected {expected}, got {values.dtype}")
@@ -220,6 +243,7 @@ class SequenceCache:
                 or value.dtype.is_complex or value.dtype == torch.bool:
             got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"{value!r:.80}"
             raise ValueError(f"{name}: expected an integer tensor [batch_size={B}], got {got}")
+        check_has_values(name, value, self.device)
         value = value.to(device=self.device, dtype=torch.long)
         seqlens = value if name == "seqlens" else self.seqlens
         positions = value if name == "next_positions" else self.next_positions
@@ -242,6 +266,14 @@ class SequenceCache:
     def _set_lengths(self, **values) -> None:
         for name, value in values.items():  # the cache's own moves: checked by the code that computes them
             object.__setattr__(self, name, value)
+
+    def __copy__(self):
+        # copy.copy gave a cache sharing the original's buffers with lengths of its own: a branch and the original
+        # each wrote their next token to the same slot, and the branch then attended to the original's row (0.22 off
+        # the reference), without a word
+        raise TypeError(f"cache: copy.copy(cache) would share its buffers with the original while each keeps lengths "
+                        f"of its own, so each would write over the other's next tokens; copy.deepcopy(cache) copies "
+                        f"the {type(self).__name__} (a branch of a generation)")
 
     def __deepcopy__(self, memo):
         # Rows written by a forward with gradients on carry autograd history (a cache may be trained
@@ -333,10 +365,16 @@ class SequenceCache:
                     or positions.dtype.is_complex or positions.dtype == torch.bool:
                 raise ValueError(f"positions: expected an integer tensor of shape [{batch_size}, {num_tokens}] or "
                                  f"[{num_tokens}], got {positions!r:.80}")
+            check_has_values("positions", positions, self.device)
             positions = positions.to(self.device)
-            if positions.shape == (num_tokens,):
+            # [1, T] too, as the forward without a cache takes them (default_positions) and as a host model's
+            # position_ids come: arange(T)[None] for a batch of 2 was refused as not continuing the cached lengths
+            if positions.shape in ((num_tokens,), (1, num_tokens)):
                 positions = positions.expand(batch_size, num_tokens)
-            if positions.shape != expected.shape or not torch.equal(positions, expected):
+            if positions.shape != expected.shape:
+                raise ValueError(f"positions: expected shape [{batch_size}, {num_tokens}], [1, {num_tokens}] or "
+                                 f"[{num_tokens}], got {tuple(positions.shape)}")
+            if not torch.equal(positions, expected):
                 raise ValueError(
                     f"positions: a cached forward must continue each sequence at its cached length "
                     f"(cache lengths {self.next_positions.tolist()}), so positions must be seqlens[:, None] + "
@@ -585,6 +623,7 @@ class SequenceCache:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != (B, S):
             got = f"{mask.dtype} {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"mask: expected a bool tensor [batch_size={B}, max_len={S}], got {got}")
+        check_has_values("mask", mask, self.device)
         mask = mask.to(self.device)
         if bool((mask & (torch.arange(S, device=self.device) >= self.seqlens[:, None])).any()):
             raise ValueError(f"mask: keeps a slot past its sequence's length (seqlens {self.seqlens.tolist()})")

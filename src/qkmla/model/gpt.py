@@ -42,6 +42,7 @@ from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
 from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
 from ..kv_formats import check_kv_format
+from ..rope import exact_positions
 from ..utils.checked import check_bool, is_finite_number, is_int, is_number, python_numbers
 from ..utils.limits import check_fits
 
@@ -99,6 +100,13 @@ class GPTConfig:
             raise ValueError(f"attn: expected one of {ATTENTION_VARIANTS}, got {self.attn!r}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             check_positive_int(name, getattr(self, name))  # also below 2**63: block_size=2**70 was accepted
+        # Positions 0..block_size-1 are rotated by float32 RoPE angles (the model's dtype, or bf16/fp16 computed in
+        # float32), which hold integers exactly up to 2**24 only (rope.exact_positions): block_size=2**24 + 2 was
+        # taken, and a full window was refused only at its forward, naming positions, after the work before it.
+        longest = exact_positions(torch.float32) + 1
+        if self.block_size > longest:
+            raise ValueError(f"block_size: expected at most {longest} (2**24 + 1: positions 0..block_size-1 must be "
+                             f"exact in the float32 RoPE angles), got {self.block_size}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_head: must divide n_embd={self.n_embd}, got {self.n_head}")
         # None means the variant's default; 0 must not quietly mean it too (attention_config's `or`),

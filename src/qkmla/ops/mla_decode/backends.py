@@ -44,9 +44,14 @@ def triton_installed() -> bool:
     return _TRITON_INSTALLED
 
 
+# The values Triton reads TRITON_INTERPRET as on (its getenv_bool, any case): "true" ran Triton's interpreter while
+# only "1" was read so here, and backend="triton" on CPU tensors was refused, naming TRITON_INTERPRET=1 as the way in
+_TRUE = ("1", "true", "on", "yes", "y")
+
+
 def interpreting() -> bool:
-    """Triton runs kernels on CPU tensors only in its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Triton runs kernels on CPU tensors only in its interpreter (TRITON_INTERPRET on, as Triton reads it)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRUE
 
 
 def _is_pow2(n: int) -> bool:
