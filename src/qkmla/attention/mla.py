@@ -340,7 +340,7 @@ class MLA(TracksMaxLogits):
         Args:
             x: [B, T, hidden_size] in the module's dtype.
             cache: None (causal attention within x), a :class:`LatentCache` or a :class:`FullKVCache`.
-            positions: [B, T] or [T]. Without a cache, defaults to 0..T-1; with one, it may be
+            positions: [B, T], [1, T] or [T]. Without a cache, defaults to 0..T-1; with one, it may be
                 passed only to assert where the tokens go (each sequence's cached length on).
             input_lengths: [B], with a cache: only the first input_lengths[b] tokens of
                 sequence b are real (right padding); their outputs are meaningful, the rest are not.
