@@ -16,7 +16,6 @@ softmax-scale correction from ``mscale_all_dim``, lives in :attr:`MLAConfig.scal
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
@@ -210,50 +209,10 @@ def check_position_range(name: str, low: int, high: int, dtype: torch.dtype) -> 
                          f"float64 x with a float64 module (.double()) for positions past it")
 
 
-def read_position_range(name: str, positions: torch.Tensor, dtype: torch.dtype) -> None:
-    """:func:`check_position_range` of integer ``positions``, where reading their range is free (CPU tensors,
-    outside compilation): past :func:`exact_positions` they were rounded."""
-    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
-        low, high = position_range(positions)
-        check_position_range(name, low, high, dtype)
-
-
-# Per thread: two threads serving through one layer each mark their own call's positions (a mark kept on the module
-# was restored out of order by interleaved calls, and left marking a tensor after both had returned).
-_marks = threading.local()
-
-
-class checked_positions:
-    """``with checked_positions(rotary, p, ...):`` a layer's rotations at exactly the tensors ``p`` (these
-    objects), in this thread, skip the read of their range, which the layer read and checked once for its whole
-    forward (``default_positions``, :func:`read_position_range`): each rotation read it again, 2 to 4 reads a
-    call (on a GPU each read of a tensor's min/max is a device sync). Nothing is marked while torch.compile
-    traces (the rotations read nothing there)."""
-
-    def __init__(self, rotary: "RotaryEmbedding", *positions: torch.Tensor):
-        self.marks = tuple((rotary, p) for p in positions)
-
-    def __enter__(self) -> None:
-        if not torch.compiler.is_compiling():
-            self.held = getattr(_marks, "marks", ())
-            _marks.marks = self.held + self.marks
-
-    def __exit__(self, *exc) -> None:
-        if not torch.compiler.is_compiling():
-            _marks.marks = self.held
-
-
-def range_checked(rotary: "RotaryEmbedding", positions: torch.Tensor) -> bool:
-    """Whether ``rotary``'s caller in this thread read and checked the range of ``positions`` (this very tensor)
-    already (:class:`checked_positions`)."""
-    return any(r is rotary and p is positions for r, p in getattr(_marks, "marks", ()))
-
-
-def check_positions(positions, x: torch.Tensor, read: bool = True) -> None:
+def check_positions(positions, x: torch.Tensor) -> None:
     """A ValueError naming ``positions`` unless it is a real tensor [..., T] that broadcasts to x's [..., T]
     (x [..., T, H, dim]) without growing it: a list failed in ``.to`` ("'list' object has no attribute 'to'"),
-    and positions of another length in the broadcast ("The size of tensor a (3) must match ..."). ``read``:
-    False where the caller read and checked their range already (:class:`checked_positions`)."""
+    and positions of another length in the broadcast ("The size of tensor a (3) must match ...")."""
     # A floating-point tensor too: positions [0.5, 1.0, 2.0] rotated by fractions of a position, without a word
     if not isinstance(positions, torch.Tensor) or positions.dtype == torch.bool or positions.is_complex() \
             or positions.is_floating_point():
@@ -272,8 +231,9 @@ def check_positions(positions, x: torch.Tensor, read: bool = True) -> None:
                          f"{tuple(x.shape)}), got {tuple(positions.shape)}")
     # Their range, where reading it is free (CPU positions, outside compilation; the attention layers check theirs
     # on every device in default_positions, where they already read them): past exact_positions they were rounded.
-    if read:
-        read_position_range("positions", positions, x.dtype)
+    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+        low, high = position_range(positions)
+        check_position_range("positions", low, high, x.dtype)
 
 
 class RotaryEmbedding(FixedSettings, nn.Module):
@@ -358,8 +318,7 @@ class RotaryEmbedding(FixedSettings, nn.Module):
             raise ValueError(f"x: expected a tensor [..., T, H, dim={self.dim}] (this module's dim), got {got}")
         if not x.is_floating_point():  # int64 x came back rotated and truncated to integers, without a word
             raise ValueError(f"x: expected a floating-point tensor (the output has x's dtype), got {x.dtype}")
-        # A tensor the calling layer already read the range of (checked_positions), by identity: not read again
-        check_positions(positions, x, read=torch.compiler.is_compiling() or not range_checked(self, positions))
+        check_positions(positions, x)
         freqs = self.frequencies()
         if freqs.device != x.device:
             # A meta x (a model built under torch.device("meta"), run for its shapes) gets meta frequencies: the

@@ -6918,67 +6918,6 @@ def api20_rows():
         assert GPTConfig(block_size=2**24 + 1).block_size == 2**24 + 1
         raises(lambda: GPTConfig(block_size=2**70), ValueError, r"^block_size: expected a positive int below 2\*\*63")
 
-    def positions_range_read_once_a_call(env):
-        """Left over from round 19: the positions' range (a device sync on a GPU) was read by default_positions or
-        not at all, then again by every rotation: an MLA call read it 2 (no cache) to 4 times (rope_positions), a
-        MultiHeadAttention or shared-KV call 2 or 3, causal_logits 2. Now once a call (none where the positions
-        are the default 0..T-1), with the same refusals: positions past 2**24 from the caller, the cache or
-        rope_positions, each before the cache is written."""
-        import qkmla.attention.functional as functional
-        import qkmla.rope as rope
-        from qkmla import MLA, MLAConfig, AttentionConfig, FullKVCache, LatentCache, MultiHeadAttention
-        from qkmla.attention.shared_kv import SharedKVAttention
-        from qkmla.cache.shared_kv import SharedKVCache
-        from qkmla.config import SharedKVConfig
-
-        reads, read = [0], rope.position_range
-
-        def counted(positions):
-            reads[0] += 1
-            return read(positions)
-
-        env.monkeypatch.setattr(rope, "position_range", counted)
-        env.monkeypatch.setattr(functional, "position_range", counted)
-
-        def count(call):
-            reads[0] = 0
-            call()
-            return reads[0]
-
-        torch.manual_seed(0)
-        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 5, 64)
-        mha = MultiHeadAttention(AttentionConfig(64, 4)).eval()
-        shared = SharedKVAttention(SharedKVConfig(hidden_size=64, num_heads=4, head_dim=24, rope_head_dim=8)).eval()
-        with torch.no_grad():
-            explicit = mla(x)
-            assert count(lambda: mla(x, positions=torch.arange(5))) == 1
-            cache = LatentCache.from_config(mla.config, 2, 8)
-            assert count(lambda: mla(x[:, :4], cache)) == count(lambda: mla(x[:, 4:], cache)) == 1
-            other = LatentCache.from_config(mla.config, 2, 8)
-            assert count(lambda: mla(x[:, :4], other, rope_positions=torch.arange(4))) == 1
-            torch.testing.assert_close(mla(x[:, 4:], other, rope_positions=torch.tensor([4])), explicit[:, 4:],
-                                       atol=1e-5, rtol=1e-4)
-            assert count(lambda: mla(x, FullKVCache.from_config(mla.config, 2, 8))) == 1
-            assert count(lambda: mha(x, positions=torch.arange(5))) == 1
-            assert count(lambda: mha(x, FullKVCache.from_config(mha.config, 2, 8))) == 1
-            assert count(lambda: shared(x, positions=torch.arange(5))) == 1
-            assert count(lambda: shared(x, SharedKVCache.from_config(shared.config, 2, 8))) == 1
-            assert count(lambda: mla.logits(x, positions=torch.arange(5))) == 1
-            limit = r"expected positions within \+-16777216"
-            for layer, cache in ((mla, LatentCache.from_config(mla.config, 1, 4)),
-                                 (mha, FullKVCache.from_config(mha.config, 1, 4)),
-                                 (shared, SharedKVCache.from_config(shared.config, 1, 4))):
-                raises(lambda: layer(torch.randn(1, 1, 64), positions=torch.tensor([2**24 + 1])), ValueError,
-                       rf"^positions: {limit}")
-                cache.next_positions = torch.tensor([2**24])
-                layer(torch.randn(1, 1, 64), cache)  # position 2**24: exact
-                raises(lambda: layer(torch.randn(1, 1, 64), cache), ValueError, rf"^positions: {limit}")
-                assert cache.seqlens.tolist() == [1]  # refused before the write
-            cache = LatentCache.from_config(mla.config, 1, 4)
-            raises(lambda: mla(torch.randn(1, 1, 64), cache, rope_positions=torch.tensor([-(2**24) - 1])), ValueError,
-                   rf"^rope_positions: {limit}")
-            assert cache.max_len == 0
-
     def an_inference_mode_write_plan_edited_before_its_write(env):
         """Left open by round 19: a WriteSlot planned under torch.inference_mode and edited in place before its
         append (slot.slots[0, 0] = 4 on a cache of uneven lengths) was written as edited: the new token stored at
@@ -7124,8 +7063,6 @@ def api20_rows():
     return [
         Row("GPTConfig", "size", "block_size=2**24 + 2 taken (positions past 2**24 inexact in float32 RoPE)",
             block_size_past_exact_rope_positions),
-        Row("RotaryEmbedding", "size", "the positions' range read 2-4 times a call (a device sync each on a GPU)",
-            positions_range_read_once_a_call),
         Row("LatentCache", "size", "a WriteSlot edited in place under inference_mode written as edited",
             an_inference_mode_write_plan_edited_before_its_write),
         Row("mla_decode_with_kvcache", "environment", "TRITON_INTERPRET=true read as off (Triton reads it as on)",

@@ -14,7 +14,6 @@ import torch
 
 from ..dtypes import accumulate_dtype
 from ..ops.mla_decode.torch_impl import latent_scores
-from ..rope import checked_positions
 from .functional import check_hidden, default_positions, per_head
 
 LOGIT_PATHS = ("explicit", "absorbed")
@@ -29,17 +28,15 @@ def causal_logits(mla, x: torch.Tensor, path: str = "explicit", positions: Optio
     if path not in LOGIT_PATHS:
         raise ValueError(f"path: expected one of {LOGIT_PATHS}, got {path!r}")
     check_hidden(x, mla.config.hidden_size, mla.o_proj.weight.dtype, mla.o_proj.weight.device)
-    positions = default_positions(x, positions)  # their range read once, there, not again by each rotation
+    positions = default_positions(x, positions)
     T = x.shape[1]
     if path == "explicit":
-        with checked_positions(mla.rotary, positions):
-            q, k, _ = mla.explicit_qkv(x, positions)
+        q, k, _ = mla.explicit_qkv(x, positions)
         k = k.repeat_interleave(mla.config.heads_per_group, dim=2)
         s = torch.einsum("bthd,bshd->bths", q, k).to(accumulate_dtype(q.dtype))
     else:
-        with checked_positions(mla.rotary, positions):
-            q_lat, q_rope = mla.absorbed_query(x, positions)
-            rows = mla.cache_rows(x, positions)
+        q_lat, q_rope = mla.absorbed_query(x, positions)
+        rows = mla.cache_rows(x, positions)
         latent = torch.cat((rows["c_kv"], rows["k_rope"]), dim=-1)
         s = latent_scores(q_lat, q_rope, latent, rows["key_scale"], mla.score_mode)
     s = s * per_head(mla.scale, 1)

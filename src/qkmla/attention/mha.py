@@ -16,7 +16,7 @@ from torch import nn
 from ..cache.full import FullKVCache
 from ..config import AttentionConfig, fixed_config
 from ..norms import HeadNorm
-from ..rope import RotaryEmbedding, checked_positions, read_position_range
+from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .functional import check_forward, default_positions, TracksMaxLogits, record_max_logits, sdpa, zero_padding
 
@@ -78,15 +78,11 @@ class MultiHeadAttention(TracksMaxLogits):
         """x [B, T, hidden_size] -> [B, T, hidden_size]; arguments as in :meth:`qkmla.MLA.forward`."""
         check_forward(self, x, cache, FullKVCache, input_lengths)
         if cache is None:
-            positions = default_positions(x, positions)  # their range read once, there, not again by each rotation
-            with checked_positions(self.rotary, positions):
-                q, k, v = self.qkv(x, positions)
+            q, k, v = self.qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             return self.o_proj(sdpa(q, k, v, self.scale, causal=True).flatten(2))
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths, writer=self)
-        read_position_range("positions", slot.positions, x.dtype)
-        with checked_positions(self.rotary, slot.positions):
-            q, k, v = self.qkv(zero_padding(x, slot.valid), slot.positions)
+        q, k, v = self.qkv(zero_padding(x, slot.valid), slot.positions)
         k, v = cache.update(slot, k, v)
         return self.o_proj(sdpa(q, k, v, self.scale, mask=slot.key_mask()).flatten(2))

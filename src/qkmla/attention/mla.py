@@ -38,7 +38,7 @@ from ..cache.latent import LatentCache
 from ..config import MLAConfig, fixed_config
 from ..norms import qk_norms_of
 from ..ops.mla_decode import mla_decode_with_kvcache, resolve_backend
-from ..rope import RotaryEmbedding, checked_positions, read_position_range
+from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .absorbed import (AbsorbedWeights, DerivedWeights, absorb, expand_keys, key_scalars, latent_query, score_mode,
                        values_out)
@@ -364,12 +364,8 @@ class MLA(TracksMaxLogits):
             [B, T, hidden_size]
         """
         path = resolve_path(self, x, cache, path, input_lengths, indices)
-        # The positions' range is read once a call, here (default_positions, or read_position_range for the cache's
-        # own), and not again by each rotation (checked_positions): 2 to 4 reads a call, each a device sync on a GPU
         if cache is None:
-            positions = default_positions(x, positions)
-            with checked_positions(self.rotary, positions):
-                q, k, v = self.explicit_qkv(x, positions)
+            q, k, v = self.explicit_qkv(x, default_positions(x, positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             return self.project_out(sdpa(q, k, v, self.scale, causal=True, sinks=self.sinks), x)
@@ -377,13 +373,6 @@ class MLA(TracksMaxLogits):
         if rope_positions is not None:
             slot = replace(slot, positions=default_positions(x, rope_positions, "rope_positions", signed=True)
                            .to(slot.positions.device))
-        else:
-            read_position_range("positions", slot.positions, x.dtype)
-        with checked_positions(self.rotary, slot.positions):
-            return self._cached_forward(x, cache, slot, path, indices)
-
-    def _cached_forward(self, x: torch.Tensor, cache, slot, path: str, indices: Optional[torch.Tensor]):
-        """:meth:`forward` with a cache, after the plan."""
         x = zero_padding(x, slot.valid)  # on every path: padding never reaches a real token
         if isinstance(cache, FullKVCache):
             q, k, v = self.explicit_qkv(x, slot.positions)

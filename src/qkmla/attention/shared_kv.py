@@ -31,7 +31,7 @@ from torch import nn
 
 from ..cache.shared_kv import SharedKVCache
 from ..config import SharedKVConfig, fixed_config
-from ..rope import RotaryEmbedding, checked_positions, read_position_range
+from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .functional import (TracksMaxLogits, check_forward, default_positions, record_max_logits, sdpa,
                          sink_attention, zero_padding)
@@ -98,34 +98,27 @@ class SharedKVAttention(TracksMaxLogits):
         """The cache rows [B, T, 1, D]: normalized, rotated, each token's key and value."""
         return self._rope(self.kv_norm(self.kv_proj(x)).unsqueeze(2), positions)
 
-    def _attend(self, q, kv, back, mask=None, causal=False) -> torch.Tensor:
-        """``back``: the queries' negated positions [B, T]."""
+    def _attend(self, q, kv, positions, mask=None, causal=False) -> torch.Tensor:
         if self.sinks is None:
             o = sdpa(q, kv, kv, self.scale, mask=mask, causal=causal)
         else:
             o = sink_attention(q, kv, kv, self.scale, self.sinks, mask=mask, causal=causal)
         n = self.config.nope_head_dim  # the values' RoPE slice back to position 0, at the query's position
-        o = torch.cat((o[..., :n], self.rotary.shift(o[..., n:], back)), dim=-1)
+        o = torch.cat((o[..., :n], self.rotary.shift(o[..., n:], -positions)), dim=-1)
         return self.o_proj(o.flatten(2))
 
     def forward(self, x: torch.Tensor, cache: Optional[SharedKVCache] = None, *,
                 positions: Optional[torch.Tensor] = None, input_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [B, T, hidden_size] -> [B, T, hidden_size]; arguments as in :meth:`qkmla.MLA.forward`."""
         check_forward(self, x, cache, SharedKVCache, input_lengths)
-        # The positions' range is read once a call (default_positions, or read_position_range for the cache's own),
-        # not again by each rotation and the values' turn back (checked_positions: 4 reads a call before)
         if cache is None:
             positions = default_positions(x, positions)
-            back = -positions
-            with checked_positions(self.rotary, positions, back):
-                q, kv = self.query(x, positions), self.shared_kv(x, positions)
-                if self.track_max_logits:
-                    record_max_logits(self, q, kv)
-                return self._attend(q, kv, back, causal=True)
+            q, kv = self.query(x, positions), self.shared_kv(x, positions)
+            if self.track_max_logits:
+                record_max_logits(self, q, kv)
+            return self._attend(q, kv, positions, causal=True)
         slot = cache.plan(x.shape[0], x.shape[1], positions, input_lengths, writer=self)
-        read_position_range("positions", slot.positions, x.dtype)
-        x, back = zero_padding(x, slot.valid), -slot.positions
-        with checked_positions(self.rotary, slot.positions, back):
-            q = self.query(x, slot.positions)
-            kv = cache.update(slot, self.shared_kv(x, slot.positions))
-            return self._attend(q, kv, back, mask=slot.key_mask())
+        x = zero_padding(x, slot.valid)
+        q = self.query(x, slot.positions)
+        kv = cache.update(slot, self.shared_kv(x, slot.positions))
+        return self._attend(q, kv, slot.positions, mask=slot.key_mask())
