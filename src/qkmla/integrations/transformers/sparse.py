@@ -231,10 +231,10 @@ class SparseLatentAttention(LatentAttention):
             visible = visible & (documents[:, :, None] == documents[:, None, :])
         chosen = self._choose(x, q_resid, position_embeddings, visible, position_ids, None, previous)
         mask = torch.zeros_like(visible).scatter_(-1, chosen.long(), True) & visible
-        if valid is not None:  # a padded query sees itself, so no row is empty (its output is dropped); only a
-            # padded one: with the whole diagonal, every real token of a padded batch also attended to itself where
-            # its indexer had not chosen it (logits 0.17 from transformers', the unpadded rows' too)
-            mask = mask | (torch.eye(T, dtype=torch.bool, device=x.device) & ~valid[:, :, None])
+        # A padded query attends to its indexer's choice among the real tokens before it, as transformers' does,
+        # and one with none gives 0 (sdpa's empty row). It used to see itself too (its logits are read: a
+        # right-padded generate(use_cache=False) picks its first new token from a padding column's), and before
+        # that every real token did (logits 0.17 from transformers', the unpadded rows' too).
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
         return self.project_out(sdpa(q, k, v, self.scale, mask=mask, sinks=self.sinks), x), chosen
