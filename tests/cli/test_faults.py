@@ -7007,7 +7007,41 @@ def hf20_rows():
         raises(lambda: mla_config_from_hf(config, num_heads=0), ValueError, r"^num_heads: expected a positive int")
         assert mla_config_from_hf(transformers.DeepseekV3Config(**config)).num_heads == 4
 
+    def a_cache_given_a_prompt_it_already_covers(env):
+        """A cache from one conversation (10 columns) passed to generate with another, shorter prompt: transformers
+        feeds the input_ids past the cache's columns, none, and the refusal named position_ids, which the caller
+        never passed. Now input_ids, the columns the cache holds and the ways out; after cache.reset() it
+        generates what a new cache does."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        ids = torch.tensor([[3, 5, 7, 9, 11, 13, 15]])
+        cache = LatentAttentionCache(model)
+        with torch.no_grad():
+            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+            raises(lambda: model.generate(ids[:, :3], cache=cache, max_new_tokens=2, do_sample=False), ValueError,
+                   r"^input_ids: no token past the 9 columns cache already holds; a cache continues the sequences it "
+                   r"holds: pass input_ids that extend them, a new cache, or call cache\.reset\(\) first$")
+            cache.reset()
+            assert torch.equal(model.generate(ids[:, :3], cache=cache, max_new_tokens=2, do_sample=False),
+                               model.generate(ids[:, :3], max_new_tokens=2, do_sample=False))
+
+    def a_directory_that_is_not_a_path(env):
+        """from_pretrained(None), checkpoint_dir(5), mla_layers_from_hf_dir(b"/tmp"): Path()'s TypeError ("expected
+        str, bytes or os.PathLike object, not NoneType"), naming no argument; now hf_dir and what it takes."""
+        from qkmla.integrations.hub import checkpoint_dir, mla_layers_from_hf_dir
+        from qkmla.integrations.transformers import from_pretrained
+
+        for fn in (from_pretrained, checkpoint_dir, mla_layers_from_hf_dir):
+            for bad in (None, 5, b"/tmp"):
+                raises(lambda: fn(bad), TypeError, rf"^hf_dir: expected a checkpoint directory.* \(a str or a path\), "
+                       rf"got {re.escape(repr(bad))}$")
+
     return [
+        Row("LatentAttentionCache", "size", "a cache passed with a prompt no longer than it holds: refused as "
+            "position_ids, which the caller never passed", a_cache_given_a_prompt_it_already_covers),
+        Row("LatentAttentionCache", "size", "from_pretrained(None) / checkpoint_dir(5): Path()'s TypeError, no "
+            "argument named", a_directory_that_is_not_a_path),
         Row("LatentAttentionCache", "size", "a right-padded batch without a cache (use_cache=False): padding columns' "
             "logits 0.09 off, generate(use_cache=False) could choose other tokens", padding_queries_without_a_cache),
         Row("LatentAttentionCache", "size", "a right-padded batch into a sparse model's cache (DeepSeek-V3.2, GLM-5): "

@@ -358,6 +358,13 @@ def _before_forward(module, args, kwargs):
     use_cache = module.config.use_cache if asked is None else asked
     if cache is not None:  # a static or quantized transformers cache is refused before anything else
         check_cache(cache, name)
+    if cache is not None and num_tokens == 0:
+        # generate feeds the input_ids past the cache's columns: a cache passed with a prompt no longer than what it
+        # holds (another conversation's) left none, refused as "position_ids: expected shape [batch=1, 0]", an
+        # argument the caller never passed
+        raise ValueError(f"input_ids: no token past the {cache.get_seq_length()} columns {name} already holds; a "
+                         f"cache continues the sequences it holds: pass input_ids that extend them, a new cache, or "
+                         f"call {name}.reset() first")
     documents, packed_by = _packed_documents(arguments, batch_size, num_tokens)
     if documents is not None and cache is not None:
         raise ValueError(f"{packed_by}: this call packs several sequences into a batch row (transformers' "
