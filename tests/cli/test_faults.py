@@ -7037,7 +7037,23 @@ def hf20_rows():
                 raises(lambda: fn(bad), TypeError, rf"^hf_dir: expected a checkpoint directory.* \(a str or a path\), "
                        rf"got {re.escape(repr(bad))}$")
 
+    def a_misspelt_lora_field(env):
+        """attention_lora_config(model, lora_dropuot=0.1): PEFT's "LoraConfig.__init__() got an unexpected keyword
+        argument 'lora_dropuot'", the field named last; now first, with what is taken. LoraConfig's own fields
+        still pass through."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import attention_lora_config
+
+        model = tiny_latent_deepseek()
+        raises(lambda: attention_lora_config(model, lora_dropuot=0.1), TypeError,
+               rf"^lora_dropuot: not a field of peft\.LoraConfig \(peft {re.escape(peft.__version__)}\); "
+               r"attention_lora_config takes targets, r, lora_alpha, lora_dropout, train_qk_norm and LoraConfig's "
+               r"other fields$")
+        assert attention_lora_config(model, bias="lora_only", use_rslora=True).use_rslora
+
     return [
+        Row("LatentAttentionCache", "size", "attention_lora_config(lora_dropuot=0.1): PEFT's TypeError, the field "
+            "named last", a_misspelt_lora_field),
         Row("LatentAttentionCache", "size", "a cache passed with a prompt no longer than it holds: refused as "
             "position_ids, which the caller never passed", a_cache_given_a_prompt_it_already_covers),
         Row("LatentAttentionCache", "size", "from_pretrained(None) / checkpoint_dir(5): Path()'s TypeError, no "

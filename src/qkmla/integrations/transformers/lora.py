@@ -21,6 +21,7 @@ peft is imported on first use: ``pip install 'qkmla[hf]'``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Iterable, Union
 
@@ -142,6 +143,13 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     if "target_modules" in kwargs:
         raise ValueError("target_modules: attention_lora_config sets it from targets (attention projections by name)")
     peft = _peft()
+    # A misspelt field (lora_dropuot=0.1) was PEFT's "LoraConfig.__init__() got an unexpected keyword argument
+    # 'lora_dropuot'", which names it last; named first here, with what is taken
+    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(peft.LoraConfig) if f.init})
+    if unknown:
+        raise TypeError(f"{unknown[0]}: not a field of peft.LoraConfig (peft {peft.__version__}); "
+                        f"attention_lora_config takes targets, r, lora_alpha, lora_dropout, train_qk_norm and "
+                        f"LoraConfig's other fields")
     layers = next(name for name, module in model.named_modules() if module is inner_model(model).layers)
     pattern = rf"{re.escape(layers)}\.\d+\.self_attn\.({'|'.join(names)})"
     latent = [name for name, module in model.named_modules() if any(module is a for a in latent_layers(model))]
