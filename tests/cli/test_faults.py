@@ -7051,7 +7051,27 @@ def hf20_rows():
                r"other fields$")
         assert attention_lora_config(model, bias="lora_only", use_rslora=True).use_rslora
 
+    def right_padding_into_a_static_cache(env):
+        """generate(cache_implementation="static") of a right-padded batch: the static path zeroed every padding
+        query's output, and generate picks the first new token from the last column's logits, a padding one:
+        other tokens than transformers (DeepSeek-V3, V2, GLM-4.7-Flash alike), also with output_attentions. Now a
+        padding query attends to the real tokens before it, as transformers' attention and the growing cache do."""
+        families = transformers_families()
+        for name in ("deepseek_v3", "glm4_moe_lite"):
+            ref, model, prompt, mask = right_padded(families, name)
+            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True)
+            with torch.no_grad():
+                want = ref.generate(prompt, **kw)
+                for attentions in (False, True):
+                    got = model.generate(prompt, cache_implementation="static", output_attentions=attentions, **kw)
+                    assert torch.equal(got.sequences, want.sequences), (name, attentions)
+                    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got.logits, want.logits)) \
+                        < 1e-6, (name, attentions)
+
     return [
+        Row("LatentAttentionCache", "size", "generate(cache_implementation='static') of a right-padded batch: other "
+            "tokens than transformers", right_padding_into_a_static_cache),
         Row("LatentAttentionCache", "size", "attention_lora_config(lora_dropuot=0.1): PEFT's TypeError, the field "
             "named last", a_misspelt_lora_field),
         Row("LatentAttentionCache", "size", "a cache passed with a prompt no longer than it holds: refused as "
