@@ -24,8 +24,10 @@ Padding is never cached. Each sequence's real tokens are moved to the front of t
 (left padding becomes right padding), cached with ``input_lengths``, with their RoPE keys rotated
 to the ``position_ids`` transformers passes (whatever it passes: generate's numbering of a
 left-padded batch, the column numbers of a right-padded one, a caller's own), so attention sees
-the position differences transformers' own attention sees; their outputs are moved back and
-padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
+the position differences transformers' own attention sees; their outputs are moved back, and a
+padding position gets what transformers' attention gives it: attention over the real tokens before
+it, or zeros where there are none (its logits are read: a right-padded generate picks its first new
+token from the last column's). So a prompt batched with longer ones gives the tokens it gives
 alone.
 
 Fewer KV groups than heads (a converted GQA model, ``qkmla.convert.gqa``): transformers' layer
