@@ -6728,31 +6728,10 @@ def hf19_rows():
     def a_sparse_model_scores_a_padded_batch(env):
         """A DeepSeek-V3.2 model (sparse attention) called without a cache on a left-padded batch: every real token
         also attended to itself where its indexer had not chosen it, logits 0.15 / 0.17 from the unpatched model's
-        (the unpadded row's too) and generate(use_cache=False) other tokens, without a word."""
-        transformers = pytest.importorskip("transformers")
-        from qkmla.integrations.transformers import apply_latent_attention
-
-        torch.manual_seed(0)
-        ref = transformers.DeepseekV32ForCausalLM(transformers.DeepseekV32Config(
-            vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-            qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-            first_k_dense_replace=1, pad_token_id=0, eos_token_id=None, experts_implementation="eager",
-            index_topk=3, index_head_dim=16, index_n_heads=4)).double().eval()
-        with torch.no_grad():
-            for name, p in ref.named_parameters():
-                if "self_attn" in name and p.dim() == 2:
-                    p.mul_(3.0)  # attention that is not flat, so a wrong selection shows
-        model = apply_latent_attention(copy.deepcopy(ref))
-        ids = torch.tensor([[0, 0, 0, 5, 9, 17, 3], [11, 4, 30, 2, 7, 19, 6]])
-        mask = (ids != 0).long()
-        with torch.no_grad():
-            want = ref(ids, attention_mask=mask, use_cache=False).logits
-            got = model(ids, attention_mask=mask, use_cache=False).logits
-            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
-            assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
-        real = mask.bool()
-        assert float((got[real] - want[real]).abs().max() / want[real].abs().max()) < 1e-6
+        (the unpadded row's too) and generate(use_cache=False) other tokens, without a word. The check is
+        test_families' (its deepseek_v32 case), which this row once spelled out again."""
+        families = transformers_families()
+        families.test_a_padded_batch_without_a_cache_scores_as_transformers("deepseek_v32")
 
     return [
         Row("LatentAttentionCache", "size", "generate(cache_implementation='quantized'): transformers' ImportError "
@@ -7079,13 +7058,227 @@ def api20_rows():
     ]
 
 
+def transformers_families():
+    """tests/integrations/transformers/test_families.py, whose models (``hf_model``: every supported MLA family,
+    tiny, in float64, attention away from flat) and checks the transformers rows share."""
+    pytest.importorskip("transformers")
+    return importlib.import_module("tests.integrations.transformers.test_families")
+
+
+def hf20_rows():
+    """Round 20's integrations probe: padding columns, unmerged PEFT adapters, and refusals of the transformers,
+    hub and torchtitan adapters that named another argument or none."""
+
+    def right_padded(families, name: str):
+        """(the unpatched model, the patched copy, a right-padded prompt [2, 7], its mask): row 0 is 4 tokens."""
+        ref = families.hf_model(families.family_named(name))
+        prompt = families.ids(length=7)
+        mask = torch.ones_like(prompt)
+        mask[0, 4:] = 0
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        return ref, apply_latent_attention(copy.deepcopy(ref)), prompt.masked_fill(mask == 0, 0), mask
+
+    def padding_queries_without_a_cache(env):
+        """A right-padded batch on the explicit path (use_cache=False: scoring, training, generate without a cache):
+        each padding query also attended to itself, so the padding columns' logits were not transformers' (0.09
+        off here, 0.15 sparse), and generate(use_cache=False), which picks its first new token from the last column,
+        a padding one, chose other tokens than transformers on other weights (a left-padded batch's loss differed
+        too: the last padding column predicts the first real token). A padding query now sees the real tokens
+        before it, or nothing (0), as transformers' attention and the cached path give it; sparse (DeepSeek-V3.2) as
+        dense."""
+        families = transformers_families()
+        for name in ("deepseek_v3", "deepseek_v32"):
+            ref, model, prompt, mask = right_padded(families, name)
+            with torch.no_grad():
+                want = ref(prompt, attention_mask=mask, use_cache=False).logits
+                got = model(prompt, attention_mask=mask, use_cache=False).logits
+                kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
+                assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw)), name
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name  # every column, padding too
+
+    def sparse_right_padding_into_a_cache(env):
+        """Left open in round 19: a right-padded batch prefilled into a cache on a sparse model (DeepSeek-V3.2,
+        GLM-5): its padding queries got 0, not their attention over their indexer's choice, so generate, which
+        picks the first new token from a padding column's logits, gave other tokens than transformers. Now
+        transformers' tokens, and every column's logits."""
+        families = transformers_families()
+        for name in ("deepseek_v32", "glm_moe_dsa"):
+            ref, model, prompt, mask = right_padded(families, name)
+            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+            with torch.no_grad():
+                assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw)), name
+                want, got = ref(prompt, attention_mask=mask).logits, model(prompt, attention_mask=mask).logits
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name
+
+    def an_unmerged_adapter_with_norms_over_a_model_without(env):
+        """Left open in round 19: an adapter trained with its QK norms (train_qk_norm=True) loaded onto the model
+        without a norm, and used without merging: PEFT dropped the trained norm weights without a word and the
+        PeftModel's forward and generate computed another function than the fine-tuned one (merge_lora alone
+        refused it). Now every forward is refused naming the adapter and the norms; onto the QK-normed model it
+        computes the fine-tuned logits."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config
+
+        normed = apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms")
+        with torch.no_grad():
+            for name, p in normed.named_parameters():
+                if ".q_norm." in name or ".k_norm." in name:
+                    p.add_(0.5 * torch.randn_like(p))
+        trained = peft.get_peft_model(normed, attention_lora_config(normed, r=2, train_qk_norm=True))
+        ids = torch.tensor([[3, 5, 7, 9]])
+        with torch.no_grad():
+            want = trained(input_ids=ids, use_cache=False).logits
+        trained.save_pretrained(env.tmp / "adapter")
+        bare = peft.PeftModel.from_pretrained(tiny_latent_deepseek(), env.tmp / "adapter")
+        refusal = (r"^model: its adapter 'default' trained the QK norm \(\['self_attn\.q_norm', 'self_attn\.k_norm'\] "
+                   r"in modules_to_save, train_qk_norm=True\), but the model under it has none")
+        with torch.no_grad():
+            raises(lambda: bare(input_ids=ids, use_cache=False), ValueError, refusal)
+            raises(lambda: bare.generate(input_ids=ids, max_new_tokens=2, use_cache=False), ValueError, refusal)
+            onto = peft.PeftModel.from_pretrained(apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms"),
+                                                  env.tmp / "adapter")
+            assert torch.allclose(onto(input_ids=ids, use_cache=False).logits, want, atol=1e-6)
+
+    def torchtitan_export_without_torchtitan(env):
+        """python -m qkmla.integrations.torchtitan.export without torchtitan installed printed a traceback of the
+        module's version check; now its one line (the supported releases, the pip command), exit 1."""
+        if importlib.util.find_spec("torchtitan") is not None:
+            pytest.skip("torchtitan is installed here: the export runs")
+        import qkmla
+
+        r = subprocess.run([sys.executable, "-m", "qkmla.integrations.torchtitan.export", "step", "out", "--", "x"],
+                           capture_output=True, text=True, cwd=env.tmp, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(Path(qkmla.__file__).parents[1])})
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+        assert re.match(r"^error: qkmla\.integrations\.torchtitan needs torchtitan>=0\.3\.0,<0\.4 \(Python >= 3\.11\): "
+                        r"pip install 'qkmla\[torchtitan\]'$", lines[0]), lines
+        assert not (env.tmp / "out").exists()
+
+    def a_record_refused_without_its_argument(env):
+        """from_pretrained of a checkpoint whose config.json records a QK norm that is not valid (eps NaN) said
+        "/path/config.json: its 'qkmla' entry is not valid: ...", naming no argument; now hf_dir, as its other
+        refusals, before any weight is read."""
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        src = env.tmp / "normed"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        config["qkmla"]["qk_norm"]["eps"] = float("nan")
+        (src / "config.json").write_text(json.dumps(config))
+        raises(lambda: from_pretrained(src), ValueError,
+               r"^hf_dir: \S+/config\.json: its 'qkmla' entry is not valid: eps: expected a finite number >= 0, "
+               r"got nan")
+
+    def heads_named_as_the_config_names_them(env):
+        """mla_config_from_hf of a config with num_attention_heads=2**70 (0, -1, 3.5) was refused as "num_heads:
+        ...", MLAConfig's name for it, which the config does not have; now the config's own name. An override
+        keeps its own (num_heads=0: num_heads)."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.integrations.hub.config import mla_config_from_hf
+
+        config = tiny_deepseek_v3().config.to_dict()
+        for bad in (2**70, 0, -1, 3.5):
+            raises(lambda: mla_config_from_hf(dict(config, num_attention_heads=bad)), ValueError,
+                   rf"^num_attention_heads: expected a positive int.*got {re.escape(repr(bad))}$")
+        raises(lambda: mla_config_from_hf(config, num_heads=0), ValueError, r"^num_heads: expected a positive int")
+        assert mla_config_from_hf(transformers.DeepseekV3Config(**config)).num_heads == 4
+
+    def a_cache_given_a_prompt_it_already_covers(env):
+        """A cache from one conversation (10 columns) passed to generate with another, shorter prompt: transformers
+        feeds the input_ids past the cache's columns, none, and the refusal named position_ids, which the caller
+        never passed. Now input_ids, the columns the cache holds and the ways out; after cache.reset() it
+        generates what a new cache does."""
+        from qkmla.integrations.transformers import LatentAttentionCache
+
+        model = tiny_latent_deepseek()
+        ids = torch.tensor([[3, 5, 7, 9, 11, 13, 15]])
+        cache = LatentAttentionCache(model)
+        with torch.no_grad():
+            model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+            raises(lambda: model.generate(ids[:, :3], cache=cache, max_new_tokens=2, do_sample=False), ValueError,
+                   r"^input_ids: no token past the 9 columns cache already holds; a cache continues the sequences it "
+                   r"holds: pass input_ids that extend them, a new cache, or call cache\.reset\(\) first$")
+            cache.reset()
+            assert torch.equal(model.generate(ids[:, :3], cache=cache, max_new_tokens=2, do_sample=False),
+                               model.generate(ids[:, :3], max_new_tokens=2, do_sample=False))
+
+    def a_directory_that_is_not_a_path(env):
+        """from_pretrained(None), checkpoint_dir(5), mla_layers_from_hf_dir(b"/tmp"): Path()'s TypeError ("expected
+        str, bytes or os.PathLike object, not NoneType"), naming no argument; now hf_dir and what it takes."""
+        from qkmla.integrations.hub import checkpoint_dir, mla_layers_from_hf_dir
+        from qkmla.integrations.transformers import from_pretrained
+
+        for fn in (from_pretrained, checkpoint_dir, mla_layers_from_hf_dir):
+            for bad in (None, 5, b"/tmp"):
+                raises(lambda: fn(bad), TypeError, rf"^hf_dir: expected a checkpoint directory.* \(a str or a path\), "
+                       rf"got {re.escape(repr(bad))}$")
+
+    def a_misspelt_lora_field(env):
+        """attention_lora_config(model, lora_dropuot=0.1): PEFT's "LoraConfig.__init__() got an unexpected keyword
+        argument 'lora_dropuot'", the field named last; now first, with what is taken. LoraConfig's own fields
+        still pass through."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import attention_lora_config
+
+        model = tiny_latent_deepseek()
+        raises(lambda: attention_lora_config(model, lora_dropuot=0.1), TypeError,
+               rf"^lora_dropuot: not a field of peft\.LoraConfig \(peft {re.escape(peft.__version__)}\); "
+               r"attention_lora_config takes targets, r, lora_alpha, lora_dropout, train_qk_norm and LoraConfig's "
+               r"other fields$")
+        assert attention_lora_config(model, bias="lora_only", use_rslora=True).use_rslora
+
+    def right_padding_into_a_static_cache(env):
+        """generate(cache_implementation="static") of a right-padded batch: the static path zeroed every padding
+        query's output, and generate picks the first new token from the last column's logits, a padding one:
+        other tokens than transformers (DeepSeek-V3, V2, GLM-4.7-Flash alike), also with output_attentions. Now a
+        padding query attends to the real tokens before it, as transformers' attention and the growing cache do."""
+        families = transformers_families()
+        for name in ("deepseek_v3", "glm4_moe_lite"):
+            ref, model, prompt, mask = right_padded(families, name)
+            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+                      return_dict_in_generate=True)
+            with torch.no_grad():
+                want = ref.generate(prompt, **kw)
+                for attentions in (False, True):
+                    got = model.generate(prompt, cache_implementation="static", output_attentions=attentions, **kw)
+                    assert torch.equal(got.sequences, want.sequences), (name, attentions)
+                    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got.logits, want.logits)) \
+                        < 1e-6, (name, attentions)
+
+    return [
+        Row("LatentAttentionCache", "size", "generate(cache_implementation='static') of a right-padded batch: other "
+            "tokens than transformers", right_padding_into_a_static_cache),
+        Row("LatentAttentionCache", "size", "attention_lora_config(lora_dropuot=0.1): PEFT's TypeError, the field "
+            "named last", a_misspelt_lora_field),
+        Row("LatentAttentionCache", "size", "a cache passed with a prompt no longer than it holds: refused as "
+            "position_ids, which the caller never passed", a_cache_given_a_prompt_it_already_covers),
+        Row("LatentAttentionCache", "size", "from_pretrained(None) / checkpoint_dir(5): Path()'s TypeError, no "
+            "argument named", a_directory_that_is_not_a_path),
+        Row("LatentAttentionCache", "size", "a right-padded batch without a cache (use_cache=False): padding columns' "
+            "logits 0.09 off, generate(use_cache=False) could choose other tokens", padding_queries_without_a_cache),
+        Row("LatentAttentionCache", "size", "a right-padded batch into a sparse model's cache (DeepSeek-V3.2, GLM-5): "
+            "generate gave other tokens than transformers", sparse_right_padding_into_a_cache),
+        Row("LatentAttentionCache", "size", "an unmerged PeftModel of a train_qk_norm adapter over a model without a "
+            "norm (the norm dropped, its forward another function)",
+            an_unmerged_adapter_with_norms_over_a_model_without),
+        Row("convert", "environment", "python -m qkmla.integrations.torchtitan.export without torchtitan: a traceback",
+            torchtitan_export_without_torchtitan),
+        Row("LatentAttentionCache", "size", "from_pretrained of a config.json with a record that is not valid: refused "
+            "naming the path, no argument", a_record_refused_without_its_argument),
+        Row("MLAConfig", "size", "mla_config_from_hf(num_attention_heads=2**70): refused as num_heads, a field the "
+            "config does not have", heads_named_as_the_config_names_them),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows())
+        + left19_rows() + api20_rows() + hf20_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -73,6 +73,13 @@ def check_utf8_path(name: str, path: Union[str, Path]) -> None:
                          "rename it (or a directory above it)") from None
 
 
+def check_path_type(hf_dir, what: str) -> None:
+    """A TypeError naming ``hf_dir`` for what is not a str or a path (None, 5, bytes): ``Path()``'s own said only
+    "expected str, bytes or os.PathLike object, not NoneType", naming no argument."""
+    if not isinstance(hf_dir, (str, os.PathLike)):
+        raise TypeError(f"hf_dir: expected {what} (a str or a path), got {hf_dir!r:.80}")
+
+
 def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = None,
                    cache_dir: Union[None, str, Path] = None, subfolder: str = "", local_files_only: bool = False,
                    token: Union[None, bool, str] = None, force_download: bool = False) -> Path:
@@ -91,6 +98,7 @@ def checkpoint_dir(name_or_path: Union[str, Path], *, revision: Optional[str] = 
     """
     # Path("") is "." (the working directory, loaded unasked) and an over-long name made is_dir() raise a
     # bare OSError: both refused naming hf_dir, as every other path qkmla takes.
+    check_path_type(name_or_path, "a checkpoint directory or a hub repository id")
     root = check_path("hf_dir", name_or_path, "checkpoint directory")
     # revision=123 failed in huggingface_hub's regex ("expected string or bytes-like object, got 'int'")
     if revision is not None and (not isinstance(revision, str) or not revision.strip()):
@@ -389,6 +397,7 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
     Examples:
         >>> mla = mla_layers_from_hf_dir("DeepSeek-V2-Lite", layers=3)[3]             # doctest: +SKIP
     """
+    check_path_type(hf_dir, "a checkpoint directory")
     root = check_path("hf_dir", hf_dir, "checkpoint directory")  # an empty or over-long path, named
     if not root.is_dir():
         raise ValueError(f"hf_dir: {root} is not a directory")

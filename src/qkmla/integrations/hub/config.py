@@ -38,6 +38,7 @@ _OURS = ("q_norm.", "k_norm.", "logit_scale")
 # transformers' DeepSeek model types, and a QK-normed checkpoint's own (hub.record.QK_MODEL_TYPES)
 _MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "qkmla_deepseek_v2", "qkmla_deepseek_v3")
 _MISSING = object()
+_HF_NAMES = {"num_heads": "num_attention_heads"}  # MLAConfig's field: the HF config's, where they differ
 
 
 def _get(hf_config, name: str, default=_MISSING):
@@ -144,7 +145,14 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
         qk_norm=norm,
     )
     fields.update(overrides)
-    return MLAConfig(**fields)
+    try:
+        return MLAConfig(**fields)
+    except (ValueError, TypeError) as e:  # a field of the HF config named as the config names it, not as MLAConfig
+        # does: num_attention_heads=2**70 was refused as "num_heads: ...", a field the config does not have
+        field, colon, rest = str(e).partition(": ")
+        if colon and field in _HF_NAMES and field not in overrides:
+            raise type(e)(f"{_HF_NAMES[field]}: {rest}") from None
+        raise
 
 
 def load_hf_attention_weights(mla: MLA, state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> MLA:

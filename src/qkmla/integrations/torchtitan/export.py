@@ -26,7 +26,12 @@ from typing import Optional, Sequence
 
 from .versions import check_torchtitan
 
-check_torchtitan()
+try:
+    check_torchtitan()
+except ImportError as e:
+    if __name__ == "__main__":  # the command without torchtitan (or another release): its one line, not a traceback
+        sys.exit(f"error: {e}")
+    raise
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402

@@ -24,8 +24,10 @@ Padding is never cached. Each sequence's real tokens are moved to the front of t
 (left padding becomes right padding), cached with ``input_lengths``, with their RoPE keys rotated
 to the ``position_ids`` transformers passes (whatever it passes: generate's numbering of a
 left-padded batch, the column numbers of a right-padded one, a caller's own), so attention sees
-the position differences transformers' own attention sees; their outputs are moved back and
-padded positions get zeros. So a prompt batched with longer ones gives the tokens it gives
+the position differences transformers' own attention sees; their outputs are moved back, and a
+padding position gets what transformers' attention gives it: attention over the real tokens before
+it, or zeros where there are none (its logits are read: a right-padded generate picks its first new
+token from the last column's). So a prompt batched with longer ones gives the tokens it gives
 alone.
 
 Fewer KV groups than heads (a converted GQA model, ``qkmla.convert.gqa``): transformers' layer
@@ -371,15 +373,19 @@ class LatentAttention(MLA):
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril().expand(B, T, T)
             if documents is not None:
                 mask = mask & (documents[:, :, None] == documents[:, None, :])
-            if valid is not None:  # not padding; a padded query sees itself, so no row is empty
-                mask = (mask & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=x.device)
+            if valid is not None:  # padding keys hidden. A padding query sees the real tokens before it, as
+                # transformers' attention's does, and one with none gives 0 (sdpa's empty row), as transformers'
+                # sdpa and the cached path give it: it saw itself too, and a right-padded generate(use_cache=False),
+                # which picks its first new token from the last column's logits, a padding one, chose other tokens
+                mask = mask & valid[:, None, :]
         if not weights:
             return self.project_out(sdpa(q, k, v, self.scale, mask=mask, causal=mask is None), x), None
         # Asked for the weights: the output is computed from them, as transformers' eager attention
         # does, so gradients reach them (a caller may retain_grad on them).
         probs = explicit_weights(q, k, self.scale, mask)
-        if valid is not None:  # padding queries and keys: 0, as transformers' are for keys
-            probs = probs * (valid[:, None, :, None] & valid[:, None, None, :]).to(probs.dtype)
+        if valid is not None:  # padding keys: 0, as transformers' are; a padding query's row is the one the sdpa
+            # path above attends with (zeroed, its output was 0 here and another there)
+            probs = probs * valid[:, None, None, :].to(probs.dtype)
         h, G = q.shape[2], v.shape[2]
         heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
         out = torch.einsum("bhts,bshd->bthd", probs, heads_v)

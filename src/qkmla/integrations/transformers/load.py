@@ -115,7 +115,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
                     else hf_config.get("dtype", hf_config.get("torch_dtype")))
         recorded = getattr(torch, recorded, None) if isinstance(recorded, str) else recorded
         check_cache_settings(kv_format, policy, None, recorded if isinstance(recorded, torch.dtype) else None)
-    norm = recorded_norm(hf_config, str(root / CONFIG))
+    # named by the argument, as this function's other refusals are: the message began with the path alone
+    norm = recorded_norm(hf_config, f"hf_dir: {root / CONFIG}")
     config = kwargs.get("config")
     if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:
         raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "

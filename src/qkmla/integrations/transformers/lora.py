@@ -21,6 +21,7 @@ peft is imported on first use: ``pip install 'qkmla[hf]'``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Iterable, Union
 
@@ -142,6 +143,13 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     if "target_modules" in kwargs:
         raise ValueError("target_modules: attention_lora_config sets it from targets (attention projections by name)")
     peft = _peft()
+    # A misspelt field (lora_dropuot=0.1) was PEFT's "LoraConfig.__init__() got an unexpected keyword argument
+    # 'lora_dropuot'", which names it last; named first here, with what is taken
+    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(peft.LoraConfig) if f.init})
+    if unknown:
+        raise TypeError(f"{unknown[0]}: not a field of peft.LoraConfig (peft {peft.__version__}); "
+                        f"attention_lora_config takes targets, r, lora_alpha, lora_dropout, train_qk_norm and "
+                        f"LoraConfig's other fields")
     layers = next(name for name, module in model.named_modules() if module is inner_model(model).layers)
     pattern = rf"{re.escape(layers)}\.\d+\.self_attn\.({'|'.join(names)})"
     latent = [name for name, module in model.named_modules() if any(module is a for a in latent_layers(model))]
@@ -155,21 +163,23 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     return peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern, **kwargs)
 
 
-def _check_norms_have_a_place(peft_model) -> None:
+def check_norms_have_a_place(base, peft_config: dict, argument: str = "peft_model") -> None:
     """Refuse adapters that trained the QK norm (``train_qk_norm``: the norms in ``modules_to_save``) over a
     model without one: PEFT loads such an adapter onto it without a word, dropping the trained norm weights
-    it has nowhere to put, and the merged model then computed another function than the one fine-tuned."""
-    base = peft_model.get_base_model()
-    if latent_layers(base)[0].config.has_qk_norm:
-        return
+    it has nowhere to put, and the merged model (merge_lora) or the PEFT model itself (its forward, checked by
+    ``apply_latent_attention``'s hook) then computed another function than the one fine-tuned. ``base``: the
+    model under the adapters; ``peft_config``: their configs by adapter name."""
+    entries = {name: [m for m in getattr(config, "modules_to_save", None) or [] if isinstance(m, str)
+                      and m.split(".")[-1] in ("q_norm", "k_norm")] for name, config in peft_config.items()}
+    if not any(entries.values()) or latent_layers(base)[0].config.has_qk_norm:
+        return  # checked per forward: no module walk unless an adapter saves a norm
     modules = [n for n, _ in base.named_modules()]
-    for name, config in peft_model.peft_config.items():
+    for name, saved in entries.items():
         # The entries PEFT found no module for (it matches a module whose name ends with the entry): a sparse
         # model's own indexer.k_norm, saved beside the adapters, has its place and is kept
-        norms = [m for m in getattr(config, "modules_to_save", None) or [] if m.split(".")[-1] in ("q_norm", "k_norm")
-                 and not any(n == m or n.endswith("." + m) for n in modules)]
+        norms = [m for m in saved if not any(n == m or n.endswith("." + m) for n in modules)]
         if norms:
-            raise ValueError(f"peft_model: its adapter {name!r} trained the QK norm ({norms} in modules_to_save, "
+            raise ValueError(f"{argument}: its adapter {name!r} trained the QK norm ({norms} in modules_to_save, "
                              f"train_qk_norm=True), but the model under it has none, so the trained norm weights were "
                              f"dropped; load the adapter onto the QK-normed model it was trained on "
                              f"(qkmla.integrations.transformers.from_pretrained of its checkpoint, or "
@@ -203,7 +213,7 @@ def merge_lora(peft_model, **kwargs):
     except ValueError as e:
         raise ValueError(f"peft_model: its base model is not one apply_latent_attention patched ({e})") from None
     _check_separate_query(peft_model.get_base_model(), "peft_model")
-    _check_norms_have_a_place(peft_model)
+    check_norms_have_a_place(peft_model.get_base_model(), peft_model.peft_config)
     model = peft_model.merge_and_unload(**kwargs)
     for i, layer in enumerate(latent_layers(model)):
         for name in lora_targets(layer.config):

@@ -117,6 +117,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
         if norm is not None and current is None:
             _record(model, norm)
         _keep_latent_attention(model)  # the causal LM, when the first call was given its inner model
+        inner._qkmla_owner = _Owner(model)
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
@@ -136,6 +137,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     inner.register_forward_hook(_after_forward, with_kwargs=True)
     _no_transformers_mask(model)
     _keep_latent_attention(model)
+    inner._qkmla_owner = _Owner(model)
     return model
 
 
@@ -221,6 +223,23 @@ def _keep_latent_attention(model) -> None:
     if hasattr(model, "generate"):
         model.create_masks_for_generate = _masks_for_generate
         model._prepare_cache_for_generation = _PrepareCache(model)
+
+
+class _Owner:
+    """The model ``apply_latent_attention`` was given (the causal LM, or the inner model itself), as its inner
+    model's forward hook reads it: PEFT copies its adapters' ``peft_config`` onto that model, and calls its
+    ``forward`` directly (no hook of its own runs). Held weakly, and a deepcopy's or a pickled copy's is the
+    copy's, as ``_PrepareCache``'s."""
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+
+    def __deepcopy__(self, memo):
+        model = self.model()
+        return _Owner(memo.get(id(model), model))
+
+    def __reduce__(self):
+        return _Owner, (self.model(),)
 
 
 class _PrepareCache:
@@ -321,6 +340,13 @@ def _before_forward(module, args, kwargs):
         raise ValueError("output_attentions: this model's caches evict tokens (policy=...), so cached tokens no "
                          "longer match the attention_mask columns transformers' weights are laid out by; call "
                          "without output_attentions, or patch the model without a policy")
+    owner = getattr(module, "_qkmla_owner", None)
+    owner = owner.model() if owner is not None else None
+    if getattr(owner, "peft_config", None):  # an unmerged PEFT model: merge_lora refused this one, but its forward
+        # computed without the trained norm PEFT dropped (logits 0.08 from the fine-tuned model's), without a word
+        from .lora import check_norms_have_a_place
+
+        check_norms_have_a_place(owner, owner.peft_config, "model")
     inputs = next((arguments[k] for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
     if inputs is None:
         raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
@@ -332,6 +358,13 @@ def _before_forward(module, args, kwargs):
     use_cache = module.config.use_cache if asked is None else asked
     if cache is not None:  # a static or quantized transformers cache is refused before anything else
         check_cache(cache, name)
+    if cache is not None and num_tokens == 0:
+        # generate feeds the input_ids past the cache's columns: a cache passed with a prompt no longer than what it
+        # holds (another conversation's) left none, refused as "position_ids: expected shape [batch=1, 0]", an
+        # argument the caller never passed
+        raise ValueError(f"input_ids: no token past the {cache.get_seq_length()} columns {name} already holds; a "
+                         f"cache continues the sequences it holds: pass input_ids that extend them, a new cache, or "
+                         f"call {name}.reset() first")
     documents, packed_by = _packed_documents(arguments, batch_size, num_tokens)
     if documents is not None and cache is not None:
         raise ValueError(f"{packed_by}: this call packs several sequences into a batch row (transformers' "

@@ -216,11 +216,31 @@ class SparseLatentAttention(LatentAttention):
                 out = MLA.forward(self, x.gather(1, index), latent, input_lengths=valid.sum(dim=1), indices=moved,
                                   rope_positions=compacted, path=path)
                 out = torch.empty_like(out).scatter_(1, index, out).masked_fill(~valid[..., None], 0.0)
+                out = self._chosen_padding_queries(x, valid, latent, positions, indices, out)
         except BaseException:
             layer.drop_indexer_columns(before)  # the latent cache took its rows out again (its transaction)
             raise
         layer.advance(valid, B, T)
         return out, chosen
+
+    def _chosen_padding_queries(self, x: torch.Tensor, valid: torch.Tensor, latent, positions, indices: torch.Tensor,
+                                out: torch.Tensor) -> torch.Tensor:
+        """``out`` with each padding query that chose a real token given what transformers' sparse attention
+        gives it: attention over the slots its indexer chose (``indices`` [B, T, topk], -1 none), after this
+        call's real tokens went in. Their output was 0, and a right-padded ``generate`` picks its first new
+        token from the last column's logits, a padding one: DeepSeek-V3.2 generated other tokens than
+        transformers. As ``LatentAttention._padding_queries``: not where the positions are not transformers' or an
+        eviction policy may have moved the slots; decode steps (no padding) never pay it."""
+        queried = ~valid & (indices >= 0).any(dim=-1)  # [B, T]
+        if positions is None or self.settings.policy is not None or not bool(queried.any()):
+            return out
+        k, v = self.expand_cache(*latent.load())  # [B, S, G, d_n + d_r], [B, S, G, d_v]
+        S = k.shape[1]
+        slots = torch.where(indices >= 0, indices, S).to(x.device)  # none: a column past the cache, cut off
+        mask = torch.zeros(*indices.shape[:2], S + 1, dtype=torch.bool, device=x.device).scatter_(-1, slots, True)
+        q = self.explicit_query(x, positions.to(x.device).expand(x.shape[0], x.shape[1]))
+        heads = sdpa(q, k, v.to(q.dtype), self.scale, mask=mask[..., :S], sinks=self.sinks)
+        return torch.where(queried[..., None], self.project_out(heads.to(x.dtype), x), out)
 
     def _uncached_sparse(self, x, q_resid, position_embeddings, position_ids, valid, documents, new, previous=None):
         """The explicit path over x alone (training, scoring): each token attends to the indexer's
@@ -231,10 +251,10 @@ class SparseLatentAttention(LatentAttention):
             visible = visible & (documents[:, :, None] == documents[:, None, :])
         chosen = self._choose(x, q_resid, position_embeddings, visible, position_ids, None, previous)
         mask = torch.zeros_like(visible).scatter_(-1, chosen.long(), True) & visible
-        if valid is not None:  # a padded query sees itself, so no row is empty (its output is dropped); only a
-            # padded one: with the whole diagonal, every real token of a padded batch also attended to itself where
-            # its indexer had not chosen it (logits 0.17 from transformers', the unpadded rows' too)
-            mask = mask | (torch.eye(T, dtype=torch.bool, device=x.device) & ~valid[:, :, None])
+        # A padded query attends to its indexer's choice among the real tokens before it, as transformers' does,
+        # and one with none gives 0 (sdpa's empty row). It used to see itself too (its logits are read: a
+        # right-padded generate(use_cache=False) picks its first new token from a padding column's), and before
+        # that every real token did (logits 0.17 from transformers', the unpadded rows' too).
         positions = (position_ids if position_ids is not None else torch.arange(T, device=x.device)).expand(B, T)
         q, k, v = self.explicit_qkv(x, positions.to(x.device))
         return self.project_out(sdpa(q, k, v, self.scale, mask=mask, sinks=self.sinks), x), chosen

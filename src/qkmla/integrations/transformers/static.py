@@ -366,7 +366,8 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
             out = attn.project_out(heads, x)
     if inference:
         out = no_decode_gradient(out, x, attn)
-    out = out if valid is None else out.masked_fill(~valid[..., None], 0.0)
+    # A padding query keeps what transformers' attention gives it (the real tokens before it; 0 with none): zeroed,
+    # a right-padded generate over a static cache took its first new token from a padding column's zeros
     if not weights:
         return out, None
     if valid is not None:  # padding queries get no weights, as over the growing cache (weights.py)
@@ -379,8 +380,9 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
     """The absorbed form over all L columns, masked: (heads' outputs [B, T, h, d_v], the
     probabilities [B, h, T, L], which the outputs are computed from).
 
-    Query t (column columns[t]) sees column j when j <= columns[t] and j holds a real token, or
-    j is its own column (a padding query sees itself, so no row of the softmax is empty). The
+    Query t (column columns[t]) sees column j when j <= columns[t] and j holds a real token; a padding
+    query with none sees its own column only so that no row of the softmax is empty, and its output is
+    0 (transformers' attention gives those 0, and the real tokens before it to the others). The
     score rule is the decode op's (``ops.mla_decode.naive``), in float32 (float64 for float64)."""
     from ...attention.absorbed import latent_query, values_out
 
@@ -408,7 +410,9 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
         scores = scale * (s_c + s_r)
     j = torch.arange(layer.max_cache_len, device=x.device)
     own = j[None, :] == columns[:, None]  # [T, L]
-    visible = ((j[None, :] <= columns[:, None]) & layer.key_valid[:, None, :]) | own  # [B, T, L]
+    seen = (j[None, :] <= columns[:, None]) & layer.key_valid[:, None, :]  # [B, T, L]
+    empty = ~seen.any(dim=-1)  # [B, T]: padding queries with no real token at or before them
+    visible = seen | (own & empty[..., None])  # a real query's own column is in seen already
     probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("bhtl,blc->bthc", probs, cached).to(x.dtype)
-    return values_out(o_lat, w), probs
+    return values_out(o_lat, w).masked_fill(empty[..., None, None], 0.0), probs
