@@ -6987,7 +6987,26 @@ def probe20_rows():
                r"has none: `qkmla generate RUN` samples from one\)")
         assert not (env.tmp / "o").exists()
 
+    def into_an_experiments_runs(env):
+        """--out EXP/runs, the directory an experiment trains its grid in: train refused it, but an experiment
+        wrote its results, figures and a runs/ of its own there, and demo its four runs beside the grid's, without
+        a word. Both refused now, as train is, the directory as it was."""
+        exp = env.tmp / "exp"
+        (exp / "runs" / "unified_s1").mkdir(parents=True)
+        (exp / "summary.json").write_text(json.dumps({"experiment": "norm-mode"}))
+        before = snapshot(exp)
+        where = (r"--out: \S+exp/runs is where the experiment in \S+exp trains its runs \(qkmla experiment's own "
+                 r"directory\); ")
+        refuse(env, [*QUICK, "--out", exp / "runs"], rf"^qkmla experiment: {where}qkmla experiment writes in a "
+               r"directory of its own: choose a new --out")
+        refuse(env, ["demo", "--out", exp / "runs", "--steps", "1", "--threads", "1"],
+               rf"^qkmla demo: {where}qkmla demo writes in a directory of its own: choose a new --out")
+        refuse(env, train_ok(env, exp / "runs"), rf"^qkmla train: {where}a run goes in a directory of its own")
+        assert snapshot(exp) == before and [p.name for p in (exp / "runs").iterdir()] == ["unified_s1"]
+
     return [
+        Row("experiment", "output", "--out another experiment's runs directory (results, figures and runs/ written "
+            "among its grid's runs; demo too)", into_an_experiments_runs),
         Row("convert-gqa", "path", "--hf a qkmla training run ('describes a None model')",
             convert_gqa_of_a_training_run),
         Row("train", "concurrent", "--resume with config.json replaced between its two reads (two answers)",

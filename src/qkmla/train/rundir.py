@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..utils.checked import is_int
-from ..utils.files import check_own_directory, directory_kind, write_text
+from ..utils.files import check_own_directory, write_text
 from .checkpoint import FILENAME, read_metadata
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
@@ -181,14 +181,9 @@ def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
         ValueError: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
     """
     out = Path(out)
+    # also refuses an experiment's OUT/runs (only that directory: a folder that merely holds other runs, or a
+    # checkpoint, in subfolders is the user's to lay out)
     check_own_directory("out", out, "train")
-    # An experiment's OUT/runs is its grid's: a run written there, beside the grid's runs, is one the
-    # experiment never planned, in the place its runs are looked up. (Only that directory: a folder that
-    # merely holds other runs, or a checkpoint, in subfolders is the user's to lay out.)
-    kind = directory_kind(out.parent) if out.name == "runs" else None
-    if kind is not None and kind[0] == "experiment":
-        raise ValueError(f"out: {out} is where the experiment in {out.parent} trains its runs (qkmla experiment's "
-                         "own directory); a run goes in a directory of its own: choose a new --out")
     notes = []
     for name in RUN_FILES:
         if (out / name).is_dir():
