@@ -7272,13 +7272,132 @@ def hf20_rows():
     ]
 
 
+def probe20_rows():
+    """Round 20's CLI probe: a config.json a resume read twice; a finished grid run whose metrics.jsonl was cut;
+    hand-damaged values in a metrics row; a junk MPLBACKEND."""
+    QUICK = ["experiment", "norm-mode", "--quick", "--seeds", "1", "--workers", "1", "--no-progress"]
+
+    def resume_reads_config_once(env):
+        """--resume read the run's config.json twice, once for the other-run's-checkpoint check and once for the
+        hand-edit check: a file replaced between the two reads (here by junk) got two answers, the second check
+        refusing a file the first had passed ("not readable JSON"). It is read once now, each check judging the
+        same text: the resume goes on as that text allows."""
+        import qkmla.train.trainer as trainer
+
+        run = env.tmp / "run"
+        shutil.copytree(env.run, run)
+        real = trainer.resume_mismatches
+
+        def replaced_between(*a):  # runs between the two checks
+            (run / "config.json").write_text("junk")
+            return real(*a)
+
+        env.monkeypatch.setattr(trainer, "resume_mismatches", replaced_between)
+        env.capsys.readouterr()
+        assert main(["train", "--out", str(run), "--resume", "--steps", "3", "--no-progress", "--threads", "1"]) == 0
+        assert json.loads((run / "config.json").read_text())["train"]["steps"] == 3
+
+    def experiment_over_a_finished_runs_cut_log(env):
+        """A finished run of the grid whose metrics.jsonl was deleted or cut (here to its first line): the grid
+        skipped it as finished, then its report drew a row without a final loss, matplotlib's TypeError, "internal
+        error". Refused now before any work, naming the file and the steps it lacks (--overwrite too, which
+        trains no finished run again); the file put back, the report is drawn."""
+        out = env.tmp / "e"
+        assert main([*QUICK, "--out", str(out)]) == 0
+        log = out / "runs" / "unified_s1" / "metrics.jsonl"
+        whole = log.read_text()
+        log.write_text(whole.splitlines(keepends=True)[0])
+        for extra in ([], ["--overwrite"]):
+            refuse(env, [*QUICK, "--out", out, *extra],
+                   r"^qkmla experiment: --out: \S+unified_s1/metrics\.jsonl holds no row for 5 of the 6 steps of the "
+                   r"finished run unified_s1 \(steps 2-6: deleted or cut since the run wrote them\), so its results "
+                   r"cannot be reported; put the file back, or remove that run's directory to train it again")
+        log.write_text(whole)
+        assert main([*QUICK, "--out", str(out)]) == 0
+
+    def plot_damaged_values(env):
+        """A metrics row whose loss is an object or a string (damaged by hand or another tool): a dict was
+        matplotlib's TypeError, "internal error"; a string was drawn as a category on the loss axis, a wrong
+        figure without a word; a step of -5 or 10**23 was drawn as one. Such a line is not a row now: left out
+        with the warning naming its line, as any damaged line is."""
+        run = env.tmp / "r"
+        run.mkdir()
+        good = (env.run / "metrics.jsonl").read_text()
+        (run / "metrics.jsonl").write_text(good + '{"step": 3, "loss": {"a": 1}}\n{"step": 4, "loss": "x"}\n'
+                                           '{"step": -5, "loss": 1.0}\n{"step": 100000000000000000000000, "loss": 1}\n')
+        env.capsys.readouterr()
+        assert main(["plot", str(run), "--out", str(env.tmp / "f.png")]) == 0
+        err = env.capsys.readouterr().err
+        assert "Traceback" not in err, err
+        assert re.search(r"metrics\.jsonl: lines 3, 4, 5, 6 of 6 are not metrics rows", err), err
+        from qkmla.train.plot import read_metrics
+
+        assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+    def junk_mplbackend(env):
+        """MPLBACKEND=junk (qkmla draws with Agg whatever it holds): matplotlib's import validated it, and every
+        experiment's report (after the grid), plot and demo failed as "Key backend: 'junk' is not a valid value
+        for backend", naming no variable. Set aside for the import now: the report and the figure are written."""
+        out = env.tmp / "e"
+        assert main([*QUICK, "--out", str(out)]) == 0
+        (out / "norm_mode.png").unlink()
+        r = qkmla([*QUICK, "--out", out], env.tmp, env={"MPLBACKEND": "junk"})
+        assert r.returncode == 0 and "Key backend" not in r.stderr and (out / "norm_mode.png").is_file(), r.stderr
+        r = qkmla(["plot", out / "runs" / "unified_s1", "--out", "f.png"], env.tmp, env={"MPLBACKEND": "junk"})
+        assert r.returncode == 0 and "Key backend" not in r.stderr and (env.tmp / "f.png").is_file(), r.stderr
+
+    def convert_gqa_of_a_training_run(env):
+        """convert-gqa --hf of a qkmla training run (its config.json names no model_type) said "config.json
+        describes a None model"; it says what the file lacks and what reads a run, as convert does."""
+        run = env.tmp / "run"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"train": {"preset": "debug"}, "model": {"n_embd": 64}}))
+        refuse(env, ["convert-gqa", "--hf", run, "--out", env.tmp / "o"],
+               r"^qkmla convert-gqa: --hf: \S+config\.json names no model_type, so it is not a transformers "
+               r"checkpoint; convert-gqa converts \['olmoe', 'qwen3'\] models \(a qkmla training run's config\.json "
+               r"has none: `qkmla generate RUN` samples from one\)")
+        assert not (env.tmp / "o").exists()
+
+    def into_an_experiments_runs(env):
+        """--out EXP/runs, the directory an experiment trains its grid in: train refused it, but an experiment
+        wrote its results, figures and a runs/ of its own there, and demo its four runs beside the grid's, without
+        a word. Both refused now, as train is, the directory as it was."""
+        exp = env.tmp / "exp"
+        (exp / "runs" / "unified_s1").mkdir(parents=True)
+        (exp / "summary.json").write_text(json.dumps({"experiment": "norm-mode"}))
+        before = snapshot(exp)
+        where = (r"--out: \S+exp/runs is where the experiment in \S+exp trains its runs \(qkmla experiment's own "
+                 r"directory\); ")
+        refuse(env, [*QUICK, "--out", exp / "runs"], rf"^qkmla experiment: {where}qkmla experiment writes in a "
+               r"directory of its own: choose a new --out")
+        refuse(env, ["demo", "--out", exp / "runs", "--steps", "1", "--threads", "1"],
+               rf"^qkmla demo: {where}qkmla demo writes in a directory of its own: choose a new --out")
+        refuse(env, train_ok(env, exp / "runs"), rf"^qkmla train: {where}a run goes in a directory of its own")
+        assert snapshot(exp) == before and [p.name for p in (exp / "runs").iterdir()] == ["unified_s1"]
+
+    return [
+        Row("experiment", "output", "--out another experiment's runs directory (results, figures and runs/ written "
+            "among its grid's runs; demo too)", into_an_experiments_runs),
+        Row("convert-gqa", "path", "--hf a qkmla training run ('describes a None model')",
+            convert_gqa_of_a_training_run),
+        Row("train", "concurrent", "--resume with config.json replaced between its two reads (two answers)",
+            resume_reads_config_once),
+        Row("experiment", "path", "a finished run's metrics.jsonl cut to one line (matplotlib's TypeError, 'internal "
+            "error', after the grid)", experiment_over_a_finished_runs_cut_log),
+        Row("plot", "path", "a metrics row with an object, a string, a step of -5 or 10**23 (TypeError; drawn as a "
+            "category)", plot_damaged_values),
+        Row("experiment", "environment", "MPLBACKEND=junk: the report (and plot) failed ('Key backend: ...', no "
+            "variable named)", junk_mplbackend),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

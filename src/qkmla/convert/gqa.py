@@ -544,6 +544,10 @@ def convert_gqa_checkpoint(src, out, *, kv_lora_rank: Optional[int] = None, rope
     kv_lora_rank, rope_dim, calibration_tokens = (as_int(v) for v in (kv_lora_rank, rope_dim, calibration_tokens))
     hf_config = read_hf_config(src, "src")
     model_type = hf_config.get("model_type")
+    if model_type is None:  # a qkmla training run's config.json (it names none): "describes a None model"
+        raise ValueError(f"src: {src / CONFIG} names no model_type, so it is not a transformers checkpoint; "
+                         f"convert-gqa converts {sorted(MODEL_TYPES)} models (a qkmla training run's config.json "
+                         "has none: `qkmla generate RUN` samples from one)")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"src: {src / CONFIG} describes a {model_type!r} model; convert-gqa converts "
                          f"{sorted(MODEL_TYPES)} models")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..utils.environment import agg_matplotlib
 from ..utils.files import write_atomically
 
 
 def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
+    agg_matplotlib()  # Agg, a junk MPLBACKEND set aside (utils.environment)
     import matplotlib.pyplot as plt
 
     return plt

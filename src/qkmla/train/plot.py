@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from ..utils.environment import agg_matplotlib
 from ..utils.files import input_file_problem, make_directory, write_atomically
 
 
@@ -39,6 +40,7 @@ FIGURE_SUFFIXES = (".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".eps", ".p
 def check_figure_name(name: str, out) -> None:
     """Refuse a figure file named with a suffix that is no format matplotlib writes here (``x.txt`` was
     written as a PNG): such a suffix gives the format, no suffix a PNG."""
+    agg_matplotlib()  # first: a junk MPLBACKEND fails matplotlib's own import
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     suffix = Path(out).suffix
@@ -95,9 +97,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
             not match the runs, or ``out`` named with a suffix that is no figure format.
     """
     check_figure_name("out", out)
-    import matplotlib
-
-    matplotlib.use("Agg")
+    agg_matplotlib()
     import matplotlib.pyplot as plt
 
     if labels is not None and len(labels) != len(run_dirs):

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..utils.files import check_own_directory, directory_kind, write_text
+from ..utils.checked import is_int
+from ..utils.files import check_own_directory, write_text
 from .checkpoint import FILENAME, read_metadata
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
@@ -180,14 +181,9 @@ def check_run_dir(out: Path, resume: bool, overwrite: bool) -> list[str]:
         ValueError: ``out`` holds a run and neither ``resume`` nor ``overwrite`` is set.
     """
     out = Path(out)
+    # also refuses an experiment's OUT/runs (only that directory: a folder that merely holds other runs, or a
+    # checkpoint, in subfolders is the user's to lay out)
     check_own_directory("out", out, "train")
-    # An experiment's OUT/runs is its grid's: a run written there, beside the grid's runs, is one the
-    # experiment never planned, in the place its runs are looked up. (Only that directory: a folder that
-    # merely holds other runs, or a checkpoint, in subfolders is the user's to lay out.)
-    kind = directory_kind(out.parent) if out.name == "runs" else None
-    if kind is not None and kind[0] == "experiment":
-        raise ValueError(f"out: {out} is where the experiment in {out.parent} trains its runs (qkmla experiment's "
-                         "own directory); a run goes in a directory of its own: choose a new --out")
     notes = []
     for name in RUN_FILES:
         if (out / name).is_dir():
@@ -302,6 +298,22 @@ def metrics_line(row: dict) -> str:
     return json.dumps(row) + "\n"
 
 
+# The per-step numbers the readers draw, sum and compare (plot, an experiment's results): each a number
+# or null in a row the trainer writes. A hand-damaged value ("loss": {"a": 1}, "x") was drawn: a string
+# as a category on a loss axis (a wrong figure, without a word), a dict as matplotlib's TypeError.
+ROW_NUMBERS = ("loss", "val_loss", "max_logit", "grad_norm", "lr", "step_seconds", "max_logit_after_clip",
+               "clipped_heads")
+
+
+def _is_row(row) -> bool:
+    """A metrics row: a JSON object whose step is an int from 1 to 2**63 - 1 (the trainer's count; a
+    damaged step of 10**23 or -5 was drawn as one), and whose :data:`ROW_NUMBERS` are numbers or null."""
+    if not isinstance(row, dict) or not is_int(step := row.get("step")) or not 1 <= step < 2**63:
+        return False
+    return all(row.get(k) is None or (isinstance(row[k], (int, float)) and not isinstance(row[k], bool))
+               for k in ROW_NUMBERS)
+
+
 def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
     """The rows of a metrics file; a line that is not a row (a write cut short by a kill,
     or damage) is skipped, and the rows around it kept. ``skipped``, a list, receives the
@@ -319,7 +331,7 @@ def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
             row = json.loads(line)
         except ValueError:  # UnicodeDecodeError and JSONDecodeError are both ValueErrors
             line, row = raw.decode("utf-8", "replace"), None
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
+        if _is_row(row):
             rows.append(row)
         elif skipped is not None and line.strip():
             skipped.append(number)
@@ -342,18 +354,40 @@ def truncate_metrics(out: Path, step: int) -> list[int]:
     return [s for s in range(1, step + 1) if s not in logged]
 
 
+def missing_steps(out: Path, step: int) -> tuple[int, list[tuple[int, int]]]:
+    """The steps from 1 to ``step`` that no row of ``out/metrics.jsonl`` logs (as
+    :func:`truncate_metrics` finds them, the file left as it is), for a reader of a finished run:
+    (how many, [(first, last), ...] ranges of them). Found from the rows, not by counting to
+    ``step``: a status.json edited to step 10**15 is not a loop of 10**15."""
+    logged = sorted({r["step"] for r in read_rows(Path(out) / "metrics.jsonl") if 1 <= r["step"] <= step})
+    ranges, before = [], 0
+    for s in logged + [step + 1]:
+        if s > before + 1:
+            ranges.append((before + 1, s - 1))
+        before = s
+    return sum(b - a + 1 for a, b in ranges), ranges
+
+
+def steps_text(ranges: list[tuple[int, int]]) -> str:
+    """(first, last) ranges of steps as "1-480, 500" (at most four ranges named)."""
+    runs = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+    return ", ".join(runs[:4]) + (f" and {len(runs) - 4} more ranges" if len(runs) > 4 else "")
+
+
+def _ranges(missing: list[int]) -> list[tuple[int, int]]:
+    """Consecutive steps as ranges: "1-480" rather than 480 numbers."""
+    ranges: list[tuple[int, int]] = []
+    for s in missing:
+        if ranges and s == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], s)
+        else:
+            ranges.append((s, s))
+    return ranges
+
+
 def gap_line(path: Path, missing: list[int], step: int) -> str:
     """One warning line for the ``missing`` steps of a resumed run's metrics file ``path``."""
-    runs, start = [], None
-    for s in missing + [None]:  # consecutive steps as ranges: "1-480" rather than 480 numbers
-        if start is None:
-            start = last = s
-        elif s == last + 1:
-            last = s
-        else:
-            runs.append(f"{start}" if start == last else f"{start}-{last}")
-            start = last = s
-    where = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more ranges" if len(runs) > 4 else "")
+    where = steps_text(_ranges(missing))
     steps = "step" if len(missing) == 1 else "steps"
     return (f"warning: {path} holds no row for {len(missing)} of the {step} steps before the checkpoint "
             f"({steps} {where}: deleted or cut since the run wrote them); the resumed run logs from step {step + 1} "
@@ -361,6 +395,21 @@ def gap_line(path: Path, missing: list[int], step: int) -> str:
 
 
 _ABSENT = object()
+_READ, _UNREADABLE = object(), object()
+
+
+def read_config_text(path: Path):
+    """A run's ``config.json`` as the resume checks see it: its text, None when there is no such
+    file, or a marker for one that cannot be read (not UTF-8, a directory, no permission). A resume
+    reads it once and hands the text to every check (:func:`foreign_checkpoint`, then
+    :func:`record_edits`): each read it again, so a file replaced between the two got two answers,
+    the other run's checkpoint taken for agreeing with one text and the edits judged on another."""
+    if not Path(path).is_file():
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return _UNREADABLE
 
 
 def _short(value) -> str:
@@ -389,7 +438,7 @@ def written_digests(out: Path) -> tuple:
     return tuple(d for d in (status.get("config_sha256"), status.get("config_sha256_previous")) if d)
 
 
-def record_edits(path: Path, recorded: dict, now: dict, written: tuple = ()) -> list[str]:
+def record_edits(path: Path, recorded: dict, now: dict, written: tuple = (), text=_READ) -> list[str]:
     """The settings a user changed in a run's ``config.json`` (``path``) that a resume would
     overwrite: those whose value there differs both from the run's own record (``recorded``: the
     config its checkpoint carries, which the file was written from) and from what the resume
@@ -401,15 +450,18 @@ def record_edits(path: Path, recorded: dict, now: dict, written: tuple = ()) -> 
     checkpoint nor the next resume has. [] when there is no such file or nothing was changed; a
     file that is not a JSON object is one entry. Entries read "train.lr: 0.5 in the file, 0.001
     recorded, 0.002 now" (", ... now" left out where it is the recorded value); the sections ("train",
-    "model") compare field by field."""
-    if not Path(path).is_file():
+    "model") compare field by field. ``text``: the file as :func:`read_config_text` read it, for a
+    caller that checks it more than once (a resume: :func:`foreign_checkpoint` first)."""
+    text = read_config_text(path) if text is _READ else text
+    if text is None:
+        return []
+    if text is _UNREADABLE:
+        return ["not readable JSON: damaged or cut short"]
+    if text_digest(text) in written:
         return []
     try:
-        text = Path(path).read_text(encoding="utf-8")
-        if text_digest(text) in written:
-            return []
         saved = json.loads(text)
-    except (OSError, UnicodeDecodeError, ValueError):
+    except ValueError:
         return ["not readable JSON: damaged or cut short"]
     if not isinstance(saved, dict):
         return ["not a JSON object"]
@@ -445,16 +497,18 @@ def resume_edits(out: Path) -> list[str]:
 MUST_MATCH = ("preset", "attn", "tokenizer", "split", "optimizer", "muon_adjust_lr")
 
 
-def foreign_checkpoint(path: Path, recorded: dict, written: tuple = ()) -> list[str]:
+def foreign_checkpoint(path: Path, recorded: dict, written: tuple = (), text=_READ) -> list[str]:
     """What defines the model or the data where the ``config.json`` qkmla last wrote in a run directory
     (``path``, its digest among ``written``) and the checkpoint beside it (``recorded``: its record)
     disagree: the checkpoint is another run's, copied or restored there. A resume took its settings from
     the checkpoint, so it trained the other run on, rewrote config.json to it and appended its steps to
     the first run's metrics.jsonl, without a word (probe 19). [] for a file qkmla did not write (a hand
     edit: :func:`record_edits`), one that cannot be read, or one that agrees. Entries read
-    "attn: checkpoint 'v4', config.json 'mla-qknorm'"."""
+    "attn: checkpoint 'v4', config.json 'mla-qknorm'". ``text``: as for :func:`record_edits`."""
+    text = read_config_text(path) if text is _READ else text
+    if text is None or text is _UNREADABLE:
+        return []
     try:
-        text = Path(path).read_text(encoding="utf-8")
         if text_digest(text) not in written:
             return []
         saved = json.loads(text)

@@ -55,8 +55,8 @@ from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rendezvous import init_process_group
 from .rundir import (RUN_FILES, RunLock, check_run_dir, foreign_checkpoint, fresh_out, gap_line, metrics_line,
-                     note_config_written, prepare, record_edits, resume_mismatches, text_digest, truncate_metrics,
-                     write_status, written_digests)
+                     note_config_written, prepare, read_config_text, record_edits, resume_mismatches, text_digest,
+                     truncate_metrics, write_status, written_digests)
 from .step_memory import step_saved_bytes
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
@@ -359,7 +359,10 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
             raise ValueError(f"resume: no checkpoint in {out}, so there is nothing to continue; pass --overwrite "
                              "to start the run over")
         stored = json.loads(read_metadata(out / FILENAME)["config"])
-        foreign = foreign_checkpoint(out / "config.json", stored, written_digests(out))
+        # config.json and status.json read once for both checks: a file replaced between two reads gave
+        # them two different texts to judge (the foreign-checkpoint check one, the hand-edit check another)
+        text, written = read_config_text(out / "config.json"), written_digests(out)
+        foreign = foreign_checkpoint(out / "config.json", stored, written, text=text)
         if foreign:  # checked first: the settings below were read from that checkpoint, so they agree with it
             raise ValueError(f"resume: {out / FILENAME} is another run's checkpoint than the one {out / 'config.json'} "
                              f"records ({'; '.join(foreign[:3])}{'; ...' if len(foreign) > 3 else ''}); put the "
@@ -370,7 +373,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
             raise ValueError(f"resume: the run in {out} was trained differently; these must match: "
                              + "; ".join(diffs) + " (steps, the lr schedule, logging and intervals may change; "
                              "see qkmla.train.config.RESUMABLE)")
-        edits = record_edits(out / "config.json", stored, run_config, written_digests(out))
+        edits = record_edits(out / "config.json", stored, run_config, written, text=text)
         if edits:  # the resume rewrites the file: an edit there would vanish without a word
             raise ValueError(f"out: {out / 'config.json'} was changed since the run wrote it ("
                              f"{'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); a resume takes its "

@@ -113,6 +113,25 @@ def check_transformers_verbosity() -> None:
                          f"ignores; expected one of {', '.join(TRANSFORMERS_LEVELS)}{hint}, or unset it")
 
 
+def agg_matplotlib():
+    """matplotlib, with the Agg backend every qkmla figure is drawn with (off-screen, to a file).
+    ``MPLBACKEND`` is set aside while matplotlib is first imported, which validates it: qkmla selects
+    Agg whatever it holds, so it is read by nothing here, yet a junk value ("MPLBACKEND=junk", one
+    left from a desktop session) failed plot, demo and every experiment's report as "Key backend:
+    'junk' is not a valid value for backend; ...", naming no variable. The variable is put back."""
+    if "matplotlib" not in sys.modules:
+        saved = os.environ.pop("MPLBACKEND", None)
+        try:
+            import matplotlib
+        finally:
+            if saved is not None:
+                os.environ["MPLBACKEND"] = saved
+    import matplotlib
+
+    matplotlib.use("Agg")
+    return matplotlib
+
+
 def drop_bad_thread_counts(command: str) -> list[str]:
     """Remove OMP_NUM_THREADS / MKL_NUM_THREADS values that are not positive ints (a list such
     as "4,2" is OpenMP's nested form: kept), saying so on stderr; returns the names dropped.

@@ -506,6 +506,15 @@ def check_own_directory(name: str, out: PathLike, command: str) -> None:
     """Before any work: ValueError naming option ``name`` if the directory ``out`` holds another
     command's output (:data:`DIRECTORY_KINDS`) that ``command`` would write beside."""
     out = Path(out)
+    # An experiment's OUT/runs is its grid's: what is written there, beside the grid's runs, is nothing the
+    # experiment planned, in the place its runs are looked up. train refused it; demo trained its four runs
+    # there, and an experiment its results, figures and a runs/ of its own, without a word.
+    kind = directory_kind(out.parent) if out.name == "runs" else None
+    if kind is not None and kind[0] == "experiment":
+        own = "a run goes in a directory of its own" if command == "train" else \
+            f"qkmla {command} writes in a directory of its own"
+        raise ValueError(f"{name}: {out} is where the experiment in {out.parent} trains its runs (qkmla experiment's "
+                         f"own directory); {own}: choose a new --out")
     if not out.is_dir():
         return
     for owner, (what, files) in DIRECTORY_KINDS.items():
