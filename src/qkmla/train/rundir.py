@@ -305,13 +305,25 @@ ROW_NUMBERS = ("loss", "val_loss", "max_logit", "grad_norm", "lr", "step_seconds
                "clipped_heads")
 
 
+# The largest finite float32: the trainer logs float32 values (a diverged one as NaN or inf), so a finite value past
+# it is damage; `qkmla plot` of losses of +-1e308 failed in matplotlib's ticks ("arange: cannot compute length")
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_row(row) -> bool:
     """A metrics row: a JSON object whose step is an int from 1 to 2**63 - 1 (the trainer's count; a
-    damaged step of 10**23 or -5 was drawn as one), and whose :data:`ROW_NUMBERS` are numbers or null."""
+    damaged step of 10**23 or -5 was drawn as one), and whose :data:`ROW_NUMBERS` are numbers or null,
+    NaN, inf or within float32's finite range."""
     if not isinstance(row, dict) or not is_int(step := row.get("step")) or not 1 <= step < 2**63:
         return False
-    return all(row.get(k) is None or (isinstance(row[k], (int, float)) and not isinstance(row[k], bool))
-               for k in ROW_NUMBERS)
+    return all(row.get(k) is None or _is_logged_number(row[k]) for k in ROW_NUMBERS)
+
+
+def _is_logged_number(v) -> bool:
+    """An int or float a float32 could hold, NaN and inf included (an int of 400 digits compared without a float)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    return not (abs(v) > FLOAT32_MAX and (isinstance(v, int) or math.isfinite(v)))
 
 
 def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
