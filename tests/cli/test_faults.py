@@ -7414,9 +7414,18 @@ def left20_rows():
 
         assert [r["step"] for r in read_metrics(run)] == [1, 2, 6]
 
+    def plot_out_ending_in_a_separator(env):
+        """`qkmla plot RUN --out newdir/` wrote a figure file named newdir (Path() drops the trailing separator),
+        where the user meant a directory. Refused now, naming --out, before anything is written."""
+        refuse(env, ["plot", env.run, "--out", f"{env.tmp / 'newdir'}{os.sep}"],
+               r"^qkmla plot: --out: .*newdir/ ends in a path separator, which names a directory; give the "
+               r"figure's file name")
+        assert not (env.tmp / "newdir").exists()
+
     return [
         Row("plot", "size", "losses of +-1e308 in a metrics row: matplotlib's 'arange: cannot compute length'",
             plot_values_past_float32),
+        Row("plot", "path", "--out newdir/ wrote a figure file named newdir", plot_out_ending_in_a_separator),
     ]
 
 

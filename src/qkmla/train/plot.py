@@ -43,6 +43,10 @@ def check_figure_name(name: str, out) -> None:
     agg_matplotlib()  # first: a junk MPLBACKEND fails matplotlib's own import
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    # Path() drops a trailing separator: --out newdir/ wrote a figure file named newdir, where a directory was meant
+    if isinstance(out, str) and out.endswith(("/", os.sep)):
+        raise ValueError(f"{name}: {out} ends in a path separator, which names a directory; give the figure's file "
+                         f"name, as {out}compare.png")
     suffix = Path(out).suffix
     formats = sorted(FigureCanvasAgg.get_supported_filetypes())  # this matplotlib's (gif from 3.11)
     if suffix and suffix[1:].lower() not in formats:
