@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..train.checkpoint import FILENAME
-from ..train.rundir import RunLock, missing_steps, read_status, resume_edits, steps_text
+from ..train.rundir import RunLock, read_rows, read_status, resume_edits
 from ..utils.files import check_own_directory, check_writable, input_file_problem, make_directory, same_file, write_text
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
@@ -183,10 +183,10 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
         check_own_directory("--out", out, "experiment")
         _check_runs_directory(out)
         _check_out(experiment, options)
-        _check_finished_logs(experiment, options)
+        runs = experiment.plan(options)
+        _check_finished_logs(out, runs)
         t0 = time.perf_counter()
         if not experiment.adaptive:
-            runs = experiment.plan(options)
             try:
                 statuses = run_grid(runs, out, options.workers, experiment.measure, progress, stop=stop)
             except (GridStopped, GridFailed) as e:
@@ -375,23 +375,24 @@ def _check_out(experiment: Experiment, options: Options) -> None:
                          "--out")
 
 
-def _check_finished_logs(experiment: Experiment, options: Options) -> None:
-    """Before any work: a finished run of the plan whose metrics.jsonl was deleted or cut since it
-    was written (a finished run is never trained again, --overwrite or not) is refused, naming the
-    file and the steps it lacks. The grid skipped the run, then its report drew a results row
-    without a final loss: matplotlib's TypeError, "internal error", after the rest had trained."""
-    out = Path(options.out)
-    for run in experiment.plan(options):
+def _check_finished_logs(out: Path, runs: list) -> None:
+    """Before any work: a finished run of the plan whose metrics.jsonl no longer logs its last step
+    (deleted or cut since it was written; a finished run is never trained again, --overwrite or not)
+    is refused, naming the file and the step. The grid skipped the run, then its report drew a results
+    row without a final loss: matplotlib's TypeError, "internal error", after the rest had trained.
+    Only the last step: a thinned log (``benchmarks/thin_metrics.py`` keeps every run's last row and
+    drops others; ``grid.restore_runs`` puts such runs back to go on from) is a finished run's as
+    committed."""
+    for run in runs:
         path = run_dir(out, run)
         status = read_status(path) or {}
-        if run.same_as is not None or status.get("status") != "done" or not is_finished(out, run):
-            continue
         step = status.get("step")
-        count, ranges = missing_steps(path, step) if is_int(step) and step > 0 else (0, [])
-        if count:
-            raise ValueError(f"--out: {path / 'metrics.jsonl'} holds no row for {count} of the {step} steps of "
-                             f"the finished run {run.name} (step{'s' if count > 1 else ''} "
-                             f"{steps_text(ranges)}: deleted or cut since the run wrote them), so its results "
+        if run.same_as is not None or status.get("status") != "done" or not is_int(step) or step < 1 \
+                or not is_finished(out, run):
+            continue
+        if not any(r["step"] == step for r in read_rows(path / "metrics.jsonl")):
+            raise ValueError(f"--out: {path / 'metrics.jsonl'} holds no row for step {step}, the last of the "
+                             f"finished run {run.name} (deleted or cut since the run wrote it), so its results "
                              "cannot be reported; put the file back, or remove that run's directory to train it "
                              "again")
 

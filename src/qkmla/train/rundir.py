@@ -366,20 +366,6 @@ def truncate_metrics(out: Path, step: int) -> list[int]:
     return [s for s in range(1, step + 1) if s not in logged]
 
 
-def missing_steps(out: Path, step: int) -> tuple[int, list[tuple[int, int]]]:
-    """The steps from 1 to ``step`` that no row of ``out/metrics.jsonl`` logs (as
-    :func:`truncate_metrics` finds them, the file left as it is), for a reader of a finished run:
-    (how many, [(first, last), ...] ranges of them). Found from the rows, not by counting to
-    ``step``: a status.json edited to step 10**15 is not a loop of 10**15."""
-    logged = sorted({r["step"] for r in read_rows(Path(out) / "metrics.jsonl") if 1 <= r["step"] <= step})
-    ranges, before = [], 0
-    for s in logged + [step + 1]:
-        if s > before + 1:
-            ranges.append((before + 1, s - 1))
-        before = s
-    return sum(b - a + 1 for a, b in ranges), ranges
-
-
 def steps_text(ranges: list[tuple[int, int]]) -> str:
     """(first, last) ranges of steps as "1-480, 500" (at most four ranges named)."""
     runs = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
