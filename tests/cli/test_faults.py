@@ -7430,7 +7430,63 @@ def left20_rows():
                r"figure's file name")
         assert not (env.tmp / "newdir").exists()
 
+    def peft_adapters_as_peft_applies_them(env):
+        """Round 20's unmerged-adapter check, reviewed: (1) a second apply_latent_attention on the inner model (a
+        settings change) re-pointed the check at it, away from the causal LM PEFT copies its configs onto, so a
+        norm-trained adapter over a model without a norm was taken again, without a word; (2) every loaded adapter
+        was checked, so an inactive norm-trained one refused every forward of the active plain one, and
+        disable_adapter() (the base model, computed correctly) was refused too. Now the causal LM stays the
+        owner, and only the adapters PEFT applies are checked."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config
+
+        normed = tiny_latent_deepseek()
+        apply_latent_attention(normed, qk_norm="rms")
+        with_norm, plain_dir = env.tmp / "normed", env.tmp / "plain"
+        peft.get_peft_model(normed, attention_lora_config(normed, r=2, train_qk_norm=True)).save_pretrained(with_norm)
+        plain = tiny_latent_deepseek()
+        peft.get_peft_model(plain, attention_lora_config(plain, r=2)).save_pretrained(plain_dir)
+        ids = torch.tensor([[3, 5, 7, 9]])
+        lm = tiny_latent_deepseek()
+        apply_latent_attention(lm.model, decode_backend="naive")
+        with torch.no_grad():
+            raises(lambda: peft.PeftModel.from_pretrained(lm, with_norm)(input_ids=ids, use_cache=False), ValueError,
+                   r"^model: its adapter 'default' trained the QK norm")
+            base = tiny_latent_deepseek()
+            want = base(input_ids=ids, use_cache=False).logits
+            two = peft.PeftModel.from_pretrained(base, plain_dir, adapter_name="plain")
+            alone = two(input_ids=ids, use_cache=False).logits
+            two.load_adapter(with_norm, adapter_name="normed")
+            two.set_adapter("plain")
+            assert torch.equal(two(input_ids=ids, use_cache=False).logits, alone)
+            two.set_adapter("normed")
+            raises(lambda: two(input_ids=ids, use_cache=False), ValueError, r"^model: its adapter 'normed' trained")
+            with two.disable_adapter():
+                assert torch.equal(two(input_ids=ids, use_cache=False).logits, want)
+
+    def an_inner_model_whose_causal_lm_was_collected(env):
+        """inner = apply_latent_attention(lm).model; del lm: round 20's owner record held a dead weak reference,
+        and copy.deepcopy(inner) and torch.load of a saved inner failed in weakref ("cannot create weak reference
+        to 'NoneType' object"). Now both give a model that computes as the original."""
+        import gc
+        import io
+
+        inner = tiny_latent_deepseek().model
+        gc.collect()
+        ids = torch.tensor([[3, 5, 7]])
+        buffer = io.BytesIO()
+        torch.save(inner, buffer)
+        buffer.seek(0)
+        with torch.no_grad():
+            want = inner(ids).last_hidden_state
+            for other in (copy.deepcopy(inner), torch.load(buffer, weights_only=False)):
+                assert torch.equal(other(ids).last_hidden_state, want)
+
     return [
+        Row("LatentAttentionCache", "size", "an unmerged PEFT model: a second apply on the inner model bypassed the "
+            "norm check; an inactive adapter and disable_adapter() refused", peft_adapters_as_peft_applies_them),
+        Row("LatentAttentionCache", "size", "deepcopy / torch.load of an inner model whose causal LM was collected: "
+            "weakref's TypeError", an_inner_model_whose_causal_lm_was_collected),
         Row("plot", "size", "losses of +-1e308 in a metrics row: matplotlib's 'arange: cannot compute length'",
             plot_values_past_float32),
         Row("plot", "path", "--out newdir/ wrote a figure file named newdir", plot_out_ending_in_a_separator),

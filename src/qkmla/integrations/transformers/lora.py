@@ -163,16 +163,26 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     return peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern, **kwargs)
 
 
-def check_norms_have_a_place(base, peft_config: dict, argument: str = "peft_model") -> None:
+def check_norms_have_a_place(base, peft_config: dict, argument: str = "peft_model",
+                             active_only: bool = False) -> None:
     """Refuse adapters that trained the QK norm (``train_qk_norm``: the norms in ``modules_to_save``) over a
     model without one: PEFT loads such an adapter onto it without a word, dropping the trained norm weights
     it has nowhere to put, and the merged model (merge_lora) or the PEFT model itself (its forward, checked by
     ``apply_latent_attention``'s hook) then computed another function than the one fine-tuned. ``base``: the
-    model under the adapters; ``peft_config``: their configs by adapter name."""
+    model under the adapters; ``peft_config``: their configs by adapter name. ``active_only`` (a forward): only
+    the adapters PEFT applies now, none under ``disable_adapter()``: a loaded adapter not set active computes
+    nothing, and refusing it refused every forward of the adapter that was."""
     entries = {name: [m for m in getattr(config, "modules_to_save", None) or [] if isinstance(m, str)
                       and m.split(".")[-1] in ("q_norm", "k_norm")] for name, config in peft_config.items()}
     if not any(entries.values()) or latent_layers(base)[0].config.has_qk_norm:
         return  # checked per forward: no module walk unless an adapter saves a norm
+    if active_only:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layer = next((m for m in base.modules() if isinstance(m, BaseTunerLayer)), None)
+        if layer is not None:  # PEFT's layers all hold the active adapters and the disabled flag
+            active = () if layer.disable_adapters else layer.active_adapters
+            entries = {name: saved for name, saved in entries.items() if name in active}
     modules = [n for n, _ in base.named_modules()]
     for name, saved in entries.items():
         # The entries PEFT found no module for (it matches a module whose name ends with the entry): a sparse

@@ -117,7 +117,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
         if norm is not None and current is None:
             _record(model, norm)
         _keep_latent_attention(model)  # the causal LM, when the first call was given its inner model
-        inner._qkmla_owner = _Owner(model)
+        _adopt(inner, model)
         return model
     settings = LatentSettings(kv_format=kv_format, policy=policy)
     groups = recorded_groups(inner.config)  # a GQA conversion's G < h groups (hub.record, transformers.attention)
@@ -137,7 +137,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     inner.register_forward_hook(_after_forward, with_kwargs=True)
     _no_transformers_mask(model)
     _keep_latent_attention(model)
-    inner._qkmla_owner = _Owner(model)
+    _adopt(inner, model)
     return model
 
 
@@ -225,24 +225,44 @@ def _keep_latent_attention(model) -> None:
         model._prepare_cache_for_generation = _PrepareCache(model)
 
 
-class _Owner:
-    """The model ``apply_latent_attention`` was given (the causal LM, or the inner model itself), as its inner
-    model's forward hook reads it: PEFT copies its adapters' ``peft_config`` onto that model, and calls its
-    ``forward`` directly (no hook of its own runs). Held weakly, and a deepcopy's or a pickled copy's is the
-    copy's, as ``_PrepareCache``'s."""
+class _WeakModel:
+    """A model held weakly (a strong reference from the model's own attribute made a cycle, and ``del model`` freed
+    nothing until the next garbage collection); a deepcopy's or a pickled copy's is the copy's. A dead reference
+    (the model collected, its inner model kept) copies and pickles as one: deepcopy and torch.load of such an inner
+    model failed in weakref ("cannot create weak reference to 'NoneType' object")."""
 
     def __init__(self, model):
-        self.model = weakref.ref(model)
+        self.model = weakref.ref(model) if model is not None else _dead
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo):  # the model's copy, registered in memo before its attributes are copied
         model = self.model()
-        return _Owner(memo.get(id(model), model))
+        return type(self)(memo.get(id(model), model))
 
-    def __reduce__(self):
-        return _Owner, (self.model(),)
+    def __reduce__(self):  # pickled with the model (pickle's memo resolves the cycle); unpickled, held weakly again
+        return type(self), (self.model(),)
 
 
-class _PrepareCache:
+def _dead():
+    return None
+
+
+class _Owner(_WeakModel):
+    """The model ``apply_latent_attention`` was given (the causal LM, or the inner model itself), as its inner
+    model's forward hook reads it: PEFT copies its adapters' ``peft_config`` onto that model, and calls its
+    ``forward`` directly (no hook of its own runs)."""
+
+
+def _adopt(inner, model) -> None:
+    """Make ``model`` the owner of ``inner`` unless a live owner holds ``model`` (a second apply_latent_attention
+    on the inner model, to change settings, re-pointed the hook at it, away from the causal LM PEFT copies its
+    configs onto: a norm-trained adapter over a model without a norm was then taken without a word)."""
+    held = getattr(inner, "_qkmla_owner", None)
+    current = held.model() if held is not None else None
+    if current is None or any(m is current for m in model.modules()):
+        inner._qkmla_owner = _Owner(model)
+
+
+class _PrepareCache(_WeakModel):
     """``generate``'s cache preparation on a patched model: ``cache_implementation="quantized"`` refused
     before transformers builds its cache. Building it needs optimum-quanto, and without it transformers'
     ImportError said to install that, for a cache the first forward then refused (``check_cache``).
@@ -250,9 +270,6 @@ class _PrepareCache:
     lookup on the model, which found the class's method, without the check). It holds the model weakly: a
     strong reference from the model's own attribute made a cycle, and ``del model`` freed nothing until the
     next garbage collection (GPU memory held after ``del model; torch.cuda.empty_cache()``)."""
-
-    def __init__(self, model):
-        self.model = weakref.ref(model)
 
     def __call__(self, generation_config, *args, **kwargs):
         if getattr(generation_config, "cache_implementation", None) == "quantized":
@@ -263,13 +280,6 @@ class _PrepareCache:
             raise ValueError("model: a shallow copy (copy.copy) of a patched model whose original was deleted; copy a "
                              "patched model with copy.deepcopy, which gives the copy its own generate hook")
         return type(model)._prepare_cache_for_generation(model, generation_config, *args, **kwargs)
-
-    def __deepcopy__(self, memo):  # the model's copy, registered in memo before its attributes are copied
-        model = self.model()
-        return _PrepareCache(memo.get(id(model), model))
-
-    def __reduce__(self):  # pickled with the model (pickle's memo resolves the cycle); unpickled, held weakly again
-        return _PrepareCache, (self.model(),)
 
 
 def _masks_for_generate(*args, attention_mask=None, inputs_embeds=None, **kwargs):
@@ -346,7 +356,7 @@ def _before_forward(module, args, kwargs):
         # computed without the trained norm PEFT dropped (logits 0.08 from the fine-tuned model's), without a word
         from .lora import check_norms_have_a_place
 
-        check_norms_have_a_place(owner, owner.peft_config, "model")
+        check_norms_have_a_place(owner, owner.peft_config, "model", active_only=True)
     inputs = next((arguments[k] for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
     if inputs is None:
         raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
