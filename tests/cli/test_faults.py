@@ -7173,6 +7173,11 @@ def hf20_rows():
         raises(lambda: from_pretrained(src), ValueError,
                r"^hf_dir: \S+/config\.json: its 'qkmla' entry is not valid: eps: expected a finite number >= 0, "
                r"got nan")
+        # its sibling, found by the review: the record's num_kv_groups, refused by the weights' check as the path
+        config["qkmla"]["qk_norm"]["eps"], config["qkmla"]["num_kv_groups"] = 1e-6, -1
+        (src / "config.json").write_text(json.dumps(config))
+        raises(lambda: from_pretrained(src), ValueError,
+               r"^hf_dir: \S+/config\.json: its 'qkmla' entry records num_kv_groups=-1, which must be a positive int")
 
     def heads_named_as_the_config_names_them(env):
         """mla_config_from_hf of a config with num_attention_heads=2**70 (0, -1, 3.5) was refused as "num_heads:
@@ -7203,6 +7208,9 @@ def hf20_rows():
             raises(lambda: model.generate(ids[:, :3], cache=cache, max_new_tokens=2, do_sample=False), ValueError,
                    r"^input_ids: no token past the 9 columns cache already holds; a cache continues the sequences it "
                    r"holds: pass input_ids that extend them, a new cache, or call cache\.reset\(\) first$")
+            # the review: a forward given inputs_embeds was refused naming input_ids
+            raises(lambda: model(inputs_embeds=model.get_input_embeddings()(ids[:, :0]), past_key_values=cache),
+                   ValueError, r"^inputs_embeds: no token past the 9 columns .*pass inputs_embeds that extend them")
             cache.reset()
             assert torch.equal(model.generate(ids[:, :3], cache=cache, max_new_tokens=2, do_sample=False),
                                model.generate(ids[:, :3], max_new_tokens=2, do_sample=False))

@@ -17,7 +17,7 @@ from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
 from .model import apply_latent_attention
 from ..hub.checkpoint import check_norm_tensors, check_routing, check_shards, transformers_config
-from ..hub.record import CAUSAL_LMS, FAMILY_MODEL_TYPES, describe, recorded_norm, stock_model_type
+from ..hub.record import CAUSAL_LMS, FAMILY_MODEL_TYPES, describe, recorded_groups, recorded_norm, stock_model_type
 
 # transformers' causal LM of each family qkmla loads (DeepSeek-V2/V3's, and every family ``auto`` built
 # QK-normed classes for: ``hub.record.CAUSAL_LMS``), and their QK-normed model types
@@ -117,6 +117,7 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         check_cache_settings(kv_format, policy, None, recorded if isinstance(recorded, torch.dtype) else None)
     # named by the argument, as this function's other refusals are: the message began with the path alone
     norm = recorded_norm(hf_config, f"hf_dir: {root / CONFIG}")
+    recorded_groups(hf_config, f"hf_dir: {root / CONFIG}")  # so too its groups, before the checks below read them
     config = kwargs.get("config")
     if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:
         raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "

@@ -357,9 +357,10 @@ def _before_forward(module, args, kwargs):
         from .lora import check_norms_have_a_place
 
         check_norms_have_a_place(owner, owner.peft_config, "model", active_only=True)
-    inputs = next((arguments[k] for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
-    if inputs is None:
+    given = next((k for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
+    if given is None:
         raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
+    inputs = arguments[given]
     batch_size, num_tokens = inputs.shape[:2]
     names = [n for n in ("cache", "past_key_values") if arguments.get(n) is not None]
     cache = arguments.get(names[0]) if names else None
@@ -372,8 +373,8 @@ def _before_forward(module, args, kwargs):
         # generate feeds the input_ids past the cache's columns: a cache passed with a prompt no longer than what it
         # holds (another conversation's) left none, refused as "position_ids: expected shape [batch=1, 0]", an
         # argument the caller never passed
-        raise ValueError(f"input_ids: no token past the {cache.get_seq_length()} columns {name} already holds; a "
-                         f"cache continues the sequences it holds: pass input_ids that extend them, a new cache, or "
+        raise ValueError(f"{given}: no token past the {cache.get_seq_length()} columns {name} already holds; a "
+                         f"cache continues the sequences it holds: pass {given} that extend them, a new cache, or "
                          f"call {name}.reset() first")
     documents, packed_by = _packed_documents(arguments, batch_size, num_tokens)
     if documents is not None and cache is not None:

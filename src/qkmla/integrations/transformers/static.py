@@ -336,7 +336,8 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
         weights: also return the attention weights (``output_attentions=True``).
 
     Returns:
-        (output [B, T, hidden_size], padding positions giving zeros; the attention weights
+        (output [B, T, hidden_size], a padding query attending to the real tokens before it (zeros
+        where there is none), as transformers' attention; the attention weights
         [B, h, T, L] in transformers' static-cache layout, one column per cache column, unwritten
         and padding columns and padding queries' rows 0, if ``weights``, else None).
     """
