@@ -137,6 +137,26 @@ def tiny_latent_deepseek():
         topk_group=1)).eval())
 
 
+def norm_trained_adapter(directory: Path):
+    """A LoRA adapter trained with its QK norms (train_qk_norm=True: the norms in modules_to_save, moved off 1)
+    over :func:`tiny_latent_deepseek` with an RMS QK norm, saved in ``directory``; returns (ids, the adapted
+    model's logits for them), what the adapter loaded onto a QK-normed model must give."""
+    peft = pytest.importorskip("peft")
+    from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config
+
+    normed = apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms")
+    with torch.no_grad():
+        for name, p in normed.named_parameters():
+            if ".q_norm." in name or ".k_norm." in name:
+                p.add_(0.5 * torch.randn_like(p))
+    trained = peft.get_peft_model(normed, attention_lora_config(normed, r=2, train_qk_norm=True))
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        want = trained(input_ids=ids, use_cache=False).logits
+    trained.save_pretrained(directory)
+    return ids, want
+
+
 def snapshot(path: Path) -> dict:
     """Every file under ``path`` with its bytes (what a refused command must leave as it was)."""
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(Path(path).rglob("*")) if p.is_file()}
@@ -6705,18 +6725,9 @@ def hf19_rows():
         model's) and merge_lora merged it. merge_lora now refuses it naming peft_model, before merging; onto the
         QK-normed model it merges to the adapter's logits."""
         peft = pytest.importorskip("peft")
-        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+        from qkmla.integrations.transformers import apply_latent_attention, merge_lora
 
-        normed = apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms")
-        with torch.no_grad():
-            for name, p in normed.named_parameters():
-                if ".q_norm." in name or ".k_norm." in name:
-                    p.add_(0.5 * torch.randn_like(p))
-        trained = peft.get_peft_model(normed, attention_lora_config(normed, r=2, train_qk_norm=True))
-        ids = torch.tensor([[3, 5, 7, 9]])
-        with torch.no_grad():
-            want = trained(input_ids=ids, use_cache=False).logits
-        trained.save_pretrained(env.tmp / "adapter")
+        ids, want = norm_trained_adapter(env.tmp / "adapter")
         bare = peft.PeftModel.from_pretrained(tiny_latent_deepseek(), env.tmp / "adapter")
         kv_b = type(bare.get_base_model().model.layers[0].self_attn.kv_b_proj)
         raises(lambda: merge_lora(bare), ValueError,
@@ -7121,18 +7132,9 @@ def hf20_rows():
         refused it). Now every forward is refused naming the adapter and the norms; onto the QK-normed model it
         computes the fine-tuned logits."""
         peft = pytest.importorskip("peft")
-        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config
+        from qkmla.integrations.transformers import apply_latent_attention
 
-        normed = apply_latent_attention(tiny_latent_deepseek(), qk_norm="rms")
-        with torch.no_grad():
-            for name, p in normed.named_parameters():
-                if ".q_norm." in name or ".k_norm." in name:
-                    p.add_(0.5 * torch.randn_like(p))
-        trained = peft.get_peft_model(normed, attention_lora_config(normed, r=2, train_qk_norm=True))
-        ids = torch.tensor([[3, 5, 7, 9]])
-        with torch.no_grad():
-            want = trained(input_ids=ids, use_cache=False).logits
-        trained.save_pretrained(env.tmp / "adapter")
+        ids, want = norm_trained_adapter(env.tmp / "adapter")
         bare = peft.PeftModel.from_pretrained(tiny_latent_deepseek(), env.tmp / "adapter")
         refusal = (r"^model: its adapter 'default' trained the QK norm \(\['self_attn\.q_norm', 'self_attn\.k_norm'\] "
                    r"in modules_to_save, train_qk_norm=True\), but the model under it has none")
