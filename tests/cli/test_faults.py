@@ -7492,7 +7492,16 @@ def left20_rows():
             for other in (copy.deepcopy(inner), torch.load(buffer, weights_only=False)):
                 assert torch.equal(other(ids).last_hidden_state, want)
 
+    def train_data_empty_string(env):
+        """`qkmla train --data ''` was refused as "got '': it is a directory" (Path('') is the working directory);
+        now as the empty string it is, naming --data and what it takes."""
+        refuse(env, train_ok(env, env.tmp / "r") + ["--data", ""],
+               r"^qkmla train: --data: expected one of \['shakespeare', 'tiny_shakespeare'\] or a path to a text "
+               r"file, got an empty string$")
+        assert not (env.tmp / "r").exists()
+
     return [
+        Row("train", "path", "--data '': refused as 'it is a directory'", train_data_empty_string),
         Row("LatentAttentionCache", "size", "an unmerged PEFT model: a second apply on the inner model bypassed the "
             "norm check; an inactive adapter and disable_adapter() refused", peft_adapters_as_peft_applies_them),
         Row("LatentAttentionCache", "size", "deepcopy / torch.load of an inner model whose causal LM was collected: "

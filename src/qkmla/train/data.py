@@ -38,6 +38,8 @@ def load_bytes(source: str = "tiny_shakespeare") -> bytes:
     """The bytes of an embedded corpus by name, or of a file path."""
     if source in EMBEDDED:
         return lzma.decompress(resources.files("qkmla").joinpath("data", EMBEDDED[source]).read_bytes())
+    if source == "":  # Path("") is ".", so an empty name was refused as "it is a directory"
+        raise ValueError(f"data: expected one of {sorted(EMBEDDED)} or a path to a text file, got an empty string")
     path = Path(source)
     problem = input_file_problem(path)
     if problem is not None:
