@@ -366,26 +366,21 @@ def truncate_metrics(out: Path, step: int) -> list[int]:
     return [s for s in range(1, step + 1) if s not in logged]
 
 
-def steps_text(ranges: list[tuple[int, int]]) -> str:
-    """(first, last) ranges of steps as "1-480, 500" (at most four ranges named)."""
-    runs = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
-    return ", ".join(runs[:4]) + (f" and {len(runs) - 4} more ranges" if len(runs) > 4 else "")
-
-
-def _ranges(missing: list[int]) -> list[tuple[int, int]]:
-    """Consecutive steps as ranges: "1-480" rather than 480 numbers."""
+def _steps_text(missing: list[int]) -> str:
+    """Sorted steps as ranges, "1-480, 500" rather than 481 numbers (at most four ranges named)."""
     ranges: list[tuple[int, int]] = []
     for s in missing:
         if ranges and s == ranges[-1][1] + 1:
             ranges[-1] = (ranges[-1][0], s)
         else:
             ranges.append((s, s))
-    return ranges
+    runs = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+    return ", ".join(runs[:4]) + (f" and {len(runs) - 4} more ranges" if len(runs) > 4 else "")
 
 
 def gap_line(path: Path, missing: list[int], step: int) -> str:
     """One warning line for the ``missing`` steps of a resumed run's metrics file ``path``."""
-    where = steps_text(_ranges(missing))
+    where = _steps_text(missing)
     steps = "step" if len(missing) == 1 else "steps"
     return (f"warning: {path} holds no row for {len(missing)} of the {step} steps before the checkpoint "
             f"({steps} {where}: deleted or cut since the run wrote them); the resumed run logs from step {step + 1} "
