@@ -17,6 +17,25 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _cores():
+    """The cores this process may run on (a cpuset or taskset, as in CI containers; every core
+    where the platform cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# pytest-xdist (addopts: -n auto) runs one worker per core; each worker's torch then gets its share
+# of the cores, so that two workers' matrix products do not each spread over both cores and wait on
+# one another. A single process (-n 0) keeps torch's own default.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, _cores() // _WORKERS))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per core this process may run on, not per core the machine has."""
+    return _cores()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

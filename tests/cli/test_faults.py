@@ -189,6 +189,10 @@ def python(code: str, cwd: Path, limit: Optional[int] = None, env: Optional[dict
     prelude = "import resource, signal\n"
     if limit is not None:
         prelude += f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+        # Under the limit a first build of the CPU kernel fails, and says so in a warning of its own (true, but
+        # not the command's own write); whether it was built already depends on which tests ran before this
+        # one, in this worker, or in another checkout sharing torch's extension directory.
+        env = {"QKMLA_CPU_KERNEL": "0", **(env or {})}
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
                           cwd=cwd, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {}),
                                                          "PYTHONPATH": str(SRC)})
