@@ -11,8 +11,10 @@ from qkmla.experiments.numerics import (
     FILENAME,
     SUPERSEDED,
     check_continues,
+    cpu_id,
     numerics,
     record,
+    roundoff,
     recorded,
     supersede_other_trajectories,
 )
@@ -46,8 +48,41 @@ def _run(out, name, status="done", numerics_=None, checkpoint=False):
 def test_numerics_names_what_decides_the_rounding():
     now = numerics()
     assert now == {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                   "cpu_id": cpu_id(), "roundoff": roundoff(torch.get_num_threads()),
                    "threads": torch.get_num_threads()}
-    assert numerics(1)["threads"] == 1
+    assert numerics(1)["threads"] == 1 and numerics(1)["roundoff"] == roundoff(1)
+    assert all(isinstance(v, str) and len(v) == 16 for v in (now["cpu_id"], now["roundoff"]))
+
+
+def test_the_roundoff_probe_is_the_bits_of_its_products_on_its_threads():
+    """The probe reads the same bits on every call (a chain compares it across processes), leaves
+    the thread count as it found it, and changes when a product's bits change."""
+    import subprocess
+    import sys
+
+    before = torch.get_num_threads()
+    first = roundoff.__wrapped__(1)
+    assert torch.get_num_threads() == before and roundoff.__wrapped__(1) == first
+    code = "from qkmla.experiments.numerics import roundoff; print(roundoff(1))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == first
+    real = torch.nn.functional.linear
+    try:
+        torch.nn.functional.linear = lambda x, w: torch.nextafter(real(x, w), torch.tensor(float("inf")))
+        assert roundoff.__wrapped__(1) != first  # one ulp in one product is another rounding
+    finally:
+        torch.nn.functional.linear = real
+
+
+def test_a_record_of_the_instruction_set_alone_is_other_numerics(tmp_path):
+    """Runs recorded before the record held the CPU's identity and roundoff (only torch, instruction
+    set and threads) are not taken as this machine's: an AVX-512 CPU is not every AVX-512 CPU."""
+    old = {k: v for k, v in numerics(1).items() if k in ("torch", "cpu_capability", "threads")}
+    out = tmp_path / "g"
+    _run(out, "lr0.5_stable8", numerics_=old)
+    _run(out, "lr0.5_h10", numerics_=old)
+    moved = supersede_other_trajectories(_chain(), out, numerics(1))
+    assert moved == ["lr0.5_stable8", "lr0.5_h10"]
 
 
 def test_a_record_reads_back_and_a_missing_or_broken_one_is_told_apart(tmp_path):

@@ -5,7 +5,12 @@ is one training run cut into directories, and its branches are compared as point
 trajectory. That holds only if every stretch of it ran under the same numerics: torch picks its
 float32 kernels by the CPU's instruction set (``torch.backends.cpu.get_cpu_capability()``: AVX2,
 AVX-512, ...), and another instruction set, torch release or thread count rounds differently;
-training amplifies the difference. Under one numerics a run trained again from its start repeats
+training amplifies the difference. The instruction set alone does not pin the rounding: two AVX-512
+CPUs (one with AVX-512 BF16/FP16, one without) trained the same 40 steps apart from step 2, since
+oneDNN and MKL pick their kernels and blockings by the CPU's features and caches, and Muon's
+Newton-Schulz runs in bfloat16. So the record also holds the CPU's identity (``cpu_id``: model,
+features and caches, hashed) and the bits of a few of the products training computes
+(``roundoff``, under the run's thread count). Under one numerics a run trained again from its start repeats
 its per-step losses bit for bit, so a stretch whose checkpoint was lost (the committed archive
 keeps none) can be trained again and its finished branches stay valid; under other numerics it
 cannot, and a branch from it would continue another trajectory than its siblings'.
@@ -19,8 +24,11 @@ one numerics of their own (:data:`UNRECORDED`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import platform
 from pathlib import Path
 from typing import Optional
 
@@ -37,12 +45,71 @@ UNREADABLE = {"recorded": "unreadable"}  # a record that cannot be read: equal t
 
 def numerics(threads: Optional[int] = None) -> dict:
     """What decides a CPU run's rounding: the torch release, the instruction set its kernels were
-    picked for, and the intra-op thread count (``threads``: the count the run will use; default:
-    this process's)."""
+    picked for, the CPU itself (:func:`cpu_id`), the intra-op thread count (``threads``: the count
+    the run will use; default: this process's) and what those give (:func:`roundoff`)."""
     import torch
 
+    threads = torch.get_num_threads() if threads is None else int(threads)
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads() if threads is None else int(threads)}
+            "cpu_id": cpu_id(), "roundoff": roundoff(threads), "threads": threads}
+
+
+# /proc/cpuinfo's fields that name the CPU and its features (x86, then ARM), not its clock or load
+_CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags",
+               "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_id() -> str:
+    """A hash of what the math libraries pick their kernels by: the CPU's model, feature flags and
+    cache sizes (the first CPU's, as Linux lists them; ``platform.processor()`` elsewhere)."""
+    parts = []
+    try:
+        first = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split("\n\n")[0]
+    except OSError:
+        first = ""
+    for line in first.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in _CPU_FIELDS:
+            parts.append(f"{key}={' '.join(sorted(value.split())) if key in ('flags', 'Features') else value}")
+    if not parts:
+        parts.append(f"{platform.machine()} {platform.processor()}")
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            parts.append(" ".join((index / f).read_text().strip() for f in ("level", "type", "size")))
+        except OSError:
+            continue
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def roundoff(threads: int) -> str:
+    """A hash of the bits of products a training step computes, on ``threads`` threads: float32
+    matmuls of a layer's shape and their transposes (forward and backward), causal attention, and a
+    bfloat16 matmul (Muon's Newton-Schulz). Two machines that give other bits here round training
+    differently; equal bits make the same rounding likely, not certain (the record keeps
+    :func:`cpu_id` beside it)."""
+    import torch
+    import torch.nn.functional as F
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4096, 192, generator=g)
+        w = torch.randn(576, 192, generator=g)
+        q = torch.randn(8, 3, 128, 64, generator=g)
+        with torch.no_grad():
+            y = F.linear(x, w)
+            outs = [y, y.t() @ x, x.t() @ (y @ w),
+                    F.scaled_dot_product_attention(q, q.flip(-1), q, is_causal=True),
+                    (w.bfloat16() @ w.t().bfloat16()).float()]
+    finally:
+        torch.set_num_threads(before)
+    digest = hashlib.sha256()
+    for out in outs:
+        digest.update(out.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def recorded(path: Path) -> dict:
