@@ -22,6 +22,7 @@ from .utils.checked import check_bool, is_finite_number, is_int, python_numbers
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
 QK_NORM_SCOPES = ("head", "projection")
+LP_MAX = 100.0  # the largest p of an Lp norm: 0.5**p stays a normal float32 (2**-126) up to p = 126
 
 
 def fixed_config(mutable: tuple = ()) -> property:
@@ -99,7 +100,7 @@ class QKNormConfig:
             "content" takes one statistic from the content block alone and applies it to both
             blocks (what a converted GQA model needs when its content block holds the whole
             original head, so its RoPE dims are counted there: MATH.md).
-        p: p of the Lp norm (read only when ``kind == "lp"``), p >= 1.
+        p: p of the Lp norm (read only when ``kind == "lp"``), in [1, 100] (:data:`LP_MAX`).
         eps: the eps inside the statistic, >= 0.
         scope: what one statistic covers. "head" (default): each query head and each KV group's
             key has its own, and the norm weights are shared by the heads (the paper, Qwen3).
@@ -123,8 +124,12 @@ class QKNormConfig:
             raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
         if self.mode not in QK_NORM_MODES:
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {self.mode!r}")
-        if not is_finite_number(self.p) or self.p < 1:
-            raise ValueError(f"p: expected a finite number >= 1 (a norm needs p >= 1), got {self.p!r}")
+        if not is_finite_number(self.p) or not 1 <= self.p <= LP_MAX:
+            # Past LP_MAX the statistic leaves float32 however the vector is rescaled (ops.statistic.moment): the
+            # largest entry, brought to [0.5, 1), still has |v|^p below float32's range (0.5**1000 is 0), so the
+            # sum was 0 and p=1000 normalized every vector to inf, without a word
+            raise ValueError(f"p: expected a finite number in [1, {LP_MAX:g}] (a norm needs p >= 1; past {LP_MAX:g} "
+                             f"|v|^p of the vector's largest entry leaves float32's range), got {self.p!r}")
         if not is_finite_number(self.eps) or self.eps < 0:
             raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
         if self.scope not in QK_NORM_SCOPES:

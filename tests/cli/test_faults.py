@@ -7516,13 +7516,41 @@ def left20_rows():
     ]
 
 
+def api21_rows():
+    """Round 21's API pass (the public constructors and callables, as a user calls them, against their references
+    and their stated limits): the causes round 20's helpers fixed on branches that were lost, re-probed and fixed."""
+
+    def lp_norm_p_past_100(env):
+        """QKNormConfig(kind='lp', p=1000) (and ScalarNorm, QKNorm, GPTConfig(qk_norm_p=1000)) was taken, and every
+        vector normalized to +-inf: the largest entry, rescaled to [0.5, 1), still has |v|^p below float32's range
+        (0.5**1000 is 0). p above 100 is refused now, naming p and the range; p = 100 normalizes as the float64
+        reference does."""
+        from qkmla import QKNorm, ScalarNorm
+        from qkmla.config import QKNormConfig
+        from qkmla.model.gpt import GPTConfig
+
+        for make in (lambda: QKNormConfig(kind="lp", p=1000), lambda: ScalarNorm(8, "lp", p=101),
+                     lambda: QKNorm(8, 4, "lp", p=1e300)):
+            raises(make, ValueError, r"^p: expected a finite number in \[1, 100\] \(a norm needs p >= 1; past 100")
+        raises(lambda: GPTConfig(attn="mla-lp", qk_norm_p=200), ValueError, r"^qk_norm_p: expected a finite number in "
+                                                                            r"\[1, 100\]")
+        torch.manual_seed(0)
+        v = torch.randn(4, 8) * 10
+        want = v.double() / v.double().abs().pow(100).sum(-1, keepdim=True).pow(1 / 100)
+        torch.testing.assert_close(ScalarNorm(8, "lp", p=100, eps=0)(v).double(), want, atol=1e-6, rtol=1e-5)
+
+    return [
+        Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
