@@ -16,7 +16,7 @@ from typing import Optional
 
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
-from .rope import YarnScaling, rope_scaling_from
+from .rope import YarnScaling, check_theta, rope_scaling_from
 from .utils.checked import check_bool, is_finite_number, is_int, python_numbers
 
 QK_NORMS = (None, *NORM_KINDS)
@@ -189,11 +189,10 @@ def check_groups(name: str, groups: int, num_heads: int) -> None:
 
 def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     """A ValueError naming ``rope_dim_name`` for an odd RoPE width, or naming rope_theta unless it
-    is a finite positive number."""
+    is within float32's normal range (:func:`~qkmla.rope.check_theta`)."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if not is_finite_number(rope_theta) or not rope_theta > 0:
-        raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
+    check_theta("rope_theta", rope_theta)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,20 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+# theta's range: float32's normal numbers. The frequencies theta**(-2k/dim) reach 1/theta, which a subnormal theta
+# (1e-300 passed "finite > 0") puts past float32: inf frequencies, NaN angles, without a word.
+THETA_RANGE = (2.0 ** -126, float.fromhex("0x1.fffffep+127"))  # torch.finfo(torch.float32) tiny, max
+
+
+def check_theta(name: str, theta) -> None:
+    """A ValueError naming ``name`` unless ``theta`` is a number in :data:`THETA_RANGE` (RoPE's base)."""
+    low, high = THETA_RANGE
+    if not is_finite_number(theta) or not low <= theta <= high:
+        # the bounds as repr, so that typed back they are taken (1.17549e-38 is below 2**-126)
+        raise ValueError(f"{name}: expected a finite number > 0 within float32's normal range ({low!r} to {high!r}; "
+                         f"RoPE's frequencies theta**(-2k/dim) reach 1/theta), got {theta!r}")
+
+
 def _number(name: str, value, low: float, allow_none: bool = False, strict: bool = False):
     if value is None and allow_none:
         return
@@ -263,7 +277,7 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         # "DefaultCPUAllocator: can't allocate memory", naming no argument (the float64 frequencies: 4 bytes a dim)
         check_allocation("dim", 4 * dim, f"the {dim // 2} float64 RoPE frequencies of dim={dim}")
         theta = as_number(theta)  # np.float32(500.0) is a base, too
-        _number("theta", theta, 0, strict=True)
+        check_theta("theta", theta)
         check_bool("interleave", interleave)  # True: pairs (x0, x1); False: halves
         if scaling is not None and not isinstance(scaling, YarnScaling):
             raise ValueError(f"scaling: expected None or a YarnScaling (rope_scaling_from converts an HF dict), "

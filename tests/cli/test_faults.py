@@ -7539,8 +7539,66 @@ def api21_rows():
         want = v.double() / v.double().abs().pow(100).sum(-1, keepdim=True).pow(1 / 100)
         torch.testing.assert_close(ScalarNorm(8, "lp", p=100, eps=0)(v).double(), want, atol=1e-6, rtol=1e-5)
 
+    def subnormal_rope_theta(env):
+        """rope_theta=1e-300 (MLAConfig, AttentionConfig, GPTConfig; RotaryEmbedding's theta) passed "finite > 0":
+        the frequencies theta**(-2k/dim) reach 1/theta, past float32, and the rotated vectors came out inf/NaN
+        without a word. Refused now naming rope_theta (theta) and float32's normal range; its bottom, 2**-126, is
+        taken and rotates finitely."""
+        from qkmla import AttentionConfig, MLAConfig
+        from qkmla.model.gpt import GPTConfig
+        from qkmla.rope import RotaryEmbedding
+
+        pattern = r"^rope_theta: expected a finite number > 0 within float32's normal range \(1.1754943508222875e-38 "
+        for make in (lambda: MLAConfig(rope_theta=1e-300), lambda: AttentionConfig(rope_theta=5e-324),
+                     lambda: GPTConfig(rope_theta=1e-300), lambda: MLAConfig(rope_theta=1e39)):
+            raises(make, ValueError, pattern)
+        raises(lambda: RotaryEmbedding(8, theta=1e-300), ValueError, r"^theta: expected a finite number > 0 within")
+        rope = RotaryEmbedding(8, theta=2.0 ** -126)
+        assert rope(torch.ones(1, 3, 1, 8), torch.arange(3)).isfinite().all()
+
+    def gpt_softmax_scale_zero(env):
+        """GPTConfig(softmax_scale=0) was taken as None, the variant's default scale (attention_config read it with
+        `or`), on every variant but v4, without a word. Refused now naming softmax_scale and its range, as the
+        attention configs refuse it; a scale given is the layers' scale."""
+        from qkmla.model.gpt import GPTConfig
+
+        for attn in ("mha", "gqa-qknorm", "mla", "mla-l2"):
+            raises(lambda a=attn: GPTConfig(attn=a, softmax_scale=0.0), ValueError,
+                   r"^softmax_scale: expected a positive number within float32's normal range")
+            assert GPTConfig(attn=attn, softmax_scale=0.5).attention_config().scale == 0.5
+
+    def gpt_config_names_its_own_fields(env):
+        """GPTConfig's refusals named the attention configs' fields, which a GPTConfig does not have: n_kv_head=3 as
+        "num_kv_groups" (MLA) or "num_kv_heads" (GQA), an odd n_embd / n_head as "head_dim", v4's odd
+        qk_rope_head_dim as "rope_head_dim"; and a field the variant never reads was kept without a word
+        (kv_lora_rank=8 on gqa, n_kv_head=2 on mha, kv_lora_rank beside v4's shared_kv_dim). Each refused now
+        naming the field the user set; a preset's MLA ranks are dropped when another variant replaces its attn."""
+        from qkmla.model.gpt import GPT_PRESETS, GPTConfig
+
+        for kw, pattern in ((dict(attn="gqa", n_kv_head=3), r"^n_kv_head: must divide n_head=4 \(allowed: \[1, 2, 4"),
+                            (dict(attn="mla", n_kv_head=8), r"^n_kv_head: must divide n_head=4"),
+                            (dict(attn="mha", n_embd=12), r"^n_head: each head's width n_embd / n_head is rotated "
+                                                          r"by RoPE in pairs, so it must be even; got n_embd=12"),
+                            (dict(attn="v4", qk_rope_head_dim=3), r"^qk_rope_head_dim: RoPE rotates pairs"),
+                            (dict(attn="v4", shared_kv_dim=2), r"^shared_kv_dim: RoPE rotates the last "
+                                                               r"qk_rope_head_dim=4 dims"),
+                            (dict(attn="gqa", kv_lora_rank=8), r"^kv_lora_rank: only the mla and v4 variants read it, "
+                                                               r"got attn='gqa'"),
+                            (dict(attn="mqa", q_lora_rank=8), r"^q_lora_rank: only the mla and v4 variants read it"),
+                            (dict(attn="mha", n_kv_head=2), r"^n_kv_head: only the gqa and mla variants read it"),
+                            (dict(attn="v4", shared_kv_dim=40, kv_lora_rank=8), r"^kv_lora_rank: v4 reads it only for "
+                                                                                r"its default shared_kv_dim")):
+            raises(lambda k=kw: GPTConfig(**k), ValueError, pattern)
+        preset = GPT_PRESETS["paper-400m"]
+        assert preset.replace(attn="gqa").kv_lora_rank is None and preset.replace(attn="mla").kv_lora_rank == 256
+        assert preset.replace(attn="v4").q_lora_rank == 768
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("RotaryEmbedding", "size", "rope_theta=1e-300 taken: frequencies past float32", subnormal_rope_theta),
+        Row("GPTConfig", "size", "softmax_scale=0 taken as the default scale", gpt_softmax_scale_zero),
+        Row("GPTConfig", "size", "refusals named num_kv_groups / head_dim / rope_head_dim; fields a variant never "
+            "reads kept (kv_lora_rank on gqa)", gpt_config_names_its_own_fields),
     ]
 
 
