@@ -7593,8 +7593,72 @@ def api21_rows():
         assert preset.replace(attn="gqa").kv_lora_rank is None and preset.replace(attn="mla").kv_lora_rank == 256
         assert preset.replace(attn="v4").q_lora_rank == 768
 
+    def targets_all_ignored(env):
+        """GPT(idx, targets) with every target -1 (ignored) returned loss NaN without a word: cross_entropy's mean
+        over no token. Refused now naming targets and why; one real target gives the loss over it, as the reference
+        cross_entropy over the kept positions does."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=1)).eval()
+        idx = torch.randint(0, 65, (2, 5))
+        raises(lambda: model(idx, torch.full((2, 5), -1)), ValueError,
+               r"^targets: every target is -1 \(no loss there\), so there is no loss to average over 10 positions")
+        targets = torch.full((2, 5), -1)
+        targets[1, 2] = 7
+        with torch.no_grad():
+            logits, loss = model(idx, targets)
+            torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[1, 2:3], targets[1, 2:3]))
+
+    def qknorm_settings_assigned(env):
+        """QKNorm(...).kind = "l2" (or p, eps) set a plain attribute the norm never read: the module went on
+        normalizing with its own statistic, and the attribute said otherwise, without a word. Read-only now, as the
+        block norms' and the QKNorm's mode and scope are; they read the settings the module computes with."""
+        from qkmla import QKNorm
+
+        norm = QKNorm(8, 4, "lp", p=3.0, eps=1e-5)
+        for name, value in (("kind", "l2"), ("p", 5.0), ("eps", 0.1)):
+            raises(lambda n=name, v=value: setattr(norm, n, v), AttributeError, rf"property '{name}' of 'QKNorm' "
+                                                                               rf"object has no setter")
+        assert (norm.kind, norm.p, norm.eps, norm.variant()) == ("lp", 3.0, 1e-5, "lp(p=3) blockwise")
+
+    def qk_clip_junk(env):
+        """qk_clip_: a NaN max logit (a diverged step) made its head's weights NaN, +inf zeroed them, both past
+        undoing and without a word; tau '100' or None, alpha '0.5' failed in a comparison (TypeError naming
+        nothing), tau=True clipped at 1, tau=1e-320 zeroed every head, a module of another kind failed reading
+        .config. Each refused naming its argument, the weights as they were; -inf (a head that measured nothing) is
+        not clipped, and a finite max logit is clipped as before."""
+        from qkmla import MLA, MLAConfig
+        from qkmla.attention.qk_clip import clip_factors, qk_clip_
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(qk_norm=None))
+        before = copy.deepcopy(mla.state_dict())
+        good = torch.tensor([200.0, 50.0, 300.0, 100.0])
+        nan, inf = float("nan"), float("inf")
+        for kw, pattern in ((dict(max_logit=torch.tensor([nan, 1, 1, 1])), r"^max_logit: expected max logits below "
+                                                                           r"\+inf, got \[nan\] at heads \[0\]"),
+                            (dict(max_logit=torch.tensor([1, 1, inf, 1])), r"^max_logit: .* at heads \[2\]"),
+                            (dict(max_logit=[1.0, 2.0, 3.0, 4.0]), r"^max_logit: expected a real tensor of shape"),
+                            (dict(tau="100"), r"^tau: expected a positive threshold"), (dict(tau=None), r"^tau: "),
+                            (dict(tau=True), r"^tau: "), (dict(tau=1e-320), r"^tau: "), (dict(tau=nan), "^tau"),
+                            (dict(alpha="0.5"), r"^alpha: expected a number in \[0, 1\]"), (dict(alpha=True), "^a")):
+            args = {**dict(max_logit=good, tau=100.0, alpha=0.5), **kw}
+            raises(lambda a=args: qk_clip_(mla, **a), ValueError, pattern)
+        raises(lambda: qk_clip_(torch.nn.Linear(2, 2), good), ValueError, r"^module: expected an MLA or "
+                                                                          r"MultiHeadAttention layer, got Linear")
+        raises(lambda: clip_factors(good, float("nan")), ValueError, r"^tau: ")
+        assert all(torch.equal(v, mla.state_dict()[k]) for k, v in before.items())
+        assert qk_clip_(mla, torch.tensor([float("-inf"), 1, 1, 1]), 100.0).tolist() == [1.0] * 4
+        torch.testing.assert_close(qk_clip_(mla, good, 100.0), torch.tensor([0.5, 1.0, 1 / 3, 1.0]))
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("GPT", "size", "targets all -1: loss NaN without a word", targets_all_ignored),
+        Row("QKNorm", "size", "QKNorm's kind / p / eps assigned after construction: a plain attribute, unread",
+            qknorm_settings_assigned),
+        Row("MLAConfig", "size", "qk_clip_: NaN / inf max logits wrote NaN / zero weights; junk tau, alpha, module",
+            qk_clip_junk),
         Row("RotaryEmbedding", "size", "rope_theta=1e-300 taken: frequencies past float32", subnormal_rope_theta),
         Row("GPTConfig", "size", "softmax_scale=0 taken as the default scale", gpt_softmax_scale_zero),
         Row("GPTConfig", "size", "refusals named num_kv_groups / head_dim / rope_head_dim; fields a variant never "

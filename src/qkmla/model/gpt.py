@@ -297,9 +297,9 @@ class LogParametrization(nn.Module):
 
 def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
     """A ValueError naming ``targets`` unless it is integer token ids of idx's shape, each in [0, vocab_size) or
-    -1 (ignored): checked before the loss, where torch's cross_entropy failed with "Target 40 is out of bounds"
-    (an IndexError), "expected target dtype to be Long" or "Expected input batch_size (16) to match target
-    batch_size (14)", naming no argument of this model."""
+    -1 (ignored), and not all -1 (the mean over no token is NaN): checked before the loss, where torch's
+    cross_entropy failed with "Target 40 is out of bounds" (an IndexError), "expected target dtype to be Long" or
+    "Expected input batch_size (16) to match target batch_size (14)", naming no argument of this model."""
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.long, torch.int32) \
             or targets.shape != idx.shape:
         got = f"{targets.dtype} {tuple(targets.shape)}" if isinstance(targets, torch.Tensor) else f"{targets!r:.80}"
@@ -313,6 +313,10 @@ def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
         if lo < -1 or hi >= vocab_size:
             raise ValueError(f"targets: token ids must lie in [0, vocab_size={vocab_size}) or be -1 (no loss "
                              f"there), got {lo}..{hi}")
+        if hi == -1:  # the mean over no token: cross_entropy's NaN, without a word
+            raise ValueError(f"targets: every target is -1 (no loss there), so there is no loss to average over "
+                             f"{targets.numel()} positions; give at least one token id, or targets=None for the "
+                             f"logits alone")
 
 
 class GPT(nn.Module):
