@@ -7652,8 +7652,47 @@ def api21_rows():
         assert qk_clip_(mla, torch.tensor([float("-inf"), 1, 1, 1]), 100.0).tolist() == [1.0] * 4
         torch.testing.assert_close(qk_clip_(mla, good, 100.0), torch.tensor([0.5, 1.0, 1 / 3, 1.0]))
 
+    def padded_prefill_at_latent_norm_eps_zero(env):
+        """A right-padded prefill (input_lengths) of an MLA with latent_norm_eps=0 gave NaN for the real tokens: the
+        padding's x is zeroed, but kv_a_layernorm of a zero vector is NaN at eps 0, and the padded keys' NaN reached
+        the real rows through their softmax's zero weights (0 * NaN). The padded latent rows are zeroed after the
+        norm now: each sequence equals its unpadded reference, and so does the next decode step."""
+        from qkmla import MLA, MLAConfig, LatentCache
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(latent_norm_eps=0.0)).eval()
+        x, step = torch.randn(2, 6, 64), torch.randn(2, 1, 64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            out = mla(x, cache, input_lengths=torch.tensor([6, 3]))
+            torch.testing.assert_close(out[1, :3], mla(x[1:, :3])[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(out[0], mla(x[:1])[0], atol=1e-5, rtol=1e-4)
+            want = mla(torch.cat((x[1:, :3], step[1:]), dim=1))[0, -1]
+            torch.testing.assert_close(mla(step, cache)[1, 0], want, atol=1e-5, rtol=1e-4)
+
+    def rope_positions_without_a_cache(env):
+        """MLA(x, rope_positions=p) without a cache ignored p: the tokens were rotated to 0..T-1 (0.2 off the
+        reference for positions [0, 2, 4, 6, 9]) without a word. Without a cache positions are the RoPE positions:
+        rope_positions are used as them now (signed, as with a cache), equal to MLA(x, positions=p); both at once is
+        refused naming rope_positions."""
+        from qkmla import MLA, MLAConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).eval()
+        x, p = torch.randn(2, 5, 64), torch.tensor([0, 2, 4, 6, 9])
+        with torch.no_grad():
+            want = mla(x, positions=p)
+            assert (want - mla(x)).abs().max() > 0.05
+            torch.testing.assert_close(mla(x, rope_positions=p), want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(mla(x, rope_positions=p[None] - 3), want, atol=1e-5, rtol=1e-4)
+            raises(lambda: mla(x, positions=p, rope_positions=p), ValueError,
+                   r"^rope_positions: without a cache, positions are the RoPE positions; pass one of them")
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("LatentCache", "size", "right-padded prefill at latent_norm_eps=0: NaN for the real tokens",
+            padded_prefill_at_latent_norm_eps_zero),
+        Row("MLAConfig", "size", "rope_positions without a cache ignored (0.2 off)", rope_positions_without_a_cache),
         Row("GPT", "size", "targets all -1: loss NaN without a word", targets_all_ignored),
         Row("QKNorm", "size", "QKNorm's kind / p / eps assigned after construction: a plain attribute, unread",
             qknorm_settings_assigned),
