@@ -7688,8 +7688,43 @@ def api21_rows():
             raises(lambda: mla(x, positions=p, rope_positions=p), ValueError,
                    r"^rope_positions: without a cache, positions are the RoPE positions; pass one of them")
 
+    def parametrized_kv_b_proj(env):
+        """A kv_b_proj under torch.nn.utils.parametrize (weight_norm, orthogonal, a user's scale): .weight is
+        recomputed at each read, a new tensor of version 0 that may take a freed one's address, so an update of the
+        originals was not seen and the absorbed path decoded with the weights of before it: 0.36 (weight_norm),
+        0.89 (orthogonal), 3.6 (a scale) off the explicit path. The kept weights follow the parametrization's
+        originals now: a decode after an update equals the explicit path."""
+        from torch.nn.utils import parametrize
+        from torch.nn.utils.parametrizations import orthogonal, weight_norm
+        from qkmla import MLA, MLAConfig, LatentCache
+
+        class Scale(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.s = torch.nn.Parameter(torch.tensor(1.0))
+
+            def forward(self, w):
+                return w * self.s
+
+        for make in (weight_norm, orthogonal, lambda m: parametrize.register_parametrization(m, "weight", Scale())):
+            torch.manual_seed(0)
+            mla = MLA(MLAConfig()).eval()
+            make(mla.kv_b_proj)
+            x = torch.randn(2, 6, 64)
+            with torch.no_grad():
+                cache = LatentCache.from_config(mla.config, 2, 8)
+                mla(x[:, :5], cache)
+                mla(x[:, 5:], cache)  # the absorbed weights kept
+                for p in mla.kv_b_proj.parametrizations.weight.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+                cache = LatentCache.from_config(mla.config, 2, 8)
+                mla(x[:, :5], cache)
+                torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-5, rtol=1e-4)
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("LatentCache", "size", "a parametrized kv_b_proj (weight_norm, orthogonal): the absorbed path kept "
+            "stale weights (0.36-3.6 off)", parametrized_kv_b_proj),
         Row("LatentCache", "size", "right-padded prefill at latent_norm_eps=0: NaN for the real tokens",
             padded_prefill_at_latent_norm_eps_zero),
         Row("MLAConfig", "size", "rope_positions without a cache ignored (0.2 off)", rope_positions_without_a_cache),

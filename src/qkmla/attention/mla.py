@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.prune import BasePruningMethod
 
 from ..cache.full import FullKVCache
@@ -243,6 +244,13 @@ class MLA(TracksMaxLogits):
             # freed one's address and version (a stale hit)
             hook(self.kv_b_proj, ())
             sources = [getattr(self.kv_b_proj, hook._tensor_name + suffix) for suffix in ("_orig", "_mask")]
+        if parametrize.is_parametrized(self.kv_b_proj, "weight"):
+            # Under torch.nn.utils.parametrize (weight_norm, orthogonal, a user's), .weight is recomputed at each read:
+            # a new tensor of version 0, whose address may be a freed one's, so an update of the originals was not
+            # seen and the absorbed path decoded with the weight of before it (0.36 to 3.6 off the explicit path).
+            # The kept weights follow what .weight is computed from: the originals and the parametrizations' state.
+            chain = self.kv_b_proj.parametrizations["weight"]
+            sources = [*chain.parameters(), *chain.buffers()]
         if self.q_norm is not None:
             sources += [norm.weight for qk in (self.q_norm, self.k_norm) for norm in (qk.content, qk.rope)]
         return sources
