@@ -7721,8 +7721,37 @@ def api21_rows():
                 mla(x[:, :5], cache)
                 torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-5, rtol=1e-4)
 
+    def compiled_decode_positions_past_exact(env):
+        """decode_one_token(mla, x, cache, step=torch.compile(mla_decode_step)) over a cache whose next positions are
+        past 2**24 rotated them as rounded float32 positions without a word: the eager step's RoPE checks its
+        positions (rope.check_positions), the compiled one skips that check. decode_one_token checks them now, as
+        the eager path does, before the step (a step that skips its checks, as a compiled one does, stands in for
+        torch.compile here); the cache is left as it was, and positions within range decode as mla(x, cache)."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.decode import decode_one_token, mla_decode_step
+
+        def compiled(*args):  # what a compiled step checks: nothing that reads a tensor on the host
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(torch.compiler, "is_compiling", lambda: True)
+                return mla_decode_step(*args)
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 1, 64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            mla(torch.randn(2, 2, 64), cache)
+            twin = copy.deepcopy(cache)
+            cache.next_positions = torch.tensor([2**24 + 3, 5])
+            raises(lambda: decode_one_token(mla, x, cache, step=compiled), ValueError,
+                   r"^positions: expected positions within \+-16777216 \(2\*\*24: .*got 16777219")
+            assert cache.seqlens.tolist() == [2, 2]
+            torch.testing.assert_close(decode_one_token(mla, x, copy.deepcopy(twin), step=compiled), mla(x, twin),
+                                       atol=1e-5, rtol=1e-4)
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("mla_decode_with_kvcache", "size", "compiled decode step: positions past 2**24 rotated as rounded ones",
+            compiled_decode_positions_past_exact),
         Row("LatentCache", "size", "a parametrized kv_b_proj (weight_norm, orthogonal): the absorbed path kept "
             "stale weights (0.36-3.6 off)", parametrized_kv_b_proj),
         Row("LatentCache", "size", "right-padded prefill at latent_norm_eps=0: NaN for the real tokens",
