@@ -7748,8 +7748,29 @@ def api21_rows():
             torch.testing.assert_close(decode_one_token(mla, x, copy.deepcopy(twin), step=compiled), mla(x, twin),
                                        atol=1e-5, rtol=1e-4)
 
+    def float64_sinks_log_sum_exp(env):
+        """A float64 MLA with attention sinks decoded 5.5e-9 off its own float64 explicit path: the decode op's torch
+        backend (and the compiled step's op) returned the log-sum-exp rounded to float32, and the sinks' share
+        sigmoid(L - s_h) was computed from it. The log-sum-exp is float64 for float64 queries now: the decode step
+        equals the explicit path to 1e-12 (3e-16 here), by MLA's forward and by decode_one_token."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.decode import decode_one_token
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(attention_sinks=True, decode_backend="torch")).double().eval()
+        x = torch.randn(2, 6, 64, dtype=torch.float64)
+        with torch.no_grad():
+            mla.sinks.copy_(torch.randn(4, dtype=torch.float64) * 2)
+            want = mla(x)[:, 5:]
+            for step in (lambda c: mla(x[:, 5:], c), lambda c: decode_one_token(mla, x[:, 5:], c)):
+                cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64)
+                mla(x[:, :5], cache)
+                torch.testing.assert_close(step(cache), want, atol=1e-12, rtol=1e-12)
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("mla_decode_with_kvcache", "size", "float64 queries with sinks: log-sum-exp kept in float32 (5e-9 off)",
+            float64_sinks_log_sum_exp),
         Row("mla_decode_with_kvcache", "size", "compiled decode step: positions past 2**24 rotated as rounded ones",
             compiled_decode_positions_past_exact),
         Row("LatentCache", "size", "a parametrized kv_b_proj (weight_norm, orthogonal): the absorbed path kept "
