@@ -128,8 +128,8 @@ class QKNormConfig:
             # Past LP_MAX the statistic leaves float32 however the vector is rescaled (ops.statistic.moment): the
             # largest entry, brought to [0.5, 1), still has |v|^p below float32's range (0.5**1000 is 0), so the
             # sum was 0 and p=1000 normalized every vector to inf, without a word
-            raise ValueError(f"p: expected a finite number in [1, {LP_MAX:g}] (a norm needs p >= 1; past {LP_MAX:g} "
-                             f"|v|^p of the vector's largest entry leaves float32's range), got {self.p!r}")
+            raise ValueError(f"p: expected a finite number >= 1 and <= {LP_MAX:g} (a norm needs p >= 1; past "
+                             f"{LP_MAX:g} |v|^p of the vector's largest entry leaves float32's range), got {self.p!r}")
         if not is_finite_number(self.eps) or self.eps < 0:
             raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
         if self.scope not in QK_NORM_SCOPES:

@@ -103,7 +103,8 @@ class ScalarNorm(nn.Module):
         (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
         self.check_input(v, weight)
         weight = self.weight if weight is None else weight
-        if self.kind == "rms" and v.is_cuda:  # the same arithmetic, one fused kernel
+        # The same arithmetic, one fused kernel; not at eps = 0, whose zero vector it makes NaN (statistic.moment)
+        if self.kind == "rms" and v.is_cuda and self.eps > 0:
             if weight.dim() == 1:
                 return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
             return F.rms_norm(v, (self.dim,), None, self.eps) * cast(weight, v.dtype)

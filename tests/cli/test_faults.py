@@ -7531,9 +7531,9 @@ def api21_rows():
 
         for make in (lambda: QKNormConfig(kind="lp", p=1000), lambda: ScalarNorm(8, "lp", p=101),
                      lambda: QKNorm(8, 4, "lp", p=1e300)):
-            raises(make, ValueError, r"^p: expected a finite number in \[1, 100\] \(a norm needs p >= 1; past 100")
-        raises(lambda: GPTConfig(attn="mla-lp", qk_norm_p=200), ValueError, r"^qk_norm_p: expected a finite number in "
-                                                                            r"\[1, 100\]")
+            raises(make, ValueError, r"^p: expected a finite number >= 1 and <= 100 \(a norm needs p >= 1; past 100")
+        raises(lambda: GPTConfig(attn="mla-lp", qk_norm_p=200), ValueError,
+               r"^qk_norm_p: expected a finite number >= 1 and <= 100")
         torch.manual_seed(0)
         v = torch.randn(4, 8) * 10
         want = v.double() / v.double().abs().pow(100).sum(-1, keepdim=True).pow(1 / 100)
@@ -7767,8 +7767,43 @@ def api21_rows():
                 mla(x[:, :5], cache)
                 torch.testing.assert_close(step(cache), want, atol=1e-12, rtol=1e-12)
 
+    def norms_at_eps_zero_of_zero_vectors(env):
+        """At eps=0 a zero vector, or one whose largest entry is subnormal (1e-40 in float32), normalized to NaN with
+        NaN gradients (0 * inf: its sigma is past float32), in ScalarNorm, QKNorm and the absorbed path's key
+        scalars (the CPU kernel's too: inf, so every logit of the token NaN). Such a vector is the zero vector now:
+        sigma 0, normalized to 0 (F.normalize's answer for a zero vector), finite gradients; a vector of 1e-30s
+        still normalizes as the reference does, and a decode whose content keys of a group are zero equals the
+        explicit path."""
+        from qkmla import MLA, MLAConfig, LatentCache, ScalarNorm
+        from qkmla.ops.small_linear import group_statistic
+
+        for kind in ("rms", "l2", "lp"):
+            for value in (0.0, 1e-40):
+                v = torch.full((2, 8), value, requires_grad=True)
+                out = ScalarNorm(8, kind, p=3.0, eps=0.0)(v)
+                out.sum().backward()
+                assert torch.equal(out, torch.zeros(2, 8)) and v.grad.isfinite().all(), (kind, value)
+        tiny = torch.full((1, 8), 1e-30)
+        torch.testing.assert_close(ScalarNorm(8, "rms", eps=0.0)(tiny), torch.ones(1, 8))
+        w, x = torch.randn(4, 8, 16).bfloat16(), torch.zeros(3, 16).bfloat16()
+        with torch.no_grad():
+            assert torch.equal(group_statistic(x, w, "rms", 2.0, 0.0), torch.zeros(3, 4))
+        torch.manual_seed(0)
+        for dtype in (torch.float32, torch.bfloat16):
+            mla = MLA(MLAConfig(qk_norm=dict(kind="rms", eps=0.0))).eval().to(dtype)
+            x = torch.randn(2, 6, 64, dtype=dtype)
+            with torch.no_grad():
+                mla.kv_b_proj.weight[:16] = 0  # group 0's W_UK: its content keys are zero
+                cache = LatentCache.from_config(mla.config, 2, 8, dtype=dtype)
+                mla(x[:, :5], cache)
+                got = mla(x[:, 5:], cache)
+                tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+                torch.testing.assert_close(got, mla(x)[:, 5:], atol=tolerance, rtol=tolerance)
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("ScalarNorm", "size", "eps=0: zero or subnormal vectors normalized to NaN (and NaN key scalars)",
+            norms_at_eps_zero_of_zero_vectors),
         Row("mla_decode_with_kvcache", "size", "float64 queries with sinks: log-sum-exp kept in float32 (5e-9 off)",
             float64_sinks_log_sum_exp),
         Row("mla_decode_with_kvcache", "size", "compiled decode step: positions past 2**24 rotated as rounded ones",
