@@ -90,14 +90,36 @@ class YarnScaling:
         python_numbers(self)  # np.float32(4.0) is the float 4.0 (utils.checked), as MLAConfig's own fields
         _number("rope_scaling.factor", self.factor, 1.0)
         L = self.original_max_position_embeddings
-        if not is_int(L) or L < 1:
-            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, got {L!r}")
+        if not is_int(L) or not 1 <= L < 2**63:  # 2**70 was taken: no context is that long
+            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int below 2**63, "
+                             f"got {L!r}")
         _number("rope_scaling.beta_slow", self.beta_slow, 0.0, strict=True)
         _number("rope_scaling.beta_fast", self.beta_fast, self.beta_slow)
         _number("rope_scaling.mscale", self.mscale, 0.0, allow_none=True)
         _number("rope_scaling.mscale_all_dim", self.mscale_all_dim, 0.0, allow_none=True)
         _number("rope_scaling.attention_factor", self.attention_factor, 0.0, allow_none=True, strict=True)
         check_bool("rope_scaling.truncate", self.truncate)
+        self._check_factors()
+
+    def _check_factors(self) -> None:
+        """The two factors the fields make, within float32's normal range (:data:`THETA_RANGE`'s bounds), naming
+        the field that made them: mscale_all_dim=1e30 gave a softmax scale of 2.8e58 (inf logits), attention_factor
+        1e300 failed in the rotation ("value cannot be converted to type float without overflow") and 1e-300
+        rotated every vector to 0, mscale=1e300 beside mscale_all_dim failed in math with a bare OverflowError."""
+        low, high = THETA_RANGE
+        if self.attention_factor is not None:
+            cos_sin = "attention_factor"
+        else:
+            cos_sin = "mscale" if (self.mscale or 0) >= (self.mscale_all_dim or 0) else "mscale_all_dim"
+        for name, what, factor in ((cos_sin, "cos/sin factor", lambda: self.cos_sin_factor),
+                                   ("mscale_all_dim", "softmax-scale factor", lambda: self.softmax_scale_factor)):
+            try:
+                value = factor()
+            except OverflowError:
+                value = math.inf
+            if not low <= value <= high:
+                raise ValueError(f"rope_scaling.{name}: makes YaRN's {what} {value:g}, outside float32's normal range "
+                                 f"({low!r} to {high!r}); got {name}={getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, params: Mapping, name: str = "rope_scaling") -> "YarnScaling":

@@ -7800,8 +7800,34 @@ def api21_rows():
                 tolerance = 1e-5 if dtype == torch.float32 else 1e-2
                 torch.testing.assert_close(got, mla(x)[:, 5:], atol=tolerance, rtol=tolerance)
 
+    def yarn_factors_past_float32(env):
+        """YaRN's fields whose factors leave float32 were taken: mscale_all_dim=1e30 gave MLAConfig a softmax scale
+        of 2.8e58 (inf logits), attention_factor=1e300 failed in the rotation ("value cannot be converted to type
+        float without overflow") and 1e-300 rotated every RoPE key to 0, mscale=1e300 failed in math with a bare
+        OverflowError, original_max_position_embeddings=2**70 was taken. Each refused now naming the field (a dict,
+        HF's spelling, alike); DeepSeek-V3's values build and rotate finitely."""
+        from qkmla import MLAConfig
+        from qkmla.rope import RotaryEmbedding, YarnScaling
+
+        base = dict(factor=40, original_max_position_embeddings=4096)
+        for kw, name in ((dict(mscale_all_dim=1e30), "mscale_all_dim"),
+                         (dict(attention_factor=1e300), "attention_factor"),
+                         (dict(attention_factor=1e-300), "attention_factor"),
+                         (dict(mscale=1e300, mscale_all_dim=1.0), "mscale"),
+                         (dict(mscale=1e300, mscale_all_dim=1e300), "mscale_all_dim")):
+            pattern = rf"^rope_scaling\.{name}: makes YaRN's .* factor .*, outside float32's normal range"
+            raises(lambda k=kw: YarnScaling(**base, **k), ValueError, pattern)
+            raises(lambda k=kw: MLAConfig(rope_scaling=dict(rope_type="yarn", **base, **k)), ValueError, pattern)
+        raises(lambda: YarnScaling(40, 2**70), ValueError, r"^rope_scaling\.original_max_position_embeddings: expected "
+                                                           r"a positive int below 2\*\*63")
+        v3 = YarnScaling(**base, mscale=1.0, mscale_all_dim=1.0)
+        assert RotaryEmbedding(8, scaling=v3)(torch.ones(1, 3, 1, 8), torch.arange(3)).isfinite().all()
+        assert abs(MLAConfig(rope_scaling=v3).scale / MLAConfig().scale - 1.8739) < 1e-4
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("RotaryEmbedding", "size", "YaRN mscale / mscale_all_dim / attention_factor past float32 taken",
+            yarn_factors_past_float32),
         Row("ScalarNorm", "size", "eps=0: zero or subnormal vectors normalized to NaN (and NaN key scalars)",
             norms_at_eps_zero_of_zero_vectors),
         Row("mla_decode_with_kvcache", "size", "float64 queries with sinks: log-sum-exp kept in float32 (5e-9 off)",
