@@ -7824,8 +7824,29 @@ def api21_rows():
         assert RotaryEmbedding(8, scaling=v3)(torch.ones(1, 3, 1, 8), torch.arange(3)).isfinite().all()
         assert abs(MLAConfig(rope_scaling=v3).scale / MLAConfig().scale - 1.8739) < 1e-4
 
+    def decode_scale_past_float32(env):
+        """mla_decode_with_kvcache(softmax_scale=1e300) passed "finite > 0" and returned NaN outputs (the scores inf),
+        and 1e-320 scaled every score to 0 (each visible slot equally likely), both without a word, where MLAConfig
+        refuses such a scale. Refused now naming softmax_scale and float32's normal range, as MLAConfig does; its
+        bottom, 2**-126, decodes finitely."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        torch.manual_seed(0)
+        q, r, kv = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8), torch.randn(4, 4, 24)
+        table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+        for scale in (1e300, 1e-320, 3.5e38):
+            for backend in ("torch", "naive"):
+                raises(lambda s=scale, b=backend: mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=s,
+                                                                          backend=b),
+                       ValueError, r"^softmax_scale: expected the logit scale \(a finite float > 0, or a tensor "
+                                   r"\[H\]\) within float32's normal range")
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=2.0 ** -126, backend="torch")
+        assert out.isfinite().all() and lse.isfinite().all()
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("mla_decode_with_kvcache", "size", "softmax_scale=1e300 / 1e-320: NaN outputs / uniform weights",
+            decode_scale_past_float32),
         Row("RotaryEmbedding", "size", "YaRN mscale / mscale_all_dim / attention_factor past float32 taken",
             yarn_factors_past_float32),
         Row("ScalarNorm", "size", "eps=0: zero or subnormal vectors normalized to NaN (and NaN key scalars)",

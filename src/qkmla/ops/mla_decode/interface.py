@@ -218,9 +218,16 @@ def check_softmax_scale(softmax_scale, H: int, device: Optional[torch.device] = 
     # A float is a logit scale tau > 0, as MLAConfig's softmax_scale is: 0 makes every visible slot
     # equally likely and a negative one inverts the softmax, answers no caller means. (A tensor
     # [H] is a learned per-head scale, which training may carry through 0; only finite is asked.)
+    # Within float32's normal range, as MLAConfig's (config.SOFTMAX_SCALE_RANGE; not imported: config imports the
+    # ops): 1e300 passed "finite > 0" and made the scores inf, the output NaN, and 1e-320 scaled them to 0 (every
+    # visible slot equally likely), both without a word.
     if not is_finite_number(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
+    low, high = 2.0 ** -126, float.fromhex("0x1.fffffep+127")
+    if not low <= softmax_scale <= high:
+        raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]) within "
+                         f"float32's normal range ({low!r} to {high!r}), as MLAConfig's; got {softmax_scale!r}")
 
 
 def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor,
