@@ -55,6 +55,16 @@ def fixed_config(mutable: tuple = ()) -> property:
     return property(get, set_, doc="The module's config; structural fields are fixed after construction.")
 
 
+def check_eps(name: str, eps) -> None:
+    """A ValueError naming ``name`` unless eps is a number in [0, float32's largest]: a norm adds it in float32 (or
+    wider), where eps=1e39 is inf and normalized every vector to exactly 0, without a word."""
+    if not is_finite_number(eps) or eps < 0:
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
+    if eps > SOFTMAX_SCALE_RANGE[1]:
+        raise ValueError(f"{name}: expected a finite number >= 0 and at most float32's largest "
+                         f"({SOFTMAX_SCALE_RANGE[1]!r}: the norm adds it in float32), got {eps!r}")
+
+
 def check_positive_int(name: str, value, allow_none: bool = False) -> None:
     """A ValueError naming ``name`` unless ``value`` is an int in [1, 2**63) (or None, with
     ``allow_none``); shared by every config here and the ones built on them (gpt.py, cache/size.py)."""
@@ -130,8 +140,7 @@ class QKNormConfig:
             # sum was 0 and p=1000 normalized every vector to inf, without a word
             raise ValueError(f"p: expected a finite number >= 1 and <= {LP_MAX:g} (a norm needs p >= 1; past "
                              f"{LP_MAX:g} |v|^p of the vector's largest entry leaves float32's range), got {self.p!r}")
-        if not is_finite_number(self.eps) or self.eps < 0:
-            raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
+        check_eps("eps", self.eps)
         if self.scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {self.scope!r}")
         check_bool("learnable_logit_scale", self.learnable_logit_scale)
@@ -255,8 +264,7 @@ class MLAConfig:
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         check_softmax_scale(self.softmax_scale)
-        if not is_finite_number(self.latent_norm_eps) or self.latent_norm_eps < 0:
-            raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
+        check_eps("latent_norm_eps", self.latent_norm_eps)
         check_backend(self.decode_backend, "decode_backend")
         for name in ("rope_interleave", "attention_bias", "attention_sinks"):
             check_bool(name, getattr(self, name))
@@ -410,8 +418,7 @@ class SharedKVConfig:
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
         check_bool("attention_sinks", self.attention_sinks)
         check_softmax_scale(self.softmax_scale)
-        if not is_finite_number(self.norm_eps) or self.norm_eps < 0:
-            raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
+        check_eps("norm_eps", self.norm_eps)
 
     has_qk_norm = True  # the norms are the design, not an option
     learnable_logit_scale = False

@@ -7843,8 +7843,25 @@ def api21_rows():
         out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=2.0 ** -126, backend="torch")
         assert out.isfinite().all() and lse.isfinite().all()
 
+    def norm_eps_past_float32(env):
+        """An eps past float32's largest (QKNormConfig / ScalarNorm eps=1e39, MLAConfig latent_norm_eps=1e39,
+        SharedKVConfig norm_eps) was taken: the norm adds it in float32, where it is inf, and every vector came out
+        exactly 0 (an MLA's output all zeros), without a word. Refused now naming the field and the range; 1e30
+        (in float32) is still taken."""
+        from qkmla import MLAConfig, ScalarNorm
+        from qkmla.config import QKNormConfig, SharedKVConfig
+
+        for make, name in ((lambda: QKNormConfig(eps=1e39), "eps"), (lambda: ScalarNorm(8, eps=1e300), "eps"),
+                           (lambda: MLAConfig(latent_norm_eps=1e39), "latent_norm_eps"),
+                           (lambda: SharedKVConfig(norm_eps=1e39), "norm_eps")):
+            raises(make, ValueError, rf"^{name}: expected a finite number >= 0 and at most float32's largest "
+                                     rf"\(3.4028234663852886e\+38")
+        assert QKNormConfig(eps=1e30).eps == 1e30
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("QKNormConfig", "size", "eps=1e39 (past float32) taken: every vector normalized to 0",
+            norm_eps_past_float32),
         Row("mla_decode_with_kvcache", "size", "softmax_scale=1e300 / 1e-320: NaN outputs / uniform weights",
             decode_scale_past_float32),
         Row("RotaryEmbedding", "size", "YaRN mscale / mscale_all_dim / attention_factor past float32 taken",
