@@ -7854,8 +7854,25 @@ def api21_rows():
                                      rf"\(3.4028234663852886e\+38")
         assert QKNormConfig(eps=1e30).eps == 1e30
 
+    def cache_shape_full_key_half_given(env):
+        """CacheShape (and `qkmla cache-size`) with an MLA shape and qk_nope_head_dim but no v_head_dim (or the
+        reverse) dropped the full-key row without a word: the table printed the MLA rows alone. Refused now naming
+        the missing width (the flag, from the command); both give the full-key row."""
+        from qkmla.cache.size import CacheShape, cache_rows
+
+        mla = dict(num_layers=2, num_heads=4, head_dim=8, num_kv_heads=4, kv_lora_rank=32, qk_rope_head_dim=8)
+        raises(lambda: CacheShape(**mla, qk_nope_head_dim=16), ValueError,
+               r"^v_head_dim: qk_nope_head_dim=16 sizes the full-key row, which also needs v_head_dim")
+        raises(lambda: CacheShape(**mla, v_head_dim=16), ValueError, r"^qk_nope_head_dim: v_head_dim=16 sizes")
+        refuse(env, ["cache-size", "--num-layers", 2, "--num-heads", 4, "--head-dim", 8, "--kv-lora-rank", 32,
+                     "--qk-rope-head-dim", 8, "--qk-nope-head-dim", 16], r"--v-head-dim: qk_nope_head_dim=16 sizes")
+        rows = cache_rows(CacheShape(**mla, qk_nope_head_dim=16, v_head_dim=16), 10)
+        assert [r["variant"] for r in rows][-1] == "mla-qknorm-full-key"
+
     return [
         Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("CacheShape", "size", "qk_nope_head_dim without v_head_dim: the full-key row dropped without a word",
+            cache_shape_full_key_half_given),
         Row("QKNormConfig", "size", "eps=1e39 (past float32) taken: every vector normalized to 0",
             norm_eps_past_float32),
         Row("mla_decode_with_kvcache", "size", "softmax_scale=1e300 / 1e-320: NaN outputs / uniform weights",
