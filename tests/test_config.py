@@ -33,8 +33,8 @@ def test_invalid_mla_config_names_the_argument(kwargs, argument):
 @pytest.mark.parametrize(
     "kwargs, argument",
     [
-        (dict(kind="lp", p=0.5), "p: expected a finite number >= 1"),
-        (dict(kind="lp", p=0.9), "p: expected a finite number >= 1"),
+        (dict(kind="lp", p=0.5), "p: expected a finite number >= 1 and <= 100"),
+        (dict(kind="lp", p=0.9), "p: expected a finite number >= 1 and <= 100"),
         (dict(eps=-1e-6), "eps: expected a finite number >= 0"),
         (dict(kind="layernorm"), r"kind: expected one of \(None, 'rms', 'l2', 'lp'\)"),
         (dict(mode="fused"), r"mode: expected one of \('blockwise', 'unified', 'content'\)"),

@@ -16,12 +16,13 @@ from typing import Optional
 
 from .ops.mla_decode.backends import check_backend
 from .ops.statistic import NORM_KINDS
-from .rope import YarnScaling, rope_scaling_from
+from .rope import YarnScaling, check_theta, rope_scaling_from
 from .utils.checked import check_bool, is_finite_number, is_int, python_numbers
 
 QK_NORMS = (None, *NORM_KINDS)
 QK_NORM_MODES = ("blockwise", "unified", "content")
 QK_NORM_SCOPES = ("head", "projection")
+LP_MAX = 100.0  # the largest p of an Lp norm: 0.5**p stays a normal float32 (2**-126) up to p = 126
 
 
 def fixed_config(mutable: tuple = ()) -> property:
@@ -52,6 +53,16 @@ def fixed_config(mutable: tuple = ()) -> property:
         module.__dict__["_config"] = value
 
     return property(get, set_, doc="The module's config; structural fields are fixed after construction.")
+
+
+def check_eps(name: str, eps) -> None:
+    """A ValueError naming ``name`` unless eps is a number in [0, float32's largest]: a norm adds it in float32 (or
+    wider), where eps=1e39 is inf and normalized every vector to exactly 0, without a word."""
+    if not is_finite_number(eps) or eps < 0:
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
+    if eps > SOFTMAX_SCALE_RANGE[1]:
+        raise ValueError(f"{name}: expected a finite number >= 0 and at most float32's largest "
+                         f"({SOFTMAX_SCALE_RANGE[1]!r}: the norm adds it in float32), got {eps!r}")
 
 
 def check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -99,7 +110,7 @@ class QKNormConfig:
             "content" takes one statistic from the content block alone and applies it to both
             blocks (what a converted GQA model needs when its content block holds the whole
             original head, so its RoPE dims are counted there: MATH.md).
-        p: p of the Lp norm (read only when ``kind == "lp"``), p >= 1.
+        p: p of the Lp norm (read only when ``kind == "lp"``), in [1, 100] (:data:`LP_MAX`).
         eps: the eps inside the statistic, >= 0.
         scope: what one statistic covers. "head" (default): each query head and each KV group's
             key has its own, and the norm weights are shared by the heads (the paper, Qwen3).
@@ -123,10 +134,13 @@ class QKNormConfig:
             raise ValueError(f"kind: expected one of {QK_NORMS}, got {self.kind!r}")
         if self.mode not in QK_NORM_MODES:
             raise ValueError(f"mode: expected one of {QK_NORM_MODES}, got {self.mode!r}")
-        if not is_finite_number(self.p) or self.p < 1:
-            raise ValueError(f"p: expected a finite number >= 1 (a norm needs p >= 1), got {self.p!r}")
-        if not is_finite_number(self.eps) or self.eps < 0:
-            raise ValueError(f"eps: expected a finite number >= 0, got {self.eps!r}")
+        if not is_finite_number(self.p) or not 1 <= self.p <= LP_MAX:
+            # Past LP_MAX the statistic leaves float32 however the vector is rescaled (ops.statistic.moment): the
+            # largest entry, brought to [0.5, 1), still has |v|^p below float32's range (0.5**1000 is 0), so the
+            # sum was 0 and p=1000 normalized every vector to inf, without a word
+            raise ValueError(f"p: expected a finite number >= 1 and <= {LP_MAX:g} (a norm needs p >= 1; past "
+                             f"{LP_MAX:g} |v|^p of the vector's largest entry leaves float32's range), got {self.p!r}")
+        check_eps("eps", self.eps)
         if self.scope not in QK_NORM_SCOPES:
             raise ValueError(f"scope: expected one of {QK_NORM_SCOPES}, got {self.scope!r}")
         check_bool("learnable_logit_scale", self.learnable_logit_scale)
@@ -184,11 +198,10 @@ def check_groups(name: str, groups: int, num_heads: int) -> None:
 
 def check_rope(rope_dim_name: str, rope_dim: int, rope_theta) -> None:
     """A ValueError naming ``rope_dim_name`` for an odd RoPE width, or naming rope_theta unless it
-    is a finite positive number."""
+    is within float32's normal range (:func:`~qkmla.rope.check_theta`)."""
     if rope_dim % 2:
         raise ValueError(f"{rope_dim_name}: RoPE rotates pairs, so it must be even, got {rope_dim}")
-    if not is_finite_number(rope_theta) or not rope_theta > 0:
-        raise ValueError(f"rope_theta: expected a positive number, got {rope_theta!r}")
+    check_theta("rope_theta", rope_theta)
 
 
 @dataclass(frozen=True)
@@ -251,8 +264,7 @@ class MLAConfig:
         object.__setattr__(self, "rope_scaling", rope_scaling_from(self.rope_scaling, "rope_scaling"))
         object.__setattr__(self, "qk_norm", QKNormConfig.of(self.qk_norm))
         check_softmax_scale(self.softmax_scale)
-        if not is_finite_number(self.latent_norm_eps) or self.latent_norm_eps < 0:
-            raise ValueError(f"latent_norm_eps: expected a finite number >= 0, got {self.latent_norm_eps!r}")
+        check_eps("latent_norm_eps", self.latent_norm_eps)
         check_backend(self.decode_backend, "decode_backend")
         for name in ("rope_interleave", "attention_bias", "attention_sinks"):
             check_bool(name, getattr(self, name))
@@ -406,8 +418,7 @@ class SharedKVConfig:
                              f"head_dim={self.head_dim}, got {self.rope_head_dim}")
         check_bool("attention_sinks", self.attention_sinks)
         check_softmax_scale(self.softmax_scale)
-        if not is_finite_number(self.norm_eps) or self.norm_eps < 0:
-            raise ValueError(f"norm_eps: expected a finite number >= 0, got {self.norm_eps!r}")
+        check_eps("norm_eps", self.norm_eps)
 
     has_qk_norm = True  # the norms are the design, not an option
     learnable_logit_scale = False

@@ -103,7 +103,8 @@ class ScalarNorm(nn.Module):
         (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
         self.check_input(v, weight)
         weight = self.weight if weight is None else weight
-        if self.kind == "rms" and v.is_cuda:  # the same arithmetic, one fused kernel
+        # The same arithmetic, one fused kernel; not at eps = 0, whose zero vector it makes NaN (statistic.moment)
+        if self.kind == "rms" and v.is_cuda and self.eps > 0:
             if weight.dim() == 1:
                 return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
             return F.rms_norm(v, (self.dim,), None, self.eps) * cast(weight, v.dtype)
@@ -205,6 +206,11 @@ class QKNorm(RecordsVariant, nn.Module):
         self.content = self.scalar_norm(content_dim, kind, p, eps, heads if per_head else None)
         self.rope = self.scalar_norm(rope_dim, kind, p, eps, rope_heads if per_head else None)
 
+    # Read-only, as the block norms' are: qk.kind = "l2" (or p, eps) set a plain attribute the norm never read, and
+    # the module went on normalizing with its own statistic, without a word
+    kind = property(lambda self: self.content.kind, doc="'rms', 'l2' or 'lp' (read-only)")
+    p = property(lambda self: self.content.p, doc="p of the Lp norm (read-only)")
+    eps = property(lambda self: self.content.eps, doc="eps inside the statistic (read-only)")
     mode = property(lambda self: self._mode, doc="'blockwise', 'unified' or 'content' (read-only, as the kind is)")
     scope = property(lambda self: self._scope, doc="'head' or 'projection' (read-only)")
 

@@ -39,6 +39,20 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+# theta's range: float32's normal numbers. The frequencies theta**(-2k/dim) reach 1/theta, which a subnormal theta
+# (1e-300 passed "finite > 0") puts past float32: inf frequencies, NaN angles, without a word.
+THETA_RANGE = (2.0 ** -126, float.fromhex("0x1.fffffep+127"))  # torch.finfo(torch.float32) tiny, max
+
+
+def check_theta(name: str, theta) -> None:
+    """A ValueError naming ``name`` unless ``theta`` is a number in :data:`THETA_RANGE` (RoPE's base)."""
+    low, high = THETA_RANGE
+    if not is_finite_number(theta) or not low <= theta <= high:
+        # the bounds as repr, so that typed back they are taken (1.17549e-38 is below 2**-126)
+        raise ValueError(f"{name}: expected a finite number > 0 within float32's normal range ({low!r} to {high!r}; "
+                         f"RoPE's frequencies theta**(-2k/dim) reach 1/theta), got {theta!r}")
+
+
 def _number(name: str, value, low: float, allow_none: bool = False, strict: bool = False):
     if value is None and allow_none:
         return
@@ -76,14 +90,36 @@ class YarnScaling:
         python_numbers(self)  # np.float32(4.0) is the float 4.0 (utils.checked), as MLAConfig's own fields
         _number("rope_scaling.factor", self.factor, 1.0)
         L = self.original_max_position_embeddings
-        if not is_int(L) or L < 1:
-            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int, got {L!r}")
+        if not is_int(L) or not 1 <= L < 2**63:  # 2**70 was taken: no context is that long
+            raise ValueError(f"rope_scaling.original_max_position_embeddings: expected a positive int below 2**63, "
+                             f"got {L!r}")
         _number("rope_scaling.beta_slow", self.beta_slow, 0.0, strict=True)
         _number("rope_scaling.beta_fast", self.beta_fast, self.beta_slow)
         _number("rope_scaling.mscale", self.mscale, 0.0, allow_none=True)
         _number("rope_scaling.mscale_all_dim", self.mscale_all_dim, 0.0, allow_none=True)
         _number("rope_scaling.attention_factor", self.attention_factor, 0.0, allow_none=True, strict=True)
         check_bool("rope_scaling.truncate", self.truncate)
+        self._check_factors()
+
+    def _check_factors(self) -> None:
+        """The two factors the fields make, within float32's normal range (:data:`THETA_RANGE`'s bounds), naming
+        the field that made them: mscale_all_dim=1e30 gave a softmax scale of 2.8e58 (inf logits), attention_factor
+        1e300 failed in the rotation ("value cannot be converted to type float without overflow") and 1e-300
+        rotated every vector to 0, mscale=1e300 beside mscale_all_dim failed in math with a bare OverflowError."""
+        low, high = THETA_RANGE
+        if self.attention_factor is not None:
+            cos_sin = "attention_factor"
+        else:
+            cos_sin = "mscale" if (self.mscale or 0) >= (self.mscale_all_dim or 0) else "mscale_all_dim"
+        for name, what, factor in ((cos_sin, "cos/sin factor", lambda: self.cos_sin_factor),
+                                   ("mscale_all_dim", "softmax-scale factor", lambda: self.softmax_scale_factor)):
+            try:
+                value = factor()
+            except OverflowError:
+                value = math.inf
+            if not low <= value <= high:
+                raise ValueError(f"rope_scaling.{name}: makes YaRN's {what} {value:g}, outside float32's normal range "
+                                 f"({low!r} to {high!r}); got {name}={getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, params: Mapping, name: str = "rope_scaling") -> "YarnScaling":
@@ -263,7 +299,7 @@ class RotaryEmbedding(FixedSettings, nn.Module):
         # "DefaultCPUAllocator: can't allocate memory", naming no argument (the float64 frequencies: 4 bytes a dim)
         check_allocation("dim", 4 * dim, f"the {dim // 2} float64 RoPE frequencies of dim={dim}")
         theta = as_number(theta)  # np.float32(500.0) is a base, too
-        _number("theta", theta, 0, strict=True)
+        check_theta("theta", theta)
         check_bool("interleave", interleave)  # True: pairs (x0, x1); False: halves
         if scaling is not None and not isinstance(scaling, YarnScaling):
             raise ValueError(f"scaling: expected None or a YarnScaling (rope_scaling_from converts an HF dict), "

@@ -7516,13 +7516,399 @@ def left20_rows():
     ]
 
 
+def api21_rows():
+    """Round 21's API pass (the public constructors and callables, as a user calls them, against their references
+    and their stated limits): the causes round 20's helpers fixed on branches that were lost, re-probed and fixed."""
+
+    def lp_norm_p_past_100(env):
+        """QKNormConfig(kind='lp', p=1000) (and ScalarNorm, QKNorm, GPTConfig(qk_norm_p=1000)) was taken, and every
+        vector normalized to +-inf: the largest entry, rescaled to [0.5, 1), still has |v|^p below float32's range
+        (0.5**1000 is 0). p above 100 is refused now, naming p and the range; p = 100 normalizes as the float64
+        reference does."""
+        from qkmla import QKNorm, ScalarNorm
+        from qkmla.config import QKNormConfig
+        from qkmla.model.gpt import GPTConfig
+
+        for make in (lambda: QKNormConfig(kind="lp", p=1000), lambda: ScalarNorm(8, "lp", p=101),
+                     lambda: QKNorm(8, 4, "lp", p=1e300)):
+            raises(make, ValueError, r"^p: expected a finite number >= 1 and <= 100 \(a norm needs p >= 1; past 100")
+        raises(lambda: GPTConfig(attn="mla-lp", qk_norm_p=200), ValueError,
+               r"^qk_norm_p: expected a finite number >= 1 and <= 100")
+        torch.manual_seed(0)
+        v = torch.randn(4, 8) * 10
+        want = v.double() / v.double().abs().pow(100).sum(-1, keepdim=True).pow(1 / 100)
+        torch.testing.assert_close(ScalarNorm(8, "lp", p=100, eps=0)(v).double(), want, atol=1e-6, rtol=1e-5)
+
+    def subnormal_rope_theta(env):
+        """rope_theta=1e-300 (MLAConfig, AttentionConfig, GPTConfig; RotaryEmbedding's theta) passed "finite > 0":
+        the frequencies theta**(-2k/dim) reach 1/theta, past float32, and the rotated vectors came out inf/NaN
+        without a word. Refused now naming rope_theta (theta) and float32's normal range; its bottom, 2**-126, is
+        taken and rotates finitely."""
+        from qkmla import AttentionConfig, MLAConfig
+        from qkmla.model.gpt import GPTConfig
+        from qkmla.rope import RotaryEmbedding
+
+        pattern = r"^rope_theta: expected a finite number > 0 within float32's normal range \(1.1754943508222875e-38 "
+        for make in (lambda: MLAConfig(rope_theta=1e-300), lambda: AttentionConfig(rope_theta=5e-324),
+                     lambda: GPTConfig(rope_theta=1e-300), lambda: MLAConfig(rope_theta=1e39)):
+            raises(make, ValueError, pattern)
+        raises(lambda: RotaryEmbedding(8, theta=1e-300), ValueError, r"^theta: expected a finite number > 0 within")
+        rope = RotaryEmbedding(8, theta=2.0 ** -126)
+        assert rope(torch.ones(1, 3, 1, 8), torch.arange(3)).isfinite().all()
+
+    def gpt_softmax_scale_zero(env):
+        """GPTConfig(softmax_scale=0) was taken as None, the variant's default scale (attention_config read it with
+        `or`), on every variant but v4, without a word. Refused now naming softmax_scale and its range, as the
+        attention configs refuse it; a scale given is the layers' scale."""
+        from qkmla.model.gpt import GPTConfig
+
+        for attn in ("mha", "gqa-qknorm", "mla", "mla-l2"):
+            raises(lambda a=attn: GPTConfig(attn=a, softmax_scale=0.0), ValueError,
+                   r"^softmax_scale: expected a positive number within float32's normal range")
+            assert GPTConfig(attn=attn, softmax_scale=0.5).attention_config().scale == 0.5
+
+    def gpt_config_names_its_own_fields(env):
+        """GPTConfig's refusals named the attention configs' fields, which a GPTConfig does not have: n_kv_head=3 as
+        "num_kv_groups" (MLA) or "num_kv_heads" (GQA), an odd n_embd / n_head as "head_dim", v4's odd
+        qk_rope_head_dim as "rope_head_dim"; and a field the variant never reads was kept without a word
+        (kv_lora_rank=8 on gqa, n_kv_head=2 on mha, kv_lora_rank beside v4's shared_kv_dim). Each refused now
+        naming the field the user set; a preset's MLA ranks are dropped when another variant replaces its attn."""
+        from qkmla.model.gpt import GPT_PRESETS, GPTConfig
+
+        for kw, pattern in ((dict(attn="gqa", n_kv_head=3), r"^n_kv_head: must divide n_head=4 \(allowed: \[1, 2, 4"),
+                            (dict(attn="mla", n_kv_head=8), r"^n_kv_head: must divide n_head=4"),
+                            (dict(attn="mha", n_embd=12), r"^n_head: each head's width n_embd / n_head is rotated "
+                                                          r"by RoPE in pairs, so it must be even; got n_embd=12"),
+                            (dict(attn="v4", qk_rope_head_dim=3), r"^qk_rope_head_dim: RoPE rotates pairs"),
+                            (dict(attn="v4", shared_kv_dim=2), r"^shared_kv_dim: RoPE rotates the last "
+                                                               r"qk_rope_head_dim=4 dims"),
+                            (dict(attn="gqa", kv_lora_rank=8), r"^kv_lora_rank: only the mla and v4 variants read it, "
+                                                               r"got attn='gqa'"),
+                            (dict(attn="mqa", q_lora_rank=8), r"^q_lora_rank: only the mla and v4 variants read it"),
+                            (dict(attn="mha", n_kv_head=2), r"^n_kv_head: only the gqa and mla variants read it"),
+                            (dict(attn="v4", shared_kv_dim=40, kv_lora_rank=8), r"^kv_lora_rank: v4 reads it only for "
+                                                                                r"its default shared_kv_dim")):
+            raises(lambda k=kw: GPTConfig(**k), ValueError, pattern)
+        preset = GPT_PRESETS["paper-400m"]
+        assert preset.replace(attn="gqa").kv_lora_rank is None and preset.replace(attn="mla").kv_lora_rank == 256
+        assert preset.replace(attn="v4").q_lora_rank == 768
+
+    def targets_all_ignored(env):
+        """GPT(idx, targets) with every target -1 (ignored) returned loss NaN without a word: cross_entropy's mean
+        over no token. Refused now naming targets and why; one real target gives the loss over it, as the reference
+        cross_entropy over the kept positions does."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=1)).eval()
+        idx = torch.randint(0, 65, (2, 5))
+        raises(lambda: model(idx, torch.full((2, 5), -1)), ValueError,
+               r"^targets: every target is -1 \(no loss there\), so there is no loss to average over 10 positions")
+        targets = torch.full((2, 5), -1)
+        targets[1, 2] = 7
+        with torch.no_grad():
+            logits, loss = model(idx, targets)
+            torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits[1, 2:3], targets[1, 2:3]))
+
+    def qknorm_settings_assigned(env):
+        """QKNorm(...).kind = "l2" (or p, eps) set a plain attribute the norm never read: the module went on
+        normalizing with its own statistic, and the attribute said otherwise, without a word. Read-only now, as the
+        block norms' and the QKNorm's mode and scope are; they read the settings the module computes with."""
+        from qkmla import QKNorm
+
+        norm = QKNorm(8, 4, "lp", p=3.0, eps=1e-5)
+        for name, value in (("kind", "l2"), ("p", 5.0), ("eps", 0.1)):
+            raises(lambda n=name, v=value: setattr(norm, n, v), AttributeError, rf"property '{name}' of 'QKNorm' "
+                                                                               rf"object has no setter")
+        assert (norm.kind, norm.p, norm.eps, norm.variant()) == ("lp", 3.0, 1e-5, "lp(p=3) blockwise")
+
+    def qk_clip_junk(env):
+        """qk_clip_: a NaN max logit (a diverged step) made its head's weights NaN, +inf zeroed them, both past
+        undoing and without a word; tau '100' or None, alpha '0.5' failed in a comparison (TypeError naming
+        nothing), tau=True clipped at 1, tau=1e-320 zeroed every head, a module of another kind failed reading
+        .config. Each refused naming its argument, the weights as they were; -inf (a head that measured nothing) is
+        not clipped, and a finite max logit is clipped as before."""
+        from qkmla import MLA, MLAConfig
+        from qkmla.attention.qk_clip import clip_factors, qk_clip_
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(qk_norm=None))
+        before = copy.deepcopy(mla.state_dict())
+        good = torch.tensor([200.0, 50.0, 300.0, 100.0])
+        nan, inf = float("nan"), float("inf")
+        for kw, pattern in ((dict(max_logit=torch.tensor([nan, 1, 1, 1])), r"^max_logit: expected max logits below "
+                                                                           r"\+inf, got \[nan\] at heads \[0\]"),
+                            (dict(max_logit=torch.tensor([1, 1, inf, 1])), r"^max_logit: .* at heads \[2\]"),
+                            (dict(max_logit=[1.0, 2.0, 3.0, 4.0]), r"^max_logit: expected a real tensor of shape"),
+                            (dict(tau="100"), r"^tau: expected a positive threshold"), (dict(tau=None), r"^tau: "),
+                            (dict(tau=True), r"^tau: "), (dict(tau=1e-320), r"^tau: "), (dict(tau=nan), "^tau"),
+                            (dict(alpha="0.5"), r"^alpha: expected a number in \[0, 1\]"), (dict(alpha=True), "^a")):
+            args = {**dict(max_logit=good, tau=100.0, alpha=0.5), **kw}
+            raises(lambda a=args: qk_clip_(mla, **a), ValueError, pattern)
+        raises(lambda: qk_clip_(torch.nn.Linear(2, 2), good), ValueError, r"^module: expected an MLA or "
+                                                                          r"MultiHeadAttention layer, got Linear")
+        raises(lambda: clip_factors(good, float("nan")), ValueError, r"^tau: ")
+        assert all(torch.equal(v, mla.state_dict()[k]) for k, v in before.items())
+        assert qk_clip_(mla, torch.tensor([float("-inf"), 1, 1, 1]), 100.0).tolist() == [1.0] * 4
+        torch.testing.assert_close(qk_clip_(mla, good, 100.0), torch.tensor([0.5, 1.0, 1 / 3, 1.0]))
+
+    def padded_prefill_at_latent_norm_eps_zero(env):
+        """A right-padded prefill (input_lengths) of an MLA with latent_norm_eps=0 gave NaN for the real tokens: the
+        padding's x is zeroed, but kv_a_layernorm of a zero vector is NaN at eps 0, and the padded keys' NaN reached
+        the real rows through their softmax's zero weights (0 * NaN). The padded latent rows are zeroed after the
+        norm now: each sequence equals its unpadded reference, and so does the next decode step."""
+        from qkmla import MLA, MLAConfig, LatentCache
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(latent_norm_eps=0.0)).eval()
+        x, step = torch.randn(2, 6, 64), torch.randn(2, 1, 64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            out = mla(x, cache, input_lengths=torch.tensor([6, 3]))
+            torch.testing.assert_close(out[1, :3], mla(x[1:, :3])[0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(out[0], mla(x[:1])[0], atol=1e-5, rtol=1e-4)
+            want = mla(torch.cat((x[1:, :3], step[1:]), dim=1))[0, -1]
+            torch.testing.assert_close(mla(step, cache)[1, 0], want, atol=1e-5, rtol=1e-4)
+
+    def rope_positions_without_a_cache(env):
+        """MLA(x, rope_positions=p) without a cache ignored p: the tokens were rotated to 0..T-1 (0.2 off the
+        reference for positions [0, 2, 4, 6, 9]) without a word. Without a cache positions are the RoPE positions:
+        rope_positions are used as them now (signed, as with a cache), equal to MLA(x, positions=p); both at once is
+        refused naming rope_positions."""
+        from qkmla import MLA, MLAConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).eval()
+        x, p = torch.randn(2, 5, 64), torch.tensor([0, 2, 4, 6, 9])
+        with torch.no_grad():
+            want = mla(x, positions=p)
+            assert (want - mla(x)).abs().max() > 0.05
+            torch.testing.assert_close(mla(x, rope_positions=p), want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(mla(x, rope_positions=p[None] - 3), want, atol=1e-5, rtol=1e-4)
+            raises(lambda: mla(x, positions=p, rope_positions=p), ValueError,
+                   r"^rope_positions: without a cache, positions are the RoPE positions; pass one of them")
+
+    def parametrized_kv_b_proj(env):
+        """A kv_b_proj under torch.nn.utils.parametrize (weight_norm, orthogonal, a user's scale): .weight is
+        recomputed at each read, a new tensor of version 0 that may take a freed one's address, so an update of the
+        originals was not seen and the absorbed path decoded with the weights of before it: 0.36 (weight_norm),
+        0.89 (orthogonal), 3.6 (a scale) off the explicit path. The kept weights follow the parametrization's
+        originals now: a decode after an update equals the explicit path."""
+        from torch.nn.utils import parametrize
+        from torch.nn.utils.parametrizations import orthogonal, weight_norm
+        from qkmla import MLA, MLAConfig, LatentCache
+
+        class Scale(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.s = torch.nn.Parameter(torch.tensor(1.0))
+
+            def forward(self, w):
+                return w * self.s
+
+        for make in (weight_norm, orthogonal, lambda m: parametrize.register_parametrization(m, "weight", Scale())):
+            torch.manual_seed(0)
+            mla = MLA(MLAConfig()).eval()
+            make(mla.kv_b_proj)
+            x = torch.randn(2, 6, 64)
+            with torch.no_grad():
+                cache = LatentCache.from_config(mla.config, 2, 8)
+                mla(x[:, :5], cache)
+                mla(x[:, 5:], cache)  # the absorbed weights kept
+                for p in mla.kv_b_proj.parametrizations.weight.parameters():
+                    p.add_(torch.randn_like(p) * 0.5)
+                cache = LatentCache.from_config(mla.config, 2, 8)
+                mla(x[:, :5], cache)
+                torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-5, rtol=1e-4)
+
+    def compiled_decode_positions_past_exact(env):
+        """decode_one_token(mla, x, cache, step=torch.compile(mla_decode_step)) over a cache whose next positions are
+        past 2**24 rotated them as rounded float32 positions without a word: the eager step's RoPE checks its
+        positions (rope.check_positions), the compiled one skips that check. decode_one_token checks them now, as
+        the eager path does, before the step (a step that skips its checks, as a compiled one does, stands in for
+        torch.compile here); the cache is left as it was, and positions within range decode as mla(x, cache)."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.decode import decode_one_token, mla_decode_step
+
+        def compiled(*args):  # what a compiled step checks: nothing that reads a tensor on the host
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(torch.compiler, "is_compiling", lambda: True)
+                return mla_decode_step(*args)
+
+        torch.manual_seed(0)
+        mla, x = MLA(MLAConfig()).eval(), torch.randn(2, 1, 64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            mla(torch.randn(2, 2, 64), cache)
+            twin = copy.deepcopy(cache)
+            cache.next_positions = torch.tensor([2**24 + 3, 5])
+            raises(lambda: decode_one_token(mla, x, cache, step=compiled), ValueError,
+                   r"^positions: expected positions within \+-16777216 \(2\*\*24: .*got 16777219")
+            assert cache.seqlens.tolist() == [2, 2]
+            torch.testing.assert_close(decode_one_token(mla, x, copy.deepcopy(twin), step=compiled), mla(x, twin),
+                                       atol=1e-5, rtol=1e-4)
+
+    def float64_sinks_log_sum_exp(env):
+        """A float64 MLA with attention sinks decoded 5.5e-9 off its own float64 explicit path: the decode op's torch
+        backend (and the compiled step's op) returned the log-sum-exp rounded to float32, and the sinks' share
+        sigmoid(L - s_h) was computed from it. The log-sum-exp is float64 for float64 queries now: the decode step
+        equals the explicit path to 1e-12 (3e-16 here), by MLA's forward and by decode_one_token."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.decode import decode_one_token
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(attention_sinks=True, decode_backend="torch")).double().eval()
+        x = torch.randn(2, 6, 64, dtype=torch.float64)
+        with torch.no_grad():
+            mla.sinks.copy_(torch.randn(4, dtype=torch.float64) * 2)
+            want = mla(x)[:, 5:]
+            for step in (lambda c: mla(x[:, 5:], c), lambda c: decode_one_token(mla, x[:, 5:], c)):
+                cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64)
+                mla(x[:, :5], cache)
+                torch.testing.assert_close(step(cache), want, atol=1e-12, rtol=1e-12)
+
+    def norms_at_eps_zero_of_zero_vectors(env):
+        """At eps=0 a zero vector, or one whose largest entry is subnormal (1e-40 in float32), normalized to NaN with
+        NaN gradients (0 * inf: its sigma is past float32), in ScalarNorm, QKNorm and the absorbed path's key
+        scalars (the CPU kernel's too: inf, so every logit of the token NaN). Such a vector is the zero vector now:
+        sigma 0, normalized to 0 (F.normalize's answer for a zero vector), finite gradients; a vector of 1e-30s
+        still normalizes as the reference does, and a decode whose content keys of a group are zero equals the
+        explicit path."""
+        from qkmla import MLA, MLAConfig, LatentCache, ScalarNorm
+        from qkmla.ops.small_linear import group_statistic
+
+        for kind in ("rms", "l2", "lp"):
+            for value in (0.0, 1e-40):
+                v = torch.full((2, 8), value, requires_grad=True)
+                out = ScalarNorm(8, kind, p=3.0, eps=0.0)(v)
+                out.sum().backward()
+                assert torch.equal(out, torch.zeros(2, 8)) and v.grad.isfinite().all(), (kind, value)
+        tiny = torch.full((1, 8), 1e-30)
+        torch.testing.assert_close(ScalarNorm(8, "rms", eps=0.0)(tiny), torch.ones(1, 8))
+        w, x = torch.randn(4, 8, 16).bfloat16(), torch.zeros(3, 16).bfloat16()
+        with torch.no_grad():
+            assert torch.equal(group_statistic(x, w, "rms", 2.0, 0.0), torch.zeros(3, 4))
+        torch.manual_seed(0)  # float32 (bfloat16 would build the CPU kernel, which eps = 0 no longer takes)
+        mla, x = MLA(MLAConfig(qk_norm=dict(kind="rms", eps=0.0))).eval(), torch.randn(2, 6, 64)
+        with torch.no_grad():
+            mla.kv_b_proj.weight[:16] = 0  # group 0's W_UK: its content keys are zero
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-5, rtol=1e-4)
+
+    def yarn_factors_past_float32(env):
+        """YaRN's fields whose factors leave float32 were taken: mscale_all_dim=1e30 gave MLAConfig a softmax scale
+        of 2.8e58 (inf logits), attention_factor=1e300 failed in the rotation ("value cannot be converted to type
+        float without overflow") and 1e-300 rotated every RoPE key to 0, mscale=1e300 failed in math with a bare
+        OverflowError, original_max_position_embeddings=2**70 was taken. Each refused now naming the field (a dict,
+        HF's spelling, alike); DeepSeek-V3's values build and rotate finitely."""
+        from qkmla import MLAConfig
+        from qkmla.rope import RotaryEmbedding, YarnScaling
+
+        base = dict(factor=40, original_max_position_embeddings=4096)
+        for kw, name in ((dict(mscale_all_dim=1e30), "mscale_all_dim"),
+                         (dict(attention_factor=1e300), "attention_factor"),
+                         (dict(attention_factor=1e-300), "attention_factor"),
+                         (dict(mscale=1e300, mscale_all_dim=1.0), "mscale"),
+                         (dict(mscale=1e300, mscale_all_dim=1e300), "mscale_all_dim")):
+            pattern = rf"^rope_scaling\.{name}: makes YaRN's .* factor .*, outside float32's normal range"
+            raises(lambda k=kw: YarnScaling(**base, **k), ValueError, pattern)
+            raises(lambda k=kw: MLAConfig(rope_scaling=dict(rope_type="yarn", **base, **k)), ValueError, pattern)
+        raises(lambda: YarnScaling(40, 2**70), ValueError, r"^rope_scaling\.original_max_position_embeddings: expected "
+                                                           r"a positive int below 2\*\*63")
+        v3 = YarnScaling(**base, mscale=1.0, mscale_all_dim=1.0)
+        assert RotaryEmbedding(8, scaling=v3)(torch.ones(1, 3, 1, 8), torch.arange(3)).isfinite().all()
+        assert abs(MLAConfig(rope_scaling=v3).scale / MLAConfig().scale - 1.8739) < 1e-4
+
+    def decode_scale_past_float32(env):
+        """mla_decode_with_kvcache(softmax_scale=1e300) passed "finite > 0" and returned NaN outputs (the scores inf),
+        and 1e-320 scaled every score to 0 (each visible slot equally likely), both without a word, where MLAConfig
+        refuses such a scale. Refused now naming softmax_scale and float32's normal range, as MLAConfig does; its
+        bottom, 2**-126, decodes finitely."""
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        torch.manual_seed(0)
+        q, r, kv = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 8), torch.randn(4, 4, 24)
+        table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+        for scale in (1e300, 1e-320, 3.5e38):
+            for backend in ("torch", "naive"):
+                raises(lambda s=scale, b=backend: mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=s,
+                                                                          backend=b),
+                       ValueError, r"^softmax_scale: expected the logit scale \(a finite float > 0, or a tensor "
+                                   r"\[H\]\) within float32's normal range")
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=2.0 ** -126, backend="torch")
+        assert out.isfinite().all() and lse.isfinite().all()
+
+    def norm_eps_past_float32(env):
+        """An eps past float32's largest (QKNormConfig / ScalarNorm eps=1e39, MLAConfig latent_norm_eps=1e39,
+        SharedKVConfig norm_eps) was taken: the norm adds it in float32, where it is inf, and every vector came out
+        exactly 0 (an MLA's output all zeros), without a word. Refused now naming the field and the range; 1e30
+        (in float32) is still taken."""
+        from qkmla import MLAConfig, ScalarNorm
+        from qkmla.config import QKNormConfig, SharedKVConfig
+
+        for make, name in ((lambda: QKNormConfig(eps=1e39), "eps"), (lambda: ScalarNorm(8, eps=1e300), "eps"),
+                           (lambda: MLAConfig(latent_norm_eps=1e39), "latent_norm_eps"),
+                           (lambda: SharedKVConfig(norm_eps=1e39), "norm_eps")):
+            raises(make, ValueError, rf"^{name}: expected a finite number >= 0 and at most float32's largest "
+                                     rf"\(3.4028234663852886e\+38")
+        assert QKNormConfig(eps=1e30).eps == 1e30
+
+    def cache_shape_full_key_half_given(env):
+        """CacheShape (and `qkmla cache-size`) with an MLA shape and qk_nope_head_dim but no v_head_dim (or the
+        reverse) dropped the full-key row without a word: the table printed the MLA rows alone. Refused now naming
+        the missing width (the flag, from the command); both give the full-key row."""
+        from qkmla.cache.size import CacheShape, cache_rows
+
+        mla = dict(num_layers=2, num_heads=4, head_dim=8, num_kv_heads=4, kv_lora_rank=32, qk_rope_head_dim=8)
+        raises(lambda: CacheShape(**mla, qk_nope_head_dim=16), ValueError,
+               r"^v_head_dim: qk_nope_head_dim=16 sizes the full-key row, which also needs v_head_dim")
+        raises(lambda: CacheShape(**mla, v_head_dim=16), ValueError, r"^qk_nope_head_dim: v_head_dim=16 sizes")
+        refuse(env, ["cache-size", "--num-layers", 2, "--num-heads", 4, "--head-dim", 8, "--kv-lora-rank", 32,
+                     "--qk-rope-head-dim", 8, "--qk-nope-head-dim", 16], r"--v-head-dim: qk_nope_head_dim=16 sizes")
+        rows = cache_rows(CacheShape(**mla, qk_nope_head_dim=16, v_head_dim=16), 10)
+        assert [r["variant"] for r in rows][-1] == "mla-qknorm-full-key"
+
+    return [
+        Row("QKNorm", "size", "Lp norm with p=1000 taken: every vector normalized to inf", lp_norm_p_past_100),
+        Row("CacheShape", "size", "qk_nope_head_dim without v_head_dim: the full-key row dropped without a word",
+            cache_shape_full_key_half_given),
+        Row("QKNormConfig", "size", "eps=1e39 (past float32) taken: every vector normalized to 0",
+            norm_eps_past_float32),
+        Row("mla_decode_with_kvcache", "size", "softmax_scale=1e300 / 1e-320: NaN outputs / uniform weights",
+            decode_scale_past_float32),
+        Row("RotaryEmbedding", "size", "YaRN mscale / mscale_all_dim / attention_factor past float32 taken",
+            yarn_factors_past_float32),
+        Row("ScalarNorm", "size", "eps=0: zero or subnormal vectors normalized to NaN (and NaN key scalars)",
+            norms_at_eps_zero_of_zero_vectors),
+        Row("mla_decode_with_kvcache", "size", "float64 queries with sinks: log-sum-exp kept in float32 (5e-9 off)",
+            float64_sinks_log_sum_exp),
+        Row("mla_decode_with_kvcache", "size", "compiled decode step: positions past 2**24 rotated as rounded ones",
+            compiled_decode_positions_past_exact),
+        Row("LatentCache", "size", "a parametrized kv_b_proj (weight_norm, orthogonal): the absorbed path kept "
+            "stale weights (0.36-3.6 off)", parametrized_kv_b_proj),
+        Row("LatentCache", "size", "right-padded prefill at latent_norm_eps=0: NaN for the real tokens",
+            padded_prefill_at_latent_norm_eps_zero),
+        Row("MLAConfig", "size", "rope_positions without a cache ignored (0.2 off)", rope_positions_without_a_cache),
+        Row("GPT", "size", "targets all -1: loss NaN without a word", targets_all_ignored),
+        Row("QKNorm", "size", "QKNorm's kind / p / eps assigned after construction: a plain attribute, unread",
+            qknorm_settings_assigned),
+        Row("MLAConfig", "size", "qk_clip_: NaN / inf max logits wrote NaN / zero weights; junk tau, alpha, module",
+            qk_clip_junk),
+        Row("RotaryEmbedding", "size", "rope_theta=1e-300 taken: frequencies past float32", subnormal_rope_theta),
+        Row("GPTConfig", "size", "softmax_scale=0 taken as the default scale", gpt_softmax_scale_zero),
+        Row("GPTConfig", "size", "refusals named num_kv_groups / head_dim / rope_head_dim; fields a variant never "
+            "reads kept (kv_lora_rank on gqa)", gpt_config_names_its_own_fields),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -39,7 +39,7 @@ def test_bad_config_and_input():
     with pytest.raises(ValueError, match="n_head"):
         GPTConfig(n_embd=64, n_head=5)
     for attn in ("mla-qknorm", "mla-lp", "mla"):  # refused whether or not the variant reads p
-        with pytest.raises(ValueError, match="qk_norm_p: expected a finite number >= 1"):
+        with pytest.raises(ValueError, match=r"qk_norm_p: expected a finite number >= 1 and <= 100"):
             GPTConfig(attn=attn, qk_norm_p=0.5)
     model = GPT(GPT_PRESETS["debug"])
     with pytest.raises(ValueError, match="idx"):

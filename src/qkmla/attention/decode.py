@@ -32,6 +32,7 @@ from ..cache.latent import LatentCache
 from ..cache.storage import ContiguousBuffer
 from ..kv_formats import row_format
 from ..ops.mla_decode.torch_impl import fold_head_scale, latent_attention_op
+from ..rope import check_position_range, position_range
 from .absorbed import AbsorbedWeights, key_scalars, latent_query, values_out
 from .functional import check_cache_device, check_hidden, no_decode_gradient
 from .mla import MLA
@@ -107,6 +108,11 @@ def decode_one_token(mla: MLA, x: torch.Tensor, cache: LatentCache,
     cache.check_config(mla.config)
     check_cache_device(cache, x)
     slot = cache.plan(x.shape[0], 1, writer=mla)
+    if slot.positions.device.type == "cpu":
+        # The eager step's RoPE checks its positions where reading them is free (rope.check_positions); a compiled
+        # step skips that check, and rotated positions past 2**24 as rounded ones without a word: checked here,
+        # outside the graph, where the eager path checks them
+        check_position_range("positions", *position_range(slot.positions), x.dtype)
     scales = cache.fields.get("key_scale")
     # Recorded by autograd (training mode, or eval outside no_grad), the step's backward failed deep in torch
     # ("no autograd formula was registered" for the opaque op), and its weights (mla.absorbed, derived without

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.utils.prune import BasePruningMethod
 
 from ..cache.full import FullKVCache
@@ -48,6 +49,18 @@ from .logits import causal_logits
 from .paths import PATHS, resolve_path  # noqa: F401  (PATHS: still importable from here)
 from .selection import selection_mask
 from .sinks import apply_sinks
+
+
+def uncached_positions(x: torch.Tensor, positions: Optional[torch.Tensor],
+                       rope_positions: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, T] RoPE positions of a forward without a cache, where ``positions`` are the RoPE positions:
+    rope_positions, the caller's own numbering (signed, as a host model's), were ignored there, and the tokens
+    rotated to 0..T-1 (0.2 off the reference) without a word. Both at once: refused, naming rope_positions."""
+    if rope_positions is None:
+        return default_positions(x, positions)
+    if positions is not None:
+        raise ValueError("rope_positions: without a cache, positions are the RoPE positions; pass one of them")
+    return default_positions(x, rope_positions, "rope_positions", signed=True)
 
 
 def projection_shapes(c: MLAConfig) -> dict[str, tuple[int, ...]]:
@@ -182,6 +195,15 @@ class MLA(TracksMaxLogits):
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         return self.kv_a_layernorm(c_kv), k_rope.unsqueeze(2)
 
+    def padded_latent(self, x: torch.Tensor, valid: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`latent` with the right padding's rows (``valid`` [B, T] False) set to 0 after kv_a_layernorm.
+        x's padding is zero already, but the norm of a zero vector is NaN at latent_norm_eps=0, and a padded
+        key's NaN reached the real tokens through their softmax's 0 weights (0 * NaN)."""
+        c_kv, k_r = self.latent(x)
+        if valid is None:
+            return c_kv, k_r
+        return c_kv.masked_fill(~valid[..., None], 0), k_r.masked_fill(~valid[..., None, None], 0)
+
     # -- explicit path ----------------------------------------------------------------------
 
     def explicit_query(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -222,6 +244,13 @@ class MLA(TracksMaxLogits):
             # freed one's address and version (a stale hit)
             hook(self.kv_b_proj, ())
             sources = [getattr(self.kv_b_proj, hook._tensor_name + suffix) for suffix in ("_orig", "_mask")]
+        if parametrize.is_parametrized(self.kv_b_proj, "weight"):
+            # Under torch.nn.utils.parametrize (weight_norm, orthogonal, a user's), .weight is recomputed at each read:
+            # a new tensor of version 0, whose address may be a freed one's, so an update of the originals was not
+            # seen and the absorbed path decoded with the weight of before it (0.36 to 3.6 off the explicit path).
+            # The kept weights follow what .weight is computed from: the originals and the parametrizations' state.
+            chain = self.kv_b_proj.parametrizations["weight"]
+            sources = [*chain.parameters(), *chain.buffers()]
         if self.q_norm is not None:
             sources += [norm.weight for qk in (self.q_norm, self.k_norm) for norm in (qk.content, qk.rope)]
         return sources
@@ -354,18 +383,19 @@ class MLA(TracksMaxLogits):
                 op's ``indices``), the explicit prefill and "expand" mask the other keys. Those two
                 equal the absorbed path for a selection of distinct slots within each sequence's
                 length; a slot listed twice counts twice only on the absorbed path.
-            rope_positions: [B, T] or [T] integers, with a cache: the RoPE positions of the new
-                tokens where the caller numbers them its own way (a host model's ``position_ids``;
-                the cache's numbering otherwise). The queries and the cached RoPE keys are
-                rotated to them; the slots the rows go to are the cache's as always. Attention
-                then depends on the caller's position differences, as the caller's own attention's does.
+            rope_positions: [B, T] or [T] integers: the RoPE positions of the new tokens where the
+                caller numbers them its own way (a host model's ``position_ids``; the cache's
+                numbering otherwise). The queries and the cached RoPE keys are rotated to them; the
+                slots the rows go to are the cache's as always. Attention then depends on the
+                caller's position differences, as the caller's own attention's does. Without a cache
+                they are what ``positions`` is there (pass one or the other).
 
         Returns:
             [B, T, hidden_size]
         """
         path = resolve_path(self, x, cache, path, input_lengths, indices)
         if cache is None:
-            q, k, v = self.explicit_qkv(x, default_positions(x, positions))
+            q, k, v = self.explicit_qkv(x, uncached_positions(x, positions, rope_positions))
             if self.track_max_logits:
                 record_max_logits(self, q, k)
             return self.project_out(sdpa(q, k, v, self.scale, causal=True, sinks=self.sinks), x)
@@ -396,7 +426,7 @@ class MLA(TracksMaxLogits):
         selects, if given). Returns the heads' outputs [B, T, h, d_v] and a function giving x's
         latent queries (q_lat, q_rope)."""
         if path in ("explicit", "expand"):
-            latent = self.latent(x)  # projected once: for the cache rows and the explicit keys
+            latent = self.padded_latent(x, slot.valid)  # projected once: for the cache rows and the explicit keys
             cache.append(slot, **self.cache_rows(x, slot.positions, latent, cache))
             if path == "explicit":  # a prefill into an empty latent cache
                 q, k, v = self.explicit_qkv(x, slot.positions, latent)
@@ -436,7 +466,7 @@ class MLA(TracksMaxLogits):
     def _absorbed_decode_with(self, w: AbsorbedWeights, x: torch.Tensor, cache: LatentCache, slot,
                               indices: Optional[torch.Tensor]):
         q_lat, q_rope = self.absorbed_query(x, slot.positions)
-        rows = self.cache_rows(x, slot.positions, cache=cache)
+        rows = self.cache_rows(x, slot.positions, self.padded_latent(x, slot.valid), cache=cache)
         # The backend is settled once, from the cache's own tensors and row format and the rows
         # about to be written (their autograd becomes the cache's), before the cache is written:
         # one that cannot run must not leave the new token in the cache (a retry would attend to

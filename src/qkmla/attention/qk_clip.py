@@ -19,21 +19,31 @@ Clipping a QK-normed layer would be undone by the norm, so it is refused.
 
 from __future__ import annotations
 
+import math
 from typing import Union
 
 import torch
 
+from ..config import SOFTMAX_SCALE_RANGE
 from ..dtypes import accumulate_dtype
+from ..utils.checked import is_number
 from .mha import MultiHeadAttention
 from .mla import MLA
 
 Attention = Union[MLA, MultiHeadAttention]
 
 
+def check_tau(tau) -> None:
+    """A ValueError naming tau unless it is a number > 0 (inf: never clip). A string or None failed in the comparison
+    with a TypeError naming nothing, True was a threshold of 1, and a subnormal tau (1e-320) made every gamma 0."""
+    if not is_number(tau) or math.isnan(tau) or not tau >= SOFTMAX_SCALE_RANGE[0]:
+        raise ValueError(f"tau: expected a positive threshold of at least {SOFTMAX_SCALE_RANGE[0]!r} (float32's "
+                         f"smallest normal; Kimi K2: 100; inf never clips), got {tau!r}")
+
+
 def clip_factors(max_logit: torch.Tensor, tau: float) -> torch.Tensor:
     """gamma_h = min(1, tau / S_h), per head."""
-    if not tau > 0:
-        raise ValueError(f"tau: expected a positive threshold, got {tau!r}")
+    check_tau(tau)
     return torch.clamp(tau / max_logit.clamp_min(torch.finfo(max_logit.dtype).tiny), max=1.0)
 
 
@@ -72,6 +82,8 @@ def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alp
     Returns:
         gamma [h], the factor each head's logits were multiplied by (1 where not clipped).
     """
+    if not isinstance(module, (MLA, MultiHeadAttention)):  # failed reading .config: "'Linear' object has no ..."
+        raise ValueError(f"module: expected an MLA or MultiHeadAttention layer, got {type(module).__name__}")
     c = module.config
     if c.has_qk_norm:
         raise ValueError(f"module: QK-Clip is for layers without QK norm (got qk_norm={c.qk_norm.kind!r}); "
@@ -80,10 +92,21 @@ def qk_clip_(module: Attention, max_logit: torch.Tensor, tau: float = 100.0, alp
         raise ValueError(f"module: {type(module).__name__}'s query comes from a fused projection without q_b_proj "
                          f"(AXK2's q_gate_proj, whose rows also hold an output gate), which QK-Clip does not "
                          f"rescale; QK-Clip takes layers whose query is q_proj or q_b_proj")
-    if not 0.0 <= alpha <= 1.0:
+    check_tau(tau)
+    if not is_number(alpha) or not 0.0 <= alpha <= 1.0:  # "0.5" or None: a TypeError naming nothing; True taken as 1
         raise ValueError(f"alpha: expected a number in [0, 1], got {alpha!r}")
-    if max_logit.shape != (c.num_heads,):
-        raise ValueError(f"max_logit: expected shape [{c.num_heads}], got {tuple(max_logit.shape)}")
+    if not isinstance(max_logit, torch.Tensor) or max_logit.shape != (c.num_heads,) or max_logit.is_complex() \
+            or max_logit.dtype == torch.bool:
+        got = tuple(max_logit.shape) if isinstance(max_logit, torch.Tensor) else type(max_logit).__name__
+        raise ValueError(f"max_logit: expected a real tensor of shape [{c.num_heads}], got {got}")
+    # A NaN max logit (a diverged step) made its head's gamma NaN and every weight of the head NaN; +inf made it 0
+    # and zeroed them: both without a word, and past undoing. Refused before any weight is touched (-inf is a head
+    # that measured nothing, and is not clipped).
+    bad = max_logit.detach().isnan() | max_logit.detach().isposinf()
+    if bool(bad.any()):
+        heads = bad.nonzero().flatten().tolist()
+        raise ValueError(f"max_logit: expected max logits below +inf, got {max_logit[heads].tolist()} at heads {heads} "
+                         f"(a diverged step); the weights were left as they are")
     gamma = clip_factors(max_logit.detach().to(accumulate_dtype(max_logit.dtype)), tau)
     if bool((gamma == 1).all()):
         return gamma

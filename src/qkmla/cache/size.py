@@ -81,6 +81,13 @@ class CacheShape:
             raise ValueError(f"{missing}: {given}={getattr(self, given)} describes an MLA cache, which also needs "
                              f"{missing} (the {'RoPE key width' if missing == 'qk_rope_head_dim' else 'latent width'}); "
                              "give both, or neither for MHA/GQA/MQA alone")
+        # The full-key row needs both widths: one alone dropped the row without a word (qk_nope_head_dim=128 and no
+        # v_head_dim printed the MLA rows alone)
+        if self.kv_lora_rank is not None and (self.qk_nope_head_dim is None) != (self.v_head_dim is None):
+            given, missing = (("qk_nope_head_dim", "v_head_dim") if self.v_head_dim is None
+                              else ("v_head_dim", "qk_nope_head_dim"))
+            raise ValueError(f"{missing}: {given}={getattr(self, given)} sizes the full-key row, which also needs "
+                             f"{missing}; give both, or neither")
         if self.kv_lora_rank is None:
             # scalar_dtype too: the key scalars are the QK-normed MLA rows' alone (a title saying
             # "scalars fp8" over MHA/GQA/MQA rows would have dropped it without a word).

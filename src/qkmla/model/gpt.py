@@ -40,7 +40,8 @@ from ..attention.shared_kv import SharedKVAttention
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..cache.shared_kv import SharedKVCache
-from ..config import AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int, fixed_config
+from ..config import (AttentionConfig, MLAConfig, QKNormConfig, SharedKVConfig, check_positive_int,
+                      check_softmax_scale, fixed_config)
 from ..kv_formats import check_kv_format
 from ..rope import exact_positions
 from ..utils.checked import check_bool, is_finite_number, is_int, is_number, python_numbers
@@ -52,6 +53,19 @@ ATTENTION_VARIANTS = (
     "mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp", "v4",
 )
 INIT_SEED_MAX = 2 ** 31 - 1
+# The shape fields only some variants read (None: the variant's default), see fields_read_by
+UNSHARED_FIELDS = ("n_kv_head", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "shared_kv_dim", "attention_sinks")
+
+
+def fields_read_by(attn: str, shared_kv_dim: Optional[int]) -> tuple:
+    """The :data:`UNSHARED_FIELDS` the variant ``attn`` reads: MLA's its groups and ranks, v4 its ranks, D and
+    sinks (kv_lora_rank only for the default D = d_c + d_r), gqa its groups, mha and mqa none."""
+    if attn.startswith("mla"):
+        return ("n_kv_head", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim")
+    if attn == "v4":
+        return ("q_lora_rank", "qk_rope_head_dim", "shared_kv_dim", "attention_sinks") + \
+            (("kv_lora_rank",) if shared_kv_dim is None else ())
+    return ("n_kv_head",) if attn.startswith("gqa") else ()
 
 
 @dataclass(frozen=True)
@@ -139,17 +153,42 @@ class GPTConfig:
         if self.init_seed is not None and (not is_int(self.init_seed)
                                            or not 0 <= self.init_seed <= INIT_SEED_MAX):
             raise ValueError(f"init_seed: expected None or an int in [0, {INIT_SEED_MAX}], got {self.init_seed!r}")
-        if self.attn != "v4":
-            given = [n for n in ("shared_kv_dim", "attention_sinks") if getattr(self, n) is not None]
-            if given:
-                raise ValueError(f"{given[0]}: only the v4 variant reads it, got attn={self.attn!r}")
-        elif self.learnable_logit_scale:
+        # softmax_scale=0 was taken as None (the variant's default, through attention_config's `or`), without a word
+        check_softmax_scale(self.softmax_scale)
+        # A field the variant never reads was kept without a word (kv_lora_rank=8 on gqa built a GQA model of the
+        # same shape as without it): refused, naming it and the variants that read it
+        for name in UNSHARED_FIELDS:
+            if getattr(self, name) is not None and name not in fields_read_by(self.attn, self.shared_kv_dim):
+                if self.attn == "v4":  # kv_lora_rank, beside shared_kv_dim
+                    raise ValueError(f"{name}: v4 reads it only for its default shared_kv_dim (d_c + d_r), and "
+                                     f"shared_kv_dim={self.shared_kv_dim} is set; leave it None")
+                families = [f for f in ("gqa", "mla", "v4") if name in fields_read_by(f, None)]
+                who = " and ".join(families) + (" variants read" if len(families) > 1 else " variant reads")
+                raise ValueError(f"{name}: only the {who} it, got attn={self.attn!r}; leave it None")
+        self._check_shapes()
+        if self.attn == "v4" and self.learnable_logit_scale:
             raise ValueError("learnable_logit_scale: the v4 variant has a fixed logit scale (as DeepSeek-V4); "
                              "leave it None or False")
         cfg = self.attention_config()  # validates the derived attention config
         if self.logit_scale_param == "log" and not cfg.learnable_logit_scale:
             raise ValueError(f"logit_scale_param: 'log' needs a learned logit scale, which attn={self.attn!r} does not "
                              "have; set learnable_logit_scale=True or use an -l2/-lp variant")
+
+    def _check_shapes(self) -> None:
+        """The derived attention shapes, refused under the names of this config's fields: the attention configs
+        named their own (n_kv_head=3 as "num_kv_groups", an odd n_embd / n_head as "head_dim", v4's
+        qk_rope_head_dim as "rope_head_dim"), which a GPTConfig does not have."""
+        if self.n_kv_head is not None and self.n_head % self.n_kv_head:
+            allowed = [g for g in range(1, self.n_head + 1) if self.n_head % g == 0]
+            raise ValueError(f"n_kv_head: must divide n_head={self.n_head} (allowed: {allowed}), got {self.n_kv_head}")
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim: RoPE rotates pairs, so it must be even, got {self.qk_rope_head_dim}")
+        if not self.is_mla and self.attn != "v4" and self.head_dim % 2:
+            raise ValueError(f"n_head: each head's width n_embd / n_head is rotated by RoPE in pairs, so it must be "
+                             f"even; got n_embd={self.n_embd} / n_head={self.n_head} = {self.head_dim}")
+        if self.attn == "v4" and self.shared_kv_dim is not None and self.shared_kv_dim < self._mla_rope_dim():
+            raise ValueError(f"shared_kv_dim: RoPE rotates the last qk_rope_head_dim={self._mla_rope_dim()} dims of "
+                             f"the shared vector, so at least that, got {self.shared_kv_dim}")
 
     @property
     def head_dim(self) -> int:
@@ -182,7 +221,8 @@ class GPTConfig:
         if kind == "mla":
             d_r = self._mla_rope_dim()
             d_n = self.head_dim - d_r if self.head_dim - d_r > 0 else self.head_dim
-            init = self.softmax_scale or (math.sqrt(d_n + d_r) if unit_vectors else None)
+            init = self.softmax_scale if self.softmax_scale is not None else \
+                (math.sqrt(d_n + d_r) if unit_vectors else None)
             return MLAConfig(
                 hidden_size=self.n_embd, num_heads=self.n_head, num_kv_groups=self.n_kv_head or self.n_head,
                 q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank or 2 * self.head_dim,
@@ -190,13 +230,19 @@ class GPTConfig:
                 qk_norm=qk_norm, softmax_scale=init,
             )
         kv = {"mha": self.n_head, "mqa": 1, "gqa": self.n_kv_head or max(1, self.n_head // 2)}[kind]
-        init = self.softmax_scale or (math.sqrt(self.head_dim) if unit_vectors else None)
+        init = self.softmax_scale if self.softmax_scale is not None else \
+            (math.sqrt(self.head_dim) if unit_vectors else None)
         return AttentionConfig(
             hidden_size=self.n_embd, num_heads=self.n_head, num_kv_heads=kv, head_dim=self.head_dim,
             rope_theta=self.rope_theta, qk_norm=qk_norm, softmax_scale=init,
         )
 
     def replace(self, **changes) -> "GPTConfig":
+        """The config with ``changes``. Another ``attn`` drops the fields of this one's shape that the new variant
+        does not read (a preset's MLA ranks under attn='gqa'), unless ``changes`` sets them."""
+        if changes.get("attn", self.attn) != self.attn and changes["attn"] in ATTENTION_VARIANTS:
+            reads = fields_read_by(changes["attn"], changes.get("shared_kv_dim", self.shared_kv_dim))
+            changes = {**{n: None for n in UNSHARED_FIELDS if n not in reads}, **changes}
         return dataclasses.replace(self, **changes)
 
 
@@ -251,9 +297,9 @@ class LogParametrization(nn.Module):
 
 def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
     """A ValueError naming ``targets`` unless it is integer token ids of idx's shape, each in [0, vocab_size) or
-    -1 (ignored): checked before the loss, where torch's cross_entropy failed with "Target 40 is out of bounds"
-    (an IndexError), "expected target dtype to be Long" or "Expected input batch_size (16) to match target
-    batch_size (14)", naming no argument of this model."""
+    -1 (ignored), and not all -1 (the mean over no token is NaN): checked before the loss, where torch's
+    cross_entropy failed with "Target 40 is out of bounds" (an IndexError), "expected target dtype to be Long" or
+    "Expected input batch_size (16) to match target batch_size (14)", naming no argument of this model."""
     if not isinstance(targets, torch.Tensor) or targets.dtype not in (torch.long, torch.int32) \
             or targets.shape != idx.shape:
         got = f"{targets.dtype} {tuple(targets.shape)}" if isinstance(targets, torch.Tensor) else f"{targets!r:.80}"
@@ -267,6 +313,10 @@ def check_targets(targets, idx: torch.Tensor, vocab_size: int) -> None:
         if lo < -1 or hi >= vocab_size:
             raise ValueError(f"targets: token ids must lie in [0, vocab_size={vocab_size}) or be -1 (no loss "
                              f"there), got {lo}..{hi}")
+        if hi == -1:  # the mean over no token: cross_entropy's NaN, without a word
+            raise ValueError(f"targets: every target is -1 (no loss there), so there is no loss to average over "
+                             f"{targets.numel()} positions; give at least one token id, or targets=None for the "
+                             f"logits alone")
 
 
 class GPT(nn.Module):

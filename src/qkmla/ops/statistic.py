@@ -56,18 +56,23 @@ def moment(v: torch.Tensor, kind: str, p: float = 2.0, eps: float = 1e-6) -> Mom
     """sum(|v|^q) over the last dim, q = 2 for rms/l2 and p for lp. [..., n] -> [..., 1].
 
     ``eps``: the statistic's; with eps = 0 the sum is the whole denominator, so a vector whose sum
-    would leave the normal numbers at the bottom is rescaled too (an l2 of 1e-30s gave inf). Only a
-    vector whose largest entry is itself subnormal is beyond this: its sigma, 1/max|v| or more, is
-    past the dtype's range (a statistic with eps > 0 is bounded by eps^(-1/q) and has no such limit)."""
+    would leave the normal numbers at the bottom is rescaled too (an l2 of 1e-30s gave inf). A vector
+    whose largest entry is zero or subnormal has no finite sigma (1/max|v| or more is past the dtype's
+    range; 0 * inf gave NaN): it is taken as the zero vector, its moment exactly 0, which
+    :func:`statistic_from_moment` maps to sigma = 0 (the normalized vector 0, as ``F.normalize`` gives
+    for a zero vector). A statistic with eps > 0 is bounded by eps^(-1/q) and has no such limit."""
     v = cast(v, accumulate_dtype(v.dtype))
     q = float(p) if kind == "lp" else 2.0
     # The plain sum is below n·2^(q·e) and at least 2^(q·(e-1)), e = the exponent of max|v|
     # (max|v| = m·2^e, m in [0.5, 1)).
-    _, e = torch.frexp(v.detach().abs().amax(-1, keepdim=True))
+    largest = v.detach().abs().amax(-1, keepdim=True)
+    _, e = torch.frexp(largest)
     info = torch.finfo(v.dtype)
     outside = q * e > math.log2(info.max) - 1 - math.log2(v.shape[-1])
     if eps == 0:  # below: the largest term keeps its full precision
-        outside = outside | (q * (e - 1) < math.log2(info.tiny) - math.log2(info.eps))
+        flushed = largest < info.tiny  # zero or subnormal: the zero vector (see above)
+        v = v.masked_fill(flushed, 0)
+        outside = (outside | (q * (e - 1) < math.log2(info.tiny) - math.log2(info.eps))) & ~flushed
     shift = torch.where(outside, e, 0).to(v.dtype)
     # A power of two: exact, and 1 inside the range. Each operand of vecdot gets its own product, so
     # v's gradient adds up its parts in the order the plain vecdot(v, v) gives, bit for bit.
@@ -82,13 +87,19 @@ def statistic_from_moment(m: Moment, n: int, kind: str, p: float, eps: float) ->
     sigma(scaled · 2^(q·shift)) = 2^-shift · sigma(scaled) with eps · 2^(-q·shift) for eps."""
     if kind not in NORM_KINDS:
         raise ValueError(f"kind: expected one of {NORM_KINDS}, got {kind!r}")
+    scaled, zero = m.scaled, None
+    if eps == 0:  # a zero moment (the zero vector, :func:`moment`) has sigma 0, with a finite gradient
+        zero = scaled == 0
+        scaled = scaled.masked_fill(zero, 1.0)
     # (eps = 0 stays 0: a vector rescaled up would make it 0 · inf)
     unshift, eps = torch.exp2(-m.shift), eps * torch.exp2(-m.q * m.shift) if eps else 0.0
     if kind == "rms":
-        return (m.scaled / n + eps).rsqrt() * unshift
-    if kind == "l2" or p == 2:
-        return (m.scaled + eps).rsqrt() * unshift
-    return (m.scaled + eps).pow(-1.0 / p) * unshift
+        sigma = (scaled / n + eps).rsqrt()
+    elif kind == "l2" or p == 2:
+        sigma = (scaled + eps).rsqrt()
+    else:
+        sigma = (scaled + eps).pow(-1.0 / p)
+    return (sigma if zero is None else sigma.masked_fill(zero, 0.0)) * unshift
 
 
 def statistic(v: torch.Tensor, kind: str, p: float = 2.0, eps: float = 1e-6) -> torch.Tensor:

@@ -40,8 +40,8 @@ def differentiable_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
                           visible_lens: Optional[torch.Tensor], S: int, rows: DenseRows,
                           indices: Optional[torch.Tensor] = None,
                           topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, T, h, d_c] in q_lat's dtype, lse [B, T, h] float32), arguments as ``torch_mla_decode``'s
-    (checked), S the longest length."""
+    """(out [B, T, h, d_c] in q_lat's dtype, lse [B, T, h] float32, float64 for float64 queries), arguments as
+    ``torch_mla_decode``'s (checked), S the longest length."""
     B, T, h, d_c = q_lat.shape
     acc = torch.promote_types(q_lat.dtype, torch.float32)
     latent = rows.decode(_dense(kv_cache, block_table, S)).to(acc)  # [B, S, d_c + d_r]
@@ -78,4 +78,4 @@ def differentiable_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: t
     row_sum = p.sum(dim=-1)
     out = torch.einsum("bthk,btkd->bthd", p, c.expand(B, T, *c.shape[2:])) / row_sum.clamp_min(1e-30)[..., None]
     lse = m.squeeze(-1) + torch.log(row_sum)  # -inf where nothing is visible, and out = 0 there (p = 0)
-    return out.to(q_lat.dtype), lse.float()
+    return out.to(q_lat.dtype), lse  # acc: float64 for float64 queries

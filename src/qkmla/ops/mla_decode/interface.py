@@ -43,7 +43,7 @@ from .backends import check_backend, interpreting, resolve_backend
 from .cpu_kernel import cpu_mla_decode
 from .naive import default_visible_lens, naive_mla_decode
 from .selection import packed_selection
-from .torch_impl import check_paged_reach, fold_head_scale, torch_mla_decode
+from .torch_impl import check_paged_reach, fold_head_scale, lse_dtype, torch_mla_decode
 
 MODES = ("blockwise", "unified")
 
@@ -218,9 +218,16 @@ def check_softmax_scale(softmax_scale, H: int, device: Optional[torch.device] = 
     # A float is a logit scale tau > 0, as MLAConfig's softmax_scale is: 0 makes every visible slot
     # equally likely and a negative one inverts the softmax, answers no caller means. (A tensor
     # [H] is a learned per-head scale, which training may carry through 0; only finite is asked.)
+    # Within float32's normal range, as MLAConfig's (config.SOFTMAX_SCALE_RANGE; not imported: config imports the
+    # ops): 1e300 passed "finite > 0" and made the scores inf, the output NaN, and 1e-320 scaled them to 0 (every
+    # visible slot equally likely), both without a word.
     if not is_finite_number(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]), e.g. "
                          f"MLAConfig.scale; got {softmax_scale!r}")
+    low, high = 2.0 ** -126, float.fromhex("0x1.fffffep+127")
+    if not low <= softmax_scale <= high:
+        raise ValueError(f"softmax_scale: expected the logit scale (a finite float > 0, or a tensor [H]) within "
+                         f"float32's normal range ({low!r} to {high!r}), as MLAConfig's; got {softmax_scale!r}")
 
 
 def check_split_and_length(num_splits, max_seqlen, cache_seqlens: torch.Tensor,
@@ -292,8 +299,9 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
 
     Returns:
         out [B, S_q, H, d_c] (q_lat's dtype) = softmax(s) @ c per head, and lse [B, S_q, H]
-        (float32; -inf with out = 0 where no slot is visible, a sparse query whose indices
-        select nothing included). The layouts and the visibility rule are drawn in ``naive.py``.
+        (float32, float64 for float64 queries on the torch backend; -inf with out = 0 where no slot
+        is visible, a sparse query whose indices select nothing included). The layouts and the
+        visibility rule are drawn in ``naive.py``.
 
     Raises:
         TypeError: ``softmax_scale`` not given (or given by position).
@@ -318,7 +326,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     B, S_q, H, d_c = q_lat.shape
     if B * S_q * H == 0:  # nothing to attend for: every backend failed on an empty max() or reshape
         return (torch.zeros(B, S_q, H, d_c, dtype=q_lat.dtype, device=q_lat.device),
-                torch.full((B, S_q, H), -math.inf, dtype=torch.float32, device=q_lat.device))
+                torch.full((B, S_q, H), -math.inf, dtype=lse_dtype(q_lat), device=q_lat.device))
     backend = resolve_backend(backend, q_lat, q_rope, kv_cache, scale_cache, softmax_scale, rows)
     q_lat, q_rope, softmax_scale = fold_head_scale(q_lat, q_rope, softmax_scale)
     if block_table is not None:  # a table padded past a sequence's blocks (-1, as vLLM pads) reads as block 0 there

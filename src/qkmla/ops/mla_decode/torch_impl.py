@@ -32,6 +32,12 @@ SCORE_CHUNK = 4096  # keys per score GEMM (over the batch, when paged): 4096 fp3
 GATHER_ROWS = 65536
 
 
+
+def lse_dtype(q_lat: torch.Tensor) -> torch.dtype:
+    """The log-sum-exp's dtype: float32, or float64 for float64 queries, whose scores are float64. Rounded to
+    float32, a sink's share sigmoid(L - s_h) of a float64 decode was 5e-9 off the float64 reference."""
+    return torch.promote_types(q_lat.dtype, torch.float32)
+
 def _chunks(S: int) -> list[tuple[int, int]]:
     """(start, stop) of equal chunks of about SCORE_CHUNK keys: a context of 4096 k + 1
     tokens should not pay a whole chunk's worth of calls for its last key."""
@@ -262,7 +268,7 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
     lengths = visible_lens.amax(dim=1)
     S = int(lengths.max())
     if S == 0:  # nothing visible anywhere: out = 0 and lse = -inf
-        return q_lat.new_zeros(q_lat.shape), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+        return q_lat.new_zeros(q_lat.shape), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=lse_dtype(q_lat))
     out, lse = _attend_visible(q_lat, q_rope, latent[:, :S], None if key_scale is None else key_scale[:, :S],
                                visible_lens, lengths, softmax_scale, mode,
                                row_format(kv_format, q_lat.shape[-1], q_rope.shape[-1]))
@@ -275,7 +281,7 @@ def latent_attention_op(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch
 def _(q_lat, q_rope, latent, key_scale, softmax_scale, visible_lens, mode, kv_format="dense"):
     # Not empty_like(q_lat): that keeps q_lat's strides (a transposed query in a compiled
     # step), which the real op's output does not have.
-    return q_lat.new_empty(q_lat.shape), q_lat.new_empty(q_lat.shape[:3], dtype=torch.float32)
+    return q_lat.new_empty(q_lat.shape), q_lat.new_empty(q_lat.shape[:3], dtype=lse_dtype(q_lat))
 
 
 def _check_block_table(pool: torch.Tensor, block_table: torch.Tensor, length: int) -> None:
@@ -347,7 +353,8 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
 
     pool [num_blocks, block, width] (values, or uint8 rows of a quantized ``rows`` format), scale_pool
     [num_blocks, block, G] or None, block_table [B, max_blocks], visible [B, T] slots seen by
-    each query, lengths [B] slots filled. Returns (out [B, T, h, d_c], lse [B, T, h] float32).
+    each query, lengths [B] slots filled. Returns (out [B, T, h, d_c], lse [B, T, h] float32, float64 for float64
+    queries).
     """
     B, T, h, d_c = q_lat.shape
     block = pool.shape[1]
@@ -398,7 +405,7 @@ def _paged_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, pool: torch.Tensor,
     # l >= 1 wherever a key is visible (the max contributes exp(0)), 0 where none is.
     out = cast(o.div_(l.clamp_min(1.0)[..., None]), q_lat.dtype).view(B, T, h, d_c)
     lse = (m[:, 0] + torch.log(l)).view(B, T, h)  # -inf where no key is visible
-    return out, lse.float()
+    return out, lse.to(lse_dtype(q_lat))
 
 
 def check_paged_reach(kv_cache: torch.Tensor, block_table: Optional[torch.Tensor], cache_seqlens: torch.Tensor,
@@ -426,13 +433,13 @@ def torch_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     """The op's torch backend; arguments as ``mla_decode_with_kvcache`` (already checked), ``rows`` the
     row format (None: dense).
 
-    Returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32).
+    Returns (out [B, S_q, H, d_c] in q_lat's dtype, lse [B, S_q, H] float32 (float64 for float64 queries)).
     """
     S_q = q_lat.shape[1]
     rows = rows if rows is not None else row_format("dense", q_lat.shape[-1], q_rope.shape[-1])
     S = check_paged_reach(kv_cache, block_table, cache_seqlens, max_seqlen)
     if S == 0:  # nothing cached anywhere: no visible slot, out = 0 and lse = -inf
-        return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=torch.float32)
+        return torch.zeros_like(q_lat), q_lat.new_full(q_lat.shape[:3], float("-inf"), dtype=lse_dtype(q_lat))
     if recording(q_lat, q_rope, kv_cache, scale_cache):  # the paths below work in place: autograd cannot follow
         return differentiable_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
                                      mode, visible_lens, S, rows, indices, topk_length)
@@ -453,7 +460,7 @@ def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
                     rows: DenseRows) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`latent_attention` over S slots, latent [B, S, width] and key_scale [B, S, G], where
     query t of sequence b sees its first visible[b, t] slots and sequence b has filled
-    lengths[b] of them. Returns (out [B, T, h, d_c], lse [B, T, h] float32)."""
+    lengths[b] of them. Returns (out [B, T, h, d_c], lse [B, T, h] float32 (float64 for float64 queries))."""
     S = latent.shape[1]
     visible = torch.minimum(visible.long(), lengths.long()[:, None])
     mask = None
@@ -469,7 +476,7 @@ def _attend_visible(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Ten
                 key_scale = key_scale.masked_fill(shorter[..., None], 0)
     out, lse = latent_attention(q_lat, q_rope, latent, key_scale, softmax_scale, mask, mode, return_lse=True,
                                 kv_format=rows)
-    return out, lse.float()
+    return out, lse.to(lse_dtype(q_lat))
 
 
 def _gather_rows(table: torch.Tensor, block_table: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
@@ -503,7 +510,8 @@ def _sparse_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
 
     kv_cache [num_blocks, block_size, width] with block_table [B, max_blocks], or [B, capacity,
     width] with None; indices [B, S_q, topk]; topk_length [B] or None. Returns (out [B, S_q, h,
-    d_c], lse [B, S_q, h] float32; out 0 and lse -inf for a query that selects nothing)."""
+    d_c], lse [B, S_q, h] float32, float64 for float64 queries; out 0 and lse -inf for a query that selects
+    nothing)."""
     B, T, h, d_c = q_lat.shape
     slots, counts = packed_selection(indices, topk_length, cache_seqlens)  # [B, T, topk], [B, T]
     topk = slots.shape[-1]
@@ -513,7 +521,7 @@ def _sparse_attend(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     if per_group >= T:
         return _sparse_group(q_lat, q_rope, kv_cache, scale_cache, block_table, slots, counts, softmax_scale, mode,
                              rows)
-    out, lse = torch.empty_like(q_lat), q_lat.new_empty((B, T, h), dtype=torch.float32)
+    out, lse = torch.empty_like(q_lat), q_lat.new_empty((B, T, h), dtype=lse_dtype(q_lat))
     for t in range(0, T, per_group):
         group = slice(t, min(t + per_group, T))
         out[:, group], lse[:, group] = _sparse_group(q_lat[:, group], q_rope[:, group], kv_cache, scale_cache,

@@ -162,9 +162,10 @@ def group_statistic(x: torch.Tensor, w: torch.Tensor, kind: str, p: float = 2.0,
     _check_group_statistic(x.shape[-1], w, kind, p)
     G, group, K = w.shape
     # A weight autograd records through (a decode step trained through) goes to the reference too: the kernel's
-    # output carries no gradient to w.
+    # output carries no gradient to w. So does eps = 0: the kernel's sigma of a zero row is inf there, where the
+    # reference's is 0 (ops.statistic.moment), and an inf key scalar made every logit of the token NaN.
     if not (_KERNEL_READY and _kernel_takes(x) and _group_weight_fits(w) and x.numel() <= GROUP_KERNEL_MAX_ROWS * K
-            and not (torch.is_grad_enabled() and w.requires_grad)):
+            and not (torch.is_grad_enabled() and w.requires_grad) and eps > 0):
         return naive.group_statistic(x, w, kind, p, eps)
     sigma = torch.ops.qkmla_cpu.group_statistic(x.reshape(-1, K).contiguous(), w, kind, float(p), float(eps))
     return sigma.view(*x.shape[:-1], G)
@@ -178,7 +179,7 @@ def bind_group_statistic(w: torch.Tensor, kind: str, p: float = 2.0,
     cache write), where the per-call checks would cost a good part of the kernel's time. Rows
     of x that the kernel does not take (another dtype, another shape) go to :func:`group_statistic`."""
     _check_group_statistic(w.shape[-1] if w.dim() else 0, w, kind, p)
-    if not group_kernel_takes(w):
+    if not group_kernel_takes(w) or not eps > 0:  # eps = 0: the reference (group_statistic)
         return functools.partial(group_statistic, w=w, kind=kind, p=p, eps=eps)
     op, p, eps = torch.ops.qkmla_cpu.group_statistic.default, float(p), float(eps)
 
