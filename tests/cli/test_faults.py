@@ -7516,13 +7516,110 @@ def left20_rows():
     ]
 
 
+def hf21_rows():
+    """Round 21's integrations probe, re-done: config.json values transformers takes without a word, a non-UTF-8
+    shard index, and the transformers adapter's answers that were wrong or unclear."""
+
+    def saved(env, name: str = "src", **fields) -> Path:
+        """A one-layer DeepSeek-V3 checkpoint saved in env.tmp/name, its config.json fields replaced by ``fields``
+        (rope_theta in rope_parameters too, where transformers 5 keeps it)."""
+        d = env.tmp / name
+        tiny_deepseek_v3().save_pretrained(d)
+        config = json.loads((d / "config.json").read_text())
+        config.update(fields)
+        if "rope_theta" in fields and isinstance(config.get("rope_parameters"), dict):
+            config["rope_parameters"]["rope_theta"] = fields["rope_theta"]
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    def rope_theta_not_a_base(env):
+        """rope_theta 0, True or 'abc': 0 was read as the default 10000 (``or``), so convert wrote the checkpoint and
+        the QK-normed architecture computed with another base than its config's; True passed as 1.0; 'abc' failed
+        in float() or transformers' RoPE table, naming nothing. Each is refused now naming rope_theta, before any
+        weight is read: from_pretrained, convert, and QKNormDeepseekV3ForCausalLM built from a config."""
+        from qkmla.convert import convert_checkpoint
+        from qkmla.integrations.transformers import from_pretrained
+        from qkmla.integrations.transformers.auto import QKNormDeepseekV3Config, QKNormDeepseekV3ForCausalLM
+
+        config = tiny_deepseek_v3().config.to_dict()
+        record = {"qk_norm": {"kind": "rms", "mode": "blockwise", "p": 2.0, "eps": 1e-6, "scope": "head",
+                              "learnable_logit_scale": False}}
+        for i, bad in enumerate((0, True, "abc")):
+            fields = {k: v for k, v in config.items() if k not in ("model_type", "rope_parameters", "architectures")}
+            build = QKNormDeepseekV3Config(**fields, rope_theta=bad, qkmla=record)
+            shown = re.escape(repr(bad))
+            raises(lambda: QKNormDeepseekV3ForCausalLM(build), ValueError,
+                   rf"^rope_theta: expected a finite number > 0 \(RoPE's base\), got {shown}$")
+            src = saved(env, f"src{i}", rope_theta=bad)
+            raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: \S+config\.json: rope_theta must be a finite "
+                   rf"number > 0 \(RoPE's base\), got {shown}$")
+            raises(lambda: convert_checkpoint(src, env.tmp / "out", calibration_tokens=0), ValueError,
+                   rf"^src: \S+config\.json: rope_theta must be a finite number > 0 \(RoPE's base\), got {shown}$")
+            assert not (env.tmp / "out").exists()
+
+    def dtype_an_int(env):
+        """"dtype": 5 in config.json: "AttributeError: 'int' object has no attribute 'is_floating_point'" from
+        from_pretrained, convert and `qkmla generate --hf`; refused now naming dtype and what it takes."""
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = saved(env, dtype=5)
+        raises(lambda: from_pretrained(src), ValueError,
+               r'^hf_dir: \S+config\.json: dtype must name a torch dtype \("bfloat16", "float32", \.\.\.\), got 5$')
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "0"],
+               r"^qkmla convert: --hf: \S+config\.json: dtype must name a torch dtype .*got 5$")
+        assert not (env.tmp / "out").exists()
+
+    def layer_counts_past_any_model(env):
+        """num_hidden_layers 0 or -1: convert wrote a model of no layer (exit 0) and from_pretrained refused it as
+        "makes decoder layers [] MLA"; True: huggingface_hub's validation error; 2**70 hung from_pretrained (its
+        norm check counting layers) and convert. Each refused now naming num_hidden_layers, before any work."""
+        from qkmla.convert import convert_checkpoint
+        from qkmla.convert.stream import CheckpointStream
+        from qkmla.integrations.transformers import from_pretrained
+
+        for i, bad in enumerate((0, -1, True, 2**70)):  # 2**70 last: it hung where the others failed
+            src = saved(env, f"src{i}", num_hidden_layers=bad)
+            want = rf"\S+config\.json: num_hidden_layers must be an int from 1 to 100000, got {re.escape(repr(bad))}$"
+            raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: {want}")
+            raises(lambda: convert_checkpoint(src, env.tmp / "out", calibration_tokens=0), ValueError, rf"^src: {want}")
+            raises(lambda: CheckpointStream(src), ValueError, rf"^hf_dir: {want}")
+            assert not (env.tmp / "out").exists()
+
+    def a_shard_index_not_utf8(env):
+        """A model.safetensors.index.json that is not UTF-8: "'utf-8' codec can't decode byte 0xff in position
+        18", naming no file, from from_pretrained, `qkmla convert --hf` and `qkmla generate --hf`; now one line
+        naming the index and what it must hold."""
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = saved(env)
+        (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+        (src / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"a\xff": "x"}}')
+        want = (r"\S+model\.safetensors\.index\.json: not UTF-8 text \(invalid start byte at byte 18\); expected a "
+                r"JSON object with a 'weight_map'$")
+        raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: {want}")
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "0"],
+               rf"^qkmla convert: --hf: {want}")
+        refuse(env, ["generate", "--hf", src, "--max-new-tokens", "2"], rf"^qkmla generate: --hf: {want}")
+        assert not (env.tmp / "out").exists()
+
+    return [
+        Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
+            "error)", rope_theta_not_a_base),
+        Row("convert", "size", "dtype 5 in config.json: AttributeError 'is_floating_point'", dtype_an_int),
+        Row("convert", "size", "num_hidden_layers 0 / -1 / True / 2**70 (0 converted to no layer; 2**70 hung)",
+            layer_counts_past_any_model),
+        Row("convert", "path", "a model.safetensors.index.json that is not UTF-8: UnicodeDecodeError, no file named",
+            a_shard_index_not_utf8),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + hf21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...norms import qk_norms_of
-from ...utils.checked import as_int, is_int
+from ...utils.checked import as_int, is_finite_number, is_int
 from ...utils.devices import check_device
 from ...utils.files import check_path, input_file_problem
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
@@ -154,6 +154,7 @@ def read_hf_config(hf_dir: Union[str, Path], name: str = "hf_dir") -> dict:
         raise ValueError(f"{name}: {path} cannot be read ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{name}: {path}: expected a JSON object, got {type(config).__name__}")
+    _check_values(path, config, name)  # first: transformers' check of a bool count named no field
     _check_fields(path, config, name)
     eps = config.get("rms_norm_eps")
     # transformers takes any number here; a negative one put NaN under every RMSNorm's square root, which
@@ -283,6 +284,31 @@ def _check_fields(path: Path, config: dict, name: str = "hf_dir") -> None:
         pass
 
 
+# the most decoder layers a config.json may count before its weights are read: more than any model has
+# (DeepSeek-V3: 61), and a count transformers builds on the meta device in seconds, where 2**70 hung every loader
+MAX_LAYERS = 100_000
+
+
+def _check_values(path: Path, config: dict, name: str) -> None:
+    """The values transformers' config class takes without a word, each named as the config names it:
+    ``rope_theta`` 0, True or "abc" (0 read as the default 10000 by ``or``, True as 1, "abc" failed deep in
+    the RoPE table), ``dtype`` 5 (an AttributeError from transformers' loader) and ``num_hidden_layers`` 0,
+    -1 or 2**70 (0 and -1 converted to an empty model, 2**70 hung the loaders counting its layers)."""
+    rope = [config] + [config[k] for k in ("rope_parameters", "rope_scaling") if isinstance(config.get(k), dict)]
+    for theta in (r["rope_theta"] for r in rope if r.get("rope_theta") is not None):
+        if not is_finite_number(theta) or not theta > 0:
+            raise ValueError(f"{name}: {path}: rope_theta must be a finite number > 0 (RoPE's base), got {theta!r}")
+    for key in ("dtype", "torch_dtype"):
+        dtype = config.get(key)
+        if dtype is not None and not (isinstance(dtype, str) and (
+                dtype == "auto" or isinstance(getattr(torch, dtype, None), torch.dtype))):
+            raise ValueError(f"{name}: {path}: {key} must name a torch dtype (\"bfloat16\", \"float32\", ...), got "
+                             f"{dtype!r}")
+    layers = config.get("num_hidden_layers")
+    if "num_hidden_layers" in config and (not is_int(layers) or not 1 <= layers <= MAX_LAYERS):
+        raise ValueError(f"{name}: {path}: num_hidden_layers must be an int from 1 to {MAX_LAYERS}, got {layers!r}")
+
+
 def check_layers_present(hf_dir: Union[str, Path], hf_config: dict, name: str = "hf_dir") -> None:
     """Every decoder layer ``num_hidden_layers`` counts has attention weights in the checkpoint's
     listing: transformers builds a layer the weights lack with random weights, and says so only in
@@ -317,7 +343,10 @@ def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
                          f"an index of shards): transformers loads {SINGLE} alone; remove the one that is stale")
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except UnicodeDecodeError as e:  # was a UnicodeDecodeError traceback, naming no file
+            raise ValueError(f"hf_dir: {index}: not UTF-8 text ({e.reason} at byte {e.start}); expected a JSON "
+                             f"object with a 'weight_map'") from None
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: expected a JSON object with a 'weight_map' ({e!r})") from None
         if not isinstance(weight_map, dict):

@@ -88,7 +88,10 @@ class _QKNormCausalLM:
     def __init__(self, config, *args, **kwargs):
         from .model import apply_latent_attention
 
+        from ..hub.config import rope_theta
+
         norm = recorded_norm(config, "config")  # refuses qkmla's model type without a norm
+        rope_theta(config)  # "abc" failed in transformers' RoPE table below, naming nothing
         if config._attn_implementation in _LOADERS:  # the record's guard, not an implementation
             config._attn_implementation = None
         super().__init__(config, *args, **kwargs)
