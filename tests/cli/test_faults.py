@@ -7602,6 +7602,47 @@ def hf21_rows():
         refuse(env, ["generate", "--hf", src, "--max-new-tokens", "2"], rf"^qkmla generate: --hf: {want}")
         assert not (env.tmp / "out").exists()
 
+    def a_config_given_as_a_path(env):
+        """from_pretrained(dir, config=path): a config object was checked against the checkpoint's QK-norm record, a
+        path was not: a QK-normed checkpoint's config given for a plain checkpoint was refused as "qk_norm: ... no QK
+        norm was asked for", an argument never passed, and a plain checkpoint's config (directory or config.json)
+        given for a QK-normed one loaded without a word. Both refused now naming config, as the object is; the
+        checkpoint's own directory as config loads it with its norm."""
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        normed, plain = env.tmp / "normed", env.tmp / "plain"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(normed)
+        tiny_deepseek_v3().save_pretrained(plain)
+        raises(lambda: from_pretrained(plain, config=normed), ValueError,
+               r"^config: records rms blockwise, but \S+plain/config\.json records no QK norm; pass the checkpoint's "
+               r"own config, or none$")
+        for given in (plain, plain / "config.json", str(plain)):
+            raises(lambda: from_pretrained(normed, config=given), ValueError,
+                   r"^config: records no QK norm, but \S+normed/config\.json records rms blockwise")
+        ids = torch.tensor([[3, 5, 7]])
+        with torch.no_grad():
+            want = from_pretrained(normed)(ids).logits
+            for given in (normed, str(normed / "config.json")):
+                model = from_pretrained(normed, config=given)
+                assert model.config.qkmla["qk_norm"]["kind"] == "rms" and torch.equal(model(ids).logits, want)
+
+    def vllm_latent_width_of_another_type(env):
+        """The vLLM plugin's check of a QK-normed config (servable_norm): kv_lora_rank 448.0 summed with
+        qk_rope_head_dim 64 to a width of 512.0, in its table of widths, and was served; True summed as 1 ("= 65");
+        "abc" and None failed in the sum as TypeErrors. Each refused now naming kv_lora_rank and what it takes."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").config.to_dict()
+        config.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert servable_norm(config, **engine).kind == "rms"
+        for bad in (448.0, True, "abc", None):
+            raises(lambda: servable_norm(dict(config, kv_lora_rank=bad), **engine), ValueError,
+                   rf"^config\.json: kv_lora_rank must be a positive int \(the latent row's width is kv_lora_rank \+ "
+                   rf"qk_rope_head_dim\), got {re.escape(repr(bad))}$")
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7610,6 +7651,10 @@ def hf21_rows():
             layer_counts_past_any_model),
         Row("convert", "path", "a model.safetensors.index.json that is not UTF-8: UnicodeDecodeError, no file named",
             a_shard_index_not_utf8),
+        Row("LatentAttentionCache", "path", "from_pretrained(dir, config=another checkpoint's directory): loaded "
+            "without its norm check, or refused as qk_norm", a_config_given_as_a_path),
+        Row("LatentAttentionCache", "size", "the vLLM plugin's config check: kv_lora_rank 448.0 served, True / 'abc' "
+            "a sum of the wrong type", vllm_latent_width_of_another_type),
     ]
 
 

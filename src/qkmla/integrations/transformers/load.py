@@ -39,6 +39,22 @@ def _loading_class(base, config_class):
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
+def _given_config(config):
+    """A ``config`` argument as its norm is read: a config object, or the config.json a local path names (a
+    checkpoint directory or the file itself). A path was not read here: a QK-normed checkpoint's config given
+    for a plain checkpoint was refused as ``qk_norm``, an argument never passed, and a plain one given for a
+    QK-normed checkpoint loaded without a word, where the same config as an object is refused. None for none,
+    or a hub id (transformers fetches it)."""
+    if config is None or not isinstance(config, (str, Path)):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        return read_hf_config(path, "config")
+    if path.is_file():
+        return read_hf_config(path.parent, "config") if path.name == CONFIG else None
+    return None
+
+
 def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
                     decode_backend: str = "auto", **kwargs):
     """A transformers DeepSeek-V2/V3 checkpoint loaded by transformers and patched by qkmla as its
@@ -118,8 +134,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     # named by the argument, as this function's other refusals are: the message began with the path alone
     norm = recorded_norm(hf_config, f"hf_dir: {root / CONFIG}")
     recorded_groups(hf_config, f"hf_dir: {root / CONFIG}")  # so too its groups, before the checks below read them
-    config = kwargs.get("config")
-    if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:
+    config = _given_config(kwargs.get("config"))
+    if config is not None and recorded_norm(config, "config") != norm:
         raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "
                          f"{describe(norm)}; pass the checkpoint's own config, or none")
     files = check_norm_tensors(root, hf_config, norm)
