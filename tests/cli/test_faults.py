@@ -7643,6 +7643,41 @@ def hf21_rows():
                    rf"^config\.json: kv_lora_rank must be a positive int \(the latent row's width is kv_lora_rank \+ "
                    rf"qk_rope_head_dim\), got {re.escape(repr(bad))}$")
 
+    def lora_bias_on_a_projection_without_one(env):
+        """attention_lora_config(model, lora_bias=True) (kv_b_proj among the default targets) was accepted, trained,
+        and then merge_lora ended in PEFT's RuntimeError "Impossible to merge LoRA with `lora_bias=True` because the
+        base layer has no bias" (a traceback), while the absorbed decode path refuses the unmerged kv_b_proj: a
+        model that could never decode from its latent cache. Refused now naming lora_bias and the projections
+        without a bias, before any work; merge_lora of such a PeftModel names the adapter. On projections with a
+        bias (attention_bias=True: q_a_proj, kv_a_proj_with_mqa, o_proj) it merges, and the absorbed decode step
+        computes the unmerged adapters' logits."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        model = tiny_latent_deepseek()
+        raises(lambda: attention_lora_config(model, r=2, lora_bias=True), ValueError,
+               r"^lora_bias: LoRA's bias \(lora_bias=True\) is merged into the projection's own bias, and q_b_proj, "
+               r"kv_b_proj, o_proj have none")
+        adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_bias=True, target_modules=["kv_b_proj"]))
+        raises(lambda: merge_lora(adapted), ValueError, r"^peft_model: its adapter 'default': LoRA's bias "
+               r"\(lora_bias=True\) is merged into the projection's own bias, and kv_b_proj has none")
+        config = tiny_deepseek_v3().config
+        config.attention_bias = True
+        torch.manual_seed(0)
+        biased = apply_latent_attention(type(tiny_deepseek_v3())(config).eval())
+        targets = ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]
+        adapted = peft.get_peft_model(biased, attention_lora_config(biased, r=2, lora_bias=True, targets=targets))
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+            want = adapted(input_ids=ids, use_cache=False).logits[:, -1]
+            merged = merge_lora(adapted)
+            prefix = merged(input_ids=ids[:, :4])
+            got = merged(input_ids=ids[:, 4:], past_key_values=prefix.past_key_values).logits[:, -1]
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7655,6 +7690,8 @@ def hf21_rows():
             "without its norm check, or refused as qk_norm", a_config_given_as_a_path),
         Row("LatentAttentionCache", "size", "the vLLM plugin's config check: kv_lora_rank 448.0 served, True / 'abc' "
             "a sum of the wrong type", vllm_latent_width_of_another_type),
+        Row("LatentAttentionCache", "size", "attention_lora_config(lora_bias=True) on kv_b_proj: trained, then PEFT's "
+            "RuntimeError from merge_lora (never decodable)", lora_bias_on_a_projection_without_one),
     ]
 
 
