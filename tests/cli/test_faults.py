@@ -7678,6 +7678,26 @@ def hf21_rows():
             got = merged(input_ids=ids[:, 4:], past_key_values=prefix.past_key_values).logits[:, -1]
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
+    def a_qk_normed_architecture_without_a_norm(env):
+        """QKNormDeepseekV3ForCausalLM(DeepseekV3Config(...)) (a stock config, no 'qkmla' record), its _from_config,
+        and its from_pretrained of a plain checkpoint built the plain model under the QK-normed name: no norm, no
+        word. Each refused now, naming the config (or the checkpoint) and the two ways out; the QK-normed
+        checkpoint still loads with its norm."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.transformers.auto import QKNormDeepseekV3ForCausalLM
+
+        stock = tiny_deepseek_v3().config
+        refusal = (r"records no QK norm .*, and QKNormDeepseekV3ForCausalLM is the architecture of a QK-normed "
+                   r"checkpoint; build DeepseekV3ForCausalLM for a model without a norm, or add one")
+        raises(lambda: QKNormDeepseekV3ForCausalLM(stock), ValueError, rf"^config: this DeepseekV3Config {refusal}")
+        raises(lambda: QKNormDeepseekV3ForCausalLM._from_config(stock), ValueError, rf"^config: this \S+ {refusal}")
+        tiny_deepseek_v3().save_pretrained(env.tmp / "plain")
+        raises(lambda: QKNormDeepseekV3ForCausalLM.from_pretrained(env.tmp / "plain"), ValueError,
+               rf"^pretrained_model_name_or_path: \S+plain {refusal}")
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(env.tmp / "normed")
+        model = QKNormDeepseekV3ForCausalLM.from_pretrained(env.tmp / "normed")
+        assert model.model.layers[0].self_attn.q_norm is not None
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7692,6 +7712,8 @@ def hf21_rows():
             "a sum of the wrong type", vllm_latent_width_of_another_type),
         Row("LatentAttentionCache", "size", "attention_lora_config(lora_bias=True) on kv_b_proj: trained, then PEFT's "
             "RuntimeError from merge_lora (never decodable)", lora_bias_on_a_projection_without_one),
+        Row("LatentAttentionCache", "size", "QKNormDeepseekV3ForCausalLM of a stock config (or a plain checkpoint): "
+            "the plain model under the QK-normed name", a_qk_normed_architecture_without_a_norm),
     ]
 
 

@@ -38,7 +38,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, De
                           DeepseekV3Config, DeepseekV3ForCausalLM)
 
 from ..hub.checkpoint import CONFIG
-from ..hub.record import (CODE_TEXT, FAMILY_MODEL_TYPES, LOADER, QK_MODEL_TYPES, declaration,  # noqa: F401
+from ..hub.record import (CODE_TEXT, FAMILY_MODEL_TYPES, LOADER, QK_MODEL_TYPES, RECORD, declaration,  # noqa: F401
                           recorded_norm, write_code)
 
 # What older checkpoints record as attn_implementation: qkmla's loader, under its names then and now.
@@ -82,6 +82,15 @@ class QKNormDeepseekV3Config(_QKNormConfig, DeepseekV3Config):
     model_type = QK_MODEL_TYPES["deepseek_v3"]
 
 
+def _no_norm(cls, what: str) -> None:
+    """Refuse a model of a QK-normed architecture without a norm: it would compute the plain model's function
+    under a name that says it has one."""
+    stock = next(base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("transformers."))
+    raise ValueError(f"{what}, and {cls.__name__} is the architecture of a QK-normed checkpoint; build {stock} for a "
+                     f"model without a norm, or add one: apply_latent_attention({stock}(config), qk_norm='rms') "
+                     f"(its config then records it)")
+
+
 class _QKNormCausalLM:
     """transformers' DeepSeek causal LM with qkmla's latent attention and the QK norm its config records."""
 
@@ -91,6 +100,8 @@ class _QKNormCausalLM:
         from ..hub.config import rope_theta
 
         norm = recorded_norm(config, "config")  # refuses qkmla's model type without a norm
+        if norm is None:  # a stock config (no record) built the plain model under this name, without a word
+            _no_norm(type(self), f"config: this {type(config).__name__} records no QK norm (no {RECORD!r} entry)")
         rope_theta(config)  # "abc" failed in transformers' RoPE table below, naming nothing
         if config._attn_implementation in _LOADERS:  # the record's guard, not an implementation
             config._attn_implementation = None
@@ -112,6 +123,9 @@ class _QKNormCausalLM:
             raise ValueError(f"model_args: {cls.__name__}.from_pretrained takes its arguments by name "
                              f"(qkmla.integrations.transformers.from_pretrained), got {len(model_args)} positional")
         model = from_pretrained(pretrained_model_name_or_path, **kwargs)
+        if recorded_norm(model.config, "config") is None:  # a plain checkpoint: loaded without a norm, unsaid
+            _no_norm(cls, f"pretrained_model_name_or_path: {pretrained_model_name_or_path} records no QK norm (its "
+                          f"config.json has no {RECORD!r} entry)")
         want = cls.__mro__[cls.__mro__.index(_QKNormCausalLM) + 1]  # transformers' class this one extends
         if type(model) is not want:
             raise ValueError(f"pretrained_model_name_or_path: {pretrained_model_name_or_path} holds a "
