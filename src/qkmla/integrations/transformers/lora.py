@@ -174,10 +174,17 @@ def _check_lora_bias(layer, names, prefix: str) -> None:
     q_a_proj, kv_a_proj_with_mqa and o_proj)."""
     bare = [name for name in names if getattr(getattr(layer, name, None), "bias", None) is None]
     if bare:
+        verb = "has" if len(bare) == 1 else "have"
         raise ValueError(f"{prefix}: LoRA's bias (lora_bias=True) is merged into the projection's own bias, and "
-                         f"{', '.join(bare)} {'has' if len(bare) == 1 else 'have'} none (the absorbed decode path reads kv_b_proj.weight alone), so "
+                         f"{', '.join(bare)} {verb} none (the absorbed decode path reads kv_b_proj.weight alone), so "
                          f"the adapters could not be merged for decoding; leave lora_bias out, or target only "
                          f"projections with a bias")
+
+
+def _targets(config, name: str) -> bool:
+    """Whether a LoRA config's target_modules (a regular expression or a list of names) names ``name``."""
+    modules = config.target_modules
+    return bool(re.search(rf"\b{name}\b", modules)) if isinstance(modules, str) else name in (modules or ())
 
 
 def check_norms_have_a_place(base, peft_config: dict, argument: str = "peft_model",
@@ -243,10 +250,8 @@ def merge_lora(peft_model, **kwargs):
     check_norms_have_a_place(peft_model.get_base_model(), peft_model.peft_config)
     for name, config in peft_model.peft_config.items():
         if getattr(config, "lora_bias", False):
-            targets = [t for t in lora_targets(latent_layers(peft_model.get_base_model())[0].config)
-                       if isinstance(config.target_modules, str) and re.search(rf"\b{t}\b", config.target_modules)
-                       or not isinstance(config.target_modules, str) and t in (config.target_modules or ())]
-            _check_lora_bias(latent_layers(peft_model.get_base_model())[0], targets,
+            layer = latent_layers(peft_model.get_base_model())[0]
+            _check_lora_bias(layer, [t for t in lora_targets(layer.config) if _targets(config, t)],
                              f"peft_model: its adapter {name!r}")
     model = peft_model.merge_and_unload(**kwargs)
     for i, layer in enumerate(latent_layers(model)):
