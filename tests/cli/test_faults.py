@@ -7698,6 +7698,28 @@ def hf21_rows():
         model = QKNormDeepseekV3ForCausalLM.from_pretrained(env.tmp / "normed")
         assert model.model.layers[0].self_attn.q_norm is not None
 
+    def a_hybrid_given_a_custom_mask_and_a_cache(env):
+        """A hybrid (Kimi-Linear, Bailing: linear-attention layers beside the MLA ones) called with a custom 4-D
+        mask and a cache (its own, or one made for the call): refused as "the static latent cache
+        (cache_implementation="static") attends causally only. Pass a LatentAttentionCache(model) or no cache",
+        a cache the caller never passed: the check took the linear-attention layers' state for static layers.
+        Now served: a prefill and a decode step with a mask that hides a token give transformers' logits."""
+        families = transformers_families()
+        for name in ("kimi_linear", "bailing_hybrid"):
+            ref = families.hf_model(families.family_named(name))
+            from qkmla.integrations.transformers import apply_latent_attention
+
+            model = apply_latent_attention(copy.deepcopy(ref))
+            ids, T = families.ids(length=6), 6
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None].repeat(2, 1, 1, 1)
+            mask[1, 0, 3:, 1] = False  # row 1: token 1 hidden from tokens 3 to 5
+            with torch.no_grad():
+                want = ref(ids, attention_mask=mask).logits
+                assert float((model(ids, attention_mask=mask).logits - want).abs().max() / want.abs().max()) < 1e-6
+                prefix = model(ids[:, :4], attention_mask=mask[:, :, :4, :4])
+                step = model(ids[:, 4:], attention_mask=mask[:, :, 4:], past_key_values=prefix.past_key_values)
+            assert float((step.logits - want[:, 4:]).abs().max() / want.abs().max()) < 1e-6, name
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7714,6 +7736,8 @@ def hf21_rows():
             "RuntimeError from merge_lora (never decodable)", lora_bias_on_a_projection_without_one),
         Row("LatentAttentionCache", "size", "QKNormDeepseekV3ForCausalLM of a stock config (or a plain checkpoint): "
             "the plain model under the QK-normed name", a_qk_normed_architecture_without_a_norm),
+        Row("LatentAttentionCache", "size", "a hybrid (Kimi-Linear, Bailing) with a custom 4-D mask and a cache: "
+            "refused as a static cache the caller never passed", a_hybrid_given_a_custom_mask_and_a_cache),
     ]
 
 

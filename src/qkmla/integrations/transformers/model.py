@@ -49,7 +49,7 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import (QUANTIZED_INSTEAD, LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache,
+from .cache import (QUANTIZED_INSTEAD, LatentAttentionCache, adopt_layer, check_cache,
                     check_cache_settings, model_dtype)
 from .families import attention_slots, get_slot, set_slot
 from .patched import inner_model, model_family
@@ -434,7 +434,11 @@ def check_custom_mask_cache(cache, settings: LatentSettings) -> None:
     would no longer match the cached tokens)."""
     if cache is None:
         return
-    if not all(isinstance(layer, LatentCacheLayer) for layer in cache.layers):
+    from .static import StaticLatentCacheLayer
+
+    # the static layers alone: a hybrid's cache also holds its linear-attention layers' state (Kimi-Linear,
+    # Bailing), and a custom mask with one was refused as if it were a static cache, one the caller never passed
+    if any(isinstance(layer, StaticLatentCacheLayer) for layer in cache.layers):
         raise ValueError("attention_mask: a custom 4-D mask is served over qkmla's growing latent cache; the static "
                          "latent cache (cache_implementation=\"static\") attends causally only. Pass a "
                          "LatentAttentionCache(model) or no cache")
