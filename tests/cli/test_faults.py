@@ -7720,6 +7720,38 @@ def hf21_rows():
                 step = model(ids[:, 4:], attention_mask=mask[:, :, 4:], past_key_values=prefix.past_key_values)
             assert float((step.logits - want[:, 4:]).abs().max() / want.abs().max()) < 1e-6, name
 
+    def prefix_tuning_named(env):
+        """PEFT's prefix tuning (PrefixTuningConfig) on a patched model: its forward was refused as "cache: layer 0
+        already holds 4 tokens of transformers' keys and values (filled by an unpatched model)", naming neither
+        prefix tuning nor a way out, and its generate ignored the prefix without a word (transformers passed its
+        cache as cache, PEFT the prefix as past_key_values; the base model's tokens came out). Both refused now,
+        naming prefix tuning, why, and LoRA or prompt tuning instead; prompt tuning computes transformers' logits."""
+        peft = pytest.importorskip("peft")
+
+        ids = torch.tensor([[3, 5, 7, 9]])
+        model = peft.get_peft_model(tiny_latent_deepseek(), peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                                                     num_virtual_tokens=4))
+        why = (r"PEFT's prefix tuning \(PrefixTuningConfig\) passes its virtual tokens as per-head keys and values, "
+               r"which qkmla's latent attention cannot attend to .*; fine-tune it with LoRA \(attention_lora_config\) "
+               r"or prompt tuning \(PromptTuningConfig\)")
+        with torch.no_grad():
+            raises(lambda: model(input_ids=ids), ValueError, rf"^cache: layer 0 already holds 4 tokens .*{why}")
+            raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, do_sample=False), ValueError,
+                   rf"^past_key_values: given beside cache, another cache already holding 4 tokens; {why}")
+            config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+            from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+            torch.manual_seed(0)  # tiny_latent_deepseek's weights, unpatched
+            ref = peft.get_peft_model(DeepseekV3ForCausalLM(DeepseekV3Config(
+                vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                topk_group=1)).eval(), config)
+            prompted = peft.get_peft_model(tiny_latent_deepseek(), config)
+            prompted.prompt_encoder.load_state_dict(ref.prompt_encoder.state_dict())
+            want = ref(input_ids=ids).logits
+            assert float((prompted(input_ids=ids).logits - want).abs().max() / want.abs().max()) < 1e-6
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7738,6 +7770,8 @@ def hf21_rows():
             "the plain model under the QK-normed name", a_qk_normed_architecture_without_a_norm),
         Row("LatentAttentionCache", "size", "a hybrid (Kimi-Linear, Bailing) with a custom 4-D mask and a cache: "
             "refused as a static cache the caller never passed", a_hybrid_given_a_custom_mask_and_a_cache),
+        Row("LatentAttentionCache", "size", "PEFT prefix tuning on a patched model: 'filled by an unpatched model'; "
+            "generate ignored the prefix", prefix_tuning_named),
     ]
 
 
