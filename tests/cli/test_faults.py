@@ -7752,6 +7752,30 @@ def hf21_rows():
             want = ref(input_ids=ids).logits
             assert float((prompted(input_ids=ids).logits - want).abs().max() / want.abs().max()) < 1e-6
 
+    def rope_types_the_patched_model_serves(env):
+        """A checkpoint with rope_parameters of type linear or llama3 (dynamic, longrope too): apply_latent_attention
+        serves them (it rotates with transformers' own embedding), but from_pretrained refused them as "hf_config:
+        rope_type 'linear' is not supported; allowed: ('default', 'yarn')" (its norm-weight check built qkmla's own
+        RoPE to read the widths), plain or QK-normed. They load now, with the unpatched model's logits."""
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+        for rope in (dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+                     dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8)):
+            config = tiny_deepseek_v3().config
+            config.rope_parameters = rope
+            torch.manual_seed(0)
+            ref = type(tiny_deepseek_v3())(config).eval()
+            ref.save_pretrained(env.tmp / "plain")
+            normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+            normed.save_pretrained(env.tmp / "normed")
+            with torch.no_grad():
+                want = ref(ids).logits
+                got = from_pretrained(env.tmp / "plain")(ids).logits
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, rope["rope_type"]
+                assert torch.equal(from_pretrained(env.tmp / "normed")(ids).logits, normed(ids).logits)
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7772,6 +7796,8 @@ def hf21_rows():
             "refused as a static cache the caller never passed", a_hybrid_given_a_custom_mask_and_a_cache),
         Row("LatentAttentionCache", "size", "PEFT prefix tuning on a patched model: 'filled by an unpatched model'; "
             "generate ignored the prefix", prefix_tuning_named),
+        Row("LatentAttentionCache", "size", "from_pretrained of a linear or llama3 rope_parameters checkpoint: refused "
+            "as a rope type not supported, which the patched model serves", rope_types_the_patched_model_serves),
     ]
 
 

@@ -587,7 +587,7 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     found = {k for k in weight_map if any(o in k for o in ours)}
     groups = recorded_groups(hf_config, str(root / CONFIG))
     # (only the widths are read: any MLA family's config gives them as DeepSeek's does)
-    config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True,
+    config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True, any_rope_type=True,
                                 **({GROUPS: groups} if groups is not None else {}))
     layers = hf_config.get("num_hidden_layers")
     kinds = hf_config.get("layer_types")  # a hybrid's: only its MLA layers have a norm (MLA_LAYER_TYPES)
