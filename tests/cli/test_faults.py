@@ -7776,6 +7776,26 @@ def hf21_rows():
                 assert float((got - want).abs().max() / want.abs().max()) < 1e-6, rope["rope_type"]
                 assert torch.equal(from_pretrained(env.tmp / "normed")(ids).logits, normed(ids).logits)
 
+    def loading_info_as_transformers_returns_it(env):
+        """from_pretrained(dir, output_loading_info=True), through qkmla's loader, QKNormDeepseekV3ForCausalLM or
+        AutoModelForCausalLM: transformers' (model, info) reached the loader's next line as the model, "TypeError:
+        __class__ assignment only supported for mutable types or ModuleType subclasses". Now (model, info) as
+        transformers returns it: the model with its norm and the logits of a load without the option, the report
+        with nothing missing or unexpected (the norm's weights, which qkmla loads, are not reported)."""
+        import transformers
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+        from qkmla.integrations.transformers.auto import QKNormDeepseekV3ForCausalLM
+
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(env.tmp / "normed")
+        ids = torch.tensor([[3, 5, 7]])
+        with torch.no_grad():
+            want = from_pretrained(env.tmp / "normed")(ids).logits
+            for load in (from_pretrained, QKNormDeepseekV3ForCausalLM.from_pretrained,
+                         transformers.AutoModelForCausalLM.from_pretrained):
+                model, info = load(env.tmp / "normed", output_loading_info=True)
+                assert model.model.layers[0].self_attn.q_norm is not None and torch.equal(model(ids).logits, want)
+                assert not info["missing_keys"] and not info["unexpected_keys"], (load, info)
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7798,6 +7818,8 @@ def hf21_rows():
             "generate ignored the prefix", prefix_tuning_named),
         Row("LatentAttentionCache", "size", "from_pretrained of a linear or llama3 rope_parameters checkpoint: refused "
             "as a rope type not supported, which the patched model serves", rope_types_the_patched_model_serves),
+        Row("LatentAttentionCache", "size", "from_pretrained(output_loading_info=True): TypeError '__class__ "
+            "assignment only supported for mutable types'", loading_info_as_transformers_returns_it),
     ]
 
 

@@ -122,7 +122,8 @@ class _QKNormCausalLM:
         if model_args:
             raise ValueError(f"model_args: {cls.__name__}.from_pretrained takes its arguments by name "
                              f"(qkmla.integrations.transformers.from_pretrained), got {len(model_args)} positional")
-        model = from_pretrained(pretrained_model_name_or_path, **kwargs)
+        loaded = from_pretrained(pretrained_model_name_or_path, **kwargs)
+        model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)  # transformers' (model, info)
         if recorded_norm(model.config, "config") is None:  # a plain checkpoint: loaded without a norm, unsaid
             _no_norm(cls, f"pretrained_model_name_or_path: {pretrained_model_name_or_path} records no QK norm (its "
                           f"config.json has no {RECORD!r} entry)")
@@ -131,7 +132,7 @@ class _QKNormCausalLM:
             raise ValueError(f"pretrained_model_name_or_path: {pretrained_model_name_or_path} holds a "
                              f"{type(model).__name__}, not a {want.__name__}; load it with AutoModelForCausalLM")
         model.__class__ = cls  # adds no state: the same model, under the architecture it declares
-        return model
+        return (model, info) if kwargs.get("output_loading_info") else model
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):

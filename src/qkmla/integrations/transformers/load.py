@@ -74,7 +74,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
 
     Returns:
         the model, in eval mode as transformers returns it: transformers' DeepSeek class, whose config
-        is qkmla's ``QKNormDeepseekV3Config`` (V2) when it has a norm.
+        is qkmla's ``QKNormDeepseekV3Config`` (V2) when it has a norm; with ``output_loading_info=True``,
+        (model, transformers' loading report), as transformers returns them.
 
     Raises:
         ValueError, before any weight is read: no config.json, a model type other than
@@ -145,11 +146,15 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     # qkmla's own config class for its model types (``auto``, registered when this package is imported);
     # transformers' for a plain checkpoint, or a QK-normed one saved before qkmla had model types
     config_class = CONFIG_MAPPING[model_type]
+    # transformers returns (model, its load report) for output_loading_info=True: the tuple reached the lines below
+    # as the model ("__class__ assignment only supported for mutable types")
+    with_info = bool(kwargs.get("output_loading_info"))
     try:
         model = _loading_class(base, config_class).from_pretrained(root, attn_implementation="eager", **kwargs)
     except RuntimeError as e:  # tensors whose shapes disagree with the config (transformers' load report)
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: "
                          f"{str(e).strip().splitlines()[0][:300]}") from None
+    model, info = model if with_info else (model, None)
     model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
     apply_latent_attention(model, qk_norm=norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
     if str(hf_dir) != str(root):  # a hub repository (or a subfolder): named as transformers names it
@@ -160,4 +165,4 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
             with _open(root / file) as f:
                 for name in (n for n, fl in files.items() if fl == file):
                     params[name].copy_(f.get_tensor(name))
-    return model
+    return (model, info) if with_info else model
