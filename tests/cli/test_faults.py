@@ -7796,6 +7796,33 @@ def hf21_rows():
                 assert model.model.layers[0].self_attn.q_norm is not None and torch.equal(model(ids).logits, want)
                 assert not info["missing_keys"] and not info["unexpected_keys"], (load, info)
 
+    def generate_hf_of_a_float64_moe_model(env):
+        """`qkmla generate --hf` (and from_pretrained's first forward) of a float64 MoE checkpoint: transformers'
+        default experts implementation, grouped_mm, multiplies in float32, bfloat16 or float16 only: "RuntimeError:
+        Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double", an internal error. A float64 model's
+        experts compute eagerly now: generate writes its text, the logits are transformers' eager ones; grouped_mm
+        asked for by name is refused naming experts_implementation."""
+        import transformers
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = env.tmp / "f64"
+        config = tiny_deepseek_v3(first_k_dense_replace=0).config
+        config.vocab_size = 300  # ByT5's byte ids
+        torch.manual_seed(0)
+        type(tiny_deepseek_v3())(config).to(torch.float64).save_pretrained(src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        env.capsys.readouterr()
+        assert main(["generate", "--hf", str(src), "--tokens", "3", "--prompt", "hello", "--temperature", "0"]) == 0
+        assert "Traceback" not in env.capsys.readouterr().err
+        ids = torch.tensor([[3, 5, 7, 9]])
+        with torch.no_grad():
+            want = transformers.DeepseekV3ForCausalLM.from_pretrained(src, experts_implementation="eager")(ids).logits
+            got = from_pretrained(src)(ids).logits
+        assert got.dtype == torch.float64 and float((got - want).abs().max() / want.abs().max()) < 1e-6
+        raises(lambda: from_pretrained(src, experts_implementation="grouped_mm"), ValueError,
+               r"^experts_implementation: 'grouped_mm' multiplies in float32, bfloat16 or float16, and this model is "
+               r"float64; pass experts_implementation='eager'")
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7820,6 +7847,8 @@ def hf21_rows():
             "as a rope type not supported, which the patched model serves", rope_types_the_patched_model_serves),
         Row("LatentAttentionCache", "size", "from_pretrained(output_loading_info=True): TypeError '__class__ "
             "assignment only supported for mutable types'", loading_info_as_transformers_returns_it),
+        Row("generate", "size", "--hf of a float64 MoE checkpoint: grouped_mm's RuntimeError, 'internal error'",
+            generate_hf_of_a_float64_moe_model),
     ]
 
 

@@ -55,6 +55,20 @@ def _given_config(config):
     return None
 
 
+def _experts_for_dtype(model, asked) -> None:
+    """A float64 MoE model's experts computed eagerly: transformers' default, grouped_mm, multiplies in float32,
+    bfloat16 or float16 only, and a float64 checkpoint's first forward failed in torch ("Expected mat_a to be
+    Float32, BFloat16 or Float16 matrix, got Double"; ``qkmla generate --hf``: an internal error). Asked for by
+    name (``experts_implementation="grouped_mm"``), it is refused naming the argument."""
+    if model.dtype != torch.float64 or getattr(model.config, "_experts_implementation", None) != "grouped_mm" \
+            or not hasattr(model, "set_experts_implementation"):
+        return
+    if asked is not None:
+        raise ValueError("experts_implementation: 'grouped_mm' multiplies in float32, bfloat16 or float16, and this "
+                         "model is float64; pass experts_implementation='eager', or another dtype")
+    model.set_experts_implementation("eager")
+
+
 def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
                     decode_backend: str = "auto", **kwargs):
     """A transformers DeepSeek-V2/V3 checkpoint loaded by transformers and patched by qkmla as its
@@ -155,6 +169,7 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: "
                          f"{str(e).strip().splitlines()[0][:300]}") from None
     model, info = model if with_info else (model, None)
+    _experts_for_dtype(model, kwargs.get("experts_implementation"))
     model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
     apply_latent_attention(model, qk_norm=norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
     if str(hf_dir) != str(root):  # a hub repository (or a subfolder): named as transformers names it
