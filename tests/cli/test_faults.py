@@ -7823,6 +7823,22 @@ def hf21_rows():
                r"^experts_implementation: 'grouped_mm' multiplies in float32, bfloat16 or float16, and this model is "
                r"float64; pass experts_implementation='eager'")
 
+    def input_ids_and_inputs_embeds(env):
+        """A patched model given both input_ids and inputs_embeds went on to transformers' inner model, after the
+        hook had made a cache for the call, and was refused there in transformers' words, naming no argument
+        first; given neither, it said "input_ids: the model needs input_ids or inputs_embeds", which reads as if
+        inputs_embeds were not a choice. Both refused now before any work in one line naming both arguments,
+        through the causal LM, its inner model and generate's forward; either one alone computes as before."""
+        model = tiny_latent_deepseek()
+        ids = torch.tensor([[3, 5, 7]])
+        embeds = model.get_input_embeddings()(ids)
+        with torch.no_grad():
+            for call in (model, model.model):
+                for kwargs, what in ((dict(input_ids=ids, inputs_embeds=embeds), "both"), ({}, "neither")):
+                    raises(lambda: call(**kwargs), ValueError, rf"^input_ids, inputs_embeds: the model takes exactly "
+                           rf"one of input_ids or inputs_embeds \(as transformers' own model does\), got {what}$")
+            assert torch.allclose(model(input_ids=ids).logits, model(inputs_embeds=embeds).logits, atol=1e-6)
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7849,6 +7865,8 @@ def hf21_rows():
             "assignment only supported for mutable types'", loading_info_as_transformers_returns_it),
         Row("generate", "size", "--hf of a float64 MoE checkpoint: grouped_mm's RuntimeError, 'internal error'",
             generate_hf_of_a_float64_moe_model),
+        Row("LatentAttentionCache", "size", "a patched model given both input_ids and inputs_embeds, or neither: "
+            "transformers' words after a cache was made, or input_ids alone named", input_ids_and_inputs_embeds),
     ]
 
 

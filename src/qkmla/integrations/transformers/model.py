@@ -377,9 +377,11 @@ def _before_forward(module, args, kwargs):
         from .lora import check_norms_have_a_place
 
         check_norms_have_a_place(owner, owner.peft_config, "model", active_only=True)
-    given = next((k for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
-    if given is None:
-        raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
+    both = [k for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None]
+    if len(both) != 1:  # refused here, before a cache is made, as transformers refuses it, naming both
+        raise ValueError(f"input_ids, inputs_embeds: the model takes exactly one of input_ids or inputs_embeds (as "
+                         f"transformers' own model does), got {'both' if both else 'neither'}")
+    given = both[0]
     inputs = arguments[given]
     batch_size, num_tokens = inputs.shape[:2]
     names = [n for n in ("cache", "past_key_values") if arguments.get(n) is not None]
