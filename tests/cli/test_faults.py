@@ -7839,6 +7839,23 @@ def hf21_rows():
                            rf"one of input_ids or inputs_embeds \(as transformers' own model does\), got {what}$")
             assert torch.allclose(model(input_ids=ids).logits, model(inputs_embeds=embeds).logits, atol=1e-6)
 
+    def a_context_of_no_tokens(env):
+        """max_position_embeddings -1 in config.json: `qkmla convert` (calibrating) ended in torch's "RuntimeError:
+        only one dimension can be inferred" (its calibration rows are that long), an internal error, and generate
+        --hf called the prompt too long for it. Refused now naming max_position_embeddings, before any work."""
+        import transformers
+
+        src = saved(env, max_position_embeddings=-1)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(dict(config, vocab_size=300)))  # ByT5's byte ids
+        want = (r"\S+config\.json: max_position_embeddings must be a positive int \(the longest sequence the model "
+                r"reads\), got -1$")
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "64"],
+               rf"^qkmla convert: --hf: {want}")
+        refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hello"], rf"^qkmla generate: --hf: {want}")
+        assert not (env.tmp / "out").exists()
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7867,6 +7884,8 @@ def hf21_rows():
             generate_hf_of_a_float64_moe_model),
         Row("LatentAttentionCache", "size", "a patched model given both input_ids and inputs_embeds, or neither: "
             "transformers' words after a cache was made, or input_ids alone named", input_ids_and_inputs_embeds),
+        Row("convert", "size", "max_position_embeddings -1: convert's calibration failed in torch ('only one "
+            "dimension can be inferred')", a_context_of_no_tokens),
     ]
 
 

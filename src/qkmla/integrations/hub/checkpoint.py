@@ -292,8 +292,9 @@ MAX_LAYERS = 100_000
 def _check_values(path: Path, config: dict, name: str) -> None:
     """The values transformers' config class takes without a word, each named as the config names it:
     ``rope_theta`` 0, True or "abc" (0 read as the default 10000 by ``or``, True as 1, "abc" failed deep in
-    the RoPE table), ``dtype`` 5 (an AttributeError from transformers' loader) and ``num_hidden_layers`` 0,
-    -1 or 2**70 (0 and -1 converted to an empty model, 2**70 hung the loaders counting its layers)."""
+    the RoPE table), ``dtype`` 5 (an AttributeError from transformers' loader), ``num_hidden_layers`` 0,
+    -1 or 2**70 (0 and -1 converted to an empty model, 2**70 hung the loaders counting its layers) and
+    ``max_position_embeddings`` -1 (convert's calibration failed in torch)."""
     rope = [config] + [config[k] for k in ("rope_parameters", "rope_scaling") if isinstance(config.get(k), dict)]
     for theta in (r["rope_theta"] for r in rope if r.get("rope_theta") is not None):
         if not is_finite_number(theta) or not theta > 0:
@@ -307,6 +308,11 @@ def _check_values(path: Path, config: dict, name: str) -> None:
     layers = config.get("num_hidden_layers")
     if "num_hidden_layers" in config and (not is_int(layers) or not 1 <= layers <= MAX_LAYERS):
         raise ValueError(f"{name}: {path}: num_hidden_layers must be an int from 1 to {MAX_LAYERS}, got {layers!r}")
+    # -1 sized convert's calibration rows: torch's "only one dimension can be inferred", an internal error
+    context = config.get("max_position_embeddings")
+    if context is not None and (not is_int(context) or context < 1):
+        raise ValueError(f"{name}: {path}: max_position_embeddings must be a positive int (the longest sequence "
+                         f"the model reads), got {context!r}")
 
 
 def check_layers_present(hf_dir: Union[str, Path], hf_config: dict, name: str = "hf_dir") -> None:
