@@ -7856,6 +7856,26 @@ def hf21_rows():
         refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hello"], rf"^qkmla generate: --hf: {want}")
         assert not (env.tmp / "out").exists()
 
+    def convert_of_a_record_that_is_not_valid(env):
+        """`qkmla convert --hf` of a QK-normed checkpoint whose 'qkmla' record is not valid: refused as
+        "/path/config.json: its 'qkmla' entry must be a dict ...", naming no option, and a record of num_kv_groups 3
+        (of 4 heads) or 2.0 as "model.config: its 'qkmla' entry records num_kv_groups=3", a name the user never
+        gave. Each names --hf (src, through the API) and the file now, before any work."""
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        src = env.tmp / "normed"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        for record, why in (("rms", r"its 'qkmla' entry must be a dict of 'qk_norm' .*got str"),
+                            ({"qk_norm": {"kind": "rms"}, "num_kv_groups": 3},
+                             r"its 'qkmla' entry records num_kv_groups=3, which must be a positive int dividing "
+                             r"num_attention_heads=4"),
+                            ({"qk_norm": {"kind": "rms", "eps": -1}}, r"its 'qkmla' entry is not valid: eps: ")):
+            (src / "config.json").write_text(json.dumps(dict(config, qkmla=record)))
+            refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "0"],
+                   rf"^qkmla convert: --hf: \S+normed/config\.json: {why}")
+            assert not (env.tmp / "out").exists()
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7886,6 +7906,8 @@ def hf21_rows():
             "transformers' words after a cache was made, or input_ids alone named", input_ids_and_inputs_embeds),
         Row("convert", "size", "max_position_embeddings -1: convert's calibration failed in torch ('only one "
             "dimension can be inferred')", a_context_of_no_tokens),
+        Row("convert", "path", "--hf of a checkpoint whose 'qkmla' record is not valid: refused naming the file alone, "
+            "or 'model.config'", convert_of_a_record_that_is_not_valid),
     ]
 
 

@@ -633,7 +633,9 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     return files
 
 
-def saved_norm(hf_dir: Union[str, Path]) -> Optional[QKNormConfig]:
-    """The QK norm a checkpoint directory's config.json records (None for none)."""
+def saved_norm(hf_dir: Union[str, Path], name: Optional[str] = None) -> Optional[QKNormConfig]:
+    """The QK norm a checkpoint directory's config.json records (None for none); a record that is not valid
+    refused naming ``name`` (the caller's argument for the directory) and the file, or the file alone."""
     root = Path(hf_dir)
-    return recorded_norm(read_hf_config(root), str(root / CONFIG))
+    where = f"{name}: {root / CONFIG}" if name else str(root / CONFIG)
+    return recorded_norm(read_hf_config(root, name or "hf_dir"), where)
