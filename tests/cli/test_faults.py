@@ -7876,6 +7876,21 @@ def hf21_rows():
                    rf"^qkmla convert: --hf: \S+normed/config\.json: {why}")
             assert not (env.tmp / "out").exists()
 
+    def tensors_read_by_a_name_alone(env):
+        """read_hf_tensors(dir, "model.norm.weight") (one name, not a list) read the name as its characters:
+        "/path/model.safetensors: ['m', 'o', 'd', 'e', ...] are not listed", and a name not there was refused naming
+        the file alone. Both name keys now (the string with the list to pass instead); a list reads as before."""
+        from qkmla.integrations.hub.checkpoint import read_hf_tensors
+
+        src = saved(env)
+        raises(lambda: read_hf_tensors(src, "model.norm.weight"), ValueError,
+               r"^keys: expected tensor names \(a list of str\), got the str 'model\.norm\.weight'; pass "
+               r"\['model\.norm\.weight'\] for one$")
+        raises(lambda: read_hf_tensors(src, ["model.norm.weight", "nope"]), ValueError,
+               r"^keys: \['nope'\] \(1\) not listed in \S+model\.safetensors$")
+        assert torch.equal(read_hf_tensors(src, ["model.norm.weight"])["model.norm.weight"],
+                           tiny_deepseek_v3().model.norm.weight)
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7908,6 +7923,8 @@ def hf21_rows():
             "dimension can be inferred')", a_context_of_no_tokens),
         Row("convert", "path", "--hf of a checkpoint whose 'qkmla' record is not valid: refused naming the file alone, "
             "or 'model.config'", convert_of_a_record_that_is_not_valid),
+        Row("LatentAttentionCache", "size", "read_hf_tensors(dir, 'one.name'): the name read as its characters, the "
+            "file named, no argument", tensors_read_by_a_name_alone),
     ]
 
 

@@ -528,14 +528,19 @@ def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, 
     """Named tensors of a checkpoint directory (e.g. ``model.layers.3.input_layernorm.weight``), read lazily.
 
     Raises:
-        ValueError: naming the index (a key is not listed) or the shard (missing or unreadable).
+        ValueError: naming keys, and the index (a key is not listed), or the shard (missing or unreadable).
     """
+    # one name given as keys was read as its characters: "['m', 'o', 'd', ...] are not listed"
+    if isinstance(keys, (str, bytes)):
+        raise ValueError(f"keys: expected tensor names (a list of str), got the {type(keys).__name__} {keys!r:.80}; "
+                         f"pass [{keys!r:.80}] for one")
     root = Path(hf_dir)
     weight_map, listing = _weight_map(root)
     keys = list(keys)
     missing = [k for k in keys if k not in weight_map]
     if missing:
-        raise ValueError(f"{listing}: {missing} are not listed")
+        raise ValueError(f"keys: {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}) not listed in "
+                         f"{listing}")
     out = {}
     for file in sorted({weight_map[k] for k in keys}):
         if not (root / file).is_file():
