@@ -337,6 +337,10 @@ def check_layers_present(hf_dir: Union[str, Path], hf_config: dict, name: str = 
 
 
 _ATTENTION_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.")
+# a QK norm's tensor (qkmla's), under self_attn. or LongCat-Flash's self_attn.0. / self_attn.1.
+_NORM_KEY = re.compile(r"self_attn\.(?:\d+\.)?(?:q_norm\.|k_norm\.|logit_scale)")
+# an MLA attention module's prefix under its layer: self_attn., or LongCat-Flash's self_attn.0. and self_attn.1.
+_MLA_MODULE = re.compile(r"model\.layers\.(\d+)\.(self_attn\.(?:\d+\.)?)kv_a_proj_with_mqa\.")
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
@@ -594,16 +598,22 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     """
     root = Path(hf_dir)
     weight_map, listing = _weight_map(root)
-    ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
-    found = {k for k in weight_map if any(o in k for o in ours)}
+    found = {k for k in weight_map if _NORM_KEY.search(k)}
     groups = recorded_groups(hf_config, str(root / CONFIG))
     # (only the widths are read: any MLA family's config gives them as DeepSeek's does)
     config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True, any_rope_type=True,
                                 **({GROUPS: groups} if groups is not None else {}))
-    layers = hf_config.get("num_hidden_layers")
+    # LongCat-Flash counts its layers as num_layers, and has two attention modules in each (self_attn.0, .1): its
+    # checkpoints failed here in range(None), a TypeError, plain or QK-normed
+    layers = hf_config.get("num_hidden_layers") or hf_config.get("num_layers")
     kinds = hf_config.get("layer_types")  # a hybrid's: only its MLA layers have a norm (MLA_LAYER_TYPES)
-    shapes = {f"model.layers.{i}.self_attn.{n}": s
+    modules = {}  # layer -> its MLA attention modules' prefixes, as the weights name them
+    for key in weight_map:
+        if (m := _MLA_MODULE.match(key)) is not None:
+            modules.setdefault(int(m.group(1)), set()).add(m.group(2))
+    shapes = {f"model.layers.{i}.{module}{n}": s
               for i in range(layers) if not kinds or kinds[i] in MLA_LAYER_TYPES
+              for module in sorted(modules.get(i) or {"self_attn."})  # none: a layer missing, reported below
               for n, s in norm_tensor_shapes(config).items()}
     if norm is None and found:
         raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "

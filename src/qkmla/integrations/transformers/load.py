@@ -33,7 +33,7 @@ def _loading_class(base, config_class):
     type), and whose loading does not report qkmla's norm weights as unexpected (they are loaded by
     :func:`from_pretrained` once the norm exists). Same name, so a later ``save_pretrained``
     records transformers' architecture (qkmla's config writes its own in its place)."""
-    patterns = [r"self_attn\.q_norm\.", r"self_attn\.k_norm\.", r"self_attn\.logit_scale"]
+    patterns = [r"self_attn\.(\d+\.)?q_norm\.", r"self_attn\.(\d+\.)?k_norm\.", r"self_attn\.(\d+\.)?logit_scale"]
     ignore = list(base._keys_to_ignore_on_load_unexpected or []) + patterns
     return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "config_class": config_class,
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})
