@@ -7544,13 +7544,16 @@ def hf21_rows():
         config = tiny_deepseek_v3().config.to_dict()
         record = {"qk_norm": {"kind": "rms", "mode": "blockwise", "p": 2.0, "eps": 1e-6, "scope": "head",
                               "learnable_logit_scale": False}}
-        for i, bad in enumerate((0, True, "abc")):
+        src = saved(env)
+        written = json.loads((src / "config.json").read_text())
+        for bad in (0, True, "abc"):
             fields = {k: v for k, v in config.items() if k not in ("model_type", "rope_parameters", "architectures")}
             build = QKNormDeepseekV3Config(**fields, rope_theta=bad, qkmla=record)
             shown = re.escape(repr(bad))
             raises(lambda: QKNormDeepseekV3ForCausalLM(build), ValueError,
                    rf"^rope_theta: expected a finite number > 0 \(RoPE's base\), got {shown}$")
-            src = saved(env, f"src{i}", rope_theta=bad)
+            (src / "config.json").write_text(json.dumps(dict(written, rope_theta=bad, rope_parameters=dict(
+                written["rope_parameters"], rope_theta=bad))))
             raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: \S+config\.json: rope_theta must be a finite "
                    rf"number > 0 \(RoPE's base\), got {shown}$")
             raises(lambda: convert_checkpoint(src, env.tmp / "out", calibration_tokens=0), ValueError,
