@@ -7916,6 +7916,27 @@ def hf21_rows():
                 want, got = model(ids).logits, from_pretrained(source)(ids).logits
                 assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
 
+    def sarvam_mla_through_from_pretrained(env):
+        """from_pretrained of a Sarvam-MLA checkpoint (a supported family, built with DeepSeek-V3's classes and a
+        config of its own) was refused as "describes a 'sarvam_mla' model; qkmla loads (...)", though
+        apply_latent_attention serves the family. It loads now, plain with the unpatched model's logits, and with
+        a QK norm (recorded in its config.json) with the saved model's logits."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        ref = families.hf_model(families.family_named("sarvam_mla"), dtype=torch.float32)
+        normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+        with torch.no_grad():
+            for p in (p for name, p in normed.named_parameters() if "_norm." in name and "self_attn" in name):
+                p.add_(0.3 * torch.randn_like(p))
+        ref.save_pretrained(env.tmp / "plain")
+        normed.save_pretrained(env.tmp / "normed")
+        ids = families.ids(length=6)
+        with torch.no_grad():
+            for source, model in ((env.tmp / "plain", ref), (env.tmp / "normed", normed)):
+                want, got = model(ids).logits, from_pretrained(source)(ids).logits
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
+
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
             "error)", rope_theta_not_a_base),
@@ -7952,6 +7973,8 @@ def hf21_rows():
             "file named, no argument", tensors_read_by_a_name_alone),
         Row("LatentAttentionCache", "size", "from_pretrained of a LongCat-Flash checkpoint, plain or QK-normed: "
             "TypeError from range(None)", longcat_flash_through_from_pretrained),
+        Row("LatentAttentionCache", "size", "from_pretrained of a Sarvam-MLA checkpoint: refused as a model type qkmla "
+            "does not load, a family apply_latent_attention serves", sarvam_mla_through_from_pretrained),
     ]
 
 

@@ -167,9 +167,16 @@ def _family_classes() -> dict:
     from ..hub import record
     from .families import FAMILIES
 
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     made = {}
     for family in FAMILIES:
         base = getattr(transformers, family.causal_lm, None)
+        if family.status == "supported" and base is not None and base.config_class.model_type != family.model_type \
+                and family.model_type in CONFIG_MAPPING:
+            # built with another family's classes (Sarvam-MLA: DeepSeek-V3's, its own config): no QK-normed classes
+            # of its own, but from_pretrained loads it (it refused "describes a 'sarvam_mla' model")
+            record.CAUSAL_LMS.setdefault(family.model_type, family.causal_lm)
         if family.status != "supported" or base is None or base.config_class.model_type != family.model_type \
                 or family.model_type in record.QK_MODEL_TYPES:
             continue  # not taken, not installed, built with another family's classes, or written above
