@@ -7902,13 +7902,475 @@ def api21_rows():
     ]
 
 
+def hf21_rows():
+    """Round 21's integrations probe, re-done: config.json values transformers takes without a word, a non-UTF-8
+    shard index, and the transformers adapter's answers that were wrong or unclear."""
+
+    def saved(env, name: str = "src", **fields) -> Path:
+        """A one-layer DeepSeek-V3 checkpoint saved in env.tmp/name, its config.json fields replaced by ``fields``
+        (rope_theta in rope_parameters too, where transformers 5 keeps it)."""
+        d = env.tmp / name
+        tiny_deepseek_v3().save_pretrained(d)
+        config = json.loads((d / "config.json").read_text())
+        config.update(fields)
+        if "rope_theta" in fields and isinstance(config.get("rope_parameters"), dict):
+            config["rope_parameters"]["rope_theta"] = fields["rope_theta"]
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    def rope_theta_not_a_base(env):
+        """rope_theta 0, True or 'abc': 0 was read as the default 10000 (``or``), so convert wrote the checkpoint and
+        the QK-normed architecture computed with another base than its config's; True passed as 1.0; 'abc' failed
+        in float() or transformers' RoPE table, naming nothing. Each is refused now naming rope_theta, before any
+        weight is read: from_pretrained, convert, and QKNormDeepseekV3ForCausalLM built from a config."""
+        from qkmla.convert import convert_checkpoint
+        from qkmla.integrations.transformers import from_pretrained
+        from qkmla.integrations.transformers.auto import QKNormDeepseekV3Config, QKNormDeepseekV3ForCausalLM
+
+        config = tiny_deepseek_v3().config.to_dict()
+        record = {"qk_norm": {"kind": "rms", "mode": "blockwise", "p": 2.0, "eps": 1e-6, "scope": "head",
+                              "learnable_logit_scale": False}}
+        src = saved(env)
+        written = json.loads((src / "config.json").read_text())
+        for bad in (0, True, "abc"):
+            fields = {k: v for k, v in config.items() if k not in ("model_type", "rope_parameters", "architectures")}
+            build = QKNormDeepseekV3Config(**fields, rope_theta=bad, qkmla=record)
+            shown = re.escape(repr(bad))
+            raises(lambda: QKNormDeepseekV3ForCausalLM(build), ValueError,
+                   rf"^rope_theta: expected a finite number > 0 \(RoPE's base\), got {shown}$")
+            (src / "config.json").write_text(json.dumps(dict(written, rope_theta=bad, rope_parameters=dict(
+                written["rope_parameters"], rope_theta=bad))))
+            raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: \S+config\.json: rope_theta must be a finite "
+                   rf"number > 0 \(RoPE's base\), got {shown}$")
+            raises(lambda: convert_checkpoint(src, env.tmp / "out", calibration_tokens=0), ValueError,
+                   rf"^src: \S+config\.json: rope_theta must be a finite number > 0 \(RoPE's base\), got {shown}$")
+            assert not (env.tmp / "out").exists()
+
+    def dtype_an_int(env):
+        """"dtype": 5 in config.json: "AttributeError: 'int' object has no attribute 'is_floating_point'" from
+        from_pretrained, convert and `qkmla generate --hf`; refused now naming dtype and what it takes."""
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = saved(env, dtype=5)
+        raises(lambda: from_pretrained(src), ValueError,
+               r'^hf_dir: \S+config\.json: dtype must name a torch dtype \("bfloat16", "float32", \.\.\.\), got 5$')
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "0"],
+               r"^qkmla convert: --hf: \S+config\.json: dtype must name a torch dtype .*got 5$")
+        assert not (env.tmp / "out").exists()
+
+    def layer_counts_past_any_model(env):
+        """num_hidden_layers 0 or -1: convert wrote a model of no layer (exit 0) and from_pretrained refused it as
+        "makes decoder layers [] MLA"; True: huggingface_hub's validation error; 2**70 hung from_pretrained (its
+        norm check counting layers) and convert. Each refused now naming num_hidden_layers, before any work."""
+        from qkmla.convert import convert_checkpoint
+        from qkmla.convert.stream import CheckpointStream
+        from qkmla.integrations.transformers import from_pretrained
+
+        for i, bad in enumerate((0, -1, True, 2**70)):  # 2**70 last: it hung where the others failed
+            src = saved(env, f"src{i}", num_hidden_layers=bad)
+            want = rf"\S+config\.json: num_hidden_layers must be an int from 1 to 100000, got {re.escape(repr(bad))}$"
+            raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: {want}")
+            raises(lambda: convert_checkpoint(src, env.tmp / "out", calibration_tokens=0), ValueError, rf"^src: {want}")
+            raises(lambda: CheckpointStream(src), ValueError, rf"^hf_dir: {want}")
+            assert not (env.tmp / "out").exists()
+
+    def a_shard_index_not_utf8(env):
+        """A model.safetensors.index.json that is not UTF-8: "'utf-8' codec can't decode byte 0xff in position
+        18", naming no file, from from_pretrained, `qkmla convert --hf` and `qkmla generate --hf`; now one line
+        naming the index and what it must hold."""
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = saved(env)
+        (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+        (src / "model.safetensors.index.json").write_bytes(b'{"weight_map": {"a\xff": "x"}}')
+        want = (r"\S+model\.safetensors\.index\.json: not UTF-8 text \(invalid start byte at byte 18\); expected a "
+                r"JSON object with a 'weight_map'$")
+        raises(lambda: from_pretrained(src), ValueError, rf"^hf_dir: {want}")
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "0"],
+               rf"^qkmla convert: --hf: {want}")
+        refuse(env, ["generate", "--hf", src, "--max-new-tokens", "2"], rf"^qkmla generate: --hf: {want}")
+        assert not (env.tmp / "out").exists()
+
+    def a_config_given_as_a_path(env):
+        """from_pretrained(dir, config=path): a config object was checked against the checkpoint's QK-norm record, a
+        path was not: a QK-normed checkpoint's config given for a plain checkpoint was refused as "qk_norm: ... no QK
+        norm was asked for", an argument never passed, and a plain checkpoint's config (directory or config.json)
+        given for a QK-normed one loaded without a word. Both refused now naming config, as the object is; the
+        checkpoint's own directory as config loads it with its norm."""
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        normed, plain = env.tmp / "normed", env.tmp / "plain"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(normed)
+        tiny_deepseek_v3().save_pretrained(plain)
+        raises(lambda: from_pretrained(plain, config=normed), ValueError,
+               r"^config: records rms blockwise, but \S+plain/config\.json records no QK norm; pass the checkpoint's "
+               r"own config, or none$")
+        for given in (plain, plain / "config.json", str(plain)):
+            raises(lambda: from_pretrained(normed, config=given), ValueError,
+                   r"^config: records no QK norm, but \S+normed/config\.json records rms blockwise")
+        ids = torch.tensor([[3, 5, 7]])
+        with torch.no_grad():
+            want = from_pretrained(normed)(ids).logits
+            for given in (normed, str(normed / "config.json")):
+                model = from_pretrained(normed, config=given)
+                assert model.config.qkmla["qk_norm"]["kind"] == "rms" and torch.equal(model(ids).logits, want)
+
+    def vllm_latent_width_of_another_type(env):
+        """The vLLM plugin's check of a QK-normed config (servable_norm): kv_lora_rank 448.0 summed with
+        qk_rope_head_dim 64 to a width of 512.0, in its table of widths, and was served; True summed as 1 ("= 65");
+        "abc" and None failed in the sum as TypeErrors. Each refused now naming kv_lora_rank and what it takes."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").config.to_dict()
+        config.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert servable_norm(config, **engine).kind == "rms"
+        for bad in (448.0, True, "abc", None):
+            raises(lambda: servable_norm(dict(config, kv_lora_rank=bad), **engine), ValueError,
+                   rf"^config\.json: kv_lora_rank must be a positive int \(the latent row's width is kv_lora_rank \+ "
+                   rf"qk_rope_head_dim\), got {re.escape(repr(bad))}$")
+
+    def lora_bias_on_a_projection_without_one(env):
+        """attention_lora_config(model, lora_bias=True) (kv_b_proj among the default targets) was accepted, trained,
+        and then merge_lora ended in PEFT's RuntimeError "Impossible to merge LoRA with `lora_bias=True` because the
+        base layer has no bias" (a traceback), while the absorbed decode path refuses the unmerged kv_b_proj: a
+        model that could never decode from its latent cache. Refused now naming lora_bias and the projections
+        without a bias, before any work; merge_lora of such a PeftModel names the adapter. On projections with a
+        bias (attention_bias=True: q_a_proj, kv_a_proj_with_mqa, o_proj) it merges, and the absorbed decode step
+        computes the unmerged adapters' logits."""
+        peft = pytest.importorskip("peft")
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        model = tiny_latent_deepseek()
+        raises(lambda: attention_lora_config(model, r=2, lora_bias=True), ValueError,
+               r"^lora_bias: LoRA's bias \(lora_bias=True\) is merged into the projection's own bias, and q_b_proj, "
+               r"kv_b_proj, o_proj have none")
+        adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_bias=True, target_modules=["kv_b_proj"]))
+        raises(lambda: merge_lora(adapted), ValueError, r"^peft_model: its adapter 'default': LoRA's bias "
+               r"\(lora_bias=True\) is merged into the projection's own bias, and kv_b_proj has none")
+        config = tiny_deepseek_v3().config
+        config.attention_bias = True
+        torch.manual_seed(0)
+        biased = apply_latent_attention(type(tiny_deepseek_v3())(config).eval())
+        targets = ["q_a_proj", "kv_a_proj_with_mqa", "o_proj"]
+        adapted = peft.get_peft_model(biased, attention_lora_config(biased, r=2, lora_bias=True, targets=targets))
+        ids = torch.tensor([[3, 5, 7, 9, 11]])
+        with torch.no_grad():
+            for name, p in adapted.named_parameters():
+                if "lora_B" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+            want = adapted(input_ids=ids, use_cache=False).logits[:, -1]
+            merged = merge_lora(adapted)
+            prefix = merged(input_ids=ids[:, :4])
+            got = merged(input_ids=ids[:, 4:], past_key_values=prefix.past_key_values).logits[:, -1]
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+    def a_qk_normed_architecture_without_a_norm(env):
+        """QKNormDeepseekV3ForCausalLM(DeepseekV3Config(...)) (a stock config, no 'qkmla' record), its _from_config,
+        and its from_pretrained of a plain checkpoint built the plain model under the QK-normed name: no norm, no
+        word. Each refused now, naming the config (or the checkpoint) and the two ways out; the QK-normed
+        checkpoint still loads with its norm."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.transformers.auto import QKNormDeepseekV3ForCausalLM
+
+        stock = tiny_deepseek_v3().config
+        refusal = (r"records no QK norm .*, and QKNormDeepseekV3ForCausalLM is the architecture of a QK-normed "
+                   r"checkpoint; build DeepseekV3ForCausalLM for a model without a norm, or add one")
+        raises(lambda: QKNormDeepseekV3ForCausalLM(stock), ValueError, rf"^config: this DeepseekV3Config {refusal}")
+        raises(lambda: QKNormDeepseekV3ForCausalLM._from_config(stock), ValueError, rf"^config: this \S+ {refusal}")
+        tiny_deepseek_v3().save_pretrained(env.tmp / "plain")
+        raises(lambda: QKNormDeepseekV3ForCausalLM.from_pretrained(env.tmp / "plain"), ValueError,
+               rf"^pretrained_model_name_or_path: \S+plain {refusal}")
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(env.tmp / "normed")
+        model = QKNormDeepseekV3ForCausalLM.from_pretrained(env.tmp / "normed")
+        assert model.model.layers[0].self_attn.q_norm is not None
+
+    def a_hybrid_given_a_custom_mask_and_a_cache(env):
+        """A hybrid (Kimi-Linear, Bailing: linear-attention layers beside the MLA ones) called with a custom 4-D
+        mask and a cache (its own, or one made for the call): refused as "the static latent cache
+        (cache_implementation="static") attends causally only. Pass a LatentAttentionCache(model) or no cache",
+        a cache the caller never passed: the check took the linear-attention layers' state for static layers.
+        Now served: a prefill and a decode step with a mask that hides a token give transformers' logits."""
+        families = transformers_families()
+        for name in ("kimi_linear", "bailing_hybrid"):
+            ref = families.hf_model(families.family_named(name))
+            from qkmla.integrations.transformers import apply_latent_attention
+
+            model = apply_latent_attention(copy.deepcopy(ref))
+            ids, T = families.ids(length=6), 6
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None].repeat(2, 1, 1, 1)
+            mask[1, 0, 3:, 1] = False  # row 1: token 1 hidden from tokens 3 to 5
+            with torch.no_grad():
+                want = ref(ids, attention_mask=mask).logits
+                assert float((model(ids, attention_mask=mask).logits - want).abs().max() / want.abs().max()) < 1e-6
+                prefix = model(ids[:, :4], attention_mask=mask[:, :, :4, :4])
+                step = model(ids[:, 4:], attention_mask=mask[:, :, 4:], past_key_values=prefix.past_key_values)
+            assert float((step.logits - want[:, 4:]).abs().max() / want.abs().max()) < 1e-6, name
+
+    def prefix_tuning_named(env):
+        """PEFT's prefix tuning (PrefixTuningConfig) on a patched model: its forward was refused as "cache: layer 0
+        already holds 4 tokens of transformers' keys and values (filled by an unpatched model)", naming neither
+        prefix tuning nor a way out, and its generate ignored the prefix without a word (transformers passed its
+        cache as cache, PEFT the prefix as past_key_values; the base model's tokens came out). Both refused now,
+        naming prefix tuning, why, and LoRA or prompt tuning instead; prompt tuning computes transformers' logits."""
+        peft = pytest.importorskip("peft")
+
+        ids = torch.tensor([[3, 5, 7, 9]])
+        model = peft.get_peft_model(tiny_latent_deepseek(), peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                                                     num_virtual_tokens=4))
+        why = (r"PEFT's prefix tuning \(PrefixTuningConfig\) passes its virtual tokens as per-head keys and values, "
+               r"which qkmla's latent attention cannot attend to .*; fine-tune it with LoRA \(attention_lora_config\) "
+               r"or prompt tuning \(PromptTuningConfig\)")
+        with torch.no_grad():
+            raises(lambda: model(input_ids=ids), ValueError, rf"^cache: layer 0 already holds 4 tokens .*{why}")
+            raises(lambda: model.generate(input_ids=ids, max_new_tokens=2, do_sample=False), ValueError,
+                   rf"^past_key_values: given beside cache, another cache already holding 4 tokens; {why}")
+            config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+            from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+            torch.manual_seed(0)  # tiny_latent_deepseek's weights, unpatched
+            ref = peft.get_peft_model(DeepseekV3ForCausalLM(DeepseekV3Config(
+                vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                topk_group=1)).eval(), config)
+            prompted = peft.get_peft_model(tiny_latent_deepseek(), config)
+            prompted.prompt_encoder.load_state_dict(ref.prompt_encoder.state_dict())
+            want = ref(input_ids=ids).logits
+            assert float((prompted(input_ids=ids).logits - want).abs().max() / want.abs().max()) < 1e-6
+
+    def rope_types_the_patched_model_serves(env):
+        """A checkpoint with rope_parameters of type linear or llama3 (dynamic, longrope too): apply_latent_attention
+        serves them (it rotates with transformers' own embedding), but from_pretrained refused them as "hf_config:
+        rope_type 'linear' is not supported; allowed: ('default', 'yarn')" (its norm-weight check built qkmla's own
+        RoPE to read the widths), plain or QK-normed. They load now, with the unpatched model's logits."""
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+        for rope in (dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+                     dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8)):
+            config = tiny_deepseek_v3().config
+            config.rope_parameters = rope
+            torch.manual_seed(0)
+            ref = type(tiny_deepseek_v3())(config).eval()
+            ref.save_pretrained(env.tmp / "plain")
+            normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+            normed.save_pretrained(env.tmp / "normed")
+            with torch.no_grad():
+                want = ref(ids).logits
+                got = from_pretrained(env.tmp / "plain")(ids).logits
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, rope["rope_type"]
+                assert torch.equal(from_pretrained(env.tmp / "normed")(ids).logits, normed(ids).logits)
+
+    def loading_info_as_transformers_returns_it(env):
+        """from_pretrained(dir, output_loading_info=True), through qkmla's loader, QKNormDeepseekV3ForCausalLM or
+        AutoModelForCausalLM: transformers' (model, info) reached the loader's next line as the model, "TypeError:
+        __class__ assignment only supported for mutable types or ModuleType subclasses". Now (model, info) as
+        transformers returns it: the model with its norm and the logits of a load without the option, the report
+        with nothing missing or unexpected (the norm's weights, which qkmla loads, are not reported)."""
+        import transformers
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+        from qkmla.integrations.transformers.auto import QKNormDeepseekV3ForCausalLM
+
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(env.tmp / "normed")
+        ids = torch.tensor([[3, 5, 7]])
+        with torch.no_grad():
+            want = from_pretrained(env.tmp / "normed")(ids).logits
+            for load in (from_pretrained, QKNormDeepseekV3ForCausalLM.from_pretrained,
+                         transformers.AutoModelForCausalLM.from_pretrained):
+                model, info = load(env.tmp / "normed", output_loading_info=True)
+                assert model.model.layers[0].self_attn.q_norm is not None and torch.equal(model(ids).logits, want)
+                assert not info["missing_keys"] and not info["unexpected_keys"], (load, info)
+
+    def generate_hf_of_a_float64_moe_model(env):
+        """`qkmla generate --hf` (and from_pretrained's first forward) of a float64 MoE checkpoint: transformers'
+        default experts implementation, grouped_mm, multiplies in float32, bfloat16 or float16 only: "RuntimeError:
+        Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double", an internal error. A float64 model's
+        experts compute eagerly now: generate writes its text, the logits are transformers' eager ones; grouped_mm
+        asked for by name is refused naming experts_implementation."""
+        import transformers
+        from qkmla.integrations.transformers import from_pretrained
+
+        src = env.tmp / "f64"
+        config = tiny_deepseek_v3(first_k_dense_replace=0).config
+        config.vocab_size = 300  # ByT5's byte ids
+        torch.manual_seed(0)
+        type(tiny_deepseek_v3())(config).to(torch.float64).save_pretrained(src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        env.capsys.readouterr()
+        assert main(["generate", "--hf", str(src), "--tokens", "3", "--prompt", "hello", "--temperature", "0"]) == 0
+        assert env.capsys.readouterr().out.startswith("hello")
+        ids = torch.tensor([[3, 5, 7, 9]])
+        with torch.no_grad():
+            want = transformers.DeepseekV3ForCausalLM.from_pretrained(src, experts_implementation="eager")(ids).logits
+            got = from_pretrained(src)(ids).logits
+        assert got.dtype == torch.float64 and float((got - want).abs().max() / want.abs().max()) < 1e-6
+        raises(lambda: from_pretrained(src, experts_implementation="grouped_mm"), ValueError,
+               r"^experts_implementation: 'grouped_mm' multiplies in float32, bfloat16 or float16, and this model is "
+               r"float64; pass experts_implementation='eager'")
+
+    def input_ids_and_inputs_embeds(env):
+        """A patched model given both input_ids and inputs_embeds went on to transformers' inner model, after the
+        hook had made a cache for the call, and was refused there in transformers' words, naming no argument
+        first; given neither, it said "input_ids: the model needs input_ids or inputs_embeds", which reads as if
+        inputs_embeds were not a choice. Both refused now before any work in one line naming both arguments,
+        through the causal LM, its inner model and generate's forward; either one alone computes as before."""
+        model = tiny_latent_deepseek()
+        ids = torch.tensor([[3, 5, 7]])
+        embeds = model.get_input_embeddings()(ids)
+        with torch.no_grad():
+            for call in (model, model.model):
+                for kwargs, what in ((dict(input_ids=ids, inputs_embeds=embeds), "both"), ({}, "neither")):
+                    raises(lambda: call(**kwargs), ValueError, rf"^input_ids, inputs_embeds: the model takes exactly "
+                           rf"one of input_ids or inputs_embeds \(as transformers' own model does\), got {what}$")
+            assert torch.allclose(model(input_ids=ids).logits, model(inputs_embeds=embeds).logits, atol=1e-6)
+
+    def a_context_of_no_tokens(env):
+        """max_position_embeddings -1 in config.json: `qkmla convert` (calibrating) ended in torch's "RuntimeError:
+        only one dimension can be inferred" (its calibration rows are that long), an internal error, and generate
+        --hf called the prompt too long for it. Refused now naming max_position_embeddings, before any work."""
+        import transformers
+
+        src = saved(env, max_position_embeddings=-1)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps(dict(config, vocab_size=300)))  # ByT5's byte ids
+        want = (r"\S+config\.json: max_position_embeddings must be a positive int \(the longest sequence the model "
+                r"reads\), got -1$")
+        refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "64"],
+               rf"^qkmla convert: --hf: {want}")
+        refuse(env, ["generate", "--hf", src, "--tokens", "2", "--prompt", "hello"], rf"^qkmla generate: --hf: {want}")
+        assert not (env.tmp / "out").exists()
+
+    def convert_of_a_record_that_is_not_valid(env):
+        """`qkmla convert --hf` of a QK-normed checkpoint whose 'qkmla' record is not valid: refused as
+        "/path/config.json: its 'qkmla' entry must be a dict ...", naming no option, and a record of num_kv_groups 3
+        (of 4 heads) or 2.0 as "model.config: its 'qkmla' entry records num_kv_groups=3", a name the user never
+        gave. Each names --hf (src, through the API) and the file now, before any work."""
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        src = env.tmp / "normed"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(src)
+        config = json.loads((src / "config.json").read_text())
+        for record, why in (("rms", r"its 'qkmla' entry must be a dict of 'qk_norm' .*got str"),
+                            ({"qk_norm": {"kind": "rms"}, "num_kv_groups": 3},
+                             r"its 'qkmla' entry records num_kv_groups=3, which must be a positive int dividing "
+                             r"num_attention_heads=4"),
+                            ({"qk_norm": {"kind": "rms", "eps": -1}}, r"its 'qkmla' entry is not valid: eps: ")):
+            (src / "config.json").write_text(json.dumps(dict(config, qkmla=record)))
+            refuse(env, ["convert", "--hf", src, "--out", env.tmp / "out", "--calibration-tokens", "0"],
+                   rf"^qkmla convert: --hf: \S+normed/config\.json: {why}")
+            assert not (env.tmp / "out").exists()
+
+    def tensors_read_by_a_name_alone(env):
+        """read_hf_tensors(dir, "model.norm.weight") (one name, not a list) read the name as its characters:
+        "/path/model.safetensors: ['m', 'o', 'd', 'e', ...] are not listed", and a name not there was refused naming
+        the file alone. Both name keys now (the string with the list to pass instead); a list reads as before."""
+        from qkmla.integrations.hub.checkpoint import read_hf_tensors
+
+        src = saved(env)
+        raises(lambda: read_hf_tensors(src, "model.norm.weight"), ValueError,
+               r"^keys: expected tensor names \(a list of str\), got the str 'model\.norm\.weight'; pass "
+               r"\['model\.norm\.weight'\] for one$")
+        raises(lambda: read_hf_tensors(src, ["model.norm.weight", "nope"]), ValueError,
+               r"^keys: \['nope'\] \(1\) not listed in \S+model\.safetensors$")
+        assert torch.equal(read_hf_tensors(src, ["model.norm.weight"])["model.norm.weight"],
+                           tiny_deepseek_v3().model.norm.weight)
+
+    def longcat_flash_through_from_pretrained(env):
+        """from_pretrained of a LongCat-Flash checkpoint (a supported family: layers counted as num_layers, two
+        attention modules per layer, self_attn.0 and self_attn.1), plain or QK-normed: "TypeError: 'NoneType' object
+        cannot be interpreted as an integer" from the norm-weight check, which counted num_hidden_layers and looked
+        for self_attn.q_norm. Both load now: the plain one with the unpatched model's logits, the QK-normed one with
+        its norm and the saved model's logits."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        ref = families.hf_model(families.family_named("longcat_flash"), dtype=torch.float32)
+        normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+        with torch.no_grad():
+            for p in (p for name, p in normed.named_parameters() if "_norm." in name and "self_attn" in name):
+                p.add_(0.3 * torch.randn_like(p))
+        ref.save_pretrained(env.tmp / "plain")
+        normed.save_pretrained(env.tmp / "normed")
+        ids = families.ids(length=6)
+        with torch.no_grad():
+            for source, model in ((env.tmp / "plain", ref), (env.tmp / "normed", normed)):
+                want, got = model(ids).logits, from_pretrained(source)(ids).logits
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
+
+    def sarvam_mla_through_from_pretrained(env):
+        """from_pretrained of a Sarvam-MLA checkpoint (a supported family, built with DeepSeek-V3's classes and a
+        config of its own) was refused as "describes a 'sarvam_mla' model; qkmla loads (...)", though
+        apply_latent_attention serves the family. It loads now, plain with the unpatched model's logits, and with
+        a QK norm (recorded in its config.json) with the saved model's logits."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        ref = families.hf_model(families.family_named("sarvam_mla"), dtype=torch.float32)
+        normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+        with torch.no_grad():
+            for p in (p for name, p in normed.named_parameters() if "_norm." in name and "self_attn" in name):
+                p.add_(0.3 * torch.randn_like(p))
+        ref.save_pretrained(env.tmp / "plain")
+        normed.save_pretrained(env.tmp / "normed")
+        ids = families.ids(length=6)
+        with torch.no_grad():
+            for source, model in ((env.tmp / "plain", ref), (env.tmp / "normed", normed)):
+                want, got = model(ids).logits, from_pretrained(source)(ids).logits
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
+
+    return [
+        Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "
+            "error)", rope_theta_not_a_base),
+        Row("convert", "size", "dtype 5 in config.json: AttributeError 'is_floating_point'", dtype_an_int),
+        Row("convert", "size", "num_hidden_layers 0 / -1 / True / 2**70 (0 converted to no layer; 2**70 hung)",
+            layer_counts_past_any_model),
+        Row("convert", "path", "a model.safetensors.index.json that is not UTF-8: UnicodeDecodeError, no file named",
+            a_shard_index_not_utf8),
+        Row("LatentAttentionCache", "size", "from_pretrained(dir, config=another checkpoint's directory): loaded "
+            "without its norm check, or refused as qk_norm", a_config_given_as_a_path),
+        Row("LatentAttentionCache", "size", "the vLLM plugin's config check: kv_lora_rank 448.0 served, True / 'abc' "
+            "a sum of the wrong type", vllm_latent_width_of_another_type),
+        Row("LatentAttentionCache", "size", "attention_lora_config(lora_bias=True) on kv_b_proj: trained, then PEFT's "
+            "RuntimeError from merge_lora (never decodable)", lora_bias_on_a_projection_without_one),
+        Row("LatentAttentionCache", "size", "QKNormDeepseekV3ForCausalLM of a stock config (or a plain checkpoint): "
+            "the plain model under the QK-normed name", a_qk_normed_architecture_without_a_norm),
+        Row("LatentAttentionCache", "size", "a hybrid (Kimi-Linear, Bailing) with a custom 4-D mask and a cache: "
+            "refused as a static cache the caller never passed", a_hybrid_given_a_custom_mask_and_a_cache),
+        Row("LatentAttentionCache", "size", "PEFT prefix tuning on a patched model: 'filled by an unpatched model'; "
+            "generate ignored the prefix", prefix_tuning_named),
+        Row("LatentAttentionCache", "size", "from_pretrained of a linear or llama3 rope_parameters checkpoint: refused "
+            "as a rope type not supported, which the patched model serves", rope_types_the_patched_model_serves),
+        Row("LatentAttentionCache", "size", "from_pretrained(output_loading_info=True): TypeError '__class__ "
+            "assignment only supported for mutable types'", loading_info_as_transformers_returns_it),
+        Row("generate", "size", "--hf of a float64 MoE checkpoint: grouped_mm's RuntimeError, 'internal error'",
+            generate_hf_of_a_float64_moe_model),
+        Row("LatentAttentionCache", "size", "a patched model given both input_ids and inputs_embeds, or neither: "
+            "transformers' words after a cache was made, or input_ids alone named", input_ids_and_inputs_embeds),
+        Row("convert", "size", "max_position_embeddings -1: convert's calibration failed in torch ('only one "
+            "dimension can be inferred')", a_context_of_no_tokens),
+        Row("convert", "path", "--hf of a checkpoint whose 'qkmla' record is not valid: refused naming the file alone, "
+            "or 'model.config'", convert_of_a_record_that_is_not_valid),
+        Row("LatentAttentionCache", "size", "read_hf_tensors(dir, 'one.name'): the name read as its characters, the "
+            "file named, no argument", tensors_read_by_a_name_alone),
+        Row("LatentAttentionCache", "size", "from_pretrained of a LongCat-Flash checkpoint, plain or QK-normed: "
+            "TypeError from range(None)", longcat_flash_through_from_pretrained),
+        Row("LatentAttentionCache", "size", "from_pretrained of a Sarvam-MLA checkpoint: refused as a model type qkmla "
+            "does not load, a family apply_latent_attention serves", sarvam_mla_through_from_pretrained),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -176,8 +176,10 @@ def config_attention_shape(name: str, c) -> tuple[int, int, int, int]:
 
 
 def rope_theta_of(config) -> float:
-    rope = getattr(config, "rope_parameters", None) or {}
-    return float(rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+    """The source's RoPE base, refused naming rope_theta unless a finite number > 0 (0 was read as 10000)."""
+    from ..integrations.hub.config import rope_theta
+
+    return rope_theta(config)
 
 
 def resolve_rope(head_dim: int, rope_dim: Optional[int], rope_pairs: Optional[str]) -> tuple[int, str]:

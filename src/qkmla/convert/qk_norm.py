@@ -161,7 +161,7 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     """
     from .stream import CheckpointStream, calibrate_streaming, copy_other_files, write_weights
     from ..integrations.hub.checkpoint import INDEX, saved_norm
-    from ..integrations.hub.record import CODE, describe, record_norm
+    from ..integrations.hub.record import CODE, describe, record_norm, recorded_groups
 
     src, out = check_convert_paths(src, out, overwrite, inputs)
     norm = QKNormConfig.of(qk_norm)
@@ -182,7 +182,10 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
                          "calibration_tokens (--calibration-tokens, at least 16), or leave the text out")
     if calibration_tokens and calibration_tokens < 16:
         raise ValueError(f"calibration_tokens: expected 0 (no calibration) or at least 16, got {calibration_tokens}")
-    existing = saved_norm(src)
+    # named as src, as this function's other refusals: a record that is not valid was refused naming the file alone,
+    # and its num_kv_groups (2.0, or 3 of 4 heads) as "model.config", which the caller never named
+    existing = saved_norm(src, "src")
+    recorded_groups(read_hf_config(src, "src"), f"src: {src / CONFIG}")
     if existing is not None and norm is not None:
         raise ValueError(f"qk_norm: {src / CONFIG} already records the QK norm {describe(existing)}, with trained "
                          f"weights that adding and calibrating a norm would replace; leave qk_norm out to re-save it")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from ..config import QKNormConfig
 from ..integrations.hub.checkpoint import (CONFIG, INDEX, _open, _weight_map, check_layers_present, check_routing,
-                                           transformers_config)
+                                           read_hf_config, transformers_config)
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 NORM_TENSORS = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")  # what a norm adds to a layer
@@ -104,6 +104,8 @@ class CheckpointStream:
         from ..integrations.transformers import auto  # noqa: F401  (qkmla's model types, for AutoConfig)
 
         self.root = Path(root)
+        # first, before any work: its values (num_hidden_layers 2**70 hung the layer build below)
+        read_hf_config(self.root)
         self.weight_map, self.listing = _weight_map(self.root)
         self.shards: dict[str, list[str]] = {}  # shard file -> its tensor names, in the index's order
         for name, file in self.weight_map.items():

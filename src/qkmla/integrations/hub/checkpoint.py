@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...norms import qk_norms_of
-from ...utils.checked import as_int, is_int
+from ...utils.checked import as_int, is_finite_number, is_int
 from ...utils.devices import check_device
 from ...utils.files import check_path, input_file_problem
 from .config import _OURS, mla_config_from_hf, unrepeat_groups
@@ -154,6 +154,7 @@ def read_hf_config(hf_dir: Union[str, Path], name: str = "hf_dir") -> dict:
         raise ValueError(f"{name}: {path} cannot be read ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{name}: {path}: expected a JSON object, got {type(config).__name__}")
+    _check_values(path, config, name)  # first: transformers' check of a bool count named no field
     _check_fields(path, config, name)
     eps = config.get("rms_norm_eps")
     # transformers takes any number here; a negative one put NaN under every RMSNorm's square root, which
@@ -283,6 +284,37 @@ def _check_fields(path: Path, config: dict, name: str = "hf_dir") -> None:
         pass
 
 
+# the most decoder layers a config.json may count before its weights are read: more than any model has
+# (DeepSeek-V3: 61), and a count transformers builds on the meta device in seconds, where 2**70 hung every loader
+MAX_LAYERS = 100_000
+
+
+def _check_values(path: Path, config: dict, name: str) -> None:
+    """The values transformers' config class takes without a word, each named as the config names it:
+    ``rope_theta`` 0, True or "abc" (0 read as the default 10000 by ``or``, True as 1, "abc" failed deep in
+    the RoPE table), ``dtype`` 5 (an AttributeError from transformers' loader), ``num_hidden_layers`` 0,
+    -1 or 2**70 (0 and -1 converted to an empty model, 2**70 hung the loaders counting its layers) and
+    ``max_position_embeddings`` -1 (convert's calibration failed in torch)."""
+    rope = [config] + [config[k] for k in ("rope_parameters", "rope_scaling") if isinstance(config.get(k), dict)]
+    for theta in (r["rope_theta"] for r in rope if r.get("rope_theta") is not None):
+        if not is_finite_number(theta) or not theta > 0:
+            raise ValueError(f"{name}: {path}: rope_theta must be a finite number > 0 (RoPE's base), got {theta!r}")
+    for key in ("dtype", "torch_dtype"):
+        dtype = config.get(key)
+        if dtype is not None and not (isinstance(dtype, str) and (
+                dtype == "auto" or isinstance(getattr(torch, dtype, None), torch.dtype))):
+            raise ValueError(f"{name}: {path}: {key} must name a torch dtype (\"bfloat16\", \"float32\", ...), got "
+                             f"{dtype!r}")
+    layers = config.get("num_hidden_layers")
+    if "num_hidden_layers" in config and (not is_int(layers) or not 1 <= layers <= MAX_LAYERS):
+        raise ValueError(f"{name}: {path}: num_hidden_layers must be an int from 1 to {MAX_LAYERS}, got {layers!r}")
+    # -1 sized convert's calibration rows: torch's "only one dimension can be inferred", an internal error
+    context = config.get("max_position_embeddings")
+    if context is not None and (not is_int(context) or context < 1):
+        raise ValueError(f"{name}: {path}: max_position_embeddings must be a positive int (the longest sequence "
+                         f"the model reads), got {context!r}")
+
+
 def check_layers_present(hf_dir: Union[str, Path], hf_config: dict, name: str = "hf_dir") -> None:
     """Every decoder layer ``num_hidden_layers`` counts has attention weights in the checkpoint's
     listing: transformers builds a layer the weights lack with random weights, and says so only in
@@ -305,6 +337,10 @@ def check_layers_present(hf_dir: Union[str, Path], hf_config: dict, name: str = 
 
 
 _ATTENTION_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.")
+# a QK norm's tensor (qkmla's), under self_attn. or LongCat-Flash's self_attn.0. / self_attn.1.
+_NORM_KEY = re.compile(r"self_attn\.(?:\d+\.)?(?:q_norm\.|k_norm\.|logit_scale)")
+# an MLA attention module's prefix under its layer: self_attn., or LongCat-Flash's self_attn.0. and self_attn.1.
+_MLA_MODULE = re.compile(r"model\.layers\.(\d+)\.(self_attn\.(?:\d+\.)?)kv_a_proj_with_mqa\.")
 
 
 def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
@@ -317,7 +353,10 @@ def _weight_map(root: Path) -> tuple[dict[str, str], Path]:
                          f"an index of shards): transformers loads {SINGLE} alone; remove the one that is stale")
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except UnicodeDecodeError as e:  # was a UnicodeDecodeError traceback, naming no file
+            raise ValueError(f"hf_dir: {index}: not UTF-8 text ({e.reason} at byte {e.start}); expected a JSON "
+                             f"object with a 'weight_map'") from None
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: expected a JSON object with a 'weight_map' ({e!r})") from None
         if not isinstance(weight_map, dict):
@@ -493,14 +532,19 @@ def read_hf_tensors(hf_dir: Union[str, Path], keys: Iterable[str]) -> dict[str, 
     """Named tensors of a checkpoint directory (e.g. ``model.layers.3.input_layernorm.weight``), read lazily.
 
     Raises:
-        ValueError: naming the index (a key is not listed) or the shard (missing or unreadable).
+        ValueError: naming keys, and the index (a key is not listed), or the shard (missing or unreadable).
     """
+    # one name given as keys was read as its characters: "['m', 'o', 'd', ...] are not listed"
+    if isinstance(keys, (str, bytes)):
+        raise ValueError(f"keys: expected tensor names (a list of str), got the {type(keys).__name__} {keys!r:.80}; "
+                         f"pass [{keys!r:.80}] for one")
     root = Path(hf_dir)
     weight_map, listing = _weight_map(root)
     keys = list(keys)
     missing = [k for k in keys if k not in weight_map]
     if missing:
-        raise ValueError(f"{listing}: {missing} are not listed")
+        raise ValueError(f"keys: {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}) not listed in "
+                         f"{listing}")
     out = {}
     for file in sorted({weight_map[k] for k in keys}):
         if not (root / file).is_file():
@@ -554,16 +598,22 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     """
     root = Path(hf_dir)
     weight_map, listing = _weight_map(root)
-    ours = ("self_attn.q_norm.", "self_attn.k_norm.", "self_attn.logit_scale")
-    found = {k for k in weight_map if any(o in k for o in ours)}
+    found = {k for k in weight_map if _NORM_KEY.search(k)}
     groups = recorded_groups(hf_config, str(root / CONFIG))
     # (only the widths are read: any MLA family's config gives them as DeepSeek's does)
-    config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True,
+    config = mla_config_from_hf(hf_config, qk_norm=norm, any_model_type=True, any_rope_type=True,
                                 **({GROUPS: groups} if groups is not None else {}))
-    layers = hf_config.get("num_hidden_layers")
+    # LongCat-Flash counts its layers as num_layers, and has two attention modules in each (self_attn.0, .1): its
+    # checkpoints failed here in range(None), a TypeError, plain or QK-normed
+    layers = hf_config.get("num_hidden_layers") or hf_config.get("num_layers")
     kinds = hf_config.get("layer_types")  # a hybrid's: only its MLA layers have a norm (MLA_LAYER_TYPES)
-    shapes = {f"model.layers.{i}.self_attn.{n}": s
+    modules = {}  # layer -> its MLA attention modules' prefixes, as the weights name them
+    for key in weight_map:
+        if (m := _MLA_MODULE.match(key)) is not None:
+            modules.setdefault(int(m.group(1)), set()).add(m.group(2))
+    shapes = {f"model.layers.{i}.{module}{n}": s
               for i in range(layers) if not kinds or kinds[i] in MLA_LAYER_TYPES
+              for module in sorted(modules.get(i) or {"self_attn."})  # none: a layer missing, reported below
               for n, s in norm_tensor_shapes(config).items()}
     if norm is None and found:
         raise ValueError(f"hf_dir: {listing} holds QK-norm weights ({sorted(found)[0]}, ...: {len(found)}) but "
@@ -598,7 +648,9 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
     return files
 
 
-def saved_norm(hf_dir: Union[str, Path]) -> Optional[QKNormConfig]:
-    """The QK norm a checkpoint directory's config.json records (None for none)."""
+def saved_norm(hf_dir: Union[str, Path], name: Optional[str] = None) -> Optional[QKNormConfig]:
+    """The QK norm a checkpoint directory's config.json records (None for none); a record that is not valid
+    refused naming ``name`` (the caller's argument for the directory) and the file, or the file alone."""
     root = Path(hf_dir)
-    return recorded_norm(read_hf_config(root), str(root / CONFIG))
+    where = f"{name}: {root / CONFIG}" if name else str(root / CONFIG)
+    return recorded_norm(read_hf_config(root, name or "hf_dir"), where)

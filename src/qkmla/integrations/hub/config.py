@@ -30,6 +30,7 @@ import torch
 from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...rope import ROPE_TYPES, YarnScaling
+from ...utils.checked import is_finite_number
 from .record import RECORD, describe, recorded_groups, recorded_norm, stock_model_type
 
 _OURS = ("q_norm.", "k_norm.", "logit_scale")
@@ -55,6 +56,21 @@ def hf_rope_type(hf_config) -> str:
     return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
 
 
+def rope_theta(hf_config) -> float:
+    """The config's RoPE base, as transformers reads it (``rope_parameters``' first, then the top-level
+    field, 10000 where neither is set). ValueError naming rope_theta unless it is a finite number > 0: 0
+    was read as the default 10000 (``or``), so qkmla rotated with another base than the config's; True
+    passed as 1.0; "abc" failed in float() without a name."""
+    rope = _get(hf_config, "rope_parameters", None) or _get(hf_config, "rope_scaling", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, Mapping) else None
+    if theta is None:
+        theta = _get(hf_config, "rope_theta", None)
+    theta = 10000.0 if theta is None else theta
+    if not is_finite_number(theta) or not theta > 0:
+        raise ValueError(f"rope_theta: expected a finite number > 0 (RoPE's base), got {theta!r}")
+    return float(theta)
+
+
 def hf_rope(hf_config, any_rope_type: bool = False) -> tuple[float, Optional[YarnScaling]]:
     """(rope_theta, YaRN scaling or None) as transformers reads them.
 
@@ -75,7 +91,7 @@ def hf_rope(hf_config, any_rope_type: bool = False) -> tuple[float, Optional[Yar
     rope_dim = _get(hf_config, "qk_rope_head_dim", 0)
     if partial not in (None, 1.0) and head_dim and abs(partial * head_dim - rope_dim) < 1e-6:
         rope.pop("partial_rotary_factor")
-    theta = rope.get("rope_theta") or _get(hf_config, "rope_theta", 10000.0)
+    theta = rope_theta(hf_config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES and any_rope_type:  # the caller rotates with transformers' own embedding
         return float(theta), None

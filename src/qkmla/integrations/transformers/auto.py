@@ -38,7 +38,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, DeepseekV2Config, De
                           DeepseekV3Config, DeepseekV3ForCausalLM)
 
 from ..hub.checkpoint import CONFIG
-from ..hub.record import (CODE_TEXT, FAMILY_MODEL_TYPES, LOADER, QK_MODEL_TYPES, declaration,  # noqa: F401
+from ..hub.record import (CODE_TEXT, FAMILY_MODEL_TYPES, LOADER, QK_MODEL_TYPES, RECORD, declaration,  # noqa: F401
                           recorded_norm, write_code)
 
 # What older checkpoints record as attn_implementation: qkmla's loader, under its names then and now.
@@ -82,13 +82,27 @@ class QKNormDeepseekV3Config(_QKNormConfig, DeepseekV3Config):
     model_type = QK_MODEL_TYPES["deepseek_v3"]
 
 
+def _no_norm(cls, what: str) -> None:
+    """Refuse a model of a QK-normed architecture without a norm: it would compute the plain model's function
+    under a name that says it has one."""
+    stock = next(base.__name__ for base in cls.__mro__[1:] if base.__module__.startswith("transformers."))
+    raise ValueError(f"{what}, and {cls.__name__} is the architecture of a QK-normed checkpoint; build {stock} for a "
+                     f"model without a norm, or add one: apply_latent_attention({stock}(config), qk_norm='rms') "
+                     f"(its config then records it)")
+
+
 class _QKNormCausalLM:
     """transformers' DeepSeek causal LM with qkmla's latent attention and the QK norm its config records."""
 
     def __init__(self, config, *args, **kwargs):
         from .model import apply_latent_attention
 
+        from ..hub.config import rope_theta
+
         norm = recorded_norm(config, "config")  # refuses qkmla's model type without a norm
+        if norm is None:  # a stock config (no record) built the plain model under this name, without a word
+            _no_norm(type(self), f"config: this {type(config).__name__} records no QK norm (no {RECORD!r} entry)")
+        rope_theta(config)  # "abc" failed in transformers' RoPE table below, naming nothing
         if config._attn_implementation in _LOADERS:  # the record's guard, not an implementation
             config._attn_implementation = None
         super().__init__(config, *args, **kwargs)
@@ -108,13 +122,17 @@ class _QKNormCausalLM:
         if model_args:
             raise ValueError(f"model_args: {cls.__name__}.from_pretrained takes its arguments by name "
                              f"(qkmla.integrations.transformers.from_pretrained), got {len(model_args)} positional")
-        model = from_pretrained(pretrained_model_name_or_path, **kwargs)
+        loaded = from_pretrained(pretrained_model_name_or_path, **kwargs)
+        model, info = loaded if kwargs.get("output_loading_info") else (loaded, None)  # transformers' (model, info)
+        if recorded_norm(model.config, "config") is None:  # a plain checkpoint: loaded without a norm, unsaid
+            _no_norm(cls, f"pretrained_model_name_or_path: {pretrained_model_name_or_path} records no QK norm (its "
+                          f"config.json has no {RECORD!r} entry)")
         want = cls.__mro__[cls.__mro__.index(_QKNormCausalLM) + 1]  # transformers' class this one extends
         if type(model) is not want:
             raise ValueError(f"pretrained_model_name_or_path: {pretrained_model_name_or_path} holds a "
                              f"{type(model).__name__}, not a {want.__name__}; load it with AutoModelForCausalLM")
         model.__class__ = cls  # adds no state: the same model, under the architecture it declares
-        return model
+        return (model, info) if kwargs.get("output_loading_info") else model
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
@@ -149,9 +167,16 @@ def _family_classes() -> dict:
     from ..hub import record
     from .families import FAMILIES
 
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     made = {}
     for family in FAMILIES:
         base = getattr(transformers, family.causal_lm, None)
+        if family.status == "supported" and base is not None and base.config_class.model_type != family.model_type \
+                and family.model_type in CONFIG_MAPPING:
+            # built with another family's classes (Sarvam-MLA: DeepSeek-V3's, its own config): no QK-normed classes
+            # of its own, but from_pretrained loads it (it refused "describes a 'sarvam_mla' model")
+            record.CAUSAL_LMS.setdefault(family.model_type, family.causal_lm)
         if family.status != "supported" or base is None or base.config_class.model_type != family.model_type \
                 or family.model_type in record.QK_MODEL_TYPES:
             continue  # not taken, not installed, built with another family's classes, or written above

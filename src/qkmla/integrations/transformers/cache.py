@@ -354,7 +354,7 @@ def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> No
                              f"or \"offloaded\" (a growing latent cache offloaded layer by layer)")
         if int(layer.get_seq_length()) > 0:
             raise ValueError(f"{name}: layer {layer_idx} already holds {int(layer.get_seq_length())} tokens of "
-                             f"transformers' keys and values (filled by an unpatched model); start from an empty cache")
+                             f"transformers' keys and values ({FILLED_BY}); start from an empty cache")
         return
     if "Quantized" in kind:
         raise ValueError(f"cache_implementation: layer {layer_idx} of the {name} is a transformers {kind} "
@@ -366,7 +366,16 @@ def _check_layer(layer, layer_idx: int, name: str, static_ok: bool = True) -> No
                          f"capacity, or an empty DynamicCache")
     if layer.get_seq_length() > 0:
         raise ValueError(f"{name}: layer {layer_idx} already holds {layer.get_seq_length()} tokens of transformers' "
-                         f"keys and values (filled by an unpatched model); start from an empty cache")
+                         f"keys and values ({FILLED_BY}); start from an empty cache")
+
+
+# Who fills a transformers cache with keys and values before a patched model sees it. PEFT's prefix tuning did,
+# and was told "filled by an unpatched model", which named neither it nor what to use instead.
+PREFIX_TUNING = ("PEFT's prefix tuning (PrefixTuningConfig) passes its virtual tokens as per-head keys and values, "
+                 "which qkmla's latent attention cannot attend to (it caches one latent row per token): prefix tuning "
+                 "is not supported on a model patched by apply_latent_attention; fine-tune it with LoRA "
+                 "(attention_lora_config) or prompt tuning (PromptTuningConfig)")
+FILLED_BY = f"filled by an unpatched model, or by PEFT's prefix tuning: {PREFIX_TUNING}"
 
 
 def adopt_layer(cache: Cache, layer_idx: int, config: MLAConfig, kv_format: str = "dense",

@@ -33,10 +33,40 @@ def _loading_class(base, config_class):
     type), and whose loading does not report qkmla's norm weights as unexpected (they are loaded by
     :func:`from_pretrained` once the norm exists). Same name, so a later ``save_pretrained``
     records transformers' architecture (qkmla's config writes its own in its place)."""
-    patterns = [r"self_attn\.q_norm\.", r"self_attn\.k_norm\.", r"self_attn\.logit_scale"]
+    patterns = [r"self_attn\.(\d+\.)?q_norm\.", r"self_attn\.(\d+\.)?k_norm\.", r"self_attn\.(\d+\.)?logit_scale"]
     ignore = list(base._keys_to_ignore_on_load_unexpected or []) + patterns
     return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignore, "config_class": config_class,
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})
+
+
+def _given_config(config):
+    """A ``config`` argument as its norm is read: a config object, or the config.json a local path names (a
+    checkpoint directory or the file itself). A path was not read here: a QK-normed checkpoint's config given
+    for a plain checkpoint was refused as ``qk_norm``, an argument never passed, and a plain one given for a
+    QK-normed checkpoint loaded without a word, where the same config as an object is refused. None for none,
+    or a hub id (transformers fetches it)."""
+    if config is None or not isinstance(config, (str, Path)):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        return read_hf_config(path, "config")
+    if path.is_file():
+        return read_hf_config(path.parent, "config") if path.name == CONFIG else None
+    return None
+
+
+def _experts_for_dtype(model, asked) -> None:
+    """A float64 MoE model's experts computed eagerly: transformers' default, grouped_mm, multiplies in float32,
+    bfloat16 or float16 only, and a float64 checkpoint's first forward failed in torch ("Expected mat_a to be
+    Float32, BFloat16 or Float16 matrix, got Double"; ``qkmla generate --hf``: an internal error). Asked for by
+    name (``experts_implementation="grouped_mm"``), it is refused naming the argument."""
+    if model.dtype != torch.float64 or getattr(model.config, "_experts_implementation", None) != "grouped_mm" \
+            or not hasattr(model, "set_experts_implementation"):
+        return
+    if asked is not None:
+        raise ValueError("experts_implementation: 'grouped_mm' multiplies in float32, bfloat16 or float16, and this "
+                         "model is float64; pass experts_implementation='eager', or another dtype")
+    model.set_experts_implementation("eager")
 
 
 def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", policy: Optional[EvictionPolicy] = None,
@@ -58,7 +88,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
 
     Returns:
         the model, in eval mode as transformers returns it: transformers' DeepSeek class, whose config
-        is qkmla's ``QKNormDeepseekV3Config`` (V2) when it has a norm.
+        is qkmla's ``QKNormDeepseekV3Config`` (V2) when it has a norm; with ``output_loading_info=True``,
+        (model, transformers' loading report), as transformers returns them.
 
     Raises:
         ValueError, before any weight is read: no config.json, a model type other than
@@ -118,8 +149,8 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     # named by the argument, as this function's other refusals are: the message began with the path alone
     norm = recorded_norm(hf_config, f"hf_dir: {root / CONFIG}")
     recorded_groups(hf_config, f"hf_dir: {root / CONFIG}")  # so too its groups, before the checks below read them
-    config = kwargs.get("config")
-    if config is not None and not isinstance(config, (str, Path)) and recorded_norm(config, "config") != norm:
+    config = _given_config(kwargs.get("config"))
+    if config is not None and recorded_norm(config, "config") != norm:
         raise ValueError(f"config: records {describe(recorded_norm(config, 'config'))}, but {root / CONFIG} records "
                          f"{describe(norm)}; pass the checkpoint's own config, or none")
     files = check_norm_tensors(root, hf_config, norm)
@@ -129,11 +160,16 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
     # qkmla's own config class for its model types (``auto``, registered when this package is imported);
     # transformers' for a plain checkpoint, or a QK-normed one saved before qkmla had model types
     config_class = CONFIG_MAPPING[model_type]
+    # transformers returns (model, its load report) for output_loading_info=True: the tuple reached the lines below
+    # as the model ("__class__ assignment only supported for mutable types")
+    with_info = bool(kwargs.get("output_loading_info"))
     try:
         model = _loading_class(base, config_class).from_pretrained(root, attn_implementation="eager", **kwargs)
     except RuntimeError as e:  # tensors whose shapes disagree with the config (transformers' load report)
         raise ValueError(f"hf_dir: {root} does not load as its config describes it: "
                          f"{str(e).strip().splitlines()[0][:300]}") from None
+    model, info = model if with_info else (model, None)
+    _experts_for_dtype(model, kwargs.get("experts_implementation"))
     model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
     apply_latent_attention(model, qk_norm=norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
     if str(hf_dir) != str(root):  # a hub repository (or a subfolder): named as transformers names it
@@ -144,4 +180,4 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
             with _open(root / file) as f:
                 for name in (n for n, fl in files.items() if fl == file):
                     params[name].copy_(f.get_tensor(name))
-    return model
+    return (model, info) if with_info else model

@@ -150,6 +150,8 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
         raise TypeError(f"{unknown[0]}: not a field of peft.LoraConfig (peft {peft.__version__}); "
                         f"attention_lora_config takes targets, r, lora_alpha, lora_dropout, train_qk_norm and "
                         f"LoraConfig's other fields")
+    if kwargs.get("lora_bias"):
+        _check_lora_bias(latent_layers(model)[0], names, "lora_bias")
     layers = next(name for name, module in model.named_modules() if module is inner_model(model).layers)
     pattern = rf"{re.escape(layers)}\.\d+\.self_attn\.({'|'.join(names)})"
     latent = [name for name, module in model.named_modules() if any(module is a for a in latent_layers(model))]
@@ -161,6 +163,28 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
         norms = ["self_attn.q_norm", "self_attn.k_norm"]
         kwargs["modules_to_save"] = list(kwargs.get("modules_to_save") or []) + norms
     return peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern, **kwargs)
+
+
+def _check_lora_bias(layer, names, prefix: str) -> None:
+    """Refuse LoRA's own bias (``lora_bias=True``) on a projection without a bias: PEFT merges it into the
+    base projection's bias, and without one refuses to merge ("Impossible to merge LoRA with `lora_bias=True`
+    because the base layer has no bias", its RuntimeError from merge_lora), while the absorbed decode path,
+    which reads kv_b_proj.weight alone, cannot run the unmerged adapter: a model trained so could never
+    decode from the latent cache. kv_b_proj never has a bias (q_b_proj neither; attention_bias biases
+    q_a_proj, kv_a_proj_with_mqa and o_proj)."""
+    bare = [name for name in names if getattr(getattr(layer, name, None), "bias", None) is None]
+    if bare:
+        verb = "has" if len(bare) == 1 else "have"
+        raise ValueError(f"{prefix}: LoRA's bias (lora_bias=True) is merged into the projection's own bias, and "
+                         f"{', '.join(bare)} {verb} none (the absorbed decode path reads kv_b_proj.weight alone), so "
+                         f"the adapters could not be merged for decoding; leave lora_bias out, or target only "
+                         f"projections with a bias")
+
+
+def _targets(config, name: str) -> bool:
+    """Whether a LoRA config's target_modules (a regular expression or a list of names) names ``name``."""
+    modules = config.target_modules
+    return bool(re.search(rf"\b{name}\b", modules)) if isinstance(modules, str) else name in (modules or ())
 
 
 def check_norms_have_a_place(base, peft_config: dict, argument: str = "peft_model",
@@ -224,6 +248,11 @@ def merge_lora(peft_model, **kwargs):
         raise ValueError(f"peft_model: its base model is not one apply_latent_attention patched ({e})") from None
     _check_separate_query(peft_model.get_base_model(), "peft_model")
     check_norms_have_a_place(peft_model.get_base_model(), peft_model.peft_config)
+    for name, config in peft_model.peft_config.items():
+        if getattr(config, "lora_bias", False):
+            layer = latent_layers(peft_model.get_base_model())[0]
+            _check_lora_bias(layer, [t for t in lora_targets(layer.config) if _targets(config, t)],
+                             f"peft_model: its adapter {name!r}")
     model = peft_model.merge_and_unload(**kwargs)
     for i, layer in enumerate(latent_layers(model)):
         for name in lora_targets(layer.config):

@@ -49,7 +49,7 @@ from ...cache.eviction import EvictionPolicy
 from ...config import QKNormConfig
 from ...ops.mla_decode.backends import check_backend
 from .attention import LatentAttention, LatentCall, LatentSettings
-from .cache import (QUANTIZED_INSTEAD, LatentAttentionCache, LatentCacheLayer, adopt_layer, check_cache,
+from .cache import (PREFIX_TUNING, QUANTIZED_INSTEAD, LatentAttentionCache, adopt_layer, check_cache,
                     check_cache_settings, model_dtype)
 from .families import attention_slots, get_slot, set_slot
 from .patched import inner_model, model_family
@@ -134,6 +134,8 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     _record(model, norm)
     inner._qkmla_signature = inspect.signature(inner.forward)
     inner.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    if model is not inner:
+        model.register_forward_pre_hook(_before_lm_forward, with_kwargs=True)
     inner.register_forward_hook(_after_forward, with_kwargs=True)
     _no_transformers_mask(model)
     _keep_latent_attention(model)
@@ -332,6 +334,24 @@ def _call_arguments(module, args, kwargs) -> dict:
     return arguments
 
 
+def _check_one_cache(arguments: dict) -> None:
+    """Refuse two caches in one call. PEFT's prefix tuning under generate: transformers passes its cache as
+    ``cache``, PEFT its virtual tokens as ``past_key_values``, and the causal LM reads the first alone: the
+    prefix was ignored without a word, and generate gave the base model's tokens."""
+    cache, held = arguments.get("cache"), arguments.get("past_key_values")
+    if cache is None or held is None or cache is held:
+        return
+    filled = held.get_seq_length() if hasattr(held, "get_seq_length") else None
+    raise ValueError("past_key_values: given beside cache, another cache"
+                     + (f" already holding {int(filled)} tokens; {PREFIX_TUNING}" if filled else
+                        "; pass one cache (cache=...)"))
+
+
+def _before_lm_forward(module, args, kwargs):
+    """The causal LM's forward: one cache (:func:`_check_one_cache`), before it picks one of the two."""
+    _check_one_cache(kwargs)
+
+
 def _before_forward(module, args, kwargs):
     arguments = _call_arguments(module, args, kwargs)
     settings: LatentSettings = module._qkmla_settings
@@ -357,12 +377,15 @@ def _before_forward(module, args, kwargs):
         from .lora import check_norms_have_a_place
 
         check_norms_have_a_place(owner, owner.peft_config, "model", active_only=True)
-    given = next((k for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None), None)
-    if given is None:
-        raise ValueError("input_ids: the model needs input_ids or inputs_embeds")
+    both = [k for k in ("input_ids", "inputs_embeds") if arguments.get(k) is not None]
+    if len(both) != 1:  # refused here, before a cache is made, as transformers refuses it, naming both
+        raise ValueError(f"input_ids, inputs_embeds: the model takes exactly one of input_ids or inputs_embeds (as "
+                         f"transformers' own model does), got {'both' if both else 'neither'}")
+    given = both[0]
     inputs = arguments[given]
     batch_size, num_tokens = inputs.shape[:2]
     names = [n for n in ("cache", "past_key_values") if arguments.get(n) is not None]
+    _check_one_cache(arguments)
     cache = arguments.get(names[0]) if names else None
     name = names[0] if names else ("cache" if "cache" in module._qkmla_signature.parameters else "past_key_values")
     asked = arguments.get("use_cache")
@@ -434,7 +457,11 @@ def check_custom_mask_cache(cache, settings: LatentSettings) -> None:
     would no longer match the cached tokens)."""
     if cache is None:
         return
-    if not all(isinstance(layer, LatentCacheLayer) for layer in cache.layers):
+    from .static import StaticLatentCacheLayer
+
+    # the static layers alone: a hybrid's cache also holds its linear-attention layers' state (Kimi-Linear,
+    # Bailing), and a custom mask with one was refused as if it were a static cache, one the caller never passed
+    if any(isinstance(layer, StaticLatentCacheLayer) for layer in cache.layers):
         raise ValueError("attention_mask: a custom 4-D mask is served over qkmla's growing latent cache; the static "
                          "latent cache (cache_implementation=\"static\") attends causally only. Pass a "
                          "LatentAttentionCache(model) or no cache")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...config import QKNormConfig
+from ...utils.checked import is_int
 from ..hub.record import RECORD, recorded_groups, recorded_norm
 
 PLATFORMS = ("cpu", "cuda")
@@ -78,7 +79,12 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
         raise ValueError(f"config.json: {what} must be an MLA model with a content and a RoPE block "
                          f"(qk_nope_head_dim, qk_rope_head_dim > 0), got model_type={get('model_type')!r}, "
                          f"qk_nope_head_dim={get('qk_nope_head_dim')!r}, qk_rope_head_dim={get('qk_rope_head_dim')!r}")
-    width = get("kv_lora_rank", 0) + get("qk_rope_head_dim")
+    for field in ("kv_lora_rank", "qk_rope_head_dim"):
+        # 448.0 summed to a width of 512.0, which passed; True summed as 1; "abc" failed in the sum, a TypeError
+        if not is_int(get(field)) or get(field) < 1:
+            raise ValueError(f"config.json: {field} must be a positive int (the latent row's width is kv_lora_rank "
+                             f"+ qk_rope_head_dim), got {get(field)!r}")
+    width = get("kv_lora_rank") + get("qk_rope_head_dim")
     if width not in LATENT_WIDTHS:
         raise ValueError(f"config.json: kv_lora_rank + qk_rope_head_dim = {width}; vLLM's MLA serves latent rows of "
                          f"{LATENT_WIDTHS} values (DeepSeek-V2/V3: 512 + 64)")
