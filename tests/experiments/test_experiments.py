@@ -139,6 +139,28 @@ def test_a_failing_run_is_reported_and_the_grid_goes_on(tmp_path, capsys):
     assert "run bad failed" in capsys.readouterr().out
 
 
+def test_a_refill_starts_what_becomes_ready_as_a_worker_comes_free_and_nothing_twice(tmp_path):
+    """run_grid's refill (the adaptive grids' scheduler, which re-plans as each run ends): the runs
+    it returns start in its order, one per free worker; a run already started in this call (done,
+    failed) is not started again; a branch listed once its stretch has finished continues it."""
+    first = EXPERIMENTS["norm-mode"].plan(Options(tmp_path, quick=True))[0]
+    bad = Run("bad", "bad", {**first.train, "attn": "mla-qknorm", "qk_clip": 10.0})
+    branch = Run("branch", "branch", {**first.train, "steps": first.train["steps"] + 2}, start_from=first.name)
+    seen = []
+
+    def refill(statuses):
+        seen.append(sorted(statuses))
+        return [first, bad] + ([branch] if statuses.get(first.name, {}).get("status") == "done" else [])
+
+    statuses = run_grid([first, bad], tmp_path, workers=1, progress=False, refill=refill)
+    assert seen == [[first.name], sorted([first.name, "bad"]), sorted([first.name, "bad", "branch"])]
+    assert statuses[first.name]["status"] == statuses["branch"]["status"] == "done"
+    assert statuses["bad"]["status"] == "error"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "branch" / "metrics.jsonl").open()
+             if '"loss"' in line]
+    assert steps == list(range(1, first.train["steps"] + 3))  # the stretch's steps, then its own two
+
+
 def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     assert main(["experiment", "--list"]) == 0
     listed = capsys.readouterr().out

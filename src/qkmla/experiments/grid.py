@@ -447,9 +447,32 @@ def stop_requests():
             signal.signal(getattr(signal, name), handler)
 
 
+
+def _refill(refill: Callable[[dict], list[Run]], statuses: dict, started: set, out: Path, measure, free: int,
+            submit: Callable[[Run], concurrent.futures.Future], bar) -> set:
+    """Start up to ``free`` of the runs ``refill(statuses)`` returns that are not ``started`` and
+    still to train (or to measure); returns their futures."""
+    new = set()
+    with spawning_workers():
+        for r in refill(statuses):
+            if len(new) >= free:
+                break
+            if r.same_as is not None or r.name in started:
+                continue
+            if is_finished(out, r) and (measure is None or (run_dir(out, r) / "measure.json").is_file()):
+                continue
+            new.add(submit(r))
+            started.add(r.name)
+            if bar is not None:
+                bar.total += 1
+                bar.refresh()
+    return new
+
+
 def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Callable] = None,
              progress: bool = True, pool: Optional[concurrent.futures.ProcessPoolExecutor] = None,
-             stop: Optional[StopRequests] = None) -> dict[str, dict]:
+             stop: Optional[StopRequests] = None,
+             refill: Optional[Callable[[dict], list[Run]]] = None) -> dict[str, dict]:
     """Train every unfinished run; returns {run name: status} of the runs trained now.
 
     Args:
@@ -457,6 +480,10 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         measure: ``measure(run_dir) -> dict``, run after training, stored as ``measure.json``.
         pool: a :func:`worker_pool` to train in (kept open); default: one made for this call.
         stop: the :func:`stop_requests` that stop the grid (default: its own, for this call).
+        refill: for a grid whose runs become trainable as others finish (a branch once its stretch
+            has): called with the statuses so far each time a run ends; the runs it returns that this
+            call has not started yet are started, in its order, as workers come free. Without it a
+            worker whose run ended first idles until the slowest run of the batch ends.
 
     Raises:
         GridStopped: after a SIGINT/SIGTERM, once the runs in flight have stopped.
@@ -465,7 +492,7 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     """
     if stop is None:
         with stop_requests() as own_stop:
-            return run_grid(runs, out, workers, measure, progress, pool, own_stop)
+            return run_grid(runs, out, workers, measure, progress, pool, own_stop, refill)
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError("runs: run names must be unique")
@@ -477,7 +504,8 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     statuses: dict[str, dict] = {}
     if not todo:
         return statuses
-    workers = min(len(todo), workers or default_workers())
+    slots = workers or default_workers()
+    workers = slots if refill is not None else min(len(todo), slots)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -491,12 +519,20 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     machine_error: Optional[OSError] = None
     try:
         futures = {}
+
+        def submit(r: Run) -> concurrent.futures.Future:
+            future = pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
+                                 str(Path(out) / "runs" / r.start_from) if r.start_from else None)
+            futures[future] = r
+            return future
+
         with spawning_workers():  # submit starts the pool's processes
-            for r in todo:
+            # With a refill, no more runs than workers are handed over: the pool would start queued runs
+            # in its own order, and the refill's order (seed by seed) decides which run starts next.
+            for r in todo if refill is None else todo[:slots]:
                 if stop.requested:
                     break
-                futures[pool.submit(_train_one, r.train, str(run_dir(out, r)), measure,
-                                     str(Path(out) / "runs" / r.start_from) if r.start_from else None)] = r
+                submit(r)
         pending = set(futures)
         while pending:
             done, pending = concurrent.futures.wait(pending, timeout=0.2,
@@ -525,6 +561,9 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"{run.name}: {status['status']}")
+            if done and refill is not None and not stop.requested and machine_error is None:
+                pending |= _refill(refill, dict(statuses), {r.name for r in futures.values()}, out, measure,
+                                   slots - len(pending), submit, bar)
             if stop.requested:
                 for waiting in pending:
                     waiting.cancel()
@@ -542,7 +581,9 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         if own or killed:
             pool.shutdown(wait=not killed, cancel_futures=True)
     if stop.requested:
-        not_started = sum(1 for r in todo if statuses.get(r.name, {}).get("status", "not started") == "not started")
+        started = todo if refill is None else list(futures.values())
+        not_started = sum(1 for r in started
+                          if statuses.get(r.name, {}).get("status", "not started") == "not started")
         raise GridStopped(stop.signal, statuses, not_started)
     if machine_error is not None:  # main() prints it as one line naming the path, exit 1
         raise GridFailed(machine_error, statuses)
