@@ -522,7 +522,10 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = Parser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
+    parser.add_argument("--version", action="version", version=f"qkmla {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E), "
