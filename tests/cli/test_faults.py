@@ -7516,13 +7516,123 @@ def left20_rows():
     ]
 
 
+def probe21_rows():
+    """Round 21's CLI probe (re-done after its first fixes were lost): the default run directory, --version, the
+    one-line refusals, training options read by nothing, plot's output and legend, experiment's results file,
+    demo's files, generate's checkpoint and eviction window."""
+    TRAIN = ["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+             "--threads", "1"]
+
+    def train_without_out(env):
+        """`qkmla train` without --out (a fresh runs/PRESET-ATTN-TIME, as --help says) ended in "TypeError: expected
+        str, bytes or os.PathLike object, not NoneType" and "internal error" (the check for an experiment's run
+        took the None). It trains into runs/debug-mla-qknorm-TIME now."""
+        env.capsys.readouterr()
+        assert main(TRAIN) == 0
+        out = env.capsys.readouterr().out
+        (run,) = (env.tmp / "runs").iterdir()
+        assert re.match(r"debug-mla-qknorm-\d{8}-\d{6}$", run.name) and f"writing the run to runs/{run.name}" in out
+        assert status(run)["status"] == "done"
+
+    def two_trains_without_out(env):
+        """Two `qkmla train` without --out started in the same second both picked the same fresh name (it did not
+        exist for either yet), and the second was refused as "--out: runs/... already holds a run", an option it
+        never gave. Each takes a name of its own now (made as it is picked): here the other run picks its name
+        between this run's two steps and finishes first."""
+        import qkmla.train.trainer as trainer
+
+        real, other = trainer.fresh_out, []
+
+        def at_once(*a):
+            other.append(real(*a))  # the other process's pick, at the same moment
+            mine = real(*a)
+            shutil.copytree(env.run, other[0], dirs_exist_ok=True)  # it trained there first
+            return mine
+
+        env.monkeypatch.setattr(trainer, "fresh_out", at_once)
+        assert main(TRAIN) == 0
+        runs = sorted((env.tmp / "runs").iterdir())
+        assert len(runs) == 2 and all(status(r)["status"] == "done" for r in runs)
+        assert snapshot(other[0]) == snapshot(env.run)
+
+    def a_newline_in_a_path(env):
+        """A run directory named with a newline ("r\\nqkmla plot: ok", a name a script can make): the refusal naming it
+        printed two lines, the second reading as a message of its own; so did the warning about its damaged lines.
+        Every line names it with the newline escaped now (\\n, as Python writes it), one line each."""
+        run = env.tmp / "r\nqkmla plot: ok"
+        run.mkdir()
+        refuse(env, ["plot", run, "--out", env.tmp / "f.png"], r"^qkmla plot: runs: no metrics\.jsonl in \S+/r\\nqkmla "
+               r"plot: ok$")
+        (run / "metrics.jsonl").write_text((env.run / "metrics.jsonl").read_text() + "junk\n")
+        env.capsys.readouterr()
+        assert main(["plot", str(run), "--out", str(env.tmp / "f.png")]) == 0
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if not noise(x)]
+        assert len(lines) == 1 and re.match(r"qkmla plot: warning: \S+/r\\nqkmla plot: ok/metrics\.jsonl: line 3 of 3",
+                                            lines[0]), lines
+
+    def qk_clip_past_float32(env):
+        """--qk-clip 1e-300 (finite and > 0, so taken): the heads' max logits are float32, tau / S_h was 0 there, the
+        clipped heads' query and key rows were zeroed and the run diverged at step 1, blamed on --lr; 1e39 was inf
+        there and never clipped. Refused now, naming --qk-clip and float32's normal range, before any work."""
+        from qkmla.train.config import TrainConfig
+
+        for tau in ("1e-300", "1e39"):
+            refuse(env, TRAIN + ["--out", env.tmp / "r", "--attn", "mla", "--qk-clip", tau],
+                   rf"^qkmla train: --qk-clip: expected a threshold within float32's normal range "
+                   rf"\(1\.1754943508222875e-38 to 3\.4028234663852886e\+38\) or None, got "
+                   rf"{re.escape(repr(float(tau)))}$")
+        raises(lambda: TrainConfig(attn="mla", qk_clip=1e-300), ValueError, r"^qk_clip: expected a threshold")
+        assert not (env.tmp / "r").exists()
+
+    def weight_decay_times_lr_past_one(env):
+        """--lr 10 --weight-decay 0.5: decoupled weight decay multiplies the decayed weights by 1 - 10 * 0.5 = -4 a
+        step, flipping their sign (at a product of 1, zeroing them); the run trained to status "done" (val loss
+        1530 after a step). Refused now naming both options, before any work; TrainConfig names its fields."""
+        from qkmla.train.config import TrainConfig
+
+        for lr, decay, left in (("10", "0.5", "-4"), ("10", "0.1", "0")):
+            refuse(env, TRAIN + ["--out", env.tmp / "r", "--lr", lr, "--weight-decay", decay],
+                   rf"^qkmla train: --weight-decay: times --lr must be below 1 \(decoupled weight decay multiplies the "
+                   rf"decayed weights by 1 - --lr \* --weight-decay each step: 0 zeroes them, below 0 flips their "
+                   rf"sign\), got --weight-decay {decay} with --lr {lr} \(1 - \d+ = {left}\); lower --lr or "
+                   rf"--weight-decay$")
+        raises(lambda: TrainConfig(lr=2.0, weight_decay=0.5), ValueError, r"^weight_decay: times lr must be below 1")
+        assert not (env.tmp / "r").exists()
+        TrainConfig(lr=1.0, weight_decay=0.5)  # 1 - 0.5: shrinks, as weight decay does
+
+    def qk_clip_alpha_with_mla(env):
+        """--attn mla --qk-clip 100 --qk-clip-alpha 0.9: QK-Clip reads alpha (the query's share of the factor) for
+        MHA, GQA and MQA only, MLA's split being fixed, so the run trained as with 0.5, without a word. Refused now,
+        naming --qk-clip-alpha; --attn mha takes it."""
+        refuse(env, TRAIN + ["--out", env.tmp / "r", "--attn", "mla", "--qk-clip", "100", "--qk-clip-alpha", "0.9"],
+               r"^qkmla train: --qk-clip-alpha: read by nothing with --attn mla: MLA's QK-Clip splits each head's "
+               r"factor its own way .*; the query's share is for --attn mha, gqa or mqa; drop it$")
+        assert not (env.tmp / "r").exists()
+        assert main(TRAIN + ["--out", str(env.tmp / "m"), "--attn", "mha", "--qk-clip", "100",
+                             "--qk-clip-alpha", "0.9"]) == 0
+
+    return [
+        Row("train", "size", "--qk-clip 1e-300: zero in float32, the clipped heads zeroed, diverged (r21)",
+            qk_clip_past_float32),
+        Row("train", "size", "--lr 10 --weight-decay 0.5: each step multiplied the weights by -4 (r21)",
+            weight_decay_times_lr_past_one),
+        Row("train", "size", "--qk-clip-alpha with --attn mla: read by nothing (r21)", qk_clip_alpha_with_mla),
+        Row("plot", "path", "a run directory named with a newline: its refusal and warnings split in two lines "
+            "(r21)", a_newline_in_a_path),
+        Row("train", "path", "no --out (a fresh runs/ directory): TypeError, 'internal error' (r21)",
+            train_without_out),
+        Row("train", "concurrent", "two runs without --out in the same second: the second refused as '--out: ... "
+            "already holds a run' (r21)", two_trains_without_out),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + probe21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
 from ..utils.command import option_dests, run_command
-from ..utils.errors import Parser
+from ..utils.errors import Parser, one_line
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -125,7 +125,7 @@ def _plot(args: argparse.Namespace) -> int:
             raise _as_options(e, {"run_dir": "runs"}) from None
     for w in caught:  # the steps and curves a figure leaves out, one line each, as the command's own messages
         if issubclass(w.category, PlotWarning):
-            print(f"qkmla plot: warning: {w.message}", file=sys.stderr)
+            print(f"qkmla plot: warning: {one_line(str(w.message))}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {path}")
@@ -244,9 +244,9 @@ def _warn_config_edits(run) -> None:
     edits = [e for e in resume_edits(Path(run)) if not e.startswith(("data:", "data."))
              and not any(e.startswith(f"train.{name}:") for name in RESUMABLE)]
     if edits:
-        print(f"qkmla generate: warning: {Path(run) / 'config.json'} was changed since the run wrote it "
-              f"({'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); the model is the one its checkpoint "
-              f"describes, not this file's", file=sys.stderr)
+        print(one_line(f"qkmla generate: warning: {Path(run) / 'config.json'} was changed since the run wrote it "
+                       f"({'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); the model is the one its "
+                       f"checkpoint describes, not this file's"), file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:

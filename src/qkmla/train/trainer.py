@@ -273,6 +273,18 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
         config = config.replace(out=str(fresh_out(config.preset, config.attn)))
         if rank == 0:
             print(f"writing the run to {config.out} (pass --out to choose)")
+        try:
+            return _train_in(config, corpus, model_cfg, rank, world)
+        finally:  # refused before it wrote a file (a model past memory): no empty directory left behind
+            try:
+                Path(config.out).rmdir()
+            except OSError:  # it holds the run
+                pass
+    return _train_in(config, corpus, model_cfg, rank, world)
+
+
+def _train_in(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, rank: int, world: int) -> dict:
+    """:func:`_train` in the run directory ``config.out``."""
     out = Path(config.out)
     data = Path(config.data)
     if data.is_file() and any(same_file(data, out / name) for name in RUN_FILES):

@@ -18,7 +18,8 @@ import traceback
 from typing import Callable, Iterable
 
 from .environment import check_cpu_capability, check_switches, check_transformers_verbosity, drop_bad_thread_counts
-from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
+from .errors import (Stopped, Terminated, environment_message, flag_message, notice, one_line, quiet_broken_pipe,
+                     sigterm_unwinds)
 from .imports import extension_inits_held
 from .startup import command_started
 
@@ -60,13 +61,13 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         notice(f"qkmla {command}: stopped by {e}; nothing half-written is left")
         return e.exit_code  # 128 + the signal, what a shell reports (143 SIGTERM, 129 SIGHUP)
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
-        notice(f"qkmla {command}: {e}")
+        notice(f"qkmla {command}: {one_line(str(e))}")
         return e.exit_code
     except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
         quiet_broken_pipe()
         return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
     except ValueError as e:
-        notice(f"qkmla {command}: {flag_message(str(e), option_names())}")
+        notice(f"qkmla {command}: {one_line(flag_message(str(e), option_names()))}")
         return 2
     except KeyboardInterrupt:
         notice(f"qkmla {command}: interrupted")
@@ -74,7 +75,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
     except Exception as e:
         message = environment_message(e)
         if message is not None:  # the machine's problem, not qkmla's: one line naming the path
-            notice(f"qkmla {command}: {message}")
+            notice(f"qkmla {command}: {one_line(message)}")
             return 1
         traceback.print_exc()
         print(f"qkmla {command}: internal error: this is a bug in qkmla; please report it with the command "
