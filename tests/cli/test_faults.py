@@ -7611,7 +7611,48 @@ def probe21_rows():
         assert main(TRAIN + ["--out", str(env.tmp / "m"), "--attn", "mha", "--qk-clip", "100",
                              "--qk-clip-alpha", "0.9"]) == 0
 
+    def plot_over_a_fifo(env):
+        """`qkmla plot RUN --out FIFO --overwrite` (or a link to /dev/null) wrote "wrote FIFO", exit 0: the figure's
+        temporary file was renamed over the name, removing the FIFO (as root, --out /dev/null replaced the device
+        with a PNG). A name that is not a regular file is refused now, naming --out and what it is, with or
+        without --overwrite; the node stays."""
+        fifo, link = env.tmp / "fifo", env.tmp / "null"
+        os.mkfifo(fifo)
+        link.symlink_to(os.devnull)
+        for out, kind in ((fifo, "a FIFO"), (link, "a character device")):
+            for extra in ([], ["--overwrite"]):
+                refuse(env, ["plot", env.run, "--out", out, *extra], rf"^qkmla plot: --out: \S+ is {kind}, not a "
+                       r"regular file; the figure is written to a temporary file renamed over its name, which would "
+                       r"replace it \(--overwrite too\): give a regular file's name$")
+        assert fifo.is_fifo() and os.readlink(link) == os.devnull and sorted(os.listdir(env.tmp)) == ["fifo", "null"]
+
+    def plot_legend_labels(env):
+        """Two runs named alike (a/run, b/run) were both "run" in the legend; a run named _base had no entry
+        (matplotlib leaves out labels starting with "_"), nor had `qkmla plot .` (its name is ""). Each run is
+        told apart now: its name, with the parent directories that tell it from another of the same name; a name
+        past 48 characters keeps its start and end; the same directory twice is "#2"."""
+        from matplotlib.figure import Figure
+
+        for name in ("a/run", "b/run", "_base", "c/" + "x" * 60 + "1", "c/" + "x" * 60 + "2"):
+            (env.tmp / name).mkdir(parents=True)
+            shutil.copy(env.run / "metrics.jsonl", env.tmp / name)
+        shown, save = [], Figure.savefig
+        env.monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (
+            shown.append([t.get_text() for t in fig.axes[1].get_legend().get_texts()]), save(fig, *a, **k))[1])
+        env.monkeypatch.chdir(env.tmp / "a" / "run")
+        for runs, want in (([env.tmp / "a" / "run", env.tmp / "b" / "run"], ["a/run", "b/run"]),
+                           ([env.tmp / "_base", "."], ["_base", "run"]),
+                           ([".", env.tmp / "b" / "run", "."], ["a/run", "b/run", "a/run #2"]),
+                           ([env.tmp / "c" / ("x" * 60 + "1"), env.tmp / "c" / ("x" * 60 + "2")],
+                            ["x" * 22 + "..." + "x" * 22 + "1", "x" * 22 + "..." + "x" * 22 + "2"])):
+            assert main(["plot", *map(str, runs), "--out", str(env.tmp / "f.png"), "--overwrite"]) == 0
+            assert shown.pop() == want
+
     return [
+        Row("plot", "output", "--out a FIFO or a link to /dev/null, --overwrite: the node replaced by the figure "
+            "(r21)", plot_over_a_fifo),
+        Row("plot", "path", "two runs named alike, a run named _base, '.': legend labels alike or missing (r21)",
+            plot_legend_labels),
         Row("train", "size", "--qk-clip 1e-300: zero in float32, the clipped heads zeroed, diverged (r21)",
             qk_clip_past_float32),
         Row("train", "size", "--lr 10 --weight-decay 0.5: each step multiplied the weights by -4 (r21)",
