@@ -7522,6 +7522,7 @@ def probe21_rows():
     demo's files, generate's checkpoint and eviction window."""
     TRAIN = ["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
              "--threads", "1"]
+    QUICK = ["experiment", "norm-mode", "--quick", "--seeds", "1", "--workers", "1", "--no-progress"]
 
     def train_without_out(env):
         """`qkmla train` without --out (a fresh runs/PRESET-ATTN-TIME, as --help says) ended in "TypeError: expected
@@ -7648,7 +7649,35 @@ def probe21_rows():
             assert main(["plot", *map(str, runs), "--out", str(env.tmp / "f.png"), "--overwrite"]) == 0
             assert shown.pop() == want
 
+    def experiment_results_not_a_file(env):
+        """OUT/results.jsonl a FIFO: `qkmla experiment` opened it to check its rows and waited there for good, a
+        SIGTERM answered with its "starting no new run" line but never acted on (10 minutes, then SIGKILL); a
+        directory there failed only after the grid trained, "results.jsonl: Is a directory", exit 1. Both are
+        refused before any work now, naming the path (a hang shows here as Hung after 30 s, not as a stuck test)."""
+        class Hung(BaseException):
+            pass
+
+        def hung(*_):
+            raise Hung("still waiting after 30 s")
+
+        (env.tmp / "fifo").mkdir()
+        os.mkfifo(env.tmp / "fifo" / "results.jsonl")
+        (env.tmp / "dir" / "results.jsonl").mkdir(parents=True)
+        previous = signal.signal(signal.SIGALRM, hung)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 30)
+            for out, kind in (("fifo", "a FIFO"), ("dir", "a directory")):
+                refuse(env, [*QUICK, "--out", env.tmp / out], rf"^qkmla experiment: --out: \S+/{out}/results\.jsonl "
+                       rf"is {kind}, not a regular file, where the experiment writes its report; move it away, or use "
+                       r"another --out$")
+                assert os.listdir(env.tmp / out) == ["results.jsonl"]
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
     return [
+        Row("experiment", "path", "OUT/results.jsonl a FIFO (hung, deaf to SIGTERM) or a directory (failed after the "
+            "grid) (r21)", experiment_results_not_a_file),
         Row("plot", "output", "--out a FIFO or a link to /dev/null, --overwrite: the node replaced by the figure "
             "(r21)", plot_over_a_fifo),
         Row("plot", "path", "two runs named alike, a run named _base, '.': legend labels alike or missing (r21)",
