@@ -7675,7 +7675,29 @@ def probe21_rows():
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
 
+    def demo_files_in_the_way(env):
+        """`qkmla demo --overwrite` where demo.json or curves.png is a directory trained all four runs and then
+        failed on the write ("d1/demo.json: Is a directory", exit 1); a directory as a run's metrics.jsonl, or a
+        file as a run's directory, was refused only after the runs before it had trained. Each is refused now
+        before any training, naming the path; nothing else is made."""
+        demo = ["demo", "--steps", "1", "--preset", "debug", "--threads", "1", "--overwrite", "--out"]
+        for where, pattern in (("demo.json/", r"demo\.json is a directory, not a regular file, where the demo writes "
+                                              r"its summary"),
+                               ("curves.png/", r"curves\.png is a directory, not a regular file, where the demo writes "
+                                               r"its figure"),
+                               ("mla_lr0.03", r"mla_lr0\.03 is not a directory, where the demo trains a run"),
+                               ("mla_lr0.003/metrics.jsonl/", r"mla_lr0\.003/metrics\.jsonl is a directory where the "
+                                                              r"run's file goes")):
+            out = env.tmp / where.replace("/", "_").replace(".", "_")
+            (out / where.rstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (out / where).mkdir() if where.endswith("/") else (out / where).write_text("mine")
+            before = snapshot(out), sorted(str(p) for p in out.rglob("*"))
+            refuse(env, demo + [out], rf"^qkmla demo: --out: \S+/{pattern}")
+            assert (snapshot(out), sorted(str(p) for p in out.rglob("*"))) == before
+
     return [
+        Row("demo", "path", "demo.json or curves.png a directory, a run's directory a file: found after training "
+            "(r21)", demo_files_in_the_way),
         Row("experiment", "path", "OUT/results.jsonl a FIFO (hung, deaf to SIGTERM) or a directory (failed after the "
             "grid) (r21)", experiment_results_not_a_file),
         Row("plot", "output", "--out a FIFO or a link to /dev/null, --overwrite: the node replaced by the figure "
