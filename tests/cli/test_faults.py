@@ -7695,7 +7695,27 @@ def probe21_rows():
             refuse(env, demo + [out], rf"^qkmla demo: --out: \S+/{pattern}")
             assert (snapshot(out), sorted(str(p) for p in out.rglob("*"))) == before
 
+    def generate_from_another_runs_checkpoint(env):
+        """A run (attn mla) whose checkpoint.safetensors was copied in from another run (mla-qknorm): `qkmla generate
+        RUN` sampled the other run's model without a word, where train --resume over it is refused. It samples
+        from the checkpoint's model still, and says so in one warning line naming both files and what differs;
+        the run's own checkpoint gives no warning."""
+        run = env.tmp / "b"
+        assert main(TRAIN + ["--out", str(run), "--attn", "mla"]) == 0
+        for checkpoint, warned in ((run / "checkpoint.safetensors", False), (env.run / "checkpoint.safetensors", True)):
+            shutil.copy(checkpoint, env.tmp / "c.safetensors")
+            shutil.copy(env.tmp / "c.safetensors", run / "checkpoint.safetensors")
+            env.capsys.readouterr()
+            assert main(["generate", str(run), "--tokens", "3", "--prompt", "hi", "--threads", "1"]) == 0
+            lines = [x for x in env.capsys.readouterr().err.splitlines() if not noise(x)]
+            assert len(lines) == warned, lines
+        assert re.match(r"qkmla generate: warning: \S+/b/checkpoint\.safetensors is another run's checkpoint than the "
+                        r"one \S+/b/config\.json records \(attn: checkpoint 'mla-qknorm', config\.json 'mla'\); "
+                        r"sampling from the checkpoint's model$", lines[0]), lines
+
     return [
+        Row("generate", "path", "RUN's checkpoint copied in from another run: sampled without a word (r21)",
+            generate_from_another_runs_checkpoint),
         Row("demo", "path", "demo.json or curves.png a directory, a run's directory a file: found after training "
             "(r21)", demo_files_in_the_way),
         Row("experiment", "path", "OUT/results.jsonl a FIFO (hung, deaf to SIGTERM) or a directory (failed after the "

@@ -234,8 +234,22 @@ def _warn_config_edits(run) -> None:
     """The model is built from the settings its checkpoint carries, never from RUN/config.json, the run's
     record of them; a hand edit there (model.n_head 3) was read by nothing without a word (probe14 G17),
     where a resume over it is refused. Generating reads the checkpoint alone, so the edit is said, not refused."""
-    from ..train.rundir import resume_edits
+    from ..train.checkpoint import FILENAME, read_metadata
+    from ..train.rundir import foreign_checkpoint, resume_edits, written_digests
 
+    try:
+        recorded = json.loads(read_metadata(Path(run) / FILENAME)["config"])
+    except (OSError, ValueError, KeyError, TypeError):  # loaded already, so readable: a caller's own file
+        recorded = None
+    # A checkpoint copied in from another run (its settings differ from those the config.json qkmla wrote here
+    # records) was sampled without a word, as if it were this run's
+    foreign = foreign_checkpoint(Path(run) / "config.json", recorded, written_digests(Path(run))) if recorded else []
+    if foreign:
+        print(one_line(f"qkmla generate: warning: {Path(run) / FILENAME} is another run's checkpoint than the one "
+                       f"{Path(run) / 'config.json'} records ({'; '.join(foreign[:3])}"
+                       f"{'; ...' if len(foreign) > 3 else ''}); sampling from the checkpoint's model"),
+              file=sys.stderr)
+        return
     # The settings that may change on a resume (RESUMABLE: lr, steps, the schedule) and the data are not the
     # model's, and the warning says the model is the checkpoint's; every other edit is said (TrainConfig's
     # other fields, attn, preset, block_size, define the model).
