@@ -7713,7 +7713,24 @@ def probe21_rows():
                         r"one \S+/b/config\.json records \(attn: checkpoint 'mla-qknorm', config\.json 'mla'\); "
                         r"sampling from the checkpoint's model$", lines[0]), lines
 
+    def streaming_llm_window_reported(env):
+        """`qkmla generate --policy streaming-llm --budget 16` reported "sinks 4, window 1" for caches holding the
+        4 sinks and the 12 newest tokens: streaming-llm's window is all it keeps past its sinks, and the 1 was the
+        newest token every policy protects. The line gives the window the caches hold now, sinks + window being
+        the tokens kept (the caches' own count); h2o's window is its --window, as before."""
+        for flags, want in ((["streaming-llm", "--budget", "16"], r"sinks 4, window 12\) kept 16 of 17 "),
+                            (["streaming-llm", "--budget", "10", "--sinks", "2"],
+                             r"sinks 2, window 8\) kept 10 of 17 "),
+                            (["h2o", "--budget", "16", "--window", "4"], r"sinks 0, window 4\) kept 16 of 17 ")):
+            env.capsys.readouterr()
+            assert main(["generate", str(env.run), "--tokens", "6", "--prompt", "hello there", "--threads", "1",
+                         "--policy", *flags]) == 0
+            err = env.capsys.readouterr().err
+            assert re.search(rf"^{flags[0]} \(--budget \d+, {want}tokens seen per cache at the end", err, re.M), err
+
     return [
+        Row("generate", "size", "--policy streaming-llm --budget 16: 'window 1' reported for the 12 newest kept (r21)",
+            streaming_llm_window_reported),
         Row("generate", "path", "RUN's checkpoint copied in from another run: sampled without a word (r21)",
             generate_from_another_runs_checkpoint),
         Row("demo", "path", "demo.json or curves.png a directory, a run's directory a file: found after training "

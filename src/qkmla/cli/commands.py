@@ -174,7 +174,13 @@ def _kept_line(policy, report: dict) -> str:
     kept, seen = report["kept"], report["seen"]
     pairs = ", ".join(f"{k} of {n}" for k, n in zip(kept, seen))
     asked = f"--budget {policy.budget}" if policy.budget is not None else f"--kept-fraction {policy.kept_fraction:g}"
-    return (f"{policy.name} ({asked}, sinks {policy.sinks}, window {policy.window}) kept {pairs} tokens seen "
+    window = str(policy.window)
+    if policy.name == "streaming-llm":
+        # Its window is every token it keeps past the sinks (the newest); policy.window is only the newest token
+        # it always keeps, and "window 1" was reported for a cache holding the 12 newest (--budget 16, sinks 4)
+        newest = list(dict.fromkeys(max(0, k - policy.sinks) for k in kept))
+        window = ", ".join(map(str, newest)) + (" (per cache)" if len(newest) > 1 else "")
+    return (f"{policy.name} ({asked}, sinks {policy.sinks}, window {window}) kept {pairs} tokens seen "
             f"per cache at the end ({sum(kept) / max(1, sum(seen)):.0%})")
 
 
