@@ -7728,7 +7728,43 @@ def probe21_rows():
             err = env.capsys.readouterr().err
             assert re.search(rf"^{flags[0]} \(--budget \d+, {want}tokens seen per cache at the end", err, re.M), err
 
+    def train_signal_while_measuring_step_memory(env):
+        """`qkmla train --block-size 100000` measures what a step saves with a real forward of two windows, one
+        torch call per op, each minutes long: Python runs a signal's handler only between calls, so a SIGTERM
+        there was acted on 33.8 s later (a Ctrl-C the same). The forward runs in a thread of its own now, the
+        main thread waiting: SIGTERM ends the command at once, 143 and its one line, nothing made."""
+        started = env.tmp / "measuring"
+        driver = env.tmp / "driver.py"
+        driver.write_text(textwrap.dedent(f"""
+            import sys, time
+            import qkmla.train.step_memory as step_memory
+            from qkmla.cli import main
+
+            real = step_memory.saved_bytes
+            def saved_bytes(*a):  # says when the measuring forward starts
+                open({str(started)!r}, "a").close()
+                return real(*a)
+            step_memory.saved_bytes = saved_bytes
+            sys.orig_argv = [sys.executable, "-m", "qkmla", *sys.argv[1:]]  # as `python -m qkmla train ...` is
+            sys.exit(main(sys.argv[1:]))
+            """))
+        proc = subprocess.Popen([sys.executable, str(driver), *TRAIN, "--block-size", "100000", "--out", "r"],
+                                cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+        t0 = time.monotonic()
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(3)  # inside the forward's attention (a norm's ops come first)
+        proc.send_signal(signal.SIGTERM)
+        code, err, took = finish(proc, 10)
+        assert code == 143 and err.strip().splitlines()[-1] == "qkmla train: stopped by SIGTERM; nothing half-written " \
+            "is left" and "terminate called" not in err, (took, err)
+        assert not (env.tmp / "r").exists()
+
     return [
+        Row("train", "signal", "SIGTERM while --block-size 100000 measures step memory: acted on 33.8 s later (r21)",
+            train_signal_while_measuring_step_memory),
         Row("generate", "size", "--policy streaming-llm --budget 16: 'window 1' reported for the 12 newest kept (r21)",
             streaming_llm_window_reported),
         Row("generate", "path", "RUN's checkpoint copied in from another run: sampled without a word (r21)",

@@ -59,6 +59,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         return status
     except Terminated as e:  # SIGTERM or SIGHUP to a command without its own handling: its writing is removed
         notice(f"qkmla {command}: stopped by {e}; nothing half-written is left")
+        _end_with_abandoned_work(e.exit_code)
         return e.exit_code  # 128 + the signal, what a shell reports (143 SIGTERM, 129 SIGHUP)
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
         notice(f"qkmla {command}: {one_line(str(e))}")
@@ -71,6 +72,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         return 2
     except KeyboardInterrupt:
         notice(f"qkmla {command}: interrupted")
+        _end_with_abandoned_work(130)
         return 130
     except Exception as e:
         message = environment_message(e)
@@ -87,6 +89,31 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         for stream, errors in restore.items():
             stream.reconfigure(errors=errors)
         _quiet_exit()
+
+
+def _end_with_abandoned_work(code: int) -> None:
+    """In qkmla's command-line process, a signal that stopped the command while a thread of its work is still
+    inside a torch call (a step-memory forward: ``train.step_memory.interruptible``; a rendezvous) ends the
+    process here, with ``code``: Python's own exit ran libtorch's destructors under that thread and aborted
+    ("terminate called without an active exception", status -6 for a SIGTERM's 143). The command's line is
+    said and nothing is written by then. A caller's own Python (a test) is left alone: its thread ends with
+    the work."""
+    import os
+    import threading
+
+    from .environment import command_line_name
+
+    if command_line_name() is None:
+        return
+    # is_alive() is no guide: a join() the signal interrupted leaves it False for a thread still running
+    if any(t.daemon and t.name.startswith("qkmla-") and not getattr(t, "qkmla_done", threading.Event()).is_set()
+           for t in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def _quiet_exit() -> None:
