@@ -7758,11 +7758,28 @@ def probe21_rows():
         time.sleep(3)  # inside the forward's attention (a norm's ops come first)
         proc.send_signal(signal.SIGTERM)
         code, err, took = finish(proc, 10)
-        assert code == 143 and err.strip().splitlines()[-1] == "qkmla train: stopped by SIGTERM; nothing half-written " \
-            "is left" and "terminate called" not in err, (took, err)
+        last = err.strip().splitlines()[-1]
+        assert code == 143 and last == "qkmla train: stopped by SIGTERM; nothing half-written is left", (took, err)
+        assert "terminate called" not in err, err
         assert not (env.tmp / "r").exists()
 
+    def train_warning_naming_a_newline(env):
+        """A run directory named with a newline, its metrics.jsonl cut to its first row, resumed: the warning about
+        the steps its log lacks printed the path raw, in two lines (the second reading as a line of its own). One
+        line now, the newline escaped (\\n), as the refusals' are."""
+        run = env.tmp / "r\nqkmla train: ok"
+        shutil.copytree(env.run, run)
+        log = run / "metrics.jsonl"
+        log.write_text(log.read_text().splitlines(keepends=True)[0])
+        env.capsys.readouterr()
+        assert main(TRAIN[:4] + ["3"] + TRAIN[5:] + ["--out", str(run), "--resume"]) == 0
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(r"warning: \S+/r\\nqkmla train: ok/metrics\.jsonl holds no row for 1 of "
+                                            r"the 2 steps before the checkpoint", lines[0]), lines
+
     return [
+        Row("train", "path", "--resume of a run named with a newline, its log cut: the warning in two lines (r21)",
+            train_warning_naming_a_newline),
         Row("train", "signal", "SIGTERM while --block-size 100000 measures step memory: acted on 33.8 s later (r21)",
             train_signal_while_measuring_step_memory),
         Row("generate", "size", "--policy streaming-llm --budget 16: 'window 1' reported for the 12 newest kept (r21)",

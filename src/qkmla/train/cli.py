@@ -13,7 +13,7 @@ from typing import Optional
 
 from ..utils.checked import is_int
 from ..utils.environment import dist_environment
-from ..utils.errors import flag_message, notice
+from ..utils.errors import flag_message, notice, one_line
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
 from .config import DEFAULT_WARMUP_STEPS, TrainConfig, weight_decay_past_lr
@@ -295,7 +295,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(json.dumps(status))
     if status["status"] == "non-finite":
         # Said on stderr too: the JSON line alone (stdout, often a log file) gave a bare exit 1 (probe 18, --lr 1e30)
-        notice(f"qkmla train: {diverged_line(status, config)}")
+        notice(one_line(f"qkmla train: {diverged_line(status, config)}"))
     return exit_code(status)
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..utils.environment import dist_environment
-from ..utils.errors import TERMINATING_SIGNALS, MachineError, notice
+from ..utils.errors import TERMINATING_SIGNALS, MachineError, notice, one_line
 from ..utils.files import append_line, make_directory, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
@@ -308,7 +308,7 @@ def _train_in(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, rank: i
     with RunLock(out):
         note = prepare(out, config.resume, config.overwrite)
         if note:
-            print(f"{out}: {note}")
+            print(one_line(f"{out}: {note}"))
         return _train_locked(config, corpus, model, out, rank, world)
 
 
@@ -405,7 +405,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
         write_text(out / "config.json", config_text)
         missing = truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
         if missing:  # metrics.jsonl deleted or cut by hand: the resume went on without a word, its log a gap
-            notice(gap_line(out / "metrics.jsonl", missing, start))
+            notice(one_line(gap_line(out / "metrics.jsonl", missing, start)))
 
     wrapped = model
     if world > 1 and not fsdp:
