@@ -7777,7 +7777,21 @@ def probe21_rows():
         assert len(lines) == 1 and re.match(r"warning: \S+/r\\nqkmla train: ok/metrics\.jsonl holds no row for 1 of "
                                             r"the 2 steps before the checkpoint", lines[0]), lines
 
+    def experiment_run_file_not_a_file(env):
+        """A grid run's metrics.jsonl a FIFO: a finished run's blocked the check of its last step for good (killed
+        after 40 s); an unfinished one's trained the other runs, then failed that run inside the grid ("run
+        unified_s1 failed", exit 1). Refused before any work now, naming the file; nothing trained."""
+        out = env.tmp / "e"
+        (out / "runs" / "unified_s1").mkdir(parents=True)
+        os.mkfifo(out / "runs" / "unified_s1" / "metrics.jsonl")
+        refuse(env, [*QUICK, "--out", out], r"^qkmla experiment: --out: \S+/runs/unified_s1/metrics\.jsonl is a FIFO, "
+               r"not a regular file, where the run unified_s1 keeps its metrics\.jsonl; move it away, or remove that "
+               r"run's directory to train it again$")
+        assert sorted(os.listdir(out / "runs")) == ["unified_s1"]
+
     return [
+        Row("experiment", "path", "a grid run's metrics.jsonl a FIFO: hung (finished run) or failed in the grid (r21)",
+            experiment_run_file_not_a_file),
         Row("train", "path", "--resume of a run named with a newline, its log cut: the warning in two lines (r21)",
             train_warning_naming_a_newline),
         Row("train", "signal", "SIGTERM while --block-size 100000 measures step memory: acted on 33.8 s later (r21)",

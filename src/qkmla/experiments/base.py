@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..train.checkpoint import FILENAME
-from ..train.rundir import RunLock, read_rows, read_status, resume_edits
+from ..train.rundir import RUN_FILES, RunLock, read_rows, read_status, resume_edits
 from ..utils.files import (check_own_directory, check_writable, input_file_problem, make_directory, same_file,
                            special_file, write_text)
 from ..utils.machine import machine, source_commit
@@ -186,6 +186,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
         _check_runs_directory(out)
         _check_out(experiment, options)
         runs = experiment.plan(options)
+        _check_run_files(out, runs)
         _check_finished_logs(out, runs)
         t0 = time.perf_counter()
         if not experiment.adaptive:
@@ -396,6 +397,19 @@ def _check_out(experiment: Experiment, options: Options) -> None:
                          "takes its settings from the plan and the checkpoint and would overwrite the change: undo it "
                          "(or remove the file) to resume them, pass --overwrite to start them over, or use another "
                          "--out")
+
+
+def _check_run_files(out: Path, runs: list) -> None:
+    """Before any work: each run's files (metrics.jsonl, status.json, config.json, its checkpoint) are regular
+    files or absent. A FIFO as a finished run's metrics.jsonl blocked the check of its last step for good (killed
+    after 40 s); a directory there failed the run only inside the grid."""
+    for run in runs:
+        for name in RUN_FILES:
+            path = run_dir(out, run) / name
+            kind = "a directory" if path.is_dir() else special_file(path)
+            if kind is not None:
+                raise ValueError(f"--out: {path} is {kind}, not a regular file, where the run {run.name} keeps its "
+                                 f"{name}; move it away, or remove that run's directory to train it again")
 
 
 def _check_finished_logs(out: Path, runs: list) -> None:

@@ -338,6 +338,8 @@ def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
     or damage) is skipped, and the rows around it kept. ``skipped``, a list, receives the
     1-based number of each line skipped (a reader that shows the rows says which it left out)."""
     rows = []
+    if not Path(path).is_file():  # a FIFO by that name: reading it waited for a writer forever
+        return rows
     try:
         data = Path(path).read_bytes()
     except OSError:
