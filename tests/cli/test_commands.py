@@ -35,6 +35,21 @@ def test_verify_exits_non_zero_on_failure(monkeypatch, capsys):
     assert "FAILED: rms-blockwise/float64" in capsys.readouterr().err
 
 
+def test_version(capsys):
+    """`qkmla --version` was refused ("the following arguments are required: command", exit 2): it prints the
+    package's version, the one pyproject.toml gives, and exits 0."""
+    import re
+    from pathlib import Path
+
+    import qkmla
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"qkmla {qkmla.__version__}\n"
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1) == qkmla.__version__
+
+
 REQUIRED = {"plot": ["RUN"], "convert": ["--hf", "H", "--out", "O"], "convert-gqa": ["--hf", "H", "--out", "O"]}
 
 

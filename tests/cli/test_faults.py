@@ -6274,7 +6274,9 @@ def probe18_rows():
     def train_diverged(env):
         """``--lr 1e30``: the gradient norm is NaN at step 2, and the run's status ("non-finite") and error were only
         in the JSON on stdout: stderr empty, exit 1. Now one stderr line naming --lr, the step and what is kept."""
-        refuse(env, train_ok(env, env.tmp / "r")[:-2] + ["--steps", "3", "--lr", "1e30", "--out", env.tmp / "r"],
+        # no weight decay: lr x weight decay >= 1 is refused before any work (round 21)
+        refuse(env, train_ok(env, env.tmp / "r")[:-2] + ["--steps", "3", "--lr", "1e30", "--weight-decay", "0",
+                                                         "--out", env.tmp / "r"],
                r"^qkmla train: --lr 1e\+30: the run diverged: gradient norm is nan at step 2 \(status non-finite\); "
                r"it wrote no checkpoint; .* keeps its log; a lower --lr", code=1)
         assert status(env.tmp / "r")["status"] == "non-finite"
@@ -8364,13 +8366,320 @@ def hf21_rows():
     ]
 
 
+def probe21_rows():
+    """Round 21's CLI probe (re-done after its first fixes were lost): the default run directory, --version, the
+    one-line refusals, training options read by nothing, plot's output and legend, experiment's results file,
+    demo's files, generate's checkpoint and eviction window."""
+    TRAIN = ["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+             "--threads", "1"]
+    QUICK = ["experiment", "norm-mode", "--quick", "--seeds", "1", "--workers", "1", "--no-progress"]
+
+    def train_without_out(env):
+        """`qkmla train` without --out (a fresh runs/PRESET-ATTN-TIME, as --help says) ended in "TypeError: expected
+        str, bytes or os.PathLike object, not NoneType" and "internal error" (the check for an experiment's run
+        took the None). It trains into runs/debug-mla-qknorm-TIME now."""
+        env.capsys.readouterr()
+        assert main(TRAIN) == 0
+        out = env.capsys.readouterr().out
+        (run,) = (env.tmp / "runs").iterdir()
+        assert re.match(r"debug-mla-qknorm-\d{8}-\d{6}$", run.name) and f"writing the run to runs/{run.name}" in out
+        assert status(run)["status"] == "done"
+
+    def two_trains_without_out(env):
+        """Two `qkmla train` without --out started in the same second both picked the same fresh name (it did not
+        exist for either yet), and the second was refused as "--out: runs/... already holds a run", an option it
+        never gave. Each takes a name of its own now (made as it is picked): here the other run picks its name
+        between this run's two steps and finishes first."""
+        import qkmla.train.trainer as trainer
+
+        real, other = trainer.fresh_out, []
+
+        def at_once(*a):
+            other.append(real(*a))  # the other process's pick, at the same moment
+            mine = real(*a)
+            shutil.copytree(env.run, other[0], dirs_exist_ok=True)  # it trained there first
+            return mine
+
+        env.monkeypatch.setattr(trainer, "fresh_out", at_once)
+        assert main(TRAIN) == 0
+        runs = sorted((env.tmp / "runs").iterdir())
+        assert len(runs) == 2 and all(status(r)["status"] == "done" for r in runs)
+        assert snapshot(other[0]) == snapshot(env.run)
+
+    def a_newline_in_a_path(env):
+        """A run directory named with a newline ("r\\nqkmla plot: ok", a name a script can make): the refusal naming it
+        printed two lines, the second reading as a message of its own; so did the warning about its damaged lines.
+        Every line names it with the newline escaped now (\\n, as Python writes it), one line each."""
+        run = env.tmp / "r\nqkmla plot: ok"
+        run.mkdir()
+        refuse(env, ["plot", run, "--out", env.tmp / "f.png"], r"^qkmla plot: runs: no metrics\.jsonl in \S+/r\\nqkmla "
+               r"plot: ok$")
+        (run / "metrics.jsonl").write_text((env.run / "metrics.jsonl").read_text() + "junk\n")
+        env.capsys.readouterr()
+        assert main(["plot", str(run), "--out", str(env.tmp / "f.png")]) == 0
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if not noise(x)]
+        assert len(lines) == 1 and re.match(r"qkmla plot: warning: \S+/r\\nqkmla plot: ok/metrics\.jsonl: line 3 of 3",
+                                            lines[0]), lines
+
+    def qk_clip_past_float32(env):
+        """--qk-clip 1e-300 (finite and > 0, so taken): the heads' max logits are float32, tau / S_h was 0 there, the
+        clipped heads' query and key rows were zeroed and the run diverged at step 1, blamed on --lr; 1e39 was inf
+        there and never clipped. Refused now, naming --qk-clip and float32's normal range, before any work."""
+        from qkmla.train.config import TrainConfig
+
+        for tau in ("1e-300", "1e39"):
+            refuse(env, TRAIN + ["--out", env.tmp / "r", "--attn", "mla", "--qk-clip", tau],
+                   rf"^qkmla train: --qk-clip: expected a threshold within float32's normal range "
+                   rf"\(1\.1754943508222875e-38 to 3\.4028234663852886e\+38\) or None, got "
+                   rf"{re.escape(repr(float(tau)))}$")
+        raises(lambda: TrainConfig(attn="mla", qk_clip=1e-300), ValueError, r"^qk_clip: expected a threshold")
+        assert not (env.tmp / "r").exists()
+
+    def weight_decay_times_lr_past_one(env):
+        """--lr 10 --weight-decay 0.5: decoupled weight decay multiplies the decayed weights by 1 - 10 * 0.5 = -4 a
+        step, flipping their sign (at a product of 1, zeroing them); the run trained to status "done" (val loss
+        1530 after a step). Refused now naming both options, before any work; TrainConfig names its fields."""
+        from qkmla.train.config import TrainConfig
+
+        for lr, decay, left in (("10", "0.5", "-4"), ("10", "0.1", "0")):
+            refuse(env, TRAIN + ["--out", env.tmp / "r", "--lr", lr, "--weight-decay", decay],
+                   rf"^qkmla train: --weight-decay: times --lr must be below 1 \(decoupled weight decay multiplies the "
+                   rf"decayed weights by 1 - --lr \* --weight-decay each step: 0 zeroes them, below 0 flips their "
+                   rf"sign\), got --weight-decay {decay} with --lr {lr} \(1 - \d+ = {left}\); lower --lr or "
+                   rf"--weight-decay$")
+        raises(lambda: TrainConfig(lr=2.0, weight_decay=0.5), ValueError, r"^weight_decay: times lr must be below 1")
+        assert not (env.tmp / "r").exists()
+        TrainConfig(lr=1.0, weight_decay=0.5)  # 1 - 0.5: shrinks, as weight decay does
+
+    def qk_clip_alpha_with_mla(env):
+        """--attn mla --qk-clip 100 --qk-clip-alpha 0.9: QK-Clip reads alpha (the query's share of the factor) for
+        MHA, GQA and MQA only, MLA's split being fixed, so the run trained as with 0.5, without a word. Refused now,
+        naming --qk-clip-alpha; --attn mha takes it."""
+        refuse(env, TRAIN + ["--out", env.tmp / "r", "--attn", "mla", "--qk-clip", "100", "--qk-clip-alpha", "0.9"],
+               r"^qkmla train: --qk-clip-alpha: read by nothing with --attn mla: MLA's QK-Clip splits each head's "
+               r"factor its own way .*; the query's share is for --attn mha, gqa or mqa; drop it$")
+        assert not (env.tmp / "r").exists()
+        assert main(TRAIN + ["--out", str(env.tmp / "m"), "--attn", "mha", "--qk-clip", "100",
+                             "--qk-clip-alpha", "0.9"]) == 0
+
+    def plot_over_a_fifo(env):
+        """`qkmla plot RUN --out FIFO --overwrite` (or a link to /dev/null) wrote "wrote FIFO", exit 0: the figure's
+        temporary file was renamed over the name, removing the FIFO (as root, --out /dev/null replaced the device
+        with a PNG). A name that is not a regular file is refused now, naming --out and what it is, with or
+        without --overwrite; the node stays."""
+        fifo, link = env.tmp / "fifo", env.tmp / "null"
+        os.mkfifo(fifo)
+        link.symlink_to(os.devnull)
+        for out, kind in ((fifo, "a FIFO"), (link, "a character device")):
+            for extra in ([], ["--overwrite"]):
+                refuse(env, ["plot", env.run, "--out", out, *extra], rf"^qkmla plot: --out: \S+ is {kind}, not a "
+                       r"regular file; the figure is written to a temporary file renamed over its name, which would "
+                       r"replace it \(--overwrite too\): give a regular file's name$")
+        assert fifo.is_fifo() and os.readlink(link) == os.devnull and sorted(os.listdir(env.tmp)) == ["fifo", "null"]
+
+    def plot_legend_labels(env):
+        """Two runs named alike (a/run, b/run) were both "run" in the legend; a run named _base had no entry
+        (matplotlib leaves out labels starting with "_"), nor had `qkmla plot .` (its name is ""). Each run is
+        told apart now: its name, with the parent directories that tell it from another of the same name; a name
+        past 48 characters keeps its start and end; the same directory twice is "#2"."""
+        from matplotlib.figure import Figure
+
+        for name in ("a/run", "b/run", "_base", "c/" + "x" * 60 + "1", "c/" + "x" * 60 + "2"):
+            (env.tmp / name).mkdir(parents=True)
+            shutil.copy(env.run / "metrics.jsonl", env.tmp / name)
+        shown, save = [], Figure.savefig
+        env.monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (
+            shown.append([t.get_text() for t in fig.axes[1].get_legend().get_texts()]), save(fig, *a, **k))[1])
+        env.monkeypatch.chdir(env.tmp / "a" / "run")
+        for runs, want in (([env.tmp / "a" / "run", env.tmp / "b" / "run"], ["a/run", "b/run"]),
+                           ([env.tmp / "_base", "."], ["_base", "run"]),
+                           ([".", env.tmp / "b" / "run", "."], ["a/run", "b/run", "a/run #2"]),
+                           ([env.tmp / "c" / ("x" * 60 + "1"), env.tmp / "c" / ("x" * 60 + "2")],
+                            ["x" * 22 + "..." + "x" * 22 + "1", "x" * 22 + "..." + "x" * 22 + "2"])):
+            assert main(["plot", *map(str, runs), "--out", str(env.tmp / "f.png"), "--overwrite"]) == 0
+            assert shown.pop() == want
+
+    def experiment_results_not_a_file(env):
+        """OUT/results.jsonl a FIFO: `qkmla experiment` opened it to check its rows and waited there for good, a
+        SIGTERM answered with its "starting no new run" line but never acted on (10 minutes, then SIGKILL); a
+        directory there failed only after the grid trained, "results.jsonl: Is a directory", exit 1. Both are
+        refused before any work now, naming the path (a hang shows here as Hung after 30 s, not as a stuck test)."""
+        class Hung(BaseException):
+            pass
+
+        def hung(*_):
+            raise Hung("still waiting after 30 s")
+
+        (env.tmp / "fifo").mkdir()
+        os.mkfifo(env.tmp / "fifo" / "results.jsonl")
+        (env.tmp / "dir" / "results.jsonl").mkdir(parents=True)
+        previous = signal.signal(signal.SIGALRM, hung)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 30)
+            for out, kind in (("fifo", "a FIFO"), ("dir", "a directory")):
+                refuse(env, [*QUICK, "--out", env.tmp / out], rf"^qkmla experiment: --out: \S+/{out}/results\.jsonl "
+                       rf"is {kind}, not a regular file, where the experiment writes its report; move it away, or use "
+                       r"another --out$")
+                assert os.listdir(env.tmp / out) == ["results.jsonl"]
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def demo_files_in_the_way(env):
+        """`qkmla demo --overwrite` where demo.json or curves.png is a directory trained all four runs and then
+        failed on the write ("d1/demo.json: Is a directory", exit 1); a directory as a run's metrics.jsonl, or a
+        file as a run's directory, was refused only after the runs before it had trained. Each is refused now
+        before any training, naming the path; nothing else is made."""
+        demo = ["demo", "--steps", "1", "--preset", "debug", "--threads", "1", "--overwrite", "--out"]
+        for where, pattern in (("demo.json/", r"demo\.json is a directory, not a regular file, where the demo writes "
+                                              r"its summary"),
+                               ("curves.png/", r"curves\.png is a directory, not a regular file, where the demo writes "
+                                               r"its figure"),
+                               ("mla_lr0.03", r"mla_lr0\.03 is not a directory, where the demo trains a run"),
+                               ("mla_lr0.003/metrics.jsonl/", r"mla_lr0\.003/metrics\.jsonl is a directory where the "
+                                                              r"run's file goes")):
+            out = env.tmp / where.replace("/", "_").replace(".", "_")
+            (out / where.rstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            (out / where).mkdir() if where.endswith("/") else (out / where).write_text("mine")
+            before = snapshot(out), sorted(str(p) for p in out.rglob("*"))
+            refuse(env, demo + [out], rf"^qkmla demo: --out: \S+/{pattern}")
+            assert (snapshot(out), sorted(str(p) for p in out.rglob("*"))) == before
+
+    def generate_from_another_runs_checkpoint(env):
+        """A run (attn mla) whose checkpoint.safetensors was copied in from another run (mla-qknorm): `qkmla generate
+        RUN` sampled the other run's model without a word, where train --resume over it is refused. It samples
+        from the checkpoint's model still, and says so in one warning line naming both files and what differs;
+        the run's own checkpoint gives no warning."""
+        run = env.tmp / "b"
+        assert main(TRAIN + ["--out", str(run), "--attn", "mla"]) == 0
+        for checkpoint, warned in ((run / "checkpoint.safetensors", False), (env.run / "checkpoint.safetensors", True)):
+            shutil.copy(checkpoint, env.tmp / "c.safetensors")
+            shutil.copy(env.tmp / "c.safetensors", run / "checkpoint.safetensors")
+            env.capsys.readouterr()
+            assert main(["generate", str(run), "--tokens", "3", "--prompt", "hi", "--threads", "1"]) == 0
+            lines = [x for x in env.capsys.readouterr().err.splitlines() if not noise(x)]
+            assert len(lines) == warned, lines
+        assert re.match(r"qkmla generate: warning: \S+/b/checkpoint\.safetensors is another run's checkpoint than the "
+                        r"one \S+/b/config\.json records \(attn: checkpoint 'mla-qknorm', config\.json 'mla'\); "
+                        r"sampling from the checkpoint's model$", lines[0]), lines
+
+    def streaming_llm_window_reported(env):
+        """`qkmla generate --policy streaming-llm --budget 16` reported "sinks 4, window 1" for caches holding the
+        4 sinks and the 12 newest tokens: streaming-llm's window is all it keeps past its sinks, and the 1 was the
+        newest token every policy protects. The line gives the window the caches hold now, sinks + window being
+        the tokens kept (the caches' own count); h2o's window is its --window, as before."""
+        for flags, want in ((["streaming-llm", "--budget", "16"], r"sinks 4, window 12\) kept 16 of 17 "),
+                            (["streaming-llm", "--budget", "10", "--sinks", "2"],
+                             r"sinks 2, window 8\) kept 10 of 17 "),
+                            (["h2o", "--budget", "16", "--window", "4"], r"sinks 0, window 4\) kept 16 of 17 ")):
+            env.capsys.readouterr()
+            assert main(["generate", str(env.run), "--tokens", "6", "--prompt", "hello there", "--threads", "1",
+                         "--policy", *flags]) == 0
+            err = env.capsys.readouterr().err
+            assert re.search(rf"^{flags[0]} \(--budget \d+, {want}tokens seen per cache at the end", err, re.M), err
+
+    def train_signal_while_measuring_step_memory(env):
+        """`qkmla train --block-size 100000` measures what a step saves with a real forward of two windows, one
+        torch call per op, each minutes long: Python runs a signal's handler only between calls, so a SIGTERM
+        there was acted on 33.8 s later (a Ctrl-C the same). The forward runs in a thread of its own now, the
+        main thread waiting: SIGTERM ends the command at once, 143 and its one line, nothing made."""
+        started = env.tmp / "measuring"
+        driver = env.tmp / "driver.py"
+        driver.write_text(textwrap.dedent(f"""
+            import sys, time
+            import qkmla.train.step_memory as step_memory
+            from qkmla.cli import main
+
+            real = step_memory.saved_bytes
+            def saved_bytes(*a):  # says when the measuring forward starts
+                open({str(started)!r}, "a").close()
+                return real(*a)
+            step_memory.saved_bytes = saved_bytes
+            sys.orig_argv = [sys.executable, "-m", "qkmla", *sys.argv[1:]]  # as `python -m qkmla train ...` is
+            sys.exit(main(sys.argv[1:]))
+            """))
+        proc = subprocess.Popen([sys.executable, str(driver), *TRAIN, "--block-size", "100000", "--out", "r"],
+                                cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+        t0 = time.monotonic()
+        while not started.exists():
+            assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(3)  # inside the forward's attention (a norm's ops come first)
+        proc.send_signal(signal.SIGTERM)
+        code, err, took = finish(proc, 10)
+        last = err.strip().splitlines()[-1]
+        assert code == 143 and last == "qkmla train: stopped by SIGTERM; nothing half-written is left", (took, err)
+        assert "terminate called" not in err, err
+        assert not (env.tmp / "r").exists()
+
+    def train_warning_naming_a_newline(env):
+        """A run directory named with a newline, its metrics.jsonl cut to its first row, resumed: the warning about
+        the steps its log lacks printed the path raw, in two lines (the second reading as a line of its own). One
+        line now, the newline escaped (\\n), as the refusals' are."""
+        run = env.tmp / "r\nqkmla train: ok"
+        shutil.copytree(env.run, run)
+        log = run / "metrics.jsonl"
+        log.write_text(log.read_text().splitlines(keepends=True)[0])
+        env.capsys.readouterr()
+        assert main(TRAIN[:4] + ["3"] + TRAIN[5:] + ["--out", str(run), "--resume"]) == 0
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(r"warning: \S+/r\\nqkmla train: ok/metrics\.jsonl holds no row for 1 of "
+                                            r"the 2 steps before the checkpoint", lines[0]), lines
+
+    def experiment_run_file_not_a_file(env):
+        """A grid run's metrics.jsonl a FIFO: a finished run's blocked the check of its last step for good (killed
+        after 40 s); an unfinished one's trained the other runs, then failed that run inside the grid ("run
+        unified_s1 failed", exit 1). Refused before any work now, naming the file; nothing trained."""
+        out = env.tmp / "e"
+        (out / "runs" / "unified_s1").mkdir(parents=True)
+        os.mkfifo(out / "runs" / "unified_s1" / "metrics.jsonl")
+        refuse(env, [*QUICK, "--out", out], r"^qkmla experiment: --out: \S+/runs/unified_s1/metrics\.jsonl is a FIFO, "
+               r"not a regular file, where the run unified_s1 keeps its metrics\.jsonl; move it away, or remove that "
+               r"run's directory to train it again$")
+        assert sorted(os.listdir(out / "runs")) == ["unified_s1"]
+
+    return [
+        Row("experiment", "path", "a grid run's metrics.jsonl a FIFO: hung (finished run) or failed in the grid (r21)",
+            experiment_run_file_not_a_file),
+        Row("train", "path", "--resume of a run named with a newline, its log cut: the warning in two lines (r21)",
+            train_warning_naming_a_newline),
+        Row("train", "signal", "SIGTERM while --block-size 100000 measures step memory: acted on 33.8 s later (r21)",
+            train_signal_while_measuring_step_memory),
+        Row("generate", "size", "--policy streaming-llm --budget 16: 'window 1' reported for the 12 newest kept (r21)",
+            streaming_llm_window_reported),
+        Row("generate", "path", "RUN's checkpoint copied in from another run: sampled without a word (r21)",
+            generate_from_another_runs_checkpoint),
+        Row("demo", "path", "demo.json or curves.png a directory, a run's directory a file: found after training "
+            "(r21)", demo_files_in_the_way),
+        Row("experiment", "path", "OUT/results.jsonl a FIFO (hung, deaf to SIGTERM) or a directory (failed after the "
+            "grid) (r21)", experiment_results_not_a_file),
+        Row("plot", "output", "--out a FIFO or a link to /dev/null, --overwrite: the node replaced by the figure "
+            "(r21)", plot_over_a_fifo),
+        Row("plot", "path", "two runs named alike, a run named _base, '.': legend labels alike or missing (r21)",
+            plot_legend_labels),
+        Row("train", "size", "--qk-clip 1e-300: zero in float32, the clipped heads zeroed, diverged (r21)",
+            qk_clip_past_float32),
+        Row("train", "size", "--lr 10 --weight-decay 0.5: each step multiplied the weights by -4 (r21)",
+            weight_decay_times_lr_past_one),
+        Row("train", "size", "--qk-clip-alpha with --attn mla: read by nothing (r21)", qk_clip_alpha_with_mla),
+        Row("plot", "path", "a run directory named with a newline: its refusal and warnings split in two lines "
+            "(r21)", a_newline_in_a_path),
+        Row("train", "path", "no --out (a fresh runs/ directory): TypeError, 'internal error' (r21)",
+            train_without_out),
+        Row("train", "concurrent", "two runs without --out in the same second: the second refused as '--out: ... "
+            "already holds a run' (r21)", two_trains_without_out),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
         + probe13b_rows() + probe14_rows() + probe14b_rows() + probe15_rows() + probe15b_rows() + review15b_rows()
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
-        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows())
+        + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
+        + probe21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
 from ..utils.command import option_dests, run_command
-from ..utils.errors import Parser
+from ..utils.errors import Parser, one_line
 from ..utils.threads import add_threads_argument
 
 # Named here for --help without importing torch; tests check them against
@@ -125,7 +125,7 @@ def _plot(args: argparse.Namespace) -> int:
             raise _as_options(e, {"run_dir": "runs"}) from None
     for w in caught:  # the steps and curves a figure leaves out, one line each, as the command's own messages
         if issubclass(w.category, PlotWarning):
-            print(f"qkmla plot: warning: {w.message}", file=sys.stderr)
+            print(f"qkmla plot: warning: {one_line(str(w.message))}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     print(f"wrote {path}")
@@ -174,7 +174,13 @@ def _kept_line(policy, report: dict) -> str:
     kept, seen = report["kept"], report["seen"]
     pairs = ", ".join(f"{k} of {n}" for k, n in zip(kept, seen))
     asked = f"--budget {policy.budget}" if policy.budget is not None else f"--kept-fraction {policy.kept_fraction:g}"
-    return (f"{policy.name} ({asked}, sinks {policy.sinks}, window {policy.window}) kept {pairs} tokens seen "
+    window = str(policy.window)
+    if policy.name == "streaming-llm":
+        # Its window is every token it keeps past the sinks (the newest); policy.window is only the newest token
+        # it always keeps, and "window 1" was reported for a cache holding the 12 newest (--budget 16, sinks 4)
+        newest = list(dict.fromkeys(max(0, k - policy.sinks) for k in kept))
+        window = ", ".join(map(str, newest)) + (" (per cache)" if len(newest) > 1 else "")
+    return (f"{policy.name} ({asked}, sinks {policy.sinks}, window {window}) kept {pairs} tokens seen "
             f"per cache at the end ({sum(kept) / max(1, sum(seen)):.0%})")
 
 
@@ -234,8 +240,22 @@ def _warn_config_edits(run) -> None:
     """The model is built from the settings its checkpoint carries, never from RUN/config.json, the run's
     record of them; a hand edit there (model.n_head 3) was read by nothing without a word (probe14 G17),
     where a resume over it is refused. Generating reads the checkpoint alone, so the edit is said, not refused."""
-    from ..train.rundir import resume_edits
+    from ..train.checkpoint import FILENAME, read_metadata
+    from ..train.rundir import foreign_checkpoint, resume_edits, written_digests
 
+    try:
+        recorded = json.loads(read_metadata(Path(run) / FILENAME)["config"])
+    except (OSError, ValueError, KeyError, TypeError):  # loaded already, so readable: a caller's own file
+        recorded = None
+    # A checkpoint copied in from another run (its settings differ from those the config.json qkmla wrote here
+    # records) was sampled without a word, as if it were this run's
+    foreign = foreign_checkpoint(Path(run) / "config.json", recorded, written_digests(Path(run))) if recorded else []
+    if foreign:
+        print(one_line(f"qkmla generate: warning: {Path(run) / FILENAME} is another run's checkpoint than the one "
+                       f"{Path(run) / 'config.json'} records ({'; '.join(foreign[:3])}"
+                       f"{'; ...' if len(foreign) > 3 else ''}); sampling from the checkpoint's model"),
+              file=sys.stderr)
+        return
     # The settings that may change on a resume (RESUMABLE: lr, steps, the schedule) and the data are not the
     # model's, and the warning says the model is the checkpoint's; every other edit is said (TrainConfig's
     # other fields, attn, preset, block_size, define the model).
@@ -244,9 +264,9 @@ def _warn_config_edits(run) -> None:
     edits = [e for e in resume_edits(Path(run)) if not e.startswith(("data:", "data."))
              and not any(e.startswith(f"train.{name}:") for name in RESUMABLE)]
     if edits:
-        print(f"qkmla generate: warning: {Path(run) / 'config.json'} was changed since the run wrote it "
-              f"({'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); the model is the one its checkpoint "
-              f"describes, not this file's", file=sys.stderr)
+        print(one_line(f"qkmla generate: warning: {Path(run) / 'config.json'} was changed since the run wrote it "
+                       f"({'; '.join(edits[:3])}{'; ...' if len(edits) > 3 else ''}); the model is the one its "
+                       f"checkpoint describes, not this file's"), file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -522,7 +542,10 @@ def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.A
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = Parser(prog="qkmla", description="QK-normalized Multi-head Latent Attention.")
+    parser.add_argument("--version", action="version", version=f"qkmla {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     v = sub.add_parser("verify", help="check explicit == absorbed for every norm variant (paper Appendix E), "

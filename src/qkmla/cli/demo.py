@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -24,12 +25,12 @@ import torch
 
 from ..cache.size import CacheShape, cache_rows
 from ..utils.errors import Stopped
-from ..utils.files import check_own_directory, check_path, make_directory, write_text
+from ..utils.files import check_own_directory, check_path, make_directory, special_file, write_text
 from ..model.generate import generate
 from ..model.gpt import GPT
 from ..train.data import Corpus, get_batch
 from ..train.plot import plot_runs, read_metrics
-from ..train.rundir import RunLock
+from ..train.rundir import RunLock, check_run_dir
 from ..train.cli import exit_code
 from ..train.trainer import TrainConfig, check_config_fits, load_model, train
 from ..utils.checked import is_int
@@ -109,6 +110,23 @@ def _train_all(out: Path, configs: list[TrainConfig]) -> list[dict]:
     return runs
 
 
+def _check_in_the_way(out: Path) -> None:
+    """Before any training: what stands where the demo writes a file or a run (a directory as demo.json or
+    curves.png, a file as a run's directory, a directory or FIFO as a run's file) is refused, naming it; it was
+    found only by the write, after every run (or the runs before it) had trained."""
+    for name, what in (("demo.json", "summary"), ("curves.png", "figure")):
+        kind = "a directory" if (out / name).is_dir() else special_file(out / name)
+        if kind is not None:
+            raise ValueError(f"out: {out / name} is {kind}, not a regular file, where the demo writes its {what}; "
+                             "move it away, or choose another --out")
+    for *_, run in _run_dirs(out):
+        if os.path.lexists(run) and not run.is_dir():
+            raise ValueError(f"out: {run} is not a directory, where the demo trains a run; move it away, or choose "
+                             "another --out")
+        if run.is_dir():
+            check_run_dir(run, resume=False, overwrite=True)  # its files: a directory or a FIFO in the way
+
+
 def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = "cpu", overwrite: bool = False) -> int:
     """The demo into ``out``; a demo already there is replaced only with ``overwrite`` (refused
     before any training otherwise)."""
@@ -120,6 +138,7 @@ def run_demo(out: str = "runs/demo", steps: Optional[int] = None, preset: str = 
     if held and not overwrite:
         raise ValueError(f"out: {out} already holds a demo ({', '.join(p.name for p in held[:3])}"
                          f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it, or choose another --out")
+    _check_in_the_way(out)
     if steps is not None and (not is_int(steps) or steps < 1):
         raise ValueError(f"steps: expected a positive int, got {steps!r}")
     configs = _configs(out, preset, steps if steps is not None else STEPS, overwrite)  # --preset checked here

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..train.checkpoint import FILENAME
-from ..train.rundir import RunLock, read_rows, read_status, resume_edits
-from ..utils.files import check_own_directory, check_writable, input_file_problem, make_directory, same_file, write_text
+from ..train.rundir import RUN_FILES, RunLock, read_rows, read_status, resume_edits
+from ..utils.files import (check_own_directory, check_writable, input_file_problem, make_directory, same_file,
+                           special_file, write_text)
 from ..utils.machine import machine, source_commit
 from ..utils.threads import usable_cpus
 from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differences, is_finished, run_dir, run_grid,
@@ -177,6 +178,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     check_bool("progress", progress)
     out = Path(options.out)
     _check_inputs(experiment, options)
+    _check_report_files(out)
     make_directory("--out", out, "experiment directory")
     check_writable("--out", out)
     with RunLock(out), stop_requests() as stop:
@@ -184,6 +186,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
         _check_runs_directory(out)
         _check_out(experiment, options)
         runs = experiment.plan(options)
+        _check_run_files(out, runs)
         _check_finished_logs(out, runs)
         t0 = time.perf_counter()
         if not experiment.adaptive:
@@ -242,6 +245,27 @@ def _check_inputs(experiment: Experiment, options: Options) -> None:
         raise ValueError(f"--out: {results} is the lr-sweep results file this experiment reads "
                          f"({'--sweep' if options.sweep else 'the default --sweep OUT/../lr-sweep/results.jsonl'}); "
                          f"writing {experiment.name}'s results there would destroy them; use another --out")
+
+
+REPORT_FILES = ("results.jsonl", "summary.json", "summary.md")  # beside the figures, named by each report
+
+
+def _check_report_files(out: Path) -> None:
+    """Before any work: each file the report writes in ``out`` (results, summaries, figures there) is a regular
+    file or absent. A FIFO as results.jsonl blocked the check of its rows, opening it, for good (SIGTERM
+    answered but never acted on: 10 minutes); a directory there failed only after the grid trained ("Is a
+    directory")."""
+    from ..train.plot import FIGURE_SUFFIXES
+
+    try:
+        names = [p.name for p in out.iterdir() if p.name in REPORT_FILES or p.suffix.lower() in FIGURE_SUFFIXES]
+    except OSError:  # absent, or not a directory: make_directory names it
+        return
+    for name in sorted(names):
+        kind = "a directory" if name in REPORT_FILES and (out / name).is_dir() else special_file(out / name)
+        if kind is not None:
+            raise ValueError(f"--out: {out / name} is {kind}, not a regular file, where the experiment writes its "
+                             "report; move it away, or use another --out")
 
 
 def _check_runs_directory(out: Path) -> None:
@@ -386,6 +410,19 @@ def _check_out(experiment: Experiment, options: Options) -> None:
                          "takes its settings from the plan and the checkpoint and would overwrite the change: undo it "
                          "(or remove the file) to resume them, pass --overwrite to start them over, or use another "
                          "--out")
+
+
+def _check_run_files(out: Path, runs: list) -> None:
+    """Before any work: each run's files (metrics.jsonl, status.json, config.json, its checkpoint) are regular
+    files or absent. A FIFO as a finished run's metrics.jsonl blocked the check of its last step for good (killed
+    after 40 s); a directory there failed the run only inside the grid."""
+    for run in runs:
+        for name in RUN_FILES:
+            path = run_dir(out, run) / name
+            kind = "a directory" if path.is_dir() else special_file(path)
+            if kind is not None:
+                raise ValueError(f"--out: {path} is {kind}, not a regular file, where the run {run.name} keeps its "
+                                 f"{name}; move it away, or remove that run's directory to train it again")
 
 
 def _check_finished_logs(out: Path, runs: list) -> None:

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from ..train.data import Corpus
 from ..train.rundir import FINISHED, read_status  # FINISHED: imported from here by the experiments
 from ..train.trainer import load_model
-from ..utils.errors import TERMINATING_SIGNALS, Stopped, notice
+from ..utils.errors import TERMINATING_SIGNALS, Stopped, notice, one_line
 from ..utils.files import make_directory, write_bytes, write_text
 from ..utils.imports import hold_extension_inits
 from ..utils.threads import usable_cpus
@@ -557,7 +557,7 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
                         for waiting in pending:
                             waiting.cancel()
                 elif status["status"] == "error":
-                    print(f"run {run.name} failed: {status['error']}", flush=True)
+                    print(one_line(f"run {run.name} failed: {status['error']}"), flush=True)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"{run.name}: {status['status']}")

@@ -13,10 +13,10 @@ from typing import Optional
 
 from ..utils.checked import is_int
 from ..utils.environment import dist_environment
-from ..utils.errors import flag_message, notice
+from ..utils.errors import flag_message, notice, one_line
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS
 from ..utils.threads import add_threads_argument
-from .config import DEFAULT_WARMUP_STEPS, TrainConfig
+from .config import DEFAULT_WARMUP_STEPS, TrainConfig, weight_decay_past_lr
 from .data import SPLITS
 from .optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES, WSD_DECAY_FRACTION, lr_multiplier
 
@@ -203,6 +203,9 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     try:
         config = TrainConfig(**given, progress=not args.no_progress)
     except ValueError as e:
+        if str(e).startswith("weight_decay: times lr "):  # both are options here: named as such
+            raise ValueError(weight_decay_past_lr("--weight-decay", "--lr", given["weight_decay"],
+                                                  given["lr"])) from None
         # the warmup's bound is the steps': told "up to 2", a run already at step 3 refused that next
         warmup = str(e).startswith("warmup_steps:")
         raise ValueError(already if already and warmup else train_flag_message(str(e))) from None
@@ -223,6 +226,11 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         if name not in unset and not read:
             raise ValueError(train_flag_message(f"{name}: only read with {reader}, which this command does not "
                                                 f"give; drop it or add {add}"))
+    if "qk_clip_alpha" not in unset and config.qk_clip is not None and config.attn == "mla":
+        # qk_clip_ reads alpha for MHA/GQA/MQA only: --attn mla --qk-clip 100 --qk-clip-alpha 0.9 trained exactly as 0.5
+        raise ValueError("--qk-clip-alpha: read by nothing with --attn mla: MLA's QK-Clip splits each head's factor "
+                         "its own way (sqrt(gamma) on the content query and key, gamma on the RoPE query); the query's "
+                         "share is for --attn mha, gqa or mqa; drop it")
     if "min_lr_ratio" not in unset and config.schedule != "constant" and not _decays(config):
         # The warmup (by default 20 steps, or every step of a shorter run) can cover every step the decay
         # would take: --steps 9 --schedule wsd --min-lr-ratio 0 ended at the peak lr without a word (probe14 N13).
@@ -260,6 +268,8 @@ def check_not_an_experiments_run(out) -> None:
     user's to train on."""
     from ..utils.files import directory_kind
 
+    if out is None:  # a fresh directory under runs/ (the trainer names it), never an experiment's
+        return
     out = Path(out).resolve()  # EXP/runs/RUN/../RUN and a link into EXP/runs are the experiment's run too
     kind = directory_kind(out.parent.parent) if out.parent.name == "runs" else None
     if kind is not None and kind[0] == "experiment":
@@ -285,7 +295,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(json.dumps(status))
     if status["status"] == "non-finite":
         # Said on stderr too: the JSON line alone (stdout, often a log file) gave a bare exit 1 (probe 18, --lr 1e30)
-        notice(f"qkmla train: {diverged_line(status, config)}")
+        notice(one_line(f"qkmla train: {diverged_line(status, config)}"))
     return exit_code(status)
 
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import check_softmax_scale
+from ..config import SOFTMAX_SCALE_RANGE, check_softmax_scale
 from ..model.gpt import ATTENTION_VARIANTS, GPT_PRESETS, GPTConfig
 from ..utils.checked import check_bool, check_seed, is_finite_number, is_int, python_numbers, revalidated
 from .data import SPLITS, TOKENIZERS
@@ -48,6 +48,15 @@ def _number(name: str, value, low: float, high: float = math.inf, low_open: bool
         bound = (lambda x: f"{int(x)}") if integer else (lambda x: f"{x:g}")
         rng = f"{'>' if low_open else '>='} {bound(low)}" + (f" and <= {bound(high)}" if math.isfinite(high) else "")
         raise ValueError(f"{name}: expected {what} {rng}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def weight_decay_past_lr(decay_name: str, lr_name: str, weight_decay: float, lr: float) -> str:
+    """The refusal of a weight decay whose product with the lr is 1 or more (named as the caller names them:
+    TrainConfig's fields, or ``qkmla train``'s options)."""
+    return (f"{decay_name}: times {lr_name} must be below 1 (decoupled weight decay multiplies the decayed weights "
+            f"by 1 - {lr_name} * {decay_name} each step: 0 zeroes them, below 0 flips their sign), got {decay_name} "
+            f"{weight_decay:g} with {lr_name} {lr:g} (1 - {lr * weight_decay:g} = {1 - lr * weight_decay:g}); lower "
+            f"{lr_name} or {decay_name}")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -123,7 +132,17 @@ class TrainConfig:
         _number("min_lr_ratio", self.min_lr_ratio, 0, 1)
         _number("grad_clip", self.grad_clip, 0)
         _number("qk_clip", self.qk_clip, 0, low_open=True, allow_none=True)
+        low, high = SOFTMAX_SCALE_RANGE
+        if self.qk_clip is not None and not low <= self.qk_clip <= high:
+            # The heads' max logits are float32, and tau / S_h with them: tau = 1e-300 was 0 there, zeroed the
+            # clipped heads' query and key rows, and the run diverged at step 1, blamed on --lr
+            raise ValueError(f"qk_clip: expected a threshold within float32's normal range ({low!r} to {high!r}) or "
+                             f"None, got {self.qk_clip!r}")
         _number("qk_clip_alpha", self.qk_clip_alpha, 0, 1)
+        if self.lr * self.weight_decay >= 1:
+            # decoupled weight decay multiplies every decayed weight by 1 - lr * weight_decay each step: at 1 it
+            # zeroes them, past 1 it flips their sign (lr 10, weight decay 0.5: x -4 a step), without a word
+            raise ValueError(weight_decay_past_lr("weight_decay", "lr", self.weight_decay, self.lr))
         _number("qk_norm_p", self.qk_norm_p, 1, allow_none=True)
         # The model holds tau in float32: --softmax-scale 1e300 became inf there and 1e-320 zero, and the first
         # forward's loss was NaN, blamed on --lr (probe 19). float32's normal range is the allowed one.

@@ -88,6 +88,32 @@ def _points(rows: list[dict], key: str) -> tuple[list, list]:
     return ([p[0] for p in pts], [p[1] for p in pts]) if pts else ([], [])
 
 
+LABEL_CHARS = 48  # a longer label is shortened in its middle, where that keeps it apart from the others
+
+
+def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
+    """One legend label per run, each told apart from the others: the run directory's name, with as many of its
+    parent directories as tell two runs of the same name apart (a/run and b/run were both "run"; "." was ""). A
+    name past :data:`LABEL_CHARS` keeps its start and end around "...", unless that makes two alike. The same
+    directory given twice is told by its place (#2). A name that is not UTF-8 holds surrogate escapes, which
+    matplotlib cannot draw (a TypeError from its font code): shown with U+FFFD for the undecodable bytes."""
+    parts = [[os.fsencode(p).decode("utf-8", "replace") for p in Path(os.path.abspath(run)).parts[1:]] or ["/"]
+             for run in run_dirs]
+    depth = [1] * len(parts)
+    while True:
+        full = ["/".join(p[-d:]) for p, d in zip(parts, depth)]
+        alike = [i for i, label in enumerate(full) if depth[i] < len(parts[i])
+                 and any(other == label and parts[j] != parts[i] for j, other in enumerate(full))]
+        if not alike:
+            break
+        for i in alike:
+            depth[i] += 1
+    short = [x if len(x) <= LABEL_CHARS else f"{x[:LABEL_CHARS // 2 - 2]}...{x[-(LABEL_CHARS // 2 - 1):]}"
+             for x in full]
+    labels = [s if short.count(s) == 1 or full.count(f) > 1 else f for s, f in zip(short, full)]
+    return [x if labels[:i].count(x) == 0 else f"{x} #{labels[:i].count(x) + 1}" for i, x in enumerate(labels)]
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[str] | None = None) -> Path:
     """Draw train/val loss, max logit and grad norm against step into exactly the file
     ``out`` names (a PNG without a suffix; a suffix names the format, one of :data:`FIGURE_SUFFIXES`).
@@ -128,11 +154,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
             warnings.warn(f"{run}: every logged {', '.join(names)} of its {len(rows)} rows is NaN/inf (the run "
                           f"diverged); {'that curve is' if len(names) == 1 else 'those curves are'} empty in the "
                           "figure", EmptyCurves, stacklevel=2)
+    names = run_labels([run for run, _ in runs])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, (run, rows) in enumerate(runs):
-        # A name that is not UTF-8 holds surrogate escapes, which matplotlib cannot draw (a TypeError
-        # from its font code): shown with U+FFFD for the undecodable bytes instead.
-        label = labels[i] if labels else os.fsencode(Path(run).name).decode("utf-8", "replace")
+        label = labels[i] if labels else names[i]
         line, = axes[0].plot(*_points(rows, "loss"), lw=0.8, alpha=0.8, label=f"{label} train")
         val = _points(rows, "val_loss")
         if val[0]:
@@ -143,7 +168,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path, labels: Sequence[
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        # every line by its own label: matplotlib leaves out of a legend it collects a label that starts
+        # with "_" (a run named _base had no entry)
+        ax.legend(*zip(*[(line, line.get_label()) for line in ax.get_lines()]), fontsize=7)
     axes[1].set_yscale("log")  # bounded and exploding runs differ by orders of magnitude
     axes[2].set_yscale("log")
     with warnings.catch_warnings():  # many runs' legends leave no room to tighten: the figure is drawn

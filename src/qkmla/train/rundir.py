@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..utils.checked import is_int
-from ..utils.files import check_own_directory, write_text
+from ..utils.files import check_own_directory, make_directory, write_text
 from .checkpoint import FILENAME, read_metadata
 
 RUN_FILES = ("metrics.jsonl", "status.json", "config.json", FILENAME)
@@ -42,14 +42,21 @@ FINISHED = ("done", "non-finite")
 
 
 def fresh_out(preset: str, attn: str) -> Path:
-    """A new directory name for a run started without ``out``."""
+    """A new directory for a run started without ``out``, made here (``runs/PRESET-ATTN-TIME``, ``-2``, ...): the
+    name alone was picked by two runs started in the same second, and the second was refused as "--out: ...
+    already holds a run", an option it never gave. ``mkdir`` takes a name for one process only."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path("runs") / f"{preset}-{attn}-{stamp}"
+    runs = make_directory("out", "runs", "directory of runs (the default for a run without --out)")
     n = 1
-    while path.exists():
-        n += 1
-        path = Path("runs") / f"{preset}-{attn}-{stamp}-{n}"
-    return path
+    while True:
+        path = runs / (f"{preset}-{attn}-{stamp}" if n == 1 else f"{preset}-{attn}-{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            n += 1
+        except OSError as e:
+            raise ValueError(f"out: cannot make the run directory {path} ({e.strerror or e}); pass --out") from None
 
 
 def read_status(out: Path) -> Optional[dict]:
@@ -331,6 +338,8 @@ def read_rows(path: Path, skipped: Optional[list] = None) -> list[dict]:
     or damage) is skipped, and the rows around it kept. ``skipped``, a list, receives the
     1-based number of each line skipped (a reader that shows the rows says which it left out)."""
     rows = []
+    if not Path(path).is_file():  # a FIFO by that name: reading it waited for a writer forever
+        return rows
     try:
         data = Path(path).read_bytes()
     except OSError:

@@ -20,6 +20,37 @@ import torch
 __all__ = ["saved_bytes", "step_saved_bytes"]
 
 
+def interruptible(work: Callable[[], None]) -> None:
+    """``work()``, run in a thread of its own while this (main) thread waits, so that a signal's handler runs
+    (a Ctrl-C, SIGTERM's unwinding) as the signal comes: Python runs handlers between bytecodes of the main
+    thread, and one forward of a long window is a single torch call (--block-size 100000: over a minute deaf to
+    SIGTERM, 11 minutes before SIGKILL). The work left behind on a signal is a daemon thread, ended with the
+    process. Elsewhere than the main thread (no handler runs there anyway), ``work()`` runs in place."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        work()
+        return
+    failed: list[BaseException] = []
+    done = threading.Event()  # what utils.command reads to tell work left running at a signal
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            failed.append(e)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="qkmla-step-memory", daemon=True)
+    worker.qkmla_done = done
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if failed:
+        raise failed[0]
+
+
 def saved_bytes(model: torch.nn.Module, windows: int, block_size: int) -> int:
     """Bytes autograd saves for a training forward of ``windows`` windows of ``block_size``
     tokens (token id 0 throughout: the sizes do not depend on the ids of a dense model), the
@@ -40,9 +71,12 @@ def saved_bytes(model: torch.nn.Module, windows: int, block_size: int) -> int:
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None)  # never unpacked: no backward
     was_training = model.training
     model.train()
-    try:
+    def forward() -> None:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad(), hooks:
             model(x, x)
+
+    try:
+        interruptible(forward)
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held
                     if t.device.type != "meta" and t.untyped_storage().data_ptr() not in params}.values())
     finally:

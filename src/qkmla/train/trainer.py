@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..attention.qk_clip import qk_clip_
 from ..dtypes import check_float_state
 from ..utils.environment import dist_environment
-from ..utils.errors import TERMINATING_SIGNALS, MachineError, notice
+from ..utils.errors import TERMINATING_SIGNALS, MachineError, notice, one_line
 from ..utils.files import append_line, make_directory, same_file, write_text
 from ..utils.limits import check_fits
 from ..model.gpt import GPT, GPTConfig
@@ -273,6 +273,18 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
         config = config.replace(out=str(fresh_out(config.preset, config.attn)))
         if rank == 0:
             print(f"writing the run to {config.out} (pass --out to choose)")
+        try:
+            return _train_in(config, corpus, model_cfg, rank, world)
+        finally:  # refused before it wrote a file (a model past memory): no empty directory left behind
+            try:
+                Path(config.out).rmdir()
+            except OSError:  # it holds the run
+                pass
+    return _train_in(config, corpus, model_cfg, rank, world)
+
+
+def _train_in(config: TrainConfig, corpus: Corpus, model_cfg: GPTConfig, rank: int, world: int) -> dict:
+    """:func:`_train` in the run directory ``config.out``."""
     out = Path(config.out)
     data = Path(config.data)
     if data.is_file() and any(same_file(data, out / name) for name in RUN_FILES):
@@ -296,7 +308,7 @@ def _train(config: TrainConfig, rank: int, world: int) -> dict:
     with RunLock(out):
         note = prepare(out, config.resume, config.overwrite)
         if note:
-            print(f"{out}: {note}")
+            print(one_line(f"{out}: {note}"))
         return _train_locked(config, corpus, model, out, rank, world)
 
 
@@ -393,7 +405,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
         write_text(out / "config.json", config_text)
         missing = truncate_metrics(out, start)  # a resumed run logs the steps after its checkpoint again
         if missing:  # metrics.jsonl deleted or cut by hand: the resume went on without a word, its log a gap
-            notice(gap_line(out / "metrics.jsonl", missing, start))
+            notice(one_line(gap_line(out / "metrics.jsonl", missing, start)))
 
     wrapped = model
     if world > 1 and not fsdp:

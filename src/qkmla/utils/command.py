@@ -18,7 +18,8 @@ import traceback
 from typing import Callable, Iterable
 
 from .environment import check_cpu_capability, check_switches, check_transformers_verbosity, drop_bad_thread_counts
-from .errors import Stopped, Terminated, environment_message, flag_message, notice, quiet_broken_pipe, sigterm_unwinds
+from .errors import (Stopped, Terminated, environment_message, flag_message, notice, one_line, quiet_broken_pipe,
+                     sigterm_unwinds)
 from .imports import extension_inits_held
 from .startup import command_started
 
@@ -58,23 +59,25 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         return status
     except Terminated as e:  # SIGTERM or SIGHUP to a command without its own handling: its writing is removed
         notice(f"qkmla {command}: stopped by {e}; nothing half-written is left")
+        _end_with_abandoned_work(e.exit_code)
         return e.exit_code  # 128 + the signal, what a shell reports (143 SIGTERM, 129 SIGHUP)
     except Stopped as e:  # a signal, handled: what was done and what is left, in one line
-        notice(f"qkmla {command}: {e}")
+        notice(f"qkmla {command}: {one_line(str(e))}")
         return e.exit_code
     except BrokenPipeError:  # `qkmla ... | head`: the reader has what it wanted
         quiet_broken_pipe()
         return 141  # 128 + SIGPIPE, what a shell reports for a command the pipe stopped
     except ValueError as e:
-        notice(f"qkmla {command}: {flag_message(str(e), option_names())}")
+        notice(f"qkmla {command}: {one_line(flag_message(str(e), option_names()))}")
         return 2
     except KeyboardInterrupt:
         notice(f"qkmla {command}: interrupted")
+        _end_with_abandoned_work(130)
         return 130
     except Exception as e:
         message = environment_message(e)
         if message is not None:  # the machine's problem, not qkmla's: one line naming the path
-            notice(f"qkmla {command}: {message}")
+            notice(f"qkmla {command}: {one_line(message)}")
             return 1
         traceback.print_exc()
         print(f"qkmla {command}: internal error: this is a bug in qkmla; please report it with the command "
@@ -86,6 +89,31 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         for stream, errors in restore.items():
             stream.reconfigure(errors=errors)
         _quiet_exit()
+
+
+def _end_with_abandoned_work(code: int) -> None:
+    """In qkmla's command-line process, a signal that stopped the command while a thread of its work is still
+    inside a torch call (a step-memory forward: ``train.step_memory.interruptible``; a rendezvous) ends the
+    process here, with ``code``: Python's own exit ran libtorch's destructors under that thread and aborted
+    ("terminate called without an active exception", status -6 for a SIGTERM's 143). The command's line is
+    said and nothing is written by then. A caller's own Python (a test) is left alone: its thread ends with
+    the work."""
+    import os
+    import threading
+
+    from .environment import command_line_name
+
+    if command_line_name() is None:
+        return
+    # is_alive() is no guide: a join() the signal interrupted leaves it False for a thread still running
+    if any(t.daemon and t.name.startswith("qkmla-") and not getattr(t, "qkmla_done", threading.Event()).is_set()
+           for t in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def _quiet_exit() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import unicodedata
 from contextlib import contextmanager
 
 
@@ -15,7 +16,7 @@ class Parser(argparse.ArgumentParser):
         m = re.match(r"argument (\S+?)(?:/\S+)?: (.*)", message, flags=re.S)
         if m:
             message = f"{m.group(1)}: {m.group(2)}"
-        self.exit(2, f"{self.prog}: {message}\n")
+        self.exit(2, f"{self.prog}: {one_line(message)}\n")
 
 
 def flag_message(message: str, fields) -> str:
@@ -25,6 +26,18 @@ def flag_message(message: str, fields) -> str:
     if m and m.group(1) in set(fields):
         return f"--{m.group(1).replace('_', '-')}: " + message[m.end():]
     return message
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped as Python writes them in a string (a newline as ``\\n``, an
+    escape as ``\\x1b``): a path holding a newline split a refusal naming it in two lines (the second read as
+    a message of its own), and a carriage return or an escape sequence in a name rewrote the terminal's line."""
+    if text.isprintable():
+        return text
+    return "".join(_ESCAPES.get(c, f"\\x{ord(c):02x}") if unicodedata.category(c) == "Cc" else c for c in text)
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 class MachineError(RuntimeError):

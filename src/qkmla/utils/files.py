@@ -587,6 +587,20 @@ def same_file(a: PathLike, b: PathLike) -> bool:
         return False
 
 
+def special_file(path: PathLike) -> Optional[str]:
+    """What ``path`` (or the file a link there points to) is when it exists and is neither a regular file nor a
+    directory: "a FIFO", "a character device" (/dev/null), "a block device" or "a socket"; else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, a link to nothing, a name the OS refuses: not one of these
+        return None
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
 def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLike], overwrite: bool,
                  what: str = "output", own_suffixes: tuple = ()) -> None:
     """Before any work: ValueError naming option ``name`` if an output file is one of the inputs
@@ -604,6 +618,11 @@ def check_output(name: str, outputs: Iterable[PathLike], inputs: Iterable[PathLi
                              f"what is being read, so write elsewhere")
         if out.is_dir():
             raise ValueError(f"{name}: cannot write the {what} file {out}, which is a directory; write elsewhere")
+        special = special_file(out)
+        if special is not None:  # the write renames a new file over the name: a FIFO or /dev/null was removed
+            raise ValueError(f"{name}: {out} is {special}, not a regular file; the {what} is written to a temporary "
+                             f"file renamed over its name, which would replace it (--overwrite too): give a regular "
+                             f"file's name")
         # A file in another command's directory (a run's checkpoint or status, an experiment's results)
         # is that command's output: --overwrite replaced it with this one (a run that no longer loads).
         # Only for a command that says which files are its own (a benchmark writing its result beside
