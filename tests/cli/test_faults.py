@@ -8282,48 +8282,39 @@ def hf21_rows():
         assert torch.equal(read_hf_tensors(src, ["model.norm.weight"])["model.norm.weight"],
                            tiny_deepseek_v3().model.norm.weight)
 
+    def loads_plain_and_normed(env, family: str):
+        """The family's tiny model saved plain and with a QK norm (its weights moved off their init): qkmla's
+        from_pretrained gives the unpatched model's logits and the saved QK-normed model's, to 1e-6."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        ref = families.hf_model(families.family_named(family), dtype=torch.float32)
+        normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
+        with torch.no_grad():
+            for p in (p for name, p in normed.named_parameters() if "_norm." in name and "self_attn" in name):
+                p.add_(0.3 * torch.randn_like(p))
+        ref.save_pretrained(env.tmp / "plain")
+        normed.save_pretrained(env.tmp / "normed")
+        ids = families.ids(length=6)
+        with torch.no_grad():
+            for source, model in ((env.tmp / "plain", ref), (env.tmp / "normed", normed)):
+                want, got = model(ids).logits, from_pretrained(source)(ids).logits
+                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
+
     def longcat_flash_through_from_pretrained(env):
         """from_pretrained of a LongCat-Flash checkpoint (a supported family: layers counted as num_layers, two
         attention modules per layer, self_attn.0 and self_attn.1), plain or QK-normed: "TypeError: 'NoneType' object
         cannot be interpreted as an integer" from the norm-weight check, which counted num_hidden_layers and looked
         for self_attn.q_norm. Both load now: the plain one with the unpatched model's logits, the QK-normed one with
         its norm and the saved model's logits."""
-        families = transformers_families()
-        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
-
-        ref = families.hf_model(families.family_named("longcat_flash"), dtype=torch.float32)
-        normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
-        with torch.no_grad():
-            for p in (p for name, p in normed.named_parameters() if "_norm." in name and "self_attn" in name):
-                p.add_(0.3 * torch.randn_like(p))
-        ref.save_pretrained(env.tmp / "plain")
-        normed.save_pretrained(env.tmp / "normed")
-        ids = families.ids(length=6)
-        with torch.no_grad():
-            for source, model in ((env.tmp / "plain", ref), (env.tmp / "normed", normed)):
-                want, got = model(ids).logits, from_pretrained(source)(ids).logits
-                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
+        loads_plain_and_normed(env, "longcat_flash")
 
     def sarvam_mla_through_from_pretrained(env):
         """from_pretrained of a Sarvam-MLA checkpoint (a supported family, built with DeepSeek-V3's classes and a
         config of its own) was refused as "describes a 'sarvam_mla' model; qkmla loads (...)", though
         apply_latent_attention serves the family. It loads now, plain with the unpatched model's logits, and with
         a QK norm (recorded in its config.json) with the saved model's logits."""
-        families = transformers_families()
-        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
-
-        ref = families.hf_model(families.family_named("sarvam_mla"), dtype=torch.float32)
-        normed = apply_latent_attention(copy.deepcopy(ref), qk_norm="rms")
-        with torch.no_grad():
-            for p in (p for name, p in normed.named_parameters() if "_norm." in name and "self_attn" in name):
-                p.add_(0.3 * torch.randn_like(p))
-        ref.save_pretrained(env.tmp / "plain")
-        normed.save_pretrained(env.tmp / "normed")
-        ids = families.ids(length=6)
-        with torch.no_grad():
-            for source, model in ((env.tmp / "plain", ref), (env.tmp / "normed", normed)):
-                want, got = model(ids).logits, from_pretrained(source)(ids).logits
-                assert float((got - want).abs().max() / want.abs().max()) < 1e-6, source.name
+        loads_plain_and_normed(env, "sarvam_mla")
 
     return [
         Row("convert", "size", "rope_theta 0 / True / 'abc' in config.json (0 read as 10000; 'abc' a bare float() "

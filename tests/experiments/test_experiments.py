@@ -161,6 +161,41 @@ def test_a_refill_starts_what_becomes_ready_as_a_worker_comes_free_and_nothing_t
     assert steps == list(range(1, first.train["steps"] + 3))  # the stretch's steps, then its own two
 
 
+def test_a_refill_that_fails_starts_nothing_new_and_is_raised_once_the_runs_in_flight_end(tmp_path):
+    """A refill (the plan, the report) that fails while runs train: the runs in flight end, none
+    starts, and the error is raised after them: a full disk as the grid's machine error (its runs'
+    statuses kept for the report), anything else as itself. Raised at once, it left the runs in
+    flight out of the signal handler's reach while the pool waited for them."""
+    import errno
+
+    from qkmla.experiments.grid import GridFailed
+
+    a, b = EXPERIMENTS["norm-mode"].plan(Options(tmp_path, quick=True))
+    c = Run("third", "third", {**b.train, "seed": b.train["seed"] + 1})
+    for error, kind in ((OSError(errno.ENOSPC, "No space left on device", "results.jsonl"), GridFailed),
+                        (ValueError("out: planned badly"), ValueError)):
+        out = tmp_path / kind.__name__
+
+        def refill(statuses, error=error):
+            raise error
+
+        with pytest.raises(kind) as raised:
+            run_grid([a, b, c], out, workers=2, progress=False, refill=refill)
+        assert sorted(os.listdir(out / "runs")) == sorted([a.name, b.name])
+        assert all(json.loads((out / "runs" / r.name / "status.json").read_text())["status"] == "done" for r in (a, b))
+        if kind is GridFailed:
+            assert sorted(raised.value.statuses) == sorted([a.name, b.name])
+
+
+def test_a_stop_names_the_runs_it_stopped_not_every_run_the_grid_ended():
+    from qkmla.experiments.grid import GridStopped
+
+    statuses = {"early": {"status": "done", "step": 10}, "late": {"status": "interrupted", "checkpoint_step": 4}}
+    assert "early" in str(GridStopped("SIGINT", statuses, 0))
+    message = str(GridStopped("SIGINT", statuses, 0, in_flight={"late"}))
+    assert "early" not in message and "late (interrupted, checkpoint step 4)" in message
+
+
 def test_cli_list_and_bad_arguments(tmp_path, capsys, refused):
     assert main(["experiment", "--list"]) == 0
     listed = capsys.readouterr().out

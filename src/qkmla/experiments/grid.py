@@ -362,9 +362,12 @@ def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
 class GridStopped(Stopped):
     """A grid stopped by SIGINT/SIGTERM; ``statuses``: {run: status} of the runs that ended now."""
 
-    def __init__(self, signal_name: str, statuses: dict, not_started: int):
+    def __init__(self, signal_name: str, statuses: dict, not_started: int, in_flight: Optional[set] = None):
+        """``in_flight``: the runs the message names (default: every run in ``statuses``); a grid that
+        re-plans as runs end has ended many before the stop, which the message need not list."""
         self.statuses = statuses
-        ended = {name: st["status"] for name, st in statuses.items() if st.get("status") != "not started"}
+        ended = {name: st["status"] for name, st in statuses.items() if st.get("status") != "not started"
+                 and (in_flight is None or name in in_flight)}
         runs = ", ".join(f"{n} ({s}, checkpoint step {statuses[n].get('checkpoint_step', statuses[n].get('step'))})"
                          for n, s in ended.items()) or "no run in flight"
         super().__init__(f"stopped by {signal_name}: {runs}; {not_started} run(s) not started; "
@@ -517,6 +520,8 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     stop.pools.append(pool)
     killed = False
     machine_error: Optional[OSError] = None
+    refill_error: Optional[Exception] = None
+    ended_before_stop: set = set()
     try:
         futures = {}
 
@@ -548,6 +553,8 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
                         raise
                     status = read_status(run_dir(out, run)) or {"status": "not started"}
                 statuses[run.name] = status
+                if not stop.requested:
+                    ended_before_stop.add(run.name)
                 if status.get("os_error") is not None:  # the first is the one line; a run in flight may add more
                     if machine_error is None:
                         machine_error = OSError(*status["os_error"])
@@ -561,9 +568,18 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix_str(f"{run.name}: {status['status']}")
-            if done and refill is not None and not stop.requested and machine_error is None:
-                pending |= _refill(refill, dict(statuses), {r.name for r in futures.values()}, out, measure,
-                                   slots - len(pending), submit, bar)
+            if done and refill is not None and not stop.requested and machine_error is None and refill_error is None:
+                try:
+                    pending |= _refill(refill, dict(statuses), {r.name for r in futures.values()}, out, measure,
+                                       slots - len(pending), submit, bar)
+                except Exception as e:  # noqa: BLE001 - raised below, once the runs in flight have ended
+                    # The plan or the report failed while runs train (a full disk, a file moved away): nothing
+                    # new starts and the runs in flight end on their own, stop requests still heard. Raised
+                    # from here, it left the pool's runs out of the signal handler's reach while the pool's
+                    # exit waited for them: Ctrl-C announced a stop that never came.
+                    refill_error = e
+                    for waiting in pending:
+                        waiting.cancel()
             if stop.requested:
                 for waiting in pending:
                     waiting.cancel()
@@ -584,7 +600,12 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         started = todo if refill is None else list(futures.values())
         not_started = sum(1 for r in started
                           if statuses.get(r.name, {}).get("status", "not started") == "not started")
-        raise GridStopped(stop.signal, statuses, not_started)
+        raise GridStopped(stop.signal, statuses, not_started,
+                          None if refill is None else set(statuses) - ended_before_stop)
+    if refill_error is not None:
+        if isinstance(refill_error, OSError) and refill_error.errno in MACHINE_ERRNOS:
+            raise GridFailed(refill_error, statuses) from refill_error
+        raise refill_error
     if machine_error is not None:  # main() prints it as one line naming the path, exit 1
         raise GridFailed(machine_error, statuses)
     return statuses
