@@ -8663,6 +8663,26 @@ def probe21_rows():
     ]
 
 
+def left21_rows():
+    """What round 21's reviewer found in the merged fixes, fixed by the lead."""
+
+    def train_without_out_in_an_experiments_directory(env):
+        """`qkmla train` without --out run from an experiment's directory made its run under the experiment's
+        runs/, which `--resume --out` of that run then refused as the experiment's. Refused now before any work,
+        naming --out."""
+        (env.tmp / "results.jsonl").write_text("")
+        (env.tmp / "summary.json").write_text("{}")
+        refuse(env, ["train", "--preset", "debug", "--steps", "1", "--no-progress"],
+               r"^qkmla train: --out: not given, and the default, a new directory under runs/, would be a run of the "
+               r"experiment in .*; give --out, or run from another directory$")
+        assert not (env.tmp / "runs").exists()
+
+    return [
+        Row("train", "path", "no --out in an experiment's directory: its run made under the experiment's runs/ "
+            "(r21 review)", train_without_out_in_an_experiments_directory),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -8670,7 +8690,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows())
+        + probe21_rows() + left21_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -268,7 +268,12 @@ def check_not_an_experiments_run(out) -> None:
     user's to train on."""
     from ..utils.files import directory_kind
 
-    if out is None:  # a fresh directory under runs/ (the trainer names it), never an experiment's
+    if out is None:  # a fresh directory under ./runs/ (the trainer names it): not when ./ is an experiment's
+        kind = directory_kind(Path.cwd())
+        if kind is not None and kind[0] == "experiment":
+            raise ValueError(f"--out: not given, and the default, a new directory under runs/, would be a run of the "
+                             f"experiment in {Path.cwd()} (qkmla experiment's own directory), which it could not "
+                             "resume; give --out, or run from another directory")
         return
     out = Path(out).resolve()  # EXP/runs/RUN/../RUN and a link into EXP/runs are the experiment's run too
     kind = directory_kind(out.parent.parent) if out.parent.name == "runs" else None
