@@ -106,8 +106,8 @@ class Report:
 class Experiment:
     """``adaptive``: later runs depend on earlier results (a learning rate chosen from a
     bracket, a threshold from a run's max logit), so the driver trains the first unfinished
-    runs of the plan, plans again, and rewrites the results after every batch of runs; the
-    plan lists runs in the order they should finish."""
+    runs of the plan, and as each run ends rewrites the results and plans again; the plan lists
+    runs in the order they should finish."""
 
     name: str
     description: str
@@ -199,37 +199,37 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
         statuses: dict[str, dict] = {}
         failed: set[str] = set()  # errors of this invocation are not retried until the next one
         batch = options.workers or len(usable_cpus())
-        plans = [experiment.plan(options)]  # the latest plan: the report lists its runs
+        runs = experiment.plan(options)  # the latest plan: the report lists its runs
+
+        def to_train() -> list[Run]:
+            return [r for r in runs if r.same_as is None and r.name not in failed
+                    and _pending(out, r, experiment.measure)]
+
+        def ended(now: dict) -> None:
+            statuses.update(now)
+            failed.update(name for name, st in now.items() if st["status"] not in ("done", "non-finite"))
+            _write_report(experiment, options, runs, statuses, command, t0)
 
         def refill(now: dict) -> list[Run]:
             """After each run ends: its row in the results, then the plan's runs still to train (a
             branch joins it once its stretch has finished), so that no worker waits for another's run."""
-            statuses.update(now)
-            failed.update(name for name, st in now.items() if st["status"] not in ("done", "non-finite"))
-            _write_report(experiment, options, plans[-1], statuses, command, t0)
-            plans.append(experiment.plan(options))
-            return [r for r in plans[-1] if r.same_as is None and r.name not in failed
-                    and _pending(out, r, experiment.measure)]
+            nonlocal runs
+            ended(now)
+            runs = experiment.plan(options)
+            return to_train()
 
         with worker_pool(batch) as pool:
-            while True:
-                runs = plans[-1]
-                todo = [r for r in runs if r.same_as is None and r.name not in failed
-                        and _pending(out, r, experiment.measure)]
-                if not todo:
-                    break
+            while todo := to_train():
                 try:
                     now = run_grid(todo, out, options.workers, experiment.measure, progress, pool=pool,
                                    stop=stop, refill=refill)
                 except (GridStopped, GridFailed) as e:
                     statuses.update(e.statuses)
-                    _write_stopped_report(experiment, options, plans[-1], e, command, t0, statuses)
+                    _write_stopped_report(experiment, options, runs, e, command, t0, statuses)
                     raise
-                statuses.update(now)
-                failed |= {name for name, st in now.items() if st["status"] not in ("done", "non-finite")}
-                _write_report(experiment, options, plans[-1], statuses, command, t0)
-                plans.append(experiment.plan(options))
-        return _write_report(experiment, options, plans[-1], statuses, command, t0)
+                ended(now)
+                runs = experiment.plan(options)
+        return _write_report(experiment, options, runs, statuses, command, t0)
 
 
 def _check_inputs(experiment: Experiment, options: Options) -> None:
