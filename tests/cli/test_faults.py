@@ -8683,6 +8683,55 @@ def left21_rows():
     ]
 
 
+def hf22_rows():
+    """Round 22's integrations probe: output_attentions on padding queries, and what it found past it."""
+
+    def padding_queries_weights_as_their_outputs(env):
+        """output_attentions=True of a right-padded batch into a cache (the growing one, or generate's
+        cache_implementation="static"): each padding query's row was 0 (0.29 off transformers' eager weights, and
+        off the no-cache path's) beside an output computed from the real tokens before it. Now its row is its
+        output's, every path, to transformers' eager weights. A left-padding query that sees no column keeps a 0
+        row, whatever attn_implementation the host had (weights.py): its output is 0, as transformers' sdpa gives
+        it; eager's flat 1/K row (NaN in float64) describes the mean of every column's value, padding included,
+        which the latent cache never holds. Real queries' rows are eager's either way."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        ref = families.hf_model(families.family_named("deepseek_v3"), dtype=torch.float32)
+        ref.set_attn_implementation("eager")
+        model = apply_latent_attention(copy.deepcopy(ref))
+        prompt = families.ids(length=7)
+        for side, pad in (("right", slice(4, None)), ("left", slice(0, 2))):
+            mask = torch.ones_like(prompt)
+            mask[0, pad] = 0
+            kw = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, output_attentions=True,
+                      return_dict_in_generate=True)
+            with torch.no_grad():
+                want = [ref(prompt, attention_mask=mask, output_attentions=True).attentions] * 2
+                want += [ref.generate(prompt, **kw).attentions[0]] * 2  # generate numbers padding positions its way
+                sdpa = copy.deepcopy(ref)
+                sdpa.set_attn_implementation("sdpa")
+                logits = sdpa(prompt, attention_mask=mask).logits
+                got = [model(prompt, attention_mask=mask, output_attentions=True, use_cache=c) for c in (False, True)]
+                got += [model.generate(prompt, cache_implementation=c, **kw) for c in (None, "static")]
+            for i, out in enumerate(got):
+                rows = out.attentions[0] if i >= 2 else out.attentions  # generate: the prefill's
+                for a, b in zip(rows, want[i]):
+                    a = a[..., :b.shape[-1]]  # a static cache's columns past the prompt: unwritten, 0
+                    if side == "left":  # padding queries: 0 rows; the real ones: eager's
+                        assert float(a[0, :, pad].abs().max()) == 0, (side, i)
+                        a, b = a[1:], b[1:]
+                    assert float((a - b).abs().max()) < 1e-6, (side, i)
+            for out in got[:2]:  # every column's logits: transformers' sdpa's
+                assert float((out.logits - logits).abs().max() / logits.abs().max()) < 1e-6, side
+
+    return [
+        Row("LatentAttentionCache", "size", "output_attentions of a right-padded batch into a cache: padding queries' "
+            "rows 0, 0.29 off eager's, beside outputs computed from the real tokens (r22)",
+            padding_queries_weights_as_their_outputs),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -8690,7 +8739,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows())
+        + probe21_rows() + left21_rows() + hf22_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
