@@ -8725,7 +8725,29 @@ def hf22_rows():
             for out in got[:2]:  # every column's logits: transformers' sdpa's
                 assert float((out.logits - logits).abs().max() / logits.abs().max()) < 1e-6, side
 
+    def convert_over_the_directory_its_source_links_to(env, hf):
+        """`qkmla convert --hf LINKS --out STORE --overwrite`, LINKS a checkpoint directory of links to STORE's files:
+        the checks compared the directories alone, so STORE was replaced by the conversion (exit 0) and LINKS' links
+        pointed at the new files or at none (a 5-shard source replaced by a 6-shard conversion with --qk-norm rms).
+        Refused now, before any work, naming --out and the link; STORE is left as it was. LINKS converts
+        elsewhere as before."""
+        store, links = env.tmp / "store", env.tmp / "links"
+        shutil.copytree(hf, store)
+        links.mkdir()
+        for f in store.iterdir():
+            (links / f.name).symlink_to(f)
+        before = snapshot(store)
+        for more in (["--overwrite"], []):
+            refuse(env, convert_argv(links, store, *more), r"^qkmla convert: --out: \S+store holds \S+store/\S+, "
+                   r"which \S+links/\S+ of the checkpoint being converted links to; replacing it would destroy the "
+                   r"source: write elsewhere$")
+        assert snapshot(store) == before
+        env.capsys.readouterr()
+        assert main([str(a) for a in convert_argv(links, env.tmp / "out")]) == 0
+
     return [
+        Row("convert", "output", "--hf a directory of links into --out, --overwrite: the source's files replaced (r22)",
+            convert_over_the_directory_its_source_links_to, hf=True),
         Row("LatentAttentionCache", "size", "output_attentions of a right-padded batch into a cache: padding queries' "
             "rows 0, 0.29 off eager's, beside outputs computed from the real tokens (r22)",
             padding_queries_weights_as_their_outputs),
