@@ -8745,7 +8745,66 @@ def hf22_rows():
         env.capsys.readouterr()
         assert main([str(a) for a in convert_argv(links, env.tmp / "out")]) == 0
 
+    def lora_by_default_without_a_query_latent(env):
+        """attention_lora_config(model) with no targets, on a family without a query latent (q_lora_rank None:
+        DeepSeek-V2-Lite, Kimi-Linear): refused as "targets: 'q_b_proj' is not an attention projection of this
+        model's layers", an argument the caller never passed, so LoRA fine-tuning such a model needed targets
+        spelt out. The default is now the query's own up-projection there (q_proj), kv_b_proj and o_proj; merged,
+        the model computes the adapted logits. q_b_proj named by the caller is still refused."""
+        peft = pytest.importorskip("peft")
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        for name in ("deepseek_v2", "kimi_linear"):
+            model = apply_latent_attention(families.hf_model(families.family_named(name)))
+            config = attention_lora_config(model, r=2)
+            assert re.search(r"\(q_proj\|kv_b_proj\|o_proj\)$", config.target_modules), config.target_modules
+            raises(lambda: attention_lora_config(model, targets=("q_b_proj",)), ValueError,
+                   r"^targets: 'q_b_proj' is not an attention projection .*q_lora_rank=None")
+            adapted = peft.get_peft_model(model, config)
+            ids = families.ids(length=5)
+            with torch.no_grad():
+                for p in (p for n, p in adapted.named_parameters() if "lora_B" in n):
+                    p.add_(0.3 * torch.randn_like(p))
+                want = adapted(input_ids=ids, use_cache=False).logits
+                got = merge_lora(adapted)(input_ids=ids).logits
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name
+
+    def longcat_norms_trained(env):
+        """attention_lora_config(model, train_qk_norm=True) on a QK-normed LongCat-Flash (two attention modules per
+        layer, self_attn.0 and self_attn.1): modules_to_save named self_attn.q_norm / self_attn.k_norm, which end no
+        module name there, so PEFT trained none of its 8 norm weights (0 trainable; asked to train them) without a
+        word. Each attention module's norms are trainable now: two SGD steps move them, and the merged model and the
+        adapter loaded onto the QK-normed model compute the fine-tuned logits."""
+        peft = pytest.importorskip("peft")
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        family = families.family_named("longcat_flash")
+        model = apply_latent_attention(families.hf_model(family), qk_norm="rms")
+        adapted = peft.get_peft_model(model, attention_lora_config(model, r=2, train_qk_norm=True))
+        norms = [p for n, p in adapted.named_parameters() if p.requires_grad and re.search(r"\.[qk]_norm\.", n)]
+        assert len(norms) == 8, len(norms)  # 2 modules x (q_norm, k_norm) x (content, rope)
+        ids = families.ids(length=6)
+        step = torch.optim.SGD([p for p in adapted.parameters() if p.requires_grad], lr=0.5)
+        for _ in range(2):
+            adapted(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step.step()
+            step.zero_grad()
+        assert all(float((p.detach() - 1).abs().max()) > 1e-3 for p in norms)
+        with torch.no_grad():
+            want = adapted(input_ids=ids, use_cache=False).logits
+            adapted.save_pretrained(env.tmp / "adapter")
+            assert torch.allclose(merge_lora(adapted)(input_ids=ids).logits, want, rtol=0, atol=1e-9)
+            onto = peft.PeftModel.from_pretrained(apply_latent_attention(families.hf_model(family), qk_norm="rms"),
+                                                  env.tmp / "adapter")
+            assert torch.allclose(onto(input_ids=ids, use_cache=False).logits, want, rtol=0, atol=1e-9)
+
     return [
+        Row("LatentAttentionCache", "size", "attention_lora_config(model) of a family without q_lora_rank: refused "
+            "as targets 'q_b_proj', which the caller never passed (r22)", lora_by_default_without_a_query_latent),
+        Row("LatentAttentionCache", "size", "attention_lora_config(train_qk_norm=True) on LongCat-Flash: none of its "
+            "8 norm weights trained (r22)", longcat_norms_trained),
         Row("convert", "output", "--hf a directory of links into --out, --overwrite: the source's files replaced (r22)",
             convert_over_the_directory_its_source_links_to, hf=True),
         Row("LatentAttentionCache", "size", "output_attentions of a right-padded batch into a cache: padding queries' "
