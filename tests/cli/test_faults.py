@@ -8800,7 +8800,31 @@ def hf22_rows():
                                                   env.tmp / "adapter")
             assert torch.allclose(onto(input_ids=ids, use_cache=False).logits, want, rtol=0, atol=1e-9)
 
+    def vllm_head_widths_and_rope_of_another_type(env):
+        """The vLLM plugin's check of a QK-normed config (servable_norm) read qk_nope_head_dim as true or not:
+        -3, 0.5 and True were served (vLLM then failed building the layer), and v_head_dim or num_attention_heads
+        0 likewise; rope_parameters "yarn" or [1] failed as "AttributeError: 'str' object has no attribute 'get'",
+        naming nothing. Each refused now naming the field and what it takes."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").config.to_dict()
+        config.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert servable_norm(config, **engine).kind == "rms"
+        for field, bad in (("qk_nope_head_dim", -3), ("qk_nope_head_dim", 0.5), ("qk_nope_head_dim", True),
+                           ("v_head_dim", 0), ("num_attention_heads", 0)):
+            raises(lambda: servable_norm(dict(config, **{field: bad}), **engine), ValueError,
+                   rf"^config\.json: {field} must be a positive int .*got {re.escape(repr(bad))}$")
+        for bad in ("yarn", [1]):
+            raises(lambda: servable_norm(dict(config, rope_parameters=bad), **engine), ValueError,
+                   rf"^config\.json: rope_parameters must be a JSON object \(rope_type, rope_theta, \.\.\.\), got "
+                   rf"{type(bad).__name__} {re.escape(repr(bad))}$")
+
     return [
+        Row("LatentAttentionCache", "size", "the vLLM plugin's config check: qk_nope_head_dim -3 / 0.5 / True served, "
+            "rope_parameters 'yarn' an AttributeError (r22)", vllm_head_widths_and_rope_of_another_type),
         Row("LatentAttentionCache", "size", "attention_lora_config(model) of a family without q_lora_rank: refused "
             "as targets 'q_b_proj', which the caller never passed (r22)", lora_by_default_without_a_query_latent),
         Row("LatentAttentionCache", "size", "attention_lora_config(train_qk_norm=True) on LongCat-Flash: none of its "
