@@ -8822,7 +8822,45 @@ def hf22_rows():
                    rf"^config\.json: rope_parameters must be a JSON object \(rope_type, rope_theta, \.\.\.\), got "
                    rf"{type(bad).__name__} {re.escape(repr(bad))}$")
 
+    def attention_dropout_in_training(env):
+        """A model whose config sets attention_dropout (0.3 here), patched and trained: the patched attention
+        never dropped a weight, so fine-tuning ran without the regularization the config asks for, without a word
+        (a training forward 0.62 off transformers' eager one under the same seed; two seeds gave the same logits).
+        The explicit path now drops the probabilities as transformers' eager attention does, the same draws under
+        the same seed (1e-6 of transformers' logits); a training call through a cache, or sparse attention, which
+        would compute without it, is refused naming attention_dropout. Eval mode is unchanged."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        def dropped(name):
+            ref = families.hf_model(families.family_named(name), dtype=torch.float32)
+            ref.config.attention_dropout = 0.3
+            for m in ref.modules():
+                if hasattr(m, "attention_dropout"):
+                    m.attention_dropout = 0.3
+            ref.set_attn_implementation("eager")
+            return ref.train(), apply_latent_attention(copy.deepcopy(ref)).train()
+
+        ref, model = dropped("deepseek_v3")
+        ids = families.ids(length=6)
+        logits = []
+        for seed, m in ((3, ref), (3, model), (4, model)):
+            torch.manual_seed(seed)
+            logits.append(m(ids, use_cache=False).logits)
+        assert float((logits[1] - logits[0]).abs().max() / logits[0].abs().max()) < 1e-6
+        assert float((logits[2] - logits[1]).abs().max()) > 0.1  # another seed, other draws
+        raises(lambda: model(ids, use_cache=True), ValueError, r"^attention_dropout: this model's attention drops 0\.3 "
+               r"of its weights in training, .* goes through a cache: call with use_cache=False, or model\.eval\(\)$")
+        _, sparse = dropped("deepseek_v32")
+        raises(lambda: sparse(ids, use_cache=False), ValueError, r"^attention_dropout: .* goes through sparse "
+               r"attention: build the model with attention_dropout=0\.0, or model\.eval\(\)$")
+        with torch.no_grad():
+            want = ref.eval()(ids).logits
+            assert float((model.eval()(ids).logits - want).abs().max() / want.abs().max()) < 1e-6
+
     return [
+        Row("LatentAttentionCache", "size", "a config's attention_dropout 0.3 in training: never applied, the patched "
+            "model trained without it (r22)", attention_dropout_in_training),
         Row("LatentAttentionCache", "size", "the vLLM plugin's config check: qk_nope_head_dim -3 / 0.5 / True served, "
             "rope_parameters 'yarn' an AttributeError (r22)", vllm_head_widths_and_rope_of_another_type),
         Row("LatentAttentionCache", "size", "attention_lora_config(model) of a family without q_lora_rank: refused "
