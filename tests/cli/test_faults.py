@@ -8858,7 +8858,28 @@ def hf22_rows():
             want = ref.eval()(ids).logits
             assert float((model.eval()(ids).logits - want).abs().max() / want.abs().max()) < 1e-6
 
+    def a_norm_field_named_under_qk_norm(env, hf):
+        """qk_norm={"eps": -1} (or {"kind": "lp", "p": 0.5}) given to apply_latent_attention or convert_checkpoint was
+        refused as "eps: expected a finite number >= 0, got -1", naming a dict key, not the argument (left open in
+        round 21), and mla_layers_from_hf_dir(dir, qk_norm=...) blamed the checkpoint: "/path/config.json: eps:
+        ...". Each names qk_norm now, before any work; a valid dict still adds its norm."""
+        from qkmla.convert import convert_checkpoint
+        from qkmla.integrations.hub import mla_layers_from_hf_dir
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        for bad, field in (({"eps": -1}, r"eps: expected a finite number >= 0, got -1"),
+                           ({"kind": "lp", "p": 0.5}, r"p: expected a finite number >= 1 and <= 100 .*got 0\.5")):
+            for call in (lambda: apply_latent_attention(tiny_deepseek_v3(), qk_norm=bad),
+                         lambda: convert_checkpoint(hf, env.tmp / "out", qk_norm=bad, calibration_tokens=0),
+                         lambda: mla_layers_from_hf_dir(hf, qk_norm=bad)):
+                raises(call, ValueError, rf"^qk_norm: {field}$")
+        assert not (env.tmp / "out").exists()
+        model = apply_latent_attention(tiny_deepseek_v3(), qk_norm={"kind": "rms", "eps": 1e-5})
+        assert model.model.layers[0].self_attn.config.qk_norm.eps == 1e-5
+
     return [
+        Row("LatentAttentionCache", "size", "qk_norm={'eps': -1}: refused as 'eps', and by mla_layers_from_hf_dir "
+            "as the checkpoint's config.json (r22)", a_norm_field_named_under_qk_norm, hf=True),
         Row("LatentAttentionCache", "size", "a config's attention_dropout 0.3 in training: never applied, the patched "
             "model trained without it (r22)", attention_dropout_in_training),
         Row("LatentAttentionCache", "size", "the vLLM plugin's config check: qk_nope_head_dim -3 / 0.5 / True served, "
