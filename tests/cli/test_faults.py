@@ -8730,7 +8730,7 @@ def hf22_rows():
         the checks compared the directories alone, so STORE was replaced by the conversion (exit 0) and LINKS' links
         pointed at the new files or at none (a 5-shard source replaced by a 6-shard conversion with --qk-norm rms).
         Refused now, before any work, naming --out and the link; STORE is left as it was. LINKS converts
-        elsewhere as before."""
+        elsewhere as before, a loop of links in it too."""
         store, links = env.tmp / "store", env.tmp / "links"
         shutil.copytree(hf, store)
         links.mkdir()
@@ -8742,6 +8742,7 @@ def hf22_rows():
                    r"which \S+links/\S+ of the checkpoint being converted links to; replacing it would destroy the "
                    r"source: write elsewhere$")
         assert snapshot(store) == before
+        (links / "loop").symlink_to(links / "loop")  # a link to nowhere (a loop) is not one into --out
         env.capsys.readouterr()
         assert main([str(a) for a in convert_argv(links, env.tmp / "out")]) == 0
 

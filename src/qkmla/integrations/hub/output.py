@@ -70,7 +70,10 @@ def _check_links_into(resolved_out: Path, given, src: Path, name: str, verb: str
     for entry in sorted(src.iterdir()):
         if not entry.is_symlink():
             continue
-        target = entry.resolve()
+        try:
+            target = entry.resolve()
+        except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13) points at no file
+            continue
         if target == resolved_out or resolved_out in target.parents:
             raise ValueError(f"{name}: {given} holds {target}, which {entry} of the checkpoint being {verb} links to; "
                              f"replacing it would destroy the source: write elsewhere")
