@@ -8833,12 +8833,12 @@ def hf22_rows():
         families = transformers_families()
         from qkmla.integrations.transformers import apply_latent_attention
 
-        def dropped(name):
+        def dropped(name, p=0.3):
             ref = families.hf_model(families.family_named(name), dtype=torch.float32)
-            ref.config.attention_dropout = 0.3
+            ref.config.attention_dropout = p
             for m in ref.modules():
                 if hasattr(m, "attention_dropout"):
-                    m.attention_dropout = 0.3
+                    m.attention_dropout = p
             ref.set_attn_implementation("eager")
             return ref.train(), apply_latent_attention(copy.deepcopy(ref)).train()
 
@@ -8858,6 +8858,8 @@ def hf22_rows():
         with torch.no_grad():
             want = ref.eval()(ids).logits
             assert float((model.eval()(ids).logits - want).abs().max() / want.abs().max()) < 1e-6
+        _, unset = dropped("deepseek_v3", None)  # None (a config.json's null): no dropout, as transformers reads it
+        assert torch.equal(unset(ids, use_cache=False).logits, unset(ids, use_cache=False).logits)
 
     def a_norm_field_named_under_qk_norm(env, hf):
         """qk_norm={"eps": -1} (or {"kind": "lp", "p": 0.5}) given to apply_latent_attention or convert_checkpoint was

@@ -484,7 +484,10 @@ class LatentAttention(MLA):
 
 
 def check_attention_dropout(p) -> float:
-    """The HF layer's ``attention_dropout`` as a float, or a ValueError naming it: a probability in [0, 1)."""
+    """The HF layer's ``attention_dropout`` as a float (None: 0, as transformers' eval calls read it), or a
+    ValueError naming it: a probability in [0, 1)."""
+    if p is None:
+        return 0.0
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise ValueError(f"attention_dropout: expected a probability in [0, 1) (the model config's), got {p!r}")
     return float(p)
