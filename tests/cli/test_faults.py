@@ -8880,7 +8880,30 @@ def hf22_rows():
         model = apply_latent_attention(tiny_deepseek_v3(), qk_norm={"kind": "rms", "eps": 1e-5})
         assert model.model.layers[0].self_attn.config.qk_norm.eps == 1e-5
 
+    def a_norm_weight_that_is_not_finite(env):
+        """A QK-normed checkpoint whose layer-0 q_norm weights are NaN (a damaged file): from_pretrained loaded it
+        without a word, and torch's fused attention on the CPU turned the NaN scores into finite logits (0.25 off
+        the undamaged checkpoint's, on a probe's two-layer one). Refused now, before the model is built, naming
+        hf_dir, the file and the tensor: from_pretrained, AutoModelForCausalLM and mla_layers_from_hf_dir alike."""
+        import transformers
+        from safetensors.torch import load_file, save_file
+        from qkmla.integrations.hub import mla_layers_from_hf_dir
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        src = env.tmp / "normed"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(src)
+        name = "model.layers.0.self_attn.q_norm.content.weight"
+        tensors = load_file(src / "model.safetensors")
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        for load in (from_pretrained, transformers.AutoModelForCausalLM.from_pretrained, mla_layers_from_hf_dir):
+            raises(lambda: load(src), ValueError, rf"^hf_dir: \S+model\.safetensors: {re.escape(name)} holds 8 values "
+                   r"that are not finite \(NaN or inf\); the QK norm's weights scale every query or key, so the "
+                   r"checkpoint is damaged$")
+
     return [
+        Row("LatentAttentionCache", "size", "a QK-normed checkpoint with NaN norm weights: loaded, finite logits 0.25 "
+            "off (r22)", a_norm_weight_that_is_not_finite),
         Row("LatentAttentionCache", "size", "qk_norm={'eps': -1}: refused as 'eps', and by mla_layers_from_hf_dir "
             "as the checkpoint's config.json (r22)", a_norm_field_named_under_qk_norm, hf=True),
         Row("LatentAttentionCache", "size", "a config's attention_dropout 0.3 in training: never applied, the patched "
