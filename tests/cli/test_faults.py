@@ -8884,7 +8884,8 @@ def hf22_rows():
         """A QK-normed checkpoint whose layer-0 q_norm weights are NaN (a damaged file): from_pretrained loaded it
         without a word, and torch's fused attention on the CPU turned the NaN scores into finite logits (0.25 off
         the undamaged checkpoint's, on a probe's two-layer one). Refused now, before the model is built, naming
-        hf_dir, the file and the tensor: from_pretrained, AutoModelForCausalLM and mla_layers_from_hf_dir alike."""
+        hf_dir, the file and the tensor: from_pretrained, AutoModelForCausalLM and mla_layers_from_hf_dir alike, and
+        `qkmla convert` (a re-save copied it, exit 0) naming --hf."""
         import transformers
         from safetensors.torch import load_file, save_file
         from qkmla.integrations.hub import mla_layers_from_hf_dir
@@ -8896,10 +8897,13 @@ def hf22_rows():
         tensors = load_file(src / "model.safetensors")
         tensors[name] = torch.full_like(tensors[name], float("nan"))
         save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        why = (rf"\S+model\.safetensors: {re.escape(name)} holds 8 values that are not finite \(NaN or inf\); the QK "
+               r"norm's weights scale every query or key, so the checkpoint is damaged$")
         for load in (from_pretrained, transformers.AutoModelForCausalLM.from_pretrained, mla_layers_from_hf_dir):
-            raises(lambda: load(src), ValueError, rf"^hf_dir: \S+model\.safetensors: {re.escape(name)} holds 8 values "
-                   r"that are not finite \(NaN or inf\); the QK norm's weights scale every query or key, so the "
-                   r"checkpoint is damaged$")
+            raises(lambda: load(src), ValueError, rf"^hf_dir: {why}")
+        # `qkmla convert` re-saving it copied the damage (exit 0)
+        refuse(env, convert_argv(src, env.tmp / "out"), rf"^qkmla convert: --hf: {why}")
+        assert not (env.tmp / "out").exists()
 
     return [
         Row("LatentAttentionCache", "size", "a QK-normed checkpoint with NaN norm weights: loaded, finite logits 0.25 "
