@@ -8683,6 +8683,249 @@ def left21_rows():
     ]
 
 
+def hf22_rows():
+    """Round 22's integrations probe: output_attentions on padding queries, and what it found past it."""
+
+    def padding_queries_weights_as_their_outputs(env):
+        """output_attentions=True of a right-padded batch into a cache (the growing one, or generate's
+        cache_implementation="static"): each padding query's row was 0 (0.29 off transformers' eager weights, and
+        off the no-cache path's) beside an output computed from the real tokens before it. Now its row is its
+        output's, every path, to transformers' eager weights. A left-padding query that sees no column keeps a 0
+        row, whatever attn_implementation the host had (weights.py): its output is 0, as transformers' sdpa gives
+        it; eager's flat 1/K row (NaN in float64) describes the mean of every column's value, padding included,
+        which the latent cache never holds. Real queries' rows are eager's either way."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        ref = families.hf_model(families.family_named("deepseek_v3"), dtype=torch.float32)
+        ref.set_attn_implementation("eager")
+        model = apply_latent_attention(copy.deepcopy(ref))
+        prompt = families.ids(length=7)
+        for side, pad in (("right", slice(4, None)), ("left", slice(0, 2))):
+            mask = torch.ones_like(prompt)
+            mask[0, pad] = 0
+            kw = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, output_attentions=True,
+                      return_dict_in_generate=True)
+            with torch.no_grad():
+                want = [ref(prompt, attention_mask=mask, output_attentions=True).attentions] * 2
+                want += [ref.generate(prompt, **kw).attentions[0]] * 2  # generate numbers padding positions its way
+                sdpa = copy.deepcopy(ref)
+                sdpa.set_attn_implementation("sdpa")
+                logits = sdpa(prompt, attention_mask=mask).logits
+                got = [model(prompt, attention_mask=mask, output_attentions=True, use_cache=c) for c in (False, True)]
+                got += [model.generate(prompt, cache_implementation=c, **kw) for c in (None, "static")]
+            for i, out in enumerate(got):
+                rows = out.attentions[0] if i >= 2 else out.attentions  # generate: the prefill's
+                for a, b in zip(rows, want[i]):
+                    a = a[..., :b.shape[-1]]  # a static cache's columns past the prompt: unwritten, 0
+                    if side == "left":  # padding queries: 0 rows; the real ones: eager's
+                        assert float(a[0, :, pad].abs().max()) == 0, (side, i)
+                        a, b = a[1:], b[1:]
+                    assert float((a - b).abs().max()) < 1e-6, (side, i)
+            for out in got[:2]:  # every column's logits: transformers' sdpa's
+                assert float((out.logits - logits).abs().max() / logits.abs().max()) < 1e-6, side
+
+    def convert_over_the_directory_its_source_links_to(env, hf):
+        """`qkmla convert --hf LINKS --out STORE --overwrite`, LINKS a checkpoint directory of links to STORE's files:
+        the checks compared the directories alone, so STORE was replaced by the conversion (exit 0) and LINKS' links
+        pointed at the new files or at none (a 5-shard source replaced by a 6-shard conversion with --qk-norm rms).
+        Refused now, before any work, naming --out and the link; STORE is left as it was. LINKS converts
+        elsewhere as before, a loop of links in it too."""
+        store, links = env.tmp / "store", env.tmp / "links"
+        shutil.copytree(hf, store)
+        links.mkdir()
+        for f in store.iterdir():
+            (links / f.name).symlink_to(f)
+        before = snapshot(store)
+        for more in (["--overwrite"], []):
+            refuse(env, convert_argv(links, store, *more), r"^qkmla convert: --out: \S+store holds \S+store/\S+, "
+                   r"which \S+links/\S+ of the checkpoint being converted links to; replacing it would destroy the "
+                   r"source: write elsewhere$")
+        assert snapshot(store) == before
+        (links / "loop").symlink_to(links / "loop")  # a link to nowhere (a loop) is not one into --out
+        env.capsys.readouterr()
+        assert main([str(a) for a in convert_argv(links, env.tmp / "out")]) == 0
+
+    def lora_by_default_without_a_query_latent(env):
+        """attention_lora_config(model) with no targets, on a family without a query latent (q_lora_rank None:
+        DeepSeek-V2-Lite, Kimi-Linear): refused as "targets: 'q_b_proj' is not an attention projection of this
+        model's layers", an argument the caller never passed, so LoRA fine-tuning such a model needed targets
+        spelt out. The default is now the query's own up-projection there (q_proj), kv_b_proj and o_proj; merged,
+        the model computes the adapted logits. q_b_proj named by the caller is still refused."""
+        peft = pytest.importorskip("peft")
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        for name in ("deepseek_v2", "kimi_linear"):
+            model = apply_latent_attention(families.hf_model(families.family_named(name)))
+            config = attention_lora_config(model, r=2)
+            assert re.search(r"\(q_proj\|kv_b_proj\|o_proj\)$", config.target_modules), config.target_modules
+            raises(lambda: attention_lora_config(model, targets=("q_b_proj",)), ValueError,
+                   r"^targets: 'q_b_proj' is not an attention projection .*q_lora_rank=None")
+            adapted = peft.get_peft_model(model, config)
+            ids = families.ids(length=5)
+            with torch.no_grad():
+                for p in (p for n, p in adapted.named_parameters() if "lora_B" in n):
+                    p.add_(0.3 * torch.randn_like(p))
+                want = adapted(input_ids=ids, use_cache=False).logits
+                got = merge_lora(adapted)(input_ids=ids).logits
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-6, name
+
+    def longcat_norms_trained(env):
+        """attention_lora_config(model, train_qk_norm=True) on a QK-normed LongCat-Flash (two attention modules per
+        layer, self_attn.0 and self_attn.1): modules_to_save named self_attn.q_norm / self_attn.k_norm, which end no
+        module name there, so PEFT trained none of its 8 norm weights (0 trainable; asked to train them) without a
+        word. Each attention module's norms are trainable now: two SGD steps move them, and the merged model and the
+        adapter loaded onto the QK-normed model compute the fine-tuned logits."""
+        peft = pytest.importorskip("peft")
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention, attention_lora_config, merge_lora
+
+        family = families.family_named("longcat_flash")
+        model = apply_latent_attention(families.hf_model(family), qk_norm="rms")
+        adapted = peft.get_peft_model(model, attention_lora_config(model, r=2, train_qk_norm=True))
+        norms = [p for n, p in adapted.named_parameters() if p.requires_grad and re.search(r"\.[qk]_norm\.", n)]
+        assert len(norms) == 8, len(norms)  # 2 modules x (q_norm, k_norm) x (content, rope)
+        ids = families.ids(length=6)
+        step = torch.optim.SGD([p for p in adapted.parameters() if p.requires_grad], lr=0.5)
+        for _ in range(2):
+            adapted(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            step.step()
+            step.zero_grad()
+        assert all(float((p.detach() - 1).abs().max()) > 1e-3 for p in norms)
+        with torch.no_grad():
+            want = adapted(input_ids=ids, use_cache=False).logits
+            adapted.save_pretrained(env.tmp / "adapter")
+            assert torch.allclose(merge_lora(adapted)(input_ids=ids).logits, want, rtol=0, atol=1e-9)
+            onto = peft.PeftModel.from_pretrained(apply_latent_attention(families.hf_model(family), qk_norm="rms"),
+                                                  env.tmp / "adapter")
+            assert torch.allclose(onto(input_ids=ids, use_cache=False).logits, want, rtol=0, atol=1e-9)
+
+    def vllm_head_widths_and_rope_of_another_type(env):
+        """The vLLM plugin's check of a QK-normed config (servable_norm) read qk_nope_head_dim as true or not:
+        -3, 0.5 and True were served (vLLM then failed building the layer), and v_head_dim or num_attention_heads
+        0 likewise; rope_parameters "yarn" or [1] failed as "AttributeError: 'str' object has no attribute 'get'",
+        naming nothing. Each refused now naming the field and what it takes."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").config.to_dict()
+        config.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert servable_norm(config, **engine).kind == "rms"
+        for field, bad in (("qk_nope_head_dim", -3), ("qk_nope_head_dim", 0.5), ("qk_nope_head_dim", True),
+                           ("v_head_dim", 0), ("num_attention_heads", 0)):
+            raises(lambda: servable_norm(dict(config, **{field: bad}), **engine), ValueError,
+                   rf"^config\.json: {field} must be a positive int .*got {re.escape(repr(bad))}$")
+        for bad in ("yarn", [1]):
+            raises(lambda: servable_norm(dict(config, rope_parameters=bad), **engine), ValueError,
+                   rf"^config\.json: rope_parameters must be a JSON object \(rope_type, rope_theta, \.\.\.\), got "
+                   rf"{type(bad).__name__} {re.escape(repr(bad))}$")
+
+    def attention_dropout_in_training(env):
+        """A model whose config sets attention_dropout (0.3 here), patched and trained: the patched attention
+        never dropped a weight, so fine-tuning ran without the regularization the config asks for, without a word
+        (a training forward 0.62 off transformers' eager one under the same seed; two seeds gave the same logits).
+        The explicit path now drops the probabilities as transformers' eager attention does, the same draws under
+        the same seed (1e-6 of transformers' logits); a training call through a cache, or sparse attention, which
+        would compute without it, is refused naming attention_dropout. Eval mode is unchanged."""
+        families = transformers_families()
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        def dropped(name, p=0.3):
+            ref = families.hf_model(families.family_named(name), dtype=torch.float32)
+            ref.config.attention_dropout = p
+            for m in ref.modules():
+                if hasattr(m, "attention_dropout"):
+                    m.attention_dropout = p
+            ref.set_attn_implementation("eager")
+            return ref.train(), apply_latent_attention(copy.deepcopy(ref)).train()
+
+        ref, model = dropped("deepseek_v3")
+        ids = families.ids(length=6)
+        logits = []
+        for seed, m in ((3, ref), (3, model), (4, model)):
+            torch.manual_seed(seed)
+            logits.append(m(ids, use_cache=False).logits)
+        assert float((logits[1] - logits[0]).abs().max() / logits[0].abs().max()) < 1e-6
+        assert float((logits[2] - logits[1]).abs().max()) > 0.1  # another seed, other draws
+        raises(lambda: model(ids, use_cache=True), ValueError, r"^attention_dropout: this model's attention drops 0\.3 "
+               r"of its weights in training, .* goes through a cache: call with use_cache=False, or model\.eval\(\)$")
+        _, sparse = dropped("deepseek_v32")
+        raises(lambda: sparse(ids, use_cache=False), ValueError, r"^attention_dropout: .* goes through sparse "
+               r"attention: build the model with attention_dropout=0\.0, or model\.eval\(\)$")
+        with torch.no_grad():
+            want = ref.eval()(ids).logits
+            assert float((model.eval()(ids).logits - want).abs().max() / want.abs().max()) < 1e-6
+        _, unset = dropped("deepseek_v3", None)  # None (a config.json's null): no dropout, as transformers reads it
+        assert torch.equal(unset(ids, use_cache=False).logits, unset(ids, use_cache=False).logits)
+
+    def a_norm_field_named_under_qk_norm(env, hf):
+        """qk_norm={"eps": -1} (or {"kind": "lp", "p": 0.5}) given to apply_latent_attention or convert_checkpoint was
+        refused as "eps: expected a finite number >= 0, got -1", naming a dict key, not the argument (left open in
+        round 21), and mla_layers_from_hf_dir(dir, qk_norm=...) blamed the checkpoint: "/path/config.json: eps:
+        ...". Each names qk_norm now, before any work; a valid dict still adds its norm."""
+        from qkmla.convert import convert_checkpoint
+        from qkmla.integrations.hub import mla_layers_from_hf_dir
+        from qkmla.integrations.transformers import apply_latent_attention
+
+        for bad, field in (({"eps": -1}, r"eps: expected a finite number >= 0, got -1"),
+                           ({"kind": "lp", "p": 0.5}, r"p: expected a finite number >= 1 and <= 100 .*got 0\.5")):
+            for call in (lambda: apply_latent_attention(tiny_deepseek_v3(), qk_norm=bad),
+                         lambda: convert_checkpoint(hf, env.tmp / "out", qk_norm=bad, calibration_tokens=0),
+                         lambda: mla_layers_from_hf_dir(hf, qk_norm=bad)):
+                raises(call, ValueError, rf"^qk_norm: {field}$")
+        assert not (env.tmp / "out").exists()
+        model = apply_latent_attention(tiny_deepseek_v3(), qk_norm={"kind": "rms", "eps": 1e-5})
+        assert model.model.layers[0].self_attn.config.qk_norm.eps == 1e-5
+
+    def a_norm_weight_that_is_not_finite(env):
+        """A QK-normed checkpoint whose layer-0 q_norm weights are NaN (a damaged file): from_pretrained loaded it
+        without a word, and torch's fused attention on the CPU turned the NaN scores into finite logits (0.25 off
+        the undamaged checkpoint's, on a probe's two-layer one). Refused now, before the model is built, naming
+        hf_dir, the file and the tensor: from_pretrained, AutoModelForCausalLM and mla_layers_from_hf_dir alike, and
+        `qkmla convert` (a re-save copied it, exit 0) naming --hf."""
+        import transformers
+        from safetensors.torch import load_file, save_file
+        from qkmla.integrations.hub import mla_layers_from_hf_dir
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        src = env.tmp / "normed"
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(src)
+        name = "model.layers.0.self_attn.q_norm.content.weight"
+        tensors = load_file(src / "model.safetensors")
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        why = (rf"\S+model\.safetensors: {re.escape(name)} holds 8 values that are not finite \(NaN or inf\); the QK "
+               r"norm's weights scale every query or key, so the checkpoint is damaged$")
+        for load in (from_pretrained, transformers.AutoModelForCausalLM.from_pretrained, mla_layers_from_hf_dir):
+            raises(lambda: load(src), ValueError, rf"^hf_dir: {why}")
+        # `qkmla convert` re-saving it copied the damage (exit 0)
+        refuse(env, convert_argv(src, env.tmp / "out"), rf"^qkmla convert: --hf: {why}")
+        assert not (env.tmp / "out").exists()
+
+    return [
+        Row("LatentAttentionCache", "size", "a QK-normed checkpoint with NaN norm weights: loaded, finite logits 0.25 "
+            "off (r22)", a_norm_weight_that_is_not_finite),
+        Row("LatentAttentionCache", "size", "qk_norm={'eps': -1}: refused as 'eps', and by mla_layers_from_hf_dir "
+            "as the checkpoint's config.json (r22)", a_norm_field_named_under_qk_norm, hf=True),
+        Row("LatentAttentionCache", "size", "a config's attention_dropout 0.3 in training: never applied, the patched "
+            "model trained without it (r22)", attention_dropout_in_training),
+        Row("LatentAttentionCache", "size", "the vLLM plugin's config check: qk_nope_head_dim -3 / 0.5 / True served, "
+            "rope_parameters 'yarn' an AttributeError (r22)", vllm_head_widths_and_rope_of_another_type),
+        Row("LatentAttentionCache", "size", "attention_lora_config(model) of a family without q_lora_rank: refused "
+            "as targets 'q_b_proj', which the caller never passed (r22)", lora_by_default_without_a_query_latent),
+        Row("LatentAttentionCache", "size", "attention_lora_config(train_qk_norm=True) on LongCat-Flash: none of its "
+            "8 norm weights trained (r22)", longcat_norms_trained),
+        Row("convert", "output", "--hf a directory of links into --out, --overwrite: the source's files replaced (r22)",
+            convert_over_the_directory_its_source_links_to, hf=True),
+        Row("LatentAttentionCache", "size", "output_attentions of a right-padded batch into a cache: padding queries' "
+            "rows 0, 0.29 off eager's, beside outputs computed from the real tokens (r22)",
+            padding_queries_weights_as_their_outputs),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -8690,7 +8933,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows())
+        + probe21_rows() + left21_rows() + hf22_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -160,11 +160,11 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
         describes them.
     """
     from .stream import CheckpointStream, calibrate_streaming, copy_other_files, write_weights
-    from ..integrations.hub.checkpoint import INDEX, saved_norm
-    from ..integrations.hub.record import CODE, describe, record_norm, recorded_groups
+    from ..integrations.hub.checkpoint import INDEX, check_norm_tensors, saved_norm
+    from ..integrations.hub.record import CODE, describe, norm_argument, record_norm, recorded_groups
 
     src, out = check_convert_paths(src, out, overwrite, inputs)
-    norm = QKNormConfig.of(qk_norm)
+    norm = norm_argument(qk_norm)
     check_dtype(dtype)
     calibration_tokens = as_int(calibration_tokens)  # np.int64(64) was refused as "... got np.int64(64)"
     if not is_int(calibration_tokens) or calibration_tokens < 0:
@@ -221,6 +221,8 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
 
     with converting_into(src, out, overwrite) as (target, state):
         try:  # the stream names the directory as the loaders do, hf_dir: this function's argument is src
+            if existing is not None:  # a re-save: its norm weights as the loaders check them (a NaN one was copied)
+                check_norm_tensors(src, hf_config, existing)
             stream = CheckpointStream(src, dtype)
             if norm is not None:
                 report, norm_tensors = calibrate_streaming(stream, norm, *(batches or (None, None)))

@@ -633,9 +633,15 @@ def check_norm_tensors(hf_dir: Union[str, Path], hf_config: dict, norm: Optional
             raise ValueError(f"hf_dir: {listing} names shard file {file}, which is not in {root}")
         with _open(root / file) as f:
             got = tuple(f.get_slice(name).get_shape())
+            # A few values per layer, read here: a NaN norm weight loaded without a word, and torch's fused
+            # attention on the CPU turned its NaN scores into finite logits (0.25 off the undamaged checkpoint's)
+            bad = int((~torch.isfinite(f.get_tensor(name).float())).sum()) if got == shape else 0
         if got != shape:
             raise ValueError(f"hf_dir: {root / file}: {name} has shape {got}; the config in {root / CONFIG} needs "
                              f"{shape}")
+        if bad:
+            raise ValueError(f"hf_dir: {root / file}: {name} holds {bad} values that are not finite (NaN or inf); "
+                             f"the QK norm's weights scale every query or key, so the checkpoint is damaged")
         files[name] = file
     if records:
         want = norm.name if norm is not None and norm.kind is not None else None

@@ -40,6 +40,7 @@ def check_checkpoint_out(out: Path, given, src: Optional[Path], overwrite: bool,
         if resolved_out in resolved_src.parents:
             raise ValueError(f"{name}: {given} holds the checkpoint being {verb}; replacing it would destroy the "
                              "source")
+        _check_links_into(resolved_out, given, src, name, verb)
     for option, path in inputs:  # --overwrite replaced the directory with the file read inside it (or itself)
         if path is None:
             continue
@@ -60,6 +61,22 @@ def check_checkpoint_out(out: Path, given, src: Optional[Path], overwrite: bool,
             raise ValueError(f"{name}: {given} holds {', '.join(theirs[:3])}{' ...' if len(theirs) > 3 else ''}, "
                              f"which this {writer} does not write; {flag} replaces the directory whole, so move "
                              f"{'it' if len(theirs) == 1 else 'them'} out first, or write elsewhere")
+
+
+def _check_links_into(resolved_out: Path, given, src: Path, name: str, verb: str) -> None:
+    """A ValueError naming ``name`` when a file of ``src`` is a link into ``out`` (a checkpoint directory of links
+    to another's files): ``out`` is then where the source's bytes are, and replacing it (--overwrite) replaced the
+    source's files with the new checkpoint's, the links left pointing at them (or at nothing)."""
+    for entry in sorted(src.iterdir()):
+        if not entry.is_symlink():
+            continue
+        try:
+            target = entry.resolve()
+        except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13) points at no file
+            continue
+        if target == resolved_out or resolved_out in target.parents:
+            raise ValueError(f"{name}: {given} holds {target}, which {entry} of the checkpoint being {verb} links to; "
+                             f"replacing it would destroy the source: write elsewhere")
 
 
 # What a conversion writes besides the files it copies from its source (copy_other_files): the

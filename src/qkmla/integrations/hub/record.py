@@ -236,6 +236,18 @@ def record_groups(hf_config, groups: int) -> None:
     recorded_groups(hf_config)
 
 
+def norm_argument(value, name: str = "qk_norm") -> Optional[QKNormConfig]:
+    """``QKNormConfig.of(value)`` for the argument ``name``: a dict's field refused under ``name`` too
+    (``qk_norm={"eps": -1}`` was refused as "eps: expected a finite number >= 0, got -1", a name the caller gave
+    as a key, not as an argument)."""
+    try:
+        return QKNormConfig.of(value, name)
+    except ValueError as e:
+        if str(e).startswith(f"{name}:"):
+            raise
+        raise ValueError(f"{name}: {e}") from None
+
+
 def describe(norm: Optional[QKNormConfig]) -> str:
     """One line naming a recorded norm, e.g. ``rms blockwise``."""
     if norm is None:

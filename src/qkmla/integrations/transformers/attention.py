@@ -134,6 +134,7 @@ class LatentAttention(MLA):
         if self.host.rope == "none":
             self.rotary = NoRotary()
         self.is_causal = True  # read by some transformers utilities
+        self.attention_dropout = 0.0  # from_hf: the HF layer's, applied to the probabilities in training (_uncached)
         self.hf_cache_layout = "expanded"  # from_hf: what transformers' own attention caches (view.py)
         self.hf_rope_halves = False  # from_hf: whether it caches RoPE keys as halves (view.py)
         if config.num_kv_groups < config.num_heads:  # state dicts in transformers' shapes (module docstring)
@@ -192,6 +193,7 @@ class LatentAttention(MLA):
             projections["kv_b_proj"] = kv_b_proj
         g_proj = getattr(hf_attention, host.gate_name) if host is not None and host.output_gate is not None else None
         layer = cls(config, getattr(hf_attention, "layer_idx", 0), projections, settings, host, g_proj)
+        layer.attention_dropout = check_attention_dropout(getattr(hf_attention, "attention_dropout", 0.0))
         # what transformers' own attention caches, for a cache's keys/values view (view.py)
         layer.hf_cache_layout = "latent" if hasattr(type(hf_attention), "expand_kv") else "expanded"
         # DeepSeek-V3's rotates interleaved pairs by first moving them to halves, and caches them so
@@ -208,6 +210,14 @@ class LatentAttention(MLA):
         """The output-gate projection (``host.gate_name``), or None."""
         return getattr(self, self.host.gate_name, None) if self.host.output_gate is not None else None
 
+    def check_no_dropout(self, what: str, way_out: str = "call with use_cache=False, or model.eval()") -> None:
+        """A ValueError naming attention_dropout for a training call through ``what`` (a path other than the
+        explicit one without a cache, the one that applies the host's attention dropout: ``_uncached``)."""
+        if self.training and self.attention_dropout:
+            raise ValueError(f"attention_dropout: this model's attention drops {self.attention_dropout} of its "
+                             f"weights in training, which qkmla applies on the explicit path without a cache only; "
+                             f"this training call goes through {what}: {way_out}")
+
     def with_norm(self, norm: QKNormConfig) -> "LatentAttention":
         """This layer with the QK norm ``norm`` added, sharing its projection modules; the norm
         weights start at ones."""
@@ -217,6 +227,7 @@ class LatentAttention(MLA):
         layer = type(self)(self.config.replace(qk_norm=norm), self.layer_idx, hf_projections(self), self.settings,
                            self.host, self.gate)
         layer.rotary, layer.hf_cache_layout, layer.hf_rope_halves = self.rotary, self.hf_cache_layout, self.hf_rope_halves
+        layer.attention_dropout = self.attention_dropout
         layer = layer.to(device=weight.device, dtype=weight.dtype).train(self.training)
         if self.sinks is not None:  # the same parameter, in its own dtype
             layer.sinks = self.sinks
@@ -320,6 +331,7 @@ class LatentAttention(MLA):
         if documents is not None:
             raise ValueError("cache: this call packs several sequences into a batch row, which a cache (one "
                              "sequence per row) cannot hold; call without a cache")
+        self.check_no_dropout("a cache")
         layer = adopt_layer(cache, self.layer_idx, self.config, self.settings.kv_format, self.settings.policy)
         if layer.attention is None:  # its keys and values are this layer's up-projections (view.py)
             layer.attention = AttentionReference(self)
@@ -378,14 +390,18 @@ class LatentAttention(MLA):
                 # sdpa and the cached path give it: it saw itself too, and a right-padded generate(use_cache=False),
                 # which picks its first new token from the last column's logits, a padding one, chose other tokens
                 mask = mask & valid[:, None, :]
-        if not weights:
+        dropout = self.attention_dropout if self.training else 0.0
+        if not weights and not dropout:
             return self.project_out(sdpa(q, k, v, self.scale, mask=mask, causal=mask is None), x), None
         # Asked for the weights: the output is computed from them, as transformers' eager attention
-        # does, so gradients reach them (a caller may retain_grad on them).
+        # does, so gradients reach them (a caller may retain_grad on them). So is a training call with
+        # the host's attention_dropout, dropped from them as transformers' attention drops them.
         probs = explicit_weights(q, k, self.scale, mask)
         if valid is not None:  # padding keys: 0, as transformers' are; a padding query's row is the one the sdpa
             # path above attends with (zeroed, its output was 0 here and another there)
             probs = probs * valid[:, None, None, :].to(probs.dtype)
+        if dropout:  # never applied before: a config's attention_dropout trained without it, without a word
+            probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
         h, G = q.shape[2], v.shape[2]
         heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
         out = torch.einsum("bhts,bshd->bthd", probs, heads_v)
@@ -465,6 +481,16 @@ class LatentAttention(MLA):
         h, G = q.shape[2], v.shape[2]
         heads_v = v.repeat_interleave(h // G, dim=2) if G != h else v
         return torch.einsum("bhts,bshd->bthd", probs, heads_v.to(probs.dtype)), queried
+
+
+def check_attention_dropout(p) -> float:
+    """The HF layer's ``attention_dropout`` as a float (None: 0, as transformers' eval calls read it), or a
+    ValueError naming it: a probability in [0, 1)."""
+    if p is None:
+        return 0.0
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ValueError(f"attention_dropout: expected a probability in [0, 1) (the model config's), got {p!r}")
+    return float(p)
 
 
 def check_host_position_ids(position_ids: Optional[torch.Tensor], dtype: torch.dtype) -> None:

@@ -94,7 +94,14 @@ def _check_targets(targets: Union[str, Iterable[str]], config) -> tuple[str, ...
     return tuple(n for n in allowed if n in names)
 
 
-def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TARGETS, r: int = 8,
+def default_targets(config) -> tuple[str, ...]:
+    """:data:`DEFAULT_TARGETS` for a layer with :class:`~qkmla.MLAConfig` ``config``: the query's up-projection
+    (``q_proj`` without a query latent, ``q_lora_rank`` None: DeepSeek-V2-Lite, Kimi-Linear), ``kv_b_proj`` and
+    ``o_proj``."""
+    return DEFAULT_TARGETS if config.q_lora_rank is not None else ("q_proj",) + DEFAULT_TARGETS[1:]
+
+
+def attention_lora_config(model, targets: Union[None, str, Iterable[str]] = None, r: int = 8,
                           lora_alpha: float = 16, lora_dropout: float = 0.0, train_qk_norm: bool = False, **kwargs):
     """A ``peft.LoraConfig`` whose adapters sit on ``targets`` in every attention layer of a
     patched model, and nowhere else.
@@ -103,7 +110,7 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
         model: a model ``apply_latent_attention`` patched (the ``*ForCausalLM`` or the inner ``*Model``).
         targets: attention projections by name, a subset of :func:`lora_targets` of its layers:
             ``q_a_proj``, ``q_b_proj`` (or ``q_proj`` for a model without ``q_lora_rank``),
-            ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``.
+            ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``; None: :func:`default_targets`.
         r, lora_alpha, lora_dropout: LoRA's rank, scale numerator and dropout (``peft.LoraConfig``).
         train_qk_norm: also train the QK-norm weights (``q_norm``, ``k_norm``; a norm
             ``apply_latent_attention(model, qk_norm=...)`` just added starts at ones), as PEFT's
@@ -135,7 +142,9 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
     if not is_number(lora_dropout) or not 0 <= lora_dropout < 1:
         raise ValueError(f"lora_dropout: expected a probability in [0, 1), got {lora_dropout!r}")
     config = latent_layers(model)[0].config
-    names = _check_targets(targets, config)
+    # None, not DEFAULT_TARGETS: a model without a query latent has q_proj, and its default was refused as
+    # "targets: 'q_b_proj' is not an attention projection", an argument the caller never passed
+    names = _check_targets(default_targets(config) if targets is None else targets, config)
     check_bool("train_qk_norm", train_qk_norm)
     if train_qk_norm and not config.has_qk_norm:
         raise ValueError("train_qk_norm: this model has no QK norm; add one with "
@@ -160,7 +169,11 @@ def attention_lora_config(model, targets: Union[str, Iterable[str]] = DEFAULT_TA
         # attention modules per layer: the MLA modules by name
         pattern = rf"({'|'.join(re.escape(n) for n in latent)})\.({'|'.join(names)})"
     if train_qk_norm:
-        norms = ["self_attn.q_norm", "self_attn.k_norm"]
+        # PEFT saves a module whose name ends with an entry: each attention module's own, as its layer names it
+        # (LongCat-Flash's two are self_attn.0 and self_attn.1, whose norms "self_attn.q_norm" matched none: its
+        # norms stayed frozen without a word)
+        within = dict.fromkeys(re.sub(rf"^{re.escape(layers)}\.\d+\.", "", n) for n in latent)
+        norms = [f"{module}.{norm}" for module in within for norm in ("q_norm", "k_norm")]
         kwargs["modules_to_save"] = list(kwargs.get("modules_to_save") or []) + norms
     return peft.LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=pattern, **kwargs)
 

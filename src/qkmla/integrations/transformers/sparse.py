@@ -172,6 +172,7 @@ class SparseLatentAttention(LatentAttention):
         documents = call.documents.to(x.device) if call.documents is not None else None
         position_ids = kwargs.get("position_ids")
         check_host_position_ids(position_ids, x.dtype)
+        self.check_no_dropout("sparse attention", "build the model with attention_dropout=0.0, or model.eval()")
         B, T = x.shape[:2]
         q_resid = super().query_latent(x)  # the indexer's query input, as transformers computes it
         new = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)

@@ -339,7 +339,8 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
         (output [B, T, hidden_size], a padding query attending to the real tokens before it (zeros
         where there is none), as transformers' attention; the attention weights
         [B, h, T, L] in transformers' static-cache layout, one column per cache column, unwritten
-        and padding columns and padding queries' rows 0, if ``weights``, else None).
+        and padding columns 0, a padding query's row the one its output is computed from, if
+        ``weights``, else None).
     """
     B, T = x.shape[:2]
     layer.allocate(B, x.device, x.dtype)
@@ -371,15 +372,14 @@ def static_attend(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, valid: O
     # a right-padded generate over a static cache took its first new token from a padding column's zeros
     if not weights:
         return out, None
-    if valid is not None:  # padding queries get no weights, as over the growing cache (weights.py)
-        probs = probs.masked_fill(~valid[:, None, :, None], 0.0)
-    return out, probs.to(x.dtype)
+    return out, probs.to(x.dtype)  # a padding query's row is its output's (weights.py), 0 where it sees nothing
 
 
 def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positions: torch.Tensor,
                     columns: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
     """The absorbed form over all L columns, masked: (heads' outputs [B, T, h, d_v], the
-    probabilities [B, h, T, L], which the outputs are computed from).
+    probabilities [B, h, T, L], which the outputs are computed from; 0 for a query that sees nothing,
+    whose output is 0).
 
     Query t (column columns[t]) sees column j when j <= columns[t] and j holds a real token; a padding
     query with none sees its own column only so that no row of the softmax is empty, and its output is
@@ -416,4 +416,5 @@ def _attend_columns(attn, layer: StaticLatentCacheLayer, x: torch.Tensor, positi
     visible = seen | (own & empty[..., None])  # a real query's own column is in seen already
     probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(dim=-1)
     o_lat = torch.einsum("bhtl,blc->bthc", probs, cached).to(x.dtype)
-    return values_out(o_lat, w).masked_fill(empty[..., None, None], 0.0), probs
+    empty_rows = empty[:, None, :, None]  # [B, 1, T, 1]
+    return values_out(o_lat, w).masked_fill(empty[..., None, None], 0.0), probs.masked_fill(empty_rows, 0.0)

@@ -8,6 +8,16 @@ and only when asked, from the same queries and keys (equal to the absorbed score
 and laid out as transformers returns them, [B, h, T, K]: T the call's tokens, K the key columns
 of the caller's 2-D ``attention_mask`` (cached columns, then the call's; padding columns get 0,
 as the latent cache never holds padding).
+
+A padding query's row is the one its output was computed from, on every path (no cache, the
+growing cache, the static one): over the real tokens before it, as transformers' attention gives
+it (a right-padded batch), or 0 where it sees none (left padding), as transformers' sdpa, the
+default, gives it (a zero output). That holds whatever ``attn_implementation`` the model had
+before it was patched: transformers' eager attention gives such a row 1/K over every column
+(its mask adds the dtype's minimum to every score: the row is flat; in float64 its float32
+softmax of -inf makes it NaN), and the output from it, the mean of every column's value, padding
+included, which the latent cache never holds: weights of 1/K beside the output qkmla computes
+would describe another function than the model's.
 """
 
 from __future__ import annotations
@@ -37,7 +47,8 @@ def cached_weights(attn, x: torch.Tensor, layer, positions: Optional[torch.Tenso
     """[B, h, T, K] for the call's tokens x [B, T, hidden] after they went into ``layer`` (a
     ``LatentCacheLayer`` whose ``stored`` [B, K] marks the cached columns), over every cached token;
     the queries at ``positions`` [B, T] (the RoPE positions their keys were cached at; None: the
-    cache's own numbering)."""
+    cache's own numbering). A padding query's row covers the real tokens before it where its output
+    does (``LatentAttention._padding_queries``: transformers' positions, no eviction policy), else 0."""
     cache, stored = layer.latent, layer.stored
     B, T = x.shape[:2]
     K = stored.shape[1]
@@ -54,7 +65,10 @@ def cached_weights(attn, x: torch.Tensor, layer, positions: Optional[torch.Tenso
     slots = torch.arange(S, device=device)
     visible = (slots[None, None, :] <= own[:, :, None]) & (slots[None, None, :] < seqlens[:, None, None])
     weights = explicit_weights(q, k, attn.scale, visible)  # [B, h, T, S]
-    weights = weights * stored[:, K - T:, None].to(weights.dtype)[:, None]  # padding queries: 0
+    if positions is None or attn.settings.policy is not None:  # padding queries' outputs are 0 then: so are their rows
+        weights = weights * stored[:, K - T:, None].to(weights.dtype)[:, None]
+    # else a padding query (own: its last real token's slot) sees the real tokens before it, as its output does: its
+    # row was zeroed, 0.29 off transformers' and the no-cache path's rows, beside an output computed from them
     out = weights.new_zeros(B, weights.shape[1], T, K)
     order = torch.argsort((~stored).to(torch.int8), dim=1, stable=True)  # stored columns first, in order
     width = min(S, K)

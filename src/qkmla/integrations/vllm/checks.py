@@ -79,6 +79,11 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
         raise ValueError(f"config.json: {what} must be an MLA model with a content and a RoPE block "
                          f"(qk_nope_head_dim, qk_rope_head_dim > 0), got model_type={get('model_type')!r}, "
                          f"qk_nope_head_dim={get('qk_nope_head_dim')!r}, qk_rope_head_dim={get('qk_rope_head_dim')!r}")
+    # Read as truthy above: qk_nope_head_dim -3, 0.5 or True passed, and vLLM failed building the layer
+    for field in ("qk_nope_head_dim", "v_head_dim", "num_attention_heads"):
+        if (field == "qk_nope_head_dim" or get(field) is not None) and (not is_int(get(field)) or get(field) < 1):
+            raise ValueError(f"config.json: {field} must be a positive int (a head's width, or the heads), got "
+                             f"{get(field)!r}")
     for field in ("kv_lora_rank", "qk_rope_head_dim"):
         # 448.0 summed to a width of 512.0, which passed; True summed as 1; "abc" failed in the sum, a TypeError
         if not is_int(get(field)) or get(field) < 1:
@@ -131,6 +136,10 @@ def _check_layout_vllm_reads(get) -> None:
         raise ValueError("config.json: rope_interleave=False: vLLM's DeepSeek classes rotate interleaved pairs only "
                          "(a GQA conversion, qkmla convert-gqa, writes half-split RoPE); not servable by vLLM")
     rope = get("rope_parameters") or get("rope_scaling") or {}
+    if not isinstance(rope, dict):  # rope.get failed: "AttributeError: 'str' object has no attribute 'get'"
+        field = "rope_parameters" if get("rope_parameters") else "rope_scaling"
+        raise ValueError(f"config.json: {field} must be a JSON object (rope_type, rope_theta, ...), got "
+                         f"{type(rope).__name__} {rope!r:.60}")
     if rope.get("rope_type", rope.get("type")) == "yarn":
         given = [k for k in ("mscale", "mscale_all_dim") if rope.get(k) is not None]
         if len(given) == 1:
