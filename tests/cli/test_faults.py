@@ -8683,6 +8683,108 @@ def left21_rows():
     ]
 
 
+def probe22_rows():
+    """Round 22's CLI probe: the run directory's checkpoint (not a regular file, another seed's), ..."""
+    TRAIN = ["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+             "--threads", "1"]
+
+    class Hung(BaseException):
+        pass
+
+    def within(seconds: float, fn: Callable) -> None:
+        """``fn()``, a hang shown as Hung after ``seconds`` (an alarm interrupts a blocking open)."""
+        def hung(*_):
+            raise Hung(f"still waiting after {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def generate_checkpoint_not_a_file(env):
+        """`qkmla generate FIFO` (a checkpoint path that is a FIFO), a run whose checkpoint.safetensors is a FIFO or
+        a directory, or a link to nothing: "no checkpoint at ..." as if it were missing. Said as what it is now."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        (run / "checkpoint.safetensors").unlink()
+        os.mkfifo(run / "checkpoint.safetensors")
+        os.mkfifo(env.tmp / "f.safetensors")
+        (env.tmp / "d" / "checkpoint.safetensors").mkdir(parents=True)
+        (env.tmp / "l.safetensors").symlink_to(env.tmp / "nothing")
+        for given, path, kind in ((env.tmp / "f.safetensors", "f.safetensors", "a FIFO"),
+                                  (run, "r/checkpoint.safetensors", "a FIFO"),
+                                  (env.tmp / "d", "d/checkpoint.safetensors", "a directory"),
+                                  (env.tmp / "l.safetensors", "l.safetensors", "a symbolic link to nothing")):
+            within(10, lambda: refuse(env, ["generate", given, "--tokens", "2", "--threads", "1"],
+                                      rf"^qkmla generate: run: \S+/{re.escape(path)} is {kind}, not a regular file, "
+                                      r"so there is no checkpoint to read; give a run directory whose "
+                                      r"checkpoint\.safetensors qkmla wrote, or that file$"))
+        refuse(env, ["generate", env.tmp / "none.safetensors", "--tokens", "2"], r"run: no checkpoint at \S+/none")
+
+    def train_resume_over_a_fifo_checkpoint(env):
+        """`qkmla train --resume` of a run whose checkpoint.safetensors is a FIFO: reading the stored settings
+        opened it and waited for a writer for good (killed after 60 s). Refused now, naming --out and the file."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        (run / "checkpoint.safetensors").unlink()
+        os.mkfifo(run / "checkpoint.safetensors")
+        within(10, lambda: refuse(env, TRAIN[:4] + ["4"] + TRAIN[5:] + ["--out", run, "--resume"],
+                                  r"^qkmla train: --out: \S+/r/checkpoint\.safetensors is not a regular file where "
+                                  r"the run's file goes"))
+        assert (run / "checkpoint.safetensors").is_fifo() and len(metrics(run)) == 2
+
+    def checkpoint_of_another_seed(env):
+        """A run's checkpoint.safetensors replaced by one of a run that differs only in its seed (7, not 1337):
+        `qkmla generate RUN` sampled it without a word and `qkmla train --resume` trained it on, logging its
+        steps after the first run's. Said now as another run's checkpoint, naming both seeds (a warning for
+        generate, a refusal for the resume, nothing written); a resume whose seed changed (an API caller's, a
+        grid's branch), stopped before its first checkpoint, still resumes."""
+        from qkmla.train.trainer import TrainConfig, train
+        import qkmla.train.trainer as trainer
+
+        other = env.tmp / "seed7"
+        assert main(TRAIN + ["--out", str(other), "--seed", "7"]) == 0
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        shutil.copy(other / "checkpoint.safetensors", run / "checkpoint.safetensors")
+        before = snapshot(run)
+        env.capsys.readouterr()
+        assert main(["generate", str(run), "--tokens", "2", "--prompt", "hi", "--threads", "1"]) == 0
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(r"qkmla generate: warning: \S+/r/checkpoint\.safetensors is another run's "
+                                            r"checkpoint than the one \S+/r/config\.json records \(seed: checkpoint 7, "
+                                            r"config\.json 1337\); sampling", lines[0]), lines
+        refuse(env, TRAIN[:4] + ["4"] + TRAIN[5:] + ["--out", run, "--resume"],
+               r"^qkmla train: --resume: \S+/r/checkpoint\.safetensors is another run's checkpoint than the one "
+               r"\S+/r/config\.json records \(seed: checkpoint 7, config\.json 1337\); put the run's own checkpoint "
+               r"back, or pass --overwrite")
+        assert snapshot(run) == before
+        shutil.copy(env.run / "checkpoint.safetensors", run / "checkpoint.safetensors")
+        settings = {k: v for k, v in json.loads((run / "config.json").read_text())["train"].items()
+                    if k in TrainConfig.__dataclass_fields__}
+        settings.update(out=str(run), resume=True, overwrite=False, steps=4, seed=99, progress=False)
+
+        def killed(*_):
+            raise RuntimeError("killed before its first checkpoint")
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(trainer, "_save", killed)
+            raises(lambda: train(TrainConfig(**settings)), RuntimeError, "killed")
+        assert train(TrainConfig(**settings))["status"] == "done"
+
+    return [
+        Row("generate", "path", "the checkpoint a FIFO, a directory or a link to nothing: 'no checkpoint at' "
+            "(r22)", generate_checkpoint_not_a_file),
+        Row("train", "path", "--resume over a FIFO checkpoint.safetensors: hung for good (r22)",
+            train_resume_over_a_fifo_checkpoint),
+        Row("generate", "path", "a checkpoint of a run differing only in its seed: sampled and resumed without a "
+            "word (r22)", checkpoint_of_another_seed),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -8690,7 +8792,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows())
+        + probe21_rows() + left21_rows() + probe22_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
