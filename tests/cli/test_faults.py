@@ -8775,6 +8775,26 @@ def probe22_rows():
             raises(lambda: train(TrainConfig(**settings)), RuntimeError, "killed")
         assert train(TrainConfig(**settings))["status"] == "done"
 
+    def adaptive_stop_counts_runs_never_handed_over(env):
+        """SIGTERM to an adaptive grid (its plan redrawn as each run ends, one run handed to each worker at a time)
+        of three runs, one worker, while r0 trains: "r0 (stopped, ...); 0 run(s) not started", r1 and r2 (planned,
+        never handed to the pool) left out of the count. They are counted now: "2 run(s) not started"."""
+        driver = SLOW_DRIVER.replace("for i in range(2)", "for i in range(3)").replace(
+            "plan, report)", "plan, report, adaptive=True)")
+        assert driver.count("range(3)") == driver.count("adaptive=True") == 1
+        (env.tmp / "slow.py").write_text(driver)
+        out = env.tmp / "grid"
+        proc = subprocess.Popen([sys.executable, str(env.tmp / "slow.py"), "2000"] + slow_argv(out), cwd=env.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+        wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, err, took = finish(proc, 90)
+        assert code == 143 and took < PROMPT_S, err
+        assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 2 run\(s\) not "
+                         r"started; run the same command again to resume", err), err
+        assert sorted(os.listdir(out / "runs")) == ["r0"]
+
     return [
         Row("generate", "path", "the checkpoint a FIFO, a directory or a link to nothing: 'no checkpoint at' "
             "(r22)", generate_checkpoint_not_a_file),
@@ -8782,6 +8802,8 @@ def probe22_rows():
             train_resume_over_a_fifo_checkpoint),
         Row("generate", "path", "a checkpoint of a run differing only in its seed: sampled and resumed without a "
             "word (r22)", checkpoint_of_another_seed),
+        Row("experiment", "signal", "SIGTERM to an adaptive grid: '0 run(s) not started' with two planned runs never "
+            "handed to a worker (r22)", adaptive_stop_counts_runs_never_handed_over),
     ]
 
 
