@@ -8795,6 +8795,25 @@ def probe22_rows():
                          r"started; run the same command again to resume", err), err
         assert sorted(os.listdir(out / "runs")) == ["r0"]
 
+    def experiment_junk_hash_seed(env):
+        """PYTHONHASHSEED=junk in the environment of a caller of `qkmla experiment` (a script's os.environ; a qkmla
+        started with it never runs, Python refuses it first): every worker died at its start ("Fatal Python error:
+        ... PYTHONHASHSEED must be ...") and the grid ended in a BrokenProcessPool traceback and "internal error".
+        Refused now before any work, naming the variable and what Python takes; "random", " 5" and empty pass."""
+        for value in ("junk", "-1", "4294967296"):
+            env.monkeypatch.setenv("PYTHONHASHSEED", value)
+            refuse(env, ["experiment", "norm-mode", "--quick", "--seeds", "1", "--workers", "1", "--no-progress",
+                         "--out", env.tmp / "e"],
+                   rf"^qkmla experiment: PYTHONHASHSEED: the environment variable holds {re.escape(repr(value))}, "
+                   r"which every Python started from here \(the worker processes\) refuses at its start; expected \"random\" "
+                   r"or an int from 0 to 4294967295, or unset it$")
+            assert not (env.tmp / "e").exists()
+        from qkmla.utils.environment import check_hash_seed
+
+        for value in ("random", " 5", "+7", ""):
+            env.monkeypatch.setenv("PYTHONHASHSEED", value)
+            check_hash_seed()
+
     return [
         Row("generate", "path", "the checkpoint a FIFO, a directory or a link to nothing: 'no checkpoint at' "
             "(r22)", generate_checkpoint_not_a_file),
@@ -8804,6 +8823,8 @@ def probe22_rows():
             "word (r22)", checkpoint_of_another_seed),
         Row("experiment", "signal", "SIGTERM to an adaptive grid: '0 run(s) not started' with two planned runs never "
             "handed to a worker (r22)", adaptive_stop_counts_runs_never_handed_over),
+        Row("experiment", "environment", "PYTHONHASHSEED=junk in a caller's environment: every worker died, "
+            "BrokenProcessPool, 'internal error' (r22)", experiment_junk_hash_seed),
     ]
 
 

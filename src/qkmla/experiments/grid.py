@@ -351,6 +351,9 @@ def default_workers() -> int:
 def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     """The pool ``run_grid`` trains in: ``workers`` spawned processes (0: one per usable CPU) of
     one thread each. Pass one to several ``run_grid`` calls to start its processes once."""
+    from ..utils.environment import check_hash_seed
+
+    check_hash_seed()  # each worker is a new Python, which reads it first thing
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
     stop = ctx.Event()
     pool = concurrent.futures.ProcessPoolExecutor(workers or default_workers(), mp_context=ctx,
