@@ -8805,8 +8805,8 @@ def probe22_rows():
             refuse(env, ["experiment", "norm-mode", "--quick", "--seeds", "1", "--workers", "1", "--no-progress",
                          "--out", env.tmp / "e"],
                    rf"^qkmla experiment: PYTHONHASHSEED: the environment variable holds {re.escape(repr(value))}, "
-                   r"which every Python started from here \(the worker processes\) refuses at its start; expected \"random\" "
-                   r"or an int from 0 to 4294967295, or unset it$")
+                   r"which every Python started from here \(the worker processes\) refuses at its start; expected "
+                   r"\"random\" or an int from 0 to 4294967295, or unset it$")
             assert not (env.tmp / "e").exists()
         from qkmla.utils.environment import check_hash_seed
 
