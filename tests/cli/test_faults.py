@@ -8814,6 +8814,21 @@ def probe22_rows():
             env.monkeypatch.setenv("PYTHONHASHSEED", value)
             check_hash_seed()
 
+    def generate_sigint_in_a_background_job(env):
+        """`qkmla generate --tokens 100000 &` from a script (whose shell starts it with SIGINT ignored), then
+        `kill -INT`: ignored, the command generated on to its end (killed after 60 s), where `qkmla train` and
+        `qkmla experiment` take SIGINT whatever their starter did. Every command takes it now: one line, 130."""
+        run = "import sys; from qkmla.cli import main; sys.exit(main(sys.argv[1:]))"
+        proc = subprocess.Popen([sys.executable, "-c", run, "generate", str(env.run), "--tokens", "100000", "--prompt",
+                                 "hi", "--threads", "1"],
+                                cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        assert proc.stdout.read(2) == "hi"  # generating: the prompt is echoed with the first token
+        proc.send_signal(signal.SIGINT)
+        code, err, took = finish(proc, 20)
+        assert code == 130 and err.strip().splitlines()[-1] == "qkmla generate: interrupted", err
+
     return [
         Row("generate", "path", "the checkpoint a FIFO, a directory or a link to nothing: 'no checkpoint at' "
             "(r22)", generate_checkpoint_not_a_file),
@@ -8825,6 +8840,8 @@ def probe22_rows():
             "handed to a worker (r22)", adaptive_stop_counts_runs_never_handed_over),
         Row("experiment", "environment", "PYTHONHASHSEED=junk in a caller's environment: every worker died, "
             "BrokenProcessPool, 'internal error' (r22)", experiment_junk_hash_seed),
+        Row("generate", "signal", "kill -INT of a background job (SIGINT ignored by its shell): ignored, generated on "
+            "(r22)", generate_sigint_in_a_background_job),
     ]
 
 
