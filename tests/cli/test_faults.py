@@ -8684,7 +8684,8 @@ def left21_rows():
 
 
 def probe22_rows():
-    """Round 22's CLI probe: the run directory's checkpoint (not a regular file, another seed's), ..."""
+    """Round 22's CLI probe: a run's checkpoint that is not a regular file or is another seed's, an adaptive grid's
+    stop line, PYTHONHASHSEED in a caller's environment, SIGINT to a background job."""
     TRAIN = ["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
              "--threads", "1"]
 
