@@ -8923,6 +8923,168 @@ def hf22_rows():
         Row("LatentAttentionCache", "size", "output_attentions of a right-padded batch into a cache: padding queries' "
             "rows 0, 0.29 off eager's, beside outputs computed from the real tokens (r22)",
             padding_queries_weights_as_their_outputs),
+
+
+def probe22_rows():
+    """Round 22's CLI probe: a run's checkpoint that is not a regular file or is another seed's, an adaptive grid's
+    stop line, PYTHONHASHSEED in a caller's environment, SIGINT to a background job."""
+    TRAIN = ["train", "--preset", "debug", "--steps", "2", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+             "--threads", "1"]
+
+    class Hung(BaseException):
+        pass
+
+    def within(seconds: float, fn: Callable) -> None:
+        """``fn()``, a hang shown as Hung after ``seconds`` (an alarm interrupts a blocking open)."""
+        def hung(*_):
+            raise Hung(f"still waiting after {seconds} s")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def generate_checkpoint_not_a_file(env):
+        """`qkmla generate FIFO` (a checkpoint path that is a FIFO), a run whose checkpoint.safetensors is a FIFO or
+        a directory, or a link to nothing: "no checkpoint at ..." as if it were missing. Said as what it is now."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        (run / "checkpoint.safetensors").unlink()
+        os.mkfifo(run / "checkpoint.safetensors")
+        os.mkfifo(env.tmp / "f.safetensors")
+        (env.tmp / "d" / "checkpoint.safetensors").mkdir(parents=True)
+        (env.tmp / "l.safetensors").symlink_to(env.tmp / "nothing")
+        for given, path, kind in ((env.tmp / "f.safetensors", "f.safetensors", "a FIFO"),
+                                  (run, "r/checkpoint.safetensors", "a FIFO"),
+                                  (env.tmp / "d", "d/checkpoint.safetensors", "a directory"),
+                                  (env.tmp / "l.safetensors", "l.safetensors", "a symbolic link to nothing")):
+            within(10, lambda: refuse(env, ["generate", given, "--tokens", "2", "--threads", "1"],
+                                      rf"^qkmla generate: run: \S+/{re.escape(path)} is {kind}, not a regular file, "
+                                      r"so there is no checkpoint to read; give a run directory whose "
+                                      r"checkpoint\.safetensors qkmla wrote, or that file$"))
+        refuse(env, ["generate", env.tmp / "none.safetensors", "--tokens", "2"], r"run: no checkpoint at \S+/none")
+
+    def train_resume_over_a_fifo_checkpoint(env):
+        """`qkmla train --resume` of a run whose checkpoint.safetensors is a FIFO: reading the stored settings
+        opened it and waited for a writer for good (killed after 60 s). Refused now, naming --out and the file."""
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        (run / "checkpoint.safetensors").unlink()
+        os.mkfifo(run / "checkpoint.safetensors")
+        within(10, lambda: refuse(env, TRAIN[:4] + ["4"] + TRAIN[5:] + ["--out", run, "--resume"],
+                                  r"^qkmla train: --out: \S+/r/checkpoint\.safetensors is not a regular file where "
+                                  r"the run's file goes"))
+        assert (run / "checkpoint.safetensors").is_fifo() and len(metrics(run)) == 2
+
+    def checkpoint_of_another_seed(env):
+        """A run's checkpoint.safetensors replaced by one of a run that differs only in its seed (7, not 1337):
+        `qkmla generate RUN` sampled it without a word and `qkmla train --resume` trained it on, logging its
+        steps after the first run's. Said now as another run's checkpoint, naming both seeds (a warning for
+        generate, a refusal for the resume, nothing written); a resume whose seed changed (an API caller's, a
+        grid's branch), stopped before its first checkpoint, still resumes."""
+        from qkmla.train.trainer import TrainConfig, train
+        import qkmla.train.trainer as trainer
+
+        other = env.tmp / "seed7"
+        assert main(TRAIN + ["--out", str(other), "--seed", "7"]) == 0
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        shutil.copy(other / "checkpoint.safetensors", run / "checkpoint.safetensors")
+        before = snapshot(run)
+        env.capsys.readouterr()
+        assert main(["generate", str(run), "--tokens", "2", "--prompt", "hi", "--threads", "1"]) == 0
+        lines = [x for x in env.capsys.readouterr().err.splitlines() if x.strip() and not noise(x)]
+        assert len(lines) == 1 and re.match(r"qkmla generate: warning: \S+/r/checkpoint\.safetensors is another run's "
+                                            r"checkpoint than the one \S+/r/config\.json records \(seed: checkpoint 7, "
+                                            r"config\.json 1337\); sampling", lines[0]), lines
+        refuse(env, TRAIN[:4] + ["4"] + TRAIN[5:] + ["--out", run, "--resume"],
+               r"^qkmla train: --resume: \S+/r/checkpoint\.safetensors is another run's checkpoint than the one "
+               r"\S+/r/config\.json records \(seed: checkpoint 7, config\.json 1337\); put the run's own checkpoint "
+               r"back, or pass --overwrite")
+        assert snapshot(run) == before
+        shutil.copy(env.run / "checkpoint.safetensors", run / "checkpoint.safetensors")
+        settings = {k: v for k, v in json.loads((run / "config.json").read_text())["train"].items()
+                    if k in TrainConfig.__dataclass_fields__}
+        settings.update(out=str(run), resume=True, overwrite=False, steps=4, seed=99, progress=False)
+
+        def killed(*_):
+            raise RuntimeError("killed before its first checkpoint")
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(trainer, "_save", killed)
+            raises(lambda: train(TrainConfig(**settings)), RuntimeError, "killed")
+        assert train(TrainConfig(**settings))["status"] == "done"
+
+    def adaptive_stop_counts_runs_never_handed_over(env):
+        """SIGTERM to an adaptive grid (its plan redrawn as each run ends, one run handed to each worker at a time)
+        of three runs, one worker, while r0 trains: "r0 (stopped, ...); 0 run(s) not started", r1 and r2 (planned,
+        never handed to the pool) left out of the count. They are counted now: "2 run(s) not started"."""
+        driver = SLOW_DRIVER.replace("for i in range(2)", "for i in range(3)").replace(
+            "plan, report)", "plan, report, adaptive=True)")
+        assert driver.count("range(3)") == driver.count("adaptive=True") == 1
+        (env.tmp / "slow.py").write_text(driver)
+        out = env.tmp / "grid"
+        proc = subprocess.Popen([sys.executable, str(env.tmp / "slow.py"), "2000"] + slow_argv(out), cwd=env.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
+        wait_for_rows(out / "runs" / "r0" / "metrics.jsonl", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, err, took = finish(proc, 90)
+        assert code == 143 and took < PROMPT_S, err
+        assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 2 run\(s\) not "
+                         r"started; run the same command again to resume", err), err
+        assert sorted(os.listdir(out / "runs")) == ["r0"]
+
+    def experiment_junk_hash_seed(env):
+        """PYTHONHASHSEED=junk in the environment of a caller of `qkmla experiment` (a script's os.environ; a qkmla
+        started with it never runs, Python refuses it first): every worker died at its start ("Fatal Python error:
+        ... PYTHONHASHSEED must be ...") and the grid ended in a BrokenProcessPool traceback and "internal error".
+        Refused now before any work, naming the variable and what Python takes; "random", " 5" and empty pass."""
+        for value in ("junk", "-1", "4294967296"):
+            env.monkeypatch.setenv("PYTHONHASHSEED", value)
+            refuse(env, ["experiment", "norm-mode", "--quick", "--seeds", "1", "--workers", "1", "--no-progress",
+                         "--out", env.tmp / "e"],
+                   rf"^qkmla experiment: PYTHONHASHSEED: the environment variable holds {re.escape(repr(value))}, "
+                   r"which every Python started from here \(the worker processes\) refuses at its start; expected "
+                   r"\"random\" or an int from 0 to 4294967295, or unset it$")
+            assert not (env.tmp / "e").exists()
+        from qkmla.utils.environment import check_hash_seed
+
+        for value in ("random", " 5", "+7", ""):
+            env.monkeypatch.setenv("PYTHONHASHSEED", value)
+            check_hash_seed()
+
+    def generate_sigint_in_a_background_job(env):
+        """`qkmla generate --tokens 100000 &` from a script (whose shell starts it with SIGINT ignored), then
+        `kill -INT`: ignored, the command generated on to its end (killed after 60 s), where `qkmla train` and
+        `qkmla experiment` take SIGINT whatever their starter did. Every command takes it now: one line, 130."""
+        run = "import sys; from qkmla.cli import main; sys.exit(main(sys.argv[1:]))"
+        proc = subprocess.Popen([sys.executable, "-c", run, "generate", str(env.run), "--tokens", "100000", "--prompt",
+                                 "hi", "--threads", "1"],
+                                cwd=env.tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        assert proc.stdout.read(2) == "hi"  # generating: the prompt is echoed with the first token
+        proc.send_signal(signal.SIGINT)
+        code, err, took = finish(proc, 20)
+        assert code == 130 and err.strip().splitlines()[-1] == "qkmla generate: interrupted", err
+
+    return [
+        Row("generate", "path", "the checkpoint a FIFO, a directory or a link to nothing: 'no checkpoint at' "
+            "(r22)", generate_checkpoint_not_a_file),
+        Row("train", "path", "--resume over a FIFO checkpoint.safetensors: hung for good (r22)",
+            train_resume_over_a_fifo_checkpoint),
+        Row("generate", "path", "a checkpoint of a run differing only in its seed: sampled and resumed without a "
+            "word (r22)", checkpoint_of_another_seed),
+        Row("experiment", "signal", "SIGTERM to an adaptive grid: '0 run(s) not started' with two planned runs never "
+            "handed to a worker (r22)", adaptive_stop_counts_runs_never_handed_over),
+        Row("experiment", "environment", "PYTHONHASHSEED=junk in a caller's environment: every worker died, "
+            "BrokenProcessPool, 'internal error' (r22)", experiment_junk_hash_seed),
+        Row("generate", "signal", "kill -INT of a background job (SIGINT ignored by its shell): ignored, generated on "
+            "(r22)", generate_sigint_in_a_background_job),
     ]
 
 
@@ -8933,7 +9095,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -27,6 +27,7 @@ from .grid import (FINISHED, GridFailed, GridStopped, Run, archive_runs, differe
 from .numerics import GRID_THREADS, begun_under_other_numerics, describe as described, numerics
 from .results import best_lr, read_results, summarize, write_results
 from ..utils.checked import check_bool, is_int, python_numbers
+from ..utils.environment import check_hash_seed
 
 
 MAX_SEEDS = 1000  # seeds per variant: each is a training run; more is a typo (and a plan that fills memory)
@@ -176,6 +177,7 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
     second signal stops the runs at once. The same call again resumes them.
     """
     check_bool("progress", progress)
+    check_hash_seed()  # its workers would die at their start: said before any work
     out = Path(options.out)
     _check_inputs(experiment, options)
     _check_report_files(out)

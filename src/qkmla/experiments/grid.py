@@ -351,6 +351,9 @@ def default_workers() -> int:
 def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
     """The pool ``run_grid`` trains in: ``workers`` spawned processes (0: one per usable CPU) of
     one thread each. Pass one to several ``run_grid`` calls to start its processes once."""
+    from ..utils.environment import check_hash_seed
+
+    check_hash_seed()  # each worker is a new Python, which reads it first thing
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds OpenMP threads
     stop = ctx.Event()
     pool = concurrent.futures.ProcessPoolExecutor(workers or default_workers(), mp_context=ctx,
@@ -451,6 +454,11 @@ def stop_requests():
 
 
 
+def _done(out: Path, run: Run, measure) -> bool:
+    """Trained, and measured where the experiment measures: nothing left to do for ``run``."""
+    return is_finished(out, run) and (measure is None or (run_dir(out, run) / "measure.json").is_file())
+
+
 def _refill(refill: Callable[[dict], list[Run]], statuses: dict, started: set, out: Path, measure, free: int,
             submit: Callable[[Run], concurrent.futures.Future], bar) -> set:
     """Start up to ``free`` of the runs ``refill(statuses)`` returns that are not ``started`` and
@@ -462,7 +470,7 @@ def _refill(refill: Callable[[dict], list[Run]], statuses: dict, started: set, o
                 break
             if r.same_as is not None or r.name in started:
                 continue
-            if is_finished(out, r) and (measure is None or (run_dir(out, r) / "measure.json").is_file()):
+            if _done(out, r, measure):
                 continue
             new.add(submit(r))
             started.add(r.name)
@@ -496,6 +504,13 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
     if stop is None:
         with stop_requests() as own_stop:
             return run_grid(runs, out, workers, measure, progress, pool, own_stop, refill)
+    planned = list(runs)  # the runs to train as last planned: these, then each refill's
+    if refill is not None:
+        replan = refill
+
+        def refill(statuses: dict) -> list[Run]:  # noqa: F811 - the caller's, its latest plan kept for a stop
+            planned[:] = replan(statuses)
+            return planned
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError("runs: run names must be unique")
@@ -597,9 +612,12 @@ def run_grid(runs: list[Run], out: Path, workers: int = 0, measure: Optional[Cal
         if own or killed:
             pool.shutdown(wait=not killed, cancel_futures=True)
     if stop.requested:
-        started = todo if refill is None else list(futures.values())
-        not_started = sum(1 for r in started
-                          if statuses.get(r.name, {}).get("status", "not started") == "not started")
+        # With a refill, the runs of its latest plan never handed to a worker are not started too: the stop line
+        # said "0 run(s) not started" of a grid with runs left to train (only those handed over were counted).
+        started = todo if refill is None else list({r.name: r for r in [*futures.values(), *planned]
+                                                    if not _done(out, r, measure)}.values())
+        not_started = sum(1 for r in started if r.same_as is None
+                          and statuses.get(r.name, {}).get("status", "not started") == "not started")
         raise GridStopped(stop.signal, statuses, not_started,
                           None if refill is None else set(statuses) - ended_before_stop)
     if refill_error is not None:

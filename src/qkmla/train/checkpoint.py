@@ -10,6 +10,7 @@ every checksum, so a truncated file or flipped tensor bytes give one error namin
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,9 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
 def _header(path: Path) -> dict:
     """The JSON header of a safetensors file, read by Python (any path the OS takes, UTF-8 or not:
     safetensors' own reader refuses the rest)."""
+    kind = _not_a_file(Path(path))
+    if kind is not None:  # opening a FIFO waits for a writer: `train --resume` over one hung for good
+        raise ValueError(f"{kind}, not a regular file")
     with open(path, "rb") as f:
         size = f.read(8)
         if len(size) < 8:
@@ -131,6 +135,18 @@ def _transformers_model_type(directory: Path):
     return model_type if isinstance(model_type, str) else None
 
 
+def _not_a_file(path: Path):
+    """What ``path`` is when it exists but is no regular file ("a FIFO", "a directory", "a symbolic link to
+    nothing"), else None."""
+    from ..utils.files import special_file
+
+    if not os.path.lexists(path):
+        return None
+    if path.is_dir():
+        return "a directory"
+    return special_file(path) or ("a symbolic link to nothing" if not path.exists() else None)
+
+
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(model state dict, all tensors, metadata) of a checkpoint file or run directory."""
     path = Path(path)
@@ -138,6 +154,10 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     if given_dir:
         path = path / FILENAME
     if not path.is_file():
+        kind = _not_a_file(path)
+        if kind is not None:  # a FIFO there (or a directory) was said as "no checkpoint at" it, as if missing
+            raise ValueError(f"run_dir: {path} is {kind}, not a regular file, so there is no checkpoint to read; "
+                             f"give a run directory whose {FILENAME} qkmla wrote, or that file")
         # `qkmla generate HF_DIR` without --hf (probe14 G19): said as what the directory is. Only for a directory
         # given: a mistyped file's path in one is "no checkpoint at" that file.
         model_type = _transformers_model_type(path.parent) if given_dir else None

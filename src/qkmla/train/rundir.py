@@ -434,6 +434,12 @@ def note_config_written(out: Path, digest: str) -> None:
         write_status(out, {**status, "config_sha256": digest, "config_sha256_previous": status.get("config_sha256")})
 
 
+def checkpoint_digest(recorded: dict) -> str:
+    """The digest of the config.json the run that saved a checkpoint wrote (:func:`text_digest`): the
+    checkpoint records the same config (``recorded``), which that file holds as indented JSON."""
+    return text_digest(json.dumps(recorded, indent=1))
+
+
 def written_digests(out: Path) -> tuple:
     """The digests of the config.json texts qkmla last wrote in ``out`` (:func:`note_config_written`)."""
     status = read_status(out) or {}
@@ -517,6 +523,13 @@ def foreign_checkpoint(path: Path, recorded: dict, written: tuple = (), text=_RE
         # the checkpoint's keys only: a resume by a newer qkmla, killed before its first checkpoint, wrote
         # config.json with fields the older checkpoint does not record
         diffs = resume_mismatches(recorded, saved)
+        # The seed drew the weights: a checkpoint of a run that differs from this one in its seed alone was
+        # taken for this run's, trained on, and its steps logged after this run's (probe 22). A seed may change
+        # on a resume (a grid's branch names its own): until the resume's first checkpoint its status vouches
+        # for the checkpoint it resumed (config_sha256_previous), which is then no other run's.
+        seeds = recorded["train"].get("seed"), saved["train"].get("seed")
+        if seeds[0] != seeds[1] and checkpoint_digest(recorded) not in written:
+            diffs.append(f"seed: stored {seeds[0]!r}, now {seeds[1]!r}")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
         return []
     return [d.replace(": stored ", ": checkpoint ", 1).replace(", now ", ", config.json ", 1) for d in diffs]

@@ -21,7 +21,7 @@ from .environment import check_cpu_capability, check_switches, check_transformer
 from .errors import (Stopped, Terminated, environment_message, flag_message, notice, one_line, quiet_broken_pipe,
                      sigterm_unwinds)
 from .imports import extension_inits_held
-from .startup import command_started
+from .startup import command_started, sigint_taken
 
 
 def option_dests(parser) -> set:
@@ -50,7 +50,7 @@ def run_command(command: str, body: Callable[[], int], option_names: Callable[[]
         command_started()  # Ctrl-C is KeyboardInterrupt again and SIGTERM its default, handled below (utils.startup)
         # a kill cleans up as Ctrl-C does (train and experiment checkpoint instead); a signal that lands
         # while a C++ extension initializes is acted on as it returns, not raised inside (utils.imports)
-        with sigterm_unwinds(), extension_inits_held():
+        with sigint_taken(), sigterm_unwinds(), extension_inits_held():
             check_switches()  # QKMLA_CPU_KERNEL=junk, refused before any work
             check_cpu_capability()  # ATEN_CPU_CAPABILITY=avx512 without AVX-512: an illegal instruction at step 1
             check_transformers_verbosity()  # junk: transformers' own warning mid-command, the verbosity not set

@@ -249,6 +249,27 @@ def dist_environment() -> tuple[int, int, int]:
     return world, rank, local
 
 
+def check_hash_seed() -> None:
+    """``PYTHONHASHSEED``, which every Python this process starts reads as it starts (``qkmla experiment``'s
+    workers): "random" or a decimal int from 0 to 4294967295 (empty: unset), as Python takes it. Anything
+    else stops each worker at its start ("Fatal Python error: ... PYTHONHASHSEED must be ..."), and the grid
+    ended in a broken pool's traceback and "internal error". (A ``qkmla`` started with it never runs: Python
+    refuses it first; a caller's ``os.environ`` can hold it still.)
+
+    Raises:
+        ValueError naming the variable."""
+    import re
+
+    value = os.environ.get("PYTHONHASHSEED")
+    if not value or value == "random":
+        return
+    match = re.fullmatch(r"[ \t\n\v\f\r]*([+-]?)([0-9]+)", value)  # C's strtoul, which Python parses it with
+    if match is None or (int(match[2]) != 0 and match[1] == "-") or int(match[2]) > 4294967295:
+        raise ValueError(f"PYTHONHASHSEED: the environment variable holds {value!r}, which every Python started "
+                         "from here (the worker processes) refuses at its start; expected \"random\" or an int from 0 "
+                         "to 4294967295, or unset it")
+
+
 def check_launch(command: str = "train") -> None:
     """For a command line: refuse torchrun variables that no torchrun set (``qkmla train``), and
     any WORLD_SIZE > 1 for a command that runs as one process (``qkmla experiment`` and ``qkmla

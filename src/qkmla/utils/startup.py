@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 
 
 # signal -> (what the line says happened, the handler the command gets back)
@@ -57,3 +58,20 @@ def command_started() -> None:
     for signum, (_, default) in _STARTUP.items():
         if getattr(signal.getsignal(signum), "qkmla_startup", False):
             signal.signal(signum, default)
+
+
+@contextmanager
+def sigint_taken():
+    """``with sigint_taken():`` a SIGINT that this process was started ignoring (a shell's ``&`` in a script
+    ignores it in every background job) is Python's KeyboardInterrupt while the command works, as ``qkmla
+    train`` and ``qkmla experiment`` take it: ``kill -INT`` of a background ``qkmla generate --tokens 100000``
+    was ignored and the command ran on to its end (60 s, killed). Put back after, for a caller's own Python."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
