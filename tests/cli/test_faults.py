@@ -8923,6 +8923,7 @@ def hf22_rows():
         Row("LatentAttentionCache", "size", "output_attentions of a right-padded batch into a cache: padding queries' "
             "rows 0, 0.29 off eager's, beside outputs computed from the real tokens (r22)",
             padding_queries_weights_as_their_outputs),
+    ]
 
 
 def probe22_rows():
