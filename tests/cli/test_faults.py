@@ -8683,6 +8683,44 @@ def left21_rows():
     ]
 
 
+def api22_rows():
+    """Round 22's API pass: the public layers, ops and caches probed again against their references (the explicit
+    path, float64), with the dtypes, backends and states the earlier rounds did not try."""
+
+    def naive_backend_float64(env):
+        """The decode op's "naive" backend, the specification every backend is tested against, attended float64
+        queries in float32 (the log-sum-exp returned float32): 1.9e-7 off a float64 dense reference, and an MLA of
+        decode_backend="naive" in float64 decoded 6e-8 off its own float64 explicit path, where the torch backend
+        is exact. Float64 queries are attended in float64 now: the op equals the reference to 1e-12, its
+        log-sum-exp is float64, and the MLA's decode equals its explicit path."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        torch.manual_seed(0)
+        q, r = torch.randn(2, 1, 4, 16, dtype=torch.float64), torch.randn(2, 1, 4, 8, dtype=torch.float64)
+        kv = torch.randn(4, 4, 24, dtype=torch.float64)
+        table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+        want = []
+        for b in range(2):  # [c ; k^R] rows of sequence b, attended densely in float64
+            rows = kv[table[b]].flatten(0, 1)[:lens[b]]
+            p = ((q[b, 0] @ rows[:, :16].T + r[b, 0] @ rows[:, 16:].T) * 0.1).softmax(-1)
+            want.append(p @ rows[:, :16])
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=0.1, backend="naive")
+        assert lse.dtype == torch.float64
+        torch.testing.assert_close(out, torch.stack(want)[:, None], atol=1e-12, rtol=1e-12)
+        mla = MLA(MLAConfig(qk_norm="rms", decode_backend="naive")).double().eval()
+        x = torch.randn(2, 6, 64, dtype=torch.float64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+
+    return [
+        Row("mla_decode_with_kvcache", "size", "naive backend: float64 queries attended in float32 (2e-7 off) (r22)",
+            naive_backend_float64),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -8690,7 +8728,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows())
+        + probe21_rows() + left21_rows() + api22_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
