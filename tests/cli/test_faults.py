@@ -8715,9 +8715,30 @@ def api22_rows():
             mla(x[:, :5], cache)
             torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
 
+    def triton_float64(env):
+        """The Triton decode kernel attends in float32 and returns a float32 log-sum-exp, yet "auto" chose it for
+        float64 CUDA queries (and backend="triton" took them): a float64 decode came back 1.8e-7 off the torch
+        backend's float64 answer (4e-16 off a float64 reference), without a word. "auto" keeps float64 on the
+        torch backend now, and "triton" refuses float64 queries naming q_lat; float32 still goes to the kernel."""
+        pytest.importorskip("triton")
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+        from qkmla.ops.mla_decode.backends import select_backend
+
+        cuda = torch.device("cuda")  # a device name only: select_backend reads no tensor
+        assert select_backend("auto", cuda, 32, 16, torch.float64) == "torch"
+        assert select_backend("auto", cuda, 32, 16, torch.float32) == "triton"
+        env.monkeypatch.setenv("TRITON_INTERPRET", "1")
+        q, r = torch.randn(2, 1, 4, 32, dtype=torch.float64), torch.randn(2, 1, 4, 16, dtype=torch.float64)
+        kv = torch.randn(4, 4, 48, dtype=torch.float64)
+        table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+        raises(lambda: mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=0.1, backend="triton"), ValueError,
+               r"^q_lat: the Triton kernel attends in float32 and returns a float32 log-sum-exp, got float64 queries")
+
     return [
         Row("mla_decode_with_kvcache", "size", "naive backend: float64 queries attended in float32 (2e-7 off) (r22)",
             naive_backend_float64),
+        Row("mla_decode_with_kvcache", "size", "triton backend (and auto on CUDA): float64 attended in float32 "
+            "(1.8e-7 off) (r22)", triton_float64),
     ]
 
 
