@@ -8734,11 +8734,36 @@ def api22_rows():
         raises(lambda: mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=0.1, backend="triton"), ValueError,
                r"^q_lat: the Triton kernel attends in float32 and returns a float32 log-sum-exp, got float64 queries")
 
+    def qknorm_blocks_that_do_not_broadcast(env):
+        """QKNorm's unified and content modes, and its projection scope, read a statistic across the content and
+        RoPE blocks, yet v_c [2, 2, 8] and v_r [3, 1, 4] (batches of 2 and 3) failed in torch's broadcast ("The
+        size of tensor a (2) must match the size of tensor b (3)", a RuntimeError naming neither). Refused now
+        naming v_r, why the blocks meet and both shapes; blocks that broadcast (a shared RoPE key) normalize as
+        before, and the blockwise per-head norm still takes each block alone."""
+        from qkmla import QKNorm
+
+        v_c, v_r = torch.randn(2, 2, 8), torch.randn(3, 1, 4)
+        for kw, why in ((dict(mode="unified"), "the unified mode takes one statistic over both blocks"),
+                        (dict(mode="content"), "the content mode applies v_c's statistic to v_r"),
+                        (dict(scope="projection", heads=2), "the projection scope pools the heads of both blocks")):
+            norm = QKNorm(8, 4, **kw)
+            raises(lambda n=norm: n(v_c, v_r), ValueError, rf"^v_r: {why}, so the vectors of v_c and v_r must "
+                                                           rf"broadcast against each other; got v_c \(2, 2, 8\) "
+                                                           rf"and v_r \(3, 1, 4\)$")
+            assert norm(v_c, v_r[:2])[1].shape[0] == 2
+        unified = QKNorm(8, 4, mode="unified", eps=0.0)
+        k_c, k_r = unified(v_c, v_r[:2])
+        both = torch.cat((v_c, v_r[:2].expand(2, 2, 4)), -1)
+        torch.testing.assert_close(torch.cat((k_c, k_r), -1), both * both.pow(2).mean(-1, keepdim=True).rsqrt())
+        assert QKNorm(8, 4)(v_c, v_r)[1].shape == (3, 1, 4)
+
     return [
         Row("mla_decode_with_kvcache", "size", "naive backend: float64 queries attended in float32 (2e-7 off) (r22)",
             naive_backend_float64),
         Row("mla_decode_with_kvcache", "size", "triton backend (and auto on CUDA): float64 attended in float32 "
             "(1.8e-7 off) (r22)", triton_float64),
+        Row("QKNorm", "size", "unified / content / projection with v_c, v_r that do not broadcast: a torch "
+            "RuntimeError naming neither (r22)", qknorm_blocks_that_do_not_broadcast),
     ]
 
 
