@@ -229,6 +229,10 @@ class QKNorm(RecordsVariant, nn.Module):
     def statistics(self, v_c: torch.Tensor, v_r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sigma_c, sigma_r), each [..., 1]; the same tensor twice in unified and content modes."""
         c = self.content
+        if self.mode != "blockwise" or self.scope == "projection":
+            check_blocks_broadcast(v_c, v_r, {"unified": "the unified mode takes one statistic over both blocks",
+                                              "content": "the content mode applies v_c's statistic to v_r"}.get(
+                self.mode, "the projection scope pools the heads of both blocks"))
         if self.scope == "projection":  # a shared RoPE key is one vector per group
             heads = torch.broadcast_shapes(v_c.shape[:-1], v_r.shape[:-1])
             v_c, v_r = v_c.expand(*heads, v_c.shape[-1]), v_r.expand(*heads, v_r.shape[-1])
@@ -252,6 +256,17 @@ class QKNorm(RecordsVariant, nn.Module):
             return self.content(v_c, content_weight), self.rope(v_r)
         sigma_c, sigma_r = self.statistics(v_c, v_r)
         return self.content.scaled(v_c, sigma_c, content_weight), self.rope.scaled(v_r, sigma_r)
+
+
+def check_blocks_broadcast(v_c: torch.Tensor, v_r: torch.Tensor, why: str) -> None:
+    """ValueError naming v_r unless the blocks' vectors v_c [..., d_n] and v_r [..., d_r] broadcast against each
+    other, which a statistic read across the blocks (``why``) needs: a batch of 2 against 3 failed in torch's
+    broadcast ("The size of tensor a (2) must match the size of tensor b (3)"), naming neither."""
+    try:
+        torch.broadcast_shapes(v_c.shape[:-1], v_r.shape[:-1])
+    except RuntimeError:
+        raise ValueError(f"v_r: {why}, so the vectors of v_c and v_r must broadcast against each other; got v_c "
+                         f"{tuple(v_c.shape)} and v_r {tuple(v_r.shape)}") from None
 
 
 def rows_per_head(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -9089,6 +9089,90 @@ def probe22_rows():
     ]
 
 
+def api22_rows():
+    """Round 22's API pass: the public layers, ops and caches probed again against their references (the explicit
+    path, float64), with the dtypes, backends and states the earlier rounds did not try."""
+
+    def naive_backend_float64(env):
+        """The decode op's "naive" backend, the specification every backend is tested against, attended float64
+        queries in float32 (the log-sum-exp returned float32): 1.9e-7 off a float64 dense reference, and an MLA of
+        decode_backend="naive" in float64 decoded 6e-8 off its own float64 explicit path, where the torch backend
+        is exact. Float64 queries are attended in float64 now: the op equals the reference to 1e-12, its
+        log-sum-exp is float64, and the MLA's decode equals its explicit path."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+
+        torch.manual_seed(0)
+        q, r = torch.randn(2, 1, 4, 16, dtype=torch.float64), torch.randn(2, 1, 4, 8, dtype=torch.float64)
+        kv = torch.randn(4, 4, 24, dtype=torch.float64)
+        table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+        want = []
+        for b in range(2):  # [c ; k^R] rows of sequence b, attended densely in float64
+            rows = kv[table[b]].flatten(0, 1)[:lens[b]]
+            p = ((q[b, 0] @ rows[:, :16].T + r[b, 0] @ rows[:, 16:].T) * 0.1).softmax(-1)
+            want.append(p @ rows[:, :16])
+        out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=0.1, backend="naive")
+        assert lse.dtype == torch.float64
+        torch.testing.assert_close(out, torch.stack(want)[:, None], atol=1e-12, rtol=1e-12)
+        mla = MLA(MLAConfig(qk_norm="rms", decode_backend="naive")).double().eval()
+        x = torch.randn(2, 6, 64, dtype=torch.float64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+
+    def triton_float64(env):
+        """The Triton decode kernel attends in float32 and returns a float32 log-sum-exp, yet "auto" chose it for
+        float64 CUDA queries (and backend="triton" took them): a float64 decode came back 1.8e-7 off the torch
+        backend's float64 answer (4e-16 off a float64 reference), without a word. "auto" keeps float64 on the
+        torch backend now, and "triton" refuses float64 queries naming q_lat; float32 still goes to the kernel."""
+        pytest.importorskip("triton")
+        from qkmla.ops.mla_decode import mla_decode_with_kvcache
+        from qkmla.ops.mla_decode.backends import select_backend
+
+        cuda = torch.device("cuda")  # a device name only: select_backend reads no tensor
+        assert select_backend("auto", cuda, 32, 16, torch.float64) == "torch"
+        assert select_backend("auto", cuda, 32, 16, torch.float32) == "triton"
+        env.monkeypatch.setenv("TRITON_INTERPRET", "1")
+        q, r = torch.randn(2, 1, 4, 32, dtype=torch.float64), torch.randn(2, 1, 4, 16, dtype=torch.float64)
+        kv = torch.randn(4, 4, 48, dtype=torch.float64)
+        table, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([7, 3])
+        raises(lambda: mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=0.1, backend="triton"), ValueError,
+               r"^q_lat: the Triton kernel attends in float32 and returns a float32 log-sum-exp, got float64 queries")
+
+    def qknorm_blocks_that_do_not_broadcast(env):
+        """QKNorm's unified and content modes, and its projection scope, read a statistic across the content and
+        RoPE blocks, yet v_c [2, 2, 8] and v_r [3, 1, 4] (batches of 2 and 3) failed in torch's broadcast ("The
+        size of tensor a (2) must match the size of tensor b (3)", a RuntimeError naming neither). Refused now
+        naming v_r, why the blocks meet and both shapes; blocks that broadcast (a shared RoPE key) normalize as
+        before, and the blockwise per-head norm still takes each block alone."""
+        from qkmla import QKNorm
+
+        v_c, v_r = torch.randn(2, 2, 8), torch.randn(3, 1, 4)
+        for kw, why in ((dict(mode="unified"), "the unified mode takes one statistic over both blocks"),
+                        (dict(mode="content"), "the content mode applies v_c's statistic to v_r"),
+                        (dict(scope="projection", heads=2), "the projection scope pools the heads of both blocks")):
+            norm = QKNorm(8, 4, **kw)
+            raises(lambda n=norm: n(v_c, v_r), ValueError, rf"^v_r: {why}, so the vectors of v_c and v_r must "
+                                                           rf"broadcast against each other; got v_c \(2, 2, 8\) "
+                                                           rf"and v_r \(3, 1, 4\)$")
+            assert norm(v_c, v_r[:2])[1].shape[0] == 2
+        unified = QKNorm(8, 4, mode="unified", eps=0.0)
+        k_c, k_r = unified(v_c, v_r[:2])
+        both = torch.cat((v_c, v_r[:2].expand(2, 2, 4)), -1)
+        torch.testing.assert_close(torch.cat((k_c, k_r), -1), both * both.pow(2).mean(-1, keepdim=True).rsqrt())
+        assert QKNorm(8, 4)(v_c, v_r)[1].shape == (3, 1, 4)
+
+    return [
+        Row("mla_decode_with_kvcache", "size", "naive backend: float64 queries attended in float32 (2e-7 off) (r22)",
+            naive_backend_float64),
+        Row("mla_decode_with_kvcache", "size", "triton backend (and auto on CUDA): float64 attended in float32 "
+            "(1.8e-7 off) (r22)", triton_float64),
+        Row("QKNorm", "size", "unified / content / projection with v_c, v_r that do not broadcast: a torch "
+            "RuntimeError naming neither (r22)", qknorm_blocks_that_do_not_broadcast),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -9096,7 +9180,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

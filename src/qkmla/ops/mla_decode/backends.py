@@ -6,7 +6,8 @@
 included, once; a caller that must fail before it writes its cache (``MLA``) resolves first and
 hands the op the result, which the op then runs as named.
 
-    "auto"     the Triton kernel for CUDA tensors when Triton is installed and the widths suit it;
+    "auto"     the Triton kernel for CUDA tensors when Triton is installed and the widths and dtype (not
+               float64, which the kernel would attend in float32) suit it;
                for CPU tensors the C++ kernel when it runs here and takes the inputs, with at most
                ``AUTO_MAX_QUERY_HEADS`` query heads per sequence (outside ``torch.compile``, which
                traces the torch backend instead); "torch" otherwise
@@ -58,8 +59,8 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str]:
-    """Why the Triton kernel cannot run here (a message naming the argument), or None."""
+def triton_unsupported(device: torch.device, d_c: int, d_r: int, dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """Why the Triton kernel cannot run here (a message naming the argument), or None; ``dtype``: the queries'."""
     if not triton_installed():
         return "backend: 'triton' needs the triton package, which is not installed; use 'torch' or 'auto'"
     if torch.device(device).type != "cuda" and not interpreting():
@@ -67,6 +68,9 @@ def triton_unsupported(device: torch.device, d_c: int, d_r: int) -> Optional[str
                 f"got {torch.device(device).type} tensors; use 'torch' or 'auto'")
     if not (_is_pow2(d_c) and _is_pow2(d_r) and d_c >= 16 and d_r >= 16):
         return f"q_lat, q_rope: the Triton kernel needs d_c and d_r powers of two >= 16, got {d_c}, {d_r}"
+    if dtype == torch.float64:  # its softmax and sums are float32: a float64 decode came back 1.8e-7 off float64's
+        return ("q_lat: the Triton kernel attends in float32 and returns a float32 log-sum-exp, got float64 queries; "
+                "use 'torch' or 'auto' (the torch backend attends float64 in float64)")
     return None
 
 
@@ -98,13 +102,13 @@ def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[tor
     quantized = kv_format.quantized if isinstance(kv_format, DenseRows) else kv_format != "dense"
     if backend == "auto":
         if device.type == "cuda":
-            return "triton" if triton_unsupported(device, d_c, d_r) is None else "torch"
+            return "triton" if triton_unsupported(device, d_c, d_r, dtype) is None else "torch"
         ok = (device.type == "cpu" and dtype is not None and not torch.compiler.is_compiling()
               and cpu_unsupported_for(device, d_c, d_r, dtype, quantized) is None)
         return "cpu" if ok else "torch"
     reason = None
     if backend == "triton":
-        reason = triton_unsupported(device, d_c, d_r)
+        reason = triton_unsupported(device, d_c, d_r, dtype)
     elif backend == "cpu":
         reason = cpu_unsupported_for(device, d_c, d_r, dtype, quantized)
         if reason is None and torch.compiler.is_compiling():

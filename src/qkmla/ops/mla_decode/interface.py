@@ -4,7 +4,7 @@ One op, four implementations of the same specification (``naive.py``); which run
 once per call by ``backends.resolve_backend`` (the registry and the meaning of ``"auto"`` are in
 ``backends.py``):
 
-* ``"naive"``: ``naive.py`` itself, a float32 loop. Slow; it is the reference.
+* ``"naive"``: ``naive.py`` itself, a float32 loop (float64 for float64 queries). Slow; it is the reference.
 * ``"torch"``: ``torch_impl.py``, dense latent attention in a few large GEMMs (any device).
   On the CPU its paged read keeps a chunk's buffers between calls (``workspace.py``: about
   4,096 keys' rows per thread, 4.8 MB at d_c 512, d_r 64 and 16 scalars in bfloat16, more when
@@ -347,8 +347,10 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     if block_table is None:  # a contiguous cache is one block per sequence
         block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":
+        # float64 queries are attended in float64, as the torch backend attends them (float32 was 2e-7 off)
+        compute = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
         out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
-                                    mode=mode, visible_lens=visible_lens, kv_format=rows, indices=indices,
+                                    compute, mode=mode, visible_lens=visible_lens, kv_format=rows, indices=indices,
                                     topk_length=topk_length)
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:

@@ -99,7 +99,8 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                      mode: str = "blockwise", visible_lens: Optional[torch.Tensor] = None,
                      kv_format="dense", indices: Optional[torch.Tensor] = None,
                      topk_length: Optional[torch.Tensor] = None):
-    """Returns (out [B, S_q, H, d_c] in ``compute_dtype``, lse [B, S_q, H] float32).
+    """Returns (out [B, S_q, H, d_c] in ``compute_dtype``, lse [B, S_q, H] float32, or float64 with a float64
+    ``compute_dtype``: the softmax of float64 scores rounded to float32 was 2e-7 off the float64 reference).
 
     ``compute_dtype=torch.bfloat16`` gives "a plain bf16 PyTorch implementation", the
     baseline of the kernel's error budget. ``mode`` is "blockwise" or "unified" (see above).
@@ -120,7 +121,8 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     if indices is not None:
         slots, selected = selected_slots(indices, topk_length, cache_seqlens)
     out = torch.zeros(B, S_q, H, d_c, dtype=compute_dtype, device=q_lat.device)
-    lse = torch.full((B, S_q, H), float("-inf"), dtype=torch.float32, device=q_lat.device)
+    score_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    lse = torch.full((B, S_q, H), float("-inf"), dtype=score_dtype, device=q_lat.device)
     for b in range(B):
         n = int(cache_seqlens[b])
         slot = torch.arange(n, device=q_lat.device)
@@ -148,6 +150,6 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
                 else:
                     s = r[seen, g] * (s_content + s_rope)
                 s = s * softmax_scale
-                lse[b, t, h] = torch.logsumexp(s.float(), dim=0)
-                out[b, t, h] = torch.softmax(s.float(), dim=0).to(compute_dtype) @ c[seen]
+                lse[b, t, h] = torch.logsumexp(s.to(score_dtype), dim=0)
+                out[b, t, h] = torch.softmax(s.to(score_dtype), dim=0).to(compute_dtype) @ c[seen]
     return out, lse
