@@ -156,13 +156,17 @@ class QKNormConfig:
     def of(cls, value, name: str = "qk_norm") -> Optional["QKNormConfig"]:
         """``value`` as a QKNormConfig: one itself, a kind name ("rms", "l2", "lp"), a dict of the
         fields (a saved config or a checkpoint's record), or None; None (no norm, no learnable
-        scale) for None and for a norm of kind None with a fixed scale. ValueError naming ``name``."""
+        scale) for None and for a norm of kind None with a fixed scale. ValueError naming ``name``, and a
+        dict's field as ``name.field`` (``qk_norm.eps``)."""
         if isinstance(value, dict):
             unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
             if unknown:
                 raise ValueError(f"{name}: unknown fields {unknown}; a QK norm has "
                                  f"{[f.name for f in dataclasses.fields(cls)]}")
-            value = cls(**value)
+            try:
+                value = cls(**value)
+            except ValueError as e:  # a field's refusal, named under the argument the dict was given as
+                raise ValueError(f"{name}.{e}") from None
         elif value is None or isinstance(value, str):
             if value not in QK_NORMS:
                 raise ValueError(f"{name}: expected one of {QK_NORMS} or a QKNormConfig, got {value!r}")

@@ -8865,7 +8865,9 @@ def hf22_rows():
         """qk_norm={"eps": -1} (or {"kind": "lp", "p": 0.5}) given to apply_latent_attention or convert_checkpoint was
         refused as "eps: expected a finite number >= 0, got -1", naming a dict key, not the argument (left open in
         round 21), and mla_layers_from_hf_dir(dir, qk_norm=...) blamed the checkpoint: "/path/config.json: eps:
-        ...". Each names qk_norm now, before any work; a valid dict still adds its norm."""
+        ...". Each names qk_norm.FIELD now, before any work, as QKNormConfig.of itself does (MLAConfig and the
+        torchtitan adapter call it directly); a valid dict still adds its norm."""
+        from qkmla import MLAConfig, QKNormConfig
         from qkmla.convert import convert_checkpoint
         from qkmla.integrations.hub import mla_layers_from_hf_dir
         from qkmla.integrations.transformers import apply_latent_attention
@@ -8874,8 +8876,9 @@ def hf22_rows():
                            ({"kind": "lp", "p": 0.5}, r"p: expected a finite number >= 1 and <= 100 .*got 0\.5")):
             for call in (lambda: apply_latent_attention(tiny_deepseek_v3(), qk_norm=bad),
                          lambda: convert_checkpoint(hf, env.tmp / "out", qk_norm=bad, calibration_tokens=0),
-                         lambda: mla_layers_from_hf_dir(hf, qk_norm=bad)):
-                raises(call, ValueError, rf"^qk_norm: {field}$")
+                         lambda: mla_layers_from_hf_dir(hf, qk_norm=bad), lambda: QKNormConfig.of(bad),
+                         lambda: MLAConfig(qk_norm=bad)):
+                raises(call, ValueError, rf"^qk_norm\.{field}$")
         assert not (env.tmp / "out").exists()
         model = apply_latent_attention(tiny_deepseek_v3(), qk_norm={"kind": "rms", "eps": 1e-5})
         assert model.model.layers[0].self_attn.config.qk_norm.eps == 1e-5

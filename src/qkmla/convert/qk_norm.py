@@ -161,10 +161,10 @@ def convert_checkpoint(src: Union[str, Path], out: Union[str, Path], *,
     """
     from .stream import CheckpointStream, calibrate_streaming, copy_other_files, write_weights
     from ..integrations.hub.checkpoint import INDEX, check_norm_tensors, saved_norm
-    from ..integrations.hub.record import CODE, describe, norm_argument, record_norm, recorded_groups
+    from ..integrations.hub.record import CODE, describe, record_norm, recorded_groups
 
     src, out = check_convert_paths(src, out, overwrite, inputs)
-    norm = norm_argument(qk_norm)
+    norm = QKNormConfig.of(qk_norm)
     check_dtype(dtype)
     calibration_tokens = as_int(calibration_tokens)  # np.int64(64) was refused as "... got np.int64(64)"
     if not is_int(calibration_tokens) or calibration_tokens < 0:

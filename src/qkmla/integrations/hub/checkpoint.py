@@ -449,9 +449,10 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
     hf_config = read_hf_config(root)
     try:
         config = mla_config_from_hf(hf_config, **overrides)
-    except ValueError as e:  # the config's faults name the file; an override refused names the override
+    except ValueError as e:  # the config's faults name the file; an override refused (qk_norm.eps) names it
         message = str(e)
-        raise ValueError(message.replace("hf_config", str(root / CONFIG), 1) if message.partition(":")[0] in overrides
+        named = message.partition(":")[0].partition(".")[0]
+        raise ValueError(message.replace("hf_config", str(root / CONFIG), 1) if named in overrides
                          else f"{root / CONFIG}: {message}") from None
     chosen = _check_layers(layers, hf_config.get("num_hidden_layers"), root / CONFIG)
     recorded = recorded_norm(hf_config, str(root / CONFIG))

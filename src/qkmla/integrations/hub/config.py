@@ -31,7 +31,7 @@ from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...rope import ROPE_TYPES, YarnScaling
 from ...utils.checked import is_finite_number
-from .record import RECORD, describe, norm_argument, recorded_groups, recorded_norm, stock_model_type
+from .record import RECORD, describe, recorded_groups, recorded_norm, stock_model_type
 
 _OURS = ("q_norm.", "k_norm.", "logit_scale")
 
@@ -134,7 +134,7 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
     if model_type not in _MODEL_TYPES and not overrides.pop("any_model_type", False):
         raise ValueError(f"hf_config: model_type must be one of {_MODEL_TYPES}, got {model_type!r}")
     if "qk_norm" in overrides:  # a dict's field refused under qk_norm (it was taken for the config file's)
-        overrides["qk_norm"] = norm_argument(overrides["qk_norm"])
+        overrides["qk_norm"] = QKNormConfig.of(overrides["qk_norm"])
     norm, groups = recorded_norm(hf_config, "hf_config"), recorded_groups(hf_config, "hf_config")
     if norm is not None and "qk_norm" in overrides and QKNormConfig.of(overrides["qk_norm"]) != norm:
         raise ValueError(f"qk_norm: hf_config records the QK norm {describe(norm)} in its {RECORD!r} entry (a "

@@ -165,14 +165,14 @@ def _recorded_norm(hf_config, where: str) -> Optional[QKNormConfig]:
                          f"{GROUPS!r}, got {extra}")
     try:
         if isinstance(record.get(NORM), dict):
-            return QKNormConfig.of(record[NORM])
+            return QKNormConfig.of(record[NORM], NORM)
         flat = {FLAT_FIELDS[k]: v for k, v in record.items() if k in FLAT_FIELDS}
         if flat.get("kind") is None:  # as flat records were read: no norm; only a learned scale counts
             flat = {"kind": None, **{k: v for k, v in flat.items() if k == "learnable_logit_scale"}}
         try:
             return QKNormConfig.of(flat) if flat else None
         except ValueError as e:  # named by the record's own key
-            field, _, rest = str(e).partition(": ")
+            field, _, rest = str(e).removeprefix("qk_norm.").partition(": ")
             raise ValueError(f"{_FLAT_NAMES.get(field, field)}: {rest}") from None
     except ValueError as e:
         raise ValueError(f"{where}: its {RECORD!r} entry is not valid: {e}") from None
@@ -234,18 +234,6 @@ def record_groups(hf_config, groups: int) -> None:
     """Record that a model's layers have ``groups`` KV groups (GQA conversions), beside any norm."""
     setattr(hf_config, RECORD, {**(getattr(hf_config, RECORD, None) or {}), GROUPS: groups})
     recorded_groups(hf_config)
-
-
-def norm_argument(value, name: str = "qk_norm") -> Optional[QKNormConfig]:
-    """``QKNormConfig.of(value)`` for the argument ``name``: a dict's field refused under ``name`` too
-    (``qk_norm={"eps": -1}`` was refused as "eps: expected a finite number >= 0, got -1", a name the caller gave
-    as a key, not as an argument)."""
-    try:
-        return QKNormConfig.of(value, name)
-    except ValueError as e:
-        if str(e).startswith(f"{name}:"):
-            raise
-        raise ValueError(f"{name}: {e}") from None
 
 
 def describe(norm: Optional[QKNormConfig]) -> str:

@@ -53,7 +53,7 @@ from .cache import (PREFIX_TUNING, QUANTIZED_INSTEAD, LatentAttentionCache, adop
                     check_cache_settings, model_dtype)
 from .families import attention_slots, get_slot, set_slot
 from .patched import inner_model, model_family
-from ..hub.record import describe, norm_argument, record_norm, recorded_groups, recorded_norm
+from ..hub.record import describe, record_norm, recorded_groups, recorded_norm
 
 LATENT_IMPLEMENTATION = "qkmla_latent"
 # How a family's MLA attention modules are built, by the name its row gives (``families.Family.build``):
@@ -101,7 +101,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     check_not_partitioned(model)
     check_cache_settings(kv_format, policy, None, model_dtype(model))  # a bf16 model's rows are bf16
     check_backend(decode_backend, "decode_backend")
-    norm = norm_argument(qk_norm)
+    norm = QKNormConfig.of(qk_norm)
     settings = getattr(inner, "_qkmla_settings", None)
     if settings is not None:  # already patched: new settings, and a norm if it has none
         current = recorded_norm(inner.config)
