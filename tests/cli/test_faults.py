@@ -8830,6 +8830,7 @@ def hf22_rows():
         The explicit path now drops the probabilities as transformers' eager attention does, the same draws under
         the same seed (1e-6 of transformers' logits); a training call through a cache, or sparse attention, which
         would compute without it, is refused naming attention_dropout. Eval mode is unchanged."""
+        import numpy as np
         families = transformers_families()
         from qkmla.integrations.transformers import apply_latent_attention
 
@@ -8860,6 +8861,14 @@ def hf22_rows():
             assert float((model.eval()(ids).logits - want).abs().max() / want.abs().max()) < 1e-6
         _, unset = dropped("deepseek_v3", None)  # None (a config.json's null): no dropout, as transformers reads it
         assert torch.equal(unset(ids, use_cache=False).logits, unset(ids, use_cache=False).logits)
+        numpy_p = families.hf_model(families.family_named("deepseek_v3"), dtype=torch.float32)
+        numpy_p.config.attention_dropout = 0.3  # transformers' config takes no NumPy scalar; its layers' do
+        for m in numpy_p.modules():
+            if hasattr(m, "attention_dropout"):
+                m.attention_dropout = np.float32(0.3)  # was refused as not a number, which eager takes
+        numpy_p = apply_latent_attention(numpy_p).train()
+        torch.manual_seed(3)
+        assert float((numpy_p(ids, use_cache=False).logits - logits[0]).abs().max() / logits[0].abs().max()) < 1e-6
 
     def a_norm_field_named_under_qk_norm(env, hf):
         """qk_norm={"eps": -1} (or {"kind": "lp", "p": 0.5}) given to apply_latent_attention or convert_checkpoint was

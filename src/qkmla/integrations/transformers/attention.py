@@ -55,6 +55,7 @@ from ...attention.mla import MLA
 from ...config import MLAConfig, QKNormConfig
 from ...cache.eviction import EvictionPolicy
 from ...rope import ROPE_TYPES, check_position_range, position_range
+from ...utils.checked import as_number, is_number
 from ..hub.config import hf_rope_type, unrepeat_groups
 from .cache import adopt_layer
 from .families import HostAttention
@@ -488,7 +489,8 @@ def check_attention_dropout(p) -> float:
     ValueError naming it: a probability in [0, 1)."""
     if p is None:
         return 0.0
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+    p = as_number(p)  # a NumPy scalar (np.float32(0.1)), which eager's dropout takes as it is
+    if not is_number(p) or not 0 <= p < 1:
         raise ValueError(f"attention_dropout: expected a probability in [0, 1) (the model config's), got {p!r}")
     return float(p)
 
