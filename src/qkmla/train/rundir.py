@@ -424,6 +424,10 @@ def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+# A resumed run's status key for the digest of the config its checkpoint was saved under, until its first checkpoint.
+RESUMED_DIGEST = "resumed_config_sha256"
+
+
 def note_config_written(out: Path, digest: str) -> None:
     """Before a start writes ``out/config.json``: its status keeps the new text's digest and the
     one before (``config_sha256``, ``config_sha256_previous``), so a start killed on either side of
@@ -441,9 +445,12 @@ def checkpoint_digest(recorded: dict) -> str:
 
 
 def written_digests(out: Path) -> tuple:
-    """The digests of the config.json texts qkmla last wrote in ``out`` (:func:`note_config_written`)."""
+    """The digests of the config.json texts qkmla last wrote in ``out`` (:func:`note_config_written`), and,
+    until a resumed run's first checkpoint, that of the config its checkpoint was saved under
+    (``RESUMED_DIGEST``, which a start never shifts)."""
     status = read_status(out) or {}
-    return tuple(d for d in (status.get("config_sha256"), status.get("config_sha256_previous")) if d)
+    keys = ("config_sha256", "config_sha256_previous", RESUMED_DIGEST)
+    return tuple(d for d in (status.get(k) for k in keys) if d)
 
 
 def record_edits(path: Path, recorded: dict, now: dict, written: tuple = (), text=_READ) -> list[str]:
@@ -526,7 +533,7 @@ def foreign_checkpoint(path: Path, recorded: dict, written: tuple = (), text=_RE
         # The seed drew the weights: a checkpoint of a run that differs from this one in its seed alone was
         # taken for this run's, trained on, and its steps logged after this run's (probe 22). A seed may change
         # on a resume (a grid's branch names its own): until the resume's first checkpoint its status vouches
-        # for the checkpoint it resumed (config_sha256_previous), which is then no other run's.
+        # for the checkpoint it resumed (RESUMED_DIGEST), which is then no other run's.
         seeds = recorded["train"].get("seed"), saved["train"].get("seed")
         if seeds[0] != seeds[1] and checkpoint_digest(recorded) not in written:
             diffs.append(f"seed: stored {seeds[0]!r}, now {seeds[1]!r}")

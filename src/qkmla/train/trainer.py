@@ -54,9 +54,9 @@ from .data import Corpus, fixed_starts, get_batch, windows_at
 from .diagnostics import forward_max_logits, logit_bound, logit_scale
 from .optim import build_optimizer, lr_multiplier, set_lr
 from .rendezvous import init_process_group
-from .rundir import (RUN_FILES, RunLock, check_run_dir, checkpoint_digest, foreign_checkpoint, fresh_out, gap_line,
-                     metrics_line, note_config_written, prepare, read_config_text, record_edits, resume_mismatches,
-                     text_digest, truncate_metrics, write_status, written_digests)
+from .rundir import (RESUMED_DIGEST, RUN_FILES, RunLock, check_run_dir, checkpoint_digest, foreign_checkpoint,
+                     fresh_out, gap_line, metrics_line, note_config_written, prepare, read_config_text, record_edits,
+                     resume_mismatches, text_digest, truncate_metrics, write_status, written_digests)
 from .step_memory import step_saved_bytes
 
 __all__ = ["TrainConfig", "evaluate", "load_model", "train"]
@@ -419,8 +419,10 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
     metrics_path = out / "metrics.jsonl"
     status = {"status": "running", "step": start, "out": str(out), "pid": os.getpid(), "checkpoint_step": start,
               "config_sha256": config_digest}  # which config.json is qkmla's own (rundir.record_edits)
-    if config.resume:  # until its first checkpoint, the run goes on from the one it resumed (rundir.foreign_checkpoint)
-        status["config_sha256_previous"] = checkpoint_digest(stored)
+    if config.resume:  # until its first checkpoint, the run goes on from the one it resumed (foreign_checkpoint),
+        # under a key of its own: note_config_written shifts config_sha256_previous at every start, and a second
+        # resume killed between that and this write lost the vouch and was refused as another run's
+        status[RESUMED_DIGEST] = checkpoint_digest(stored)
     if rank == 0:
         write_status(out, status)
     bar = None
@@ -438,7 +440,7 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
             raise NonFiniteError(f"weights or optimizer state are not finite after step {done_steps}")
         _save(out, model, optimizer, done_steps, run_config, generator, fsdp, rank)
         status["checkpoint_step"] = done_steps
-        status.pop("config_sha256_previous", None)  # the checkpoint is this config's now
+        status.pop(RESUMED_DIGEST, None)  # the checkpoint is this config's now
         if rank == 0:  # so that a killed run's status says how far it got
             write_status(out, status)
 

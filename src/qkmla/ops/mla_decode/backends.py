@@ -92,7 +92,9 @@ def select_backend(backend: str, device, d_c: int, d_r: int, dtype: Optional[tor
                    kv_format="dense") -> str:
     """The backend that will run, from the device, the widths, the queries' dtype and the row format
     alone (no tensors): ``backend`` itself, or what ``"auto"`` stands for. Without ``dtype``,
-    ``"auto"`` does not pick the CPU kernel. :func:`resolve_backend` also reads the tensors.
+    ``"auto"`` does not pick the CPU kernel, and on CUDA it answers for the queries the Triton kernel
+    takes (not float64, which it sends to the torch backend when ``dtype`` says so).
+    :func:`resolve_backend` also reads the tensors.
 
     Raises ValueError for an unknown name, or for ``"triton"`` / ``"cpu"`` where the kernel cannot run.
     """

@@ -299,7 +299,7 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
 
     Returns:
         out [B, S_q, H, d_c] (q_lat's dtype) = softmax(s) @ c per head, and lse [B, S_q, H]
-        (float32, float64 for float64 queries on the torch backend; -inf with out = 0 where no slot
+        (float32, float64 for float64 queries on the torch and naive backends; -inf with out = 0 where no slot
         is visible, a sparse query whose indices select nothing included). The layouts and the
         visibility rule are drawn in ``naive.py``.
 
