@@ -347,11 +347,11 @@ def mla_decode_with_kvcache(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     if block_table is None:  # a contiguous cache is one block per sequence
         block_table = torch.arange(q_lat.shape[0], device=kv_cache.device)[:, None]
     if backend == "naive":
-        # float64 queries are attended in float64, as the torch backend attends them (float32 was 2e-7 off)
-        compute = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
+        # float64 queries are attended in float64, as the torch backend attends them (float32 was 2e-7 off):
+        # the dtype its log-sum-exp is kept in, float32 otherwise
         out, lse = naive_mla_decode(q_lat, q_rope, kv_cache, block_table, cache_seqlens, scale_cache, softmax_scale,
-                                    compute, mode=mode, visible_lens=visible_lens, kv_format=rows, indices=indices,
-                                    topk_length=topk_length)
+                                    lse_dtype(q_lat), mode=mode, visible_lens=visible_lens, kv_format=rows,
+                                    indices=indices, topk_length=topk_length)
         return out.to(q_lat.dtype), lse
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache: the Triton kernel needs the last dimension contiguous")
