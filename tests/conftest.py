@@ -31,6 +31,7 @@ if _WORKERS > 1:
     torch.set_num_threads(max(1, _cores() // _WORKERS))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a machine without it (the GPU image) runs -n 0
 def pytest_xdist_auto_num_workers(config):
     """-n auto: one worker per core this process may run on, not per core the machine has."""
     return _cores()

@@ -54,6 +54,22 @@ def test_dry_run_runs_every_part_and_writes_the_summary(dry_run):
     assert not list(out.glob("*.tmp[0-9]*"))  # every file was renamed into place (qkmla.utils.files' temporary name)
 
 
+def test_the_cuda_tests_are_the_marked_ones_and_run_without_pytest_xdist():
+    """Part 1 collects only the files with tests marked ``cuda`` (not the fault table, whose device
+    rows are refusals), and its pytest runs on a GPU image that has pytest but not pytest-xdist."""
+    import subprocess
+    import sys
+
+    part = load("part_correctness")
+    files = part.cuda_test_files()
+    assert {"tests/ops/test_mla_decode.py", "tests/ops/test_mla_decode_backends.py",
+            "tests/integrations/vllm/test_backend.py"} <= set(files) and "tests/cli/test_faults.py" not in files
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=--import-mode=importlib", "-p", "no:xdist",
+                           "-p", "no:cacheprovider", "-q", "--collect-only", "-m", part.CUDA_MARKER,
+                           "tests/ops/test_mla_decode.py"], cwd=part.REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and " deselected" not in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_dry_run_correctness_checks_every_value_of_every_axis(dry_run):
     _, out, records = dry_run
     r = records["correctness"]

@@ -1,7 +1,8 @@
 """Part 1: correctness on the device, before any timing.
 
-* **tests**: the test suite's CUDA tests (every tests/**/test_*.py that picks a CUDA device
-  when one is there) in a pytest subprocess; counts and failures from its JUnit XML.
+* **tests**: the test suite's CUDA tests (those marked ``cuda``: they pick a CUDA device when
+  one is there) in one pytest process of their own, serially on the one GPU; counts and failures
+  from its JUnit XML.
 * **kernel**: the decode op's Triton kernel against the spec (``naive``, float32) at real
   sizes: d_c 512, d_r 64; 16 and 128 heads (one key scalar per head); bf16 queries; a paged
   cache with block sizes 16 and 64, a shuffled block table, NaN (0xFF bytes) in every slot
@@ -41,14 +42,16 @@ REAL = dict(d_c=512, d_r=64, heads=(16, 128), pages=(16, 64), lengths=(1, 1000, 
 DRY = dict(d_c=32, d_r=16, heads=(4, 8), pages=(16, 64), lengths=(1, 37, 100, 0))
 FORMATS = ("dense", "fp8", "int8")
 NORMS = {"plain": (False, "blockwise"), "blockwise": (True, "blockwise"), "unified": (True, "unified")}
-CUDA_TEST_MARK = "torch.cuda.is_available()"  # a test file that moves to a GPU when there is one
+CUDA_MARKER = "cuda"  # pyproject.toml's marker: a test that moves to a GPU when there is one
 DRY_RUN_TESTS = "test_bad_inputs"
 TEST_SHARE, KERNEL_SHARE = 0.35, 0.45  # of the part's budget; the compiled step gets the rest
 
 
 def cuda_test_files() -> list[str]:
-    """The test files that run on a GPU when one is there (they read ``CUDA_TEST_MARK``)."""
-    files = sorted(p for p in (REPO / "tests").rglob("test_*.py") if CUDA_TEST_MARK in p.read_text())
+    """The test files with tests marked ``CUDA_MARKER``: pytest collects only these (collecting
+    the whole suite imports every integration)."""
+    mark = f"pytest.mark.{CUDA_MARKER}"
+    files = sorted(p for p in (REPO / "tests").rglob("test_*.py") if mark in p.read_text())
     return [str(p.relative_to(REPO)) for p in files]
 
 
@@ -73,7 +76,10 @@ def run_tests(ctx: PartContext, timeout_s: float) -> dict:
         return {**result, "status": "skipped",
                 "reason": "pytest is not installed here: bring its wheels and pass --wheels DIR (docs/benchmarks.md)"}
     junit = ctx.out / f"{ctx.stem}_pytest.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+    # addopts without its "-n auto": one process on the one GPU, rather than a worker per core each
+    # starting a CUDA context (and, in the dry run, no workers to bring up for one test)
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=--import-mode=importlib", "-q", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", "-m", CUDA_MARKER, *files]
     if ctx.dry_run:
         cmd += ["-k", DRY_RUN_TESTS]
     result["command"] = " ".join(cmd[1:])

@@ -93,6 +93,7 @@ def test_a_config_without_a_dtype_loads_in_float32_and_one_that_is_not_loadable_
     assert next(loads[-1].parameters()).dtype == torch.bfloat16
 
 
+@pytest.mark.cuda
 def test_bad_devices_and_counts_are_refused_by_name_before_loading(bf16_dir, tmp_path, loads, refused):
     refused(["generate", "--hf", str(bf16_dir), "--device", "gpu"],
             r"--device: expected one of \('cpu'.*\) on this machine.*, got 'gpu'")
@@ -107,6 +108,7 @@ def test_bad_devices_and_counts_are_refused_by_name_before_loading(bf16_dir, tmp
     assert loads == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_model_and_its_prompts_run_on_cuda(bf16_dir, loads, capsys):
     assert main(["generate", "--hf", str(bf16_dir), "--prompt", "abc", "--max-new-tokens", "4", "--temperature", "0",

@@ -16,6 +16,7 @@ from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode  # no
 from qkmla.ops.mla_decode.interface import _mla_decode_op  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.cuda  # inputs go to DEVICE: the GPU suite runs this file on a GPU
 LENGTHS = (1, 97, 1025, 0)  # odd lengths and a zero-length sequence, in one batch
 H, D_C, D_R = 8, 32, 16  # small shapes for the interpreter (GPU: the same kernel, same code path)
 

@@ -24,6 +24,7 @@ from qkmla.ops.statistic import statistic
 from qkmla.ops.mla_decode import mla_decode_with_kvcache, naive_mla_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.cuda  # inputs go to DEVICE: the GPU suite runs this file on a GPU
 LENGTHS = (1, 97, 1025, 0)  # odd lengths and a zero-length sequence, in one batch
 H, D_C, D_R, D_N = 8, 32, 16, 16
 NORMS = {  # name: (qk_norm kind, p, mode, softmax_scale); None: plain MLA

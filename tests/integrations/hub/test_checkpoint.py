@@ -229,6 +229,7 @@ def test_a_record_and_norm_tensors_that_disagree_are_refused_before_reading(save
         mla_layers_from_hf_dir(path, 1, qk_norm="rms")
 
 
+@pytest.mark.cuda
 def test_paths_devices_and_dtypes_are_refused_by_name_before_reading(saved, tmp_path, spy):
     """Probe 9b (E05, E06, E10, E12, E14): ``checkpoint_dir("")`` returned the working directory (so
     ``from_pretrained("")`` loaded whatever was there); an over-long path raised a bare OSError from

@@ -184,6 +184,7 @@ def test_an_offloading_latent_cache_passed_matches_and_moves_its_rows_back(model
     assert all(torch.equal(b.data, rows[name]) for name, b in layer.latent.fields.items())
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading is observable only off the CPU")
 def test_offloaded_rows_leave_the_gpu_between_steps():
     model = patched(hf_model(dtype=torch.float32), decode_backend="torch").cuda()

@@ -284,6 +284,7 @@ TRITON_HERE = importlib.util.find_spec("triton") is not None and (torch.cuda.is_
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not TRITON_HERE, reason="runs the Triton kernel: on a GPU or in Triton's interpreter")
 @pytest.mark.parametrize("mode, padding", [("blockwise", 0), ("unified", 0), ("blockwise", 4)])
 def test_the_cuda_impl_decodes_the_paged_rows_through_the_triton_kernel(mode, padding, cuda_impl_here):
@@ -321,6 +322,7 @@ def vllms_cache_op():
     return getattr(torch.ops._C_cache_ops, "concat_and_cache_mla", None)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("padding", [0, 4])
 def test_on_a_gpu_vllms_cache_op_writes_the_rows_the_torch_write_writes(padding):
     """The write through vLLM's own op (its CUDA build, on a GPU), handed the RoPE key with the
@@ -344,6 +346,7 @@ def test_on_a_gpu_vllms_cache_op_writes_the_rows_the_torch_write_writes(padding)
     torch.testing.assert_close(cache.cpu(), want, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="captures a CUDA graph: needs a GPU")
 def test_on_a_gpu_the_cache_write_and_the_decode_replay_in_a_cuda_graph(cuda_impl_here):
