@@ -418,6 +418,8 @@ def _before_forward(module, args, kwargs):
     elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
         for attn in (get_slot(slot) for slot in attention_slots(module)):
             adopt_layer(cache, attn.layer_idx, attn.config, settings.kv_format, settings.policy)
+    if cache is not None:
+        _derive_again_for_new_sequences(module, cache)
     past = cache.get_seq_length() if cache is not None and (mask is not None or custom is not None) else 0
     valid = _new_tokens(mask, batch_size, num_tokens, int(past))
     check_position_ids(position_ids, batch_size, num_tokens)
@@ -427,6 +429,20 @@ def _before_forward(module, args, kwargs):
         check_custom_mask_cache(cache, settings)
     arguments["qkmla_call"] = LatentCall(valid, documents, attentions, visible)
     return (), arguments
+
+
+def _derive_again_for_new_sequences(inner, cache) -> None:
+    """A call into an empty cache (generate's prefill, a new conversation) derives each layer's kept absorbed
+    weights again. They are kept while the weights' version counters stand still, and a change made through
+    ``.data`` (``p.data.copy_(w)``, a manual ``p.data -= lr * p.grad``) moves none: generate then decoded with
+    the weights from before the change (other tokens, logits 1.45 off the unpatched model's), while a forward
+    without a cache read the new ones. Layers that derived nothing yet are left to derive on first use; a
+    compiled step never starts a sequence here."""
+    if torch.compiler.is_compiling() or int(cache.get_seq_length()):
+        return
+    for attn in (get_slot(slot) for slot in attention_slots(inner)):
+        if getattr(attn, "_absorbed", None) is not None and attn._absorbed.weights is not None:
+            attn.refresh_absorbed()
 
 
 def _custom_visible(mask: torch.Tensor, batch_size: int, num_tokens: int, past: int) -> torch.Tensor:
