@@ -9308,6 +9308,31 @@ def hf23_rows():
                 raises(call, ValueError, rf"^config\.json: num_attention_heads must be a positive int \(the query "
                        rf"heads its 'qkmla' entry's num_kv_groups=2 divides\), got {re.escape(repr(bad))}$")
 
+    def sparse_layers_loaded_as_dense(env):
+        """mla_from_hf(a DeepseekV32Attention) and mla_layers_from_hf_dir(a DeepSeek-V3.2 checkpoint) built MLA layers
+        without the indexer: dense attention over every key where the checkpoint's layer attends to the index_topk
+        its indexer picks (0.22 and 0.35 off transformers' layer on 5 tokens, index_topk 3), though the docs say each
+        loaded layer equals the model's. Refused now before any tensor is read, naming hf_attention or hf_dir and
+        index_topk, pointing at the loaders that serve it; a DeepSeek-V3 layer still loads and matches."""
+        families = transformers_families()
+        from qkmla.integrations.hub import mla_from_hf, mla_layers_from_hf_dir
+
+        why = (r"a sparse attention model \('deepseek_v32', index_topk=3\): each query attends to the index_topk keys "
+               r"its indexer picks, and a standalone MLA layer has no indexer .*from_pretrained")
+        sparse = families.hf_model(families.family_named("deepseek_v32"))
+        raises(lambda: mla_from_hf(sparse.model.layers[0].self_attn), ValueError, rf"^hf_attention: {why}")
+        sparse.save_pretrained(env.tmp / "v32")
+        raises(lambda: mla_layers_from_hf_dir(env.tmp / "v32"), ValueError,
+               rf"^hf_dir: \S+v32/config\.json: {why}")
+        dense = families.hf_model(families.family_named("deepseek_v3"))
+        attn = dense.model.layers[0].self_attn
+        x = torch.randn(2, 5, dense.config.hidden_size, dtype=torch.float64)
+        rope = dense.model.rotary_emb(x, torch.arange(5)[None].expand(2, 5))
+        with torch.no_grad():
+            want = attn(hidden_states=x, position_embeddings=rope,
+                        attention_mask=torch.full((5, 5), float("-inf"), dtype=x.dtype).triu(1))[0]
+            assert float((mla_from_hf(attn)(x) - want).abs().max() / want.abs().max()) < 1e-5
+
     return [
         Row("LatentAttentionCache", "size", "kv_b_proj changed through .data between two generate calls: the second "
             "decoded with the weights from before, other tokens (r23)", weights_changed_through_data_between_generates),
@@ -9318,6 +9343,8 @@ def hf23_rows():
         Row("LatentAttentionCache", "size", "a num_kv_groups record beside num_attention_heads None or '4': a "
             "TypeError from the record's check, naming nothing (r23)",
             groups_recorded_beside_heads_that_are_not_a_count),
+        Row("MLAConfig", "size", "mla_from_hf / mla_layers_from_hf_dir of DeepSeek-V3.2: dense layers without its "
+            "indexer, 0.22 off its sparse attention (r23)", sparse_layers_loaded_as_dense),
     ]
 
 
