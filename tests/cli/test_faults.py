@@ -9333,6 +9333,34 @@ def hf23_rows():
                         attention_mask=torch.full((5, 5), float("-inf"), dtype=x.dtype).triu(1))[0]
             assert float((mla_from_hf(attn)(x) - want).abs().max() / want.abs().max()) < 1e-5
 
+    def attention_offloaded_by_a_device_map(env):
+        """from_pretrained(dir, device_map={... "model.layers.0": "disk" ...}, offload_folder=F) (accelerate keeps
+        the layer's weights on the meta device, brought in by a hook inside each projection's forward), or a model
+        transformers loaded so, patched: loaded without a word, then the first forward failed as "x: the module's
+        weights are on meta and x is on cpu; pass x.to('meta')", naming an argument the caller never gave. Refused
+        now at the load or the patch, naming device_map (or model) and the layer; a device_map that places every
+        layer loads as before."""
+        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("accelerate")
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        plain, normed = env.tmp / "plain", env.tmp / "normed"
+        tiny_deepseek_v3().save_pretrained(plain)
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(normed)
+        places = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.norm": "cpu", "lm_head": "cpu",
+                  "model.rotary_emb": "cpu"}
+        why = (r"layer 0's attention weights are offloaded by accelerate .*which qkmla's latent attention cannot "
+               r"read .*place every layer on a device")
+        raises(lambda: from_pretrained(normed, device_map=places, offload_folder=env.tmp / "off1"), ValueError,
+               rf"^device_map: {why}")
+        offloaded = transformers.AutoModelForCausalLM.from_pretrained(plain, device_map=places,
+                                                                      offload_folder=env.tmp / "off2")
+        raises(lambda: apply_latent_attention(offloaded), ValueError, rf"^model: {why}")
+        ids = torch.randint(1, 64, (1, 5))
+        with torch.no_grad():
+            want = from_pretrained(normed)(ids).logits
+            assert torch.equal(from_pretrained(normed, device_map={"": "cpu"})(ids).logits, want)
+
     return [
         Row("LatentAttentionCache", "size", "kv_b_proj changed through .data between two generate calls: the second "
             "decoded with the weights from before, other tokens (r23)", weights_changed_through_data_between_generates),
@@ -9345,6 +9373,9 @@ def hf23_rows():
             groups_recorded_beside_heads_that_are_not_a_count),
         Row("MLAConfig", "size", "mla_from_hf / mla_layers_from_hf_dir of DeepSeek-V3.2: dense layers without its "
             "indexer, 0.22 off its sparse attention (r23)", sparse_layers_loaded_as_dense),
+        Row("LatentAttentionCache", "size", "from_pretrained(device_map= a layer on 'disk'): its first forward "
+            "refused as 'x: the module's weights are on meta', an argument never given (r23)",
+            attention_offloaded_by_a_device_map),
     ]
 
 
