@@ -9361,6 +9361,21 @@ def hf23_rows():
             want = from_pretrained(normed)(ids).logits
             assert torch.equal(from_pretrained(normed, device_map={"": "cpu"})(ids).logits, want)
 
+    def vllm_rope_width_odd(env):
+        """The vLLM plugin's config check (servable_norm) of a QK-normed config with qk_rope_head_dim 63 and
+        kv_lora_rank 513 (a latent row of 576, a width vLLM's MLA takes): served, though RoPE rotates pairs and
+        qkmla's own MLAConfig refuses it ("qk_rope_head_dim: RoPE rotates pairs, so it must be even, got 63").
+        Refused now naming the field; 64 + 512 is still served."""
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = dict(model_type="qkmla_deepseek_v3", num_attention_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
+                      qk_nope_head_dim=128, v_head_dim=128, qkmla={"qk_norm": {"kind": "rms"}})
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert servable_norm(config, **engine).kind == "rms"
+        raises(lambda: servable_norm(dict(config, kv_lora_rank=513, qk_rope_head_dim=63), **engine), ValueError,
+               r"^config\.json: qk_rope_head_dim must be even \(RoPE rotates pairs\), got 63$")
+
     return [
         Row("LatentAttentionCache", "size", "kv_b_proj changed through .data between two generate calls: the second "
             "decoded with the weights from before, other tokens (r23)", weights_changed_through_data_between_generates),
@@ -9376,6 +9391,8 @@ def hf23_rows():
         Row("LatentAttentionCache", "size", "from_pretrained(device_map= a layer on 'disk'): its first forward "
             "refused as 'x: the module's weights are on meta', an argument never given (r23)",
             attention_offloaded_by_a_device_map),
+        Row("LatentAttentionCache", "size", "the vLLM plugin's config check: qk_rope_head_dim 63 (+ kv_lora_rank 513) "
+            "served, a RoPE width qkmla's MLAConfig refuses (r23)", vllm_rope_width_odd),
     ]
 
 
