@@ -9189,6 +9189,213 @@ def api22_rows():
     ]
 
 
+def hf23_rows():
+    """Round 23's integrations probe: weights changed where PyTorch cannot see it between two generate calls, and
+    float64 MoE models through the conversions' calibration."""
+
+    def weights_changed_through_data_between_generates(env):
+        """generate(), then kv_b_proj's weights changed through .data (p.data.mul_(1.5), p.data.copy_(w): a manual
+        update, an EMA, weight surgery), then generate() again: the second decoded with the absorbed weights kept
+        from before the change, whose version counters .data never moves (here: other tokens, logits 2.0 off the
+        unpatched model's after mul_; 0.34 off through a static cache after copy_), while a forward without a
+        cache read the new weights. A call into an empty cache derives them again now: the host's tokens and
+        logits, the growing and the static cache alike, and a QK norm's weights changed so decode as its explicit
+        path computes."""
+        from qkmla.integrations.transformers import apply_latent_attention
+        from qkmla.integrations.transformers.patched import latent_layers
+
+        prompt = torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+        kw = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        ref = tiny_deepseek_v3().double().eval()
+        model = apply_latent_attention(copy.deepcopy(ref))
+        with torch.no_grad():
+            for impl, change in ((None, lambda p: p.data.mul_(1.5)), ("static", lambda p: p.data.copy_(p.flip(0)))):
+                model.generate(prompt, cache_implementation=impl, **kw)  # the absorbed weights derived and kept
+                for m in (ref, model):
+                    for layer in m.model.layers:
+                        change(layer.self_attn.kv_b_proj.weight)
+                want, got = (m.generate(prompt, cache_implementation=impl, **kw) for m in (ref, model))
+                assert torch.equal(got.sequences, want.sequences), impl
+                assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got.logits, want.logits)) < 1e-6
+            normed = apply_latent_attention(tiny_deepseek_v3().double().eval(), qk_norm="rms")
+            normed.generate(prompt, **kw)
+            for layer in latent_layers(normed):
+                layer.k_norm.content.weight.data.mul_(3.0)
+            got = normed.generate(prompt, **kw)
+            explicit = normed(got.sequences, use_cache=False).logits[:, prompt.shape[1] - 1:-1]
+            assert max(float((a - explicit[:, i]).abs().max() / explicit[:, i].abs().max())
+                       for i, a in enumerate(got.logits)) < 1e-6
+
+    def convert_float64_moe_calibrated(env):
+        """`qkmla convert --dtype float64 --qk-norm rms` of a DeepSeek-V3 checkpoint with an MoE layer (the same
+        for one stored in float64): the calibration ran each layer with transformers' default experts, grouped_mm,
+        which takes no float64: "RuntimeError: Expected mat_a to be Float32, BFloat16 or Float16 matrix, got
+        Double", then "internal error". Converted now (exit 0), its experts run eagerly; the norm weights it
+        calibrates are the float32 conversion's (1e-4)."""
+        transformers = pytest.importorskip("transformers")
+        from safetensors.torch import load_file
+
+        src = env.tmp / "moe"
+        torch.manual_seed(0)
+        transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            vocab_size=300, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
+            n_group=1, topk_group=1)).save_pretrained(src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        norms = {}
+        for dtype in ("float64", "float32"):
+            env.capsys.readouterr()
+            assert main(["convert", "--hf", str(src), "--out", str(env.tmp / dtype), "--dtype", dtype, "--qk-norm",
+                         "rms", "--calibration-tokens", "32", "--threads", "1"]) == 0, env.capsys.readouterr().err
+            norms[dtype] = {k: v for f in (env.tmp / dtype).glob("*.safetensors") for k, v in load_file(f).items()
+                            if re.search(r"self_attn\.[qk]_norm\..*weight$", k)}
+        assert len(norms["float64"]) == 4 and all(v.dtype == torch.float64 for v in norms["float64"].values())
+        for k, v in norms["float64"].items():
+            assert float((v - norms["float32"][k].double()).abs().max() / v.abs().max()) < 1e-4, k
+            assert float((v - 1).abs().max()) > 1e-3, k  # calibrated, not left at ones
+
+    def convert_gqa_float64_olmoe_calibrated(env):
+        """An OLMoE checkpoint (MoE layers) converted in float64 with calibration text (`qkmla convert-gqa --dtype
+        float64 --calibration-text T`, and convert_gqa(model, calibration=ids) of a float64 model): the source ran
+        its experts through grouped_mm, which takes no float64 (RuntimeError, "internal error"), and the converted
+        model returned by convert_gqa failed the same way at its first forward. Both convert now, the source's
+        experts left as they were, the converted model's eager; its logits are the float32 conversion's (1e-4)."""
+        transformers = pytest.importorskip("transformers")
+        from qkmla.convert.gqa import convert_gqa
+
+        torch.manual_seed(0)
+        olmoe = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            vocab_size=300, hidden_size=32, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+            num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, norm_topk_prob=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000.0})).eval()
+        src = env.tmp / "olmoe"
+        olmoe.save_pretrained(src)
+        transformers.ByT5Tokenizer().save_pretrained(src)
+        (env.tmp / "text.txt").write_text("To be, or not to be, that is the question. " * 20)
+        env.capsys.readouterr()
+        assert main(["convert-gqa", "--hf", str(src), "--out", str(env.tmp / "out"), "--dtype", "float64",
+                     "--calibration-text", str(env.tmp / "text.txt"), "--latent", "activations",
+                     "--threads", "1"]) == 0, env.capsys.readouterr().err
+        ids = torch.randint(1, 250, (2, 8), generator=torch.Generator().manual_seed(1))
+        logits = []
+        for dtype in (torch.float64, torch.float32):
+            model = copy.deepcopy(olmoe).to(dtype)
+            before = model.config._experts_implementation
+            dst, _ = convert_gqa(model, calibration=ids, latent="activations")
+            assert model.config._experts_implementation == before
+            with torch.no_grad():
+                logits.append(dst(ids).logits.double())
+        assert float((logits[0] - logits[1]).abs().max() / logits[1].abs().max()) < 1e-4
+
+    def groups_recorded_beside_heads_that_are_not_a_count(env):
+        """A GQA conversion's config.json (a record of num_kv_groups=2) whose num_attention_heads is missing or "4":
+        the record's check (the vLLM plugin's servable_norm, recorded_groups) failed in its own arithmetic, "TypeError:
+        unsupported operand type(s) for %: 'NoneType' and 'int'" or "not all arguments converted during string
+        formatting", naming nothing; 0, -4 and 4.0 passed it as divided by the groups. Refused now naming
+        num_attention_heads and the record; 4 still reads G = 2."""
+        from qkmla.integrations.hub.record import recorded_groups
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = dict(model_type="qkmla_deepseek_v3", num_attention_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
+                      qk_nope_head_dim=128, v_head_dim=128, qkmla={"qk_norm": {"kind": "rms"}, "num_kv_groups": 2})
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert recorded_groups(config, "config.json") == 2
+        for bad in (None, "4", 0, -4, 4.0):
+            for call in (lambda: recorded_groups(dict(config, num_attention_heads=bad), "config.json"),
+                         lambda: servable_norm(dict(config, num_attention_heads=bad), **engine)):
+                raises(call, ValueError, rf"^config\.json: num_attention_heads must be a positive int \(the query "
+                       rf"heads its 'qkmla' entry's num_kv_groups=2 divides\), got {re.escape(repr(bad))}$")
+
+    def sparse_layers_loaded_as_dense(env):
+        """mla_from_hf(a DeepseekV32Attention) and mla_layers_from_hf_dir(a DeepSeek-V3.2 checkpoint) built MLA layers
+        without the indexer: dense attention over every key where the checkpoint's layer attends to the index_topk
+        its indexer picks (0.22 and 0.35 off transformers' layer on 5 tokens, index_topk 3), though the docs say each
+        loaded layer equals the model's. Refused now before any tensor is read, naming hf_attention or hf_dir and
+        index_topk, pointing at the loaders that serve it; a DeepSeek-V3 layer still loads and matches."""
+        families = transformers_families()
+        from qkmla.integrations.hub import mla_from_hf, mla_layers_from_hf_dir
+
+        why = (r"a sparse attention model \('deepseek_v32', index_topk=3\): each query attends to the index_topk keys "
+               r"its indexer picks, and a standalone MLA layer has no indexer .*from_pretrained")
+        sparse = families.hf_model(families.family_named("deepseek_v32"))
+        raises(lambda: mla_from_hf(sparse.model.layers[0].self_attn), ValueError, rf"^hf_attention: {why}")
+        sparse.save_pretrained(env.tmp / "v32")
+        raises(lambda: mla_layers_from_hf_dir(env.tmp / "v32"), ValueError,
+               rf"^hf_dir: \S+v32/config\.json: {why}")
+        dense = families.hf_model(families.family_named("deepseek_v3"))
+        attn = dense.model.layers[0].self_attn
+        x = torch.randn(2, 5, dense.config.hidden_size, dtype=torch.float64)
+        rope = dense.model.rotary_emb(x, torch.arange(5)[None].expand(2, 5))
+        with torch.no_grad():
+            want = attn(hidden_states=x, position_embeddings=rope,
+                        attention_mask=torch.full((5, 5), float("-inf"), dtype=x.dtype).triu(1))[0]
+            assert float((mla_from_hf(attn)(x) - want).abs().max() / want.abs().max()) < 1e-5
+
+    def attention_offloaded_by_a_device_map(env):
+        """from_pretrained(dir, device_map={... "model.layers.0": "disk" ...}, offload_folder=F) (accelerate keeps
+        the layer's weights on the meta device, brought in by a hook inside each projection's forward), or a model
+        transformers loaded so, patched: loaded without a word, then the first forward failed as "x: the module's
+        weights are on meta and x is on cpu; pass x.to('meta')", naming an argument the caller never gave. Refused
+        now at the load or the patch, naming device_map (or model) and the layer; a device_map that places every
+        layer loads as before."""
+        transformers = pytest.importorskip("transformers")
+        pytest.importorskip("accelerate")
+        from qkmla.integrations.transformers import apply_latent_attention, from_pretrained
+
+        plain, normed = env.tmp / "plain", env.tmp / "normed"
+        tiny_deepseek_v3().save_pretrained(plain)
+        apply_latent_attention(tiny_deepseek_v3(), qk_norm="rms").save_pretrained(normed)
+        places = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.norm": "cpu", "lm_head": "cpu",
+                  "model.rotary_emb": "cpu"}
+        why = (r"layer 0's attention weights are offloaded by accelerate .*which qkmla's latent attention cannot "
+               r"read .*place every layer on a device")
+        raises(lambda: from_pretrained(normed, device_map=places, offload_folder=env.tmp / "off1"), ValueError,
+               rf"^device_map: {why}")
+        offloaded = transformers.AutoModelForCausalLM.from_pretrained(plain, device_map=places,
+                                                                      offload_folder=env.tmp / "off2")
+        raises(lambda: apply_latent_attention(offloaded), ValueError, rf"^model: {why}")
+        ids = torch.randint(1, 64, (1, 5))
+        with torch.no_grad():
+            want = from_pretrained(normed)(ids).logits
+            assert torch.equal(from_pretrained(normed, device_map={"": "cpu"})(ids).logits, want)
+
+    def vllm_rope_width_odd(env):
+        """The vLLM plugin's config check (servable_norm) of a QK-normed config with qk_rope_head_dim 63 and
+        kv_lora_rank 513 (a latent row of 576, a width vLLM's MLA takes): served, though RoPE rotates pairs and
+        qkmla's own MLAConfig refuses it ("qk_rope_head_dim: RoPE rotates pairs, so it must be even, got 63").
+        Refused now naming the field; 64 + 512 is still served."""
+        from qkmla.integrations.vllm.checks import servable_norm
+
+        config = dict(model_type="qkmla_deepseek_v3", num_attention_heads=4, kv_lora_rank=512, qk_rope_head_dim=64,
+                      qk_nope_head_dim=128, v_head_dim=128, qkmla={"qk_norm": {"kind": "rms"}})
+        engine = dict(platform="cpu", kv_cache_dtype="auto", quantization=None, chunked_prefill=False,
+                      prefix_caching=False)
+        assert servable_norm(config, **engine).kind == "rms"
+        raises(lambda: servable_norm(dict(config, kv_lora_rank=513, qk_rope_head_dim=63), **engine), ValueError,
+               r"^config\.json: qk_rope_head_dim must be even \(RoPE rotates pairs\), got 63$")
+
+    return [
+        Row("LatentAttentionCache", "size", "kv_b_proj changed through .data between two generate calls: the second "
+            "decoded with the weights from before, other tokens (r23)", weights_changed_through_data_between_generates),
+        Row("convert", "size", "--dtype float64 --qk-norm rms of an MoE checkpoint: grouped_mm's RuntimeError, "
+            "'internal error' (r23)", convert_float64_moe_calibrated),
+        Row("convert-gqa", "size", "--dtype float64 --calibration-text of an OLMoE checkpoint: grouped_mm's "
+            "RuntimeError, 'internal error' (r23)", convert_gqa_float64_olmoe_calibrated),
+        Row("LatentAttentionCache", "size", "a num_kv_groups record beside num_attention_heads None or '4': a "
+            "TypeError from the record's check, naming nothing (r23)",
+            groups_recorded_beside_heads_that_are_not_a_count),
+        Row("MLAConfig", "size", "mla_from_hf / mla_layers_from_hf_dir of DeepSeek-V3.2: dense layers without its "
+            "indexer, 0.22 off its sparse attention (r23)", sparse_layers_loaded_as_dense),
+        Row("LatentAttentionCache", "size", "from_pretrained(device_map= a layer on 'disk'): its first forward "
+            "refused as 'x: the module's weights are on meta', an argument never given (r23)",
+            attention_offloaded_by_a_device_map),
+        Row("LatentAttentionCache", "size", "the vLLM plugin's config check: qk_rope_head_dim 63 (+ kv_lora_rank 513) "
+            "served, a RoPE width qkmla's MLAConfig refuses (r23)", vllm_rope_width_odd),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -9196,7 +9403,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + hf23_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

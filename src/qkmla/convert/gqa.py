@@ -295,6 +295,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     """
     import transformers
 
+    from ..integrations.transformers.load import _experts_for_dtype
     from ..integrations.transformers.model import apply_latent_attention
     from ..integrations.hub.record import record_groups
 
@@ -325,6 +326,7 @@ def convert_gqa(model, *, kv_lora_rank: Optional[int] = None, rope_dim: Optional
     dst = (transformers.DeepseekV2ForCausalLM if config.model_type == "deepseek_v2"
            else transformers.DeepseekV3ForCausalLM)(config)
     dst = dst.to(device=weight.device, dtype=weight.dtype).eval()
+    _experts_for_dtype(dst, None)  # a float64 MoE model's experts eager: grouped_mm takes no float64
     others = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
     missing, unexpected = dst.load_state_dict(others, strict=False)
     # A DeepSeek-V2 MoE layer without a shared expert still has its (empty) module.

@@ -8,6 +8,7 @@ Everything here is float64 and reads the source model without changing it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -89,6 +90,22 @@ def check_calibration(calibration, rope_key: str, latent: str, vocab_size: int) 
                          f"{int(calibration.min())}..{int(calibration.max())}")
 
 
+@contextlib.contextmanager
+def _experts_in_its_dtype(model):
+    """A float64 MoE source (OLMoE) runs its experts eagerly inside the block, and as it was after: transformers'
+    default, grouped_mm, takes no float64, and `qkmla convert-gqa --dtype float64 --calibration-text T` of an OLMoE
+    checkpoint ended in its RuntimeError ("Expected mat_a to be Float32, ..."), an internal error."""
+    from ..integrations.transformers.load import _experts_for_dtype
+
+    before = getattr(model.config, "_experts_implementation", None)
+    _experts_for_dtype(model, None)
+    try:
+        yield
+    finally:
+        if getattr(model.config, "_experts_implementation", None) != before:
+            model.set_experts_implementation(before)
+
+
 def calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: int, D: int, weighted_rows: bool,
                         batch: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per layer, (C [m, G, G], Sigma [hidden, hidden]) in float64 over the calibration tokens: Sigma the
@@ -119,7 +136,7 @@ def calibration_moments(model, calibration: torch.Tensor, pairs: list[int], G: i
     hooks = [layer.self_attn.k_proj.register_forward_hook(lambda m, a, o, i=i: grab(m, a, o, i))
              for i, layer in enumerate(model.model.layers)]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _experts_in_its_dtype(model):
             for chunk in calibration.split(batch):
                 model(input_ids=chunk.to(next(model.parameters()).device), use_cache=False)
     finally:

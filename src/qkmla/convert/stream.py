@@ -216,6 +216,8 @@ class CheckpointStream:
         transformers from the checkpoint's tensors of that layer (a QK norm's tensors left out: the
         caller adds the norm), with no final norm (its output is the layer's), in eval mode. ValueError naming the checkpoint if the layer's tensors
         are missing or of the wrong shapes."""
+        from ..integrations.transformers.load import _experts_for_dtype
+
         prefix = f"model.layers.{index}."
         names = [k for k in self.weight_map if k.startswith(prefix) and not any(t in k for t in NORM_TENSORS)]
         state = {}
@@ -237,6 +239,9 @@ class CheckpointStream:
             raise ValueError(f"hf_dir: {self.listing} lacks tensors of layer {index}: "
                              f"{[prefix + k[len('model.layers.0.'):] for k in missing[:3]]} ({len(missing)} missing)")
         model.model.norm = torch.nn.Identity()  # its output is the layer's: the final norm is the whole model's
+        # A float64 MoE layer's experts computed eagerly: grouped_mm takes no float64, and `qkmla convert --dtype
+        # float64` (or a float64 checkpoint) calibrating an MoE model ended in its RuntimeError, "internal error"
+        _experts_for_dtype(model, None)
         return model.eval()
 
     def layers(self) -> Iterator:

@@ -41,7 +41,7 @@ from ...norms import qk_norms_of
 from ...utils.checked import as_int, is_finite_number, is_int
 from ...utils.devices import check_device
 from ...utils.files import check_path, input_file_problem
-from .config import _OURS, mla_config_from_hf, unrepeat_groups
+from .config import _OURS, check_dense, mla_config_from_hf, unrepeat_groups
 from .record import GROUPS, RECORD, describe, recorded_groups, recorded_norm
 
 CONFIG = "config.json"
@@ -447,6 +447,7 @@ def mla_layers_from_hf_dir(hf_dir: Union[str, Path], layers: Optional[Union[int,
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype: expected None (the stored dtype) or a floating torch.dtype, got {dtype!r}")
     hf_config = read_hf_config(root)
+    check_dense(hf_config, f"hf_dir: {root / CONFIG}")
     try:
         config = mla_config_from_hf(hf_config, **overrides)
     except ValueError as e:  # the config's faults name the file; an override refused (qk_norm.eps) names it

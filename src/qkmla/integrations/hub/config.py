@@ -173,6 +173,20 @@ def mla_config_from_hf(hf_config, **overrides) -> MLAConfig:
         raise
 
 
+def check_dense(hf_config, name: str) -> None:
+    """Refuse a sparse attention model's config (DeepSeek-V3.2: ``index_topk``), naming ``name``: its layers attend
+    to the keys their indexer picks, and a standalone :class:`MLA` (no indexer) attends to every key, so the layer
+    loaders built a layer computing another function (0.22 off transformers' layer beyond index_topk tokens) without a
+    word. The transformers adapter (``SparseLatentAttention``) serves it."""
+    model_type, topk = _get(hf_config, "model_type", None), _get(hf_config, "index_topk", None)
+    if stock_model_type(model_type) == "deepseek_v32" or topk is not None:
+        raise ValueError(f"{name}: a sparse attention model ({model_type!r}, index_topk={topk!r}): each query attends "
+                         f"to the index_topk keys its indexer picks, and a standalone MLA layer has no indexer (it "
+                         f"would attend to every key); load the whole model with "
+                         f"qkmla.integrations.transformers.from_pretrained, or apply_latent_attention(model), which "
+                         f"serve its sparse attention")
+
+
 def load_hf_attention_weights(mla: MLA, state_dict: Mapping[str, torch.Tensor], prefix: str = "") -> MLA:
     """Copy an HF attention layer's weights into ``mla``.
 
@@ -264,6 +278,7 @@ def mla_from_hf(hf_attention, **overrides) -> MLA:
         # an AttributeError on .config, naming neither the argument nor what it takes
         raise ValueError(f"hf_attention: expected a transformers DeepSeek-V2/V3 attention module (e.g. "
                          f"model.model.layers[0].self_attn), got {type(hf_attention).__name__}")
+    check_dense(hf_attention.config, "hf_attention")
     config = mla_config_from_hf(hf_attention.config, **overrides)
     recorded = recorded_norm(hf_attention.config, "hf_attention.config")
     if recorded is not None:

@@ -186,6 +186,10 @@ def recorded_groups(hf_config, where: str = "model.config") -> Optional[int]:
     if groups is None:
         return None
     heads = hf_config.get("num_attention_heads") if isinstance(hf_config, dict) else hf_config.num_attention_heads
+    if not is_int(heads) or heads < 1:  # None or "4" failed in the % below (a TypeError naming nothing); 0, -4 and
+        # 4.0 passed as divided by the groups
+        raise ValueError(f"{where}: num_attention_heads must be a positive int (the query heads its {RECORD!r} "
+                         f"entry's {GROUPS}={groups!r} divides), got {heads!r}")
     if not is_int(groups) or groups < 1 or heads % groups:
         raise ValueError(f"{where}: its {RECORD!r} entry records {GROUPS}={groups!r}, which must be a positive int "
                          f"dividing num_attention_heads={heads}")

@@ -15,7 +15,7 @@ from ...cache.eviction import EvictionPolicy
 from ...ops.mla_decode.backends import check_backend
 from ..hub.checkpoint import CONFIG, _open, checkpoint_dir, read_hf_config
 from .cache import check_cache_settings
-from .model import apply_latent_attention
+from .model import apply_latent_attention, check_not_offloaded
 from ..hub.checkpoint import check_norm_tensors, check_routing, check_shards, transformers_config
 from ..hub.record import CAUSAL_LMS, FAMILY_MODEL_TYPES, describe, recorded_groups, recorded_norm, stock_model_type
 
@@ -170,6 +170,7 @@ def from_pretrained(hf_dir: Union[str, Path], *, kv_format: str = "dense", polic
                          f"{str(e).strip().splitlines()[0][:300]}") from None
     model, info = model if with_info else (model, None)
     _experts_for_dtype(model, kwargs.get("experts_implementation"))
+    check_not_offloaded(model, "device_map")
     model.__class__ = base  # the loading class only loads: the model is transformers' own (pickling, type checks)
     apply_latent_attention(model, qk_norm=norm, kv_format=kv_format, policy=policy, decode_backend=decode_backend)
     if str(hf_dir) != str(root):  # a hub repository (or a subfolder): named as transformers names it

@@ -99,6 +99,7 @@ def apply_latent_attention(model, *, qk_norm: Union[None, str, QKNormConfig] = N
     family = model_family(model)
     inner = inner_model(model)
     check_not_partitioned(model)
+    check_not_offloaded(model)
     check_cache_settings(kv_format, policy, None, model_dtype(model))  # a bf16 model's rows are bf16
     check_backend(decode_backend, "decode_backend")
     norm = QKNormConfig.of(qk_norm)
@@ -185,6 +186,22 @@ def check_not_partitioned(model) -> None:
         raise ValueError(f"model: transformers' tensor parallelism (tp_plan, {tp_size} processes) shards its "
                          f"attention ({sharded[0]}, ...), which qkmla's latent attention does not support (it needs "
                          f"every head's kv_b_proj rows on each process); load it without tp_plan")
+
+
+def check_not_offloaded(model, name: str = "model") -> None:
+    """Refuse, before any work, a model whose attention weights accelerate offloads (``device_map`` with "disk",
+    or a CPU offload beside a GPU): they stay on the meta device and a hook brings them in only inside each
+    projection's own forward, where the latent attention reads kv_b_proj's weight outside it and its QK norm has
+    no hook; the first forward failed as "x: the module's weights are on meta and x is on cpu", naming an
+    argument the caller never gave. ``name``: the argument that placed them."""
+    for slot in attention_slots(inner_model(model)):
+        attn = get_slot(slot)
+        if any(p.is_meta for p in attn.parameters()) and any(hasattr(m, "_hf_hook") for m in attn.modules()):
+            where = f"layer {attn.layer_idx}" if isinstance(getattr(attn, "layer_idx", None), int) else "a layer"
+            raise ValueError(f"{name}: {where}'s attention weights are offloaded by accelerate (kept on the meta "
+                             f"device and brought in only inside each projection's forward), which qkmla's latent "
+                             f"attention cannot read (its decode folds kv_b_proj's weight outside that forward); "
+                             f"place every layer on a device (a device_map without \"disk\", or enough max_memory)")
 
 
 def _configs(model) -> list:
@@ -418,6 +435,8 @@ def _before_forward(module, args, kwargs):
     elif cache is not None:  # an empty transformers cache becomes a latent one, before any work
         for attn in (get_slot(slot) for slot in attention_slots(module)):
             adopt_layer(cache, attn.layer_idx, attn.config, settings.kv_format, settings.policy)
+    if cache is not None:
+        _derive_again_for_new_sequences(module, cache)
     past = cache.get_seq_length() if cache is not None and (mask is not None or custom is not None) else 0
     valid = _new_tokens(mask, batch_size, num_tokens, int(past))
     check_position_ids(position_ids, batch_size, num_tokens)
@@ -427,6 +446,22 @@ def _before_forward(module, args, kwargs):
         check_custom_mask_cache(cache, settings)
     arguments["qkmla_call"] = LatentCall(valid, documents, attentions, visible)
     return (), arguments
+
+
+def _derive_again_for_new_sequences(inner, cache) -> None:
+    """A call into an empty cache (generate's prefill, a new conversation) derives each layer's kept absorbed
+    weights again. They are kept while the weights' version counters stand still, and a change made through
+    ``.data`` (``p.data.copy_(w)``, a manual ``p.data -= lr * p.grad``) moves none: generate then decoded with
+    the weights from before the change (other tokens, logits 1.45 off the unpatched model's), while a forward
+    without a cache read the new ones. The kept weights are marked stale, not derived here: each layer derives
+    them at its next use, where its weights are in place (an offloading hook loads them only then). A compiled
+    step never starts a sequence here."""
+    if torch.compiler.is_compiling() or int(cache.get_seq_length()):
+        return
+    for attn in (get_slot(slot) for slot in attention_slots(inner)):
+        kept = getattr(attn, "_absorbed", None)
+        if kept is not None:
+            kept.key = None  # matches no parameters' version: derived again when next read (absorbed.DerivedWeights)
 
 
 def _custom_visible(mask: torch.Tensor, batch_size: int, num_tokens: int, past: int) -> torch.Tensor:

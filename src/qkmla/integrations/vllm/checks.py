@@ -89,6 +89,9 @@ def servable_norm(hf_config, *, platform: str, kv_cache_dtype: str, quantization
         if not is_int(get(field)) or get(field) < 1:
             raise ValueError(f"config.json: {field} must be a positive int (the latent row's width is kv_lora_rank "
                              f"+ qk_rope_head_dim), got {get(field)!r}")
+    if get("qk_rope_head_dim") % 2:  # 513 + 63 is a width vLLM takes (576): served, a layer qkmla's MLA refuses
+        raise ValueError(f"config.json: qk_rope_head_dim must be even (RoPE rotates pairs), got "
+                         f"{get('qk_rope_head_dim')!r}")
     width = get("kv_lora_rank") + get("qk_rope_head_dim")
     if width not in LATENT_WIDTHS:
         raise ValueError(f"config.json: kv_lora_rank + qk_rope_head_dim = {width}; vLLM's MLA serves latent rows of "
