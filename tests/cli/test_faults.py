@@ -9189,6 +9189,32 @@ def api22_rows():
     ]
 
 
+def api23_rows():
+    """Round 23's API pass: the leftovers of round 22 (fields a variant never reads, values past a narrower
+    dtype's range, norms near float32's top) and fresh probes of the layers, caches and configs."""
+
+    def gpt_qk_norm_p_off_lp(env):
+        """GPTConfig(attn="mla", qk_norm_p=5) was kept without a word (plain MLA, p read by nothing; the -lp
+        variants alone read it), as was replace(attn="mla") of an mla-lp config at p=5. Refused now naming
+        qk_norm_p and attn; the default (3.0, which every saved config holds) is taken by every variant, and
+        replace() to a variant that does not read p resets it, as it drops the ranks a variant does not read."""
+        from qkmla.model.gpt import GPTConfig
+
+        for attn in ("mla", "mla-qknorm", "mla-l2", "gqa", "v4"):
+            raises(lambda a=attn: GPTConfig(attn=a, qk_norm_p=5), ValueError,
+                   rf"^qk_norm_p: only the -lp variants read it, got qk_norm_p=5 with attn='{attn}'; leave it at "
+                   rf"its default \(3.0\)$")
+            assert GPTConfig(attn=attn, qk_norm_p=3.0).qk_norm_p == 3.0
+        lp = GPTConfig(attn="mla-lp", qk_norm_p=5)
+        assert lp.attention_config().qk_norm.p == 5.0
+        assert lp.replace(attn="mla").qk_norm_p == 3.0 and lp.replace(attn="gqa-lp").qk_norm_p == 5
+
+    return [
+        Row("GPTConfig", "size", "qk_norm_p=5 on a variant that does not read it (mla, gqa, v4, -l2): kept without "
+            "a word (r23)", gpt_qk_norm_p_off_lp),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -9196,7 +9222,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + api23_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
