@@ -8,6 +8,7 @@ query or key split into its content and RoPE blocks (blockwise, unified or conte
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -114,6 +115,53 @@ class ScalarNorm(nn.Module):
         p = f", p={self.p:g}" if self.kind == "lp" else ""
         heads = f", heads={self.weight.shape[0]}" if self.weight.dim() == 2 else ""
         return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}{heads}"
+
+
+# A vector whose sum of squares would overflow is first scaled by a power of two to max|v| in [2**39, 2**40):
+# its squares then sum far below the dtype's largest (n < 2**46 values in float32), and eps next to them is
+# below rounding, so the result is the exact one.
+RESCALED_EXPONENT = 40
+
+
+def rms_norm(v: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: Optional[float] = None) -> torch.Tensor:
+    """``F.rms_norm`` over the last dim of v [..., n] (weight [n] or None), bit for bit, except where v's sum of
+    squares leaves v's accumulation dtype (float32 for float32, bfloat16 and float16): there F.rms_norm's
+    statistic was inf and the vector came back as zeros (|v| near 1e19 in float32: 2.47 off the float64 answer),
+    and here it is rescaled first (RMSNorm does not change under v -> 2^k v but for eps, see RESCALED_EXPONENT),
+    as :func:`~qkmla.ops.statistic.moment` does for the QK norms."""
+    acc = accumulate_dtype(v.dtype)
+    _, e = torch.frexp(cast(v.detach().abs().amax(-1, keepdim=True), acc))  # max|v| = m 2^e, m in [0.5, 1)
+    outside = 2 * e > math.log2(torch.finfo(acc).max) - 1 - math.log2(v.shape[-1])
+    shift = torch.where(outside, e - RESCALED_EXPONENT, 0).to(acc)
+    return F.rms_norm(v * cast(torch.exp2(-shift), v.dtype), (v.shape[-1],), weight, eps)  # exactly 1 inside
+
+
+class LatentRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over one dim (its parameter, its state dict) through :func:`rms_norm`, so a vector past
+    float32's squares is normalized rather than zeroed: MLA's latent norms (``q_a_layernorm``, ``kv_a_layernorm``)
+    and DeepSeek-V4's. Its eps is the config's (``latent_norm_eps``, ``norm_eps``) and read-only: set on the built
+    module (``kv_a_layernorm.eps = 10``) the layer computed with it while its config said 1e-6 (0.80 off the
+    layer rebuilt from that config), without a word."""
+
+    def __init__(self, normalized_shape: int, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"normalized_shape: expected one dim, got {self.normalized_shape}")
+
+    @property
+    def eps(self) -> Optional[float]:
+        return self.__dict__["eps"]
+
+    @eps.setter
+    def eps(self, value) -> None:
+        if "eps" in self.__dict__:  # set once, by nn.RMSNorm.__init__ (its extra_repr reads it there)
+            raise AttributeError("eps: fixed when the norm is built (its layer's config holds it); build the layer "
+                                 "from config.replace(latent_norm_eps=...) (MLA) or norm_eps (shared-KV)")
+        self.__dict__["eps"] = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RecordsVariant:

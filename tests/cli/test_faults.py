@@ -9209,7 +9209,42 @@ def api23_rows():
         assert lp.attention_config().qk_norm.p == 5.0
         assert lp.replace(attn="mla").qk_norm_p == 3.0 and lp.replace(attn="gqa-lp").qk_norm_p == 5
 
+    def latent_norms_near_float32s_top(env):
+        """MLA's latent RMS norms (nn.RMSNorm on q_a_proj's and kv_a_proj's outputs) zeroed a float32 vector near
+        1e19 (its sum of squares overflowed: the statistic was inf): the latent c came back as zeros, 2.47 off the
+        float64 answer, and the layer's output as zeros on the explicit and absorbed paths alike; DeepSeek-V4's
+        shared-KV norms too. The norms rescale such a vector first now (qkmla.norms.rms_norm, bit for bit
+        F.rms_norm below): c equals the float64 latent, and both paths equal the float64 layer. The norms' eps,
+        set on the built module (kv_a_layernorm.eps = 10), changed the layer without its config (0.80 off the
+        layer rebuilt from it): read-only now."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import SharedKVConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).eval()
+        wide = MLA(MLAConfig()).double().eval()
+        wide.load_state_dict(mla.state_dict())
+        x = torch.randn(2, 6, 64) * 1e19
+        with torch.no_grad():
+            c, _ = mla.latent(x)
+            torch.testing.assert_close(c.double(), wide.latent(x.double())[0], atol=2e-6, rtol=1e-5)
+            want = wide(x.double())
+            torch.testing.assert_close(mla(x).double(), want, atol=1e-5, rtol=1e-4)
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache).double(), want[:, 5:], atol=1e-5, rtol=1e-4)
+            v4 = SharedKVAttention(SharedKVConfig()).eval()
+            v4_wide = SharedKVAttention(SharedKVConfig()).double().eval()
+            v4_wide.load_state_dict(v4.state_dict())
+            torch.testing.assert_close(v4(x).double(), v4_wide(x.double()), atol=1e-5, rtol=1e-4)
+        raises(lambda: setattr(mla.kv_a_layernorm, "eps", 10.0), AttributeError, r"^eps: fixed when the norm is built")
+        assert mla.kv_a_layernorm.eps == mla.config.latent_norm_eps
+
     return [
+        Row("MLAConfig", "size", "latents near 1e19 in float32: the latent RMS norms zeroed them (2.47 off), the "
+            "layer's output zeros on both paths; the norms' eps settable after construction (r23)",
+            latent_norms_near_float32s_top),
         Row("GPTConfig", "size", "qk_norm_p=5 on a variant that does not read it (mla, gqa, v4, -l2): kept without "
             "a word (r23)", gpt_qk_norm_p_off_lp),
     ]
