@@ -9241,7 +9241,49 @@ def api23_rows():
         raises(lambda: setattr(mla.kv_a_layernorm, "eps", 10.0), AttributeError, r"^eps: fixed when the norm is built")
         assert mla.kv_a_layernorm.eps == mla.config.latent_norm_eps
 
+    def float64_rows_past_the_stored_range(env):
+        """A quantized latent cache given float64 latents past float32's range read them back as NaN (fp8, int8,
+        int4: the float32 scale overflowed) and a float64 RoPE key past bfloat16's as inf; a float32 dense cache,
+        a FullKVCache and a SharedKVCache stored such rows as inf; all without a word. Refused now naming the
+        argument, the dtype and its range; a float64 dense cache takes them, and rows within range are stored as
+        before (the layer's float64 decode still equals its explicit path)."""
+        from qkmla import FullKVCache, LatentCache, MLA, MLAConfig
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        big = torch.full((1, 1, 32), 1e40, dtype=torch.float64)
+        small = torch.ones(1, 1, 8, dtype=torch.float64)
+        for fmt in ("fp8", "int8", "int4", "dense"):
+            cache = LatentCache(1, 4, 32, 8, 1, dtype=torch.float32, kv_format=fmt)
+            slot = cache.plan(1, 1)
+            raises(lambda: cache.append(slot, c_kv=big, k_rope=small, key_scale=small[..., :1]), ValueError,
+                   r"^c_kv: holds float64 values past torch.float32's range \(largest 3.40282e\+38; got 1e\+40\)")
+            rope = r"torch.bfloat16's range \(largest 3.38953e\+38" if fmt != "dense" else r"torch.float32's range"
+            raises(lambda: cache.append(slot, c_kv=big[..., :32] * 0, k_rope=small * 1e40, key_scale=small[..., :1]),
+                   ValueError, rf"^k_rope: holds float64 values past {rope}")
+            raises(lambda: cache.append(slot, c_kv=big * 0, k_rope=small, key_scale=small[..., :1] * 1e40),
+                   ValueError, r"^key_scale: holds float64 values past torch.float32's range")
+            assert int(cache.seqlens[0]) == 0
+        wide = LatentCache(1, 4, 32, 8, 0, dtype=torch.float64)
+        wide.append(wide.plan(1, 1), c_kv=big, k_rope=small)
+        assert float(wide.load()[0][0, 0, 0]) == 1e40
+        full = FullKVCache(1, 4, 2, 8, 8)
+        raises(lambda: full.update(full.plan(1, 1), big.view(1, 1, 2, 16)[..., :8], small.expand(1, 1, 2, 8)),
+               ValueError, r"^k: holds float64 values past torch.float32's range")
+        shared = SharedKVCache(1, 4, 8)
+        raises(lambda: shared.update(shared.plan(1, 1), small.view(1, 1, 1, 8) * 1e40), ValueError,
+               r"^kv: holds float64 values past torch.float32's range")
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).double().eval()
+        x = torch.randn(1, 6, 64, dtype=torch.float64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 1, 8, dtype=torch.float64)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+
     return [
+        Row("LatentCache", "size", "float64 rows past float32's (bfloat16's) range: NaN from a quantized cache, inf "
+            "from a float32 one (FullKVCache, SharedKVCache too), without a word (r23)",
+            float64_rows_past_the_stored_range),
         Row("MLAConfig", "size", "latents near 1e19 in float32: the latent RMS norms zeroed them (2.47 off), the "
             "layer's output zeros on both paths; the norms' eps settable after construction (r23)",
             latent_norms_near_float32s_top),
