@@ -9280,7 +9280,37 @@ def api23_rows():
             mla(x[:, :5], cache)
             torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
 
+    def nan_weights_on_the_explicit_path(env):
+        """A NaN in kv_b_proj's weight (one entry: group 0's first content-key row) gave a finite output on the
+        explicit path (torch's fused CPU attention answers 0 for a row whose every logit is NaN) and NaN on the
+        absorbed path; so did MultiHeadAttention and plain MLA, where the softmax of those logits is NaN. The
+        explicit path's rows that see a NaN key, or have a NaN query, are NaN now, as the absorbed path's and a
+        plain softmax's."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.mha import MultiHeadAttention
+        from qkmla.config import AttentionConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(1, 6, 64)
+        for config in (MLAConfig(), MLAConfig(qk_norm=None)):
+            mla = MLA(config).eval()
+            with torch.no_grad():
+                before = mla(x)
+                mla.kv_b_proj.weight[0, 0] = float("nan")
+                assert bool(mla(x).isnan().all())
+                cache = LatentCache.from_config(mla.config, 1, 8)
+                mla(x[:, :5], cache)
+                assert bool(mla(x[:, 5:], cache).isnan().all())
+                assert bool(before.isfinite().all())
+        mha = MultiHeadAttention(AttentionConfig(qk_norm="rms")).eval()
+        with torch.no_grad():
+            mha.k_proj.weight[0, 0] = float("nan")
+            assert bool(mha(x).isnan().all())
+
     return [
+        Row("MLAConfig", "size", "a NaN weight (kv_b_proj): finite output on the explicit path (the fused CPU "
+            "kernel's 0 for all-NaN logits), NaN on the absorbed one; MultiHeadAttention too (r23)",
+            nan_weights_on_the_explicit_path),
         Row("LatentCache", "size", "float64 rows past float32's (bfloat16's) range: NaN from a quantized cache, inf "
             "from a float32 one (FullKVCache, SharedKVCache too), without a word (r23)",
             float64_rows_past_the_stored_range),
