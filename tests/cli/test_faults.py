@@ -9307,7 +9307,36 @@ def api23_rows():
             mha.k_proj.weight[0, 0] = float("nan")
             assert bool(mha(x).isnan().all())
 
+    def gpt_cached_tokens_past_block_size(env):
+        """GPT.forward refused 20 tokens at block_size=8 without caches (unless allow_longer), but took them through
+        caches, and decoded on past position 7, rotating positions the model never saw without a word. Refused now
+        naming idx, the position reached and block_size, unless allow_longer=True (which then equals the uncached
+        forward with allow_longer); a padded batch is judged by its real tokens (input_lengths)."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=8)).eval()
+        ids = torch.randint(0, 65, (2, 20))
+        with torch.no_grad():
+            raises(lambda: model(ids, caches=model.make_caches(2, 32)), ValueError,
+                   r"^idx: 20 new tokens after the cached ones reach position 19, past block_size=8 \(positions "
+                   r"0..7\); pass allow_longer=True")
+            caches = model.make_caches(2, 32)
+            model(ids[:, :8], caches=caches)
+            raises(lambda: model(ids[:, 8:9], caches=caches), ValueError, r"^idx: 1 new tokens after the cached ones "
+                                                                          r"reach position 8, past block_size=8")
+            assert caches[0].seqlens.tolist() == [8, 8]
+            longer = model(ids[:, 8:9], caches=caches, allow_longer=True)[0]
+            torch.testing.assert_close(longer[:, -1], model(ids[:, :9], allow_longer=True)[0][:, -1])
+            padded = model.make_caches(2, 32)
+            model(ids[:, :4], caches=padded)
+            model(ids[:, 4:9], caches=padded, input_lengths=torch.tensor([4, 2]))
+            assert padded[0].seqlens.tolist() == [8, 6]
+
     return [
+        Row("GPT", "size", "tokens through caches past block_size (a prefill of 20 at 8, a decode to position 8): "
+            "evaluated without a word, where the uncached forward refuses them (r23)",
+            gpt_cached_tokens_past_block_size),
         Row("MLAConfig", "size", "a NaN weight (kv_b_proj): finite output on the explicit path (the fused CPU "
             "kernel's 0 for all-NaN logits), NaN on the absorbed one; MultiHeadAttention too (r23)",
             nan_weights_on_the_explicit_path),

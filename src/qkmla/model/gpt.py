@@ -409,6 +409,22 @@ class GPT(nn.Module):
             caches.append(cls.from_config(cfg, batch_size, capacity, dtype=dtype, device=self.wte.weight.device, **kwargs))
         return caches
 
+    def _check_cached_reach(self, caches, T: int, input_lengths) -> None:
+        """A ValueError naming idx if T new tokens (input_lengths[b] real ones, when given as a [B] tensor) after
+        the cached ones reach past block_size: without a cache such a sequence is refused unless allow_longer,
+        but through caches the model rotated positions it never saw in training without a word (a prefill of 20
+        tokens at block_size=8). Not read while compiling, nor on the meta device (shapes only)."""
+        positions = getattr(caches[0], "next_positions", None)
+        if not isinstance(positions, torch.Tensor) or positions.is_meta or torch.compiler.is_compiling():
+            return
+        real = input_lengths if isinstance(input_lengths, torch.Tensor) and input_lengths.shape == positions.shape \
+            else T
+        reach = int((positions + (real.to(positions.device) if isinstance(real, torch.Tensor) else real)).max())
+        if reach > self.config.block_size:
+            raise ValueError(f"idx: {T} new tokens after the cached ones reach position {reach - 1}, past "
+                             f"block_size={self.config.block_size} (positions 0..{self.config.block_size - 1}); "
+                             f"pass allow_longer=True to evaluate past the positions the model was trained on")
+
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, caches: Optional[list] = None,
                 input_lengths: Optional[torch.Tensor] = None, allow_longer: bool = False):
         """``allow_longer`` evaluates sequences past ``block_size`` (length extrapolation: RoPE
@@ -443,6 +459,8 @@ class GPT(nn.Module):
             got = f"{len(caches)} caches" if isinstance(caches, (list, tuple)) else f"{type(caches).__name__}"
             raise ValueError(f"caches: expected a list of one cache per layer ({len(self.blocks)}, as "
                              f"model.make_caches(batch_size, capacity) makes), got {got}")
+        if caches is not None and not allow_longer:
+            self._check_cached_reach(caches, T, input_lengths)
         x = self.drop(self.wte(idx))
         kw = {} if input_lengths is None else {"input_lengths": input_lengths}
         for i, block in enumerate(self.blocks):
