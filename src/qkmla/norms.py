@@ -128,12 +128,18 @@ def rms_norm(v: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: Option
     squares leaves v's accumulation dtype (float32 for float32, bfloat16 and float16): there F.rms_norm's
     statistic was inf and the vector came back as zeros (|v| near 1e19 in float32: 2.47 off the float64 answer),
     and here it is rescaled first (RMSNorm does not change under v -> 2^k v but for eps, see RESCALED_EXPONENT),
-    as :func:`~qkmla.ops.statistic.moment` does for the QK norms."""
+    as :func:`~qkmla.ops.statistic.moment` does for the QK norms; with eps = 0, so are vectors whose squares fall
+    below the normal numbers (a zero vector stays F.rms_norm's NaN, which MLA's padding masks)."""
     acc = accumulate_dtype(v.dtype)
-    _, e = torch.frexp(cast(v.detach().abs().amax(-1, keepdim=True), acc))  # max|v| = m 2^e, m in [0.5, 1)
-    outside = 2 * e > math.log2(torch.finfo(acc).max) - 1 - math.log2(v.shape[-1])
-    shift = torch.where(outside, e - RESCALED_EXPONENT, 0).to(acc)
-    return F.rms_norm(v * cast(torch.exp2(-shift), v.dtype), (v.shape[-1],), weight, eps)  # exactly 1 inside
+    info = torch.finfo(acc)
+    largest = cast(v.detach().abs().amax(-1, keepdim=True), acc)
+    _, e = torch.frexp(largest)  # max|v| = m 2^e, m in [0.5, 1)
+    outside = 2 * e > math.log2(info.max) - 1 - math.log2(v.shape[-1])
+    shift = torch.where(outside, e - RESCALED_EXPONENT, 0)
+    if eps == 0:  # nothing added: squares below the normal numbers lost their precision (|v| of 1e-25 gave inf)
+        low = (2 * (e - 1) < math.log2(info.tiny) - math.log2(info.eps)) & (largest >= info.tiny)
+        shift = torch.where(low, e, shift)  # max|v| to [0.5, 1): 2^-e is at most 2^125, within range
+    return F.rms_norm(v * cast(torch.exp2(-shift.to(acc)), v.dtype), (v.shape[-1],), weight, eps)  # 1 inside
 
 
 class LatentRMSNorm(nn.RMSNorm):

@@ -9333,7 +9333,27 @@ def api23_rows():
             model(ids[:, 4:9], caches=padded, input_lengths=torch.tensor([4, 2]))
             assert padded[0].seqlens.tolist() == [8, 6]
 
+    def latent_norms_of_tiny_vectors_at_eps_0(env):
+        """MLAConfig(latent_norm_eps=0) took latents whose squares fall below float32's normal numbers (x of 1e-22:
+        c of about 1e-25) to nn.RMSNorm, whose sum of squares lost its precision or was 0: the layer's output was
+        0.077 off the float64 layer, a latent of 1e-25 alone came back inf. Such a vector is rescaled first now
+        (eps = 0 adds nothing, so the rescaled norm is exact): within 1e-6 of float64."""
+        from qkmla import MLA, MLAConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(latent_norm_eps=0.0)).eval()
+        wide = MLA(MLAConfig(latent_norm_eps=0.0)).double().eval()
+        wide.load_state_dict(mla.state_dict())
+        x = torch.randn(1, 4, 64) * 1e-22
+        with torch.no_grad():
+            torch.testing.assert_close(mla(x).double(), wide(x.double()), atol=1e-6, rtol=1e-5)
+            c = torch.randn(2, 32) * 1e-25
+            want = c.double() / c.double().pow(2).mean(-1, keepdim=True).sqrt()
+            torch.testing.assert_close(mla.kv_a_layernorm(c).double(), want, atol=1e-6, rtol=1e-5)
+
     return [
+        Row("MLAConfig", "size", "latent_norm_eps=0 with latents below float32's normal squares (1e-25): the "
+            "latent norm inf, the layer 0.077 off float64 (r23)", latent_norms_of_tiny_vectors_at_eps_0),
         Row("GPT", "size", "tokens through caches past block_size (a prefill of 20 at 8, a decode to position 8): "
             "evaluated without a word, where the uncached forward refuses them (r23)",
             gpt_cached_tokens_past_block_size),
