@@ -104,11 +104,12 @@ class ScalarNorm(nn.Module):
         (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
         self.check_input(v, weight)
         weight = self.weight if weight is None else weight
-        # The same arithmetic, one fused kernel; not at eps = 0, whose zero vector it makes NaN (statistic.moment)
+        # The same arithmetic, one fused kernel; not at eps = 0, whose zero vector it makes NaN (statistic.moment).
+        # Through rms_norm: F.rms_norm alone zeroed a vector near 1e19 in float32, as the statistic here does not.
         if self.kind == "rms" and v.is_cuda and self.eps > 0:
             if weight.dim() == 1:
-                return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
-            return F.rms_norm(v, (self.dim,), None, self.eps) * cast(weight, v.dtype)
+                return rms_norm(v, cast(weight, v.dtype), self.eps)
+            return rms_norm(v, None, self.eps) * cast(weight, v.dtype)
         return self.scaled(v, self.statistic(v), weight)
 
     def extra_repr(self) -> str:

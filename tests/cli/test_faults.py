@@ -9351,7 +9351,31 @@ def api23_rows():
             want = c.double() / c.double().pow(2).mean(-1, keepdim=True).sqrt()
             torch.testing.assert_close(mla.kv_a_layernorm(c).double(), want, atol=1e-6, rtol=1e-5)
 
+    def scalar_norm_fused_branch_near_float32s_top(env):
+        """ScalarNorm's RMS on CUDA (eps > 0) goes to the fused F.rms_norm, which zeroed a float32 vector near 1e19
+        (its sum of squares overflowed): 3.14 off the float64 norm, where the CPU's statistic is exact. Reached here
+        through a CPU tensor that reports is_cuda (no GPU needed); the branch calls qkmla.norms.rms_norm now, which
+        rescales such a vector first: within 1e-6 of float64, with one weight or a weight per head."""
+
+        class ReportsCuda(torch.Tensor):
+            @property
+            def is_cuda(self):
+                return True
+
+        from qkmla import ScalarNorm
+
+        torch.manual_seed(0)
+        for heads, shape in ((None, (2, 16)), (2, (3, 2, 16))):
+            norm = ScalarNorm(16, heads=heads)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 2.0)
+            v = torch.randn(*shape) * 1e19
+            got = torch.Tensor(norm(v.as_subclass(ReportsCuda))).double()
+            torch.testing.assert_close(got, norm.double()(v.double()), atol=1e-6, rtol=1e-5)
+
     return [
+        Row("ScalarNorm", "size", "the fused RMS branch (CUDA, eps > 0) zeroed vectors near 1e19 in float32 (3.14 "
+            "off float64) (r23)", scalar_norm_fused_branch_near_float32s_top),
         Row("MLAConfig", "size", "latent_norm_eps=0 with latents below float32's normal squares (1e-25): the "
             "latent norm inf, the layer 0.077 off float64 (r23)", latent_norms_of_tiny_vectors_at_eps_0),
         Row("GPT", "size", "tokens through caches past block_size (a prefill of 20 at 8, a decode to position 8): "
