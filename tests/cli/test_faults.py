@@ -9373,7 +9373,28 @@ def api23_rows():
             got = torch.Tensor(norm(v.as_subclass(ReportsCuda))).double()
             torch.testing.assert_close(got, norm.double()(v.double()), atol=1e-6, rtol=1e-5)
 
+    def rotary_of_other_settings(env):
+        """An MLA's rotary replaced by RotaryEmbedding(8, theta=500) on a config of rope_theta=1e4 rotated both
+        paths by 500 (they agreed to 1.5e-7) while the config, which a checkpoint records, said 1e4: the layer
+        rebuilt from it is another function, without a word; MultiHeadAttention and the shared-KV layer alike.
+        Refused now naming rotary and both settings; a RotaryEmbedding of the same settings still replaces it."""
+        from qkmla import MLA, MLAConfig
+        from qkmla.attention.mha import MultiHeadAttention
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import AttentionConfig, SharedKVConfig
+        from qkmla.rope import RotaryEmbedding
+
+        for layer, dim, interleave in ((MLA(MLAConfig()), 8, True), (MultiHeadAttention(AttentionConfig()), 16, False),
+                                       (SharedKVAttention(SharedKVConfig()), 8, True)):
+            raises(lambda: setattr(layer, "rotary", RotaryEmbedding(dim, 500.0, interleave)), ValueError,
+                   rf"^rotary: this layer's RoPE is its config's \({dim}, theta=10000, interleave={interleave}\), "
+                   rf"got {dim}, theta=500, interleave={interleave}; build the layer from config.replace")
+            assert layer.rotary.theta == 10000.0
+            layer.rotary = RotaryEmbedding(dim, 10000.0, interleave)
+
     return [
+        Row("MLAConfig", "size", "rotary replaced by a RotaryEmbedding of another theta: both paths rotated by it "
+            "while the config said 1e4 (r23)", rotary_of_other_settings),
         Row("ScalarNorm", "size", "the fused RMS branch (CUDA, eps > 0) zeroed vectors near 1e19 in float32 (3.14 "
             "off float64) (r23)", scalar_norm_fused_branch_near_float32s_top),
         Row("MLAConfig", "size", "latent_norm_eps=0 with latents below float32's normal squares (1e-25): the "

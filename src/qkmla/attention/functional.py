@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import accumulate_dtype
-from ..rope import check_position_range, position_range
+from ..rope import RotaryEmbedding, check_position_range, position_range
 from ..utils.checked import check_bool
 from .sinks import sink_column
 
@@ -214,12 +214,27 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256,
 class TracksMaxLogits(nn.Module):
     """An attention module whose ``track_max_logits`` switch (record each head's max logit of every explicit
     forward) holds True or False: set to "no", which is truthy, the module recorded them at every forward
-    (and paid for it), without a word."""
+    (and paid for it), without a word.
+
+    Its ``rotary``, built from the config, is not replaced by a RotaryEmbedding of other settings: one of theta=500
+    on an MLA whose config says 1e4 rotated both paths by 500 while the config (what a checkpoint records) said
+    1e4, without a word. A host library's own rotary (the transformers integration's) may replace it."""
 
     def __setattr__(self, name: str, value) -> None:
         if name == "track_max_logits":
             check_bool(name, value)
+        if name == "rotary" and isinstance(value, RotaryEmbedding):
+            current = self._modules.get("rotary")
+            if isinstance(current, RotaryEmbedding) and rope_settings(value) != rope_settings(current):
+                raise ValueError(f"rotary: this layer's RoPE is its config's ({current.extra_repr()}), got "
+                                 f"{value.extra_repr()}; build the layer from config.replace(rope_theta=..., "
+                                 f"rope_scaling=...) and load the weights into it")
         super().__setattr__(name, value)
+
+
+def rope_settings(rotary: RotaryEmbedding) -> tuple:
+    """What a RotaryEmbedding's rotation depends on: (dim, theta, interleave, scaling)."""
+    return rotary.dim, rotary.theta, rotary.interleave, rotary.scaling
 
 
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor) -> None:
