@@ -9392,7 +9392,35 @@ def api23_rows():
             assert layer.rotary.theta == 10000.0
             layer.rotary = RotaryEmbedding(dim, 10000.0, interleave)
 
+    def sink_of_plus_inf(env):
+        """A sink of +inf (one head's, a diverged parameter: all of that head's weight on the sink, whose value is
+        zero) gave NaN on the explicit path (inf * the keys' zero column) and 0 on the absorbed one; DeepSeek-V4's
+        shared-KV layer too. The explicit path takes the largest finite logit for it now, as it takes the lowest for
+        -inf: the head's output is 0 on both paths, and the other heads are as before."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.config import SharedKVConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(2, 6, 64)
+        for layer, make in ((MLA(MLAConfig(attention_sinks=True)).eval(), LatentCache.from_config),
+                            (SharedKVAttention(SharedKVConfig()).eval(), SharedKVCache.from_config)):
+            with torch.no_grad():
+                layer.sinks[1:] = torch.tensor([0.5, -1.0, 2.0])
+                before = layer(x)
+                layer.sinks[0] = float("inf")
+                full = layer(x)
+                cache = make(layer.config, 2, 8)
+                layer(x[:, :5], cache)
+                step = layer(x[:, 5:], cache)
+            assert bool(full.isfinite().all()) and bool(step.isfinite().all())
+            torch.testing.assert_close(step, full[:, 5:], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(full, before)
+
     return [
+        Row("MLAConfig", "size", "a sink of +inf: NaN on the explicit path, 0 on the absorbed one (v4's layer too) "
+            "(r23)", sink_of_plus_inf),
         Row("MLAConfig", "size", "rotary replaced by a RotaryEmbedding of another theta: both paths rotated by it "
             "while the config said 1e4 (r23)", rotary_of_other_settings),
         Row("ScalarNorm", "size", "the fused RMS branch (CUDA, eps > 0) zeroed vectors near 1e19 in float32 (3.14 "

@@ -278,7 +278,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Sca
         keep = None
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    sink = sinks.to(acc).view(1, h, 1, 1).expand(B, h, T, 1)
+    # +inf (all weight on the sink) met itself in the softmax as inf - inf = NaN: the largest finite logit is the same
+    # sink, as sink_column takes it on the fused path
+    info = torch.finfo(acc)
+    sink = sinks.to(acc).clamp(info.min, info.max).view(1, h, 1, 1).expand(B, h, T, 1)
     p = torch.cat((s, sink), dim=-1).softmax(dim=-1)[..., :S]
     return (p @ vv).transpose(1, 2).to(q.dtype)
 
