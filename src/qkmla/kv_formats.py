@@ -103,6 +103,11 @@ class DenseRows:
         """The dtype rows are stored in, for a cache of ``dtype``."""
         return dtype
 
+    def part_dtypes(self, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """{"c_kv": ..., "k_rope": ...}: the dtype each part is held in by a cache of ``dtype`` (a value past its
+        range is lost there)."""
+        return {"c_kv": dtype, "k_rope": dtype}
+
     def check_parts(self, c_kv, k_rope) -> None:
         """A ValueError naming ``c_kv`` or ``k_rope`` unless they are floating-point [..., d_c] and [..., d_r] of
         the same tokens: a c of another width failed deep in the quantizer ("unflatten: Provided sizes [1, 32]
@@ -173,6 +178,9 @@ class QuantizedRows(DenseRows):
 
     def storage_dtype(self, dtype):
         return torch.uint8
+
+    def part_dtypes(self, dtype):  # codes of float32 scales, read back in float32; the RoPE key in bfloat16
+        return {"c_kv": torch.float32, "k_rope": ROPE_DTYPE}
 
     def quantize(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [..., d_c] -> (codes uint8 [..., code_bytes], scales float32 [..., num_scales])."""

@@ -8,6 +8,7 @@ query or key split into its content and RoPE blocks (blockwise, unified or conte
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -103,17 +104,71 @@ class ScalarNorm(nn.Module):
         (any shape that broadcasts against v, e.g. [H, n] for v [B, T, H, n])."""
         self.check_input(v, weight)
         weight = self.weight if weight is None else weight
-        # The same arithmetic, one fused kernel; not at eps = 0, whose zero vector it makes NaN (statistic.moment)
+        # The same arithmetic, one fused kernel; not at eps = 0, whose zero vector it makes NaN (statistic.moment).
+        # Through rms_norm: F.rms_norm alone zeroed a vector near 1e19 in float32, as the statistic here does not.
         if self.kind == "rms" and v.is_cuda and self.eps > 0:
             if weight.dim() == 1:
-                return F.rms_norm(v, (self.dim,), cast(weight, v.dtype), self.eps)
-            return F.rms_norm(v, (self.dim,), None, self.eps) * cast(weight, v.dtype)
+                return rms_norm(v, cast(weight, v.dtype), self.eps)
+            return rms_norm(v, None, self.eps) * cast(weight, v.dtype)
         return self.scaled(v, self.statistic(v), weight)
 
     def extra_repr(self) -> str:
         p = f", p={self.p:g}" if self.kind == "lp" else ""
         heads = f", heads={self.weight.shape[0]}" if self.weight.dim() == 2 else ""
         return f"{self.dim}, kind={self.kind}{p}, eps={self.eps:g}{heads}"
+
+
+# A vector whose sum of squares would overflow is first scaled by a power of two to max|v| in [2**39, 2**40):
+# its squares then sum far below the dtype's largest (n < 2**46 values in float32), and eps next to them is
+# below rounding, so the result is the exact one.
+RESCALED_EXPONENT = 40
+
+
+def rms_norm(v: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: Optional[float] = None) -> torch.Tensor:
+    """``F.rms_norm`` over the last dim of v [..., n] (weight [n] or None), bit for bit, except where v's sum of
+    squares leaves v's accumulation dtype (float32 for float32, bfloat16 and float16): there F.rms_norm's
+    statistic was inf and the vector came back as zeros (|v| near 1e19 in float32: 2.47 off the float64 answer),
+    and here it is rescaled first (RMSNorm does not change under v -> 2^k v but for eps, see RESCALED_EXPONENT),
+    as :func:`~qkmla.ops.statistic.moment` does for the QK norms; with eps = 0, so are vectors whose squares fall
+    below the normal numbers (a zero vector stays F.rms_norm's NaN, which MLA's padding masks)."""
+    acc = accumulate_dtype(v.dtype)
+    info = torch.finfo(acc)
+    largest = cast(v.detach().abs().amax(-1, keepdim=True), acc)
+    _, e = torch.frexp(largest)  # max|v| = m 2^e, m in [0.5, 1)
+    outside = 2 * e > math.log2(info.max) - 1 - math.log2(v.shape[-1])
+    shift = torch.where(outside, e - RESCALED_EXPONENT, 0)
+    if eps == 0:  # nothing added: squares below the normal numbers lost their precision (|v| of 1e-25 gave inf)
+        low = (2 * (e - 1) < math.log2(info.tiny) - math.log2(info.eps)) & (largest >= info.tiny)
+        shift = torch.where(low, e, shift)  # max|v| to [0.5, 1): 2^-e is at most 2^125, within range
+    return F.rms_norm(v * cast(torch.exp2(-shift.to(acc)), v.dtype), (v.shape[-1],), weight, eps)  # 1 inside
+
+
+class LatentRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` over one dim (its parameter, its state dict) through :func:`rms_norm`, so a vector past
+    float32's squares is normalized rather than zeroed: MLA's latent norms (``q_a_layernorm``, ``kv_a_layernorm``)
+    and DeepSeek-V4's. Its eps is the config's (``latent_norm_eps``, ``norm_eps``) and read-only: set on the built
+    module (``kv_a_layernorm.eps = 10``) the layer computed with it while its config said 1e-6 (0.80 off the
+    layer rebuilt from that config), without a word."""
+
+    def __init__(self, normalized_shape: int, eps: Optional[float] = None, elementwise_affine: bool = True,
+                 device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"normalized_shape: expected one dim, got {self.normalized_shape}")
+
+    @property
+    def eps(self) -> Optional[float]:
+        return self.__dict__["eps"]
+
+    @eps.setter
+    def eps(self, value) -> None:
+        if "eps" in self.__dict__:  # set once, by nn.RMSNorm.__init__ (its extra_repr reads it there)
+            raise AttributeError("eps: fixed when the norm is built (its layer's config holds it); build the layer "
+                                 "from config.replace(latent_norm_eps=...) (MLA) or norm_eps (shared-KV)")
+        self.__dict__["eps"] = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RecordsVariant:

@@ -9396,6 +9396,261 @@ def hf23_rows():
     ]
 
 
+def api23_rows():
+    """Round 23's API pass: the leftovers of round 22 (fields a variant never reads, values past a narrower
+    dtype's range, norms near float32's top) and fresh probes of the layers, caches and configs."""
+
+    def gpt_qk_norm_p_off_lp(env):
+        """GPTConfig(attn="mla", qk_norm_p=5) was kept without a word (plain MLA, p read by nothing; the -lp
+        variants alone read it), as was replace(attn="mla") of an mla-lp config at p=5. Refused now naming
+        qk_norm_p and attn; the default (3.0, which every saved config holds) is taken by every variant, and
+        replace() to a variant that does not read p resets it, as it drops the ranks a variant does not read."""
+        from qkmla.model.gpt import GPTConfig
+
+        for attn in ("mla", "mla-qknorm", "mla-l2", "gqa", "v4"):
+            raises(lambda a=attn: GPTConfig(attn=a, qk_norm_p=5), ValueError,
+                   rf"^qk_norm_p: only the -lp variants read it, got qk_norm_p=5 with attn='{attn}'; leave it at "
+                   rf"its default \(3.0\)$")
+            assert GPTConfig(attn=attn, qk_norm_p=3.0).qk_norm_p == 3.0
+        lp = GPTConfig(attn="mla-lp", qk_norm_p=5)
+        assert lp.attention_config().qk_norm.p == 5.0
+        assert lp.replace(attn="mla").qk_norm_p == 3.0 and lp.replace(attn="gqa-lp").qk_norm_p == 5
+
+    def latent_norms_near_float32s_top(env):
+        """MLA's latent RMS norms (nn.RMSNorm on q_a_proj's and kv_a_proj's outputs) zeroed a float32 vector near
+        1e19 (its sum of squares overflowed: the statistic was inf): the latent c came back as zeros, 2.47 off the
+        float64 answer, and the layer's output as zeros on the explicit and absorbed paths alike; DeepSeek-V4's
+        shared-KV norms too. The norms rescale such a vector first now (qkmla.norms.rms_norm, bit for bit
+        F.rms_norm below): c equals the float64 latent, and both paths equal the float64 layer. The norms' eps,
+        set on the built module (kv_a_layernorm.eps = 10), changed the layer without its config (0.80 off the
+        layer rebuilt from it): read-only now."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import SharedKVConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).eval()
+        wide = MLA(MLAConfig()).double().eval()
+        wide.load_state_dict(mla.state_dict())
+        x = torch.randn(2, 6, 64) * 1e19
+        with torch.no_grad():
+            c, _ = mla.latent(x)
+            torch.testing.assert_close(c.double(), wide.latent(x.double())[0], atol=2e-6, rtol=1e-5)
+            want = wide(x.double())
+            torch.testing.assert_close(mla(x).double(), want, atol=1e-5, rtol=1e-4)
+            cache = LatentCache.from_config(mla.config, 2, 8)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache).double(), want[:, 5:], atol=1e-5, rtol=1e-4)
+            v4 = SharedKVAttention(SharedKVConfig()).eval()
+            v4_wide = SharedKVAttention(SharedKVConfig()).double().eval()
+            v4_wide.load_state_dict(v4.state_dict())
+            torch.testing.assert_close(v4(x).double(), v4_wide(x.double()), atol=1e-5, rtol=1e-4)
+        raises(lambda: setattr(mla.kv_a_layernorm, "eps", 10.0), AttributeError, r"^eps: fixed when the norm is built")
+        assert mla.kv_a_layernorm.eps == mla.config.latent_norm_eps
+
+    def float64_rows_past_the_stored_range(env):
+        """A quantized latent cache given float64 latents past float32's range read them back as NaN (fp8, int8,
+        int4: the float32 scale overflowed) and a float64 RoPE key past bfloat16's as inf; a float32 dense cache,
+        a FullKVCache and a SharedKVCache stored such rows as inf; all without a word. Refused now naming the
+        argument, the dtype and its range; a float64 dense cache takes them, and rows within range are stored as
+        before (the layer's float64 decode still equals its explicit path)."""
+        from qkmla import FullKVCache, LatentCache, MLA, MLAConfig
+        from qkmla.cache.shared_kv import SharedKVCache
+
+        big = torch.full((1, 1, 32), 1e40, dtype=torch.float64)
+        small = torch.ones(1, 1, 8, dtype=torch.float64)
+        for fmt in ("fp8", "int8", "int4", "dense"):
+            cache = LatentCache(1, 4, 32, 8, 1, dtype=torch.float32, kv_format=fmt)
+            slot = cache.plan(1, 1)
+            raises(lambda: cache.append(slot, c_kv=big, k_rope=small, key_scale=small[..., :1]), ValueError,
+                   r"^c_kv: holds float64 values past torch.float32's range \(largest 3.40282e\+38; got 1e\+40\)")
+            rope = r"torch.bfloat16's range \(largest 3.38953e\+38" if fmt != "dense" else r"torch.float32's range"
+            raises(lambda: cache.append(slot, c_kv=big[..., :32] * 0, k_rope=small * 1e40, key_scale=small[..., :1]),
+                   ValueError, rf"^k_rope: holds float64 values past {rope}")
+            raises(lambda: cache.append(slot, c_kv=big * 0, k_rope=small, key_scale=small[..., :1] * 1e40),
+                   ValueError, r"^key_scale: holds float64 values past torch.float32's range")
+            assert int(cache.seqlens[0]) == 0
+        wide = LatentCache(1, 4, 32, 8, 0, dtype=torch.float64)
+        wide.append(wide.plan(1, 1), c_kv=big, k_rope=small)
+        assert float(wide.load()[0][0, 0, 0]) == 1e40
+        full = FullKVCache(1, 4, 2, 8, 8)
+        raises(lambda: full.update(full.plan(1, 1), big.view(1, 1, 2, 16)[..., :8], small.expand(1, 1, 2, 8)),
+               ValueError, r"^k: holds float64 values past torch.float32's range")
+        shared = SharedKVCache(1, 4, 8)
+        raises(lambda: shared.update(shared.plan(1, 1), small.view(1, 1, 1, 8) * 1e40), ValueError,
+               r"^kv: holds float64 values past torch.float32's range")
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig()).double().eval()
+        x = torch.randn(1, 6, 64, dtype=torch.float64)
+        with torch.no_grad():
+            cache = LatentCache.from_config(mla.config, 1, 8, dtype=torch.float64)
+            mla(x[:, :5], cache)
+            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+
+    def nan_weights_on_the_explicit_path(env):
+        """A NaN in kv_b_proj's weight (one entry: group 0's first content-key row) gave a finite output on the
+        explicit path (torch's fused CPU attention answers 0 for a row whose every logit is NaN) and NaN on the
+        absorbed path; so did MultiHeadAttention and plain MLA, where the softmax of those logits is NaN. The
+        explicit path's rows that see a NaN key, or have a NaN query, are NaN now, as the absorbed path's and a
+        plain softmax's."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.mha import MultiHeadAttention
+        from qkmla.config import AttentionConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(1, 6, 64)
+        for config in (MLAConfig(), MLAConfig(qk_norm=None)):
+            mla = MLA(config).eval()
+            with torch.no_grad():
+                before = mla(x)
+                mla.kv_b_proj.weight[0, 0] = float("nan")
+                assert bool(mla(x).isnan().all())
+                cache = LatentCache.from_config(mla.config, 1, 8)
+                mla(x[:, :5], cache)
+                assert bool(mla(x[:, 5:], cache).isnan().all())
+                assert bool(before.isfinite().all())
+        mha = MultiHeadAttention(AttentionConfig(qk_norm="rms")).eval()
+        with torch.no_grad():
+            mha.k_proj.weight[0, 0] = float("nan")
+            assert bool(mha(x).isnan().all())
+
+    def gpt_cached_tokens_past_block_size(env):
+        """GPT.forward refused 20 tokens at block_size=8 without caches (unless allow_longer), but took them through
+        caches, and decoded on past position 7, rotating positions the model never saw without a word. Refused now
+        naming idx, the position reached and block_size, unless allow_longer=True (which then equals the uncached
+        forward with allow_longer); a padded batch is judged by its real tokens (input_lengths)."""
+        from qkmla.model.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=8)).eval()
+        ids = torch.randint(0, 65, (2, 20))
+        with torch.no_grad():
+            raises(lambda: model(ids, caches=model.make_caches(2, 32)), ValueError,
+                   r"^idx: 20 new tokens after the cached ones reach position 19, past block_size=8 \(positions "
+                   r"0..7\); pass allow_longer=True")
+            caches = model.make_caches(2, 32)
+            model(ids[:, :8], caches=caches)
+            raises(lambda: model(ids[:, 8:9], caches=caches), ValueError, r"^idx: 1 new tokens after the cached ones "
+                                                                          r"reach position 8, past block_size=8")
+            assert caches[0].seqlens.tolist() == [8, 8]
+            longer = model(ids[:, 8:9], caches=caches, allow_longer=True)[0]
+            torch.testing.assert_close(longer[:, -1], model(ids[:, :9], allow_longer=True)[0][:, -1])
+            padded = model.make_caches(2, 32)
+            model(ids[:, :4], caches=padded)
+            model(ids[:, 4:9], caches=padded, input_lengths=torch.tensor([4, 2]))
+            assert padded[0].seqlens.tolist() == [8, 6]
+
+    def latent_norms_of_tiny_vectors_at_eps_0(env):
+        """MLAConfig(latent_norm_eps=0) took latents whose squares fall below float32's normal numbers (x of 1e-22:
+        c of about 1e-25) to nn.RMSNorm, whose sum of squares lost its precision or was 0: the layer's output was
+        0.077 off the float64 layer, a latent of 1e-25 alone came back inf. Such a vector is rescaled first now
+        (eps = 0 adds nothing, so the rescaled norm is exact): within 1e-6 of float64."""
+        from qkmla import MLA, MLAConfig
+
+        torch.manual_seed(0)
+        mla = MLA(MLAConfig(latent_norm_eps=0.0)).eval()
+        wide = MLA(MLAConfig(latent_norm_eps=0.0)).double().eval()
+        wide.load_state_dict(mla.state_dict())
+        x = torch.randn(1, 4, 64) * 1e-22
+        with torch.no_grad():
+            torch.testing.assert_close(mla(x).double(), wide(x.double()), atol=1e-6, rtol=1e-5)
+            c = torch.randn(2, 32) * 1e-25
+            want = c.double() / c.double().pow(2).mean(-1, keepdim=True).sqrt()
+            torch.testing.assert_close(mla.kv_a_layernorm(c).double(), want, atol=1e-6, rtol=1e-5)
+
+    def scalar_norm_fused_branch_near_float32s_top(env):
+        """ScalarNorm's RMS on CUDA (eps > 0) goes to the fused F.rms_norm, which zeroed a float32 vector near 1e19
+        (its sum of squares overflowed): 3.14 off the float64 norm, where the CPU's statistic is exact. Reached here
+        through a CPU tensor that reports is_cuda (no GPU needed); the branch calls qkmla.norms.rms_norm now, which
+        rescales such a vector first: within 1e-6 of float64, with one weight or a weight per head."""
+
+        class ReportsCuda(torch.Tensor):
+            @property
+            def is_cuda(self):
+                return True
+
+        from qkmla import ScalarNorm
+
+        torch.manual_seed(0)
+        for heads, shape in ((None, (2, 16)), (2, (3, 2, 16))):
+            norm = ScalarNorm(16, heads=heads)
+            with torch.no_grad():
+                norm.weight.uniform_(0.5, 2.0)
+            v = torch.randn(*shape) * 1e19
+            got = torch.Tensor(norm(v.as_subclass(ReportsCuda))).double()
+            torch.testing.assert_close(got, norm.double()(v.double()), atol=1e-6, rtol=1e-5)
+
+    def rotary_of_other_settings(env):
+        """An MLA's rotary replaced by RotaryEmbedding(8, theta=500) on a config of rope_theta=1e4 rotated both
+        paths by 500 (they agreed to 1.5e-7) while the config, which a checkpoint records, said 1e4: the layer
+        rebuilt from it is another function, without a word; MultiHeadAttention and the shared-KV layer alike.
+        Refused now naming rotary and both settings; a RotaryEmbedding of the same settings still replaces it."""
+        from qkmla import MLA, MLAConfig
+        from qkmla.attention.mha import MultiHeadAttention
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.config import AttentionConfig, SharedKVConfig
+        from qkmla.rope import RotaryEmbedding
+
+        for layer, dim, interleave in ((MLA(MLAConfig()), 8, True), (MultiHeadAttention(AttentionConfig()), 16, False),
+                                       (SharedKVAttention(SharedKVConfig()), 8, True)):
+            raises(lambda: setattr(layer, "rotary", RotaryEmbedding(dim, 500.0, interleave)), ValueError,
+                   rf"^rotary: this layer's RoPE is its config's \({dim}, theta=10000, interleave={interleave}\), "
+                   rf"got {dim}, theta=500, interleave={interleave}; build the layer from config.replace")
+            assert layer.rotary.theta == 10000.0
+            layer.rotary = RotaryEmbedding(dim, 10000.0, interleave)
+
+    def sink_of_plus_inf(env):
+        """A sink of +inf (one head's, a diverged parameter: all of that head's weight on the sink, whose value is
+        zero) gave NaN on the explicit path (inf * the keys' zero column) and 0 on the absorbed one; DeepSeek-V4's
+        shared-KV layer too. The explicit path takes the largest finite logit for it now, as it takes the lowest for
+        -inf: the head's output is 0 on both paths, and the other heads are as before."""
+        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla.attention.shared_kv import SharedKVAttention
+        from qkmla.cache.shared_kv import SharedKVCache
+        from qkmla.config import SharedKVConfig
+
+        torch.manual_seed(0)
+        x = torch.randn(2, 6, 64)
+        for layer, make in ((MLA(MLAConfig(attention_sinks=True)).eval(), LatentCache.from_config),
+                            (SharedKVAttention(SharedKVConfig()).eval(), SharedKVCache.from_config)):
+            with torch.no_grad():
+                layer.sinks[1:] = torch.tensor([0.5, -1.0, 2.0])
+                before = layer(x)
+                layer.sinks[0] = float("inf")
+                full = layer(x)
+                cache = make(layer.config, 2, 8)
+                layer(x[:, :5], cache)
+                step = layer(x[:, 5:], cache)
+            assert bool(full.isfinite().all()) and bool(step.isfinite().all())
+            torch.testing.assert_close(step, full[:, 5:], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(full, before)
+
+    return [
+        Row("MLAConfig", "size", "a sink of +inf: NaN on the explicit path, 0 on the absorbed one (v4's layer too) "
+            "(r23)", sink_of_plus_inf),
+        Row("MLAConfig", "size", "rotary replaced by a RotaryEmbedding of another theta: both paths rotated by it "
+            "while the config said 1e4 (r23)", rotary_of_other_settings),
+        Row("ScalarNorm", "size", "the fused RMS branch (CUDA, eps > 0) zeroed vectors near 1e19 in float32 (3.14 "
+            "off float64) (r23)", scalar_norm_fused_branch_near_float32s_top),
+        Row("MLAConfig", "size", "latent_norm_eps=0 with latents below float32's normal squares (1e-25): the "
+            "latent norm inf, the layer 0.077 off float64 (r23)", latent_norms_of_tiny_vectors_at_eps_0),
+        Row("GPT", "size", "tokens through caches past block_size (a prefill of 20 at 8, a decode to position 8): "
+            "evaluated without a word, where the uncached forward refuses them (r23)",
+            gpt_cached_tokens_past_block_size),
+        Row("MLAConfig", "size", "a NaN weight (kv_b_proj): finite output on the explicit path (the fused CPU "
+            "kernel's 0 for all-NaN logits), NaN on the absorbed one; MultiHeadAttention too (r23)",
+            nan_weights_on_the_explicit_path),
+        Row("LatentCache", "size", "float64 rows past float32's (bfloat16's) range: NaN from a quantized cache, inf "
+            "from a float32 one (FullKVCache, SharedKVCache too), without a word (r23)",
+            float64_rows_past_the_stored_range),
+        Row("MLAConfig", "size", "latents near 1e19 in float32: the latent RMS norms zeroed them (2.47 off), the "
+            "layer's output zeros on both paths; the norms' eps settable after construction (r23)",
+            latent_norms_near_float32s_top),
+        Row("GPTConfig", "size", "qk_norm_p=5 on a variant that does not read it (mla, gqa, v4, -l2): kept without "
+            "a word (r23)", gpt_qk_norm_p_off_lp),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -9403,7 +9658,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + hf23_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + hf23_rows() + api23_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dtypes import accumulate_dtype
-from ..rope import check_position_range, position_range
+from ..rope import RotaryEmbedding, check_position_range, position_range
 from ..utils.checked import check_bool
 from .sinks import sink_column
 
@@ -128,6 +128,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
     Returns:
         [B, T, h, Dv]
     """
+    nan = nan_rows(q, k, mask, causal)
     if sinks is not None:  # a row with no visible key puts all its weight on the sink's zero value
         q, k, v, mask, scale = sink_column(q, k, v, scale, sinks, mask, causal)
         causal = False
@@ -153,9 +154,28 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal and mask is None,
                                          scale=scale, **kwargs)
     out = out[..., :Dv].transpose(1, 2)  # [B, T, h, Dv]
+    out = out.masked_fill(nan[..., None], float("nan"))
     if mask is not None:
         out = out.masked_fill(~mask.any(-1)[:, :, None, None], 0.0)
     return out
+
+
+def nan_rows(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+    """[B, T, h]: the rows whose logits hold a NaN, so whose softmax is NaN: a NaN in the query, or, without a
+    mask (causal or full), in a key the row sees. The CPU's fused kernel answered 0 for a row whose every logit
+    was NaN (a NaN in kv_b_proj's weight: the explicit path's output was finite, the absorbed path's NaN). With a
+    mask the keys are not read here (that would take a [B, T, S, G] reduction); a row with some finite logits
+    comes back NaN from the kernel itself.
+
+    q: [B, T, h, D]; k: [B, S, G, D]; G divides h."""
+    h, G = q.shape[2], k.shape[2]
+    rows = q.isnan().any(-1)
+    if mask is None:
+        bad = k.isnan().any(-1)  # [B, S, G]
+        T, S = q.shape[1], k.shape[1]
+        seen = (bad.cumsum(1) > 0)[:, S - T:] if causal else bad.any(1, keepdim=True).expand(-1, T, -1)
+        rows = rows | seen.repeat_interleave(h // G, dim=-1)
+    return rows
 
 
 @torch.no_grad()
@@ -194,12 +214,27 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: Scale, chunk: int = 256,
 class TracksMaxLogits(nn.Module):
     """An attention module whose ``track_max_logits`` switch (record each head's max logit of every explicit
     forward) holds True or False: set to "no", which is truthy, the module recorded them at every forward
-    (and paid for it), without a word."""
+    (and paid for it), without a word.
+
+    Its ``rotary``, built from the config, is not replaced by a RotaryEmbedding of other settings: one of theta=500
+    on an MLA whose config says 1e4 rotated both paths by 500 while the config (what a checkpoint records) said
+    1e4, without a word. A host library's own rotary (the transformers integration's) may replace it."""
 
     def __setattr__(self, name: str, value) -> None:
         if name == "track_max_logits":
             check_bool(name, value)
+        if name == "rotary" and isinstance(value, RotaryEmbedding):
+            current = self._modules.get("rotary")
+            if isinstance(current, RotaryEmbedding) and rope_settings(value) != rope_settings(current):
+                raise ValueError(f"rotary: this layer's RoPE is its config's ({current.extra_repr()}), got "
+                                 f"{value.extra_repr()}; build the layer from config.replace(rope_theta=..., "
+                                 f"rope_scaling=...) and load the weights into it")
         super().__setattr__(name, value)
+
+
+def rope_settings(rotary: RotaryEmbedding) -> tuple:
+    """What a RotaryEmbedding's rotation depends on: (dim, theta, interleave, scaling)."""
+    return rotary.dim, rotary.theta, rotary.interleave, rotary.scaling
 
 
 def record_max_logits(module, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -243,7 +278,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Sca
         keep = None
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    sink = sinks.to(acc).view(1, h, 1, 1).expand(B, h, T, 1)
+    # +inf (all weight on the sink) met itself in the softmax as inf - inf = NaN: the largest finite logit is the same
+    # sink, as sink_column takes it on the fused path
+    info = torch.finfo(acc)
+    sink = sinks.to(acc).clamp(info.min, info.max).view(1, h, 1, 1).expand(B, h, T, 1)
     p = torch.cat((s, sink), dim=-1).softmax(dim=-1)[..., :S]
     return (p @ vv).transpose(1, 2).to(q.dtype)
 

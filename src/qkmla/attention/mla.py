@@ -37,7 +37,7 @@ from torch.nn.utils.prune import BasePruningMethod
 from ..cache.full import FullKVCache
 from ..cache.latent import LatentCache
 from ..config import MLAConfig, fixed_config
-from ..norms import qk_norms_of
+from ..norms import LatentRMSNorm, qk_norms_of
 from ..ops.mla_decode import mla_decode_with_kvcache, resolve_backend
 from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
@@ -82,7 +82,7 @@ def new_projections(c: MLAConfig) -> dict[str, nn.Module]:
     modules = {}
     for name, shape in projection_shapes(c).items():
         if name.endswith("layernorm"):
-            modules[name] = nn.RMSNorm(shape[0], eps=c.latent_norm_eps)
+            modules[name] = LatentRMSNorm(shape[0], eps=c.latent_norm_eps)
         else:
             modules[name] = nn.Linear(shape[1], shape[0], bias=c.attention_bias and name in _BIASED)
     return modules

@@ -26,11 +26,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..cache.shared_kv import SharedKVCache
 from ..config import SharedKVConfig, fixed_config
+from ..norms import LatentRMSNorm, rms_norm
 from ..rope import RotaryEmbedding
 from ..utils.limits import check_weights
 from .functional import (TracksMaxLogits, check_forward, default_positions, record_max_logits, sdpa,
@@ -67,10 +67,10 @@ class SharedKVAttention(TracksMaxLogits):
             self.q_proj = nn.Linear(d, h * D, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, c.q_lora_rank, bias=False)
-            self.q_a_norm = nn.RMSNorm(c.q_lora_rank, eps=c.norm_eps)
+            self.q_a_norm = LatentRMSNorm(c.q_lora_rank, eps=c.norm_eps)
             self.q_b_proj = nn.Linear(c.q_lora_rank, h * D, bias=False)
         self.kv_proj = nn.Linear(d, D, bias=False)
-        self.kv_norm = nn.RMSNorm(D, eps=c.norm_eps)
+        self.kv_norm = LatentRMSNorm(D, eps=c.norm_eps)
         self.o_proj = nn.Linear(h * D, d, bias=False)
         self.sinks = nn.Parameter(torch.zeros(h)) if c.attention_sinks else None
         self.rotary = RotaryEmbedding(c.rope_head_dim, c.rope_theta, interleave=True)
@@ -91,7 +91,7 @@ class SharedKVAttention(TracksMaxLogits):
         """Normalized, rotated queries [B, T, h, D]."""
         c = self.config
         q = self.q_proj(x) if c.q_lora_rank is None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = F.rms_norm(q.unflatten(-1, (c.num_heads, c.head_dim)), (c.head_dim,), eps=c.norm_eps)
+        q = rms_norm(q.unflatten(-1, (c.num_heads, c.head_dim)), eps=c.norm_eps)
         return self._rope(q, positions)
 
     def shared_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -86,8 +86,11 @@ def sink_column(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
         q = q * scale.view(h, 1).to(q.dtype)
     else:
         q = q * scale
-    # A sink of -inf (no sink) would meet the keys' zeros as -inf * 0 = NaN: the lowest finite logit is the same sink
-    sink = sinks.to(q.dtype).clamp_min(torch.finfo(q.dtype).min)
+    # A sink of -inf (no sink) would meet the keys' zeros as -inf * 0 = NaN: the lowest finite logit is the same sink.
+    # So would +inf (every weight on the sink): the explicit path gave NaN where the absorbed one (apply_sinks) gives
+    # 0; the largest finite logit is the same sink.
+    info = torch.finfo(q.dtype)
+    sink = sinks.to(q.dtype).clamp(info.min, info.max)
     q = torch.cat((q, sink.view(1, 1, h, 1).expand(B, T, h, 1)), dim=-1)
     k = torch.cat((k, k.new_zeros(B, S, G, 1)), dim=-1)
     sink_key = k.new_zeros(B, 1, G, k.shape[-1])

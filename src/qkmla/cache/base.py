@@ -156,6 +156,21 @@ def check_dtype(name: str, dtype) -> None:
                          f"needs its per-tile scales: LatentCache(..., kv_format='fp8')")
 
 
+def check_storable(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """A ValueError naming ``name`` if float64 rows ``t`` hold finite values past ``dtype``'s range, which the cache
+    stores in ``dtype``: a float32 cache given float64 rows of 1e40 read them back as inf, an fp8 / int8 / int4 one
+    (float32 scales, a bfloat16 RoPE key) as NaN or inf, without a word. Only float64 rows are read (a reference
+    computation's): a decode step in float32 or narrower waits for no read of its values (:meth:`check_slot`)."""
+    if t.dtype != torch.float64 or dtype == torch.float64 or t.is_meta or torch.compiler.is_compiling():
+        return
+    top = torch.finfo(dtype).max
+    over = (t.abs() > top) & t.isfinite()
+    if bool(over.any()):
+        raise ValueError(f"{name}: holds float64 values past {dtype}'s range (largest {top:.6g}; got "
+                         f"{float(t.abs()[over].max()):.6g}), which this cache stores in {dtype}; build a dense "
+                         f"cache with dtype=torch.float64 for them")
+
+
 def check_has_values(name: str, value, device) -> None:
     """A ValueError naming ``name`` for a tensor on the meta device (shapes only) handed to a cache that reads its
     values: copied to the cache's device, it failed with "Cannot copy out of meta tensor; no data!", naming nothing
@@ -458,12 +473,14 @@ class SequenceCache:
         weights loaded into another."""
         self.writer = None
 
-    def check_rows(self, name: str, t, shape: tuple, labels: tuple = ("B", "T")) -> None:
+    def check_rows(self, name: str, t, shape: tuple, labels: tuple = ("B", "T"),
+                   stored: Optional[torch.dtype] = None) -> None:
         """A ValueError naming ``name`` unless ``t`` is a floating-point tensor of ``shape`` on this cache's
         device: rows on another device failed in torch's indexing ("Tensor on device cpu is not on the
         expected device meta!"), a shape that was wrong in its last dimension only failed in the buffer's
         copy ("The expanded size of the tensor (16) must match ..."), and complex rows were stored with
-        their imaginary part dropped, a warning at most (integer rows would be rounded as silently)."""
+        their imaginary part dropped, a warning at most (integer rows would be rounded as silently). ``stored``:
+        the dtype the rows are stored in (:func:`check_storable`)."""
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
             dims = ", ".join(f"{label}={d}" for label, d in zip(labels, shape))  # built only to refuse: every
             dims += "".join(f", {d}" for d in shape[len(labels):])  # decode step passes through here
@@ -476,6 +493,13 @@ class SequenceCache:
         if c.type != d.type or (c.index is not None and d.index is not None and c.index != d.index):
             raise ValueError(f"{name}: the cache's buffers are on {c} and {name} is on {d}; pass {name}.to({str(c)!r}) "
                              f"or build the cache with device={str(d)!r}")
+        if stored is not None:
+            check_storable(name, t, stored)
+
+    def stored_dtype(self, name: str) -> Optional[torch.dtype]:
+        """The dtype field ``name`` stores its rows in; None for a buffer of another design (no storage tensor)."""
+        storage = self.fields[name].storage() if name in self.fields else None
+        return storage.dtype if storage is not None else None
 
     def check_slot(self, slot) -> None:
         """A ValueError naming ``slot`` unless it is what :meth:`plan` gives this cache now, judged by its Python

@@ -64,8 +64,8 @@ class FullKVCache(SequenceCache):
         """Store k [B, T, G, k_dim] and v [B, T, G, v_dim]; return every cached key and value,
         [B, S, G, k_dim] and [B, S, G, v_dim], in k's dtype."""
         B, T = slot.slots.shape
-        self.check_rows("k", k, (B, T, self.num_kv_heads, self.k_dim), ("B", "T", "G"))
-        self.check_rows("v", v, (B, T, self.num_kv_heads, self.v_dim), ("B", "T", "G"))
+        self.check_rows("k", k, (B, T, self.num_kv_heads, self.k_dim), ("B", "T", "G"), self.stored_dtype("k"))
+        self.check_rows("v", v, (B, T, self.num_kv_heads, self.v_dim), ("B", "T", "G"), self.stored_dtype("v"))
         self.write_rows(slot, {"k": k.flatten(2), "v": v.flatten(2)})
         unflat = (self.num_kv_heads, -1)
         return (self.read("k").unflatten(-1, unflat).to(k.dtype), self.read("v").unflatten(-1, unflat).to(k.dtype))

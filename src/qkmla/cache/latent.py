@@ -124,10 +124,11 @@ class LatentCache(SequenceCache):
         B, T = slot.slots.shape
         want = {"c_kv": (c_kv, self.kv_lora_rank), "k_rope": (k_rope, self.qk_rope_head_dim),
                 "key_scale": (key_scale, self.num_kv_groups)}
+        stored = {**self.rows.part_dtypes(self.dtype), "key_scale": self.stored_dtype("key_scale")}
         for name, (t, width) in want.items():
             if width == 0 and t is None:
                 continue
-            self.check_rows(name, t, (B, T, width))
+            self.check_rows(name, t, (B, T, width), stored=stored[name])
         self.write_rows(slot, self.codec.store(c_kv, k_rope, key_scale))
 
     def load(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -38,7 +38,7 @@ class SharedKVCache(SequenceCache):
     def update(self, slot: WriteSlot, kv: torch.Tensor) -> torch.Tensor:
         """Store kv [B, T, 1, D]; return every cached row [B, S, 1, D] in kv's dtype."""
         B, T = slot.slots.shape  # checked as FullKVCache.update checks its keys (SequenceCache.check_rows)
-        self.check_rows("kv", kv, (B, T, 1, self.head_dim), ("B", "T", "heads"))
+        self.check_rows("kv", kv, (B, T, 1, self.head_dim), ("B", "T", "heads"), self.stored_dtype("kv"))
         self.write_rows(slot, {"kv": kv.flatten(2)})
         return self.read("kv").unsqueeze(2).to(kv.dtype)
 

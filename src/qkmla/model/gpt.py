@@ -53,6 +53,7 @@ ATTENTION_VARIANTS = (
     "mla", "mla-qknorm", "mla-qknorm-unified", "mla-l2", "mla-lp", "v4",
 )
 INIT_SEED_MAX = 2 ** 31 - 1
+QK_NORM_P = 3.0  # GPTConfig.qk_norm_p's default, the one value a variant that does not read it takes
 # The shape fields only some variants read (None: the variant's default), see fields_read_by
 UNSHARED_FIELDS = ("n_kv_head", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "shared_kv_dim", "attention_sinks")
 
@@ -88,7 +89,7 @@ class GPTConfig:
     n_embd: int = 64
     attn: str = "mla-qknorm"
     n_kv_head: Optional[int] = None  # GQA groups (default n_head // 2 for gqa, n_head for MLA)
-    qk_norm_p: float = 3.0  # p of the "-lp" variants
+    qk_norm_p: float = QK_NORM_P  # p of the "-lp" variants
     kv_lora_rank: Optional[int] = None  # MLA d_c (default 2 x head_dim)
     q_lora_rank: Optional[int] = None
     qk_rope_head_dim: Optional[int] = None
@@ -139,6 +140,11 @@ class GPTConfig:
             QKNormConfig("lp", p=self.qk_norm_p)
         except ValueError as e:
             raise ValueError(f"qk_norm_{e}") from None
+        # Only the -lp variants read p: qk_norm_p=5 on attn="mla" built plain MLA without a word. Its default is
+        # taken everywhere (a saved config of any variant holds it), another value only where it is read.
+        if self.qk_norm_p != QK_NORM_P and not self.attn.endswith("-lp"):
+            raise ValueError(f"qk_norm_p: only the -lp variants read it, got qk_norm_p={self.qk_norm_p!r} with "
+                             f"attn={self.attn!r}; leave it at its default ({QK_NORM_P})")
         # A switch given as a string ("no") is truthy: tie_embeddings="no" tied the head to the embedding, and
         # attention_sinks="no" (v4, where only False turns them off) kept the sinks, without a word.
         check_bool("tie_embeddings", self.tie_embeddings)
@@ -239,10 +245,13 @@ class GPTConfig:
 
     def replace(self, **changes) -> "GPTConfig":
         """The config with ``changes``. Another ``attn`` drops the fields of this one's shape that the new variant
-        does not read (a preset's MLA ranks under attn='gqa'), unless ``changes`` sets them."""
+        does not read (a preset's MLA ranks under attn='gqa', an -lp variant's qk_norm_p), unless ``changes`` sets
+        them."""
         if changes.get("attn", self.attn) != self.attn and changes["attn"] in ATTENTION_VARIANTS:
             reads = fields_read_by(changes["attn"], changes.get("shared_kv_dim", self.shared_kv_dim))
             changes = {**{n: None for n in UNSHARED_FIELDS if n not in reads}, **changes}
+            if not changes["attn"].endswith("-lp"):  # p too: only the -lp variants read it
+                changes = {"qk_norm_p": QK_NORM_P, **changes}
         return dataclasses.replace(self, **changes)
 
 
@@ -400,6 +409,22 @@ class GPT(nn.Module):
             caches.append(cls.from_config(cfg, batch_size, capacity, dtype=dtype, device=self.wte.weight.device, **kwargs))
         return caches
 
+    def _check_cached_reach(self, caches, T: int, input_lengths) -> None:
+        """A ValueError naming idx if T new tokens (input_lengths[b] real ones, when given as a [B] tensor) after
+        the cached ones reach past block_size: without a cache such a sequence is refused unless allow_longer,
+        but through caches the model rotated positions it never saw in training without a word (a prefill of 20
+        tokens at block_size=8). Not read while compiling, nor on the meta device (shapes only)."""
+        positions = getattr(caches[0], "next_positions", None)
+        if not isinstance(positions, torch.Tensor) or positions.is_meta or torch.compiler.is_compiling():
+            return
+        real = input_lengths if isinstance(input_lengths, torch.Tensor) and input_lengths.shape == positions.shape \
+            else T
+        reach = int((positions + (real.to(positions.device) if isinstance(real, torch.Tensor) else real)).max())
+        if reach > self.config.block_size:
+            raise ValueError(f"idx: {T} new tokens after the cached ones reach position {reach - 1}, past "
+                             f"block_size={self.config.block_size} (positions 0..{self.config.block_size - 1}); "
+                             f"pass allow_longer=True to evaluate past the positions the model was trained on")
+
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, caches: Optional[list] = None,
                 input_lengths: Optional[torch.Tensor] = None, allow_longer: bool = False):
         """``allow_longer`` evaluates sequences past ``block_size`` (length extrapolation: RoPE
@@ -434,6 +459,8 @@ class GPT(nn.Module):
             got = f"{len(caches)} caches" if isinstance(caches, (list, tuple)) else f"{type(caches).__name__}"
             raise ValueError(f"caches: expected a list of one cache per layer ({len(self.blocks)}, as "
                              f"model.make_caches(batch_size, capacity) makes), got {got}")
+        if caches is not None and not allow_longer:
+            self._check_cached_reach(caches, T, input_lengths)
         x = self.drop(self.wte(idx))
         kw = {} if input_lengths is None else {"input_lengths": input_lengths}
         for i, block in enumerate(self.blocks):

@@ -71,6 +71,7 @@ from typing import Optional
 
 import torch
 
+from ...dtypes import accumulate_dtype
 from ...kv_formats import row_format
 
 
@@ -121,7 +122,7 @@ def naive_mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.
     if indices is not None:
         slots, selected = selected_slots(indices, topk_length, cache_seqlens)
     out = torch.zeros(B, S_q, H, d_c, dtype=compute_dtype, device=q_lat.device)
-    score_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    score_dtype = accumulate_dtype(compute_dtype)  # torch_impl.lse_dtype's rule, on the dtype scores come from
     lse = torch.full((B, S_q, H), float("-inf"), dtype=score_dtype, device=q_lat.device)
     for b in range(B):
         n = int(cache_seqlens[b])

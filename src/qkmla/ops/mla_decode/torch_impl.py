@@ -36,7 +36,7 @@ GATHER_ROWS = 65536
 def lse_dtype(q_lat: torch.Tensor) -> torch.dtype:
     """The log-sum-exp's dtype: float32, or float64 for float64 queries, whose scores are float64. Rounded to
     float32, a sink's share sigmoid(L - s_h) of a float64 decode was 5e-9 off the float64 reference."""
-    return torch.promote_types(q_lat.dtype, torch.float32)
+    return accumulate_dtype(q_lat.dtype)
 
 def _chunks(S: int) -> list[tuple[int, int]]:
     """(start, stop) of equal chunks of about SCORE_CHUNK keys: a context of 4096 k + 1
