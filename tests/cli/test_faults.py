@@ -9051,8 +9051,9 @@ def probe22_rows():
         proc.send_signal(signal.SIGTERM)
         code, err, took = finish(proc, 90)
         assert code == 143 and took < PROMPT_S, err
-        assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 2 run\(s\) not "
-                         r"started; run the same command again to resume", err), err
+        assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 2 run\(s\) of "
+                         r"the plan so far not started \(more are planned as runs finish\); run the same command "
+                         r"again to resume", err), err
         assert sorted(os.listdir(out / "runs")) == ["r0"]
 
     def experiment_junk_hash_seed(env):
@@ -9189,6 +9190,57 @@ def api22_rows():
     ]
 
 
+def probe23_rows():
+    """Round 23's CLI probe: an adaptive design's stop line, one way to tell what a path is, a resume an older qkmla
+    left, and what the fresh probes across the subcommands found."""
+
+    def stop_counts_runs_no_plan_lists_yet(env):
+        """SIGTERM to qknorm-confirm (an adaptive experiment whose plan lists a branch only once the stretch it
+        continues has finished) said "75 run(s) not started" of the 272 left of its 378: the runs no plan had
+        reached yet were not counted. A fixed design (Experiment.design) counts them now, saying how many wait on
+        the runs they continue; an adaptive experiment without one (its later runs depend on results) says that
+        more are planned as runs finish. A chain r0 -> r1 -> r2 stopped once r0 finished: 2 not started, r2 not
+        planned yet."""
+        from qkmla.experiments import EXPERIMENTS
+        from qkmla.experiments.base import Experiment, Report, train_settings
+        from qkmla.experiments.grid import Run, is_finished
+
+        def design(options):
+            return [Run(f"r{i}", "v", {**train_settings(True, 2), "steps": 2 + i, "eval_interval": 1000},
+                        start_from=f"r{i - 1}" if i else None) for i in range(3)]
+
+        calls = []
+
+        def plan(options):  # the runs whose stretch to continue has finished; a SIGTERM once r0 has
+            runs = [r for r in design(options) if r.start_from is None or is_finished(options.out, design(options)[
+                int(r.start_from[1:])])]
+            calls.append(len(runs))
+            if len(runs) > 1 and len(calls) > 1 and calls[-2] == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return runs
+
+        def report(rows, options):
+            return Report({}, "", [])
+
+        # (without a design, "N run(s) of the plan so far not started (more are planned as runs finish)": r22's row)
+        env.monkeypatch.setitem(EXPERIMENTS, "chain", Experiment("chain", "r0 -> r1 -> r2", plan, report, adaptive=True,
+                                                                 design=design))
+        env.capsys.readouterr()
+        assert main(["experiment", "chain", "--out", str(env.tmp / "e"), "--workers", "1", "--no-progress"]) == 143
+        err = env.capsys.readouterr().err
+        # r1, handed over as the signal came (held while workers are given runs), may have started or not
+        line = (r"\nqkmla experiment: stopped by SIGTERM: (no run in flight; 2|r1 \(\w+, checkpoint step \d\); 1) "
+                r"run\(s\) not started \(1 of them planned once the runs they continue have finished\); run the same "
+                r"command again to resume\n")
+        assert "Traceback" not in err and re.search(line, err), err
+        assert "r2" not in os.listdir(env.tmp / "e" / "runs")
+
+    return [
+        Row("experiment", "signal", "SIGTERM to an adaptive design (qknorm-confirm): '75 run(s) not started' of the "
+            "272 left, the branches no plan listed yet not counted (r23)", stop_counts_runs_no_plan_lists_yet),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -9196,7 +9248,7 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + probe23_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():
