@@ -9196,8 +9196,8 @@ def probe23_rows():
 
     def stop_counts_runs_no_plan_lists_yet(env):
         """SIGTERM to qknorm-confirm (an adaptive experiment whose plan lists a branch only once the stretch it
-        continues has finished) said "75 run(s) not started" of the 272 left of its 378: the runs no plan had
-        reached yet were not counted. A fixed design (Experiment.design) counts them now, saying how many wait on
+        continues has finished) said about "75 run(s) not started" of its 378 runs (202 committed): the runs no
+        plan had reached yet were not counted. A fixed design (Experiment.design) counts them now, saying how many wait on
         the runs they continue; an adaptive experiment without one (its later runs depend on results) says that
         more are planned as runs finish. A chain r0 -> r1 -> r2 stopped once r0 finished: 2 not started, r2 not
         planned yet."""
@@ -9235,9 +9235,22 @@ def probe23_rows():
         assert "Traceback" not in err and re.search(line, err), err
         assert "r2" not in os.listdir(env.tmp / "e" / "runs")
 
+    def what_a_path_is_said_once(env):
+        """Two functions said what a path that is no regular file is: the checkpoint reader's ("a FIFO", "a
+        character device") and utils.files.input_file_problem, every other input's, which lumped them: `qkmla plot
+        RUN` whose metrics.jsonl links to /dev/zero said "is not a regular file (a FIFO, a socket or a device)".
+        One function (files.not_a_regular_file) says it for both now: "(a character device)"."""
+        run = env.tmp / "r"
+        run.mkdir()
+        (run / "metrics.jsonl").symlink_to("/dev/zero")
+        refuse(env, ["plot", run, "--out", env.tmp / "p.png"],
+               r"^qkmla plot: runs: \S+/r/metrics\.jsonl is not a regular file \(a character device\)$")
+
     return [
-        Row("experiment", "signal", "SIGTERM to an adaptive design (qknorm-confirm): '75 run(s) not started' of the "
-            "272 left, the branches no plan listed yet not counted (r23)", stop_counts_runs_no_plan_lists_yet),
+        Row("plot", "path", "metrics.jsonl a link to /dev/zero: '(a FIFO, a socket or a device)', the checkpoint "
+            "reader naming the kind with a function of its own (r23)", what_a_path_is_said_once),
+        Row("experiment", "signal", "SIGTERM to an adaptive design (qknorm-confirm): '75 run(s) not started' of "
+            "378, the branches no plan listed yet not counted (r23)", stop_counts_runs_no_plan_lists_yet),
     ]
 
 
