@@ -9197,8 +9197,8 @@ def probe23_rows():
     def stop_counts_runs_no_plan_lists_yet(env):
         """SIGTERM to qknorm-confirm (an adaptive experiment whose plan lists a branch only once the stretch it
         continues has finished) said about "75 run(s) not started" of its 378 runs (202 committed): the runs no
-        plan had reached yet were not counted. A fixed design (Experiment.design) counts them now, saying how many wait on
-        the runs they continue; an adaptive experiment without one (its later runs depend on results) says that
+        plan had reached yet were not counted. A fixed design (Experiment.design) counts them now, saying how many
+        wait on the runs they continue; an adaptive experiment without one (its later runs depend on results) says that
         more are planned as runs finish. A chain r0 -> r1 -> r2 stopped once r0 finished: 2 not started, r2 not
         planned yet."""
         from qkmla.experiments import EXPERIMENTS
