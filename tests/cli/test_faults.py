@@ -9246,7 +9246,38 @@ def probe23_rows():
         refuse(env, ["plot", run, "--out", env.tmp / "p.png"],
                r"^qkmla plot: runs: \S+/r/metrics\.jsonl is not a regular file \(a character device\)$")
 
+    def resume_an_older_qkmla_left(env):
+        """A run resumed with another seed (seed 99 over its seed-1337 checkpoint: a grid's branch, an API call) by a
+        qkmla before rundir.RESUMED_DIGEST, whose second start was killed after shifting the status's digests
+        (config_sha256 == config_sha256_previous, the vouch for the checkpoint gone): refused as another run's
+        checkpoint (seed: checkpoint 1337, config.json 99), its only ways out "put the run's own checkpoint back,
+        or pass --overwrite", which throws the run's steps away. Still refused (decided: nothing left in the
+        directory tells it from another seed's checkpoint copied in, probe 22's case), and, the seed being the
+        only difference, the line says the way on for its owner: move config.json away and resume, which works."""
+        from qkmla.train.rundir import read_status, text_digest, write_status
+
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        config = json.loads((run / "config.json").read_text())
+        config["train"]["seed"] = 99
+        text = json.dumps(config, indent=1)
+        (run / "config.json").write_text(text)
+        write_status(run, {**read_status(run), "status": "stopped", "config_sha256": text_digest(text),
+                           "config_sha256_previous": text_digest(text)})
+        argv = ["train", "--preset", "debug", "--steps", "3", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+                "--threads", "1", "--out", run, "--resume"]
+        refuse(env, argv, r"^qkmla train: --resume: \S+/r/checkpoint\.safetensors is another run's checkpoint than "
+                          r"the one \S+/r/config\.json records \(seed: checkpoint 1337, config\.json 99\); put the "
+                          r"run's own checkpoint back, or pass --overwrite to start over; if it is this run's own, "
+                          r"resumed with another seed by an older qkmla whose status lost that, move "
+                          r"\S+/r/config\.json away and resume$")
+        (run / "config.json").rename(env.tmp / "config.json")
+        env.capsys.readouterr()
+        assert main([str(a) for a in argv]) == 0 and read_status(run)["step"] == 3
+
     return [
+        Row("train", "path", "--resume of a seed-changed run whose status an older qkmla left without its vouch: "
+            "refused with no way on but --overwrite (r23)", resume_an_older_qkmla_left),
         Row("plot", "path", "metrics.jsonl a link to /dev/zero: '(a FIFO, a socket or a device)', the checkpoint "
             "reader naming the kind with a function of its own (r23)", what_a_path_is_said_once),
         Row("experiment", "signal", "SIGTERM to an adaptive design (qknorm-confirm): '75 run(s) not started' of "
