@@ -9275,7 +9275,23 @@ def probe23_rows():
         env.capsys.readouterr()
         assert main([str(a) for a in argv]) == 0 and read_status(run)["step"] == 3
 
+    def preset_heads_changed(env):
+        """`qkmla cache-size --preset deepseek-v3 --num-heads 7` was refused as "--num-kv-heads: must divide
+        num_heads=7 (allowed: [1, 7]), got 8", and --num-heads 16 as "--num-kv-groups: ... got 128": options never
+        given (the preset's GQA row and KV groups). Refused now naming --num-heads, the preset's field and the
+        option to add; with it given the table is drawn (7 x 128 MHA keys: 896 values)."""
+        for heads, field, value in ((7, "num_kv_heads", 8), (16, "num_kv_groups", 128)):
+            refuse(env, ["cache-size", "--preset", "deepseek-v3", "--num-heads", heads],
+                   rf"^qkmla cache-size: --num-heads: {heads} is not a multiple of the preset deepseek-v3's {field} "
+                   rf"{value}; give --{field.replace('_', '-')} too, a divisor of {heads}$")
+        env.capsys.readouterr()
+        assert main(["cache-size", "--preset", "deepseek-v3", "--num-heads", "7", "--num-kv-heads", "7",
+                     "--num-kv-groups", "7", "--tokens", "1"]) == 0
+        assert "vs 896 for 7x128 MHA keys" in env.capsys.readouterr().out
+
     return [
+        Row("cache-size", "size", "--preset deepseek-v3 --num-heads 7 (or 16): refused naming --num-kv-heads "
+            "(--num-kv-groups), never given (r23)", preset_heads_changed),
         Row("train", "path", "--resume of a seed-changed run whose status an older qkmla left without its vouch: "
             "refused with no way on but --overwrite (r23)", resume_an_older_qkmla_left),
         Row("plot", "path", "metrics.jsonl a link to /dev/zero: '(a FIFO, a socket or a device)', the checkpoint "
