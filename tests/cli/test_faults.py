@@ -9051,8 +9051,9 @@ def probe22_rows():
         proc.send_signal(signal.SIGTERM)
         code, err, took = finish(proc, 90)
         assert code == 143 and took < PROMPT_S, err
-        assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 2 run\(s\) not "
-                         r"started; run the same command again to resume", err), err
+        assert re.search(r"qkmla experiment: stopped by SIGTERM: r0 \(stopped, checkpoint step \d+\); 2 run\(s\) of "
+                         r"the plan so far not started \(more are planned as runs finish\); run the same command "
+                         r"again to resume", err), err
         assert sorted(os.listdir(out / "runs")) == ["r0"]
 
     def experiment_junk_hash_seed(env):
@@ -9651,6 +9652,117 @@ def api23_rows():
     ]
 
 
+def probe23_rows():
+    """Round 23's CLI probe: an adaptive design's stop line, one way to tell what a path is, a resume an older qkmla
+    left, and what the fresh probes across the subcommands found."""
+
+    def stop_counts_runs_no_plan_lists_yet(env):
+        """SIGTERM to qknorm-confirm (an adaptive experiment whose plan lists a branch only once the stretch it
+        continues has finished) said about "75 run(s) not started" of its 378 runs (202 committed): the runs no
+        plan had reached yet were not counted. A fixed design (Experiment.design) counts them now, saying how many
+        wait on the runs they continue; an adaptive experiment without one (its later runs depend on results) says that
+        more are planned as runs finish. A chain r0 -> r1 -> r2 stopped once r0 finished: 2 not started, r2 not
+        planned yet."""
+        from qkmla.experiments import EXPERIMENTS
+        from qkmla.experiments.base import Experiment, Report, train_settings
+        from qkmla.experiments.grid import Run, is_finished
+
+        def design(options):
+            return [Run(f"r{i}", "v", {**train_settings(True, 2), "steps": 2 + i, "eval_interval": 1000},
+                        start_from=f"r{i - 1}" if i else None) for i in range(3)]
+
+        calls = []
+
+        def plan(options):  # the runs whose stretch to continue has finished; a SIGTERM once r0 has
+            runs = [r for r in design(options) if r.start_from is None or is_finished(options.out, design(options)[
+                int(r.start_from[1:])])]
+            calls.append(len(runs))
+            if len(runs) > 1 and len(calls) > 1 and calls[-2] == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return runs
+
+        def report(rows, options):
+            return Report({}, "", [])
+
+        # (without a design, "N run(s) of the plan so far not started (more are planned as runs finish)": r22's row)
+        env.monkeypatch.setitem(EXPERIMENTS, "chain", Experiment("chain", "r0 -> r1 -> r2", plan, report, adaptive=True,
+                                                                 design=design))
+        env.capsys.readouterr()
+        assert main(["experiment", "chain", "--out", str(env.tmp / "e"), "--workers", "1", "--no-progress"]) == 143
+        err = env.capsys.readouterr().err
+        # r1, handed over as the signal came (held while workers are given runs), may have started or not
+        line = (r"\nqkmla experiment: stopped by SIGTERM: (no run in flight; 2|r1 \(\w+, checkpoint step \d\); 1) "
+                r"run\(s\) not started \(1 of them planned once the runs they continue have finished\); run the same "
+                r"command again to resume\n")
+        assert "Traceback" not in err and re.search(line, err), err
+        assert "r2" not in os.listdir(env.tmp / "e" / "runs")
+
+    def what_a_path_is_said_once(env):
+        """Two functions said what a path that is no regular file is: the checkpoint reader's ("a FIFO", "a
+        character device") and utils.files.input_file_problem, every other input's, which lumped them: `qkmla plot
+        RUN` whose metrics.jsonl links to /dev/zero said "is not a regular file (a FIFO, a socket or a device)".
+        One function (files.not_a_regular_file) says it for both now: "(a character device)"."""
+        run = env.tmp / "r"
+        run.mkdir()
+        (run / "metrics.jsonl").symlink_to("/dev/zero")
+        refuse(env, ["plot", run, "--out", env.tmp / "p.png"],
+               r"^qkmla plot: runs: \S+/r/metrics\.jsonl is not a regular file \(a character device\)$")
+
+    def resume_an_older_qkmla_left(env):
+        """A run resumed with another seed (seed 99 over its seed-1337 checkpoint: a grid's branch, an API call) by a
+        qkmla before rundir.RESUMED_DIGEST, whose second start was killed after shifting the status's digests
+        (config_sha256 == config_sha256_previous, the vouch for the checkpoint gone): refused as another run's
+        checkpoint (seed: checkpoint 1337, config.json 99), its only ways out "put the run's own checkpoint back,
+        or pass --overwrite", which throws the run's steps away. Still refused (decided: nothing left in the
+        directory tells it from another seed's checkpoint copied in, probe 22's case), and, the seed being the
+        only difference, the line says the way on for its owner: move config.json away and resume, which works."""
+        from qkmla.train.rundir import read_status, text_digest, write_status
+
+        run = env.tmp / "r"
+        shutil.copytree(env.run, run)
+        config = json.loads((run / "config.json").read_text())
+        config["train"]["seed"] = 99
+        text = json.dumps(config, indent=1)
+        (run / "config.json").write_text(text)
+        write_status(run, {**read_status(run), "status": "stopped", "config_sha256": text_digest(text),
+                           "config_sha256_previous": text_digest(text)})
+        argv = ["train", "--preset", "debug", "--steps", "3", "--batch-size", "2", "--eval-iters", "1", "--no-progress",
+                "--threads", "1", "--out", run, "--resume"]
+        refuse(env, argv, r"^qkmla train: --resume: \S+/r/checkpoint\.safetensors is another run's checkpoint than "
+                          r"the one \S+/r/config\.json records \(seed: checkpoint 1337, config\.json 99\); put the "
+                          r"run's own checkpoint back, or pass --overwrite to start over; if it is this run's own, "
+                          r"resumed with another seed by an older qkmla whose status lost that, move "
+                          r"\S+/r/config\.json away and resume$")
+        (run / "config.json").rename(env.tmp / "config.json")
+        env.capsys.readouterr()
+        assert main([str(a) for a in argv]) == 0 and read_status(run)["step"] == 3
+
+    def preset_heads_changed(env):
+        """`qkmla cache-size --preset deepseek-v3 --num-heads 7` was refused as "--num-kv-heads: must divide
+        num_heads=7 (allowed: [1, 7]), got 8", and --num-heads 16 as "--num-kv-groups: ... got 128": options never
+        given (the preset's GQA row and KV groups). Refused now naming --num-heads, the preset's field and the
+        option to add; with it given the table is drawn (7 x 128 MHA keys: 896 values)."""
+        for heads, field, value in ((7, "num_kv_heads", 8), (16, "num_kv_groups", 128)):
+            refuse(env, ["cache-size", "--preset", "deepseek-v3", "--num-heads", heads],
+                   rf"^qkmla cache-size: --num-heads: {heads} is not a multiple of the preset deepseek-v3's {field} "
+                   rf"{value}; give --{field.replace('_', '-')} too, a divisor of {heads}$")
+        env.capsys.readouterr()
+        assert main(["cache-size", "--preset", "deepseek-v3", "--num-heads", "7", "--num-kv-heads", "7",
+                     "--num-kv-groups", "7", "--tokens", "1"]) == 0
+        assert "vs 896 for 7x128 MHA keys" in env.capsys.readouterr().out
+
+    return [
+        Row("cache-size", "size", "--preset deepseek-v3 --num-heads 7 (or 16): refused naming --num-kv-heads "
+            "(--num-kv-groups), never given (r23)", preset_heads_changed),
+        Row("train", "path", "--resume of a seed-changed run whose status an older qkmla left without its vouch: "
+            "refused with no way on but --overwrite (r23)", resume_an_older_qkmla_left),
+        Row("plot", "path", "metrics.jsonl a link to /dev/zero: '(a FIFO, a socket or a device)', the checkpoint "
+            "reader naming the kind with a function of its own (r23)", what_a_path_is_said_once),
+        Row("experiment", "signal", "SIGTERM to an adaptive design (qknorm-confirm): '75 run(s) not started' of "
+            "378, the branches no plan listed yet not counted (r23)", stop_counts_runs_no_plan_lists_yet),
+    ]
+
+
 ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7_rows()
         + probe8_rows() + probe9_rows() + probe9b_rows() + probe10_rows() + probe10b_rows() + noticed10_rows()
         + probe11_rows() + probe11b_rows() + left11b_rows() + probe12_rows() + probe12b_rows() + probe13_rows()
@@ -9658,7 +9770,8 @@ ROWS = (cli_rows() + constructor_rows() + probe5_rows() + probe6_rows() + probe7
         + probe16_rows() + probe16b_rows() + review16b_rows() + noticed16_rows() + probe17b_rows() + left17_rows()
         + api18_rows() + probe18_rows() + left18_rows() + probe19_rows() + api19_rows() + hf19_rows()
         + left19_rows() + api20_rows() + hf20_rows() + probe20_rows() + left20_rows() + api21_rows() + hf21_rows()
-        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + hf23_rows() + api23_rows())
+        + probe21_rows() + left21_rows() + hf22_rows() + probe22_rows() + api22_rows() + hf23_rows() + api23_rows()
+        + probe23_rows())
 
 
 def test_every_public_class_is_a_constructor_or_has_a_reason():

@@ -296,7 +296,7 @@ def test_an_input_that_is_not_a_regular_file_is_named_for_what_it_is(tmp_path):
     dangling = f"is a symbolic link to {tmp_path / 'nowhere'}, which does not exist"
     assert input_file_problem(tmp_path / "dangling") == dangling
     assert input_file_problem(tmp_path) == "is a directory"
-    assert input_file_problem(tmp_path / "fifo") == "is not a regular file (a FIFO, a socket or a device)"
+    assert input_file_problem(tmp_path / "fifo") == "is not a regular file (a FIFO)"
     assert input_file_problem(tmp_path / "none") == "does not exist"
     assert input_file_problem("") == "is an empty path"  # Path("") is ".": "is a directory"
     (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..cache.size import CACHE_PRESETS, DENSE_KV_DTYPES, DTYPE_BYTES, KV_DTYPES, cache_rows, format_table
+from ..utils.checked import is_int
 from ..utils.command import option_dests, run_command
 from ..utils.errors import Parser, one_line
 from ..utils.threads import add_threads_argument
@@ -70,7 +71,15 @@ def _cache_size(args: argparse.Namespace) -> int:
     elif args.kv_dtype is not None:
         flags["kv_format"] = args.kv_dtype
     if args.preset is not None:
-        shape, title = CACHE_PRESETS[args.preset].replace(**flags), args.preset
+        preset, heads = CACHE_PRESETS[args.preset], flags["num_heads"]
+        # The preset's KV heads (its GQA row) and KV groups are its own, not the user's: "--num-kv-heads: must
+        # divide num_heads=7, got 8" named an option never given.
+        for field in ("num_kv_heads", "num_kv_groups"):
+            given = getattr(preset, field)
+            if flags[field] is None and is_int(heads) and 0 < heads < 2**63 and is_int(given) and heads % given:
+                raise ValueError(f"--num-heads: {heads} is not a multiple of the preset {args.preset}'s {field} "
+                                 f"{given}; give {_flag(field)} too, a divisor of {heads}")
+        shape, title = preset.replace(**flags), args.preset
     else:
         missing = [f"--{f.replace('_', '-')}" for f in ("num_layers", "num_heads", "head_dim") if flags[f] is None]
         if missing:

@@ -120,6 +120,10 @@ class Experiment:
     reads_sweep: bool = False  # trains at the lr-sweep's best rates (--sweep); other experiments pick their own
     # Options.seeds sets its seeds per variant; a pre-registered design fixes its own (--seeds refused)
     reads_seeds: bool = True
+    # An adaptive experiment whose runs are fixed in advance (a pre-registered design): every run, of which the
+    # plan lists those trainable now. A stop counts the rest as not started too; without it, the number of later
+    # runs is not known (they depend on results) and the stop line says that more follow.
+    design: Optional[Callable[[Options], list[Run]]] = None
 
 
 def train_settings(quick: bool, steps: int, **changes) -> dict:
@@ -228,10 +232,27 @@ def run_experiment(experiment: Experiment, options: Options, progress: bool = Tr
                 except (GridStopped, GridFailed) as e:
                     statuses.update(e.statuses)
                     _write_stopped_report(experiment, options, runs, e, command, t0, statuses)
+                    if isinstance(e, GridStopped):  # the stop line counted the latest plan's runs alone
+                        raise e.counting(_unplanned(experiment, options, runs)) from None
                     raise
                 ended(now)
                 runs = experiment.plan(options)
         return _write_report(experiment, options, runs, statuses, command, t0)
+
+
+def _unplanned(experiment: Experiment, options: Options, plan: list[Run]) -> int:
+    """How many runs of an adaptive experiment's design no plan lists yet (``plan``: the latest), none of
+    them finished; -1 when it has no fixed design. qknorm-confirm stopped said "75 run(s) not started" of
+    its 378, 202 finished: its plan lists a branch only once the stretch it continues has finished."""
+    if experiment.design is None:
+        return -1
+    listed = {r.name for r in plan}
+    return sum(1 for r in experiment.design(options) if r.name not in listed and r.same_as is None
+               and not _done(options.out, r, experiment.measure))
+
+
+def _done(out: Path, run: Run, measure) -> bool:
+    return not _pending(out, run, measure)
 
 
 def _check_inputs(experiment: Experiment, options: Options) -> None:

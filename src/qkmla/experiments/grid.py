@@ -365,16 +365,32 @@ def worker_pool(workers: int) -> concurrent.futures.ProcessPoolExecutor:
 class GridStopped(Stopped):
     """A grid stopped by SIGINT/SIGTERM; ``statuses``: {run: status} of the runs that ended now."""
 
-    def __init__(self, signal_name: str, statuses: dict, not_started: int, in_flight: Optional[set] = None):
+    def __init__(self, signal_name: str, statuses: dict, not_started: int, in_flight: Optional[set] = None,
+                 unplanned: Optional[int] = None):
         """``in_flight``: the runs the message names (default: every run in ``statuses``); a grid that
-        re-plans as runs end has ended many before the stop, which the message need not list."""
-        self.statuses = statuses
+        re-plans as runs end has ended many before the stop, which the message need not list.
+        ``unplanned``: of an adaptive experiment (its plan redrawn as runs end), the runs of its design
+        that no plan lists yet (each waits for the run it continues), counted as not started too; -1
+        when its later runs depend on results (a rate chosen), so their number is not known yet."""
+        self.statuses, self.signal_name = statuses, signal_name
+        self.not_started, self.in_flight = not_started, in_flight
         ended = {name: st["status"] for name, st in statuses.items() if st.get("status") != "not started"
                  and (in_flight is None or name in in_flight)}
         runs = ", ".join(f"{n} ({s}, checkpoint step {statuses[n].get('checkpoint_step', statuses[n].get('step'))})"
                          for n, s in ended.items()) or "no run in flight"
-        super().__init__(f"stopped by {signal_name}: {runs}; {not_started} run(s) not started; "
-                         "run the same command again to resume", 128 + getattr(signal, signal_name, signal.SIGTERM))
+        if unplanned is None:
+            left = f"{not_started} run(s) not started"
+        elif unplanned < 0:
+            left = f"{not_started} run(s) of the plan so far not started (more are planned as runs finish)"
+        else:
+            left = (f"{not_started + unplanned} run(s) not started ({unplanned} of them planned once the runs they "
+                    "continue have finished)")
+        super().__init__(f"stopped by {signal_name}: {runs}; {left}; run the same command again to resume",
+                         128 + getattr(signal, signal_name, signal.SIGTERM))
+
+    def counting(self, unplanned: int) -> "GridStopped":
+        """This stop, its line counting ``unplanned`` runs no plan lists yet (see ``__init__``)."""
+        return GridStopped(self.signal_name, self.statuses, self.not_started, self.in_flight, unplanned)
 
 
 class GridFailed(OSError):

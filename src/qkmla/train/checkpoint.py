@@ -10,7 +10,6 @@ every checksum, so a truncated file or flipped tensor bytes give one error namin
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load
 
-from ..utils.files import save_safetensors
+from ..utils.files import not_a_regular_file, save_safetensors
 
 FILENAME = "checkpoint.safetensors"
 
@@ -87,7 +86,7 @@ def save_checkpoint(out_dir: Path, model_state: dict, optim_state: dict, step: i
 def _header(path: Path) -> dict:
     """The JSON header of a safetensors file, read by Python (any path the OS takes, UTF-8 or not:
     safetensors' own reader refuses the rest)."""
-    kind = _not_a_file(Path(path))
+    kind = not_a_regular_file(Path(path))
     if kind is not None:  # opening a FIFO waits for a writer: `train --resume` over one hung for good
         raise ValueError(f"{kind}, not a regular file")
     with open(path, "rb") as f:
@@ -135,18 +134,6 @@ def _transformers_model_type(directory: Path):
     return model_type if isinstance(model_type, str) else None
 
 
-def _not_a_file(path: Path):
-    """What ``path`` is when it exists but is no regular file ("a FIFO", "a directory", "a symbolic link to
-    nothing"), else None."""
-    from ..utils.files import special_file
-
-    if not os.path.lexists(path):
-        return None
-    if path.is_dir():
-        return "a directory"
-    return special_file(path) or ("a symbolic link to nothing" if not path.exists() else None)
-
-
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(model state dict, all tensors, metadata) of a checkpoint file or run directory."""
     path = Path(path)
@@ -154,7 +141,7 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     if given_dir:
         path = path / FILENAME
     if not path.is_file():
-        kind = _not_a_file(path)
+        kind = not_a_regular_file(path)
         if kind is not None:  # a FIFO there (or a directory) was said as "no checkpoint at" it, as if missing
             raise ValueError(f"run_dir: {path} is {kind}, not a regular file, so there is no checkpoint to read; "
                              f"give a run directory whose {FILENAME} qkmla wrote, or that file")

@@ -376,9 +376,14 @@ def _train_locked(config: TrainConfig, corpus: Corpus, model: GPT, out: Path, ra
         text, written = read_config_text(out / "config.json"), written_digests(out)
         foreign = foreign_checkpoint(out / "config.json", stored, written, text=text)
         if foreign:  # checked first: the settings below were read from that checkpoint, so they agree with it
+            # The seed alone may be this run's own resume with another seed, under a qkmla older than
+            # RESUMED_DIGEST whose second start shifted its vouch away: nothing left in the directory tells that
+            # from another seed's checkpoint copied in, so it stays refused, with the way on for its owner.
+            own = ("; if it is this run's own, resumed with another seed by an older qkmla whose status lost that, "
+                   f"move {out / 'config.json'} away and resume" if all(d.startswith("seed:") for d in foreign) else "")
             raise ValueError(f"resume: {out / FILENAME} is another run's checkpoint than the one {out / 'config.json'} "
                              f"records ({'; '.join(foreign[:3])}{'; ...' if len(foreign) > 3 else ''}); put the "
-                             "run's own checkpoint back, or pass --overwrite to start over")
+                             f"run's own checkpoint back, or pass --overwrite to start over{own}")
         diffs = resume_mismatches(stored, run_config)
         if diffs:
             # One line, as every refusal is (it was a list, one setting a line, under the command's line).

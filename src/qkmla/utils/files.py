@@ -415,13 +415,24 @@ def input_file_problem(path: PathLike) -> Optional[str]:
     try:
         if path.is_file():
             return None
-        if path.is_dir():
-            return "is a directory"
-        if os.path.lexists(path):
-            return "is not a regular file (a FIFO, a socket or a device)"
+        kind = not_a_regular_file(path)
     except OSError as e:  # a name too long, a loop of links
         return f"cannot be looked up ({e.strerror})"
-    return "does not exist"
+    if kind is None:
+        return "does not exist"
+    return "is a directory" if kind == "a directory" else f"is not a regular file ({kind})"
+
+
+def not_a_regular_file(path: PathLike) -> Optional[str]:
+    """What ``path`` is when it exists but is no regular file (nor a link to one): "a directory", "a FIFO",
+    "a character device", "a block device", "a socket" or "a symbolic link to nothing"; None when it is
+    one or is absent. Reading a FIFO waits for a writer for good: a caller refuses it by what it is."""
+    path = Path(path)
+    if not os.path.lexists(path) or path.is_file():
+        return None
+    if path.is_dir():
+        return "a directory"
+    return special_file(path) or ("a symbolic link to nothing" if not path.exists() else None)
 
 
 def check_input_file(name: str, path: PathLike, what: str = "file") -> Path:

@@ -14,11 +14,12 @@ seed is in. Runs are ordered seed by seed (``design.all_runs``) and resumable on
 """
 
 from ..base import Experiment
-from .design import measure, plan, thin_metrics
+from .design import all_runs, measure, plan, thin_metrics
 from .report import report
 
 EXPERIMENT = Experiment("qknorm-confirm", "pre-registered confirmation: QK-norm vs plain MLA vs QK-Clip 17 / 20.6, "
                         "fresh seeds, WSD branches at 600 / 1,200 / 2,400 steps", plan, report, measure,
-                        adaptive=True, thin_metrics=thin_metrics, reads_seeds=False)
+                        adaptive=True, thin_metrics=thin_metrics, reads_seeds=False,
+                        design=all_runs)
 
 __all__ = ["EXPERIMENT"]
