@@ -139,7 +139,7 @@ def latent_query(q_c: torch.Tensor, q_r: torch.Tensor, q_norm: Optional[QKNorm],
 
 
 def key_scalars(c_kv: torch.Tensor, k_r: torch.Tensor, k_norm: Optional[QKNorm],
-                w: AbsorbedWeights) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                w: Optional[AbsorbedWeights]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """c [B, T, d_c], k~^R [B, T, 1, d_r] -> (k~^R normalized, not yet rotated; key scalars [B, T, G]
     or None; [B, T, 1] with the projection scope).
 

@@ -350,7 +350,10 @@ class MLA(TracksMaxLogits):
         is computed from c as it reads c back (``stored_latent``: dequantized, if quantized)."""
         c_kv, k_r = latent if latent is not None else self.latent(x)
         c_read = cache.stored_latent(c_kv) if cache is not None else c_kv
-        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, self.step_weights())
+        # without a key norm the rows need no absorbed weight: a prefill into an empty cache (where the transformers
+        # integration marks the kept weights stale) does not derive them for nothing
+        weights = self.step_weights() if self.k_norm is not None else None
+        k_r, key_scale = key_scalars(c_read, k_r, self.k_norm, weights)
         return {"c_kv": c_kv, "k_rope": self.rotary(k_r, positions).squeeze(2), "key_scale": key_scale}
 
     def logits(self, x: torch.Tensor, path: str = "explicit", positions: Optional[torch.Tensor] = None) -> torch.Tensor:
