@@ -125,12 +125,16 @@ RESCALED_EXPONENT = 40
 
 
 def rms_norm(v: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: Optional[float] = None) -> torch.Tensor:
-    """``F.rms_norm`` over the last dim of v [..., n] (weight [n] or None), bit for bit, except where v's sum of
-    squares leaves v's accumulation dtype (float32 for float32, bfloat16 and float16): there F.rms_norm's
-    statistic was inf and the vector came back as zeros (|v| near 1e19 in float32: 2.47 off the float64 answer),
-    and here it is rescaled first (RMSNorm does not change under v -> 2^k v but for eps, see RESCALED_EXPONENT),
-    as :func:`~qkmla.ops.statistic.moment` does for the QK norms; with eps = 0, so are vectors whose squares fall
-    below the normal numbers (a zero vector stays F.rms_norm's NaN, which MLA's padding masks)."""
+    """``F.rms_norm`` over the last dim of v [..., n] (weight [n] or None), bit for bit (output and gradients)
+    wherever no rescale is taken; a vector whose sum of squares could leave v's accumulation dtype (float32 for
+    float32, bfloat16 and float16; the test keeps a margin, so from max|v| of 2^59 in float32 at n = 1536) is
+    rescaled first. There F.rms_norm's statistic was inf and the vector came back as zeros (|v| near 1e19 in
+    float32: 2.47 off the float64 answer); in the margin below that, the output is the same and the gradient is
+    not bit for bit F.rms_norm's but closer to float64's (2.0e-23 against 2.0e-18 at |g| near 1e-16, the review of
+    r23-api). The rescale is exact: RMSNorm does not change under v -> 2^k v but for eps (see RESCALED_EXPONENT),
+    and :func:`~qkmla.ops.statistic.moment` rescales the QK norms' statistic the same way. With eps = 0, vectors
+    whose squares fall below the normal numbers are rescaled too (a zero vector stays F.rms_norm's NaN, which
+    MLA's padding masks)."""
     acc = accumulate_dtype(v.dtype)
     info = torch.finfo(acc)
     largest = cast(v.detach().abs().amax(-1, keepdim=True), acc)

@@ -4544,8 +4544,10 @@ def probe15b_rows():
         targets=("kv_b_proj", ...))``, as its docs offer), in eval mode, refused a plain forward (transformers caches by
         default) with "... this kv_b_proj is a Linear, whose output is not x @ weight.T; merge its adapters ...": PEFT's
         class named as if it were nn.Linear, and merging (which ends the adapter's training) as the only way, where
-        use_cache=False runs it. The refusal names PEFT's class and use_cache=False now, which gives the same loss as
-        the training-mode forward."""
+        use_cache=False runs it. The refusal names PEFT's class and use_cache=False now. Since 9a63eb3 the cache's
+        rows of a model without a QK norm need no absorbed weight, so the eval forward itself runs (its loss is
+        use_cache=False's and the training-mode forward's); the decode step after it, which folds kv_b_proj's
+        weight, is what is refused."""
         peft = pytest.importorskip("peft")
         from qkmla.integrations.transformers import attention_lora_config
 
@@ -4555,10 +4557,12 @@ def probe15b_rows():
                                                                 init_lora_weights=False))
         lora.eval()
         with torch.no_grad():
-            raises(lambda: lora(input_ids=ids, labels=ids), ValueError,
+            cached = lora(input_ids=ids, labels=ids)
+            raises(lambda: lora(input_ids=ids[:, :1], past_key_values=cached.past_key_values), ValueError,
                    r"^kv_b_proj: .* is a peft\.tuners\.lora\.layer\.Linear, .*merge_and_unload\(\)\), or run a "
                    r"forward that needs no cache without one \(transformers: use_cache=False\)")
             scored = lora(input_ids=ids, labels=ids, use_cache=False).loss
+            torch.testing.assert_close(cached.loss, scored, rtol=0, atol=0)
             lora.train()
             torch.testing.assert_close(scored, lora(input_ids=ids, labels=ids).loss)
 

@@ -7,6 +7,7 @@ G KV groups (head i reads group i // (h / G)).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional, Union
 
@@ -128,7 +129,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
     Returns:
         [B, T, h, Dv]
     """
-    nan = nan_rows(q, k, mask, causal)
+    nan = nan_rows(q, k, scale, mask, causal)
     if sinks is not None:  # a row with no visible key puts all its weight on the sink's zero value
         q, k, v, mask, scale = sink_column(q, k, v, scale, sinks, mask, causal)
         causal = False
@@ -160,20 +161,28 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Scale,
     return out
 
 
-def nan_rows(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
-    """[B, T, h]: the rows whose logits hold a NaN, so whose softmax is NaN: a NaN in the query, or, without a
-    mask (causal or full), in a key the row sees. The CPU's fused kernel answered 0 for a row whose every logit
-    was NaN (a NaN in kv_b_proj's weight: the explicit path's output was finite, the absorbed path's NaN). With a
-    mask the keys are not read here (that would take a [B, T, S, G] reduction); a row with some finite logits
-    comes back NaN from the kernel itself.
+def nan_rows(q: torch.Tensor, k: torch.Tensor, scale: Scale, mask: Optional[torch.Tensor],
+             causal: bool) -> torch.Tensor:
+    """[B, T, h]: the rows whose logits hold a NaN, so whose softmax is NaN: a NaN in the query or in its head's
+    logit scale, or, without a mask (causal or full), in a key the row sees. The CPU's fused kernel answered 0
+    for a row whose every logit was NaN (a NaN in kv_b_proj's weight, or in a learned logit scale: the explicit
+    path's output was finite, the absorbed path's NaN or refused). With a mask the keys are not read here (that
+    would take a [B, T, S, G] reduction); a row with some finite logits comes back NaN from the kernel itself.
 
-    q: [B, T, h, D]; k: [B, S, G, D]; G divides h."""
+    q: [B, T, h, D]; k: [B, S, G, D]; G divides h; scale: a float or [h]."""
     h, G = q.shape[2], k.shape[2]
     rows = q.isnan().any(-1)
+    if isinstance(scale, torch.Tensor):
+        rows = rows | scale.isnan()
+    elif math.isnan(scale):
+        rows = torch.ones_like(rows)
     if mask is None:
         bad = k.isnan().any(-1)  # [B, S, G]
         T, S = q.shape[1], k.shape[1]
-        seen = (bad.cumsum(1) > 0)[:, S - T:] if causal else bad.any(1, keepdim=True).expand(-1, T, -1)
+        if causal:  # query i sees keys 0..i, as is_causal aligns them (the top-left corner)
+            seen = (bad.cumsum(1) > 0)[:, torch.arange(T, device=q.device).clamp(max=S - 1)]
+        else:
+            seen = bad.any(1, keepdim=True).expand(-1, T, -1)
         rows = rows | seen.repeat_interleave(h // G, dim=-1)
     return rows
 
