@@ -404,8 +404,8 @@ def check_path(name: str, path: PathLike, what: str = "path") -> Path:
 def input_file_problem(path: PathLike) -> Optional[str]:
     """Why ``path`` cannot be read as a file, as the end of a sentence naming it, or None (a
     regular file, or a link to one): "does not exist", "is a symbolic link to X, which does not
-    exist", "is a directory", "is not a regular file (a FIFO, a socket or a device)". A FIFO read as
-    a file waits for a writer forever, /dev/zero never ends: both are refused by what they are."""
+    exist", "is a directory", "is not a regular file (a FIFO)" (or what else it is: :func:`not_a_regular_file`).
+    A FIFO read as a file waits for a writer forever, /dev/zero never ends: both are refused by what they are."""
     if isinstance(path, (str, bytes)) and len(path) == 0:  # Path("") is ".", a directory
         return "is an empty path"
     path = Path(path)
