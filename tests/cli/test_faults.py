@@ -123,6 +123,19 @@ def raises(fn: Callable, error, pattern: str) -> None:
         fn()
 
 
+def decodes_as_explicit_in_float64(mla, batch: int) -> None:
+    """``mla`` in float64 decodes its 6th token through a float64 latent cache as its explicit path computes it,
+    to 1e-12 (random inputs [batch, 6, hidden])."""
+    from qkmla.cache.latent import LatentCache
+
+    mla = mla.double().eval()
+    x = torch.randn(batch, 6, mla.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        cache = LatentCache.from_config(mla.config, batch, 8, dtype=torch.float64)
+        mla(x[:, :5], cache)
+        torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+
+
 def tiny_latent_deepseek():
     """A one-layer DeepSeek-V3 of random weights, patched by qkmla (its cache is a LatentAttentionCache)."""
     pytest.importorskip("transformers")
@@ -9120,7 +9133,7 @@ def api22_rows():
         decode_backend="naive" in float64 decoded 6e-8 off its own float64 explicit path, where the torch backend
         is exact. Float64 queries are attended in float64 now: the op equals the reference to 1e-12, its
         log-sum-exp is float64, and the MLA's decode equals its explicit path."""
-        from qkmla import MLA, MLAConfig, LatentCache
+        from qkmla import MLA, MLAConfig
         from qkmla.ops.mla_decode import mla_decode_with_kvcache
 
         torch.manual_seed(0)
@@ -9135,12 +9148,7 @@ def api22_rows():
         out, lse = mla_decode_with_kvcache(q, r, kv, table, lens, softmax_scale=0.1, backend="naive")
         assert lse.dtype == torch.float64
         torch.testing.assert_close(out, torch.stack(want)[:, None], atol=1e-12, rtol=1e-12)
-        mla = MLA(MLAConfig(qk_norm="rms", decode_backend="naive")).double().eval()
-        x = torch.randn(2, 6, 64, dtype=torch.float64)
-        with torch.no_grad():
-            cache = LatentCache.from_config(mla.config, 2, 8, dtype=torch.float64)
-            mla(x[:, :5], cache)
-            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+        decodes_as_explicit_in_float64(MLA(MLAConfig(qk_norm="rms", decode_backend="naive")), batch=2)
 
     def triton_float64(env):
         """The Triton decode kernel attends in float32 and returns a float32 log-sum-exp, yet "auto" chose it for
@@ -9485,12 +9493,7 @@ def api23_rows():
         raises(lambda: shared.update(shared.plan(1, 1), small.view(1, 1, 1, 8) * 1e40), ValueError,
                r"^kv: holds float64 values past torch.float32's range")
         torch.manual_seed(0)
-        mla = MLA(MLAConfig()).double().eval()
-        x = torch.randn(1, 6, 64, dtype=torch.float64)
-        with torch.no_grad():
-            cache = LatentCache.from_config(mla.config, 1, 8, dtype=torch.float64)
-            mla(x[:, :5], cache)
-            torch.testing.assert_close(mla(x[:, 5:], cache), mla(x)[:, 5:], atol=1e-12, rtol=1e-12)
+        decodes_as_explicit_in_float64(MLA(MLAConfig()), batch=1)
 
     def nan_weights_on_the_explicit_path(env):
         """A NaN in kv_b_proj's weight (one entry: group 0's first content-key row) gave a finite output on the
